@@ -1,0 +1,45 @@
+//! HTTP/1.1 without a framework.
+//!
+//! - A sans-IO codec on `httparse`: [`RequestDecoder`] (Content-Length and chunked bodies, pipelining,
+//!   limits from [`Limits`]), response writers ([`Response`], [`write_head`], [`write_chunk`], SSE frames
+//!   with [`write_sse_chunk`]), and the client side ([`ResponseDecoder`], [`SseDecoder`]). Partial input is
+//!   [`Status::Partial`], never an error.
+//! - [`Server`]: a single-threaded mio loop that the application drives, enforcing every bound of
+//!   [`ServerConfig`] and reporting clients that leave mid-response as [`Event::Disconnected`].
+//! - [`Pool`] and [`HttpClient`]: bounded upstream connections with acquire deadlines; a response not read
+//!   to its end closes its connection instead of returning it.
+//!
+//! ```no_run
+//! use pdserve_http::{Event, Response, Server, ServerConfig};
+//! let mut server = Server::bind("127.0.0.1:8080".parse().unwrap(), ServerConfig::default()).unwrap();
+//! let mut events = Vec::new();
+//! loop {
+//!     server.poll(&mut events, None).unwrap();
+//!     for event in events.drain(..) {
+//!         if let Event::Request { conn, request } = event {
+//!             let body = format!("you asked for {}", request.path());
+//!             let _ = server.respond(conn, &Response::text(200, body));
+//!         }
+//!     }
+//! }
+//! ```
+#![forbid(unsafe_code)]
+
+mod chunked;
+mod client;
+mod error;
+mod limits;
+mod pool;
+mod request;
+mod response;
+mod server;
+mod sse;
+
+pub use client::{ResponseDecoder, ResponseEvent, ResponseHead};
+pub use error::HttpError;
+pub use limits::{Limits, ServerConfig};
+pub use pool::{ClientConfig, ClientError, ClientResponse, HttpClient, Pool, PoolConfig, PoolError, PoolStats, Pooled};
+pub use request::{Header, Request, RequestDecoder, Status};
+pub use response::{reason_phrase, write_chunk, write_head, write_last_chunk, BodyKind, ErrorReply, Response};
+pub use server::{ConnId, DisconnectReason, Event, SendError, Server, ServerStats};
+pub use sse::{write_sse_chunk, write_sse_event, SseDecoder, SseEvent, SSE_DONE};
