@@ -136,7 +136,7 @@ mod tests {
             (b"5\r\nhello\r\n0\r\n\r\n", Ok((b"hello", 15, true))),
             (b"5;ext=1\r\nhello\r\n0\r\n\r\nNEXT", Ok((b"hello", 21, true))),
             (b"3\r\nabc\r\n2\r\nde\r\n0\r\nx-trailer: 1\r\n\r\n", Ok((b"abcde", 34, true))),
-            (b"A\r\n0123456789\r\n0\r\n\r\n", Ok((b"0123456789", 21, true))),
+            (b"A\r\n0123456789\r\n0\r\n\r\n", Ok((b"0123456789", 20, true))),
             (b"5\r\nhel", Ok((b"hel", 6, false))),
             (b"5\n", Ok((b"", 2, false))),
             (b"zz\r\n", Err(400)),
