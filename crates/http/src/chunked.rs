@@ -47,7 +47,8 @@ impl ChunkedDecoder {
                     }
                     out.extend_from_slice(&input[pos..pos + take]);
                     pos += take;
-                    self.state = if take == remaining { State::DataEnd } else { State::Data(remaining - take) };
+                    self.state =
+                        if take == remaining { State::DataEnd } else { State::Data(remaining - take) };
                 }
                 State::Size | State::DataEnd | State::Trailer => {
                     let Some(line_len) = self.line(&input[pos..])? else { return Ok(pos) };
@@ -83,7 +84,9 @@ impl ChunkedDecoder {
     /// Length of the next line up to (not including) its `\n`, or `None` if it is not complete yet.
     fn line(&self, input: &[u8]) -> Result<Option<usize>, HttpError> {
         match input.iter().position(|&b| b == b'\n') {
-            Some(n) if n > self.line_bytes_max => Err(HttpError::ChunkLineTooLong { limit: self.line_bytes_max }),
+            Some(n) if n > self.line_bytes_max => {
+                Err(HttpError::ChunkLineTooLong { limit: self.line_bytes_max })
+            }
             Some(n) => Ok(Some(n)),
             None if input.len() > self.line_bytes_max => {
                 Err(HttpError::ChunkLineTooLong { limit: self.line_bytes_max })

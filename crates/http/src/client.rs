@@ -103,7 +103,8 @@ impl ResponseDecoder {
                         continue;
                     }
                     self.keep_alive = keep_alive(head.minor_version, head.header("connection"));
-                    let bodiless = self.no_body || head.status == 204 || head.status == 304 || head.status < 200;
+                    let bodiless =
+                        self.no_body || head.status == 204 || head.status == 304 || head.status < 200;
                     self.state = if bodiless {
                         State::End
                     } else {

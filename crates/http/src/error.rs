@@ -32,7 +32,9 @@ impl HttpError {
             HttpError::HeadersTooLarge { .. } | HttpError::TooManyHeaders { .. } => 431,
             HttpError::BodyTooLarge { .. } => 413,
             HttpError::Unsupported { .. } => 501,
-            HttpError::ChunkLineTooLong { .. } | HttpError::Malformed { .. } | HttpError::UnexpectedEof => 400,
+            HttpError::ChunkLineTooLong { .. } | HttpError::Malformed { .. } | HttpError::UnexpectedEof => {
+                400
+            }
         }
     }
 

@@ -38,8 +38,12 @@ mod sse;
 pub use client::{ResponseDecoder, ResponseEvent, ResponseHead};
 pub use error::HttpError;
 pub use limits::{Limits, ServerConfig};
-pub use pool::{ClientConfig, ClientError, ClientResponse, HttpClient, Pool, PoolConfig, PoolError, PoolStats, Pooled};
+pub use pool::{
+    ClientConfig, ClientError, ClientResponse, HttpClient, Pool, PoolConfig, PoolError, PoolStats, Pooled,
+};
 pub use request::{Header, Request, RequestDecoder, Status};
-pub use response::{reason_phrase, write_chunk, write_head, write_last_chunk, BodyKind, ErrorReply, Response};
+pub use response::{
+    reason_phrase, write_chunk, write_head, write_last_chunk, BodyKind, ErrorReply, Response,
+};
 pub use server::{ConnId, DisconnectReason, Event, SendError, Server, ServerStats};
 pub use sse::{write_sse_chunk, write_sse_event, SseDecoder, SseEvent, SSE_DONE};

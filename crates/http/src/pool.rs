@@ -102,7 +102,9 @@ impl<C> Clone for Pool<C> {
 
 impl<C> Pool<C> {
     pub fn new(config: PoolConfig) -> Self {
-        Pool { shared: Arc::new(Shared { config, upstreams: Mutex::new(HashMap::new()), freed: Condvar::new() }) }
+        Pool {
+            shared: Arc::new(Shared { config, upstreams: Mutex::new(HashMap::new()), freed: Condvar::new() }),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Upstream<C>>> {
@@ -316,7 +318,12 @@ impl HttpClient {
     ///
     /// A reused connection that the server closed while idle fails before any response byte; that one
     /// case is retried once on a new connection, since the server cannot have seen the request.
-    pub fn send(&self, addr: SocketAddr, request: &Request, deadline: Instant) -> Result<ClientResponse, ClientError> {
+    pub fn send(
+        &self,
+        addr: SocketAddr,
+        request: &Request,
+        deadline: Instant,
+    ) -> Result<ClientResponse, ClientError> {
         let mut wire = Vec::with_capacity(256 + request.body.len());
         request.write_to(&mut wire);
         let head_request = request.method.eq_ignore_ascii_case("HEAD");
@@ -327,7 +334,10 @@ impl HttpClient {
                 .pool
                 .acquire(&key, deadline, || {
                     let remaining = deadline.saturating_duration_since(Instant::now());
-                    let s = TcpStream::connect_timeout(&addr, connect_timeout.min(remaining).max(Duration::from_millis(1)))?;
+                    let s = TcpStream::connect_timeout(
+                        &addr,
+                        connect_timeout.min(remaining).max(Duration::from_millis(1)),
+                    )?;
                     s.set_nodelay(true)?;
                     Ok(s)
                 })
@@ -343,7 +353,9 @@ impl HttpClient {
             };
             match response.start(&wire) {
                 Ok(()) => return Ok(response),
-                Err(ClientError::Io(e)) if reused && attempt == 0 && response.bytes_seen == 0 && is_stale(&e) => {
+                Err(ClientError::Io(e))
+                    if reused && attempt == 0 && response.bytes_seen == 0 && is_stale(&e) =>
+                {
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -408,7 +420,9 @@ impl ClientResponse {
                 Some(ResponseEvent::Data(d)) if d.is_empty() => continue,
                 Some(ResponseEvent::Data(d)) => return Ok(Some(d)),
                 Some(ResponseEvent::End) | None => return Ok(None),
-                Some(ResponseEvent::Head(_)) => return Err(ClientError::Http(HttpError::Malformed { what: "second head" })),
+                Some(ResponseEvent::Head(_)) => {
+                    return Err(ClientError::Http(HttpError::Malformed { what: "second head" }))
+                }
             }
         }
     }

@@ -77,7 +77,9 @@ impl Request {
         out.extend_from_slice(self.target.as_bytes());
         out.extend_from_slice(if self.minor_version == 0 { b" HTTP/1.0\r\n" } else { b" HTTP/1.1\r\n" });
         for h in &self.headers {
-            if h.name.eq_ignore_ascii_case("content-length") || h.name.eq_ignore_ascii_case("transfer-encoding") {
+            if h.name.eq_ignore_ascii_case("content-length")
+                || h.name.eq_ignore_ascii_case("transfer-encoding")
+            {
                 continue;
             }
             out.extend_from_slice(h.name.as_bytes());
@@ -99,7 +101,9 @@ pub(crate) fn find_header<'a>(headers: &'a [Header], name: &str) -> Option<&'a [
 
 pub(crate) fn keep_alive(minor_version: u8, connection: Option<&[u8]>) -> bool {
     let has = |token: &str| {
-        connection.is_some_and(|v| v.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes())))
+        connection.is_some_and(|v| {
+            v.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+        })
     };
     if minor_version == 0 {
         has("keep-alive")
@@ -141,9 +145,10 @@ pub(crate) fn body_framing(headers: &[Header], limits: &Limits) -> Result<Option
     }
     match (length, chunked) {
         (Some(_), true) => Err(HttpError::Malformed { what: "framing (both content-length and chunked)" }),
-        (None, true) => {
-            Ok(Some(BodyFraming::Chunked(ChunkedDecoder::new(limits.body_bytes_max, limits.chunk_line_bytes_max))))
-        }
+        (None, true) => Ok(Some(BodyFraming::Chunked(ChunkedDecoder::new(
+            limits.body_bytes_max,
+            limits.chunk_line_bytes_max,
+        )))),
         (Some(n), false) if n > limits.body_bytes_max => {
             Err(HttpError::BodyTooLarge { bytes: n, limit: limits.body_bytes_max })
         }
@@ -197,7 +202,12 @@ pub struct RequestDecoder {
 
 impl RequestDecoder {
     pub fn new(limits: Limits) -> Self {
-        RequestDecoder { limits, buf: Vec::new(), state: DecodeState::Head { scanned: 0 }, continue_pending: false }
+        RequestDecoder {
+            limits,
+            buf: Vec::new(),
+            state: DecodeState::Head { scanned: 0 },
+            continue_pending: false,
+        }
     }
 
     /// Appends received bytes.
@@ -250,7 +260,10 @@ impl RequestDecoder {
                 return Ok(Status::Partial);
             };
             if head_len > self.limits.header_bytes_max {
-                return Err(HttpError::HeadersTooLarge { bytes: head_len, limit: self.limits.header_bytes_max });
+                return Err(HttpError::HeadersTooLarge {
+                    bytes: head_len,
+                    limit: self.limits.header_bytes_max,
+                });
             }
             let request = self.parse_head(head_len)?;
             let framing = body_framing(&request.headers, &self.limits)?;
@@ -263,10 +276,14 @@ impl RequestDecoder {
                 Some(f) => f,
             };
             self.continue_pending = request.minor_version == 1
-                && request.header("expect").is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
+                && request
+                    .header("expect")
+                    .is_some_and(|v| v.trim_ascii().eq_ignore_ascii_case(b"100-continue"));
             self.state = DecodeState::Body { request, framing };
         }
-        let DecodeState::Body { request, framing } = &mut self.state else { unreachable!("head handled above") };
+        let DecodeState::Body { request, framing } = &mut self.state else {
+            unreachable!("head handled above")
+        };
         let done = match framing {
             BodyFraming::Length(n) => {
                 if self.buf.len() < *n {
@@ -327,7 +344,11 @@ impl RequestDecoder {
             method: method.to_owned(),
             target: target.to_owned(),
             minor_version: version,
-            headers: req.headers.iter().map(|h| Header { name: h.name.to_owned(), value: h.value.to_vec() }).collect(),
+            headers: req
+                .headers
+                .iter()
+                .map(|h| Header { name: h.name.to_owned(), value: h.value.to_vec() })
+                .collect(),
             body: Vec::new(),
         })
     }

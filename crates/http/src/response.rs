@@ -47,7 +47,13 @@ pub fn reason_phrase(status: u16) -> &'static str {
 
 /// Appends a response head. `headers` must not contain framing headers; they are written from `body`.
 /// `keep_alive: false` adds `connection: close`.
-pub fn write_head(out: &mut Vec<u8>, status: u16, headers: &[(&str, &str)], body: BodyKind, keep_alive: bool) {
+pub fn write_head(
+    out: &mut Vec<u8>,
+    status: u16,
+    headers: &[(&str, &str)],
+    body: BodyKind,
+    keep_alive: bool,
+) {
     // Writing into a Vec cannot fail.
     let _ = write!(out, "HTTP/1.1 {} {}\r\n", status, reason_phrase(status));
     for (name, value) in headers {
@@ -146,7 +152,13 @@ pub struct ErrorReply {
 impl ErrorReply {
     pub fn new(status: u16, error_type: &str, message: impl Into<String>) -> Self {
         let retry_after_s = matches!(status, 429 | 503).then_some(1);
-        ErrorReply { status, error_type: error_type.to_owned(), message: message.into(), request_id: None, retry_after_s }
+        ErrorReply {
+            status,
+            error_type: error_type.to_owned(),
+            message: message.into(),
+            request_id: None,
+            retry_after_s,
+        }
     }
 
     /// The reply for a decoding error.

@@ -19,7 +19,10 @@ use mio::net::{TcpListener, TcpStream};
 use mio::{Interest, Poll, Token, Waker};
 
 use crate::response::{write_head, BodyKind};
-use crate::{write_chunk, write_last_chunk, ErrorReply, HttpError, Request, RequestDecoder, Response, ServerConfig, Status};
+use crate::{
+    write_chunk, write_last_chunk, ErrorReply, HttpError, Request, RequestDecoder, Response, ServerConfig,
+    Status,
+};
 
 const LISTENER: Token = Token(usize::MAX - 1);
 const WAKER: Token = Token(usize::MAX);
@@ -237,16 +240,25 @@ impl Server {
     /// Writes a whole response and ends the request.
     pub fn respond(&mut self, conn: ConnId, response: &Response) -> Result<(), SendError> {
         let c = self.responding(conn)?;
-        let Phase::Responding { keep_alive, streaming: false } = c.phase else { return Err(SendError::NotResponding) };
+        let Phase::Responding { keep_alive, streaming: false } = c.phase else {
+            return Err(SendError::NotResponding);
+        };
         response.write_to(&mut c.out, keep_alive);
         self.finish_response(conn.slot);
         Ok(())
     }
 
     /// Starts a chunked response (for SSE: `content-type: text/event-stream`).
-    pub fn start_stream(&mut self, conn: ConnId, status: u16, headers: &[(&str, &str)]) -> Result<(), SendError> {
+    pub fn start_stream(
+        &mut self,
+        conn: ConnId,
+        status: u16,
+        headers: &[(&str, &str)],
+    ) -> Result<(), SendError> {
         let c = self.responding(conn)?;
-        let Phase::Responding { keep_alive, streaming: false } = c.phase else { return Err(SendError::NotResponding) };
+        let Phase::Responding { keep_alive, streaming: false } = c.phase else {
+            return Err(SendError::NotResponding);
+        };
         write_head(&mut c.out, status, headers, BodyKind::Chunked, keep_alive);
         c.phase = Phase::Responding { keep_alive, streaming: true };
         self.flush(conn.slot, Instant::now());
@@ -363,7 +375,12 @@ impl Server {
                     (self.slots.len() - 1) as u32
                 }
             };
-            if self.poll.registry().register(&mut stream, Token(slot as usize), Interest::READABLE | Interest::WRITABLE).is_err() {
+            if self
+                .poll
+                .registry()
+                .register(&mut stream, Token(slot as usize), Interest::READABLE | Interest::WRITABLE)
+                .is_err()
+            {
                 self.free.push(slot);
                 continue;
             }

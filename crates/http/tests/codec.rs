@@ -1,8 +1,8 @@
 //! Table-driven tests of the sans-IO codec: requests, responses, chunked bodies, limits, and round trips.
 
 use pdserve_http::{
-    write_chunk, write_head, write_last_chunk, write_sse_chunk, BodyKind, ErrorReply, Header, HttpError, Limits,
-    Request, RequestDecoder, Response, ResponseDecoder, ResponseEvent, SseDecoder, Status,
+    write_chunk, write_head, write_last_chunk, write_sse_chunk, BodyKind, ErrorReply, Header, HttpError,
+    Limits, Request, RequestDecoder, Response, ResponseDecoder, ResponseEvent, SseDecoder, Status,
 };
 
 fn small_limits() -> Limits {
@@ -28,10 +28,13 @@ fn check_request(input: &[u8], want: Want) {
     d.push(input);
     let got = match d.decode() {
         Ok(Status::Complete(r)) => {
-            assert_eq!((r.method.as_str(), r.target.as_str(), r.body.as_slice()), match want {
-                Want::Req(m, t, b) => (m, t, b),
-                _ => panic!("input {:?}: got a request, want {want:?}", String::from_utf8_lossy(input)),
-            });
+            assert_eq!(
+                (r.method.as_str(), r.target.as_str(), r.body.as_slice()),
+                match want {
+                    Want::Req(m, t, b) => (m, t, b),
+                    _ => panic!("input {:?}: got a request, want {want:?}", String::from_utf8_lossy(input)),
+                }
+            );
             return;
         }
         Ok(Status::Partial) => Want::Partial,
@@ -54,7 +57,10 @@ fn request_table() {
         (b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello", Want::Req("POST", "/x", b"hello")),
         (b"POST /x HTTP/1.1\r\nContent-Length: 5\r\n\r\nhel", Want::Partial),
         (b"POST /x HTTP/1.1\r\nContent-Length: 0\r\n\r\n", Want::Req("POST", "/x", b"")),
-        (b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n", Want::Req("POST", "/x", b"hi")),
+        (
+            b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n0\r\n\r\n",
+            Want::Req("POST", "/x", b"hi"),
+        ),
         (b"POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nhi\r\n", Want::Partial),
         (b"GET / HTTP/1.1\r\nHost: x\r\n", Want::Partial),
         (b"GET / HTT", Want::Partial),
@@ -70,7 +76,10 @@ fn request_table() {
         (b"POST / HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", Want::Status(501)),
         (b"POST / HTTP/1.1\r\nContent-Length: 33\r\n\r\n", Want::Status(413)),
         (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n21\r\n", Want::Status(413)),
-        (b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n1;aaaaaaaaaaaaaaaaaaaaaa\r\n", Want::Status(400)),
+        (
+            b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n1;aaaaaaaaaaaaaaaaaaaaaa\r\n",
+            Want::Status(400),
+        ),
         (long_target.as_bytes(), Want::Status(414)),
         (many_headers.as_bytes(), Want::Status(431)),
         (big_head.as_bytes(), Want::Status(431)),
@@ -183,6 +192,9 @@ fn decode_response(wire: &[u8], step: usize, head_request: bool) -> Result<(u16,
     Err(HttpError::UnexpectedEof)
 }
 
+/// (wire, request was HEAD, want (status, body, reusable) or the error status)
+type ResponseCase<'a> = (&'a [u8], bool, Result<(u16, &'a [u8], bool), u16>);
+
 #[test]
 fn response_table() {
     let mut chunked = Vec::new();
@@ -193,11 +205,15 @@ fn response_table() {
     write_last_chunk(&mut chunked);
     let mut fixed = Vec::new();
     Response::json(404, "{}").write_to(&mut fixed, false);
-    let cases: Vec<(&[u8], bool, Result<(u16, &[u8], bool), u16>)> = vec![
+    let cases: Vec<ResponseCase<'_>> = vec![
         (&chunked, false, Ok((200, b"data: {\"x\":1}\n\ntail", true))),
         (&fixed, false, Ok((404, b"{}", false))),
         (b"HTTP/1.1 204 No Content\r\n\r\n", false, Ok((204, b"", true))),
-        (b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", false, Ok((200, b"ok", true))),
+        (
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+            false,
+            Ok((200, b"ok", true)),
+        ),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", true, Ok((200, b"", true))),
         (b"HTTP/1.0 200 OK\r\n\r\nuntil close", false, Ok((200, b"until close", false))),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nabc", false, Err(400)),
@@ -241,8 +257,9 @@ fn sse_stream_inside_chunked_body_byte_at_a_time() {
 
 #[test]
 fn error_reply_is_valid_json_in_the_contract_shape() {
-    let reply = ErrorReply::new(429, "queue_full", "request queue is full (64 waiting, limit 64) \"quoted\"\n")
-        .with_request_id("req-1");
+    let reply =
+        ErrorReply::new(429, "queue_full", "request queue is full (64 waiting, limit 64) \"quoted\"\n")
+            .with_request_id("req-1");
     let resp = reply.to_response();
     assert_eq!(resp.status, 429);
     assert_eq!(resp.header_value("retry-after"), Some("1"));
@@ -265,7 +282,8 @@ fn random_bytes_never_panic() {
         state ^= state << 17;
         state
     };
-    let alphabet: &[u8] = b"GETPOS /HTP1.0\r\n:;, chunkedContent-LengthTransfer-Encoding0123456789abcdef\x00\xff";
+    let alphabet: &[u8] =
+        b"GETPOS /HTP1.0\r\n:;, chunkedContent-LengthTransfer-Encoding0123456789abcdef\x00\xff";
     for _ in 0..20_000 {
         let len = (next() % 200) as usize;
         let bytes: Vec<u8> = (0..len).map(|_| alphabet[(next() % alphabet.len() as u64) as usize]).collect();

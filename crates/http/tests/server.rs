@@ -38,11 +38,14 @@ impl TestServer {
                     match ev {
                         Event::Request { conn, request } => match request.path() {
                             "/echo" => {
-                                let r = Response::text(200, request.body.clone()).header("x-method", &request.method);
+                                let r = Response::text(200, request.body.clone())
+                                    .header("x-method", &request.method);
                                 server.respond(conn, &r).unwrap();
                             }
                             "/stream" => {
-                                server.start_stream(conn, 200, &[("content-type", "text/event-stream")]).unwrap();
+                                server
+                                    .start_stream(conn, 200, &[("content-type", "text/event-stream")])
+                                    .unwrap();
                                 for i in 0..3 {
                                     server.send_chunk(conn, format!("data: {i}\n\n").as_bytes()).unwrap();
                                 }
@@ -99,7 +102,9 @@ fn read_responses(s: &mut TcpStream, n: usize) -> Vec<String> {
             let Some(head_end) = text.find("\r\n\r\n") else { break };
             let len: usize = text[..head_end]
                 .lines()
-                .find_map(|l| l.to_ascii_lowercase().strip_prefix("content-length: ").map(|v| v.parse().unwrap()))
+                .find_map(|l| {
+                    l.to_ascii_lowercase().strip_prefix("content-length: ").map(|v| v.parse().unwrap())
+                })
                 .unwrap_or(0);
             if buf.len() < head_end + 4 + len {
                 break;
@@ -144,7 +149,8 @@ fn keep_alive_and_pipelining_answer_in_order() {
 fn limit_violations_get_their_status_and_a_clean_close() {
     let srv = TestServer::start(fast_config());
     let long_line = format!("GET /{} HTTP/1.1\r\n\r\n", "a".repeat(9000));
-    let many_headers = format!("GET / HTTP/1.1\r\n{}\r\n", (0..100).map(|i| format!("h{i}: v\r\n")).collect::<String>());
+    let many_headers =
+        format!("GET / HTTP/1.1\r\n{}\r\n", (0..100).map(|i| format!("h{i}: v\r\n")).collect::<String>());
     let cases: Vec<(Vec<u8>, u16, &str)> = vec![
         (b"POST /echo HTTP/1.1\r\nContent-Length: 5000\r\n\r\n".to_vec(), 413, "body_too_large"),
         (long_line.into_bytes(), 414, "uri_too_long"),
@@ -273,14 +279,19 @@ fn acquire_waits_only_until_its_deadline() {
         pool: PoolConfig { connections_per_upstream_max: 1, ..PoolConfig::default() },
         ..ClientConfig::default()
     });
-    let held = client.send(srv.addr, &Request::new("GET", "/stream"), Instant::now() + Duration::from_secs(5)).unwrap();
+    let held = client
+        .send(srv.addr, &Request::new("GET", "/stream"), Instant::now() + Duration::from_secs(5))
+        .unwrap();
     let start = Instant::now();
-    let err = client.send(srv.addr, &Request::new("GET", "/echo"), start + Duration::from_millis(200)).unwrap_err();
+    let err =
+        client.send(srv.addr, &Request::new("GET", "/echo"), start + Duration::from_millis(200)).unwrap_err();
     let waited = start.elapsed();
     assert!(matches!(err, ClientError::Pool(PoolError::AcquireTimeout { busy: 1, .. })), "{err:?}");
     assert!(waited >= Duration::from_millis(190) && waited < Duration::from_secs(2), "{waited:?}");
     drop(held);
-    let ok = client.send(srv.addr, &Request::new("GET", "/echo"), Instant::now() + Duration::from_secs(5)).unwrap();
+    let ok = client
+        .send(srv.addr, &Request::new("GET", "/echo"), Instant::now() + Duration::from_secs(5))
+        .unwrap();
     assert_eq!(ok.status(), 200);
 }
 
@@ -289,7 +300,8 @@ fn a_server_that_never_answers_hits_the_deadline() {
     let srv = TestServer::start(fast_config());
     let client = HttpClient::new(ClientConfig::default());
     let start = Instant::now();
-    let err = client.send(srv.addr, &Request::new("GET", "/hold"), start + Duration::from_millis(300)).unwrap_err();
+    let err =
+        client.send(srv.addr, &Request::new("GET", "/hold"), start + Duration::from_millis(300)).unwrap_err();
     assert!(matches!(err, ClientError::DeadlineExceeded), "{err:?}");
     assert!(start.elapsed() < Duration::from_secs(2));
     // The server learns the client left.

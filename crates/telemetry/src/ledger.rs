@@ -1,0 +1,251 @@
+//! The request ledger: where every live request is, since when, and until when it may stay.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::time::{Duration, Instant};
+
+/// A request's stage, with the same words in every process (see `shared/design/api.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Stage {
+    RouterQueued,
+    PrefillQueued,
+    Prefilling,
+    KvHeld,
+    KvTransfer,
+    DecodeQueued,
+    Decoding,
+    Streaming,
+}
+
+impl Stage {
+    pub const ALL: [Stage; 8] = [
+        Stage::RouterQueued,
+        Stage::PrefillQueued,
+        Stage::Prefilling,
+        Stage::KvHeld,
+        Stage::KvTransfer,
+        Stage::DecodeQueued,
+        Stage::Decoding,
+        Stage::Streaming,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::RouterQueued => "router_queued",
+            Stage::PrefillQueued => "prefill_queued",
+            Stage::Prefilling => "prefilling",
+            Stage::KvHeld => "kv_held",
+            Stage::KvTransfer => "kv_transfer",
+            Stage::DecodeQueued => "decode_queued",
+            Stage::Decoding => "decoding",
+            Stage::Streaming => "streaming",
+        }
+    }
+}
+
+impl fmt::Display for Stage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Why a ledger operation was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LedgerError {
+    /// The id is already live.
+    Duplicate { id: String },
+    /// The ledger holds its maximum number of entries.
+    Full { capacity: usize },
+    /// No live request has this id.
+    Unknown { id: String },
+}
+
+impl fmt::Display for LedgerError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LedgerError::Duplicate { id } => write!(f, "request {id} is already live"),
+            LedgerError::Full { capacity } => write!(f, "request ledger is full ({capacity} live requests)"),
+            LedgerError::Unknown { id } => write!(f, "no live request {id}"),
+        }
+    }
+}
+
+impl std::error::Error for LedgerError {}
+
+/// One live request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LedgerEntry {
+    pub id: String,
+    pub stage: Stage,
+    pub stage_since: Instant,
+    pub admitted_at: Instant,
+    pub deadline: Instant,
+    /// Who holds it now: a worker URL, a connection, a transfer peer.
+    pub owner: String,
+    pub tokens_in: u32,
+    pub tokens_out: u32,
+    pub kv_blocks: u32,
+}
+
+/// An entry the watchdog found past its deadline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Overdue {
+    pub id: String,
+    pub stage: Stage,
+    pub overdue_by: Duration,
+}
+
+/// Every live request of one process. Sans-IO: `now` comes in as an argument; the caller owns
+/// synchronization (one lock around it, or one thread).
+#[derive(Debug)]
+pub struct RequestLedger {
+    process: String,
+    capacity: usize,
+    entries: HashMap<String, LedgerEntry>,
+}
+
+impl RequestLedger {
+    /// `process` names this process in `/debug/requests` (`"decode-0"`); `capacity` bounds the entries.
+    pub fn new(process: &str, capacity: usize) -> Self {
+        RequestLedger { process: process.to_owned(), capacity, entries: HashMap::new() }
+    }
+
+    pub fn process(&self) -> &str {
+        &self.process
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// Records a new live request.
+    pub fn admit(
+        &mut self,
+        id: &str,
+        stage: Stage,
+        now: Instant,
+        deadline: Instant,
+        owner: &str,
+    ) -> Result<(), LedgerError> {
+        if self.entries.contains_key(id) {
+            return Err(LedgerError::Duplicate { id: id.to_owned() });
+        }
+        if self.entries.len() >= self.capacity {
+            return Err(LedgerError::Full { capacity: self.capacity });
+        }
+        self.entries.insert(
+            id.to_owned(),
+            LedgerEntry {
+                id: id.to_owned(),
+                stage,
+                stage_since: now,
+                admitted_at: now,
+                deadline,
+                owner: owner.to_owned(),
+                tokens_in: 0,
+                tokens_out: 0,
+                kv_blocks: 0,
+            },
+        );
+        Ok(())
+    }
+
+    fn entry(&mut self, id: &str) -> Result<&mut LedgerEntry, LedgerError> {
+        self.entries.get_mut(id).ok_or_else(|| LedgerError::Unknown { id: id.to_owned() })
+    }
+
+    /// Moves a request to `stage` (the stage clock restarts only when the stage changes).
+    pub fn set_stage(&mut self, id: &str, stage: Stage, now: Instant) -> Result<(), LedgerError> {
+        let e = self.entry(id)?;
+        if e.stage != stage {
+            e.stage = stage;
+            e.stage_since = now;
+        }
+        Ok(())
+    }
+
+    pub fn set_owner(&mut self, id: &str, owner: &str) -> Result<(), LedgerError> {
+        self.entry(id)?.owner = owner.to_owned();
+        Ok(())
+    }
+
+    pub fn set_counts(
+        &mut self,
+        id: &str,
+        tokens_in: u32,
+        tokens_out: u32,
+        kv_blocks: u32,
+    ) -> Result<(), LedgerError> {
+        let e = self.entry(id)?;
+        (e.tokens_in, e.tokens_out, e.kv_blocks) = (tokens_in, tokens_out, kv_blocks);
+        Ok(())
+    }
+
+    pub fn get(&self, id: &str) -> Option<&LedgerEntry> {
+        self.entries.get(id)
+    }
+
+    /// Removes a request that reached its terminal state, returning its last entry.
+    pub fn finish(&mut self, id: &str) -> Option<LedgerEntry> {
+        self.entries.remove(id)
+    }
+
+    /// The watchdog scan: every entry whose deadline has passed, most overdue first. The caller ends
+    /// each one (`timed_out` at its stage) and frees what it held; the ledger only reports.
+    pub fn overdue(&self, now: Instant) -> Vec<Overdue> {
+        let mut v: Vec<Overdue> = self
+            .entries
+            .values()
+            .filter(|e| e.deadline <= now)
+            .map(|e| Overdue { id: e.id.clone(), stage: e.stage, overdue_by: now.duration_since(e.deadline) })
+            .collect();
+        v.sort_by(|a, b| b.overdue_by.cmp(&a.overdue_by).then_with(|| a.id.cmp(&b.id)));
+        v
+    }
+
+    /// Entries at least `older_than` old, oldest first.
+    pub fn snapshot(&self, now: Instant, older_than: Duration) -> Vec<&LedgerEntry> {
+        let mut v: Vec<&LedgerEntry> = self
+            .entries
+            .values()
+            .filter(|e| now.saturating_duration_since(e.admitted_at) >= older_than)
+            .collect();
+        v.sort_by(|a, b| a.admitted_at.cmp(&b.admitted_at).then_with(|| a.id.cmp(&b.id)));
+        v
+    }
+
+    /// The `/debug/requests` body of `api.md`: `{"process","now_ms","requests":[...]}`. `now_unix_ms` is
+    /// the wall clock for `now_ms`; ages and the remaining `deadline_ms` (negative once passed) come
+    /// from the monotonic `now`.
+    pub fn debug_json(&self, now: Instant, now_unix_ms: u64, older_than: Duration) -> serde_json::Value {
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let requests: Vec<serde_json::Value> = self
+            .snapshot(now, older_than)
+            .into_iter()
+            .map(|e| {
+                let remaining_ms = if e.deadline >= now {
+                    ms(e.deadline - now) as i64
+                } else {
+                    -(ms(now - e.deadline) as i64)
+                };
+                serde_json::json!({
+                    "id": e.id,
+                    "stage": e.stage.as_str(),
+                    "stage_age_ms": ms(now.saturating_duration_since(e.stage_since)),
+                    "age_ms": ms(now.saturating_duration_since(e.admitted_at)),
+                    "deadline_ms": remaining_ms,
+                    "worker": e.owner,
+                    "tokens_in": e.tokens_in,
+                    "tokens_out": e.tokens_out,
+                    "kv_blocks": e.kv_blocks,
+                })
+            })
+            .collect();
+        serde_json::json!({ "process": self.process, "now_ms": now_unix_ms, "requests": requests })
+    }
+}

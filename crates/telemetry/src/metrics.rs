@@ -1,0 +1,549 @@
+//! A metrics registry that refuses names without units, and its Prometheus text exposition.
+
+use std::collections::BTreeMap;
+use std::fmt::{self, Write as _};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+/// Words a metric name may end in (or, for a gauge counting things, contain) to state its unit.
+/// Durations are always `seconds`; sizes always `bytes`.
+pub const UNIT_WORDS: &[&str] = &[
+    "seconds",
+    "bytes",
+    "tokens",
+    "ratio",
+    "total",
+    "blocks",
+    "requests",
+    "connections",
+    "transfers",
+    "sequences",
+    "workers",
+    "leases",
+    "events",
+    "errors",
+    "threads",
+    "pages",
+    "bits",
+    "info",
+    "steps",
+    "batches",
+    "entries",
+    "celsius",
+    "joules",
+    "volts",
+];
+
+/// Unit words that are refused outright: durations are seconds and sizes are bytes (a latency logged
+/// in microseconds and read as nanoseconds is the failure this rule exists for).
+const REFUSED_UNITS: &[&str] = &[
+    "ms",
+    "us",
+    "ns",
+    "msec",
+    "usec",
+    "nsec",
+    "millis",
+    "micros",
+    "nanos",
+    "milliseconds",
+    "microseconds",
+    "nanoseconds",
+    "minutes",
+    "hours",
+    "days",
+    "kb",
+    "mb",
+    "gb",
+    "kib",
+    "mib",
+    "gib",
+    "percent",
+];
+
+/// Words that make a name a duration, which must then be in seconds.
+const TIME_WORDS: &[&str] =
+    &["latency", "duration", "time", "elapsed", "age", "delay", "uptime", "wait", "timeout"];
+
+/// Why a metric could not be registered or a series not found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MetricError {
+    /// Not `[a-z][a-z0-9_]*` without doubled or trailing underscores.
+    InvalidName { name: String },
+    /// No unit word where the rules need one.
+    NoUnit { name: String },
+    /// A unit other than the base units (`ms`, `percent`, `mib`, ...).
+    NonBaseUnit { name: String, unit: String },
+    /// A duration whose name does not end in `_seconds` (or `_seconds_total`).
+    DurationNotSeconds { name: String },
+    /// A counter whose name does not end in `_total`.
+    CounterWithoutTotal { name: String },
+    /// The name is already registered.
+    Duplicate { name: String },
+    /// A label name that is not `[a-z_][a-z0-9_]*` or is reserved (`le`, `__*`).
+    InvalidLabel { name: String, label: String },
+    /// `with` got a different number of label values than the metric has label names.
+    LabelCount { name: String, expected: usize, got: usize },
+    /// Histogram bounds empty, unsorted, or not finite.
+    InvalidBuckets { name: String },
+}
+
+impl fmt::Display for MetricError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MetricError::InvalidName { name } => write!(f, "metric name {name:?} is not snake_case"),
+            MetricError::NoUnit { name } => {
+                write!(f, "metric name {name:?} has no unit (end it in one of {})", UNIT_WORDS.join(", "))
+            }
+            MetricError::NonBaseUnit { name, unit } => {
+                write!(f, "metric name {name:?} uses unit {unit:?}; use seconds, bytes or a ratio")
+            }
+            MetricError::DurationNotSeconds { name } => {
+                write!(f, "duration metric {name:?} must end in _seconds")
+            }
+            MetricError::CounterWithoutTotal { name } => write!(f, "counter {name:?} must end in _total"),
+            MetricError::Duplicate { name } => write!(f, "metric {name:?} is already registered"),
+            MetricError::InvalidLabel { name, label } => {
+                write!(f, "metric {name:?} has invalid label {label:?}")
+            }
+            MetricError::LabelCount { name, expected, got } => {
+                write!(f, "metric {name:?} takes {expected} label values, got {got}")
+            }
+            MetricError::InvalidBuckets { name } => write!(f, "histogram {name:?} has invalid bucket bounds"),
+        }
+    }
+}
+
+impl std::error::Error for MetricError {}
+
+/// The kind of a metric family.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+impl MetricKind {
+    fn as_str(self) -> &'static str {
+        match self {
+            MetricKind::Counter => "counter",
+            MetricKind::Gauge => "gauge",
+            MetricKind::Histogram => "histogram",
+        }
+    }
+}
+
+/// Checks `name` against the unit rules for `kind`:
+/// - snake_case;
+/// - no non-base unit anywhere (`_ms`, `_percent`, `_mib`, ...);
+/// - a name about time (`latency`, `duration`, `wait`, ...) ends in `_seconds` (`_seconds_total` for a
+///   counter);
+/// - a counter ends in `_total`; a histogram ends in a unit word; a gauge ends in a unit word or, when it
+///   counts things in a state, contains one (`requests_waiting`, `kv_transfers_in_flight`).
+pub fn check_metric_name(name: &str, kind: MetricKind) -> Result<(), MetricError> {
+    let err_name = || name.to_owned();
+    let valid = name.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !name.contains("__")
+        && !name.ends_with('_');
+    if !valid {
+        return Err(MetricError::InvalidName { name: err_name() });
+    }
+    let words: Vec<&str> = name.split('_').collect();
+    if let Some(unit) = words.iter().find(|w| REFUSED_UNITS.contains(w)) {
+        return Err(MetricError::NonBaseUnit { name: err_name(), unit: (*unit).to_owned() });
+    }
+    let last = words[words.len() - 1];
+    let about_time = words.iter().any(|w| TIME_WORDS.contains(w));
+    let seconds_suffix = name.ends_with("_seconds") || name.ends_with("_seconds_total");
+    if about_time && !seconds_suffix {
+        return Err(MetricError::DurationNotSeconds { name: err_name() });
+    }
+    match kind {
+        MetricKind::Counter if last != "total" => Err(MetricError::CounterWithoutTotal { name: err_name() }),
+        MetricKind::Counter => Ok(()),
+        MetricKind::Histogram if UNIT_WORDS.contains(&last) && last != "total" => Ok(()),
+        MetricKind::Gauge if words.iter().any(|w| UNIT_WORDS.contains(w) && *w != "total") => Ok(()),
+        _ => Err(MetricError::NoUnit { name: err_name() }),
+    }
+}
+
+fn check_label(name: &str, label: &str) -> Result<(), MetricError> {
+    let valid = label.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
+        && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        && !label.starts_with("__")
+        && label != "le";
+    if valid {
+        Ok(())
+    } else {
+        Err(MetricError::InvalidLabel { name: name.to_owned(), label: label.to_owned() })
+    }
+}
+
+/// A monotonically increasing count.
+#[derive(Debug, Clone, Default)]
+pub struct Counter(Arc<AtomicU64>);
+
+impl Counter {
+    pub fn inc(&self) {
+        self.add(1);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A value that goes up and down.
+#[derive(Debug, Clone, Default)]
+pub struct Gauge(Arc<AtomicU64>);
+
+impl Gauge {
+    pub fn set(&self, v: f64) {
+        self.0.store(v.to_bits(), Ordering::Relaxed);
+    }
+    pub fn add(&self, delta: f64) {
+        let _ = self.0.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+            Some((f64::from_bits(b) + delta).to_bits())
+        });
+    }
+    pub fn inc(&self) {
+        self.add(1.0);
+    }
+    pub fn dec(&self) {
+        self.add(-1.0);
+    }
+    pub fn get(&self) -> f64 {
+        f64::from_bits(self.0.load(Ordering::Relaxed))
+    }
+}
+
+#[derive(Debug)]
+struct HistogramCore {
+    bounds: Arc<[f64]>,
+    /// One count per bound plus the `+Inf` bucket; not cumulative (made cumulative when rendered).
+    counts: Vec<AtomicU64>,
+    sum_bits: AtomicU64,
+    count: AtomicU64,
+}
+
+/// Observations counted into fixed buckets, with their sum.
+#[derive(Debug, Clone)]
+pub struct Histogram(Arc<HistogramCore>);
+
+impl Histogram {
+    fn new(bounds: Arc<[f64]>) -> Self {
+        let counts = (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect();
+        Histogram(Arc::new(HistogramCore {
+            bounds,
+            counts,
+            sum_bits: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+        }))
+    }
+
+    pub fn observe(&self, v: f64) {
+        let core = &self.0;
+        let i = core.bounds.partition_point(|&b| b < v);
+        core.counts[i].fetch_add(1, Ordering::Relaxed);
+        let _ = core
+            .sum_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some((f64::from_bits(b) + v).to_bits()));
+        core.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Observes a duration in seconds (the only unit a duration metric has).
+    pub fn observe_duration(&self, d: Duration) {
+        self.observe(d.as_secs_f64());
+    }
+
+    pub fn count(&self) -> u64 {
+        self.0.count.load(Ordering::Relaxed)
+    }
+
+    pub fn sum(&self) -> f64 {
+        f64::from_bits(self.0.sum_bits.load(Ordering::Relaxed))
+    }
+}
+
+/// Bucket bounds for histograms.
+#[derive(Debug)]
+pub struct Buckets;
+
+impl Buckets {
+    /// 1 ms to 120 s, for request and token latencies in seconds.
+    pub fn latency_seconds() -> Vec<f64> {
+        vec![0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+    }
+
+    /// `count` bounds starting at `start`, each `factor` times the previous.
+    pub fn exponential(start: f64, factor: f64, count: usize) -> Vec<f64> {
+        std::iter::successors(Some(start), |b| Some(b * factor)).take(count).collect()
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Series {
+    Counter(Counter),
+    Gauge(Gauge),
+    Histogram(Histogram),
+}
+
+#[derive(Debug)]
+struct Family {
+    name: String,
+    help: String,
+    kind: MetricKind,
+    labels: Vec<String>,
+    bounds: Arc<[f64]>,
+    series: Mutex<BTreeMap<Vec<String>, Series>>,
+}
+
+impl Family {
+    fn lock(&self) -> MutexGuard<'_, BTreeMap<Vec<String>, Series>> {
+        self.series.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn series(&self, values: &[&str]) -> Result<Series, MetricError> {
+        if values.len() != self.labels.len() {
+            return Err(MetricError::LabelCount {
+                name: self.name.clone(),
+                expected: self.labels.len(),
+                got: values.len(),
+            });
+        }
+        let key: Vec<String> = values.iter().map(|v| (*v).to_owned()).collect();
+        let mut map = self.lock();
+        let s = map.entry(key).or_insert_with(|| match self.kind {
+            MetricKind::Counter => Series::Counter(Counter::default()),
+            MetricKind::Gauge => Series::Gauge(Gauge::default()),
+            MetricKind::Histogram => Series::Histogram(Histogram::new(Arc::clone(&self.bounds))),
+        });
+        Ok(s.clone())
+    }
+}
+
+macro_rules! family_handle {
+    ($vec:ident, $one:ident, $variant:ident) => {
+        /// A labelled family; `with` returns the series for one set of label values (keep the handle).
+        #[derive(Debug, Clone)]
+        pub struct $vec(Arc<Family>);
+
+        impl $vec {
+            /// The series for `values`, in the order of the family's label names.
+            pub fn with(&self, values: &[&str]) -> Result<$one, MetricError> {
+                match self.0.series(values)? {
+                    Series::$variant(s) => Ok(s),
+                    _ => unreachable!("a family holds one kind of series"),
+                }
+            }
+        }
+    };
+}
+
+family_handle!(CounterVec, Counter, Counter);
+family_handle!(GaugeVec, Gauge, Gauge);
+family_handle!(HistogramVec, Histogram, Histogram);
+
+/// The set of metrics a process exposes. Cloning shares it.
+#[derive(Debug, Clone, Default)]
+pub struct Registry {
+    families: Arc<Mutex<Vec<Arc<Family>>>>,
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Registry::default()
+    }
+
+    fn register(
+        &self,
+        name: &str,
+        help: &str,
+        kind: MetricKind,
+        labels: &[&str],
+        bounds: Vec<f64>,
+    ) -> Result<Arc<Family>, MetricError> {
+        check_metric_name(name, kind)?;
+        for l in labels {
+            check_label(name, l)?;
+        }
+        if kind == MetricKind::Histogram
+            && (bounds.is_empty()
+                || bounds.iter().any(|b| !b.is_finite())
+                || bounds.windows(2).any(|w| w[0] >= w[1]))
+        {
+            return Err(MetricError::InvalidBuckets { name: name.to_owned() });
+        }
+        let mut families = self.families.lock().unwrap_or_else(|e| e.into_inner());
+        if families.iter().any(|f| f.name == name) {
+            return Err(MetricError::Duplicate { name: name.to_owned() });
+        }
+        let family = Arc::new(Family {
+            name: name.to_owned(),
+            help: help.to_owned(),
+            kind,
+            labels: labels.iter().map(|l| (*l).to_owned()).collect(),
+            bounds: bounds.into(),
+            series: Mutex::new(BTreeMap::new()),
+        });
+        if labels.is_empty() {
+            // An unlabelled metric is exposed (as zero) from the start.
+            family.series(&[])?;
+        }
+        families.push(Arc::clone(&family));
+        Ok(family)
+    }
+
+    pub fn counter(&self, name: &str, help: &str) -> Result<Counter, MetricError> {
+        self.counter_vec(name, help, &[])?.with(&[])
+    }
+
+    pub fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> Result<CounterVec, MetricError> {
+        Ok(CounterVec(self.register(name, help, MetricKind::Counter, labels, Vec::new())?))
+    }
+
+    pub fn gauge(&self, name: &str, help: &str) -> Result<Gauge, MetricError> {
+        self.gauge_vec(name, help, &[])?.with(&[])
+    }
+
+    pub fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> Result<GaugeVec, MetricError> {
+        Ok(GaugeVec(self.register(name, help, MetricKind::Gauge, labels, Vec::new())?))
+    }
+
+    pub fn histogram(&self, name: &str, help: &str, bounds: Vec<f64>) -> Result<Histogram, MetricError> {
+        self.histogram_vec(name, help, &[], bounds)?.with(&[])
+    }
+
+    pub fn histogram_vec(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str],
+        bounds: Vec<f64>,
+    ) -> Result<HistogramVec, MetricError> {
+        Ok(HistogramVec(self.register(name, help, MetricKind::Histogram, labels, bounds)?))
+    }
+
+    /// The Prometheus text exposition format (version 0.0.4) of every metric, in registration order.
+    pub fn render(&self) -> String {
+        let families: Vec<Arc<Family>> = self.families.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut out = String::with_capacity(4096);
+        for f in families {
+            let _ = writeln!(out, "# HELP {} {}", f.name, escape_help(&f.help));
+            let _ = writeln!(out, "# TYPE {} {}", f.name, f.kind.as_str());
+            for (values, series) in f.lock().iter() {
+                let labels = label_pairs(&f.labels, values);
+                match series {
+                    Series::Counter(c) => line(&mut out, &f.name, "", &labels, None, c.get() as f64),
+                    Series::Gauge(g) => line(&mut out, &f.name, "", &labels, None, g.get()),
+                    Series::Histogram(h) => {
+                        let mut cumulative = 0u64;
+                        for (i, c) in h.0.counts.iter().enumerate() {
+                            cumulative += c.load(Ordering::Relaxed);
+                            let le = f.bounds.get(i).map_or_else(|| "+Inf".to_owned(), |b| format_value(*b));
+                            line(&mut out, &f.name, "_bucket", &labels, Some(&le), cumulative as f64);
+                        }
+                        line(&mut out, &f.name, "_sum", &labels, None, h.sum());
+                        // The count is the +Inf bucket, so the two always agree in one scrape.
+                        line(&mut out, &f.name, "_count", &labels, None, cumulative as f64);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn label_pairs(names: &[String], values: &[String]) -> String {
+    let mut s = String::new();
+    for (i, (n, v)) in names.iter().zip(values).enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        let _ = write!(s, "{n}=\"{}\"", escape_label(v));
+    }
+    s
+}
+
+fn line(out: &mut String, name: &str, suffix: &str, labels: &str, le: Option<&str>, value: f64) {
+    out.push_str(name);
+    out.push_str(suffix);
+    if !labels.is_empty() || le.is_some() {
+        out.push('{');
+        out.push_str(labels);
+        if let Some(le) = le {
+            if !labels.is_empty() {
+                out.push(',');
+            }
+            let _ = write!(out, "le=\"{le}\"");
+        }
+        out.push('}');
+    }
+    let _ = writeln!(out, " {}", format_value(value));
+}
+
+fn format_value(v: f64) -> String {
+    if v.is_nan() {
+        "NaN".to_owned()
+    } else if v == f64::INFINITY {
+        "+Inf".to_owned()
+    } else if v == f64::NEG_INFINITY {
+        "-Inf".to_owned()
+    } else {
+        format!("{v}")
+    }
+}
+
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+fn escape_help(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('\n', "\\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn name_rules() {
+        use MetricKind::*;
+        let ok = [
+            ("requests_finished_total", Counter),
+            ("tokens_generated_total", Counter),
+            ("busy_seconds_total", Counter),
+            ("requests_waiting", Gauge),
+            ("kv_blocks", Gauge),
+            ("kv_transfers_in_flight", Gauge),
+            ("kv_cache_usage_ratio", Gauge),
+            ("time_to_first_token_seconds", Histogram),
+            ("queue_wait_seconds", Histogram),
+            ("prompt_tokens", Histogram),
+        ];
+        for (name, kind) in ok {
+            assert_eq!(check_metric_name(name, kind), Ok(()), "{name}");
+        }
+        let bad: [(&str, MetricKind, fn(&MetricError) -> bool); 9] = [
+            ("latency", Histogram, |e| matches!(e, MetricError::DurationNotSeconds { .. })),
+            ("request_latency_ms", Histogram, |e| matches!(e, MetricError::NonBaseUnit { .. })),
+            ("request_latency_us", Gauge, |e| matches!(e, MetricError::NonBaseUnit { .. })),
+            ("queue_len", Gauge, |e| matches!(e, MetricError::NoUnit { .. })),
+            ("requests", Counter, |e| matches!(e, MetricError::CounterWithoutTotal { .. })),
+            ("wait_total", Counter, |e| matches!(e, MetricError::DurationNotSeconds { .. })),
+            ("Requests_total", Counter, |e| matches!(e, MetricError::InvalidName { .. })),
+            ("requests__total", Counter, |e| matches!(e, MetricError::InvalidName { .. })),
+            ("memory_mib", Gauge, |e| matches!(e, MetricError::NonBaseUnit { .. })),
+        ];
+        for (name, kind, want) in bad {
+            let err = check_metric_name(name, kind).unwrap_err();
+            assert!(want(&err), "{name}: {err:?}");
+        }
+    }
+}
