@@ -512,6 +512,8 @@ fn escape_help(v: &str) -> String {
 mod tests {
     use super::*;
 
+    type IsWanted = fn(&MetricError) -> bool;
+
     #[test]
     fn name_rules() {
         use MetricKind::*;
@@ -530,7 +532,7 @@ mod tests {
         for (name, kind) in ok {
             assert_eq!(check_metric_name(name, kind), Ok(()), "{name}");
         }
-        let bad: [(&str, MetricKind, fn(&MetricError) -> bool); 9] = [
+        let bad: [(&str, MetricKind, IsWanted); 9] = [
             ("latency", Histogram, |e| matches!(e, MetricError::DurationNotSeconds { .. })),
             ("request_latency_ms", Histogram, |e| matches!(e, MetricError::NonBaseUnit { .. })),
             ("request_latency_us", Gauge, |e| matches!(e, MetricError::NonBaseUnit { .. })),
