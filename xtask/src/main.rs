@@ -1,1 +1,107 @@
-fn main() {}
+//! Project automation, reached as `cargo xtask <command>`. See `cargo xtask help`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+const HELP: &str = "\
+cargo xtask <command>
+
+commands:
+  test                 fmt check, clippy (warnings are errors), and every test of the workspace
+  fuzz [TARGET] [--seconds N]
+                       run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
+  bench http [ARGS]    the HTTP server benchmark: this crate's server beside nginx, both under wrk
+  help                 this text
+";
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let root = workspace_root();
+    std::env::set_current_dir(&root)?;
+    match args.first().map(String::as_str) {
+        Some("test") => test(),
+        Some("fuzz") => fuzz(&args[1..]),
+        Some("bench") => bench(&args[1..]),
+        Some("help" | "--help" | "-h") | None => {
+            print!("{HELP}");
+            Ok(())
+        }
+        Some(other) => bail!("unknown command {other:?}\n\n{HELP}"),
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."))
+}
+
+/// Runs `cargo` with `args`, echoing the command, and fails if it fails.
+fn cargo(args: &[&str]) -> Result<()> {
+    run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())).args(args))
+}
+
+fn run(cmd: &mut Command) -> Result<()> {
+    let shown = format!("{cmd:?}").replace('"', "");
+    eprintln!("$ {shown}");
+    let status = cmd.status().with_context(|| format!("could not start {shown}"))?;
+    if !status.success() {
+        bail!("{shown} failed with {status}");
+    }
+    Ok(())
+}
+
+fn test() -> Result<()> {
+    cargo(&["fmt", "--all", "--check"]).context("formatting differs: run `cargo fmt --all`")?;
+    cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    cargo(&["test", "--workspace"])?;
+    eprintln!("xtask test: all green");
+    Ok(())
+}
+
+const FUZZ_TARGETS: &[&str] = &["http_request", "http_response"];
+
+fn fuzz(args: &[String]) -> Result<()> {
+    let mut seconds = 30u32;
+    let mut targets: Vec<&str> = Vec::new();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--seconds" => seconds = it.next().context("--seconds needs a value")?.parse()?,
+            t if FUZZ_TARGETS.contains(&t) => targets.push(t),
+            other => bail!("unknown fuzz target {other:?}; targets: {}", FUZZ_TARGETS.join(", ")),
+        }
+    }
+    if targets.is_empty() {
+        targets = FUZZ_TARGETS.to_vec();
+    }
+    if Command::new("cargo").args(["fuzz", "--version"]).output().map(|o| !o.status.success()).unwrap_or(true)
+    {
+        bail!("cargo-fuzz is not installed: run `cargo install cargo-fuzz`");
+    }
+    for t in targets {
+        // libFuzzer needs nightly-only sanitizer flags; the stable toolchain accepts them this way.
+        run(Command::new("cargo").current_dir("fuzz").env("RUSTC_BOOTSTRAP", "1").args([
+            "fuzz",
+            "run",
+            t,
+            "--",
+            &format!("-max_total_time={seconds}"),
+        ]))?;
+    }
+    Ok(())
+}
+
+fn bench(args: &[String]) -> Result<()> {
+    match args.first().map(String::as_str) {
+        Some("http") => {
+            let mut a = vec!["bench", "-p", "pdserve-http", "--bench", "keepalive", "--"];
+            a.extend(args[1..].iter().map(String::as_str));
+            cargo(&a)
+        }
+        _ => bail!("usage: cargo xtask bench http [--seconds N] [--rounds N] [--connections N]"),
+    }
+}

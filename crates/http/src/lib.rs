@@ -47,3 +47,8 @@ pub use response::{
 };
 pub use server::{ConnId, DisconnectReason, Event, SendError, Server, ServerStats};
 pub use sse::{write_sse_chunk, write_sse_event, SseDecoder, SseEvent, SSE_DONE};
+
+/// The README's examples, compiled and run as doc tests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -28,3 +28,8 @@ pub use metrics::{
     check_metric_name, Buckets, Counter, CounterVec, Gauge, GaugeVec, Histogram, HistogramVec, MetricError,
     MetricKind, Registry, UNIT_WORDS,
 };
+
+/// The README's examples, compiled and run as doc tests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
