@@ -1,0 +1,575 @@
+//! The block pool, sequences, leases, and the ownership ledger tying them together.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use crate::prefix::{PrefixTree, ROOT};
+use crate::{BlockId, KvError, NodeId, OwnerKind, SeqId, Slot, TransferId};
+
+/// Size of the pool. Both numbers are fixed for the cache's life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvConfig {
+    pub num_blocks: u32,
+    /// Tokens per block.
+    pub block_size: u32,
+}
+
+/// Per-block bookkeeping. The owner kind is derived, never stored, so it cannot disagree with the refs.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct BlockMeta {
+    pub(crate) seq_refs: u32,
+    pub(crate) lease_refs: u32,
+    pub(crate) node: Option<NodeId>,
+    /// Bumped each time the block leaves the free list, so a late write aimed at an earlier use is seen.
+    pub(crate) epoch: u32,
+}
+
+impl BlockMeta {
+    pub(crate) fn owner(&self) -> Option<OwnerKind> {
+        if self.seq_refs > 0 {
+            Some(OwnerKind::Sequence)
+        } else if self.lease_refs > 0 {
+            Some(OwnerKind::Transfer)
+        } else if self.node.is_some() {
+            Some(OwnerKind::Cache)
+        } else {
+            None
+        }
+    }
+
+    fn shared_or_cached(&self) -> bool {
+        self.seq_refs + self.lease_refs > 1 || self.node.is_some()
+    }
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Sequence {
+    pub(crate) blocks: Vec<BlockId>,
+    pub(crate) tokens: Vec<u32>,
+    /// Tokens whose K and V are written.
+    pub(crate) computed: usize,
+}
+
+#[derive(Debug, Clone)]
+pub(crate) struct Lease {
+    pub(crate) blocks: Vec<BlockId>,
+    pub(crate) epochs: Vec<u32>,
+    pub(crate) expires_at: u64,
+    pub(crate) tokens: usize,
+}
+
+/// A read-only view of a lease.
+#[derive(Debug, Clone, Copy)]
+pub struct LeaseView<'a> {
+    pub blocks: &'a [BlockId],
+    /// The epoch of each block when the lease took it; writes must carry it.
+    pub epochs: &'a [u32],
+    /// In the caller's clock (the same unit as `now` in [`KvCache::expire_leases`]).
+    pub expires_at: u64,
+    /// Tokens whose KV the blocks hold (0 for a destination lease still being filled).
+    pub tokens: usize,
+}
+
+/// A copy-on-write copy the backend must perform before the next step writes KV: the first `tokens`
+/// slots of `src` to `dst`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: BlockId,
+    pub dst: BlockId,
+    pub tokens: usize,
+}
+
+/// What [`KvCache::add_sequence`] found in the prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixHit {
+    /// Leading prompt tokens whose KV is reused; the caller computes from here.
+    pub cached_tokens: usize,
+    pub cached_blocks: usize,
+}
+
+/// Counters and gauges for `/metrics`. Block counts always add up: `blocks_free` plus the owned
+/// counts equals `blocks_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct KvStats {
+    pub blocks_total: usize,
+    pub blocks_free: usize,
+    /// Indexed by [`OwnerKind`] order: sequence, cache, transfer.
+    pub blocks_owned: [usize; 3],
+    /// Cached blocks nobody references, reclaimable by eviction now.
+    pub blocks_evictable: usize,
+    pub sequences: usize,
+    pub leases: usize,
+    pub prefix_hit_blocks_total: u64,
+    pub prefix_miss_blocks_total: u64,
+    pub evicted_blocks_total: u64,
+    pub leases_expired_total: u64,
+    pub leased_blocks_expired_total: u64,
+    pub cow_copies_total: u64,
+}
+
+impl KvStats {
+    pub fn owned(&self, kind: OwnerKind) -> usize {
+        self.blocks_owned[kind.index()]
+    }
+}
+
+/// Paged KV bookkeeping for one worker: a fixed pool of blocks, per-sequence block tables, a prefix
+/// cache, and transfer leases. Sans-IO: no clock (lease times come in as `now`), no threads.
+#[derive(Debug)]
+pub struct KvCache {
+    pub(crate) config: KvConfig,
+    pub(crate) blocks: Vec<BlockMeta>,
+    pub(crate) free: Vec<BlockId>,
+    pub(crate) owned: [usize; 3],
+    pub(crate) seqs: HashMap<SeqId, Sequence>,
+    pub(crate) leases: HashMap<TransferId, Lease>,
+    pub(crate) tree: PrefixTree,
+    copies: Vec<BlockCopy>,
+    stats: KvStats,
+}
+
+impl KvCache {
+    /// Allocates all bookkeeping for `num_blocks` blocks now; nothing grows afterwards but the prefix
+    /// tree's node arena, which is bounded by `num_blocks`.
+    pub fn new(config: KvConfig) -> Result<KvCache, KvError> {
+        if config.num_blocks == 0 || config.block_size == 0 || config.num_blocks == u32::MAX {
+            return Err(KvError::InvalidConfig { num_blocks: config.num_blocks, block_size: config.block_size });
+        }
+        let n = config.num_blocks as usize;
+        Ok(KvCache {
+            config,
+            blocks: vec![BlockMeta::default(); n],
+            // Reversed so that blocks come off the stack in ascending order (contiguous early on).
+            free: (0..config.num_blocks).rev().map(BlockId).collect(),
+            owned: [0; 3],
+            seqs: HashMap::new(),
+            leases: HashMap::new(),
+            tree: PrefixTree::new(config.block_size as usize),
+            copies: Vec::new(),
+            stats: KvStats { blocks_total: n, ..KvStats::default() },
+        })
+    }
+
+    pub fn config(&self) -> KvConfig {
+        self.config
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.config.block_size as usize
+    }
+
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size())
+    }
+
+    /// Blocks on the free list.
+    pub fn blocks_free(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Blocks obtainable now: free ones plus unreferenced cached leaves (evicting a leaf can expose its
+    /// parent, so more may be reclaimable).
+    pub fn blocks_available(&self) -> usize {
+        self.free.len() + self.tree.lru.len()
+    }
+
+    pub fn stats(&self) -> KvStats {
+        KvStats {
+            blocks_free: self.free.len(),
+            blocks_owned: self.owned,
+            blocks_evictable: self.tree.lru.len(),
+            sequences: self.seqs.len(),
+            leases: self.leases.len(),
+            ..self.stats
+        }
+    }
+
+    // ---- the ownership ledger: every change of a block's refs goes through `retag` ----
+
+    /// Applies `change` to block `b`'s bookkeeping and keeps the owner counts, the free list and the
+    /// prefix tree's LRU in step with it.
+    fn retag(&mut self, b: BlockId, change: impl FnOnce(&mut BlockMeta)) {
+        let m = &mut self.blocks[b.0 as usize];
+        let before = m.owner();
+        change(m);
+        let after = m.owner();
+        let (unreferenced, node) = (m.seq_refs == 0 && m.lease_refs == 0, m.node);
+        if before != after {
+            if let Some(k) = before {
+                self.owned[k.index()] -= 1;
+            }
+            if let Some(k) = after {
+                self.owned[k.index()] += 1;
+            }
+            if after.is_none() {
+                self.free.push(b);
+            }
+        }
+        if let Some(n) = node {
+            self.tree.set_unreferenced(n, unreferenced);
+        }
+    }
+
+    /// Takes a block off the free list; the caller references it at once.
+    fn pop_free(&mut self) -> BlockId {
+        let b = self.free.pop().unwrap_or_else(|| unreachable!("callers ensure free blocks first"));
+        let m = &mut self.blocks[b.0 as usize];
+        assert!(m.owner().is_none(), "{b} on the free list is owned");
+        m.epoch = m.epoch.wrapping_add(1);
+        b
+    }
+
+    fn alloc_for_seq(&mut self) -> BlockId {
+        let b = self.pop_free();
+        self.retag(b, |m| m.seq_refs += 1);
+        b
+    }
+
+    fn alloc_for_lease(&mut self) -> BlockId {
+        let b = self.pop_free();
+        self.retag(b, |m| m.lease_refs += 1);
+        b
+    }
+
+    /// Makes `n` blocks free, evicting least recently used cached blocks if needed. All or nothing for
+    /// the caller: on error nothing was allocated (some cache entries may have been evicted).
+    fn ensure_free(&mut self, n: usize) -> Result<(), KvError> {
+        while self.free.len() < n {
+            if !self.evict_one() {
+                return Err(KvError::OutOfBlocks { needed_blocks: n, free_blocks: self.free.len() });
+            }
+        }
+        Ok(())
+    }
+
+    fn evict_one(&mut self) -> bool {
+        let Some(victim) = self.tree.lru_victim() else { return false };
+        let b = self.tree.remove(victim);
+        self.retag(b, |m| m.node = None);
+        self.stats.evicted_blocks_total += 1;
+        true
+    }
+
+    /// Evicts up to `n` unreferenced cached blocks now; returns how many.
+    pub fn evict(&mut self, n: usize) -> usize {
+        (0..n).take_while(|_| self.evict_one()).count()
+    }
+
+    // ---- sequences ----
+
+    /// Cached tokens of `tokens`' longest prefix, without taking anything. At least one token is always
+    /// left to compute, since the next step needs its logits.
+    pub fn lookup_prefix(&self, tokens: &[u32]) -> usize {
+        self.tree.longest_match(tokens, tokens.len().saturating_sub(1) / self.block_size()).len() * self.block_size()
+    }
+
+    /// Registers `seq` with its prompt, reusing the longest cached prefix (those blocks are referenced
+    /// now, so they cannot be evicted). KV for the rest is reserved with [`reserve`](Self::reserve).
+    pub fn add_sequence(&mut self, seq: SeqId, prompt: &[u32]) -> Result<PrefixHit, KvError> {
+        if self.seqs.contains_key(&seq) {
+            return Err(KvError::DuplicateSequence { seq });
+        }
+        let bs = self.block_size();
+        let full = prompt.len().saturating_sub(1) / bs;
+        let path = self.tree.longest_match(prompt, full);
+        let blocks: Vec<BlockId> = path.iter().map(|&n| self.tree.node(n).block).collect();
+        for &b in &blocks {
+            self.retag(b, |m| m.seq_refs += 1);
+        }
+        self.stats.prefix_hit_blocks_total += blocks.len() as u64;
+        self.stats.prefix_miss_blocks_total += (self.blocks_for(prompt.len()) - blocks.len()) as u64;
+        let hit = PrefixHit { cached_tokens: blocks.len() * bs, cached_blocks: blocks.len() };
+        self.seqs.insert(seq, Sequence { blocks, tokens: prompt.to_vec(), computed: hit.cached_tokens });
+        Ok(hit)
+    }
+
+    fn seq(&self, seq: SeqId) -> Result<&Sequence, KvError> {
+        self.seqs.get(&seq).ok_or(KvError::UnknownSequence { seq })
+    }
+
+    fn seq_mut(&mut self, seq: SeqId) -> Result<&mut Sequence, KvError> {
+        self.seqs.get_mut(&seq).ok_or(KvError::UnknownSequence { seq })
+    }
+
+    /// Appends known tokens (sampled ones) to `seq`; their KV is written by a later step.
+    pub fn append_tokens(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(), KvError> {
+        self.seq_mut(seq)?.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// Makes room to write KV for the next `n` tokens of `seq`: allocates the blocks they need and, if
+    /// the partial last block is shared, gives `seq` its own copy (see [`take_copies`](Self::take_copies)).
+    /// All or nothing: on `OutOfBlocks` the sequence is unchanged.
+    pub fn reserve(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
+        let bs = self.block_size();
+        let s = self.seq(seq)?;
+        let target = s.computed + n;
+        let need = self.blocks_for(target).saturating_sub(s.blocks.len());
+        let partial = s.computed % bs;
+        let cow = (n > 0 && partial != 0)
+            .then(|| s.blocks[s.computed / bs])
+            .filter(|b| self.blocks[b.0 as usize].shared_or_cached());
+        self.ensure_free(need + usize::from(cow.is_some()))?;
+        let mut fresh = Vec::with_capacity(need);
+        for _ in 0..need {
+            fresh.push(self.alloc_for_seq());
+        }
+        if let Some(src) = cow {
+            let dst = self.alloc_for_seq();
+            self.copies.push(BlockCopy { src, dst, tokens: partial });
+            self.stats.cow_copies_total += 1;
+            self.retag(src, |m| m.seq_refs -= 1);
+            let s = self.seq_mut(seq)?;
+            let at = s.computed / bs;
+            s.blocks[at] = dst;
+        }
+        self.seq_mut(seq)?.blocks.extend(fresh);
+        Ok(())
+    }
+
+    /// Copy-on-write copies made by `reserve` since the last call; the backend runs them before the
+    /// step that writes into the destination blocks.
+    pub fn take_copies(&mut self) -> Vec<BlockCopy> {
+        std::mem::take(&mut self.copies)
+    }
+
+    /// Records that the next `n` tokens' KV has been written.
+    pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
+        let bs = self.block_size();
+        let s = self.seq(seq)?;
+        let target = s.computed + n;
+        if target > s.tokens.len() {
+            return Err(KvError::OutOfRange { seq, requested: target, limit: s.tokens.len() });
+        }
+        let partial_shared = n > 0
+            && s.computed % bs != 0
+            && self.blocks[s.blocks[s.computed / bs].0 as usize].shared_or_cached();
+        if target > s.blocks.len() * bs || partial_shared {
+            return Err(KvError::NotReserved { seq });
+        }
+        self.seq_mut(seq)?.computed = target;
+        Ok(())
+    }
+
+    /// The block table of `seq`: block `i` holds tokens `i*block_size .. (i+1)*block_size`.
+    pub fn block_table(&self, seq: SeqId) -> Result<&[BlockId], KvError> {
+        Ok(&self.seq(seq)?.blocks)
+    }
+
+    /// Tokens of `seq` with KV written.
+    pub fn computed_tokens(&self, seq: SeqId) -> Result<usize, KvError> {
+        Ok(self.seq(seq)?.computed)
+    }
+
+    /// All known tokens of `seq`.
+    pub fn tokens(&self, seq: SeqId) -> Result<&[u32], KvError> {
+        Ok(&self.seq(seq)?.tokens)
+    }
+
+    /// Where positions `range` of `seq` live. Every position must be covered by a block.
+    pub fn slot_mapping(&self, seq: SeqId, range: Range<usize>) -> Result<Vec<Slot>, KvError> {
+        let bs = self.block_size();
+        let s = self.seq(seq)?;
+        if range.end > s.blocks.len() * bs {
+            return Err(KvError::OutOfRange { seq, requested: range.end, limit: s.blocks.len() * bs });
+        }
+        Ok(range.map(|p| Slot { block: s.blocks[p / bs], offset: (p % bs) as u32 }).collect())
+    }
+
+    /// Inserts `seq`'s full, computed blocks into the prefix cache (at prefill completion or at the end).
+    /// Returns how many blocks were newly cached.
+    pub fn cache_prefix(&mut self, seq: SeqId) -> Result<usize, KvError> {
+        let bs = self.block_size();
+        let s = self.seq(seq)?;
+        let full = s.computed / bs;
+        let (tokens, blocks) = (s.tokens[..full * bs].to_vec(), s.blocks[..full].to_vec());
+        let mut cur = ROOT;
+        let mut inserted = 0;
+        for (chunk, &b) in tokens.chunks_exact(bs).zip(&blocks) {
+            if let Some(n) = self.tree.child(cur, chunk) {
+                // Cached already (possibly in another block holding the same KV): follow it.
+                cur = n;
+                continue;
+            }
+            if self.blocks[b.0 as usize].node.is_some() {
+                break;
+            }
+            let Some(n) = self.tree.insert(cur, chunk, b) else { break };
+            self.retag(b, |m| m.node = Some(n));
+            inserted += 1;
+            cur = n;
+        }
+        Ok(inserted)
+    }
+
+    /// Ends `seq`, first caching its full blocks if `cache` is set. Blocks nobody else holds are freed.
+    pub fn free_sequence(&mut self, seq: SeqId, cache: bool) -> Result<(), KvError> {
+        if cache {
+            self.cache_prefix(seq)?;
+        }
+        let s = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence { seq })?;
+        for b in s.blocks {
+            self.retag(b, |m| m.seq_refs -= 1);
+        }
+        Ok(())
+    }
+
+    /// Cuts `seq` back to its first `n` tokens, freeing blocks past them.
+    pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
+        let keep = self.blocks_for(n);
+        let s = self.seq_mut(seq)?;
+        if n > s.tokens.len() {
+            return Err(KvError::OutOfRange { seq, requested: n, limit: s.tokens.len() });
+        }
+        s.tokens.truncate(n);
+        s.computed = s.computed.min(n);
+        let dropped = s.blocks.split_off(keep.min(s.blocks.len()));
+        for b in dropped {
+            self.retag(b, |m| m.seq_refs -= 1);
+        }
+        Ok(())
+    }
+
+    /// Starts `child` as a copy of `parent` sharing every computed block (parallel sampling). The
+    /// partial last block is copied lazily by whichever sequence writes into it first.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<(), KvError> {
+        if self.seqs.contains_key(&child) {
+            return Err(KvError::DuplicateSequence { seq: child });
+        }
+        let p = self.seq(parent)?;
+        let keep = self.blocks_for(p.computed);
+        let s = Sequence { blocks: p.blocks[..keep].to_vec(), tokens: p.tokens.clone(), computed: p.computed };
+        for &b in &s.blocks {
+            self.retag(b, |m| m.seq_refs += 1);
+        }
+        self.seqs.insert(child, s);
+        Ok(())
+    }
+
+    // ---- leases ----
+
+    /// Moves `seq`'s computed blocks under a lease held by `transfer` until `expires_at`, and ends the
+    /// sequence (a prefill worker keeping KV for its decode peer). Reserved, unwritten blocks are freed.
+    pub fn lease_sequence(&mut self, seq: SeqId, transfer: TransferId, expires_at: u64) -> Result<LeaseView<'_>, KvError> {
+        if self.leases.contains_key(&transfer) {
+            return Err(KvError::DuplicateTransfer { transfer });
+        }
+        let s = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence { seq })?;
+        let keep = self.blocks_for(s.computed);
+        let mut lease = Lease { blocks: Vec::with_capacity(keep), epochs: Vec::new(), expires_at, tokens: s.computed };
+        for (i, b) in s.blocks.into_iter().enumerate() {
+            if i < keep {
+                self.retag(b, |m| {
+                    m.seq_refs -= 1;
+                    m.lease_refs += 1;
+                });
+                lease.epochs.push(self.blocks[b.0 as usize].epoch);
+                lease.blocks.push(b);
+            } else {
+                self.retag(b, |m| m.seq_refs -= 1);
+            }
+        }
+        self.leases.insert(transfer, lease);
+        self.lease(transfer)
+    }
+
+    /// Allocates `n` fresh blocks under a lease for `transfer` (a decode worker receiving KV). All or
+    /// nothing.
+    pub fn allocate_lease(&mut self, transfer: TransferId, n: usize, expires_at: u64) -> Result<LeaseView<'_>, KvError> {
+        if self.leases.contains_key(&transfer) {
+            return Err(KvError::DuplicateTransfer { transfer });
+        }
+        self.ensure_free(n)?;
+        let mut lease = Lease { blocks: Vec::with_capacity(n), epochs: Vec::with_capacity(n), expires_at, tokens: 0 };
+        for _ in 0..n {
+            let b = self.alloc_for_lease();
+            lease.epochs.push(self.blocks[b.0 as usize].epoch);
+            lease.blocks.push(b);
+        }
+        self.leases.insert(transfer, lease);
+        self.lease(transfer)
+    }
+
+    pub fn lease(&self, transfer: TransferId) -> Result<LeaseView<'_>, KvError> {
+        let l = self.leases.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
+        Ok(LeaseView { blocks: &l.blocks, epochs: &l.epochs, expires_at: l.expires_at, tokens: l.tokens })
+    }
+
+    /// Moves a lease's expiry.
+    pub fn renew_lease(&mut self, transfer: TransferId, expires_at: u64) -> Result<(), KvError> {
+        self.leases.get_mut(&transfer).ok_or(KvError::UnknownTransfer { transfer })?.expires_at = expires_at;
+        Ok(())
+    }
+
+    /// Checks that a write for `transfer` into `block` at `epoch` still targets the block the lease took;
+    /// a late message for an ended transfer, or for a block since freed and reused, is refused.
+    pub fn check_write(&self, transfer: TransferId, block: BlockId, epoch: u32) -> Result<(), KvError> {
+        let stale = KvError::StaleWrite { transfer, block, epoch };
+        let lease = self.leases.get(&transfer).ok_or(stale.clone())?;
+        let held = lease.blocks.iter().zip(&lease.epochs).any(|(&b, &e)| b == block && e == epoch);
+        let current = self.blocks.get(block.0 as usize).is_some_and(|m| m.epoch == epoch);
+        if held && current {
+            Ok(())
+        } else {
+            Err(stale)
+        }
+    }
+
+    /// The current epoch of `block`.
+    pub fn block_epoch(&self, block: BlockId) -> Option<u32> {
+        self.blocks.get(block.0 as usize).map(|m| m.epoch)
+    }
+
+    /// Ends a lease (transfer done or aborted). Blocks nobody else holds are freed.
+    pub fn release_lease(&mut self, transfer: TransferId) -> Result<(), KvError> {
+        let lease = self.leases.remove(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
+        for b in lease.blocks {
+            self.retag(b, |m| m.lease_refs -= 1);
+        }
+        Ok(())
+    }
+
+    /// The lease scan: ends every lease whose expiry is at or before `now` and returns their ids, so a
+    /// prefill worker whose decode peer vanished gets its blocks back.
+    pub fn expire_leases(&mut self, now: u64) -> Vec<TransferId> {
+        let mut expired: Vec<TransferId> =
+            self.leases.iter().filter(|(_, l)| l.expires_at <= now).map(|(&t, _)| t).collect();
+        expired.sort();
+        for &t in &expired {
+            let blocks = self.leases.get(&t).map_or(0, |l| l.blocks.len());
+            self.stats.leases_expired_total += 1;
+            self.stats.leased_blocks_expired_total += blocks as u64;
+            let _ = self.release_lease(t);
+        }
+        expired
+    }
+
+    /// Turns a filled destination lease into sequence `seq` whose KV covers `tokens` (a decode worker
+    /// starting a request whose prompt KV arrived). Blocks beyond what `tokens` needs are freed.
+    pub fn adopt_lease(&mut self, transfer: TransferId, seq: SeqId, tokens: &[u32]) -> Result<(), KvError> {
+        if self.seqs.contains_key(&seq) {
+            return Err(KvError::DuplicateSequence { seq });
+        }
+        let needed = self.blocks_for(tokens.len());
+        let lease = self.leases.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
+        if lease.blocks.len() < needed {
+            return Err(KvError::LeaseTooSmall { transfer, blocks: lease.blocks.len(), needed_blocks: needed });
+        }
+        let lease = self.leases.remove(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
+        let mut blocks = Vec::with_capacity(needed);
+        for (i, b) in lease.blocks.into_iter().enumerate() {
+            if i < needed {
+                self.retag(b, |m| {
+                    m.lease_refs -= 1;
+                    m.seq_refs += 1;
+                });
+                blocks.push(b);
+            } else {
+                self.retag(b, |m| m.lease_refs -= 1);
+            }
+        }
+        self.seqs.insert(seq, Sequence { blocks, tokens: tokens.to_vec(), computed: tokens.len() });
+        Ok(())
+    }
+}
