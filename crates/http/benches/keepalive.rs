@@ -43,7 +43,8 @@ struct Nginx(Child, std::path::PathBuf);
 
 impl Drop for Nginx {
     fn drop(&mut self) {
-        let _ = self.0.kill();
+        // SIGTERM lets the master stop its workers; SIGKILL would orphan them.
+        let _ = Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status();
         let _ = self.0.wait();
         let _ = std::fs::remove_dir_all(&self.1);
     }

@@ -1,9 +1,8 @@
 //! The block pool, sequences, leases, and the ownership ledger tying them together.
 
-use std::collections::HashMap;
 use std::ops::Range;
 
-use crate::prefix::{PrefixTree, ROOT};
+use crate::prefix::{MixMap, PrefixTree, ROOT};
 use crate::{BlockId, KvError, NodeId, OwnerKind, SeqId, Slot, TransferId};
 
 /// Size of the pool. Both numbers are fixed for the cache's life.
@@ -121,8 +120,8 @@ pub struct KvCache {
     pub(crate) blocks: Vec<BlockMeta>,
     pub(crate) free: Vec<BlockId>,
     pub(crate) owned: [usize; 3],
-    pub(crate) seqs: HashMap<SeqId, Sequence>,
-    pub(crate) leases: HashMap<TransferId, Lease>,
+    pub(crate) seqs: MixMap<SeqId, Sequence>,
+    pub(crate) leases: MixMap<TransferId, Lease>,
     pub(crate) tree: PrefixTree,
     copies: Vec<BlockCopy>,
     stats: KvStats,
@@ -133,7 +132,10 @@ impl KvCache {
     /// tree's node arena, which is bounded by `num_blocks`.
     pub fn new(config: KvConfig) -> Result<KvCache, KvError> {
         if config.num_blocks == 0 || config.block_size == 0 || config.num_blocks == u32::MAX {
-            return Err(KvError::InvalidConfig { num_blocks: config.num_blocks, block_size: config.block_size });
+            return Err(KvError::InvalidConfig {
+                num_blocks: config.num_blocks,
+                block_size: config.block_size,
+            });
         }
         let n = config.num_blocks as usize;
         Ok(KvCache {
@@ -142,8 +144,8 @@ impl KvCache {
             // Reversed so that blocks come off the stack in ascending order (contiguous early on).
             free: (0..config.num_blocks).rev().map(BlockId).collect(),
             owned: [0; 3],
-            seqs: HashMap::new(),
-            leases: HashMap::new(),
+            seqs: MixMap::default(),
+            leases: MixMap::default(),
             tree: PrefixTree::new(config.block_size as usize),
             copies: Vec::new(),
             stats: KvStats { blocks_total: n, ..KvStats::default() },
@@ -261,7 +263,8 @@ impl KvCache {
     /// Cached tokens of `tokens`' longest prefix, without taking anything. At least one token is always
     /// left to compute, since the next step needs its logits.
     pub fn lookup_prefix(&self, tokens: &[u32]) -> usize {
-        self.tree.longest_match(tokens, tokens.len().saturating_sub(1) / self.block_size()).len() * self.block_size()
+        self.tree.longest_match(tokens, tokens.len().saturating_sub(1) / self.block_size()).len()
+            * self.block_size()
     }
 
     /// Registers `seq` with its prompt, reusing the longest cached prefix (those blocks are referenced
@@ -439,7 +442,8 @@ impl KvCache {
         }
         let p = self.seq(parent)?;
         let keep = self.blocks_for(p.computed);
-        let s = Sequence { blocks: p.blocks[..keep].to_vec(), tokens: p.tokens.clone(), computed: p.computed };
+        let s =
+            Sequence { blocks: p.blocks[..keep].to_vec(), tokens: p.tokens.clone(), computed: p.computed };
         for &b in &s.blocks {
             self.retag(b, |m| m.seq_refs += 1);
         }
@@ -451,13 +455,19 @@ impl KvCache {
 
     /// Moves `seq`'s computed blocks under a lease held by `transfer` until `expires_at`, and ends the
     /// sequence (a prefill worker keeping KV for its decode peer). Reserved, unwritten blocks are freed.
-    pub fn lease_sequence(&mut self, seq: SeqId, transfer: TransferId, expires_at: u64) -> Result<LeaseView<'_>, KvError> {
+    pub fn lease_sequence(
+        &mut self,
+        seq: SeqId,
+        transfer: TransferId,
+        expires_at: u64,
+    ) -> Result<LeaseView<'_>, KvError> {
         if self.leases.contains_key(&transfer) {
             return Err(KvError::DuplicateTransfer { transfer });
         }
         let s = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence { seq })?;
         let keep = self.blocks_for(s.computed);
-        let mut lease = Lease { blocks: Vec::with_capacity(keep), epochs: Vec::new(), expires_at, tokens: s.computed };
+        let mut lease =
+            Lease { blocks: Vec::with_capacity(keep), epochs: Vec::new(), expires_at, tokens: s.computed };
         for (i, b) in s.blocks.into_iter().enumerate() {
             if i < keep {
                 self.retag(b, |m| {
@@ -476,12 +486,18 @@ impl KvCache {
 
     /// Allocates `n` fresh blocks under a lease for `transfer` (a decode worker receiving KV). All or
     /// nothing.
-    pub fn allocate_lease(&mut self, transfer: TransferId, n: usize, expires_at: u64) -> Result<LeaseView<'_>, KvError> {
+    pub fn allocate_lease(
+        &mut self,
+        transfer: TransferId,
+        n: usize,
+        expires_at: u64,
+    ) -> Result<LeaseView<'_>, KvError> {
         if self.leases.contains_key(&transfer) {
             return Err(KvError::DuplicateTransfer { transfer });
         }
         self.ensure_free(n)?;
-        let mut lease = Lease { blocks: Vec::with_capacity(n), epochs: Vec::with_capacity(n), expires_at, tokens: 0 };
+        let mut lease =
+            Lease { blocks: Vec::with_capacity(n), epochs: Vec::with_capacity(n), expires_at, tokens: 0 };
         for _ in 0..n {
             let b = self.alloc_for_lease();
             lease.epochs.push(self.blocks[b.0 as usize].epoch);
@@ -554,7 +570,11 @@ impl KvCache {
         let needed = self.blocks_for(tokens.len());
         let lease = self.leases.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
         if lease.blocks.len() < needed {
-            return Err(KvError::LeaseTooSmall { transfer, blocks: lease.blocks.len(), needed_blocks: needed });
+            return Err(KvError::LeaseTooSmall {
+                transfer,
+                blocks: lease.blocks.len(),
+                needed_blocks: needed,
+            });
         }
         let lease = self.leases.remove(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
         let mut blocks = Vec::with_capacity(needed);

@@ -81,7 +81,7 @@ impl KvCache {
             if self.blocks[nd.block.0 as usize].node != Some(id) {
                 return Err(format!("tree node {} holds {} which does not point back", id.0, nd.block));
             }
-            if self.tree.edges.get(&(nd.parent.0, nd.hash)) != Some(&id) {
+            if self.tree.edges.get(&nd.chain) != Some(&(id, nd.parent)) {
                 return Err(format!("tree node {} is not reachable from its parent", id.0));
             }
             children[nd.parent.0 as usize] += 1;
@@ -93,7 +93,10 @@ impl KvCache {
         }
         for (id, nd) in self.tree.live_nodes() {
             if children[id.0 as usize] != nd.children {
-                return Err(format!("tree node {} counts {} children, has {}", id.0, nd.children, children[id.0 as usize]));
+                return Err(format!(
+                    "tree node {} counts {} children, has {}",
+                    id.0, nd.children, children[id.0 as usize]
+                ));
             }
         }
         if self.tree.edges.len() != self.tree.len() || self.tree.lru.len() != evictable {

@@ -7,21 +7,49 @@ use crate::{BlockId, SeqId, TransferId};
 #[non_exhaustive]
 pub enum KvError {
     /// Not enough blocks, even after evicting every evictable cached block. Nothing was allocated.
-    OutOfBlocks { needed_blocks: usize, free_blocks: usize },
+    OutOfBlocks {
+        needed_blocks: usize,
+        free_blocks: usize,
+    },
     /// The configuration cannot describe a pool (zero blocks or a zero block size).
-    InvalidConfig { num_blocks: u32, block_size: u32 },
-    UnknownSequence { seq: SeqId },
-    DuplicateSequence { seq: SeqId },
-    UnknownTransfer { transfer: TransferId },
-    DuplicateTransfer { transfer: TransferId },
+    InvalidConfig {
+        num_blocks: u32,
+        block_size: u32,
+    },
+    UnknownSequence {
+        seq: SeqId,
+    },
+    DuplicateSequence {
+        seq: SeqId,
+    },
+    UnknownTransfer {
+        transfer: TransferId,
+    },
+    DuplicateTransfer {
+        transfer: TransferId,
+    },
     /// A commit or read past what the sequence has: `requested` tokens, `limit` available.
-    OutOfRange { seq: SeqId, requested: usize, limit: usize },
+    OutOfRange {
+        seq: SeqId,
+        requested: usize,
+        limit: usize,
+    },
     /// A commit would write into blocks that `reserve` did not prepare (missing or shared with others).
-    NotReserved { seq: SeqId },
+    NotReserved {
+        seq: SeqId,
+    },
     /// A lease has fewer blocks than the tokens handed to it need.
-    LeaseTooSmall { transfer: TransferId, blocks: usize, needed_blocks: usize },
+    LeaseTooSmall {
+        transfer: TransferId,
+        blocks: usize,
+        needed_blocks: usize,
+    },
     /// A write for a block this transfer no longer holds at that epoch.
-    StaleWrite { transfer: TransferId, block: BlockId, epoch: u32 },
+    StaleWrite {
+        transfer: TransferId,
+        block: BlockId,
+        epoch: u32,
+    },
 }
 
 impl fmt::Display for KvError {

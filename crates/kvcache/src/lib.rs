@@ -32,8 +32,8 @@ pub mod sim;
 
 pub use cache::{BlockCopy, KvCache, KvConfig, KvStats, LeaseView, PrefixHit};
 pub use error::KvError;
-pub use ids::{BlockId, OwnerKind, SeqId, Slot, TransferId};
 pub(crate) use ids::NodeId;
+pub use ids::{BlockId, OwnerKind, SeqId, Slot, TransferId};
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../README.md")]

@@ -7,22 +7,62 @@ use crate::{KvCache, KvConfig, KvError, SeqId, TransferId};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
     /// Add a sequence whose prompt shares a prefix with others of the same `family`.
-    Add { seq: u8, family: u8, len: u16 },
+    Add {
+        seq: u8,
+        family: u8,
+        len: u16,
+    },
     /// Reserve and commit `n` tokens (appending sampled tokens first if the prompt is used up).
-    Step { seq: u8, n: u8 },
-    Fork { parent: u8, child: u8 },
-    Free { seq: u8, cache: bool },
-    Truncate { seq: u8, keep: u16 },
-    Cache { seq: u8 },
-    Lease { seq: u8, transfer: u8, ttl: u8 },
-    AllocLease { transfer: u8, n: u8, ttl: u8 },
-    Release { transfer: u8 },
+    Step {
+        seq: u8,
+        n: u8,
+    },
+    Fork {
+        parent: u8,
+        child: u8,
+    },
+    Free {
+        seq: u8,
+        cache: bool,
+    },
+    Truncate {
+        seq: u8,
+        keep: u16,
+    },
+    Cache {
+        seq: u8,
+    },
+    Lease {
+        seq: u8,
+        transfer: u8,
+        ttl: u8,
+    },
+    AllocLease {
+        transfer: u8,
+        n: u8,
+        ttl: u8,
+    },
+    Release {
+        transfer: u8,
+    },
     /// Advance the clock and run the lease scan.
-    Tick { by: u8 },
-    Adopt { transfer: u8, seq: u8, len: u16 },
-    Evict { n: u8 },
+    Tick {
+        by: u8,
+    },
+    Adopt {
+        transfer: u8,
+        seq: u8,
+        len: u16,
+    },
+    Evict {
+        n: u8,
+    },
     /// A transfer write into lease block `index`, with a correct or a stale epoch.
-    Write { transfer: u8, index: u8, stale: bool },
+    Write {
+        transfer: u8,
+        index: u8,
+        stale: bool,
+    },
 }
 
 impl Op {
@@ -58,7 +98,9 @@ pub struct Driver {
 
 fn prompt(family: u8, seq: u8, len: u16) -> Vec<u32> {
     // The first 40 tokens are the family's; the rest differ per sequence.
-    (0..u32::from(len)).map(|i| if i < 40 { u32::from(family) * 1000 + i } else { u32::from(seq) * 100_000 + i }).collect()
+    (0..u32::from(len))
+        .map(|i| if i < 40 { u32::from(family) * 1000 + i } else { u32::from(seq) * 100_000 + i })
+        .collect()
 }
 
 impl Driver {
@@ -74,7 +116,10 @@ impl Driver {
         if let Err(KvError::OutOfBlocks { needed_blocks, free_blocks }) = &result {
             assert!(free_blocks < needed_blocks, "{op:?}: refused with enough free blocks");
             let after = self.kv.stats();
-            assert!(after.owned(crate::OwnerKind::Sequence) <= before.owned(crate::OwnerKind::Sequence), "{op:?}: partial allocation");
+            assert!(
+                after.owned(crate::OwnerKind::Sequence) <= before.owned(crate::OwnerKind::Sequence),
+                "{op:?}: partial allocation"
+            );
             assert_eq!(after.blocks_owned[2], before.blocks_owned[2], "{op:?}: partial lease allocation");
         }
         if let Err(e) = self.kv.check_invariants() {
@@ -85,7 +130,9 @@ impl Driver {
     fn apply_inner(&mut self, op: Op) -> Result<(), KvError> {
         let kv = &mut self.kv;
         match op {
-            Op::Add { seq, family, len } => kv.add_sequence(SeqId(seq.into()), &prompt(family, seq, len)).map(drop),
+            Op::Add { seq, family, len } => {
+                kv.add_sequence(SeqId(seq.into()), &prompt(family, seq, len)).map(drop)
+            }
             Op::Step { seq, n } => {
                 let id = SeqId(seq.into());
                 let missing = (kv.computed_tokens(id)? + usize::from(n)).saturating_sub(kv.tokens(id)?.len());
@@ -98,10 +145,14 @@ impl Driver {
                 for c in &copies {
                     assert!(c.tokens > 0 && c.tokens < kv.block_size() && c.src != c.dst);
                 }
-                let slots = kv.slot_mapping(id, kv.computed_tokens(id)?..kv.computed_tokens(id)? + usize::from(n))?;
+                let slots =
+                    kv.slot_mapping(id, kv.computed_tokens(id)?..kv.computed_tokens(id)? + usize::from(n))?;
                 for s in &slots {
                     let m = &kv.blocks[s.block.0 as usize];
-                    assert!(m.seq_refs == 1 && m.lease_refs == 0 && m.node.is_none(), "writing into a shared block");
+                    assert!(
+                        m.seq_refs == 1 && m.lease_refs == 0 && m.node.is_none(),
+                        "writing into a shared block"
+                    );
                 }
                 kv.commit(id, n.into())
             }
@@ -109,9 +160,9 @@ impl Driver {
             Op::Free { seq, cache } => kv.free_sequence(SeqId(seq.into()), cache),
             Op::Truncate { seq, keep } => kv.truncate(SeqId(seq.into()), keep.into()),
             Op::Cache { seq } => kv.cache_prefix(SeqId(seq.into())).map(drop),
-            Op::Lease { seq, transfer, ttl } => {
-                kv.lease_sequence(SeqId(seq.into()), TransferId(transfer.into()), self.now + u64::from(ttl)).map(drop)
-            }
+            Op::Lease { seq, transfer, ttl } => kv
+                .lease_sequence(SeqId(seq.into()), TransferId(transfer.into()), self.now + u64::from(ttl))
+                .map(drop),
             Op::AllocLease { transfer, n, ttl } => {
                 kv.allocate_lease(TransferId(transfer.into()), n.into(), self.now + u64::from(ttl)).map(drop)
             }
@@ -134,7 +185,8 @@ impl Driver {
             Op::Write { transfer, index, stale } => {
                 let t = TransferId(transfer.into());
                 let lease = kv.lease(t)?;
-                let Some(i) = (!lease.blocks.is_empty()).then(|| usize::from(index) % lease.blocks.len()) else {
+                let Some(i) = (!lease.blocks.is_empty()).then(|| usize::from(index) % lease.blocks.len())
+                else {
                     return Ok(());
                 };
                 let (block, epoch) = (lease.blocks[i], lease.epochs[i]);

@@ -9,8 +9,14 @@ fn cache(num_blocks: u32, block_size: u32) -> KvCache {
 
 #[test]
 fn invalid_config_is_refused() {
-    assert!(matches!(KvCache::new(KvConfig { num_blocks: 0, block_size: 16 }), Err(KvError::InvalidConfig { .. })));
-    assert!(matches!(KvCache::new(KvConfig { num_blocks: 8, block_size: 0 }), Err(KvError::InvalidConfig { .. })));
+    assert!(matches!(
+        KvCache::new(KvConfig { num_blocks: 0, block_size: 16 }),
+        Err(KvError::InvalidConfig { .. })
+    ));
+    assert!(matches!(
+        KvCache::new(KvConfig { num_blocks: 8, block_size: 0 }),
+        Err(KvError::InvalidConfig { .. })
+    ));
 }
 
 #[test]
@@ -31,7 +37,11 @@ fn append_decode_tokens_allocates_a_block_when_the_last_fills() {
     let slots = kv.slot_mapping(s, 3..6).unwrap();
     assert_eq!(
         slots,
-        [Slot { block: table[0], offset: 3 }, Slot { block: table[1], offset: 0 }, Slot { block: table[1], offset: 1 }]
+        [
+            Slot { block: table[0], offset: 3 },
+            Slot { block: table[1], offset: 0 },
+            Slot { block: table[1], offset: 1 }
+        ]
     );
     assert_eq!(slots[1].index(4), table[1].0 as usize * 4);
     assert!(matches!(kv.slot_mapping(s, 0..9), Err(KvError::OutOfRange { .. })));
@@ -130,7 +140,10 @@ fn decode_side_adopts_a_filled_lease_as_a_sequence() {
     let mut kv = cache(8, 4);
     let t = TransferId(3);
     kv.allocate_lease(t, 3, 1_000).unwrap();
-    assert!(matches!(kv.adopt_lease(t, SeqId(5), &[0; 13]), Err(KvError::LeaseTooSmall { needed_blocks: 4, .. })));
+    assert!(matches!(
+        kv.adopt_lease(t, SeqId(5), &[0; 13]),
+        Err(KvError::LeaseTooSmall { needed_blocks: 4, .. })
+    ));
     kv.adopt_lease(t, SeqId(5), &[0; 6]).unwrap();
     assert_eq!(kv.computed_tokens(SeqId(5)).unwrap(), 6);
     assert_eq!(kv.block_table(SeqId(5)).unwrap().len(), 2);
