@@ -5,6 +5,8 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
+mod generate;
+
 const HELP: &str = "\
 cargo xtask <command>
 
@@ -13,6 +15,10 @@ commands:
   fuzz [TARGET] [--seconds N]
                        run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
   bench http [ARGS]    the HTTP server benchmark: this crate's server beside nginx, both under wrk
+  fetch-model [--models-dir DIR]
+                       download and import the default model (SmolLM2-135M-Instruct) if missing
+  generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--model DIR]
+                       run the model on one prompt and print the completion and its speed
   help                 this text
 ";
 
@@ -24,6 +30,8 @@ fn main() -> Result<()> {
         Some("test") => test(),
         Some("fuzz") => fuzz(&args[1..]),
         Some("bench") => bench(&args[1..]),
+        Some("fetch-model") => fetch_model(&args[1..]).map(|dir| println!("{}", dir.display())),
+        Some("generate") => generate::run(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             print!("{HELP}");
             Ok(())
@@ -104,4 +112,18 @@ fn bench(args: &[String]) -> Result<()> {
         }
         _ => bail!("usage: cargo xtask bench http [--seconds N] [--rounds N] [--connections N]"),
     }
+}
+
+/// The default model's folder, fetched if missing. `--models-dir` overrides `$PDSERVE_MODELS_DIR`.
+fn fetch_model(args: &[String]) -> Result<PathBuf> {
+    let mut dir = pdserve_model::fetch::models_dir();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--models-dir" => dir = PathBuf::from(it.next().context("--models-dir needs a value")?),
+            other => bail!("unknown argument {other:?}"),
+        }
+    }
+    let mut bar = pdserve_model::import::StderrBar::default();
+    Ok(pdserve_model::fetch::ensure_default_model(&dir, &mut bar, true)?)
 }

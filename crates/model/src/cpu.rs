@@ -1,0 +1,286 @@
+//! The CPU backend: a batched forward pass over paged KV.
+//!
+//! KV memory layout (f32): `[block][layer][k|v][position in block][kv head][head dim]`. One block's K
+//! and V for every layer are one contiguous run of `block_floats()` floats, so moving a block (a PD
+//! transfer, a copy-on-write copy) is a single memcpy.
+
+use std::sync::Arc;
+
+use pdserve_kvcache::{BlockCopy, BlockId};
+use rayon::prelude::*;
+
+use crate::backend::{Backend, KvLayout, SeqStep};
+use crate::sys::{dot, sgemm};
+use crate::weights::Weights;
+use crate::{ModelConfig, ModelError};
+
+/// Runs a model on the CPU with rayon's thread pool.
+#[derive(Debug)]
+pub struct CpuBackend {
+    cfg: ModelConfig,
+    w: Arc<Weights>,
+    kv: Vec<f32>,
+    layout: KvLayout,
+    inv_freq: Vec<f32>,
+}
+
+impl CpuBackend {
+    /// Allocates KV memory for `num_blocks` blocks of `block_size` tokens.
+    pub fn new(cfg: ModelConfig, weights: Arc<Weights>, num_blocks: usize, block_size: usize) -> Self {
+        let layout = KvLayout {
+            num_blocks,
+            block_size,
+            num_layers: cfg.num_layers,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        let hd = cfg.head_dim;
+        // Hugging Face computes the inverse frequencies in f32; so do we, to match its numbers.
+        let inv_freq = (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32)).collect();
+        CpuBackend { kv: vec![0.0; layout.block_floats() * num_blocks], cfg, w: weights, layout, inv_freq }
+    }
+
+    fn kv_at(&self, block: BlockId, layer: usize, kind: usize, pos: usize) -> usize {
+        let l = &self.layout;
+        (((block.0 as usize * l.num_layers + layer) * 2 + kind) * l.block_size + pos)
+            * l.num_kv_heads
+            * l.head_dim
+    }
+
+    fn check(&self, steps: &[SeqStep<'_>]) -> Result<(), ModelError> {
+        let bad = |problem: String| Err(ModelError::InvalidInput { problem });
+        for (i, s) in steps.iter().enumerate() {
+            let end = s.start_pos + s.tokens.len();
+            if s.tokens.is_empty() {
+                return bad(format!("step {i} has no tokens"));
+            }
+            if end > self.cfg.max_position_embeddings {
+                return bad(format!(
+                    "positions up to {end} exceed the context of {}",
+                    self.cfg.max_position_embeddings
+                ));
+            }
+            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+                return bad(format!("token id {t} is outside the vocabulary of {}", self.cfg.vocab_size));
+            }
+            if s.block_table.len() * self.layout.block_size < end {
+                return bad(format!(
+                    "block table of {} blocks cannot hold {end} positions",
+                    s.block_table.len()
+                ));
+            }
+            if let Some(b) = s.block_table.iter().find(|b| b.0 as usize >= self.layout.num_blocks) {
+                return bad(format!("{b} is outside the pool of {}", self.layout.num_blocks));
+            }
+        }
+        Ok(())
+    }
+
+    fn rope(&self, x: &mut [f32], heads: usize, pos: usize) {
+        let hd = self.cfg.head_dim;
+        let half = hd / 2;
+        for h in 0..heads {
+            let v = &mut x[h * hd..(h + 1) * hd];
+            for i in 0..half {
+                let angle = pos as f32 * self.inv_freq[i];
+                let (sin, cos) = angle.sin_cos();
+                let (a, b) = (v[i], v[i + half]);
+                v[i] = a * cos - b * sin;
+                v[i + half] = b * cos + a * sin;
+            }
+        }
+    }
+}
+
+impl Backend for CpuBackend {
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) {
+        let n = self.layout.block_floats();
+        for c in copies {
+            let (src, dst) = (c.src.0 as usize * n, c.dst.0 as usize * n);
+            self.kv.copy_within(src..src + n, dst);
+        }
+    }
+
+    fn block_data(&self, block: BlockId) -> &[f32] {
+        let n = self.layout.block_floats();
+        &self.kv[block.0 as usize * n..][..n]
+    }
+
+    fn block_data_mut(&mut self, block: BlockId) -> &mut [f32] {
+        let n = self.layout.block_floats();
+        &mut self.kv[block.0 as usize * n..][..n]
+    }
+
+    fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.check(steps)?;
+        let cfg = self.cfg.clone();
+        let w = Arc::clone(&self.w);
+        let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
+        let (q_dim, kv_dim) = (nh * hd, nkv * hd);
+        // One row per new token: (step index, absolute position).
+        let rows: Vec<(usize, usize)> = steps
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| (0..s.tokens.len()).map(move |j| (i, s.start_pos + j)))
+            .collect();
+        let t = rows.len();
+        let mut x = Vec::with_capacity(t * hsz);
+        for s in steps {
+            for &tok in s.tokens {
+                x.extend_from_slice(&w.embed[tok as usize * hsz..][..hsz]);
+            }
+        }
+        let mut h = vec![0.0; t * hsz];
+        for (li, lw) in w.layers.iter().enumerate() {
+            rms_norm(&x, &lw.input_norm, cfg.rms_norm_eps, &mut h);
+            let mut q = matmul(&h, t, hsz, &lw.q, q_dim);
+            let mut k = matmul(&h, t, hsz, &lw.k, kv_dim);
+            let mut v = matmul(&h, t, hsz, &lw.v, kv_dim);
+            for (m, b) in [(&mut q, &lw.q_bias), (&mut k, &lw.k_bias), (&mut v, &lw.v_bias)] {
+                if let Some(b) = b {
+                    add_bias(m, b);
+                }
+            }
+            for (r, &(_, pos)) in rows.iter().enumerate() {
+                self.rope(&mut q[r * q_dim..][..q_dim], nh, pos);
+                self.rope(&mut k[r * kv_dim..][..kv_dim], nkv, pos);
+            }
+            // Write this step's K and V into the cache, then attend over the cache.
+            for (r, &(si, pos)) in rows.iter().enumerate() {
+                let block = steps[si].block_table[pos / self.layout.block_size];
+                let off = pos % self.layout.block_size;
+                let ki = self.kv_at(block, li, 0, off);
+                self.kv[ki..ki + kv_dim].copy_from_slice(&k[r * kv_dim..][..kv_dim]);
+                let vi = self.kv_at(block, li, 1, off);
+                self.kv[vi..vi + kv_dim].copy_from_slice(&v[r * kv_dim..][..kv_dim]);
+            }
+            let mut attn = vec![0.0; t * q_dim];
+            let this = &*self;
+            let scale = 1.0 / (hd as f32).sqrt();
+            let group = nh / nkv;
+            attn.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
+                let (r, head) = (idx / nh, idx % nh);
+                let (si, pos) = rows[r];
+                let table = steps[si].block_table;
+                let qv = &q[r * q_dim + head * hd..][..hd];
+                let kvh = head / group;
+                let mut scores = Vec::with_capacity(pos + 1);
+                let mut max = f32::NEG_INFINITY;
+                for j in 0..=pos {
+                    let ki = this.kv_at(table[j / this.layout.block_size], li, 0, j % this.layout.block_size)
+                        + kvh * hd;
+                    let s = dot(qv, &this.kv[ki..ki + hd]) * scale;
+                    max = max.max(s);
+                    scores.push(s);
+                }
+                let mut sum = 0.0;
+                for s in &mut scores {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                out.fill(0.0);
+                for (j, s) in scores.iter().enumerate() {
+                    let vi = this.kv_at(table[j / this.layout.block_size], li, 1, j % this.layout.block_size)
+                        + kvh * hd;
+                    let p = s / sum;
+                    for (o, vv) in out.iter_mut().zip(&this.kv[vi..vi + hd]) {
+                        *o += p * vv;
+                    }
+                }
+            });
+            let mut o = matmul(&attn, t, q_dim, &lw.o, hsz);
+            if let Some(b) = &lw.o_bias {
+                add_bias(&mut o, b);
+            }
+            add_into(&mut x, &o);
+            rms_norm(&x, &lw.post_norm, cfg.rms_norm_eps, &mut h);
+            let gate = matmul(&h, t, hsz, &lw.gate, cfg.intermediate_size);
+            let up = matmul(&h, t, hsz, &lw.up, cfg.intermediate_size);
+            let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+            let down = matmul(&act, t, cfg.intermediate_size, &lw.down, hsz);
+            add_into(&mut x, &down);
+        }
+        // Logits only for the last token of the steps that want them.
+        let mut picked = Vec::new();
+        let mut end = 0;
+        for s in steps {
+            end += s.tokens.len();
+            if s.logits {
+                picked.extend_from_slice(&x[(end - 1) * hsz..end * hsz]);
+            }
+        }
+        let n = picked.len() / hsz;
+        let mut normed = vec![0.0; picked.len()];
+        rms_norm(&picked, &w.final_norm, cfg.rms_norm_eps, &mut normed);
+        let logits = matmul(&normed, n, hsz, w.lm_head(), cfg.vocab_size);
+        Ok(logits.chunks(cfg.vocab_size.max(1)).map(<[f32]>::to_vec).collect())
+    }
+}
+
+/// `out[r] = x[r] / rms(x[r]) * weight` for each row of `x`.
+pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let n = weight.len();
+    for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let ms = row.iter().map(|v| v * v).sum::<f32>() / n as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for ((o, v), w) in o.iter_mut().zip(row).zip(weight) {
+            *o = v * inv * w;
+        }
+    }
+}
+
+fn add_bias(m: &mut [f32], bias: &[f32]) {
+    for row in m.chunks_exact_mut(bias.len()) {
+        add_into(row, bias);
+    }
+}
+
+fn add_into(x: &mut [f32], y: &[f32]) {
+    for (a, b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// `x[t×k] · w[n×k]^T`, spread over the thread pool by output columns.
+pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+    debug_assert_eq!(x.len(), t * k);
+    debug_assert_eq!(w.len(), n * k);
+    let threads = rayon::current_num_threads().max(1);
+    if t <= 2 {
+        // Decode: matrix-vector products, one weight row per dot, weights read once.
+        let mut out = vec![0.0; t * n];
+        for (xr, orow) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
+            let chunk = n.div_ceil(threads * 4).max(16);
+            orow.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+                for (j, oj) in o.iter_mut().enumerate() {
+                    let row = c * chunk + j;
+                    *oj = dot(xr, &w[row * k..(row + 1) * k]);
+                }
+            });
+        }
+        return out;
+    }
+    let chunk = n.div_ceil(threads * 2).max(64);
+    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(chunk))
+        .into_par_iter()
+        .map(|c| {
+            let j0 = c * chunk;
+            let cols = chunk.min(n - j0);
+            let mut part = vec![0.0; t * cols];
+            sgemm(t, k, cols, x, (k, 1), &w[j0 * k..], (1, k), &mut part, (cols, 1));
+            (j0, part)
+        })
+        .collect();
+    let mut out = vec![0.0; t * n];
+    for (j0, part) in parts {
+        let cols = part.len() / t;
+        for (r, src) in part.chunks_exact(cols).enumerate() {
+            out[r * n + j0..r * n + j0 + cols].copy_from_slice(src);
+        }
+    }
+    out
+}

@@ -1,0 +1,69 @@
+//! The engine's model layer: what turns token ids into logits, for Llama-family models from a Hugging
+//! Face folder.
+//!
+//! - [`ModelFiles::load`] reads `config.json` ([`ModelConfig`]), the safetensors weights ([`Weights`],
+//!   f32/bf16/f16 through memmap2) and the tokenizer and chat template ([`TextCodec`]).
+//! - [`Backend`] runs a batch step (any mix of prefill chunks and decode tokens) over paged KV indexed
+//!   by kvcache block ids; [`CpuBackend`] is the CPU implementation.
+//! - [`Sampler`] picks tokens; [`IncrementalDecoder`] streams text without splitting a character.
+//! - [`gguf`], [`import`] and [`fetch`] turn the default model's GGUF into such a folder.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use pdserve_kvcache::{KvCache, KvConfig, SeqId};
+//! use pdserve_model::{Backend, CpuBackend, ModelFiles, Sampler, SamplingParams, SeqStep};
+//!
+//! let m = ModelFiles::load(std::path::Path::new("/path/to/SmolLM2-135M-Instruct")).unwrap();
+//! let mut kv = KvCache::new(KvConfig { num_blocks: 64, block_size: 16 }).unwrap();
+//! let mut cpu = CpuBackend::new(m.config.clone(), Arc::new(m.weights), 64, 16);
+//! let prompt = m.text.encode("The capital of France is").unwrap();
+//! kv.add_sequence(SeqId(1), &prompt).unwrap();
+//! kv.reserve(SeqId(1), prompt.len()).unwrap();
+//! let table = kv.block_table(SeqId(1)).unwrap().to_vec();
+//! let logits = cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: true }]).unwrap();
+//! let next = Sampler::new(SamplingParams::greedy(), 0).sample(&logits[0], &prompt, &[]).token;
+//! println!("{}", m.text.decode(&[next], true).unwrap());
+//! ```
+
+mod backend;
+mod config;
+mod cpu;
+mod error;
+pub mod fetch;
+pub mod gguf;
+pub mod import;
+mod sampling;
+mod sys;
+mod text;
+mod weights;
+
+use std::path::Path;
+
+pub use backend::{Backend, KvLayout, SeqStep};
+pub use config::ModelConfig;
+pub use cpu::CpuBackend;
+pub use error::ModelError;
+pub use sampling::{Sampled, Sampler, SamplingParams};
+pub use text::{ChatMessage, IncrementalDecoder, TextCodec};
+pub use weights::{LayerWeights, Weights};
+
+/// Everything read from a model folder.
+#[derive(Debug)]
+pub struct ModelFiles {
+    pub config: ModelConfig,
+    pub weights: Weights,
+    pub text: TextCodec,
+}
+
+impl ModelFiles {
+    /// Loads `config.json`, the weights and the tokenizer from `dir`. Errors name the file and the problem.
+    pub fn load(dir: &Path) -> Result<ModelFiles, ModelError> {
+        if !dir.is_dir() {
+            return Err(ModelError::format(dir, "not a directory"));
+        }
+        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let text = TextCodec::load(dir)?;
+        let weights = Weights::load(dir, &config)?;
+        Ok(ModelFiles { config, weights, text })
+    }
+}

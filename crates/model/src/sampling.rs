@@ -1,0 +1,259 @@
+//! Turning logits into the next token: penalties, temperature, top-k, top-p, min-p, a seeded RNG per
+//! request, and log-probabilities.
+
+/// Per-request sampling settings, in OpenAI / vLLM terms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 1 disables.
+    pub top_p: f32,
+    /// 0 disables.
+    pub top_k: usize,
+    /// 0 disables.
+    pub min_p: f32,
+    /// 1 disables. Applies to prompt and output tokens.
+    pub repetition_penalty: f32,
+    /// Applies to output tokens: subtracts `count * frequency_penalty`.
+    pub frequency_penalty: f32,
+    /// Applies to output tokens: subtracts `presence_penalty` once per distinct token.
+    pub presence_penalty: f32,
+    /// Top log-probabilities to return per token (0: only the chosen token's).
+    pub top_logprobs: usize,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            top_logprobs: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn greedy() -> Self {
+        SamplingParams { temperature: 0.0, ..Self::default() }
+    }
+}
+
+/// The chosen token with its log-probability under the model (before penalties and temperature), and
+/// the `top_logprobs` most likely tokens.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: f32,
+    pub top: Vec<(u32, f32)>,
+}
+
+/// xorshift64*: small, fast, and reproducible from a seed.
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        // splitmix64 of the seed, so nearby seeds give unrelated streams and 0 is fine.
+        let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        Rng((z ^ (z >> 31)) | 1)
+    }
+
+    /// Uniform in [0, 1).
+    fn next_f32(&mut self) -> f32 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        let r = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        (r >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+/// One request's sampler: its settings and its own RNG stream.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+}
+
+fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
+    logits.iter().map(|l| l - lse).collect()
+}
+
+fn argmax(v: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, seed: u64) -> Self {
+        Sampler { params, rng: Rng::new(seed) }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token. `prompt` and `output` are the request's tokens so far (for penalties).
+    pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Sampled {
+        let p = self.params.clone();
+        let raw = log_softmax(logits);
+        let mut l = logits.to_vec();
+        if p.repetition_penalty != 1.0 {
+            let mut seen = vec![false; l.len()];
+            for &t in prompt.iter().chain(output) {
+                if let Some(s) = seen.get_mut(t as usize) {
+                    *s = true;
+                }
+            }
+            for (x, s) in l.iter_mut().zip(seen) {
+                if s {
+                    *x = if *x > 0.0 { *x / p.repetition_penalty } else { *x * p.repetition_penalty };
+                }
+            }
+        }
+        if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+            let mut counts = std::collections::HashMap::<u32, u32>::new();
+            for &t in output {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, c) in counts {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x -= c as f32 * p.frequency_penalty + p.presence_penalty;
+                }
+            }
+        }
+        let token = if p.temperature <= 1e-5 { argmax(&l) } else { self.draw(&l) };
+        let mut top = Vec::new();
+        if p.top_logprobs > 0 {
+            let mut idx: Vec<usize> = (0..raw.len()).collect();
+            let k = p.top_logprobs.min(idx.len());
+            idx.select_nth_unstable_by(k - 1, |&a, &b| raw[b].total_cmp(&raw[a]));
+            idx.truncate(k);
+            idx.sort_by(|&a, &b| raw[b].total_cmp(&raw[a]));
+            top = idx.into_iter().map(|i| (i as u32, raw[i])).collect();
+        }
+        Sampled { token: token as u32, logprob: raw[token], top }
+    }
+
+    /// Samples from `l / temperature` restricted by top-k, min-p and top-p.
+    fn draw(&mut self, l: &[f32]) -> usize {
+        let p = &self.params;
+        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let probs: Vec<f32> = l.iter().map(|x| ((x - max) / p.temperature).exp()).collect();
+        let filtered = p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0.0;
+        if !filtered {
+            let sum: f32 = probs.iter().sum();
+            let mut r = self.rng.next_f32() * sum;
+            for (i, &q) in probs.iter().enumerate() {
+                r -= q;
+                if r < 0.0 {
+                    return i;
+                }
+            }
+            return argmax(&probs);
+        }
+        let mut idx: Vec<usize> = (0..probs.len()).collect();
+        if p.top_k > 0 && p.top_k < idx.len() {
+            idx.select_nth_unstable_by(p.top_k - 1, |&a, &b| probs[b].total_cmp(&probs[a]));
+            idx.truncate(p.top_k);
+        }
+        idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+        let total: f32 = idx.iter().map(|&i| probs[i]).sum();
+        let top = probs[idx[0]];
+        let mut keep = idx.len();
+        let mut cum = 0.0;
+        for (n, &i) in idx.iter().enumerate() {
+            if p.min_p > 0.0 && probs[i] < p.min_p * top {
+                keep = n;
+                break;
+            }
+            cum += probs[i] / total;
+            if cum >= p.top_p {
+                keep = n + 1;
+                break;
+            }
+        }
+        idx.truncate(keep.max(1));
+        let sum: f32 = idx.iter().map(|&i| probs[i]).sum();
+        let mut r = self.rng.next_f32() * sum;
+        for &i in &idx {
+            r -= probs[i];
+            if r < 0.0 {
+                return i;
+            }
+        }
+        idx[0]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn counts(params: SamplingParams, logits: &[f32], n: usize) -> Vec<usize> {
+        let mut s = Sampler::new(params, 7);
+        let mut c = vec![0; logits.len()];
+        for _ in 0..n {
+            c[s.sample(logits, &[], &[]).token as usize] += 1;
+        }
+        c
+    }
+
+    #[test]
+    fn greedy_and_filters() {
+        let logits = [1.0, 3.0, 2.0, 0.0];
+        assert_eq!(counts(SamplingParams::greedy(), &logits, 10), [0, 10, 0, 0]);
+        let c = counts(SamplingParams { top_k: 2, ..Default::default() }, &logits, 2000);
+        assert_eq!((c[0], c[3]), (0, 0), "top-k 2 keeps tokens 1 and 2: {c:?}");
+        // Probabilities e^3 : e^2 : e^1 : 1 normalised ~ 0.64 0.24 0.09 0.03; top-p 0.8 keeps two.
+        let c = counts(SamplingParams { top_p: 0.8, ..Default::default() }, &logits, 2000);
+        assert_eq!((c[0], c[3]), (0, 0), "{c:?}");
+        let c = counts(SamplingParams { min_p: 0.2, ..Default::default() }, &logits, 2000);
+        assert_eq!((c[0], c[3]), (0, 0), "min-p 0.2 of 0.64 drops below 0.128: {c:?}");
+        let c = counts(SamplingParams::default(), &logits, 4000);
+        assert!(c.iter().all(|&x| x > 0), "plain temperature sampling reaches every token: {c:?}");
+        assert!(c[1] > c[2] && c[2] > c[0] && c[0] > c[3], "{c:?}");
+    }
+
+    #[test]
+    fn seeds_reproduce() {
+        let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.3).sin()).collect();
+        let run = |seed| {
+            let mut s = Sampler::new(SamplingParams::default(), seed);
+            (0..20).map(|_| s.sample(&logits, &[], &[]).token).collect::<Vec<_>>()
+        };
+        assert_eq!(run(42), run(42));
+        assert_ne!(run(42), run(43));
+    }
+
+    #[test]
+    fn penalties_and_logprobs() {
+        let logits = [2.0, 1.9, -1.0];
+        let greedy = SamplingParams { top_logprobs: 2, ..SamplingParams::greedy() };
+        let mut s = Sampler::new(SamplingParams { repetition_penalty: 1.5, ..greedy.clone() }, 0);
+        assert_eq!(s.sample(&logits, &[0], &[]).token, 1, "2.0/1.5 < 1.9");
+        let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..greedy.clone() }, 0);
+        assert_eq!(s.sample(&logits, &[], &[0]).token, 1);
+        let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.05, ..greedy.clone() }, 0);
+        assert_eq!(s.sample(&logits, &[], &[0]).token, 0, "one use costs 0.05 only");
+        let out = Sampler::new(greedy, 0).sample(&logits, &[], &[]);
+        let total: f32 = log_softmax(&logits).iter().map(|l| l.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5);
+        assert_eq!(out.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(out.logprob, out.top[0].1);
+    }
+}

@@ -1,0 +1,142 @@
+//! The crate's one unsafe operation: mapping a file into memory.
+#![allow(unsafe_code)]
+
+use std::fs::File;
+use std::io;
+
+pub(crate) use memmap2::Mmap;
+
+/// Maps `file` read-only.
+pub(crate) fn map_file(file: &File) -> io::Result<Mmap> {
+    // SAFETY: the mapping is read-only and private to this process. Model files are written once (by
+    // import, to a temporary name renamed into place) and never modified while a process maps them;
+    // a file truncated underneath us would fault, which is the documented hazard of memory mapping and
+    // is outside what safe code can rule out.
+    unsafe { Mmap::map(file) }
+}
+
+/// `c[m×n] = a[m×k] · b[k×n]` with explicit row and column strides (in elements), through
+/// matrixmultiply's runtime-dispatched SIMD kernels.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sgemm(
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    (rsa, csa): (usize, usize),
+    b: &[f32],
+    (rsb, csb): (usize, usize),
+    c: &mut [f32],
+    (rsc, csc): (usize, usize),
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    let last = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
+    if k > 0 {
+        assert!(last(m, k, rsa, csa) < a.len(), "a is too short for its shape");
+        assert!(last(k, n, rsb, csb) < b.len(), "b is too short for its shape");
+    }
+    assert!(last(m, n, rsc, csc) < c.len(), "c is too short for its shape");
+    // Distinct elements of c must not alias, or the kernel's writes would race with each other.
+    assert!(
+        csc >= 1 && rsc >= (n - 1) * csc + 1 || rsc >= 1 && csc >= (m - 1) * rsc + 1,
+        "c's strides alias"
+    );
+    // SAFETY: the assertions above keep every index the kernel computes for a, b and c inside the
+    // slices, and c's elements are distinct. `c` is borrowed mutably, so nothing else reads or writes
+    // it during the call; a and b are only read.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.as_ptr(),
+            rsa as isize,
+            csa as isize,
+            b.as_ptr(),
+            rsb as isize,
+            csb as isize,
+            0.0,
+            c.as_mut_ptr(),
+            rsc as isize,
+            csc as isize,
+        );
+    }
+}
+
+/// Dot product, with an AVX2+FMA kernel where the CPU has one.
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above), and the lengths are equal.
+            return unsafe { dot_avx2(a, b) };
+        }
+    }
+    dot_portable(a, b)
+}
+
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA, and `a.len() == b.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY (of the loads): i + 16 <= n, so both 8-lane loads at i and i + 8 are in bounds.
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+        i += 16;
+    }
+    let acc = _mm256_add_ps(acc0, acc1);
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    let mut sum: f32 = lanes.iter().sum();
+    while i < n {
+        sum += *pa.add(i) * *pb.add(i);
+        i += 1;
+    }
+    sum
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dot_kernels_agree() {
+        let a: Vec<f32> = (0..77).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..77).map(|i| (i as f32 * 0.11).cos()).collect();
+        let exact: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+        assert!((f64::from(super::dot(&a, &b)) - exact).abs() < 1e-4);
+        assert!((f64::from(super::dot_portable(&a, &b)) - exact).abs() < 1e-4);
+    }
+
+    #[test]
+    fn sgemm_with_transposed_b() {
+        // c[2x3] = a[2x4] · w^T where w is [3x4] row-major.
+        let a = [1.0, 2.0, 3.0, 4.0, 0.5, 0.0, -1.0, 2.0];
+        let w = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+        let mut c = [0.0; 6];
+        super::sgemm(2, 4, 3, &a, (4, 1), &w, (1, 4), &mut c, (3, 1));
+        assert_eq!(c, [1.0, 2.0, 10.0, 0.5, 0.0, 1.5]);
+    }
+}

@@ -1,0 +1,153 @@
+//! Text in and out: `tokenizer.json` through the `tokenizers` crate, the chat template through minijinja
+//! with Hugging Face's conventions, and incremental detokenization.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::ModelError;
+
+/// One chat message as the template sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> Self {
+        ChatMessage { role: role.to_owned(), content: content.to_owned() }
+    }
+}
+
+/// Tokenizer plus chat template of one model folder.
+#[derive(Debug)]
+pub struct TextCodec {
+    tokenizer: tokenizers::Tokenizer,
+    template: Option<String>,
+    bos_token: String,
+    eos_token: String,
+}
+
+fn token_field(v: &serde_json::Value) -> Option<String> {
+    // Either a plain string or an AddedToken object with "content".
+    v.as_str().map(str::to_owned).or_else(|| v.get("content").and_then(|c| c.as_str()).map(str::to_owned))
+}
+
+impl TextCodec {
+    /// Loads `tokenizer.json` and, if present, `tokenizer_config.json` (chat template, special tokens).
+    pub fn load(dir: &Path) -> Result<TextCodec, ModelError> {
+        let path = dir.join("tokenizer.json");
+        if !path.exists() {
+            return Err(ModelError::format(&path, "missing (the model folder needs a tokenizer.json)"));
+        }
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(&path).map_err(|e| ModelError::format(&path, e.to_string()))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(text) => {
+                serde_json::from_str(&text).map_err(|e| ModelError::format(&cfg_path, e.to_string()))?
+            }
+            Err(_) => serde_json::Value::Null,
+        };
+        let template = cfg.get("chat_template").and_then(|t| t.as_str()).map(str::to_owned);
+        if let Some(t) = &template {
+            let mut env = minijinja::Environment::new();
+            env.add_template("chat", t)
+                .map_err(|e| ModelError::format(&cfg_path, format!("chat_template: {e}")))?;
+        }
+        Ok(TextCodec {
+            tokenizer,
+            template,
+            bos_token: cfg.get("bos_token").and_then(token_field).unwrap_or_default(),
+            eos_token: cfg.get("eos_token").and_then(token_field).unwrap_or_default(),
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
+    /// Token ids of `text`. Special tokens written in the text (`<|im_start|>`) become their ids.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        let enc =
+            self.tokenizer.encode(text, false).map_err(|e| ModelError::Text { problem: e.to_string() })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, ModelError> {
+        self.tokenizer.decode(ids, skip_special).map_err(|e| ModelError::Text { problem: e.to_string() })
+    }
+
+    /// The id of a token string, if the vocabulary has it.
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.tokenizer.token_to_id(token)
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Renders `messages` through the model's chat template.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
+        let template = self.template.as_deref().ok_or_else(|| ModelError::Text {
+            problem: "this model has no chat template (tokenizer_config.json has no chat_template)".into(),
+        })?;
+        let mut env = minijinja::Environment::new();
+        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", template).map_err(|e| ModelError::Text { problem: e.to_string() })?;
+        let tmpl = env.get_template("chat").map_err(|e| ModelError::Text { problem: e.to_string() })?;
+        tmpl.render(minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+        })
+        .map_err(|e| ModelError::Text { problem: format!("chat template: {e}") })
+    }
+}
+
+/// Turns a stream of token ids into a stream of text pieces, never splitting a UTF-8 character: a
+/// token that ends inside a multi-byte character yields nothing until the character completes.
+#[derive(Debug, Default)]
+pub struct IncrementalDecoder {
+    ids: Vec<u32>,
+    prefix_offset: usize,
+    read_offset: usize,
+}
+
+impl IncrementalDecoder {
+    pub fn new() -> Self {
+        IncrementalDecoder::default()
+    }
+
+    /// Adds one token; returns the text it completes (possibly empty).
+    pub fn push(&mut self, codec: &TextCodec, id: u32) -> Result<String, ModelError> {
+        self.ids.push(id);
+        let prefix = codec.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = codec.decode(&self.ids[self.prefix_offset..], true)?;
+        if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
+            let delta = full[prefix.len()..].to_owned();
+            self.prefix_offset = self.read_offset;
+            self.read_offset = self.ids.len();
+            return Ok(delta);
+        }
+        Ok(String::new())
+    }
+
+    /// Whatever is still held back (an incomplete character at the very end), as replacement text.
+    pub fn finish(&mut self, codec: &TextCodec) -> Result<String, ModelError> {
+        let prefix = codec.decode(&self.ids[self.prefix_offset..self.read_offset], true)?;
+        let full = codec.decode(&self.ids[self.prefix_offset..], true)?;
+        self.prefix_offset = self.ids.len();
+        self.read_offset = self.ids.len();
+        Ok(full.get(prefix.len()..).unwrap_or("").to_owned())
+    }
+}

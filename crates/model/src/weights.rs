@@ -1,0 +1,164 @@
+//! Weights from safetensors (one file or an index of shards) through memmap2, converted to f32.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors};
+
+use crate::gguf::{bf16_to_f32, f16_to_f32};
+use crate::sys::{map_file, Mmap};
+use crate::{ModelConfig, ModelError};
+
+/// One transformer layer's weights, row-major `[out, in]` matrices.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub input_norm: Vec<f32>,
+    pub q: Vec<f32>,
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+    pub o: Vec<f32>,
+    pub q_bias: Option<Vec<f32>>,
+    pub k_bias: Option<Vec<f32>>,
+    pub v_bias: Option<Vec<f32>>,
+    pub o_bias: Option<Vec<f32>>,
+    pub post_norm: Vec<f32>,
+    pub gate: Vec<f32>,
+    pub up: Vec<f32>,
+    pub down: Vec<f32>,
+}
+
+/// All weights of a model, in f32.
+#[derive(Debug, Clone)]
+pub struct Weights {
+    /// `[vocab, hidden]`
+    pub embed: Vec<f32>,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Vec<f32>,
+    /// `[vocab, hidden]`; `None` when tied to `embed`.
+    pub lm_head: Option<Vec<f32>>,
+}
+
+struct Shards {
+    maps: Vec<(PathBuf, Mmap)>,
+    /// tensor name -> shard index
+    index: HashMap<String, usize>,
+}
+
+impl Shards {
+    fn open(dir: &Path) -> Result<Shards, ModelError> {
+        let single = dir.join("model.safetensors");
+        let files: Vec<PathBuf> = if single.exists() {
+            vec![single]
+        } else {
+            let index_path = dir.join("model.safetensors.index.json");
+            let text = std::fs::read_to_string(&index_path).map_err(|e| ModelError::io(&index_path, e))?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| ModelError::format(&index_path, e.to_string()))?;
+            let map = v["weight_map"]
+                .as_object()
+                .ok_or_else(|| ModelError::format(&index_path, "no weight_map"))?;
+            let mut files: Vec<PathBuf> =
+                map.values().filter_map(|f| f.as_str()).map(|f| dir.join(f)).collect();
+            files.sort();
+            files.dedup();
+            files
+        };
+        let mut maps = Vec::new();
+        let mut index = HashMap::new();
+        for (i, path) in files.into_iter().enumerate() {
+            let file = File::open(&path).map_err(|e| ModelError::io(&path, e))?;
+            let map = map_file(&file).map_err(|e| ModelError::io(&path, e))?;
+            let st = SafeTensors::deserialize(&map).map_err(|e| ModelError::format(&path, e.to_string()))?;
+            for name in st.names() {
+                index.insert(name.to_string(), i);
+            }
+            maps.push((path, map));
+        }
+        Ok(Shards { maps, index })
+    }
+
+    /// Tensor `name` as f32, checked against `shape`.
+    fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let &i = self
+            .index
+            .get(name)
+            .ok_or_else(|| ModelError::format(&self.maps[0].0, format!("missing tensor {name}")))?;
+        let (path, map) = &self.maps[i];
+        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
+        let t = st.tensor(name).map_err(|e| ModelError::format(path, e.to_string()))?;
+        if t.shape() != shape {
+            return Err(ModelError::format(
+                path,
+                format!("tensor {name} has shape {:?}, expected {shape:?}", t.shape()),
+            ));
+        }
+        let b = t.data();
+        Ok(match t.dtype() {
+            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Dtype::F16 => b.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            other => {
+                return Err(ModelError::Unsupported {
+                    field: format!("dtype of {name}"),
+                    value: format!("{other:?}"),
+                })
+            }
+        })
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+}
+
+impl Weights {
+    /// Loads every weight `config` calls for from the safetensors in `dir`.
+    pub fn load(dir: &Path, config: &ModelConfig) -> Result<Weights, ModelError> {
+        let s = Shards::open(dir)?;
+        let (h, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
+        let (q_out, kv_out) = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim);
+        let mut layers = Vec::with_capacity(config.num_layers);
+        for l in 0..config.num_layers {
+            let p = format!("model.layers.{l}.");
+            let bias = |name: &str, n: usize, on: bool| -> Result<Option<Vec<f32>>, ModelError> {
+                if on {
+                    s.get(&format!("{p}{name}"), &[n]).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(LayerWeights {
+                input_norm: s.get(&format!("{p}input_layernorm.weight"), &[h])?,
+                q: s.get(&format!("{p}self_attn.q_proj.weight"), &[q_out, h])?,
+                k: s.get(&format!("{p}self_attn.k_proj.weight"), &[kv_out, h])?,
+                v: s.get(&format!("{p}self_attn.v_proj.weight"), &[kv_out, h])?,
+                o: s.get(&format!("{p}self_attn.o_proj.weight"), &[h, q_out])?,
+                q_bias: bias("self_attn.q_proj.bias", q_out, config.qkv_bias)?,
+                k_bias: bias("self_attn.k_proj.bias", kv_out, config.qkv_bias)?,
+                v_bias: bias("self_attn.v_proj.bias", kv_out, config.qkv_bias)?,
+                o_bias: bias("self_attn.o_proj.bias", h, config.o_bias)?,
+                post_norm: s.get(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+                gate: s.get(&format!("{p}mlp.gate_proj.weight"), &[i, h])?,
+                up: s.get(&format!("{p}mlp.up_proj.weight"), &[i, h])?,
+                down: s.get(&format!("{p}mlp.down_proj.weight"), &[h, i])?,
+            });
+        }
+        let lm_head = if config.tie_word_embeddings && !s.has("lm_head.weight") {
+            None
+        } else {
+            Some(s.get("lm_head.weight", &[v, h])?)
+        };
+        Ok(Weights {
+            embed: s.get("model.embed_tokens.weight", &[v, h])?,
+            layers,
+            final_norm: s.get("model.norm.weight", &[h])?,
+            lm_head,
+        })
+    }
+
+    /// The output projection `[vocab, hidden]`.
+    pub fn lm_head(&self) -> &[f32] {
+        self.lm_head.as_deref().unwrap_or(&self.embed)
+    }
+}
