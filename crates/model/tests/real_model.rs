@@ -1,0 +1,256 @@
+//! The default model (SmolLM2-135M-Instruct), fetched and imported on first use, checked against an
+//! independent reference (tests/fixtures/reference.json, made by tests/fixtures/make_reference.py).
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+use pdserve_kvcache::{KvCache, KvConfig, SeqId};
+use pdserve_model::fetch::{ensure_default_model, models_dir};
+use pdserve_model::import::{permute_qk, Silent};
+use pdserve_model::{
+    Backend, ChatMessage, CpuBackend, IncrementalDecoder, ModelConfig, ModelFiles, Sampler, SamplingParams, SeqStep,
+    TextCodec, Weights,
+};
+
+struct Loaded {
+    config: ModelConfig,
+    weights: Arc<Weights>,
+    text: TextCodec,
+}
+
+fn model() -> &'static Loaded {
+    static MODEL: OnceLock<Loaded> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let dir = ensure_default_model(&models_dir(), &mut Silent, false).expect("default model");
+        let m = ModelFiles::load(&dir).expect("load");
+        Loaded { config: m.config, weights: Arc::new(m.weights), text: m.text }
+    })
+}
+
+/// Tests share one backend (its KV memory is large); they take turns.
+fn backend() -> std::sync::MutexGuard<'static, CpuBackend> {
+    static CPU: OnceLock<Mutex<CpuBackend>> = OnceLock::new();
+    let m = model();
+    CPU.get_or_init(|| Mutex::new(CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16)))
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+/// A sequence driven through a KV cache and a backend: prefill in the given chunks, then greedy decode.
+struct Run<'a> {
+    kv: KvCache,
+    cpu: &'a mut CpuBackend,
+    seq: SeqId,
+}
+
+impl<'a> Run<'a> {
+    fn new(cpu: &'a mut CpuBackend, tokens: &[u32]) -> Self {
+        let layout = cpu.kv_layout();
+        let mut kv = KvCache::new(KvConfig { num_blocks: layout.num_blocks as u32, block_size: layout.block_size as u32 }).unwrap();
+        kv.add_sequence(SeqId(1), tokens).unwrap();
+        Run { kv, cpu, seq: SeqId(1) }
+    }
+
+    /// Runs the next `n` known tokens; returns the logits of the last.
+    fn step(&mut self, n: usize) -> Vec<f32> {
+        let start = self.kv.computed_tokens(self.seq).unwrap();
+        self.kv.reserve(self.seq, n).unwrap();
+        let tokens = self.kv.tokens(self.seq).unwrap()[start..start + n].to_vec();
+        let table = self.kv.block_table(self.seq).unwrap().to_vec();
+        let out = self.cpu.forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: true }]).unwrap();
+        self.kv.commit(self.seq, n).unwrap();
+        out.into_iter().next().unwrap()
+    }
+
+    fn greedy(&mut self, first_logits: Vec<f32>, n: usize) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut logits = first_logits;
+        let mut s = Sampler::new(SamplingParams::greedy(), 0);
+        while out.len() < n {
+            let t = s.sample(&logits, &[], &out).token;
+            out.push(t);
+            if out.len() == n {
+                break;
+            }
+            self.kv.append_tokens(self.seq, &[t]).unwrap();
+            logits = self.step(1);
+        }
+        out
+    }
+}
+
+fn fixture() -> serde_json::Value {
+    serde_json::from_str(include_str!("fixtures/reference.json")).unwrap()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+}
+
+/// Largest |ours - reference| over the fixture's logits at `pos` (its top 10 and probe ids).
+fn max_logit_error(ours: &[f32], reference: &serde_json::Value) -> f32 {
+    let pairs = reference["top"].as_array().unwrap().iter().chain(reference["probe"].as_array().unwrap());
+    pairs
+        .map(|p| {
+            let (id, want) = (p[0].as_u64().unwrap() as usize, p[1].as_f64().unwrap() as f32);
+            (ours[id] - want).abs()
+        })
+        .fold(0.0, f32::max)
+}
+
+/// Logits within this absolute error of the reference (logits here range over about ±30; the error
+/// measured when the fixture was made was 8.4e-5).
+const LOGIT_TOLERANCE: f32 = 1e-3;
+
+/// Checks every fixture prompt on `cpu`: logits at the fixture's positions and 32 greedy tokens.
+/// Returns the worst logit error and whether all greedy tokens matched.
+fn check_against_reference(cpu: &mut CpuBackend) -> (f32, bool) {
+    let fx = fixture();
+    let mut worst = 0.0f32;
+    let mut greedy_ok = true;
+    for p in fx["prompts"].as_array().unwrap() {
+        let tokens = ids(&p["ids"]);
+        let mut run = Run::new(cpu, &tokens);
+        // Prefill in chunks ending at each checked position, so each chunk's last logits are checked.
+        let mut done = 0;
+        let mut last = Vec::new();
+        for pos in p["positions"].as_array().unwrap() {
+            let at = pos["pos"].as_u64().unwrap() as usize;
+            last = run.step(at + 1 - done);
+            done = at + 1;
+            worst = worst.max(max_logit_error(&last, pos));
+        }
+        let want = ids(&p["greedy"]);
+        let got = run.greedy(last, want.len());
+        greedy_ok &= got == want;
+    }
+    (worst, greedy_ok)
+}
+
+#[test]
+fn matches_the_independent_reference() {
+    let mut cpu = backend();
+    let (worst, greedy_ok) = check_against_reference(&mut cpu);
+    assert!(worst < LOGIT_TOLERANCE, "max logit error {worst} over {LOGIT_TOLERANCE}");
+    assert!(greedy_ok, "greedy tokens differ from the reference");
+}
+
+#[test]
+fn gguf_ordered_qk_with_rotate_half_rope_is_caught() {
+    let m = model();
+    let mut w = (*m.weights).clone();
+    let (nh, nkv, h) = (m.config.num_heads, m.config.num_kv_heads, m.config.hidden_size);
+    for l in &mut w.layers {
+        l.q = permute_qk(&l.q, nh, h);
+        l.k = permute_qk(&l.k, nkv, h);
+    }
+    let mut cpu = CpuBackend::new(m.config.clone(), Arc::new(w), 64, 16);
+    let (worst, greedy_ok) = check_against_reference(&mut cpu);
+    assert!(worst > 10.0 * LOGIT_TOLERANCE && !greedy_ok, "the mixed-convention model passed ({worst})");
+    // And the symptom target.md describes: asked a question, it ends its answer at once.
+    let prompt = m.text.apply_chat_template(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
+    let tokens = m.text.encode(&prompt).unwrap();
+    let mut run = Run::new(&mut cpu, &tokens);
+    let logits = run.step(tokens.len());
+    assert_eq!(run.greedy(logits, 1), [2], "expected <|im_end|> at once");
+}
+
+#[test]
+fn answers_the_capital_of_france() {
+    let m = model();
+    let prompt = m.text.apply_chat_template(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
+    let tokens = m.text.encode(&prompt).unwrap();
+    let mut cpu = backend();
+    let mut run = Run::new(&mut cpu, &tokens);
+    let logits = run.step(tokens.len());
+    let out = run.greedy(logits, 12);
+    let end = out.iter().position(|&t| t == 2).expect("an <|im_end|>");
+    let mut detok = IncrementalDecoder::new();
+    let mut text = String::new();
+    for &t in &out[..end] {
+        text.push_str(&detok.push(&m.text, t).unwrap());
+    }
+    text.push_str(&detok.finish(&m.text).unwrap());
+    assert_eq!(text, "The capital of France is Paris.");
+}
+
+#[test]
+fn chunked_token_by_token_and_batched_prefill_agree() {
+    let m = model();
+    let fx = fixture();
+    let long = ids(&fx["prompts"][2]["ids"]);
+    let mut cpu = backend();
+    let whole = Run::new(&mut cpu, &long).step(long.len());
+    let mut run = Run::new(&mut cpu, &long);
+    for n in [5, 16, 1, 30] {
+        run.step(n);
+    }
+    let chunked = run.step(long.len() - 52);
+    let mut run = Run::new(&mut cpu, &long);
+    let mut by_token = Vec::new();
+    for _ in 0..long.len() {
+        by_token = run.step(1);
+    }
+    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    assert!(diff(&whole, &chunked) < 1e-3, "chunked differs by {}", diff(&whole, &chunked));
+    assert!(diff(&whole, &by_token) < 1e-3, "token by token differs by {}", diff(&whole, &by_token));
+
+    // Three different sequences in one step give what each gives alone.
+    let prompts: Vec<Vec<u32>> = fx["prompts"].as_array().unwrap().iter().map(|p| ids(&p["ids"])).collect();
+    let alone: Vec<Vec<f32>> = prompts.iter().map(|p| Run::new(&mut cpu, p).step(p.len())).collect();
+    let mut kv = KvCache::new(KvConfig { num_blocks: 64, block_size: 16 }).unwrap();
+    let mut tables = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        kv.add_sequence(SeqId(i as u64), p).unwrap();
+        kv.reserve(SeqId(i as u64), p.len()).unwrap();
+        tables.push(kv.block_table(SeqId(i as u64)).unwrap().to_vec());
+    }
+    let steps: Vec<SeqStep<'_>> = prompts
+        .iter()
+        .zip(&tables)
+        .map(|(p, t)| SeqStep { tokens: p, start_pos: 0, block_table: t, logits: true })
+        .collect();
+    let batched = cpu.forward(&steps).unwrap();
+    for (a, b) in alone.iter().zip(&batched) {
+        assert!(diff(a, b) < 1e-3, "batched differs by {}", diff(a, b));
+    }
+    assert_eq!(m.config.vocab_size, batched[0].len());
+}
+
+#[test]
+fn tokenizer_vectors() {
+    let t = &model().text;
+    assert_eq!(t.encode("Hello, world! How are you?").unwrap(), [19556, 28, 905, 17, 1073, 359, 346, 47]);
+    let digits = t.encode("2024").unwrap();
+    assert_eq!(digits.len(), 4, "digits are split singly: {digits:?}");
+    assert_eq!(t.encode("<|im_start|>user").unwrap()[0], 1, "special tokens in text become their ids");
+    for s in ["  leading and   inner   spaces\n\n\ttabs ", "東京は日本の首都です。", "emoji 🦀🚀 and 👩‍👩‍👧", "mixed 123 числа"] {
+        let ids = t.encode(s).unwrap();
+        assert_eq!(t.decode(&ids, false).unwrap(), s, "round trip of {s:?}");
+        // Streaming never emits half a character, and the pieces add up to the text.
+        let mut d = IncrementalDecoder::new();
+        let mut streamed = String::new();
+        for &id in &ids {
+            let piece = d.push(t, id).unwrap();
+            assert!(!piece.contains('\u{FFFD}'), "broken character streamed for {s:?}");
+            streamed.push_str(&piece);
+        }
+        streamed.push_str(&d.finish(t).unwrap());
+        assert_eq!(streamed, s);
+    }
+}
+
+#[test]
+fn chat_template_renders_like_hugging_face() {
+    let t = &model().text;
+    let msgs = [ChatMessage::new("user", "Hi")];
+    assert_eq!(
+        t.apply_chat_template(&msgs, true).unwrap(),
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n\
+         <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    );
+    let msgs = [ChatMessage::new("system", "Be brief."), ChatMessage::new("user", "Hi")];
+    assert_eq!(
+        t.apply_chat_template(&msgs, false).unwrap(),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+    );
+}
