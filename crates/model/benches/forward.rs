@@ -1,1 +1,109 @@
-fn main() {}
+//! Speed of the CPU forward pass on the default model: single-sequence decode, prefill of a 1,000-token
+//! prompt, and aggregate decode with 8 and 32 sequences in one batch. Uses rayon's pool (one thread per
+//! core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens). Writes
+//! `target/bench/model-forward.json`.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use pdserve_kvcache::{KvCache, KvConfig, SeqId};
+use pdserve_model::fetch::{ensure_default_model, models_dir};
+use pdserve_model::import::Silent;
+use pdserve_model::{Backend, CpuBackend, ModelFiles, SeqStep};
+
+const BS: usize = 16;
+
+struct Bench {
+    cpu: CpuBackend,
+    kv: KvCache,
+}
+
+impl Bench {
+    /// Prefills `n` sequences of `prompt_len` tokens (one step each); returns the seconds it took.
+    fn prefill(&mut self, n: usize, prompt_len: usize) -> f64 {
+        let t = Instant::now();
+        for i in 0..n {
+            let s = SeqId(i as u64);
+            let prompt: Vec<u32> =
+                (0..prompt_len).map(|j| ((i * 131 + j * 17) % 40_000 + 100) as u32).collect();
+            self.kv.add_sequence(s, &prompt).expect("add");
+            self.kv.reserve(s, prompt_len).expect("reserve");
+            let table = self.kv.block_table(s).expect("table").to_vec();
+            self.cpu
+                .forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: true }])
+                .expect("forward");
+            self.kv.commit(s, prompt_len).expect("commit");
+        }
+        t.elapsed().as_secs_f64()
+    }
+
+    /// Decodes `steps` tokens for sequences `0..n` together; returns tokens per second over all of them.
+    fn decode(&mut self, n: usize, steps: usize) -> f64 {
+        let t = Instant::now();
+        for step in 0..steps {
+            let mut inputs = Vec::with_capacity(n);
+            for i in 0..n {
+                let s = SeqId(i as u64);
+                let pos = self.kv.computed_tokens(s).expect("computed");
+                let tok = ((step * 7 + i) % 40_000 + 100) as u32;
+                self.kv.append_tokens(s, &[tok]).expect("append");
+                self.kv.reserve(s, 1).expect("reserve");
+                inputs.push((vec![tok], pos, self.kv.block_table(s).expect("table").to_vec()));
+            }
+            let batch: Vec<SeqStep<'_>> = inputs
+                .iter()
+                .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: true })
+                .collect();
+            self.cpu.forward(&batch).expect("forward");
+            for i in 0..n {
+                self.kv.commit(SeqId(i as u64), 1).expect("commit");
+            }
+        }
+        (n * steps) as f64 / t.elapsed().as_secs_f64()
+    }
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let dir = ensure_default_model(&models_dir(), &mut Silent, false).expect("default model");
+    let m = ModelFiles::load(&dir).expect("load");
+    let weights = Arc::new(m.weights);
+    let blocks = 2048;
+    let fresh = |weights: &Arc<_>| Bench {
+        cpu: CpuBackend::new(m.config.clone(), Arc::clone(weights), blocks, BS),
+        kv: KvCache::new(KvConfig { num_blocks: blocks as u32, block_size: BS as u32 }).expect("kv"),
+    };
+    let steps = if quick { 8 } else { 32 };
+    let threads = rayon::current_num_threads();
+
+    let mut b = fresh(&weights);
+    b.prefill(1, 16);
+    let single = b.decode(1, steps * 2);
+
+    let mut b = fresh(&weights);
+    let prefill_s = b.prefill(1, 1000);
+    let prefill = 1000.0 / prefill_s;
+
+    let mut results =
+        vec![("single_decode_tokens_per_second", single), ("prefill_1000_tokens_per_second", prefill)];
+    for n in [8usize, 32] {
+        let mut b = fresh(&weights);
+        b.prefill(n, 64);
+        let rate = b.decode(n, steps);
+        results.push((
+            if n == 8 { "batch8_decode_tokens_per_second" } else { "batch32_decode_tokens_per_second" },
+            rate,
+        ));
+    }
+    println!("threads: {threads}");
+    for (k, v) in &results {
+        println!("{k:<36} {v:>10.1}");
+    }
+    let json: Vec<String> = results.iter().map(|(k, v)| format!("\"{k}\":{v:.2}")).collect();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/bench");
+    let _ = std::fs::create_dir_all(&dir);
+    let _ = std::fs::write(
+        dir.join("model-forward.json"),
+        format!("{{\"threads\":{threads},{}}}\n", json.join(",")),
+    );
+}

@@ -39,10 +39,7 @@ pub(crate) fn sgemm(
     }
     assert!(last(m, n, rsc, csc) < c.len(), "c is too short for its shape");
     // Distinct elements of c must not alias, or the kernel's writes would race with each other.
-    assert!(
-        csc >= 1 && rsc >= (n - 1) * csc + 1 || rsc >= 1 && csc >= (m - 1) * rsc + 1,
-        "c's strides alias"
-    );
+    assert!(csc >= 1 && rsc > (n - 1) * csc || rsc >= 1 && csc > (m - 1) * rsc, "c's strides alias");
     // SAFETY: the assertions above keep every index the kernel computes for a, b and c inside the
     // slices, and c's elements are distinct. `c` is borrowed mutably, so nothing else reads or writes
     // it during the call; a and b are only read.

@@ -7,8 +7,8 @@ use pdserve_kvcache::{KvCache, KvConfig, SeqId};
 use pdserve_model::fetch::{ensure_default_model, models_dir};
 use pdserve_model::import::{permute_qk, Silent};
 use pdserve_model::{
-    Backend, ChatMessage, CpuBackend, IncrementalDecoder, ModelConfig, ModelFiles, Sampler, SamplingParams, SeqStep,
-    TextCodec, Weights,
+    Backend, ChatMessage, CpuBackend, IncrementalDecoder, ModelConfig, ModelFiles, Sampler, SamplingParams,
+    SeqStep, TextCodec, Weights,
 };
 
 struct Loaded {
@@ -45,7 +45,11 @@ struct Run<'a> {
 impl<'a> Run<'a> {
     fn new(cpu: &'a mut CpuBackend, tokens: &[u32]) -> Self {
         let layout = cpu.kv_layout();
-        let mut kv = KvCache::new(KvConfig { num_blocks: layout.num_blocks as u32, block_size: layout.block_size as u32 }).unwrap();
+        let mut kv = KvCache::new(KvConfig {
+            num_blocks: layout.num_blocks as u32,
+            block_size: layout.block_size as u32,
+        })
+        .unwrap();
         kv.add_sequence(SeqId(1), tokens).unwrap();
         Run { kv, cpu, seq: SeqId(1) }
     }
@@ -56,7 +60,10 @@ impl<'a> Run<'a> {
         self.kv.reserve(self.seq, n).unwrap();
         let tokens = self.kv.tokens(self.seq).unwrap()[start..start + n].to_vec();
         let table = self.kv.block_table(self.seq).unwrap().to_vec();
-        let out = self.cpu.forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: true }]).unwrap();
+        let out = self
+            .cpu
+            .forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: true }])
+            .unwrap();
         self.kv.commit(self.seq, n).unwrap();
         out.into_iter().next().unwrap()
     }
@@ -147,7 +154,10 @@ fn gguf_ordered_qk_with_rotate_half_rope_is_caught() {
     let (worst, greedy_ok) = check_against_reference(&mut cpu);
     assert!(worst > 10.0 * LOGIT_TOLERANCE && !greedy_ok, "the mixed-convention model passed ({worst})");
     // And the symptom target.md describes: asked a question, it ends its answer at once.
-    let prompt = m.text.apply_chat_template(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
+    let prompt = m
+        .text
+        .apply_chat_template(&[ChatMessage::new("user", "What is the capital of France?")], true)
+        .unwrap();
     let tokens = m.text.encode(&prompt).unwrap();
     let mut run = Run::new(&mut cpu, &tokens);
     let logits = run.step(tokens.len());
@@ -157,7 +167,10 @@ fn gguf_ordered_qk_with_rotate_half_rope_is_caught() {
 #[test]
 fn answers_the_capital_of_france() {
     let m = model();
-    let prompt = m.text.apply_chat_template(&[ChatMessage::new("user", "What is the capital of France?")], true).unwrap();
+    let prompt = m
+        .text
+        .apply_chat_template(&[ChatMessage::new("user", "What is the capital of France?")], true)
+        .unwrap();
     let tokens = m.text.encode(&prompt).unwrap();
     let mut cpu = backend();
     let mut run = Run::new(&mut cpu, &tokens);
@@ -223,7 +236,12 @@ fn tokenizer_vectors() {
     let digits = t.encode("2024").unwrap();
     assert_eq!(digits.len(), 4, "digits are split singly: {digits:?}");
     assert_eq!(t.encode("<|im_start|>user").unwrap()[0], 1, "special tokens in text become their ids");
-    for s in ["  leading and   inner   spaces\n\n\ttabs ", "東京は日本の首都です。", "emoji 🦀🚀 and 👩‍👩‍👧", "mixed 123 числа"] {
+    for s in [
+        "  leading and   inner   spaces\n\n\ttabs ",
+        "東京は日本の首都です。",
+        "emoji 🦀🚀 and 👩‍👩‍👧",
+        "mixed 123 числа",
+    ] {
         let ids = t.encode(s).unwrap();
         assert_eq!(t.decode(&ids, false).unwrap(), s, "round trip of {s:?}");
         // Streaming never emits half a character, and the pieces add up to the text.

@@ -1,0 +1,222 @@
+//! A tiny random-weight model built by the test itself: fast checks of the forward pass's invariants,
+//! its input validation, KV block copies, and of loading errors that name the file.
+
+use std::sync::Arc;
+
+use pdserve_kvcache::{BlockId, KvCache, KvConfig, SeqId};
+use pdserve_model::{
+    Backend, CpuBackend, LayerWeights, ModelConfig, ModelError, ModelFiles, SeqStep, Weights,
+};
+
+fn config() -> ModelConfig {
+    ModelConfig {
+        hidden_size: 32,
+        intermediate_size: 48,
+        num_layers: 2,
+        num_heads: 4,
+        num_kv_heads: 2,
+        head_dim: 8,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        max_position_embeddings: 128,
+        vocab_size: 50,
+        tie_word_embeddings: true,
+        qkv_bias: true,
+        o_bias: false,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+    }
+}
+
+fn random(n: usize, seed: &mut u64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5
+        })
+        .collect()
+}
+
+fn weights(c: &ModelConfig) -> Weights {
+    let mut s = 0x1234_5678_9abc_def1u64;
+    let (h, i, q, kv) =
+        (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let layers = (0..c.num_layers)
+        .map(|_| LayerWeights {
+            input_norm: vec![1.0; h],
+            q: random(q * h, &mut s),
+            k: random(kv * h, &mut s),
+            v: random(kv * h, &mut s),
+            o: random(h * q, &mut s),
+            q_bias: Some(random(q, &mut s)),
+            k_bias: Some(random(kv, &mut s)),
+            v_bias: Some(random(kv, &mut s)),
+            o_bias: None,
+            post_norm: vec![1.0; h],
+            gate: random(i * h, &mut s),
+            up: random(i * h, &mut s),
+            down: random(h * i, &mut s),
+        })
+        .collect();
+    Weights { embed: random(c.vocab_size * h, &mut s), layers, final_norm: vec![1.0; h], lm_head: None }
+}
+
+fn backend(num_blocks: usize, block_size: usize) -> CpuBackend {
+    let c = config();
+    let w = weights(&c);
+    CpuBackend::new(c, Arc::new(w), num_blocks, block_size)
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Runs `tokens` through `cpu` in chunks of the given sizes; returns the last logits.
+fn prefill(cpu: &mut CpuBackend, tokens: &[u32], chunks: &[usize]) -> Vec<f32> {
+    let bs = cpu.kv_layout().block_size;
+    let mut kv =
+        KvCache::new(KvConfig { num_blocks: cpu.kv_layout().num_blocks as u32, block_size: bs as u32 })
+            .unwrap();
+    let s = SeqId(1);
+    kv.add_sequence(s, tokens).unwrap();
+    let mut last = Vec::new();
+    for &n in chunks {
+        let start = kv.computed_tokens(s).unwrap();
+        kv.reserve(s, n).unwrap();
+        let table = kv.block_table(s).unwrap().to_vec();
+        last = cpu
+            .forward(&[SeqStep {
+                tokens: &tokens[start..start + n],
+                start_pos: start,
+                block_table: &table,
+                logits: true,
+            }])
+            .unwrap()
+            .remove(0);
+        kv.commit(s, n).unwrap();
+    }
+    last
+}
+
+#[test]
+fn chunking_and_block_size_do_not_change_logits() {
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 7 % 50) as u32).collect();
+    let whole = prefill(&mut backend(16, 4), &tokens, &[40]);
+    for (bs, chunks) in [(4, vec![1, 3, 17, 19]), (1, vec![40]), (16, vec![20, 20]), (4, vec![1; 40])] {
+        let got = prefill(&mut backend(64, bs), &tokens, &chunks);
+        assert!(
+            max_diff(&whole, &got) < 1e-4,
+            "block size {bs}, chunks {chunks:?}: {}",
+            max_diff(&whole, &got)
+        );
+    }
+}
+
+#[test]
+fn batch_rows_do_not_leak_into_each_other() {
+    let mut cpu = backend(32, 4);
+    let a: Vec<u32> = vec![3, 4, 5, 6, 7, 8, 9];
+    let b: Vec<u32> = vec![10, 11, 12];
+    let alone_a = prefill(&mut cpu, &a, &[7]);
+    let alone_b = prefill(&mut cpu, &b, &[3]);
+    let mut kv = KvCache::new(KvConfig { num_blocks: 32, block_size: 4 }).unwrap();
+    for (i, t) in [&a, &b].iter().enumerate() {
+        kv.add_sequence(SeqId(i as u64), t).unwrap();
+        kv.reserve(SeqId(i as u64), t.len()).unwrap();
+    }
+    let (ta, tb) = (kv.block_table(SeqId(0)).unwrap().to_vec(), kv.block_table(SeqId(1)).unwrap().to_vec());
+    let out = cpu
+        .forward(&[
+            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: true },
+            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: false },
+        ])
+        .unwrap();
+    assert_eq!(out.len(), 1, "logits only where asked");
+    assert!(max_diff(&out[0], &alone_a) < 1e-4);
+    let out = cpu
+        .forward(&[
+            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: true },
+            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: true },
+        ])
+        .unwrap();
+    assert!(max_diff(&out[0], &alone_b) < 1e-4 && max_diff(&out[1], &alone_a) < 1e-4);
+}
+
+#[test]
+fn copied_blocks_continue_identically() {
+    // A fork's copy-on-write: decoding from copied KV gives the same logits as from the original.
+    let mut cpu = backend(16, 4);
+    let prompt: Vec<u32> = vec![5, 6, 7, 8, 9, 10];
+    let mut kv = KvCache::new(KvConfig { num_blocks: 16, block_size: 4 }).unwrap();
+    kv.add_sequence(SeqId(1), &prompt).unwrap();
+    kv.reserve(SeqId(1), 6).unwrap();
+    let table = kv.block_table(SeqId(1)).unwrap().to_vec();
+    cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: false }]).unwrap();
+    kv.commit(SeqId(1), 6).unwrap();
+    kv.fork(SeqId(1), SeqId(2)).unwrap();
+    for s in [SeqId(1), SeqId(2)] {
+        kv.append_tokens(s, &[11]).unwrap();
+        kv.reserve(s, 1).unwrap();
+    }
+    let copies = kv.take_copies();
+    assert_eq!(copies.len(), 1);
+    cpu.copy_blocks(&copies);
+    assert_eq!(cpu.block_data(copies[0].dst), cpu.block_data(copies[0].src), "whole block copied");
+    let out: Vec<Vec<f32>> = [SeqId(1), SeqId(2)]
+        .iter()
+        .map(|&s| {
+            let t = kv.block_table(s).unwrap().to_vec();
+            cpu.forward(&[SeqStep { tokens: &[11], start_pos: 6, block_table: &t, logits: true }])
+                .unwrap()
+                .remove(0)
+        })
+        .collect();
+    assert!(max_diff(&out[0], &out[1]) < 1e-6);
+}
+
+#[test]
+fn invalid_steps_are_errors_not_panics() {
+    let mut cpu = backend(4, 4);
+    let table = [BlockId(0), BlockId(1)];
+    let cases: Vec<(Vec<u32>, usize, Vec<BlockId>)> = vec![
+        (vec![], 0, table.to_vec()),
+        (vec![50], 0, table.to_vec()),
+        (vec![1; 9], 0, table.to_vec()),
+        (vec![1], 127, vec![BlockId(0); 32]),
+        (vec![1, 2], 127, vec![BlockId(0); 33]),
+        (vec![1], 0, vec![BlockId(9)]),
+    ];
+    for (tokens, start, table) in cases {
+        let r =
+            cpu.forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: true }]);
+        match (tokens.len(), start, r) {
+            (1, 127, Ok(_)) => {}
+            (_, _, Err(ModelError::InvalidInput { .. })) => {}
+            (n, s, other) => panic!("{n} tokens at {s}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn loading_errors_name_the_file() {
+    let dir = std::env::temp_dir().join(format!("pdserve-model-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let err = ModelFiles::load(&dir).unwrap_err().to_string();
+    assert!(err.contains("config.json"), "{err}");
+    std::fs::write(dir.join("config.json"), "{not json").unwrap();
+    let err = ModelFiles::load(&dir).unwrap_err().to_string();
+    assert!(err.contains("config.json"), "{err}");
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "max_position_embeddings": 64, "vocab_size": 50}"#,
+    )
+    .unwrap();
+    let err = ModelFiles::load(&dir).unwrap_err().to_string();
+    assert!(err.contains("tokenizer.json"), "{err}");
+    let err = ModelFiles::load(&dir.join("nope")).unwrap_err().to_string();
+    assert!(err.contains("not a directory"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
