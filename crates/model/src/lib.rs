@@ -67,3 +67,8 @@ impl ModelFiles {
         Ok(ModelFiles { config, weights, text })
     }
 }
+
+/// The README's examples, compiled as doc tests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
