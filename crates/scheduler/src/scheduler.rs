@@ -1,0 +1,637 @@
+//! The continuous-batching state machine.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use pdserve_kvcache::{KvCache, KvError, SeqId, TransferId};
+
+use crate::types::*;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Waiting,
+    AwaitingKv {
+        transfer: TransferId,
+        first_token: u32,
+    },
+    /// In the running batch; `prefilled` once every known token's KV is computed at least once.
+    Running {
+        prefilled: bool,
+    },
+}
+
+#[derive(Debug)]
+struct Req {
+    id: RequestId,
+    seq: SeqId,
+    prompt_len: usize,
+    /// Prompt plus output so far.
+    tokens: Vec<u32>,
+    output_len: usize,
+    max_tokens: usize,
+    queue_deadline: Instant,
+    deadline: Instant,
+    state: State,
+    admitted_order: u64,
+}
+
+impl Req {
+    fn stage(&self) -> Stage {
+        match self.state {
+            State::Waiting => Stage::Queued,
+            State::AwaitingKv { .. } => Stage::KvTransfer,
+            State::Running { prefilled: false } => Stage::Prefilling,
+            State::Running { prefilled: true } => Stage::Decoding,
+        }
+    }
+}
+
+/// The scheduler of one worker. It owns the worker's [`KvCache`]; the engine reads block tables and
+/// copy-on-write work from [`kv`](Self::kv) / [`kv_mut`](Self::kv_mut).
+///
+/// Call order per engine iteration (time always comes in as `now`):
+/// 1. any number of [`handle_request`](Self::handle_request) (answered at once: admitted or rejected),
+///    [`handle_abort`](Self::handle_abort), [`handle_kv_arrived`](Self::handle_kv_arrived),
+///    [`handle_transfer_done`](Self::handle_transfer_done);
+/// 2. [`poll_batch`](Self::poll_batch): ends what timed out, plans the step and reserves its KV;
+/// 3. the engine runs the step, then reports it with exactly one of
+///    [`handle_step_result`](Self::handle_step_result) or [`handle_step_failed`](Self::handle_step_failed);
+/// 4. [`poll_event`](Self::poll_event) until `None`.
+#[derive(Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    epoch: Instant,
+    kv: KvCache,
+    reqs: HashMap<RequestId, Req>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    awaiting: Vec<RequestId>,
+    /// Prefill role: leases handed to decode peers and not yet released or expired.
+    leases_out: HashSet<TransferId>,
+    in_flight: Vec<BatchItem>,
+    events: VecDeque<Event>,
+    finishes: VecDeque<Instant>,
+    next_order: u64,
+    stats: SchedulerStats,
+}
+
+const DRAIN_WINDOW: usize = 64;
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig, kv: KvCache, now: Instant) -> Self {
+        Scheduler {
+            config,
+            epoch: now,
+            kv,
+            reqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            awaiting: Vec::new(),
+            leases_out: HashSet::new(),
+            in_flight: Vec::new(),
+            events: VecDeque::new(),
+            finishes: VecDeque::with_capacity(DRAIN_WINDOW),
+            next_order: 0,
+            stats: SchedulerStats::default(),
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn kv(&self) -> &KvCache {
+        &self.kv
+    }
+
+    /// For the engine's copy-on-write work (`take_copies`) only; changing sequences behind the
+    /// scheduler's back breaks its invariants.
+    pub fn kv_mut(&mut self) -> &mut KvCache {
+        &mut self.kv
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            waiting: self.waiting.len(),
+            running: self.running.len(),
+            awaiting_kv: self.awaiting.len(),
+            ..self.stats
+        }
+    }
+
+    /// Live requests (waiting, awaiting KV, or running).
+    pub fn len(&self) -> usize {
+        self.reqs.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.reqs.is_empty()
+    }
+
+    /// Where a live request is, and how many tokens it has generated.
+    pub fn stage_of(&self, id: RequestId) -> Option<(Stage, usize)> {
+        self.reqs.get(&id).map(|r| (r.stage(), r.output_len))
+    }
+
+    fn ms(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.epoch).as_millis() as u64
+    }
+
+    /// How long a rejected client should wait: the queue divided by the recent drain rate, 1 to 60 s.
+    pub fn retry_after(&self, now: Instant) -> Duration {
+        let Some(&oldest) = self.finishes.front() else { return Duration::from_secs(1) };
+        let span = now.saturating_duration_since(oldest).as_secs_f64();
+        if span <= 0.0 {
+            return Duration::from_secs(1);
+        }
+        let rate = self.finishes.len() as f64 / span;
+        let secs = (self.waiting.len().max(1) as f64 / rate).ceil();
+        Duration::from_secs(secs.clamp(1.0, 60.0) as u64)
+    }
+
+    /// Takes a request in, or says at once why not.
+    pub fn handle_request(&mut self, req: NewRequest, now: Instant) -> Result<(), Rejection> {
+        let result = self.admit(req, now);
+        if result.is_err() {
+            self.stats.rejected_total += 1;
+        }
+        result
+    }
+
+    fn admit(&mut self, req: NewRequest, now: Instant) -> Result<(), Rejection> {
+        let c = &self.config;
+        if req.prompt.is_empty() {
+            return Err(Rejection::InvalidRequest { problem: "the prompt is empty" });
+        }
+        if req.max_tokens == 0 {
+            return Err(Rejection::InvalidRequest { problem: "max_tokens must be at least 1" });
+        }
+        if self.reqs.contains_key(&req.id) {
+            return Err(Rejection::DuplicateId);
+        }
+        match (&req.kv, c.role) {
+            (KvSource::Compute, Role::Decode) | (KvSource::Remote { .. }, Role::Unified | Role::Prefill) => {
+                return Err(Rejection::WrongRole { role: c.role });
+            }
+            _ => {}
+        }
+        let total = req.prompt.len() + req.max_tokens;
+        if total > c.max_context_tokens {
+            return Err(Rejection::ContextLengthExceeded {
+                prompt_tokens: req.prompt.len(),
+                max_tokens: req.max_tokens,
+                context_tokens: c.max_context_tokens,
+            });
+        }
+        let here = if c.role == Role::Prefill { req.prompt.len() + 1 } else { total };
+        let needed_blocks = self.kv.blocks_for(here);
+        let total_blocks = self.kv.stats().blocks_total;
+        if needed_blocks > total_blocks {
+            return Err(Rejection::KvCapacityExceeded { needed_blocks, total_blocks });
+        }
+        let seq = SeqId(req.id.0);
+        let mut r = Req {
+            id: req.id,
+            seq,
+            prompt_len: req.prompt.len(),
+            tokens: req.prompt,
+            output_len: 0,
+            max_tokens: req.max_tokens,
+            queue_deadline: req.queue_deadline,
+            deadline: req.deadline,
+            state: State::Waiting,
+            admitted_order: 0,
+        };
+        match req.kv {
+            KvSource::Compute => {
+                if self.waiting.len() >= c.max_queued_requests {
+                    return Err(Rejection::QueueFull {
+                        queued: self.waiting.len(),
+                        limit: c.max_queued_requests,
+                        retry_after: self.retry_after(now),
+                    });
+                }
+                self.waiting.push_back(r.id);
+            }
+            KvSource::Remote { transfer, first_token } => {
+                let busy = self.running.len() + self.awaiting.len();
+                if busy >= c.max_running_requests {
+                    return Err(Rejection::QueueFull {
+                        queued: busy,
+                        limit: c.max_running_requests,
+                        retry_after: self.retry_after(now),
+                    });
+                }
+                let until = self.ms((now + c.kv_transfer_timeout).min(r.deadline));
+                let blocks = self.kv.blocks_for(r.tokens.len());
+                if let Err(e) = self.kv.allocate_lease(transfer, blocks, until) {
+                    return Err(match e {
+                        KvError::OutOfBlocks { .. } => Rejection::QueueFull {
+                            queued: busy,
+                            limit: c.max_running_requests,
+                            retry_after: self.retry_after(now),
+                        },
+                        _ => Rejection::DuplicateId,
+                    });
+                }
+                r.state = State::AwaitingKv { transfer, first_token };
+                self.awaiting.push(r.id);
+            }
+        }
+        self.reqs.insert(r.id, r);
+        Ok(())
+    }
+
+    /// Decode role: the KV for `id` has fully arrived in its lease; the request joins the running batch.
+    pub fn handle_kv_arrived(&mut self, id: RequestId, now: Instant) -> bool {
+        let Some(r) = self.reqs.get(&id) else { return false };
+        let State::AwaitingKv { transfer, first_token } = r.state else { return false };
+        let (seq, prompt) = (r.seq, r.tokens.clone());
+        if let Err(e) = self.kv.adopt_lease(transfer, seq, &prompt) {
+            self.finish(id, Outcome::Failed { stage: Stage::KvTransfer, reason: e.to_string() }, now);
+            return true;
+        }
+        self.awaiting.retain(|&x| x != id);
+        let order = self.next_order;
+        self.next_order += 1;
+        let r = self.reqs.get_mut(&id).unwrap_or_else(|| unreachable!("checked above"));
+        r.state = State::Running { prefilled: true };
+        r.admitted_order = order;
+        self.running.push(id);
+        self.accept_token(id, first_token, false, now);
+        true
+    }
+
+    /// Prefill role: the decode peer has taken the KV of `transfer`; its blocks can go.
+    pub fn handle_transfer_done(&mut self, transfer: TransferId) -> bool {
+        if self.leases_out.remove(&transfer) {
+            let _ = self.kv.release_lease(transfer);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Ends `id` as cancelled wherever it is. Idempotent: `false` if it is not live.
+    pub fn handle_abort(&mut self, id: RequestId, now: Instant) -> bool {
+        if !self.reqs.contains_key(&id) {
+            return false;
+        }
+        self.finish(id, Outcome::Cancelled, now);
+        true
+    }
+
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    /// Ends expired requests and leases, then plans the next step: every running decode first, then
+    /// prefill chunks (continuing ones, then newly admitted ones) under the token budget. The KV for
+    /// every item is reserved before this returns.
+    pub fn poll_batch(&mut self, now: Instant) -> Vec<BatchItem> {
+        assert!(self.in_flight.is_empty(), "poll_batch called before the previous step was reported");
+        self.expire(now);
+        let mut budget = self.config.max_batch_tokens;
+        let mut batch: Vec<BatchItem> = Vec::new();
+
+        // Decodes, oldest first. A decode that cannot get a block preempts the newest running request.
+        let decoding: Vec<RequestId> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| matches!(self.reqs[id].state, State::Running { prefilled: true }))
+            .collect();
+        for id in decoding {
+            if budget == 0 {
+                break;
+            }
+            if !matches!(self.reqs.get(&id).map(|r| r.state), Some(State::Running { .. })) {
+                continue; // preempted earlier in this loop
+            }
+            if !self.reserve_or_preempt(id, 1, now) {
+                continue;
+            }
+            let r = &self.reqs[&id];
+            batch.push(BatchItem {
+                id,
+                seq: r.seq,
+                start_pos: r.tokens.len() - 1,
+                num_tokens: 1,
+                sample: true,
+            });
+            budget -= 1;
+        }
+
+        // Prefill chunks of running requests, oldest first.
+        let prefilling: Vec<RequestId> = self
+            .running
+            .iter()
+            .copied()
+            .filter(|id| matches!(self.reqs[id].state, State::Running { prefilled: false }))
+            .collect();
+        for id in prefilling {
+            if budget == 0 {
+                break;
+            }
+            if let Some(item) = self.plan_prefill(id, budget) {
+                budget -= item.num_tokens;
+                batch.push(item);
+            }
+        }
+
+        // Admit waiting requests in order while there is room.
+        while budget > 0 && self.running.len() < self.config.max_running_requests {
+            let Some(&id) = self.waiting.front() else { break };
+            let r = &self.reqs[&id];
+            let (seq, tokens) = (r.seq, r.tokens.clone());
+            let hit = match self.kv.add_sequence(seq, &tokens) {
+                Ok(hit) => hit,
+                Err(e) => {
+                    self.waiting.pop_front();
+                    self.finish(id, Outcome::Failed { stage: Stage::Queued, reason: e.to_string() }, now);
+                    continue;
+                }
+            };
+            let needed = self.kv.blocks_for(tokens.len()) - hit.cached_blocks;
+            if self.kv.blocks_available() < needed + self.config.admission_watermark_blocks {
+                // Not now: the head waits (it fits the pool, so running requests will make room).
+                let _ = self.kv.free_sequence(seq, false);
+                break;
+            }
+            self.waiting.pop_front();
+            let order = self.next_order;
+            self.next_order += 1;
+            let r = self.reqs.get_mut(&id).unwrap_or_else(|| unreachable!("in waiting"));
+            r.state = State::Running { prefilled: false };
+            r.admitted_order = order;
+            self.running.push(id);
+            match self.plan_prefill(id, budget) {
+                Some(item) => {
+                    budget -= item.num_tokens;
+                    batch.push(item);
+                }
+                None => break,
+            }
+        }
+        self.stats.batch_tokens_last_step = self.config.max_batch_tokens - budget;
+        if !batch.is_empty() {
+            self.stats.steps_total += 1;
+        }
+        self.in_flight = batch.clone();
+        batch
+    }
+
+    /// Reserves the next prefill chunk of `id` (KV permitting) and returns its item.
+    fn plan_prefill(&mut self, id: RequestId, budget: usize) -> Option<BatchItem> {
+        let r = &self.reqs[&id];
+        let computed = self.kv.computed_tokens(r.seq).ok()?;
+        let remaining = r.tokens.len() - computed;
+        let n = remaining.min(self.config.prefill_chunk_tokens).min(budget);
+        if n == 0 {
+            return None;
+        }
+        let (seq, total) = (r.seq, r.tokens.len());
+        match self.kv.reserve(seq, n) {
+            Ok(()) => {
+                Some(BatchItem { id, seq, start_pos: computed, num_tokens: n, sample: computed + n == total })
+            }
+            // No room this step: the request keeps its place and its KV, and tries again next step.
+            Err(_) => None,
+        }
+    }
+
+    /// Reserves `n` tokens for running request `id`, preempting newer running requests while the pool
+    /// is short. Returns false if `id` itself was preempted.
+    fn reserve_or_preempt(&mut self, id: RequestId, n: usize, now: Instant) -> bool {
+        let seq = self.reqs[&id].seq;
+        loop {
+            match self.kv.reserve(seq, n) {
+                Ok(()) => return true,
+                Err(KvError::OutOfBlocks { .. }) => {
+                    // Decodes are planned oldest first, so the newest running request is either `id`
+                    // itself or one not planned yet: preempting it never undoes a planned item.
+                    let victim = self
+                        .running
+                        .iter()
+                        .copied()
+                        .max_by_key(|v| self.reqs[v].admitted_order)
+                        .unwrap_or(id);
+                    self.preempt(victim);
+                    if victim == id {
+                        return false;
+                    }
+                }
+                Err(e) => {
+                    self.finish(id, Outcome::Failed { stage: Stage::Decoding, reason: e.to_string() }, now);
+                    return false;
+                }
+            }
+        }
+    }
+
+    /// Frees `id`'s KV (keeping full blocks in the prefix cache, so recompute is cheap) and puts it at
+    /// the front of the queue with every token so far; it is recomputed when readmitted.
+    fn preempt(&mut self, id: RequestId) {
+        let Some(r) = self.reqs.get_mut(&id) else { return };
+        let _ = self.kv.free_sequence(r.seq, true);
+        r.state = State::Waiting;
+        self.running.retain(|&x| x != id);
+        self.waiting.push_front(id);
+        self.stats.preemptions_total += 1;
+    }
+
+    fn expire(&mut self, now: Instant) {
+        let overdue: Vec<(RequestId, Stage)> = self
+            .reqs
+            .values()
+            .filter(|r| {
+                now >= r.deadline
+                    || (r.state == State::Waiting && now >= r.queue_deadline)
+                    || matches!(r.state, State::AwaitingKv { transfer, .. }
+                        if self.kv.lease(transfer).is_ok_and(|l| l.expires_at <= self.ms(now)))
+            })
+            .map(|r| (r.id, r.stage()))
+            .collect();
+        for (id, stage) in overdue {
+            self.finish(id, Outcome::TimedOut { stage }, now);
+        }
+        let now_ms = self.ms(now);
+        let due: Vec<TransferId> = self
+            .leases_out
+            .iter()
+            .copied()
+            .filter(|t| self.kv.lease(*t).map_or(true, |l| l.expires_at <= now_ms))
+            .collect();
+        for t in due {
+            self.leases_out.remove(&t);
+            let _ = self.kv.release_lease(t);
+            self.events.push_back(Event::LeaseExpired { transfer: t });
+        }
+    }
+
+    /// Reports the step planned by the last `poll_batch`: its KV is now written, and `sampled` holds
+    /// the token drawn for each item that asked for one.
+    pub fn handle_step_result(&mut self, sampled: &[Sampled], now: Instant) {
+        let items = std::mem::take(&mut self.in_flight);
+        for item in items {
+            let Some(r) = self.reqs.get(&item.id) else { continue }; // aborted meanwhile
+            let stage = r.stage();
+            if let Err(e) = self.kv.commit(item.seq, item.num_tokens) {
+                self.finish(item.id, Outcome::Failed { stage, reason: e.to_string() }, now);
+                continue;
+            }
+            if !item.sample {
+                continue;
+            }
+            match sampled.iter().find(|s| s.id == item.id) {
+                Some(s) => self.accept_token(item.id, s.token, s.stop, now),
+                None => self.finish(
+                    item.id,
+                    Outcome::Failed {
+                        stage,
+                        reason: "the engine reported no token for a sampling step".into(),
+                    },
+                    now,
+                ),
+            }
+        }
+    }
+
+    /// Reports that the planned step could not run; every request in it fails with `reason`.
+    pub fn handle_step_failed(&mut self, reason: &str, now: Instant) {
+        let items = std::mem::take(&mut self.in_flight);
+        for item in items {
+            if let Some(r) = self.reqs.get(&item.id) {
+                let stage = r.stage();
+                self.finish(item.id, Outcome::Failed { stage, reason: reason.to_owned() }, now);
+            }
+        }
+    }
+
+    fn accept_token(&mut self, id: RequestId, token: u32, stop: bool, now: Instant) {
+        let Some(r) = self.reqs.get_mut(&id) else { return };
+        r.tokens.push(token);
+        r.output_len += 1;
+        let (seq, was_prefilled) = (r.seq, matches!(r.state, State::Running { prefilled: true }));
+        r.state = State::Running { prefilled: true };
+        let done_length = r.output_len >= r.max_tokens || r.tokens.len() >= self.config.max_context_tokens;
+        if let Err(e) = self.kv.append_tokens(seq, &[token]) {
+            self.finish(id, Outcome::Failed { stage: Stage::Decoding, reason: e.to_string() }, now);
+            return;
+        }
+        if self.config.role == Role::Prefill && !was_prefilled {
+            let transfer = TransferId(id.0);
+            let until = self.ms(now + self.config.kv_lease);
+            match self.kv.lease_sequence(seq, transfer, until) {
+                Ok(lease) => {
+                    let blocks = lease.blocks.to_vec();
+                    self.leases_out.insert(transfer);
+                    self.finish(id, Outcome::PrefillDone { first_token: token, transfer, blocks }, now);
+                }
+                Err(e) => {
+                    self.finish(id, Outcome::Failed { stage: Stage::Prefilling, reason: e.to_string() }, now)
+                }
+            }
+            return;
+        }
+        if stop {
+            self.finish(id, Outcome::Completed(FinishReason::Stop), now);
+        } else if done_length {
+            self.finish(id, Outcome::Completed(FinishReason::Length), now);
+        }
+    }
+
+    /// The one exit: removes `id` from wherever it is, frees what it holds, and emits its event.
+    fn finish(&mut self, id: RequestId, outcome: Outcome, now: Instant) {
+        let Some(r) = self.reqs.remove(&id) else { return };
+        match r.state {
+            State::Waiting => self.waiting.retain(|&x| x != id),
+            State::AwaitingKv { transfer, .. } => {
+                self.awaiting.retain(|&x| x != id);
+                let _ = self.kv.release_lease(transfer);
+            }
+            State::Running { .. } => {
+                self.running.retain(|&x| x != id);
+                // Completed requests leave their full blocks in the prefix cache.
+                let cache = matches!(outcome, Outcome::Completed(_));
+                if !matches!(outcome, Outcome::PrefillDone { .. }) {
+                    let _ = self.kv.free_sequence(r.seq, cache);
+                }
+            }
+        }
+        self.in_flight.retain(|item| item.id != id);
+        match &outcome {
+            Outcome::Completed(_) | Outcome::PrefillDone { .. } => self.stats.completed_total += 1,
+            Outcome::Cancelled => self.stats.cancelled_total += 1,
+            Outcome::TimedOut { .. } => self.stats.timed_out_total += 1,
+            Outcome::Failed { .. } => self.stats.failed_total += 1,
+        }
+        if self.finishes.len() == DRAIN_WINDOW {
+            self.finishes.pop_front();
+        }
+        self.finishes.push_back(now);
+        self.events.push_back(Event::Finished {
+            id,
+            outcome,
+            prompt_tokens: r.prompt_len,
+            output_tokens: r.output_len,
+        });
+    }
+
+    /// Checks that every live request is in exactly one place matching its state, that the KV cache
+    /// holds exactly the running requests' sequences and the outstanding leases, and the cache's own
+    /// invariants. For tests and fuzzing.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut seen = HashSet::new();
+        for (list, name) in [
+            (self.waiting.iter().collect::<Vec<_>>(), "waiting"),
+            (self.running.iter().collect(), "running"),
+            (self.awaiting.iter().collect(), "awaiting"),
+        ] {
+            for id in list {
+                if !seen.insert(*id) {
+                    return Err(format!("{id} is in two places (again in {name})"));
+                }
+                let r = self.reqs.get(id).ok_or_else(|| format!("{id} in {name} is not live"))?;
+                let ok = match (name, r.state) {
+                    ("waiting", State::Waiting) | ("running", State::Running { .. }) => true,
+                    ("awaiting", State::AwaitingKv { .. }) => true,
+                    _ => false,
+                };
+                if !ok {
+                    return Err(format!("{id} is in {name} but its state is {:?}", r.state));
+                }
+            }
+        }
+        if seen.len() != self.reqs.len() {
+            return Err(format!("{} live requests, {} placed", self.reqs.len(), seen.len()));
+        }
+        let kv = self.kv.stats();
+        if kv.sequences != self.running.len() {
+            return Err(format!("{} KV sequences for {} running requests", kv.sequences, self.running.len()));
+        }
+        for id in &self.running {
+            let r = &self.reqs[id];
+            let computed = self.kv.computed_tokens(r.seq).map_err(|e| e.to_string())?;
+            if computed > r.tokens.len() {
+                return Err(format!("{id}: {computed} computed of {} tokens", r.tokens.len()));
+            }
+        }
+        if kv.leases != self.awaiting.len() + self.leases_out.len() {
+            return Err(format!(
+                "{} leases, {} awaiting + {} out",
+                kv.leases,
+                self.awaiting.len(),
+                self.leases_out.len()
+            ));
+        }
+        if self.running.len() > self.config.max_running_requests {
+            return Err(format!(
+                "{} running over the cap {}",
+                self.running.len(),
+                self.config.max_running_requests
+            ));
+        }
+        self.kv.check_invariants()
+    }
+}

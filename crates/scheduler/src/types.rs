@@ -1,0 +1,246 @@
+//! The scheduler's inputs and outputs.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use pdserve_kvcache::{BlockId, TransferId};
+
+/// A request, named by the caller (unique among live requests).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+impl fmt::Display for RequestId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "request {}", self.0)
+    }
+}
+
+/// What this worker does with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Prompt and generation here.
+    Unified,
+    /// Prompt only: the request ends after its first token, its KV kept under a lease for a decode peer.
+    Prefill,
+    /// Generation only: the prompt's KV arrives from a prefill peer.
+    Decode,
+}
+
+/// Bounds and knobs. Every queue is bounded; every wait has a deadline.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    pub role: Role,
+    /// Requests waiting for admission (including preempted ones). One more is rejected with 429.
+    pub max_queued_requests: usize,
+    /// Requests in the running batch.
+    pub max_running_requests: usize,
+    /// Tokens computed per step (decodes count one each, prefill chunks their length).
+    pub max_batch_tokens: usize,
+    /// Largest prefill chunk of one request in one step.
+    pub prefill_chunk_tokens: usize,
+    /// The model's context: prompt plus generated tokens never exceed it.
+    pub max_context_tokens: usize,
+    /// Prefill role: how long a finished prompt's KV waits for its decode peer.
+    pub kv_lease: Duration,
+    /// Decode role: how long a request may wait for its KV to arrive.
+    pub kv_transfer_timeout: Duration,
+    /// Blocks kept free when admitting, so running decodes can grow without preempting at once.
+    pub admission_watermark_blocks: usize,
+}
+
+impl Default for SchedulerConfig {
+    fn default() -> Self {
+        SchedulerConfig {
+            role: Role::Unified,
+            max_queued_requests: 256,
+            max_running_requests: 64,
+            max_batch_tokens: 2048,
+            prefill_chunk_tokens: 512,
+            max_context_tokens: 8192,
+            kv_lease: Duration::from_secs(30),
+            kv_transfer_timeout: Duration::from_secs(30),
+            admission_watermark_blocks: 1,
+        }
+    }
+}
+
+/// Where a request's prompt KV comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvSource {
+    /// Computed here (unified and prefill roles).
+    Compute,
+    /// Received from a prefill peer under `transfer` (decode role); `first_token` was sampled there.
+    Remote { transfer: TransferId, first_token: u32 },
+}
+
+/// A request handed to the scheduler.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewRequest {
+    pub id: RequestId,
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most (at least 1).
+    pub max_tokens: usize,
+    /// Admission (leaving the queue) must happen by then.
+    pub queue_deadline: Instant,
+    /// The request must end by then, whatever its stage.
+    pub deadline: Instant,
+    pub kv: KvSource,
+}
+
+/// Why a request was not admitted. Nothing is ever dropped without one of these.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Rejection {
+    /// The waiting queue is full; try again after `retry_after`.
+    QueueFull { queued: usize, limit: usize, retry_after: Duration },
+    /// Prompt plus `max_tokens` does not fit the context.
+    ContextLengthExceeded { prompt_tokens: usize, max_tokens: usize, context_tokens: usize },
+    /// Even the whole KV pool could not hold this request.
+    KvCapacityExceeded { needed_blocks: usize, total_blocks: usize },
+    /// `max_tokens` is 0 or the prompt is empty.
+    InvalidRequest { problem: &'static str },
+    /// A live request already has this id.
+    DuplicateId,
+    /// This worker's role does not take this kind of request (remote KV at a prefill worker, say).
+    WrongRole { role: Role },
+}
+
+impl Rejection {
+    /// The HTTP status the API maps this to.
+    pub fn status(&self) -> u16 {
+        match self {
+            Rejection::QueueFull { .. } => 429,
+            Rejection::DuplicateId => 409,
+            _ => 400,
+        }
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Rejection::QueueFull { queued, limit, retry_after } => write!(
+                f,
+                "request queue is full ({queued} waiting, limit {limit}); retry after {}s",
+                retry_after.as_secs()
+            ),
+            Rejection::ContextLengthExceeded { prompt_tokens, max_tokens, context_tokens } => write!(
+                f,
+                "prompt of {prompt_tokens} tokens plus max_tokens {max_tokens} exceeds the context of {context_tokens} tokens"
+            ),
+            Rejection::KvCapacityExceeded { needed_blocks, total_blocks } => {
+                write!(f, "request needs {needed_blocks} KV blocks, the pool has {total_blocks}")
+            }
+            Rejection::InvalidRequest { problem } => write!(f, "{problem}"),
+            Rejection::DuplicateId => write!(f, "a live request already has this id"),
+            Rejection::WrongRole { role } => write!(f, "a {role:?} worker does not take this request"),
+        }
+    }
+}
+
+/// Where a request was when it ended (the ledger's stage names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Stage {
+    Queued,
+    KvTransfer,
+    Prefilling,
+    Decoding,
+}
+
+impl Stage {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Stage::Queued => "queued",
+            Stage::KvTransfer => "kv_transfer",
+            Stage::Prefilling => "prefilling",
+            Stage::Decoding => "decoding",
+        }
+    }
+}
+
+/// Why generation stopped normally.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// A stop token or string (the engine decided).
+    Stop,
+    /// `max_tokens` or the context was reached.
+    Length,
+}
+
+/// How a request ended. Each admitted request gets exactly one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Completed(FinishReason),
+    /// Prefill role: the prompt is done and its KV waits under `transfer` for the decode peer.
+    PrefillDone {
+        first_token: u32,
+        transfer: TransferId,
+        blocks: Vec<BlockId>,
+    },
+    Cancelled,
+    TimedOut {
+        stage: Stage,
+    },
+    Failed {
+        stage: Stage,
+        reason: String,
+    },
+}
+
+impl Outcome {
+    /// The metric label (`requests_finished_total{outcome}`).
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Completed(_) | Outcome::PrefillDone { .. } => "completed",
+            Outcome::Cancelled => "cancelled",
+            Outcome::TimedOut { .. } => "timed_out",
+            Outcome::Failed { .. } => "failed",
+        }
+    }
+}
+
+/// What the engine learns from the scheduler besides batches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// A request reached its terminal state; its KV (other than a prefill lease) is freed.
+    Finished { id: RequestId, outcome: Outcome, prompt_tokens: usize, output_tokens: usize },
+    /// A prefill lease ran out before the decode peer took the KV; its blocks are free again.
+    LeaseExpired { transfer: TransferId },
+}
+
+/// One request's share of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchItem {
+    pub id: RequestId,
+    pub seq: pdserve_kvcache::SeqId,
+    /// Position of the first token computed in this step.
+    pub start_pos: usize,
+    pub num_tokens: usize,
+    /// The engine samples a token from this item's last logits and reports it.
+    pub sample: bool,
+}
+
+/// What the engine reports for an item that sampled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sampled {
+    pub id: RequestId,
+    pub token: u32,
+    /// The engine saw a stop condition (EOS, a stop string).
+    pub stop: bool,
+}
+
+/// Counters the shell exports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SchedulerStats {
+    pub waiting: usize,
+    pub running: usize,
+    pub awaiting_kv: usize,
+    pub batch_tokens_last_step: usize,
+    pub steps_total: u64,
+    pub preemptions_total: u64,
+    pub rejected_total: u64,
+    pub completed_total: u64,
+    pub cancelled_total: u64,
+    pub timed_out_total: u64,
+    pub failed_total: u64,
+}

@@ -1,0 +1,308 @@
+//! Admission edge cases and the roles, as tables and short scripts on a virtual clock.
+
+use std::time::{Duration, Instant};
+
+use pdserve_kvcache::{KvCache, KvConfig, OwnerKind, TransferId};
+use pdserve_scheduler::*;
+
+fn sched(config: SchedulerConfig, blocks: u32) -> (Scheduler, Instant) {
+    let t0 = Instant::now();
+    let kv = KvCache::new(KvConfig { num_blocks: blocks, block_size: 4 }).unwrap();
+    (Scheduler::new(config, kv, t0), t0)
+}
+
+fn req(id: u64, prompt_len: usize, max_tokens: usize, t0: Instant) -> NewRequest {
+    let far = t0 + Duration::from_secs(60);
+    NewRequest {
+        id: RequestId(id),
+        prompt: (0..prompt_len as u32).map(|i| i + id as u32 * 1000).collect(),
+        max_tokens,
+        queue_deadline: far,
+        deadline: far,
+        kv: KvSource::Compute,
+    }
+}
+
+/// Runs steps with a fake engine that samples token 9 and never stops, until no work is left.
+fn drain(s: &mut Scheduler, mut now: Instant) -> Vec<Event> {
+    let mut events = Vec::new();
+    for _ in 0..10_000 {
+        let batch = s.poll_batch(now);
+        let sampled: Vec<Sampled> =
+            batch.iter().filter(|i| i.sample).map(|i| Sampled { id: i.id, token: 9, stop: false }).collect();
+        s.handle_step_result(&sampled, now);
+        s.check_invariants().unwrap();
+        while let Some(e) = s.poll_event() {
+            events.push(e);
+        }
+        if s.is_empty() {
+            return events;
+        }
+        now += Duration::from_millis(10);
+    }
+    panic!("work never drained: {:?}", s.stats());
+}
+
+#[test]
+fn admission_table() {
+    let config =
+        SchedulerConfig { max_queued_requests: 2, max_context_tokens: 32, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
+    let cases: Vec<(NewRequest, Result<(), fn(&Rejection) -> bool>)> = vec![
+        (req(1, 10, 22, t0), Ok(())), // exactly the context
+        (
+            req(2, 10, 23, t0),
+            Err(|r| {
+                matches!(
+                    r,
+                    Rejection::ContextLengthExceeded {
+                        prompt_tokens: 10,
+                        max_tokens: 23,
+                        context_tokens: 32
+                    }
+                )
+            }),
+        ),
+        (req(3, 10, 0, t0), Err(|r| matches!(r, Rejection::InvalidRequest { .. }))),
+        (req(4, 0, 5, t0), Err(|r| matches!(r, Rejection::InvalidRequest { .. }))),
+        (req(1, 3, 3, t0), Err(|r| matches!(r, Rejection::DuplicateId))),
+        (req(5, 3, 3, t0), Ok(())), // the queue is now exactly full
+        (req(6, 3, 3, t0), Err(|r| matches!(r, Rejection::QueueFull { queued: 2, limit: 2, .. }))),
+    ];
+    for (r, want) in cases {
+        let id = r.id;
+        match (s.handle_request(r, t0), want) {
+            (Ok(()), Ok(())) => {}
+            (Err(got), Err(check)) => assert!(check(&got), "{id}: {got:?}"),
+            (got, _) => panic!("{id}: {got:?}"),
+        }
+    }
+    assert_eq!(s.stats().rejected_total, 5);
+    let rejected = s.handle_request(req(7, 3, 3, t0), t0).unwrap_err();
+    assert_eq!(rejected.status(), 429);
+    let Rejection::QueueFull { retry_after, .. } = rejected else { panic!() };
+    assert!(retry_after >= Duration::from_secs(1));
+}
+
+#[test]
+fn a_request_larger_than_the_pool_is_rejected_not_queued_forever() {
+    let (mut s, t0) = sched(SchedulerConfig::default(), 4); // 16 tokens of KV
+    assert!(matches!(
+        s.handle_request(req(1, 10, 7, t0), t0),
+        Err(Rejection::KvCapacityExceeded { needed_blocks: 5, total_blocks: 4 })
+    ));
+    s.handle_request(req(2, 10, 6, t0), t0).unwrap();
+    let events = drain(&mut s, t0);
+    assert!(matches!(
+        events[..],
+        [Event::Finished { outcome: Outcome::Completed(FinishReason::Length), output_tokens: 6, .. }]
+    ));
+}
+
+#[test]
+fn retry_after_follows_the_drain_rate() {
+    let config =
+        SchedulerConfig { max_queued_requests: 4, max_running_requests: 1, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
+    for i in 0..4 {
+        s.handle_request(req(i, 4, 1, t0), t0).unwrap();
+    }
+    // One request finishes per 10 ms step: about 100 per second.
+    let mut now = t0;
+    for _ in 0..3 {
+        let batch = s.poll_batch(now);
+        let sampled: Vec<Sampled> =
+            batch.iter().map(|i| Sampled { id: i.id, token: 1, stop: false }).collect();
+        s.handle_step_result(&sampled, now);
+        now += Duration::from_millis(10);
+    }
+    for i in 10..13 {
+        s.handle_request(req(i, 4, 1, now), now).unwrap();
+    }
+    let Err(Rejection::QueueFull { retry_after, .. }) = s.handle_request(req(20, 4, 1, now), now) else {
+        panic!()
+    };
+    assert_eq!(retry_after, Duration::from_secs(1), "a fast drain gives the floor of 1 s");
+}
+
+#[test]
+fn aborts_are_idempotent_at_every_stage() {
+    let config =
+        SchedulerConfig { max_running_requests: 1, prefill_chunk_tokens: 4, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
+    s.handle_request(req(1, 12, 5, t0), t0).unwrap();
+    s.handle_request(req(2, 12, 5, t0), t0).unwrap();
+    let batch = s.poll_batch(t0); // 1 prefilling, 2 waiting
+    assert_eq!(batch.len(), 1);
+    assert!(s.handle_abort(RequestId(2), t0), "abort while queued");
+    assert!(s.handle_abort(RequestId(1), t0), "abort while its step is in flight");
+    assert!(!s.handle_abort(RequestId(1), t0), "second abort is a no-op");
+    s.handle_step_result(&[], t0);
+    s.check_invariants().unwrap();
+    let outcomes: Vec<Outcome> = std::iter::from_fn(|| s.poll_event())
+        .map(|e| match e {
+            Event::Finished { outcome, .. } => outcome,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(outcomes, [Outcome::Cancelled, Outcome::Cancelled]);
+    assert_eq!(s.kv().stats().blocks_owned[OwnerKind::Sequence as usize], 0);
+}
+
+#[test]
+fn deadlines_time_out_with_the_stage() {
+    let config = SchedulerConfig { max_running_requests: 1, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
+    let mut a = req(1, 4, 100, t0);
+    a.deadline = t0 + Duration::from_millis(50);
+    let mut b = req(2, 4, 100, t0);
+    b.queue_deadline = t0 + Duration::from_millis(20);
+    s.handle_request(a, t0).unwrap();
+    s.handle_request(b, t0).unwrap();
+    let mut now = t0;
+    let mut ended = Vec::new();
+    while ended.len() < 2 {
+        let batch = s.poll_batch(now);
+        let sampled: Vec<Sampled> =
+            batch.iter().filter(|i| i.sample).map(|i| Sampled { id: i.id, token: 3, stop: false }).collect();
+        s.handle_step_result(&sampled, now);
+        while let Some(Event::Finished { id, outcome, .. }) = s.poll_event() {
+            ended.push((id, outcome, now - t0));
+        }
+        now += Duration::from_millis(10);
+        assert!(now < t0 + Duration::from_secs(1));
+    }
+    assert_eq!(ended[0].0, RequestId(2));
+    assert_eq!(ended[0].1, Outcome::TimedOut { stage: Stage::Queued });
+    assert_eq!(
+        ended[1],
+        (RequestId(1), Outcome::TimedOut { stage: Stage::Decoding }, Duration::from_millis(50))
+    );
+    s.check_invariants().unwrap();
+    assert_eq!(s.kv().stats().sequences, 0);
+}
+
+#[test]
+fn prefill_role_leases_the_kv_and_gets_it_back() {
+    let config = SchedulerConfig {
+        role: Role::Prefill,
+        kv_lease: Duration::from_millis(100),
+        ..SchedulerConfig::default()
+    };
+    let (mut s, t0) = sched(config, 64);
+    s.handle_request(req(1, 10, 50, t0), t0).unwrap();
+    s.handle_request(req(2, 10, 50, t0), t0).unwrap();
+    let batch = s.poll_batch(t0);
+    assert!(batch.iter().all(|i| i.sample && i.num_tokens == 10));
+    s.handle_step_result(
+        &[
+            Sampled { id: RequestId(1), token: 42, stop: false },
+            Sampled { id: RequestId(2), token: 43, stop: false },
+        ],
+        t0,
+    );
+    let mut transfers = Vec::new();
+    while let Some(Event::Finished {
+        outcome: Outcome::PrefillDone { first_token, transfer, blocks },
+        output_tokens,
+        ..
+    }) = s.poll_event()
+    {
+        assert_eq!((blocks.len(), output_tokens), (3, 1));
+        assert!(first_token == 42 || first_token == 43);
+        transfers.push(transfer);
+    }
+    assert_eq!(transfers.len(), 2);
+    assert_eq!(s.kv().stats().owned(OwnerKind::Transfer), 6);
+    assert!(s.handle_transfer_done(transfers[0]));
+    assert!(!s.handle_transfer_done(transfers[0]));
+    // The other decode peer never comes: the lease expires and the blocks come back.
+    s.poll_batch(t0 + Duration::from_millis(100));
+    s.handle_step_result(&[], t0);
+    assert_eq!(s.poll_event(), Some(Event::LeaseExpired { transfer: transfers[1] }));
+    assert_eq!(s.kv().stats().owned(OwnerKind::Transfer), 0);
+    s.check_invariants().unwrap();
+}
+
+#[test]
+fn decode_role_waits_for_kv_with_a_deadline() {
+    let config = SchedulerConfig {
+        role: Role::Decode,
+        kv_transfer_timeout: Duration::from_millis(30),
+        ..SchedulerConfig::default()
+    };
+    let (mut s, t0) = sched(config, 64);
+    let remote = |id: u64| NewRequest {
+        kv: KvSource::Remote { transfer: TransferId(id), first_token: 77 },
+        ..req(id, 10, 4, t0)
+    };
+    assert!(matches!(s.handle_request(req(9, 10, 4, t0), t0), Err(Rejection::WrongRole { .. })));
+    s.handle_request(remote(1), t0).unwrap();
+    s.handle_request(remote(2), t0).unwrap();
+    assert_eq!(s.stage_of(RequestId(1)), Some((Stage::KvTransfer, 0)));
+    assert!(s.poll_batch(t0).is_empty(), "nothing runs before the KV arrives");
+    s.handle_step_result(&[], t0);
+    assert!(s.handle_kv_arrived(RequestId(1), t0));
+    assert_eq!(s.stage_of(RequestId(1)), Some((Stage::Decoding, 1)));
+    let batch = s.poll_batch(t0 + Duration::from_millis(40));
+    // Request 2's KV never came: timed out in kv_transfer, its lease freed.
+    assert_eq!(batch.len(), 1);
+    assert_eq!(batch[0].start_pos, 10, "decode starts with the first token's KV");
+    let e = s.poll_event().unwrap();
+    assert!(
+        matches!(
+            e,
+            Event::Finished { id: RequestId(2), outcome: Outcome::TimedOut { stage: Stage::KvTransfer }, .. }
+        ),
+        "{e:?}"
+    );
+    s.handle_step_result(&[Sampled { id: RequestId(1), token: 5, stop: true }], t0);
+    assert!(matches!(
+        s.poll_event(),
+        Some(Event::Finished {
+            id: RequestId(1),
+            outcome: Outcome::Completed(FinishReason::Stop),
+            output_tokens: 2,
+            ..
+        })
+    ));
+    s.check_invariants().unwrap();
+    assert_eq!(s.kv().stats().leases, 0);
+}
+
+#[test]
+fn kv_pressure_preempts_the_newest_and_everything_still_finishes() {
+    // 12 blocks of 4 tokens; three requests that each grow to 16 tokens (4 blocks) plus headroom.
+    let config = SchedulerConfig { admission_watermark_blocks: 0, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 10);
+    for i in 1..=3 {
+        s.handle_request(req(i, 4, 12, t0), t0).unwrap();
+    }
+    let events = drain(&mut s, t0);
+    assert!(s.stats().preemptions_total > 0, "the pool was meant to run short");
+    assert_eq!(events.len(), 3);
+    for e in events {
+        assert!(
+            matches!(
+                e,
+                Event::Finished { outcome: Outcome::Completed(FinishReason::Length), output_tokens: 12, .. }
+            ),
+            "{e:?}"
+        );
+    }
+    assert_eq!(s.kv().stats().sequences, 0);
+}
+
+#[test]
+fn a_failed_step_fails_its_requests_and_frees_their_kv() {
+    let (mut s, t0) = sched(SchedulerConfig::default(), 64);
+    s.handle_request(req(1, 8, 4, t0), t0).unwrap();
+    s.poll_batch(t0);
+    s.handle_step_failed("model error: boom", t0);
+    assert!(matches!(
+        s.poll_event(),
+        Some(Event::Finished { outcome: Outcome::Failed { stage: Stage::Prefilling, .. }, .. })
+    ));
+    s.check_invariants().unwrap();
+    assert_eq!(s.kv().stats().blocks_free + s.kv().stats().owned(OwnerKind::Cache), 64);
+}
