@@ -2,7 +2,7 @@
 
 use std::ops::Range;
 
-use crate::prefix::{MixMap, PrefixTree, ROOT};
+use crate::prefix::{IdMap, PrefixTree, ROOT};
 use crate::{BlockId, KvError, NodeId, OwnerKind, SeqId, Slot, TransferId};
 
 /// Size of the pool. Both numbers are fixed for the cache's life.
@@ -120,8 +120,8 @@ pub struct KvCache {
     pub(crate) blocks: Vec<BlockMeta>,
     pub(crate) free: Vec<BlockId>,
     pub(crate) owned: [usize; 3],
-    pub(crate) seqs: MixMap<SeqId, Sequence>,
-    pub(crate) leases: MixMap<TransferId, Lease>,
+    pub(crate) seqs: IdMap<SeqId, Sequence>,
+    pub(crate) leases: IdMap<TransferId, Lease>,
     pub(crate) tree: PrefixTree,
     copies: Vec<BlockCopy>,
     stats: KvStats,
@@ -144,8 +144,8 @@ impl KvCache {
             // Reversed so that blocks come off the stack in ascending order (contiguous early on).
             free: (0..config.num_blocks).rev().map(BlockId).collect(),
             owned: [0; 3],
-            seqs: MixMap::default(),
-            leases: MixMap::default(),
+            seqs: IdMap::default(),
+            leases: IdMap::default(),
             tree: PrefixTree::new(config.block_size as usize),
             copies: Vec::new(),
             stats: KvStats { blocks_total: n, ..KvStats::default() },
@@ -306,13 +306,17 @@ impl KvCache {
     /// All or nothing: on `OutOfBlocks` the sequence is unchanged.
     pub fn reserve(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
         let bs = self.block_size();
-        let s = self.seq(seq)?;
+        let s = self.seqs.get(&seq).ok_or(KvError::UnknownSequence { seq })?;
         let target = s.computed + n;
-        let need = self.blocks_for(target).saturating_sub(s.blocks.len());
+        let need = target.div_ceil(bs).saturating_sub(s.blocks.len());
         let partial = s.computed % bs;
         let cow = (n > 0 && partial != 0)
             .then(|| s.blocks[s.computed / bs])
             .filter(|b| self.blocks[b.0 as usize].shared_or_cached());
+        if need == 0 && cow.is_none() {
+            // The common decode case: the last block has room and is this sequence's alone.
+            return Ok(());
+        }
         self.ensure_free(need + usize::from(cow.is_some()))?;
         let mut fresh = Vec::with_capacity(need);
         for _ in 0..need {
@@ -339,8 +343,8 @@ impl KvCache {
 
     /// Records that the next `n` tokens' KV has been written.
     pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
-        let bs = self.block_size();
-        let s = self.seq(seq)?;
+        let bs = self.config.block_size as usize;
+        let s = self.seqs.get_mut(&seq).ok_or(KvError::UnknownSequence { seq })?;
         let target = s.computed + n;
         if target > s.tokens.len() {
             return Err(KvError::OutOfRange { seq, requested: target, limit: s.tokens.len() });
@@ -351,7 +355,7 @@ impl KvCache {
         if target > s.blocks.len() * bs || partial_shared {
             return Err(KvError::NotReserved { seq });
         }
-        self.seq_mut(seq)?.computed = target;
+        s.computed = target;
         Ok(())
     }
 

@@ -34,6 +34,7 @@ pub use cache::{BlockCopy, KvCache, KvConfig, KvStats, LeaseView, PrefixHit};
 pub use error::KvError;
 pub(crate) use ids::NodeId;
 pub use ids::{BlockId, OwnerKind, SeqId, Slot, TransferId};
+pub use prefix::{IdHasher, IdMap};
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../README.md")]

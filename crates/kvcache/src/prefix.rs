@@ -14,11 +14,12 @@ use crate::{BlockId, NodeId};
 
 pub(crate) const ROOT: NodeId = NodeId(0);
 
-/// A small, fast hasher for keys that are already well mixed (u32 parents and u64 token hashes).
-#[derive(Default, Clone, Copy)]
-pub(crate) struct MixHasher(u64);
+/// A small, fast hasher for integer ids and keys that are already well mixed (one multiply per word).
+/// Not for keys an attacker chooses.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct IdHasher(u64);
 
-impl Hasher for MixHasher {
+impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
         self.0
     }
@@ -35,7 +36,8 @@ impl Hasher for MixHasher {
     }
 }
 
-pub(crate) type MixMap<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
+/// A `HashMap` keyed by integer ids, with [`IdHasher`].
+pub type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
 
 /// Hash of one block's tokens. Two tokens per multiply in two independent lanes keeps the dependency
 /// chain short; a hash only picks the bucket, tokens are always compared.
@@ -89,7 +91,7 @@ pub(crate) struct PrefixTree {
     tokens: Vec<u32>,
     free_nodes: Vec<NodeId>,
     /// chain hash -> (node, parent)
-    pub(crate) edges: MixMap<u64, (NodeId, NodeId)>,
+    pub(crate) edges: IdMap<u64, (NodeId, NodeId)>,
     pub(crate) lru: BTreeSet<(u64, NodeId)>,
     tick: u64,
 }
@@ -111,7 +113,7 @@ impl PrefixTree {
             nodes: vec![root],
             tokens: vec![0; block_size],
             free_nodes: Vec::new(),
-            edges: MixMap::default(),
+            edges: IdMap::default(),
             lru: BTreeSet::new(),
             tick: 0,
         }

@@ -1,9 +1,9 @@
 //! The continuous-batching state machine.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use pdserve_kvcache::{KvCache, KvError, SeqId, TransferId};
+use pdserve_kvcache::{IdMap, KvCache, KvError, SeqId, TransferId};
 
 use crate::types::*;
 
@@ -33,6 +33,9 @@ struct Req {
     deadline: Instant,
     state: State,
     admitted_order: u64,
+    /// The deadline of the current wait (the queue, or the KV transfer), as keyed in `Scheduler::waits`.
+    /// A preempted request waits again without one: it was admitted once already.
+    wait_until: Option<Instant>,
 }
 
 impl Req {
@@ -62,7 +65,11 @@ pub struct Scheduler {
     config: SchedulerConfig,
     epoch: Instant,
     kv: KvCache,
-    reqs: HashMap<RequestId, Req>,
+    reqs: IdMap<RequestId, Req>,
+    /// Every live request by total deadline, and waiting / awaiting ones by their wait deadline, so
+    /// the expiry scan looks only at what is due.
+    deadlines: BTreeSet<(Instant, RequestId)>,
+    waits: BTreeSet<(Instant, RequestId)>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
     awaiting: Vec<RequestId>,
@@ -83,7 +90,9 @@ impl Scheduler {
             config,
             epoch: now,
             kv,
-            reqs: HashMap::new(),
+            reqs: IdMap::default(),
+            deadlines: BTreeSet::new(),
+            waits: BTreeSet::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             awaiting: Vec::new(),
@@ -201,6 +210,7 @@ impl Scheduler {
             deadline: req.deadline,
             state: State::Waiting,
             admitted_order: 0,
+            wait_until: None,
         };
         match req.kv {
             KvSource::Compute => {
@@ -212,6 +222,7 @@ impl Scheduler {
                     });
                 }
                 self.waiting.push_back(r.id);
+                r.wait_until = Some(r.queue_deadline);
             }
             KvSource::Remote { transfer, first_token } => {
                 let busy = self.running.len() + self.awaiting.len();
@@ -235,11 +246,25 @@ impl Scheduler {
                     });
                 }
                 r.state = State::AwaitingKv { transfer, first_token };
+                r.wait_until = Some((now + c.kv_transfer_timeout).min(r.deadline));
                 self.awaiting.push(r.id);
             }
         }
+        self.deadlines.insert((r.deadline, r.id));
+        if let Some(w) = r.wait_until {
+            self.waits.insert((w, r.id));
+        }
         self.reqs.insert(r.id, r);
         Ok(())
+    }
+
+    /// Ends `id`'s current wait (it left the queue or got its KV).
+    fn end_wait(&mut self, id: RequestId) {
+        if let Some(r) = self.reqs.get_mut(&id) {
+            if let Some(w) = r.wait_until.take() {
+                self.waits.remove(&(w, id));
+            }
+        }
     }
 
     /// Decode role: the KV for `id` has fully arrived in its lease; the request joins the running batch.
@@ -252,6 +277,7 @@ impl Scheduler {
             return true;
         }
         self.awaiting.retain(|&x| x != id);
+        self.end_wait(id);
         let order = self.next_order;
         self.next_order += 1;
         let r = self.reqs.get_mut(&id).unwrap_or_else(|| unreachable!("checked above"));
@@ -294,44 +320,36 @@ impl Scheduler {
         let mut budget = self.config.max_batch_tokens;
         let mut batch: Vec<BatchItem> = Vec::new();
 
-        // Decodes, oldest first. A decode that cannot get a block preempts the newest running request.
-        let decoding: Vec<RequestId> = self
-            .running
-            .iter()
-            .copied()
-            .filter(|id| matches!(self.reqs[id].state, State::Running { prefilled: true }))
-            .collect();
+        // One pass sorts the running requests (oldest first) into decodes and prefills.
+        let (mut decoding, mut prefilling) = (Vec::with_capacity(self.running.len()), Vec::new());
+        for id in &self.running {
+            match self.reqs[id].state {
+                State::Running { prefilled: true } => decoding.push(*id),
+                _ => prefilling.push(*id),
+            }
+        }
+        // Decodes first. A decode that cannot get a block preempts the newest running request.
         for id in decoding {
             if budget == 0 {
                 break;
             }
-            if !matches!(self.reqs.get(&id).map(|r| r.state), Some(State::Running { .. })) {
+            let Some(r) = self.reqs.get(&id).filter(|r| matches!(r.state, State::Running { .. })) else {
                 continue; // preempted earlier in this loop
+            };
+            let item =
+                BatchItem { id, seq: r.seq, start_pos: r.tokens.len() - 1, num_tokens: 1, sample: true };
+            if self.reserve_or_preempt(id, 1, now) {
+                batch.push(item);
+                budget -= 1;
             }
-            if !self.reserve_or_preempt(id, 1, now) {
-                continue;
-            }
-            let r = &self.reqs[&id];
-            batch.push(BatchItem {
-                id,
-                seq: r.seq,
-                start_pos: r.tokens.len() - 1,
-                num_tokens: 1,
-                sample: true,
-            });
-            budget -= 1;
         }
-
-        // Prefill chunks of running requests, oldest first.
-        let prefilling: Vec<RequestId> = self
-            .running
-            .iter()
-            .copied()
-            .filter(|id| matches!(self.reqs[id].state, State::Running { prefilled: false }))
-            .collect();
+        // Then prefill chunks of running requests, oldest first.
         for id in prefilling {
             if budget == 0 {
                 break;
+            }
+            if !self.reqs.get(&id).is_some_and(|r| matches!(r.state, State::Running { .. })) {
+                continue;
             }
             if let Some(item) = self.plan_prefill(id, budget) {
                 budget -= item.num_tokens;
@@ -359,6 +377,7 @@ impl Scheduler {
                 break;
             }
             self.waiting.pop_front();
+            self.end_wait(id);
             let order = self.next_order;
             self.next_order += 1;
             let r = self.reqs.get_mut(&id).unwrap_or_else(|| unreachable!("in waiting"));
@@ -403,7 +422,7 @@ impl Scheduler {
     /// Reserves `n` tokens for running request `id`, preempting newer running requests while the pool
     /// is short. Returns false if `id` itself was preempted.
     fn reserve_or_preempt(&mut self, id: RequestId, n: usize, now: Instant) -> bool {
-        let seq = self.reqs[&id].seq;
+        let seq = SeqId(id.0);
         loop {
             match self.kv.reserve(seq, n) {
                 Ok(()) => return true,
@@ -441,28 +460,26 @@ impl Scheduler {
     }
 
     fn expire(&mut self, now: Instant) {
-        let overdue: Vec<(RequestId, Stage)> = self
-            .reqs
-            .values()
-            .filter(|r| {
-                now >= r.deadline
-                    || (r.state == State::Waiting && now >= r.queue_deadline)
-                    || matches!(r.state, State::AwaitingKv { transfer, .. }
-                        if self.kv.lease(transfer).is_ok_and(|l| l.expires_at <= self.ms(now)))
-            })
-            .map(|r| (r.id, r.stage()))
-            .collect();
-        for (id, stage) in overdue {
-            self.finish(id, Outcome::TimedOut { stage }, now);
+        let mut due: Vec<RequestId> = Vec::new();
+        for set in [&self.deadlines, &self.waits] {
+            due.extend(set.iter().take_while(|(t, _)| *t <= now).map(|&(_, id)| id));
+        }
+        due.sort();
+        due.dedup();
+        for id in due {
+            if let Some(stage) = self.reqs.get(&id).map(Req::stage) {
+                self.finish(id, Outcome::TimedOut { stage }, now);
+            }
         }
         let now_ms = self.ms(now);
-        let due: Vec<TransferId> = self
+        let mut expired: Vec<TransferId> = self
             .leases_out
             .iter()
             .copied()
             .filter(|t| self.kv.lease(*t).map_or(true, |l| l.expires_at <= now_ms))
             .collect();
-        for t in due {
+        expired.sort();
+        for t in expired {
             self.leases_out.remove(&t);
             let _ = self.kv.release_lease(t);
             self.events.push_back(Event::LeaseExpired { transfer: t });
@@ -473,6 +490,7 @@ impl Scheduler {
     /// the token drawn for each item that asked for one.
     pub fn handle_step_result(&mut self, sampled: &[Sampled], now: Instant) {
         let items = std::mem::take(&mut self.in_flight);
+        let tokens: IdMap<RequestId, &Sampled> = sampled.iter().map(|s| (s.id, s)).collect();
         for item in items {
             let Some(r) = self.reqs.get(&item.id) else { continue }; // aborted meanwhile
             let stage = r.stage();
@@ -483,7 +501,7 @@ impl Scheduler {
             if !item.sample {
                 continue;
             }
-            match sampled.iter().find(|s| s.id == item.id) {
+            match tokens.get(&item.id) {
                 Some(s) => self.accept_token(item.id, s.token, s.stop, now),
                 None => self.finish(
                     item.id,
@@ -543,7 +561,9 @@ impl Scheduler {
 
     /// The one exit: removes `id` from wherever it is, frees what it holds, and emits its event.
     fn finish(&mut self, id: RequestId, outcome: Outcome, now: Instant) {
+        self.end_wait(id);
         let Some(r) = self.reqs.remove(&id) else { return };
+        self.deadlines.remove(&(r.deadline, id));
         match r.state {
             State::Waiting => self.waiting.retain(|&x| x != id),
             State::AwaitingKv { transfer, .. } => {
@@ -593,15 +613,27 @@ impl Scheduler {
                     return Err(format!("{id} is in two places (again in {name})"));
                 }
                 let r = self.reqs.get(id).ok_or_else(|| format!("{id} in {name} is not live"))?;
-                let ok = match (name, r.state) {
-                    ("waiting", State::Waiting) | ("running", State::Running { .. }) => true,
-                    ("awaiting", State::AwaitingKv { .. }) => true,
-                    _ => false,
-                };
+                let ok = matches!(
+                    (name, r.state),
+                    ("waiting", State::Waiting)
+                        | ("running", State::Running { .. })
+                        | ("awaiting", State::AwaitingKv { .. })
+                );
                 if !ok {
                     return Err(format!("{id} is in {name} but its state is {:?}", r.state));
                 }
             }
+        }
+        if self.deadlines.len() != self.reqs.len() {
+            return Err(format!(
+                "{} deadline entries for {} requests",
+                self.deadlines.len(),
+                self.reqs.len()
+            ));
+        }
+        let waiting_with_deadline = self.reqs.values().filter(|r| r.wait_until.is_some()).count();
+        if self.waits.len() != waiting_with_deadline {
+            return Err(format!("{} wait entries for {waiting_with_deadline} waits", self.waits.len()));
         }
         if seen.len() != self.reqs.len() {
             return Err(format!("{} live requests, {} placed", self.reqs.len(), seen.len()));

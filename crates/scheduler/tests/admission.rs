@@ -43,12 +43,15 @@ fn drain(s: &mut Scheduler, mut now: Instant) -> Vec<Event> {
     panic!("work never drained: {:?}", s.stats());
 }
 
+/// `Ok(())` to admit, or a check on the rejection.
+type Want = Result<(), fn(&Rejection) -> bool>;
+
 #[test]
 fn admission_table() {
     let config =
         SchedulerConfig { max_queued_requests: 2, max_context_tokens: 32, ..SchedulerConfig::default() };
     let (mut s, t0) = sched(config, 64);
-    let cases: Vec<(NewRequest, Result<(), fn(&Rejection) -> bool>)> = vec![
+    let cases: Vec<(NewRequest, Want)> = vec![
         (req(1, 10, 22, t0), Ok(())), // exactly the context
         (
             req(2, 10, 23, t0),
