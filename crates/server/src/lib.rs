@@ -1,0 +1,164 @@
+//! The pdserve worker: a mio HTTP loop (from `pdserve-http`) on one thread, an engine thread owning the
+//! scheduler, the KV cache and the model, and two bounded channels between them. It serves the
+//! OpenAI-compatible API (`/v1/chat/completions`, `/v1/completions`, `/v1/models`), truthful health
+//! (`/health/live`, `/health/ready`, `/health/generate`), `/metrics`, `/debug/requests` and
+//! `/abort/{id}`. Every failure becomes an answer in one place (`error.rs`).
+//!
+//! The binary is `pdserve-server`; [`run`] is the same worker for programs that embed it.
+
+mod api;
+mod engine;
+mod error;
+mod frontend;
+mod metrics;
+mod sys;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pdserve_http::{Server, ServerConfig};
+use pdserve_kvcache::{KvCache, KvConfig};
+use pdserve_model::{CpuBackend, ModelFiles};
+use pdserve_scheduler::{Scheduler, SchedulerConfig};
+use pdserve_telemetry::RequestLedger;
+
+/// Everything a worker is configured with. Every bound is here.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub addr: SocketAddr,
+    pub model_dir: PathBuf,
+    /// The name clients put in `model` (the folder name by default).
+    pub model_name: String,
+    /// This process's name in `/debug/requests`.
+    pub process_name: String,
+    pub http: ServerConfig,
+    pub scheduler: SchedulerConfig,
+    pub kv_blocks: usize,
+    pub block_size: usize,
+    /// A request's deadline when neither its body nor its headers give one.
+    pub default_timeout: Duration,
+    /// The longest deadline a request may ask for.
+    pub max_timeout: Duration,
+    pub probe_timeout: Duration,
+    /// `/health/ready` fails when the engine loop has not ticked for this long.
+    pub ready_tick_ms: u64,
+    /// ... or when work is waiting and no token came out for this long.
+    pub ready_token_ms: u64,
+    /// After SIGTERM: how long running requests may take before they are aborted.
+    pub drain_timeout: Duration,
+    /// How long past its deadline the HTTP thread waits for the engine to end a request itself.
+    pub watchdog_grace: Duration,
+    /// Live requests the ledger tracks at most.
+    pub ledger_capacity: usize,
+    /// Test hook: a prompt containing this text panics the request handler (for the panic-isolation test).
+    pub panic_trigger: Option<String>,
+}
+
+impl WorkerConfig {
+    pub fn new(addr: SocketAddr, model_dir: PathBuf) -> Self {
+        let model_name =
+            model_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "model".into());
+        WorkerConfig {
+            addr,
+            model_dir,
+            model_name,
+            process_name: "worker".into(),
+            http: ServerConfig::default(),
+            scheduler: SchedulerConfig::default(),
+            kv_blocks: 1024,
+            block_size: 16,
+            default_timeout: Duration::from_secs(600),
+            max_timeout: Duration::from_secs(3600),
+            probe_timeout: Duration::from_secs(10),
+            ready_tick_ms: 2_000,
+            ready_token_ms: 30_000,
+            drain_timeout: Duration::from_secs(30),
+            watchdog_grace: Duration::from_secs(2),
+            ledger_capacity: 65_536,
+            panic_trigger: None,
+        }
+    }
+}
+
+/// Why the worker could not start or stopped with an error.
+#[derive(Debug)]
+pub enum WorkerError {
+    Model(pdserve_model::ModelError),
+    Io(std::io::Error),
+    Config(String),
+}
+
+impl std::fmt::Display for WorkerError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WorkerError::Model(e) => write!(f, "model: {e}"),
+            WorkerError::Io(e) => write!(f, "i/o: {e}"),
+            WorkerError::Config(e) => write!(f, "configuration: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for WorkerError {}
+
+/// Loads the model, binds, calls `on_ready` with the bound address, and serves until SIGTERM/SIGINT
+/// and the drain that follows.
+pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Result<(), WorkerError> {
+    sys::install_termination_handler();
+    let files = ModelFiles::load(&config.model_dir).map_err(WorkerError::Model)?;
+    let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens);
+    config.scheduler.max_context_tokens = context;
+    let kv =
+        KvCache::new(KvConfig { num_blocks: config.kv_blocks as u32, block_size: config.block_size as u32 })
+            .map_err(|e| WorkerError::Config(e.to_string()))?;
+    let now = Instant::now();
+    let sched = Scheduler::new(config.scheduler.clone(), kv, now);
+    let backend =
+        CpuBackend::new(files.config.clone(), Arc::new(files.weights), config.kv_blocks, config.block_size);
+    let metrics = metrics::Metrics::new().map_err(|e| WorkerError::Config(e.to_string()))?;
+    let server = Server::bind(config.addr, config.http).map_err(WorkerError::Io)?;
+    let addr = server.local_addr().map_err(WorkerError::Io)?;
+    let shared = Arc::new(engine::Shared {
+        epoch: now,
+        last_tick_ms: Default::default(),
+        last_token_ms: Default::default(),
+        waiting: Default::default(),
+        running: Default::default(),
+        ledger: Mutex::new(RequestLedger::new(&config.process_name, config.ledger_capacity)),
+    });
+    let bound = config.scheduler.max_queued_requests + config.scheduler.max_running_requests + 64;
+    let (cmd_tx, cmd_rx) = crossbeam_channel::bounded(bound);
+    let (reply_tx, reply_rx) = crossbeam_channel::bounded(bound * 64);
+    let engine = engine::Engine {
+        sched,
+        backend: Box::new(backend),
+        eos_ids: files.config.eos_token_ids.clone(),
+        commands: cmd_rx,
+        replies: reply_tx,
+        waker: server.waker(),
+        shared: Arc::clone(&shared),
+        metrics: metrics.clone(),
+    };
+    let engine_thread = std::thread::Builder::new()
+        .name("engine".into())
+        .spawn(move || engine.run())
+        .map_err(WorkerError::Io)?;
+    let vocab = files.config.vocab_size;
+    let front = frontend::Frontend::new(
+        server,
+        config,
+        Arc::new(files.text),
+        context,
+        vocab,
+        cmd_tx,
+        reply_rx,
+        shared,
+        metrics,
+    );
+    on_ready(addr);
+    let result = front.run().map_err(WorkerError::Io);
+    // Dropping the frontend closed the command channel; the engine ends its loop.
+    let _ = engine_thread.join();
+    result
+}

@@ -1,0 +1,115 @@
+//! `pdserve-server`: one worker serving a model over the OpenAI-compatible API.
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use pdserve_server::{run, WorkerConfig};
+
+const USAGE: &str = "\
+pdserve-server [options]
+
+  --host ADDR              bind address (default 127.0.0.1)
+  --port N                 port (default 8000; 0 picks a free one)
+  --model DIR              Hugging Face model folder (default: the default model, fetched if missing)
+  --model-name NAME        name clients use in `model` (default: the folder name)
+  --name NAME              this process's name in /debug/requests (default worker)
+  --role unified           (prefill and decode roles come with the PD transfer)
+  --max-queued N           admission queue bound (default 256)
+  --max-running N          running batch bound (default 64)
+  --max-batch-tokens N     tokens per engine step (default 2048)
+  --prefill-chunk N        prefill chunk per request per step (default 512)
+  --max-context N          context cap in tokens (default: the model's)
+  --kv-blocks N            KV cache blocks (default 1024)
+  --block-size N           tokens per KV block (default 16)
+  --timeout-s S            default request deadline in seconds (default 600)
+  --drain-timeout-s S      how long a SIGTERM drain may take (default 30)
+";
+
+fn main() -> ExitCode {
+    match parse(std::env::args().skip(1).collect()) {
+        Ok(Some(config)) => {
+            let result = run(config, |addr| {
+                // The line tests and `cargo xtask serve` wait for.
+                println!("listening on http://{addr}");
+                let _ = std::io::stdout().flush();
+            });
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("pdserve-server: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        Ok(None) => {
+            print!("{USAGE}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("pdserve-server: {e}\n\n{USAGE}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
+    let mut host = "127.0.0.1".to_owned();
+    let mut port = 8000u16;
+    let mut model: Option<PathBuf> = None;
+    let mut sets: Vec<(String, String)> = Vec::new();
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        if a == "-h" || a == "--help" {
+            return Ok(None);
+        }
+        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--host" => host = val()?,
+            "--port" => port = val()?.parse().map_err(|e| format!("--port: {e}"))?,
+            "--model" => model = Some(PathBuf::from(val()?)),
+            "--role" => {
+                let r = val()?;
+                if r != "unified" {
+                    return Err(format!("--role {r}: only `unified` is implemented in this build"));
+                }
+            }
+            other => {
+                let v = val()?;
+                sets.push((other.to_owned(), v));
+            }
+        }
+    }
+    let addr = format!("{host}:{port}").parse().map_err(|e| format!("--host/--port: {e}"))?;
+    let model_dir = match model {
+        Some(m) => m,
+        None => pdserve_model::fetch::ensure_default_model(
+            &pdserve_model::fetch::models_dir(),
+            &mut pdserve_model::import::StderrBar::default(),
+            true,
+        )
+        .map_err(|e| format!("fetching the default model: {e}"))?,
+    };
+    let mut c = WorkerConfig::new(addr, model_dir);
+    for (k, v) in sets {
+        let n = || v.parse::<usize>().map_err(|e| format!("{k}: {e}"));
+        let secs = || v.parse::<f64>().map(Duration::from_secs_f64).map_err(|e| format!("{k}: {e}"));
+        match k.as_str() {
+            "--model-name" => c.model_name = v.clone(),
+            "--name" => c.process_name = v.clone(),
+            "--max-queued" => c.scheduler.max_queued_requests = n()?,
+            "--max-running" => c.scheduler.max_running_requests = n()?,
+            "--max-batch-tokens" => c.scheduler.max_batch_tokens = n()?,
+            "--prefill-chunk" => c.scheduler.prefill_chunk_tokens = n()?,
+            "--max-context" => c.scheduler.max_context_tokens = n()?,
+            "--kv-blocks" => c.kv_blocks = n()?,
+            "--block-size" => c.block_size = n()?,
+            "--timeout-s" => c.default_timeout = secs()?,
+            "--drain-timeout-s" => c.drain_timeout = secs()?,
+            "--test-panic-on" => c.panic_trigger = Some(v.clone()),
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    Ok(Some(c))
+}

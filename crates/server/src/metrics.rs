@@ -1,0 +1,77 @@
+//! The worker's metrics, every name with its unit.
+
+use pdserve_telemetry::{Buckets, Counter, CounterVec, Gauge, GaugeVec, Histogram, MetricError, Registry};
+
+#[derive(Debug, Clone)]
+pub(crate) struct Metrics {
+    pub registry: Registry,
+    pub finished: CounterVec,
+    pub waiting: Gauge,
+    pub running: Gauge,
+    pub kv_blocks: GaugeVec,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub queue_wait: Histogram,
+    pub step: Histogram,
+    pub tokens_generated: Counter,
+    pub tokens_prompt: Counter,
+    pub preemptions: Counter,
+    pub connections: Gauge,
+    pub rejected: CounterVec,
+}
+
+impl Metrics {
+    pub(crate) fn new() -> Result<Metrics, MetricError> {
+        let r = Registry::new();
+        Ok(Metrics {
+            finished: r.counter_vec(
+                "requests_finished_total",
+                "Requests that reached a terminal state.",
+                &["outcome", "stage"],
+            )?,
+            waiting: r.gauge("requests_waiting", "Requests in the admission queue.")?,
+            running: r.gauge("requests_running", "Requests in the running batch.")?,
+            kv_blocks: r.gauge_vec(
+                "kv_blocks",
+                "KV cache blocks by owner (free, sequence, cache, transfer).",
+                &["owner"],
+            )?,
+            ttft: r.histogram(
+                "time_to_first_token_seconds",
+                "From request received to first token.",
+                Buckets::latency_seconds(),
+            )?,
+            itl: r.histogram(
+                "inter_token_latency_seconds",
+                "Between consecutive tokens of a request.",
+                Buckets::latency_seconds(),
+            )?,
+            e2e: r.histogram(
+                "request_latency_seconds",
+                "From request received to its end.",
+                Buckets::latency_seconds(),
+            )?,
+            queue_wait: r.histogram(
+                "queue_wait_seconds",
+                "From admission to the first scheduled step.",
+                Buckets::latency_seconds(),
+            )?,
+            step: r.histogram(
+                "engine_step_seconds",
+                "Duration of one engine step (forward pass and sampling).",
+                Buckets::latency_seconds(),
+            )?,
+            tokens_generated: r.counter("tokens_generated_total", "Tokens sampled.")?,
+            tokens_prompt: r.counter("tokens_prompt_total", "Prompt tokens of admitted requests.")?,
+            preemptions: r.counter("requests_preempted_total", "Running requests preempted for KV space.")?,
+            connections: r.gauge("http_connections", "Open client connections.")?,
+            rejected: r.counter_vec(
+                "requests_rejected_total",
+                "Requests refused at admission, by reason.",
+                &["reason"],
+            )?,
+            registry: r,
+        })
+    }
+}
