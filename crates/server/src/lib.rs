@@ -54,6 +54,9 @@ pub struct WorkerConfig {
     pub ledger_capacity: usize,
     /// Test hook: a prompt containing this text panics the request handler (for the panic-isolation test).
     pub panic_trigger: Option<String>,
+    /// Stop (as on SIGTERM) when standard input reaches end of file: a supervisor that dies, or a test
+    /// process that exits, takes the worker with it.
+    pub exit_on_stdin_eof: bool,
 }
 
 impl WorkerConfig {
@@ -78,6 +81,7 @@ impl WorkerConfig {
             watchdog_grace: Duration::from_secs(2),
             ledger_capacity: 65_536,
             panic_trigger: None,
+            exit_on_stdin_eof: false,
         }
     }
 }
@@ -106,6 +110,15 @@ impl std::error::Error for WorkerError {}
 /// and the drain that follows.
 pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Result<(), WorkerError> {
     sys::install_termination_handler();
+    if config.exit_on_stdin_eof {
+        std::thread::Builder::new()
+            .name("stdin-watch".into())
+            .spawn(|| {
+                let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+                sys::request_termination();
+            })
+            .map_err(WorkerError::Io)?;
+    }
     let files = ModelFiles::load(&config.model_dir).map_err(WorkerError::Model)?;
     let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens);
     config.scheduler.max_context_tokens = context;

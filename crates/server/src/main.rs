@@ -25,6 +25,7 @@ pdserve-server [options]
   --block-size N           tokens per KV block (default 16)
   --timeout-s S            default request deadline in seconds (default 600)
   --drain-timeout-s S      how long a SIGTERM drain may take (default 30)
+  --exit-on-stdin-eof      stop gracefully when standard input closes (for supervisors and tests)
 ";
 
 fn main() -> ExitCode {
@@ -63,6 +64,10 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
     while let Some(a) = it.next() {
         if a == "-h" || a == "--help" {
             return Ok(None);
+        }
+        if a == "--exit-on-stdin-eof" {
+            sets.push((a, String::new()));
+            continue;
         }
         let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
@@ -108,6 +113,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--timeout-s" => c.default_timeout = secs()?,
             "--drain-timeout-s" => c.drain_timeout = secs()?,
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
+            "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
             other => return Err(format!("unknown option {other}")),
         }
     }

@@ -21,6 +21,11 @@ pub(crate) fn install_termination_handler() {
     }
 }
 
+/// Asks for the same graceful stop as SIGTERM.
+pub(crate) fn request_termination() {
+    TERMINATE.store(true, Ordering::SeqCst);
+}
+
 pub(crate) fn terminate_requested() -> bool {
     TERMINATE.load(Ordering::SeqCst)
 }

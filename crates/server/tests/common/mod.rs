@@ -1,0 +1,99 @@
+//! A worker process for tests: started on a free port, killed when dropped.
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use pdserve_http::{ClientConfig, ClientResponse, Header, HttpClient, Request, SseDecoder};
+
+pub struct Worker {
+    pub addr: SocketAddr,
+    pub child: Child,
+    /// Held open: when the test process exits, the worker sees end of file and stops.
+    _stdin: Option<std::process::ChildStdin>,
+    pub client: HttpClient,
+}
+
+impl Worker {
+    /// Starts `pdserve-server` with `args` (the default model, fetched if needed).
+    pub fn start(args: &[&str]) -> Worker {
+        let model = pdserve_model::fetch::ensure_default_model(
+            &pdserve_model::fetch::models_dir(),
+            &mut pdserve_model::import::Silent,
+            false,
+        )
+        .expect("default model");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+            .args(["--port", "0", "--kv-blocks", "256", "--exit-on-stdin-eof", "--model"])
+            .arg(model)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn pdserve-server");
+        let stdout = child.stdout.take().expect("stdout");
+        let stdin = child.stdin.take();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some(a) = line.strip_prefix("listening on http://") {
+                    let _ = tx.send(a.parse::<SocketAddr>().expect("address"));
+                }
+            }
+        });
+        let addr = rx.recv_timeout(Duration::from_secs(120)).expect("the worker did not start");
+        Worker { addr, child, _stdin: stdin, client: HttpClient::new(ClientConfig::default()) }
+    }
+
+    pub fn request(&self, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> ClientResponse {
+        let mut r = Request::new(method, path);
+        r.body = body.as_bytes().to_vec();
+        r.headers.push(Header { name: "content-type".into(), value: b"application/json".to_vec() });
+        for (k, v) in headers {
+            r.headers.push(Header { name: (*k).into(), value: v.as_bytes().to_vec() });
+        }
+        self.client.send(self.addr, &r, Instant::now() + Duration::from_secs(120)).expect("request")
+    }
+
+    /// Status and parsed JSON body.
+    pub fn json(&self, method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
+        let r = self.request(method, path, body, &[]);
+        let status = r.status();
+        let bytes = r.read_to_end().expect("body");
+        (status, serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null))
+    }
+
+    /// Status, headers and SSE `data` payloads of a streaming request.
+    pub fn stream(&self, path: &str, body: &str) -> (u16, Vec<String>) {
+        let mut r = self.request("POST", path, body, &[]);
+        let status = r.status();
+        let mut sse = SseDecoder::new(1 << 20);
+        let mut events = Vec::new();
+        while let Some(chunk) = r.next_chunk().expect("stream") {
+            sse.push(&chunk);
+            while let Some(e) = sse.next_event().expect("sse") {
+                events.push(e.data);
+            }
+        }
+        (status, events)
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill").args([sig, &self.child.id().to_string()]).status();
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn chat(content: &str, extra: &str) -> String {
+    format!(r#"{{"messages":[{{"role":"user","content":{}}}]{extra}}}"#, serde_json::Value::String(content.into()))
+}
