@@ -182,6 +182,8 @@ impl Engine {
         let now = Instant::now();
         let batch = self.sched.poll_batch(now);
         self.drain_events(live);
+        // Gauges show the step's reservations while it runs, not only after it.
+        self.publish(live);
         if batch.is_empty() {
             self.sched.handle_step_result(&[], now);
             return;

@@ -14,24 +14,35 @@ fn worker() -> &'static Worker {
 
 #[test]
 fn chat_answers_the_capital_question() {
-    let (status, v) = worker().json("POST", "/v1/chat/completions", &chat("What is the capital of France?", r#","temperature":0,"max_tokens":20"#));
+    let (status, v) = worker().json(
+        "POST",
+        "/v1/chat/completions",
+        &chat("What is the capital of France?", r#","temperature":0,"max_tokens":20"#),
+    );
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["choices"][0]["message"]["content"], "The capital of France is Paris.");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     let u = &v["usage"];
-    assert_eq!(u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap(), u["total_tokens"].as_u64().unwrap());
+    assert_eq!(
+        u["prompt_tokens"].as_u64().unwrap() + u["completion_tokens"].as_u64().unwrap(),
+        u["total_tokens"].as_u64().unwrap()
+    );
 }
 
 #[test]
 fn streaming_chat_with_usage() {
     let (status, events) = worker().stream(
         "/v1/chat/completions",
-        &chat("What is the capital of France?", r#","temperature":0,"max_tokens":20,"stream":true,"stream_options":{"include_usage":true}"#),
+        &chat(
+            "What is the capital of France?",
+            r#","temperature":0,"max_tokens":20,"stream":true,"stream_options":{"include_usage":true}"#,
+        ),
     );
     assert_eq!(status, 200);
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    let chunks: Vec<serde_json::Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let chunks: Vec<serde_json::Value> =
+        events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
     assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
     let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(text, "The capital of France is Paris.");
@@ -45,27 +56,46 @@ fn streaming_chat_with_usage() {
 #[test]
 fn completions_with_stop_sequences_length_and_token_prompts() {
     let w = worker();
-    let (s, v) = w.json("POST", "/v1/completions", r#"{"prompt":"The capital of France is","max_tokens":12,"temperature":0,"stop":[" Paris"]}"#);
+    let (s, v) = w.json(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":"The capital of France is","max_tokens":12,"temperature":0,"stop":[" Paris"]}"#,
+    );
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["object"], "text_completion");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
     assert!(!v["choices"][0]["text"].as_str().unwrap().contains("Paris"), "{v}");
-    let (s, v) = w.json("POST", "/v1/completions", r#"{"prompt":[504, 3575, 282],"max_tokens":3,"temperature":0,"ignore_eos":true}"#);
+    let (s, v) = w.json(
+        "POST",
+        "/v1/completions",
+        r#"{"prompt":[504, 3575, 282],"max_tokens":3,"temperature":0,"ignore_eos":true}"#,
+    );
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["choices"][0]["finish_reason"], "length");
     assert_eq!(v["usage"]["completion_tokens"], 3);
     assert_eq!(v["usage"]["prompt_tokens"], 3);
     // Streaming completions end with a stop too, and nothing past the stop string leaks out.
-    let (s, events) = w.stream("/v1/completions", r#"{"prompt":"1, 2, 3, 4,","max_tokens":20,"temperature":0,"stop":["7"],"stream":true}"#);
+    let (s, events) = w.stream(
+        "/v1/completions",
+        r#"{"prompt":"1, 2, 3, 4,","max_tokens":20,"temperature":0,"stop":["7"],"stream":true}"#,
+    );
     assert_eq!(s, 200);
-    let text: String = events.iter().filter(|e| *e != "[DONE]").filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok()).filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_owned)).collect();
+    let text: String = events
+        .iter()
+        .filter(|e| *e != "[DONE]")
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_owned))
+        .collect();
     assert!(!text.contains('7') && text.contains('5'), "{text:?}");
 }
 
 #[test]
 fn seeded_sampling_repeats_and_logprobs_are_reported() {
     let w = worker();
-    let body = chat("Write a short poem about the sea.", r#","temperature":0.9,"top_p":0.95,"seed":1234,"max_tokens":24,"logprobs":true,"top_logprobs":2"#);
+    let body = chat(
+        "Write a short poem about the sea.",
+        r#","temperature":0.9,"top_p":0.95,"seed":1234,"max_tokens":24,"logprobs":true,"top_logprobs":2"#,
+    );
     let (s1, a) = w.json("POST", "/v1/chat/completions", &body);
     let (s2, b) = w.json("POST", "/v1/chat/completions", &body);
     assert_eq!((s1, s2), (200, 200));
@@ -90,7 +120,18 @@ fn models_health_metrics_and_debug() {
     let (s, v) = w.json("GET", "/health/generate", "");
     assert_eq!((s, v["status"].as_str()), (200, Some("ok")), "{v}");
     let metrics = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
-    for name in ["requests_finished_total", "requests_waiting", "requests_running", "kv_blocks{owner=\"free\"}", "time_to_first_token_seconds_bucket", "inter_token_latency_seconds", "request_latency_seconds", "queue_wait_seconds", "tokens_generated_total", "tokens_prompt_total"] {
+    for name in [
+        "requests_finished_total",
+        "requests_waiting",
+        "requests_running",
+        "kv_blocks{owner=\"free\"}",
+        "time_to_first_token_seconds_bucket",
+        "inter_token_latency_seconds",
+        "request_latency_seconds",
+        "queue_wait_seconds",
+        "tokens_generated_total",
+        "tokens_prompt_total",
+    ] {
         assert!(metrics.contains(name), "/metrics lacks {name}");
     }
     let (s, v) = w.json("GET", "/debug/requests", "");
@@ -99,7 +140,12 @@ fn models_health_metrics_and_debug() {
     let (s, v) = w.json("POST", "/abort/nope", "");
     assert_eq!((s, v["error"]["type"].as_str()), (404, Some("not_found")));
     // The request id is taken from the client and echoed.
-    let r = w.request("POST", "/v1/chat/completions", &chat("Hi", r#","max_tokens":2"#), &[("x-request-id", "my-id-7")]);
+    let r = w.request(
+        "POST",
+        "/v1/chat/completions",
+        &chat("Hi", r#","max_tokens":2"#),
+        &[("x-request-id", "my-id-7")],
+    );
     assert_eq!(r.head().header_str("x-request-id"), Some("my-id-7"));
     let v: serde_json::Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
     assert_eq!(v["id"], "chatcmpl-my-id-7");

@@ -95,5 +95,8 @@ impl Drop for Worker {
 }
 
 pub fn chat(content: &str, extra: &str) -> String {
-    format!(r#"{{"messages":[{{"role":"user","content":{}}}]{extra}}}"#, serde_json::Value::String(content.into()))
+    format!(
+        r#"{{"messages":[{{"role":"user","content":{}}}]{extra}}}"#,
+        serde_json::Value::String(content.into())
+    )
 }
