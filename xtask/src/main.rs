@@ -6,11 +6,14 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 mod generate;
+mod serve;
 
 const HELP: &str = "\
 cargo xtask <command>
 
 commands:
+  serve [--unified] [--port N] [--model DIR] [WORKER OPTIONS]
+                       fetch the default model if missing, build, and serve it (one unified worker)
   test                 fmt check, clippy (warnings are errors), and every test of the workspace
   fuzz [TARGET] [--seconds N]
                        run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
@@ -28,6 +31,7 @@ fn main() -> Result<()> {
     std::env::set_current_dir(&root)?;
     match args.first().map(String::as_str) {
         Some("test") => test(),
+        Some("serve") => serve::run(&args[1..]),
         Some("fuzz") => fuzz(&args[1..]),
         Some("bench") => bench(&args[1..]),
         Some("fetch-model") => fetch_model(&args[1..]).map(|dir| println!("{}", dir.display())),
@@ -40,7 +44,7 @@ fn main() -> Result<()> {
     }
 }
 
-fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
         .map(Path::to_path_buf)
@@ -48,7 +52,7 @@ fn workspace_root() -> PathBuf {
 }
 
 /// Runs `cargo` with `args`, echoing the command, and fails if it fails.
-fn cargo(args: &[&str]) -> Result<()> {
+pub(crate) fn cargo(args: &[&str]) -> Result<()> {
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())).args(args))
 }
 
@@ -115,7 +119,7 @@ fn bench(args: &[String]) -> Result<()> {
 }
 
 /// The default model's folder, fetched if missing. `--models-dir` overrides `$PDSERVE_MODELS_DIR`.
-fn fetch_model(args: &[String]) -> Result<PathBuf> {
+pub(crate) fn fetch_model(args: &[String]) -> Result<PathBuf> {
     let mut dir = pdserve_model::fetch::models_dir();
     let mut it = args.iter();
     while let Some(a) = it.next() {
