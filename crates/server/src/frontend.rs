@@ -604,6 +604,15 @@ impl Frontend {
         let codec = Arc::clone(&self.codec);
         let Some(mut l) = self.remove(id) else { return };
         self.metrics.e2e.observe_duration(l.received.elapsed());
+        // One line per request, with its id, so a log search finds it.
+        eprintln!(
+            "request_id={} outcome={} prompt_tokens={} completion_tokens={} latency_ms={}",
+            l.request_id,
+            if l.stopped { "completed" } else { outcome.label() },
+            l.prompt_tokens,
+            l.completion_tokens,
+            l.received.elapsed().as_millis()
+        );
         let finish_reason = match (&outcome, l.stopped) {
             (_, true) | (Outcome::Completed(FinishReason::Stop), _) => Ok("stop"),
             (Outcome::Completed(FinishReason::Length), _) => Ok("length"),

@@ -201,3 +201,45 @@ fn sigterm_drains_then_exits() {
         thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn abort_by_request_id_ends_a_live_stream() {
+    let w = Worker::start(&[]);
+    let (addr, body) = (w.addr, long(r#","stream":true"#));
+    let reader = thread::spawn(move || {
+        let client = pdserve_http::HttpClient::new(Default::default());
+        let mut r = pdserve_http::Request::new("POST", "/v1/chat/completions");
+        r.body = body.into_bytes();
+        r.headers.push(pdserve_http::Header { name: "x-request-id".into(), value: b"abort-me".to_vec() });
+        let mut resp = client.send(addr, &r, Instant::now() + Duration::from_secs(60)).unwrap();
+        let mut all = Vec::new();
+        while let Some(c) = resp.next_chunk().unwrap() {
+            all.extend(c);
+        }
+        String::from_utf8(all).unwrap()
+    });
+    let start = Instant::now();
+    loop {
+        let (_, v) = w.json("GET", "/debug/requests", "");
+        if v["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["id"] == "abort-me" && r["tokens_out"].as_u64() > Some(0))
+        {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(20));
+        thread::sleep(Duration::from_millis(20));
+    }
+    let (s, v) = w.json("POST", "/abort/abort-me", "");
+    assert_eq!((s, v["aborted"].as_str()), (200, Some("abort-me")));
+    let text = reader.join().unwrap();
+    assert!(
+        text.contains("\"cancelled\"")
+            && text.contains("\"finish_reason\":\"error\"")
+            && text.ends_with("data: [DONE]\n\n"),
+        "{text}"
+    );
+    assert_eq!(w.json("POST", "/abort/abort-me", "").0, 404, "a second abort finds nothing");
+}
