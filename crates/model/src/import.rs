@@ -52,27 +52,17 @@ impl Progress for StderrBar {
 
 /// Undoes GGUF's rope permutation of a `[n_head * head_dim, cols]` projection.
 pub fn unpermute_qk(w: &[f32], n_head: usize, cols: usize) -> Vec<f32> {
-    let rows = w.len() / cols;
-    let hd = rows / n_head;
-    let half = hd / 2;
-    let mut out = vec![0.0; w.len()];
-    for h in 0..n_head {
-        for i in 0..half {
-            for j in 0..2 {
-                // GGUF row (h, i, j) holds Hugging Face row (h, j, i).
-                let src = (h * hd + i * 2 + j) * cols;
-                let dst = (h * hd + j * half + i) * cols;
-                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
-            }
-        }
-    }
-    out
+    move_qk_rows(w, n_head, cols, true)
 }
 
 /// The inverse of [`unpermute_qk`]: what GGUF stores for a Hugging Face projection.
 pub fn permute_qk(w: &[f32], n_head: usize, cols: usize) -> Vec<f32> {
-    let rows = w.len() / cols;
-    let hd = rows / n_head;
+    move_qk_rows(w, n_head, cols, false)
+}
+
+/// Within each head, GGUF row `(i, j)` (`i < head_dim / 2`, `j < 2`) is Hugging Face row `(j, i)`.
+fn move_qk_rows(w: &[f32], n_head: usize, cols: usize, to_hf: bool) -> Vec<f32> {
+    let hd = w.len() / cols / n_head;
     let half = hd / 2;
     let mut out = vec![0.0; w.len()];
     for h in 0..n_head {
@@ -80,7 +70,8 @@ pub fn permute_qk(w: &[f32], n_head: usize, cols: usize) -> Vec<f32> {
             for j in 0..2 {
                 let gguf = (h * hd + i * 2 + j) * cols;
                 let hf = (h * hd + j * half + i) * cols;
-                out[gguf..gguf + cols].copy_from_slice(&w[hf..hf + cols]);
+                let (src, dst) = if to_hf { (gguf, hf) } else { (hf, gguf) };
+                out[dst..dst + cols].copy_from_slice(&w[src..src + cols]);
             }
         }
     }
