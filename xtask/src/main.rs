@@ -74,7 +74,7 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-const FUZZ_TARGETS: &[&str] = &["http_request", "http_response", "kv_ops", "sched_ops"];
+const FUZZ_TARGETS: &[&str] = &["http_request", "http_response", "kv_ops", "sched_ops", "pd_frames"];
 
 fn fuzz(args: &[String]) -> Result<()> {
     let mut seconds = 30u32;

@@ -1,0 +1,60 @@
+//! Moving a request's KV blocks from a prefill worker to a decode worker without ever stranding them.
+//!
+//! A *pull* protocol, as sans-IO state machines: [`Sender`] (prefill side) and [`Receiver`] (decode
+//! side) take messages and `now` and give back messages to send and events. Block bytes never pass
+//! through them: the I/O shell copies each block between KV memories, after checking the destination
+//! against the decode side's kvcache lease (block id + epoch).
+//!
+//! ```text
+//!  decode (Receiver)                               prefill (Sender)
+//!  allocate_lease(T, n blocks)                     lease_sequence(seq, T) after the first token
+//!  start(T.e, peer, layout, dest) ── Pull{T.e, layout, n} ──▶ offer(T.e, layout, blocks, expiry)
+//!                                 ◀── Accept{T.e, n} ──────   (layout and n checked: mismatch → Reject)
+//!  accept_block → check_write →   ◀── Block{T.e, i, bytes} ── window of W blocks in flight
+//!  copy → block_written           ─── Ack{T.e, written} ────▶ more blocks
+//!  after the last block           ─── Done{T.e} ───────────▶ Completed → release_lease(T)
+//!  Completed → adopt_lease(T, seq)
+//!
+//!  Either side, any time: Abort{T.e, reason} ───▶ the other side ends T with that reason.
+//!  Deadlines: the sender's lease expiry (LeaseExpired) and the receiver's data deadline (DataTimeout)
+//!  each end T on their side and send Abort to the other. A message whose transfer has ended, or whose
+//!  epoch differs, is dropped without touching any block.
+//! ```
+//!
+//! Each transfer ends exactly once on each side with an [`Outcome`] in a [`TransferEvent`]; the shell
+//! then releases (sender) or adopts or releases (receiver) its kvcache lease, so both KV ledgers return
+//! to baseline.
+#![forbid(unsafe_code)]
+
+mod message;
+mod receiver;
+mod sender;
+
+pub use message::{
+    decode, encode, Dtype, FailReason, FrameError, Layout, Message, TransferKey, FRAME_BYTES_MAX,
+};
+pub use receiver::{Destination, Receiver, StartError};
+pub use sender::{OfferError, SendAction, Sender, SenderConfig};
+
+/// The I/O shell's name for a connection to a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(pub u64);
+
+/// How a transfer ended on one side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    Completed,
+    Failed(FailReason),
+}
+
+/// A transfer ended on this side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferEvent {
+    pub key: TransferKey,
+    pub outcome: Outcome,
+}
+
+/// The README's examples, compiled and run as doc tests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

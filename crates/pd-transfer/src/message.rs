@@ -1,0 +1,356 @@
+//! Wire messages and their binary framing: `[u32 length][u8 kind][fields...]`, little-endian.
+
+use std::fmt;
+
+/// Element type of the KV memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl Dtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::F32 => 4,
+            Dtype::Bf16 | Dtype::F16 => 2,
+        }
+    }
+    fn code(self) -> u8 {
+        match self {
+            Dtype::F32 => 0,
+            Dtype::Bf16 => 1,
+            Dtype::F16 => 2,
+        }
+    }
+    fn from_code(c: u8) -> Option<Self> {
+        Some(match c {
+            0 => Dtype::F32,
+            1 => Dtype::Bf16,
+            2 => Dtype::F16,
+            _ => return None,
+        })
+    }
+}
+
+/// The shape of one KV block on both sides; a transfer between different layouts is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Layout {
+    pub num_layers: u32,
+    pub num_kv_heads: u32,
+    pub head_dim: u32,
+    pub block_size: u32,
+    pub dtype: Dtype,
+}
+
+impl Layout {
+    /// Bytes of one block: K and V for every layer.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.num_layers as usize
+            * self.block_size as usize
+            * self.num_kv_heads as usize
+            * self.head_dim as usize
+            * self.dtype.bytes()
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} layers x {} kv heads x {} head dim, {} tokens per block, {:?}",
+            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
+        )
+    }
+}
+
+/// One transfer incarnation. The epoch tells a retry of the same transfer id from a late message of
+/// an earlier attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransferKey {
+    pub transfer: u64,
+    pub epoch: u32,
+}
+
+impl fmt::Display for TransferKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "transfer {}.{}", self.transfer, self.epoch)
+    }
+}
+
+/// Why a transfer did not complete. Sent in `Reject` and `Abort`, and reported in events.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FailReason {
+    UnknownTransfer,
+    StaleEpoch,
+    LayoutMismatch {
+        sender: Layout,
+        receiver: Layout,
+    },
+    BlockCountMismatch {
+        sender: u32,
+        receiver: u32,
+    },
+    AlreadyClaimed,
+    /// The prefill side's lease ran out.
+    LeaseExpired,
+    /// The decode side's wait for the data ran out.
+    DataTimeout,
+    /// Ended on purpose (client disconnect, router abort, shutdown), from either side.
+    Aborted,
+    /// A malformed or out-of-range message.
+    Protocol,
+}
+
+impl FailReason {
+    fn code(&self) -> u8 {
+        match self {
+            FailReason::UnknownTransfer => 1,
+            FailReason::StaleEpoch => 2,
+            FailReason::LayoutMismatch { .. } => 3,
+            FailReason::BlockCountMismatch { .. } => 4,
+            FailReason::AlreadyClaimed => 5,
+            FailReason::LeaseExpired => 6,
+            FailReason::DataTimeout => 7,
+            FailReason::Aborted => 8,
+            FailReason::Protocol => 9,
+        }
+    }
+
+    /// A stable word for metrics labels and error types.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FailReason::UnknownTransfer => "unknown_transfer",
+            FailReason::StaleEpoch => "stale_epoch",
+            FailReason::LayoutMismatch { .. } => "layout_mismatch",
+            FailReason::BlockCountMismatch { .. } => "block_count_mismatch",
+            FailReason::AlreadyClaimed => "already_claimed",
+            FailReason::LeaseExpired => "lease_expired",
+            FailReason::DataTimeout => "data_timeout",
+            FailReason::Aborted => "aborted",
+            FailReason::Protocol => "protocol_error",
+        }
+    }
+}
+
+impl fmt::Display for FailReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FailReason::LayoutMismatch { sender, receiver } => {
+                write!(f, "KV layout mismatch: prefill has {sender}, decode has {receiver}")
+            }
+            FailReason::BlockCountMismatch { sender, receiver } => {
+                write!(f, "block count mismatch: prefill holds {sender}, decode expects {receiver}")
+            }
+            other => f.write_str(other.as_str()),
+        }
+    }
+}
+
+/// A protocol message. `Block` carries the block's bytes on the wire; the state machines only see its
+/// header (`BlockHeader`), and the I/O shell moves the bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Message {
+    /// Decode → prefill: send me the blocks of this transfer.
+    Pull { key: TransferKey, layout: Layout, blocks: u32 },
+    /// Prefill → decode: the pull is accepted; blocks follow.
+    Accept { key: TransferKey, blocks: u32 },
+    /// Prefill → decode: the pull is refused; the transfer is over.
+    Reject { key: TransferKey, reason: FailReason },
+    /// Prefill → decode: block `index` follows (`len` bytes).
+    Block { key: TransferKey, index: u32, len: u32 },
+    /// Decode → prefill: this many blocks are written (flow control).
+    Ack { key: TransferKey, written: u32 },
+    /// Decode → prefill: every block is written; the lease can go.
+    Done { key: TransferKey },
+    /// Either way: the transfer is over.
+    Abort { key: TransferKey, reason: FailReason },
+}
+
+impl Message {
+    pub fn key(&self) -> TransferKey {
+        match self {
+            Message::Pull { key, .. }
+            | Message::Accept { key, .. }
+            | Message::Reject { key, .. }
+            | Message::Block { key, .. }
+            | Message::Ack { key, .. }
+            | Message::Done { key }
+            | Message::Abort { key, .. } => *key,
+        }
+    }
+}
+
+/// Largest frame accepted (a block of the largest supported layout plus headers).
+pub const FRAME_BYTES_MAX: usize = 64 << 20;
+
+fn put_layout(out: &mut Vec<u8>, l: &Layout) {
+    for v in [l.num_layers, l.num_kv_heads, l.head_dim, l.block_size] {
+        out.extend(v.to_le_bytes());
+    }
+    out.push(l.dtype.code());
+}
+
+fn put_reason(out: &mut Vec<u8>, r: &FailReason) {
+    out.push(r.code());
+    match r {
+        FailReason::LayoutMismatch { sender, receiver } => {
+            put_layout(out, sender);
+            put_layout(out, receiver);
+        }
+        FailReason::BlockCountMismatch { sender, receiver } => {
+            out.extend(sender.to_le_bytes());
+            out.extend(receiver.to_le_bytes());
+        }
+        _ => {}
+    }
+}
+
+/// Appends `msg` framed; for `Block`, `data` (exactly `len` bytes) follows the header.
+pub fn encode(msg: &Message, data: &[u8], out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend([0u8; 4]);
+    let key = msg.key();
+    let kind: u8 = match msg {
+        Message::Pull { .. } => 1,
+        Message::Accept { .. } => 2,
+        Message::Reject { .. } => 3,
+        Message::Block { .. } => 4,
+        Message::Ack { .. } => 5,
+        Message::Done { .. } => 6,
+        Message::Abort { .. } => 7,
+    };
+    out.push(kind);
+    out.extend(key.transfer.to_le_bytes());
+    out.extend(key.epoch.to_le_bytes());
+    match msg {
+        Message::Pull { layout, blocks, .. } => {
+            put_layout(out, layout);
+            out.extend(blocks.to_le_bytes());
+        }
+        Message::Accept { blocks, .. } => out.extend(blocks.to_le_bytes()),
+        Message::Reject { reason, .. } | Message::Abort { reason, .. } => put_reason(out, reason),
+        Message::Block { index, len, .. } => {
+            out.extend(index.to_le_bytes());
+            out.extend(len.to_le_bytes());
+            debug_assert_eq!(data.len(), *len as usize);
+            out.extend_from_slice(data);
+        }
+        Message::Ack { written, .. } => out.extend(written.to_le_bytes()),
+        Message::Done { .. } => {}
+    }
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.0.len() < n {
+            return None;
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Some(a)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Some(u64::from_le_bytes(a))
+    }
+    fn layout(&mut self) -> Option<Layout> {
+        Some(Layout {
+            num_layers: self.u32()?,
+            num_kv_heads: self.u32()?,
+            head_dim: self.u32()?,
+            block_size: self.u32()?,
+            dtype: Dtype::from_code(self.u8()?)?,
+        })
+    }
+    fn reason(&mut self) -> Option<FailReason> {
+        Some(match self.u8()? {
+            1 => FailReason::UnknownTransfer,
+            2 => FailReason::StaleEpoch,
+            3 => FailReason::LayoutMismatch { sender: self.layout()?, receiver: self.layout()? },
+            4 => FailReason::BlockCountMismatch { sender: self.u32()?, receiver: self.u32()? },
+            5 => FailReason::AlreadyClaimed,
+            6 => FailReason::LeaseExpired,
+            7 => FailReason::DataTimeout,
+            8 => FailReason::Aborted,
+            9 => FailReason::Protocol,
+            _ => return None,
+        })
+    }
+}
+
+/// Why a frame could not be decoded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameError {
+    /// The length prefix is over [`FRAME_BYTES_MAX`].
+    TooLarge {
+        bytes: usize,
+    },
+    Malformed,
+}
+
+/// One decoded frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Frame<'a> {
+    pub msg: Message,
+    /// The block's bytes (empty unless `msg` is `Block`).
+    pub data: &'a [u8],
+    /// Bytes of the input the frame took.
+    pub consumed: usize,
+}
+
+/// Decodes one frame from the front of `buf`; `Ok(None)` if it is not complete yet.
+pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, FrameError> {
+    if buf.len() < 4 {
+        return Ok(None);
+    }
+    let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+    if len > FRAME_BYTES_MAX {
+        return Err(FrameError::TooLarge { bytes: len });
+    }
+    if buf.len() < 4 + len {
+        return Ok(None);
+    }
+    let mut r = Reader(&buf[4..4 + len]);
+    let msg = (|| {
+        let kind = r.u8()?;
+        let key = TransferKey { transfer: r.u64()?, epoch: r.u32()? };
+        let mut data: &[u8] = &[];
+        let m = match kind {
+            1 => Message::Pull { key, layout: r.layout()?, blocks: r.u32()? },
+            2 => Message::Accept { key, blocks: r.u32()? },
+            3 => Message::Reject { key, reason: r.reason()? },
+            4 => {
+                let index = r.u32()?;
+                let len = r.u32()?;
+                data = r.take(len as usize)?;
+                Message::Block { key, index, len }
+            }
+            5 => Message::Ack { key, written: r.u32()? },
+            6 => Message::Done { key },
+            7 => Message::Abort { key, reason: r.reason()? },
+            _ => return None,
+        };
+        if !r.0.is_empty() {
+            return None;
+        }
+        Some((m, data))
+    })();
+    match msg {
+        Some((msg, data)) => Ok(Some(Frame { msg, data, consumed: 4 + len })),
+        None => Err(FrameError::Malformed),
+    }
+}

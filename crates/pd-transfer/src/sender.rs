@@ -1,0 +1,261 @@
+//! The prefill side: holds offered transfers (their KV is under a kvcache lease) and streams blocks to
+//! the decode worker that pulls them.
+
+use std::collections::{HashMap, VecDeque};
+
+use pdserve_kvcache::BlockId;
+
+use crate::message::{FailReason, Layout, Message, TransferKey};
+use crate::{Outcome, PeerId, TransferEvent};
+
+/// What the I/O shell must send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SendAction {
+    Message {
+        peer: PeerId,
+        msg: Message,
+    },
+    /// Send block `index` of `key`: read `block`'s bytes from the KV memory into a `Block` frame.
+    Block {
+        peer: PeerId,
+        key: TransferKey,
+        index: u32,
+        block: BlockId,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Offered,
+    Sending { peer: PeerId, next: u32, written: u32 },
+}
+
+#[derive(Debug)]
+struct Out {
+    epoch: u32,
+    layout: Layout,
+    blocks: Vec<BlockId>,
+    expires_at: u64,
+    state: State,
+}
+
+/// Configuration of a [`Sender`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SenderConfig {
+    /// Blocks sent and not yet acknowledged, per transfer.
+    pub window_blocks: u32,
+    /// Offered transfers held at once.
+    pub transfers_max: usize,
+}
+
+impl Default for SenderConfig {
+    fn default() -> Self {
+        SenderConfig { window_blocks: 64, transfers_max: 4096 }
+    }
+}
+
+/// The prefill side of every transfer of one worker. Sans-IO: messages and `now` (in the caller's
+/// clock unit) come in, actions and events come out.
+///
+/// Order per turn: `handle_*` calls, then `poll_action` and `poll_event` until `None`; call
+/// `handle_timeout(now)` when `poll_timeout()` is due.
+#[derive(Debug)]
+pub struct Sender {
+    config: SenderConfig,
+    transfers: HashMap<u64, Out>,
+    actions: VecDeque<SendAction>,
+    events: VecDeque<TransferEvent>,
+}
+
+/// Why an offer was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OfferError {
+    Duplicate,
+    TooMany { limit: usize },
+}
+
+impl Sender {
+    pub fn new(config: SenderConfig) -> Self {
+        Sender { config, transfers: HashMap::new(), actions: VecDeque::new(), events: VecDeque::new() }
+    }
+
+    /// Offers the KV of a finished prefill: `blocks` (in order) stay readable until the transfer ends;
+    /// at `expires_at` it ends as `LeaseExpired` if no decode worker took it.
+    pub fn offer(
+        &mut self,
+        key: TransferKey,
+        layout: Layout,
+        blocks: Vec<BlockId>,
+        expires_at: u64,
+    ) -> Result<(), OfferError> {
+        if self.transfers.contains_key(&key.transfer) {
+            return Err(OfferError::Duplicate);
+        }
+        if self.transfers.len() >= self.config.transfers_max {
+            return Err(OfferError::TooMany { limit: self.config.transfers_max });
+        }
+        self.transfers.insert(
+            key.transfer,
+            Out { epoch: key.epoch, layout, blocks, expires_at, state: State::Offered },
+        );
+        Ok(())
+    }
+
+    /// Transfers not ended yet.
+    pub fn len(&self) -> usize {
+        self.transfers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.transfers.is_empty()
+    }
+
+    pub fn poll_action(&mut self) -> Option<SendAction> {
+        self.actions.pop_front()
+    }
+
+    pub fn poll_event(&mut self) -> Option<TransferEvent> {
+        self.events.pop_front()
+    }
+
+    /// The earliest lease expiry.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.transfers.values().map(|o| o.expires_at).min()
+    }
+
+    fn reply(&mut self, peer: PeerId, msg: Message) {
+        self.actions.push_back(SendAction::Message { peer, msg });
+    }
+
+    fn end(&mut self, transfer: u64, outcome: Outcome) {
+        if let Some(o) = self.transfers.remove(&transfer) {
+            self.events.push_back(TransferEvent { key: TransferKey { transfer, epoch: o.epoch }, outcome });
+        }
+    }
+
+    /// A message from `peer`. Messages for unknown transfers or other epochs are answered (a `Pull`)
+    /// or dropped, never acted on.
+    pub fn handle_message(&mut self, peer: PeerId, msg: Message) {
+        let key = msg.key();
+        let current = self.transfers.get(&key.transfer).map(|o| (o.epoch, o.state));
+        match msg {
+            Message::Pull { layout, blocks, .. } => {
+                let Some((epoch, state)) = current else {
+                    return self.reply(peer, Message::Reject { key, reason: FailReason::UnknownTransfer });
+                };
+                if epoch != key.epoch {
+                    return self.reply(peer, Message::Reject { key, reason: FailReason::StaleEpoch });
+                }
+                if state != State::Offered {
+                    return self.reply(peer, Message::Reject { key, reason: FailReason::AlreadyClaimed });
+                }
+                let o = &self.transfers[&key.transfer];
+                let reason = if o.layout != layout {
+                    Some(FailReason::LayoutMismatch { sender: o.layout, receiver: layout })
+                } else if o.blocks.len() as u32 != blocks {
+                    Some(FailReason::BlockCountMismatch { sender: o.blocks.len() as u32, receiver: blocks })
+                } else {
+                    None
+                };
+                if let Some(reason) = reason {
+                    // A mismatch ends the transfer on both sides: never garbage KV.
+                    self.reply(peer, Message::Reject { key, reason: reason.clone() });
+                    return self.end(key.transfer, Outcome::Failed(reason));
+                }
+                let n = o.blocks.len() as u32;
+                self.reply(peer, Message::Accept { key, blocks: n });
+                if let Some(o) = self.transfers.get_mut(&key.transfer) {
+                    o.state = State::Sending { peer, next: 0, written: 0 };
+                }
+                self.fill_window(key.transfer);
+            }
+            Message::Ack { written, .. } => {
+                if let Some((epoch, State::Sending { peer: p, next, .. })) = current {
+                    if epoch == key.epoch && p == peer && written <= next {
+                        if let Some(o) = self.transfers.get_mut(&key.transfer) {
+                            if let State::Sending { written: w, .. } = &mut o.state {
+                                *w = (*w).max(written);
+                            }
+                        }
+                        self.fill_window(key.transfer);
+                    }
+                }
+            }
+            Message::Done { .. } => {
+                if let Some((epoch, State::Sending { peer: p, next, .. })) = current {
+                    let n = self.transfers[&key.transfer].blocks.len() as u32;
+                    if epoch == key.epoch && p == peer && next == n {
+                        self.end(key.transfer, Outcome::Completed);
+                    }
+                }
+            }
+            Message::Abort { reason, .. } => {
+                let from_holder = match current {
+                    Some((epoch, State::Sending { peer: p, .. })) => epoch == key.epoch && p == peer,
+                    // Before any pull, only a matching epoch may end the offer.
+                    Some((epoch, State::Offered)) => epoch == key.epoch,
+                    None => false,
+                };
+                if from_holder {
+                    self.end(key.transfer, Outcome::Failed(reason));
+                }
+            }
+            // Messages only a receiver takes: a confused peer; ignore.
+            Message::Accept { .. } | Message::Reject { .. } | Message::Block { .. } => {}
+        }
+    }
+
+    fn fill_window(&mut self, transfer: u64) {
+        let window = self.config.window_blocks.max(1);
+        let Some(o) = self.transfers.get_mut(&transfer) else { return };
+        let State::Sending { peer, next, written } = &mut o.state else { return };
+        let key = TransferKey { transfer, epoch: o.epoch };
+        while *next < o.blocks.len() as u32 && *next - *written < window {
+            self.actions.push_back(SendAction::Block {
+                peer: *peer,
+                key,
+                index: *next,
+                block: o.blocks[*next as usize],
+            });
+            *next += 1;
+        }
+    }
+
+    /// Ends a transfer from this side (the router or the client gave up); tells the peer if one is
+    /// pulling. Idempotent: `false` if it had already ended.
+    pub fn abort(&mut self, transfer: u64) -> bool {
+        let Some(o) = self.transfers.get(&transfer) else { return false };
+        if let State::Sending { peer, .. } = o.state {
+            let key = TransferKey { transfer, epoch: o.epoch };
+            self.reply(peer, Message::Abort { key, reason: FailReason::Aborted });
+        }
+        self.end(transfer, Outcome::Failed(FailReason::Aborted));
+        true
+    }
+
+    /// Ends every transfer whose lease expired at or before `now`.
+    pub fn handle_timeout(&mut self, now: u64) {
+        let due: Vec<u64> =
+            self.transfers.iter().filter(|(_, o)| o.expires_at <= now).map(|(&t, _)| t).collect();
+        for t in due {
+            if let Some(State::Sending { peer, .. }) = self.transfers.get(&t).map(|o| o.state) {
+                let key = TransferKey { transfer: t, epoch: self.transfers[&t].epoch };
+                self.reply(peer, Message::Abort { key, reason: FailReason::LeaseExpired });
+            }
+            self.end(t, Outcome::Failed(FailReason::LeaseExpired));
+        }
+    }
+
+    /// The peer's connection died: every transfer it was pulling ends.
+    pub fn handle_peer_lost(&mut self, peer: PeerId) {
+        let lost: Vec<u64> = self
+            .transfers
+            .iter()
+            .filter(|(_, o)| matches!(o.state, State::Sending { peer: p, .. } if p == peer))
+            .map(|(&t, _)| t)
+            .collect();
+        for t in lost {
+            self.end(t, Outcome::Failed(FailReason::Aborted));
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! Both endpoints on a virtual clock, joined by an in-memory link with delay, reordering, loss and peer
+//! death, each with a real KV cache. After every step both KV ledgers hold; at the end every transfer
+//! has ended exactly once on each living side, completed transfers carry exactly the right bytes, and
+//! both ledgers are back to baseline.
+
+use std::collections::{BTreeMap, HashMap};
+
+use pdserve_kvcache::{BlockId, KvCache, KvConfig, SeqId, TransferId};
+use pdserve_pd_transfer::*;
+
+const P: PeerId = PeerId(1);
+const D: PeerId = PeerId(2);
+const BS: u32 = 4;
+
+fn layout() -> Layout {
+    Layout { num_layers: 2, num_kv_heads: 1, head_dim: 2, block_size: BS, dtype: Dtype::F32 }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Faults {
+    delay_ms: u64,
+    loss_percent: u64,
+    /// Kill this side at this time.
+    death: Option<(PeerId, u64)>,
+}
+
+/// A frame in flight: the message and, for blocks, its bytes.
+struct Frame {
+    to: PeerId,
+    msg: Message,
+    data: Vec<u8>,
+}
+
+fn expected_bytes(transfer: u64, index: u32) -> Vec<u8> {
+    (0..layout().block_bytes()).map(|i| (transfer as usize * 31 + index as usize * 7 + i) as u8).collect()
+}
+
+#[derive(Default)]
+struct Tally {
+    completed: usize,
+    failed: BTreeMap<&'static str, usize>,
+}
+
+fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
+    let mut rng = Rng(seed | 1);
+    let mut kv_p = KvCache::new(KvConfig { num_blocks: 256, block_size: BS }).unwrap();
+    let mut kv_d = KvCache::new(KvConfig { num_blocks: 256, block_size: BS }).unwrap();
+    let mut mem_p: HashMap<BlockId, Vec<u8>> = HashMap::new();
+    let mut mem_d: HashMap<BlockId, Vec<u8>> = HashMap::new();
+    let mut sender = Sender::new(SenderConfig { window_blocks: 3, transfers_max: 1024 });
+    let mut receiver = Receiver::new(2);
+    let mut link: Vec<(u64, Frame)> = Vec::new();
+    let mut now = 0u64;
+    let mut ended_p: HashMap<u64, Outcome> = HashMap::new();
+    let mut ended_d: HashMap<u64, Outcome> = HashMap::new();
+    let mut dest_of: HashMap<u64, usize> = HashMap::new();
+    // Set up every transfer: prefill computes and leases; decode allocates and pulls.
+    for t in 0..transfers {
+        let len = 1 + rng.below(5 * BS as u64) as usize;
+        let seq = SeqId(t);
+        let prompt: Vec<u32> = (0..len as u32).map(|i| i + 100 * t as u32).collect();
+        kv_p.add_sequence(seq, &prompt).unwrap();
+        kv_p.reserve(seq, len).unwrap();
+        kv_p.commit(seq, len).unwrap();
+        let lease = kv_p.lease_sequence(seq, TransferId(t), now + 50 + rng.below(400)).unwrap();
+        let blocks = lease.blocks.to_vec();
+        let expires = lease.expires_at;
+        for (i, b) in blocks.iter().enumerate() {
+            mem_p.insert(*b, expected_bytes(t, i as u32));
+        }
+        let key = TransferKey { transfer: t, epoch: 7 };
+        sender.offer(key, layout(), blocks.clone(), expires).unwrap();
+        // Some pulls are wrong on purpose: another epoch, another layout, another block count.
+        let (pull_key, pull_layout, n) = match rng.below(10) {
+            0 => (TransferKey { transfer: t, epoch: 6 }, layout(), blocks.len()),
+            1 => (key, Layout { head_dim: 4, ..layout() }, blocks.len()),
+            2 => (key, layout(), blocks.len() + 1),
+            _ => (key, layout(), blocks.len()),
+        };
+        let dl = kv_d.allocate_lease(TransferId(t), n, now + 100 + rng.below(400)).unwrap();
+        let dest: Vec<(BlockId, u32)> = dl.blocks.iter().copied().zip(dl.epochs.iter().copied()).collect();
+        let deadline = dl.expires_at;
+        dest_of.insert(t, len);
+        receiver.start(pull_key, P, pull_layout, dest, deadline).unwrap();
+    }
+    let alive = |who: PeerId, now: u64| faults.death.is_none_or(|(p, at)| p != who || now < at);
+    for _ in 0..20_000 {
+        // The shells: move what the state machines want sent onto the link.
+        while let Some((to, msg)) = receiver.poll_transmit() {
+            if alive(D, now) {
+                link.push((now + rng.below(faults.delay_ms + 1), Frame { to, msg, data: Vec::new() }));
+            }
+        }
+        while let Some(a) = sender.poll_action() {
+            if !alive(P, now) {
+                continue;
+            }
+            let (to, msg, data) = match a {
+                SendAction::Message { peer, msg } => (peer, msg, Vec::new()),
+                SendAction::Block { peer, key, index, block } => {
+                    // Read only from a block the transfer's lease still holds.
+                    let lease =
+                        kv_p.lease(TransferId(key.transfer)).expect("a sending transfer holds its lease");
+                    assert!(lease.blocks.contains(&block));
+                    let data = mem_p[&block].clone();
+                    (peer, Message::Block { key, index, len: data.len() as u32 }, data)
+                }
+            };
+            let to = if to == D { D } else { to };
+            link.push((now + rng.below(faults.delay_ms + 1), Frame { to, msg, data }));
+        }
+        // Deliver what is due, in random order among them (reordering), dropping some (loss).
+        let mut due: Vec<Frame> = Vec::new();
+        let mut i = 0;
+        while i < link.len() {
+            if link[i].0 <= now {
+                due.push(link.swap_remove(i).1);
+            } else {
+                i += 1;
+            }
+        }
+        for k in (1..due.len()).rev() {
+            let j = rng.below(k as u64 + 1) as usize;
+            due.swap(k, j);
+        }
+        for f in due {
+            if rng.below(100) < faults.loss_percent || !alive(f.to, now) {
+                continue;
+            }
+            if f.to == P {
+                sender.handle_message(D, f.msg);
+            } else if let Message::Block { key, index, len } = f.msg {
+                if let Some(dst) = receiver.accept_block(P, key, index, len as usize) {
+                    // The protocol and the ledger agree on where the bytes may go.
+                    kv_d.check_write(TransferId(key.transfer), dst.block, dst.block_epoch)
+                        .expect("a destination the lease holds");
+                    mem_d.insert(dst.block, f.data);
+                    receiver.block_written(key, index);
+                }
+            } else {
+                receiver.handle_message(P, f.msg);
+            }
+        }
+        if alive(P, now) {
+            sender.handle_timeout(now);
+        }
+        if alive(D, now) {
+            receiver.handle_timeout(now);
+        }
+        // Events: each transfer ends once per side; the shells settle the leases.
+        while let Some(e) = sender.poll_event() {
+            assert!(ended_p.insert(e.key.transfer, e.outcome).is_none(), "sender ended {} twice", e.key);
+            kv_p.release_lease(TransferId(e.key.transfer)).unwrap();
+        }
+        while let Some(e) = receiver.poll_event() {
+            let t = e.key.transfer;
+            assert!(ended_d.insert(t, e.outcome.clone()).is_none(), "receiver ended {} twice", e.key);
+            if e.outcome == Outcome::Completed {
+                let len = dest_of[&t];
+                let seq = SeqId(1_000_000 + t);
+                kv_d.adopt_lease(TransferId(t), seq, &vec![0; len]).unwrap();
+                for (i, b) in kv_d.block_table(seq).unwrap().to_vec().into_iter().enumerate() {
+                    assert_eq!(
+                        mem_d[&b],
+                        expected_bytes(t, i as u32),
+                        "transfer {t} block {i} holds wrong bytes"
+                    );
+                }
+                kv_d.free_sequence(seq, false).unwrap();
+            } else {
+                kv_d.release_lease(TransferId(t)).unwrap();
+            }
+        }
+        kv_p.check_invariants().unwrap();
+        kv_d.check_invariants().unwrap();
+        let p_done = !alive(P, now) || sender.is_empty();
+        let d_done = !alive(D, now) || receiver.is_empty();
+        if p_done && d_done && link.is_empty() {
+            break;
+        }
+        now += 1;
+    }
+    if alive(P, now) {
+        assert!(sender.is_empty(), "sender still holds transfers at {now} ms");
+        assert_eq!(kv_p.stats().leases, 0, "prefill leases left");
+        assert_eq!(ended_p.len() as u64, transfers);
+    }
+    if alive(D, now) {
+        assert!(receiver.is_empty(), "receiver still holds transfers");
+        let s = kv_d.stats();
+        assert_eq!(
+            (s.leases, s.sequences, s.blocks_free),
+            (0, 0, s.blocks_total),
+            "decode ledger not at baseline"
+        );
+        assert_eq!(ended_d.len() as u64, transfers);
+    }
+    let tally = |m: &HashMap<u64, Outcome>| {
+        let mut t = Tally::default();
+        for o in m.values() {
+            match o {
+                Outcome::Completed => t.completed += 1,
+                Outcome::Failed(r) => *t.failed.entry(r.as_str()).or_default() += 1,
+            }
+        }
+        t
+    };
+    (tally(&ended_p), tally(&ended_d))
+}
+
+#[test]
+fn clean_link_completes_every_good_transfer() {
+    let (p, d) = run(1, 60, Faults { delay_ms: 0, loss_percent: 0, death: None });
+    assert!(d.completed > 30, "{:?}", d.failed);
+    assert_eq!(p.completed, d.completed, "both sides agree on what completed");
+    for reason in d.failed.keys() {
+        assert!(["stale_epoch", "layout_mismatch", "block_count_mismatch"].contains(reason), "{reason}");
+    }
+}
+
+#[test]
+fn delay_and_reordering_change_nothing_but_timing() {
+    for seed in 1..10 {
+        let (p, d) = run(seed, 40, Faults { delay_ms: 20, loss_percent: 0, death: None });
+        assert!(d.completed > 0);
+        // The sender completes only on `Done`, which the receiver sends after its last write; a `Done`
+        // that arrives after the lease expired leaves the sender with `lease_expired` instead.
+        assert!(p.completed <= d.completed, "sender {} > receiver {}", p.completed, d.completed);
+    }
+}
+
+#[test]
+fn loss_ends_transfers_by_deadline_never_with_wrong_bytes() {
+    for seed in 1..10 {
+        let (_, d) = run(seed, 40, Faults { delay_ms: 5, loss_percent: 10, death: None });
+        assert!(d.failed.values().sum::<usize>() > 0, "10% loss must break some transfers");
+    }
+}
+
+#[test]
+fn peer_death_on_either_side_ends_the_other_sides_transfers() {
+    for seed in 1..6 {
+        let (p, _) = run(seed, 40, Faults { delay_ms: 3, loss_percent: 0, death: Some((D, 2)) });
+        assert!(p.failed.get("lease_expired").copied().unwrap_or(0) > 0, "{:?}", p.failed);
+        let (_, d) = run(seed, 40, Faults { delay_ms: 3, loss_percent: 0, death: Some((P, 2)) });
+        assert!(d.failed.get("data_timeout").copied().unwrap_or(0) > 0, "{:?}", d.failed);
+    }
+}
