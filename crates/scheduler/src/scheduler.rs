@@ -268,7 +268,8 @@ impl Scheduler {
     }
 
     /// Decode role: the KV for `id` has fully arrived in its lease; the request joins the running batch.
-    pub fn handle_kv_arrived(&mut self, id: RequestId, now: Instant) -> bool {
+    /// `first_token_stops`: the peer's first token is a stop token (the request then ends at once).
+    pub fn handle_kv_arrived(&mut self, id: RequestId, first_token_stops: bool, now: Instant) -> bool {
         let Some(r) = self.reqs.get(&id) else { return false };
         let State::AwaitingKv { transfer, first_token } = r.state else { return false };
         let (seq, prompt) = (r.seq, r.tokens.clone());
@@ -284,8 +285,28 @@ impl Scheduler {
         r.state = State::Running { prefilled: true };
         r.admitted_order = order;
         self.running.push(id);
-        self.accept_token(id, first_token, false, now);
+        self.accept_token(id, first_token, first_token_stops, now);
         true
+    }
+
+    /// Decode role: the KV for `id` could not be received; the request fails in `kv_transfer` with
+    /// `reason` and its destination lease is released. `false` if `id` is not waiting for KV.
+    pub fn handle_kv_failed(&mut self, id: RequestId, reason: &str, now: Instant) -> bool {
+        if !matches!(self.reqs.get(&id).map(|r| r.state), Some(State::AwaitingKv { .. })) {
+            return false;
+        }
+        self.finish(id, Outcome::Failed { stage: Stage::KvTransfer, reason: reason.to_owned() }, now);
+        true
+    }
+
+    /// The prefill role's lease for `transfer`, if still held: block ids and expiry (scheduler ms).
+    pub fn lease_of(&self, transfer: TransferId) -> Option<(Vec<pdserve_kvcache::BlockId>, u64)> {
+        self.kv.lease(transfer).ok().map(|l| (l.blocks.to_vec(), l.expires_at))
+    }
+
+    /// Milliseconds since the scheduler's epoch: the unit of lease expiries.
+    pub fn now_ms(&self, now: Instant) -> u64 {
+        self.ms(now)
     }
 
     /// Prefill role: the decode peer has taken the KV of `transfer`; its blocks can go.

@@ -245,7 +245,7 @@ fn decode_role_waits_for_kv_with_a_deadline() {
     assert_eq!(s.stage_of(RequestId(1)), Some((Stage::KvTransfer, 0)));
     assert!(s.poll_batch(t0).is_empty(), "nothing runs before the KV arrives");
     s.handle_step_result(&[], t0);
-    assert!(s.handle_kv_arrived(RequestId(1), t0));
+    assert!(s.handle_kv_arrived(RequestId(1), false, t0));
     assert_eq!(s.stage_of(RequestId(1)), Some((Stage::Decoding, 1)));
     let batch = s.poll_batch(t0 + Duration::from_millis(40));
     // Request 2's KV never came: timed out in kv_transfer, its lease freed.

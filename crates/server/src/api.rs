@@ -37,6 +37,53 @@ pub(crate) struct Generate {
     pub ignore_eos: bool,
     /// Seconds, from the body's `timeout`.
     pub timeout_s: Option<f64>,
+    /// Decode role: the prefill worker's handle (`pd_transfer` in the body).
+    pub pd_transfer: Option<PdHandle>,
+}
+
+/// What a prefill worker answers and a decode worker takes: where the prompt's KV is and what came of
+/// the prompt.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PdHandle {
+    pub transfer: u64,
+    pub epoch: u32,
+    pub addr: std::net::SocketAddr,
+    pub first_token: u32,
+    pub prompt_tokens: Vec<u32>,
+}
+
+impl PdHandle {
+    pub(crate) fn to_json(&self, blocks: usize) -> Value {
+        json!({"transfer": self.transfer, "epoch": self.epoch, "addr": self.addr.to_string(),
+               "first_token": self.first_token, "prompt_tokens": self.prompt_tokens, "blocks": blocks})
+    }
+
+    fn parse(v: &Value) -> Result<PdHandle, ApiError> {
+        let bad = |f: &str| invalid(format!("`pd_transfer.{f}` is missing or has the wrong type"));
+        Ok(PdHandle {
+            transfer: v.get("transfer").and_then(Value::as_u64).ok_or_else(|| bad("transfer"))?,
+            epoch: v
+                .get("epoch")
+                .and_then(Value::as_u64)
+                .and_then(|e| u32::try_from(e).ok())
+                .ok_or_else(|| bad("epoch"))?,
+            addr: v
+                .get("addr")
+                .and_then(Value::as_str)
+                .and_then(|a| a.parse().ok())
+                .ok_or_else(|| bad("addr"))?,
+            first_token: v
+                .get("first_token")
+                .and_then(Value::as_u64)
+                .and_then(|t| u32::try_from(t).ok())
+                .ok_or_else(|| bad("first_token"))?,
+            prompt_tokens: v
+                .get("prompt_tokens")
+                .and_then(Value::as_array)
+                .and_then(|a| a.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect())
+                .ok_or_else(|| bad("prompt_tokens"))?,
+        })
+    }
 }
 
 fn invalid(msg: String) -> ApiError {
@@ -262,6 +309,7 @@ pub(crate) fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<Generate
         logprobs,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         timeout_s,
+        pd_transfer: f.get("pd_transfer").map(PdHandle::parse).transpose()?,
     })
 }
 

@@ -8,8 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use pdserve_kvcache::{OwnerKind, SeqId};
+use pdserve_kvcache::{OwnerKind, SeqId, TransferId};
 use pdserve_model::{Backend, Sampler, SamplingParams, SeqStep};
+use pdserve_pd_transfer::{Layout, Message, Outcome as TransferOutcome, PeerId, SendAction, TransferKey};
 use pdserve_scheduler::{
     Event, KvSource, NewRequest, Outcome, Rejection, RequestId, Sampled, Scheduler, Stage,
 };
@@ -29,6 +30,16 @@ pub(crate) struct Submission {
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub deadline: Instant,
+    /// Decode role: where the prompt's KV comes from.
+    pub remote: Option<RemoteKv>,
+}
+
+/// A prefill worker's handle on a prompt's KV, as the decode side uses it.
+#[derive(Debug, Clone)]
+pub(crate) struct RemoteKv {
+    pub key: TransferKey,
+    pub addr: std::net::SocketAddr,
+    pub first_token: u32,
 }
 
 #[derive(Debug)]
@@ -43,8 +54,25 @@ pub(crate) enum Command {
 pub(crate) enum Reply {
     Admitted(u64),
     Rejected(u64, Rejection),
-    Token { id: u64, token: u32, logprob: f32, top: Vec<(u32, f32)>, stop: bool },
-    Finished { id: u64, outcome: Outcome, output_tokens: usize },
+    Token {
+        id: u64,
+        token: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+        stop: bool,
+    },
+    Finished {
+        id: u64,
+        outcome: Outcome,
+        output_tokens: usize,
+    },
+    /// Prefill role: the prompt is done; its KV waits under `key` for the decode worker.
+    Prefilled {
+        id: u64,
+        first_token: u32,
+        key: TransferKey,
+        blocks: usize,
+    },
 }
 
 /// What the HTTP thread can read of the engine without asking it.
@@ -76,8 +104,22 @@ struct Live {
     scheduled: bool,
 }
 
+/// The PD transfer state of a prefill or decode worker.
+pub(crate) struct Pd {
+    pub io: crate::transfer::TransferIo,
+    pub sender: pdserve_pd_transfer::Sender,
+    pub receiver: pdserve_pd_transfer::Receiver,
+    pub layout: Layout,
+    pub next_epoch: u32,
+    /// Decode role: transfer id -> (request id, connection).
+    pub incoming: HashMap<u64, (u64, PeerId)>,
+}
+
 pub(crate) struct Engine {
     pub sched: Scheduler,
+    pub pd: Option<Pd>,
+    /// Decode role: the first token (sampled by the prefill worker) of each request awaiting its KV.
+    pub pending_first: HashMap<u64, u32>,
     pub backend: Box<dyn Backend>,
     pub eos_ids: Vec<u32>,
     pub commands: Receiver<Command>,
@@ -95,7 +137,11 @@ impl Engine {
             let now = Instant::now();
             self.shared.last_tick_ms.store(self.shared.ms_since_epoch(now), Ordering::Relaxed);
             // Block briefly when idle; otherwise take what is queued and go on stepping.
-            let wait = if self.sched.is_empty() { Duration::from_millis(50) } else { Duration::ZERO };
+            let wait = match (&self.pd, self.sched.is_empty()) {
+                (_, false) => Duration::ZERO,
+                (Some(_), true) => Duration::from_millis(2),
+                (None, true) => Duration::from_millis(50),
+            };
             match self.commands.recv_timeout(wait) {
                 Ok(cmd) => self.command(cmd, &mut live),
                 Err(RecvTimeoutError::Timeout) => {}
@@ -107,6 +153,7 @@ impl Engine {
                     Err(_) => break,
                 }
             }
+            self.pump_transfers(&mut live);
             self.step(&mut live);
             self.publish(&live);
         }
@@ -123,13 +170,19 @@ impl Engine {
         let now = Instant::now();
         match cmd {
             Command::Submit(s) => {
+                let kv = match &s.remote {
+                    Some(r) => {
+                        KvSource::Remote { transfer: TransferId(r.key.transfer), first_token: r.first_token }
+                    }
+                    None => KvSource::Compute,
+                };
                 let req = NewRequest {
                     id: RequestId(s.id),
                     prompt: s.tokens.clone(),
                     max_tokens: s.max_tokens,
                     queue_deadline: s.deadline,
                     deadline: s.deadline,
-                    kv: KvSource::Compute,
+                    kv,
                 };
                 match self.sched.handle_request(req, now) {
                     Ok(()) => {
@@ -157,6 +210,10 @@ impl Engine {
                             },
                         );
                         self.send(Reply::Admitted(s.id));
+                        if let Some(r) = &s.remote {
+                            self.pending_first.insert(s.id, r.first_token);
+                            self.start_pull(s.id, r, s.deadline, now);
+                        }
                     }
                     Err(r) => {
                         let reason = match r {
@@ -259,6 +316,41 @@ impl Engine {
                 if let Some(l) = live.remove(&id.0) {
                     self.shared.ledger.lock().unwrap_or_else(|e| e.into_inner()).finish(&l.request_id);
                 }
+                self.pending_first.remove(&id.0);
+                if let Some(pd) = &mut self.pd {
+                    // A decode request that ends while its KV is still coming: end the pull too.
+                    let pulling =
+                        pd.incoming.iter().find(|(_, (r, _))| *r == id.0).map(|(&t, &(_, p))| (t, p));
+                    if let Some((t, peer)) = pulling {
+                        pd.incoming.remove(&t);
+                        pd.receiver.abort(t);
+                        while let Some((p, m)) = pd.receiver.poll_transmit() {
+                            pd.io.send(p, &m, &[]);
+                        }
+                        pd.io.close(peer);
+                    }
+                }
+                if let Outcome::PrefillDone { first_token, transfer, blocks } = &outcome {
+                    if let Some(key) = self.offer(*transfer, blocks.clone()) {
+                        if let Ok(c) = self.metrics.finished.with(&["completed", "prefilled"]) {
+                            c.inc();
+                        }
+                        self.send(Reply::Prefilled {
+                            id: id.0,
+                            first_token: *first_token,
+                            key,
+                            blocks: blocks.len(),
+                        });
+                        continue;
+                    }
+                    self.sched.handle_transfer_done(*transfer);
+                    let outcome = Outcome::Failed {
+                        stage: Stage::Prefilling,
+                        reason: "could not offer the KV for transfer".into(),
+                    };
+                    self.send(Reply::Finished { id: id.0, outcome, output_tokens });
+                    continue;
+                }
                 let stage = match &outcome {
                     Outcome::TimedOut { stage } | Outcome::Failed { stage, .. } => stage.as_str(),
                     _ => "finished",
@@ -269,6 +361,167 @@ impl Engine {
                 self.send(Reply::Finished { id: id.0, outcome, output_tokens });
             }
         }
+    }
+
+    /// Prefill role: offers a finished prompt's leased KV to decode workers.
+    fn offer(&mut self, transfer: TransferId, blocks: Vec<pdserve_kvcache::BlockId>) -> Option<TransferKey> {
+        let (_, expires_at) = self.sched.lease_of(transfer)?;
+        let pd = self.pd.as_mut()?;
+        pd.next_epoch = pd.next_epoch.wrapping_add(1);
+        let key = TransferKey { transfer: transfer.0, epoch: pd.next_epoch };
+        pd.sender.offer(key, pd.layout, blocks, expires_at).ok()?;
+        Some(key)
+    }
+
+    /// Decode role: connects to the prefill worker and starts pulling into the request's lease.
+    fn start_pull(&mut self, id: u64, r: &RemoteKv, deadline: Instant, now: Instant) {
+        let transfer = TransferId(r.key.transfer);
+        let dest: Vec<(pdserve_kvcache::BlockId, u32)> = match self.sched.kv().lease(transfer) {
+            Ok(l) => l.blocks.iter().copied().zip(l.epochs.iter().copied()).collect(),
+            Err(_) => return,
+        };
+        let deadline_ms =
+            self.sched.now_ms(deadline).min(self.sched.lease_of(transfer).map_or(u64::MAX, |l| l.1));
+        let Some(pd) = self.pd.as_mut() else {
+            self.sched.handle_kv_failed(
+                RequestId(id),
+                "this worker has no KV transfer (not --role decode)",
+                now,
+            );
+            return;
+        };
+        let started = pd.io.connect(r.addr).map_err(|e| e.to_string()).and_then(|peer| {
+            pd.receiver.start(r.key, peer, pd.layout, dest, deadline_ms).map_err(|e| format!("{e:?}"))?;
+            pd.incoming.insert(r.key.transfer, (id, peer));
+            Ok(())
+        });
+        if let Err(e) = started {
+            self.sched.handle_kv_failed(
+                RequestId(id),
+                &format!("cannot reach the prefill worker at {}: {e}", r.addr),
+                now,
+            );
+        }
+    }
+
+    /// Moves transfer frames: runs the sockets, feeds the state machines, copies block bytes between the
+    /// network and the KV memory, and settles ended transfers with the scheduler.
+    fn pump_transfers(&mut self, live: &mut HashMap<u64, Live>) {
+        let Some(pd) = self.pd.as_mut() else { return };
+        let now = Instant::now();
+        let now_ms = self.sched.now_ms(now);
+        // Lease expiry first, so no block is read after the scheduler frees it.
+        pd.sender.handle_timeout(now_ms);
+        pd.receiver.handle_timeout(now_ms);
+        for r in pd.io.pump(Duration::ZERO) {
+            match r.msg {
+                Message::Block { key, index, len } if pd.incoming.contains_key(&key.transfer) => {
+                    let Some(dst) = pd.receiver.accept_block(r.peer, key, index, len as usize) else {
+                        continue;
+                    };
+                    if r.data.len() != len as usize
+                        || self
+                            .sched
+                            .kv()
+                            .check_write(TransferId(key.transfer), dst.block, dst.block_epoch)
+                            .is_err()
+                    {
+                        continue; // a late or foreign block: never written
+                    }
+                    let mem = self.backend.block_data_mut(dst.block);
+                    if mem.len() * 4 != r.data.len() {
+                        pd.receiver.abort(key.transfer);
+                        continue;
+                    }
+                    for (m, b) in mem.iter_mut().zip(r.data.chunks_exact(4)) {
+                        *m = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                    }
+                    pd.receiver.block_written(key, index);
+                }
+                msg if pd.incoming.contains_key(&msg.key().transfer) => {
+                    pd.receiver.handle_message(r.peer, msg)
+                }
+                msg => pd.sender.handle_message(r.peer, msg),
+            }
+        }
+        for peer in pd.io.take_lost() {
+            pd.sender.handle_peer_lost(peer);
+            pd.receiver.handle_peer_lost(peer);
+        }
+        while let Some(a) = pd.sender.poll_action() {
+            match a {
+                SendAction::Message { peer, msg } => pd.io.send(peer, &msg, &[]),
+                SendAction::Block { peer, key, index, block } => {
+                    let held = self
+                        .sched
+                        .lease_of(TransferId(key.transfer))
+                        .is_some_and(|(b, _)| b.contains(&block));
+                    if !held {
+                        pd.sender.abort(key.transfer);
+                        continue;
+                    }
+                    let bytes: Vec<u8> =
+                        self.backend.block_data(block).iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let msg = Message::Block { key, index, len: bytes.len() as u32 };
+                    pd.io.send(peer, &msg, &bytes);
+                }
+            }
+        }
+        while let Some((peer, msg)) = pd.receiver.poll_transmit() {
+            pd.io.send(peer, &msg, &[]);
+        }
+        let mut ended = Vec::new();
+        while let Some(e) = pd.sender.poll_event() {
+            ended.push((true, e));
+        }
+        while let Some(e) = pd.receiver.poll_event() {
+            ended.push((false, e));
+        }
+        for (sending, e) in ended {
+            let t = e.key.transfer;
+            if sending {
+                self.sched.handle_transfer_done(TransferId(t));
+                continue;
+            }
+            let Some(pd) = self.pd.as_mut() else { return };
+            let Some((req, peer)) = pd.incoming.remove(&t) else { continue };
+            while let Some((p, m)) = pd.receiver.poll_transmit() {
+                pd.io.send(p, &m, &[]);
+            }
+            pd.io.close(peer);
+            match e.outcome {
+                TransferOutcome::Completed => {
+                    let first = match self.sched.stage_of(RequestId(req)) {
+                        Some(_) => self.first_token_of(req),
+                        None => None,
+                    };
+                    if let (Some(first), Some(l)) = (first, live.get(&req)) {
+                        let stop =
+                            l.stop_ids.contains(&first) || (!l.ignore_eos && self.eos_ids.contains(&first));
+                        self.sched.handle_kv_arrived(RequestId(req), stop, now);
+                        self.send(Reply::Token {
+                            id: req,
+                            token: first,
+                            logprob: 0.0,
+                            top: Vec::new(),
+                            stop,
+                        });
+                    }
+                }
+                TransferOutcome::Failed(reason) => {
+                    self.sched.handle_kv_failed(
+                        RequestId(req),
+                        &format!("KV transfer failed: {reason}"),
+                        now,
+                    );
+                }
+            }
+        }
+        self.drain_events(live);
+    }
+
+    fn first_token_of(&mut self, req: u64) -> Option<u32> {
+        self.pending_first.remove(&req)
     }
 
     /// Gauges and the ledger's stages, once per loop.

@@ -14,7 +14,7 @@ use pdserve_scheduler::{FinishReason, Outcome};
 use serde_json::json;
 
 use crate::api::{self, Endpoint, Generate, Meta, Prompt, TokenLogprob};
-use crate::engine::{Command, Reply, Shared, Submission};
+use crate::engine::{Command, RemoteKv, Reply, Shared, Submission};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::WorkerConfig;
@@ -48,6 +48,8 @@ struct Live {
     received: Instant,
     last_token: Option<Instant>,
     deadline: Instant,
+    /// Prefill role: the prompt's token ids, for the handle the decode worker takes.
+    prompt_ids: Vec<u32>,
 }
 
 pub(crate) struct Frontend {
@@ -282,6 +284,10 @@ impl Frontend {
     fn probe(&mut self, conn: ConnId, id: u64, rid: &str) -> Result<Option<Response>, ApiError> {
         let tokens = self.codec.encode("Hi").map_err(|e| ApiError::new(500, "internal", e.to_string()))?;
         let deadline = Instant::now() + self.config.probe_timeout;
+        if self.config.role != pdserve_scheduler::Role::Unified {
+            // A prefill or decode worker cannot finish a request alone; its readiness is the engine's.
+            return Ok(Some(self.ready()));
+        }
         self.submit(
             conn,
             id,
@@ -294,6 +300,7 @@ impl Frontend {
             false,
             deadline,
             Kind::Probe,
+            None,
         )?;
         Ok(None)
     }
@@ -319,8 +326,23 @@ impl Frontend {
                 ));
             }
         }
+        let role = self.config.role;
+        let remote = match (&g.pd_transfer, role) {
+            (Some(h), pdserve_scheduler::Role::Decode) => Some(h.clone()),
+            (None, pdserve_scheduler::Role::Decode) => {
+                return Err(ApiError::invalid(
+                    "a decode worker needs `pd_transfer` (the prefill worker's answer) in the body",
+                ))
+            }
+            (Some(_), _) => return Err(ApiError::invalid("`pd_transfer` is only taken by a decode worker")),
+            (None, _) => None,
+        };
         let text_for_trigger;
         let tokens = match &g.prompt {
+            _ if remote.is_some() => {
+                text_for_trigger = String::new();
+                remote.as_ref().map(|h| h.prompt_tokens.clone()).unwrap_or_default()
+            }
             Prompt::Messages(msgs) => {
                 let msgs: Vec<ChatMessage> = msgs.iter().map(|(r, c)| ChatMessage::new(r, c)).collect();
                 let text = self
@@ -375,11 +397,17 @@ impl Frontend {
         let seed = g.seed.unwrap_or_else(|| id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ unix_now());
         let kind = Kind::Generate {
             endpoint,
-            stream: g.stream,
+            // A prefill worker answers with the KV handle, never a stream.
+            stream: g.stream && role != pdserve_scheduler::Role::Prefill,
             include_usage: g.include_usage,
             logprobs: g.logprobs,
             stop: g.stop.clone(),
         };
+        let remote = remote.map(|h| RemoteKv {
+            key: pdserve_pd_transfer::TransferKey { transfer: h.transfer, epoch: h.epoch },
+            addr: h.addr,
+            first_token: h.first_token,
+        });
         self.submit(
             conn,
             id,
@@ -392,6 +420,7 @@ impl Frontend {
             g.ignore_eos,
             deadline,
             kind,
+            remote,
         )?;
         Ok(None)
     }
@@ -410,6 +439,7 @@ impl Frontend {
         ignore_eos: bool,
         deadline: Instant,
         kind: Kind,
+        remote: Option<RemoteKv>,
     ) -> Result<(), ApiError> {
         if self.by_request_id.contains_key(rid) {
             return Err(ApiError::new(
@@ -433,6 +463,8 @@ impl Frontend {
             return Err(e);
         }
         let prompt_tokens = tokens.len();
+        let prompt_ids =
+            if self.config.role == pdserve_scheduler::Role::Prefill { tokens.clone() } else { Vec::new() };
         let sub = Submission {
             id,
             request_id: rid.to_owned(),
@@ -443,6 +475,7 @@ impl Frontend {
             stop_ids,
             ignore_eos,
             deadline,
+            remote,
         };
         match self.commands.try_send(Command::Submit(Box::new(sub))) {
             Ok(()) => {}
@@ -481,6 +514,7 @@ impl Frontend {
                 received: Instant::now(),
                 last_token: None,
                 deadline,
+                prompt_ids,
             },
         );
         self.by_conn.insert(conn, id);
@@ -541,6 +575,21 @@ impl Frontend {
                 }
             }
             Reply::Token { id, token, logprob, top, stop } => self.token(id, token, logprob, top, stop),
+            Reply::Prefilled { id, first_token, key, blocks } => {
+                let Some(l) = self.remove(id) else { return };
+                self.metrics.e2e.observe_duration(l.received.elapsed());
+                let Some(conn) = l.conn else { return };
+                let handle = api::PdHandle {
+                    transfer: key.transfer,
+                    epoch: key.epoch,
+                    addr: self.config.transfer_addr,
+                    first_token,
+                    prompt_tokens: l.prompt_ids.clone(),
+                };
+                let body =
+                    json!({"pd_transfer": handle.to_json(blocks), "usage": api::usage(l.prompt_tokens, 1)});
+                let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
+            }
             Reply::Finished { id, outcome, output_tokens, .. } => self.finished(id, outcome, output_tokens),
         }
     }

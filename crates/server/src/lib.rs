@@ -12,6 +12,7 @@ mod error;
 mod frontend;
 mod metrics;
 mod sys;
+mod transfer;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -54,6 +55,11 @@ pub struct WorkerConfig {
     pub ledger_capacity: usize,
     /// Test hook: a prompt containing this text panics the request handler (for the panic-isolation test).
     pub panic_trigger: Option<String>,
+    /// What this worker does: unified, prefill (computes prompts and offers their KV) or decode
+    /// (pulls the KV from a prefill worker and generates).
+    pub role: pdserve_scheduler::Role,
+    /// Prefill role: where decode workers connect to pull KV (port 0 picks one).
+    pub transfer_addr: SocketAddr,
     /// Stop (as on SIGTERM) when standard input reaches end of file: a supervisor that dies, or a test
     /// process that exits, takes the worker with it.
     pub exit_on_stdin_eof: bool,
@@ -82,6 +88,8 @@ impl WorkerConfig {
             ledger_capacity: 65_536,
             panic_trigger: None,
             exit_on_stdin_eof: false,
+            role: pdserve_scheduler::Role::Unified,
+            transfer_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
         }
     }
 }
@@ -122,6 +130,32 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
     let files = ModelFiles::load(&config.model_dir).map_err(WorkerError::Model)?;
     let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens);
     config.scheduler.max_context_tokens = context;
+    config.scheduler.role = config.role;
+    let pd = match config.role {
+        pdserve_scheduler::Role::Unified => None,
+        role => {
+            let listen = (role == pdserve_scheduler::Role::Prefill).then_some(config.transfer_addr);
+            let io = transfer::TransferIo::new(listen).map_err(WorkerError::Io)?;
+            if let Some(a) = io.local_addr() {
+                config.transfer_addr = a;
+            }
+            let c = &files.config;
+            Some(engine::Pd {
+                io,
+                sender: pdserve_pd_transfer::Sender::new(pdserve_pd_transfer::SenderConfig::default()),
+                receiver: pdserve_pd_transfer::Receiver::new(4),
+                layout: pdserve_pd_transfer::Layout {
+                    num_layers: c.num_layers as u32,
+                    num_kv_heads: c.num_kv_heads as u32,
+                    head_dim: c.head_dim as u32,
+                    block_size: config.block_size as u32,
+                    dtype: pdserve_pd_transfer::Dtype::F32,
+                },
+                next_epoch: (std::process::id() as u32).wrapping_mul(2_654_435_761),
+                incoming: Default::default(),
+            })
+        }
+    };
     let kv =
         KvCache::new(KvConfig { num_blocks: config.kv_blocks as u32, block_size: config.block_size as u32 })
             .map_err(|e| WorkerError::Config(e.to_string()))?;
@@ -145,6 +179,8 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
     let (reply_tx, reply_rx) = crossbeam_channel::bounded(bound * 64);
     let engine = engine::Engine {
         sched,
+        pd,
+        pending_first: Default::default(),
         backend: Box::new(backend),
         eos_ids: files.config.eos_token_ids.clone(),
         commands: cmd_rx,

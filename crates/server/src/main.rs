@@ -15,7 +15,8 @@ pdserve-server [options]
   --model DIR              Hugging Face model folder (default: the default model, fetched if missing)
   --model-name NAME        name clients use in `model` (default: the folder name)
   --name NAME              this process's name in /debug/requests (default worker)
-  --role unified           (prefill and decode roles come with the PD transfer)
+  --role ROLE              unified (default), prefill or decode
+  --transfer-addr ADDR     prefill role: where decode workers pull KV from (default 127.0.0.1:0)
   --max-queued N           admission queue bound (default 256)
   --max-running N          running batch bound (default 64)
   --max-batch-tokens N     tokens per engine step (default 2048)
@@ -76,9 +77,10 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--model" => model = Some(PathBuf::from(val()?)),
             "--role" => {
                 let r = val()?;
-                if r != "unified" {
-                    return Err(format!("--role {r}: only `unified` is implemented in this build"));
+                if !matches!(r.as_str(), "unified" | "prefill" | "decode") {
+                    return Err(format!("--role {r}: one of unified, prefill, decode"));
                 }
+                sets.push(("--role".into(), r));
             }
             other => {
                 let v = val()?;
@@ -114,6 +116,14 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--drain-timeout-s" => c.drain_timeout = secs()?,
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
+            "--role" => {
+                c.role = match v.as_str() {
+                    "prefill" => pdserve_scheduler::Role::Prefill,
+                    "decode" => pdserve_scheduler::Role::Decode,
+                    _ => pdserve_scheduler::Role::Unified,
+                }
+            }
+            "--transfer-addr" => c.transfer_addr = v.parse().map_err(|e| format!("{k}: {e}"))?,
             other => return Err(format!("unknown option {other}")),
         }
     }
