@@ -436,6 +436,9 @@ impl Engine {
                     for (m, b) in mem.iter_mut().zip(r.data.chunks_exact(4)) {
                         *m = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                     }
+                    if let Ok(c) = self.metrics.transfer_bytes.with(&["received"]) {
+                        c.add(r.data.len() as u64);
+                    }
                     pd.receiver.block_written(key, index);
                 }
                 msg if pd.incoming.contains_key(&msg.key().transfer) => {
@@ -464,6 +467,9 @@ impl Engine {
                         self.backend.block_data(block).iter().flat_map(|v| v.to_le_bytes()).collect();
                     let msg = Message::Block { key, index, len: bytes.len() as u32 };
                     pd.io.send(peer, &msg, &bytes);
+                    if let Ok(c) = self.metrics.transfer_bytes.with(&["sent"]) {
+                        c.add(bytes.len() as u64);
+                    }
                 }
             }
         }
@@ -477,8 +483,18 @@ impl Engine {
         while let Some(e) = pd.receiver.poll_event() {
             ended.push((false, e));
         }
+        self.metrics.transfers_in_flight.set((pd.sender.len() + pd.receiver.len()) as f64);
         for (sending, e) in ended {
             let t = e.key.transfer;
+            let outcome = match &e.outcome {
+                TransferOutcome::Completed => "completed",
+                TransferOutcome::Failed(r) => r.as_str(),
+            };
+            if let Ok(c) =
+                self.metrics.transfers_finished.with(&[if sending { "prefill" } else { "decode" }, outcome])
+            {
+                c.inc();
+            }
             if sending {
                 self.sched.handle_transfer_done(TransferId(t));
                 continue;

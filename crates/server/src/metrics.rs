@@ -19,6 +19,9 @@ pub(crate) struct Metrics {
     pub preemptions: Counter,
     pub connections: Gauge,
     pub rejected: CounterVec,
+    pub transfers_in_flight: Gauge,
+    pub transfer_bytes: CounterVec,
+    pub transfers_finished: CounterVec,
 }
 
 impl Metrics {
@@ -70,6 +73,18 @@ impl Metrics {
                 "requests_rejected_total",
                 "Requests refused at admission, by reason.",
                 &["reason"],
+            )?,
+            transfers_in_flight: r
+                .gauge("kv_transfers_in_flight", "KV transfers offered or being pulled.")?,
+            transfer_bytes: r.counter_vec(
+                "kv_transfer_bytes_total",
+                "KV bytes moved between workers.",
+                &["direction"],
+            )?,
+            transfers_finished: r.counter_vec(
+                "kv_transfers_finished_total",
+                "KV transfers ended, by side and outcome (completed or the failure reason).",
+                &["side", "outcome"],
             )?,
             registry: r,
         })

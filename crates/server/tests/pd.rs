@@ -1,0 +1,99 @@
+//! Prefill / decode disaggregation end to end: a prefill worker and a decode worker (the test plays the
+//! router) give the same greedy text as a unified worker, streamed or not; a broken handle fails the
+//! request with a reason instead of hanging.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{chat, Worker};
+
+/// The prefill leg, then the decode leg with the prefill worker's handle.
+fn disaggregated(prefill: &Worker, decode: &Worker, body: &str, stream: bool) -> (u16, String) {
+    let (s, handle) = prefill.json("POST", "/v1/chat/completions", body);
+    assert_eq!(s, 200, "prefill leg: {handle}");
+    let mut b: serde_json::Value = serde_json::from_str(body).unwrap();
+    b["pd_transfer"] = handle["pd_transfer"].clone();
+    b["stream"] = serde_json::Value::Bool(stream);
+    if stream {
+        let (s, events) = decode.stream("/v1/chat/completions", &b.to_string());
+        let text = events
+            .iter()
+            .filter(|e| *e != "[DONE]")
+            .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+            .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+            .collect();
+        (s, text)
+    } else {
+        let (s, v) = decode.json("POST", "/v1/chat/completions", &b.to_string());
+        (s, v["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_owned())
+    }
+}
+
+#[test]
+fn prefill_plus_decode_equals_unified() {
+    let unified = Worker::start(&[]);
+    let prefill = Worker::start(&["--role", "prefill"]);
+    let decode = Worker::start(&["--role", "decode"]);
+    let prompts = [
+        "What is the capital of France?",
+        "Write one sentence about the sea.",
+        "List three colours of the rainbow, separated by commas, and then explain in detail why the sky is blue during the day.",
+    ];
+    for (i, p) in prompts.iter().enumerate() {
+        let body = chat(p, r#","temperature":0,"max_tokens":24"#);
+        let (s, v) = unified.json("POST", "/v1/chat/completions", &body);
+        assert_eq!(s, 200);
+        let want = v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+        let (s, got) = disaggregated(&prefill, &decode, &body, i % 2 == 1);
+        assert_eq!(s, 200);
+        assert_eq!(got, want, "prompt {p:?}");
+    }
+    // Nothing stays behind on either side.
+    let start = Instant::now();
+    for w in [&prefill, &decode] {
+        loop {
+            let m = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
+            let held: f64 = ["sequence", "transfer"]
+                .iter()
+                .filter_map(|o| {
+                    m.lines().find_map(|l| l.strip_prefix(&format!("kv_blocks{{owner=\"{o}\"}} ")))
+                })
+                .filter_map(|v| v.parse::<f64>().ok())
+                .sum();
+            if held == 0.0 {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(5), "KV still held after the transfers: {held}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn a_bad_handle_fails_the_request_with_a_reason() {
+    let prefill = Worker::start(&["--role", "prefill"]);
+    let decode = Worker::start(&["--role", "decode"]);
+    let body = chat("What is the capital of France?", r#","temperature":0,"max_tokens":8"#);
+    let (_, handle) = prefill.json("POST", "/v1/chat/completions", &body);
+    let mut h = handle["pd_transfer"].clone();
+    // Another epoch: the prefill side refuses, the decode side ends the request at once.
+    h["epoch"] = serde_json::json!(h["epoch"].as_u64().unwrap() ^ 1);
+    let mut b: serde_json::Value = serde_json::from_str(&body).unwrap();
+    b["pd_transfer"] = h.clone();
+    let start = Instant::now();
+    let (s, v) = decode.json("POST", "/v1/chat/completions", &b.to_string());
+    assert_eq!(s, 500, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("stale_epoch"), "{v}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    // A prefill worker nobody listens on: refused, ended, not hung.
+    h["addr"] = serde_json::json!("127.0.0.1:1");
+    b["pd_transfer"] = h;
+    let (s, v) = decode.json("POST", "/v1/chat/completions", &b.to_string());
+    assert_eq!(s, 500, "{v}");
+    // The decode worker refuses a body without a handle; the prefill worker one with a handle.
+    assert_eq!(decode.json("POST", "/v1/chat/completions", &body).0, 400);
+    let mut with = serde_json::from_str::<serde_json::Value>(&body).unwrap();
+    with["pd_transfer"] = handle["pd_transfer"].clone();
+    assert_eq!(prefill.json("POST", "/v1/chat/completions", &with.to_string()).0, 400);
+}
