@@ -69,7 +69,9 @@ fn tcp_transfer(src: &[Vec<u8>]) -> f64 {
     let mut dst: Vec<Vec<u8>> = vec![vec![0u8; layout().block_bytes()]; n];
     let mut receiver = Receiver::new(64);
     let start = Instant::now();
-    receiver.start(key, PeerId(1), layout(), (0..n as u32).map(|b| (BlockId(b), 0)).collect(), u64::MAX).expect("start");
+    receiver
+        .start(key, PeerId(1), layout(), (0..n as u32).map(|b| (BlockId(b), 0)).collect(), u64::MAX)
+        .expect("start");
     let mut buf = Vec::new();
     let mut out = Vec::new();
     loop {

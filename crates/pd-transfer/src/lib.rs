@@ -31,7 +31,7 @@ mod receiver;
 mod sender;
 
 pub use message::{
-    decode, encode, Dtype, FailReason, FrameError, Layout, Message, TransferKey, FRAME_BYTES_MAX,
+    decode, encode, Dtype, FailReason, Frame, FrameError, Layout, Message, TransferKey, FRAME_BYTES_MAX,
 };
 pub use receiver::{Destination, Receiver, StartError};
 pub use sender::{OfferError, SendAction, Sender, SenderConfig};

@@ -113,6 +113,8 @@ pub(crate) struct Pd {
     pub next_epoch: u32,
     /// Decode role: transfer id -> (request id, connection).
     pub incoming: HashMap<u64, (u64, PeerId)>,
+    /// When each live transfer began (offer or pull), for the latency histogram.
+    pub started: HashMap<(bool, u64), Instant>,
 }
 
 pub(crate) struct Engine {
@@ -370,6 +372,7 @@ impl Engine {
         pd.next_epoch = pd.next_epoch.wrapping_add(1);
         let key = TransferKey { transfer: transfer.0, epoch: pd.next_epoch };
         pd.sender.offer(key, pd.layout, blocks, expires_at).ok()?;
+        pd.started.insert((true, key.transfer), Instant::now());
         Some(key)
     }
 
@@ -393,6 +396,7 @@ impl Engine {
         let started = pd.io.connect(r.addr).map_err(|e| e.to_string()).and_then(|peer| {
             pd.receiver.start(r.key, peer, pd.layout, dest, deadline_ms).map_err(|e| format!("{e:?}"))?;
             pd.incoming.insert(r.key.transfer, (id, peer));
+            pd.started.insert((false, r.key.transfer), Instant::now());
             Ok(())
         });
         if let Err(e) = started {
@@ -494,6 +498,11 @@ impl Engine {
                 self.metrics.transfers_finished.with(&[if sending { "prefill" } else { "decode" }, outcome])
             {
                 c.inc();
+            }
+            if let Some(started) = self.pd.as_mut().and_then(|pd| pd.started.remove(&(sending, t))) {
+                if e.outcome == TransferOutcome::Completed {
+                    self.metrics.transfer_time.observe_duration(started.elapsed());
+                }
             }
             if sending {
                 self.sched.handle_transfer_done(TransferId(t));

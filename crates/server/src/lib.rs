@@ -153,6 +153,7 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
                 },
                 next_epoch: (std::process::id() as u32).wrapping_mul(2_654_435_761),
                 incoming: Default::default(),
+                started: Default::default(),
             })
         }
     };

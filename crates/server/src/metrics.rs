@@ -22,6 +22,7 @@ pub(crate) struct Metrics {
     pub transfers_in_flight: Gauge,
     pub transfer_bytes: CounterVec,
     pub transfers_finished: CounterVec,
+    pub transfer_time: Histogram,
 }
 
 impl Metrics {
@@ -85,6 +86,11 @@ impl Metrics {
                 "kv_transfers_finished_total",
                 "KV transfers ended, by side and outcome (completed or the failure reason).",
                 &["side", "outcome"],
+            )?,
+            transfer_time: r.histogram(
+                "kv_transfer_seconds",
+                "From offer (prefill) or pull (decode) to the end of a completed KV transfer.",
+                Buckets::latency_seconds(),
             )?,
             registry: r,
         })
