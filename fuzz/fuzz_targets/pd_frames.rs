@@ -10,7 +10,7 @@ use pdserve_pd_transfer::*;
 fuzz_target!(|data: &[u8]| {
     let layout = Layout { num_layers: 1, num_kv_heads: 1, head_dim: 2, block_size: 2, dtype: Dtype::F32 };
     let key = TransferKey { transfer: 1, epoch: 1 };
-    let mut sender = Sender::new(SenderConfig { window_blocks: 2, transfers_max: 4 });
+    let mut sender = Sender::new(SenderConfig { window_blocks: 2, transfers_max: 4, shared_region: true });
     let _ = sender.offer(key, layout, vec![BlockId(0), BlockId(1)], 100);
     let mut receiver = Receiver::new(1);
     let dest = vec![(BlockId(7), 3), (BlockId(8), 3)];

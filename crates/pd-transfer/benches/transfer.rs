@@ -40,7 +40,8 @@ fn tcp_transfer(src: &[Vec<u8>]) -> f64 {
     let server = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().expect("accept");
         s.set_nodelay(true).expect("nodelay");
-        let mut sender = Sender::new(SenderConfig { window_blocks: u32::MAX, transfers_max: 1 });
+        let mut sender =
+            Sender::new(SenderConfig { window_blocks: u32::MAX, transfers_max: 1, shared_region: false });
         sender.offer(key, layout(), blocks, u64::MAX).expect("offer");
         let mut buf = Vec::new();
         let mut out = Vec::with_capacity(src[0].len() + 64);

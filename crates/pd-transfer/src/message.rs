@@ -152,18 +152,23 @@ impl fmt::Display for FailReason {
 /// header (`BlockHeader`), and the I/O shell moves the bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
-    /// Decode → prefill: send me the blocks of this transfer.
-    Pull { key: TransferKey, layout: Layout, blocks: u32 },
+    /// Decode → prefill: send me the blocks of this transfer. `shared`: the decode worker can read the
+    /// prefill worker's shared KV region (same host), so blocks may be named instead of sent.
+    Pull { key: TransferKey, layout: Layout, blocks: u32, shared: bool },
     /// Prefill → decode: the pull is accepted; blocks follow.
     Accept { key: TransferKey, blocks: u32 },
     /// Prefill → decode: the pull is refused; the transfer is over.
     Reject { key: TransferKey, reason: FailReason },
     /// Prefill → decode: block `index` follows (`len` bytes).
     Block { key: TransferKey, index: u32, len: u32 },
+    /// Prefill → decode: block `index` is slot `slot` of the prefill worker's shared KV region.
+    BlockAt { key: TransferKey, index: u32, slot: u32 },
     /// Decode → prefill: this many blocks are written (flow control).
     Ack { key: TransferKey, written: u32 },
-    /// Decode → prefill: every block is written; the lease can go.
+    /// Decode → prefill: every block is written; confirm that the lease held throughout.
     Done { key: TransferKey },
+    /// Prefill → decode: the lease held until `Done` arrived, so every block read was intact.
+    Confirm { key: TransferKey },
     /// Either way: the transfer is over.
     Abort { key: TransferKey, reason: FailReason },
 }
@@ -175,8 +180,10 @@ impl Message {
             | Message::Accept { key, .. }
             | Message::Reject { key, .. }
             | Message::Block { key, .. }
+            | Message::BlockAt { key, .. }
             | Message::Ack { key, .. }
             | Message::Done { key }
+            | Message::Confirm { key }
             | Message::Abort { key, .. } => *key,
         }
     }
@@ -220,14 +227,21 @@ pub fn encode(msg: &Message, data: &[u8], out: &mut Vec<u8>) {
         Message::Ack { .. } => 5,
         Message::Done { .. } => 6,
         Message::Abort { .. } => 7,
+        Message::BlockAt { .. } => 8,
+        Message::Confirm { .. } => 9,
     };
     out.push(kind);
     out.extend(key.transfer.to_le_bytes());
     out.extend(key.epoch.to_le_bytes());
     match msg {
-        Message::Pull { layout, blocks, .. } => {
+        Message::Pull { layout, blocks, shared, .. } => {
             put_layout(out, layout);
             out.extend(blocks.to_le_bytes());
+            out.push(u8::from(*shared));
+        }
+        Message::BlockAt { index, slot, .. } => {
+            out.extend(index.to_le_bytes());
+            out.extend(slot.to_le_bytes());
         }
         Message::Accept { blocks, .. } => out.extend(blocks.to_le_bytes()),
         Message::Reject { reason, .. } | Message::Abort { reason, .. } => put_reason(out, reason),
@@ -238,7 +252,7 @@ pub fn encode(msg: &Message, data: &[u8], out: &mut Vec<u8>) {
             out.extend_from_slice(data);
         }
         Message::Ack { written, .. } => out.extend(written.to_le_bytes()),
-        Message::Done { .. } => {}
+        Message::Done { .. } | Message::Confirm { .. } => {}
     }
     let len = (out.len() - start - 4) as u32;
     out[start..start + 4].copy_from_slice(&len.to_le_bytes());
@@ -330,7 +344,16 @@ pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, FrameError> {
         let key = TransferKey { transfer: r.u64()?, epoch: r.u32()? };
         let mut data: &[u8] = &[];
         let m = match kind {
-            1 => Message::Pull { key, layout: r.layout()?, blocks: r.u32()? },
+            1 => Message::Pull {
+                key,
+                layout: r.layout()?,
+                blocks: r.u32()?,
+                shared: match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    _ => return None,
+                },
+            },
             2 => Message::Accept { key, blocks: r.u32()? },
             3 => Message::Reject { key, reason: r.reason()? },
             4 => {
@@ -342,6 +365,8 @@ pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, FrameError> {
             5 => Message::Ack { key, written: r.u32()? },
             6 => Message::Done { key },
             7 => Message::Abort { key, reason: r.reason()? },
+            8 => Message::BlockAt { key, index: r.u32()?, slot: r.u32()? },
+            9 => Message::Confirm { key },
             _ => return None,
         };
         if !r.0.is_empty() {

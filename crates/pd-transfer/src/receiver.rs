@@ -11,6 +11,8 @@ use crate::{Outcome, PeerId, TransferEvent};
 enum State {
     Pulling,
     Receiving,
+    /// Every block is written; waiting for the sender to confirm its lease held.
+    Confirming,
 }
 
 #[derive(Debug)]
@@ -71,6 +73,20 @@ impl Receiver {
         dest: Vec<(BlockId, u32)>,
         deadline: u64,
     ) -> Result<(), StartError> {
+        self.start_with(key, peer, layout, dest, deadline, false)
+    }
+
+    /// Like [`start`](Self::start); `shared`: this worker can read the sender's shared KV region, so
+    /// the sender may name blocks (`BlockAt`) instead of sending their bytes.
+    pub fn start_with(
+        &mut self,
+        key: TransferKey,
+        peer: PeerId,
+        layout: Layout,
+        dest: Vec<(BlockId, u32)>,
+        deadline: u64,
+        shared: bool,
+    ) -> Result<(), StartError> {
         if self.transfers.contains_key(&key.transfer) {
             return Err(StartError::Duplicate);
         }
@@ -78,7 +94,7 @@ impl Receiver {
             return Err(StartError::NoBlocks);
         }
         let n = dest.len();
-        self.out.push_back((peer, Message::Pull { key, layout, blocks: n as u32 }));
+        self.out.push_back((peer, Message::Pull { key, layout, blocks: n as u32, shared }));
         self.transfers.insert(
             key.transfer,
             In {
@@ -128,9 +144,9 @@ impl Receiver {
     /// A control message from `peer` (anything but `Block`, which goes through [`accept_block`]).
     pub fn handle_message(&mut self, peer: PeerId, msg: Message) {
         let key = msg.key();
-        if self.current(peer, key).is_none() {
+        let Some(state) = self.current(peer, key).map(|i| i.state) else {
             return; // late or stray: dropped
-        }
+        };
         match msg {
             Message::Accept { blocks, .. } => {
                 // With a reordering link a block may have come first and started the transfer already.
@@ -139,14 +155,22 @@ impl Receiver {
                     self.out.push_back((peer, Message::Abort { key, reason: FailReason::Protocol }));
                     return self.end(key.transfer, Outcome::Failed(FailReason::Protocol));
                 }
-                if let Some(i) = self.transfers.get_mut(&key.transfer) {
+                if let Some(i) = self.transfers.get_mut(&key.transfer).filter(|i| i.state == State::Pulling) {
                     i.state = State::Receiving;
                 }
             }
             Message::Reject { reason, .. } | Message::Abort { reason, .. } => {
                 self.end(key.transfer, Outcome::Failed(reason))
             }
-            Message::Block { .. } | Message::Pull { .. } | Message::Ack { .. } | Message::Done { .. } => {}
+            Message::Confirm { .. } if state == State::Confirming => {
+                self.end(key.transfer, Outcome::Completed)
+            }
+            Message::Confirm { .. }
+            | Message::Block { .. }
+            | Message::BlockAt { .. }
+            | Message::Pull { .. }
+            | Message::Ack { .. }
+            | Message::Done { .. } => {}
         }
     }
 
@@ -192,8 +216,9 @@ impl Receiver {
         i.count += 1;
         let (peer, count, n) = (i.peer, i.count, i.dest.len() as u32);
         if count == n {
+            // Complete only once the sender confirms its lease held while the blocks were read.
+            i.state = State::Confirming;
             self.out.push_back((peer, Message::Done { key }));
-            self.end(key.transfer, Outcome::Completed);
         } else if count % ack_every == 0 {
             self.out.push_back((peer, Message::Ack { key, written: count }));
         }

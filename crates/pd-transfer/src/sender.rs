@@ -15,11 +15,13 @@ pub enum SendAction {
         peer: PeerId,
         msg: Message,
     },
-    /// Send block `index` of `key`: read `block`'s bytes from the KV memory into a `Block` frame.
+    /// Send block `index` of `key`: read `block`'s bytes from the KV memory into a `Block` frame, or,
+    /// when `shared`, send `BlockAt` naming the block's slot in the shared KV region.
     Block {
         peer: PeerId,
         key: TransferKey,
         index: u32,
+        shared: bool,
         block: BlockId,
     },
 }
@@ -27,7 +29,7 @@ pub enum SendAction {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Offered,
-    Sending { peer: PeerId, next: u32, written: u32 },
+    Sending { peer: PeerId, next: u32, written: u32, shared: bool },
 }
 
 #[derive(Debug)]
@@ -46,11 +48,13 @@ pub struct SenderConfig {
     pub window_blocks: u32,
     /// Offered transfers held at once.
     pub transfers_max: usize,
+    /// This worker's KV memory is a shared region a same-host receiver can read.
+    pub shared_region: bool,
 }
 
 impl Default for SenderConfig {
     fn default() -> Self {
-        SenderConfig { window_blocks: 64, transfers_max: 4096 }
+        SenderConfig { window_blocks: 64, transfers_max: 4096, shared_region: false }
     }
 }
 
@@ -139,7 +143,7 @@ impl Sender {
         let key = msg.key();
         let current = self.transfers.get(&key.transfer).map(|o| (o.epoch, o.state));
         match msg {
-            Message::Pull { layout, blocks, .. } => {
+            Message::Pull { layout, blocks, shared, .. } => {
                 let Some((epoch, state)) = current else {
                     return self.reply(peer, Message::Reject { key, reason: FailReason::UnknownTransfer });
                 };
@@ -165,7 +169,12 @@ impl Sender {
                 let n = o.blocks.len() as u32;
                 self.reply(peer, Message::Accept { key, blocks: n });
                 if let Some(o) = self.transfers.get_mut(&key.transfer) {
-                    o.state = State::Sending { peer, next: 0, written: 0 };
+                    o.state = State::Sending {
+                        peer,
+                        next: 0,
+                        written: 0,
+                        shared: shared && self.config.shared_region,
+                    };
                 }
                 self.fill_window(key.transfer);
             }
@@ -182,11 +191,19 @@ impl Sender {
                 }
             }
             Message::Done { .. } => {
-                if let Some((epoch, State::Sending { peer: p, next, .. })) = current {
-                    let n = self.transfers[&key.transfer].blocks.len() as u32;
-                    if epoch == key.epoch && p == peer && next == n {
-                        self.end(key.transfer, Outcome::Completed);
+                match current {
+                    Some((epoch, State::Sending { peer: p, next, .. }))
+                        if epoch == key.epoch && p == peer =>
+                    {
+                        let n = self.transfers[&key.transfer].blocks.len() as u32;
+                        if next == n {
+                            // Still holding the lease now means it held while every block was read.
+                            self.reply(peer, Message::Confirm { key });
+                            self.end(key.transfer, Outcome::Completed);
+                        }
                     }
+                    // The lease is gone (expired, aborted): the receiver must not trust what it read.
+                    _ => self.reply(peer, Message::Reject { key, reason: FailReason::UnknownTransfer }),
                 }
             }
             Message::Abort { reason, .. } => {
@@ -201,14 +218,18 @@ impl Sender {
                 }
             }
             // Messages only a receiver takes: a confused peer; ignore.
-            Message::Accept { .. } | Message::Reject { .. } | Message::Block { .. } => {}
+            Message::Accept { .. }
+            | Message::Reject { .. }
+            | Message::Block { .. }
+            | Message::BlockAt { .. }
+            | Message::Confirm { .. } => {}
         }
     }
 
     fn fill_window(&mut self, transfer: u64) {
         let window = self.config.window_blocks.max(1);
         let Some(o) = self.transfers.get_mut(&transfer) else { return };
-        let State::Sending { peer, next, written } = &mut o.state else { return };
+        let State::Sending { peer, next, written, shared } = &mut o.state else { return };
         let key = TransferKey { transfer, epoch: o.epoch };
         while *next < o.blocks.len() as u32 && *next - *written < window {
             self.actions.push_back(SendAction::Block {
@@ -216,6 +237,7 @@ impl Sender {
                 key,
                 index: *next,
                 block: o.blocks[*next as usize],
+                shared: *shared,
             });
             *next += 1;
         }

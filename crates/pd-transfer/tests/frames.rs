@@ -11,7 +11,9 @@ fn every_message_round_trips_even_byte_by_byte() {
     let key = TransferKey { transfer: 0xdead_beef_0123, epoch: 9 };
     let data: Vec<u8> = (0..300u32).map(|i| i as u8).collect();
     let msgs = vec![
-        (Message::Pull { key, layout: layout(), blocks: 7 }, vec![]),
+        (Message::Pull { key, layout: layout(), blocks: 7, shared: true }, vec![]),
+        (Message::BlockAt { key, index: 2, slot: 77 }, vec![]),
+        (Message::Confirm { key }, vec![]),
         (Message::Accept { key, blocks: 7 }, vec![]),
         (
             Message::Reject {

@@ -458,7 +458,7 @@ impl Engine {
         while let Some(a) = pd.sender.poll_action() {
             match a {
                 SendAction::Message { peer, msg } => pd.io.send(peer, &msg, &[]),
-                SendAction::Block { peer, key, index, block } => {
+                SendAction::Block { peer, key, index, block, .. } => {
                     let held = self
                         .sched
                         .lease_of(TransferId(key.transfer))
