@@ -10,16 +10,82 @@ use pdserve_kvcache::{BlockCopy, BlockId};
 use rayon::prelude::*;
 
 use crate::backend::{Backend, KvLayout, SeqStep};
-use crate::sys::{dot, sgemm};
+use crate::sys::{as_f32, as_f32_mut, create_shared_f32, dot, map_file, sgemm, Mmap};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
+
+/// Where the KV memory lives.
+#[derive(Debug)]
+enum KvMemory {
+    Heap(Vec<f32>),
+    /// A file under `/dev/shm` mapped read-write, readable by other processes on the host (a decode
+    /// worker pulls blocks from it with one copy). Removed when the backend is dropped.
+    Shared {
+        map: memmap2::MmapMut,
+        path: std::path::PathBuf,
+    },
+}
+
+impl KvMemory {
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            KvMemory::Heap(v) => v,
+            KvMemory::Shared { map, .. } => as_f32(map),
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        match self {
+            KvMemory::Heap(v) => v,
+            KvMemory::Shared { map, .. } => as_f32_mut(map),
+        }
+    }
+}
+
+impl Drop for KvMemory {
+    fn drop(&mut self) {
+        if let KvMemory::Shared { path, .. } = self {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+/// Read-only view of another process's shared KV memory (see [`CpuBackend::new_shared`]).
+#[derive(Debug)]
+pub struct SharedKvView {
+    map: Mmap,
+    block_floats: usize,
+}
+
+impl SharedKvView {
+    /// Opens the shared KV file at `path`, whose blocks are `block_floats` f32 values each. Only files
+    /// named like the ones [`CpuBackend::new_shared`] creates (`/dev/shm/pdserve-kv-*`) are opened.
+    pub fn open(path: &std::path::Path, block_floats: usize) -> Result<SharedKvView, ModelError> {
+        let name_ok = path.parent() == Some(std::path::Path::new("/dev/shm"))
+            && path.file_name().is_some_and(|n| n.to_string_lossy().starts_with("pdserve-kv-"));
+        if !name_ok {
+            return Err(ModelError::format(path, "not a pdserve shared KV file (/dev/shm/pdserve-kv-*)"));
+        }
+        let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
+        let map = map_file(&file).map_err(|e| ModelError::io(path, e))?;
+        if block_floats == 0 || map.len() % (block_floats * 4) != 0 {
+            return Err(ModelError::format(path, "size is not a whole number of KV blocks of this layout"));
+        }
+        Ok(SharedKvView { map, block_floats })
+    }
+
+    /// Block `slot`'s values, or `None` past the end.
+    pub fn block(&self, slot: usize) -> Option<&[f32]> {
+        as_f32(&self.map).get(slot * self.block_floats..(slot + 1) * self.block_floats)
+    }
+}
 
 /// Runs a model on the CPU with rayon's thread pool.
 #[derive(Debug)]
 pub struct CpuBackend {
     cfg: ModelConfig,
     w: Arc<Weights>,
-    kv: Vec<f32>,
+    kv: KvMemory,
     layout: KvLayout,
     inv_freq: Vec<f32>,
 }
@@ -37,7 +103,38 @@ impl CpuBackend {
         let hd = cfg.head_dim;
         // Hugging Face computes the inverse frequencies in f32; so do we, to match its numbers.
         let inv_freq = (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32)).collect();
-        CpuBackend { kv: vec![0.0; layout.block_floats() * num_blocks], cfg, w: weights, layout, inv_freq }
+        CpuBackend {
+            kv: KvMemory::Heap(vec![0.0; layout.block_floats() * num_blocks]),
+            cfg,
+            w: weights,
+            layout,
+            inv_freq,
+        }
+    }
+
+    /// Like [`new`](Self::new), with the KV memory in a new shared file at `path` (under `/dev/shm`,
+    /// named `pdserve-kv-*`), so a decode worker on the same host can copy blocks straight out of it.
+    pub fn new_shared(
+        cfg: ModelConfig,
+        weights: Arc<Weights>,
+        num_blocks: usize,
+        block_size: usize,
+        path: &std::path::Path,
+    ) -> Result<Self, ModelError> {
+        let mut b = CpuBackend::new(cfg, weights, 0, block_size);
+        b.layout.num_blocks = num_blocks;
+        let map = create_shared_f32(path, b.layout.block_floats() * num_blocks)
+            .map_err(|e| ModelError::io(path, e))?;
+        b.kv = KvMemory::Shared { map, path: path.to_path_buf() };
+        Ok(b)
+    }
+
+    /// The shared KV file, if the memory is shared.
+    pub fn shared_path(&self) -> Option<&std::path::Path> {
+        match &self.kv {
+            KvMemory::Shared { path, .. } => Some(path),
+            KvMemory::Heap(_) => None,
+        }
     }
 
     fn kv_at(&self, block: BlockId, layer: usize, kind: usize, pos: usize) -> usize {
@@ -101,18 +198,18 @@ impl Backend for CpuBackend {
         let n = self.layout.block_floats();
         for c in copies {
             let (src, dst) = (c.src.0 as usize * n, c.dst.0 as usize * n);
-            self.kv.copy_within(src..src + n, dst);
+            self.kv.as_mut_slice().copy_within(src..src + n, dst);
         }
     }
 
     fn block_data(&self, block: BlockId) -> &[f32] {
         let n = self.layout.block_floats();
-        &self.kv[block.0 as usize * n..][..n]
+        &self.kv.as_slice()[block.0 as usize * n..][..n]
     }
 
     fn block_data_mut(&mut self, block: BlockId) -> &mut [f32] {
         let n = self.layout.block_floats();
-        &mut self.kv[block.0 as usize * n..][..n]
+        &mut self.kv.as_mut_slice()[block.0 as usize * n..][..n]
     }
 
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
@@ -154,12 +251,14 @@ impl Backend for CpuBackend {
                 let block = steps[si].block_table[pos / self.layout.block_size];
                 let off = pos % self.layout.block_size;
                 let ki = self.kv_at(block, li, 0, off);
-                self.kv[ki..ki + kv_dim].copy_from_slice(&k[r * kv_dim..][..kv_dim]);
                 let vi = self.kv_at(block, li, 1, off);
-                self.kv[vi..vi + kv_dim].copy_from_slice(&v[r * kv_dim..][..kv_dim]);
+                let mem = self.kv.as_mut_slice();
+                mem[ki..ki + kv_dim].copy_from_slice(&k[r * kv_dim..][..kv_dim]);
+                mem[vi..vi + kv_dim].copy_from_slice(&v[r * kv_dim..][..kv_dim]);
             }
             let mut attn = vec![0.0; t * q_dim];
             let this = &*self;
+            let kv_mem = this.kv.as_slice();
             let scale = 1.0 / (hd as f32).sqrt();
             let group = nh / nkv;
             attn.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
@@ -173,7 +272,7 @@ impl Backend for CpuBackend {
                 for j in 0..=pos {
                     let ki = this.kv_at(table[j / this.layout.block_size], li, 0, j % this.layout.block_size)
                         + kvh * hd;
-                    let s = dot(qv, &this.kv[ki..ki + hd]) * scale;
+                    let s = dot(qv, &kv_mem[ki..ki + hd]) * scale;
                     max = max.max(s);
                     scores.push(s);
                 }
@@ -187,7 +286,7 @@ impl Backend for CpuBackend {
                     let vi = this.kv_at(table[j / this.layout.block_size], li, 1, j % this.layout.block_size)
                         + kvh * hd;
                     let p = s / sum;
-                    for (o, vv) in out.iter_mut().zip(&this.kv[vi..vi + hd]) {
+                    for (o, vv) in out.iter_mut().zip(&kv_mem[vi..vi + hd]) {
                         *o += p * vv;
                     }
                 }

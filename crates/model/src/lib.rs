@@ -41,7 +41,7 @@ use std::path::Path;
 
 pub use backend::{Backend, KvLayout, SeqStep};
 pub use config::ModelConfig;
-pub use cpu::CpuBackend;
+pub use cpu::{CpuBackend, SharedKvView};
 pub use error::ModelError;
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use text::{ChatMessage, IncrementalDecoder, TextCodec};

@@ -137,3 +137,31 @@ mod tests {
         assert_eq!(c, [1.0, 2.0, 10.0, 0.5, 0.0, 1.5]);
     }
 }
+
+/// A writable shared mapping of a new file of `floats` f32 values (zeroed), for KV memory other
+/// processes on the host can read.
+pub(crate) fn create_shared_f32(path: &std::path::Path, floats: usize) -> io::Result<memmap2::MmapMut> {
+    let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(path)?;
+    file.set_len((floats * 4) as u64)?;
+    // SAFETY: the file was just created by this process (`create_new`) and is only resized here; other
+    // processes map it read-only and never truncate it. The mapping lives as long as the returned value.
+    unsafe { memmap2::MmapMut::map_mut(&file) }
+}
+
+/// Views bytes as f32 values. Panics unless the bytes are 4-aligned and a whole number of values
+/// (a page-aligned mapping always is).
+pub(crate) fn as_f32(bytes: &[u8]) -> &[f32] {
+    // SAFETY: every bit pattern is a valid f32; `align_to` never returns misaligned middles, and the
+    // assertion makes sure no byte is left out.
+    let (head, mid, tail) = unsafe { bytes.align_to::<f32>() };
+    assert!(head.is_empty() && tail.is_empty(), "KV mapping is not f32-aligned");
+    mid
+}
+
+/// Mutable form of [`as_f32`].
+pub(crate) fn as_f32_mut(bytes: &mut [u8]) -> &mut [f32] {
+    // SAFETY: as in `as_f32`; the borrow is unique.
+    let (head, mid, tail) = unsafe { bytes.align_to_mut::<f32>() };
+    assert!(head.is_empty() && tail.is_empty(), "KV mapping is not f32-aligned");
+    mid
+}

@@ -220,3 +220,23 @@ fn loading_errors_name_the_file() {
     assert!(err.contains("not a directory"), "{err}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn shared_kv_memory_is_readable_from_a_second_mapping_and_removed_on_drop() {
+    let c = config();
+    let path = std::path::PathBuf::from(format!("/dev/shm/pdserve-kv-test-{}", std::process::id()));
+    let mut cpu = CpuBackend::new_shared(c.clone(), Arc::new(weights(&c)), 8, 4, &path).unwrap();
+    let heap = prefill(&mut backend(8, 4), &[1, 2, 3, 4, 5], &[5]);
+    let shared = prefill(&mut cpu, &[1, 2, 3, 4, 5], &[5]);
+    assert!(max_diff(&heap, &shared) < 1e-6, "shared memory computes the same");
+    let floats = cpu.kv_layout().block_floats();
+    let view = pdserve_model::SharedKvView::open(&path, floats).unwrap();
+    for b in 0..2 {
+        assert_eq!(view.block(b).unwrap(), cpu.block_data(BlockId(b as u32)), "block {b}");
+    }
+    assert!(view.block(8).is_none());
+    assert!(pdserve_model::SharedKvView::open(std::path::Path::new("/etc/passwd"), floats).is_err());
+    drop(view);
+    drop(cpu);
+    assert!(!path.exists(), "the shared file is removed with the backend");
+}

@@ -50,12 +50,15 @@ pub(crate) struct PdHandle {
     pub addr: std::net::SocketAddr,
     pub first_token: u32,
     pub prompt_tokens: Vec<u32>,
+    /// The prefill worker's shared KV file, when it has one (same-host transfers copy from it).
+    pub shm: Option<String>,
 }
 
 impl PdHandle {
     pub(crate) fn to_json(&self, blocks: usize) -> Value {
         json!({"transfer": self.transfer, "epoch": self.epoch, "addr": self.addr.to_string(),
-               "first_token": self.first_token, "prompt_tokens": self.prompt_tokens, "blocks": blocks})
+               "first_token": self.first_token, "prompt_tokens": self.prompt_tokens, "blocks": blocks,
+               "shm": self.shm})
     }
 
     fn parse(v: &Value) -> Result<PdHandle, ApiError> {
@@ -82,6 +85,7 @@ impl PdHandle {
                 .and_then(Value::as_array)
                 .and_then(|a| a.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect())
                 .ok_or_else(|| bad("prompt_tokens"))?,
+            shm: v.get("shm").and_then(Value::as_str).map(str::to_owned),
         })
     }
 }

@@ -40,6 +40,8 @@ pub(crate) struct RemoteKv {
     pub key: TransferKey,
     pub addr: std::net::SocketAddr,
     pub first_token: u32,
+    /// The prefill worker's shared KV file, if it has one on this host.
+    pub shm: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug)]
@@ -111,10 +113,12 @@ pub(crate) struct Pd {
     pub receiver: pdserve_pd_transfer::Receiver,
     pub layout: Layout,
     pub next_epoch: u32,
-    /// Decode role: transfer id -> (request id, connection).
-    pub incoming: HashMap<u64, (u64, PeerId)>,
+    /// Decode role: transfer id -> (request id, connection, shared KV file when reading from one).
+    pub incoming: HashMap<u64, (u64, PeerId, Option<std::path::PathBuf>)>,
     /// When each live transfer began (offer or pull), for the latency histogram.
     pub started: HashMap<(bool, u64), Instant>,
+    /// Decode role: prefill workers' shared KV files, mapped once each.
+    pub views: HashMap<std::path::PathBuf, pdserve_model::SharedKvView>,
 }
 
 pub(crate) struct Engine {
@@ -322,7 +326,7 @@ impl Engine {
                 if let Some(pd) = &mut self.pd {
                     // A decode request that ends while its KV is still coming: end the pull too.
                     let pulling =
-                        pd.incoming.iter().find(|(_, (r, _))| *r == id.0).map(|(&t, &(_, p))| (t, p));
+                        pd.incoming.iter().find(|(_, (r, _, _))| *r == id.0).map(|(&t, &(_, p, _))| (t, p));
                     if let Some((t, peer)) = pulling {
                         pd.incoming.remove(&t);
                         pd.receiver.abort(t);
@@ -393,9 +397,24 @@ impl Engine {
             );
             return;
         };
+        // Same host and a shared KV file: copy straight out of it; otherwise the bytes come over TCP.
+        let block_floats = pd.layout.block_bytes() / 4;
+        let shared = match &r.shm {
+            Some(path) if pd.views.contains_key(path) => true,
+            Some(path) => match pdserve_model::SharedKvView::open(path, block_floats) {
+                Ok(v) => {
+                    pd.views.insert(path.clone(), v);
+                    true
+                }
+                Err(_) => false,
+            },
+            None => false,
+        };
         let started = pd.io.connect(r.addr).map_err(|e| e.to_string()).and_then(|peer| {
-            pd.receiver.start(r.key, peer, pd.layout, dest, deadline_ms).map_err(|e| format!("{e:?}"))?;
-            pd.incoming.insert(r.key.transfer, (id, peer));
+            pd.receiver
+                .start_with(r.key, peer, pd.layout, dest, deadline_ms, shared)
+                .map_err(|e| format!("{e:?}"))?;
+            pd.incoming.insert(r.key.transfer, (id, peer, if shared { r.shm.clone() } else { None }));
             pd.started.insert((false, r.key.transfer), Instant::now());
             Ok(())
         });
@@ -445,6 +464,39 @@ impl Engine {
                     }
                     pd.receiver.block_written(key, index);
                 }
+                Message::BlockAt { key, index, slot } if pd.incoming.contains_key(&key.transfer) => {
+                    let bytes = pd.layout.block_bytes();
+                    let Some(dst) = pd.receiver.accept_block(r.peer, key, index, bytes) else { continue };
+                    if self
+                        .sched
+                        .kv()
+                        .check_write(TransferId(key.transfer), dst.block, dst.block_epoch)
+                        .is_err()
+                    {
+                        continue;
+                    }
+                    // One copy, straight out of the prefill worker's shared KV memory. Whether the
+                    // prefill lease held throughout is confirmed before the request may use it.
+                    let view = pd
+                        .incoming
+                        .get(&key.transfer)
+                        .and_then(|(_, _, p)| p.as_ref())
+                        .and_then(|p| pd.views.get(p));
+                    let Some(src) = view.and_then(|v| v.block(slot as usize)) else {
+                        pd.receiver.abort(key.transfer);
+                        continue;
+                    };
+                    let mem = self.backend.block_data_mut(dst.block);
+                    if mem.len() != src.len() {
+                        pd.receiver.abort(key.transfer);
+                        continue;
+                    }
+                    mem.copy_from_slice(src);
+                    if let Ok(c) = self.metrics.transfer_bytes.with(&["shared"]) {
+                        c.add(bytes as u64);
+                    }
+                    pd.receiver.block_written(key, index);
+                }
                 msg if pd.incoming.contains_key(&msg.key().transfer) => {
                     pd.receiver.handle_message(r.peer, msg)
                 }
@@ -458,13 +510,17 @@ impl Engine {
         while let Some(a) = pd.sender.poll_action() {
             match a {
                 SendAction::Message { peer, msg } => pd.io.send(peer, &msg, &[]),
-                SendAction::Block { peer, key, index, block, .. } => {
+                SendAction::Block { peer, key, index, block, shared } => {
                     let held = self
                         .sched
                         .lease_of(TransferId(key.transfer))
                         .is_some_and(|(b, _)| b.contains(&block));
                     if !held {
                         pd.sender.abort(key.transfer);
+                        continue;
+                    }
+                    if shared {
+                        pd.io.send(peer, &Message::BlockAt { key, index, slot: block.0 }, &[]);
                         continue;
                     }
                     let bytes: Vec<u8> =
@@ -509,7 +565,7 @@ impl Engine {
                 continue;
             }
             let Some(pd) = self.pd.as_mut() else { return };
-            let Some((req, peer)) = pd.incoming.remove(&t) else { continue };
+            let Some((req, peer, _)) = pd.incoming.remove(&t) else { continue };
             while let Some((p, m)) = pd.receiver.poll_transmit() {
                 pd.io.send(p, &m, &[]);
             }

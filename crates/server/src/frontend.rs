@@ -407,6 +407,7 @@ impl Frontend {
             key: pdserve_pd_transfer::TransferKey { transfer: h.transfer, epoch: h.epoch },
             addr: h.addr,
             first_token: h.first_token,
+            shm: h.shm.map(std::path::PathBuf::from),
         });
         self.submit(
             conn,
@@ -585,6 +586,7 @@ impl Frontend {
                     addr: self.config.transfer_addr,
                     first_token,
                     prompt_tokens: l.prompt_ids.clone(),
+                    shm: self.config.kv_shm_path.as_ref().map(|p| p.display().to_string()),
                 };
                 let body =
                     json!({"pd_transfer": handle.to_json(blocks), "usage": api::usage(l.prompt_tokens, 1)});

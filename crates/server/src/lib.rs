@@ -60,6 +60,11 @@ pub struct WorkerConfig {
     pub role: pdserve_scheduler::Role,
     /// Prefill role: where decode workers connect to pull KV (port 0 picks one).
     pub transfer_addr: SocketAddr,
+    /// Prefill role: keep the KV memory in a shared file under `/dev/shm`, so decode workers on the same
+    /// host copy blocks straight out of it instead of receiving them over TCP.
+    pub kv_shm: bool,
+    /// Set at start: the shared KV file, when `kv_shm`.
+    pub kv_shm_path: Option<PathBuf>,
     /// Stop (as on SIGTERM) when standard input reaches end of file: a supervisor that dies, or a test
     /// process that exits, takes the worker with it.
     pub exit_on_stdin_eof: bool,
@@ -90,6 +95,8 @@ impl WorkerConfig {
             exit_on_stdin_eof: false,
             role: pdserve_scheduler::Role::Unified,
             transfer_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            kv_shm: false,
+            kv_shm_path: None,
         }
     }
 }
@@ -131,6 +138,21 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
     let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens);
     config.scheduler.max_context_tokens = context;
     config.scheduler.role = config.role;
+    let model_config = files.config.clone();
+    let weights = Arc::new(files.weights);
+    let backend = if config.kv_shm && config.role == pdserve_scheduler::Role::Prefill {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let path = PathBuf::from(format!("/dev/shm/pdserve-kv-{}-{nanos}", std::process::id()));
+        let b =
+            CpuBackend::new_shared(model_config.clone(), weights, config.kv_blocks, config.block_size, &path)
+                .map_err(WorkerError::Model)?;
+        config.kv_shm_path = Some(path);
+        b
+    } else {
+        CpuBackend::new(model_config.clone(), weights, config.kv_blocks, config.block_size)
+    };
     let pd = match config.role {
         pdserve_scheduler::Role::Unified => None,
         role => {
@@ -142,7 +164,10 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
             let c = &files.config;
             Some(engine::Pd {
                 io,
-                sender: pdserve_pd_transfer::Sender::new(pdserve_pd_transfer::SenderConfig::default()),
+                sender: pdserve_pd_transfer::Sender::new(pdserve_pd_transfer::SenderConfig {
+                    shared_region: config.kv_shm_path.is_some(),
+                    ..pdserve_pd_transfer::SenderConfig::default()
+                }),
                 receiver: pdserve_pd_transfer::Receiver::new(4),
                 layout: pdserve_pd_transfer::Layout {
                     num_layers: c.num_layers as u32,
@@ -154,6 +179,7 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
                 next_epoch: (std::process::id() as u32).wrapping_mul(2_654_435_761),
                 incoming: Default::default(),
                 started: Default::default(),
+                views: Default::default(),
             })
         }
     };
@@ -162,8 +188,6 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
             .map_err(|e| WorkerError::Config(e.to_string()))?;
     let now = Instant::now();
     let sched = Scheduler::new(config.scheduler.clone(), kv, now);
-    let backend =
-        CpuBackend::new(files.config.clone(), Arc::new(files.weights), config.kv_blocks, config.block_size);
     let metrics = metrics::Metrics::new().map_err(|e| WorkerError::Config(e.to_string()))?;
     let server = Server::bind(config.addr, config.http).map_err(WorkerError::Io)?;
     let addr = server.local_addr().map_err(WorkerError::Io)?;

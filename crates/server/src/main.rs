@@ -17,6 +17,7 @@ pdserve-server [options]
   --name NAME              this process's name in /debug/requests (default worker)
   --role ROLE              unified (default), prefill or decode
   --transfer-addr ADDR     prefill role: where decode workers pull KV from (default 127.0.0.1:0)
+  --kv-shm                 prefill role: KV memory in /dev/shm, so same-host decode workers copy it directly
   --max-queued N           admission queue bound (default 256)
   --max-running N          running batch bound (default 64)
   --max-batch-tokens N     tokens per engine step (default 2048)
@@ -65,6 +66,10 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
     while let Some(a) = it.next() {
         if a == "-h" || a == "--help" {
             return Ok(None);
+        }
+        if a == "--kv-shm" {
+            sets.push((a, String::new()));
+            continue;
         }
         if a == "--exit-on-stdin-eof" {
             sets.push((a, String::new()));
@@ -116,6 +121,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--drain-timeout-s" => c.drain_timeout = secs()?,
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
+            "--kv-shm" => c.kv_shm = true,
             "--role" => {
                 c.role = match v.as_str() {
                     "prefill" => pdserve_scheduler::Role::Prefill,

@@ -97,3 +97,27 @@ fn a_bad_handle_fails_the_request_with_a_reason() {
     with["pd_transfer"] = handle["pd_transfer"].clone();
     assert_eq!(prefill.json("POST", "/v1/chat/completions", &with.to_string()).0, 400);
 }
+
+#[test]
+fn same_host_transfers_copy_from_the_shared_kv_memory() {
+    let unified = Worker::start(&[]);
+    let prefill = Worker::start(&["--role", "prefill", "--kv-shm"]);
+    let decode = Worker::start(&["--role", "decode"]);
+    let body = chat("What is the capital of France?", r#","temperature":0,"max_tokens":16"#);
+    let (_, v) = unified.json("POST", "/v1/chat/completions", &body);
+    let want = v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+    let (_, handle) = prefill.json("POST", "/v1/chat/completions", &body);
+    assert!(handle["pd_transfer"]["shm"].as_str().unwrap().starts_with("/dev/shm/pdserve-kv-"), "{handle}");
+    for stream in [false, true] {
+        let (s, got) = disaggregated(&prefill, &decode, &body, stream);
+        assert_eq!((s, got.as_str()), (200, want.as_str()));
+    }
+    let m = String::from_utf8(decode.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
+    let shared: f64 = m
+        .lines()
+        .find_map(|l| l.strip_prefix("kv_transfer_bytes_total{direction=\"shared\"} "))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    assert!(shared > 0.0, "blocks were copied from shared memory:\n{m}");
+    assert!(!m.contains("kv_transfer_bytes_total{direction=\"received\"}"), "no block came over TCP");
+}
