@@ -116,28 +116,6 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn dot_kernels_agree() {
-        let a: Vec<f32> = (0..77).map(|i| (i as f32 * 0.37).sin()).collect();
-        let b: Vec<f32> = (0..77).map(|i| (i as f32 * 0.11).cos()).collect();
-        let exact: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
-        assert!((f64::from(super::dot(&a, &b)) - exact).abs() < 1e-4);
-        assert!((f64::from(super::dot_portable(&a, &b)) - exact).abs() < 1e-4);
-    }
-
-    #[test]
-    fn sgemm_with_transposed_b() {
-        // c[2x3] = a[2x4] · w^T where w is [3x4] row-major.
-        let a = [1.0, 2.0, 3.0, 4.0, 0.5, 0.0, -1.0, 2.0];
-        let w = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
-        let mut c = [0.0; 6];
-        super::sgemm(2, 4, 3, &a, (4, 1), &w, (1, 4), &mut c, (3, 1));
-        assert_eq!(c, [1.0, 2.0, 10.0, 0.5, 0.0, 1.5]);
-    }
-}
-
 /// A writable shared mapping of a new file of `floats` f32 values (zeroed), for KV memory other
 /// processes on the host can read.
 pub(crate) fn create_shared_f32(path: &std::path::Path, floats: usize) -> io::Result<memmap2::MmapMut> {
@@ -164,4 +142,26 @@ pub(crate) fn as_f32_mut(bytes: &mut [u8]) -> &mut [f32] {
     let (head, mid, tail) = unsafe { bytes.align_to_mut::<f32>() };
     assert!(head.is_empty() && tail.is_empty(), "KV mapping is not f32-aligned");
     mid
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn dot_kernels_agree() {
+        let a: Vec<f32> = (0..77).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..77).map(|i| (i as f32 * 0.11).cos()).collect();
+        let exact: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+        assert!((f64::from(super::dot(&a, &b)) - exact).abs() < 1e-4);
+        assert!((f64::from(super::dot_portable(&a, &b)) - exact).abs() < 1e-4);
+    }
+
+    #[test]
+    fn sgemm_with_transposed_b() {
+        // c[2x3] = a[2x4] · w^T where w is [3x4] row-major.
+        let a = [1.0, 2.0, 3.0, 4.0, 0.5, 0.0, -1.0, 2.0];
+        let w = [1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+        let mut c = [0.0; 6];
+        super::sgemm(2, 4, 3, &a, (4, 1), &w, (1, 4), &mut c, (3, 1));
+        assert_eq!(c, [1.0, 2.0, 10.0, 0.5, 0.0, 1.5]);
+    }
 }
