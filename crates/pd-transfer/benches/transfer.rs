@@ -30,18 +30,30 @@ fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> (Message, Vec<u8>) {
     }
 }
 
+/// The transfer with control frames over TCP and each block named (`BlockAt`) and copied by the
+/// receiver straight out of the sender's memory, as a decode worker copies from a prefill worker's
+/// shared KV file: one `memcpy` per block plus the protocol.
+fn shared_transfer(src: &[Vec<u8>]) -> f64 {
+    transfer(src, true)
+}
+
 fn tcp_transfer(src: &[Vec<u8>]) -> f64 {
+    transfer(src, false)
+}
+
+fn transfer(src: &[Vec<u8>], shared: bool) -> f64 {
     let n = src.len();
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
     let key = TransferKey { transfer: 1, epoch: 1 };
     let blocks: Vec<BlockId> = (0..n as u32).map(BlockId).collect();
-    let src = src.to_vec();
+    let region = std::sync::Arc::new(src.to_vec());
+    let src = std::sync::Arc::clone(&region);
     let server = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().expect("accept");
         s.set_nodelay(true).expect("nodelay");
         let mut sender =
-            Sender::new(SenderConfig { window_blocks: u32::MAX, transfers_max: 1, shared_region: false });
+            Sender::new(SenderConfig { window_blocks: u32::MAX, transfers_max: 1, shared_region: shared });
         sender.offer(key, layout(), blocks, u64::MAX).expect("offer");
         let mut buf = Vec::new();
         let mut out = Vec::with_capacity(src[0].len() + 64);
@@ -53,7 +65,10 @@ fn tcp_transfer(src: &[Vec<u8>]) -> f64 {
                 out.clear();
                 match a {
                     SendAction::Message { msg, .. } => encode(&msg, &[], &mut out),
-                    SendAction::Block { key, index, block, .. } => {
+                    SendAction::Block { key, index, block, shared: true, .. } => {
+                        encode(&Message::BlockAt { key, index, slot: block.0 }, &[], &mut out);
+                    }
+                    SendAction::Block { key, index, block, shared: false, .. } => {
                         let data = &src[block.0 as usize];
                         encode(&Message::Block { key, index, len: data.len() as u32 }, data, &mut out);
                     }
@@ -71,7 +86,14 @@ fn tcp_transfer(src: &[Vec<u8>]) -> f64 {
     let mut receiver = Receiver::new(64);
     let start = Instant::now();
     receiver
-        .start(key, PeerId(1), layout(), (0..n as u32).map(|b| (BlockId(b), 0)).collect(), u64::MAX)
+        .start_with(
+            key,
+            PeerId(1),
+            layout(),
+            (0..n as u32).map(|b| (BlockId(b), 0)).collect(),
+            u64::MAX,
+            shared,
+        )
         .expect("start");
     let mut buf = Vec::new();
     let mut out = Vec::new();
@@ -92,6 +114,13 @@ fn tcp_transfer(src: &[Vec<u8>]) -> f64 {
                 dst[d.block.0 as usize].copy_from_slice(&data);
                 receiver.block_written(key, index);
             }
+            Message::BlockAt { key, index, slot } => {
+                let d = receiver
+                    .accept_block(PeerId(1), key, index, layout().block_bytes())
+                    .expect("destination");
+                dst[d.block.0 as usize].copy_from_slice(&region[slot as usize]);
+                receiver.block_written(key, index);
+            }
             other => receiver.handle_message(PeerId(1), other),
         }
     }
@@ -107,7 +136,7 @@ fn src_check(n: usize) -> Vec<Vec<u8>> {
 
 fn main() {
     println!("block: {} bytes", layout().block_bytes());
-    println!("prompt tokens  bytes        memcpy GB/s   tcp GB/s   tcp/memcpy   tcp latency");
+    println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency");
     for tokens in [128usize, 2048, 8192] {
         let n = tokens.div_ceil(16);
         let src = src_check(n);
@@ -124,10 +153,13 @@ fn main() {
             })
             .fold(f64::MAX, f64::min);
         let tcp = (0..3).map(|_| tcp_transfer(&src)).fold(f64::MAX, f64::min);
+        let shm = (0..3).map(|_| shared_transfer(&src)).fold(f64::MAX, f64::min);
         println!(
-            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>9.2}  {:>11.3}  {:>9.1} ms",
+            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms",
             bytes / 1e6,
             bytes / memcpy / 1e9,
+            bytes / shm / 1e9,
+            memcpy / shm,
             bytes / tcp / 1e9,
             memcpy / tcp,
             tcp * 1e3
