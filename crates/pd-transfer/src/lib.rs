@@ -12,8 +12,13 @@
 //!                                 ◀── Accept{T.e, n} ──────   (layout and n checked: mismatch → Reject)
 //!  accept_block → check_write →   ◀── Block{T.e, i, bytes} ── window of W blocks in flight
 //!  copy → block_written           ─── Ack{T.e, written} ────▶ more blocks
-//!  after the last block           ─── Done{T.e} ───────────▶ Completed → release_lease(T)
-//!  Completed → adopt_lease(T, seq)
+//!  after the last block           ─── Done{T.e} ───────────▶ lease still held? Completed → release_lease(T)
+//!  Completed → adopt_lease(T, seq) ◀── Confirm{T.e} ─────     (not held: Reject, and the receiver fails)
+//!
+//!  Same host: Pull{.., shared: true} and a sender whose KV memory is a shared region → the sender names
+//!  each block (BlockAt{T.e, i, slot}) and the receiver copies it straight out of the region. The
+//!  Confirm proves the lease held from the offer until after every copy, so a block freed and reused
+//!  mid-transfer can never be trusted.
 //!
 //!  Either side, any time: Abort{T.e, reason} ───▶ the other side ends T with that reason.
 //!  Deadlines: the sender's lease expiry (LeaseExpired) and the receiver's data deadline (DataTimeout)
