@@ -48,6 +48,8 @@ pub(crate) struct RemoteKv {
 pub(crate) enum Command {
     Submit(Box<Submission>),
     Abort(u64),
+    /// Prefill role: end the offer of a finished prompt's KV (its transfer id is the request's id).
+    AbortTransfer(u64),
 }
 
 /// What the engine tells the HTTP thread, in order per request: `Admitted` or `Rejected`, then
@@ -237,6 +239,13 @@ impl Engine {
             Command::Abort(id) => {
                 self.sched.handle_abort(RequestId(id), now);
                 self.drain_events(live);
+            }
+            Command::AbortTransfer(t) => {
+                // The sender tells a pulling peer and reports the end; `pump_transfers` then releases
+                // the lease. Idempotent: an ended transfer is left alone.
+                if let Some(pd) = self.pd.as_mut() {
+                    pd.sender.abort(t);
+                }
             }
         }
     }

@@ -65,6 +65,8 @@ pub(crate) struct Frontend {
     live: HashMap<u64, Live>,
     by_conn: HashMap<ConnId, u64>,
     by_request_id: HashMap<String, u64>,
+    /// Prefill role: recent request ids whose KV is (or was) offered, so `/abort/{id}` can end the offer.
+    recent_prefills: std::collections::VecDeque<(String, u64)>,
     next_id: u64,
     draining_since: Option<Instant>,
     created: u64,
@@ -108,6 +110,7 @@ impl Frontend {
             live: HashMap::new(),
             by_conn: HashMap::new(),
             by_request_id: HashMap::new(),
+            recent_prefills: std::collections::VecDeque::new(),
             next_id: 1,
             draining_since: None,
             created: unix_now(),
@@ -270,12 +273,17 @@ impl Frontend {
     }
 
     fn abort(&mut self, request_id: &str) -> Response {
-        match self.by_request_id.get(request_id) {
-            Some(&id) => {
+        let offered = self.recent_prefills.iter().find(|(r, _)| r == request_id).map(|&(_, id)| id);
+        match (self.by_request_id.get(request_id), offered) {
+            (Some(&id), _) => {
                 let _ = self.commands.try_send(Command::Abort(id));
                 json_response(200, &json!({"aborted": request_id}), Some(request_id))
             }
-            None => ApiError::new(404, "not_found", format!("no live request {request_id}"))
+            (None, Some(id)) => {
+                let _ = self.commands.try_send(Command::AbortTransfer(id));
+                json_response(200, &json!({"aborted": request_id, "stage": "kv_held"}), Some(request_id))
+            }
+            (None, None) => ApiError::new(404, "not_found", format!("no live request {request_id}"))
                 .reply(request_id)
                 .to_response(),
         }
@@ -579,7 +587,15 @@ impl Frontend {
             Reply::Prefilled { id, first_token, key, blocks } => {
                 let Some(l) = self.remove(id) else { return };
                 self.metrics.e2e.observe_duration(l.received.elapsed());
-                let Some(conn) = l.conn else { return };
+                if self.recent_prefills.len() >= 4096 {
+                    self.recent_prefills.pop_front();
+                }
+                self.recent_prefills.push_back((l.request_id.clone(), id));
+                let Some(conn) = l.conn else {
+                    // Nobody will take this KV: end the offer now instead of at the lease expiry.
+                    let _ = self.commands.try_send(Command::AbortTransfer(id));
+                    return;
+                };
                 let handle = api::PdHandle {
                     transfer: key.transfer,
                     epoch: key.epoch,

@@ -121,3 +121,29 @@ fn same_host_transfers_copy_from_the_shared_kv_memory() {
     assert!(shared > 0.0, "blocks were copied from shared memory:\n{m}");
     assert!(!m.contains("kv_transfer_bytes_total{direction=\"received\"}"), "no block came over TCP");
 }
+
+#[test]
+fn aborting_a_prefilled_request_releases_its_offered_kv() {
+    let prefill = Worker::start(&["--role", "prefill"]);
+    let body = chat("What is the capital of France?", r#","max_tokens":8"#);
+    let r = prefill.request("POST", "/v1/chat/completions", &body, &[("x-request-id", "pf-1")]);
+    assert_eq!(r.status(), 200);
+    r.read_to_end().unwrap();
+    let transfer_blocks = |w: &Worker| -> f64 {
+        let m = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
+        m.lines()
+            .find_map(|l| l.strip_prefix("kv_blocks{owner=\"transfer\"} "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(-1.0)
+    };
+    assert!(transfer_blocks(&prefill) > 0.0, "the KV waits under a lease");
+    let (s, v) = prefill.json("POST", "/abort/pf-1", "");
+    assert_eq!((s, v["stage"].as_str()), (200, Some("kv_held")), "{v}");
+    let start = Instant::now();
+    while transfer_blocks(&prefill) != 0.0 {
+        assert!(start.elapsed() < Duration::from_secs(2), "the lease was not released");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Idempotent.
+    assert_eq!(prefill.json("POST", "/abort/pf-1", "").0, 200);
+}
