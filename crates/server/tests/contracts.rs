@@ -29,22 +29,25 @@ fn kv_sequence_blocks(w: &Worker) -> f64 {
 #[test]
 fn overload_is_answered_at_once_with_429_even_for_streams() {
     let w = Worker::start(&["--max-queued", "1", "--max-running", "1"]);
-    // One running and one queued request fill the worker.
+    // One running and one queued request fill the worker; their clients stay connected until the end.
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let busy: Vec<_> = (0..2)
         .map(|_| {
-            let (addr, body) = (w.addr, long(""));
+            let (addr, body, done) = (w.addr, long(""), std::sync::Arc::clone(&done));
             thread::spawn(move || {
                 let mut s = TcpStream::connect(addr).unwrap();
                 let req = format!("POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len());
                 s.write_all(req.as_bytes()).unwrap();
-                thread::sleep(Duration::from_secs(5));
+                while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                    thread::sleep(Duration::from_millis(20));
+                }
             })
         })
         .collect();
     // Wait until the engine holds both (one running, one queued).
     let start = Instant::now();
     while w.json("GET", "/debug/requests", "").1["requests"].as_array().unwrap().len() < 2 {
-        assert!(start.elapsed() < Duration::from_secs(20), "the two requests were never admitted");
+        assert!(start.elapsed() < Duration::from_secs(60), "the two requests were never admitted");
         thread::sleep(Duration::from_millis(20));
     }
     for stream in [false, true] {
@@ -55,8 +58,10 @@ fn overload_is_answered_at_once_with_429_even_for_streams() {
         assert!(r.head().header_str("retry-after").is_some_and(|v| v.parse::<u32>().unwrap() >= 1));
         let v: serde_json::Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
         assert_eq!(v["error"]["type"], "queue_full");
-        assert!(took < Duration::from_millis(500), "429 took {took:?}");
+        // Generation would take tens of seconds; the refusal comes at once (bound generous for a loaded CI).
+        assert!(took < Duration::from_secs(2), "429 took {took:?}");
     }
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
     for t in busy {
         t.join().unwrap();
     }
@@ -102,7 +107,7 @@ fn deadlines_end_requests_with_an_explicit_error() {
     let start = Instant::now();
     let (s, v) = w.json("POST", "/v1/chat/completions", &long(r#","timeout":0.4"#));
     assert_eq!((s, v["error"]["type"].as_str()), (504, Some("deadline_exceeded")), "{v}");
-    assert!(start.elapsed() < Duration::from_secs(3));
+    assert!(start.elapsed() < Duration::from_secs(10));
     // Mid-stream: an error event, a final chunk with finish_reason "error", then [DONE].
     let r = w.request(
         "POST",

@@ -64,7 +64,7 @@ fn prefill_plus_decode_equals_unified() {
             if held == 0.0 {
                 break;
             }
-            assert!(start.elapsed() < Duration::from_secs(5), "KV still held after the transfers: {held}");
+            assert!(start.elapsed() < Duration::from_secs(10), "KV still held after the transfers: {held}");
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -85,7 +85,7 @@ fn a_bad_handle_fails_the_request_with_a_reason() {
     let (s, v) = decode.json("POST", "/v1/chat/completions", &b.to_string());
     assert_eq!(s, 500, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("stale_epoch"), "{v}");
-    assert!(start.elapsed() < Duration::from_secs(5));
+    assert!(start.elapsed() < Duration::from_secs(10));
     // A prefill worker nobody listens on: refused, ended, not hung.
     h["addr"] = serde_json::json!("127.0.0.1:1");
     b["pd_transfer"] = h;
