@@ -30,25 +30,34 @@ fn kv_sequence_blocks(w: &Worker) -> f64 {
 fn overload_is_answered_at_once_with_429_even_for_streams() {
     let w = Worker::start(&["--max-queued", "1", "--max-running", "1"]);
     // One running and one queued request fill the worker; their clients stay connected until the end.
+    // They are sent one after the other: two at once could race for the one queue slot.
     let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let busy: Vec<_> = (0..2)
-        .map(|_| {
-            let (addr, body, done) = (w.addr, long(""), std::sync::Arc::clone(&done));
-            thread::spawn(move || {
-                let mut s = TcpStream::connect(addr).unwrap();
-                let req = format!("POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}", body.len());
-                s.write_all(req.as_bytes()).unwrap();
-                while !done.load(std::sync::atomic::Ordering::Relaxed) {
-                    thread::sleep(Duration::from_millis(20));
-                }
-            })
-        })
-        .collect();
-    // Wait until the engine holds both (one running, one queued).
-    let start = Instant::now();
-    while w.json("GET", "/debug/requests", "").1["requests"].as_array().unwrap().len() < 2 {
-        assert!(start.elapsed() < Duration::from_secs(60), "the two requests were never admitted");
-        thread::sleep(Duration::from_millis(20));
+    let mut busy = Vec::new();
+    for live in 1..=2 {
+        let (addr, body, done) = (w.addr, long(""), std::sync::Arc::clone(&done));
+        busy.push(thread::spawn(move || {
+            let mut s = TcpStream::connect(addr).unwrap();
+            let req = format!(
+                "POST /v1/chat/completions HTTP/1.1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            s.write_all(req.as_bytes()).unwrap();
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                thread::sleep(Duration::from_millis(20));
+            }
+        }));
+        // Wait until the engine holds it (the first running, then the second queued behind it).
+        let start = Instant::now();
+        loop {
+            let v = w.json("GET", "/debug/requests", "").1;
+            let reqs = v["requests"].as_array().unwrap().clone();
+            let running = reqs.iter().filter(|r| r["stage"] != "prefill_queued").count();
+            if reqs.len() == live && running >= 1 {
+                break;
+            }
+            assert!(start.elapsed() < Duration::from_secs(60), "request {live} was never admitted: {v}");
+            thread::sleep(Duration::from_millis(20));
+        }
     }
     for stream in [false, true] {
         let start = Instant::now();
