@@ -196,7 +196,12 @@ fn sigterm_drains_then_exits() {
         let resp = client.send(addr, &r, Instant::now() + Duration::from_secs(60)).unwrap();
         (resp.status(), resp.read_to_end().unwrap())
     });
-    thread::sleep(Duration::from_millis(400));
+    // SIGTERM only once the request is in the engine (a request that arrives while draining gets 503).
+    let start = Instant::now();
+    while w.json("GET", "/debug/requests", "").1["requests"].as_array().unwrap().is_empty() {
+        assert!(start.elapsed() < Duration::from_secs(60), "the request never reached the engine");
+        thread::sleep(Duration::from_millis(10));
+    }
     w.signal("-TERM");
     thread::sleep(Duration::from_millis(100));
     let (s, v) = w.json("GET", "/health/ready", "");
