@@ -327,6 +327,13 @@ impl Engine {
 
     fn drain_events(&mut self, live: &mut HashMap<u64, Live>) {
         while let Some(e) = self.sched.poll_event() {
+            if let Event::LeaseExpired { transfer } = e {
+                // The scheduler freed the blocks: the offer ends now, before any reader is confirmed.
+                if let Some(pd) = self.pd.as_mut() {
+                    pd.sender.abort(transfer.0);
+                }
+                continue;
+            }
             if let Event::Finished { id, outcome, output_tokens, .. } = e {
                 if let Some(l) = live.remove(&id.0) {
                     self.shared.ledger.lock().unwrap_or_else(|e| e.into_inner()).finish(&l.request_id);
@@ -509,7 +516,15 @@ impl Engine {
                 msg if pd.incoming.contains_key(&msg.key().transfer) => {
                     pd.receiver.handle_message(r.peer, msg)
                 }
-                msg => pd.sender.handle_message(r.peer, msg),
+                msg => {
+                    // The scheduler's lease is the ground truth: no `Confirm` for blocks it has freed.
+                    if let Message::Done { key } = &msg {
+                        if self.sched.lease_of(TransferId(key.transfer)).is_none() {
+                            pd.sender.abort(key.transfer);
+                        }
+                    }
+                    pd.sender.handle_message(r.peer, msg)
+                }
             }
         }
         for peer in pd.io.take_lost() {
