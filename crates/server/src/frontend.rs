@@ -150,7 +150,10 @@ impl Frontend {
                         let _ = self.commands.try_send(Command::Abort(id));
                     }
                 }
-                if self.live.is_empty() {
+                // A stuck engine must not keep the process alive: past the drain timeout plus the grace,
+                // whatever is left ends here (its clients see the connection close).
+                let give_up = since.elapsed() > self.config.drain_timeout + self.config.watchdog_grace * 2;
+                if self.live.is_empty() || give_up {
                     // Give the last responses a moment to flush.
                     let until = Instant::now() + Duration::from_millis(200);
                     while Instant::now() < until {
