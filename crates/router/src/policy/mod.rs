@@ -1,0 +1,34 @@
+//! Worker selection policies, one file each. A policy sees the candidate workers' current load and
+//! (for cache-aware routing) the request's prompt text; it returns the index of the chosen worker.
+
+mod cache_aware;
+mod least_outstanding;
+mod power_of_two;
+mod round_robin;
+
+pub use cache_aware::{CacheAware, CacheAwareConfig};
+pub use least_outstanding::LeastOutstanding;
+pub use power_of_two::PowerOfTwo;
+pub use round_robin::RoundRobin;
+
+/// What a policy knows about one candidate worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    /// Stable id of the worker (the router's registry index).
+    pub worker: u32,
+    /// Requests the router has in flight to it.
+    pub outstanding: u32,
+}
+
+/// Picks a worker for a request. `candidates` holds only healthy workers of the right role and is
+/// never empty when called; `prompt` is the request's prompt text (for cache-aware policies).
+pub trait Policy: std::fmt::Debug + Send {
+    fn pick(&mut self, candidates: &[Candidate], prompt: &str) -> usize;
+
+    /// The request routed to `worker` with `prompt` was accepted there (cache-aware policies learn
+    /// from it). The default does nothing.
+    fn routed(&mut self, _worker: u32, _prompt: &str) {}
+
+    /// `worker` left the pool; forget what is known about it. The default does nothing.
+    fn forget(&mut self, _worker: u32) {}
+}
