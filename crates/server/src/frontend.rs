@@ -785,8 +785,26 @@ impl Frontend {
             self.live.iter().filter(|(_, l)| now > l.deadline + grace).map(|(&id, _)| id).collect();
         for id in overdue {
             let _ = self.commands.try_send(Command::Abort(id));
-            let outcome = Outcome::TimedOut { stage: pdserve_scheduler::Stage::Queued };
-            self.finished(id, outcome, 0);
+            // The stage the engine last recorded for it (queued if it never got that far).
+            use pdserve_telemetry::Stage as L;
+            let stage = self
+                .live
+                .get(&id)
+                .and_then(|l| {
+                    self.shared
+                        .ledger
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get(&l.request_id)
+                        .map(|e| e.stage)
+                })
+                .map_or(pdserve_scheduler::Stage::Queued, |s| match s {
+                    L::Prefilling => pdserve_scheduler::Stage::Prefilling,
+                    L::Decoding | L::Streaming => pdserve_scheduler::Stage::Decoding,
+                    L::KvTransfer | L::KvHeld => pdserve_scheduler::Stage::KvTransfer,
+                    L::RouterQueued | L::PrefillQueued | L::DecodeQueued => pdserve_scheduler::Stage::Queued,
+                });
+            self.finished(id, Outcome::TimedOut { stage }, 0);
         }
     }
 }

@@ -205,7 +205,6 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
     let engine = engine::Engine {
         sched,
         pd,
-        pending_first: Default::default(),
         backend: Box::new(backend),
         eos_ids: files.config.eos_token_ids.clone(),
         commands: cmd_rx,
