@@ -49,7 +49,14 @@ pub enum Event {
     Request { conn: ConnId, request: Request },
     /// The client went away while its request was outstanding: abort the work behind it.
     Disconnected { conn: ConnId, reason: DisconnectReason },
+    /// Readiness of a source the application registered itself (see [`Server::registry`]), for
+    /// example an upstream connection a proxy drives in the same loop. `token` is the application's own
+    /// number, as given to [`Server::app_token`].
+    Io { token: usize, readable: bool, writable: bool },
 }
+
+/// Application tokens are mapped above this value; connection slots stay below it.
+const APP_TOKEN_BASE: usize = 1 << 40;
 
 /// Why an outstanding request's connection ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -182,6 +189,18 @@ impl Server {
         Arc::clone(&self.waker)
     }
 
+    /// The loop's registry, for sources the application drives itself (register them with
+    /// [`Server::app_token`]; their readiness comes back as [`Event::Io`]).
+    pub fn registry(&self) -> &mio::Registry {
+        self.poll.registry()
+    }
+
+    /// The mio token for the application's source number `token` (below 2^40).
+    pub fn app_token(token: usize) -> Token {
+        assert!(token < APP_TOKEN_BASE, "application token {token} out of range");
+        Token(APP_TOKEN_BASE + token)
+    }
+
     pub fn stats(&self) -> ServerStats {
         self.stats
     }
@@ -214,6 +233,11 @@ impl Server {
                 match ev.token() {
                     LISTENER => self.accept_all(now),
                     WAKER => {}
+                    Token(t) if t >= APP_TOKEN_BASE => self.pending.push(Event::Io {
+                        token: t - APP_TOKEN_BASE,
+                        readable: ev.is_readable() || ev.is_read_closed() || ev.is_error(),
+                        writable: ev.is_writable() || ev.is_write_closed(),
+                    }),
                     Token(t) => {
                         let slot = t as u32;
                         if ev.is_writable() {

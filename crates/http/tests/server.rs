@@ -57,6 +57,7 @@ impl TestServer {
                         Event::Disconnected { conn, .. } => {
                             let _ = tx.send(conn.to_string());
                         }
+                        Event::Io { .. } => {}
                     }
                 }
             }

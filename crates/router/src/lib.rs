@@ -1,7 +1,12 @@
-//! The front door of a pdserve deployment. This first part holds the worker selection policies
-//! ([`Policy`]: [`RoundRobin`], [`LeastOutstanding`], [`PowerOfTwo`], [`CacheAware`]), as plain data
-//! structures the router's event loop will call; the mio proxy, the PD orchestration and admission are
-//! still to come (issue #8).
+//! The front door of a pdserve deployment: a single-threaded mio proxy in front of unified workers, or
+//! of pools of prefill and decode workers.
+//!
+//! - [`Router`]: the loop. Client connections and every upstream connection live in one `mio::Poll`, so
+//!   a request's admission, legs, stream, deadline and disconnect are handled in one place.
+//! - Selection policies behind [`Policy`]: [`RoundRobin`], [`LeastOutstanding`], [`PowerOfTwo`] and
+//!   [`CacheAware`], plain data structures usable on their own.
+//! - [`Admission`] (bounded in-flight count, bounded queue with a deadline, `Retry-After` from the drain
+//!   rate) and [`Breaker`] (per-worker circuit breaker), both sans-IO.
 //!
 //! ```
 //! use pdserve_router::{CacheAware, Candidate, Policy};
@@ -15,9 +20,22 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod admission;
+mod config;
+mod health;
+mod metrics;
+mod peek;
 mod policy;
+mod router;
+mod upstream;
+mod workers;
 
+pub use admission::{Admission, AdmissionConfig, Admit};
+pub use config::{PolicyKind, Role, RouterConfig, WorkerSpec};
+pub use health::{Breaker, BreakerConfig, BreakerState};
+pub use peek::{pd_handle, peek, with_pd_transfer, Peek};
 pub use policy::{CacheAware, CacheAwareConfig, Candidate, LeastOutstanding, Policy, PowerOfTwo, RoundRobin};
+pub use router::Router;
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../README.md")]

@@ -134,6 +134,7 @@ impl Frontend {
                         }
                     }
                     HttpEvent::Disconnected { conn, .. } => self.disconnected(conn),
+                    HttpEvent::Io { .. } => {} // no sources of its own
                 }
             }
             while let Ok(r) = self.replies.try_recv() {

@@ -1,0 +1,136 @@
+//! Everything the router bounds, one field each, units last.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use pdserve_http::ServerConfig;
+
+use crate::admission::AdmissionConfig;
+use crate::health::BreakerConfig;
+
+/// A worker's role, as its `--role` flag says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    Unified,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub fn parse(s: &str) -> Option<Role> {
+        match s {
+            "unified" | "regular" => Some(Role::Unified),
+            "prefill" => Some(Role::Prefill),
+            "decode" => Some(Role::Decode),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Unified => "unified",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// Which [`crate::Policy`] picks workers (in PD mode: prefill workers; decode workers go by load).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PolicyKind {
+    RoundRobin,
+    LeastOutstanding,
+    PowerOfTwo,
+    CacheAware,
+}
+
+impl PolicyKind {
+    pub fn parse(s: &str) -> Option<PolicyKind> {
+        match s {
+            "round_robin" | "round-robin" => Some(PolicyKind::RoundRobin),
+            "least_outstanding" | "least-outstanding" => Some(PolicyKind::LeastOutstanding),
+            "power_of_two" | "power-of-two" => Some(PolicyKind::PowerOfTwo),
+            "cache_aware" | "cache-aware" => Some(PolicyKind::CacheAware),
+            _ => None,
+        }
+    }
+
+    pub fn build(self) -> Box<dyn crate::Policy> {
+        match self {
+            PolicyKind::RoundRobin => Box::new(crate::RoundRobin::default()),
+            PolicyKind::LeastOutstanding => Box::new(crate::LeastOutstanding),
+            PolicyKind::PowerOfTwo => Box::new(crate::PowerOfTwo::new(0x5eed_f00d)),
+            PolicyKind::CacheAware => Box::new(crate::CacheAware::default()),
+        }
+    }
+}
+
+/// A worker to start with: its base URL (`http://host:port`) and role.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    pub url: String,
+    pub role: Role,
+}
+
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    pub listen: SocketAddr,
+    /// Names this process in `/debug/requests` and logs.
+    pub process_name: String,
+    pub workers: Vec<WorkerSpec>,
+    pub policy: PolicyKind,
+    pub admission: AdmissionConfig,
+    pub breaker: BreakerConfig,
+    /// A request's deadline when the client sets no `timeout`, and the most it may set.
+    pub request_timeout_max: Duration,
+    /// Bound on connecting to a worker; a connect that takes longer counts as a worker failure.
+    pub connect_timeout: Duration,
+    /// Open connections per worker (busy and idle); a request that needs one more gets a 503.
+    pub connections_per_worker_max: usize,
+    /// Idle pooled connections are closed after this (below the workers' own keep-alive timeout).
+    pub idle_connection_timeout: Duration,
+    /// Connect-refused retries on other workers, per leg. Nothing else is ever retried.
+    pub retries_max: u32,
+    /// Interval of active health probes.
+    pub probe_interval: Duration,
+    /// Deadline of one probe.
+    pub probe_timeout: Duration,
+    /// Largest upstream response body the router buffers (non-streaming answers).
+    pub upstream_body_bytes_max: usize,
+    /// Deadline for collecting workers' `/debug/requests`.
+    pub debug_fanout_timeout: Duration,
+    /// Bearer key for `/v1/*`, if set.
+    pub api_key: Option<String>,
+    /// Bearer key for `/workers` and `/debug/*`, if set.
+    pub admin_key: Option<String>,
+    /// The client-facing HTTP server's bounds.
+    pub server: ServerConfig,
+    /// Log one line per request to stderr.
+    pub log_requests: bool,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            listen: "127.0.0.1:8000".parse().expect("literal address"),
+            process_name: "router".to_owned(),
+            workers: Vec::new(),
+            policy: PolicyKind::CacheAware,
+            admission: AdmissionConfig::default(),
+            breaker: BreakerConfig::default(),
+            request_timeout_max: Duration::from_secs(600),
+            connect_timeout: Duration::from_secs(1),
+            connections_per_worker_max: 512,
+            idle_connection_timeout: Duration::from_secs(20),
+            retries_max: 2,
+            probe_interval: Duration::from_secs(1),
+            probe_timeout: Duration::from_secs(3),
+            upstream_body_bytes_max: 16 * 1024 * 1024,
+            debug_fanout_timeout: Duration::from_millis(500),
+            api_key: None,
+            admin_key: None,
+            server: ServerConfig::default(),
+            log_requests: false,
+        }
+    }
+}

@@ -1,0 +1,135 @@
+//! `pdserve-router`: the front door in front of unified workers or prefill + decode pools.
+
+use std::io::{Read as _, Write as _};
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use pdserve_router::{PolicyKind, Role, Router, RouterConfig, WorkerSpec};
+
+const USAGE: &str = "\
+pdserve-router [options]
+
+  --host ADDR                   bind address (default 127.0.0.1)
+  --port N                      port (default 8000; 0 picks a free one)
+  --worker URL                  a unified worker (repeatable)
+  --prefill URL                 a prefill worker (repeatable)
+  --decode URL                  a decode worker (repeatable)
+  --policy NAME                 round_robin, least_outstanding, power_of_two, cache_aware (default)
+  --max-in-flight N             requests dispatched to workers at once (default 1024)
+  --max-queued N                requests waiting for a slot; more get 429 (default 1024)
+  --queue-timeout-s S           longest wait in the queue (default 10)
+  --request-timeout-s S         deadline when the client sets no `timeout`, and its maximum (default 600)
+  --connect-timeout-s S         bound on connecting to a worker (default 1)
+  --connections-per-worker N    pooled connections per worker; beyond it 503 (default 512)
+  --retries N                   connect-refused retries on other workers (default 2)
+  --probe-interval-s S          active health probe interval (default 1)
+  --probe-timeout-s S           deadline of one probe (default 3)
+  --failures-to-open N          consecutive request failures that take a worker out (default 3)
+  --api-key KEY                 bearer key for /v1/* (or PDSERVE_API_KEY)
+  --admin-key KEY               bearer key for /workers and /debug/* (or PDSERVE_ADMIN_KEY)
+  --name NAME                   this process's name in /debug/requests (default router)
+  --log-requests                one line per failed or finished request on stderr
+  --exit-on-stdin-eof           stop when standard input closes (for supervisors and tests)
+";
+
+fn main() -> ExitCode {
+    let (cfg, exit_on_eof) = match parse(std::env::args().skip(1).collect()) {
+        Ok(Some(c)) => c,
+        Ok(None) => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("pdserve-router: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let mut router = match Router::bind(cfg) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("pdserve-router: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if exit_on_eof {
+        let stop = router.stop_flag();
+        std::thread::spawn(move || {
+            let mut sink = [0u8; 256];
+            let mut stdin = std::io::stdin();
+            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
+    match router.local_addr() {
+        Ok(addr) => {
+            println!("listening on http://{addr}");
+            let _ = std::io::stdout().flush();
+        }
+        Err(e) => eprintln!("pdserve-router: {e}"),
+    }
+    match router.run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("pdserve-router: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
+    let mut c = RouterConfig::default();
+    let mut host = "127.0.0.1".to_owned();
+    let mut port = 8000u16;
+    let mut exit_on_eof = false;
+    c.api_key = std::env::var("PDSERVE_API_KEY").ok().filter(|k| !k.is_empty());
+    c.admin_key = std::env::var("PDSERVE_ADMIN_KEY").ok().filter(|k| !k.is_empty());
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-h" | "--help" => return Ok(None),
+            "--exit-on-stdin-eof" => {
+                exit_on_eof = true;
+                continue;
+            }
+            "--log-requests" => {
+                c.log_requests = true;
+                continue;
+            }
+            _ => {}
+        }
+        let v = it.next().ok_or_else(|| format!("{a} needs a value"))?;
+        let n = || v.parse::<usize>().map_err(|e| format!("{a} {v}: {e}"));
+        let secs = || {
+            v.parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s > 0.0)
+                .map(Duration::from_secs_f64)
+                .ok_or_else(|| format!("{a} {v}: a positive number of seconds"))
+        };
+        match a.as_str() {
+            "--host" => host = v.clone(),
+            "--port" => port = v.parse().map_err(|e| format!("--port: {e}"))?,
+            "--worker" => c.workers.push(WorkerSpec { url: v.clone(), role: Role::Unified }),
+            "--prefill" => c.workers.push(WorkerSpec { url: v.clone(), role: Role::Prefill }),
+            "--decode" => c.workers.push(WorkerSpec { url: v.clone(), role: Role::Decode }),
+            "--policy" => c.policy = PolicyKind::parse(&v).ok_or_else(|| format!("--policy {v}: unknown"))?,
+            "--max-in-flight" => c.admission.in_flight_max = n()?,
+            "--max-queued" => c.admission.queued_max = n()?,
+            "--queue-timeout-s" => c.admission.queue_timeout = secs()?,
+            "--request-timeout-s" => c.request_timeout_max = secs()?,
+            "--connect-timeout-s" => c.connect_timeout = secs()?,
+            "--connections-per-worker" => c.connections_per_worker_max = n()?.max(1),
+            "--retries" => c.retries_max = n()? as u32,
+            "--probe-interval-s" => c.probe_interval = secs()?,
+            "--probe-timeout-s" => c.probe_timeout = secs()?,
+            "--failures-to-open" => c.breaker.failures_to_open = n()?.max(1) as u32,
+            "--api-key" => c.api_key = Some(v.clone()),
+            "--admin-key" => c.admin_key = Some(v.clone()),
+            "--name" => c.process_name = v.clone(),
+            other => return Err(format!("unknown option {other}")),
+        }
+    }
+    c.listen = format!("{host}:{port}").parse().map_err(|e| format!("--host/--port: {e}"))?;
+    Ok(Some((c, exit_on_eof)))
+}

@@ -1,0 +1,188 @@
+//! One non-blocking connection to a worker, driven by the router's loop: connect, write one request,
+//! decode its response piece by piece. Readiness events are hints; every call tolerates spurious ones.
+
+use std::io::{self, Read, Write};
+use std::net::SocketAddr;
+use std::time::Instant;
+
+use mio::net::TcpStream;
+use mio::{Interest, Registry, Token};
+use pdserve_http::{HttpError, Limits, ResponseDecoder, ResponseEvent};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// The TCP connect is in progress.
+    Connecting,
+    /// Connected; a request is being written or its response read.
+    Busy,
+    /// In the pool, waiting for the next request.
+    Idle,
+}
+
+/// What went wrong on a connection, and whether the worker may have seen the request.
+#[derive(Debug)]
+pub(crate) enum UpError {
+    /// The connection never came up (refused, unreachable): nothing was sent.
+    Connect(io::Error),
+    /// Reading or writing failed after the request was (partly) sent.
+    Io(io::Error),
+    /// The worker closed the connection before the response ended.
+    Closed,
+    /// The response was malformed.
+    Protocol(HttpError),
+}
+
+impl std::fmt::Display for UpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UpError::Connect(e) => write!(f, "connect failed: {e}"),
+            UpError::Io(e) => write!(f, "connection failed: {e}"),
+            UpError::Closed => write!(f, "worker closed the connection before the response ended"),
+            UpError::Protocol(e) => write!(f, "malformed response: {e}"),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub(crate) struct Upstream {
+    pub stream: TcpStream,
+    pub worker: u32,
+    pub phase: Phase,
+    out: Vec<u8>,
+    out_pos: usize,
+    decoder: ResponseDecoder,
+    limits: Limits,
+    /// When the connect must have finished, or when an idle connection expires.
+    pub timer: Instant,
+    pub head_request: bool,
+    /// The status of the response being read, for owners that only need the verdict (probes).
+    pub status: u16,
+}
+
+impl Upstream {
+    /// Starts connecting to `addr` and registers for both directions under `token`.
+    pub fn connect(
+        addr: SocketAddr,
+        worker: u32,
+        registry: &Registry,
+        token: Token,
+        limits: Limits,
+        connect_deadline: Instant,
+    ) -> io::Result<Upstream> {
+        let mut stream = TcpStream::connect(addr)?;
+        registry.register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;
+        Ok(Upstream {
+            stream,
+            worker,
+            phase: Phase::Connecting,
+            out: Vec::new(),
+            out_pos: 0,
+            decoder: ResponseDecoder::new(limits, false),
+            limits,
+            timer: connect_deadline,
+            head_request: false,
+            status: 0,
+        })
+    }
+
+    /// Queues a request (wire bytes) on a connected or connecting connection; writes what it can now.
+    pub fn send(&mut self, request: Vec<u8>, head_request: bool) -> Result<(), UpError> {
+        self.out = request;
+        self.out_pos = 0;
+        self.head_request = head_request;
+        self.decoder = ResponseDecoder::new(self.limits, head_request);
+        if self.phase == Phase::Idle {
+            self.phase = Phase::Busy;
+        }
+        if self.phase == Phase::Busy {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Called on a writable event while connecting: finishes the connect. `Ok(false)`: still pending.
+    pub fn finish_connect(&mut self) -> Result<bool, UpError> {
+        if let Ok(Some(e)) | Err(e) = self.stream.take_error() {
+            return Err(UpError::Connect(e));
+        }
+        match self.stream.peer_addr() {
+            Ok(_) => {
+                self.phase = Phase::Busy;
+                let _ = self.stream.set_nodelay(true);
+                self.flush()?;
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(false),
+            Err(e) => Err(UpError::Connect(e)),
+        }
+    }
+
+    /// Writes buffered request bytes until done or the socket is full.
+    pub fn flush(&mut self) -> Result<(), UpError> {
+        while self.out_pos < self.out.len() {
+            match self.stream.write(&self.out[self.out_pos..]) {
+                Ok(0) => return Err(UpError::Closed),
+                Ok(n) => self.out_pos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(UpError::Io(e)),
+            }
+        }
+        if !self.out.is_empty() {
+            self.out = Vec::new();
+            self.out_pos = 0;
+        }
+        Ok(())
+    }
+
+    /// Reads what has arrived and appends the decoded response events to `events`. `Err` ends the
+    /// connection; events decoded before the error are still appended.
+    pub fn read(&mut self, buf: &mut [u8], events: &mut Vec<ResponseEvent>) -> Result<(), UpError> {
+        loop {
+            match self.stream.read(buf) {
+                Ok(0) => {
+                    self.drain(events)?;
+                    while !self.decoder.is_done() {
+                        match self.decoder.handle_eof() {
+                            Ok(Some(ev)) => events.push(ev),
+                            Ok(None) => break,
+                            Err(HttpError::UnexpectedEof) => return Err(UpError::Closed),
+                            Err(e) => return Err(UpError::Protocol(e)),
+                        }
+                    }
+                    return if self.decoder.is_done() { Ok(()) } else { Err(UpError::Closed) };
+                }
+                Ok(n) => {
+                    self.decoder.push(&buf[..n]);
+                    self.drain(events)?;
+                    if self.decoder.is_done() {
+                        return Ok(());
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(UpError::Io(e)),
+            }
+        }
+    }
+
+    fn drain(&mut self, events: &mut Vec<ResponseEvent>) -> Result<(), UpError> {
+        while let Some(ev) = self.decoder.poll().map_err(UpError::Protocol)? {
+            events.push(ev);
+        }
+        Ok(())
+    }
+
+    /// The response ended cleanly and the connection may carry another request.
+    pub fn reusable(&self) -> bool {
+        self.decoder.is_reusable() && self.out_pos >= self.out.len()
+    }
+
+    /// An idle connection got readable: the worker closed it (or sent garbage). Either way it is done.
+    pub fn idle_is_dead(&mut self, buf: &mut [u8]) -> bool {
+        match self.stream.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
+            _ => true,
+        }
+    }
+}
