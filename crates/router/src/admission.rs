@@ -1,6 +1,6 @@
 //! Admission control: a bounded number of requests in flight to workers, a bounded FIFO queue in front
 //! of it with a per-request queue deadline, and the `Retry-After` estimate from the measured drain rate.
-//! Sans-IO: the loop offers requests, reports finishes, and dispatches what [`Admission::next`] yields.
+//! Sans-IO: the loop offers requests, reports finishes, and dispatches what [`Admission::next_dispatch`] yields.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -26,7 +26,7 @@ impl Default for AdmissionConfig {
 pub enum Admit {
     /// Dispatch now (the in-flight count already includes it).
     Dispatch,
-    /// Waiting in the queue; [`Admission::next`] yields it later.
+    /// Waiting in the queue; [`Admission::next_dispatch`] yields it later.
     Queued,
     /// Queue full: answer 429 with this `Retry-After`.
     Full { retry_after_s: u32 },
@@ -88,7 +88,7 @@ impl Admission {
     }
 
     /// The next queued request to dispatch, if a slot is free (the in-flight count includes it).
-    pub fn next(&mut self) -> Option<u64> {
+    pub fn next_dispatch(&mut self) -> Option<u64> {
         if self.in_flight >= self.config.in_flight_max {
             return None;
         }
@@ -159,10 +159,10 @@ mod tests {
         assert_eq!(a.offer(3, t), Admit::Queued);
         assert_eq!(a.offer(4, t), Admit::Queued);
         assert!(matches!(a.offer(5, t), Admit::Full { retry_after_s: 2 }), "no drain yet: the queue timeout");
-        assert_eq!(a.next(), None, "no free slot");
+        assert_eq!(a.next_dispatch(), None, "no free slot");
         a.finished(t);
-        assert_eq!(a.next(), Some(3), "FIFO");
-        assert_eq!(a.next(), None);
+        assert_eq!(a.next_dispatch(), Some(3), "FIFO");
+        assert_eq!(a.next_dispatch(), None);
         assert_eq!((a.in_flight(), a.queued()), (2, 1));
     }
 
@@ -193,7 +193,7 @@ mod tests {
         for s in 0..3u64 {
             for _ in 0..2 {
                 a.finished(t + Duration::from_millis(s * 1000 + 100));
-                assert!(a.next().is_some());
+                assert!(a.next_dispatch().is_some());
             }
         }
         let now = t + Duration::from_millis(3500);

@@ -58,6 +58,9 @@ enum RawPrompt<'a> {
 /// Reads the routing fields of `body`. Unknown fields are skipped, not checked: the worker validates the
 /// whole request. Errors name what is wrong, for a 400.
 pub fn peek(body: &[u8]) -> Result<Peek, String> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err("request body must be a JSON object".to_owned());
+    }
     let raw: Raw<'_> =
         serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
     if let Some(t) = raw.timeout {

@@ -554,10 +554,9 @@ impl Router {
             tail: Vec::new(),
         };
         // No working capacity at all: answer at once rather than queue.
-        if !method_get
-            && !self.has_role(Role::Unified)
-            && !(self.has_role(Role::Prefill) && self.has_role(Role::Decode))
-        {
+        let capacity =
+            self.has_role(Role::Unified) || (self.has_role(Role::Prefill) && self.has_role(Role::Decode));
+        if !method_get && !capacity {
             self.metrics.finished(Outcome::NoCapacity);
             let msg = self.workers.path_ready(Duration::ZERO, now).err().unwrap_or_default();
             let msg = format!("no healthy worker can take the request ({msg})");
@@ -955,7 +954,7 @@ impl Router {
     }
 
     fn pump_queue(&mut self) {
-        while let Some(next) = self.admission.next() {
+        while let Some(next) = self.admission.next_dispatch() {
             match self.flights.get_mut(&next) {
                 Some(f) => {
                     f.admitted = true;
@@ -1087,11 +1086,11 @@ impl Router {
                     self.retry_or_fail(flight, kind, format!("{url}: {err}"));
                 } else {
                     let leg = match kind {
-                        LegKind::Prefill => "prefill",
-                        LegKind::Decode => "decode",
+                        LegKind::Prefill => "prefill worker",
+                        LegKind::Decode => "decode worker",
                         LegKind::Main => "worker",
                     };
-                    let msg = format!("{leg} worker {url} failed: {err}");
+                    let msg = format!("{leg} {url} failed: {err}");
                     self.fail(flight, Outcome::UpstreamFailed, 502, "upstream_failed", msg, None);
                 }
             }

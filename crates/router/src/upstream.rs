@@ -180,9 +180,6 @@ impl Upstream {
 
     /// An idle connection got readable: the worker closed it (or sent garbage). Either way it is done.
     pub fn idle_is_dead(&mut self, buf: &mut [u8]) -> bool {
-        match self.stream.read(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => false,
-            _ => true,
-        }
+        !matches!(self.stream.read(buf), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 }
