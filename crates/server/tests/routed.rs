@@ -1,0 +1,230 @@
+//! The whole stack: the router (on a thread of the test) in front of real worker processes. PD through
+//! the router gives the unified worker's greedy text; a decode worker killed mid-stream ends the stream
+//! with an error event; a client that leaves is gone from the worker within a bound; `/debug/requests`
+//! on the router shows where each request is on its worker.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{chat, Worker};
+use pdserve_http::{ClientConfig, Header, HttpClient, Request, SseDecoder};
+use pdserve_router::{Role, Router, RouterConfig, WorkerSpec};
+
+struct RouterThread {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    client: HttpClient,
+}
+
+impl RouterThread {
+    fn start(workers: &[(&Worker, Role)]) -> RouterThread {
+        let cfg = RouterConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            workers: workers
+                .iter()
+                .map(|(w, r)| WorkerSpec { url: format!("http://{}", w.addr), role: *r })
+                .collect(),
+            probe_interval: Duration::from_millis(200),
+            probe_timeout: Duration::from_secs(5),
+            ..RouterConfig::default()
+        };
+        let mut router = Router::bind(cfg).unwrap();
+        let addr = router.local_addr().unwrap();
+        let stop = router.stop_flag();
+        let thread = std::thread::spawn(move || router.run().unwrap());
+        let r = RouterThread {
+            addr,
+            stop,
+            thread: Some(thread),
+            client: HttpClient::new(ClientConfig::default()),
+        };
+        let until = Instant::now() + Duration::from_secs(60);
+        while r.json("GET", "/health/ready", "").0 != 200 {
+            assert!(Instant::now() < until, "router never ready: {}", r.json("GET", "/health/ready", "").1);
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        r
+    }
+
+    fn send(&self, method: &str, path: &str, body: &str) -> pdserve_http::ClientResponse {
+        let mut req = Request::new(method, path);
+        req.body = body.as_bytes().to_vec();
+        req.headers.push(Header { name: "content-type".into(), value: b"application/json".to_vec() });
+        self.client.send(self.addr, &req, Instant::now() + Duration::from_secs(120)).unwrap()
+    }
+
+    fn json(&self, method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
+        let r = self.send(method, path, body);
+        let s = r.status();
+        (s, serde_json::from_slice(&r.read_to_end().unwrap()).unwrap_or_default())
+    }
+
+    fn stream(&self, body: &str) -> (u16, Vec<String>) {
+        let mut r = self.send("POST", "/v1/chat/completions", body);
+        let s = r.status();
+        let mut sse = SseDecoder::new(1 << 20);
+        let mut events = Vec::new();
+        while let Ok(Some(chunk)) = r.next_chunk() {
+            sse.push(&chunk);
+            while let Ok(Some(e)) = sse.next_event() {
+                events.push(e.data);
+            }
+        }
+        (s, events)
+    }
+}
+
+impl Drop for RouterThread {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn text_of(events: &[String]) -> String {
+    events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str().map(str::to_owned))
+        .collect()
+}
+
+fn held_blocks(w: &Worker) -> f64 {
+    let m = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
+    ["sequence", "transfer"]
+        .iter()
+        .filter_map(|o| m.lines().find_map(|l| l.strip_prefix(&format!("kv_blocks{{owner=\"{o}\"}} "))))
+        .filter_map(|v| v.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn pd_through_the_router_equals_unified_and_leaves_nothing_behind() {
+    let unified = Worker::start(&[]);
+    let prefill = Worker::start(&["--role", "prefill", "--kv-shm"]);
+    let decode = Worker::start(&["--role", "decode"]);
+    let router = RouterThread::start(&[(&prefill, Role::Prefill), (&decode, Role::Decode)]);
+    let prompts = ["What is the capital of France?", "Write one sentence about the sea.", "Name a fruit."];
+    for (i, p) in prompts.iter().enumerate() {
+        let body = chat(p, r#","temperature":0,"max_tokens":20"#);
+        let (s, v) = unified.json("POST", "/v1/chat/completions", &body);
+        assert_eq!(s, 200);
+        let want = v["choices"][0]["message"]["content"].as_str().unwrap().to_owned();
+        let got = if i % 2 == 0 {
+            let (s, v) = router.json("POST", "/v1/chat/completions", &body);
+            assert_eq!(s, 200, "{v}");
+            v["choices"][0]["message"]["content"].as_str().unwrap().to_owned()
+        } else {
+            let (s, events) = router.stream(&chat(p, r#","temperature":0,"max_tokens":20,"stream":true"#));
+            assert_eq!(s, 200);
+            assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+            text_of(&events)
+        };
+        assert_eq!(got, want, "prompt {p:?}");
+    }
+    let until = Instant::now() + Duration::from_secs(10);
+    while held_blocks(&prefill) + held_blocks(&decode) > 0.0 {
+        assert!(Instant::now() < until, "KV still held after the requests");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // A prompt over the context fails at the prefill leg, at once, with the worker's reason.
+    let long = "word ".repeat(9000);
+    let (s, v) = router.json("POST", "/v1/chat/completions", &chat(&long, ""));
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["type"], "context_length_exceeded");
+}
+
+#[test]
+fn decode_worker_killed_mid_stream_ends_with_an_error_event() {
+    let prefill = Worker::start(&["--role", "prefill"]);
+    let decode = Worker::start(&["--role", "decode"]);
+    let router = RouterThread::start(&[(&prefill, Role::Prefill), (&decode, Role::Decode)]);
+    let body =
+        chat("Tell me a long story about a dragon.", r#","max_tokens":400,"ignore_eos":true,"stream":true"#);
+    let mut r = router.send("POST", "/v1/chat/completions", &body);
+    assert_eq!(r.status(), 200);
+    let mut sse = SseDecoder::new(1 << 20);
+    let mut events = Vec::new();
+    let mut killed = false;
+    let started = Instant::now();
+    while let Ok(Some(chunk)) = r.next_chunk() {
+        sse.push(&chunk);
+        while let Ok(Some(e)) = sse.next_event() {
+            events.push(e.data);
+        }
+        if events.len() >= 3 && !killed {
+            decode.signal("-KILL");
+            killed = true;
+        }
+        assert!(started.elapsed() < Duration::from_secs(60));
+    }
+    assert!(killed);
+    let n = events.len();
+    assert_eq!(events[n - 1], "[DONE]", "{events:?}");
+    let last: serde_json::Value = serde_json::from_str(&events[n - 2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "error", "{events:?}");
+    let err: serde_json::Value = serde_json::from_str(&events[n - 3]).unwrap();
+    assert_eq!(err["error"]["type"], "upstream_failed", "{err}");
+    // The router takes the dead worker out and says so.
+    let until = Instant::now() + Duration::from_secs(5);
+    while router.json("GET", "/health/ready", "").0 == 200 {
+        assert!(Instant::now() < until, "still ready with the only decode worker dead");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (s, v) = router.json("POST", "/v1/chat/completions", &chat("Hi", ""));
+    assert_eq!(s, 503, "{v}");
+}
+
+#[test]
+fn a_client_that_leaves_is_gone_from_the_worker_and_debug_shows_where_it_was() {
+    let worker = Worker::start(&[]);
+    let router = RouterThread::start(&[(&worker, Role::Unified)]);
+    let body =
+        chat("Tell me a long story about a dragon.", r#","max_tokens":400,"ignore_eos":true,"stream":true"#);
+    let mut s = TcpStream::connect(router.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: walk-away\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 4096];
+    let mut got = Vec::new();
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let (_, dbg) = router.json("GET", "/debug/requests", "");
+    let entry = &dbg["requests"][0];
+    assert_eq!(entry["id"], "walk-away", "{dbg}");
+    assert_eq!(entry["stage"], "streaming");
+    assert_eq!(entry["hops"][0]["id"], "walk-away", "the worker's own view is joined: {dbg}");
+    let hop_stage = entry["hops"][0]["stage"].as_str().unwrap_or_default();
+    assert!(["prefilling", "decoding"].contains(&hop_stage), "{dbg}");
+    assert_eq!(entry["hops"][0]["worker"], format!("http://{}", worker.addr));
+    let left = Instant::now();
+    drop(s);
+    loop {
+        let (_, w) = worker.json("GET", "/debug/requests", "");
+        if w["requests"].as_array().is_some_and(|a| a.is_empty()) {
+            break;
+        }
+        assert!(left.elapsed() < Duration::from_secs(2), "the worker still runs the request: {w}");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    println!("client disconnect to worker request gone: {:?}", left.elapsed());
+    let until = Instant::now() + Duration::from_secs(5);
+    while held_blocks(&worker) > 0.0 {
+        assert!(Instant::now() < until);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
