@@ -18,6 +18,7 @@ commands:
   fuzz [TARGET] [--seconds N]
                        run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
   bench http [ARGS]    the HTTP server benchmark: this crate's server beside nginx, both under wrk
+  bench router [ARGS]  the router beside SGLang's router, both in front of nginx mock workers, under wrk
   fetch-model [--models-dir DIR]
                        download and import the default model (SmolLM2-135M-Instruct) if missing
   generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--model DIR]
@@ -114,7 +115,15 @@ fn bench(args: &[String]) -> Result<()> {
             a.extend(args[1..].iter().map(String::as_str));
             cargo(&a)
         }
-        _ => bail!("usage: cargo xtask bench http [--seconds N] [--rounds N] [--connections N]"),
+        Some("router") => {
+            let mut a = vec!["bench", "-p", "pdserve-router", "--bench", "vs_sglang", "--"];
+            a.extend(args[1..].iter().map(String::as_str));
+            cargo(&a)
+        }
+        _ => bail!(
+            "usage: cargo xtask bench http [--seconds N] [--rounds N] [--connections N]\n       \
+             cargo xtask bench router [--seconds N] [--reps N]"
+        ),
     }
 }
 

@@ -1,0 +1,255 @@
+//! The router beside SGLang's router (PyPI `sglang-router`), both in front of the same nginx mock
+//! workers, measured by `wrk` in the same run, alternating (ours, peer, ours, peer) so that the ratios
+//! hold on a noisy machine: requests/s, p50/p99 latency and the router's CPU time per request, for round
+//! robin and cache-aware, regular and PD mode, at 8 and 64 connections.
+//!
+//! Needs `nginx` and `wrk` on PATH; the peer is taken from `$SGLANG_VENV` (default
+//! `/tmp/router-peer-rt/venv`, as `shared/peers/router/run.sh setup` makes it) and skipped if absent.
+//! Run with `cargo xtask bench router [--seconds N] [--reps N]`. Writes `target/bench/router.json`.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const PORTS: [u16; 4] = [18001, 18002, 18003, 18004];
+const OURS: u16 = 30001;
+const PEER: u16 = 30000;
+
+fn nginx_conf(dir: &Path) -> String {
+    let listen: String = PORTS.iter().map(|p| format!("        listen 127.0.0.1:{p} reuseport backlog=4096;\n")).collect();
+    let chat = r#"{"id":"chatcmpl-mock","object":"chat.completion","created":0,"model":"mock-model","choices":[{"index":0,"message":{"role":"assistant","content":"Hello from mock."},"finish_reason":"stop"}],"usage":{"prompt_tokens":8,"completion_tokens":4,"total_tokens":12}}"#;
+    // The prefill worker's answer in this project's PD protocol (SGLang's router ignores the body).
+    let prefill = r#"{"pd_transfer":{"transfer":1,"epoch":1,"addr":"127.0.0.1:1","first_token":42,"prompt_tokens":[1,2,3],"blocks":1,"shm":null},"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
+    let server_info = r#"{"model_path":"mock-model","tokenizer_path":"mock-model","served_model_name":"mock-model","dp_size":1,"tp_size":1,"disaggregation_mode":"$mock_role","disaggregation_bootstrap_port":8998,"version":"0.0.0-mock"}"#;
+    format!(
+        "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
+events {{ worker_connections 4096; multi_accept on; }}\n\
+http {{\n    access_log off;\n    default_type application/json;\n    keepalive_requests 1000000;\n    keepalive_timeout 120s;\n\
+    client_body_buffer_size 64k;\n    client_body_temp_path {d}/body;\n    proxy_temp_path {d}/proxy;\n    fastcgi_temp_path {d}/fcgi;\n    uwsgi_temp_path {d}/uwsgi;\n    scgi_temp_path {d}/scgi;\n\
+    map $server_port $mock_role {{ 18003 prefill; 18004 decode; default worker; }}\n\
+    server {{\n{listen}\
+        location = /health {{ return 200 ''; }}\n\
+        location = /health/live {{ return 200 '{{\"status\":\"live\"}}'; }}\n\
+        location = /health/ready {{ return 200 '{{\"status\":\"ready\"}}'; }}\n\
+        location = /health/generate {{ return 200 '{{\"status\":\"ok\"}}'; }}\n\
+        location = /health_generate {{ return 200 ''; }}\n\
+        location = /get_model_info {{ return 200 '{{\"model_path\":\"mock-model\",\"is_generation\":true}}'; }}\n\
+        location = /model_info {{ return 200 '{{\"model_path\":\"mock-model\",\"is_generation\":true}}'; }}\n\
+        location = /get_server_info {{ return 200 '{server_info}'; }}\n\
+        location = /server_info {{ return 200 '{server_info}'; }}\n\
+        location = /v1/models {{ return 200 '{{\"object\":\"list\",\"data\":[{{\"id\":\"mock-model\",\"object\":\"model\"}}]}}'; }}\n\
+        location = /get_load {{ return 200 '[{{\"dp_rank\":0,\"num_reqs\":0,\"num_waiting_reqs\":0,\"num_tokens\":0}}]'; }}\n\
+        location = /v1/chat/completions {{ if ($server_port = 18003) {{ return 200 '{prefill}'; }} return 200 '{chat}'; }}\n\
+        location / {{ return 404 '{{\"error\":\"mock: no such endpoint\"}}'; }}\n\
+    }}\n}}\n",
+        d = dir.display()
+    )
+}
+
+const LUA: &str = r#"
+local filler = string.rep("The quick brown fox jumps over the lazy dog. ", 20)
+wrk.method = "POST"
+wrk.path = "/v1/chat/completions"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '{"model":"mock-model","stream":false,"max_tokens":16,"temperature":0,' ..
+  '"messages":[{"role":"system","content":"You are a helpful assistant."},' ..
+  '{"role":"user","content":"' .. filler .. '"}]}'
+done = function(summary, latency, requests)
+  io.write(string.format("RESULT p50_us=%d p99_us=%d requests=%d duration_us=%d non2xx=%d errors=%d\n",
+    latency:percentile(50), latency:percentile(99), summary.requests, summary.duration,
+    summary.errors.status, summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout))
+end
+"#;
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status();
+        let until = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < until {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    // Fields 14 and 15 (utime, stime), counted from the state field (3) after the command name.
+    f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+}
+
+fn clk_tck() -> f64 {
+    Command::new("getconf").arg("CLK_TCK").output().ok().and_then(|o| String::from_utf8(o.stdout).ok()).and_then(|s| s.trim().parse().ok()).unwrap_or(100.0)
+}
+
+fn wait_routable(port: u16, what: &str) {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ok = Command::new("curl")
+            .args(["-sf", "-o", "/dev/null", "-X", "POST", "-H", "content-type: application/json", "-d"])
+            .arg(r#"{"model":"mock-model","messages":[{"role":"user","content":"hi"}]}"#)
+            .arg(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return;
+        }
+        assert!(Instant::now() < until, "{what} never routed a request");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    rps: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    cpu_us_per_req: f64,
+    non2xx: u64,
+}
+
+fn wrk(port: u16, conns: u32, secs: u32, lua: &Path, pid: u32) -> Sample {
+    let t0 = cpu_ticks(pid);
+    let out = Command::new("wrk")
+        .args(["-t2", &format!("-c{conns}"), &format!("-d{secs}s"), "--latency", "-s"])
+        .arg(lua)
+        .arg(format!("http://127.0.0.1:{port}"))
+        .output()
+        .expect("wrk on PATH");
+    let t1 = cpu_ticks(pid);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().find(|l| l.starts_with("RESULT")).unwrap_or_else(|| panic!("no wrk result: {text}"));
+    let get = |k: &str| -> f64 {
+        line.split_whitespace().find_map(|kv| kv.strip_prefix(&format!("{k}="))).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+    };
+    let reqs = get("requests");
+    Sample {
+        rps: reqs / (get("duration_us") / 1e6),
+        p50_ms: get("p50_us") / 1e3,
+        p99_ms: get("p99_us") / 1e3,
+        cpu_us_per_req: (t1 - t0) as f64 * 1e6 / clk_tck() / reqs.max(1.0),
+        non2xx: (get("non2xx") + get("errors")) as u64,
+    }
+}
+
+fn start_ours(pd: bool, policy: &str) -> Proc {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_pdserve-router"));
+    c.args(["--port", &OURS.to_string(), "--policy", policy, "--probe-interval-s", "1"]);
+    if pd {
+        c.args(["--prefill", "http://127.0.0.1:18003", "--decode", "http://127.0.0.1:18004"]);
+    } else {
+        c.args(["--worker", "http://127.0.0.1:18001", "--worker", "http://127.0.0.1:18002"]);
+    }
+    let mut child = c.stdout(Stdio::piped()).stderr(Stdio::null()).spawn().expect("spawn pdserve-router");
+    let out = child.stdout.take().expect("stdout");
+    let _ = BufReader::new(out).lines().next();
+    let p = Proc(child);
+    wait_routable(OURS, "pdserve-router");
+    p
+}
+
+fn start_peer(venv: &Path, pd: bool, policy: &str) -> Proc {
+    let mut c = Command::new(venv.join("bin/python"));
+    c.args(["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", &PEER.to_string(), "--policy", policy, "--log-level", "warn"]);
+    if pd {
+        c.args(["--pd-disaggregation", "--prefill", "http://127.0.0.1:18003", "8998", "--decode", "http://127.0.0.1:18004"]);
+    } else {
+        c.args(["--worker-urls", "http://127.0.0.1:18001", "http://127.0.0.1:18002"]);
+    }
+    let p = Proc(c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("spawn sglang router"));
+    wait_routable(PEER, "sglang-router");
+    p
+}
+
+fn arg(name: &str, default: u32) -> u32 {
+    let args: Vec<String> = std::env::args().collect();
+    args.windows(2).find(|w| w[0] == name).and_then(|w| w[1].parse().ok()).unwrap_or(default)
+}
+
+fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    let secs = arg("--seconds", 8);
+    let reps = arg("--reps", 2);
+    let dir = std::env::temp_dir().join(format!("pdserve-bench-router-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("tmp dir");
+    std::fs::write(dir.join("nginx.conf"), nginx_conf(&dir)).expect("conf");
+    let lua = dir.join("chat.lua");
+    std::fs::write(&lua, LUA).expect("lua");
+    let nginx = Proc(
+        Command::new("nginx")
+            .args(["-p", &dir.display().to_string(), "-c"])
+            .arg(dir.join("nginx.conf"))
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("nginx on PATH"),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let venv = PathBuf::from(std::env::var("SGLANG_VENV").unwrap_or_else(|_| "/tmp/router-peer-rt/venv".into()));
+    let peer = venv.join("bin/python").exists();
+    if !peer {
+        eprintln!("sglang-router not found at {} (run shared/peers/router/run.sh setup): measuring ours only", venv.display());
+    }
+    println!("{:<28} {:>5} {:>10} {:>9} {:>9} {:>12} {:>7}", "case", "conns", "req/s", "p50 ms", "p99 ms", "cpu us/req", "non2xx");
+    let mut results = Vec::new();
+    for pd in [false, true] {
+        for policy in ["round_robin", "cache_aware"] {
+            for conns in [8u32, 64] {
+                let mode = if pd { "pd" } else { "regular" };
+                let mut ours_s = Vec::new();
+                let mut peer_s = Vec::new();
+                for _ in 0..reps {
+                    {
+                        let p = start_ours(pd, policy);
+                        ours_s.push(wrk(OURS, conns, secs, &lua, p.0.id()));
+                    }
+                    if peer {
+                        let p = start_peer(&venv, pd, policy);
+                        peer_s.push(wrk(PEER, conns, secs, &lua, p.0.id()));
+                    }
+                }
+                let mean = |v: &[Sample], f: fn(&Sample) -> f64| v.iter().map(f).sum::<f64>() / v.len().max(1) as f64;
+                for (who, v) in [("pdserve", &ours_s), ("sglang", &peer_s)] {
+                    if v.is_empty() {
+                        continue;
+                    }
+                    println!(
+                        "{:<28} {:>5} {:>10.0} {:>9.3} {:>9.3} {:>12.1} {:>7}",
+                        format!("{who} {mode} {policy}"),
+                        conns,
+                        mean(v, |s| s.rps),
+                        mean(v, |s| s.p50_ms),
+                        mean(v, |s| s.p99_ms),
+                        mean(v, |s| s.cpu_us_per_req),
+                        v.iter().map(|s| s.non2xx).sum::<u64>()
+                    );
+                }
+                if peer {
+                    let rps_ratio = mean(&ours_s, |s| s.rps) / mean(&peer_s, |s| s.rps);
+                    let cpu_ratio = mean(&ours_s, |s| s.cpu_us_per_req) / mean(&peer_s, |s| s.cpu_us_per_req);
+                    println!("{:<28} {:>5} {:>10} ratio req/s {rps_ratio:.2}x, cpu/req {cpu_ratio:.2}x", format!("  ratio {mode} {policy}"), conns, "");
+                }
+                results.push(serde_json::json!({
+                    "mode": mode, "policy": policy, "connections": conns,
+                    "ours": ours_s.iter().map(|s| serde_json::json!({"rps": s.rps, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "cpu_us_per_req": s.cpu_us_per_req, "non2xx": s.non2xx})).collect::<Vec<_>>(),
+                    "peer": peer_s.iter().map(|s| serde_json::json!({"rps": s.rps, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "cpu_us_per_req": s.cpu_us_per_req, "non2xx": s.non2xx})).collect::<Vec<_>>(),
+                }));
+            }
+        }
+    }
+    drop(nginx);
+    let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/bench");
+    let _ = std::fs::create_dir_all(&out);
+    let _ = std::fs::write(out.join("router.json"), serde_json::to_string_pretty(&results).unwrap_or_default());
+    let _ = std::fs::remove_dir_all(&dir);
+}
