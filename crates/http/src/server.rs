@@ -52,7 +52,8 @@ pub enum Event {
     /// Readiness of a source the application registered itself (see [`Server::registry`]), for
     /// example an upstream connection a proxy drives in the same loop. `token` is the application's own
     /// number, as given to [`Server::app_token`].
-    Io { token: usize, readable: bool, writable: bool },
+    /// `read_closed`: the peer closed its side or the socket errored, so a reader should read to the end.
+    Io { token: usize, readable: bool, writable: bool, read_closed: bool },
 }
 
 /// Application tokens are mapped above this value; connection slots stay below it.
@@ -237,14 +238,17 @@ impl Server {
                         token: t - APP_TOKEN_BASE,
                         readable: ev.is_readable() || ev.is_read_closed() || ev.is_error(),
                         writable: ev.is_writable() || ev.is_write_closed(),
+                        read_closed: ev.is_read_closed() || ev.is_error(),
                     }),
                     Token(t) => {
                         let slot = t as u32;
                         if ev.is_writable() {
                             self.flush(slot, now);
                         }
-                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                            self.read(slot, now);
+                        if ev.is_read_closed() || ev.is_error() {
+                            self.read(slot, now, true);
+                        } else if ev.is_readable() {
+                            self.read(slot, now, false);
                         }
                     }
                 }
@@ -426,7 +430,10 @@ impl Server {
         }
     }
 
-    fn read(&mut self, slot: u32, now: Instant) {
+    /// Reads what the socket holds. `drain`: read until the socket says it would block (the peer
+    /// closed or errored, or reading was paused); otherwise a short read ends the turn, saving the
+    /// extra system call: with edge-triggered readiness, bytes that arrive later raise a new event.
+    fn read(&mut self, slot: u32, now: Instant, drain: bool) {
         let head_cap = self.config.limits.header_bytes_max;
         let mut buf = [0u8; 16 * 1024];
         loop {
@@ -454,6 +461,9 @@ impl Server {
                     }
                     if c.phase == Phase::Reading {
                         self.decode(slot, now);
+                    }
+                    if !drain && n < buf.len() {
+                        return;
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
@@ -541,7 +551,7 @@ impl Server {
             let deadline = now + self.config.linger_timeout;
             c.deadline = Some(deadline);
             self.next_timer_check = self.next_timer_check.min(deadline);
-            self.read(slot, now);
+            self.read(slot, now, true);
         }
     }
 
@@ -557,7 +567,7 @@ impl Server {
             }
             let Some(c) = self.slots[slot as usize].as_mut() else { continue };
             if std::mem::take(&mut c.read_paused) {
-                self.read(slot, now);
+                self.read(slot, now, true);
             }
         }
     }

@@ -17,7 +17,8 @@ const OURS: u16 = 30001;
 const PEER: u16 = 30000;
 
 fn nginx_conf(dir: &Path) -> String {
-    let listen: String = PORTS.iter().map(|p| format!("        listen 127.0.0.1:{p} reuseport backlog=4096;\n")).collect();
+    let listen: String =
+        PORTS.iter().map(|p| format!("        listen 127.0.0.1:{p} reuseport backlog=4096;\n")).collect();
     let chat = r#"{"id":"chatcmpl-mock","object":"chat.completion","created":0,"model":"mock-model","choices":[{"index":0,"message":{"role":"assistant","content":"Hello from mock."},"finish_reason":"stop"}],"usage":{"prompt_tokens":8,"completion_tokens":4,"total_tokens":12}}"#;
     // The prefill worker's answer in this project's PD protocol (SGLang's router ignores the body).
     let prefill = r#"{"pd_transfer":{"transfer":1,"epoch":1,"addr":"127.0.0.1:1","first_token":42,"prompt_tokens":[1,2,3],"blocks":1,"shm":null},"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
@@ -84,11 +85,18 @@ fn cpu_ticks(pid: u32) -> u64 {
     let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
     let f: Vec<&str> = after.split_whitespace().collect();
     // Fields 14 and 15 (utime, stime), counted from the state field (3) after the command name.
-    f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+    f.get(11).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
+        + f.get(12).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0)
 }
 
 fn clk_tck() -> f64 {
-    Command::new("getconf").arg("CLK_TCK").output().ok().and_then(|o| String::from_utf8(o.stdout).ok()).and_then(|s| s.trim().parse().ok()).unwrap_or(100.0)
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
 }
 
 fn wait_routable(port: u16, what: &str) {
@@ -127,9 +135,13 @@ fn wrk(port: u16, conns: u32, secs: u32, lua: &Path, pid: u32) -> Sample {
         .expect("wrk on PATH");
     let t1 = cpu_ticks(pid);
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.starts_with("RESULT")).unwrap_or_else(|| panic!("no wrk result: {text}"));
+    let line =
+        text.lines().find(|l| l.starts_with("RESULT")).unwrap_or_else(|| panic!("no wrk result: {text}"));
     let get = |k: &str| -> f64 {
-        line.split_whitespace().find_map(|kv| kv.strip_prefix(&format!("{k}="))).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{k}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
     };
     let reqs = get("requests");
     Sample {
@@ -159,9 +171,27 @@ fn start_ours(pd: bool, policy: &str) -> Proc {
 
 fn start_peer(venv: &Path, pd: bool, policy: &str) -> Proc {
     let mut c = Command::new(venv.join("bin/python"));
-    c.args(["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", &PEER.to_string(), "--policy", policy, "--log-level", "warn"]);
+    c.args([
+        "-m",
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        &PEER.to_string(),
+        "--policy",
+        policy,
+        "--log-level",
+        "warn",
+    ]);
     if pd {
-        c.args(["--pd-disaggregation", "--prefill", "http://127.0.0.1:18003", "8998", "--decode", "http://127.0.0.1:18004"]);
+        c.args([
+            "--pd-disaggregation",
+            "--prefill",
+            "http://127.0.0.1:18003",
+            "8998",
+            "--decode",
+            "http://127.0.0.1:18004",
+        ]);
     } else {
         c.args(["--worker-urls", "http://127.0.0.1:18001", "http://127.0.0.1:18002"]);
     }
@@ -195,12 +225,19 @@ fn main() {
             .expect("nginx on PATH"),
     );
     std::thread::sleep(Duration::from_millis(500));
-    let venv = PathBuf::from(std::env::var("SGLANG_VENV").unwrap_or_else(|_| "/tmp/router-peer-rt/venv".into()));
+    let venv =
+        PathBuf::from(std::env::var("SGLANG_VENV").unwrap_or_else(|_| "/tmp/router-peer-rt/venv".into()));
     let peer = venv.join("bin/python").exists();
     if !peer {
-        eprintln!("sglang-router not found at {} (run shared/peers/router/run.sh setup): measuring ours only", venv.display());
+        eprintln!(
+            "sglang-router not found at {} (run shared/peers/router/run.sh setup): measuring ours only",
+            venv.display()
+        );
     }
-    println!("{:<28} {:>5} {:>10} {:>9} {:>9} {:>12} {:>7}", "case", "conns", "req/s", "p50 ms", "p99 ms", "cpu us/req", "non2xx");
+    println!(
+        "{:<28} {:>5} {:>10} {:>9} {:>9} {:>12} {:>7}",
+        "case", "conns", "req/s", "p50 ms", "p99 ms", "cpu us/req", "non2xx"
+    );
     let mut results = Vec::new();
     for pd in [false, true] {
         for policy in ["round_robin", "cache_aware"] {
@@ -218,7 +255,9 @@ fn main() {
                         peer_s.push(wrk(PEER, conns, secs, &lua, p.0.id()));
                     }
                 }
-                let mean = |v: &[Sample], f: fn(&Sample) -> f64| v.iter().map(f).sum::<f64>() / v.len().max(1) as f64;
+                let mean = |v: &[Sample], f: fn(&Sample) -> f64| {
+                    v.iter().map(f).sum::<f64>() / v.len().max(1) as f64
+                };
                 for (who, v) in [("pdserve", &ours_s), ("sglang", &peer_s)] {
                     if v.is_empty() {
                         continue;
@@ -237,7 +276,12 @@ fn main() {
                 if peer {
                     let rps_ratio = mean(&ours_s, |s| s.rps) / mean(&peer_s, |s| s.rps);
                     let cpu_ratio = mean(&ours_s, |s| s.cpu_us_per_req) / mean(&peer_s, |s| s.cpu_us_per_req);
-                    println!("{:<28} {:>5} {:>10} ratio req/s {rps_ratio:.2}x, cpu/req {cpu_ratio:.2}x", format!("  ratio {mode} {policy}"), conns, "");
+                    println!(
+                        "{:<28} {:>5} {:>10} ratio req/s {rps_ratio:.2}x, cpu/req {cpu_ratio:.2}x",
+                        format!("  ratio {mode} {policy}"),
+                        conns,
+                        ""
+                    );
                 }
                 results.push(serde_json::json!({
                     "mode": mode, "policy": policy, "connections": conns,
@@ -250,6 +294,7 @@ fn main() {
     drop(nginx);
     let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/bench");
     let _ = std::fs::create_dir_all(&out);
-    let _ = std::fs::write(out.join("router.json"), serde_json::to_string_pretty(&results).unwrap_or_default());
+    let _ =
+        std::fs::write(out.join("router.json"), serde_json::to_string_pretty(&results).unwrap_or_default());
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -240,7 +240,9 @@ impl Router {
                         }
                         self.collects.retain(|_, c| c.conn != conn);
                     }
-                    Event::Io { token, readable, writable } => self.on_upstream(token, readable, writable),
+                    Event::Io { token, readable, writable, read_closed } => {
+                        self.on_upstream(token, readable, writable, read_closed)
+                    }
                 }
             }
             self.timers(Instant::now());
@@ -566,7 +568,7 @@ impl Router {
         let _ = self.ledger.admit(rid, Stage::RouterQueued, now, flight.deadline, "");
         self.by_conn.insert(conn, id);
         self.by_rid.insert(flight.rid.clone(), id);
-        self.deadlines.push(Reverse((flight.deadline, id)));
+        self.push_deadline(flight.deadline, id);
         self.flights.insert(id, flight);
         if purpose == Purpose::HealthGenerate {
             // Probes are never queued behind client traffic.
@@ -594,6 +596,16 @@ impl Router {
                 );
                 self.fail(id, Outcome::QueueFull, 429, "queue_full", msg, Some(retry_after_s));
             }
+        }
+    }
+
+    /// Deadlines are removed lazily (when they come due); the heap is rebuilt from the live flights
+    /// when stale entries outnumber them, so its size stays bounded by the flights in progress.
+    fn push_deadline(&mut self, deadline: Instant, id: u64) {
+        self.deadlines.push(Reverse((deadline, id)));
+        if self.deadlines.len() > 2 * self.flights.len() + 1024 {
+            self.deadlines = self.flights.iter().map(|(&id, f)| Reverse((f.deadline, id))).collect();
+            self.deadlines.push(Reverse((deadline, id)));
         }
     }
 
@@ -634,7 +646,7 @@ impl Router {
             },
         );
         self.by_rid.insert(rid, id);
-        self.deadlines.push(Reverse((deadline, id)));
+        self.push_deadline(deadline, id);
         self.pair_probes_in_flight += 1;
         self.dispatch(id);
     }
@@ -997,7 +1009,7 @@ impl Router {
         }
     }
 
-    fn on_upstream(&mut self, slot: usize, readable: bool, writable: bool) {
+    fn on_upstream(&mut self, slot: usize, readable: bool, writable: bool, read_closed: bool) {
         let Some(up) = self.ups.get_mut(slot).and_then(Option::as_mut) else { return };
         match up.phase {
             Phase::Connecting => match up.finish_connect() {
@@ -1035,7 +1047,7 @@ impl Router {
         let mut events = std::mem::take(&mut self.resp_events);
         let mut buf = std::mem::take(&mut self.read_buf);
         let result = match self.ups[slot].as_mut() {
-            Some(up) => up.read(&mut buf, &mut events),
+            Some(up) => up.read(&mut buf, &mut events, read_closed),
             None => Ok(()),
         };
         self.read_buf = buf;

@@ -137,7 +137,14 @@ impl Upstream {
 
     /// Reads what has arrived and appends the decoded response events to `events`. `Err` ends the
     /// connection; events decoded before the error are still appended.
-    pub fn read(&mut self, buf: &mut [u8], events: &mut Vec<ResponseEvent>) -> Result<(), UpError> {
+    /// `drain`: read until the socket would block (the peer closed); otherwise a short read ends the
+    /// turn (edge-triggered readiness raises a new event for later bytes).
+    pub fn read(
+        &mut self,
+        buf: &mut [u8],
+        events: &mut Vec<ResponseEvent>,
+        drain: bool,
+    ) -> Result<(), UpError> {
         loop {
             match self.stream.read(buf) {
                 Ok(0) => {
@@ -155,7 +162,7 @@ impl Upstream {
                 Ok(n) => {
                     self.decoder.push(&buf[..n]);
                     self.drain(events)?;
-                    if self.decoder.is_done() {
+                    if self.decoder.is_done() || (!drain && n < buf.len()) {
                         return Ok(());
                     }
                 }
