@@ -168,6 +168,8 @@ fn readiness_follows_the_last_worker() {
     r.wait_ready(Duration::from_secs(5));
     let (s, _) = r.json("GET", "/health/live", "");
     assert_eq!(s, 200);
+    let (s, v) = r.json("GET", "/health/generate", "");
+    assert_eq!((s, v["status"].as_str()), (200, Some("ok")), "a real request through the path: {v}");
     let killed = Instant::now();
     w.kill();
     while r.ready() {
@@ -186,6 +188,8 @@ fn readiness_follows_the_last_worker() {
     assert_eq!(s, 503);
     assert!(v["reason"].as_str().unwrap().contains("no working path"), "{v}");
     assert_eq!(r.json("GET", "/health/live", "").0, 200, "live says only that the process is up");
+    let (s, v) = r.json("GET", "/health/generate", "");
+    assert_eq!((s, v["status"].as_str()), (503, Some("failed")), "{v}");
 }
 
 #[test]
