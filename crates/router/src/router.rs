@@ -562,7 +562,13 @@ impl Router {
             self.metrics.finished(Outcome::NoCapacity);
             let msg = self.workers.path_ready(Duration::ZERO, now).err().unwrap_or_default();
             let msg = format!("no healthy worker can take the request ({msg})");
-            let _ = self.server.respond(conn, &error_response(503, "no_capacity", msg, rid, Some(1)));
+            let resp = if purpose == Purpose::HealthGenerate {
+                let body = json!({"status": "failed", "reason": msg});
+                pdserve_http::Response::json(503, body.to_string()).header("retry-after", "1")
+            } else {
+                error_response(503, "no_capacity", msg, rid, Some(1))
+            };
+            let _ = self.server.respond(conn, &resp);
             return;
         }
         let _ = self.ledger.admit(rid, Stage::RouterQueued, now, flight.deadline, "");
