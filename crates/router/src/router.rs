@@ -133,6 +133,7 @@ pub struct Router {
     next_sweep: Instant,
     probe_round: usize,
     pair_probes_in_flight: usize,
+    pumping: bool,
     read_buf: Vec<u8>,
     resp_events: Vec<ResponseEvent>,
     stop: Arc<AtomicBool>,
@@ -198,6 +199,7 @@ impl Router {
             next_sweep: now,
             probe_round: 0,
             pair_probes_in_flight: 0,
+            pumping: false,
             read_buf: vec![0; 64 * 1024],
             resp_events: Vec::new(),
             stop: Arc::new(AtomicBool::new(false)),
@@ -736,17 +738,17 @@ impl Router {
         }
     }
 
-    /// A connection to `worker`: a pooled idle one, or a new one. `None` if the pool is at its bound or
-    /// the connect failed at once.
-    fn acquire(&mut self, worker: u32) -> Result<usize, String> {
+    /// A connection to `worker`: a pooled idle one, or a new one. `Err((why, refused))` if the pool is
+    /// at its bound (`refused` false) or the connect failed at once (`refused` true).
+    fn acquire(&mut self, worker: u32) -> Result<usize, (String, bool)> {
         let now = Instant::now();
         let max = self.cfg.connections_per_worker_max;
-        let Some(w) = self.workers.get_mut(worker) else { return Err("worker is gone".into()) };
+        let Some(w) = self.workers.get_mut(worker) else { return Err(("worker is gone".into(), false)) };
         if let Some(slot) = w.idle.pop() {
             return Ok(slot);
         }
         if w.connections >= max {
-            return Err(format!("all {max} connections to {} are busy", w.url));
+            return Err((format!("all {max} pooled connections to {} are busy", w.url), false));
         }
         let addr = w.addr;
         let slot = self.alloc_slot();
@@ -769,7 +771,7 @@ impl Router {
             }
             Err(e) => {
                 self.ups_free.push(slot);
-                Err(format!("connect to {addr} failed: {e}"))
+                Err((format!("connect to {addr} failed: {e}"), true))
             }
         }
     }
@@ -794,13 +796,13 @@ impl Router {
     fn open_leg(&mut self, id: u64, kind: LegKind, worker: u32) {
         let slot = match self.acquire(worker) {
             Ok(s) => s,
-            Err(msg) => {
+            Err((msg, refused)) => {
                 // Nothing was sent: another worker may take it.
                 if let Some(f) = self.flights.get_mut(&id) {
                     f.refused.push(worker);
                 }
                 if let Some(w) = self.workers.get_mut(worker) {
-                    if msg.contains("connect") {
+                    if refused {
                         w.breaker.request_failed(Instant::now(), msg.clone(), true);
                     }
                 }
@@ -972,6 +974,11 @@ impl Router {
     }
 
     fn pump_queue(&mut self) {
+        // Not re-entered from a dispatch that fails and finishes: the outer loop keeps going instead,
+        // so a burst of failures never deepens the stack.
+        if std::mem::replace(&mut self.pumping, true) {
+            return;
+        }
         while let Some(next) = self.admission.next_dispatch() {
             match self.flights.get_mut(&next) {
                 Some(f) => {
@@ -981,6 +988,7 @@ impl Router {
                 None => self.admission.finished(Instant::now()),
             }
         }
+        self.pumping = false;
     }
 
     // ----- upstream I/O --------------------------------------------------------------------------
@@ -1279,9 +1287,9 @@ impl Router {
             let authority = w.authority.clone();
             let slot = match self.acquire(wid) {
                 Ok(s) => s,
-                Err(msg) => {
+                Err((msg, refused)) => {
                     if let Some(w) = self.workers.get_mut(wid) {
-                        if msg.contains("connect") {
+                        if refused {
                             w.breaker.probe_failed(now, msg);
                         }
                     }
@@ -1397,7 +1405,7 @@ impl Router {
                     }
                     c.pending += 1;
                 }
-                Err(e) => c.workers.push(json!({"url": url, "error": e})),
+                Err((e, _)) => c.workers.push(json!({"url": url, "error": e})),
             }
         }
         self.collects.insert(id, c);

@@ -334,3 +334,33 @@ fn metrics_carry_units_and_outcomes() {
         "{text}"
     );
 }
+
+#[test]
+fn an_exhausted_pool_is_503_not_a_wait() {
+    let w = MockWorker::start(MockRole::Unified, Mode::HangPost);
+    let mut cfg = config(&[(&w.url, Role::Unified)]);
+    cfg.connections_per_worker_max = 1;
+    let r = RouterHandle::start(cfg);
+    r.wait_ready(Duration::from_secs(5));
+    let body = r#"{"messages":[{"role":"user","content":"hello"}],"timeout":3}"#;
+    let mut held = TcpStream::connect(r.addr).unwrap();
+    write!(
+        held,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let until = Instant::now() + Duration::from_secs(2);
+    while w.seen.lock().unwrap().live.is_empty() {
+        assert!(Instant::now() < until);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let t = Instant::now();
+    let (s, v) = r.json("POST", "/v1/chat/completions", body);
+    assert_eq!((s, v["error"]["type"].as_str()), (503, Some("no_capacity")), "{v}");
+    assert!(t.elapsed() < Duration::from_millis(500));
+    // The busy worker stays in rotation: a full pool is not a failure.
+    std::thread::sleep(Duration::from_millis(300));
+    let (_, list) = r.json("GET", "/workers", "");
+    assert_eq!(list["workers"][0]["state"], "up", "{list}");
+}
