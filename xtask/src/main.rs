@@ -7,13 +7,16 @@ use anyhow::{bail, Context, Result};
 
 mod generate;
 mod serve;
+mod sys;
+mod where_;
 
 const HELP: &str = "\
 cargo xtask <command>
 
 commands:
-  serve [--unified] [--port N] [--model DIR] [WORKER OPTIONS]
-                       fetch the default model if missing, build, and serve it (one unified worker)
+  serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]
+                       fetch the default model if missing, build, and serve it: the router in front of
+                       prefill and decode workers (default 1 + 1), or one unified worker
   test                 fmt check, clippy (warnings are errors), and every test of the workspace
   fuzz [TARGET] [--seconds N]
                        run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
@@ -23,6 +26,8 @@ commands:
                        download and import the default model (SmolLM2-135M-Instruct) if missing
   generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--model DIR]
                        run the model on one prompt and print the completion and its speed
+  where [REQUEST_ID] [--url URL] [--older-than 5s] [--json]
+                       where each live request is (router stage, then each worker's), oldest first
   help                 this text
 ";
 
@@ -37,6 +42,7 @@ fn main() -> Result<()> {
         Some("bench") => bench(&args[1..]),
         Some("fetch-model") => fetch_model(&args[1..]).map(|dir| println!("{}", dir.display())),
         Some("generate") => generate::run(&args[1..]),
+        Some("where") => where_::run(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             print!("{HELP}");
             Ok(())

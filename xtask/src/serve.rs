@@ -1,89 +1,243 @@
-//! `cargo xtask serve`: the stack in one command. Today that is one unified worker (the router and the
-//! prefill/decode split arrive with their issues); `--unified` is accepted and is the default.
+//! `cargo xtask serve`: the stack in one command. By default the router in front of one prefill and one
+//! decode worker (KV through shared memory); `--unified` runs one unified worker without a router.
+//! Every child is supervised: one that dies is reported with its exit status and the last lines of its
+//! log, and the others are stopped; Ctrl-C or SIGTERM stops them all, workers draining first.
 
-use std::io::{BufRead, BufReader, Write as _};
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Read, Write as _};
+use std::net::TcpStream;
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
+const USAGE: &str = "cargo xtask serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]";
+
+struct Proc {
+    name: String,
+    child: Child,
+    /// Closing it asks the child to stop (every child runs with `--exit-on-stdin-eof`).
+    stdin: Option<ChildStdin>,
+    log: PathBuf,
+    url: String,
+}
+
+impl Proc {
+    fn start(name: &str, bin: &Path, args: &[String], logs: &Path) -> Result<Proc> {
+        let log = logs.join(format!("{name}.log"));
+        // Its own process group: Ctrl-C reaches only this supervisor, which stops the children in order.
+        let mut child = Command::new(bin)
+            .process_group(0)
+            .args(args)
+            .arg("--exit-on-stdin-eof")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(File::create(&log)?)
+            .spawn()
+            .with_context(|| format!("starting {name} ({})", bin.display()))?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().context("child stdout")?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut sent = false;
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let (false, Some(a)) = (sent, line.strip_prefix("listening on ")) {
+                    let _ = tx.send(a.to_owned());
+                    sent = true;
+                }
+            }
+        });
+        let mut p = Proc { name: name.to_owned(), child, stdin, log, url: String::new() };
+        let started = Instant::now();
+        loop {
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(url) => {
+                    p.url = url;
+                    return Ok(p);
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => {}
+            }
+            if let Some(status) = p.child.try_wait()? {
+                bail!("{}", p.death_report(status));
+            }
+            if started.elapsed() > Duration::from_secs(300) || crate::sys::stop_requested() {
+                let _ = p.child.kill();
+                bail!("{name} did not start within 300 s; see {}", p.log.display());
+            }
+        }
+    }
+
+    fn death_report(&self, status: ExitStatus) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let tail: Vec<&str> = text.lines().rev().take(20).collect();
+        format!(
+            "{} exited with {status}; last lines of {}:\n{}",
+            self.name,
+            self.log.display(),
+            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        )
+    }
+}
+
+/// Asks every child to stop (stdin closed: workers drain), waits up to `grace`, then kills what is left.
+fn stop_all(procs: &mut [Proc], grace: Duration) {
+    for p in procs.iter_mut() {
+        p.stdin = None;
+    }
+    let until = Instant::now() + grace;
+    for p in procs.iter_mut() {
+        while Instant::now() < until {
+            if let Ok(Some(_)) = p.child.try_wait() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Ok(None) = p.child.try_wait() {
+            eprintln!("{} did not stop within {grace:?}; killing it", p.name);
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+        }
+    }
+}
+
+/// `GET path` on `base` (`http://host:port`), returning the status code.
+pub(crate) fn http_status(base: &str, path: &str) -> Option<u16> {
+    let authority = base.strip_prefix("http://")?;
+    let addr: std::net::SocketAddr = authority.parse().ok()?;
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    write!(s, "GET {path} HTTP/1.1\r\nhost: {authority}\r\nconnection: close\r\n\r\n").ok()?;
+    let mut head = [0u8; 16];
+    s.read_exact(&mut head).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
+
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut port = 8000u16;
     let mut model: Option<PathBuf> = None;
+    let mut unified = false;
+    let (mut prefills, mut decodes) = (1usize, 1usize);
     let mut extra: Vec<String> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--unified" => {}
+            "--unified" => unified = true,
             "--port" => port = it.next().context("--port needs a value")?.parse()?,
             "--model" => model = Some(PathBuf::from(it.next().context("--model needs a value")?)),
-            "--prefill" | "--decode" => bail!("{a}: the prefill/decode split needs the router and the KV transfer, which are not built yet; use --unified"),
-            other => extra.push(other.to_owned()),
+            "--prefill" => prefills = it.next().context("--prefill needs a count")?.parse()?,
+            "--decode" => decodes = it.next().context("--decode needs a count")?.parse()?,
+            "--" => extra.extend(it.by_ref().cloned()),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            other => bail!("unknown option {other}\n{USAGE}"),
         }
+    }
+    if !unified && (prefills == 0 || decodes == 0) {
+        bail!("PD mode needs at least one prefill and one decode worker (or --unified)");
     }
     let model = match model {
         Some(m) => m,
         None => crate::fetch_model(&[])?,
     };
-    crate::cargo(&["build", "--release", "-p", "pdserve-server"])?;
+    crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-router"])?;
+    crate::sys::install_stop_handler();
     let root = crate::workspace_root();
     let logs = root.join("target/serve");
     std::fs::create_dir_all(&logs)?;
-    let log_path = logs.join("worker.log");
-    let log = std::fs::File::create(&log_path)?;
-    let mut child = Command::new(root.join("target/release/pdserve-server"))
-        .args(["--port", &port.to_string(), "--model"])
-        .arg(&model)
-        .arg("--exit-on-stdin-eof")
-        .args(&extra)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(log)
-        .spawn()
-        .context("starting pdserve-server")?;
-    // Held open for the worker's life: if this process dies, the worker sees end of file and drains.
-    let _stdin = child.stdin.take();
-    let stdout = child.stdout.take().context("worker stdout")?;
-    let mut lines = BufReader::new(stdout).lines();
-    let started = Instant::now();
-    let addr = loop {
-        match lines.next() {
-            Some(Ok(line)) => {
-                if let Some(a) = line.strip_prefix("listening on ") {
-                    break a.to_owned();
-                }
-            }
-            _ => {
-                let status = child.wait()?;
-                let text = std::fs::read_to_string(&log_path).unwrap_or_default();
-                let tail: Vec<&str> = text.lines().rev().take(20).collect();
-                bail!(
-                    "the worker exited with {status} before it was ready; last lines of {}:\n{}",
-                    log_path.display(),
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-                );
+    let server_bin = root.join("target/release/pdserve-server");
+    let router_bin = root.join("target/release/pdserve-router");
+    let worker_args = |name: &str, role: &str, port: u16| -> Vec<String> {
+        let mut a: Vec<String> = ["--port", &port.to_string(), "--name", name, "--role", role, "--model"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        a.push(model.display().to_string());
+        if role == "prefill" {
+            a.push("--kv-shm".into());
+        }
+        a.extend(extra.iter().cloned());
+        a
+    };
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = (|| -> Result<String> {
+        if unified {
+            procs.push(Proc::start("worker", &server_bin, &worker_args("worker", "unified", port), &logs)?);
+            return Ok(procs[0].url.clone());
+        }
+        let mut router_args = vec!["--port".to_owned(), port.to_string()];
+        for (role, n) in [("prefill", prefills), ("decode", decodes)] {
+            for i in 0..n {
+                let name = format!("{role}-{i}");
+                let p = Proc::start(&name, &server_bin, &worker_args(&name, role, 0), &logs)?;
+                router_args.push(format!("--{role}"));
+                router_args.push(p.url.clone());
+                procs.push(p);
             }
         }
-        if started.elapsed() > Duration::from_secs(300) {
-            let _ = child.kill();
-            bail!("the worker did not become ready in 300 s");
+        let router = Proc::start("router", &router_bin, &router_args, &logs)?;
+        let url = router.url.clone();
+        procs.push(router);
+        Ok(url)
+    })();
+    let url = match result {
+        Ok(u) => u,
+        Err(e) => {
+            stop_all(&mut procs, Duration::from_secs(10));
+            return Err(e);
         }
     };
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "pdserve is serving {} at {addr}", model.display())?;
-    writeln!(out, "logs: {}", log_path.display())?;
-    writeln!(out, "try:\n  curl -s {addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32}}'")?;
-    writeln!(out, "Ctrl-C stops it.")?;
-    drop(out);
-    let status = child.wait()?;
-    if !status.success() {
-        let text = std::fs::read_to_string(&log_path).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().rev().take(20).collect();
-        bail!(
-            "the worker exited with {status}; last lines of its log:\n{}",
-            tail.into_iter().rev().collect::<Vec<_>>().join("\n")
-        );
+    // Ready means a request went through the whole path (the router's probes prove it).
+    let started = Instant::now();
+    while http_status(&url, "/health/ready") != Some(200) {
+        if started.elapsed() > Duration::from_secs(120) || crate::sys::stop_requested() {
+            stop_all(&mut procs, Duration::from_secs(10));
+            bail!("{url} did not become ready within 120 s; logs are in {}", logs.display());
+        }
+        for p in procs.iter_mut() {
+            if let Some(status) = p.child.try_wait()? {
+                let report = p.death_report(status);
+                stop_all(&mut procs, Duration::from_secs(10));
+                bail!("{report}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
-    Ok(())
+    let mut out = std::io::stdout().lock();
+    let shape = if unified {
+        "one unified worker".to_owned()
+    } else {
+        format!("the router, {prefills} prefill and {decodes} decode workers (KV through shared memory)")
+    };
+    writeln!(out, "pdserve is serving {} at {url} ({shape})", model.display())?;
+    for p in &procs {
+        writeln!(out, "  {:<10} {:<28} log: {}", p.name, p.url, p.log.display())?;
+    }
+    writeln!(out, "try:\n  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32}}'")?;
+    if !unified {
+        writeln!(out, "where is every request:  cargo xtask where --url {url}")?;
+    }
+    writeln!(out, "Ctrl-C stops everything.")?;
+    drop(out);
+    loop {
+        if crate::sys::stop_requested() {
+            eprintln!("stopping: workers drain their requests first");
+            stop_all(&mut procs, Duration::from_secs(40));
+            return Ok(());
+        }
+        for i in 0..procs.len() {
+            if let Some(status) = procs[i].child.try_wait()? {
+                let report = procs[i].death_report(status);
+                eprintln!("{report}\nstopping the others");
+                stop_all(&mut procs, Duration::from_secs(10));
+                bail!("{} died", procs[i].name);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
