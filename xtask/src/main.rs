@@ -20,6 +20,9 @@ commands:
   test                 fmt check, clippy (warnings are errors), and every test of the workspace
   fuzz [TARGET] [--seconds N]
                        run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
+  bench [--target URL ...] [--workload sweep|poisson|agents] [...]
+                       the load generator (pdserve-bench) against OpenAI-compatible endpoints: latency
+                       percentiles, goodput, errors, hung requests; a table, JSON and an SVG chart
   bench http [ARGS]    the HTTP server benchmark: this crate's server beside nginx, both under wrk
   bench router [ARGS]  the router beside SGLang's router, both in front of nginx mock workers, under wrk
   fetch-model [--models-dir DIR]
@@ -126,10 +129,20 @@ fn bench(args: &[String]) -> Result<()> {
             a.extend(args[1..].iter().map(String::as_str));
             cargo(&a)
         }
-        _ => bail!(
-            "usage: cargo xtask bench http [--seconds N] [--rounds N] [--connections N]\n       \
+        Some("help" | "--help" | "-h") => bail!(
+            "usage: cargo xtask bench [--target URL ...] [LOADGEN OPTIONS]   (pdserve-bench --help lists them)\n       \
+             cargo xtask bench http [--seconds N] [--rounds N] [--connections N]\n       \
              cargo xtask bench router [--seconds N] [--reps N]"
         ),
+        _ => {
+            // The load generator; with no --target it measures `cargo xtask serve`'s default address.
+            let mut a = vec!["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"];
+            if !args.iter().any(|x| x == "--target") {
+                a.extend(["--target", "http://127.0.0.1:8000"]);
+            }
+            a.extend(args.iter().map(String::as_str));
+            cargo(&a)
+        }
     }
 }
 

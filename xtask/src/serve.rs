@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
-const USAGE: &str = "cargo xtask serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]";
+const USAGE: &str =
+    "cargo xtask serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]";
 
 struct Proc {
     name: String,

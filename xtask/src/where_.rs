@@ -29,7 +29,8 @@ fn parse_duration(s: &str) -> Result<Duration> {
 }
 
 fn get(url: &str, path: &str) -> Result<(u16, Vec<u8>)> {
-    let authority = url.strip_prefix("http://").context("--url must be http://host:port")?.trim_end_matches('/');
+    let authority =
+        url.strip_prefix("http://").context("--url must be http://host:port")?.trim_end_matches('/');
     let addr = std::net::ToSocketAddrs::to_socket_addrs(authority)?.next().context("address")?;
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))
         .with_context(|| format!("nothing answers at {url}"))?;
@@ -69,10 +70,14 @@ fn secs(ms: &Value) -> String {
 pub(crate) fn render(answer: &Value, only: Option<&str>) -> String {
     let mut out = String::new();
     let reqs = answer["requests"].as_array().cloned().unwrap_or_default();
-    let reqs: Vec<&Value> = reqs.iter().filter(|r| only.is_none_or(|id| r["id"].as_str() == Some(id))).collect();
+    let reqs: Vec<&Value> =
+        reqs.iter().filter(|r| only.is_none_or(|id| r["id"].as_str() == Some(id))).collect();
     if reqs.is_empty() {
         match only {
-            Some(id) => out.push_str(&format!("{id}: not live on {} (finished, or never seen)\n", answer["process"].as_str().unwrap_or("?"))),
+            Some(id) => out.push_str(&format!(
+                "{id}: not live on {} (finished, or never seen)\n",
+                answer["process"].as_str().unwrap_or("?")
+            )),
             None => out.push_str("no live requests\n"),
         }
     }
@@ -89,7 +94,9 @@ pub(crate) fn render(answer: &Value, only: Option<&str>) -> String {
         let worker = r["worker"].as_str().unwrap_or("");
         let hops = r["hops"].as_array().cloned().unwrap_or_default();
         if hops.is_empty() && !worker.is_empty() {
-            out.push_str(&format!("    -> {worker}: not listed by the worker (answered, or not yet admitted)\n"));
+            out.push_str(&format!(
+                "    -> {worker}: not listed by the worker (answered, or not yet admitted)\n"
+            ));
         }
         for h in hops {
             out.push_str(&format!(

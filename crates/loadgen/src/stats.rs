@@ -1,0 +1,189 @@
+//! Figures of one point: percentiles, goodput, errors, hung requests, the generator's own CPU.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use hdrhistogram::Histogram;
+use serde_json::json;
+
+use crate::{Load, Outcome, Slo};
+
+/// Latency percentiles in milliseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Percentiles {
+    pub count: u64,
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+impl Percentiles {
+    fn of(samples: impl Iterator<Item = Duration>) -> Percentiles {
+        // Microsecond resolution, up to an hour, 3 significant digits.
+        let Ok(mut h) = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3) else {
+            return Percentiles::default();
+        };
+        for d in samples {
+            let _ = h.record(u64::try_from(d.as_micros()).unwrap_or(u64::MAX).clamp(1, 3_600_000_000));
+        }
+        if h.is_empty() {
+            return Percentiles::default();
+        }
+        let ms = |v: u64| v as f64 / 1000.0;
+        Percentiles {
+            count: h.len(),
+            p50_ms: ms(h.value_at_quantile(0.50)),
+            p90_ms: ms(h.value_at_quantile(0.90)),
+            p99_ms: ms(h.value_at_quantile(0.99)),
+            max_ms: ms(h.max()),
+        }
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        json!({"count": self.count, "p50_ms": self.p50_ms, "p90_ms": self.p90_ms, "p99_ms": self.p99_ms, "max_ms": self.max_ms})
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct PointResult {
+    pub target: String,
+    pub load: String,
+    pub x: f64,
+    pub wall: Duration,
+    pub sent: u64,
+    pub ok: u64,
+    pub output_tokens: u64,
+    pub ttft: Percentiles,
+    pub itl: Percentiles,
+    pub e2e: Percentiles,
+    /// Successful requests that met both SLOs.
+    pub good: u64,
+    /// Failures by status code and error type (`"429 queue_full"`, `"0 connect"`, ...).
+    pub errors: BTreeMap<String, u64>,
+    /// Requests with no terminal event within their deadline plus the grace period.
+    pub hung: u64,
+    /// The generator's own CPU seconds over the point.
+    pub cpu_s: f64,
+    /// Mean per-stage milliseconds the server reported, with how many requests reported each.
+    pub stages: BTreeMap<String, (f64, u64)>,
+}
+
+impl PointResult {
+    pub fn from_outcomes(
+        target: &str,
+        load: &Load,
+        outcomes: &[Outcome],
+        wall: Duration,
+        cpu_s: f64,
+        slo: &Slo,
+    ) -> PointResult {
+        let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
+        let mut errors = BTreeMap::new();
+        for o in outcomes.iter().filter(|o| !o.ok()) {
+            let key = format!("{} {}", o.status, o.error.as_deref().unwrap_or("unterminated"));
+            *errors.entry(key).or_insert(0) += 1;
+        }
+        let tpot = |o: &Outcome| -> Duration {
+            let ttft = o.ttft.unwrap_or(o.e2e);
+            if o.output_tokens > 1 {
+                (o.e2e.saturating_sub(ttft)) / (o.output_tokens as u32 - 1).max(1)
+            } else {
+                Duration::ZERO
+            }
+        };
+        let good =
+            ok.iter().filter(|o| o.ttft.is_some_and(|t| t <= slo.ttft) && tpot(o) <= slo.tpot).count() as u64;
+        PointResult {
+            target: target.to_owned(),
+            load: load.label(),
+            x: load.x(),
+            wall,
+            sent: outcomes.len() as u64,
+            ok: ok.len() as u64,
+            output_tokens: ok.iter().map(|o| o.output_tokens).sum(),
+            ttft: Percentiles::of(ok.iter().filter_map(|o| o.ttft)),
+            itl: Percentiles::of(ok.iter().flat_map(|o| o.itl.iter().copied())),
+            e2e: Percentiles::of(ok.iter().map(|o| o.e2e)),
+            good,
+            errors,
+            hung: outcomes.iter().filter(|o| o.hung).count() as u64,
+            cpu_s,
+            stages: crate::stage_means(outcomes),
+        }
+    }
+
+    pub fn requests_per_s(&self) -> f64 {
+        self.ok as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    pub fn tokens_per_s(&self) -> f64 {
+        self.output_tokens as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    pub fn goodput_per_s(&self) -> f64 {
+        self.good as f64 / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    /// The generator's CPU use as a fraction of one core.
+    pub fn cpu_cores(&self) -> f64 {
+        self.cpu_s / self.wall.as_secs_f64().max(1e-9)
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        json!({
+            "target": self.target, "load": self.load, "x": self.x, "wall_s": self.wall.as_secs_f64(),
+            "sent": self.sent, "ok": self.ok, "requests_per_s": self.requests_per_s(),
+            "output_tokens_per_s": self.tokens_per_s(), "goodput_per_s": self.goodput_per_s(),
+            "ttft": self.ttft.to_json(), "itl": self.itl.to_json(), "e2e": self.e2e.to_json(),
+            "errors": self.errors, "hung": self.hung, "generator_cpu_cores": self.cpu_cores(),
+            "stages_mean_ms": self.stages.iter().map(|(k, (m, n))| (k.clone(), json!({"mean_ms": m, "requests": n}))).collect::<serde_json::Map<_, _>>(),
+        })
+    }
+}
+
+/// This process's user + system CPU seconds (Linux `/proc/self/stat`; 0 elsewhere).
+pub(crate) fn own_cpu_seconds() -> f64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = [11, 12].iter().filter_map(|&i| f.get(i).and_then(|v| v.parse::<u64>().ok())).sum();
+    // USER_HZ is 100 on every Linux configuration this runs on.
+    ticks as f64 / 100.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn o(ttft_ms: u64, e2e_ms: u64, tokens: u64) -> Outcome {
+        Outcome {
+            status: 200,
+            ttft: Some(Duration::from_millis(ttft_ms)),
+            e2e: Duration::from_millis(e2e_ms),
+            output_tokens: tokens,
+            terminal: true,
+            ..Outcome::default()
+        }
+    }
+
+    #[test]
+    fn goodput_needs_both_slos() {
+        let slo = Slo { ttft: Duration::from_millis(100), tpot: Duration::from_millis(10) };
+        let outcomes = vec![
+            o(50, 140, 10),  // tpot 10 ms: good
+            o(150, 200, 10), // ttft too slow
+            o(50, 500, 10),  // tpot 50 ms: too slow
+            Outcome { status: 429, error: Some("queue_full".into()), terminal: true, ..Outcome::default() },
+            Outcome { hung: true, error: Some("hung".into()), ..Outcome::default() },
+        ];
+        let load = Load::Closed { concurrency: 2, requests: 5 };
+        let r = PointResult::from_outcomes("t", &load, &outcomes, Duration::from_secs(1), 0.1, &slo);
+        assert_eq!((r.sent, r.ok, r.good, r.hung), (5, 3, 1, 1));
+        assert_eq!(r.errors.get("429 queue_full"), Some(&1));
+        assert_eq!(r.errors.get("0 hung"), Some(&1));
+        assert_eq!(r.ttft.count, 3);
+        assert!((r.ttft.p50_ms - 50.0).abs() < 0.5, "{:?}", r.ttft);
+        assert_eq!(r.output_tokens, 30);
+    }
+}
