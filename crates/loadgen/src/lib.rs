@@ -326,13 +326,18 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
     PointResult::from_outcomes(&target.url, load, &outcomes, wall, cpu, slo)
 }
 
-/// Prints a one-line progress bar to stderr every 250 ms until `stop` is set.
+/// Prints a one-line progress bar to stderr every 250 ms until `stop` is set (only when stderr is a
+/// terminal: a log file gets no bar).
 pub fn progress_bar(
     label: String,
     progress: Arc<Progress>,
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<()> {
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stderr());
     std::thread::spawn(move || {
+        if !tty {
+            return;
+        }
         let start = Instant::now();
         while !stop.load(Ordering::Relaxed) {
             if !progress.quiet {
