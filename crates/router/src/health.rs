@@ -10,11 +10,14 @@ pub struct BreakerConfig {
     pub failures_to_open: u32,
     /// Consecutive successful probes that close it again.
     pub probes_to_close: u32,
+    /// Consecutive probes a live worker answers with "not ready" that open it. A probe that gets no
+    /// answer at all (refused, reset, timed out) opens it at once.
+    pub not_ready_to_open: u32,
 }
 
 impl Default for BreakerConfig {
     fn default() -> Self {
-        BreakerConfig { failures_to_open: 3, probes_to_close: 1 }
+        BreakerConfig { failures_to_open: 3, probes_to_close: 1, not_ready_to_open: 2 }
     }
 }
 
@@ -32,6 +35,7 @@ pub struct Breaker {
     since: Instant,
     failures: u32,
     probe_successes: u32,
+    not_ready: u32,
     last_probe_ok: Option<Instant>,
     last_error: Option<String>,
 }
@@ -45,6 +49,7 @@ impl Breaker {
             since: now,
             failures: 0,
             probe_successes: 0,
+            not_ready: 0,
             last_probe_ok: None,
             last_error: None,
         }
@@ -86,6 +91,7 @@ impl Breaker {
     pub fn probe_ok(&mut self, now: Instant) {
         self.last_probe_ok = Some(now);
         self.failures = 0;
+        self.not_ready = 0;
         self.probe_successes += 1;
         if self.probe_successes >= self.config.probes_to_close {
             self.set(BreakerState::Closed, now);
@@ -95,8 +101,20 @@ impl Breaker {
     /// A failed probe opens the breaker at once: the probe is the real path under a short deadline.
     pub fn probe_failed(&mut self, now: Instant, why: String) {
         self.probe_successes = 0;
+        self.not_ready = 0;
         self.last_error = Some(why);
         self.set(BreakerState::Open, now);
+    }
+
+    /// The worker answered its probe, but with "not ready" (busy past its own bound, or draining). A
+    /// run of `not_ready_to_open` such answers opens the breaker.
+    pub fn probe_not_ready(&mut self, now: Instant, why: String) {
+        self.probe_successes = 0;
+        self.not_ready += 1;
+        self.last_error = Some(why);
+        if self.not_ready >= self.config.not_ready_to_open {
+            self.set(BreakerState::Open, now);
+        }
     }
 
     /// A request through this worker finished without a worker fault.
@@ -123,7 +141,7 @@ mod tests {
     #[test]
     fn refusal_opens_at_once_and_probes_close() {
         let t = Instant::now();
-        let mut b = Breaker::new(BreakerConfig { failures_to_open: 3, probes_to_close: 2 }, t);
+        let mut b = Breaker::new(BreakerConfig { failures_to_open: 3, probes_to_close: 2, not_ready_to_open: 2 }, t);
         assert!(b.routable());
         assert!(!b.proven_within(Duration::from_secs(1), t), "unproven until a probe");
         b.request_failed(t, "refused".into(), true);
@@ -151,5 +169,18 @@ mod tests {
         assert!(!b.routable());
         b.probe_failed(t, "probe timed out".into());
         assert_eq!(b.state(), BreakerState::Open);
+    }
+
+    #[test]
+    fn one_not_ready_answer_is_tolerated() {
+        let t = Instant::now();
+        let mut b = Breaker::new(BreakerConfig::default(), t);
+        b.probe_not_ready(t, "busy".into());
+        assert!(b.routable());
+        b.probe_ok(t);
+        b.probe_not_ready(t, "busy".into());
+        assert!(b.routable(), "the run was broken by a good probe");
+        b.probe_not_ready(t, "busy".into());
+        assert!(!b.routable());
     }
 }

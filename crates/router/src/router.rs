@@ -1341,6 +1341,7 @@ impl Router {
             ResponseEvent::Data(_) => return,
             ResponseEvent::End => self.ups[slot].as_ref().is_some_and(|u| u.status == 200),
         };
+        let code = self.ups[slot].as_ref().map_or(0, |u| u.status);
         if let Some(w) = self.workers.get_mut(worker) {
             w.probing = false;
         }
@@ -1351,7 +1352,7 @@ impl Router {
             if status {
                 w.breaker.probe_ok(now);
             } else {
-                w.breaker.probe_failed(now, "probe answered with an error status".into());
+                w.breaker.probe_not_ready(now, format!("probe answered {}", code));
             }
         }
     }

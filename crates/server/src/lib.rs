@@ -86,7 +86,9 @@ impl WorkerConfig {
             default_timeout: Duration::from_secs(600),
             max_timeout: Duration::from_secs(3600),
             probe_timeout: Duration::from_secs(10),
-            ready_tick_ms: 2_000,
+            // One engine step over a full token budget can take seconds on a small CPU; a loop that
+            // has not come round in 10 s is stuck, not busy.
+            ready_tick_ms: 10_000,
             ready_token_ms: 30_000,
             drain_timeout: Duration::from_secs(30),
             watchdog_grace: Duration::from_secs(2),
