@@ -141,7 +141,8 @@ mod tests {
     #[test]
     fn refusal_opens_at_once_and_probes_close() {
         let t = Instant::now();
-        let mut b = Breaker::new(BreakerConfig { failures_to_open: 3, probes_to_close: 2, not_ready_to_open: 2 }, t);
+        let mut b =
+            Breaker::new(BreakerConfig { failures_to_open: 3, probes_to_close: 2, not_ready_to_open: 2 }, t);
         assert!(b.routable());
         assert!(!b.proven_within(Duration::from_secs(1), t), "unproven until a probe");
         b.request_failed(t, "refused".into(), true);

@@ -52,6 +52,8 @@ pub(crate) struct PdHandle {
     pub prompt_tokens: Vec<u32>,
     /// The prefill worker's shared KV file, when it has one (same-host transfers copy from it).
     pub shm: Option<String>,
+    /// The prefill worker's stage timings, passed through to the decode worker's report.
+    pub timings: Option<Value>,
 }
 
 impl PdHandle {
@@ -86,6 +88,7 @@ impl PdHandle {
                 .and_then(|a| a.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect())
                 .ok_or_else(|| bad("prompt_tokens"))?,
             shm: v.get("shm").and_then(Value::as_str).map(str::to_owned),
+            timings: v.get("timings").filter(|t| t.is_object()).cloned(),
         })
     }
 }

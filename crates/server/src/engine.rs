@@ -69,6 +69,7 @@ pub(crate) enum Reply {
         id: u64,
         outcome: Outcome,
         output_tokens: usize,
+        times: Times,
     },
     /// Prefill role: the prompt is done; its KV waits under `key` for the decode worker.
     Prefilled {
@@ -76,7 +77,17 @@ pub(crate) enum Reply {
         first_token: u32,
         key: TransferKey,
         blocks: usize,
+        times: Times,
     },
+}
+
+/// When a request reached the engine's milestones, for the per-stage timings answers carry.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Times {
+    /// First scheduled into a batch.
+    pub scheduled: Option<Instant>,
+    /// Decode role: the prompt's KV arrived from the prefill worker.
+    pub kv_arrived: Option<Instant>,
 }
 
 /// What the HTTP thread can read of the engine without asking it.
@@ -105,7 +116,7 @@ struct Live {
     stop_ids: Vec<u32>,
     ignore_eos: bool,
     submitted: Instant,
-    scheduled: bool,
+    times: Times,
 }
 
 /// The PD transfer state of a prefill or decode worker.
@@ -219,7 +230,7 @@ impl Engine {
                                 stop_ids: s.stop_ids,
                                 ignore_eos: s.ignore_eos,
                                 submitted: now,
-                                scheduled: false,
+                                times: Times::default(),
                             },
                         );
                         self.send(Reply::Admitted(s.id));
@@ -266,8 +277,8 @@ impl Engine {
         }
         for item in &batch {
             if let Some(l) = live.get_mut(&item.id.0) {
-                if !l.scheduled {
-                    l.scheduled = true;
+                if l.times.scheduled.is_none() {
+                    l.times.scheduled = Some(now);
                     self.metrics.queue_wait.observe_duration(now.saturating_duration_since(l.submitted));
                 }
             }
@@ -339,8 +350,10 @@ impl Engine {
                 continue;
             }
             if let Event::Finished { id, outcome, output_tokens, .. } = e {
+                let mut times = Times::default();
                 if let Some(l) = live.remove(&id.0) {
                     self.shared.ledger.lock().unwrap_or_else(|e| e.into_inner()).finish(&l.request_id);
+                    times = l.times;
                 }
                 if let Some(pd) = &mut self.pd {
                     // A decode request that ends while its KV is still coming: end the pull too.
@@ -365,6 +378,7 @@ impl Engine {
                             first_token: *first_token,
                             key,
                             blocks: blocks.len(),
+                            times,
                         });
                         continue;
                     }
@@ -373,7 +387,7 @@ impl Engine {
                         stage: Stage::Prefilling,
                         reason: "could not offer the KV for transfer".into(),
                     };
-                    self.send(Reply::Finished { id: id.0, outcome, output_tokens });
+                    self.send(Reply::Finished { id: id.0, outcome, output_tokens, times });
                     continue;
                 }
                 let stage = match &outcome {
@@ -383,7 +397,7 @@ impl Engine {
                 if let Ok(c) = self.metrics.finished.with(&[outcome.label(), stage]) {
                     c.inc();
                 }
-                self.send(Reply::Finished { id: id.0, outcome, output_tokens });
+                self.send(Reply::Finished { id: id.0, outcome, output_tokens, times });
             }
         }
     }
@@ -600,7 +614,8 @@ impl Engine {
             match e.outcome {
                 TransferOutcome::Completed => {
                     let first = self.sched.awaiting_first_token(RequestId(req));
-                    if let (Some(first), Some(l)) = (first, live.get(&req)) {
+                    if let (Some(first), Some(l)) = (first, live.get_mut(&req)) {
+                        l.times.kv_arrived = Some(now);
                         let stop =
                             l.stop_ids.contains(&first) || (!l.ignore_eos && self.eos_ids.contains(&first));
                         self.sched.handle_kv_arrived(RequestId(req), stop, now);

@@ -14,7 +14,7 @@ use pdserve_scheduler::{FinishReason, Outcome};
 use serde_json::json;
 
 use crate::api::{self, Endpoint, Generate, Meta, Prompt, TokenLogprob};
-use crate::engine::{Command, RemoteKv, Reply, Shared, Submission};
+use crate::engine::{Command, RemoteKv, Reply, Shared, Submission, Times};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::WorkerConfig;
@@ -50,6 +50,9 @@ struct Live {
     deadline: Instant,
     /// Prefill role: the prompt's token ids, for the handle the decode worker takes.
     prompt_ids: Vec<u32>,
+    first_token_at: Option<Instant>,
+    /// Decode role: the prefill worker's stage timings, from the handle, reported on with ours.
+    prefill_timings: Option<serde_json::Value>,
 }
 
 pub(crate) struct Frontend {
@@ -435,6 +438,9 @@ impl Frontend {
             kind,
             remote,
         )?;
+        if let (Some(h), Some(l)) = (&g.pd_transfer, self.live.get_mut(&id)) {
+            l.prefill_timings = h.timings.clone();
+        }
         Ok(None)
     }
 
@@ -528,6 +534,8 @@ impl Frontend {
                 last_token: None,
                 deadline,
                 prompt_ids,
+                first_token_at: None,
+                prefill_timings: None,
             },
         );
         self.by_conn.insert(conn, id);
@@ -588,7 +596,7 @@ impl Frontend {
                 }
             }
             Reply::Token { id, token, logprob, top, stop } => self.token(id, token, logprob, top, stop),
-            Reply::Prefilled { id, first_token, key, blocks } => {
+            Reply::Prefilled { id, first_token, key, blocks, times } => {
                 let Some(l) = self.remove(id) else { return };
                 self.metrics.e2e.observe_duration(l.received.elapsed());
                 if self.recent_prefills.len() >= 4096 {
@@ -607,12 +615,19 @@ impl Frontend {
                     first_token,
                     prompt_tokens: l.prompt_ids.clone(),
                     shm: self.config.kv_shm_path.as_ref().map(|p| p.display().to_string()),
+                    timings: None,
                 };
+                let timings = stage_timings(&l, times, Instant::now());
+                let mut h = handle.to_json(blocks);
+                // Carried by the handle to the decode worker, which reports them with its own.
+                h["timings"] = timings.clone();
                 let body =
-                    json!({"pd_transfer": handle.to_json(blocks), "usage": api::usage(l.prompt_tokens, 1)});
+                    json!({"pd_transfer": h, "usage": api::usage(l.prompt_tokens, 1), "timings": timings});
                 let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
             }
-            Reply::Finished { id, outcome, output_tokens, .. } => self.finished(id, outcome, output_tokens),
+            Reply::Finished { id, outcome, output_tokens, times } => {
+                self.finished(id, outcome, output_tokens, times)
+            }
         }
     }
 
@@ -629,7 +644,10 @@ impl Frontend {
         let codec = Arc::clone(&self.codec);
         let Some(l) = self.live.get_mut(&id) else { return };
         match l.last_token {
-            None => self.metrics.ttft.observe_duration(now - l.received),
+            None => {
+                self.metrics.ttft.observe_duration(now - l.received);
+                l.first_token_at = Some(now);
+            }
             Some(t) => self.metrics.itl.observe_duration(now - t),
         }
         l.last_token = Some(now);
@@ -671,9 +689,10 @@ impl Frontend {
         }
     }
 
-    fn finished(&mut self, id: u64, outcome: Outcome, output_tokens: usize) {
+    fn finished(&mut self, id: u64, outcome: Outcome, output_tokens: usize, times: Times) {
         let codec = Arc::clone(&self.codec);
         let Some(mut l) = self.remove(id) else { return };
+        let timings = stage_timings(&l, times, Instant::now());
         self.metrics.e2e.observe_duration(l.received.elapsed());
         // One line per request, with its id, so a log search finds it.
         eprintln!(
@@ -713,7 +732,7 @@ impl Frontend {
                     Ok(reason) => {
                         l.text.push_str(&tail);
                         let lp = logprobs.then(|| api::logprobs_json(endpoint, &l.logprobs));
-                        let body = api::full_response(
+                        let mut body = api::full_response(
                             endpoint,
                             &l.meta,
                             &l.text,
@@ -722,6 +741,7 @@ impl Frontend {
                             l.prompt_tokens,
                             l.completion_tokens,
                         );
+                        body["timings"] = timings;
                         json_response(200, &body, Some(&l.request_id))
                     }
                     Err(e) => self.error_response(&l, &e),
@@ -748,7 +768,9 @@ impl Frontend {
                         "error"
                     }
                 };
-                frames.push(api::chunk(endpoint, &l.meta, None, false, Some(reason), None).to_string());
+                let mut last = api::chunk(endpoint, &l.meta, None, false, Some(reason), None);
+                last["timings"] = timings;
+                frames.push(last.to_string());
                 if include_usage {
                     frames.push(
                         api::usage_chunk(endpoint, &l.meta, l.prompt_tokens, l.completion_tokens).to_string(),
@@ -805,7 +827,39 @@ impl Frontend {
                     L::KvTransfer | L::KvHeld => pdserve_scheduler::Stage::KvTransfer,
                     L::RouterQueued | L::PrefillQueued | L::DecodeQueued => pdserve_scheduler::Stage::Queued,
                 });
-            self.finished(id, Outcome::TimedOut { stage }, 0);
+            self.finished(id, Outcome::TimedOut { stage }, 0, Times::default());
         }
     }
+}
+
+/// Per-stage milliseconds of one request on this worker (`timings` in its final chunk or body):
+/// unified `queue_ms`, `prefill_ms`, `decode_ms`; prefill `queue_ms`, `prefill_ms`; decode the prefill
+/// worker's two as `prefill_queue_ms` and `prefill_ms`, then `transfer_ms`, `decode_queue_ms`,
+/// `decode_ms`.
+fn stage_timings(l: &Live, times: Times, end: Instant) -> serde_json::Value {
+    let ms = |a: Instant, b: Instant| (b.saturating_duration_since(a).as_secs_f64() * 1e4).round() / 10.0;
+    let mut m = serde_json::Map::new();
+    let scheduled = times.scheduled.unwrap_or(end);
+    match times.kv_arrived {
+        Some(kv) => {
+            if let Some(p) = l.prefill_timings.as_ref().and_then(|v| v.as_object()) {
+                for (k, v) in p {
+                    let name = if k == "queue_ms" { "prefill_queue_ms".to_owned() } else { k.clone() };
+                    m.insert(name, v.clone());
+                }
+            }
+            m.insert("transfer_ms".into(), json!(ms(l.received, kv)));
+            m.insert("decode_queue_ms".into(), json!(ms(kv, scheduled.max(kv))));
+            m.insert("decode_ms".into(), json!(ms(scheduled.max(kv), end)));
+        }
+        None => {
+            m.insert("queue_ms".into(), json!(ms(l.received, scheduled)));
+            let first = l.first_token_at.unwrap_or(end);
+            m.insert("prefill_ms".into(), json!(ms(scheduled, first)));
+            if l.first_token_at.is_some() {
+                m.insert("decode_ms".into(), json!(ms(first, end)));
+            }
+        }
+    }
+    serde_json::Value::Object(m)
 }

@@ -121,6 +121,10 @@ fn pd_through_the_router_equals_unified_and_leaves_nothing_behind() {
         let got = if i % 2 == 0 {
             let (s, v) = router.json("POST", "/v1/chat/completions", &body);
             assert_eq!(s, 200, "{v}");
+            // Where the time went, stage by stage, from both workers.
+            for stage in ["prefill_queue_ms", "prefill_ms", "transfer_ms", "decode_queue_ms", "decode_ms"] {
+                assert!(v["timings"][stage].as_f64().is_some_and(|t| t >= 0.0), "{stage}: {v}");
+            }
             v["choices"][0]["message"]["content"].as_str().unwrap().to_owned()
         } else {
             let (s, events) = router.stream(&chat(p, r#","temperature":0,"max_tokens":20,"stream":true"#));
