@@ -5,6 +5,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
+mod chaos;
 mod generate;
 mod serve;
 mod sys;
@@ -29,6 +30,9 @@ commands:
                        download and import the default model (SmolLM2-135M-Instruct) if missing
   generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--model DIR]
                        run the model on one prompt and print the completion and its speed
+  chaos [NAME ...] [--short | --ci]
+                       fault scenarios against the router + prefill + decode processes, with assertions
+                       (decode_kill, decode_stall, disconnect_storm, overload, hung_worker, restart_readd)
   where [REQUEST_ID] [--url URL] [--older-than 5s] [--json]
                        where each live request is (router stage, then each worker's), oldest first
   help                 this text
@@ -46,6 +50,7 @@ fn main() -> Result<()> {
         Some("fetch-model") => fetch_model(&args[1..]).map(|dir| println!("{}", dir.display())),
         Some("generate") => generate::run(&args[1..]),
         Some("where") => where_::run(&args[1..]),
+        Some("chaos") => chaos::run(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             print!("{HELP}");
             Ok(())

@@ -17,17 +17,17 @@ use anyhow::{bail, Context, Result};
 const USAGE: &str =
     "cargo xtask serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]";
 
-struct Proc {
-    name: String,
-    child: Child,
+pub(crate) struct Proc {
+    pub name: String,
+    pub child: Child,
     /// Closing it asks the child to stop (every child runs with `--exit-on-stdin-eof`).
-    stdin: Option<ChildStdin>,
-    log: PathBuf,
-    url: String,
+    pub stdin: Option<ChildStdin>,
+    pub log: PathBuf,
+    pub url: String,
 }
 
 impl Proc {
-    fn start(name: &str, bin: &Path, args: &[String], logs: &Path) -> Result<Proc> {
+    pub(crate) fn start(name: &str, bin: &Path, args: &[String], logs: &Path) -> Result<Proc> {
         let log = logs.join(format!("{name}.log"));
         // Its own process group: Ctrl-C reaches only this supervisor, which stops the children in order.
         let mut child = Command::new(bin)
@@ -72,7 +72,7 @@ impl Proc {
         }
     }
 
-    fn death_report(&self, status: ExitStatus) -> String {
+    pub(crate) fn death_report(&self, status: ExitStatus) -> String {
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let tail: Vec<&str> = text.lines().rev().take(20).collect();
         format!(
@@ -85,7 +85,7 @@ impl Proc {
 }
 
 /// Asks every child to stop (stdin closed: workers drain), waits up to `grace`, then kills what is left.
-fn stop_all(procs: &mut [Proc], grace: Duration) {
+pub(crate) fn stop_all(procs: &mut [Proc], grace: Duration) {
     for p in procs.iter_mut() {
         p.stdin = None;
     }

@@ -28,7 +28,12 @@ fn parse_duration(s: &str) -> Result<Duration> {
     Ok(Duration::from_secs_f64(v * scale))
 }
 
-fn get(url: &str, path: &str) -> Result<(u16, Vec<u8>)> {
+pub(crate) fn get(url: &str, path: &str) -> Result<(u16, Vec<u8>)> {
+    call("GET", url, path, b"")
+}
+
+/// One request on a fresh connection (`connection: close`), answer read to the end, 10 s at most.
+pub(crate) fn call(method: &str, url: &str, path: &str, body: &[u8]) -> Result<(u16, Vec<u8>)> {
     let authority =
         url.strip_prefix("http://").context("--url must be http://host:port")?.trim_end_matches('/');
     let addr = std::net::ToSocketAddrs::to_socket_addrs(authority)?.next().context("address")?;
@@ -37,7 +42,12 @@ fn get(url: &str, path: &str) -> Result<(u16, Vec<u8>)> {
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
     let key = std::env::var("PDSERVE_ADMIN_KEY").ok().filter(|k| !k.is_empty());
     let auth = key.map(|k| format!("authorization: Bearer {k}\r\n")).unwrap_or_default();
-    write!(s, "GET {path} HTTP/1.1\r\nhost: {authority}\r\n{auth}connection: close\r\n\r\n")?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nhost: {authority}\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    )?;
+    s.write_all(body)?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw).context("reading the answer")?;
     let mut dec = pdserve_http::ResponseDecoder::new(pdserve_http::Limits::default(), false);

@@ -66,7 +66,16 @@ impl Conn {
         let start = Instant::now();
         let mut out = Outcome::default();
         let hard = deadline + grace;
-        let result = self.exchange(path, body, hard, api_key, start, &mut out);
+        let reused = self.stream.is_some();
+        let mut result = self.exchange(path, body, hard, api_key, start, &mut out);
+        // A kept-alive connection the server had already closed fails before a single byte of answer:
+        // the request never reached it. Send it once more on a fresh connection.
+        if reused && out.status == 0 && !out.terminal && result.as_ref().map_or(true, |_| out.error.is_some())
+        {
+            self.stream = None;
+            out = Outcome::default();
+            result = self.exchange(path, body, hard, api_key, start, &mut out);
+        }
         out.e2e = start.elapsed();
         match result {
             Ok(reusable) => {

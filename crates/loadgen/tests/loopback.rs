@@ -134,3 +134,20 @@ fn a_silent_server_is_counted_hung_not_waited_on() {
     assert_eq!(r.hung, 3);
     assert_eq!(r.ok, 0);
 }
+
+#[test]
+fn a_stale_kept_alive_connection_is_not_an_error() {
+    // Every connection is closed by the server after its first answer, without saying so.
+    let t = server(|_, s| {
+        stream_three(0, s);
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    });
+    let r = run_point(
+        &t,
+        &Load::Closed { concurrency: 1, requests: 4 },
+        &Shape::default(),
+        &Slo::default(),
+        &Progress::quiet(),
+    );
+    assert_eq!((r.sent, r.ok), (4, 4), "{:?}", r.errors);
+}

@@ -1,0 +1,541 @@
+//! `cargo xtask chaos [NAME ...] [--short]`: faults against real processes (the router in front of a
+//! prefill and a decode worker), each scenario with assertions: every request sent got a terminal
+//! outcome within its deadline plus 1 s; `/health/ready` told the truth; requests after recovery
+//! succeed; KV, transfer and request ledgers return to their baseline; no process other than the one
+//! killed exited. One table row per scenario.
+
+use std::io::{Read, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use pdserve_loadgen::{run_point, Conn, Load, Outcome, Progress, Shape, Slo, Target};
+
+use crate::serve::{stop_all, Proc};
+use crate::where_::{call, get};
+
+const SCENARIOS: &[&str] =
+    &["decode_kill", "decode_stall", "disconnect_storm", "overload", "hung_worker", "restart_readd"];
+
+/// The scenarios CI runs (`cargo xtask test`), in their short form.
+pub(crate) const CI_SCENARIOS: &[&str] = &["decode_kill", "disconnect_storm", "hung_worker"];
+
+struct Stack {
+    procs: Vec<Proc>,
+    router: String,
+    logs: PathBuf,
+    bins: (PathBuf, PathBuf),
+    model: PathBuf,
+    next_decode: usize,
+}
+
+impl Stack {
+    fn start(name: &str, router_extra: &[&str], bins: &(PathBuf, PathBuf), model: &Path) -> Result<Stack> {
+        let logs = crate::workspace_root().join("target/chaos").join(name);
+        let _ = std::fs::remove_dir_all(&logs);
+        std::fs::create_dir_all(&logs)?;
+        let mut s = Stack {
+            procs: Vec::new(),
+            router: String::new(),
+            logs,
+            bins: bins.clone(),
+            model: model.to_owned(),
+            next_decode: 0,
+        };
+        let p = s.worker("prefill-0", "prefill")?;
+        s.procs.push(p);
+        let d = s.worker("decode-0", "decode")?;
+        s.next_decode = 1;
+        s.procs.push(d);
+        let mut args: Vec<String> = vec![
+            "--port".into(),
+            "0".into(),
+            "--probe-interval-s".into(),
+            "0.5".into(),
+            "--probe-timeout-s".into(),
+            "2".into(),
+            "--prefill".into(),
+            s.procs[0].url.clone(),
+            "--decode".into(),
+            s.procs[1].url.clone(),
+        ];
+        args.extend(router_extra.iter().map(|a| (*a).to_owned()));
+        let r = Proc::start("router", &s.bins.1, &args, &s.logs)?;
+        s.router = r.url.clone();
+        s.procs.push(r);
+        s.wait_ready(true, Duration::from_secs(60))?;
+        Ok(s)
+    }
+
+    fn worker(&self, name: &str, role: &str) -> Result<Proc> {
+        let mut args: Vec<String> =
+            ["--port", "0", "--name", name, "--role", role, "--kv-blocks", "512", "--model"]
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect();
+        args.push(self.model.display().to_string());
+        if role == "prefill" {
+            args.push("--kv-shm".into());
+        }
+        Proc::start(name, &self.bins.0, &args, &self.logs)
+    }
+
+    fn url_of(&self, name: &str) -> String {
+        self.procs.iter().find(|p| p.name == name).map(|p| p.url.clone()).unwrap_or_default()
+    }
+
+    fn signal(&self, name: &str, sig: &str) -> Result<()> {
+        let p = self.procs.iter().find(|p| p.name == name).context("no such process")?;
+        let ok = Command::new("kill").args([sig, &p.child.id().to_string()]).status()?.success();
+        ensure!(ok, "kill {sig} {name} failed");
+        Ok(())
+    }
+
+    fn ready(&self) -> bool {
+        crate::serve::http_status(&self.router, "/health/ready") == Some(200)
+    }
+
+    fn wait_ready(&self, want: bool, within: Duration) -> Result<Duration> {
+        let t = Instant::now();
+        while self.ready() != want {
+            ensure!(t.elapsed() < within, "router ready stayed {} for {within:?}", !want);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(t.elapsed())
+    }
+
+    /// Every process except `killed` still runs.
+    fn all_alive_but(&mut self, killed: &[&str]) -> Result<()> {
+        for p in self.procs.iter_mut() {
+            if killed.contains(&p.name.as_str()) {
+                continue;
+            }
+            if let Some(status) = p.child.try_wait()? {
+                bail!("{}", p.death_report(status));
+            }
+        }
+        Ok(())
+    }
+
+    /// Ledgers, KV blocks and transfers back to zero everywhere, within 15 s.
+    fn baseline(&self, skip: &[&str]) -> Result<()> {
+        let t = Instant::now();
+        loop {
+            let mut left = Vec::new();
+            let (_, body) = get(&self.router, "/debug/requests")?;
+            let v: serde_json::Value = serde_json::from_slice(&body)?;
+            let n = v["requests"].as_array().map_or(0, Vec::len);
+            if n > 0 {
+                left.push(format!("router: {n} live requests"));
+            }
+            for p in self.procs.iter().filter(|p| p.name != "router" && !skip.contains(&p.name.as_str())) {
+                let (_, m) = get(&p.url, "/metrics")?;
+                let m = String::from_utf8_lossy(&m);
+                for key in [
+                    "kv_blocks{owner=\"sequence\"}",
+                    "kv_blocks{owner=\"transfer\"}",
+                    "kv_transfers_in_flight",
+                    "requests_running",
+                    "requests_waiting",
+                ] {
+                    let val = m
+                        .lines()
+                        .find_map(|l| l.strip_prefix(key).map(str::trim))
+                        .and_then(|v| v.parse::<f64>().ok());
+                    if val.is_some_and(|x| x != 0.0) {
+                        left.push(format!("{}: {key} = {}", p.name, val.unwrap_or_default()));
+                    }
+                }
+            }
+            if left.is_empty() {
+                return Ok(());
+            }
+            ensure!(
+                t.elapsed() < Duration::from_secs(15),
+                "not back to baseline after 15 s: {}",
+                left.join("; ")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn add_worker(&self, url: &str, role: &str) -> Result<()> {
+        let body = format!(r#"{{"url":"{url}","role":"{role}"}}"#);
+        let (s, b) = call("POST", &self.router, "/workers", body.as_bytes())?;
+        ensure!(s == 201, "POST /workers answered {s}: {}", String::from_utf8_lossy(&b));
+        Ok(())
+    }
+
+    fn remove_worker(&self, url: &str) -> Result<()> {
+        let (s, b) = call("DELETE", &self.router, &format!("/workers?url={url}"), b"")?;
+        ensure!(s == 200, "DELETE /workers answered {s}: {}", String::from_utf8_lossy(&b));
+        Ok(())
+    }
+}
+
+impl Drop for Stack {
+    fn drop(&mut self) {
+        stop_all(&mut self.procs, Duration::from_secs(10));
+    }
+}
+
+/// What a scenario reports for its table row.
+#[derive(Debug, Default)]
+struct Row {
+    sent: usize,
+    completed: usize,
+    errors: usize,
+    hung: usize,
+    note: String,
+}
+
+fn shape(max_tokens: u64, timeout_s: f64) -> Shape {
+    Shape {
+        prompt_words: 30,
+        max_tokens,
+        timeout: Duration::from_secs_f64(timeout_s),
+        grace: Duration::from_secs(1),
+        ..Shape::default()
+    }
+}
+
+fn chat_body(max_tokens: u64, timeout_s: f64, i: usize) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "messages": [{"role": "user", "content": format!("Story {i}: tell me about {}", pdserve_loadgen::words(20, i as u64))}],
+        "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "timeout": timeout_s,
+    }))
+    .unwrap_or_default()
+}
+
+/// `n` streams at once, each in its own thread; `during` runs while they stream.
+fn streams(router: &str, n: usize, max_tokens: u64, timeout_s: f64, during: impl FnOnce()) -> Vec<Outcome> {
+    let addr: SocketAddr = router.trim_start_matches("http://").parse().expect("router address");
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut c = Conn::new(addr);
+                let deadline = Instant::now() + Duration::from_secs_f64(timeout_s);
+                c.request(
+                    "/v1/chat/completions",
+                    &chat_body(max_tokens, timeout_s, i),
+                    deadline,
+                    Duration::from_secs(1),
+                    None,
+                )
+            })
+        })
+        .collect();
+    during();
+    handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+}
+
+fn tally(outcomes: &[Outcome]) -> Row {
+    Row {
+        sent: outcomes.len(),
+        completed: outcomes.iter().filter(|o| o.ok()).count(),
+        errors: outcomes.iter().filter(|o| !o.ok() && !o.hung).count(),
+        hung: outcomes.iter().filter(|o| o.hung || !o.terminal).count(),
+        note: String::new(),
+    }
+}
+
+/// A few requests after recovery, every one of which must succeed.
+fn after_recovery(router: &str) -> Result<()> {
+    let t = Target::parse(router).map_err(anyhow::Error::msg)?;
+    let r = run_point(
+        &t,
+        &Load::Closed { concurrency: 2, requests: 4 },
+        &shape(8, 30.0),
+        &Slo::default(),
+        &Progress::quiet(),
+    );
+    ensure!(r.ok == 4, "after recovery only {} of 4 requests succeeded: {:?}", r.ok, r.errors);
+    Ok(())
+}
+
+fn decode_kill(s: &mut Stack, short: bool) -> Result<Row> {
+    let n = if short { 8 } else { 32 };
+    let mut not_ready_after = Duration::ZERO;
+    let outcomes = streams(&s.router.clone(), n, 400, 60.0, || {
+        std::thread::sleep(Duration::from_millis(1500));
+        let _ = s.signal("decode-0", "-KILL");
+        not_ready_after = s.wait_ready(false, Duration::from_secs(5)).unwrap_or(Duration::MAX);
+    });
+    let mut row = tally(&outcomes);
+    ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
+    ensure!(not_ready_after < Duration::from_secs(5), "still ready after the only decode worker died");
+    // Recovery: a new decode worker joins, the dead one leaves.
+    let d = s.worker("decode-1", "decode")?;
+    let url = d.url.clone();
+    s.procs.push(d);
+    s.add_worker(&url, "decode")?;
+    s.remove_worker(&s.url_of("decode-0"))?;
+    let back = s.wait_ready(true, Duration::from_secs(30))?;
+    after_recovery(&s.router)?;
+    s.all_alive_but(&["decode-0"])?;
+    s.baseline(&["decode-0"])?;
+    row.note = format!(
+        "not ready {} ms after the kill; ready {} ms after a new decode worker joined",
+        not_ready_after.as_millis(),
+        back.as_millis()
+    );
+    Ok(row)
+}
+
+fn decode_stall(s: &mut Stack, short: bool) -> Result<Row> {
+    let n = if short { 4 } else { 16 };
+    let stall = if short { 5 } else { 10 };
+    let mut saw_not_ready = false;
+    let outcomes = streams(&s.router.clone(), n, 200, 6.0, || {
+        std::thread::sleep(Duration::from_millis(800));
+        let _ = s.signal("decode-0", "-STOP");
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(stall) {
+            saw_not_ready |= !s.ready();
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let _ = s.signal("decode-0", "-CONT");
+    });
+    let mut row = tally(&outcomes);
+    ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
+    ensure!(saw_not_ready, "the router stayed ready while the only decode worker was stopped");
+    let back = s.wait_ready(true, Duration::from_secs(30))?;
+    after_recovery(&s.router)?;
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    row.note = format!(
+        "stalled {stall} s; not ready during the stall; ready again {} ms after SIGCONT",
+        back.as_millis()
+    );
+    Ok(row)
+}
+
+fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
+    let total = if short { 60 } else { 500 };
+    let addr: SocketAddr = s.router.trim_start_matches("http://").parse()?;
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let threads: Vec<_> = (0..16)
+        .map(|_| {
+            let next = Arc::clone(&next);
+            std::thread::spawn(move || {
+                let mut dropped = 0usize;
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= total {
+                        return dropped;
+                    }
+                    let Ok(mut c) = TcpStream::connect(addr) else { continue };
+                    let body = chat_body(64, 30.0, i);
+                    let _ = write!(
+                        c,
+                        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = c.write_all(&body);
+                    // Leave at a point that depends on i: at once (before or during the prefill leg and
+                    // the transfer), or after some events of the stream.
+                    let events = i % 7;
+                    let _ = c.set_read_timeout(Some(Duration::from_secs(30)));
+                    let mut seen = 0;
+                    let mut buf = [0u8; 4096];
+                    if events == 0 {
+                        std::thread::sleep(Duration::from_millis((i % 5) as u64 * 20));
+                    }
+                    while seen < events {
+                        match c.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => seen += buf[..n].windows(5).filter(|w| w == b"data:").count(),
+                        }
+                    }
+                    drop(c);
+                    dropped += 1;
+                }
+            })
+        })
+        .collect();
+    let dropped: usize = threads.into_iter().map(|t| t.join().unwrap_or(0)).sum();
+    s.baseline(&[])?;
+    after_recovery(&s.router)?;
+    s.all_alive_but(&[])?;
+    Ok(Row {
+        sent: total,
+        completed: 0,
+        errors: 0,
+        hung: 0,
+        note: format!("{dropped} clients left at random points; every ledger back to zero"),
+    })
+}
+
+fn overload(s: &mut Stack, short: bool) -> Result<Row> {
+    let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
+    let secs = if short { 10.0 } else { 30.0 };
+    let load = Load::Poisson { rate: 8.0, duration: Duration::from_secs_f64(secs), connections: 128 };
+    let r = run_point(&t, &load, &shape(16, 15.0), &Slo::default(), &Progress::quiet());
+    ensure!(r.hung == 0, "{} hung requests under overload", r.hung);
+    let refused: u64 =
+        r.errors.iter().filter(|(k, _)| k.starts_with("429") || k.starts_with("503")).map(|(_, v)| v).sum();
+    ensure!(
+        refused > 0 || r.ok == r.sent,
+        "overload produced neither refusals nor only successes: {:?}",
+        r.errors
+    );
+    s.wait_ready(true, Duration::from_secs(30))?;
+    after_recovery(&s.router)?;
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    let errs: Vec<String> = r.errors.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+    Ok(Row {
+        sent: r.sent as usize,
+        completed: r.ok as usize,
+        errors: (r.sent - r.ok) as usize,
+        hung: 0,
+        note: format!("8 req/s for {secs} s, about 10x what the stack sustains; answers {}", errs.join(" ")),
+    })
+}
+
+fn hung_worker(s: &mut Stack, short: bool) -> Result<Row> {
+    // A "decode worker" that accepts connections and never answers anything.
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let url = format!("http://{}", l.local_addr()?);
+    let stop = Arc::new(AtomicBool::new(false));
+    let st = Arc::clone(&stop);
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        l.set_nonblocking(true).ok();
+        while !st.load(Ordering::Relaxed) {
+            if let Ok((c, _)) = l.accept() {
+                held.push(c);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    s.add_worker(&url, "decode")?;
+    let n = if short { 6 } else { 16 };
+    let outcomes = streams(&s.router.clone(), n, 16, 8.0, || {});
+    let mut row = tally(&outcomes);
+    ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
+    // The breaker has taken it out.
+    let (_, list) = get(&s.router, "/workers")?;
+    let v: serde_json::Value = serde_json::from_slice(&list)?;
+    let state = v["workers"]
+        .as_array()
+        .and_then(|a| a.iter().find(|w| w["url"] == url.as_str()))
+        .map(|w| w["state"].clone());
+    ensure!(state == Some(serde_json::json!("down")), "the silent worker is {state:?}, not down");
+    after_recovery(&s.router)?;
+    s.remove_worker(&url)?;
+    stop.store(true, Ordering::Relaxed);
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    row.note = "a worker that never answers: its requests end at their deadline, probes take it out".into();
+    Ok(row)
+}
+
+fn restart_readd(s: &mut Stack, short: bool) -> Result<Row> {
+    let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
+    let requests = if short { 12 } else { 40 };
+    let done = Arc::new(AtomicBool::new(false));
+    let traffic = {
+        let t = t.clone();
+        std::thread::spawn(move || {
+            run_point(
+                &t,
+                &Load::Closed { concurrency: 4, requests },
+                &shape(24, 60.0),
+                &Slo::default(),
+                &Progress::quiet(),
+            )
+        })
+    };
+    std::thread::sleep(Duration::from_secs(2));
+    s.signal("decode-0", "-KILL")?;
+    let d = s.worker("decode-1", "decode")?;
+    let url = d.url.clone();
+    s.procs.push(d);
+    s.add_worker(&url, "decode")?;
+    s.remove_worker(&s.url_of("decode-0"))?;
+    let r = traffic.join().map_err(|_| anyhow::anyhow!("traffic thread panicked"))?;
+    done.store(true, Ordering::Relaxed);
+    ensure!(r.hung == 0, "{} hung requests", r.hung);
+    s.wait_ready(true, Duration::from_secs(30))?;
+    after_recovery(&s.router)?;
+    s.all_alive_but(&["decode-0"])?;
+    s.baseline(&["decode-0"])?;
+    Ok(Row {
+        sent: r.sent as usize,
+        completed: r.ok as usize,
+        errors: (r.sent - r.ok) as usize,
+        hung: 0,
+        note: "decode worker killed and replaced through /workers while traffic ran".into(),
+    })
+}
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let mut names: Vec<String> = Vec::new();
+    let mut short = false;
+    for a in args {
+        match a.as_str() {
+            "--short" => short = true,
+            "--ci" => {
+                short = true;
+                names.extend(CI_SCENARIOS.iter().map(|s| (*s).to_owned()));
+            }
+            n if SCENARIOS.contains(&n) => names.push(n.to_owned()),
+            other => bail!("unknown scenario {other:?}; scenarios: {}", SCENARIOS.join(", ")),
+        }
+    }
+    if names.is_empty() {
+        names = SCENARIOS.iter().map(|s| (*s).to_owned()).collect();
+    }
+    let model = crate::fetch_model(&[])?;
+    // Short runs reuse the test build (the model crate is optimized there too); full runs use release.
+    let profile = if short { "debug" } else { "release" };
+    if short {
+        crate::cargo(&["build", "-p", "pdserve-server", "-p", "pdserve-router"])?;
+    } else {
+        crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-router"])?;
+    }
+    let root = crate::workspace_root().join("target").join(profile);
+    let bins = (root.join("pdserve-server"), root.join("pdserve-router"));
+    println!(
+        "{:<18} {:>8} {:>5} {:>9} {:>6} {:>4}  result",
+        "scenario", "time", "sent", "completed", "errors", "hung"
+    );
+    let mut failed = Vec::new();
+    for name in &names {
+        let started = Instant::now();
+        let router_extra: &[&str] = if name == "overload" {
+            &["--max-in-flight", "8", "--max-queued", "8", "--queue-timeout-s", "3"]
+        } else {
+            &[]
+        };
+        let result = Stack::start(name, router_extra, &bins, &model).and_then(|mut s| match name.as_str() {
+            "decode_kill" => decode_kill(&mut s, short),
+            "decode_stall" => decode_stall(&mut s, short),
+            "disconnect_storm" => disconnect_storm(&mut s, short),
+            "overload" => overload(&mut s, short),
+            "hung_worker" => hung_worker(&mut s, short),
+            "restart_readd" => restart_readd(&mut s, short),
+            _ => unreachable!("checked above"),
+        });
+        let secs = started.elapsed().as_secs_f64();
+        match result {
+            Ok(r) => println!(
+                "{name:<18} {secs:>7.1}s {:>5} {:>9} {:>6} {:>4}  pass: {}",
+                r.sent, r.completed, r.errors, r.hung, r.note
+            ),
+            Err(e) => {
+                println!("{name:<18} {secs:>7.1}s {:>5} {:>9} {:>6} {:>4}  FAIL: {e:#}", "-", "-", "-", "-");
+                failed.push(name.clone());
+            }
+        }
+    }
+    if !failed.is_empty() {
+        bail!("chaos scenarios failed: {} (logs in target/chaos/<scenario>/)", failed.join(", "));
+    }
+    Ok(())
+}
