@@ -437,20 +437,11 @@ fn hung_worker(s: &mut Stack, short: bool) -> Result<Row> {
 
 fn restart_readd(s: &mut Stack, short: bool) -> Result<Row> {
     let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
-    let requests = if short { 12 } else { 40 };
-    let done = Arc::new(AtomicBool::new(false));
-    let traffic = {
-        let t = t.clone();
-        std::thread::spawn(move || {
-            run_point(
-                &t,
-                &Load::Closed { concurrency: 4, requests },
-                &shape(24, 60.0),
-                &Slo::default(),
-                &Progress::quiet(),
-            )
-        })
-    };
+    let secs = if short { 8.0 } else { 20.0 };
+    let load = Load::Poisson { rate: 1.0, duration: Duration::from_secs_f64(secs), connections: 16 };
+    let traffic = std::thread::spawn(move || {
+        run_point(&t, &load, &shape(16, 60.0), &Slo::default(), &Progress::quiet())
+    });
     std::thread::sleep(Duration::from_secs(2));
     s.signal("decode-0", "-KILL")?;
     let d = s.worker("decode-1", "decode")?;
@@ -459,18 +450,22 @@ fn restart_readd(s: &mut Stack, short: bool) -> Result<Row> {
     s.add_worker(&url, "decode")?;
     s.remove_worker(&s.url_of("decode-0"))?;
     let r = traffic.join().map_err(|_| anyhow::anyhow!("traffic thread panicked"))?;
-    done.store(true, Ordering::Relaxed);
     ensure!(r.hung == 0, "{} hung requests", r.hung);
+    ensure!(r.ok > 0, "no request succeeded around the restart: {:?}", r.errors);
     s.wait_ready(true, Duration::from_secs(30))?;
     after_recovery(&s.router)?;
     s.all_alive_but(&["decode-0"])?;
     s.baseline(&["decode-0"])?;
+    let errs: Vec<String> = r.errors.iter().map(|(k, v)| format!("{k}:{v}")).collect();
     Ok(Row {
         sent: r.sent as usize,
         completed: r.ok as usize,
         errors: (r.sent - r.ok) as usize,
         hung: 0,
-        note: "decode worker killed and replaced through /workers while traffic ran".into(),
+        note: format!(
+            "1 req/s for {secs} s; decode worker killed 2 s in and replaced through /workers; errors {}",
+            if errs.is_empty() { "none".to_owned() } else { errs.join(" ") }
+        ),
     })
 }
 

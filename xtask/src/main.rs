@@ -18,7 +18,8 @@ commands:
   serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]
                        fetch the default model if missing, build, and serve it: the router in front of
                        prefill and decode workers (default 1 + 1), or one unified worker
-  test                 fmt check, clippy (warnings are errors), and every test of the workspace
+  test                 fmt check, clippy (warnings are errors), every test of the workspace, and the
+                       short chaos subset (chaos --ci)
   fuzz [TARGET] [--seconds N]
                        run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
   bench [--target URL ...] [--workload sweep|poisson|agents] [...]
@@ -85,6 +86,8 @@ fn test() -> Result<()> {
     cargo(&["fmt", "--all", "--check"]).context("formatting differs: run `cargo fmt --all`")?;
     cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
     cargo(&["test", "--workspace"])?;
+    // The short chaos subset: real processes, faults, and the ledgers back to zero afterwards.
+    chaos::run(&["--ci".to_owned()])?;
     eprintln!("xtask test: all green");
     Ok(())
 }

@@ -253,6 +253,11 @@ impl Engine {
             }
             Command::Abort(id) => {
                 self.sched.handle_abort(RequestId(id), now);
+                // A prefill request may have finished already, its KV offered under the same id: the
+                // abort ends the offer too, instead of leaving it to the lease expiry.
+                if let Some(pd) = self.pd.as_mut() {
+                    pd.sender.abort(id);
+                }
                 self.drain_events(live);
             }
             Command::AbortTransfer(t) => {
