@@ -95,6 +95,9 @@ pub struct RouterConfig {
     pub probe_interval: Duration,
     /// Deadline of one probe.
     pub probe_timeout: Duration,
+    /// Interval of the prefill + decode pair probes (a real 2-token request through both). A client
+    /// request that completes through a pair proves the path as well, so a busy router sends few.
+    pub pair_probe_interval: Duration,
     /// Largest upstream response body the router buffers (non-streaming answers).
     pub upstream_body_bytes_max: usize,
     /// Deadline for collecting workers' `/debug/requests`.
@@ -125,6 +128,7 @@ impl Default for RouterConfig {
             retries_max: 2,
             probe_interval: Duration::from_secs(1),
             probe_timeout: Duration::from_secs(3),
+            pair_probe_interval: Duration::from_secs(5),
             upstream_body_bytes_max: 16 * 1024 * 1024,
             debug_fanout_timeout: Duration::from_millis(500),
             api_key: None,

@@ -25,6 +25,7 @@ pdserve-router [options]
   --retries N                   connect-refused retries on other workers (default 2)
   --probe-interval-s S          active health probe interval (default 1)
   --probe-timeout-s S           deadline of one probe (default 3)
+  --pair-probe-interval-s S     prefill + decode pair probe interval (default 5; real traffic counts too)
   --failures-to-open N          consecutive request failures that take a worker out (default 3)
   --api-key KEY                 bearer key for /v1/* (or PDSERVE_API_KEY)
   --admin-key KEY               bearer key for /workers and /debug/* (or PDSERVE_ADMIN_KEY)
@@ -123,6 +124,7 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--retries" => c.retries_max = n()? as u32,
             "--probe-interval-s" => c.probe_interval = secs()?,
             "--probe-timeout-s" => c.probe_timeout = secs()?,
+            "--pair-probe-interval-s" => c.pair_probe_interval = secs()?,
             "--failures-to-open" => c.breaker.failures_to_open = n()?.max(1) as u32,
             "--api-key" => c.api_key = Some(v.clone()),
             "--admin-key" => c.admin_key = Some(v.clone()),

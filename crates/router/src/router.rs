@@ -85,6 +85,7 @@ struct Flight {
     /// Workers that refused the connection for the current leg.
     refused: Vec<u32>,
     prefill_worker: Option<u32>,
+    decode_worker: Option<u32>,
     prefill_sent: Option<Instant>,
     /// The decode leg's body: the client's with the prefill worker's KV handle spliced in.
     decode_body: Vec<u8>,
@@ -133,6 +134,7 @@ pub struct Router {
     next_sweep: Instant,
     probe_round: usize,
     pair_probes_in_flight: usize,
+    next_pair_probe: Instant,
     pumping: bool,
     read_buf: Vec<u8>,
     resp_events: Vec<ResponseEvent>,
@@ -199,6 +201,7 @@ impl Router {
             next_sweep: now,
             probe_round: 0,
             pair_probes_in_flight: 0,
+            next_pair_probe: now,
             pumping: false,
             read_buf: vec![0; 64 * 1024],
             resp_events: Vec::new(),
@@ -323,10 +326,11 @@ impl Router {
         match (method, path.as_str()) {
             ("GET", "/health/live") => self.respond_json(conn, 200, &json!({"status": "live"}), &rid),
             ("GET", "/health/ready" | "/health") => {
-                let (status, body) = match self.workers.path_ready(self.ready_window(), Instant::now()) {
-                    Ok(()) => (200, json!({"status": "ready", "workers": self.workers.iter().count()})),
-                    Err(reason) => (503, json!({"status": "not_ready", "reason": reason})),
-                };
+                let (status, body) =
+                    match self.workers.path_ready(self.ready_window(), self.pair_window(), Instant::now()) {
+                        Ok(()) => (200, json!({"status": "ready", "workers": self.workers.iter().count()})),
+                        Err(reason) => (503, json!({"status": "not_ready", "reason": reason})),
+                    };
                 let mut resp =
                     pdserve_http::Response::json(200, body.to_string()).header("x-request-id", &rid);
                 resp.status = status;
@@ -417,6 +421,10 @@ impl Router {
 
     fn ready_window(&self) -> Duration {
         self.cfg.probe_interval * 2 + self.cfg.probe_timeout
+    }
+
+    fn pair_window(&self) -> Duration {
+        self.cfg.pair_probe_interval.max(self.cfg.probe_interval) * 2 + self.cfg.probe_timeout
     }
 
     fn post_worker(&mut self, conn: ConnId, req: &Request, rid: &str) {
@@ -548,6 +556,7 @@ impl Router {
             started: Vec::new(),
             refused: Vec::new(),
             prefill_worker: None,
+            decode_worker: None,
             prefill_sent: None,
             decode_body: Vec::new(),
             head_sent: false,
@@ -562,7 +571,7 @@ impl Router {
             self.has_role(Role::Unified) || (self.has_role(Role::Prefill) && self.has_role(Role::Decode));
         if !method_get && !capacity {
             self.metrics.finished(Outcome::NoCapacity);
-            let msg = self.workers.path_ready(Duration::ZERO, now).err().unwrap_or_default();
+            let msg = self.workers.path_ready(Duration::ZERO, Duration::ZERO, now).err().unwrap_or_default();
             let msg = format!("no healthy worker can take the request ({msg})");
             let resp = if purpose == Purpose::HealthGenerate {
                 let body = json!({"status": "failed", "reason": msg});
@@ -643,6 +652,7 @@ impl Router {
                 started: Vec::new(),
                 refused: Vec::new(),
                 prefill_worker: None,
+                decode_worker: None,
                 prefill_sent: None,
                 decode_body: Vec::new(),
                 head_sent: false,
@@ -839,6 +849,9 @@ impl Router {
                 f.prefill_worker = Some(worker);
                 f.prefill_sent = Some(now);
             }
+            if kind == LegKind::Decode {
+                f.decode_worker = Some(worker);
+            }
         }
         let Some(up) = self.ups[slot].as_mut() else { return };
         if up.phase != Phase::Connecting {
@@ -966,6 +979,17 @@ impl Router {
                 }
             }
             Purpose::Client | Purpose::HealthGenerate => {
+                // A request that went through a prefill and a decode worker proves that path as well
+                // as a probe does.
+                if outcome == Outcome::Ok {
+                    if let (Some(p), Some(d)) = (f.prefill_worker, f.decode_worker) {
+                        for w in [p, d] {
+                            if let Some(w) = self.workers.get_mut(w) {
+                                w.path_ok = Some(now);
+                            }
+                        }
+                    }
+                }
                 self.metrics.finished(outcome);
                 self.metrics.latency.observe_duration(now - f.received);
             }
@@ -1313,9 +1337,10 @@ impl Router {
         }
         // Pair probes through healthy prefill and decode workers: each prefill worker with some decode
         // worker and each decode worker with some prefill worker, rotating over rounds.
-        if self.pair_probes_in_flight > 0 {
+        if self.pair_probes_in_flight > 0 || now < self.next_pair_probe {
             return;
         }
+        self.next_pair_probe = now + self.cfg.pair_probe_interval;
         let ids = |role: Role| -> Vec<u32> {
             self.workers.iter().filter(|w| w.role == role && w.routable()).map(|w| w.id).collect()
         };

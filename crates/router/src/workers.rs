@@ -159,8 +159,8 @@ impl Workers {
 
     /// Whether a complete path has proven itself within `window`: a unified worker whose probe passed,
     /// or a prefill and a decode worker that a pair probe went through.
-    pub fn path_ready(&self, window: Duration, now: Instant) -> Result<(), String> {
-        let recent = |t: Option<Instant>| t.is_some_and(|t| now.saturating_duration_since(t) <= window);
+    pub fn path_ready(&self, window: Duration, pair_window: Duration, now: Instant) -> Result<(), String> {
+        let recent = |t: Option<Instant>| t.is_some_and(|t| now.saturating_duration_since(t) <= pair_window);
         if self
             .iter()
             .any(|w| w.role == Role::Unified && w.routable() && w.breaker.proven_within(window, now))
