@@ -154,10 +154,14 @@ impl Engine {
             let now = Instant::now();
             self.shared.last_tick_ms.store(self.shared.ms_since_epoch(now), Ordering::Relaxed);
             // Block briefly when idle; otherwise take what is queued and go on stepping.
-            let wait = match (&self.pd, self.sched.is_empty()) {
+            // Transfer sockets are pumped between waits: poll them often only while a transfer is live
+            // (new ones start from a command, which ends the wait at once).
+            let transfers =
+                self.pd.as_ref().is_some_and(|pd| !pd.sender.is_empty() || !pd.receiver.is_empty());
+            let wait = match (transfers, self.sched.is_empty()) {
                 (_, false) => Duration::ZERO,
-                (Some(_), true) => Duration::from_millis(2),
-                (None, true) => Duration::from_millis(50),
+                (true, true) => Duration::from_millis(2),
+                (false, true) => Duration::from_millis(50),
             };
             match self.commands.recv_timeout(wait) {
                 Ok(cmd) => self.command(cmd, &mut live),
