@@ -18,8 +18,17 @@ use pdserve_loadgen::{run_point, Conn, Load, Outcome, Progress, Shape, Slo, Targ
 use crate::serve::{stop_all, Proc};
 use crate::where_::{call, get};
 
-const SCENARIOS: &[&str] =
-    &["decode_kill", "decode_stall", "disconnect_storm", "overload", "hung_worker", "restart_readd"];
+const SCENARIOS: &[&str] = &[
+    "decode_kill",
+    "prefill_kill",
+    "decode_stall",
+    "disconnect_storm",
+    "slowloris",
+    "overload",
+    "hung_worker",
+    "restart_readd",
+    "bad_input",
+];
 
 /// The scenarios CI runs (`cargo xtask test`), in their short form.
 pub(crate) const CI_SCENARIOS: &[&str] = &["decode_kill", "disconnect_storm", "hung_worker"];
@@ -397,6 +406,161 @@ fn overload(s: &mut Stack, short: bool) -> Result<Row> {
     })
 }
 
+fn prefill_kill(s: &mut Stack, short: bool) -> Result<Row> {
+    let n = if short { 8 } else { 24 };
+    let mut not_ready_after = Duration::ZERO;
+    // Long prompts keep the prefill worker busy (prefilling, holding and handing over KV) when it dies.
+    let outcomes = streams(&s.router.clone(), n, 64, 60.0, || {
+        std::thread::sleep(Duration::from_millis(700));
+        let _ = s.signal("prefill-0", "-KILL");
+        not_ready_after = s.wait_ready(false, Duration::from_secs(5)).unwrap_or(Duration::MAX);
+    });
+    let mut row = tally(&outcomes);
+    ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
+    ensure!(not_ready_after < Duration::from_secs(5), "still ready after the only prefill worker died");
+    let p = s.worker("prefill-1", "prefill")?;
+    let url = p.url.clone();
+    s.procs.push(p);
+    s.add_worker(&url, "prefill")?;
+    s.remove_worker(&s.url_of("prefill-0"))?;
+    let back = s.wait_ready(true, Duration::from_secs(30))?;
+    after_recovery(&s.router)?;
+    s.all_alive_but(&["prefill-0"])?;
+    s.baseline(&["prefill-0"])?;
+    row.note = format!(
+        "not ready {} ms after the kill; the decode worker dropped its pulls; ready {} ms after a new prefill worker joined",
+        not_ready_after.as_millis(),
+        back.as_millis()
+    );
+    Ok(row)
+}
+
+fn slowloris(s: &mut Stack, short: bool) -> Result<Row> {
+    let n = if short { 200 } else { 1000 };
+    let addr: SocketAddr = s.router.trim_start_matches("http://").parse()?;
+    let mut held = Vec::new();
+    for i in 0..n {
+        let mut c = TcpStream::connect(addr)?;
+        // Half a request head, never finished; every tenth connection sends nothing at all.
+        if i % 10 != 0 {
+            let _ = c.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-le");
+        }
+        held.push(c);
+    }
+    // Normal traffic is served while they sit there.
+    let t = Instant::now();
+    after_recovery(&s.router)?;
+    let served_in = t.elapsed();
+    // The router cuts them off at its head deadline (408) instead of holding them forever.
+    let mut answered = 0;
+    for c in held.iter_mut() {
+        c.set_read_timeout(Some(Duration::from_secs(20)))?;
+        let mut buf = [0u8; 64];
+        match c.read(&mut buf) {
+            Ok(0) => answered += 1,
+            Ok(k) if buf[..k].starts_with(b"HTTP/1.1 408") => answered += 1,
+            _ => {}
+        }
+    }
+    ensure!(answered == n, "only {answered} of {n} stalled connections were cut off");
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    Ok(Row {
+        sent: n,
+        completed: 4,
+        errors: 0,
+        hung: 0,
+        note: format!("{n} half-sent requests held open; 4 normal requests served in {} ms meanwhile; all {n} cut off (408 or close) at the head deadline", served_in.as_millis()),
+    })
+}
+
+fn bad_input(s: &mut Stack, _short: bool) -> Result<Row> {
+    let raw: Vec<(&str, Vec<u8>)> = vec![
+        ("broken request line", b"GARBAGE\r\n\r\n".to_vec()),
+        ("HTTP/9", b"GET / HTTP/9.0\r\n\r\n".to_vec()),
+        (
+            "bad chunk size",
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"
+                .to_vec(),
+        ),
+        ("header flood", {
+            let mut v = b"GET /health/live HTTP/1.1\r\n".to_vec();
+            for i in 0..200 {
+                v.extend_from_slice(format!("x-h{i}: v\r\n").as_bytes());
+            }
+            v.extend_from_slice(b"\r\n");
+            v
+        }),
+        (
+            "body longer than declared",
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}}}}}".to_vec(),
+        ),
+        ("null bytes in the head", b"GET /health\x00/live HTTP/1.1\r\n\r\n".to_vec()),
+        (
+            "oversized body",
+            format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", 64 << 20)
+                .into_bytes(),
+        ),
+    ];
+    let bodies: Vec<(&str, Vec<u8>)> = vec![
+        ("invalid UTF-8", b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}".to_vec()),
+        ("wrong types", br#"{"messages":"hello","max_tokens":"ten"}"#.to_vec()),
+        ("huge number", br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1e308}"#.to_vec()),
+        ("negative max_tokens", br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":-5}"#.to_vec()),
+        ("deeply nested", format!("{{\"messages\":{}1{}}}", "[".repeat(5000), "]".repeat(5000)).into_bytes()),
+        (
+            "enormous stop list",
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"hi"}}],"stop":[{}]}}"#,
+                vec!["\"x\""; 100_000].join(",")
+            )
+            .into_bytes(),
+        ),
+        ("empty messages", br#"{"messages":[]}"#.to_vec()),
+        ("not JSON", b"hello".to_vec()),
+    ];
+    let mut checked = 0;
+    for target in [s.router.clone(), s.url_of("decode-0"), s.url_of("prefill-0")] {
+        let addr: SocketAddr = target.trim_start_matches("http://").parse()?;
+        for (what, bytes) in &raw {
+            let mut c = TcpStream::connect(addr)?;
+            c.set_read_timeout(Some(Duration::from_secs(15)))?;
+            let _ = c.write_all(bytes);
+            let mut out = Vec::new();
+            let _ = c.read_to_end(&mut out);
+            let text = String::from_utf8_lossy(&out);
+            let status: u16 = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+            ensure!(
+                out.is_empty() || (400..500).contains(&status) || status == 501 || status == 505,
+                "{target}: {what}: answered {:?}",
+                text.lines().next()
+            );
+            if !out.is_empty() {
+                ensure!(text.contains("\"error\""), "{target}: {what}: the {status} has no JSON error body");
+            }
+            checked += 1;
+        }
+        for (what, body) in &bodies {
+            let (status, answer) = call("POST", &target, "/v1/chat/completions", body)?;
+            ensure!((400..500).contains(&status), "{target}: {what}: answered {status}");
+            let v: serde_json::Value =
+                serde_json::from_slice(&answer).with_context(|| format!("{target}: {what}: not JSON"))?;
+            ensure!(v["error"]["type"].is_string(), "{target}: {what}: {v}");
+            checked += 1;
+        }
+    }
+    after_recovery(&s.router)?;
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    Ok(Row {
+        sent: checked,
+        completed: 0,
+        errors: checked,
+        hung: 0,
+        note: format!("{} malformed HTTP and {} malformed API bodies to the router and both workers: each a 4xx with a JSON error or a clean close; service unaffected", raw.len(), bodies.len()),
+    })
+}
+
 fn hung_worker(s: &mut Stack, short: bool) -> Result<Row> {
     // A "decode worker" that accepts connections and never answers anything.
     let l = TcpListener::bind("127.0.0.1:0")?;
@@ -514,6 +678,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "disconnect_storm" => disconnect_storm(&mut s, short),
             "overload" => overload(&mut s, short),
             "hung_worker" => hung_worker(&mut s, short),
+            "prefill_kill" => prefill_kill(&mut s, short),
+            "slowloris" => slowloris(&mut s, short),
+            "bad_input" => bad_input(&mut s, short),
             "restart_readd" => restart_readd(&mut s, short),
             _ => unreachable!("checked above"),
         });
