@@ -265,8 +265,9 @@ impl Router {
             self.metrics.worker_connections.with(&labels).map_err(|e| e.to_string())?,
         );
         let id = self.workers.add(url, role, self.cfg.breaker, Instant::now(), gauges)?;
-        // Probe it on the next turn.
+        // Probe it, and a pair through it, on the next turn.
         self.next_probe = Instant::now();
+        self.next_pair_probe = Instant::now();
         Ok(id)
     }
 
