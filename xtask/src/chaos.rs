@@ -28,6 +28,8 @@ const SCENARIOS: &[&str] = &[
     "hung_worker",
     "restart_readd",
     "bad_input",
+    "long_context",
+    "soak",
 ];
 
 /// The scenarios CI runs (`cargo xtask test`), in their short form.
@@ -561,6 +563,79 @@ fn bad_input(s: &mut Stack, _short: bool) -> Result<Row> {
     })
 }
 
+fn long_context(s: &mut Stack, short: bool) -> Result<Row> {
+    // A prompt that fills the model's context (8,192 tokens) but for the answer, decoded in a batch with
+    // short requests.
+    let prompt_tokens = if short { 2000 } else { 8000 };
+    let max_tokens = 150u64;
+    let ids: Vec<u32> = (0..prompt_tokens).map(|i| 1000 + (i * 7919) % 40000).collect();
+    let body = serde_json::to_vec(&serde_json::json!({
+        "prompt": ids, "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "timeout": 900,
+    }))?;
+    let addr: SocketAddr = s.router.trim_start_matches("http://").parse()?;
+    let long = std::thread::spawn(move || {
+        let mut c = Conn::new(addr);
+        c.request(
+            "/v1/completions",
+            &body,
+            Instant::now() + Duration::from_secs(900),
+            Duration::from_secs(1),
+            None,
+        )
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let short_ones = streams(&s.router.clone(), 4, 32, 900.0, || {});
+    let long = long.join().map_err(|_| anyhow::anyhow!("client thread panicked"))?;
+    ensure!(long.ok(), "the long-context request failed: {:?} (status {})", long.error, long.status);
+    ensure!(long.output_tokens == max_tokens, "the long-context request gave {} tokens", long.output_tokens);
+    let row = tally(&short_ones);
+    ensure!(row.completed == 4, "short requests beside it: {row:?}");
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    Ok(Row {
+        sent: 5,
+        completed: 5,
+        errors: 0,
+        hung: 0,
+        note: format!(
+            "{prompt_tokens} prompt tokens + {max_tokens} generated (to position {}), TTFT {:.1} s, {:.0} ms per token after; 4 short requests in the same batch completed",
+            prompt_tokens as u64 + max_tokens,
+            long.ttft.unwrap_or_default().as_secs_f64(),
+            long.e2e.saturating_sub(long.ttft.unwrap_or_default()).as_secs_f64() * 1000.0 / (max_tokens - 1) as f64
+        ),
+    })
+}
+
+fn soak(s: &mut Stack, short: bool) -> Result<Row> {
+    let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
+    let (agents, rounds) = if short { (8, 3) } else { (32, 10) };
+    let shape = Shape { disconnect_one_in: 5, ..shape(32, 600.0) };
+    let r = run_point(
+        &t,
+        &Load::Agents { agents, rounds, tool_words: 40 },
+        &shape,
+        &Slo::default(),
+        &Progress::quiet(),
+    );
+    ensure!(r.hung == 0, "{} hung requests", r.hung);
+    let left = r.errors.get("0 client_disconnect").copied().unwrap_or(0);
+    let other: u64 = r.errors.values().sum::<u64>() - left;
+    ensure!(other == 0, "errors besides client disconnects: {:?}", r.errors);
+    after_recovery(&s.router)?;
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    Ok(Row {
+        sent: r.sent as usize,
+        completed: r.ok as usize,
+        errors: left as usize,
+        hung: 0,
+        note: format!(
+            "{agents} agents x {rounds} rounds, growing contexts, one request in five abandoned by its client at a random token: {left} disconnects, {:.0} output tokens/s, nothing leaked",
+            r.tokens_per_s()
+        ),
+    })
+}
+
 fn hung_worker(s: &mut Stack, short: bool) -> Result<Row> {
     // A "decode worker" that accepts connections and never answers anything.
     let l = TcpListener::bind("127.0.0.1:0")?;
@@ -681,6 +756,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "prefill_kill" => prefill_kill(&mut s, short),
             "slowloris" => slowloris(&mut s, short),
             "bad_input" => bad_input(&mut s, short),
+            "long_context" => long_context(&mut s, short),
+            "soak" => soak(&mut s, short),
             "restart_readd" => restart_readd(&mut s, short),
             _ => unreachable!("checked above"),
         });

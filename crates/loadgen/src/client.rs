@@ -32,6 +32,8 @@ pub struct Outcome {
     pub hung: bool,
     /// Per-stage times the server reported (`timings` in the final chunk), in milliseconds.
     pub stages: Vec<(String, f64)>,
+    /// The client itself closed the connection before the end (see `Shape::disconnect_one_in`).
+    pub client_left: bool,
 }
 
 impl Outcome {
@@ -46,11 +48,12 @@ pub struct Conn {
     addr: SocketAddr,
     authority: String,
     stream: Option<TcpStream>,
+    leave_after: Option<u64>,
 }
 
 impl Conn {
     pub fn new(addr: SocketAddr) -> Conn {
-        Conn { addr, authority: addr.to_string(), stream: None }
+        Conn { addr, authority: addr.to_string(), stream: None, leave_after: None }
     }
 
     /// Sends `body` to `path` and reads the answer, streamed or not, until a terminal event, the
@@ -63,6 +66,21 @@ impl Conn {
         grace: Duration,
         api_key: Option<&str>,
     ) -> Outcome {
+        self.request_leaving_after(path, body, deadline, grace, api_key, None)
+    }
+
+    /// As [`request`](Self::request), but with `leave_after: Some(n)` the client closes the connection
+    /// once `n` content tokens have arrived (0: right after sending), as a user who gives up.
+    pub fn request_leaving_after(
+        &mut self,
+        path: &str,
+        body: &[u8],
+        deadline: Instant,
+        grace: Duration,
+        api_key: Option<&str>,
+        leave_after: Option<u64>,
+    ) -> Outcome {
+        self.leave_after = leave_after;
         let start = Instant::now();
         let mut out = Outcome::default();
         let hard = deadline + grace;
@@ -130,6 +148,16 @@ impl Conn {
         req.extend_from_slice(body);
         s.set_write_timeout(remaining(Instant::now()))?;
         s.write_all(&req)?;
+        let leave_after = self.leave_after;
+        let leave = |out: &mut Outcome| {
+            out.client_left = true;
+            out.terminal = true;
+            out.error = Some("client_disconnect".into());
+        };
+        if leave_after == Some(0) {
+            leave(out);
+            return Ok(false);
+        }
         let mut dec = ResponseDecoder::new(Limits { body_bytes_max: 64 << 20, ..Limits::default() }, false);
         let mut sse = SseDecoder::new(1 << 20);
         let mut sse_mode = false;
@@ -178,6 +206,10 @@ impl Conn {
                         sse.push(&d);
                         while let Ok(Some(e)) = sse.next_event() {
                             on_sse(&e.data, start, &mut last_token, out);
+                        }
+                        if leave_after.is_some_and(|n| out.output_tokens >= n) && !out.terminal {
+                            leave(out);
+                            return Ok(false);
                         }
                     }
                     ResponseEvent::Data(d) => plain.extend_from_slice(&d),

@@ -103,6 +103,9 @@ pub struct Shape {
     /// Extra wait past the deadline before a request counts as hung.
     pub grace: Duration,
     pub api_key: Option<String>,
+    /// One request in this many (0: none) is abandoned by its client: the connection is closed after
+    /// 0-7 tokens, as a user who gives up would. Counted as `client_disconnect`, never as hung.
+    pub disconnect_one_in: u64,
 }
 
 impl Default for Shape {
@@ -115,6 +118,7 @@ impl Default for Shape {
             timeout: Duration::from_secs(120),
             grace: Duration::from_secs(5),
             api_key: None,
+            disconnect_one_in: 0,
         }
     }
 }
@@ -193,14 +197,18 @@ fn one_shot_messages(shape: &Shape, i: u64) -> serde_json::Value {
     serde_json::json!([{"role": "user", "content": format!("Request {i}. Continue this list: {}", words(shape.prompt_words, i))}])
 }
 
-fn send(conn: &mut Conn, shape: &Shape, messages: &serde_json::Value) -> Outcome {
+fn send(conn: &mut Conn, shape: &Shape, messages: &serde_json::Value, seed: u64) -> Outcome {
     let deadline = Instant::now() + shape.timeout;
-    conn.request(
+    let mixed = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 17;
+    let leave_after =
+        (shape.disconnect_one_in > 0 && mixed % shape.disconnect_one_in == 0).then_some((mixed >> 8) % 8);
+    conn.request_leaving_after(
         "/v1/chat/completions",
         &body(shape, messages),
         deadline,
         shape.grace,
         shape.api_key.as_deref(),
+        leave_after,
     )
 }
 
@@ -232,7 +240,7 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                             if i >= *requests {
                                 break;
                             }
-                            let o = send(&mut conn, shape, &one_shot_messages(shape, i as u64));
+                            let o = send(&mut conn, shape, &one_shot_messages(shape, i as u64), i as u64);
                             record(progress, &o);
                             outcomes.lock().unwrap_or_else(|e| e.into_inner()).push(o);
                         }
@@ -255,7 +263,7 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                             let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
                             let Ok((i, scheduled)) = job else { break };
                             let waited = scheduled.elapsed();
-                            let mut o = send(&mut conn, shape, &one_shot_messages(shape, i));
+                            let mut o = send(&mut conn, shape, &one_shot_messages(shape, i), i);
                             // Open loop: time counts from the scheduled arrival, not from the send.
                             o.ttft = o.ttft.map(|t| t + waited);
                             o.e2e += waited;
@@ -303,9 +311,12 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                             serde_json::json!({"role": "user", "content": format!("Task {a}: sort these items: {}", words(shape.prompt_words, a as u64 + 1000))}),
                         ];
                         for r in 0..*rounds {
-                            let o = send(&mut conn, shape, &serde_json::Value::Array(messages.clone()));
+                            let seed = (a * 1000 + r) as u64;
+                            let o = send(&mut conn, shape, &serde_json::Value::Array(messages.clone()), seed);
                             record(progress, &o);
-                            let ok = o.ok();
+                            // A turn its own client abandoned is retried by the agent in the next round; a turn the
+                            // server failed ends the agent, as a harness would after its retries.
+                            let ok = o.ok() || o.client_left;
                             messages.push(serde_json::json!({"role": "assistant", "content": o.text.clone()}));
                             messages.push(serde_json::json!({"role": "user", "content": format!(
                                 "Tool output (call {r}): exit 0. {}", words(*tool_words, (a * 1000 + r) as u64))}));
