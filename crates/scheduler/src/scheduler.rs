@@ -560,6 +560,7 @@ impl Scheduler {
         r.tokens.push(token);
         r.output_len += 1;
         let (seq, was_prefilled) = (r.seq, matches!(r.state, State::Running { prefilled: true }));
+        let r_deadline = r.deadline;
         r.state = State::Running { prefilled: true };
         let done_length = r.output_len >= r.max_tokens || r.tokens.len() >= self.config.max_context_tokens;
         if let Err(e) = self.kv.append_tokens(seq, &[token]) {
@@ -568,7 +569,7 @@ impl Scheduler {
         }
         if self.config.role == Role::Prefill && !was_prefilled {
             let transfer = TransferId(id.0);
-            let until = self.ms(now + self.config.kv_lease);
+            let until = self.ms((now + self.config.kv_lease).min(r_deadline));
             match self.kv.lease_sequence(seq, transfer, until) {
                 Ok(lease) => {
                     let blocks = lease.blocks.to_vec();

@@ -57,8 +57,10 @@ impl Default for SchedulerConfig {
             max_batch_tokens: 2048,
             prefill_chunk_tokens: 512,
             max_context_tokens: 8192,
-            kv_lease: Duration::from_secs(30),
-            kv_transfer_timeout: Duration::from_secs(30),
+            // Both also end at the request's own deadline. Generous, because a busy decode worker may
+            // take a while to make room for the KV; the router's aborts end abandoned offers early.
+            kv_lease: Duration::from_secs(120),
+            kv_transfer_timeout: Duration::from_secs(120),
             admission_watermark_blocks: 1,
         }
     }

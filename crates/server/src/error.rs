@@ -64,6 +64,12 @@ impl ApiError {
                 "deadline_exceeded",
                 format!("the request's deadline passed while it was {}", stage_words(*stage)),
             ),
+            // The KV never arrived from the prefill worker: a failure of the path, not a bug here.
+            Outcome::Failed { stage: stage @ Stage::KvTransfer, reason } => ApiError::new(
+                502,
+                "kv_transfer_failed",
+                format!("the request failed while {}: {reason}", stage_words(*stage)),
+            ),
             Outcome::Failed { stage, reason } => ApiError::new(
                 500,
                 "internal",

@@ -83,14 +83,14 @@ fn a_bad_handle_fails_the_request_with_a_reason() {
     b["pd_transfer"] = h.clone();
     let start = Instant::now();
     let (s, v) = decode.json("POST", "/v1/chat/completions", &b.to_string());
-    assert_eq!(s, 500, "{v}");
+    assert_eq!((s, v["error"]["type"].as_str()), (502, Some("kv_transfer_failed")), "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("stale_epoch"), "{v}");
     assert!(start.elapsed() < Duration::from_secs(10));
     // A prefill worker nobody listens on: refused, ended, not hung.
     h["addr"] = serde_json::json!("127.0.0.1:1");
     b["pd_transfer"] = h;
     let (s, v) = decode.json("POST", "/v1/chat/completions", &b.to_string());
-    assert_eq!(s, 500, "{v}");
+    assert_eq!((s, v["error"]["type"].as_str()), (502, Some("kv_transfer_failed")), "{v}");
     // The decode worker refuses a body without a handle; the prefill worker one with a handle.
     assert_eq!(decode.json("POST", "/v1/chat/completions", &body).0, 400);
     let mut with = serde_json::from_str::<serde_json::Value>(&body).unwrap();
