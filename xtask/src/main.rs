@@ -18,8 +18,9 @@ commands:
   serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]
                        fetch the default model if missing, build, and serve it: the router in front of
                        prefill and decode workers (default 1 + 1), or one unified worker
-  test                 fmt check, clippy (warnings are errors), every test of the workspace, and the
-                       short chaos subset (chaos --ci)
+  test                 fmt check, clippy (warnings are errors), every test of the workspace, the
+                       short chaos subset (chaos --ci), and every fuzz target for 3 s (if cargo-fuzz is
+                       installed)
   fuzz [TARGET] [--seconds N]
                        run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
   bench [--target URL ...] [--workload sweep|poisson|agents] [...]
@@ -88,11 +89,21 @@ fn test() -> Result<()> {
     cargo(&["test", "--workspace"])?;
     // The short chaos subset: real processes, faults, and the ledgers back to zero afterwards.
     chaos::run(&["--ci".to_owned()])?;
+    // Every fuzz target for a few seconds, where cargo-fuzz is installed (`.ci/run` installs it).
+    if fuzz_available() {
+        fuzz(&["--seconds".to_owned(), "3".to_owned()])?;
+    } else {
+        eprintln!("xtask test: fuzz targets skipped: cargo-fuzz is not installed (`cargo install cargo-fuzz`)");
+    }
     eprintln!("xtask test: all green");
     Ok(())
 }
 
 const FUZZ_TARGETS: &[&str] = &["http_request", "http_response", "kv_ops", "sched_ops", "pd_frames"];
+
+fn fuzz_available() -> bool {
+    Command::new("cargo").args(["fuzz", "--version"]).output().is_ok_and(|o| o.status.success())
+}
 
 fn fuzz(args: &[String]) -> Result<()> {
     let mut seconds = 30u32;
@@ -108,8 +119,7 @@ fn fuzz(args: &[String]) -> Result<()> {
     if targets.is_empty() {
         targets = FUZZ_TARGETS.to_vec();
     }
-    if Command::new("cargo").args(["fuzz", "--version"]).output().map(|o| !o.status.success()).unwrap_or(true)
-    {
+    if !fuzz_available() {
         bail!("cargo-fuzz is not installed: run `cargo install cargo-fuzz`");
     }
     for t in targets {
