@@ -93,7 +93,9 @@ fn test() -> Result<()> {
     if fuzz_available() {
         fuzz(&["--seconds".to_owned(), "3".to_owned()])?;
     } else {
-        eprintln!("xtask test: fuzz targets skipped: cargo-fuzz is not installed (`cargo install cargo-fuzz`)");
+        eprintln!(
+            "xtask test: fuzz targets skipped: cargo-fuzz is not installed (`cargo install cargo-fuzz`)"
+        );
     }
     eprintln!("xtask test: all green");
     Ok(())

@@ -971,11 +971,11 @@ impl Router {
                 self.pair_probes_in_flight -= 1;
                 let ok = outcome == Outcome::Ok;
                 self.metrics.probes.with(&["pair", if ok { "ok" } else { "failed" }]).map(|c| c.inc()).ok();
+                // A failed pair probe withdraws the proof at once (the two workers may each answer
+                // their own probes while the link between them is down); the next success restores it.
                 for w in [prefill, decode] {
                     if let Some(w) = self.workers.get_mut(w) {
-                        if ok {
-                            w.path_ok = Some(now);
-                        }
+                        w.path_ok = ok.then_some(now);
                     }
                 }
             }
