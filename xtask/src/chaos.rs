@@ -133,7 +133,8 @@ impl Stack {
         Ok(())
     }
 
-    /// Ledgers, KV blocks and transfers back to zero everywhere, within 15 s.
+    /// Ledgers, KV blocks, transfers and the router's upstream connections back to their baseline
+    /// everywhere, within 15 s.
     fn baseline(&self, skip: &[&str]) -> Result<()> {
         let t = Instant::now();
         loop {
@@ -143,6 +144,22 @@ impl Stack {
             let n = v["requests"].as_array().map_or(0, Vec::len);
             if n > 0 {
                 left.push(format!("router: {n} live requests"));
+            }
+            // Every upstream connection the router holds is back in its pool (none left busy).
+            let (_, body) = get(&self.router, "/workers")?;
+            let w: serde_json::Value = serde_json::from_slice(&body)?;
+            for w in w["workers"].as_array().into_iter().flatten() {
+                let busy = w["connections"]
+                    .as_u64()
+                    .unwrap_or(0)
+                    .saturating_sub(w["idle_connections"].as_u64().unwrap_or(0));
+                let in_flight = w["in_flight"].as_u64().unwrap_or(0);
+                if busy > 0 || in_flight > 0 {
+                    left.push(format!(
+                        "router -> {}: {busy} busy connections, {in_flight} in flight",
+                        w["url"]
+                    ));
+                }
             }
             for p in self.procs.iter().filter(|p| p.name != "router" && !skip.contains(&p.name.as_str())) {
                 let (_, m) = get(&p.url, "/metrics")?;
