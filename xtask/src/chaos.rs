@@ -42,7 +42,6 @@ struct Stack {
     logs: PathBuf,
     bins: (PathBuf, PathBuf),
     model: PathBuf,
-    next_decode: usize,
 }
 
 impl Stack {
@@ -56,12 +55,10 @@ impl Stack {
             logs,
             bins: bins.clone(),
             model: model.to_owned(),
-            next_decode: 0,
         };
         let p = s.worker("prefill-0", "prefill")?;
         s.procs.push(p);
         let d = s.worker("decode-0", "decode")?;
-        s.next_decode = 1;
         s.procs.push(d);
         let mut args: Vec<String> = vec![
             "--port".into(),
@@ -199,6 +196,15 @@ impl Stack {
         Ok(())
     }
 
+    /// Starts `new` in `role`, adds it to the router and removes `old` (dead or alive).
+    fn replace_worker(&mut self, old: &str, new: &str, role: &str) -> Result<()> {
+        let p = self.worker(new, role)?;
+        let url = p.url.clone();
+        self.procs.push(p);
+        self.add_worker(&url, role)?;
+        self.remove_worker(&self.url_of(old))
+    }
+
     fn remove_worker(&self, url: &str) -> Result<()> {
         let (s, b) = call("DELETE", &self.router, &format!("/workers?url={url}"), b"")?;
         ensure!(s == 200, "DELETE /workers answered {s}: {}", String::from_utf8_lossy(&b));
@@ -298,11 +304,7 @@ fn decode_kill(s: &mut Stack, short: bool) -> Result<Row> {
     ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
     ensure!(not_ready_after < Duration::from_secs(5), "still ready after the only decode worker died");
     // Recovery: a new decode worker joins, the dead one leaves.
-    let d = s.worker("decode-1", "decode")?;
-    let url = d.url.clone();
-    s.procs.push(d);
-    s.add_worker(&url, "decode")?;
-    s.remove_worker(&s.url_of("decode-0"))?;
+    s.replace_worker("decode-0", "decode-1", "decode")?;
     let back = s.wait_ready(true, Duration::from_secs(30))?;
     after_recovery(&s.router)?;
     s.all_alive_but(&["decode-0"])?;
@@ -438,11 +440,7 @@ fn prefill_kill(s: &mut Stack, short: bool) -> Result<Row> {
     let mut row = tally(&outcomes);
     ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
     ensure!(not_ready_after < Duration::from_secs(5), "still ready after the only prefill worker died");
-    let p = s.worker("prefill-1", "prefill")?;
-    let url = p.url.clone();
-    s.procs.push(p);
-    s.add_worker(&url, "prefill")?;
-    s.remove_worker(&s.url_of("prefill-0"))?;
+    s.replace_worker("prefill-0", "prefill-1", "prefill")?;
     let back = s.wait_ready(true, Duration::from_secs(30))?;
     after_recovery(&s.router)?;
     s.all_alive_but(&["prefill-0"])?;
@@ -701,11 +699,7 @@ fn restart_readd(s: &mut Stack, short: bool) -> Result<Row> {
     });
     std::thread::sleep(Duration::from_secs(2));
     s.signal("decode-0", "-KILL")?;
-    let d = s.worker("decode-1", "decode")?;
-    let url = d.url.clone();
-    s.procs.push(d);
-    s.add_worker(&url, "decode")?;
-    s.remove_worker(&s.url_of("decode-0"))?;
+    s.replace_worker("decode-0", "decode-1", "decode")?;
     let r = traffic.join().map_err(|_| anyhow::anyhow!("traffic thread panicked"))?;
     ensure!(r.hung == 0, "{} hung requests", r.hung);
     ensure!(r.ok > 0, "no request succeeded around the restart: {:?}", r.errors);
@@ -865,7 +859,6 @@ fn netns_partition(bins: &(PathBuf, PathBuf), model: &Path, short: bool) -> Resu
         logs,
         bins: bins.clone(),
         model: model.to_owned(),
-        next_decode: 1,
     };
     s.wait_ready(true, Duration::from_secs(60))?;
     let n = if short { 4 } else { 12 };

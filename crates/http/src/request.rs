@@ -53,6 +53,13 @@ impl Request {
         self.header(name).and_then(|v| std::str::from_utf8(v).ok()).map(str::trim)
     }
 
+    /// The client's `x-request-id`, if it is one a process may adopt and echo: 1 to 128 visible ASCII
+    /// characters. Anything else is ignored and the process makes up its own id.
+    pub fn request_id(&self) -> Option<&str> {
+        self.header_str("x-request-id")
+            .filter(|id| !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()))
+    }
+
     /// The target's path, without the query.
     pub fn path(&self) -> &str {
         self.target.split_once('?').map_or(&self.target, |(p, _)| p)

@@ -8,8 +8,8 @@
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
-use std::fmt::Write as _;
 use std::io;
+use std::io::Write as _;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -72,7 +72,6 @@ struct Flight {
     path: String,
     body: Vec<u8>,
     prompt: String,
-    chat: bool,
     received: Instant,
     deadline: Instant,
     queued_at: Option<Instant>,
@@ -97,6 +96,49 @@ struct Flight {
     resp_body: Vec<u8>,
     /// The last bytes forwarded on a stream, to end a broken stream on an event boundary.
     tail: Vec<u8>,
+}
+
+impl Flight {
+    /// A flight not yet dispatched, with no client connection (set `client` for one that has).
+    fn new(
+        rid: String,
+        purpose: Purpose,
+        path: &str,
+        body: Vec<u8>,
+        now: Instant,
+        deadline: Instant,
+    ) -> Flight {
+        Flight {
+            rid,
+            client: None,
+            purpose,
+            method_get: false,
+            path: path.to_owned(),
+            body,
+            prompt: String::new(),
+            received: now,
+            deadline,
+            queued_at: None,
+            admitted: false,
+            leg: None,
+            started: Vec::new(),
+            refused: Vec::new(),
+            prefill_worker: None,
+            decode_worker: None,
+            prefill_sent: None,
+            decode_body: Vec::new(),
+            head_sent: false,
+            streaming: false,
+            status: 0,
+            content_type: None,
+            resp_body: Vec::new(),
+            tail: Vec::new(),
+        }
+    }
+
+    fn chat(&self) -> bool {
+        self.path == "/v1/chat/completions"
+    }
 }
 
 #[derive(Debug)]
@@ -158,6 +200,16 @@ fn key_matches(presented: Option<&str>, key: &str) -> bool {
         diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0xff);
     }
     diff == 0
+}
+
+/// A health-shaped answer (`{"status": ...}`); anything but 200 carries `Retry-After`.
+fn health_response(status: u16, body: &serde_json::Value) -> pdserve_http::Response {
+    let resp = pdserve_http::Response::json(status, body.to_string());
+    if status == 200 {
+        resp
+    } else {
+        resp.header("retry-after", "1")
+    }
 }
 
 fn error_response(
@@ -287,11 +339,9 @@ impl Router {
     // ----- client requests -----------------------------------------------------------------------
 
     fn request_id(req: &Request, n: u64) -> String {
-        match req.header_str("x-request-id") {
-            Some(id) if !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()) => {
-                id.to_owned()
-            }
-            _ => format!("rt-{:x}-{n}", unix_ms()),
+        match req.request_id() {
+            Some(id) => id.to_owned(),
+            None => format!("rt-{:x}-{n}", unix_ms()),
         }
     }
 
@@ -332,12 +382,7 @@ impl Router {
                         Ok(()) => (200, json!({"status": "ready", "workers": self.workers.iter().count()})),
                         Err(reason) => (503, json!({"status": "not_ready", "reason": reason})),
                     };
-                let mut resp =
-                    pdserve_http::Response::json(200, body.to_string()).header("x-request-id", &rid);
-                resp.status = status;
-                if status == 503 {
-                    resp = resp.header("retry-after", "1");
-                }
+                let resp = health_response(status, &body).header("x-request-id", &rid);
                 let _ = self.server.respond(conn, &resp);
             }
             ("GET", "/health/generate") => self.start_flight(
@@ -415,8 +460,7 @@ impl Router {
     }
 
     fn respond_json(&mut self, conn: ConnId, status: u16, body: &serde_json::Value, rid: &str) {
-        let mut resp = pdserve_http::Response::json(200, body.to_string()).header("x-request-id", rid);
-        resp.status = status;
+        let resp = pdserve_http::Response::json(status, body.to_string()).header("x-request-id", rid);
         let _ = self.server.respond(conn, &resp);
     }
 
@@ -540,33 +584,10 @@ impl Router {
         };
         let id = self.next_id;
         self.next_id += 1;
-        let flight = Flight {
-            rid: rid.to_owned(),
-            client: Some(conn),
-            purpose,
-            method_get,
-            chat: path == "/v1/chat/completions",
-            path: path.to_owned(),
-            body,
-            prompt,
-            received: now,
-            deadline: now + timeout,
-            queued_at: None,
-            admitted: false,
-            leg: None,
-            started: Vec::new(),
-            refused: Vec::new(),
-            prefill_worker: None,
-            decode_worker: None,
-            prefill_sent: None,
-            decode_body: Vec::new(),
-            head_sent: false,
-            streaming: false,
-            status: 0,
-            content_type: None,
-            resp_body: Vec::new(),
-            tail: Vec::new(),
-        };
+        let mut flight = Flight::new(rid.to_owned(), purpose, path, body, now, now + timeout);
+        flight.client = Some(conn);
+        flight.method_get = method_get;
+        flight.prompt = prompt;
         // No working capacity at all: answer at once rather than queue.
         let capacity =
             self.has_role(Role::Unified) || (self.has_role(Role::Prefill) && self.has_role(Role::Decode));
@@ -576,7 +597,7 @@ impl Router {
             let msg = format!("no healthy worker can take the request ({msg})");
             let resp = if purpose == Purpose::HealthGenerate {
                 let body = json!({"status": "failed", "reason": msg});
-                pdserve_http::Response::json(503, body.to_string()).header("retry-after", "1")
+                health_response(503, &body)
             } else {
                 error_response(503, "no_capacity", msg, rid, Some(1))
             };
@@ -634,36 +655,15 @@ impl Router {
         self.next_id += 1;
         let rid = format!("probe-{id}");
         let deadline = now + self.cfg.probe_timeout;
-        self.flights.insert(
-            id,
-            Flight {
-                rid: rid.clone(),
-                client: None,
-                purpose: Purpose::PairProbe { prefill, decode },
-                method_get: false,
-                path: "/v1/chat/completions".into(),
-                body: PROBE_BODY.to_vec(),
-                prompt: String::new(),
-                chat: true,
-                received: now,
-                deadline,
-                queued_at: None,
-                admitted: false,
-                leg: None,
-                started: Vec::new(),
-                refused: Vec::new(),
-                prefill_worker: None,
-                decode_worker: None,
-                prefill_sent: None,
-                decode_body: Vec::new(),
-                head_sent: false,
-                streaming: false,
-                status: 0,
-                content_type: None,
-                resp_body: Vec::new(),
-                tail: Vec::new(),
-            },
+        let flight = Flight::new(
+            rid.clone(),
+            Purpose::PairProbe { prefill, decode },
+            "/v1/chat/completions",
+            PROBE_BODY.to_vec(),
+            now,
+            deadline,
         );
+        self.flights.insert(id, flight);
         self.by_rid.insert(rid, id);
         self.push_deadline(deadline, id);
         self.pair_probes_in_flight += 1;
@@ -794,7 +794,7 @@ impl Router {
         let mut out = Vec::with_capacity(body.len() + 256);
         let method = if f.method_get { "GET" } else { "POST" };
         let _ = write!(
-            StrBuf(&mut out),
+            &mut out,
             "{method} {} HTTP/1.1\r\nhost: {authority}\r\nx-request-id: {}\r\nx-request-deadline-ms: {remaining}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
             f.path,
             f.rid,
@@ -890,7 +890,7 @@ impl Router {
         if let Some(conn) = f.client {
             if f.purpose == Purpose::HealthGenerate {
                 let body = json!({"status": "failed", "reason": msg});
-                let resp = pdserve_http::Response::json(503, body.to_string()).header("retry-after", "1");
+                let resp = health_response(503, &body);
                 let _ = self.server.respond(conn, &resp);
             } else if f.streaming {
                 let mut frame = Vec::new();
@@ -900,12 +900,12 @@ impl Router {
                 if !f.tail.ends_with(b"data: [DONE]\n\n") {
                     let err = ErrorReply::new(status, kind, msg.clone()).with_request_id(&f.rid).to_json();
                     write_sse_event(&mut frame, &err.to_string());
-                    let choice = if f.chat {
+                    let choice = if f.chat() {
                         json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": "error"})
                     } else {
                         json!({"index": 0, "text": "", "logprobs": null, "finish_reason": "error"})
                     };
-                    let last = json!({"id": f.rid, "object": if f.chat { "chat.completion.chunk" } else { "text_completion" },
+                    let last = json!({"id": f.rid, "object": if f.chat() { "chat.completion.chunk" } else { "text_completion" },
                         "created": unix_ms() / 1000, "model": "", "choices": [choice]});
                     write_sse_event(&mut frame, &last.to_string());
                     write_sse_event(&mut frame, pdserve_http::SSE_DONE);
@@ -1275,12 +1275,7 @@ impl Router {
                         json!({"status": "failed", "reason": format!("worker answered {}: {}", f.status, String::from_utf8_lossy(&f.resp_body))}),
                     )
                 };
-                let mut resp = pdserve_http::Response::json(200, body.to_string());
-                resp.status = status;
-                if status != 200 {
-                    resp = resp.header("retry-after", "1");
-                }
-                let _ = self.server.respond(conn, &resp);
+                let _ = self.server.respond(conn, &health_response(status, &body));
             } else {
                 let mut resp = pdserve_http::Response::new(f.status)
                     .header("content-type", f.content_type.as_deref().unwrap_or("application/json"))
@@ -1634,16 +1629,6 @@ impl Router {
     /// Counts for tests and `/debug`: flights, upstream connections open, idle.
     pub fn counts(&self) -> (usize, usize) {
         (self.flights.len(), self.ups.iter().flatten().count())
-    }
-}
-
-/// `fmt::Write` into a byte buffer.
-struct StrBuf<'a>(&'a mut Vec<u8>);
-
-impl std::fmt::Write for StrBuf<'_> {
-    fn write_str(&mut self, s: &str) -> std::fmt::Result {
-        self.0.extend_from_slice(s.as_bytes());
-        Ok(())
     }
 }
 

@@ -54,7 +54,6 @@ pub(crate) struct Upstream {
     limits: Limits,
     /// When the connect must have finished, or when an idle connection expires.
     pub timer: Instant,
-    pub head_request: bool,
     /// The status of the response being read, for owners that only need the verdict (probes).
     pub status: u16,
 }
@@ -80,7 +79,6 @@ impl Upstream {
             decoder: ResponseDecoder::new(limits, false),
             limits,
             timer: connect_deadline,
-            head_request: false,
             status: 0,
         })
     }
@@ -89,7 +87,6 @@ impl Upstream {
     pub fn send(&mut self, request: Vec<u8>, head_request: bool) -> Result<(), UpError> {
         self.out = request;
         self.out_pos = 0;
-        self.head_request = head_request;
         self.decoder = ResponseDecoder::new(self.limits, head_request);
         if self.phase == Phase::Idle {
             self.phase = Phase::Busy;

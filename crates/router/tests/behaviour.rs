@@ -33,17 +33,30 @@ fn all_workers_down_is_503_at_once() {
 
 #[test]
 fn refused_connect_is_retried_on_another_worker() {
-    let dead = dead_url();
+    let gone = MockWorker::start(MockRole::Unified, Mode::Ok);
     let w = MockWorker::start(MockRole::Unified, Mode::Ok);
-    let mut cfg = config(&[(&dead, Role::Unified), (&w.url, Role::Unified)]);
+    let mut cfg = config(&[(&gone.url, Role::Unified), (&w.url, Role::Unified)]);
     cfg.policy = pdserve_router::PolicyKind::RoundRobin;
-    cfg.probe_interval = Duration::from_secs(3600); // only the first probe round; routing finds the dead one
+    // One probe round at start (both pass), then none: routing itself meets the refusal.
+    cfg.probe_interval = Duration::from_secs(3600);
     let r = RouterHandle::start(cfg);
+    r.wait_ready(Duration::from_secs(5));
+    gone.kill();
+    std::thread::sleep(Duration::from_millis(50));
     for _ in 0..4 {
         let (status, body) = r.json("POST", "/v1/chat/completions", CHAT);
         assert_eq!(status, 200, "{body}");
     }
     assert_eq!(w.seen.lock().unwrap().posts.len(), 4);
+    let text = String::from_utf8(r.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
+    let retries: f64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("router_connect_retries_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(retries >= 1.0, "the refused worker was never tried: {text}");
+    let (_, list) = r.json("GET", "/workers", "");
+    assert_eq!(list["workers"][0]["state"], "down", "a refused connect takes the worker out: {list}");
 }
 
 #[test]
@@ -237,7 +250,6 @@ fn pd_prefill_failure_ends_the_request_at_once() {
     let d = MockWorker::start(MockRole::Decode, Mode::Ok);
     let r = RouterHandle::start(config(&[(&p.url, Role::Prefill), (&d.url, Role::Decode)]));
     r.wait_ready(Duration::from_secs(5));
-    p.set_mode(Mode::DieMidStream); // irrelevant for prefill answers; kill instead
     p.kill();
     let t = Instant::now();
     let (s, v) = r.json("POST", "/v1/chat/completions", CHAT);

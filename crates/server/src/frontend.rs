@@ -171,11 +171,9 @@ impl Frontend {
     }
 
     fn request_id(req: &Request, fallback: u64) -> String {
-        match req.header_str("x-request-id") {
-            Some(id) if !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()) => {
-                id.to_owned()
-            }
-            _ => format!("req-{:x}-{fallback}", unix_now()),
+        match req.request_id() {
+            Some(id) => id.to_owned(),
+            None => format!("req-{:x}-{fallback}", unix_now()),
         }
     }
 
