@@ -44,9 +44,54 @@ pub trait Backend: Send {
     /// Performs copy-on-write copies from the KV cache's `take_copies` (whole blocks).
     fn copy_blocks(&mut self, copies: &[BlockCopy]);
 
-    /// One block's KV, for sending to a peer.
-    fn block_data(&self, block: BlockId) -> &[f32];
+    /// Copies one block's KV (`kv_layout().block_floats()` values, layout `[layer][k|v][position][kv
+    /// head][head dim]`) into `out`, for sending to a peer.
+    fn read_block(&self, block: BlockId, out: &mut [f32]) -> Result<(), ModelError>;
 
-    /// One block's KV, for receiving from a peer.
-    fn block_data_mut(&mut self, block: BlockId) -> &mut [f32];
+    /// Stores one block's KV received from a peer (same layout as [`read_block`](Self::read_block)).
+    fn write_block(&mut self, block: BlockId, data: &[f32]) -> Result<(), ModelError>;
+}
+
+/// Checks a block id and a buffer length against a layout.
+pub(crate) fn check_block(layout: &KvLayout, block: BlockId, len: usize) -> Result<(), ModelError> {
+    if block.0 as usize >= layout.num_blocks || len != layout.block_floats() {
+        return Err(ModelError::InvalidInput {
+            problem: format!(
+                "{block} with {len} values; the pool has {} blocks of {} values",
+                layout.num_blocks,
+                layout.block_floats()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Checks a batch step against a model's vocabulary and context and the KV pool: every problem that
+/// would make a backend read out of bounds is an error naming it.
+pub(crate) fn check_steps(
+    vocab_size: usize,
+    max_positions: usize,
+    layout: &KvLayout,
+    steps: &[SeqStep<'_>],
+) -> Result<(), ModelError> {
+    let bad = |problem: String| Err(ModelError::InvalidInput { problem });
+    for (i, s) in steps.iter().enumerate() {
+        let end = s.start_pos + s.tokens.len();
+        if s.tokens.is_empty() {
+            return bad(format!("step {i} has no tokens"));
+        }
+        if end > max_positions {
+            return bad(format!("positions up to {end} exceed the context of {max_positions}"));
+        }
+        if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= vocab_size) {
+            return bad(format!("token id {t} is outside the vocabulary of {vocab_size}"));
+        }
+        if s.block_table.len() * layout.block_size < end {
+            return bad(format!("block table of {} blocks cannot hold {end} positions", s.block_table.len()));
+        }
+        if let Some(b) = s.block_table.iter().find(|b| b.0 as usize >= layout.num_blocks) {
+            return bad(format!("{b} is outside the pool of {}", layout.num_blocks));
+        }
+    }
+    Ok(())
 }

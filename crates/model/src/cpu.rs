@@ -9,7 +9,7 @@ use std::sync::Arc;
 use pdserve_kvcache::{BlockCopy, BlockId};
 use rayon::prelude::*;
 
-use crate::backend::{Backend, KvLayout, SeqStep};
+use crate::backend::{check_block, check_steps, Backend, KvLayout, SeqStep};
 use crate::sys::{as_f32, as_f32_mut, create_shared_f32, dot, map_file, sgemm, Mmap};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
@@ -144,35 +144,6 @@ impl CpuBackend {
             * l.head_dim
     }
 
-    fn check(&self, steps: &[SeqStep<'_>]) -> Result<(), ModelError> {
-        let bad = |problem: String| Err(ModelError::InvalidInput { problem });
-        for (i, s) in steps.iter().enumerate() {
-            let end = s.start_pos + s.tokens.len();
-            if s.tokens.is_empty() {
-                return bad(format!("step {i} has no tokens"));
-            }
-            if end > self.cfg.max_position_embeddings {
-                return bad(format!(
-                    "positions up to {end} exceed the context of {}",
-                    self.cfg.max_position_embeddings
-                ));
-            }
-            if let Some(t) = s.tokens.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-                return bad(format!("token id {t} is outside the vocabulary of {}", self.cfg.vocab_size));
-            }
-            if s.block_table.len() * self.layout.block_size < end {
-                return bad(format!(
-                    "block table of {} blocks cannot hold {end} positions",
-                    s.block_table.len()
-                ));
-            }
-            if let Some(b) = s.block_table.iter().find(|b| b.0 as usize >= self.layout.num_blocks) {
-                return bad(format!("{b} is outside the pool of {}", self.layout.num_blocks));
-            }
-        }
-        Ok(())
-    }
-
     fn rope(&self, x: &mut [f32], heads: usize, pos: usize) {
         let hd = self.cfg.head_dim;
         let half = hd / 2;
@@ -202,18 +173,20 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn block_data(&self, block: BlockId) -> &[f32] {
-        let n = self.layout.block_floats();
-        &self.kv.as_slice()[block.0 as usize * n..][..n]
+    fn read_block(&self, block: BlockId, out: &mut [f32]) -> Result<(), ModelError> {
+        check_block(&self.layout, block, out.len())?;
+        out.copy_from_slice(&self.kv.as_slice()[block.0 as usize * out.len()..][..out.len()]);
+        Ok(())
     }
 
-    fn block_data_mut(&mut self, block: BlockId) -> &mut [f32] {
-        let n = self.layout.block_floats();
-        &mut self.kv.as_mut_slice()[block.0 as usize * n..][..n]
+    fn write_block(&mut self, block: BlockId, data: &[f32]) -> Result<(), ModelError> {
+        check_block(&self.layout, block, data.len())?;
+        self.kv.as_mut_slice()[block.0 as usize * data.len()..][..data.len()].copy_from_slice(data);
+        Ok(())
     }
 
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.check(steps)?;
+        check_steps(self.cfg.vocab_size, self.cfg.max_position_embeddings, &self.layout, steps)?;
         let cfg = self.cfg.clone();
         let w = Arc::clone(&self.w);
         let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);

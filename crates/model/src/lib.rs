@@ -31,6 +31,8 @@ mod cpu;
 mod error;
 pub mod fetch;
 pub mod gguf;
+#[cfg(feature = "cuda")]
+mod gpu;
 pub mod import;
 mod sampling;
 mod sys;
@@ -43,6 +45,8 @@ pub use backend::{Backend, KvLayout, SeqStep};
 pub use config::ModelConfig;
 pub use cpu::{CpuBackend, SharedKvView};
 pub use error::ModelError;
+#[cfg(feature = "cuda")]
+pub use gpu::GpuBackend;
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use text::{ChatMessage, IncrementalDecoder, TextCodec};
 pub use weights::{LayerWeights, Weights};

@@ -163,7 +163,7 @@ fn copied_blocks_continue_identically() {
     let copies = kv.take_copies();
     assert_eq!(copies.len(), 1);
     cpu.copy_blocks(&copies);
-    assert_eq!(cpu.block_data(copies[0].dst), cpu.block_data(copies[0].src), "whole block copied");
+    assert_eq!(block(&cpu, copies[0].dst), block(&cpu, copies[0].src), "whole block copied");
     let out: Vec<Vec<f32>> = [SeqId(1), SeqId(2)]
         .iter()
         .map(|&s| {
@@ -232,11 +232,32 @@ fn shared_kv_memory_is_readable_from_a_second_mapping_and_removed_on_drop() {
     let floats = cpu.kv_layout().block_floats();
     let view = pdserve_model::SharedKvView::open(&path, floats).unwrap();
     for b in 0..2 {
-        assert_eq!(view.block(b).unwrap(), cpu.block_data(BlockId(b as u32)), "block {b}");
+        assert_eq!(view.block(b).unwrap(), &block(&cpu, BlockId(b as u32))[..], "block {b}");
     }
     assert!(view.block(8).is_none());
     assert!(pdserve_model::SharedKvView::open(std::path::Path::new("/etc/passwd"), floats).is_err());
     drop(view);
     drop(cpu);
     assert!(!path.exists(), "the shared file is removed with the backend");
+}
+
+/// One block's KV read through the backend.
+fn block(cpu: &CpuBackend, b: BlockId) -> Vec<f32> {
+    let mut out = vec![0.0; cpu.kv_layout().block_floats()];
+    cpu.read_block(b, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn block_reads_and_writes_are_checked_and_round_trip() {
+    let mut cpu = backend(8, 4);
+    let n = cpu.kv_layout().block_floats();
+    let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+    cpu.write_block(BlockId(3), &data).unwrap();
+    assert_eq!(block(&cpu, BlockId(3)), data);
+    assert!(block(&cpu, BlockId(2)).iter().all(|&v| v == 0.0), "neighbours untouched");
+    assert!(cpu.write_block(BlockId(8), &data).is_err(), "block outside the pool");
+    assert!(cpu.write_block(BlockId(0), &data[1..]).is_err(), "short buffer");
+    let mut short = vec![0.0; n - 1];
+    assert!(cpu.read_block(BlockId(0), &mut short).is_err());
 }

@@ -493,13 +493,16 @@ impl Engine {
                     {
                         continue; // a late or foreign block: never written
                     }
-                    let mem = self.backend.block_data_mut(dst.block);
-                    if mem.len() * 4 != r.data.len() {
+                    let floats: Vec<f32> = r
+                        .data
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect();
+                    if floats.len() * 4 != r.data.len()
+                        || self.backend.write_block(dst.block, &floats).is_err()
+                    {
                         pd.receiver.abort(key.transfer);
                         continue;
-                    }
-                    for (m, b) in mem.iter_mut().zip(r.data.chunks_exact(4)) {
-                        *m = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
                     }
                     if let Ok(c) = self.metrics.transfer_bytes.with(&["received"]) {
                         c.add(r.data.len() as u64);
@@ -528,12 +531,10 @@ impl Engine {
                         pd.receiver.abort(key.transfer);
                         continue;
                     };
-                    let mem = self.backend.block_data_mut(dst.block);
-                    if mem.len() != src.len() {
+                    if self.backend.write_block(dst.block, src).is_err() {
                         pd.receiver.abort(key.transfer);
                         continue;
                     }
-                    mem.copy_from_slice(src);
                     if let Ok(c) = self.metrics.transfer_bytes.with(&["shared"]) {
                         c.add(bytes as u64);
                     }
@@ -573,8 +574,12 @@ impl Engine {
                         pd.io.send(peer, &Message::BlockAt { key, index, slot: block.0 }, &[]);
                         continue;
                     }
-                    let bytes: Vec<u8> =
-                        self.backend.block_data(block).iter().flat_map(|v| v.to_le_bytes()).collect();
+                    let mut floats = vec![0.0f32; self.backend.kv_layout().block_floats()];
+                    if self.backend.read_block(block, &mut floats).is_err() {
+                        pd.sender.abort(key.transfer);
+                        continue;
+                    }
+                    let bytes: Vec<u8> = floats.iter().flat_map(|v| v.to_le_bytes()).collect();
                     let msg = Message::Block { key, index, len: bytes.len() as u32 };
                     pd.io.send(peer, &msg, &bytes);
                     if let Ok(c) = self.metrics.transfer_bytes.with(&["sent"]) {

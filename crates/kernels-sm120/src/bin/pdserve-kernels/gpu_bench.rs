@@ -1,0 +1,147 @@
+//! `pdserve-kernels bench`: achieved memory bandwidth of decode attention and RMSNorm, as a fraction
+//! of the device's copy bandwidth measured in the same run (a device-to-device copy, bytes read +
+//! written). Timed with device events, median of 5 runs of 20 launches each.
+
+use pdserve_kernels_sm120::{DecodeAttention, DecodeScratch, Gpu, KernelError};
+
+use crate::gpu_check::Rng;
+
+fn median(mut v: Vec<f32>) -> f32 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn timed(g: &Gpu, mut f: impl FnMut() -> Result<(), KernelError>) -> Result<f32, KernelError> {
+    let mut runs = Vec::new();
+    for _ in 0..5 {
+        runs.push(g.time_ms(20, &mut f)?);
+    }
+    Ok(median(runs))
+}
+
+fn copy_bandwidth(g: &Gpu) -> Result<f64, KernelError> {
+    let n = 512 << 20; // 1 GiB of u16 each way
+    let a = g.zeros::<u16>(n)?;
+    let mut b = g.zeros::<u16>(n)?;
+    let ms = timed(g, || g.copy(&a.as_view(), &mut b.as_view_mut()))?;
+    Ok(2.0 * 2.0 * n as f64 / (ms as f64 * 1e-3))
+}
+
+fn bench(g: &Gpu) -> Result<(), KernelError> {
+    let peak = copy_bandwidth(g)?;
+    println!("device: {} ({}, {} SMs)", g.name(), g.arch(), g.num_sms());
+    println!("copy bandwidth (read + write): {:.0} GB/s  <- the peak below", peak / 1e9);
+    println!("{:<44} {:>9} {:>10} {:>8} {:>7}", "case", "ms", "GB/s", "of peak", "splits");
+    let mut rng = Rng::new(42);
+    let block_size = 16;
+    for (q_heads, kv_heads, head_dim, label) in [(32, 8, 128, "Llama-8B shape"), (9, 3, 64, "SmolLM2 shape")]
+    {
+        for ctx in [4096usize, 8192, 16_384, 32_768] {
+            let batch = 32;
+            let blocks_per_seq = ctx / block_size;
+            let num_slots = batch * ctx;
+            let kv_dim = kv_heads * head_dim;
+            // Random bf16 in the cache (not zeros: zeros can run faster than real data).
+            let words = num_slots * kv_dim;
+            let pattern = rng.bf16(1 << 20, 1.0);
+            let fill: Vec<u16> =
+                (0..words).map(|i| pattern[i & ((1 << 20) - 1)] ^ (i as u16 & 0x7)).collect();
+            let k = g.upload(&fill)?;
+            let v = g.upload(&fill)?;
+            drop(fill);
+            let mut order: Vec<i32> = (0..(batch * blocks_per_seq) as i32).collect();
+            rng.shuffle(&mut order);
+            let tables = g.upload(&order)?;
+            let stride = (q_heads + 2 * kv_heads) * head_dim;
+            let q = g.upload(&rng.vec(batch * stride, 1.0))?;
+            let rows = g.upload(&(0..batch as i32).collect::<Vec<_>>())?;
+            let lens = g.upload(&vec![ctx as i32; batch])?;
+            let mut out = g.zeros::<f32>(batch * q_heads * head_dim)?;
+            let (qv, rv, kv, vv, tv, lv) =
+                (q.as_view(), rows.as_view(), k.as_view(), v.as_view(), tables.as_view(), lens.as_view());
+            let a = DecodeAttention {
+                q: &qv,
+                q_row_stride: stride,
+                rows: &rv,
+                k_cache: &kv,
+                v_cache: &vv,
+                block_tables: &tv,
+                bt_stride: blocks_per_seq,
+                ctx_lens: &lv,
+                max_ctx: ctx,
+                batch,
+                q_heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                num_slots,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+            };
+            let mut scratch = DecodeScratch::default();
+            let mut splits = 0;
+            let ms = timed(g, || {
+                splits =
+                    g.decode_attention(&a, &mut scratch, &mut out.as_view_mut(), q_heads * head_dim)?.splits;
+                Ok(())
+            })?;
+            let bytes = (2 * batch * ctx * kv_dim * 2) as f64;
+            let bw = bytes / (ms as f64 * 1e-3);
+            println!(
+                "{:<44} {:>9.4} {:>10.0} {:>8.2} {:>7}",
+                format!("decode_attn {label} batch {batch} ctx {ctx}"),
+                ms,
+                bw / 1e9,
+                bw / peak,
+                splits
+            );
+        }
+    }
+    for (rows, dim, with_add) in [(16_384usize, 4096usize, true), (16_384, 4096, false), (65_536, 576, true)]
+    {
+        let mut x = g.upload(&rng.vec(rows * dim, 1.0))?;
+        let add = g.upload(&rng.vec(rows * dim, 1.0))?;
+        let w = g.upload(&rng.bf16(dim, 1.0))?;
+        let mut out = g.zeros::<u16>(rows * dim)?;
+        let av = add.as_view();
+        let ms = timed(g, || {
+            g.rmsnorm_residual(
+                &mut x.as_view_mut(),
+                with_add.then_some(&av),
+                &w.as_view(),
+                &mut out.as_view_mut(),
+                rows,
+                dim,
+                1e-5,
+            )
+        })?;
+        // x read (+ add read + x written) + bf16 out written.
+        let per = if with_add { 4 + 4 + 4 + 2 } else { 4 + 2 };
+        let bw = (rows * dim * per) as f64 / (ms as f64 * 1e-3);
+        println!(
+            "{:<44} {:>9.4} {:>10.0} {:>8.2} {:>7}",
+            format!("rmsnorm rows {rows} dim {dim} add={with_add}"),
+            ms,
+            bw / 1e9,
+            bw / peak,
+            "-"
+        );
+    }
+    Ok(())
+}
+
+pub fn run(_args: &[String]) -> bool {
+    let g = match Gpu::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("error: the GPU benchmark needs an NVIDIA GPU: {e}");
+            return false;
+        }
+    };
+    match bench(&g) {
+        Ok(()) => true,
+        Err(e) => {
+            eprintln!("error: {e}");
+            false
+        }
+    }
+}

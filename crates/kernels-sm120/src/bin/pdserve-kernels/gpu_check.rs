@@ -1,0 +1,514 @@
+//! `pdserve-kernels check`: every kernel on the GPU against `reference`, on fresh random inputs.
+//! Outputs are poisoned (NaN) before each launch and every element is checked to be written.
+
+use pdserve_kernels_sm120::reference::{self as r, bf16_to_f32, f32_to_bf16, PagedKv};
+use pdserve_kernels_sm120::{
+    launch, DecodeAttention, DecodeScratch, Gpu, KernelError, PrefillAttention, SampleParams,
+};
+
+/// xorshift64*: reproducible inputs from a printed seed.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.max(1))
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-1, 1).
+    pub fn f(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / 8_388_608.0 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * scale).collect()
+    }
+    pub fn bf16(&mut self, n: usize, scale: f32) -> Vec<u16> {
+        (0..n).map(|_| f32_to_bf16(self.f() * scale)).collect()
+    }
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    pub fn shuffle<T>(&mut self, v: &mut [T]) {
+        for i in (1..v.len()).rev() {
+            let j = self.below(i + 1);
+            v.swap(i, j);
+        }
+    }
+}
+
+/// ||a - b|| / ||b||; NaN anywhere in `a` gives infinity.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    if a.len() != b.len() || a.iter().any(|v| !v.is_finite()) {
+        return f64::INFINITY;
+    }
+    let num: f64 = a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|&y| (y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+struct Report {
+    failures: usize,
+}
+
+impl Report {
+    fn check(&mut self, name: &str, err: f64, tol: f64) {
+        let ok = err <= tol;
+        println!("{:<58} err {:>10.3e}  tol {:>8.1e}  {}", name, err, tol, if ok { "ok" } else { "FAIL" });
+        if !ok {
+            self.failures += 1;
+        }
+    }
+    fn exact(&mut self, name: &str, ok: bool, detail: &str) {
+        println!("{:<58} {:>32}  {}", name, detail, if ok { "ok" } else { "FAIL" });
+        if !ok {
+            self.failures += 1;
+        }
+    }
+}
+
+const NAN_BF16: u16 = 0x7fc0;
+
+fn b2f(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|&x| bf16_to_f32(x)).collect()
+}
+
+fn check_rows(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelError> {
+    // RMSNorm + residual, with and without the add, model and odd widths.
+    for (rows, dim, with_add) in [(7, 576, true), (5, 1001, false), (3, 4096, true)] {
+        let x = rng.vec(rows * dim, 3.0);
+        let add = rng.vec(rows * dim, 1.0);
+        let w: Vec<u16> = rng.bf16(dim, 2.0);
+        let mut xd = g.upload(&x)?;
+        let ad = g.upload(&add)?;
+        let wd = g.upload(&w)?;
+        let mut out = g.upload(&vec![NAN_BF16; rows * dim])?;
+        let av = ad.as_view();
+        g.rmsnorm_residual(
+            &mut xd.as_view_mut(),
+            with_add.then_some(&av),
+            &wd.as_view(),
+            &mut out.as_view_mut(),
+            rows,
+            dim,
+            1e-5,
+        )?;
+        let mut xr = x.clone();
+        let want = r::rmsnorm_residual(&mut xr, with_add.then_some(&add[..]), &b2f(&w), dim, 1e-5);
+        let got = b2f(&g.download(&out.as_view())?);
+        rep.check(
+            &format!("rmsnorm_residual rows={rows} dim={dim} add={with_add}"),
+            rel_err(&got, &want),
+            6e-3,
+        );
+        rep.check(
+            &format!("rmsnorm_residual residual stream dim={dim}"),
+            rel_err(&g.download(&xd.as_view())?, &xr),
+            1e-7,
+        );
+    }
+    // RoPE at positions up to the longest context, 64- and 128-wide heads.
+    for (head_dim, n_heads, extra) in [(64, 12, 3 * 64), (128, 40, 8 * 128)] {
+        let pos: Vec<i32> = vec![0, 1, 17, 8191, 131_071];
+        let stride = n_heads * head_dim + extra;
+        let x = rng.vec(pos.len() * stride, 2.0);
+        let inv = r::inv_freq(100_000.0, head_dim);
+        let mut xd = g.upload(&x)?;
+        let (pd, id) = (g.upload(&pos)?, g.upload(&inv)?);
+        g.rope_qk(&mut xd.as_view_mut(), &pd.as_view(), &id.as_view(), stride, n_heads, head_dim)?;
+        let mut want = x.clone();
+        for (i, row) in want.chunks_exact_mut(stride).enumerate() {
+            r::rope_row(row, pos[i] as usize, &inv, n_heads, head_dim);
+        }
+        rep.check(
+            &format!("rope_qk head_dim={head_dim} positions 0..131071"),
+            rel_err(&g.download(&xd.as_view())?, &want),
+            2e-6,
+        );
+    }
+    // SwiGLU, cast, embedding gather, row gather.
+    let (rows, inter) = (3, 1537);
+    let gu = rng.vec(rows * 2 * inter, 4.0);
+    let gud = g.upload(&gu)?;
+    let mut out = g.upload(&vec![NAN_BF16; rows * inter])?;
+    g.swiglu(&gud.as_view(), &mut out.as_view_mut(), rows, inter)?;
+    rep.check(
+        "swiglu rows=3 inter=1537",
+        rel_err(&b2f(&g.download(&out.as_view())?), &r::swiglu(&gu, inter)),
+        6e-3,
+    );
+    let n = 100_003;
+    let x = rng.vec(n, 100.0);
+    let xd = g.upload(&x)?;
+    let mut out = g.upload(&vec![NAN_BF16; n])?;
+    g.cast_bf16(&xd.as_view(), &mut out.as_view_mut(), n)?;
+    let want: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v)).collect();
+    rep.exact("cast_bf16 n=100003 (bit-exact)", g.download(&out.as_view())? == want, "");
+    let (vocab, dim) = (1000, 576);
+    let table = rng.bf16(vocab * dim, 1.0);
+    let ids: Vec<u32> = vec![0, 999, 17, 17, 500];
+    let (td, idd) = (g.upload(&table)?, g.upload(&ids)?);
+    let mut out = g.upload(&vec![f32::NAN; ids.len() * dim])?;
+    g.embed_gather(&td.as_view(), vocab, dim, &idd.as_view(), &mut out.as_view_mut())?;
+    let want: Vec<f32> = ids.iter().flat_map(|&i| b2f(&table[i as usize * dim..][..dim])).collect();
+    rep.exact("embed_gather (exact)", g.download(&out.as_view())? == want, "");
+    let src_rows = 9;
+    let x = rng.bf16(src_rows * dim, 1.0);
+    let pick: Vec<i32> = vec![8, 0, 3];
+    let (xd, pd) = (g.upload(&x)?, g.upload(&pick)?);
+    let mut out = g.upload(&vec![NAN_BF16; pick.len() * dim])?;
+    g.gather_rows_bf16(&xd.as_view(), src_rows, &pd.as_view(), &mut out.as_view_mut(), dim)?;
+    let want: Vec<u16> = pick.iter().flat_map(|&i| x[i as usize * dim..][..dim].to_vec()).collect();
+    rep.exact("gather_rows_bf16 (exact)", g.download(&out.as_view())? == want, "");
+    // KV write into slots, one skipped.
+    let (kv_dim, stride, num_slots) = (192, 960, 64);
+    let qkv = rng.vec(4 * stride, 2.0);
+    let slots: Vec<i64> = vec![5, 63, -1, 0];
+    let (qd, sd) = (g.upload(&qkv)?, g.upload(&slots)?);
+    let mut kc = g.upload(&vec![NAN_BF16; num_slots * kv_dim])?;
+    let mut vc = g.upload(&vec![NAN_BF16; num_slots * kv_dim])?;
+    g.kv_write(
+        &qd.as_view(),
+        stride,
+        (576, 768, kv_dim),
+        &sd.as_view(),
+        &mut kc.as_view_mut(),
+        &mut vc.as_view_mut(),
+        num_slots,
+    )?;
+    let (k, v) = (g.download(&kc.as_view())?, g.download(&vc.as_view())?);
+    let mut ok = true;
+    for (row, &slot) in slots.iter().enumerate() {
+        if slot < 0 {
+            continue;
+        }
+        let s = slot as usize * kv_dim;
+        for j in 0..kv_dim {
+            ok &= k[s + j] == f32_to_bf16(qkv[row * stride + 576 + j]);
+            ok &= v[s + j] == f32_to_bf16(qkv[row * stride + 768 + j]);
+        }
+    }
+    let untouched = (1..5).all(|sl| k[sl * kv_dim] == NAN_BF16)
+        && k[2 * kv_dim..3 * kv_dim].iter().all(|&x| x == NAN_BF16);
+    rep.exact("kv_write (exact, skipped slot untouched)", ok && untouched, "");
+    Ok(())
+}
+
+fn check_gemm(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelError> {
+    for (t, k, n) in [(1, 576, 1536), (7, 576, 960), (64, 1536, 576), (33, 577, 1001)] {
+        let x = rng.bf16(t * k, 1.0);
+        let w = rng.bf16(n * k, 0.1);
+        let (xd, wd) = (g.upload(&x)?, g.upload(&w)?);
+        let mut y = g.upload(&vec![f32::NAN; t * n])?;
+        g.gemm_bf16(&xd.as_view(), &wd.as_view(), &mut y.as_view_mut(), t, k, n)?;
+        let (xf, wf) = (b2f(&x), b2f(&w));
+        let want: Vec<f32> = (0..t * n)
+            .map(|i| {
+                let (row, col) = (i / n, i % n);
+                (0..k).map(|j| xf[row * k + j] as f64 * wf[col * k + j] as f64).sum::<f64>() as f32
+            })
+            .collect();
+        rep.check(
+            &format!("gemm_bf16 (cuBLAS) t={t} k={k} n={n}"),
+            rel_err(&g.download(&y.as_view())?, &want),
+            1e-5,
+        );
+    }
+    Ok(())
+}
+
+/// A paged cache with randomly placed blocks for sequences of the given lengths.
+struct Paged {
+    k: Vec<u16>,
+    v: Vec<u16>,
+    tables: Vec<i32>,
+    bt_stride: usize,
+    num_slots: usize,
+}
+
+fn paged(
+    rng: &mut Rng,
+    lens: &[usize],
+    kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    k_scale: f32,
+) -> Paged {
+    let bt_stride = lens.iter().map(|l| l.div_ceil(block_size)).max().unwrap_or(1).max(1);
+    let total_blocks: usize = lens.iter().map(|l| l.div_ceil(block_size)).sum::<usize>() + 3;
+    let mut order: Vec<i32> = (0..total_blocks as i32).collect();
+    rng.shuffle(&mut order);
+    let mut tables = vec![0i32; lens.len() * bt_stride];
+    let mut next = 0;
+    for (s, l) in lens.iter().enumerate() {
+        for b in 0..l.div_ceil(block_size) {
+            tables[s * bt_stride + b] = order[next];
+            next += 1;
+        }
+    }
+    let num_slots = total_blocks * block_size;
+    let n = num_slots * kv_heads * head_dim;
+    Paged { k: rng.bf16(n, k_scale), v: rng.bf16(n, 1.0), tables, bt_stride, num_slots }
+}
+
+fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result<(), KernelError> {
+    let mut cases: Vec<(Vec<usize>, usize, usize, usize, f32)> = vec![
+        (vec![1, 17, 300], 9, 3, 64, 1.0),
+        (vec![1, 4096, 4097, 33], 32, 8, 128, 1.0),
+        (vec![2000, 1, 1, 65], 9, 3, 64, 6.0), // peaky softmax
+        (vec![7; 40], 8, 1, 128, 1.0),
+    ];
+    if !quick {
+        cases.push((vec![131_072], 9, 3, 64, 1.0));
+        cases.push((vec![131_072, 5], 32, 8, 128, 3.0));
+    }
+    for (lens, q_heads, kv_heads, head_dim, k_scale) in cases {
+        let block_size = 16;
+        let p = paged(rng, &lens, kv_heads, head_dim, block_size, k_scale);
+        let batch = lens.len();
+        let stride = (q_heads + 2 * kv_heads) * head_dim;
+        // Rows in a shuffled order, to check the row mapping.
+        let mut rows: Vec<i32> = (0..batch as i32).collect();
+        rng.shuffle(&mut rows);
+        let q = rng.vec(batch * stride, 1.0);
+        let ctx: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
+        let (qd, rd, kd, vd, td, cd) = (
+            g.upload(&q)?,
+            g.upload(&rows)?,
+            g.upload(&p.k)?,
+            g.upload(&p.v)?,
+            g.upload(&p.tables)?,
+            g.upload(&ctx)?,
+        );
+        let out_stride = q_heads * head_dim + 5;
+        let mut out = g.upload(&vec![f32::NAN; batch * out_stride])?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (qv, rv, kv, vv, tv, cv) =
+            (qd.as_view(), rd.as_view(), kd.as_view(), vd.as_view(), td.as_view(), cd.as_view());
+        let a = DecodeAttention {
+            q: &qv,
+            q_row_stride: stride,
+            rows: &rv,
+            k_cache: &kv,
+            v_cache: &vv,
+            block_tables: &tv,
+            bt_stride: p.bt_stride,
+            ctx_lens: &cv,
+            max_ctx: *lens.iter().max().unwrap(),
+            batch,
+            q_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            num_slots: p.num_slots,
+            scale,
+        };
+        let mut scratch = DecodeScratch::default();
+        let plan = g.decode_attention(&a, &mut scratch, &mut out.as_view_mut(), out_stride)?;
+        let got = g.download(&out.as_view())?;
+        let cache = PagedKv { k: &p.k, v: &p.v, kv_heads, head_dim, block_size };
+        let (mut gv, mut wv) = (Vec::new(), Vec::new());
+        for b in 0..batch {
+            let row = rows[b] as usize;
+            let table = &p.tables[b * p.bt_stride..(b + 1) * p.bt_stride];
+            for h in 0..q_heads {
+                let qh = &q[row * stride + h * head_dim..][..head_dim];
+                wv.extend(r::attention(qh, &cache, table, lens[b], h / (q_heads / kv_heads), scale));
+                gv.extend_from_slice(&got[row * out_stride + h * head_dim..][..head_dim]);
+            }
+        }
+        let maxlen = lens.iter().max().unwrap();
+        let name = format!(
+            "decode_attn d{head_dim} q{q_heads}/kv{kv_heads} batch {batch} ctx<={maxlen} splits {}",
+            plan.splits
+        );
+        rep.check(&name, rel_err(&gv, &wv), 2e-4);
+    }
+    Ok(())
+}
+
+fn check_prefill(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelError> {
+    // (cached prefix, new rows) per sequence.
+    for (seqs, q_heads, kv_heads, head_dim) in [
+        (vec![(0usize, 37usize), (100, 20), (5, 1), (0, 1)], 9, 3, 64),
+        (vec![(0, 70), (33, 9)], 32, 8, 128),
+        (vec![(500, 130)], 16, 16, 64),
+    ] {
+        let block_size = 16;
+        let lens: Vec<usize> = seqs.iter().map(|&(c, n)| c + n).collect();
+        let p = paged(rng, &lens, kv_heads, head_dim, block_size, 1.0);
+        let stride = (q_heads + 2 * kv_heads) * head_dim;
+        let total_rows: usize = seqs.iter().map(|s| s.1).sum();
+        let q = rng.vec(total_rows * stride, 1.0);
+        let group = q_heads / kv_heads;
+        let mut ps = Vec::new();
+        let mut row = 0;
+        for (i, &(cached, n)) in seqs.iter().enumerate() {
+            ps.push(launch::PrefillSeq { seq: i, first_row: row, rows: n, first_pos: cached });
+            row += n;
+        }
+        let tiles = launch::prefill_tiles(&ps, group);
+        let (qd, kd, vd, td, tl) =
+            (g.upload(&q)?, g.upload(&p.k)?, g.upload(&p.v)?, g.upload(&p.tables)?, g.upload(&tiles)?);
+        let out_stride = q_heads * head_dim;
+        let mut out = g.upload(&vec![f32::NAN; total_rows * out_stride])?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (qv, kv, vv, tv, tlv) = (qd.as_view(), kd.as_view(), vd.as_view(), td.as_view(), tl.as_view());
+        let a = PrefillAttention {
+            q: &qv,
+            q_row_stride: stride,
+            k_cache: &kv,
+            v_cache: &vv,
+            block_tables: &tv,
+            bt_stride: p.bt_stride,
+            tiles: &tlv,
+            n_tiles: tiles.len() / 4,
+            q_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            scale,
+        };
+        g.prefill_attention(&a, &mut out.as_view_mut(), out_stride)?;
+        let got = g.download(&out.as_view())?;
+        let cache = PagedKv { k: &p.k, v: &p.v, kv_heads, head_dim, block_size };
+        let mut want = Vec::new();
+        for s in &ps {
+            let table = &p.tables[s.seq * p.bt_stride..(s.seq + 1) * p.bt_stride];
+            for r in 0..s.rows {
+                let row = s.first_row + r;
+                for h in 0..q_heads {
+                    let qh = &q[row * stride + h * head_dim..][..head_dim];
+                    want.extend(r::attention(qh, &cache, table, s.first_pos + r + 1, h / group, scale));
+                }
+            }
+        }
+        let name = format!("prefill_attn d{head_dim} q{q_heads}/kv{kv_heads} seqs {seqs:?}");
+        rep.check(&name, rel_err(&got, &want), 2e-4);
+    }
+    Ok(())
+}
+
+fn check_sampling(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelError> {
+    let vocab = 49_152;
+    let rows = 64;
+    let mut logits = rng.vec(rows * vocab, 8.0);
+    // Ties at the maximum in row 0: the lowest id must win.
+    let m = logits[..vocab].iter().cloned().fold(f32::MIN, f32::max) + 1.0;
+    logits[700] = m;
+    logits[90] = m;
+    let ld = g.upload(&logits)?;
+    let mut out = g.upload(&vec![-1i32; rows])?;
+    g.argmax(&ld.as_view(), rows, vocab, &mut out.as_view_mut())?;
+    let got = g.download(&out.as_view())?;
+    let want: Vec<i32> = logits.chunks(vocab).map(|l| r::argmax(l) as i32).collect();
+    rep.exact("argmax_rows 64 x 49152 (lowest id on ties)", got == want && got[0] == 90, "");
+
+    // Mixed settings, one row each; compare with the exact reference draw.
+    let temps: Vec<f32> = (0..rows).map(|i| [0.0, 0.7, 1.0, 1.3][i % 4]).collect();
+    let top_k: Vec<i32> = (0..rows).map(|i| [0, 1, 50, 1000][(i / 4) % 4]).collect();
+    let top_p: Vec<f32> = (0..rows).map(|i| [1.0, 0.9, 0.5, 0.99][(i / 16) % 4]).collect();
+    let seeds: Vec<u64> = (0..rows as u64).map(|i| i * 7919 + 1).collect();
+    let steps: Vec<u64> = (0..rows as u64).map(|i| i % 5).collect();
+    let (td, kd, pd, sd, std_) =
+        (g.upload(&temps)?, g.upload(&top_k)?, g.upload(&top_p)?, g.upload(&seeds)?, g.upload(&steps)?);
+    let (tv, kv, pv, sv, stv) = (td.as_view(), kd.as_view(), pd.as_view(), sd.as_view(), std_.as_view());
+    let params = SampleParams { temperature: &tv, top_k: &kv, top_p: &pv, seed: &sv, step: &stv };
+    g.sample(&ld.as_view(), rows, vocab, &params, &mut out.as_view_mut())?;
+    let got = g.download(&out.as_view())?;
+    let again = {
+        g.sample(&ld.as_view(), rows, vocab, &params, &mut out.as_view_mut())?;
+        g.download(&out.as_view())?
+    };
+    let (mut inside, mut same) = (0, 0);
+    for i in 0..rows {
+        let l = &logits[i * vocab..(i + 1) * vocab];
+        let want = if temps[i] <= 0.0 {
+            r::argmax(l)
+        } else {
+            let a = r::allowed(l, temps[i], top_k[i] as usize, top_p[i]);
+            if a.iter().any(|x| x.0 == got[i] as usize) {
+                inside += 1;
+            }
+            r::draw(&a, r::uniform(seeds[i], steps[i]))
+        };
+        if temps[i] <= 0.0 {
+            inside += (got[i] as usize == want) as usize;
+        }
+        same += (got[i] as usize == want) as usize;
+    }
+    rep.exact(
+        "sample_rows: every draw inside its top-k/top-p set",
+        inside == rows,
+        &format!("{inside}/{rows}"),
+    );
+    rep.exact("sample_rows: same draw as the reference", same + 1 >= rows, &format!("{same}/{rows}"));
+    rep.exact("sample_rows: same seed and step, same tokens", got == again, "");
+
+    // Distribution: 8 tokens, 8192 rows with different seeds.
+    let probe = [2.0f32, 1.0, 0.5, 0.0, -1.0, 1.0, 3.0, -5.0];
+    let n = 8192;
+    let l: Vec<f32> = (0..n).flat_map(|_| probe).collect();
+    let ld = g.upload(&l)?;
+    let (td, kd, pd) = (g.upload(&vec![0.8f32; n])?, g.upload(&vec![0i32; n])?, g.upload(&vec![1.0f32; n])?);
+    let (sd, std_) = (g.upload(&(0..n as u64).collect::<Vec<_>>())?, g.upload(&vec![3u64; n])?);
+    let (tv, kv, pv, sv, stv) = (td.as_view(), kd.as_view(), pd.as_view(), sd.as_view(), std_.as_view());
+    let mut out = g.upload(&vec![-1i32; n])?;
+    g.sample(
+        &ld.as_view(),
+        n,
+        8,
+        &SampleParams { temperature: &tv, top_k: &kv, top_p: &pv, seed: &sv, step: &stv },
+        &mut out.as_view_mut(),
+    )?;
+    let got = g.download(&out.as_view())?;
+    let probs = r::allowed(&probe, 0.8, 0, 1.0);
+    let mut worst: f64 = 0.0;
+    for (id, p) in probs {
+        let f = got.iter().filter(|&&t| t as usize == id).count() as f64 / n as f64;
+        worst = worst.max((f - p).abs());
+    }
+    rep.check("sample_rows: frequencies over 8192 seeds vs probabilities", worst, 0.02);
+    Ok(())
+}
+
+type CheckFn<'a> = dyn Fn(&Gpu, &mut Report, &mut Rng) -> Result<(), KernelError> + 'a;
+
+pub fn run(args: &[String]) -> bool {
+    let quick = args.iter().any(|a| a == "--quick");
+    let g = match Gpu::new(0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("error: the GPU checks need an NVIDIA GPU: {e}");
+            return false;
+        }
+    };
+    println!("device: {} ({}, {} SMs)", g.name(), g.arch(), g.num_sms());
+    let seed = std::env::var("PDSERVE_CHECK_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(1)
+    });
+    println!("seed: {seed} (PDSERVE_CHECK_SEED to repeat)");
+    let mut rng = Rng::new(seed);
+    let mut rep = Report { failures: 0 };
+    let steps: [(&str, &CheckFn<'_>); 5] = [
+        ("row kernels", &check_rows),
+        ("gemm", &check_gemm),
+        ("decode attention", &|g, rep, rng| check_decode(g, rep, rng, quick)),
+        ("prefill attention", &check_prefill),
+        ("sampling", &check_sampling),
+    ];
+    for (name, f) in steps {
+        if let Err(e) = f(&g, &mut rep, &mut rng).and_then(|()| g.synchronize()) {
+            println!("{name}: error: {e}");
+            rep.failures += 1;
+        }
+    }
+    println!("{} failure(s)", rep.failures);
+    rep.failures == 0
+}

@@ -1,0 +1,250 @@
+//! Launch configuration: grid sizes, split counts and shared-memory budgets. Pure Rust, tested on the
+//! CPU; the constants mirror the `#define`s of the CUDA sources (the check-kernels run compares the
+//! shared-memory figures below with what ptxas reports).
+
+/// Threads per block of the decode attention kernels (`DA_THREADS`).
+pub const DECODE_THREADS: u32 = 128;
+/// Tokens per online-softmax tile of decode attention (`DA_TILE`).
+pub const DECODE_TILE: usize = 64;
+/// Most query heads per KV head that decode attention supports (`DA_MAXG`).
+pub const DECODE_MAX_GROUP: usize = 8;
+/// Threads per block of prefill attention (`PA_THREADS`).
+pub const PREFILL_THREADS: u32 = 128;
+/// Keys per shared-memory tile of prefill attention (`PA_KT`).
+pub const PREFILL_KEY_TILE: usize = 32;
+/// Query vectors (rows x group) per prefill attention block (`PA_MAXP`).
+pub const PREFILL_MAX_PAIRS: usize = 16;
+/// Threads per block of the sampling kernels (`SAMPLE_THREADS`).
+pub const SAMPLE_THREADS: u32 = 1024;
+/// Threads per block of the row-wise kernels (norm, rope, gathers, KV write).
+pub const ROW_THREADS: u32 = 256;
+/// Head sizes the attention kernels are instantiated for.
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
+/// A split of decode attention covers at least this many tokens (shorter ones cost more in the
+/// reduction than they gain in parallelism).
+pub const MIN_SPLIT_TOKENS: usize = 256;
+/// Upper bound on splits per sequence (bounds the partial-result scratch).
+pub const MAX_SPLITS: usize = 1024;
+/// Longest context the kernels are checked at.
+pub const MAX_CONTEXT: usize = 131_072;
+/// Static shared memory a block may use without opting in to more.
+pub const STATIC_SMEM_LIMIT: usize = 48 * 1024;
+
+/// How decode attention is laid out for one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodePlan {
+    /// Splits per sequence (grid y).
+    pub splits: usize,
+    /// Blocks in grid x: sequences x KV heads.
+    pub grid_x: u32,
+    /// Tokens each split covers for the longest sequence.
+    pub split_tokens: usize,
+    /// f32 values of partial output scratch: batch x q heads x splits x head_dim.
+    pub partial_out: usize,
+    /// f32 values of partial max/sum scratch: batch x q heads x splits x 2.
+    pub partial_ml: usize,
+}
+
+/// Blocks per SM decode attention aims for: a memory-bound kernel needs many warps in flight.
+pub const DECODE_BLOCKS_PER_SM: usize = 8;
+
+/// Splits per sequence for decode attention: about [`DECODE_BLOCKS_PER_SM`] blocks per SM, no split shorter
+/// than [`MIN_SPLIT_TOKENS`] (except a single one), at most [`MAX_SPLITS`].
+pub fn decode_splits(batch: usize, kv_heads: usize, max_ctx: usize, num_sms: usize) -> usize {
+    let blocks = (batch * kv_heads).max(1);
+    let want = (DECODE_BLOCKS_PER_SM * num_sms.max(1)).div_ceil(blocks);
+    let by_len = max_ctx.div_ceil(MIN_SPLIT_TOKENS).max(1);
+    want.min(by_len).clamp(1, MAX_SPLITS)
+}
+
+/// The whole decode-attention plan.
+pub fn decode_plan(
+    batch: usize,
+    kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+    max_ctx: usize,
+    num_sms: usize,
+) -> DecodePlan {
+    let splits = decode_splits(batch, kv_heads, max_ctx, num_sms);
+    let rows = batch * kv_heads * group * splits;
+    DecodePlan {
+        splits,
+        grid_x: (batch * kv_heads) as u32,
+        split_tokens: max_ctx.div_ceil(splits),
+        partial_out: rows * head_dim,
+        partial_ml: rows * 2,
+    }
+}
+
+/// Rows of one sequence per prefill attention tile for a query group size.
+pub fn prefill_rows_per_tile(group: usize) -> usize {
+    (PREFILL_MAX_PAIRS / group.max(1)).max(1)
+}
+
+/// One prefill sequence's new tokens: which sequence (index into the block-table array), its first
+/// row in the batch, how many rows and the position of the first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillSeq {
+    pub seq: usize,
+    pub first_row: usize,
+    pub rows: usize,
+    pub first_pos: usize,
+}
+
+/// The tile table of prefill attention: 4 ints per tile (sequence, first row, rows, first position).
+pub fn prefill_tiles(seqs: &[PrefillSeq], group: usize) -> Vec<i32> {
+    let per = prefill_rows_per_tile(group);
+    let mut out = Vec::new();
+    for s in seqs {
+        let mut r = 0;
+        while r < s.rows {
+            let n = per.min(s.rows - r);
+            out.extend_from_slice(&[
+                s.seq as i32,
+                (s.first_row + r) as i32,
+                n as i32,
+                (s.first_pos + r) as i32,
+            ]);
+            r += n;
+        }
+    }
+    out
+}
+
+/// Blocks for a grid-stride element-wise kernel over `n` values.
+pub fn elementwise_blocks(n: usize, threads: u32) -> u32 {
+    (n.div_ceil(threads as usize)).clamp(1, 65_535) as u32
+}
+
+/// Static shared memory (bytes) of `decode_attn_d{head_dim}`.
+pub fn decode_smem_bytes(head_dim: usize) -> usize {
+    let lanes = head_dim / 8;
+    let nsg = DECODE_THREADS as usize / lanes;
+    4 * (DECODE_MAX_GROUP * head_dim + DECODE_MAX_GROUP * DECODE_TILE + 3 * DECODE_MAX_GROUP + nsg * head_dim)
+}
+
+/// Static shared memory (bytes) of `prefill_attn_d{head_dim}`.
+pub fn prefill_smem_bytes(head_dim: usize) -> usize {
+    let p = PREFILL_MAX_PAIRS;
+    4 * (2 * p * head_dim + PREFILL_KEY_TILE * (head_dim + 1) + p * PREFILL_KEY_TILE + 3 * p)
+        + 2 * PREFILL_KEY_TILE * head_dim
+}
+
+/// Why a model shape cannot use these attention kernels, if it cannot.
+pub fn attention_shape_problem(q_heads: usize, kv_heads: usize, head_dim: usize) -> Option<String> {
+    if kv_heads == 0 || q_heads % kv_heads != 0 {
+        return Some(format!("{q_heads} query heads are not a multiple of {kv_heads} KV heads"));
+    }
+    if !HEAD_DIMS.contains(&head_dim) {
+        return Some(format!("head_dim {head_dim} is not one of {HEAD_DIMS:?}"));
+    }
+    let group = q_heads / kv_heads;
+    if group > DECODE_MAX_GROUP {
+        return Some(format!("{group} query heads per KV head exceed {DECODE_MAX_GROUP}"));
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_token_context_uses_one_split() {
+        assert_eq!(decode_splits(1, 3, 1, 132), 1);
+        assert_eq!(decode_splits(32, 8, 1, 188), 1);
+        assert_eq!(decode_splits(0, 0, 0, 0), 1, "degenerate input still gives a valid launch");
+    }
+
+    #[test]
+    fn splits_fill_the_sms_at_small_batch_and_long_context() {
+        // One sequence, 3 KV heads (SmolLM2), 132 SMs: ~8 blocks per SM.
+        let s = decode_splits(1, 3, MAX_CONTEXT, 132);
+        assert_eq!(s, 352);
+        assert!(s * 3 >= DECODE_BLOCKS_PER_SM * 132);
+        // Batch 32 x 8 KV heads nearly fills the machine: few splits; a large batch needs none.
+        assert_eq!(decode_splits(32, 8, 32_768, 132), 5);
+        assert_eq!(decode_splits(256, 8, 32_768, 132), 1);
+        // Short contexts are not cut below the minimum split length.
+        assert_eq!(decode_splits(1, 3, 1000, 132), 4);
+    }
+
+    #[test]
+    fn splits_never_shorter_than_the_minimum_nor_more_than_the_cap() {
+        for ctx in [1, 2, 255, 256, 257, 1000, 4096, 32_768, MAX_CONTEXT] {
+            for batch in [1, 2, 7, 32, 256] {
+                for sms in [1, 84, 132, 188, 10_000] {
+                    let s = decode_splits(batch, 8, ctx, sms);
+                    assert!((1..=MAX_SPLITS).contains(&s));
+                    if s > 1 {
+                        assert!(ctx.div_ceil(s) >= MIN_SPLIT_TOKENS / 2, "ctx {ctx} s {s}");
+                        assert!(
+                            ctx / (s - 1) >= MIN_SPLIT_TOKENS,
+                            "ctx {ctx}: one split fewer would be too short"
+                        );
+                    }
+                    // The splits cover the whole context.
+                    assert!(ctx.div_ceil(s) * s >= ctx);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn plan_scratch_sizes() {
+        let p = decode_plan(2, 3, 3, 64, 4096, 132);
+        assert_eq!(p.grid_x, 6);
+        assert_eq!(p.partial_out, 2 * 9 * p.splits * 64);
+        assert_eq!(p.partial_ml, 2 * 9 * p.splits * 2);
+        assert_eq!(p.split_tokens, 4096usize.div_ceil(p.splits));
+    }
+
+    #[test]
+    fn prefill_tiles_cover_every_row_once() {
+        let seqs = [
+            PrefillSeq { seq: 0, first_row: 0, rows: 11, first_pos: 5 },
+            PrefillSeq { seq: 2, first_row: 11, rows: 1, first_pos: 0 },
+            PrefillSeq { seq: 3, first_row: 12, rows: 5, first_pos: 100 },
+        ];
+        let t = prefill_tiles(&seqs, 3); // 5 rows per tile
+        let tiles: Vec<&[i32]> = t.chunks(4).collect();
+        assert_eq!(tiles.len(), 3 + 1 + 1);
+        assert_eq!(tiles[0], &[0, 0, 5, 5]);
+        assert_eq!(tiles[2], &[0, 10, 1, 15]);
+        assert_eq!(tiles[3], &[2, 11, 1, 0]);
+        assert_eq!(tiles[4], &[3, 12, 5, 100]);
+        let rows: i32 = tiles.iter().map(|t| t[2]).sum();
+        assert_eq!(rows, 17);
+        for t in &tiles {
+            assert!(t[2] as usize * 3 <= PREFILL_MAX_PAIRS);
+        }
+        assert_eq!(prefill_rows_per_tile(1), 16);
+        assert_eq!(prefill_rows_per_tile(8), 2);
+        assert_eq!(prefill_rows_per_tile(16), 1);
+    }
+
+    #[test]
+    fn shared_memory_fits_the_static_limit() {
+        for d in HEAD_DIMS {
+            assert!(decode_smem_bytes(d) <= STATIC_SMEM_LIMIT, "decode d{d}: {}", decode_smem_bytes(d));
+            assert!(prefill_smem_bytes(d) <= STATIC_SMEM_LIMIT, "prefill d{d}: {}", prefill_smem_bytes(d));
+        }
+    }
+
+    #[test]
+    fn unsupported_shapes_are_named() {
+        assert!(attention_shape_problem(9, 3, 64).is_none());
+        assert!(attention_shape_problem(32, 8, 128).is_none());
+        assert!(attention_shape_problem(9, 2, 64).unwrap().contains("multiple"));
+        assert!(attention_shape_problem(8, 8, 96).unwrap().contains("head_dim"));
+        assert!(attention_shape_problem(64, 4, 64).unwrap().contains("exceed"));
+    }
+
+    #[test]
+    fn elementwise_grid_is_bounded() {
+        assert_eq!(elementwise_blocks(0, 256), 1);
+        assert_eq!(elementwise_blocks(257, 256), 2);
+        assert_eq!(elementwise_blocks(usize::MAX / 2, 256), 65_535);
+    }
+}

@@ -1,0 +1,48 @@
+//! The CUDA sources and the kernels each defines. Every file is compiled as `COMMON` + the file.
+
+/// Helpers shared by every file (bf16 conversion, warp and block reductions).
+pub const COMMON: &str = include_str!("cuda/common.cuh");
+
+/// One CUDA source file and its entry points.
+#[derive(Debug, Clone, Copy)]
+pub struct Source {
+    pub file: &'static str,
+    pub code: &'static str,
+    pub kernels: &'static [&'static str],
+}
+
+impl Source {
+    /// The text NVRTC compiles.
+    pub fn full_text(&self) -> String {
+        format!("{COMMON}\n// ---- {} ----\n{}", self.file, self.code)
+    }
+}
+
+pub const NORM: Source =
+    Source { file: "norm.cu", code: include_str!("cuda/norm.cu"), kernels: &["rmsnorm_residual"] };
+pub const ROPE: Source =
+    Source { file: "rope.cu", code: include_str!("cuda/rope.cu"), kernels: &["rope_qk"] };
+pub const ELEMENTWISE: Source = Source {
+    file: "elementwise.cu",
+    code: include_str!("cuda/elementwise.cu"),
+    kernels: &["embed_gather", "swiglu", "cast_bf16", "gather_rows_bf16"],
+};
+pub const KV: Source = Source { file: "kv.cu", code: include_str!("cuda/kv.cu"), kernels: &["kv_write"] };
+pub const DECODE_ATTN: Source = Source {
+    file: "decode_attn.cu",
+    code: include_str!("cuda/decode_attn.cu"),
+    kernels: &["decode_attn_d64", "decode_attn_d128", "decode_attn_reduce"],
+};
+pub const PREFILL_ATTN: Source = Source {
+    file: "prefill_attn.cu",
+    code: include_str!("cuda/prefill_attn.cu"),
+    kernels: &["prefill_attn_d64", "prefill_attn_d128"],
+};
+pub const SAMPLE: Source = Source {
+    file: "sample.cu",
+    code: include_str!("cuda/sample.cu"),
+    kernels: &["argmax_rows", "sample_rows"],
+};
+
+/// Every source of the crate.
+pub const ALL: [Source; 7] = [NORM, ROPE, ELEMENTWISE, KV, DECODE_ATTN, PREFILL_ATTN, SAMPLE];
