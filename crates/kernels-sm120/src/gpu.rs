@@ -454,7 +454,6 @@ impl Gpu {
             }
         }
         let (part_o, part_ml) = (scratch.out.as_mut().unwrap(), scratch.ml.as_mut().unwrap());
-        let group = (a.q_heads / a.kv_heads) as i32;
         let (qs, bts, nkv, bs) = (
             fits_i32("q_row_stride", a.q_row_stride)?,
             fits_i32("bt_stride", a.bt_stride)?,
@@ -462,10 +461,10 @@ impl Gpu {
             fits_i32("block_size", a.block_size)?,
         );
         let splits = plan.splits as i32;
-        let name = if a.head_dim == 64 { "decode_attn_d64" } else { "decode_attn_d128" };
-        let mut b = self.stream.launch_builder(self.func(name));
+        let name = launch::decode_kernel_name(a.head_dim, a.q_heads / a.kv_heads);
+        let mut b = self.stream.launch_builder(self.func(&name));
         b.arg(a.q).arg(&qs).arg(a.rows).arg(a.k_cache).arg(a.v_cache).arg(a.block_tables).arg(&bts);
-        b.arg(a.ctx_lens).arg(&nkv).arg(&group).arg(&bs).arg(&a.scale).arg(&splits);
+        b.arg(a.ctx_lens).arg(&nkv).arg(&bs).arg(&a.scale).arg(&splits);
         b.arg(&mut *part_o).arg(&mut *part_ml);
         sys::launch(
             b,

@@ -4,9 +4,9 @@
 
 /// Threads per block of the decode attention kernels (`DA_THREADS`).
 pub const DECODE_THREADS: u32 = 128;
-/// Tokens per online-softmax tile of decode attention (`DA_TILE`).
-pub const DECODE_TILE: usize = 64;
-/// Most query heads per KV head that decode attention supports (`DA_MAXG`).
+/// Tokens each lane group of decode attention loads per step (`DA_TB`).
+pub const DECODE_TOKENS_PER_STEP: usize = 4;
+/// Most query heads per KV head that decode attention is instantiated for (`_g1` .. `_g8`).
 pub const DECODE_MAX_GROUP: usize = 8;
 /// Threads per block of prefill attention (`PA_THREADS`).
 pub const PREFILL_THREADS: u32 = 128;
@@ -117,11 +117,16 @@ pub fn elementwise_blocks(n: usize, threads: u32) -> u32 {
     (n.div_ceil(threads as usize)).clamp(1, 65_535) as u32
 }
 
-/// Static shared memory (bytes) of `decode_attn_d{head_dim}`.
-pub fn decode_smem_bytes(head_dim: usize) -> usize {
+/// The decode attention kernel for a head size and group.
+pub fn decode_kernel_name(head_dim: usize, group: usize) -> String {
+    format!("decode_attn_d{head_dim}_g{group}")
+}
+
+/// Static shared memory (bytes) of `decode_attn_d{head_dim}_g{group}`.
+pub fn decode_smem_bytes(head_dim: usize, group: usize) -> usize {
     let lanes = head_dim / 8;
     let nsg = DECODE_THREADS as usize / lanes;
-    4 * (DECODE_MAX_GROUP * head_dim + DECODE_MAX_GROUP * DECODE_TILE + 3 * DECODE_MAX_GROUP + nsg * head_dim)
+    4 * (group * head_dim + nsg * group * 2 + nsg * head_dim)
 }
 
 /// Static shared memory (bytes) of `prefill_attn_d{head_dim}`.
@@ -227,7 +232,9 @@ mod tests {
     #[test]
     fn shared_memory_fits_the_static_limit() {
         for d in HEAD_DIMS {
-            assert!(decode_smem_bytes(d) <= STATIC_SMEM_LIMIT, "decode d{d}: {}", decode_smem_bytes(d));
+            for g in 1..=DECODE_MAX_GROUP {
+                assert!(decode_smem_bytes(d, g) <= STATIC_SMEM_LIMIT, "decode d{d} g{g}");
+            }
             assert!(prefill_smem_bytes(d) <= STATIC_SMEM_LIMIT, "prefill d{d}: {}", prefill_smem_bytes(d));
         }
     }

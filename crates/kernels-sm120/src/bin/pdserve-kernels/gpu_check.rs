@@ -261,6 +261,12 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
         (vec![2000, 1, 1, 65], 9, 3, 64, 6.0), // peaky softmax
         (vec![7; 40], 8, 1, 128, 1.0),
     ];
+    // Every instantiated group size, both head sizes.
+    for g in 1..=launch::DECODE_MAX_GROUP {
+        for d in launch::HEAD_DIMS {
+            cases.push((vec![1, 33, 700], 2 * g, 2, d, 2.0));
+        }
+    }
     if !quick {
         cases.push((vec![131_072], 9, 3, 64, 1.0));
         cases.push((vec![131_072, 5], 32, 8, 128, 3.0));

@@ -16,6 +16,16 @@ use std::process::ExitCode;
 use pdserve_kernels_sm120::compile::{self, CHECKED_ARCHS};
 use pdserve_kernels_sm120::{launch, sources};
 
+/// The shared memory launch.rs expects of an attention kernel, from its name.
+fn smem_budget(kernel: &str) -> Option<usize> {
+    if let Some(rest) = kernel.strip_prefix("decode_attn_d") {
+        let (d, g) = rest.split_once("_g")?;
+        return Some(launch::decode_smem_bytes(d.parse().ok()?, g.parse().ok()?));
+    }
+    let d = kernel.strip_prefix("prefill_attn_d")?;
+    Some(launch::prefill_smem_bytes(d.parse().ok()?))
+}
+
 fn compile_all(archs: &[String]) -> bool {
     match compile::nvrtc_version() {
         Ok((a, b)) => println!("NVRTC {a}.{b}"),
@@ -48,13 +58,7 @@ fn compile_all(archs: &[String]) -> bool {
                             notes.push("SPILLS".to_string());
                             ok = false;
                         }
-                        let budget = match s.kernel.as_str() {
-                            "decode_attn_d64" => Some(launch::decode_smem_bytes(64)),
-                            "decode_attn_d128" => Some(launch::decode_smem_bytes(128)),
-                            "prefill_attn_d64" => Some(launch::prefill_smem_bytes(64)),
-                            "prefill_attn_d128" => Some(launch::prefill_smem_bytes(128)),
-                            _ => None,
-                        };
+                        let budget = smem_budget(&s.kernel);
                         if let Some(b) = budget {
                             if b != s.smem_bytes as usize {
                                 notes.push(format!("smem differs from launch.rs budget {b}"));
