@@ -28,6 +28,8 @@ pub struct Gpu {
     name: String,
     arch: String,
     sms: usize,
+    /// Blocks of each decode attention kernel one SM holds at once (from the occupancy calculator).
+    decode_occupancy: HashMap<String, usize>,
     /// A one-element buffer passed where a kernel's optional input is absent.
     dummy: CudaSlice<f32>,
 }
@@ -157,7 +159,14 @@ impl Gpu {
             }
         }
         let dummy = stream.alloc_zeros::<f32>(1)?;
-        Ok(Gpu { ctx, stream, blas, funcs, name, arch, sms, dummy })
+        let mut decode_occupancy = HashMap::new();
+        for (name, f) in &funcs {
+            if name.starts_with("decode_attn_d") {
+                let n = f.occupancy_max_active_blocks_per_multiprocessor(launch::DECODE_THREADS, 0, None)?;
+                decode_occupancy.insert(name.to_string(), n.max(1) as usize);
+            }
+        }
+        Ok(Gpu { ctx, stream, blas, funcs, name, arch, sms, decode_occupancy, dummy })
     }
 
     pub fn name(&self) -> &str {
@@ -414,7 +423,10 @@ impl Gpu {
         head_dim: usize,
         max_ctx: usize,
     ) -> DecodePlan {
-        launch::decode_plan(batch, kv_heads, q_heads / kv_heads.max(1), head_dim, max_ctx, self.sms)
+        let group = q_heads / kv_heads.max(1);
+        let per_sm =
+            self.decode_occupancy.get(&launch::decode_kernel_name(head_dim, group)).copied().unwrap_or(1);
+        launch::decode_plan(batch, kv_heads, group, head_dim, max_ctx, per_sm * self.sms)
     }
 
     /// Paged decode attention (flash-decoding): `out[rows[b]]` (the Q-head part, `q_heads * head_dim`

@@ -4,8 +4,10 @@
 
 /// Threads per block of the decode attention kernels (`DA_THREADS`).
 pub const DECODE_THREADS: u32 = 128;
-/// Tokens each lane group of decode attention loads per step (`DA_TB`).
-pub const DECODE_TOKENS_PER_STEP: usize = 4;
+/// Tokens each lane group of decode attention takes per pipeline step (`DA_TB`).
+pub const DECODE_TOKENS_PER_STEP: usize = 2;
+/// Pipeline steps of decode attention in flight (`DA_STAGES`).
+pub const DECODE_STAGES: usize = 5;
 /// Most query heads per KV head that decode attention is instantiated for (`_g1` .. `_g8`).
 pub const DECODE_MAX_GROUP: usize = 8;
 /// Threads per block of prefill attention (`PA_THREADS`).
@@ -45,14 +47,16 @@ pub struct DecodePlan {
     pub partial_ml: usize,
 }
 
-/// Blocks per SM decode attention aims for: a memory-bound kernel needs many warps in flight.
-pub const DECODE_BLOCKS_PER_SM: usize = 8;
+/// Full waves of resident blocks decode attention aims for when it splits a context: with blocks of
+/// equal length, whole waves leave no SM idle at the end.
+pub const DECODE_WAVES: usize = 2;
 
-/// Splits per sequence for decode attention: about [`DECODE_BLOCKS_PER_SM`] blocks per SM, no split shorter
+/// Splits per sequence for decode attention, given how many of its blocks the device holds at once
+/// (`resident_blocks` = blocks per SM x SMs): at most [`DECODE_WAVES`] full waves, no split shorter
 /// than [`MIN_SPLIT_TOKENS`] (except a single one), at most [`MAX_SPLITS`].
-pub fn decode_splits(batch: usize, kv_heads: usize, max_ctx: usize, num_sms: usize) -> usize {
+pub fn decode_splits(batch: usize, kv_heads: usize, max_ctx: usize, resident_blocks: usize) -> usize {
     let blocks = (batch * kv_heads).max(1);
-    let want = (DECODE_BLOCKS_PER_SM * num_sms.max(1)).div_ceil(blocks);
+    let want = DECODE_WAVES * resident_blocks.max(1) / blocks;
     let by_len = max_ctx.div_ceil(MIN_SPLIT_TOKENS).max(1);
     want.min(by_len).clamp(1, MAX_SPLITS)
 }
@@ -64,9 +68,9 @@ pub fn decode_plan(
     group: usize,
     head_dim: usize,
     max_ctx: usize,
-    num_sms: usize,
+    resident_blocks: usize,
 ) -> DecodePlan {
-    let splits = decode_splits(batch, kv_heads, max_ctx, num_sms);
+    let splits = decode_splits(batch, kv_heads, max_ctx, resident_blocks);
     let rows = batch * kv_heads * group * splits;
     DecodePlan {
         splits,
@@ -126,7 +130,8 @@ pub fn decode_kernel_name(head_dim: usize, group: usize) -> String {
 pub fn decode_smem_bytes(head_dim: usize, group: usize) -> usize {
     let lanes = head_dim / 8;
     let nsg = DECODE_THREADS as usize / lanes;
-    4 * (group * head_dim + nsg * group * 2 + nsg * head_dim)
+    let staging = DECODE_STAGES * DECODE_TOKENS_PER_STEP * 2 * DECODE_THREADS as usize * 16;
+    staging + 4 * (group * head_dim + nsg * group * 2)
 }
 
 /// Static shared memory (bytes) of `prefill_attn_d{head_dim}`.
@@ -163,24 +168,26 @@ mod tests {
     }
 
     #[test]
-    fn splits_fill_the_sms_at_small_batch_and_long_context() {
-        // One sequence, 3 KV heads (SmolLM2), 132 SMs: ~8 blocks per SM.
-        let s = decode_splits(1, 3, MAX_CONTEXT, 132);
+    fn splits_fill_whole_waves_at_small_batch_and_long_context() {
+        // One sequence, 3 KV heads (SmolLM2), 132 SMs x 4 resident blocks: two full waves.
+        let s = decode_splits(1, 3, MAX_CONTEXT, 528);
         assert_eq!(s, 352);
-        assert!(s * 3 >= DECODE_BLOCKS_PER_SM * 132);
-        // Batch 32 x 8 KV heads nearly fills the machine: few splits; a large batch needs none.
-        assert_eq!(decode_splits(32, 8, 32_768, 132), 5);
-        assert_eq!(decode_splits(256, 8, 32_768, 132), 1);
+        assert_eq!(s * 3, DECODE_WAVES * 528);
+        // Batch 32 x 8 KV heads: 4 splits make 1,024 blocks, just under two waves of 528.
+        assert_eq!(decode_splits(32, 8, 32_768, 528), 4);
+        // A batch that fills the device needs no split.
+        assert_eq!(decode_splits(256, 8, 32_768, 528), 1);
         // Short contexts are not cut below the minimum split length.
-        assert_eq!(decode_splits(1, 3, 1000, 132), 4);
+        assert_eq!(decode_splits(1, 3, 1000, 528), 4);
     }
 
     #[test]
     fn splits_never_shorter_than_the_minimum_nor_more_than_the_cap() {
         for ctx in [1, 2, 255, 256, 257, 1000, 4096, 32_768, MAX_CONTEXT] {
             for batch in [1, 2, 7, 32, 256] {
-                for sms in [1, 84, 132, 188, 10_000] {
-                    let s = decode_splits(batch, 8, ctx, sms);
+                for resident in [1, 84, 528, 1000, 100_000] {
+                    let s = decode_splits(batch, 8, ctx, resident);
+                    assert!(s == 1 || batch * 8 * s <= DECODE_WAVES * resident, "never more than the waves");
                     assert!((1..=MAX_SPLITS).contains(&s));
                     if s > 1 {
                         assert!(ctx.div_ceil(s) >= MIN_SPLIT_TOKENS / 2, "ctx {ctx} s {s}");

@@ -3,10 +3,11 @@
 // Pass 1 (`decode_attn_d{64,128}_g{1..8}`: head size D, G query heads per KV head): grid
 // (batch * kv_heads, splits), DA_THREADS threads. A block takes one sequence, one KV head (and the G
 // query heads that share it) and one contiguous slice of the context: ceil(ctx / splits) tokens.
-// Inside the block, D/8 lanes share a token (8 dimensions each, one 16-byte load) and form a
-// subgroup; each subgroup walks its own tokens DA_TB at a time with its own online softmax, issuing
-// all K and V loads of a step before using them (many loads in flight: the kernel is bound by memory
-// latency otherwise), with no block-wide barrier in the loop. The subgroups merge at the end; the
+// Inside the block, D/8 lanes share a token (8 dimensions each, one 16-byte chunk) and form a lane
+// group; each group walks its own tokens DA_TB at a time with its own online softmax, with no
+// block-wide barrier in the loop. K and V arrive through a DA_STAGES-deep cp.async pipeline into
+// per-thread shared-memory staging (each thread reads back only what it copied, so only its own
+// cp.async.wait is needed): the kernel is bound by memory latency unless many loads are in flight. The subgroups merge at the end; the
 // block writes an unnormalised partial output and its max and sum. A slice past the end of a short
 // sequence writes max = -inf, sum = 0.
 //
@@ -18,8 +19,17 @@
 // warp waiting at a shuffle.
 
 #define DA_THREADS 128
-// Tokens per lane group per step: fewer for large groups, whose accumulators need the registers.
-#define DA_TB(G) ((G) > 4 ? 2 : 4)
+// Tokens per lane group per pipeline step, and steps in flight.
+#define DA_TB 2
+#define DA_STAGES 5
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_stages() { asm volatile("cp.async.wait_group %0;\n" ::"n"(DA_STAGES - 1)); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
 template <int D, int G>
 __device__ __forceinline__ void decode_attn_impl(
@@ -29,10 +39,12 @@ __device__ __forceinline__ void decode_attn_impl(
     float* __restrict__ part_o, float* __restrict__ part_ml) {
     constexpr int LANES = D / 8;
     constexpr int NSG = DA_THREADS / LANES;
-    constexpr int TB = DA_TB(G);
+    // Each thread's private staging: [stage][token][K|V] 16-byte chunks, thread-major so that a warp's
+    // reads and writes are contiguous. Reused for the final reduction.
+    __shared__ __align__(16) uint4 s_stage[DA_STAGES * DA_TB * 2][DA_THREADS];
     __shared__ __align__(16) float s_q[G][D];
     __shared__ float s_ml[NSG][G][2];
-    __shared__ float s_red[NSG * D];
+    float* s_red = reinterpret_cast<float*>(s_stage);  // NSG * D floats, after the loop
 
     const int b = blockIdx.x / n_kv, kvh = blockIdx.x % n_kv, split = blockIdx.y;
     const int tid = threadIdx.x, sg = tid / LANES, lane = tid % LANES;
@@ -42,6 +54,29 @@ __device__ __forceinline__ void decode_attn_impl(
     const int t0 = min(ctx, split * chunk), t1 = min(ctx, t0 + chunk);
     const size_t kv_row = (size_t)n_kv * D;
     const size_t head_off = (size_t)kvh * D + lane * 8;
+    const int* bt = block_tables + (size_t)b * bt_stride;
+    const int per_iter = NSG * DA_TB;
+    const int iters = (t1 - t0 + per_iter - 1) / per_iter;  // the same for every lane of the block
+
+    // Issues the copies of step `it` (tokens past the slice are skipped, and masked when used).
+    auto issue = [&](int it) {
+        if (it < iters) {
+            const int base = t0 + (it * NSG + sg) * DA_TB;
+            const int st = it % DA_STAGES;
+#pragma unroll
+            for (int j = 0; j < DA_TB; ++j) {
+                const int pos = base + j;
+                if (pos < t1) {
+                    const size_t slot = (size_t)bt[pos / block_size] * block_size + pos % block_size;
+                    cp_async16(&s_stage[(st * DA_TB + j) * 2][tid], k_cache + slot * kv_row + head_off);
+                    cp_async16(&s_stage[(st * DA_TB + j) * 2 + 1][tid], v_cache + slot * kv_row + head_off);
+                }
+            }
+        }
+        cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    };
+#pragma unroll
+    for (int st = 0; st < DA_STAGES - 1; ++st) issue(st);
 
     const float* qb = q + (size_t)rows[b] * q_row_stride + (size_t)kvh * G * D;
     for (int i = tid; i < G * D; i += DA_THREADS) s_q[i / D][i % D] = qb[i] * scale;
@@ -56,49 +91,36 @@ __device__ __forceinline__ void decode_attn_impl(
         for (int j = 0; j < 8; ++j) acc[g][j] = 0.f;
     }
 
-    const int* bt = block_tables + (size_t)b * bt_stride;
-    const int per_iter = NSG * TB;
-    const int iters = (t1 - t0 + per_iter - 1) / per_iter;  // the same for every lane of the block
     for (int it = 0; it < iters; ++it) {
-        const int base = t0 + (it * NSG + sg) * TB;
-        uint4 kraw[TB], vraw[TB];
+        issue(it + DA_STAGES - 1);
+        cp_async_wait_stages();  // this thread's copies of step `it` have landed
+        const int base = t0 + (it * NSG + sg) * DA_TB;
+        const int st = it % DA_STAGES;
+        float sc[G][DA_TB];
 #pragma unroll
-        for (int j = 0; j < TB; ++j) {
-            const int pos = base + j;
-            if (pos < t1) {
-                const size_t slot = (size_t)bt[pos / block_size] * block_size + pos % block_size;
-                kraw[j] = *reinterpret_cast<const uint4*>(k_cache + slot * kv_row + head_off);
-                vraw[j] = *reinterpret_cast<const uint4*>(v_cache + slot * kv_row + head_off);
-            } else {
-                kraw[j] = make_uint4(0, 0, 0, 0);
-                vraw[j] = make_uint4(0, 0, 0, 0);
-            }
-        }
-        float sc[G][TB];
-#pragma unroll
-        for (int j = 0; j < TB; ++j) {
+        for (int j = 0; j < DA_TB; ++j) {
+            const bool valid = base + j < t1;
             float k[8];
-            unpack8(kraw[j], k);
+            unpack8(valid ? s_stage[(st * DA_TB + j) * 2][tid] : make_uint4(0, 0, 0, 0), k);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
-                // q from shared memory (two 16-byte reads): registers go to loads in flight instead.
                 const float4 qa = *reinterpret_cast<const float4*>(&s_q[g][lane * 8]);
-                const float4 qb2 = *reinterpret_cast<const float4*>(&s_q[g][lane * 8 + 4]);
-                float s = qa.x * k[0] + qa.y * k[1] + qa.z * k[2] + qa.w * k[3] + qb2.x * k[4] + qb2.y * k[5] +
-                          qb2.z * k[6] + qb2.w * k[7];
+                const float4 qc = *reinterpret_cast<const float4*>(&s_q[g][lane * 8 + 4]);
+                float s = qa.x * k[0] + qa.y * k[1] + qa.z * k[2] + qa.w * k[3] + qc.x * k[4] + qc.y * k[5] +
+                          qc.z * k[6] + qc.w * k[7];
 #pragma unroll
                 for (int o = LANES / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o, LANES);
-                sc[g][j] = base + j < t1 ? s : NEG_INF;
+                sc[g][j] = valid ? s : NEG_INF;
             }
         }
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             float mt = sc[g][0];
 #pragma unroll
-            for (int j = 1; j < TB; ++j) mt = fmaxf(mt, sc[g][j]);
-            if (mt == NEG_INF) {  // no token of this subgroup in this step: nothing to add
+            for (int j = 1; j < DA_TB; ++j) mt = fmaxf(mt, sc[g][j]);
+            if (mt == NEG_INF) {  // no token of this lane group in this step: nothing to add
 #pragma unroll
-                for (int j = 0; j < TB; ++j) sc[g][j] = 0.f;
+                for (int j = 0; j < DA_TB; ++j) sc[g][j] = 0.f;
                 continue;
             }
             const float m_new = fmaxf(m[g], mt);
@@ -108,12 +130,13 @@ __device__ __forceinline__ void decode_attn_impl(
 #pragma unroll
             for (int d = 0; d < 8; ++d) acc[g][d] *= alpha;
 #pragma unroll
-            for (int j = 0; j < TB; ++j) sc[g][j] = sc[g][j] == NEG_INF ? 0.f : expf(sc[g][j] - m_new);
+            for (int j = 0; j < DA_TB; ++j) sc[g][j] = sc[g][j] == NEG_INF ? 0.f : expf(sc[g][j] - m_new);
         }
 #pragma unroll
-        for (int j = 0; j < TB; ++j) {
+        for (int j = 0; j < DA_TB; ++j) {
+            const bool valid = base + j < t1;
             float v[8];
-            unpack8(vraw[j], v);
+            unpack8(valid ? s_stage[(st * DA_TB + j) * 2 + 1][tid] : make_uint4(0, 0, 0, 0), v);
 #pragma unroll
             for (int g = 0; g < G; ++g) {
                 const float p = sc[g][j];
@@ -123,8 +146,9 @@ __device__ __forceinline__ void decode_attn_impl(
             }
         }
     }
+    cp_async_wait_all();
 
-    // Merge the subgroups: common max per query head, rescale, sum.
+    // Merge the lane groups: common max per query head, rescale, sum.
     if (lane == 0) {
 #pragma unroll
         for (int g = 0; g < G; ++g) {
@@ -132,7 +156,7 @@ __device__ __forceinline__ void decode_attn_impl(
             s_ml[sg][g][1] = l[g];
         }
     }
-    __syncthreads();
+    __syncthreads();  // also: every thread is done with the staging buffer that s_red reuses
 #pragma unroll
     for (int g = 0; g < G; ++g) {
         float mb = NEG_INF;
