@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 
 mod chaos;
 mod generate;
+mod gpu;
 mod serve;
 mod sys;
 mod where_;
@@ -18,9 +19,9 @@ commands:
   serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]
                        fetch the default model if missing, build, and serve it: the router in front of
                        prefill and decode workers (default 1 + 1), or one unified worker
-  test                 fmt check, clippy (warnings are errors), every test of the workspace, the
-                       short chaos subset (chaos --ci), and every fuzz target for 3 s (if cargo-fuzz is
-                       installed)
+  test                 fmt check, clippy (warnings are errors, all features), every test of the
+                       workspace, the kernel compile check (check-kernels), the short chaos subset
+                       (chaos --ci), and every fuzz target for 3 s (if cargo-fuzz is installed)
   fuzz [TARGET] [--seconds N]
                        run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
   bench [--target URL ...] [--workload sweep|poisson|agents] [...]
@@ -35,6 +36,12 @@ commands:
   chaos [NAME ...] [--short | --ci]
                        fault scenarios against the router + prefill + decode processes, with assertions
                        (decode_kill, decode_stall, disconnect_storm, overload, hung_worker, restart_readd)
+  check-kernels [ARCH ...]
+                       NVRTC-compile every CUDA kernel for sm_90, sm_120 and sm_120a (no GPU needed;
+                       fetches NVRTC from PyPI once) and print registers, shared memory, spills
+  test-gpu [--quick]   on an NVIDIA GPU: every kernel against its CPU reference (1 to 131,072-token
+                       contexts), then the GPU backend's greedy text against the CPU backend's
+  bench-gpu            on an NVIDIA GPU: decode attention and RMSNorm bandwidth vs the copy peak
   where [REQUEST_ID] [--url URL] [--older-than 5s] [--json]
                        where each live request is (router stage, then each worker's), oldest first
   help                 this text
@@ -53,6 +60,9 @@ fn main() -> Result<()> {
         Some("generate") => generate::run(&args[1..]),
         Some("where") => where_::run(&args[1..]),
         Some("chaos") => chaos::run(&args[1..]),
+        Some("check-kernels") => gpu::check_kernels(&args[1..]),
+        Some("test-gpu") => gpu::test_gpu(&args[1..]),
+        Some("bench-gpu") => gpu::bench_gpu(&args[1..]),
         Some("help" | "--help" | "-h") | None => {
             print!("{HELP}");
             Ok(())
@@ -85,8 +95,10 @@ fn run(cmd: &mut Command) -> Result<()> {
 
 fn test() -> Result<()> {
     cargo(&["fmt", "--all", "--check"]).context("formatting differs: run `cargo fmt --all`")?;
-    cargo(&["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"])?;
+    cargo(&["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"])?;
     cargo(&["test", "--workspace"])?;
+    // Every CUDA kernel compiles for every checked architecture without spills (NVRTC, no GPU).
+    gpu::check_kernels(&[])?;
     // The short chaos subset: real processes, faults, and the ledgers back to zero afterwards.
     chaos::run(&["--ci".to_owned()])?;
     // Every fuzz target for a few seconds, where cargo-fuzz is installed (`.ci/run` installs it).

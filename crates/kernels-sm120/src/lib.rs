@@ -9,6 +9,7 @@
 //! - [`Gpu`]: a device, its compiled kernels, a stream and a cuBLAS handle, with checked wrappers for
 //!   every kernel (shapes, lengths, alignment, supported head sizes) and bf16 GEMMs through cuBLAS.
 //! - [`reference`]: the CPU definition of every kernel, which the GPU checks compare against.
+//! - [`checks`] and [`bench`]: the GPU self-checks and the bandwidth benchmark (need a GPU).
 //!
 //! Nothing here needs CUDA to build: cudarc loads `libcuda`, `libnvrtc` and `libcublas` when first
 //! used, and [`Gpu::new`] reports a missing driver or device as an error, not a crash.
@@ -25,6 +26,8 @@
 //! assert_eq!(normed.len(), rows * dim);
 //! ```
 
+pub mod bench;
+pub mod checks;
 pub mod compile;
 mod error;
 mod gpu;

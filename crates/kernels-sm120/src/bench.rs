@@ -1,10 +1,9 @@
-//! `pdserve-kernels bench`: achieved memory bandwidth of decode attention and RMSNorm, as a fraction
+//! The GPU benchmark (`pdserve-kernels bench`, `cargo xtask bench-gpu`, `cargo bench`): achieved memory bandwidth of decode attention and RMSNorm, as a fraction
 //! of the device's copy bandwidth measured in the same run (a device-to-device copy, bytes read +
 //! written). Timed with device events, median of 5 runs of 20 launches each.
 
-use pdserve_kernels_sm120::{DecodeAttention, DecodeScratch, Gpu, KernelError};
-
-use crate::gpu_check::Rng;
+use crate::checks::Rng;
+use crate::{DecodeAttention, DecodeScratch, Gpu, KernelError};
 
 fn median(mut v: Vec<f32>) -> f32 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -129,6 +128,7 @@ fn bench(g: &Gpu) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// Runs the benchmark on GPU 0 and prints a table. Returns false (with a message) without a GPU.
 pub fn run(_args: &[String]) -> bool {
     let g = match Gpu::new(0) {
         Ok(g) => g,

@@ -1,12 +1,12 @@
-//! `pdserve-kernels check`: every kernel on the GPU against `reference`, on fresh random inputs.
-//! Outputs are poisoned (NaN) before each launch and every element is checked to be written.
+//! The GPU self-checks (`pdserve-kernels check`, `cargo xtask test-gpu`): every kernel on the GPU
+//! against [`reference`](crate::reference), on fresh random inputs (the seed is printed). Outputs are
+//! poisoned (NaN) before each launch and every element is checked to be written.
 
-use pdserve_kernels_sm120::reference::{self as r, bf16_to_f32, f32_to_bf16, PagedKv};
-use pdserve_kernels_sm120::{
-    launch, DecodeAttention, DecodeScratch, Gpu, KernelError, PrefillAttention, SampleParams,
-};
+use crate::reference::{self as r, bf16_to_f32, f32_to_bf16, PagedKv};
+use crate::{launch, DecodeAttention, DecodeScratch, Gpu, KernelError, PrefillAttention, SampleParams};
 
 /// xorshift64*: reproducible inputs from a printed seed.
+#[derive(Debug, Clone)]
 pub struct Rng(u64);
 
 impl Rng {
@@ -483,6 +483,8 @@ fn check_sampling(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), Kernel
 
 type CheckFn<'a> = dyn Fn(&Gpu, &mut Report, &mut Rng) -> Result<(), KernelError> + 'a;
 
+/// Runs every check on GPU 0 and prints one line per check; `--quick` skips the 131,072-token
+/// contexts. Returns whether all passed (false, with a message, when there is no GPU).
 pub fn run(args: &[String]) -> bool {
     let quick = args.iter().any(|a| a == "--quick");
     let g = match Gpu::new(0) {

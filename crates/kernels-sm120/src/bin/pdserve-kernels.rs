@@ -8,13 +8,10 @@
 //!   and 131,072-token contexts). Fails with a clear message when there is no GPU.
 //! - `bench`: achieved memory bandwidth of decode attention and RMSNorm.
 
-mod gpu_bench;
-mod gpu_check;
-
 use std::process::ExitCode;
 
 use pdserve_kernels_sm120::compile::{self, CHECKED_ARCHS};
-use pdserve_kernels_sm120::{launch, sources};
+use pdserve_kernels_sm120::{bench, checks, launch, sources};
 
 /// The shared memory launch.rs expects of an attention kernel, from its name.
 fn smem_budget(kernel: &str) -> Option<usize> {
@@ -100,8 +97,8 @@ fn main() -> ExitCode {
             };
             compile_all(&archs)
         }
-        Some("check") => gpu_check::run(&args[1..]),
-        Some("bench") => gpu_bench::run(&args[1..]),
+        Some("check") => checks::run(&args[1..]),
+        Some("bench") => bench::run(&args[1..]),
         _ => {
             eprintln!("usage: pdserve-kernels compile [ARCH...] | check [--quick] | bench");
             false
