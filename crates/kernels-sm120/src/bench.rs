@@ -3,7 +3,7 @@
 //! written). Timed with device events, median of 5 runs of 20 launches each.
 
 use crate::checks::Rng;
-use crate::{DecodeAttention, DecodeScratch, Gpu, KernelError};
+use crate::{DecodeAttention, DecodeKernel, DecodeScratch, Gpu, KernelError};
 
 fn median(mut v: Vec<f32>) -> f32 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -30,7 +30,7 @@ fn bench(g: &Gpu) -> Result<(), KernelError> {
     let peak = copy_bandwidth(g)?;
     println!("device: {} ({}, {} SMs)", g.name(), g.arch(), g.num_sms());
     println!("copy bandwidth (read + write): {:.0} GB/s  <- the peak below", peak / 1e9);
-    println!("{:<44} {:>9} {:>10} {:>8} {:>7}", "case", "ms", "GB/s", "of peak", "splits");
+    println!("{:<48} {:>9} {:>10} {:>8} {:>7}", "case", "ms", "GB/s", "of peak", "splits");
     let mut rng = Rng::new(42);
     let block_size = 16;
     for (q_heads, kv_heads, head_dim, label) in [(32, 8, 128, "Llama-8B shape"), (9, 3, 64, "SmolLM2 shape")]
@@ -76,23 +76,27 @@ fn bench(g: &Gpu) -> Result<(), KernelError> {
                 num_slots,
                 scale: 1.0 / (head_dim as f32).sqrt(),
             };
-            let mut scratch = DecodeScratch::default();
-            let mut splits = 0;
-            let ms = timed(g, || {
-                splits =
-                    g.decode_attention(&a, &mut scratch, &mut out.as_view_mut(), q_heads * head_dim)?.splits;
-                Ok(())
-            })?;
-            let bytes = (2 * batch * ctx * kv_dim * 2) as f64;
-            let bw = bytes / (ms as f64 * 1e-3);
-            println!(
-                "{:<44} {:>9.4} {:>10.0} {:>8.2} {:>7}",
-                format!("decode_attn {label} batch {batch} ctx {ctx}"),
-                ms,
-                bw / 1e9,
-                bw / peak,
-                splits
-            );
+            for (kind, kname) in [(DecodeKernel::TensorCore, "tc"), (DecodeKernel::CudaCore, "cc")] {
+                let mut scratch = DecodeScratch::default();
+                let mut splits = 0;
+                let ms = timed(g, || {
+                    let stride = q_heads * head_dim;
+                    splits = g
+                        .decode_attention_with(kind, &a, &mut scratch, &mut out.as_view_mut(), stride)?
+                        .splits;
+                    Ok(())
+                })?;
+                let bytes = (2 * batch * ctx * kv_dim * 2) as f64;
+                let bw = bytes / (ms as f64 * 1e-3);
+                println!(
+                    "{:<48} {:>9.4} {:>10.0} {:>8.2} {:>7}",
+                    format!("decode_attn/{kname} {label} batch {batch} ctx {ctx}"),
+                    ms,
+                    bw / 1e9,
+                    bw / peak,
+                    splits
+                );
+            }
         }
     }
     for (rows, dim, with_add) in [(16_384usize, 4096usize, true), (16_384, 4096, false), (65_536, 576, true)]
@@ -117,7 +121,7 @@ fn bench(g: &Gpu) -> Result<(), KernelError> {
         let per = if with_add { 4 + 4 + 4 + 2 } else { 4 + 2 };
         let bw = (rows * dim * per) as f64 / (ms as f64 * 1e-3);
         println!(
-            "{:<44} {:>9.4} {:>10.0} {:>8.2} {:>7}",
+            "{:<48} {:>9.4} {:>10.0} {:>8.2} {:>7}",
             format!("rmsnorm rows {rows} dim {dim} add={with_add}"),
             ms,
             bw / 1e9,

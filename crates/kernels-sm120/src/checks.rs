@@ -3,7 +3,9 @@
 //! poisoned (NaN) before each launch and every element is checked to be written.
 
 use crate::reference::{self as r, bf16_to_f32, f32_to_bf16, PagedKv};
-use crate::{launch, DecodeAttention, DecodeScratch, Gpu, KernelError, PrefillAttention, SampleParams};
+use crate::{
+    launch, DecodeAttention, DecodeKernel, DecodeScratch, Gpu, KernelError, PrefillAttention, SampleParams,
+};
 
 /// xorshift64*: reproducible inputs from a printed seed.
 #[derive(Debug, Clone)]
@@ -267,6 +269,9 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             cases.push((vec![1, 33, 700], 2 * g, 2, d, 2.0));
         }
     }
+    // Groups only the tensor-core kernel takes.
+    cases.push((vec![5, 300], 32, 2, 128, 1.0));
+    cases.push((vec![64, 1000, 3], 12, 1, 64, 1.0));
     if !quick {
         cases.push((vec![131_072], 9, 3, 64, 1.0));
         cases.push((vec![131_072, 5], 32, 8, 128, 3.0));
@@ -312,26 +317,45 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             num_slots: p.num_slots,
             scale,
         };
-        let mut scratch = DecodeScratch::default();
-        let plan = g.decode_attention(&a, &mut scratch, &mut out.as_view_mut(), out_stride)?;
-        let got = g.download(&out.as_view())?;
-        let cache = PagedKv { k: &p.k, v: &p.v, kv_heads, head_dim, block_size };
-        let (mut gv, mut wv) = (Vec::new(), Vec::new());
-        for b in 0..batch {
-            let row = rows[b] as usize;
-            let table = &p.tables[b * p.bt_stride..(b + 1) * p.bt_stride];
-            for h in 0..q_heads {
-                let qh = &q[row * stride + h * head_dim..][..head_dim];
-                wv.extend(r::attention(qh, &cache, table, lens[b], h / (q_heads / kv_heads), scale));
-                gv.extend_from_slice(&got[row * out_stride + h * head_dim..][..head_dim]);
+        let group = q_heads / kv_heads;
+        for kind in [DecodeKernel::TensorCore, DecodeKernel::CudaCore] {
+            if kind == DecodeKernel::CudaCore && group > launch::DECODE_MAX_GROUP {
+                continue;
             }
+            let mut scratch = DecodeScratch::default();
+            let mut outv = out.as_view_mut();
+            g.write(&vec![f32::NAN; batch * out_stride], &mut outv)?;
+            let plan = g.decode_attention_with(kind, &a, &mut scratch, &mut outv, out_stride)?;
+            let got = g.download(&out.as_view())?;
+            let cache = PagedKv { k: &p.k, v: &p.v, kv_heads, head_dim, block_size };
+            let (mut gv, mut wv) = (Vec::new(), Vec::new());
+            for b in 0..batch {
+                let row = rows[b] as usize;
+                let table = &p.tables[b * p.bt_stride..(b + 1) * p.bt_stride];
+                for h in 0..q_heads {
+                    let qh = &q[row * stride + h * head_dim..][..head_dim];
+                    // The tensor cores take q (scaled) in bf16: so does the reference for them.
+                    let want = if kind == DecodeKernel::TensorCore {
+                        let qs = r::round_bf16(&qh.iter().map(|v| v * scale).collect::<Vec<_>>());
+                        r::attention(&qs, &cache, table, lens[b], h / group, 1.0)
+                    } else {
+                        r::attention(qh, &cache, table, lens[b], h / group, scale)
+                    };
+                    wv.extend(want);
+                    gv.extend_from_slice(&got[row * out_stride + h * head_dim..][..head_dim]);
+                }
+            }
+            let maxlen = lens.iter().max().unwrap();
+            let (label, tol) = match kind {
+                DecodeKernel::TensorCore => ("tc", 5e-3),
+                DecodeKernel::CudaCore => ("cc", 2e-4),
+            };
+            let name = format!(
+                "decode_attn/{label} d{head_dim} q{q_heads}/kv{kv_heads} batch {batch} ctx<={maxlen} splits {}",
+                plan.splits
+            );
+            rep.check(&name, rel_err(&gv, &wv), tol);
         }
-        let maxlen = lens.iter().max().unwrap();
-        let name = format!(
-            "decode_attn d{head_dim} q{q_heads}/kv{kv_heads} batch {batch} ctx<={maxlen} splits {}",
-            plan.splits
-        );
-        rep.check(&name, rel_err(&gv, &wv), 2e-4);
     }
     Ok(())
 }

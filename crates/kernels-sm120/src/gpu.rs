@@ -44,6 +44,13 @@ impl std::fmt::Debug for Gpu {
     }
 }
 
+fn decode_kernel(kind: DecodeKernel, head_dim: usize, group: usize) -> String {
+    match kind {
+        DecodeKernel::TensorCore => format!("decode_attn_tc_d{head_dim}"),
+        DecodeKernel::CudaCore => launch::decode_kernel_name(head_dim, group),
+    }
+}
+
 fn check_len(what: &str, have: usize, need: usize) -> Result<(), KernelError> {
     if have < need {
         return Err(KernelError::shape(format!("{what} holds {have} values, the shape needs {need}")));
@@ -86,6 +93,16 @@ pub struct DecodeAttention<'a> {
     /// Slots the cache holds (bounds-checks the block tables' reach).
     pub num_slots: usize,
     pub scale: f32,
+}
+
+/// Which decode attention kernel runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeKernel {
+    /// `decode_attn_tc_d*`: QK and PV on the tensor cores (Q and P rounded to bf16), up to 16 query
+    /// heads per KV head. The default.
+    TensorCore,
+    /// `decode_attn_d*_g*`: CUDA cores, f32 throughout, up to 8 query heads per KV head.
+    CudaCore,
 }
 
 /// Partial results of decode attention, grown as needed and reused across calls.
@@ -161,7 +178,7 @@ impl Gpu {
         let dummy = stream.alloc_zeros::<f32>(1)?;
         let mut decode_occupancy = HashMap::new();
         for (name, f) in &funcs {
-            if name.starts_with("decode_attn_d") {
+            if name.starts_with("decode_attn_") && *name != "decode_attn_reduce" {
                 let n = f.occupancy_max_active_blocks_per_multiprocessor(launch::DECODE_THREADS, 0, None)?;
                 decode_occupancy.insert(name.to_string(), n.max(1) as usize);
             }
@@ -417,6 +434,7 @@ impl Gpu {
     /// The split plan [`decode_attention`](Self::decode_attention) will use on this device.
     pub fn decode_plan(
         &self,
+        kind: DecodeKernel,
         batch: usize,
         q_heads: usize,
         kv_heads: usize,
@@ -424,15 +442,26 @@ impl Gpu {
         max_ctx: usize,
     ) -> DecodePlan {
         let group = q_heads / kv_heads.max(1);
-        let per_sm =
-            self.decode_occupancy.get(&launch::decode_kernel_name(head_dim, group)).copied().unwrap_or(1);
+        let per_sm = self.decode_occupancy.get(&decode_kernel(kind, head_dim, group)).copied().unwrap_or(1);
         launch::decode_plan(batch, kv_heads, group, head_dim, max_ctx, per_sm * self.sms)
+    }
+
+    /// Paged decode attention with the default kernel ([`DecodeKernel::TensorCore`]).
+    pub fn decode_attention(
+        &self,
+        a: &DecodeAttention<'_>,
+        scratch: &mut DecodeScratch,
+        out: &mut CudaViewMut<'_, f32>,
+        out_row_stride: usize,
+    ) -> Result<DecodePlan, KernelError> {
+        self.decode_attention_with(DecodeKernel::TensorCore, a, scratch, out, out_row_stride)
     }
 
     /// Paged decode attention (flash-decoding): `out[rows[b]]` (the Q-head part, `q_heads * head_dim`
     /// values at the start of the row, `out_row_stride` apart) for each sequence. Returns the plan used.
-    pub fn decode_attention(
+    pub fn decode_attention_with(
         &self,
+        kind: DecodeKernel,
         a: &DecodeAttention<'_>,
         scratch: &mut DecodeScratch,
         out: &mut CudaViewMut<'_, f32>,
@@ -441,8 +470,15 @@ impl Gpu {
         if let Some(p) = launch::attention_shape_problem(a.q_heads, a.kv_heads, a.head_dim) {
             return Err(KernelError::shape(p));
         }
+        let group = a.q_heads / a.kv_heads;
+        if kind == DecodeKernel::CudaCore && group > launch::DECODE_MAX_GROUP {
+            return Err(KernelError::shape(format!(
+                "the CUDA-core kernel takes at most {} query heads per KV head",
+                launch::DECODE_MAX_GROUP
+            )));
+        }
         if a.batch == 0 {
-            return Ok(self.decode_plan(0, a.q_heads, a.kv_heads, a.head_dim, 0));
+            return Ok(self.decode_plan(kind, 0, a.q_heads, a.kv_heads, a.head_dim, 0));
         }
         if a.max_ctx == 0 || a.max_ctx > a.bt_stride * a.block_size {
             return Err(KernelError::shape(format!(
@@ -459,7 +495,7 @@ impl Gpu {
         if a.q_row_stride < a.q_heads * a.head_dim || out_row_stride < a.q_heads * a.head_dim {
             return Err(KernelError::shape("row stride shorter than the query heads"));
         }
-        let plan = self.decode_plan(a.batch, a.q_heads, a.kv_heads, a.head_dim, a.max_ctx);
+        let plan = self.decode_plan(kind, a.batch, a.q_heads, a.kv_heads, a.head_dim, a.max_ctx);
         for (buf, need) in [(&mut scratch.out, plan.partial_out), (&mut scratch.ml, plan.partial_ml)] {
             if buf.as_ref().is_none_or(|b| b.len() < need) {
                 *buf = Some(self.zeros::<f32>(need)?);
@@ -473,10 +509,15 @@ impl Gpu {
             fits_i32("block_size", a.block_size)?,
         );
         let splits = plan.splits as i32;
-        let name = launch::decode_kernel_name(a.head_dim, a.q_heads / a.kv_heads);
+        let name = decode_kernel(kind, a.head_dim, group);
+        let group_i = group as i32;
         let mut b = self.stream.launch_builder(self.func(&name));
         b.arg(a.q).arg(&qs).arg(a.rows).arg(a.k_cache).arg(a.v_cache).arg(a.block_tables).arg(&bts);
-        b.arg(a.ctx_lens).arg(&nkv).arg(&bs).arg(&a.scale).arg(&splits);
+        b.arg(a.ctx_lens).arg(&nkv);
+        if kind == DecodeKernel::TensorCore {
+            b.arg(&group_i);
+        }
+        b.arg(&bs).arg(&a.scale).arg(&splits);
         b.arg(&mut *part_o).arg(&mut *part_ml);
         sys::launch(
             b,

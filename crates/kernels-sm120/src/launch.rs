@@ -8,8 +8,12 @@ pub const DECODE_THREADS: u32 = 128;
 pub const DECODE_TOKENS_PER_STEP: usize = 2;
 /// Pipeline steps of decode attention in flight (`DA_STAGES`).
 pub const DECODE_STAGES: usize = 5;
-/// Most query heads per KV head that decode attention is instantiated for (`_g1` .. `_g8`).
+/// Most query heads per KV head of the CUDA-core decode kernels (`_g1` .. `_g8`).
 pub const DECODE_MAX_GROUP: usize = 8;
+/// Most query heads per KV head of the tensor-core decode kernel (one m16 tile of rows).
+pub const DECODE_TC_MAX_GROUP: usize = 16;
+/// Tokens per shared-memory tile of the tensor-core decode kernel (`TC_KT`).
+pub const DECODE_TC_TILE: usize = 32;
 /// Threads per block of prefill attention (`PA_THREADS`).
 pub const PREFILL_THREADS: u32 = 128;
 /// Keys per shared-memory tile of prefill attention (`PA_KT`).
@@ -134,6 +138,20 @@ pub fn decode_smem_bytes(head_dim: usize, group: usize) -> usize {
     staging + 4 * (group * head_dim + nsg * group * 2)
 }
 
+/// Pipeline depth of `decode_attn_tc_d{head_dim}` (the `STAGES` it is instantiated with).
+pub fn decode_tc_stages(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        4
+    } else {
+        2
+    }
+}
+
+/// Static shared memory (bytes) of `decode_attn_tc_d{head_dim}`.
+pub fn decode_tc_smem_bytes(head_dim: usize) -> usize {
+    decode_tc_stages(head_dim) * 2 * DECODE_TC_TILE * (head_dim + 8) * 2 + 4 * 16 * 2 * 4
+}
+
 /// Static shared memory (bytes) of `prefill_attn_d{head_dim}`.
 pub fn prefill_smem_bytes(head_dim: usize) -> usize {
     let p = PREFILL_MAX_PAIRS;
@@ -150,8 +168,8 @@ pub fn attention_shape_problem(q_heads: usize, kv_heads: usize, head_dim: usize)
         return Some(format!("head_dim {head_dim} is not one of {HEAD_DIMS:?}"));
     }
     let group = q_heads / kv_heads;
-    if group > DECODE_MAX_GROUP {
-        return Some(format!("{group} query heads per KV head exceed {DECODE_MAX_GROUP}"));
+    if group > DECODE_TC_MAX_GROUP {
+        return Some(format!("{group} query heads per KV head exceed {DECODE_TC_MAX_GROUP}"));
     }
     None
 }
@@ -243,6 +261,9 @@ mod tests {
                 assert!(decode_smem_bytes(d, g) <= STATIC_SMEM_LIMIT, "decode d{d} g{g}");
             }
             assert!(prefill_smem_bytes(d) <= STATIC_SMEM_LIMIT, "prefill d{d}: {}", prefill_smem_bytes(d));
+            assert!(decode_tc_smem_bytes(d) <= STATIC_SMEM_LIMIT, "decode tc d{d}");
+            // The merge reuses the staging for 16 rows of f32 output.
+            assert!(decode_tc_stages(d) * 2 * DECODE_TC_TILE * (d + 8) * 2 >= 16 * d * 4);
         }
     }
 
@@ -252,7 +273,8 @@ mod tests {
         assert!(attention_shape_problem(32, 8, 128).is_none());
         assert!(attention_shape_problem(9, 2, 64).unwrap().contains("multiple"));
         assert!(attention_shape_problem(8, 8, 96).unwrap().contains("head_dim"));
-        assert!(attention_shape_problem(64, 4, 64).unwrap().contains("exceed"));
+        assert!(attention_shape_problem(64, 4, 64).is_none(), "16 per KV head: the tensor-core kernel");
+        assert!(attention_shape_problem(68, 4, 64).unwrap().contains("exceed"));
     }
 
     #[test]

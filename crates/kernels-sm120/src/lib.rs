@@ -38,5 +38,5 @@ mod sys;
 
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use error::KernelError;
-pub use gpu::{DecodeAttention, DecodeScratch, Gpu, PrefillAttention, SampleParams};
+pub use gpu::{DecodeAttention, DecodeKernel, DecodeScratch, Gpu, PrefillAttention, SampleParams};
 pub use sys::cuda_libraries_present;

@@ -51,6 +51,11 @@ pub const DECODE_ATTN: Source = Source {
         "decode_attn_reduce",
     ],
 };
+pub const DECODE_ATTN_TC: Source = Source {
+    file: "decode_attn_tc.cu",
+    code: include_str!("cuda/decode_attn_tc.cu"),
+    kernels: &["decode_attn_tc_d64", "decode_attn_tc_d128"],
+};
 pub const PREFILL_ATTN: Source = Source {
     file: "prefill_attn.cu",
     code: include_str!("cuda/prefill_attn.cu"),
@@ -63,4 +68,4 @@ pub const SAMPLE: Source = Source {
 };
 
 /// Every source of the crate.
-pub const ALL: [Source; 7] = [NORM, ROPE, ELEMENTWISE, KV, DECODE_ATTN, PREFILL_ATTN, SAMPLE];
+pub const ALL: [Source; 8] = [NORM, ROPE, ELEMENTWISE, KV, DECODE_ATTN, DECODE_ATTN_TC, PREFILL_ATTN, SAMPLE];

@@ -15,6 +15,9 @@ use pdserve_kernels_sm120::{bench, checks, launch, sources};
 
 /// The shared memory launch.rs expects of an attention kernel, from its name.
 fn smem_budget(kernel: &str) -> Option<usize> {
+    if let Some(d) = kernel.strip_prefix("decode_attn_tc_d") {
+        return Some(launch::decode_tc_smem_bytes(d.parse().ok()?));
+    }
     if let Some(rest) = kernel.strip_prefix("decode_attn_d") {
         let (d, g) = rest.split_once("_g")?;
         return Some(launch::decode_smem_bytes(d.parse().ok()?, g.parse().ok()?));

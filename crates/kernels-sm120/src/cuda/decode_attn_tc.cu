@@ -1,0 +1,233 @@
+// Paged decode attention on the tensor cores (mma.sync bf16, f32 accumulation), for up to 16 query
+// heads per KV head. Same grid, split and partial-output contract as decode_attn.cu (the reduce
+// kernel there combines the splits).
+//
+// A block (TC_THREADS = 4 warps) takes one sequence, one KV head and one slice of the context, and
+// walks it in tiles of TC_KT = 32 tokens, double- or quadruple-buffered in shared memory through
+// cp.async (tokens past the slice are zero-filled). Each warp takes 8 tokens of a tile:
+//   S[16 x 8] = Q[16 x D] . K^T   (m16n8k16; the G query rows of the group, padded to 16, in bf16)
+//   online softmax per row on the fragment (each (row, token) score lives in exactly one lane)
+//   O[16 x D] += P[16 x 8] . V    (m16n8k8; V fragments through ldmatrix.trans)
+// At the end the four warps' (max, sum, O) merge through shared memory. Q and P enter the tensor
+// cores as bf16; everything else is f32.
+
+#define TC_THREADS 128
+#define TC_KT 32
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
+}
+
+__device__ __forceinline__ void mma_k16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3, unsigned b0,
+                                        unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma_k8(float* c, unsigned a0, unsigned a1, unsigned b0) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(b0));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16* row) {
+    const unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+
+// 16-byte copy, or 16 zero bytes when !valid (the source is then not read).
+__device__ __forceinline__ void cp_async16_zfill(void* smem, const void* gmem, bool valid) {
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(n));
+}
+__device__ __forceinline__ void tc_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void tc_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <int D, int STAGES>
+__device__ __forceinline__ void decode_attn_tc_impl(
+    const float* __restrict__ q, int q_row_stride, const int* __restrict__ rows, const bf16* __restrict__ k_cache,
+    const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int bt_stride,
+    const int* __restrict__ ctx_lens, int n_kv, int group, int block_size, float scale, int n_splits,
+    float* __restrict__ part_o, float* __restrict__ part_ml) {
+    constexpr int STRIDE = D + 8;  // bf16 per smem row: 16 bytes of padding, no bank conflicts
+    constexpr int TILE = TC_KT * STRIDE;
+    constexpr int NT = D / 8;  // n-tiles of the output
+    __shared__ __align__(16) bf16 s_kv[STAGES * 2 * TILE];
+    __shared__ float s_ml[4][16][2];
+
+    const int b = blockIdx.x / n_kv, kvh = blockIdx.x % n_kv, split = blockIdx.y;
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
+    const int n_q = n_kv * group;
+    const int ctx = ctx_lens[b];
+    const int chunk = (ctx + n_splits - 1) / n_splits;
+    const int t0 = min(ctx, split * chunk), t1 = min(ctx, t0 + chunk);
+    const size_t kv_row = (size_t)n_kv * D;
+    const int* bt = block_tables + (size_t)b * bt_stride;
+    const int n_tiles = (t1 - t0 + TC_KT - 1) / TC_KT;
+
+    auto load_tile = [&](int tile) {
+        if (tile < n_tiles) {
+            bf16* sk = s_kv + (tile % STAGES) * 2 * TILE;
+            bf16* sv = sk + TILE;
+            for (int i = tid; i < TC_KT * (D / 8); i += TC_THREADS) {
+                const int t = i / (D / 8), c = i % (D / 8), pos = t0 + tile * TC_KT + t;
+                const bool valid = pos < t1;
+                const size_t slot = valid ? (size_t)bt[pos / block_size] * block_size + pos % block_size : 0;
+                const size_t off = slot * kv_row + (size_t)kvh * D + c * 8;
+                cp_async16_zfill(sk + t * STRIDE + c * 8, k_cache + off, valid);
+                cp_async16_zfill(sv + t * STRIDE + c * 8, v_cache + off, valid);
+            }
+        }
+        tc_commit();  // an empty group past the end keeps the wait count uniform
+    };
+#pragma unroll
+    for (int s = 0; s < STAGES - 1; ++s) load_tile(s);
+
+    // Q fragments (rows gid and gid + 8 of the group, scaled, bf16), one set per 16 dimensions.
+    const float* qb = q + (size_t)rows[b] * q_row_stride + (size_t)kvh * group * D;
+    unsigned qa[D / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        const int d = kc * 16 + tig * 2;
+        const float* r0 = qb + (size_t)gid * D;
+        const float* r1 = qb + (size_t)(gid + 8) * D;
+        const bool v0 = gid < group, v1 = gid + 8 < group;
+        qa[kc][0] = v0 ? pack_bf16(r0[d] * scale, r0[d + 1] * scale) : 0u;
+        qa[kc][1] = v1 ? pack_bf16(r1[d] * scale, r1[d + 1] * scale) : 0u;
+        qa[kc][2] = v0 ? pack_bf16(r0[d + 8] * scale, r0[d + 9] * scale) : 0u;
+        qa[kc][3] = v1 ? pack_bf16(r1[d + 8] * scale, r1[d + 9] * scale) : 0u;
+    }
+
+    float o[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};  // rows gid, gid + 8; l: this lane's tokens only
+
+    for (int tile = 0; tile < n_tiles; ++tile) {
+        load_tile(tile + STAGES - 1);
+        tc_wait<STAGES - 1>();
+        __syncthreads();
+        const bf16* sk = s_kv + (tile % STAGES) * 2 * TILE + warp * 8 * STRIDE;
+        const bf16* sv = sk + TILE;
+        // Scores for this warp's 8 tokens.
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+            const bf16* kr = sk + gid * STRIDE + kc * 16 + tig * 2;
+            const unsigned b0 = *reinterpret_cast<const unsigned*>(kr);
+            const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + 8);
+            mma_k16(s, qa[kc][0], qa[kc][1], qa[kc][2], qa[kc][3], b0, b1);
+        }
+        const int tok = t0 + tile * TC_KT + warp * 8 + tig * 2;
+        if (tok >= t1) s[0] = s[2] = NEG_INF;
+        if (tok + 1 >= t1) s[1] = s[3] = NEG_INF;
+        float p[4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // h = 0: row gid (s[0], s[1]); h = 1: row gid + 8 (s[2], s[3])
+            float mx = fmaxf(s[2 * h], s[2 * h + 1]);
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            if (mx == NEG_INF) {  // every token of this warp is past the slice
+                p[2 * h] = p[2 * h + 1] = 0.f;
+                continue;
+            }
+            const float m_new = fmaxf(m[h], mx);
+            if (m_new > m[h]) {
+                const float alpha = m[h] == NEG_INF ? 0.f : expf(m[h] - m_new);
+                l[h] *= alpha;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+                    o[n][2 * h] *= alpha;
+                    o[n][2 * h + 1] *= alpha;
+                }
+                m[h] = m_new;
+            }
+            p[2 * h] = s[2 * h] == NEG_INF ? 0.f : expf(s[2 * h] - m_new);
+            p[2 * h + 1] = s[2 * h + 1] == NEG_INF ? 0.f : expf(s[2 * h + 1] - m_new);
+            l[h] += p[2 * h] + p[2 * h + 1];
+        }
+        // O += P . V: the P fragment is the score fragment's layout, in bf16.
+        const unsigned a0 = pack_bf16(p[0], p[1]), a1 = pack_bf16(p[2], p[3]);
+#pragma unroll
+        for (int n = 0; n < NT; n += 4) {
+            unsigned bv[4];
+            ldmatrix_x4_trans(bv, sv + (lane & 7) * STRIDE + (n + (lane >> 3)) * 8);
+#pragma unroll
+            for (int i = 0; i < 4; ++i) mma_k8(o[n + i], a0, a1, bv[i]);
+        }
+        __syncthreads();  // the stage is overwritten by the next iteration's load
+    }
+    tc_wait<0>();
+    __syncthreads();
+
+    // Merge the warps. Row sums: over the quad first.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
+    }
+    if (tig == 0) {
+        s_ml[warp][gid][0] = m[0];
+        s_ml[warp][gid][1] = l[0];
+        s_ml[warp][gid + 8][0] = m[1];
+        s_ml[warp][gid + 8][1] = l[1];
+    }
+    float* s_o = reinterpret_cast<float*>(s_kv);  // 16 x D floats, the staging is free now
+    for (int i = tid; i < 16 * D; i += TC_THREADS) s_o[i] = 0.f;
+    __syncthreads();
+    float f[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = gid + 8 * h;
+        float mb = NEG_INF;
+        for (int w = 0; w < 4; ++w) mb = fmaxf(mb, s_ml[w][r][0]);
+        f[h] = m[h] == NEG_INF ? 0.f : expf(m[h] - mb);
+    }
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+        const int d = n * 8 + tig * 2;
+        atomicAdd(&s_o[gid * D + d], o[n][0] * f[0]);
+        atomicAdd(&s_o[gid * D + d + 1], o[n][1] * f[0]);
+        atomicAdd(&s_o[(gid + 8) * D + d], o[n][2] * f[1]);
+        atomicAdd(&s_o[(gid + 8) * D + d + 1], o[n][3] * f[1]);
+    }
+    __syncthreads();
+    for (int i = tid; i < group * D; i += TC_THREADS) {
+        const int r = i / D, d = i % D;
+        const size_t idx = ((size_t)b * n_q + kvh * group + r) * n_splits + split;
+        part_o[idx * D + d] = s_o[r * D + d];
+    }
+    if (tid < group) {
+        float mb = NEG_INF;
+        for (int w = 0; w < 4; ++w) mb = fmaxf(mb, s_ml[w][tid][0]);
+        float lb = 0.f;
+        for (int w = 0; w < 4; ++w)
+            if (s_ml[w][tid][0] != NEG_INF) lb += s_ml[w][tid][1] * expf(s_ml[w][tid][0] - mb);
+        const size_t idx = ((size_t)b * n_q + kvh * group + tid) * n_splits + split;
+        part_ml[2 * idx] = mb;
+        part_ml[2 * idx + 1] = lb;
+    }
+}
+
+#define DECODE_ATTN_TC(D, STAGES)                                                                             \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) decode_attn_tc_d##D(                            \
+        const float* __restrict__ q, int q_row_stride, const int* __restrict__ rows,                         \
+        const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, \
+        int bt_stride, const int* __restrict__ ctx_lens, int n_kv, int group, int block_size, float scale,    \
+        int n_splits, float* __restrict__ part_o, float* __restrict__ part_ml) {                             \
+        decode_attn_tc_impl<D, STAGES>(q, q_row_stride, rows, k_cache, v_cache, block_tables, bt_stride,     \
+                                       ctx_lens, n_kv, group, block_size, scale, n_splits, part_o, part_ml); \
+    }
+
+DECODE_ATTN_TC(64, 4)
+DECODE_ATTN_TC(128, 2)
