@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, LaunchConfig,
     PushKernelArg, ValidAsZeroBits,
@@ -179,7 +179,19 @@ impl Gpu {
         let mut decode_occupancy = HashMap::new();
         for (name, f) in &funcs {
             if name.starts_with("decode_attn_") && *name != "decode_attn_reduce" {
-                let n = f.occupancy_max_active_blocks_per_multiprocessor(launch::DECODE_THREADS, 0, None)?;
+                let dynamic = match name.strip_prefix("decode_attn_tc_d") {
+                    Some(d) => {
+                        let bytes = launch::decode_tc_dynamic_smem_bytes(d.parse().unwrap_or(128));
+                        f.set_attribute(
+                            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            bytes as i32,
+                        )?;
+                        bytes
+                    }
+                    None => 0,
+                };
+                let n =
+                    f.occupancy_max_active_blocks_per_multiprocessor(launch::DECODE_THREADS, dynamic, None)?;
                 decode_occupancy.insert(name.to_string(), n.max(1) as usize);
             }
         }
@@ -519,12 +531,16 @@ impl Gpu {
         }
         b.arg(&bs).arg(&a.scale).arg(&splits);
         b.arg(&mut *part_o).arg(&mut *part_ml);
+        let shared_mem_bytes = match kind {
+            DecodeKernel::TensorCore => launch::decode_tc_dynamic_smem_bytes(a.head_dim) as u32,
+            DecodeKernel::CudaCore => 0,
+        };
         sys::launch(
             b,
             LaunchConfig {
                 grid_dim: (plan.grid_x, plan.splits as u32, 1),
                 block_dim: (launch::DECODE_THREADS, 1, 1),
-                shared_mem_bytes: 0,
+                shared_mem_bytes,
             },
         )?;
         let (nq, hd, ors) =

@@ -3,16 +3,16 @@
 // kernel there combines the splits).
 //
 // A block (TC_THREADS = 4 warps) takes one sequence, one KV head and one slice of the context, and
-// walks it in tiles of TC_KT = 32 tokens, double- or quadruple-buffered in shared memory through
-// cp.async (tokens past the slice are zero-filled). Each warp takes 8 tokens of a tile:
-//   S[16 x 8] = Q[16 x D] . K^T   (m16n8k16; the G query rows of the group, padded to 16, in bf16)
-//   online softmax per row on the fragment (each (row, token) score lives in exactly one lane)
-//   O[16 x D] += P[16 x 8] . V    (m16n8k8; V fragments through ldmatrix.trans)
+// walks it in tiles of TC_KT = 64 tokens, multi-buffered in dynamic shared memory through cp.async
+// (tokens past the slice are zero-filled). Each warp takes 16 tokens of a tile:
+//   S[16 x 16] = Q[16 x D] . K^T  (m16n8k16; the G query rows of the group, padded to 16, in bf16)
+//   online softmax per row on the fragments (each (row, token) score lives in exactly one lane)
+//   O[16 x D] += P[16 x 16] . V   (m16n8k16; V fragments through ldmatrix.trans)
 // At the end the four warps' (max, sum, O) merge through shared memory. Q and P enter the tensor
 // cores as bf16; everything else is f32.
 
 #define TC_THREADS 128
-#define TC_KT 32
+#define TC_KT 64
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
@@ -61,8 +61,10 @@ __device__ __forceinline__ void decode_attn_tc_impl(
     float* __restrict__ part_o, float* __restrict__ part_ml) {
     constexpr int STRIDE = D + 8;  // bf16 per smem row: 16 bytes of padding, no bank conflicts
     constexpr int TILE = TC_KT * STRIDE;
-    constexpr int NT = D / 8;  // n-tiles of the output
-    __shared__ __align__(16) bf16 s_kv[STAGES * 2 * TILE];
+    constexpr int NT = D / 8;                       // n-tiles of the output
+    constexpr int TPT = TC_THREADS / TC_KT;         // threads per token when loading
+    constexpr int CPT = (D / 8) / TPT;              // 16-byte chunks per thread per token
+    extern __shared__ __align__(16) bf16 s_kv[];    // STAGES x (K tile, V tile)
     __shared__ float s_ml[4][16][2];
 
     const int b = blockIdx.x / n_kv, kvh = blockIdx.x % n_kv, split = blockIdx.y;
@@ -74,18 +76,20 @@ __device__ __forceinline__ void decode_attn_tc_impl(
     const size_t kv_row = (size_t)n_kv * D;
     const int* bt = block_tables + (size_t)b * bt_stride;
     const int n_tiles = (t1 - t0 + TC_KT - 1) / TC_KT;
+    const int ld_tok = tid / TPT, ld_c0 = (tid % TPT) * CPT;
 
     auto load_tile = [&](int tile) {
         if (tile < n_tiles) {
-            bf16* sk = s_kv + (tile % STAGES) * 2 * TILE;
+            bf16* sk = s_kv + (tile % STAGES) * 2 * TILE + ld_tok * STRIDE;
             bf16* sv = sk + TILE;
-            for (int i = tid; i < TC_KT * (D / 8); i += TC_THREADS) {
-                const int t = i / (D / 8), c = i % (D / 8), pos = t0 + tile * TC_KT + t;
-                const bool valid = pos < t1;
-                const size_t slot = valid ? (size_t)bt[pos / block_size] * block_size + pos % block_size : 0;
-                const size_t off = slot * kv_row + (size_t)kvh * D + c * 8;
-                cp_async16_zfill(sk + t * STRIDE + c * 8, k_cache + off, valid);
-                cp_async16_zfill(sv + t * STRIDE + c * 8, v_cache + off, valid);
+            const int pos = t0 + tile * TC_KT + ld_tok;
+            const bool valid = pos < t1;
+            const size_t slot = valid ? (size_t)bt[pos / block_size] * block_size + pos % block_size : 0;
+            const size_t off = slot * kv_row + (size_t)kvh * D;
+#pragma unroll
+            for (int c = ld_c0; c < ld_c0 + CPT; ++c) {
+                cp_async16_zfill(sk + c * 8, k_cache + off + c * 8, valid);
+                cp_async16_zfill(sv + c * 8, v_cache + off + c * 8, valid);
             }
         }
         tc_commit();  // an empty group past the end keeps the wait count uniform
@@ -117,28 +121,32 @@ __device__ __forceinline__ void decode_attn_tc_impl(
         load_tile(tile + STAGES - 1);
         tc_wait<STAGES - 1>();
         __syncthreads();
-        const bf16* sk = s_kv + (tile % STAGES) * 2 * TILE + warp * 8 * STRIDE;
+        const bf16* sk = s_kv + (tile % STAGES) * 2 * TILE + warp * 16 * STRIDE;
         const bf16* sv = sk + TILE;
-        // Scores for this warp's 8 tokens.
-        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        // Scores for this warp's 16 tokens: two 8-token n-tiles. s[j][0..1]: row gid, tokens
+        // 8j + 2 tig + {0, 1}; s[j][2..3]: row gid + 8.
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) {
-            const bf16* kr = sk + gid * STRIDE + kc * 16 + tig * 2;
-            const unsigned b0 = *reinterpret_cast<const unsigned*>(kr);
-            const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + 8);
-            mma_k16(s, qa[kc][0], qa[kc][1], qa[kc][2], qa[kc][3], b0, b1);
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) {
+                const bf16* kr = sk + (8 * j + gid) * STRIDE + kc * 16 + tig * 2;
+                const unsigned b0 = *reinterpret_cast<const unsigned*>(kr);
+                const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + 8);
+                mma_k16(s[j], qa[kc][0], qa[kc][1], qa[kc][2], qa[kc][3], b0, b1);
+            }
+            const int tok = t0 + tile * TC_KT + warp * 16 + 8 * j + tig * 2;
+            if (tok >= t1) s[j][0] = s[j][2] = NEG_INF;
+            if (tok + 1 >= t1) s[j][1] = s[j][3] = NEG_INF;
         }
-        const int tok = t0 + tile * TC_KT + warp * 8 + tig * 2;
-        if (tok >= t1) s[0] = s[2] = NEG_INF;
-        if (tok + 1 >= t1) s[1] = s[3] = NEG_INF;
-        float p[4];
+        float p[2][4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // h = 0: row gid (s[0], s[1]); h = 1: row gid + 8 (s[2], s[3])
-            float mx = fmaxf(s[2 * h], s[2 * h + 1]);
+        for (int h = 0; h < 2; ++h) {  // h = 0: row gid; h = 1: row gid + 8
+            float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             if (mx == NEG_INF) {  // every token of this warp is past the slice
-                p[2 * h] = p[2 * h + 1] = 0.f;
+                p[0][2 * h] = p[0][2 * h + 1] = p[1][2 * h] = p[1][2 * h + 1] = 0.f;
                 continue;
             }
             const float m_new = fmaxf(m[h], mx);
@@ -152,18 +160,27 @@ __device__ __forceinline__ void decode_attn_tc_impl(
                 }
                 m[h] = m_new;
             }
-            p[2 * h] = s[2 * h] == NEG_INF ? 0.f : expf(s[2 * h] - m_new);
-            p[2 * h + 1] = s[2 * h + 1] == NEG_INF ? 0.f : expf(s[2 * h + 1] - m_new);
-            l[h] += p[2 * h] + p[2 * h + 1];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float v = s[j][2 * h + e];
+                    p[j][2 * h + e] = v == NEG_INF ? 0.f : expf(v - m_new);
+                    l[h] += p[j][2 * h + e];
+                }
+            }
         }
-        // O += P . V: the P fragment is the score fragment's layout, in bf16.
-        const unsigned a0 = pack_bf16(p[0], p[1]), a1 = pack_bf16(p[2], p[3]);
+        // O += P . V over the 16 tokens (m16n8k16): the P fragment is the score fragments' layout.
+        const unsigned a0 = pack_bf16(p[0][0], p[0][1]), a1 = pack_bf16(p[0][2], p[0][3]);
+        const unsigned a2 = pack_bf16(p[1][0], p[1][1]), a3 = pack_bf16(p[1][2], p[1][3]);
 #pragma unroll
-        for (int n = 0; n < NT; n += 4) {
+        for (int n = 0; n < NT; n += 2) {
+            // Matrices: (tokens 0-7, n), (tokens 8-15, n), (tokens 0-7, n+1), (tokens 8-15, n+1).
+            const int mi = lane >> 3;
             unsigned bv[4];
-            ldmatrix_x4_trans(bv, sv + (lane & 7) * STRIDE + (n + (lane >> 3)) * 8);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) mma_k8(o[n + i], a0, a1, bv[i]);
+            ldmatrix_x4_trans(bv, sv + ((mi & 1) * 8 + (lane & 7)) * STRIDE + (n + (mi >> 1)) * 8);
+            mma_k16(o[n], a0, a1, a2, a3, bv[0], bv[1]);
+            mma_k16(o[n + 1], a0, a1, a2, a3, bv[2], bv[3]);
         }
         __syncthreads();  // the stage is overwritten by the next iteration's load
     }
@@ -229,5 +246,5 @@ __device__ __forceinline__ void decode_attn_tc_impl(
                                        ctx_lens, n_kv, group, block_size, scale, n_splits, part_o, part_ml); \
     }
 
-DECODE_ATTN_TC(64, 4)
+DECODE_ATTN_TC(64, 3)
 DECODE_ATTN_TC(128, 2)
