@@ -318,7 +318,7 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             scale,
         };
         let group = q_heads / kv_heads;
-        for kind in [DecodeKernel::TensorCore, DecodeKernel::CudaCore] {
+        for kind in [DecodeKernel::TensorCore, DecodeKernel::TensorCore32, DecodeKernel::CudaCore] {
             if kind == DecodeKernel::CudaCore && group > launch::DECODE_MAX_GROUP {
                 continue;
             }
@@ -335,7 +335,7 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
                 for h in 0..q_heads {
                     let qh = &q[row * stride + h * head_dim..][..head_dim];
                     // The tensor cores take q (scaled) in bf16: so does the reference for them.
-                    let want = if kind == DecodeKernel::TensorCore {
+                    let want = if kind != DecodeKernel::CudaCore {
                         let qs = r::round_bf16(&qh.iter().map(|v| v * scale).collect::<Vec<_>>());
                         r::attention(&qs, &cache, table, lens[b], h / group, 1.0)
                     } else {
@@ -348,6 +348,7 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             let maxlen = lens.iter().max().unwrap();
             let (label, tol) = match kind {
                 DecodeKernel::TensorCore => ("tc", 5e-3),
+                DecodeKernel::TensorCore32 => ("tc32", 5e-3),
                 DecodeKernel::CudaCore => ("cc", 2e-4),
             };
             let name = format!(

@@ -47,6 +47,7 @@ impl std::fmt::Debug for Gpu {
 fn decode_kernel(kind: DecodeKernel, head_dim: usize, group: usize) -> String {
     match kind {
         DecodeKernel::TensorCore => format!("decode_attn_tc_d{head_dim}"),
+        DecodeKernel::TensorCore32 => format!("decode_attn_tc32_d{head_dim}"),
         DecodeKernel::CudaCore => launch::decode_kernel_name(head_dim, group),
     }
 }
@@ -99,8 +100,10 @@ pub struct DecodeAttention<'a> {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DecodeKernel {
     /// `decode_attn_tc_d*`: QK and PV on the tensor cores (Q and P rounded to bf16), up to 16 query
-    /// heads per KV head. The default.
+    /// heads per KV head, 64-token tiles; block sizes must be powers of two. The default.
     TensorCore,
+    /// The same with 32-token tiles (`decode_attn_tc32_d*`).
+    TensorCore32,
     /// `decode_attn_d*_g*`: CUDA cores, f32 throughout, up to 8 query heads per KV head.
     CudaCore,
 }
@@ -179,9 +182,13 @@ impl Gpu {
         let mut decode_occupancy = HashMap::new();
         for (name, f) in &funcs {
             if name.starts_with("decode_attn_") && *name != "decode_attn_reduce" {
-                let dynamic = match name.strip_prefix("decode_attn_tc_d") {
-                    Some(d) => {
-                        let bytes = launch::decode_tc_dynamic_smem_bytes(d.parse().unwrap_or(128));
+                let tc = name
+                    .strip_prefix("decode_attn_tc_d")
+                    .map(|d| (d, 64))
+                    .or_else(|| name.strip_prefix("decode_attn_tc32_d").map(|d| (d, 32)));
+                let dynamic = match tc {
+                    Some((d, tile)) => {
+                        let bytes = launch::decode_tc_dynamic_smem_bytes(d.parse().unwrap_or(128), tile);
                         f.set_attribute(
                             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             bytes as i32,
@@ -458,7 +465,8 @@ impl Gpu {
         launch::decode_plan(batch, kv_heads, group, head_dim, max_ctx, per_sm * self.sms)
     }
 
-    /// Paged decode attention with the default kernel ([`DecodeKernel::TensorCore`]).
+    /// Paged decode attention with the default kernel ([`DecodeKernel::TensorCore`]; the CUDA-core
+    /// kernel for block sizes that are not powers of two).
     pub fn decode_attention(
         &self,
         a: &DecodeAttention<'_>,
@@ -466,7 +474,9 @@ impl Gpu {
         out: &mut CudaViewMut<'_, f32>,
         out_row_stride: usize,
     ) -> Result<DecodePlan, KernelError> {
-        self.decode_attention_with(DecodeKernel::TensorCore, a, scratch, out, out_row_stride)
+        let kind =
+            if a.block_size.is_power_of_two() { DecodeKernel::TensorCore } else { DecodeKernel::CudaCore };
+        self.decode_attention_with(kind, a, scratch, out, out_row_stride)
     }
 
     /// Paged decode attention (flash-decoding): `out[rows[b]]` (the Q-head part, `q_heads * head_dim`
@@ -483,6 +493,9 @@ impl Gpu {
             return Err(KernelError::shape(p));
         }
         let group = a.q_heads / a.kv_heads;
+        if kind != DecodeKernel::CudaCore && !a.block_size.is_power_of_two() {
+            return Err(KernelError::shape("the tensor-core kernels need a power-of-two block size"));
+        }
         if kind == DecodeKernel::CudaCore && group > launch::DECODE_MAX_GROUP {
             return Err(KernelError::shape(format!(
                 "the CUDA-core kernel takes at most {} query heads per KV head",
@@ -526,13 +539,17 @@ impl Gpu {
         let mut b = self.stream.launch_builder(self.func(&name));
         b.arg(a.q).arg(&qs).arg(a.rows).arg(a.k_cache).arg(a.v_cache).arg(a.block_tables).arg(&bts);
         b.arg(a.ctx_lens).arg(&nkv);
-        if kind == DecodeKernel::TensorCore {
-            b.arg(&group_i);
+        let shift = a.block_size.trailing_zeros() as i32;
+        if kind == DecodeKernel::CudaCore {
+            b.arg(&bs);
+        } else {
+            b.arg(&group_i).arg(&shift);
         }
-        b.arg(&bs).arg(&a.scale).arg(&splits);
+        b.arg(&a.scale).arg(&splits);
         b.arg(&mut *part_o).arg(&mut *part_ml);
         let shared_mem_bytes = match kind {
-            DecodeKernel::TensorCore => launch::decode_tc_dynamic_smem_bytes(a.head_dim) as u32,
+            DecodeKernel::TensorCore => launch::decode_tc_dynamic_smem_bytes(a.head_dim, 64) as u32,
+            DecodeKernel::TensorCore32 => launch::decode_tc_dynamic_smem_bytes(a.head_dim, 32) as u32,
             DecodeKernel::CudaCore => 0,
         };
         sys::launch(

@@ -15,7 +15,7 @@ use pdserve_kernels_sm120::{bench, checks, launch, sources};
 
 /// The shared memory launch.rs expects of an attention kernel, from its name.
 fn smem_budget(kernel: &str) -> Option<usize> {
-    if kernel.starts_with("decode_attn_tc_d") {
+    if kernel.starts_with("decode_attn_tc") {
         return Some(launch::DECODE_TC_STATIC_SMEM);
     }
     if let Some(rest) = kernel.strip_prefix("decode_attn_d") {

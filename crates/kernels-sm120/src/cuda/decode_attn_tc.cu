@@ -12,7 +12,6 @@
 // cores as bf16; everything else is f32.
 
 #define TC_THREADS 128
-#define TC_KT 64
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
     return (unsigned)f2bf(lo) | ((unsigned)f2bf(hi) << 16);
@@ -53,17 +52,19 @@ __device__ __forceinline__ void tc_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <int D, int STAGES>
+template <int D, int TC_KT, int STAGES>
 __device__ __forceinline__ void decode_attn_tc_impl(
     const float* __restrict__ q, int q_row_stride, const int* __restrict__ rows, const bf16* __restrict__ k_cache,
     const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int bt_stride,
-    const int* __restrict__ ctx_lens, int n_kv, int group, int block_size, float scale, int n_splits,
+    const int* __restrict__ ctx_lens, int n_kv, int group, int block_shift, float scale, int n_splits,
     float* __restrict__ part_o, float* __restrict__ part_ml) {
     constexpr int STRIDE = D + 8;  // bf16 per smem row: 16 bytes of padding, no bank conflicts
     constexpr int TILE = TC_KT * STRIDE;
     constexpr int NT = D / 8;                       // n-tiles of the output
-    constexpr int TPT = TC_THREADS / TC_KT;         // threads per token when loading
-    constexpr int CPT = (D / 8) / TPT;              // 16-byte chunks per thread per token
+    constexpr int CPR = D / 8;                      // 16-byte chunks per K or V row
+    constexpr int ROWS_PER_PASS = TC_THREADS / CPR; // a warp's copies cover whole rows: coalesced
+    constexpr int WT = TC_KT / 4;                   // tokens per warp per tile (8 or 16)
+    constexpr int NJ = WT / 8;                      // 8-token score tiles per warp
     extern __shared__ __align__(16) bf16 s_kv[];    // STAGES x (K tile, V tile)
     __shared__ float s_ml[4][16][2];
 
@@ -76,20 +77,21 @@ __device__ __forceinline__ void decode_attn_tc_impl(
     const size_t kv_row = (size_t)n_kv * D;
     const int* bt = block_tables + (size_t)b * bt_stride;
     const int n_tiles = (t1 - t0 + TC_KT - 1) / TC_KT;
-    const int ld_tok = tid / TPT, ld_c0 = (tid % TPT) * CPT;
+    const int ld_c = tid % CPR, ld_r = tid / CPR;
+    const int block_mask = (1 << block_shift) - 1;
 
     auto load_tile = [&](int tile) {
         if (tile < n_tiles) {
-            bf16* sk = s_kv + (tile % STAGES) * 2 * TILE + ld_tok * STRIDE;
+            bf16* sk = s_kv + (tile % STAGES) * 2 * TILE;
             bf16* sv = sk + TILE;
-            const int pos = t0 + tile * TC_KT + ld_tok;
-            const bool valid = pos < t1;
-            const size_t slot = valid ? (size_t)bt[pos / block_size] * block_size + pos % block_size : 0;
-            const size_t off = slot * kv_row + (size_t)kvh * D;
 #pragma unroll
-            for (int c = ld_c0; c < ld_c0 + CPT; ++c) {
-                cp_async16_zfill(sk + c * 8, k_cache + off + c * 8, valid);
-                cp_async16_zfill(sv + c * 8, v_cache + off + c * 8, valid);
+            for (int r = ld_r; r < TC_KT; r += ROWS_PER_PASS) {
+                const int pos = t0 + tile * TC_KT + r;
+                const bool valid = pos < t1;
+                const size_t slot = valid ? ((size_t)bt[pos >> block_shift] << block_shift) + (pos & block_mask) : 0;
+                const size_t off = slot * kv_row + (size_t)kvh * D + ld_c * 8;
+                cp_async16_zfill(sk + r * STRIDE + ld_c * 8, k_cache + off, valid);
+                cp_async16_zfill(sv + r * STRIDE + ld_c * 8, v_cache + off, valid);
             }
         }
         tc_commit();  // an empty group past the end keeps the wait count uniform
@@ -121,13 +123,14 @@ __device__ __forceinline__ void decode_attn_tc_impl(
         load_tile(tile + STAGES - 1);
         tc_wait<STAGES - 1>();
         __syncthreads();
-        const bf16* sk = s_kv + (tile % STAGES) * 2 * TILE + warp * 16 * STRIDE;
+        const bf16* sk = s_kv + (tile % STAGES) * 2 * TILE + warp * WT * STRIDE;
         const bf16* sv = sk + TILE;
-        // Scores for this warp's 16 tokens: two 8-token n-tiles. s[j][0..1]: row gid, tokens
+        // Scores for this warp's WT tokens: NJ 8-token n-tiles. s[j][0..1]: row gid, tokens
         // 8j + 2 tig + {0, 1}; s[j][2..3]: row gid + 8.
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        const float init1 = NJ == 2 ? 0.f : NEG_INF;  // with one n-tile, the second stays empty
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {init1, init1, init1, init1}};
 #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < NJ; ++j) {
 #pragma unroll
             for (int kc = 0; kc < D / 16; ++kc) {
                 const bf16* kr = sk + (8 * j + gid) * STRIDE + kc * 16 + tig * 2;
@@ -135,7 +138,7 @@ __device__ __forceinline__ void decode_attn_tc_impl(
                 const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + 8);
                 mma_k16(s[j], qa[kc][0], qa[kc][1], qa[kc][2], qa[kc][3], b0, b1);
             }
-            const int tok = t0 + tile * TC_KT + warp * 16 + 8 * j + tig * 2;
+            const int tok = t0 + tile * TC_KT + warp * WT + 8 * j + tig * 2;
             if (tok >= t1) s[j][0] = s[j][2] = NEG_INF;
             if (tok + 1 >= t1) s[j][1] = s[j][3] = NEG_INF;
         }
@@ -170,17 +173,27 @@ __device__ __forceinline__ void decode_attn_tc_impl(
                 }
             }
         }
-        // O += P . V over the 16 tokens (m16n8k16): the P fragment is the score fragments' layout.
+        // O += P . V: the P fragment is the score fragments' layout, in bf16.
         const unsigned a0 = pack_bf16(p[0][0], p[0][1]), a1 = pack_bf16(p[0][2], p[0][3]);
-        const unsigned a2 = pack_bf16(p[1][0], p[1][1]), a3 = pack_bf16(p[1][2], p[1][3]);
+        if (NJ == 2) {  // 16 tokens: m16n8k16
+            const unsigned a2 = pack_bf16(p[1][0], p[1][1]), a3 = pack_bf16(p[1][2], p[1][3]);
 #pragma unroll
-        for (int n = 0; n < NT; n += 2) {
-            // Matrices: (tokens 0-7, n), (tokens 8-15, n), (tokens 0-7, n+1), (tokens 8-15, n+1).
-            const int mi = lane >> 3;
-            unsigned bv[4];
-            ldmatrix_x4_trans(bv, sv + ((mi & 1) * 8 + (lane & 7)) * STRIDE + (n + (mi >> 1)) * 8);
-            mma_k16(o[n], a0, a1, a2, a3, bv[0], bv[1]);
-            mma_k16(o[n + 1], a0, a1, a2, a3, bv[2], bv[3]);
+            for (int n = 0; n < NT; n += 2) {
+                // Matrices: (tokens 0-7, n), (tokens 8-15, n), (tokens 0-7, n+1), (tokens 8-15, n+1).
+                const int mi = lane >> 3;
+                unsigned bv[4];
+                ldmatrix_x4_trans(bv, sv + ((mi & 1) * 8 + (lane & 7)) * STRIDE + (n + (mi >> 1)) * 8);
+                mma_k16(o[n], a0, a1, a2, a3, bv[0], bv[1]);
+                mma_k16(o[n + 1], a0, a1, a2, a3, bv[2], bv[3]);
+            }
+        } else {  // 8 tokens: m16n8k8
+#pragma unroll
+            for (int n = 0; n < NT; n += 4) {
+                unsigned bv[4];
+                ldmatrix_x4_trans(bv, sv + (lane & 7) * STRIDE + (n + (lane >> 3)) * 8);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) mma_k8(o[n + i], a0, a1, bv[i]);
+            }
         }
         __syncthreads();  // the stage is overwritten by the next iteration's load
     }
@@ -236,15 +249,18 @@ __device__ __forceinline__ void decode_attn_tc_impl(
     }
 }
 
-#define DECODE_ATTN_TC(D, STAGES)                                                                             \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) decode_attn_tc_d##D(                            \
+#define DECODE_ATTN_TC(NAME, D, KT, STAGES)                                                                   \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) NAME(                                            \
         const float* __restrict__ q, int q_row_stride, const int* __restrict__ rows,                         \
         const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, \
-        int bt_stride, const int* __restrict__ ctx_lens, int n_kv, int group, int block_size, float scale,    \
+        int bt_stride, const int* __restrict__ ctx_lens, int n_kv, int group, int block_shift, float scale,   \
         int n_splits, float* __restrict__ part_o, float* __restrict__ part_ml) {                             \
-        decode_attn_tc_impl<D, STAGES>(q, q_row_stride, rows, k_cache, v_cache, block_tables, bt_stride,     \
-                                       ctx_lens, n_kv, group, block_size, scale, n_splits, part_o, part_ml); \
+        decode_attn_tc_impl<D, KT, STAGES>(q, q_row_stride, rows, k_cache, v_cache, block_tables, bt_stride, \
+                                           ctx_lens, n_kv, group, block_shift, scale, n_splits, part_o, part_ml); \
     }
 
-DECODE_ATTN_TC(64, 3)
-DECODE_ATTN_TC(128, 2)
+// 64-token tiles (16 per warp) and 32-token tiles (8 per warp).
+DECODE_ATTN_TC(decode_attn_tc_d64, 64, 64, 3)
+DECODE_ATTN_TC(decode_attn_tc_d128, 128, 64, 2)
+DECODE_ATTN_TC(decode_attn_tc32_d64, 64, 32, 4)
+DECODE_ATTN_TC(decode_attn_tc32_d128, 128, 32, 3)
