@@ -76,11 +76,7 @@ fn bench(g: &Gpu) -> Result<(), KernelError> {
                 num_slots,
                 scale: 1.0 / (head_dim as f32).sqrt(),
             };
-            for (kind, kname) in [
-                (DecodeKernel::TensorCore, "tc"),
-                (DecodeKernel::TensorCore32, "tc32"),
-                (DecodeKernel::CudaCore, "cc"),
-            ] {
+            for (kind, kname) in [(DecodeKernel::TensorCore, "tc"), (DecodeKernel::CudaCore, "cc")] {
                 let mut scratch = DecodeScratch::default();
                 let mut splits = 0;
                 let ms = timed(g, || {

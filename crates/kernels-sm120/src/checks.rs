@@ -318,7 +318,7 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             scale,
         };
         let group = q_heads / kv_heads;
-        for kind in [DecodeKernel::TensorCore, DecodeKernel::TensorCore32, DecodeKernel::CudaCore] {
+        for kind in [DecodeKernel::TensorCore, DecodeKernel::CudaCore] {
             if kind == DecodeKernel::CudaCore && group > launch::DECODE_MAX_GROUP {
                 continue;
             }
@@ -348,7 +348,6 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             let maxlen = lens.iter().max().unwrap();
             let (label, tol) = match kind {
                 DecodeKernel::TensorCore => ("tc", 5e-3),
-                DecodeKernel::TensorCore32 => ("tc32", 5e-3),
                 DecodeKernel::CudaCore => ("cc", 2e-4),
             };
             let name = format!(

@@ -47,7 +47,6 @@ impl std::fmt::Debug for Gpu {
 fn decode_kernel(kind: DecodeKernel, head_dim: usize, group: usize) -> String {
     match kind {
         DecodeKernel::TensorCore => format!("decode_attn_tc_d{head_dim}"),
-        DecodeKernel::TensorCore32 => format!("decode_attn_tc32_d{head_dim}"),
         DecodeKernel::CudaCore => launch::decode_kernel_name(head_dim, group),
     }
 }
@@ -102,8 +101,6 @@ pub enum DecodeKernel {
     /// `decode_attn_tc_d*`: QK and PV on the tensor cores (Q and P rounded to bf16), up to 16 query
     /// heads per KV head, 64-token tiles; block sizes must be powers of two. The default.
     TensorCore,
-    /// The same with 32-token tiles (`decode_attn_tc32_d*`).
-    TensorCore32,
     /// `decode_attn_d*_g*`: CUDA cores, f32 throughout, up to 8 query heads per KV head.
     CudaCore,
 }
@@ -182,13 +179,9 @@ impl Gpu {
         let mut decode_occupancy = HashMap::new();
         for (name, f) in &funcs {
             if name.starts_with("decode_attn_") && *name != "decode_attn_reduce" {
-                let tc = name
-                    .strip_prefix("decode_attn_tc_d")
-                    .map(|d| (d, 64))
-                    .or_else(|| name.strip_prefix("decode_attn_tc32_d").map(|d| (d, 32)));
-                let dynamic = match tc {
-                    Some((d, tile)) => {
-                        let bytes = launch::decode_tc_dynamic_smem_bytes(d.parse().unwrap_or(128), tile);
+                let dynamic = match name.strip_prefix("decode_attn_tc_d") {
+                    Some(d) => {
+                        let bytes = launch::decode_tc_dynamic_smem_bytes(d.parse().unwrap_or(128));
                         f.set_attribute(
                             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                             bytes as i32,
@@ -548,8 +541,7 @@ impl Gpu {
         b.arg(&a.scale).arg(&splits);
         b.arg(&mut *part_o).arg(&mut *part_ml);
         let shared_mem_bytes = match kind {
-            DecodeKernel::TensorCore => launch::decode_tc_dynamic_smem_bytes(a.head_dim, 64) as u32,
-            DecodeKernel::TensorCore32 => launch::decode_tc_dynamic_smem_bytes(a.head_dim, 32) as u32,
+            DecodeKernel::TensorCore => launch::decode_tc_dynamic_smem_bytes(a.head_dim) as u32,
             DecodeKernel::CudaCore => 0,
         };
         sys::launch(

@@ -12,9 +12,8 @@ pub const DECODE_STAGES: usize = 5;
 pub const DECODE_MAX_GROUP: usize = 8;
 /// Most query heads per KV head of the tensor-core decode kernel (one m16 tile of rows).
 pub const DECODE_TC_MAX_GROUP: usize = 16;
-/// Tokens per shared-memory tile of the tensor-core decode kernels (`decode_attn_tc_d*` and
-/// `decode_attn_tc32_d*`).
-pub const DECODE_TC_TILES: [usize; 2] = [64, 32];
+/// Tokens per shared-memory tile of the tensor-core decode kernel (16 per warp).
+pub const DECODE_TC_TILE: usize = 64;
 /// Threads per block of prefill attention (`PA_THREADS`).
 pub const PREFILL_THREADS: u32 = 128;
 /// Keys per shared-memory tile of prefill attention (`PA_KT`).
@@ -139,20 +138,18 @@ pub fn decode_smem_bytes(head_dim: usize, group: usize) -> usize {
     staging + 4 * (group * head_dim + nsg * group * 2)
 }
 
-/// Pipeline depth of the tensor-core decode kernel for a head size and tile (the `STAGES` it is
-/// instantiated with).
-pub fn decode_tc_stages(head_dim: usize, tile: usize) -> usize {
-    match (head_dim <= 64, tile <= 32) {
-        (true, true) => 4,
-        (true, false) => 3,
-        (false, true) => 3,
-        (false, false) => 2,
+/// Pipeline depth of `decode_attn_tc_d{head_dim}` (the `STAGES` it is instantiated with).
+pub fn decode_tc_stages(head_dim: usize) -> usize {
+    if head_dim <= 64 {
+        3
+    } else {
+        2
     }
 }
 
-/// Dynamic shared memory (bytes) the tensor-core decode kernel is launched with: its K/V staging.
-pub fn decode_tc_dynamic_smem_bytes(head_dim: usize, tile: usize) -> usize {
-    decode_tc_stages(head_dim, tile) * 2 * tile * (head_dim + 8) * 2
+/// Dynamic shared memory (bytes) `decode_attn_tc_d{head_dim}` is launched with: its K/V staging.
+pub fn decode_tc_dynamic_smem_bytes(head_dim: usize) -> usize {
+    decode_tc_stages(head_dim) * 2 * DECODE_TC_TILE * (head_dim + 8) * 2
 }
 
 /// Static shared memory (bytes) of `decode_attn_tc_d*` (the per-warp row maxima and sums).
@@ -270,11 +267,9 @@ mod tests {
                 assert!(decode_smem_bytes(d, g) <= STATIC_SMEM_LIMIT, "decode d{d} g{g}");
             }
             assert!(prefill_smem_bytes(d) <= STATIC_SMEM_LIMIT, "prefill d{d}: {}", prefill_smem_bytes(d));
-            for t in DECODE_TC_TILES {
-                assert!(decode_tc_dynamic_smem_bytes(d, t) <= DYNAMIC_SMEM_LIMIT, "decode tc d{d} t{t}");
-                // The merge reuses the staging for 16 rows of f32 output.
-                assert!(decode_tc_dynamic_smem_bytes(d, t) >= 16 * d * 4);
-            }
+            assert!(decode_tc_dynamic_smem_bytes(d) <= DYNAMIC_SMEM_LIMIT, "decode tc d{d}");
+            // The merge reuses the staging for 16 rows of f32 output.
+            assert!(decode_tc_dynamic_smem_bytes(d) >= 16 * d * 4);
         }
     }
 

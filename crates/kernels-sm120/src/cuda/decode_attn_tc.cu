@@ -259,8 +259,7 @@ __device__ __forceinline__ void decode_attn_tc_impl(
                                            ctx_lens, n_kv, group, block_shift, scale, n_splits, part_o, part_ml); \
     }
 
-// 64-token tiles (16 per warp) and 32-token tiles (8 per warp).
+// 64-token tiles, 16 per warp (32-token tiles, 8 per warp through m16n8k8, measured 1-5% slower on
+// an H200: crates/kernels-sm120/NOTES.md).
 DECODE_ATTN_TC(decode_attn_tc_d64, 64, 64, 3)
 DECODE_ATTN_TC(decode_attn_tc_d128, 128, 64, 2)
-DECODE_ATTN_TC(decode_attn_tc32_d64, 64, 32, 4)
-DECODE_ATTN_TC(decode_attn_tc32_d128, 128, 32, 3)
