@@ -40,3 +40,8 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use error::KernelError;
 pub use gpu::{DecodeAttention, DecodeKernel, DecodeScratch, Gpu, PrefillAttention, SampleParams};
 pub use sys::cuda_libraries_present;
+
+/// The README's examples, compiled as doc tests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
