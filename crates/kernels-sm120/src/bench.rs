@@ -3,7 +3,7 @@
 //! written). Timed with device events, median of 5 runs of 20 launches each.
 
 use crate::checks::Rng;
-use crate::{DecodeAttention, DecodeKernel, DecodeScratch, Gpu, KernelError};
+use crate::{DecodeAttention, DecodeKernel, DecodeOptions, DecodeScratch, Gpu, KernelError};
 
 fn median(mut v: Vec<f32>) -> f32 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -26,7 +26,7 @@ fn copy_bandwidth(g: &Gpu) -> Result<f64, KernelError> {
     Ok(2.0 * 2.0 * n as f64 / (ms as f64 * 1e-3))
 }
 
-fn bench(g: &Gpu) -> Result<(), KernelError> {
+fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
     let peak = copy_bandwidth(g)?;
     println!("device: {} ({}, {} SMs)", g.name(), g.arch(), g.num_sms());
     println!("copy bandwidth (read + write): {:.0} GB/s  <- the peak below", peak / 1e9);
@@ -76,13 +76,29 @@ fn bench(g: &Gpu) -> Result<(), KernelError> {
                 num_slots,
                 scale: 1.0 / (head_dim as f32).sqrt(),
             };
-            for (kind, kname) in [(DecodeKernel::TensorCore, "tc"), (DecodeKernel::CudaCore, "cc")] {
+            let auto =
+                g.decode_plan(DecodeKernel::TensorCore, batch, q_heads, kv_heads, head_dim, ctx).splits;
+            let mut variants = vec![
+                ("tc".to_string(), DecodeOptions::kernel(DecodeKernel::TensorCore)),
+                ("cc".to_string(), DecodeOptions::kernel(DecodeKernel::CudaCore)),
+            ];
+            if sweep_splits {
+                variants.push(("tcq".to_string(), DecodeOptions::kernel(DecodeKernel::TensorCoreQSmem)));
+                for k in [2, 4] {
+                    let n = auto * k;
+                    variants.push((
+                        format!("tc s={n}"),
+                        DecodeOptions { kernel: DecodeKernel::TensorCore, splits: Some(n) },
+                    ));
+                }
+            }
+            for (kname, opts) in variants {
                 let mut scratch = DecodeScratch::default();
                 let mut splits = 0;
                 let ms = timed(g, || {
                     let stride = q_heads * head_dim;
                     splits = g
-                        .decode_attention_with(kind, &a, &mut scratch, &mut out.as_view_mut(), stride)?
+                        .decode_attention_with(opts, &a, &mut scratch, &mut out.as_view_mut(), stride)?
                         .splits;
                     Ok(())
                 })?;
@@ -132,8 +148,10 @@ fn bench(g: &Gpu) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// Runs the benchmark on GPU 0 and prints a table. Returns false (with a message) without a GPU.
-pub fn run(_args: &[String]) -> bool {
+/// Runs the benchmark on GPU 0 and prints a table (`--sweep-splits`: the tensor-core kernel also at 2x
+/// and 4x the derived split count). Returns false (with a message) without a GPU.
+pub fn run(args: &[String]) -> bool {
+    let sweep_splits = args.iter().any(|a| a == "--sweep-splits");
     let g = match Gpu::new(0) {
         Ok(g) => g,
         Err(e) => {
@@ -141,7 +159,7 @@ pub fn run(_args: &[String]) -> bool {
             return false;
         }
     };
-    match bench(&g) {
+    match bench(&g, sweep_splits) {
         Ok(()) => true,
         Err(e) => {
             eprintln!("error: {e}");

@@ -4,7 +4,8 @@
 
 use crate::reference::{self as r, bf16_to_f32, f32_to_bf16, PagedKv};
 use crate::{
-    launch, DecodeAttention, DecodeKernel, DecodeScratch, Gpu, KernelError, PrefillAttention, SampleParams,
+    launch, DecodeAttention, DecodeKernel, DecodeOptions, DecodeScratch, Gpu, KernelError, PrefillAttention,
+    SampleParams,
 };
 
 /// xorshift64*: reproducible inputs from a printed seed.
@@ -318,14 +319,20 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             scale,
         };
         let group = q_heads / kv_heads;
-        for kind in [DecodeKernel::TensorCore, DecodeKernel::CudaCore] {
+        for kind in [DecodeKernel::TensorCore, DecodeKernel::TensorCoreQSmem, DecodeKernel::CudaCore] {
             if kind == DecodeKernel::CudaCore && group > launch::DECODE_MAX_GROUP {
                 continue;
             }
             let mut scratch = DecodeScratch::default();
             let mut outv = out.as_view_mut();
             g.write(&vec![f32::NAN; batch * out_stride], &mut outv)?;
-            let plan = g.decode_attention_with(kind, &a, &mut scratch, &mut outv, out_stride)?;
+            let plan = g.decode_attention_with(
+                DecodeOptions::kernel(kind),
+                &a,
+                &mut scratch,
+                &mut outv,
+                out_stride,
+            )?;
             let got = g.download(&out.as_view())?;
             let cache = PagedKv { k: &p.k, v: &p.v, kv_heads, head_dim, block_size };
             let (mut gv, mut wv) = (Vec::new(), Vec::new());
@@ -348,6 +355,7 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             let maxlen = lens.iter().max().unwrap();
             let (label, tol) = match kind {
                 DecodeKernel::TensorCore => ("tc", 5e-3),
+                DecodeKernel::TensorCoreQSmem => ("tcq", 5e-3),
                 DecodeKernel::CudaCore => ("cc", 2e-4),
             };
             let name = format!(

@@ -47,6 +47,7 @@ impl std::fmt::Debug for Gpu {
 fn decode_kernel(kind: DecodeKernel, head_dim: usize, group: usize) -> String {
     match kind {
         DecodeKernel::TensorCore => format!("decode_attn_tc_d{head_dim}"),
+        DecodeKernel::TensorCoreQSmem => format!("decode_attn_tcq_d{head_dim}"),
         DecodeKernel::CudaCore => launch::decode_kernel_name(head_dim, group),
     }
 }
@@ -101,8 +102,25 @@ pub enum DecodeKernel {
     /// `decode_attn_tc_d*`: QK and PV on the tensor cores (Q and P rounded to bf16), up to 16 query
     /// heads per KV head, 64-token tiles; block sizes must be powers of two. The default.
     TensorCore,
+    /// The tensor-core kernel with its Q fragments in shared memory (`decode_attn_tcq_d*`): fewer
+    /// registers per thread, one more shared-memory read per MMA.
+    TensorCoreQSmem,
     /// `decode_attn_d*_g*`: CUDA cores, f32 throughout, up to 8 query heads per KV head.
     CudaCore,
+}
+
+/// How [`Gpu::decode_attention_with`] runs: which kernel, and optionally a fixed split count instead of
+/// the one [`launch::decode_splits`] derives (for measurements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DecodeOptions {
+    pub kernel: DecodeKernel,
+    pub splits: Option<usize>,
+}
+
+impl DecodeOptions {
+    pub fn kernel(kernel: DecodeKernel) -> DecodeOptions {
+        DecodeOptions { kernel, splits: None }
+    }
 }
 
 /// Partial results of decode attention, grown as needed and reused across calls.
@@ -179,7 +197,10 @@ impl Gpu {
         let mut decode_occupancy = HashMap::new();
         for (name, f) in &funcs {
             if name.starts_with("decode_attn_") && *name != "decode_attn_reduce" {
-                let dynamic = match name.strip_prefix("decode_attn_tc_d") {
+                let dynamic = match name
+                    .strip_prefix("decode_attn_tc_d")
+                    .or_else(|| name.strip_prefix("decode_attn_tcq_d"))
+                {
                     Some(d) => {
                         let bytes = launch::decode_tc_dynamic_smem_bytes(d.parse().unwrap_or(128));
                         f.set_attribute(
@@ -469,14 +490,14 @@ impl Gpu {
     ) -> Result<DecodePlan, KernelError> {
         let kind =
             if a.block_size.is_power_of_two() { DecodeKernel::TensorCore } else { DecodeKernel::CudaCore };
-        self.decode_attention_with(kind, a, scratch, out, out_row_stride)
+        self.decode_attention_with(DecodeOptions::kernel(kind), a, scratch, out, out_row_stride)
     }
 
     /// Paged decode attention (flash-decoding): `out[rows[b]]` (the Q-head part, `q_heads * head_dim`
     /// values at the start of the row, `out_row_stride` apart) for each sequence. Returns the plan used.
     pub fn decode_attention_with(
         &self,
-        kind: DecodeKernel,
+        opts: DecodeOptions,
         a: &DecodeAttention<'_>,
         scratch: &mut DecodeScratch,
         out: &mut CudaViewMut<'_, f32>,
@@ -485,6 +506,7 @@ impl Gpu {
         if let Some(p) = launch::attention_shape_problem(a.q_heads, a.kv_heads, a.head_dim) {
             return Err(KernelError::shape(p));
         }
+        let kind = opts.kernel;
         let group = a.q_heads / a.kv_heads;
         if kind != DecodeKernel::CudaCore && !a.block_size.is_power_of_two() {
             return Err(KernelError::shape("the tensor-core kernels need a power-of-two block size"));
@@ -513,7 +535,10 @@ impl Gpu {
         if a.q_row_stride < a.q_heads * a.head_dim || out_row_stride < a.q_heads * a.head_dim {
             return Err(KernelError::shape("row stride shorter than the query heads"));
         }
-        let plan = self.decode_plan(kind, a.batch, a.q_heads, a.kv_heads, a.head_dim, a.max_ctx);
+        let plan = match opts.splits {
+            Some(n) => launch::decode_plan_with_splits(a.batch, a.kv_heads, group, a.head_dim, a.max_ctx, n),
+            None => self.decode_plan(kind, a.batch, a.q_heads, a.kv_heads, a.head_dim, a.max_ctx),
+        };
         for (buf, need) in [(&mut scratch.out, plan.partial_out), (&mut scratch.ml, plan.partial_ml)] {
             if buf.as_ref().is_none_or(|b| b.len() < need) {
                 *buf = Some(self.zeros::<f32>(need)?);
@@ -541,7 +566,9 @@ impl Gpu {
         b.arg(&a.scale).arg(&splits);
         b.arg(&mut *part_o).arg(&mut *part_ml);
         let shared_mem_bytes = match kind {
-            DecodeKernel::TensorCore => launch::decode_tc_dynamic_smem_bytes(a.head_dim) as u32,
+            DecodeKernel::TensorCore | DecodeKernel::TensorCoreQSmem => {
+                launch::decode_tc_dynamic_smem_bytes(a.head_dim) as u32
+            }
             DecodeKernel::CudaCore => 0,
         };
         sys::launch(

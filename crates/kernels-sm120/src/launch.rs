@@ -74,7 +74,26 @@ pub fn decode_plan(
     max_ctx: usize,
     resident_blocks: usize,
 ) -> DecodePlan {
-    let splits = decode_splits(batch, kv_heads, max_ctx, resident_blocks);
+    decode_plan_with_splits(
+        batch,
+        kv_heads,
+        group,
+        head_dim,
+        max_ctx,
+        decode_splits(batch, kv_heads, max_ctx, resident_blocks),
+    )
+}
+
+/// The decode-attention plan for a given split count (clamped to 1..=[`MAX_SPLITS`]).
+pub fn decode_plan_with_splits(
+    batch: usize,
+    kv_heads: usize,
+    group: usize,
+    head_dim: usize,
+    max_ctx: usize,
+    splits: usize,
+) -> DecodePlan {
+    let splits = splits.clamp(1, MAX_SPLITS);
     let rows = batch * kv_heads * group * splits;
     DecodePlan {
         splits,
@@ -152,8 +171,11 @@ pub fn decode_tc_dynamic_smem_bytes(head_dim: usize) -> usize {
     decode_tc_stages(head_dim) * 2 * DECODE_TC_TILE * (head_dim + 8) * 2
 }
 
-/// Static shared memory (bytes) of `decode_attn_tc_d*` (the per-warp row maxima and sums).
-pub const DECODE_TC_STATIC_SMEM: usize = 4 * 16 * 2 * 4;
+/// Static shared memory (bytes) of `decode_attn_tc_d*` / `decode_attn_tcq_d*`: per-warp row maxima
+/// and sums, and with `q_smem` one 16-byte Q fragment per lane per 16 dimensions.
+pub fn decode_tc_static_smem(head_dim: usize, q_smem: bool) -> usize {
+    4 * 16 * 2 * 4 + if q_smem { head_dim / 16 * 32 * 16 } else { 0 }
+}
 
 /// Most dynamic shared memory a block may opt in to on the architectures checked (sm_120: 99 KiB).
 pub const DYNAMIC_SMEM_LIMIT: usize = 99 * 1024;

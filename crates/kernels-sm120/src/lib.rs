@@ -38,7 +38,9 @@ mod sys;
 
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 pub use error::KernelError;
-pub use gpu::{DecodeAttention, DecodeKernel, DecodeScratch, Gpu, PrefillAttention, SampleParams};
+pub use gpu::{
+    DecodeAttention, DecodeKernel, DecodeOptions, DecodeScratch, Gpu, PrefillAttention, SampleParams,
+};
 pub use sys::cuda_libraries_present;
 
 /// The README's examples, compiled as doc tests.
