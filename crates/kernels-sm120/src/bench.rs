@@ -83,7 +83,6 @@ fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
                 ("cc".to_string(), DecodeOptions::kernel(DecodeKernel::CudaCore)),
             ];
             if sweep_splits {
-                variants.push(("tcq".to_string(), DecodeOptions::kernel(DecodeKernel::TensorCoreQSmem)));
                 for k in [2, 4] {
                     let n = auto * k;
                     variants.push((

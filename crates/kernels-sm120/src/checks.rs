@@ -319,7 +319,7 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             scale,
         };
         let group = q_heads / kv_heads;
-        for kind in [DecodeKernel::TensorCore, DecodeKernel::TensorCoreQSmem, DecodeKernel::CudaCore] {
+        for kind in [DecodeKernel::TensorCore, DecodeKernel::CudaCore] {
             if kind == DecodeKernel::CudaCore && group > launch::DECODE_MAX_GROUP {
                 continue;
             }
@@ -355,7 +355,6 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             let maxlen = lens.iter().max().unwrap();
             let (label, tol) = match kind {
                 DecodeKernel::TensorCore => ("tc", 5e-3),
-                DecodeKernel::TensorCoreQSmem => ("tcq", 5e-3),
                 DecodeKernel::CudaCore => ("cc", 2e-4),
             };
             let name = format!(

@@ -47,7 +47,6 @@ impl std::fmt::Debug for Gpu {
 fn decode_kernel(kind: DecodeKernel, head_dim: usize, group: usize) -> String {
     match kind {
         DecodeKernel::TensorCore => format!("decode_attn_tc_d{head_dim}"),
-        DecodeKernel::TensorCoreQSmem => format!("decode_attn_tcq_d{head_dim}"),
         DecodeKernel::CudaCore => launch::decode_kernel_name(head_dim, group),
     }
 }
@@ -102,9 +101,6 @@ pub enum DecodeKernel {
     /// `decode_attn_tc_d*`: QK and PV on the tensor cores (Q and P rounded to bf16), up to 16 query
     /// heads per KV head, 64-token tiles; block sizes must be powers of two. The default.
     TensorCore,
-    /// The tensor-core kernel with its Q fragments in shared memory (`decode_attn_tcq_d*`): fewer
-    /// registers per thread, one more shared-memory read per MMA.
-    TensorCoreQSmem,
     /// `decode_attn_d*_g*`: CUDA cores, f32 throughout, up to 8 query heads per KV head.
     CudaCore,
 }
@@ -197,10 +193,7 @@ impl Gpu {
         let mut decode_occupancy = HashMap::new();
         for (name, f) in &funcs {
             if name.starts_with("decode_attn_") && *name != "decode_attn_reduce" {
-                let dynamic = match name
-                    .strip_prefix("decode_attn_tc_d")
-                    .or_else(|| name.strip_prefix("decode_attn_tcq_d"))
-                {
+                let dynamic = match name.strip_prefix("decode_attn_tc_d") {
                     Some(d) => {
                         let bytes = launch::decode_tc_dynamic_smem_bytes(d.parse().unwrap_or(128));
                         f.set_attribute(
@@ -566,9 +559,7 @@ impl Gpu {
         b.arg(&a.scale).arg(&splits);
         b.arg(&mut *part_o).arg(&mut *part_ml);
         let shared_mem_bytes = match kind {
-            DecodeKernel::TensorCore | DecodeKernel::TensorCoreQSmem => {
-                launch::decode_tc_dynamic_smem_bytes(a.head_dim) as u32
-            }
+            DecodeKernel::TensorCore => launch::decode_tc_dynamic_smem_bytes(a.head_dim) as u32,
             DecodeKernel::CudaCore => 0,
         };
         sys::launch(

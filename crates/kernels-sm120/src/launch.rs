@@ -171,11 +171,8 @@ pub fn decode_tc_dynamic_smem_bytes(head_dim: usize) -> usize {
     decode_tc_stages(head_dim) * 2 * DECODE_TC_TILE * (head_dim + 8) * 2
 }
 
-/// Static shared memory (bytes) of `decode_attn_tc_d*` / `decode_attn_tcq_d*`: per-warp row maxima
-/// and sums, and with `q_smem` one 16-byte Q fragment per lane per 16 dimensions.
-pub fn decode_tc_static_smem(head_dim: usize, q_smem: bool) -> usize {
-    4 * 16 * 2 * 4 + if q_smem { head_dim / 16 * 32 * 16 } else { 0 }
-}
+/// Static shared memory (bytes) of `decode_attn_tc_d*`: the per-warp row maxima and sums.
+pub const DECODE_TC_STATIC_SMEM: usize = 4 * 16 * 2 * 4;
 
 /// Most dynamic shared memory a block may opt in to on the architectures checked (sm_120: 99 KiB).
 pub const DYNAMIC_SMEM_LIMIT: usize = 99 * 1024;
@@ -290,8 +287,9 @@ mod tests {
             }
             assert!(prefill_smem_bytes(d) <= STATIC_SMEM_LIMIT, "prefill d{d}: {}", prefill_smem_bytes(d));
             assert!(decode_tc_dynamic_smem_bytes(d) <= DYNAMIC_SMEM_LIMIT, "decode tc d{d}");
-            // The merge reuses the staging for 16 rows of f32 output.
+            // The merge reuses the staging for 16 rows of f32 output, and one stage holds the Q rows.
             assert!(decode_tc_dynamic_smem_bytes(d) >= 16 * d * 4);
+            assert!(2 * DECODE_TC_TILE * (d + 8) * 2 >= DECODE_TC_MAX_GROUP * d * 4);
         }
     }
 

@@ -54,7 +54,7 @@ pub const DECODE_ATTN: Source = Source {
 pub const DECODE_ATTN_TC: Source = Source {
     file: "decode_attn_tc.cu",
     code: include_str!("cuda/decode_attn_tc.cu"),
-    kernels: &["decode_attn_tc_d64", "decode_attn_tc_d128", "decode_attn_tcq_d64", "decode_attn_tcq_d128"],
+    kernels: &["decode_attn_tc_d64", "decode_attn_tc_d128"],
 };
 pub const PREFILL_ATTN: Source = Source {
     file: "prefill_attn.cu",

@@ -15,11 +15,8 @@ use pdserve_kernels_sm120::{bench, checks, launch, sources};
 
 /// The shared memory launch.rs expects of an attention kernel, from its name.
 fn smem_budget(kernel: &str) -> Option<usize> {
-    if let Some(d) = kernel.strip_prefix("decode_attn_tc_d") {
-        return Some(launch::decode_tc_static_smem(d.parse().ok()?, false));
-    }
-    if let Some(d) = kernel.strip_prefix("decode_attn_tcq_d") {
-        return Some(launch::decode_tc_static_smem(d.parse().ok()?, true));
+    if kernel.starts_with("decode_attn_tc_d") {
+        return Some(launch::DECODE_TC_STATIC_SMEM);
     }
     if let Some(rest) = kernel.strip_prefix("decode_attn_d") {
         let (d, g) = rest.split_once("_g")?;

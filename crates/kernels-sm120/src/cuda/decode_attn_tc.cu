@@ -52,7 +52,7 @@ __device__ __forceinline__ void tc_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-template <int D, int TC_KT, int STAGES, bool Q_SMEM>
+template <int D, int TC_KT, int STAGES>
 __device__ __forceinline__ void decode_attn_tc_impl(
     const float* __restrict__ q, int q_row_stride, const int* __restrict__ rows, const bf16* __restrict__ k_cache,
     const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, int bt_stride,
@@ -67,8 +67,6 @@ __device__ __forceinline__ void decode_attn_tc_impl(
     constexpr int NJ = WT / 8;                      // 8-token score tiles per warp
     extern __shared__ __align__(16) bf16 s_kv[];    // STAGES x (K tile, V tile)
     __shared__ float s_ml[4][16][2];
-    // With Q_SMEM the Q fragments are re-read from shared memory every tile (fewer registers).
-    __shared__ __align__(16) uint4 s_qa[Q_SMEM ? D / 16 : 1][32];
 
     const int b = blockIdx.x / n_kv, kvh = blockIdx.x % n_kv, split = blockIdx.y;
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, gid = lane >> 2, tig = lane & 3;
@@ -101,21 +99,26 @@ __device__ __forceinline__ void decode_attn_tc_impl(
 #pragma unroll
     for (int s = 0; s < STAGES - 1; ++s) load_tile(s);
 
-    // Q fragments (rows gid and gid + 8 of the group, scaled, bf16), one set per 16 dimensions.
+    // Q fragments (rows gid and gid + 8 of the group, scaled, bf16), one set per 16 dimensions. The
+    // group's Q rows are first read with coalesced loads into the last pipeline stage, which no copy
+    // has touched yet.
     const float* qb = q + (size_t)rows[b] * q_row_stride + (size_t)kvh * group * D;
-    unsigned qa[Q_SMEM ? 1 : D / 16][4];
+    float* s_qf = reinterpret_cast<float*>(s_kv + (STAGES - 1) * 2 * TILE);
+    for (int i = tid; i < group * D; i += TC_THREADS) s_qf[i] = qb[i] * scale;
+    __syncthreads();
+    unsigned qa[D / 16][4];
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {
-        unsigned* dst = Q_SMEM ? reinterpret_cast<unsigned*>(&s_qa[kc][lane]) : qa[Q_SMEM ? 0 : kc];
         const int d = kc * 16 + tig * 2;
-        const float* r0 = qb + (size_t)gid * D;
-        const float* r1 = qb + (size_t)(gid + 8) * D;
+        const float* r0 = s_qf + gid * D;
+        const float* r1 = s_qf + (gid + 8) * D;
         const bool v0 = gid < group, v1 = gid + 8 < group;
-        dst[0] = v0 ? pack_bf16(r0[d] * scale, r0[d + 1] * scale) : 0u;
-        dst[1] = v1 ? pack_bf16(r1[d] * scale, r1[d + 1] * scale) : 0u;
-        dst[2] = v0 ? pack_bf16(r0[d + 8] * scale, r0[d + 9] * scale) : 0u;
-        dst[3] = v1 ? pack_bf16(r1[d + 8] * scale, r1[d + 9] * scale) : 0u;
+        qa[kc][0] = v0 ? pack_bf16(r0[d], r0[d + 1]) : 0u;
+        qa[kc][1] = v1 ? pack_bf16(r1[d], r1[d + 1]) : 0u;
+        qa[kc][2] = v0 ? pack_bf16(r0[d + 8], r0[d + 9]) : 0u;
+        qa[kc][3] = v1 ? pack_bf16(r1[d + 8], r1[d + 9]) : 0u;
     }
+    __syncthreads();  // the loop's first copy lands in that stage
 
     float o[NT][4];
 #pragma unroll
@@ -139,12 +142,7 @@ __device__ __forceinline__ void decode_attn_tc_impl(
                 const bf16* kr = sk + (8 * j + gid) * STRIDE + kc * 16 + tig * 2;
                 const unsigned b0 = *reinterpret_cast<const unsigned*>(kr);
                 const unsigned b1 = *reinterpret_cast<const unsigned*>(kr + 8);
-                if (Q_SMEM) {
-                    const uint4 f = s_qa[kc][lane];  // each warp wrote the same fragments: its own lane's
-                    mma_k16(s[j], f.x, f.y, f.z, f.w, b0, b1);
-                } else {
-                    mma_k16(s[j], qa[kc][0], qa[kc][1], qa[kc][2], qa[kc][3], b0, b1);
-                }
+                mma_k16(s[j], qa[kc][0], qa[kc][1], qa[kc][2], qa[kc][3], b0, b1);
             }
             const int tok = t0 + tile * TC_KT + warp * WT + 8 * j + tig * 2;
             if (tok >= t1) s[j][0] = s[j][2] = NEG_INF;
@@ -257,20 +255,19 @@ __device__ __forceinline__ void decode_attn_tc_impl(
     }
 }
 
-#define DECODE_ATTN_TC(NAME, D, KT, STAGES, Q_SMEM)                                                                \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) NAME(                                            \
+#define DECODE_ATTN_TC(NAME, D, KT, STAGES, MIN_BLOCKS)                                                                \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS, MIN_BLOCKS) NAME(                                            \
         const float* __restrict__ q, int q_row_stride, const int* __restrict__ rows,                         \
         const bf16* __restrict__ k_cache, const bf16* __restrict__ v_cache, const int* __restrict__ block_tables, \
         int bt_stride, const int* __restrict__ ctx_lens, int n_kv, int group, int block_shift, float scale,   \
         int n_splits, float* __restrict__ part_o, float* __restrict__ part_ml) {                             \
-        decode_attn_tc_impl<D, KT, STAGES, Q_SMEM>(q, q_row_stride, rows, k_cache, v_cache, block_tables, bt_stride, \
+        decode_attn_tc_impl<D, KT, STAGES>(q, q_row_stride, rows, k_cache, v_cache, block_tables, bt_stride, \
                                            ctx_lens, n_kv, group, block_shift, scale, n_splits, part_o, part_ml); \
     }
 
 // 64-token tiles, 16 per warp (32-token tiles, 8 per warp through m16n8k8, measured 1-5% slower on
 // an H200: crates/kernels-sm120/NOTES.md).
-DECODE_ATTN_TC(decode_attn_tc_d64, 64, 64, 3, false)
-DECODE_ATTN_TC(decode_attn_tc_d128, 128, 64, 2, false)
-// Q fragments in shared memory: fewer registers, more resident blocks (under measurement).
-DECODE_ATTN_TC(decode_attn_tcq_d64, 64, 64, 3, true)
-DECODE_ATTN_TC(decode_attn_tcq_d128, 128, 64, 2, true)
+// MIN_BLOCKS: the resident blocks shared memory allows on an H100/H200 (registers must not be the
+// tighter limit).
+DECODE_ATTN_TC(decode_attn_tc_d64, 64, 64, 3, 4)
+DECODE_ATTN_TC(decode_attn_tc_d128, 128, 64, 2, 3)
