@@ -41,8 +41,9 @@ pub trait Backend: Send {
     /// asked for them.
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError>;
 
-    /// Performs copy-on-write copies from the KV cache's `take_copies` (whole blocks).
-    fn copy_blocks(&mut self, copies: &[BlockCopy]);
+    /// Performs copy-on-write copies from the KV cache's `take_copies` (whole blocks). An error means
+    /// the copies may be partly done: the step that needed them must not run.
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError>;
 
     /// Copies one block's KV (`kv_layout().block_floats()` values, layout `[layer][k|v][position][kv
     /// head][head dim]`) into `out`, for sending to a peer.

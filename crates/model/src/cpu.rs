@@ -165,12 +165,15 @@ impl Backend for CpuBackend {
         self.layout
     }
 
-    fn copy_blocks(&mut self, copies: &[BlockCopy]) {
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {
         let n = self.layout.block_floats();
         for c in copies {
+            check_block(&self.layout, c.src, n)?;
+            check_block(&self.layout, c.dst, n)?;
             let (src, dst) = (c.src.0 as usize * n, c.dst.0 as usize * n);
             self.kv.as_mut_slice().copy_within(src..src + n, dst);
         }
+        Ok(())
     }
 
     fn read_block(&self, block: BlockId, out: &mut [f32]) -> Result<(), ModelError> {

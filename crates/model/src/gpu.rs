@@ -370,18 +370,24 @@ impl Backend for GpuBackend {
         self.run(steps).map_err(dev)
     }
 
-    fn copy_blocks(&mut self, copies: &[BlockCopy]) {
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {
+        if copies.is_empty() {
+            return Ok(());
+        }
         // Through a staging buffer: cudarc does not hand out two views of one allocation at once.
         let (_, run) = self.block_range(BlockId(0));
-        let Ok(mut tmp) = self.gpu.zeros::<u16>(run) else { return };
+        let mut tmp = self.gpu.zeros::<u16>(run).map_err(dev)?;
         for c in copies {
+            check_block(&self.layout, c.src, self.layout.block_floats())?;
+            check_block(&self.layout, c.dst, self.layout.block_floats())?;
             let (src, _) = self.block_range(c.src);
             let (dst, _) = self.block_range(c.dst);
             for cache in self.k.iter_mut().chain(self.v.iter_mut()) {
-                let _ = self.gpu.copy(&cache.slice(src..src + run), &mut tmp.as_view_mut());
-                let _ = self.gpu.copy(&tmp.as_view(), &mut cache.slice_mut(dst..dst + run));
+                self.gpu.copy(&cache.slice(src..src + run), &mut tmp.as_view_mut()).map_err(dev)?;
+                self.gpu.copy(&tmp.as_view(), &mut cache.slice_mut(dst..dst + run)).map_err(dev)?;
             }
         }
+        Ok(())
     }
 
     fn read_block(&self, block: BlockId, out: &mut [f32]) -> Result<(), ModelError> {

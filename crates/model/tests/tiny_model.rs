@@ -162,7 +162,7 @@ fn copied_blocks_continue_identically() {
     }
     let copies = kv.take_copies();
     assert_eq!(copies.len(), 1);
-    cpu.copy_blocks(&copies);
+    cpu.copy_blocks(&copies).unwrap();
     assert_eq!(block(&cpu, copies[0].dst), block(&cpu, copies[0].src), "whole block copied");
     let out: Vec<Vec<f32>> = [SeqId(1), SeqId(2)]
         .iter()
@@ -260,4 +260,6 @@ fn block_reads_and_writes_are_checked_and_round_trip() {
     assert!(cpu.write_block(BlockId(0), &data[1..]).is_err(), "short buffer");
     let mut short = vec![0.0; n - 1];
     assert!(cpu.read_block(BlockId(0), &mut short).is_err());
+    let outside = pdserve_kvcache::BlockCopy { src: BlockId(0), dst: BlockId(8), tokens: 1 };
+    assert!(cpu.copy_blocks(&[outside]).is_err(), "a copy outside the pool is an error, not a panic");
 }

@@ -293,7 +293,11 @@ impl Engine {
             }
         }
         let copies = self.sched.kv_mut().take_copies();
-        self.backend.copy_blocks(&copies);
+        if let Err(e) = self.backend.copy_blocks(&copies) {
+            self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
+            self.drain_events(live);
+            return;
+        }
         let kv = self.sched.kv();
         let inputs: Vec<(Vec<u32>, Vec<pdserve_kvcache::BlockId>)> = batch
             .iter()
