@@ -68,6 +68,32 @@ pub struct WorkerConfig {
     /// Stop (as on SIGTERM) when standard input reaches end of file: a supervisor that dies, or a test
     /// process that exits, takes the worker with it.
     pub exit_on_stdin_eof: bool,
+    /// What runs the model.
+    pub device: Device,
+}
+
+/// What runs the model: the CPU backend, or the GPU backend on CUDA device N.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+
+    /// `cpu`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Device, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("unknown device {s:?}: cpu, cuda or cuda:N")),
+        }
+    }
 }
 
 impl WorkerConfig {
@@ -98,6 +124,7 @@ impl WorkerConfig {
             role: pdserve_scheduler::Role::Unified,
             transfer_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             kv_shm: false,
+            device: Device::Cpu,
             kv_shm_path: None,
         }
     }
@@ -142,7 +169,23 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
     config.scheduler.role = config.role;
     let model_config = files.config.clone();
     let weights = Arc::new(files.weights);
-    let backend = if config.kv_shm && config.role == pdserve_scheduler::Role::Prefill {
+    let backend: Box<dyn pdserve_model::Backend> = if let Device::Cuda(n) = config.device {
+        if config.kv_shm {
+            return Err(WorkerError::Config(
+                "--kv-shm needs the CPU backend (the GPU keeps KV in device memory)".into(),
+            ));
+        }
+        Box::new(
+            pdserve_model::GpuBackend::new(
+                model_config.clone(),
+                &weights,
+                config.kv_blocks,
+                config.block_size,
+                n,
+            )
+            .map_err(WorkerError::Model)?,
+        )
+    } else if config.kv_shm && config.role == pdserve_scheduler::Role::Prefill {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
@@ -151,9 +194,9 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
             CpuBackend::new_shared(model_config.clone(), weights, config.kv_blocks, config.block_size, &path)
                 .map_err(WorkerError::Model)?;
         config.kv_shm_path = Some(path);
-        b
+        Box::new(b)
     } else {
-        CpuBackend::new(model_config.clone(), weights, config.kv_blocks, config.block_size)
+        Box::new(CpuBackend::new(model_config.clone(), weights, config.kv_blocks, config.block_size))
     };
     let pd = match config.role {
         pdserve_scheduler::Role::Unified => None,
@@ -207,7 +250,7 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
     let engine = engine::Engine {
         sched,
         pd,
-        backend: Box::new(backend),
+        backend,
         eos_ids: files.config.eos_token_ids.clone(),
         commands: cmd_rx,
         replies: reply_tx,

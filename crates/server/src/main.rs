@@ -18,6 +18,7 @@ pdserve-server [options]
   --role ROLE              unified (default), prefill or decode
   --transfer-addr ADDR     prefill role: where decode workers pull KV from (default 127.0.0.1:0)
   --kv-shm                 prefill role: KV memory in /dev/shm, so same-host decode workers copy it directly
+  --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
   --max-queued N           admission queue bound (default 256)
   --max-running N          running batch bound (default 64)
   --max-batch-tokens N     tokens per engine step (default 2048)
@@ -122,6 +123,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
             "--kv-shm" => c.kv_shm = true,
+            "--device" => c.device = v.parse()?,
             "--role" => {
                 c.role = match v.as_str() {
                     "prefill" => pdserve_scheduler::Role::Prefill,

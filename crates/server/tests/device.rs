@@ -1,0 +1,69 @@
+//! `--device`: the GPU backend is chosen at start. Without a GPU the worker refuses to start with a
+//! clear message (never a worker that accepts requests it cannot run); with one it serves.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn model() -> std::path::PathBuf {
+    pdserve_model::fetch::ensure_default_model(
+        &pdserve_model::fetch::models_dir(),
+        &mut pdserve_model::import::Silent,
+        false,
+    )
+    .expect("default model")
+}
+
+#[test]
+fn unknown_device_is_a_usage_error() {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        .args(["--port", "0", "--device", "tpu", "--model"])
+        .arg(model())
+        .output()
+        .expect("run pdserve-server");
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("unknown device \"tpu\": cpu, cuda or cuda:N"), "{err}");
+}
+
+#[test]
+fn cuda_device_serves_or_refuses_to_start_with_the_reason() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        .args(["--port", "0", "--kv-blocks", "64", "--device", "cuda", "--exit-on-stdin-eof", "--model"])
+        .arg(model())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn pdserve-server");
+    let mut stdout = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    let started = Instant::now();
+    let _ = stdout.read_line(&mut line);
+    if let Some(addr) = line.trim().strip_prefix("listening on http://") {
+        // A GPU is present: the worker must serve a completion on it.
+        let body = r#"{"model":"m","messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":8,"temperature":0}"#;
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        use std::io::Write;
+        write!(
+            s,
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut resp = String::new();
+        let _ = s.read_to_string(&mut resp);
+        drop(child.stdin.take());
+        let _ = child.wait();
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        assert!(resp.contains("Paris"), "{resp}");
+        return;
+    }
+    let status = child.wait().expect("wait");
+    let mut err = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert!(!status.success(), "without a GPU the worker must not start");
+    assert!(err.contains("no usable CUDA device"), "the reason is given: {err}");
+    assert!(started.elapsed() < Duration::from_secs(120));
+}
