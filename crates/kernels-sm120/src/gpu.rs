@@ -353,7 +353,7 @@ impl Gpu {
         head_dim: usize,
     ) -> Result<(), KernelError> {
         let rows = pos.len();
-        if head_dim % 2 != 0 || n_heads * head_dim > row_stride {
+        if !head_dim.is_multiple_of(2) || n_heads * head_dim > row_stride {
             return Err(KernelError::shape(format!("{n_heads} heads of {head_dim} in rows of {row_stride}")));
         }
         check_len("qkv", qkv.len(), rows * row_stride)?;

@@ -186,7 +186,7 @@ pub fn prefill_smem_bytes(head_dim: usize) -> usize {
 
 /// Why a model shape cannot use these attention kernels, if it cannot.
 pub fn attention_shape_problem(q_heads: usize, kv_heads: usize, head_dim: usize) -> Option<String> {
-    if kv_heads == 0 || q_heads % kv_heads != 0 {
+    if kv_heads == 0 || !q_heads.is_multiple_of(kv_heads) {
         return Some(format!("{q_heads} query heads are not a multiple of {kv_heads} KV heads"));
     }
     if !HEAD_DIMS.contains(&head_dim) {

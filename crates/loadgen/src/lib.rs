@@ -200,8 +200,8 @@ fn one_shot_messages(shape: &Shape, i: u64) -> serde_json::Value {
 fn send(conn: &mut Conn, shape: &Shape, messages: &serde_json::Value, seed: u64) -> Outcome {
     let deadline = Instant::now() + shape.timeout;
     let mixed = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 17;
-    let leave_after =
-        (shape.disconnect_one_in > 0 && mixed % shape.disconnect_one_in == 0).then_some((mixed >> 8) % 8);
+    let leave_after = (shape.disconnect_one_in > 0 && mixed.is_multiple_of(shape.disconnect_one_in))
+        .then_some((mixed >> 8) % 8);
     conn.request_leaving_after(
         "/v1/chat/completions",
         &body(shape, messages),

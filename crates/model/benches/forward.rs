@@ -1,4 +1,5 @@
-//! Speed of the CPU forward pass on the default model: single-sequence decode, prefill of a 1,000-token
+//! Speed of the CPU forward pass on the default model: single-sequence decode (f32 and Q8 weights),
+//! prefill of a 1,000-token
 //! prompt, and aggregate decode with 8 and 32 sequences in one batch. Uses rayon's pool (one thread per
 //! core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens). Writes
 //! `target/bench/model-forward.json`.
@@ -84,8 +85,19 @@ fn main() {
     let prefill_s = b.prefill(1, 1000);
     let prefill = 1000.0 / prefill_s;
 
-    let mut results =
-        vec![("single_decode_tokens_per_second", single), ("prefill_1000_tokens_per_second", prefill)];
+    // The same single-sequence decode reading Q8 weights (`WeightFormat::Q8`).
+    let q8 = {
+        let mut b = fresh(&weights);
+        b.cpu = b.cpu.with_weight_format(pdserve_model::WeightFormat::Q8).expect("q8");
+        b.prefill(1, 16);
+        b.decode(1, steps * 2)
+    };
+
+    let mut results = vec![
+        ("single_decode_tokens_per_second", single),
+        ("single_decode_q8_tokens_per_second", q8),
+        ("prefill_1000_tokens_per_second", prefill),
+    ];
     for n in [8usize, 32] {
         let mut b = fresh(&weights);
         b.prefill(n, 64);

@@ -119,7 +119,10 @@ impl ModelConfig {
             return unsupported("sliding_window", w.to_string());
         }
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
-        if raw.num_attention_heads == 0 || num_kv_heads == 0 || raw.num_attention_heads % num_kv_heads != 0 {
+        if raw.num_attention_heads == 0
+            || num_kv_heads == 0
+            || !raw.num_attention_heads.is_multiple_of(num_kv_heads)
+        {
             return Err(ModelError::format(
                 "config.json",
                 format!(
@@ -129,7 +132,7 @@ impl ModelConfig {
             ));
         }
         let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
-        if head_dim % 2 != 0 || head_dim == 0 {
+        if !head_dim.is_multiple_of(2) || head_dim == 0 {
             return Err(ModelError::format("config.json", format!("head_dim {head_dim} must be even")));
         }
         Ok(ModelConfig {

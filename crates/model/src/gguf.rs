@@ -243,7 +243,7 @@ impl GgufFile {
             })?;
             let offset = c.u64()?;
             let info = TensorInfo { name, dims, ty, offset };
-            if info.elements() % ty.block().0 != 0 {
+            if !info.elements().is_multiple_of(ty.block().0) {
                 return Err(ModelError::format(path, format!("tensor {} is not whole blocks", info.name)));
             }
             tensors.push(info);

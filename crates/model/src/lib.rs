@@ -34,6 +34,7 @@ pub mod gguf;
 #[cfg(feature = "cuda")]
 mod gpu;
 pub mod import;
+pub mod quant;
 mod sampling;
 mod sys;
 mod text;
@@ -47,6 +48,7 @@ pub use cpu::{CpuBackend, SharedKvView};
 pub use error::ModelError;
 #[cfg(feature = "cuda")]
 pub use gpu::GpuBackend;
+pub use quant::WeightFormat;
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use text::{ChatMessage, IncrementalDecoder, TextCodec};
 pub use weights::{LayerWeights, Weights};

@@ -116,6 +116,72 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
     sum
 }
 
+/// `sum_i x[i] * q[i] * scales[i / 32]`: a dot product against one Q8 row, with an AVX-512 kernel
+/// where the CPU has one.
+pub(crate) fn dot_q8(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    assert_eq!(x.len(), q.len());
+    assert_eq!(q.len(), scales.len() * 32);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above) and the lengths match.
+            return unsafe { dot_q8_avx512(x, q, scales) };
+        }
+    }
+    dot_q8_portable(x, q, scales)
+}
+
+fn dot_q8_portable(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    let mut sum = 0f32;
+    for ((xg, qg), s) in x.chunks_exact(32).zip(q.chunks_exact(32)).zip(scales) {
+        let mut acc = [0f32; 8];
+        for (xs, qs) in xg.chunks_exact(8).zip(qg.chunks_exact(8)) {
+            for l in 0..8 {
+                acc[l] += xs[l] * qs[l] as f32;
+            }
+        }
+        sum += acc.iter().sum::<f32>() * s;
+    }
+    sum
+}
+
+/// # Safety
+/// The CPU must support AVX-512F, `x.len() == q.len() == 32 * scales.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_q8_avx512(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let (px, pq) = (x.as_ptr(), q.as_ptr());
+    let mut acc0 = _mm512_setzero_ps();
+    let mut acc1 = _mm512_setzero_ps();
+    let groups = scales.len();
+    let mut g = 0;
+    // Two groups per iteration into two accumulators: independent FMA chains.
+    while g + 2 <= groups {
+        for (j, acc) in [(0usize, &mut acc0), (1, &mut acc1)] {
+            let o = (g + j) * 32;
+            // SAFETY (of the loads): o + 32 <= x.len() == q.len().
+            let w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(o) as *const __m128i)));
+            let w1 =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(o + 16) as *const __m128i)));
+            let p = _mm512_fmadd_ps(
+                w1,
+                _mm512_loadu_ps(px.add(o + 16)),
+                _mm512_mul_ps(w0, _mm512_loadu_ps(px.add(o))),
+            );
+            *acc = _mm512_fmadd_ps(p, _mm512_set1_ps(*scales.get_unchecked(g + j)), *acc);
+        }
+        g += 2;
+    }
+    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    while g < groups {
+        let o = g * 32;
+        sum += dot_q8_portable(&x[o..o + 32], &q[o..o + 32], &scales[g..g + 1]);
+        g += 1;
+    }
+    sum
+}
+
 /// A writable shared mapping of a new file of `floats` f32 values (zeroed), for KV memory other
 /// processes on the host can read.
 pub(crate) fn create_shared_f32(path: &std::path::Path, floats: usize) -> io::Result<memmap2::MmapMut> {
@@ -153,6 +219,17 @@ mod tests {
         let exact: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
         assert!((f64::from(super::dot(&a, &b)) - exact).abs() < 1e-4);
         assert!((f64::from(super::dot_portable(&a, &b)) - exact).abs() < 1e-4);
+    }
+
+    #[test]
+    fn q8_dot_kernels_agree() {
+        let n = 32 * 7;
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        let q: Vec<i8> = (0..n).map(|i| ((i * 53 % 255) as i32 - 127) as i8).collect();
+        let s: Vec<f32> = (0..7).map(|g| 0.01 + g as f32 * 0.003).collect();
+        let exact: f64 = (0..n).map(|i| f64::from(x[i]) * f64::from(q[i]) * f64::from(s[i / 32])).sum();
+        assert!((f64::from(super::dot_q8(&x, &q, &s)) - exact).abs() < 1e-3);
+        assert!((f64::from(super::dot_q8_portable(&x, &q, &s)) - exact).abs() < 1e-3);
     }
 
     #[test]

@@ -45,7 +45,7 @@ fn sample() -> Vec<u8> {
     f.extend(32u64.to_le_bytes());
     f.extend(8u32.to_le_bytes()); // Q8_0
     f.extend(64u64.to_le_bytes());
-    while f.len() % 64 != 0 {
+    while !f.len().is_multiple_of(64) {
         f.push(0);
     }
     for v in [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0] {
