@@ -194,7 +194,8 @@ impl Frontend {
             ("GET", "/v1/models") => Ok(Some(json_response(
                 200,
                 &json!({"object": "list", "data": [{"id": self.config.model_name, "object": "model",
-                    "created": self.created, "owned_by": "pdserve", "max_model_len": self.context_tokens}]}),
+                    "created": self.created, "owned_by": "pdserve", "max_model_len": self.context_tokens,
+                    "device": self.config.device.to_string(), "weights": self.config.weights.name()}]}),
                 Some(&rid),
             ))),
             ("POST", "/v1/chat/completions") => self.generate(conn, id, &rid, &req, Endpoint::Chat),

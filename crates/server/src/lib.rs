@@ -70,6 +70,8 @@ pub struct WorkerConfig {
     pub exit_on_stdin_eof: bool,
     /// What runs the model.
     pub device: Device,
+    /// How the CPU backend stores the weights its decode steps read (`--weights f32|q8`).
+    pub weights: pdserve_model::WeightFormat,
 }
 
 /// What runs the model: the CPU backend, or the GPU backend on CUDA device N.
@@ -77,6 +79,15 @@ pub struct WorkerConfig {
 pub enum Device {
     Cpu,
     Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
 }
 
 impl std::str::FromStr for Device {
@@ -125,6 +136,7 @@ impl WorkerConfig {
             transfer_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             kv_shm: false,
             device: Device::Cpu,
+            weights: pdserve_model::WeightFormat::F32,
             kv_shm_path: None,
         }
     }
@@ -175,6 +187,11 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
                 "--kv-shm needs the CPU backend (the GPU keeps KV in device memory)".into(),
             ));
         }
+        if config.weights != pdserve_model::WeightFormat::F32 {
+            return Err(WorkerError::Config(
+                "--weights q8 is a CPU format; the GPU backend stores bf16".into(),
+            ));
+        }
         Box::new(
             pdserve_model::GpuBackend::new(
                 model_config.clone(),
@@ -192,11 +209,16 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
         let path = PathBuf::from(format!("/dev/shm/pdserve-kv-{}-{nanos}", std::process::id()));
         let b =
             CpuBackend::new_shared(model_config.clone(), weights, config.kv_blocks, config.block_size, &path)
+                .and_then(|b| b.with_weight_format(config.weights))
                 .map_err(WorkerError::Model)?;
         config.kv_shm_path = Some(path);
         Box::new(b)
     } else {
-        Box::new(CpuBackend::new(model_config.clone(), weights, config.kv_blocks, config.block_size))
+        Box::new(
+            CpuBackend::new(model_config.clone(), weights, config.kv_blocks, config.block_size)
+                .with_weight_format(config.weights)
+                .map_err(WorkerError::Model)?,
+        )
     };
     let pd = match config.role {
         pdserve_scheduler::Role::Unified => None,

@@ -19,6 +19,7 @@ pdserve-server [options]
   --transfer-addr ADDR     prefill role: where decode workers pull KV from (default 127.0.0.1:0)
   --kv-shm                 prefill role: KV memory in /dev/shm, so same-host decode workers copy it directly
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
+  --weights FMT            f32 (default) or q8: int8 weights in groups of 32 for the CPU decode path
   --max-queued N           admission queue bound (default 256)
   --max-running N          running batch bound (default 64)
   --max-batch-tokens N     tokens per engine step (default 2048)
@@ -124,6 +125,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
             "--kv-shm" => c.kv_shm = true,
             "--device" => c.device = v.parse()?,
+            "--weights" => c.weights = v.parse()?,
             "--role" => {
                 c.role = match v.as_str() {
                     "prefill" => pdserve_scheduler::Role::Prefill,

@@ -1,5 +1,8 @@
-//! `--device`: the GPU backend is chosen at start. Without a GPU the worker refuses to start with a
-//! clear message (never a worker that accepts requests it cannot run); with one it serves.
+//! `--device` and `--weights`: what runs the model is chosen at start. Without a GPU the worker refuses
+//! to start with a clear message (never a worker that accepts requests it cannot run); with one it
+//! serves. `--weights q8` serves from int8 decode weights and says so in `/v1/models`.
+
+mod common;
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
@@ -66,4 +69,38 @@ fn cuda_device_serves_or_refuses_to_start_with_the_reason() {
     assert!(!status.success(), "without a GPU the worker must not start");
     assert!(err.contains("no usable CUDA device"), "the reason is given: {err}");
     assert!(started.elapsed() < Duration::from_secs(120));
+}
+
+#[test]
+fn q8_weights_serve_the_same_greedy_answer_and_are_reported() {
+    let w = common::Worker::start(&["--weights", "q8"]);
+    let (status, models) = w.json("GET", "/v1/models", "");
+    assert_eq!(status, 200);
+    assert_eq!(models["data"][0]["weights"], "q8");
+    assert_eq!(models["data"][0]["device"], "cpu");
+    let (status, body) = w.json(
+        "POST",
+        "/v1/chat/completions",
+        &common::chat("What is the capital of France?", r#","max_tokens":12,"temperature":0"#),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["choices"][0]["message"]["content"], "The capital of France is Paris.");
+}
+
+#[test]
+fn unknown_weight_format_and_q8_on_the_gpu_are_refused() {
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        .args(["--port", "0", "--weights", "q4", "--model"])
+        .arg(model())
+        .output()
+        .expect("run pdserve-server");
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown weight format \"q4\": f32 or q8"));
+    let out = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        .args(["--port", "0", "--weights", "q8", "--device", "cuda", "--model"])
+        .arg(model())
+        .output()
+        .expect("run pdserve-server");
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--weights q8 is a CPU format"));
 }
