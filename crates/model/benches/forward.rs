@@ -1,4 +1,4 @@
-//! Speed of the CPU forward pass on the default model: single-sequence decode (f32 and Q8 weights),
+//! Speed of the CPU forward pass on the default model: single-sequence decode (f32, Q8 and Q4 weights),
 //! prefill of a 1,000-token
 //! prompt, and aggregate decode with 8 and 32 sequences in one batch. Uses rayon's pool (one thread per
 //! core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens). Writes
@@ -85,17 +85,20 @@ fn main() {
     let prefill_s = b.prefill(1, 1000);
     let prefill = 1000.0 / prefill_s;
 
-    // The same single-sequence decode reading Q8 weights (`WeightFormat::Q8`).
-    let q8 = {
+    // The same single-sequence decode reading quantized weights.
+    let quantized = |format| {
         let mut b = fresh(&weights);
-        b.cpu = b.cpu.with_weight_format(pdserve_model::WeightFormat::Q8).expect("q8");
+        b.cpu = b.cpu.with_weight_format(format).expect("quantize");
         b.prefill(1, 16);
         b.decode(1, steps * 2)
     };
+    let q8 = quantized(pdserve_model::WeightFormat::Q8);
+    let q4 = quantized(pdserve_model::WeightFormat::Q4);
 
     let mut results = vec![
         ("single_decode_tokens_per_second", single),
         ("single_decode_q8_tokens_per_second", q8),
+        ("single_decode_q4_tokens_per_second", q4),
         ("prefill_1000_tokens_per_second", prefill),
     ];
     for n in [8usize, 32] {

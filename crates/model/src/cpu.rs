@@ -10,8 +10,8 @@ use pdserve_kvcache::{BlockCopy, BlockId};
 use rayon::prelude::*;
 
 use crate::backend::{check_block, check_steps, Backend, KvLayout, SeqStep};
-use crate::quant::{Q8Matrix, Q8Weights, WeightFormat, Q8_GROUP};
-use crate::sys::{as_f32, as_f32_mut, create_shared_f32, dot, dot_q8, map_file, sgemm, Mmap};
+use crate::quant::{Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP};
+use crate::sys::{as_f32, as_f32_mut, create_shared_f32, dot, map_file, sgemm, Mmap};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
 
@@ -86,8 +86,8 @@ impl SharedKvView {
 pub struct CpuBackend {
     cfg: ModelConfig,
     w: Arc<Weights>,
-    /// The decode path's weights when the format is Q8 (prefill keeps using `w`).
-    q8: Option<Arc<Q8Weights>>,
+    /// The decode path's weights when they are quantized (prefill keeps using `w`).
+    decode: Option<DecodeWeights>,
     kv: KvMemory,
     layout: KvLayout,
     inv_freq: Vec<f32>,
@@ -110,48 +110,46 @@ impl CpuBackend {
             kv: KvMemory::Heap(vec![0.0; layout.block_floats() * num_blocks]),
             cfg,
             w: weights,
-            q8: None,
+            decode: None,
             layout,
             inv_freq,
         }
     }
 
-    /// Switches the decode path (steps of one or two tokens per matrix) to `format`. Q8 quantizes
-    /// every projection and the LM head once (shared by clones of the returned `Arc` through
-    /// [`with_q8_weights`](Self::with_q8_weights)); widths that are not multiples of 32 are an error.
+    /// Switches the decode path (steps of one or two tokens per matrix) to `format`: Q8 or Q4 quantize
+    /// every projection and the LM head once; widths that are not multiples of 32 are an error.
     pub fn with_weight_format(self, format: WeightFormat) -> Result<Self, ModelError> {
-        match format {
-            WeightFormat::F32 => Ok(CpuBackend { q8: None, ..self }),
-            WeightFormat::Q8 => {
-                let c = &self.cfg;
-                let q8 = Q8Weights::quantize(
-                    &self.w,
-                    c.hidden_size,
-                    c.intermediate_size,
-                    c.num_heads * c.head_dim,
-                    c.num_kv_heads * c.head_dim,
-                    c.vocab_size,
-                )
-                .ok_or_else(|| ModelError::Unsupported {
-                    field: "q8 weights".into(),
-                    value: "a matrix width that is not a multiple of 32".into(),
-                })?;
-                Ok(self.with_q8_weights(Arc::new(q8)))
-            }
+        let c = &self.cfg;
+        let dims = (
+            c.hidden_size,
+            c.intermediate_size,
+            c.num_heads * c.head_dim,
+            c.num_kv_heads * c.head_dim,
+            c.vocab_size,
+        );
+        fn quantize<M: QuantMatrix>(
+            w: &Weights,
+            (h, i, q, kv, v): (usize, usize, usize, usize, usize),
+        ) -> Result<Arc<QuantWeights<M>>, ModelError> {
+            QuantWeights::quantize(w, h, i, q, kv, v).map(Arc::new).ok_or_else(|| ModelError::Unsupported {
+                field: "quantized weights".into(),
+                value: "a matrix width that is not a multiple of 32".into(),
+            })
         }
-    }
-
-    /// Uses already quantized Q8 weights for the decode path.
-    pub fn with_q8_weights(self, q8: Arc<Q8Weights>) -> Self {
-        CpuBackend { q8: Some(q8), ..self }
+        let decode = match format {
+            WeightFormat::F32 => None,
+            WeightFormat::Q8 => Some(DecodeWeights::Q8(quantize(&self.w, dims)?)),
+            WeightFormat::Q4 => Some(DecodeWeights::Q4(quantize(&self.w, dims)?)),
+        };
+        Ok(CpuBackend { decode, ..self })
     }
 
     /// The format the decode path reads.
     pub fn weight_format(&self) -> WeightFormat {
-        if self.q8.is_some() {
-            WeightFormat::Q8
-        } else {
-            WeightFormat::F32
+        match &self.decode {
+            None => WeightFormat::F32,
+            Some(DecodeWeights::Q8(_)) => WeightFormat::Q8,
+            Some(DecodeWeights::Q4(_)) => WeightFormat::Q4,
         }
     }
 
@@ -235,12 +233,14 @@ impl Backend for CpuBackend {
         check_steps(self.cfg.vocab_size, self.cfg.max_position_embeddings, &self.layout, steps)?;
         let cfg = self.cfg.clone();
         let w = Arc::clone(&self.w);
-        let q8 = self.q8.clone();
-        // Decode-sized steps read the Q8 weights when there are any; larger ones run the f32 GEMM.
-        let mm = |x: &[f32], t: usize, k: usize, f: &[f32], q: Option<&Q8Matrix>, n: usize| match q {
-            Some(q) if t <= 2 => matvec_q8(x, t, k, q, n),
+        let decode = self.decode.clone();
+        // Decode-sized steps read the quantized weights when there are any; larger ones run the f32 GEMM.
+        let mm = |x: &[f32], t: usize, k: usize, f: &[f32], q: Option<QRef<'_>>, n: usize| match q {
+            Some(QRef::Q8(m)) if t <= 2 => matvec_quant(x, t, k, m, n),
+            Some(QRef::Q4(m)) if t <= 2 => matvec_quant(x, t, k, m, n),
             _ => matmul(x, t, k, f, n),
         };
+
         let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, kv_dim) = (nh * hd, nkv * hd);
         // One row per new token: (step index, absolute position).
@@ -258,11 +258,11 @@ impl Backend for CpuBackend {
         }
         let mut h = vec![0.0; t * hsz];
         for (li, lw) in w.layers.iter().enumerate() {
-            let ql = q8.as_ref().map(|q| &q.layers[li]);
+            let ql = |p: Proj| decode.as_ref().map(|d| d.layer(li, p));
             rms_norm(&x, &lw.input_norm, cfg.rms_norm_eps, &mut h);
-            let mut q = mm(&h, t, hsz, &lw.q, ql.map(|l| &l.q), q_dim);
-            let mut k = mm(&h, t, hsz, &lw.k, ql.map(|l| &l.k), kv_dim);
-            let mut v = mm(&h, t, hsz, &lw.v, ql.map(|l| &l.v), kv_dim);
+            let mut q = mm(&h, t, hsz, &lw.q, ql(Proj::Q), q_dim);
+            let mut k = mm(&h, t, hsz, &lw.k, ql(Proj::K), kv_dim);
+            let mut v = mm(&h, t, hsz, &lw.v, ql(Proj::V), kv_dim);
             for (m, b) in [(&mut q, &lw.q_bias), (&mut k, &lw.k_bias), (&mut v, &lw.v_bias)] {
                 if let Some(b) = b {
                     add_bias(m, b);
@@ -317,16 +317,16 @@ impl Backend for CpuBackend {
                     }
                 }
             });
-            let mut o = mm(&attn, t, q_dim, &lw.o, ql.map(|l| &l.o), hsz);
+            let mut o = mm(&attn, t, q_dim, &lw.o, ql(Proj::O), hsz);
             if let Some(b) = &lw.o_bias {
                 add_bias(&mut o, b);
             }
             add_into(&mut x, &o);
             rms_norm(&x, &lw.post_norm, cfg.rms_norm_eps, &mut h);
-            let gate = mm(&h, t, hsz, &lw.gate, ql.map(|l| &l.gate), cfg.intermediate_size);
-            let up = mm(&h, t, hsz, &lw.up, ql.map(|l| &l.up), cfg.intermediate_size);
+            let gate = mm(&h, t, hsz, &lw.gate, ql(Proj::Gate), cfg.intermediate_size);
+            let up = mm(&h, t, hsz, &lw.up, ql(Proj::Up), cfg.intermediate_size);
             let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-            let down = mm(&act, t, cfg.intermediate_size, &lw.down, ql.map(|l| &l.down), hsz);
+            let down = mm(&act, t, cfg.intermediate_size, &lw.down, ql(Proj::Down), hsz);
             add_into(&mut x, &down);
         }
         // Logits only for the last token of the steps that want them.
@@ -341,7 +341,8 @@ impl Backend for CpuBackend {
         let n = picked.len() / hsz;
         let mut normed = vec![0.0; picked.len()];
         rms_norm(&picked, &w.final_norm, cfg.rms_norm_eps, &mut normed);
-        let logits = mm(&normed, n, hsz, w.lm_head(), q8.as_ref().map(|q| &q.lm_head), cfg.vocab_size);
+        let logits =
+            mm(&normed, n, hsz, w.lm_head(), decode.as_ref().map(DecodeWeights::head), cfg.vocab_size);
         Ok(logits.chunks(cfg.vocab_size.max(1)).map(<[f32]>::to_vec).collect())
     }
 }
@@ -370,24 +371,72 @@ fn add_into(x: &mut [f32], y: &[f32]) {
     }
 }
 
-/// `x[t×k] · w[n×k]^T` with Q8 weights, one row of `x` at a time (decode steps), spread over the
-/// thread pool by output columns.
-fn matvec_q8(x: &[f32], t: usize, k: usize, w: &Q8Matrix, n: usize) -> Vec<f32> {
+/// Quantized decode weights, shared by every step.
+#[derive(Debug, Clone)]
+enum DecodeWeights {
+    Q8(Arc<Q8Weights>),
+    Q4(Arc<Q4Weights>),
+}
+
+/// One quantized matrix of either format.
+#[derive(Debug, Clone, Copy)]
+enum QRef<'a> {
+    Q8(&'a crate::quant::Q8Matrix),
+    Q4(&'a crate::quant::Q4Matrix),
+}
+
+/// A layer's projection.
+#[derive(Debug, Clone, Copy)]
+enum Proj {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl DecodeWeights {
+    fn layer(&self, li: usize, p: Proj) -> QRef<'_> {
+        fn sel<M>(l: &QuantLayer<M>, p: Proj) -> &M {
+            match p {
+                Proj::Q => &l.q,
+                Proj::K => &l.k,
+                Proj::V => &l.v,
+                Proj::O => &l.o,
+                Proj::Gate => &l.gate,
+                Proj::Up => &l.up,
+                Proj::Down => &l.down,
+            }
+        }
+        match self {
+            DecodeWeights::Q8(w) => QRef::Q8(sel(&w.layers[li], p)),
+            DecodeWeights::Q4(w) => QRef::Q4(sel(&w.layers[li], p)),
+        }
+    }
+
+    fn head(&self) -> QRef<'_> {
+        match self {
+            DecodeWeights::Q8(w) => QRef::Q8(&w.lm_head),
+            DecodeWeights::Q4(w) => QRef::Q8(&w.lm_head),
+        }
+    }
+}
+
+/// `x[t×k] · w[n×k]^T` with quantized weights, one row of `x` at a time (decode steps), spread over
+/// the thread pool by output columns.
+fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, n: usize) -> Vec<f32> {
     debug_assert_eq!(x.len(), t * k);
-    debug_assert_eq!((w.rows, w.cols), (n, k));
+    debug_assert_eq!((w.rows(), w.cols()), (n, k));
     let threads = rayon::current_num_threads().max(1);
-    let groups = k / Q8_GROUP;
     let mut out = vec![0.0; t * n];
     for (xr, orow) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
+        let xsum: Vec<f32> = xr.chunks_exact(GROUP).map(|g| g.iter().sum()).collect();
         let chunk = n.div_ceil(threads * 4).max(16);
         orow.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
             for (j, oj) in o.iter_mut().enumerate() {
-                let row = c * chunk + j;
-                *oj = dot_q8(
-                    xr,
-                    &w.values[row * k..(row + 1) * k],
-                    &w.scales[row * groups..(row + 1) * groups],
-                );
+                *oj = w.dot_row(c * chunk + j, xr, &xsum);
             }
         });
     }

@@ -1,12 +1,13 @@
-//! Weight formats for the CPU backend's decode path: f32 as loaded, or Q8 (int8 values in groups of
-//! 32 with one f32 scale per group, 1.125 bytes per weight instead of 4). Decode steps are bound by
-//! reading the weights once per token, so Q8 cuts the bytes a token costs by 3.6x; prefill (a GEMM that
-//! reuses every weight across the prompt's tokens) keeps the f32 weights.
+//! Weight formats for the CPU backend's decode path: f32 as loaded, Q8 (int8 in groups of 32 with an
+//! f32 scale: 1.125 bytes per weight) or Q4 (4-bit in groups of 32 with an f32 scale and minimum:
+//! 0.75 bytes). Decode steps are bound by reading the weights once per token, so the bytes a weight
+//! costs set the speed; prefill (a GEMM that reuses every weight across the prompt's tokens) keeps
+//! the f32 weights.
 
 use crate::weights::Weights;
 
-/// Values per Q8 group (one scale each).
-pub const Q8_GROUP: usize = 32;
+/// Values per quantization group (one scale, and for Q4 one minimum, each).
+pub const GROUP: usize = 32;
 
 /// How the CPU backend stores the weights its decode steps read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -14,16 +15,21 @@ pub enum WeightFormat {
     /// The loaded f32 weights.
     #[default]
     F32,
-    /// Symmetric int8 in groups of 32 with an f32 scale (like GGUF's Q8_0), for decode steps.
+    /// Symmetric int8 in groups of 32 with an f32 scale (like GGUF's Q8_0): 1.125 bytes per weight.
     Q8,
+    /// Unsigned 4-bit in groups of 32 with an f32 scale and minimum (like GGUF's Q4_1, which the
+    /// default model's projections ship in, so they come back exactly): 0.75 bytes per weight; the
+    /// LM head stays Q8.
+    Q4,
 }
 
 impl WeightFormat {
-    /// The name used in flags and metadata: "f32" or "q8".
+    /// The name used in flags and metadata: "f32", "q8" or "q4".
     pub fn name(self) -> &'static str {
         match self {
             WeightFormat::F32 => "f32",
             WeightFormat::Q8 => "q8",
+            WeightFormat::Q4 => "q4",
         }
     }
 }
@@ -35,12 +41,27 @@ impl std::str::FromStr for WeightFormat {
         match s {
             "f32" => Ok(WeightFormat::F32),
             "q8" => Ok(WeightFormat::Q8),
-            _ => Err(format!("unknown weight format {s:?}: f32 or q8")),
+            "q4" => Ok(WeightFormat::Q4),
+            _ => Err(format!("unknown weight format {s:?}: f32, q8 or q4")),
         }
     }
 }
 
-/// A row-major `[rows, cols]` matrix in Q8; `cols` is a multiple of [`Q8_GROUP`].
+/// A row-major `[rows, cols]` matrix in a group-quantized format; `cols` is a multiple of [`GROUP`].
+pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
+    /// `None` when `cols` is not a multiple of [`GROUP`] or the length does not match.
+    fn quantize(w: &[f32], rows: usize, cols: usize) -> Option<Self>;
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// Bytes the matrix occupies.
+    fn bytes(&self) -> usize;
+    /// Row `r` as f32 (for tests and references).
+    fn dequantize_row(&self, r: usize) -> Vec<f32>;
+    /// `x . row r`, given `xsum[g]` = the sum of `x` over group g.
+    fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32;
+}
+
+/// Symmetric int8: value = q * scale, scale = max |w| / 127 per group.
 #[derive(Debug, Clone)]
 pub struct Q8Matrix {
     pub rows: usize,
@@ -50,17 +71,14 @@ pub struct Q8Matrix {
     pub scales: Vec<f32>,
 }
 
-impl Q8Matrix {
-    /// Quantizes `w` (`rows x cols`, row-major): per group, scale = max |w| / 127, value =
-    /// round(w / scale). `None` when `cols` is not a multiple of 32.
-    pub fn quantize(w: &[f32], rows: usize, cols: usize) -> Option<Q8Matrix> {
-        if !cols.is_multiple_of(Q8_GROUP) || w.len() != rows * cols {
+impl QuantMatrix for Q8Matrix {
+    fn quantize(w: &[f32], rows: usize, cols: usize) -> Option<Q8Matrix> {
+        if !cols.is_multiple_of(GROUP) || w.len() != rows * cols {
             return None;
         }
-        let groups = w.len() / Q8_GROUP;
         let mut values = Vec::with_capacity(w.len());
-        let mut scales = Vec::with_capacity(groups);
-        for g in w.chunks_exact(Q8_GROUP) {
+        let mut scales = Vec::with_capacity(w.len() / GROUP);
+        for g in w.chunks_exact(GROUP) {
             let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
             let scale = amax / 127.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
@@ -70,39 +88,129 @@ impl Q8Matrix {
         Some(Q8Matrix { rows, cols, values, scales })
     }
 
-    /// Row `r` as f32 (for tests and references).
-    pub fn dequantize_row(&self, r: usize) -> Vec<f32> {
-        let v = &self.values[r * self.cols..(r + 1) * self.cols];
-        let s = &self.scales[r * self.cols / Q8_GROUP..(r + 1) * self.cols / Q8_GROUP];
-        v.iter().enumerate().map(|(i, &q)| q as f32 * s[i / Q8_GROUP]).collect()
+    fn rows(&self) -> usize {
+        self.rows
     }
 
-    /// Bytes the matrix occupies.
-    pub fn bytes(&self) -> usize {
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn bytes(&self) -> usize {
         self.values.len() + 4 * self.scales.len()
     }
+
+    fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        let v = &self.values[r * self.cols..(r + 1) * self.cols];
+        let s = &self.scales[r * self.cols / GROUP..(r + 1) * self.cols / GROUP];
+        v.iter().enumerate().map(|(i, &q)| q as f32 * s[i / GROUP]).collect()
+    }
+
+    fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
+        let g = self.cols / GROUP;
+        crate::sys::dot_q8(
+            x,
+            &self.values[r * self.cols..(r + 1) * self.cols],
+            &self.scales[r * g..(r + 1) * g],
+        )
+    }
 }
 
-/// One layer's projection matrices in Q8.
+/// Unsigned 4-bit with a minimum: value = min + q * scale, q in 0..=15, per group scale = (max - min)
+/// / 15. Byte j of a group holds value j (low nibble) and value j + 16 (high nibble).
 #[derive(Debug, Clone)]
-pub struct Q8Layer {
-    pub q: Q8Matrix,
-    pub k: Q8Matrix,
-    pub v: Q8Matrix,
-    pub o: Q8Matrix,
-    pub gate: Q8Matrix,
-    pub up: Q8Matrix,
-    pub down: Q8Matrix,
+pub struct Q4Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub packed: Vec<u8>,
+    pub scales: Vec<f32>,
+    pub mins: Vec<f32>,
 }
 
-/// Every matrix a decode step reads, in Q8.
+impl QuantMatrix for Q4Matrix {
+    fn quantize(w: &[f32], rows: usize, cols: usize) -> Option<Q4Matrix> {
+        if !cols.is_multiple_of(GROUP) || w.len() != rows * cols {
+            return None;
+        }
+        let groups = w.len() / GROUP;
+        let (mut packed, mut scales, mut mins) =
+            (Vec::with_capacity(w.len() / 2), Vec::with_capacity(groups), Vec::with_capacity(groups));
+        for g in w.chunks_exact(GROUP) {
+            let min = g.iter().fold(f32::INFINITY, |m, &v| m.min(v));
+            let max = g.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let scale = (max - min) / 15.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            let q = |v: f32| ((v - min) * inv).round().clamp(0.0, 15.0) as u8;
+            scales.push(scale);
+            mins.push(min);
+            packed.extend((0..GROUP / 2).map(|j| q(g[j]) | (q(g[j + GROUP / 2]) << 4)));
+        }
+        Some(Q4Matrix { rows, cols, packed, scales, mins })
+    }
+
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn bytes(&self) -> usize {
+        self.packed.len() + 4 * (self.scales.len() + self.mins.len())
+    }
+
+    fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        let g0 = r * self.cols / GROUP;
+        let mut out = Vec::with_capacity(self.cols);
+        for g in 0..self.cols / GROUP {
+            let bytes = &self.packed[(g0 + g) * GROUP / 2..(g0 + g + 1) * GROUP / 2];
+            let (s, m) = (self.scales[g0 + g], self.mins[g0 + g]);
+            out.extend(bytes.iter().map(|b| m + (b & 15) as f32 * s));
+            out.extend(bytes.iter().map(|b| m + (b >> 4) as f32 * s));
+        }
+        out
+    }
+
+    fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32 {
+        let g = self.cols / GROUP;
+        let rows = r * g..(r + 1) * g;
+        crate::sys::dot_q4(
+            x,
+            &self.packed[r * self.cols / 2..(r + 1) * self.cols / 2],
+            &self.scales[rows.clone()],
+            &self.mins[rows],
+            xsum,
+        )
+    }
+}
+
+/// One layer's projection matrices, quantized.
 #[derive(Debug, Clone)]
-pub struct Q8Weights {
-    pub layers: Vec<Q8Layer>,
+pub struct QuantLayer<M> {
+    pub q: M,
+    pub k: M,
+    pub v: M,
+    pub o: M,
+    pub gate: M,
+    pub up: M,
+    pub down: M,
+}
+
+/// Every matrix a decode step reads, quantized. The LM head (often the embedding, tied) is Q8 in
+/// every format: 4 bits are too coarse for it (GGUF files keep it at Q8_0 or better too).
+#[derive(Debug, Clone)]
+pub struct QuantWeights<M> {
+    pub layers: Vec<QuantLayer<M>>,
     pub lm_head: Q8Matrix,
 }
 
-impl Q8Weights {
+/// Q8 decode weights.
+pub type Q8Weights = QuantWeights<Q8Matrix>;
+/// Q4 decode weights.
+pub type Q4Weights = QuantWeights<Q4Matrix>;
+
+impl<M: QuantMatrix> QuantWeights<M> {
     /// Quantizes the projections and the LM head; `None` if a width is not a multiple of 32.
     pub fn quantize(
         w: &Weights,
@@ -111,23 +219,23 @@ impl Q8Weights {
         q_dim: usize,
         kv_dim: usize,
         vocab: usize,
-    ) -> Option<Q8Weights> {
+    ) -> Option<Self> {
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
-            layers.push(Q8Layer {
-                q: Q8Matrix::quantize(&l.q, q_dim, hidden)?,
-                k: Q8Matrix::quantize(&l.k, kv_dim, hidden)?,
-                v: Q8Matrix::quantize(&l.v, kv_dim, hidden)?,
-                o: Q8Matrix::quantize(&l.o, hidden, q_dim)?,
-                gate: Q8Matrix::quantize(&l.gate, inter, hidden)?,
-                up: Q8Matrix::quantize(&l.up, inter, hidden)?,
-                down: Q8Matrix::quantize(&l.down, hidden, inter)?,
+            layers.push(QuantLayer {
+                q: M::quantize(&l.q, q_dim, hidden)?,
+                k: M::quantize(&l.k, kv_dim, hidden)?,
+                v: M::quantize(&l.v, kv_dim, hidden)?,
+                o: M::quantize(&l.o, hidden, q_dim)?,
+                gate: M::quantize(&l.gate, inter, hidden)?,
+                up: M::quantize(&l.up, inter, hidden)?,
+                down: M::quantize(&l.down, hidden, inter)?,
             });
         }
-        Some(Q8Weights { layers, lm_head: Q8Matrix::quantize(w.lm_head(), vocab, hidden)? })
+        Some(QuantWeights { layers, lm_head: Q8Matrix::quantize(w.lm_head(), vocab, hidden)? })
     }
 
-    /// Bytes of every Q8 matrix (what one decode step reads).
+    /// Bytes of every quantized matrix (what one decode step reads).
     pub fn bytes(&self) -> usize {
         let l: usize = self
             .layers
@@ -153,7 +261,7 @@ mod tests {
     #[test]
     fn quantization_error_is_bounded_by_half_a_step() {
         let w: Vec<f32> = (0..4 * 64).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013).collect();
-        let m = Q8Matrix::quantize(&w, 4, 64).unwrap();
+        let m = <Q8Matrix as QuantMatrix>::quantize(&w, 4, 64).unwrap();
         for r in 0..4 {
             let back = m.dequantize_row(r);
             for (i, (a, b)) in back.iter().zip(&w[r * 64..(r + 1) * 64]).enumerate() {
@@ -165,12 +273,47 @@ mod tests {
     }
 
     #[test]
+    fn q4_gives_back_q4_1_values_exactly_and_dots_agree() {
+        // Values on a 4-bit grid per group (as a Q4_1 model's are), each group using levels 0 and 15.
+        let (rows, cols) = (3, 64);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| {
+                let (g, j) = (i / 32, i % 32);
+                let q = if j == 0 {
+                    0
+                } else if j == 1 {
+                    15
+                } else {
+                    (j * 7 + g) % 16
+                };
+                -0.25 + g as f32 * 0.01 + q as f32 * (0.03 + g as f32 * 0.001)
+            })
+            .collect();
+        let m = <Q4Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap();
+        for r in 0..rows {
+            let back = m.dequantize_row(r);
+            for (a, b) in back.iter().zip(&w[r * cols..(r + 1) * cols]) {
+                assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+            }
+            let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.3).cos()).collect();
+            let xsum: Vec<f32> = x.chunks(32).map(|c| c.iter().sum()).collect();
+            let want: f32 = back.iter().zip(&x).map(|(a, b)| a * b).sum();
+            assert!((m.dot_row(r, &x, &xsum) - want).abs() < 1e-4);
+        }
+        assert_eq!(m.bytes(), rows * cols / 2 + 8 * rows * cols / 32);
+    }
+
+    #[test]
     fn zero_groups_and_bad_widths() {
-        let m = Q8Matrix::quantize(&[0.0; 32], 1, 32).unwrap();
+        let m = <Q8Matrix as QuantMatrix>::quantize(&[0.0; 32], 1, 32).unwrap();
         assert_eq!(m.scales, vec![0.0]);
         assert!(m.values.iter().all(|&v| v == 0));
-        assert!(Q8Matrix::quantize(&[0.0; 30], 1, 30).is_none());
+        assert!(<Q8Matrix as QuantMatrix>::quantize(&[0.0; 30], 1, 30).is_none());
+        let z = <Q4Matrix as QuantMatrix>::quantize(&[0.5; 32], 1, 32).unwrap();
+        assert_eq!(z.dequantize_row(0), vec![0.5; 32]);
+        assert!(<Q4Matrix as QuantMatrix>::quantize(&[0.0; 30], 1, 30).is_none());
         assert_eq!("q8".parse::<WeightFormat>(), Ok(WeightFormat::Q8));
-        assert!("q4".parse::<WeightFormat>().is_err());
+        assert_eq!("q4".parse::<WeightFormat>(), Ok(WeightFormat::Q4));
+        assert!("q2".parse::<WeightFormat>().is_err());
     }
 }

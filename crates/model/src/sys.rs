@@ -182,6 +182,71 @@ unsafe fn dot_q8_avx512(x: &[f32], q: &[i8], scales: &[f32]) -> f32 {
     sum
 }
 
+/// `sum_g scales[g] * (q_g . x_g) + mins[g] * xsum[g]` for one Q4 row (see `quant::Q4Matrix`), with
+/// an AVX-512 kernel where the CPU has one.
+pub(crate) fn dot_q4(x: &[f32], packed: &[u8], scales: &[f32], mins: &[f32], xsum: &[f32]) -> f32 {
+    assert_eq!(x.len(), packed.len() * 2);
+    assert!(scales.len() == mins.len() && mins.len() == xsum.len() && x.len() == scales.len() * 32);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above) and the lengths match.
+            return unsafe { dot_q4_avx512(x, packed, scales, mins, xsum) };
+        }
+    }
+    dot_q4_portable(x, packed, scales, mins, xsum)
+}
+
+fn dot_q4_portable(x: &[f32], packed: &[u8], scales: &[f32], mins: &[f32], xsum: &[f32]) -> f32 {
+    let mut sum = 0f32;
+    for (g, (xg, pg)) in x.chunks_exact(32).zip(packed.chunks_exact(16)).enumerate() {
+        let mut acc = 0f32;
+        for (j, b) in pg.iter().enumerate() {
+            acc += xg[j] * (b & 15) as f32 + xg[j + 16] * (b >> 4) as f32;
+        }
+        sum += acc * scales[g] + mins[g] * xsum[g];
+    }
+    sum
+}
+
+/// # Safety
+/// The CPU must support AVX-512F; lengths as `dot_q4` asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_q4_avx512(x: &[f32], packed: &[u8], scales: &[f32], mins: &[f32], xsum: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let (px, pq) = (x.as_ptr(), packed.as_ptr());
+    let low = _mm_set1_epi8(15);
+    let mut acc0 = _mm512_setzero_ps();
+    let mut acc1 = _mm512_setzero_ps();
+    let groups = scales.len();
+    let mut g = 0;
+    while g + 2 <= groups {
+        for (j, acc) in [(0usize, &mut acc0), (1, &mut acc1)] {
+            let (o, b) = ((g + j) * 32, (g + j) * 16);
+            // SAFETY (of the loads): b + 16 <= packed.len() and o + 32 <= x.len().
+            let bytes = _mm_loadu_si128(pq.add(b) as *const __m128i);
+            let lo = _mm_and_si128(bytes, low);
+            let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+            let w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+            let w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+            let p = _mm512_fmadd_ps(
+                w1,
+                _mm512_loadu_ps(px.add(o + 16)),
+                _mm512_mul_ps(w0, _mm512_loadu_ps(px.add(o))),
+            );
+            *acc = _mm512_fmadd_ps(p, _mm512_set1_ps(*scales.get_unchecked(g + j)), *acc);
+        }
+        g += 2;
+    }
+    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    if g < groups {
+        sum += dot_q4_portable(&x[g * 32..], &packed[g * 16..], &scales[g..], &[0.0], &[0.0]);
+    }
+    // The minimums' share: one dot product over groups.
+    sum + mins.iter().zip(xsum).map(|(m, s)| m * s).sum::<f32>()
+}
+
 /// A writable shared mapping of a new file of `floats` f32 values (zeroed), for KV memory other
 /// processes on the host can read.
 pub(crate) fn create_shared_f32(path: &std::path::Path, floats: usize) -> io::Result<memmap2::MmapMut> {
@@ -230,6 +295,27 @@ mod tests {
         let exact: f64 = (0..n).map(|i| f64::from(x[i]) * f64::from(q[i]) * f64::from(s[i / 32])).sum();
         assert!((f64::from(super::dot_q8(&x, &q, &s)) - exact).abs() < 1e-3);
         assert!((f64::from(super::dot_q8_portable(&x, &q, &s)) - exact).abs() < 1e-3);
+    }
+
+    #[test]
+    fn q4_dot_kernels_agree() {
+        let groups = 7;
+        let x: Vec<f32> = (0..groups * 32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let packed: Vec<u8> = (0..groups * 16).map(|i| (i * 73 % 256) as u8).collect();
+        let s: Vec<f32> = (0..groups).map(|g| 0.01 + g as f32 * 0.003).collect();
+        let m: Vec<f32> = (0..groups).map(|g| -0.1 + g as f32 * 0.02).collect();
+        let xsum: Vec<f32> = x.chunks(32).map(|c| c.iter().sum()).collect();
+        let mut exact = 0f64;
+        for g in 0..groups {
+            for j in 0..16 {
+                let b = packed[g * 16 + j];
+                let (lo, hi) = (f64::from(b & 15), f64::from(b >> 4));
+                exact += f64::from(x[g * 32 + j]) * (f64::from(m[g]) + lo * f64::from(s[g]));
+                exact += f64::from(x[g * 32 + j + 16]) * (f64::from(m[g]) + hi * f64::from(s[g]));
+            }
+        }
+        assert!((f64::from(super::dot_q4(&x, &packed, &s, &m, &xsum)) - exact).abs() < 1e-3);
+        assert!((f64::from(super::dot_q4_portable(&x, &packed, &s, &m, &xsum)) - exact).abs() < 1e-3);
     }
 
     #[test]

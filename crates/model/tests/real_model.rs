@@ -273,37 +273,43 @@ fn chat_template_renders_like_hugging_face() {
     );
 }
 
-/// Q8 decode weights: the fixture's 32 greedy tokens are unchanged, and a decode step's logits stay
-/// within `Q8_LOGIT_TOLERANCE` of the f32 path (prefill runs the f32 GEMM either way).
+/// Quantized decode weights (Q8, Q4): the fixture's 32 greedy tokens are unchanged, and a decode
+/// step's logits stay within `QUANT_LOGIT_TOLERANCE` of the f32 path (prefill runs the f32 GEMM either way).
 #[test]
-fn q8_decode_keeps_the_greedy_text_and_logits_close() {
+fn quantized_decode_keeps_the_greedy_text_and_logits_close() {
     let m = model();
     let fx = fixture();
-    let mut q8 = CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16)
-        .with_weight_format(pdserve_model::WeightFormat::Q8)
-        .unwrap();
-    assert_eq!(q8.weight_format(), pdserve_model::WeightFormat::Q8);
-    let mut worst = 0.0f32;
-    for p in fx["prompts"].as_array().unwrap() {
-        let tokens = ids(&p["ids"]);
-        let want = ids(&p["greedy"]);
-        // The f32 path's logits after the prompt and one decode step, for the tolerance check.
-        let decode_step = |cpu: &mut CpuBackend| {
-            let mut run = Run::new(cpu, &tokens);
-            run.step(tokens.len());
-            run.kv.append_tokens(run.seq, &want[..1]).unwrap();
-            run.step(1)
-        };
-        let f32_step = decode_step(&mut backend());
-        let q8_step = decode_step(&mut q8);
-        worst = worst.max(q8_step.iter().zip(&f32_step).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
-        let mut run = Run::new(&mut q8, &tokens);
-        let logits = run.step(tokens.len());
-        assert_eq!(run.greedy(logits, want.len()), want, "greedy tokens of {:?} with Q8 weights", p["name"]);
+    for format in [pdserve_model::WeightFormat::Q8, pdserve_model::WeightFormat::Q4] {
+        let mut qb = CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16)
+            .with_weight_format(format)
+            .unwrap();
+        assert_eq!(qb.weight_format(), format);
+        let mut worst = 0.0f32;
+        for p in fx["prompts"].as_array().unwrap() {
+            let tokens = ids(&p["ids"]);
+            let want = ids(&p["greedy"]);
+            let decode_step = |cpu: &mut CpuBackend| {
+                let mut run = Run::new(cpu, &tokens);
+                run.step(tokens.len());
+                run.kv.append_tokens(run.seq, &want[..1]).unwrap();
+                run.step(1)
+            };
+            let f32_step = decode_step(&mut backend());
+            let q_step = decode_step(&mut qb);
+            worst = worst.max(q_step.iter().zip(&f32_step).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
+            let mut run = Run::new(&mut qb, &tokens);
+            let logits = run.step(tokens.len());
+            assert_eq!(
+                run.greedy(logits, want.len()),
+                want,
+                "greedy tokens of {:?} with {format:?}",
+                p["name"]
+            );
+        }
+        eprintln!("{format:?}: largest |logit - f32 logit| over a decode step of each prompt: {worst}");
+        assert!(worst < QUANT_LOGIT_TOLERANCE, "{format:?} logits differ from f32 by {worst}");
     }
-    eprintln!("q8: largest |logit - f32 logit| over a decode step of each prompt: {worst}");
-    assert!(worst < Q8_LOGIT_TOLERANCE, "Q8 logits differ from f32 by {worst}");
 }
 
-/// Logits of a decode step with Q8 weights against f32 (they range over about ±30).
-const Q8_LOGIT_TOLERANCE: f32 = 0.5;
+/// Logits of a decode step with quantized weights against f32 (they range over about ±30).
+const QUANT_LOGIT_TOLERANCE: f32 = 0.5;
