@@ -260,9 +260,18 @@ impl Backend for CpuBackend {
         for (li, lw) in w.layers.iter().enumerate() {
             let ql = |p: Proj| decode.as_ref().map(|d| d.layer(li, p));
             rms_norm(&x, &lw.input_norm, cfg.rms_norm_eps, &mut h);
-            let mut q = mm(&h, t, hsz, &lw.q, ql(Proj::Q), q_dim);
-            let mut k = mm(&h, t, hsz, &lw.k, ql(Proj::K), kv_dim);
-            let mut v = mm(&h, t, hsz, &lw.v, ql(Proj::V), kv_dim);
+            let (mut q, mut k, mut v) = match ql(Proj::Qkv) {
+                // Decode: Q, K and V in one pass over the stacked quantized rows.
+                Some(m) if t <= 2 => {
+                    let all = matvec_ref(&h, t, hsz, m, q_dim + 2 * kv_dim);
+                    split_rows(&all, t, &[q_dim, kv_dim, kv_dim])
+                }
+                _ => (
+                    matmul(&h, t, hsz, &lw.q, q_dim),
+                    matmul(&h, t, hsz, &lw.k, kv_dim),
+                    matmul(&h, t, hsz, &lw.v, kv_dim),
+                ),
+            };
             for (m, b) in [(&mut q, &lw.q_bias), (&mut k, &lw.k_bias), (&mut v, &lw.v_bias)] {
                 if let Some(b) = b {
                     add_bias(m, b);
@@ -323,8 +332,15 @@ impl Backend for CpuBackend {
             }
             add_into(&mut x, &o);
             rms_norm(&x, &lw.post_norm, cfg.rms_norm_eps, &mut h);
-            let gate = mm(&h, t, hsz, &lw.gate, ql(Proj::Gate), cfg.intermediate_size);
-            let up = mm(&h, t, hsz, &lw.up, ql(Proj::Up), cfg.intermediate_size);
+            let inter = cfg.intermediate_size;
+            let (gate, up) = match ql(Proj::GateUp) {
+                Some(m) if t <= 2 => {
+                    let all = matvec_ref(&h, t, hsz, m, 2 * inter);
+                    let (g, u, _) = split_rows(&all, t, &[inter, inter, 0]);
+                    (g, u)
+                }
+                _ => (matmul(&h, t, hsz, &lw.gate, inter), matmul(&h, t, hsz, &lw.up, inter)),
+            };
             let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
             let down = mm(&act, t, cfg.intermediate_size, &lw.down, ql(Proj::Down), hsz);
             add_into(&mut x, &down);
@@ -388,25 +404,41 @@ enum QRef<'a> {
 /// A layer's projection.
 #[derive(Debug, Clone, Copy)]
 enum Proj {
-    Q,
-    K,
-    V,
+    Qkv,
     O,
-    Gate,
-    Up,
+    GateUp,
     Down,
+}
+
+fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, n: usize) -> Vec<f32> {
+    match m {
+        QRef::Q8(m) => matvec_quant(x, t, k, m, n),
+        QRef::Q4(m) => matvec_quant(x, t, k, m, n),
+    }
+}
+
+/// Splits each row of `all` (`t` rows of `widths` summed) into three matrices of the given widths.
+fn split_rows(all: &[f32], t: usize, widths: &[usize; 3]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let row = widths.iter().sum::<usize>();
+    let mut out = [Vec::new(), Vec::new(), Vec::new()];
+    for r in 0..t {
+        let mut at = r * row;
+        for (o, &w) in out.iter_mut().zip(widths) {
+            o.extend_from_slice(&all[at..at + w]);
+            at += w;
+        }
+    }
+    let [a, b, c] = out;
+    (a, b, c)
 }
 
 impl DecodeWeights {
     fn layer(&self, li: usize, p: Proj) -> QRef<'_> {
         fn sel<M>(l: &QuantLayer<M>, p: Proj) -> &M {
             match p {
-                Proj::Q => &l.q,
-                Proj::K => &l.k,
-                Proj::V => &l.v,
+                Proj::Qkv => &l.qkv,
                 Proj::O => &l.o,
-                Proj::Gate => &l.gate,
-                Proj::Up => &l.up,
+                Proj::GateUp => &l.gate_up,
                 Proj::Down => &l.down,
             }
         }
@@ -433,7 +465,8 @@ fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, n: usize) 
     let mut out = vec![0.0; t * n];
     for (xr, orow) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
         let xsum: Vec<f32> = xr.chunks_exact(GROUP).map(|g| g.iter().sum()).collect();
-        let chunk = n.div_ceil(threads * 4).max(16);
+        // Two tasks per thread: enough to balance, few enough that dispatch stays cheap.
+        let chunk = n.div_ceil(threads * 2).max(16);
         orow.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
             for (j, oj) in o.iter_mut().enumerate() {
                 *oj = w.dot_row(c * chunk + j, xr, &xsum);

@@ -188,12 +188,11 @@ impl QuantMatrix for Q4Matrix {
 /// One layer's projection matrices, quantized.
 #[derive(Debug, Clone)]
 pub struct QuantLayer<M> {
-    pub q: M,
-    pub k: M,
-    pub v: M,
+    /// Q, K and V rows stacked: one matrix-vector product per decode step instead of three.
+    pub qkv: M,
     pub o: M,
-    pub gate: M,
-    pub up: M,
+    /// Gate and up rows stacked.
+    pub gate_up: M,
     pub down: M,
 }
 
@@ -222,13 +221,12 @@ impl<M: QuantMatrix> QuantWeights<M> {
     ) -> Option<Self> {
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
+            let qkv: Vec<f32> = [&l.q[..], &l.k[..], &l.v[..]].concat();
+            let gate_up: Vec<f32> = [&l.gate[..], &l.up[..]].concat();
             layers.push(QuantLayer {
-                q: M::quantize(&l.q, q_dim, hidden)?,
-                k: M::quantize(&l.k, kv_dim, hidden)?,
-                v: M::quantize(&l.v, kv_dim, hidden)?,
+                qkv: M::quantize(&qkv, q_dim + 2 * kv_dim, hidden)?,
                 o: M::quantize(&l.o, hidden, q_dim)?,
-                gate: M::quantize(&l.gate, inter, hidden)?,
-                up: M::quantize(&l.up, inter, hidden)?,
+                gate_up: M::quantize(&gate_up, 2 * inter, hidden)?,
                 down: M::quantize(&l.down, hidden, inter)?,
             });
         }
@@ -240,15 +238,7 @@ impl<M: QuantMatrix> QuantWeights<M> {
         let l: usize = self
             .layers
             .iter()
-            .map(|l| {
-                l.q.bytes()
-                    + l.k.bytes()
-                    + l.v.bytes()
-                    + l.o.bytes()
-                    + l.gate.bytes()
-                    + l.up.bytes()
-                    + l.down.bytes()
-            })
+            .map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes())
             .sum();
         l + self.lm_head.bytes()
     }
