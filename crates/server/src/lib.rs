@@ -188,9 +188,10 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
             ));
         }
         if config.weights != pdserve_model::WeightFormat::F32 {
-            return Err(WorkerError::Config(
-                "--weights q8 is a CPU format; the GPU backend stores bf16".into(),
-            ));
+            return Err(WorkerError::Config(format!(
+                "--weights {} is a CPU format; the GPU backend stores bf16",
+                config.weights.name()
+            )));
         }
         Box::new(
             pdserve_model::GpuBackend::new(

@@ -1,6 +1,6 @@
 //! `--device` and `--weights`: what runs the model is chosen at start. Without a GPU the worker refuses
 //! to start with a clear message (never a worker that accepts requests it cannot run); with one it
-//! serves. `--weights q8` serves from int8 decode weights and says so in `/v1/models`.
+//! serves. `--weights q4` serves from 4-bit decode weights and says so in `/v1/models`.
 
 mod common;
 
@@ -72,11 +72,11 @@ fn cuda_device_serves_or_refuses_to_start_with_the_reason() {
 }
 
 #[test]
-fn q8_weights_serve_the_same_greedy_answer_and_are_reported() {
-    let w = common::Worker::start(&["--weights", "q8"]);
+fn q4_weights_serve_the_same_greedy_answer_and_are_reported() {
+    let w = common::Worker::start(&["--weights", "q4"]);
     let (status, models) = w.json("GET", "/v1/models", "");
     assert_eq!(status, 200);
-    assert_eq!(models["data"][0]["weights"], "q8");
+    assert_eq!(models["data"][0]["weights"], "q4");
     assert_eq!(models["data"][0]["device"], "cpu");
     let (status, body) = w.json(
         "POST",
@@ -88,19 +88,19 @@ fn q8_weights_serve_the_same_greedy_answer_and_are_reported() {
 }
 
 #[test]
-fn unknown_weight_format_and_q8_on_the_gpu_are_refused() {
+fn unknown_weight_format_and_quantized_weights_on_the_gpu_are_refused() {
     let out = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
-        .args(["--port", "0", "--weights", "q4", "--model"])
+        .args(["--port", "0", "--weights", "q2", "--model"])
         .arg(model())
         .output()
         .expect("run pdserve-server");
     assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown weight format \"q4\": f32 or q8"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown weight format \"q2\": f32, q8 or q4"));
     let out = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
-        .args(["--port", "0", "--weights", "q8", "--device", "cuda", "--model"])
+        .args(["--port", "0", "--weights", "q4", "--device", "cuda", "--model"])
         .arg(model())
         .output()
         .expect("run pdserve-server");
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--weights q8 is a CPU format"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--weights q4 is a CPU format"));
 }
