@@ -136,7 +136,12 @@ fn aborting_a_prefilled_request_releases_its_offered_kv() {
             .and_then(|v| v.parse().ok())
             .unwrap_or(-1.0)
     };
-    assert!(transfer_blocks(&prefill) > 0.0, "the KV waits under a lease");
+    // The gauges are published by the engine loop right after the step that answered: wait for it.
+    let start = Instant::now();
+    while transfer_blocks(&prefill) <= 0.0 {
+        assert!(start.elapsed() < Duration::from_secs(2), "the KV waits under a lease");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let (s, v) = prefill.json("POST", "/abort/pf-1", "");
     assert_eq!((s, v["stage"].as_str()), (200, Some("kv_held")), "{v}");
     let start = Instant::now();
