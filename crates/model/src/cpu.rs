@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use crate::backend::{check_block, check_steps, Backend, KvLayout, SeqStep};
 use crate::quant::{Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP};
-use crate::sys::{as_f32, as_f32_mut, create_shared_f32, dot, map_file, sgemm, Mmap};
+use crate::sys::{as_f32, as_f32_mut, create_shared_f32, dot, map_file, sgemm, sgemm_xwt_avx512, Mmap};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
 
@@ -296,8 +296,71 @@ impl Backend for CpuBackend {
             let kv_mem = this.kv.as_slice();
             let scale = 1.0 / (hd as f32).sqrt();
             let group = nh / nkv;
+            // Long prefill chunks: attention as two GEMMs per head (scores, then probabilities times
+            // values) over the sequence's K and V gathered out of the paged cache.
+            let mut first_row = 0;
+            let mut gemm_rows = vec![false; t];
+            for s in steps {
+                let n = s.tokens.len();
+                if n >= GEMM_ATTENTION_ROWS {
+                    let ctx = s.start_pos + n;
+                    // Padded to the AVX-512 kernel's 32 columns; padding scores are masked like the future.
+                    let ctx_p = ctx.next_multiple_of(32);
+                    let heads: Vec<Vec<f32>> = (0..nh)
+                        .into_par_iter()
+                        .map(|head| {
+                            let kvh = head / group;
+                            let (mut kh, mut vt) = (vec![0.0; ctx_p * hd], vec![0.0; hd * ctx_p]);
+                            for j in 0..ctx {
+                                let b = s.block_table[j / this.layout.block_size];
+                                let ki = this.kv_at(b, li, 0, j % this.layout.block_size) + kvh * hd;
+                                let vi = this.kv_at(b, li, 1, j % this.layout.block_size) + kvh * hd;
+                                kh[j * hd..(j + 1) * hd].copy_from_slice(&kv_mem[ki..ki + hd]);
+                                for (d, &v) in kv_mem[vi..vi + hd].iter().enumerate() {
+                                    vt[d * ctx_p + j] = v;
+                                }
+                            }
+                            let mut qh = vec![0.0; n * hd];
+                            for i in 0..n {
+                                qh[i * hd..(i + 1) * hd]
+                                    .copy_from_slice(&q[(first_row + i) * q_dim + head * hd..][..hd]);
+                            }
+                            let mut scores = vec![0.0; n * ctx_p];
+                            gemm_xwt(&qh, n, hd, &kh, ctx_p, &mut scores);
+                            for (i, row) in scores.chunks_exact_mut(ctx_p).enumerate() {
+                                let visible = s.start_pos + i + 1;
+                                let max =
+                                    row[..visible].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+                                let mut sum = 0.0;
+                                for v in &mut row[..visible] {
+                                    *v = (*v * scale - max).exp();
+                                    sum += *v;
+                                }
+                                for v in &mut row[..visible] {
+                                    *v /= sum;
+                                }
+                                row[visible..].fill(0.0);
+                            }
+                            let mut out = vec![0.0; n * hd];
+                            gemm_xwt(&scores, n, ctx_p, &vt, hd, &mut out);
+                            out
+                        })
+                        .collect();
+                    for (head, out) in heads.iter().enumerate() {
+                        for i in 0..n {
+                            attn[(first_row + i) * q_dim + head * hd..][..hd]
+                                .copy_from_slice(&out[i * hd..(i + 1) * hd]);
+                        }
+                    }
+                    gemm_rows[first_row..first_row + n].fill(true);
+                }
+                first_row += n;
+            }
             attn.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
                 let (r, head) = (idx / nh, idx % nh);
+                if gemm_rows[r] {
+                    return;
+                }
                 let (si, pos) = rows[r];
                 let table = steps[si].block_table;
                 let qv = &q[r * q_dim + head * hd..][..hd];
@@ -476,6 +539,17 @@ fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, n: usize) 
     out
 }
 
+/// Sequences with at least this many new tokens in a step take the GEMM attention path.
+const GEMM_ATTENTION_ROWS: usize = 32;
+
+/// `out[t×n] = x[t×k] · w[n×k]^T` on the calling thread: the AVX-512 kernel where it applies, else
+/// matrixmultiply.
+fn gemm_xwt(x: &[f32], t: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
+    if !sgemm_xwt_avx512(x, t, k, w, n, out) {
+        sgemm(t, k, n, x, (k, 1), w, (1, k), out, (n, 1));
+    }
+}
+
 /// `x[t×k] · w[n×k]^T`, spread over the thread pool by output columns.
 pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
     debug_assert_eq!(x.len(), t * k);
@@ -495,14 +569,17 @@ pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<
         }
         return out;
     }
-    let chunk = n.div_ceil(threads * 2).max(64);
+    // Column chunks in multiples of 32, so the AVX-512 kernel takes every chunk when n allows.
+    let chunk = n.div_ceil(threads * 2).max(64).next_multiple_of(32);
     let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(chunk))
         .into_par_iter()
         .map(|c| {
             let j0 = c * chunk;
             let cols = chunk.min(n - j0);
             let mut part = vec![0.0; t * cols];
-            sgemm(t, k, cols, x, (k, 1), &w[j0 * k..], (1, k), &mut part, (cols, 1));
+            if !sgemm_xwt_avx512(x, t, k, &w[j0 * k..(j0 + cols) * k], cols, &mut part) {
+                sgemm(t, k, cols, x, (k, 1), &w[j0 * k..], (1, k), &mut part, (cols, 1));
+            }
             (j0, part)
         })
         .collect();

@@ -63,6 +63,83 @@ pub(crate) fn sgemm(
     }
 }
 
+/// `part[t x cols] = x[t x k] . w[cols x k]^T` (row-major, `w` holding `cols` rows of `k`) with an
+/// AVX-512 kernel: B is packed into 32-column panels, a 6 x 32 register tile runs the k loop. Returns
+/// false, touching nothing, where the CPU lacks AVX-512F or `cols` is not a multiple of 32.
+pub(crate) fn sgemm_xwt_avx512(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: &[f32],
+    cols: usize,
+    part: &mut [f32],
+) -> bool {
+    assert!(x.len() >= t * k && w.len() >= cols * k && part.len() >= t * cols);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if cols.is_multiple_of(32) && k > 0 && std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked) and the lengths were asserted above.
+            unsafe { sgemm_xwt_avx512_impl(x, t, k, w, cols, part) };
+            return true;
+        }
+    }
+    false
+}
+
+/// # Safety
+/// AVX-512F; `x.len() >= t*k`, `w.len() >= cols*k`, `part.len() >= t*cols`, `cols % 32 == 0`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sgemm_xwt_avx512_impl(x: &[f32], t: usize, k: usize, w: &[f32], cols: usize, part: &mut [f32]) {
+    let mut packed = vec![0f32; k * 32];
+    for p in 0..cols / 32 {
+        for c in 0..32 {
+            let row = &w[(p * 32 + c) * k..(p * 32 + c + 1) * k];
+            for (kk, &v) in row.iter().enumerate() {
+                packed[kk * 32 + c] = v;
+            }
+        }
+        let mut i = 0;
+        while i < t {
+            let r = (t - i).min(6);
+            let (px, po) = (x.as_ptr().add(i * k), part.as_mut_ptr().add(i * cols + p * 32));
+            match r {
+                6 => tile::<6>(px, k, packed.as_ptr(), po, cols),
+                5 => tile::<5>(px, k, packed.as_ptr(), po, cols),
+                4 => tile::<4>(px, k, packed.as_ptr(), po, cols),
+                3 => tile::<3>(px, k, packed.as_ptr(), po, cols),
+                2 => tile::<2>(px, k, packed.as_ptr(), po, cols),
+                _ => tile::<1>(px, k, packed.as_ptr(), po, cols),
+            }
+            i += r;
+        }
+    }
+}
+
+/// One R x 32 tile: `out[r][0..32] = sum_kk x[r][kk] * packed[kk][0..32]`, rows `ldo` apart.
+///
+/// # Safety
+/// AVX-512F; `px` holds R rows of `k`, `pb` k x 32 values, `po` R rows of 32 writable values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile<const R: usize>(px: *const f32, k: usize, pb: *const f32, po: *mut f32, ldo: usize) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    for kk in 0..k {
+        let b0 = _mm512_loadu_ps(pb.add(kk * 32));
+        let b1 = _mm512_loadu_ps(pb.add(kk * 32 + 16));
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xv = _mm512_set1_ps(*px.add(r * k + kk));
+            a[0] = _mm512_fmadd_ps(xv, b0, a[0]);
+            a[1] = _mm512_fmadd_ps(xv, b1, a[1]);
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        _mm512_storeu_ps(po.add(r * ldo), a[0]);
+        _mm512_storeu_ps(po.add(r * ldo + 16), a[1]);
+    }
+}
+
 /// Dot product, with an AVX2+FMA kernel where the CPU has one.
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -316,6 +393,29 @@ mod tests {
         }
         assert!((f64::from(super::dot_q4(&x, &packed, &s, &m, &xsum)) - exact).abs() < 1e-3);
         assert!((f64::from(super::dot_q4_portable(&x, &packed, &s, &m, &xsum)) - exact).abs() < 1e-3);
+    }
+
+    #[test]
+    fn avx512_gemm_matches_a_naive_product() {
+        for (t, k, cols) in [(3, 40, 32), (7, 33, 64), (13, 576, 96), (6, 1, 32)] {
+            let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let w: Vec<f32> = (0..cols * k).map(|i| (i as f32 * 0.11).cos()).collect();
+            let mut part = vec![f32::NAN; t * cols];
+            if !super::sgemm_xwt_avx512(&x, t, k, &w, cols, &mut part) {
+                return; // no AVX-512 here: the caller falls back to matrixmultiply
+            }
+            for r in 0..t {
+                for c in 0..cols {
+                    let want: f64 =
+                        (0..k).map(|kk| f64::from(x[r * k + kk]) * f64::from(w[c * k + kk])).sum();
+                    assert!((f64::from(part[r * cols + c]) - want).abs() < 1e-3, "t {t} k {k} r {r} c {c}");
+                }
+            }
+        }
+        assert!(
+            !super::sgemm_xwt_avx512(&[0.0; 4], 1, 4, &[0.0; 64], 16, &mut [0.0; 16]),
+            "16 columns: not taken"
+        );
     }
 
     #[test]
