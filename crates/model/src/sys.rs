@@ -91,45 +91,72 @@ pub(crate) fn sgemm_xwt_avx512(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn sgemm_xwt_avx512_impl(x: &[f32], t: usize, k: usize, w: &[f32], cols: usize, part: &mut [f32]) {
-    let mut packed = vec![0f32; k * 32];
+    // K is cut into blocks whose 32-column panel (KC x 32 floats, 32 KiB) stays in L1 while every row
+    // tile of x streams past it; the tile's sums carry over from block to block through `part`.
+    const KC: usize = 256;
+    let mut packed = vec![0f32; KC.min(k) * 32];
     for p in 0..cols / 32 {
-        for c in 0..32 {
-            let row = &w[(p * 32 + c) * k..(p * 32 + c + 1) * k];
-            for (kk, &v) in row.iter().enumerate() {
-                packed[kk * 32 + c] = v;
+        let mut k0 = 0;
+        while k0 < k {
+            let kc = KC.min(k - k0);
+            for c in 0..32 {
+                let row = &w[(p * 32 + c) * k + k0..(p * 32 + c) * k + k0 + kc];
+                for (kk, &v) in row.iter().enumerate() {
+                    packed[kk * 32 + c] = v;
+                }
             }
-        }
-        let mut i = 0;
-        while i < t {
-            let r = (t - i).min(6);
-            let (px, po) = (x.as_ptr().add(i * k), part.as_mut_ptr().add(i * cols + p * 32));
-            match r {
-                6 => tile::<6>(px, k, packed.as_ptr(), po, cols),
-                5 => tile::<5>(px, k, packed.as_ptr(), po, cols),
-                4 => tile::<4>(px, k, packed.as_ptr(), po, cols),
-                3 => tile::<3>(px, k, packed.as_ptr(), po, cols),
-                2 => tile::<2>(px, k, packed.as_ptr(), po, cols),
-                _ => tile::<1>(px, k, packed.as_ptr(), po, cols),
+            let first = k0 == 0;
+            let mut i = 0;
+            while i < t {
+                let r = (t - i).min(6);
+                let (px, po) = (x.as_ptr().add(i * k + k0), part.as_mut_ptr().add(i * cols + p * 32));
+                let pb = packed.as_ptr();
+                match r {
+                    6 => tile::<6>(px, k, kc, pb, po, cols, first),
+                    5 => tile::<5>(px, k, kc, pb, po, cols, first),
+                    4 => tile::<4>(px, k, kc, pb, po, cols, first),
+                    3 => tile::<3>(px, k, kc, pb, po, cols, first),
+                    2 => tile::<2>(px, k, kc, pb, po, cols, first),
+                    _ => tile::<1>(px, k, kc, pb, po, cols, first),
+                }
+                i += r;
             }
-            i += r;
+            k0 += kc;
         }
     }
 }
 
-/// One R x 32 tile: `out[r][0..32] = sum_kk x[r][kk] * packed[kk][0..32]`, rows `ldo` apart.
+/// One R x 32 tile over `kc` values of k: `out[r][0..32] (+)= sum_kk x[r][kk] * packed[kk][0..32]`,
+/// x rows `ldx` apart, out rows `ldo` apart; `first` starts from zero instead of `out`.
 ///
 /// # Safety
-/// AVX-512F; `px` holds R rows of `k`, `pb` k x 32 values, `po` R rows of 32 writable values.
+/// AVX-512F; `px` holds R rows (ldx apart) of at least `kc` values, `pb` kc x 32 values, `po` R rows
+/// of 32 writable values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn tile<const R: usize>(px: *const f32, k: usize, pb: *const f32, po: *mut f32, ldo: usize) {
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile<const R: usize>(
+    px: *const f32,
+    ldx: usize,
+    kc: usize,
+    pb: *const f32,
+    po: *mut f32,
+    ldo: usize,
+    first: bool,
+) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); 2]; R];
-    for kk in 0..k {
+    if !first {
+        for (r, a) in acc.iter_mut().enumerate() {
+            a[0] = _mm512_loadu_ps(po.add(r * ldo));
+            a[1] = _mm512_loadu_ps(po.add(r * ldo + 16));
+        }
+    }
+    for kk in 0..kc {
         let b0 = _mm512_loadu_ps(pb.add(kk * 32));
         let b1 = _mm512_loadu_ps(pb.add(kk * 32 + 16));
         for (r, a) in acc.iter_mut().enumerate() {
-            let xv = _mm512_set1_ps(*px.add(r * k + kk));
+            let xv = _mm512_set1_ps(*px.add(r * ldx + kk));
             a[0] = _mm512_fmadd_ps(xv, b0, a[0]);
             a[1] = _mm512_fmadd_ps(xv, b1, a[1]);
         }
@@ -397,7 +424,7 @@ mod tests {
 
     #[test]
     fn avx512_gemm_matches_a_naive_product() {
-        for (t, k, cols) in [(3, 40, 32), (7, 33, 64), (13, 576, 96), (6, 1, 32)] {
+        for (t, k, cols) in [(3, 40, 32), (7, 33, 64), (13, 576, 96), (6, 1, 32), (5, 1537, 32)] {
             let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
             let w: Vec<f32> = (0..cols * k).map(|i| (i as f32 * 0.11).cos()).collect();
             let mut part = vec![f32::NAN; t * cols];
