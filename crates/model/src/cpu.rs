@@ -539,6 +539,9 @@ fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, n: usize) 
     out
 }
 
+/// Steps with fewer rows than this run the weight GEMMs on matrixmultiply.
+const AVX512_GEMM_MIN_ROWS: usize = 64;
+
 /// Sequences with at least this many new tokens in a step take the GEMM attention path.
 const GEMM_ATTENTION_ROWS: usize = 32;
 
@@ -577,7 +580,11 @@ pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<
             let j0 = c * chunk;
             let cols = chunk.min(n - j0);
             let mut part = vec![0.0; t * cols];
-            if !sgemm_xwt_avx512(x, t, k, &w[j0 * k..(j0 + cols) * k], cols, &mut part) {
+            // The AVX-512 kernel packs every weight panel: worth it for prefill-sized steps, not for a
+            // batch of a few dozen decode rows (matrixmultiply measured faster there).
+            if t < AVX512_GEMM_MIN_ROWS
+                || !sgemm_xwt_avx512(x, t, k, &w[j0 * k..(j0 + cols) * k], cols, &mut part)
+            {
                 sgemm(t, k, cols, x, (k, 1), &w[j0 * k..], (1, k), &mut part, (cols, 1));
             }
             (j0, part)
