@@ -142,6 +142,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if !unified && (prefills == 0 || decodes == 0) {
         bail!("PD mode needs at least one prefill and one decode worker (or --unified)");
     }
+    // The default model ships as Q4_1 (projections) and Q8_0 (embedding): its Q4 decode weights are
+    // exactly those values, so it is served from them unless the options say otherwise.
+    let native_q4 = model.is_none() && !extra.iter().any(|a| a == "--weights" || a == "--device");
     let model = match model {
         Some(m) => m,
         None => crate::fetch_model(&[])?,
@@ -161,6 +164,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         a.push(model.display().to_string());
         if role == "prefill" {
             a.push("--kv-shm".into());
+        }
+        if native_q4 {
+            a.extend(["--weights".to_owned(), "q4".to_owned()]);
         }
         a.extend(extra.iter().cloned());
         a
