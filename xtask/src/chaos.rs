@@ -294,23 +294,38 @@ fn after_recovery(router: &str) -> Result<()> {
 
 fn decode_kill(s: &mut Stack, short: bool) -> Result<Row> {
     let n = if short { 8 } else { 32 };
+    kill_and_replace(s, "decode", n, 400, Duration::from_millis(1500), "")
+}
+
+/// Kills the only worker of `role` (`ROLE-0`) with SIGKILL `after` into `n` streams of `max_tokens`,
+/// and asserts: every stream ends, readiness drops within 5 s, a replacement (`ROLE-1`, added through
+/// `/workers`) brings readiness back, requests succeed again, nothing else died, ledgers return to
+/// zero. `also` goes into the row's note between the two readiness figures.
+fn kill_and_replace(
+    s: &mut Stack,
+    role: &str,
+    n: usize,
+    max_tokens: u64,
+    after: Duration,
+    also: &str,
+) -> Result<Row> {
+    let (dead, fresh) = (format!("{role}-0"), format!("{role}-1"));
     let mut not_ready_after = Duration::ZERO;
-    let outcomes = streams(&s.router.clone(), n, 400, 60.0, || {
-        std::thread::sleep(Duration::from_millis(1500));
-        let _ = s.signal("decode-0", "-KILL");
+    let outcomes = streams(&s.router.clone(), n, max_tokens, 60.0, || {
+        std::thread::sleep(after);
+        let _ = s.signal(&dead, "-KILL");
         not_ready_after = s.wait_ready(false, Duration::from_secs(5)).unwrap_or(Duration::MAX);
     });
     let mut row = tally(&outcomes);
     ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
-    ensure!(not_ready_after < Duration::from_secs(5), "still ready after the only decode worker died");
-    // Recovery: a new decode worker joins, the dead one leaves.
-    s.replace_worker("decode-0", "decode-1", "decode")?;
+    ensure!(not_ready_after < Duration::from_secs(5), "still ready after the only {role} worker died");
+    s.replace_worker(&dead, &fresh, role)?;
     let back = s.wait_ready(true, Duration::from_secs(30))?;
     after_recovery(&s.router)?;
-    s.all_alive_but(&["decode-0"])?;
-    s.baseline(&["decode-0"])?;
+    s.all_alive_but(&[&dead])?;
+    s.baseline(&[&dead])?;
     row.note = format!(
-        "not ready {} ms after the kill; ready {} ms after a new decode worker joined",
+        "not ready {} ms after the kill; {also}ready {} ms after a new {role} worker joined",
         not_ready_after.as_millis(),
         back.as_millis()
     );
@@ -430,27 +445,8 @@ fn overload(s: &mut Stack, short: bool) -> Result<Row> {
 
 fn prefill_kill(s: &mut Stack, short: bool) -> Result<Row> {
     let n = if short { 8 } else { 24 };
-    let mut not_ready_after = Duration::ZERO;
     // Long prompts keep the prefill worker busy (prefilling, holding and handing over KV) when it dies.
-    let outcomes = streams(&s.router.clone(), n, 64, 60.0, || {
-        std::thread::sleep(Duration::from_millis(700));
-        let _ = s.signal("prefill-0", "-KILL");
-        not_ready_after = s.wait_ready(false, Duration::from_secs(5)).unwrap_or(Duration::MAX);
-    });
-    let mut row = tally(&outcomes);
-    ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
-    ensure!(not_ready_after < Duration::from_secs(5), "still ready after the only prefill worker died");
-    s.replace_worker("prefill-0", "prefill-1", "prefill")?;
-    let back = s.wait_ready(true, Duration::from_secs(30))?;
-    after_recovery(&s.router)?;
-    s.all_alive_but(&["prefill-0"])?;
-    s.baseline(&["prefill-0"])?;
-    row.note = format!(
-        "not ready {} ms after the kill; the decode worker dropped its pulls; ready {} ms after a new prefill worker joined",
-        not_ready_after.as_millis(),
-        back.as_millis()
-    );
-    Ok(row)
+    kill_and_replace(s, "prefill", n, 64, Duration::from_millis(700), "the decode worker dropped its pulls; ")
 }
 
 fn slowloris(s: &mut Stack, short: bool) -> Result<Row> {

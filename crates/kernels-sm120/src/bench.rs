@@ -2,8 +2,8 @@
 //! of the device's copy bandwidth measured in the same run (a device-to-device copy, bytes read +
 //! written). Timed with device events, median of 5 runs of 20 launches each.
 
-use crate::checks::Rng;
-use crate::{DecodeAttention, DecodeKernel, DecodeOptions, DecodeScratch, Gpu, KernelError};
+use crate::checks::{DecodeCase, HostDecode, Rng};
+use crate::{DecodeKernel, DecodeOptions, DecodeScratch, Gpu, KernelError};
 
 fn median(mut v: Vec<f32>) -> f32 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -45,37 +45,24 @@ fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
             let pattern = rng.bf16(1 << 20, 1.0);
             let fill: Vec<u16> =
                 (0..words).map(|i| pattern[i & ((1 << 20) - 1)] ^ (i as u16 & 0x7)).collect();
-            let k = g.upload(&fill)?;
-            let v = g.upload(&fill)?;
-            drop(fill);
             let mut order: Vec<i32> = (0..(batch * blocks_per_seq) as i32).collect();
             rng.shuffle(&mut order);
-            let tables = g.upload(&order)?;
             let stride = (q_heads + 2 * kv_heads) * head_dim;
-            let q = g.upload(&rng.vec(batch * stride, 1.0))?;
-            let rows = g.upload(&(0..batch as i32).collect::<Vec<_>>())?;
-            let lens = g.upload(&vec![ctx as i32; batch])?;
+            let rows: Vec<i32> = (0..batch as i32).collect();
+            let case = DecodeCase::upload(
+                g,
+                HostDecode {
+                    q: &rng.vec(batch * stride, 1.0),
+                    rows: &rows,
+                    k: &fill,
+                    v: &fill,
+                    tables: &order,
+                    lens: &vec![ctx as i32; batch],
+                },
+                (q_heads, kv_heads, head_dim, block_size, blocks_per_seq),
+            )?;
+            drop(fill);
             let mut out = g.zeros::<f32>(batch * q_heads * head_dim)?;
-            let (qv, rv, kv, vv, tv, lv) =
-                (q.as_view(), rows.as_view(), k.as_view(), v.as_view(), tables.as_view(), lens.as_view());
-            let a = DecodeAttention {
-                q: &qv,
-                q_row_stride: stride,
-                rows: &rv,
-                k_cache: &kv,
-                v_cache: &vv,
-                block_tables: &tv,
-                bt_stride: blocks_per_seq,
-                ctx_lens: &lv,
-                max_ctx: ctx,
-                batch,
-                q_heads,
-                kv_heads,
-                head_dim,
-                block_size,
-                num_slots,
-                scale: 1.0 / (head_dim as f32).sqrt(),
-            };
             let auto =
                 g.decode_plan(DecodeKernel::TensorCore, batch, q_heads, kv_heads, head_dim, ctx).splits;
             let mut variants = vec![
@@ -96,8 +83,10 @@ fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
                 let mut splits = 0;
                 let ms = timed(g, || {
                     let stride = q_heads * head_dim;
-                    splits = g
-                        .decode_attention_with(opts, &a, &mut scratch, &mut out.as_view_mut(), stride)?
+                    splits = case
+                        .with_args(|a| {
+                            g.decode_attention_with(opts, a, &mut scratch, &mut out.as_view_mut(), stride)
+                        })?
                         .splits;
                     Ok(())
                 })?;

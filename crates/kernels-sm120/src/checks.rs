@@ -3,6 +3,7 @@
 //! poisoned (NaN) before each launch and every element is checked to be written.
 
 use crate::reference::{self as r, bf16_to_f32, f32_to_bf16, PagedKv};
+use crate::CudaSlice;
 use crate::{
     launch, DecodeAttention, DecodeKernel, DecodeOptions, DecodeScratch, Gpu, KernelError, PrefillAttention,
     SampleParams,
@@ -229,7 +230,6 @@ struct Paged {
     v: Vec<u16>,
     tables: Vec<i32>,
     bt_stride: usize,
-    num_slots: usize,
 }
 
 fn paged(
@@ -254,7 +254,78 @@ fn paged(
     }
     let num_slots = total_blocks * block_size;
     let n = num_slots * kv_heads * head_dim;
-    Paged { k: rng.bf16(n, k_scale), v: rng.bf16(n, 1.0), tables, bt_stride, num_slots }
+    Paged { k: rng.bf16(n, k_scale), v: rng.bf16(n, 1.0), tables, bt_stride }
+}
+
+/// A decode attention problem's inputs on the host.
+pub(crate) struct HostDecode<'a> {
+    pub q: &'a [f32],
+    pub rows: &'a [i32],
+    pub k: &'a [u16],
+    pub v: &'a [u16],
+    pub tables: &'a [i32],
+    pub lens: &'a [i32],
+}
+
+/// A decode attention problem uploaded to the device (shared by the checks and the benchmark).
+pub(crate) struct DecodeCase {
+    q: CudaSlice<f32>,
+    rows: CudaSlice<i32>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    tables: CudaSlice<i32>,
+    lens: CudaSlice<i32>,
+    /// q heads, kv heads, head dim, block size, block-table stride, slots in the cache.
+    shape: (usize, usize, usize, usize, usize, usize),
+    max_ctx: usize,
+}
+
+impl DecodeCase {
+    /// Uploads one problem: `q` rows of `(q_heads + 2 kv_heads) * head_dim`, `rows[b]` the row of
+    /// sequence b, `lens[b]` its context, `tables` `lens.len() x bt_stride` block ids.
+    pub(crate) fn upload(
+        g: &Gpu,
+        h: HostDecode<'_>,
+        (q_heads, kv_heads, head_dim, block_size, bt_stride): (usize, usize, usize, usize, usize),
+    ) -> Result<DecodeCase, KernelError> {
+        let HostDecode { q, rows, k, v, tables, lens } = h;
+        let num_slots = k.len() / (kv_heads * head_dim);
+        Ok(DecodeCase {
+            q: g.upload(q)?,
+            rows: g.upload(rows)?,
+            k: g.upload(k)?,
+            v: g.upload(v)?,
+            tables: g.upload(tables)?,
+            lens: g.upload(lens)?,
+            shape: (q_heads, kv_heads, head_dim, block_size, bt_stride, num_slots),
+            max_ctx: lens.iter().copied().max().unwrap_or(0) as usize,
+        })
+    }
+
+    /// Calls `f` with the kernel's arguments for this problem.
+    pub(crate) fn with_args<R>(&self, f: impl FnOnce(&DecodeAttention<'_>) -> R) -> R {
+        let (q_heads, kv_heads, head_dim, block_size, bt_stride, num_slots) = self.shape;
+        let (q, rows, k, v) = (self.q.as_view(), self.rows.as_view(), self.k.as_view(), self.v.as_view());
+        let (tables, lens) = (self.tables.as_view(), self.lens.as_view());
+        f(&DecodeAttention {
+            q: &q,
+            q_row_stride: (q_heads + 2 * kv_heads) * head_dim,
+            rows: &rows,
+            k_cache: &k,
+            v_cache: &v,
+            block_tables: &tables,
+            bt_stride,
+            ctx_lens: &lens,
+            max_ctx: self.max_ctx,
+            batch: self.lens.len(),
+            q_heads,
+            kv_heads,
+            head_dim,
+            block_size,
+            num_slots,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+        })
+    }
 }
 
 fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result<(), KernelError> {
@@ -287,37 +358,14 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
         rng.shuffle(&mut rows);
         let q = rng.vec(batch * stride, 1.0);
         let ctx: Vec<i32> = lens.iter().map(|&l| l as i32).collect();
-        let (qd, rd, kd, vd, td, cd) = (
-            g.upload(&q)?,
-            g.upload(&rows)?,
-            g.upload(&p.k)?,
-            g.upload(&p.v)?,
-            g.upload(&p.tables)?,
-            g.upload(&ctx)?,
-        );
+        let case = DecodeCase::upload(
+            g,
+            HostDecode { q: &q, rows: &rows, k: &p.k, v: &p.v, tables: &p.tables, lens: &ctx },
+            (q_heads, kv_heads, head_dim, block_size, p.bt_stride),
+        )?;
         let out_stride = q_heads * head_dim + 5;
         let mut out = g.upload(&vec![f32::NAN; batch * out_stride])?;
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let (qv, rv, kv, vv, tv, cv) =
-            (qd.as_view(), rd.as_view(), kd.as_view(), vd.as_view(), td.as_view(), cd.as_view());
-        let a = DecodeAttention {
-            q: &qv,
-            q_row_stride: stride,
-            rows: &rv,
-            k_cache: &kv,
-            v_cache: &vv,
-            block_tables: &tv,
-            bt_stride: p.bt_stride,
-            ctx_lens: &cv,
-            max_ctx: *lens.iter().max().unwrap(),
-            batch,
-            q_heads,
-            kv_heads,
-            head_dim,
-            block_size,
-            num_slots: p.num_slots,
-            scale,
-        };
         let group = q_heads / kv_heads;
         for kind in [DecodeKernel::TensorCore, DecodeKernel::CudaCore] {
             if kind == DecodeKernel::CudaCore && group > launch::DECODE_MAX_GROUP {
@@ -326,13 +374,9 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
             let mut scratch = DecodeScratch::default();
             let mut outv = out.as_view_mut();
             g.write(&vec![f32::NAN; batch * out_stride], &mut outv)?;
-            let plan = g.decode_attention_with(
-                DecodeOptions::kernel(kind),
-                &a,
-                &mut scratch,
-                &mut outv,
-                out_stride,
-            )?;
+            let plan = case.with_args(|a| {
+                g.decode_attention_with(DecodeOptions::kernel(kind), a, &mut scratch, &mut outv, out_stride)
+            })?;
             let got = g.download(&out.as_view())?;
             let cache = PagedKv { k: &p.k, v: &p.v, kv_heads, head_dim, block_size };
             let (mut gv, mut wv) = (Vec::new(), Vec::new());

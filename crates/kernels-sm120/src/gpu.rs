@@ -529,7 +529,7 @@ impl Gpu {
             return Err(KernelError::shape("row stride shorter than the query heads"));
         }
         let plan = match opts.splits {
-            Some(n) => launch::decode_plan_with_splits(a.batch, a.kv_heads, group, a.head_dim, a.max_ctx, n),
+            Some(n) => launch::decode_plan_with_splits(a.batch, a.kv_heads, group, a.head_dim, n),
             None => self.decode_plan(kind, a.batch, a.q_heads, a.kv_heads, a.head_dim, a.max_ctx),
         };
         for (buf, need) in [(&mut scratch.out, plan.partial_out), (&mut scratch.ml, plan.partial_ml)] {

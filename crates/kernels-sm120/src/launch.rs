@@ -43,8 +43,6 @@ pub struct DecodePlan {
     pub splits: usize,
     /// Blocks in grid x: sequences x KV heads.
     pub grid_x: u32,
-    /// Tokens each split covers for the longest sequence.
-    pub split_tokens: usize,
     /// f32 values of partial output scratch: batch x q heads x splits x head_dim.
     pub partial_out: usize,
     /// f32 values of partial max/sum scratch: batch x q heads x splits x 2.
@@ -79,7 +77,6 @@ pub fn decode_plan(
         kv_heads,
         group,
         head_dim,
-        max_ctx,
         decode_splits(batch, kv_heads, max_ctx, resident_blocks),
     )
 }
@@ -90,7 +87,6 @@ pub fn decode_plan_with_splits(
     kv_heads: usize,
     group: usize,
     head_dim: usize,
-    max_ctx: usize,
     splits: usize,
 ) -> DecodePlan {
     let splits = splits.clamp(1, MAX_SPLITS);
@@ -98,7 +94,6 @@ pub fn decode_plan_with_splits(
     DecodePlan {
         splits,
         grid_x: (batch * kv_heads) as u32,
-        split_tokens: max_ctx.div_ceil(splits),
         partial_out: rows * head_dim,
         partial_ml: rows * 2,
     }
@@ -252,7 +247,6 @@ mod tests {
         assert_eq!(p.grid_x, 6);
         assert_eq!(p.partial_out, 2 * 9 * p.splits * 64);
         assert_eq!(p.partial_ml, 2 * 9 * p.splits * 2);
-        assert_eq!(p.split_tokens, 4096usize.div_ceil(p.splits));
     }
 
     #[test]

@@ -27,6 +27,17 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
+    /// The layout of `num_blocks` blocks of `block_size` tokens for a model.
+    pub fn for_model(cfg: &crate::ModelConfig, num_blocks: usize, block_size: usize) -> KvLayout {
+        KvLayout {
+            num_blocks,
+            block_size,
+            num_layers: cfg.num_layers,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        }
+    }
+
     /// f32 values in one block (K and V, every layer).
     pub fn block_floats(&self) -> usize {
         self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim

@@ -96,13 +96,7 @@ pub struct CpuBackend {
 impl CpuBackend {
     /// Allocates KV memory for `num_blocks` blocks of `block_size` tokens.
     pub fn new(cfg: ModelConfig, weights: Arc<Weights>, num_blocks: usize, block_size: usize) -> Self {
-        let layout = KvLayout {
-            num_blocks,
-            block_size,
-            num_layers: cfg.num_layers,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-        };
+        let layout = KvLayout::for_model(&cfg, num_blocks, block_size);
         let hd = cfg.head_dim;
         // Hugging Face computes the inverse frequencies in f32; so do we, to match its numbers.
         let inv_freq = (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32)).collect();

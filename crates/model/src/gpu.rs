@@ -99,13 +99,7 @@ impl GpuBackend {
             });
         }
         let gpu = Gpu::new(ordinal).map_err(dev)?;
-        let layout = KvLayout {
-            num_blocks,
-            block_size,
-            num_layers: cfg.num_layers,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-        };
+        let layout = KvLayout::for_model(&cfg, num_blocks, block_size);
         let up = |parts: &[&[f32]]| bf16(&gpu, parts).map_err(dev);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in &weights.layers {

@@ -429,7 +429,8 @@ mod tests {
             let w: Vec<f32> = (0..cols * k).map(|i| (i as f32 * 0.11).cos()).collect();
             let mut part = vec![f32::NAN; t * cols];
             if !super::sgemm_xwt_avx512(&x, t, k, &w, cols, &mut part) {
-                return; // no AVX-512 here: the caller falls back to matrixmultiply
+                // No AVX-512 here: the product the caller falls back to must be right instead.
+                super::sgemm(t, k, cols, &x, (k, 1), &w, (1, k), &mut part, (cols, 1));
             }
             for r in 0..t {
                 for c in 0..cols {

@@ -17,15 +17,22 @@ fn model() -> std::path::PathBuf {
     .expect("default model")
 }
 
-#[test]
-fn unknown_device_is_a_usage_error() {
+/// Runs the worker with `args` on the default model until it exits: (exit code, standard error).
+fn refused(args: &[&str]) -> (Option<i32>, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
-        .args(["--port", "0", "--device", "tpu", "--model"])
+        .args(["--port", "0"])
+        .args(args)
+        .arg("--model")
         .arg(model())
         .output()
         .expect("run pdserve-server");
-    assert_eq!(out.status.code(), Some(2));
-    let err = String::from_utf8_lossy(&out.stderr);
+    (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn unknown_device_is_a_usage_error() {
+    let (code, err) = refused(&["--device", "tpu"]);
+    assert_eq!(code, Some(2));
     assert!(err.contains("unknown device \"tpu\": cpu, cuda or cuda:N"), "{err}");
 }
 
@@ -89,18 +96,10 @@ fn q4_weights_serve_the_same_greedy_answer_and_are_reported() {
 
 #[test]
 fn unknown_weight_format_and_quantized_weights_on_the_gpu_are_refused() {
-    let out = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
-        .args(["--port", "0", "--weights", "q2", "--model"])
-        .arg(model())
-        .output()
-        .expect("run pdserve-server");
-    assert_eq!(out.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("unknown weight format \"q2\": f32, q8 or q4"));
-    let out = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
-        .args(["--port", "0", "--weights", "q4", "--device", "cuda", "--model"])
-        .arg(model())
-        .output()
-        .expect("run pdserve-server");
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--weights q4 is a CPU format"));
+    let (code, err) = refused(&["--weights", "q2"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("unknown weight format \"q2\": f32, q8 or q4"), "{err}");
+    let (code, err) = refused(&["--weights", "q4", "--device", "cuda"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("--weights q4 is a CPU format"), "{err}");
 }

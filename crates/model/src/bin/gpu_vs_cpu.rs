@@ -136,18 +136,14 @@ fn main() -> std::process::ExitCode {
     };
     let m = ModelFiles::load(&dir).expect("load the model");
     let fx: serde_json::Value = serde_json::from_str(FIXTURE).unwrap();
-    let prompts: Vec<Vec<u32>> = fx["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect())
-        .collect();
-    let reference: Vec<Vec<u32>> = fx["prompts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["greedy"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect())
-        .collect();
+    // Each fixture prompt's token ids under `key` ("ids": the prompt, "greedy": the reference answer).
+    let field = |key: &str| -> Vec<Vec<u32>> {
+        let ids = |v: &serde_json::Value| {
+            v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+        };
+        fx["prompts"].as_array().unwrap().iter().map(|p| ids(&p[key])).collect()
+    };
+    let (prompts, reference) = (field("ids"), field("greedy"));
     let (blocks, bs) = (64, 16);
     let mut ok = true;
 
