@@ -132,6 +132,14 @@ impl Stack {
 
     /// Ledgers, KV blocks, transfers and the router's upstream connections back to their baseline
     /// everywhere, within 15 s.
+    /// After a fault: requests succeed again, no process but `dead` exited, and every ledger and KV
+    /// gauge is back to zero.
+    fn recovered(&mut self, dead: &[&str]) -> Result<()> {
+        after_recovery(&self.router)?;
+        self.all_alive_but(dead)?;
+        self.baseline(dead)
+    }
+
     fn baseline(&self, skip: &[&str]) -> Result<()> {
         let t = Instant::now();
         loop {
@@ -321,9 +329,7 @@ fn kill_and_replace(
     ensure!(not_ready_after < Duration::from_secs(5), "still ready after the only {role} worker died");
     s.replace_worker(&dead, &fresh, role)?;
     let back = s.wait_ready(true, Duration::from_secs(30))?;
-    after_recovery(&s.router)?;
-    s.all_alive_but(&[&dead])?;
-    s.baseline(&[&dead])?;
+    s.recovered(&[&dead])?;
     row.note = format!(
         "not ready {} ms after the kill; {also}ready {} ms after a new {role} worker joined",
         not_ready_after.as_millis(),
@@ -350,9 +356,7 @@ fn decode_stall(s: &mut Stack, short: bool) -> Result<Row> {
     ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
     ensure!(saw_not_ready, "the router stayed ready while the only decode worker was stopped");
     let back = s.wait_ready(true, Duration::from_secs(30))?;
-    after_recovery(&s.router)?;
-    s.all_alive_but(&[])?;
-    s.baseline(&[])?;
+    s.recovered(&[])?;
     row.note = format!(
         "stalled {stall} s; not ready during the stall; ready again {} ms after SIGCONT",
         back.as_millis()
@@ -430,9 +434,7 @@ fn overload(s: &mut Stack, short: bool) -> Result<Row> {
         r.errors
     );
     s.wait_ready(true, Duration::from_secs(30))?;
-    after_recovery(&s.router)?;
-    s.all_alive_but(&[])?;
-    s.baseline(&[])?;
+    s.recovered(&[])?;
     let errs: Vec<String> = r.errors.iter().map(|(k, v)| format!("{k}:{v}")).collect();
     Ok(Row {
         sent: r.sent as usize,
@@ -563,9 +565,7 @@ fn bad_input(s: &mut Stack, _short: bool) -> Result<Row> {
             checked += 1;
         }
     }
-    after_recovery(&s.router)?;
-    s.all_alive_but(&[])?;
-    s.baseline(&[])?;
+    s.recovered(&[])?;
     Ok(Row {
         sent: checked,
         completed: 0,
@@ -633,9 +633,7 @@ fn soak(s: &mut Stack, short: bool) -> Result<Row> {
     let left: u64 = r.errors.iter().filter(|(k, _)| k.ends_with(" client_disconnect")).map(|(_, v)| v).sum();
     let other: u64 = r.errors.values().sum::<u64>() - left;
     ensure!(other == 0, "errors besides client disconnects: {:?}", r.errors);
-    after_recovery(&s.router)?;
-    s.all_alive_but(&[])?;
-    s.baseline(&[])?;
+    s.recovered(&[])?;
     Ok(Row {
         sent: r.sent as usize,
         completed: r.ok as usize,
@@ -700,9 +698,7 @@ fn restart_readd(s: &mut Stack, short: bool) -> Result<Row> {
     ensure!(r.hung == 0, "{} hung requests", r.hung);
     ensure!(r.ok > 0, "no request succeeded around the restart: {:?}", r.errors);
     s.wait_ready(true, Duration::from_secs(30))?;
-    after_recovery(&s.router)?;
-    s.all_alive_but(&["decode-0"])?;
-    s.baseline(&["decode-0"])?;
+    s.recovered(&["decode-0"])?;
     let errs: Vec<String> = r.errors.iter().map(|(k, v)| format!("{k}:{v}")).collect();
     Ok(Row {
         sent: r.sent as usize,
@@ -879,9 +875,7 @@ fn netns_partition(bins: &(PathBuf, PathBuf), model: &Path, short: bool) -> Resu
         "the router stayed ready while prefill and decode could not reach each other"
     );
     let back = s.wait_ready(true, Duration::from_secs(30))?;
-    after_recovery(&s.router)?;
-    s.all_alive_but(&[])?;
-    s.baseline(&[])?;
+    s.recovered(&[])?;
     drop(s);
     for l in root_links {
         let _ = Command::new("ip").args(["link", "del", &l]).output();
