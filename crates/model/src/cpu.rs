@@ -10,8 +10,13 @@ use pdserve_kvcache::{BlockCopy, BlockId};
 use rayon::prelude::*;
 
 use crate::backend::{check_block, check_steps, Backend, KvLayout, SeqStep};
-use crate::quant::{Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP};
-use crate::sys::{as_f32, as_f32_mut, create_shared_f32, dot, map_file, sgemm, sgemm_xwt_avx512, Mmap};
+use crate::quant::{
+    Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
+};
+use crate::sys::{
+    as_f32, as_f32_mut, create_shared_f32, dot, gemm_bf16, has_bf16_gemm, map_file, sgemm, sgemm_xwt_avx512,
+    sgemm_xwt_avx512_strided, softmax_masked, to_bf16, Mmap,
+};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
 
@@ -88,6 +93,9 @@ pub struct CpuBackend {
     w: Arc<Weights>,
     /// The decode path's weights when they are quantized (prefill keeps using `w`).
     decode: Option<DecodeWeights>,
+    /// bf16 copies for multi-row steps (prefill, batched decode) when the decode path is quantized
+    /// and the CPU has AVX-512 BF16.
+    multi: Option<Arc<Bf16Weights>>,
     kv: KvMemory,
     layout: KvLayout,
     inv_freq: Vec<f32>,
@@ -105,13 +113,16 @@ impl CpuBackend {
             cfg,
             w: weights,
             decode: None,
+            multi: None,
             layout,
             inv_freq,
         }
     }
 
     /// Switches the decode path (steps of one or two tokens per matrix) to `format`: Q8 or Q4 quantize
-    /// every projection and the LM head once; widths that are not multiples of 32 are an error.
+    /// every projection and the LM head once; widths that are not multiples of 32 are an error. With
+    /// Q8 or Q4, steps of more rows (prefill, batched decode) run bf16 GEMMs (f32 sums) where the CPU
+    /// has AVX-512 BF16 (see [`multi_row_format`](Self::multi_row_format)).
     pub fn with_weight_format(self, format: WeightFormat) -> Result<Self, ModelError> {
         let c = &self.cfg;
         let dims = (
@@ -135,7 +146,23 @@ impl CpuBackend {
             WeightFormat::Q8 => Some(DecodeWeights::Q8(quantize(&self.w, dims)?)),
             WeightFormat::Q4 => Some(DecodeWeights::Q4(quantize(&self.w, dims)?)),
         };
-        Ok(CpuBackend { decode, ..self })
+        let multi = match format {
+            WeightFormat::Q8 | WeightFormat::Q4 if has_bf16_gemm() => {
+                let (h, i, q, kv, v) = dims;
+                Bf16Weights::pack(&self.w, h, i, q, kv, v).map(Arc::new)
+            }
+            _ => None,
+        };
+        Ok(CpuBackend { decode, multi, ..self })
+    }
+
+    /// What steps of more than two rows per sequence batch read: "bf16" or "f32".
+    pub fn multi_row_format(&self) -> &'static str {
+        if self.multi.is_some() {
+            "bf16"
+        } else {
+            "f32"
+        }
     }
 
     /// The format the decode path reads.
@@ -195,6 +222,69 @@ impl CpuBackend {
     }
 }
 
+impl CpuBackend {
+    /// Attention for one sequence's step of `n` new tokens (`q` and `out`: n rows of all heads) as
+    /// GEMMs: K and V^T of each KV head are gathered once out of the paged cache, then each (head,
+    /// block of 64 query rows) task computes scores against only the keys its last row sees (the
+    /// causal triangle, not the square), a masked softmax, and probabilities times values.
+    fn gemm_attention(&self, s: &SeqStep<'_>, li: usize, q: &[f32], out: &mut [f32]) {
+        const ROW_BLOCK: usize = 64;
+        let (hd, nh, nkv) = (self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads);
+        let (q_dim, group, bs) = (nh * hd, nh / nkv, self.layout.block_size);
+        let n = s.tokens.len();
+        let ctx = s.start_pos + n;
+        // Padded to the AVX-512 kernel's 32 columns; the padding's keys and values are zero and its
+        // scores are masked like the future.
+        let ctx_p = ctx.next_multiple_of(32);
+        let kv_mem = self.kv.as_slice();
+        let gathered: Vec<(Vec<f32>, Vec<f32>)> = (0..nkv)
+            .into_par_iter()
+            .map(|kvh| {
+                let (mut kh, mut vt) = (vec![0.0; ctx_p * hd], vec![0.0; hd * ctx_p]);
+                for j in 0..ctx {
+                    let b = s.block_table[j / bs];
+                    let ki = self.kv_at(b, li, 0, j % bs) + kvh * hd;
+                    let vi = self.kv_at(b, li, 1, j % bs) + kvh * hd;
+                    kh[j * hd..(j + 1) * hd].copy_from_slice(&kv_mem[ki..ki + hd]);
+                    for (d, &v) in kv_mem[vi..vi + hd].iter().enumerate() {
+                        vt[d * ctx_p + j] = v;
+                    }
+                }
+                (kh, vt)
+            })
+            .collect();
+        let scale = 1.0 / (hd as f32).sqrt();
+        let blocks = n.div_ceil(ROW_BLOCK);
+        let results: Vec<(usize, usize, Vec<f32>)> = (0..nh * blocks)
+            .into_par_iter()
+            .map(|task| {
+                let (head, b) = (task / blocks, task % blocks);
+                let (i0, i1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(n));
+                let rows = i1 - i0;
+                let seen = (s.start_pos + i1).next_multiple_of(32);
+                let (kh, vt) = &gathered[head / group];
+                let mut qh = vec![0.0; rows * hd];
+                for (i, dst) in qh.chunks_exact_mut(hd).enumerate() {
+                    dst.copy_from_slice(&q[(i0 + i) * q_dim + head * hd..][..hd]);
+                }
+                let mut scores = vec![0.0; rows * seen];
+                gemm_xwt((&qh, hd), rows, hd, (kh, hd), seen, &mut scores);
+                for (i, row) in scores.chunks_exact_mut(seen).enumerate() {
+                    softmax_masked(row, s.start_pos + i0 + i + 1, scale);
+                }
+                let mut o = vec![0.0; rows * hd];
+                gemm_xwt((&scores, seen), rows, seen, (vt, ctx_p), hd, &mut o);
+                (head, i0, o)
+            })
+            .collect();
+        for (head, i0, o) in results {
+            for (i, src) in o.chunks_exact(hd).enumerate() {
+                out[(i0 + i) * q_dim + head * hd..][..hd].copy_from_slice(src);
+            }
+        }
+    }
+}
+
 impl Backend for CpuBackend {
     fn kv_layout(&self) -> KvLayout {
         self.layout
@@ -227,13 +317,7 @@ impl Backend for CpuBackend {
         check_steps(self.cfg.vocab_size, self.cfg.max_position_embeddings, &self.layout, steps)?;
         let cfg = self.cfg.clone();
         let w = Arc::clone(&self.w);
-        let decode = self.decode.clone();
-        // Decode-sized steps read the quantized weights when there are any; larger ones run the f32 GEMM.
-        let mm = |x: &[f32], t: usize, k: usize, f: &[f32], q: Option<QRef<'_>>, n: usize| match q {
-            Some(QRef::Q8(m)) if t <= 2 => matvec_quant(x, t, k, m, n),
-            Some(QRef::Q4(m)) if t <= 2 => matvec_quant(x, t, k, m, n),
-            _ => matmul(x, t, k, f, n),
-        };
+        let mats = Mats { decode: self.decode.clone(), multi: self.multi.clone() };
 
         let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, kv_dim) = (nh * hd, nkv * hd);
@@ -252,15 +336,11 @@ impl Backend for CpuBackend {
         }
         let mut h = vec![0.0; t * hsz];
         for (li, lw) in w.layers.iter().enumerate() {
-            let ql = |p: Proj| decode.as_ref().map(|d| d.layer(li, p));
             rms_norm(&x, &lw.input_norm, cfg.rms_norm_eps, &mut h);
-            let (mut q, mut k, mut v) = match ql(Proj::Qkv) {
-                // Decode: Q, K and V in one pass over the stacked quantized rows.
-                Some(m) if t <= 2 => {
-                    let all = matvec_ref(&h, t, hsz, m, q_dim + 2 * kv_dim);
-                    split_rows(&all, t, &[q_dim, kv_dim, kv_dim])
-                }
-                _ => (
+            let (mut q, mut k, mut v) = match mats.layer(li, Proj::Qkv, &h, t, hsz) {
+                // Q, K and V in one pass over the stacked rows.
+                Some(all) => split_rows(&all, t, &[q_dim, kv_dim, kv_dim]),
+                None => (
                     matmul(&h, t, hsz, &lw.q, q_dim),
                     matmul(&h, t, hsz, &lw.k, kv_dim),
                     matmul(&h, t, hsz, &lw.v, kv_dim),
@@ -290,62 +370,15 @@ impl Backend for CpuBackend {
             let kv_mem = this.kv.as_slice();
             let scale = 1.0 / (hd as f32).sqrt();
             let group = nh / nkv;
-            // Long prefill chunks: attention as two GEMMs per head (scores, then probabilities times
-            // values) over the sequence's K and V gathered out of the paged cache.
+            // Long prefill chunks: attention as GEMMs over the sequence's K and V gathered out of the
+            // paged cache (see `gemm_attention`).
             let mut first_row = 0;
             let mut gemm_rows = vec![false; t];
             for s in steps {
                 let n = s.tokens.len();
                 if n >= GEMM_ATTENTION_ROWS {
-                    let ctx = s.start_pos + n;
-                    // Padded to the AVX-512 kernel's 32 columns; padding scores are masked like the future.
-                    let ctx_p = ctx.next_multiple_of(32);
-                    let heads: Vec<Vec<f32>> = (0..nh)
-                        .into_par_iter()
-                        .map(|head| {
-                            let kvh = head / group;
-                            let (mut kh, mut vt) = (vec![0.0; ctx_p * hd], vec![0.0; hd * ctx_p]);
-                            for j in 0..ctx {
-                                let b = s.block_table[j / this.layout.block_size];
-                                let ki = this.kv_at(b, li, 0, j % this.layout.block_size) + kvh * hd;
-                                let vi = this.kv_at(b, li, 1, j % this.layout.block_size) + kvh * hd;
-                                kh[j * hd..(j + 1) * hd].copy_from_slice(&kv_mem[ki..ki + hd]);
-                                for (d, &v) in kv_mem[vi..vi + hd].iter().enumerate() {
-                                    vt[d * ctx_p + j] = v;
-                                }
-                            }
-                            let mut qh = vec![0.0; n * hd];
-                            for i in 0..n {
-                                qh[i * hd..(i + 1) * hd]
-                                    .copy_from_slice(&q[(first_row + i) * q_dim + head * hd..][..hd]);
-                            }
-                            let mut scores = vec![0.0; n * ctx_p];
-                            gemm_xwt(&qh, n, hd, &kh, ctx_p, &mut scores);
-                            for (i, row) in scores.chunks_exact_mut(ctx_p).enumerate() {
-                                let visible = s.start_pos + i + 1;
-                                let max =
-                                    row[..visible].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-                                let mut sum = 0.0;
-                                for v in &mut row[..visible] {
-                                    *v = (*v * scale - max).exp();
-                                    sum += *v;
-                                }
-                                for v in &mut row[..visible] {
-                                    *v /= sum;
-                                }
-                                row[visible..].fill(0.0);
-                            }
-                            let mut out = vec![0.0; n * hd];
-                            gemm_xwt(&scores, n, ctx_p, &vt, hd, &mut out);
-                            out
-                        })
-                        .collect();
-                    for (head, out) in heads.iter().enumerate() {
-                        for i in 0..n {
-                            attn[(first_row + i) * q_dim + head * hd..][..hd]
-                                .copy_from_slice(&out[i * hd..(i + 1) * hd]);
-                        }
-                    }
+                    let span = first_row * q_dim..(first_row + n) * q_dim;
+                    this.gemm_attention(s, li, &q[span.clone()], &mut attn[span]);
                     gemm_rows[first_row..first_row + n].fill(true);
                 }
                 first_row += n;
@@ -383,23 +416,26 @@ impl Backend for CpuBackend {
                     }
                 }
             });
-            let mut o = mm(&attn, t, q_dim, &lw.o, ql(Proj::O), hsz);
+            let mut o = mats
+                .layer(li, Proj::O, &attn, t, q_dim)
+                .unwrap_or_else(|| matmul(&attn, t, q_dim, &lw.o, hsz));
             if let Some(b) = &lw.o_bias {
                 add_bias(&mut o, b);
             }
             add_into(&mut x, &o);
             rms_norm(&x, &lw.post_norm, cfg.rms_norm_eps, &mut h);
             let inter = cfg.intermediate_size;
-            let (gate, up) = match ql(Proj::GateUp) {
-                Some(m) if t <= 2 => {
-                    let all = matvec_ref(&h, t, hsz, m, 2 * inter);
+            let (gate, up) = match mats.layer(li, Proj::GateUp, &h, t, hsz) {
+                Some(all) => {
                     let (g, u, _) = split_rows(&all, t, &[inter, inter, 0]);
                     (g, u)
                 }
-                _ => (matmul(&h, t, hsz, &lw.gate, inter), matmul(&h, t, hsz, &lw.up, inter)),
+                None => (matmul(&h, t, hsz, &lw.gate, inter), matmul(&h, t, hsz, &lw.up, inter)),
             };
             let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-            let down = mm(&act, t, cfg.intermediate_size, &lw.down, ql(Proj::Down), hsz);
+            let down = mats
+                .layer(li, Proj::Down, &act, t, inter)
+                .unwrap_or_else(|| matmul(&act, t, inter, &lw.down, hsz));
             add_into(&mut x, &down);
         }
         // Logits only for the last token of the steps that want them.
@@ -414,8 +450,9 @@ impl Backend for CpuBackend {
         let n = picked.len() / hsz;
         let mut normed = vec![0.0; picked.len()];
         rms_norm(&picked, &w.final_norm, cfg.rms_norm_eps, &mut normed);
-        let logits =
-            mm(&normed, n, hsz, w.lm_head(), decode.as_ref().map(DecodeWeights::head), cfg.vocab_size);
+        let logits = mats
+            .head(&normed, n, hsz)
+            .unwrap_or_else(|| matmul(&normed, n, hsz, w.lm_head(), cfg.vocab_size));
         Ok(logits.chunks(cfg.vocab_size.max(1)).map(<[f32]>::to_vec).collect())
     }
 }
@@ -467,10 +504,38 @@ enum Proj {
     Down,
 }
 
-fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, n: usize) -> Vec<f32> {
+fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>) -> Vec<f32> {
     match m {
-        QRef::Q8(m) => matvec_quant(x, t, k, m, n),
-        QRef::Q4(m) => matvec_quant(x, t, k, m, n),
+        QRef::Q8(m) => matvec_quant(x, t, k, m, m.rows),
+        QRef::Q4(m) => matvec_quant(x, t, k, m, m.rows),
+    }
+}
+
+/// The weights other than the loaded f32 ones that a step may read.
+struct Mats {
+    decode: Option<DecodeWeights>,
+    multi: Option<Arc<Bf16Weights>>,
+}
+
+impl Mats {
+    /// `x[t×k] · W^T` for layer `li`'s projection `p` (Q/K/V and gate/up stacked) from quantized
+    /// weights for decode-sized steps (`t <= 2`) or bf16 weights for larger ones, or `None` where
+    /// the step reads the f32 weights.
+    fn layer(&self, li: usize, p: Proj, x: &[f32], t: usize, k: usize) -> Option<Vec<f32>> {
+        match (&self.decode, &self.multi) {
+            (Some(d), _) if t <= 2 => Some(matvec_ref(x, t, k, d.layer(li, p))),
+            (_, Some(b)) if t > 2 => Some(matmul_bf16(x, t, k, p.of(&b.layers[li]))),
+            _ => None,
+        }
+    }
+
+    /// The LM head's product, likewise.
+    fn head(&self, x: &[f32], t: usize, k: usize) -> Option<Vec<f32>> {
+        match (&self.decode, &self.multi) {
+            (Some(d), _) if t <= 2 => Some(matvec_ref(x, t, k, d.head())),
+            (_, Some(b)) if t > 2 => Some(matmul_bf16(x, t, k, &b.lm_head)),
+            _ => None,
+        }
     }
 }
 
@@ -489,19 +554,22 @@ fn split_rows(all: &[f32], t: usize, widths: &[usize; 3]) -> (Vec<f32>, Vec<f32>
     (a, b, c)
 }
 
+impl Proj {
+    fn of<M>(self, l: &QuantLayer<M>) -> &M {
+        match self {
+            Proj::Qkv => &l.qkv,
+            Proj::O => &l.o,
+            Proj::GateUp => &l.gate_up,
+            Proj::Down => &l.down,
+        }
+    }
+}
+
 impl DecodeWeights {
     fn layer(&self, li: usize, p: Proj) -> QRef<'_> {
-        fn sel<M>(l: &QuantLayer<M>, p: Proj) -> &M {
-            match p {
-                Proj::Qkv => &l.qkv,
-                Proj::O => &l.o,
-                Proj::GateUp => &l.gate_up,
-                Proj::Down => &l.down,
-            }
-        }
         match self {
-            DecodeWeights::Q8(w) => QRef::Q8(sel(&w.layers[li], p)),
-            DecodeWeights::Q4(w) => QRef::Q4(sel(&w.layers[li], p)),
+            DecodeWeights::Q8(w) => QRef::Q8(p.of(&w.layers[li])),
+            DecodeWeights::Q4(w) => QRef::Q4(p.of(&w.layers[li])),
         }
     }
 
@@ -533,17 +601,52 @@ fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, n: usize) 
     out
 }
 
+/// `x[t×k] · w^T` with bf16 weights: x is rounded to bf16 once, then the weight's 32-row panels
+/// are split evenly over the thread pool (two chunks per thread).
+fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix) -> Vec<f32> {
+    debug_assert_eq!((x.len(), w.cols), (t * k, k));
+    let n = w.rows;
+    let mut xb = vec![0u16; t * k];
+    to_bf16(x, &mut xb);
+    let panels = n / 32;
+    let chunks = (rayon::current_num_threads().max(1) * 2).min(panels);
+    let parts: Vec<(usize, Vec<f32>)> = (0..chunks)
+        .into_par_iter()
+        .map(|c| {
+            let (p0, p1) = (c * panels / chunks, (c + 1) * panels / chunks);
+            let mut part = vec![0.0; t * (p1 - p0) * 32];
+            gemm_bf16(&xb, t, k, &w.panels, p0, p1 - p0, &mut part);
+            (p0 * 32, part)
+        })
+        .collect();
+    let mut out = vec![0.0; t * n];
+    for (j0, part) in parts {
+        let cols = part.len() / t;
+        for (r, src) in part.chunks_exact(cols).enumerate() {
+            out[r * n + j0..r * n + j0 + cols].copy_from_slice(src);
+        }
+    }
+    out
+}
+
 /// Steps with fewer rows than this run the weight GEMMs on matrixmultiply.
 const AVX512_GEMM_MIN_ROWS: usize = 64;
 
 /// Sequences with at least this many new tokens in a step take the GEMM attention path.
 const GEMM_ATTENTION_ROWS: usize = 32;
 
-/// `out[t×n] = x[t×k] · w[n×k]^T` on the calling thread: the AVX-512 kernel where it applies, else
-/// matrixmultiply.
-fn gemm_xwt(x: &[f32], t: usize, k: usize, w: &[f32], n: usize, out: &mut [f32]) {
-    if !sgemm_xwt_avx512(x, t, k, w, n, out) {
-        sgemm(t, k, n, x, (k, 1), w, (1, k), out, (n, 1));
+/// `out[t×n] = x[t×k] · w[n×k]^T` on the calling thread over the first `k` values of rows `ldx` (x)
+/// and `ldw` (w) apart: the AVX-512 kernel where it applies, else matrixmultiply.
+fn gemm_xwt(
+    (x, ldx): (&[f32], usize),
+    t: usize,
+    k: usize,
+    (w, ldw): (&[f32], usize),
+    n: usize,
+    out: &mut [f32],
+) {
+    if !sgemm_xwt_avx512_strided((x, ldx), t, k, (w, ldw), n, out) {
+        sgemm(t, k, n, x, (ldx, 1), w, (1, ldw), out, (n, 1));
     }
 }
 

@@ -209,6 +209,27 @@ pub type Q8Weights = QuantWeights<Q8Matrix>;
 /// Q4 decode weights.
 pub type Q4Weights = QuantWeights<Q4Matrix>;
 
+/// Builds every layer's matrices with `make(w, rows, cols)`, Q, K and V stacked and gate and up
+/// stacked; `None` if `make` refuses one.
+fn stack_layers<M>(
+    w: &Weights,
+    (hidden, inter, q_dim, kv_dim): (usize, usize, usize, usize),
+    make: impl Fn(&[f32], usize, usize) -> Option<M>,
+) -> Option<Vec<QuantLayer<M>>> {
+    let mut layers = Vec::with_capacity(w.layers.len());
+    for l in &w.layers {
+        let qkv: Vec<f32> = [&l.q[..], &l.k[..], &l.v[..]].concat();
+        let gate_up: Vec<f32> = [&l.gate[..], &l.up[..]].concat();
+        layers.push(QuantLayer {
+            qkv: make(&qkv, q_dim + 2 * kv_dim, hidden)?,
+            o: make(&l.o, hidden, q_dim)?,
+            gate_up: make(&gate_up, 2 * inter, hidden)?,
+            down: make(&l.down, hidden, inter)?,
+        });
+    }
+    Some(layers)
+}
+
 impl<M: QuantMatrix> QuantWeights<M> {
     /// Quantizes the projections and the LM head; `None` if a width is not a multiple of 32.
     pub fn quantize(
@@ -219,17 +240,7 @@ impl<M: QuantMatrix> QuantWeights<M> {
         kv_dim: usize,
         vocab: usize,
     ) -> Option<Self> {
-        let mut layers = Vec::with_capacity(w.layers.len());
-        for l in &w.layers {
-            let qkv: Vec<f32> = [&l.q[..], &l.k[..], &l.v[..]].concat();
-            let gate_up: Vec<f32> = [&l.gate[..], &l.up[..]].concat();
-            layers.push(QuantLayer {
-                qkv: M::quantize(&qkv, q_dim + 2 * kv_dim, hidden)?,
-                o: M::quantize(&l.o, hidden, q_dim)?,
-                gate_up: M::quantize(&gate_up, 2 * inter, hidden)?,
-                down: M::quantize(&l.down, hidden, inter)?,
-            });
-        }
+        let layers = stack_layers(w, (hidden, inter, q_dim, kv_dim), M::quantize)?;
         Some(QuantWeights { layers, lm_head: Q8Matrix::quantize(w.lm_head(), vocab, hidden)? })
     }
 
@@ -241,6 +252,50 @@ impl<M: QuantMatrix> QuantWeights<M> {
             .map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes())
             .sum();
         l + self.lm_head.bytes()
+    }
+}
+
+/// A row-major `[rows, cols]` matrix in bf16 (8 significant bits, f32's range), packed into panels of
+/// 32 rows for the bf16 GEMM kernel (AVX-512 BF16: 32 multiply-adds per instruction, twice f32 FMA's
+/// rate). Multi-row steps (prefill, batched decode) read these where the CPU has the instructions.
+#[derive(Debug, Clone)]
+pub struct Bf16Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    /// See `sys::pack_bf16_panels` for the order.
+    pub panels: Vec<u16>,
+}
+
+impl Bf16Matrix {
+    /// `None` unless `rows` is a multiple of 32, `cols` is even and the length matches.
+    pub fn pack(w: &[f32], rows: usize, cols: usize) -> Option<Bf16Matrix> {
+        if !rows.is_multiple_of(32) || !cols.is_multiple_of(2) || cols == 0 || w.len() != rows * cols {
+            return None;
+        }
+        Some(Bf16Matrix { rows, cols, panels: crate::sys::pack_bf16_panels(w, rows, cols) })
+    }
+}
+
+/// Every matrix a multi-row step reads, in bf16: the projections (stacked like the quantized ones)
+/// and the LM head.
+#[derive(Debug, Clone)]
+pub struct Bf16Weights {
+    pub layers: Vec<QuantLayer<Bf16Matrix>>,
+    pub lm_head: Bf16Matrix,
+}
+
+impl Bf16Weights {
+    /// Packs the projections and the LM head; `None` if a matrix's rows are not a multiple of 32.
+    pub fn pack(
+        w: &Weights,
+        hidden: usize,
+        inter: usize,
+        q_dim: usize,
+        kv_dim: usize,
+        vocab: usize,
+    ) -> Option<Self> {
+        let layers = stack_layers(w, (hidden, inter, q_dim, kv_dim), Bf16Matrix::pack)?;
+        Some(Bf16Weights { layers, lm_head: Bf16Matrix::pack(w.lm_head(), vocab, hidden)? })
     }
 }
 

@@ -74,12 +74,26 @@ pub(crate) fn sgemm_xwt_avx512(
     cols: usize,
     part: &mut [f32],
 ) -> bool {
-    assert!(x.len() >= t * k && w.len() >= cols * k && part.len() >= t * cols);
+    sgemm_xwt_avx512_strided((x, k), t, k, (w, k), cols, part)
+}
+
+/// [`sgemm_xwt_avx512`] over the first `k` values of rows that are `ldx` (x) and `ldw` (w) apart.
+pub(crate) fn sgemm_xwt_avx512_strided(
+    (x, ldx): (&[f32], usize),
+    t: usize,
+    k: usize,
+    (w, ldw): (&[f32], usize),
+    cols: usize,
+    part: &mut [f32],
+) -> bool {
+    assert!(ldx >= k && ldw >= k && part.len() >= t * cols);
+    assert!(t == 0 || x.len() >= (t - 1) * ldx + k);
+    assert!(cols == 0 || w.len() >= (cols - 1) * ldw + k);
     #[cfg(target_arch = "x86_64")]
     {
         if cols.is_multiple_of(32) && k > 0 && std::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F (checked) and the lengths were asserted above.
-            unsafe { sgemm_xwt_avx512_impl(x, t, k, w, cols, part) };
+            unsafe { sgemm_xwt_avx512_impl((x, ldx), t, k, (w, ldw), cols, part) };
             return true;
         }
     }
@@ -87,10 +101,17 @@ pub(crate) fn sgemm_xwt_avx512(
 }
 
 /// # Safety
-/// AVX-512F; `x.len() >= t*k`, `w.len() >= cols*k`, `part.len() >= t*cols`, `cols % 32 == 0`.
+/// AVX-512F; lengths as [`sgemm_xwt_avx512_strided`] asserts, `cols % 32 == 0`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn sgemm_xwt_avx512_impl(x: &[f32], t: usize, k: usize, w: &[f32], cols: usize, part: &mut [f32]) {
+unsafe fn sgemm_xwt_avx512_impl(
+    (x, ldx): (&[f32], usize),
+    t: usize,
+    k: usize,
+    (w, ldw): (&[f32], usize),
+    cols: usize,
+    part: &mut [f32],
+) {
     // K is cut into blocks whose 32-column panel (KC x 32 floats, 32 KiB) stays in L1 while every row
     // tile of x streams past it; the tile's sums carry over from block to block through `part`.
     const KC: usize = 256;
@@ -100,7 +121,7 @@ unsafe fn sgemm_xwt_avx512_impl(x: &[f32], t: usize, k: usize, w: &[f32], cols: 
         while k0 < k {
             let kc = KC.min(k - k0);
             for c in 0..32 {
-                let row = &w[(p * 32 + c) * k + k0..(p * 32 + c) * k + k0 + kc];
+                let row = &w[(p * 32 + c) * ldw + k0..(p * 32 + c) * ldw + k0 + kc];
                 for (kk, &v) in row.iter().enumerate() {
                     packed[kk * 32 + c] = v;
                 }
@@ -109,15 +130,15 @@ unsafe fn sgemm_xwt_avx512_impl(x: &[f32], t: usize, k: usize, w: &[f32], cols: 
             let mut i = 0;
             while i < t {
                 let r = (t - i).min(6);
-                let (px, po) = (x.as_ptr().add(i * k + k0), part.as_mut_ptr().add(i * cols + p * 32));
+                let (px, po) = (x.as_ptr().add(i * ldx + k0), part.as_mut_ptr().add(i * cols + p * 32));
                 let pb = packed.as_ptr();
                 match r {
-                    6 => tile::<6>(px, k, kc, pb, po, cols, first),
-                    5 => tile::<5>(px, k, kc, pb, po, cols, first),
-                    4 => tile::<4>(px, k, kc, pb, po, cols, first),
-                    3 => tile::<3>(px, k, kc, pb, po, cols, first),
-                    2 => tile::<2>(px, k, kc, pb, po, cols, first),
-                    _ => tile::<1>(px, k, kc, pb, po, cols, first),
+                    6 => tile::<6>(px, ldx, kc, pb, po, cols, first),
+                    5 => tile::<5>(px, ldx, kc, pb, po, cols, first),
+                    4 => tile::<4>(px, ldx, kc, pb, po, cols, first),
+                    3 => tile::<3>(px, ldx, kc, pb, po, cols, first),
+                    2 => tile::<2>(px, ldx, kc, pb, po, cols, first),
+                    _ => tile::<1>(px, ldx, kc, pb, po, cols, first),
                 }
                 i += r;
             }
@@ -165,6 +186,320 @@ unsafe fn tile<const R: usize>(
         _mm512_storeu_ps(po.add(r * ldo), a[0]);
         _mm512_storeu_ps(po.add(r * ldo + 16), a[1]);
     }
+}
+
+/// f32 to bf16 (the top 16 bits), rounding to nearest even; NaN stays NaN.
+pub(crate) fn bf16_from_f32(v: f32) -> u16 {
+    let b = v.to_bits();
+    if v.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// bf16 to f32 (exact).
+pub(crate) fn f32_from_bf16(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// Whether [`gemm_bf16`]'s kernel runs on this CPU (AVX-512F and AVX-512 BF16).
+pub(crate) fn has_bf16_gemm() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `out[i] = bf16(x[i])`, rounding to nearest even (the AVX-512 BF16 conversion where the CPU has
+/// it, which also flushes subnormals to zero).
+pub(crate) fn to_bf16(x: &[f32], out: &mut [u16]) {
+    assert_eq!(x.len(), out.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_bf16_gemm() {
+            // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked); the lengths are equal.
+            unsafe { to_bf16_avx512(x, out) };
+            return;
+        }
+    }
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = bf16_from_f32(v);
+    }
+}
+
+/// # Safety
+/// AVX-512F and AVX-512 BF16; `x.len() == out.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn to_bf16_avx512(x: &[f32], out: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY (of the load and store): i + 16 <= n for both slices.
+        let v: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(_mm512_loadu_ps(x.as_ptr().add(i))));
+        _mm256_storeu_si256(out.as_mut_ptr().add(i) as *mut __m256i, v);
+        i += 16;
+    }
+    for j in i..n {
+        out[j] = bf16_from_f32(x[j]);
+    }
+}
+
+/// Values of k per block of the bf16 GEMM: a panel's block (256 x 32 bf16, 16 KiB) stays in L1 while
+/// every row tile streams past it.
+const BF16_KC: usize = 256;
+
+/// `part[t x 32*np] = x[t x k] . W^T` over the weight panels `p0..p0+np` of `panels`, a matrix packed
+/// by [`pack_bf16_panels`] (`k` even). `xb` holds x in bf16; products of bf16 values are summed in
+/// f32. Runs the AVX-512 BF16 kernel where [`has_bf16_gemm`], else a scalar loop (for tests).
+pub(crate) fn gemm_bf16(
+    xb: &[u16],
+    t: usize,
+    k: usize,
+    panels: &[u16],
+    p0: usize,
+    np: usize,
+    part: &mut [f32],
+) {
+    assert!(k.is_multiple_of(2) && k > 0, "k must be even");
+    assert!(xb.len() >= t * k && panels.len() >= (p0 + np) * 32 * k && part.len() >= t * np * 32);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if has_bf16_gemm() {
+            // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked); the lengths were asserted.
+            unsafe { gemm_bf16_avx512(xb, t, k, panels, p0, np, part) };
+            return;
+        }
+    }
+    gemm_bf16_portable(xb, t, k, panels, p0, np, part);
+}
+
+/// Packs row-major `w[rows x cols]` (`rows` a multiple of 32, `cols` even) into bf16 panels of 32
+/// rows: panel p, pair j of columns, row c, element e at `((p * cols/2 + j) * 32 + c) * 2 + e`, so a
+/// 64-byte load gives 16 rows' pair j, which one `vdpbf16ps` multiplies by a broadcast pair of x.
+pub(crate) fn pack_bf16_panels(w: &[f32], rows: usize, cols: usize) -> Vec<u16> {
+    assert!(rows.is_multiple_of(32) && cols.is_multiple_of(2) && w.len() == rows * cols);
+    let mut out = vec![0u16; rows * cols];
+    for (r, row) in w.chunks_exact(cols).enumerate() {
+        let (p, c) = (r / 32, r % 32);
+        for (j, pair) in row.chunks_exact(2).enumerate() {
+            let at = ((p * cols / 2 + j) * 32 + c) * 2;
+            out[at] = bf16_from_f32(pair[0]);
+            out[at + 1] = bf16_from_f32(pair[1]);
+        }
+    }
+    out
+}
+
+fn gemm_bf16_portable(
+    xb: &[u16],
+    t: usize,
+    k: usize,
+    panels: &[u16],
+    p0: usize,
+    np: usize,
+    part: &mut [f32],
+) {
+    let ldo = np * 32;
+    for r in 0..t {
+        for p in 0..np {
+            for c in 0..32 {
+                let mut acc = 0f32;
+                for j in 0..k / 2 {
+                    let at = (((p0 + p) * k / 2 + j) * 32 + c) * 2;
+                    acc += f32_from_bf16(xb[r * k + 2 * j]) * f32_from_bf16(panels[at])
+                        + f32_from_bf16(xb[r * k + 2 * j + 1]) * f32_from_bf16(panels[at + 1]);
+                }
+                part[r * ldo + p * 32 + c] = acc;
+            }
+        }
+    }
+}
+
+/// # Safety
+/// AVX-512F and AVX-512 BF16; lengths as [`gemm_bf16`] asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn gemm_bf16_avx512(
+    xb: &[u16],
+    t: usize,
+    k: usize,
+    panels: &[u16],
+    p0: usize,
+    np: usize,
+    part: &mut [f32],
+) {
+    let ldo = np * 32;
+    for p in 0..np {
+        let pan = panels.as_ptr().add((p0 + p) * 32 * k);
+        let mut k0 = 0;
+        while k0 < k {
+            let kc = BF16_KC.min(k - k0);
+            let first = k0 == 0;
+            let mut i = 0;
+            while i < t {
+                let r = (t - i).min(6);
+                let (px, po, pb) =
+                    (xb.as_ptr().add(i * k + k0), part.as_mut_ptr().add(i * ldo + p * 32), pan.add(k0 * 32));
+                match r {
+                    6 => tile_bf16::<6>(px, k, kc / 2, pb, po, ldo, first),
+                    5 => tile_bf16::<5>(px, k, kc / 2, pb, po, ldo, first),
+                    4 => tile_bf16::<4>(px, k, kc / 2, pb, po, ldo, first),
+                    3 => tile_bf16::<3>(px, k, kc / 2, pb, po, ldo, first),
+                    2 => tile_bf16::<2>(px, k, kc / 2, pb, po, ldo, first),
+                    _ => tile_bf16::<1>(px, k, kc / 2, pb, po, ldo, first),
+                }
+                i += r;
+            }
+            k0 += kc;
+        }
+    }
+}
+
+/// One R x 32 tile over `pairs` pairs of k: `out[r][0..32] (+)= sum_j x[r][2j..2j+2] . pb[j][0..32]`.
+///
+/// # Safety
+/// AVX-512F and AVX-512 BF16; `px` holds R rows (`ldx` apart) of `2 * pairs` bf16 values, `pb`
+/// `pairs * 64` values, `po` R rows (`ldo` apart) of 32 writable f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_bf16<const R: usize>(
+    px: *const u16,
+    ldx: usize,
+    pairs: usize,
+    pb: *const u16,
+    po: *mut f32,
+    ldo: usize,
+    first: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    if !first {
+        for (r, a) in acc.iter_mut().enumerate() {
+            a[0] = _mm512_loadu_ps(po.add(r * ldo));
+            a[1] = _mm512_loadu_ps(po.add(r * ldo + 16));
+        }
+    }
+    for j in 0..pairs {
+        let b0: __m512bh = std::mem::transmute(_mm512_loadu_ps(pb.add(j * 64) as *const f32));
+        let b1: __m512bh = std::mem::transmute(_mm512_loadu_ps(pb.add(j * 64 + 32) as *const f32));
+        for (r, a) in acc.iter_mut().enumerate() {
+            let pair = std::ptr::read_unaligned(px.add(r * ldx + 2 * j) as *const i32);
+            let xv: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+            a[0] = _mm512_dpbf16_ps(a[0], xv, b0);
+            a[1] = _mm512_dpbf16_ps(a[1], xv, b1);
+        }
+    }
+    for (r, a) in acc.iter().enumerate() {
+        _mm512_storeu_ps(po.add(r * ldo), a[0]);
+        _mm512_storeu_ps(po.add(r * ldo + 16), a[1]);
+    }
+}
+
+/// Softmax of `row[..visible] * scale` in place, with `row[visible..]` set to zero (the causal
+/// mask and padding). Vectorized (AVX-512 exp by range reduction and a degree-6 polynomial, within
+/// 2 ulp) where the CPU has AVX-512F.
+pub(crate) fn softmax_masked(row: &mut [f32], visible: usize, scale: f32) {
+    assert!(visible >= 1 && visible <= row.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked); `visible <= row.len()` (asserted).
+            unsafe { softmax_masked_avx512(row, visible, scale) };
+            return;
+        }
+    }
+    softmax_masked_portable(row, visible, scale);
+}
+
+fn softmax_masked_portable(row: &mut [f32], visible: usize, scale: f32) {
+    let (live, masked) = row.split_at_mut(visible);
+    let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+    let mut sum = 0.0;
+    for v in live.iter_mut() {
+        *v = (*v * scale - max).exp();
+        sum += *v;
+    }
+    for v in live.iter_mut() {
+        *v /= sum;
+    }
+    masked.fill(0.0);
+}
+
+/// `e^x` for 16 lanes; x below -87 gives 0 (as far as f32 softmax is concerned).
+///
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+    // x = n ln2 + r with |r| <= ln2 / 2; e^x = 2^n e^r.
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
+    let mut p = _mm512_set1_ps(1.0 / 720.0);
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let e = _mm512_scalef_ps(p, n);
+    // Lanes clamped at -87 would give ~1.6e-38: make them exactly zero, like e^-inf.
+    _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(-87.0)), e)
+}
+
+/// # Safety
+/// AVX-512F; `1 <= visible <= row.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_masked_avx512(row: &mut [f32], visible: usize, scale: f32) {
+    use std::arch::x86_64::*;
+    let p = row.as_mut_ptr();
+    let lanes = |i: usize| -> __mmask16 {
+        let left = visible - i;
+        if left >= 16 {
+            0xffff
+        } else {
+            (1u16 << left) - 1
+        }
+    };
+    let vs = _mm512_set1_ps(scale);
+    let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < visible {
+        // SAFETY (of every masked load and store here): lanes at or past `visible` are masked off.
+        let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(i), p.add(i)), vs);
+        vmax = _mm512_mask_max_ps(vmax, lanes(i), vmax, v);
+        i += 16;
+    }
+    let vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+    let mut vsum = _mm512_setzero_ps();
+    i = 0;
+    while i < visible {
+        let m = lanes(i);
+        let e = exp_avx512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), vs), vmax));
+        let e = _mm512_maskz_mov_ps(m, e);
+        vsum = _mm512_add_ps(vsum, e);
+        _mm512_mask_storeu_ps(p.add(i), m, e);
+        i += 16;
+    }
+    let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(vsum));
+    i = 0;
+    while i < visible {
+        let m = lanes(i);
+        _mm512_mask_storeu_ps(p.add(i), m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), inv));
+        i += 16;
+    }
+    row[visible..].fill(0.0);
 }
 
 /// Dot product, with an AVX2+FMA kernel where the CPU has one.
@@ -444,6 +779,103 @@ mod tests {
             !super::sgemm_xwt_avx512(&[0.0; 4], 1, 4, &[0.0; 64], 16, &mut [0.0; 16]),
             "16 columns: not taken"
         );
+    }
+
+    #[test]
+    fn bf16_gemm_matches_a_product_of_the_rounded_values() {
+        use super::{bf16_from_f32, f32_from_bf16};
+        assert_eq!(bf16_from_f32(1.0), 0x3f80);
+        assert_eq!(bf16_from_f32(f32::from_bits(0x3f80_8000)), 0x3f80, "a tie rounds to even");
+        assert_eq!(bf16_from_f32(f32::from_bits(0x3f81_8000)), 0x3f82, "a tie rounds to even");
+        assert_eq!(bf16_from_f32(f32::from_bits(0x3f80_8001)), 0x3f81);
+        assert!(f32_from_bf16(bf16_from_f32(f32::NAN)).is_nan());
+        for (t, k, rows, p0, np) in
+            [(1, 2, 32, 0, 1), (7, 40, 64, 1, 1), (13, 576, 96, 0, 3), (6, 1538, 64, 0, 2)]
+        {
+            let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let w: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.11).cos()).collect();
+            let panels = super::pack_bf16_panels(&w, rows, k);
+            let mut xb = vec![0u16; t * k];
+            super::to_bf16(&x, &mut xb);
+            for (a, &v) in xb.iter().zip(&x) {
+                assert_eq!(*a, bf16_from_f32(v), "the vector conversion rounds like the scalar one");
+            }
+            let mut fast = vec![f32::NAN; t * np * 32];
+            let mut slow = vec![f32::NAN; t * np * 32];
+            super::gemm_bf16(&xb, t, k, &panels, p0, np, &mut fast);
+            super::gemm_bf16_portable(&xb, t, k, &panels, p0, np, &mut slow);
+            for r in 0..t {
+                for c in 0..np * 32 {
+                    let row = p0 * 32 + c;
+                    let rounded: f64 = (0..k)
+                        .map(|kk| {
+                            f64::from(f32_from_bf16(xb[r * k + kk]))
+                                * f64::from(f32_from_bf16(bf16_from_f32(w[row * k + kk])))
+                        })
+                        .sum();
+                    let exact: f64 =
+                        (0..k).map(|kk| f64::from(x[r * k + kk]) * f64::from(w[row * k + kk])).sum();
+                    let (f, s) = (f64::from(fast[r * np * 32 + c]), f64::from(slow[r * np * 32 + c]));
+                    assert!(
+                        (f - rounded).abs() < 1e-3 && (s - rounded).abs() < 1e-3,
+                        "t {t} k {k} r {r} c {c}"
+                    );
+                    // bf16 keeps 8 significant bits: each rounded factor is within 2^-9 relative, so
+                    // each product within about 2^-8 of its magnitude.
+                    let scale: f64 = (0..k)
+                        .map(|kk| f64::from(x[r * k + kk]).abs() * f64::from(w[row * k + kk]).abs())
+                        .sum();
+                    assert!((f - exact).abs() <= scale / 256.0 + 1e-4, "t {t} k {k}: {f} vs {exact}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn softmax_kernels_agree_with_f64() {
+        for (len, visible) in [(1, 1), (17, 5), (64, 64), (100, 33), (1024, 1000)] {
+            let base: Vec<f32> = (0..len).map(|i| (i as f32 * 0.731).sin() * 40.0 - 3.0).collect();
+            let mut fast = base.clone();
+            let mut slow = base.clone();
+            super::softmax_masked(&mut fast, visible, 0.125);
+            super::softmax_masked_portable(&mut slow, visible, 0.125);
+            let max = base[..visible].iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v) * 0.125));
+            let sum: f64 = base[..visible].iter().map(|&v| (f64::from(v) * 0.125 - max).exp()).sum();
+            for i in 0..len {
+                let want = if i < visible { (f64::from(base[i]) * 0.125 - max).exp() / sum } else { 0.0 };
+                for got in [fast[i], slow[i]] {
+                    assert!(
+                        (f64::from(got) - want).abs() <= 1e-6 * want + 1e-12,
+                        "len {len} i {i}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+        // Scores far below the maximum underflow to exactly zero, as exp does.
+        let mut row = vec![0.0, -2000.0, 5.0, -1e30];
+        super::softmax_masked(&mut row, 4, 1.0);
+        assert_eq!((row[1], row[3]), (0.0, 0.0));
+        assert!((row[0] + row[2] - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn strided_gemm_reads_only_the_first_k_of_each_row() {
+        let (t, k, cols, ldx, ldw) = (5, 40, 32, 48, 45);
+        let x: Vec<f32> =
+            (0..t * ldx).map(|i| if i % ldx < k { (i as f32 * 0.37).sin() } else { f32::NAN }).collect();
+        let w: Vec<f32> =
+            (0..cols * ldw).map(|i| if i % ldw < k { (i as f32 * 0.11).cos() } else { f32::NAN }).collect();
+        let mut part = vec![f32::NAN; t * cols];
+        if !super::sgemm_xwt_avx512_strided((&x, ldx), t, k, (&w, ldw), cols, &mut part) {
+            super::sgemm(t, k, cols, &x, (ldx, 1), &w, (1, ldw), &mut part, (cols, 1));
+        }
+        for r in 0..t {
+            for c in 0..cols {
+                let want: f64 =
+                    (0..k).map(|kk| f64::from(x[r * ldx + kk]) * f64::from(w[c * ldw + kk])).sum();
+                assert!((f64::from(part[r * cols + c]) - want).abs() < 1e-3, "r {r} c {c}");
+            }
+        }
     }
 
     #[test]
