@@ -14,8 +14,8 @@ use crate::quant::{
     Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
 };
 use crate::sys::{
-    as_f32, as_f32_mut, create_shared_f32, dot, gemm_bf16, has_bf16_gemm, map_file, sgemm, sgemm_xwt_avx512,
-    sgemm_xwt_avx512_strided, softmax_masked, to_bf16, Mmap,
+    as_f32, as_f32_mut, create_shared_f32, dot, gemm_bf16_par, has_bf16_gemm, map_file, sgemm,
+    sgemm_xwt_avx512, sgemm_xwt_avx512_strided, silu_mul, softmax_masked, to_bf16, Mmap,
 };
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
@@ -96,6 +96,7 @@ pub struct CpuBackend {
     /// bf16 copies for multi-row steps (prefill, batched decode) when the decode path is quantized
     /// and the CPU has AVX-512 BF16.
     multi: Option<Arc<Bf16Weights>>,
+    scratch: Scratch,
     kv: KvMemory,
     layout: KvLayout,
     inv_freq: Vec<f32>,
@@ -114,6 +115,7 @@ impl CpuBackend {
             w: weights,
             decode: None,
             multi: None,
+            scratch: Scratch::default(),
             layout,
             inv_freq,
         }
@@ -205,21 +207,11 @@ impl CpuBackend {
             * l.num_kv_heads
             * l.head_dim
     }
+}
 
-    fn rope(&self, x: &mut [f32], heads: usize, pos: usize) {
-        let hd = self.cfg.head_dim;
-        let half = hd / 2;
-        for h in 0..heads {
-            let v = &mut x[h * hd..(h + 1) * hd];
-            for i in 0..half {
-                let angle = pos as f32 * self.inv_freq[i];
-                let (sin, cos) = angle.sin_cos();
-                let (a, b) = (v[i], v[i + half]);
-                v[i] = a * cos - b * sin;
-                v[i + half] = b * cos + a * sin;
-            }
-        }
-    }
+thread_local! {
+    /// A GEMM-attention task's scores (up to 64 rows by the context), reused by each pool thread.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl CpuBackend {
@@ -227,7 +219,14 @@ impl CpuBackend {
     /// GEMMs: K and V^T of each KV head are gathered once out of the paged cache, then each (head,
     /// block of 64 query rows) task computes scores against only the keys its last row sees (the
     /// causal triangle, not the square), a masked softmax, and probabilities times values.
-    fn gemm_attention(&self, s: &SeqStep<'_>, li: usize, q: &[f32], out: &mut [f32]) {
+    fn gemm_attention(
+        &self,
+        s: &SeqStep<'_>,
+        li: usize,
+        (q, ldq): (&[f32], usize),
+        out: &mut [f32],
+        gathered: &mut Vec<(Vec<f32>, Vec<f32>)>,
+    ) {
         const ROW_BLOCK: usize = 64;
         let (hd, nh, nkv) = (self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads);
         let (q_dim, group, bs) = (nh * hd, nh / nkv, self.layout.block_size);
@@ -237,22 +236,24 @@ impl CpuBackend {
         // scores are masked like the future.
         let ctx_p = ctx.next_multiple_of(32);
         let kv_mem = self.kv.as_slice();
-        let gathered: Vec<(Vec<f32>, Vec<f32>)> = (0..nkv)
-            .into_par_iter()
-            .map(|kvh| {
-                let (mut kh, mut vt) = (vec![0.0; ctx_p * hd], vec![0.0; hd * ctx_p]);
-                for j in 0..ctx {
-                    let b = s.block_table[j / bs];
-                    let ki = self.kv_at(b, li, 0, j % bs) + kvh * hd;
-                    let vi = self.kv_at(b, li, 1, j % bs) + kvh * hd;
-                    kh[j * hd..(j + 1) * hd].copy_from_slice(&kv_mem[ki..ki + hd]);
-                    for (d, &v) in kv_mem[vi..vi + hd].iter().enumerate() {
-                        vt[d * ctx_p + j] = v;
-                    }
+        gathered.resize_with(nkv, Default::default);
+        gathered.par_iter_mut().enumerate().for_each(|(kvh, (kh, vt))| {
+            // Zeroed: the padding past `ctx` must hold zeros, not a previous step's values.
+            kh.clear();
+            kh.resize(ctx_p * hd, 0.0);
+            vt.clear();
+            vt.resize(hd * ctx_p, 0.0);
+            for j in 0..ctx {
+                let b = s.block_table[j / bs];
+                let ki = self.kv_at(b, li, 0, j % bs) + kvh * hd;
+                let vi = self.kv_at(b, li, 1, j % bs) + kvh * hd;
+                kh[j * hd..(j + 1) * hd].copy_from_slice(&kv_mem[ki..ki + hd]);
+                for (d, &v) in kv_mem[vi..vi + hd].iter().enumerate() {
+                    vt[d * ctx_p + j] = v;
                 }
-                (kh, vt)
-            })
-            .collect();
+            }
+        });
+        let gathered = &*gathered;
         let scale = 1.0 / (hd as f32).sqrt();
         let blocks = n.div_ceil(ROW_BLOCK);
         let results: Vec<(usize, usize, Vec<f32>)> = (0..nh * blocks)
@@ -265,15 +266,17 @@ impl CpuBackend {
                 let (kh, vt) = &gathered[head / group];
                 let mut qh = vec![0.0; rows * hd];
                 for (i, dst) in qh.chunks_exact_mut(hd).enumerate() {
-                    dst.copy_from_slice(&q[(i0 + i) * q_dim + head * hd..][..hd]);
-                }
-                let mut scores = vec![0.0; rows * seen];
-                gemm_xwt((&qh, hd), rows, hd, (kh, hd), seen, &mut scores);
-                for (i, row) in scores.chunks_exact_mut(seen).enumerate() {
-                    softmax_masked(row, s.start_pos + i0 + i + 1, scale);
+                    dst.copy_from_slice(&q[(i0 + i) * ldq + head * hd..][..hd]);
                 }
                 let mut o = vec![0.0; rows * hd];
-                gemm_xwt((&scores, seen), rows, seen, (vt, ctx_p), hd, &mut o);
+                SCORES.with_borrow_mut(|scores| {
+                    let scores = sized(scores, rows * seen);
+                    gemm_xwt((&qh, hd), rows, hd, (kh, hd), seen, scores);
+                    for (i, row) in scores.chunks_exact_mut(seen).enumerate() {
+                        softmax_masked(row, s.start_pos + i0 + i + 1, scale);
+                    }
+                    gemm_xwt((scores, seen), rows, seen, (vt, ctx_p), hd, &mut o);
+                });
                 (head, i0, o)
             })
             .collect();
@@ -315,12 +318,49 @@ impl Backend for CpuBackend {
 
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         check_steps(self.cfg.vocab_size, self.cfg.max_position_embeddings, &self.layout, steps)?;
+        // The step's buffers live from step to step: multi-megabyte allocations freed and made again
+        // every layer would cost a page fault per 4 KiB each time.
+        let mut sc = std::mem::take(&mut self.scratch);
+        let out = self.forward_with(steps, &mut sc);
+        self.scratch = sc;
+        Ok(out)
+    }
+}
+
+/// Buffers a step reuses (grown to the largest step seen, never shrunk).
+#[derive(Debug, Default)]
+struct Scratch {
+    x: Vec<f32>,
+    h: Vec<f32>,
+    /// Each row: Q, K and V of one new token.
+    qkv: Vec<f32>,
+    /// Each row: cos then sin of the token's position, `head_dim / 2` each.
+    rope: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    /// Each row: gate then up.
+    gate_up: Vec<f32>,
+    act: Vec<f32>,
+    xb: Vec<u16>,
+    /// Per KV head: K rows and V transposed, gathered for GEMM attention.
+    gathered: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+/// `v` resized to `len` (contents unspecified: callers overwrite every element).
+fn sized(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    v.resize(len, 0.0);
+    &mut v[..len]
+}
+
+impl CpuBackend {
+    fn forward_with(&mut self, steps: &[SeqStep<'_>], sc: &mut Scratch) -> Vec<Vec<f32>> {
         let cfg = self.cfg.clone();
         let w = Arc::clone(&self.w);
         let mats = Mats { decode: self.decode.clone(), multi: self.multi.clone() };
 
         let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
-        let (q_dim, kv_dim) = (nh * hd, nkv * hd);
+        let (q_dim, kv_dim, inter) = (nh * hd, nkv * hd, cfg.intermediate_size);
+        let qkv_w = q_dim + 2 * kv_dim;
         // One row per new token: (step index, absolute position).
         let rows: Vec<(usize, usize)> = steps
             .iter()
@@ -328,32 +368,46 @@ impl Backend for CpuBackend {
             .flat_map(|(i, s)| (0..s.tokens.len()).map(move |j| (i, s.start_pos + j)))
             .collect();
         let t = rows.len();
-        let mut x = Vec::with_capacity(t * hsz);
+        sc.x.clear();
         for s in steps {
             for &tok in s.tokens {
-                x.extend_from_slice(&w.embed[tok as usize * hsz..][..hsz]);
+                sc.x.extend_from_slice(&w.embed[tok as usize * hsz..][..hsz]);
             }
         }
-        let mut h = vec![0.0; t * hsz];
+        // The rotary angles of each row's position, once for every layer.
+        let half = hd / 2;
+        let rope = sized(&mut sc.rope, t * hd);
+        for (r, &(_, pos)) in rows.iter().enumerate() {
+            for i in 0..half {
+                let (sin, cos) = (pos as f32 * self.inv_freq[i]).sin_cos();
+                rope[r * hd + i] = cos;
+                rope[r * hd + half + i] = sin;
+            }
+        }
         for (li, lw) in w.layers.iter().enumerate() {
-            rms_norm(&x, &lw.input_norm, cfg.rms_norm_eps, &mut h);
-            let (mut q, mut k, mut v) = match mats.layer(li, Proj::Qkv, &h, t, hsz) {
-                // Q, K and V in one pass over the stacked rows.
-                Some(all) => split_rows(&all, t, &[q_dim, kv_dim, kv_dim]),
-                None => (
-                    matmul(&h, t, hsz, &lw.q, q_dim),
-                    matmul(&h, t, hsz, &lw.k, kv_dim),
-                    matmul(&h, t, hsz, &lw.v, kv_dim),
-                ),
-            };
-            for (m, b) in [(&mut q, &lw.q_bias), (&mut k, &lw.k_bias), (&mut v, &lw.v_bias)] {
-                if let Some(b) = b {
-                    add_bias(m, b);
+            rms_norm(&sc.x, &lw.input_norm, cfg.rms_norm_eps, sized(&mut sc.h, t * hsz));
+            // Q, K and V, one row per token.
+            if !mats.layer(li, Proj::Qkv, &sc.h, t, hsz, &mut sc.xb, sized(&mut sc.qkv, t * qkv_w)) {
+                let parts = [(&lw.q, q_dim), (&lw.k, kv_dim), (&lw.v, kv_dim)]
+                    .map(|(m, n)| matmul(&sc.h, t, hsz, m, n));
+                for (r, row) in sc.qkv.chunks_exact_mut(qkv_w).enumerate() {
+                    let mut at = 0;
+                    for (part, n) in parts.iter().zip([q_dim, kv_dim, kv_dim]) {
+                        row[at..at + n].copy_from_slice(&part[r * n..(r + 1) * n]);
+                        at += n;
+                    }
                 }
             }
-            for (r, &(_, pos)) in rows.iter().enumerate() {
-                self.rope(&mut q[r * q_dim..][..q_dim], nh, pos);
-                self.rope(&mut k[r * kv_dim..][..kv_dim], nkv, pos);
+            for (r, row) in sc.qkv.chunks_exact_mut(qkv_w).enumerate() {
+                let mut at = 0;
+                for (bias, n) in [(&lw.q_bias, q_dim), (&lw.k_bias, kv_dim), (&lw.v_bias, kv_dim)] {
+                    if let Some(b) = bias {
+                        add_into(&mut row[at..at + n], b);
+                    }
+                    at += n;
+                }
+                let (cos, sin) = sc.rope[r * hd..(r + 1) * hd].split_at(half);
+                rope_rows(&mut row[..q_dim + kv_dim], hd, cos, sin);
             }
             // Write this step's K and V into the cache, then attend over the cache.
             for (r, &(si, pos)) in rows.iter().enumerate() {
@@ -362,10 +416,11 @@ impl Backend for CpuBackend {
                 let ki = self.kv_at(block, li, 0, off);
                 let vi = self.kv_at(block, li, 1, off);
                 let mem = self.kv.as_mut_slice();
-                mem[ki..ki + kv_dim].copy_from_slice(&k[r * kv_dim..][..kv_dim]);
-                mem[vi..vi + kv_dim].copy_from_slice(&v[r * kv_dim..][..kv_dim]);
+                let row = &sc.qkv[r * qkv_w..(r + 1) * qkv_w];
+                mem[ki..ki + kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
+                mem[vi..vi + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
             }
-            let mut attn = vec![0.0; t * q_dim];
+            let attn = sized(&mut sc.attn, t * q_dim);
             let this = &*self;
             let kv_mem = this.kv.as_slice();
             let scale = 1.0 / (hd as f32).sqrt();
@@ -377,12 +432,14 @@ impl Backend for CpuBackend {
             for s in steps {
                 let n = s.tokens.len();
                 if n >= GEMM_ATTENTION_ROWS {
-                    let span = first_row * q_dim..(first_row + n) * q_dim;
-                    this.gemm_attention(s, li, &q[span.clone()], &mut attn[span]);
+                    let q = &sc.qkv[first_row * qkv_w..(first_row + n) * qkv_w];
+                    let out = &mut attn[first_row * q_dim..(first_row + n) * q_dim];
+                    this.gemm_attention(s, li, (q, qkv_w), out, &mut sc.gathered);
                     gemm_rows[first_row..first_row + n].fill(true);
                 }
                 first_row += n;
             }
+            let qkv = &sc.qkv;
             attn.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
                 let (r, head) = (idx / nh, idx % nh);
                 if gemm_rows[r] {
@@ -390,53 +447,51 @@ impl Backend for CpuBackend {
                 }
                 let (si, pos) = rows[r];
                 let table = steps[si].block_table;
-                let qv = &q[r * q_dim + head * hd..][..hd];
+                let qv = &qkv[r * qkv_w + head * hd..][..hd];
                 let kvh = head / group;
                 let mut scores = Vec::with_capacity(pos + 1);
-                let mut max = f32::NEG_INFINITY;
                 for j in 0..=pos {
                     let ki = this.kv_at(table[j / this.layout.block_size], li, 0, j % this.layout.block_size)
                         + kvh * hd;
-                    let s = dot(qv, &kv_mem[ki..ki + hd]) * scale;
-                    max = max.max(s);
-                    scores.push(s);
+                    scores.push(dot(qv, &kv_mem[ki..ki + hd]));
                 }
-                let mut sum = 0.0;
-                for s in &mut scores {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
+                softmax_masked(&mut scores, pos + 1, scale);
                 out.fill(0.0);
-                for (j, s) in scores.iter().enumerate() {
+                for (j, p) in scores.iter().enumerate() {
                     let vi = this.kv_at(table[j / this.layout.block_size], li, 1, j % this.layout.block_size)
                         + kvh * hd;
-                    let p = s / sum;
                     for (o, vv) in out.iter_mut().zip(&kv_mem[vi..vi + hd]) {
                         *o += p * vv;
                     }
                 }
             });
-            let mut o = mats
-                .layer(li, Proj::O, &attn, t, q_dim)
-                .unwrap_or_else(|| matmul(&attn, t, q_dim, &lw.o, hsz));
-            if let Some(b) = &lw.o_bias {
-                add_bias(&mut o, b);
+            let o = sized(&mut sc.proj, t * hsz);
+            if !mats.layer(li, Proj::O, &sc.attn, t, q_dim, &mut sc.xb, o) {
+                o.copy_from_slice(&matmul(&sc.attn, t, q_dim, &lw.o, hsz));
             }
-            add_into(&mut x, &o);
-            rms_norm(&x, &lw.post_norm, cfg.rms_norm_eps, &mut h);
-            let inter = cfg.intermediate_size;
-            let (gate, up) = match mats.layer(li, Proj::GateUp, &h, t, hsz) {
-                Some(all) => {
-                    let (g, u, _) = split_rows(&all, t, &[inter, inter, 0]);
-                    (g, u)
+            if let Some(b) = &lw.o_bias {
+                add_bias(o, b);
+            }
+            add_into(&mut sc.x, o);
+            rms_norm(&sc.x, &lw.post_norm, cfg.rms_norm_eps, sized(&mut sc.h, t * hsz));
+            let gu = sized(&mut sc.gate_up, t * 2 * inter);
+            if !mats.layer(li, Proj::GateUp, &sc.h, t, hsz, &mut sc.xb, gu) {
+                let (g, u) = (matmul(&sc.h, t, hsz, &lw.gate, inter), matmul(&sc.h, t, hsz, &lw.up, inter));
+                for (r, row) in gu.chunks_exact_mut(2 * inter).enumerate() {
+                    row[..inter].copy_from_slice(&g[r * inter..(r + 1) * inter]);
+                    row[inter..].copy_from_slice(&u[r * inter..(r + 1) * inter]);
                 }
-                None => (matmul(&h, t, hsz, &lw.gate, inter), matmul(&h, t, hsz, &lw.up, inter)),
-            };
-            let act: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
-            let down = mats
-                .layer(li, Proj::Down, &act, t, inter)
-                .unwrap_or_else(|| matmul(&act, t, inter, &lw.down, hsz));
-            add_into(&mut x, &down);
+            }
+            let act = sized(&mut sc.act, t * inter);
+            for (row, a) in gu.chunks_exact(2 * inter).zip(act.chunks_exact_mut(inter)) {
+                let (g, u) = row.split_at(inter);
+                silu_mul(g, u, a);
+            }
+            let down = sized(&mut sc.proj, t * hsz);
+            if !mats.layer(li, Proj::Down, &sc.act, t, inter, &mut sc.xb, down) {
+                down.copy_from_slice(&matmul(&sc.act, t, inter, &lw.down, hsz));
+            }
+            add_into(&mut sc.x, down);
         }
         // Logits only for the last token of the steps that want them.
         let mut picked = Vec::new();
@@ -444,16 +499,31 @@ impl Backend for CpuBackend {
         for s in steps {
             end += s.tokens.len();
             if s.logits {
-                picked.extend_from_slice(&x[(end - 1) * hsz..end * hsz]);
+                picked.extend_from_slice(&sc.x[(end - 1) * hsz..end * hsz]);
             }
         }
         let n = picked.len() / hsz;
         let mut normed = vec![0.0; picked.len()];
         rms_norm(&picked, &w.final_norm, cfg.rms_norm_eps, &mut normed);
-        let logits = mats
-            .head(&normed, n, hsz)
-            .unwrap_or_else(|| matmul(&normed, n, hsz, w.lm_head(), cfg.vocab_size));
-        Ok(logits.chunks(cfg.vocab_size.max(1)).map(<[f32]>::to_vec).collect())
+        let mut logits = vec![0.0; n * cfg.vocab_size];
+        if !mats.head(&normed, n, hsz, &mut sc.xb, &mut logits) {
+            logits = matmul(&normed, n, hsz, w.lm_head(), cfg.vocab_size);
+        }
+        logits.chunks(cfg.vocab_size.max(1)).map(<[f32]>::to_vec).collect()
+    }
+}
+
+/// Rotate-half RoPE on every head of `row` (heads of `hd` values) with the position's `cos` and
+/// `sin` (`hd / 2` each).
+fn rope_rows(row: &mut [f32], hd: usize, cos: &[f32], sin: &[f32]) {
+    let half = hd / 2;
+    for v in row.chunks_exact_mut(hd) {
+        let (a, b) = v.split_at_mut(half);
+        for i in 0..half {
+            let (x, y) = (a[i], b[i]);
+            a[i] = x * cos[i] - y * sin[i];
+            b[i] = y * cos[i] + x * sin[i];
+        }
     }
 }
 
@@ -504,10 +574,10 @@ enum Proj {
     Down,
 }
 
-fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>) -> Vec<f32> {
+fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
     match m {
-        QRef::Q8(m) => matvec_quant(x, t, k, m, m.rows),
-        QRef::Q4(m) => matvec_quant(x, t, k, m, m.rows),
+        QRef::Q8(m) => matvec_quant(x, t, k, m, out),
+        QRef::Q4(m) => matvec_quant(x, t, k, m, out),
     }
 }
 
@@ -518,40 +588,37 @@ struct Mats {
 }
 
 impl Mats {
-    /// `x[t×k] · W^T` for layer `li`'s projection `p` (Q/K/V and gate/up stacked) from quantized
-    /// weights for decode-sized steps (`t <= 2`) or bf16 weights for larger ones, or `None` where
-    /// the step reads the f32 weights.
-    fn layer(&self, li: usize, p: Proj, x: &[f32], t: usize, k: usize) -> Option<Vec<f32>> {
+    /// `out = x[t×k] · W^T` for layer `li`'s projection `p` (Q/K/V and gate/up stacked) from
+    /// quantized weights for decode-sized steps (`t <= 2`) or bf16 weights for larger ones (`xb`:
+    /// room for x in bf16). False, touching nothing, where the step reads the f32 weights instead.
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        li: usize,
+        p: Proj,
+        x: &[f32],
+        t: usize,
+        k: usize,
+        xb: &mut Vec<u16>,
+        out: &mut [f32],
+    ) -> bool {
         match (&self.decode, &self.multi) {
-            (Some(d), _) if t <= 2 => Some(matvec_ref(x, t, k, d.layer(li, p))),
-            (_, Some(b)) if t > 2 => Some(matmul_bf16(x, t, k, p.of(&b.layers[li]))),
-            _ => None,
+            (Some(d), _) if t <= 2 => matvec_ref(x, t, k, d.layer(li, p), out),
+            (_, Some(b)) if t > 2 => matmul_bf16(x, t, k, p.of(&b.layers[li]), xb, out),
+            _ => return false,
         }
+        true
     }
 
     /// The LM head's product, likewise.
-    fn head(&self, x: &[f32], t: usize, k: usize) -> Option<Vec<f32>> {
+    fn head(&self, x: &[f32], t: usize, k: usize, xb: &mut Vec<u16>, out: &mut [f32]) -> bool {
         match (&self.decode, &self.multi) {
-            (Some(d), _) if t <= 2 => Some(matvec_ref(x, t, k, d.head())),
-            (_, Some(b)) if t > 2 => Some(matmul_bf16(x, t, k, &b.lm_head)),
-            _ => None,
+            (Some(d), _) if t <= 2 => matvec_ref(x, t, k, d.head(), out),
+            (_, Some(b)) if t > 2 => matmul_bf16(x, t, k, &b.lm_head, xb, out),
+            _ => return false,
         }
+        true
     }
-}
-
-/// Splits each row of `all` (`t` rows of `widths` summed) into three matrices of the given widths.
-fn split_rows(all: &[f32], t: usize, widths: &[usize; 3]) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let row = widths.iter().sum::<usize>();
-    let mut out = [Vec::new(), Vec::new(), Vec::new()];
-    for r in 0..t {
-        let mut at = r * row;
-        for (o, &w) in out.iter_mut().zip(widths) {
-            o.extend_from_slice(&all[at..at + w]);
-            at += w;
-        }
-    }
-    let [a, b, c] = out;
-    (a, b, c)
 }
 
 impl Proj {
@@ -583,11 +650,10 @@ impl DecodeWeights {
 
 /// `x[t×k] · w[n×k]^T` with quantized weights, one row of `x` at a time (decode steps), spread over
 /// the thread pool by output columns.
-fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, n: usize) -> Vec<f32> {
-    debug_assert_eq!(x.len(), t * k);
-    debug_assert_eq!((w.rows(), w.cols()), (n, k));
+fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, out: &mut [f32]) {
+    let n = w.rows();
+    debug_assert_eq!((x.len(), out.len(), w.cols()), (t * k, t * n, k));
     let threads = rayon::current_num_threads().max(1);
-    let mut out = vec![0.0; t * n];
     for (xr, orow) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
         let xsum: Vec<f32> = xr.chunks_exact(GROUP).map(|g| g.iter().sum()).collect();
         // Two tasks per thread: enough to balance, few enough that dispatch stays cheap.
@@ -598,35 +664,15 @@ fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, n: usize) 
             }
         });
     }
-    out
 }
 
-/// `x[t×k] · w^T` with bf16 weights: x is rounded to bf16 once, then the weight's 32-row panels
-/// are split evenly over the thread pool (two chunks per thread).
-fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix) -> Vec<f32> {
+/// `out = x[t×k] · w^T` with bf16 weights: x is rounded to bf16 once (into `xb`), then the weight's
+/// 32-row panels are split evenly over the thread pool.
+fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mut Vec<u16>, out: &mut [f32]) {
     debug_assert_eq!((x.len(), w.cols), (t * k, k));
-    let n = w.rows;
-    let mut xb = vec![0u16; t * k];
-    to_bf16(x, &mut xb);
-    let panels = n / 32;
-    let chunks = (rayon::current_num_threads().max(1) * 2).min(panels);
-    let parts: Vec<(usize, Vec<f32>)> = (0..chunks)
-        .into_par_iter()
-        .map(|c| {
-            let (p0, p1) = (c * panels / chunks, (c + 1) * panels / chunks);
-            let mut part = vec![0.0; t * (p1 - p0) * 32];
-            gemm_bf16(&xb, t, k, &w.panels, p0, p1 - p0, &mut part);
-            (p0 * 32, part)
-        })
-        .collect();
-    let mut out = vec![0.0; t * n];
-    for (j0, part) in parts {
-        let cols = part.len() / t;
-        for (r, src) in part.chunks_exact(cols).enumerate() {
-            out[r * n + j0..r * n + j0 + cols].copy_from_slice(src);
-        }
-    }
-    out
+    xb.resize(t * k, 0);
+    to_bf16(x, &mut xb[..t * k]);
+    gemm_bf16_par(&xb[..t * k], t, k, &w.panels, w.rows, out);
 }
 
 /// Steps with fewer rows than this run the weight GEMMs on matrixmultiply.

@@ -257,6 +257,7 @@ const BF16_KC: usize = 256;
 /// `part[t x 32*np] = x[t x k] . W^T` over the weight panels `p0..p0+np` of `panels`, a matrix packed
 /// by [`pack_bf16_panels`] (`k` even). `xb` holds x in bf16; products of bf16 values are summed in
 /// f32. Runs the AVX-512 BF16 kernel where [`has_bf16_gemm`], else a scalar loop (for tests).
+#[cfg(test)]
 pub(crate) fn gemm_bf16(
     xb: &[u16],
     t: usize,
@@ -272,11 +273,41 @@ pub(crate) fn gemm_bf16(
     {
         if has_bf16_gemm() {
             // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked); the lengths were asserted.
-            unsafe { gemm_bf16_avx512(xb, t, k, panels, p0, np, part) };
+            unsafe { gemm_bf16_avx512(xb, t, k, panels, p0, np, part.as_mut_ptr(), np * 32) };
             return;
         }
     }
-    gemm_bf16_portable(xb, t, k, panels, p0, np, part);
+    gemm_bf16_portable(xb, t, k, panels, p0, np, part, np * 32);
+}
+
+/// `out[t x n] = x[t x k] . W^T` for a whole matrix packed by [`pack_bf16_panels`] (`n` rows, a
+/// multiple of 32), its panels split evenly over rayon's pool, each part written straight into its
+/// columns of `out`.
+pub(crate) fn gemm_bf16_par(xb: &[u16], t: usize, k: usize, panels: &[u16], n: usize, out: &mut [f32]) {
+    assert!(k.is_multiple_of(2) && k > 0 && n.is_multiple_of(32), "k must be even and n a multiple of 32");
+    assert!(xb.len() >= t * k && panels.len() >= n * k && out.len() >= t * n);
+    let np = n / 32;
+    let chunks = (rayon::current_num_threads().max(1) * 2).min(np);
+    if !has_bf16_gemm() {
+        gemm_bf16_portable(xb, t, k, panels, 0, np, out, n);
+        return;
+    }
+    /// `out`'s address, shared by tasks that write disjoint columns.
+    struct Out(*mut f32);
+    // SAFETY: tasks write only their own columns of `out` (below), so no two write the same element.
+    unsafe impl Sync for Out {}
+    let dst = Out(out.as_mut_ptr());
+    let dst = &dst;
+    use rayon::prelude::*;
+    (0..chunks).into_par_iter().for_each(|c| {
+        let (p0, p1) = (c * np / chunks, (c + 1) * np / chunks);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked above); the lengths were asserted;
+        // this task writes columns p0*32..p1*32 of each of the t rows (n apart) and no other task does.
+        unsafe {
+            gemm_bf16_avx512(xb, t, k, panels, p0, p1 - p0, dst.0.add(p0 * 32), n)
+        };
+    });
 }
 
 /// Packs row-major `w[rows x cols]` (`rows` a multiple of 32, `cols` even) into bf16 panels of 32
@@ -296,6 +327,7 @@ pub(crate) fn pack_bf16_panels(w: &[f32], rows: usize, cols: usize) -> Vec<u16> 
     out
 }
 
+#[allow(clippy::too_many_arguments)]
 fn gemm_bf16_portable(
     xb: &[u16],
     t: usize,
@@ -304,8 +336,8 @@ fn gemm_bf16_portable(
     p0: usize,
     np: usize,
     part: &mut [f32],
+    ldo: usize,
 ) {
-    let ldo = np * 32;
     for r in 0..t {
         for p in 0..np {
             for c in 0..32 {
@@ -322,9 +354,11 @@ fn gemm_bf16_portable(
 }
 
 /// # Safety
-/// AVX-512F and AVX-512 BF16; lengths as [`gemm_bf16`] asserts.
+/// AVX-512F and AVX-512 BF16; `xb` and `panels` as [`gemm_bf16`] asserts; `out` has t rows, `ldo`
+/// apart, of `np * 32` writable values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_bf16_avx512(
     xb: &[u16],
     t: usize,
@@ -332,9 +366,9 @@ unsafe fn gemm_bf16_avx512(
     panels: &[u16],
     p0: usize,
     np: usize,
-    part: &mut [f32],
+    out: *mut f32,
+    ldo: usize,
 ) {
-    let ldo = np * 32;
     for p in 0..np {
         let pan = panels.as_ptr().add((p0 + p) * 32 * k);
         let mut k0 = 0;
@@ -344,8 +378,7 @@ unsafe fn gemm_bf16_avx512(
             let mut i = 0;
             while i < t {
                 let r = (t - i).min(6);
-                let (px, po, pb) =
-                    (xb.as_ptr().add(i * k + k0), part.as_mut_ptr().add(i * ldo + p * 32), pan.add(k0 * 32));
+                let (px, po, pb) = (xb.as_ptr().add(i * k + k0), out.add(i * ldo + p * 32), pan.add(k0 * 32));
                 match r {
                     6 => tile_bf16::<6>(px, k, kc / 2, pb, po, ldo, first),
                     5 => tile_bf16::<5>(px, k, kc / 2, pb, po, ldo, first),
@@ -500,6 +533,34 @@ unsafe fn softmax_masked_avx512(row: &mut [f32], visible: usize, scale: f32) {
         i += 16;
     }
     row[visible..].fill(0.0);
+}
+
+/// `out[i] = silu(g[i]) * u[i]` (SwiGLU), vectorized where the CPU has AVX-512F.
+pub(crate) fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+    assert!(g.len() == u.len() && u.len() == out.len());
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            use std::arch::x86_64::*;
+            while done + 16 <= g.len() {
+                // SAFETY: AVX-512F (checked); done + 16 <= len for all three slices.
+                unsafe {
+                    let gv = _mm512_loadu_ps(g.as_ptr().add(done));
+                    let e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+                    let s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+                    _mm512_storeu_ps(
+                        out.as_mut_ptr().add(done),
+                        _mm512_mul_ps(s, _mm512_loadu_ps(u.as_ptr().add(done))),
+                    );
+                }
+                done += 16;
+            }
+        }
+    }
+    for i in done..g.len() {
+        out[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+    }
 }
 
 /// Dot product, with an AVX2+FMA kernel where the CPU has one.
@@ -803,7 +864,13 @@ mod tests {
             let mut fast = vec![f32::NAN; t * np * 32];
             let mut slow = vec![f32::NAN; t * np * 32];
             super::gemm_bf16(&xb, t, k, &panels, p0, np, &mut fast);
-            super::gemm_bf16_portable(&xb, t, k, &panels, p0, np, &mut slow);
+            super::gemm_bf16_portable(&xb, t, k, &panels, p0, np, &mut slow, np * 32);
+            // The parallel whole-matrix product writes each panel's columns in place.
+            let mut whole = vec![f32::NAN; t * rows];
+            super::gemm_bf16_par(&xb, t, k, &panels, rows, &mut whole);
+            for r in 0..t {
+                assert_eq!(&whole[r * rows + p0 * 32..][..np * 32], &fast[r * np * 32..][..np * 32]);
+            }
             for r in 0..t {
                 for c in 0..np * 32 {
                     let row = p0 * 32 + c;
