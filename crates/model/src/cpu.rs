@@ -321,7 +321,11 @@ impl Backend for CpuBackend {
         // The step's buffers live from step to step: multi-megabyte allocations freed and made again
         // every layer would cost a page fault per 4 KiB each time.
         let mut sc = std::mem::take(&mut self.scratch);
-        let out = self.forward_with(steps, &mut sc);
+        // The whole step runs on one of the pool's threads, so each parallel section within it is a
+        // work-stealing fork from a running worker rather than a job handed across from this thread
+        // (two thread wake-ups per section, a few hundred sections per token).
+        let this = &mut *self;
+        let out = rayon::scope(|_| this.forward_with(steps, &mut sc));
         self.scratch = sc;
         Ok(out)
     }
