@@ -1,13 +1,55 @@
 //! Weight formats for the CPU backend's decode path: f32 as loaded, Q8 (int8 in groups of 32 with an
-//! f32 scale: 1.125 bytes per weight) or Q4 (4-bit in groups of 32 with an f32 scale and minimum:
-//! 0.75 bytes). Decode steps are bound by reading the weights once per token, so the bytes a weight
-//! costs set the speed; prefill (a GEMM that reuses every weight across the prompt's tokens) keeps
-//! the f32 weights.
+//! f16 scale: 1.0625 bytes per weight, like GGUF's Q8_0) or Q4 (4-bit in groups of 32 with an f16
+//! scale and minimum: 0.625 bytes, like GGUF's Q4_1). Decode steps are bound by reading the weights
+//! once per token, so the bytes a weight costs set the speed; multi-row steps (prefill, batched
+//! decode: GEMMs that reuse every weight across rows) read bf16 copies (see [`Bf16Matrix`]).
 
 use crate::weights::Weights;
 
 /// Values per quantization group (one scale, and for Q4 one minimum, each).
 pub const GROUP: usize = 32;
+
+/// IEEE half precision (f16 bits) to f32, exactly.
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let (exp, man) = (u32::from((h >> 10) & 0x1f), u32::from(h & 0x3ff));
+    match exp {
+        0 => sign * man as f32 * f32::from_bits(0x3380_0000), // subnormal: man * 2^-24
+        31 => f32::from_bits((u32::from(h & 0x8000) << 16) | 0x7f80_0000 | (man << 13)),
+        _ => f32::from_bits((u32::from(h & 0x8000) << 16) | ((exp + 112) << 23) | (man << 13)),
+    }
+}
+
+/// f32 to f16 bits, rounding to nearest even (overflow gives infinity, NaN stays NaN).
+pub fn f32_to_f16(v: f32) -> u16 {
+    let b = v.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let a = v.abs();
+    if v.is_nan() {
+        return sign | 0x7e00;
+    }
+    if a >= 65520.0 {
+        return sign | 0x7c00;
+    }
+    if a < f32::from_bits(0x3880_0000) {
+        // Below 2^-14: a multiple of the subnormal step 2^-24 (1024 steps is the smallest normal).
+        return sign | (a * 16_777_216.0).round_ties_even() as u16;
+    }
+    let exp = ((b >> 23) & 0xff) - 112;
+    let (man, rest) = ((b >> 13) & 0x3ff, b & 0x1fff);
+    let mut h = (exp << 10) | man;
+    if rest > 0x1000 || (rest == 0x1000 && h & 1 == 1) {
+        h += 1; // a carry into the exponent is still the right value
+    }
+    sign | h as u16
+}
+
+/// `v` stored as f16 and read back; `None` if it does not fit (overflow to infinity).
+fn through_f16(v: f32) -> Option<(u16, f32)> {
+    let h = f32_to_f16(v);
+    let back = f16_to_f32(h);
+    back.is_finite().then_some((h, back))
+}
 
 /// How the CPU backend stores the weights its decode steps read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -49,7 +91,8 @@ impl std::str::FromStr for WeightFormat {
 
 /// A row-major `[rows, cols]` matrix in a group-quantized format; `cols` is a multiple of [`GROUP`].
 pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
-    /// `None` when `cols` is not a multiple of [`GROUP`] or the length does not match.
+    /// `None` when `cols` is not a multiple of [`GROUP`], the length does not match or a scale does
+    /// not fit f16.
     fn quantize(w: &[f32], rows: usize, cols: usize) -> Option<Self>;
     fn rows(&self) -> usize;
     fn cols(&self) -> usize;
@@ -61,14 +104,14 @@ pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
     fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32;
 }
 
-/// Symmetric int8: value = q * scale, scale = max |w| / 127 per group.
+/// Symmetric int8: value = q * scale, scale = max |w| / 127 per group, stored as f16.
 #[derive(Debug, Clone)]
 pub struct Q8Matrix {
     pub rows: usize,
     pub cols: usize,
     pub values: Vec<i8>,
-    /// One per group of 32 values, row-major.
-    pub scales: Vec<f32>,
+    /// One per group of 32 values, row-major, as f16 bits.
+    pub scales: Vec<u16>,
 }
 
 impl QuantMatrix for Q8Matrix {
@@ -80,9 +123,9 @@ impl QuantMatrix for Q8Matrix {
         let mut scales = Vec::with_capacity(w.len() / GROUP);
         for g in w.chunks_exact(GROUP) {
             let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = amax / 127.0;
+            let (bits, scale) = through_f16(amax / 127.0)?;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            scales.push(scale);
+            scales.push(bits);
             values.extend(g.iter().map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8));
         }
         Some(Q8Matrix { rows, cols, values, scales })
@@ -97,13 +140,13 @@ impl QuantMatrix for Q8Matrix {
     }
 
     fn bytes(&self) -> usize {
-        self.values.len() + 4 * self.scales.len()
+        self.values.len() + 2 * self.scales.len()
     }
 
     fn dequantize_row(&self, r: usize) -> Vec<f32> {
         let v = &self.values[r * self.cols..(r + 1) * self.cols];
         let s = &self.scales[r * self.cols / GROUP..(r + 1) * self.cols / GROUP];
-        v.iter().enumerate().map(|(i, &q)| q as f32 * s[i / GROUP]).collect()
+        v.iter().enumerate().map(|(i, &q)| q as f32 * f16_to_f32(s[i / GROUP])).collect()
     }
 
     fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
@@ -117,14 +160,17 @@ impl QuantMatrix for Q8Matrix {
 }
 
 /// Unsigned 4-bit with a minimum: value = min + q * scale, q in 0..=15, per group scale = (max - min)
-/// / 15. Byte j of a group holds value j (low nibble) and value j + 16 (high nibble).
+/// / 15, scale and minimum stored as f16. Byte j of a group holds value j (low nibble) and value
+/// j + 16 (high nibble).
 #[derive(Debug, Clone)]
 pub struct Q4Matrix {
     pub rows: usize,
     pub cols: usize,
     pub packed: Vec<u8>,
-    pub scales: Vec<f32>,
-    pub mins: Vec<f32>,
+    /// f16 bits, one per group.
+    pub scales: Vec<u16>,
+    /// f16 bits, one per group.
+    pub mins: Vec<u16>,
 }
 
 impl QuantMatrix for Q4Matrix {
@@ -138,11 +184,12 @@ impl QuantMatrix for Q4Matrix {
         for g in w.chunks_exact(GROUP) {
             let min = g.iter().fold(f32::INFINITY, |m, &v| m.min(v));
             let max = g.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let scale = (max - min) / 15.0;
+            let (min_bits, min) = through_f16(min)?;
+            let (scale_bits, scale) = through_f16((max - min) / 15.0)?;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             let q = |v: f32| ((v - min) * inv).round().clamp(0.0, 15.0) as u8;
-            scales.push(scale);
-            mins.push(min);
+            scales.push(scale_bits);
+            mins.push(min_bits);
             packed.extend((0..GROUP / 2).map(|j| q(g[j]) | (q(g[j + GROUP / 2]) << 4)));
         }
         Some(Q4Matrix { rows, cols, packed, scales, mins })
@@ -157,7 +204,7 @@ impl QuantMatrix for Q4Matrix {
     }
 
     fn bytes(&self) -> usize {
-        self.packed.len() + 4 * (self.scales.len() + self.mins.len())
+        self.packed.len() + 2 * (self.scales.len() + self.mins.len())
     }
 
     fn dequantize_row(&self, r: usize) -> Vec<f32> {
@@ -165,7 +212,7 @@ impl QuantMatrix for Q4Matrix {
         let mut out = Vec::with_capacity(self.cols);
         for g in 0..self.cols / GROUP {
             let bytes = &self.packed[(g0 + g) * GROUP / 2..(g0 + g + 1) * GROUP / 2];
-            let (s, m) = (self.scales[g0 + g], self.mins[g0 + g]);
+            let (s, m) = (f16_to_f32(self.scales[g0 + g]), f16_to_f32(self.mins[g0 + g]));
             out.extend(bytes.iter().map(|b| m + (b & 15) as f32 * s));
             out.extend(bytes.iter().map(|b| m + (b >> 4) as f32 * s));
         }
@@ -310,11 +357,11 @@ mod tests {
         for r in 0..4 {
             let back = m.dequantize_row(r);
             for (i, (a, b)) in back.iter().zip(&w[r * 64..(r + 1) * 64]).enumerate() {
-                let step = m.scales[(r * 64 + i) / 32];
+                let step = f16_to_f32(m.scales[(r * 64 + i) / 32]);
                 assert!((a - b).abs() <= step / 2.0 + 1e-7, "row {r} col {i}: {a} vs {b}");
             }
         }
-        assert_eq!(m.bytes(), 4 * 64 + 4 * 8);
+        assert_eq!(m.bytes(), 4 * 64 + 2 * 8);
     }
 
     #[test]
@@ -331,7 +378,9 @@ mod tests {
                 } else {
                     (j * 7 + g) % 16
                 };
-                -0.25 + g as f32 * 0.01 + q as f32 * (0.03 + g as f32 * 0.001)
+                // Q4_1 keeps its scale and minimum in f16.
+                let f16 = |v: f32| f16_to_f32(f32_to_f16(v));
+                f16(-0.25 + g as f32 * 0.01) + q as f32 * f16(0.03 + g as f32 * 0.001)
             })
             .collect();
         let m = <Q4Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap();
@@ -345,13 +394,32 @@ mod tests {
             let want: f32 = back.iter().zip(&x).map(|(a, b)| a * b).sum();
             assert!((m.dot_row(r, &x, &xsum) - want).abs() < 1e-4);
         }
-        assert_eq!(m.bytes(), rows * cols / 2 + 8 * rows * cols / 32);
+        assert_eq!(m.bytes(), rows * cols / 2 + 4 * rows * cols / 32);
+    }
+
+    #[test]
+    fn f16_conversions_round_trip_and_round_to_even() {
+        for h in 0..=u16::MAX {
+            let v = f16_to_f32(h);
+            if v.is_nan() {
+                assert!(f16_to_f32(f32_to_f16(v)).is_nan());
+            } else {
+                assert_eq!(f32_to_f16(v), h, "{h:#06x} -> {v}");
+            }
+        }
+        assert_eq!(f16_to_f32(0x3c00), 1.0);
+        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
+        assert_eq!(f32_to_f16(1.0 + 2f32.powi(-11)), 0x3c00, "a tie rounds to even");
+        assert_eq!(f32_to_f16(1.0 + 3.0 * 2f32.powi(-11)), 0x3c02, "a tie rounds to even");
+        assert_eq!(f32_to_f16(65520.0), 0x7c00);
+        assert_eq!(f32_to_f16(65519.0), 0x7bff);
+        assert!(<Q8Matrix as QuantMatrix>::quantize(&[1e7; 32], 1, 32).is_none(), "a scale past f16's range");
     }
 
     #[test]
     fn zero_groups_and_bad_widths() {
         let m = <Q8Matrix as QuantMatrix>::quantize(&[0.0; 32], 1, 32).unwrap();
-        assert_eq!(m.scales, vec![0.0]);
+        assert_eq!(m.scales, vec![0]);
         assert!(m.values.iter().all(|&v| v == 0));
         assert!(<Q8Matrix as QuantMatrix>::quantize(&[0.0; 30], 1, 30).is_none());
         let z = <Q4Matrix as QuantMatrix>::quantize(&[0.5; 32], 1, 32).unwrap();
