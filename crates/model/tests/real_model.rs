@@ -362,3 +362,33 @@ fn quantized_batched_prefill_and_decode_keep_the_greedy_text() {
         assert_eq!(&g[..w.len()], &w[..], "greedy tokens of {:?} decoded in a batch of three", p["name"]);
     }
 }
+
+/// The default model ships Q4_1 projections and a Q8_0 embedding (f16 scales and minimums): Q4 and
+/// Q8 with f16 scales give those values back exactly.
+#[test]
+fn q4_weights_give_back_the_gguf_values() {
+    use pdserve_model::quant::{Q4Weights, QuantMatrix};
+    let m = model();
+    let c = &m.config;
+    let (q_dim, kv_dim) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let q4 = Q4Weights::quantize(&m.weights, c.hidden_size, c.intermediate_size, q_dim, kv_dim, c.vocab_size)
+        .unwrap();
+    let mut worst = 0f32;
+    for li in [0, c.num_layers - 1] {
+        let (l, ql) = (&m.weights.layers[li], &q4.layers[li]);
+        let qkv: Vec<f32> = [&l.q[..], &l.k[..], &l.v[..]].concat();
+        for (mat, f32s) in [(&ql.qkv, &qkv[..]), (&ql.o, &l.o[..]), (&ql.down, &l.down[..])] {
+            for r in 0..mat.rows() {
+                let back = mat.dequantize_row(r);
+                let want = &f32s[r * mat.cols()..(r + 1) * mat.cols()];
+                worst = back.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(worst, f32::max);
+            }
+        }
+    }
+    for r in (0..c.vocab_size).step_by(97) {
+        let back = q4.lm_head.dequantize_row(r);
+        let want = &m.weights.lm_head()[r * c.hidden_size..(r + 1) * c.hidden_size];
+        worst = back.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(worst, f32::max);
+    }
+    assert!(worst < 1e-6, "largest |dequantized - loaded| {worst}");
+}
