@@ -1,6 +1,6 @@
 //! Speed of the CPU forward pass on the default model: single-sequence decode (f32, Q8 and Q4 weights),
-//! prefill of a 1,000-token
-//! prompt, and aggregate decode with 8 and 32 sequences in one batch. Uses rayon's pool (one thread per
+//! prefill of a 1,000-token prompt (f32, and Q4 whose multi-row steps read bf16 weights), and
+//! aggregate decode with 8 and 32 sequences in one batch (f32; 32 also with Q4). Uses rayon's pool (one thread per
 //! core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens). Writes
 //! `target/bench/model-forward.json`.
 
@@ -94,23 +94,32 @@ fn main() {
     };
     let q8 = quantized(pdserve_model::WeightFormat::Q8);
     let q4 = quantized(pdserve_model::WeightFormat::Q4);
+    // What `--weights q4` serves: multi-row steps read bf16 weights where the CPU has AVX-512 BF16.
+    let q4_backend = |weights: &Arc<_>| {
+        let mut b = fresh(weights);
+        b.cpu = b.cpu.with_weight_format(pdserve_model::WeightFormat::Q4).expect("quantize");
+        b
+    };
+    let multi = q4_backend(&weights).cpu.multi_row_format();
+    let q4_prefill = 1000.0 / q4_backend(&weights).prefill(1, 1000);
 
     let mut results = vec![
         ("single_decode_tokens_per_second", single),
         ("single_decode_q8_tokens_per_second", q8),
         ("single_decode_q4_tokens_per_second", q4),
         ("prefill_1000_tokens_per_second", prefill),
+        ("prefill_1000_q4_tokens_per_second", q4_prefill),
     ];
-    for n in [8usize, 32] {
-        let mut b = fresh(&weights);
+    for (n, q4, name) in [
+        (8usize, false, "batch8_decode_tokens_per_second"),
+        (32, false, "batch32_decode_tokens_per_second"),
+        (32, true, "batch32_decode_q4_tokens_per_second"),
+    ] {
+        let mut b = if q4 { q4_backend(&weights) } else { fresh(&weights) };
         b.prefill(n, 64);
-        let rate = b.decode(n, steps);
-        results.push((
-            if n == 8 { "batch8_decode_tokens_per_second" } else { "batch32_decode_tokens_per_second" },
-            rate,
-        ));
+        results.push((name, b.decode(n, steps)));
     }
-    println!("threads: {threads}");
+    println!("threads: {threads}; q4's multi-row steps read {multi} weights");
     for (k, v) in &results {
         println!("{k:<36} {v:>10.1}");
     }
