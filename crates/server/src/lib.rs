@@ -70,8 +70,11 @@ pub struct WorkerConfig {
     pub exit_on_stdin_eof: bool,
     /// What runs the model.
     pub device: Device,
-    /// How the CPU backend stores the weights its decode steps read (`--weights f32|q8`).
+    /// How the CPU backend stores the weights its decode steps read (`--weights f32|q8|q4`).
     pub weights: pdserve_model::WeightFormat,
+    /// What steps of more than two rows read ("f32" or "bf16"): set when the worker starts, from the
+    /// backend (the CPU's bf16 GEMM needs AVX-512 BF16; the GPU backend is bf16).
+    pub multi_row_weights: &'static str,
 }
 
 /// What runs the model: the CPU backend, or the GPU backend on CUDA device N.
@@ -137,6 +140,7 @@ impl WorkerConfig {
             kv_shm: false,
             device: Device::Cpu,
             weights: pdserve_model::WeightFormat::F32,
+            multi_row_weights: "f32",
             kv_shm_path: None,
         }
     }
@@ -193,6 +197,7 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
                 config.weights.name()
             )));
         }
+        config.multi_row_weights = "bf16";
         Box::new(
             pdserve_model::GpuBackend::new(
                 model_config.clone(),
@@ -213,13 +218,14 @@ pub fn run(mut config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Resul
                 .and_then(|b| b.with_weight_format(config.weights))
                 .map_err(WorkerError::Model)?;
         config.kv_shm_path = Some(path);
+        config.multi_row_weights = b.multi_row_format();
         Box::new(b)
     } else {
-        Box::new(
-            CpuBackend::new(model_config.clone(), weights, config.kv_blocks, config.block_size)
-                .with_weight_format(config.weights)
-                .map_err(WorkerError::Model)?,
-        )
+        let b = CpuBackend::new(model_config.clone(), weights, config.kv_blocks, config.block_size)
+            .with_weight_format(config.weights)
+            .map_err(WorkerError::Model)?;
+        config.multi_row_weights = b.multi_row_format();
+        Box::new(b)
     };
     let pd = match config.role {
         pdserve_scheduler::Role::Unified => None,
