@@ -126,32 +126,23 @@ impl CpuBackend {
     /// Q8 or Q4, steps of more rows (prefill, batched decode) run bf16 GEMMs (f32 sums) where the CPU
     /// has AVX-512 BF16 (see [`multi_row_format`](Self::multi_row_format)).
     pub fn with_weight_format(self, format: WeightFormat) -> Result<Self, ModelError> {
-        let c = &self.cfg;
-        let dims = (
-            c.hidden_size,
-            c.intermediate_size,
-            c.num_heads * c.head_dim,
-            c.num_kv_heads * c.head_dim,
-            c.vocab_size,
-        );
         fn quantize<M: QuantMatrix>(
             w: &Weights,
-            (h, i, q, kv, v): (usize, usize, usize, usize, usize),
+            c: &ModelConfig,
         ) -> Result<Arc<QuantWeights<M>>, ModelError> {
-            QuantWeights::quantize(w, h, i, q, kv, v).map(Arc::new).ok_or_else(|| ModelError::Unsupported {
+            QuantWeights::quantize(w, c).map(Arc::new).ok_or_else(|| ModelError::Unsupported {
                 field: "quantized weights".into(),
                 value: "a matrix width that is not a multiple of 32".into(),
             })
         }
         let decode = match format {
             WeightFormat::F32 => None,
-            WeightFormat::Q8 => Some(DecodeWeights::Q8(quantize(&self.w, dims)?)),
-            WeightFormat::Q4 => Some(DecodeWeights::Q4(quantize(&self.w, dims)?)),
+            WeightFormat::Q8 => Some(DecodeWeights::Q8(quantize(&self.w, &self.cfg)?)),
+            WeightFormat::Q4 => Some(DecodeWeights::Q4(quantize(&self.w, &self.cfg)?)),
         };
         let multi = match format {
             WeightFormat::Q8 | WeightFormat::Q4 if has_bf16_gemm() => {
-                let (h, i, q, kv, v) = dims;
-                Bf16Weights::pack(&self.w, h, i, q, kv, v).map(Arc::new)
+                Bf16Weights::pack(&self.w, &self.cfg).map(Arc::new)
             }
             _ => None,
         };

@@ -5,6 +5,7 @@
 //! decode: GEMMs that reuse every weight across rows) read bf16 copies (see [`Bf16Matrix`]).
 
 use crate::weights::Weights;
+use crate::ModelConfig;
 
 /// Values per quantization group (one scale, and for Q4 one minimum, each).
 pub const GROUP: usize = 32;
@@ -257,12 +258,15 @@ pub type Q8Weights = QuantWeights<Q8Matrix>;
 pub type Q4Weights = QuantWeights<Q4Matrix>;
 
 /// Builds every layer's matrices with `make(w, rows, cols)`, Q, K and V stacked and gate and up
-/// stacked; `None` if `make` refuses one.
-fn stack_layers<M>(
+/// stacked, and the LM head with `head`; `None` if either refuses one.
+fn stack_layers<M, H>(
     w: &Weights,
-    (hidden, inter, q_dim, kv_dim): (usize, usize, usize, usize),
+    c: &ModelConfig,
     make: impl Fn(&[f32], usize, usize) -> Option<M>,
-) -> Option<Vec<QuantLayer<M>>> {
+    head: impl Fn(&[f32], usize, usize) -> Option<H>,
+) -> Option<(Vec<QuantLayer<M>>, H)> {
+    let (hidden, inter) = (c.hidden_size, c.intermediate_size);
+    let (q_dim, kv_dim) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
     let mut layers = Vec::with_capacity(w.layers.len());
     for l in &w.layers {
         let qkv: Vec<f32> = [&l.q[..], &l.k[..], &l.v[..]].concat();
@@ -274,21 +278,15 @@ fn stack_layers<M>(
             down: make(&l.down, hidden, inter)?,
         });
     }
-    Some(layers)
+    Some((layers, head(w.lm_head(), c.vocab_size, hidden)?))
 }
 
 impl<M: QuantMatrix> QuantWeights<M> {
-    /// Quantizes the projections and the LM head; `None` if a width is not a multiple of 32.
-    pub fn quantize(
-        w: &Weights,
-        hidden: usize,
-        inter: usize,
-        q_dim: usize,
-        kv_dim: usize,
-        vocab: usize,
-    ) -> Option<Self> {
-        let layers = stack_layers(w, (hidden, inter, q_dim, kv_dim), M::quantize)?;
-        Some(QuantWeights { layers, lm_head: Q8Matrix::quantize(w.lm_head(), vocab, hidden)? })
+    /// Quantizes the projections and the LM head of a model shaped by `c`; `None` if a width is not
+    /// a multiple of 32.
+    pub fn quantize(w: &Weights, c: &ModelConfig) -> Option<Self> {
+        let (layers, lm_head) = stack_layers(w, c, M::quantize, Q8Matrix::quantize)?;
+        Some(QuantWeights { layers, lm_head })
     }
 
     /// Bytes of every quantized matrix (what one decode step reads).
@@ -332,17 +330,11 @@ pub struct Bf16Weights {
 }
 
 impl Bf16Weights {
-    /// Packs the projections and the LM head; `None` if a matrix's rows are not a multiple of 32.
-    pub fn pack(
-        w: &Weights,
-        hidden: usize,
-        inter: usize,
-        q_dim: usize,
-        kv_dim: usize,
-        vocab: usize,
-    ) -> Option<Self> {
-        let layers = stack_layers(w, (hidden, inter, q_dim, kv_dim), Bf16Matrix::pack)?;
-        Some(Bf16Weights { layers, lm_head: Bf16Matrix::pack(w.lm_head(), vocab, hidden)? })
+    /// Packs the projections and the LM head of a model shaped by `c`; `None` if a matrix's rows
+    /// are not a multiple of 32.
+    pub fn pack(w: &Weights, c: &ModelConfig) -> Option<Self> {
+        let (layers, lm_head) = stack_layers(w, c, Bf16Matrix::pack, Bf16Matrix::pack)?;
+        Some(Bf16Weights { layers, lm_head })
     }
 }
 

@@ -370,9 +370,7 @@ fn q4_weights_give_back_the_gguf_values() {
     use pdserve_model::quant::{Q4Weights, QuantMatrix};
     let m = model();
     let c = &m.config;
-    let (q_dim, kv_dim) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-    let q4 = Q4Weights::quantize(&m.weights, c.hidden_size, c.intermediate_size, q_dim, kv_dim, c.vocab_size)
-        .unwrap();
+    let q4 = Q4Weights::quantize(&m.weights, c).unwrap();
     let mut worst = 0f32;
     for li in [0, c.num_layers - 1] {
         let (l, ql) = (&m.weights.layers[li], &q4.layers[li]);
