@@ -23,8 +23,8 @@ struct Raw<'a> {
     timeout: Option<f64>,
     #[serde(default, borrow)]
     messages: Option<Vec<RawMessage<'a>>>,
-    #[serde(default, borrow)]
-    prompt: Option<RawPrompt<'a>>,
+    #[serde(default)]
+    prompt: Option<RawPrompt>,
 }
 
 #[derive(Deserialize)]
@@ -33,11 +33,37 @@ struct RawMessage<'a> {
     content: Option<RawContent<'a>>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// A message's `content`: a string, or an array of parts. Dispatched on the JSON token itself (serde's
+/// untagged enums would first copy the value into a buffer to try each variant in turn).
 enum RawContent<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
+    Text(Cow<'a, str>),
     Parts(Vec<RawPart<'a>>),
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for RawContent<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
+            type Value = RawContent<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string or an array of content parts")
+            }
+            fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                Ok(RawContent::Text(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(RawContent::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(p) = seq.next_element()? {
+                    parts.push(p);
+                }
+                Ok(RawContent::Parts(parts))
+            }
+        }
+        d.deserialize_any(V(std::marker::PhantomData))
+    }
 }
 
 #[derive(Deserialize)]
@@ -46,13 +72,112 @@ struct RawPart<'a> {
     text: Option<Cow<'a, str>>,
 }
 
-#[derive(Deserialize)]
-#[serde(untagged)]
-enum RawPrompt<'a> {
-    Text(#[serde(borrow)] Cow<'a, str>),
-    Texts(Vec<Cow<'a, str>>),
-    Tokens(Vec<u32>),
-    Other(serde::de::IgnoredAny),
+/// A completion's `prompt` as routing text: a string as is, an array of strings joined with newlines,
+/// an array of token ids as "1 2 3 "; anything else routes as no text (the worker validates it).
+struct RawPrompt(String);
+
+impl<'de> Deserialize<'de> for RawPrompt {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        /// One element of a prompt array.
+        enum Item<'a> {
+            Text(Cow<'a, str>),
+            Token(u64),
+            Other,
+        }
+        impl<'de: 'a, 'a> Deserialize<'de> for Item<'a> {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct V<'a>(std::marker::PhantomData<&'a ()>);
+                impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
+                    type Value = Item<'a>;
+                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                        f.write_str("a prompt element")
+                    }
+                    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+                        Ok(Item::Text(Cow::Borrowed(v)))
+                    }
+                    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                        Ok(Item::Text(Cow::Owned(v.to_owned())))
+                    }
+                    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                        Ok(Item::Token(v))
+                    }
+                    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                        Ok(Item::Other)
+                    }
+                    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                        Ok(Item::Other)
+                    }
+                    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                        Ok(Item::Other)
+                    }
+                    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+                        Ok(Item::Other)
+                    }
+                    fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                        self,
+                        mut seq: A,
+                    ) -> Result<Self::Value, A::Error> {
+                        while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                        Ok(Item::Other)
+                    }
+                    fn visit_map<A: serde::de::MapAccess<'de>>(
+                        self,
+                        mut map: A,
+                    ) -> Result<Self::Value, A::Error> {
+                        while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+                        Ok(Item::Other)
+                    }
+                }
+                d.deserialize_any(V(std::marker::PhantomData))
+            }
+        }
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RawPrompt;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a prompt")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(RawPrompt(v.to_owned()))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let (mut text, mut tokens, mut other) = (String::new(), String::new(), false);
+                while let Some(item) = seq.next_element::<Item<'de>>()? {
+                    match item {
+                        Item::Text(t) => push_line(&mut text, &t),
+                        Item::Token(id) => {
+                            tokens.push_str(&id.to_string());
+                            tokens.push(' ');
+                        }
+                        Item::Other => other = true,
+                    }
+                }
+                // A uniform array only, as the API allows (strings, or token ids).
+                Ok(RawPrompt(match (text.is_empty(), tokens.is_empty(), other) {
+                    (false, true, false) => text,
+                    (true, false, false) => tokens,
+                    _ => String::new(),
+                }))
+            }
+            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(RawPrompt(String::new()))
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(RawPrompt(String::new()))
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(RawPrompt(String::new()))
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(RawPrompt(String::new()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
+                Ok(RawPrompt(String::new()))
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// Reads the routing fields of `body`. Unknown fields are skipped, not checked: the worker validates the
@@ -84,16 +209,8 @@ pub fn peek(body: &[u8]) -> Result<Peek, String> {
             }
         }
     } else {
-        match &raw.prompt {
-            Some(RawPrompt::Text(t)) => prompt.push_str(t),
-            Some(RawPrompt::Texts(ts)) => ts.iter().for_each(|t| push_line(&mut prompt, t)),
-            Some(RawPrompt::Tokens(ids)) => {
-                for id in ids {
-                    prompt.push_str(&id.to_string());
-                    prompt.push(' ');
-                }
-            }
-            Some(RawPrompt::Other(_)) | None => {}
+        if let Some(RawPrompt(text)) = raw.prompt {
+            prompt = text;
         }
     }
     Ok(Peek { stream: raw.stream.unwrap_or(false), timeout_s: raw.timeout, prompt })
@@ -152,6 +269,15 @@ mod tests {
         assert_eq!(peek(br#"{"prompt":[1,2,3]}"#).unwrap().prompt, "1 2 3 ");
         assert_eq!(peek(br#"{"prompt":"a\u00e9\"b"}"#).unwrap().prompt, "a\u{e9}\"b");
         assert!(!peek(br#"{}"#).unwrap().stream);
+        assert_eq!(peek(br#"{"prompt":["a","b\n"]}"#).unwrap().prompt, "a\nb\n");
+        // Arrays the API does not define route as no text; the worker answers them.
+        assert_eq!(peek(br#"{"prompt":["a",1]}"#).unwrap().prompt, "");
+        assert_eq!(peek(br#"{"prompt":[[1,2],[3]]}"#).unwrap().prompt, "");
+        assert_eq!(
+            peek(br#"{"prompt":{"x":[1]},"stream":true}"#).unwrap(),
+            Peek { stream: true, ..Peek::default() }
+        );
+        assert_eq!(peek(br#"{"prompt":null}"#).unwrap().prompt, "");
     }
 
     #[test]
@@ -160,6 +286,9 @@ mod tests {
         assert!(peek(br#"{"stream":"yes"}"#).is_err());
         assert!(peek(br#"{"timeout":-1}"#).unwrap_err().contains("timeout"));
         assert!(peek(b"[1]").is_err());
+        assert!(peek(br#"{"messages":[{"content":7}]}"#)
+            .unwrap_err()
+            .contains("a string or an array of content parts"));
     }
 
     #[test]
