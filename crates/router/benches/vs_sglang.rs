@@ -3,6 +3,9 @@
 //! hold on a noisy machine: requests/s, p50/p99 latency and the router's CPU time per request, for round
 //! robin and cache-aware, regular and PD mode, at 8 and 64 connections.
 //!
+//! As a floor for what any proxy can do on the machine, nginx itself as a reverse proxy (one process,
+//! keep-alive upstreams, round robin) is measured in the regular round-robin cases too.
+//!
 //! Needs `nginx` and `wrk` on PATH; the peer is taken from `$SGLANG_VENV` (default
 //! `/tmp/router-peer-rt/venv`, as `shared/peers/router/run.sh setup` makes it) and skipped if absent.
 //! Run with `cargo xtask bench router [--seconds N] [--reps N]`. Writes `target/bench/router.json`.
@@ -15,6 +18,25 @@ use std::time::{Duration, Instant};
 const PORTS: [u16; 4] = [18001, 18002, 18003, 18004];
 const OURS: u16 = 30001;
 const PEER: u16 = 30000;
+const PROXY: u16 = 30002;
+
+/// nginx as a plain reverse proxy in front of the two regular mock workers: one process (no master),
+/// upstream keep-alive, round robin.
+fn proxy_conf(dir: &Path) -> String {
+    format!(
+        "worker_processes 1;\nmaster_process off;\ndaemon off;\npid {d}/proxy.pid;\nerror_log {d}/proxy-error.log warn;\n\
+events {{ worker_connections 4096; multi_accept on; }}\n\
+http {{\n    access_log off;\n    keepalive_requests 1000000;\n    keepalive_timeout 120s;\n    client_body_buffer_size 64k;\n\
+    client_body_temp_path {d}/pbody;\n    proxy_temp_path {d}/pproxy;\n    fastcgi_temp_path {d}/pfcgi;\n    uwsgi_temp_path {d}/puwsgi;\n    scgi_temp_path {d}/pscgi;\n\
+    upstream mock {{ server 127.0.0.1:{w1}; server 127.0.0.1:{w2}; keepalive 128; }}\n\
+    server {{\n        listen 127.0.0.1:{port} backlog=4096;\n\
+        location / {{ proxy_pass http://mock; proxy_http_version 1.1; proxy_set_header Connection \"\"; }}\n    }}\n}}\n",
+        d = dir.display(),
+        w1 = PORTS[0],
+        w2 = PORTS[1],
+        port = PROXY
+    )
+}
 
 fn nginx_conf(dir: &Path) -> String {
     let listen: String =
@@ -224,7 +246,17 @@ fn main() {
             .spawn()
             .expect("nginx on PATH"),
     );
+    std::fs::write(dir.join("proxy.conf"), proxy_conf(&dir)).expect("proxy conf");
+    let proxy = Proc(
+        Command::new("nginx")
+            .args(["-p", &dir.display().to_string(), "-c"])
+            .arg(dir.join("proxy.conf"))
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("nginx on PATH"),
+    );
     std::thread::sleep(Duration::from_millis(500));
+    wait_routable(PROXY, "nginx proxy");
     let venv =
         PathBuf::from(std::env::var("SGLANG_VENV").unwrap_or_else(|_| "/tmp/router-peer-rt/venv".into()));
     let peer = venv.join("bin/python").exists();
@@ -245,6 +277,8 @@ fn main() {
                 let mode = if pd { "pd" } else { "regular" };
                 let mut ours_s = Vec::new();
                 let mut peer_s = Vec::new();
+                let mut proxy_s = Vec::new();
+                let with_proxy = !pd && policy == "round_robin";
                 for _ in 0..reps {
                     {
                         let p = start_ours(pd, policy);
@@ -254,11 +288,14 @@ fn main() {
                         let p = start_peer(&venv, pd, policy);
                         peer_s.push(wrk(PEER, conns, secs, &lua, p.0.id()));
                     }
+                    if with_proxy {
+                        proxy_s.push(wrk(PROXY, conns, secs, &lua, proxy.0.id()));
+                    }
                 }
                 let mean = |v: &[Sample], f: fn(&Sample) -> f64| {
                     v.iter().map(f).sum::<f64>() / v.len().max(1) as f64
                 };
-                for (who, v) in [("pdserve", &ours_s), ("sglang", &peer_s)] {
+                for (who, v) in [("pdserve", &ours_s), ("sglang", &peer_s), ("nginx-proxy", &proxy_s)] {
                     if v.is_empty() {
                         continue;
                     }
@@ -282,15 +319,29 @@ fn main() {
                         conns,
                         ""
                     );
+                    if with_proxy {
+                        let floor = mean(&proxy_s, |s| s.rps) / mean(&peer_s, |s| s.rps);
+                        println!(
+                            "{:<28} {:>5} {:>10} nginx-proxy / sglang req/s {floor:.2}x",
+                            format!("  floor {mode} {policy}"),
+                            conns,
+                            ""
+                        );
+                    }
                 }
+                let samples = |v: &[Sample]| -> Vec<serde_json::Value> {
+                    v.iter()
+                        .map(|s| serde_json::json!({"rps": s.rps, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "cpu_us_per_req": s.cpu_us_per_req, "non2xx": s.non2xx}))
+                        .collect()
+                };
                 results.push(serde_json::json!({
                     "mode": mode, "policy": policy, "connections": conns,
-                    "ours": ours_s.iter().map(|s| serde_json::json!({"rps": s.rps, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "cpu_us_per_req": s.cpu_us_per_req, "non2xx": s.non2xx})).collect::<Vec<_>>(),
-                    "peer": peer_s.iter().map(|s| serde_json::json!({"rps": s.rps, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "cpu_us_per_req": s.cpu_us_per_req, "non2xx": s.non2xx})).collect::<Vec<_>>(),
+                    "ours": samples(&ours_s), "peer": samples(&peer_s), "nginx_proxy": samples(&proxy_s),
                 }));
             }
         }
     }
+    drop(proxy);
     drop(nginx);
     let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/bench");
     let _ = std::fs::create_dir_all(&out);
