@@ -238,23 +238,19 @@ fn main() {
     std::fs::write(dir.join("nginx.conf"), nginx_conf(&dir)).expect("conf");
     let lua = dir.join("chat.lua");
     std::fs::write(&lua, LUA).expect("lua");
-    let nginx = Proc(
-        Command::new("nginx")
-            .args(["-p", &dir.display().to_string(), "-c"])
-            .arg(dir.join("nginx.conf"))
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("nginx on PATH"),
-    );
     std::fs::write(dir.join("proxy.conf"), proxy_conf(&dir)).expect("proxy conf");
-    let proxy = Proc(
-        Command::new("nginx")
-            .args(["-p", &dir.display().to_string(), "-c"])
-            .arg(dir.join("proxy.conf"))
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("nginx on PATH"),
-    );
+    let nginx_with = |conf: &str| {
+        Proc(
+            Command::new("nginx")
+                .args(["-p", &dir.display().to_string(), "-c"])
+                .arg(dir.join(conf))
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("nginx on PATH"),
+        )
+    };
+    let nginx = nginx_with("nginx.conf");
+    let proxy = nginx_with("proxy.conf");
     std::thread::sleep(Duration::from_millis(500));
     wait_routable(PROXY, "nginx proxy");
     let venv =
