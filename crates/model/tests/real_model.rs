@@ -350,6 +350,16 @@ fn quantized_batched_prefill_and_decode_keep_the_greedy_text() {
             .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: true })
             .collect();
         let logits = cpu.forward(&steps).unwrap();
+        if first {
+            // The prefill's logits (bf16 projections and LM head for these three rows) against the
+            // f32 path's for each prompt alone.
+            for (p, l) in prompts.iter().zip(&logits) {
+                let f32_logits = Run::new(&mut backend(), p).step(p.len());
+                let worst = l.iter().zip(&f32_logits).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                eprintln!("multi-row prefill: largest |logit - f32 logit| {worst}");
+                assert!(worst < QUANT_LOGIT_TOLERANCE, "multi-row logits differ from f32 by {worst}");
+            }
+        }
         for (i, s) in seqs.iter().enumerate() {
             kv.commit(*s, inputs[i].0.len()).unwrap();
             let tok = samplers[i].sample(&logits[i], &[], &got[i]).token;
