@@ -14,8 +14,9 @@ use crate::quant::{
     Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
 };
 use crate::sys::{
-    as_f32, as_f32_mut, create_shared_f32, dot, gemm_bf16_par, has_bf16_gemm, map_file, sgemm,
-    sgemm_xwt_avx512, sgemm_xwt_avx512_strided, silu_mul, softmax_masked, to_bf16, Mmap,
+    as_f32, as_f32_mut, create_shared_f32, dot, exp_shifted, gemm_bf16_par, group_scores, group_weighted_sum,
+    has_bf16_gemm, map_file, sgemm, sgemm_xwt_avx512, sgemm_xwt_avx512_strided, silu_mul, softmax_masked,
+    to_bf16, Mmap,
 };
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
@@ -197,6 +198,113 @@ impl CpuBackend {
         (((block.0 as usize * l.num_layers + layer) * 2 + kind) * l.block_size + pos)
             * l.num_kv_heads
             * l.head_dim
+    }
+}
+
+/// Keys per split of a decode row's attention: long contexts are cut into splits that run in
+/// parallel and are merged by their maxima and sums (flash-decoding), so one sequence's attention
+/// uses every core.
+const DECODE_SPLIT_KEYS: usize = 512;
+
+/// One split's share of a decode row's attention, per query head: the largest score, the sum of
+/// exp(score - largest), and the values weighted by those exps.
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+impl CpuBackend {
+    /// Attention of single-token rows (`decode_rows`, each reading its sequence's whole paged
+    /// cache): tasks of (row, split of the keys) read each position's K and V rows once, whole (every
+    /// KV head, contiguous within a block), score every query head against its KV head's key, and
+    /// are merged per (row, head) into `attn`.
+    fn decode_attention(
+        &self,
+        steps: &[SeqStep<'_>],
+        rows: &[(usize, usize)],
+        decode_rows: &[usize],
+        li: usize,
+        (qkv, ldq): (&[f32], usize),
+        attn: &mut [f32],
+    ) {
+        let (hd, nh, nkv, bs) =
+            (self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, self.layout.block_size);
+        let (group, q_dim, stride) = (nh / nkv, nh * hd, nkv * hd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let kv_mem = self.kv.as_slice();
+        // (row, first key, end key)
+        let mut tasks = Vec::new();
+        for &r in decode_rows {
+            let ctx = rows[r].1 + 1;
+            let splits = ctx.div_ceil(DECODE_SPLIT_KEYS);
+            tasks.extend((0..splits).map(|sp| (r, sp * ctx / splits, (sp + 1) * ctx / splits)));
+        }
+        let partials: Vec<Partial> = tasks
+            .par_iter()
+            .map(|&(r, j0, j1)| {
+                let table = steps[rows[r].0].block_table;
+                let q: Vec<f32> = qkv[r * ldq..][..q_dim].iter().map(|v| v * scale).collect();
+                let n = j1 - j0;
+                let mut part = Partial { max: vec![0.0; nh], sum: vec![0.0; nh], acc: vec![0.0; q_dim] };
+                SCORES.with_borrow_mut(|scores| {
+                    let scores = sized(scores, nh * n);
+                    // Positions block by block: within a block, one position's K (or V) row of every
+                    // KV head is `stride` floats long and the next position's follows it.
+                    let mut j = j0;
+                    while j < j1 {
+                        let (block, off) = (table[j / bs], j % bs);
+                        let cnt = (bs - off).min(j1 - j);
+                        let k = &kv_mem[self.kv_at(block, li, 0, off)..];
+                        group_scores(&q, (hd, group), (k, stride), cnt, (&mut scores[j - j0..], n));
+                        j += cnt;
+                    }
+                    for (h, row) in scores.chunks_exact_mut(n).enumerate() {
+                        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                        part.max[h] = max;
+                        part.sum[h] = exp_shifted(row, max);
+                    }
+                    let mut j = j0;
+                    while j < j1 {
+                        let (block, off) = (table[j / bs], j % bs);
+                        let cnt = (bs - off).min(j1 - j);
+                        let v = &kv_mem[self.kv_at(block, li, 1, off)..];
+                        group_weighted_sum(
+                            (&scores[j - j0..], n),
+                            (hd, group),
+                            (v, stride),
+                            cnt,
+                            &mut part.acc,
+                        );
+                        j += cnt;
+                    }
+                });
+                part
+            })
+            .collect();
+        // Merge each row's splits, which are consecutive in `tasks`.
+        let mut i = 0;
+        while i < tasks.len() {
+            let r = tasks[i].0;
+            let end = i + tasks[i..].iter().take_while(|t| t.0 == r).count();
+            for head in 0..nh {
+                let max = partials[i..end].iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.max[head]));
+                let out = &mut attn[r * q_dim + head * hd..][..hd];
+                out.fill(0.0);
+                let mut sum = 0.0;
+                for p in &partials[i..end] {
+                    let w = (p.max[head] - max).exp();
+                    sum += p.sum[head] * w;
+                    for (o, a) in out.iter_mut().zip(&p.acc[head * hd..(head + 1) * hd]) {
+                        *o += a * w;
+                    }
+                }
+                for o in out.iter_mut() {
+                    *o /= sum;
+                }
+            }
+            i = end;
+        }
     }
 }
 
@@ -417,9 +525,6 @@ impl CpuBackend {
             }
             let attn = sized(&mut sc.attn, t * q_dim);
             let this = &*self;
-            let kv_mem = this.kv.as_slice();
-            let scale = 1.0 / (hd as f32).sqrt();
-            let group = nh / nkv;
             // Long prefill chunks: attention as GEMMs over the sequence's K and V gathered out of the
             // paged cache (see `gemm_attention`).
             let mut first_row = 0;
@@ -434,32 +539,10 @@ impl CpuBackend {
                 }
                 first_row += n;
             }
-            let qkv = &sc.qkv;
-            attn.par_chunks_mut(hd).enumerate().for_each(|(idx, out)| {
-                let (r, head) = (idx / nh, idx % nh);
-                if gemm_rows[r] {
-                    return;
-                }
-                let (si, pos) = rows[r];
-                let table = steps[si].block_table;
-                let qv = &qkv[r * qkv_w + head * hd..][..hd];
-                let kvh = head / group;
-                let mut scores = Vec::with_capacity(pos + 1);
-                for j in 0..=pos {
-                    let ki = this.kv_at(table[j / this.layout.block_size], li, 0, j % this.layout.block_size)
-                        + kvh * hd;
-                    scores.push(dot(qv, &kv_mem[ki..ki + hd]));
-                }
-                softmax_masked(&mut scores, pos + 1, scale);
-                out.fill(0.0);
-                for (j, p) in scores.iter().enumerate() {
-                    let vi = this.kv_at(table[j / this.layout.block_size], li, 1, j % this.layout.block_size)
-                        + kvh * hd;
-                    for (o, vv) in out.iter_mut().zip(&kv_mem[vi..vi + hd]) {
-                        *o += p * vv;
-                    }
-                }
-            });
+            let decode_rows: Vec<usize> = (0..t).filter(|&r| !gemm_rows[r]).collect();
+            if !decode_rows.is_empty() {
+                this.decode_attention(steps, &rows, &decode_rows, li, (&sc.qkv, qkv_w), attn);
+            }
             let o = sized(&mut sc.proj, t * hsz);
             if !mats.layer(li, Proj::O, &sc.attn, t, q_dim, &mut sc.xb, o) {
                 o.copy_from_slice(&matmul(&sc.attn, t, q_dim, &lw.o, hsz));

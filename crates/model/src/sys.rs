@@ -565,6 +565,161 @@ pub(crate) fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     }
 }
 
+/// `row[i] = e^(row[i] - shift)` in place; returns their sum. Vectorized where the CPU has AVX-512F.
+pub(crate) fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            use std::arch::x86_64::*;
+            // SAFETY: AVX-512F (checked); every masked load and store stays below `row.len()`.
+            unsafe {
+                let (p, n, vs) = (row.as_mut_ptr(), row.len(), _mm512_set1_ps(shift));
+                let mut sum = _mm512_setzero_ps();
+                let mut i = 0;
+                while i < n {
+                    let m: __mmask16 = if n - i >= 16 { 0xffff } else { (1u16 << (n - i)) - 1 };
+                    let e = _mm512_maskz_mov_ps(
+                        m,
+                        exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), vs)),
+                    );
+                    sum = _mm512_add_ps(sum, e);
+                    _mm512_mask_storeu_ps(p.add(i), m, e);
+                    i += 16;
+                }
+                return _mm512_reduce_add_ps(sum);
+            }
+        }
+    }
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v - shift).exp();
+        sum += *v;
+    }
+    sum
+}
+
+/// Scores of every query head against `n` positions' keys: `q` holds the heads (`hd` values each),
+/// head h reading KV head `h / group`; position i's K row (every KV head) starts `ldk` floats after
+/// position i - 1's in `k`. `out[h * ldo + i] = q_h . k_i[(h / group) * hd..][..hd]`.
+pub(crate) fn group_scores(
+    q: &[f32],
+    (hd, group): (usize, usize),
+    (k, ldk): (&[f32], usize),
+    n: usize,
+    (out, ldo): (&mut [f32], usize),
+) {
+    let heads = q.len() / hd;
+    assert!(hd > 0 && group > 0 && q.len() == heads * hd && heads.is_multiple_of(group));
+    assert!(n == 0 || k.len() >= (n - 1) * ldk + heads / group * hd);
+    assert!(heads == 0 || n == 0 || out.len() >= (heads - 1) * ldo + n);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F (checked); the same safe code, compiled for it.
+            unsafe { group_scores_avx512(q, (hd, group), (k, ldk), n, (out, ldo)) };
+            return;
+        }
+    }
+    group_scores_body(q, (hd, group), (k, ldk), n, (out, ldo));
+}
+
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn group_scores_avx512(
+    q: &[f32],
+    shape: (usize, usize),
+    k: (&[f32], usize),
+    n: usize,
+    out: (&mut [f32], usize),
+) {
+    group_scores_body(q, shape, k, n, out);
+}
+
+#[inline(always)]
+fn group_scores_body(
+    q: &[f32],
+    (hd, group): (usize, usize),
+    (k, ldk): (&[f32], usize),
+    n: usize,
+    (out, ldo): (&mut [f32], usize),
+) {
+    for i in 0..n {
+        let row = &k[i * ldk..];
+        for (h, qh) in q.chunks_exact(hd).enumerate() {
+            let key = &row[(h / group) * hd..][..hd];
+            // Sixteen lanes summed separately, so the loop vectorizes without reordering a sum.
+            let mut lanes = [0f32; 16];
+            let (qc, kc) = (qh.chunks_exact(16), key.chunks_exact(16));
+            let tail: f32 = qc.remainder().iter().zip(kc.remainder()).map(|(a, b)| a * b).sum();
+            for (a, b) in qc.zip(kc) {
+                for l in 0..16 {
+                    lanes[l] += a[l] * b[l];
+                }
+            }
+            out[h * ldo + i] = lanes.iter().sum::<f32>() + tail;
+        }
+    }
+}
+
+/// `acc[h * hd..][..hd] += sum_i p[h * ldp + i] * v_i[(h / group) * hd..][..hd]` for every query head
+/// h, over `n` positions whose V rows (every KV head) are `ldv` floats apart in `v`.
+pub(crate) fn group_weighted_sum(
+    (p, ldp): (&[f32], usize),
+    (hd, group): (usize, usize),
+    (v, ldv): (&[f32], usize),
+    n: usize,
+    acc: &mut [f32],
+) {
+    let heads = acc.len() / hd;
+    assert!(hd > 0 && group > 0 && acc.len() == heads * hd && heads.is_multiple_of(group));
+    assert!(n == 0 || v.len() >= (n - 1) * ldv + heads / group * hd);
+    assert!(heads == 0 || n == 0 || p.len() >= (heads - 1) * ldp + n);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F (checked); the same safe code, compiled for it.
+            unsafe { group_weighted_sum_avx512((p, ldp), (hd, group), (v, ldv), n, acc) };
+            return;
+        }
+    }
+    group_weighted_sum_body((p, ldp), (hd, group), (v, ldv), n, acc);
+}
+
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn group_weighted_sum_avx512(
+    p: (&[f32], usize),
+    shape: (usize, usize),
+    v: (&[f32], usize),
+    n: usize,
+    acc: &mut [f32],
+) {
+    group_weighted_sum_body(p, shape, v, n, acc);
+}
+
+#[inline(always)]
+fn group_weighted_sum_body(
+    (p, ldp): (&[f32], usize),
+    (hd, group): (usize, usize),
+    (v, ldv): (&[f32], usize),
+    n: usize,
+    acc: &mut [f32],
+) {
+    for i in 0..n {
+        let row = &v[i * ldv..];
+        for (h, a) in acc.chunks_exact_mut(hd).enumerate() {
+            let w = p[h * ldp + i];
+            for (a, x) in a.iter_mut().zip(&row[(h / group) * hd..][..hd]) {
+                *a += w * x;
+            }
+        }
+    }
+}
+
 /// Dot product, with an AVX2+FMA kernel where the CPU has one.
 pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
@@ -968,6 +1123,38 @@ mod tests {
                 assert!((f64::from(part[r * cols + c]) - want).abs() < 1e-3, "r {r} c {c}");
             }
         }
+    }
+
+    #[test]
+    fn grouped_decode_attention_kernels_match_a_naive_loop() {
+        // 4 query heads over 2 KV heads (group 2), head size 20, 5 positions whose rows (both KV
+        // heads, 40 floats) sit 44 floats apart.
+        let (hd, group, heads, n, ld) = (20, 2, 4, 5, 44);
+        let q: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let kv: Vec<f32> = (0..n * ld).map(|i| (i as f32 * 0.11).cos()).collect();
+        let mut scores = vec![f32::NAN; heads * 7];
+        super::group_scores(&q, (hd, group), (&kv, ld), n, (&mut scores, 7));
+        let mut acc = vec![0.5; heads * hd];
+        super::group_weighted_sum((&scores, 7), (hd, group), (&kv, ld), n, &mut acc);
+        for h in 0..heads {
+            let kvh = h / group;
+            for i in 0..n {
+                let want: f32 = (0..hd).map(|d| q[h * hd + d] * kv[i * ld + kvh * hd + d]).sum();
+                assert!((scores[h * 7 + i] - want).abs() < 1e-4, "score h {h} i {i}");
+            }
+            for d in 0..hd {
+                let want: f32 =
+                    0.5 + (0..n).map(|i| scores[h * 7 + i] * kv[i * ld + kvh * hd + d]).sum::<f32>();
+                assert!((acc[h * hd + d] - want).abs() < 1e-4, "acc h {h} d {d}");
+            }
+        }
+        let mut row = vec![1.0, 2.0, 3.0, 0.5];
+        let sum = super::exp_shifted(&mut row, 3.0);
+        let want = [(-2f32).exp(), (-1f32).exp(), 1.0, (-2.5f32).exp()];
+        for (a, b) in row.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6);
+        }
+        assert!((sum - want.iter().sum::<f32>()).abs() < 1e-6);
     }
 
     #[test]

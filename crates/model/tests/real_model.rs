@@ -400,3 +400,20 @@ fn q4_weights_give_back_the_gguf_values() {
     }
     assert!(worst < 1e-6, "largest |dequantized - loaded| {worst}");
 }
+
+/// A decode step over a long context (1,100 keys: three splits merged by their maxima and sums) gives
+/// the logits the whole prompt's prefill (GEMM attention) gives for its last token.
+#[test]
+fn long_context_decode_splits_agree_with_prefill() {
+    let m = model();
+    let fx = fixture();
+    let base = ids(&fx["prompts"][2]["ids"]);
+    let long: Vec<u32> = base.iter().cycle().take(1100).copied().collect();
+    let mut cpu = CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 160, 16);
+    let whole = Run::new(&mut cpu, &long).step(long.len());
+    let mut run = Run::new(&mut cpu, &long);
+    run.step(long.len() - 1);
+    let last = run.step(1);
+    let diff = whole.iter().zip(&last).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(diff < 1e-3, "decode over 1,100 keys differs from prefill by {diff}");
+}
