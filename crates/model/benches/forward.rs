@@ -1,6 +1,7 @@
 //! Speed of the CPU forward pass on the default model: single-sequence decode (f32, Q8 and Q4 weights),
 //! prefill of a 1,000-token prompt (f32, and Q4 whose multi-row steps read bf16 weights), and
-//! aggregate decode with 8 and 32 sequences in one batch (f32; 32 also with Q4). Uses rayon's pool (one thread per
+//! aggregate decode with 8 and 32 sequences in one batch (f32; 32 also with Q4), and Q4 decode after a
+//! 4,000-token prompt. Uses rayon's pool (one thread per
 //! core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens). Writes
 //! `target/bench/model-forward.json`.
 
@@ -102,6 +103,12 @@ fn main() {
     };
     let multi = q4_backend(&weights).cpu.multi_row_format();
     let q4_prefill = 1000.0 / q4_backend(&weights).prefill(1, 1000);
+    // Decode after a 4,000-token prompt: attention over the paged cache dominates there.
+    let q4_long = {
+        let mut b = q4_backend(&weights);
+        b.prefill(1, 4000);
+        b.decode(1, steps * 2)
+    };
 
     let mut results = vec![
         ("single_decode_tokens_per_second", single),
@@ -109,6 +116,7 @@ fn main() {
         ("single_decode_q4_tokens_per_second", q4),
         ("prefill_1000_tokens_per_second", prefill),
         ("prefill_1000_q4_tokens_per_second", q4_prefill),
+        ("decode_q4_at_4000_tokens_per_second", q4_long),
     ];
     for (n, q4, name) in [
         (8usize, false, "batch8_decode_tokens_per_second"),
