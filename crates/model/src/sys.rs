@@ -624,17 +624,72 @@ pub(crate) fn group_scores(
 }
 
 /// # Safety
-/// AVX-512F.
+/// AVX-512F; lengths as [`group_scores`] asserts.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn group_scores_avx512(
     q: &[f32],
-    shape: (usize, usize),
-    k: (&[f32], usize),
+    (hd, group): (usize, usize),
+    (k, ldk): (&[f32], usize),
     n: usize,
-    out: (&mut [f32], usize),
+    (out, ldo): (&mut [f32], usize),
 ) {
-    group_scores_body(q, shape, k, n, out);
+    use std::arch::x86_64::*;
+    if !hd.is_multiple_of(16) {
+        return group_scores_body(q, (hd, group), (k, ldk), n, (out, ldo));
+    }
+    let chunks = hd / 16;
+    for (h, qh) in q.chunks_exact(hd).enumerate() {
+        let off = (h / group) * hd;
+        let mut i0 = 0;
+        // Sixteen positions at a time: sixteen vectors of partial sums, then one transposing
+        // reduction gives their sixteen dot products in one vector.
+        while i0 < n {
+            let cnt = (n - i0).min(16);
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (i, vi) in v.iter_mut().enumerate().take(cnt) {
+                // SAFETY (of the loads): position i0 + i < n, whose row holds `off + hd` floats.
+                let key = k.as_ptr().add((i0 + i) * ldk + off);
+                for c in 0..chunks {
+                    *vi = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(qh.as_ptr().add(c * 16)),
+                        _mm512_loadu_ps(key.add(c * 16)),
+                        *vi,
+                    );
+                }
+            }
+            let sums = reduce16(&v);
+            let m: __mmask16 = if cnt == 16 { 0xffff } else { (1u16 << cnt) - 1 };
+            // SAFETY: out holds heads rows of at least n values, `ldo` apart (asserted by the caller).
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(h * ldo + i0), m, sums);
+            i0 += cnt;
+        }
+    }
+}
+
+/// `r[i]` = the sum of `v[i]`'s sixteen lanes, for sixteen vectors at once (a transposing reduction:
+/// 45 operations instead of sixteen separate horizontal sums).
+///
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // Per 128-bit lane: [sum of a's 4, b's 4, c's 4, d's 4] for four vectors a, b, c, d.
+    let four = |a: __m512, b: __m512, c: __m512, d: __m512| {
+        let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(ab, cd), _mm512_shuffle_ps::<0xEE>(ab, cd))
+    };
+    let t0 = four(v[0], v[1], v[2], v[3]);
+    let t1 = four(v[4], v[5], v[6], v[7]);
+    let t2 = four(v[8], v[9], v[10], v[11]);
+    let t3 = four(v[12], v[13], v[14], v[15]);
+    // Add 128-bit lanes 0+2 and 1+3 of two such vectors, then the remaining pairs.
+    let w01 = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(t0, t1), _mm512_shuffle_f32x4::<0xEE>(t0, t1));
+    let w23 = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(t2, t3), _mm512_shuffle_f32x4::<0xEE>(t2, t3));
+    _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(w01, w23), _mm512_shuffle_f32x4::<0xDD>(w01, w23))
 }
 
 #[inline(always)]
@@ -1127,27 +1182,39 @@ mod tests {
 
     #[test]
     fn grouped_decode_attention_kernels_match_a_naive_loop() {
-        // 4 query heads over 2 KV heads (group 2), head size 20, 5 positions whose rows (both KV
-        // heads, 40 floats) sit 44 floats apart.
-        let (hd, group, heads, n, ld) = (20, 2, 4, 5, 44);
+        // 4 query heads over 2 KV heads (group 2), positions whose rows (both KV heads) sit `ld`
+        // floats apart: head size 20 (the portable loop), 64 with 5 and 37 positions (AVX-512's
+        // sixteen-at-a-time scores, a partial last group).
+        for (hd, n) in [(20, 5), (64, 5), (64, 37)] {
+            grouped_case(hd, n);
+        }
+    }
+
+    fn grouped_case(hd: usize, n: usize) {
+        let (group, heads, ld) = (2, 4, 2 * hd + 4);
         let q: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.37).sin()).collect();
         let kv: Vec<f32> = (0..n * ld).map(|i| (i as f32 * 0.11).cos()).collect();
-        let mut scores = vec![f32::NAN; heads * 7];
-        super::group_scores(&q, (hd, group), (&kv, ld), n, (&mut scores, 7));
+        let ldo = n + 2;
+        let mut scores = vec![f32::NAN; heads * ldo];
+        super::group_scores(&q, (hd, group), (&kv, ld), n, (&mut scores, ldo));
         let mut acc = vec![0.5; heads * hd];
-        super::group_weighted_sum((&scores, 7), (hd, group), (&kv, ld), n, &mut acc);
+        super::group_weighted_sum((&scores, ldo), (hd, group), (&kv, ld), n, &mut acc);
         for h in 0..heads {
             let kvh = h / group;
             for i in 0..n {
                 let want: f32 = (0..hd).map(|d| q[h * hd + d] * kv[i * ld + kvh * hd + d]).sum();
-                assert!((scores[h * 7 + i] - want).abs() < 1e-4, "score h {h} i {i}");
+                assert!((scores[h * ldo + i] - want).abs() < 1e-4, "hd {hd} n {n}: score h {h} i {i}");
             }
             for d in 0..hd {
                 let want: f32 =
-                    0.5 + (0..n).map(|i| scores[h * 7 + i] * kv[i * ld + kvh * hd + d]).sum::<f32>();
-                assert!((acc[h * hd + d] - want).abs() < 1e-4, "acc h {h} d {d}");
+                    0.5 + (0..n).map(|i| scores[h * ldo + i] * kv[i * ld + kvh * hd + d]).sum::<f32>();
+                assert!((acc[h * hd + d] - want).abs() < 1e-3, "hd {hd} n {n}: acc h {h} d {d}");
             }
         }
+    }
+
+    #[test]
+    fn exp_shifted_sums_its_exps() {
         let mut row = vec![1.0, 2.0, 3.0, 0.5];
         let sum = super::exp_shifted(&mut row, 3.0);
         let want = [(-2f32).exp(), (-1f32).exp(), 1.0, (-2.5f32).exp()];
