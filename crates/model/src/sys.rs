@@ -540,29 +540,39 @@ unsafe fn softmax_masked_avx512(row: &mut [f32], visible: usize, scale: f32) {
 /// `out[i] = silu(g[i]) * u[i]` (SwiGLU), vectorized where the CPU has AVX-512F.
 pub(crate) fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     assert!(g.len() == u.len() && u.len() == out.len());
-    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx512f") {
-            use std::arch::x86_64::*;
-            while done + 16 <= g.len() {
-                // SAFETY: AVX-512F (checked); done + 16 <= len for all three slices.
-                unsafe {
-                    let gv = _mm512_loadu_ps(g.as_ptr().add(done));
-                    let e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-                    let s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
-                    _mm512_storeu_ps(
-                        out.as_mut_ptr().add(done),
-                        _mm512_mul_ps(s, _mm512_loadu_ps(u.as_ptr().add(done))),
-                    );
-                }
-                done += 16;
-            }
+            // SAFETY: the CPU supports AVX-512F (checked); the lengths are equal (asserted).
+            unsafe { silu_mul_avx512(g, u, out) };
+            return;
         }
     }
-    for i in done..g.len() {
+    silu_mul_tail(g, u, out, 0);
+}
+
+fn silu_mul_tail(g: &[f32], u: &[f32], out: &mut [f32], from: usize) {
+    for i in from..g.len() {
         out[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
     }
+}
+
+/// # Safety
+/// AVX-512F; `g`, `u` and `out` of equal length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut done = 0;
+    while done + 16 <= g.len() {
+        // SAFETY (of the loads and the store): done + 16 <= len for all three slices.
+        let gv = _mm512_loadu_ps(g.as_ptr().add(done));
+        let e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        let s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+        _mm512_storeu_ps(out.as_mut_ptr().add(done), _mm512_mul_ps(s, _mm512_loadu_ps(u.as_ptr().add(done))));
+        done += 16;
+    }
+    silu_mul_tail(g, u, out, done);
 }
 
 /// `row[i] = e^(row[i] - shift)` in place; returns their sum. Vectorized where the CPU has AVX-512F.
@@ -570,24 +580,8 @@ pub(crate) fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx512f") {
-            use std::arch::x86_64::*;
-            // SAFETY: AVX-512F (checked); every masked load and store stays below `row.len()`.
-            unsafe {
-                let (p, n, vs) = (row.as_mut_ptr(), row.len(), _mm512_set1_ps(shift));
-                let mut sum = _mm512_setzero_ps();
-                let mut i = 0;
-                while i < n {
-                    let m: __mmask16 = if n - i >= 16 { 0xffff } else { (1u16 << (n - i)) - 1 };
-                    let e = _mm512_maskz_mov_ps(
-                        m,
-                        exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), vs)),
-                    );
-                    sum = _mm512_add_ps(sum, e);
-                    _mm512_mask_storeu_ps(p.add(i), m, e);
-                    i += 16;
-                }
-                return _mm512_reduce_add_ps(sum);
-            }
+            // SAFETY: the CPU supports AVX-512F (checked).
+            return unsafe { exp_shifted_avx512(row, shift) };
         }
     }
     let mut sum = 0.0;
@@ -596,6 +590,26 @@ pub(crate) fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
         sum += *v;
     }
     sum
+}
+
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_shifted_avx512(row: &mut [f32], shift: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let (p, n, vs) = (row.as_mut_ptr(), row.len(), _mm512_set1_ps(shift));
+    let mut sum = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let m: __mmask16 = if n - i >= 16 { 0xffff } else { (1u16 << (n - i)) - 1 };
+        // SAFETY (of the masked load and store): lanes at or past n are masked off.
+        let e = _mm512_maskz_mov_ps(m, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), vs)));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_mask_storeu_ps(p.add(i), m, e);
+        i += 16;
+    }
+    _mm512_reduce_add_ps(sum)
 }
 
 /// Scores of every query head against `n` positions' keys: `q` holds the heads (`hd` values each),
@@ -1210,6 +1224,22 @@ mod tests {
                     0.5 + (0..n).map(|i| scores[h * ldo + i] * kv[i * ld + kvh * hd + d]).sum::<f32>();
                 assert!((acc[h * hd + d] - want).abs() < 1e-3, "hd {hd} n {n}: acc h {h} d {d}");
             }
+        }
+    }
+
+    #[test]
+    fn silu_mul_matches_the_formula() {
+        let g: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.7).collect();
+        let u: Vec<f32> = (0..37).map(|i| (i as f32 * 0.3).cos()).collect();
+        let mut out = vec![f32::NAN; 37];
+        super::silu_mul(&g, &u, &mut out);
+        for i in 0..37 {
+            let want = f64::from(g[i]) / (1.0 + (-f64::from(g[i])).exp()) * f64::from(u[i]);
+            assert!(
+                (f64::from(out[i]) - want).abs() < 1e-5 * (1.0 + want.abs()),
+                "{i}: {} vs {want}",
+                out[i]
+            );
         }
     }
 
