@@ -81,24 +81,7 @@ impl Stack {
     }
 
     fn worker(&self, name: &str, role: &str) -> Result<Proc> {
-        // The served configuration (`cargo xtask serve`): Q4 decode weights, bf16 multi-row steps.
-        let mut args: Vec<String> = [
-            "--port",
-            "0",
-            "--name",
-            name,
-            "--role",
-            role,
-            "--kv-blocks",
-            "512",
-            "--weights",
-            "q4",
-            "--model",
-        ]
-        .iter()
-        .map(|s| (*s).to_owned())
-        .collect();
-        args.push(self.model.display().to_string());
+        let mut args = worker_args(name, role, &self.model);
         if role == "prefill" {
             args.push("--kv-shm".into());
         }
@@ -267,6 +250,18 @@ fn chat_body(max_tokens: u64, timeout_s: f64, i: usize) -> Vec<u8> {
 }
 
 /// `n` streams at once, each in its own thread; `during` runs while they stream.
+/// A worker's arguments in every scenario: the served configuration (`cargo xtask serve`: Q4 decode
+/// weights, bf16 multi-row steps) with a small KV cache.
+fn worker_args(name: &str, role: &str, model: &Path) -> Vec<String> {
+    let mut args: Vec<String> =
+        ["--port", "0", "--name", name, "--role", role, "--kv-blocks", "512", "--weights", "q4", "--model"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+    args.push(model.display().to_string());
+    args
+}
+
 fn streams(router: &str, n: usize, max_tokens: u64, timeout_s: f64, during: impl FnOnce()) -> Vec<Outcome> {
     let addr: SocketAddr = router.trim_start_matches("http://").parse().expect("router address");
     let handles: Vec<_> = (0..n)
@@ -823,26 +818,8 @@ fn netns_partition(bins: &(PathBuf, PathBuf), model: &Path, short: bool) -> Resu
     let worker = |name: &str, netns: &str, role: &str, extra: &[&str], host_ip: &str| -> Result<Proc> {
         let mut args: Vec<String> = ["netns", "exec", netns].iter().map(|s| (*s).to_owned()).collect();
         args.push(bins.0.display().to_string());
-        args.extend(
-            [
-                "--host",
-                "0.0.0.0",
-                "--port",
-                "0",
-                "--name",
-                name,
-                "--role",
-                role,
-                "--kv-blocks",
-                "512",
-                "--weights",
-                "q4",
-                "--model",
-            ]
-            .iter()
-            .map(|s| (*s).to_owned()),
-        );
-        args.push(model.display().to_string());
+        args.extend(worker_args(name, role, model));
+        args.extend(["--host".to_owned(), "0.0.0.0".to_owned()]);
         args.extend(extra.iter().map(|s| (*s).to_owned()));
         let mut p = Proc::start(name, Path::new("ip"), &args, &logs)?;
         p.url = p.url.replace("0.0.0.0", host_ip);
