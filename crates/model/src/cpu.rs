@@ -14,7 +14,7 @@ use crate::quant::{
     Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
 };
 use crate::sys::{
-    as_f32, as_f32_mut, create_shared_f32, dot, exp_shifted, gemm_bf16_par, group_scores, group_weighted_sum,
+    as_f32, as_f32_mut, create_shared_f32, dot, exp_scaled, gemm_bf16_par, group_scores, group_weighted_sum,
     has_bf16_gemm, map_file, sgemm, sgemm_xwt_avx512, sgemm_xwt_avx512_strided, silu_mul, softmax_masked,
     to_bf16, Mmap,
 };
@@ -150,7 +150,8 @@ impl CpuBackend {
         Ok(CpuBackend { decode, multi, ..self })
     }
 
-    /// What steps of more than two rows per sequence batch read: "bf16" or "f32".
+    /// What the projections of steps of more than two rows (prefill, batched decode) read: "bf16" or
+    /// "f32".
     pub fn multi_row_format(&self) -> &'static str {
         if self.multi.is_some() {
             "bf16"
@@ -251,32 +252,25 @@ impl CpuBackend {
                     let scores = sized(scores, nh * n);
                     // Positions block by block: within a block, one position's K (or V) row of every
                     // KV head is `stride` floats long and the next position's follows it.
-                    let mut j = j0;
-                    while j < j1 {
-                        let (block, off) = (table[j / bs], j % bs);
-                        let cnt = (bs - off).min(j1 - j);
+                    // (offset in this task's keys, block, position in the block, positions).
+                    let runs = || {
+                        let starts = std::iter::successors(Some(j0), |&j| Some((j / bs + 1) * bs));
+                        starts
+                            .take_while(|&j| j < j1)
+                            .map(|j| (j - j0, table[j / bs], j % bs, (bs - j % bs).min(j1 - j)))
+                    };
+                    for (at, block, off, cnt) in runs() {
                         let k = &kv_mem[self.kv_at(block, li, 0, off)..];
-                        group_scores(&q, (hd, group), (k, stride), cnt, (&mut scores[j - j0..], n));
-                        j += cnt;
+                        group_scores(&q, (hd, group), (k, stride), cnt, (&mut scores[at..], n));
                     }
                     for (h, row) in scores.chunks_exact_mut(n).enumerate() {
                         let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
                         part.max[h] = max;
-                        part.sum[h] = exp_shifted(row, max);
+                        part.sum[h] = exp_scaled(row, 1.0, max);
                     }
-                    let mut j = j0;
-                    while j < j1 {
-                        let (block, off) = (table[j / bs], j % bs);
-                        let cnt = (bs - off).min(j1 - j);
+                    for (at, block, off, cnt) in runs() {
                         let v = &kv_mem[self.kv_at(block, li, 1, off)..];
-                        group_weighted_sum(
-                            (&scores[j - j0..], n),
-                            (hd, group),
-                            (v, stride),
-                            cnt,
-                            &mut part.acc,
-                        );
-                        j += cnt;
+                        group_weighted_sum((&scores[at..], n), (hd, group), (v, stride), cnt, &mut part.acc);
                     }
                 });
                 part
@@ -309,7 +303,8 @@ impl CpuBackend {
 }
 
 thread_local! {
-    /// A GEMM-attention task's scores (up to 64 rows by the context), reused by each pool thread.
+    /// An attention task's scores, reused by each pool thread: a GEMM-attention task's 64 rows by
+    /// the keys they see, or a decode task's heads by its (at most 512) keys.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
@@ -690,9 +685,9 @@ impl Mats {
 
     /// The LM head's product, likewise.
     fn head(&self, x: &[f32], t: usize, k: usize, xb: &mut Vec<u16>, out: &mut [f32]) -> bool {
-        match (&self.decode, &self.multi) {
+        match (&self.decode, self.multi.as_ref().and_then(|b| b.lm_head.as_ref())) {
             (Some(d), _) if t <= 2 => matvec_ref(x, t, k, d.head(), out),
-            (_, Some(b)) if t > 2 => matmul_bf16(x, t, k, &b.lm_head, xb, out),
+            (_, Some(h)) if t > 2 => matmul_bf16(x, t, k, h, xb, out),
             _ => return false,
         }
         true

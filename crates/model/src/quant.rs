@@ -322,18 +322,19 @@ impl Bf16Matrix {
 }
 
 /// Every matrix a multi-row step reads, in bf16: the projections (stacked like the quantized ones)
-/// and the LM head.
+/// and the LM head where its rows (the vocabulary) are a multiple of 32 (else the f32 one serves).
 #[derive(Debug, Clone)]
 pub struct Bf16Weights {
     pub layers: Vec<QuantLayer<Bf16Matrix>>,
-    pub lm_head: Bf16Matrix,
+    pub lm_head: Option<Bf16Matrix>,
 }
 
 impl Bf16Weights {
-    /// Packs the projections and the LM head of a model shaped by `c`; `None` if a matrix's rows
+    /// Packs the projections and the LM head of a model shaped by `c`; `None` if a projection's rows
     /// are not a multiple of 32.
     pub fn pack(w: &Weights, c: &ModelConfig) -> Option<Self> {
-        let (layers, lm_head) = stack_layers(w, c, Bf16Matrix::pack, Bf16Matrix::pack)?;
+        let (layers, lm_head) =
+            stack_layers(w, c, Bf16Matrix::pack, |w, r, c| Some(Bf16Matrix::pack(w, r, c)))?;
         Some(Bf16Weights { layers, lm_head })
     }
 }

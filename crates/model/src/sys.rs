@@ -1,4 +1,6 @@
-//! The crate's one unsafe operation: mapping a file into memory.
+//! The crate's unsafe code, each use with its reasoning: mapping files into memory, and the SIMD
+//! kernels (AVX-512 / AVX-512 BF16 / AVX2, chosen at run time) with the portable loops they fall back
+//! to and are tested against.
 #![allow(unsafe_code)]
 
 use std::fs::File;
@@ -15,6 +17,27 @@ pub(crate) fn map_file(file: &File) -> io::Result<Mmap> {
     // a file truncated underneath us would fault, which is the documented hazard of memory mapping and
     // is outside what safe code can rule out.
     unsafe { Mmap::map(file) }
+}
+
+/// For row tiles of up to six rows over `t` rows, with `$i` bound to each tile's first row, runs
+/// `$tile::<R>(args)` for the tile's row count R (a const generic, so each tile size gets its own fully
+/// unrolled register tile).
+macro_rules! row_tiles {
+    ($t:expr, |$i:ident| $tile:ident($($arg:expr),* $(,)?)) => {{
+        let mut $i = 0;
+        while $i < $t {
+            let r = ($t - $i).min(6);
+            match r {
+                6 => $tile::<6>($($arg),*),
+                5 => $tile::<5>($($arg),*),
+                4 => $tile::<4>($($arg),*),
+                3 => $tile::<3>($($arg),*),
+                2 => $tile::<2>($($arg),*),
+                _ => $tile::<1>($($arg),*),
+            }
+            $i += r;
+        }
+    }};
 }
 
 /// `c[m×n] = a[m×k] · b[k×n]` with explicit row and column strides (in elements), through
@@ -128,22 +151,16 @@ unsafe fn sgemm_xwt_avx512_impl(
                     packed[kk * 32 + c] = v;
                 }
             }
-            let first = k0 == 0;
-            let mut i = 0;
-            while i < t {
-                let r = (t - i).min(6);
-                let (px, po) = (x.as_ptr().add(i * ldx + k0), part.as_mut_ptr().add(i * cols + p * 32));
-                let pb = packed.as_ptr();
-                match r {
-                    6 => tile::<6>(px, ldx, kc, pb, po, cols, first),
-                    5 => tile::<5>(px, ldx, kc, pb, po, cols, first),
-                    4 => tile::<4>(px, ldx, kc, pb, po, cols, first),
-                    3 => tile::<3>(px, ldx, kc, pb, po, cols, first),
-                    2 => tile::<2>(px, ldx, kc, pb, po, cols, first),
-                    _ => tile::<1>(px, ldx, kc, pb, po, cols, first),
-                }
-                i += r;
-            }
+            let (first, pb, po) = (k0 == 0, packed.as_ptr(), part.as_mut_ptr());
+            row_tiles!(t, |i| tile(
+                x.as_ptr().add(i * ldx + k0),
+                ldx,
+                kc,
+                pb,
+                po.add(i * cols + p * 32),
+                cols,
+                first
+            ));
             k0 += kc;
         }
     }
@@ -256,42 +273,18 @@ unsafe fn to_bf16_avx512(x: &[f32], out: &mut [u16]) {
 /// every row tile streams past it.
 const BF16_KC: usize = 256;
 
-/// `part[t x 32*np] = x[t x k] . W^T` over the weight panels `p0..p0+np` of `panels`, a matrix packed
-/// by [`pack_bf16_panels`] (`k` even). `xb` holds x in bf16; products of bf16 values are summed in
-/// f32. Runs the AVX-512 BF16 kernel where [`has_bf16_gemm`], else a scalar loop (for tests).
-#[cfg(test)]
-pub(crate) fn gemm_bf16(
-    xb: &[u16],
-    t: usize,
-    k: usize,
-    panels: &[u16],
-    p0: usize,
-    np: usize,
-    part: &mut [f32],
-) {
-    assert!(k.is_multiple_of(2) && k > 0, "k must be even");
-    assert!(xb.len() >= t * k && panels.len() >= (p0 + np) * 32 * k && part.len() >= t * np * 32);
-    #[cfg(target_arch = "x86_64")]
-    {
-        if has_bf16_gemm() {
-            // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked); the lengths were asserted.
-            unsafe { gemm_bf16_avx512(xb, t, k, panels, p0, np, part.as_mut_ptr(), np * 32) };
-            return;
-        }
-    }
-    gemm_bf16_portable(xb, t, k, panels, p0, np, part, np * 32);
-}
-
 /// `out[t x n] = x[t x k] . W^T` for a whole matrix packed by [`pack_bf16_panels`] (`n` rows, a
-/// multiple of 32), its panels split evenly over rayon's pool, each part written straight into its
-/// columns of `out`.
+/// multiple of 32; `k` even): `xb` holds x in bf16, products of bf16 values are summed in f32. The
+/// panels are split evenly over rayon's pool, each part written straight into its columns of `out`.
+/// Runs the AVX-512 BF16 kernel where [`has_bf16_gemm`], else a scalar loop (which callers avoid:
+/// without the instructions they keep f32 weights).
 pub(crate) fn gemm_bf16_par(xb: &[u16], t: usize, k: usize, panels: &[u16], n: usize, out: &mut [f32]) {
     assert!(k.is_multiple_of(2) && k > 0 && n.is_multiple_of(32), "k must be even and n a multiple of 32");
     assert!(xb.len() >= t * k && panels.len() >= n * k && out.len() >= t * n);
     let np = n / 32;
     let chunks = (rayon::current_num_threads().max(1) * 2).min(np);
     if !has_bf16_gemm() {
-        gemm_bf16_portable(xb, t, k, panels, 0, np, out, n);
+        gemm_bf16_portable(xb, t, k, panels, n, out);
         return;
     }
     /// `out`'s address, shared by tasks that write disjoint columns.
@@ -329,28 +322,17 @@ pub(crate) fn pack_bf16_panels(w: &[f32], rows: usize, cols: usize) -> Vec<u16> 
     out
 }
 
-#[allow(clippy::too_many_arguments)]
-fn gemm_bf16_portable(
-    xb: &[u16],
-    t: usize,
-    k: usize,
-    panels: &[u16],
-    p0: usize,
-    np: usize,
-    part: &mut [f32],
-    ldo: usize,
-) {
+fn gemm_bf16_portable(xb: &[u16], t: usize, k: usize, panels: &[u16], n: usize, out: &mut [f32]) {
     for r in 0..t {
-        for p in 0..np {
-            for c in 0..32 {
-                let mut acc = 0f32;
-                for j in 0..k / 2 {
-                    let at = (((p0 + p) * k / 2 + j) * 32 + c) * 2;
-                    acc += f32_from_bf16(xb[r * k + 2 * j]) * f32_from_bf16(panels[at])
-                        + f32_from_bf16(xb[r * k + 2 * j + 1]) * f32_from_bf16(panels[at + 1]);
-                }
-                part[r * ldo + p * 32 + c] = acc;
+        for row in 0..n {
+            let (p, c) = (row / 32, row % 32);
+            let mut acc = 0f32;
+            for j in 0..k / 2 {
+                let at = ((p * k / 2 + j) * 32 + c) * 2;
+                acc += f32_from_bf16(xb[r * k + 2 * j]) * f32_from_bf16(panels[at])
+                    + f32_from_bf16(xb[r * k + 2 * j + 1]) * f32_from_bf16(panels[at + 1]);
             }
+            out[r * n + row] = acc;
         }
     }
 }
@@ -376,21 +358,16 @@ unsafe fn gemm_bf16_avx512(
         let mut k0 = 0;
         while k0 < k {
             let kc = BF16_KC.min(k - k0);
-            let first = k0 == 0;
-            let mut i = 0;
-            while i < t {
-                let r = (t - i).min(6);
-                let (px, po, pb) = (xb.as_ptr().add(i * k + k0), out.add(i * ldo + p * 32), pan.add(k0 * 32));
-                match r {
-                    6 => tile_bf16::<6>(px, k, kc / 2, pb, po, ldo, first),
-                    5 => tile_bf16::<5>(px, k, kc / 2, pb, po, ldo, first),
-                    4 => tile_bf16::<4>(px, k, kc / 2, pb, po, ldo, first),
-                    3 => tile_bf16::<3>(px, k, kc / 2, pb, po, ldo, first),
-                    2 => tile_bf16::<2>(px, k, kc / 2, pb, po, ldo, first),
-                    _ => tile_bf16::<1>(px, k, kc / 2, pb, po, ldo, first),
-                }
-                i += r;
-            }
+            let (first, pb) = (k0 == 0, pan.add(k0 * 32));
+            row_tiles!(t, |i| tile_bf16(
+                xb.as_ptr().add(i * k + k0),
+                k,
+                kc / 2,
+                pb,
+                out.add(i * ldo + p * 32),
+                ldo,
+                first
+            ));
             k0 += kc;
         }
     }
@@ -456,11 +433,7 @@ pub(crate) fn softmax_masked(row: &mut [f32], visible: usize, scale: f32) {
 fn softmax_masked_portable(row: &mut [f32], visible: usize, scale: f32) {
     let (live, masked) = row.split_at_mut(visible);
     let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-    let mut sum = 0.0;
-    for v in live.iter_mut() {
-        *v = (*v * scale - max).exp();
-        sum += *v;
-    }
+    let sum = exp_scaled_portable(live, scale, max);
     for v in live.iter_mut() {
         *v /= sum;
     }
@@ -516,18 +489,8 @@ unsafe fn softmax_masked_avx512(row: &mut [f32], visible: usize, scale: f32) {
         vmax = _mm512_mask_max_ps(vmax, lanes(i), vmax, v);
         i += 16;
     }
-    let vmax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-    let mut vsum = _mm512_setzero_ps();
-    i = 0;
-    while i < visible {
-        let m = lanes(i);
-        let e = exp_avx512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), vs), vmax));
-        let e = _mm512_maskz_mov_ps(m, e);
-        vsum = _mm512_add_ps(vsum, e);
-        _mm512_mask_storeu_ps(p.add(i), m, e);
-        i += 16;
-    }
-    let inv = _mm512_set1_ps(1.0 / _mm512_reduce_add_ps(vsum));
+    let sum = exp_scaled_avx512(&mut row[..visible], scale, _mm512_reduce_max_ps(vmax));
+    let inv = _mm512_set1_ps(1.0 / sum);
     i = 0;
     while i < visible {
         let m = lanes(i);
@@ -575,18 +538,23 @@ unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) {
     silu_mul_tail(g, u, out, done);
 }
 
-/// `row[i] = e^(row[i] - shift)` in place; returns their sum. Vectorized where the CPU has AVX-512F.
-pub(crate) fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
+/// `row[i] = e^(row[i] * scale - shift)` in place; returns their sum. Vectorized where the CPU has
+/// AVX-512F.
+pub(crate) fn exp_scaled(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx512f") {
             // SAFETY: the CPU supports AVX-512F (checked).
-            return unsafe { exp_shifted_avx512(row, shift) };
+            return unsafe { exp_scaled_avx512(row, scale, shift) };
         }
     }
+    exp_scaled_portable(row, scale, shift)
+}
+
+fn exp_scaled_portable(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     let mut sum = 0.0;
     for v in row.iter_mut() {
-        *v = (*v - shift).exp();
+        *v = (*v * scale - shift).exp();
         sum += *v;
     }
     sum
@@ -596,15 +564,17 @@ pub(crate) fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
 /// AVX-512F.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn exp_shifted_avx512(row: &mut [f32], shift: f32) -> f32 {
+unsafe fn exp_scaled_avx512(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     use std::arch::x86_64::*;
-    let (p, n, vs) = (row.as_mut_ptr(), row.len(), _mm512_set1_ps(shift));
+    let (p, n) = (row.as_mut_ptr(), row.len());
+    let (vscale, vshift) = (_mm512_set1_ps(scale), _mm512_set1_ps(shift));
     let mut sum = _mm512_setzero_ps();
     let mut i = 0;
     while i < n {
         let m: __mmask16 = if n - i >= 16 { 0xffff } else { (1u16 << (n - i)) - 1 };
         // SAFETY (of the masked load and store): lanes at or past n are masked off.
-        let e = _mm512_maskz_mov_ps(m, exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), vs)));
+        let v = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), vscale), vshift);
+        let e = _mm512_maskz_mov_ps(m, exp_avx512(v));
         sum = _mm512_add_ps(sum, e);
         _mm512_mask_storeu_ps(p.add(i), m, e);
         i += 16;
@@ -874,7 +844,7 @@ fn dot_q8_portable(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
 /// f16 bits `h` as f32, broadcast to 16 lanes.
 ///
 /// # Safety
-/// AVX-512F (which every CPU with it pairs with F16C's conversion, part of AVX-512F as `vcvtph2ps`).
+/// AVX-512F (the 512-bit `vcvtph2ps` is part of it).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn f16_splat(h: u16) -> std::arch::x86_64::__m512 {
@@ -1099,9 +1069,8 @@ mod tests {
         assert_eq!(bf16_from_f32(f32::from_bits(0x3f81_8000)), 0x3f82, "a tie rounds to even");
         assert_eq!(bf16_from_f32(f32::from_bits(0x3f80_8001)), 0x3f81);
         assert!(f32_from_bf16(bf16_from_f32(f32::NAN)).is_nan());
-        for (t, k, rows, p0, np) in
-            [(1, 2, 32, 0, 1), (7, 40, 64, 1, 1), (13, 576, 96, 0, 3), (6, 1538, 64, 0, 2)]
-        {
+        // Panel counts of 1 to 5: more than one per pool task, and fewer panels than tasks.
+        for (t, k, rows) in [(1, 2, 32), (7, 40, 64), (13, 576, 96), (6, 1538, 64), (3, 64, 160)] {
             let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
             let w: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.11).cos()).collect();
             let panels = super::pack_bf16_panels(&w, rows, k);
@@ -1110,19 +1079,13 @@ mod tests {
             for (a, &v) in xb.iter().zip(&x) {
                 assert_eq!(*a, bf16_from_f32(v), "the vector conversion rounds like the scalar one");
             }
-            let mut fast = vec![f32::NAN; t * np * 32];
-            let mut slow = vec![f32::NAN; t * np * 32];
-            super::gemm_bf16(&xb, t, k, &panels, p0, np, &mut fast);
-            super::gemm_bf16_portable(&xb, t, k, &panels, p0, np, &mut slow, np * 32);
-            // The parallel whole-matrix product writes each panel's columns in place.
-            let mut whole = vec![f32::NAN; t * rows];
-            super::gemm_bf16_par(&xb, t, k, &panels, rows, &mut whole);
+            // The parallel product (each task writing its panels' columns in place) and the scalar loop.
+            let mut fast = vec![f32::NAN; t * rows];
+            let mut slow = vec![f32::NAN; t * rows];
+            super::gemm_bf16_par(&xb, t, k, &panels, rows, &mut fast);
+            super::gemm_bf16_portable(&xb, t, k, &panels, rows, &mut slow);
             for r in 0..t {
-                assert_eq!(&whole[r * rows + p0 * 32..][..np * 32], &fast[r * np * 32..][..np * 32]);
-            }
-            for r in 0..t {
-                for c in 0..np * 32 {
-                    let row = p0 * 32 + c;
+                for row in 0..rows {
                     let rounded: f64 = (0..k)
                         .map(|kk| {
                             f64::from(f32_from_bf16(xb[r * k + kk]))
@@ -1131,10 +1094,10 @@ mod tests {
                         .sum();
                     let exact: f64 =
                         (0..k).map(|kk| f64::from(x[r * k + kk]) * f64::from(w[row * k + kk])).sum();
-                    let (f, s) = (f64::from(fast[r * np * 32 + c]), f64::from(slow[r * np * 32 + c]));
+                    let (f, s) = (f64::from(fast[r * rows + row]), f64::from(slow[r * rows + row]));
                     assert!(
                         (f - rounded).abs() < 1e-3 && (s - rounded).abs() < 1e-3,
-                        "t {t} k {k} r {r} c {c}"
+                        "t {t} k {k} r {r} row {row}"
                     );
                     // bf16 keeps 8 significant bits: each rounded factor is within 2^-9 relative, so
                     // each product within about 2^-8 of its magnitude.
@@ -1244,9 +1207,9 @@ mod tests {
     }
 
     #[test]
-    fn exp_shifted_sums_its_exps() {
-        let mut row = vec![1.0, 2.0, 3.0, 0.5];
-        let sum = super::exp_shifted(&mut row, 3.0);
+    fn exp_scaled_sums_its_exps() {
+        let mut row = vec![2.0, 4.0, 6.0, 1.0];
+        let sum = super::exp_scaled(&mut row, 0.5, 3.0);
         let want = [(-2f32).exp(), (-1f32).exp(), 1.0, (-2.5f32).exp()];
         for (a, b) in row.iter().zip(want) {
             assert!((a - b).abs() < 1e-6);

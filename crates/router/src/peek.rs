@@ -23,160 +23,74 @@ struct Raw<'a> {
     timeout: Option<f64>,
     #[serde(default, borrow)]
     messages: Option<Vec<RawMessage<'a>>>,
-    #[serde(default)]
-    prompt: Option<RawPrompt>,
+    #[serde(default, borrow)]
+    prompt: Option<Shape<'a>>,
 }
 
 #[derive(Deserialize)]
 struct RawMessage<'a> {
     #[serde(default, borrow)]
-    content: Option<RawContent<'a>>,
+    content: Option<Shape<'a>>,
 }
 
-/// A message's `content`: a string, or an array of parts. Dispatched on the JSON token itself (serde's
-/// untagged enums would first copy the value into a buffer to try each variant in turn).
-enum RawContent<'a> {
+/// A JSON value as routing reads it, without building a tree: text, a token id, a list, an object
+/// (only its `text` member kept: a chat content part), or anything else. Dispatched on the JSON token
+/// itself (serde's untagged enums would first copy the value into a buffer to try each variant).
+enum Shape<'a> {
     Text(Cow<'a, str>),
-    Parts(Vec<RawPart<'a>>),
+    Token(u64),
+    List(Vec<Shape<'a>>),
+    Part(Option<Cow<'a, str>>),
+    Other,
 }
 
-impl<'de: 'a, 'a> Deserialize<'de> for RawContent<'a> {
+impl<'de: 'a, 'a> Deserialize<'de> for Shape<'a> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V<'a>(std::marker::PhantomData<&'a ()>);
         impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
-            type Value = RawContent<'a>;
+            type Value = Shape<'a>;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a string or an array of content parts")
+                f.write_str("a JSON value")
             }
             fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                Ok(RawContent::Text(Cow::Borrowed(v)))
+                Ok(Shape::Text(Cow::Borrowed(v)))
             }
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(RawContent::Text(Cow::Owned(v.to_owned())))
+                Ok(Shape::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                Ok(Shape::Token(v))
+            }
+            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(Shape::Other)
+            }
+            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(Shape::Other)
+            }
+            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(Shape::Other)
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+                Ok(Shape::Other)
             }
             fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                let mut parts = Vec::new();
-                while let Some(p) = seq.next_element()? {
-                    parts.push(p);
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element()? {
+                    items.push(item);
                 }
-                Ok(RawContent::Parts(parts))
+                Ok(Shape::List(items))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut text = None;
+                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                    if let ("text", Shape::Text(t)) = (key.as_ref(), map.next_value::<Shape<'de>>()?) {
+                        text = Some(t);
+                    }
+                }
+                Ok(Shape::Part(text))
             }
         }
         d.deserialize_any(V(std::marker::PhantomData))
-    }
-}
-
-#[derive(Deserialize)]
-struct RawPart<'a> {
-    #[serde(default, borrow)]
-    text: Option<Cow<'a, str>>,
-}
-
-/// A completion's `prompt` as routing text: a string as is, an array of strings joined with newlines,
-/// an array of token ids as "1 2 3 "; anything else routes as no text (the worker validates it).
-struct RawPrompt(String);
-
-impl<'de> Deserialize<'de> for RawPrompt {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        /// One element of a prompt array.
-        enum Item<'a> {
-            Text(Cow<'a, str>),
-            Token(u64),
-            Other,
-        }
-        impl<'de: 'a, 'a> Deserialize<'de> for Item<'a> {
-            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                struct V<'a>(std::marker::PhantomData<&'a ()>);
-                impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
-                    type Value = Item<'a>;
-                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                        f.write_str("a prompt element")
-                    }
-                    fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
-                        Ok(Item::Text(Cow::Borrowed(v)))
-                    }
-                    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                        Ok(Item::Text(Cow::Owned(v.to_owned())))
-                    }
-                    fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
-                        Ok(Item::Token(v))
-                    }
-                    fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-                        Ok(Item::Other)
-                    }
-                    fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-                        Ok(Item::Other)
-                    }
-                    fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-                        Ok(Item::Other)
-                    }
-                    fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
-                        Ok(Item::Other)
-                    }
-                    fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                        self,
-                        mut seq: A,
-                    ) -> Result<Self::Value, A::Error> {
-                        while seq.next_element::<serde::de::IgnoredAny>()?.is_some() {}
-                        Ok(Item::Other)
-                    }
-                    fn visit_map<A: serde::de::MapAccess<'de>>(
-                        self,
-                        mut map: A,
-                    ) -> Result<Self::Value, A::Error> {
-                        while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
-                        Ok(Item::Other)
-                    }
-                }
-                d.deserialize_any(V(std::marker::PhantomData))
-            }
-        }
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = RawPrompt;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a prompt")
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                Ok(RawPrompt(v.to_owned()))
-            }
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-                let (mut text, mut tokens, mut other) = (String::new(), String::new(), false);
-                while let Some(item) = seq.next_element::<Item<'de>>()? {
-                    match item {
-                        Item::Text(t) => push_line(&mut text, &t),
-                        Item::Token(id) => {
-                            tokens.push_str(&id.to_string());
-                            tokens.push(' ');
-                        }
-                        Item::Other => other = true,
-                    }
-                }
-                // A uniform array only, as the API allows (strings, or token ids).
-                Ok(RawPrompt(match (text.is_empty(), tokens.is_empty(), other) {
-                    (false, true, false) => text,
-                    (true, false, false) => tokens,
-                    _ => String::new(),
-                }))
-            }
-            fn visit_u64<E: serde::de::Error>(self, _: u64) -> Result<Self::Value, E> {
-                Ok(RawPrompt(String::new()))
-            }
-            fn visit_i64<E: serde::de::Error>(self, _: i64) -> Result<Self::Value, E> {
-                Ok(RawPrompt(String::new()))
-            }
-            fn visit_f64<E: serde::de::Error>(self, _: f64) -> Result<Self::Value, E> {
-                Ok(RawPrompt(String::new()))
-            }
-            fn visit_bool<E: serde::de::Error>(self, _: bool) -> Result<Self::Value, E> {
-                Ok(RawPrompt(String::new()))
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                while map.next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?.is_some() {}
-                Ok(RawPrompt(String::new()))
-            }
-        }
-        d.deserialize_any(V)
     }
 }
 
@@ -197,20 +111,36 @@ pub fn peek(body: &[u8]) -> Result<Peek, String> {
     if let Some(messages) = &raw.messages {
         for m in messages {
             match &m.content {
-                Some(RawContent::Text(t)) => push_line(&mut prompt, t),
-                Some(RawContent::Parts(parts)) => {
+                Some(Shape::Text(t)) => push_line(&mut prompt, t),
+                Some(Shape::List(parts)) => {
                     for p in parts {
-                        if let Some(t) = &p.text {
+                        if let Shape::Part(Some(t)) = p {
                             push_line(&mut prompt, t);
                         }
                     }
                 }
                 None => {}
+                Some(_) => {
+                    return Err("a message's `content` must be a string or an array of content parts".into())
+                }
             }
         }
-    } else {
-        if let Some(RawPrompt(text)) = raw.prompt {
-            prompt = text;
+    } else if let Some(Shape::Text(t)) = &raw.prompt {
+        prompt.push_str(t);
+    } else if let Some(Shape::List(items)) = &raw.prompt {
+        // A uniform array only, as the API allows (strings, or token ids); others route as no text.
+        if items.iter().all(|i| matches!(i, Shape::Text(_))) {
+            items
+                .iter()
+                .filter_map(|i| if let Shape::Text(t) = i { Some(t) } else { None })
+                .for_each(|t| push_line(&mut prompt, t));
+        } else if items.iter().all(|i| matches!(i, Shape::Token(_))) {
+            for i in items {
+                if let Shape::Token(id) = i {
+                    prompt.push_str(&id.to_string());
+                    prompt.push(' ');
+                }
+            }
         }
     }
     Ok(Peek { stream: raw.stream.unwrap_or(false), timeout_s: raw.timeout, prompt })
@@ -286,6 +216,7 @@ mod tests {
         assert!(peek(br#"{"stream":"yes"}"#).is_err());
         assert!(peek(br#"{"timeout":-1}"#).unwrap_err().contains("timeout"));
         assert!(peek(b"[1]").is_err());
+        assert!(peek(br#"{"messages":[{"content":true}]}"#).is_err());
         assert!(peek(br#"{"messages":[{"content":7}]}"#)
             .unwrap_err()
             .contains("a string or an array of content parts"));
