@@ -55,6 +55,7 @@ pub(crate) struct Metrics {
     pub worker_connections: GaugeVec,
     pub workers_up: GaugeVec,
     pub retries: Counter,
+    pub stale_retries: Counter,
     pub probes: CounterVec,
     pub aborts_sent: Counter,
     pub latency: Histogram,
@@ -96,6 +97,10 @@ impl Metrics {
             retries: r.counter(
                 "router_connect_retries_total",
                 "Legs re-sent to another worker after a refused connect (nothing else is retried).",
+            )?,
+            stale_retries: r.counter(
+                "router_stale_connection_retries_total",
+                "Legs re-sent on a fresh connection after a pooled one the worker had closed failed before any response byte.",
             )?,
             probes: r.counter_vec(
                 "router_probes_total",

@@ -83,6 +83,8 @@ struct Flight {
     started: Vec<u32>,
     /// Workers that refused the connection for the current leg.
     refused: Vec<u32>,
+    /// The current leg was re-sent after a stale pooled connection (at most once per leg).
+    stale_retried: bool,
     prefill_worker: Option<u32>,
     decode_worker: Option<u32>,
     prefill_sent: Option<Instant>,
@@ -123,6 +125,7 @@ impl Flight {
             leg: None,
             started: Vec::new(),
             refused: Vec::new(),
+            stale_retried: false,
             prefill_worker: None,
             decode_worker: None,
             prefill_sent: None,
@@ -1107,6 +1110,7 @@ impl Router {
     fn upstream_failed(&mut self, slot: usize, err: UpError) {
         let owner = self.owners[slot];
         let worker = self.ups[slot].as_ref().map(|u| u.worker);
+        let stale = self.ups[slot].as_ref().is_some_and(Upstream::stale);
         self.close_slot(slot);
         let Some(worker) = worker else { return };
         let now = Instant::now();
@@ -1125,13 +1129,30 @@ impl Router {
                 self.collect_done(id, json!({"url": url, "error": err.to_string()}), None)
             }
             Owner::Leg { flight, kind } => {
+                let stale_retry =
+                    !connect && stale && self.flights.get(&flight).is_some_and(|f| !f.stale_retried);
                 if let Some(w) = self.workers.get_mut(worker) {
                     w.outstanding = w.outstanding.saturating_sub(1);
-                    w.breaker.request_failed(now, err.to_string(), connect);
+                    // A pooled connection the worker had closed says nothing about its health.
+                    if !stale_retry {
+                        w.breaker.request_failed(now, err.to_string(), connect);
+                    }
                 }
                 let Some(f) = self.flights.get_mut(&flight) else { return };
                 f.leg = None;
-                if connect {
+                if stale_retry {
+                    // Nothing came back on a connection the worker had closed while idle: it never
+                    // took the request, so the leg goes out again on a fresh connection. The
+                    // worker's other idle connections are as old as this one: close them too.
+                    f.stale_retried = true;
+                    f.started.retain(|&w| w != worker);
+                    let idle = self.workers.get(worker).map(|w| w.idle.clone()).unwrap_or_default();
+                    for s in idle {
+                        self.close_slot(s);
+                    }
+                    self.metrics.stale_retries.inc();
+                    self.route_leg(flight, kind);
+                } else if connect {
                     f.started.retain(|&w| w != worker);
                     f.refused.push(worker);
                     self.retry_or_fail(flight, kind, format!("{url}: {err}"));
@@ -1255,6 +1276,7 @@ impl Router {
         f.status = 0;
         f.content_type = None;
         f.refused.clear();
+        f.stale_retried = false;
         let _ = self.ledger.set_stage(&f.rid, Stage::KvHeld, Instant::now());
         self.route_leg(id, LegKind::Decode);
     }

@@ -56,6 +56,10 @@ pub(crate) struct Upstream {
     pub timer: Instant,
     /// The status of the response being read, for owners that only need the verdict (probes).
     pub status: u16,
+    /// The current request went out on a connection taken from the idle pool.
+    reused: bool,
+    /// Response bytes received for the current request.
+    bytes_in: usize,
 }
 
 impl Upstream {
@@ -80,6 +84,8 @@ impl Upstream {
             limits,
             timer: connect_deadline,
             status: 0,
+            reused: false,
+            bytes_in: 0,
         })
     }
 
@@ -88,6 +94,8 @@ impl Upstream {
         self.out = request;
         self.out_pos = 0;
         self.decoder = ResponseDecoder::new(self.limits, head_request);
+        self.bytes_in = 0;
+        self.reused = self.phase == Phase::Idle;
         if self.phase == Phase::Idle {
             self.phase = Phase::Busy;
         }
@@ -157,6 +165,7 @@ impl Upstream {
                     return if self.decoder.is_done() { Ok(()) } else { Err(UpError::Closed) };
                 }
                 Ok(n) => {
+                    self.bytes_in += n;
                     self.decoder.push(&buf[..n]);
                     self.drain(events)?;
                     if self.decoder.is_done() || (!drain && n < buf.len()) {
@@ -175,6 +184,13 @@ impl Upstream {
             events.push(ev);
         }
         Ok(())
+    }
+
+    /// The request went out on a pooled connection and failed before any response byte: the worker
+    /// closed the connection while it was idle (a restart, its keep-alive timeout) and cannot have
+    /// answered, so the request may be sent again on a new connection.
+    pub fn stale(&self) -> bool {
+        self.reused && self.bytes_in == 0
     }
 
     /// The response ended cleanly and the connection may carry another request.

@@ -41,22 +41,36 @@ fn refused_connect_is_retried_on_another_worker() {
     cfg.probe_interval = Duration::from_secs(3600);
     let r = RouterHandle::start(cfg);
     r.wait_ready(Duration::from_secs(5));
+    // Both first probes have come back (one still out when `gone` dies would take it out of
+    // rotation before any request could meet the refusal).
+    r.wait_probed(2, Duration::from_secs(5));
     gone.kill();
-    std::thread::sleep(Duration::from_millis(50));
     for _ in 0..4 {
         let (status, body) = r.json("POST", "/v1/chat/completions", CHAT);
         assert_eq!(status, 200, "{body}");
     }
     assert_eq!(w.seen.lock().unwrap().posts.len(), 4);
-    let text = String::from_utf8(r.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
-    let retries: f64 = text
-        .lines()
-        .find_map(|l| l.strip_prefix("router_connect_retries_total "))
-        .and_then(|v| v.parse().ok())
-        .unwrap();
-    assert!(retries >= 1.0, "the refused worker was never tried: {text}");
+    let retries = r.metric("router_connect_retries_total");
+    assert!(retries >= 1.0, "the refused worker was never tried ({retries} retries)");
     let (_, list) = r.json("GET", "/workers", "");
     assert_eq!(list["workers"][0]["state"], "down", "a refused connect takes the worker out: {list}");
+}
+
+#[test]
+fn a_request_on_a_connection_the_worker_closed_is_sent_again() {
+    let w = MockWorker::start(MockRole::Unified, Mode::DropReused);
+    let mut cfg = config(&[(&w.url, Role::Unified)]);
+    // One probe at start; its kept-alive connection is the one the request is sent on.
+    cfg.probe_interval = Duration::from_secs(3600);
+    let r = RouterHandle::start(cfg);
+    r.wait_ready(Duration::from_secs(5));
+    r.wait_probed(1, Duration::from_secs(5));
+    let (status, body) = r.json("POST", "/v1/chat/completions", CHAT);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(w.seen.lock().unwrap().dropped, 1, "the request went out on the reused connection first");
+    assert_eq!(r.metric("router_stale_connection_retries_total"), 1.0);
+    let (_, list) = r.json("GET", "/workers", "");
+    assert_eq!(list["workers"][0]["state"], "up", "a closed idle connection is not a failure: {list}");
 }
 
 #[test]

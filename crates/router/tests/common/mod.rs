@@ -3,7 +3,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -66,6 +66,33 @@ impl RouterHandle {
         self.json("GET", "/health/ready", "").0 == 200
     }
 
+    /// The value of an unlabelled metric on `/metrics`.
+    pub fn metric(&self, name: &str) -> f64 {
+        let text =
+            String::from_utf8(self.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
+        let prefix = format!("{name} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(prefix.as_str()))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no metric {name} in {text}"))
+    }
+
+    /// Waits until `n` workers have answered a probe successfully.
+    pub fn wait_probed(&self, n: usize, within: Duration) {
+        let until = Instant::now() + within;
+        loop {
+            let (_, list) = self.json("GET", "/workers", "");
+            let probed = list["workers"]
+                .as_array()
+                .map_or(0, |ws| ws.iter().filter(|w| !w["last_probe_ok_ago_ms"].is_null()).count());
+            if probed >= n {
+                return;
+            }
+            assert!(Instant::now() < until, "{probed} of {n} workers probed within {within:?}: {list}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     pub fn wait_ready(&self, within: Duration) {
         let until = Instant::now() + within;
         while !self.ready() {
@@ -96,6 +123,9 @@ pub enum Mode {
     Hang = 2,
     /// Streams two chunks, then resets the connection.
     DieMidStream = 3,
+    /// Answers the first request on each connection; a later one on the same connection is closed
+    /// unanswered, as by a worker that closed an idle connection just as the router reused it.
+    DropReused = 4,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -114,6 +144,8 @@ pub struct Seen {
     pub aborts: Vec<String>,
     /// Request ids currently being handled (for /debug/requests).
     pub live: Vec<String>,
+    /// Requests closed unanswered in `Mode::DropReused`.
+    pub dropped: usize,
 }
 
 pub struct MockWorker {
@@ -123,18 +155,28 @@ pub struct MockWorker {
     stop: Arc<AtomicBool>,
     pub seen: Arc<Mutex<Seen>>,
     conns: Arc<Mutex<Vec<TcpStream>>>,
+    acceptor: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// A loopback address of its own for each mock worker of this test process (all of 127/8 is
+/// loopback on Linux): a port a killed mock let go can never be taken by another test's mock, and
+/// nothing else listens there, so a killed or never-started worker's address refuses connections.
+fn own_loopback_ip() -> std::net::Ipv4Addr {
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    std::net::Ipv4Addr::new(127, 0, 1 + (n / 250) as u8, 1 + (n % 250) as u8)
 }
 
 impl MockWorker {
     pub fn start(role: MockRole, mode: Mode) -> MockWorker {
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let listener = TcpListener::bind((own_loopback_ip(), 0)).unwrap();
         let addr = listener.local_addr().unwrap();
         let mode = Arc::new(AtomicU8::new(mode as u8));
         let stop = Arc::new(AtomicBool::new(false));
         let seen = Arc::new(Mutex::new(Seen::default()));
         let conns = Arc::new(Mutex::new(Vec::new()));
         let (m, s, sn, cs) = (Arc::clone(&mode), Arc::clone(&stop), Arc::clone(&seen), Arc::clone(&conns));
-        std::thread::spawn(move || {
+        let acceptor = std::thread::spawn(move || {
             for stream in listener.incoming() {
                 if s.load(Ordering::Relaxed) {
                     break;
@@ -147,17 +189,30 @@ impl MockWorker {
                 std::thread::spawn(move || serve(stream, role, &m, &sn));
             }
         });
-        MockWorker { addr, url: format!("http://{addr}"), mode, stop, seen, conns }
+        MockWorker {
+            addr,
+            url: format!("http://{addr}"),
+            mode,
+            stop,
+            seen,
+            conns,
+            acceptor: Mutex::new(Some(acceptor)),
+        }
     }
 
     pub fn set_mode(&self, mode: Mode) {
         self.mode.store(mode as u8, Ordering::Relaxed);
     }
 
-    /// Stops listening and resets every connection: the worker is gone.
+    /// Stops listening and resets every connection: the worker is gone. When this returns, the
+    /// listener is closed (connects are refused) and every connection it accepted is shut down.
     pub fn kill(&self) {
         self.stop.store(true, Ordering::Relaxed);
-        let _ = TcpStream::connect(self.addr);
+        if let Some(acceptor) = self.acceptor.lock().unwrap().take() {
+            // Wakes the accept loop, which sees the stop flag and drops the listener.
+            let _ = TcpStream::connect(self.addr);
+            let _ = acceptor.join();
+        }
         for c in self.conns.lock().unwrap().drain(..) {
             let _ = c.shutdown(Shutdown::Both);
         }
@@ -175,6 +230,7 @@ fn mode_of(m: &AtomicU8) -> Mode {
         1 => Mode::HangPost,
         2 => Mode::Hang,
         3 => Mode::DieMidStream,
+        4 => Mode::DropReused,
         _ => Mode::Ok,
     }
 }
@@ -190,6 +246,7 @@ fn respond(s: &mut TcpStream, status: u16, body: &str) -> std::io::Result<()> {
 fn serve(mut s: TcpStream, role: MockRole, mode: &AtomicU8, seen: &Mutex<Seen>) {
     let mut dec = RequestDecoder::new(Limits::default());
     let mut buf = [0u8; 16384];
+    let mut served = 0;
     loop {
         let req = loop {
             match dec.decode() {
@@ -203,6 +260,12 @@ fn serve(mut s: TcpStream, role: MockRole, mode: &AtomicU8, seen: &Mutex<Seen>) 
             }
         };
         let mode = mode_of(mode);
+        served += 1;
+        if mode == Mode::DropReused && served > 1 {
+            seen.lock().unwrap().dropped += 1;
+            let _ = s.shutdown(Shutdown::Both);
+            return;
+        }
         if mode == Mode::Hang {
             // Read until the peer leaves; never answer.
             while matches!(s.read(&mut buf), Ok(n) if n > 0) {}
@@ -317,12 +380,9 @@ fn completion(
     Ok(())
 }
 
-/// A port nothing listens on.
+/// An address nothing listens on (a loopback address no mock of this process uses).
 pub fn dead_url() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let a = l.local_addr().unwrap();
-    drop(l);
-    format!("http://{a}")
+    format!("http://{}:9", own_loopback_ip())
 }
 
 pub fn config(workers: &[(&str, pdserve_router::Role)]) -> RouterConfig {
