@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use pdserve_api::{ApiError, ErrorKind};
+
 /// Why a message could not be decoded. Each variant maps to one HTTP status and one stable `type` word.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -25,30 +27,29 @@ pub enum HttpError {
 }
 
 impl HttpError {
-    /// The status code a server answers this error with.
-    pub fn status(&self) -> u16 {
+    /// The error a server answers this with: one kind, so one status and one `type` word.
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            HttpError::RequestLineTooLong { .. } => 414,
-            HttpError::HeadersTooLarge { .. } | HttpError::TooManyHeaders { .. } => 431,
-            HttpError::BodyTooLarge { .. } => 413,
-            HttpError::Unsupported { .. } => 501,
+            HttpError::RequestLineTooLong { .. } => ErrorKind::UriTooLong,
+            HttpError::HeadersTooLarge { .. } | HttpError::TooManyHeaders { .. } => {
+                ErrorKind::HeadersTooLarge
+            }
+            HttpError::BodyTooLarge { .. } => ErrorKind::BodyTooLarge,
+            HttpError::Unsupported { .. } => ErrorKind::NotImplemented,
             HttpError::ChunkLineTooLong { .. } | HttpError::Malformed { .. } | HttpError::UnexpectedEof => {
-                400
+                ErrorKind::InvalidRequest
             }
         }
     }
 
-    /// The stable machine-readable `type` of the JSON error body (see `shared/design/api.md`).
-    pub fn error_type(&self) -> &'static str {
-        match self {
-            HttpError::RequestLineTooLong { .. } => "uri_too_long",
-            HttpError::HeadersTooLarge { .. } | HttpError::TooManyHeaders { .. } => "headers_too_large",
-            HttpError::BodyTooLarge { .. } => "body_too_large",
-            HttpError::Unsupported { .. } => "not_implemented",
-            HttpError::ChunkLineTooLong { .. } | HttpError::Malformed { .. } | HttpError::UnexpectedEof => {
-                "invalid_request"
-            }
-        }
+    /// The status code a server answers this error with.
+    pub fn status(&self) -> u16 {
+        self.kind().status()
+    }
+
+    /// The answer's error body.
+    pub fn to_api_error(&self) -> ApiError {
+        ApiError::new(self.kind(), self.to_string())
     }
 }
 

@@ -2,8 +2,9 @@
 //!
 //! - A sans-IO codec on `httparse`: [`RequestDecoder`] (Content-Length and chunked bodies, pipelining,
 //!   limits from [`Limits`]), response writers ([`Response`], [`write_head`], [`write_chunk`], SSE frames
-//!   with [`write_sse_chunk`]), and the client side ([`ResponseDecoder`], [`SseDecoder`]). Partial input is
-//!   [`Status::Partial`], never an error.
+//!   with [`write_sse_chunk`]), error answers in the one shape of `pdserve-api` ([`Response::error`]),
+//!   and the client side ([`ResponseDecoder`], [`SseDecoder`]). Partial input is [`Status::Partial`],
+//!   never an error.
 //! - [`Server`]: a single-threaded mio loop that the application drives, enforcing every bound of
 //!   [`ServerConfig`] and reporting clients that leave mid-response as [`Event::Disconnected`].
 //! - [`Pool`] and [`HttpClient`]: bounded upstream connections with acquire deadlines; a response not read
@@ -42,9 +43,7 @@ pub use pool::{
     ClientConfig, ClientError, ClientResponse, HttpClient, Pool, PoolConfig, PoolError, PoolStats, Pooled,
 };
 pub use request::{Header, Request, RequestDecoder, Status};
-pub use response::{
-    reason_phrase, write_chunk, write_head, write_last_chunk, BodyKind, ErrorReply, Response,
-};
+pub use response::{reason_phrase, write_chunk, write_head, write_last_chunk, BodyKind, Response};
 pub use server::{ConnId, DisconnectReason, Event, SendError, Server, ServerStats};
 pub use sse::{write_sse_chunk, write_sse_event, SseDecoder, SseEvent, SSE_DONE};
 

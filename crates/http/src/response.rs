@@ -2,6 +2,8 @@
 
 use std::io::Write as _;
 
+use pdserve_api::{header, ApiError};
+
 /// How a response body is delimited on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BodyKind {
@@ -135,68 +137,16 @@ impl Response {
     }
 }
 
-/// An error answer in the one shape every process uses:
-/// `{"error":{"type","message","code","request_id"}}`, plus `Retry-After` where it applies.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ErrorReply {
-    pub status: u16,
-    /// Stable machine-readable word, such as `queue_full` or `invalid_request`.
-    pub error_type: String,
-    /// For people; includes the numbers that matter.
-    pub message: String,
-    pub request_id: Option<String>,
-    /// Seconds for the `Retry-After` header; always set for 429 and 503.
-    pub retry_after_s: Option<u32>,
-}
-
-impl ErrorReply {
-    pub fn new(status: u16, error_type: &str, message: impl Into<String>) -> Self {
-        let retry_after_s = matches!(status, 429 | 503).then_some(1);
-        ErrorReply {
-            status,
-            error_type: error_type.to_owned(),
-            message: message.into(),
-            request_id: None,
-            retry_after_s,
+impl Response {
+    /// The answer for `error` in the one shape of every process (`pdserve_api::ApiError`), with
+    /// `retry-after` where it applies and `x-request-id` when known.
+    pub fn error(error: &ApiError, request_id: Option<&str>) -> Response {
+        let mut r = Response::json(error.status(), error.to_json(request_id).to_string());
+        if let Some(s) = error.retry_after_s {
+            r = r.header(header::RETRY_AFTER, &s.to_string());
         }
-    }
-
-    /// The reply for a decoding error.
-    pub fn from_http_error(err: &crate::HttpError) -> Self {
-        ErrorReply::new(err.status(), err.error_type(), err.to_string())
-    }
-
-    pub fn with_request_id(mut self, id: &str) -> Self {
-        self.request_id = Some(id.to_owned());
-        self
-    }
-
-    pub fn with_retry_after(mut self, seconds: u32) -> Self {
-        self.retry_after_s = Some(seconds);
-        self
-    }
-
-    /// The JSON object `{"error":{...}}`.
-    pub fn to_json(&self) -> serde_json::Value {
-        let mut error = serde_json::json!({
-            "type": self.error_type,
-            "message": self.message,
-            "code": self.status,
-        });
-        if let Some(id) = &self.request_id {
-            error["request_id"] = serde_json::Value::String(id.clone());
-        }
-        serde_json::json!({ "error": error })
-    }
-
-    /// The full response, with `x-request-id` and `retry-after` headers where known.
-    pub fn to_response(&self) -> Response {
-        let mut r = Response::json(self.status, self.to_json().to_string());
-        if let Some(s) = self.retry_after_s {
-            r = r.header("retry-after", &s.to_string());
-        }
-        if let Some(id) = &self.request_id {
-            r = r.header("x-request-id", id);
+        if let Some(id) = request_id {
+            r = r.header(header::REQUEST_ID, id);
         }
         r
     }

@@ -17,11 +17,11 @@ use std::time::{Duration, Instant};
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Interest, Poll, Token, Waker};
+use pdserve_api::{ApiError, ErrorKind};
 
 use crate::response::{write_head, BodyKind};
 use crate::{
-    write_chunk, write_last_chunk, ErrorReply, HttpError, Request, RequestDecoder, Response, ServerConfig,
-    Status,
+    write_chunk, write_last_chunk, HttpError, Request, RequestDecoder, Response, ServerConfig, Status,
 };
 
 const LISTENER: Token = Token(usize::MAX - 1);
@@ -381,14 +381,13 @@ impl Server {
             };
             if self.live >= self.config.connections_max {
                 self.stats.connections_rejected_total += 1;
-                let reply = ErrorReply::new(
-                    503,
-                    "no_capacity",
+                let reply = ApiError::new(
+                    ErrorKind::NoCapacity,
                     format!("server is at its connection limit ({})", self.config.connections_max),
                 )
                 .with_retry_after(self.config.retry_after_s);
                 let mut out = Vec::new();
-                reply.to_response().write_to(&mut out, false);
+                Response::error(&reply, None).write_to(&mut out, false);
                 // Best effort: a fresh socket's send buffer takes a small answer whole.
                 let _ = stream.write(&out);
                 let _ = stream.shutdown(Shutdown::Write);
@@ -511,12 +510,12 @@ impl Server {
 
     /// Answers a decoding error and closes the connection once the answer is out.
     fn fail(&mut self, slot: u32, err: &HttpError, now: Instant) {
-        self.reply_and_close(slot, &ErrorReply::from_http_error(err), now);
+        self.reply_and_close(slot, &err.to_api_error(), now);
     }
 
-    fn reply_and_close(&mut self, slot: u32, reply: &ErrorReply, now: Instant) {
+    fn reply_and_close(&mut self, slot: u32, reply: &ApiError, now: Instant) {
         let Some(c) = self.slots[slot as usize].as_mut() else { return };
-        reply.to_response().write_to(&mut c.out, false);
+        Response::error(reply, None).write_to(&mut c.out, false);
         c.phase = Phase::Closing;
         let deadline = now + self.config.linger_timeout;
         c.deadline = Some(deadline);
@@ -588,7 +587,8 @@ impl Server {
                 }
                 Phase::Reading => {
                     self.stats.header_timeouts_total += 1;
-                    let reply = ErrorReply::new(408, "request_timeout", "the request did not arrive in time");
+                    let reply =
+                        ApiError::new(ErrorKind::RequestTimeout, "the request did not arrive in time");
                     self.reply_and_close(slot, &reply, now);
                     if let Some(c) = self.slots[slot as usize].as_ref() {
                         next = next.min(c.deadline.unwrap_or(next));

@@ -1,8 +1,9 @@
 //! Table-driven tests of the sans-IO codec: requests, responses, chunked bodies, limits, and round trips.
 
+use pdserve_api::{ApiError, ErrorKind};
 use pdserve_http::{
-    write_chunk, write_head, write_last_chunk, write_sse_chunk, BodyKind, ErrorReply, Header, HttpError,
-    Limits, Request, RequestDecoder, Response, ResponseDecoder, ResponseEvent, SseDecoder, Status,
+    write_chunk, write_head, write_last_chunk, write_sse_chunk, BodyKind, Header, HttpError, Limits, Request,
+    RequestDecoder, Response, ResponseDecoder, ResponseEvent, SseDecoder, Status,
 };
 
 fn small_limits() -> Limits {
@@ -256,11 +257,9 @@ fn sse_stream_inside_chunked_body_byte_at_a_time() {
 }
 
 #[test]
-fn error_reply_is_valid_json_in_the_contract_shape() {
-    let reply =
-        ErrorReply::new(429, "queue_full", "request queue is full (64 waiting, limit 64) \"quoted\"\n")
-            .with_request_id("req-1");
-    let resp = reply.to_response();
+fn error_answers_are_valid_json_in_the_contract_shape() {
+    let e = ApiError::new(ErrorKind::QueueFull, "request queue is full (64 waiting, limit 64) \"quoted\"\n");
+    let resp = Response::error(&e, Some("req-1"));
     assert_eq!(resp.status, 429);
     assert_eq!(resp.header_value("retry-after"), Some("1"));
     assert_eq!(resp.header_value("x-request-id"), Some("req-1"));
@@ -269,6 +268,9 @@ fn error_reply_is_valid_json_in_the_contract_shape() {
     assert_eq!(v["error"]["code"], 429);
     assert_eq!(v["error"]["request_id"], "req-1");
     assert_eq!(v["error"]["message"], "request queue is full (64 waiting, limit 64) \"quoted\"\n");
+    // Every decoding error is answered with its one kind.
+    let too_big = HttpError::BodyTooLarge { bytes: 9, limit: 8 };
+    assert_eq!((too_big.status(), too_big.kind().as_str()), (413, "body_too_large"));
 }
 
 /// A deterministic stand-in for the fuzz target that runs in every test run: arbitrary bytes never

@@ -15,8 +15,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pdserve_http::{write_sse_event, ConnId, ErrorReply, Event, Request, ResponseEvent, Server};
-use pdserve_telemetry::{RequestLedger, Stage};
+use pdserve_api::{ApiError, ErrorKind, Stage};
+use pdserve_http::{write_sse_event, ConnId, Event, Request, ResponseEvent, Server};
+use pdserve_telemetry::RequestLedger;
 use serde_json::json;
 
 use crate::admission::{Admission, Admit};
@@ -222,11 +223,13 @@ fn error_response(
     rid: &str,
     retry_after: Option<u32>,
 ) -> pdserve_http::Response {
-    let mut e = ErrorReply::new(status, kind, message).with_request_id(rid);
+    let kind = ErrorKind::from_type(kind).unwrap_or(ErrorKind::Internal);
+    debug_assert_eq!(kind.status(), status);
+    let mut e = ApiError::new(kind, message);
     if let Some(s) = retry_after {
         e = e.with_retry_after(s);
     }
-    e.to_response().header("x-request-id", rid)
+    pdserve_http::Response::error(&e, Some(rid))
 }
 
 impl Router {
@@ -901,7 +904,9 @@ impl Router {
                     frame.extend_from_slice(b"\n\n");
                 }
                 if !f.tail.ends_with(b"data: [DONE]\n\n") {
-                    let err = ErrorReply::new(status, kind, msg.clone()).with_request_id(&f.rid).to_json();
+                    let err =
+                        ApiError::new(ErrorKind::from_type(kind).unwrap_or(ErrorKind::Internal), msg.clone())
+                            .to_json(Some(&f.rid));
                     write_sse_event(&mut frame, &err.to_string());
                     let choice = if f.chat() {
                         json!({"index": 0, "delta": {}, "logprobs": null, "finish_reason": "error"})

@@ -8,13 +8,14 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use pdserve_api::Stage as LedgerStage;
 use pdserve_kvcache::{OwnerKind, SeqId, TransferId};
 use pdserve_model::{Backend, Sampler, SamplingParams, SeqStep};
 use pdserve_pd_transfer::{Layout, Message, Outcome as TransferOutcome, PeerId, SendAction, TransferKey};
 use pdserve_scheduler::{
     Event, KvSource, NewRequest, Outcome, Rejection, RequestId, Sampled, Scheduler, Stage,
 };
-use pdserve_telemetry::{RequestLedger, Stage as LedgerStage};
+use pdserve_telemetry::RequestLedger;
 
 use crate::metrics::Metrics;
 

@@ -1,6 +1,7 @@
 //! The one place where failures become HTTP answers.
 
-use pdserve_http::ErrorReply;
+use pdserve_api::ErrorKind;
+use pdserve_http::Response;
 use pdserve_scheduler::{Outcome, Rejection, Stage};
 
 /// An error answer: status, stable `type`, message with the numbers that matter, optional Retry-After.
@@ -26,13 +27,11 @@ impl ApiError {
         ApiError::new(503, "not_ready", reason.to_owned())
     }
 
-    pub(crate) fn reply(&self, request_id: &str) -> ErrorReply {
-        let mut r =
-            ErrorReply::new(self.status, self.error_type, self.message.clone()).with_request_id(request_id);
-        if let Some(s) = self.retry_after_s {
-            r = r.with_retry_after(s);
-        }
-        r
+    pub(crate) fn reply(&self, request_id: &str) -> Response {
+        let kind = ErrorKind::from_type(self.error_type).unwrap_or(ErrorKind::Internal);
+        let mut e = pdserve_api::ApiError::new(kind, self.message.clone());
+        e.retry_after_s = self.retry_after_s;
+        Response::error(&e, Some(request_id))
     }
 
     pub(crate) fn from_rejection(r: &Rejection) -> Self {

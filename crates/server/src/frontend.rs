@@ -133,7 +133,7 @@ impl Frontend {
                             // One request's bug: it gets a 500, everyone else is served on.
                             let e =
                                 ApiError::new(500, "internal", "internal error while handling the request");
-                            let _ = self.server.respond(conn, &e.reply("unknown").to_response());
+                            let _ = self.server.respond(conn, &e.reply("unknown"));
                         }
                     }
                     HttpEvent::Disconnected { conn, .. } => self.disconnected(conn),
@@ -226,7 +226,7 @@ impl Frontend {
             }
             Ok(None) => {} // answered later, from the engine's replies
             Err(e) => {
-                let _ = self.server.respond(conn, &e.reply(&rid).to_response());
+                let _ = self.server.respond(conn, &e.reply(&rid));
             }
         }
     }
@@ -290,9 +290,9 @@ impl Frontend {
                 let _ = self.commands.try_send(Command::AbortTransfer(id));
                 json_response(200, &json!({"aborted": request_id, "stage": "kv_held"}), Some(request_id))
             }
-            (None, None) => ApiError::new(404, "not_found", format!("no live request {request_id}"))
-                .reply(request_id)
-                .to_response(),
+            (None, None) => {
+                ApiError::new(404, "not_found", format!("no live request {request_id}")).reply(request_id)
+            }
         }
     }
 
@@ -635,7 +635,7 @@ impl Frontend {
         match l.kind {
             Kind::Probe => json_response(503, &json!({"status": "failed", "reason": e.message}), None)
                 .header("retry-after", "1"),
-            Kind::Generate { .. } => e.reply(&l.request_id).to_response(),
+            Kind::Generate { .. } => e.reply(&l.request_id),
         }
     }
 
@@ -809,7 +809,7 @@ impl Frontend {
         for id in overdue {
             let _ = self.commands.try_send(Command::Abort(id));
             // The stage the engine last recorded for it (queued if it never got that far).
-            use pdserve_telemetry::Stage as L;
+            use pdserve_api::Stage as L;
             let stage = self
                 .live
                 .get(&id)
@@ -823,7 +823,7 @@ impl Frontend {
                 })
                 .map_or(pdserve_scheduler::Stage::Queued, |s| match s {
                     L::Prefilling => pdserve_scheduler::Stage::Prefilling,
-                    L::Decoding | L::Streaming => pdserve_scheduler::Stage::Decoding,
+                    L::Decoding | L::Streaming | L::Migrating => pdserve_scheduler::Stage::Decoding,
                     L::KvTransfer | L::KvHeld => pdserve_scheduler::Stage::KvTransfer,
                     L::RouterQueued | L::PrefillQueued | L::DecodeQueued => pdserve_scheduler::Stage::Queued,
                 });

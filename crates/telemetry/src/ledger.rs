@@ -4,50 +4,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::time::{Duration, Instant};
 
-/// A request's stage, with the same words in every process (see `shared/design/api.md`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Stage {
-    RouterQueued,
-    PrefillQueued,
-    Prefilling,
-    KvHeld,
-    KvTransfer,
-    DecodeQueued,
-    Decoding,
-    Streaming,
-}
-
-impl Stage {
-    pub const ALL: [Stage; 8] = [
-        Stage::RouterQueued,
-        Stage::PrefillQueued,
-        Stage::Prefilling,
-        Stage::KvHeld,
-        Stage::KvTransfer,
-        Stage::DecodeQueued,
-        Stage::Decoding,
-        Stage::Streaming,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Stage::RouterQueued => "router_queued",
-            Stage::PrefillQueued => "prefill_queued",
-            Stage::Prefilling => "prefilling",
-            Stage::KvHeld => "kv_held",
-            Stage::KvTransfer => "kv_transfer",
-            Stage::DecodeQueued => "decode_queued",
-            Stage::Decoding => "decoding",
-            Stage::Streaming => "streaming",
-        }
-    }
-}
-
-impl fmt::Display for Stage {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+use pdserve_api::Stage;
 
 /// Why a ledger operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]

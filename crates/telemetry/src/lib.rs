@@ -23,7 +23,7 @@ mod ledger;
 mod metrics;
 
 pub use latency::{LatencyHistogram, LatencySummary};
-pub use ledger::{LedgerEntry, LedgerError, Overdue, RequestLedger, Stage};
+pub use ledger::{LedgerEntry, LedgerError, Overdue, RequestLedger};
 pub use metrics::{
     check_metric_name, Buckets, Counter, CounterVec, Gauge, GaugeVec, Histogram, HistogramVec, MetricError,
     MetricKind, Registry, UNIT_WORDS,

@@ -2,7 +2,8 @@
 
 use std::time::{Duration, Instant};
 
-use pdserve_telemetry::{LedgerError, RequestLedger, Stage};
+use pdserve_api::Stage;
+use pdserve_telemetry::{LedgerError, RequestLedger};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -86,7 +87,8 @@ fn bounded_and_explicit_errors() {
             "kv_transfer",
             "decode_queued",
             "decoding",
-            "streaming"
+            "streaming",
+            "migrating"
         ]
     );
 }

@@ -1,0 +1,575 @@
+//! The OpenAI-compatible shapes: chat-completions and completions request bodies, checked field by
+//! field, and the response bodies and stream chunks built from plain values.
+
+use serde_json::{json, Map, Value};
+
+use crate::pd::{PdHandle, HANDLE_FIELD};
+use crate::ApiError;
+
+/// Which endpoint a generation came from; it decides the response shapes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/completions`
+    Completion,
+}
+
+impl Endpoint {
+    pub const CHAT_PATH: &'static str = "/v1/chat/completions";
+    pub const COMPLETION_PATH: &'static str = "/v1/completions";
+
+    /// The endpoint served at `path`.
+    pub fn from_path(path: &str) -> Option<Endpoint> {
+        match path {
+            Endpoint::CHAT_PATH => Some(Endpoint::Chat),
+            Endpoint::COMPLETION_PATH => Some(Endpoint::Completion),
+            _ => None,
+        }
+    }
+
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Chat => Endpoint::CHAT_PATH,
+            Endpoint::Completion => Endpoint::COMPLETION_PATH,
+        }
+    }
+
+    /// The response `id` of request `request_id`, the same whichever process answers.
+    pub fn response_id(self, request_id: &str) -> String {
+        match self {
+            Endpoint::Chat => format!("chatcmpl-{request_id}"),
+            Endpoint::Completion => format!("cmpl-{request_id}"),
+        }
+    }
+
+    fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+            (Endpoint::Completion, _) => "text_completion",
+        }
+    }
+}
+
+/// One chat message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub role: String,
+    pub content: String,
+}
+
+/// What to feed the model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Chat messages, rendered through the model's chat template.
+    Messages(Vec<Message>),
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// The sampling settings the client set; `None` leaves the engine's default.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Sampling {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    /// 0 or less turns top-k off.
+    pub top_k: Option<i64>,
+    pub min_p: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub presence_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+/// A parsed generation request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub max_tokens: Option<u32>,
+    pub sampling: Sampling,
+    pub seed: Option<u64>,
+    pub stop: Vec<String>,
+    pub stop_token_ids: Vec<u32>,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub logprobs: bool,
+    /// Alternatives per token with `logprobs` (at most 20).
+    pub top_logprobs: u32,
+    pub ignore_eos: bool,
+    /// Seconds, from the body's `timeout`.
+    pub timeout_s: Option<f64>,
+    /// Decode role: the prefill worker's handle.
+    pub pd_handle: Option<PdHandle>,
+}
+
+/// Most stop strings a request may set, and their longest length in bytes.
+pub const STOP_STRINGS_MAX: usize = 16;
+pub const STOP_STRING_BYTES_MAX: usize = 256;
+pub const TOP_LOGPROBS_MAX: u32 = 20;
+
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn get(&self, k: &str) -> Option<&Value> {
+        self.0.get(k).filter(|v| !v.is_null())
+    }
+    fn f64(&self, k: &str) -> Result<Option<f64>, ApiError> {
+        self.get(k)
+            .map(|v| {
+                v.as_f64()
+                    .filter(|x| x.is_finite())
+                    .ok_or_else(|| ApiError::invalid(format!("`{k}` must be a number")))
+            })
+            .transpose()
+    }
+    fn ranged(&self, k: &str, lo: f64, hi: f64) -> Result<Option<f32>, ApiError> {
+        match self.f64(k)? {
+            Some(v) if (lo..=hi).contains(&v) => Ok(Some(v as f32)),
+            Some(v) => Err(ApiError::invalid(format!("`{k}` must be between {lo} and {hi}, got {v}"))),
+            None => Ok(None),
+        }
+    }
+    fn u64(&self, k: &str) -> Result<Option<u64>, ApiError> {
+        self.get(k)
+            .map(|v| {
+                v.as_u64().ok_or_else(|| ApiError::invalid(format!("`{k}` must be a non-negative integer")))
+            })
+            .transpose()
+    }
+    fn bool(&self, k: &str) -> Result<Option<bool>, ApiError> {
+        self.get(k)
+            .map(|v| v.as_bool().ok_or_else(|| ApiError::invalid(format!("`{k}` must be true or false"))))
+            .transpose()
+    }
+    fn str(&self, k: &str) -> Result<Option<&str>, ApiError> {
+        self.get(k)
+            .map(|v| v.as_str().ok_or_else(|| ApiError::invalid(format!("`{k}` must be a string"))))
+            .transpose()
+    }
+}
+
+fn parse_messages(f: &Fields<'_>) -> Result<Prompt, ApiError> {
+    let msgs = f.get("messages").ok_or_else(|| ApiError::invalid("`messages` is required"))?;
+    let msgs = msgs.as_array().ok_or_else(|| ApiError::invalid("`messages` must be an array"))?;
+    if msgs.is_empty() {
+        return Err(ApiError::invalid("`messages` must not be empty"));
+    }
+    let mut out = Vec::with_capacity(msgs.len());
+    for (i, m) in msgs.iter().enumerate() {
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ApiError::invalid(format!("messages[{i}].role must be a string")))?;
+        if !matches!(role, "system" | "user" | "assistant" | "tool" | "developer") {
+            return Err(ApiError::invalid(format!(
+                "messages[{i}].role {role:?} is not one of system, user, assistant, tool, developer"
+            )));
+        }
+        let content = match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                        (Some("text"), Some(t)) => text.push_str(t),
+                        _ => {
+                            return Err(ApiError::invalid(format!(
+                                "messages[{i}].content: only text parts are supported"
+                            )))
+                        }
+                    }
+                }
+                text
+            }
+            Some(Value::Null) | None if role == "assistant" => String::new(),
+            _ => {
+                return Err(ApiError::invalid(format!(
+                    "messages[{i}].content must be a string or an array of text parts"
+                )))
+            }
+        };
+        out.push(Message { role: role.to_owned(), content });
+    }
+    Ok(Prompt::Messages(out))
+}
+
+fn parse_prompt(f: &Fields<'_>) -> Result<Prompt, ApiError> {
+    Ok(match f.get("prompt") {
+        Some(Value::String(s)) => Prompt::Text(s.clone()),
+        Some(Value::Array(a))
+            if !a.is_empty() && a.iter().all(|x| x.as_u64().is_some_and(|t| t <= u64::from(u32::MAX))) =>
+        {
+            Prompt::Tokens(a.iter().filter_map(Value::as_u64).map(|t| t as u32).collect())
+        }
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Prompt::Text(a[0].as_str().unwrap_or("").to_owned())
+        }
+        Some(Value::Array(_)) => {
+            return Err(ApiError::invalid(
+                "`prompt` must be a string, one string in an array, or an array of token ids",
+            ))
+        }
+        Some(_) => return Err(ApiError::invalid("`prompt` must be a string or an array of token ids")),
+        None => return Err(ApiError::invalid("`prompt` is required")),
+    })
+}
+
+fn parse_stop(f: &Fields<'_>) -> Result<(Vec<String>, Vec<u32>), ApiError> {
+    let mut stop = Vec::new();
+    let mut ids = Vec::new();
+    match f.get("stop") {
+        None => {}
+        Some(Value::String(s)) => stop.push(s.clone()),
+        Some(Value::Array(a)) => {
+            for x in a {
+                match x {
+                    Value::String(s) => stop.push(s.clone()),
+                    Value::Number(n) if n.as_u64().is_some_and(|t| t <= u64::from(u32::MAX)) => {
+                        ids.push(n.as_u64().unwrap_or(0) as u32)
+                    }
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "`stop` must be a string or an array of strings or token ids",
+                        ))
+                    }
+                }
+            }
+        }
+        Some(_) => return Err(ApiError::invalid("`stop` must be a string or an array of strings")),
+    }
+    if stop.len() > STOP_STRINGS_MAX || stop.iter().any(|s| s.is_empty() || s.len() > STOP_STRING_BYTES_MAX) {
+        return Err(ApiError::invalid(format!(
+            "`stop` takes at most {STOP_STRINGS_MAX} non-empty strings of at most {STOP_STRING_BYTES_MAX} bytes"
+        )));
+    }
+    match f.get("stop_token_ids") {
+        None => {}
+        Some(Value::Array(a)) => {
+            for t in a {
+                let t = t
+                    .as_u64()
+                    .and_then(|t| u32::try_from(t).ok())
+                    .ok_or_else(|| ApiError::invalid("`stop_token_ids` must be an array of token ids"))?;
+                ids.push(t);
+            }
+        }
+        Some(_) => return Err(ApiError::invalid("`stop_token_ids` must be an array of token ids")),
+    }
+    Ok((stop, ids))
+}
+
+/// Parses a chat-completions or completions body. Fields the API does not define are ignored; the
+/// ones it defines are checked for type and range, and errors name the field.
+pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("body is not valid JSON: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| ApiError::invalid("body must be a JSON object"))?;
+    let f = Fields(obj);
+    let prompt = match endpoint {
+        Endpoint::Chat => parse_messages(&f)?,
+        Endpoint::Completion => parse_prompt(&f)?,
+    };
+    let n = f.u64("n")?.unwrap_or(1);
+    if n != 1 {
+        return Err(ApiError::invalid(format!(
+            "`n` must be 1 (got {n}); send separate requests for more choices"
+        )));
+    }
+    if f.u64("best_of")?.is_some_and(|b| b != 1) {
+        return Err(ApiError::invalid("`best_of` must be 1"));
+    }
+    let max_tokens = match f.u64("max_completion_tokens")? {
+        Some(m) => Some(m),
+        None => f.u64("max_tokens")?,
+    };
+    if max_tokens == Some(0) {
+        return Err(ApiError::invalid("`max_tokens` must be at least 1"));
+    }
+    let sampling = Sampling {
+        temperature: f.ranged("temperature", 0.0, 2.0)?,
+        top_p: match f.ranged("top_p", 0.0, 1.0)? {
+            Some(p) if p == 0.0 => return Err(ApiError::invalid("`top_p` must be greater than 0")),
+            p => p,
+        },
+        top_k: f
+            .get("top_k")
+            .map(|k| k.as_i64().ok_or_else(|| ApiError::invalid("`top_k` must be an integer")))
+            .transpose()?,
+        min_p: f.ranged("min_p", 0.0, 1.0)?,
+        frequency_penalty: f.ranged("frequency_penalty", -2.0, 2.0)?,
+        presence_penalty: f.ranged("presence_penalty", -2.0, 2.0)?,
+        repetition_penalty: f.ranged("repetition_penalty", 0.01, 10.0)?,
+    };
+    let seed = match f.get("seed") {
+        None => None,
+        Some(v) => Some(
+            v.as_u64()
+                .or_else(|| v.as_i64().map(|x| x as u64))
+                .ok_or_else(|| ApiError::invalid("`seed` must be an integer"))?,
+        ),
+    };
+    let (stop, stop_token_ids) = parse_stop(&f)?;
+    let include_usage = match f.get("stream_options") {
+        Some(o) => o.get("include_usage").and_then(Value::as_bool).unwrap_or(false),
+        None => false,
+    };
+    let (logprobs, top) = match endpoint {
+        Endpoint::Chat => (f.bool("logprobs")?.unwrap_or(false), f.u64("top_logprobs")?.unwrap_or(0)),
+        // Completions: `logprobs` is the number of top alternatives.
+        Endpoint::Completion => match f.u64("logprobs")? {
+            Some(n) => (true, n),
+            None => (false, 0),
+        },
+    };
+    if top > u64::from(TOP_LOGPROBS_MAX) {
+        return Err(ApiError::invalid(format!(
+            "`top_logprobs` must be at most {TOP_LOGPROBS_MAX}, got {top}"
+        )));
+    }
+    let timeout_s = f.f64("timeout")?;
+    if timeout_s.is_some_and(|t| t <= 0.0) {
+        return Err(ApiError::invalid("`timeout` must be a positive number of seconds"));
+    }
+    Ok(GenerateRequest {
+        model: f.str("model")?.map(str::to_owned),
+        prompt,
+        max_tokens: max_tokens.map(|m| m.min(u64::from(u32::MAX)) as u32),
+        sampling,
+        seed,
+        stop,
+        stop_token_ids,
+        stream: f.bool("stream")?.unwrap_or(false),
+        include_usage,
+        logprobs,
+        top_logprobs: top as u32,
+        ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
+        timeout_s,
+        pd_handle: f.get(HANDLE_FIELD).map(PdHandle::from_json).transpose()?,
+    })
+}
+
+/// One generated token's log-probability, its text already decoded.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub top: Vec<(String, f32)>,
+}
+
+fn bytes_of(s: &str) -> Value {
+    Value::Array(s.bytes().map(|b| json!(b)).collect())
+}
+
+/// The `logprobs` object of a choice.
+pub fn logprobs_json(endpoint: Endpoint, lps: &[TokenLogprob]) -> Value {
+    match endpoint {
+        Endpoint::Chat => json!({ "content": lps.iter().map(|l| json!({
+            "token": l.token, "logprob": l.logprob, "bytes": bytes_of(&l.token),
+            "top_logprobs": l.top.iter().map(|(t, p)| json!({"token": t, "logprob": p, "bytes": bytes_of(t)})).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>() }),
+        Endpoint::Completion => {
+            let mut offset = 0;
+            let mut offsets = Vec::with_capacity(lps.len());
+            for l in lps {
+                offsets.push(offset);
+                offset += l.token.len();
+            }
+            json!({
+                "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
+                "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(t, p)| (t.clone(), json!(p))).collect::<Map<_, _>>()).collect::<Vec<_>>(),
+                "text_offset": offsets,
+            })
+        }
+    }
+}
+
+/// The identity of a response: id, creation time, model.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Meta {
+    pub endpoint: Endpoint,
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    pub model: String,
+}
+
+/// Token counts of a response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose KV was reused rather than computed.
+    pub cached_tokens: usize,
+}
+
+impl Usage {
+    pub fn to_json(self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        })
+    }
+}
+
+/// A whole non-streaming response.
+pub fn full_response(
+    meta: &Meta,
+    text: &str,
+    finish_reason: &str,
+    logprobs: Option<Value>,
+    usage: Usage,
+) -> Value {
+    let choice = match meta.endpoint {
+        Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": logprobs, "finish_reason": finish_reason}),
+        Endpoint::Completion => {
+            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+        }
+    };
+    json!({
+        "id": meta.id,
+        "object": meta.endpoint.object(false),
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [choice],
+        "usage": usage.to_json(),
+    })
+}
+
+/// What one stream chunk carries.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Delta<'a> {
+    /// The assistant role (the first chat chunk).
+    pub role: bool,
+    pub text: Option<&'a str>,
+    pub finish_reason: Option<&'a str>,
+}
+
+/// One streaming chunk.
+pub fn chunk(meta: &Meta, delta: Delta<'_>, logprobs: Option<Value>) -> Value {
+    let choice = match meta.endpoint {
+        Endpoint::Chat => {
+            let mut d = Map::new();
+            if delta.role {
+                d.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = delta.text {
+                d.insert("content".into(), json!(t));
+            }
+            json!({"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason})
+        }
+        Endpoint::Completion => json!({"index": 0, "text": delta.text.unwrap_or(""), "logprobs": logprobs,
+                                       "finish_reason": delta.finish_reason}),
+    };
+    json!({
+        "id": meta.id,
+        "object": meta.endpoint.object(true),
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [choice],
+    })
+}
+
+/// The usage chunk of `stream_options.include_usage`: no choices.
+pub fn usage_chunk(meta: &Meta, usage: Usage) -> Value {
+    json!({
+        "id": meta.id,
+        "object": meta.endpoint.object(true),
+        "created": meta.created,
+        "model": meta.model,
+        "choices": [],
+        "usage": usage.to_json(),
+    })
+}
+
+/// The SSE event payloads that end a stream which failed after it started: the error, a final chunk
+/// whose `finish_reason` is `"error"`, and `[DONE]` (api.md). Every process ends a broken stream
+/// with exactly these.
+pub fn stream_error_events(meta: &Meta, error: &ApiError, request_id: &str) -> [String; 3] {
+    [
+        error.to_json(Some(request_id)).to_string(),
+        chunk(meta, Delta { finish_reason: Some("error"), ..Delta::default() }, None).to_string(),
+        DONE.to_owned(),
+    ]
+}
+
+/// The payload of the event that ends every stream.
+pub const DONE: &str = "[DONE]";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_checked_field_by_field() {
+        let bad = [
+            (Endpoint::Chat, r#"{"messages": []}"#, "must not be empty"),
+            (Endpoint::Chat, r#"{"messages": "hi"}"#, "must be an array"),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}"#,
+                "`temperature` must be a number",
+            ),
+            (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": "x"}], "n": 2}"#, "`n` must be 1"),
+            (Endpoint::Chat, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, "role"),
+            (Endpoint::Completion, r#"{"prompt": 5}"#, "`prompt` must be"),
+            (Endpoint::Completion, r#"{"prompt": "x", "max_tokens": 0}"#, "at least 1"),
+            (Endpoint::Completion, r#"{"prompt": "x", "top_p": 3}"#, "between"),
+            (Endpoint::Completion, r#"{"prompt": "x", "stop_token_ids": ["a"]}"#, "stop_token_ids"),
+            (Endpoint::Completion, r#"[1, 2]"#, "JSON object"),
+            (Endpoint::Completion, r#"{"prompt": "x""#, "not valid JSON"),
+            (Endpoint::Completion, r#"{"prompt": "x", "pd_transfer": {"addr": 1}}"#, "pd_transfer.addr"),
+        ];
+        for (ep, body, want) in bad {
+            let err = parse_generate(ep, body.as_bytes()).unwrap_err();
+            assert!(err.message.contains(want), "{body}: {}", err.message);
+            assert_eq!(err.status(), 400);
+        }
+        let g = parse_generate(
+            Endpoint::Chat,
+            br#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                "max_completion_tokens": 5, "stop": ["a", 7], "stream": true, "stream_options": {"include_usage": true},
+                "logprobs": true, "top_logprobs": 3, "seed": 9, "temperature": 0.5, "unknown_field": {"ignored": true}}"#,
+        )
+        .unwrap();
+        assert_eq!(g.prompt, Prompt::Messages(vec![Message { role: "user".into(), content: "hi".into() }]));
+        assert_eq!(
+            (g.max_tokens, g.stop.clone(), g.stop_token_ids.clone()),
+            (Some(5), vec!["a".to_owned()], vec![7])
+        );
+        assert!(g.stream && g.include_usage && g.logprobs);
+        assert_eq!(
+            (g.top_logprobs, g.seed, g.sampling.temperature, g.sampling.top_p),
+            (3, Some(9), Some(0.5), None)
+        );
+    }
+
+    #[test]
+    fn stream_error_events_are_valid_json_in_order() {
+        let meta = Meta {
+            endpoint: Endpoint::Chat,
+            id: Endpoint::Chat.response_id("r1"),
+            created: 1,
+            model: String::new(),
+        };
+        let e = ApiError::new(crate::ErrorKind::UpstreamFailed, "decode worker died");
+        let [err, last, done] = stream_error_events(&meta, &e, "r1");
+        let err: Value = serde_json::from_str(&err).unwrap();
+        assert_eq!(err["error"]["type"], "upstream_failed");
+        let last: Value = serde_json::from_str(&last).unwrap();
+        assert_eq!(last["choices"][0]["finish_reason"], "error");
+        assert_eq!(last["id"], "chatcmpl-r1");
+        assert_eq!(done, DONE);
+    }
+
+    #[test]
+    fn usage_reports_cached_tokens() {
+        let u = Usage { prompt_tokens: 10, completion_tokens: 2, cached_tokens: 4 }.to_json();
+        assert_eq!(u["total_tokens"], 12);
+        assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 4);
+    }
+}
