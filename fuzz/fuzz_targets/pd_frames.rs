@@ -11,10 +11,10 @@ fuzz_target!(|data: &[u8]| {
     let layout = Layout { num_layers: 1, num_kv_heads: 1, head_dim: 2, block_size: 2, dtype: Dtype::F32 };
     let key = TransferKey { transfer: 1, epoch: 1 };
     let mut sender = Sender::new(SenderConfig { window_blocks: 2, transfers_max: 4, shared_region: true });
-    let _ = sender.offer(key, layout, vec![BlockId(0), BlockId(1)], 100);
+    let _ = sender.offer(key, layout, vec![BlockId(0), BlockId(1)], 100, PromptMeta::default());
     let mut receiver = Receiver::new(1);
     let dest = vec![(BlockId(7), 3), (BlockId(8), 3)];
-    let _ = receiver.start(key, PeerId(1), layout, dest.clone(), 100);
+    let _ = receiver.start(key, PeerId(1), layout, 100, true);
     let mut buf = data;
     let mut now = 0;
     while let Ok(Some(Frame { msg, data: bytes, consumed: used })) = decode(buf) {
@@ -32,6 +32,10 @@ fuzz_target!(|data: &[u8]| {
                 }
             }
             other => receiver.handle_message(PeerId(1), other),
+        }
+        // Whatever the sender claims to hold, the destinations stay the two given here.
+        while let Some(d) = receiver.poll_described() {
+            let _ = receiver.set_destination(d.key.transfer, dest.clone());
         }
         sender.handle_timeout(now);
         receiver.handle_timeout(now);

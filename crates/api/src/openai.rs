@@ -289,7 +289,7 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
     let sampling = Sampling {
         temperature: f.ranged("temperature", 0.0, 2.0)?,
         top_p: match f.ranged("top_p", 0.0, 1.0)? {
-            Some(p) if p == 0.0 => return Err(ApiError::invalid("`top_p` must be greater than 0")),
+            Some(0.0) => return Err(ApiError::invalid("`top_p` must be greater than 0")),
             p => p,
         },
         top_k: f

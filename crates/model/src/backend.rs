@@ -42,6 +42,18 @@ impl KvLayout {
     pub fn block_floats(&self) -> usize {
         self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
     }
+
+    /// Bytes of one block as [`Backend::read_block`] gives it.
+    pub fn block_bytes(&self) -> usize {
+        self.block_floats() * 4
+    }
+}
+
+/// KV memory a backend is given instead of allocating its own (shared memory that a same-host peer
+/// reads, say): bytes the backend views as f32 values.
+pub trait KvStore: Send + Sync + std::fmt::Debug {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
 }
 
 /// Runs batch steps over paged KV memory the backend owns, indexed by kvcache [`BlockId`]s.
@@ -56,22 +68,22 @@ pub trait Backend: Send {
     /// the copies may be partly done: the step that needed them must not run.
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError>;
 
-    /// Copies one block's KV (`kv_layout().block_floats()` values, layout `[layer][k|v][position][kv
-    /// head][head dim]`) into `out`, for sending to a peer.
-    fn read_block(&self, block: BlockId, out: &mut [f32]) -> Result<(), ModelError>;
+    /// Copies one block's KV into `out`: `kv_layout().block_bytes()` bytes, little-endian f32 values in
+    /// the layout `[layer][k|v][position][kv head][head dim]`, for sending to a peer.
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError>;
 
     /// Stores one block's KV received from a peer (same layout as [`read_block`](Self::read_block)).
-    fn write_block(&mut self, block: BlockId, data: &[f32]) -> Result<(), ModelError>;
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError>;
 }
 
-/// Checks a block id and a buffer length against a layout.
+/// Checks a block id and a buffer length in bytes against a layout.
 pub(crate) fn check_block(layout: &KvLayout, block: BlockId, len: usize) -> Result<(), ModelError> {
-    if block.0 as usize >= layout.num_blocks || len != layout.block_floats() {
+    if block.0 as usize >= layout.num_blocks || len != layout.block_bytes() {
         return Err(ModelError::InvalidInput {
             problem: format!(
-                "{block} with {len} values; the pool has {} blocks of {} values",
+                "{block} with {len} bytes; the pool has {} blocks of {} bytes",
                 layout.num_blocks,
-                layout.block_floats()
+                layout.block_bytes()
             ),
         });
     }

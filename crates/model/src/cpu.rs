@@ -9,81 +9,39 @@ use std::sync::Arc;
 use pdserve_kvcache::{BlockCopy, BlockId};
 use rayon::prelude::*;
 
-use crate::backend::{check_block, check_steps, Backend, KvLayout, SeqStep};
+use crate::backend::{check_block, check_steps, Backend, KvLayout, KvStore, SeqStep};
 use crate::quant::{
     Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
 };
 use crate::sys::{
-    as_f32, as_f32_mut, create_shared_f32, dot, exp_scaled, gemm_bf16_par, group_scores, group_weighted_sum,
-    has_bf16_gemm, map_file, sgemm, sgemm_xwt_avx512, sgemm_xwt_avx512_strided, silu_mul, softmax_masked,
-    to_bf16, Mmap,
+    as_f32, as_f32_mut, dot, exp_scaled, f32_bytes, f32_bytes_mut, gemm_bf16_par, group_scores,
+    group_weighted_sum, has_bf16_gemm, sgemm, sgemm_xwt_avx512, sgemm_xwt_avx512_strided, silu_mul,
+    softmax_masked, to_bf16,
 };
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
 
-/// Where the KV memory lives.
+/// Where the KV memory lives: this backend's own heap, or a store it was given (shared memory a
+/// same-host decode worker reads, say), viewed as f32 values.
 #[derive(Debug)]
 enum KvMemory {
     Heap(Vec<f32>),
-    /// A file under `/dev/shm` mapped read-write, readable by other processes on the host (a decode
-    /// worker pulls blocks from it with one copy). Removed when the backend is dropped.
-    Shared {
-        map: memmap2::MmapMut,
-        path: std::path::PathBuf,
-    },
+    Store(Box<dyn KvStore>),
 }
 
 impl KvMemory {
     fn as_slice(&self) -> &[f32] {
         match self {
             KvMemory::Heap(v) => v,
-            KvMemory::Shared { map, .. } => as_f32(map),
+            KvMemory::Store(s) => as_f32(s.bytes()),
         }
     }
 
     fn as_mut_slice(&mut self) -> &mut [f32] {
         match self {
             KvMemory::Heap(v) => v,
-            KvMemory::Shared { map, .. } => as_f32_mut(map),
+            KvMemory::Store(s) => as_f32_mut(s.bytes_mut()),
         }
-    }
-}
-
-impl Drop for KvMemory {
-    fn drop(&mut self) {
-        if let KvMemory::Shared { path, .. } = self {
-            let _ = std::fs::remove_file(path);
-        }
-    }
-}
-
-/// Read-only view of another process's shared KV memory (see [`CpuBackend::new_shared`]).
-#[derive(Debug)]
-pub struct SharedKvView {
-    map: Mmap,
-    block_floats: usize,
-}
-
-impl SharedKvView {
-    /// Opens the shared KV file at `path`, whose blocks are `block_floats` f32 values each. Only files
-    /// named like the ones [`CpuBackend::new_shared`] creates (`/dev/shm/pdserve-kv-*`) are opened.
-    pub fn open(path: &std::path::Path, block_floats: usize) -> Result<SharedKvView, ModelError> {
-        let name_ok = path.parent() == Some(std::path::Path::new("/dev/shm"))
-            && path.file_name().is_some_and(|n| n.to_string_lossy().starts_with("pdserve-kv-"));
-        if !name_ok {
-            return Err(ModelError::format(path, "not a pdserve shared KV file (/dev/shm/pdserve-kv-*)"));
-        }
-        let file = std::fs::File::open(path).map_err(|e| ModelError::io(path, e))?;
-        let map = map_file(&file).map_err(|e| ModelError::io(path, e))?;
-        if block_floats == 0 || map.len() % (block_floats * 4) != 0 {
-            return Err(ModelError::format(path, "size is not a whole number of KV blocks of this layout"));
-        }
-        Ok(SharedKvView { map, block_floats })
-    }
-
-    /// Block `slot`'s values, or `None` past the end.
-    pub fn block(&self, slot: usize) -> Option<&[f32]> {
-        as_f32(&self.map).get(slot * self.block_floats..(slot + 1) * self.block_floats)
     }
 }
 
@@ -169,29 +127,30 @@ impl CpuBackend {
         }
     }
 
-    /// Like [`new`](Self::new), with the KV memory in a new shared file at `path` (under `/dev/shm`,
-    /// named `pdserve-kv-*`), so a decode worker on the same host can copy blocks straight out of it.
-    pub fn new_shared(
+    /// Like [`new`](Self::new), with the KV memory in `store` (which must hold `num_blocks` blocks of
+    /// f32 values and be 4-byte aligned; a memory mapping is). Its contents are the cache's.
+    pub fn with_kv_store(
         cfg: ModelConfig,
         weights: Arc<Weights>,
         num_blocks: usize,
         block_size: usize,
-        path: &std::path::Path,
+        store: Box<dyn KvStore>,
     ) -> Result<Self, ModelError> {
         let mut b = CpuBackend::new(cfg, weights, 0, block_size);
         b.layout.num_blocks = num_blocks;
-        let map = create_shared_f32(path, b.layout.block_floats() * num_blocks)
-            .map_err(|e| ModelError::io(path, e))?;
-        b.kv = KvMemory::Shared { map, path: path.to_path_buf() };
-        Ok(b)
-    }
-
-    /// The shared KV file, if the memory is shared.
-    pub fn shared_path(&self) -> Option<&std::path::Path> {
-        match &self.kv {
-            KvMemory::Shared { path, .. } => Some(path),
-            KvMemory::Heap(_) => None,
+        let bytes = store.bytes();
+        if bytes.len() < b.layout.block_bytes() * num_blocks || bytes.as_ptr().align_offset(4) != 0 {
+            return Err(ModelError::InvalidInput {
+                problem: format!(
+                    "a KV store of {} bytes at an address {} 4-byte aligned; {num_blocks} blocks need {} aligned bytes",
+                    bytes.len(),
+                    if bytes.as_ptr().align_offset(4) == 0 { "" } else { "not" },
+                    b.layout.block_bytes() * num_blocks
+                ),
+            });
         }
+        b.kv = KvMemory::Store(store);
+        Ok(b)
     }
 
     fn kv_at(&self, block: BlockId, layer: usize, kind: usize, pos: usize) -> usize {
@@ -390,23 +349,25 @@ impl Backend for CpuBackend {
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {
         let n = self.layout.block_floats();
         for c in copies {
-            check_block(&self.layout, c.src, n)?;
-            check_block(&self.layout, c.dst, n)?;
+            check_block(&self.layout, c.src, n * 4)?;
+            check_block(&self.layout, c.dst, n * 4)?;
             let (src, dst) = (c.src.0 as usize * n, c.dst.0 as usize * n);
             self.kv.as_mut_slice().copy_within(src..src + n, dst);
         }
         Ok(())
     }
 
-    fn read_block(&self, block: BlockId, out: &mut [f32]) -> Result<(), ModelError> {
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError> {
         check_block(&self.layout, block, out.len())?;
-        out.copy_from_slice(&self.kv.as_slice()[block.0 as usize * out.len()..][..out.len()]);
+        let n = self.layout.block_floats();
+        out.copy_from_slice(f32_bytes(&self.kv.as_slice()[block.0 as usize * n..][..n]));
         Ok(())
     }
 
-    fn write_block(&mut self, block: BlockId, data: &[f32]) -> Result<(), ModelError> {
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
         check_block(&self.layout, block, data.len())?;
-        self.kv.as_mut_slice()[block.0 as usize * data.len()..][..data.len()].copy_from_slice(data);
+        let n = self.layout.block_floats();
+        f32_bytes_mut(&mut self.kv.as_mut_slice()[block.0 as usize * n..][..n]).copy_from_slice(data);
         Ok(())
     }
 

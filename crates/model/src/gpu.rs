@@ -372,8 +372,8 @@ impl Backend for GpuBackend {
         let (_, run) = self.block_range(BlockId(0));
         let mut tmp = self.gpu.zeros::<u16>(run).map_err(dev)?;
         for c in copies {
-            check_block(&self.layout, c.src, self.layout.block_floats())?;
-            check_block(&self.layout, c.dst, self.layout.block_floats())?;
+            check_block(&self.layout, c.src, self.layout.block_bytes())?;
+            check_block(&self.layout, c.dst, self.layout.block_bytes())?;
             let (src, _) = self.block_range(c.src);
             let (dst, _) = self.block_range(c.dst);
             for cache in self.k.iter_mut().chain(self.v.iter_mut()) {
@@ -384,28 +384,30 @@ impl Backend for GpuBackend {
         Ok(())
     }
 
-    fn read_block(&self, block: BlockId, out: &mut [f32]) -> Result<(), ModelError> {
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError> {
         check_block(&self.layout, block, out.len())?;
         let (start, run) = self.block_range(block);
         for (l, (k, v)) in self.k.iter().zip(&self.v).enumerate() {
             for (kind, cache) in [k, v].into_iter().enumerate() {
                 let host = self.gpu.download(&cache.slice(start..start + run)).map_err(dev)?;
-                let dst = &mut out[(l * 2 + kind) * run..][..run];
-                for (d, &s) in dst.iter_mut().zip(&host) {
-                    *d = bf16_to_f32(s);
+                let dst = &mut out[(l * 2 + kind) * run * 4..][..run * 4];
+                for (d, &s) in dst.chunks_exact_mut(4).zip(&host) {
+                    d.copy_from_slice(&bf16_to_f32(s).to_le_bytes());
                 }
             }
         }
         Ok(())
     }
 
-    fn write_block(&mut self, block: BlockId, data: &[f32]) -> Result<(), ModelError> {
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
         check_block(&self.layout, block, data.len())?;
         let (start, run) = self.block_range(block);
         for l in 0..self.layout.num_layers {
             for kind in 0..2 {
-                let src: Vec<u16> =
-                    data[(l * 2 + kind) * run..][..run].iter().map(|&x| f32_to_bf16(x)).collect();
+                let src: Vec<u16> = data[(l * 2 + kind) * run * 4..][..run * 4]
+                    .chunks_exact(4)
+                    .map(|b| f32_to_bf16(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+                    .collect();
                 let cache = if kind == 0 { &mut self.k[l] } else { &mut self.v[l] };
                 self.gpu.write(&src, &mut cache.slice_mut(start..start + run)).map_err(dev)?;
             }

@@ -42,9 +42,9 @@ mod weights;
 
 use std::path::Path;
 
-pub use backend::{Backend, KvLayout, SeqStep};
+pub use backend::{Backend, KvLayout, KvStore, SeqStep};
 pub use config::ModelConfig;
-pub use cpu::{CpuBackend, SharedKvView};
+pub use cpu::CpuBackend;
 pub use error::ModelError;
 #[cfg(feature = "cuda")]
 pub use gpu::GpuBackend;

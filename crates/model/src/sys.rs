@@ -963,14 +963,18 @@ unsafe fn dot_q4_avx512(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], 
         + mins[g..].iter().zip(&xsum[g..]).map(|(&m, s)| f16_to_f32(m) * s).sum::<f32>()
 }
 
-/// A writable shared mapping of a new file of `floats` f32 values (zeroed), for KV memory other
-/// processes on the host can read.
-pub(crate) fn create_shared_f32(path: &std::path::Path, floats: usize) -> io::Result<memmap2::MmapMut> {
-    let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(path)?;
-    file.set_len((floats * 4) as u64)?;
-    // SAFETY: the file was just created by this process (`create_new`) and is only resized here; other
-    // processes map it read-only and never truncate it. The mapping lives as long as the returned value.
-    unsafe { memmap2::MmapMut::map_mut(&file) }
+/// The bytes of f32 values (native, little-endian on every supported target).
+pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte of it is initialized; u8 has alignment 1; the length
+    // covers exactly the same memory.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Mutable form of [`f32_bytes`].
+pub(crate) fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as in `f32_bytes`, and every byte pattern written through it is a valid f32; the
+    // borrow is unique.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
 /// Views bytes as f32 values. Panics unless the bytes are 4-aligned and a whole number of values
@@ -979,7 +983,7 @@ pub(crate) fn as_f32(bytes: &[u8]) -> &[f32] {
     // SAFETY: every bit pattern is a valid f32; `align_to` never returns misaligned middles, and the
     // assertion makes sure no byte is left out.
     let (head, mid, tail) = unsafe { bytes.align_to::<f32>() };
-    assert!(head.is_empty() && tail.is_empty(), "KV mapping is not f32-aligned");
+    assert!(head.is_empty() && tail.is_empty(), "KV memory is not f32-aligned");
     mid
 }
 
@@ -987,7 +991,7 @@ pub(crate) fn as_f32(bytes: &[u8]) -> &[f32] {
 pub(crate) fn as_f32_mut(bytes: &mut [u8]) -> &mut [f32] {
     // SAFETY: as in `as_f32`; the borrow is unique.
     let (head, mid, tail) = unsafe { bytes.align_to_mut::<f32>() };
-    assert!(head.is_empty() && tail.is_empty(), "KV mapping is not f32-aligned");
+    assert!(head.is_empty() && tail.is_empty(), "KV memory is not f32-aligned");
     mid
 }
 

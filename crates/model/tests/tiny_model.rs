@@ -221,29 +221,52 @@ fn loading_errors_name_the_file() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn shared_kv_memory_is_readable_from_a_second_mapping_and_removed_on_drop() {
-    let c = config();
-    let path = std::path::PathBuf::from(format!("/dev/shm/pdserve-kv-test-{}", std::process::id()));
-    let mut cpu = CpuBackend::new_shared(c.clone(), Arc::new(weights(&c)), 8, 4, &path).unwrap();
-    let heap = prefill(&mut backend(8, 4), &[1, 2, 3, 4, 5], &[5]);
-    let shared = prefill(&mut cpu, &[1, 2, 3, 4, 5], &[5]);
-    assert!(max_diff(&heap, &shared) < 1e-6, "shared memory computes the same");
-    let floats = cpu.kv_layout().block_floats();
-    let view = pdserve_model::SharedKvView::open(&path, floats).unwrap();
-    for b in 0..2 {
-        assert_eq!(view.block(b).unwrap(), &block(&cpu, BlockId(b as u32))[..], "block {b}");
+/// KV memory from outside: bytes at an offset of a vector (4-aligned unless told otherwise).
+#[derive(Debug)]
+struct Store {
+    bytes: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl Store {
+    fn new(len: usize, misalign: usize) -> Store {
+        let bytes = vec![0u8; len + 8];
+        let at = bytes.as_ptr().align_offset(4) + misalign;
+        Store { bytes, at, len }
     }
-    assert!(view.block(8).is_none());
-    assert!(pdserve_model::SharedKvView::open(std::path::Path::new("/etc/passwd"), floats).is_err());
-    drop(view);
-    drop(cpu);
-    assert!(!path.exists(), "the shared file is removed with the backend");
+}
+
+impl pdserve_model::KvStore for Store {
+    fn bytes(&self) -> &[u8] {
+        &self.bytes[self.at..self.at + self.len]
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.bytes[self.at..self.at + self.len]
+    }
+}
+
+#[test]
+fn kv_memory_from_outside_computes_the_same_and_holds_the_blocks() {
+    let c = config();
+    let need = backend(8, 4).kv_layout().block_bytes() * 8;
+    let store = Box::new(Store::new(need, 0));
+    let mut cpu = CpuBackend::with_kv_store(c.clone(), Arc::new(weights(&c)), 8, 4, store).unwrap();
+    let heap = prefill(&mut backend(8, 4), &[1, 2, 3, 4, 5], &[5]);
+    let outside = prefill(&mut cpu, &[1, 2, 3, 4, 5], &[5]);
+    assert!(max_diff(&heap, &outside) < 1e-6, "the store computes the same");
+    assert!(block(&cpu, BlockId(0)).iter().any(|&b| b != 0), "the prompt's KV is in the store");
+    let short =
+        CpuBackend::with_kv_store(c.clone(), Arc::new(weights(&c)), 8, 4, Box::new(Store::new(need - 4, 0)));
+    assert!(short.is_err(), "a store too small for the pool");
+    let odd =
+        CpuBackend::with_kv_store(c.clone(), Arc::new(weights(&c)), 8, 4, Box::new(Store::new(need, 1)));
+    assert!(odd.is_err(), "a store not aligned for f32");
 }
 
 /// One block's KV read through the backend.
-fn block(cpu: &CpuBackend, b: BlockId) -> Vec<f32> {
-    let mut out = vec![0.0; cpu.kv_layout().block_floats()];
+fn block(cpu: &CpuBackend, b: BlockId) -> Vec<u8> {
+    let mut out = vec![0; cpu.kv_layout().block_bytes()];
     cpu.read_block(b, &mut out).unwrap();
     out
 }
@@ -251,14 +274,14 @@ fn block(cpu: &CpuBackend, b: BlockId) -> Vec<f32> {
 #[test]
 fn block_reads_and_writes_are_checked_and_round_trip() {
     let mut cpu = backend(8, 4);
-    let n = cpu.kv_layout().block_floats();
-    let data: Vec<f32> = (0..n).map(|i| i as f32 * 0.5).collect();
+    let n = cpu.kv_layout().block_bytes();
+    let data: Vec<u8> = (0..n / 4).flat_map(|i| (i as f32 * 0.5).to_le_bytes()).collect();
     cpu.write_block(BlockId(3), &data).unwrap();
     assert_eq!(block(&cpu, BlockId(3)), data);
-    assert!(block(&cpu, BlockId(2)).iter().all(|&v| v == 0.0), "neighbours untouched");
+    assert!(block(&cpu, BlockId(2)).iter().all(|&v| v == 0), "neighbours untouched");
     assert!(cpu.write_block(BlockId(8), &data).is_err(), "block outside the pool");
     assert!(cpu.write_block(BlockId(0), &data[1..]).is_err(), "short buffer");
-    let mut short = vec![0.0; n - 1];
+    let mut short = vec![0; n - 1];
     assert!(cpu.read_block(BlockId(0), &mut short).is_err());
     let outside = pdserve_kvcache::BlockCopy { src: BlockId(0), dst: BlockId(8), tokens: 1 };
     assert!(cpu.copy_blocks(&[outside]).is_err(), "a copy outside the pool is an error, not a panic");

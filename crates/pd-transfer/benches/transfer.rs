@@ -54,7 +54,7 @@ fn transfer(src: &[Vec<u8>], shared: bool) -> f64 {
         s.set_nodelay(true).expect("nodelay");
         let mut sender =
             Sender::new(SenderConfig { window_blocks: u32::MAX, transfers_max: 1, shared_region: shared });
-        sender.offer(key, layout(), blocks, u64::MAX).expect("offer");
+        sender.offer(key, layout(), blocks, u64::MAX, PromptMeta::default()).expect("offer");
         let mut buf = Vec::new();
         let mut out = Vec::with_capacity(src[0].len() + 64);
         loop {
@@ -86,19 +86,14 @@ fn transfer(src: &[Vec<u8>], shared: bool) -> f64 {
     let mut dst: Vec<Vec<u8>> = vec![vec![1u8; layout().block_bytes()]; n];
     let mut receiver = Receiver::new(64);
     let start = Instant::now();
-    receiver
-        .start_with(
-            key,
-            PeerId(1),
-            layout(),
-            (0..n as u32).map(|b| (BlockId(b), 0)).collect(),
-            u64::MAX,
-            shared,
-        )
-        .expect("start");
+    receiver.start(key, PeerId(1), layout(), u64::MAX, shared).expect("start");
     let mut buf = Vec::new();
     let mut out = Vec::new();
     loop {
+        while let Some(d) = receiver.poll_described() {
+            let dest = (0..d.blocks).map(|b| (BlockId(b), 0)).collect();
+            receiver.set_destination(d.key.transfer, dest).expect("destination");
+        }
         while let Some((_, msg)) = receiver.poll_transmit() {
             out.clear();
             encode(&msg, &[], &mut out);

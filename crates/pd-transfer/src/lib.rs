@@ -1,19 +1,28 @@
-//! Moving a request's KV blocks from a prefill worker to a decode worker without ever stranding them.
+//! Moving a request's KV blocks from a prefill worker to a decode worker without ever stranding them,
+//! in three layers a program can take separately:
 //!
-//! A *pull* protocol, as sans-IO state machines: [`Sender`] (prefill side) and [`Receiver`] (decode
-//! side) take messages and `now` and give back messages to send and events. Block bytes never pass
-//! through them: the I/O shell copies each block between KV memories, after checking the destination
-//! against the decode side's kvcache lease (block id + epoch).
+//! - the protocol: a *pull* protocol as sans-IO state machines, [`Sender`] (prefill side) and
+//!   [`Receiver`] (decode side), that take messages and `now` and give back messages to send and
+//!   events, with length-prefixed binary framing ([`encode`], [`decode`]). Block bytes never pass
+//!   through them;
+//! - [`transport`]: the [`Transport`] trait, the one seam for ways of moving frames and block bytes,
+//!   with [`TcpTransport`] (frames over TCP; a same-host receiver copies named blocks straight out of
+//!   the sender's shared region, [`transport::shm`]);
+//! - [`Endpoint`]: one worker's end of every transfer, driving both state machines over a transport and
+//!   copying each block between the transport and the worker's KV memory ([`BlockMemory`]) only where
+//!   the worker's KV ledger (`pdserve_kvcache::KvCache`: the lease, block id and epoch) allows it.
 //!
 //! ```text
 //!  decode (Receiver)                               prefill (Sender)
-//!  allocate_lease(T, n blocks)                     lease_sequence(seq, T) after the first token
-//!  start(T.e, peer, layout, dest) ── Pull{T.e, layout, n} ──▶ offer(T.e, layout, blocks, expiry)
-//!                                 ◀── Accept{T.e, n} ──────   (layout and n checked: mismatch → Reject)
-//!  accept_block → check_write →   ◀── Block{T.e, i, bytes} ── window of W blocks in flight
-//!  copy → block_written           ─── Ack{T.e, written} ────▶ more blocks
-//!  after the last block           ─── Done{T.e} ───────────▶ lease still held? Completed → release_lease(T)
-//!  Completed → adopt_lease(T, seq) ◀── Confirm{T.e} ─────     (not held: Reject, and the receiver fails)
+//!                                                  lease_sequence(seq, T) after the first token
+//!  start(T.e, peer, layout) ── Pull{T.e, layout} ──▶ offer(T.e, layout, blocks, expiry, prompt meta)
+//!                          ◀── Accept{T.e, n, meta}   (layout checked: mismatch → Reject)
+//!  Described: allocate_lease(T, n)                    meta: prompt token ids, first token, logprobs
+//!  set_destination(T, dest) ── Ready{T.e} ─────────▶
+//!  accept_block → check_write → ◀── Block{T.e, i, bytes} ── window of W blocks in flight
+//!  copy → block_written        ─── Ack{T.e, written} ──▶ more blocks
+//!  after the last block        ─── Done{T.e} ──────────▶ lease still held? Completed → release_lease(T)
+//!  Completed → adopt_lease(T, seq) ◀── Confirm{T.e} ───   (not held: Reject, and the receiver fails)
 //!
 //!  Same host: Pull{.., shared: true} and a sender whose KV memory is a shared region → the sender names
 //!  each block (BlockAt{T.e, i, slot}) and the receiver copies it straight out of the region. The
@@ -29,17 +38,25 @@
 //! Each transfer ends exactly once on each side with an [`Outcome`] in a [`TransferEvent`]; the shell
 //! then releases (sender) or adopts or releases (receiver) its kvcache lease, so both KV ledgers return
 //! to baseline.
-#![forbid(unsafe_code)]
 
+mod endpoint;
 mod message;
 mod receiver;
 mod sender;
+mod sys;
+pub mod transport;
 
-pub use message::{
-    decode, encode, Dtype, FailReason, Frame, FrameError, Layout, Message, TransferKey, FRAME_BYTES_MAX,
+pub use endpoint::{
+    BlockIoError, BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, PullError, Side,
+    Source,
 };
-pub use receiver::{Destination, Receiver, StartError};
+pub use message::{
+    decode, encode, Dtype, FailReason, Frame, FrameError, Layout, Message, PromptMeta, TransferKey,
+    FIRST_TOP_MAX, FRAME_BYTES_MAX, PROMPT_TOKENS_MAX,
+};
+pub use receiver::{Described, Destination, Receiver, StartError};
 pub use sender::{OfferError, SendAction, Sender, SenderConfig};
+pub use transport::{Arrival, Connected, TcpTransport, Transport};
 
 /// The I/O shell's name for a connection to a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

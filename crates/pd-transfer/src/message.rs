@@ -148,15 +148,58 @@ impl fmt::Display for FailReason {
     }
 }
 
+/// What the prefill side knows of a prompt that the decode side needs to go on from it: the prompt's
+/// token ids, the first token with its log-probabilities, and how long the prefill side took. It
+/// travels in the `Accept`, so a router between the two workers forwards only a small handle.
+#[derive(Debug, Clone, Default)]
+pub struct PromptMeta {
+    pub prompt: Vec<u32>,
+    pub first_token: u32,
+    /// The first token's log-probability under the model.
+    pub first_logprob: f32,
+    /// The most likely alternatives for the first token, when the request asked for them.
+    pub first_top: Vec<(u32, f32)>,
+    /// Microseconds the request waited in the prefill worker's queue, and then took to prefill.
+    pub queue_us: u64,
+    pub prefill_us: u64,
+}
+
+/// Most prompt tokens a `PromptMeta` carries, and most alternatives for the first token.
+pub const PROMPT_TOKENS_MAX: usize = 1 << 20;
+pub const FIRST_TOP_MAX: usize = 64;
+
+// Log-probabilities compare bit for bit, so a decoded frame equals the one encoded (NaN included)
+// and `Message` can be `Eq`.
+impl PartialEq for PromptMeta {
+    fn eq(&self, o: &Self) -> bool {
+        self.prompt == o.prompt
+            && self.first_token == o.first_token
+            && self.first_logprob.to_bits() == o.first_logprob.to_bits()
+            && self.first_top.len() == o.first_top.len()
+            && self
+                .first_top
+                .iter()
+                .zip(&o.first_top)
+                .all(|(a, b)| a.0 == b.0 && a.1.to_bits() == b.1.to_bits())
+            && (self.queue_us, self.prefill_us) == (o.queue_us, o.prefill_us)
+    }
+}
+
+impl Eq for PromptMeta {}
+
 /// A protocol message. `Block` carries the block's bytes on the wire; the state machines only see its
-/// header (`BlockHeader`), and the I/O shell moves the bytes.
+/// header, and the I/O shell moves the bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Message {
-    /// Decode → prefill: send me the blocks of this transfer. `shared`: the decode worker can read the
-    /// prefill worker's shared KV region (same host), so blocks may be named instead of sent.
-    Pull { key: TransferKey, layout: Layout, blocks: u32, shared: bool },
-    /// Prefill → decode: the pull is accepted; blocks follow.
-    Accept { key: TransferKey, blocks: u32 },
+    /// Decode → prefill: describe this transfer and get ready to send it. `shared`: the decode worker
+    /// can read the prefill worker's shared KV region (same host), so blocks may be named instead of
+    /// sent.
+    Pull { key: TransferKey, layout: Layout, shared: bool },
+    /// Prefill → decode: the pull is accepted; the transfer has `blocks` blocks and this prompt. The
+    /// decode side makes room for them, then answers `Ready`.
+    Accept { key: TransferKey, blocks: u32, meta: Box<PromptMeta> },
+    /// Decode → prefill: the destination blocks are allocated; send them.
+    Ready { key: TransferKey },
     /// Prefill → decode: the pull is refused; the transfer is over.
     Reject { key: TransferKey, reason: FailReason },
     /// Prefill → decode: block `index` follows (`len` bytes).
@@ -178,6 +221,7 @@ impl Message {
         match self {
             Message::Pull { key, .. }
             | Message::Accept { key, .. }
+            | Message::Ready { key }
             | Message::Reject { key, .. }
             | Message::Block { key, .. }
             | Message::BlockAt { key, .. }
@@ -214,6 +258,22 @@ fn put_reason(out: &mut Vec<u8>, r: &FailReason) {
     }
 }
 
+fn put_meta(out: &mut Vec<u8>, m: &PromptMeta) {
+    out.extend(m.first_token.to_le_bytes());
+    out.extend(m.first_logprob.to_bits().to_le_bytes());
+    out.extend(m.queue_us.to_le_bytes());
+    out.extend(m.prefill_us.to_le_bytes());
+    out.extend((m.first_top.len() as u32).to_le_bytes());
+    for (t, p) in &m.first_top {
+        out.extend(t.to_le_bytes());
+        out.extend(p.to_bits().to_le_bytes());
+    }
+    out.extend((m.prompt.len() as u32).to_le_bytes());
+    for t in &m.prompt {
+        out.extend(t.to_le_bytes());
+    }
+}
+
 /// Appends `msg` framed; for `Block`, `data` (exactly `len` bytes) follows the header.
 pub fn encode(msg: &Message, data: &[u8], out: &mut Vec<u8>) {
     let start = out.len();
@@ -229,21 +289,24 @@ pub fn encode(msg: &Message, data: &[u8], out: &mut Vec<u8>) {
         Message::Abort { .. } => 7,
         Message::BlockAt { .. } => 8,
         Message::Confirm { .. } => 9,
+        Message::Ready { .. } => 10,
     };
     out.push(kind);
     out.extend(key.transfer.to_le_bytes());
     out.extend(key.epoch.to_le_bytes());
     match msg {
-        Message::Pull { layout, blocks, shared, .. } => {
+        Message::Pull { layout, shared, .. } => {
             put_layout(out, layout);
-            out.extend(blocks.to_le_bytes());
             out.push(u8::from(*shared));
         }
         Message::BlockAt { index, slot, .. } => {
             out.extend(index.to_le_bytes());
             out.extend(slot.to_le_bytes());
         }
-        Message::Accept { blocks, .. } => out.extend(blocks.to_le_bytes()),
+        Message::Accept { blocks, meta, .. } => {
+            out.extend(blocks.to_le_bytes());
+            put_meta(out, meta);
+        }
         Message::Reject { reason, .. } | Message::Abort { reason, .. } => put_reason(out, reason),
         Message::Block { index, len, .. } => {
             out.extend(index.to_le_bytes());
@@ -252,7 +315,7 @@ pub fn encode(msg: &Message, data: &[u8], out: &mut Vec<u8>) {
             out.extend_from_slice(data);
         }
         Message::Ack { written, .. } => out.extend(written.to_le_bytes()),
-        Message::Done { .. } | Message::Confirm { .. } => {}
+        Message::Done { .. } | Message::Confirm { .. } | Message::Ready { .. } => {}
     }
     let len = (out.len() - start - 4) as u32;
     out[start..start + 4].copy_from_slice(&len.to_le_bytes());
@@ -289,6 +352,26 @@ impl<'a> Reader<'a> {
             block_size: self.u32()?,
             dtype: Dtype::from_code(self.u8()?)?,
         })
+    }
+    fn meta(&mut self) -> Option<PromptMeta> {
+        let first_token = self.u32()?;
+        let first_logprob = f32::from_bits(self.u32()?);
+        let queue_us = self.u64()?;
+        let prefill_us = self.u64()?;
+        let top = self.u32()? as usize;
+        if top > FIRST_TOP_MAX {
+            return None;
+        }
+        let mut first_top = Vec::with_capacity(top);
+        for _ in 0..top {
+            first_top.push((self.u32()?, f32::from_bits(self.u32()?)));
+        }
+        let n = self.u32()? as usize;
+        if n > PROMPT_TOKENS_MAX || self.0.len() < n * 4 {
+            return None;
+        }
+        let prompt = (0..n).map(|_| self.u32()).collect::<Option<Vec<u32>>>()?;
+        Some(PromptMeta { prompt, first_token, first_logprob, first_top, queue_us, prefill_us })
     }
     fn reason(&mut self) -> Option<FailReason> {
         Some(match self.u8()? {
@@ -347,14 +430,13 @@ pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, FrameError> {
             1 => Message::Pull {
                 key,
                 layout: r.layout()?,
-                blocks: r.u32()?,
                 shared: match r.u8()? {
                     0 => false,
                     1 => true,
                     _ => return None,
                 },
             },
-            2 => Message::Accept { key, blocks: r.u32()? },
+            2 => Message::Accept { key, blocks: r.u32()?, meta: Box::new(r.meta()?) },
             3 => Message::Reject { key, reason: r.reason()? },
             4 => {
                 let index = r.u32()?;
@@ -367,6 +449,7 @@ pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, FrameError> {
             7 => Message::Abort { key, reason: r.reason()? },
             8 => Message::BlockAt { key, index: r.u32()?, slot: r.u32()? },
             9 => Message::Confirm { key },
+            10 => Message::Ready { key },
             _ => return None,
         };
         if !r.0.is_empty() {

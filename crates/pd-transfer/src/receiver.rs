@@ -1,15 +1,19 @@
-//! The decode side: pulls a transfer's blocks into destination blocks it allocated under its own lease.
+//! The decode side: learns what a transfer holds, then pulls its blocks into destination blocks it
+//! allocated under its own lease.
 
 use std::collections::{HashMap, VecDeque};
 
 use pdserve_kvcache::BlockId;
 
-use crate::message::{FailReason, Layout, Message, TransferKey};
+use crate::message::{FailReason, Layout, Message, PromptMeta, TransferKey};
 use crate::{Outcome, PeerId, TransferEvent};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
+    /// `Pull` sent; waiting for the sender's `Accept`.
     Pulling,
+    /// Accepted: the shell learned the prompt and the block count and is to give destinations.
+    Described,
     Receiving,
     /// Every block is written; waiting for the sender to confirm its lease held.
     Confirming,
@@ -19,12 +23,23 @@ enum State {
 struct In {
     epoch: u32,
     peer: PeerId,
+    /// The sender's block count, from its `Accept`.
+    blocks: u32,
     dest: Vec<(BlockId, u32)>,
     written: Vec<bool>,
     count: u32,
     deadline: u64,
     state: State,
     block_bytes: usize,
+}
+
+/// A transfer the sender accepted: what it holds. The shell allocates `blocks` destination blocks
+/// (or gives up with [`Receiver::abort`]) and calls [`Receiver::set_destination`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Described {
+    pub key: TransferKey,
+    pub blocks: u32,
+    pub meta: PromptMeta,
 }
 
 /// Where a received block goes. The shell checks the destination against its KV cache
@@ -37,19 +52,31 @@ pub struct Destination {
 }
 
 /// The decode side of every transfer of one worker. Sans-IO, like [`crate::Sender`].
+///
+/// Order per transfer: [`start`](Self::start) (sends `Pull`); [`poll_described`](Self::poll_described)
+/// yields the sender's answer; [`set_destination`](Self::set_destination) (sends `Ready`); blocks go
+/// through [`accept_block`](Self::accept_block) and [`block_written`](Self::block_written); the end
+/// comes out of [`poll_event`](Self::poll_event). Every turn: `poll_transmit` until `None`.
 #[derive(Debug)]
 pub struct Receiver {
     transfers: HashMap<u64, In>,
     out: VecDeque<(PeerId, Message)>,
+    described: VecDeque<Described>,
     events: VecDeque<TransferEvent>,
     ack_every: u32,
 }
 
-/// Why a transfer could not be started.
+/// Why a transfer could not be started or given its destinations.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StartError {
     Duplicate,
-    NoBlocks,
+    /// No such transfer, or it is not waiting for destinations.
+    NotDescribed,
+    /// The destinations are not as many as the sender's blocks; the transfer ended.
+    BlockCount {
+        sender: u32,
+        receiver: u32,
+    },
 }
 
 impl Receiver {
@@ -58,56 +85,67 @@ impl Receiver {
         Receiver {
             transfers: HashMap::new(),
             out: VecDeque::new(),
+            described: VecDeque::new(),
             events: VecDeque::new(),
             ack_every: ack_every.max(1),
         }
     }
 
-    /// Starts pulling `key` from `peer` into `dest` (block, epoch at allocation), which must be as many
-    /// blocks as the sender holds. Ends as `DataTimeout` at `deadline`.
+    /// Starts pulling `key` from `peer`: asks the sender what it holds. `shared`: this worker can read
+    /// the sender's shared KV region, so the sender may name blocks (`BlockAt`) instead of sending
+    /// their bytes. The transfer ends as `DataTimeout` if it is not complete by `deadline`.
     pub fn start(
         &mut self,
         key: TransferKey,
         peer: PeerId,
         layout: Layout,
-        dest: Vec<(BlockId, u32)>,
-        deadline: u64,
-    ) -> Result<(), StartError> {
-        self.start_with(key, peer, layout, dest, deadline, false)
-    }
-
-    /// Like [`start`](Self::start); `shared`: this worker can read the sender's shared KV region, so
-    /// the sender may name blocks (`BlockAt`) instead of sending their bytes.
-    pub fn start_with(
-        &mut self,
-        key: TransferKey,
-        peer: PeerId,
-        layout: Layout,
-        dest: Vec<(BlockId, u32)>,
         deadline: u64,
         shared: bool,
     ) -> Result<(), StartError> {
         if self.transfers.contains_key(&key.transfer) {
             return Err(StartError::Duplicate);
         }
-        if dest.is_empty() {
-            return Err(StartError::NoBlocks);
-        }
-        let n = dest.len();
-        self.out.push_back((peer, Message::Pull { key, layout, blocks: n as u32, shared }));
+        self.out.push_back((peer, Message::Pull { key, layout, shared }));
         self.transfers.insert(
             key.transfer,
             In {
                 epoch: key.epoch,
                 peer,
-                dest,
-                written: vec![false; n],
+                blocks: 0,
+                dest: Vec::new(),
+                written: Vec::new(),
                 count: 0,
                 deadline,
                 state: State::Pulling,
                 block_bytes: layout.block_bytes(),
             },
         );
+        Ok(())
+    }
+
+    /// The next transfer the sender accepted: what it holds.
+    pub fn poll_described(&mut self) -> Option<Described> {
+        self.described.pop_front()
+    }
+
+    /// Gives a described transfer its destination blocks (block, epoch at allocation), one per sender
+    /// block, and tells the sender to send. A wrong count ends the transfer (both sides).
+    pub fn set_destination(&mut self, transfer: u64, dest: Vec<(BlockId, u32)>) -> Result<(), StartError> {
+        let Some(i) = self.transfers.get_mut(&transfer).filter(|i| i.state == State::Described) else {
+            return Err(StartError::NotDescribed);
+        };
+        let key = TransferKey { transfer, epoch: i.epoch };
+        if dest.len() != i.blocks as usize {
+            let reason = FailReason::BlockCountMismatch { sender: i.blocks, receiver: dest.len() as u32 };
+            let (peer, sender) = (i.peer, i.blocks);
+            self.out.push_back((peer, Message::Abort { key, reason: reason.clone() }));
+            self.end(transfer, Outcome::Failed(reason));
+            return Err(StartError::BlockCount { sender, receiver: dest.len() as u32 });
+        }
+        i.written = vec![false; dest.len()];
+        i.dest = dest;
+        i.state = State::Receiving;
+        self.out.push_back((i.peer, Message::Ready { key }));
         Ok(())
     }
 
@@ -133,6 +171,8 @@ impl Receiver {
 
     fn end(&mut self, transfer: u64, outcome: Outcome) {
         if let Some(i) = self.transfers.remove(&transfer) {
+            // A description nobody took yet is withdrawn: the shell sees the end instead.
+            self.described.retain(|d| d.key.transfer != transfer);
             self.events.push_back(TransferEvent { key: TransferKey { transfer, epoch: i.epoch }, outcome });
         }
     }
@@ -148,16 +188,19 @@ impl Receiver {
             return; // late or stray: dropped
         };
         match msg {
-            Message::Accept { blocks, .. } => {
-                // With a reordering link a block may have come first and started the transfer already.
-                let n = self.transfers[&key.transfer].dest.len() as u32;
-                if blocks != n {
+            Message::Accept { blocks, meta, .. } => {
+                if state != State::Pulling {
+                    return; // a duplicate
+                }
+                if blocks == 0 {
                     self.out.push_back((peer, Message::Abort { key, reason: FailReason::Protocol }));
                     return self.end(key.transfer, Outcome::Failed(FailReason::Protocol));
                 }
-                if let Some(i) = self.transfers.get_mut(&key.transfer).filter(|i| i.state == State::Pulling) {
-                    i.state = State::Receiving;
+                if let Some(i) = self.transfers.get_mut(&key.transfer) {
+                    i.blocks = blocks;
+                    i.state = State::Described;
                 }
+                self.described.push_back(Described { key, blocks, meta: *meta });
             }
             Message::Reject { reason, .. } | Message::Abort { reason, .. } => {
                 self.end(key.transfer, Outcome::Failed(reason))
@@ -169,6 +212,7 @@ impl Receiver {
             | Message::Block { .. }
             | Message::BlockAt { .. }
             | Message::Pull { .. }
+            | Message::Ready { .. }
             | Message::Ack { .. }
             | Message::Done { .. } => {}
         }
@@ -184,15 +228,13 @@ impl Receiver {
         len: usize,
     ) -> Option<Destination> {
         let i = self.current(peer, key)?;
-        // A block can overtake the `Accept` on a reordering link; it proves the sender accepted.
-        let i = if i.state == State::Pulling {
-            let i = self.transfers.get_mut(&key.transfer)?;
-            i.state = State::Receiving;
-            &*i
-        } else {
-            i
+        // Blocks follow the receiver's `Ready`; one before it, out of range or of the wrong size is
+        // a confused sender.
+        let wrong = match i.state {
+            State::Pulling | State::Described => true,
+            State::Receiving | State::Confirming => index as usize >= i.dest.len() || len != i.block_bytes,
         };
-        if index as usize >= i.dest.len() || len != i.block_bytes {
+        if wrong {
             self.out.push_back((peer, Message::Abort { key, reason: FailReason::Protocol }));
             self.end(key.transfer, Outcome::Failed(FailReason::Protocol));
             return None;

@@ -5,7 +5,7 @@ use std::collections::{HashMap, VecDeque};
 
 use pdserve_kvcache::BlockId;
 
-use crate::message::{FailReason, Layout, Message, TransferKey};
+use crate::message::{FailReason, Layout, Message, PromptMeta, TransferKey};
 use crate::{Outcome, PeerId, TransferEvent};
 
 /// What the I/O shell must send.
@@ -29,7 +29,27 @@ pub enum SendAction {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Offered,
-    Sending { peer: PeerId, next: u32, written: u32, shared: bool },
+    /// A pull was accepted; waiting for the receiver's `Ready`.
+    Accepted {
+        peer: PeerId,
+        shared: bool,
+    },
+    Sending {
+        peer: PeerId,
+        next: u32,
+        written: u32,
+        shared: bool,
+    },
+}
+
+impl State {
+    /// The receiver that claimed the transfer, if one did.
+    fn holder(self) -> Option<PeerId> {
+        match self {
+            State::Offered => None,
+            State::Accepted { peer, .. } | State::Sending { peer, .. } => Some(peer),
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -39,6 +59,8 @@ struct Out {
     blocks: Vec<BlockId>,
     expires_at: u64,
     state: State,
+    /// Sent once, in the `Accept`.
+    meta: Option<Box<PromptMeta>>,
 }
 
 /// Configuration of a [`Sender`].
@@ -84,13 +106,15 @@ impl Sender {
     }
 
     /// Offers the KV of a finished prefill: `blocks` (in order) stay readable until the transfer ends;
-    /// at `expires_at` it ends as `LeaseExpired` if no decode worker took it.
+    /// at `expires_at` it ends as `LeaseExpired` if no decode worker took it. `meta` goes to the
+    /// receiver in the `Accept`.
     pub fn offer(
         &mut self,
         key: TransferKey,
         layout: Layout,
         blocks: Vec<BlockId>,
         expires_at: u64,
+        meta: PromptMeta,
     ) -> Result<(), OfferError> {
         if self.transfers.contains_key(&key.transfer) {
             return Err(OfferError::Duplicate);
@@ -100,7 +124,14 @@ impl Sender {
         }
         self.transfers.insert(
             key.transfer,
-            Out { epoch: key.epoch, layout, blocks, expires_at, state: State::Offered },
+            Out {
+                epoch: key.epoch,
+                layout,
+                blocks,
+                expires_at,
+                state: State::Offered,
+                meta: Some(Box::new(meta)),
+            },
         );
         Ok(())
     }
@@ -143,7 +174,7 @@ impl Sender {
         let key = msg.key();
         let current = self.transfers.get(&key.transfer).map(|o| (o.epoch, o.state));
         match msg {
-            Message::Pull { layout, blocks, shared, .. } => {
+            Message::Pull { layout, shared, .. } => {
                 let Some((epoch, state)) = current else {
                     return self.reply(peer, Message::Reject { key, reason: FailReason::UnknownTransfer });
                 };
@@ -154,29 +185,28 @@ impl Sender {
                     return self.reply(peer, Message::Reject { key, reason: FailReason::AlreadyClaimed });
                 }
                 let o = &self.transfers[&key.transfer];
-                let reason = if o.layout != layout {
-                    Some(FailReason::LayoutMismatch { sender: o.layout, receiver: layout })
-                } else if o.blocks.len() as u32 != blocks {
-                    Some(FailReason::BlockCountMismatch { sender: o.blocks.len() as u32, receiver: blocks })
-                } else {
-                    None
-                };
-                if let Some(reason) = reason {
+                if o.layout != layout {
                     // A mismatch ends the transfer on both sides: never garbage KV.
+                    let reason = FailReason::LayoutMismatch { sender: o.layout, receiver: layout };
                     self.reply(peer, Message::Reject { key, reason: reason.clone() });
                     return self.end(key.transfer, Outcome::Failed(reason));
                 }
-                let n = o.blocks.len() as u32;
-                self.reply(peer, Message::Accept { key, blocks: n });
-                if let Some(o) = self.transfers.get_mut(&key.transfer) {
-                    o.state = State::Sending {
-                        peer,
-                        next: 0,
-                        written: 0,
-                        shared: shared && self.config.shared_region,
-                    };
+                let shared = shared && self.config.shared_region;
+                let Some(o) = self.transfers.get_mut(&key.transfer) else { return };
+                let blocks = o.blocks.len() as u32;
+                let meta = o.meta.take().unwrap_or_default();
+                o.state = State::Accepted { peer, shared };
+                self.reply(peer, Message::Accept { key, blocks, meta });
+            }
+            Message::Ready { .. } => {
+                if let Some((epoch, State::Accepted { peer: p, shared })) = current {
+                    if epoch == key.epoch && p == peer {
+                        if let Some(o) = self.transfers.get_mut(&key.transfer) {
+                            o.state = State::Sending { peer, next: 0, written: 0, shared };
+                        }
+                        self.fill_window(key.transfer);
+                    }
                 }
-                self.fill_window(key.transfer);
             }
             Message::Ack { written, .. } => {
                 if let Some((epoch, State::Sending { peer: p, next, .. })) = current {
@@ -208,9 +238,8 @@ impl Sender {
             }
             Message::Abort { reason, .. } => {
                 let from_holder = match current {
-                    Some((epoch, State::Sending { peer: p, .. })) => epoch == key.epoch && p == peer,
                     // Before any pull, only a matching epoch may end the offer.
-                    Some((epoch, State::Offered)) => epoch == key.epoch,
+                    Some((epoch, state)) => epoch == key.epoch && state.holder().is_none_or(|p| p == peer),
                     None => false,
                 };
                 if from_holder {
@@ -247,7 +276,7 @@ impl Sender {
     /// pulling. Idempotent: `false` if it had already ended.
     pub fn abort(&mut self, transfer: u64) -> bool {
         let Some(o) = self.transfers.get(&transfer) else { return false };
-        if let State::Sending { peer, .. } = o.state {
+        if let Some(peer) = o.state.holder() {
             let key = TransferKey { transfer, epoch: o.epoch };
             self.reply(peer, Message::Abort { key, reason: FailReason::Aborted });
         }
@@ -260,7 +289,7 @@ impl Sender {
         let due: Vec<u64> =
             self.transfers.iter().filter(|(_, o)| o.expires_at <= now).map(|(&t, _)| t).collect();
         for t in due {
-            if let Some(State::Sending { peer, .. }) = self.transfers.get(&t).map(|o| o.state) {
+            if let Some(peer) = self.transfers.get(&t).and_then(|o| o.state.holder()) {
                 let key = TransferKey { transfer: t, epoch: self.transfers[&t].epoch };
                 self.reply(peer, Message::Abort { key, reason: FailReason::LeaseExpired });
             }
@@ -270,12 +299,8 @@ impl Sender {
 
     /// The peer's connection died: every transfer it was pulling ends.
     pub fn handle_peer_lost(&mut self, peer: PeerId) {
-        let lost: Vec<u64> = self
-            .transfers
-            .iter()
-            .filter(|(_, o)| matches!(o.state, State::Sending { peer: p, .. } if p == peer))
-            .map(|(&t, _)| t)
-            .collect();
+        let lost: Vec<u64> =
+            self.transfers.iter().filter(|(_, o)| o.state.holder() == Some(peer)).map(|(&t, _)| t).collect();
         for t in lost {
             self.end(t, Outcome::Failed(FailReason::Aborted));
         }

@@ -11,10 +11,26 @@ fn every_message_round_trips_even_byte_by_byte() {
     let key = TransferKey { transfer: 0xdead_beef_0123, epoch: 9 };
     let data: Vec<u8> = (0..300u32).map(|i| i as u8).collect();
     let msgs = vec![
-        (Message::Pull { key, layout: layout(), blocks: 7, shared: true }, vec![]),
+        (Message::Pull { key, layout: layout(), shared: true }, vec![]),
+        (Message::Ready { key }, vec![]),
         (Message::BlockAt { key, index: 2, slot: 77 }, vec![]),
         (Message::Confirm { key }, vec![]),
-        (Message::Accept { key, blocks: 7 }, vec![]),
+        (Message::Accept { key, blocks: 7, meta: Box::default() }, vec![]),
+        (
+            Message::Accept {
+                key,
+                blocks: 2,
+                meta: Box::new(PromptMeta {
+                    prompt: vec![1, 2, 3, u32::MAX],
+                    first_token: 42,
+                    first_logprob: -0.25,
+                    first_top: vec![(42, -0.25), (7, f32::NAN)],
+                    queue_us: 1_000,
+                    prefill_us: u64::MAX,
+                }),
+            },
+            vec![],
+        ),
         (
             Message::Reject {
                 key,
@@ -60,4 +76,11 @@ fn bad_frames_are_errors() {
         assert_eq!(decode(&f), Err(FrameError::Malformed), "{body:?}");
     }
     assert_eq!(decode(&[1, 0]), Ok(None));
+    // An `Accept` that claims more prompt tokens than its frame holds is malformed, not an allocation.
+    let mut f = Vec::new();
+    let key = TransferKey { transfer: 1, epoch: 1 };
+    encode(&Message::Accept { key, blocks: 1, meta: Box::default() }, &[], &mut f);
+    let n = f.len();
+    f[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert_eq!(decode(&f), Err(FrameError::Malformed));
 }

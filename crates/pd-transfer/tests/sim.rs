@@ -1,7 +1,7 @@
 //! Both endpoints on a virtual clock, joined by an in-memory link with delay, reordering, loss and peer
 //! death, each with a real KV cache. After every step both KV ledgers hold; at the end every transfer
-//! has ended exactly once on each living side, completed transfers carry exactly the right bytes, and
-//! both ledgers are back to baseline.
+//! has ended exactly once on each living side, completed transfers carry exactly the right bytes and
+//! the prompt the prefill side described, and both ledgers are back to baseline.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -70,8 +70,10 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
     let mut now = 0u64;
     let mut ended_p: HashMap<u64, Outcome> = HashMap::new();
     let mut ended_d: HashMap<u64, Outcome> = HashMap::new();
-    let mut dest_of: HashMap<u64, usize> = HashMap::new();
-    // Set up every transfer: prefill computes and leases; decode allocates and pulls.
+    let mut prompts: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut wrong_count: HashMap<u64, bool> = HashMap::new();
+    // Set up every transfer: prefill computes and leases; decode pulls, and allocates its destination
+    // once the prefill side has described the transfer.
     for t in 0..transfers {
         let len = 1 + rng.below(5 * BS as u64) as usize;
         let seq = SeqId(t);
@@ -86,19 +88,24 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
             mem_p.insert(*b, expected_bytes(t, i as u32));
         }
         let key = TransferKey { transfer: t, epoch: 7 };
-        sender.offer(key, layout(), blocks.clone(), expires).unwrap();
-        // Some pulls are wrong on purpose: another epoch, another layout, another block count.
-        let (pull_key, pull_layout, n) = match rng.below(10) {
-            0 => (TransferKey { transfer: t, epoch: 6 }, layout(), blocks.len()),
-            1 => (key, Layout { head_dim: 4, ..layout() }, blocks.len()),
-            2 => (key, layout(), blocks.len() + 1),
-            _ => (key, layout(), blocks.len()),
+        let meta = PromptMeta {
+            prompt: prompt.clone(),
+            first_token: t as u32,
+            first_logprob: -0.5,
+            first_top: vec![(t as u32, -0.5), (1, -2.0)],
+            queue_us: t,
+            prefill_us: 2 * t,
         };
-        let dl = kv_d.allocate_lease(TransferId(t), n, now + 100 + rng.below(400)).unwrap();
-        let dest: Vec<(BlockId, u32)> = dl.blocks.iter().copied().zip(dl.epochs.iter().copied()).collect();
-        let deadline = dl.expires_at;
-        dest_of.insert(t, len);
-        receiver.start_with(pull_key, P, pull_layout, dest, deadline, faults.shared).unwrap();
+        sender.offer(key, layout(), blocks.clone(), expires, meta).unwrap();
+        prompts.insert(t, prompt);
+        // Some pulls are wrong on purpose: another epoch, another layout, another block count.
+        let (pull_key, pull_layout) = match rng.below(10) {
+            0 => (TransferKey { transfer: t, epoch: 6 }, layout()),
+            1 => (key, Layout { head_dim: 4, ..layout() }),
+            _ => (key, layout()),
+        };
+        wrong_count.insert(t, rng.below(10) == 2);
+        receiver.start(pull_key, P, pull_layout, now + 100 + rng.below(400), faults.shared).unwrap();
     }
     let alive = |who: PeerId, now: u64| faults.death.is_none_or(|(p, at)| p != who || now < at);
     for _ in 0..20_000 {
@@ -183,11 +190,24 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
             }
             kv_p.release_lease(TransferId(e.key.transfer)).unwrap();
         }
+        while let Some(d) = receiver.poll_described() {
+            let t = d.key.transfer;
+            assert_eq!(d.meta.prompt, prompts[&t], "transfer {t}: the prompt came across");
+            assert_eq!((d.meta.first_token, d.meta.first_top.len()), (t as u32, 2));
+            let n = d.blocks as usize + usize::from(wrong_count[&t]);
+            let dl = kv_d.allocate_lease(TransferId(t), n, now + 400).unwrap();
+            let dest: Vec<(BlockId, u32)> =
+                dl.blocks.iter().copied().zip(dl.epochs.iter().copied()).collect();
+            if receiver.set_destination(t, dest).is_err() {
+                // A wrong count ends the transfer at once; its end event releases the lease.
+                assert!(wrong_count[&t]);
+            }
+        }
         while let Some(e) = receiver.poll_event() {
             let t = e.key.transfer;
             assert!(ended_d.insert(t, e.outcome.clone()).is_none(), "receiver ended {} twice", e.key);
             if e.outcome == Outcome::Completed {
-                let len = dest_of[&t];
+                let len = prompts[&t].len();
                 let seq = SeqId(1_000_000 + t);
                 kv_d.adopt_lease(TransferId(t), seq, &vec![0; len]).unwrap();
                 for (i, b) in kv_d.block_table(seq).unwrap().to_vec().into_iter().enumerate() {
@@ -198,7 +218,8 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
                     );
                 }
                 kv_d.free_sequence(seq, false).unwrap();
-            } else {
+            } else if kv_d.lease(TransferId(t)).is_ok() {
+                // Ended after the destination was allocated (not before the description came).
                 kv_d.release_lease(TransferId(t)).unwrap();
             }
         }

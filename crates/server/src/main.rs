@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use pdserve_engine::EngineConfig;
 use pdserve_server::{run, WorkerConfig};
 
 const USAGE: &str = "\
@@ -106,35 +107,32 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
         )
         .map_err(|e| format!("fetching the default model: {e}"))?,
     };
-    let mut c = WorkerConfig::new(addr, model_dir);
+    let mut c = WorkerConfig::new(addr, EngineConfig::new(model_dir));
     for (k, v) in sets {
         let n = || v.parse::<usize>().map_err(|e| format!("{k}: {e}"));
         let secs = || v.parse::<f64>().map(Duration::from_secs_f64).map_err(|e| format!("{k}: {e}"));
+        let e = &mut c.engine;
         match k.as_str() {
             "--model-name" => c.model_name = v.clone(),
-            "--name" => c.process_name = v.clone(),
-            "--max-queued" => c.scheduler.max_queued_requests = n()?,
-            "--max-running" => c.scheduler.max_running_requests = n()?,
-            "--max-batch-tokens" => c.scheduler.max_batch_tokens = n()?,
-            "--prefill-chunk" => c.scheduler.prefill_chunk_tokens = n()?,
-            "--max-context" => c.scheduler.max_context_tokens = n()?,
-            "--kv-blocks" => c.kv_blocks = n()?,
-            "--block-size" => c.block_size = n()?,
+            "--name" => e.process_name = v.clone(),
+            "--max-queued" => e.scheduler.max_queued_requests = n()?,
+            "--max-running" => e.scheduler.max_running_requests = n()?,
+            "--max-batch-tokens" => e.scheduler.max_batch_tokens = n()?,
+            "--prefill-chunk" => e.scheduler.prefill_chunk_tokens = n()?,
+            "--max-context" => e.scheduler.max_context_tokens = n()?,
+            "--kv-blocks" => e.kv_blocks = n()?,
+            "--block-size" => e.block_size = n()?,
             "--timeout-s" => c.default_timeout = secs()?,
             "--drain-timeout-s" => c.drain_timeout = secs()?,
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
-            "--kv-shm" => c.kv_shm = true,
-            "--device" => c.device = v.parse()?,
-            "--weights" => c.weights = v.parse()?,
+            "--kv-shm" => e.kv_shm = true,
+            "--device" => e.device = v.parse().map_err(|err: pdserve_engine::EngineError| err.to_string())?,
+            "--weights" => e.weights = v.parse()?,
             "--role" => {
-                c.role = match v.as_str() {
-                    "prefill" => pdserve_scheduler::Role::Prefill,
-                    "decode" => pdserve_scheduler::Role::Decode,
-                    _ => pdserve_scheduler::Role::Unified,
-                }
+                e.role = pdserve_api::Role::parse(&v).ok_or_else(|| format!("--role {v}: unknown"))?
             }
-            "--transfer-addr" => c.transfer_addr = v.parse().map_err(|e| format!("{k}: {e}"))?,
+            "--transfer-addr" => e.transfer_addr = v.parse().map_err(|err| format!("{k}: {err}"))?,
             other => return Err(format!("unknown option {other}")),
         }
     }

@@ -105,5 +105,5 @@ fn unknown_weight_format_and_quantized_weights_on_the_gpu_are_refused() {
     assert!(err.contains("unknown weight format \"q2\": f32, q8 or q4"), "{err}");
     let (code, err) = refused(&["--weights", "q4", "--device", "cuda"]);
     assert_eq!(code, Some(1));
-    assert!(err.contains("--weights q4 is a CPU format"), "{err}");
+    assert!(err.contains("weights q4 are a CPU format"), "{err}");
 }

@@ -71,6 +71,37 @@ fn prefill_plus_decode_equals_unified() {
 }
 
 #[test]
+fn the_first_tokens_logprobs_come_from_the_prefill_worker() {
+    let unified = Worker::start(&[]);
+    let prefill = Worker::start(&["--role", "prefill"]);
+    let decode = Worker::start(&["--role", "decode"]);
+    let body = chat(
+        "What is the capital of France?",
+        r#","temperature":0,"max_tokens":4,"logprobs":true,"top_logprobs":2"#,
+    );
+    let (s, want) = unified.json("POST", "/v1/chat/completions", &body);
+    assert_eq!(s, 200, "{want}");
+    let (s, handle) = prefill.json("POST", "/v1/chat/completions", &body);
+    assert_eq!(s, 200, "{handle}");
+    let keys: Vec<&String> = handle["pd_transfer"].as_object().unwrap().keys().collect();
+    assert_eq!(keys, ["addr", "epoch", "shm", "transfer"], "the handle names where the KV is, nothing more");
+    let mut b: serde_json::Value = serde_json::from_str(&body).unwrap();
+    b["pd_transfer"] = handle["pd_transfer"].clone();
+    let (s, got) = decode.json("POST", "/v1/chat/completions", &b.to_string());
+    assert_eq!(s, 200, "{got}");
+    let (want, got) = (&want["choices"][0]["logprobs"]["content"], &got["choices"][0]["logprobs"]["content"]);
+    assert_eq!(want.as_array().unwrap().len(), got.as_array().unwrap().len());
+    for (w, g) in want.as_array().unwrap().iter().zip(got.as_array().unwrap()) {
+        assert_eq!(w["token"], g["token"]);
+        let (w, g) = (w["logprob"].as_f64().unwrap(), g["logprob"].as_f64().unwrap());
+        assert!((w - g).abs() < 1e-3, "logprob {g} on the PD path, {w} unified");
+    }
+    let first = &got[0];
+    assert!(first["logprob"].as_f64().unwrap() < 0.0, "the first token's real logprob, not 0: {first}");
+    assert_eq!(first["top_logprobs"].as_array().unwrap().len(), 2, "{first}");
+}
+
+#[test]
 fn a_bad_handle_fails_the_request_with_a_reason() {
     let prefill = Worker::start(&["--role", "prefill"]);
     let decode = Worker::start(&["--role", "decode"]);

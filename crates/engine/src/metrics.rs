@@ -1,4 +1,4 @@
-//! The worker's metrics, every name with its unit.
+//! The engine's metrics, every name with its unit.
 
 use pdserve_telemetry::{Buckets, Counter, CounterVec, Gauge, GaugeVec, Histogram, MetricError, Registry};
 
@@ -17,7 +17,6 @@ pub(crate) struct Metrics {
     pub tokens_generated: Counter,
     pub tokens_prompt: Counter,
     pub preemptions: Counter,
-    pub connections: Gauge,
     pub rejected: CounterVec,
     pub transfers_in_flight: Gauge,
     pub transfer_bytes: CounterVec,
@@ -69,7 +68,6 @@ impl Metrics {
             tokens_generated: r.counter("tokens_generated_total", "Tokens sampled.")?,
             tokens_prompt: r.counter("tokens_prompt_total", "Prompt tokens of admitted requests.")?,
             preemptions: r.counter("requests_preempted_total", "Running requests preempted for KV space.")?,
-            connections: r.gauge("http_connections", "Open client connections.")?,
             rejected: r.counter_vec(
                 "requests_rejected_total",
                 "Requests refused at admission, by reason.",

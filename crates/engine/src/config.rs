@@ -1,0 +1,90 @@
+//! Everything an engine is configured with; every bound is here.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use pdserve_api::Role;
+use pdserve_model::WeightFormat;
+use pdserve_scheduler::SchedulerConfig;
+
+/// What runs the model: the CPU backend, or the GPU backend on CUDA device N.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Cpu,
+    Cuda(usize),
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = crate::EngineError;
+
+    /// `cpu`, `cuda` (device 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Device, crate::EngineError> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| crate::EngineError::UnknownDevice { value: s.to_owned() }),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// A Hugging Face model folder (config.json, safetensors, tokenizer.json).
+    pub model_dir: PathBuf,
+    /// This process's name in `/debug/requests`.
+    pub process_name: String,
+    /// Unified, prefill (computes prompts and offers their KV) or decode (pulls the KV and generates).
+    pub role: Role,
+    pub device: Device,
+    /// How the CPU backend stores the weights its decode steps read.
+    pub weights: WeightFormat,
+    pub scheduler: SchedulerConfig,
+    pub kv_blocks: usize,
+    pub block_size: usize,
+    /// Prefill role: where decode workers connect to pull KV (port 0 picks one).
+    pub transfer_addr: SocketAddr,
+    /// Prefill role: keep the KV memory in a shared file under `/dev/shm`, so decode workers on the
+    /// same host copy blocks straight out of it instead of receiving them over TCP.
+    pub kv_shm: bool,
+    /// Live requests the ledger tracks at most.
+    pub ledger_capacity: usize,
+    /// How long past its deadline a request may stay before the caller's side ends it itself (a stuck
+    /// engine thread).
+    pub watchdog_grace: Duration,
+    /// Results the engine thread may have queued for the caller, per allowed live request.
+    pub replies_per_request: usize,
+}
+
+impl EngineConfig {
+    pub fn new(model_dir: PathBuf) -> EngineConfig {
+        EngineConfig {
+            model_dir,
+            process_name: "engine".into(),
+            role: Role::Unified,
+            device: Device::Cpu,
+            weights: WeightFormat::F32,
+            scheduler: SchedulerConfig::default(),
+            kv_blocks: 1024,
+            block_size: 16,
+            transfer_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
+            kv_shm: false,
+            ledger_capacity: 65_536,
+            watchdog_grace: Duration::from_secs(2),
+            replies_per_request: 64,
+        }
+    }
+}

@@ -1,0 +1,749 @@
+//! The engine thread: it owns the scheduler (and with it the KV cache), the model backend, every
+//! request's sampler and the KV transfer endpoint. It talks to the [`crate::Engine`] handle only
+//! through two bounded channels, and never waits on a socket: transfers are pumped between steps.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use pdserve_api::{Role, Stage as ApiStage};
+use pdserve_kvcache::{BlockId, OwnerKind, SeqId, TransferId};
+use pdserve_model::{Backend, Sampler, SamplingParams, SeqStep};
+use pdserve_pd_transfer::{
+    BlockIoError, BlockMemory, Endpoint, EndpointEvent, EndpointStats, Outcome as TransferOutcome,
+    PromptMeta, Side, Source, TransferKey,
+};
+use pdserve_scheduler::{Event, KvSource, NewRequest, Outcome, RequestId, Sampled, Scheduler, Stage};
+use pdserve_telemetry::RequestLedger;
+
+use crate::metrics::Metrics;
+use crate::EngineError;
+
+/// A generation handed to the engine thread.
+#[derive(Debug)]
+pub(crate) struct Submission {
+    pub id: u64,
+    pub request_id: String,
+    /// The prompt (empty when it comes from a prefill worker).
+    pub tokens: Vec<u32>,
+    /// Decode role: where the prompt's KV and token ids come from.
+    pub remote: Option<Source>,
+    /// `None`: up to the context.
+    pub max_tokens: Option<usize>,
+    pub params: SamplingParams,
+    pub seed: u64,
+    pub stop_ids: Vec<u32>,
+    pub ignore_eos: bool,
+    pub deadline: Instant,
+}
+
+#[derive(Debug)]
+pub(crate) enum Command {
+    Submit(Box<Submission>),
+    Abort(u64),
+    /// Prefill role: end the offer of a finished prompt's KV (its transfer id is the request's id).
+    AbortTransfer(u64),
+}
+
+/// When a request reached the engine's milestones, for the per-stage timings answers carry.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Times {
+    pub submitted: Option<Instant>,
+    /// First scheduled into a batch.
+    pub scheduled: Option<Instant>,
+    /// Decode role: the prompt's KV arrived from the prefill worker.
+    pub kv_arrived: Option<Instant>,
+    /// Decode role: the prefill worker's queue and prefill times, in microseconds.
+    pub prefill_us: Option<(u64, u64)>,
+}
+
+/// What the engine thread tells the handle, in order per request: `Admitted` or `Rejected`, then
+/// `Token`s, then exactly one `Finished` or `Prefilled`.
+#[derive(Debug)]
+pub(crate) enum Reply {
+    Admitted {
+        id: u64,
+        prompt_tokens: usize,
+    },
+    Rejected {
+        id: u64,
+        error: EngineError,
+    },
+    Token {
+        id: u64,
+        token: u32,
+        logprob: f32,
+        top: Vec<(u32, f32)>,
+        stop: bool,
+    },
+    Finished {
+        id: u64,
+        outcome: Outcome,
+        output_tokens: usize,
+        times: Times,
+    },
+    /// Prefill role: the prompt is done; its KV waits under `key` for the decode worker.
+    Prefilled {
+        id: u64,
+        key: TransferKey,
+        times: Times,
+    },
+}
+
+/// What the handle can read of the engine thread without asking it.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub epoch: Instant,
+    /// Milliseconds since `epoch` of the last loop iteration.
+    pub last_tick_ms: AtomicU64,
+    /// Milliseconds since `epoch` of the last token sampled (0: never).
+    pub last_token_ms: AtomicU64,
+    pub waiting: AtomicUsize,
+    pub running: AtomicUsize,
+    pub ledger: Mutex<RequestLedger>,
+}
+
+impl Shared {
+    pub(crate) fn ms_since_epoch(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_millis() as u64
+    }
+
+    pub(crate) fn ledger(&self) -> std::sync::MutexGuard<'_, RequestLedger> {
+        // The ledger holds plain data; one poisoned by a panic elsewhere is still consistent.
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[derive(Debug)]
+struct Live {
+    request_id: String,
+    sampler: Sampler,
+    prompt_len: usize,
+    stop_ids: Vec<u32>,
+    ignore_eos: bool,
+    times: Times,
+    /// Prefill role: the prompt, and the first token as sampled, for the decode worker.
+    prompt: Vec<u32>,
+    first: Option<pdserve_model::Sampled>,
+    /// Decode role: the first token's log-probabilities, from the prefill worker.
+    remote_first: Option<(f32, Vec<(u32, f32)>)>,
+}
+
+/// Decode role: what the prefill worker said of the first token and of its own timings.
+#[derive(Debug)]
+struct RemoteFirst {
+    logprob: f32,
+    top: Vec<(u32, f32)>,
+    queue_us: u64,
+    prefill_us: u64,
+}
+
+/// The backend's KV memory, as the transfer endpoint reads and writes it.
+struct Memory<'a>(&'a mut dyn Backend);
+
+impl BlockMemory for Memory<'_> {
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), BlockIoError> {
+        self.0.read_block(block, out).map_err(|_| BlockIoError { block })
+    }
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), BlockIoError> {
+        self.0.write_block(block, data).map_err(|_| BlockIoError { block })
+    }
+}
+
+pub(crate) struct Core {
+    pub sched: Scheduler,
+    pub backend: Box<dyn Backend>,
+    /// Prefill and decode roles: every KV transfer of this worker.
+    pub endpoint: Option<Endpoint>,
+    pub role: Role,
+    pub eos_ids: Vec<u32>,
+    pub context_tokens: usize,
+    pub vocab_size: usize,
+    pub commands: Receiver<Command>,
+    pub replies: Sender<Reply>,
+    pub wake: Arc<dyn Fn() + Send + Sync>,
+    pub shared: Arc<Shared>,
+    pub metrics: Metrics,
+    live: HashMap<u64, Live>,
+    /// Decode role: pulls whose prompt the prefill worker has not described yet, by transfer.
+    describing: HashMap<u64, Box<Submission>>,
+    /// Decode role: described pulls still receiving blocks: transfer -> request.
+    pulling: HashMap<u64, u64>,
+    transfer_stats: EndpointStats,
+}
+
+impl Core {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        sched: Scheduler,
+        backend: Box<dyn Backend>,
+        endpoint: Option<Endpoint>,
+        role: Role,
+        eos_ids: Vec<u32>,
+        context_tokens: usize,
+        vocab_size: usize,
+        commands: Receiver<Command>,
+        replies: Sender<Reply>,
+        wake: Arc<dyn Fn() + Send + Sync>,
+        shared: Arc<Shared>,
+        metrics: Metrics,
+    ) -> Core {
+        Core {
+            sched,
+            backend,
+            endpoint,
+            role,
+            eos_ids,
+            context_tokens,
+            vocab_size,
+            commands,
+            replies,
+            wake,
+            shared,
+            metrics,
+            live: HashMap::new(),
+            describing: HashMap::new(),
+            pulling: HashMap::new(),
+            transfer_stats: EndpointStats::default(),
+        }
+    }
+
+    /// Runs until the handle drops its command sender.
+    pub(crate) fn run(mut self) {
+        loop {
+            let now = Instant::now();
+            self.shared.last_tick_ms.store(self.shared.ms_since_epoch(now), Ordering::Relaxed);
+            // Block briefly when idle; otherwise take what is queued and go on stepping. Transfers are
+            // pumped between waits: often while one is live (a new one starts from a command, which
+            // ends the wait at once).
+            let transfers = self.endpoint.as_ref().is_some_and(|e| !e.is_empty());
+            let wait = match (transfers, self.sched.is_empty()) {
+                (_, false) => Duration::ZERO,
+                (true, true) => Duration::from_millis(2),
+                (false, true) => Duration::from_millis(50),
+            };
+            match self.commands.recv_timeout(wait) {
+                Ok(cmd) => self.command(cmd),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+            for _ in 0..1024 {
+                match self.commands.try_recv() {
+                    Ok(cmd) => self.command(cmd),
+                    Err(_) => break,
+                }
+            }
+            self.pump_transfers();
+            self.step();
+            self.publish();
+        }
+    }
+
+    fn send(&self, r: Reply) {
+        // The handle drains this channel every turn; a full channel for seconds means its thread is
+        // stuck, and then dropping the reply is the lesser evil: the handle's watchdog ends the
+        // request at its deadline, and the log names it.
+        if let Err(e) = self.replies.send_timeout(r, Duration::from_secs(5)) {
+            eprintln!(
+                "engine: reply dropped, the caller did not drain its channel for 5 s: {:?}",
+                e.into_inner()
+            );
+        }
+        (self.wake)();
+    }
+
+    fn stage(&self, s: Stage) -> ApiStage {
+        match s {
+            Stage::Queued => ApiStage::queued(self.role),
+            Stage::KvTransfer => ApiStage::KvTransfer,
+            Stage::Prefilling => ApiStage::Prefilling,
+            Stage::Decoding => ApiStage::Decoding,
+        }
+    }
+
+    fn command(&mut self, cmd: Command) {
+        let now = Instant::now();
+        match cmd {
+            Command::Submit(s) if s.remote.is_some() => self.start_pull(s, now),
+            Command::Submit(s) => {
+                let max_tokens = s.max_tokens.unwrap_or(self.context_tokens.saturating_sub(s.tokens.len()));
+                let req = NewRequest {
+                    id: RequestId(s.id),
+                    prompt: s.tokens.clone(),
+                    max_tokens,
+                    queue_deadline: s.deadline,
+                    deadline: s.deadline,
+                    kv: KvSource::Compute,
+                };
+                match self.sched.handle_request(req, now) {
+                    Ok(()) => {
+                        let stage = ApiStage::queued(self.role);
+                        self.admitted(&s, s.tokens.clone(), stage, now, None);
+                    }
+                    Err(r) => self.reject(s.id, EngineError::Rejected(r)),
+                }
+            }
+            Command::Abort(id) => {
+                if let Some((&t, _)) = self.describing.iter().find(|(_, s)| s.id == id) {
+                    // Not admitted yet: the pull ends, and so does the request.
+                    if let Some(s) = self.describing.remove(&t) {
+                        self.shared.ledger().finish(&s.request_id);
+                        let outcome = Outcome::Cancelled;
+                        self.send(Reply::Finished { id, outcome, output_tokens: 0, times: Times::default() });
+                    }
+                    self.abort_transfer(t);
+                    return;
+                }
+                self.sched.handle_abort(RequestId(id), now);
+                // A prefill request may have finished already, its KV offered under the same id: the
+                // abort ends the offer too, instead of leaving it to the lease expiry.
+                self.abort_transfer(id);
+                self.drain_events();
+            }
+            // Idempotent: an ended transfer is left alone.
+            Command::AbortTransfer(t) => self.abort_transfer(t),
+        }
+    }
+
+    fn reject(&mut self, id: u64, error: EngineError) {
+        let reason = error.kind().as_str();
+        if let Ok(c) = self.metrics.rejected.with(&[reason]) {
+            c.inc();
+        }
+        self.send(Reply::Rejected { id, error });
+    }
+
+    /// The scheduler took `s`: the ledger, the sampler, and the `Admitted` reply.
+    fn admitted(
+        &mut self,
+        s: &Submission,
+        prompt: Vec<u32>,
+        stage: ApiStage,
+        now: Instant,
+        remote: Option<RemoteFirst>,
+    ) {
+        self.metrics.tokens_prompt.add(prompt.len() as u64);
+        {
+            let mut ledger = self.shared.ledger();
+            if ledger.get(&s.request_id).is_none() {
+                let _ = ledger.admit(&s.request_id, stage, now, s.deadline, "engine");
+            }
+            let _ = ledger.set_stage(&s.request_id, stage, now);
+            let _ = ledger.set_counts(&s.request_id, prompt.len() as u32, 0, 0);
+        }
+        let (remote_first, prefill_us) = match remote {
+            Some(r) => (Some((r.logprob, r.top)), Some((r.queue_us, r.prefill_us))),
+            None => (None, None),
+        };
+        let prompt_len = prompt.len();
+        self.live.insert(
+            s.id,
+            Live {
+                request_id: s.request_id.clone(),
+                sampler: Sampler::new(s.params.clone(), s.seed),
+                prompt_len,
+                stop_ids: s.stop_ids.clone(),
+                ignore_eos: s.ignore_eos,
+                times: Times { submitted: Some(now), prefill_us, ..Times::default() },
+                prompt: if self.role == Role::Prefill { prompt } else { Vec::new() },
+                first: None,
+                remote_first,
+            },
+        );
+        self.send(Reply::Admitted { id: s.id, prompt_tokens: prompt_len });
+    }
+
+    fn abort_transfer(&mut self, transfer: u64) {
+        if let Some(ep) = self.endpoint.as_mut() {
+            ep.abort(transfer);
+        }
+    }
+
+    /// Decode role: connects to the prefill worker and asks what the transfer holds; the request is
+    /// admitted once the answer comes (`describe`).
+    fn start_pull(&mut self, s: Box<Submission>, now: Instant) {
+        let Some(source) = s.remote.clone() else { return };
+        let deadline = self.sched.now_ms(s.deadline);
+        let now_ms = self.sched.now_ms(now);
+        let Some(ep) = self.endpoint.as_mut() else {
+            let reason = "this worker has no KV transfer (it is not a decode worker)".to_owned();
+            return self.reject(s.id, EngineError::KvTransfer { reason });
+        };
+        if self.describing.contains_key(&source.key.transfer)
+            || self.pulling.contains_key(&source.key.transfer)
+        {
+            let reason = format!("{} is already being pulled here", source.key);
+            return self.reject(s.id, EngineError::KvTransfer { reason });
+        }
+        match ep.pull(&source, deadline, now_ms) {
+            Ok(()) => {
+                let _ = self.shared.ledger().admit(
+                    &s.request_id,
+                    ApiStage::KvTransfer,
+                    now,
+                    s.deadline,
+                    "engine",
+                );
+                self.describing.insert(source.key.transfer, s);
+            }
+            Err(e) => self.reject(s.id, EngineError::KvTransfer { reason: e.to_string() }),
+        }
+    }
+
+    /// Decode role: the prefill worker described the transfer; admit the request with its prompt and
+    /// give the pull its destination blocks.
+    fn describe(&mut self, transfer: u64, blocks: u32, meta: PromptMeta, now: Instant) {
+        let Some(s) = self.describing.remove(&transfer) else {
+            self.abort_transfer(transfer);
+            return;
+        };
+        let prompt = meta.prompt;
+        let bad = if prompt.is_empty() {
+            Some(EngineError::InvalidInput { problem: "the prefill worker described an empty prompt".into() })
+        } else if let Some(t) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            Some(EngineError::KvTransfer {
+                reason: format!("the prompt holds token {t}, outside the vocabulary"),
+            })
+        } else if prompt.len() >= self.context_tokens {
+            Some(EngineError::ContextLengthExceeded {
+                prompt_tokens: prompt.len(),
+                context_tokens: self.context_tokens,
+            })
+        } else {
+            None
+        };
+        if let Some(e) = bad {
+            self.abort_transfer(transfer);
+            self.shared.ledger().finish(&s.request_id);
+            return self.reject(s.id, e);
+        }
+        let max_tokens = s.max_tokens.unwrap_or(self.context_tokens - prompt.len());
+        let req = NewRequest {
+            id: RequestId(s.id),
+            prompt: prompt.clone(),
+            max_tokens,
+            queue_deadline: s.deadline,
+            deadline: s.deadline,
+            kv: KvSource::Remote { transfer: TransferId(transfer), first_token: meta.first_token },
+        };
+        if let Err(r) = self.sched.handle_request(req, now) {
+            self.abort_transfer(transfer);
+            self.shared.ledger().finish(&s.request_id);
+            return self.reject(s.id, EngineError::Rejected(r));
+        }
+        let dest: Vec<(BlockId, u32)> = match self.sched.kv().lease(TransferId(transfer)) {
+            Ok(l) => l.blocks.iter().copied().zip(l.epochs.iter().copied()).collect(),
+            Err(_) => Vec::new(),
+        };
+        let first = RemoteFirst {
+            logprob: meta.first_logprob,
+            top: meta.first_top,
+            queue_us: meta.queue_us,
+            prefill_us: meta.prefill_us,
+        };
+        self.admitted(&s, prompt, ApiStage::KvTransfer, now, Some(first));
+        self.pulling.insert(transfer, s.id);
+        let set = self.endpoint.as_mut().map(|ep| ep.set_destination(transfer, dest));
+        if let Some(Err(e)) = set {
+            let reason = format!("{blocks} blocks described, the destination differs: {e:?}");
+            self.pulling.remove(&transfer);
+            self.sched.handle_kv_failed(RequestId(s.id), &reason, now);
+            self.drain_events();
+        }
+    }
+
+    fn step(&mut self) {
+        let now = Instant::now();
+        let batch = self.sched.poll_batch(now);
+        self.drain_events();
+        // Gauges show the step's reservations while it runs, not only after it.
+        self.publish();
+        if batch.is_empty() {
+            self.sched.handle_step_result(&[], now);
+            return;
+        }
+        for item in &batch {
+            if let Some(l) = self.live.get_mut(&item.id.0) {
+                if l.times.scheduled.is_none() {
+                    l.times.scheduled = Some(now);
+                    let waited = now.saturating_duration_since(l.times.submitted.unwrap_or(now));
+                    self.metrics.queue_wait.observe_duration(waited);
+                }
+            }
+        }
+        let copies = self.sched.kv_mut().take_copies();
+        if let Err(e) = self.backend.copy_blocks(&copies) {
+            self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
+            self.drain_events();
+            return;
+        }
+        let kv = self.sched.kv();
+        let inputs: Vec<(Vec<u32>, Vec<BlockId>)> = batch
+            .iter()
+            .map(|i| {
+                let tokens = kv
+                    .tokens(i.seq)
+                    .map(|t| t[i.start_pos..i.start_pos + i.num_tokens].to_vec())
+                    .unwrap_or_default();
+                (tokens, kv.block_table(i.seq).map(<[_]>::to_vec).unwrap_or_default())
+            })
+            .collect();
+        let steps: Vec<SeqStep<'_>> = batch
+            .iter()
+            .zip(&inputs)
+            .map(|(i, (t, b))| SeqStep {
+                tokens: t,
+                start_pos: i.start_pos,
+                block_table: b,
+                logits: i.sample,
+            })
+            .collect();
+        let backend = &mut self.backend;
+        let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&steps)));
+        self.metrics.step.observe_duration(now.elapsed());
+        let logits = match result {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
+                self.drain_events();
+                return;
+            }
+            Err(_) => {
+                self.sched.handle_step_failed("internal error: the model step panicked", Instant::now());
+                self.drain_events();
+                return;
+            }
+        };
+        let mut sampled = Vec::new();
+        let prefill = self.role == Role::Prefill;
+        for (item, l) in batch.iter().filter(|i| i.sample).zip(&logits) {
+            let Some(lv) = self.live.get_mut(&item.id.0) else { continue };
+            let all = self.sched.kv().tokens(item.seq).unwrap_or(&[]);
+            let (prompt, output) = all.split_at(lv.prompt_len.min(all.len()));
+            let s = lv.sampler.sample(l, prompt, output);
+            let stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && self.eos_ids.contains(&s.token));
+            sampled.push(Sampled { id: item.id, token: s.token, stop });
+            if prefill {
+                // The first token goes to the decode worker with the KV, not to the caller.
+                lv.first = Some(s);
+            } else {
+                self.send(Reply::Token {
+                    id: item.id.0,
+                    token: s.token,
+                    logprob: s.logprob,
+                    top: s.top,
+                    stop,
+                });
+            }
+        }
+        if !sampled.is_empty() {
+            self.metrics.tokens_generated.add(sampled.len() as u64);
+            self.shared.last_token_ms.store(self.shared.ms_since_epoch(Instant::now()), Ordering::Relaxed);
+        }
+        self.sched.handle_step_result(&sampled, Instant::now());
+        self.drain_events();
+    }
+
+    fn drain_events(&mut self) {
+        while let Some(e) = self.sched.poll_event() {
+            let (id, outcome, output_tokens) = match e {
+                Event::LeaseExpired { transfer } => {
+                    // The scheduler freed the blocks: the offer ends now, before any reader is confirmed.
+                    self.abort_transfer(transfer.0);
+                    continue;
+                }
+                Event::Finished { id, outcome, output_tokens, .. } => (id, outcome, output_tokens),
+            };
+            let mut live = self.live.remove(&id.0);
+            if let Some(l) = &live {
+                self.shared.ledger().finish(&l.request_id);
+            }
+            // A decode request that ends while its KV is still coming: end the pull too.
+            if let Some(t) = self.pulling.iter().find(|(_, &r)| r == id.0).map(|(&t, _)| t) {
+                self.pulling.remove(&t);
+                self.abort_transfer(t);
+            }
+            let times = live.as_ref().map(|l| l.times).unwrap_or_default();
+            if let Outcome::PrefillDone { first_token, transfer, blocks } = &outcome {
+                let first = live.as_mut().and_then(|l| l.first.take());
+                let prompt = live.map(|l| l.prompt).unwrap_or_default();
+                if let Some(key) = self.offer(*transfer, blocks.clone(), prompt, *first_token, first, times) {
+                    self.count_finished("completed", ApiStage::Prefilling);
+                    self.send(Reply::Prefilled { id: id.0, key, times });
+                    continue;
+                }
+                self.sched.handle_transfer_done(*transfer);
+                let outcome = Outcome::Failed {
+                    stage: Stage::Prefilling,
+                    reason: "could not offer the KV for transfer".into(),
+                };
+                self.count_finished("failed", ApiStage::Prefilling);
+                self.send(Reply::Finished { id: id.0, outcome, output_tokens, times });
+                continue;
+            }
+            let stage = match &outcome {
+                Outcome::TimedOut { stage } | Outcome::Failed { stage, .. } => self.stage(*stage),
+                _ if self.role == Role::Prefill => ApiStage::Prefilling,
+                _ => ApiStage::Decoding,
+            };
+            self.count_finished(outcome.label(), stage);
+            self.send(Reply::Finished { id: id.0, outcome, output_tokens, times });
+        }
+    }
+
+    fn count_finished(&self, outcome: &str, stage: ApiStage) {
+        if let Ok(c) = self.metrics.finished.with(&[outcome, stage.as_str()]) {
+            c.inc();
+        }
+    }
+
+    /// Prefill role: offers a finished prompt's leased KV to decode workers, with what they need to go
+    /// on from it.
+    fn offer(
+        &mut self,
+        transfer: TransferId,
+        blocks: Vec<BlockId>,
+        prompt: Vec<u32>,
+        first_token: u32,
+        first: Option<pdserve_model::Sampled>,
+        times: Times,
+    ) -> Option<TransferKey> {
+        let (_, expires_at) = self.sched.lease_of(transfer)?;
+        let now = Instant::now();
+        let us = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => b.saturating_duration_since(a).as_micros() as u64,
+            _ => 0,
+        };
+        let (first_logprob, first_top) = first.map_or((0.0, Vec::new()), |s| (s.logprob, s.top));
+        let meta = PromptMeta {
+            prompt,
+            first_token,
+            first_logprob,
+            first_top,
+            queue_us: us(times.submitted, times.scheduled),
+            prefill_us: us(times.scheduled, Some(now)),
+        };
+        let now_ms = self.sched.now_ms(now);
+        self.endpoint.as_mut()?.offer(transfer, blocks, expires_at, meta, now_ms).ok()
+    }
+
+    /// Moves transfer frames and block bytes, and settles ended transfers with the scheduler.
+    fn pump_transfers(&mut self) {
+        let Some(ep) = self.endpoint.as_mut() else { return };
+        let now = Instant::now();
+        let now_ms = self.sched.now_ms(now);
+        if let Err(e) = ep.pump(self.sched.kv(), &mut Memory(self.backend.as_mut()), now_ms, Duration::ZERO) {
+            eprintln!("engine: KV transfer poll failed: {e}");
+        }
+        while let Some(e) = self.endpoint.as_mut().and_then(Endpoint::poll_event) {
+            match e {
+                EndpointEvent::Described { transfer, blocks, meta } => {
+                    self.describe(transfer, blocks, meta, now)
+                }
+                EndpointEvent::Ended { side, transfer, outcome, took_ms } => {
+                    self.transfer_ended(side, transfer, outcome, took_ms, now)
+                }
+            }
+        }
+        self.drain_events();
+    }
+
+    fn transfer_ended(&mut self, side: Side, t: u64, outcome: TransferOutcome, took_ms: u64, now: Instant) {
+        let label = match &outcome {
+            TransferOutcome::Completed => "completed",
+            TransferOutcome::Failed(r) => r.as_str(),
+        };
+        let side_label = if side == Side::Sending { "prefill" } else { "decode" };
+        if let Ok(c) = self.metrics.transfers_finished.with(&[side_label, label]) {
+            c.inc();
+        }
+        if outcome == TransferOutcome::Completed {
+            self.metrics.transfer_time.observe_duration(Duration::from_millis(took_ms));
+        }
+        if side == Side::Sending {
+            self.sched.handle_transfer_done(TransferId(t));
+            return;
+        }
+        if let Some(s) = self.describing.remove(&t) {
+            // Ended before the prefill worker described it: the request was never admitted.
+            self.shared.ledger().finish(&s.request_id);
+            let reason = match outcome {
+                TransferOutcome::Failed(r) => r.to_string(),
+                TransferOutcome::Completed => "ended before it was described".into(),
+            };
+            return self.reject(s.id, EngineError::KvTransfer { reason });
+        }
+        let Some(req) = self.pulling.remove(&t) else { return };
+        match outcome {
+            TransferOutcome::Completed => {
+                let first = self.sched.awaiting_first_token(RequestId(req));
+                if let (Some(first), Some(l)) = (first, self.live.get_mut(&req)) {
+                    l.times.kv_arrived = Some(now);
+                    let stop =
+                        l.stop_ids.contains(&first) || (!l.ignore_eos && self.eos_ids.contains(&first));
+                    let (logprob, top) = l.remote_first.take().unwrap_or_default();
+                    self.sched.handle_kv_arrived(RequestId(req), stop, now);
+                    self.send(Reply::Token { id: req, token: first, logprob, top, stop });
+                }
+            }
+            TransferOutcome::Failed(reason) => {
+                self.sched.handle_kv_failed(RequestId(req), &format!("KV transfer failed: {reason}"), now);
+            }
+        }
+    }
+
+    /// Gauges and the ledger's stages, once per loop.
+    fn publish(&mut self) {
+        let now = Instant::now();
+        {
+            let mut ledger = self.shared.ledger();
+            for (&id, l) in &self.live {
+                let Some((stage, out)) = self.sched.stage_of(RequestId(id)) else { continue };
+                let blocks = self.sched.kv().block_table(SeqId(id)).map_or(0, <[_]>::len);
+                let stage = match stage {
+                    Stage::Queued => ApiStage::queued(self.role),
+                    Stage::KvTransfer => ApiStage::KvTransfer,
+                    Stage::Prefilling => ApiStage::Prefilling,
+                    Stage::Decoding => ApiStage::Decoding,
+                };
+                let _ = ledger.set_stage(&l.request_id, stage, now);
+                let _ = ledger.set_counts(&l.request_id, l.prompt_len as u32, out as u32, blocks as u32);
+            }
+        }
+        let st = self.sched.stats();
+        self.shared.waiting.store(st.waiting + self.describing.len(), Ordering::Relaxed);
+        self.shared.running.store(st.running + st.awaiting_kv, Ordering::Relaxed);
+        self.metrics.waiting.set(st.waiting as f64);
+        self.metrics.running.set(st.running as f64);
+        let kv = self.sched.kv().stats();
+        if let Ok(g) = self.metrics.kv_blocks.with(&["free"]) {
+            g.set(kv.blocks_free as f64);
+        }
+        for k in OwnerKind::ALL {
+            if let Ok(g) = self.metrics.kv_blocks.with(&[k.as_str()]) {
+                g.set(kv.owned(k) as f64);
+            }
+        }
+        let preempted = st.preemptions_total.saturating_sub(self.metrics.preemptions.get());
+        self.metrics.preemptions.add(preempted);
+        if let Some(ep) = &self.endpoint {
+            self.metrics.transfers_in_flight.set(ep.len() as f64);
+            let s = ep.stats();
+            let last = std::mem::replace(&mut self.transfer_stats, s);
+            for (dir, now, before) in [
+                ("sent", s.bytes_sent, last.bytes_sent),
+                ("received", s.bytes_received, last.bytes_received),
+                ("shared", s.bytes_shared, last.bytes_shared),
+            ] {
+                if now > before {
+                    if let Ok(c) = self.metrics.transfer_bytes.with(&[dir]) {
+                        c.add(now - before);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,58 @@
+//! The pdserve engine, for programs that want generation without HTTP: a model from a Hugging Face
+//! folder, continuous batching over a paged KV cache, and (for prefill and decode workers) the KV
+//! transfer between them.
+//!
+//! - [`Engine`]: the handle. [`Engine::start`] loads the model and starts the engine thread;
+//!   [`Engine::submit`] tokenizes a [`Request`] on the caller's thread and hands it over;
+//!   [`Engine::poll`] returns [`Output`]s (admitted, text with stop strings applied, finished), the
+//!   text decoded on the caller's thread. Requests the engine thread leaves past their deadline are
+//!   ended by the handle itself.
+//! - The engine thread owns the scheduler (`pdserve-scheduler`), the KV cache (`pdserve-kvcache`),
+//!   the model backend (`pdserve-model`) and the transfer endpoint (`pdserve-pd-transfer`); it talks
+//!   to the handle only through two bounded channels.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use std::time::{Duration, Instant};
+//! use pdserve_engine::{Engine, EngineConfig, Input, Output, Request};
+//! use pdserve_model::ChatMessage;
+//!
+//! let mut engine = Engine::start(EngineConfig::new("/path/to/SmolLM2-135M-Instruct".into()), Arc::new(|| {})).unwrap();
+//! let deadline = Instant::now() + Duration::from_secs(60);
+//! let msgs = vec![ChatMessage::new("user", "What is the capital of France?")];
+//! let mut req = Request::new("req-1", Input::Chat(msgs), deadline);
+//! req.max_tokens = Some(16);
+//! engine.submit(req).unwrap();
+//! let mut out = Vec::new();
+//! 'wait: loop {
+//!     engine.poll_timeout(Duration::from_secs(1), &mut out);
+//!     for o in out.drain(..) {
+//!         match o {
+//!             Output::Text { text, .. } => print!("{text}"),
+//!             Output::Finished { finish, .. } => { println!(" ({finish:?})"); break 'wait; }
+//!             Output::Rejected { error, .. } => panic!("{error}"),
+//!             _ => {}
+//!         }
+//!     }
+//! }
+//! ```
+#![forbid(unsafe_code)]
+
+mod config;
+mod core;
+mod error;
+mod handle;
+mod load;
+mod metrics;
+mod request;
+mod text;
+
+pub use config::{Device, EngineConfig};
+pub use error::EngineError;
+pub use handle::{Aborted, Engine, EngineInfo, Health};
+pub use request::{Finish, Id, Input, Output, Request, Timings};
+
+/// The README's examples, compiled as doc tests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

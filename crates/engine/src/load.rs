@@ -1,0 +1,96 @@
+//! Building an engine from its configuration: the model files, the backend for the device, the KV
+//! transfer endpoint for the role.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use pdserve_api::Role;
+use pdserve_model::{Backend, CpuBackend, KvStore, ModelConfig, WeightFormat, Weights};
+use pdserve_pd_transfer::transport::shm::SharedRegion;
+use pdserve_pd_transfer::{Dtype, Endpoint, EndpointConfig, Layout, SenderConfig, TcpTransport};
+
+use crate::{Device, EngineConfig, EngineError};
+
+/// A prefill worker's KV memory in a shared region, as the CPU backend stores its cache in it.
+#[derive(Debug)]
+struct SharedKv(SharedRegion);
+
+impl KvStore for SharedKv {
+    fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self.0.bytes_mut()
+    }
+}
+
+/// The backend, and what the engine reports about it.
+pub(crate) struct Built {
+    pub backend: Box<dyn Backend>,
+    /// What steps of more than two rows read ("f32" or "bf16").
+    pub multi_row_weights: &'static str,
+    /// The shared KV file, when the KV memory is in one.
+    pub kv_shm_path: Option<PathBuf>,
+}
+
+pub(crate) fn backend(
+    config: &EngineConfig,
+    model: &ModelConfig,
+    weights: Arc<Weights>,
+) -> Result<Built, EngineError> {
+    let (blocks, block_size) = (config.kv_blocks, config.block_size);
+    if let Device::Cuda(n) = config.device {
+        if config.kv_shm {
+            return Err(EngineError::GpuSharedKv);
+        }
+        if config.weights != WeightFormat::F32 {
+            return Err(EngineError::GpuWeights { weights: config.weights.name() });
+        }
+        let b = pdserve_model::GpuBackend::new(model.clone(), &weights, blocks, block_size, n)?;
+        return Ok(Built { backend: Box::new(b), multi_row_weights: "bf16", kv_shm_path: None });
+    }
+    let (b, kv_shm_path) = if config.kv_shm && config.role == Role::Prefill {
+        let bytes = pdserve_model::KvLayout::for_model(model, blocks, block_size).block_bytes() * blocks;
+        let region = SharedRegion::create(bytes)?;
+        let path = region.path().to_path_buf();
+        let b = CpuBackend::with_kv_store(
+            model.clone(),
+            weights,
+            blocks,
+            block_size,
+            Box::new(SharedKv(region)),
+        )?;
+        (b, Some(path))
+    } else {
+        (CpuBackend::new(model.clone(), weights, blocks, block_size), None)
+    };
+    let b = b.with_weight_format(config.weights)?;
+    Ok(Built { multi_row_weights: b.multi_row_format(), backend: Box::new(b), kv_shm_path })
+}
+
+/// Prefill and decode roles: the endpoint of every KV transfer (prefill listens at `transfer_addr`).
+pub(crate) fn endpoint(
+    config: &EngineConfig,
+    model: &ModelConfig,
+    shared: bool,
+) -> Result<Option<Endpoint>, EngineError> {
+    if config.role == Role::Unified {
+        return Ok(None);
+    }
+    let layout = Layout {
+        num_layers: model.num_layers as u32,
+        num_kv_heads: model.num_kv_heads as u32,
+        head_dim: model.head_dim as u32,
+        block_size: config.block_size as u32,
+        dtype: Dtype::F32,
+    };
+    let listen = (config.role == Role::Prefill).then_some(config.transfer_addr);
+    let transport = TcpTransport::bind(listen, layout.block_bytes())?;
+    let ep_config = EndpointConfig {
+        sender: SenderConfig { shared_region: shared, ..SenderConfig::default() },
+        // Epochs differ per process, so a handle from an earlier incarnation is refused as stale.
+        epoch_seed: std::process::id().wrapping_mul(2_654_435_761),
+        ..EndpointConfig::default()
+    };
+    Ok(Some(Endpoint::new(Box::new(transport), layout, ep_config)))
+}

@@ -1,0 +1,182 @@
+//! What goes into the engine and what comes out, as the caller sees it.
+
+use std::time::Instant;
+
+use pdserve_api::openai::{TokenLogprob, Usage};
+use pdserve_api::pd::PdHandle;
+use pdserve_api::Stage;
+use pdserve_model::{ChatMessage, SamplingParams};
+
+use crate::EngineError;
+
+/// A request's id within one engine, given by [`crate::Engine::submit`]. Ids are unique among every
+/// engine of every process with overwhelming probability (they also name KV transfers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Id(pub u64);
+
+impl std::fmt::Display for Id {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// What to generate from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Input {
+    /// Chat messages, rendered through the model's chat template.
+    Chat(Vec<ChatMessage>),
+    /// Plain text, tokenized as is.
+    Text(String),
+    Tokens(Vec<u32>),
+    /// Decode role: a prompt a prefill worker computed; its KV and token ids are pulled from it.
+    Remote(PdHandle),
+}
+
+/// One generation.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// The caller's name for it (the `x-request-id`): in the ledger and the log.
+    pub request_id: String,
+    pub input: Input,
+    /// Tokens to generate at most; `None`: up to the context.
+    pub max_tokens: Option<usize>,
+    pub sampling: SamplingParams,
+    /// The sampler's seed (a request without one gets a fresh one).
+    pub seed: Option<u64>,
+    /// Text that ends generation (not included in the output).
+    pub stop: Vec<String>,
+    /// Tokens that end generation.
+    pub stop_token_ids: Vec<u32>,
+    /// Generate past the model's end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Report each token's log-probability (and `sampling.top_logprobs` alternatives).
+    pub logprobs: bool,
+    /// The request ends by then, whatever its stage.
+    pub deadline: Instant,
+}
+
+impl Request {
+    /// A request with the engine's defaults: greedy, up to the context, no stop strings.
+    pub fn new(request_id: impl Into<String>, input: Input, deadline: Instant) -> Request {
+        Request {
+            request_id: request_id.into(),
+            input,
+            max_tokens: None,
+            sampling: SamplingParams::greedy(),
+            seed: None,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+            logprobs: false,
+            deadline,
+        }
+    }
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finish {
+    /// A stop token or string.
+    Stop,
+    /// `max_tokens` or the context.
+    Length,
+    /// Aborted by the caller.
+    Cancelled,
+    /// The deadline passed at `stage`.
+    TimedOut { stage: Stage },
+    /// Something broke at `stage`.
+    Failed { stage: Stage, reason: String },
+}
+
+impl Finish {
+    /// `Some("stop" | "length")` for a normal end (OpenAI's `finish_reason`).
+    pub fn reason(&self) -> Option<&'static str> {
+        match self {
+            Finish::Stop => Some("stop"),
+            Finish::Length => Some("length"),
+            _ => None,
+        }
+    }
+
+    /// The error a client gets for an end that is not normal.
+    pub fn to_api_error(&self) -> Option<pdserve_api::ApiError> {
+        use pdserve_api::{ApiError, ErrorKind};
+        Some(match self {
+            Finish::Stop | Finish::Length => return None,
+            Finish::Cancelled => ApiError::new(ErrorKind::Cancelled, "the request was cancelled"),
+            Finish::TimedOut { stage } => ApiError::new(
+                ErrorKind::DeadlineExceeded,
+                format!("the request's deadline passed while it was {}", stage.describe()),
+            ),
+            // The KV never arrived from the prefill worker: a failure of the path, not a bug here.
+            Finish::Failed { stage: stage @ Stage::KvTransfer, reason } => ApiError::new(
+                ErrorKind::KvTransferFailed,
+                format!("the request failed while {}: {reason}", stage.describe()),
+            ),
+            Finish::Failed { stage, reason } => ApiError::new(
+                ErrorKind::Internal,
+                format!("the request failed while {}: {reason}", stage.describe()),
+            ),
+        })
+    }
+
+    /// The `outcome` word it is counted under.
+    pub fn outcome(&self) -> pdserve_api::Outcome {
+        match self.to_api_error() {
+            None => pdserve_api::Outcome::Completed,
+            Some(e) => e.kind.outcome(),
+        }
+    }
+}
+
+/// Milliseconds a request spent in each stage on this engine (and, for a decode worker, on the
+/// prefill worker before it), in the order they happened.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Timings(pub Vec<(&'static str, f64)>);
+
+/// What the engine tells its caller, in order per request: `Admitted` or `Rejected`; then `Text` as
+/// it comes; then exactly one `Finished` (or, for a prefill worker, `Prefilled`).
+#[derive(Debug)]
+pub enum Output {
+    /// The request is in the scheduler: a stream may start now.
+    Admitted {
+        id: Id,
+    },
+    /// Not taken; nothing else follows.
+    Rejected {
+        id: Id,
+        error: EngineError,
+    },
+    /// New text (empty when a stop string may be starting) and, when asked for, the token's
+    /// log-probability.
+    Text {
+        id: Id,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Finished {
+        id: Id,
+        finish: Finish,
+        usage: Usage,
+        timings: Timings,
+    },
+    /// Prefill role: the prompt is done and its KV waits for a decode worker at `handle`.
+    Prefilled {
+        id: Id,
+        handle: PdHandle,
+        usage: Usage,
+        timings: Timings,
+    },
+}
+
+impl Output {
+    pub fn id(&self) -> Id {
+        match self {
+            Output::Admitted { id }
+            | Output::Rejected { id, .. }
+            | Output::Text { id, .. }
+            | Output::Finished { id, .. }
+            | Output::Prefilled { id, .. } => *id,
+        }
+    }
+}

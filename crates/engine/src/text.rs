@@ -1,0 +1,50 @@
+//! Stop strings over streamed text: what may be shown now, and what must wait because it could be
+//! the start of a stop string.
+
+/// Splits `pending` at the first stop string: `(text to emit, stopped)`. Without a stop, the longest
+/// tail that could still become a stop string is held back in `pending`.
+pub(crate) fn apply_stop(pending: &mut String, stops: &[String]) -> (String, bool) {
+    if stops.is_empty() {
+        return (std::mem::take(pending), false);
+    }
+    if let Some(at) = stops.iter().filter_map(|s| pending.find(s.as_str())).min() {
+        let out = pending[..at].to_owned();
+        pending.clear();
+        return (out, true);
+    }
+    let mut keep = 0;
+    for s in stops {
+        for k in (1..s.len().min(pending.len() + 1)).rev() {
+            if pending.is_char_boundary(pending.len() - k)
+                && s.is_char_boundary(k)
+                && pending.ends_with(&s[..k])
+            {
+                keep = keep.max(k);
+                break;
+            }
+        }
+    }
+    let cut = pending.len() - keep;
+    let out = pending[..cut].to_owned();
+    pending.drain(..cut);
+    (out, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_hold_back_possible_prefixes() {
+        let stops = vec!["END".to_owned(), "\n\n".to_owned()];
+        let mut p = String::from("hello E");
+        assert_eq!(apply_stop(&mut p, &stops), ("hello ".into(), false));
+        assert_eq!(p, "E");
+        p.push_str("NDING");
+        assert_eq!(apply_stop(&mut p, &stops), ("".into(), true));
+        let mut p = String::from("a\nb\n");
+        assert_eq!(apply_stop(&mut p, &stops), ("a\nb".into(), false));
+        let mut p = String::from("x");
+        assert_eq!(apply_stop(&mut p, &[]), ("x".into(), false));
+    }
+}

@@ -1,0 +1,403 @@
+//! One worker's end of every KV transfer, whole: the [`Sender`] and [`Receiver`] state machines over a
+//! [`Transport`], copying block bytes between the transport and the worker's KV memory
+//! ([`BlockMemory`]) only where the worker's KV ledger (`pdserve_kvcache::KvCache`) allows it.
+//!
+//! Call order per turn of the worker's loop: [`pump`](Endpoint::pump) (runs timeouts, the transport,
+//! the state machines, and the copies), then [`poll_event`](Endpoint::poll_event) until `None`,
+//! settling each event with the KV ledger. Commands ([`offer`](Endpoint::offer),
+//! [`pull`](Endpoint::pull), [`set_destination`](Endpoint::set_destination),
+//! [`abort`](Endpoint::abort)) may come at any time between pumps.
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use pdserve_kvcache::{BlockId, KvCache, TransferId};
+
+use crate::transport::{Arrival, Transport};
+use crate::{
+    Layout, Message, OfferError, Outcome, PeerId, PromptMeta, Receiver, SendAction, Sender, SenderConfig,
+    StartError, TransferKey,
+};
+
+/// The worker's KV memory as the endpoint reads and writes it: whole blocks of
+/// `Layout::block_bytes()` bytes, indexed by the ledger's block ids.
+pub trait BlockMemory {
+    /// Copies block `block` into `out`.
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), BlockIoError>;
+    /// Stores `data` as block `block`.
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), BlockIoError>;
+}
+
+/// A block the memory could not read or write (out of range, wrong size).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockIoError {
+    pub block: BlockId,
+}
+
+impl fmt::Display for BlockIoError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "KV memory refused {}", self.block)
+    }
+}
+
+impl std::error::Error for BlockIoError {}
+
+/// Bounds of an [`Endpoint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndpointConfig {
+    pub sender: SenderConfig,
+    /// The receiver acknowledges every this many written blocks.
+    pub ack_every: u32,
+    /// Transfers this side receives at once.
+    pub pulls_max: usize,
+    /// The first epoch this endpoint gives its offers (different per process, so a handle from an
+    /// earlier incarnation of the worker is refused as stale).
+    pub epoch_seed: u32,
+}
+
+impl Default for EndpointConfig {
+    fn default() -> Self {
+        EndpointConfig { sender: SenderConfig::default(), ack_every: 4, pulls_max: 1024, epoch_seed: 1 }
+    }
+}
+
+/// Where to pull a transfer from: what a decode worker reads off the prefill worker's handle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    pub addr: SocketAddr,
+    pub key: TransferKey,
+    /// The sender's shared KV region, if it keeps one.
+    pub region: Option<String>,
+}
+
+/// Why a pull could not start.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum PullError {
+    /// The sending side cannot be reached.
+    Connect { addr: SocketAddr, error: io::Error },
+    /// This transfer is already being pulled here.
+    Duplicate,
+    /// `pulls_max` transfers are already being pulled.
+    TooMany { limit: usize },
+}
+
+impl fmt::Display for PullError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PullError::Connect { addr, error } => {
+                write!(f, "cannot reach the prefill worker at {addr}: {error}")
+            }
+            PullError::Duplicate => write!(f, "this transfer is already being pulled"),
+            PullError::TooMany { limit } => write!(f, "{limit} transfers are already being pulled"),
+        }
+    }
+}
+
+impl std::error::Error for PullError {}
+
+/// Which side of a transfer an event is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Side {
+    /// This worker offered the KV.
+    Sending,
+    /// This worker pulled the KV.
+    Receiving,
+}
+
+/// What the worker must act on.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EndpointEvent {
+    /// Receiving: the sender accepted the pull. Allocate `blocks` destination blocks under a lease for
+    /// the transfer and call [`Endpoint::set_destination`], or [`Endpoint::abort`].
+    Described { transfer: u64, blocks: u32, meta: PromptMeta },
+    /// A transfer ended on this side. Sending: release its lease, whatever the outcome. Receiving:
+    /// adopt the destination lease on `Completed`, release it otherwise.
+    Ended { side: Side, transfer: u64, outcome: Outcome, took_ms: u64 },
+}
+
+/// Bytes moved, for the worker's metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EndpointStats {
+    /// Block bytes sent inline.
+    pub bytes_sent: u64,
+    /// Block bytes received inline.
+    pub bytes_received: u64,
+    /// Block bytes copied out of a sender's shared region.
+    pub bytes_shared: u64,
+}
+
+/// One worker's end of every transfer. See the [module docs](self).
+#[derive(Debug)]
+pub struct Endpoint {
+    transport: Box<dyn Transport>,
+    sender: Sender,
+    receiver: Receiver,
+    layout: Layout,
+    config: EndpointConfig,
+    next_epoch: u32,
+    /// Receiving transfers: the connection each is pulled over, and whether its blocks are named.
+    pulls: HashMap<u64, (PeerId, bool)>,
+    /// When each live transfer began (caller's ms), by side.
+    began: HashMap<(Side, u64), u64>,
+    events: VecDeque<EndpointEvent>,
+    stats: EndpointStats,
+    block_buf: Vec<u8>,
+    /// The latest `now` the caller gave, for the durations of transfers that end between pumps.
+    now: u64,
+}
+
+impl Endpoint {
+    pub fn new(transport: Box<dyn Transport>, layout: Layout, config: EndpointConfig) -> Endpoint {
+        Endpoint {
+            transport,
+            sender: Sender::new(config.sender),
+            receiver: Receiver::new(config.ack_every),
+            layout,
+            config,
+            next_epoch: config.epoch_seed,
+            pulls: HashMap::new(),
+            began: HashMap::new(),
+            events: VecDeque::new(),
+            stats: EndpointStats::default(),
+            block_buf: vec![0; layout.block_bytes()],
+            now: 0,
+        }
+    }
+
+    /// The address receivers pull from (the transport's listener).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.transport.local_addr()
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// Transfers live on either side.
+    pub fn len(&self) -> usize {
+        self.sender.len() + self.receiver.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.sender.is_empty() && self.receiver.is_empty()
+    }
+
+    pub fn stats(&self) -> EndpointStats {
+        self.stats
+    }
+
+    /// Sending: offers `blocks` (held by the ledger's lease for `transfer`, in order) until
+    /// `expires_at` (caller's ms). Returns the key a handle names.
+    pub fn offer(
+        &mut self,
+        transfer: TransferId,
+        blocks: Vec<BlockId>,
+        expires_at: u64,
+        meta: PromptMeta,
+        now: u64,
+    ) -> Result<TransferKey, OfferError> {
+        self.now = now;
+        self.next_epoch = self.next_epoch.wrapping_add(1);
+        let key = TransferKey { transfer: transfer.0, epoch: self.next_epoch };
+        self.sender.offer(key, self.layout, blocks, expires_at, meta)?;
+        self.began.insert((Side::Sending, key.transfer), now);
+        Ok(key)
+    }
+
+    /// Receiving: connects to the sending side and asks what `source` holds; the answer comes as
+    /// [`EndpointEvent::Described`]. The transfer ends by `deadline` (caller's ms) in any case.
+    pub fn pull(&mut self, source: &Source, deadline: u64, now: u64) -> Result<(), PullError> {
+        self.now = now;
+        if self.pulls.contains_key(&source.key.transfer) {
+            return Err(PullError::Duplicate);
+        }
+        if self.pulls.len() >= self.config.pulls_max {
+            return Err(PullError::TooMany { limit: self.config.pulls_max });
+        }
+        let c = self
+            .transport
+            .connect(source.addr, source.region.as_deref())
+            .map_err(|error| PullError::Connect { addr: source.addr, error })?;
+        if let Err(e) = self.receiver.start(source.key, c.peer, self.layout, deadline, c.named_blocks) {
+            self.transport.close(c.peer);
+            debug_assert_eq!(e, StartError::Duplicate);
+            return Err(PullError::Duplicate);
+        }
+        self.pulls.insert(source.key.transfer, (c.peer, c.named_blocks));
+        self.began.insert((Side::Receiving, source.key.transfer), now);
+        self.flush_receiver();
+        Ok(())
+    }
+
+    /// Receiving: the destination blocks (block, epoch at allocation) of a described transfer, one
+    /// per sender block. A wrong count ends the transfer.
+    pub fn set_destination(&mut self, transfer: u64, dest: Vec<(BlockId, u32)>) -> Result<(), StartError> {
+        let r = self.receiver.set_destination(transfer, dest);
+        self.flush_receiver();
+        self.settle_ended();
+        r
+    }
+
+    /// Ends `transfer` on whichever side holds it and tells the peer. Idempotent: `false` if it had
+    /// ended already.
+    pub fn abort(&mut self, transfer: u64) -> bool {
+        let ended = self.sender.abort(transfer) | self.receiver.abort(transfer);
+        self.flush_sender_messages();
+        self.flush_receiver();
+        self.settle_ended();
+        ended
+    }
+
+    /// Runs one turn: expiries at `now`, up to `wait` of transport I/O, the copies the state machines
+    /// ask for, and what they want sent. `kv` is this worker's ledger: a block is read only while the
+    /// offer's lease holds it and written only where the pull's lease allows.
+    pub fn pump(
+        &mut self,
+        kv: &KvCache,
+        memory: &mut dyn BlockMemory,
+        now: u64,
+        wait: Duration,
+    ) -> io::Result<()> {
+        self.now = now;
+        self.sender.handle_timeout(now);
+        self.receiver.handle_timeout(now);
+        let Endpoint { transport, sender, receiver, pulls, stats, .. } = self;
+        let mut on = |a: Arrival<'_>| match a {
+            Arrival::Message { peer, msg } => {
+                let t = msg.key().transfer;
+                if pulls.get(&t).is_some_and(|&(p, _)| p == peer) {
+                    if let Message::BlockAt { .. } = msg {
+                        // A named block this side cannot read: never trust the transfer.
+                        receiver.abort(t);
+                    } else {
+                        receiver.handle_message(peer, msg);
+                    }
+                    return;
+                }
+                // The ledger's lease is the ground truth: no `Confirm` for blocks it has freed.
+                if let Message::Done { key } = &msg {
+                    if kv.lease(TransferId(key.transfer)).is_err() {
+                        sender.abort(key.transfer);
+                    }
+                }
+                sender.handle_message(peer, msg);
+            }
+            Arrival::Block { peer, key, index, data } => {
+                let Some(dst) = receiver.accept_block(peer, key, index, data.len()) else { return };
+                if kv.check_write(TransferId(key.transfer), dst.block, dst.block_epoch).is_err() {
+                    return; // a late or foreign block: never written
+                }
+                if memory.write_block(dst.block, data).is_err() {
+                    receiver.abort(key.transfer);
+                    return;
+                }
+                let named = pulls.get(&key.transfer).is_some_and(|&(_, n)| n);
+                if named {
+                    stats.bytes_shared += data.len() as u64;
+                } else {
+                    stats.bytes_received += data.len() as u64;
+                }
+                receiver.block_written(key, index);
+            }
+            Arrival::Lost { peer } => {
+                sender.handle_peer_lost(peer);
+                receiver.handle_peer_lost(peer);
+            }
+        };
+        let polled = transport.poll(wait, &mut on);
+        self.flush_sender(kv, memory);
+        self.flush_receiver();
+        self.settle_ended();
+        polled
+    }
+
+    /// The next thing the worker must act on.
+    pub fn poll_event(&mut self) -> Option<EndpointEvent> {
+        self.events.pop_front()
+    }
+
+    fn flush_sender_messages(&mut self) {
+        // Only messages can be queued outside a pump (an abort); blocks wait for the next pump.
+        let mut blocks = Vec::new();
+        while let Some(a) = self.sender.poll_action() {
+            match a {
+                SendAction::Message { peer, msg } => self.transport.send(peer, &msg, &[]),
+                block => blocks.push(block),
+            }
+        }
+        debug_assert!(blocks.is_empty(), "blocks are only sent from pump");
+    }
+
+    fn flush_sender(&mut self, kv: &KvCache, memory: &dyn BlockMemory) {
+        while let Some(a) = self.sender.poll_action() {
+            match a {
+                SendAction::Message { peer, msg } => self.transport.send(peer, &msg, &[]),
+                SendAction::Block { peer, key, index, block, shared } => {
+                    // Read only a block the offer's lease still holds.
+                    let held = kv.lease(TransferId(key.transfer)).is_ok_and(|l| l.blocks.contains(&block));
+                    if !held {
+                        self.sender.abort(key.transfer);
+                        continue;
+                    }
+                    if shared {
+                        self.transport.send(peer, &Message::BlockAt { key, index, slot: block.0 }, &[]);
+                        continue;
+                    }
+                    if memory.read_block(block, &mut self.block_buf).is_err() {
+                        self.sender.abort(key.transfer);
+                        continue;
+                    }
+                    let msg = Message::Block { key, index, len: self.block_buf.len() as u32 };
+                    self.transport.send(peer, &msg, &self.block_buf);
+                    self.stats.bytes_sent += self.block_buf.len() as u64;
+                }
+            }
+        }
+    }
+
+    fn flush_receiver(&mut self) {
+        while let Some((peer, msg)) = self.receiver.poll_transmit() {
+            self.transport.send(peer, &msg, &[]);
+        }
+        while let Some(d) = self.receiver.poll_described() {
+            self.events.push_back(EndpointEvent::Described {
+                transfer: d.key.transfer,
+                blocks: d.blocks,
+                meta: d.meta,
+            });
+        }
+    }
+
+    /// Turns the state machines' endings into events, closing the connection of each ended pull.
+    fn settle_ended(&mut self) {
+        while let Some(e) = self.sender.poll_event() {
+            let began = self.began.remove(&(Side::Sending, e.key.transfer));
+            self.events.push_back(EndpointEvent::Ended {
+                side: Side::Sending,
+                transfer: e.key.transfer,
+                outcome: e.outcome,
+                took_ms: began.map_or(0, |b| self.now.saturating_sub(b)),
+            });
+        }
+        while let Some(e) = self.receiver.poll_event() {
+            // What the receiver queued for the peer (an Abort, a Done) goes out before the close.
+            while let Some((peer, msg)) = self.receiver.poll_transmit() {
+                self.transport.send(peer, &msg, &[]);
+            }
+            if let Some((peer, _)) = self.pulls.remove(&e.key.transfer) {
+                self.transport.close(peer);
+            }
+            let began = self.began.remove(&(Side::Receiving, e.key.transfer));
+            self.events.push_back(EndpointEvent::Ended {
+                side: Side::Receiving,
+                transfer: e.key.transfer,
+                outcome: e.outcome,
+                took_ms: began.map_or(0, |b| self.now.saturating_sub(b)),
+            });
+        }
+    }
+}

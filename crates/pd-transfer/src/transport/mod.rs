@@ -1,0 +1,59 @@
+//! How frames and block bytes move between the two workers: the [`Transport`] trait, the seam every
+//! way of moving KV plugs into, and its implementation over TCP ([`TcpTransport`]), whose receiving
+//! side copies named blocks straight out of a same-host sender's shared region ([`shm`]).
+//!
+//! A transport knows nothing of the protocol's rules: it carries [`Message`]s, hands every arrival to
+//! its caller (a block with its bytes, wherever they were read from), and reports peers it lost. A
+//! one-sided-read transport (RDMA through UCX) would implement the same trait: `connect` learns the
+//! sender's memory registration, a `BlockAt` names a slot, and `poll` hands over the bytes it read.
+
+use std::io;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use crate::{Message, PeerId, TransferKey};
+
+pub mod shm;
+mod tcp;
+
+pub use tcp::TcpTransport;
+
+/// What arrived from a peer.
+#[derive(Debug)]
+pub enum Arrival<'a> {
+    /// A control message (anything but a block).
+    Message { peer: PeerId, msg: Message },
+    /// Block `index` of `key`: its bytes, sent inline or read from the sender's memory.
+    Block { peer: PeerId, key: TransferKey, index: u32, data: &'a [u8] },
+    /// The connection to `peer` is gone (closed, reset, or it sent garbage).
+    Lost { peer: PeerId },
+}
+
+/// A connection to a sending side, as [`Transport::connect`] opened it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Connected {
+    pub peer: PeerId,
+    /// The sender's blocks can be named rather than sent: this side reads them from the sender's
+    /// memory (a shared region on this host).
+    pub named_blocks: bool,
+}
+
+/// Moves frames between the workers of a transfer.
+pub trait Transport: Send + std::fmt::Debug {
+    /// The address receivers connect to (the sending side's listener), if this side listens.
+    fn local_addr(&self) -> Option<SocketAddr>;
+
+    /// Opens a connection to the sending side at `addr`. `region` is the sender's shared KV region, as
+    /// its handle names it; the transport reads named blocks from it if it can reach it.
+    fn connect(&mut self, addr: SocketAddr, region: Option<&str>) -> io::Result<Connected>;
+
+    /// Queues `msg` (with `data`, the bytes of a `Block`) for `peer` and writes what it can now. A
+    /// peer that is gone is reported by the next [`poll`](Self::poll).
+    fn send(&mut self, peer: PeerId, msg: &Message, data: &[u8]);
+
+    /// Closes the connection to `peer` after a best-effort write of what is queued.
+    fn close(&mut self, peer: PeerId);
+
+    /// Waits up to `wait` for I/O, then hands every arrival to `on`, in order per peer.
+    fn poll(&mut self, wait: Duration, on: &mut dyn FnMut(Arrival<'_>)) -> io::Result<()>;
+}

@@ -1,0 +1,227 @@
+//! Frames over TCP, non-blocking, on a mio poll of its own: a listener on the sending side, one
+//! connection per pull. Named blocks (`BlockAt`) are read from the sender's shared region when this
+//! host can map it.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token};
+
+use super::shm::SharedView;
+use super::{Arrival, Connected, Transport};
+use crate::{decode, encode, Message, PeerId};
+
+const LISTENER: Token = Token(usize::MAX);
+/// Bytes read per `read` call; a frame larger than this arrives over several.
+const READ_BYTES: usize = 256 * 1024;
+
+#[derive(Debug)]
+struct Conn {
+    stream: TcpStream,
+    inbuf: Vec<u8>,
+    out: Vec<u8>,
+    out_pos: usize,
+    /// The sender's shared region this side reads named blocks from.
+    region: Option<PathBuf>,
+}
+
+/// The TCP transport. See the [module docs](super).
+#[derive(Debug)]
+pub struct TcpTransport {
+    poll: Poll,
+    events: Events,
+    listener: Option<TcpListener>,
+    conns: HashMap<u64, Conn>,
+    next_peer: u64,
+    lost: Vec<PeerId>,
+    /// Senders' shared regions, mapped once each.
+    views: HashMap<PathBuf, SharedView>,
+    block_bytes: usize,
+    read_buf: Vec<u8>,
+}
+
+impl TcpTransport {
+    /// `listen`: the sending side's address (port 0 picks one); `None` on a side that only connects.
+    /// `block_bytes`: the size of one KV block, for cutting shared regions into blocks.
+    pub fn bind(listen: Option<SocketAddr>, block_bytes: usize) -> io::Result<TcpTransport> {
+        let poll = Poll::new()?;
+        let listener = match listen {
+            Some(addr) => {
+                let mut l = TcpListener::bind(addr)?;
+                poll.registry().register(&mut l, LISTENER, Interest::READABLE)?;
+                Some(l)
+            }
+            None => None,
+        };
+        Ok(TcpTransport {
+            poll,
+            events: Events::with_capacity(256),
+            listener,
+            conns: HashMap::new(),
+            next_peer: 1,
+            lost: Vec::new(),
+            views: HashMap::new(),
+            block_bytes,
+            read_buf: vec![0; READ_BYTES],
+        })
+    }
+
+    fn add(&mut self, mut stream: TcpStream, region: Option<PathBuf>) -> io::Result<PeerId> {
+        let id = self.next_peer;
+        self.next_peer += 1;
+        self.poll.registry().register(
+            &mut stream,
+            Token(id as usize),
+            Interest::READABLE | Interest::WRITABLE,
+        )?;
+        let _ = stream.set_nodelay(true);
+        self.conns.insert(id, Conn { stream, inbuf: Vec::new(), out: Vec::new(), out_pos: 0, region });
+        Ok(PeerId(id))
+    }
+
+    fn lose(&mut self, id: u64) {
+        if let Some(mut c) = self.conns.remove(&id) {
+            let _ = self.poll.registry().deregister(&mut c.stream);
+            self.lost.push(PeerId(id));
+        }
+    }
+
+    fn flush(&mut self, id: u64) {
+        let Some(c) = self.conns.get_mut(&id) else { return };
+        while c.out_pos < c.out.len() {
+            match c.stream.write(&c.out[c.out_pos..]) {
+                Ok(0) => return self.lose(id),
+                Ok(n) => c.out_pos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return self.lose(id),
+            }
+        }
+        c.out.clear();
+        c.out_pos = 0;
+    }
+
+    /// Reads what `id` sent and hands over every whole frame; `false` if the connection is gone.
+    fn read(&mut self, id: u64, on: &mut dyn FnMut(Arrival<'_>)) -> bool {
+        let Some(c) = self.conns.get_mut(&id) else { return false };
+        let buf = &mut self.read_buf;
+        let mut closed = false;
+        loop {
+            match c.stream.read(buf) {
+                Ok(0) => {
+                    closed = true;
+                    break;
+                }
+                Ok(n) => c.inbuf.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    closed = true;
+                    break;
+                }
+            }
+        }
+        let view = c.region.as_deref().and_then(|p| self.views.get(p));
+        let peer = PeerId(id);
+        let mut pos = 0;
+        let mut bad = false;
+        loop {
+            match decode(&c.inbuf[pos..]) {
+                Ok(Some(f)) => {
+                    pos += f.consumed;
+                    match f.msg {
+                        Message::Block { key, index, .. } => {
+                            on(Arrival::Block { peer, key, index, data: f.data })
+                        }
+                        Message::BlockAt { key, index, slot } => match view.and_then(|v| v.block(slot)) {
+                            Some(data) => on(Arrival::Block { peer, key, index, data }),
+                            // Named, but not readable here: the protocol layer ends the transfer.
+                            None => on(Arrival::Message { peer, msg: f.msg }),
+                        },
+                        msg => on(Arrival::Message { peer, msg }),
+                    }
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    bad = true;
+                    break;
+                }
+            }
+        }
+        c.inbuf.drain(..pos);
+        !(closed || bad)
+    }
+
+    fn view(&mut self, path: &Path) -> bool {
+        if self.views.contains_key(path) {
+            return true;
+        }
+        match SharedView::open(path, self.block_bytes) {
+            Ok(v) => {
+                self.views.insert(path.to_path_buf(), v);
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn local_addr(&self) -> Option<SocketAddr> {
+        self.listener.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    fn connect(&mut self, addr: SocketAddr, region: Option<&str>) -> io::Result<Connected> {
+        // Same host and a shared region: blocks are read from it; otherwise their bytes come inline.
+        let region = region.map(PathBuf::from).filter(|p| self.view(p));
+        let named_blocks = region.is_some();
+        let peer = self.add(TcpStream::connect(addr)?, region)?;
+        Ok(Connected { peer, named_blocks })
+    }
+
+    fn send(&mut self, peer: PeerId, msg: &Message, data: &[u8]) {
+        let Some(c) = self.conns.get_mut(&peer.0) else { return };
+        encode(msg, data, &mut c.out);
+        self.flush(peer.0);
+    }
+
+    fn close(&mut self, peer: PeerId) {
+        if let Some(mut c) = self.conns.remove(&peer.0) {
+            // Best effort: what is queued (an Abort, a Done) goes out before the close.
+            let _ = c.stream.write_all(&c.out[c.out_pos..]);
+            let _ = self.poll.registry().deregister(&mut c.stream);
+        }
+    }
+
+    fn poll(&mut self, wait: Duration, on: &mut dyn FnMut(Arrival<'_>)) -> io::Result<()> {
+        self.poll.poll(&mut self.events, Some(wait))?;
+        let ready: Vec<(Token, bool, bool)> = self
+            .events
+            .iter()
+            .map(|e| (e.token(), e.is_readable() || e.is_read_closed() || e.is_error(), e.is_writable()))
+            .collect();
+        for (token, readable, writable) in ready {
+            if token == LISTENER {
+                while let Some(Ok((s, _))) = self.listener.as_ref().map(TcpListener::accept) {
+                    let _ = self.add(s, None);
+                }
+                continue;
+            }
+            let id = token.0 as u64;
+            if writable {
+                self.flush(id);
+            }
+            if readable && !self.read(id, on) {
+                self.lose(id);
+            }
+        }
+        for peer in std::mem::take(&mut self.lost) {
+            on(Arrival::Lost { peer });
+        }
+        Ok(())
+    }
+}

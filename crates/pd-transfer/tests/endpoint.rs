@@ -1,0 +1,258 @@
+//! Two endpoints over a real TCP transport on loopback, each with a real KV ledger and its own block
+//! memory, pumped in turn on one thread: transfers inline and through a shared region carry exactly
+//! the sender's bytes and prompt; aborts and a vanished sender end transfers on both sides; both
+//! ledgers return to baseline.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use pdserve_kvcache::{BlockId, KvCache, KvConfig, SeqId, TransferId};
+use pdserve_pd_transfer::transport::shm::SharedRegion;
+use pdserve_pd_transfer::*;
+
+const BLOCKS: u32 = 64;
+
+fn layout() -> Layout {
+    Layout { num_layers: 2, num_kv_heads: 2, head_dim: 8, block_size: 4, dtype: Dtype::F32 }
+}
+
+/// Block memory on the heap, or in a shared region (the prefill worker's `--kv-shm`).
+enum Memory {
+    Heap(Vec<u8>),
+    Shared(SharedRegion),
+}
+
+impl Memory {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Memory::Heap(v) => v,
+            Memory::Shared(r) => r.bytes(),
+        }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Memory::Heap(v) => v,
+            Memory::Shared(r) => r.bytes_mut(),
+        }
+    }
+}
+
+impl BlockMemory for Memory {
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), BlockIoError> {
+        let n = out.len();
+        let src = self
+            .bytes()
+            .get(block.0 as usize * n..(block.0 as usize + 1) * n)
+            .ok_or(BlockIoError { block })?;
+        out.copy_from_slice(src);
+        Ok(())
+    }
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), BlockIoError> {
+        let n = data.len();
+        let dst = self
+            .bytes_mut()
+            .get_mut(block.0 as usize * n..(block.0 as usize + 1) * n)
+            .ok_or(BlockIoError { block })?;
+        dst.copy_from_slice(data);
+        Ok(())
+    }
+}
+
+struct Worker {
+    ep: Endpoint,
+    kv: KvCache,
+    mem: Memory,
+    ended: HashMap<u64, Outcome>,
+    described: HashMap<u64, PromptMeta>,
+    /// Give described transfers their destinations at once (else they wait, described).
+    accept: bool,
+}
+
+impl Worker {
+    fn new(listen: bool, shared: bool) -> Worker {
+        let bytes = BLOCKS as usize * layout().block_bytes();
+        let mem = if shared {
+            Memory::Shared(SharedRegion::create(bytes).unwrap())
+        } else {
+            Memory::Heap(vec![0; bytes])
+        };
+        let transport =
+            TcpTransport::bind(listen.then(|| "127.0.0.1:0".parse().unwrap()), layout().block_bytes())
+                .unwrap();
+        let config = EndpointConfig {
+            sender: SenderConfig { window_blocks: 4, transfers_max: 64, shared_region: shared },
+            ..EndpointConfig::default()
+        };
+        Worker {
+            ep: Endpoint::new(Box::new(transport), layout(), config),
+            kv: KvCache::new(KvConfig { num_blocks: BLOCKS, block_size: layout().block_size }).unwrap(),
+            mem,
+            ended: HashMap::new(),
+            described: HashMap::new(),
+            accept: true,
+        }
+    }
+
+    /// One turn, settling events with the ledger as a worker's engine does.
+    fn turn(&mut self, now: u64) {
+        self.ep.pump(&self.kv, &mut self.mem, now, Duration::from_millis(1)).unwrap();
+        while let Some(e) = self.ep.poll_event() {
+            match e {
+                EndpointEvent::Described { transfer, meta, .. } if !self.accept => {
+                    self.described.insert(transfer, meta);
+                }
+                EndpointEvent::Described { transfer, blocks, meta } => {
+                    let l =
+                        self.kv.allocate_lease(TransferId(transfer), blocks as usize, now + 10_000).unwrap();
+                    let dest = l.blocks.iter().copied().zip(l.epochs.iter().copied()).collect();
+                    self.described.insert(transfer, meta);
+                    self.ep.set_destination(transfer, dest).unwrap();
+                }
+                EndpointEvent::Ended { side, transfer, outcome, .. } => {
+                    assert!(self.ended.insert(transfer, outcome.clone()).is_none(), "{transfer} ended twice");
+                    if side == Side::Receiving && outcome == Outcome::Completed {
+                        let seq = SeqId(transfer);
+                        let tokens = self.described[&transfer].prompt.clone();
+                        self.kv.adopt_lease(TransferId(transfer), seq, &tokens).unwrap();
+                    } else if self.kv.lease(TransferId(transfer)).is_ok() {
+                        self.kv.release_lease(TransferId(transfer)).unwrap();
+                    }
+                }
+            }
+        }
+        self.kv.check_invariants().unwrap();
+    }
+
+    /// A prompt of `tokens` tokens computed here, its blocks filled with a pattern of `t`, offered.
+    fn offer(&mut self, t: u64, tokens: usize, now: u64) -> (TransferKey, Vec<u32>) {
+        let prompt: Vec<u32> = (0..tokens as u32).map(|i| i * 3 + t as u32).collect();
+        let seq = SeqId(t);
+        self.kv.add_sequence(seq, &prompt).unwrap();
+        self.kv.reserve(seq, tokens).unwrap();
+        self.kv.commit(seq, tokens).unwrap();
+        let lease = self.kv.lease_sequence(seq, TransferId(t), now + 10_000).unwrap();
+        let blocks = lease.blocks.to_vec();
+        let bb = layout().block_bytes();
+        for (i, b) in blocks.iter().enumerate() {
+            self.mem.write_block(*b, &pattern(t, i, bb)).unwrap();
+        }
+        let meta = PromptMeta {
+            prompt: prompt.clone(),
+            first_token: 9,
+            first_logprob: -0.125,
+            ..PromptMeta::default()
+        };
+        let key = self.ep.offer(TransferId(t), blocks, now + 10_000, meta, now).unwrap();
+        (key, prompt)
+    }
+}
+
+fn pattern(t: u64, i: usize, n: usize) -> Vec<u8> {
+    (0..n).map(|k| (t as usize * 13 + i * 7 + k) as u8).collect()
+}
+
+fn run_until(p: &mut Worker, d: &mut Worker, mut done: impl FnMut(&Worker, &Worker) -> bool) {
+    let start = Instant::now();
+    while !done(p, d) {
+        let now = start.elapsed().as_millis() as u64;
+        p.turn(now);
+        d.turn(now);
+        assert!(start.elapsed() < Duration::from_secs(20), "transfers did not end");
+    }
+}
+
+fn transfer_several(shared: bool) {
+    let mut p = Worker::new(true, shared);
+    let mut d = Worker::new(false, false);
+    let addr = p.ep.local_addr().unwrap();
+    let region = match &p.mem {
+        Memory::Shared(r) => Some(r.path().display().to_string()),
+        Memory::Heap(_) => None,
+    };
+    let mut prompts = HashMap::new();
+    for t in 1..=5u64 {
+        let (key, prompt) = p.offer(t, 1 + 5 * t as usize, 0);
+        prompts.insert(t, prompt);
+        d.ep.pull(&Source { addr, key, region: region.clone() }, 10_000, 0).unwrap();
+    }
+    run_until(&mut p, &mut d, |p, d| p.ended.len() == 5 && d.ended.len() == 5);
+    let bb = layout().block_bytes();
+    for t in 1..=5u64 {
+        assert_eq!(d.ended[&t], Outcome::Completed);
+        assert_eq!(p.ended[&t], Outcome::Completed);
+        assert_eq!(d.described[&t].prompt, prompts[&t], "the prompt travels with the transfer");
+        assert_eq!((d.described[&t].first_token, d.described[&t].first_logprob), (9, -0.125));
+        for (i, b) in d.kv.block_table(SeqId(t)).unwrap().iter().enumerate() {
+            let mut got = vec![0; bb];
+            d.mem.read_block(*b, &mut got).unwrap();
+            assert_eq!(got, pattern(t, i, bb), "transfer {t} block {i}");
+        }
+        d.kv.free_sequence(SeqId(t), false).unwrap();
+    }
+    let stats = d.ep.stats();
+    if shared {
+        assert!(stats.bytes_shared > 0 && stats.bytes_received == 0, "{stats:?}");
+    } else {
+        assert!(stats.bytes_received > 0 && stats.bytes_shared == 0, "{stats:?}");
+    }
+    for w in [&p, &d] {
+        let s = w.kv.stats();
+        assert_eq!((s.leases, s.sequences, s.blocks_free), (0, 0, s.blocks_total));
+        assert!(w.ep.is_empty());
+    }
+}
+
+#[test]
+fn inline_transfers_carry_the_bytes_and_the_prompt() {
+    transfer_several(false);
+}
+
+#[test]
+fn shared_region_transfers_copy_from_the_senders_memory() {
+    transfer_several(true);
+}
+
+#[test]
+fn aborts_and_a_vanished_sender_end_both_sides() {
+    let mut p = Worker::new(true, false);
+    let mut d = Worker::new(false, false);
+    let addr = p.ep.local_addr().unwrap();
+    let (k1, _) = p.offer(1, 40, 0);
+    let (k2, _) = p.offer(2, 40, 0);
+    d.ep.pull(&Source { addr, key: k1, region: None }, 10_000, 0).unwrap();
+    // A stale epoch is refused by the sender; the offer stays.
+    let stale = TransferKey { epoch: k2.epoch ^ 1, ..k2 };
+    d.ep.pull(&Source { addr, key: stale, region: None }, 10_000, 0).unwrap();
+    run_until(&mut p, &mut d, |_, d| d.ended.contains_key(&2));
+    assert_eq!(d.ended[&2], Outcome::Failed(FailReason::StaleEpoch));
+    // The decode side gives up on transfer 1 once it is described.
+    d.accept = false;
+    run_until(&mut p, &mut d, |_, d| d.described.contains_key(&1));
+    assert!(d.ep.abort(1));
+    run_until(&mut p, &mut d, |p, d| p.ended.contains_key(&1) && d.ended.contains_key(&1));
+    assert_eq!(d.ended[&1], Outcome::Failed(FailReason::Aborted));
+    assert_eq!(p.ended[&1], Outcome::Failed(FailReason::Aborted));
+    // A pull of transfer 2, then the prefill worker vanishes.
+    d.accept = true;
+    d.ended.remove(&2);
+    d.ep.pull(&Source { addr, key: k2, region: None }, 10_000, 0).unwrap();
+    run_until(&mut p, &mut d, |_, d| d.described.contains_key(&2) || d.ended.contains_key(&2));
+    drop(p);
+    let start = Instant::now();
+    while !d.ended.contains_key(&2) {
+        d.turn(start.elapsed().as_millis() as u64);
+        assert!(start.elapsed() < Duration::from_secs(5), "a vanished sender ends the pull");
+    }
+    assert!(matches!(d.ended[&2], Outcome::Failed(_)), "{:?}", d.ended[&2]);
+    // A sender nobody listens on: the pull ends, failed, instead of waiting for its deadline.
+    d.ended.remove(&1);
+    d.ep.pull(&Source { addr: "127.0.0.1:1".parse().unwrap(), key: k1, region: None }, 60_000, 0).unwrap();
+    let start = Instant::now();
+    while !d.ended.contains_key(&1) {
+        d.turn(start.elapsed().as_millis() as u64);
+        assert!(start.elapsed() < Duration::from_secs(5), "a refused connection ends the pull");
+    }
+    let s = d.kv.stats();
+    assert_eq!((s.leases, s.blocks_free), (0, s.blocks_total));
+    assert!(d.ep.is_empty());
+}
