@@ -3,37 +3,11 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+pub use pdserve_api::Role;
 use pdserve_http::ServerConfig;
 
 use crate::admission::AdmissionConfig;
 use crate::health::BreakerConfig;
-
-/// A worker's role, as its `--role` flag says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Role {
-    Unified,
-    Prefill,
-    Decode,
-}
-
-impl Role {
-    pub fn parse(s: &str) -> Option<Role> {
-        match s {
-            "unified" | "regular" => Some(Role::Unified),
-            "prefill" => Some(Role::Prefill),
-            "decode" => Some(Role::Decode),
-            _ => None,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Unified => "unified",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
 
 /// Which [`crate::Policy`] picks workers (in PD mode: prefill workers; decode workers go by load).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,8 +1,10 @@
 //! The front door of a pdserve deployment: a single-threaded mio proxy in front of unified workers, or
 //! of pools of prefill and decode workers.
 //!
-//! - [`Router`]: the loop. Client connections and every upstream connection live in one `mio::Poll`, so
-//!   a request's admission, legs, stream, deadline and disconnect are handled in one place.
+//! - [`Router`]: the mio shell. Client connections and every upstream connection live in one
+//!   `mio::Poll`; the shell owns sockets, connection slots, timers and the clock.
+//! - [`Flight`]: one request's decisions as a sans-IO state machine (legs, PD orchestration, retries,
+//!   streaming, deadline, cancellation, aborts at workers): events in, [`Action`]s out.
 //! - Selection policies behind [`Policy`]: [`RoundRobin`], [`LeastOutstanding`], [`PowerOfTwo`] and
 //!   [`CacheAware`], plain data structures usable on their own.
 //! - [`Admission`] (bounded in-flight count, bounded queue with a deadline, `Retry-After` from the drain
@@ -20,20 +22,28 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod admin;
 mod admission;
 mod config;
+mod debug;
+mod error;
+pub mod flight;
+mod flights;
 mod health;
 mod metrics;
 mod peek;
 mod policy;
+mod probes;
 mod router;
 mod upstream;
 mod workers;
 
 pub use admission::{Admission, AdmissionConfig, Admit};
 pub use config::{PolicyKind, Role, RouterConfig, WorkerSpec};
+pub use error::RouterError;
+pub use flight::{Action, Flight, FlightSpec, LegFailure, LegId, LegKind, Plan, Purpose};
 pub use health::{Breaker, BreakerConfig, BreakerState};
-pub use peek::{pd_handle, peek, with_pd_transfer, Peek};
+pub use peek::{peek, Peek};
 pub use policy::{CacheAware, CacheAwareConfig, Candidate, LeastOutstanding, Policy, PowerOfTwo, RoundRobin};
 pub use router::Router;
 

@@ -1,54 +1,13 @@
 //! The router's metrics, every name with its unit.
 
+use pdserve_api::{ErrorKind, Outcome, Stage};
 use pdserve_telemetry::{Buckets, Counter, CounterVec, Gauge, GaugeVec, Histogram, MetricError, Registry};
-
-/// Terminal outcomes of client requests, the `outcome` label of `router_requests_finished_total`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Outcome {
-    /// The worker's answer (2xx) reached the client.
-    Ok,
-    /// The worker answered with an error status, forwarded as is.
-    WorkerError,
-    /// Refused by the router before dispatch: bad input, auth.
-    Invalid,
-    QueueFull,
-    NoCapacity,
-    DeadlineExceeded,
-    UpstreamFailed,
-    /// The client went away first.
-    Cancelled,
-}
-
-impl Outcome {
-    const ALL: [Outcome; 8] = [
-        Outcome::Ok,
-        Outcome::WorkerError,
-        Outcome::Invalid,
-        Outcome::QueueFull,
-        Outcome::NoCapacity,
-        Outcome::DeadlineExceeded,
-        Outcome::UpstreamFailed,
-        Outcome::Cancelled,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Ok => "ok",
-            Outcome::WorkerError => "worker_error",
-            Outcome::Invalid => "invalid",
-            Outcome::QueueFull => "queue_full",
-            Outcome::NoCapacity => "no_capacity",
-            Outcome::DeadlineExceeded => "deadline_exceeded",
-            Outcome::UpstreamFailed => "upstream_failed",
-            Outcome::Cancelled => "cancelled",
-        }
-    }
-}
 
 #[derive(Debug, Clone)]
 pub(crate) struct Metrics {
     pub registry: Registry,
-    finished: Vec<Counter>,
+    finished: CounterVec,
+    errors: CounterVec,
     pub in_flight: Gauge,
     pub queued: Gauge,
     pub worker_in_flight: GaugeVec,
@@ -68,15 +27,17 @@ pub(crate) struct Metrics {
 impl Metrics {
     pub fn new() -> Result<Metrics, MetricError> {
         let r = Registry::new();
-        let finished_vec = r.counter_vec(
-            "router_requests_finished_total",
-            "Client requests that reached a terminal state, by outcome.",
-            &["outcome"],
-        )?;
-        let finished =
-            Outcome::ALL.iter().map(|o| finished_vec.with(&[o.as_str()])).collect::<Result<_, _>>()?;
         Ok(Metrics {
-            finished,
+            finished: r.counter_vec(
+                "router_requests_finished_total",
+                "Client requests that reached a terminal state, by outcome and the stage they ended in.",
+                &["outcome", "stage"],
+            )?,
+            errors: r.counter_vec(
+                "router_errors_total",
+                "Client requests that ended with an error, by its type.",
+                &["type"],
+            )?,
             in_flight: r.gauge("router_requests_in_flight", "Client requests dispatched to workers.")?,
             queued: r.gauge("router_requests_queued", "Client requests waiting in the router's queue.")?,
             worker_in_flight: r.gauge_vec(
@@ -133,8 +94,15 @@ impl Metrics {
         })
     }
 
-    pub fn finished(&self, outcome: Outcome) {
-        let i = Outcome::ALL.iter().position(|&o| o == outcome).unwrap_or(0);
-        self.finished[i].inc();
+    pub fn finished(&self, outcome: Outcome, stage: Stage) {
+        if let Ok(c) = self.finished.with(&[outcome.as_str(), stage.as_str()]) {
+            c.inc();
+        }
+    }
+
+    pub fn error(&self, kind: ErrorKind) {
+        if let Ok(c) = self.errors.with(&[kind.as_str()]) {
+            c.inc();
+        }
     }
 }

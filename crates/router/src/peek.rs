@@ -1,8 +1,10 @@
 //! What the router reads from a request body: only the fields routing needs (`stream`, `timeout`, the
-//! prompt text for cache-aware routing), without building a JSON tree; and the decode leg's body, made
-//! by splicing the prefill worker's KV handle into the client's bytes.
+//! prompt text for cache-aware routing), without building a JSON tree. (The decode leg's body is made
+//! by `pdserve_api::pd::splice_handle`.)
 
 use serde::Deserialize;
+
+use crate::RouterError;
 use std::borrow::Cow;
 
 /// The routing view of an OpenAI completion or chat request body.
@@ -95,16 +97,16 @@ impl<'de: 'a, 'a> Deserialize<'de> for Shape<'a> {
 }
 
 /// Reads the routing fields of `body`. Unknown fields are skipped, not checked: the worker validates the
-/// whole request. Errors name what is wrong, for a 400.
-pub fn peek(body: &[u8]) -> Result<Peek, String> {
+/// whole request.
+pub fn peek(body: &[u8]) -> Result<Peek, RouterError> {
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return Err("request body must be a JSON object".to_owned());
+        return Err(RouterError::NotAnObject);
     }
     let raw: Raw<'_> =
-        serde_json::from_slice(body).map_err(|e| format!("request body is not valid JSON: {e}"))?;
+        serde_json::from_slice(body).map_err(|e| RouterError::NotJson { reason: e.to_string() })?;
     if let Some(t) = raw.timeout {
         if !(t.is_finite() && t > 0.0) {
-            return Err(format!("`timeout` must be a positive number of seconds, got {t}"));
+            return Err(RouterError::BadTimeout { seconds: t });
         }
     }
     let mut prompt = String::new();
@@ -120,9 +122,7 @@ pub fn peek(body: &[u8]) -> Result<Peek, String> {
                     }
                 }
                 None => {}
-                Some(_) => {
-                    return Err("a message's `content` must be a string or an array of content parts".into())
-                }
+                Some(_) => return Err(RouterError::BadContent),
             }
         }
     } else if let Some(Shape::Text(t)) = &raw.prompt {
@@ -151,36 +151,6 @@ fn push_line(out: &mut String, t: &str) {
         out.push('\n');
     }
     out.push_str(t);
-}
-
-/// The decode leg's body: the client's JSON object with `"pd_transfer": handle` added as its first
-/// member. `handle` is the prefill worker's JSON value, as bytes. `None` if `body` is not an object.
-pub fn with_pd_transfer(body: &[u8], handle: &[u8]) -> Option<Vec<u8>> {
-    let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
-    if body[open] != b'{' {
-        return None;
-    }
-    let rest = &body[open + 1..];
-    let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
-    let mut out = Vec::with_capacity(body.len() + handle.len() + 20);
-    out.extend_from_slice(b"{\"pd_transfer\":");
-    out.extend_from_slice(handle);
-    if !empty {
-        out.push(b',');
-    }
-    out.extend_from_slice(rest);
-    Some(out)
-}
-
-/// The raw bytes of the `pd_transfer` member of a prefill worker's answer.
-pub fn pd_handle(prefill_answer: &[u8]) -> Option<Vec<u8>> {
-    #[derive(Deserialize)]
-    struct Answer<'a> {
-        #[serde(borrow)]
-        pd_transfer: &'a serde_json::value::RawValue,
-    }
-    let a: Answer<'_> = serde_json::from_slice(prefill_answer).ok()?;
-    Some(a.pd_transfer.get().as_bytes().to_vec())
 }
 
 #[cfg(test)]
@@ -212,27 +182,11 @@ mod tests {
 
     #[test]
     fn bad_bodies_are_named() {
-        assert!(peek(b"{not json").unwrap_err().contains("not valid JSON"));
-        assert!(peek(br#"{"stream":"yes"}"#).is_err());
-        assert!(peek(br#"{"timeout":-1}"#).unwrap_err().contains("timeout"));
-        assert!(peek(b"[1]").is_err());
-        assert!(peek(br#"{"messages":[{"content":true}]}"#).is_err());
-        assert!(peek(br#"{"messages":[{"content":7}]}"#)
-            .unwrap_err()
-            .contains("a string or an array of content parts"));
-    }
-
-    #[test]
-    fn splices_the_handle() {
-        let b = with_pd_transfer(b" {\"a\":1}", br#"{"transfer":7}"#).unwrap();
-        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
-        assert_eq!(v["pd_transfer"]["transfer"], 7);
-        assert_eq!(v["a"], 1);
-        let b = with_pd_transfer(b"{ }", b"1").unwrap();
-        assert_eq!(serde_json::from_slice::<serde_json::Value>(&b).unwrap()["pd_transfer"], 1);
-        assert!(with_pd_transfer(b"[]", b"1").is_none());
-        let h = pd_handle(br#"{"pd_transfer":{"transfer":3,"shm":null},"usage":{}}"#).unwrap();
-        assert_eq!(h, br#"{"transfer":3,"shm":null}"#);
-        assert!(pd_handle(br#"{"usage":{}}"#).is_none());
+        assert!(matches!(peek(b"{not json"), Err(RouterError::NotJson { .. })));
+        assert!(matches!(peek(br#"{"stream":"yes"}"#), Err(RouterError::NotJson { .. })));
+        assert_eq!(peek(br#"{"timeout":-1}"#), Err(RouterError::BadTimeout { seconds: -1.0 }));
+        assert_eq!(peek(b"[1]"), Err(RouterError::NotAnObject));
+        assert_eq!(peek(br#"{"messages":[{"content":true}]}"#), Err(RouterError::BadContent));
+        assert_eq!(peek(br#"{"messages":[{"content":7}]}"#), Err(RouterError::BadContent));
     }
 }

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use pdserve_telemetry::Gauge;
 use serde_json::json;
 
-use crate::config::Role;
 use crate::health::{Breaker, BreakerConfig, BreakerState};
+use pdserve_api::Role;
 
 #[derive(Debug)]
 pub(crate) struct Worker {

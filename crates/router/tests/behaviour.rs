@@ -350,7 +350,10 @@ fn metrics_carry_units_and_outcomes() {
     r.wait_ready(Duration::from_secs(5));
     assert_eq!(r.json("POST", "/v1/chat/completions", CHAT).0, 200);
     let text = String::from_utf8(r.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
-    assert!(text.contains("router_requests_finished_total{outcome=\"ok\"} 1"), "{text}");
+    assert!(
+        text.contains("router_requests_finished_total{outcome=\"completed\",stage=\"decoding\"} 1"),
+        "{text}"
+    );
     assert!(text.contains("router_request_latency_seconds_count 1"), "{text}");
     assert!(
         text.contains(&format!(

@@ -1,0 +1,230 @@
+//! The router's own API: keys, health, metrics, and the worker registry (`GET/POST/DELETE /workers`).
+
+use std::time::{Duration, Instant};
+
+use pdserve_api::{header, ApiError, ErrorKind, Outcome, Role, Stage};
+use pdserve_http::{ConnId, Request, Response};
+use serde_json::json;
+
+use crate::flight::health_response;
+use crate::router::Router;
+use crate::RouterError;
+
+/// Constant-time comparison of a presented bearer token with the configured key.
+fn key_matches(presented: Option<&str>, key: &str) -> bool {
+    let Some(p) = presented.and_then(|h| h.strip_prefix("Bearer ")) else { return false };
+    let (a, b) = (p.as_bytes(), key.as_bytes());
+    let mut diff = (a.len() ^ b.len()) as u8 | u8::from(a.len() != b.len());
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0xff);
+    }
+    diff == 0
+}
+
+impl Router {
+    /// Checks the API key (`/v1/*`) or the admin key (`/workers`, `/debug/*`, `/abort/*`); answers 401
+    /// and returns false if it is wrong.
+    pub(crate) fn authorized(&mut self, conn: ConnId, req: &Request, rid: &str) -> bool {
+        let path = req.path();
+        let admin =
+            path.starts_with("/workers") || path.starts_with("/debug/") || path.starts_with("/abort/");
+        let key = if admin {
+            self.cfg.admin_key.as_deref()
+        } else if path.starts_with("/v1/") {
+            self.cfg.api_key.as_deref()
+        } else {
+            None
+        };
+        let Some(key) = key else { return true };
+        if key_matches(req.header_str(header::AUTHORIZATION), key) {
+            return true;
+        }
+        self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
+        let e =
+            ApiError::new(ErrorKind::Unauthorized, "missing or wrong API key (Authorization: Bearer ...)");
+        self.respond(conn, &Response::error(&e, Some(rid)));
+        false
+    }
+
+    /// Every route that is not a flight.
+    pub(crate) fn admin(&mut self, conn: ConnId, req: &Request, rid: &str, now: Instant) {
+        let path = req.path().to_owned();
+        let method = req.method.as_str();
+        match (method, path.as_str()) {
+            ("GET", "/health/live") => self.respond_json(conn, 200, &json!({"status": "live"}), rid),
+            ("GET", "/health/ready" | "/health") => {
+                let (status, body) =
+                    match self.workers.path_ready(self.ready_window(), self.pair_window(), now) {
+                        Ok(()) => (200, json!({"status": "ready", "workers": self.workers.iter().count()})),
+                        Err(reason) => (503, json!({"status": "not_ready", "reason": reason})),
+                    };
+                let resp = health_response(status, &body).header(header::REQUEST_ID, rid);
+                self.respond(conn, &resp);
+            }
+            ("GET", "/metrics") => {
+                self.refresh_gauges();
+                let resp = Response::text(200, self.metrics.registry.render())
+                    .header("content-type", "text/plain; version=0.0.4; charset=utf-8");
+                self.respond(conn, &resp);
+            }
+            ("GET", "/debug/requests") => self.start_collect(conn, req, now),
+            ("GET", "/workers") => {
+                let list: Vec<_> = self.workers.iter().map(|w| w.to_json(now)).collect();
+                self.respond_json(conn, 200, &json!({"workers": list}), rid);
+            }
+            ("POST", "/workers") => self.post_worker(conn, req, rid, now),
+            ("DELETE", p) if p == "/workers" || p.starts_with("/workers/") => {
+                self.delete_worker(conn, req, rid)
+            }
+            (
+                _,
+                "/health/live"
+                | "/health/ready"
+                | "/health"
+                | "/health/generate"
+                | "/metrics"
+                | "/debug/requests"
+                | "/v1/models"
+                | "/v1/chat/completions"
+                | "/v1/completions"
+                | "/workers",
+            ) => {
+                let e =
+                    ApiError::new(ErrorKind::MethodNotAllowed, format!("{method} is not allowed on {path}"));
+                self.respond(conn, &Response::error(&e, Some(rid)));
+            }
+            _ => {
+                let e = ApiError::new(ErrorKind::NotFound, format!("no route {method} {path}"));
+                self.respond(conn, &Response::error(&e, Some(rid)));
+            }
+        }
+    }
+
+    fn respond_json(&mut self, conn: ConnId, status: u16, body: &serde_json::Value, rid: &str) {
+        let resp = Response::json(status, body.to_string()).header(header::REQUEST_ID, rid);
+        self.respond(conn, &resp);
+    }
+
+    pub(crate) fn ready_window(&self) -> Duration {
+        self.cfg.probe_interval * 2 + self.cfg.probe_timeout
+    }
+
+    pub(crate) fn pair_window(&self) -> Duration {
+        self.cfg.pair_probe_interval.max(self.cfg.probe_interval) * 2 + self.cfg.probe_timeout
+    }
+
+    /// Registers a worker; it is probed (and a pair through it) on the next turn.
+    pub(crate) fn add_worker(&mut self, url: &str, role: Role, now: Instant) -> Result<u32, RouterError> {
+        let (canonical, _, _) =
+            crate::workers::resolve(url).map_err(|reason| RouterError::BadWorkerUrl { reason })?;
+        let labels = [canonical.as_str(), role.as_str()];
+        let metric = |e: pdserve_telemetry::MetricError| RouterError::Metrics { reason: e.to_string() };
+        let gauges = (
+            self.metrics.worker_in_flight.with(&labels).map_err(metric)?,
+            self.metrics.worker_connections.with(&labels).map_err(metric)?,
+        );
+        if self.workers.by_url(&canonical).is_some() {
+            return Err(RouterError::DuplicateWorker { url: canonical });
+        }
+        let id = self
+            .workers
+            .add(url, role, self.cfg.breaker, now, gauges)
+            .map_err(|reason| RouterError::BadWorkerUrl { reason })?;
+        self.next_probe = now;
+        self.next_pair_probe = now;
+        Ok(id)
+    }
+
+    fn post_worker(&mut self, conn: ConnId, req: &Request, rid: &str, now: Instant) {
+        #[derive(serde::Deserialize)]
+        struct Add {
+            url: String,
+            #[serde(default)]
+            role: Option<String>,
+        }
+        let result = serde_json::from_slice::<Add>(&req.body)
+            .map_err(|e| ApiError::invalid(format!("body must be {{\"url\": ..., \"role\": ...}}: {e}")))
+            .and_then(|a| {
+                let role = match a.role.as_deref() {
+                    None => Role::Unified,
+                    Some(r) => Role::parse(r).ok_or_else(|| {
+                        ApiError::invalid(format!("unknown role {r:?} (unified, prefill, decode)"))
+                    })?,
+                };
+                self.add_worker(&a.url, role, now).map_err(|e| match e {
+                    RouterError::DuplicateWorker { .. } => ApiError::new(ErrorKind::Conflict, e.to_string()),
+                    _ => ApiError::invalid(e.to_string()),
+                })
+            });
+        match result {
+            Ok(id) => {
+                let body = self.workers.get(id).map(|w| w.to_json(now)).unwrap_or_default();
+                eprintln!("router: worker added: {body}");
+                self.respond_json(conn, 201, &body, rid);
+            }
+            Err(e) => self.respond(conn, &Response::error(&e, Some(rid))),
+        }
+    }
+
+    fn delete_worker(&mut self, conn: ConnId, req: &Request, rid: &str) {
+        let from_query = req
+            .query()
+            .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("url=")))
+            .map(|u| u.replace("%3A", ":").replace("%2F", "/").replace("%3a", ":").replace("%2f", "/"));
+        let from_body = serde_json::from_slice::<serde_json::Value>(&req.body)
+            .ok()
+            .and_then(|v| v.get("url").and_then(|u| u.as_str()).map(str::to_owned));
+        let from_path = req.path().strip_prefix("/workers/").and_then(|id| id.parse::<u32>().ok());
+        let id = match (from_path, from_query.or(from_body)) {
+            (Some(id), _) => self.workers.get(id).map(|w| w.id),
+            (None, Some(url)) => self.workers.by_url(&url),
+            (None, None) => {
+                let e =
+                    ApiError::invalid("say which worker: DELETE /workers/{id}, ?url=..., or {\"url\": ...}");
+                return self.respond(conn, &Response::error(&e, Some(rid)));
+            }
+        };
+        let Some(w) = id.and_then(|id| self.workers.get_mut(id)) else {
+            let e = ApiError::new(ErrorKind::NotFound, "no such worker");
+            return self.respond(conn, &Response::error(&e, Some(rid)));
+        };
+        w.draining = true;
+        let (id, url, draining) = (w.id, w.url.clone(), w.outstanding);
+        eprintln!("router: worker {url} removed; draining {draining} requests");
+        self.policy.forget(id);
+        self.sweep_workers();
+        self.respond_json(conn, 200, &json!({"removed": url, "draining_requests": draining}), rid);
+    }
+
+    fn refresh_gauges(&self) {
+        self.metrics.in_flight.set(self.admission.in_flight() as f64);
+        self.metrics.queued.set(self.admission.queued() as f64);
+        self.metrics.client_connections.set(self.server.connection_count() as f64);
+        for role in Role::ALL {
+            for state in ["up", "down", "draining"] {
+                let n = self.workers.iter().filter(|w| w.role == role && w.state_str() == state).count();
+                if let Ok(g) = self.metrics.workers_up.with(&[role.as_str(), state]) {
+                    g.set(n as f64);
+                }
+            }
+        }
+        for w in self.workers.iter() {
+            w.in_flight_gauge.set(f64::from(w.outstanding));
+            w.connections_gauge.set(w.connections as f64);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::key_matches;
+
+    #[test]
+    fn keys() {
+        assert!(key_matches(Some("Bearer s3cret"), "s3cret"));
+        assert!(!key_matches(Some("Bearer s3cre"), "s3cret"));
+        assert!(!key_matches(Some("Bearer s3cretx"), "s3cret"));
+        assert!(!key_matches(Some("s3cret"), "s3cret"));
+        assert!(!key_matches(None, "s3cret"));
+    }
+}

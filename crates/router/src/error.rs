@@ -1,0 +1,51 @@
+//! The crate's one error type.
+
+use std::fmt;
+
+/// What the router refuses: a body it cannot route (a 400), or a worker it cannot register.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum RouterError {
+    /// The body is not a JSON object.
+    NotAnObject,
+    NotJson {
+        reason: String,
+    },
+    /// `timeout` is not a positive number of seconds.
+    BadTimeout {
+        seconds: f64,
+    },
+    /// A message's `content` is neither text nor content parts.
+    BadContent,
+    /// A worker URL that is not `http://host:port`, or does not resolve.
+    BadWorkerUrl {
+        reason: String,
+    },
+    /// A worker with this URL is registered already.
+    DuplicateWorker {
+        url: String,
+    },
+    /// A metric for a new worker could not be made.
+    Metrics {
+        reason: String,
+    },
+}
+
+impl fmt::Display for RouterError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RouterError::NotAnObject => write!(f, "request body must be a JSON object"),
+            RouterError::NotJson { reason } => write!(f, "request body is not valid JSON: {reason}"),
+            RouterError::BadTimeout { seconds } => {
+                write!(f, "`timeout` must be a positive number of seconds, got {seconds}")
+            }
+            RouterError::BadContent => {
+                write!(f, "a message's `content` must be a string or an array of content parts")
+            }
+            RouterError::BadWorkerUrl { reason } | RouterError::Metrics { reason } => f.write_str(reason),
+            RouterError::DuplicateWorker { url } => write!(f, "worker {url} is already registered"),
+        }
+    }
+}
+
+impl std::error::Error for RouterError {}

@@ -1,0 +1,446 @@
+//! The shell's side of flights: starting them (admission, deadline, ledger), carrying out their
+//! actions ([`Router::drive`]), picking workers for their legs, and settling their ends.
+
+use std::cmp::Reverse;
+use std::time::{Duration, Instant};
+
+use pdserve_api::openai::Endpoint;
+use pdserve_api::{ApiError, ErrorKind, Outcome, Role, Stage};
+use pdserve_http::ConnId;
+
+use crate::admission::Admit;
+use crate::flight::{
+    health_response, Action, Finish, Flight, FlightSpec, LegFailure, LegId, LegKind, Plan, Purpose, Retry,
+};
+use crate::peek::peek;
+use crate::router::{Entry, Router, PROBE_BODY};
+use crate::upstream::{AcquireError, Owner, Phase};
+use crate::{Candidate, Policy};
+
+impl Router {
+    pub(crate) fn candidates(&self, role: Role, exclude: &[u32]) -> Vec<Candidate> {
+        self.workers
+            .iter()
+            .filter(|w| w.role == role && w.routable() && !exclude.contains(&w.id))
+            .filter(|w| w.connections < self.cfg.connections_per_worker_max || !w.idle.is_empty())
+            .map(|w| Candidate { worker: w.id, outstanding: w.outstanding })
+            .collect()
+    }
+
+    pub(crate) fn has_role(&self, role: Role) -> bool {
+        self.workers.iter().any(|w| w.role == role && w.routable())
+    }
+
+    /// Starts a flight for a client request on `conn`: its deadline, its admission.
+    /// `path` is a completion endpoint (a POST with `body`) or `/v1/models` (a GET forwarded as is).
+    pub(crate) fn start_flight(
+        &mut self,
+        conn: ConnId,
+        rid: &str,
+        path: &str,
+        body: Vec<u8>,
+        purpose: Purpose,
+        now: Instant,
+    ) {
+        let method_get = Endpoint::from_path(path).is_none();
+        let (timeout_s, prompt) = if method_get {
+            (None, String::new())
+        } else {
+            match peek(&body) {
+                Ok(p) => (p.timeout_s, p.prompt),
+                Err(e) => {
+                    self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
+                    self.respond(
+                        conn,
+                        &pdserve_http::Response::error(&ApiError::invalid(e.to_string()), Some(rid)),
+                    );
+                    return;
+                }
+            }
+        };
+        if self.by_rid.contains_key(rid) {
+            self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
+            let msg = format!("request id {rid} is already in flight; x-request-id must be unique");
+            self.respond(
+                conn,
+                &pdserve_http::Response::error(&ApiError::new(ErrorKind::DuplicateRequestId, msg), Some(rid)),
+            );
+            return;
+        }
+        // No working capacity at all: answer at once rather than queue.
+        let capacity =
+            self.has_role(Role::Unified) || (self.has_role(Role::Prefill) && self.has_role(Role::Decode));
+        if !method_get && !capacity {
+            self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
+            let why = self.workers.path_ready(Duration::ZERO, Duration::ZERO, now).err().unwrap_or_default();
+            let msg = format!("no healthy worker can take the request ({why})");
+            let resp = if purpose == Purpose::HealthGenerate {
+                health_response(503, &serde_json::json!({"status": "failed", "reason": msg}))
+            } else {
+                pdserve_http::Response::error(&ApiError::new(ErrorKind::NoCapacity, msg), Some(rid))
+            };
+            self.respond(conn, &resp);
+            return;
+        }
+        let timeout = match (purpose, timeout_s) {
+            (Purpose::HealthGenerate, _) => self.cfg.probe_timeout,
+            (_, Some(t)) => Duration::from_secs_f64(t.min(1e6)).min(self.cfg.request_timeout_max),
+            (_, None) => self.cfg.request_timeout_max,
+        };
+        let spec = FlightSpec {
+            request_id: rid.to_owned(),
+            purpose,
+            method_get,
+            path: path.to_owned(),
+            body,
+            prompt,
+            received: now,
+            deadline: now + timeout,
+            retries_max: self.cfg.retries_max,
+            body_bytes_max: self.cfg.upstream_body_bytes_max,
+        };
+        let id = self.new_id();
+        self.by_conn.insert(conn, id);
+        self.insert(id, Flight::new(spec, true), Some(conn), now);
+        if purpose == Purpose::HealthGenerate {
+            // Probes are never queued behind client traffic.
+            return self.dispatch(id, now);
+        }
+        match self.admission.offer(id, now) {
+            Admit::Dispatch => {
+                if let Some(e) = self.flights.get_mut(&id) {
+                    e.admitted = true;
+                }
+                self.dispatch(id, now);
+            }
+            Admit::Queued => {
+                if let Some(e) = self.flights.get_mut(&id) {
+                    e.queued_at = Some(now);
+                }
+            }
+            Admit::Full { retry_after_s } => {
+                let msg = format!(
+                    "router queue is full ({} waiting, limit {}; {} in flight)",
+                    self.admission.queued(),
+                    self.cfg.admission.queued_max,
+                    self.admission.in_flight()
+                );
+                let err = ApiError::new(ErrorKind::QueueFull, msg).with_retry_after(retry_after_s);
+                self.reject(id, err, now);
+            }
+        }
+    }
+
+    pub(crate) fn insert(&mut self, id: u64, flight: Flight, conn: Option<ConnId>, now: Instant) {
+        let (rid, deadline) = (flight.spec().request_id.clone(), flight.deadline());
+        let _ = self.ledger.admit(&rid, Stage::RouterQueued, now, deadline, "");
+        self.by_rid.insert(rid, id);
+        self.push_deadline(deadline, id);
+        self.flights.insert(id, Entry { flight, conn, slot: None, admitted: false, queued_at: None });
+    }
+
+    /// Starts an internal pair probe through the given prefill and decode workers.
+    pub(crate) fn start_pair_probe(&mut self, prefill: u32, decode: u32, now: Instant) {
+        let id = self.new_id();
+        let spec = FlightSpec {
+            request_id: format!("probe-{id}"),
+            purpose: Purpose::PairProbe { prefill, decode },
+            method_get: false,
+            path: Endpoint::CHAT_PATH.to_owned(),
+            body: PROBE_BODY.to_vec(),
+            prompt: String::new(),
+            received: now,
+            deadline: now + self.cfg.probe_timeout,
+            retries_max: 0,
+            body_bytes_max: self.cfg.upstream_body_bytes_max,
+        };
+        self.insert(id, Flight::new(spec, false), None, now);
+        self.pair_probes_in_flight += 1;
+        self.dispatch(id, now);
+    }
+
+    /// Deadlines are removed lazily (when they come due); the heap is rebuilt from the live flights
+    /// when stale entries outnumber them, so its size stays bounded by the flights in progress.
+    pub(crate) fn push_deadline(&mut self, deadline: Instant, id: u64) {
+        self.deadlines.push(Reverse((deadline, id)));
+        if self.deadlines.len() > 2 * self.flights.len() + 1024 {
+            self.deadlines = self.flights.iter().map(|(&id, e)| Reverse((e.flight.deadline(), id))).collect();
+            self.deadlines.push(Reverse((deadline, id)));
+        }
+    }
+
+    /// Sends the flight's first leg: to a unified worker, or to a prefill worker in PD mode.
+    pub(crate) fn dispatch(&mut self, id: u64, now: Instant) {
+        let Some(e) = self.flights.get_mut(&id) else { return };
+        if let Some(q) = e.queued_at.take() {
+            self.metrics.queue_wait.observe_duration(now.saturating_duration_since(q));
+        }
+        let plan = match e.flight.spec().purpose {
+            Purpose::PairProbe { .. } => Plan::Disaggregated,
+            _ if e.flight.spec().method_get => Plan::Forward,
+            _ if self.workers.iter().any(|w| w.role == Role::Unified && w.routable()) => Plan::Unified,
+            _ => Plan::Disaggregated,
+        };
+        if let Some(e) = self.flights.get_mut(&id) {
+            e.flight.handle_dispatch(plan);
+        }
+        self.drive(id, now);
+    }
+
+    pub(crate) fn reject(&mut self, id: u64, err: ApiError, now: Instant) {
+        if let Some(e) = self.flights.get_mut(&id) {
+            e.flight.handle_rejected(err);
+        }
+        self.drive(id, now);
+    }
+
+    /// Carries out what flight `id` asks for, until it has nothing more to say.
+    pub(crate) fn drive(&mut self, id: u64, now: Instant) {
+        loop {
+            let Some(e) = self.flights.get_mut(&id) else { return };
+            let Some(action) = e.flight.poll_action() else { return };
+            match action {
+                Action::OpenLeg { leg, kind, exclude, pinned, retry } => {
+                    match retry {
+                        Some(Retry::Refused) => self.metrics.retries.inc(),
+                        Some(Retry::Stale) => self.metrics.stale_retries.inc(),
+                        None => {}
+                    }
+                    self.open_leg(id, leg, kind, &exclude, pinned, now);
+                }
+                Action::StartStream { headers } => {
+                    if let Some(conn) = e.conn {
+                        let h: Vec<(&str, &str)> =
+                            headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                        let received = e.flight.spec().received;
+                        let _ = self.server.start_stream(conn, 200, &h);
+                        self.metrics.ttfb.observe_duration(now.saturating_duration_since(received));
+                    }
+                }
+                Action::Forward(bytes) => {
+                    if let Some(conn) = e.conn {
+                        if let Err(err) = self.server.send_chunk(conn, &bytes) {
+                            // The client stopped reading: its request ends here.
+                            if self.cfg.log_requests {
+                                eprintln!(
+                                    "router: {}: client stopped reading: {err}",
+                                    e.flight.spec().request_id
+                                );
+                            }
+                            self.server.close(conn);
+                            e.conn = None;
+                            self.by_conn.remove(&conn);
+                            e.flight.handle_cancel(true);
+                        }
+                    }
+                }
+                Action::EndStream => {
+                    if let Some(conn) = e.conn {
+                        let _ = self.server.end_stream(conn);
+                    }
+                }
+                Action::Respond(resp) => {
+                    if let Some(conn) = e.conn.take() {
+                        let received = e.flight.spec().received;
+                        let _ = self.server.respond(conn, &resp);
+                        self.by_conn.remove(&conn);
+                        self.metrics.ttfb.observe_duration(now.saturating_duration_since(received));
+                    }
+                }
+                Action::CloseLeg { .. } => {
+                    if let Some(slot) = e.slot.take() {
+                        self.leg_closed(slot);
+                    }
+                }
+                Action::Abort { worker } => {
+                    let rid = e.flight.spec().request_id.clone();
+                    self.send_abort(worker, &rid, now);
+                }
+                Action::Stage { stage, worker } => {
+                    let rid = e.flight.spec().request_id.clone();
+                    let _ = self.ledger.set_stage(&rid, stage, now);
+                    if let Some(w) = worker.and_then(|w| self.workers.get(w)) {
+                        let _ = self.ledger.set_owner(&rid, &w.url);
+                    }
+                }
+                Action::Finished(f) => return self.finished(id, f, now),
+            }
+        }
+    }
+
+    /// A leg's connection closed by the shell: the worker has one request fewer.
+    pub(crate) fn leg_closed(&mut self, slot: usize) {
+        if let Some(w) = self.ups.get(slot).map(|u| u.worker).and_then(|w| self.workers.get_mut(w)) {
+            w.outstanding = w.outstanding.saturating_sub(1);
+        }
+        self.ups.close(slot, self.server.registry(), &mut self.workers);
+    }
+
+    /// Picks a worker for a leg and sends it, or tells the flight why not.
+    fn open_leg(
+        &mut self,
+        id: u64,
+        leg: LegId,
+        kind: crate::flight::LegKind,
+        exclude: &[u32],
+        pinned: Option<u32>,
+        now: Instant,
+    ) {
+        let role = match kind {
+            LegKind::Main if self.has_role(Role::Unified) => Role::Unified,
+            LegKind::Main if self.has_role(Role::Decode) => Role::Decode,
+            LegKind::Main => Role::Prefill,
+            k => k.role(),
+        };
+        let worker = match pinned {
+            Some(w) => w,
+            None => {
+                let cands = self.candidates(role, exclude);
+                if cands.is_empty() {
+                    let total = self.workers.iter().filter(|w| w.role == role).count();
+                    let up = self.workers.iter().filter(|w| w.role == role && w.routable()).count();
+                    let reason = format!(
+                        "no {role} worker can take the request ({up} of {total} healthy; {} refused the connection; {} connections per worker at most)",
+                        exclude.len(),
+                        self.cfg.connections_per_worker_max
+                    );
+                    return self.leg_failed(id, leg, LegFailure::NoWorker { reason }, now);
+                }
+                let prompt =
+                    self.flights.get(&id).map(|e| e.flight.spec().prompt.clone()).unwrap_or_default();
+                if kind == LegKind::Decode {
+                    cands[self.decode_policy.pick(&cands, "")].worker
+                } else {
+                    let w = cands[self.policy.pick(&cands, &prompt)].worker;
+                    self.policy.routed(w, &prompt);
+                    w
+                }
+            }
+        };
+        let limits =
+            pdserve_http::Limits { body_bytes_max: self.cfg.upstream_body_bytes_max, ..Default::default() };
+        let acquired = self.ups.acquire(
+            &mut self.workers,
+            worker,
+            &self.server,
+            limits,
+            now + self.cfg.connect_timeout,
+            self.cfg.connections_per_worker_max,
+        );
+        let slot = match acquired {
+            Ok(s) => s,
+            Err(err) => {
+                if let (AcquireError::Connect { .. }, Some(w)) = (&err, self.workers.get_mut(worker)) {
+                    w.breaker.request_failed(now, err.to_string(), true);
+                }
+                let failure = LegFailure::Refused { worker, reason: err.to_string() };
+                return self.leg_failed(id, leg, failure, now);
+            }
+        };
+        let Some(e) = self.flights.get_mut(&id) else {
+            return self.ups.close(slot, self.server.registry(), &mut self.workers);
+        };
+        self.ups.set_owner(slot, Owner::Leg { flight: id, leg });
+        e.slot = Some(slot);
+        e.flight.handle_leg_sent(leg, worker, now);
+        let authority = self.workers.get(worker).map_or("", |w| w.authority.as_str());
+        let bytes = e.flight.leg_request(kind, authority, now);
+        let deadline = e.flight.deadline();
+        if let Some(w) = self.workers.get_mut(worker) {
+            w.outstanding += 1;
+            w.requests_total += 1;
+        }
+        let Some(up) = self.ups.get_mut(slot) else { return };
+        if up.phase != Phase::Connecting {
+            up.timer = deadline + Duration::from_secs(1);
+        }
+        if let Err(err) = up.send(bytes, false) {
+            self.upstream_failed(slot, err, now);
+        }
+    }
+
+    fn leg_failed(&mut self, id: u64, leg: LegId, failure: LegFailure, _now: Instant) {
+        if let Some(e) = self.flights.get_mut(&id) {
+            e.flight.handle_leg_failed(leg, failure);
+        }
+    }
+
+    /// The one place a flight's end is settled: its admission slot, connection, ledger entry, metrics;
+    /// the queue then dispatches what it holds.
+    fn finished(&mut self, id: u64, f: Finish, now: Instant) {
+        let Some(e) = self.flights.remove(&id) else { return };
+        let spec = e.flight.spec();
+        self.by_rid.remove(&spec.request_id);
+        if let Some(conn) = e.conn {
+            self.by_conn.remove(&conn);
+        }
+        if let Some(slot) = e.slot {
+            self.leg_closed(slot);
+        }
+        self.ledger.finish(&spec.request_id);
+        if e.queued_at.is_some() {
+            self.admission.remove(id);
+        }
+        if e.admitted {
+            self.admission.finished(now);
+        }
+        if let Some(d) = f.prefill_leg {
+            self.metrics.prefill_leg.observe_duration(d);
+        }
+        if self.cfg.log_requests || f.error == Some(ErrorKind::UpstreamFailed) {
+            let what = f.error.map_or("completed".to_owned(), |k| format!("{} {k}", k.status()));
+            eprintln!("router: {} ended: {what}: {}", spec.request_id, f.message.as_deref().unwrap_or(""));
+        }
+        match spec.purpose {
+            Purpose::PairProbe { prefill, decode } => {
+                self.pair_probes_in_flight = self.pair_probes_in_flight.saturating_sub(1);
+                let ok = f.outcome == Outcome::Completed;
+                self.metrics.probes.with(&["pair", if ok { "ok" } else { "failed" }]).map(|c| c.inc()).ok();
+                // A failed pair probe withdraws the proof at once (the two workers may each answer
+                // their own probes while the link between them is down); the next success restores it.
+                for w in [prefill, decode] {
+                    if let Some(w) = self.workers.get_mut(w) {
+                        w.path_ok = ok.then_some(now);
+                    }
+                }
+            }
+            Purpose::Client | Purpose::HealthGenerate => {
+                // A request that went through a prefill and a decode worker proves that path as well
+                // as a probe does.
+                if f.outcome == Outcome::Completed {
+                    if let (Some(p), Some(d)) = (f.prefill_worker, f.decode_worker) {
+                        for w in [p, d] {
+                            if let Some(w) = self.workers.get_mut(w) {
+                                w.path_ok = Some(now);
+                            }
+                        }
+                    }
+                }
+                self.metrics.finished(f.outcome, f.stage);
+                if let Some(k) = f.error {
+                    self.metrics.error(k);
+                }
+                self.metrics.latency.observe_duration(now.saturating_duration_since(spec.received));
+            }
+        }
+        self.pump_queue(now);
+    }
+
+    pub(crate) fn pump_queue(&mut self, now: Instant) {
+        // Not re-entered from a dispatch that fails and finishes: the outer loop keeps going instead,
+        // so a burst of failures never deepens the stack.
+        if std::mem::replace(&mut self.pumping, true) {
+            return;
+        }
+        while let Some(next) = self.admission.next_dispatch() {
+            match self.flights.get_mut(&next) {
+                Some(e) => {
+                    e.admitted = true;
+                    self.dispatch(next, now);
+                }
+                None => self.admission.finished(now),
+            }
+        }
+        self.pumping = false;
+    }
+}

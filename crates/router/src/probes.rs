@@ -1,0 +1,117 @@
+//! Active health checks: a probe per worker every interval (`/health/generate` for unified workers,
+//! `/health/ready` for the others), and pair probes, real 2-token requests through a prefill and a
+//! decode worker, which prove the path between them.
+
+use std::time::Instant;
+
+use pdserve_api::{header, Role};
+use pdserve_http::{Limits, ResponseEvent};
+
+use crate::router::Router;
+use crate::upstream::{AcquireError, Owner, UpError};
+
+impl Router {
+    pub(crate) fn run_probes(&mut self, now: Instant) {
+        self.next_probe = now + self.cfg.probe_interval;
+        self.probe_round += 1;
+        for wid in self.workers.ids() {
+            let Some(w) = self.workers.get(wid) else { continue };
+            if w.probing {
+                continue; // the last one is still out; its own timer ends it
+            }
+            let path = if w.role == Role::Unified { "/health/generate" } else { "/health/ready" };
+            let authority = w.authority.clone();
+            let acquired = self.ups.acquire(
+                &mut self.workers,
+                wid,
+                &self.server,
+                Limits::default(),
+                now + self.cfg.connect_timeout,
+                self.cfg.connections_per_worker_max,
+            );
+            let slot = match acquired {
+                Ok(s) => s,
+                Err(e @ AcquireError::Connect { .. }) => {
+                    if let Some(w) = self.workers.get_mut(wid) {
+                        w.breaker.probe_failed(now, e.to_string());
+                    }
+                    continue;
+                }
+                // A full pool is a busy worker, not a failed probe.
+                Err(_) => continue,
+            };
+            if let Some(w) = self.workers.get_mut(wid) {
+                w.probing = true;
+            }
+            let req = format!(
+                "GET {path} HTTP/1.1\r\nhost: {authority}\r\n{}: probe-{}-{wid}\r\n\r\n",
+                header::REQUEST_ID,
+                self.probe_round
+            );
+            self.ups.set_owner(slot, Owner::Probe { worker: wid });
+            if let Some(up) = self.ups.get_mut(slot) {
+                up.timer = now + self.cfg.probe_timeout;
+                if let Err(e) = up.send(req.into_bytes(), false) {
+                    self.upstream_failed(slot, e, now);
+                }
+            }
+        }
+        // Pair probes through healthy prefill and decode workers: each prefill worker with some decode
+        // worker and each decode worker with some prefill worker, rotating over rounds.
+        if self.pair_probes_in_flight > 0 || now < self.next_pair_probe {
+            return;
+        }
+        self.next_pair_probe = now + self.cfg.pair_probe_interval;
+        let ids = |role: Role| -> Vec<u32> {
+            self.workers.iter().filter(|w| w.role == role && w.routable()).map(|w| w.id).collect()
+        };
+        let (prefills, decodes) = (ids(Role::Prefill), ids(Role::Decode));
+        if prefills.is_empty() || decodes.is_empty() {
+            return;
+        }
+        for j in 0..prefills.len().max(decodes.len()) {
+            let p = prefills[(j + self.probe_round) % prefills.len()];
+            let d = decodes[j % decodes.len()];
+            self.start_pair_probe(p, d, now);
+        }
+    }
+
+    pub(crate) fn on_probe_event(&mut self, slot: usize, worker: u32, ev: ResponseEvent, now: Instant) {
+        match ev {
+            ResponseEvent::Head(h) => {
+                if let Some(up) = self.ups.get_mut(slot) {
+                    up.status = h.status;
+                }
+                return;
+            }
+            ResponseEvent::Data(_) => return,
+            ResponseEvent::End => {}
+        }
+        let code = self.ups.get(slot).map_or(0, |u| u.status);
+        self.ups.release(
+            slot,
+            self.server.registry(),
+            &mut self.workers,
+            now + self.cfg.idle_connection_timeout,
+        );
+        let ok = code == 200;
+        self.metrics.probes.with(&["worker", if ok { "ok" } else { "failed" }]).map(|c| c.inc()).ok();
+        if let Some(w) = self.workers.get_mut(worker) {
+            w.probing = false;
+            if ok {
+                w.breaker.probe_ok(now);
+            } else {
+                w.breaker.probe_not_ready(now, format!("probe answered {code}"));
+            }
+        }
+    }
+
+    /// A probe got no answer (refused, reset, timed out): the worker is out at once.
+    pub(crate) fn probe_failed(&mut self, worker: u32, err: &UpError, now: Instant) {
+        self.metrics.probes.with(&["worker", "failed"]).map(|c| c.inc()).ok();
+        if let Some(w) = self.workers.get_mut(worker) {
+            w.probing = false;
+            w.breaker.probe_failed(now, format!("probe: {err}"));
+        }
+    }
+}

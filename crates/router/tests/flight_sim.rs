@@ -1,0 +1,478 @@
+//! Thousands of flights on a virtual clock, each against workers that answer, refuse, drop stale
+//! connections, die mid-answer, stall, or answer with errors, with clients that leave and deadlines
+//! that pass. After every run: each flight finished exactly once, with the status and outcome its
+//! cause calls for, by its deadline; its client got exactly one answer (unless it left); every leg it
+//! sent ended or was closed, at most one at a time; and when it did not complete, every worker it
+//! reached was told to abort (unless that worker ended the request itself with an error).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use pdserve_api::{Outcome, Stage};
+use pdserve_router::{Action, Flight, FlightSpec, LegFailure, LegId, LegKind, Plan, Purpose};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, percent: u64) -> bool {
+        self.below(100) < percent
+    }
+}
+
+/// What a worker does with one leg.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Behaviour {
+    /// Answers 200 (a stream when asked) after `ms`.
+    Answer { ms: u64 },
+    /// The connection is refused: nothing was sent.
+    Refuse,
+    /// The pooled connection was closed by the worker: fails before any byte.
+    Stale,
+    /// Sends the head (and, streaming, some bytes), then the connection breaks.
+    Die { ms: u64 },
+    /// Never answers.
+    Stall,
+    /// Answers with an error of its own.
+    Error { status: u16, ms: u64 },
+    /// (Prefill) answers 200 without a handle.
+    NoHandle,
+}
+
+/// Something the world will tell a flight at a time.
+#[derive(Debug, Clone)]
+enum Ev {
+    Head { leg: LegId, status: u16, sse: bool },
+    Data { leg: LegId, bytes: Vec<u8> },
+    End { leg: LegId },
+    Failed { leg: LegId, failure: LegFailure },
+    ClientGone,
+    Deadline,
+}
+
+/// What the sim records of one flight.
+#[derive(Debug, Default)]
+struct Record {
+    finishes: Vec<pdserve_router::flight::Finish>,
+    finished_at: Option<Duration>,
+    after_finish: usize,
+    responses: Vec<u16>,
+    stream_started: bool,
+    stream_ended: usize,
+    stream_bytes: Vec<u8>,
+    /// Legs sent, by id: (worker, ended).
+    legs: BTreeMap<u32, (u32, bool)>,
+    open_at_once_max: usize,
+    aborts: HashSet<u32>,
+    /// Workers that ended the request themselves with an error answer.
+    answered_error: HashSet<u32>,
+    /// Legs that failed on a stale pooled connection: their worker never saw the request.
+    stale_legs: HashSet<u32>,
+    /// The event delivered just before `Finished`.
+    cause: Option<&'static str>,
+    last_status: Option<u16>,
+    client_left: bool,
+}
+
+const HANDLE_ANSWER: &[u8] =
+    br#"{"pd_transfer":{"addr":"127.0.0.1:1","transfer":9,"epoch":1,"shm":null},"usage":{}}"#;
+
+struct World {
+    rng: Rng,
+    flights: Vec<Flight>,
+    records: Vec<Record>,
+    starts: Vec<Duration>,
+    /// (time, flight, event), in insertion order at equal times.
+    queue: BTreeMap<(Duration, u64), (usize, Ev)>,
+    seq: u64,
+    streaming: Vec<bool>,
+    /// Per flight, per leg: the behaviour drawn.
+    behaviour: HashMap<(usize, u32), Behaviour>,
+    epoch: Instant,
+}
+
+impl World {
+    fn at(&mut self, t: Duration, flight: usize, ev: Ev) {
+        self.seq += 1;
+        self.queue.insert((t, self.seq), (flight, ev));
+    }
+
+    fn draw(&mut self, kind: LegKind) -> Behaviour {
+        let r = self.rng.below(100);
+        match r {
+            0..=44 => Behaviour::Answer { ms: 1 + self.rng.below(80) },
+            45..=54 => Behaviour::Refuse,
+            55..=62 => Behaviour::Stale,
+            63..=72 => Behaviour::Die { ms: 1 + self.rng.below(60) },
+            73..=80 => Behaviour::Stall,
+            81..=94 => Behaviour::Error {
+                status: [400, 429, 500, 502, 503][self.rng.below(5) as usize],
+                ms: 1 + self.rng.below(40),
+            },
+            _ if kind == LegKind::Prefill => Behaviour::NoHandle,
+            _ => Behaviour::Answer { ms: 5 },
+        }
+    }
+
+    /// Carries out flight `f`'s actions at time `now`, like the router's shell (with workers 0-3
+    /// unified, 10-13 prefill, 20-23 decode).
+    fn drive(&mut self, f: usize, now: Duration) {
+        loop {
+            let Some(a) = self.flights[f].poll_action() else { return };
+            let rec = &mut self.records[f];
+            if !rec.finishes.is_empty() {
+                rec.after_finish += 1;
+                continue;
+            }
+            match a {
+                Action::OpenLeg { leg, kind, exclude, pinned, .. } => {
+                    let base = match kind {
+                        LegKind::Main => 0,
+                        LegKind::Prefill => 10,
+                        LegKind::Decode => 20,
+                    };
+                    let cands: Vec<u32> = (base..base + 4).filter(|w| !exclude.contains(w)).collect();
+                    let worker = match pinned {
+                        Some(w) => w,
+                        None if cands.is_empty() || self.rng.chance(3) => {
+                            self.records[f].cause = Some("no_worker");
+                            let reason = "no worker".to_owned();
+                            self.flights[f].handle_leg_failed(leg, LegFailure::NoWorker { reason });
+                            continue;
+                        }
+                        None => cands[self.rng.below(cands.len() as u64) as usize],
+                    };
+                    let b = self.draw(kind);
+                    self.behaviour.insert((f, leg.0), b);
+                    if b == Behaviour::Refuse {
+                        self.records[f].cause = Some("refused");
+                        let reason = "refused".to_owned();
+                        self.flights[f].handle_leg_failed(leg, LegFailure::Refused { worker, reason });
+                        continue;
+                    }
+                    let t = self.epoch + now;
+                    self.flights[f].handle_leg_sent(leg, worker, t);
+                    let _ = self.flights[f].leg_request(kind, "w", t);
+                    let rec = &mut self.records[f];
+                    rec.legs.insert(leg.0, (worker, false));
+                    let open = rec.legs.values().filter(|(_, ended)| !ended).count();
+                    rec.open_at_once_max = rec.open_at_once_max.max(open);
+                    let sse = self.streaming[f] && kind != LegKind::Prefill;
+                    match b {
+                        Behaviour::Answer { ms } => {
+                            let t = now + Duration::from_millis(ms);
+                            self.at(t, f, Ev::Head { leg, status: 200, sse });
+                            let body = if kind == LegKind::Prefill {
+                                HANDLE_ANSWER.to_vec()
+                            } else if sse {
+                                b"data: {\"x\":1}\n\ndata: [DONE]\n\n".to_vec()
+                            } else {
+                                b"{\"choices\":[]}".to_vec()
+                            };
+                            self.at(t, f, Ev::Data { leg, bytes: body });
+                            self.at(t + Duration::from_millis(1), f, Ev::End { leg });
+                        }
+                        Behaviour::Stale => {
+                            self.at(now, f, Ev::Failed { leg, failure: LegFailure::Stale });
+                        }
+                        Behaviour::Die { ms } => {
+                            let t = now + Duration::from_millis(ms);
+                            self.at(t, f, Ev::Head { leg, status: 200, sse });
+                            self.at(t, f, Ev::Data { leg, bytes: b"data: {\"x\"".to_vec() });
+                            let failure = LegFailure::Broken { reason: "reset".into() };
+                            self.at(t + Duration::from_millis(1), f, Ev::Failed { leg, failure });
+                        }
+                        Behaviour::Stall => {}
+                        Behaviour::Error { status, ms } => {
+                            let t = now + Duration::from_millis(ms);
+                            self.at(t, f, Ev::Head { leg, status, sse: false });
+                            let body = format!(r#"{{"error":{{"type":"x","message":"m","code":{status}}}}}"#);
+                            self.at(t, f, Ev::Data { leg, bytes: body.into_bytes() });
+                            self.at(t, f, Ev::End { leg });
+                        }
+                        Behaviour::NoHandle => {
+                            self.at(
+                                now + Duration::from_millis(2),
+                                f,
+                                Ev::Head { leg, status: 200, sse: false },
+                            );
+                            self.at(
+                                now + Duration::from_millis(2),
+                                f,
+                                Ev::Data { leg, bytes: b"{}".to_vec() },
+                            );
+                            self.at(now + Duration::from_millis(3), f, Ev::End { leg });
+                        }
+                        Behaviour::Refuse => unreachable!(),
+                    }
+                }
+                Action::StartStream { .. } => {
+                    assert!(rec.responses.is_empty() && !rec.stream_started, "flight {f}: a second answer");
+                    rec.stream_started = true;
+                }
+                Action::Forward(bytes) => {
+                    assert!(
+                        rec.stream_started && rec.stream_ended == 0,
+                        "flight {f}: bytes outside a stream"
+                    );
+                    rec.stream_bytes.extend_from_slice(&bytes);
+                }
+                Action::EndStream => rec.stream_ended += 1,
+                Action::Respond(r) => {
+                    assert!(!rec.stream_started, "flight {f}: a response after its stream started");
+                    rec.responses.push(r.status);
+                }
+                Action::CloseLeg { leg } => {
+                    let l = rec.legs.get_mut(&leg.0).expect("closes a leg it sent");
+                    assert!(!l.1, "flight {f}: leg {} closed after it ended", leg.0);
+                    l.1 = true;
+                }
+                Action::Abort { worker } => {
+                    rec.aborts.insert(worker);
+                }
+                Action::Stage { .. } => {}
+                Action::Finished(fin) => {
+                    rec.finishes.push(fin);
+                    rec.finished_at = Some(now);
+                }
+            }
+        }
+    }
+
+    fn deliver(&mut self, f: usize, ev: Ev, now: Duration) {
+        let t = self.epoch + now;
+        if !self.records[f].finishes.is_empty() {
+            return; // the shell drops a finished flight and what comes for it
+        }
+        let cause = match &ev {
+            Ev::Head { .. } | Ev::Data { .. } => "data",
+            Ev::End { .. } => "end",
+            Ev::Failed { failure: LegFailure::Stale, .. } => "stale",
+            Ev::Failed { .. } => "broken",
+            Ev::ClientGone => "client",
+            Ev::Deadline => "deadline",
+        };
+        match ev {
+            Ev::Head { leg, status, sse } => {
+                self.records[f].last_status = Some(status);
+                let ct = if sse { "text/event-stream" } else { "application/json" };
+                self.flights[f].handle_leg_head(leg, status, Some(ct), None);
+            }
+            Ev::Data { leg, bytes } => self.flights[f].handle_leg_data(leg, &bytes),
+            Ev::End { leg } => {
+                let rec = &mut self.records[f];
+                let l = rec.legs.get_mut(&leg.0).expect("a sent leg");
+                if !l.1 {
+                    l.1 = true;
+                    if rec.last_status.is_some_and(|s| s >= 300) {
+                        rec.answered_error.insert(l.0);
+                    }
+                    self.flights[f].handle_leg_end(leg, t);
+                }
+            }
+            Ev::Failed { leg, failure } => {
+                let rec = &mut self.records[f];
+                if failure == LegFailure::Stale {
+                    rec.stale_legs.insert(leg.0);
+                }
+                let l = rec.legs.get_mut(&leg.0).expect("a sent leg");
+                if !l.1 {
+                    l.1 = true;
+                    self.flights[f].handle_leg_failed(leg, failure);
+                }
+            }
+            Ev::ClientGone => {
+                self.records[f].client_left = true;
+                self.flights[f].handle_cancel(true);
+            }
+            Ev::Deadline => self.flights[f].handle_timeout(t, Stage::Decoding),
+        }
+        self.records[f].cause = Some(cause);
+        self.drive(f, now);
+    }
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    by_outcome: BTreeMap<&'static str, usize>,
+}
+
+fn run(seed: u64, flights: usize) -> Tally {
+    let epoch = Instant::now();
+    let mut w = World {
+        rng: Rng(seed | 1),
+        flights: Vec::new(),
+        records: Vec::new(),
+        starts: Vec::new(),
+        queue: BTreeMap::new(),
+        seq: 0,
+        streaming: Vec::new(),
+        behaviour: HashMap::new(),
+        epoch,
+    };
+    for i in 0..flights {
+        let start = Duration::from_millis(w.rng.below(2_000));
+        let deadline = start + Duration::from_millis(20 + w.rng.below(400));
+        let stream = w.rng.chance(50);
+        let purpose = if w.rng.chance(5) { Purpose::HealthGenerate } else { Purpose::Client };
+        let spec = FlightSpec {
+            request_id: format!("r{i}"),
+            purpose,
+            method_get: false,
+            path: "/v1/chat/completions".into(),
+            body: format!(r#"{{"messages":[],"stream":{stream}}}"#).into_bytes(),
+            prompt: String::new(),
+            received: epoch + start,
+            deadline: epoch + deadline,
+            retries_max: 2,
+            body_bytes_max: 1 << 20,
+        };
+        w.flights.push(Flight::new(spec, true));
+        w.records.push(Record::default());
+        w.starts.push(start);
+        w.streaming.push(stream);
+        w.at(deadline, i, Ev::Deadline);
+        if w.rng.chance(15) {
+            let gone = start + Duration::from_millis(w.rng.below(300));
+            w.at(gone, i, Ev::ClientGone);
+        }
+    }
+    // Admission: each flight is dispatched at its start, unified or disaggregated.
+    let mut order: Vec<usize> = (0..flights).collect();
+    order.sort_by_key(|&i| w.starts[i]);
+    let mut next = 0;
+    let mut steps = 0;
+    loop {
+        steps += 1;
+        assert!(steps < 1_000_000, "livelock");
+        let due_start = order.get(next).map(|&i| w.starts[i]);
+        let due_ev = w.queue.keys().next().map(|k| k.0);
+        match (due_start, due_ev) {
+            (Some(s), e) if e.is_none_or(|e| s <= e) => {
+                let f = order[next];
+                next += 1;
+                let plan = if w.rng.chance(50) { Plan::Unified } else { Plan::Disaggregated };
+                w.flights[f].handle_dispatch(plan);
+                w.records[f].cause = Some("dispatch");
+                w.drive(f, s);
+            }
+            (_, Some(_)) => {
+                let (&(t, k), _) = w.queue.iter().next().unwrap();
+                let (f, ev) = w.queue.remove(&(t, k)).unwrap();
+                w.deliver(f, ev, t);
+            }
+            (None, None) => break,
+            _ => unreachable!(),
+        }
+    }
+    let mut tally = Tally::default();
+    for (f, rec) in w.records.iter().enumerate() {
+        let spec = w.flights[f].spec();
+        assert_eq!(rec.finishes.len(), 1, "flight {f} finished {} times: {rec:?}", rec.finishes.len());
+        assert_eq!(rec.after_finish, 0, "flight {f}: actions after Finished");
+        let fin = &rec.finishes[0];
+        *tally.by_outcome.entry(fin.outcome.as_str()).or_default() += 1;
+        // By its deadline.
+        let deadline = spec.deadline.duration_since(epoch);
+        assert!(rec.finished_at.unwrap() <= deadline, "flight {f} ended after its deadline: {rec:?}");
+        // One answer to a client that stayed.
+        let answers = rec.responses.len() + usize::from(rec.stream_started);
+        if rec.client_left {
+            assert!(answers <= 1, "flight {f}: {answers} answers");
+            assert!(fin.outcome == Outcome::Cancelled || rec.cause != Some("client"), "{rec:?}");
+        } else {
+            assert_eq!(answers, 1, "flight {f}: {answers} answers: {rec:?}");
+            if rec.stream_started {
+                assert_eq!(
+                    rec.stream_ended, 1,
+                    "flight {f}: the stream was ended {} times",
+                    rec.stream_ended
+                );
+                assert_eq!(fin.status, 200);
+            } else {
+                assert_eq!(fin.status, rec.responses[0], "flight {f}: finish and answer disagree");
+            }
+        }
+        // Legs: at most one open at a time, each ended or closed.
+        assert!(rec.open_at_once_max <= 1, "flight {f}: {} legs open at once", rec.open_at_once_max);
+        for (leg, (worker, ended)) in &rec.legs {
+            assert!(ended, "flight {f}: leg {leg} at worker {worker} neither ended nor closed: {rec:?}");
+        }
+        // The status its cause calls for.
+        let error_text = String::from_utf8_lossy(&rec.stream_bytes);
+        match (rec.cause, fin.outcome) {
+            (Some("deadline"), o) => {
+                assert_eq!(o, Outcome::TimedOut, "flight {f}: {rec:?}");
+                if rec.stream_started {
+                    // The error events, unless the worker's own `[DONE]` had already gone out.
+                    assert!(error_text.ends_with("data: [DONE]\n\n"), "{error_text}");
+                    let worker_done =
+                        error_text.matches("[DONE]").count() == 1 && !error_text.contains("\"error\"");
+                    assert!(error_text.contains("deadline_exceeded") || worker_done, "{error_text}");
+                } else if spec.purpose == Purpose::Client {
+                    assert_eq!(fin.status, 504);
+                } else {
+                    assert_eq!(fin.status, 503, "a health probe answers 503 with the reason");
+                }
+            }
+            (Some("client"), o) => assert_eq!(o, Outcome::Cancelled, "flight {f}"),
+            (Some("no_worker" | "refused"), o) => {
+                assert_eq!(
+                    (o, fin.status),
+                    (Outcome::Rejected, if rec.stream_started { 200 } else { 503 }),
+                    "flight {f}"
+                );
+            }
+            (Some("broken" | "stale"), o) => {
+                assert_eq!(o, Outcome::Failed, "flight {f}: {rec:?}");
+                if rec.stream_started {
+                    assert!(error_text.contains("upstream_failed"), "{error_text}");
+                }
+            }
+            (Some("end"), Outcome::Completed) => {
+                assert!(rec.aborts.is_empty(), "flight {f}: aborts after completing")
+            }
+            (Some("end"), _) => {}
+            (Some("dispatch" | "data"), o) => {
+                assert!(matches!(o, Outcome::Rejected | Outcome::Failed), "flight {f}: {o:?} {rec:?}");
+            }
+            (cause, o) => panic!("flight {f}: finished by {cause:?} as {o:?}"),
+        }
+        // Aborts at every worker the request reached, unless it completed or the worker ended it.
+        if fin.outcome != Outcome::Completed {
+            let reached =
+                rec.legs.iter().filter(|(leg, _)| !rec.stale_legs.contains(leg)).map(|(_, (w, _))| w);
+            for worker in reached {
+                if !rec.answered_error.contains(worker) {
+                    assert!(
+                        rec.aborts.contains(worker),
+                        "flight {f}: worker {worker} was never told to abort: {rec:?}"
+                    );
+                }
+            }
+        }
+    }
+    tally
+}
+
+#[test]
+fn thousands_of_flights_end_exactly_once_and_leave_nothing_behind() {
+    let mut total = Tally::default();
+    for seed in 1..=8 {
+        let t = run(seed * 7919, 1_500);
+        for (k, v) in t.by_outcome {
+            *total.by_outcome.entry(k).or_default() += v;
+        }
+    }
+    // Every kind of end happened, so every path above was checked.
+    for o in ["completed", "rejected", "cancelled", "timed_out", "failed"] {
+        assert!(total.by_outcome.get(o).copied().unwrap_or(0) > 50, "{o}: {:?}", total.by_outcome);
+    }
+}
