@@ -1,7 +1,7 @@
 //! Project automation, reached as `cargo xtask <command>`. See `cargo xtask help`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context, Result};
 
@@ -12,62 +12,122 @@ mod serve;
 mod sys;
 mod where_;
 
-const HELP: &str = "\
-cargo xtask <command>
+/// Every command: its name, its usage line, and what it does.
+const COMMANDS: &[(&str, &str, &str)] = &[
+    (
+        "serve",
+        "serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]",
+        "fetch the default model if missing, build, and serve it: the router in front of prefill and decode\n\
+         workers (default 1 + 1), or one unified worker",
+    ),
+    (
+        "test",
+        "test",
+        "fmt check, clippy (warnings are errors, all features), every test of the workspace, the kernel\n\
+         compile check (check-kernels), the short chaos subset (chaos --ci), and every fuzz target for 3 s\n\
+         (if cargo-fuzz is installed)",
+    ),
+    ("fuzz", "fuzz [TARGET] [--seconds N]", "run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)"),
+    (
+        "bench",
+        "bench [--target URL ...] [--workload sweep|poisson|agents] [LOADGEN OPTIONS]\n\
+         bench http [--seconds N] [--rounds N] [--connections N]\n\
+         bench router [--seconds N] [--reps N]",
+        "the load generator (pdserve-bench, its options: `cargo run -p pdserve-loadgen -- --help`) against\n\
+         OpenAI-compatible endpoints; `http`: this project's HTTP server beside nginx under wrk; `router`:\n\
+         the router beside SGLang's router and nginx, in front of nginx mock workers, under wrk",
+    ),
+    (
+        "fetch-model",
+        "fetch-model [--models-dir DIR]",
+        "download and import the default model (SmolLM2-135M-Instruct) if missing, and print its folder",
+    ),
+    (
+        "generate",
+        "generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--weights F] [--model DIR]",
+        "run the engine on one prompt and print the completion and its speed",
+    ),
+    (
+        "chaos",
+        "chaos [NAME ...] [--short | --ci]",
+        "fault scenarios against the router + prefill + decode processes, with assertions",
+    ),
+    (
+        "check-kernels",
+        "check-kernels [ARCH ...]",
+        "NVRTC-compile every CUDA kernel for sm_90, sm_120 and sm_120a (no GPU needed; fetches NVRTC from\n\
+         PyPI once) and print registers, shared memory, spills",
+    ),
+    (
+        "test-gpu",
+        "test-gpu [--quick]",
+        "on an NVIDIA GPU: every kernel against its CPU reference, then the GPU backend's greedy text against\n\
+         the CPU backend's",
+    ),
+    ("bench-gpu", "bench-gpu", "on an NVIDIA GPU: decode attention and RMSNorm bandwidth vs the copy peak"),
+    (
+        "where",
+        "where [REQUEST_ID] [--url URL] [--older-than 5s] [--json]",
+        "where each live request is (router stage, then each worker's), oldest first",
+    ),
+];
 
-commands:
-  serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]
-                       fetch the default model if missing, build, and serve it: the router in front of
-                       prefill and decode workers (default 1 + 1), or one unified worker
-  test                 fmt check, clippy (warnings are errors, all features), every test of the
-                       workspace, the kernel compile check (check-kernels), the short chaos subset
-                       (chaos --ci), and every fuzz target for 3 s (if cargo-fuzz is installed)
-  fuzz [TARGET] [--seconds N]
-                       run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)
-  bench [--target URL ...] [--workload sweep|poisson|agents] [...]
-                       the load generator (pdserve-bench) against OpenAI-compatible endpoints: latency
-                       percentiles, goodput, errors, hung requests; a table, JSON and an SVG chart
-  bench http [ARGS]    the HTTP server benchmark: this crate's server beside nginx, both under wrk
-  bench router [ARGS]  the router beside SGLang's router, both in front of nginx mock workers, under wrk
-  fetch-model [--models-dir DIR]
-                       download and import the default model (SmolLM2-135M-Instruct) if missing
-  generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--model DIR]
-                       run the model on one prompt and print the completion and its speed
-  chaos [NAME ...] [--short | --ci]
-                       fault scenarios against the router + prefill + decode processes, with assertions
-                       (decode_kill, decode_stall, disconnect_storm, overload, hung_worker, restart_readd)
-  check-kernels [ARCH ...]
-                       NVRTC-compile every CUDA kernel for sm_90, sm_120 and sm_120a (no GPU needed;
-                       fetches NVRTC from PyPI once) and print registers, shared memory, spills
-  test-gpu [--quick]   on an NVIDIA GPU: every kernel against its CPU reference (1 to 131,072-token
-                       contexts), then the GPU backend's greedy text against the CPU backend's
-  bench-gpu            on an NVIDIA GPU: decode attention and RMSNorm bandwidth vs the copy peak
-  where [REQUEST_ID] [--url URL] [--older-than 5s] [--json]
-                       where each live request is (router stage, then each worker's), oldest first
-  help                 this text
-";
+fn help() -> String {
+    let mut out = String::from("cargo xtask <command> [--help]\n\ncommands:\n");
+    for (_, usage, what) in COMMANDS {
+        out.push_str(&format!("  {usage}\n"));
+        for line in what.lines() {
+            out.push_str(&format!("        {}\n", line.trim_start()));
+        }
+    }
+    out
+}
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let root = workspace_root();
-    std::env::set_current_dir(&root)?;
-    match args.first().map(String::as_str) {
+    if let Err(e) = std::env::set_current_dir(&root) {
+        eprintln!("error: cannot enter {}: {e}", root.display());
+        return ExitCode::FAILURE;
+    }
+    let command = args.first().map(String::as_str);
+    // `cargo xtask COMMAND --help`: that command's usage, and nothing run.
+    if let Some((_, usage, what)) = COMMANDS.iter().find(|(name, ..)| Some(*name) == command) {
+        if args[1..].iter().any(|a| a == "-h" || a == "--help") {
+            println!("cargo xtask {usage}\n");
+            for line in what.lines() {
+                println!("{}", line.trim_start());
+            }
+            return ExitCode::SUCCESS;
+        }
+    }
+    let rest = args.get(1..).unwrap_or(&[]);
+    let result = match command {
         Some("test") => test(),
-        Some("serve") => serve::run(&args[1..]),
-        Some("fuzz") => fuzz(&args[1..]),
-        Some("bench") => bench(&args[1..]),
-        Some("fetch-model") => fetch_model(&args[1..]).map(|dir| println!("{}", dir.display())),
-        Some("generate") => generate::run(&args[1..]),
-        Some("where") => where_::run(&args[1..]),
-        Some("chaos") => chaos::run(&args[1..]),
-        Some("check-kernels") => gpu::check_kernels(&args[1..]),
-        Some("test-gpu") => gpu::test_gpu(&args[1..]),
-        Some("bench-gpu") => gpu::bench_gpu(&args[1..]),
+        Some("serve") => serve::run(rest),
+        Some("fuzz") => fuzz(rest),
+        Some("bench") => bench(rest),
+        Some("fetch-model") => fetch_model(rest).map(|dir| println!("{}", dir.display())),
+        Some("generate") => generate::run(rest),
+        Some("where") => where_::run(rest),
+        Some("chaos") => chaos::run(rest),
+        Some("check-kernels") => gpu::check_kernels(rest),
+        Some("test-gpu") => gpu::test_gpu(rest),
+        Some("bench-gpu") => gpu::bench_gpu(rest),
         Some("help" | "--help" | "-h") | None => {
-            print!("{HELP}");
+            print!("{}", help());
             Ok(())
         }
-        Some(other) => bail!("unknown command {other:?}\n\n{HELP}"),
+        Some(other) => Err(anyhow::anyhow!("unknown command {other:?}\n\n{}", help())),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // The error and its causes, without a backtrace: these are a user's mistakes or a
+            // failed step, not bugs.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -161,14 +221,10 @@ fn bench(args: &[String]) -> Result<()> {
             a.extend(args[1..].iter().map(String::as_str));
             cargo(&a)
         }
-        Some("help" | "--help" | "-h") => bail!(
-            "usage: cargo xtask bench [--target URL ...] [LOADGEN OPTIONS]   (pdserve-bench --help lists them)\n       \
-             cargo xtask bench http [--seconds N] [--rounds N] [--connections N]\n       \
-             cargo xtask bench router [--seconds N] [--reps N]"
-        ),
         _ => {
             // The load generator; with no --target it measures `cargo xtask serve`'s default address.
-            let mut a = vec!["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"];
+            let mut a =
+                vec!["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"];
             if !args.iter().any(|x| x == "--target") {
                 a.extend(["--target", "http://127.0.0.1:8000"]);
             }
@@ -180,7 +236,7 @@ fn bench(args: &[String]) -> Result<()> {
 
 /// The default model's folder, fetched if missing. `--models-dir` overrides `$PDSERVE_MODELS_DIR`.
 pub(crate) fn fetch_model(args: &[String]) -> Result<PathBuf> {
-    let mut dir = pdserve_model::fetch::models_dir();
+    let mut dir = pdserve_import::fetch::models_dir();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -188,6 +244,6 @@ pub(crate) fn fetch_model(args: &[String]) -> Result<PathBuf> {
             other => bail!("unknown argument {other:?}"),
         }
     }
-    let mut bar = pdserve_model::import::StderrBar::default();
-    Ok(pdserve_model::fetch::ensure_default_model(&dir, &mut bar, true)?)
+    let mut bar = pdserve_import::StderrBar::default();
+    Ok(pdserve_import::fetch::ensure_default_model(&dir, &mut bar, true)?)
 }

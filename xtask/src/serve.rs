@@ -149,6 +149,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some(m) => m,
         None => crate::fetch_model(&[])?,
     };
+    eprintln!("serve: building pdserve-server and pdserve-router (release; a fresh clone's first build takes a few minutes)");
     crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-router"])?;
     crate::sys::install_stop_handler();
     let root = crate::workspace_root();

@@ -1,18 +1,14 @@
 //! The CPU definition of every kernel: what the GPU must compute (up to rounding), used by the GPU
 //! checks and usable on its own. Attention accumulates in f64.
 
-/// bf16 bits to f32.
+/// bf16 bits to f32 (the workspace's one conversion, the `half` crate's).
 pub fn bf16_to_f32(v: u16) -> f32 {
-    f32::from_bits((v as u32) << 16)
+    half::bf16::from_bits(v).to_f32()
 }
 
-/// f32 to bf16 bits, round to nearest even (NaN stays NaN) — the kernels' `f2bf`.
+/// f32 to bf16 bits, round to nearest even (NaN stays NaN), as the kernels' `f2bf` does.
 pub fn f32_to_bf16(f: f32) -> u16 {
-    let u = f.to_bits();
-    if (u & 0x7fff_ffff) > 0x7f80_0000 {
-        return ((u >> 16) | 0x40) as u16;
-    }
-    ((u + 0x7fff + ((u >> 16) & 1)) >> 16) as u16
+    half::bf16::from_f32(f).to_bits()
 }
 
 /// Rounds every value through bf16.

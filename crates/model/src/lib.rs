@@ -6,7 +6,7 @@
 //! - [`Backend`] runs a batch step (any mix of prefill chunks and decode tokens) over paged KV indexed
 //!   by kvcache block ids; [`CpuBackend`] is the CPU implementation.
 //! - [`Sampler`] picks tokens; [`IncrementalDecoder`] streams text without splitting a character.
-//! - [`gguf`], [`import`] and [`fetch`] turn the default model's GGUF into such a folder.
+//! - Getting a GGUF (the default model's) into such a folder is `pdserve-import`'s job, not this crate's.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -26,14 +26,12 @@
 //! ```
 
 mod backend;
+mod bits16;
 mod config;
 mod cpu;
 mod error;
-pub mod fetch;
-pub mod gguf;
 #[cfg(feature = "cuda")]
 mod gpu;
-pub mod import;
 pub mod quant;
 mod sampling;
 mod sys;

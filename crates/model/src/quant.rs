@@ -4,51 +4,17 @@
 //! once per token, so the bytes a weight costs set the speed; multi-row steps (prefill, batched
 //! decode: GEMMs that reuse every weight across rows) read bf16 copies (see [`Bf16Matrix`]).
 
+use crate::bits16::{f16_bits, f16_value};
 use crate::weights::Weights;
 use crate::ModelConfig;
 
 /// Values per quantization group (one scale, and for Q4 one minimum, each).
 pub const GROUP: usize = 32;
 
-/// IEEE half precision (f16 bits) to f32, exactly.
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
-    let (exp, man) = (u32::from((h >> 10) & 0x1f), u32::from(h & 0x3ff));
-    match exp {
-        0 => sign * man as f32 * f32::from_bits(0x3380_0000), // subnormal: man * 2^-24
-        31 => f32::from_bits((u32::from(h & 0x8000) << 16) | 0x7f80_0000 | (man << 13)),
-        _ => f32::from_bits((u32::from(h & 0x8000) << 16) | ((exp + 112) << 23) | (man << 13)),
-    }
-}
-
-/// f32 to f16 bits, rounding to nearest even (overflow gives infinity, NaN stays NaN).
-pub fn f32_to_f16(v: f32) -> u16 {
-    let b = v.to_bits();
-    let sign = ((b >> 16) & 0x8000) as u16;
-    let a = v.abs();
-    if v.is_nan() {
-        return sign | 0x7e00;
-    }
-    if a >= 65520.0 {
-        return sign | 0x7c00;
-    }
-    if a < f32::from_bits(0x3880_0000) {
-        // Below 2^-14: a multiple of the subnormal step 2^-24 (1024 steps is the smallest normal).
-        return sign | (a * 16_777_216.0).round_ties_even() as u16;
-    }
-    let exp = ((b >> 23) & 0xff) - 112;
-    let (man, rest) = ((b >> 13) & 0x3ff, b & 0x1fff);
-    let mut h = (exp << 10) | man;
-    if rest > 0x1000 || (rest == 0x1000 && h & 1 == 1) {
-        h += 1; // a carry into the exponent is still the right value
-    }
-    sign | h as u16
-}
-
 /// `v` stored as f16 and read back; `None` if it does not fit (overflow to infinity).
 fn through_f16(v: f32) -> Option<(u16, f32)> {
-    let h = f32_to_f16(v);
-    let back = f16_to_f32(h);
+    let h = f16_bits(v);
+    let back = f16_value(h);
     back.is_finite().then_some((h, back))
 }
 
@@ -147,7 +113,7 @@ impl QuantMatrix for Q8Matrix {
     fn dequantize_row(&self, r: usize) -> Vec<f32> {
         let v = &self.values[r * self.cols..(r + 1) * self.cols];
         let s = &self.scales[r * self.cols / GROUP..(r + 1) * self.cols / GROUP];
-        v.iter().enumerate().map(|(i, &q)| q as f32 * f16_to_f32(s[i / GROUP])).collect()
+        v.iter().enumerate().map(|(i, &q)| q as f32 * f16_value(s[i / GROUP])).collect()
     }
 
     fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
@@ -213,7 +179,7 @@ impl QuantMatrix for Q4Matrix {
         let mut out = Vec::with_capacity(self.cols);
         for g in 0..self.cols / GROUP {
             let bytes = &self.packed[(g0 + g) * GROUP / 2..(g0 + g + 1) * GROUP / 2];
-            let (s, m) = (f16_to_f32(self.scales[g0 + g]), f16_to_f32(self.mins[g0 + g]));
+            let (s, m) = (f16_value(self.scales[g0 + g]), f16_value(self.mins[g0 + g]));
             out.extend(bytes.iter().map(|b| m + (b & 15) as f32 * s));
             out.extend(bytes.iter().map(|b| m + (b >> 4) as f32 * s));
         }
@@ -350,7 +316,7 @@ mod tests {
         for r in 0..4 {
             let back = m.dequantize_row(r);
             for (i, (a, b)) in back.iter().zip(&w[r * 64..(r + 1) * 64]).enumerate() {
-                let step = f16_to_f32(m.scales[(r * 64 + i) / 32]);
+                let step = f16_value(m.scales[(r * 64 + i) / 32]);
                 assert!((a - b).abs() <= step / 2.0 + 1e-7, "row {r} col {i}: {a} vs {b}");
             }
         }
@@ -372,7 +338,7 @@ mod tests {
                     (j * 7 + g) % 16
                 };
                 // Q4_1 keeps its scale and minimum in f16.
-                let f16 = |v: f32| f16_to_f32(f32_to_f16(v));
+                let f16 = |v: f32| f16_value(f16_bits(v));
                 f16(-0.25 + g as f32 * 0.01) + q as f32 * f16(0.03 + g as f32 * 0.001)
             })
             .collect();
@@ -391,22 +357,8 @@ mod tests {
     }
 
     #[test]
-    fn f16_conversions_round_trip_and_round_to_even() {
-        for h in 0..=u16::MAX {
-            let v = f16_to_f32(h);
-            if v.is_nan() {
-                assert!(f16_to_f32(f32_to_f16(v)).is_nan());
-            } else {
-                assert_eq!(f32_to_f16(v), h, "{h:#06x} -> {v}");
-            }
-        }
-        assert_eq!(f16_to_f32(0x3c00), 1.0);
-        assert_eq!(f16_to_f32(0x0001), 2f32.powi(-24));
-        assert_eq!(f32_to_f16(1.0 + 2f32.powi(-11)), 0x3c00, "a tie rounds to even");
-        assert_eq!(f32_to_f16(1.0 + 3.0 * 2f32.powi(-11)), 0x3c02, "a tie rounds to even");
-        assert_eq!(f32_to_f16(65520.0), 0x7c00);
-        assert_eq!(f32_to_f16(65519.0), 0x7bff);
-        assert!(<Q8Matrix as QuantMatrix>::quantize(&[1e7; 32], 1, 32).is_none(), "a scale past f16's range");
+    fn a_scale_past_f16s_range_is_refused() {
+        assert!(<Q8Matrix as QuantMatrix>::quantize(&[1e7; 32], 1, 32).is_none());
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors};
 
-use crate::gguf::{bf16_to_f32, f16_to_f32};
+use crate::bits16::{bf16_value, f16_value};
 use crate::sys::{map_file, Mmap};
 use crate::{ModelConfig, ModelError};
 
@@ -96,8 +96,8 @@ impl Shards {
         let b = t.data();
         Ok(match t.dtype() {
             Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
-            Dtype::F16 => b.chunks_exact(2).map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Dtype::F16 => b.chunks_exact(2).map(|c| f16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
             other => {
                 return Err(ModelError::Unsupported {
                     field: format!("dtype of {name}"),

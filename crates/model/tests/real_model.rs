@@ -3,9 +3,9 @@
 
 use std::sync::{Arc, Mutex, OnceLock};
 
+use pdserve_import::fetch::{ensure_default_model, models_dir};
+use pdserve_import::{permute_qk, Silent};
 use pdserve_kvcache::{KvCache, KvConfig, SeqId};
-use pdserve_model::fetch::{ensure_default_model, models_dir};
-use pdserve_model::import::{permute_qk, Silent};
 use pdserve_model::{
     Backend, ChatMessage, CpuBackend, IncrementalDecoder, ModelConfig, ModelFiles, Sampler, SamplingParams,
     SeqStep, TextCodec, Weights,

@@ -100,9 +100,9 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
     let addr = format!("{host}:{port}").parse().map_err(|e| format!("--host/--port: {e}"))?;
     let model_dir = match model {
         Some(m) => m,
-        None => pdserve_model::fetch::ensure_default_model(
-            &pdserve_model::fetch::models_dir(),
-            &mut pdserve_model::import::StderrBar::default(),
+        None => pdserve_import::fetch::ensure_default_model(
+            &pdserve_import::fetch::models_dir(),
+            &mut pdserve_import::StderrBar::default(),
             true,
         )
         .map_err(|e| format!("fetching the default model: {e}"))?,

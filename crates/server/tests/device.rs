@@ -9,9 +9,9 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn model() -> std::path::PathBuf {
-    pdserve_model::fetch::ensure_default_model(
-        &pdserve_model::fetch::models_dir(),
-        &mut pdserve_model::import::Silent,
+    pdserve_import::fetch::ensure_default_model(
+        &pdserve_import::fetch::models_dir(),
+        &mut pdserve_import::Silent,
         false,
     )
     .expect("default model")

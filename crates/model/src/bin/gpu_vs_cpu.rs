@@ -1,4 +1,4 @@
-//! `pdserve-gpu-vs-cpu [--model DIR | --gguf FILE --out DIR]`: the GPU backend against the CPU
+//! `pdserve-gpu-vs-cpu --model DIR`: the GPU backend against the CPU
 //! backend on the fixture prompts of tests/fixtures/reference.json (32 greedy tokens each).
 //!
 //! The CPU backend runs twice: with the weights as loaded (checked against the fixture's independent
@@ -10,7 +10,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pdserve_kvcache::{KvCache, KvConfig, SeqId};
-use pdserve_model::import::{import_gguf, Silent};
 use pdserve_model::{Backend, CpuBackend, GpuBackend, ModelFiles, SeqStep, Weights};
 
 const FIXTURE: &str = include_str!("../../tests/fixtures/reference.json");
@@ -122,17 +121,9 @@ fn rounded(w: &Weights) -> Weights {
 fn main() -> std::process::ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
-    let dir = if let Some(gguf) = arg("--gguf") {
-        let out = PathBuf::from(arg("--out").unwrap_or_else(|| "/tmp/pdserve-gpu-model".into()));
-        if !out.join("model.safetensors").exists() {
-            import_gguf(&PathBuf::from(gguf), &out, &mut Silent).expect("import the GGUF");
-        }
-        out
-    } else if let Some(d) = arg("--model") {
-        PathBuf::from(d)
-    } else {
-        pdserve_model::fetch::ensure_default_model(&pdserve_model::fetch::models_dir(), &mut Silent, false)
-            .expect("default model")
+    let Some(dir) = arg("--model").map(PathBuf::from) else {
+        eprintln!("usage: pdserve-gpu-vs-cpu --model DIR   (a Hugging Face folder; `cargo xtask test-gpu` passes the default model)");
+        return std::process::ExitCode::from(2);
     };
     let m = ModelFiles::load(&dir).expect("load the model");
     let fx: serde_json::Value = serde_json::from_str(FIXTURE).unwrap();

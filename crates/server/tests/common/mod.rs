@@ -20,9 +20,9 @@ pub struct Worker {
 impl Worker {
     /// Starts `pdserve-server` with `args` (the default model, fetched if needed).
     pub fn start(args: &[&str]) -> Worker {
-        let model = pdserve_model::fetch::ensure_default_model(
-            &pdserve_model::fetch::models_dir(),
-            &mut pdserve_model::import::Silent,
+        let model = pdserve_import::fetch::ensure_default_model(
+            &pdserve_import::fetch::models_dir(),
+            &mut pdserve_import::Silent,
             false,
         )
         .expect("default model");

@@ -1,8 +1,8 @@
 //! The GGUF reader on files written by the test: metadata of every type, tensor infos, data alignment,
 //! dequantization, and errors for broken files.
 
-use pdserve_model::gguf::{GgmlType, GgufFile, Value};
-use pdserve_model::ModelError;
+use pdserve_import::gguf::{GgmlType, GgufFile, Value};
+use pdserve_import::ImportError;
 
 fn string(out: &mut Vec<u8>, s: &str) {
     out.extend((s.len() as u64).to_le_bytes());
@@ -101,8 +101,11 @@ fn broken_files_are_errors_that_name_the_file() {
     for (name, bytes) in cases {
         let path = write(name, &bytes);
         let err = GgufFile::open(&path).unwrap_err();
-        assert!(matches!(err, ModelError::Format { .. } | ModelError::Unsupported { .. }), "{name}: {err:?}");
-        if let ModelError::Format { path: p, .. } = &err {
+        assert!(
+            matches!(err, ImportError::Format { .. } | ImportError::Unsupported { .. }),
+            "{name}: {err:?}"
+        );
+        if let ImportError::Format { path: p, .. } = &err {
             assert_eq!(p, &path, "{name}");
         }
         let _ = std::fs::remove_file(path);

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use serde_json::json;
 
 use crate::gguf::{GgufFile, Value};
-use crate::ModelError;
+use crate::ImportError;
 
 /// Progress reporting for long steps (a bar on stderr, or nothing).
 pub trait Progress {
@@ -109,11 +109,11 @@ fn hf_name(gguf: &str) -> Option<String> {
 /// Writes the Hugging Face folder for `gguf_path` into `out_dir` (created; must not exist yet). The
 /// files are written to a temporary sibling folder and renamed into place, so a half-written folder
 /// is never seen.
-pub fn import_gguf(gguf_path: &Path, out_dir: &Path, progress: &mut dyn Progress) -> Result<(), ModelError> {
+pub fn import_gguf(gguf_path: &Path, out_dir: &Path, progress: &mut dyn Progress) -> Result<(), ImportError> {
     let g = GgufFile::open(gguf_path)?;
     let arch = g.get("general.architecture").and_then(Value::as_str).unwrap_or("");
     if arch != "llama" {
-        return Err(ModelError::Unsupported { field: "general.architecture".into(), value: arch.into() });
+        return Err(ImportError::Unsupported { field: "general.architecture".into(), value: arch.into() });
     }
     let key = |k: &str| format!("llama.{k}");
     let n_layer = g.u64(&key("block_count"))? as usize;
@@ -163,28 +163,28 @@ pub fn import_gguf(gguf_path: &Path, out_dir: &Path, progress: &mut dyn Progress
         let _ = std::fs::remove_dir_all(&tmp);
         return Err(e);
     }
-    std::fs::rename(&tmp, out_dir).map_err(|e| ModelError::io(out_dir, e))
+    std::fs::rename(&tmp, out_dir).map_err(|e| ImportError::io(out_dir, e))
 }
 
-fn tmp_sibling(out_dir: &Path) -> Result<PathBuf, ModelError> {
+fn tmp_sibling(out_dir: &Path) -> Result<PathBuf, ImportError> {
     let parent = out_dir.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(|e| ModelError::io(parent, e))?;
+    std::fs::create_dir_all(parent).map_err(|e| ImportError::io(parent, e))?;
     let name = out_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| ModelError::io(&tmp, e))?;
+    std::fs::create_dir_all(&tmp).map_err(|e| ImportError::io(&tmp, e))?;
     Ok(tmp)
 }
 
-fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ModelError> {
-    let text = serde_json::to_string_pretty(v).map_err(|e| ModelError::format(path, e.to_string()))?;
-    std::fs::write(path, text).map_err(|e| ModelError::io(path, e))
+fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ImportError> {
+    let text = serde_json::to_string_pretty(v).map_err(|e| ImportError::format(path, e.to_string()))?;
+    std::fs::write(path, text).map_err(|e| ImportError::io(path, e))
 }
 
-fn write_tokenizer(g: &GgufFile, tokens: &[&str], dir: &Path) -> Result<(), ModelError> {
+fn write_tokenizer(g: &GgufFile, tokens: &[&str], dir: &Path) -> Result<(), ImportError> {
     let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
     if model != "gpt2" {
-        return Err(ModelError::Unsupported { field: "tokenizer.ggml.model".into(), value: model.into() });
+        return Err(ImportError::Unsupported { field: "tokenizer.ggml.model".into(), value: model.into() });
     }
     let merges = g.strings("tokenizer.ggml.merges")?;
     let types: Vec<u64> = g
@@ -244,13 +244,13 @@ fn write_weights(
     n_kv: usize,
     path: &Path,
     progress: &mut dyn Progress,
-) -> Result<(), ModelError> {
+) -> Result<(), ImportError> {
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::with_capacity(g.tensors.len());
     let total = g.tensors.len();
     for (i, t) in g.tensors.iter().enumerate() {
         progress.update(i, total, &format!("converting {}", t.name));
         let Some(name) = hf_name(&t.name) else {
-            return Err(ModelError::Unsupported { field: "GGUF tensor".into(), value: t.name.clone() });
+            return Err(ImportError::Unsupported { field: "GGUF tensor".into(), value: t.name.clone() });
         };
         let shape = t.shape();
         let mut values = g.dequantize(t);
@@ -269,12 +269,12 @@ fn write_weights(
         .map(|(n, s, b)| {
             safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
                 .map(|v| (n.clone(), v))
-                .map_err(|e| ModelError::format(path, e.to_string()))
+                .map_err(|e| ImportError::format(path, e.to_string()))
         })
         .collect::<Result<_, _>>()?;
     let meta: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
     safetensors::tensor::serialize_to_file(views, Some(meta), path)
-        .map_err(|e| ModelError::format(path, e.to_string()))
+        .map_err(|e| ImportError::format(path, e.to_string()))
 }
 
 #[cfg(test)]

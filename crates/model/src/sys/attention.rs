@@ -1,0 +1,384 @@
+//! Attention kernels: the masked softmax of prefill rows, the scaled exponentials decode attention
+//! sums, and decode's grouped scores and weighted value sums over a run of paged positions.
+
+/// Softmax of `row[..visible] * scale` in place, with `row[visible..]` set to zero (the causal
+/// mask and padding). Vectorized (AVX-512 exp by range reduction and a degree-6 polynomial, within
+/// 2 ulp) where the CPU has AVX-512F.
+pub(crate) fn softmax_masked(row: &mut [f32], visible: usize, scale: f32) {
+    assert!(visible >= 1 && visible <= row.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked); `visible <= row.len()` (asserted).
+            unsafe { softmax_masked_avx512(row, visible, scale) };
+            return;
+        }
+    }
+    softmax_masked_portable(row, visible, scale);
+}
+
+fn softmax_masked_portable(row: &mut [f32], visible: usize, scale: f32) {
+    let (live, masked) = row.split_at_mut(visible);
+    let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
+    let sum = exp_scaled_portable(live, scale, max);
+    for v in live.iter_mut() {
+        *v /= sum;
+    }
+    masked.fill(0.0);
+}
+
+/// `e^x` for 16 lanes; x below -87 gives 0 (as far as f32 softmax is concerned).
+///
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+    // x = n ln2 + r with |r| <= ln2 / 2; e^x = 2^n e^r.
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
+        x,
+        _mm512_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_145_75), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428_606_8e-6), r);
+    let mut p = _mm512_set1_ps(1.0 / 720.0);
+    for c in [1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    }
+    let e = _mm512_scalef_ps(p, n);
+    // Lanes clamped at -87 would give ~1.6e-38: make them exactly zero, like e^-inf.
+    _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(-87.0)), e)
+}
+
+/// # Safety
+/// AVX-512F; `1 <= visible <= row.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn softmax_masked_avx512(row: &mut [f32], visible: usize, scale: f32) {
+    use std::arch::x86_64::*;
+    let p = row.as_mut_ptr();
+    let lanes = |i: usize| -> __mmask16 {
+        let left = visible - i;
+        if left >= 16 {
+            0xffff
+        } else {
+            (1u16 << left) - 1
+        }
+    };
+    let vs = _mm512_set1_ps(scale);
+    let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < visible {
+        // SAFETY (of every masked load and store here): lanes at or past `visible` are masked off.
+        let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(i), p.add(i)), vs);
+        vmax = _mm512_mask_max_ps(vmax, lanes(i), vmax, v);
+        i += 16;
+    }
+    let sum = exp_scaled_avx512(&mut row[..visible], scale, _mm512_reduce_max_ps(vmax));
+    let inv = _mm512_set1_ps(1.0 / sum);
+    i = 0;
+    while i < visible {
+        let m = lanes(i);
+        _mm512_mask_storeu_ps(p.add(i), m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), inv));
+        i += 16;
+    }
+    row[visible..].fill(0.0);
+}
+
+/// `row[i] = e^(row[i] * scale - shift)` in place; returns their sum. Vectorized where the CPU has
+/// AVX-512F.
+pub(crate) fn exp_scaled(row: &mut [f32], scale: f32, shift: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked).
+            return unsafe { exp_scaled_avx512(row, scale, shift) };
+        }
+    }
+    exp_scaled_portable(row, scale, shift)
+}
+
+fn exp_scaled_portable(row: &mut [f32], scale: f32, shift: f32) -> f32 {
+    let mut sum = 0.0;
+    for v in row.iter_mut() {
+        *v = (*v * scale - shift).exp();
+        sum += *v;
+    }
+    sum
+}
+
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn exp_scaled_avx512(row: &mut [f32], scale: f32, shift: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let (p, n) = (row.as_mut_ptr(), row.len());
+    let (vscale, vshift) = (_mm512_set1_ps(scale), _mm512_set1_ps(shift));
+    let mut sum = _mm512_setzero_ps();
+    let mut i = 0;
+    while i < n {
+        let m: __mmask16 = if n - i >= 16 { 0xffff } else { (1u16 << (n - i)) - 1 };
+        // SAFETY (of the masked load and store): lanes at or past n are masked off.
+        let v = _mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), vscale), vshift);
+        let e = _mm512_maskz_mov_ps(m, exp_avx512(v));
+        sum = _mm512_add_ps(sum, e);
+        _mm512_mask_storeu_ps(p.add(i), m, e);
+        i += 16;
+    }
+    _mm512_reduce_add_ps(sum)
+}
+
+/// Scores of every query head against `n` positions' keys: `q` holds the heads (`hd` values each),
+/// head h reading KV head `h / group`; position i's K row (every KV head) starts `ldk` floats after
+/// position i - 1's in `k`. `out[h * ldo + i] = q_h . k_i[(h / group) * hd..][..hd]`.
+pub(crate) fn group_scores(
+    q: &[f32],
+    (hd, group): (usize, usize),
+    (k, ldk): (&[f32], usize),
+    n: usize,
+    (out, ldo): (&mut [f32], usize),
+) {
+    let heads = q.len() / hd;
+    assert!(hd > 0 && group > 0 && q.len() == heads * hd && heads.is_multiple_of(group));
+    assert!(n == 0 || k.len() >= (n - 1) * ldk + heads / group * hd);
+    assert!(heads == 0 || n == 0 || out.len() >= (heads - 1) * ldo + n);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F (checked); the same safe code, compiled for it.
+            unsafe { group_scores_avx512(q, (hd, group), (k, ldk), n, (out, ldo)) };
+            return;
+        }
+    }
+    group_scores_body(q, (hd, group), (k, ldk), n, (out, ldo));
+}
+
+/// # Safety
+/// AVX-512F; lengths as [`group_scores`] asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn group_scores_avx512(
+    q: &[f32],
+    (hd, group): (usize, usize),
+    (k, ldk): (&[f32], usize),
+    n: usize,
+    (out, ldo): (&mut [f32], usize),
+) {
+    use std::arch::x86_64::*;
+    if !hd.is_multiple_of(16) {
+        return group_scores_body(q, (hd, group), (k, ldk), n, (out, ldo));
+    }
+    let chunks = hd / 16;
+    for (h, qh) in q.chunks_exact(hd).enumerate() {
+        let off = (h / group) * hd;
+        let mut i0 = 0;
+        // Sixteen positions at a time: sixteen vectors of partial sums, then one transposing
+        // reduction gives their sixteen dot products in one vector.
+        while i0 < n {
+            let cnt = (n - i0).min(16);
+            let mut v = [_mm512_setzero_ps(); 16];
+            for (i, vi) in v.iter_mut().enumerate().take(cnt) {
+                // SAFETY (of the loads): position i0 + i < n, whose row holds `off + hd` floats.
+                let key = k.as_ptr().add((i0 + i) * ldk + off);
+                for c in 0..chunks {
+                    *vi = _mm512_fmadd_ps(
+                        _mm512_loadu_ps(qh.as_ptr().add(c * 16)),
+                        _mm512_loadu_ps(key.add(c * 16)),
+                        *vi,
+                    );
+                }
+            }
+            let sums = reduce16(&v);
+            let m: __mmask16 = if cnt == 16 { 0xffff } else { (1u16 << cnt) - 1 };
+            // SAFETY: out holds heads rows of at least n values, `ldo` apart (asserted by the caller).
+            _mm512_mask_storeu_ps(out.as_mut_ptr().add(h * ldo + i0), m, sums);
+            i0 += cnt;
+        }
+    }
+}
+
+/// `r[i]` = the sum of `v[i]`'s sixteen lanes, for sixteen vectors at once (a transposing reduction:
+/// 45 operations instead of sixteen separate horizontal sums).
+///
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn reduce16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // Per 128-bit lane: [sum of a's 4, b's 4, c's 4, d's 4] for four vectors a, b, c, d.
+    let four = |a: __m512, b: __m512, c: __m512, d: __m512| {
+        let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(ab, cd), _mm512_shuffle_ps::<0xEE>(ab, cd))
+    };
+    let t0 = four(v[0], v[1], v[2], v[3]);
+    let t1 = four(v[4], v[5], v[6], v[7]);
+    let t2 = four(v[8], v[9], v[10], v[11]);
+    let t3 = four(v[12], v[13], v[14], v[15]);
+    // Add 128-bit lanes 0+2 and 1+3 of two such vectors, then the remaining pairs.
+    let w01 = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(t0, t1), _mm512_shuffle_f32x4::<0xEE>(t0, t1));
+    let w23 = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(t2, t3), _mm512_shuffle_f32x4::<0xEE>(t2, t3));
+    _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(w01, w23), _mm512_shuffle_f32x4::<0xDD>(w01, w23))
+}
+
+#[inline(always)]
+fn group_scores_body(
+    q: &[f32],
+    (hd, group): (usize, usize),
+    (k, ldk): (&[f32], usize),
+    n: usize,
+    (out, ldo): (&mut [f32], usize),
+) {
+    for i in 0..n {
+        let row = &k[i * ldk..];
+        for (h, qh) in q.chunks_exact(hd).enumerate() {
+            let key = &row[(h / group) * hd..][..hd];
+            // Sixteen lanes summed separately, so the loop vectorizes without reordering a sum.
+            let mut lanes = [0f32; 16];
+            let (qc, kc) = (qh.chunks_exact(16), key.chunks_exact(16));
+            let tail: f32 = qc.remainder().iter().zip(kc.remainder()).map(|(a, b)| a * b).sum();
+            for (a, b) in qc.zip(kc) {
+                for l in 0..16 {
+                    lanes[l] += a[l] * b[l];
+                }
+            }
+            out[h * ldo + i] = lanes.iter().sum::<f32>() + tail;
+        }
+    }
+}
+
+/// `acc[h * hd..][..hd] += sum_i p[h * ldp + i] * v_i[(h / group) * hd..][..hd]` for every query head
+/// h, over `n` positions whose V rows (every KV head) are `ldv` floats apart in `v`.
+pub(crate) fn group_weighted_sum(
+    (p, ldp): (&[f32], usize),
+    (hd, group): (usize, usize),
+    (v, ldv): (&[f32], usize),
+    n: usize,
+    acc: &mut [f32],
+) {
+    let heads = acc.len() / hd;
+    assert!(hd > 0 && group > 0 && acc.len() == heads * hd && heads.is_multiple_of(group));
+    assert!(n == 0 || v.len() >= (n - 1) * ldv + heads / group * hd);
+    assert!(heads == 0 || n == 0 || p.len() >= (heads - 1) * ldp + n);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F (checked); the same safe code, compiled for it.
+            unsafe { group_weighted_sum_avx512((p, ldp), (hd, group), (v, ldv), n, acc) };
+            return;
+        }
+    }
+    group_weighted_sum_body((p, ldp), (hd, group), (v, ldv), n, acc);
+}
+
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn group_weighted_sum_avx512(
+    p: (&[f32], usize),
+    shape: (usize, usize),
+    v: (&[f32], usize),
+    n: usize,
+    acc: &mut [f32],
+) {
+    group_weighted_sum_body(p, shape, v, n, acc);
+}
+
+#[inline(always)]
+fn group_weighted_sum_body(
+    (p, ldp): (&[f32], usize),
+    (hd, group): (usize, usize),
+    (v, ldv): (&[f32], usize),
+    n: usize,
+    acc: &mut [f32],
+) {
+    for i in 0..n {
+        let row = &v[i * ldv..];
+        for (h, a) in acc.chunks_exact_mut(hd).enumerate() {
+            let w = p[h * ldp + i];
+            for (a, x) in a.iter_mut().zip(&row[(h / group) * hd..][..hd]) {
+                *a += w * x;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+
+    #[test]
+    fn softmax_kernels_agree_with_f64() {
+        for (len, visible) in [(1, 1), (17, 5), (64, 64), (100, 33), (1024, 1000)] {
+            let base: Vec<f32> = (0..len).map(|i| (i as f32 * 0.731).sin() * 40.0 - 3.0).collect();
+            let mut fast = base.clone();
+            let mut slow = base.clone();
+            super::softmax_masked(&mut fast, visible, 0.125);
+            super::softmax_masked_portable(&mut slow, visible, 0.125);
+            let max = base[..visible].iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v) * 0.125));
+            let sum: f64 = base[..visible].iter().map(|&v| (f64::from(v) * 0.125 - max).exp()).sum();
+            for i in 0..len {
+                let want = if i < visible { (f64::from(base[i]) * 0.125 - max).exp() / sum } else { 0.0 };
+                for got in [fast[i], slow[i]] {
+                    assert!(
+                        (f64::from(got) - want).abs() <= 1e-6 * want + 1e-12,
+                        "len {len} i {i}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+        // Scores far below the maximum underflow to exactly zero, as exp does.
+        let mut row = vec![0.0, -2000.0, 5.0, -1e30];
+        super::softmax_masked(&mut row, 4, 1.0);
+        assert_eq!((row[1], row[3]), (0.0, 0.0));
+        assert!((row[0] + row[2] - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn grouped_decode_attention_kernels_match_a_naive_loop() {
+        // 4 query heads over 2 KV heads (group 2), positions whose rows (both KV heads) sit `ld`
+        // floats apart: head size 20 (the portable loop), 64 with 5 and 37 positions (AVX-512's
+        // sixteen-at-a-time scores, a partial last group).
+        for (hd, n) in [(20, 5), (64, 5), (64, 37)] {
+            grouped_case(hd, n);
+        }
+    }
+
+    fn grouped_case(hd: usize, n: usize) {
+        let (group, heads, ld) = (2, 4, 2 * hd + 4);
+        let q: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let kv: Vec<f32> = (0..n * ld).map(|i| (i as f32 * 0.11).cos()).collect();
+        let ldo = n + 2;
+        let mut scores = vec![f32::NAN; heads * ldo];
+        super::group_scores(&q, (hd, group), (&kv, ld), n, (&mut scores, ldo));
+        let mut acc = vec![0.5; heads * hd];
+        super::group_weighted_sum((&scores, ldo), (hd, group), (&kv, ld), n, &mut acc);
+        for h in 0..heads {
+            let kvh = h / group;
+            for i in 0..n {
+                let want: f32 = (0..hd).map(|d| q[h * hd + d] * kv[i * ld + kvh * hd + d]).sum();
+                assert!((scores[h * ldo + i] - want).abs() < 1e-4, "hd {hd} n {n}: score h {h} i {i}");
+            }
+            for d in 0..hd {
+                let want: f32 =
+                    0.5 + (0..n).map(|i| scores[h * ldo + i] * kv[i * ld + kvh * hd + d]).sum::<f32>();
+                assert!((acc[h * hd + d] - want).abs() < 1e-3, "hd {hd} n {n}: acc h {h} d {d}");
+            }
+        }
+    }
+
+    #[test]
+    fn exp_scaled_sums_its_exps() {
+        let mut row = vec![2.0, 4.0, 6.0, 1.0];
+        let sum = super::exp_scaled(&mut row, 0.5, 3.0);
+        let want = [(-2f32).exp(), (-1f32).exp(), 1.0, (-2.5f32).exp()];
+        for (a, b) in row.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6);
+        }
+        assert!((sum - want.iter().sum::<f32>()).abs() < 1e-6);
+    }
+}

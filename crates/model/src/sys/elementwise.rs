@@ -1,0 +1,124 @@
+//! Element-wise kernels: SwiGLU (`silu(g) * u`) and the f32 dot product.
+
+#[cfg(target_arch = "x86_64")]
+use super::attention::exp_avx512;
+
+/// `out[i] = silu(g[i]) * u[i]` (SwiGLU), vectorized where the CPU has AVX-512F.
+pub(crate) fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+    assert!(g.len() == u.len() && u.len() == out.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked); the lengths are equal (asserted).
+            unsafe { silu_mul_avx512(g, u, out) };
+            return;
+        }
+    }
+    silu_mul_tail(g, u, out, 0);
+}
+
+fn silu_mul_tail(g: &[f32], u: &[f32], out: &mut [f32], from: usize) {
+    for i in from..g.len() {
+        out[i] = g[i] / (1.0 + (-g[i]).exp()) * u[i];
+    }
+}
+
+/// # Safety
+/// AVX-512F; `g`, `u` and `out` of equal length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn silu_mul_avx512(g: &[f32], u: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut done = 0;
+    while done + 16 <= g.len() {
+        // SAFETY (of the loads and the store): done + 16 <= len for all three slices.
+        let gv = _mm512_loadu_ps(g.as_ptr().add(done));
+        let e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        let s = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+        _mm512_storeu_ps(out.as_mut_ptr().add(done), _mm512_mul_ps(s, _mm512_loadu_ps(u.as_ptr().add(done))));
+        done += 16;
+    }
+    silu_mul_tail(g, u, out, done);
+}
+
+/// Dot product, with an AVX2+FMA kernel where the CPU has one.
+pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above), and the lengths are equal.
+            return unsafe { dot_avx2(a, b) };
+        }
+    }
+    dot_portable(a, b)
+}
+
+fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// # Safety
+/// The CPU must support AVX2 and FMA, and `a.len() == b.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = a.len();
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY (of the loads): i + 16 <= n, so both 8-lane loads at i and i + 8 are in bounds.
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
+        i += 16;
+    }
+    let acc = _mm256_add_ps(acc0, acc1);
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
+    let mut sum: f32 = lanes.iter().sum();
+    while i < n {
+        sum += *pa.add(i) * *pb.add(i);
+        i += 1;
+    }
+    sum
+}
+
+#[cfg(test)]
+mod tests {
+
+    #[test]
+    fn dot_kernels_agree() {
+        let a: Vec<f32> = (0..77).map(|i| (i as f32 * 0.37).sin()).collect();
+        let b: Vec<f32> = (0..77).map(|i| (i as f32 * 0.11).cos()).collect();
+        let exact: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum();
+        assert!((f64::from(super::dot(&a, &b)) - exact).abs() < 1e-4);
+        assert!((f64::from(super::dot_portable(&a, &b)) - exact).abs() < 1e-4);
+    }
+
+    #[test]
+    fn silu_mul_matches_the_formula() {
+        let g: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.7).collect();
+        let u: Vec<f32> = (0..37).map(|i| (i as f32 * 0.3).cos()).collect();
+        let mut out = vec![f32::NAN; 37];
+        super::silu_mul(&g, &u, &mut out);
+        for i in 0..37 {
+            let want = f64::from(g[i]) / (1.0 + (-f64::from(g[i])).exp()) * f64::from(u[i]);
+            assert!(
+                (f64::from(out[i]) - want).abs() < 1e-5 * (1.0 + want.abs()),
+                "{i}: {} vs {want}",
+                out[i]
+            );
+        }
+    }
+}

@@ -1,0 +1,81 @@
+//! The crate's unsafe code, each use with its reasoning: mapping files into memory, viewing KV memory
+//! as f32 values, and the CPU kernels (AVX-512 / AVX-512 BF16 / AVX2, chosen at run time), one module
+//! per kind, each with the portable loop it falls back to and is tested against.
+#![allow(unsafe_code)]
+
+use std::fs::File;
+use std::io;
+
+pub(crate) use memmap2::Mmap;
+
+/// Maps `file` read-only.
+pub(crate) fn map_file(file: &File) -> io::Result<Mmap> {
+    // SAFETY: the mapping is read-only and private to this process. Model files are written once (by
+    // import, to a temporary name renamed into place) and never modified while a process maps them;
+    // a file truncated underneath us would fault, which is the documented hazard of memory mapping and
+    // is outside what safe code can rule out.
+    unsafe { Mmap::map(file) }
+}
+
+/// For row tiles of up to six rows over `t` rows, with `$i` bound to each tile's first row, runs
+/// `$tile::<R>(args)` for the tile's row count R (a const generic, so each tile size gets its own fully
+/// unrolled register tile).
+macro_rules! row_tiles {
+    ($t:expr, |$i:ident| $tile:ident($($arg:expr),* $(,)?)) => {{
+        let mut $i = 0;
+        while $i < $t {
+            let r = ($t - $i).min(6);
+            match r {
+                6 => $tile::<6>($($arg),*),
+                5 => $tile::<5>($($arg),*),
+                4 => $tile::<4>($($arg),*),
+                3 => $tile::<3>($($arg),*),
+                2 => $tile::<2>($($arg),*),
+                _ => $tile::<1>($($arg),*),
+            }
+            $i += r;
+        }
+    }};
+}
+
+mod attention;
+mod elementwise;
+mod gemm;
+mod qdot;
+
+pub(crate) use attention::*;
+pub(crate) use elementwise::*;
+pub(crate) use gemm::*;
+pub(crate) use qdot::*;
+
+/// The bytes of f32 values (native, little-endian on every supported target).
+pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte of it is initialized; u8 has alignment 1; the length
+    // covers exactly the same memory.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Mutable form of [`f32_bytes`].
+pub(crate) fn f32_bytes_mut(v: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as in `f32_bytes`, and every byte pattern written through it is a valid f32; the
+    // borrow is unique.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+}
+
+/// Views bytes as f32 values. Panics unless the bytes are 4-aligned and a whole number of values
+/// (a page-aligned mapping always is).
+pub(crate) fn as_f32(bytes: &[u8]) -> &[f32] {
+    // SAFETY: every bit pattern is a valid f32; `align_to` never returns misaligned middles, and the
+    // assertion makes sure no byte is left out.
+    let (head, mid, tail) = unsafe { bytes.align_to::<f32>() };
+    assert!(head.is_empty() && tail.is_empty(), "KV memory is not f32-aligned");
+    mid
+}
+
+/// Mutable form of [`as_f32`].
+pub(crate) fn as_f32_mut(bytes: &mut [u8]) -> &mut [f32] {
+    // SAFETY: as in `as_f32`; the borrow is unique.
+    let (head, mid, tail) = unsafe { bytes.align_to_mut::<f32>() };
+    assert!(head.is_empty() && tail.is_empty(), "KV memory is not f32-aligned");
+    mid
+}

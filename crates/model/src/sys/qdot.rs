@@ -1,0 +1,194 @@
+//! Quantized dot products: an f32 vector against a row of Q8 (int8, f16 scale per 32) or Q4 (4-bit,
+//! f16 scale and minimum per 32) weights, AVX-512 with a portable fallback.
+
+use crate::bits16::f16_value;
+
+/// `sum_i x[i] * q[i] * scales[i / 32]`: a dot product against one Q8 row (`scales` as f16 bits),
+/// with an AVX-512 kernel where the CPU has one.
+pub(crate) fn dot_q8(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
+    assert_eq!(x.len(), q.len());
+    assert_eq!(q.len(), scales.len() * 32);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above) and the lengths match.
+            return unsafe { dot_q8_avx512(x, q, scales) };
+        }
+    }
+    dot_q8_portable(x, q, scales)
+}
+
+fn dot_q8_portable(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
+    let mut sum = 0f32;
+    for ((xg, qg), &s) in x.chunks_exact(32).zip(q.chunks_exact(32)).zip(scales) {
+        let mut acc = [0f32; 8];
+        for (xs, qs) in xg.chunks_exact(8).zip(qg.chunks_exact(8)) {
+            for l in 0..8 {
+                acc[l] += xs[l] * qs[l] as f32;
+            }
+        }
+        sum += acc.iter().sum::<f32>() * f16_value(s);
+    }
+    sum
+}
+
+/// f16 bits `h` as f32, broadcast to 16 lanes.
+///
+/// # Safety
+/// AVX-512F (the 512-bit `vcvtph2ps` is part of it).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn f16_splat(h: u16) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    _mm512_cvtph_ps(_mm256_set1_epi16(h as i16))
+}
+
+/// # Safety
+/// The CPU must support AVX-512F, `x.len() == q.len() == 32 * scales.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_q8_avx512(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
+    use std::arch::x86_64::*;
+    let (px, pq) = (x.as_ptr(), q.as_ptr());
+    let mut acc0 = _mm512_setzero_ps();
+    let mut acc1 = _mm512_setzero_ps();
+    let groups = scales.len();
+    let mut g = 0;
+    // Two groups per iteration into two accumulators: independent FMA chains.
+    while g + 2 <= groups {
+        for (j, acc) in [(0usize, &mut acc0), (1, &mut acc1)] {
+            let o = (g + j) * 32;
+            // SAFETY (of the loads): o + 32 <= x.len() == q.len().
+            let w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(o) as *const __m128i)));
+            let w1 =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(o + 16) as *const __m128i)));
+            let p = _mm512_fmadd_ps(
+                w1,
+                _mm512_loadu_ps(px.add(o + 16)),
+                _mm512_mul_ps(w0, _mm512_loadu_ps(px.add(o))),
+            );
+            *acc = _mm512_fmadd_ps(p, f16_splat(*scales.get_unchecked(g + j)), *acc);
+        }
+        g += 2;
+    }
+    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    while g < groups {
+        let o = g * 32;
+        sum += dot_q8_portable(&x[o..o + 32], &q[o..o + 32], &scales[g..g + 1]);
+        g += 1;
+    }
+    sum
+}
+
+/// `sum_g scales[g] * (q_g . x_g) + mins[g] * xsum[g]` for one Q4 row (see `quant::Q4Matrix`; scales
+/// and minimums as f16 bits), with an AVX-512 kernel where the CPU has one.
+pub(crate) fn dot_q4(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
+    assert_eq!(x.len(), packed.len() * 2);
+    assert!(scales.len() == mins.len() && mins.len() == xsum.len() && x.len() == scales.len() * 32);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above) and the lengths match.
+            return unsafe { dot_q4_avx512(x, packed, scales, mins, xsum) };
+        }
+    }
+    dot_q4_portable(x, packed, scales, mins, xsum)
+}
+
+fn dot_q4_portable(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
+    let mut sum = 0f32;
+    for (g, (xg, pg)) in x.chunks_exact(32).zip(packed.chunks_exact(16)).enumerate() {
+        let mut acc = 0f32;
+        for (j, b) in pg.iter().enumerate() {
+            acc += xg[j] * (b & 15) as f32 + xg[j + 16] * (b >> 4) as f32;
+        }
+        sum += acc * f16_value(scales[g]) + f16_value(mins[g]) * xsum[g];
+    }
+    sum
+}
+
+/// # Safety
+/// The CPU must support AVX-512F; lengths as `dot_q4` asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_q4_avx512(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let (px, pq) = (x.as_ptr(), packed.as_ptr());
+    let low = _mm_set1_epi8(15);
+    let mut acc0 = _mm512_setzero_ps();
+    let mut acc1 = _mm512_setzero_ps();
+    let groups = scales.len();
+    let mut g = 0;
+    while g + 2 <= groups {
+        for (j, acc) in [(0usize, &mut acc0), (1, &mut acc1)] {
+            let (o, b) = ((g + j) * 32, (g + j) * 16);
+            // SAFETY (of the loads): b + 16 <= packed.len() and o + 32 <= x.len().
+            let bytes = _mm_loadu_si128(pq.add(b) as *const __m128i);
+            let lo = _mm_and_si128(bytes, low);
+            let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+            let w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+            let w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+            let p = _mm512_fmadd_ps(
+                w1,
+                _mm512_loadu_ps(px.add(o + 16)),
+                _mm512_mul_ps(w0, _mm512_loadu_ps(px.add(o))),
+            );
+            *acc = _mm512_fmadd_ps(p, f16_splat(*scales.get_unchecked(g + j)), *acc);
+        }
+        g += 2;
+    }
+    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    if g < groups {
+        sum += dot_q4_portable(&x[g * 32..], &packed[g * 16..], &scales[g..], &[0], &[0.0]);
+    }
+    // The minimums' share: sixteen groups at a time.
+    let mut macc = _mm512_setzero_ps();
+    let mut g = 0;
+    while g + 16 <= groups {
+        // SAFETY (of the loads): g + 16 <= groups == mins.len() == xsum.len().
+        let m = _mm512_cvtph_ps(_mm256_loadu_si256(mins.as_ptr().add(g) as *const __m256i));
+        macc = _mm512_fmadd_ps(m, _mm512_loadu_ps(xsum.as_ptr().add(g)), macc);
+        g += 16;
+    }
+    sum + _mm512_reduce_add_ps(macc)
+        + mins[g..].iter().zip(&xsum[g..]).map(|(&m, s)| f16_value(m) * s).sum::<f32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::bits16::{f16_bits, f16_value};
+
+    #[test]
+    fn q8_dot_kernels_agree() {
+        let n = 32 * 37; // two blocks of 16 groups and a partial one
+        let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+        let q: Vec<i8> = (0..n).map(|i| ((i * 53 % 255) as i32 - 127) as i8).collect();
+        let s: Vec<u16> = (0..37).map(|g| f16_bits(0.01 + g as f32 * 0.003)).collect();
+        let sf = |g: usize| f64::from(f16_value(s[g]));
+        let exact: f64 = (0..n).map(|i| f64::from(x[i]) * f64::from(q[i]) * sf(i / 32)).sum();
+        assert!((f64::from(super::dot_q8(&x, &q, &s)) - exact).abs() < 1e-3);
+        assert!((f64::from(super::dot_q8_portable(&x, &q, &s)) - exact).abs() < 1e-3);
+    }
+
+    #[test]
+    fn q4_dot_kernels_agree() {
+        let groups = 37;
+        let x: Vec<f32> = (0..groups * 32).map(|i| (i as f32 * 0.37).sin()).collect();
+        let packed: Vec<u8> = (0..groups * 16).map(|i| (i * 73 % 256) as u8).collect();
+        let s: Vec<u16> = (0..groups).map(|g| f16_bits(0.01 + g as f32 * 0.003)).collect();
+        let m: Vec<u16> = (0..groups).map(|g| f16_bits(-0.1 + g as f32 * 0.02)).collect();
+        let (sf, mf) = (|g: usize| f64::from(f16_value(s[g])), |g: usize| f64::from(f16_value(m[g])));
+        let xsum: Vec<f32> = x.chunks(32).map(|c| c.iter().sum()).collect();
+        let mut exact = 0f64;
+        for g in 0..groups {
+            for j in 0..16 {
+                let b = packed[g * 16 + j];
+                let (lo, hi) = (f64::from(b & 15), f64::from(b >> 4));
+                exact += f64::from(x[g * 32 + j]) * (mf(g) + lo * sf(g));
+                exact += f64::from(x[g * 32 + j + 16]) * (mf(g) + hi * sf(g));
+            }
+        }
+        assert!((f64::from(super::dot_q4(&x, &packed, &s, &m, &xsum)) - exact).abs() < 1e-3);
+        assert!((f64::from(super::dot_q4_portable(&x, &packed, &s, &m, &xsum)) - exact).abs() < 1e-3);
+    }
+}

@@ -1,0 +1,196 @@
+//! `cargo xtask chaos [NAME ...] [--short]`: faults against real processes (the router in front of a
+//! prefill and a decode worker), each scenario with assertions: every request sent got a terminal
+//! outcome within its deadline plus 1 s; `/health/ready` told the truth; requests after recovery
+//! succeed; KV, transfer and request ledgers return to their baseline; no process other than the one
+//! killed exited. One table row per scenario.
+
+mod netns;
+mod scenarios;
+mod stack;
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Result};
+use pdserve_loadgen::{run_point, Conn, Load, Outcome, Progress, Shape, Slo, Target};
+
+use netns::netns_partition;
+use scenarios::*;
+use stack::{worker_args, Stack};
+
+const SCENARIOS: &[&str] = &[
+    "decode_kill",
+    "prefill_kill",
+    "decode_stall",
+    "disconnect_storm",
+    "slowloris",
+    "overload",
+    "hung_worker",
+    "restart_readd",
+    "bad_input",
+    "long_context",
+    "soak",
+    "netns_partition",
+];
+
+/// The scenarios CI runs (`cargo xtask test`), in their short form.
+pub(crate) const CI_SCENARIOS: &[&str] = &["decode_kill", "disconnect_storm", "hung_worker"];
+
+/// What a scenario reports for its table row.
+#[derive(Debug, Default)]
+pub(super) struct Row {
+    sent: usize,
+    completed: usize,
+    errors: usize,
+    hung: usize,
+    note: String,
+}
+
+pub(super) fn shape(max_tokens: u64, timeout_s: f64) -> Shape {
+    Shape {
+        prompt_words: 30,
+        max_tokens,
+        timeout: Duration::from_secs_f64(timeout_s),
+        grace: Duration::from_secs(1),
+        ..Shape::default()
+    }
+}
+
+pub(super) fn chat_body(max_tokens: u64, timeout_s: f64, i: usize) -> Vec<u8> {
+    serde_json::to_vec(&serde_json::json!({
+        "messages": [{"role": "user", "content": format!("Story {i}: tell me about {}", pdserve_loadgen::words(20, i as u64))}],
+        "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "timeout": timeout_s,
+    }))
+    .unwrap_or_default()
+}
+
+pub(super) fn streams(
+    router: &str,
+    n: usize,
+    max_tokens: u64,
+    timeout_s: f64,
+    during: impl FnOnce(),
+) -> Vec<Outcome> {
+    let addr: SocketAddr = router.trim_start_matches("http://").parse().expect("router address");
+    let handles: Vec<_> = (0..n)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let mut c = Conn::new(addr);
+                let deadline = Instant::now() + Duration::from_secs_f64(timeout_s);
+                c.request(
+                    "/v1/chat/completions",
+                    &chat_body(max_tokens, timeout_s, i),
+                    deadline,
+                    Duration::from_secs(1),
+                    None,
+                )
+            })
+        })
+        .collect();
+    during();
+    handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+}
+
+pub(super) fn tally(outcomes: &[Outcome]) -> Row {
+    Row {
+        sent: outcomes.len(),
+        completed: outcomes.iter().filter(|o| o.ok()).count(),
+        errors: outcomes.iter().filter(|o| !o.ok() && !o.hung).count(),
+        hung: outcomes.iter().filter(|o| o.hung || !o.terminal).count(),
+        note: String::new(),
+    }
+}
+
+/// A few requests after recovery, every one of which must succeed.
+pub(super) fn after_recovery(router: &str) -> Result<()> {
+    let t = Target::parse(router).map_err(anyhow::Error::msg)?;
+    let r = run_point(
+        &t,
+        &Load::Closed { concurrency: 2, requests: 4 },
+        &shape(8, 30.0),
+        &Slo::default(),
+        &Progress::quiet(),
+    );
+    ensure!(r.ok == 4, "after recovery only {} of 4 requests succeeded: {:?}", r.ok, r.errors);
+    Ok(())
+}
+
+pub(super) fn report(name: &str, started: Instant, result: Result<Row>, failed: &mut Vec<String>) {
+    let secs = started.elapsed().as_secs_f64();
+    match result {
+        Ok(r) => println!(
+            "{name:<18} {secs:>7.1}s {:>5} {:>9} {:>6} {:>4}  pass: {}",
+            r.sent, r.completed, r.errors, r.hung, r.note
+        ),
+        Err(e) => {
+            println!("{name:<18} {secs:>7.1}s {:>5} {:>9} {:>6} {:>4}  FAIL: {e:#}", "-", "-", "-", "-");
+            failed.push(name.to_owned());
+        }
+    }
+}
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let mut names: Vec<String> = Vec::new();
+    let mut short = false;
+    for a in args {
+        match a.as_str() {
+            "--short" => short = true,
+            "--ci" => {
+                short = true;
+                names.extend(CI_SCENARIOS.iter().map(|s| (*s).to_owned()));
+            }
+            n if SCENARIOS.contains(&n) => names.push(n.to_owned()),
+            other => bail!("unknown scenario {other:?}; scenarios: {}", SCENARIOS.join(", ")),
+        }
+    }
+    if names.is_empty() {
+        names = SCENARIOS.iter().map(|s| (*s).to_owned()).collect();
+    }
+    let model = crate::fetch_model(&[])?;
+    // Short runs reuse the test build (the model crate is optimized there too); full runs use release.
+    let profile = if short { "debug" } else { "release" };
+    if short {
+        crate::cargo(&["build", "-p", "pdserve-server", "-p", "pdserve-router"])?;
+    } else {
+        crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-router"])?;
+    }
+    let root = crate::workspace_root().join("target").join(profile);
+    let bins = (root.join("pdserve-server"), root.join("pdserve-router"));
+    println!(
+        "{:<18} {:>8} {:>5} {:>9} {:>6} {:>4}  result",
+        "scenario", "time", "sent", "completed", "errors", "hung"
+    );
+    let mut failed = Vec::new();
+    for name in &names {
+        let started = Instant::now();
+        let router_extra: &[&str] = if name == "overload" {
+            &["--max-in-flight", "8", "--max-queued", "8", "--queue-timeout-s", "3"]
+        } else {
+            &[]
+        };
+        if name == "netns_partition" {
+            let result = netns_partition(&bins, &model, short);
+            report(name, started, result, &mut failed);
+            continue;
+        }
+        let result = Stack::start(name, router_extra, &bins, &model).and_then(|mut s| match name.as_str() {
+            "decode_kill" => decode_kill(&mut s, short),
+            "decode_stall" => decode_stall(&mut s, short),
+            "disconnect_storm" => disconnect_storm(&mut s, short),
+            "overload" => overload(&mut s, short),
+            "hung_worker" => hung_worker(&mut s, short),
+            "prefill_kill" => prefill_kill(&mut s, short),
+            "slowloris" => slowloris(&mut s, short),
+            "bad_input" => bad_input(&mut s, short),
+            "long_context" => long_context(&mut s, short),
+            "soak" => soak(&mut s, short),
+            "restart_readd" => restart_readd(&mut s, short),
+            _ => unreachable!("checked above"),
+        });
+        report(name, started, result, &mut failed);
+    }
+    if !failed.is_empty() {
+        bail!("chaos scenarios failed: {} (logs in target/chaos/<scenario>/)", failed.join(", "));
+    }
+    Ok(())
+}

@@ -1,0 +1,435 @@
+//! The fault scenarios, each with its assertions (RELIABILITY.md).
+
+use std::io::{Read, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context, Result};
+use pdserve_loadgen::{run_point, Conn, Load, Progress, Shape, Slo, Target};
+
+use crate::where_::{call, get};
+
+use super::*;
+
+pub(super) fn decode_kill(s: &mut Stack, short: bool) -> Result<Row> {
+    let n = if short { 8 } else { 32 };
+    kill_and_replace(s, "decode", n, 400, Duration::from_millis(1500), "")
+}
+
+/// Kills the only worker of `role` (`ROLE-0`) with SIGKILL `after` into `n` streams of `max_tokens`,
+/// and asserts: every stream ends, readiness drops within 5 s, a replacement (`ROLE-1`, added through
+/// `/workers`) brings readiness back, requests succeed again, nothing else died, ledgers return to
+/// zero. `also` goes into the row's note between the two readiness figures.
+pub(super) fn kill_and_replace(
+    s: &mut Stack,
+    role: &str,
+    n: usize,
+    max_tokens: u64,
+    after: Duration,
+    also: &str,
+) -> Result<Row> {
+    let (dead, fresh) = (format!("{role}-0"), format!("{role}-1"));
+    let mut not_ready_after = Duration::ZERO;
+    let outcomes = streams(&s.router.clone(), n, max_tokens, 60.0, || {
+        std::thread::sleep(after);
+        let _ = s.signal(&dead, "-KILL");
+        not_ready_after = s.wait_ready(false, Duration::from_secs(5)).unwrap_or(Duration::MAX);
+    });
+    let mut row = tally(&outcomes);
+    ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
+    ensure!(not_ready_after < Duration::from_secs(5), "still ready after the only {role} worker died");
+    s.replace_worker(&dead, &fresh, role)?;
+    let back = s.wait_ready(true, Duration::from_secs(30))?;
+    s.recovered(&[&dead])?;
+    row.note = format!(
+        "not ready {} ms after the kill; {also}ready {} ms after a new {role} worker joined",
+        not_ready_after.as_millis(),
+        back.as_millis()
+    );
+    Ok(row)
+}
+
+pub(super) fn decode_stall(s: &mut Stack, short: bool) -> Result<Row> {
+    let n = if short { 4 } else { 16 };
+    let stall = if short { 5 } else { 10 };
+    let mut saw_not_ready = false;
+    let outcomes = streams(&s.router.clone(), n, 200, 6.0, || {
+        std::thread::sleep(Duration::from_millis(800));
+        let _ = s.signal("decode-0", "-STOP");
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(stall) {
+            saw_not_ready |= !s.ready();
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let _ = s.signal("decode-0", "-CONT");
+    });
+    let mut row = tally(&outcomes);
+    ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
+    ensure!(saw_not_ready, "the router stayed ready while the only decode worker was stopped");
+    let back = s.wait_ready(true, Duration::from_secs(30))?;
+    s.recovered(&[])?;
+    row.note = format!(
+        "stalled {stall} s; not ready during the stall; ready again {} ms after SIGCONT",
+        back.as_millis()
+    );
+    Ok(row)
+}
+
+pub(super) fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
+    let total = if short { 60 } else { 500 };
+    let addr: SocketAddr = s.router.trim_start_matches("http://").parse()?;
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let threads: Vec<_> = (0..16)
+        .map(|_| {
+            let next = Arc::clone(&next);
+            std::thread::spawn(move || {
+                let mut dropped = 0usize;
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= total {
+                        return dropped;
+                    }
+                    let Ok(mut c) = TcpStream::connect(addr) else { continue };
+                    let body = chat_body(64, 30.0, i);
+                    let _ = write!(
+                        c,
+                        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = c.write_all(&body);
+                    // Leave at a point that depends on i: at once (before or during the prefill leg and
+                    // the transfer), or after some events of the stream.
+                    let events = i % 7;
+                    let _ = c.set_read_timeout(Some(Duration::from_secs(30)));
+                    let mut seen = 0;
+                    let mut buf = [0u8; 4096];
+                    if events == 0 {
+                        std::thread::sleep(Duration::from_millis((i % 5) as u64 * 20));
+                    }
+                    while seen < events {
+                        match c.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => seen += buf[..n].windows(5).filter(|w| w == b"data:").count(),
+                        }
+                    }
+                    drop(c);
+                    dropped += 1;
+                }
+            })
+        })
+        .collect();
+    let dropped: usize = threads.into_iter().map(|t| t.join().unwrap_or(0)).sum();
+    s.baseline(&[])?;
+    after_recovery(&s.router)?;
+    s.all_alive_but(&[])?;
+    Ok(Row {
+        sent: total,
+        completed: 0,
+        errors: 0,
+        hung: 0,
+        note: format!("{dropped} clients left at random points; every ledger back to zero"),
+    })
+}
+
+pub(super) fn overload(s: &mut Stack, short: bool) -> Result<Row> {
+    let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
+    let secs = if short { 10.0 } else { 30.0 };
+    // Well past what the stack sustains (about 10 requests/s of this shape with Q4 weights on 2 vCPUs).
+    let rate = 32.0;
+    let load = Load::Poisson { rate, duration: Duration::from_secs_f64(secs), connections: 128 };
+    let r = run_point(&t, &load, &shape(16, 15.0), &Slo::default(), &Progress::quiet());
+    ensure!(r.hung == 0, "{} hung requests under overload", r.hung);
+    let refused: u64 =
+        r.errors.iter().filter(|(k, _)| k.starts_with("429") || k.starts_with("503")).map(|(_, v)| v).sum();
+    ensure!(
+        refused > 0 || r.ok == r.sent,
+        "overload produced neither refusals nor only successes: {:?}",
+        r.errors
+    );
+    s.wait_ready(true, Duration::from_secs(30))?;
+    s.recovered(&[])?;
+    let errs: Vec<String> = r.errors.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+    Ok(Row {
+        sent: r.sent as usize,
+        completed: r.ok as usize,
+        errors: (r.sent - r.ok) as usize,
+        hung: 0,
+        note: format!(
+            "{rate} req/s for {secs} s into 8 in flight + 8 queued; {:.1} req/s completed, the rest answered {}",
+            r.ok as f64 / secs,
+            errs.join(" ")
+        ),
+    })
+}
+
+pub(super) fn prefill_kill(s: &mut Stack, short: bool) -> Result<Row> {
+    let n = if short { 8 } else { 24 };
+    // Long prompts keep the prefill worker busy (prefilling, holding and handing over KV) when it dies.
+    kill_and_replace(s, "prefill", n, 64, Duration::from_millis(700), "the decode worker dropped its pulls; ")
+}
+
+pub(super) fn slowloris(s: &mut Stack, short: bool) -> Result<Row> {
+    let n = if short { 200 } else { 1000 };
+    let addr: SocketAddr = s.router.trim_start_matches("http://").parse()?;
+    let mut held = Vec::new();
+    for i in 0..n {
+        let mut c = TcpStream::connect(addr)?;
+        // Half a request head, never finished; every tenth connection sends nothing at all.
+        if i % 10 != 0 {
+            let _ = c.write_all(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-le");
+        }
+        held.push(c);
+    }
+    // Normal traffic is served while they sit there.
+    let t = Instant::now();
+    after_recovery(&s.router)?;
+    let served_in = t.elapsed();
+    // The router cuts them off at its head deadline (408) instead of holding them forever.
+    let mut answered = 0;
+    for c in held.iter_mut() {
+        c.set_read_timeout(Some(Duration::from_secs(20)))?;
+        let mut buf = [0u8; 64];
+        match c.read(&mut buf) {
+            Ok(0) => answered += 1,
+            Ok(k) if buf[..k].starts_with(b"HTTP/1.1 408") => answered += 1,
+            _ => {}
+        }
+    }
+    ensure!(answered == n, "only {answered} of {n} stalled connections were cut off");
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    Ok(Row {
+        sent: n,
+        completed: 4,
+        errors: 0,
+        hung: 0,
+        note: format!("{n} half-sent requests held open; 4 normal requests served in {} ms meanwhile; all {n} cut off (408 or close) at the head deadline", served_in.as_millis()),
+    })
+}
+
+pub(super) fn bad_input(s: &mut Stack, _short: bool) -> Result<Row> {
+    let raw: Vec<(&str, Vec<u8>)> = vec![
+        ("broken request line", b"GARBAGE\r\n\r\n".to_vec()),
+        ("HTTP/9", b"GET / HTTP/9.0\r\n\r\n".to_vec()),
+        (
+            "bad chunk size",
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n"
+                .to_vec(),
+        ),
+        ("header flood", {
+            let mut v = b"GET /health/live HTTP/1.1\r\n".to_vec();
+            for i in 0..200 {
+                v.extend_from_slice(format!("x-h{i}: v\r\n").as_bytes());
+            }
+            v.extend_from_slice(b"\r\n");
+            v
+        }),
+        (
+            "body longer than declared",
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}}}}}".to_vec(),
+        ),
+        ("null bytes in the head", b"GET /health\x00/live HTTP/1.1\r\n\r\n".to_vec()),
+        (
+            "oversized body",
+            format!("POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-length: {}\r\n\r\n", 64 << 20)
+                .into_bytes(),
+        ),
+    ];
+    let bodies: Vec<(&str, Vec<u8>)> = vec![
+        ("invalid UTF-8", b"{\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}".to_vec()),
+        ("wrong types", br#"{"messages":"hello","max_tokens":"ten"}"#.to_vec()),
+        ("huge number", br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":1e308}"#.to_vec()),
+        ("negative max_tokens", br#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":-5}"#.to_vec()),
+        ("deeply nested", format!("{{\"messages\":{}1{}}}", "[".repeat(5000), "]".repeat(5000)).into_bytes()),
+        (
+            "enormous stop list",
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"hi"}}],"stop":[{}]}}"#,
+                vec!["\"x\""; 100_000].join(",")
+            )
+            .into_bytes(),
+        ),
+        ("empty messages", br#"{"messages":[]}"#.to_vec()),
+        ("not JSON", b"hello".to_vec()),
+    ];
+    let mut checked = 0;
+    for target in [s.router.clone(), s.url_of("decode-0"), s.url_of("prefill-0")] {
+        let addr: SocketAddr = target.trim_start_matches("http://").parse()?;
+        for (what, bytes) in &raw {
+            let mut c = TcpStream::connect(addr)?;
+            c.set_read_timeout(Some(Duration::from_secs(15)))?;
+            let _ = c.write_all(bytes);
+            let mut out = Vec::new();
+            let _ = c.read_to_end(&mut out);
+            let text = String::from_utf8_lossy(&out);
+            let status: u16 = text.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0);
+            ensure!(
+                out.is_empty() || (400..500).contains(&status) || status == 501 || status == 505,
+                "{target}: {what}: answered {:?}",
+                text.lines().next()
+            );
+            if !out.is_empty() {
+                ensure!(text.contains("\"error\""), "{target}: {what}: the {status} has no JSON error body");
+            }
+            checked += 1;
+        }
+        for (what, body) in &bodies {
+            let (status, answer) = call("POST", &target, "/v1/chat/completions", body)?;
+            ensure!((400..500).contains(&status), "{target}: {what}: answered {status}");
+            let v: serde_json::Value =
+                serde_json::from_slice(&answer).with_context(|| format!("{target}: {what}: not JSON"))?;
+            ensure!(v["error"]["type"].is_string(), "{target}: {what}: {v}");
+            checked += 1;
+        }
+    }
+    s.recovered(&[])?;
+    Ok(Row {
+        sent: checked,
+        completed: 0,
+        errors: checked,
+        hung: 0,
+        note: format!("{} malformed HTTP and {} malformed API bodies to the router and both workers: each a 4xx with a JSON error or a clean close; service unaffected", raw.len(), bodies.len()),
+    })
+}
+
+pub(super) fn long_context(s: &mut Stack, short: bool) -> Result<Row> {
+    // A prompt that fills the model's context (8,192 tokens) but for the answer, decoded in a batch with
+    // short requests.
+    let prompt_tokens = if short { 2000 } else { 8000 };
+    let max_tokens = 150u64;
+    let ids: Vec<u32> = (0..prompt_tokens).map(|i| 1000 + (i * 7919) % 40000).collect();
+    // The count comes from the stream's usage chunk: a token can decode to no text (a special token
+    // the model emits under `ignore_eos`, or the first byte of a character), so text events undercount.
+    let body = serde_json::to_vec(&serde_json::json!({
+        "prompt": ids, "max_tokens": max_tokens, "ignore_eos": true, "stream": true, "timeout": 900,
+        "stream_options": {"include_usage": true},
+    }))?;
+    let addr: SocketAddr = s.router.trim_start_matches("http://").parse()?;
+    let long = std::thread::spawn(move || {
+        let mut c = Conn::new(addr);
+        c.request(
+            "/v1/completions",
+            &body,
+            Instant::now() + Duration::from_secs(900),
+            Duration::from_secs(1),
+            None,
+        )
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let short_ones = streams(&s.router.clone(), 4, 32, 900.0, || {});
+    let long = long.join().map_err(|_| anyhow::anyhow!("client thread panicked"))?;
+    ensure!(long.ok(), "the long-context request failed: {:?} (status {})", long.error, long.status);
+    ensure!(long.output_tokens == max_tokens, "the long-context request gave {} tokens", long.output_tokens);
+    let row = tally(&short_ones);
+    ensure!(row.completed == 4, "short requests beside it: {row:?}");
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    Ok(Row {
+        sent: 5,
+        completed: 5,
+        errors: 0,
+        hung: 0,
+        note: format!(
+            "{prompt_tokens} prompt tokens + {max_tokens} generated (to position {}), TTFT {:.1} s, {:.0} ms per token after; 4 short requests in the same batch completed",
+            prompt_tokens as u64 + max_tokens,
+            long.ttft.unwrap_or_default().as_secs_f64(),
+            long.e2e.saturating_sub(long.ttft.unwrap_or_default()).as_secs_f64() * 1000.0 / (max_tokens - 1) as f64
+        ),
+    })
+}
+
+pub(super) fn soak(s: &mut Stack, short: bool) -> Result<Row> {
+    let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
+    let (agents, rounds) = if short { (8, 3) } else { (32, 10) };
+    let shape = Shape { disconnect_one_in: 5, ..shape(32, 600.0) };
+    let r = run_point(
+        &t,
+        &Load::Agents { agents, rounds, tool_words: 40 },
+        &shape,
+        &Slo::default(),
+        &Progress::quiet(),
+    );
+    ensure!(r.hung == 0, "{} hung requests", r.hung);
+    let left: u64 = r.errors.iter().filter(|(k, _)| k.ends_with(" client_disconnect")).map(|(_, v)| v).sum();
+    let other: u64 = r.errors.values().sum::<u64>() - left;
+    ensure!(other == 0, "errors besides client disconnects: {:?}", r.errors);
+    s.recovered(&[])?;
+    Ok(Row {
+        sent: r.sent as usize,
+        completed: r.ok as usize,
+        errors: left as usize,
+        hung: 0,
+        note: format!(
+            "{agents} agents x {rounds} rounds, growing contexts, one request in five abandoned by its client at a random token: {left} disconnects, {:.0} output tokens/s, nothing leaked",
+            r.tokens_per_s()
+        ),
+    })
+}
+
+pub(super) fn hung_worker(s: &mut Stack, short: bool) -> Result<Row> {
+    // A "decode worker" that accepts connections and never answers anything.
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let url = format!("http://{}", l.local_addr()?);
+    let stop = Arc::new(AtomicBool::new(false));
+    let st = Arc::clone(&stop);
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        l.set_nonblocking(true).ok();
+        while !st.load(Ordering::Relaxed) {
+            if let Ok((c, _)) = l.accept() {
+                held.push(c);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    s.add_worker(&url, "decode")?;
+    let n = if short { 6 } else { 16 };
+    let outcomes = streams(&s.router.clone(), n, 16, 8.0, || {});
+    let mut row = tally(&outcomes);
+    ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
+    // The breaker has taken it out.
+    let (_, list) = get(&s.router, "/workers")?;
+    let v: serde_json::Value = serde_json::from_slice(&list)?;
+    let state = v["workers"]
+        .as_array()
+        .and_then(|a| a.iter().find(|w| w["url"] == url.as_str()))
+        .map(|w| w["state"].clone());
+    ensure!(state == Some(serde_json::json!("down")), "the silent worker is {state:?}, not down");
+    after_recovery(&s.router)?;
+    s.remove_worker(&url)?;
+    stop.store(true, Ordering::Relaxed);
+    s.all_alive_but(&[])?;
+    s.baseline(&[])?;
+    row.note = "a worker that never answers: its requests end at their deadline, probes take it out".into();
+    Ok(row)
+}
+
+pub(super) fn restart_readd(s: &mut Stack, short: bool) -> Result<Row> {
+    let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
+    let secs = if short { 8.0 } else { 20.0 };
+    let load = Load::Poisson { rate: 1.0, duration: Duration::from_secs_f64(secs), connections: 16 };
+    let traffic = std::thread::spawn(move || {
+        run_point(&t, &load, &shape(16, 60.0), &Slo::default(), &Progress::quiet())
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    s.signal("decode-0", "-KILL")?;
+    s.replace_worker("decode-0", "decode-1", "decode")?;
+    let r = traffic.join().map_err(|_| anyhow::anyhow!("traffic thread panicked"))?;
+    ensure!(r.hung == 0, "{} hung requests", r.hung);
+    ensure!(r.ok > 0, "no request succeeded around the restart: {:?}", r.errors);
+    s.wait_ready(true, Duration::from_secs(30))?;
+    s.recovered(&["decode-0"])?;
+    let errs: Vec<String> = r.errors.iter().map(|(k, v)| format!("{k}:{v}")).collect();
+    Ok(Row {
+        sent: r.sent as usize,
+        completed: r.ok as usize,
+        errors: (r.sent - r.ok) as usize,
+        hung: 0,
+        note: format!(
+            "1 req/s for {secs} s; decode worker killed 2 s in and replaced through /workers; errors {}",
+            if errs.is_empty() { "none".to_owned() } else { errs.join(" ") }
+        ),
+    })
+}
