@@ -4,8 +4,7 @@
 //! log, and the others are stopped; Ctrl-C or SIGTERM stops them all, workers draining first.
 
 use std::fs::File;
-use std::io::{BufRead, BufReader, Read, Write as _};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader, Write as _};
 use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
@@ -107,14 +106,7 @@ pub(crate) fn stop_all(procs: &mut [Proc], grace: Duration) {
 
 /// `GET path` on `base` (`http://host:port`), returning the status code.
 pub(crate) fn http_status(base: &str, path: &str) -> Option<u16> {
-    let authority = base.strip_prefix("http://")?;
-    let addr: std::net::SocketAddr = authority.parse().ok()?;
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2)).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
-    write!(s, "GET {path} HTTP/1.1\r\nhost: {authority}\r\nconnection: close\r\n\r\n").ok()?;
-    let mut head = [0u8; 16];
-    s.read_exact(&mut head).ok()?;
-    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+    crate::where_::get(base, path).ok().map(|(status, _)| status)
 }
 
 pub(crate) fn run(args: &[String]) -> Result<()> {

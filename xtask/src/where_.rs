@@ -1,11 +1,11 @@
 //! `cargo xtask where [REQUEST_ID]`: asks the router's `/debug/requests` and prints, oldest first, where
 //! each live request is: its stage on the router and on every worker it reached, and for how long.
 
-use std::io::{Read, Write as _};
-use std::net::TcpStream;
-use std::time::Duration;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use pdserve_http::{ClientConfig, Header, HttpClient, Request};
 use serde_json::Value;
 
 const USAGE: &str = "cargo xtask where [REQUEST_ID] [--url URL] [--older-than 5s] [--json]";
@@ -32,40 +32,32 @@ pub(crate) fn get(url: &str, path: &str) -> Result<(u16, Vec<u8>)> {
     call("GET", url, path, b"")
 }
 
-/// One request on a fresh connection (`connection: close`), answer read to the end, 10 s at most.
+/// The workspace's HTTP client, one for the whole process (its pool is kept between calls).
+fn client() -> &'static HttpClient {
+    static CLIENT: OnceLock<HttpClient> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        HttpClient::new(ClientConfig { connect_timeout: Duration::from_secs(3), ..ClientConfig::default() })
+    })
+}
+
+/// One request to `url` (`http://host:port`), its answer read to the end, 10 s at most.
 pub(crate) fn call(method: &str, url: &str, path: &str, body: &[u8]) -> Result<(u16, Vec<u8>)> {
     let authority =
         url.strip_prefix("http://").context("--url must be http://host:port")?.trim_end_matches('/');
     let addr = std::net::ToSocketAddrs::to_socket_addrs(authority)?.next().context("address")?;
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(3))
-        .with_context(|| format!("nothing answers at {url}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let key = std::env::var("PDSERVE_ADMIN_KEY").ok().filter(|k| !k.is_empty());
-    let auth = key.map(|k| format!("authorization: Bearer {k}\r\n")).unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nhost: {authority}\r\n{auth}content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-        body.len()
-    )?;
-    s.write_all(body)?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).context("reading the answer")?;
-    let mut dec = pdserve_http::ResponseDecoder::new(pdserve_http::Limits::default(), false);
-    dec.push(&raw);
-    let (mut status, mut body) = (0, Vec::new());
-    loop {
-        match dec.poll()? {
-            Some(pdserve_http::ResponseEvent::Head(h)) => status = h.status,
-            Some(pdserve_http::ResponseEvent::Data(d)) => body.extend_from_slice(&d),
-            Some(pdserve_http::ResponseEvent::End) => break,
-            None => match dec.handle_eof()? {
-                Some(pdserve_http::ResponseEvent::Data(d)) => body.extend_from_slice(&d),
-                Some(pdserve_http::ResponseEvent::Head(h)) => status = h.status,
-                Some(pdserve_http::ResponseEvent::End) | None => break,
-            },
-        }
+    let mut req = Request::new(method, path);
+    let mut header = |name: &str, value: &str| {
+        req.headers.push(Header { name: name.into(), value: value.as_bytes().to_vec() })
+    };
+    header("host", authority);
+    header("content-type", "application/json");
+    if let Some(key) = std::env::var("PDSERVE_ADMIN_KEY").ok().filter(|k| !k.is_empty()) {
+        header(pdserve_api::header::AUTHORIZATION, &format!("Bearer {key}"));
     }
-    Ok((status, body))
+    req.body = body.to_vec();
+    client()
+        .call(addr, &req, Instant::now() + Duration::from_secs(10))
+        .with_context(|| format!("{method} {url}{path}"))
 }
 
 fn secs(ms: &Value) -> String {

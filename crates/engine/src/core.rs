@@ -470,7 +470,7 @@ impl Core {
                 if l.times.scheduled.is_none() {
                     l.times.scheduled = Some(now);
                     let waited = now.saturating_duration_since(l.times.submitted.unwrap_or(now));
-                    self.metrics.queue_wait.observe_duration(waited);
+                    self.metrics.queue_wait.record(waited);
                 }
             }
         }
@@ -503,7 +503,7 @@ impl Core {
             .collect();
         let backend = &mut self.backend;
         let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&steps)));
-        self.metrics.step.observe_duration(now.elapsed());
+        self.metrics.step.record(now.elapsed());
         let logits = match result {
             Ok(Ok(l)) => l,
             Ok(Err(e)) => {
@@ -661,7 +661,7 @@ impl Core {
             c.inc();
         }
         if outcome == TransferOutcome::Completed {
-            self.metrics.transfer_time.observe_duration(Duration::from_millis(took_ms));
+            self.metrics.transfer_time.record(Duration::from_millis(took_ms));
         }
         if side == Side::Sending {
             self.sched.handle_transfer_done(TransferId(t));

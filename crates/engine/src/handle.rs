@@ -429,7 +429,7 @@ impl Engine {
                     return;
                 };
                 let now = Instant::now();
-                self.metrics.e2e.observe_duration(now.saturating_duration_since(s.received));
+                self.metrics.e2e.record(now.saturating_duration_since(s.received));
                 if self.recent_prefills.len() >= RECENT_PREFILLS_MAX {
                     self.recent_prefills.pop_front();
                 }
@@ -447,7 +447,7 @@ impl Engine {
             Reply::Finished { id, outcome, output_tokens, times } => {
                 let Some(mut s) = self.remove(id) else { return };
                 let now = Instant::now();
-                self.metrics.e2e.observe_duration(now.saturating_duration_since(s.received));
+                self.metrics.e2e.record(now.saturating_duration_since(s.received));
                 let finish = if s.stopped { Finish::Stop } else { self.finish(&outcome) };
                 if finish.reason().is_some() && !s.stopped {
                     // The rest of the text: what the decoder and the stop-string check still held.
@@ -506,10 +506,10 @@ impl Engine {
         let Some(s) = self.streams.get_mut(&id) else { return };
         match s.last_token {
             None => {
-                self.metrics.ttft.observe_duration(now.saturating_duration_since(s.received));
+                self.metrics.ttft.record(now.saturating_duration_since(s.received));
                 s.first_token_at = Some(now);
             }
-            Some(t) => self.metrics.itl.observe_duration(now.saturating_duration_since(t)),
+            Some(t) => self.metrics.itl.record(now.saturating_duration_since(t)),
         }
         s.last_token = Some(now);
         s.completion_tokens += 1;

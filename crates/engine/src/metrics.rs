@@ -1,6 +1,8 @@
 //! The engine's metrics, every name with its unit.
 
-use pdserve_telemetry::{Buckets, Counter, CounterVec, Gauge, GaugeVec, Histogram, MetricError, Registry};
+use pdserve_telemetry::{
+    Buckets, Counter, CounterVec, Gauge, GaugeVec, LatencyHistogram, MetricError, Registry,
+};
 
 #[derive(Debug, Clone)]
 pub(crate) struct Metrics {
@@ -9,11 +11,11 @@ pub(crate) struct Metrics {
     pub waiting: Gauge,
     pub running: Gauge,
     pub kv_blocks: GaugeVec,
-    pub ttft: Histogram,
-    pub itl: Histogram,
-    pub e2e: Histogram,
-    pub queue_wait: Histogram,
-    pub step: Histogram,
+    pub ttft: LatencyHistogram,
+    pub itl: LatencyHistogram,
+    pub e2e: LatencyHistogram,
+    pub queue_wait: LatencyHistogram,
+    pub step: LatencyHistogram,
     pub tokens_generated: Counter,
     pub tokens_prompt: Counter,
     pub preemptions: Counter,
@@ -21,7 +23,7 @@ pub(crate) struct Metrics {
     pub transfers_in_flight: Gauge,
     pub transfer_bytes: CounterVec,
     pub transfers_finished: CounterVec,
-    pub transfer_time: Histogram,
+    pub transfer_time: LatencyHistogram,
 }
 
 impl Metrics {

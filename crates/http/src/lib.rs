@@ -7,8 +7,10 @@
 //!   never an error.
 //! - [`Server`]: a single-threaded mio loop that the application drives, enforcing every bound of
 //!   [`ServerConfig`] and reporting clients that leave mid-response as [`Event::Disconnected`].
-//! - [`Pool`] and [`HttpClient`]: bounded upstream connections with acquire deadlines; a response not read
-//!   to its end closes its connection instead of returning it.
+//! - The client side, one rule for both forms (a pooled connection that fails before any response byte
+//!   is retried on a fresh one; a response not read to its end closes its connection): [`HttpClient`],
+//!   blocking, over a bounded [`Pool`] with acquire deadlines; and [`Upstream`], one non-blocking
+//!   connection for a program's own mio loop (the router).
 //!
 //! ```no_run
 //! use pdserve_http::{Event, Response, Server, ServerConfig};
@@ -35,6 +37,7 @@ mod request;
 mod response;
 mod server;
 mod sse;
+mod upstream;
 
 pub use client::{ResponseDecoder, ResponseEvent, ResponseHead};
 pub use error::HttpError;
@@ -46,6 +49,7 @@ pub use request::{Header, Request, RequestDecoder, Status};
 pub use response::{reason_phrase, write_chunk, write_head, write_last_chunk, BodyKind, Response};
 pub use server::{ConnId, DisconnectReason, Event, SendError, Server, ServerStats};
 pub use sse::{write_sse_chunk, write_sse_event, SseDecoder, SseEvent, SSE_DONE};
+pub use upstream::{Upstream, UpstreamError, UpstreamPhase};
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../README.md")]

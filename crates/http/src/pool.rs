@@ -365,6 +365,47 @@ impl HttpClient {
     }
 }
 
+impl HttpClient {
+    /// Sends `request` and reads the whole answer: its status and body (bounded by the client's
+    /// `body_bytes_max`), all by `deadline`.
+    pub fn call(
+        &self,
+        addr: SocketAddr,
+        request: &Request,
+        deadline: Instant,
+    ) -> Result<(u16, Vec<u8>), ClientError> {
+        let r = self.send(addr, request, deadline)?;
+        let status = r.status();
+        Ok((status, r.read_to_end()?))
+    }
+
+    /// Sends `request` and closes the connection at once, without waiting for the answer: a client
+    /// that gives up right after asking (for fault tests; the server must see it leave).
+    pub fn send_and_leave(
+        &self,
+        addr: SocketAddr,
+        request: &Request,
+        deadline: Instant,
+    ) -> Result<(), ClientError> {
+        let mut wire = Vec::with_capacity(256 + request.body.len());
+        request.write_to(&mut wire);
+        let connect_timeout = self.config.connect_timeout;
+        let mut conn = self
+            .pool
+            .acquire(&addr.to_string(), deadline, || {
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                TcpStream::connect_timeout(
+                    &addr,
+                    connect_timeout.min(remaining).max(Duration::from_millis(1)),
+                )
+            })
+            .map_err(ClientError::Pool)?;
+        set_deadline(&conn, deadline)?;
+        // Dropping the pooled connection closes it: it is never reused.
+        conn.write_all(&wire).map_err(ClientError::Io)
+    }
+}
+
 fn is_stale(e: &io::Error) -> bool {
     matches!(
         e.kind(),

@@ -1,10 +1,13 @@
-//! One streamed chat request over a blocking connection, every read under the request's deadline.
+//! One chat request, streamed or not, over the workspace's HTTP client, every read under the request's
+//! deadline.
 
-use std::io::{self, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io;
+use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use pdserve_http::{Limits, ResponseDecoder, ResponseEvent, SseDecoder};
+use pdserve_http::{
+    ClientConfig, ClientError, Header, HttpClient, Limits, PoolConfig, PoolError, Request, SseDecoder,
+};
 use serde_json::Value;
 
 /// What happened to one request, as the client saw it.
@@ -42,18 +45,27 @@ impl Outcome {
     }
 }
 
-/// A kept-alive connection to one target, reopened after any failure.
+/// A kept-alive connection to one target (`pdserve_http::HttpClient` with a pool of one), reopened
+/// after any failure; a pooled connection the server had closed is retried by the client itself.
 #[derive(Debug)]
 pub struct Conn {
     addr: SocketAddr,
     authority: String,
-    stream: Option<TcpStream>,
-    leave_after: Option<u64>,
+    client: HttpClient,
 }
 
 impl Conn {
     pub fn new(addr: SocketAddr) -> Conn {
-        Conn { addr, authority: addr.to_string(), stream: None, leave_after: None }
+        let config = ClientConfig {
+            pool: PoolConfig {
+                connections_per_upstream_max: 1,
+                waiters_per_upstream_max: 1,
+                ..PoolConfig::default()
+            },
+            connect_timeout: Duration::from_secs(5),
+            limits: Limits { body_bytes_max: 64 << 20, ..Limits::default() },
+        };
+        Conn { addr, authority: addr.to_string(), client: HttpClient::new(config) }
     }
 
     /// Sends `body` to `path` and reads the answer, streamed or not, until a terminal event, the
@@ -80,152 +92,92 @@ impl Conn {
         api_key: Option<&str>,
         leave_after: Option<u64>,
     ) -> Outcome {
-        self.leave_after = leave_after;
         let start = Instant::now();
-        let mut out = Outcome::default();
         let hard = deadline + grace;
-        let reused = self.stream.is_some();
-        let mut result = self.exchange(path, body, hard, api_key, start, &mut out);
-        // A kept-alive connection the server had already closed fails before a single byte of answer:
-        // the request never reached it. Send it once more on a fresh connection.
-        if reused && out.status == 0 && !out.terminal && result.as_ref().map_or(true, |_| out.error.is_some())
-        {
-            self.stream = None;
-            out = Outcome::default();
-            result = self.exchange(path, body, hard, api_key, start, &mut out);
+        let mut req = Request::new("POST", path);
+        req.body = body.to_vec();
+        let mut header = |name: &str, value: String| {
+            req.headers.push(Header { name: name.into(), value: value.into_bytes() })
+        };
+        header("host", self.authority.clone());
+        header("content-type", "application/json".into());
+        if let Some(k) = api_key {
+            header(pdserve_api::header::AUTHORIZATION, format!("Bearer {k}"));
         }
-        out.e2e = start.elapsed();
-        match result {
-            Ok(reusable) => {
-                if !reusable {
-                    self.stream = None;
-                }
-            }
-            Err(e) => {
-                self.stream = None;
-                if e.kind() == io::ErrorKind::TimedOut || e.kind() == io::ErrorKind::WouldBlock {
-                    if !out.terminal {
-                        out.hung = true;
-                        out.error.get_or_insert_with(|| "hung".into());
-                    }
-                } else if !out.terminal {
-                    let word = if out.status == 0 && e.kind() == io::ErrorKind::ConnectionRefused {
-                        "connect"
-                    } else {
-                        "io"
-                    };
-                    out.error.get_or_insert_with(|| word.into());
-                }
-            }
-        }
-        out
-    }
-
-    fn exchange(
-        &mut self,
-        path: &str,
-        body: &[u8],
-        hard: Instant,
-        api_key: Option<&str>,
-        start: Instant,
-        out: &mut Outcome,
-    ) -> io::Result<bool> {
-        let remaining = |now: Instant| hard.checked_duration_since(now).filter(|d| !d.is_zero());
-        if self.stream.is_none() {
-            let t = remaining(Instant::now()).ok_or(io::ErrorKind::TimedOut)?;
-            let s = TcpStream::connect_timeout(&self.addr, t.min(Duration::from_secs(5)))?;
-            s.set_nodelay(true)?;
-            self.stream = Some(s);
-        }
-        let s = self.stream.as_mut().expect("connected above");
-        let auth = api_key.map(|k| format!("authorization: Bearer {k}\r\n")).unwrap_or_default();
-        let mut req = format!(
-            "POST {path} HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json\r\n{auth}content-length: {}\r\n\r\n",
-            self.authority,
-            body.len()
-        )
-        .into_bytes();
-        req.extend_from_slice(body);
-        s.set_write_timeout(remaining(Instant::now()))?;
-        s.write_all(&req)?;
-        let leave_after = self.leave_after;
+        let mut out = Outcome::default();
         let leave = |out: &mut Outcome| {
             out.client_left = true;
             out.terminal = true;
             out.error = Some("client_disconnect".into());
         };
         if leave_after == Some(0) {
-            leave(out);
-            return Ok(false);
+            match self.client.send_and_leave(self.addr, &req, hard) {
+                Ok(()) => leave(&mut out),
+                Err(e) => out.error = Some(word(&e, &out).into()),
+            }
+            out.e2e = start.elapsed();
+            return out;
         }
-        let mut dec = ResponseDecoder::new(Limits { body_bytes_max: 64 << 20, ..Limits::default() }, false);
+        let mut resp = match self.client.send(self.addr, &req, hard) {
+            Ok(r) => r,
+            Err(e) => {
+                out.hung = matches!(e, ClientError::DeadlineExceeded);
+                out.error = Some(word(&e, &out).into());
+                out.e2e = start.elapsed();
+                return out;
+            }
+        };
+        out.status = resp.status();
+        let sse_mode =
+            resp.head().header_str("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
         let mut sse = SseDecoder::new(1 << 20);
-        let mut sse_mode = false;
         let mut plain = Vec::new();
         let mut last_token: Option<Instant> = None;
-        let mut buf = vec![0u8; 64 * 1024];
         loop {
-            let Some(t) = remaining(Instant::now()) else { return Err(io::ErrorKind::TimedOut.into()) };
-            s.set_read_timeout(Some(t))?;
-            let n = s.read(&mut buf)?;
-            let mut events = Vec::new();
-            if n == 0 {
-                loop {
-                    match dec.handle_eof() {
-                        Ok(Some(e)) => events.push(e),
-                        Ok(None) => break,
-                        Err(_) => {
-                            if !out.terminal {
-                                out.error.get_or_insert_with(|| "closed".into());
-                            }
-                            break;
-                        }
+            match resp.next_chunk() {
+                Ok(Some(d)) if sse_mode => {
+                    sse.push(&d);
+                    while let Ok(Some(e)) = sse.next_event() {
+                        on_sse(&e.data, start, &mut last_token, &mut out);
+                    }
+                    if leave_after.is_some_and(|n| out.output_tokens >= n) && !out.terminal {
+                        // Dropping the response closes the connection mid-answer.
+                        leave(&mut out);
+                        break;
                     }
                 }
-            } else {
-                dec.push(&buf[..n]);
-                loop {
-                    match dec.poll() {
-                        Ok(Some(e)) => events.push(e),
-                        Ok(None) => break,
-                        Err(_) => {
-                            out.error = Some("protocol".into());
-                            return Ok(false);
-                        }
+                Ok(Some(d)) => plain.extend_from_slice(&d),
+                Ok(None) => {
+                    if !sse_mode {
+                        on_plain(&plain, start, &mut out);
                     }
+                    out.terminal = true;
+                    break;
                 }
-            }
-            for ev in events {
-                match ev {
-                    ResponseEvent::Head(h) => {
-                        out.status = h.status;
-                        sse_mode =
-                            h.header_str("content-type").is_some_and(|c| c.starts_with("text/event-stream"));
+                Err(e) => {
+                    if !out.terminal {
+                        out.hung = matches!(e, ClientError::DeadlineExceeded);
+                        let w = word(&e, &out);
+                        out.error.get_or_insert_with(|| w.into());
                     }
-                    ResponseEvent::Data(d) if sse_mode => {
-                        sse.push(&d);
-                        while let Ok(Some(e)) = sse.next_event() {
-                            on_sse(&e.data, start, &mut last_token, out);
-                        }
-                        if leave_after.is_some_and(|n| out.output_tokens >= n) && !out.terminal {
-                            leave(out);
-                            return Ok(false);
-                        }
-                    }
-                    ResponseEvent::Data(d) => plain.extend_from_slice(&d),
-                    ResponseEvent::End => {
-                        if !sse_mode {
-                            on_plain(&plain, start, out);
-                        }
-                        out.terminal = true;
-                        return Ok(dec.is_reusable());
-                    }
+                    break;
                 }
-            }
-            if n == 0 {
-                return Ok(false);
             }
         }
+        out.e2e = start.elapsed();
+        out
+    }
+}
+
+/// The client-side word for a failure: `hung`, `connect`, `protocol`, `closed` or `io`.
+fn word(e: &ClientError, out: &Outcome) -> &'static str {
+    match e {
+        ClientError::DeadlineExceeded => "hung",
+        ClientError::Pool(PoolError::Connect(c)) if c.kind() == io::ErrorKind::ConnectionRefused => "connect",
+        ClientError::Http(pdserve_http::HttpError::UnexpectedEof) => "closed",
+        ClientError::Http(_) => "protocol",
+        ClientError::Io(e) if out.status != 0 && e.kind() == io::ErrorKind::UnexpectedEof => "closed",
+        _ => "io",
     }
 }
 

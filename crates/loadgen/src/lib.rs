@@ -14,7 +14,7 @@
 //! use pdserve_loadgen::{run_point, Load, Progress, Shape, Slo, Target};
 //! let target = Target::parse("http://127.0.0.1:8000").unwrap();
 //! let r = run_point(&target, &Load::Closed { concurrency: 4, requests: 16 }, &Shape::default(), &Slo::default(), &Progress::quiet());
-//! println!("{:.1} req/s, p99 TTFT {:.0} ms, hung {}", r.requests_per_s(), r.ttft.p99_ms, r.hung);
+//! println!("{:.1} req/s, p99 TTFT {:.0} ms, hung {}", r.requests_per_s(), r.ttft.p99_ms(), r.hung);
 //! ```
 #![forbid(unsafe_code)]
 
@@ -33,7 +33,8 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use client::{Conn, Outcome};
-pub use stats::{Percentiles, PointResult};
+pub use pdserve_telemetry::LatencySummary;
+pub use stats::PointResult;
 
 /// An endpoint under test.
 #[derive(Debug, Clone)]

@@ -3,46 +3,18 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use hdrhistogram::Histogram;
+use pdserve_telemetry::{LatencyHistogram, LatencySummary};
 use serde_json::json;
 
 use crate::{Load, Outcome, Slo};
 
-/// Latency percentiles in milliseconds.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Percentiles {
-    pub count: u64,
-    pub p50_ms: f64,
-    pub p90_ms: f64,
-    pub p99_ms: f64,
-    pub max_ms: f64,
-}
-
-impl Percentiles {
-    fn of(samples: impl Iterator<Item = Duration>) -> Percentiles {
-        // Microsecond resolution, up to an hour, 3 significant digits.
-        let Ok(mut h) = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3) else {
-            return Percentiles::default();
-        };
-        for d in samples {
-            let _ = h.record(u64::try_from(d.as_micros()).unwrap_or(u64::MAX).clamp(1, 3_600_000_000));
-        }
-        if h.is_empty() {
-            return Percentiles::default();
-        }
-        let ms = |v: u64| v as f64 / 1000.0;
-        Percentiles {
-            count: h.len(),
-            p50_ms: ms(h.value_at_quantile(0.50)),
-            p90_ms: ms(h.value_at_quantile(0.90)),
-            p99_ms: ms(h.value_at_quantile(0.99)),
-            max_ms: ms(h.max()),
-        }
+/// The percentiles of `samples` (through the workspace's one latency histogram).
+fn percentiles(samples: impl Iterator<Item = Duration>) -> LatencySummary {
+    let h = LatencyHistogram::new();
+    for d in samples {
+        h.record(d);
     }
-
-    pub fn to_json(&self) -> serde_json::Value {
-        json!({"count": self.count, "p50_ms": self.p50_ms, "p90_ms": self.p90_ms, "p99_ms": self.p99_ms, "max_ms": self.max_ms})
-    }
+    h.summary()
 }
 
 #[derive(Debug, Clone)]
@@ -54,9 +26,9 @@ pub struct PointResult {
     pub sent: u64,
     pub ok: u64,
     pub output_tokens: u64,
-    pub ttft: Percentiles,
-    pub itl: Percentiles,
-    pub e2e: Percentiles,
+    pub ttft: LatencySummary,
+    pub itl: LatencySummary,
+    pub e2e: LatencySummary,
     /// Successful requests that met both SLOs.
     pub good: u64,
     /// Failures by status code and error type (`"429 queue_full"`, `"0 connect"`, ...).
@@ -102,9 +74,9 @@ impl PointResult {
             sent: outcomes.len() as u64,
             ok: ok.len() as u64,
             output_tokens: ok.iter().map(|o| o.output_tokens).sum(),
-            ttft: Percentiles::of(ok.iter().filter_map(|o| o.ttft)),
-            itl: Percentiles::of(ok.iter().flat_map(|o| o.itl.iter().copied())),
-            e2e: Percentiles::of(ok.iter().map(|o| o.e2e)),
+            ttft: percentiles(ok.iter().filter_map(|o| o.ttft)),
+            itl: percentiles(ok.iter().flat_map(|o| o.itl.iter().copied())),
+            e2e: percentiles(ok.iter().map(|o| o.e2e)),
             good,
             errors,
             hung: outcomes.iter().filter(|o| o.hung).count() as u64,
@@ -183,7 +155,7 @@ mod tests {
         assert_eq!(r.errors.get("429 queue_full"), Some(&1));
         assert_eq!(r.errors.get("0 hung"), Some(&1));
         assert_eq!(r.ttft.count, 3);
-        assert!((r.ttft.p50_ms - 50.0).abs() < 0.5, "{:?}", r.ttft);
+        assert!((r.ttft.p50_ms() - 50.0).abs() < 0.5, "{:?}", r.ttft);
         assert_eq!(r.output_tokens, 30);
     }
 }

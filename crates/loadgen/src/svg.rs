@@ -31,9 +31,9 @@ pub fn chart(results: &[PointResult], x_label: &str) -> String {
             title: "latency",
             y_label: "ms",
             series: vec![
-                ("TTFT p50", "", |r| r.ttft.p50_ms),
-                ("TTFT p99", "6,3", |r| r.ttft.p99_ms),
-                ("E2E p99", "2,3", |r| r.e2e.p99_ms),
+                ("TTFT p50", "", |r| r.ttft.p50_ms()),
+                ("TTFT p99", "6,3", |r| r.ttft.p99_ms()),
+                ("E2E p99", "2,3", |r| r.e2e.p99_ms()),
             ],
         },
         Panel {

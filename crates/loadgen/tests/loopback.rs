@@ -79,7 +79,7 @@ fn measures_a_stream() {
     );
     assert_eq!((r.sent, r.ok, r.hung), (6, 6, 0), "{:?}", r.errors);
     assert_eq!(r.output_tokens, 18);
-    assert!(r.ttft.p50_ms < 100.0 && r.itl.p50_ms >= 9.0, "{:?} {:?}", r.ttft, r.itl);
+    assert!(r.ttft.p50_ms() < 100.0 && r.itl.p50_ms() >= 9.0, "{:?} {:?}", r.ttft, r.itl);
     assert_eq!(r.good, 6);
     assert_eq!(r.stages.get("queue_ms").map(|s| s.0), Some(1.5));
 }

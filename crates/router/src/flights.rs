@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use pdserve_api::openai::Endpoint;
 use pdserve_api::{ApiError, ErrorKind, Outcome, Role, Stage};
-use pdserve_http::ConnId;
+use pdserve_http::{ConnId, UpstreamPhase};
 
 use crate::admission::Admit;
 use crate::flight::{
@@ -14,7 +14,7 @@ use crate::flight::{
 };
 use crate::peek::peek;
 use crate::router::{Entry, Router, PROBE_BODY};
-use crate::upstream::{AcquireError, Owner, Phase};
+use crate::upstream::{AcquireError, Owner};
 use crate::{Candidate, Policy};
 
 impl Router {
@@ -173,7 +173,7 @@ impl Router {
     pub(crate) fn dispatch(&mut self, id: u64, now: Instant) {
         let Some(e) = self.flights.get_mut(&id) else { return };
         if let Some(q) = e.queued_at.take() {
-            self.metrics.queue_wait.observe_duration(now.saturating_duration_since(q));
+            self.metrics.queue_wait.record(now.saturating_duration_since(q));
         }
         let plan = match e.flight.spec().purpose {
             Purpose::PairProbe { .. } => Plan::Disaggregated,
@@ -214,7 +214,7 @@ impl Router {
                             headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
                         let received = e.flight.spec().received;
                         let _ = self.server.start_stream(conn, 200, &h);
-                        self.metrics.ttfb.observe_duration(now.saturating_duration_since(received));
+                        self.metrics.ttfb.record(now.saturating_duration_since(received));
                     }
                 }
                 Action::Forward(bytes) => {
@@ -244,7 +244,7 @@ impl Router {
                         let received = e.flight.spec().received;
                         let _ = self.server.respond(conn, &resp);
                         self.by_conn.remove(&conn);
-                        self.metrics.ttfb.observe_duration(now.saturating_duration_since(received));
+                        self.metrics.ttfb.record(now.saturating_duration_since(received));
                     }
                 }
                 Action::CloseLeg { .. } => {
@@ -351,7 +351,7 @@ impl Router {
             w.requests_total += 1;
         }
         let Some(up) = self.ups.get_mut(slot) else { return };
-        if up.phase != Phase::Connecting {
+        if up.phase != UpstreamPhase::Connecting {
             up.timer = deadline + Duration::from_secs(1);
         }
         if let Err(err) = up.send(bytes, false) {
@@ -385,7 +385,7 @@ impl Router {
             self.admission.finished(now);
         }
         if let Some(d) = f.prefill_leg {
-            self.metrics.prefill_leg.observe_duration(d);
+            self.metrics.prefill_leg.record(d);
         }
         if self.cfg.log_requests || f.error == Some(ErrorKind::UpstreamFailed) {
             let what = f.error.map_or("completed".to_owned(), |k| format!("{} {k}", k.status()));
@@ -420,7 +420,7 @@ impl Router {
                 if let Some(k) = f.error {
                     self.metrics.error(k);
                 }
-                self.metrics.latency.observe_duration(now.saturating_duration_since(spec.received));
+                self.metrics.latency.record(now.saturating_duration_since(spec.received));
             }
         }
         self.pump_queue(now);

@@ -1,7 +1,9 @@
 //! The router's metrics, every name with its unit.
 
 use pdserve_api::{ErrorKind, Outcome, Stage};
-use pdserve_telemetry::{Buckets, Counter, CounterVec, Gauge, GaugeVec, Histogram, MetricError, Registry};
+use pdserve_telemetry::{
+    Buckets, Counter, CounterVec, Gauge, GaugeVec, LatencyHistogram, MetricError, Registry,
+};
 
 #[derive(Debug, Clone)]
 pub(crate) struct Metrics {
@@ -17,10 +19,10 @@ pub(crate) struct Metrics {
     pub stale_retries: Counter,
     pub probes: CounterVec,
     pub aborts_sent: Counter,
-    pub latency: Histogram,
-    pub ttfb: Histogram,
-    pub queue_wait: Histogram,
-    pub prefill_leg: Histogram,
+    pub latency: LatencyHistogram,
+    pub ttfb: LatencyHistogram,
+    pub queue_wait: LatencyHistogram,
+    pub prefill_leg: LatencyHistogram,
     pub client_connections: Gauge,
 }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::openai::Endpoint;
 use pdserve_api::{ApiError, ErrorKind, Stage};
-use pdserve_http::{ConnId, Event, Request, ResponseEvent, Server};
+use pdserve_http::{ConnId, Event, Request, ResponseEvent, Server, UpstreamError, UpstreamPhase};
 use pdserve_telemetry::RequestLedger;
 
 use crate::admission::Admission;
@@ -22,7 +22,7 @@ use crate::config::RouterConfig;
 use crate::debug::Collect;
 use crate::flight::{Flight, LegFailure, LegId, Purpose};
 use crate::metrics::Metrics;
-use crate::upstream::{Owner, Phase, UpError, Upstreams};
+use crate::upstream::{Owner, Upstreams};
 use crate::workers::Workers;
 use crate::{LeastOutstanding, Policy};
 
@@ -211,7 +211,7 @@ impl Router {
     fn on_upstream(&mut self, slot: usize, readable: bool, writable: bool, read_closed: bool, now: Instant) {
         let Some(up) = self.ups.get_mut(slot) else { return };
         match up.phase {
-            Phase::Connecting => match up.finish_connect() {
+            UpstreamPhase::Connecting => match up.finish_connect() {
                 Ok(false) => return,
                 Ok(true) => {
                     if let Owner::Leg { flight, .. } = self.ups.owner(slot) {
@@ -223,7 +223,7 @@ impl Router {
                 }
                 Err(e) => return self.upstream_failed(slot, e, now),
             },
-            Phase::Idle => {
+            UpstreamPhase::Idle => {
                 if readable {
                     let mut buf = [0u8; 64];
                     if up.idle_is_dead(&mut buf) {
@@ -232,7 +232,7 @@ impl Router {
                 }
                 return;
             }
-            Phase::Busy => {
+            UpstreamPhase::Busy => {
                 if writable {
                     if let Err(e) = up.flush() {
                         return self.upstream_failed(slot, e, now);
@@ -264,11 +264,11 @@ impl Router {
         }
     }
 
-    pub(crate) fn upstream_failed(&mut self, slot: usize, err: UpError, now: Instant) {
+    pub(crate) fn upstream_failed(&mut self, slot: usize, err: UpstreamError, now: Instant) {
         let owner = self.ups.owner(slot);
         let Some((worker, stale)) = self.ups.get(slot).map(|u| (u.worker, u.stale())) else { return };
         self.ups.close(slot, self.server.registry(), &mut self.workers);
-        let connect = matches!(err, UpError::Connect(_));
+        let connect = matches!(err, UpstreamError::Connect(_));
         let url = self.workers.get(worker).map(|w| w.url.clone()).unwrap_or_default();
         match owner {
             Owner::None | Owner::Abort => {}
@@ -404,17 +404,17 @@ impl Router {
     fn sweep_connections(&mut self, now: Instant) {
         for (slot, phase) in self.ups.due(now) {
             match phase {
-                Phase::Idle => self.ups.close(slot, self.server.registry(), &mut self.workers),
-                Phase::Connecting => {
+                UpstreamPhase::Idle => self.ups.close(slot, self.server.registry(), &mut self.workers),
+                UpstreamPhase::Connecting => {
                     let e = io::Error::new(
                         io::ErrorKind::TimedOut,
                         format!("no connection within {} ms", ms(self.cfg.connect_timeout)),
                     );
-                    self.upstream_failed(slot, UpError::Connect(e), now);
+                    self.upstream_failed(slot, UpstreamError::Connect(e), now);
                 }
-                Phase::Busy => {
+                UpstreamPhase::Busy => {
                     let e = io::Error::new(io::ErrorKind::TimedOut, "no answer before the deadline");
-                    self.upstream_failed(slot, UpError::Io(e), now);
+                    self.upstream_failed(slot, UpstreamError::Io(e), now);
                 }
             }
         }

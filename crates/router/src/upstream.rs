@@ -1,214 +1,17 @@
-//! Connections to workers: [`Upstream`], one non-blocking connection driven by the router's loop
-//! (connect, write one request, decode its response piece by piece; readiness events are hints and
-//! every call tolerates spurious ones), and [`Upstreams`], the slots they live in, who owns each, and
-//! each worker's bounded pool of idle ones.
+//! The router's connections to workers: [`Upstreams`], the slots `pdserve_http::Upstream`
+//! connections live in (addressed by their mio token), who owns each, and each worker's bounded pool
+//! of idle ones.
 
 use std::fmt;
-use std::io::{self, Read, Write};
+use std::io;
 use std::net::SocketAddr;
 use std::time::Instant;
 
-use mio::net::TcpStream;
-use mio::{Interest, Registry, Token};
-use pdserve_http::{HttpError, Limits, ResponseDecoder, ResponseEvent, Server};
+use mio::Registry;
+use pdserve_http::{Limits, Server, Upstream, UpstreamPhase};
 
 use crate::flight::LegId;
 use crate::workers::Workers;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Phase {
-    /// The TCP connect is in progress.
-    Connecting,
-    /// Connected; a request is being written or its response read.
-    Busy,
-    /// In the pool, waiting for the next request.
-    Idle,
-}
-
-/// What went wrong on a connection, and whether the worker may have seen the request.
-#[derive(Debug)]
-pub(crate) enum UpError {
-    /// The connection never came up (refused, unreachable): nothing was sent.
-    Connect(io::Error),
-    /// Reading or writing failed after the request was (partly) sent.
-    Io(io::Error),
-    /// The worker closed the connection before the response ended.
-    Closed,
-    /// The response was malformed.
-    Protocol(HttpError),
-}
-
-impl std::fmt::Display for UpError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            UpError::Connect(e) => write!(f, "connect failed: {e}"),
-            UpError::Io(e) => write!(f, "connection failed: {e}"),
-            UpError::Closed => write!(f, "worker closed the connection before the response ended"),
-            UpError::Protocol(e) => write!(f, "malformed response: {e}"),
-        }
-    }
-}
-
-#[derive(Debug)]
-pub(crate) struct Upstream {
-    pub stream: TcpStream,
-    pub worker: u32,
-    pub phase: Phase,
-    out: Vec<u8>,
-    out_pos: usize,
-    decoder: ResponseDecoder,
-    limits: Limits,
-    /// When the connect must have finished, or when an idle connection expires.
-    pub timer: Instant,
-    /// The status of the response being read, for owners that only need the verdict (probes).
-    pub status: u16,
-    /// The current request went out on a connection taken from the idle pool.
-    reused: bool,
-    /// Response bytes received for the current request.
-    bytes_in: usize,
-}
-
-impl Upstream {
-    /// Starts connecting to `addr` and registers for both directions under `token`.
-    pub fn connect(
-        addr: SocketAddr,
-        worker: u32,
-        registry: &Registry,
-        token: Token,
-        limits: Limits,
-        connect_deadline: Instant,
-    ) -> io::Result<Upstream> {
-        let mut stream = TcpStream::connect(addr)?;
-        registry.register(&mut stream, token, Interest::READABLE | Interest::WRITABLE)?;
-        Ok(Upstream {
-            stream,
-            worker,
-            phase: Phase::Connecting,
-            out: Vec::new(),
-            out_pos: 0,
-            decoder: ResponseDecoder::new(limits, false),
-            limits,
-            timer: connect_deadline,
-            status: 0,
-            reused: false,
-            bytes_in: 0,
-        })
-    }
-
-    /// Queues a request (wire bytes) on a connected or connecting connection; writes what it can now.
-    pub fn send(&mut self, request: Vec<u8>, head_request: bool) -> Result<(), UpError> {
-        self.out = request;
-        self.out_pos = 0;
-        self.decoder = ResponseDecoder::new(self.limits, head_request);
-        self.bytes_in = 0;
-        self.reused = self.phase == Phase::Idle;
-        if self.phase == Phase::Idle {
-            self.phase = Phase::Busy;
-        }
-        if self.phase == Phase::Busy {
-            self.flush()?;
-        }
-        Ok(())
-    }
-
-    /// Called on a writable event while connecting: finishes the connect. `Ok(false)`: still pending.
-    pub fn finish_connect(&mut self) -> Result<bool, UpError> {
-        if let Ok(Some(e)) | Err(e) = self.stream.take_error() {
-            return Err(UpError::Connect(e));
-        }
-        match self.stream.peer_addr() {
-            Ok(_) => {
-                self.phase = Phase::Busy;
-                let _ = self.stream.set_nodelay(true);
-                self.flush()?;
-                Ok(true)
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(false),
-            Err(e) => Err(UpError::Connect(e)),
-        }
-    }
-
-    /// Writes buffered request bytes until done or the socket is full.
-    pub fn flush(&mut self) -> Result<(), UpError> {
-        while self.out_pos < self.out.len() {
-            match self.stream.write(&self.out[self.out_pos..]) {
-                Ok(0) => return Err(UpError::Closed),
-                Ok(n) => self.out_pos += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(UpError::Io(e)),
-            }
-        }
-        if !self.out.is_empty() {
-            self.out = Vec::new();
-            self.out_pos = 0;
-        }
-        Ok(())
-    }
-
-    /// Reads what has arrived and appends the decoded response events to `events`. `Err` ends the
-    /// connection; events decoded before the error are still appended.
-    /// `drain`: read until the socket would block (the peer closed); otherwise a short read ends the
-    /// turn (edge-triggered readiness raises a new event for later bytes).
-    pub fn read(
-        &mut self,
-        buf: &mut [u8],
-        events: &mut Vec<ResponseEvent>,
-        drain: bool,
-    ) -> Result<(), UpError> {
-        loop {
-            match self.stream.read(buf) {
-                Ok(0) => {
-                    self.drain(events)?;
-                    while !self.decoder.is_done() {
-                        match self.decoder.handle_eof() {
-                            Ok(Some(ev)) => events.push(ev),
-                            Ok(None) => break,
-                            Err(HttpError::UnexpectedEof) => return Err(UpError::Closed),
-                            Err(e) => return Err(UpError::Protocol(e)),
-                        }
-                    }
-                    return if self.decoder.is_done() { Ok(()) } else { Err(UpError::Closed) };
-                }
-                Ok(n) => {
-                    self.bytes_in += n;
-                    self.decoder.push(&buf[..n]);
-                    self.drain(events)?;
-                    if self.decoder.is_done() || (!drain && n < buf.len()) {
-                        return Ok(());
-                    }
-                }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(UpError::Io(e)),
-            }
-        }
-    }
-
-    fn drain(&mut self, events: &mut Vec<ResponseEvent>) -> Result<(), UpError> {
-        while let Some(ev) = self.decoder.poll().map_err(UpError::Protocol)? {
-            events.push(ev);
-        }
-        Ok(())
-    }
-
-    /// The request went out on a pooled connection and failed before any response byte: the worker
-    /// closed the connection while it was idle (a restart, its keep-alive timeout) and cannot have
-    /// answered, so the request may be sent again on a new connection.
-    pub fn stale(&self) -> bool {
-        self.reused && self.bytes_in == 0
-    }
-
-    /// The response ended cleanly and the connection may carry another request.
-    pub fn reusable(&self) -> bool {
-        self.decoder.is_reusable() && self.out_pos >= self.out.len()
-    }
-
-    /// An idle connection got readable: the worker closed it (or sent garbage). Either way it is done.
-    pub fn idle_is_dead(&mut self, buf: &mut [u8]) -> bool {
-        !matches!(self.stream.read(buf), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
-    }
-}
 
 /// Who a connection slot works for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -281,7 +84,7 @@ impl Upstreams {
     }
 
     /// Slots whose timer has passed, with their phase.
-    pub fn due(&self, now: Instant) -> Vec<(usize, Phase)> {
+    pub fn due(&self, now: Instant) -> Vec<(usize, UpstreamPhase)> {
         self.slots
             .iter()
             .enumerate()
@@ -357,7 +160,7 @@ impl Upstreams {
         if !keep {
             return self.close(slot, registry, workers);
         }
-        up.phase = Phase::Idle;
+        up.phase = UpstreamPhase::Idle;
         up.timer = idle_until;
         self.owners[slot] = Owner::None;
         if let Some(w) = workers.get_mut(worker) {

@@ -4,7 +4,8 @@ use std::collections::BTreeMap;
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+
+use crate::LatencyHistogram;
 
 /// Words a metric name may end in (or, for a gauge counting things, contain) to state its unit.
 /// Durations are always `seconds`; sizes always `bytes`.
@@ -165,7 +166,9 @@ pub fn check_metric_name(name: &str, kind: MetricKind) -> Result<(), MetricError
     match kind {
         MetricKind::Counter if last != "total" => Err(MetricError::CounterWithoutTotal { name: err_name() }),
         MetricKind::Counter => Ok(()),
-        MetricKind::Histogram if UNIT_WORDS.contains(&last) && last != "total" => Ok(()),
+        // A histogram is a latency histogram: it records durations, in seconds.
+        MetricKind::Histogram if last == "seconds" => Ok(()),
+        MetricKind::Histogram => Err(MetricError::DurationNotSeconds { name: err_name() }),
         MetricKind::Gauge if words.iter().any(|w| UNIT_WORDS.contains(w) && *w != "total") => Ok(()),
         _ => Err(MetricError::NoUnit { name: err_name() }),
     }
@@ -223,54 +226,6 @@ impl Gauge {
     }
 }
 
-#[derive(Debug)]
-struct HistogramCore {
-    bounds: Arc<[f64]>,
-    /// One count per bound plus the `+Inf` bucket; not cumulative (made cumulative when rendered).
-    counts: Vec<AtomicU64>,
-    sum_bits: AtomicU64,
-    count: AtomicU64,
-}
-
-/// Observations counted into fixed buckets, with their sum.
-#[derive(Debug, Clone)]
-pub struct Histogram(Arc<HistogramCore>);
-
-impl Histogram {
-    fn new(bounds: Arc<[f64]>) -> Self {
-        let counts = (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect();
-        Histogram(Arc::new(HistogramCore {
-            bounds,
-            counts,
-            sum_bits: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }))
-    }
-
-    pub fn observe(&self, v: f64) {
-        let core = &self.0;
-        let i = core.bounds.partition_point(|&b| b < v);
-        core.counts[i].fetch_add(1, Ordering::Relaxed);
-        let _ = core
-            .sum_bits
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some((f64::from_bits(b) + v).to_bits()));
-        core.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Observes a duration in seconds (the only unit a duration metric has).
-    pub fn observe_duration(&self, d: Duration) {
-        self.observe(d.as_secs_f64());
-    }
-
-    pub fn count(&self) -> u64 {
-        self.0.count.load(Ordering::Relaxed)
-    }
-
-    pub fn sum(&self) -> f64 {
-        f64::from_bits(self.0.sum_bits.load(Ordering::Relaxed))
-    }
-}
-
 /// Bucket bounds for histograms.
 #[derive(Debug)]
 pub struct Buckets;
@@ -291,7 +246,7 @@ impl Buckets {
 enum Series {
     Counter(Counter),
     Gauge(Gauge),
-    Histogram(Histogram),
+    Histogram(LatencyHistogram),
 }
 
 #[derive(Debug)]
@@ -322,7 +277,7 @@ impl Family {
         let s = map.entry(key).or_insert_with(|| match self.kind {
             MetricKind::Counter => Series::Counter(Counter::default()),
             MetricKind::Gauge => Series::Gauge(Gauge::default()),
-            MetricKind::Histogram => Series::Histogram(Histogram::new(Arc::clone(&self.bounds))),
+            MetricKind::Histogram => Series::Histogram(LatencyHistogram::new()),
         });
         Ok(s.clone())
     }
@@ -348,7 +303,7 @@ macro_rules! family_handle {
 
 family_handle!(CounterVec, Counter, Counter);
 family_handle!(GaugeVec, Gauge, Gauge);
-family_handle!(HistogramVec, Histogram, Histogram);
+family_handle!(HistogramVec, LatencyHistogram, Histogram);
 
 /// The set of metrics a process exposes. Cloning shares it.
 #[derive(Debug, Clone, Default)]
@@ -416,7 +371,13 @@ impl Registry {
         Ok(GaugeVec(self.register(name, help, MetricKind::Gauge, labels, Vec::new())?))
     }
 
-    pub fn histogram(&self, name: &str, help: &str, bounds: Vec<f64>) -> Result<Histogram, MetricError> {
+    /// A latency histogram exposed with buckets at `bounds` (seconds); its name ends in `_seconds`.
+    pub fn histogram(
+        &self,
+        name: &str,
+        help: &str,
+        bounds: Vec<f64>,
+    ) -> Result<LatencyHistogram, MetricError> {
         self.histogram_vec(name, help, &[], bounds)?.with(&[])
     }
 
@@ -443,15 +404,15 @@ impl Registry {
                     Series::Counter(c) => line(&mut out, &f.name, "", &labels, None, c.get() as f64),
                     Series::Gauge(g) => line(&mut out, &f.name, "", &labels, None, g.get()),
                     Series::Histogram(h) => {
-                        let mut cumulative = 0u64;
-                        for (i, c) in h.0.counts.iter().enumerate() {
-                            cumulative += c.load(Ordering::Relaxed);
+                        let cumulative = h.cumulative(&f.bounds);
+                        for (i, c) in cumulative.iter().enumerate() {
                             let le = f.bounds.get(i).map_or_else(|| "+Inf".to_owned(), |b| format_value(*b));
-                            line(&mut out, &f.name, "_bucket", &labels, Some(&le), cumulative as f64);
+                            line(&mut out, &f.name, "_bucket", &labels, Some(&le), *c as f64);
                         }
-                        line(&mut out, &f.name, "_sum", &labels, None, h.sum());
+                        line(&mut out, &f.name, "_sum", &labels, None, h.sum_seconds());
                         // The count is the +Inf bucket, so the two always agree in one scrape.
-                        line(&mut out, &f.name, "_count", &labels, None, cumulative as f64);
+                        let count = cumulative.last().copied().unwrap_or(0);
+                        line(&mut out, &f.name, "_count", &labels, None, count as f64);
                     }
                 }
             }
@@ -527,12 +488,12 @@ mod tests {
             ("kv_cache_usage_ratio", Gauge),
             ("time_to_first_token_seconds", Histogram),
             ("queue_wait_seconds", Histogram),
-            ("prompt_tokens", Histogram),
         ];
         for (name, kind) in ok {
             assert_eq!(check_metric_name(name, kind), Ok(()), "{name}");
         }
-        let bad: [(&str, MetricKind, IsWanted); 9] = [
+        let bad: [(&str, MetricKind, IsWanted); 10] = [
+            ("prompt_tokens", Histogram, |e| matches!(e, MetricError::DurationNotSeconds { .. })),
             ("latency", Histogram, |e| matches!(e, MetricError::DurationNotSeconds { .. })),
             ("request_latency_ms", Histogram, |e| matches!(e, MetricError::NonBaseUnit { .. })),
             ("request_latency_us", Gauge, |e| matches!(e, MetricError::NonBaseUnit { .. })),

@@ -33,12 +33,12 @@ fn worker_registry() -> Registry {
         )
         .unwrap();
     for ms in [3u64, 12, 40, 250, 9000] {
-        ttft.observe(ms as f64 / 1000.0);
+        ttft.record(std::time::Duration::from_millis(ms));
     }
-    let prompt = reg
-        .histogram_vec("prompt_tokens", "Prompt length.", &["route"], Buckets::exponential(16.0, 2.0, 10))
+    let prefill = reg
+        .histogram_vec("prefill_seconds", "Prefill time.", &["route"], Buckets::exponential(0.001, 2.0, 10))
         .unwrap();
-    prompt.with(&["chat"]).unwrap().observe(412.0);
+    prefill.with(&["chat"]).unwrap().record(std::time::Duration::from_millis(412));
     reg.counter("tokens_generated_total", "Tokens sampled.").unwrap().add(12345);
     reg
 }
@@ -79,8 +79,8 @@ fn promtool_rejects_what_the_registry_refuses() {
 fn histogram_lines_are_cumulative_and_consistent() {
     let reg = Registry::new();
     let h = reg.histogram("queue_wait_seconds", "Queue wait.", vec![0.1, 1.0]).unwrap();
-    for v in [0.05, 0.1, 0.5, 2.0] {
-        h.observe(v);
+    for ms in [50, 100, 500, 2000] {
+        h.record(std::time::Duration::from_millis(ms));
     }
     let text = reg.render();
     for want in [
@@ -124,7 +124,7 @@ fn concurrent_updates_are_not_lost() {
             thread::spawn(move || {
                 for _ in 0..10_000 {
                     c.inc();
-                    h.observe(0.5);
+                    h.record(std::time::Duration::from_millis(500));
                 }
             })
         })
@@ -133,6 +133,6 @@ fn concurrent_updates_are_not_lost() {
         t.join().unwrap();
     }
     assert_eq!(c.get(), 40_000);
-    assert_eq!(h.count(), 40_000);
-    assert!((h.sum() - 20_000.0).abs() < 1e-6);
+    assert_eq!(h.len(), 40_000);
+    assert!((h.sum_seconds() - 20_000.0).abs() < 1e-6);
 }
