@@ -41,7 +41,7 @@ fn run(args: &[String]) -> Result<(), String> {
             "--max-tokens" => max_tokens = val()?.parse().map_err(|e| format!("--max-tokens: {e}"))?,
             "--temperature" => temperature = val()?.parse().map_err(|e| format!("--temperature: {e}"))?,
             "--seed" => seed = val()?.parse().map_err(|e| format!("--seed: {e}"))?,
-            "--weights" => weights = val()?.parse()?,
+            "--weights" => weights = val()?.parse().map_err(|e: pdserve_model::ModelError| e.to_string())?,
             "--model" => model = Some(PathBuf::from(val()?)),
             other => return Err(format!("unknown argument {other:?}")),
         }

@@ -13,14 +13,14 @@ use pdserve_api::{Role, Stage as ApiStage};
 use pdserve_kvcache::{BlockId, OwnerKind, SeqId, TransferId};
 use pdserve_model::{Backend, Sampler, SamplingParams, SeqStep};
 use pdserve_pd_transfer::{
-    BlockIoError, BlockMemory, Endpoint, EndpointEvent, EndpointStats, Outcome as TransferOutcome,
-    PromptMeta, Side, Source, TransferKey,
+    BlockMemory, Endpoint, EndpointEvent, EndpointStats, Outcome as TransferOutcome, PromptMeta, Side,
+    Source, TransferError, TransferKey,
 };
 use pdserve_scheduler::{Event, KvSource, NewRequest, Outcome, RequestId, Sampled, Scheduler, Stage};
 use pdserve_telemetry::RequestLedger;
 
 use crate::metrics::Metrics;
-use crate::EngineError;
+use crate::{EngineError, KvTransferProblem};
 
 /// A generation handed to the engine thread.
 #[derive(Debug)]
@@ -145,11 +145,11 @@ struct RemoteFirst {
 struct Memory<'a>(&'a mut dyn Backend);
 
 impl BlockMemory for Memory<'_> {
-    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), BlockIoError> {
-        self.0.read_block(block, out).map_err(|_| BlockIoError { block })
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError> {
+        self.0.read_block(block, out).map_err(|_| TransferError::BlockIo { block })
     }
-    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), BlockIoError> {
-        self.0.write_block(block, data).map_err(|_| BlockIoError { block })
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
+        self.0.write_block(block, data).map_err(|_| TransferError::BlockIo { block })
     }
 }
 
@@ -369,14 +369,13 @@ impl Core {
         let deadline = self.sched.now_ms(s.deadline);
         let now_ms = self.sched.now_ms(now);
         let Some(ep) = self.endpoint.as_mut() else {
-            let reason = "this worker has no KV transfer (it is not a decode worker)".to_owned();
-            return self.reject(s.id, EngineError::KvTransfer { reason });
+            return self.reject(s.id, EngineError::KvTransfer(KvTransferProblem::NotDecodeWorker));
         };
         if self.describing.contains_key(&source.key.transfer)
             || self.pulling.contains_key(&source.key.transfer)
         {
-            let reason = format!("{} is already being pulled here", source.key);
-            return self.reject(s.id, EngineError::KvTransfer { reason });
+            let problem = KvTransferProblem::AlreadyPulling { key: source.key };
+            return self.reject(s.id, EngineError::KvTransfer(problem));
         }
         match ep.pull(&source, deadline, now_ms) {
             Ok(()) => {
@@ -389,7 +388,7 @@ impl Core {
                 );
                 self.describing.insert(source.key.transfer, s);
             }
-            Err(e) => self.reject(s.id, EngineError::KvTransfer { reason: e.to_string() }),
+            Err(e) => self.reject(s.id, EngineError::KvTransfer(KvTransferProblem::Pull(e))),
         }
     }
 
@@ -404,9 +403,7 @@ impl Core {
         let bad = if prompt.is_empty() {
             Some(EngineError::InvalidInput { problem: "the prefill worker described an empty prompt".into() })
         } else if let Some(t) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
-            Some(EngineError::KvTransfer {
-                reason: format!("the prompt holds token {t}, outside the vocabulary"),
-            })
+            Some(EngineError::KvTransfer(KvTransferProblem::TokenOutsideVocabulary { token: *t }))
         } else if prompt.len() >= self.context_tokens {
             Some(EngineError::ContextLengthExceeded {
                 prompt_tokens: prompt.len(),
@@ -670,11 +667,11 @@ impl Core {
         if let Some(s) = self.describing.remove(&t) {
             // Ended before the prefill worker described it: the request was never admitted.
             self.shared.ledger().finish(&s.request_id);
-            let reason = match outcome {
-                TransferOutcome::Failed(r) => r.to_string(),
-                TransferOutcome::Completed => "ended before it was described".into(),
+            let problem = match outcome {
+                TransferOutcome::Failed(r) => KvTransferProblem::Failed(r),
+                TransferOutcome::Completed => KvTransferProblem::EndedUndescribed,
             };
-            return self.reject(s.id, EngineError::KvTransfer { reason });
+            return self.reject(s.id, EngineError::KvTransfer(problem));
         }
         let Some(req) = self.pulling.remove(&t) else { return };
         match outcome {

@@ -37,7 +37,42 @@ pub enum EngineError {
     /// The engine thread has stopped.
     Stopped,
     /// The prompt's KV could not be had from the prefill worker.
-    KvTransfer { reason: String },
+    KvTransfer(KvTransferProblem),
+}
+
+/// Why a decode worker could not get a prompt's KV from the prefill worker.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum KvTransferProblem {
+    /// This engine has no transfer endpoint (it is not a decode worker).
+    NotDecodeWorker,
+    /// The same transfer is already being pulled here.
+    AlreadyPulling { key: pdserve_pd_transfer::TransferKey },
+    /// The pull could not start (connecting to the prefill worker, a full table).
+    Pull(pdserve_pd_transfer::TransferError),
+    /// The prefill worker described a prompt with a token outside this model's vocabulary.
+    TokenOutsideVocabulary { token: u32 },
+    /// The transfer failed; the protocol's reason.
+    Failed(pdserve_pd_transfer::FailReason),
+    /// The transfer ended before the prefill worker described it.
+    EndedUndescribed,
+}
+
+impl fmt::Display for KvTransferProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KvTransferProblem::NotDecodeWorker => {
+                write!(f, "this worker has no KV transfer (it is not a decode worker)")
+            }
+            KvTransferProblem::AlreadyPulling { key } => write!(f, "{key} is already being pulled here"),
+            KvTransferProblem::Pull(e) => write!(f, "{e}"),
+            KvTransferProblem::TokenOutsideVocabulary { token } => {
+                write!(f, "the prompt holds token {token}, outside the vocabulary")
+            }
+            KvTransferProblem::Failed(r) => write!(f, "{r}"),
+            KvTransferProblem::EndedUndescribed => write!(f, "ended before it was described"),
+        }
+    }
 }
 
 impl EngineError {
@@ -64,7 +99,7 @@ impl EngineError {
             EngineError::DuplicateRequestId { .. } => ErrorKind::DuplicateRequestId,
             EngineError::Busy { .. } => ErrorKind::NoCapacity,
             EngineError::Stopped => ErrorKind::NotReady,
-            EngineError::KvTransfer { .. } => ErrorKind::KvTransferFailed,
+            EngineError::KvTransfer(_) => ErrorKind::KvTransferFailed,
         }
     }
 
@@ -113,7 +148,7 @@ impl fmt::Display for EngineError {
             EngineError::DuplicateRequestId { request_id } => write!(f, "request id {request_id} is already live"),
             EngineError::Busy { limit } => write!(f, "the engine's command queue is full ({limit} commands)"),
             EngineError::Stopped => write!(f, "the engine has stopped"),
-            EngineError::KvTransfer { reason } => write!(f, "KV transfer failed: {reason}"),
+            EngineError::KvTransfer(problem) => write!(f, "KV transfer failed: {problem}"),
         }
     }
 }

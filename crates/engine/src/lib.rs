@@ -48,7 +48,7 @@ mod request;
 mod text;
 
 pub use config::{Device, EngineConfig};
-pub use error::EngineError;
+pub use error::{EngineError, KvTransferProblem};
 pub use handle::{Aborted, Engine, EngineInfo, Health};
 pub use request::{Finish, Id, Input, Output, Request, Timings};
 

@@ -1,7 +1,7 @@
 //! The engine's metrics, every name with its unit.
 
 use pdserve_telemetry::{
-    Buckets, Counter, CounterVec, Gauge, GaugeVec, LatencyHistogram, MetricError, Registry,
+    Buckets, Counter, CounterVec, Gauge, GaugeVec, LatencyHistogram, Registry, TelemetryError,
 };
 
 #[derive(Debug, Clone)]
@@ -27,7 +27,7 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    pub(crate) fn new() -> Result<Metrics, MetricError> {
+    pub(crate) fn new() -> Result<Metrics, TelemetryError> {
         let r = Registry::new();
         Ok(Metrics {
             finished: r.counter_vec(

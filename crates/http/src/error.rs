@@ -1,11 +1,15 @@
-//! The crate's error type.
+//! The crate's one error type.
 
 use std::fmt;
+use std::io;
+use std::time::Duration;
 
 use pdserve_api::{ApiError, ErrorKind};
 
-/// Why a message could not be decoded. Each variant maps to one HTTP status and one stable `type` word.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// What went wrong in HTTP: decoding a message (each such error is answered with one status and one
+/// stable `type` word, [`HttpError::kind`]), answering a connection, or a client's call (the pool, the
+/// connection, the deadline).
+#[derive(Debug)]
 #[non_exhaustive]
 pub enum HttpError {
     /// The request line is longer than the limit.
@@ -24,6 +28,22 @@ pub enum HttpError {
     Unsupported { what: &'static str },
     /// The peer closed the connection before the message was complete.
     UnexpectedEof,
+    /// (Server) the connection is closed, or the id is stale.
+    Gone,
+    /// (Server) no request is outstanding on this connection, or a stream call came out of order.
+    NotResponding,
+    /// (Server) the client is not reading: this many bytes are still unsent, at or over the maximum.
+    Backpressure { buffered_bytes: usize },
+    /// (Client) the deadline passed while every pooled connection was busy.
+    AcquireTimeout { waited: Duration, busy: usize },
+    /// (Client) too many callers were already waiting for a connection.
+    TooManyWaiters { limit: usize },
+    /// (Client) the connection could not be opened: nothing was sent.
+    Connect(io::Error),
+    /// (Client) reading or writing failed after the request was (partly) sent.
+    Io(io::Error),
+    /// (Client) the call's deadline passed.
+    DeadlineExceeded,
 }
 
 impl HttpError {
@@ -39,6 +59,12 @@ impl HttpError {
             HttpError::ChunkLineTooLong { .. } | HttpError::Malformed { .. } | HttpError::UnexpectedEof => {
                 ErrorKind::InvalidRequest
             }
+            HttpError::DeadlineExceeded | HttpError::AcquireTimeout { .. } => ErrorKind::DeadlineExceeded,
+            HttpError::TooManyWaiters { .. } => ErrorKind::NoCapacity,
+            HttpError::Connect(_) | HttpError::Io(_) => ErrorKind::UpstreamFailed,
+            HttpError::Gone | HttpError::NotResponding | HttpError::Backpressure { .. } => {
+                ErrorKind::Internal
+            }
         }
     }
 
@@ -50,6 +76,33 @@ impl HttpError {
     /// The answer's error body.
     pub fn to_api_error(&self) -> ApiError {
         ApiError::new(self.kind(), self.to_string())
+    }
+}
+
+// Compared by variant and data; I/O errors by their kind (for tests and for matching in callers).
+impl PartialEq for HttpError {
+    fn eq(&self, other: &Self) -> bool {
+        use HttpError::*;
+        match (self, other) {
+            (RequestLineTooLong { bytes: a, limit: b }, RequestLineTooLong { bytes: c, limit: d })
+            | (HeadersTooLarge { bytes: a, limit: b }, HeadersTooLarge { bytes: c, limit: d })
+            | (BodyTooLarge { bytes: a, limit: b }, BodyTooLarge { bytes: c, limit: d }) => (a, b) == (c, d),
+            (TooManyHeaders { limit: a }, TooManyHeaders { limit: b })
+            | (ChunkLineTooLong { limit: a }, ChunkLineTooLong { limit: b })
+            | (TooManyWaiters { limit: a }, TooManyWaiters { limit: b })
+            | (Backpressure { buffered_bytes: a }, Backpressure { buffered_bytes: b }) => a == b,
+            (Malformed { what: a }, Malformed { what: b })
+            | (Unsupported { what: a }, Unsupported { what: b }) => a == b,
+            (AcquireTimeout { waited: a, busy: b }, AcquireTimeout { waited: c, busy: d }) => {
+                (a, b) == (c, d)
+            }
+            (Connect(a), Connect(b)) | (Io(a), Io(b)) => a.kind() == b.kind(),
+            (UnexpectedEof, UnexpectedEof)
+            | (Gone, Gone)
+            | (NotResponding, NotResponding)
+            | (DeadlineExceeded, DeadlineExceeded) => true,
+            _ => false,
+        }
     }
 }
 
@@ -72,8 +125,27 @@ impl fmt::Display for HttpError {
             HttpError::Malformed { what } => write!(f, "malformed {what}"),
             HttpError::Unsupported { what } => write!(f, "unsupported {what}"),
             HttpError::UnexpectedEof => write!(f, "connection closed before the message was complete"),
+            HttpError::Gone => write!(f, "connection is gone"),
+            HttpError::NotResponding => write!(f, "no response in progress on this connection"),
+            HttpError::Backpressure { buffered_bytes } => {
+                write!(f, "client is not reading ({buffered_bytes} bytes unsent)")
+            }
+            HttpError::AcquireTimeout { waited, busy } => {
+                write!(f, "no upstream connection free after {}ms ({busy} busy)", waited.as_millis())
+            }
+            HttpError::TooManyWaiters { limit } => write!(f, "{limit} callers already wait for a connection"),
+            HttpError::Connect(e) => write!(f, "connect failed: {e}"),
+            HttpError::Io(e) => write!(f, "connection failed: {e}"),
+            HttpError::DeadlineExceeded => write!(f, "deadline exceeded"),
         }
     }
 }
 
-impl std::error::Error for HttpError {}
+impl std::error::Error for HttpError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            HttpError::Connect(e) | HttpError::Io(e) => Some(e),
+            _ => None,
+        }
+    }
+}

@@ -5,7 +5,6 @@
 //! response was not read to its end: a [`Pooled`] dropped without [`Pooled::release_reusable`] is closed.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -33,32 +32,6 @@ impl Default for PoolConfig {
         }
     }
 }
-
-/// Why a connection could not be had.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum PoolError {
-    /// The deadline passed while every connection was busy.
-    AcquireTimeout { waited: Duration, busy: usize },
-    /// Too many callers were already waiting.
-    TooManyWaiters { limit: usize },
-    /// Opening a new connection failed.
-    Connect(io::Error),
-}
-
-impl fmt::Display for PoolError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PoolError::AcquireTimeout { waited, busy } => {
-                write!(f, "no upstream connection free after {}ms ({busy} busy)", waited.as_millis())
-            }
-            PoolError::TooManyWaiters { limit } => write!(f, "{limit} callers already wait for a connection"),
-            PoolError::Connect(e) => write!(f, "connect failed: {e}"),
-        }
-    }
-}
-
-impl std::error::Error for PoolError {}
 
 /// Gauges of one upstream's connections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -119,7 +92,7 @@ impl<C> Pool<C> {
         upstream: &str,
         deadline: Instant,
         connect: impl FnOnce() -> io::Result<C>,
-    ) -> Result<Pooled<C>, PoolError> {
+    ) -> Result<Pooled<C>, HttpError> {
         let start = Instant::now();
         let config = self.shared.config;
         let mut map = self.lock();
@@ -140,15 +113,15 @@ impl<C> Pool<C> {
                     Ok(conn) => Ok(self.pooled(upstream, conn, false)),
                     Err(e) => {
                         self.release_slot(upstream);
-                        Err(PoolError::Connect(e))
+                        Err(HttpError::Connect(e))
                     }
                 };
             }
             if now >= deadline {
-                return Err(PoolError::AcquireTimeout { waited: now.duration_since(start), busy: up.busy });
+                return Err(HttpError::AcquireTimeout { waited: now.duration_since(start), busy: up.busy });
             }
             if up.waiting >= config.waiters_per_upstream_max {
-                return Err(PoolError::TooManyWaiters { limit: config.waiters_per_upstream_max });
+                return Err(HttpError::TooManyWaiters { limit: config.waiters_per_upstream_max });
             }
             up.waiting += 1;
             let (guard, _) = self
@@ -253,30 +226,6 @@ impl<C> Drop for Pooled<C> {
     }
 }
 
-/// Why a client call failed.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum ClientError {
-    Pool(PoolError),
-    Io(io::Error),
-    Http(HttpError),
-    /// The call's deadline passed.
-    DeadlineExceeded,
-}
-
-impl fmt::Display for ClientError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            ClientError::Pool(e) => write!(f, "connection pool: {e}"),
-            ClientError::Io(e) => write!(f, "i/o: {e}"),
-            ClientError::Http(e) => write!(f, "bad response: {e}"),
-            ClientError::DeadlineExceeded => write!(f, "deadline exceeded"),
-        }
-    }
-}
-
-impl std::error::Error for ClientError {}
-
 /// Configuration of an [`HttpClient`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClientConfig {
@@ -323,25 +272,22 @@ impl HttpClient {
         addr: SocketAddr,
         request: &Request,
         deadline: Instant,
-    ) -> Result<ClientResponse, ClientError> {
+    ) -> Result<ClientResponse, HttpError> {
         let mut wire = Vec::with_capacity(256 + request.body.len());
         request.write_to(&mut wire);
         let head_request = request.method.eq_ignore_ascii_case("HEAD");
         let key = addr.to_string();
         for attempt in 0..2 {
             let connect_timeout = self.config.connect_timeout;
-            let conn = self
-                .pool
-                .acquire(&key, deadline, || {
-                    let remaining = deadline.saturating_duration_since(Instant::now());
-                    let s = TcpStream::connect_timeout(
-                        &addr,
-                        connect_timeout.min(remaining).max(Duration::from_millis(1)),
-                    )?;
-                    s.set_nodelay(true)?;
-                    Ok(s)
-                })
-                .map_err(ClientError::Pool)?;
+            let conn = self.pool.acquire(&key, deadline, || {
+                let remaining = deadline.saturating_duration_since(Instant::now());
+                let s = TcpStream::connect_timeout(
+                    &addr,
+                    connect_timeout.min(remaining).max(Duration::from_millis(1)),
+                )?;
+                s.set_nodelay(true)?;
+                Ok(s)
+            })?;
             let reused = conn.was_reused();
             let mut response = ClientResponse {
                 conn: Some(conn),
@@ -353,7 +299,7 @@ impl HttpClient {
             };
             match response.start(&wire) {
                 Ok(()) => return Ok(response),
-                Err(ClientError::Io(e))
+                Err(HttpError::Io(e))
                     if reused && attempt == 0 && response.bytes_seen == 0 && is_stale(&e) =>
                 {
                     continue;
@@ -361,7 +307,7 @@ impl HttpClient {
                 Err(e) => return Err(e),
             }
         }
-        Err(ClientError::Io(io::Error::new(io::ErrorKind::ConnectionReset, "stale pooled connection")))
+        Err(HttpError::Io(io::Error::new(io::ErrorKind::ConnectionReset, "stale pooled connection")))
     }
 }
 
@@ -373,7 +319,7 @@ impl HttpClient {
         addr: SocketAddr,
         request: &Request,
         deadline: Instant,
-    ) -> Result<(u16, Vec<u8>), ClientError> {
+    ) -> Result<(u16, Vec<u8>), HttpError> {
         let r = self.send(addr, request, deadline)?;
         let status = r.status();
         Ok((status, r.read_to_end()?))
@@ -386,23 +332,17 @@ impl HttpClient {
         addr: SocketAddr,
         request: &Request,
         deadline: Instant,
-    ) -> Result<(), ClientError> {
+    ) -> Result<(), HttpError> {
         let mut wire = Vec::with_capacity(256 + request.body.len());
         request.write_to(&mut wire);
         let connect_timeout = self.config.connect_timeout;
-        let mut conn = self
-            .pool
-            .acquire(&addr.to_string(), deadline, || {
-                let remaining = deadline.saturating_duration_since(Instant::now());
-                TcpStream::connect_timeout(
-                    &addr,
-                    connect_timeout.min(remaining).max(Duration::from_millis(1)),
-                )
-            })
-            .map_err(ClientError::Pool)?;
+        let mut conn = self.pool.acquire(&addr.to_string(), deadline, || {
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            TcpStream::connect_timeout(&addr, connect_timeout.min(remaining).max(Duration::from_millis(1)))
+        })?;
         set_deadline(&conn, deadline)?;
         // Dropping the pooled connection closes it: it is never reused.
-        conn.write_all(&wire).map_err(ClientError::Io)
+        conn.write_all(&wire).map_err(HttpError::Io)
     }
 }
 
@@ -428,17 +368,17 @@ pub struct ClientResponse {
 }
 
 impl ClientResponse {
-    fn start(&mut self, wire: &[u8]) -> Result<(), ClientError> {
-        let conn = self.conn.as_mut().ok_or(ClientError::DeadlineExceeded)?;
+    fn start(&mut self, wire: &[u8]) -> Result<(), HttpError> {
+        let conn = self.conn.as_mut().ok_or(HttpError::DeadlineExceeded)?;
         set_deadline(conn, self.deadline)?;
-        conn.write_all(wire).map_err(ClientError::Io)?;
+        conn.write_all(wire).map_err(HttpError::Io)?;
         match self.next_event()? {
             Some(ResponseEvent::Head(h)) => {
                 self.head = Some(h);
                 Ok(())
             }
             Some(_) => unreachable!("the head comes first"),
-            None => Err(ClientError::Io(io::ErrorKind::UnexpectedEof.into())),
+            None => Err(HttpError::Io(io::ErrorKind::UnexpectedEof.into())),
         }
     }
 
@@ -452,7 +392,7 @@ impl ClientResponse {
     }
 
     /// The next piece of the body, `Ok(None)` at its end (when the connection goes back to the pool).
-    pub fn next_chunk(&mut self) -> Result<Option<Vec<u8>>, ClientError> {
+    pub fn next_chunk(&mut self) -> Result<Option<Vec<u8>>, HttpError> {
         if !self.pending.is_empty() {
             return Ok(Some(std::mem::take(&mut self.pending)));
         }
@@ -461,15 +401,13 @@ impl ClientResponse {
                 Some(ResponseEvent::Data(d)) if d.is_empty() => continue,
                 Some(ResponseEvent::Data(d)) => return Ok(Some(d)),
                 Some(ResponseEvent::End) | None => return Ok(None),
-                Some(ResponseEvent::Head(_)) => {
-                    return Err(ClientError::Http(HttpError::Malformed { what: "second head" }))
-                }
+                Some(ResponseEvent::Head(_)) => return Err(HttpError::Malformed { what: "second head" }),
             }
         }
     }
 
     /// Reads the whole body (bounded by the client's `body_bytes_max`).
-    pub fn read_to_end(mut self) -> Result<Vec<u8>, ClientError> {
+    pub fn read_to_end(mut self) -> Result<Vec<u8>, HttpError> {
         let mut body = Vec::new();
         while let Some(d) = self.next_chunk()? {
             body.extend_from_slice(&d);
@@ -477,9 +415,9 @@ impl ClientResponse {
         Ok(body)
     }
 
-    fn next_event(&mut self) -> Result<Option<ResponseEvent>, ClientError> {
+    fn next_event(&mut self) -> Result<Option<ResponseEvent>, HttpError> {
         loop {
-            if let Some(ev) = self.decoder.poll().map_err(ClientError::Http)? {
+            if let Some(ev) = self.decoder.poll()? {
                 if ev == ResponseEvent::End {
                     self.finish();
                 }
@@ -492,9 +430,9 @@ impl ClientResponse {
                 Ok(0) => {
                     let ev = self.decoder.handle_eof().map_err(|e| {
                         if self.bytes_seen == 0 {
-                            ClientError::Io(io::ErrorKind::UnexpectedEof.into())
+                            HttpError::Io(io::ErrorKind::UnexpectedEof.into())
                         } else {
-                            ClientError::Http(e)
+                            e
                         }
                     })?;
                     // The server closed: this connection is never reused.
@@ -508,11 +446,11 @@ impl ClientResponse {
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
                     self.conn = None;
-                    return Err(ClientError::DeadlineExceeded);
+                    return Err(HttpError::DeadlineExceeded);
                 }
                 Err(e) => {
                     self.conn = None;
-                    return Err(ClientError::Io(e));
+                    return Err(HttpError::Io(e));
                 }
             }
         }
@@ -527,11 +465,11 @@ impl ClientResponse {
     }
 }
 
-fn set_deadline(conn: &TcpStream, deadline: Instant) -> Result<(), ClientError> {
+fn set_deadline(conn: &TcpStream, deadline: Instant) -> Result<(), HttpError> {
     let remaining = deadline.saturating_duration_since(Instant::now());
     if remaining.is_zero() {
-        return Err(ClientError::DeadlineExceeded);
+        return Err(HttpError::DeadlineExceeded);
     }
-    conn.set_read_timeout(Some(remaining)).map_err(ClientError::Io)?;
-    conn.set_write_timeout(Some(remaining)).map_err(ClientError::Io)
+    conn.set_read_timeout(Some(remaining)).map_err(HttpError::Io)?;
+    conn.set_write_timeout(Some(remaining)).map_err(HttpError::Io)
 }

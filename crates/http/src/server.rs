@@ -68,31 +68,6 @@ pub enum DisconnectReason {
     IoError(io::ErrorKind),
 }
 
-/// Why a write to a connection was refused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SendError {
-    /// The connection is closed (or the id is stale).
-    Gone,
-    /// No request is outstanding on this connection, or a stream call came out of order.
-    NotResponding,
-    /// The client is not reading: this many bytes are still unsent, at or over the configured maximum.
-    Backpressure { buffered_bytes: usize },
-}
-
-impl fmt::Display for SendError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SendError::Gone => write!(f, "connection is gone"),
-            SendError::NotResponding => write!(f, "no response in progress on this connection"),
-            SendError::Backpressure { buffered_bytes } => {
-                write!(f, "client is not reading ({buffered_bytes} bytes unsent)")
-            }
-        }
-    }
-}
-
-impl std::error::Error for SendError {}
-
 /// Counters of what the loop did, for metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ServerStats {
@@ -266,10 +241,10 @@ impl Server {
     }
 
     /// Writes a whole response and ends the request.
-    pub fn respond(&mut self, conn: ConnId, response: &Response) -> Result<(), SendError> {
+    pub fn respond(&mut self, conn: ConnId, response: &Response) -> Result<(), HttpError> {
         let c = self.responding(conn)?;
         let Phase::Responding { keep_alive, streaming: false } = c.phase else {
-            return Err(SendError::NotResponding);
+            return Err(HttpError::NotResponding);
         };
         response.write_to(&mut c.out, keep_alive);
         self.finish_response(conn.slot);
@@ -282,10 +257,10 @@ impl Server {
         conn: ConnId,
         status: u16,
         headers: &[(&str, &str)],
-    ) -> Result<(), SendError> {
+    ) -> Result<(), HttpError> {
         let c = self.responding(conn)?;
         let Phase::Responding { keep_alive, streaming: false } = c.phase else {
-            return Err(SendError::NotResponding);
+            return Err(HttpError::NotResponding);
         };
         write_head(&mut c.out, status, headers, BodyKind::Chunked, keep_alive);
         c.phase = Phase::Responding { keep_alive, streaming: true };
@@ -293,14 +268,14 @@ impl Server {
         Ok(())
     }
 
-    /// Sends one chunk of a started stream. Refused with [`SendError::Backpressure`] while the client
+    /// Sends one chunk of a started stream. Refused with [`HttpError::Backpressure`] while the client
     /// leaves `write_buffer_bytes_max` bytes unread.
-    pub fn send_chunk(&mut self, conn: ConnId, data: &[u8]) -> Result<(), SendError> {
+    pub fn send_chunk(&mut self, conn: ConnId, data: &[u8]) -> Result<(), HttpError> {
         let max = self.config.write_buffer_bytes_max;
         let c = self.responding(conn)?;
-        let Phase::Responding { streaming: true, .. } = c.phase else { return Err(SendError::NotResponding) };
+        let Phase::Responding { streaming: true, .. } = c.phase else { return Err(HttpError::NotResponding) };
         if c.unsent() >= max {
-            return Err(SendError::Backpressure { buffered_bytes: c.unsent() });
+            return Err(HttpError::Backpressure { buffered_bytes: c.unsent() });
         }
         write_chunk(&mut c.out, data);
         self.flush(conn.slot, Instant::now());
@@ -308,9 +283,9 @@ impl Server {
     }
 
     /// Ends a started stream.
-    pub fn end_stream(&mut self, conn: ConnId) -> Result<(), SendError> {
+    pub fn end_stream(&mut self, conn: ConnId) -> Result<(), HttpError> {
         let c = self.responding(conn)?;
-        let Phase::Responding { streaming: true, .. } = c.phase else { return Err(SendError::NotResponding) };
+        let Phase::Responding { streaming: true, .. } = c.phase else { return Err(HttpError::NotResponding) };
         write_last_chunk(&mut c.out);
         self.finish_response(conn.slot);
         Ok(())
@@ -333,16 +308,16 @@ impl Server {
         self.slots.get_mut(conn.slot as usize)?.as_mut().filter(|c| c.gen == conn.gen)
     }
 
-    fn responding(&mut self, conn: ConnId) -> Result<&mut Conn, SendError> {
-        let c = self.get(conn).ok_or(SendError::Gone)?;
+    fn responding(&mut self, conn: ConnId) -> Result<&mut Conn, HttpError> {
+        let c = self.get(conn).ok_or(HttpError::Gone)?;
         match c.phase {
             Phase::Responding { .. } => Ok(c),
-            _ => Err(SendError::NotResponding),
+            _ => Err(HttpError::NotResponding),
         }
     }
 
-    fn check_alive(&mut self, conn: ConnId) -> Result<(), SendError> {
-        self.get(conn).map(|_| ()).ok_or(SendError::Gone)
+    fn check_alive(&mut self, conn: ConnId) -> Result<(), HttpError> {
+        self.get(conn).map(|_| ()).ok_or(HttpError::Gone)
     }
 
     fn finish_response(&mut self, slot: u32) {

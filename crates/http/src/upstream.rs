@@ -4,7 +4,6 @@
 //! request on a pooled connection that fails before any response byte was never taken by the server
 //! ([`Upstream::stale`]), so it may be sent again.
 
-use std::fmt;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -22,30 +21,6 @@ pub enum UpstreamPhase {
     Busy,
     /// In the pool, waiting for the next request.
     Idle,
-}
-
-/// What went wrong on a connection, and whether the worker may have seen the request.
-#[derive(Debug)]
-pub enum UpstreamError {
-    /// The connection never came up (refused, unreachable): nothing was sent.
-    Connect(io::Error),
-    /// Reading or writing failed after the request was (partly) sent.
-    Io(io::Error),
-    /// The worker closed the connection before the response ended.
-    Closed,
-    /// The response was malformed.
-    Protocol(HttpError),
-}
-
-impl fmt::Display for UpstreamError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            UpstreamError::Connect(e) => write!(f, "connect failed: {e}"),
-            UpstreamError::Io(e) => write!(f, "connection failed: {e}"),
-            UpstreamError::Closed => write!(f, "worker closed the connection before the response ended"),
-            UpstreamError::Protocol(e) => write!(f, "malformed response: {e}"),
-        }
-    }
 }
 
 #[derive(Debug)]
@@ -95,7 +70,7 @@ impl Upstream {
     }
 
     /// Queues a request (wire bytes) on a connected or connecting connection; writes what it can now.
-    pub fn send(&mut self, request: Vec<u8>, head_request: bool) -> Result<(), UpstreamError> {
+    pub fn send(&mut self, request: Vec<u8>, head_request: bool) -> Result<(), HttpError> {
         self.out = request;
         self.out_pos = 0;
         self.decoder = ResponseDecoder::new(self.limits, head_request);
@@ -111,9 +86,9 @@ impl Upstream {
     }
 
     /// Called on a writable event while connecting: finishes the connect. `Ok(false)`: still pending.
-    pub fn finish_connect(&mut self) -> Result<bool, UpstreamError> {
+    pub fn finish_connect(&mut self) -> Result<bool, HttpError> {
         if let Ok(Some(e)) | Err(e) = self.stream.take_error() {
-            return Err(UpstreamError::Connect(e));
+            return Err(HttpError::Connect(e));
         }
         match self.stream.peer_addr() {
             Ok(_) => {
@@ -123,19 +98,19 @@ impl Upstream {
                 Ok(true)
             }
             Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(false),
-            Err(e) => Err(UpstreamError::Connect(e)),
+            Err(e) => Err(HttpError::Connect(e)),
         }
     }
 
     /// Writes buffered request bytes until done or the socket is full.
-    pub fn flush(&mut self) -> Result<(), UpstreamError> {
+    pub fn flush(&mut self) -> Result<(), HttpError> {
         while self.out_pos < self.out.len() {
             match self.stream.write(&self.out[self.out_pos..]) {
-                Ok(0) => return Err(UpstreamError::Closed),
+                Ok(0) => return Err(HttpError::UnexpectedEof),
                 Ok(n) => self.out_pos += n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(UpstreamError::Io(e)),
+                Err(e) => return Err(HttpError::Io(e)),
             }
         }
         if !self.out.is_empty() {
@@ -154,7 +129,7 @@ impl Upstream {
         buf: &mut [u8],
         events: &mut Vec<ResponseEvent>,
         drain: bool,
-    ) -> Result<(), UpstreamError> {
+    ) -> Result<(), HttpError> {
         loop {
             match self.stream.read(buf) {
                 Ok(0) => {
@@ -163,11 +138,10 @@ impl Upstream {
                         match self.decoder.handle_eof() {
                             Ok(Some(ev)) => events.push(ev),
                             Ok(None) => break,
-                            Err(HttpError::UnexpectedEof) => return Err(UpstreamError::Closed),
-                            Err(e) => return Err(UpstreamError::Protocol(e)),
+                            Err(e) => return Err(e),
                         }
                     }
-                    return if self.decoder.is_done() { Ok(()) } else { Err(UpstreamError::Closed) };
+                    return if self.decoder.is_done() { Ok(()) } else { Err(HttpError::UnexpectedEof) };
                 }
                 Ok(n) => {
                     self.bytes_in += n;
@@ -179,13 +153,13 @@ impl Upstream {
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(UpstreamError::Io(e)),
+                Err(e) => return Err(HttpError::Io(e)),
             }
         }
     }
 
-    fn drain(&mut self, events: &mut Vec<ResponseEvent>) -> Result<(), UpstreamError> {
-        while let Some(ev) = self.decoder.poll().map_err(UpstreamError::Protocol)? {
+    fn drain(&mut self, events: &mut Vec<ResponseEvent>) -> Result<(), HttpError> {
+        while let Some(ev) = self.decoder.poll()? {
             events.push(ev);
         }
         Ok(())
@@ -208,5 +182,3 @@ impl Upstream {
         !matches!(self.stream.read(buf), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 }
-
-impl std::error::Error for UpstreamError {}

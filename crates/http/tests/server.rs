@@ -8,8 +8,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use pdserve_http::{
-    ClientConfig, ClientError, Event, HttpClient, Limits, PoolConfig, PoolError, Request, Response, Server,
-    ServerConfig,
+    ClientConfig, Event, HttpClient, HttpError, Limits, PoolConfig, Request, Response, Server, ServerConfig,
 };
 
 /// A test server on its own thread: `/echo` answers the body, `/stream` sends three chunks, `/hold`
@@ -287,7 +286,7 @@ fn acquire_waits_only_until_its_deadline() {
     let err =
         client.send(srv.addr, &Request::new("GET", "/echo"), start + Duration::from_millis(200)).unwrap_err();
     let waited = start.elapsed();
-    assert!(matches!(err, ClientError::Pool(PoolError::AcquireTimeout { busy: 1, .. })), "{err:?}");
+    assert!(matches!(err, HttpError::AcquireTimeout { busy: 1, .. }), "{err:?}");
     assert!(waited >= Duration::from_millis(190) && waited < Duration::from_secs(2), "{waited:?}");
     drop(held);
     let ok = client
@@ -303,7 +302,7 @@ fn a_server_that_never_answers_hits_the_deadline() {
     let start = Instant::now();
     let err =
         client.send(srv.addr, &Request::new("GET", "/hold"), start + Duration::from_millis(300)).unwrap_err();
-    assert!(matches!(err, ClientError::DeadlineExceeded), "{err:?}");
+    assert!(matches!(err, HttpError::DeadlineExceeded), "{err:?}");
     assert!(start.elapsed() < Duration::from_secs(2));
     // The server learns the client left.
     assert!(srv.disconnects.recv_timeout(Duration::from_secs(2)).is_ok());

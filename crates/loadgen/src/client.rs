@@ -5,9 +5,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use pdserve_http::{
-    ClientConfig, ClientError, Header, HttpClient, Limits, PoolConfig, PoolError, Request, SseDecoder,
-};
+use pdserve_http::{ClientConfig, Header, HttpClient, HttpError, Limits, PoolConfig, Request, SseDecoder};
 use serde_json::Value;
 
 /// What happened to one request, as the client saw it.
@@ -121,7 +119,7 @@ impl Conn {
         let mut resp = match self.client.send(self.addr, &req, hard) {
             Ok(r) => r,
             Err(e) => {
-                out.hung = matches!(e, ClientError::DeadlineExceeded);
+                out.hung = matches!(e, HttpError::DeadlineExceeded);
                 out.error = Some(word(&e, &out).into());
                 out.e2e = start.elapsed();
                 return out;
@@ -156,7 +154,7 @@ impl Conn {
                 }
                 Err(e) => {
                     if !out.terminal {
-                        out.hung = matches!(e, ClientError::DeadlineExceeded);
+                        out.hung = matches!(e, HttpError::DeadlineExceeded);
                         let w = word(&e, &out);
                         out.error.get_or_insert_with(|| w.into());
                     }
@@ -170,14 +168,17 @@ impl Conn {
 }
 
 /// The client-side word for a failure: `hung`, `connect`, `protocol`, `closed` or `io`.
-fn word(e: &ClientError, out: &Outcome) -> &'static str {
+fn word(e: &HttpError, out: &Outcome) -> &'static str {
     match e {
-        ClientError::DeadlineExceeded => "hung",
-        ClientError::Pool(PoolError::Connect(c)) if c.kind() == io::ErrorKind::ConnectionRefused => "connect",
-        ClientError::Http(pdserve_http::HttpError::UnexpectedEof) => "closed",
-        ClientError::Http(_) => "protocol",
-        ClientError::Io(e) if out.status != 0 && e.kind() == io::ErrorKind::UnexpectedEof => "closed",
-        _ => "io",
+        HttpError::DeadlineExceeded => "hung",
+        HttpError::Connect(c) if c.kind() == io::ErrorKind::ConnectionRefused => "connect",
+        HttpError::UnexpectedEof => "closed",
+        HttpError::Io(e) if out.status != 0 && e.kind() == io::ErrorKind::UnexpectedEof => "closed",
+        HttpError::Io(_)
+        | HttpError::Connect(_)
+        | HttpError::AcquireTimeout { .. }
+        | HttpError::TooManyWaiters { .. } => "io",
+        _ => "protocol",
     }
 }
 

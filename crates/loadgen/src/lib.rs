@@ -44,17 +44,48 @@ pub struct Target {
 }
 
 impl Target {
-    pub fn parse(url: &str) -> Result<Target, String> {
+    pub fn parse(url: &str) -> Result<Target, TargetError> {
         let authority = url
             .strip_prefix("http://")
-            .ok_or_else(|| format!("{url}: only http:// targets"))?
+            .ok_or_else(|| TargetError::NotHttp { url: url.to_owned() })?
             .trim_end_matches('/');
         let addr = authority
             .to_socket_addrs()
-            .map_err(|e| format!("{url}: {e}"))?
+            .map_err(|error| TargetError::DoesNotResolve { url: url.to_owned(), error })?
             .next()
-            .ok_or_else(|| format!("{url}: no address"))?;
+            .ok_or_else(|| TargetError::NoAddress { url: url.to_owned() })?;
         Ok(Target { url: format!("http://{authority}"), addr })
+    }
+}
+
+/// The crate's one error: a target URL it cannot load.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum TargetError {
+    /// Not `http://host:port`.
+    NotHttp { url: String },
+    /// The resolver failed.
+    DoesNotResolve { url: String, error: std::io::Error },
+    /// The name resolved to no address.
+    NoAddress { url: String },
+}
+
+impl std::fmt::Display for TargetError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TargetError::NotHttp { url } => write!(f, "{url}: only http:// targets"),
+            TargetError::DoesNotResolve { url, error } => write!(f, "{url}: {error}"),
+            TargetError::NoAddress { url } => write!(f, "{url}: no address"),
+        }
+    }
+}
+
+impl std::error::Error for TargetError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            TargetError::DoesNotResolve { error, .. } => Some(error),
+            _ => None,
+        }
     }
 }
 

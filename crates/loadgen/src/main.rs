@@ -68,7 +68,7 @@ fn parse(args: Vec<String>) -> Result<Option<Args>, String> {
         let num = |v: &str| v.parse::<f64>().map_err(|e| format!("{a} {v}: {e}"));
         let int = |v: &str| v.parse::<usize>().map_err(|e| format!("{a} {v}: {e}"));
         match a.as_str() {
-            "--target" => targets.push(Target::parse(&v)?),
+            "--target" => targets.push(Target::parse(&v).map_err(|e| e.to_string())?),
             "--workload" => workload = v,
             "--concurrency" => concurrency = list(&v)?,
             "--requests-per-client" => per_client = int(&v)?,

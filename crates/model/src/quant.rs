@@ -44,14 +44,14 @@ impl WeightFormat {
 }
 
 impl std::str::FromStr for WeightFormat {
-    type Err = String;
+    type Err = crate::ModelError;
 
-    fn from_str(s: &str) -> Result<WeightFormat, String> {
+    fn from_str(s: &str) -> Result<WeightFormat, crate::ModelError> {
         match s {
             "f32" => Ok(WeightFormat::F32),
             "q8" => Ok(WeightFormat::Q8),
             "q4" => Ok(WeightFormat::Q4),
-            _ => Err(format!("unknown weight format {s:?}: f32, q8 or q4")),
+            _ => Err(crate::ModelError::UnknownWeightFormat { value: s.to_owned() }),
         }
     }
 }
@@ -370,8 +370,8 @@ mod tests {
         let z = <Q4Matrix as QuantMatrix>::quantize(&[0.5; 32], 1, 32).unwrap();
         assert_eq!(z.dequantize_row(0), vec![0.5; 32]);
         assert!(<Q4Matrix as QuantMatrix>::quantize(&[0.0; 30], 1, 30).is_none());
-        assert_eq!("q8".parse::<WeightFormat>(), Ok(WeightFormat::Q8));
-        assert_eq!("q4".parse::<WeightFormat>(), Ok(WeightFormat::Q4));
+        assert_eq!("q8".parse::<WeightFormat>().unwrap(), WeightFormat::Q8);
+        assert_eq!("q4".parse::<WeightFormat>().unwrap(), WeightFormat::Q4);
         assert!("q2".parse::<WeightFormat>().is_err());
     }
 }

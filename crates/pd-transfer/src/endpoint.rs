@@ -9,7 +9,6 @@
 //! [`abort`](Endpoint::abort)) may come at any time between pumps.
 
 use std::collections::{HashMap, VecDeque};
-use std::fmt;
 use std::io;
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -18,32 +17,18 @@ use pdserve_kvcache::{BlockId, KvCache, TransferId};
 
 use crate::transport::{Arrival, Transport};
 use crate::{
-    Layout, Message, OfferError, Outcome, PeerId, PromptMeta, Receiver, SendAction, Sender, SenderConfig,
-    StartError, TransferKey,
+    Layout, Message, Outcome, PeerId, PromptMeta, Receiver, SendAction, Sender, SenderConfig, TransferError,
+    TransferKey,
 };
 
 /// The worker's KV memory as the endpoint reads and writes it: whole blocks of
 /// `Layout::block_bytes()` bytes, indexed by the ledger's block ids.
 pub trait BlockMemory {
     /// Copies block `block` into `out`.
-    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), BlockIoError>;
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError>;
     /// Stores `data` as block `block`.
-    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), BlockIoError>;
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError>;
 }
-
-/// A block the memory could not read or write (out of range, wrong size).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BlockIoError {
-    pub block: BlockId,
-}
-
-impl fmt::Display for BlockIoError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "KV memory refused {}", self.block)
-    }
-}
-
-impl std::error::Error for BlockIoError {}
 
 /// Bounds of an [`Endpoint`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,32 +57,6 @@ pub struct Source {
     /// The sender's shared KV region, if it keeps one.
     pub region: Option<String>,
 }
-
-/// Why a pull could not start.
-#[derive(Debug)]
-#[non_exhaustive]
-pub enum PullError {
-    /// The sending side cannot be reached.
-    Connect { addr: SocketAddr, error: io::Error },
-    /// This transfer is already being pulled here.
-    Duplicate,
-    /// `pulls_max` transfers are already being pulled.
-    TooMany { limit: usize },
-}
-
-impl fmt::Display for PullError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            PullError::Connect { addr, error } => {
-                write!(f, "cannot reach the prefill worker at {addr}: {error}")
-            }
-            PullError::Duplicate => write!(f, "this transfer is already being pulled"),
-            PullError::TooMany { limit } => write!(f, "{limit} transfers are already being pulled"),
-        }
-    }
-}
-
-impl std::error::Error for PullError {}
 
 /// Which side of a transfer an event is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -199,7 +158,7 @@ impl Endpoint {
         expires_at: u64,
         meta: PromptMeta,
         now: u64,
-    ) -> Result<TransferKey, OfferError> {
+    ) -> Result<TransferKey, TransferError> {
         self.now = now;
         self.next_epoch = self.next_epoch.wrapping_add(1);
         let key = TransferKey { transfer: transfer.0, epoch: self.next_epoch };
@@ -210,22 +169,21 @@ impl Endpoint {
 
     /// Receiving: connects to the sending side and asks what `source` holds; the answer comes as
     /// [`EndpointEvent::Described`]. The transfer ends by `deadline` (caller's ms) in any case.
-    pub fn pull(&mut self, source: &Source, deadline: u64, now: u64) -> Result<(), PullError> {
+    pub fn pull(&mut self, source: &Source, deadline: u64, now: u64) -> Result<(), TransferError> {
         self.now = now;
         if self.pulls.contains_key(&source.key.transfer) {
-            return Err(PullError::Duplicate);
+            return Err(TransferError::Duplicate);
         }
         if self.pulls.len() >= self.config.pulls_max {
-            return Err(PullError::TooMany { limit: self.config.pulls_max });
+            return Err(TransferError::TooMany { limit: self.config.pulls_max });
         }
         let c = self
             .transport
             .connect(source.addr, source.region.as_deref())
-            .map_err(|error| PullError::Connect { addr: source.addr, error })?;
+            .map_err(|error| TransferError::Connect { addr: source.addr, error })?;
         if let Err(e) = self.receiver.start(source.key, c.peer, self.layout, deadline, c.named_blocks) {
             self.transport.close(c.peer);
-            debug_assert_eq!(e, StartError::Duplicate);
-            return Err(PullError::Duplicate);
+            return Err(e);
         }
         self.pulls.insert(source.key.transfer, (c.peer, c.named_blocks));
         self.began.insert((Side::Receiving, source.key.transfer), now);
@@ -235,7 +193,7 @@ impl Endpoint {
 
     /// Receiving: the destination blocks (block, epoch at allocation) of a described transfer, one
     /// per sender block. A wrong count ends the transfer.
-    pub fn set_destination(&mut self, transfer: u64, dest: Vec<(BlockId, u32)>) -> Result<(), StartError> {
+    pub fn set_destination(&mut self, transfer: u64, dest: Vec<(BlockId, u32)>) -> Result<(), TransferError> {
         let r = self.receiver.set_destination(transfer, dest);
         self.flush_receiver();
         self.settle_ended();

@@ -40,22 +40,21 @@
 //! to baseline.
 
 mod endpoint;
+mod error;
 mod message;
 mod receiver;
 mod sender;
 mod sys;
 pub mod transport;
 
-pub use endpoint::{
-    BlockIoError, BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, PullError, Side,
-    Source,
-};
+pub use endpoint::{BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, Side, Source};
+pub use error::TransferError;
 pub use message::{
-    decode, encode, Dtype, FailReason, Frame, FrameError, Layout, Message, PromptMeta, TransferKey,
-    FIRST_TOP_MAX, FRAME_BYTES_MAX, PROMPT_TOKENS_MAX,
+    decode, encode, Dtype, FailReason, Frame, Layout, Message, PromptMeta, TransferKey, FIRST_TOP_MAX,
+    FRAME_BYTES_MAX, PROMPT_TOKENS_MAX,
 };
-pub use receiver::{Described, Destination, Receiver, StartError};
-pub use sender::{OfferError, SendAction, Sender, SenderConfig};
+pub use receiver::{Described, Destination, Receiver};
+pub use sender::{SendAction, Sender, SenderConfig};
 pub use transport::{Arrival, Connected, TcpTransport, Transport};
 
 /// The I/O shell's name for a connection to a peer.

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use crate::TransferError;
+
 /// Element type of the KV memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Dtype {
@@ -389,16 +391,6 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Why a frame could not be decoded.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FrameError {
-    /// The length prefix is over [`FRAME_BYTES_MAX`].
-    TooLarge {
-        bytes: usize,
-    },
-    Malformed,
-}
-
 /// One decoded frame.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Frame<'a> {
@@ -410,13 +402,13 @@ pub struct Frame<'a> {
 }
 
 /// Decodes one frame from the front of `buf`; `Ok(None)` if it is not complete yet.
-pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, FrameError> {
+pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, TransferError> {
     if buf.len() < 4 {
         return Ok(None);
     }
     let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
     if len > FRAME_BYTES_MAX {
-        return Err(FrameError::TooLarge { bytes: len });
+        return Err(TransferError::FrameTooLarge { bytes: len });
     }
     if buf.len() < 4 + len {
         return Ok(None);
@@ -459,6 +451,6 @@ pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, FrameError> {
     })();
     match msg {
         Some((msg, data)) => Ok(Some(Frame { msg, data, consumed: 4 + len })),
-        None => Err(FrameError::Malformed),
+        None => Err(TransferError::MalformedFrame),
     }
 }

@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 use pdserve_kvcache::BlockId;
 
 use crate::message::{FailReason, Layout, Message, PromptMeta, TransferKey};
-use crate::{Outcome, PeerId, TransferEvent};
+use crate::{Outcome, PeerId, TransferError, TransferEvent};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -66,19 +66,6 @@ pub struct Receiver {
     ack_every: u32,
 }
 
-/// Why a transfer could not be started or given its destinations.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StartError {
-    Duplicate,
-    /// No such transfer, or it is not waiting for destinations.
-    NotDescribed,
-    /// The destinations are not as many as the sender's blocks; the transfer ended.
-    BlockCount {
-        sender: u32,
-        receiver: u32,
-    },
-}
-
 impl Receiver {
     /// `ack_every`: acknowledge after this many written blocks (the sender's window should be larger).
     pub fn new(ack_every: u32) -> Self {
@@ -101,9 +88,9 @@ impl Receiver {
         layout: Layout,
         deadline: u64,
         shared: bool,
-    ) -> Result<(), StartError> {
+    ) -> Result<(), TransferError> {
         if self.transfers.contains_key(&key.transfer) {
-            return Err(StartError::Duplicate);
+            return Err(TransferError::Duplicate);
         }
         self.out.push_back((peer, Message::Pull { key, layout, shared }));
         self.transfers.insert(
@@ -130,9 +117,9 @@ impl Receiver {
 
     /// Gives a described transfer its destination blocks (block, epoch at allocation), one per sender
     /// block, and tells the sender to send. A wrong count ends the transfer (both sides).
-    pub fn set_destination(&mut self, transfer: u64, dest: Vec<(BlockId, u32)>) -> Result<(), StartError> {
+    pub fn set_destination(&mut self, transfer: u64, dest: Vec<(BlockId, u32)>) -> Result<(), TransferError> {
         let Some(i) = self.transfers.get_mut(&transfer).filter(|i| i.state == State::Described) else {
-            return Err(StartError::NotDescribed);
+            return Err(TransferError::NotDescribed);
         };
         let key = TransferKey { transfer, epoch: i.epoch };
         if dest.len() != i.blocks as usize {
@@ -140,7 +127,7 @@ impl Receiver {
             let (peer, sender) = (i.peer, i.blocks);
             self.out.push_back((peer, Message::Abort { key, reason: reason.clone() }));
             self.end(transfer, Outcome::Failed(reason));
-            return Err(StartError::BlockCount { sender, receiver: dest.len() as u32 });
+            return Err(TransferError::BlockCount { sender, receiver: dest.len() as u32 });
         }
         i.written = vec![false; dest.len()];
         i.dest = dest;

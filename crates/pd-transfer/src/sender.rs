@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 use pdserve_kvcache::BlockId;
 
 use crate::message::{FailReason, Layout, Message, PromptMeta, TransferKey};
-use crate::{Outcome, PeerId, TransferEvent};
+use crate::{Outcome, PeerId, TransferError, TransferEvent};
 
 /// What the I/O shell must send.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,13 +93,6 @@ pub struct Sender {
     events: VecDeque<TransferEvent>,
 }
 
-/// Why an offer was refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum OfferError {
-    Duplicate,
-    TooMany { limit: usize },
-}
-
 impl Sender {
     pub fn new(config: SenderConfig) -> Self {
         Sender { config, transfers: HashMap::new(), actions: VecDeque::new(), events: VecDeque::new() }
@@ -115,12 +108,12 @@ impl Sender {
         blocks: Vec<BlockId>,
         expires_at: u64,
         meta: PromptMeta,
-    ) -> Result<(), OfferError> {
+    ) -> Result<(), TransferError> {
         if self.transfers.contains_key(&key.transfer) {
-            return Err(OfferError::Duplicate);
+            return Err(TransferError::Duplicate);
         }
         if self.transfers.len() >= self.config.transfers_max {
-            return Err(OfferError::TooMany { limit: self.config.transfers_max });
+            return Err(TransferError::TooMany { limit: self.config.transfers_max });
         }
         self.transfers.insert(
             key.transfer,

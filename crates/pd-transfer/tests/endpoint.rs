@@ -38,21 +38,21 @@ impl Memory {
 }
 
 impl BlockMemory for Memory {
-    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), BlockIoError> {
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError> {
         let n = out.len();
         let src = self
             .bytes()
             .get(block.0 as usize * n..(block.0 as usize + 1) * n)
-            .ok_or(BlockIoError { block })?;
+            .ok_or(TransferError::BlockIo { block })?;
         out.copy_from_slice(src);
         Ok(())
     }
-    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), BlockIoError> {
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
         let n = data.len();
         let dst = self
             .bytes_mut()
             .get_mut(block.0 as usize * n..(block.0 as usize + 1) * n)
-            .ok_or(BlockIoError { block })?;
+            .ok_or(TransferError::BlockIo { block })?;
         dst.copy_from_slice(data);
         Ok(())
     }

@@ -69,11 +69,11 @@ fn every_message_round_trips_even_byte_by_byte() {
 fn bad_frames_are_errors() {
     let mut too_big = ((FRAME_BYTES_MAX + 1) as u32).to_le_bytes().to_vec();
     too_big.push(1);
-    assert!(matches!(decode(&too_big), Err(FrameError::TooLarge { .. })));
+    assert!(matches!(decode(&too_big), Err(TransferError::FrameTooLarge { .. })));
     for body in [vec![99u8; 13], vec![1u8], vec![6u8; 20]] {
         let mut f = (body.len() as u32).to_le_bytes().to_vec();
         f.extend(&body);
-        assert_eq!(decode(&f), Err(FrameError::Malformed), "{body:?}");
+        assert_eq!(decode(&f), Err(TransferError::MalformedFrame), "{body:?}");
     }
     assert_eq!(decode(&[1, 0]), Ok(None));
     // An `Accept` that claims more prompt tokens than its frame holds is malformed, not an allocation.
@@ -82,5 +82,5 @@ fn bad_frames_are_errors() {
     encode(&Message::Accept { key, blocks: 1, meta: Box::default() }, &[], &mut f);
     let n = f.len();
     f[n - 4..].copy_from_slice(&u32::MAX.to_le_bytes());
-    assert_eq!(decode(&f), Err(FrameError::Malformed));
+    assert_eq!(decode(&f), Err(TransferError::MalformedFrame));
 }

@@ -115,21 +115,16 @@ impl Router {
 
     /// Registers a worker; it is probed (and a pair through it) on the next turn.
     pub(crate) fn add_worker(&mut self, url: &str, role: Role, now: Instant) -> Result<u32, RouterError> {
-        let (canonical, _, _) =
-            crate::workers::resolve(url).map_err(|reason| RouterError::BadWorkerUrl { reason })?;
+        let (canonical, _, _) = crate::workers::resolve(url)?;
         let labels = [canonical.as_str(), role.as_str()];
-        let metric = |e: pdserve_telemetry::MetricError| RouterError::Metrics { reason: e.to_string() };
         let gauges = (
-            self.metrics.worker_in_flight.with(&labels).map_err(metric)?,
-            self.metrics.worker_connections.with(&labels).map_err(metric)?,
+            self.metrics.worker_in_flight.with(&labels).map_err(RouterError::Metrics)?,
+            self.metrics.worker_connections.with(&labels).map_err(RouterError::Metrics)?,
         );
         if self.workers.by_url(&canonical).is_some() {
             return Err(RouterError::DuplicateWorker { url: canonical });
         }
-        let id = self
-            .workers
-            .add(url, role, self.cfg.breaker, now, gauges)
-            .map_err(|reason| RouterError::BadWorkerUrl { reason })?;
+        let id = self.workers.add(url, role, self.cfg.breaker, now, gauges)?;
         self.next_probe = now;
         self.next_pair_probe = now;
         Ok(id)

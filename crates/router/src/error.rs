@@ -19,16 +19,29 @@ pub enum RouterError {
     BadContent,
     /// A worker URL that is not `http://host:port`, or does not resolve.
     BadWorkerUrl {
-        reason: String,
+        url: String,
+        problem: UrlProblem,
     },
     /// A worker with this URL is registered already.
     DuplicateWorker {
         url: String,
     },
     /// A metric for a new worker could not be made.
-    Metrics {
-        reason: String,
-    },
+    Metrics(pdserve_telemetry::TelemetryError),
+}
+
+/// What is wrong with a worker URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum UrlProblem {
+    /// Not `http://` (TLS to workers is not supported).
+    NotHttp,
+    /// A path after `host:port`, or no host at all.
+    NotHostPort,
+    /// The resolver failed; its message.
+    DoesNotResolve(String),
+    /// The name resolved to no address.
+    NoAddress,
 }
 
 impl fmt::Display for RouterError {
@@ -42,7 +55,17 @@ impl fmt::Display for RouterError {
             RouterError::BadContent => {
                 write!(f, "a message's `content` must be a string or an array of content parts")
             }
-            RouterError::BadWorkerUrl { reason } | RouterError::Metrics { reason } => f.write_str(reason),
+            RouterError::BadWorkerUrl { url, problem } => match problem {
+                UrlProblem::NotHttp => {
+                    write!(f, "worker URL {url:?} must start with http:// (TLS to workers is not supported)")
+                }
+                UrlProblem::NotHostPort => {
+                    write!(f, "worker URL {url:?} must be http://host:port with no path")
+                }
+                UrlProblem::DoesNotResolve(why) => write!(f, "worker URL {url:?} does not resolve: {why}"),
+                UrlProblem::NoAddress => write!(f, "worker URL {url:?} resolves to no address"),
+            },
+            RouterError::Metrics(e) => write!(f, "{e}"),
             RouterError::DuplicateWorker { url } => write!(f, "worker {url} is already registered"),
         }
     }

@@ -40,7 +40,7 @@ mod workers;
 
 pub use admission::{Admission, AdmissionConfig, Admit};
 pub use config::{PolicyKind, Role, RouterConfig, WorkerSpec};
-pub use error::RouterError;
+pub use error::{RouterError, UrlProblem};
 pub use flight::{Action, Flight, FlightSpec, LegFailure, LegId, LegKind, Plan, Purpose};
 pub use health::{Breaker, BreakerConfig, BreakerState};
 pub use peek::{peek, Peek};

@@ -2,7 +2,7 @@
 
 use pdserve_api::{ErrorKind, Outcome, Stage};
 use pdserve_telemetry::{
-    Buckets, Counter, CounterVec, Gauge, GaugeVec, LatencyHistogram, MetricError, Registry,
+    Buckets, Counter, CounterVec, Gauge, GaugeVec, LatencyHistogram, Registry, TelemetryError,
 };
 
 #[derive(Debug, Clone)]
@@ -27,7 +27,7 @@ pub(crate) struct Metrics {
 }
 
 impl Metrics {
-    pub fn new() -> Result<Metrics, MetricError> {
+    pub fn new() -> Result<Metrics, TelemetryError> {
         let r = Registry::new();
         Ok(Metrics {
             finished: r.counter_vec(

@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use pdserve_api::{header, Role};
-use pdserve_http::{Limits, ResponseEvent, UpstreamError};
+use pdserve_http::{HttpError, Limits, ResponseEvent};
 
 use crate::router::Router;
 use crate::upstream::{AcquireError, Owner};
@@ -107,7 +107,7 @@ impl Router {
     }
 
     /// A probe got no answer (refused, reset, timed out): the worker is out at once.
-    pub(crate) fn probe_failed(&mut self, worker: u32, err: &UpstreamError, now: Instant) {
+    pub(crate) fn probe_failed(&mut self, worker: u32, err: &HttpError, now: Instant) {
         self.metrics.probes.with(&["worker", "failed"]).map(|c| c.inc()).ok();
         if let Some(w) = self.workers.get_mut(worker) {
             w.probing = false;

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::openai::Endpoint;
 use pdserve_api::{ApiError, ErrorKind, Stage};
-use pdserve_http::{ConnId, Event, Request, ResponseEvent, Server, UpstreamError, UpstreamPhase};
+use pdserve_http::{ConnId, Event, HttpError, Request, ResponseEvent, Server, UpstreamPhase};
 use pdserve_telemetry::RequestLedger;
 
 use crate::admission::Admission;
@@ -87,7 +87,7 @@ impl Router {
     pub fn bind(cfg: RouterConfig) -> io::Result<Router> {
         let server = Server::bind(cfg.listen, cfg.server)?;
         let now = Instant::now();
-        let metrics = Metrics::new().map_err(|e| io::Error::other(e.to_string()))?;
+        let metrics = Metrics::new().map_err(io::Error::other)?;
         let mut r = Router {
             server,
             workers: Workers::default(),
@@ -264,11 +264,11 @@ impl Router {
         }
     }
 
-    pub(crate) fn upstream_failed(&mut self, slot: usize, err: UpstreamError, now: Instant) {
+    pub(crate) fn upstream_failed(&mut self, slot: usize, err: HttpError, now: Instant) {
         let owner = self.ups.owner(slot);
         let Some((worker, stale)) = self.ups.get(slot).map(|u| (u.worker, u.stale())) else { return };
         self.ups.close(slot, self.server.registry(), &mut self.workers);
-        let connect = matches!(err, UpstreamError::Connect(_));
+        let connect = matches!(err, HttpError::Connect(_));
         let url = self.workers.get(worker).map(|w| w.url.clone()).unwrap_or_default();
         match owner {
             Owner::None | Owner::Abort => {}
@@ -410,11 +410,11 @@ impl Router {
                         io::ErrorKind::TimedOut,
                         format!("no connection within {} ms", ms(self.cfg.connect_timeout)),
                     );
-                    self.upstream_failed(slot, UpstreamError::Connect(e), now);
+                    self.upstream_failed(slot, HttpError::Connect(e), now);
                 }
                 UpstreamPhase::Busy => {
                     let e = io::Error::new(io::ErrorKind::TimedOut, "no answer before the deadline");
-                    self.upstream_failed(slot, UpstreamError::Io(e), now);
+                    self.upstream_failed(slot, HttpError::Io(e), now);
                 }
             }
         }

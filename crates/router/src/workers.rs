@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use pdserve_telemetry::Gauge;
 use serde_json::json;
 
+use crate::error::{RouterError, UrlProblem};
 use crate::health::{Breaker, BreakerConfig, BreakerState};
 use pdserve_api::Role;
 
@@ -71,13 +72,12 @@ impl Worker {
 }
 
 /// Parses `http://host:port[/]` and resolves it (once, when the worker is added).
-pub(crate) fn resolve(url: &str) -> Result<(String, SocketAddr, String), String> {
-    let rest = url.strip_prefix("http://").ok_or_else(|| {
-        format!("worker URL {url:?} must start with http:// (TLS to workers is not supported)")
-    })?;
+pub(crate) fn resolve(url: &str) -> Result<(String, SocketAddr, String), RouterError> {
+    let bad = |problem| RouterError::BadWorkerUrl { url: url.to_owned(), problem };
+    let rest = url.strip_prefix("http://").ok_or_else(|| bad(UrlProblem::NotHttp))?;
     let authority = rest.trim_end_matches('/');
     if authority.is_empty() || authority.contains('/') {
-        return Err(format!("worker URL {url:?} must be http://host:port with no path"));
+        return Err(bad(UrlProblem::NotHostPort));
     }
     let with_port = if authority.rsplit_once(':').is_some_and(|(_, p)| p.parse::<u16>().is_ok()) {
         authority.to_owned()
@@ -86,9 +86,9 @@ pub(crate) fn resolve(url: &str) -> Result<(String, SocketAddr, String), String>
     };
     let addr = with_port
         .to_socket_addrs()
-        .map_err(|e| format!("worker URL {url:?} does not resolve: {e}"))?
+        .map_err(|e| bad(UrlProblem::DoesNotResolve(e.to_string())))?
         .next()
-        .ok_or_else(|| format!("worker URL {url:?} resolves to no address"))?;
+        .ok_or_else(|| bad(UrlProblem::NoAddress))?;
     Ok((format!("http://{authority}"), addr, authority.to_owned()))
 }
 
@@ -106,10 +106,10 @@ impl Workers {
         breaker: BreakerConfig,
         now: Instant,
         gauges: (Gauge, Gauge),
-    ) -> Result<u32, String> {
+    ) -> Result<u32, RouterError> {
         let (url, addr, authority) = resolve(url)?;
         if self.iter().any(|w| w.url == url) {
-            return Err(format!("worker {url} is already registered"));
+            return Err(RouterError::DuplicateWorker { url });
         }
         let id = self.slots.len() as u32;
         self.slots.push(Some(Worker {
@@ -198,8 +198,13 @@ mod tests {
             (url.as_str(), addr.port(), auth.as_str()),
             ("http://127.0.0.1:8101", 8101, "127.0.0.1:8101")
         );
-        assert!(resolve("https://x:1").unwrap_err().contains("http://"));
-        assert!(resolve("http://127.0.0.1:1/v1").unwrap_err().contains("no path"));
+        let problem = |url| match resolve(url) {
+            Err(RouterError::BadWorkerUrl { problem, .. }) => problem,
+            other => panic!("{url}: {other:?}"),
+        };
+        assert_eq!(problem("https://x:1"), UrlProblem::NotHttp);
+        assert_eq!(problem("http://127.0.0.1:1/v1"), UrlProblem::NotHostPort);
+        assert!(resolve("https://x:1").unwrap_err().to_string().contains("http://"));
         assert_eq!(resolve("http://localhost").unwrap().1.port(), 80);
     }
 }

@@ -128,7 +128,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
             "--kv-shm" => e.kv_shm = true,
             "--device" => e.device = v.parse().map_err(|err: pdserve_engine::EngineError| err.to_string())?,
-            "--weights" => e.weights = v.parse()?,
+            "--weights" => e.weights = v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?,
             "--role" => {
                 e.role = pdserve_api::Role::parse(&v).ok_or_else(|| format!("--role {v}: unknown"))?
             }

@@ -1,34 +1,11 @@
 //! The request ledger: where every live request is, since when, and until when it may stay.
 
 use std::collections::HashMap;
-use std::fmt;
 use std::time::{Duration, Instant};
 
 use pdserve_api::Stage;
 
-/// Why a ledger operation was refused.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum LedgerError {
-    /// The id is already live.
-    Duplicate { id: String },
-    /// The ledger holds its maximum number of entries.
-    Full { capacity: usize },
-    /// No live request has this id.
-    Unknown { id: String },
-}
-
-impl fmt::Display for LedgerError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            LedgerError::Duplicate { id } => write!(f, "request {id} is already live"),
-            LedgerError::Full { capacity } => write!(f, "request ledger is full ({capacity} live requests)"),
-            LedgerError::Unknown { id } => write!(f, "no live request {id}"),
-        }
-    }
-}
-
-impl std::error::Error for LedgerError {}
+use crate::TelemetryError;
 
 /// One live request.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,12 +65,12 @@ impl RequestLedger {
         now: Instant,
         deadline: Instant,
         owner: &str,
-    ) -> Result<(), LedgerError> {
+    ) -> Result<(), TelemetryError> {
         if self.entries.contains_key(id) {
-            return Err(LedgerError::Duplicate { id: id.to_owned() });
+            return Err(TelemetryError::DuplicateRequest { id: id.to_owned() });
         }
         if self.entries.len() >= self.capacity {
-            return Err(LedgerError::Full { capacity: self.capacity });
+            return Err(TelemetryError::LedgerFull { capacity: self.capacity });
         }
         self.entries.insert(
             id.to_owned(),
@@ -112,12 +89,12 @@ impl RequestLedger {
         Ok(())
     }
 
-    fn entry(&mut self, id: &str) -> Result<&mut LedgerEntry, LedgerError> {
-        self.entries.get_mut(id).ok_or_else(|| LedgerError::Unknown { id: id.to_owned() })
+    fn entry(&mut self, id: &str) -> Result<&mut LedgerEntry, TelemetryError> {
+        self.entries.get_mut(id).ok_or_else(|| TelemetryError::UnknownRequest { id: id.to_owned() })
     }
 
     /// Moves a request to `stage` (the stage clock restarts only when the stage changes).
-    pub fn set_stage(&mut self, id: &str, stage: Stage, now: Instant) -> Result<(), LedgerError> {
+    pub fn set_stage(&mut self, id: &str, stage: Stage, now: Instant) -> Result<(), TelemetryError> {
         let e = self.entry(id)?;
         if e.stage != stage {
             e.stage = stage;
@@ -126,7 +103,7 @@ impl RequestLedger {
         Ok(())
     }
 
-    pub fn set_owner(&mut self, id: &str, owner: &str) -> Result<(), LedgerError> {
+    pub fn set_owner(&mut self, id: &str, owner: &str) -> Result<(), TelemetryError> {
         self.entry(id)?.owner = owner.to_owned();
         Ok(())
     }
@@ -137,7 +114,7 @@ impl RequestLedger {
         tokens_in: u32,
         tokens_out: u32,
         kv_blocks: u32,
-    ) -> Result<(), LedgerError> {
+    ) -> Result<(), TelemetryError> {
         let e = self.entry(id)?;
         (e.tokens_in, e.tokens_out, e.kv_blocks) = (tokens_in, tokens_out, kv_blocks);
         Ok(())

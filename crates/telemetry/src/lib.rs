@@ -21,15 +21,17 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod error;
 mod latency;
 mod ledger;
 mod metrics;
 
+pub use error::TelemetryError;
 pub use latency::{LatencyHistogram, LatencySummary};
-pub use ledger::{LedgerEntry, LedgerError, Overdue, RequestLedger};
+pub use ledger::{LedgerEntry, Overdue, RequestLedger};
 pub use metrics::{
-    check_metric_name, Buckets, Counter, CounterVec, Gauge, GaugeVec, HistogramVec, MetricError, MetricKind,
-    Registry, UNIT_WORDS,
+    check_metric_name, Buckets, Counter, CounterVec, Gauge, GaugeVec, HistogramVec, MetricKind, Registry,
+    UNIT_WORDS,
 };
 
 /// The README's examples, compiled and run as doc tests.

@@ -1,11 +1,11 @@
 //! A metrics registry that refuses names without units, and its Prometheus text exposition.
 
 use std::collections::BTreeMap;
-use std::fmt::{self, Write as _};
+use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::LatencyHistogram;
+use crate::{LatencyHistogram, TelemetryError};
 
 /// Words a metric name may end in (or, for a gauge counting things, contain) to state its unit.
 /// Durations are always `seconds`; sizes always `bytes`.
@@ -67,58 +67,6 @@ const REFUSED_UNITS: &[&str] = &[
 const TIME_WORDS: &[&str] =
     &["latency", "duration", "time", "elapsed", "age", "delay", "uptime", "wait", "timeout"];
 
-/// Why a metric could not be registered or a series not found.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum MetricError {
-    /// Not `[a-z][a-z0-9_]*` without doubled or trailing underscores.
-    InvalidName { name: String },
-    /// No unit word where the rules need one.
-    NoUnit { name: String },
-    /// A unit other than the base units (`ms`, `percent`, `mib`, ...).
-    NonBaseUnit { name: String, unit: String },
-    /// A duration whose name does not end in `_seconds` (or `_seconds_total`).
-    DurationNotSeconds { name: String },
-    /// A counter whose name does not end in `_total`.
-    CounterWithoutTotal { name: String },
-    /// The name is already registered.
-    Duplicate { name: String },
-    /// A label name that is not `[a-z_][a-z0-9_]*` or is reserved (`le`, `__*`).
-    InvalidLabel { name: String, label: String },
-    /// `with` got a different number of label values than the metric has label names.
-    LabelCount { name: String, expected: usize, got: usize },
-    /// Histogram bounds empty, unsorted, or not finite.
-    InvalidBuckets { name: String },
-}
-
-impl fmt::Display for MetricError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            MetricError::InvalidName { name } => write!(f, "metric name {name:?} is not snake_case"),
-            MetricError::NoUnit { name } => {
-                write!(f, "metric name {name:?} has no unit (end it in one of {})", UNIT_WORDS.join(", "))
-            }
-            MetricError::NonBaseUnit { name, unit } => {
-                write!(f, "metric name {name:?} uses unit {unit:?}; use seconds, bytes or a ratio")
-            }
-            MetricError::DurationNotSeconds { name } => {
-                write!(f, "duration metric {name:?} must end in _seconds")
-            }
-            MetricError::CounterWithoutTotal { name } => write!(f, "counter {name:?} must end in _total"),
-            MetricError::Duplicate { name } => write!(f, "metric {name:?} is already registered"),
-            MetricError::InvalidLabel { name, label } => {
-                write!(f, "metric {name:?} has invalid label {label:?}")
-            }
-            MetricError::LabelCount { name, expected, got } => {
-                write!(f, "metric {name:?} takes {expected} label values, got {got}")
-            }
-            MetricError::InvalidBuckets { name } => write!(f, "histogram {name:?} has invalid bucket bounds"),
-        }
-    }
-}
-
-impl std::error::Error for MetricError {}
-
 /// The kind of a metric family.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MetricKind {
@@ -144,37 +92,39 @@ impl MetricKind {
 ///   counter);
 /// - a counter ends in `_total`; a histogram ends in a unit word; a gauge ends in a unit word or, when it
 ///   counts things in a state, contains one (`requests_waiting`, `kv_transfers_in_flight`).
-pub fn check_metric_name(name: &str, kind: MetricKind) -> Result<(), MetricError> {
+pub fn check_metric_name(name: &str, kind: MetricKind) -> Result<(), TelemetryError> {
     let err_name = || name.to_owned();
     let valid = name.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
         && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
         && !name.contains("__")
         && !name.ends_with('_');
     if !valid {
-        return Err(MetricError::InvalidName { name: err_name() });
+        return Err(TelemetryError::InvalidName { name: err_name() });
     }
     let words: Vec<&str> = name.split('_').collect();
     if let Some(unit) = words.iter().find(|w| REFUSED_UNITS.contains(w)) {
-        return Err(MetricError::NonBaseUnit { name: err_name(), unit: (*unit).to_owned() });
+        return Err(TelemetryError::NonBaseUnit { name: err_name(), unit: (*unit).to_owned() });
     }
     let last = words[words.len() - 1];
     let about_time = words.iter().any(|w| TIME_WORDS.contains(w));
     let seconds_suffix = name.ends_with("_seconds") || name.ends_with("_seconds_total");
     if about_time && !seconds_suffix {
-        return Err(MetricError::DurationNotSeconds { name: err_name() });
+        return Err(TelemetryError::DurationNotSeconds { name: err_name() });
     }
     match kind {
-        MetricKind::Counter if last != "total" => Err(MetricError::CounterWithoutTotal { name: err_name() }),
+        MetricKind::Counter if last != "total" => {
+            Err(TelemetryError::CounterWithoutTotal { name: err_name() })
+        }
         MetricKind::Counter => Ok(()),
         // A histogram is a latency histogram: it records durations, in seconds.
         MetricKind::Histogram if last == "seconds" => Ok(()),
-        MetricKind::Histogram => Err(MetricError::DurationNotSeconds { name: err_name() }),
+        MetricKind::Histogram => Err(TelemetryError::DurationNotSeconds { name: err_name() }),
         MetricKind::Gauge if words.iter().any(|w| UNIT_WORDS.contains(w) && *w != "total") => Ok(()),
-        _ => Err(MetricError::NoUnit { name: err_name() }),
+        _ => Err(TelemetryError::NoUnit { name: err_name() }),
     }
 }
 
-fn check_label(name: &str, label: &str) -> Result<(), MetricError> {
+fn check_label(name: &str, label: &str) -> Result<(), TelemetryError> {
     let valid = label.bytes().next().is_some_and(|b| b.is_ascii_lowercase() || b == b'_')
         && label.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
         && !label.starts_with("__")
@@ -182,7 +132,7 @@ fn check_label(name: &str, label: &str) -> Result<(), MetricError> {
     if valid {
         Ok(())
     } else {
-        Err(MetricError::InvalidLabel { name: name.to_owned(), label: label.to_owned() })
+        Err(TelemetryError::InvalidLabel { name: name.to_owned(), label: label.to_owned() })
     }
 }
 
@@ -264,9 +214,9 @@ impl Family {
         self.series.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn series(&self, values: &[&str]) -> Result<Series, MetricError> {
+    fn series(&self, values: &[&str]) -> Result<Series, TelemetryError> {
         if values.len() != self.labels.len() {
-            return Err(MetricError::LabelCount {
+            return Err(TelemetryError::LabelCount {
                 name: self.name.clone(),
                 expected: self.labels.len(),
                 got: values.len(),
@@ -291,7 +241,7 @@ macro_rules! family_handle {
 
         impl $vec {
             /// The series for `values`, in the order of the family's label names.
-            pub fn with(&self, values: &[&str]) -> Result<$one, MetricError> {
+            pub fn with(&self, values: &[&str]) -> Result<$one, TelemetryError> {
                 match self.0.series(values)? {
                     Series::$variant(s) => Ok(s),
                     _ => unreachable!("a family holds one kind of series"),
@@ -323,7 +273,7 @@ impl Registry {
         kind: MetricKind,
         labels: &[&str],
         bounds: Vec<f64>,
-    ) -> Result<Arc<Family>, MetricError> {
+    ) -> Result<Arc<Family>, TelemetryError> {
         check_metric_name(name, kind)?;
         for l in labels {
             check_label(name, l)?;
@@ -333,11 +283,11 @@ impl Registry {
                 || bounds.iter().any(|b| !b.is_finite())
                 || bounds.windows(2).any(|w| w[0] >= w[1]))
         {
-            return Err(MetricError::InvalidBuckets { name: name.to_owned() });
+            return Err(TelemetryError::InvalidBuckets { name: name.to_owned() });
         }
         let mut families = self.families.lock().unwrap_or_else(|e| e.into_inner());
         if families.iter().any(|f| f.name == name) {
-            return Err(MetricError::Duplicate { name: name.to_owned() });
+            return Err(TelemetryError::DuplicateMetric { name: name.to_owned() });
         }
         let family = Arc::new(Family {
             name: name.to_owned(),
@@ -355,19 +305,19 @@ impl Registry {
         Ok(family)
     }
 
-    pub fn counter(&self, name: &str, help: &str) -> Result<Counter, MetricError> {
+    pub fn counter(&self, name: &str, help: &str) -> Result<Counter, TelemetryError> {
         self.counter_vec(name, help, &[])?.with(&[])
     }
 
-    pub fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> Result<CounterVec, MetricError> {
+    pub fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> Result<CounterVec, TelemetryError> {
         Ok(CounterVec(self.register(name, help, MetricKind::Counter, labels, Vec::new())?))
     }
 
-    pub fn gauge(&self, name: &str, help: &str) -> Result<Gauge, MetricError> {
+    pub fn gauge(&self, name: &str, help: &str) -> Result<Gauge, TelemetryError> {
         self.gauge_vec(name, help, &[])?.with(&[])
     }
 
-    pub fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> Result<GaugeVec, MetricError> {
+    pub fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> Result<GaugeVec, TelemetryError> {
         Ok(GaugeVec(self.register(name, help, MetricKind::Gauge, labels, Vec::new())?))
     }
 
@@ -377,7 +327,7 @@ impl Registry {
         name: &str,
         help: &str,
         bounds: Vec<f64>,
-    ) -> Result<LatencyHistogram, MetricError> {
+    ) -> Result<LatencyHistogram, TelemetryError> {
         self.histogram_vec(name, help, &[], bounds)?.with(&[])
     }
 
@@ -387,7 +337,7 @@ impl Registry {
         help: &str,
         labels: &[&str],
         bounds: Vec<f64>,
-    ) -> Result<HistogramVec, MetricError> {
+    ) -> Result<HistogramVec, TelemetryError> {
         Ok(HistogramVec(self.register(name, help, MetricKind::Histogram, labels, bounds)?))
     }
 
@@ -473,7 +423,7 @@ fn escape_help(v: &str) -> String {
 mod tests {
     use super::*;
 
-    type IsWanted = fn(&MetricError) -> bool;
+    type IsWanted = fn(&TelemetryError) -> bool;
 
     #[test]
     fn name_rules() {
@@ -493,16 +443,16 @@ mod tests {
             assert_eq!(check_metric_name(name, kind), Ok(()), "{name}");
         }
         let bad: [(&str, MetricKind, IsWanted); 10] = [
-            ("prompt_tokens", Histogram, |e| matches!(e, MetricError::DurationNotSeconds { .. })),
-            ("latency", Histogram, |e| matches!(e, MetricError::DurationNotSeconds { .. })),
-            ("request_latency_ms", Histogram, |e| matches!(e, MetricError::NonBaseUnit { .. })),
-            ("request_latency_us", Gauge, |e| matches!(e, MetricError::NonBaseUnit { .. })),
-            ("queue_len", Gauge, |e| matches!(e, MetricError::NoUnit { .. })),
-            ("requests", Counter, |e| matches!(e, MetricError::CounterWithoutTotal { .. })),
-            ("wait_total", Counter, |e| matches!(e, MetricError::DurationNotSeconds { .. })),
-            ("Requests_total", Counter, |e| matches!(e, MetricError::InvalidName { .. })),
-            ("requests__total", Counter, |e| matches!(e, MetricError::InvalidName { .. })),
-            ("memory_mib", Gauge, |e| matches!(e, MetricError::NonBaseUnit { .. })),
+            ("prompt_tokens", Histogram, |e| matches!(e, TelemetryError::DurationNotSeconds { .. })),
+            ("latency", Histogram, |e| matches!(e, TelemetryError::DurationNotSeconds { .. })),
+            ("request_latency_ms", Histogram, |e| matches!(e, TelemetryError::NonBaseUnit { .. })),
+            ("request_latency_us", Gauge, |e| matches!(e, TelemetryError::NonBaseUnit { .. })),
+            ("queue_len", Gauge, |e| matches!(e, TelemetryError::NoUnit { .. })),
+            ("requests", Counter, |e| matches!(e, TelemetryError::CounterWithoutTotal { .. })),
+            ("wait_total", Counter, |e| matches!(e, TelemetryError::DurationNotSeconds { .. })),
+            ("Requests_total", Counter, |e| matches!(e, TelemetryError::InvalidName { .. })),
+            ("requests__total", Counter, |e| matches!(e, TelemetryError::InvalidName { .. })),
+            ("memory_mib", Gauge, |e| matches!(e, TelemetryError::NonBaseUnit { .. })),
         ];
         for (name, kind, want) in bad {
             let err = check_metric_name(name, kind).unwrap_err();

@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use pdserve_api::Stage;
-use pdserve_telemetry::{LedgerError, RequestLedger};
+use pdserve_telemetry::{RequestLedger, TelemetryError};
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -72,10 +72,19 @@ fn bounded_and_explicit_errors() {
     let t0 = Instant::now();
     let mut l = RequestLedger::new("router", 2);
     l.admit("a", Stage::RouterQueued, t0, t0, "").unwrap();
-    assert_eq!(l.admit("a", Stage::RouterQueued, t0, t0, ""), Err(LedgerError::Duplicate { id: "a".into() }));
+    assert_eq!(
+        l.admit("a", Stage::RouterQueued, t0, t0, ""),
+        Err(TelemetryError::DuplicateRequest { id: "a".into() })
+    );
     l.admit("b", Stage::RouterQueued, t0, t0, "").unwrap();
-    assert_eq!(l.admit("c", Stage::RouterQueued, t0, t0, ""), Err(LedgerError::Full { capacity: 2 }));
-    assert_eq!(l.set_stage("zz", Stage::Decoding, t0), Err(LedgerError::Unknown { id: "zz".into() }));
+    assert_eq!(
+        l.admit("c", Stage::RouterQueued, t0, t0, ""),
+        Err(TelemetryError::LedgerFull { capacity: 2 })
+    );
+    assert_eq!(
+        l.set_stage("zz", Stage::Decoding, t0),
+        Err(TelemetryError::UnknownRequest { id: "zz".into() })
+    );
     let names: Vec<&str> = Stage::ALL.iter().map(|s| s.as_str()).collect();
     assert_eq!(
         names,

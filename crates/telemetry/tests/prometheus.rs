@@ -5,7 +5,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 
-use pdserve_telemetry::{Buckets, MetricError, Registry};
+use pdserve_telemetry::{Buckets, Registry, TelemetryError};
 
 /// A registry shaped like a worker's, with some traffic recorded.
 fn worker_registry() -> Registry {
@@ -71,7 +71,7 @@ fn promtool_rejects_what_the_registry_refuses() {
     assert!(!ok);
     assert!(matches!(
         Registry::new().counter("requests", "Requests."),
-        Err(MetricError::CounterWithoutTotal { .. })
+        Err(TelemetryError::CounterWithoutTotal { .. })
     ));
 }
 
@@ -98,19 +98,19 @@ fn histogram_lines_are_cumulative_and_consistent() {
 fn registration_errors() {
     let reg = Registry::new();
     reg.counter("tokens_prompt_total", "x").unwrap();
-    assert!(matches!(reg.counter("tokens_prompt_total", "x"), Err(MetricError::Duplicate { .. })));
-    assert!(matches!(reg.gauge_vec("kv_blocks", "x", &["le"]), Err(MetricError::InvalidLabel { .. })));
+    assert!(matches!(reg.counter("tokens_prompt_total", "x"), Err(TelemetryError::DuplicateMetric { .. })));
+    assert!(matches!(reg.gauge_vec("kv_blocks", "x", &["le"]), Err(TelemetryError::InvalidLabel { .. })));
     assert!(matches!(
         reg.histogram("request_latency_seconds", "x", vec![]),
-        Err(MetricError::InvalidBuckets { .. })
+        Err(TelemetryError::InvalidBuckets { .. })
     ));
     assert!(matches!(
         reg.histogram("request_latency_seconds", "x", vec![1.0, 0.5]),
-        Err(MetricError::InvalidBuckets { .. })
+        Err(TelemetryError::InvalidBuckets { .. })
     ));
     let v = reg.counter_vec("requests_finished_total", "x", &["outcome", "stage"]).unwrap();
-    assert!(matches!(v.with(&["completed"]), Err(MetricError::LabelCount { expected: 2, got: 1, .. })));
-    assert!(matches!(reg.gauge("request_age_ms", "x"), Err(MetricError::NonBaseUnit { .. })));
+    assert!(matches!(v.with(&["completed"]), Err(TelemetryError::LabelCount { expected: 2, got: 1, .. })));
+    assert!(matches!(reg.gauge("request_age_ms", "x"), Err(TelemetryError::NonBaseUnit { .. })));
 }
 
 #[test]

@@ -103,7 +103,7 @@ pub(super) fn tally(outcomes: &[Outcome]) -> Row {
 
 /// A few requests after recovery, every one of which must succeed.
 pub(super) fn after_recovery(router: &str) -> Result<()> {
-    let t = Target::parse(router).map_err(anyhow::Error::msg)?;
+    let t = Target::parse(router)?;
     let r = run_point(
         &t,
         &Load::Closed { concurrency: 2, requests: 4 },

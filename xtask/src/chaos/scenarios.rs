@@ -134,7 +134,7 @@ pub(super) fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
 }
 
 pub(super) fn overload(s: &mut Stack, short: bool) -> Result<Row> {
-    let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
+    let t = Target::parse(&s.router)?;
     let secs = if short { 10.0 } else { 30.0 };
     // Well past what the stack sustains (about 10 requests/s of this shape with Q4 weights on 2 vCPUs).
     let rate = 32.0;
@@ -341,7 +341,7 @@ pub(super) fn long_context(s: &mut Stack, short: bool) -> Result<Row> {
 }
 
 pub(super) fn soak(s: &mut Stack, short: bool) -> Result<Row> {
-    let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
+    let t = Target::parse(&s.router)?;
     let (agents, rounds) = if short { (8, 3) } else { (32, 10) };
     let shape = Shape { disconnect_one_in: 5, ..shape(32, 600.0) };
     let r = run_point(
@@ -407,7 +407,7 @@ pub(super) fn hung_worker(s: &mut Stack, short: bool) -> Result<Row> {
 }
 
 pub(super) fn restart_readd(s: &mut Stack, short: bool) -> Result<Row> {
-    let t = Target::parse(&s.router).map_err(anyhow::Error::msg)?;
+    let t = Target::parse(&s.router)?;
     let secs = if short { 8.0 } else { 20.0 };
     let load = Load::Poisson { rate: 1.0, duration: Duration::from_secs_f64(secs), connections: 16 };
     let traffic = std::thread::spawn(move || {
