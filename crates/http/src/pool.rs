@@ -309,9 +309,7 @@ impl HttpClient {
         }
         Err(HttpError::Io(io::Error::new(io::ErrorKind::ConnectionReset, "stale pooled connection")))
     }
-}
 
-impl HttpClient {
     /// Sends `request` and reads the whole answer: its status and body (bounded by the client's
     /// `body_bytes_max`), all by `deadline`.
     pub fn call(
