@@ -6,8 +6,10 @@
 //! As a floor for what any proxy can do on the machine, nginx itself as a reverse proxy (one process,
 //! keep-alive upstreams, round robin) is measured in the regular round-robin cases too.
 //!
-//! Needs `nginx` and `wrk` on PATH; the peer is taken from `$SGLANG_VENV` (default
-//! `/tmp/router-peer-rt/venv`, as `shared/peers/router/run.sh setup` makes it) and skipped if absent.
+//! Needs `nginx` and `wrk` on PATH (Debian: `apt-get install nginx wrk`). The peer, `sglang-router`
+//! pinned to [`SGLANG_ROUTER`], lives in a venv at `$SGLANG_VENV`, by default
+//! `~/.cache/pdserve/peers/sglang-router-<version>`; the benchmark makes it with `python3 -m venv` and
+//! pip when it is missing, and measures ours alone if that fails.
 //! Run with `cargo xtask bench router [--seconds N] [--reps N]`. Writes `target/bench/router.json`.
 
 use std::io::{BufRead, BufReader};
@@ -16,6 +18,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const PORTS: [u16; 4] = [18001, 18002, 18003, 18004];
+/// The peer's PyPI version, the one BENCHMARKS.md's figures were measured with.
+const SGLANG_ROUTER: &str = "0.3.2";
 const OURS: u16 = 30001;
 const PEER: u16 = 30000;
 const PROXY: u16 = 30002;
@@ -43,7 +47,7 @@ fn nginx_conf(dir: &Path) -> String {
         PORTS.iter().map(|p| format!("        listen 127.0.0.1:{p} reuseport backlog=4096;\n")).collect();
     let chat = r#"{"id":"chatcmpl-mock","object":"chat.completion","created":0,"model":"mock-model","choices":[{"index":0,"message":{"role":"assistant","content":"Hello from mock."},"finish_reason":"stop"}],"usage":{"prompt_tokens":8,"completion_tokens":4,"total_tokens":12}}"#;
     // The prefill worker's answer in this project's PD protocol (SGLang's router ignores the body).
-    let prefill = r#"{"pd_transfer":{"transfer":1,"epoch":1,"addr":"127.0.0.1:1","first_token":42,"prompt_tokens":[1,2,3],"blocks":1,"shm":null},"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
+    let prefill = r#"{"pd_transfer":{"addr":"127.0.0.1:1","epoch":1,"shm":null,"transfer":1},"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
     let server_info = r#"{"model_path":"mock-model","tokenizer_path":"mock-model","served_model_name":"mock-model","dp_size":1,"tp_size":1,"disaggregation_mode":"$mock_role","disaggregation_bootstrap_port":8998,"version":"0.0.0-mock"}"#;
     format!(
         "worker_processes 1;\ndaemon off;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\n\
@@ -222,6 +226,47 @@ fn start_peer(venv: &Path, pd: bool, policy: &str) -> Proc {
     p
 }
 
+/// The median (the mean of the middle two for an even count); 0 for none.
+fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Makes the peer's venv if it is missing; false (and why, on stderr) when that fails.
+fn ensure_peer(venv: &Path) -> bool {
+    let python = venv.join("bin/python");
+    let installed = || {
+        Command::new(&python)
+            .args(["-c", "import sglang_router"])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if installed() {
+        return true;
+    }
+    eprintln!("installing sglang-router=={SGLANG_ROUTER} into {} (once)", venv.display());
+    let made = Command::new("python3").arg("-m").arg("venv").arg(venv).status().is_ok_and(|s| s.success())
+        && Command::new(venv.join("bin/pip"))
+            .args(["install", "--quiet", "--disable-pip-version-check"])
+            .arg(format!("sglang-router=={SGLANG_ROUTER}"))
+            .status()
+            .is_ok_and(|s| s.success());
+    if !(made && installed()) {
+        eprintln!("sglang-router could not be installed in {}: measuring ours only", venv.display());
+        return false;
+    }
+    true
+}
+
 fn arg(name: &str, default: u32) -> u32 {
     let args: Vec<String> = std::env::args().collect();
     args.windows(2).find(|w| w[0] == name).and_then(|w| w[1].parse().ok()).unwrap_or(default)
@@ -253,15 +298,11 @@ fn main() {
     let proxy = nginx_with("proxy.conf");
     std::thread::sleep(Duration::from_millis(500));
     wait_routable(PROXY, "nginx proxy");
-    let venv =
-        PathBuf::from(std::env::var("SGLANG_VENV").unwrap_or_else(|_| "/tmp/router-peer-rt/venv".into()));
-    let peer = venv.join("bin/python").exists();
-    if !peer {
-        eprintln!(
-            "sglang-router not found at {} (run shared/peers/router/run.sh setup): measuring ours only",
-            venv.display()
-        );
-    }
+    let venv = std::env::var_os("SGLANG_VENV").map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+        home.join(format!(".cache/pdserve/peers/sglang-router-{SGLANG_ROUTER}"))
+    });
+    let peer = ensure_peer(&venv);
     println!(
         "{:<28} {:>5} {:>10} {:>9} {:>9} {:>12} {:>7}",
         "case", "conns", "req/s", "p50 ms", "p99 ms", "cpu us/req", "non2xx"
@@ -288,9 +329,7 @@ fn main() {
                         proxy_s.push(wrk(PROXY, conns, secs, &lua, proxy.0.id()));
                     }
                 }
-                let mean = |v: &[Sample], f: fn(&Sample) -> f64| {
-                    v.iter().map(f).sum::<f64>() / v.len().max(1) as f64
-                };
+                let mean = |v: &[Sample], f: fn(&Sample) -> f64| median(v.iter().map(f).collect());
                 for (who, v) in [("pdserve", &ours_s), ("sglang", &peer_s), ("nginx-proxy", &proxy_s)] {
                     if v.is_empty() {
                         continue;
@@ -307,13 +346,20 @@ fn main() {
                     );
                 }
                 if peer {
-                    let rps_ratio = mean(&ours_s, |s| s.rps) / mean(&peer_s, |s| s.rps);
-                    let cpu_ratio = mean(&ours_s, |s| s.cpu_us_per_req) / mean(&peer_s, |s| s.cpu_us_per_req);
+                    // Each repetition is a pair (ours, then the peer): the ratio's median and its spread.
+                    let pairs = |f: fn(&Sample) -> f64| -> String {
+                        let r: Vec<f64> = ours_s.iter().zip(&peer_s).map(|(a, b)| f(a) / f(b)).collect();
+                        let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+                        let hi = r.iter().copied().fold(0.0, f64::max);
+                        format!("{:.2}x (pairs {lo:.2}-{hi:.2})", median(r))
+                    };
                     println!(
-                        "{:<28} {:>5} {:>10} ratio req/s {rps_ratio:.2}x, cpu/req {cpu_ratio:.2}x",
+                        "{:<28} {:>5} {:>10} ratio req/s {}, cpu/req {}",
                         format!("  ratio {mode} {policy}"),
                         conns,
-                        ""
+                        "",
+                        pairs(|s| s.rps),
+                        pairs(|s| s.cpu_us_per_req)
                     );
                     if with_proxy {
                         let floor = mean(&proxy_s, |s| s.rps) / mean(&peer_s, |s| s.rps);
