@@ -43,10 +43,10 @@ pub use client::{ResponseDecoder, ResponseEvent, ResponseHead};
 pub use error::HttpError;
 pub use limits::{Limits, ServerConfig};
 pub use pool::{ClientConfig, ClientResponse, HttpClient, Pool, PoolConfig, PoolStats, Pooled};
-pub use request::{Header, Request, RequestDecoder, Status};
+pub use request::{write_request_head, Header, Request, RequestDecoder, Status};
 pub use response::{reason_phrase, write_chunk, write_head, write_last_chunk, BodyKind, Response};
 pub use server::{ConnId, DisconnectReason, Event, Server, ServerStats};
-pub use sse::{write_sse_chunk, write_sse_event, SseDecoder, SseEvent, SSE_DONE};
+pub use sse::{write_sse_chunk, write_sse_event, SseDecoder, SseEvent};
 pub use upstream::{Upstream, UpstreamPhase};
 
 /// The README's examples, compiled and run as doc tests.

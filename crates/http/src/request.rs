@@ -1,5 +1,7 @@
 //! Requests and the incremental request decoder.
 
+use std::io::Write as _;
+
 use crate::chunked::ChunkedDecoder;
 use crate::{HttpError, Limits};
 
@@ -56,7 +58,7 @@ impl Request {
     /// The client's `x-request-id`, if it is one a process may adopt and echo: 1 to 128 visible ASCII
     /// characters. Anything else is ignored and the process makes up its own id.
     pub fn request_id(&self) -> Option<&str> {
-        self.header_str("x-request-id")
+        self.header_str(pdserve_api::header::REQUEST_ID)
             .filter(|id| !id.is_empty() && id.len() <= 128 && id.bytes().all(|b| b.is_ascii_graphic()))
     }
 
@@ -79,27 +81,57 @@ impl Request {
     /// Appends the request in wire form to `out`, framing the body with `Content-Length` (any
     /// `Content-Length` or `Transfer-Encoding` header in `headers` is not written).
     pub fn write_to(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(self.method.as_bytes());
-        out.push(b' ');
-        out.extend_from_slice(self.target.as_bytes());
-        out.extend_from_slice(if self.minor_version == 0 { b" HTTP/1.0\r\n" } else { b" HTTP/1.1\r\n" });
-        for h in &self.headers {
-            if h.name.eq_ignore_ascii_case("content-length")
-                || h.name.eq_ignore_ascii_case("transfer-encoding")
-            {
-                continue;
-            }
-            out.extend_from_slice(h.name.as_bytes());
-            out.extend_from_slice(b": ");
-            out.extend_from_slice(&h.value);
-            out.extend_from_slice(b"\r\n");
-        }
-        if !self.body.is_empty() || matches!(self.method.as_str(), "POST" | "PUT" | "PATCH") {
-            out.extend_from_slice(format!("content-length: {}\r\n", self.body.len()).as_bytes());
-        }
-        out.extend_from_slice(b"\r\n");
+        let headers = self.headers.iter().filter(|h| {
+            !h.name.eq_ignore_ascii_case("content-length")
+                && !h.name.eq_ignore_ascii_case("transfer-encoding")
+        });
+        write_request_head_to(
+            out,
+            &self.method,
+            &self.target,
+            self.minor_version,
+            headers.map(|h| (h.name.as_str(), h.value.as_slice())),
+            self.body.len(),
+        );
         out.extend_from_slice(&self.body);
     }
+}
+
+/// Appends a request head (HTTP/1.1) to `out`, framing a body of `body_len` bytes with
+/// `Content-Length` (written for any body, and for an empty one of `POST`, `PUT` and `PATCH`). The body
+/// itself follows from the caller: a proxy writes the head, then the bytes it already holds.
+pub fn write_request_head(
+    out: &mut Vec<u8>,
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+    body_len: usize,
+) {
+    write_request_head_to(out, method, target, 1, headers.iter().map(|(n, v)| (*n, v.as_bytes())), body_len);
+}
+
+fn write_request_head_to<'a>(
+    out: &mut Vec<u8>,
+    method: &str,
+    target: &str,
+    minor_version: u8,
+    headers: impl Iterator<Item = (&'a str, &'a [u8])>,
+    body_len: usize,
+) {
+    out.extend_from_slice(method.as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(target.as_bytes());
+    out.extend_from_slice(if minor_version == 0 { b" HTTP/1.0\r\n" } else { b" HTTP/1.1\r\n" });
+    for (name, value) in headers {
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value);
+        out.extend_from_slice(b"\r\n");
+    }
+    if body_len > 0 || matches!(method, "POST" | "PUT" | "PATCH") {
+        let _ = write!(out, "content-length: {body_len}\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
 }
 
 pub(crate) fn find_header<'a>(headers: &'a [Header], name: &str) -> Option<&'a [u8]> {

@@ -2,9 +2,6 @@
 
 use crate::HttpError;
 
-/// The frame that ends an OpenAI-style stream.
-pub const SSE_DONE: &str = "[DONE]";
-
 /// Appends one event carrying `data`. Each line of `data` becomes its own `data:` field, so a payload
 /// with newlines survives the round trip.
 pub fn write_sse_event(out: &mut Vec<u8>, data: &str) {
@@ -109,7 +106,7 @@ mod tests {
         let mut out = Vec::new();
         write_sse_event(&mut out, "{\"a\":1}");
         write_sse_event(&mut out, "line1\nline2");
-        write_sse_event(&mut out, SSE_DONE);
+        write_sse_event(&mut out, "[DONE]");
         let mut d = SseDecoder::new(1024);
         for b in out {
             d.push(&[b]);

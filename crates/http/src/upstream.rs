@@ -113,11 +113,14 @@ impl Upstream {
                 Err(e) => return Err(HttpError::Io(e)),
             }
         }
-        if !self.out.is_empty() {
-            self.out = Vec::new();
-            self.out_pos = 0;
-        }
         Ok(())
+    }
+
+    /// The request this connection carried (kept until the next `send`), to send it again on a new
+    /// connection when this one turned out [`stale`](Self::stale).
+    pub fn take_request(&mut self) -> Vec<u8> {
+        self.out_pos = 0;
+        std::mem::take(&mut self.out)
     }
 
     /// Reads what has arrived and appends the decoded response events to `events`. `Err` ends the

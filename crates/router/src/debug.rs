@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use pdserve_http::{ConnId, Limits, Request, ResponseEvent};
+use pdserve_http::{write_request_head, ConnId, Request, ResponseEvent};
 use serde_json::{json, Value};
 
 use crate::router::{ms, unix_ms, Router};
@@ -39,37 +39,20 @@ impl Router {
             workers: Vec::new(),
             raw: HashMap::new(),
         };
-        let mut slots = Vec::new();
-        for wid in self.workers.ids() {
-            let Some(w) = self.workers.get(wid) else { continue };
-            let (authority, url) = (w.authority.clone(), w.url.clone());
-            let acquired = self.ups.acquire(
-                &mut self.workers,
-                wid,
-                &self.server,
-                Limits::default(),
-                now + self.cfg.connect_timeout,
-                self.cfg.connections_per_worker_max,
-            );
-            match acquired {
-                Ok(slot) => {
-                    let req = format!("GET /debug/requests HTTP/1.1\r\nhost: {authority}\r\n\r\n");
-                    self.ups.set_owner(slot, Owner::Collect { id, worker: wid });
-                    if let Some(up) = self.ups.get_mut(slot) {
-                        up.timer = c.deadline;
-                        slots.push((slot, req));
-                    }
-                    c.pending += 1;
-                }
-                Err(e) => c.workers.push(json!({"url": url, "error": e.to_string()})),
-            }
-        }
+        let ids = self.workers.ids();
+        c.pending = ids.len();
+        let deadline = c.deadline;
         self.collects.insert(id, c);
-        for (slot, req) in slots {
-            if let Some(up) = self.ups.get_mut(slot) {
-                if let Err(e) = up.send(req.into_bytes(), false) {
-                    self.upstream_failed(slot, e, now);
-                }
+        for wid in ids {
+            let Some(authority) = self.workers.get(wid).map(|w| w.authority.clone()) else {
+                self.collect_done(id, json!({"worker": wid, "error": "worker is gone"}), None);
+                continue;
+            };
+            let mut req = Vec::with_capacity(96);
+            write_request_head(&mut req, "GET", "/debug/requests", &[("host", &authority)], 0);
+            let owner = Owner::Collect { id, worker: wid };
+            if let Err(e) = self.send_aside(wid, owner, req, deadline, now) {
+                self.aside_failed(owner, wid, &e.to_string(), now);
             }
         }
         self.collect_maybe_done(id, false, now);

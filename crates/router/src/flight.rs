@@ -21,10 +21,9 @@
 //!   with an error of its own gets an [`Action::Abort`].
 
 use std::collections::VecDeque;
-use std::io::Write as _;
 use std::time::{Duration, Instant};
 
-use pdserve_api::openai::{stream_error_events, Endpoint, Meta};
+use pdserve_api::openai::{stream_error_events, Endpoint, Meta, DONE};
 use pdserve_api::{header, pd, ApiError, ErrorKind, Outcome, Role, Stage};
 use pdserve_http::Response;
 use serde_json::json;
@@ -215,6 +214,8 @@ pub struct Flight {
     /// The last bytes forwarded on the stream, to end a broken one on an event boundary.
     tail: Vec<u8>,
     client: bool,
+    /// The stage last announced with [`Action::Stage`].
+    stage: Stage,
     actions: VecDeque<Action>,
 }
 
@@ -244,6 +245,7 @@ impl Flight {
             streaming: false,
             tail: Vec::new(),
             client,
+            stage: Stage::RouterQueued,
             actions: VecDeque::new(),
         }
     }
@@ -285,7 +287,15 @@ impl Flight {
     }
 
     fn push(&mut self, a: Action) {
+        if let Action::Stage { stage, .. } = a {
+            self.stage = stage;
+        }
         self.actions.push_back(a);
+    }
+
+    /// Where the request is now (the last stage announced).
+    pub fn stage(&self) -> Stage {
+        self.stage
     }
 
     /// Admission let the request go: the first leg is asked for.
@@ -351,16 +361,15 @@ impl Flight {
         let remaining = ms(self.spec.deadline.saturating_duration_since(now)).max(1);
         let body = if kind == LegKind::Decode { &self.decode_body } else { &self.spec.body };
         let method = if self.spec.method_get { "GET" } else { "POST" };
+        let remaining = remaining.to_string();
+        let headers = [
+            ("host", authority),
+            (header::REQUEST_ID, self.spec.request_id.as_str()),
+            (header::DEADLINE_MS, remaining.as_str()),
+            ("content-type", "application/json"),
+        ];
         let mut out = Vec::with_capacity(body.len() + 256);
-        let _ = write!(
-            &mut out,
-            "{method} {} HTTP/1.1\r\nhost: {authority}\r\n{}: {}\r\n{}: {remaining}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-            self.spec.path,
-            header::REQUEST_ID,
-            self.spec.request_id,
-            header::DEADLINE_MS,
-            body.len()
-        );
+        pdserve_http::write_request_head(&mut out, method, &self.spec.path, &headers, body.len());
         out.extend_from_slice(body);
         out
     }
@@ -421,8 +430,8 @@ impl Flight {
             self.tail.extend_from_slice(&data[from..]);
             self.push(Action::Forward(data.to_vec()));
         } else if body.len() + data.len() > self.spec.body_bytes_max {
+            // `fail` closes the open leg.
             let msg = format!("worker's answer is over {} bytes", self.spec.body_bytes_max);
-            self.push(Action::CloseLeg { leg });
             self.fail(ApiError::new(ErrorKind::UpstreamFailed, msg));
         } else {
             body.extend_from_slice(data);
@@ -516,6 +525,8 @@ impl Flight {
                 }
                 self.push(Action::Respond(resp));
             }
+        } else {
+            status = 0;
         }
         self.finish(outcome, status, error, None);
     }
@@ -570,15 +581,15 @@ impl Flight {
         self.fail(ApiError::new(ErrorKind::UpstreamFailed, format!("{which}{at} failed: {reason}")));
     }
 
-    /// The deadline came (call at or after [`deadline`](Self::deadline)); `stage` is where the ledger
-    /// saw the request last, for the message.
-    pub fn handle_timeout(&mut self, now: Instant, stage: Stage) {
+    /// The deadline came (call at or after [`deadline`](Self::deadline)).
+    pub fn handle_timeout(&mut self, now: Instant) {
         if self.is_done() || now < self.spec.deadline {
             return;
         }
         let msg = format!(
-            "deadline of {} ms passed at stage {stage} (worker: {})",
+            "deadline of {} ms passed at stage {} (worker: {})",
             ms(self.spec.deadline.saturating_duration_since(self.spec.received)),
+            self.stage,
             self.worker().map_or("none".to_owned(), |w| w.to_string())
         );
         self.fail(ApiError::new(ErrorKind::DeadlineExceeded, msg));
@@ -622,7 +633,7 @@ impl Flight {
                 if !self.tail.is_empty() && !self.tail.ends_with(b"\n\n") {
                     frame.extend_from_slice(b"\n\n");
                 }
-                if !self.tail.ends_with(b"data: [DONE]\n\n") {
+                if !self.tail.ends_with(format!("data: {DONE}\n\n").as_bytes()) {
                     let meta = Meta {
                         endpoint: self.endpoint(),
                         id: self.endpoint().response_id(&self.spec.request_id),
@@ -647,17 +658,7 @@ impl Flight {
     }
 
     fn finish(&mut self, outcome: Outcome, status: u16, error: Option<ErrorKind>, message: Option<String>) {
-        let stage = match self.state {
-            State::Opening { kind: LegKind::Decode, .. } | State::Open { kind: LegKind::Decode, .. } => {
-                Stage::Decoding
-            }
-            State::Opening { kind: LegKind::Prefill, .. } | State::Open { kind: LegKind::Prefill, .. } => {
-                Stage::Prefilling
-            }
-            _ if self.streaming => Stage::Streaming,
-            _ if self.next_leg == 0 => Stage::RouterQueued,
-            _ => Stage::Decoding,
-        };
+        let stage = self.stage;
         self.state = State::Done;
         if outcome != Outcome::Completed {
             for r in &self.reached {

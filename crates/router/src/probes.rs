@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use pdserve_api::{header, Role};
-use pdserve_http::{HttpError, Limits, ResponseEvent};
+use pdserve_http::{write_request_head, ResponseEvent};
 
 use crate::router::Router;
 use crate::upstream::{AcquireError, Owner};
@@ -21,38 +21,21 @@ impl Router {
             }
             let path = if w.role == Role::Unified { "/health/generate" } else { "/health/ready" };
             let authority = w.authority.clone();
-            let acquired = self.ups.acquire(
-                &mut self.workers,
-                wid,
-                &self.server,
-                Limits::default(),
-                now + self.cfg.connect_timeout,
-                self.cfg.connections_per_worker_max,
-            );
-            let slot = match acquired {
-                Ok(s) => s,
-                Err(e @ AcquireError::Connect { .. }) => {
-                    if let Some(w) = self.workers.get_mut(wid) {
-                        w.breaker.probe_failed(now, e.to_string());
-                    }
-                    continue;
-                }
-                // A full pool is a busy worker, not a failed probe.
-                Err(_) => continue,
-            };
+            let mut req = Vec::with_capacity(128);
+            let rid = format!("probe-{}-{wid}", self.probe_round);
+            write_request_head(&mut req, "GET", path, &[("host", &authority), (header::REQUEST_ID, &rid)], 0);
             if let Some(w) = self.workers.get_mut(wid) {
                 w.probing = true;
             }
-            let req = format!(
-                "GET {path} HTTP/1.1\r\nhost: {authority}\r\n{}: probe-{}-{wid}\r\n\r\n",
-                header::REQUEST_ID,
-                self.probe_round
-            );
-            self.ups.set_owner(slot, Owner::Probe { worker: wid });
-            if let Some(up) = self.ups.get_mut(slot) {
-                up.timer = now + self.cfg.probe_timeout;
-                if let Err(e) = up.send(req.into_bytes(), false) {
-                    self.upstream_failed(slot, e, now);
+            let timer = now + self.cfg.probe_timeout;
+            match self.send_aside(wid, Owner::Probe { worker: wid }, req, timer, now) {
+                Ok(()) => {}
+                Err(e @ AcquireError::Connect { .. }) => self.probe_failed(wid, &e.to_string(), now),
+                // A full pool is a busy worker, not a failed probe.
+                Err(_) => {
+                    if let Some(w) = self.workers.get_mut(wid) {
+                        w.probing = false;
+                    }
                 }
             }
         }
@@ -107,7 +90,7 @@ impl Router {
     }
 
     /// A probe got no answer (refused, reset, timed out): the worker is out at once.
-    pub(crate) fn probe_failed(&mut self, worker: u32, err: &HttpError, now: Instant) {
+    pub(crate) fn probe_failed(&mut self, worker: u32, err: &str, now: Instant) {
         self.metrics.probes.with(&["worker", "failed"]).map(|c| c.inc()).ok();
         if let Some(w) = self.workers.get_mut(worker) {
             w.probing = false;

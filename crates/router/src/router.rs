@@ -13,8 +13,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::openai::Endpoint;
-use pdserve_api::{ApiError, ErrorKind, Stage};
-use pdserve_http::{ConnId, Event, HttpError, Request, ResponseEvent, Server, UpstreamPhase};
+use pdserve_api::{header, ApiError, ErrorKind};
+use pdserve_http::{
+    write_request_head, ConnId, Event, HttpError, Request, ResponseEvent, Server, UpstreamPhase,
+};
 use pdserve_telemetry::RequestLedger;
 
 use crate::admission::Admission;
@@ -22,7 +24,7 @@ use crate::config::RouterConfig;
 use crate::debug::Collect;
 use crate::flight::{Flight, LegFailure, LegId, Purpose};
 use crate::metrics::Metrics;
-use crate::upstream::{Owner, Upstreams};
+use crate::upstream::{AcquireError, Owner, Upstreams};
 use crate::workers::Workers;
 use crate::{LeastOutstanding, Policy};
 
@@ -180,30 +182,42 @@ impl Router {
 
     /// `POST /abort/{id}` to `worker`; the answer is read and dropped.
     pub(crate) fn send_abort(&mut self, worker: u32, rid: &str, now: Instant) {
-        let limits = pdserve_http::Limits::default();
-        let Ok(slot) = self.ups.acquire(
+        let Some(authority) = self.workers.get(worker).map(|w| w.authority.clone()) else { return };
+        let mut req = Vec::with_capacity(128);
+        let headers = [("host", authority.as_str()), (header::REQUEST_ID, rid)];
+        write_request_head(&mut req, "POST", &format!("/abort/{rid}"), &headers, 0);
+        if self.send_aside(worker, Owner::Abort, req, now + Duration::from_secs(2), now).is_ok() {
+            self.metrics.aborts_sent.inc();
+        }
+    }
+
+    /// Sends `request` (wire bytes) to `worker` for `owner` (a probe, an abort, a `/debug/requests`
+    /// fan-out) on a pooled connection or a new one, its answer due by `timer`. A failure after this
+    /// returns `Ok` reaches the owner through `upstream_failed`.
+    pub(crate) fn send_aside(
+        &mut self,
+        worker: u32,
+        owner: Owner,
+        request: Vec<u8>,
+        timer: Instant,
+        now: Instant,
+    ) -> Result<(), AcquireError> {
+        let slot = self.ups.acquire(
             &mut self.workers,
             worker,
             &self.server,
-            limits,
+            pdserve_http::Limits::default(),
             now + self.cfg.connect_timeout,
             self.cfg.connections_per_worker_max,
-        ) else {
-            return;
-        };
-        let authority = self.workers.get(worker).map(|w| w.authority.clone()).unwrap_or_default();
-        let req = format!(
-            "POST /abort/{rid} HTTP/1.1\r\nhost: {authority}\r\n{}: {rid}\r\ncontent-length: 0\r\n\r\n",
-            pdserve_api::header::REQUEST_ID
-        );
-        self.ups.set_owner(slot, Owner::Abort);
-        self.metrics.aborts_sent.inc();
+        )?;
+        self.ups.set_owner(slot, owner);
         if let Some(up) = self.ups.get_mut(slot) {
-            up.timer = now + Duration::from_secs(2);
-            if let Err(e) = up.send(req.into_bytes(), false) {
+            up.timer = timer;
+            if let Err(e) = up.send(request, false) {
                 self.upstream_failed(slot, e, now);
             }
         }
+        Ok(())
     }
 
     // ----- upstream I/O --------------------------------------------------------------------------
@@ -266,15 +280,28 @@ impl Router {
 
     pub(crate) fn upstream_failed(&mut self, slot: usize, err: HttpError, now: Instant) {
         let owner = self.ups.owner(slot);
-        let Some((worker, stale)) = self.ups.get(slot).map(|u| (u.worker, u.stale())) else { return };
+        let Some(up) = self.ups.get_mut(slot) else { return };
+        let (worker, stale, timer) = (up.worker, up.stale(), up.timer);
+        let request = if stale { up.take_request() } else { Vec::new() };
         self.ups.close(slot, self.server.registry(), &mut self.workers);
+        if stale {
+            // The worker closed this pooled connection while it was idle (a restart, its keep-alive
+            // timeout) and never saw the request; its other idle connections are as old.
+            self.ups.close_idle(worker, self.server.registry(), &mut self.workers);
+            if !matches!(owner, Owner::Leg { .. } | Owner::None) {
+                // A probe, abort or fan-out goes out again on a new connection (which cannot be stale).
+                self.metrics.stale_retries.inc();
+                match self.send_aside(worker, owner, request, timer, now) {
+                    Ok(()) => return,
+                    Err(e) => return self.aside_failed(owner, worker, &e.to_string(), now),
+                }
+            }
+        }
         let connect = matches!(err, HttpError::Connect(_));
         let url = self.workers.get(worker).map(|w| w.url.clone()).unwrap_or_default();
         match owner {
-            Owner::None | Owner::Abort => {}
-            Owner::Probe { .. } => self.probe_failed(worker, &err, now),
-            Owner::Collect { id, .. } => {
-                self.collect_done(id, serde_json::json!({"url": url, "error": err.to_string()}), None)
+            Owner::None | Owner::Abort | Owner::Probe { .. } | Owner::Collect { .. } => {
+                self.aside_failed(owner, worker, &err.to_string(), now)
             }
             Owner::Leg { flight, leg } => {
                 let Some(e) = self.flights.get_mut(&flight) else { return };
@@ -293,14 +320,22 @@ impl Router {
                         w.breaker.request_failed(now, err.to_string(), connect);
                     }
                 }
-                if failure == LegFailure::Stale {
-                    // The worker's other idle connections are as old as this one.
-                    self.ups.close_idle(worker, self.server.registry(), &mut self.workers);
-                }
                 if let Some(e) = self.flights.get_mut(&flight) {
                     e.flight.handle_leg_failed(leg, failure);
                 }
                 self.drive(flight, now);
+            }
+        }
+    }
+
+    /// A probe, abort or fan-out that got no answer from `worker`.
+    pub(crate) fn aside_failed(&mut self, owner: Owner, worker: u32, error: &str, now: Instant) {
+        match owner {
+            Owner::None | Owner::Abort | Owner::Leg { .. } => {}
+            Owner::Probe { .. } => self.probe_failed(worker, error, now),
+            Owner::Collect { id, .. } => {
+                let url = self.workers.get(worker).map(|w| w.url.clone()).unwrap_or_default();
+                self.collect_done(id, serde_json::json!({"url": url, "error": error}), None)
             }
         }
     }
@@ -369,8 +404,7 @@ impl Router {
             if e.flight.deadline() != d {
                 continue;
             }
-            let stage = self.ledger.get(&e.flight.spec().request_id).map_or(Stage::RouterQueued, |l| l.stage);
-            e.flight.handle_timeout(now, stage);
+            e.flight.handle_timeout(now);
             self.drive(id, now);
         }
         let mut expired = Vec::new();

@@ -74,6 +74,28 @@ fn a_request_on_a_connection_the_worker_closed_is_sent_again() {
 }
 
 #[test]
+fn probes_on_connections_the_worker_closed_are_sent_again_and_do_not_fail() {
+    // Every probe after the first goes out on a kept-alive connection the worker then drops unanswered.
+    let w = MockWorker::start(MockRole::Unified, Mode::DropReused);
+    let mut cfg = config(&[(&w.url, Role::Unified)]);
+    cfg.probe_interval = Duration::from_millis(50);
+    let r = RouterHandle::start(cfg);
+    r.wait_ready(Duration::from_secs(5));
+    let until = Instant::now() + Duration::from_secs(10);
+    while w.seen.lock().unwrap().dropped < 4 {
+        assert!(Instant::now() < until, "the probes never reused a connection");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (_, list) = r.json("GET", "/workers", "");
+    let worker = &list["workers"][0];
+    assert_eq!(worker["state"], "up", "a probe on a stale connection is not a failed probe: {list}");
+    assert!(worker["last_error"].is_null(), "{list}");
+    assert!(r.metric("router_stale_connection_retries_total") >= 4.0);
+    let (status, body) = r.json("GET", "/health/ready", "");
+    assert_eq!(status, 200, "{body}");
+}
+
+#[test]
 fn hanging_worker_gives_504_at_the_deadline() {
     let w = MockWorker::start(MockRole::Unified, Mode::HangPost);
     let r = RouterHandle::start(config(&[(&w.url, Role::Unified)]));

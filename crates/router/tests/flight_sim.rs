@@ -1,9 +1,11 @@
 //! Thousands of flights on a virtual clock, each against workers that answer, refuse, drop stale
-//! connections, die mid-answer, stall, or answer with errors, with clients that leave and deadlines
-//! that pass. After every run: each flight finished exactly once, with the status and outcome its
-//! cause calls for, by its deadline; its client got exactly one answer (unless it left); every leg it
-//! sent ended or was closed, at most one at a time; and when it did not complete, every worker it
-//! reached was told to abort (unless that worker ended the request itself with an error).
+//! connections, die mid-answer, stall, answer with errors or answer too much, with clients that leave
+//! and deadlines that pass; client requests (unified, disaggregated, forwarded GETs, the router's own
+//! `/health/generate`) and pair probes without a client. After every run: each flight finished exactly
+//! once, with the status, outcome and stage its cause calls for, by its deadline; its client got
+//! exactly one answer (unless it left, or there was none); every leg it sent ended or was closed, at
+//! most one at a time; and when it did not complete, every worker it reached was told to abort (unless
+//! that worker ended the request itself with an error).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -69,6 +71,12 @@ struct Record {
     stream_bytes: Vec<u8>,
     /// Legs sent, by id: (worker, ended).
     legs: BTreeMap<u32, (u32, bool)>,
+    /// Each sent leg's kind.
+    kinds: HashMap<u32, LegKind>,
+    /// The leg whose event came last.
+    last_leg: Option<LegId>,
+    /// The last stage the flight announced.
+    stage: Option<Stage>,
     open_at_once_max: usize,
     aborts: HashSet<u32>,
     /// Workers that ended the request themselves with an error answer.
@@ -79,6 +87,8 @@ struct Record {
     cause: Option<&'static str>,
     last_status: Option<u16>,
     client_left: bool,
+    /// The flight has a client (not a pair probe).
+    client: bool,
 }
 
 const HANDLE_ANSWER: &[u8] =
@@ -93,6 +103,7 @@ struct World {
     queue: BTreeMap<(Duration, u64), (usize, Ev)>,
     seq: u64,
     streaming: Vec<bool>,
+    plans: Vec<Plan>,
     /// Per flight, per leg: the behaviour drawn.
     behaviour: HashMap<(usize, u32), Behaviour>,
     epoch: Instant,
@@ -162,6 +173,8 @@ impl World {
                     let _ = self.flights[f].leg_request(kind, "w", t);
                     let rec = &mut self.records[f];
                     rec.legs.insert(leg.0, (worker, false));
+                    rec.kinds.insert(leg.0, kind);
+                    rec.last_leg = Some(leg);
                     let open = rec.legs.values().filter(|(_, ended)| !ended).count();
                     rec.open_at_once_max = rec.open_at_once_max.max(open);
                     let sse = self.streaming[f] && kind != LegKind::Prefill;
@@ -237,7 +250,7 @@ impl World {
                 Action::Abort { worker } => {
                     rec.aborts.insert(worker);
                 }
-                Action::Stage { .. } => {}
+                Action::Stage { stage, .. } => rec.stage = Some(stage),
                 Action::Finished(fin) => {
                     rec.finishes.push(fin);
                     rec.finished_at = Some(now);
@@ -258,6 +271,12 @@ impl World {
             Ev::Failed { .. } => "broken",
             Ev::ClientGone => "client",
             Ev::Deadline => "deadline",
+        };
+        self.records[f].last_leg = match &ev {
+            Ev::Head { leg, .. } | Ev::Data { leg, .. } | Ev::End { leg } | Ev::Failed { leg, .. } => {
+                Some(*leg)
+            }
+            Ev::ClientGone | Ev::Deadline => self.records[f].last_leg,
         };
         match ev {
             Ev::Head { leg, status, sse } => {
@@ -292,7 +311,7 @@ impl World {
                 self.records[f].client_left = true;
                 self.flights[f].handle_cancel(true);
             }
-            Ev::Deadline => self.flights[f].handle_timeout(t, Stage::Decoding),
+            Ev::Deadline => self.flights[f].handle_timeout(t),
         }
         self.records[f].cause = Some(cause);
         self.drive(f, now);
@@ -302,6 +321,8 @@ impl World {
 #[derive(Debug, Default)]
 struct Tally {
     by_outcome: BTreeMap<&'static str, usize>,
+    /// Kinds of flight and end that must each have happened for the run to prove anything.
+    cases: BTreeMap<&'static str, usize>,
 }
 
 fn run(seed: u64, flights: usize) -> Tally {
@@ -314,32 +335,49 @@ fn run(seed: u64, flights: usize) -> Tally {
         queue: BTreeMap::new(),
         seq: 0,
         streaming: Vec::new(),
+        plans: Vec::new(),
         behaviour: HashMap::new(),
         epoch,
     };
     for i in 0..flights {
         let start = Duration::from_millis(w.rng.below(2_000));
         let deadline = start + Duration::from_millis(20 + w.rng.below(400));
-        let stream = w.rng.chance(50);
-        let purpose = if w.rng.chance(5) { Purpose::HealthGenerate } else { Purpose::Client };
+        let (purpose, plan) = match w.rng.below(100) {
+            0..=4 => (Purpose::HealthGenerate, Plan::Unified),
+            5..=9 => {
+                (Purpose::PairProbe { prefill: 10 + w.rng.below(4) as u32, decode: 20 }, Plan::Disaggregated)
+            }
+            10..=14 => (Purpose::Client, Plan::Forward),
+            r if r < 57 => (Purpose::Client, Plan::Unified),
+            _ => (Purpose::Client, Plan::Disaggregated),
+        };
+        let client = !matches!(purpose, Purpose::PairProbe { .. });
+        let get = plan == Plan::Forward;
+        let stream = !get && client && w.rng.chance(50);
         let spec = FlightSpec {
             request_id: format!("r{i}"),
             purpose,
-            method_get: false,
-            path: "/v1/chat/completions".into(),
-            body: format!(r#"{{"messages":[],"stream":{stream}}}"#).into_bytes(),
+            method_get: get,
+            path: if get { "/v1/models".into() } else { "/v1/chat/completions".into() },
+            body: if get {
+                Vec::new()
+            } else {
+                format!(r#"{{"messages":[],"stream":{stream}}}"#).into_bytes()
+            },
             prompt: String::new(),
             received: epoch + start,
             deadline: epoch + deadline,
             retries_max: 2,
-            body_bytes_max: 1 << 20,
+            // Now and then an answer over the bound: the flight must give up on it.
+            body_bytes_max: if w.rng.chance(4) { 8 } else { 1 << 20 },
         };
-        w.flights.push(Flight::new(spec, true));
-        w.records.push(Record::default());
+        w.flights.push(Flight::new(spec, client));
+        w.records.push(Record { client, ..Record::default() });
         w.starts.push(start);
         w.streaming.push(stream);
+        w.plans.push(plan);
         w.at(deadline, i, Ev::Deadline);
-        if w.rng.chance(15) {
+        if client && w.rng.chance(15) {
             let gone = start + Duration::from_millis(w.rng.below(300));
             w.at(gone, i, Ev::ClientGone);
         }
@@ -358,7 +396,7 @@ fn run(seed: u64, flights: usize) -> Tally {
             (Some(s), e) if e.is_none_or(|e| s <= e) => {
                 let f = order[next];
                 next += 1;
-                let plan = if w.rng.chance(50) { Plan::Unified } else { Plan::Disaggregated };
+                let plan = w.plans[f];
                 w.flights[f].handle_dispatch(plan);
                 w.records[f].cause = Some("dispatch");
                 w.drive(f, s);
@@ -379,12 +417,22 @@ fn run(seed: u64, flights: usize) -> Tally {
         assert_eq!(rec.after_finish, 0, "flight {f}: actions after Finished");
         let fin = &rec.finishes[0];
         *tally.by_outcome.entry(fin.outcome.as_str()).or_default() += 1;
+        let case = match (spec.purpose, w.plans[f], rec.cause) {
+            (Purpose::PairProbe { .. }, _, _) => "pair_probe",
+            (_, Plan::Forward, _) => "forward",
+            (_, _, Some("data")) if fin.outcome == Outcome::Failed => "answer_too_big",
+            (_, _, Some("stale")) => "stale_twice",
+            _ => "other",
+        };
+        *tally.cases.entry(case).or_default() += 1;
         // By its deadline.
         let deadline = spec.deadline.duration_since(epoch);
         assert!(rec.finished_at.unwrap() <= deadline, "flight {f} ended after its deadline: {rec:?}");
-        // One answer to a client that stayed.
+        // One answer to a client that stayed; none where there is no client.
         let answers = rec.responses.len() + usize::from(rec.stream_started);
-        if rec.client_left {
+        if !rec.client {
+            assert_eq!((answers, fin.status), (0, 0), "flight {f}: a probe has no one to answer");
+        } else if rec.client_left {
             assert!(answers <= 1, "flight {f}: {answers} answers");
             assert!(fin.outcome == Outcome::Cancelled || rec.cause != Some("client"), "{rec:?}");
         } else {
@@ -405,8 +453,26 @@ fn run(seed: u64, flights: usize) -> Tally {
         for (leg, (worker, ended)) in &rec.legs {
             assert!(ended, "flight {f}: leg {leg} at worker {worker} neither ended nor closed: {rec:?}");
         }
+        // The stage it ended in is the last one it announced (the router's queue if none), and a
+        // failed leg's own stage.
+        assert_eq!(fin.stage, rec.stage.unwrap_or(Stage::RouterQueued), "flight {f}: {rec:?}");
+        if matches!(rec.cause, Some("broken" | "stale" | "data")) && fin.outcome == Outcome::Failed {
+            let kind = rec.last_leg.and_then(|l| rec.kinds.get(&l.0)).copied();
+            let expected = match kind {
+                Some(LegKind::Prefill) => Stage::Prefilling,
+                _ if rec.stream_started => Stage::Streaming,
+                _ => Stage::Decoding,
+            };
+            assert_eq!(fin.stage, expected, "flight {f}: a failed {kind:?} leg: {rec:?}");
+        }
         // The status its cause calls for.
         let error_text = String::from_utf8_lossy(&rec.stream_bytes);
+        let failed_status = match (rec.client, spec.purpose) {
+            (false, _) => 0,
+            (true, Purpose::HealthGenerate) => 503,
+            _ if rec.stream_started => 200,
+            _ => 502,
+        };
         match (rec.cause, fin.outcome) {
             (Some("deadline"), o) => {
                 assert_eq!(o, Outcome::TimedOut, "flight {f}: {rec:?}");
@@ -416,6 +482,8 @@ fn run(seed: u64, flights: usize) -> Tally {
                     let worker_done =
                         error_text.matches("[DONE]").count() == 1 && !error_text.contains("\"error\"");
                     assert!(error_text.contains("deadline_exceeded") || worker_done, "{error_text}");
+                } else if !rec.client {
+                    assert_eq!(fin.status, 0);
                 } else if spec.purpose == Purpose::Client {
                     assert_eq!(fin.status, 504);
                 } else {
@@ -424,14 +492,15 @@ fn run(seed: u64, flights: usize) -> Tally {
             }
             (Some("client"), o) => assert_eq!(o, Outcome::Cancelled, "flight {f}"),
             (Some("no_worker" | "refused"), o) => {
-                assert_eq!(
-                    (o, fin.status),
-                    (Outcome::Rejected, if rec.stream_started { 200 } else { 503 }),
-                    "flight {f}"
-                );
+                let status = match () {
+                    _ if !rec.client => 0,
+                    _ if rec.stream_started => 200,
+                    _ => 503,
+                };
+                assert_eq!((o, fin.status), (Outcome::Rejected, status), "flight {f}");
             }
             (Some("broken" | "stale"), o) => {
-                assert_eq!(o, Outcome::Failed, "flight {f}: {rec:?}");
+                assert_eq!((o, fin.status), (Outcome::Failed, failed_status), "flight {f}: {rec:?}");
                 if rec.stream_started {
                     assert!(error_text.contains("upstream_failed"), "{error_text}");
                 }
@@ -440,8 +509,12 @@ fn run(seed: u64, flights: usize) -> Tally {
                 assert!(rec.aborts.is_empty(), "flight {f}: aborts after completing")
             }
             (Some("end"), _) => {}
-            (Some("dispatch" | "data"), o) => {
+            (Some("dispatch"), o) => {
                 assert!(matches!(o, Outcome::Rejected | Outcome::Failed), "flight {f}: {o:?} {rec:?}");
+            }
+            (Some("data"), o) => {
+                // An answer over `body_bytes_max`: the worker's bytes are not forwarded.
+                assert_eq!((o, fin.status), (Outcome::Failed, failed_status), "flight {f}: {rec:?}");
             }
             (cause, o) => panic!("flight {f}: finished by {cause:?} as {o:?}"),
         }
@@ -470,6 +543,12 @@ fn thousands_of_flights_end_exactly_once_and_leave_nothing_behind() {
         for (k, v) in t.by_outcome {
             *total.by_outcome.entry(k).or_default() += v;
         }
+        for (k, v) in t.cases {
+            *total.cases.entry(k).or_default() += v;
+        }
+    }
+    for c in ["pair_probe", "forward", "answer_too_big", "stale_twice"] {
+        assert!(total.cases.get(c).copied().unwrap_or(0) > 20, "{c}: {:?}", total.cases);
     }
     // Every kind of end happened, so every path above was checked.
     for o in ["completed", "rejected", "cancelled", "timed_out", "failed"] {
