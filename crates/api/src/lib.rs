@@ -6,6 +6,7 @@
 //! - [`Stage`], [`Outcome`], [`Role`]: where a request is, how it ended, what a worker does; the same
 //!   words in every ledger, metric label and log line.
 //! - [`header`]: the header names every hop reads and writes.
+//! - [`Health`]: the bodies and statuses of `/health/live`, `/health/ready` and `/health/generate`.
 //! - [`pd`]: the prefill/decode handle a router forwards without parsing.
 //! - [`openai`]: the OpenAI-compatible request bodies (checked field by field) and response shapes.
 //!
@@ -21,11 +22,13 @@
 
 mod error;
 pub mod header;
+mod health;
 mod lifecycle;
 pub mod openai;
 pub mod pd;
 
 pub use error::{ApiError, Described, ErrorKind};
+pub use health::Health;
 pub use lifecycle::{Outcome, Role, Stage};
 
 /// The README's examples, compiled and run as doc tests.

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
-use pdserve_api::{Role, Stage as ApiStage};
+use pdserve_api::{Outcome as ApiOutcome, Role, Stage as ApiStage};
 use pdserve_kvcache::{BlockId, OwnerKind, SeqId, TransferId};
 use pdserve_model::{Backend, Sampler, SamplingParams, SeqStep};
 use pdserve_pd_transfer::{
@@ -568,7 +568,7 @@ impl Core {
                 let first = live.as_mut().and_then(|l| l.first.take());
                 let prompt = live.map(|l| l.prompt).unwrap_or_default();
                 if let Some(key) = self.offer(*transfer, blocks.clone(), prompt, *first_token, first, times) {
-                    self.count_finished("completed", ApiStage::Prefilling);
+                    self.count_finished(ApiOutcome::Completed, ApiStage::Prefilling);
                     self.send(Reply::Prefilled { id: id.0, key, times });
                     continue;
                 }
@@ -577,7 +577,7 @@ impl Core {
                     stage: Stage::Prefilling,
                     reason: "could not offer the KV for transfer".into(),
                 };
-                self.count_finished("failed", ApiStage::Prefilling);
+                self.count_finished(ApiOutcome::Failed, ApiStage::Prefilling);
                 self.send(Reply::Finished { id: id.0, outcome, output_tokens, times });
                 continue;
             }
@@ -586,13 +586,19 @@ impl Core {
                 _ if self.role == Role::Prefill => ApiStage::Prefilling,
                 _ => ApiStage::Decoding,
             };
-            self.count_finished(outcome.label(), stage);
+            let word = match &outcome {
+                Outcome::Completed(_) | Outcome::PrefillDone { .. } => ApiOutcome::Completed,
+                Outcome::Cancelled => ApiOutcome::Cancelled,
+                Outcome::TimedOut { .. } => ApiOutcome::TimedOut,
+                Outcome::Failed { .. } => ApiOutcome::Failed,
+            };
+            self.count_finished(word, stage);
             self.send(Reply::Finished { id: id.0, outcome, output_tokens, times });
         }
     }
 
-    fn count_finished(&self, outcome: &str, stage: ApiStage) {
-        if let Ok(c) = self.metrics.finished.with(&[outcome, stage.as_str()]) {
+    fn count_finished(&self, outcome: ApiOutcome, stage: ApiStage) {
+        if let Ok(c) = self.metrics.finished.with(&[outcome.as_str(), stage.as_str()]) {
             c.inc();
         }
     }

@@ -48,7 +48,7 @@ pub struct ServerConfig {
     /// How long a keep-alive connection may sit idle between requests.
     pub idle_timeout: Duration,
     /// Bytes a connection may hold unsent before [`crate::Server::send`] refuses more
-    /// ([`crate::SendError::Backpressure`]). A single write is always accepted while the buffer is under it.
+    /// ([`crate::HttpError::Backpressure`]). A single write is always accepted while the buffer is under it.
     pub write_buffer_bytes_max: usize,
     /// After an error response, how long to keep reading (and discarding) before closing, so the client
     /// reads the response instead of a reset.

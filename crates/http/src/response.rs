@@ -2,7 +2,7 @@
 
 use std::io::Write as _;
 
-use pdserve_api::{header, ApiError};
+use pdserve_api::{header, ApiError, Health};
 
 /// How a response body is delimited on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -144,6 +144,18 @@ impl Response {
         let mut r = Response::json(error.status(), error.to_json(request_id).to_string());
         if let Some(s) = error.retry_after_s {
             r = r.header(header::RETRY_AFTER, &s.to_string());
+        }
+        if let Some(id) = request_id {
+            r = r.header(header::REQUEST_ID, id);
+        }
+        r
+    }
+
+    /// A health answer (`pdserve_api::Health`); a 503 carries `retry-after: 1`.
+    pub fn health(health: &Health, request_id: Option<&str>) -> Response {
+        let mut r = Response::json(health.status(), health.to_json().to_string());
+        if health.status() != 200 {
+            r = r.header(header::RETRY_AFTER, "1");
         }
         if let Some(id) = request_id {
             r = r.header(header::REQUEST_ID, id);

@@ -2,6 +2,7 @@ use std::fmt;
 
 /// What went wrong, with enough context to act on.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum KernelError {
     /// A CUDA library could not be loaded, or no device is present.
     NoDevice(String),

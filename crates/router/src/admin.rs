@@ -2,11 +2,10 @@
 
 use std::time::{Duration, Instant};
 
-use pdserve_api::{header, ApiError, ErrorKind, Outcome, Role, Stage};
+use pdserve_api::{header, ApiError, ErrorKind, Health, Outcome, Role, Stage};
 use pdserve_http::{ConnId, Request, Response};
 use serde_json::json;
 
-use crate::flight::health_response;
 use crate::router::Router;
 use crate::RouterError;
 
@@ -51,15 +50,13 @@ impl Router {
         let path = req.path().to_owned();
         let method = req.method.as_str();
         match (method, path.as_str()) {
-            ("GET", "/health/live") => self.respond_json(conn, 200, &json!({"status": "live"}), rid),
+            ("GET", "/health/live") => self.respond(conn, &Response::health(&Health::Live, Some(rid))),
             ("GET", "/health/ready" | "/health") => {
-                let (status, body) =
-                    match self.workers.path_ready(self.ready_window(), self.pair_window(), now) {
-                        Ok(()) => (200, json!({"status": "ready", "workers": self.workers.iter().count()})),
-                        Err(reason) => (503, json!({"status": "not_ready", "reason": reason})),
-                    };
-                let resp = health_response(status, &body).header(header::REQUEST_ID, rid);
-                self.respond(conn, &resp);
+                let health = match self.workers.path_ready(self.ready_window(), self.pair_window(), now) {
+                    Ok(()) => Health::Ready { details: json!({"workers": self.workers.iter().count()}) },
+                    Err(reason) => Health::NotReady { reason },
+                };
+                self.respond(conn, &Response::health(&health, Some(rid)));
             }
             ("GET", "/metrics") => {
                 self.refresh_gauges();

@@ -24,9 +24,8 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use pdserve_api::openai::{stream_error_events, Endpoint, Meta, DONE};
-use pdserve_api::{header, pd, ApiError, ErrorKind, Outcome, Role, Stage};
+use pdserve_api::{header, pd, ApiError, ErrorKind, Health, Outcome, Role, Stage};
 use pdserve_http::Response;
-use serde_json::json;
 
 /// Which part of the request a leg carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -502,18 +501,15 @@ impl Flight {
                 self.push(Action::EndStream);
                 status = 200;
             } else if self.spec.purpose == Purpose::HealthGenerate {
-                let (s, v) = if head.status == 200 {
-                    (
-                        200,
-                        json!({"status": "ok", "latency_ms": ms(now.saturating_duration_since(self.spec.received))}),
-                    )
+                let health = if head.status == 200 {
+                    let latency_ms = ms(now.saturating_duration_since(self.spec.received));
+                    Health::Generated { latency_ms, details: serde_json::Value::Null }
                 } else {
-                    let reason =
-                        format!("worker answered {}: {}", head.status, String::from_utf8_lossy(&body));
-                    (503, json!({"status": "failed", "reason": reason}))
+                    let body = String::from_utf8_lossy(&body);
+                    Health::GenerateFailed { reason: format!("worker answered {}: {body}", head.status) }
                 };
-                status = s;
-                self.push(Action::Respond(health_response(s, &v)));
+                status = health.status();
+                self.push(Action::Respond(Response::health(&health, Some(&self.spec.request_id))));
             } else {
                 let content_type = head.content_type.as_deref().unwrap_or("application/json");
                 let mut resp = Response::new(head.status)
@@ -625,9 +621,9 @@ impl Flight {
         let mut status = error.status();
         if self.client {
             if self.spec.purpose == Purpose::HealthGenerate {
-                let body = json!({"status": "failed", "reason": error.message});
-                self.push(Action::Respond(health_response(503, &body)));
-                status = 503;
+                let health = Health::GenerateFailed { reason: error.message.clone() };
+                status = health.status();
+                self.push(Action::Respond(Response::health(&health, Some(&self.spec.request_id))));
             } else if self.streaming {
                 let mut frame = Vec::new();
                 if !self.tail.is_empty() && !self.tail.ends_with(b"\n\n") {
@@ -677,15 +673,5 @@ impl Flight {
             prefill_leg: self.prefill_leg,
             message,
         }));
-    }
-}
-
-/// A health-shaped answer (`{"status": ...}`); anything but 200 carries `Retry-After`.
-pub fn health_response(status: u16, body: &serde_json::Value) -> Response {
-    let resp = Response::json(status, body.to_string());
-    if status == 200 {
-        resp
-    } else {
-        resp.header(header::RETRY_AFTER, "1")
     }
 }

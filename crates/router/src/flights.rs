@@ -9,9 +9,7 @@ use pdserve_api::{ApiError, ErrorKind, Outcome, Role, Stage};
 use pdserve_http::{ConnId, UpstreamPhase};
 
 use crate::admission::Admit;
-use crate::flight::{
-    health_response, Action, Finish, Flight, FlightSpec, LegFailure, LegId, LegKind, Plan, Purpose, Retry,
-};
+use crate::flight::{Action, Finish, Flight, FlightSpec, LegFailure, LegId, LegKind, Plan, Purpose, Retry};
 use crate::peek::peek;
 use crate::router::{Entry, Router, PROBE_BODY};
 use crate::upstream::{AcquireError, Owner};
@@ -75,7 +73,10 @@ impl Router {
             let why = self.workers.path_ready(Duration::ZERO, Duration::ZERO, now).err().unwrap_or_default();
             let msg = format!("no healthy worker can take the request ({why})");
             let resp = if purpose == Purpose::HealthGenerate {
-                health_response(503, &serde_json::json!({"status": "failed", "reason": msg}))
+                pdserve_http::Response::health(
+                    &pdserve_api::Health::GenerateFailed { reason: msg },
+                    Some(rid),
+                )
             } else {
                 pdserve_http::Response::error(&ApiError::new(ErrorKind::NoCapacity, msg), Some(rid))
             };
@@ -388,7 +389,7 @@ impl Router {
             self.metrics.prefill_leg.record(d);
         }
         if self.cfg.log_requests || f.error == Some(ErrorKind::UpstreamFailed) {
-            let what = f.error.map_or("completed".to_owned(), |k| format!("{} {k}", k.status()));
+            let what = f.error.map_or(f.outcome.as_str().to_owned(), |k| format!("{} {k}", k.status()));
             eprintln!("router: {} ended: {what}: {}", spec.request_id, f.message.as_deref().unwrap_or(""));
         }
         match spec.purpose {

@@ -107,17 +107,6 @@ pub enum Rejection {
     WrongRole { role: Role },
 }
 
-impl Rejection {
-    /// The HTTP status the API maps this to.
-    pub fn status(&self) -> u16 {
-        match self {
-            Rejection::QueueFull { .. } => 429,
-            Rejection::DuplicateId => 409,
-            _ => 400,
-        }
-    }
-}
-
 impl fmt::Display for Rejection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -140,24 +129,14 @@ impl fmt::Display for Rejection {
     }
 }
 
-/// Where a request was when it ended (the ledger's stage names).
+/// Where a request was in the scheduler when it ended. (The words a ledger or metric shows are the
+/// caller's: pdserve's engine maps these to `pdserve_api::Stage`, role-aware.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Stage {
     Queued,
     KvTransfer,
     Prefilling,
     Decoding,
-}
-
-impl Stage {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Stage::Queued => "queued",
-            Stage::KvTransfer => "kv_transfer",
-            Stage::Prefilling => "prefilling",
-            Stage::Decoding => "decoding",
-        }
-    }
 }
 
 /// Why generation stopped normally.
@@ -187,18 +166,6 @@ pub enum Outcome {
         stage: Stage,
         reason: String,
     },
-}
-
-impl Outcome {
-    /// The metric label (`requests_finished_total{outcome}`).
-    pub fn label(&self) -> &'static str {
-        match self {
-            Outcome::Completed(_) | Outcome::PrefillDone { .. } => "completed",
-            Outcome::Cancelled => "cancelled",
-            Outcome::TimedOut { .. } => "timed_out",
-            Outcome::Failed { .. } => "failed",
-        }
-    }
 }
 
 /// What the engine learns from the scheduler besides batches.

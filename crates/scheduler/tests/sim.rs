@@ -163,7 +163,13 @@ fn run(shape: Shape, n: u64, seed: u64, config: SchedulerConfig, blocks: u32) ->
     let mut outcomes = HashMap::new();
     for (id, o) in &admitted {
         let o = o.as_ref().unwrap_or_else(|| panic!("{id} never finished"));
-        *outcomes.entry(o.label()).or_insert(0) += 1;
+        let word = match o {
+            Outcome::Completed(_) | Outcome::PrefillDone { .. } => "completed",
+            Outcome::Cancelled => "cancelled",
+            Outcome::TimedOut { .. } => "timed_out",
+            Outcome::Failed { .. } => "failed",
+        };
+        *outcomes.entry(word).or_insert(0) += 1;
     }
     Report { admitted: admitted.len(), rejected, outcomes, preemptions: s.stats().preemptions_total, steps }
 }

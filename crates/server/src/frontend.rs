@@ -6,7 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::openai::{self, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage};
-use pdserve_api::{header, ApiError, ErrorKind, Role};
+use pdserve_api::{header, pd, ApiError, ErrorKind, Health, Role, Stage};
 use pdserve_engine::{Aborted, Engine, Finish, Id, Input, Output, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
 use pdserve_model::{ChatMessage, SamplingParams};
@@ -173,7 +173,7 @@ impl Frontend {
     fn handle(&mut self, conn: ConnId, rid: &str, req: Request) {
         let path = req.path().to_owned();
         let result = match (req.method.as_str(), path.as_str()) {
-            ("GET", "/health/live") => Ok(Some(json_response(200, &json!({"status": "live"}), None))),
+            ("GET", "/health/live") => Ok(Some(Response::health(&Health::Live, None))),
             ("GET", "/health/ready" | "/health") => Ok(Some(self.ready())),
             ("GET", "/health/generate") => self.probe(conn, rid),
             ("GET", "/metrics") => Ok(Some(
@@ -244,15 +244,13 @@ impl Frontend {
         } else {
             None
         };
-        match reason {
-            None => json_response(
-                200,
-                &json!({"status": "ready", "engine_tick_age_ms": ms(h.tick_age), "requests": busy}),
-                None,
-            ),
-            Some(reason) => json_response(503, &json!({"status": "not_ready", "reason": reason}), None)
-                .header(header::RETRY_AFTER, "1"),
-        }
+        let health = match reason {
+            None => {
+                Health::Ready { details: json!({"engine_tick_age_ms": ms(h.tick_age), "requests": busy}) }
+            }
+            Some(reason) => Health::NotReady { reason },
+        };
+        Response::health(&health, None)
     }
 
     fn debug_requests(&self, req: &Request) -> Response {
@@ -268,9 +266,11 @@ impl Frontend {
     fn abort(&mut self, request_id: &str) -> Response {
         match self.engine.abort_request(request_id) {
             Some(Aborted::Live(_)) => json_response(200, &json!({"aborted": request_id}), Some(request_id)),
-            Some(Aborted::Offered(_)) => {
-                json_response(200, &json!({"aborted": request_id, "stage": "kv_held"}), Some(request_id))
-            }
+            Some(Aborted::Offered(_)) => json_response(
+                200,
+                &json!({"aborted": request_id, "stage": Stage::KvHeld.as_str()}),
+                Some(request_id),
+            ),
             None => Response::error(
                 &ApiError::new(ErrorKind::NotFound, format!("no live request {request_id}")),
                 Some(request_id),
@@ -314,11 +314,15 @@ impl Frontend {
         let input = match (g.pd_handle.clone(), role) {
             (Some(h), Role::Decode) => Input::Remote(h),
             (None, Role::Decode) => {
-                return Err(ApiError::invalid(
-                    "a decode worker needs `pd_transfer` (the prefill worker's answer) in the body",
-                ))
+                let field = pd::HANDLE_FIELD;
+                let msg =
+                    format!("a decode worker needs `{field}` (the prefill worker's answer) in the body");
+                return Err(ApiError::invalid(msg));
             }
-            (Some(_), _) => return Err(ApiError::invalid("`pd_transfer` is only taken by a decode worker")),
+            (Some(_), _) => {
+                let msg = format!("`{}` is only taken by a decode worker", pd::HANDLE_FIELD);
+                return Err(ApiError::invalid(msg));
+            }
             (None, _) => match &g.prompt {
                 Prompt::Messages(msgs) => {
                     Input::Chat(msgs.iter().map(|m| ChatMessage::new(&m.role, &m.content)).collect())
@@ -424,8 +428,7 @@ impl Frontend {
 
     fn error_response(l: &Live, e: &ApiError) -> Response {
         match l.kind {
-            Kind::Probe => json_response(503, &json!({"status": "failed", "reason": e.message}), None)
-                .header(header::RETRY_AFTER, "1"),
+            Kind::Probe => Response::health(&Health::GenerateFailed { reason: e.message.clone() }, None),
             Kind::Generate { .. } => Response::error(e, Some(&l.request_id)),
         }
     }
@@ -481,8 +484,8 @@ impl Frontend {
                     self.engine.abort_request(&l.request_id);
                     return;
                 };
-                let body = json!({"pd_transfer": handle.to_json(), "usage": usage.to_json(),
-                                  "timings": timings_json(&timings)});
+                let mut body = json!({"usage": usage.to_json(), "timings": timings_json(&timings)});
+                body[pd::HANDLE_FIELD] = handle.to_json();
                 let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
             }
             Output::Finished { id, finish, usage, timings } => self.finished(id, finish, usage, timings),
@@ -507,9 +510,11 @@ impl Frontend {
         });
         match (&l.kind, result) {
             (Kind::Probe, Ok(_)) => {
-                let body = json!({"status": "ok", "latency_ms": l.received.elapsed().as_millis() as u64,
-                                  "tokens": usage.completion_tokens});
-                let _ = self.server.respond(conn, &json_response(200, &body, None));
+                let health = Health::Generated {
+                    latency_ms: l.received.elapsed().as_millis() as u64,
+                    details: json!({"tokens": usage.completion_tokens}),
+                };
+                let _ = self.server.respond(conn, &Response::health(&health, None));
             }
             (Kind::Generate { stream: false, logprobs, .. }, Ok(reason)) => {
                 let lp = logprobs.then(|| openai::logprobs_json(l.meta.endpoint, &l.logprobs));

@@ -91,11 +91,7 @@ fn greedy(backend: &mut dyn Backend, prompts: &[Vec<u32>], chunks: usize) -> (Ve
 }
 
 fn rounded(w: &Weights) -> Weights {
-    let r = |v: &Vec<f32>| {
-        v.iter()
-            .map(|&x| f32::from_bits((pdserve_kernels_sm120::reference::f32_to_bf16(x) as u32) << 16))
-            .collect::<Vec<f32>>()
-    };
+    let r = |v: &Vec<f32>| v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect::<Vec<f32>>();
     let mut out = w.clone();
     out.embed = r(&w.embed);
     out.final_norm = r(&w.final_norm);
