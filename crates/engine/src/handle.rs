@@ -121,7 +121,17 @@ impl Engine {
     /// Loads the model, builds the backend and (prefill and decode roles) the KV transfer endpoint,
     /// and starts the engine thread. `wake` is called (from the engine thread) whenever results are
     /// ready, so a caller's event loop can sleep until then; `|| {}` will do for one that polls.
-    pub fn start(mut config: EngineConfig, wake: Arc<dyn Fn() + Send + Sync>) -> Result<Engine, EngineError> {
+    pub fn start(config: EngineConfig, wake: Arc<dyn Fn() + Send + Sync>) -> Result<Engine, EngineError> {
+        Engine::start_with_transport(config, wake, crate::default_transport)
+    }
+
+    /// [`start`](Self::start), with the KV transfer's transport made by `make` (a prefill or decode
+    /// engine; a unified one never calls it): another project's transport (RDMA, say) plugs in here.
+    pub fn start_with_transport(
+        mut config: EngineConfig,
+        wake: Arc<dyn Fn() + Send + Sync>,
+        make: impl FnOnce(&crate::TransportSpec) -> std::io::Result<Box<dyn pdserve_pd_transfer::Transport>>,
+    ) -> Result<Engine, EngineError> {
         let files = ModelFiles::load(&config.model_dir)?;
         let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens);
         config.scheduler.max_context_tokens = context;
@@ -132,7 +142,7 @@ impl Engine {
         };
         let model = files.config.clone();
         let built = crate::load::backend(&config, &model, Arc::new(files.weights))?;
-        let endpoint = crate::load::endpoint(&config, &model, built.kv_shm_path.is_some())?;
+        let endpoint = crate::load::endpoint(&config, &model, built.kv_shm_path.is_some(), make)?;
         let transfer_addr = endpoint.as_ref().and_then(|e| e.local_addr());
         let kv = KvCache::new(KvConfig {
             num_blocks: config.kv_blocks as u32,

@@ -50,6 +50,7 @@ mod text;
 pub use config::{Device, EngineConfig};
 pub use error::{EngineError, KvTransferProblem};
 pub use handle::{Aborted, Engine, EngineInfo, Health};
+pub use load::{default_transport, TransportSpec};
 pub use request::{Finish, Id, Input, Output, Request, Timings};
 
 /// The README's examples, compiled as doc tests.

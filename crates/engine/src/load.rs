@@ -1,13 +1,17 @@
 //! Building an engine from its configuration: the model files, the backend for the device, the KV
 //! transfer endpoint for the role.
 
+use std::io;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use pdserve_api::Role;
 use pdserve_model::{Backend, CpuBackend, KvStore, ModelConfig, WeightFormat, Weights};
 use pdserve_pd_transfer::transport::shm::SharedRegion;
-use pdserve_pd_transfer::{Dtype, Endpoint, EndpointConfig, Layout, SenderConfig, TcpTransport};
+use pdserve_pd_transfer::{
+    Dtype, Endpoint, EndpointConfig, Layout, SenderConfig, SharedMemoryTransport, TcpTransport, Transport,
+};
 
 use crate::{Device, EngineConfig, EngineError};
 
@@ -68,11 +72,35 @@ pub(crate) fn backend(
     Ok(Built { multi_row_weights: b.multi_row_format(), backend: Box::new(b), kv_shm_path })
 }
 
-/// Prefill and decode roles: the endpoint of every KV transfer (prefill listens at `transfer_addr`).
+/// What a KV transfer transport is made for: the engine's role, where a prefill engine listens, and the
+/// KV layout its blocks have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransportSpec {
+    pub role: Role,
+    /// A prefill engine's transfer address (`EngineConfig::transfer_addr`); `None` for a decode engine,
+    /// which only connects.
+    pub listen: Option<SocketAddr>,
+    pub layout: Layout,
+}
+
+/// The transports [`Engine::start`](crate::Engine::start) uses: TCP for a prefill engine (it sends
+/// block bytes inline, or names them in its shared region when the receiver asks), and for a decode
+/// engine the shared-memory transport, which reads a same-host sender's blocks out of its region and
+/// takes any other sender's inline.
+pub fn default_transport(spec: &TransportSpec) -> io::Result<Box<dyn Transport>> {
+    Ok(match spec.role {
+        Role::Decode => Box::new(SharedMemoryTransport::bind(spec.listen, spec.layout.block_bytes())?),
+        _ => Box::new(TcpTransport::bind(spec.listen)?),
+    })
+}
+
+/// Prefill and decode roles: the endpoint of every KV transfer (prefill listens at `transfer_addr`),
+/// over the transport `make` gives.
 pub(crate) fn endpoint(
     config: &EngineConfig,
     model: &ModelConfig,
     shared: bool,
+    make: impl FnOnce(&TransportSpec) -> io::Result<Box<dyn Transport>>,
 ) -> Result<Option<Endpoint>, EngineError> {
     if config.role == Role::Unified {
         return Ok(None);
@@ -85,12 +113,12 @@ pub(crate) fn endpoint(
         dtype: Dtype::F32,
     };
     let listen = (config.role == Role::Prefill).then_some(config.transfer_addr);
-    let transport = TcpTransport::bind(listen, layout.block_bytes())?;
+    let transport = make(&TransportSpec { role: config.role, listen, layout })?;
     let ep_config = EndpointConfig {
         sender: SenderConfig { shared_region: shared, ..SenderConfig::default() },
         // Epochs differ per process, so a handle from an earlier incarnation is refused as stale.
         epoch_seed: std::process::id().wrapping_mul(2_654_435_761),
         ..EndpointConfig::default()
     };
-    Ok(Some(Endpoint::new(Box::new(transport), layout, ep_config)))
+    Ok(Some(Endpoint::new(transport, layout, ep_config)))
 }

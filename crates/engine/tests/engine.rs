@@ -1,13 +1,14 @@
 //! The engine embedded without HTTP, on the default model: a chat answer; stop strings; a prefill
-//! engine and a decode engine in one process giving the unified engine's text; aborts and deadlines
-//! ending requests exactly once.
+//! engine and a decode engine in one process giving the unified engine's text, over the default
+//! transports and over one given at start; aborts and deadlines ending requests exactly once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pdserve_api::Role;
-use pdserve_engine::{Engine, EngineConfig, Finish, Id, Input, Output, Request};
+use pdserve_engine::{Engine, EngineConfig, Finish, Id, Input, Output, Request, TransportSpec};
 use pdserve_model::ChatMessage;
+use pdserve_pd_transfer::{TcpTransport, Transport};
 
 fn model() -> std::path::PathBuf {
     pdserve_import::fetch::ensure_default_model(
@@ -18,11 +19,52 @@ fn model() -> std::path::PathBuf {
     .expect("default model")
 }
 
-fn engine(role: Role) -> Engine {
+fn config(role: Role) -> EngineConfig {
     let mut c = EngineConfig::new(model());
     c.role = role;
     c.kv_blocks = 256;
-    Engine::start(c, Arc::new(|| {})).expect("engine starts")
+    c
+}
+
+fn engine(role: Role) -> Engine {
+    Engine::start(config(role), Arc::new(|| {})).expect("engine starts")
+}
+
+/// Prefills `q` on `prefill`, then decodes it on `decode` from the handle: the decode engine's text.
+fn disaggregated(prefill: &mut Engine, decode: &mut Engine, name: &str, q: &str) -> (String, Finish) {
+    let id = prefill.submit(request(&format!("p-{name}"), chat(q), 20)).unwrap();
+    let (_, seen) = run_to_end(prefill, id);
+    let Some(Output::Prefilled { handle, usage, .. }) = seen.last() else { panic!("{seen:?}") };
+    assert_eq!(usage.completion_tokens, 1);
+    let id = decode.submit(request(&format!("d-{name}"), Input::Remote(handle.clone()), 20)).unwrap();
+    // The prefill engine must keep pumping its transfers while the decode engine pulls.
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut text = String::new();
+    let mut out = Vec::new();
+    loop {
+        prefill.poll(Instant::now(), &mut out);
+        out.clear();
+        decode.poll_timeout(Duration::from_millis(20), &mut out);
+        for o in out.drain(..) {
+            match o {
+                Output::Text { text: t, .. } => text.push_str(&t),
+                Output::Finished { id: done, finish, usage, .. } if done == id => {
+                    assert!(usage.prompt_tokens > 5, "the prompt's length came with the KV: {usage:?}");
+                    return (text, finish);
+                }
+                Output::Rejected { error, .. } => panic!("{error}"),
+                _ => {}
+            }
+        }
+        assert!(Instant::now() < until);
+    }
+}
+
+/// The engine's counter of KV bytes moved `how` (`sent`, `received` or `shared`).
+fn transfer_bytes(e: &Engine, how: &str) -> f64 {
+    let text = e.registry().render();
+    let line = format!("kv_transfer_bytes_total{{direction=\"{how}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(line.as_str())).map_or(0.0, |v| v.parse().unwrap())
 }
 
 fn chat(q: &str) -> Input {
@@ -90,37 +132,34 @@ fn prefill_and_decode_engines_give_the_unified_text() {
         let id = unified.submit(request(&format!("u{i}"), chat(q), 20)).unwrap();
         let (want, seen) = run_to_end(&mut unified, id);
         let Some(Output::Finished { finish: want_finish, .. }) = seen.last() else { panic!("{seen:?}") };
-        let id = prefill.submit(request(&format!("p{i}"), chat(q), 20)).unwrap();
-        let (_, seen) = run_to_end(&mut prefill, id);
-        let Some(Output::Prefilled { handle, usage, .. }) = seen.last() else { panic!("{seen:?}") };
-        assert_eq!(usage.completion_tokens, 1);
-        let id = decode.submit(request(&format!("d{i}"), Input::Remote(handle.clone()), 20)).unwrap();
-        // The prefill engine must keep pumping its transfers while the decode engine pulls.
-        let until = Instant::now() + Duration::from_secs(60);
-        let mut text = String::new();
-        let mut out = Vec::new();
-        'pulled: loop {
-            prefill.poll(Instant::now(), &mut out);
-            out.clear();
-            decode.poll_timeout(Duration::from_millis(20), &mut out);
-            for o in out.drain(..) {
-                match o {
-                    Output::Text { text: t, .. } => text.push_str(&t),
-                    Output::Finished { id: done, finish, usage, .. } if done == id => {
-                        assert_eq!(&finish, want_finish);
-                        assert!(usage.prompt_tokens > 5, "the prompt's length came with the KV: {usage:?}");
-                        break 'pulled;
-                    }
-                    Output::Rejected { error, .. } => panic!("{error}"),
-                    _ => {}
-                }
-            }
-            assert!(Instant::now() < until);
-        }
-        assert_eq!(text, want, "prompt {q:?}");
+        let (text, finish) = disaggregated(&mut prefill, &mut decode, &i.to_string(), q);
+        assert_eq!((text.as_str(), &finish), (want.as_str(), want_finish), "prompt {q:?}");
     }
     // A decode engine takes only remote prompts; the others take none.
     assert!(decode.submit(request("x", chat("Hi"), 2)).is_err());
+}
+
+#[test]
+fn the_kv_moves_over_any_transport_the_decode_engine_is_given() {
+    // A prefill engine with its KV in shared memory. The default decode transport reads the blocks
+    // out of that memory; a decode engine started with plain TCP gets them inline; same text.
+    let mut c = config(Role::Prefill);
+    c.kv_shm = true;
+    let mut prefill = Engine::start(c, Arc::new(|| {})).expect("prefill engine");
+    let mut shm_decode = engine(Role::Decode);
+    let mut tcp_decode =
+        Engine::start_with_transport(config(Role::Decode), Arc::new(|| {}), |spec: &TransportSpec| {
+            assert_eq!((spec.role, spec.listen), (Role::Decode, None));
+            Ok(Box::new(TcpTransport::bind(spec.listen)?) as Box<dyn Transport>)
+        })
+        .expect("decode engine over TCP");
+    let q = "What is the capital of France?";
+    let (shared, _) = disaggregated(&mut prefill, &mut shm_decode, "shm", q);
+    let (inline, _) = disaggregated(&mut prefill, &mut tcp_decode, "tcp", q);
+    assert_eq!(shared, "The capital of France is Paris.");
+    assert_eq!(inline, shared);
+    assert!(transfer_bytes(&shm_decode, "shared") > 0.0 && transfer_bytes(&shm_decode, "received") == 0.0);
+    assert!(transfer_bytes(&tcp_decode, "received") > 0.0 && transfer_bytes(&tcp_decode, "shared") == 0.0);
 }
 
 #[test]

@@ -1,133 +1,222 @@
 //! KV transfer throughput for the default model's layout (30 layers, 3 KV heads, head dim 64, f32,
-//! 16-token blocks: 720 KiB per block) and prompts of 128, 2,048 and 8,192 tokens: the protocol with its
-//! framing over a TCP loopback connection, beside a plain `memcpy` of the same bytes in the same run.
+//! 16-token blocks: 720 KiB per block) and prompts of 128, 2,048 and 8,192 tokens, through the path a
+//! worker runs: two [`Endpoint`]s with the engine's settings, each with its own KV ledger and block
+//! memory, the sender on a thread of its own (as a prefill worker's engine thread), over
+//! - `TcpTransport`: every block's bytes framed over TCP loopback;
+//! - `SharedMemoryTransport`: control frames over TCP, each block copied by the receiver straight out
+//!   of the sender's shared region (a prefill worker's `--kv-shm`),
+//!
+//! beside a plain `memcpy` of the same bytes in the same run. The time runs from the pull to the
+//! receiver's `Ended`; the pair of workers lives across transfers (best of 3 after a warm-up one), so
+//! memory is faulted in and the region mapped once, as in running workers.
 //! Run: `cargo bench -p pdserve-pd-transfer`.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::time::Instant;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
-use pdserve_kvcache::BlockId;
+use pdserve_kvcache::{BlockId, KvCache, KvConfig, SeqId, TransferId};
+use pdserve_pd_transfer::transport::shm::SharedRegion;
 use pdserve_pd_transfer::*;
 
 fn layout() -> Layout {
     Layout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, dtype: Dtype::F32 }
 }
 
-/// Reads frames from `s` into `buf` until one decodes; returns (message, data).
-fn read_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> (Message, Vec<u8>) {
-    let mut chunk = vec![0u8; 1 << 20];
-    loop {
-        if let Some(f) = decode(buf).expect("frame") {
-            let out = (f.msg, f.data.to_vec());
-            let used = f.consumed;
-            buf.drain(..used);
-            return out;
+/// Block memory on the heap, or in a shared region.
+enum Memory {
+    Heap(Vec<u8>),
+    Shared(SharedRegion),
+}
+
+impl Memory {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Memory::Heap(v) => v,
+            Memory::Shared(r) => r.bytes(),
         }
-        let n = s.read(&mut chunk).expect("read");
-        assert!(n > 0, "peer closed");
-        buf.extend_from_slice(&chunk[..n]);
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Memory::Heap(v) => v,
+            Memory::Shared(r) => r.bytes_mut(),
+        }
     }
 }
 
-/// The transfer with control frames over TCP and each block named (`BlockAt`) and copied by the
-/// receiver straight out of the sender's memory, as a decode worker copies from a prefill worker's
-/// shared KV file: one `memcpy` per block plus the protocol.
-fn shared_transfer(src: &[Vec<u8>]) -> f64 {
-    transfer(src, true)
+impl BlockMemory for Memory {
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError> {
+        let n = out.len();
+        let src = self.bytes().get(block.0 as usize * n..(block.0 as usize + 1) * n);
+        out.copy_from_slice(src.ok_or(TransferError::BlockIo { block })?);
+        Ok(())
+    }
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
+        let n = data.len();
+        let dst = self.bytes_mut().get_mut(block.0 as usize * n..(block.0 as usize + 1) * n);
+        dst.ok_or(TransferError::BlockIo { block })?.copy_from_slice(data);
+        Ok(())
+    }
 }
 
-fn tcp_transfer(src: &[Vec<u8>]) -> f64 {
-    transfer(src, false)
+fn pattern(block: usize) -> Vec<u8> {
+    (0..layout().block_bytes()).map(|i| (block * 7 + i) as u8).collect()
 }
 
-fn transfer(src: &[Vec<u8>], shared: bool) -> f64 {
-    let n = src.len();
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let key = TransferKey { transfer: 1, epoch: 1 };
-    let blocks: Vec<BlockId> = (0..n as u32).map(BlockId).collect();
-    let region = std::sync::Arc::new(src.to_vec());
-    let src = std::sync::Arc::clone(&region);
-    let server = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().expect("accept");
-        s.set_nodelay(true).expect("nodelay");
-        let mut sender =
-            Sender::new(SenderConfig { window_blocks: u32::MAX, transfers_max: 1, shared_region: shared });
-        sender.offer(key, layout(), blocks, u64::MAX, PromptMeta::default()).expect("offer");
-        let mut buf = Vec::new();
-        let mut out = Vec::with_capacity(src[0].len() + 64);
-        loop {
-            let (msg, _) = read_frame(&mut s, &mut buf);
-            let done = matches!(msg, Message::Done { .. });
-            sender.handle_message(PeerId(1), msg);
-            while let Some(a) = sender.poll_action() {
-                out.clear();
-                match a {
-                    SendAction::Message { msg, .. } => encode(&msg, &[], &mut out),
-                    SendAction::Block { key, index, block, shared: true, .. } => {
-                        encode(&Message::BlockAt { key, index, slot: block.0 }, &[], &mut out);
+fn ms(start: Instant) -> u64 {
+    start.elapsed().as_millis() as u64
+}
+
+/// A prefill worker's end, on a thread of its own: KV memory and ledger for `n` blocks, an endpoint
+/// listening over TCP. Each transfer id sent on `offers` is a prompt computed (the blocks filled),
+/// leased and offered; its `Source` comes back on `sources`. Kept alive across transfers, as a
+/// worker is: its memory is faulted in once, and a receiver maps its region once.
+fn prefill_worker(n: usize, shared: bool, offers: mpsc::Receiver<u64>, sources: mpsc::Sender<Source>) {
+    let bb = layout().block_bytes();
+    let start = Instant::now();
+    let mut mem = if shared {
+        Memory::Shared(SharedRegion::create((n + 1) * bb).expect("shared region"))
+    } else {
+        Memory::Heap(vec![0; (n + 1) * bb])
+    };
+    let mut kv = KvCache::new(KvConfig { num_blocks: n as u32 + 1, block_size: 16 }).expect("kv");
+    let transport = TcpTransport::bind(Some("127.0.0.1:0".parse().unwrap())).expect("listen");
+    let config = EndpointConfig {
+        sender: SenderConfig { shared_region: shared, ..SenderConfig::default() },
+        ..EndpointConfig::default()
+    };
+    let mut ep = Endpoint::new(Box::new(transport), layout(), config);
+    loop {
+        match offers.try_recv() {
+            Ok(t) => {
+                let prompt: Vec<u32> = (0..(n * 16) as u32).map(|i| i + t as u32).collect();
+                kv.add_sequence(SeqId(t), &prompt).expect("sequence");
+                kv.reserve(SeqId(t), prompt.len()).expect("reserve");
+                kv.commit(SeqId(t), prompt.len()).expect("commit");
+                let lease = kv.lease_sequence(SeqId(t), TransferId(t), u64::MAX / 2).expect("lease");
+                let blocks = lease.blocks.to_vec();
+                for (i, b) in blocks.iter().enumerate() {
+                    mem.write_block(*b, &pattern(i)).expect("fill");
+                }
+                let meta = PromptMeta { prompt, first_token: 1, ..PromptMeta::default() };
+                let key = ep.offer(TransferId(t), blocks, u64::MAX / 2, meta, ms(start)).expect("offer");
+                let region = match &mem {
+                    Memory::Shared(r) => Some(r.path().display().to_string()),
+                    Memory::Heap(_) => None,
+                };
+                sources.send(Source { addr: ep.local_addr().expect("addr"), key, region }).expect("source");
+            }
+            Err(mpsc::TryRecvError::Empty) => {}
+            Err(mpsc::TryRecvError::Disconnected) => return,
+        }
+        ep.pump(&kv, &mut mem, ms(start), Duration::from_millis(1)).expect("pump");
+        while let Some(e) = ep.poll_event() {
+            if let EndpointEvent::Ended { transfer, outcome, .. } = e {
+                assert_eq!(outcome, Outcome::Completed);
+                kv.release_lease(TransferId(transfer)).expect("release");
+            }
+        }
+    }
+}
+
+/// A decode worker's end and the prefill worker it pulls from.
+struct Pair {
+    offers: mpsc::Sender<u64>,
+    sources: mpsc::Receiver<Source>,
+    prefill: Option<std::thread::JoinHandle<()>>,
+    ep: Endpoint,
+    kv: KvCache,
+    mem: Memory,
+    shared: bool,
+    next: u64,
+}
+
+impl Pair {
+    fn new(n: usize, shared: bool) -> Pair {
+        let (offers, offers_rx) = mpsc::channel();
+        let (sources_tx, sources) = mpsc::channel();
+        let prefill = std::thread::spawn(move || prefill_worker(n, shared, offers_rx, sources_tx));
+        let bb = layout().block_bytes();
+        let transport: Box<dyn Transport> = if shared {
+            Box::new(SharedMemoryTransport::bind(None, bb).expect("transport"))
+        } else {
+            Box::new(TcpTransport::bind(None).expect("transport"))
+        };
+        Pair {
+            offers,
+            sources,
+            prefill: Some(prefill),
+            ep: Endpoint::new(transport, layout(), EndpointConfig::default()),
+            kv: KvCache::new(KvConfig { num_blocks: n as u32 + 1, block_size: 16 }).expect("kv"),
+            // A decode worker's KV pool is allocated and resident from startup.
+            mem: Memory::Heap(vec![1; (n + 1) * bb]),
+            shared,
+            next: 1,
+        }
+    }
+
+    /// One transfer of the prompt's blocks; the seconds from the pull to the receiver's end.
+    fn transfer(&mut self) -> f64 {
+        let t = self.next;
+        self.next += 1;
+        self.offers.send(t).expect("offer");
+        let source = self.sources.recv().expect("the prefill worker offered");
+        let before = self.ep.stats();
+        let start = Instant::now();
+        self.ep.pull(&source, u64::MAX / 2, 0).expect("pull");
+        let mut table = Vec::new();
+        'pulled: loop {
+            self.ep.pump(&self.kv, &mut self.mem, ms(start), Duration::from_millis(1)).expect("pump");
+            while let Some(e) = self.ep.poll_event() {
+                match e {
+                    EndpointEvent::Described { transfer, blocks, .. } => {
+                        let l = self
+                            .kv
+                            .allocate_lease(TransferId(transfer), blocks as usize, u64::MAX / 2)
+                            .expect("lease");
+                        table = l.blocks.to_vec();
+                        let dest = l.blocks.iter().copied().zip(l.epochs.iter().copied()).collect();
+                        self.ep.set_destination(transfer, dest).expect("destination");
                     }
-                    SendAction::Block { key, index, block, shared: false, .. } => {
-                        let data = &src[block.0 as usize];
-                        encode(&Message::Block { key, index, len: data.len() as u32 }, data, &mut out);
+                    EndpointEvent::Ended { outcome, .. } => {
+                        assert_eq!(outcome, Outcome::Completed);
+                        break 'pulled;
                     }
                 }
-                s.write_all(&out).expect("write");
-            }
-            if done {
-                return;
             }
         }
-    });
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_nodelay(true).expect("nodelay");
-    // A decode worker's KV pool is allocated and resident from startup: touch it before timing.
-    let mut dst: Vec<Vec<u8>> = vec![vec![1u8; layout().block_bytes()]; n];
-    let mut receiver = Receiver::new(64);
-    let start = Instant::now();
-    receiver.start(key, PeerId(1), layout(), u64::MAX, shared).expect("start");
-    let mut buf = Vec::new();
-    let mut out = Vec::new();
-    loop {
-        while let Some(d) = receiver.poll_described() {
-            let dest = (0..d.blocks).map(|b| (BlockId(b), 0)).collect();
-            receiver.set_destination(d.key.transfer, dest).expect("destination");
+        let secs = start.elapsed().as_secs_f64();
+        let s = self.ep.stats();
+        let moved = if self.shared {
+            s.bytes_shared - before.bytes_shared
+        } else {
+            s.bytes_received - before.bytes_received
+        };
+        assert_eq!(moved, (table.len() * layout().block_bytes()) as u64, "{s:?}");
+        let mut got = vec![0; layout().block_bytes()];
+        for (i, b) in table.iter().enumerate() {
+            self.mem.read_block(*b, &mut got).expect("read");
+            assert!(got == pattern(i), "block {i} differs");
         }
-        while let Some((_, msg)) = receiver.poll_transmit() {
-            out.clear();
-            encode(&msg, &[], &mut out);
-            s.write_all(&out).expect("write");
-        }
-        if let Some(e) = receiver.poll_event() {
-            assert_eq!(e.outcome, Outcome::Completed);
-            break;
-        }
-        let (msg, data) = read_frame(&mut s, &mut buf);
-        match msg {
-            Message::Block { key, index, len } => {
-                let d = receiver.accept_block(PeerId(1), key, index, len as usize).expect("destination");
-                dst[d.block.0 as usize].copy_from_slice(&data);
-                receiver.block_written(key, index);
-            }
-            Message::BlockAt { key, index, slot } => {
-                let d = receiver
-                    .accept_block(PeerId(1), key, index, layout().block_bytes())
-                    .expect("destination");
-                dst[d.block.0 as usize].copy_from_slice(&region[slot as usize]);
-                receiver.block_written(key, index);
-            }
-            other => receiver.handle_message(PeerId(1), other),
-        }
+        self.kv.release_lease(TransferId(t)).expect("release");
+        secs
     }
-    let secs = start.elapsed().as_secs_f64();
-    server.join().expect("sender thread");
-    assert!(dst.iter().zip(&src_check(n)).all(|(a, b)| a == b), "bytes differ");
-    secs
 }
 
-fn src_check(n: usize) -> Vec<Vec<u8>> {
-    (0..n).map(|b| (0..layout().block_bytes()).map(|i| (b * 7 + i) as u8).collect()).collect()
+impl Drop for Pair {
+    fn drop(&mut self) {
+        let (gone, _) = mpsc::channel();
+        self.offers = gone;
+        if let Some(p) = self.prefill.take() {
+            let _ = p.join();
+        }
+    }
+}
+
+/// Best of 3 transfers after a first one that warms the pair up (connections, mappings).
+fn best_transfer(n: usize, shared: bool) -> f64 {
+    let mut pair = Pair::new(n, shared);
+    pair.transfer();
+    (0..3).map(|_| pair.transfer()).fold(f64::MAX, f64::min)
 }
 
 fn main() {
@@ -135,7 +224,7 @@ fn main() {
     println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency");
     for tokens in [128usize, 2048, 8192] {
         let n = tokens.div_ceil(16);
-        let src = src_check(n);
+        let src: Vec<Vec<u8>> = (0..n).map(pattern).collect();
         let bytes = (n * layout().block_bytes()) as f64;
         // memcpy of the same blocks, block by block, best of 3.
         let mut dst: Vec<Vec<u8>> = vec![vec![0u8; layout().block_bytes()]; n];
@@ -148,8 +237,8 @@ fn main() {
                 t.elapsed().as_secs_f64()
             })
             .fold(f64::MAX, f64::min);
-        let tcp = (0..3).map(|_| tcp_transfer(&src)).fold(f64::MAX, f64::min);
-        let shm = (0..3).map(|_| shared_transfer(&src)).fold(f64::MAX, f64::min);
+        let tcp = best_transfer(n, false);
+        let shm = best_transfer(n, true);
         println!(
             "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms",
             bytes / 1e6,

@@ -6,8 +6,9 @@
 //!   events, with length-prefixed binary framing ([`encode`], [`decode`]). Block bytes never pass
 //!   through them;
 //! - [`transport`]: the [`Transport`] trait, the one seam for ways of moving frames and block bytes,
-//!   with [`TcpTransport`] (frames over TCP; a same-host receiver copies named blocks straight out of
-//!   the sender's shared region, [`transport::shm`]);
+//!   with [`TcpTransport`] (frames and block bytes over TCP) and [`SharedMemoryTransport`] (frames over
+//!   TCP; a same-host receiver copies named blocks straight out of the sender's shared region,
+//!   [`transport::shm`]);
 //! - [`Endpoint`]: one worker's end of every transfer, driving both state machines over a transport and
 //!   copying each block between the transport and the worker's KV memory ([`BlockMemory`]) only where
 //!   the worker's KV ledger (`pdserve_kvcache::KvCache`: the lease, block id and epoch) allows it.
@@ -55,7 +56,7 @@ pub use message::{
 };
 pub use receiver::{Described, Destination, Receiver};
 pub use sender::{SendAction, Sender, SenderConfig};
-pub use transport::{Arrival, Connected, TcpTransport, Transport};
+pub use transport::{Arrival, Connected, SharedMemoryTransport, TcpTransport, Transport};
 
 /// The I/O shell's name for a connection to a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

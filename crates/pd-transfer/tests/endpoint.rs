@@ -69,22 +69,28 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(listen: bool, shared: bool) -> Worker {
+    /// `shared`: this worker's KV memory is a shared region (a sender then names its blocks);
+    /// `maps_regions`: its transport reads named blocks out of a sender's region
+    /// (`SharedMemoryTransport`) rather than taking every block inline (`TcpTransport`).
+    fn new(listen: bool, shared: bool, maps_regions: bool) -> Worker {
         let bytes = BLOCKS as usize * layout().block_bytes();
         let mem = if shared {
             Memory::Shared(SharedRegion::create(bytes).unwrap())
         } else {
             Memory::Heap(vec![0; bytes])
         };
-        let transport =
-            TcpTransport::bind(listen.then(|| "127.0.0.1:0".parse().unwrap()), layout().block_bytes())
-                .unwrap();
+        let at = listen.then(|| "127.0.0.1:0".parse().unwrap());
+        let transport: Box<dyn Transport> = if maps_regions {
+            Box::new(SharedMemoryTransport::bind(at, layout().block_bytes()).unwrap())
+        } else {
+            Box::new(TcpTransport::bind(at).unwrap())
+        };
         let config = EndpointConfig {
             sender: SenderConfig { window_blocks: 4, transfers_max: 64, shared_region: shared },
             ..EndpointConfig::default()
         };
         Worker {
-            ep: Endpoint::new(Box::new(transport), layout(), config),
+            ep: Endpoint::new(transport, layout(), config),
             kv: KvCache::new(KvConfig { num_blocks: BLOCKS, block_size: layout().block_size }).unwrap(),
             mem,
             ended: HashMap::new(),
@@ -161,9 +167,11 @@ fn run_until(p: &mut Worker, d: &mut Worker, mut done: impl FnMut(&Worker, &Work
     }
 }
 
-fn transfer_several(shared: bool) {
-    let mut p = Worker::new(true, shared);
-    let mut d = Worker::new(false, false);
+/// Five transfers from a sender whose KV is (or is not) in a shared region to a receiver that can (or
+/// cannot) map such a region; the blocks come through it only when both hold.
+fn transfer_several(shared: bool, maps_regions: bool) {
+    let mut p = Worker::new(true, shared, false);
+    let mut d = Worker::new(false, false, maps_regions);
     let addr = p.ep.local_addr().unwrap();
     let region = match &p.mem {
         Memory::Shared(r) => Some(r.path().display().to_string()),
@@ -190,7 +198,7 @@ fn transfer_several(shared: bool) {
         d.kv.free_sequence(SeqId(t), false).unwrap();
     }
     let stats = d.ep.stats();
-    if shared {
+    if shared && maps_regions {
         assert!(stats.bytes_shared > 0 && stats.bytes_received == 0, "{stats:?}");
     } else {
         assert!(stats.bytes_received > 0 && stats.bytes_shared == 0, "{stats:?}");
@@ -204,18 +212,25 @@ fn transfer_several(shared: bool) {
 
 #[test]
 fn inline_transfers_carry_the_bytes_and_the_prompt() {
-    transfer_several(false);
+    transfer_several(false, false);
+    // A receiver that could map a region, from a sender without one: inline too.
+    transfer_several(false, true);
 }
 
 #[test]
 fn shared_region_transfers_copy_from_the_senders_memory() {
-    transfer_several(true);
+    transfer_several(true, true);
+}
+
+#[test]
+fn a_receiver_over_plain_tcp_gets_a_shared_senders_blocks_inline() {
+    transfer_several(true, false);
 }
 
 #[test]
 fn aborts_and_a_vanished_sender_end_both_sides() {
-    let mut p = Worker::new(true, false);
-    let mut d = Worker::new(false, false);
+    let mut p = Worker::new(true, false, false);
+    let mut d = Worker::new(false, false, true);
     let addr = p.ep.local_addr().unwrap();
     let (k1, _) = p.offer(1, 40, 0);
     let (k2, _) = p.offer(2, 40, 0);

@@ -1,6 +1,7 @@
 //! How frames and block bytes move between the two workers: the [`Transport`] trait, the seam every
-//! way of moving KV plugs into, and its implementation over TCP ([`TcpTransport`]), whose receiving
-//! side copies named blocks straight out of a same-host sender's shared region ([`shm`]).
+//! way of moving KV plugs into, and two implementations: [`TcpTransport`] (frames and block bytes over
+//! TCP) and [`SharedMemoryTransport`] (frames over TCP, block bytes read straight out of a same-host
+//! sender's shared region, [`shm`]).
 //!
 //! A transport knows nothing of the protocol's rules: it carries [`Message`]s, hands every arrival to
 //! its caller (a block with its bytes, wherever they were read from), and reports peers it lost. A
@@ -13,9 +14,11 @@ use std::time::Duration;
 
 use crate::{Message, PeerId, TransferKey};
 
+mod shared_memory;
 pub mod shm;
 mod tcp;
 
+pub use shared_memory::SharedMemoryTransport;
 pub use tcp::TcpTransport;
 
 /// What arrived from a peer.

@@ -1,17 +1,16 @@
 //! Frames over TCP, non-blocking, on a mio poll of its own: a listener on the sending side, one
-//! connection per pull. Named blocks (`BlockAt`) are read from the sender's shared region when this
-//! host can map it.
+//! connection per pull. Block bytes travel inline; a named block (`BlockAt`) is handed over as the
+//! message it is (a transport that can read the sender's memory resolves it, see
+//! [`SharedMemoryTransport`](super::SharedMemoryTransport)).
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use mio::net::{TcpListener, TcpStream};
 use mio::{Events, Interest, Poll, Token};
 
-use super::shm::SharedView;
 use super::{Arrival, Connected, Transport};
 use crate::{decode, encode, Message, PeerId};
 
@@ -25,8 +24,6 @@ struct Conn {
     inbuf: Vec<u8>,
     out: Vec<u8>,
     out_pos: usize,
-    /// The sender's shared region this side reads named blocks from.
-    region: Option<PathBuf>,
 }
 
 /// The TCP transport. See the [module docs](super).
@@ -38,16 +35,12 @@ pub struct TcpTransport {
     conns: HashMap<u64, Conn>,
     next_peer: u64,
     lost: Vec<PeerId>,
-    /// Senders' shared regions, mapped once each.
-    views: HashMap<PathBuf, SharedView>,
-    block_bytes: usize,
     read_buf: Vec<u8>,
 }
 
 impl TcpTransport {
     /// `listen`: the sending side's address (port 0 picks one); `None` on a side that only connects.
-    /// `block_bytes`: the size of one KV block, for cutting shared regions into blocks.
-    pub fn bind(listen: Option<SocketAddr>, block_bytes: usize) -> io::Result<TcpTransport> {
+    pub fn bind(listen: Option<SocketAddr>) -> io::Result<TcpTransport> {
         let poll = Poll::new()?;
         let listener = match listen {
             Some(addr) => {
@@ -64,13 +57,11 @@ impl TcpTransport {
             conns: HashMap::new(),
             next_peer: 1,
             lost: Vec::new(),
-            views: HashMap::new(),
-            block_bytes,
             read_buf: vec![0; READ_BYTES],
         })
     }
 
-    fn add(&mut self, mut stream: TcpStream, region: Option<PathBuf>) -> io::Result<PeerId> {
+    fn add(&mut self, mut stream: TcpStream) -> io::Result<PeerId> {
         let id = self.next_peer;
         self.next_peer += 1;
         self.poll.registry().register(
@@ -79,7 +70,7 @@ impl TcpTransport {
             Interest::READABLE | Interest::WRITABLE,
         )?;
         let _ = stream.set_nodelay(true);
-        self.conns.insert(id, Conn { stream, inbuf: Vec::new(), out: Vec::new(), out_pos: 0, region });
+        self.conns.insert(id, Conn { stream, inbuf: Vec::new(), out: Vec::new(), out_pos: 0 });
         Ok(PeerId(id))
     }
 
@@ -125,7 +116,6 @@ impl TcpTransport {
                 }
             }
         }
-        let view = c.region.as_deref().and_then(|p| self.views.get(p));
         let peer = PeerId(id);
         let mut pos = 0;
         let mut bad = false;
@@ -137,11 +127,6 @@ impl TcpTransport {
                         Message::Block { key, index, .. } => {
                             on(Arrival::Block { peer, key, index, data: f.data })
                         }
-                        Message::BlockAt { key, index, slot } => match view.and_then(|v| v.block(slot)) {
-                            Some(data) => on(Arrival::Block { peer, key, index, data }),
-                            // Named, but not readable here: the protocol layer ends the transfer.
-                            None => on(Arrival::Message { peer, msg: f.msg }),
-                        },
                         msg => on(Arrival::Message { peer, msg }),
                     }
                 }
@@ -155,19 +140,6 @@ impl TcpTransport {
         c.inbuf.drain(..pos);
         !(closed || bad)
     }
-
-    fn view(&mut self, path: &Path) -> bool {
-        if self.views.contains_key(path) {
-            return true;
-        }
-        match SharedView::open(path, self.block_bytes) {
-            Ok(v) => {
-                self.views.insert(path.to_path_buf(), v);
-                true
-            }
-            Err(_) => false,
-        }
-    }
 }
 
 impl Transport for TcpTransport {
@@ -175,12 +147,10 @@ impl Transport for TcpTransport {
         self.listener.as_ref().and_then(|l| l.local_addr().ok())
     }
 
-    fn connect(&mut self, addr: SocketAddr, region: Option<&str>) -> io::Result<Connected> {
-        // Same host and a shared region: blocks are read from it; otherwise their bytes come inline.
-        let region = region.map(PathBuf::from).filter(|p| self.view(p));
-        let named_blocks = region.is_some();
-        let peer = self.add(TcpStream::connect(addr)?, region)?;
-        Ok(Connected { peer, named_blocks })
+    /// Block bytes always come inline over TCP: `region` is not used.
+    fn connect(&mut self, addr: SocketAddr, _region: Option<&str>) -> io::Result<Connected> {
+        let peer = self.add(TcpStream::connect(addr)?)?;
+        Ok(Connected { peer, named_blocks: false })
     }
 
     fn send(&mut self, peer: PeerId, msg: &Message, data: &[u8]) {
@@ -207,7 +177,7 @@ impl Transport for TcpTransport {
         for (token, readable, writable) in ready {
             if token == LISTENER {
                 while let Some(Ok((s, _))) = self.listener.as_ref().map(TcpListener::accept) {
-                    let _ = self.add(s, None);
+                    let _ = self.add(s);
                 }
                 continue;
             }
