@@ -1,6 +1,6 @@
 //! The engine thread: it owns the scheduler (and with it the KV cache), the model backend, every
-//! request's sampler and the KV transfer endpoint. It talks to the [`crate::Engine`] handle only
-//! through two bounded channels, and never waits on a socket: transfers are pumped between steps.
+//! request's sampler and the KV transfer endpoint. It sees token ids only, talks to the text thread
+//! only through two bounded channels, and never waits on a socket: transfers are pumped between steps.
 
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -164,7 +164,6 @@ pub(crate) struct Core {
     pub vocab_size: usize,
     pub commands: Receiver<Command>,
     pub replies: Sender<Reply>,
-    pub wake: Arc<dyn Fn() + Send + Sync>,
     pub shared: Arc<Shared>,
     pub metrics: Metrics,
     live: HashMap<u64, Live>,
@@ -187,7 +186,6 @@ impl Core {
         vocab_size: usize,
         commands: Receiver<Command>,
         replies: Sender<Reply>,
-        wake: Arc<dyn Fn() + Send + Sync>,
         shared: Arc<Shared>,
         metrics: Metrics,
     ) -> Core {
@@ -201,7 +199,6 @@ impl Core {
             vocab_size,
             commands,
             replies,
-            wake,
             shared,
             metrics,
             live: HashMap::new(),
@@ -243,16 +240,15 @@ impl Core {
     }
 
     fn send(&self, r: Reply) {
-        // The handle drains this channel every turn; a full channel for seconds means its thread is
+        // The text thread drains this channel as replies come; a full channel for seconds means it is
         // stuck, and then dropping the reply is the lesser evil: the handle's watchdog ends the
         // request at its deadline, and the log names it.
         if let Err(e) = self.replies.send_timeout(r, Duration::from_secs(5)) {
             eprintln!(
-                "engine: reply dropped, the caller did not drain its channel for 5 s: {:?}",
+                "engine: reply dropped, the text thread did not drain its channel for 5 s: {:?}",
                 e.into_inner()
             );
         }
-        (self.wake)();
     }
 
     fn stage(&self, s: Stage) -> ApiStage {

@@ -2,14 +2,14 @@
 //! folder, continuous batching over a paged KV cache, and (for prefill and decode workers) the KV
 //! transfer between them.
 //!
-//! - [`Engine`]: the handle. [`Engine::start`] loads the model and starts the engine thread;
-//!   [`Engine::submit`] tokenizes a [`Request`] on the caller's thread and hands it over;
-//!   [`Engine::poll`] returns [`Output`]s (admitted, text with stop strings applied, finished), the
-//!   text decoded on the caller's thread. Requests the engine thread leaves past their deadline are
-//!   ended by the handle itself.
+//! - [`Engine`]: the handle. [`Engine::start`] loads the model and starts the text thread and the
+//!   engine thread; [`Engine::submit`] hands a [`Request`] to the text thread, which tokenizes it and
+//!   passes it on; [`Engine::poll`] returns [`Output`]s (admitted, text with stop strings applied,
+//!   finished), the text decoded on the text thread. Requests left past their deadline are ended by
+//!   the handle itself.
 //! - The engine thread owns the scheduler (`pdserve-scheduler`), the KV cache (`pdserve-kvcache`),
-//!   the model backend (`pdserve-model`) and the transfer endpoint (`pdserve-pd-transfer`); it talks
-//!   to the handle only through two bounded channels.
+//!   the model backend (`pdserve-model`) and the transfer endpoint (`pdserve-pd-transfer`); it sees
+//!   token ids only and talks to the text thread only through two bounded channels.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -46,6 +46,7 @@ mod load;
 mod metrics;
 mod request;
 mod text;
+mod text_thread;
 
 pub use config::{Device, EngineConfig};
 pub use error::{EngineError, KvTransferProblem};

@@ -1,6 +1,7 @@
 //! The engine embedded without HTTP, on the default model: a chat answer; stop strings; a prefill
 //! engine and a decode engine in one process giving the unified engine's text, over the default
-//! transports and over one given at start; aborts and deadlines ending requests exactly once.
+//! transports and over one given at start; prompts tokenized off the caller's thread; aborts and
+//! deadlines ending requests exactly once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -160,6 +161,28 @@ fn the_kv_moves_over_any_transport_the_decode_engine_is_given() {
     assert_eq!(inline, shared);
     assert!(transfer_bytes(&shm_decode, "shared") > 0.0 && transfer_bytes(&shm_decode, "received") == 0.0);
     assert!(transfer_bytes(&tcp_decode, "received") > 0.0 && transfer_bytes(&tcp_decode, "shared") == 0.0);
+}
+
+#[test]
+fn prompts_are_tokenized_off_the_callers_thread() {
+    let mut e = engine(Role::Unified);
+    // Far past the context: `submit` takes it without tokenizing it; the text thread finds it too
+    // long and the rejection comes through `poll`, with the counts.
+    let long = "All work and no play makes Jack a dull boy. ".repeat(4_000);
+    let id = e.submit(request("long", Input::Text(long), 8)).expect("submit does not tokenize");
+    let (_, seen) = run_to_end(&mut e, id);
+    let Some(Output::Rejected { error, .. }) = seen.last() else { panic!("{seen:?}") };
+    assert!(
+        matches!(error, pdserve_engine::EngineError::ContextLengthExceeded { prompt_tokens, context_tokens }
+            if prompt_tokens > context_tokens),
+        "{error}"
+    );
+    assert_eq!(error.kind(), pdserve_api::ErrorKind::ContextLengthExceeded);
+    // Out of the table at once: the same id can be used again.
+    let id = e.submit(request("long", chat("Hi"), 2)).unwrap();
+    let (_, seen) = run_to_end(&mut e, id);
+    assert!(matches!(seen.last(), Some(Output::Finished { .. })), "{seen:?}");
+    assert!(e.is_empty());
 }
 
 #[test]
