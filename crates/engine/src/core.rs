@@ -91,6 +91,8 @@ pub(crate) enum Reply {
         key: TransferKey,
         times: Times,
     },
+    /// One turn's replies, in order.
+    Batch(Vec<Reply>),
 }
 
 /// What the handle can read of the engine thread without asking it.
@@ -164,6 +166,8 @@ pub(crate) struct Core {
     pub vocab_size: usize,
     pub commands: Receiver<Command>,
     pub replies: Sender<Reply>,
+    /// Replies of this turn, sent together at its end.
+    outbox: std::cell::RefCell<Vec<Reply>>,
     pub shared: Arc<Shared>,
     pub metrics: Metrics,
     live: HashMap<u64, Live>,
@@ -201,6 +205,7 @@ impl Core {
             replies,
             shared,
             metrics,
+            outbox: Default::default(),
             live: HashMap::new(),
             describing: HashMap::new(),
             pulling: HashMap::new(),
@@ -234,18 +239,34 @@ impl Core {
                 }
             }
             self.pump_transfers();
+            // Admissions and refusals go out before the step (which may take a while), its tokens
+            // after it.
+            self.flush();
             self.step();
             self.publish();
+            self.flush();
         }
     }
 
+    /// Queues a reply; the turn's replies go out together at its end ([`flush`](Self::flush)), so a
+    /// step's tokens cost the text thread one wake-up, not one per sequence.
     fn send(&self, r: Reply) {
+        self.outbox.borrow_mut().push(r);
+    }
+
+    fn flush(&self) {
+        let mut out = std::mem::take(&mut *self.outbox.borrow_mut());
+        let r = match out.len() {
+            0 => return,
+            1 => out.pop().expect("one reply"),
+            _ => Reply::Batch(out),
+        };
         // The text thread drains this channel as replies come; a full channel for seconds means it is
-        // stuck, and then dropping the reply is the lesser evil: the handle's watchdog ends the
-        // request at its deadline, and the log names it.
+        // stuck, and then dropping the replies is the lesser evil: the handle's watchdog ends their
+        // requests at their deadlines, and the log names them.
         if let Err(e) = self.replies.send_timeout(r, Duration::from_secs(5)) {
             eprintln!(
-                "engine: reply dropped, the text thread did not drain its channel for 5 s: {:?}",
+                "engine: replies dropped, the text thread did not drain its channel for 5 s: {:?}",
                 e.into_inner()
             );
         }

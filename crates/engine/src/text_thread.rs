@@ -239,6 +239,11 @@ impl TextThread {
 
     fn reply(&mut self, r: Reply) {
         match r {
+            Reply::Batch(replies) => {
+                for r in replies {
+                    self.reply(r);
+                }
+            }
             Reply::Admitted { id, prompt_tokens } => {
                 if let Some(s) = lock(&self.live).streams.get_mut(&id) {
                     s.prompt_tokens = prompt_tokens;

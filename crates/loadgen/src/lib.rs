@@ -225,8 +225,28 @@ fn body(shape: &Shape, messages: &serde_json::Value) -> Vec<u8> {
     serde_json::to_vec(&b).unwrap_or_default()
 }
 
-fn one_shot_messages(shape: &Shape, i: u64) -> serde_json::Value {
-    serde_json::json!([{"role": "user", "content": format!("Request {i}. Continue this list: {}", words(shape.prompt_words, i))}])
+/// A number of this point of this run: every prompt starts with it, so no prompt of one point, or of
+/// an earlier run against the same server, can be answered from a prefix cache (only the chat
+/// template's opening, which every real request shares too).
+fn point_nonce() -> u64 {
+    static RUN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    static POINT: AtomicU64 = AtomicU64::new(0);
+    let run = *RUN.get_or_init(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        (nanos ^ (u64::from(std::process::id()) << 40)).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+    });
+    run.wrapping_add(POINT.fetch_add(1, Ordering::Relaxed).wrapping_mul(0xbf58_476d_1ce4_e5b9))
+}
+
+fn one_shot_messages(shape: &Shape, nonce: u64, i: u64) -> serde_json::Value {
+    let text = format!(
+        "Run {:08x} request {i}. Continue this list: {}",
+        nonce >> 32,
+        words(shape.prompt_words, nonce ^ i)
+    );
+    serde_json::json!([{"role": "user", "content": text}])
 }
 
 fn send(conn: &mut Conn, shape: &Shape, messages: &serde_json::Value, seed: u64) -> Outcome {
@@ -254,6 +274,7 @@ fn record(progress: &Progress, o: &Outcome) {
 /// Runs one point against one target and gathers its figures.
 pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progress: &Progress) -> PointResult {
     let outcomes = Arc::new(Mutex::new(Vec::new()));
+    let nonce = point_nonce();
     let cpu0 = stats::own_cpu_seconds();
     let started = Instant::now();
     progress.done.store(0, Ordering::Relaxed);
@@ -272,7 +293,8 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                             if i >= *requests {
                                 break;
                             }
-                            let o = send(&mut conn, shape, &one_shot_messages(shape, i as u64), i as u64);
+                            let o =
+                                send(&mut conn, shape, &one_shot_messages(shape, nonce, i as u64), i as u64);
                             record(progress, &o);
                             outcomes.lock().unwrap_or_else(|e| e.into_inner()).push(o);
                         }
@@ -295,7 +317,7 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                             let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
                             let Ok((i, scheduled)) = job else { break };
                             let waited = scheduled.elapsed();
-                            let mut o = send(&mut conn, shape, &one_shot_messages(shape, i), i);
+                            let mut o = send(&mut conn, shape, &one_shot_messages(shape, nonce, i), i);
                             // Open loop: time counts from the scheduled arrival, not from the send.
                             o.ttft = o.ttft.map(|t| t + waited);
                             o.e2e += waited;
@@ -340,7 +362,7 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                         let mut conn = Conn::new(target.addr);
                         let mut messages = vec![
                             serde_json::json!({"role": "system", "content": system}),
-                            serde_json::json!({"role": "user", "content": format!("Task {a}: sort these items: {}", words(shape.prompt_words, a as u64 + 1000))}),
+                            serde_json::json!({"role": "user", "content": format!("Run {:08x} task {a}: sort these items: {}", nonce >> 32, words(shape.prompt_words, nonce ^ (a as u64 + 1000)))}),
                         ];
                         for r in 0..*rounds {
                             let seed = (a * 1000 + r) as u64;
@@ -351,7 +373,7 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                             let ok = o.ok() || o.client_left;
                             messages.push(serde_json::json!({"role": "assistant", "content": o.text.clone()}));
                             messages.push(serde_json::json!({"role": "user", "content": format!(
-                                "Tool output (call {r}): exit 0. {}", words(*tool_words, (a * 1000 + r) as u64))}));
+                                "Tool output (call {r}): exit 0. {}", words(*tool_words, nonce ^ (a * 1000 + r) as u64))}));
                             outcomes.lock().unwrap_or_else(|e| e.into_inner()).push(o);
                             if !ok {
                                 // An agent whose turn failed stops, as a harness would after retries.
