@@ -15,6 +15,8 @@ pub enum EngineError {
     Io(std::io::Error),
     /// A setting the engine cannot run with.
     Config { field: &'static str, value: String },
+    /// The engine's metrics could not be registered (a bug: their names are fixed).
+    Metrics(pdserve_telemetry::TelemetryError),
     /// A device name that is none of `cpu`, `cuda`, `cuda:N`.
     UnknownDevice { value: String },
     /// Quantized weights are a CPU format; the GPU backend stores bf16.
@@ -82,6 +84,7 @@ impl EngineError {
             EngineError::Model(_)
             | EngineError::Io(_)
             | EngineError::Config { .. }
+            | EngineError::Metrics(_)
             | EngineError::UnknownDevice { .. }
             | EngineError::GpuWeights { .. }
             | EngineError::GpuSharedKv => ErrorKind::Internal,
@@ -129,6 +132,7 @@ impl fmt::Display for EngineError {
             EngineError::Model(e) => write!(f, "model: {e}"),
             EngineError::Io(e) => write!(f, "i/o: {e}"),
             EngineError::Config { field, value } => write!(f, "cannot run with {field} {value}"),
+            EngineError::Metrics(e) => write!(f, "engine metrics: {e}"),
             EngineError::UnknownDevice { value } => write!(f, "unknown device {value:?}: cpu, cuda or cuda:N"),
             EngineError::GpuWeights { weights } => {
                 write!(f, "weights {weights} are a CPU format; the GPU backend stores bf16")

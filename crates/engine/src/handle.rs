@@ -126,8 +126,7 @@ impl Engine {
         .map_err(|e| EngineError::Config { field: "kv_blocks", value: e.to_string() })?;
         let now = Instant::now();
         let sched = Scheduler::new(config.scheduler.clone(), kv, now);
-        let metrics =
-            Metrics::new().map_err(|e| EngineError::Config { field: "metrics", value: e.to_string() })?;
+        let metrics = Metrics::new().map_err(EngineError::Metrics)?;
         let shared = Arc::new(Shared {
             epoch: now,
             last_tick_ms: Default::default(),
