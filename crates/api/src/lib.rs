@@ -7,6 +7,7 @@
 //!   words in every ledger, metric label and log line.
 //! - [`header`]: the header names every hop reads and writes.
 //! - [`Health`]: the bodies and statuses of `/health/live`, `/health/ready` and `/health/generate`.
+//! - [`path`]: the paths every process serves, and the 404/405 answer for the rest.
 //! - [`pd`]: the prefill/decode handle a router forwards without parsing.
 //! - [`openai`]: the OpenAI-compatible request bodies (checked field by field) and response shapes.
 //!
@@ -25,6 +26,7 @@ pub mod header;
 mod health;
 mod lifecycle;
 pub mod openai;
+pub mod path;
 pub mod pd;
 
 pub use error::{ApiError, Described, ErrorKind};

@@ -16,8 +16,8 @@ pub enum Endpoint {
 }
 
 impl Endpoint {
-    pub const CHAT_PATH: &'static str = "/v1/chat/completions";
-    pub const COMPLETION_PATH: &'static str = "/v1/completions";
+    pub const CHAT_PATH: &'static str = crate::path::CHAT;
+    pub const COMPLETION_PATH: &'static str = crate::path::COMPLETIONS;
 
     /// The endpoint served at `path`.
     pub fn from_path(path: &str) -> Option<Endpoint> {

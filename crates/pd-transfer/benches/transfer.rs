@@ -14,48 +14,12 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use pdserve_kvcache::{BlockId, KvCache, KvConfig, SeqId, TransferId};
+use pdserve_kvcache::{KvCache, KvConfig, SeqId, TransferId};
 use pdserve_pd_transfer::transport::shm::SharedRegion;
 use pdserve_pd_transfer::*;
 
 fn layout() -> Layout {
     Layout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, dtype: Dtype::F32 }
-}
-
-/// Block memory on the heap, or in a shared region.
-enum Memory {
-    Heap(Vec<u8>),
-    Shared(SharedRegion),
-}
-
-impl Memory {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Memory::Heap(v) => v,
-            Memory::Shared(r) => r.bytes(),
-        }
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            Memory::Heap(v) => v,
-            Memory::Shared(r) => r.bytes_mut(),
-        }
-    }
-}
-
-impl BlockMemory for Memory {
-    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError> {
-        let n = out.len();
-        let src = self.bytes().get(block.0 as usize * n..(block.0 as usize + 1) * n);
-        out.copy_from_slice(src.ok_or(TransferError::BlockIo { block })?);
-        Ok(())
-    }
-    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
-        let n = data.len();
-        let dst = self.bytes_mut().get_mut(block.0 as usize * n..(block.0 as usize + 1) * n);
-        dst.ok_or(TransferError::BlockIo { block })?.copy_from_slice(data);
-        Ok(())
-    }
 }
 
 fn pattern(block: usize) -> Vec<u8> {
@@ -73,10 +37,12 @@ fn ms(start: Instant) -> u64 {
 fn prefill_worker(n: usize, shared: bool, offers: mpsc::Receiver<u64>, sources: mpsc::Sender<Source>) {
     let bb = layout().block_bytes();
     let start = Instant::now();
-    let mut mem = if shared {
-        Memory::Shared(SharedRegion::create((n + 1) * bb).expect("shared region"))
+    let (mut mem, region): (Box<dyn BlockMemory>, _) = if shared {
+        let r = SharedRegion::create((n + 1) * bb).expect("shared region");
+        let path = r.path().display().to_string();
+        (Box::new(r), Some(path))
     } else {
-        Memory::Heap(vec![0; (n + 1) * bb])
+        (Box::new(vec![0u8; (n + 1) * bb]), None)
     };
     let mut kv = KvCache::new(KvConfig { num_blocks: n as u32 + 1, block_size: 16 }).expect("kv");
     let transport = TcpTransport::bind(Some("127.0.0.1:0".parse().unwrap())).expect("listen");
@@ -99,16 +65,13 @@ fn prefill_worker(n: usize, shared: bool, offers: mpsc::Receiver<u64>, sources: 
                 }
                 let meta = PromptMeta { prompt, first_token: 1, ..PromptMeta::default() };
                 let key = ep.offer(TransferId(t), blocks, u64::MAX / 2, meta, ms(start)).expect("offer");
-                let region = match &mem {
-                    Memory::Shared(r) => Some(r.path().display().to_string()),
-                    Memory::Heap(_) => None,
-                };
+                let region = region.clone();
                 sources.send(Source { addr: ep.local_addr().expect("addr"), key, region }).expect("source");
             }
             Err(mpsc::TryRecvError::Empty) => {}
             Err(mpsc::TryRecvError::Disconnected) => return,
         }
-        ep.pump(&kv, &mut mem, ms(start), Duration::from_millis(1)).expect("pump");
+        ep.pump(&kv, mem.as_mut(), ms(start), Duration::from_millis(1)).expect("pump");
         while let Some(e) = ep.poll_event() {
             if let EndpointEvent::Ended { transfer, outcome, .. } = e {
                 assert_eq!(outcome, Outcome::Completed);
@@ -125,7 +88,7 @@ struct Pair {
     prefill: Option<std::thread::JoinHandle<()>>,
     ep: Endpoint,
     kv: KvCache,
-    mem: Memory,
+    mem: Vec<u8>,
     shared: bool,
     next: u64,
 }
@@ -148,7 +111,7 @@ impl Pair {
             ep: Endpoint::new(transport, layout(), EndpointConfig::default()),
             kv: KvCache::new(KvConfig { num_blocks: n as u32 + 1, block_size: 16 }).expect("kv"),
             // A decode worker's KV pool is allocated and resident from startup.
-            mem: Memory::Heap(vec![1; (n + 1) * bb]),
+            mem: vec![1; (n + 1) * bb],
             shared,
             next: 1,
         }

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use pdserve_kvcache::{BlockId, KvCache, TransferId};
 
+use crate::transport::shm::SharedRegion;
 use crate::transport::{Arrival, Transport};
 use crate::{
     Layout, Message, Outcome, PeerId, PromptMeta, Receiver, SendAction, Sender, SenderConfig, TransferError,
@@ -28,6 +29,38 @@ pub trait BlockMemory {
     fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError>;
     /// Stores `data` as block `block`.
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError>;
+}
+
+/// Block `block` of `n` bytes in memory that holds blocks end to end.
+fn flat(block: BlockId, n: usize, len: usize) -> Result<std::ops::Range<usize>, TransferError> {
+    let start = block.0 as usize * n;
+    (start + n <= len).then_some(start..start + n).ok_or(TransferError::BlockIo { block })
+}
+
+/// Blocks end to end on the heap (block `b` at `b * block_bytes`).
+impl BlockMemory for Vec<u8> {
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError> {
+        out.copy_from_slice(&self[flat(block, out.len(), self.len())?]);
+        Ok(())
+    }
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
+        let r = flat(block, data.len(), self.len())?;
+        self[r].copy_from_slice(data);
+        Ok(())
+    }
+}
+
+/// Blocks end to end in a shared region (a prefill worker's `--kv-shm` memory).
+impl BlockMemory for SharedRegion {
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError> {
+        out.copy_from_slice(&self.bytes()[flat(block, out.len(), self.bytes().len())?]);
+        Ok(())
+    }
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
+        let r = flat(block, data.len(), self.bytes().len())?;
+        self.bytes_mut()[r].copy_from_slice(data);
+        Ok(())
+    }
 }
 
 /// Bounds of an [`Endpoint`].

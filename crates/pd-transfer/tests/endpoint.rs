@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use pdserve_kvcache::{BlockId, KvCache, KvConfig, SeqId, TransferId};
+use pdserve_kvcache::{KvCache, KvConfig, SeqId, TransferId};
 use pdserve_pd_transfer::transport::shm::SharedRegion;
 use pdserve_pd_transfer::*;
 
@@ -16,52 +16,13 @@ fn layout() -> Layout {
     Layout { num_layers: 2, num_kv_heads: 2, head_dim: 8, block_size: 4, dtype: Dtype::F32 }
 }
 
-/// Block memory on the heap, or in a shared region (the prefill worker's `--kv-shm`).
-enum Memory {
-    Heap(Vec<u8>),
-    Shared(SharedRegion),
-}
-
-impl Memory {
-    fn bytes(&self) -> &[u8] {
-        match self {
-            Memory::Heap(v) => v,
-            Memory::Shared(r) => r.bytes(),
-        }
-    }
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            Memory::Heap(v) => v,
-            Memory::Shared(r) => r.bytes_mut(),
-        }
-    }
-}
-
-impl BlockMemory for Memory {
-    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError> {
-        let n = out.len();
-        let src = self
-            .bytes()
-            .get(block.0 as usize * n..(block.0 as usize + 1) * n)
-            .ok_or(TransferError::BlockIo { block })?;
-        out.copy_from_slice(src);
-        Ok(())
-    }
-    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
-        let n = data.len();
-        let dst = self
-            .bytes_mut()
-            .get_mut(block.0 as usize * n..(block.0 as usize + 1) * n)
-            .ok_or(TransferError::BlockIo { block })?;
-        dst.copy_from_slice(data);
-        Ok(())
-    }
-}
-
 struct Worker {
     ep: Endpoint,
     kv: KvCache,
-    mem: Memory,
+    /// Heap memory, or a shared region (the prefill worker's `--kv-shm`).
+    mem: Box<dyn BlockMemory>,
+    /// The shared region's file, if the memory is one.
+    region: Option<String>,
     ended: HashMap<u64, Outcome>,
     described: HashMap<u64, PromptMeta>,
     /// Give described transfers their destinations at once (else they wait, described).
@@ -74,10 +35,12 @@ impl Worker {
     /// (`SharedMemoryTransport`) rather than taking every block inline (`TcpTransport`).
     fn new(listen: bool, shared: bool, maps_regions: bool) -> Worker {
         let bytes = BLOCKS as usize * layout().block_bytes();
-        let mem = if shared {
-            Memory::Shared(SharedRegion::create(bytes).unwrap())
+        let (mem, region): (Box<dyn BlockMemory>, _) = if shared {
+            let r = SharedRegion::create(bytes).unwrap();
+            let path = r.path().display().to_string();
+            (Box::new(r), Some(path))
         } else {
-            Memory::Heap(vec![0; bytes])
+            (Box::new(vec![0u8; bytes]), None)
         };
         let at = listen.then(|| "127.0.0.1:0".parse().unwrap());
         let transport: Box<dyn Transport> = if maps_regions {
@@ -93,6 +56,7 @@ impl Worker {
             ep: Endpoint::new(transport, layout(), config),
             kv: KvCache::new(KvConfig { num_blocks: BLOCKS, block_size: layout().block_size }).unwrap(),
             mem,
+            region,
             ended: HashMap::new(),
             described: HashMap::new(),
             accept: true,
@@ -101,7 +65,7 @@ impl Worker {
 
     /// One turn, settling events with the ledger as a worker's engine does.
     fn turn(&mut self, now: u64) {
-        self.ep.pump(&self.kv, &mut self.mem, now, Duration::from_millis(1)).unwrap();
+        self.ep.pump(&self.kv, self.mem.as_mut(), now, Duration::from_millis(1)).unwrap();
         while let Some(e) = self.ep.poll_event() {
             match e {
                 EndpointEvent::Described { transfer, meta, .. } if !self.accept => {
@@ -173,10 +137,7 @@ fn transfer_several(shared: bool, maps_regions: bool) {
     let mut p = Worker::new(true, shared, false);
     let mut d = Worker::new(false, false, maps_regions);
     let addr = p.ep.local_addr().unwrap();
-    let region = match &p.mem {
-        Memory::Shared(r) => Some(r.path().display().to_string()),
-        Memory::Heap(_) => None,
-    };
+    let region = p.region.clone();
     let mut prompts = HashMap::new();
     for t in 1..=5u64 {
         let (key, prompt) = p.offer(t, 1 + 5 * t as usize, 0);

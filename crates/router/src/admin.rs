@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use pdserve_api::{header, ApiError, ErrorKind, Health, Outcome, Role, Stage};
+use pdserve_api::{header, path, ApiError, ErrorKind, Health, Outcome, Role, Stage};
 use pdserve_http::{ConnId, Request, Response};
 use serde_json::json;
 
@@ -50,21 +50,21 @@ impl Router {
         let path = req.path().to_owned();
         let method = req.method.as_str();
         match (method, path.as_str()) {
-            ("GET", "/health/live") => self.respond(conn, &Response::health(&Health::Live, Some(rid))),
-            ("GET", "/health/ready" | "/health") => {
+            ("GET", path::HEALTH_LIVE) => self.respond(conn, &Response::health(&Health::Live, Some(rid))),
+            ("GET", path::HEALTH_READY | path::HEALTH) => {
                 let health = match self.workers.path_ready(self.ready_window(), self.pair_window(), now) {
                     Ok(()) => Health::Ready { details: json!({"workers": self.workers.iter().count()}) },
                     Err(reason) => Health::NotReady { reason },
                 };
                 self.respond(conn, &Response::health(&health, Some(rid)));
             }
-            ("GET", "/metrics") => {
+            ("GET", path::METRICS) => {
                 self.refresh_gauges();
                 let resp = Response::text(200, self.metrics.registry.render())
                     .header("content-type", "text/plain; version=0.0.4; charset=utf-8");
                 self.respond(conn, &resp);
             }
-            ("GET", "/debug/requests") => self.start_collect(conn, req, now),
+            ("GET", path::DEBUG_REQUESTS) => self.start_collect(conn, req, now),
             ("GET", "/workers") => {
                 let list: Vec<_> = self.workers.iter().map(|w| w.to_json(now)).collect();
                 self.respond_json(conn, 200, &json!({"workers": list}), rid);
@@ -73,25 +73,8 @@ impl Router {
             ("DELETE", p) if p == "/workers" || p.starts_with("/workers/") => {
                 self.delete_worker(conn, req, rid)
             }
-            (
-                _,
-                "/health/live"
-                | "/health/ready"
-                | "/health"
-                | "/health/generate"
-                | "/metrics"
-                | "/debug/requests"
-                | "/v1/models"
-                | "/v1/chat/completions"
-                | "/v1/completions"
-                | "/workers",
-            ) => {
-                let e =
-                    ApiError::new(ErrorKind::MethodNotAllowed, format!("{method} is not allowed on {path}"));
-                self.respond(conn, &Response::error(&e, Some(rid)));
-            }
             _ => {
-                let e = ApiError::new(ErrorKind::NotFound, format!("no route {method} {path}"));
+                let e = path::no_route(method, &path, &["/workers"]);
                 self.respond(conn, &Response::error(&e, Some(rid)));
             }
         }

@@ -49,7 +49,13 @@ impl Router {
                 continue;
             };
             let mut req = Vec::with_capacity(96);
-            write_request_head(&mut req, "GET", "/debug/requests", &[("host", &authority)], 0);
+            write_request_head(
+                &mut req,
+                "GET",
+                pdserve_api::path::DEBUG_REQUESTS,
+                &[("host", &authority)],
+                0,
+            );
             let owner = Owner::Collect { id, worker: wid };
             if let Err(e) = self.send_aside(wid, owner, req, deadline, now) {
                 self.aside_failed(owner, wid, &e.to_string(), now);

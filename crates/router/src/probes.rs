@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use pdserve_api::{header, Role};
+use pdserve_api::{header, path, Role};
 use pdserve_http::{write_request_head, ResponseEvent};
 
 use crate::router::Router;
@@ -19,7 +19,7 @@ impl Router {
             if w.probing {
                 continue; // the last one is still out; its own timer ends it
             }
-            let path = if w.role == Role::Unified { "/health/generate" } else { "/health/ready" };
+            let path = if w.role == Role::Unified { path::HEALTH_GENERATE } else { path::HEALTH_READY };
             let authority = w.authority.clone();
             let mut req = Vec::with_capacity(128);
             let rid = format!("probe-{}-{wid}", self.probe_round);

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::openai::Endpoint;
-use pdserve_api::{header, ApiError, ErrorKind};
+use pdserve_api::{header, path, ApiError, ErrorKind};
 use pdserve_http::{
     write_request_head, ConnId, Event, HttpError, Request, ResponseEvent, Server, UpstreamPhase,
 };
@@ -479,7 +479,7 @@ impl Router {
         }
         let path = req.path().to_owned();
         match (req.method.as_str(), path.as_str()) {
-            ("GET", "/health/generate") => self.start_flight(
+            ("GET", path::HEALTH_GENERATE) => self.start_flight(
                 conn,
                 &rid,
                 Endpoint::CHAT_PATH,
@@ -490,8 +490,8 @@ impl Router {
             ("POST", p) if Endpoint::from_path(p).is_some() => {
                 self.start_flight(conn, &rid, p, req.body, Purpose::Client, now)
             }
-            ("GET", "/v1/models") => {
-                self.start_flight(conn, &rid, "/v1/models", Vec::new(), Purpose::Client, now)
+            ("GET", path::MODELS) => {
+                self.start_flight(conn, &rid, path::MODELS, Vec::new(), Purpose::Client, now)
             }
             ("POST", p) if p.starts_with("/abort/") => {
                 let target = &p["/abort/".len()..];

@@ -6,7 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::openai::{self, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage};
-use pdserve_api::{header, pd, ApiError, ErrorKind, Health, Role, Stage};
+use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role, Stage};
 use pdserve_engine::{Aborted, Engine, Finish, Id, Input, Output, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
 use pdserve_model::{ChatMessage, SamplingParams};
@@ -173,36 +173,21 @@ impl Frontend {
     fn handle(&mut self, conn: ConnId, rid: &str, req: Request) {
         let path = req.path().to_owned();
         let result = match (req.method.as_str(), path.as_str()) {
-            ("GET", "/health/live") => Ok(Some(Response::health(&Health::Live, None))),
-            ("GET", "/health/ready" | "/health") => Ok(Some(self.ready())),
-            ("GET", "/health/generate") => self.probe(conn, rid),
-            ("GET", "/metrics") => Ok(Some(
+            ("GET", path::HEALTH_LIVE) => Ok(Some(Response::health(&Health::Live, None))),
+            ("GET", path::HEALTH_READY | path::HEALTH) => Ok(Some(self.ready())),
+            ("GET", path::HEALTH_GENERATE) => self.probe(conn, rid),
+            ("GET", path::METRICS) => Ok(Some(
                 Response::text(200, self.engine.registry().render())
                     .header("content-type", "text/plain; version=0.0.4; charset=utf-8"),
             )),
-            ("GET", "/debug/requests") => Ok(Some(self.debug_requests(&req))),
-            ("GET", "/v1/models") => Ok(Some(self.models(rid))),
+            ("GET", path::DEBUG_REQUESTS) => Ok(Some(self.debug_requests(&req))),
+            ("GET", path::MODELS) => Ok(Some(self.models(rid))),
             ("POST", p) if Endpoint::from_path(p).is_some() => {
                 let endpoint = Endpoint::from_path(p).unwrap_or(Endpoint::Chat);
                 self.generate(conn, rid, &req, endpoint)
             }
             ("POST", p) if p.starts_with("/abort/") => Ok(Some(self.abort(&p["/abort/".len()..]))),
-            (
-                _,
-                "/health/live"
-                | "/health/ready"
-                | "/health"
-                | "/health/generate"
-                | "/metrics"
-                | "/debug/requests"
-                | "/v1/models"
-                | Endpoint::CHAT_PATH
-                | Endpoint::COMPLETION_PATH,
-            ) => Err(ApiError::new(
-                ErrorKind::MethodNotAllowed,
-                format!("{} is not allowed on {path}", req.method),
-            )),
-            _ => Err(ApiError::new(ErrorKind::NotFound, format!("no route {} {path}", req.method))),
+            _ => Err(path::no_route(&req.method, &path, &[])),
         };
         match result {
             Ok(Some(resp)) => {

@@ -1,0 +1,40 @@
+//! The paths of api.md that every process serves, and the answer for a request no route takes.
+
+use crate::{ApiError, ErrorKind};
+
+pub const HEALTH_LIVE: &str = "/health/live";
+pub const HEALTH_READY: &str = "/health/ready";
+/// An alias of [`HEALTH_READY`].
+pub const HEALTH: &str = "/health";
+pub const HEALTH_GENERATE: &str = "/health/generate";
+pub const METRICS: &str = "/metrics";
+pub const DEBUG_REQUESTS: &str = "/debug/requests";
+pub const MODELS: &str = "/v1/models";
+pub const CHAT: &str = "/v1/chat/completions";
+pub const COMPLETIONS: &str = "/v1/completions";
+
+/// The paths the router and every worker serve.
+pub const SERVED_BY_ALL: [&str; 9] =
+    [HEALTH_LIVE, HEALTH_READY, HEALTH, HEALTH_GENERATE, METRICS, DEBUG_REQUESTS, MODELS, CHAT, COMPLETIONS];
+
+/// The answer when no route takes `method` on `path`: 405 `method_not_allowed` for a path the process
+/// serves (one of [`SERVED_BY_ALL`] or of its own `also`), 404 `not_found` otherwise.
+pub fn no_route(method: &str, path: &str, also: &[&str]) -> ApiError {
+    if SERVED_BY_ALL.contains(&path) || also.contains(&path) {
+        ApiError::new(ErrorKind::MethodNotAllowed, format!("{method} is not allowed on {path}"))
+    } else {
+        ApiError::new(ErrorKind::NotFound, format!("no route {method} {path}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn served_paths_get_405_others_404() {
+        assert_eq!(no_route("DELETE", METRICS, &[]).status(), 405);
+        assert_eq!(no_route("GET", "/workers", &["/workers"]).status(), 405);
+        assert_eq!(no_route("GET", "/nope", &["/workers"]).status(), 404);
+    }
+}
