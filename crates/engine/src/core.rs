@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 use pdserve_api::{Outcome as ApiOutcome, Role, Stage as ApiStage};
 use pdserve_kvcache::{BlockId, OwnerKind, SeqId, TransferId};
 use pdserve_model::{Backend, Sampler, SamplingParams, SeqStep};
@@ -261,14 +261,16 @@ impl Core {
             1 => out.pop().expect("one reply"),
             _ => Reply::Batch(out),
         };
-        // The text thread drains this channel as replies come; a full channel for seconds means it is
-        // stuck, and then dropping the replies is the lesser evil: the handle's watchdog ends their
-        // requests at their deadlines, and the log names them.
-        if let Err(e) = self.replies.send_timeout(r, Duration::from_secs(5)) {
-            eprintln!(
-                "engine: replies dropped, the text thread did not drain its channel for 5 s: {:?}",
-                e.into_inner()
-            );
+        // The text thread drains this channel as replies come and never waits on the caller; a full
+        // channel for seconds means it is stuck, and then dropping the replies is the lesser evil: the
+        // handle's watchdog ends their requests at their deadlines, and the log names them.
+        match self.replies.send_timeout(r, Duration::from_secs(5)) {
+            Ok(()) | Err(SendTimeoutError::Disconnected(_)) => {} // shutting down
+            Err(SendTimeoutError::Timeout(r)) => {
+                eprintln!(
+                    "engine: replies dropped, the text thread did not drain its channel for 5 s: {r:?}"
+                );
+            }
         }
     }
 

@@ -2,6 +2,7 @@
 //! the text thread (which tokenizes them off the caller's thread), gives the caller what the text
 //! thread made of the engine thread's tokens, and ends anything left past its deadline.
 
+use std::collections::{HashSet, VecDeque};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -74,9 +75,15 @@ pub struct Engine {
     config: EngineConfig,
     id_nonce: u64,
     next_id: u64,
+    /// Requests the watchdog ended lately: what still comes for them is dropped.
+    watchdog_ended: HashSet<u64>,
+    watchdog_order: VecDeque<u64>,
     /// The text thread, then the engine thread.
     threads: Vec<JoinHandle<()>>,
 }
+
+/// Watchdog-ended requests remembered.
+const WATCHDOG_ENDED_MAX: usize = 4096;
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -119,6 +126,11 @@ impl Engine {
         let built = crate::load::backend(&config, &model, Arc::new(files.weights))?;
         let endpoint = crate::load::endpoint(&config, &model, built.kv_shm_path.is_some(), make)?;
         let transfer_addr = endpoint.as_ref().and_then(|e| e.local_addr());
+        if config.role == Role::Prefill && transfer_addr.is_none() {
+            // Decode workers could not reach this engine's KV: refuse it now, not per request.
+            let value = "a transport that listens nowhere".to_owned();
+            return Err(EngineError::Config { field: "prefill transport", value });
+        }
         let kv = KvCache::new(KvConfig {
             num_blocks: config.kv_blocks as u32,
             block_size: config.block_size as u32,
@@ -176,7 +188,8 @@ impl Engine {
             codec: Arc::clone(&codec),
             info: info.clone(),
             metrics: metrics.clone(),
-            out: Vec::new(),
+            texts: Default::default(),
+            backlog: Default::default(),
         };
         let text_thread = std::thread::Builder::new().name("engine-text".into()).spawn(move || text.run())?;
         let nanos =
@@ -192,6 +205,8 @@ impl Engine {
             config,
             id_nonce: mix(nanos as u64 ^ (u64::from(std::process::id()) << 32)),
             next_id: 0,
+            watchdog_ended: HashSet::new(),
+            watchdog_order: VecDeque::new(),
             threads: vec![text_thread, engine_thread],
         })
     }
@@ -272,8 +287,10 @@ impl Engine {
             deadline: req.deadline,
         };
         // In the table before the text thread can answer for it.
-        lock(&self.live).insert(id, Stream::new(req.request_id, req.stop, req.logprobs, req.deadline));
-        let error = match self.jobs.try_send(Job::Submit { sub: Box::new(sub), input: req.input }) {
+        lock(&self.live).insert(id, Stream::new(req.request_id, req.deadline));
+        let job =
+            Job::Submit { sub: Box::new(sub), input: req.input, stop: req.stop, logprobs: req.logprobs };
+        let error = match self.jobs.try_send(job) {
             Ok(()) => return Ok(Id(id)),
             Err(TrySendError::Full(_)) => EngineError::Busy { limit: self.jobs.capacity().unwrap_or(0) },
             Err(TrySendError::Disconnected(_)) => EngineError::Stopped,
@@ -300,7 +317,8 @@ impl Engine {
             self.abort(Id(id));
             return Some(Aborted::Live(Id(id)));
         }
-        let &(_, id) = live.recent_prefills.iter().find(|(r, _)| r == request_id)?;
+        // The newest, should a request id have been used again.
+        let &(_, id) = live.recent_prefills.iter().rfind(|(r, _)| r == request_id)?;
         drop(live);
         let _ = self.jobs.try_send(Job::Command(Command::AbortTransfer(id)));
         Some(Aborted::Offered(Id(id)))
@@ -333,9 +351,9 @@ impl Engine {
     /// Like [`poll`](Self::poll), but first waits up to `timeout` for an output (for a program
     /// without an event loop of its own).
     pub fn poll_timeout(&mut self, timeout: Duration, out: &mut Vec<Output>) {
-        let until = Instant::now() + timeout.min(self.next_watchdog(Instant::now()));
-        if let Ok(o) = self.outputs.recv_deadline(until) {
-            out.push(o);
+        let wait = timeout.min(self.next_watchdog(Instant::now()));
+        if let Ok(o) = self.outputs.recv_timeout(wait) {
+            self.take(o, out);
         }
         self.poll(Instant::now(), out);
     }
@@ -343,8 +361,18 @@ impl Engine {
     /// Appends what happened since the last call to `out`, and ends (as timed out) requests left past
     /// their deadline plus the grace.
     pub fn poll(&mut self, now: Instant, out: &mut Vec<Output>) {
-        out.extend(self.outputs.try_iter());
+        while let Ok(o) = self.outputs.try_recv() {
+            self.take(o, out);
+        }
         self.watchdog(now, out);
+    }
+
+    /// Passes `o` on, unless the watchdog has already ended its request (text the text thread made
+    /// just before would otherwise come after the end).
+    fn take(&mut self, o: Output, out: &mut Vec<Output>) {
+        if !self.watchdog_ended.contains(&o.id().0) {
+            out.push(o);
+        }
     }
 
     fn next_watchdog(&self, now: Instant) -> Duration {
@@ -367,6 +395,13 @@ impl Engine {
             overdue.into_iter().filter_map(|id| Some((id, live.remove(id)?))).collect();
         drop(live);
         for (id, s) in ended {
+            if self.watchdog_ended.len() >= WATCHDOG_ENDED_MAX {
+                if let Some(old) = self.watchdog_order.pop_front() {
+                    self.watchdog_ended.remove(&old);
+                }
+            }
+            self.watchdog_ended.insert(id);
+            self.watchdog_order.push_back(id);
             let _ = self.jobs.try_send(Job::Command(Command::Abort(id)));
             // The stage the engine last recorded for it (queued if it never got that far).
             let stage =
@@ -384,7 +419,10 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        // Closing the job channel ends the text thread, which closes the engine thread's commands.
+        // Closing the job channel ends the text thread, which closes the engine thread's commands;
+        // the output channel is closed first, so nothing waits for outputs to be taken.
+        let (_, rx) = crossbeam_channel::bounded(1);
+        drop(std::mem::replace(&mut self.outputs, rx));
         let (tx, _) = crossbeam_channel::bounded(1);
         drop(std::mem::replace(&mut self.jobs, tx));
         for t in self.threads.drain(..) {

@@ -5,7 +5,12 @@
 //!
 //! The requests alive on the caller's side are one table, [`Live`], shared with the handle: whoever
 //! removes a request from it (this thread at its end, or the handle's watchdog at its deadline) is the
-//! one that reports its end, so it is reported exactly once.
+//! one that reports its end, so it is reported exactly once. Each request's text state is this
+//! thread's alone, so the table's lock is never held over text work.
+//!
+//! This thread never waits on the caller: outputs the caller has not taken yet wait in a backlog
+//! (text is dropped past a bound, ends never are), while replies keep being drained, so the engine
+//! thread never waits on a caller that stopped polling either.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -27,25 +32,23 @@ use crate::{EngineError, Finish, Id, Input, Output, Timings};
 /// Recent prefill requests remembered for aborts of their offers.
 const RECENT_PREFILLS_MAX: usize = 4096;
 
+/// Outputs held for a caller that is not polling; past this, text is dropped (ends never are).
+const BACKLOG_MAX: usize = 65_536;
+
 /// What the handle asks of the text thread, in order.
 #[derive(Debug)]
 pub(crate) enum Job {
-    /// Tokenize `input` into the submission's prompt, check it, and hand it to the engine thread.
-    Submit { sub: Box<Submission>, input: Input },
+    /// Tokenize `input` into the submission's prompt, check it, and hand it to the engine thread; its
+    /// text ends before any of `stop`, with each token's log-probability if `logprobs`.
+    Submit { sub: Box<Submission>, input: Input, stop: Vec<String>, logprobs: bool },
     /// Passed on to the engine thread in order (an abort never overtakes its request's submission).
     Command(Command),
 }
 
-/// The caller's side of one request.
+/// The caller's side of one request: what the handle's watchdog needs to end it.
 #[derive(Debug)]
 pub(crate) struct Stream {
     pub request_id: String,
-    detok: IncrementalDecoder,
-    pending: String,
-    stop: Vec<String>,
-    /// A stop string was seen: the engine was told to abort, and the end is reported as `Stop`.
-    stopped: bool,
-    logprobs: bool,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub received: Instant,
@@ -55,14 +58,9 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
-    pub(crate) fn new(request_id: String, stop: Vec<String>, logprobs: bool, deadline: Instant) -> Stream {
+    pub(crate) fn new(request_id: String, deadline: Instant) -> Stream {
         Stream {
             request_id,
-            detok: IncrementalDecoder::new(),
-            pending: String::new(),
-            stop,
-            stopped: false,
-            logprobs,
             prompt_tokens: 0,
             completion_tokens: 0,
             received: Instant::now(),
@@ -108,6 +106,17 @@ pub(crate) fn lock(live: &Mutex<Live>) -> MutexGuard<'_, Live> {
     live.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// One request's text, which only this thread touches.
+#[derive(Debug)]
+pub(crate) struct Text {
+    detok: IncrementalDecoder,
+    pending: String,
+    stop: Vec<String>,
+    /// A stop string was seen: the engine was told to abort, and the end is reported as `Stop`.
+    stopped: bool,
+    logprobs: bool,
+}
+
 /// The text thread. See the [module docs](self).
 pub(crate) struct TextThread {
     pub jobs: Receiver<Job>,
@@ -119,14 +128,21 @@ pub(crate) struct TextThread {
     pub codec: Arc<TextCodec>,
     pub info: EngineInfo,
     pub metrics: Metrics,
-    pub out: Vec<Output>,
+    /// Text state of the requests this thread has passed on, by id.
+    pub texts: HashMap<u64, Text>,
+    /// Outputs the caller has not taken yet, in order.
+    pub backlog: VecDeque<Output>,
 }
 
 impl TextThread {
     /// Runs until the handle is dropped (its job channel closes), then drops the engine thread's
     /// command channel, which ends that thread too.
     pub(crate) fn run(mut self) {
+        let mut turns = 0u64;
         loop {
+            // With a backlog, its delivery is retried every 10 ms.
+            let retry =
+                if self.backlog.is_empty() { Duration::from_secs(1) } else { Duration::from_millis(10) };
             crossbeam_channel::select! {
                 recv(self.jobs) -> job => match job {
                     Ok(job) => self.job(job),
@@ -137,6 +153,7 @@ impl TextThread {
                     // The engine thread is gone; the handle's watchdog ends what is left.
                     Err(_) => self.replies = crossbeam_channel::never(),
                 },
+                default(retry) => {}
             }
             // Take what else is ready before waking the caller, a bounded amount.
             for _ in 0..256 {
@@ -145,28 +162,48 @@ impl TextThread {
                     Err(_) => break,
                 }
             }
-            self.flush();
+            self.deliver();
+            turns += 1;
+            if turns.is_multiple_of(1024) {
+                // Text state of requests the handle's watchdog ended and no end came for.
+                let live = lock(&self.live);
+                self.texts.retain(|id, _| live.streams.contains_key(id));
+            }
         }
     }
 
-    fn flush(&mut self) {
-        if self.out.is_empty() {
-            return;
-        }
-        for o in self.out.drain(..) {
-            // The handle drains this channel on every poll; one that stays full for seconds means
-            // its caller is stuck, and dropping the output is the lesser evil (the watchdog ends
-            // the request at its deadline, and the log names it).
-            if let Err(e) = self.outputs.send_timeout(o, Duration::from_secs(5)) {
-                eprintln!("engine: output dropped, the caller did not poll for 5 s: {:?}", e.into_inner());
+    /// Hands the backlog to the caller in order, as far as its channel takes it, and wakes it.
+    fn deliver(&mut self) {
+        let mut sent = false;
+        while let Some(o) = self.backlog.pop_front() {
+            match self.outputs.try_send(o) {
+                Ok(()) => sent = true,
+                Err(TrySendError::Full(o)) => {
+                    self.backlog.push_front(o);
+                    break;
+                }
+                // The handle is being dropped.
+                Err(TrySendError::Disconnected(_)) => self.backlog.clear(),
             }
         }
-        (self.wake)();
+        if self.backlog.len() > BACKLOG_MAX {
+            // A caller that stopped polling: keep every request's end, drop text it will not read.
+            let before = self.backlog.len();
+            self.backlog.retain(|o| !matches!(o, Output::Text { .. } | Output::Admitted { .. }));
+            eprintln!("engine: the caller is not polling; {} outputs dropped", before - self.backlog.len());
+        }
+        if sent {
+            (self.wake)();
+        }
+    }
+
+    fn push(&mut self, o: Output) {
+        self.backlog.push_back(o);
     }
 
     fn job(&mut self, job: Job) {
         match job {
-            Job::Submit { mut sub, input } => {
+            Job::Submit { mut sub, input, stop, logprobs } => {
                 let id = sub.id;
                 match self.prompt(&input, sub.remote.is_some()) {
                     Ok(tokens) => sub.tokens = tokens,
@@ -174,8 +211,16 @@ impl TextThread {
                 }
                 match lock(&self.live).streams.get_mut(&id) {
                     Some(s) => s.prompt_tokens = sub.tokens.len(),
-                    None => return, // aborted or past its deadline while it waited here
+                    None => return, // the watchdog ended it while it waited here
                 }
+                let text = Text {
+                    detok: IncrementalDecoder::new(),
+                    pending: String::new(),
+                    stop,
+                    stopped: false,
+                    logprobs,
+                };
+                self.texts.insert(id, text);
                 match self.commands.try_send(Command::Submit(sub)) {
                     Ok(()) => {}
                     Err(TrySendError::Full(_)) => {
@@ -229,11 +274,12 @@ impl TextThread {
     }
 
     fn reject(&mut self, id: u64, error: EngineError) {
+        self.texts.remove(&id);
         if lock(&self.live).remove(id).is_some() {
             if let Ok(c) = self.metrics.rejected.with(&[error.kind().as_str()]) {
                 c.inc();
             }
-            self.out.push(Output::Rejected { id: Id(id), error });
+            self.push(Output::Rejected { id: Id(id), error });
         }
     }
 
@@ -245,18 +291,26 @@ impl TextThread {
                 }
             }
             Reply::Admitted { id, prompt_tokens } => {
-                if let Some(s) = lock(&self.live).streams.get_mut(&id) {
-                    s.prompt_tokens = prompt_tokens;
-                    self.out.push(Output::Admitted { id: Id(id) });
+                let admitted = match lock(&self.live).streams.get_mut(&id) {
+                    Some(s) => {
+                        s.prompt_tokens = prompt_tokens;
+                        true
+                    }
+                    None => false,
+                };
+                if admitted {
+                    self.push(Output::Admitted { id: Id(id) });
                 }
             }
             Reply::Rejected { id, error } => {
+                self.texts.remove(&id);
                 if lock(&self.live).remove(id).is_some() {
-                    self.out.push(Output::Rejected { id: Id(id), error });
+                    self.push(Output::Rejected { id: Id(id), error });
                 }
             }
             Reply::Token { id, token, logprob, top, stop } => self.token(id, token, logprob, top, stop),
             Reply::Prefilled { id, key, times } => {
+                self.texts.remove(&id);
                 let mut live = lock(&self.live);
                 let Some(s) = live.remove(id) else {
                     drop(live);
@@ -270,7 +324,14 @@ impl TextThread {
                 drop(live);
                 let now = Instant::now();
                 self.metrics.e2e.record(now.saturating_duration_since(s.received));
-                let Some(addr) = self.info.transfer_addr else { return };
+                let timings = timings(&s, times, now);
+                let Some(addr) = self.info.transfer_addr else {
+                    // `Engine::start` refuses a prefill engine whose transport does not listen.
+                    let reason = "this prefill engine's transport has no address".to_owned();
+                    let finish = Finish::Failed { stage: Stage::Prefilling, reason };
+                    self.push(Output::Finished { id: Id(id), finish, usage: s.usage(), timings });
+                    return;
+                };
                 let handle = PdHandle {
                     addr,
                     transfer: key.transfer,
@@ -278,55 +339,57 @@ impl TextThread {
                     shm: self.info.kv_shm_path.as_ref().map(|p| p.display().to_string()),
                 };
                 let usage = Usage { prompt_tokens: s.prompt_tokens, completion_tokens: 1, cached_tokens: 0 };
-                self.out.push(Output::Prefilled {
-                    id: Id(id),
-                    handle,
-                    usage,
-                    timings: timings(&s, times, now),
-                });
+                self.push(Output::Prefilled { id: Id(id), handle, usage, timings });
             }
             Reply::Finished { id, outcome, output_tokens, times } => {
-                let Some(mut s) = lock(&self.live).remove(id) else { return };
+                let text = self.texts.remove(&id);
+                let Some(s) = lock(&self.live).remove(id) else { return };
                 let now = Instant::now();
                 self.metrics.e2e.record(now.saturating_duration_since(s.received));
-                let finish = if s.stopped { Finish::Stop } else { finish(self.info.role, &outcome) };
-                if finish.reason().is_some() && !s.stopped {
+                let stopped = text.as_ref().is_some_and(|t| t.stopped);
+                let finish = if stopped { Finish::Stop } else { finish(self.info.role, &outcome) };
+                if let Some(mut t) = text.filter(|_| finish.reason().is_some() && !stopped) {
                     // The rest of the text: what the decoder and the stop-string check still held.
-                    let rest = s.detok.finish(&self.codec).unwrap_or_default();
-                    s.pending.push_str(&rest);
-                    if !s.pending.is_empty() {
-                        let text = std::mem::take(&mut s.pending);
-                        self.out.push(Output::Text { id: Id(id), text, logprob: None });
+                    let rest = t.detok.finish(&self.codec).unwrap_or_default();
+                    t.pending.push_str(&rest);
+                    if !t.pending.is_empty() {
+                        self.push(Output::Text { id: Id(id), text: t.pending, logprob: None });
                     }
                 }
-                // Tokens are counted as they reach this side; the engine thread's count says the same
-                // unless a reply was lost to a stuck caller.
-                debug_assert!(output_tokens >= s.completion_tokens || s.stopped);
+                // Tokens are counted as they reach this side; the engine thread's count says the same.
+                debug_assert!(output_tokens >= s.completion_tokens || stopped);
                 let timings = timings(&s, times, now);
-                self.out.push(Output::Finished { id: Id(id), finish, usage: s.usage(), timings });
+                self.push(Output::Finished { id: Id(id), finish, usage: s.usage(), timings });
             }
         }
     }
 
     fn token(&mut self, id: u64, token: u32, logprob: f32, top: Vec<(u32, f32)>, stop: bool) {
         let now = Instant::now();
-        let mut live = lock(&self.live);
-        let Some(s) = live.streams.get_mut(&id) else { return };
-        match s.last_token {
-            None => {
-                self.metrics.ttft.record(now.saturating_duration_since(s.received));
-                s.first_token_at = Some(now);
+        {
+            let mut live = lock(&self.live);
+            let Some(s) = live.streams.get_mut(&id) else {
+                drop(live);
+                self.texts.remove(&id);
+                return;
+            };
+            match s.last_token {
+                None => {
+                    self.metrics.ttft.record(now.saturating_duration_since(s.received));
+                    s.first_token_at = Some(now);
+                }
+                Some(t) => self.metrics.itl.record(now.saturating_duration_since(t)),
             }
-            Some(t) => self.metrics.itl.record(now.saturating_duration_since(t)),
+            s.last_token = Some(now);
+            s.completion_tokens += 1;
         }
-        s.last_token = Some(now);
-        s.completion_tokens += 1;
-        if stop || s.stopped {
+        let Some(t) = self.texts.get_mut(&id) else { return };
+        if stop || t.stopped {
             return; // stop tokens are not text
         }
         let codec = &self.codec;
-        let piece = s.detok.push(codec, token).unwrap_or_default();
-        let logprob = s.logprobs.then(|| {
+        let piece = t.detok.push(codec, token).unwrap_or_default();
+        let logprob = t.logprobs.then(|| {
             let name = |t: u32| codec.decode(&[t], false).unwrap_or_default();
             TokenLogprob {
                 token: name(token),
@@ -334,15 +397,14 @@ impl TextThread {
                 top: top.iter().map(|&(t, p)| (name(t), p)).collect(),
             }
         });
-        s.pending.push_str(&piece);
-        let (text, hit) = apply_stop(&mut s.pending, &s.stop);
+        t.pending.push_str(&piece);
+        let (text, hit) = apply_stop(&mut t.pending, &t.stop);
         if hit {
-            s.stopped = true;
+            t.stopped = true;
             let _ = self.commands.try_send(Command::Abort(id));
         }
-        drop(live);
         if !text.is_empty() || logprob.is_some() {
-            self.out.push(Output::Text { id: Id(id), text, logprob });
+            self.push(Output::Text { id: Id(id), text, logprob });
         }
     }
 }

@@ -161,6 +161,12 @@ fn the_kv_moves_over_any_transport_the_decode_engine_is_given() {
     assert_eq!(inline, shared);
     assert!(transfer_bytes(&shm_decode, "shared") > 0.0 && transfer_bytes(&shm_decode, "received") == 0.0);
     assert!(transfer_bytes(&tcp_decode, "received") > 0.0 && transfer_bytes(&tcp_decode, "shared") == 0.0);
+    // A prefill engine whose transport listens nowhere could offer its KV to no one: refused at start.
+    let nowhere =
+        Engine::start_with_transport(config(Role::Prefill), Arc::new(|| {}), |_: &TransportSpec| {
+            Ok(Box::new(TcpTransport::bind(None)?) as Box<dyn Transport>)
+        });
+    assert!(matches!(nowhere, Err(pdserve_engine::EngineError::Config { .. })), "{nowhere:?}");
 }
 
 #[test]

@@ -73,6 +73,23 @@ impl HttpError {
         self.kind().status()
     }
 
+    /// The peer closed or reset the connection (rather than a timeout, a limit or garbage): on a
+    /// reused connection with no answer byte yet, the one failure after which a request is sent again
+    /// (the peer closed the connection while it was idle, so it never took the request).
+    pub fn peer_closed(&self) -> bool {
+        match self {
+            HttpError::UnexpectedEof => true,
+            HttpError::Io(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::UnexpectedEof
+                    | std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionAborted
+            ),
+            _ => false,
+        }
+    }
+
     /// The answer's error body.
     pub fn to_api_error(&self) -> ApiError {
         ApiError::new(self.kind(), self.to_string())

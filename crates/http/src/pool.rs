@@ -299,11 +299,7 @@ impl HttpClient {
             };
             match response.start(&wire) {
                 Ok(()) => return Ok(response),
-                Err(HttpError::Io(e))
-                    if reused && attempt == 0 && response.bytes_seen == 0 && is_stale(&e) =>
-                {
-                    continue;
-                }
+                Err(e) if reused && attempt == 0 && response.bytes_seen == 0 && e.peer_closed() => continue,
                 Err(e) => return Err(e),
             }
         }
@@ -342,16 +338,6 @@ impl HttpClient {
         // Dropping the pooled connection closes it: it is never reused.
         conn.write_all(&wire).map_err(HttpError::Io)
     }
-}
-
-fn is_stale(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::BrokenPipe
-            | io::ErrorKind::ConnectionAborted
-    )
 }
 
 /// A response being read. Dropping it before the end closes the connection.

@@ -168,11 +168,12 @@ impl Upstream {
         Ok(())
     }
 
-    /// The request went out on a pooled connection and failed before any response byte: the worker
-    /// closed the connection while it was idle (a restart, its keep-alive timeout) and cannot have
-    /// answered, so the request may be sent again on a new connection.
-    pub fn stale(&self) -> bool {
-        self.reused && self.bytes_in == 0
+    /// The request went out on a pooled connection that failed with `err` before any response byte,
+    /// and `err` says the worker closed it ([`HttpError::peer_closed`]): the worker closed the
+    /// connection while it was idle (a restart, its keep-alive timeout) and never took the request, so
+    /// it may be sent again on a new connection. (A timeout is not stale: the worker may be working.)
+    pub fn stale(&self, err: &HttpError) -> bool {
+        self.reused && self.bytes_in == 0 && err.peer_closed()
     }
 
     /// The response ended cleanly and the connection may carry another request.

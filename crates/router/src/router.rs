@@ -281,7 +281,7 @@ impl Router {
     pub(crate) fn upstream_failed(&mut self, slot: usize, err: HttpError, now: Instant) {
         let owner = self.ups.owner(slot);
         let Some(up) = self.ups.get_mut(slot) else { return };
-        let (worker, stale, timer) = (up.worker, up.stale(), up.timer);
+        let (worker, stale, timer) = (up.worker, up.stale(&err), up.timer);
         let request = if stale { up.take_request() } else { Vec::new() };
         self.ups.close(slot, self.server.registry(), &mut self.workers);
         if stale {

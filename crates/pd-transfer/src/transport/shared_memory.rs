@@ -12,6 +12,9 @@ use super::shm::SharedView;
 use super::{Arrival, Connected, TcpTransport, Transport};
 use crate::{Message, PeerId};
 
+/// Regions kept mapped at once when no connection reads from them.
+const VIEWS_MAX: usize = 8;
+
 /// The shared-memory transport. See the [module docs](self).
 #[derive(Debug)]
 pub struct SharedMemoryTransport {
@@ -39,6 +42,16 @@ impl SharedMemoryTransport {
     fn view(&mut self, path: &Path) -> bool {
         if self.views.contains_key(path) {
             return true;
+        }
+        // Before mapping another region, unmap those no connection reads from whose file is gone (a
+        // prefill worker that restarted), or any unused one past the bound: a view pins its memory.
+        let in_use: Vec<&PathBuf> = self.regions.values().collect();
+        let unused: Vec<PathBuf> = self.views.keys().filter(|p| !in_use.contains(p)).cloned().collect();
+        let crowded = self.views.len() >= VIEWS_MAX;
+        for p in unused {
+            if crowded || !p.exists() {
+                self.views.remove(&p);
+            }
         }
         match SharedView::open(path, self.block_bytes) {
             Ok(v) => {
