@@ -35,7 +35,7 @@ fuzz_target!(|data: &[u8]| {
         }
         // Whatever the sender claims to hold, the destinations stay the two given here.
         while let Some(d) = receiver.poll_described() {
-            let _ = receiver.set_destination(d.key.transfer, dest.clone());
+            let _ = receiver.set_destination(d.key.transfer, 0, dest.clone());
         }
         sender.handle_timeout(now);
         receiver.handle_timeout(now);

@@ -55,6 +55,8 @@ pub(crate) struct Lease {
     pub(crate) epochs: Vec<u32>,
     pub(crate) expires_at: u64,
     pub(crate) tokens: usize,
+    /// Leading blocks taken from the prefix cache (their KV is here already; never written).
+    pub(crate) reused: usize,
 }
 
 /// A read-only view of a lease.
@@ -67,6 +69,9 @@ pub struct LeaseView<'a> {
     pub expires_at: u64,
     /// Tokens whose KV the blocks hold (0 for a destination lease still being filled).
     pub tokens: usize,
+    /// Destination leases: how many leading blocks came from this cache's prefix cache. Their KV is
+    /// here already, so a transfer fills only `blocks[reused..]`.
+    pub reused: usize,
 }
 
 /// A copy-on-write copy the backend must perform before the next step writes KV: the first `tokens`
@@ -103,6 +108,8 @@ pub struct KvStats {
     pub evicted_blocks_total: u64,
     pub leases_expired_total: u64,
     pub leased_blocks_expired_total: u64,
+    /// Destination-lease blocks taken from the prefix cache instead of being transferred.
+    pub lease_reused_blocks_total: u64,
     pub cow_copies_total: u64,
 }
 
@@ -470,8 +477,13 @@ impl KvCache {
         }
         let s = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence { seq })?;
         let keep = self.blocks_for(s.computed);
-        let mut lease =
-            Lease { blocks: Vec::with_capacity(keep), epochs: Vec::new(), expires_at, tokens: s.computed };
+        let mut lease = Lease {
+            blocks: Vec::with_capacity(keep),
+            epochs: Vec::new(),
+            expires_at,
+            tokens: s.computed,
+            reused: 0,
+        };
         for (i, b) in s.blocks.into_iter().enumerate() {
             if i < keep {
                 self.retag(b, |m| {
@@ -496,13 +508,45 @@ impl KvCache {
         n: usize,
         expires_at: u64,
     ) -> Result<LeaseView<'_>, KvError> {
+        self.allocate_lease_reusing(transfer, &[], n, expires_at)
+    }
+
+    /// A destination lease of `n` blocks for the KV of `tokens` (a decode worker receiving a prompt's
+    /// KV) whose leading blocks are taken from the prefix cache where it holds `tokens`' full blocks
+    /// already: only `blocks[reused..]` are fresh and need the transfer. The reused blocks are
+    /// referenced at once, so they cannot be evicted before the lease ends or is adopted. All or
+    /// nothing.
+    pub fn allocate_lease_reusing(
+        &mut self,
+        transfer: TransferId,
+        tokens: &[u32],
+        n: usize,
+        expires_at: u64,
+    ) -> Result<LeaseView<'_>, KvError> {
         if self.leases.contains_key(&transfer) {
             return Err(KvError::DuplicateTransfer { transfer });
         }
-        self.ensure_free(n)?;
-        let mut lease =
-            Lease { blocks: Vec::with_capacity(n), epochs: Vec::with_capacity(n), expires_at, tokens: 0 };
-        for _ in 0..n {
+        let path = self.tree.longest_match(tokens, (tokens.len() / self.block_size()).min(n));
+        let reused: Vec<BlockId> = path.iter().map(|&nd| self.tree.node(nd).block).collect();
+        // Referenced before making room, so making room cannot evict them.
+        for &b in &reused {
+            self.retag(b, |m| m.lease_refs += 1);
+        }
+        if let Err(e) = self.ensure_free(n - reused.len()) {
+            for &b in &reused {
+                self.retag(b, |m| m.lease_refs -= 1);
+            }
+            return Err(e);
+        }
+        let mut lease = Lease {
+            epochs: reused.iter().map(|b| self.blocks[b.0 as usize].epoch).collect(),
+            reused: reused.len(),
+            blocks: reused,
+            expires_at,
+            tokens: 0,
+        };
+        self.stats.lease_reused_blocks_total += lease.reused as u64;
+        for _ in lease.reused..n {
             let b = self.alloc_for_lease();
             lease.epochs.push(self.blocks[b.0 as usize].epoch);
             lease.blocks.push(b);
@@ -513,7 +557,13 @@ impl KvCache {
 
     pub fn lease(&self, transfer: TransferId) -> Result<LeaseView<'_>, KvError> {
         let l = self.leases.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
-        Ok(LeaseView { blocks: &l.blocks, epochs: &l.epochs, expires_at: l.expires_at, tokens: l.tokens })
+        Ok(LeaseView {
+            blocks: &l.blocks,
+            epochs: &l.epochs,
+            expires_at: l.expires_at,
+            tokens: l.tokens,
+            reused: l.reused,
+        })
     }
 
     /// Moves a lease's expiry.
@@ -527,7 +577,9 @@ impl KvCache {
     pub fn check_write(&self, transfer: TransferId, block: BlockId, epoch: u32) -> Result<(), KvError> {
         let stale = KvError::StaleWrite { transfer, block, epoch };
         let lease = self.leases.get(&transfer).ok_or(stale.clone())?;
-        let held = lease.blocks.iter().zip(&lease.epochs).any(|(&b, &e)| b == block && e == epoch);
+        // Blocks reused from the prefix cache hold KV already: never a destination.
+        let mut fresh = lease.blocks.iter().zip(&lease.epochs).skip(lease.reused);
+        let held = fresh.any(|(&b, &e)| b == block && e == epoch);
         let current = self.blocks.get(block.0 as usize).is_some_and(|m| m.epoch == epoch);
         if held && current {
             Ok(())

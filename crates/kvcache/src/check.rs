@@ -33,6 +33,12 @@ impl KvCache {
             if l.blocks.len() != l.epochs.len() {
                 return Err(format!("{t}: blocks and epochs differ in length"));
             }
+            if l.reused > l.blocks.len() {
+                return Err(format!("{t}: {} reused of {} blocks", l.reused, l.blocks.len()));
+            }
+            if let Some(b) = l.blocks[..l.reused].iter().find(|b| self.blocks[b.0 as usize].node.is_none()) {
+                return Err(format!("{t}: reused {b} is not in the prefix cache"));
+            }
             for b in &l.blocks {
                 lease_refs[b.0 as usize] += 1;
             }

@@ -42,6 +42,14 @@ pub enum Op {
         n: u8,
         ttl: u8,
     },
+    /// A destination lease for a `family` prompt of `len` tokens, reusing what the prefix cache holds.
+    AllocLeaseReusing {
+        transfer: u8,
+        family: u8,
+        seq: u8,
+        len: u16,
+        ttl: u8,
+    },
     Release {
         transfer: u8,
     },
@@ -70,7 +78,7 @@ impl Op {
     pub fn decode(bytes: &mut impl Iterator<Item = u8>) -> Option<Op> {
         let mut next = || bytes.next();
         let small = |b: u8| b % 8;
-        Some(match next()? % 13 {
+        Some(match next()? % 14 {
             0 => Op::Add { seq: small(next()?), family: next()? % 4, len: u16::from(next()?) + 1 },
             1 => Op::Step { seq: small(next()?), n: next()? % 40 },
             2 => Op::Fork { parent: small(next()?), child: small(next()?) },
@@ -83,6 +91,13 @@ impl Op {
             9 => Op::Tick { by: next()? },
             10 => Op::Adopt { transfer: small(next()?), seq: small(next()?), len: u16::from(next()?) },
             11 => Op::Evict { n: next()? % 8 },
+            12 => Op::AllocLeaseReusing {
+                transfer: small(next()?),
+                family: next()? % 4,
+                seq: small(next()?),
+                len: u16::from(next()?) + 1,
+                ttl: next()?,
+            },
             _ => Op::Write { transfer: small(next()?), index: next()?, stale: next()? % 2 == 0 },
         })
     }
@@ -166,6 +181,16 @@ impl Driver {
             Op::AllocLease { transfer, n, ttl } => {
                 kv.allocate_lease(TransferId(transfer.into()), n.into(), self.now + u64::from(ttl)).map(drop)
             }
+            Op::AllocLeaseReusing { transfer, family, seq, len, ttl } => {
+                let tokens = prompt(family, seq, len);
+                let n = kv.blocks_for(tokens.len());
+                let t = TransferId(transfer.into());
+                let (cached, bs) = (kv.lookup_prefix(&tokens), kv.block_size());
+                let lease = kv.allocate_lease_reusing(t, &tokens, n, self.now + u64::from(ttl))?;
+                assert_eq!(lease.blocks.len(), n);
+                assert!(lease.reused * bs >= cached, "reused less than the cache holds");
+                Ok(())
+            }
             Op::Release { transfer } => kv.release_lease(TransferId(transfer.into())),
             Op::Tick { by } => {
                 self.now += u64::from(by);
@@ -192,7 +217,8 @@ impl Driver {
                 let (block, epoch) = (lease.blocks[i], lease.epochs[i]);
                 let epoch = if stale { epoch.wrapping_sub(1) } else { epoch };
                 let r = kv.check_write(t, block, epoch);
-                assert_eq!(r.is_ok(), !stale, "write check for {block} epoch {epoch}");
+                let fresh = i >= lease.reused;
+                assert_eq!(r.is_ok(), !stale && fresh, "write check for {block} epoch {epoch}");
                 Ok(())
             }
         }

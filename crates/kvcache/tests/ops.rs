@@ -153,6 +153,69 @@ fn decode_side_adopts_a_filled_lease_as_a_sequence() {
 }
 
 #[test]
+fn a_prefill_leases_cached_blocks_which_stay_cached_after_the_transfer() {
+    let mut kv = cache(8, 4);
+    let (s, t) = (SeqId(1), TransferId(1));
+    let prompt: Vec<u32> = (1..=10).collect();
+    kv.add_sequence(s, &prompt).unwrap();
+    kv.reserve(s, 10).unwrap();
+    kv.commit(s, 10).unwrap();
+    // As soon as the prefill is done: into the cache, then under the lease by reference.
+    assert_eq!(kv.cache_prefix(s).unwrap(), 2);
+    kv.lease_sequence(s, t, 100).unwrap();
+    assert_eq!(kv.stats().owned(OwnerKind::Transfer), 3);
+    // A request with the same prefix hits while the transfer is still running.
+    let mut longer = prompt.clone();
+    longer.extend([11, 12]);
+    assert_eq!(kv.add_sequence(SeqId(2), &longer).unwrap().cached_tokens, 8);
+    kv.free_sequence(SeqId(2), false).unwrap();
+    kv.release_lease(t).unwrap();
+    let st = kv.stats();
+    assert_eq!((st.owned(OwnerKind::Cache), st.owned(OwnerKind::Transfer), st.blocks_free), (2, 0, 6));
+    assert_eq!(st.blocks_evictable, 1, "the leaf of the cached chain is evictable");
+    assert_eq!(kv.evict(8), 2, "and then its parent: nothing leaked");
+    assert_eq!(kv.blocks_free(), 8);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
+fn a_destination_lease_reuses_the_cached_prefix_and_only_fresh_blocks_are_written() {
+    let mut kv = cache(8, 4);
+    // An earlier round of the conversation finished here and stayed cached.
+    let round1: Vec<u32> = (1..=9).collect();
+    kv.add_sequence(SeqId(1), &round1).unwrap();
+    kv.reserve(SeqId(1), 9).unwrap();
+    kv.commit(SeqId(1), 9).unwrap();
+    kv.free_sequence(SeqId(1), true).unwrap();
+    // The next round's prompt extends it: 14 tokens, 4 blocks, the first 2 cached.
+    let round2: Vec<u32> = (1..=14).collect();
+    let t = TransferId(2);
+    let lease = kv.allocate_lease_reusing(t, &round2, 4, 100).unwrap();
+    let (reused, blocks, epochs) = (lease.reused, lease.blocks.to_vec(), lease.epochs.to_vec());
+    assert_eq!((reused, blocks.len()), (2, 4));
+    assert!(kv.check_write(t, blocks[0], epochs[0]).is_err(), "a reused block is never written");
+    assert!(kv.check_write(t, blocks[2], epochs[2]).is_ok());
+    // Pinned: eviction cannot take the reused blocks while the transfer runs.
+    assert_eq!(kv.evict(8), 0);
+    kv.adopt_lease(t, SeqId(2), &round2).unwrap();
+    assert_eq!(kv.block_table(SeqId(2)).unwrap(), &blocks[..]);
+    assert_eq!(kv.stats().lease_reused_blocks_total, 2);
+    kv.free_sequence(SeqId(2), true).unwrap();
+    kv.check_invariants().unwrap();
+    // A prompt whose every block is cached reuses them all; a failed allocation takes nothing.
+    let lease = kv.allocate_lease_reusing(TransferId(3), &round2[..12], 3, 100).unwrap();
+    assert_eq!(lease.reused, 3);
+    kv.release_lease(TransferId(3)).unwrap();
+    let before = kv.stats();
+    assert!(matches!(
+        kv.allocate_lease_reusing(TransferId(4), &round2, 40, 100),
+        Err(KvError::OutOfBlocks { .. })
+    ));
+    assert_eq!(kv.stats().blocks_owned, before.blocks_owned);
+    kv.check_invariants().unwrap();
+}
+
+#[test]
 fn duplicate_and_unknown_ids_are_errors() {
     let mut kv = cache(8, 4);
     kv.add_sequence(SeqId(1), &[1]).unwrap();

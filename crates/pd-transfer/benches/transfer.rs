@@ -138,7 +138,7 @@ impl Pair {
                             .expect("lease");
                         table = l.blocks.to_vec();
                         let dest = l.blocks.iter().copied().zip(l.epochs.iter().copied()).collect();
-                        self.ep.set_destination(transfer, dest).expect("destination");
+                        self.ep.set_destination(transfer, 0, dest).expect("destination");
                     }
                     EndpointEvent::Ended { outcome, .. } => {
                         assert_eq!(outcome, Outcome::Completed);

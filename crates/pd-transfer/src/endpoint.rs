@@ -225,9 +225,15 @@ impl Endpoint {
     }
 
     /// Receiving: the destination blocks (block, epoch at allocation) of a described transfer, one
-    /// per sender block. A wrong count ends the transfer.
-    pub fn set_destination(&mut self, transfer: u64, dest: Vec<(BlockId, u32)>) -> Result<(), TransferError> {
-        let r = self.receiver.set_destination(transfer, dest);
+    /// per sender block from `from` on; the blocks before `from` this worker holds already (its prefix
+    /// cache) and are not pulled. A wrong count ends the transfer.
+    pub fn set_destination(
+        &mut self,
+        transfer: u64,
+        from: u32,
+        dest: Vec<(BlockId, u32)>,
+    ) -> Result<(), TransferError> {
+        let r = self.receiver.set_destination(transfer, from, dest);
         self.flush_receiver();
         self.settle_ended();
         r
@@ -269,8 +275,9 @@ impl Endpoint {
                     }
                     return;
                 }
-                // The ledger's lease is the ground truth: no `Confirm` for blocks it has freed.
-                if let Message::Done { key } = &msg {
+                // The ledger's lease is the ground truth: no `Confirm` for blocks it has freed (a
+                // `Ready` may complete a transfer whose blocks the receiver holds already).
+                if let Message::Done { key } | Message::Ready { key, .. } = &msg {
                     if kv.lease(TransferId(key.transfer)).is_err() {
                         sender.abort(key.transfer);
                     }

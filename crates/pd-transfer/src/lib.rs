@@ -18,8 +18,9 @@
 //!                                                  lease_sequence(seq, T) after the first token
 //!  start(T.e, peer, layout) ── Pull{T.e, layout} ──▶ offer(T.e, layout, blocks, expiry, prompt meta)
 //!                          ◀── Accept{T.e, n, meta}   (layout checked: mismatch → Reject)
-//!  Described: allocate_lease(T, n)                    meta: prompt token ids, first token, logprobs
-//!  set_destination(T, dest) ── Ready{T.e} ─────────▶
+//!  Described: allocate_lease_reusing(T, prompt, n)    meta: prompt token ids, first token, logprobs
+//!  set_destination(T, f, dest) ── Ready{T.e, from f} ─▶ blocks before f: in the decode side's own
+//!                                                      prefix cache already, never sent
 //!  accept_block → check_write → ◀── Block{T.e, i, bytes} ── window of W blocks in flight
 //!  copy → block_written        ─── Ack{T.e, written} ──▶ more blocks
 //!  after the last block        ─── Done{T.e} ──────────▶ lease still held? Completed → release_lease(T)

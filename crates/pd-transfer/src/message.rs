@@ -200,8 +200,10 @@ pub enum Message {
     /// Prefill → decode: the pull is accepted; the transfer has `blocks` blocks and this prompt. The
     /// decode side makes room for them, then answers `Ready`.
     Accept { key: TransferKey, blocks: u32, meta: Box<PromptMeta> },
-    /// Decode → prefill: the destination blocks are allocated; send them.
-    Ready { key: TransferKey },
+    /// Decode → prefill: the destination blocks are allocated; send blocks `from..` (the decode side
+    /// holds the KV of the blocks before `from` in its own prefix cache already). With `from` equal to
+    /// the block count nothing is sent and the sender answers as to a `Done`.
+    Ready { key: TransferKey, from: u32 },
     /// Prefill → decode: the pull is refused; the transfer is over.
     Reject { key: TransferKey, reason: FailReason },
     /// Prefill → decode: block `index` follows (`len` bytes).
@@ -223,7 +225,7 @@ impl Message {
         match self {
             Message::Pull { key, .. }
             | Message::Accept { key, .. }
-            | Message::Ready { key }
+            | Message::Ready { key, .. }
             | Message::Reject { key, .. }
             | Message::Block { key, .. }
             | Message::BlockAt { key, .. }
@@ -317,7 +319,8 @@ pub fn encode(msg: &Message, data: &[u8], out: &mut Vec<u8>) {
             out.extend_from_slice(data);
         }
         Message::Ack { written, .. } => out.extend(written.to_le_bytes()),
-        Message::Done { .. } | Message::Confirm { .. } | Message::Ready { .. } => {}
+        Message::Ready { from, .. } => out.extend(from.to_le_bytes()),
+        Message::Done { .. } | Message::Confirm { .. } => {}
     }
     let len = (out.len() - start - 4) as u32;
     out[start..start + 4].copy_from_slice(&len.to_le_bytes());
@@ -441,7 +444,7 @@ pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, TransferError> {
             7 => Message::Abort { key, reason: r.reason()? },
             8 => Message::BlockAt { key, index: r.u32()?, slot: r.u32()? },
             9 => Message::Confirm { key },
-            10 => Message::Ready { key },
+            10 => Message::Ready { key, from: r.u32()? },
             _ => return None,
         };
         if !r.0.is_empty() {

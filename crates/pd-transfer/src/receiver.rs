@@ -25,6 +25,9 @@ struct In {
     peer: PeerId,
     /// The sender's block count, from its `Accept`.
     blocks: u32,
+    /// The first block pulled; those before it are held here already.
+    from: u32,
+    /// Destinations of blocks `from..blocks`.
     dest: Vec<(BlockId, u32)>,
     written: Vec<bool>,
     count: u32,
@@ -99,6 +102,7 @@ impl Receiver {
                 epoch: key.epoch,
                 peer,
                 blocks: 0,
+                from: 0,
                 dest: Vec::new(),
                 written: Vec::new(),
                 count: 0,
@@ -115,24 +119,34 @@ impl Receiver {
         self.described.pop_front()
     }
 
-    /// Gives a described transfer its destination blocks (block, epoch at allocation), one per sender
-    /// block, and tells the sender to send. A wrong count ends the transfer (both sides).
-    pub fn set_destination(&mut self, transfer: u64, dest: Vec<(BlockId, u32)>) -> Result<(), TransferError> {
+    /// Gives a described transfer its destination blocks (block, epoch at allocation) for sender blocks
+    /// `from..` and tells the sender to send those; the blocks before `from` this worker holds already
+    /// (its own prefix cache). A wrong count ends the transfer (both sides). With nothing left to pull
+    /// (`from` is the block count) the sender confirms at once that its lease held.
+    pub fn set_destination(
+        &mut self,
+        transfer: u64,
+        from: u32,
+        dest: Vec<(BlockId, u32)>,
+    ) -> Result<(), TransferError> {
         let Some(i) = self.transfers.get_mut(&transfer).filter(|i| i.state == State::Described) else {
             return Err(TransferError::NotDescribed);
         };
         let key = TransferKey { transfer, epoch: i.epoch };
-        if dest.len() != i.blocks as usize {
-            let reason = FailReason::BlockCountMismatch { sender: i.blocks, receiver: dest.len() as u32 };
+        if from > i.blocks || dest.len() != (i.blocks - from) as usize {
+            let receiver = from.saturating_add(dest.len() as u32);
+            let reason = FailReason::BlockCountMismatch { sender: i.blocks, receiver };
             let (peer, sender) = (i.peer, i.blocks);
             self.out.push_back((peer, Message::Abort { key, reason: reason.clone() }));
             self.end(transfer, Outcome::Failed(reason));
-            return Err(TransferError::BlockCount { sender, receiver: dest.len() as u32 });
+            return Err(TransferError::BlockCount { sender, receiver });
         }
         i.written = vec![false; dest.len()];
+        i.from = from;
         i.dest = dest;
-        i.state = State::Receiving;
-        self.out.push_back((i.peer, Message::Ready { key }));
+        self.out.push_back((i.peer, Message::Ready { key, from }));
+        // With nothing to pull, the sender answers the `Ready` as it would a `Done`.
+        i.state = if i.dest.is_empty() { State::Confirming } else { State::Receiving };
         Ok(())
     }
 
@@ -219,17 +233,20 @@ impl Receiver {
         // a confused sender.
         let wrong = match i.state {
             State::Pulling | State::Described => true,
-            State::Receiving | State::Confirming => index as usize >= i.dest.len() || len != i.block_bytes,
+            State::Receiving | State::Confirming => {
+                index < i.from || index >= i.blocks || len != i.block_bytes
+            }
         };
         if wrong {
             self.out.push_back((peer, Message::Abort { key, reason: FailReason::Protocol }));
             self.end(key.transfer, Outcome::Failed(FailReason::Protocol));
             return None;
         }
-        if i.written[index as usize] {
+        let at = (index - i.from) as usize;
+        if i.written[at] {
             return None;
         }
-        let (block, block_epoch) = i.dest[index as usize];
+        let (block, block_epoch) = i.dest[at];
         Some(Destination { block, block_epoch })
     }
 
@@ -237,7 +254,7 @@ impl Receiver {
     pub fn block_written(&mut self, key: TransferKey, index: u32) {
         let ack_every = self.ack_every;
         let Some(i) = self.transfers.get_mut(&key.transfer).filter(|i| i.epoch == key.epoch) else { return };
-        let Some(w) = i.written.get_mut(index as usize) else { return };
+        let Some(w) = index.checked_sub(i.from).and_then(|at| i.written.get_mut(at as usize)) else { return };
         if *w {
             return;
         }
@@ -249,7 +266,8 @@ impl Receiver {
             i.state = State::Confirming;
             self.out.push_back((peer, Message::Done { key }));
         } else if count % ack_every == 0 {
-            self.out.push_back((peer, Message::Ack { key, written: count }));
+            // In the sender's numbering: blocks before `from` count as written.
+            self.out.push_back((peer, Message::Ack { key, written: i.from + count }));
         }
     }
 

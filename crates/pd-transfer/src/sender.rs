@@ -191,11 +191,23 @@ impl Sender {
                 o.state = State::Accepted { peer, shared };
                 self.reply(peer, Message::Accept { key, blocks, meta });
             }
-            Message::Ready { .. } => {
+            Message::Ready { from, .. } => {
                 if let Some((epoch, State::Accepted { peer: p, shared })) = current {
                     if epoch == key.epoch && p == peer {
+                        let n = self.transfers.get(&key.transfer).map_or(0, |o| o.blocks.len() as u32);
+                        if from > n {
+                            self.reply(peer, Message::Abort { key, reason: FailReason::Protocol });
+                            return self.end(key.transfer, Outcome::Failed(FailReason::Protocol));
+                        }
+                        if from == n {
+                            // The receiver holds every block already: nothing to send, and the lease
+                            // held until now, so the transfer is complete (the `Ready` is its `Done`).
+                            self.reply(peer, Message::Confirm { key });
+                            return self.end(key.transfer, Outcome::Completed);
+                        }
+                        // Blocks before `from` the receiver holds already: they are never sent.
                         if let Some(o) = self.transfers.get_mut(&key.transfer) {
-                            o.state = State::Sending { peer, next: 0, written: 0, shared };
+                            o.state = State::Sending { peer, next: from, written: from, shared };
                         }
                         self.fill_window(key.transfer);
                     }

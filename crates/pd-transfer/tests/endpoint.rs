@@ -76,7 +76,7 @@ impl Worker {
                         self.kv.allocate_lease(TransferId(transfer), blocks as usize, now + 10_000).unwrap();
                     let dest = l.blocks.iter().copied().zip(l.epochs.iter().copied()).collect();
                     self.described.insert(transfer, meta);
-                    self.ep.set_destination(transfer, dest).unwrap();
+                    self.ep.set_destination(transfer, 0, dest).unwrap();
                 }
                 EndpointEvent::Ended { side, transfer, outcome, .. } => {
                     assert!(self.ended.insert(transfer, outcome.clone()).is_none(), "{transfer} ended twice");
