@@ -36,6 +36,8 @@ struct Req {
     /// The deadline of the current wait (the queue, or the KV transfer), as keyed in `Scheduler::waits`.
     /// A preempted request waits again without one: it was admitted once already.
     wait_until: Option<Instant>,
+    /// Prompt tokens whose KV was reused at the first admission (`None` until then).
+    cached_tokens: Option<usize>,
 }
 
 impl Req {
@@ -211,6 +213,7 @@ impl Scheduler {
             state: State::Waiting,
             admitted_order: 0,
             wait_until: None,
+            cached_tokens: None,
         };
         match req.kv {
             KvSource::Compute => {
@@ -235,7 +238,15 @@ impl Scheduler {
                 }
                 let until = self.ms((now + c.kv_transfer_timeout).min(r.deadline));
                 let blocks = self.kv.blocks_for(r.tokens.len());
-                if let Err(e) = self.kv.allocate_lease(transfer, blocks, until) {
+                // The prompt's leading blocks this worker holds already are not pulled again.
+                match self.kv.allocate_lease_reusing(transfer, &r.tokens, blocks, until) {
+                    Ok(lease) => {
+                        let hit = (lease.reused * self.kv.block_size()).min(r.tokens.len());
+                        r.cached_tokens = Some(hit);
+                        self.stats.prefix_hit_tokens_total += hit as u64;
+                        self.stats.prefix_miss_tokens_total += (r.tokens.len() - hit) as u64;
+                    }
+                    Err(e) => {
                     return Err(match e {
                         KvError::OutOfBlocks { .. } => Rejection::QueueFull {
                             queued: busy,
@@ -243,7 +254,8 @@ impl Scheduler {
                             retry_after: self.retry_after(now),
                         },
                         _ => Rejection::DuplicateId,
-                    });
+                        })
+                    }
                 }
                 r.state = State::AwaitingKv { transfer, first_token };
                 r.wait_until = Some((now + c.kv_transfer_timeout).min(r.deadline));
@@ -412,6 +424,12 @@ impl Scheduler {
             let r = self.reqs.get_mut(&id).unwrap_or_else(|| unreachable!("in waiting"));
             r.state = State::Running { prefilled: false };
             r.admitted_order = order;
+            if r.cached_tokens.is_none() {
+                // First admission (a preempted request's own blocks do not count as a hit).
+                r.cached_tokens = Some(hit.cached_tokens);
+                self.stats.prefix_hit_tokens_total += hit.cached_tokens as u64;
+                self.stats.prefix_miss_tokens_total += (tokens.len() - hit.cached_tokens) as u64;
+            }
             self.running.push(id);
             match self.plan_prefill(id, budget) {
                 Some(item) => {
@@ -527,6 +545,11 @@ impl Scheduler {
                 self.finish(item.id, Outcome::Failed { stage, reason: e.to_string() }, now);
                 continue;
             }
+            if stage == Stage::Prefilling {
+                // Early insertion: a prompt's full blocks are in the prefix cache as soon as their KV
+                // is written, so requests sharing the prefix hit while this one still runs.
+                let _ = self.kv.cache_prefix(item.seq);
+            }
             if !item.sample {
                 continue;
             }
@@ -568,6 +591,8 @@ impl Scheduler {
             return;
         }
         if self.config.role == Role::Prefill && !was_prefilled {
+            // The lease references the blocks, which the prefix cache keeps once the transfer ends.
+            let _ = self.kv.cache_prefix(seq);
             let transfer = TransferId(id.0);
             let until = self.ms((now + self.config.kv_lease).min(r_deadline));
             match self.kv.lease_sequence(seq, transfer, until) {
@@ -602,10 +627,10 @@ impl Scheduler {
             }
             State::Running { .. } => {
                 self.running.retain(|&x| x != id);
-                // Completed requests leave their full blocks in the prefix cache.
-                let cache = matches!(outcome, Outcome::Completed(_));
+                // Whatever the outcome, the full blocks whose KV was written stay in the prefix cache
+                // (the next round of a conversation resends them); unreferenced, they are evictable.
                 if !matches!(outcome, Outcome::PrefillDone { .. }) {
-                    let _ = self.kv.free_sequence(r.seq, cache);
+                    let _ = self.kv.free_sequence(r.seq, true);
                 }
             }
         }
@@ -625,6 +650,7 @@ impl Scheduler {
             outcome,
             prompt_tokens: r.prompt_len,
             output_tokens: r.output_len,
+            cached_tokens: r.cached_tokens.unwrap_or(0),
         });
     }
 

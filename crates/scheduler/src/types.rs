@@ -171,8 +171,16 @@ pub enum Outcome {
 /// What the engine learns from the scheduler besides batches.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Event {
-    /// A request reached its terminal state; its KV (other than a prefill lease) is freed.
-    Finished { id: RequestId, outcome: Outcome, prompt_tokens: usize, output_tokens: usize },
+    /// A request reached its terminal state; its KV (other than a prefill lease) is freed, its full
+    /// computed blocks left in the prefix cache. `cached_tokens`: prompt tokens whose KV was found here
+    /// instead of computed (unified and prefill roles) or pulled (decode role).
+    Finished {
+        id: RequestId,
+        outcome: Outcome,
+        prompt_tokens: usize,
+        output_tokens: usize,
+        cached_tokens: usize,
+    },
     /// A prefill lease ran out before the decode peer took the KV; its blocks are free again.
     LeaseExpired { transfer: TransferId },
 }
@@ -212,4 +220,8 @@ pub struct SchedulerStats {
     pub cancelled_total: u64,
     pub timed_out_total: u64,
     pub failed_total: u64,
+    /// Prompt tokens found in the prefix cache at admission (decode role: whose KV needed no
+    /// transfer), and those computed or pulled. Counted once per request, not again after preemption.
+    pub prefix_hit_tokens_total: u64,
+    pub prefix_miss_tokens_total: u64,
 }

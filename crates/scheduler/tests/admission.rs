@@ -330,3 +330,112 @@ fn a_failed_step_fails_its_requests_and_frees_their_kv() {
     s.check_invariants().unwrap();
     assert_eq!(s.kv().stats().blocks_free + s.kv().stats().owned(OwnerKind::Cache), 64);
 }
+
+/// A request sharing another's prompt prefix computes only its suffix, even while the first still runs
+/// (its prompt's blocks entered the prefix cache as soon as they were written).
+#[test]
+fn a_shared_prefix_is_computed_once_even_while_its_first_request_runs() {
+    let (mut s, t0) = sched(SchedulerConfig::default(), 64);
+    let a = req(1, 20, 8, t0);
+    let mut b = req(2, 26, 4, t0);
+    b.prompt[..20].copy_from_slice(&a.prompt);
+    s.handle_request(a, t0).unwrap();
+    let batch = s.poll_batch(t0);
+    assert_eq!((batch[0].start_pos, batch[0].num_tokens), (0, 20));
+    s.handle_step_result(&[Sampled { id: RequestId(1), token: 9, stop: false }], t0);
+    assert_eq!(s.stage_of(RequestId(1)), Some((Stage::Decoding, 1)), "the first request is still running");
+    s.handle_request(b, t0).unwrap();
+    let batch = s.poll_batch(t0);
+    let item = batch.iter().find(|i| i.id == RequestId(2)).unwrap();
+    assert_eq!((item.start_pos, item.num_tokens), (20, 6), "only the suffix is computed");
+    s.handle_step_result(&[], t0);
+    let events = drain(&mut s, t0);
+    let cached: Vec<(u64, usize)> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Finished { id, cached_tokens, .. } => Some((id.0, *cached_tokens)),
+            _ => None,
+        })
+        .collect();
+    assert!(cached.contains(&(1, 0)) && cached.contains(&(2, 20)), "{cached:?}");
+    let st = s.stats();
+    assert_eq!((st.prefix_hit_tokens_total, st.prefix_miss_tokens_total), (20, 26));
+    // Nothing leaked: every block is free or cached (and evictable).
+    let kv = s.kv().stats();
+    assert_eq!(kv.blocks_free + kv.owned(OwnerKind::Cache), 64);
+}
+
+/// Prefill role: the prompt's blocks are cached when the prefill ends and only referenced by the
+/// transfer lease; after the transfer (done, aborted or expired) they stay cached, and the next
+/// request with the same prefix prefills only its suffix.
+#[test]
+fn a_prefill_worker_keeps_transferred_prompts_cached() {
+    let config = SchedulerConfig {
+        role: Role::Prefill,
+        kv_lease: Duration::from_millis(50),
+        ..SchedulerConfig::default()
+    };
+    let (mut s, t0) = sched(config, 64);
+    let first = req(1, 18, 4, t0);
+    let mut second = req(2, 30, 4, t0);
+    second.prompt[..18].copy_from_slice(&first.prompt);
+    s.handle_request(first, t0).unwrap();
+    let events = drain(&mut s, t0);
+    let Some(Event::Finished { outcome: Outcome::PrefillDone { transfer, blocks, .. }, .. }) = events.first()
+    else {
+        panic!("{events:?}")
+    };
+    assert_eq!(blocks.len(), 5);
+    let kv = s.kv().stats();
+    assert_eq!((kv.owned(OwnerKind::Transfer), kv.owned(OwnerKind::Cache)), (5, 0), "leased, and cached");
+    assert!(s.handle_transfer_done(*transfer));
+    let kv = s.kv().stats();
+    assert_eq!((kv.owned(OwnerKind::Transfer), kv.owned(OwnerKind::Cache)), (0, 4), "the full blocks stay");
+    s.handle_request(second, t0).unwrap();
+    let batch = s.poll_batch(t0);
+    assert_eq!((batch[0].start_pos, batch[0].num_tokens), (16, 14));
+    s.handle_step_result(&[Sampled { id: RequestId(2), token: 9, stop: false }], t0);
+    // Its lease expires unclaimed: the blocks go back to the cache, none leak.
+    let later = t0 + Duration::from_millis(100);
+    s.poll_batch(later);
+    s.handle_step_result(&[], later);
+    let mut expired = false;
+    while let Some(e) = s.poll_event() {
+        expired |= matches!(e, Event::LeaseExpired { .. });
+    }
+    assert!(expired);
+    s.check_invariants().unwrap();
+    let kv = s.kv().stats();
+    assert_eq!((kv.leases, kv.sequences), (0, 0));
+    assert_eq!(kv.blocks_free + kv.owned(OwnerKind::Cache), 64);
+    assert_eq!(kv.owned(OwnerKind::Cache), 7, "both prompts' full blocks, shared ones once");
+}
+
+/// Decode role: a pulled prompt whose leading blocks this worker cached from an earlier round of the
+/// conversation reuses them; only the rest is a destination for the transfer.
+#[test]
+fn a_decode_worker_reuses_the_previous_rounds_blocks() {
+    let config = SchedulerConfig { role: Role::Decode, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
+    let remote = |id: u64, prompt: Vec<u32>| NewRequest {
+        prompt,
+        kv: KvSource::Remote { transfer: TransferId(id), first_token: 9 },
+        ..req(id, 1, 4, t0)
+    };
+    let round1: Vec<u32> = (100..110).collect();
+    s.handle_request(remote(1, round1.clone()), t0).unwrap();
+    assert_eq!(s.kv().lease(TransferId(1)).unwrap().reused, 0);
+    assert!(s.handle_kv_arrived(RequestId(1), false, t0));
+    let events = drain(&mut s, t0);
+    assert!(matches!(events[..], [Event::Finished { output_tokens: 4, cached_tokens: 0, .. }]));
+    // Round 2 resends round 1, its answer (9 9 9 9 as sampled here) and a new message.
+    let mut round2 = round1.clone();
+    round2.extend([9, 9, 9, 9, 50, 51, 52, 53, 54, 55]);
+    s.handle_request(remote(2, round2), t0).unwrap();
+    let lease = s.kv().lease(TransferId(2)).unwrap();
+    assert_eq!((lease.reused, lease.blocks.len()), (3, 5), "12 tokens of round 1 are held here");
+    assert!(s.handle_kv_arrived(RequestId(2), false, t0));
+    let events = drain(&mut s, t0);
+    assert!(matches!(events[..], [Event::Finished { cached_tokens: 12, .. }]), "{events:?}");
+    s.check_invariants().unwrap();
+}
