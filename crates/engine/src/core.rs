@@ -79,16 +79,19 @@ pub(crate) enum Reply {
         top: Vec<(u32, f32)>,
         stop: bool,
     },
+    /// `cached_tokens`: prompt tokens whose KV was reused, not computed (in PD, the prefill worker's).
     Finished {
         id: u64,
         outcome: Outcome,
         output_tokens: usize,
+        cached_tokens: usize,
         times: Times,
     },
     /// Prefill role: the prompt is done; its KV waits under `key` for the decode worker.
     Prefilled {
         id: u64,
         key: TransferKey,
+        cached_tokens: usize,
         times: Times,
     },
     /// One turn's replies, in order.
@@ -132,6 +135,8 @@ struct Live {
     first: Option<pdserve_model::Sampled>,
     /// Decode role: the first token's log-probabilities, from the prefill worker.
     remote_first: Option<(f32, Vec<(u32, f32)>)>,
+    /// Decode role: prompt tokens the prefill worker found cached (what `usage` reports).
+    remote_cached: Option<usize>,
 }
 
 /// Decode role: what the prefill worker said of the first token and of its own timings.
@@ -141,6 +146,15 @@ struct RemoteFirst {
     top: Vec<(u32, f32)>,
     queue_us: u64,
     prefill_us: u64,
+    cached_tokens: usize,
+}
+
+/// Prefill role: what goes to the decode worker with a finished prompt's KV besides the prompt.
+struct Offered {
+    first_token: u32,
+    first: Option<pdserve_model::Sampled>,
+    times: Times,
+    cached_tokens: usize,
 }
 
 /// The backend's KV memory, as the transfer endpoint reads and writes it.
@@ -311,7 +325,8 @@ impl Core {
                     if let Some(s) = self.describing.remove(&t) {
                         self.shared.ledger().finish(&s.request_id);
                         let outcome = Outcome::Cancelled;
-                        self.send(Reply::Finished { id, outcome, output_tokens: 0, times: Times::default() });
+                        let times = Times::default();
+                        self.send(Reply::Finished { id, outcome, output_tokens: 0, cached_tokens: 0, times });
                     }
                     self.abort_transfer(t);
                     return;
@@ -353,9 +368,9 @@ impl Core {
             let _ = ledger.set_stage(&s.request_id, stage, now);
             let _ = ledger.set_counts(&s.request_id, prompt.len() as u32, 0, 0);
         }
-        let (remote_first, prefill_us) = match remote {
-            Some(r) => (Some((r.logprob, r.top)), Some((r.queue_us, r.prefill_us))),
-            None => (None, None),
+        let (remote_first, prefill_us, remote_cached) = match remote {
+            Some(r) => (Some((r.logprob, r.top)), Some((r.queue_us, r.prefill_us)), Some(r.cached_tokens)),
+            None => (None, None, None),
         };
         let prompt_len = prompt.len();
         self.live.insert(
@@ -370,6 +385,7 @@ impl Core {
                 prompt: if self.role == Role::Prefill { prompt } else { Vec::new() },
                 first: None,
                 remote_first,
+                remote_cached,
             },
         );
         self.send(Reply::Admitted { id: s.id, prompt_tokens: prompt_len });
@@ -450,19 +466,30 @@ impl Core {
             self.shared.ledger().finish(&s.request_id);
             return self.reject(s.id, EngineError::Rejected(r));
         }
-        let dest: Vec<(BlockId, u32)> = match self.sched.kv().lease(TransferId(transfer)) {
-            Ok(l) => l.blocks.iter().copied().zip(l.epochs.iter().copied()).collect(),
-            Err(_) => Vec::new(),
+        // The lease's leading blocks came from this worker's prefix cache (an earlier round of the
+        // conversation ended here): only the rest is pulled.
+        let (from, dest): (usize, Vec<(BlockId, u32)>) = match self.sched.kv().lease(TransferId(transfer)) {
+            Ok(l) => (
+                l.reused,
+                l.blocks.iter().copied().zip(l.epochs.iter().copied()).skip(l.reused).collect(),
+            ),
+            Err(_) => (0, Vec::new()),
         };
+        for (result, n) in [("skipped", from), ("transferred", dest.len())] {
+            if let Ok(c) = self.metrics.transfer_blocks.with(&[result]) {
+                c.add(n as u64);
+            }
+        }
         let first = RemoteFirst {
             logprob: meta.first_logprob,
             top: meta.first_top,
             queue_us: meta.queue_us,
             prefill_us: meta.prefill_us,
+            cached_tokens: meta.cached_tokens as usize,
         };
         self.admitted(&s, prompt, ApiStage::KvTransfer, now, Some(first));
         self.pulling.insert(transfer, s.id);
-        let set = self.endpoint.as_mut().map(|ep| ep.set_destination(transfer, dest));
+        let set = self.endpoint.as_mut().map(|ep| ep.set_destination(transfer, from as u32, dest));
         if let Some(Err(e)) = set {
             let reason = format!("{blocks} blocks described, the destination differs: {e:?}");
             self.pulling.remove(&transfer);
@@ -565,13 +592,15 @@ impl Core {
 
     fn drain_events(&mut self) {
         while let Some(e) = self.sched.poll_event() {
-            let (id, outcome, output_tokens) = match e {
+            let (id, outcome, output_tokens, cached_tokens) = match e {
                 Event::LeaseExpired { transfer } => {
                     // The scheduler freed the blocks: the offer ends now, before any reader is confirmed.
                     self.abort_transfer(transfer.0);
                     continue;
                 }
-                Event::Finished { id, outcome, output_tokens, .. } => (id, outcome, output_tokens),
+                Event::Finished { id, outcome, output_tokens, cached_tokens, .. } => {
+                    (id, outcome, output_tokens, cached_tokens)
+                }
             };
             let mut live = self.live.remove(&id.0);
             if let Some(l) = &live {
@@ -583,12 +612,15 @@ impl Core {
                 self.abort_transfer(t);
             }
             let times = live.as_ref().map(|l| l.times).unwrap_or_default();
+            // In PD, what the client is told was cached is the prefill worker's hit.
+            let cached_tokens = live.as_ref().and_then(|l| l.remote_cached).unwrap_or(cached_tokens);
             if let Outcome::PrefillDone { first_token, transfer, blocks } = &outcome {
                 let first = live.as_mut().and_then(|l| l.first.take());
                 let prompt = live.map(|l| l.prompt).unwrap_or_default();
-                if let Some(key) = self.offer(*transfer, blocks.clone(), prompt, *first_token, first, times) {
+                let offered = Offered { first_token: *first_token, first, times, cached_tokens };
+                if let Some(key) = self.offer(*transfer, blocks.clone(), prompt, offered) {
                     self.count_finished(ApiOutcome::Completed, ApiStage::Prefilling);
-                    self.send(Reply::Prefilled { id: id.0, key, times });
+                    self.send(Reply::Prefilled { id: id.0, key, cached_tokens, times });
                     continue;
                 }
                 self.sched.handle_transfer_done(*transfer);
@@ -597,7 +629,7 @@ impl Core {
                     reason: "could not offer the KV for transfer".into(),
                 };
                 self.count_finished(ApiOutcome::Failed, ApiStage::Prefilling);
-                self.send(Reply::Finished { id: id.0, outcome, output_tokens, times });
+                self.send(Reply::Finished { id: id.0, outcome, output_tokens, cached_tokens, times });
                 continue;
             }
             let stage = match &outcome {
@@ -612,7 +644,7 @@ impl Core {
                 Outcome::Failed { .. } => ApiOutcome::Failed,
             };
             self.count_finished(word, stage);
-            self.send(Reply::Finished { id: id.0, outcome, output_tokens, times });
+            self.send(Reply::Finished { id: id.0, outcome, output_tokens, cached_tokens, times });
         }
     }
 
@@ -629,10 +661,9 @@ impl Core {
         transfer: TransferId,
         blocks: Vec<BlockId>,
         prompt: Vec<u32>,
-        first_token: u32,
-        first: Option<pdserve_model::Sampled>,
-        times: Times,
+        o: Offered,
     ) -> Option<TransferKey> {
+        let Offered { first_token, first, times, cached_tokens } = o;
         let (_, expires_at) = self.sched.lease_of(transfer)?;
         let now = Instant::now();
         let us = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
@@ -647,6 +678,7 @@ impl Core {
             first_top,
             queue_us: us(times.submitted, times.scheduled),
             prefill_us: us(times.scheduled, Some(now)),
+            cached_tokens: cached_tokens.min(u32::MAX as usize) as u32,
         };
         let now_ms = self.sched.now_ms(now);
         self.endpoint.as_mut()?.offer(transfer, blocks, expires_at, meta, now_ms).ok()
@@ -751,6 +783,13 @@ impl Core {
         }
         let preempted = st.preemptions_total.saturating_sub(self.metrics.preemptions.get());
         self.metrics.preemptions.add(preempted);
+        // Counters mirror the scheduler's and the cache's own totals.
+        for (result, total) in [("hit", st.prefix_hit_tokens_total), ("miss", st.prefix_miss_tokens_total)] {
+            if let Ok(c) = self.metrics.prefix_tokens.with(&[result]) {
+                c.add(total.saturating_sub(c.get()));
+            }
+        }
+        self.metrics.evicted_blocks.add(kv.evicted_blocks_total.saturating_sub(self.metrics.evicted_blocks.get()));
         if let Some(ep) = &self.endpoint {
             self.metrics.transfers_in_flight.set(ep.len() as f64);
             let s = ep.stats();

@@ -24,6 +24,9 @@ pub(crate) struct Metrics {
     pub transfer_bytes: CounterVec,
     pub transfers_finished: CounterVec,
     pub transfer_time: LatencyHistogram,
+    pub transfer_blocks: CounterVec,
+    pub prefix_tokens: CounterVec,
+    pub evicted_blocks: Counter,
 }
 
 impl Metrics {
@@ -91,6 +94,20 @@ impl Metrics {
                 "kv_transfer_seconds",
                 "From offer (prefill) or pull (decode) to the end of a completed KV transfer.",
                 Buckets::latency_seconds(),
+            )?,
+            transfer_blocks: r.counter_vec(
+                "kv_transfer_blocks_total",
+                "Decode side: prompt KV blocks pulled from the prefill worker (transferred) or found in this worker's prefix cache instead (skipped).",
+                &["result"],
+            )?,
+            prefix_tokens: r.counter_vec(
+                "prefix_cache_tokens_total",
+                "Prompt tokens at admission found in the prefix cache (hit) or not (miss); on a decode worker, whose KV needed no transfer.",
+                &["result"],
+            )?,
+            evicted_blocks: r.counter(
+                "kv_evicted_blocks_total",
+                "Cached KV blocks evicted (least recently used first) to make room.",
             )?,
             registry: r,
         })

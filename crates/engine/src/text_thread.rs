@@ -51,6 +51,8 @@ pub(crate) struct Stream {
     pub request_id: String,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV was reused (known at the end).
+    pub cached_tokens: usize,
     pub received: Instant,
     pub deadline: Instant,
     first_token_at: Option<Instant>,
@@ -63,6 +65,7 @@ impl Stream {
             request_id,
             prompt_tokens: 0,
             completion_tokens: 0,
+            cached_tokens: 0,
             received: Instant::now(),
             deadline,
             first_token_at: None,
@@ -74,7 +77,7 @@ impl Stream {
         Usage {
             prompt_tokens: self.prompt_tokens,
             completion_tokens: self.completion_tokens,
-            cached_tokens: 0,
+            cached_tokens: self.cached_tokens,
         }
     }
 }
@@ -309,7 +312,7 @@ impl TextThread {
                 }
             }
             Reply::Token { id, token, logprob, top, stop } => self.token(id, token, logprob, top, stop),
-            Reply::Prefilled { id, key, times } => {
+            Reply::Prefilled { id, key, cached_tokens, times } => {
                 self.texts.remove(&id);
                 let mut live = lock(&self.live);
                 let Some(s) = live.remove(id) else {
@@ -338,12 +341,13 @@ impl TextThread {
                     epoch: key.epoch,
                     shm: self.info.kv_shm_path.as_ref().map(|p| p.display().to_string()),
                 };
-                let usage = Usage { prompt_tokens: s.prompt_tokens, completion_tokens: 1, cached_tokens: 0 };
+                let usage = Usage { prompt_tokens: s.prompt_tokens, completion_tokens: 1, cached_tokens };
                 self.push(Output::Prefilled { id: Id(id), handle, usage, timings });
             }
-            Reply::Finished { id, outcome, output_tokens, times } => {
+            Reply::Finished { id, outcome, output_tokens, cached_tokens, times } => {
                 let text = self.texts.remove(&id);
-                let Some(s) = lock(&self.live).remove(id) else { return };
+                let Some(mut s) = lock(&self.live).remove(id) else { return };
+                s.cached_tokens = cached_tokens;
                 let now = Instant::now();
                 self.metrics.e2e.record(now.saturating_duration_since(s.received));
                 let stopped = text.as_ref().is_some_and(|t| t.stopped);

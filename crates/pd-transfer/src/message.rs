@@ -164,6 +164,8 @@ pub struct PromptMeta {
     /// Microseconds the request waited in the prefill worker's queue, and then took to prefill.
     pub queue_us: u64,
     pub prefill_us: u64,
+    /// Prompt tokens the prefill worker found in its prefix cache instead of computing.
+    pub cached_tokens: u32,
 }
 
 /// Most prompt tokens a `PromptMeta` carries, and most alternatives for the first token.
@@ -183,7 +185,7 @@ impl PartialEq for PromptMeta {
                 .iter()
                 .zip(&o.first_top)
                 .all(|(a, b)| a.0 == b.0 && a.1.to_bits() == b.1.to_bits())
-            && (self.queue_us, self.prefill_us) == (o.queue_us, o.prefill_us)
+            && (self.queue_us, self.prefill_us, self.cached_tokens) == (o.queue_us, o.prefill_us, o.cached_tokens)
     }
 }
 
@@ -267,6 +269,7 @@ fn put_meta(out: &mut Vec<u8>, m: &PromptMeta) {
     out.extend(m.first_logprob.to_bits().to_le_bytes());
     out.extend(m.queue_us.to_le_bytes());
     out.extend(m.prefill_us.to_le_bytes());
+    out.extend(m.cached_tokens.to_le_bytes());
     out.extend((m.first_top.len() as u32).to_le_bytes());
     for (t, p) in &m.first_top {
         out.extend(t.to_le_bytes());
@@ -363,6 +366,7 @@ impl<'a> Reader<'a> {
         let first_logprob = f32::from_bits(self.u32()?);
         let queue_us = self.u64()?;
         let prefill_us = self.u64()?;
+        let cached_tokens = self.u32()?;
         let top = self.u32()? as usize;
         if top > FIRST_TOP_MAX {
             return None;
@@ -376,7 +380,7 @@ impl<'a> Reader<'a> {
             return None;
         }
         let prompt = (0..n).map(|_| self.u32()).collect::<Option<Vec<u32>>>()?;
-        Some(PromptMeta { prompt, first_token, first_logprob, first_top, queue_us, prefill_us })
+        Some(PromptMeta { prompt, first_token, first_logprob, first_top, queue_us, prefill_us, cached_tokens })
     }
     fn reason(&mut self) -> Option<FailReason> {
         Some(match self.u8()? {

@@ -27,6 +27,7 @@ fn every_message_round_trips_even_byte_by_byte() {
                     first_top: vec![(42, -0.25), (7, f32::NAN)],
                     queue_us: 1_000,
                     prefill_us: u64::MAX,
+                    cached_tokens: 3,
                 }),
             },
             vec![],
