@@ -95,6 +95,7 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
             first_top: vec![(t as u32, -0.5), (1, -2.0)],
             queue_us: t,
             prefill_us: 2 * t,
+            cached_tokens: 0,
         };
         sender.offer(key, layout(), blocks.clone(), expires, meta).unwrap();
         prompts.insert(t, prompt);

@@ -167,6 +167,7 @@ impl Router {
         let (id, url, draining) = (w.id, w.url.clone(), w.outstanding);
         eprintln!("router: worker {url} removed; draining {draining} requests");
         self.policy.forget(id);
+        self.decode_policy.forget(id);
         self.sweep_workers();
         self.respond_json(conn, 200, &json!({"removed": url, "draining_requests": draining}), rid);
     }

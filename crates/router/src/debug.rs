@@ -8,7 +8,9 @@ use pdserve_http::{write_request_head, ConnId, Request, ResponseEvent};
 use serde_json::{json, Value};
 
 use crate::router::{ms, unix_ms, Router};
+use crate::flight::LegKind;
 use crate::upstream::Owner;
+use crate::Choice;
 
 /// One `/debug/requests` call waiting for its workers.
 #[derive(Debug)]
@@ -136,6 +138,9 @@ impl Router {
                 let hops: Vec<_> =
                     c.hops.iter().filter(|h| h["id"].as_str() == Some(&rid)).cloned().collect();
                 r["hops"] = json!(hops);
+                if let Some(e) = self.by_rid.get(&rid).and_then(|id| self.flights.get(id)) {
+                    r["routing"] = self.routing_json(&e.routing);
+                }
             }
         }
         let mut workers = c.workers;
@@ -149,5 +154,21 @@ impl Router {
         }
         body["workers"] = json!(workers);
         self.respond(c.conn, &pdserve_http::Response::json(200, body.to_string()));
+    }
+
+    /// Why each leg went where it went: the rule, and per candidate the prompt bytes its prefix tree
+    /// matched (the router's estimate of what that worker holds cached).
+    fn routing_json(&self, routing: &[(LegKind, Choice)]) -> Value {
+        let url = |w: u32| self.workers.get(w).map_or_else(|| format!("worker {w}"), |w| w.url.clone());
+        json!(routing
+            .iter()
+            .map(|(kind, c)| json!({
+                "leg": kind.role().as_str(),
+                "worker": url(c.worker),
+                "rule": c.rule,
+                "prompt_bytes": c.prompt_bytes,
+                "candidates": c.matched.iter().map(|&(w, m)| json!({"worker": url(w), "matched_prefix_bytes": m})).collect::<Vec<_>>(),
+            }))
+            .collect::<Vec<_>>())
     }
 }

@@ -13,7 +13,7 @@ use crate::flight::{Action, Finish, Flight, FlightSpec, LegFailure, LegId, LegKi
 use crate::peek::peek;
 use crate::router::{Entry, Router, PROBE_BODY};
 use crate::upstream::{AcquireError, Owner};
-use crate::{Candidate, Policy};
+use crate::Candidate;
 
 impl Router {
     pub(crate) fn candidates(&self, role: Role, exclude: &[u32]) -> Vec<Candidate> {
@@ -137,7 +137,8 @@ impl Router {
         let _ = self.ledger.admit(&rid, Stage::RouterQueued, now, deadline, "");
         self.by_rid.insert(rid, id);
         self.push_deadline(deadline, id);
-        self.flights.insert(id, Entry { flight, conn, slot: None, admitted: false, queued_at: None });
+        let entry = Entry { flight, conn, slot: None, admitted: false, queued_at: None, routing: Vec::new() };
+        self.flights.insert(id, entry);
     }
 
     /// Starts an internal pair probe through the given prefill and decode workers.
@@ -309,13 +310,15 @@ impl Router {
                 }
                 let prompt =
                     self.flights.get(&id).map(|e| e.flight.spec().prompt.clone()).unwrap_or_default();
-                if kind == LegKind::Decode {
-                    cands[self.decode_policy.pick(&cands, "")].worker
-                } else {
-                    let w = cands[self.policy.pick(&cands, &prompt)].worker;
-                    self.policy.routed(w, &prompt);
-                    w
+                // Prefill and decode each have their cache: both follow the prompt's prefix (the next
+                // round of a conversation finds the decode worker that kept the last one's KV).
+                let policy = if kind == LegKind::Decode { &mut self.decode_policy } else { &mut self.policy };
+                let w = cands[policy.pick(&cands, &prompt)].worker;
+                policy.routed(w, &prompt);
+                if let (Some(c), Some(e)) = (policy.last_choice(), self.flights.get_mut(&id)) {
+                    e.routing.push((kind, c.clone()));
                 }
+                w
             }
         };
         let limits =

@@ -44,7 +44,9 @@ pub use error::{RouterError, UrlProblem};
 pub use flight::{Action, Flight, FlightSpec, LegFailure, LegId, LegKind, Plan, Purpose};
 pub use health::{Breaker, BreakerConfig, BreakerState};
 pub use peek::{peek, Peek};
-pub use policy::{CacheAware, CacheAwareConfig, Candidate, LeastOutstanding, Policy, PowerOfTwo, RoundRobin};
+pub use policy::{
+    CacheAware, CacheAwareConfig, Candidate, Choice, LeastOutstanding, Policy, PowerOfTwo, RoundRobin,
+};
 pub use router::Router;
 
 /// The README's examples, compiled and run as doc tests.

@@ -22,11 +22,11 @@ use pdserve_telemetry::RequestLedger;
 use crate::admission::Admission;
 use crate::config::RouterConfig;
 use crate::debug::Collect;
-use crate::flight::{Flight, LegFailure, LegId, Purpose};
+use crate::flight::{Flight, LegFailure, LegId, LegKind, Purpose};
 use crate::metrics::Metrics;
 use crate::upstream::{AcquireError, Owner, Upstreams};
 use crate::workers::Workers;
-use crate::{LeastOutstanding, Policy};
+use crate::{Choice, Policy};
 
 /// How often the loop looks at timers when nothing else wakes it.
 const TICK: Duration = Duration::from_millis(10);
@@ -45,6 +45,8 @@ pub(crate) struct Entry {
     /// Holds an admission slot.
     pub admitted: bool,
     pub queued_at: Option<Instant>,
+    /// Why each leg went to its worker (for `/debug/requests`), in the order the legs were sent.
+    pub routing: Vec<(LegKind, Choice)>,
 }
 
 /// The router. Build with [`Router::bind`], run with [`Router::run`].
@@ -60,7 +62,9 @@ pub struct Router {
     pub(crate) admission: Admission,
     pub(crate) deadlines: BinaryHeap<Reverse<(Instant, u64)>>,
     pub(crate) policy: Box<dyn Policy>,
-    pub(crate) decode_policy: LeastOutstanding,
+    /// Decode legs are placed by their own policy (the same kind), so a conversation's next round
+    /// finds the decode worker that kept its KV.
+    pub(crate) decode_policy: Box<dyn Policy>,
     pub(crate) ledger: RequestLedger,
     pub(crate) metrics: Metrics,
     pub(crate) next_id: u64,
@@ -100,7 +104,7 @@ impl Router {
             admission: Admission::new(cfg.admission, now),
             deadlines: BinaryHeap::new(),
             policy: cfg.policy.build(),
-            decode_policy: LeastOutstanding,
+            decode_policy: cfg.policy.build(),
             ledger: RequestLedger::new(&cfg.process_name, LEDGER_CAPACITY),
             metrics,
             next_id: 1,

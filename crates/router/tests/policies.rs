@@ -76,8 +76,50 @@ fn cache_aware_memory_is_bounded() {
     for i in 0..1000 {
         p.routed(0, &prompt(i));
     }
-    // The latest prefix is remembered; the oldest was dropped when the bounded tree started over, so
-    // its prompt now goes to the worker that has cached the least.
+    // The latest prefix is remembered; the oldest was forgotten (least recently used), so its prompt
+    // now goes to the worker that has cached the least.
     assert_eq!(p.pick(&w, &prompt(999)), 0);
     assert_eq!(p.pick(&w, &prompt(0)), 1);
+}
+
+#[test]
+fn cache_aware_forgets_old_branches_first_and_keeps_a_prefix_in_use() {
+    let max = 256;
+    let mut p =
+        CacheAware::new(CacheAwareConfig { nodes_per_worker_max: max, chunk_bytes: 8, ..Default::default() });
+    let w = workers(&[0, 0]);
+    let system = "You are an agent with tools: read_file, write_file, run_tests. Follow the plan. ";
+    let agent = |i: usize| format!("{system}Task {i:05}: inspect module {i:05} and report its tests.");
+    // An agent harness: every request shares the system prompt; the tasks differ.
+    for i in 0..2_000 {
+        p.routed(0, &agent(i));
+        assert!(p.remembered(0) <= max, "the tree outgrew its bound: {}", p.remembered(0));
+    }
+    // The shared prefix is in every request, so it is never the least recently used: still matched.
+    assert_eq!(p.pick(&w, &agent(5_000)), 0);
+    let c = p.last_choice().unwrap();
+    assert_eq!((c.worker, c.rule), (0, "cache_match"));
+    assert!(c.matched[0].1 >= system.len() - 8, "{c:?}");
+    assert_eq!(c.matched[1], (1, 0));
+    // The latest task is remembered whole; the first ones were forgotten.
+    p.pick(&w, &agent(1_999));
+    assert_eq!(p.last_choice().unwrap().matched[0].1, agent(1_999).len());
+    p.pick(&w, &agent(0));
+    assert!(p.last_choice().unwrap().matched[0].1 < agent(0).len());
+}
+
+#[test]
+fn cache_aware_explains_load_imbalance_and_cold_choices() {
+    let mut p = CacheAware::new(CacheAwareConfig {
+        balance_abs_threshold: 4,
+        balance_rel_threshold: 2.0,
+        ..Default::default()
+    });
+    let prompt = "Summarise the design of the scheduler in three sentences, please.";
+    p.routed(0, prompt);
+    assert_eq!(p.pick(&workers(&[20, 1]), prompt), 1);
+    assert_eq!(p.last_choice().unwrap().rule, "load_imbalance");
+    assert_eq!(p.last_choice().unwrap().matched, vec![(0, prompt.len()), (1, 0)]);
+    assert_eq!(p.pick(&workers(&[0, 0]), "Something else entirely, with no shared prefix."), 1);
+    assert_eq!(p.last_choice().unwrap().rule, "least_cached");
 }

@@ -234,3 +234,84 @@ fn a_client_that_leaves_is_gone_from_the_worker_and_debug_shows_where_it_was() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+fn metric(w: &Worker, series: &str) -> f64 {
+    let m = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// The next round of a conversation goes to the decode worker that kept the last round's KV (the
+/// router follows prefixes for decode as for prefill), which then pulls only what it lacks; the
+/// router's `/debug/requests` says why each leg went where it did.
+#[test]
+fn a_conversation_returns_to_its_decode_worker_and_debug_explains_the_choice() {
+    let prefill = Worker::start(&["--role", "prefill"]);
+    let decodes = [Worker::start(&["--role", "decode"]), Worker::start(&["--role", "decode"])];
+    let router = RouterThread::start(&[
+        (&prefill, Role::Prefill),
+        (&decodes[0], Role::Decode),
+        (&decodes[1], Role::Decode),
+    ]);
+    let system = "You are a build assistant. You read files and run commands for the user. ".repeat(8);
+    let first = serde_json::json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What does the Makefile build?"},
+    ]);
+    let (s, v) = router.json(
+        "POST",
+        "/v1/chat/completions",
+        &serde_json::json!({"messages": first, "temperature": 0, "max_tokens": 16}).to_string(),
+    );
+    assert_eq!(s, 200, "{v}");
+    let mut second = first.clone();
+    second.as_array_mut().unwrap().extend([
+        serde_json::json!({"role": "assistant", "content": v["choices"][0]["message"]["content"]}),
+        serde_json::json!({"role": "user", "content": "Run it and tell me what fails."}),
+    ]);
+    let body = serde_json::json!({
+        "messages": second, "max_tokens": 300, "ignore_eos": true, "stream": true
+    })
+    .to_string();
+    let mut s = TcpStream::connect(router.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: round-2\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 4096];
+    let mut got = Vec::new();
+    while String::from_utf8_lossy(&got).matches("data: ").count() < 2 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0);
+        got.extend_from_slice(&buf[..n]);
+    }
+    let (_, dbg) = router.json("GET", "/debug/requests", "");
+    let entry = dbg["requests"].as_array().unwrap().iter().find(|r| r["id"] == "round-2").unwrap().clone();
+    let routing = entry["routing"].as_array().unwrap_or_else(|| panic!("{entry}"));
+    let decode_leg = routing.iter().find(|r| r["leg"] == "decode").unwrap_or_else(|| panic!("{entry}"));
+    // The worker chosen is the one that held the first round: it pulled only the blocks it lacked.
+    let skipped = "kv_transfer_blocks_total{result=\"skipped\"}";
+    let home = decodes.iter().position(|d| metric(d, skipped) >= 8.0).unwrap_or_else(|| panic!("{entry}"));
+    assert!(metric(&decodes[1 - home], skipped) < 8.0);
+    assert_eq!(decode_leg["worker"], format!("http://{}", decodes[home].addr), "{entry}");
+    assert_eq!(decode_leg["rule"], "cache_match", "{entry}");
+    let matched: Vec<u64> = decode_leg["candidates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["matched_prefix_bytes"].as_u64().unwrap())
+        .collect();
+    assert!(matched.iter().any(|&m| m as usize >= system.len()), "{entry}");
+    assert!(matched.contains(&0), "the other decode worker holds nothing of it: {entry}");
+    assert!(routing.iter().any(|r| r["leg"] == "prefill" && r["rule"].is_string()), "{entry}");
+    drop(s);
+    let until = Instant::now() + Duration::from_secs(10);
+    while held_blocks(&prefill) + held_blocks(&decodes[0]) + held_blocks(&decodes[1]) > 0.0 {
+        assert!(Instant::now() < until, "KV still held after the client left");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -1,7 +1,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-use super::{Candidate, Policy};
+use super::{Candidate, Choice, Policy};
 
 /// Knobs of [`CacheAware`], after the SGLang router's.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -13,7 +13,7 @@ pub struct CacheAwareConfig {
     pub balance_abs_threshold: u32,
     /// ... and more than this many times as many.
     pub balance_rel_threshold: f64,
-    /// Prompt chunks remembered per worker; past it the worker's tree starts over.
+    /// Prompt chunks remembered per worker; past it the least recently used branches are forgotten.
     pub nodes_per_worker_max: usize,
     /// Bytes per chunk: the tree matches prefixes at this granularity.
     pub chunk_bytes: usize,
@@ -57,12 +57,34 @@ impl Hasher for MixHasher {
     }
 }
 
+/// A node of a worker's tree: one chunk, under its parent.
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    parent: u32,
+    hash: u64,
+    /// The last time (insert counter) a prompt through this node was routed here.
+    last_use: u64,
+    children: u32,
+    live: bool,
+}
+
+const ROOT: Node = Node { parent: 0, hash: 0, last_use: u64::MAX, children: 0, live: true };
+
 /// An approximate prefix tree of the prompts routed to one worker: chunks of `chunk_bytes` bytes,
-/// each node keyed by (parent, hash of its chunk).
-#[derive(Debug, Default)]
+/// each node keyed by (parent, hash of its chunk). Bounded: past its size, the least recently used
+/// branches are cut back, leaf by leaf, as the worker's own cache evicts; a prefix in use stays.
+#[derive(Debug)]
 struct Tree {
     edges: HashMap<(u32, u64), u32, BuildHasherDefault<MixHasher>>,
-    nodes: u32,
+    nodes: Vec<Node>,
+    free: Vec<u32>,
+    tick: u64,
+}
+
+impl Default for Tree {
+    fn default() -> Self {
+        Tree { edges: HashMap::default(), nodes: vec![ROOT], free: Vec::new(), tick: 0 }
+    }
 }
 
 /// The hash of each `chunk`-byte piece of `prompt` (the last may be shorter), eight bytes at a time.
@@ -80,6 +102,11 @@ fn chunk_hashes(prompt: &[u8], chunk: usize, out: &mut Vec<u64>) {
 }
 
 impl Tree {
+    /// Chunks remembered.
+    fn len(&self) -> usize {
+        self.nodes.len() - 1 - self.free.len()
+    }
+
     /// Chunks of the prompt (given by their hashes) matched by the tree, from the start.
     fn matched(&self, hashes: &[u64]) -> usize {
         let mut node = 0u32;
@@ -96,79 +123,134 @@ impl Tree {
         n
     }
 
+    /// Remembers a prompt routed here (at most `max` chunks of it), then cuts the least recently used
+    /// branches back to 7/8 of `max` if the tree outgrew it.
     fn insert(&mut self, hashes: &[u64], max: usize) {
-        if self.nodes as usize + hashes.len() > max {
-            // Bounded memory: a full tree starts over (the worker's own cache evicts too).
-            *self = Tree::default();
-        }
+        self.tick += 1;
         let mut node = 0u32;
-        for &h in hashes {
+        for &h in &hashes[..hashes.len().min(max)] {
             let key = (node, h);
             node = match self.edges.get(&key) {
                 Some(&next) => next,
                 None => {
-                    self.nodes += 1;
-                    self.edges.insert(key, self.nodes);
-                    self.nodes
+                    let n = Node { parent: node, hash: h, last_use: 0, children: 0, live: true };
+                    let id = match self.free.pop() {
+                        Some(id) => {
+                            self.nodes[id as usize] = n;
+                            id
+                        }
+                        None => {
+                            self.nodes.push(n);
+                            (self.nodes.len() - 1) as u32
+                        }
+                    };
+                    self.nodes[node as usize].children += 1;
+                    self.edges.insert(key, id);
+                    id
                 }
             };
+            self.nodes[node as usize].last_use = self.tick;
+        }
+        if self.len() > max {
+            self.evict(max - max / 8);
+        }
+    }
+
+    /// Removes least recently used leaves until at most `keep` chunks remain. A parent is used at
+    /// least as recently as its children, so whole old branches go before any part of a live one.
+    fn evict(&mut self, keep: usize) {
+        while self.len() > keep {
+            let mut leaves: Vec<(u64, u32)> = (1..self.nodes.len() as u32)
+                .filter(|&i| {
+                    let n = &self.nodes[i as usize];
+                    n.live && n.children == 0
+                })
+                .map(|i| (self.nodes[i as usize].last_use, i))
+                .collect();
+            leaves.sort_unstable();
+            let excess = self.len() - keep;
+            for &(_, i) in leaves.iter().take(excess) {
+                let n = self.nodes[i as usize];
+                self.edges.remove(&(n.parent, n.hash));
+                self.nodes[n.parent as usize].children -= 1;
+                self.nodes[i as usize].live = false;
+                self.free.push(i);
+            }
         }
     }
 }
 
 /// Sends a request where its prompt's prefix was sent before (that worker likely holds the KV), unless
 /// the load is imbalanced, when the least loaded worker wins; with no good match, the worker that has
-/// cached the least.
+/// cached the least. Each worker's tree is bounded and forgets its least recently used branches first.
 #[derive(Debug, Default)]
 pub struct CacheAware {
     config: CacheAwareConfig,
     trees: HashMap<u32, Tree>,
     /// The current prompt's chunk hashes (reused from request to request).
     hashes: Vec<u64>,
+    last: Option<Choice>,
 }
 
 impl CacheAware {
     pub fn new(config: CacheAwareConfig) -> Self {
-        CacheAware { config, trees: HashMap::new(), hashes: Vec::new() }
+        CacheAware { config, trees: HashMap::new(), hashes: Vec::new(), last: None }
+    }
+
+    /// Prompt chunks remembered for `worker`.
+    pub fn remembered(&self, worker: u32) -> usize {
+        self.trees.get(&worker).map_or(0, Tree::len)
     }
 }
 
 impl Policy for CacheAware {
     fn pick(&mut self, candidates: &[Candidate], prompt: &str) -> usize {
         let c = &self.config;
+        let (bytes, chunk) = (prompt.as_bytes(), c.chunk_bytes.max(1));
+        chunk_hashes(bytes, chunk, &mut self.hashes);
+        // Matched bytes per candidate: whole chunks, the last of which may be short.
+        let matched: Vec<(u32, usize)> = candidates
+            .iter()
+            .map(|w| {
+                let m = self.trees.get(&w.worker).map_or(0, |t| t.matched(&self.hashes));
+                (w.worker, if m == self.hashes.len() { bytes.len() } else { m * chunk })
+            })
+            .collect();
         let least = candidates.iter().enumerate().min_by_key(|(_, w)| w.outstanding).map_or(0, |(i, _)| i);
         let (min, max) =
             (candidates[least].outstanding, candidates.iter().map(|w| w.outstanding).max().unwrap_or(0));
-        if max - min > c.balance_abs_threshold && f64::from(max) > f64::from(min) * c.balance_rel_threshold {
-            return least;
-        }
-        let (bytes, chunk) = (prompt.as_bytes(), c.chunk_bytes.max(1));
-        chunk_hashes(bytes, chunk, &mut self.hashes);
-        let (best, matched) = candidates
-            .iter()
-            .enumerate()
-            .map(|(i, w)| (i, self.trees.get(&w.worker).map_or(0, |t| t.matched(&self.hashes))))
-            .max_by_key(|&(i, m)| (m, std::cmp::Reverse(candidates[i].outstanding)))
-            .unwrap_or((least, 0));
-        // Matched bytes: whole chunks, the last of which may be short.
-        let matched_bytes = if matched == self.hashes.len() { bytes.len() } else { matched * chunk };
-        if !bytes.is_empty() && matched_bytes as f64 / bytes.len() as f64 >= c.cache_threshold {
-            return best;
-        }
-        candidates
-            .iter()
-            .enumerate()
-            .min_by_key(|(_, w)| (self.trees.get(&w.worker).map_or(0, |t| t.nodes), w.outstanding))
-            .map_or(least, |(i, _)| i)
+        let imbalanced =
+            max - min > c.balance_abs_threshold && f64::from(max) > f64::from(min) * c.balance_rel_threshold;
+        let best = (0..candidates.len())
+            .max_by_key(|&i| (matched[i].1, std::cmp::Reverse(candidates[i].outstanding)))
+            .unwrap_or(least);
+        let (index, rule) = if imbalanced {
+            (least, "load_imbalance")
+        } else if !bytes.is_empty() && matched[best].1 as f64 / bytes.len() as f64 >= c.cache_threshold {
+            (best, "cache_match")
+        } else {
+            let fewest = candidates
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, w)| (self.trees.get(&w.worker).map_or(0, Tree::len), w.outstanding))
+                .map_or(least, |(i, _)| i);
+            (fewest, "least_cached")
+        };
+        self.last = Some(Choice { worker: candidates[index].worker, rule, prompt_bytes: bytes.len(), matched });
+        index
     }
 
     fn routed(&mut self, worker: u32, prompt: &str) {
-        let (chunk, max) = (self.config.chunk_bytes.max(1), self.config.nodes_per_worker_max);
+        let (chunk, max) = (self.config.chunk_bytes.max(1), self.config.nodes_per_worker_max.max(1));
         chunk_hashes(prompt.as_bytes(), chunk, &mut self.hashes);
         self.trees.entry(worker).or_default().insert(&self.hashes, max);
     }
 
     fn forget(&mut self, worker: u32) {
         self.trees.remove(&worker);
+    }
+
+    fn last_choice(&self) -> Option<&Choice> {
+        self.last.as_ref()
     }
 }

@@ -20,6 +20,18 @@ pub struct Candidate {
     pub outstanding: u32,
 }
 
+/// Why a policy picked a worker, for `/debug/requests`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Choice {
+    pub worker: u32,
+    /// What decided: `cache_match` (the longest cached prefix), `load_imbalance` (the idlest, the
+    /// load being too uneven to follow the cache), `least_cached` (no prefix matched well enough).
+    pub rule: &'static str,
+    pub prompt_bytes: usize,
+    /// Per candidate worker, the bytes of the prompt's prefix its tree matched.
+    pub matched: Vec<(u32, usize)>,
+}
+
 /// Picks a worker for a request. `candidates` holds only healthy workers of the right role and is
 /// never empty when called; `prompt` is the request's prompt text (for cache-aware policies).
 pub trait Policy: std::fmt::Debug + Send {
@@ -31,4 +43,9 @@ pub trait Policy: std::fmt::Debug + Send {
 
     /// `worker` left the pool; forget what is known about it. The default does nothing.
     fn forget(&mut self, _worker: u32) {}
+
+    /// Why the last `pick` chose as it did, for policies that weigh more than load.
+    fn last_choice(&self) -> Option<&Choice> {
+        None
+    }
 }
