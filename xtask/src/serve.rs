@@ -109,6 +109,96 @@ pub(crate) fn http_status(base: &str, path: &str) -> Option<u16> {
     crate::where_::get(base, path).ok().map(|(status, _)| status)
 }
 
+/// One stack to start: a unified worker, or the router in front of prefill and decode workers.
+pub(crate) struct Spec<'a> {
+    pub port: u16,
+    pub model: &'a Path,
+    /// Serve the default model from its own Q4 blocks (`--weights q4`).
+    pub native_q4: bool,
+    pub unified: bool,
+    pub prefills: usize,
+    pub decodes: usize,
+    /// Passed to every worker.
+    pub extra: &'a [String],
+    pub logs: &'a Path,
+}
+
+/// A started stack: its processes and the URL clients use.
+pub(crate) struct Stack {
+    pub procs: Vec<Proc>,
+    pub url: String,
+}
+
+/// Starts the processes of `spec` from the release binaries and waits until the stack is ready (for a
+/// router: a request went through the whole path). On any failure, what was started is stopped.
+pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
+    std::fs::create_dir_all(spec.logs)?;
+    let root = crate::workspace_root();
+    let server_bin = root.join("target/release/pdserve-server");
+    let router_bin = root.join("target/release/pdserve-router");
+    let worker_args = |name: &str, role: &str, port: u16| -> Vec<String> {
+        let mut a: Vec<String> = ["--port", &port.to_string(), "--name", name, "--role", role, "--model"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+        a.push(spec.model.display().to_string());
+        if role == "prefill" {
+            a.push("--kv-shm".into());
+        }
+        if spec.native_q4 {
+            a.extend(["--weights".to_owned(), "q4".to_owned()]);
+        }
+        a.extend(spec.extra.iter().cloned());
+        a
+    };
+    let logs = spec.logs;
+    let mut procs: Vec<Proc> = Vec::new();
+    let result = (|| -> Result<String> {
+        if spec.unified {
+            let args = worker_args("worker", "unified", spec.port);
+            procs.push(Proc::start("worker", &server_bin, &args, logs)?);
+            return Ok(procs[0].url.clone());
+        }
+        let mut router_args = vec!["--port".to_owned(), spec.port.to_string()];
+        for (role, n) in [("prefill", spec.prefills), ("decode", spec.decodes)] {
+            for i in 0..n {
+                let name = format!("{role}-{i}");
+                let p = Proc::start(&name, &server_bin, &worker_args(&name, role, 0), logs)?;
+                router_args.push(format!("--{role}"));
+                router_args.push(p.url.clone());
+                procs.push(p);
+            }
+        }
+        let router = Proc::start("router", &router_bin, &router_args, logs)?;
+        let url = router.url.clone();
+        procs.push(router);
+        Ok(url)
+    })();
+    let url = match result {
+        Ok(u) => u,
+        Err(e) => {
+            stop_all(&mut procs, Duration::from_secs(10));
+            return Err(e);
+        }
+    };
+    let started = Instant::now();
+    while http_status(&url, "/health/ready") != Some(200) {
+        if started.elapsed() > Duration::from_secs(120) || crate::sys::stop_requested() {
+            stop_all(&mut procs, Duration::from_secs(10));
+            bail!("{url} did not become ready within 120 s; logs are in {}", logs.display());
+        }
+        for i in 0..procs.len() {
+            if let Some(status) = procs[i].child.try_wait()? {
+                let report = procs[i].death_report(status);
+                stop_all(&mut procs, Duration::from_secs(10));
+                bail!("{report}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    Ok(Stack { procs, url })
+}
+
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut port = 8000u16;
     let mut model: Option<PathBuf> = None;
@@ -144,70 +234,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     eprintln!("serve: building pdserve-server and pdserve-router (release; a fresh clone's first build takes a few minutes)");
     crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-router"])?;
     crate::sys::install_stop_handler();
-    let root = crate::workspace_root();
-    let logs = root.join("target/serve");
-    std::fs::create_dir_all(&logs)?;
-    let server_bin = root.join("target/release/pdserve-server");
-    let router_bin = root.join("target/release/pdserve-router");
-    let worker_args = |name: &str, role: &str, port: u16| -> Vec<String> {
-        let mut a: Vec<String> = ["--port", &port.to_string(), "--name", name, "--role", role, "--model"]
-            .iter()
-            .map(|s| (*s).to_owned())
-            .collect();
-        a.push(model.display().to_string());
-        if role == "prefill" {
-            a.push("--kv-shm".into());
-        }
-        if native_q4 {
-            a.extend(["--weights".to_owned(), "q4".to_owned()]);
-        }
-        a.extend(extra.iter().cloned());
-        a
-    };
-    let mut procs: Vec<Proc> = Vec::new();
-    let result = (|| -> Result<String> {
-        if unified {
-            procs.push(Proc::start("worker", &server_bin, &worker_args("worker", "unified", port), &logs)?);
-            return Ok(procs[0].url.clone());
-        }
-        let mut router_args = vec!["--port".to_owned(), port.to_string()];
-        for (role, n) in [("prefill", prefills), ("decode", decodes)] {
-            for i in 0..n {
-                let name = format!("{role}-{i}");
-                let p = Proc::start(&name, &server_bin, &worker_args(&name, role, 0), &logs)?;
-                router_args.push(format!("--{role}"));
-                router_args.push(p.url.clone());
-                procs.push(p);
-            }
-        }
-        let router = Proc::start("router", &router_bin, &router_args, &logs)?;
-        let url = router.url.clone();
-        procs.push(router);
-        Ok(url)
-    })();
-    let url = match result {
-        Ok(u) => u,
-        Err(e) => {
-            stop_all(&mut procs, Duration::from_secs(10));
-            return Err(e);
-        }
-    };
-    // Ready means a request went through the whole path (the router's probes prove it).
-    let started = Instant::now();
-    while http_status(&url, "/health/ready") != Some(200) {
-        if started.elapsed() > Duration::from_secs(120) || crate::sys::stop_requested() {
-            stop_all(&mut procs, Duration::from_secs(10));
-            bail!("{url} did not become ready within 120 s; logs are in {}", logs.display());
-        }
-        for p in procs.iter_mut() {
-            if let Some(status) = p.child.try_wait()? {
-                let report = p.death_report(status);
-                stop_all(&mut procs, Duration::from_secs(10));
-                bail!("{report}");
-            }
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let logs = crate::workspace_root().join("target/serve");
+    let spec =
+        Spec { port, model: &model, native_q4, unified, prefills, decodes, extra: &extra, logs: &logs };
+    let Stack { mut procs, url } = start_stack(&spec)?;
     let mut out = std::io::stdout().lock();
     let shape = if unified {
         "one unified worker".to_owned()

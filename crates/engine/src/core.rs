@@ -58,6 +58,17 @@ pub(crate) struct Times {
     pub kv_arrived: Option<Instant>,
     /// Decode role: the prefill worker's queue and prefill times, in microseconds.
     pub prefill_us: Option<(u64, u64)>,
+    /// Decode role: what the pull moved, and what this worker's prefix cache spared it.
+    pub pulled: Option<Pulled>,
+}
+
+/// Decode role: the prompt's KV blocks pulled from the prefill worker, and those reused from this
+/// worker's own prefix cache instead.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Pulled {
+    pub blocks: usize,
+    pub bytes: u64,
+    pub reused_blocks: usize,
 }
 
 /// What the engine thread tells the handle, in order per request: `Admitted` or `Rejected`, then
@@ -488,6 +499,11 @@ impl Core {
             cached_tokens: meta.cached_tokens as usize,
         };
         self.admitted(&s, prompt, ApiStage::KvTransfer, now, Some(first));
+        let block_bytes = self.endpoint.as_ref().map_or(0, |ep| ep.layout().block_bytes());
+        if let Some(l) = self.live.get_mut(&s.id) {
+            let bytes = (dest.len() * block_bytes) as u64;
+            l.times.pulled = Some(Pulled { blocks: dest.len(), bytes, reused_blocks: from });
+        }
         self.pulling.insert(transfer, s.id);
         let set = self.endpoint.as_mut().map(|ep| ep.set_destination(transfer, from as u32, dest));
         if let Some(Err(e)) = set {

@@ -130,7 +130,9 @@ impl Finish {
 }
 
 /// Milliseconds a request spent in each stage on this engine (and, for a decode worker, on the
-/// prefill worker before it), in the order they happened.
+/// prefill worker before it), in the order they happened (names ending in `_ms`); a decode worker adds
+/// what its KV pull moved: `kv_pulled_blocks`, `kv_pulled_bytes` and `kv_reused_blocks` (blocks its
+/// own prefix cache held, not pulled).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Timings(pub Vec<(&'static str, f64)>);
 

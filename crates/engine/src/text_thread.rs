@@ -446,6 +446,12 @@ pub(crate) fn timings(s: &Stream, times: Times, end: Instant) -> Timings {
             t.push(("transfer_ms", ms(s.received, kv)));
             t.push(("decode_queue_ms", ms(kv, scheduled.max(kv))));
             t.push(("decode_ms", ms(scheduled.max(kv), end)));
+            if let Some(p) = times.pulled {
+                // What the transfer moved, beside how long it took.
+                t.push(("kv_pulled_blocks", p.blocks as f64));
+                t.push(("kv_pulled_bytes", p.bytes as f64));
+                t.push(("kv_reused_blocks", p.reused_blocks as f64));
+            }
         }
         None => {
             t.push(("queue_ms", ms(s.received, scheduled)));

@@ -35,6 +35,13 @@ pub struct Outcome {
     pub stages: Vec<(String, f64)>,
     /// The client itself closed the connection before the end (see `Shape::disconnect_one_in`).
     pub client_left: bool,
+    /// Prompt tokens the server says it found cached (`usage.prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: Option<u64>,
+    /// KV bytes a disaggregated server pulled between its workers for this request
+    /// (`timings.kv_pulled_bytes`, this project's decode workers).
+    pub kv_pulled_bytes: Option<u64>,
+    /// Agents workload: which agent sent it, in which round.
+    pub agent_round: Option<(u32, u32)>,
 }
 
 impl Outcome {
@@ -213,6 +220,7 @@ fn on_sse(data: &str, start: Instant, last: &mut Option<Instant>, out: &mut Outc
     if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
         out.output_tokens = u["completion_tokens"].as_u64().unwrap_or(out.output_tokens);
         out.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(0);
+        out.cached_tokens = u["prompt_tokens_details"]["cached_tokens"].as_u64();
     }
     read_stages(&v, out);
     if choice["finish_reason"].as_str() == Some("error") {
@@ -238,6 +246,7 @@ fn on_plain(body: &[u8], start: Instant, out: &mut Outcome) {
         choice["message"]["content"].as_str().or_else(|| choice["text"].as_str()).unwrap_or("").to_owned();
     out.output_tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
     out.prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+    out.cached_tokens = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64();
     read_stages(&v, out);
 }
 
@@ -250,5 +259,6 @@ fn read_stages(v: &Value, out: &mut Outcome) {
             .filter(|(k, _)| k.ends_with("_ms") && !k.ends_with("per_token_ms"))
             .filter_map(|(k, x)| x.as_f64().map(|f| (k.clone(), f)))
             .collect();
+        out.kv_pulled_bytes = t.get("kv_pulled_bytes").and_then(Value::as_f64).map(|b| b as u64);
     }
 }

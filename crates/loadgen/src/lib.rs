@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 pub use client::{Conn, Outcome};
 pub use pdserve_telemetry::LatencySummary;
-pub use stats::PointResult;
+pub use stats::{PointResult, RoundResult};
 
 /// An endpoint under test.
 #[derive(Debug, Clone)]
@@ -366,7 +366,9 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                         ];
                         for r in 0..*rounds {
                             let seed = (a * 1000 + r) as u64;
-                            let o = send(&mut conn, shape, &serde_json::Value::Array(messages.clone()), seed);
+                            let mut o =
+                                send(&mut conn, shape, &serde_json::Value::Array(messages.clone()), seed);
+                            o.agent_round = Some((a as u32, r as u32));
                             record(progress, &o);
                             // A turn its own client abandoned is retried by the agent in the next round; a turn the
                             // server failed ends the agent, as a harness would after its retries.

@@ -28,6 +28,8 @@ request shape:
   --api-key KEY
 goodput SLOs:  --slo-ttft-ms MS (default 5000)   --slo-tpot-ms MS (default 500)
 output:        --out PATH (default target/bench/loadgen: writes PATH.json and PATH.svg)
+repeats:       --repeat N      run every point N times, the targets alternating (A B A B), and print
+                               each target's median with its range (default 1)
 ";
 
 fn list<T: std::str::FromStr>(v: &str) -> Result<Vec<T>, String> {
@@ -41,6 +43,7 @@ struct Args {
     slo: Slo,
     out: PathBuf,
     x_label: &'static str,
+    repeat: usize,
 }
 
 fn parse(args: Vec<String>) -> Result<Option<Args>, String> {
@@ -55,6 +58,7 @@ fn parse(args: Vec<String>) -> Result<Option<Args>, String> {
     let mut shape = Shape::default();
     let mut slo = Slo::default();
     let mut out = PathBuf::from("target/bench/loadgen");
+    let mut repeat = 1usize;
     let mut it = args.into_iter();
     while let Some(a) = it.next() {
         if a == "-h" || a == "--help" {
@@ -87,6 +91,7 @@ fn parse(args: Vec<String>) -> Result<Option<Args>, String> {
             "--slo-ttft-ms" => slo.ttft = Duration::from_secs_f64(num(&v)? / 1000.0),
             "--slo-tpot-ms" => slo.tpot = Duration::from_secs_f64(num(&v)? / 1000.0),
             "--out" => out = PathBuf::from(v),
+            "--repeat" => repeat = int(&v)?.max(1),
             other => return Err(format!("unknown option {other}")),
         }
     }
@@ -111,7 +116,7 @@ fn parse(args: Vec<String>) -> Result<Option<Args>, String> {
         "agents" => (vec![Load::Agents { agents, rounds, tool_words }], "agents"),
         w => return Err(format!("unknown workload {w} (sweep, poisson, agents)")),
     };
-    Ok(Some(Args { targets, loads, shape, slo, out, x_label }))
+    Ok(Some(Args { targets, loads, shape, slo, out, x_label, repeat }))
 }
 
 fn row(r: &PointResult) -> String {
@@ -168,24 +173,37 @@ fn main() -> ExitCode {
         "", "", "", "", "", "ms", "ms", "ms", "ms", "ms", "ms", "", "cores"
     );
     let mut results = Vec::new();
-    for load in &args.loads {
-        for t in &args.targets {
-            let progress = Arc::new(Progress::default());
-            let stop = Arc::new(AtomicBool::new(false));
-            let bar =
-                progress_bar(format!("{} {}", t.url, load.label()), Arc::clone(&progress), Arc::clone(&stop));
-            let r = run_point(t, load, &args.shape, &args.slo, &progress);
-            stop.store(true, Ordering::Relaxed);
-            let _ = bar.join();
-            println!("{}", row(&r));
-            if !r.stages.is_empty() {
-                let stages: Vec<String> = r.stages.iter().map(|(k, (m, _))| format!("{k} {m:.0}")).collect();
-                println!("{:<26} stages (mean ms): {}", "", stages.join(", "));
+    for rep in 0..args.repeat {
+        for load in &args.loads {
+            for t in &args.targets {
+                let progress = Arc::new(Progress::default());
+                let stop = Arc::new(AtomicBool::new(false));
+                let bar = progress_bar(
+                    format!("{} {}", t.url, load.label()),
+                    Arc::clone(&progress),
+                    Arc::clone(&stop),
+                );
+                let r = run_point(t, load, &args.shape, &args.slo, &progress);
+                stop.store(true, Ordering::Relaxed);
+                let _ = bar.join();
+                println!("{}", row(&r));
+                if !r.stages.is_empty() {
+                    let stages: Vec<String> =
+                        r.stages.iter().map(|(k, (m, _))| format!("{k} {m:.0}")).collect();
+                    println!("{:<26} stages (mean ms): {}", "", stages.join(", "));
+                }
+                if !r.rounds.is_empty() {
+                    print!("{}", rounds_table(&r));
+                }
+                let _ = std::io::stdout().flush();
+                results.push((rep, r));
             }
-            let _ = std::io::stdout().flush();
-            results.push(r);
         }
     }
+    if args.repeat > 1 {
+        print!("{}", summary(&results, &args.targets, &args.loads));
+    }
+    let results: Vec<PointResult> = results.into_iter().map(|(_, r)| r).collect();
     let hung: u64 = results.iter().map(|r| r.hung).sum();
     if let Some(dir) = args.out.parent() {
         let _ = std::fs::create_dir_all(dir);
@@ -210,4 +228,97 @@ fn main() -> ExitCode {
     } else {
         ExitCode::SUCCESS
     }
+}
+
+/// The agents workload's figures round by round: TTFT, prompt tokens computed against those new in
+/// the round and those found cached, and KV bytes moved between PD workers.
+fn rounds_table(r: &PointResult) -> String {
+    let mut out = format!(
+        "{:<26} {:>5} {:>4} {:>8} {:>8} {:>9} {:>8} {:>9} {:>9} {:>8} {:>9}\n",
+        "", "round", "ok", "ttft50", "ttft99", "ttft50/r1", "new", "computed", "comp/new", "cached", "kv MB"
+    );
+    let first = r.rounds.first().map_or(0.0, |r0| r0.ttft.p50_ms());
+    let opt = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
+    for x in &r.rounds {
+        out += &format!(
+            "{:<26} {:>5} {:>4} {:>8.0} {:>8.0} {:>9.2} {:>8} {:>9} {:>9} {:>8} {:>9}\n",
+            "",
+            x.round + 1,
+            x.ok,
+            x.ttft.p50_ms(),
+            x.ttft.p99_ms(),
+            x.ttft.p50_ms() / first.max(1e-9),
+            x.new_tokens,
+            opt(x.computed_tokens()),
+            x.computed_per_new().map_or_else(|| "-".to_owned(), |v| format!("{v:.2}")),
+            opt(x.cached_tokens),
+            x.kv_pulled_bytes.map_or_else(|| "-".to_owned(), |b| format!("{:.1}", b as f64 / 1e6)),
+        );
+    }
+    out
+}
+
+/// Medians over the repeats, with their range, per target and load; and each target's ratio to the
+/// last target (the peer) per repeat.
+fn summary(results: &[(usize, PointResult)], targets: &[Target], loads: &[Load]) -> String {
+    let median = |mut v: Vec<f64>| -> (f64, f64, f64) {
+        v.sort_by(f64::total_cmp);
+        let n = v.len();
+        let m = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
+        (m, v[0], v[n - 1])
+    };
+    let mut out = String::from("\nmedians over the repeats (min-max):\n");
+    for load in loads {
+        let label = load.label();
+        let of = |t: &Target| -> Vec<&(usize, PointResult)> {
+            results.iter().filter(|(_, r)| r.target == t.url && r.load == label).collect()
+        };
+        let peer = targets.last().map(|t| of(t)).unwrap_or_default();
+        for t in targets {
+            let rs = of(t);
+            let rps = median(rs.iter().map(|(_, r)| r.requests_per_s()).collect());
+            let ttft = median(rs.iter().map(|(_, r)| r.ttft.p50_ms()).collect());
+            let hung: u64 = rs.iter().map(|(_, r)| r.hung).sum();
+            out += &format!(
+                "{:<26} {:<18} req/s {:.3} ({:.3}-{:.3})  ttft50 ms {:.0} ({:.0}-{:.0})  hung {hung}",
+                t.url, label, rps.0, rps.1, rps.2, ttft.0, ttft.1, ttft.2
+            );
+            if !peer.is_empty() && t.url != peer[0].1.target {
+                let ratios: Vec<f64> = rs
+                    .iter()
+                    .filter_map(|(rep, r)| {
+                        let p = peer.iter().find(|(pr, _)| pr == rep)?;
+                        Some(r.requests_per_s() / p.1.requests_per_s().max(1e-9))
+                    })
+                    .collect();
+                if !ratios.is_empty() {
+                    let q = median(ratios);
+                    out += &format!("  req/s vs {}: {:.2}x ({:.2}-{:.2})", peer[0].1.target, q.0, q.1, q.2);
+                }
+            }
+            out += "\n";
+            if rs.iter().any(|(_, r)| !r.rounds.is_empty()) {
+                let rounds = rs.iter().map(|(_, r)| r.rounds.len()).max().unwrap_or(0);
+                for i in 0..rounds {
+                    let at = |f: &dyn Fn(&pdserve_loadgen::RoundResult) -> Option<f64>| -> Option<(f64, f64, f64)> {
+                        let v: Vec<f64> = rs.iter().filter_map(|(_, r)| r.rounds.get(i).and_then(f)).collect();
+                        (!v.is_empty()).then(|| median(v))
+                    };
+                    let show = |m: Option<(f64, f64, f64)>, p: usize| {
+                        m.map_or_else(|| "-".to_owned(), |m| format!("{:.p$} ({:.p$}-{:.p$})", m.0, m.1, m.2))
+                    };
+                    out += &format!(
+                        "{:<26}   round {:>2}: ttft50 ms {}  ttft99 ms {}  computed/new {}  kv MB {}\n",
+                        "",
+                        i + 1,
+                        show(at(&|x| Some(x.ttft.p50_ms())), 0),
+                        show(at(&|x| Some(x.ttft.p99_ms())), 0),
+                        show(at(&|x| x.computed_per_new()), 2),
+                        show(at(&|x| x.kv_pulled_bytes.map(|b| b as f64 / 1e6)), 1),
+                    );
+                }
+            }
+        }
+    }
+    out
 }

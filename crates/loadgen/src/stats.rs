@@ -39,6 +39,79 @@ pub struct PointResult {
     pub cpu_s: f64,
     /// Mean per-stage milliseconds the server reported, with how many requests reported each.
     pub stages: BTreeMap<String, (f64, u64)>,
+    /// Agents workload: the figures of each round (empty for other loads).
+    pub rounds: Vec<RoundResult>,
+}
+
+/// One round of the agents workload, over its successful requests.
+#[derive(Debug, Clone)]
+pub struct RoundResult {
+    pub round: u32,
+    pub ok: u64,
+    pub ttft: LatencySummary,
+    pub prompt_tokens: u64,
+    /// Prompt tokens the server reported as cached (`None`: the server reports none).
+    pub cached_tokens: Option<u64>,
+    /// Prompt tokens new in this round: the growth of each agent's prompt since its previous round
+    /// (the whole prompt in the first).
+    pub new_tokens: u64,
+    /// KV bytes moved between prefill and decode workers (`None`: not reported).
+    pub kv_pulled_bytes: Option<u64>,
+}
+
+impl RoundResult {
+    /// Prompt tokens the server computed: the prompt less what it found cached.
+    pub fn computed_tokens(&self) -> Option<u64> {
+        self.cached_tokens.map(|c| self.prompt_tokens.saturating_sub(c))
+    }
+
+    /// Computed tokens per new token (1.0: only what was new was computed).
+    pub fn computed_per_new(&self) -> Option<f64> {
+        self.computed_tokens().map(|c| c as f64 / self.new_tokens.max(1) as f64)
+    }
+
+    fn from_outcomes(outcomes: &[Outcome]) -> Vec<RoundResult> {
+        let ok: Vec<(u32, u32, &Outcome)> = outcomes
+            .iter()
+            .filter(|o| o.ok())
+            .filter_map(|o| o.agent_round.map(|(a, r)| (a, r, o)))
+            .collect();
+        let prompt_of: BTreeMap<(u32, u32), u64> =
+            ok.iter().map(|&(a, r, o)| ((a, r), o.prompt_tokens)).collect();
+        let rounds = ok.iter().map(|&(_, r, _)| r + 1).max().unwrap_or(0);
+        (0..rounds)
+            .map(|round| {
+                let these: Vec<&(u32, u32, &Outcome)> = ok.iter().filter(|(_, r, _)| *r == round).collect();
+                let sum_opt = |f: &dyn Fn(&Outcome) -> Option<u64>| -> Option<u64> {
+                    these.iter().map(|(_, _, o)| f(o)).reduce(|a, b| Some(a? + b?)).flatten()
+                };
+                RoundResult {
+                    round,
+                    ok: these.len() as u64,
+                    ttft: percentiles(these.iter().filter_map(|(_, _, o)| o.ttft)),
+                    prompt_tokens: these.iter().map(|(_, _, o)| o.prompt_tokens).sum(),
+                    cached_tokens: sum_opt(&|o| o.cached_tokens),
+                    new_tokens: these
+                        .iter()
+                        .map(|&&(a, r, o)| {
+                            let before = r.checked_sub(1).and_then(|p| prompt_of.get(&(a, p)).copied());
+                            o.prompt_tokens.saturating_sub(before.unwrap_or(0))
+                        })
+                        .sum(),
+                    kv_pulled_bytes: sum_opt(&|o| o.kv_pulled_bytes),
+                }
+            })
+            .collect()
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        json!({
+            "round": self.round, "ok": self.ok, "ttft": self.ttft.to_json(),
+            "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
+            "computed_tokens": self.computed_tokens(), "new_tokens": self.new_tokens,
+            "computed_per_new": self.computed_per_new(), "kv_pulled_bytes": self.kv_pulled_bytes,
+        })
+    }
 }
 
 impl PointResult {
@@ -82,6 +155,7 @@ impl PointResult {
             hung: outcomes.iter().filter(|o| o.hung).count() as u64,
             cpu_s,
             stages: crate::stage_means(outcomes),
+            rounds: RoundResult::from_outcomes(outcomes),
         }
     }
 
@@ -110,6 +184,7 @@ impl PointResult {
             "ttft": self.ttft.to_json(), "itl": self.itl.to_json(), "e2e": self.e2e.to_json(),
             "errors": self.errors, "hung": self.hung, "generator_cpu_cores": self.cpu_cores(),
             "stages_mean_ms": self.stages.iter().map(|(k, (m, n))| (k.clone(), json!({"mean_ms": m, "requests": n}))).collect::<serde_json::Map<_, _>>(),
+            "rounds": self.rounds.iter().map(RoundResult::to_json).collect::<Vec<_>>(),
         })
     }
 }
@@ -157,5 +232,33 @@ mod tests {
         assert_eq!(r.ttft.count, 3);
         assert!((r.ttft.p50_ms() - 50.0).abs() < 0.5, "{:?}", r.ttft);
         assert_eq!(r.output_tokens, 30);
+    }
+
+    #[test]
+    fn rounds_count_new_and_computed_tokens_per_agent() {
+        let turn = |agent: u32, round: u32, prompt: u64, cached: u64, ttft_ms: u64| Outcome {
+            prompt_tokens: prompt,
+            cached_tokens: Some(cached),
+            kv_pulled_bytes: Some(1000),
+            agent_round: Some((agent, round)),
+            ..o(ttft_ms, 2 * ttft_ms, 4)
+        };
+        let outcomes = vec![
+            turn(0, 0, 300, 0, 400),
+            turn(1, 0, 310, 16, 500),
+            turn(0, 1, 460, 288, 60),
+            turn(1, 1, 480, 304, 80),
+            // A failed turn counts nowhere.
+            Outcome { agent_round: Some((2, 1)), status: 500, ..Outcome::default() },
+        ];
+        let load = Load::Agents { agents: 3, rounds: 2, tool_words: 40 };
+        let r =
+            PointResult::from_outcomes("t", &load, &outcomes, Duration::from_secs(1), 0.0, &Slo::default());
+        let (r0, r1) = (&r.rounds[0], &r.rounds[1]);
+        assert_eq!((r0.ok, r0.new_tokens, r0.computed_tokens()), (2, 610, Some(594)));
+        assert_eq!((r1.ok, r1.new_tokens, r1.computed_tokens()), (2, 330, Some(348)));
+        assert_eq!(r1.kv_pulled_bytes, Some(2000));
+        assert!((r1.computed_per_new().unwrap() - 348.0 / 330.0).abs() < 1e-9);
+        assert!(r1.ttft.p50_ms() < r0.ttft.p50_ms() / 4.0);
     }
 }

@@ -1,0 +1,162 @@
+//! `cargo xtask bench agents`: the agent workload (growing multi-round conversations) against the PD
+//! stack, a unified worker and llama.cpp's server, all three up at once on this machine, the targets
+//! alternating run by run. Everything it starts it stops.
+
+use std::fs::File;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::serve::{http_status, start_stack, stop_all, Spec, Stack};
+
+const USAGE: &str = "cargo xtask bench agents [--agents N] [--rounds R] [--tool-words W] [--max-tokens M]
+                         [--repeat K] [--kv-blocks B] [--no-llamacpp] [--out PATH]
+
+Starts the PD stack (router, one prefill and one decode worker, KV through shared memory) on port
+8100, one unified worker on 8101 and llama.cpp's llama-server (built by `cargo xtask peer llamacpp`,
+one slot per agent) on 8189, then runs `pdserve-bench --workload agents` against the three, K times
+alternating. Defaults: 32 agents x 10 rounds, 110 words (about 150 tokens) of tool output per round,
+64 output tokens, K = 2, 5120 KV blocks per worker, out target/bench/agents.";
+
+/// llama-server, started here; killed when dropped.
+struct Peer(Child);
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let (mut agents, mut rounds, mut tool_words, mut max_tokens, mut repeat) =
+        (32usize, 10usize, 110usize, 64usize, 2usize);
+    let mut kv_blocks = 5120usize;
+    let mut llamacpp = true;
+    let mut out = "target/bench/agents".to_owned();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut n = || -> Result<usize> { Ok(it.next().context("a number")?.parse()?) };
+        match a.as_str() {
+            "--agents" => agents = n()?,
+            "--rounds" => rounds = n()?,
+            "--tool-words" => tool_words = n()?,
+            "--max-tokens" => max_tokens = n()?,
+            "--repeat" => repeat = n()?,
+            "--kv-blocks" => kv_blocks = n()?,
+            "--no-llamacpp" => llamacpp = false,
+            "--out" => out = it.next().context("--out needs a path")?.clone(),
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            other => bail!("unknown option {other}\n{USAGE}"),
+        }
+    }
+    let model = crate::fetch_model(&[])?;
+    crate::cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "pdserve-server",
+        "-p",
+        "pdserve-router",
+        "-p",
+        "pdserve-loadgen",
+    ])?;
+    let peer_bins =
+        if llamacpp { Some((crate::peer::llamacpp()?.0, crate::peer::default_gguf()?)) } else { None };
+    crate::sys::install_stop_handler();
+    let logs = crate::workspace_root().join("target/bench/agents-logs");
+    std::fs::create_dir_all(&logs)?;
+    let extra = vec!["--kv-blocks".to_owned(), kv_blocks.to_string()];
+    let (pd_logs, unified_logs) = (logs.join("pd"), logs.join("unified"));
+    let spec = |port, unified, logs| Spec {
+        port,
+        model: &model,
+        native_q4: true,
+        unified,
+        prefills: 1,
+        decodes: 1,
+        extra: &extra,
+        logs,
+    };
+    let mut stacks: Vec<Stack> = Vec::new();
+    let result = (|| -> Result<()> {
+        stacks.push(start_stack(&spec(8100, false, &pd_logs))?);
+        stacks.push(start_stack(&spec(8101, true, &unified_logs))?);
+        let _peer = match &peer_bins {
+            Some((server, gguf)) => Some(start_llamacpp(server, gguf, agents, &logs)?),
+            None => None,
+        };
+        let mut bench: Vec<String> =
+            ["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"]
+                .iter()
+                .map(|s| (*s).to_owned())
+                .collect();
+        let mut targets = vec!["http://127.0.0.1:8100", "http://127.0.0.1:8101"];
+        if peer_bins.is_some() {
+            targets.push("http://127.0.0.1:8189");
+        }
+        for t in targets {
+            bench.extend(["--target".to_owned(), t.to_owned()]);
+        }
+        for (k, v) in [
+            ("--workload", "agents".to_owned()),
+            ("--agents", agents.to_string()),
+            ("--rounds", rounds.to_string()),
+            ("--tool-words", tool_words.to_string()),
+            ("--max-tokens", max_tokens.to_string()),
+            ("--repeat", repeat.to_string()),
+            ("--timeout-s", "600".to_owned()),
+            ("--out", out.clone()),
+        ] {
+            bench.extend([k.to_owned(), v]);
+        }
+        println!(
+            "agents bench: PD stack at :8100, unified worker at :8101{}",
+            if peer_bins.is_some() { ", llama.cpp at :8189" } else { "" }
+        );
+        crate::cargo(&bench.iter().map(String::as_str).collect::<Vec<_>>())
+    })();
+    for s in &mut stacks {
+        stop_all(&mut s.procs, Duration::from_secs(20));
+    }
+    result
+}
+
+/// `llama-server` with the default model's GGUF, one slot per agent (each keeps its conversation's
+/// prompt cache), on two threads like our workers; waits until it answers `/health`.
+fn start_llamacpp(
+    server: &std::path::Path,
+    gguf: &std::path::Path,
+    agents: usize,
+    logs: &std::path::Path,
+) -> Result<Peer> {
+    // Every slot holds a whole conversation (about 2,300 tokens at round 10 of the defaults).
+    let ctx = (agents * 4096).to_string();
+    let np = agents.to_string();
+    let log = logs.join("llama-server.log");
+    let child = Command::new(server)
+        .args(["-m"])
+        .arg(gguf)
+        .args(["-t", "2", "-c", &ctx, "-np", &np, "--port", "8189", "--host", "127.0.0.1"])
+        .stdin(Stdio::null())
+        .stdout(File::create(&log)?)
+        .stderr(File::create(logs.join("llama-server.err.log"))?)
+        .spawn()
+        .with_context(|| format!("starting {}", server.display()))?;
+    let mut peer = Peer(child);
+    let started = Instant::now();
+    while http_status("http://127.0.0.1:8189", "/health") != Some(200) {
+        if let Some(status) = peer.0.try_wait()? {
+            bail!("llama-server exited with {status}; see {}", logs.display());
+        }
+        if started.elapsed() > Duration::from_secs(120) || crate::sys::stop_requested() {
+            bail!("llama-server did not become ready within 120 s; see {}", logs.display());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    Ok(peer)
+}
