@@ -273,7 +273,7 @@ fn summary(results: &[(usize, PointResult)], targets: &[Target], loads: &[Load])
         let of = |t: &Target| -> Vec<&(usize, PointResult)> {
             results.iter().filter(|(_, r)| r.target == t.url && r.load == label).collect()
         };
-        let peer = targets.last().map(|t| of(t)).unwrap_or_default();
+        let peer = targets.last().map(&of).unwrap_or_default();
         for t in targets {
             let rs = of(t);
             let rps = median(rs.iter().map(|(_, r)| r.requests_per_s()).collect());
