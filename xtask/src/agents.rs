@@ -10,14 +10,16 @@ use anyhow::{bail, Context, Result};
 
 use crate::serve::{http_status, start_stack, stop_all, Spec, Stack};
 
-const USAGE: &str = "cargo xtask bench agents [--agents N] [--rounds R] [--tool-words W] [--max-tokens M]
-                         [--repeat K] [--kv-blocks B] [--no-llamacpp] [--out PATH]
+const USAGE: &str = "cargo xtask bench agents [--agents N] [--rounds R] [--prompt-words P] [--tool-words W]
+                         [--max-tokens M] [--repeat K] [--kv-blocks B] [--no-llamacpp] [--out PATH]
 
 Starts the PD stack (router, one prefill and one decode worker, KV through shared memory) on port
 8100, one unified worker on 8101 and llama.cpp's llama-server (built by `cargo xtask peer llamacpp`,
 one slot per agent) on 8189, then runs `pdserve-bench --workload agents` against the three, K times
-alternating. Defaults: 32 agents x 10 rounds, 110 words (about 150 tokens) of tool output per round,
-64 output tokens, K = 2, 5120 KV blocks per worker, out target/bench/agents.";
+alternating. Defaults: 32 agents x 10 rounds; each conversation opens with a task of 750 words (about
+1,000 tokens) and every round adds the answer (64 tokens) and 110 words (about 150 tokens) of tool
+output; K = 2; 6,400 KV blocks of 16 tokens per worker (each holds every conversation); out
+target/bench/agents.";
 
 /// llama-server, started here; killed when dropped.
 struct Peer(Child);
@@ -32,7 +34,9 @@ impl Drop for Peer {
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut agents, mut rounds, mut tool_words, mut max_tokens, mut repeat) =
         (32usize, 10usize, 110usize, 64usize, 2usize);
-    let mut kv_blocks = 5120usize;
+    let mut kv_blocks = 6400usize;
+    // The task that opens each conversation (the files it concerns): about 1,000 tokens.
+    let mut prompt_words = 750usize;
     let mut llamacpp = true;
     let mut out = "target/bench/agents".to_owned();
     let mut it = args.iter();
@@ -45,6 +49,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--max-tokens" => max_tokens = n()?,
             "--repeat" => repeat = n()?,
             "--kv-blocks" => kv_blocks = n()?,
+            "--prompt-words" => prompt_words = n()?,
             "--no-llamacpp" => llamacpp = false,
             "--out" => out = it.next().context("--out needs a path")?.clone(),
             "-h" | "--help" => {
@@ -107,6 +112,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             ("--agents", agents.to_string()),
             ("--rounds", rounds.to_string()),
             ("--tool-words", tool_words.to_string()),
+            ("--prompt-words", prompt_words.to_string()),
             ("--max-tokens", max_tokens.to_string()),
             ("--repeat", repeat.to_string()),
             ("--timeout-s", "600".to_owned()),
@@ -134,7 +140,7 @@ fn start_llamacpp(
     agents: usize,
     logs: &std::path::Path,
 ) -> Result<Peer> {
-    // Every slot holds a whole conversation (about 2,300 tokens at round 10 of the defaults).
+    // Every slot holds a whole conversation (about 3,100 tokens at round 10 of the defaults).
     let ctx = (agents * 4096).to_string();
     let np = agents.to_string();
     let log = logs.join("llama-server.log");

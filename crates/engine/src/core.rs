@@ -480,10 +480,9 @@ impl Core {
         // The lease's leading blocks came from this worker's prefix cache (an earlier round of the
         // conversation ended here): only the rest is pulled.
         let (from, dest): (usize, Vec<(BlockId, u32)>) = match self.sched.kv().lease(TransferId(transfer)) {
-            Ok(l) => (
-                l.reused,
-                l.blocks.iter().copied().zip(l.epochs.iter().copied()).skip(l.reused).collect(),
-            ),
+            Ok(l) => {
+                (l.reused, l.blocks.iter().copied().zip(l.epochs.iter().copied()).skip(l.reused).collect())
+            }
             Err(_) => (0, Vec::new()),
         };
         for (result, n) in [("skipped", from), ("transferred", dest.len())] {
@@ -805,7 +804,9 @@ impl Core {
                 c.add(total.saturating_sub(c.get()));
             }
         }
-        self.metrics.evicted_blocks.add(kv.evicted_blocks_total.saturating_sub(self.metrics.evicted_blocks.get()));
+        self.metrics
+            .evicted_blocks
+            .add(kv.evicted_blocks_total.saturating_sub(self.metrics.evicted_blocks.get()));
         if let Some(ep) = &self.endpoint {
             self.metrics.transfers_in_flight.set(ep.len() as f64);
             let s = ep.stats();

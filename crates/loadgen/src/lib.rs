@@ -354,7 +354,9 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
         }
         Load::Agents { agents, rounds, tool_words } => {
             progress.total.store((agents * rounds) as u64, Ordering::Relaxed);
-            let system = "You are a coding agent. Work in small steps. After each step a tool runs and its output follows. Keep answers short.";
+            // One system prompt for every agent of the point (as a harness has), unique to the point.
+            let system = format!("Session {:08x}. You are a coding agent. Work in small steps. After each step a tool runs and its output follows. Keep answers short.", nonce >> 32);
+            let system = system.as_str();
             std::thread::scope(|s| {
                 for a in 0..*agents {
                     let outcomes = Arc::clone(&outcomes);

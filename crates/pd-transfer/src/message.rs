@@ -185,7 +185,8 @@ impl PartialEq for PromptMeta {
                 .iter()
                 .zip(&o.first_top)
                 .all(|(a, b)| a.0 == b.0 && a.1.to_bits() == b.1.to_bits())
-            && (self.queue_us, self.prefill_us, self.cached_tokens) == (o.queue_us, o.prefill_us, o.cached_tokens)
+            && (self.queue_us, self.prefill_us, self.cached_tokens)
+                == (o.queue_us, o.prefill_us, o.cached_tokens)
     }
 }
 
@@ -380,7 +381,15 @@ impl<'a> Reader<'a> {
             return None;
         }
         let prompt = (0..n).map(|_| self.u32()).collect::<Option<Vec<u32>>>()?;
-        Some(PromptMeta { prompt, first_token, first_logprob, first_top, queue_us, prefill_us, cached_tokens })
+        Some(PromptMeta {
+            prompt,
+            first_token,
+            first_logprob,
+            first_top,
+            queue_us,
+            prefill_us,
+            cached_tokens,
+        })
     }
     fn reason(&mut self) -> Option<FailReason> {
         Some(match self.u8()? {

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 use pdserve_http::{write_request_head, ConnId, Request, ResponseEvent};
 use serde_json::{json, Value};
 
-use crate::router::{ms, unix_ms, Router};
 use crate::flight::LegKind;
+use crate::router::{ms, unix_ms, Router};
 use crate::upstream::Owner;
 use crate::Choice;
 

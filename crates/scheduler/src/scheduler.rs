@@ -247,13 +247,13 @@ impl Scheduler {
                         self.stats.prefix_miss_tokens_total += (r.tokens.len() - hit) as u64;
                     }
                     Err(e) => {
-                    return Err(match e {
-                        KvError::OutOfBlocks { .. } => Rejection::QueueFull {
-                            queued: busy,
-                            limit: c.max_running_requests,
-                            retry_after: self.retry_after(now),
-                        },
-                        _ => Rejection::DuplicateId,
+                        return Err(match e {
+                            KvError::OutOfBlocks { .. } => Rejection::QueueFull {
+                                queued: busy,
+                                limit: c.max_running_requests,
+                                retry_after: self.retry_after(now),
+                            },
+                            _ => Rejection::DuplicateId,
                         })
                     }
                 }

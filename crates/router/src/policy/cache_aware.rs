@@ -236,7 +236,8 @@ impl Policy for CacheAware {
                 .map_or(least, |(i, _)| i);
             (fewest, "least_cached")
         };
-        self.last = Some(Choice { worker: candidates[index].worker, rule, prompt_bytes: bytes.len(), matched });
+        self.last =
+            Some(Choice { worker: candidates[index].worker, rule, prompt_bytes: bytes.len(), matched });
         index
     }
 
