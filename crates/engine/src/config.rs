@@ -67,6 +67,10 @@ pub struct EngineConfig {
     pub watchdog_grace: Duration,
     /// Results the engine thread may have queued for the caller, per allowed live request.
     pub replies_per_request: usize,
+    /// Prefill role: tokens per step while any KV transfer is live. The transfer protocol moves only
+    /// between steps, so each of its round trips waits for the step in progress; shorter steps then
+    /// keep a finished prompt's time to first token from waiting on the next prompts' prefill.
+    pub transfer_step_tokens: usize,
 }
 
 impl EngineConfig {
@@ -85,6 +89,7 @@ impl EngineConfig {
             ledger_capacity: 65_536,
             watchdog_grace: Duration::from_secs(2),
             replies_per_request: 64,
+            transfer_step_tokens: 256,
         }
     }
 }

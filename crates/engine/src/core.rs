@@ -196,6 +196,8 @@ pub(crate) struct Core {
     pub shared: Arc<Shared>,
     pub metrics: Metrics,
     live: HashMap<u64, Live>,
+    /// Prefill role: the step's token budget while transfers are live.
+    transfer_step_tokens: usize,
     /// Decode role: pulls whose prompt the prefill worker has not described yet, by transfer.
     describing: HashMap<u64, Box<Submission>>,
     /// Decode role: described pulls still receiving blocks: transfer -> request.
@@ -217,6 +219,7 @@ impl Core {
         replies: Sender<Reply>,
         shared: Arc<Shared>,
         metrics: Metrics,
+        transfer_step_tokens: usize,
     ) -> Core {
         Core {
             sched,
@@ -232,6 +235,7 @@ impl Core {
             metrics,
             outbox: Default::default(),
             live: HashMap::new(),
+            transfer_step_tokens,
             describing: HashMap::new(),
             pulling: HashMap::new(),
             transfer_stats: EndpointStats::default(),
@@ -515,7 +519,13 @@ impl Core {
 
     fn step(&mut self) {
         let now = Instant::now();
-        let batch = self.sched.poll_batch(now);
+        // A prefill worker's transfers advance only between steps (each protocol round trip waits for
+        // the step in progress): while any is live, steps stay short.
+        let budget = match &self.endpoint {
+            Some(ep) if self.role == Role::Prefill && !ep.is_empty() => self.transfer_step_tokens,
+            _ => usize::MAX,
+        };
+        let batch = self.sched.poll_batch_within(now, budget);
         self.drain_events();
         // Gauges show the step's reservations while it runs, not only after it.
         self.publish();

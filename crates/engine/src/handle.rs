@@ -172,6 +172,7 @@ impl Engine {
             reply_tx,
             Arc::clone(&shared),
             metrics.clone(),
+            config.transfer_step_tokens,
         );
         let engine_thread = std::thread::Builder::new().name("engine".into()).spawn(move || core.run())?;
         let codec = Arc::new(files.text);

@@ -52,6 +52,7 @@ pub use config::{Device, EngineConfig};
 pub use error::{EngineError, KvTransferProblem};
 pub use handle::{Aborted, Engine, EngineInfo, Health};
 pub use load::{default_transport, TransportSpec};
+pub use pdserve_scheduler::{AdmissionOrder, SchedulerConfig};
 pub use request::{Finish, Id, Input, Output, Request, Timings};
 
 /// The README's examples, compiled as doc tests.

@@ -31,6 +31,8 @@ struct Req {
     max_tokens: usize,
     queue_deadline: Instant,
     deadline: Instant,
+    /// When the request was taken in (for the admission order's aging).
+    arrived: Instant,
     state: State,
     admitted_order: u64,
     /// The deadline of the current wait (the queue, or the KV transfer), as keyed in `Scheduler::waits`.
@@ -210,6 +212,7 @@ impl Scheduler {
             max_tokens: req.max_tokens,
             queue_deadline: req.queue_deadline,
             deadline: req.deadline,
+            arrived: now,
             state: State::Waiting,
             admitted_order: 0,
             wait_until: None,
@@ -356,9 +359,17 @@ impl Scheduler {
     /// prefill chunks (continuing ones, then newly admitted ones) under the token budget. The KV for
     /// every item is reserved before this returns.
     pub fn poll_batch(&mut self, now: Instant) -> Vec<BatchItem> {
+        self.poll_batch_within(now, self.config.max_batch_tokens)
+    }
+
+    /// [`poll_batch`](Self::poll_batch) with a smaller token budget for this one step (at most
+    /// `max_batch_tokens`): a shorter step, for a caller with I/O it must not leave waiting long (a
+    /// prefill worker whose KV transfers progress only between steps).
+    pub fn poll_batch_within(&mut self, now: Instant, max_tokens: usize) -> Vec<BatchItem> {
         assert!(self.in_flight.is_empty(), "poll_batch called before the previous step was reported");
         self.expire(now);
-        let mut budget = self.config.max_batch_tokens;
+        let cap = max_tokens.clamp(1, self.config.max_batch_tokens);
+        let mut budget = cap;
         let mut batch: Vec<BatchItem> = Vec::new();
 
         // One pass sorts the running requests (oldest first) into decodes and prefills.
@@ -398,26 +409,27 @@ impl Scheduler {
             }
         }
 
-        // Admit waiting requests in order while there is room.
+        // Admit waiting requests, in the configured order, while there is room.
         while budget > 0 && self.running.len() < self.config.max_running_requests {
-            let Some(&id) = self.waiting.front() else { break };
+            let Some(at) = self.next_admission(now) else { break };
+            let id = self.waiting[at];
             let r = &self.reqs[&id];
             let (seq, tokens) = (r.seq, r.tokens.clone());
             let hit = match self.kv.add_sequence(seq, &tokens) {
                 Ok(hit) => hit,
                 Err(e) => {
-                    self.waiting.pop_front();
+                    self.waiting.remove(at);
                     self.finish(id, Outcome::Failed { stage: Stage::Queued, reason: e.to_string() }, now);
                     continue;
                 }
             };
             let needed = self.kv.blocks_for(tokens.len()) - hit.cached_blocks;
             if self.kv.blocks_available() < needed + self.config.admission_watermark_blocks {
-                // Not now: the head waits (it fits the pool, so running requests will make room).
+                // Not now: it waits (it fits the pool, so running requests will make room).
                 let _ = self.kv.free_sequence(seq, false);
                 break;
             }
-            self.waiting.pop_front();
+            self.waiting.remove(at);
             self.end_wait(id);
             let order = self.next_order;
             self.next_order += 1;
@@ -439,12 +451,38 @@ impl Scheduler {
                 None => break,
             }
         }
-        self.stats.batch_tokens_last_step = self.config.max_batch_tokens - budget;
+        self.stats.batch_tokens_last_step = cap - budget;
         if !batch.is_empty() {
             self.stats.steps_total += 1;
         }
         self.in_flight = batch.clone();
         batch
+    }
+
+    /// Which waiting request (its index in `waiting`) is admitted next.
+    fn next_admission(&self, now: Instant) -> Option<usize> {
+        if self.waiting.is_empty() {
+            return None;
+        }
+        let AdmissionOrder::LeastWorkFirst { aging_after, aging_tokens_per_s, window } =
+            self.config.admission_order
+        else {
+            return Some(0);
+        };
+        let work = |id: &RequestId| {
+            let r = &self.reqs[id];
+            let left = r.tokens.len() - self.kv.lookup_prefix(&r.tokens);
+            let aged = now.saturating_duration_since(r.arrived).saturating_sub(aging_after).as_secs_f64();
+            left as f64 - f64::from(aging_tokens_per_s) * aged
+        };
+        // The first of the least: ties go to the earliest.
+        self.waiting
+            .iter()
+            .take(window.max(1))
+            .enumerate()
+            .map(|(i, id)| (i, work(id)))
+            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
+            .map(|(i, _)| i)
     }
 
     /// Reserves the next prefill chunk of `id` (KV permitting) and returns its item.

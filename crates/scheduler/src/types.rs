@@ -46,6 +46,21 @@ pub struct SchedulerConfig {
     pub kv_transfer_timeout: Duration,
     /// Blocks kept free when admitting, so running decodes can grow without preempting at once.
     pub admission_watermark_blocks: usize,
+    /// The order waiting requests are admitted in.
+    pub admission_order: AdmissionOrder,
+}
+
+/// Which waiting request is admitted next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdmissionOrder {
+    /// First come, first served.
+    Fifo,
+    /// The least work first: the request with the fewest prompt tokens left to compute after its
+    /// prefix-cache hit (the next round of a conversation, mostly cached, overtakes a cold prompt),
+    /// aged so nothing starves: past `aging_after` of waiting, each further second counts as
+    /// `aging_tokens_per_s` tokens less, so a request is overtaken for at most `aging_after` plus its
+    /// work over that rate. Among the first `window` waiting requests; ties go first come, first served.
+    LeastWorkFirst { aging_after: Duration, aging_tokens_per_s: u32, window: usize },
 }
 
 impl Default for SchedulerConfig {
@@ -62,6 +77,12 @@ impl Default for SchedulerConfig {
             kv_lease: Duration::from_secs(120),
             kv_transfer_timeout: Duration::from_secs(120),
             admission_watermark_blocks: 1,
+            // A 1,000-token cold prompt is overtaken by cached rounds for at most 60 + 1000/100 = 70 s.
+            admission_order: AdmissionOrder::LeastWorkFirst {
+                aging_after: Duration::from_secs(60),
+                aging_tokens_per_s: 100,
+                window: 32,
+            },
         }
     }
 }

@@ -439,3 +439,51 @@ fn a_decode_worker_reuses_the_previous_rounds_blocks() {
     assert!(matches!(events[..], [Event::Finished { cached_tokens: 12, .. }]), "{events:?}");
     s.check_invariants().unwrap();
 }
+
+/// The next round of a conversation (mostly cached) overtakes cold prompts that came before it, yet
+/// a cold prompt that waited long enough goes first: aged, nothing starves. `Fifo` keeps arrival order.
+#[test]
+fn least_work_first_lets_cached_rounds_overtake_cold_prompts_with_aging() {
+    let config = |order| SchedulerConfig {
+        max_running_requests: 1,
+        admission_order: order,
+        ..SchedulerConfig::default()
+    };
+    let lwf = AdmissionOrder::LeastWorkFirst {
+        aging_after: Duration::from_secs(1),
+        aging_tokens_per_s: 100,
+        window: 8,
+    };
+    for (order, want) in [(lwf, vec![1, 3, 2]), (AdmissionOrder::Fifo, vec![1, 2, 3])] {
+        let (mut s, t0) = sched(config(order), 256);
+        // Round 1 of a conversation, finished: its 200 tokens stay cached.
+        s.handle_request(req(1, 200, 1, t0), t0).unwrap();
+        let first = drain(&mut s, t0);
+        assert_eq!(first.len(), 1);
+        let mut order_seen = vec![1];
+        // A cold 300-token prompt, then round 2 of the conversation (220 tokens, 200 cached).
+        let mut round2 = req(3, 220, 1, t0);
+        round2.prompt[..200].copy_from_slice(&req(1, 200, 1, t0).prompt);
+        let t1 = t0 + Duration::from_millis(100);
+        s.handle_request(req(2, 300, 1, t1), t1).unwrap();
+        s.handle_request(round2, t1).unwrap();
+        for e in drain(&mut s, t1) {
+            if let Event::Finished { id, .. } = e {
+                order_seen.push(id.0);
+            }
+        }
+        assert_eq!(order_seen, want, "{order:?}");
+    }
+    // Aged: the cold prompt has waited 5 s (4 s past the grace: 400 tokens' worth), the cached round
+    // just arrived.
+    let (mut s, t0) = sched(config(lwf), 256);
+    s.handle_request(req(1, 200, 1, t0), t0).unwrap();
+    drain(&mut s, t0);
+    s.handle_request(req(2, 300, 1, t0), t0).unwrap();
+    let mut round2 = req(3, 220, 1, t0);
+    round2.prompt[..200].copy_from_slice(&req(1, 200, 1, t0).prompt);
+    let t5 = t0 + Duration::from_secs(5);
+    s.handle_request(round2, t5).unwrap();
+    let batch = s.poll_batch(t5);
+    assert_eq!(batch[0].id, RequestId(2), "the aged cold prompt goes first");
+}

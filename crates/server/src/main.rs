@@ -25,6 +25,9 @@ pdserve-server [options]
   --max-queued N           admission queue bound (default 256)
   --max-running N          running batch bound (default 64)
   --max-batch-tokens N     tokens per engine step (default 2048)
+  --transfer-step-tokens N prefill role: tokens per step while KV transfers are live (default 256)
+  --admission ORDER        least-work (default: the fewest uncached prompt tokens first, a request
+                           overtaken for at most 60 s plus its tokens / 100 per s) or fifo
   --prefill-chunk N        prefill chunk per request per step (default 512)
   --max-context N          context cap in tokens (default: the model's)
   --kv-blocks N            KV cache blocks (default 1024)
@@ -118,6 +121,14 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--max-queued" => e.scheduler.max_queued_requests = n()?,
             "--max-running" => e.scheduler.max_running_requests = n()?,
             "--max-batch-tokens" => e.scheduler.max_batch_tokens = n()?,
+            "--transfer-step-tokens" => e.transfer_step_tokens = n()?,
+            "--admission" => {
+                e.scheduler.admission_order = match v.as_str() {
+                    "fifo" => pdserve_engine::AdmissionOrder::Fifo,
+                    "least-work" => pdserve_engine::SchedulerConfig::default().admission_order,
+                    other => return Err(format!("--admission {other}: fifo or least-work")),
+                }
+            }
             "--prefill-chunk" => e.scheduler.prefill_chunk_tokens = n()?,
             "--max-context" => e.scheduler.max_context_tokens = n()?,
             "--kv-blocks" => e.kv_blocks = n()?,

@@ -255,6 +255,20 @@ fn the_next_round_of_a_conversation_computes_and_transfers_only_what_is_new() {
     assert!(skipped >= (p1 / 16.0).floor(), "the decode worker skipped {skipped} blocks it held");
     assert!(pulled <= (new / 16.0).ceil() + 1.0, "pulled {pulled} blocks for {new} new tokens");
 
+    // Streamed, the usage chunk says the same (the whole conversation is cached by now).
+    let streamed = serde_json::json!({
+        "messages": second, "temperature": 0, "max_tokens": 4, "stream": true,
+        "stream_options": {"include_usage": true},
+    });
+    let (s, events) = unified.stream("/v1/chat/completions", &streamed.to_string());
+    assert_eq!(s, 200);
+    let usage = events
+        .iter()
+        .filter_map(|e| serde_json::from_str::<serde_json::Value>(e).ok())
+        .find_map(|c| c.get("usage").filter(|u| !u.is_null()).cloned())
+        .expect("a usage chunk");
+    assert!(usage["prompt_tokens_details"]["cached_tokens"].as_f64().unwrap() >= p2 - 16.0, "{usage}");
+
     // Nothing held but cache, which stays (and is evictable).
     let until = Instant::now() + Duration::from_secs(10);
     for w in [&unified, &prefill, &decode] {

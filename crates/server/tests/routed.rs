@@ -97,13 +97,19 @@ fn text_of(events: &[String]) -> String {
         .collect()
 }
 
+/// KV blocks held by sequences or transfers; every other block must be free or cached (the gauges of
+/// one snapshot always add up to the pool, so nothing is lost).
 fn held_blocks(w: &Worker) -> f64 {
     let m = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
-    ["sequence", "transfer"]
-        .iter()
-        .filter_map(|o| m.lines().find_map(|l| l.strip_prefix(&format!("kv_blocks{{owner=\"{o}\"}} "))))
-        .filter_map(|v| v.parse::<f64>().ok())
-        .sum()
+    let owned = |o: &str| {
+        m.lines()
+            .find_map(|l| l.strip_prefix(&format!("kv_blocks{{owner=\"{o}\"}} ")))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let held = owned("sequence") + owned("transfer");
+    assert_eq!(held + owned("free") + owned("cache"), 256.0, "blocks lost:\n{m}");
+    held
 }
 
 #[test]

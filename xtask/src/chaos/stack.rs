@@ -159,6 +159,17 @@ impl Stack {
                         left.push(format!("{}: {key} = {}", p.name, val.unwrap_or_default()));
                     }
                 }
+                // What is not held is free or cached (evictable): no block is lost.
+                let gauge = |key: &str| {
+                    m.lines()
+                        .find_map(|l| l.strip_prefix(key).map(str::trim))
+                        .and_then(|v| v.parse::<f64>().ok())
+                };
+                let (free, cached) =
+                    (gauge("kv_blocks{owner=\"free\"}"), gauge("kv_blocks{owner=\"cache\"}"));
+                if free.unwrap_or(0.0) + cached.unwrap_or(0.0) != KV_BLOCKS as f64 {
+                    left.push(format!("{}: {free:?} free + {cached:?} cached blocks of {KV_BLOCKS}", p.name));
+                }
             }
             if left.is_empty() {
                 return Ok(());
@@ -202,11 +213,15 @@ impl Drop for Stack {
 }
 
 /// `n` streams at once, each in its own thread; `during` runs while they stream.
+/// KV blocks of every worker in the scenarios: small, so eviction and pressure happen.
+const KV_BLOCKS: usize = 512;
+
 /// A worker's arguments in every scenario: the served configuration (`cargo xtask serve`: Q4 decode
 /// weights, bf16 multi-row steps) with a small KV cache.
 pub(super) fn worker_args(name: &str, role: &str, model: &Path) -> Vec<String> {
+    let blocks = KV_BLOCKS.to_string();
     let mut args: Vec<String> =
-        ["--port", "0", "--name", name, "--role", role, "--kv-blocks", "512", "--weights", "q4", "--model"]
+        ["--port", "0", "--name", name, "--role", role, "--kv-blocks", &blocks, "--weights", "q4", "--model"]
             .iter()
             .map(|s| (*s).to_owned())
             .collect();
