@@ -97,7 +97,7 @@ impl Metrics {
             )?,
             transfer_blocks: r.counter_vec(
                 "kv_transfer_blocks_total",
-                "Decode side: prompt KV blocks pulled from the prefill worker (transferred) or found in this worker's prefix cache instead (skipped).",
+                "Decode side, per completed pull: prompt KV blocks pulled from the prefill worker (transferred) or found in this worker's prefix cache instead (skipped).",
                 &["result"],
             )?,
             prefix_tokens: r.counter_vec(

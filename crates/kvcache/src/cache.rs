@@ -244,6 +244,11 @@ impl KvCache {
     /// Makes `n` blocks free, evicting least recently used cached blocks if needed. All or nothing for
     /// the caller: on error nothing was allocated (some cache entries may have been evicted).
     fn ensure_free(&mut self, n: usize) -> Result<(), KvError> {
+        // Every block eviction could ever reclaim is cache-owned: fewer than needed, and the cache is
+        // left as it is instead of being emptied for nothing.
+        if self.free.len() + self.owned[OwnerKind::Cache.index()] < n {
+            return Err(KvError::OutOfBlocks { needed_blocks: n, free_blocks: self.free.len() });
+        }
         while self.free.len() < n {
             if !self.evict_one() {
                 return Err(KvError::OutOfBlocks { needed_blocks: n, free_blocks: self.free.len() });

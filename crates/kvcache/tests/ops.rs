@@ -207,11 +207,14 @@ fn a_destination_lease_reuses_the_cached_prefix_and_only_fresh_blocks_are_writte
     assert_eq!(lease.reused, 3);
     kv.release_lease(TransferId(3)).unwrap();
     let before = kv.stats();
+    assert!(before.blocks_evictable > 0, "the conversation is cached, unreferenced");
     assert!(matches!(
         kv.allocate_lease_reusing(TransferId(4), &round2, 40, 100),
         Err(KvError::OutOfBlocks { .. })
     ));
-    assert_eq!(kv.stats().blocks_owned, before.blocks_owned);
+    let after = kv.stats();
+    assert_eq!(after.blocks_owned, before.blocks_owned, "a hopeless allocation evicts nothing");
+    assert_eq!(after.evicted_blocks_total, before.evicted_blocks_total);
     kv.check_invariants().unwrap();
 }
 

@@ -109,6 +109,32 @@ fn cache_aware_forgets_old_branches_first_and_keeps_a_prefix_in_use() {
 }
 
 #[test]
+fn cache_aware_forgets_whole_old_conversations_before_any_part_of_a_recent_one() {
+    let max = 400;
+    let mut p =
+        CacheAware::new(CacheAwareConfig { nodes_per_worker_max: max, chunk_bytes: 8, ..Default::default() });
+    let w = workers(&[0, 0]);
+    // Conversations grow as long chains: each round resends the last one and adds to it.
+    let conversation = |c: usize, rounds: usize| -> String {
+        (0..rounds)
+            .map(|r| format!("Conversation {c:03}, round {r:02}: read file {c}-{r} and go on. "))
+            .collect()
+    };
+    for c in 0..20 {
+        for r in 1..=3 {
+            p.routed(0, &conversation(c, r));
+        }
+    }
+    assert!(p.remembered(0) <= max);
+    // The latest conversations are remembered whole, the oldest are gone whole.
+    p.pick(&w, &conversation(19, 3));
+    assert_eq!(p.last_choice().unwrap().matched[0].1, conversation(19, 3).len());
+    p.pick(&w, &conversation(0, 3));
+    // (All that is left of it is the first chunk, "Conversa", which every conversation shares.)
+    assert!(p.last_choice().unwrap().matched[0].1 <= 8, "{:?}", p.last_choice());
+}
+
+#[test]
 fn cache_aware_explains_load_imbalance_and_cold_choices() {
     let mut p = CacheAware::new(CacheAwareConfig {
         balance_abs_threshold: 4,

@@ -184,15 +184,6 @@ fn aborting_a_prefilled_request_releases_its_offered_kv() {
     assert_eq!(prefill.json("POST", "/abort/pf-1", "").0, 200);
 }
 
-/// A counter or gauge of `w`'s `/metrics` (0 when absent).
-fn metric(w: &Worker, series: &str) -> f64 {
-    let m = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
-    m.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 const MISS: &str = "prefix_cache_tokens_total{result=\"miss\"}";
 
 /// Two rounds of one conversation: the second resends the first with its answer and a new question.
@@ -225,10 +216,10 @@ fn the_next_round_of_a_conversation_computes_and_transfers_only_what_is_new() {
     let second_list = second.as_array_mut().unwrap();
     second_list.push(serde_json::json!({"role": "assistant", "content": answer}));
     second_list.push(serde_json::json!({"role": "user", "content": "And where are the tests run from?"}));
-    let (miss_u, miss_p) = (metric(&unified, MISS), metric(&prefill, MISS));
+    let (miss_u, miss_p) = (common::metric(&unified, MISS), common::metric(&prefill, MISS));
     let (skipped, pulled) = (
-        metric(&decode, "kv_transfer_blocks_total{result=\"skipped\"}"),
-        metric(&decode, "kv_transfer_blocks_total{result=\"transferred\"}"),
+        common::metric(&decode, "kv_transfer_blocks_total{result=\"skipped\"}"),
+        common::metric(&decode, "kv_transfer_blocks_total{result=\"transferred\"}"),
     );
     let (s, v2) = unified.json("POST", "/v1/chat/completions", &body(&second));
     assert_eq!(s, 200, "{v2}");
@@ -236,12 +227,12 @@ fn the_next_round_of_a_conversation_computes_and_transfers_only_what_is_new() {
     let new = p2 - p1;
     let cached = v2["usage"]["prompt_tokens_details"]["cached_tokens"].as_f64().unwrap();
     assert!(cached >= p1 - 16.0, "unified: {cached} of {p2} prompt tokens cached, round 1 had {p1}");
-    assert!(metric(&unified, MISS) - miss_u <= p2 - cached, "unified computed more than it missed");
+    assert!(common::metric(&unified, MISS) - miss_u <= p2 - cached, "unified computed more than it missed");
 
     // Through prefill + decode, the decode leg's answer carries the prefill worker's usage.
     let (s, handle) = prefill.json("POST", "/v1/chat/completions", &body(&second));
     assert_eq!(s, 200, "{handle}");
-    let computed = metric(&prefill, MISS) - miss_p;
+    let computed = common::metric(&prefill, MISS) - miss_p;
     assert!(computed <= new + 16.0, "prefill computed {computed} tokens for {new} new ones");
     let mut b: serde_json::Value = serde_json::from_str(&body(&second)).unwrap();
     b["pd_transfer"] = handle["pd_transfer"].clone();
@@ -250,8 +241,8 @@ fn the_next_round_of_a_conversation_computes_and_transfers_only_what_is_new() {
     assert_eq!(v["choices"][0]["message"]["content"], v2["choices"][0]["message"]["content"], "same text");
     let pd_cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_f64().unwrap();
     assert_eq!(pd_cached, p2 - computed, "usage reports the prefill worker's cache hit");
-    let skipped = metric(&decode, "kv_transfer_blocks_total{result=\"skipped\"}") - skipped;
-    let pulled = metric(&decode, "kv_transfer_blocks_total{result=\"transferred\"}") - pulled;
+    let skipped = common::metric(&decode, "kv_transfer_blocks_total{result=\"skipped\"}") - skipped;
+    let pulled = common::metric(&decode, "kv_transfer_blocks_total{result=\"transferred\"}") - pulled;
     assert!(skipped >= (p1 / 16.0).floor(), "the decode worker skipped {skipped} blocks it held");
     assert!(pulled <= (new / 16.0).ceil() + 1.0, "pulled {pulled} blocks for {new} new tokens");
 
@@ -272,11 +263,17 @@ fn the_next_round_of_a_conversation_computes_and_transfers_only_what_is_new() {
     // Nothing held but cache, which stays (and is evictable).
     let until = Instant::now() + Duration::from_secs(10);
     for w in [&unified, &prefill, &decode] {
-        while metric(w, "kv_blocks{owner=\"sequence\"}") + metric(w, "kv_blocks{owner=\"transfer\"}") > 0.0 {
+        while common::metric(w, "kv_blocks{owner=\"sequence\"}")
+            + common::metric(w, "kv_blocks{owner=\"transfer\"}")
+            > 0.0
+        {
             assert!(Instant::now() < until, "KV still held after the requests");
             std::thread::sleep(Duration::from_millis(20));
         }
-        assert!(metric(w, "kv_blocks{owner=\"cache\"}") > 0.0);
-        assert_eq!(metric(w, "kv_blocks{owner=\"cache\"}") + metric(w, "kv_blocks{owner=\"free\"}"), 256.0);
+        assert!(common::metric(w, "kv_blocks{owner=\"cache\"}") > 0.0);
+        assert_eq!(
+            common::metric(w, "kv_blocks{owner=\"cache\"}") + common::metric(w, "kv_blocks{owner=\"free\"}"),
+            256.0
+        );
     }
 }

@@ -238,14 +238,6 @@ fn a_client_that_leaves_is_gone_from_the_worker_and_debug_shows_where_it_was() {
     }
 }
 
-fn metric(w: &Worker, series: &str) -> f64 {
-    let m = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
-    m.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
 /// The next round of a conversation goes to the decode worker that kept the last round's KV (the
 /// router follows prefixes for decode as for prefill), which then pulls only what it lacks; the
 /// router's `/debug/requests` says why each leg went where it did.
@@ -298,8 +290,9 @@ fn a_conversation_returns_to_its_decode_worker_and_debug_explains_the_choice() {
     let decode_leg = routing.iter().find(|r| r["leg"] == "decode").unwrap_or_else(|| panic!("{entry}"));
     // The worker chosen is the one that held the first round: it pulled only the blocks it lacked.
     let skipped = "kv_transfer_blocks_total{result=\"skipped\"}";
-    let home = decodes.iter().position(|d| metric(d, skipped) >= 8.0).unwrap_or_else(|| panic!("{entry}"));
-    assert!(metric(&decodes[1 - home], skipped) < 8.0);
+    let home =
+        decodes.iter().position(|d| common::metric(d, skipped) >= 8.0).unwrap_or_else(|| panic!("{entry}"));
+    assert!(common::metric(&decodes[1 - home], skipped) < 8.0);
     assert_eq!(decode_leg["worker"], format!("http://{}", decodes[home].addr), "{entry}");
     assert_eq!(decode_leg["rule"], "cache_match", "{entry}");
     let matched: Vec<u64> = decode_leg["candidates"]

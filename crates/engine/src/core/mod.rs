@@ -396,7 +396,9 @@ impl Core {
     fn step(&mut self) {
         let now = Instant::now();
         // A prefill worker's transfers advance only between steps (each protocol round trip waits for
-        // the step in progress): while any is live, steps stay short.
+        // the step in progress): while any is live, steps stay short. Offers not yet pulled count too:
+        // the decode worker's pull comes within milliseconds, and one the router abandoned is
+        // aborted by it (only a vanished router leaves offers to their lease expiry).
         let budget = match &self.endpoint {
             Some(ep) if self.role == Role::Prefill && !ep.is_empty() => self.transfer_step_tokens,
             _ => usize::MAX,

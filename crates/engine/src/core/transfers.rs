@@ -112,11 +112,6 @@ impl Core {
             }
             Err(_) => (0, Vec::new()),
         };
-        for (result, n) in [("skipped", from), ("transferred", dest.len())] {
-            if let Ok(c) = self.metrics.transfer_blocks.with(&[result]) {
-                c.add(n as u64);
-            }
-        }
         let first = RemoteFirst {
             logprob: meta.first_logprob,
             top: meta.first_top,
@@ -229,6 +224,14 @@ impl Core {
                 let first = self.sched.awaiting_first_token(RequestId(req));
                 if let (Some(first), Some(l)) = (first, self.live.get_mut(&req)) {
                     l.times.kv_arrived = Some(now);
+                    // Counted once the blocks are here: a pull that failed moved nothing usable.
+                    if let Some(p) = l.times.pulled {
+                        for (result, n) in [("skipped", p.reused_blocks), ("transferred", p.blocks)] {
+                            if let Ok(c) = self.metrics.transfer_blocks.with(&[result]) {
+                                c.add(n as u64);
+                            }
+                        }
+                    }
                     let stop =
                         l.stop_ids.contains(&first) || (!l.ignore_eos && self.eos_ids.contains(&first));
                     let (logprob, top) = l.remote_first.take().unwrap_or_default();

@@ -1,4 +1,5 @@
-use std::collections::HashMap;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use super::{Candidate, Choice, Policy};
@@ -156,25 +157,24 @@ impl Tree {
         }
     }
 
-    /// Removes least recently used leaves until at most `keep` chunks remain. A parent is used at
-    /// least as recently as its children, so whole old branches go before any part of a live one.
+    /// Removes least recently used leaves until at most `keep` chunks remain; a parent left without
+    /// children becomes a leaf in its turn. A parent is used at least as recently as its children, so
+    /// whole old branches go, deepest first, before any part of a more recent one.
     fn evict(&mut self, keep: usize) {
+        let mut leaves: BinaryHeap<Reverse<(u64, u32)>> = (1..self.nodes.len() as u32)
+            .filter(|&i| self.nodes[i as usize].live && self.nodes[i as usize].children == 0)
+            .map(|i| Reverse((self.nodes[i as usize].last_use, i)))
+            .collect();
         while self.len() > keep {
-            let mut leaves: Vec<(u64, u32)> = (1..self.nodes.len() as u32)
-                .filter(|&i| {
-                    let n = &self.nodes[i as usize];
-                    n.live && n.children == 0
-                })
-                .map(|i| (self.nodes[i as usize].last_use, i))
-                .collect();
-            leaves.sort_unstable();
-            let excess = self.len() - keep;
-            for &(_, i) in leaves.iter().take(excess) {
-                let n = self.nodes[i as usize];
-                self.edges.remove(&(n.parent, n.hash));
-                self.nodes[n.parent as usize].children -= 1;
-                self.nodes[i as usize].live = false;
-                self.free.push(i);
+            let Some(Reverse((_, i))) = leaves.pop() else { break };
+            let n = self.nodes[i as usize];
+            self.edges.remove(&(n.parent, n.hash));
+            self.nodes[i as usize].live = false;
+            self.free.push(i);
+            let p = &mut self.nodes[n.parent as usize];
+            p.children -= 1;
+            if n.parent != 0 && p.children == 0 {
+                leaves.push(Reverse((p.last_use, n.parent)));
             }
         }
     }

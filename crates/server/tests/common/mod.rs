@@ -100,3 +100,12 @@ pub fn chat(content: &str, extra: &str) -> String {
         serde_json::Value::String(content.into())
     )
 }
+
+/// A counter or gauge of `w`'s `/metrics` (0 when absent).
+pub fn metric(w: &Worker, series: &str) -> f64 {
+    let m = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
