@@ -28,6 +28,7 @@ mod lifecycle;
 pub mod openai;
 pub mod path;
 pub mod pd;
+pub mod tools;
 
 pub use error::{ApiError, Described, ErrorKind};
 pub use health::Health;

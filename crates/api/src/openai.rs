@@ -4,6 +4,7 @@
 use serde_json::{json, Map, Value};
 
 use crate::pd::{PdHandle, HANDLE_FIELD};
+use crate::tools::{parse_tool_choice, parse_tools, Tool, ToolCall, ToolChoice};
 use crate::ApiError;
 
 /// Which endpoint a generation came from; it decides the response shapes.
@@ -53,10 +54,36 @@ impl Endpoint {
 }
 
 /// One chat message.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Message {
     pub role: String,
     pub content: String,
+    /// An assistant message's calls (`tool_calls`); their ids are the `tool` answers' `tool_call_id`.
+    pub tool_calls: Vec<ToolCall>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+    /// `name` (a participant's, or the function's in a `tool` message).
+    pub name: Option<String>,
+}
+
+impl Message {
+    pub fn new(role: &str, content: &str) -> Message {
+        Message { role: role.to_owned(), content: content.to_owned(), ..Message::default() }
+    }
+}
+
+/// What the output must match, enforced token by token: `response_format` or one of the extensions
+/// users know from vLLM (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) and SGLang
+/// (`regex`, `json_schema`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Constraint {
+    /// A JSON schema (`{"type": "object"}` for `json_object`).
+    JsonSchema(Value),
+    Regex(String),
+    /// One of these strings exactly.
+    Choice(Vec<String>),
+    /// A grammar in llguidance's Lark dialect.
+    Lark(String),
 }
 
 /// What to feed the model.
@@ -101,7 +128,67 @@ pub struct GenerateRequest {
     pub timeout_s: Option<f64>,
     /// Decode role: the prefill worker's handle.
     pub pd_handle: Option<PdHandle>,
+    /// Chat: the functions offered, and whether and how the model must call them.
+    pub tools: Vec<Tool>,
+    pub tool_choice: ToolChoice,
+    pub parallel_tool_calls: bool,
+    /// What the output must match.
+    pub constraint: Option<Constraint>,
+    /// End-of-sequence and stop tokens are not sampled before this many tokens.
+    pub min_tokens: u32,
+    /// Token id -> bias added to its logit (-100..100).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// A matched stop string stays in the text.
+    pub include_stop_str_in_output: bool,
 }
+
+/// Fields every generation body may carry, beside the endpoint's own. OpenAI's informational fields
+/// (`user`, `metadata`, `store`, `service_tier`) are accepted and have no effect.
+const COMMON_FIELDS: &[&str] = &[
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    // Extensions users send to vLLM/SGLang.
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "ignore_eos",
+    "stop_token_ids",
+    "min_tokens",
+    "include_stop_str_in_output",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "regex",
+    "json_schema",
+    "timeout",
+    HANDLE_FIELD,
+];
+const CHAT_FIELDS: &[&str] = &[
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+];
+const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "best_of", "echo", "suffix", "response_format"];
 
 /// Most stop strings a request may set, and their longest length in bytes.
 pub const STOP_STRINGS_MAX: usize = 16;
@@ -189,9 +276,147 @@ fn parse_messages(f: &Fields<'_>) -> Result<Prompt, ApiError> {
                 )))
             }
         };
-        out.push(Message { role: role.to_owned(), content });
+        let mut msg = Message { role: role.to_owned(), content, ..Message::default() };
+        let obj =
+            m.as_object().ok_or_else(|| ApiError::invalid(format!("messages[{i}] must be an object")))?;
+        for (k, v) in obj {
+            let bad = |what: &str| ApiError::invalid(format!("messages[{i}].{k} {what}"));
+            match k.as_str() {
+                "role" | "content" => {}
+                "name" => msg.name = Some(v.as_str().ok_or_else(|| bad("must be a string"))?.to_owned()),
+                "tool_call_id" if role == "tool" => {
+                    msg.tool_call_id = Some(v.as_str().ok_or_else(|| bad("must be a string"))?.to_owned())
+                }
+                "tool_calls" if role == "assistant" => msg.tool_calls = parse_message_calls(i, v)?,
+                // Informational fields of assistant messages (a client echoing a response back).
+                "refusal" | "annotations" | "audio" | "function_call" | "reasoning_content"
+                    if role == "assistant" && (v.is_null() || k != "function_call") => {}
+                _ => return Err(ApiError::invalid(format!("messages[{i}] has an unrecognized field `{k}`"))),
+            }
+        }
+        if role == "tool" && msg.tool_call_id.is_none() {
+            return Err(ApiError::invalid(format!("messages[{i}]: a tool message needs `tool_call_id`")));
+        }
+        out.push(msg);
     }
     Ok(Prompt::Messages(out))
+}
+
+/// An assistant message's `tool_calls`.
+fn parse_message_calls(i: usize, v: &Value) -> Result<Vec<ToolCall>, ApiError> {
+    let bad = |what: &str| ApiError::invalid(format!("messages[{i}].tool_calls{what}"));
+    let list = v.as_array().ok_or_else(|| bad(" must be an array"))?;
+    let mut calls = Vec::with_capacity(list.len());
+    for (j, c) in list.iter().enumerate() {
+        let f = c.get("function").ok_or_else(|| bad(&format!("[{j}].function is required")))?;
+        let name = f
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(&format!("[{j}].function.name must be a string")))?;
+        let arguments = match f.get("arguments") {
+            Some(Value::String(s)) => s.clone(),
+            Some(o @ Value::Object(_)) => o.to_string(),
+            None | Some(Value::Null) => "{}".to_owned(),
+            Some(_) => return Err(bad(&format!("[{j}].function.arguments must be a JSON string"))),
+        };
+        let id = c.get("id").and_then(Value::as_str).map_or_else(|| format!("call_{j}"), str::to_owned);
+        calls.push(ToolCall { id, name: name.to_owned(), arguments });
+    }
+    Ok(calls)
+}
+
+/// `response_format` and the structured-output extensions: at most one of them.
+fn parse_constraint(f: &Fields<'_>) -> Result<Option<Constraint>, ApiError> {
+    let mut found: Vec<(&str, Constraint)> = Vec::new();
+    if let Some(rf) = f.get("response_format") {
+        let kind = rf.get("type").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::invalid("`response_format.type` must be \"text\", \"json_object\" or \"json_schema\"")
+        })?;
+        match kind {
+            "text" => {}
+            "json_object" => {
+                found.push(("response_format", Constraint::JsonSchema(json!({"type": "object"}))))
+            }
+            "json_schema" => {
+                let js = rf
+                    .get("json_schema")
+                    .and_then(Value::as_object)
+                    .ok_or_else(|| ApiError::invalid("`response_format.json_schema` must be an object"))?;
+                let schema = match js.get("schema") {
+                    Some(s @ Value::Object(_)) => s.clone(),
+                    None | Some(Value::Null) => json!({"type": "object"}),
+                    Some(_) => {
+                        return Err(ApiError::invalid(
+                            "`response_format.json_schema.schema` must be an object",
+                        ))
+                    }
+                };
+                found.push(("response_format", Constraint::JsonSchema(schema)));
+            }
+            other => return Err(ApiError::invalid(format!(
+                "`response_format.type` {other:?} is not one of \"text\", \"json_object\", \"json_schema\""
+            ))),
+        }
+    }
+    for k in ["guided_json", "json_schema"] {
+        match f.get(k) {
+            None => {}
+            Some(o @ Value::Object(_)) => found.push((k, Constraint::JsonSchema(o.clone()))),
+            Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
+                Ok(o @ Value::Object(_)) => found.push((k, Constraint::JsonSchema(o))),
+                _ => return Err(ApiError::invalid(format!("`{k}` is not a JSON schema object"))),
+            },
+            Some(_) => return Err(ApiError::invalid(format!("`{k}` must be a JSON schema (an object)"))),
+        }
+    }
+    for k in ["guided_regex", "regex"] {
+        if let Some(r) = f.str(k)? {
+            found.push((k, Constraint::Regex(r.to_owned())));
+        }
+    }
+    if let Some(g) = f.str("guided_grammar")? {
+        found.push(("guided_grammar", Constraint::Lark(g.to_owned())));
+    }
+    if let Some(c) = f.get("guided_choice") {
+        let list: Option<Vec<String>> =
+            c.as_array().map(|a| a.iter().filter_map(|x| x.as_str().map(str::to_owned)).collect());
+        match list {
+            Some(l) if !l.is_empty() && l.len() == c.as_array().map_or(0, Vec::len) => {
+                found.push(("guided_choice", Constraint::Choice(l)))
+            }
+            _ => return Err(ApiError::invalid("`guided_choice` must be a non-empty array of strings")),
+        }
+    }
+    match found.len() {
+        0 | 1 => Ok(found.pop().map(|(_, c)| c)),
+        _ => Err(ApiError::invalid(format!(
+            "`{}` and `{}` both constrain the output; give one",
+            found[0].0, found[1].0
+        ))),
+    }
+}
+
+fn parse_logit_bias(f: &Fields<'_>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(v) = f.get("logit_bias") else { return Ok(Vec::new()) };
+    let o = v
+        .as_object()
+        .ok_or_else(|| ApiError::invalid("`logit_bias` must be an object of token id -> bias"))?;
+    if o.len() > 300 {
+        return Err(ApiError::invalid("`logit_bias` takes at most 300 tokens"));
+    }
+    o.iter()
+        .map(|(k, b)| {
+            let id = k
+                .parse::<u32>()
+                .map_err(|_| ApiError::invalid(format!("`logit_bias` key {k:?} is not a token id")))?;
+            match b.as_f64() {
+                Some(b) if (-100.0..=100.0).contains(&b) => Ok((id, b as f32)),
+                _ => {
+                    Err(ApiError::invalid(format!("`logit_bias[{k}]` must be a number between -100 and 100")))
+                }
+            }
+        })
+        .collect()
 }
 
 fn parse_prompt(f: &Fields<'_>) -> Result<Prompt, ApiError> {
@@ -259,13 +484,29 @@ fn parse_stop(f: &Fields<'_>) -> Result<(Vec<String>, Vec<u32>), ApiError> {
     Ok((stop, ids))
 }
 
-/// Parses a chat-completions or completions body. Fields the API does not define are ignored; the
-/// ones it defines are checked for type and range, and errors name the field.
+/// Parses a chat-completions or completions body. Every field is checked for type and range, and a
+/// field this server does not know is refused (as OpenAI's API does), never silently ignored; errors
+/// name the field.
 pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest, ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("body is not valid JSON: {e}")))?;
     let obj = v.as_object().ok_or_else(|| ApiError::invalid("body must be a JSON object"))?;
+    let own = match endpoint {
+        Endpoint::Chat => CHAT_FIELDS,
+        Endpoint::Completion => COMPLETION_FIELDS,
+    };
+    if let Some(k) = obj.keys().find(|k| !COMMON_FIELDS.contains(&k.as_str()) && !own.contains(&k.as_str())) {
+        return Err(ApiError::invalid(format!("unrecognized request argument supplied: `{k}`")));
+    }
     let f = Fields(obj);
+    if f.bool("echo")? == Some(true) {
+        return Err(ApiError::invalid("`echo` is not supported: send the prompt's text yourself"));
+    }
+    if f.str("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid(
+            "`suffix` is not supported: the served model has no fill-in-the-middle format",
+        ));
+    }
     let prompt = match endpoint {
         Endpoint::Chat => parse_messages(&f)?,
         Endpoint::Completion => parse_prompt(&f)?,
@@ -327,6 +568,21 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
             "`top_logprobs` must be at most {TOP_LOGPROBS_MAX}, got {top}"
         )));
     }
+    let tools = match endpoint {
+        Endpoint::Chat => parse_tools(f.get("tools"))?,
+        Endpoint::Completion => Vec::new(),
+    };
+    let tool_choice = parse_tool_choice(f.get("tool_choice"), &tools)?;
+    let constraint = parse_constraint(&f)?;
+    if constraint.is_some() && matches!(tool_choice, ToolChoice::Required | ToolChoice::Function(_)) {
+        return Err(ApiError::invalid(
+            "`tool_choice` requires a call, which is its own constraint: drop `response_format` or the guided field",
+        ));
+    }
+    let min_tokens = f.u64("min_tokens")?.unwrap_or(0);
+    if max_tokens.is_some_and(|m| m < min_tokens) {
+        return Err(ApiError::invalid("`min_tokens` must not exceed `max_tokens`"));
+    }
     let timeout_s = f.f64("timeout")?;
     if timeout_s.is_some_and(|t| t <= 0.0) {
         return Err(ApiError::invalid("`timeout` must be a positive number of seconds"));
@@ -346,7 +602,63 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         timeout_s,
         pd_handle: f.get(HANDLE_FIELD).map(PdHandle::from_json).transpose()?,
+        parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
+        tools,
+        tool_choice,
+        constraint,
+        min_tokens: min_tokens.min(u64::from(u32::MAX)) as u32,
+        logit_bias: parse_logit_bias(&f)?,
+        include_stop_str_in_output: f.bool("include_stop_str_in_output")?.unwrap_or(false),
     })
+}
+
+/// A `/tokenize` body: a prompt, or chat messages with their tools (rendered as a chat request
+/// would be).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenizeRequest {
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    pub tools: Vec<Tool>,
+}
+
+fn object_with<'a>(body: &'a [u8], known: &[&str], v: &'a mut Value) -> Result<Fields<'a>, ApiError> {
+    *v = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("body is not valid JSON: {e}")))?;
+    let obj = v.as_object().ok_or_else(|| ApiError::invalid("body must be a JSON object"))?;
+    if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+        return Err(ApiError::invalid(format!("unrecognized request argument supplied: `{k}`")));
+    }
+    Ok(Fields(obj))
+}
+
+/// Parses a `/tokenize` body (`prompt`, or `messages` and `tools`).
+pub fn parse_tokenize(body: &[u8]) -> Result<TokenizeRequest, ApiError> {
+    let mut v = Value::Null;
+    let f = object_with(body, &["model", "prompt", "messages", "tools"], &mut v)?;
+    let prompt = match (f.get("messages"), f.get("prompt")) {
+        (Some(_), None) => parse_messages(&f)?,
+        (None, Some(_)) => parse_prompt(&f)?,
+        _ => return Err(ApiError::invalid("give exactly one of `prompt` and `messages`")),
+    };
+    Ok(TokenizeRequest {
+        model: f.str("model")?.map(str::to_owned),
+        prompt,
+        tools: parse_tools(f.get("tools"))?,
+    })
+}
+
+/// Parses a `/detokenize` body: `(model, tokens)`.
+pub fn parse_detokenize(body: &[u8]) -> Result<(Option<String>, Vec<u32>), ApiError> {
+    let mut v = Value::Null;
+    let f = object_with(body, &["model", "tokens"], &mut v)?;
+    let tokens = f
+        .get("tokens")
+        .and_then(Value::as_array)
+        .and_then(|a| {
+            a.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect::<Option<Vec<_>>>()
+        })
+        .ok_or_else(|| ApiError::invalid("`tokens` must be an array of token ids"))?;
+    Ok((f.str("model")?.map(str::to_owned), tokens))
 }
 
 /// One generated token's log-probability, its text already decoded.
@@ -415,17 +727,27 @@ impl Usage {
     }
 }
 
-/// A whole non-streaming response.
+/// A whole non-streaming response. With `tool_calls`, the message carries them (and its content is
+/// null when the model wrote nothing else).
 pub fn full_response(
     meta: &Meta,
     text: &str,
+    tool_calls: &[ToolCall],
     finish_reason: &str,
     logprobs: Option<Value>,
     usage: Usage,
 ) -> Value {
     let choice = match meta.endpoint {
-        Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": logprobs, "finish_reason": finish_reason}),
+        Endpoint::Chat => {
+            let mut message = json!({"role": "assistant", "content": text});
+            if !tool_calls.is_empty() {
+                if text.trim().is_empty() {
+                    message["content"] = Value::Null;
+                }
+                message["tool_calls"] = tool_calls.iter().map(ToolCall::to_json).collect();
+            }
+            json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
+        }
         Endpoint::Completion => {
             json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
         }
@@ -446,6 +768,8 @@ pub struct Delta<'a> {
     /// The assistant role (the first chat chunk).
     pub role: bool,
     pub text: Option<&'a str>,
+    /// Whole calls, each with its index among the response's calls.
+    pub tool_calls: Option<&'a [(usize, ToolCall)]>,
     pub finish_reason: Option<&'a str>,
 }
 
@@ -459,6 +783,9 @@ pub fn chunk(meta: &Meta, delta: Delta<'_>, logprobs: Option<Value>) -> Value {
             }
             if let Some(t) = delta.text {
                 d.insert("content".into(), json!(t));
+            }
+            if let Some(calls) = delta.tool_calls {
+                d.insert("tool_calls".into(), calls.iter().map(|(i, c)| c.delta_json(*i)).collect());
             }
             json!({"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason})
         }
@@ -515,6 +842,35 @@ mod tests {
                 "`temperature` must be a number",
             ),
             (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": "x"}], "n": 2}"#, "`n` must be 1"),
+            (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": "x"}], "fancy": 1}"#, "`fancy`"),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x", "mood": "ok"}]}"#,
+                "messages[0] has an unrecognized field `mood`",
+            ),
+            (Endpoint::Chat, r#"{"messages": [{"role": "tool", "content": "x"}]}"#, "tool_call_id"),
+            (Endpoint::Completion, r#"{"prompt": "x", "tools": []}"#, "`tools`"),
+            (Endpoint::Completion, r#"{"prompt": "x", "echo": true}"#, "`echo`"),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}"#,
+                "yaml",
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}, "guided_regex": "a+"}"#,
+                "both constrain",
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 300}}"#,
+                "logit_bias[5]",
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "min_tokens": 3}"#,
+                "min_tokens",
+            ),
             (Endpoint::Chat, r#"{"messages": [{"role": "wizard", "content": "x"}]}"#, "role"),
             (Endpoint::Completion, r#"{"prompt": 5}"#, "`prompt` must be"),
             (Endpoint::Completion, r#"{"prompt": "x", "max_tokens": 0}"#, "at least 1"),
@@ -533,10 +889,10 @@ mod tests {
             Endpoint::Chat,
             br#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
                 "max_completion_tokens": 5, "stop": ["a", 7], "stream": true, "stream_options": {"include_usage": true},
-                "logprobs": true, "top_logprobs": 3, "seed": 9, "temperature": 0.5, "unknown_field": {"ignored": true}}"#,
+                "logprobs": true, "top_logprobs": 3, "seed": 9, "temperature": 0.5, "user": "u-1", "metadata": {"a": "b"}}"#,
         )
         .unwrap();
-        assert_eq!(g.prompt, Prompt::Messages(vec![Message { role: "user".into(), content: "hi".into() }]));
+        assert_eq!(g.prompt, Prompt::Messages(vec![Message::new("user", "hi")]));
         assert_eq!(
             (g.max_tokens, g.stop.clone(), g.stop_token_ids.clone()),
             (Some(5), vec!["a".to_owned()], vec![7])
@@ -546,6 +902,60 @@ mod tests {
             (g.top_logprobs, g.seed, g.sampling.temperature, g.sampling.top_p),
             (3, Some(9), Some(0.5), None)
         );
+    }
+
+    #[test]
+    fn tool_conversations_and_constraints_are_read() {
+        let g = parse_generate(
+            Endpoint::Chat,
+            br#"{"messages": [{"role": "user", "content": "Read a.txt"},
+                   {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "read_file", "arguments": "{\"path\": \"a.txt\"}"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "hello"}],
+                 "tools": [{"type": "function", "function": {"name": "read_file"}}],
+                 "tool_choice": "required", "parallel_tool_calls": false}"#,
+        )
+        .unwrap();
+        let Prompt::Messages(m) = &g.prompt else { panic!() };
+        assert_eq!(m[1].tool_calls[0].name, "read_file");
+        assert_eq!(m[2].tool_call_id.as_deref(), Some("c1"));
+        assert_eq!(
+            (g.tool_choice.clone(), g.parallel_tool_calls, g.tools.len()),
+            (ToolChoice::Required, false, 1)
+        );
+        let g = parse_generate(
+            Endpoint::Chat,
+            br#"{"messages": [{"role": "user", "content": "x"}],
+                 "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}, "strict": true}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            g.constraint,
+            Some(Constraint::JsonSchema(json!({"type": "object", "properties": {"a": {"type": "integer"}}})))
+        );
+        let g = parse_generate(
+            Endpoint::Completion,
+            br#"{"prompt": "x", "guided_choice": ["yes", "no"], "logit_bias": {"7": -100}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (g.constraint, g.logit_bias),
+            (Some(Constraint::Choice(vec!["yes".into(), "no".into()])), vec![(7, -100.0)])
+        );
+    }
+
+    #[test]
+    fn tool_calls_are_in_the_message_and_the_stream() {
+        let meta = Meta { endpoint: Endpoint::Chat, id: "chatcmpl-1".into(), created: 1, model: "m".into() };
+        let call = ToolCall { id: "call_1_0".into(), name: "f".into(), arguments: "{}".into() };
+        let full =
+            full_response(&meta, "", std::slice::from_ref(&call), "tool_calls", None, Usage::default());
+        assert_eq!(full["choices"][0]["message"]["content"], Value::Null);
+        assert_eq!(full["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "f");
+        let calls = [(0, call)];
+        let c = chunk(&meta, Delta { tool_calls: Some(&calls), ..Delta::default() }, None);
+        assert_eq!(c["choices"][0]["delta"]["tool_calls"][0]["index"], 0);
+        assert_eq!(c["choices"][0]["delta"]["tool_calls"][0]["id"], "call_1_0");
     }
 
     #[test]

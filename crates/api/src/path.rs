@@ -12,10 +12,28 @@ pub const DEBUG_REQUESTS: &str = "/debug/requests";
 pub const MODELS: &str = "/v1/models";
 pub const CHAT: &str = "/v1/chat/completions";
 pub const COMPLETIONS: &str = "/v1/completions";
+/// Token ids of a prompt or chat (rendered as a chat request would be).
+pub const TOKENIZE: &str = "/tokenize";
+/// Text of token ids.
+pub const DETOKENIZE: &str = "/detokenize";
+/// The server's version.
+pub const VERSION: &str = "/version";
 
 /// The paths the router and every worker serve.
-pub const SERVED_BY_ALL: [&str; 9] =
-    [HEALTH_LIVE, HEALTH_READY, HEALTH, HEALTH_GENERATE, METRICS, DEBUG_REQUESTS, MODELS, CHAT, COMPLETIONS];
+pub const SERVED_BY_ALL: [&str; 12] = [
+    HEALTH_LIVE,
+    HEALTH_READY,
+    HEALTH,
+    HEALTH_GENERATE,
+    METRICS,
+    DEBUG_REQUESTS,
+    MODELS,
+    CHAT,
+    COMPLETIONS,
+    TOKENIZE,
+    DETOKENIZE,
+    VERSION,
+];
 
 /// The answer when no route takes `method` on `path`: 405 `method_not_allowed` for a path the process
 /// serves (one of [`SERVED_BY_ALL`] or of its own `also`), 404 `not_found` otherwise.

@@ -71,6 +71,8 @@ pub struct EngineConfig {
     /// between steps, so each of its round trips waits for the step in progress; shorter steps then
     /// keep a finished prompt's time to first token from waiting on the next prompts' prefill.
     pub transfer_step_tokens: usize,
+    /// The format tool calls are written and read in; `None` takes the chat template's.
+    pub tool_format: Option<pdserve_api::tools::ToolFormat>,
 }
 
 impl EngineConfig {
@@ -90,6 +92,7 @@ impl EngineConfig {
             watchdog_grace: Duration::from_secs(2),
             replies_per_request: 64,
             transfer_step_tokens: 256,
+            tool_format: None,
         }
     }
 }

@@ -38,6 +38,8 @@ pub struct EngineInfo {
     pub transfer_addr: Option<SocketAddr>,
     /// Prefill role with shared KV memory: its file.
     pub kv_shm_path: Option<PathBuf>,
+    /// The format the model writes tool calls in (the chat template's, or the configured one).
+    pub tool_format: pdserve_api::tools::ToolFormat,
 }
 
 /// How the engine thread is doing, for readiness checks.
@@ -159,7 +161,19 @@ impl Engine {
             vocab_size: model.vocab_size,
             transfer_addr,
             kv_shm_path: built.kv_shm_path,
+            tool_format: config.tool_format.unwrap_or_else(|| {
+                files.text.chat_template().map_or(
+                    pdserve_api::tools::ToolFormat::Hermes,
+                    pdserve_api::tools::ToolFormat::from_template,
+                )
+            }),
         };
+        let eos = model.eos_token_ids.first().copied().unwrap_or(0);
+        let tokenizer_json = files.text.tokenizer_json()?;
+        let grammars =
+            crate::grammar::Grammars::new(&tokenizer_json, model.vocab_size, eos).map_err(|value| {
+                EngineError::Config { field: "tokenizer.json (for constrained decoding)", value }
+            })?;
         let core = Core::new(
             sched,
             built.backend,
@@ -191,6 +205,7 @@ impl Engine {
             metrics: metrics.clone(),
             texts: Default::default(),
             backlog: Default::default(),
+            grammars: Arc::new(grammars),
         };
         let text_thread = std::thread::Builder::new().name("engine-text".into()).spawn(move || text.run())?;
         let nanos =
@@ -219,6 +234,16 @@ impl Engine {
     /// The tokenizer and chat template.
     pub fn codec(&self) -> &TextCodec {
         &self.codec
+    }
+
+    /// The prompt's token ids as a request with `input` and `tools` would have them (chat template
+    /// included), computed on the caller's thread.
+    pub fn tokenize(
+        &self,
+        input: &Input,
+        tools: &[pdserve_api::tools::Tool],
+    ) -> Result<Vec<u32>, EngineError> {
+        crate::chat::tokens(&self.codec, &self.info, input, tools)
     }
 
     /// The engine's metrics; a program may register its own beside them.
@@ -286,11 +311,21 @@ impl Engine {
             stop_ids: req.stop_token_ids,
             ignore_eos: req.ignore_eos,
             deadline: req.deadline,
+            guide: None,
+            min_tokens: req.min_tokens,
+            logit_bias: req.logit_bias,
         };
         // In the table before the text thread can answer for it.
         lock(&self.live).insert(id, Stream::new(req.request_id, req.deadline));
-        let job =
-            Job::Submit { sub: Box::new(sub), input: req.input, stop: req.stop, logprobs: req.logprobs };
+        let job = Job::Submit {
+            sub: Box::new(sub),
+            input: req.input,
+            tools: req.tools,
+            constraint: req.constraint,
+            stop: req.stop,
+            include_stop: req.include_stop_str,
+            logprobs: req.logprobs,
+        };
         let error = match self.jobs.try_send(job) {
             Ok(()) => return Ok(Id(id)),
             Err(TrySendError::Full(_)) => EngineError::Busy { limit: self.jobs.capacity().unwrap_or(0) },

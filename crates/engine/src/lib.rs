@@ -38,9 +38,11 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod chat;
 mod config;
 mod core;
 mod error;
+mod grammar;
 mod handle;
 mod load;
 mod metrics;

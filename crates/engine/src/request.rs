@@ -2,8 +2,9 @@
 
 use std::time::Instant;
 
-use pdserve_api::openai::{TokenLogprob, Usage};
+use pdserve_api::openai::{Constraint, TokenLogprob, Usage};
 use pdserve_api::pd::PdHandle;
+use pdserve_api::tools::Tool;
 use pdserve_api::Stage;
 use pdserve_model::{ChatMessage, SamplingParams};
 
@@ -53,6 +54,17 @@ pub struct Request {
     pub logprobs: bool,
     /// The request ends by then, whatever its stage.
     pub deadline: Instant,
+    /// Chat: the functions offered to the model (through its template, or described in the system
+    /// message when the template has no place for them).
+    pub tools: Vec<Tool>,
+    /// What the output must match, token by token.
+    pub constraint: Option<Constraint>,
+    /// End-of-sequence and stop tokens are not sampled before this many tokens.
+    pub min_tokens: usize,
+    /// Added to these tokens' logits before sampling.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// A matched stop string stays in the text.
+    pub include_stop_str: bool,
 }
 
 impl Request {
@@ -69,6 +81,11 @@ impl Request {
             ignore_eos: false,
             logprobs: false,
             deadline,
+            tools: Vec::new(),
+            constraint: None,
+            min_tokens: 0,
+            logit_bias: Vec::new(),
+            include_stop_str: false,
         }
     }
 }

@@ -1,14 +1,17 @@
 //! Stop strings over streamed text: what may be shown now, and what must wait because it could be
 //! the start of a stop string.
 
-/// Splits `pending` at the first stop string: `(text to emit, stopped)`. Without a stop, the longest
-/// tail that could still become a stop string is held back in `pending`.
-pub(crate) fn apply_stop(pending: &mut String, stops: &[String]) -> (String, bool) {
+/// Splits `pending` at the first stop string: `(text to emit, stopped)`; with `include`, the stop
+/// string itself is part of the text. Without a stop, the longest tail that could still become a stop
+/// string is held back in `pending`.
+pub(crate) fn apply_stop(pending: &mut String, stops: &[String], include: bool) -> (String, bool) {
     if stops.is_empty() {
         return (std::mem::take(pending), false);
     }
-    if let Some(at) = stops.iter().filter_map(|s| pending.find(s.as_str())).min() {
-        let out = pending[..at].to_owned();
+    if let Some((at, len)) =
+        stops.iter().filter_map(|s| pending.find(s.as_str()).map(|at| (at, s.len()))).min()
+    {
+        let out = pending[..if include { at + len } else { at }].to_owned();
         pending.clear();
         return (out, true);
     }
@@ -38,13 +41,15 @@ mod tests {
     fn stop_strings_hold_back_possible_prefixes() {
         let stops = vec!["END".to_owned(), "\n\n".to_owned()];
         let mut p = String::from("hello E");
-        assert_eq!(apply_stop(&mut p, &stops), ("hello ".into(), false));
+        assert_eq!(apply_stop(&mut p, &stops, false), ("hello ".into(), false));
         assert_eq!(p, "E");
         p.push_str("NDING");
-        assert_eq!(apply_stop(&mut p, &stops), ("".into(), true));
+        assert_eq!(apply_stop(&mut p, &stops, false), ("".into(), true));
         let mut p = String::from("a\nb\n");
-        assert_eq!(apply_stop(&mut p, &stops), ("a\nb".into(), false));
+        assert_eq!(apply_stop(&mut p, &stops, false), ("a\nb".into(), false));
         let mut p = String::from("x");
-        assert_eq!(apply_stop(&mut p, &[]), ("x".into(), false));
+        assert_eq!(apply_stop(&mut p, &[], false), ("x".into(), false));
+        let mut p = String::from("say END now");
+        assert_eq!(apply_stop(&mut p, &stops, true), ("say END".into(), true));
     }
 }

@@ -24,6 +24,7 @@ use pdserve_model::{IncrementalDecoder, TextCodec};
 use pdserve_scheduler::{FinishReason, Outcome};
 
 use crate::core::{Command, Reply, Submission, Times};
+use crate::grammar::Grammars;
 use crate::handle::EngineInfo;
 use crate::metrics::Metrics;
 use crate::text::apply_stop;
@@ -40,7 +41,15 @@ const BACKLOG_MAX: usize = 65_536;
 pub(crate) enum Job {
     /// Tokenize `input` into the submission's prompt, check it, and hand it to the engine thread; its
     /// text ends before any of `stop`, with each token's log-probability if `logprobs`.
-    Submit { sub: Box<Submission>, input: Input, stop: Vec<String>, logprobs: bool },
+    Submit {
+        sub: Box<Submission>,
+        input: Input,
+        tools: Vec<pdserve_api::tools::Tool>,
+        constraint: Option<pdserve_api::openai::Constraint>,
+        stop: Vec<String>,
+        include_stop: bool,
+        logprobs: bool,
+    },
     /// Passed on to the engine thread in order (an abort never overtakes its request's submission).
     Command(Command),
 }
@@ -115,6 +124,7 @@ pub(crate) struct Text {
     detok: IncrementalDecoder,
     pending: String,
     stop: Vec<String>,
+    include_stop: bool,
     /// A stop string was seen: the engine was told to abort, and the end is reported as `Stop`.
     stopped: bool,
     logprobs: bool,
@@ -135,6 +145,8 @@ pub(crate) struct TextThread {
     pub texts: HashMap<u64, Text>,
     /// Outputs the caller has not taken yet, in order.
     pub backlog: VecDeque<Output>,
+    /// Compiles requests' output constraints.
+    pub grammars: Arc<Grammars>,
 }
 
 impl TextThread {
@@ -206,11 +218,20 @@ impl TextThread {
 
     fn job(&mut self, job: Job) {
         match job {
-            Job::Submit { mut sub, input, stop, logprobs } => {
+            Job::Submit { mut sub, input, tools, constraint, stop, include_stop, logprobs } => {
                 let id = sub.id;
-                match self.prompt(&input, sub.remote.is_some()) {
+                match self.prompt(&input, &tools, sub.remote.is_some()) {
                     Ok(tokens) => sub.tokens = tokens,
                     Err(e) => return self.reject(id, e),
+                }
+                if let Some(c) = &constraint {
+                    match self.grammars.matcher(c) {
+                        Ok(g) => sub.guide = Some(g),
+                        Err(problem) => {
+                            let problem = format!("the output constraint is not usable: {problem}");
+                            return self.reject(id, EngineError::InvalidInput { problem });
+                        }
+                    }
                 }
                 match lock(&self.live).streams.get_mut(&id) {
                     Some(s) => s.prompt_tokens = sub.tokens.len(),
@@ -220,6 +241,7 @@ impl TextThread {
                     detok: IncrementalDecoder::new(),
                     pending: String::new(),
                     stop,
+                    include_stop,
                     stopped: false,
                     logprobs,
                 };
@@ -241,27 +263,13 @@ impl TextThread {
     }
 
     /// The prompt's token ids, checked against the vocabulary and the context.
-    fn prompt(&self, input: &Input, remote: bool) -> Result<Vec<u32>, EngineError> {
-        let invalid = |e: pdserve_model::ModelError| EngineError::InvalidInput { problem: e.to_string() };
-        let tokens = match input {
-            Input::Chat(msgs) => {
-                let text = self.codec.apply_chat_template(msgs, true).map_err(invalid)?;
-                self.codec.encode(&text).map_err(invalid)?
-            }
-            Input::Text(t) => self.codec.encode(t).map_err(invalid)?,
-            Input::Tokens(t) => match t.iter().find(|&&x| x as usize >= self.info.vocab_size) {
-                Some(bad) => {
-                    return Err(EngineError::InvalidInput {
-                        problem: format!(
-                            "token id {bad} is outside the vocabulary of {}",
-                            self.info.vocab_size
-                        ),
-                    })
-                }
-                None => t.clone(),
-            },
-            Input::Remote(_) => Vec::new(),
-        };
+    fn prompt(
+        &self,
+        input: &Input,
+        tools: &[pdserve_api::tools::Tool],
+        remote: bool,
+    ) -> Result<Vec<u32>, EngineError> {
+        let tokens = crate::chat::tokens(&self.codec, &self.info, input, tools)?;
         if !remote {
             if tokens.is_empty() {
                 return Err(EngineError::InvalidInput { problem: "the prompt is empty".into() });
@@ -402,7 +410,7 @@ impl TextThread {
             }
         });
         t.pending.push_str(&piece);
-        let (text, hit) = apply_stop(&mut t.pending, &t.stop);
+        let (text, hit) = apply_stop(&mut t.pending, &t.stop, t.include_stop);
         if hit {
             t.stopped = true;
             let _ = self.commands.try_send(Command::Abort(id));

@@ -7,16 +7,25 @@ use serde::Serialize;
 
 use crate::ModelError;
 
-/// One chat message as the template sees it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// One chat message as the template sees it (Hugging Face's conventions).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Default)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's calls, each `{"id", "type": "function", "function": {"name",
+    /// "arguments"}}` with the arguments as a JSON object (templates write them with `tojson`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<serde_json::Value>,
+    /// A `tool` message: the call it answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        ChatMessage { role: role.to_owned(), content: content.to_owned() }
+        ChatMessage { role: role.to_owned(), content: content.to_owned(), ..ChatMessage::default() }
     }
 }
 
@@ -89,23 +98,49 @@ impl TextCodec {
         self.template.is_some()
     }
 
+    /// The chat template's source, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.template.as_deref()
+    }
+
+    /// The text of the whole vocabulary's `tokenizer.json` (what a grammar engine needs to map token
+    /// ids to bytes).
+    pub fn tokenizer_json(&self) -> Result<String, ModelError> {
+        self.tokenizer.to_string(false).map_err(|e| ModelError::Text { problem: e.to_string() })
+    }
+
     /// Renders `messages` through the model's chat template.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
+        self.apply_chat_template_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// Renders `messages` through the model's chat template, with `tools` (OpenAI `tools` entries) in
+    /// its context as Hugging Face templates expect them. Templates may call Python's string methods
+    /// (`.strip()`, `.startswith()`, ...) and `tojson`.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<String, ModelError> {
         let template = self.template.as_deref().ok_or_else(|| ModelError::Text {
             problem: "this model has no chat template (tokenizer_config.json has no chat_template)".into(),
         })?;
         let mut env = minijinja::Environment::new();
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
             Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
         });
         env.add_template("chat", template).map_err(|e| ModelError::Text { problem: e.to_string() })?;
         let tmpl = env.get_template("chat").map_err(|e| ModelError::Text { problem: e.to_string() })?;
+        let tools = (!tools.is_empty()).then_some(tools);
         tmpl.render(minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,

@@ -5,7 +5,7 @@ use std::cmp::Reverse;
 use std::time::{Duration, Instant};
 
 use pdserve_api::openai::Endpoint;
-use pdserve_api::{ApiError, ErrorKind, Outcome, Role, Stage};
+use pdserve_api::{path, ApiError, ErrorKind, Outcome, Role, Stage};
 use pdserve_http::{ConnId, UpstreamPhase};
 
 use crate::admission::Admit;
@@ -30,7 +30,8 @@ impl Router {
     }
 
     /// Starts a flight for a client request on `conn`: its deadline, its admission.
-    /// `path` is a completion endpoint (a POST with `body`) or `/v1/models` (a GET forwarded as is).
+    /// `path` is a completion endpoint (a POST with `body`), or another path forwarded as is to one
+    /// worker: `/v1/models` and `/version` (GETs), `/tokenize` and `/detokenize` (POSTs with `body`).
     pub(crate) fn start_flight(
         &mut self,
         conn: ConnId,
@@ -40,8 +41,9 @@ impl Router {
         purpose: Purpose,
         now: Instant,
     ) {
-        let method_get = Endpoint::from_path(path).is_none();
-        let (timeout_s, prompt) = if method_get {
+        let forward = Endpoint::from_path(path).is_none();
+        let method_get = matches!(path, path::MODELS | path::VERSION);
+        let (timeout_s, prompt) = if forward {
             (None, String::new())
         } else {
             match peek(&body) {
@@ -68,7 +70,7 @@ impl Router {
         // No working capacity at all: answer at once rather than queue.
         let capacity =
             self.has_role(Role::Unified) || (self.has_role(Role::Prefill) && self.has_role(Role::Decode));
-        if !method_get && !capacity {
+        if !forward && !capacity {
             self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
             let why = self.workers.path_ready(Duration::ZERO, Duration::ZERO, now).err().unwrap_or_default();
             let msg = format!("no healthy worker can take the request ({why})");
@@ -179,7 +181,7 @@ impl Router {
         }
         let plan = match e.flight.spec().purpose {
             Purpose::PairProbe { .. } => Plan::Disaggregated,
-            _ if e.flight.spec().method_get => Plan::Forward,
+            _ if Endpoint::from_path(&e.flight.spec().path).is_none() => Plan::Forward,
             _ if self.workers.iter().any(|w| w.role == Role::Unified && w.routable()) => Plan::Unified,
             _ => Plan::Disaggregated,
         };

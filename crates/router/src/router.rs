@@ -494,8 +494,11 @@ impl Router {
             ("POST", p) if Endpoint::from_path(p).is_some() => {
                 self.start_flight(conn, &rid, p, req.body, Purpose::Client, now)
             }
-            ("GET", path::MODELS) => {
-                self.start_flight(conn, &rid, path::MODELS, Vec::new(), Purpose::Client, now)
+            ("GET", p @ (path::MODELS | path::VERSION)) => {
+                self.start_flight(conn, &rid, p, Vec::new(), Purpose::Client, now)
+            }
+            ("POST", p @ (path::TOKENIZE | path::DETOKENIZE)) => {
+                self.start_flight(conn, &rid, p, req.body, Purpose::Client, now)
             }
             ("POST", p) if p.starts_with("/abort/") => {
                 let target = &p["/abort/".len()..];

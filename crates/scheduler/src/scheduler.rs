@@ -351,6 +351,15 @@ impl Scheduler {
         true
     }
 
+    /// Ends `id` as failed with `reason` wherever it is (the engine could not go on with it, e.g. its
+    /// output constraint broke). Idempotent: `false` if it is not live.
+    pub fn handle_failed(&mut self, id: RequestId, reason: &str, now: Instant) -> bool {
+        let Some(r) = self.reqs.get(&id) else { return false };
+        let stage = r.stage();
+        self.finish(id, Outcome::Failed { stage, reason: reason.to_owned() }, now);
+        true
+    }
+
     pub fn poll_event(&mut self) -> Option<Event> {
         self.events.pop_front()
     }

@@ -5,7 +5,10 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pdserve_api::openai::{self, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage};
+use pdserve_api::openai::{
+    self, Constraint, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage,
+};
+use pdserve_api::tools::{Piece, ToolCall, ToolCallParser, ToolChoice};
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role, Stage};
 use pdserve_engine::{Aborted, Engine, Finish, Id, Input, Output, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
@@ -38,6 +41,10 @@ struct Live {
     text: String,
     logprobs: Vec<TokenLogprob>,
     received: Instant,
+    /// Chat with tools offered: lifts the model's calls out of its text.
+    tool_parser: Option<ToolCallParser>,
+    /// The calls found so far.
+    calls: Vec<ToolCall>,
 }
 
 pub(crate) struct Frontend {
@@ -67,6 +74,23 @@ fn json_response(status: u16, v: &Value, request_id: Option<&str>) -> Response {
 
 fn timings_json(t: &Timings) -> Value {
     Value::Object(t.0.iter().map(|&(k, v)| (k.to_owned(), json!(v))).collect())
+}
+
+/// A chat message as the template sees it: calls with their arguments as objects (templates write
+/// them with `tojson`).
+fn chat_message(m: &openai::Message) -> ChatMessage {
+    let mut c = ChatMessage::new(&m.role, &m.content);
+    c.tool_calls = m
+        .tool_calls
+        .iter()
+        .map(|t| {
+            let args = serde_json::from_str::<Value>(&t.arguments).unwrap_or_else(|_| json!(t.arguments));
+            json!({"id": t.id, "type": "function", "function": {"name": t.name, "arguments": args}})
+        })
+        .collect();
+    c.tool_call_id = m.tool_call_id.clone();
+    c.name = m.name.clone();
+    c
 }
 
 /// The client's sampling settings over the engine's defaults.
@@ -182,6 +206,11 @@ impl Frontend {
             )),
             ("GET", path::DEBUG_REQUESTS) => Ok(Some(self.debug_requests(&req))),
             ("GET", path::MODELS) => Ok(Some(self.models(rid))),
+            ("GET", path::VERSION) => {
+                Ok(Some(json_response(200, &json!({"version": env!("CARGO_PKG_VERSION")}), Some(rid))))
+            }
+            ("POST", path::TOKENIZE) => self.tokenize(&req, rid).map(Some),
+            ("POST", path::DETOKENIZE) => self.detokenize(&req, rid).map(Some),
             ("POST", p) if Endpoint::from_path(p).is_some() => {
                 let endpoint = Endpoint::from_path(p).unwrap_or(Endpoint::Chat);
                 self.generate(conn, rid, &req, endpoint)
@@ -198,6 +227,43 @@ impl Frontend {
                 let _ = self.server.respond(conn, &Response::error(&e, Some(rid)));
             }
         }
+    }
+
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model.filter(|m| !m.is_empty() && *m != self.config.model_name) {
+            Some(m) => Err(ApiError::new(
+                ErrorKind::ModelNotFound,
+                format!("model {m:?} is not served here (serving {:?})", self.config.model_name),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// `POST /tokenize`: the token ids a request with this prompt or these messages would have.
+    fn tokenize(&self, req: &Request, rid: &str) -> Result<Response, ApiError> {
+        let t = openai::parse_tokenize(&req.body)?;
+        self.check_model(t.model.as_deref())?;
+        let input = match &t.prompt {
+            Prompt::Messages(msgs) => Input::Chat(msgs.iter().map(chat_message).collect()),
+            Prompt::Text(s) => Input::Text(s.clone()),
+            Prompt::Tokens(ids) => Input::Tokens(ids.clone()),
+        };
+        let tokens = self.engine.tokenize(&input, &t.tools).map_err(|e| e.to_api_error())?;
+        let body = json!({"count": tokens.len(), "max_model_len": self.engine.info().context_tokens, "tokens": tokens});
+        Ok(json_response(200, &body, Some(rid)))
+    }
+
+    /// `POST /detokenize`: the text of token ids.
+    fn detokenize(&self, req: &Request, rid: &str) -> Result<Response, ApiError> {
+        let (model, tokens) = openai::parse_detokenize(&req.body)?;
+        self.check_model(model.as_deref())?;
+        let vocab = self.engine.info().vocab_size;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(format!("token id {t} is outside the vocabulary of {vocab}")));
+        }
+        let text =
+            self.engine.codec().decode(&tokens, false).map_err(|e| ApiError::invalid(e.to_string()))?;
+        Ok(json_response(200, &json!({"prompt": text}), Some(rid)))
     }
 
     fn models(&self, rid: &str) -> Response {
@@ -289,12 +355,7 @@ impl Frontend {
             ));
         }
         let g = openai::parse_generate(endpoint, &req.body)?;
-        if let Some(m) = g.model.as_deref().filter(|m| !m.is_empty() && *m != self.config.model_name) {
-            return Err(ApiError::new(
-                ErrorKind::ModelNotFound,
-                format!("model {m:?} is not served here (serving {:?})", self.config.model_name),
-            ));
-        }
+        self.check_model(g.model.as_deref())?;
         let role = self.engine.info().role;
         let input = match (g.pd_handle.clone(), role) {
             (Some(h), Role::Decode) => Input::Remote(h),
@@ -309,9 +370,7 @@ impl Frontend {
                 return Err(ApiError::invalid(msg));
             }
             (None, _) => match &g.prompt {
-                Prompt::Messages(msgs) => {
-                    Input::Chat(msgs.iter().map(|m| ChatMessage::new(&m.role, &m.content)).collect())
-                }
+                Prompt::Messages(msgs) => Input::Chat(msgs.iter().map(chat_message).collect()),
                 Prompt::Text(t) => Input::Text(t.clone()),
                 Prompt::Tokens(t) => Input::Tokens(t.clone()),
             },
@@ -339,6 +398,30 @@ impl Frontend {
         er.stop_token_ids = g.stop_token_ids.clone();
         er.ignore_eos = g.ignore_eos;
         er.logprobs = g.logprobs;
+        let vocab = self.engine.info().vocab_size;
+        if let Some((t, _)) = g.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            return Err(ApiError::invalid(format!(
+                "`logit_bias` names token {t}, outside the vocabulary of {vocab}"
+            )));
+        }
+        er.logit_bias = g.logit_bias.clone();
+        er.min_tokens = g.min_tokens as usize;
+        er.include_stop_str = g.include_stop_str_in_output;
+        let format = self.engine.info().tool_format;
+        er.constraint = match &g.tool_choice {
+            ToolChoice::Required => {
+                Some(Constraint::Lark(format.forced_call_grammar(&g.tools, None, g.parallel_tool_calls)))
+            }
+            ToolChoice::Function(name) => {
+                Some(Constraint::Lark(format.forced_call_grammar(&g.tools, Some(name), false)))
+            }
+            ToolChoice::Auto | ToolChoice::None => g.constraint.clone(),
+        };
+        let offered = g.tool_choice != ToolChoice::None && !g.tools.is_empty();
+        if offered {
+            er.tools = g.tools.clone();
+        }
+        let tool_parser = offered.then(|| ToolCallParser::new(format, &g.tools, rid));
         // A prefill worker answers with the KV handle, never a stream.
         let kind = Kind::Generate {
             stream: g.stream && role != Role::Prefill,
@@ -346,6 +429,9 @@ impl Frontend {
             logprobs: g.logprobs,
         };
         self.submit(conn, rid, er, kind, endpoint)?;
+        if let Some(l) = self.by_conn.get(&conn).and_then(|id| self.live.get_mut(id)) {
+            l.tool_parser = tool_parser;
+        }
         Ok(None)
     }
 
@@ -373,6 +459,8 @@ impl Frontend {
             text: String::new(),
             logprobs: Vec::new(),
             received: Instant::now(),
+            tool_parser: None,
+            calls: Vec::new(),
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -453,14 +541,30 @@ impl Frontend {
             Output::Text { id, text, logprob } => {
                 let Some(l) = self.live.get_mut(&id) else { return };
                 let Kind::Generate { stream, .. } = l.kind else { return };
+                let pieces = match l.tool_parser.as_mut() {
+                    Some(p) => p.push(&text),
+                    None => vec![Piece::Text(text)],
+                };
                 if !stream {
-                    l.text.push_str(&text);
                     l.logprobs.extend(logprob);
+                    for p in pieces {
+                        match p {
+                            Piece::Text(t) => l.text.push_str(&t),
+                            Piece::Call(c) => l.calls.push(c),
+                        }
+                    }
                     return;
                 }
-                let lp = logprob.map(|p| openai::logprobs_json(l.meta.endpoint, &[p]));
-                let c = openai::chunk(&l.meta, Delta { text: Some(&text), ..Delta::default() }, lp);
-                self.send_sse(id, &[c.to_string()]);
+                let mut lp = logprob.map(|p| openai::logprobs_json(l.meta.endpoint, &[p]));
+                let frames = Self::stream_pieces(l, pieces, &mut lp);
+                if let Some(lp) = lp {
+                    // Log-probabilities of text the tool-call parser holds back go out on their own.
+                    let c = openai::chunk(&l.meta, Delta { text: Some(""), ..Delta::default() }, Some(lp));
+                    self.send_sse(id, &[c.to_string()]);
+                }
+                if !frames.is_empty() {
+                    self.send_sse(id, &frames);
+                }
             }
             Output::Prefilled { id, handle, usage, timings } => {
                 let Some(l) = self.remove(id) else { return };
@@ -477,8 +581,45 @@ impl Frontend {
         }
     }
 
+    /// The stream chunks of text and calls: text as content deltas, each call whole as a
+    /// `tool_calls` delta with its index. `lp` goes with the first text chunk (taken if used).
+    fn stream_pieces(l: &mut Live, pieces: Vec<Piece>, lp: &mut Option<Value>) -> Vec<String> {
+        let mut frames = Vec::new();
+        for p in pieces {
+            let c = match p {
+                Piece::Text(t) if t.is_empty() => continue,
+                Piece::Text(t) => {
+                    openai::chunk(&l.meta, Delta { text: Some(&t), ..Delta::default() }, lp.take())
+                }
+                Piece::Call(call) => {
+                    let calls = [(l.calls.len(), call)];
+                    let c =
+                        openai::chunk(&l.meta, Delta { tool_calls: Some(&calls), ..Delta::default() }, None);
+                    let [(_, call)] = calls;
+                    l.calls.push(call);
+                    c
+                }
+            };
+            frames.push(c.to_string());
+        }
+        frames
+    }
+
     fn finished(&mut self, id: Id, finish: Finish, usage: Usage, timings: Timings) {
-        let Some(l) = self.remove(id) else { return };
+        let Some(mut l) = self.remove(id) else { return };
+        // What the tool-call parser still held: calls if they parse, text if not.
+        let rest = l.tool_parser.as_mut().map(ToolCallParser::finish).unwrap_or_default();
+        let mut rest_frames = Vec::new();
+        if let Kind::Generate { stream: true, .. } = l.kind {
+            rest_frames = Self::stream_pieces(&mut l, rest, &mut None);
+        } else {
+            for p in rest {
+                match p {
+                    Piece::Text(t) => l.text.push_str(&t),
+                    Piece::Call(c) => l.calls.push(c),
+                }
+            }
+        }
         // One line per request, with its id, so a log search finds it.
         eprintln!(
             "request_id={} outcome={} prompt_tokens={} completion_tokens={} latency_ms={}",
@@ -490,9 +631,13 @@ impl Frontend {
         );
         let Some(conn) = l.conn else { return };
         let timings = timings_json(&timings);
-        let result = finish.reason().ok_or_else(|| {
-            finish.to_api_error().unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "unexpected end"))
-        });
+        let result = finish
+            .reason()
+            // A model that called tools and stopped stopped for them.
+            .map(|r| if r == "stop" && !l.calls.is_empty() { "tool_calls" } else { r })
+            .ok_or_else(|| {
+                finish.to_api_error().unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "unexpected end"))
+            });
         match (&l.kind, result) {
             (Kind::Probe, Ok(_)) => {
                 let health = Health::Generated {
@@ -503,7 +648,7 @@ impl Frontend {
             }
             (Kind::Generate { stream: false, logprobs, .. }, Ok(reason)) => {
                 let lp = logprobs.then(|| openai::logprobs_json(l.meta.endpoint, &l.logprobs));
-                let mut body = openai::full_response(&l.meta, &l.text, reason, lp, usage);
+                let mut body = openai::full_response(&l.meta, &l.text, &l.calls, reason, lp, usage);
                 body["timings"] = timings;
                 let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
             }
@@ -515,7 +660,7 @@ impl Frontend {
                 let _ = self.server.respond(conn, &Response::error(&e, Some(&l.request_id)));
             }
             (Kind::Generate { stream: true, include_usage, .. }, result) => {
-                let mut frames = Vec::new();
+                let mut frames = rest_frames;
                 match result {
                     Ok(reason) => {
                         let mut last = openai::chunk(

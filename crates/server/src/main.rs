@@ -26,6 +26,8 @@ pdserve-server [options]
   --max-running N          running batch bound (default 64)
   --max-batch-tokens N     tokens per engine step (default 2048)
   --transfer-step-tokens N prefill role: tokens per step while KV transfers are live (default 256)
+  --tool-parser FORMAT     the format tool calls are written and read in: hermes, llama3 or mistral
+                           (default: the chat template's; hermes for a template without one)
   --admission ORDER        least-work (default: the fewest uncached prompt tokens first, a request
                            overtaken for at most 60 s plus its tokens / 100 per s) or fifo
   --prefill-chunk N        prefill chunk per request per step (default 512)
@@ -128,6 +130,11 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                     "least-work" => pdserve_engine::SchedulerConfig::default().admission_order,
                     other => return Err(format!("--admission {other}: fifo or least-work")),
                 }
+            }
+            "--tool-parser" => {
+                e.tool_format = Some(pdserve_api::tools::ToolFormat::from_name(&v).ok_or_else(|| {
+                    format!("--tool-parser {v}: one of {}", pdserve_api::tools::ToolFormat::NAMES)
+                })?)
             }
             "--prefill-chunk" => e.scheduler.prefill_chunk_tokens = n()?,
             "--max-context" => e.scheduler.max_context_tokens = n()?,

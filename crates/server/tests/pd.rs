@@ -83,7 +83,8 @@ fn the_first_tokens_logprobs_come_from_the_prefill_worker() {
     assert_eq!(s, 200, "{want}");
     let (s, handle) = prefill.json("POST", "/v1/chat/completions", &body);
     assert_eq!(s, 200, "{handle}");
-    let keys: Vec<&String> = handle["pd_transfer"].as_object().unwrap().keys().collect();
+    let mut keys: Vec<&String> = handle["pd_transfer"].as_object().unwrap().keys().collect();
+    keys.sort();
     assert_eq!(keys, ["addr", "epoch", "shm", "transfer"], "the handle names where the KV is, nothing more");
     let mut b: serde_json::Value = serde_json::from_str(&body).unwrap();
     b["pd_transfer"] = handle["pd_transfer"].clone();

@@ -18,6 +18,7 @@ use pdserve_pd_transfer::{Endpoint, EndpointStats, Source, TransferKey};
 use pdserve_scheduler::{Event, KvSource, NewRequest, Outcome, RequestId, Sampled, Scheduler, Stage};
 use pdserve_telemetry::RequestLedger;
 
+use crate::grammar::{apply_mask, Guide};
 use crate::metrics::Metrics;
 use crate::EngineError;
 
@@ -37,6 +38,11 @@ pub(crate) struct Submission {
     pub stop_ids: Vec<u32>,
     pub ignore_eos: bool,
     pub deadline: Instant,
+    /// What the output must match (compiled by the text thread).
+    pub guide: Option<Guide>,
+    /// End-of-sequence and stop tokens are held back before this many tokens.
+    pub min_tokens: usize,
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 #[derive(Debug)]
@@ -139,6 +145,9 @@ struct Live {
     prompt_len: usize,
     stop_ids: Vec<u32>,
     ignore_eos: bool,
+    guide: Option<Guide>,
+    min_tokens: usize,
+    logit_bias: Vec<(u32, f32)>,
     times: Times,
     /// Prefill role: the prompt, and the first token as sampled, for the decode worker.
     prompt: Vec<u32>,
@@ -303,7 +312,7 @@ impl Core {
         let now = Instant::now();
         match cmd {
             Command::Submit(s) if s.remote.is_some() => self.start_pull(s, now),
-            Command::Submit(s) => {
+            Command::Submit(mut s) => {
                 let max_tokens = s.max_tokens.unwrap_or(self.context_tokens.saturating_sub(s.tokens.len()));
                 let req = NewRequest {
                     id: RequestId(s.id),
@@ -316,7 +325,8 @@ impl Core {
                 match self.sched.handle_request(req, now) {
                     Ok(()) => {
                         let stage = ApiStage::queued(self.role);
-                        self.admitted(&s, s.tokens.clone(), stage, now, None);
+                        let tokens = s.tokens.clone();
+                        self.admitted(&mut s, tokens, stage, now, None);
                     }
                     Err(r) => self.reject(s.id, EngineError::Rejected(r)),
                 }
@@ -355,7 +365,7 @@ impl Core {
     /// The scheduler took `s`: the ledger, the sampler, and the `Admitted` reply.
     fn admitted(
         &mut self,
-        s: &Submission,
+        s: &mut Submission,
         prompt: Vec<u32>,
         stage: ApiStage,
         now: Instant,
@@ -383,6 +393,9 @@ impl Core {
                 prompt_len,
                 stop_ids: s.stop_ids.clone(),
                 ignore_eos: s.ignore_eos,
+                guide: s.guide.take(),
+                min_tokens: s.min_tokens,
+                logit_bias: std::mem::take(&mut s.logit_bias),
                 times: Times { submitted: Some(now), prefill_us, ..Times::default() },
                 prompt: if self.role == Role::Prefill { prompt } else { Vec::new() },
                 first: None,
@@ -447,8 +460,26 @@ impl Core {
                 logits: i.sample,
             })
             .collect();
+        // The token masks of constrained requests are computed on a second thread while the forward
+        // pass runs: they depend only on the tokens so far.
+        let mut guided: Vec<(u64, Guide)> = batch
+            .iter()
+            .filter(|i| i.sample)
+            .filter_map(|i| Some((i.id.0, self.live.get_mut(&i.id.0)?.guide.take()?)))
+            .collect();
         let backend = &mut self.backend;
-        let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&steps)));
+        let (result, masks) = std::thread::scope(|scope| {
+            let masker = (!guided.is_empty()).then(|| {
+                scope.spawn(|| guided.iter_mut().map(|(id, g)| (*id, g.mask())).collect::<HashMap<u64, _>>())
+            });
+            let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&steps)));
+            (result, masker.map(|m| m.join().unwrap_or_default()).unwrap_or_default())
+        });
+        for (id, g) in guided {
+            if let Some(l) = self.live.get_mut(&id) {
+                l.guide = Some(g);
+            }
+        }
         self.metrics.step.record(now.elapsed());
         let logits = match result {
             Ok(Ok(l)) => l,
@@ -464,13 +495,56 @@ impl Core {
             }
         };
         let mut sampled = Vec::new();
+        let mut failed: Vec<(RequestId, String)> = Vec::new();
         let prefill = self.role == Role::Prefill;
         for (item, l) in batch.iter().filter(|i| i.sample).zip(&logits) {
             let Some(lv) = self.live.get_mut(&item.id.0) else { continue };
             let all = self.sched.kv().tokens(item.seq).unwrap_or(&[]);
             let (prompt, output) = all.split_at(lv.prompt_len.min(all.len()));
-            let s = lv.sampler.sample(l, prompt, output);
-            let stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && self.eos_ids.contains(&s.token));
+            let mask = match masks.get(&item.id.0) {
+                Some(Ok(m)) => Some(m),
+                Some(Err(e)) => {
+                    let reason = format!("constrained decoding failed: {e}");
+                    failed.push((item.id, reason));
+                    continue;
+                }
+                None => None,
+            };
+            let early = output.len() < lv.min_tokens;
+            let s = if mask.is_some() || early || !lv.logit_bias.is_empty() {
+                let mut adjusted = l.clone();
+                for &(t, b) in &lv.logit_bias {
+                    if let Some(x) = adjusted.get_mut(t as usize) {
+                        *x += b;
+                    }
+                }
+                match mask {
+                    Some(m) => apply_mask(&mut adjusted, m),
+                    None if early => {
+                        for &t in lv.stop_ids.iter().chain(&self.eos_ids) {
+                            if let Some(x) = adjusted.get_mut(t as usize) {
+                                *x = f32::NEG_INFINITY;
+                            }
+                        }
+                    }
+                    None => {}
+                }
+                lv.sampler.sample(&adjusted, prompt, output)
+            } else {
+                lv.sampler.sample(l, prompt, output)
+            };
+            let eos = self.eos_ids.contains(&s.token);
+            let mut stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && eos);
+            if let Some(g) = lv.guide.as_mut() {
+                // The constraint decides: its end is the end, and an end-of-sequence token before it
+                // cannot have been sampled (the mask allows it only once the output is complete).
+                if eos && g.is_accepting() {
+                    stop = true;
+                } else if let Err(e) = g.accept(s.token) {
+                    failed.push((item.id, format!("constrained decoding failed: {e}")));
+                    continue;
+                }
+            }
             sampled.push(Sampled { id: item.id, token: s.token, stop });
             if prefill {
                 // The first token goes to the decode worker with the KV, not to the caller.
@@ -488,6 +562,9 @@ impl Core {
         if !sampled.is_empty() {
             self.metrics.tokens_generated.add(sampled.len() as u64);
             self.shared.last_token_ms.store(self.shared.ms_since_epoch(Instant::now()), Ordering::Relaxed);
+        }
+        for (id, reason) in failed {
+            self.sched.handle_failed(id, &reason, Instant::now());
         }
         self.sched.handle_step_result(&sampled, Instant::now());
         self.drain_events();

@@ -68,7 +68,7 @@ impl Core {
     /// Decode role: the prefill worker described the transfer; admit the request with its prompt and
     /// give the pull its destination blocks.
     pub(super) fn describe(&mut self, transfer: u64, blocks: u32, meta: PromptMeta, now: Instant) {
-        let Some(s) = self.describing.remove(&transfer) else {
+        let Some(mut s) = self.describing.remove(&transfer) else {
             self.abort_transfer(transfer);
             return;
         };
@@ -119,7 +119,7 @@ impl Core {
             prefill_us: meta.prefill_us,
             cached_tokens: meta.cached_tokens as usize,
         };
-        self.admitted(&s, prompt, ApiStage::KvTransfer, now, Some(first));
+        self.admitted(&mut s, prompt, ApiStage::KvTransfer, now, Some(first));
         let block_bytes = self.endpoint.as_ref().map_or(0, |ep| ep.layout().block_bytes());
         if let Some(l) = self.live.get_mut(&s.id) {
             let bytes = (dest.len() * block_bytes) as u64;
@@ -232,8 +232,15 @@ impl Core {
                             }
                         }
                     }
-                    let stop =
-                        l.stop_ids.contains(&first) || (!l.ignore_eos && self.eos_ids.contains(&first));
+                    let eos = self.eos_ids.contains(&first);
+                    let mut stop = l.stop_ids.contains(&first) || (!l.ignore_eos && eos);
+                    // The prefill worker sampled it under the same constraint: the matcher takes it.
+                    if let Some(g) = l.guide.as_mut() {
+                        stop |= eos && g.is_accepting();
+                        if !eos && g.accept(first).is_err() {
+                            stop = true;
+                        }
+                    }
                     let (logprob, top) = l.remote_first.take().unwrap_or_default();
                     self.sched.handle_kv_arrived(RequestId(req), stop, now);
                     self.send(Reply::Token { id: req, token: first, logprob, top, stop });

@@ -109,3 +109,21 @@ pub fn metric(w: &Worker, series: &str) -> f64 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(0.0)
 }
+
+/// Runs `script` (in tests/) with the base URL and `args`; its last word must be OK.
+pub fn run_python(script: &str, base: &str, args: &[&str]) {
+    let path = format!("{}/tests/{script}", env!("CARGO_MANIFEST_DIR"));
+    let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+    let out = std::process::Command::new(python)
+        .arg(&path)
+        .arg(base)
+        .args(args)
+        .output()
+        .expect("python3 is needed for this test");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("OK"),
+        "{script} failed (the openai client installs with `pip install openai`):\n{stdout}\n{stderr}"
+    );
+}

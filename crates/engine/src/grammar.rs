@@ -1,0 +1,110 @@
+//! Constrained decoding: a request whose output must match a JSON schema, a regex, a list of choices
+//! or a grammar (`response_format`, the guided fields, a required tool call) gets an llguidance
+//! matcher. The text thread compiles it (a malformed or unsatisfiable constraint is the request's
+//! `400`, before it reaches the engine thread); the engine thread computes each step's token mask on a
+//! second thread while the forward pass runs, masks the logits, and feeds the sampled token back.
+
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use pdserve_api::openai::Constraint;
+use serde_json::{json, Value};
+
+/// How JSON is written under a schema: on one line, with Python's separators. A small model left
+/// free to add whitespace may pad forever.
+fn compact(mut schema: Value) -> Value {
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(
+            || json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
+        );
+    }
+    schema
+}
+
+/// The vocabulary as llguidance sees it, built once per engine.
+pub(crate) struct Grammars {
+    factory: ParserFactory,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Grammars")
+    }
+}
+
+impl Grammars {
+    /// From `tokenizer.json`'s text; `vocab_size` is the model's (its logits' length), `eos` the token
+    /// that ends a finished constraint.
+    pub(crate) fn new(tokenizer_json: &str, vocab_size: usize, eos: u32) -> Result<Grammars, String> {
+        let v: Value = serde_json::from_str(tokenizer_json).map_err(|e| e.to_string())?;
+        let mut words = llguidance::token_bytes_from_tokenizer_json(&v).map_err(|e| e.to_string())?;
+        words.resize(vocab_size.max(words.len()), Vec::new());
+        let info = TokRxInfo::new(words.len() as u32, eos);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        factory.quiet();
+        Ok(Grammars { factory })
+    }
+
+    /// A fresh matcher for `c`, or what is wrong with it.
+    pub(crate) fn matcher(&self, c: &Constraint) -> Result<Guide, String> {
+        let grammar = match c {
+            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s.clone())),
+            Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
+            Constraint::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
+            Constraint::Choice(list) => {
+                let alts: Vec<String> = list.iter().map(|s| Value::String(s.clone()).to_string()).collect();
+                TopLevelGrammar::from_lark(format!("start: {}\n", alts.join(" | ")))
+            }
+        };
+        let parser = self.factory.create_parser(grammar).map_err(|e| e.to_string())?;
+        let mut m = Matcher::new(Ok(parser));
+        if let Some(e) = m.get_error() {
+            return Err(e);
+        }
+        // A constraint nothing can satisfy: no token is allowed at the start, and it is not finished.
+        let mask = m.compute_mask().map_err(|e| e.to_string())?;
+        if mask.is_zero() && !m.is_accepting().unwrap_or(false) {
+            return Err("no output can satisfy it".into());
+        }
+        m.reset().map_err(|e| e.to_string())?;
+        Ok(Guide(m))
+    }
+}
+
+/// One request's matcher.
+pub(crate) struct Guide(Matcher);
+
+impl std::fmt::Debug for Guide {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Guide")
+    }
+}
+
+impl Guide {
+    /// The tokens allowed next (only the end-of-sequence token once the constraint is complete).
+    pub(crate) fn mask(&mut self) -> Result<SimpleVob, String> {
+        self.0.compute_mask_or_eos().map_err(|e| e.to_string())
+    }
+
+    /// Takes the sampled token. An end-of-sequence token needs no feeding.
+    pub(crate) fn accept(&mut self, token: u32) -> Result<(), String> {
+        self.0.consume_token(token).map_err(|e| e.to_string())
+    }
+
+    /// Whether the output so far is a complete match (end-of-sequence is allowed).
+    pub(crate) fn is_accepting(&mut self) -> bool {
+        self.0.is_accepting().unwrap_or(false)
+    }
+}
+
+/// Sets every logit outside `mask` to minus infinity.
+pub(crate) fn apply_mask(logits: &mut [f32], mask: &SimpleVob) {
+    for (t, l) in logits.iter_mut().enumerate() {
+        if t >= mask.len() || !mask.is_allowed(t as u32) {
+            *l = f32::NEG_INFINITY;
+        }
+    }
+}
