@@ -11,6 +11,7 @@ mod generate;
 mod gpu;
 mod peer;
 mod serve;
+mod structured;
 mod sys;
 mod where_;
 
@@ -34,11 +35,13 @@ const COMMANDS: &[(&str, &str, &str)] = &[
         "bench",
         "bench [--target URL ...] [--workload sweep|poisson|agents] [LOADGEN OPTIONS]\n\
          bench agents [--agents N] [--rounds R] [--repeat K] [--no-llamacpp]\n\
+         bench structured [--concurrency LIST] [--max-tokens M] [--repeat K]\n\
          bench http [--seconds N] [--rounds N] [--connections N]\n\
          bench router [--seconds N] [--reps N]",
         "the load generator (pdserve-bench, its options: `cargo run -p pdserve-loadgen -- --help`) against\n\
          OpenAI-compatible endpoints; `agents`: growing multi-round conversations against the PD stack, a\n\
-         unified worker and llama.cpp's server, all started here; `http`: this project's HTTP server\n\
+         unified worker and llama.cpp's server, all started here; `structured`: one unified worker with\n\
+         and without a json_schema response format, alternating; `http`: this project's HTTP server\n\
          beside nginx under wrk; `router`:\n\
          the router beside SGLang's router and nginx, in front of nginx mock workers, under wrk",
     ),
@@ -186,7 +189,8 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-const FUZZ_TARGETS: &[&str] = &["http_request", "http_response", "kv_ops", "sched_ops", "pd_frames"];
+const FUZZ_TARGETS: &[&str] =
+    &["http_request", "http_response", "kv_ops", "sched_ops", "pd_frames", "api_requests"];
 
 fn fuzz_available() -> bool {
     Command::new("cargo").args(["fuzz", "--version"]).output().is_ok_and(|o| o.status.success())
@@ -230,6 +234,7 @@ fn bench(args: &[String]) -> Result<()> {
             cargo(&a)
         }
         Some("agents") => agents::run(&args[1..]),
+        Some("structured") => structured::run(&args[1..]),
         Some("router") => {
             let mut a = vec!["bench", "-p", "pdserve-router", "--bench", "vs_sglang", "--"];
             a.extend(args[1..].iter().map(String::as_str));

@@ -9,3 +9,5 @@ pub const DEADLINE_MS: &str = "x-request-deadline-ms";
 pub const RETRY_AFTER: &str = "retry-after";
 /// `Bearer KEY` for client API keys and the admin key.
 pub const AUTHORIZATION: &str = "authorization";
+/// The API key as Anthropic's clients send it.
+pub const API_KEY: &str = "x-api-key";

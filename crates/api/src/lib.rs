@@ -10,6 +10,10 @@
 //! - [`path`]: the paths every process serves, and the 404/405 answer for the rest.
 //! - [`pd`]: the prefill/decode handle a router forwards without parsing.
 //! - [`openai`]: the OpenAI-compatible request bodies (checked field by field) and response shapes.
+//! - [`tools`]: tool calling: the tools offered, the calls a model writes (parsed as they stream), and
+//!   the grammar that forces one.
+//! - [`anthropic`]: Anthropic's Messages API, read into the chat request and written back as its
+//!   message body and named stream events.
 //!
 //! ```
 //! use pdserve_api::{ApiError, ErrorKind, Outcome};
@@ -21,6 +25,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod anthropic;
 mod error;
 pub mod header;
 mod health;

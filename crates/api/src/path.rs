@@ -12,6 +12,8 @@ pub const DEBUG_REQUESTS: &str = "/debug/requests";
 pub const MODELS: &str = "/v1/models";
 pub const CHAT: &str = "/v1/chat/completions";
 pub const COMPLETIONS: &str = "/v1/completions";
+/// Anthropic's Messages API.
+pub const MESSAGES: &str = "/v1/messages";
 /// Token ids of a prompt or chat (rendered as a chat request would be).
 pub const TOKENIZE: &str = "/tokenize";
 /// Text of token ids.
@@ -20,7 +22,7 @@ pub const DETOKENIZE: &str = "/detokenize";
 pub const VERSION: &str = "/version";
 
 /// The paths the router and every worker serve.
-pub const SERVED_BY_ALL: [&str; 12] = [
+pub const SERVED_BY_ALL: [&str; 13] = [
     HEALTH_LIVE,
     HEALTH_READY,
     HEALTH,
@@ -30,6 +32,7 @@ pub const SERVED_BY_ALL: [&str; 12] = [
     MODELS,
     CHAT,
     COMPLETIONS,
+    MESSAGES,
     TOKENIZE,
     DETOKENIZE,
     VERSION,

@@ -263,9 +263,11 @@ pub fn parse_tool_choice(v: Option<&Value>, tools: &[Tool]) -> Result<ToolChoice
             "none" => ToolChoice::None,
             "auto" => ToolChoice::Auto,
             "required" => ToolChoice::Required,
-            other => return Err(ApiError::invalid(format!(
+            other => {
+                return Err(ApiError::invalid(format!(
                 "`tool_choice` {other:?} is not one of \"none\", \"auto\", \"required\" or a named function"
-            ))),
+            )))
+            }
         },
         Some(o @ Value::Object(_)) => {
             let name = o
@@ -432,9 +434,6 @@ impl ToolCallParser {
         let end = self.held.find("</tool_call>")? + "</tool_call>".len();
         let block: String = self.held.drain(..end).collect();
         self.in_call = false;
-        // Whitespace between blocks is not text.
-        let rest = self.held.trim_start().len();
-        self.held.drain(..self.held.len() - rest);
         Some(match self.parse_calls(&block, false) {
             Some(calls) => calls.into_iter().map(Piece::Call).collect(),
             None => vec![Piece::Text(block)],

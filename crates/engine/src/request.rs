@@ -93,8 +93,10 @@ impl Request {
 /// Why generation ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Finish {
-    /// A stop token or string.
+    /// A stop token, or the end-of-sequence token (or the end of the output's constraint).
     Stop,
+    /// One of the request's stop strings (this one).
+    StopString(String),
     /// `max_tokens` or the context.
     Length,
     /// Aborted by the caller.
@@ -109,7 +111,7 @@ impl Finish {
     /// `Some("stop" | "length")` for a normal end (OpenAI's `finish_reason`).
     pub fn reason(&self) -> Option<&'static str> {
         match self {
-            Finish::Stop => Some("stop"),
+            Finish::Stop | Finish::StopString(_) => Some("stop"),
             Finish::Length => Some("length"),
             _ => None,
         }
@@ -119,7 +121,7 @@ impl Finish {
     pub fn to_api_error(&self) -> Option<pdserve_api::ApiError> {
         use pdserve_api::{ApiError, ErrorKind};
         Some(match self {
-            Finish::Stop | Finish::Length => return None,
+            Finish::Stop | Finish::StopString(_) | Finish::Length => return None,
             Finish::Cancelled => ApiError::new(ErrorKind::Cancelled, "the request was cancelled"),
             Finish::TimedOut { stage } => ApiError::new(
                 ErrorKind::DeadlineExceeded,

@@ -1,19 +1,22 @@
 //! Stop strings over streamed text: what may be shown now, and what must wait because it could be
 //! the start of a stop string.
 
-/// Splits `pending` at the first stop string: `(text to emit, stopped)`; with `include`, the stop
+/// Splits `pending` at the first stop string: `(text to emit, the index of the stop string found)`; with `include`, the stop
 /// string itself is part of the text. Without a stop, the longest tail that could still become a stop
 /// string is held back in `pending`.
-pub(crate) fn apply_stop(pending: &mut String, stops: &[String], include: bool) -> (String, bool) {
+pub(crate) fn apply_stop(pending: &mut String, stops: &[String], include: bool) -> (String, Option<usize>) {
     if stops.is_empty() {
-        return (std::mem::take(pending), false);
+        return (std::mem::take(pending), None);
     }
-    if let Some((at, len)) =
-        stops.iter().filter_map(|s| pending.find(s.as_str()).map(|at| (at, s.len()))).min()
+    if let Some((at, len, i)) = stops
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| pending.find(s.as_str()).map(|at| (at, s.len(), i)))
+        .min()
     {
         let out = pending[..if include { at + len } else { at }].to_owned();
         pending.clear();
-        return (out, true);
+        return (out, Some(i));
     }
     let mut keep = 0;
     for s in stops {
@@ -30,7 +33,7 @@ pub(crate) fn apply_stop(pending: &mut String, stops: &[String], include: bool) 
     let cut = pending.len() - keep;
     let out = pending[..cut].to_owned();
     pending.drain(..cut);
-    (out, false)
+    (out, None)
 }
 
 #[cfg(test)]
@@ -41,15 +44,15 @@ mod tests {
     fn stop_strings_hold_back_possible_prefixes() {
         let stops = vec!["END".to_owned(), "\n\n".to_owned()];
         let mut p = String::from("hello E");
-        assert_eq!(apply_stop(&mut p, &stops, false), ("hello ".into(), false));
+        assert_eq!(apply_stop(&mut p, &stops, false), ("hello ".into(), None));
         assert_eq!(p, "E");
         p.push_str("NDING");
-        assert_eq!(apply_stop(&mut p, &stops, false), ("".into(), true));
+        assert_eq!(apply_stop(&mut p, &stops, false), ("".into(), Some(0)));
         let mut p = String::from("a\nb\n");
-        assert_eq!(apply_stop(&mut p, &stops, false), ("a\nb".into(), false));
+        assert_eq!(apply_stop(&mut p, &stops, false), ("a\nb".into(), None));
         let mut p = String::from("x");
-        assert_eq!(apply_stop(&mut p, &[], false), ("x".into(), false));
+        assert_eq!(apply_stop(&mut p, &[], false), ("x".into(), None));
         let mut p = String::from("say END now");
-        assert_eq!(apply_stop(&mut p, &stops, true), ("say END".into(), true));
+        assert_eq!(apply_stop(&mut p, &stops, true), ("say END".into(), Some(0)));
     }
 }

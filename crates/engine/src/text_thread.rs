@@ -125,8 +125,8 @@ pub(crate) struct Text {
     pending: String,
     stop: Vec<String>,
     include_stop: bool,
-    /// A stop string was seen: the engine was told to abort, and the end is reported as `Stop`.
-    stopped: bool,
+    /// The stop string seen: the engine was told to abort, and the end is reported as `StopString`.
+    stopped: Option<String>,
     logprobs: bool,
 }
 
@@ -242,7 +242,7 @@ impl TextThread {
                     pending: String::new(),
                     stop,
                     include_stop,
-                    stopped: false,
+                    stopped: None,
                     logprobs,
                 };
                 self.texts.insert(id, text);
@@ -358,8 +358,12 @@ impl TextThread {
                 s.cached_tokens = cached_tokens;
                 let now = Instant::now();
                 self.metrics.e2e.record(now.saturating_duration_since(s.received));
-                let stopped = text.as_ref().is_some_and(|t| t.stopped);
-                let finish = if stopped { Finish::Stop } else { finish(self.info.role, &outcome) };
+                let matched = text.as_ref().and_then(|t| t.stopped.clone());
+                let stopped = matched.is_some();
+                let finish = match matched {
+                    Some(s) => Finish::StopString(s),
+                    None => finish(self.info.role, &outcome),
+                };
                 if let Some(mut t) = text.filter(|_| finish.reason().is_some() && !stopped) {
                     // The rest of the text: what the decoder and the stop-string check still held.
                     let rest = t.detok.finish(&self.codec).unwrap_or_default();
@@ -396,7 +400,7 @@ impl TextThread {
             s.completion_tokens += 1;
         }
         let Some(t) = self.texts.get_mut(&id) else { return };
-        if stop || t.stopped {
+        if stop || t.stopped.is_some() {
             return; // stop tokens are not text
         }
         let codec = &self.codec;
@@ -411,8 +415,8 @@ impl TextThread {
         });
         t.pending.push_str(&piece);
         let (text, hit) = apply_stop(&mut t.pending, &t.stop, t.include_stop);
-        if hit {
-            t.stopped = true;
+        if let Some(i) = hit {
+            t.stopped = Some(t.stop[i].clone());
             let _ = self.commands.try_send(Command::Abort(id));
         }
         if !text.is_empty() || logprob.is_some() {

@@ -39,8 +39,11 @@ pub use stats::{PointResult, RoundResult};
 /// An endpoint under test.
 #[derive(Debug, Clone)]
 pub struct Target {
+    /// The target's name in every table: its URL, plus `+NAME` when [`Target::with_body`] set fields.
     pub url: String,
     pub addr: SocketAddr,
+    /// Fields set in every request body sent to this target (e.g. a `response_format`).
+    pub body_fields: serde_json::Map<String, serde_json::Value>,
 }
 
 impl Target {
@@ -54,7 +57,15 @@ impl Target {
             .map_err(|error| TargetError::DoesNotResolve { url: url.to_owned(), error })?
             .next()
             .ok_or_else(|| TargetError::NoAddress { url: url.to_owned() })?;
-        Ok(Target { url: format!("http://{authority}"), addr })
+        Ok(Target { url: format!("http://{authority}"), addr, body_fields: serde_json::Map::new() })
+    }
+
+    /// The same server under another name (`URL+name`) whose requests also carry `fields`: the same
+    /// server with and without a feature, alternating as two targets.
+    pub fn with_body(mut self, name: &str, fields: serde_json::Map<String, serde_json::Value>) -> Target {
+        self.url = format!("{}+{name}", self.url);
+        self.body_fields = fields;
+        self
     }
 }
 
@@ -207,7 +218,7 @@ pub fn words(n: usize, seed: u64) -> String {
     out
 }
 
-fn body(shape: &Shape, messages: &serde_json::Value) -> Vec<u8> {
+fn body(target: &Target, shape: &Shape, messages: &serde_json::Value) -> Vec<u8> {
     let mut b = serde_json::json!({
         "messages": messages,
         "max_tokens": shape.max_tokens,
@@ -221,6 +232,9 @@ fn body(shape: &Shape, messages: &serde_json::Value) -> Vec<u8> {
     }
     if let Some(m) = &shape.model {
         b["model"] = serde_json::Value::String(m.clone());
+    }
+    for (k, v) in &target.body_fields {
+        b[k] = v.clone();
     }
     serde_json::to_vec(&b).unwrap_or_default()
 }
@@ -249,14 +263,14 @@ fn one_shot_messages(shape: &Shape, nonce: u64, i: u64) -> serde_json::Value {
     serde_json::json!([{"role": "user", "content": text}])
 }
 
-fn send(conn: &mut Conn, shape: &Shape, messages: &serde_json::Value, seed: u64) -> Outcome {
+fn send(conn: &mut Conn, target: &Target, shape: &Shape, messages: &serde_json::Value, seed: u64) -> Outcome {
     let deadline = Instant::now() + shape.timeout;
     let mixed = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 17;
     let leave_after = (shape.disconnect_one_in > 0 && mixed.is_multiple_of(shape.disconnect_one_in))
         .then_some((mixed >> 8) % 8);
     conn.request_leaving_after(
         "/v1/chat/completions",
-        &body(shape, messages),
+        &body(target, shape, messages),
         deadline,
         shape.grace,
         shape.api_key.as_deref(),
@@ -293,8 +307,13 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                             if i >= *requests {
                                 break;
                             }
-                            let o =
-                                send(&mut conn, shape, &one_shot_messages(shape, nonce, i as u64), i as u64);
+                            let o = send(
+                                &mut conn,
+                                target,
+                                shape,
+                                &one_shot_messages(shape, nonce, i as u64),
+                                i as u64,
+                            );
                             record(progress, &o);
                             outcomes.lock().unwrap_or_else(|e| e.into_inner()).push(o);
                         }
@@ -317,7 +336,8 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                             let job = rx.lock().unwrap_or_else(|e| e.into_inner()).recv();
                             let Ok((i, scheduled)) = job else { break };
                             let waited = scheduled.elapsed();
-                            let mut o = send(&mut conn, shape, &one_shot_messages(shape, nonce, i), i);
+                            let mut o =
+                                send(&mut conn, target, shape, &one_shot_messages(shape, nonce, i), i);
                             // Open loop: time counts from the scheduled arrival, not from the send.
                             o.ttft = o.ttft.map(|t| t + waited);
                             o.e2e += waited;
@@ -369,7 +389,7 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
                         for r in 0..*rounds {
                             let seed = (a * 1000 + r) as u64;
                             let mut o =
-                                send(&mut conn, shape, &serde_json::Value::Array(messages.clone()), seed);
+                                send(&mut conn, target, shape, &serde_json::Value::Array(messages.clone()), seed);
                             o.agent_round = Some((a as u32, r as u32));
                             record(progress, &o);
                             // A turn its own client abandoned is retried by the agent in the next round; a turn the

@@ -22,6 +22,8 @@ workloads (one per run):
       --connections N          most requests in flight (default 64)
   --workload agents            --agents N (default 32) conversations of --rounds R (default 5), each round
       --tool-words N           appending the answer and a tool result of N words (default 40)
+  --target URL --body NAME=JSON  also load URL as a second target, `URL+NAME`, whose requests carry
+                               the JSON object's fields (the same server with and without a feature)
 request shape:
   --prompt-words N (default 75, about 100 tokens)   --max-tokens N (default 64)   --no-ignore-eos
   --model NAME   --timeout-s S (default 120)   --grace-s S (hung after deadline + grace; default 5)
@@ -73,6 +75,17 @@ fn parse(args: Vec<String>) -> Result<Option<Args>, String> {
         let int = |v: &str| v.parse::<usize>().map_err(|e| format!("{a} {v}: {e}"));
         match a.as_str() {
             "--target" => targets.push(Target::parse(&v).map_err(|e| e.to_string())?),
+            "--body" => {
+                let t = targets.pop().ok_or("--body follows the --target it applies to")?;
+                let (name, json) = v.split_once('=').ok_or("--body takes NAME=JSON")?;
+                let fields = match serde_json::from_str(json) {
+                    Ok(serde_json::Value::Object(m)) => m,
+                    _ => return Err(format!("--body {name}: not a JSON object: {json}")),
+                };
+                targets.push(t.clone().with_body(name, fields));
+                // The plain target stays, ahead of its variant: the two alternate.
+                targets.insert(targets.len() - 1, t);
+            }
             "--workload" => workload = v,
             "--concurrency" => concurrency = list(&v)?,
             "--requests-per-client" => per_client = int(&v)?,
@@ -277,23 +290,31 @@ fn summary(results: &[(usize, PointResult)], targets: &[Target], loads: &[Load])
         for t in targets {
             let rs = of(t);
             let rps = median(rs.iter().map(|(_, r)| r.requests_per_s()).collect());
+            let tps = median(rs.iter().map(|(_, r)| r.tokens_per_s()).collect());
             let ttft = median(rs.iter().map(|(_, r)| r.ttft.p50_ms()).collect());
             let hung: u64 = rs.iter().map(|(_, r)| r.hung).sum();
             out += &format!(
-                "{:<26} {:<18} req/s {:.3} ({:.3}-{:.3})  ttft50 ms {:.0} ({:.0}-{:.0})  hung {hung}",
-                t.url, label, rps.0, rps.1, rps.2, ttft.0, ttft.1, ttft.2
+                "{:<26} {:<18} req/s {:.3} ({:.3}-{:.3})  tok/s {:.1} ({:.1}-{:.1})  ttft50 ms {:.0} ({:.0}-{:.0})  hung {hung}",
+                t.url, label, rps.0, rps.1, rps.2, tps.0, tps.1, tps.2, ttft.0, ttft.1, ttft.2
             );
             if !peer.is_empty() && t.url != peer[0].1.target {
-                let ratios: Vec<f64> = rs
-                    .iter()
-                    .filter_map(|(rep, r)| {
-                        let p = peer.iter().find(|(pr, _)| pr == rep)?;
-                        Some(r.requests_per_s() / p.1.requests_per_s().max(1e-9))
-                    })
-                    .collect();
-                if !ratios.is_empty() {
-                    let q = median(ratios);
-                    out += &format!("  req/s vs {}: {:.2}x ({:.2}-{:.2})", peer[0].1.target, q.0, q.1, q.2);
+                // Each repeat against the peer's point of the same repeat (they ran next to each other).
+                let ratio = |f: &dyn Fn(&PointResult) -> f64| -> Option<(f64, f64, f64)> {
+                    let v: Vec<f64> = rs
+                        .iter()
+                        .filter_map(|(rep, r)| {
+                            let p = peer.iter().find(|(pr, _)| pr == rep)?;
+                            Some(f(r) / f(&p.1).max(1e-9))
+                        })
+                        .collect();
+                    (!v.is_empty()).then(|| median(v))
+                };
+                let peer_name = &peer[0].1.target;
+                if let Some(q) = ratio(&PointResult::requests_per_s) {
+                    out += &format!("  req/s vs {peer_name}: {:.2}x ({:.2}-{:.2})", q.0, q.1, q.2);
+                }
+                if let Some(q) = ratio(&PointResult::tokens_per_s) {
+                    out += &format!("  tok/s vs {peer_name}: {:.2}x ({:.2}-{:.2})", q.0, q.1, q.2);
                 }
             }
             out += "\n";

@@ -11,7 +11,7 @@ use crate::RouterError;
 
 /// Constant-time comparison of a presented bearer token with the configured key.
 fn key_matches(presented: Option<&str>, key: &str) -> bool {
-    let Some(p) = presented.and_then(|h| h.strip_prefix("Bearer ")) else { return false };
+    let Some(p) = presented else { return false };
     let (a, b) = (p.as_bytes(), key.as_bytes());
     let mut diff = (a.len() ^ b.len()) as u8 | u8::from(a.len() != b.len());
     for i in 0..a.len().max(b.len()) {
@@ -35,12 +35,16 @@ impl Router {
             None
         };
         let Some(key) = key else { return true };
-        if key_matches(req.header_str(header::AUTHORIZATION), key) {
+        // `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's).
+        let bearer = req.header_str(header::AUTHORIZATION).and_then(|h| h.strip_prefix("Bearer "));
+        if key_matches(bearer, key) || key_matches(req.header_str(header::API_KEY), key) {
             return true;
         }
         self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
-        let e =
-            ApiError::new(ErrorKind::Unauthorized, "missing or wrong API key (Authorization: Bearer ...)");
+        let e = ApiError::new(
+            ErrorKind::Unauthorized,
+            "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
+        );
         self.respond(conn, &Response::error(&e, Some(rid)));
         false
     }
@@ -197,10 +201,10 @@ mod tests {
 
     #[test]
     fn keys() {
-        assert!(key_matches(Some("Bearer s3cret"), "s3cret"));
-        assert!(!key_matches(Some("Bearer s3cre"), "s3cret"));
-        assert!(!key_matches(Some("Bearer s3cretx"), "s3cret"));
-        assert!(!key_matches(Some("s3cret"), "s3cret"));
+        assert!(key_matches(Some("s3cret"), "s3cret"));
+        assert!(!key_matches(Some("s3cre"), "s3cret"));
+        assert!(!key_matches(Some("s3cretx"), "s3cret"));
+        assert!(!key_matches(Some("Bearer s3cret"), "s3cret"));
         assert!(!key_matches(None, "s3cret"));
     }
 }

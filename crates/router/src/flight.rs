@@ -23,7 +23,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use pdserve_api::openai::{stream_error_events, Endpoint, Meta, DONE};
+use pdserve_api::openai::{stream_error_frames, Endpoint, Meta};
 use pdserve_api::{header, pd, ApiError, ErrorKind, Health, Outcome, Role, Stage};
 use pdserve_http::Response;
 
@@ -629,16 +629,16 @@ impl Flight {
                 if !self.tail.is_empty() && !self.tail.ends_with(b"\n\n") {
                     frame.extend_from_slice(b"\n\n");
                 }
-                if !self.tail.ends_with(format!("data: {DONE}\n\n").as_bytes()) {
+                if !self.tail.ends_with(self.endpoint().stream_end().as_bytes()) {
                     let meta = Meta {
                         endpoint: self.endpoint(),
                         id: self.endpoint().response_id(&self.spec.request_id),
                         created: 0,
                         model: String::new(),
                     };
-                    for e in stream_error_events(&meta, &error, &self.spec.request_id) {
-                        pdserve_http::write_sse_event(&mut frame, &e);
-                    }
+                    frame.extend_from_slice(
+                        stream_error_frames(&meta, &error, &self.spec.request_id).as_bytes(),
+                    );
                 }
                 self.push(Action::Forward(frame));
                 self.push(Action::EndStream);

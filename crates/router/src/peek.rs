@@ -25,6 +25,9 @@ struct Raw<'a> {
     timeout: Option<f64>,
     #[serde(default, borrow)]
     messages: Option<Vec<RawMessage<'a>>>,
+    /// Anthropic's Messages API: the system prompt beside the messages.
+    #[serde(default, borrow)]
+    system: Option<Shape<'a>>,
     #[serde(default, borrow)]
     prompt: Option<Shape<'a>>,
 }
@@ -111,18 +114,17 @@ pub fn peek(body: &[u8]) -> Result<Peek, RouterError> {
     }
     let mut prompt = String::new();
     if let Some(messages) = &raw.messages {
-        for m in messages {
-            match &m.content {
-                Some(Shape::Text(t)) => push_line(&mut prompt, t),
-                Some(Shape::List(parts)) => {
+        for content in raw.system.iter().chain(messages.iter().filter_map(|m| m.content.as_ref())) {
+            match content {
+                Shape::Text(t) => push_line(&mut prompt, t),
+                Shape::List(parts) => {
                     for p in parts {
                         if let Shape::Part(Some(t)) = p {
                             push_line(&mut prompt, t);
                         }
                     }
                 }
-                None => {}
-                Some(_) => return Err(RouterError::BadContent),
+                _ => return Err(RouterError::BadContent),
             }
         }
     } else if let Some(Shape::Text(t)) = &raw.prompt {
@@ -161,6 +163,9 @@ mod tests {
     fn chat_fields() {
         let p = peek(br#"{"model":"m","stream":true,"timeout":2.5,"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"}]}],"extra":{"a":[1,2]}}"#).unwrap();
         assert_eq!(p, Peek { stream: true, timeout_s: Some(2.5), prompt: "Be brief.\nHi".into() });
+        // Anthropic's Messages: the system prompt first; tool blocks carry no routing text.
+        let p = peek(br#"{"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"x"}]}]}"#).unwrap();
+        assert_eq!(p.prompt, "Be brief.\nHi");
     }
 
     #[test]

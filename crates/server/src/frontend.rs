@@ -5,8 +5,9 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use pdserve_api::anthropic::{self, MessageStream};
 use pdserve_api::openai::{
-    self, Constraint, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage,
+    self, sse, Constraint, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage,
 };
 use pdserve_api::tools::{Piece, ToolCall, ToolCallParser, ToolChoice};
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role, Stage};
@@ -45,6 +46,8 @@ struct Live {
     tool_parser: Option<ToolCallParser>,
     /// The calls found so far.
     calls: Vec<ToolCall>,
+    /// A streamed Messages answer: which content block is open.
+    blocks: MessageStream,
 }
 
 pub(crate) struct Frontend {
@@ -461,6 +464,7 @@ impl Frontend {
             received: Instant::now(),
             tool_parser: None,
             calls: Vec::new(),
+            blocks: MessageStream::default(),
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -476,13 +480,10 @@ impl Frontend {
         }
     }
 
-    fn send_sse(&mut self, id: Id, payloads: &[String]) -> bool {
+    /// Sends framed server-sent events.
+    fn send_frames(&mut self, id: Id, frames: &str) -> bool {
         let Some(conn) = self.live.get(&id).and_then(|l| l.conn) else { return false };
-        let mut frame = Vec::new();
-        for p in payloads {
-            pdserve_http::write_sse_event(&mut frame, p);
-        }
-        if self.server.send_chunk(conn, &frame).is_err() {
+        if self.server.send_chunk(conn, frames.as_bytes()).is_err() {
             // The client is gone or not reading: end the request.
             self.disconnected(conn);
             self.server.close(conn);
@@ -522,13 +523,24 @@ impl Frontend {
                     return;
                 }
                 l.started = true;
-                if l.meta.endpoint == Endpoint::Chat {
-                    let c = openai::chunk(
-                        &l.meta,
-                        Delta { role: true, text: Some(""), ..Delta::default() },
+                let first = match l.meta.endpoint {
+                    Endpoint::Chat => sse(
                         None,
-                    );
-                    self.send_sse(id, &[c.to_string()]);
+                        &openai::chunk(
+                            &l.meta,
+                            Delta { role: true, text: Some(""), ..Delta::default() },
+                            None,
+                        )
+                        .to_string(),
+                    ),
+                    Endpoint::Messages => {
+                        let e = MessageStream::start(&l.meta);
+                        sse(Some(e.0), &anthropic::event_data(&e))
+                    }
+                    Endpoint::Completion => String::new(),
+                };
+                if !first.is_empty() {
+                    self.send_frames(id, &first);
                 }
             }
             Output::Rejected { id, error } => {
@@ -556,14 +568,14 @@ impl Frontend {
                     return;
                 }
                 let mut lp = logprob.map(|p| openai::logprobs_json(l.meta.endpoint, &[p]));
-                let frames = Self::stream_pieces(l, pieces, &mut lp);
-                if let Some(lp) = lp {
+                let mut frames = Self::stream_pieces(l, pieces, &mut lp);
+                if let Some(lp) = lp.filter(|_| l.meta.endpoint != Endpoint::Messages) {
                     // Log-probabilities of text the tool-call parser holds back go out on their own.
                     let c = openai::chunk(&l.meta, Delta { text: Some(""), ..Delta::default() }, Some(lp));
-                    self.send_sse(id, &[c.to_string()]);
+                    frames.insert_str(0, &sse(None, &c.to_string()));
                 }
                 if !frames.is_empty() {
-                    self.send_sse(id, &frames);
+                    self.send_frames(id, &frames);
                 }
             }
             Output::Prefilled { id, handle, usage, timings } => {
@@ -581,10 +593,27 @@ impl Frontend {
         }
     }
 
-    /// The stream chunks of text and calls: text as content deltas, each call whole as a
-    /// `tool_calls` delta with its index. `lp` goes with the first text chunk (taken if used).
-    fn stream_pieces(l: &mut Live, pieces: Vec<Piece>, lp: &mut Option<Value>) -> Vec<String> {
-        let mut frames = Vec::new();
+    /// The stream events of text and calls, framed: text as content deltas, each call whole as a
+    /// `tool_calls` delta with its index (Messages: text and `tool_use` blocks). `lp` goes with the
+    /// first text chunk (taken if used).
+    fn stream_pieces(l: &mut Live, pieces: Vec<Piece>, lp: &mut Option<Value>) -> String {
+        let mut frames = String::new();
+        if l.meta.endpoint == Endpoint::Messages {
+            let mut events = Vec::new();
+            for p in pieces {
+                match p {
+                    Piece::Text(t) => l.blocks.text(&t, &mut events),
+                    Piece::Call(c) => {
+                        l.blocks.call(&c, &mut events);
+                        l.calls.push(c);
+                    }
+                }
+            }
+            for e in &events {
+                frames.push_str(&sse(Some(e.0), &anthropic::event_data(e)));
+            }
+            return frames;
+        }
         for p in pieces {
             let c = match p {
                 Piece::Text(t) if t.is_empty() => continue,
@@ -600,7 +629,7 @@ impl Frontend {
                     c
                 }
             };
-            frames.push(c.to_string());
+            frames.push_str(&sse(None, &c.to_string()));
         }
         frames
     }
@@ -609,7 +638,7 @@ impl Frontend {
         let Some(mut l) = self.remove(id) else { return };
         // What the tool-call parser still held: calls if they parse, text if not.
         let rest = l.tool_parser.as_mut().map(ToolCallParser::finish).unwrap_or_default();
-        let mut rest_frames = Vec::new();
+        let mut rest_frames = String::new();
         if let Kind::Generate { stream: true, .. } = l.kind {
             rest_frames = Self::stream_pieces(&mut l, rest, &mut None);
         } else {
@@ -631,6 +660,10 @@ impl Frontend {
         );
         let Some(conn) = l.conn else { return };
         let timings = timings_json(&timings);
+        let stop_sequence = match &finish {
+            Finish::StopString(s) => Some(s.clone()),
+            _ => None,
+        };
         let result = finish
             .reason()
             // A model that called tools and stopped stopped for them.
@@ -647,8 +680,14 @@ impl Frontend {
                 let _ = self.server.respond(conn, &Response::health(&health, None));
             }
             (Kind::Generate { stream: false, logprobs, .. }, Ok(reason)) => {
-                let lp = logprobs.then(|| openai::logprobs_json(l.meta.endpoint, &l.logprobs));
-                let mut body = openai::full_response(&l.meta, &l.text, &l.calls, reason, lp, usage);
+                let mut body = if l.meta.endpoint == Endpoint::Messages {
+                    let stop = stop_sequence.as_deref();
+                    let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);
+                    anthropic::message_json(&l.meta, &l.text, &l.calls, why, stop, usage)
+                } else {
+                    let lp = logprobs.then(|| openai::logprobs_json(l.meta.endpoint, &l.logprobs));
+                    openai::full_response(&l.meta, &l.text, &l.calls, reason, lp, usage)
+                };
                 body["timings"] = timings;
                 let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
             }
@@ -662,6 +701,15 @@ impl Frontend {
             (Kind::Generate { stream: true, include_usage, .. }, result) => {
                 let mut frames = rest_frames;
                 match result {
+                    Ok(reason) if l.meta.endpoint == Endpoint::Messages => {
+                        let stop = stop_sequence.as_deref();
+                        let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);
+                        let mut events = Vec::new();
+                        l.blocks.finish(why, stop, usage, &mut events);
+                        for e in &events {
+                            frames.push_str(&sse(Some(e.0), &anthropic::event_data(e)));
+                        }
+                    }
                     Ok(reason) => {
                         let mut last = openai::chunk(
                             &l.meta,
@@ -669,19 +717,15 @@ impl Frontend {
                             None,
                         );
                         last["timings"] = timings;
-                        frames.push(last.to_string());
+                        frames.push_str(&sse(None, &last.to_string()));
                         if *include_usage {
-                            frames.push(openai::usage_chunk(&l.meta, usage).to_string());
+                            frames.push_str(&sse(None, &openai::usage_chunk(&l.meta, usage).to_string()));
                         }
-                        frames.push(openai::DONE.to_owned());
+                        frames.push_str(&sse(None, openai::DONE));
                     }
-                    Err(e) => frames.extend(openai::stream_error_events(&l.meta, &e, &l.request_id)),
+                    Err(e) => frames.push_str(&openai::stream_error_frames(&l.meta, &e, &l.request_id)),
                 }
-                let mut bytes = Vec::new();
-                for f in &frames {
-                    pdserve_http::write_sse_event(&mut bytes, f);
-                }
-                if self.server.send_chunk(conn, &bytes).is_ok() {
+                if self.server.send_chunk(conn, frames.as_bytes()).is_ok() {
                     let _ = self.server.end_stream(conn);
                 } else {
                     self.server.close(conn);

@@ -15,3 +15,9 @@ fn tools_and_structured_output_through_the_official_client() {
     let w = common::Worker::start(&[]);
     common::run_python("openai_tools.py", &format!("http://{}", w.addr), &["100"]);
 }
+
+#[test]
+fn anthropic_messages_through_the_official_client() {
+    let w = common::Worker::start(&[]);
+    common::run_python("anthropic_messages.py", &format!("http://{}", w.addr), &[]);
+}

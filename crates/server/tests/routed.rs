@@ -313,13 +313,15 @@ fn a_conversation_returns_to_its_decode_worker_and_debug_explains_the_choice() {
 }
 
 #[test]
-fn tool_calls_and_structured_output_through_pd() {
+fn tool_calls_structured_output_and_anthropic_messages_through_pd() {
     let prefill = Worker::start(&["--role", "prefill", "--kv-shm"]);
     let decode = Worker::start(&["--role", "decode"]);
     let router = RouterThread::start(&[(&prefill, Role::Prefill), (&decode, Role::Decode)]);
     // The prefill worker samples the first token and the decode worker the rest, each under the
     // request's constraint: every call and every JSON answer must still parse.
     common::run_python("openai_tools.py", &format!("http://{}", router.addr), &["16"]);
+    // Anthropic's Messages API takes the same path.
+    common::run_python("anthropic_messages.py", &format!("http://{}", router.addr), &[]);
     let until = Instant::now() + Duration::from_secs(10);
     while held_blocks(&prefill) + held_blocks(&decode) > 0.0 {
         assert!(Instant::now() < until, "KV still held after the requests");

@@ -124,6 +124,6 @@ pub fn run_python(script: &str, base: &str, args: &[&str]) {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success() && stdout.contains("OK"),
-        "{script} failed (the openai client installs with `pip install openai`):\n{stdout}\n{stderr}"
+        "{script} failed (the clients install with `pip install openai anthropic`):\n{stdout}\n{stderr}"
     );
 }

@@ -1,146 +1,12 @@
-//! The OpenAI-compatible shapes: chat-completions and completions request bodies, checked field by
-//! field, and the response bodies and stream chunks built from plain values.
+//! Request bodies: chat-completions, completions (and Messages, read into chat), `/tokenize` and
+//! `/detokenize`, checked field by field.
 
 use serde_json::{json, Map, Value};
 
+use super::{Constraint, Endpoint, GenerateRequest, Message, Prompt, Sampling};
 use crate::pd::{PdHandle, HANDLE_FIELD};
 use crate::tools::{parse_tool_choice, parse_tools, Tool, ToolCall, ToolChoice};
 use crate::ApiError;
-
-/// Which endpoint a generation came from; it decides the response shapes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
-    /// `POST /v1/chat/completions`
-    Chat,
-    /// `POST /v1/completions`
-    Completion,
-}
-
-impl Endpoint {
-    pub const CHAT_PATH: &'static str = crate::path::CHAT;
-    pub const COMPLETION_PATH: &'static str = crate::path::COMPLETIONS;
-
-    /// The endpoint served at `path`.
-    pub fn from_path(path: &str) -> Option<Endpoint> {
-        match path {
-            Endpoint::CHAT_PATH => Some(Endpoint::Chat),
-            Endpoint::COMPLETION_PATH => Some(Endpoint::Completion),
-            _ => None,
-        }
-    }
-
-    pub fn path(self) -> &'static str {
-        match self {
-            Endpoint::Chat => Endpoint::CHAT_PATH,
-            Endpoint::Completion => Endpoint::COMPLETION_PATH,
-        }
-    }
-
-    /// The response `id` of request `request_id`, the same whichever process answers.
-    pub fn response_id(self, request_id: &str) -> String {
-        match self {
-            Endpoint::Chat => format!("chatcmpl-{request_id}"),
-            Endpoint::Completion => format!("cmpl-{request_id}"),
-        }
-    }
-
-    fn object(self, chunk: bool) -> &'static str {
-        match (self, chunk) {
-            (Endpoint::Chat, false) => "chat.completion",
-            (Endpoint::Chat, true) => "chat.completion.chunk",
-            (Endpoint::Completion, _) => "text_completion",
-        }
-    }
-}
-
-/// One chat message.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Message {
-    pub role: String,
-    pub content: String,
-    /// An assistant message's calls (`tool_calls`); their ids are the `tool` answers' `tool_call_id`.
-    pub tool_calls: Vec<ToolCall>,
-    /// A `tool` message: the call it answers.
-    pub tool_call_id: Option<String>,
-    /// `name` (a participant's, or the function's in a `tool` message).
-    pub name: Option<String>,
-}
-
-impl Message {
-    pub fn new(role: &str, content: &str) -> Message {
-        Message { role: role.to_owned(), content: content.to_owned(), ..Message::default() }
-    }
-}
-
-/// What the output must match, enforced token by token: `response_format` or one of the extensions
-/// users know from vLLM (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`) and SGLang
-/// (`regex`, `json_schema`).
-#[derive(Debug, Clone, PartialEq)]
-pub enum Constraint {
-    /// A JSON schema (`{"type": "object"}` for `json_object`).
-    JsonSchema(Value),
-    Regex(String),
-    /// One of these strings exactly.
-    Choice(Vec<String>),
-    /// A grammar in llguidance's Lark dialect.
-    Lark(String),
-}
-
-/// What to feed the model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Prompt {
-    /// Chat messages, rendered through the model's chat template.
-    Messages(Vec<Message>),
-    Text(String),
-    Tokens(Vec<u32>),
-}
-
-/// The sampling settings the client set; `None` leaves the engine's default.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Sampling {
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    /// 0 or less turns top-k off.
-    pub top_k: Option<i64>,
-    pub min_p: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-}
-
-/// A parsed generation request.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GenerateRequest {
-    pub model: Option<String>,
-    pub prompt: Prompt,
-    pub max_tokens: Option<u32>,
-    pub sampling: Sampling,
-    pub seed: Option<u64>,
-    pub stop: Vec<String>,
-    pub stop_token_ids: Vec<u32>,
-    pub stream: bool,
-    pub include_usage: bool,
-    pub logprobs: bool,
-    /// Alternatives per token with `logprobs` (at most 20).
-    pub top_logprobs: u32,
-    pub ignore_eos: bool,
-    /// Seconds, from the body's `timeout`.
-    pub timeout_s: Option<f64>,
-    /// Decode role: the prefill worker's handle.
-    pub pd_handle: Option<PdHandle>,
-    /// Chat: the functions offered, and whether and how the model must call them.
-    pub tools: Vec<Tool>,
-    pub tool_choice: ToolChoice,
-    pub parallel_tool_calls: bool,
-    /// What the output must match.
-    pub constraint: Option<Constraint>,
-    /// End-of-sequence and stop tokens are not sampled before this many tokens.
-    pub min_tokens: u32,
-    /// Token id -> bias added to its logit (-100..100).
-    pub logit_bias: Vec<(u32, f32)>,
-    /// A matched stop string stays in the text.
-    pub include_stop_str_in_output: bool,
-}
 
 /// Fields every generation body may carry, beside the endpoint's own. OpenAI's informational fields
 /// (`user`, `metadata`, `store`, `service_tier`) are accepted and have no effect.
@@ -353,9 +219,11 @@ fn parse_constraint(f: &Fields<'_>) -> Result<Option<Constraint>, ApiError> {
                 };
                 found.push(("response_format", Constraint::JsonSchema(schema)));
             }
-            other => return Err(ApiError::invalid(format!(
+            other => {
+                return Err(ApiError::invalid(format!(
                 "`response_format.type` {other:?} is not one of \"text\", \"json_object\", \"json_schema\""
-            ))),
+            )))
+            }
         }
     }
     for k in ["guided_json", "json_schema"] {
@@ -488,11 +356,15 @@ fn parse_stop(f: &Fields<'_>) -> Result<(Vec<String>, Vec<u32>), ApiError> {
 /// field this server does not know is refused (as OpenAI's API does), never silently ignored; errors
 /// name the field.
 pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest, ApiError> {
-    let v: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("body is not valid JSON: {e}")))?;
+    let v: Value = match endpoint {
+        // A Messages body is read into the chat body it stands for, then checked as one.
+        Endpoint::Messages => crate::anthropic::to_chat_body(body)?,
+        _ => serde_json::from_slice(body)
+            .map_err(|e| ApiError::invalid(format!("body is not valid JSON: {e}")))?,
+    };
     let obj = v.as_object().ok_or_else(|| ApiError::invalid("body must be a JSON object"))?;
     let own = match endpoint {
-        Endpoint::Chat => CHAT_FIELDS,
+        Endpoint::Chat | Endpoint::Messages => CHAT_FIELDS,
         Endpoint::Completion => COMPLETION_FIELDS,
     };
     if let Some(k) = obj.keys().find(|k| !COMMON_FIELDS.contains(&k.as_str()) && !own.contains(&k.as_str())) {
@@ -508,7 +380,7 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         ));
     }
     let prompt = match endpoint {
-        Endpoint::Chat => parse_messages(&f)?,
+        Endpoint::Chat | Endpoint::Messages => parse_messages(&f)?,
         Endpoint::Completion => parse_prompt(&f)?,
     };
     let n = f.u64("n")?.unwrap_or(1);
@@ -556,7 +428,9 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         None => false,
     };
     let (logprobs, top) = match endpoint {
-        Endpoint::Chat => (f.bool("logprobs")?.unwrap_or(false), f.u64("top_logprobs")?.unwrap_or(0)),
+        Endpoint::Chat | Endpoint::Messages => {
+            (f.bool("logprobs")?.unwrap_or(false), f.u64("top_logprobs")?.unwrap_or(0))
+        }
         // Completions: `logprobs` is the number of top alternatives.
         Endpoint::Completion => match f.u64("logprobs")? {
             Some(n) => (true, n),
@@ -569,7 +443,7 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         )));
     }
     let tools = match endpoint {
-        Endpoint::Chat => parse_tools(f.get("tools"))?,
+        Endpoint::Chat | Endpoint::Messages => parse_tools(f.get("tools"))?,
         Endpoint::Completion => Vec::new(),
     };
     let tool_choice = parse_tool_choice(f.get("tool_choice"), &tools)?;
@@ -660,172 +534,6 @@ pub fn parse_detokenize(body: &[u8]) -> Result<(Option<String>, Vec<u32>), ApiEr
         .ok_or_else(|| ApiError::invalid("`tokens` must be an array of token ids"))?;
     Ok((f.str("model")?.map(str::to_owned), tokens))
 }
-
-/// One generated token's log-probability, its text already decoded.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TokenLogprob {
-    pub token: String,
-    pub logprob: f32,
-    pub top: Vec<(String, f32)>,
-}
-
-fn bytes_of(s: &str) -> Value {
-    Value::Array(s.bytes().map(|b| json!(b)).collect())
-}
-
-/// The `logprobs` object of a choice.
-pub fn logprobs_json(endpoint: Endpoint, lps: &[TokenLogprob]) -> Value {
-    match endpoint {
-        Endpoint::Chat => json!({ "content": lps.iter().map(|l| json!({
-            "token": l.token, "logprob": l.logprob, "bytes": bytes_of(&l.token),
-            "top_logprobs": l.top.iter().map(|(t, p)| json!({"token": t, "logprob": p, "bytes": bytes_of(t)})).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>() }),
-        Endpoint::Completion => {
-            let mut offset = 0;
-            let mut offsets = Vec::with_capacity(lps.len());
-            for l in lps {
-                offsets.push(offset);
-                offset += l.token.len();
-            }
-            json!({
-                "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
-                "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-                "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(t, p)| (t.clone(), json!(p))).collect::<Map<_, _>>()).collect::<Vec<_>>(),
-                "text_offset": offsets,
-            })
-        }
-    }
-}
-
-/// The identity of a response: id, creation time, model.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Meta {
-    pub endpoint: Endpoint,
-    pub id: String,
-    /// Unix seconds.
-    pub created: u64,
-    pub model: String,
-}
-
-/// Token counts of a response.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Usage {
-    pub prompt_tokens: usize,
-    pub completion_tokens: usize,
-    /// Prompt tokens whose KV was reused rather than computed.
-    pub cached_tokens: usize,
-}
-
-impl Usage {
-    pub fn to_json(self) -> Value {
-        json!({
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        })
-    }
-}
-
-/// A whole non-streaming response. With `tool_calls`, the message carries them (and its content is
-/// null when the model wrote nothing else).
-pub fn full_response(
-    meta: &Meta,
-    text: &str,
-    tool_calls: &[ToolCall],
-    finish_reason: &str,
-    logprobs: Option<Value>,
-    usage: Usage,
-) -> Value {
-    let choice = match meta.endpoint {
-        Endpoint::Chat => {
-            let mut message = json!({"role": "assistant", "content": text});
-            if !tool_calls.is_empty() {
-                if text.trim().is_empty() {
-                    message["content"] = Value::Null;
-                }
-                message["tool_calls"] = tool_calls.iter().map(ToolCall::to_json).collect();
-            }
-            json!({"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
-        }
-        Endpoint::Completion => {
-            json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
-        }
-    };
-    json!({
-        "id": meta.id,
-        "object": meta.endpoint.object(false),
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [choice],
-        "usage": usage.to_json(),
-    })
-}
-
-/// What one stream chunk carries.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct Delta<'a> {
-    /// The assistant role (the first chat chunk).
-    pub role: bool,
-    pub text: Option<&'a str>,
-    /// Whole calls, each with its index among the response's calls.
-    pub tool_calls: Option<&'a [(usize, ToolCall)]>,
-    pub finish_reason: Option<&'a str>,
-}
-
-/// One streaming chunk.
-pub fn chunk(meta: &Meta, delta: Delta<'_>, logprobs: Option<Value>) -> Value {
-    let choice = match meta.endpoint {
-        Endpoint::Chat => {
-            let mut d = Map::new();
-            if delta.role {
-                d.insert("role".into(), json!("assistant"));
-            }
-            if let Some(t) = delta.text {
-                d.insert("content".into(), json!(t));
-            }
-            if let Some(calls) = delta.tool_calls {
-                d.insert("tool_calls".into(), calls.iter().map(|(i, c)| c.delta_json(*i)).collect());
-            }
-            json!({"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason})
-        }
-        Endpoint::Completion => json!({"index": 0, "text": delta.text.unwrap_or(""), "logprobs": logprobs,
-                                       "finish_reason": delta.finish_reason}),
-    };
-    json!({
-        "id": meta.id,
-        "object": meta.endpoint.object(true),
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [choice],
-    })
-}
-
-/// The usage chunk of `stream_options.include_usage`: no choices.
-pub fn usage_chunk(meta: &Meta, usage: Usage) -> Value {
-    json!({
-        "id": meta.id,
-        "object": meta.endpoint.object(true),
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [],
-        "usage": usage.to_json(),
-    })
-}
-
-/// The SSE event payloads that end a stream which failed after it started: the error, a final chunk
-/// whose `finish_reason` is `"error"`, and `[DONE]` (api.md). Every process ends a broken stream
-/// with exactly these.
-pub fn stream_error_events(meta: &Meta, error: &ApiError, request_id: &str) -> [String; 3] {
-    [
-        error.to_json(Some(request_id)).to_string(),
-        chunk(meta, Delta { finish_reason: Some("error"), ..Delta::default() }, None).to_string(),
-        DONE.to_owned(),
-    ]
-}
-
-/// The payload of the event that ends every stream.
-pub const DONE: &str = "[DONE]";
 
 #[cfg(test)]
 mod tests {
@@ -942,44 +650,5 @@ mod tests {
             (g.constraint, g.logit_bias),
             (Some(Constraint::Choice(vec!["yes".into(), "no".into()])), vec![(7, -100.0)])
         );
-    }
-
-    #[test]
-    fn tool_calls_are_in_the_message_and_the_stream() {
-        let meta = Meta { endpoint: Endpoint::Chat, id: "chatcmpl-1".into(), created: 1, model: "m".into() };
-        let call = ToolCall { id: "call_1_0".into(), name: "f".into(), arguments: "{}".into() };
-        let full =
-            full_response(&meta, "", std::slice::from_ref(&call), "tool_calls", None, Usage::default());
-        assert_eq!(full["choices"][0]["message"]["content"], Value::Null);
-        assert_eq!(full["choices"][0]["message"]["tool_calls"][0]["function"]["name"], "f");
-        let calls = [(0, call)];
-        let c = chunk(&meta, Delta { tool_calls: Some(&calls), ..Delta::default() }, None);
-        assert_eq!(c["choices"][0]["delta"]["tool_calls"][0]["index"], 0);
-        assert_eq!(c["choices"][0]["delta"]["tool_calls"][0]["id"], "call_1_0");
-    }
-
-    #[test]
-    fn stream_error_events_are_valid_json_in_order() {
-        let meta = Meta {
-            endpoint: Endpoint::Chat,
-            id: Endpoint::Chat.response_id("r1"),
-            created: 1,
-            model: String::new(),
-        };
-        let e = ApiError::new(crate::ErrorKind::UpstreamFailed, "decode worker died");
-        let [err, last, done] = stream_error_events(&meta, &e, "r1");
-        let err: Value = serde_json::from_str(&err).unwrap();
-        assert_eq!(err["error"]["type"], "upstream_failed");
-        let last: Value = serde_json::from_str(&last).unwrap();
-        assert_eq!(last["choices"][0]["finish_reason"], "error");
-        assert_eq!(last["id"], "chatcmpl-r1");
-        assert_eq!(done, DONE);
-    }
-
-    #[test]
-    fn usage_reports_cached_tokens() {
-        let u = Usage { prompt_tokens: 10, completion_tokens: 2, cached_tokens: 4 }.to_json();
-        assert_eq!(u["total_tokens"], 12);
-        assert_eq!(u["prompt_tokens_details"]["cached_tokens"], 4);
     }
 }

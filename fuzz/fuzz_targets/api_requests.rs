@@ -1,0 +1,55 @@
+//! Arbitrary bytes never panic the OpenAI request parsers (chat, completions, tokenize, detokenize),
+//! and the tool-call parser gives the same calls and text however the model's text is split: with no
+//! call found, the text comes back byte for byte (a broken call is text, never lost).
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use pdserve_api::openai::{parse_detokenize, parse_generate, parse_tokenize, Endpoint};
+use pdserve_api::tools::{parse_tools, Piece, ToolCallParser, ToolFormat};
+use serde_json::json;
+
+fn run(format: ToolFormat, pieces: &[&str]) -> (String, Vec<(String, String)>) {
+    let tools = parse_tools(Some(&json!([
+        {"type": "function", "function": {"name": "read_file"}},
+        {"type": "function", "function": {"name": "ls"}}
+    ])))
+    .unwrap();
+    let mut p = ToolCallParser::new(format, &tools, "f");
+    let mut out: Vec<Piece> = pieces.iter().flat_map(|s| p.push(s)).collect();
+    out.extend(p.finish());
+    let (mut text, mut calls) = (String::new(), Vec::new());
+    for piece in out {
+        match piece {
+            Piece::Text(t) => text.push_str(&t),
+            Piece::Call(c) => calls.push((c.name, c.arguments)),
+        }
+    }
+    (text, calls)
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Some((&head, rest)) = data.split_first() else { return };
+    let _ = parse_generate(Endpoint::Chat, rest);
+    let _ = parse_generate(Endpoint::Completion, rest);
+    let _ = parse_tokenize(rest);
+    let _ = parse_detokenize(rest);
+
+    let Ok(text) = std::str::from_utf8(rest) else { return };
+    let format = [ToolFormat::Hermes, ToolFormat::Llama3, ToolFormat::Mistral][usize::from(head % 3)];
+    let mut cut = usize::from(head / 3).min(text.len());
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let whole = run(format, &[text]);
+    let split = run(format, &[&text[..cut], &text[cut..]]);
+    let chars: Vec<String> = text.chars().map(String::from).collect();
+    let one_by_one = run(format, &chars.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(whole, split, "split at {cut}");
+    assert_eq!(whole, one_by_one, "fed one character at a time");
+    if whole.1.is_empty() {
+        assert_eq!(whole.0, text, "with no call, the text comes back whole");
+    }
+    for (_, arguments) in &whole.1 {
+        assert!(serde_json::from_str::<serde_json::Value>(arguments).is_ok_and(|v| v.is_object()));
+    }
+});
