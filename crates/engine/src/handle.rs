@@ -40,6 +40,22 @@ pub struct EngineInfo {
     pub kv_shm_path: Option<PathBuf>,
     /// The format the model writes tool calls in (the chat template's, or the configured one).
     pub tool_format: pdserve_api::tools::ToolFormat,
+    /// The model's fill-in-the-middle tokens (prefix, suffix, middle), if its vocabulary has them:
+    /// completions with a `suffix` are written `{prefix}{prompt}{suffix token}{suffix}{middle}`.
+    pub fim: Option<[String; 3]>,
+}
+
+/// The fill-in-the-middle token spellings of the model families that have them (StarCoder and the
+/// models trained on its format, Qwen2.5-Coder, CodeLlama).
+const FIM_TOKENS: [[&str; 3]; 3] = [
+    ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"],
+    ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"],
+    ["▁<PRE>", "▁<SUF>", "▁<MID>"],
+];
+
+/// The first FIM token set `has` knows all three of.
+pub(crate) fn fim_tokens(has: impl Fn(&str) -> bool) -> Option<[String; 3]> {
+    FIM_TOKENS.iter().find(|set| set.iter().all(|t| has(t))).map(|set| set.map(str::to_owned))
 }
 
 /// How the engine thread is doing, for readiness checks.
@@ -167,6 +183,7 @@ impl Engine {
                     pdserve_api::tools::ToolFormat::from_template,
                 )
             }),
+            fim: fim_tokens(|t| files.text.token_id(t).is_some()),
         };
         let eos = model.eos_token_ids.first().copied().unwrap_or(0);
         let tokenizer_json = files.text.tokenizer_json()?;
@@ -464,5 +481,16 @@ impl Drop for Engine {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fim_tokens_are_found_by_their_spelling() {
+        let qwen = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|im_end|>"];
+        let got = super::fim_tokens(|t| qwen.contains(&t)).unwrap();
+        assert_eq!(got[1], "<|fim_suffix|>");
+        assert!(super::fim_tokens(|t| t == "<fim_prefix>" || t == "<fim_suffix>").is_none());
     }
 }

@@ -48,6 +48,8 @@ struct Live {
     calls: Vec<ToolCall>,
     /// A streamed Messages answer: which content block is open.
     blocks: MessageStream,
+    /// Completions with `echo`: the prompt's text, ahead of the answer.
+    echo: Option<String>,
 }
 
 pub(crate) struct Frontend {
@@ -372,11 +374,28 @@ impl Frontend {
                 let msg = format!("`{}` is only taken by a decode worker", pd::HANDLE_FIELD);
                 return Err(ApiError::invalid(msg));
             }
-            (None, _) => match &g.prompt {
-                Prompt::Messages(msgs) => Input::Chat(msgs.iter().map(chat_message).collect()),
-                Prompt::Text(t) => Input::Text(t.clone()),
-                Prompt::Tokens(t) => Input::Tokens(t.clone()),
+            (None, _) => match (&g.prompt, &g.suffix) {
+                (Prompt::Messages(msgs), _) => Input::Chat(msgs.iter().map(chat_message).collect()),
+                (Prompt::Text(t), None) => Input::Text(t.clone()),
+                // Fill-in-the-middle in the model's own format.
+                (Prompt::Text(t), Some(suffix)) => match &self.engine.info().fim {
+                    Some([pre, suf, mid]) => Input::Text(format!("{pre}{t}{suf}{suffix}{mid}")),
+                    None => {
+                        return Err(ApiError::invalid(
+                            "`suffix` is not supported: the served model's vocabulary has no fill-in-the-middle tokens",
+                        ))
+                    }
+                },
+                (Prompt::Tokens(t), _) => Input::Tokens(t.clone()),
             },
+        };
+        // The prompt's text, for `echo` (the decode worker of a pair reads it from the same body).
+        let echo = match (&g.prompt, g.echo && role != Role::Prefill) {
+            (Prompt::Text(t), true) => Some(t.clone()),
+            (Prompt::Tokens(ids), true) => {
+                Some(self.engine.codec().decode(ids, false).map_err(|e| ApiError::invalid(e.to_string()))?)
+            }
+            _ => None,
         };
         if let Some(trigger) = &self.config.panic_trigger {
             let text = match &g.prompt {
@@ -434,6 +453,7 @@ impl Frontend {
         self.submit(conn, rid, er, kind, endpoint)?;
         if let Some(l) = self.by_conn.get(&conn).and_then(|id| self.live.get_mut(id)) {
             l.tool_parser = tool_parser;
+            l.echo = echo;
         }
         Ok(None)
     }
@@ -465,6 +485,7 @@ impl Frontend {
             tool_parser: None,
             calls: Vec::new(),
             blocks: MessageStream::default(),
+            echo: None,
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -537,7 +558,14 @@ impl Frontend {
                         let e = MessageStream::start(&l.meta);
                         sse(Some(e.0), &anthropic::event_data(&e))
                     }
-                    Endpoint::Completion => String::new(),
+                    Endpoint::Completion => match &l.echo {
+                        Some(t) => sse(
+                            None,
+                            &openai::chunk(&l.meta, Delta { text: Some(t), ..Delta::default() }, None)
+                                .to_string(),
+                        ),
+                        None => String::new(),
+                    },
                 };
                 if !first.is_empty() {
                     self.send_frames(id, &first);
@@ -680,6 +708,9 @@ impl Frontend {
                 let _ = self.server.respond(conn, &Response::health(&health, None));
             }
             (Kind::Generate { stream: false, logprobs, .. }, Ok(reason)) => {
+                if let Some(e) = &l.echo {
+                    l.text.insert_str(0, e);
+                }
                 let mut body = if l.meta.endpoint == Endpoint::Messages {
                     let stop = stop_sequence.as_deref();
                     let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);

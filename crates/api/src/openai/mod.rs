@@ -156,6 +156,10 @@ pub struct GenerateRequest {
     pub logit_bias: Vec<(u32, f32)>,
     /// A matched stop string stays in the text.
     pub include_stop_str_in_output: bool,
+    /// Completions: the prompt's text comes back ahead of the answer.
+    pub echo: bool,
+    /// Completions: the text after the gap the model fills (fill-in-the-middle).
+    pub suffix: Option<String>,
 }
 
 mod parse;

@@ -371,13 +371,15 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         return Err(ApiError::invalid(format!("unrecognized request argument supplied: `{k}`")));
     }
     let f = Fields(obj);
-    if f.bool("echo")? == Some(true) {
-        return Err(ApiError::invalid("`echo` is not supported: send the prompt's text yourself"));
-    }
-    if f.str("suffix")?.is_some_and(|s| !s.is_empty()) {
+    let echo = f.bool("echo")?.unwrap_or(false);
+    if echo && f.get("logprobs").is_some() {
         return Err(ApiError::invalid(
-            "`suffix` is not supported: the served model has no fill-in-the-middle format",
+            "`echo` with `logprobs` is not supported: the prompt's log-probabilities are not computed",
         ));
+    }
+    let suffix = f.str("suffix")?.filter(|s| !s.is_empty()).map(str::to_owned);
+    if suffix.is_some() && !matches!(f.get("prompt"), Some(Value::String(_))) {
+        return Err(ApiError::invalid("`suffix` needs `prompt` as a string (the text before the gap)"));
     }
     let prompt = match endpoint {
         Endpoint::Chat | Endpoint::Messages => parse_messages(&f)?,
@@ -483,6 +485,8 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         min_tokens: min_tokens.min(u64::from(u32::MAX)) as u32,
         logit_bias: parse_logit_bias(&f)?,
         include_stop_str_in_output: f.bool("include_stop_str_in_output")?.unwrap_or(false),
+        echo,
+        suffix,
     })
 }
 
@@ -558,7 +562,12 @@ mod tests {
             ),
             (Endpoint::Chat, r#"{"messages": [{"role": "tool", "content": "x"}]}"#, "tool_call_id"),
             (Endpoint::Completion, r#"{"prompt": "x", "tools": []}"#, "`tools`"),
-            (Endpoint::Completion, r#"{"prompt": "x", "echo": true}"#, "`echo`"),
+            (
+                Endpoint::Completion,
+                r#"{"prompt": "x", "echo": true, "logprobs": 1}"#,
+                "`echo` with `logprobs`",
+            ),
+            (Endpoint::Completion, r#"{"prompt": [1, 2], "suffix": "x"}"#, "`suffix` needs `prompt`"),
             (
                 Endpoint::Chat,
                 r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "yaml"}}"#,
