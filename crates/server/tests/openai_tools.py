@@ -134,6 +134,35 @@ r = client.chat.completions.create(model=model, temperature=0, max_tokens=8, ext
 assert r.choices[0].message.content in ("yes", "no"), r
 
 
+# n > 1: choices of one prompt, each with its index; seeded choices differ from one another.
+def hit_tokens():
+    with urllib.request.urlopen(base + "/metrics", timeout=60) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("prefix_cache_tokens_total") and 'result="hit"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return None  # a router: the workers count their own hits
+
+
+long_ask = [{"role": "user", "content": "Write a haiku about rivers. " + "Rivers run to the sea. " * 20}]
+before = hit_tokens()
+r = client.chat.completions.create(model=model, messages=long_ask, max_tokens=12, temperature=1, seed=5, n=3)
+assert [c.index for c in r.choices] == [0, 1, 2] and len({c.message.content for c in r.choices}) > 1, r
+assert r.usage.completion_tokens >= 3 and r.usage.prompt_tokens > 100, r.usage
+after = hit_tokens()
+if before is not None:
+    # Choices 1 and 2 found the prompt's full blocks cached by choice 0.
+    assert after - before >= 2 * 96, (before, after)
+texts, finishes = {}, {}
+for chunk in client.chat.completions.create(model=model, messages=ask, max_tokens=8, temperature=1, seed=9, n=2,
+                                            stream=True):
+    for ch in chunk.choices:
+        texts[ch.index] = texts.get(ch.index, "") + (ch.delta.content or "")
+        if ch.finish_reason:
+            finishes[ch.index] = ch.finish_reason
+assert sorted(texts) == [0, 1] and sorted(finishes) == [0, 1] and all(texts.values()), (texts, finishes)
+r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=1, seed=3, n=2)
+assert [c.index for c in r.choices] == [0, 1] and all(c.text for c in r.choices), r
+
 # What is not served is refused with a 400 that names it, never ignored.
 def refused(want, **kw):
     try:

@@ -143,7 +143,10 @@ pub struct GenerateRequest {
     /// Seconds, from the body's `timeout`.
     pub timeout_s: Option<f64>,
     /// Decode role: the prefill worker's handle.
-    pub pd_handle: Option<PdHandle>,
+    /// Choices to generate (each samples on from the same prompt; seeded ones with seed + index).
+    pub n: u32,
+    /// Decode role: the prefill worker's handles, one per choice.
+    pub pd_handles: Vec<PdHandle>,
     /// Chat: the functions offered, and whether and how the model must call them.
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,
@@ -164,7 +167,7 @@ pub struct GenerateRequest {
 
 mod parse;
 pub use parse::{
-    parse_detokenize, parse_generate, parse_tokenize, TokenizeRequest, STOP_STRINGS_MAX,
+    parse_detokenize, parse_generate, parse_tokenize, TokenizeRequest, N_MAX, STOP_STRINGS_MAX,
     STOP_STRING_BYTES_MAX, TOP_LOGPROBS_MAX,
 };
 
@@ -282,6 +285,8 @@ pub struct Delta<'a> {
     /// Whole calls, each with its index among the response's calls.
     pub tool_calls: Option<&'a [(usize, ToolCall)]>,
     pub finish_reason: Option<&'a str>,
+    /// Which choice it belongs to (`n` > 1).
+    pub index: usize,
 }
 
 /// A chat or completion stream chunk (a Messages stream is written by
@@ -299,10 +304,12 @@ pub fn chunk(meta: &Meta, delta: Delta<'_>, logprobs: Option<Value>) -> Value {
             if let Some(calls) = delta.tool_calls {
                 d.insert("tool_calls".into(), calls.iter().map(|(i, c)| c.delta_json(*i)).collect());
             }
-            json!({"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason})
+            json!({"index": delta.index, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason})
         }
-        Endpoint::Completion => json!({"index": 0, "text": delta.text.unwrap_or(""), "logprobs": logprobs,
-                                       "finish_reason": delta.finish_reason}),
+        Endpoint::Completion => {
+            json!({"index": delta.index, "text": delta.text.unwrap_or(""), "logprobs": logprobs,
+                                       "finish_reason": delta.finish_reason})
+        }
     };
     json!({
         "id": meta.id,

@@ -60,6 +60,8 @@ const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "best_of", "echo", "s
 pub const STOP_STRINGS_MAX: usize = 16;
 pub const STOP_STRING_BYTES_MAX: usize = 256;
 pub const TOP_LOGPROBS_MAX: u32 = 20;
+/// Most choices one request may ask for (`n`).
+pub const N_MAX: u32 = 16;
 
 struct Fields<'a>(&'a Map<String, Value>);
 
@@ -386,9 +388,19 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         Endpoint::Completion => parse_prompt(&f)?,
     };
     let n = f.u64("n")?.unwrap_or(1);
-    if n != 1 {
+    if !(1..=u64::from(N_MAX)).contains(&n) || (n > 1 && endpoint == Endpoint::Messages) {
+        return Err(ApiError::invalid(format!("`n` must be between 1 and {N_MAX}, got {n}")));
+    }
+    // A decode worker's handles: one per choice (an array when `n` > 1).
+    let pd_handles = match f.get(HANDLE_FIELD) {
+        None => Vec::new(),
+        Some(Value::Array(list)) => list.iter().map(PdHandle::from_json).collect::<Result<Vec<_>, _>>()?,
+        Some(h) => vec![PdHandle::from_json(h)?],
+    };
+    if !pd_handles.is_empty() && pd_handles.len() as u64 != n {
         return Err(ApiError::invalid(format!(
-            "`n` must be 1 (got {n}); send separate requests for more choices"
+            "`{HANDLE_FIELD}` has {} handles for `n` = {n}",
+            pd_handles.len()
         )));
     }
     if f.u64("best_of")?.is_some_and(|b| b != 1) {
@@ -477,7 +489,8 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         top_logprobs: top as u32,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         timeout_s,
-        pd_handle: f.get(HANDLE_FIELD).map(PdHandle::from_json).transpose()?,
+        n: n as u32,
+        pd_handles,
         parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
         tools,
         tool_choice,
@@ -553,7 +566,11 @@ mod tests {
                 r#"{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}"#,
                 "`temperature` must be a number",
             ),
-            (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": "x"}], "n": 2}"#, "`n` must be 1"),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "n": 17}"#,
+                "`n` must be between 1 and 16",
+            ),
             (Endpoint::Chat, r#"{"messages": [{"role": "user", "content": "x"}], "fancy": 1}"#, "`fancy`"),
             (
                 Endpoint::Chat,

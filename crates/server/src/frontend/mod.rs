@@ -10,8 +10,8 @@ use pdserve_api::openai::{
     self, sse, Constraint, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage,
 };
 use pdserve_api::tools::{Piece, ToolCall, ToolCallParser, ToolChoice};
-use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role, Stage};
-use pdserve_engine::{Aborted, Engine, Finish, Id, Input, Output, Request as EngineRequest, Timings};
+use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role};
+use pdserve_engine::{Engine, Finish, Id, Input, Output, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
 use pdserve_model::{ChatMessage, SamplingParams};
 use pdserve_telemetry::Gauge;
@@ -19,8 +19,12 @@ use serde_json::{json, Value};
 
 use crate::WorkerConfig;
 
+mod choices;
+mod routes;
+use choices::Group;
+
 /// What a live request answers with.
-#[derive(Debug)]
+#[derive(Debug, Clone, Copy)]
 enum Kind {
     Generate {
         stream: bool,
@@ -50,6 +54,9 @@ struct Live {
     blocks: MessageStream,
     /// Completions with `echo`: the prompt's text, ahead of the answer.
     echo: Option<String>,
+    /// With `n` > 1: the request's group, and which of its choices this is.
+    group: Option<u64>,
+    choice: usize,
 }
 
 pub(crate) struct Frontend {
@@ -63,6 +70,9 @@ pub(crate) struct Frontend {
     draining_since: Option<Instant>,
     created: u64,
     outputs: Vec<Output>,
+    /// Requests with `n` > 1, by group id.
+    groups: HashMap<u64, Group>,
+    next_group: u64,
 }
 
 fn unix_now() -> u64 {
@@ -131,6 +141,8 @@ impl Frontend {
             draining_since: None,
             created: unix_now(),
             outputs: Vec::new(),
+            groups: HashMap::new(),
+            next_group: 0,
         })
     }
 
@@ -234,106 +246,6 @@ impl Frontend {
         }
     }
 
-    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
-        match model.filter(|m| !m.is_empty() && *m != self.config.model_name) {
-            Some(m) => Err(ApiError::new(
-                ErrorKind::ModelNotFound,
-                format!("model {m:?} is not served here (serving {:?})", self.config.model_name),
-            )),
-            None => Ok(()),
-        }
-    }
-
-    /// `POST /tokenize`: the token ids a request with this prompt or these messages would have.
-    fn tokenize(&self, req: &Request, rid: &str) -> Result<Response, ApiError> {
-        let t = openai::parse_tokenize(&req.body)?;
-        self.check_model(t.model.as_deref())?;
-        let input = match &t.prompt {
-            Prompt::Messages(msgs) => Input::Chat(msgs.iter().map(chat_message).collect()),
-            Prompt::Text(s) => Input::Text(s.clone()),
-            Prompt::Tokens(ids) => Input::Tokens(ids.clone()),
-        };
-        let tokens = self.engine.tokenize(&input, &t.tools).map_err(|e| e.to_api_error())?;
-        let body = json!({"count": tokens.len(), "max_model_len": self.engine.info().context_tokens, "tokens": tokens});
-        Ok(json_response(200, &body, Some(rid)))
-    }
-
-    /// `POST /detokenize`: the text of token ids.
-    fn detokenize(&self, req: &Request, rid: &str) -> Result<Response, ApiError> {
-        let (model, tokens) = openai::parse_detokenize(&req.body)?;
-        self.check_model(model.as_deref())?;
-        let vocab = self.engine.info().vocab_size;
-        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ApiError::invalid(format!("token id {t} is outside the vocabulary of {vocab}")));
-        }
-        let text =
-            self.engine.codec().decode(&tokens, false).map_err(|e| ApiError::invalid(e.to_string()))?;
-        Ok(json_response(200, &json!({"prompt": text}), Some(rid)))
-    }
-
-    fn models(&self, rid: &str) -> Response {
-        let info = self.engine.info();
-        let model = json!({"id": self.config.model_name, "object": "model", "created": self.created,
-            "owned_by": "pdserve", "max_model_len": info.context_tokens, "device": info.device.to_string(),
-            "weights": info.weights.name(), "multi_row_weights": info.multi_row_weights, "role": info.role.as_str()});
-        json_response(200, &json!({"object": "list", "data": [model]}), Some(rid))
-    }
-
-    /// 200 while the engine loop turns and, with work in it, tokens come out; 503 with the reason.
-    fn ready(&self) -> Response {
-        let now = Instant::now();
-        let h = self.engine.health(now);
-        let busy = h.waiting + h.running;
-        let ms = |d: Duration| d.as_millis() as u64;
-        let reason = if self.draining_since.is_some() {
-            Some("draining: not taking new requests".to_owned())
-        } else if h.tick_age > self.config.ready_tick {
-            Some(format!("engine loop has not ticked for {} ms", ms(h.tick_age)))
-        } else if busy > 0
-            && h.token_age.is_none_or(|a| a > self.config.ready_token)
-            && h.oldest > self.config.ready_token
-        {
-            Some(format!(
-                "{busy} requests in the engine and no token for {} ms",
-                ms(h.token_age.unwrap_or(h.oldest))
-            ))
-        } else {
-            None
-        };
-        let health = match reason {
-            None => {
-                Health::Ready { details: json!({"engine_tick_age_ms": ms(h.tick_age), "requests": busy}) }
-            }
-            Some(reason) => Health::NotReady { reason },
-        };
-        Response::health(&health, None)
-    }
-
-    fn debug_requests(&self, req: &Request) -> Response {
-        let older = req
-            .query()
-            .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("older_than_ms=")))
-            .and_then(|v| v.parse().ok())
-            .map_or(Duration::ZERO, Duration::from_millis);
-        let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-        json_response(200, &self.engine.debug_requests(Instant::now(), unix_ms, older), None)
-    }
-
-    fn abort(&mut self, request_id: &str) -> Response {
-        match self.engine.abort_request(request_id) {
-            Some(Aborted::Live(_)) => json_response(200, &json!({"aborted": request_id}), Some(request_id)),
-            Some(Aborted::Offered(_)) => json_response(
-                200,
-                &json!({"aborted": request_id, "stage": Stage::KvHeld.as_str()}),
-                Some(request_id),
-            ),
-            None => Response::error(
-                &ApiError::new(ErrorKind::NotFound, format!("no live request {request_id}")),
-                Some(request_id),
-            ),
-        }
-    }
-
     fn probe(&mut self, conn: ConnId, rid: &str) -> Result<Option<Response>, ApiError> {
         if self.engine.info().role != Role::Unified {
             // A prefill or decode worker cannot finish a request alone; its readiness is the engine's.
@@ -362,7 +274,7 @@ impl Frontend {
         let g = openai::parse_generate(endpoint, &req.body)?;
         self.check_model(g.model.as_deref())?;
         let role = self.engine.info().role;
-        let input = match (g.pd_handle.clone(), role) {
+        let input = match (g.pd_handles.first().cloned(), role) {
             (Some(h), Role::Decode) => Input::Remote(h),
             (None, Role::Decode) => {
                 let field = pd::HANDLE_FIELD;
@@ -450,6 +362,14 @@ impl Frontend {
             include_usage: g.include_usage,
             logprobs: g.logprobs,
         };
+        if g.n > 1 {
+            let parsers = (0..g.n as usize)
+                .map(|i| offered.then(|| ToolCallParser::new(format, &g.tools, &format!("{rid}_{i}"))))
+                .collect();
+            return self
+                .start_group(conn, rid, er, kind, endpoint, &g.pd_handles, parsers, echo)
+                .map(|()| None);
+        }
         self.submit(conn, rid, er, kind, endpoint)?;
         if let Some(l) = self.by_conn.get(&conn).and_then(|id| self.live.get_mut(id)) {
             l.tool_parser = tool_parser;
@@ -486,6 +406,8 @@ impl Frontend {
             calls: Vec::new(),
             blocks: MessageStream::default(),
             echo: None,
+            group: None,
+            choice: 0,
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -493,6 +415,9 @@ impl Frontend {
     }
 
     fn disconnected(&mut self, conn: ConnId) {
+        if let Some(gid) = self.groups.iter().find(|(_, g)| g.conn == Some(conn)).map(|(&k, _)| k) {
+            return self.group_abort(gid);
+        }
         if let Some(id) = self.by_conn.remove(&conn) {
             if let Some(l) = self.live.get_mut(&id) {
                 l.conn = None;
@@ -531,6 +456,9 @@ impl Frontend {
     fn output(&mut self, o: Output) {
         match o {
             Output::Admitted { id } => {
+                if let Some(gid) = self.live.get(&id).and_then(|l| l.group) {
+                    return self.group_admitted(gid, id);
+                }
                 let Some(l) = self.live.get_mut(&id) else { return };
                 let Kind::Generate { stream: true, .. } = l.kind else { return };
                 let Some(conn) = l.conn else { return };
@@ -572,6 +500,10 @@ impl Frontend {
                 }
             }
             Output::Rejected { id, error } => {
+                if let Some(gid) = self.live.get(&id).and_then(|l| l.group) {
+                    self.live.remove(&id);
+                    return self.group_failed(gid, &error.to_api_error());
+                }
                 if let Some(l) = self.remove(id) {
                     if let Some(conn) = l.conn {
                         let _ = self.server.respond(conn, &Self::error_response(&l, &error.to_api_error()));
@@ -585,6 +517,12 @@ impl Frontend {
                     Some(p) => p.push(&text),
                     None => vec![Piece::Text(text)],
                 };
+                let group = l.group;
+                if let Some(gid) = group.filter(|_| l.choice == 0) {
+                    // The first choice's prompt is computed (and cached): the others may start.
+                    self.release_deferred(gid);
+                }
+                let Some(l) = self.live.get_mut(&id) else { return };
                 if !stream {
                     l.logprobs.extend(logprob);
                     for p in pieces {
@@ -599,15 +537,23 @@ impl Frontend {
                 let mut frames = Self::stream_pieces(l, pieces, &mut lp);
                 if let Some(lp) = lp.filter(|_| l.meta.endpoint != Endpoint::Messages) {
                     // Log-probabilities of text the tool-call parser holds back go out on their own.
-                    let c = openai::chunk(&l.meta, Delta { text: Some(""), ..Delta::default() }, Some(lp));
+                    let delta = Delta { text: Some(""), index: l.choice, ..Delta::default() };
+                    let c = openai::chunk(&l.meta, delta, Some(lp));
                     frames.insert_str(0, &sse(None, &c.to_string()));
                 }
-                if !frames.is_empty() {
-                    self.send_frames(id, &frames);
+                match group {
+                    _ if frames.is_empty() => {}
+                    Some(gid) => self.group_send(gid, &frames),
+                    None => {
+                        self.send_frames(id, &frames);
+                    }
                 }
             }
             Output::Prefilled { id, handle, usage, timings } => {
                 let Some(l) = self.remove(id) else { return };
+                if let Some(gid) = l.group {
+                    return self.group_prefilled(gid, &l, handle, usage, timings);
+                }
                 let Some(conn) = l.conn else {
                     // Nobody will take this KV: end the offer now instead of at the lease expiry.
                     self.engine.abort_request(&l.request_id);
@@ -646,12 +592,13 @@ impl Frontend {
             let c = match p {
                 Piece::Text(t) if t.is_empty() => continue,
                 Piece::Text(t) => {
-                    openai::chunk(&l.meta, Delta { text: Some(&t), ..Delta::default() }, lp.take())
+                    let delta = Delta { text: Some(&t), index: l.choice, ..Delta::default() };
+                    openai::chunk(&l.meta, delta, lp.take())
                 }
                 Piece::Call(call) => {
                     let calls = [(l.calls.len(), call)];
-                    let c =
-                        openai::chunk(&l.meta, Delta { tool_calls: Some(&calls), ..Delta::default() }, None);
+                    let delta = Delta { tool_calls: Some(&calls), index: l.choice, ..Delta::default() };
+                    let c = openai::chunk(&l.meta, delta, None);
                     let [(_, call)] = calls;
                     l.calls.push(call);
                     c
@@ -686,6 +633,9 @@ impl Frontend {
             usage.completion_tokens,
             l.received.elapsed().as_millis()
         );
+        if let Some(gid) = l.group {
+            return self.group_finished(gid, l, finish, usage, timings, rest_frames);
+        }
         let Some(conn) = l.conn else { return };
         let timings = timings_json(&timings);
         let stop_sequence = match &finish {

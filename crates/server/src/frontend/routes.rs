@@ -1,0 +1,118 @@
+//! The routes that are not a generation: `/tokenize`, `/detokenize`, `/v1/models`, readiness,
+//! `/debug/requests` and `/abort/{id}`.
+
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use pdserve_api::openai::{self, Prompt};
+use pdserve_api::{ApiError, ErrorKind, Health, Stage};
+use pdserve_engine::{Aborted, Input};
+use pdserve_http::{Request, Response};
+use serde_json::json;
+
+use super::{chat_message, choices, json_response, Frontend};
+
+impl Frontend {
+    pub(super) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model.filter(|m| !m.is_empty() && *m != self.config.model_name) {
+            Some(m) => Err(ApiError::new(
+                ErrorKind::ModelNotFound,
+                format!("model {m:?} is not served here (serving {:?})", self.config.model_name),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// `POST /tokenize`: the token ids a request with this prompt or these messages would have.
+    pub(super) fn tokenize(&self, req: &Request, rid: &str) -> Result<Response, ApiError> {
+        let t = openai::parse_tokenize(&req.body)?;
+        self.check_model(t.model.as_deref())?;
+        let input = match &t.prompt {
+            Prompt::Messages(msgs) => Input::Chat(msgs.iter().map(chat_message).collect()),
+            Prompt::Text(s) => Input::Text(s.clone()),
+            Prompt::Tokens(ids) => Input::Tokens(ids.clone()),
+        };
+        let tokens = self.engine.tokenize(&input, &t.tools).map_err(|e| e.to_api_error())?;
+        let body = json!({"count": tokens.len(), "max_model_len": self.engine.info().context_tokens, "tokens": tokens});
+        Ok(json_response(200, &body, Some(rid)))
+    }
+
+    /// `POST /detokenize`: the text of token ids.
+    pub(super) fn detokenize(&self, req: &Request, rid: &str) -> Result<Response, ApiError> {
+        let (model, tokens) = openai::parse_detokenize(&req.body)?;
+        self.check_model(model.as_deref())?;
+        let vocab = self.engine.info().vocab_size;
+        if let Some(t) = tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::invalid(format!("token id {t} is outside the vocabulary of {vocab}")));
+        }
+        let text =
+            self.engine.codec().decode(&tokens, false).map_err(|e| ApiError::invalid(e.to_string()))?;
+        Ok(json_response(200, &json!({"prompt": text}), Some(rid)))
+    }
+
+    pub(super) fn models(&self, rid: &str) -> Response {
+        let info = self.engine.info();
+        let model = json!({"id": self.config.model_name, "object": "model", "created": self.created,
+            "owned_by": "pdserve", "max_model_len": info.context_tokens, "device": info.device.to_string(),
+            "weights": info.weights.name(), "multi_row_weights": info.multi_row_weights, "role": info.role.as_str()});
+        json_response(200, &json!({"object": "list", "data": [model]}), Some(rid))
+    }
+
+    /// 200 while the engine loop turns and, with work in it, tokens come out; 503 with the reason.
+    pub(super) fn ready(&self) -> Response {
+        let now = Instant::now();
+        let h = self.engine.health(now);
+        let busy = h.waiting + h.running;
+        let ms = |d: Duration| d.as_millis() as u64;
+        let reason = if self.draining_since.is_some() {
+            Some("draining: not taking new requests".to_owned())
+        } else if h.tick_age > self.config.ready_tick {
+            Some(format!("engine loop has not ticked for {} ms", ms(h.tick_age)))
+        } else if busy > 0
+            && h.token_age.is_none_or(|a| a > self.config.ready_token)
+            && h.oldest > self.config.ready_token
+        {
+            Some(format!(
+                "{busy} requests in the engine and no token for {} ms",
+                ms(h.token_age.unwrap_or(h.oldest))
+            ))
+        } else {
+            None
+        };
+        let health = match reason {
+            None => {
+                Health::Ready { details: json!({"engine_tick_age_ms": ms(h.tick_age), "requests": busy}) }
+            }
+            Some(reason) => Health::NotReady { reason },
+        };
+        Response::health(&health, None)
+    }
+
+    pub(super) fn debug_requests(&self, req: &Request) -> Response {
+        let older = req
+            .query()
+            .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("older_than_ms=")))
+            .and_then(|v| v.parse().ok())
+            .map_or(Duration::ZERO, Duration::from_millis);
+        let unix_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
+        json_response(200, &self.engine.debug_requests(Instant::now(), unix_ms, older), None)
+    }
+
+    pub(super) fn abort(&mut self, request_id: &str) -> Response {
+        // The other choices of an `n` > 1 request, if it is one (`{id}.1`, `{id}.2`, ...).
+        for i in 1..openai::N_MAX as usize {
+            self.engine.abort_request(&choices::member_id(request_id, i));
+        }
+        match self.engine.abort_request(request_id) {
+            Some(Aborted::Live(_)) => json_response(200, &json!({"aborted": request_id}), Some(request_id)),
+            Some(Aborted::Offered(_)) => json_response(
+                200,
+                &json!({"aborted": request_id, "stage": Stage::KvHeld.as_str()}),
+                Some(request_id),
+            ),
+            None => Response::error(
+                &ApiError::new(ErrorKind::NotFound, format!("no live request {request_id}")),
+                Some(request_id),
+            ),
+        }
+    }
+}
