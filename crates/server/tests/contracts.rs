@@ -151,7 +151,7 @@ fn bad_input_gets_the_right_status_and_nothing_else_is_disturbed() {
         ("/v1/chat/completions", r#"{"messages": "hi"}"#.into(), 400, "invalid_request"),
         ("/v1/chat/completions", r#"{"messages": []}"#.into(), 400, "invalid_request"),
         ("/v1/chat/completions", chat("hi", r#","temperature":"warm""#), 400, "invalid_request"),
-        ("/v1/chat/completions", chat("hi", r#","n":3"#), 400, "invalid_request"),
+        ("/v1/chat/completions", chat("hi", r#","n":17"#), 400, "invalid_request"),
         ("/v1/chat/completions", chat("hi", r#","model":"gpt-9""#), 404, "model_not_found"),
         ("/v1/completions", format!(r#"{{"prompt":"{long_prompt}"}}"#), 400, "context_length_exceeded"),
         ("/v1/completions", r#"{"prompt":"hi","max_tokens":100}"#.into(), 400, "context_length_exceeded"),
