@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use pdserve_api::Role;
-use pdserve_model::WeightFormat;
+use pdserve_model::{KvDtype, WeightFormat};
 use pdserve_scheduler::SchedulerConfig;
 
 /// What runs the model: the CPU backend, or the GPU backend on CUDA device N.
@@ -52,6 +52,10 @@ pub struct EngineConfig {
     pub device: Device,
     /// How the CPU backend stores the weights its decode steps read.
     pub weights: WeightFormat,
+    /// The CPU backend's KV element type; `None` takes f16 (half the bytes of f32 for decode
+    /// attention, the pool and a PD transfer). The GPU backend keeps its own (bf16 on the device, f32
+    /// at its block interface) and refuses any other.
+    pub kv_dtype: Option<KvDtype>,
     pub scheduler: SchedulerConfig,
     pub kv_blocks: usize,
     pub block_size: usize,
@@ -76,6 +80,14 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
+    /// The KV element type the backend holds and the transfer handshake states.
+    pub fn resolved_kv_dtype(&self) -> KvDtype {
+        match self.device {
+            Device::Cpu => self.kv_dtype.unwrap_or(KvDtype::F16),
+            Device::Cuda(_) => KvDtype::F32,
+        }
+    }
+
     pub fn new(model_dir: PathBuf) -> EngineConfig {
         EngineConfig {
             model_dir,
@@ -83,6 +95,7 @@ impl EngineConfig {
             role: Role::Unified,
             device: Device::Cpu,
             weights: WeightFormat::F32,
+            kv_dtype: None,
             scheduler: SchedulerConfig::default(),
             kv_blocks: 1024,
             block_size: 16,

@@ -23,6 +23,8 @@ pub enum EngineError {
     GpuWeights { weights: &'static str },
     /// Shared KV memory is host memory; the GPU backend keeps its KV on the device.
     GpuSharedKv,
+    /// `--kv-dtype` named a type the GPU backend does not hold at its block interface.
+    GpuKvDtype { dtype: &'static str },
     /// The scheduler refused the request (queue full, too long for the context or the KV pool).
     Rejected(Rejection),
     /// The request itself is wrong (an empty prompt, a token outside the vocabulary, a template
@@ -87,7 +89,8 @@ impl EngineError {
             | EngineError::Metrics(_)
             | EngineError::UnknownDevice { .. }
             | EngineError::GpuWeights { .. }
-            | EngineError::GpuSharedKv => ErrorKind::Internal,
+            | EngineError::GpuSharedKv
+            | EngineError::GpuKvDtype { .. } => ErrorKind::Internal,
             EngineError::Rejected(r) => match r {
                 Rejection::QueueFull { .. } => ErrorKind::QueueFull,
                 Rejection::ContextLengthExceeded { .. } | Rejection::KvCapacityExceeded { .. } => {
@@ -136,6 +139,9 @@ impl fmt::Display for EngineError {
             EngineError::UnknownDevice { value } => write!(f, "unknown device {value:?}: cpu, cuda or cuda:N"),
             EngineError::GpuWeights { weights } => {
                 write!(f, "weights {weights} are a CPU format; the GPU backend stores bf16")
+            }
+            EngineError::GpuKvDtype { dtype } => {
+                write!(f, "KV dtype {dtype} is a CPU setting; the GPU backend keeps bf16 KV on the device")
             }
             EngineError::GpuSharedKv => {
                 write!(f, "shared KV memory needs the CPU backend; the GPU keeps its KV in device memory")

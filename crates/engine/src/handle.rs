@@ -31,6 +31,8 @@ pub struct EngineInfo {
     pub weights: WeightFormat,
     /// What steps of more than two rows read: "f32" or "bf16".
     pub multi_row_weights: &'static str,
+    /// The KV cache's element type.
+    pub kv_dtype: pdserve_model::KvDtype,
     /// Prompt plus generated tokens never exceed it.
     pub context_tokens: usize,
     pub vocab_size: usize,
@@ -173,6 +175,7 @@ impl Engine {
             device: config.device,
             weights: config.weights,
             multi_row_weights: built.multi_row_weights,
+            kv_dtype: config.resolved_kv_dtype(),
             context_tokens: context,
             vocab_size: model.vocab_size,
             transfer_addr,

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pdserve_api::Role;
-use pdserve_model::{Backend, CpuBackend, KvStore, ModelConfig, WeightFormat, Weights};
+use pdserve_model::{Backend, CpuBackend, KvDtype, KvStore, ModelConfig, WeightFormat, Weights};
 use pdserve_pd_transfer::transport::shm::SharedRegion;
 use pdserve_pd_transfer::{
     Dtype, Endpoint, EndpointConfig, Layout, SenderConfig, SharedMemoryTransport, TcpTransport, Transport,
@@ -50,23 +50,28 @@ pub(crate) fn backend(
         if config.weights != WeightFormat::F32 {
             return Err(EngineError::GpuWeights { weights: config.weights.name() });
         }
+        if let Some(d) = config.kv_dtype.filter(|&d| d != KvDtype::F32) {
+            return Err(EngineError::GpuKvDtype { dtype: d.name() });
+        }
         let b = pdserve_model::GpuBackend::new(model.clone(), &weights, blocks, block_size, n)?;
         return Ok(Built { backend: Box::new(b), multi_row_weights: "bf16", kv_shm_path: None });
     }
+    let dtype = config.resolved_kv_dtype();
     let (b, kv_shm_path) = if config.kv_shm && config.role == Role::Prefill {
-        let bytes = pdserve_model::KvLayout::for_model(model, blocks, block_size).block_bytes() * blocks;
+        let bytes =
+            pdserve_model::KvLayout::for_model(model, blocks, block_size, dtype).block_bytes() * blocks;
         let region = SharedRegion::create(bytes)?;
         let path = region.path().to_path_buf();
         let b = CpuBackend::with_kv_store(
             model.clone(),
             weights,
-            blocks,
-            block_size,
+            (blocks, block_size),
+            dtype,
             Box::new(SharedKv(region)),
         )?;
         (b, Some(path))
     } else {
-        (CpuBackend::new(model.clone(), weights, blocks, block_size), None)
+        (CpuBackend::with_kv_dtype(model.clone(), weights, blocks, block_size, dtype), None)
     };
     let b = b.with_weight_format(config.weights)?;
     Ok(Built { multi_row_weights: b.multi_row_format(), backend: Box::new(b), kv_shm_path })
@@ -110,7 +115,11 @@ pub(crate) fn endpoint(
         num_kv_heads: model.num_kv_heads as u32,
         head_dim: model.head_dim as u32,
         block_size: config.block_size as u32,
-        dtype: Dtype::F32,
+        dtype: match config.resolved_kv_dtype() {
+            KvDtype::F32 => Dtype::F32,
+            KvDtype::F16 => Dtype::F16,
+            KvDtype::Bf16 => Dtype::Bf16,
+        },
     };
     let listen = (config.role == Role::Prefill).then_some(config.transfer_addr);
     let transport = make(&TransportSpec { role: config.role, listen, layout })?;

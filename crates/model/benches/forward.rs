@@ -1,8 +1,9 @@
 //! Speed of the CPU forward pass on the default model: single-sequence decode (f32, Q8 and Q4 weights),
 //! prefill of a 1,000-token prompt (f32, and Q4 whose multi-row steps read bf16 weights), and
 //! aggregate decode with 8 and 32 sequences in one batch (f32; 32 also with Q4), and Q4 decode after a
-//! 4,000-token prompt. Uses rayon's pool (one thread per
-//! core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens). Writes
+//! 4,000-token prompt and of 32 sequences of 1,000 tokens, with f32 KV and with f16 KV (the server's
+//! default, where attention reads half the bytes). f32 KV unless a name says f16. Uses rayon's pool
+//! (one thread per core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens). Writes
 //! `target/bench/model-forward.json`.
 
 use std::sync::Arc;
@@ -11,7 +12,7 @@ use std::time::Instant;
 use pdserve_import::fetch::{ensure_default_model, models_dir};
 use pdserve_import::Silent;
 use pdserve_kvcache::{KvCache, KvConfig, SeqId};
-use pdserve_model::{Backend, CpuBackend, ModelFiles, SeqStep};
+use pdserve_model::{Backend, CpuBackend, KvDtype, ModelFiles, SeqStep};
 
 const BS: usize = 16;
 
@@ -71,10 +72,11 @@ fn main() {
     let m = ModelFiles::load(&dir).expect("load");
     let weights = Arc::new(m.weights);
     let blocks = 2048;
-    let fresh = |weights: &Arc<_>| Bench {
-        cpu: CpuBackend::new(m.config.clone(), Arc::clone(weights), blocks, BS),
+    let with_kv = |weights: &Arc<_>, dtype, blocks: usize| Bench {
+        cpu: CpuBackend::with_kv_dtype(m.config.clone(), Arc::clone(weights), blocks, BS, dtype),
         kv: KvCache::new(KvConfig { num_blocks: blocks as u32, block_size: BS as u32 }).expect("kv"),
     };
+    let fresh = |weights: &Arc<_>| with_kv(weights, KvDtype::F32, blocks);
     let steps = if quick { 8 } else { 32 };
     let threads = rayon::current_num_threads();
 
@@ -96,18 +98,26 @@ fn main() {
     let q8 = quantized(pdserve_model::WeightFormat::Q8);
     let q4 = quantized(pdserve_model::WeightFormat::Q4);
     // What `--weights q4` serves: multi-row steps read bf16 weights where the CPU has AVX-512 BF16.
-    let q4_backend = |weights: &Arc<_>| {
-        let mut b = fresh(weights);
+    let q4_kv = |weights: &Arc<_>, dtype, blocks| {
+        let mut b = with_kv(weights, dtype, blocks);
         b.cpu = b.cpu.with_weight_format(pdserve_model::WeightFormat::Q4).expect("quantize");
         b
     };
+    let q4_backend = |weights: &Arc<_>| q4_kv(weights, KvDtype::F32, blocks);
     let multi = q4_backend(&weights).cpu.multi_row_format();
     let q4_prefill = 1000.0 / q4_backend(&weights).prefill(1, 1000);
     // Decode after a 4,000-token prompt: attention over the paged cache dominates there.
-    let q4_long = {
-        let mut b = q4_backend(&weights);
+    let q4_long = |dtype| {
+        let mut b = q4_kv(&weights, dtype, blocks);
         b.prefill(1, 4000);
         b.decode(1, steps * 2)
+    };
+    // 32 sequences of 1,000 tokens decoding together (an agent fleet's step): 3.5 GB of f32 KV read
+    // per step.
+    let q4_fleet = |dtype| {
+        let mut b = q4_kv(&weights, dtype, 32 * 1100 / BS);
+        b.prefill(32, 1000);
+        b.decode(32, steps)
     };
 
     let mut results = vec![
@@ -116,7 +126,10 @@ fn main() {
         ("single_decode_q4_tokens_per_second", q4),
         ("prefill_1000_tokens_per_second", prefill),
         ("prefill_1000_q4_tokens_per_second", q4_prefill),
-        ("decode_q4_at_4000_tokens_per_second", q4_long),
+        ("decode_q4_at_4000_tokens_per_second", q4_long(KvDtype::F32)),
+        ("decode_q4_at_4000_f16_kv_tokens_per_second", q4_long(KvDtype::F16)),
+        ("batch32_decode_q4_at_1000_tokens_per_second", q4_fleet(KvDtype::F32)),
+        ("batch32_decode_q4_at_1000_f16_kv_tokens_per_second", q4_fleet(KvDtype::F16)),
     ];
     for (n, q4, name) in [
         (8usize, false, "batch8_decode_tokens_per_second"),
@@ -129,7 +142,7 @@ fn main() {
     }
     println!("threads: {threads}; q4's multi-row steps read {multi} weights");
     for (k, v) in &results {
-        println!("{k:<36} {v:>10.1}");
+        println!("{k:<50} {v:>10.1}");
     }
     let json: Vec<String> = results.iter().map(|(k, v)| format!("\"{k}\":{v:.2}")).collect();
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/bench");

@@ -16,6 +16,53 @@ pub struct SeqStep<'a> {
     pub logits: bool,
 }
 
+/// The element type KV memory holds. The 16-bit types halve the bytes decode attention reads, the pool
+/// holds and a PD transfer moves; values are computed in f32 and rounded (to nearest even) when stored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KvDtype {
+    /// The reference: K and V exactly as computed.
+    F32,
+    /// IEEE half: 11 significant bits, up to 65,504 (llama.cpp's default KV type).
+    F16,
+    /// bfloat16: f32's range, 8 significant bits.
+    Bf16,
+}
+
+impl KvDtype {
+    /// Bytes per value.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::F16 | KvDtype::Bf16 => 2,
+        }
+    }
+
+    /// The name `--kv-dtype` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::F16 => "f16",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = ModelError;
+
+    fn from_str(s: &str) -> Result<Self, ModelError> {
+        match s {
+            "f32" => Ok(KvDtype::F32),
+            "f16" => Ok(KvDtype::F16),
+            "bf16" => Ok(KvDtype::Bf16),
+            _ => Err(ModelError::Unsupported {
+                field: "KV dtype".into(),
+                value: format!("{s} (f32, f16 or bf16)"),
+            }),
+        }
+    }
+}
+
 /// Shape of the KV memory a backend owns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvLayout {
@@ -24,33 +71,40 @@ pub struct KvLayout {
     pub num_layers: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    pub dtype: KvDtype,
 }
 
 impl KvLayout {
-    /// The layout of `num_blocks` blocks of `block_size` tokens for a model.
-    pub fn for_model(cfg: &crate::ModelConfig, num_blocks: usize, block_size: usize) -> KvLayout {
+    /// The layout of `num_blocks` blocks of `block_size` tokens of `dtype` values for a model.
+    pub fn for_model(
+        cfg: &crate::ModelConfig,
+        num_blocks: usize,
+        block_size: usize,
+        dtype: KvDtype,
+    ) -> KvLayout {
         KvLayout {
             num_blocks,
             block_size,
             num_layers: cfg.num_layers,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,
+            dtype,
         }
     }
 
-    /// f32 values in one block (K and V, every layer).
-    pub fn block_floats(&self) -> usize {
+    /// Values in one block (K and V, every layer).
+    pub fn block_values(&self) -> usize {
         self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
     }
 
     /// Bytes of one block as [`Backend::read_block`] gives it.
     pub fn block_bytes(&self) -> usize {
-        self.block_floats() * 4
+        self.block_values() * self.dtype.bytes()
     }
 }
 
 /// KV memory a backend is given instead of allocating its own (shared memory that a same-host peer
-/// reads, say): bytes the backend views as f32 values.
+/// reads, say): bytes the backend views as values of its layout's dtype.
 pub trait KvStore: Send + Sync + std::fmt::Debug {
     fn bytes(&self) -> &[u8];
     fn bytes_mut(&mut self) -> &mut [u8];
@@ -68,7 +122,7 @@ pub trait Backend: Send {
     /// the copies may be partly done: the step that needed them must not run.
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError>;
 
-    /// Copies one block's KV into `out`: `kv_layout().block_bytes()` bytes, little-endian f32 values in
+    /// Copies one block's KV into `out`: `kv_layout().block_bytes()` bytes, little-endian values of the layout's dtype in
     /// the layout `[layer][k|v][position][kv head][head dim]`, for sending to a peer.
     fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError>;
 

@@ -1,28 +1,29 @@
 //! The CPU backend: a batched forward pass over paged KV.
 //!
-//! KV memory layout (f32): `[block][layer][k|v][position in block][kv head][head dim]`. One block's K
-//! and V for every layer are one contiguous run of `block_floats()` floats, so moving a block (a PD
-//! transfer, a copy-on-write copy) is a single memcpy.
+//! KV memory layout: `[block][layer][k|v][position in block][kv head][head dim]`, values of the
+//! layout's [`KvDtype`] (f32, or f16/bf16 rounded when stored and widened to f32 a block's rows at a
+//! time when read). One block's K and V for every layer are one contiguous run of `block_values()`
+//! values, so moving a block (a PD transfer, a copy-on-write copy) is a single memcpy.
 
 use std::sync::Arc;
 
 use pdserve_kvcache::{BlockCopy, BlockId};
 use rayon::prelude::*;
 
-use crate::backend::{check_block, check_steps, Backend, KvLayout, KvStore, SeqStep};
+use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::quant::{
     Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
 };
 use crate::sys::{
-    as_f32, as_f32_mut, dot, exp_scaled, f32_bytes, f32_bytes_mut, gemm_bf16_par, group_scores,
-    group_weighted_sum, has_bf16_gemm, sgemm, sgemm_xwt_avx512, sgemm_xwt_avx512_strided, silu_mul,
-    softmax_masked, to_bf16,
+    as_f32, as_f32_mut, as_u16, as_u16_mut, dot, exp_scaled, f32_bytes, f32_bytes_mut, gemm_bf16_par,
+    group_scores, group_weighted_sum, has_bf16_gemm, narrow_bf16, narrow_f16, sgemm, sgemm_xwt_avx512,
+    sgemm_xwt_avx512_strided, silu_mul, softmax_masked, to_bf16, widen_bf16, widen_f16,
 };
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
 
-/// Where the KV memory lives: this backend's own heap, or a store it was given (shared memory a
-/// same-host decode worker reads, say), viewed as f32 values.
+/// Where the KV memory lives: this backend's own heap (f32 words, so 4-byte aligned whatever the
+/// dtype), or a store it was given (shared memory a same-host decode worker reads, say).
 #[derive(Debug)]
 enum KvMemory {
     Heap(Vec<f32>),
@@ -30,17 +31,72 @@ enum KvMemory {
 }
 
 impl KvMemory {
-    fn as_slice(&self) -> &[f32] {
+    fn heap(bytes: usize) -> KvMemory {
+        KvMemory::Heap(vec![0.0; bytes.div_ceil(4)])
+    }
+
+    fn bytes(&self) -> &[u8] {
         match self {
-            KvMemory::Heap(v) => v,
-            KvMemory::Store(s) => as_f32(s.bytes()),
+            KvMemory::Heap(v) => f32_bytes(v),
+            KvMemory::Store(s) => s.bytes(),
         }
     }
 
-    fn as_mut_slice(&mut self) -> &mut [f32] {
+    fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
-            KvMemory::Heap(v) => v,
-            KvMemory::Store(s) => as_f32_mut(s.bytes_mut()),
+            KvMemory::Heap(v) => f32_bytes_mut(v),
+            KvMemory::Store(s) => s.bytes_mut(),
+        }
+    }
+
+    fn values(&self, dtype: KvDtype) -> KvValues<'_> {
+        match dtype {
+            KvDtype::F32 => KvValues::F32(as_f32(self.bytes())),
+            KvDtype::F16 => KvValues::F16(as_u16(self.bytes())),
+            KvDtype::Bf16 => KvValues::Bf16(as_u16(self.bytes())),
+        }
+    }
+
+    /// Stores f32 values at value index `at`, rounded to `dtype`.
+    fn store(&mut self, dtype: KvDtype, at: usize, src: &[f32]) {
+        let n = src.len();
+        match dtype {
+            KvDtype::F32 => as_f32_mut(self.bytes_mut())[at..at + n].copy_from_slice(src),
+            KvDtype::F16 => narrow_f16(src, &mut as_u16_mut(self.bytes_mut())[at..at + n]),
+            KvDtype::Bf16 => narrow_bf16(src, &mut as_u16_mut(self.bytes_mut())[at..at + n]),
+        }
+    }
+}
+
+/// KV memory as its dtype's values.
+#[derive(Clone, Copy)]
+enum KvValues<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u16]),
+    Bf16(&'a [u16]),
+}
+
+impl KvValues<'_> {
+    /// `dst.len()` values from value index `at`, as f32.
+    fn read_into(&self, at: usize, dst: &mut [f32]) {
+        let n = dst.len();
+        match *self {
+            KvValues::F32(v) => dst.copy_from_slice(&v[at..at + n]),
+            KvValues::F16(v) => widen_f16(&v[at..at + n], dst),
+            KvValues::Bf16(v) => widen_bf16(&v[at..at + n], dst),
+        }
+    }
+
+    /// `len` values from value index `at` as f32: borrowed where the memory is f32, widened into `buf`
+    /// where not.
+    fn f32s<'b>(&'b self, at: usize, len: usize, buf: &'b mut Vec<f32>) -> &'b [f32] {
+        match *self {
+            KvValues::F32(v) => &v[at..at + len],
+            _ => {
+                let dst = sized(buf, len);
+                self.read_into(at, dst);
+                dst
+            }
         }
     }
 }
@@ -62,14 +118,25 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// Allocates KV memory for `num_blocks` blocks of `block_size` tokens.
+    /// Allocates f32 KV memory (the reference) for `num_blocks` blocks of `block_size` tokens.
     pub fn new(cfg: ModelConfig, weights: Arc<Weights>, num_blocks: usize, block_size: usize) -> Self {
-        let layout = KvLayout::for_model(&cfg, num_blocks, block_size);
+        CpuBackend::with_kv_dtype(cfg, weights, num_blocks, block_size, KvDtype::F32)
+    }
+
+    /// Like [`new`](Self::new), with KV values of `dtype`.
+    pub fn with_kv_dtype(
+        cfg: ModelConfig,
+        weights: Arc<Weights>,
+        num_blocks: usize,
+        block_size: usize,
+        dtype: KvDtype,
+    ) -> Self {
+        let layout = KvLayout::for_model(&cfg, num_blocks, block_size, dtype);
         let hd = cfg.head_dim;
         // Hugging Face computes the inverse frequencies in f32; so do we, to match its numbers.
         let inv_freq = (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32)).collect();
         CpuBackend {
-            kv: KvMemory::Heap(vec![0.0; layout.block_floats() * num_blocks]),
+            kv: KvMemory::heap(layout.block_bytes() * num_blocks),
             cfg,
             w: weights,
             decode: None,
@@ -127,16 +194,17 @@ impl CpuBackend {
         }
     }
 
-    /// Like [`new`](Self::new), with the KV memory in `store` (which must hold `num_blocks` blocks of
-    /// f32 values and be 4-byte aligned; a memory mapping is). Its contents are the cache's.
+    /// Like [`with_kv_dtype`](Self::with_kv_dtype), with the KV memory in `store` (which must hold
+    /// `num_blocks` blocks of `dtype` values and be 4-byte aligned; a memory mapping is). Its contents
+    /// are the cache's.
     pub fn with_kv_store(
         cfg: ModelConfig,
         weights: Arc<Weights>,
-        num_blocks: usize,
-        block_size: usize,
+        (num_blocks, block_size): (usize, usize),
+        dtype: KvDtype,
         store: Box<dyn KvStore>,
     ) -> Result<Self, ModelError> {
-        let mut b = CpuBackend::new(cfg, weights, 0, block_size);
+        let mut b = CpuBackend::with_kv_dtype(cfg, weights, 0, block_size, dtype);
         b.layout.num_blocks = num_blocks;
         let bytes = store.bytes();
         if bytes.len() < b.layout.block_bytes() * num_blocks || bytes.as_ptr().align_offset(4) != 0 {
@@ -192,7 +260,7 @@ impl CpuBackend {
             (self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, self.layout.block_size);
         let (group, q_dim, stride) = (nh / nkv, nh * hd, nkv * hd);
         let scale = 1.0 / (hd as f32).sqrt();
-        let kv_mem = self.kv.as_slice();
+        let kv_mem = self.kv.values(self.layout.dtype);
         // (row, first key, end key)
         let mut tasks = Vec::new();
         for &r in decode_rows {
@@ -208,29 +276,37 @@ impl CpuBackend {
                 let n = j1 - j0;
                 let mut part = Partial { max: vec![0.0; nh], sum: vec![0.0; nh], acc: vec![0.0; q_dim] };
                 SCORES.with_borrow_mut(|scores| {
-                    let scores = sized(scores, nh * n);
-                    // Positions block by block: within a block, one position's K (or V) row of every
-                    // KV head is `stride` floats long and the next position's follows it.
-                    // (offset in this task's keys, block, position in the block, positions).
-                    let runs = || {
-                        let starts = std::iter::successors(Some(j0), |&j| Some((j / bs + 1) * bs));
-                        starts
-                            .take_while(|&j| j < j1)
-                            .map(|j| (j - j0, table[j / bs], j % bs, (bs - j % bs).min(j1 - j)))
-                    };
-                    for (at, block, off, cnt) in runs() {
-                        let k = &kv_mem[self.kv_at(block, li, 0, off)..];
-                        group_scores(&q, (hd, group), (k, stride), cnt, (&mut scores[at..], n));
-                    }
-                    for (h, row) in scores.chunks_exact_mut(n).enumerate() {
-                        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                        part.max[h] = max;
-                        part.sum[h] = exp_scaled(row, 1.0, max);
-                    }
-                    for (at, block, off, cnt) in runs() {
-                        let v = &kv_mem[self.kv_at(block, li, 1, off)..];
-                        group_weighted_sum((&scores[at..], n), (hd, group), (v, stride), cnt, &mut part.acc);
-                    }
+                    WIDE.with_borrow_mut(|wide| {
+                        let scores = sized(scores, nh * n);
+                        // Positions block by block: within a block, one position's K (or V) row of every
+                        // KV head is `stride` floats long and the next position's follows it.
+                        // (offset in this task's keys, block, position in the block, positions).
+                        let runs = || {
+                            let starts = std::iter::successors(Some(j0), |&j| Some((j / bs + 1) * bs));
+                            starts
+                                .take_while(|&j| j < j1)
+                                .map(|j| (j - j0, table[j / bs], j % bs, (bs - j % bs).min(j1 - j)))
+                        };
+                        for (at, block, off, cnt) in runs() {
+                            let k = kv_mem.f32s(self.kv_at(block, li, 0, off), cnt * stride, wide);
+                            group_scores(&q, (hd, group), (k, stride), cnt, (&mut scores[at..], n));
+                        }
+                        for (h, row) in scores.chunks_exact_mut(n).enumerate() {
+                            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                            part.max[h] = max;
+                            part.sum[h] = exp_scaled(row, 1.0, max);
+                        }
+                        for (at, block, off, cnt) in runs() {
+                            let v = kv_mem.f32s(self.kv_at(block, li, 1, off), cnt * stride, wide);
+                            group_weighted_sum(
+                                (&scores[at..], n),
+                                (hd, group),
+                                (v, stride),
+                                cnt,
+                                &mut part.acc,
+                            );
+                        }
+                    })
                 });
                 part
             })
@@ -265,6 +341,8 @@ thread_local! {
     /// An attention task's scores, reused by each pool thread: a GEMM-attention task's 64 rows by
     /// the keys they see, or a decode task's heads by its (at most 512) keys.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A decode task's K or V rows of one block, widened to f32 when the KV memory is 16-bit.
+    static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 impl CpuBackend {
@@ -288,7 +366,7 @@ impl CpuBackend {
         // Padded to the AVX-512 kernel's 32 columns; the padding's keys and values are zero and its
         // scores are masked like the future.
         let ctx_p = ctx.next_multiple_of(32);
-        let kv_mem = self.kv.as_slice();
+        let kv_mem = self.kv.values(self.layout.dtype);
         gathered.resize_with(nkv, Default::default);
         gathered.par_iter_mut().enumerate().for_each(|(kvh, (kh, vt))| {
             // Zeroed: the padding past `ctx` must hold zeros, not a previous step's values.
@@ -296,12 +374,14 @@ impl CpuBackend {
             kh.resize(ctx_p * hd, 0.0);
             vt.clear();
             vt.resize(hd * ctx_p, 0.0);
+            let mut v_row = vec![0.0; hd];
             for j in 0..ctx {
                 let b = s.block_table[j / bs];
                 let ki = self.kv_at(b, li, 0, j % bs) + kvh * hd;
                 let vi = self.kv_at(b, li, 1, j % bs) + kvh * hd;
-                kh[j * hd..(j + 1) * hd].copy_from_slice(&kv_mem[ki..ki + hd]);
-                for (d, &v) in kv_mem[vi..vi + hd].iter().enumerate() {
+                kv_mem.read_into(ki, &mut kh[j * hd..(j + 1) * hd]);
+                kv_mem.read_into(vi, &mut v_row);
+                for (d, &v) in v_row.iter().enumerate() {
                     vt[d * ctx_p + j] = v;
                 }
             }
@@ -347,27 +427,27 @@ impl Backend for CpuBackend {
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {
-        let n = self.layout.block_floats();
+        let n = self.layout.block_bytes();
         for c in copies {
-            check_block(&self.layout, c.src, n * 4)?;
-            check_block(&self.layout, c.dst, n * 4)?;
+            check_block(&self.layout, c.src, n)?;
+            check_block(&self.layout, c.dst, n)?;
             let (src, dst) = (c.src.0 as usize * n, c.dst.0 as usize * n);
-            self.kv.as_mut_slice().copy_within(src..src + n, dst);
+            self.kv.bytes_mut().copy_within(src..src + n, dst);
         }
         Ok(())
     }
 
     fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError> {
         check_block(&self.layout, block, out.len())?;
-        let n = self.layout.block_floats();
-        out.copy_from_slice(f32_bytes(&self.kv.as_slice()[block.0 as usize * n..][..n]));
+        let n = self.layout.block_bytes();
+        out.copy_from_slice(&self.kv.bytes()[block.0 as usize * n..][..n]);
         Ok(())
     }
 
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
         check_block(&self.layout, block, data.len())?;
-        let n = self.layout.block_floats();
-        f32_bytes_mut(&mut self.kv.as_mut_slice()[block.0 as usize * n..][..n]).copy_from_slice(data);
+        let n = self.layout.block_bytes();
+        self.kv.bytes_mut()[block.0 as usize * n..][..n].copy_from_slice(data);
         Ok(())
     }
 
@@ -474,10 +554,10 @@ impl CpuBackend {
                 let off = pos % self.layout.block_size;
                 let ki = self.kv_at(block, li, 0, off);
                 let vi = self.kv_at(block, li, 1, off);
-                let mem = self.kv.as_mut_slice();
                 let row = &sc.qkv[r * qkv_w..(r + 1) * qkv_w];
-                mem[ki..ki + kv_dim].copy_from_slice(&row[q_dim..q_dim + kv_dim]);
-                mem[vi..vi + kv_dim].copy_from_slice(&row[q_dim + kv_dim..]);
+                let dtype = self.layout.dtype;
+                self.kv.store(dtype, ki, &row[q_dim..q_dim + kv_dim]);
+                self.kv.store(dtype, vi, &row[q_dim + kv_dim..]);
             }
             let attn = sized(&mut sc.attn, t * q_dim);
             let this = &*self;

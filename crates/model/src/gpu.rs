@@ -12,7 +12,7 @@ use pdserve_kernels_sm120::launch::{prefill_tiles, PrefillSeq};
 use pdserve_kernels_sm120::{CudaSlice, DecodeAttention, DecodeScratch, Gpu, KernelError, PrefillAttention};
 use pdserve_kvcache::{BlockCopy, BlockId};
 
-use crate::backend::{check_block, check_steps, Backend, KvLayout, SeqStep};
+use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, SeqStep};
 use crate::bits16::{bf16_bits, bf16_value};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
@@ -99,7 +99,7 @@ impl GpuBackend {
             });
         }
         let gpu = Gpu::new(ordinal).map_err(dev)?;
-        let layout = KvLayout::for_model(&cfg, num_blocks, block_size);
+        let layout = KvLayout::for_model(&cfg, num_blocks, block_size, KvDtype::F32);
         let up = |parts: &[&[f32]]| bf16(&gpu, parts).map_err(dev);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in &weights.layers {

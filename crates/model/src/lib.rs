@@ -40,7 +40,7 @@ mod weights;
 
 use std::path::Path;
 
-pub use backend::{Backend, KvLayout, KvStore, SeqStep};
+pub use backend::{Backend, KvDtype, KvLayout, KvStore, SeqStep};
 pub use config::ModelConfig;
 pub use cpu::CpuBackend;
 pub use error::ModelError;

@@ -273,6 +273,26 @@ fn chat_template_renders_like_hugging_face() {
     );
 }
 
+/// 16-bit KV (f16, the server's default, and bf16): the fixture's logits stay close to the
+/// independent reference and its 32 greedy tokens are unchanged, with f32 weights and with Q4 decode.
+#[test]
+fn sixteen_bit_kv_keeps_the_greedy_text() {
+    let m = model();
+    for (dtype, tolerance) in [(pdserve_model::KvDtype::F16, 0.03), (pdserve_model::KvDtype::Bf16, 0.2)] {
+        for format in [pdserve_model::WeightFormat::F32, pdserve_model::WeightFormat::Q4] {
+            let mut cpu = CpuBackend::with_kv_dtype(m.config.clone(), Arc::clone(&m.weights), 64, 16, dtype)
+                .with_weight_format(format)
+                .unwrap();
+            let (worst, greedy_ok) = check_against_reference(&mut cpu);
+            eprintln!("{dtype:?} KV, {format:?} weights: largest logit error {worst}");
+            assert!(greedy_ok, "greedy tokens differ from the reference with {dtype:?} KV and {format:?}");
+            if format == pdserve_model::WeightFormat::F32 {
+                assert!(worst < tolerance, "{dtype:?} KV: logit error {worst}");
+            }
+        }
+    }
+}
+
 /// Quantized decode weights (Q8, Q4): the fixture's 32 greedy tokens are unchanged, and a decode
 /// step's logits stay within `QUANT_LOGIT_TOLERANCE` of the f32 path (prefill runs the f32 GEMM either way).
 #[test]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pdserve_kvcache::{BlockId, KvCache, KvConfig, SeqId};
 use pdserve_model::{
-    Backend, CpuBackend, LayerWeights, ModelConfig, ModelError, ModelFiles, SeqStep, Weights,
+    Backend, CpuBackend, KvDtype, LayerWeights, ModelConfig, ModelError, ModelFiles, SeqStep, Weights,
 };
 
 fn config() -> ModelConfig {
@@ -250,18 +250,44 @@ impl pdserve_model::KvStore for Store {
 fn kv_memory_from_outside_computes_the_same_and_holds_the_blocks() {
     let c = config();
     let need = backend(8, 4).kv_layout().block_bytes() * 8;
-    let store = Box::new(Store::new(need, 0));
-    let mut cpu = CpuBackend::with_kv_store(c.clone(), Arc::new(weights(&c)), 8, 4, store).unwrap();
+    let store = |len, misalign, dtype| {
+        let store = Box::new(Store::new(len, misalign));
+        CpuBackend::with_kv_store(c.clone(), Arc::new(weights(&c)), (8, 4), dtype, store)
+    };
+    let mut cpu = store(need, 0, KvDtype::F32).unwrap();
     let heap = prefill(&mut backend(8, 4), &[1, 2, 3, 4, 5], &[5]);
     let outside = prefill(&mut cpu, &[1, 2, 3, 4, 5], &[5]);
     assert!(max_diff(&heap, &outside) < 1e-6, "the store computes the same");
     assert!(block(&cpu, BlockId(0)).iter().any(|&b| b != 0), "the prompt's KV is in the store");
-    let short =
-        CpuBackend::with_kv_store(c.clone(), Arc::new(weights(&c)), 8, 4, Box::new(Store::new(need - 4, 0)));
-    assert!(short.is_err(), "a store too small for the pool");
-    let odd =
-        CpuBackend::with_kv_store(c.clone(), Arc::new(weights(&c)), 8, 4, Box::new(Store::new(need, 1)));
-    assert!(odd.is_err(), "a store not aligned for f32");
+    assert!(store(need - 4, 0, KvDtype::F32).is_err(), "a store too small for the pool");
+    assert!(store(need, 1, KvDtype::F32).is_err(), "a store not aligned for f32");
+    let mut half = store(need / 2, 0, KvDtype::F16).expect("f16 blocks take half the bytes");
+    let heap16 = prefill(&mut sixteen_bit(KvDtype::F16, 8, 4), &[1, 2, 3, 4, 5], &[5]);
+    assert!(max_diff(&heap16, &prefill(&mut half, &[1, 2, 3, 4, 5], &[5])) < 1e-6);
+}
+
+fn sixteen_bit(dtype: KvDtype, num_blocks: usize, block_size: usize) -> CpuBackend {
+    let c = config();
+    let w = weights(&c);
+    CpuBackend::with_kv_dtype(c, Arc::new(w), num_blocks, block_size, dtype)
+}
+
+/// f16 and bf16 KV: half the bytes per block; the logits of a prefill (GEMM attention) and of the
+/// single-token steps after it (decode attention) stay within the type's rounding of f32's, and do not
+/// depend on how the prompt was chunked (every value is rounded once, when stored).
+#[test]
+fn sixteen_bit_kv_stays_within_rounding_of_f32() {
+    let tokens: Vec<u32> = (0..48).map(|i| (i * 11 % 50) as u32).collect();
+    let f32_bytes = backend(16, 4).kv_layout().block_bytes();
+    let reference = prefill(&mut backend(16, 4), &tokens, &[40, 1, 1, 1, 1, 1, 1, 1, 1]);
+    for (dtype, tolerance) in [(KvDtype::F16, 2e-3), (KvDtype::Bf16, 2e-2)] {
+        assert_eq!(sixteen_bit(dtype, 16, 4).kv_layout().block_bytes() * 2, f32_bytes);
+        let got = prefill(&mut sixteen_bit(dtype, 16, 4), &tokens, &[40, 1, 1, 1, 1, 1, 1, 1, 1]);
+        let d = max_diff(&reference, &got);
+        assert!(d > 0.0 && d < tolerance, "{dtype:?}: {d}");
+        let chunked = prefill(&mut sixteen_bit(dtype, 64, 4), &tokens, &[3, 17, 1, 27]);
+        assert!(max_diff(&got, &chunked) < 1e-4, "{dtype:?} chunked: {}", max_diff(&got, &chunked));
+    }
 }
 
 /// One block's KV read through the backend.

@@ -22,6 +22,7 @@ pdserve-server [options]
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
   --weights FMT            f32 (default), q8 or q4: quantized weights (groups of 32) for CPU decode steps;
                            q8/q4 also run longer steps on bf16 GEMMs where the CPU has AVX-512 BF16
+  --kv-dtype TYPE          CPU KV cache values: f16 (default), bf16 or f32 (the reference; twice the bytes)
   --max-queued N           admission queue bound (default 256)
   --max-running N          running batch bound (default 64)
   --max-batch-tokens N     tokens per engine step (default 2048)
@@ -146,6 +147,9 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
             "--kv-shm" => e.kv_shm = true,
             "--device" => e.device = v.parse().map_err(|err: pdserve_engine::EngineError| err.to_string())?,
+            "--kv-dtype" => {
+                e.kv_dtype = Some(v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?)
+            }
             "--weights" => e.weights = v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?,
             "--role" => {
                 e.role = pdserve_api::Role::parse(&v).ok_or_else(|| format!("--role {v}: unknown"))?

@@ -130,6 +130,28 @@ fn a_bad_handle_fails_the_request_with_a_reason() {
     assert_eq!(prefill.json("POST", "/v1/chat/completions", &with.to_string()).0, 400);
 }
 
+/// The transfer handshake states the KV dtype: an f32 prefill worker and an f16 decode worker (the
+/// default) refuse each other's blocks with an explicit error instead of reading them as the wrong type;
+/// both sides' transfer bookkeeping ends.
+#[test]
+fn a_kv_dtype_mismatch_is_an_explicit_error() {
+    let prefill = Worker::start(&["--role", "prefill", "--kv-dtype", "f32"]);
+    let decode = Worker::start(&["--role", "decode"]);
+    let (_, models) = decode.json("GET", "/v1/models", "");
+    assert_eq!(models["data"][0]["kv_dtype"], "f16", "{models}");
+    let body = chat("What is the capital of France?", r#","temperature":0,"max_tokens":8"#);
+    let start = Instant::now();
+    let (s, got) = disaggregated(&prefill, &decode, &body, false);
+    assert_eq!((s, got.as_str()), (502, ""));
+    let (_, handle) = prefill.json("POST", "/v1/chat/completions", &body);
+    let mut b: serde_json::Value = serde_json::from_str(&body).unwrap();
+    b["pd_transfer"] = handle["pd_transfer"].clone();
+    let (s, v) = decode.json("POST", "/v1/chat/completions", &b.to_string());
+    assert_eq!((s, v["error"]["type"].as_str()), (502, Some("kv_transfer_failed")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("F32, decode has"), "{v}");
+    assert!(start.elapsed() < Duration::from_secs(20));
+}
+
 #[test]
 fn same_host_transfers_copy_from_the_shared_kv_memory() {
     let unified = Worker::start(&[]);

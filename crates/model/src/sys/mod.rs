@@ -1,5 +1,5 @@
 //! The crate's unsafe code, each use with its reasoning: mapping files into memory, viewing KV memory
-//! as f32 values, and the CPU kernels (AVX-512 / AVX-512 BF16 / AVX2, chosen at run time), one module
+//! as f32 or 16-bit values, and the CPU kernels (AVX-512 / AVX-512 BF16 / AVX2, chosen at run time), one module
 //! per kind, each with the portable loop it falls back to and is tested against.
 #![allow(unsafe_code)]
 
@@ -39,11 +39,13 @@ macro_rules! row_tiles {
 }
 
 mod attention;
+mod convert;
 mod elementwise;
 mod gemm;
 mod qdot;
 
 pub(crate) use attention::*;
+pub(crate) use convert::*;
 pub(crate) use elementwise::*;
 pub(crate) use gemm::*;
 pub(crate) use qdot::*;
@@ -77,5 +79,23 @@ pub(crate) fn as_f32_mut(bytes: &mut [u8]) -> &mut [f32] {
     // SAFETY: as in `as_f32`; the borrow is unique.
     let (head, mid, tail) = unsafe { bytes.align_to_mut::<f32>() };
     assert!(head.is_empty() && tail.is_empty(), "KV memory is not f32-aligned");
+    mid
+}
+
+/// Views bytes as 16-bit values (f16 or bf16 bits). Panics unless the bytes are 2-aligned and a whole
+/// number of values.
+pub(crate) fn as_u16(bytes: &[u8]) -> &[u16] {
+    // SAFETY: every bit pattern is a valid u16; `align_to` never returns misaligned middles, and the
+    // assertion makes sure no byte is left out.
+    let (head, mid, tail) = unsafe { bytes.align_to::<u16>() };
+    assert!(head.is_empty() && tail.is_empty(), "KV memory is not 16-bit aligned");
+    mid
+}
+
+/// Mutable form of [`as_u16`].
+pub(crate) fn as_u16_mut(bytes: &mut [u8]) -> &mut [u16] {
+    // SAFETY: as in `as_u16`; the borrow is unique.
+    let (head, mid, tail) = unsafe { bytes.align_to_mut::<u16>() };
+    assert!(head.is_empty() && tail.is_empty(), "KV memory is not 16-bit aligned");
     mid
 }

@@ -1,0 +1,208 @@
+//! 16-bit KV values to and from f32, a slice at a time: f16 with AVX-512F or F16C (vcvtph2ps /
+//! vcvtps2ph, round to nearest even), bf16 with AVX-512F (a widening shift); the portable loops use
+//! the `half` crate's conversions, which the tests hold the kernels to.
+
+use crate::bits16::{bf16_bits, bf16_value, f16_bits, f16_value};
+
+/// `dst[i]` = the f16 value whose bits are `src[i]`.
+pub(crate) fn widen_f16(src: &[u16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F (checked); equal lengths (asserted).
+            unsafe { widen_f16_avx512(src, dst) };
+            return;
+        }
+        if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
+            // SAFETY: F16C and AVX (checked); equal lengths (asserted).
+            unsafe { widen_f16_f16c(src, dst) };
+            return;
+        }
+    }
+    widen_tail(src, dst, 0, f16_value);
+}
+
+/// `dst[i]` = the bf16 value whose bits are `src[i]`.
+pub(crate) fn widen_bf16(src: &[u16], dst: &mut [f32]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F (checked); equal lengths (asserted).
+            unsafe { widen_bf16_avx512(src, dst) };
+            return;
+        }
+    }
+    widen_tail(src, dst, 0, bf16_value);
+}
+
+/// `dst[i]` = `src[i]` as f16 bits, rounded to nearest even (past f16's range: infinity).
+pub(crate) fn narrow_f16(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: AVX-512F (checked); equal lengths (asserted).
+            unsafe { narrow_f16_avx512(src, dst) };
+            return;
+        }
+        if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
+            // SAFETY: F16C and AVX (checked); equal lengths (asserted).
+            unsafe { narrow_f16_f16c(src, dst) };
+            return;
+        }
+    }
+    narrow_tail(src, dst, 0, f16_bits);
+}
+
+/// `dst[i]` = `src[i]` as bf16 bits, rounded to nearest even. Only the new tokens' K and V are
+/// narrowed each step, so the portable loop is fast enough.
+pub(crate) fn narrow_bf16(src: &[f32], dst: &mut [u16]) {
+    assert_eq!(src.len(), dst.len());
+    narrow_tail(src, dst, 0, bf16_bits);
+}
+
+#[inline(always)]
+fn widen_tail(src: &[u16], dst: &mut [f32], from: usize, f: fn(u16) -> f32) {
+    for (d, &s) in dst[from..].iter_mut().zip(&src[from..]) {
+        *d = f(s);
+    }
+}
+
+#[inline(always)]
+fn narrow_tail(src: &[f32], dst: &mut [u16], from: usize, f: fn(f32) -> u16) {
+    for (d, &s) in dst[from..].iter_mut().zip(&src[from..]) {
+        *d = f(s);
+    }
+}
+
+/// # Safety
+/// AVX-512F; equal lengths.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn widen_f16_avx512(src: &[u16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut i = 0;
+    while i + 16 <= src.len() {
+        // SAFETY (of the load and the store): i + 16 <= len of both.
+        let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+        _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_cvtph_ps(h));
+        i += 16;
+    }
+    widen_tail(src, dst, i, crate::bits16::f16_value);
+}
+
+/// # Safety
+/// AVX-512F; equal lengths.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn widen_bf16_avx512(src: &[u16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut i = 0;
+    while i + 16 <= src.len() {
+        // SAFETY (of the load and the store): i + 16 <= len of both. A bf16 is the top half of an f32.
+        let h = _mm256_loadu_si256(src.as_ptr().add(i).cast());
+        let w = _mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h));
+        _mm512_storeu_ps(dst.as_mut_ptr().add(i), _mm512_castsi512_ps(w));
+        i += 16;
+    }
+    widen_tail(src, dst, i, crate::bits16::bf16_value);
+}
+
+/// # Safety
+/// AVX-512F; equal lengths.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn narrow_f16_avx512(src: &[f32], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let mut i = 0;
+    while i + 16 <= src.len() {
+        // SAFETY (of the load and the store): i + 16 <= len of both.
+        let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_loadu_ps(
+            src.as_ptr().add(i),
+        ));
+        _mm256_storeu_si256(dst.as_mut_ptr().add(i).cast(), h);
+        i += 16;
+    }
+    narrow_tail(src, dst, i, crate::bits16::f16_bits);
+}
+
+/// # Safety
+/// F16C and AVX; equal lengths.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn widen_f16_f16c(src: &[u16], dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut i = 0;
+    while i + 8 <= src.len() {
+        // SAFETY (of the load and the store): i + 8 <= len of both.
+        let h = _mm_loadu_si128(src.as_ptr().add(i).cast());
+        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        i += 8;
+    }
+    widen_tail(src, dst, i, crate::bits16::f16_value);
+}
+
+/// # Safety
+/// F16C and AVX; equal lengths.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx,f16c")]
+unsafe fn narrow_f16_f16c(src: &[f32], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let mut i = 0;
+    while i + 8 <= src.len() {
+        // SAFETY (of the load and the store): i + 8 <= len of both.
+        let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_loadu_ps(src.as_ptr().add(i)));
+        _mm_storeu_si128(dst.as_mut_ptr().add(i).cast(), h);
+        i += 8;
+    }
+    narrow_tail(src, dst, i, crate::bits16::f16_bits);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every f16 bit pattern (and every 7th bf16 one), at a length with a tail the vector loops leave.
+    #[test]
+    fn widening_matches_the_portable_conversion_for_every_value() {
+        let all: Vec<u16> = (0..=u16::MAX).chain(0..5).collect();
+        let mut got = vec![0f32; all.len()];
+        widen_f16(&all, &mut got);
+        for (&h, &g) in all.iter().zip(&got) {
+            let want = f16_value(h);
+            assert!(
+                g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()),
+                "{h:#06x}: {g} vs {want}"
+            );
+        }
+        let some: Vec<u16> = (0..=u16::MAX).step_by(7).collect();
+        let mut got = vec![0f32; some.len()];
+        widen_bf16(&some, &mut got);
+        for (&h, &g) in some.iter().zip(&got) {
+            assert_eq!(g.to_bits(), (h as u32) << 16, "{h:#06x}");
+        }
+    }
+
+    #[test]
+    fn narrowing_rounds_like_the_portable_conversion() {
+        // Ties, subnormals, overflow, signs, and ordinary values across f16's range.
+        let mut vals =
+            vec![0.0, -0.0, 1.0 + 2f32.powi(-11), 1.0 + 3.0 * 2f32.powi(-11), 65519.0, 65520.0, 1e6, -1e6];
+        vals.extend([2f32.powi(-24), 2f32.powi(-25), 3.0 * 2f32.powi(-26), f32::INFINITY, f32::NEG_INFINITY]);
+        vals.extend((0..5000).map(|i| ((i as f32) * 0.7311).sin() * 10f32.powi(i % 11 - 5)));
+        let mut got = vec![0u16; vals.len()];
+        narrow_f16(&vals, &mut got);
+        for (&v, &g) in vals.iter().zip(&got) {
+            assert_eq!(g, f16_bits(v), "{v}");
+        }
+        narrow_bf16(&vals, &mut got);
+        for (&v, &g) in vals.iter().zip(&got) {
+            assert_eq!(g, bf16_bits(v), "{v}");
+        }
+        let mut nan = [0u16; 17];
+        narrow_f16(&[f32::NAN; 17], &mut nan);
+        assert!(nan.iter().all(|&h| f16_value(h).is_nan()));
+    }
+}
