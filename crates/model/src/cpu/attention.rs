@@ -1,0 +1,282 @@
+//! KV memory (its element types and views) and attention over it: decode rows as flash-decoding
+//! splits, prefill chunks as GEMMs over K and V gathered out of the paged cache.
+
+use rayon::prelude::*;
+
+use super::{gemm_xwt, sized, CpuBackend};
+use crate::backend::{KvDtype, KvStore, SeqStep};
+use crate::sys::{
+    as_f32, as_f32_mut, as_u16, as_u16_mut, exp_scaled, f32_bytes, f32_bytes_mut, group_scores,
+    group_weighted_sum, narrow_bf16, narrow_f16, softmax_masked, widen_bf16, widen_f16,
+};
+
+/// Where the KV memory lives: this backend's own heap (f32 words, so 4-byte aligned whatever the
+/// dtype), or a store it was given (shared memory a same-host decode worker reads, say).
+#[derive(Debug)]
+pub(super) enum KvMemory {
+    Heap(Vec<f32>),
+    Store(Box<dyn KvStore>),
+}
+
+impl KvMemory {
+    pub(super) fn heap(bytes: usize) -> KvMemory {
+        KvMemory::Heap(vec![0.0; bytes.div_ceil(4)])
+    }
+
+    pub(super) fn bytes(&self) -> &[u8] {
+        match self {
+            KvMemory::Heap(v) => f32_bytes(v),
+            KvMemory::Store(s) => s.bytes(),
+        }
+    }
+
+    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            KvMemory::Heap(v) => f32_bytes_mut(v),
+            KvMemory::Store(s) => s.bytes_mut(),
+        }
+    }
+
+    fn values(&self, dtype: KvDtype) -> KvValues<'_> {
+        match dtype {
+            KvDtype::F32 => KvValues::F32(as_f32(self.bytes())),
+            KvDtype::F16 => KvValues::F16(as_u16(self.bytes())),
+            KvDtype::Bf16 => KvValues::Bf16(as_u16(self.bytes())),
+        }
+    }
+
+    /// Stores f32 values at value index `at`, rounded to `dtype`.
+    pub(super) fn store(&mut self, dtype: KvDtype, at: usize, src: &[f32]) {
+        let n = src.len();
+        match dtype {
+            KvDtype::F32 => as_f32_mut(self.bytes_mut())[at..at + n].copy_from_slice(src),
+            KvDtype::F16 => narrow_f16(src, &mut as_u16_mut(self.bytes_mut())[at..at + n]),
+            KvDtype::Bf16 => narrow_bf16(src, &mut as_u16_mut(self.bytes_mut())[at..at + n]),
+        }
+    }
+}
+
+/// KV memory as its dtype's values.
+#[derive(Clone, Copy)]
+enum KvValues<'a> {
+    F32(&'a [f32]),
+    F16(&'a [u16]),
+    Bf16(&'a [u16]),
+}
+
+impl KvValues<'_> {
+    /// `dst.len()` values from value index `at`, as f32.
+    fn read_into(&self, at: usize, dst: &mut [f32]) {
+        let n = dst.len();
+        match *self {
+            KvValues::F32(v) => dst.copy_from_slice(&v[at..at + n]),
+            KvValues::F16(v) => widen_f16(&v[at..at + n], dst),
+            KvValues::Bf16(v) => widen_bf16(&v[at..at + n], dst),
+        }
+    }
+
+    /// `len` values from value index `at` as f32: borrowed where the memory is f32, widened into `buf`
+    /// where not.
+    fn f32s<'b>(&'b self, at: usize, len: usize, buf: &'b mut Vec<f32>) -> &'b [f32] {
+        match *self {
+            KvValues::F32(v) => &v[at..at + len],
+            _ => {
+                let dst = sized(buf, len);
+                self.read_into(at, dst);
+                dst
+            }
+        }
+    }
+}
+
+/// Keys per split of a decode row's attention: long contexts are cut into splits that run in
+/// parallel and are merged by their maxima and sums (flash-decoding), so one sequence's attention
+/// uses every core.
+const DECODE_SPLIT_KEYS: usize = 512;
+
+/// One split's share of a decode row's attention, per query head: the largest score, the sum of
+/// exp(score - largest), and the values weighted by those exps.
+struct Partial {
+    max: Vec<f32>,
+    sum: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+impl CpuBackend {
+    /// Attention of single-token rows (`decode_rows`, each reading its sequence's whole paged
+    /// cache): tasks of (row, split of the keys) read each position's K and V rows once, whole (every
+    /// KV head, contiguous within a block), score every query head against its KV head's key, and
+    /// are merged per (row, head) into `attn`.
+    pub(super) fn decode_attention(
+        &self,
+        steps: &[SeqStep<'_>],
+        rows: &[(usize, usize)],
+        decode_rows: &[usize],
+        li: usize,
+        (qkv, ldq): (&[f32], usize),
+        attn: &mut [f32],
+    ) {
+        let (hd, nh, nkv, bs) =
+            (self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, self.layout.block_size);
+        let (group, q_dim, stride) = (nh / nkv, nh * hd, nkv * hd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let kv_mem = self.kv.values(self.layout.dtype);
+        // (row, first key, end key)
+        let mut tasks = Vec::new();
+        for &r in decode_rows {
+            let ctx = rows[r].1 + 1;
+            let splits = ctx.div_ceil(DECODE_SPLIT_KEYS);
+            tasks.extend((0..splits).map(|sp| (r, sp * ctx / splits, (sp + 1) * ctx / splits)));
+        }
+        let partials: Vec<Partial> = tasks
+            .par_iter()
+            .map(|&(r, j0, j1)| {
+                let table = steps[rows[r].0].block_table;
+                let q: Vec<f32> = qkv[r * ldq..][..q_dim].iter().map(|v| v * scale).collect();
+                let n = j1 - j0;
+                let mut part = Partial { max: vec![0.0; nh], sum: vec![0.0; nh], acc: vec![0.0; q_dim] };
+                SCORES.with_borrow_mut(|scores| {
+                    WIDE.with_borrow_mut(|wide| {
+                        let scores = sized(scores, nh * n);
+                        // Positions block by block: within a block, one position's K (or V) row of every
+                        // KV head is `stride` floats long and the next position's follows it.
+                        // (offset in this task's keys, block, position in the block, positions).
+                        let runs = || {
+                            let starts = std::iter::successors(Some(j0), |&j| Some((j / bs + 1) * bs));
+                            starts
+                                .take_while(|&j| j < j1)
+                                .map(|j| (j - j0, table[j / bs], j % bs, (bs - j % bs).min(j1 - j)))
+                        };
+                        for (at, block, off, cnt) in runs() {
+                            let k = kv_mem.f32s(self.kv_at(block, li, 0, off), cnt * stride, wide);
+                            group_scores(&q, (hd, group), (k, stride), cnt, (&mut scores[at..], n));
+                        }
+                        for (h, row) in scores.chunks_exact_mut(n).enumerate() {
+                            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                            part.max[h] = max;
+                            part.sum[h] = exp_scaled(row, 1.0, max);
+                        }
+                        for (at, block, off, cnt) in runs() {
+                            let v = kv_mem.f32s(self.kv_at(block, li, 1, off), cnt * stride, wide);
+                            group_weighted_sum(
+                                (&scores[at..], n),
+                                (hd, group),
+                                (v, stride),
+                                cnt,
+                                &mut part.acc,
+                            );
+                        }
+                    })
+                });
+                part
+            })
+            .collect();
+        // Merge each row's splits, which are consecutive in `tasks`.
+        let mut i = 0;
+        while i < tasks.len() {
+            let r = tasks[i].0;
+            let end = i + tasks[i..].iter().take_while(|t| t.0 == r).count();
+            for head in 0..nh {
+                let max = partials[i..end].iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.max[head]));
+                let out = &mut attn[r * q_dim + head * hd..][..hd];
+                out.fill(0.0);
+                let mut sum = 0.0;
+                for p in &partials[i..end] {
+                    let w = (p.max[head] - max).exp();
+                    sum += p.sum[head] * w;
+                    for (o, a) in out.iter_mut().zip(&p.acc[head * hd..(head + 1) * hd]) {
+                        *o += a * w;
+                    }
+                }
+                for o in out.iter_mut() {
+                    *o /= sum;
+                }
+            }
+            i = end;
+        }
+    }
+}
+
+thread_local! {
+    /// An attention task's scores, reused by each pool thread: a GEMM-attention task's 64 rows by
+    /// the keys they see, or a decode task's heads by its (at most 512) keys.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// A decode task's K or V rows of one block, widened to f32 when the KV memory is 16-bit.
+    static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl CpuBackend {
+    /// Attention for one sequence's step of `n` new tokens (`q` and `out`: n rows of all heads) as
+    /// GEMMs: K and V^T of each KV head are gathered once out of the paged cache, then each (head,
+    /// block of 64 query rows) task computes scores against only the keys its last row sees (the
+    /// causal triangle, not the square), a masked softmax, and probabilities times values.
+    pub(super) fn gemm_attention(
+        &self,
+        s: &SeqStep<'_>,
+        li: usize,
+        (q, ldq): (&[f32], usize),
+        out: &mut [f32],
+        gathered: &mut Vec<(Vec<f32>, Vec<f32>)>,
+    ) {
+        const ROW_BLOCK: usize = 64;
+        let (hd, nh, nkv) = (self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads);
+        let (q_dim, group, bs) = (nh * hd, nh / nkv, self.layout.block_size);
+        let n = s.tokens.len();
+        let ctx = s.start_pos + n;
+        // Padded to the AVX-512 kernel's 32 columns; the padding's keys and values are zero and its
+        // scores are masked like the future.
+        let ctx_p = ctx.next_multiple_of(32);
+        let kv_mem = self.kv.values(self.layout.dtype);
+        gathered.resize_with(nkv, Default::default);
+        gathered.par_iter_mut().enumerate().for_each(|(kvh, (kh, vt))| {
+            // Zeroed: the padding past `ctx` must hold zeros, not a previous step's values.
+            kh.clear();
+            kh.resize(ctx_p * hd, 0.0);
+            vt.clear();
+            vt.resize(hd * ctx_p, 0.0);
+            let mut v_row = vec![0.0; hd];
+            for j in 0..ctx {
+                let b = s.block_table[j / bs];
+                let ki = self.kv_at(b, li, 0, j % bs) + kvh * hd;
+                let vi = self.kv_at(b, li, 1, j % bs) + kvh * hd;
+                kv_mem.read_into(ki, &mut kh[j * hd..(j + 1) * hd]);
+                kv_mem.read_into(vi, &mut v_row);
+                for (d, &v) in v_row.iter().enumerate() {
+                    vt[d * ctx_p + j] = v;
+                }
+            }
+        });
+        let gathered = &*gathered;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let blocks = n.div_ceil(ROW_BLOCK);
+        let results: Vec<(usize, usize, Vec<f32>)> = (0..nh * blocks)
+            .into_par_iter()
+            .map(|task| {
+                let (head, b) = (task / blocks, task % blocks);
+                let (i0, i1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(n));
+                let rows = i1 - i0;
+                let seen = (s.start_pos + i1).next_multiple_of(32);
+                let (kh, vt) = &gathered[head / group];
+                let mut qh = vec![0.0; rows * hd];
+                for (i, dst) in qh.chunks_exact_mut(hd).enumerate() {
+                    dst.copy_from_slice(&q[(i0 + i) * ldq + head * hd..][..hd]);
+                }
+                let mut o = vec![0.0; rows * hd];
+                SCORES.with_borrow_mut(|scores| {
+                    let scores = sized(scores, rows * seen);
+                    gemm_xwt((&qh, hd), rows, hd, (kh, hd), seen, scores);
+                    for (i, row) in scores.chunks_exact_mut(seen).enumerate() {
+                        softmax_masked(row, s.start_pos + i0 + i + 1, scale);
+                    }
+                    gemm_xwt((scores, seen), rows, seen, (vt, ctx_p), hd, &mut o);
+                });
+                (head, i0, o)
+            })
+            .collect();
+        for (head, i0, o) in results {
+            for (i, src) in o.chunks_exact(hd).enumerate() {
+                out[(i0 + i) * q_dim + head * hd..][..hd].copy_from_slice(src);
+            }
+        }
+    }
+}
