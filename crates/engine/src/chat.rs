@@ -25,7 +25,7 @@ pub(crate) fn tokens(
             let text = render(codec, msgs, tools, info.tool_format).map_err(invalid)?;
             codec.encode(&text).map_err(invalid)?
         }
-        Input::Text(t) => codec.encode(t).map_err(invalid)?,
+        Input::Text(t) => codec.encode_prompt(t).map_err(invalid)?,
         Input::Tokens(t) => match t.iter().find(|&&x| x as usize >= info.vocab_size) {
             Some(bad) => {
                 return Err(EngineError::InvalidInput {

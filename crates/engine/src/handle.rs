@@ -33,6 +33,9 @@ pub struct EngineInfo {
     pub multi_row_weights: &'static str,
     /// The KV cache's element type.
     pub kv_dtype: pdserve_model::KvDtype,
+    /// Where a request gives no sampling settings: the model's `generation_config.json` over the
+    /// engine's defaults.
+    pub sampling_defaults: pdserve_model::SamplingParams,
     /// Prompt plus generated tokens never exceed it.
     pub context_tokens: usize,
     pub vocab_size: usize,
@@ -176,6 +179,7 @@ impl Engine {
             weights: config.weights,
             multi_row_weights: built.multi_row_weights,
             kv_dtype: config.resolved_kv_dtype(),
+            sampling_defaults: files.generation.sampling_defaults(),
             context_tokens: context,
             vocab_size: model.vocab_size,
             transfer_addr,

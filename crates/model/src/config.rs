@@ -59,6 +59,76 @@ fn default_act() -> String {
     "silu".into()
 }
 
+/// How rope's inverse frequencies are scaled for a context longer than the model was trained on
+/// (`rope_scaling` in `config.json`, as Hugging Face's `modeling_rope_utils` computes it).
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain rope; also `dynamic` NTK scaling, which changes the base only for sequences longer than
+    /// `max_position_embeddings`, a context the engine never serves.
+    None,
+    /// Positions divided by `factor`.
+    Linear { factor: f32 },
+    /// Llama 3.1's: low frequencies divided by `factor`, high ones kept, the band between smoothed.
+    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_positions: f32 },
+    /// YaRN: interpolated and extrapolated frequencies blended over a ramp of dimensions, cos and sin
+    /// scaled by `attention_factor`.
+    Yarn {
+        factor: f32,
+        original_max_positions: f32,
+        beta_fast: f32,
+        beta_slow: f32,
+        attention_factor: f32,
+        truncate: bool,
+    },
+}
+
+impl RopeScaling {
+    fn parse(v: &serde_json::Value, max_positions: usize) -> Result<RopeScaling, ModelError> {
+        let kind = v.get("rope_type").or_else(|| v.get("type")).and_then(|k| k.as_str()).unwrap_or("default");
+        let bad = |field: &str, value: String| ModelError::Unsupported {
+            field: format!("rope_scaling.{field}"),
+            value,
+        };
+        let num = |field: &str| -> Result<Option<f32>, ModelError> {
+            match v.get(field) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(x) => x.as_f64().map(|f| Some(f as f32)).ok_or_else(|| bad(field, x.to_string())),
+            }
+        };
+        let need = |field: &str| num(field)?.ok_or_else(|| bad(field, format!("missing (rope type {kind})")));
+        Ok(match kind {
+            "default" | "dynamic" => RopeScaling::None,
+            "linear" => RopeScaling::Linear { factor: need("factor")? },
+            "llama3" => RopeScaling::Llama3 {
+                factor: need("factor")?,
+                low_freq_factor: need("low_freq_factor")?,
+                high_freq_factor: need("high_freq_factor")?,
+                original_max_positions: need("original_max_position_embeddings")?,
+            },
+            "yarn" => {
+                let factor = need("factor")?;
+                let mscale = |m: f32| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
+                let attention_factor =
+                    match (num("attention_factor")?, num("mscale")?, num("mscale_all_dim")?) {
+                        (Some(a), _, _) => a,
+                        (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(m) / mscale(all),
+                        _ => mscale(1.0),
+                    };
+                RopeScaling::Yarn {
+                    factor,
+                    original_max_positions: num("original_max_position_embeddings")?
+                        .unwrap_or(max_positions as f32),
+                    beta_fast: num("beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
+                    beta_slow: num("beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
+                    attention_factor,
+                    truncate: v.get("truncate").and_then(|t| t.as_bool()).unwrap_or(true),
+                }
+            }
+            other => return Err(bad("rope_type", other.to_owned())),
+        })
+    }
+}
+
 /// The model shape the engine runs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
@@ -79,9 +149,69 @@ pub struct ModelConfig {
     pub o_bias: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
+    pub rope_scaling: RopeScaling,
+    /// Per-head RMSNorm of Q and K before rope (Qwen3).
+    pub qk_norm: bool,
 }
 
 impl ModelConfig {
+    /// Rope's inverse frequencies (`head_dim / 2`, computed in f32 as Hugging Face does) and the factor
+    /// cos and sin are scaled by.
+    pub fn rope(&self) -> (Vec<f32>, f32) {
+        let hd = self.head_dim;
+        let base = self.rope_theta;
+        let plain: Vec<f32> = (0..hd / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / hd as f32)).collect();
+        match self.rope_scaling {
+            RopeScaling::None => (plain, 1.0),
+            RopeScaling::Linear { factor } => (plain.iter().map(|f| f / factor).collect(), 1.0),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_positions: old,
+            } => {
+                let (low_wavelen, high_wavelen) = (old / low, old / high);
+                let inv = plain.iter().map(|&f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                });
+                (inv.collect(), 1.0)
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_positions: orig,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                truncate,
+            } => {
+                let dim = hd as f32;
+                let correction =
+                    |rot: f32| (dim * (orig / (rot * 2.0 * std::f32::consts::PI)).ln()) / (2.0 * base.ln());
+                let (mut lo, mut hi) = (correction(beta_fast), correction(beta_slow));
+                if truncate {
+                    (lo, hi) = (lo.floor(), hi.ceil());
+                }
+                let (lo, mut hi) = (lo.max(0.0), hi.min(dim - 1.0));
+                if lo == hi {
+                    hi += 0.001;
+                }
+                let inv = plain.iter().enumerate().map(|(i, &f)| {
+                    let extrapolation = 1.0 - ((i as f32 - lo) / (hi - lo)).clamp(0.0, 1.0);
+                    (f / factor) * (1.0 - extrapolation) + f * extrapolation
+                });
+                (inv.collect(), attention_factor)
+            }
+        }
+    }
+
     /// Reads and checks `config.json`. Anything the engine cannot run faithfully is an error naming the
     /// field, never a silent approximation.
     pub fn from_file(path: &Path) -> Result<ModelConfig, ModelError> {
@@ -98,23 +228,26 @@ impl ModelConfig {
         let unsupported =
             |field: &str, value: String| Err(ModelError::Unsupported { field: field.into(), value });
         let arch = raw.architectures.first().cloned().unwrap_or_default();
-        let (qkv_bias, o_bias) = match (arch.as_str(), raw.model_type.as_str()) {
-            ("LlamaForCausalLM", _) | (_, "llama") => (raw.attention_bias, raw.attention_bias),
-            ("MistralForCausalLM", _) | (_, "mistral") => (false, false),
-            ("Qwen2ForCausalLM", _) | (_, "qwen2") => (true, false),
+        let (qkv_bias, o_bias, qk_norm) = match (arch.as_str(), raw.model_type.as_str()) {
+            ("LlamaForCausalLM", _) | (_, "llama") => (raw.attention_bias, raw.attention_bias, false),
+            ("MistralForCausalLM", _) | (_, "mistral") => (false, false, false),
+            ("Qwen2ForCausalLM", _) | (_, "qwen2") => (true, false, false),
+            ("Qwen3ForCausalLM", _) | (_, "qwen3") => (raw.attention_bias, raw.attention_bias, true),
             _ => return unsupported("architectures", format!("{arch} (model_type {:?})", raw.model_type)),
         };
         if raw.hidden_act != "silu" {
             return unsupported("hidden_act", raw.hidden_act);
         }
-        if let Some(s) = raw.rope_scaling.filter(|v| !v.is_null()) {
-            return unsupported("rope_scaling", s.to_string());
-        }
+        let rope_scaling = match raw.rope_scaling.filter(|v| !v.is_null()) {
+            Some(v) => RopeScaling::parse(&v, raw.max_position_embeddings)?,
+            None => RopeScaling::None,
+        };
         if raw.mlp_bias {
             return unsupported("mlp_bias", "true".into());
         }
-        let sliding =
-            raw.sliding_window.filter(|_| raw.use_sliding_window.unwrap_or(raw.model_type != "qwen2"));
+        let sliding = raw
+            .sliding_window
+            .filter(|_| raw.use_sliding_window.unwrap_or(!raw.model_type.starts_with("qwen")));
         if let Some(w) = sliding.filter(|&w| w < raw.max_position_embeddings) {
             return unsupported("sliding_window", w.to_string());
         }
@@ -155,6 +288,8 @@ impl ModelConfig {
                 Some(OneOrMany::Many(ids)) => ids,
                 None => Vec::new(),
             },
+            rope_scaling,
+            qk_norm,
         })
     }
 }
@@ -187,8 +322,32 @@ mod tests {
         assert_eq!(field(parse(r#", "model_type": "gpt2""#)), "architectures");
         assert_eq!(
             field(parse(r#", "model_type": "llama", "rope_scaling": {"type": "linear"}"#)),
-            "rope_scaling"
+            "rope_scaling.factor"
         );
+        assert_eq!(
+            field(parse(
+                r#", "model_type": "llama", "rope_scaling": {"rope_type": "longrope", "factor": 4}"#
+            )),
+            "rope_scaling.rope_type"
+        );
+        let dynamic = parse(r#", "model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}"#);
+        assert_eq!(dynamic.unwrap().rope_scaling, RopeScaling::None);
+        // Llama 3.1's scaling (theta 500,000, head_dim 128): the highest frequency kept, the lowest
+        // divided by the factor, one in the band between smoothed.
+        let l3 = parse(
+            r#", "model_type": "llama", "head_dim": 128, "rope_theta": 500000.0, "rope_scaling": {"rope_type":
+            "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}"#,
+        )
+        .unwrap();
+        let plain = ModelConfig { rope_scaling: RopeScaling::None, ..l3.clone() }.rope().0;
+        let (inv, att) = l3.rope();
+        assert_eq!((inv[0], att), (plain[0], 1.0));
+        assert!((inv[63] - plain[63] / 8.0).abs() < 1e-12);
+        let band = inv.iter().zip(&plain).filter(|(a, p)| **a < **p && **a > **p / 8.0).count();
+        assert!(band > 0, "{inv:?}");
+        let q3 = parse(r#", "model_type": "qwen3", "head_dim": 32, "sliding_window": 64"#).unwrap();
+        assert!(q3.qk_norm && !q3.qkv_bias && q3.head_dim == 32);
         assert_eq!(field(parse(r#", "model_type": "mistral", "sliding_window": 128"#)), "sliding_window");
         assert_eq!(field(parse(r#", "model_type": "llama", "hidden_act": "gelu""#)), "hidden_act");
         assert!(matches!(ModelConfig::from_json("{}"), Err(ModelError::Format { .. })));

@@ -82,6 +82,19 @@ impl GpuBackend {
         block_size: usize,
         ordinal: usize,
     ) -> Result<GpuBackend, ModelError> {
+        if cfg.qk_norm {
+            return Err(ModelError::Unsupported {
+                field: "per-head q/k norms (Qwen3) on the GPU backend".into(),
+                value: "true".into(),
+            });
+        }
+        let (inv, rope_attention_factor) = cfg.rope();
+        if rope_attention_factor != 1.0 {
+            return Err(ModelError::Unsupported {
+                field: "rope_scaling attention factor (YaRN) on the GPU backend".into(),
+                value: rope_attention_factor.to_string(),
+            });
+        }
         if cfg.qkv_bias || cfg.o_bias {
             return Err(ModelError::Unsupported {
                 field: "attention biases on the GPU backend".into(),
@@ -119,9 +132,6 @@ impl GpuBackend {
             k.push(gpu.zeros::<u16>(slots).map_err(dev)?);
             v.push(gpu.zeros::<u16>(slots).map_err(dev)?);
         }
-        let inv: Vec<f32> = (0..cfg.head_dim / 2)
-            .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / cfg.head_dim as f32))
-            .collect();
         Ok(GpuBackend {
             embed: up(&[&weights.embed])?,
             lm_head: weights.lm_head.as_ref().map(|w| up(&[w])).transpose()?,

@@ -30,6 +30,7 @@ mod bits16;
 mod config;
 mod cpu;
 mod error;
+mod generation;
 #[cfg(feature = "cuda")]
 mod gpu;
 pub mod quant;
@@ -41,9 +42,10 @@ mod weights;
 use std::path::Path;
 
 pub use backend::{Backend, KvDtype, KvLayout, KvStore, SeqStep};
-pub use config::ModelConfig;
+pub use config::{ModelConfig, RopeScaling};
 pub use cpu::CpuBackend;
 pub use error::ModelError;
+pub use generation::GenerationConfig;
 #[cfg(feature = "cuda")]
 pub use gpu::GpuBackend;
 pub use quant::WeightFormat;
@@ -54,9 +56,11 @@ pub use weights::{LayerWeights, Weights};
 /// Everything read from a model folder.
 #[derive(Debug)]
 pub struct ModelFiles {
+    /// `config.json`, its EOS ids joined by `generation_config.json`'s.
     pub config: ModelConfig,
     pub weights: Weights,
     pub text: TextCodec,
+    pub generation: GenerationConfig,
 }
 
 impl ModelFiles {
@@ -65,10 +69,16 @@ impl ModelFiles {
         if !dir.is_dir() {
             return Err(ModelError::format(dir, "not a directory"));
         }
-        let config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let mut config = ModelConfig::from_file(&dir.join("config.json"))?;
+        let generation = GenerationConfig::load(dir)?;
+        for &id in &generation.eos_token_ids {
+            if !config.eos_token_ids.contains(&id) {
+                config.eos_token_ids.push(id);
+            }
+        }
         let text = TextCodec::load(dir)?;
         let weights = Weights::load(dir, &config)?;
-        Ok(ModelFiles { config, weights, text })
+        Ok(ModelFiles { config, weights, text, generation })
     }
 }
 

@@ -36,6 +36,8 @@ pub struct TextCodec {
     template: Option<String>,
     bos_token: String,
     eos_token: String,
+    /// `tokenizer_config.json`'s `add_bos_token`; `None` leaves it to `tokenizer.json`'s post-processor.
+    add_bos: Option<bool>,
 }
 
 fn token_field(v: &serde_json::Value) -> Option<String> {
@@ -70,6 +72,7 @@ impl TextCodec {
             template,
             bos_token: cfg.get("bos_token").and_then(token_field).unwrap_or_default(),
             eos_token: cfg.get("eos_token").and_then(token_field).unwrap_or_default(),
+            add_bos: cfg.get("add_bos_token").and_then(|v| v.as_bool()),
         })
     }
 
@@ -82,6 +85,27 @@ impl TextCodec {
         let enc =
             self.tokenizer.encode(text, false).map_err(|e| ModelError::Text { problem: e.to_string() })?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of a raw prompt (a completion's, not a chat template's output): with the BOS token
+    /// first where the model expects it (Llama, Mistral), as Hugging Face's tokenizer gives them:
+    /// `add_bos_token` in `tokenizer_config.json` decides, and without it `tokenizer.json`'s own
+    /// post-processor.
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, ModelError> {
+        let text_err = |e: tokenizers::Error| ModelError::Text { problem: e.to_string() };
+        match self.add_bos {
+            None => Ok(self.tokenizer.encode(text, true).map_err(text_err)?.get_ids().to_vec()),
+            Some(false) => self.encode(text),
+            Some(true) => {
+                let mut ids = self.encode(text)?;
+                if let Some(bos) = self.token_id(&self.bos_token) {
+                    if ids.first() != Some(&bos) {
+                        ids.insert(0, bos);
+                    }
+                }
+                Ok(ids)
+            }
+        }
     }
 
     /// Text of `ids`.

@@ -22,6 +22,9 @@ pub struct LayerWeights {
     pub k_bias: Option<Vec<f32>>,
     pub v_bias: Option<Vec<f32>>,
     pub o_bias: Option<Vec<f32>>,
+    /// Qwen3's per-head RMSNorm weights of Q and K (`head_dim` each).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
     pub post_norm: Vec<f32>,
     pub gate: Vec<f32>,
     pub up: Vec<f32>,
@@ -138,6 +141,8 @@ impl Weights {
                 k_bias: bias("self_attn.k_proj.bias", kv_out, config.qkv_bias)?,
                 v_bias: bias("self_attn.v_proj.bias", kv_out, config.qkv_bias)?,
                 o_bias: bias("self_attn.o_proj.bias", h, config.o_bias)?,
+                q_norm: bias("self_attn.q_norm.weight", config.head_dim, config.qk_norm)?,
+                k_norm: bias("self_attn.k_norm.weight", config.head_dim, config.qk_norm)?,
                 post_norm: s.get(&format!("{p}post_attention_layernorm.weight"), &[h])?,
                 gate: s.get(&format!("{p}mlp.gate_proj.weight"), &[i, h])?,
                 up: s.get(&format!("{p}mlp.up_proj.weight"), &[i, h])?,

@@ -25,6 +25,8 @@ fn config() -> ModelConfig {
         o_bias: false,
         bos_token_id: Some(1),
         eos_token_ids: vec![2],
+        rope_scaling: pdserve_model::RopeScaling::None,
+        qk_norm: false,
     }
 }
 
@@ -54,6 +56,8 @@ fn weights(c: &ModelConfig) -> Weights {
             k_bias: Some(random(kv, &mut s)),
             v_bias: Some(random(kv, &mut s)),
             o_bias: None,
+            q_norm: None,
+            k_norm: None,
             post_norm: vec![1.0; h],
             gate: random(i * h, &mut s),
             up: random(i * h, &mut s),

@@ -38,6 +38,8 @@ pub struct CpuBackend {
     kv: KvMemory,
     layout: KvLayout,
     inv_freq: Vec<f32>,
+    /// What cos and sin are scaled by (YaRN's attention factor; 1 otherwise).
+    rope_attention_factor: f32,
 }
 
 impl CpuBackend {
@@ -55,9 +57,8 @@ impl CpuBackend {
         dtype: KvDtype,
     ) -> Self {
         let layout = KvLayout::for_model(&cfg, num_blocks, block_size, dtype);
-        let hd = cfg.head_dim;
         // Hugging Face computes the inverse frequencies in f32; so do we, to match its numbers.
-        let inv_freq = (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f32 / hd as f32)).collect();
+        let (inv_freq, rope_attention_factor) = cfg.rope();
         CpuBackend {
             kv: KvMemory::heap(layout.block_bytes() * num_blocks),
             cfg,
@@ -67,6 +68,7 @@ impl CpuBackend {
             scratch: Scratch::default(),
             layout,
             inv_freq,
+            rope_attention_factor,
         }
     }
 
@@ -250,8 +252,8 @@ impl CpuBackend {
         for (r, &(_, pos)) in rows.iter().enumerate() {
             for i in 0..half {
                 let (sin, cos) = (pos as f32 * self.inv_freq[i]).sin_cos();
-                rope[r * hd + i] = cos;
-                rope[r * hd + half + i] = sin;
+                rope[r * hd + i] = cos * self.rope_attention_factor;
+                rope[r * hd + half + i] = sin * self.rope_attention_factor;
             }
         }
         for (li, lw) in w.layers.iter().enumerate() {
@@ -275,6 +277,15 @@ impl CpuBackend {
                         add_into(&mut row[at..at + n], b);
                     }
                     at += n;
+                }
+                if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                    // Qwen3: each head's Q and K normalized on their own, before rope.
+                    let (q, rest) = row.split_at_mut(q_dim);
+                    for (heads, weight) in [(q, qn), (&mut rest[..kv_dim], kn)] {
+                        for head in heads.chunks_exact_mut(hd) {
+                            rms_norm_in_place(head, weight, cfg.rms_norm_eps);
+                        }
+                    }
                 }
                 let (cos, sin) = sc.rope[r * hd..(r + 1) * hd].split_at(half);
                 rope_rows(&mut row[..q_dim + kv_dim], hd, cos, sin);
@@ -381,6 +392,15 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         for ((o, v), w) in o.iter_mut().zip(row).zip(weight) {
             *o = v * inv * w;
         }
+    }
+}
+
+/// `x = x / rms(x) * weight` for one vector.
+fn rms_norm_in_place(x: &mut [f32], weight: &[f32], eps: f32) {
+    let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (ms + eps).sqrt();
+    for (v, w) in x.iter_mut().zip(weight) {
+        *v = w * (*v * inv);
     }
 }
 

@@ -108,9 +108,8 @@ fn chat_message(m: &openai::Message) -> ChatMessage {
     c
 }
 
-/// The client's sampling settings over the engine's defaults.
-fn sampling(g: &GenerateRequest) -> SamplingParams {
-    let d = SamplingParams::default();
+/// The client's sampling settings over the model's defaults (`d`).
+fn sampling(g: &GenerateRequest, d: &SamplingParams) -> SamplingParams {
     let s = g.sampling;
     SamplingParams {
         temperature: s.temperature.unwrap_or(d.temperature),
@@ -326,7 +325,7 @@ impl Frontend {
             .min(self.config.max_timeout);
         let mut er = EngineRequest::new(rid, input, Instant::now() + timeout);
         er.max_tokens = g.max_tokens.map(|m| m as usize);
-        er.sampling = sampling(&g);
+        er.sampling = sampling(&g, &self.engine.info().sampling_defaults);
         er.seed = g.seed;
         er.stop = g.stop.clone();
         er.stop_token_ids = g.stop_token_ids.clone();
