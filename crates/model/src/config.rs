@@ -47,6 +47,17 @@ struct RawConfig {
     sliding_window: Option<usize>,
     #[serde(default)]
     use_sliding_window: Option<bool>,
+    // Mixture of experts: Mixtral's names, then Qwen3-MoE's.
+    num_local_experts: Option<usize>,
+    num_experts: Option<usize>,
+    num_experts_per_tok: Option<usize>,
+    norm_topk_prob: Option<bool>,
+    moe_intermediate_size: Option<usize>,
+    decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    mlp_only_layers: Vec<usize>,
+    #[serde(default)]
+    shared_expert_intermediate_size: Option<usize>,
 }
 
 fn default_eps() -> f64 {
@@ -152,6 +163,43 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     /// Per-head RMSNorm of Q and K before rope (Qwen3).
     pub qk_norm: bool,
+    /// Each token attends to at most this many positions, its own included (Mistral's
+    /// `sliding_window`); `None` for full causal attention.
+    pub sliding_window: Option<usize>,
+    /// Mixture-of-experts FFNs (Mixtral, Qwen3-MoE); `None` for a dense model.
+    pub moe: Option<Moe>,
+}
+
+/// A mixture-of-experts FFN: a router picks `top_k` of `experts` SwiGLU experts per token and sums
+/// their outputs weighted by the router's softmax probabilities.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Moe {
+    pub experts: usize,
+    pub top_k: usize,
+    /// The chosen experts' probabilities are divided by their sum (Mixtral always; Qwen3-MoE's
+    /// `norm_topk_prob`).
+    pub norm_topk_prob: bool,
+    /// Each expert's intermediate width.
+    pub intermediate_size: usize,
+    /// Layers that keep a dense FFN (`intermediate_size` of the model) instead of experts.
+    pub dense_layers: Vec<usize>,
+    pub names: MoeNames,
+}
+
+/// How a checkpoint names its expert tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeNames {
+    /// `block_sparse_moe.gate`, `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down).
+    Mixtral,
+    /// `mlp.gate`, `mlp.experts.E.{gate_proj,up_proj,down_proj}`.
+    Qwen,
+}
+
+impl Moe {
+    /// Whether layer `layer` routes through experts.
+    pub fn is_sparse(&self, layer: usize) -> bool {
+        !self.dense_layers.contains(&layer)
+    }
 }
 
 impl ModelConfig {
@@ -228,12 +276,44 @@ impl ModelConfig {
         let unsupported =
             |field: &str, value: String| Err(ModelError::Unsupported { field: field.into(), value });
         let arch = raw.architectures.first().cloned().unwrap_or_default();
-        let (qkv_bias, o_bias, qk_norm) = match (arch.as_str(), raw.model_type.as_str()) {
-            ("LlamaForCausalLM", _) | (_, "llama") => (raw.attention_bias, raw.attention_bias, false),
-            ("MistralForCausalLM", _) | (_, "mistral") => (false, false, false),
-            ("Qwen2ForCausalLM", _) | (_, "qwen2") => (true, false, false),
-            ("Qwen3ForCausalLM", _) | (_, "qwen3") => (raw.attention_bias, raw.attention_bias, true),
+        let (qkv_bias, o_bias, qk_norm, moe_names) = match (arch.as_str(), raw.model_type.as_str()) {
+            ("LlamaForCausalLM", _) | (_, "llama") => (raw.attention_bias, raw.attention_bias, false, None),
+            ("MistralForCausalLM", _) | (_, "mistral") => (false, false, false, None),
+            ("MixtralForCausalLM", _) | (_, "mixtral") => (false, false, false, Some(MoeNames::Mixtral)),
+            ("Qwen2ForCausalLM", _) | (_, "qwen2") => (true, false, false, None),
+            ("Qwen3ForCausalLM", _) | (_, "qwen3") => (raw.attention_bias, raw.attention_bias, true, None),
+            ("Qwen3MoeForCausalLM", _) | (_, "qwen3_moe") => {
+                (raw.attention_bias, raw.attention_bias, true, Some(MoeNames::Qwen))
+            }
             _ => return unsupported("architectures", format!("{arch} (model_type {:?})", raw.model_type)),
+        };
+        let moe = match moe_names {
+            None => None,
+            Some(names) => {
+                let experts = raw.num_local_experts.or(raw.num_experts);
+                let experts = experts.filter(|&e| e > 0).ok_or_else(|| {
+                    ModelError::format("config.json", "a mixture-of-experts model needs num_experts")
+                })?;
+                let top_k = raw.num_experts_per_tok.unwrap_or(2);
+                if top_k == 0 || top_k > experts {
+                    return unsupported("num_experts_per_tok", format!("{top_k} of {experts} experts"));
+                }
+                if let Some(n) = raw.shared_expert_intermediate_size.filter(|&n| n > 0) {
+                    return unsupported("shared_expert_intermediate_size", n.to_string());
+                }
+                let step = raw.decoder_sparse_step.unwrap_or(1).max(1);
+                let dense_layers = (0..raw.num_hidden_layers)
+                    .filter(|l| raw.mlp_only_layers.contains(l) || (l + 1) % step != 0)
+                    .collect();
+                Some(Moe {
+                    experts,
+                    top_k,
+                    norm_topk_prob: names == MoeNames::Mixtral || raw.norm_topk_prob.unwrap_or(false),
+                    intermediate_size: raw.moe_intermediate_size.unwrap_or(raw.intermediate_size),
+                    dense_layers,
+                    names,
+                })
+            }
         };
         if raw.hidden_act != "silu" {
             return unsupported("hidden_act", raw.hidden_act);
@@ -245,11 +325,17 @@ impl ModelConfig {
         if raw.mlp_bias {
             return unsupported("mlp_bias", "true".into());
         }
+        // Mistral's window covers every layer; Qwen's (off unless `use_sliding_window`) only some,
+        // chosen by `max_window_layers`, which is not implemented.
+        let qwen = raw.model_type.starts_with("qwen");
         let sliding = raw
             .sliding_window
-            .filter(|_| raw.use_sliding_window.unwrap_or(!raw.model_type.starts_with("qwen")));
-        if let Some(w) = sliding.filter(|&w| w < raw.max_position_embeddings) {
-            return unsupported("sliding_window", w.to_string());
+            .filter(|_| raw.use_sliding_window.unwrap_or(!qwen))
+            .filter(|&w| w < raw.max_position_embeddings);
+        match sliding {
+            Some(0) => return unsupported("sliding_window", "0".into()),
+            Some(w) if qwen => return unsupported("sliding_window (with use_sliding_window)", w.to_string()),
+            _ => {}
         }
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
         if raw.num_attention_heads == 0
@@ -290,6 +376,8 @@ impl ModelConfig {
             },
             rope_scaling,
             qk_norm,
+            sliding_window: sliding,
+            moe,
         })
     }
 }
@@ -348,7 +436,30 @@ mod tests {
         assert!(band > 0, "{inv:?}");
         let q3 = parse(r#", "model_type": "qwen3", "head_dim": 32, "sliding_window": 64"#).unwrap();
         assert!(q3.qk_norm && !q3.qkv_bias && q3.head_dim == 32);
-        assert_eq!(field(parse(r#", "model_type": "mistral", "sliding_window": 128"#)), "sliding_window");
+        let mistral = parse(r#", "model_type": "mistral", "sliding_window": 128"#).unwrap();
+        assert_eq!(mistral.sliding_window, Some(128));
+        assert_eq!(
+            parse(r#", "model_type": "mistral", "sliding_window": 4096"#).unwrap().sliding_window,
+            None
+        );
+        assert_eq!(
+            field(parse(r#", "model_type": "qwen2", "sliding_window": 32, "use_sliding_window": true"#)),
+            "sliding_window (with use_sliding_window)"
+        );
+        let mixtral = parse(r#", "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2"#);
+        let m = mixtral.unwrap().moe.unwrap();
+        assert_eq!((m.experts, m.top_k, m.norm_topk_prob, m.intermediate_size), (8, 2, true, 128));
+        let q3moe = parse(
+            r#", "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size":
+            32, "decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": false"#,
+        )
+        .unwrap();
+        let m = q3moe.moe.unwrap();
+        assert!(q3moe.qk_norm && !m.norm_topk_prob && !m.is_sparse(0) && m.is_sparse(1));
+        assert_eq!(
+            field(parse(r#", "model_type": "mixtral", "num_local_experts": 2, "num_experts_per_tok": 3"#)),
+            "num_experts_per_tok"
+        );
         assert_eq!(field(parse(r#", "model_type": "llama", "hidden_act": "gelu""#)), "hidden_act");
         assert!(matches!(ModelConfig::from_json("{}"), Err(ModelError::Format { .. })));
         assert!(matches!(

@@ -82,6 +82,16 @@ impl GpuBackend {
         block_size: usize,
         ordinal: usize,
     ) -> Result<GpuBackend, ModelError> {
+        if cfg.moe.is_some() || cfg.sliding_window.is_some() {
+            return Err(ModelError::Unsupported {
+                field: "mixture-of-experts or sliding-window attention on the GPU backend".into(),
+                value: format!(
+                    "experts {:?}, window {:?}",
+                    cfg.moe.as_ref().map(|m| m.experts),
+                    cfg.sliding_window
+                ),
+            });
+        }
         if cfg.qk_norm {
             return Err(ModelError::Unsupported {
                 field: "per-head q/k norms (Qwen3) on the GPU backend".into(),

@@ -42,7 +42,7 @@ mod weights;
 use std::path::Path;
 
 pub use backend::{Backend, KvDtype, KvLayout, KvStore, SeqStep};
-pub use config::{ModelConfig, RopeScaling};
+pub use config::{ModelConfig, Moe, MoeNames, RopeScaling};
 pub use cpu::CpuBackend;
 pub use error::ModelError;
 pub use generation::GenerationConfig;
@@ -51,7 +51,7 @@ pub use gpu::GpuBackend;
 pub use quant::WeightFormat;
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use text::{ChatMessage, IncrementalDecoder, TextCodec};
-pub use weights::{LayerWeights, Weights};
+pub use weights::{Expert, LayerWeights, MoeWeights, Weights};
 
 /// Everything read from a model folder.
 #[derive(Debug)]

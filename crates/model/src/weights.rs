@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, SafeTensors};
 
 use crate::bits16::{bf16_value, f16_value};
+use crate::config::MoeNames;
 use crate::sys::{map_file, Mmap};
 use crate::{ModelConfig, ModelError};
 
@@ -26,8 +27,30 @@ pub struct LayerWeights {
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub post_norm: Vec<f32>,
+    /// The dense FFN (empty in a layer of experts).
     pub gate: Vec<f32>,
     pub up: Vec<f32>,
+    pub down: Vec<f32>,
+    /// The layer's experts, in a mixture-of-experts layer.
+    pub moe: Option<MoeWeights>,
+}
+
+/// A mixture-of-experts layer's router and experts.
+#[derive(Debug, Clone)]
+pub struct MoeWeights {
+    /// `[experts, hidden]`
+    pub router: Vec<f32>,
+    pub experts: Vec<Expert>,
+}
+
+/// One SwiGLU expert: `down(silu(gate x) * up x)`.
+#[derive(Debug, Clone)]
+pub struct Expert {
+    /// `[intermediate, hidden]`
+    pub gate: Vec<f32>,
+    /// `[intermediate, hidden]`
+    pub up: Vec<f32>,
+    /// `[hidden, intermediate]`
     pub down: Vec<f32>,
 }
 
@@ -131,6 +154,36 @@ impl Weights {
                     Ok(None)
                 }
             };
+            let sparse = config.moe.as_ref().filter(|m| m.is_sparse(l));
+            let moe = match sparse {
+                None => None,
+                Some(m) => {
+                    let (pre, [g, u, d]) = match m.names {
+                        MoeNames::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                        MoeNames::Qwen => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+                    };
+                    let ei = m.intermediate_size;
+                    let experts = (0..m.experts)
+                        .map(|e| {
+                            let t = |n: &str, shape: &[usize]| {
+                                s.get(&format!("{p}{pre}.experts.{e}.{n}.weight"), shape)
+                            };
+                            Ok(Expert { gate: t(g, &[ei, h])?, up: t(u, &[ei, h])?, down: t(d, &[h, ei])? })
+                        })
+                        .collect::<Result<Vec<_>, ModelError>>()?;
+                    Some(MoeWeights {
+                        router: s.get(&format!("{p}{pre}.gate.weight"), &[m.experts, h])?,
+                        experts,
+                    })
+                }
+            };
+            let dense = |name: &str, shape: &[usize]| -> Result<Vec<f32>, ModelError> {
+                if moe.is_some() {
+                    Ok(Vec::new())
+                } else {
+                    s.get(&format!("{p}mlp.{name}.weight"), shape)
+                }
+            };
             layers.push(LayerWeights {
                 input_norm: s.get(&format!("{p}input_layernorm.weight"), &[h])?,
                 q: s.get(&format!("{p}self_attn.q_proj.weight"), &[q_out, h])?,
@@ -144,9 +197,10 @@ impl Weights {
                 q_norm: bias("self_attn.q_norm.weight", config.head_dim, config.qk_norm)?,
                 k_norm: bias("self_attn.k_norm.weight", config.head_dim, config.qk_norm)?,
                 post_norm: s.get(&format!("{p}post_attention_layernorm.weight"), &[h])?,
-                gate: s.get(&format!("{p}mlp.gate_proj.weight"), &[i, h])?,
-                up: s.get(&format!("{p}mlp.up_proj.weight"), &[i, h])?,
-                down: s.get(&format!("{p}mlp.down_proj.weight"), &[h, i])?,
+                gate: dense("gate_proj", &[i, h])?,
+                up: dense("up_proj", &[i, h])?,
+                down: dense("down_proj", &[h, i])?,
+                moe,
             });
         }
         let lm_head = if config.tie_word_embeddings && !s.has("lm_head.weight") {

@@ -90,19 +90,43 @@ fn checkpoint(name: &str, config: Value) -> PathBuf {
         };
         tensors.push(norm("input_layernorm.weight", HIDDEN));
         tensors.push(norm("post_attention_layernorm.weight", HIDDEN));
-        if model_type == "qwen3" {
+        if model_type.starts_with("qwen3") {
             tensors.push(norm("self_attn.q_norm.weight", HEAD_DIM));
             tensors.push(norm("self_attn.k_norm.weight", HEAD_DIM));
         }
-        for (name, rows, cols) in [
-            ("self_attn.q_proj", q, HIDDEN),
-            ("self_attn.k_proj", kv, HIDDEN),
-            ("self_attn.v_proj", kv, HIDDEN),
-            ("self_attn.o_proj", HIDDEN, q),
-            ("mlp.gate_proj", INTER, HIDDEN),
-            ("mlp.up_proj", INTER, HIDDEN),
-            ("mlp.down_proj", HIDDEN, INTER),
-        ] {
+        // The FFN: dense, or a router and experts (Mixtral's names, or Qwen3-MoE's outside its
+        // `mlp_only_layers`).
+        let dense_only = c["mlp_only_layers"].as_array().is_some_and(|a| a.contains(&json!(l)));
+        let experts = c["num_local_experts"].as_u64().or(c["num_experts"].as_u64()).unwrap_or(0) as usize;
+        let mut ffn: Vec<(String, usize, usize)> = Vec::new();
+        if experts == 0 || dense_only {
+            for (n, rows, cols) in
+                [("gate_proj", INTER, HIDDEN), ("up_proj", INTER, HIDDEN), ("down_proj", HIDDEN, INTER)]
+            {
+                ffn.push((format!("mlp.{n}"), rows, cols));
+            }
+        } else {
+            let ei = c["moe_intermediate_size"].as_u64().map_or(INTER, |v| v as usize);
+            let (pre, [g, u, d]) = if model_type == "mixtral" {
+                ("block_sparse_moe", ["w1", "w3", "w2"])
+            } else {
+                ("mlp", ["gate_proj", "up_proj", "down_proj"])
+            };
+            ffn.push((format!("{pre}.gate"), experts, HIDDEN));
+            for x in 0..experts {
+                ffn.push((format!("{pre}.experts.{x}.{g}"), ei, HIDDEN));
+                ffn.push((format!("{pre}.experts.{x}.{u}"), ei, HIDDEN));
+                ffn.push((format!("{pre}.experts.{x}.{d}"), HIDDEN, ei));
+            }
+        }
+        let attention = [
+            ("self_attn.q_proj".to_owned(), q, HIDDEN),
+            ("self_attn.k_proj".to_owned(), kv, HIDDEN),
+            ("self_attn.v_proj".to_owned(), kv, HIDDEN),
+            ("self_attn.o_proj".to_owned(), HIDDEN, q),
+        ];
+        for (name, rows, cols) in attention.into_iter().chain(ffn) {
+            let name = name.as_str();
             tensors.push(t(format!("{p}{name}.weight"), vec![rows, cols], 0.5));
             if biases
                 && name.starts_with("self_attn.")
@@ -201,6 +225,24 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
             json!({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": HEAD_DIM,
             "hidden_size": HIDDEN, "sliding_window": 16, "use_sliding_window": false}),
         ),
+        // A window shorter than the prompt: both the prefill (GEMM) and the decode attention paths
+        // cut it.
+        (
+            "mistral-window",
+            json!({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+            "sliding_window": 12}),
+        ),
+        (
+            "mixtral",
+            json!({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": 4, "num_experts_per_tok": 2}),
+        ),
+        (
+            "qwen3-moe",
+            json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": false,
+            "decoder_sparse_step": 1, "mlp_only_layers": [0]}),
+        ),
     ];
     let mut plain = None;
     for (name, config) in cases {
@@ -215,8 +257,8 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
         // or the test would pass with the scaling ignored.
         match (name, &plain) {
             ("llama", _) => plain = Some(want_logits),
-            (n, Some(p)) if n.ends_with("-rope") && n != "dynamic-rope" => {
-                assert!(max_diff(p, &want_logits) > 1e-2, "{name}: rope scaling changed nothing")
+            (n, Some(p)) if (n.ends_with("-rope") && n != "dynamic-rope") || n == "mistral-window" => {
+                assert!(max_diff(p, &want_logits) > 1e-2, "{name}: the scaling or window changed nothing")
             }
             _ => {}
         }

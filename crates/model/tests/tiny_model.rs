@@ -27,6 +27,8 @@ fn config() -> ModelConfig {
         eos_token_ids: vec![2],
         rope_scaling: pdserve_model::RopeScaling::None,
         qk_norm: false,
+        sliding_window: None,
+        moe: None,
     }
 }
 
@@ -62,6 +64,7 @@ fn weights(c: &ModelConfig) -> Weights {
             gate: random(i * h, &mut s),
             up: random(i * h, &mut s),
             down: random(h * i, &mut s),
+            moe: None,
         })
         .collect();
     Weights { embed: random(c.vocab_size * h, &mut s), layers, final_norm: vec![1.0; h], lm_head: None }

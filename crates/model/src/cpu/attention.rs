@@ -125,8 +125,13 @@ impl CpuBackend {
         let mut tasks = Vec::new();
         for &r in decode_rows {
             let ctx = rows[r].1 + 1;
-            let splits = ctx.div_ceil(DECODE_SPLIT_KEYS);
-            tasks.extend((0..splits).map(|sp| (r, sp * ctx / splits, (sp + 1) * ctx / splits)));
+            // A sliding window's row sees only its last `window` positions.
+            let first = self.cfg.sliding_window.map_or(0, |w| ctx.saturating_sub(w));
+            let keys = ctx - first;
+            let splits = keys.div_ceil(DECODE_SPLIT_KEYS);
+            tasks.extend(
+                (0..splits).map(|sp| (r, first + sp * keys / splits, first + (sp + 1) * keys / splits)),
+            );
         }
         let partials: Vec<Partial> = tasks
             .par_iter()
@@ -248,6 +253,7 @@ impl CpuBackend {
         });
         let gathered = &*gathered;
         let scale = 1.0 / (hd as f32).sqrt();
+        let window = self.cfg.sliding_window;
         let blocks = n.div_ceil(ROW_BLOCK);
         let results: Vec<(usize, usize, Vec<f32>)> = (0..nh * blocks)
             .into_par_iter()
@@ -266,7 +272,12 @@ impl CpuBackend {
                     let scores = sized(scores, rows * seen);
                     gemm_xwt((&qh, hd), rows, hd, (kh, hd), seen, scores);
                     for (i, row) in scores.chunks_exact_mut(seen).enumerate() {
-                        softmax_masked(row, s.start_pos + i0 + i + 1, scale);
+                        let visible = s.start_pos + i0 + i + 1;
+                        if let Some(w) = window {
+                            // Positions before the sliding window weigh nothing.
+                            row[..visible.saturating_sub(w)].fill(f32::NEG_INFINITY);
+                        }
+                        softmax_masked(row, visible, scale);
                     }
                     gemm_xwt((scores, seen), rows, seen, (vt, ctx_p), hd, &mut o);
                 });

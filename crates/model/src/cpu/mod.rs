@@ -20,6 +20,7 @@ use crate::sys::{
 use crate::weights::Weights;
 
 mod attention;
+mod moe;
 
 use crate::{ModelConfig, ModelError};
 use attention::KvMemory;
@@ -85,6 +86,12 @@ impl CpuBackend {
                 field: "quantized weights".into(),
                 value: "a matrix width that is not a multiple of 32".into(),
             })
+        }
+        if self.cfg.moe.is_some() && format != WeightFormat::F32 {
+            return Err(ModelError::Unsupported {
+                field: "--weights for a mixture-of-experts model".into(),
+                value: format!("{format:?} (experts run in f32 for now)"),
+            });
         }
         let decode = match format {
             WeightFormat::F32 => None,
@@ -330,6 +337,12 @@ impl CpuBackend {
             }
             add_into(&mut sc.x, o);
             rms_norm(&sc.x, &lw.post_norm, cfg.rms_norm_eps, sized(&mut sc.h, t * hsz));
+            if let (Some(moe), Some(mw)) = (&cfg.moe, &lw.moe) {
+                let out = sized(&mut sc.proj, t * hsz);
+                moe::moe_ffn(&sc.h, t, hsz, moe, mw, out);
+                add_into(&mut sc.x, out);
+                continue;
+            }
             let gu = sized(&mut sc.gate_up, t * 2 * inter);
             if !mats.layer(li, Proj::GateUp, &sc.h, t, hsz, &mut sc.xb, gu) {
                 let (g, u) = (matmul(&sc.h, t, hsz, &lw.gate, inter), matmul(&sc.h, t, hsz, &lw.up, inter));
