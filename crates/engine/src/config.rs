@@ -96,7 +96,8 @@ impl EngineConfig {
             device: Device::Cpu,
             weights: WeightFormat::F32,
             kv_dtype: None,
-            scheduler: SchedulerConfig::default(),
+            // The model's maximum context (capped by what the KV pool holds) unless set lower.
+            scheduler: SchedulerConfig { max_context_tokens: usize::MAX, ..SchedulerConfig::default() },
             kv_blocks: 1024,
             block_size: 16,
             transfer_addr: SocketAddr::from(([127, 0, 0, 1], 0)),

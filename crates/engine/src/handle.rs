@@ -138,7 +138,10 @@ impl Engine {
         make: impl FnOnce(&crate::TransportSpec) -> std::io::Result<Box<dyn pdserve_pd_transfer::Transport>>,
     ) -> Result<Engine, EngineError> {
         let files = ModelFiles::load(&config.model_dir)?;
-        let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens);
+        // The model's maximum context, unless the configuration asks for less or the KV pool holds
+        // less (a longer request could never be admitted).
+        let pool = config.kv_blocks.saturating_mul(config.block_size);
+        let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens).min(pool);
         config.scheduler.max_context_tokens = context;
         config.scheduler.role = match config.role {
             Role::Unified => pdserve_scheduler::Role::Unified,

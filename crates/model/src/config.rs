@@ -266,6 +266,9 @@ impl ModelConfig {
         let text = std::fs::read_to_string(path).map_err(|e| ModelError::io(path, e))?;
         Self::from_json(&text).map_err(|e| match e {
             ModelError::Format { problem, .. } => ModelError::format(path, problem),
+            ModelError::Unsupported { field, value } => {
+                ModelError::Unsupported { field: format!("{field} (in {})", path.display()), value }
+            }
             other => other,
         })
     }

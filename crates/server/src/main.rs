@@ -32,7 +32,7 @@ pdserve-server [options]
   --admission ORDER        least-work (default: the fewest uncached prompt tokens first, a request
                            overtaken for at most 60 s plus its tokens / 100 per s) or fifo
   --prefill-chunk N        prefill chunk per request per step (default 512)
-  --max-context N          context cap in tokens (default: the model's)
+  --max-context N          context cap in tokens (default: the model's maximum, or what the KV pool holds if less)
   --kv-blocks N            KV cache blocks (default 1024)
   --block-size N           tokens per KV block (default 16)
   --timeout-s S            default request deadline in seconds (default 600)

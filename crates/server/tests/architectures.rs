@@ -1,0 +1,198 @@
+//! The model families through the real server process: tiny seeded checkpoints (bf16 safetensors in
+//! each architecture's tensor layout, written by `crates/model/tests/fixtures/tiny_reference.py`,
+//! with the default model's tokenizer) answer a greedy `/v1/completions` with the tokens and
+//! log-probabilities of that script's independent numpy forward pass; broken checkpoints stop the
+//! server with one error naming the file and the tensor or field. Needs `python3` with numpy.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::Worker;
+use serde_json::{json, Value};
+
+const STEPS: usize = 8;
+
+fn script(args: &[&str]) -> Vec<u8> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny_reference.py");
+    let out = Command::new("python3").arg(&path).args(args).output().expect("python3 (with numpy) runs");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out.stdout
+}
+
+/// A tiny checkpoint of `config` with the default model's vocabulary and tokenizer files.
+fn tiny(name: &str, config: Value) -> PathBuf {
+    let model = pdserve_import::fetch::ensure_default_model(
+        &pdserve_import::fetch::models_dir(),
+        &mut pdserve_import::Silent,
+        false,
+    )
+    .expect("default model");
+    let dir = std::env::temp_dir().join(format!("pdserve-served-arch-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let mut c = json!({"vocab_size": 49152});
+    for (k, v) in config.as_object().unwrap() {
+        c[k] = v.clone();
+    }
+    script(&["write", dir.to_str().unwrap(), &c.to_string()]);
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::os::unix::fs::symlink(model.join(f), dir.join(f)).unwrap();
+    }
+    dir
+}
+
+fn prompt() -> Vec<u32> {
+    (0..40).map(|i| 200 + (i * 997) % 20_000).collect()
+}
+
+#[test]
+fn each_architecture_answers_the_reference_through_v1_completions() {
+    let cases = [
+        (
+            "llama3-rope",
+            json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}),
+        ),
+        (
+            "mistral-window",
+            json!({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 12}),
+        ),
+        ("qwen2", json!({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"})),
+        ("qwen3", json!({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"})),
+        (
+            "mixtral",
+            json!({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+                "num_experts_per_tok": 2}),
+        ),
+        (
+            "qwen3-moe",
+            json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": 6,
+                "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0]}),
+        ),
+    ];
+    let ids = prompt();
+    for (name, config) in cases {
+        let dir = tiny(name, config);
+        let reference: Value = serde_json::from_slice(&script(&[
+            "run",
+            dir.to_str().unwrap(),
+            &serde_json::to_string(&ids).unwrap(),
+            &STEPS.to_string(),
+        ]))
+        .unwrap();
+        // f32 KV: the reference path, so near-ties between logits cannot flip a token.
+        let w = Worker::start(&["--model", dir.to_str().unwrap(), "--kv-dtype", "f32"]);
+        let body =
+            json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true, "logprobs": 1});
+        let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
+        assert_eq!(s, 200, "{name}: {v}");
+        assert_eq!(v["usage"]["completion_tokens"], STEPS, "{name}: {v}");
+        let (s, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
+        assert_eq!(s, 200, "{name}: {text}");
+        assert_eq!(v["choices"][0]["text"], text["prompt"], "{name}: greedy text differs from the reference");
+        let ours = v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
+        let theirs = reference["logprobs"].as_array().unwrap();
+        assert_eq!(ours.len(), theirs.len(), "{name}: {v}");
+        for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+            let d = (a.as_f64().unwrap() - b.as_f64().unwrap()).abs();
+            assert!(d < 2e-3, "{name}: token {i}'s log-probability {a} vs the reference's {b}");
+        }
+        drop(w);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// Starts the server on `dir` and waits for it to stop: its exit success and standard error.
+fn failed_start(dir: &Path) -> (bool, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        .args(["--port", "0", "--model"])
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the server started on the broken checkpoint {}", dir.display());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    (status.success(), err)
+}
+
+#[test]
+fn broken_checkpoints_are_one_error_naming_the_file_and_what_is_wrong() {
+    let edit_config = |dir: &Path, patch: Value| {
+        let path = dir.join("config.json");
+        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        for (k, v) in patch.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        std::fs::write(path, c.to_string()).unwrap();
+    };
+    type Break = Box<dyn Fn(&Path)>;
+    let cases: Vec<(&str, Break, [&str; 2])> = vec![
+        (
+            // Qwen2 has Q/K/V biases this Llama checkpoint lacks.
+            "missing-tensor",
+            Box::new(move |d: &Path| {
+                edit_config(d, json!({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}))
+            }),
+            ["model.safetensors", "missing tensor model.layers.0.self_attn.q_proj.bias"],
+        ),
+        (
+            "wrong-shape",
+            Box::new(move |d: &Path| edit_config(d, json!({"intermediate_size": 128}))),
+            [
+                "model.safetensors",
+                "model.layers.0.mlp.gate_proj.weight has shape [96, 64], expected [128, 64]",
+            ],
+        ),
+        (
+            "truncated",
+            Box::new(|d: &Path| {
+                let f = std::fs::OpenOptions::new().write(true).open(d.join("model.safetensors")).unwrap();
+                let len = f.metadata().unwrap().len();
+                f.set_len(len / 2).unwrap();
+            }),
+            ["model.safetensors", ""],
+        ),
+        (
+            "unknown-architecture",
+            Box::new(move |d: &Path| {
+                edit_config(d, json!({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+            }),
+            ["config.json", "architectures"],
+        ),
+        (
+            "unknown-rope",
+            Box::new(move |d: &Path| {
+                edit_config(d, json!({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
+            }),
+            ["config.json", "rope_scaling.rope_type"],
+        ),
+    ];
+    for (name, breaks, [file, what]) in cases {
+        let dir = tiny(name, json!({}));
+        breaks(&dir);
+        let (ok, err) = failed_start(&dir);
+        assert!(!ok, "{name}: the server exited successfully");
+        assert!(!err.contains("panicked"), "{name}: {err}");
+        let line = err
+            .lines()
+            .find(|l| l.contains(file))
+            .unwrap_or_else(|| panic!("{name}: no error names {file}: {err}"));
+        assert!(line.contains(what), "{name}: {line}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
