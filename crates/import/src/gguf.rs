@@ -1,5 +1,6 @@
-//! A GGUF reader: header, metadata, tensor infos, and dequantization of F32, F16, BF16, Q4_0, Q4_1 and
-//! Q8_0 tensors to f32.
+//! A GGUF reader: header, metadata, tensor infos, and dequantization of F32, F16, BF16, Q4_0, Q4_1,
+//! Q8_0 and the k-quants most published files use (Q4_K, Q5_K, Q6_K: `*.Q4_K_M.gguf` mixes them) to
+//! f32.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -64,7 +65,8 @@ impl Value {
     }
 }
 
-/// The ggml tensor types this reader can dequantize.
+/// The ggml tensor types this reader can dequantize (named as ggml names them).
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgmlType {
     F32,
@@ -72,6 +74,12 @@ pub enum GgmlType {
     Q4_0,
     Q4_1,
     Q8_0,
+    /// Super-blocks of 256: 8 sub-blocks of 32 with 6-bit scales and minimums, 4-bit values.
+    Q4_K,
+    /// Like Q4_K with a fifth bit per value.
+    Q5_K,
+    /// Super-blocks of 256: 16 sub-blocks of 16 with 8-bit scales, 6-bit values.
+    Q6_K,
     BF16,
 }
 
@@ -83,6 +91,9 @@ impl GgmlType {
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
             8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4_K,
+            13 => GgmlType::Q5_K,
+            14 => GgmlType::Q6_K,
             30 => GgmlType::BF16,
             _ => return None,
         })
@@ -96,6 +107,9 @@ impl GgmlType {
             GgmlType::Q4_0 => (32, 18),
             GgmlType::Q4_1 => (32, 20),
             GgmlType::Q8_0 => (32, 34),
+            GgmlType::Q4_K => (256, 144),
+            GgmlType::Q5_K => (256, 176),
+            GgmlType::Q6_K => (256, 210),
         }
     }
 }
@@ -318,6 +332,17 @@ fn le16(b: &[u8]) -> u16 {
     u16::from_le_bytes([b[0], b[1]])
 }
 
+/// Sub-block `j`'s 6-bit scale and minimum from a k-quant's 12 packed bytes: the first four of each
+/// in the low 6 bits of bytes 0-3 and 4-7, the last four split between bytes 8-11 and the top 2
+/// bits of bytes 0-7.
+fn k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
 /// Dequantizes `n` values of type `ty` from `raw`.
 pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Vec<f32> {
     let mut out = Vec::with_capacity(n);
@@ -348,6 +373,54 @@ pub fn dequantize(ty: GgmlType, raw: &[u8], n: usize) -> Vec<f32> {
             for blk in raw.chunks_exact(34) {
                 let d = f16(le16(blk));
                 out.extend(blk[2..].iter().map(|&q| d * f32::from(q as i8)));
+            }
+        }
+        GgmlType::Q4_K | GgmlType::Q5_K => {
+            // d, dmin (f16), 12 bytes of packed 6-bit scales and minimums, [Q5_K: 32 bytes of fifth
+            // bits], 128 bytes of nibbles. Each 64 values: two sub-blocks of 32, the low nibbles of
+            // 32 bytes then their high nibbles.
+            let five = ty == GgmlType::Q5_K;
+            for blk in raw.chunks_exact(if five { 176 } else { 144 }) {
+                let (d, dmin) = (f16(le16(blk)), f16(le16(&blk[2..])));
+                let scales = &blk[4..16];
+                let (qh, qs) = if five { (&blk[16..48], &blk[48..]) } else { (&blk[..0], &blk[16..]) };
+                for (j, q) in qs.chunks_exact(32).enumerate() {
+                    for (half, shift) in [(0, 0), (1, 4)] {
+                        let (sc, m) = k_scale_min(2 * j + half, scales);
+                        let (scale, min) = (d * f32::from(sc), dmin * f32::from(m));
+                        let bit = 1u8 << (2 * j + half);
+                        out.extend(q.iter().enumerate().map(|(l, &b)| {
+                            let high = if five && qh[l] & bit != 0 { 16 } else { 0 };
+                            scale * f32::from(((b >> shift) & 0xf) + high) - min
+                        }));
+                    }
+                }
+            }
+        }
+        GgmlType::Q6_K => {
+            // 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 signed 8-bit scales, d (f16).
+            for blk in raw.chunks_exact(210) {
+                let (ql, qh, sc) = (&blk[..128], &blk[128..192], &blk[192..208]);
+                let d = f16(le16(&blk[208..]));
+                let mut y = [0f32; 256];
+                for half in 0..2 {
+                    let (ql, qh, sc) = (&ql[64 * half..], &qh[32 * half..], &sc[8 * half..]);
+                    let y = &mut y[128 * half..];
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q = [
+                            (ql[l] & 0xf) | ((qh[l] & 3) << 4),
+                            (ql[l + 32] & 0xf) | (((qh[l] >> 2) & 3) << 4),
+                            (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4),
+                            (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4),
+                        ];
+                        for (k, q) in q.into_iter().enumerate() {
+                            let scale = f32::from(sc[is + 2 * k] as i8);
+                            y[l + 32 * k] = d * scale * f32::from(q as i8 - 32);
+                        }
+                    }
+                }
+                out.extend_from_slice(&y);
             }
         }
     }

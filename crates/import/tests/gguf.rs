@@ -111,3 +111,53 @@ fn broken_files_are_errors_that_name_the_file() {
         let _ = std::fs::remove_file(path);
     }
 }
+
+/// The k-quants (Q4_K, Q5_K, Q6_K: what `*.Q4_K_M.gguf` files hold) dequantize as the `gguf` Python
+/// package (ggml's own reference, independent of this code) does, on random blocks.
+#[test]
+fn k_quants_match_the_gguf_reference() {
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    for (ty, name, block, halves) in [
+        (GgmlType::Q4_K, "Q4_K", 144, &[0usize, 2][..]),
+        (GgmlType::Q5_K, "Q5_K", 176, &[0, 2][..]),
+        (GgmlType::Q6_K, "Q6_K", 210, &[208][..]),
+    ] {
+        let blocks = 16;
+        let mut raw: Vec<u8> = (0..blocks * block).map(|_| next() as u8).collect();
+        // Finite f16 scales between 2^-12 and 1 where the format keeps them.
+        for b in 0..blocks {
+            for &at in halves {
+                let bits = 0x0c00 + (next() % 0x3000) as u16;
+                raw[b * block + at..b * block + at + 2].copy_from_slice(&bits.to_le_bytes());
+            }
+        }
+        let path = write(&format!("{name}.bin"), &raw);
+        let out = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(
+                "import sys, numpy as np\nfrom gguf import quants, GGMLQuantizationType as T\n\
+                 raw = np.fromfile(sys.argv[1], dtype=np.uint8)\n\
+                 v = quants.dequantize(raw, T[sys.argv[2]]).astype('<f4')\n\
+                 sys.stdout.buffer.write(v.tobytes())",
+            )
+            .arg(&path)
+            .arg(name)
+            .output()
+            .expect("python3 runs (with the gguf package: pip install gguf)");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let want: Vec<f32> =
+            out.stdout.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let got = pdserve_import::gguf::dequantize(ty, &raw, blocks * 256);
+        assert_eq!(got.len(), want.len(), "{name}");
+        for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{name} value {i}: {a} vs the reference's {b}");
+        }
+        std::fs::remove_file(path).unwrap();
+    }
+}
