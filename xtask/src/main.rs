@@ -9,6 +9,7 @@ mod agents;
 mod chaos;
 mod generate;
 mod gpu;
+mod memory;
 mod peer;
 mod serve;
 mod structured;
@@ -36,6 +37,7 @@ const COMMANDS: &[(&str, &str, &str)] = &[
         "bench [--target URL ...] [--workload sweep|poisson|agents] [LOADGEN OPTIONS]\n\
          bench agents [--agents N] [--rounds R] [--repeat K] [--no-llamacpp]\n\
          bench structured [--concurrency LIST] [--max-tokens M] [--repeat K]\n\
+         bench memory [--kv-blocks N]\n\
          bench http [--seconds N] [--rounds N] [--connections N]\n\
          bench router [--seconds N] [--reps N]",
         "the load generator (pdserve-bench, its options: `cargo run -p pdserve-loadgen -- --help`) against\n\
@@ -235,6 +237,7 @@ fn bench(args: &[String]) -> Result<()> {
         }
         Some("agents") => agents::run(&args[1..]),
         Some("structured") => structured::run(&args[1..]),
+        Some("memory") => memory::run(&args[1..]),
         Some("router") => {
             let mut a = vec!["bench", "-p", "pdserve-router", "--bench", "vs_sglang", "--"];
             a.extend(args[1..].iter().map(String::as_str));

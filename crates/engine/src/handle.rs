@@ -33,6 +33,10 @@ pub struct EngineInfo {
     pub multi_row_weights: &'static str,
     /// The KV cache's element type.
     pub kv_dtype: pdserve_model::KvDtype,
+    /// Bytes of the weights as held (every form the backend reads: f32, quantized, bf16).
+    pub weight_bytes: usize,
+    /// Bytes of the KV pool.
+    pub kv_bytes: usize,
     /// Where a request gives no sampling settings: the model's `generation_config.json` over the
     /// engine's defaults.
     pub sampling_defaults: pdserve_model::SamplingParams,
@@ -181,6 +185,8 @@ impl Engine {
             device: config.device,
             weights: config.weights,
             multi_row_weights: built.multi_row_weights,
+            weight_bytes: built.weight_bytes,
+            kv_bytes: built.kv_bytes,
             kv_dtype: config.resolved_kv_dtype(),
             sampling_defaults: files.generation.sampling_defaults(),
             context_tokens: context,

@@ -33,6 +33,10 @@ pub(crate) struct Built {
     pub backend: Box<dyn Backend>,
     /// What steps of more than two rows read ("f32" or "bf16").
     pub multi_row_weights: &'static str,
+    /// Bytes of the weights the backend holds (host memory on the CPU, device memory on a GPU).
+    pub weight_bytes: usize,
+    /// Bytes of the KV pool.
+    pub kv_bytes: usize,
     /// The shared KV file, when the KV memory is in one.
     pub kv_shm_path: Option<PathBuf>,
 }
@@ -54,7 +58,16 @@ pub(crate) fn backend(
             return Err(EngineError::GpuKvDtype { dtype: d.name() });
         }
         let b = pdserve_model::GpuBackend::new(model.clone(), &weights, blocks, block_size, n)?;
-        return Ok(Built { backend: Box::new(b), multi_row_weights: "bf16", kv_shm_path: None });
+        let kv_bytes = b.kv_layout().block_bytes() * blocks;
+        // Uploaded as bf16.
+        let weight_bytes = weights.bytes() / 2;
+        return Ok(Built {
+            backend: Box::new(b),
+            multi_row_weights: "bf16",
+            weight_bytes,
+            kv_bytes,
+            kv_shm_path: None,
+        });
     }
     let dtype = config.resolved_kv_dtype();
     let (b, kv_shm_path) = if config.kv_shm && config.role == Role::Prefill {
@@ -74,7 +87,13 @@ pub(crate) fn backend(
         (CpuBackend::with_kv_dtype(model.clone(), weights, blocks, block_size, dtype), None)
     };
     let b = b.with_weight_format(config.weights)?;
-    Ok(Built { multi_row_weights: b.multi_row_format(), backend: Box::new(b), kv_shm_path })
+    Ok(Built {
+        multi_row_weights: b.multi_row_format(),
+        weight_bytes: b.weight_bytes(),
+        kv_bytes: b.kv_layout().block_bytes() * blocks,
+        backend: Box::new(b),
+        kv_shm_path,
+    })
 }
 
 /// What a KV transfer transport is made for: the engine's role, where a prefill engine listens, and the

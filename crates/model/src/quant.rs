@@ -303,6 +303,17 @@ impl Bf16Weights {
             stack_layers(w, c, Bf16Matrix::pack, |w, r, c| Some(Bf16Matrix::pack(w, r, c)))?;
         Some(Bf16Weights { layers, lm_head })
     }
+
+    /// Bytes of every packed matrix.
+    pub fn bytes(&self) -> usize {
+        let panels = |m: &Bf16Matrix| m.panels.len() * 2;
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| panels(&l.qkv) + panels(&l.o) + panels(&l.gate_up) + panels(&l.down))
+            .sum();
+        l + self.lm_head.as_ref().map_or(0, panels)
+    }
 }
 
 #[cfg(test)]

@@ -216,6 +216,42 @@ impl Weights {
         })
     }
 
+    /// Frees the f32 projection matrices (and, with `lm_head`, an untied LM head) once every product
+    /// reads other copies of them (quantized for decode, bf16 for longer steps). Norms, biases, the
+    /// embedding (looked up by row) and the experts stay.
+    pub(crate) fn release_projections(&mut self, lm_head: bool) {
+        for l in &mut self.layers {
+            for m in [&mut l.q, &mut l.k, &mut l.v, &mut l.o, &mut l.gate, &mut l.up, &mut l.down] {
+                *m = Vec::new();
+            }
+        }
+        if lm_head && self.lm_head.is_some() {
+            self.lm_head = Some(Vec::new());
+        }
+    }
+
+    /// Bytes of the f32 values held.
+    pub fn bytes(&self) -> usize {
+        let layer = |l: &LayerWeights| {
+            let opt = [&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm];
+            let experts = l.moe.as_ref().map_or(0, |m| {
+                m.router.len()
+                    + m.experts.iter().map(|e| e.gate.len() + e.up.len() + e.down.len()).sum::<usize>()
+            });
+            [&l.input_norm, &l.q, &l.k, &l.v, &l.o, &l.post_norm, &l.gate, &l.up, &l.down]
+                .iter()
+                .map(|m| m.len())
+                .sum::<usize>()
+                + opt.iter().map(|m| m.as_ref().map_or(0, Vec::len)).sum::<usize>()
+                + experts
+        };
+        let n = self.embed.len()
+            + self.final_norm.len()
+            + self.lm_head.as_ref().map_or(0, Vec::len)
+            + self.layers.iter().map(layer).sum::<usize>();
+        n * 4
+    }
+
     /// The output projection `[vocab, hidden]`.
     pub fn lm_head(&self) -> &[f32] {
         self.lm_head.as_deref().unwrap_or(&self.embed)

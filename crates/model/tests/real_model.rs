@@ -343,10 +343,21 @@ fn quantized_batched_prefill_and_decode_keep_the_greedy_text() {
     let fx = fixture();
     let prompts: Vec<Vec<u32>> = fx["prompts"].as_array().unwrap().iter().map(|p| ids(&p["ids"])).collect();
     let wants: Vec<Vec<u32>> = fx["prompts"].as_array().unwrap().iter().map(|p| ids(&p["greedy"])).collect();
-    let mut cpu = CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16)
+    // Its own copy of the weights, so the backend may free the f32 projections it no longer reads.
+    let f32_bytes = m.weights.bytes();
+    let mut cpu = CpuBackend::new(m.config.clone(), Arc::new((*m.weights).clone()), 64, 16)
         .with_weight_format(pdserve_model::WeightFormat::Q4)
         .unwrap();
-    eprintln!("multi-row steps read {} weights", cpu.multi_row_format());
+    eprintln!(
+        "multi-row steps read {} weights; {} MB held (f32 alone: {} MB)",
+        cpu.multi_row_format(),
+        cpu.weight_bytes() >> 20,
+        f32_bytes >> 20
+    );
+    if cpu.multi_row_format() == "bf16" {
+        // Q4 and bf16 copies, the f32 embedding (looked up by row): well under the f32 model.
+        assert!(cpu.weight_bytes() < f32_bytes, "{} bytes held", cpu.weight_bytes());
+    }
     let mut kv = KvCache::new(KvConfig { num_blocks: 64, block_size: 16 }).unwrap();
     let seqs: Vec<SeqId> = (0..prompts.len() as u64).map(SeqId).collect();
     for (s, p) in seqs.iter().zip(&prompts) {

@@ -104,7 +104,27 @@ impl CpuBackend {
             }
             _ => None,
         };
-        Ok(CpuBackend { decode, multi, ..self })
+        let mut b = CpuBackend { decode, multi, ..self };
+        // Every projection product now reads the quantized copies (decode) or the bf16 ones (longer
+        // steps): the f32 ones would only hold memory.
+        if let (Some(_), Some(multi)) = (&b.decode, &b.multi) {
+            let head = multi.lm_head.is_some();
+            if let Some(w) = Arc::get_mut(&mut b.w) {
+                w.release_projections(head);
+            }
+        }
+        Ok(b)
+    }
+
+    /// Bytes of the weights this backend holds, in every form it reads (f32, quantized, bf16).
+    pub fn weight_bytes(&self) -> usize {
+        let decode = match &self.decode {
+            None => 0,
+            Some(DecodeWeights::Q8(q)) => q.bytes(),
+            Some(DecodeWeights::Q4(q)) => q.bytes(),
+        };
+        let multi = self.multi.as_ref().map_or(0, |m| m.bytes());
+        self.w.bytes() + decode + multi
     }
 
     /// What the projections of steps of more than two rows (prefill, batched decode) read: "bf16" or
