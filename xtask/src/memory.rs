@@ -1,5 +1,5 @@
 //! `cargo xtask bench memory`: what a worker holds resident, per weight format. One unified worker at
-//! a time (`--weights f32`, `q8`, `q4`), each asked for an answer, then measured: its resident set
+//! a time (`--weights f32`, `bf16`, `q8`, `q4`), each asked for an answer, then measured: its resident set
 //! (`VmRSS`) against the bytes of the weights it holds (every form it reads, as `/v1/models` reports
 //! them) plus the KV pool. Everything it starts it stops.
 
@@ -11,7 +11,7 @@ use crate::serve::{start_stack, stop_all, Spec};
 
 const USAGE: &str = "cargo xtask bench memory [--kv-blocks N] [--out PATH]
 
-Starts one unified worker per weight format (f32, q8, q4) on port 8103 with the default model, asks it
+Starts one unified worker per weight format (f32, bf16, q8, q4) on port 8103 with the default model, asks it
 one question, and reports its resident memory (VmRSS) against the bytes of the weights it holds plus
 its KV pool. Defaults: --kv-blocks 1024, out target/bench/memory.json.";
 
@@ -39,7 +39,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         "{:<8} {:>14} {:>10} {:>10} {:>16}",
         "weights", "weights MiB", "KV MiB", "RSS MiB", "RSS/(weights+KV)"
     );
-    for weights in ["f32", "q8", "q4"] {
+    for weights in ["f32", "bf16", "q8", "q4"] {
         let extra: Vec<String> = ["--weights", weights, "--kv-blocks", &kv_blocks.to_string()]
             .iter()
             .map(|s| (*s).to_owned())

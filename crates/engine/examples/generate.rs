@@ -11,7 +11,7 @@ use pdserve_engine::{Engine, EngineConfig, Input, Output, Request};
 use pdserve_model::{ChatMessage, WeightFormat};
 
 const USAGE: &str = "\
-generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--weights f32|q8|q4] --model DIR
+generate --prompt TEXT [--chat] [--max-tokens N] [--temperature T] [--seed S] [--weights f32|bf16|q8|q4] --model DIR
   one completion from the engine, printed as it comes, then the time to the first token and the decode speed";
 
 fn main() -> ExitCode {

@@ -11,7 +11,7 @@ pub enum ModelError {
     Format { path: PathBuf, problem: String },
     /// The model uses something this engine does not implement; `field` names it.
     Unsupported { field: String, value: String },
-    /// A weight format name other than `f32`, `q8` or `q4`.
+    /// A weight format name other than `f32`, `bf16`, `q8` or `q4`.
     UnknownWeightFormat { value: String },
     /// Input that does not fit the model (a token id past the vocabulary, a position past the context).
     InvalidInput { problem: String },
@@ -38,7 +38,7 @@ impl fmt::Display for ModelError {
             ModelError::Format { path, problem } => write!(f, "{}: {problem}", path.display()),
             ModelError::Unsupported { field, value } => write!(f, "unsupported {field}: {value}"),
             ModelError::UnknownWeightFormat { value } => {
-                write!(f, "unknown weight format {value:?}: f32, q8 or q4")
+                write!(f, "unknown weight format {value:?}: f32, bf16, q8 or q4")
             }
             ModelError::InvalidInput { problem } => write!(f, "invalid input: {problem}"),
             ModelError::Text { problem } => write!(f, "text processing failed: {problem}"),

@@ -102,7 +102,7 @@ fn q4_weights_serve_the_same_greedy_answer_and_are_reported() {
 fn unknown_weight_format_and_quantized_weights_on_the_gpu_are_refused() {
     let (code, err) = refused(&["--weights", "q2"]);
     assert_eq!(code, Some(2));
-    assert!(err.contains("unknown weight format \"q2\": f32, q8 or q4"), "{err}");
+    assert!(err.contains("unknown weight format \"q2\": f32, bf16, q8 or q4"), "{err}");
     let (code, err) = refused(&["--weights", "q4", "--device", "cuda"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("weights q4 are a CPU format"), "{err}");

@@ -11,6 +11,7 @@ use pdserve_kvcache::{BlockCopy, BlockId};
 use rayon::prelude::*;
 
 use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, KvStore, SeqStep};
+use crate::bits16::{bf16_bits, bf16_value};
 use crate::quant::{
     Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
 };
@@ -41,6 +42,16 @@ pub struct CpuBackend {
     inv_freq: Vec<f32>,
     /// What cos and sin are scaled by (YaRN's attention factor; 1 otherwise).
     rope_attention_factor: f32,
+    format: WeightFormat,
+    /// Where the embedding is read from in bf16, in place of the f32 one, with `--weights bf16`.
+    embed16: Option<Embed16>,
+}
+
+/// The bf16 embedding: its own rows, or (tied to the LM head) the head's packed panels.
+#[derive(Debug)]
+enum Embed16 {
+    Rows(Vec<u16>),
+    HeadPanels,
 }
 
 impl CpuBackend {
@@ -70,6 +81,8 @@ impl CpuBackend {
             layout,
             inv_freq,
             rope_attention_factor,
+            format: WeightFormat::F32,
+            embed16: None,
         }
     }
 
@@ -94,7 +107,7 @@ impl CpuBackend {
             });
         }
         let decode = match format {
-            WeightFormat::F32 => None,
+            WeightFormat::F32 | WeightFormat::Bf16 => None,
             WeightFormat::Q8 => Some(DecodeWeights::Q8(quantize(&self.w, &self.cfg)?)),
             WeightFormat::Q4 => Some(DecodeWeights::Q4(quantize(&self.w, &self.cfg)?)),
         };
@@ -102,15 +115,31 @@ impl CpuBackend {
             WeightFormat::Q8 | WeightFormat::Q4 if has_bf16_gemm() => {
                 Bf16Weights::pack(&self.w, &self.cfg).map(Arc::new)
             }
+            WeightFormat::Bf16 => Some(Arc::new(Bf16Weights::pack(&self.w, &self.cfg).ok_or_else(|| {
+                ModelError::Unsupported {
+                    field: "--weights bf16".into(),
+                    value: "a projection whose rows are not a multiple of 32".into(),
+                }
+            })?)),
             _ => None,
         };
-        let mut b = CpuBackend { decode, multi, ..self };
+        let mut b = CpuBackend { decode, multi, format, ..self };
         // Every projection product now reads the quantized copies (decode) or the bf16 ones (longer
-        // steps): the f32 ones would only hold memory.
-        if let (Some(_), Some(multi)) = (&b.decode, &b.multi) {
-            let head = multi.lm_head.is_some();
+        // steps, or every step in bf16): the f32 ones would only hold memory.
+        if let Some(multi) = b.multi.clone().filter(|_| b.decode.is_some() || format == WeightFormat::Bf16) {
+            let tied = b.w.lm_head.is_none();
             if let Some(w) = Arc::get_mut(&mut b.w) {
-                w.release_projections(head);
+                w.release_projections(multi.lm_head.is_some());
+                // In bf16, the embedding too: rows are widened as they are looked up (a tied LM head
+                // still reads the f32 one where it has no bf16 copy).
+                if format == WeightFormat::Bf16 && (!tied || multi.lm_head.is_some()) {
+                    b.embed16 = Some(if tied {
+                        Embed16::HeadPanels
+                    } else {
+                        Embed16::Rows(w.embed.iter().map(|&v| bf16_bits(v)).collect())
+                    });
+                    w.embed = Vec::new();
+                }
             }
         }
         Ok(b)
@@ -124,7 +153,11 @@ impl CpuBackend {
             Some(DecodeWeights::Q4(q)) => q.bytes(),
         };
         let multi = self.multi.as_ref().map_or(0, |m| m.bytes());
-        self.w.bytes() + decode + multi
+        let embed16 = match &self.embed16 {
+            Some(Embed16::Rows(e)) => e.len() * 2,
+            _ => 0,
+        };
+        self.w.bytes() + decode + multi + embed16
     }
 
     /// What the projections of steps of more than two rows (prefill, batched decode) read: "bf16" or
@@ -139,11 +172,7 @@ impl CpuBackend {
 
     /// The format the decode path reads.
     pub fn weight_format(&self) -> WeightFormat {
-        match &self.decode {
-            None => WeightFormat::F32,
-            Some(DecodeWeights::Q8(_)) => WeightFormat::Q8,
-            Some(DecodeWeights::Q4(_)) => WeightFormat::Q4,
-        }
+        self.format
     }
 
     /// Like [`with_kv_dtype`](Self::with_kv_dtype), with the KV memory in `store` (which must hold
@@ -270,7 +299,16 @@ impl CpuBackend {
         sc.x.clear();
         for s in steps {
             for &tok in s.tokens {
-                sc.x.extend_from_slice(&w.embed[tok as usize * hsz..][..hsz]);
+                let row = tok as usize;
+                match (&self.embed16, mats.multi.as_ref().and_then(|m| m.lm_head.as_ref())) {
+                    (Some(Embed16::Rows(e)), _) => {
+                        sc.x.extend(e[row * hsz..][..hsz].iter().map(|&b| bf16_value(b)))
+                    }
+                    (Some(Embed16::HeadPanels), Some(head)) => {
+                        sc.x.extend((0..hsz).map(|col| bf16_value(head.at(row, col))))
+                    }
+                    _ => sc.x.extend_from_slice(&w.embed[row * hsz..][..hsz]),
+                }
             }
         }
         // The rotary angles of each row's position, once for every layer.
@@ -502,7 +540,7 @@ impl Mats {
     ) -> bool {
         match (&self.decode, &self.multi) {
             (Some(d), _) if t <= 2 => matvec_ref(x, t, k, d.layer(li, p), out),
-            (_, Some(b)) if t > 2 => matmul_bf16(x, t, k, p.of(&b.layers[li]), xb, out),
+            (d, Some(b)) if t > 2 || d.is_none() => matmul_bf16(x, t, k, p.of(&b.layers[li]), xb, out),
             _ => return false,
         }
         true
@@ -512,7 +550,7 @@ impl Mats {
     fn head(&self, x: &[f32], t: usize, k: usize, xb: &mut Vec<u16>, out: &mut [f32]) -> bool {
         match (&self.decode, self.multi.as_ref().and_then(|b| b.lm_head.as_ref())) {
             (Some(d), _) if t <= 2 => matvec_ref(x, t, k, d.head(), out),
-            (_, Some(h)) if t > 2 => matmul_bf16(x, t, k, h, xb, out),
+            (d, Some(h)) if t > 2 || d.is_none() => matmul_bf16(x, t, k, h, xb, out),
             _ => return false,
         }
         true
