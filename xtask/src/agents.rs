@@ -86,6 +86,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         decodes: 1,
         extra: &extra,
         logs,
+        secret: true,
     };
     let mut stacks: Vec<Stack> = Vec::new();
     let result = (|| -> Result<()> {

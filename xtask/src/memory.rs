@@ -53,6 +53,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             decodes: 0,
             extra: &extra,
             logs: &logs,
+            secret: false,
         };
         let mut stack = start_stack(&spec)?;
         let measured = (|| -> Result<(u64, u64, u64)> {

@@ -1,7 +1,11 @@
 //! `cargo xtask serve`: the stack in one command. By default the router in front of one prefill and one
 //! decode worker (KV through shared memory); `--unified` runs one unified worker without a router.
 //! Every child is supervised: one that dies is reported with its exit status and the last lines of its
-//! log, and the others are stopped; Ctrl-C or SIGTERM stops them all, workers draining first.
+//! log (kept as `NAME.N.log`) and started again on the same address, after a backoff that doubles
+//! with each quick death (1 s to 30 s); the others keep serving and the router's probes take the
+//! restarted one back. Only Ctrl-C or SIGTERM stops the stack, workers draining first. A PD stack
+//! shares a cluster secret (`target/serve/cluster-secret`): its workers take requests from the router
+//! only.
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write as _};
@@ -23,6 +27,9 @@ pub(crate) struct Proc {
     pub stdin: Option<ChildStdin>,
     pub log: PathBuf,
     pub url: String,
+    /// What started it, to start it again.
+    pub bin: PathBuf,
+    pub args: Vec<String>,
 }
 
 impl Proc {
@@ -50,7 +57,15 @@ impl Proc {
                 }
             }
         });
-        let mut p = Proc { name: name.to_owned(), child, stdin, log, url: String::new() };
+        let mut p = Proc {
+            name: name.to_owned(),
+            child,
+            stdin,
+            log,
+            url: String::new(),
+            bin: bin.to_owned(),
+            args: args.to_vec(),
+        };
         let started = Instant::now();
         loop {
             match rx.recv_timeout(Duration::from_millis(200)) {
@@ -69,6 +84,19 @@ impl Proc {
                 bail!("{name} did not start within 300 s; see {}", p.log.display());
             }
         }
+    }
+
+    /// Starts this process again with the same options on the address it had; its old log is kept as
+    /// `NAME.N.log` (`n`: which restart this is).
+    pub(crate) fn restart(&self, n: u32) -> Result<Proc> {
+        let logs = self.log.parent().context("log folder")?;
+        let _ = std::fs::rename(&self.log, logs.join(format!("{}.{n}.log", self.name)));
+        let port = self.url.rsplit(':').next().unwrap_or("0").trim_end_matches('/').to_owned();
+        let mut args = self.args.clone();
+        if let Some(i) = args.iter().position(|a| a == "--port") {
+            args[i + 1] = port;
+        }
+        Proc::start(&self.name, &self.bin, &args, logs)
     }
 
     pub(crate) fn death_report(&self, status: ExitStatus) -> String {
@@ -121,6 +149,9 @@ pub(crate) struct Spec<'a> {
     /// Passed to every worker.
     pub extra: &'a [String],
     pub logs: &'a Path,
+    /// A PD stack: give the router and the workers a fresh cluster secret (a file in `logs`), so the
+    /// workers serve the router only.
+    pub secret: bool,
 }
 
 /// A started stack: its processes and the URL clients use.
@@ -129,10 +160,25 @@ pub(crate) struct Stack {
     pub url: String,
 }
 
+/// A new random cluster secret in `dir/cluster-secret`, readable by this user only.
+fn write_secret(dir: &Path) -> Result<PathBuf> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut bytes = [0u8; 32];
+    File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let path = dir.join("cluster-secret");
+    let _ = std::fs::remove_file(&path);
+    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
+    f.write_all(hex.as_bytes())?;
+    Ok(path)
+}
+
 /// Starts the processes of `spec` from the release binaries and waits until the stack is ready (for a
 /// router: a request went through the whole path). On any failure, what was started is stopped.
 pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
     std::fs::create_dir_all(spec.logs)?;
+    let secret = if spec.secret && !spec.unified { Some(write_secret(spec.logs)?) } else { None };
     let root = crate::workspace_root();
     let server_bin = root.join("target/release/pdserve-server");
     let router_bin = root.join("target/release/pdserve-router");
@@ -148,6 +194,9 @@ pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
         if spec.native_q4 {
             a.extend(["--weights".to_owned(), "q4".to_owned()]);
         }
+        if let Some(s) = &secret {
+            a.extend(["--cluster-secret-file".to_owned(), s.display().to_string()]);
+        }
         a.extend(spec.extra.iter().cloned());
         a
     };
@@ -160,6 +209,9 @@ pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
             return Ok(procs[0].url.clone());
         }
         let mut router_args = vec!["--port".to_owned(), spec.port.to_string()];
+        if let Some(s) = &secret {
+            router_args.extend(["--cluster-secret-file".to_owned(), s.display().to_string()]);
+        }
         for (role, n) in [("prefill", spec.prefills), ("decode", spec.decodes)] {
             for i in 0..n {
                 let name = format!("{role}-{i}");
@@ -235,8 +287,17 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-router"])?;
     crate::sys::install_stop_handler();
     let logs = crate::workspace_root().join("target/serve");
-    let spec =
-        Spec { port, model: &model, native_q4, unified, prefills, decodes, extra: &extra, logs: &logs };
+    let spec = Spec {
+        port,
+        model: &model,
+        native_q4,
+        unified,
+        prefills,
+        decodes,
+        extra: &extra,
+        logs: &logs,
+        secret: true,
+    };
     let Stack { mut procs, url } = start_stack(&spec)?;
     let mut out = std::io::stdout().lock();
     let shape = if unified {
@@ -252,20 +313,62 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if !unified {
         writeln!(out, "where is every request:  cargo xtask where --url {url}")?;
     }
-    writeln!(out, "Ctrl-C stops everything.")?;
+    writeln!(out, "A process that dies is started again; Ctrl-C stops everything.")?;
     drop(out);
+    supervise(&mut procs)
+}
+
+/// Restarts of one process: how many, when the current one started, and when the next is due.
+struct Restarts {
+    count: u32,
+    started: Instant,
+    backoff: Duration,
+    due: Option<Instant>,
+}
+
+/// Watches `procs` until Ctrl-C or SIGTERM (then stops them all, workers draining first): a process
+/// that exits is reported and started again on its address after its backoff (1 s, doubled after
+/// each death within a minute of its start, at most 30 s).
+fn supervise(procs: &mut Vec<Proc>) -> Result<()> {
+    let now = Instant::now();
+    let mut state: Vec<Restarts> = procs
+        .iter()
+        .map(|_| Restarts { count: 0, started: now, backoff: Duration::from_secs(1), due: None })
+        .collect();
     loop {
         if crate::sys::stop_requested() {
             eprintln!("stopping: workers drain their requests first");
-            stop_all(&mut procs, Duration::from_secs(40));
+            stop_all(procs, Duration::from_secs(40));
             return Ok(());
         }
-        for i in 0..procs.len() {
-            if let Some(status) = procs[i].child.try_wait()? {
-                let report = procs[i].death_report(status);
-                eprintln!("{report}\nstopping the others");
-                stop_all(&mut procs, Duration::from_secs(10));
-                bail!("{} died", procs[i].name);
+        for (p, r) in procs.iter_mut().zip(state.iter_mut()) {
+            let now = Instant::now();
+            if r.due.is_none() {
+                if let Some(status) = p.child.try_wait()? {
+                    if now.duration_since(r.started) > Duration::from_secs(60) {
+                        r.backoff = Duration::from_secs(1);
+                    }
+                    eprintln!("{}\nrestarting {} in {:?}", p.death_report(status), p.name, r.backoff);
+                    r.due = Some(now + r.backoff);
+                    r.backoff = (r.backoff * 2).min(Duration::from_secs(30));
+                }
+                continue;
+            }
+            if r.due.is_some_and(|d| now >= d) {
+                r.count += 1;
+                match p.restart(r.count) {
+                    Ok(new) => {
+                        eprintln!("{} is back at {} (restart {})", new.name, new.url, r.count);
+                        *p = new;
+                        r.due = None;
+                    }
+                    Err(e) => {
+                        eprintln!("restarting {} failed: {e:#}; trying again in {:?}", p.name, r.backoff);
+                        r.due = Some(Instant::now() + r.backoff);
+                        r.backoff = (r.backoff * 2).min(Duration::from_secs(30));
+                    }
+                }
+                r.started = Instant::now();
             }
         }
         std::thread::sleep(Duration::from_millis(100));

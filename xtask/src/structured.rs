@@ -63,6 +63,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         decodes: 1,
         extra: &extra,
         logs: &logs,
+        secret: false,
     };
     let mut stack = start_stack(&spec)?;
     let format = serde_json::json!({"response_format": {"type": "json_schema",

@@ -9,16 +9,7 @@ use serde_json::json;
 use crate::router::Router;
 use crate::RouterError;
 
-/// Constant-time comparison of a presented bearer token with the configured key.
-fn key_matches(presented: Option<&str>, key: &str) -> bool {
-    let Some(p) = presented else { return false };
-    let (a, b) = (p.as_bytes(), key.as_bytes());
-    let mut diff = (a.len() ^ b.len()) as u8 | u8::from(a.len() != b.len());
-    for i in 0..a.len().max(b.len()) {
-        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0xff);
-    }
-    diff == 0
-}
+use pdserve_api::header::secret_matches as key_matches;
 
 impl Router {
     /// Checks the API key (`/v1/*`) or the admin key (`/workers`, `/debug/*`, `/abort/*`); answers 401

@@ -80,6 +80,8 @@ pub struct RouterConfig {
     pub api_key: Option<String>,
     /// Bearer key for `/workers` and `/debug/*`, if set.
     pub admin_key: Option<String>,
+    /// The stack's secret, sent to workers on every request (`x-pdserve-cluster-secret`), if set.
+    pub cluster_secret: Option<String>,
     /// The client-facing HTTP server's bounds.
     pub server: ServerConfig,
     /// Log one line per request to stderr.
@@ -107,6 +109,7 @@ impl Default for RouterConfig {
             debug_fanout_timeout: Duration::from_millis(500),
             api_key: None,
             admin_key: None,
+            cluster_secret: None,
             server: ServerConfig::default(),
             log_requests: false,
         }

@@ -51,13 +51,10 @@ impl Router {
                 continue;
             };
             let mut req = Vec::with_capacity(96);
-            write_request_head(
-                &mut req,
-                "GET",
-                pdserve_api::path::DEBUG_REQUESTS,
-                &[("host", &authority)],
-                0,
-            );
+            let mut headers = vec![("host", authority.as_str())];
+            let secret = self.cfg.cluster_secret.as_deref();
+            headers.extend(secret.map(|s| (pdserve_api::header::CLUSTER_SECRET, s)));
+            write_request_head(&mut req, "GET", pdserve_api::path::DEBUG_REQUESTS, &headers, 0);
             let owner = Owner::Collect { id, worker: wid };
             if let Err(e) = self.send_aside(wid, owner, req, deadline, now) {
                 self.aside_failed(owner, wid, &e.to_string(), now);

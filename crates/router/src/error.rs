@@ -17,6 +17,11 @@ pub enum RouterError {
     },
     /// A message's `content` is neither text nor content parts.
     BadContent,
+    /// The body carries a member only the stack itself may set (`pd_transfer`: where a decode
+    /// worker pulls KV from).
+    InternalField {
+        field: &'static str,
+    },
     /// A worker URL that is not `http://host:port`, or does not resolve.
     BadWorkerUrl {
         url: String,
@@ -54,6 +59,9 @@ impl fmt::Display for RouterError {
             }
             RouterError::BadContent => {
                 write!(f, "a message's `content` must be a string or an array of content parts")
+            }
+            RouterError::InternalField { field } => {
+                write!(f, "`{field}` is set by the router, never by a client")
             }
             RouterError::BadWorkerUrl { url, problem } => match problem {
                 UrlProblem::NotHttp => {

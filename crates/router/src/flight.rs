@@ -355,18 +355,20 @@ impl Flight {
         self.push(Action::Stage { stage, worker: Some(worker) });
     }
 
-    /// The request bytes of leg `kind` for a worker at `authority`, carrying the time left.
-    pub fn leg_request(&self, kind: LegKind, authority: &str, now: Instant) -> Vec<u8> {
+    /// The request bytes of leg `kind` for a worker at `authority`, carrying the time left (and the
+    /// stack's `secret`, if it has one).
+    pub fn leg_request(&self, kind: LegKind, authority: &str, secret: Option<&str>, now: Instant) -> Vec<u8> {
         let remaining = ms(self.spec.deadline.saturating_duration_since(now)).max(1);
         let body = if kind == LegKind::Decode { &self.decode_body } else { &self.spec.body };
         let method = if self.spec.method_get { "GET" } else { "POST" };
         let remaining = remaining.to_string();
-        let headers = [
+        let mut headers = vec![
             ("host", authority),
             (header::REQUEST_ID, self.spec.request_id.as_str()),
             (header::DEADLINE_MS, remaining.as_str()),
             ("content-type", "application/json"),
         ];
+        headers.extend(secret.map(|s| (header::CLUSTER_SECRET, s)));
         let mut out = Vec::with_capacity(body.len() + 256);
         pdserve_http::write_request_head(&mut out, method, &self.spec.path, &headers, body.len());
         out.extend_from_slice(body);

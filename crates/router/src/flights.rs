@@ -350,7 +350,7 @@ impl Router {
         e.slot = Some(slot);
         e.flight.handle_leg_sent(leg, worker, now);
         let authority = self.workers.get(worker).map_or("", |w| w.authority.as_str());
-        let bytes = e.flight.leg_request(kind, authority, now);
+        let bytes = e.flight.leg_request(kind, authority, self.cfg.cluster_secret.as_deref(), now);
         let deadline = e.flight.deadline();
         if let Some(w) = self.workers.get_mut(worker) {
             w.outstanding += 1;

@@ -29,6 +29,8 @@ pdserve-router [options]
   --failures-to-open N          consecutive request failures that take a worker out (default 3)
   --api-key KEY                 bearer key for /v1/* (or PDSERVE_API_KEY)
   --admin-key KEY               bearer key for /workers and /debug/* (or PDSERVE_ADMIN_KEY)
+  --cluster-secret-file PATH    the stack's secret, sent on every request to a worker (or
+                                PDSERVE_CLUSTER_SECRET); workers started with it refuse requests without it
   --name NAME                   this process's name in /debug/requests (default router)
   --log-requests                one line per failed or finished request on stderr
   --exit-on-stdin-eof           stop when standard input closes (for supervisors and tests)
@@ -83,6 +85,7 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
     let mut host = "127.0.0.1".to_owned();
     let mut port = 8000u16;
     let mut exit_on_eof = false;
+    let mut secret_file = None;
     c.api_key = std::env::var("PDSERVE_API_KEY").ok().filter(|k| !k.is_empty());
     c.admin_key = std::env::var("PDSERVE_ADMIN_KEY").ok().filter(|k| !k.is_empty());
     let mut it = args.into_iter();
@@ -128,10 +131,12 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--failures-to-open" => c.breaker.failures_to_open = n()?.max(1) as u32,
             "--api-key" => c.api_key = Some(v.clone()),
             "--admin-key" => c.admin_key = Some(v.clone()),
+            "--cluster-secret-file" => secret_file = Some(std::path::PathBuf::from(&v)),
             "--name" => c.process_name = v.clone(),
             other => return Err(format!("unknown option {other}")),
         }
     }
+    c.cluster_secret = pdserve_api::header::cluster_secret(secret_file.as_deref())?;
     c.listen = format!("{host}:{port}").parse().map_err(|e| format!("--host/--port: {e}"))?;
     Ok(Some((c, exit_on_eof)))
 }

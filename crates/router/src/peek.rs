@@ -30,6 +30,15 @@ struct Raw<'a> {
     system: Option<Shape<'a>>,
     #[serde(default, borrow)]
     prompt: Option<Shape<'a>>,
+    /// Set only by the router on a decode leg: a client's would make a decode worker connect where
+    /// the client says.
+    #[serde(default, rename = "pd_transfer", deserialize_with = "present")]
+    handle: bool,
+}
+
+/// True for any value (null included): the member is there.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    serde::de::IgnoredAny::deserialize(d).map(|_| true)
 }
 
 #[derive(Deserialize)]
@@ -107,6 +116,9 @@ pub fn peek(body: &[u8]) -> Result<Peek, RouterError> {
     }
     let raw: Raw<'_> =
         serde_json::from_slice(body).map_err(|e| RouterError::NotJson { reason: e.to_string() })?;
+    if raw.handle {
+        return Err(RouterError::InternalField { field: pdserve_api::pd::HANDLE_FIELD });
+    }
     if let Some(t) = raw.timeout {
         if !(t.is_finite() && t > 0.0) {
             return Err(RouterError::BadTimeout { seconds: t });
@@ -193,5 +205,12 @@ mod tests {
         assert_eq!(peek(b"[1]"), Err(RouterError::NotAnObject));
         assert_eq!(peek(br#"{"messages":[{"content":true}]}"#), Err(RouterError::BadContent));
         assert_eq!(peek(br#"{"messages":[{"content":7}]}"#), Err(RouterError::BadContent));
+        // A client's KV handle (even null) never reaches a worker.
+        for body in [
+            &br#"{"prompt":"x","pd_transfer":{"addr":"10.0.0.1:9","transfer":1,"epoch":1}}"#[..],
+            br#"{"pd_transfer":null}"#,
+        ] {
+            assert_eq!(peek(body), Err(RouterError::InternalField { field: "pd_transfer" }));
+        }
     }
 }

@@ -23,7 +23,9 @@ impl Router {
             let authority = w.authority.clone();
             let mut req = Vec::with_capacity(128);
             let rid = format!("probe-{}-{wid}", self.probe_round);
-            write_request_head(&mut req, "GET", path, &[("host", &authority), (header::REQUEST_ID, &rid)], 0);
+            let mut headers = vec![("host", authority.as_str()), (header::REQUEST_ID, rid.as_str())];
+            headers.extend(self.cfg.cluster_secret.as_deref().map(|s| (header::CLUSTER_SECRET, s)));
+            write_request_head(&mut req, "GET", path, &headers, 0);
             if let Some(w) = self.workers.get_mut(wid) {
                 w.probing = true;
             }

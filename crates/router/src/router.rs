@@ -188,7 +188,8 @@ impl Router {
     pub(crate) fn send_abort(&mut self, worker: u32, rid: &str, now: Instant) {
         let Some(authority) = self.workers.get(worker).map(|w| w.authority.clone()) else { return };
         let mut req = Vec::with_capacity(128);
-        let headers = [("host", authority.as_str()), (header::REQUEST_ID, rid)];
+        let mut headers = vec![("host", authority.as_str()), (header::REQUEST_ID, rid)];
+        headers.extend(self.cfg.cluster_secret.as_deref().map(|s| (header::CLUSTER_SECRET, s)));
         write_request_head(&mut req, "POST", &format!("/abort/{rid}"), &headers, 0);
         if self.send_aside(worker, Owner::Abort, req, now + Duration::from_secs(2), now).is_ok() {
             self.metrics.aborts_sent.inc();

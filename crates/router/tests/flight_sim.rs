@@ -170,7 +170,7 @@ impl World {
                     }
                     let t = self.epoch + now;
                     self.flights[f].handle_leg_sent(leg, worker, t);
-                    let _ = self.flights[f].leg_request(kind, "w", t);
+                    let _ = self.flights[f].leg_request(kind, "w", None, t);
                     let rec = &mut self.records[f];
                     rec.legs.insert(leg.0, (worker, false));
                     rec.kinds.insert(leg.0, kind);

@@ -39,6 +39,14 @@ pub struct WorkerConfig {
     /// Stop (as on SIGTERM) when standard input reaches end of file: a supervisor that dies, or a test
     /// process that exits, takes the worker with it.
     pub exit_on_stdin_eof: bool,
+    /// The stack's secret: requests without it (`x-pdserve-cluster-secret`) are refused, except the
+    /// probes with `open_probes`, and `/v1/*` with `api_key`; a KV handle (`pd_transfer`) is taken
+    /// only with it.
+    pub cluster_secret: Option<String>,
+    /// `/health/*` and `/metrics` answer without the cluster secret (for probes that cannot send it).
+    pub open_probes: bool,
+    /// Clients may call `/v1/*` directly with this key (`Authorization: Bearer` or `x-api-key`).
+    pub api_key: Option<String>,
 }
 
 impl WorkerConfig {
@@ -63,6 +71,9 @@ impl WorkerConfig {
             drain_timeout: Duration::from_secs(30),
             panic_trigger: None,
             exit_on_stdin_eof: false,
+            cluster_secret: None,
+            open_probes: false,
+            api_key: None,
         }
     }
 }

@@ -39,6 +39,11 @@ pdserve-server [options]
   --timeout-s S            default request deadline in seconds (default 600)
   --drain-timeout-s S      how long a SIGTERM drain may take (default 30)
   --exit-on-stdin-eof      stop gracefully when standard input closes (for supervisors and tests)
+  --cluster-secret-file P  the stack's secret (or PDSERVE_CLUSTER_SECRET): requests without it
+                           (x-pdserve-cluster-secret, which the router sends) get a 401, and a KV
+                           handle (pd_transfer) is taken only with it
+  --open-probes            with a secret: /health/* and /metrics answer without it
+  --api-key KEY            with a secret: clients may call /v1/* directly with this key
 ";
 
 fn main() -> ExitCode {
@@ -82,7 +87,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             sets.push((a, String::new()));
             continue;
         }
-        if a == "--exit-on-stdin-eof" {
+        if a == "--exit-on-stdin-eof" || a == "--open-probes" {
             sets.push((a, String::new()));
             continue;
         }
@@ -115,6 +120,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
         .map_err(|e| format!("fetching the default model: {e}"))?,
     };
     let mut c = WorkerConfig::new(addr, EngineConfig::new(model_dir));
+    let mut secret_file = None;
     for (k, v) in sets {
         let n = || v.parse::<usize>().map_err(|e| format!("{k}: {e}"));
         let secs = || v.parse::<f64>().map(Duration::from_secs_f64).map_err(|e| format!("{k}: {e}"));
@@ -146,6 +152,9 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--drain-timeout-s" => c.drain_timeout = secs()?,
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
+            "--open-probes" => c.open_probes = true,
+            "--api-key" => c.api_key = Some(v.clone()),
+            "--cluster-secret-file" => secret_file = Some(PathBuf::from(&v)),
             "--kv-shm" => e.kv_shm = true,
             "--device" => e.device = v.parse().map_err(|err: pdserve_engine::EngineError| err.to_string())?,
             "--kv-dtype" => {
@@ -159,5 +168,6 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             other => return Err(format!("unknown option {other}")),
         }
     }
+    c.cluster_secret = pdserve_api::header::cluster_secret(secret_file.as_deref())?;
     Ok(Some(c))
 }

@@ -6,6 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::anthropic::{self, MessageStream};
+use pdserve_api::header::secret_matches;
 use pdserve_api::openai::{
     self, sse, Constraint, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage,
 };
@@ -210,8 +211,40 @@ impl Frontend {
         }
     }
 
+    /// Whether `req` may be served: with a cluster secret, only requests that carry it, the probes
+    /// when they are open, and `/v1/*` with the API key. `Ok(true)`: it came from inside the stack.
+    fn authorize(&self, req: &Request, path: &str) -> Result<bool, ApiError> {
+        let c = &self.config;
+        let Some(secret) = c.cluster_secret.as_deref() else { return Ok(true) };
+        if secret_matches(req.header_str(header::CLUSTER_SECRET), secret) {
+            return Ok(true);
+        }
+        let probe = matches!(path, path::HEALTH_LIVE | path::HEALTH_READY | path::HEALTH | path::METRICS)
+            || path == path::HEALTH_GENERATE;
+        if probe && c.open_probes {
+            return Ok(false);
+        }
+        if let Some(key) = c.api_key.as_deref().filter(|_| path.starts_with("/v1/")) {
+            let bearer = req.header_str(header::AUTHORIZATION).and_then(|h| h.strip_prefix("Bearer "));
+            if secret_matches(bearer, key) || secret_matches(req.header_str(header::API_KEY), key) {
+                return Ok(false);
+            }
+            let msg = "missing or wrong API key (Authorization: Bearer ... or x-api-key)";
+            return Err(ApiError::new(ErrorKind::Unauthorized, msg));
+        }
+        let msg = format!("this worker serves its stack only: missing or wrong `{}`", header::CLUSTER_SECRET);
+        Err(ApiError::new(ErrorKind::Unauthorized, msg))
+    }
+
     fn handle(&mut self, conn: ConnId, rid: &str, req: Request) {
         let path = req.path().to_owned();
+        let inside = match self.authorize(&req, &path) {
+            Ok(inside) => inside,
+            Err(e) => {
+                let _ = self.server.respond(conn, &Response::error(&e, Some(rid)));
+                return;
+            }
+        };
         let result = match (req.method.as_str(), path.as_str()) {
             ("GET", path::HEALTH_LIVE) => Ok(Some(Response::health(&Health::Live, None))),
             ("GET", path::HEALTH_READY | path::HEALTH) => Ok(Some(self.ready())),
@@ -229,7 +262,7 @@ impl Frontend {
             ("POST", path::DETOKENIZE) => self.detokenize(&req, rid).map(Some),
             ("POST", p) if Endpoint::from_path(p).is_some() => {
                 let endpoint = Endpoint::from_path(p).unwrap_or(Endpoint::Chat);
-                self.generate(conn, rid, &req, endpoint)
+                self.generate(conn, rid, &req, endpoint, inside)
             }
             ("POST", p) if p.starts_with("/abort/") => Ok(Some(self.abort(&p["/abort/".len()..]))),
             _ => Err(path::no_route(&req.method, &path, &[])),
@@ -263,6 +296,7 @@ impl Frontend {
         rid: &str,
         req: &Request,
         endpoint: Endpoint,
+        inside: bool,
     ) -> Result<Option<Response>, ApiError> {
         if self.draining_since.is_some() {
             return Err(ApiError::new(
@@ -274,6 +308,11 @@ impl Frontend {
         self.check_model(g.model.as_deref())?;
         let role = self.engine.info().role;
         let input = match (g.pd_handles.first().cloned(), role) {
+            // A handle makes this worker connect where it says: taken only from inside the stack.
+            (Some(_), Role::Decode) if !inside => {
+                let msg = format!("`{}` is taken only from the router (with the cluster secret)", pd::HANDLE_FIELD);
+                return Err(ApiError::new(ErrorKind::Unauthorized, msg));
+            }
             (Some(h), Role::Decode) => Input::Remote(h),
             (None, Role::Decode) => {
                 let field = pd::HANDLE_FIELD;

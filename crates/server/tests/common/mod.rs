@@ -1,6 +1,8 @@
 //! A worker process for tests: started on a free port, killed when dropped.
 #![allow(dead_code)]
 
+pub mod router;
+
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};

@@ -1,0 +1,110 @@
+//! A stack with a cluster secret lets no one in: its workers answer only requests that carry the secret
+//! (the router's), the probes where they are opened, and `/v1/*` with their own API key; a KV handle
+//! (`pd_transfer`) that would make a decode worker connect somewhere is taken only from the router,
+//! and the router refuses one from a client before any worker hears of it.
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::router::RouterThread;
+use common::Worker;
+use pdserve_api::header::CLUSTER_SECRET;
+use pdserve_router::Role;
+use serde_json::json;
+
+/// A secret in a file of its own: (the file, the secret).
+fn secret_file(name: &str) -> (PathBuf, String) {
+    let secret = format!("secret-{}-{name}-0123456789abcdef", std::process::id());
+    let path = std::env::temp_dir().join(format!("pdserve-secret-{}-{name}", std::process::id()));
+    std::fs::write(&path, format!("{secret}\n")).unwrap();
+    (path, secret)
+}
+
+#[test]
+fn workers_with_a_secret_serve_their_stack_only() {
+    let (file, secret) = secret_file("closed");
+    let w = Worker::start(&["--cluster-secret-file", file.to_str().unwrap()]);
+    let completion = r#"{"prompt":"Hi","max_tokens":2}"#;
+    let routes = [
+        ("POST", "/v1/completions", completion),
+        ("POST", "/tokenize", r#"{"prompt":"Hi"}"#),
+        ("GET", "/v1/models", ""),
+        ("GET", "/debug/requests", ""),
+        ("GET", "/metrics", ""),
+        ("GET", "/health/live", ""),
+    ];
+    for (method, path, body) in routes {
+        for wrong in [None, Some("wrong"), Some(&secret[..secret.len() - 1])] {
+            let headers: Vec<(&str, &str)> = wrong.map(|s| (CLUSTER_SECRET, s)).into_iter().collect();
+            let r = w.request(method, path, body, &headers);
+            assert_eq!(r.status(), 401, "{method} {path} with {wrong:?}");
+            let v: serde_json::Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
+            assert!(v["error"]["message"].as_str().unwrap().contains(CLUSTER_SECRET), "{v}");
+        }
+        let r = w.request(method, path, body, &[(CLUSTER_SECRET, &secret)]);
+        assert_eq!(r.status(), 200, "{method} {path} with the secret");
+    }
+    drop(w);
+
+    // Probes opened for an orchestrator, and clients with the worker's own API key on /v1/* only.
+    let w =
+        Worker::start(&["--cluster-secret-file", file.to_str().unwrap(), "--open-probes", "--api-key", "k1"]);
+    for path in ["/health/live", "/health/ready", "/metrics"] {
+        assert_eq!(w.request("GET", path, "", &[]).status(), 200, "{path}");
+    }
+    for (headers, want) in [
+        (vec![("authorization", "Bearer k1")], 200),
+        (vec![("x-api-key", "k1")], 200),
+        (vec![("authorization", "Bearer k2")], 401),
+        (vec![], 401),
+    ] {
+        assert_eq!(w.request("POST", "/v1/completions", completion, &headers).status(), want, "{headers:?}");
+    }
+    let key = [("authorization", "Bearer k1")];
+    assert_eq!(w.request("POST", "/tokenize", r#"{"prompt":"Hi"}"#, &key).status(), 401);
+    assert_eq!(w.request("GET", "/debug/requests", "", &key).status(), 401);
+    std::fs::remove_file(file).unwrap();
+}
+
+#[test]
+fn kv_handles_are_taken_from_the_router_only() {
+    let (file, secret) = secret_file("pd");
+    let file = file.to_str().unwrap().to_owned();
+    // Where a forged handle points: nothing may ever connect here.
+    let trap = TcpListener::bind("127.0.0.1:0").unwrap();
+    trap.set_nonblocking(true).unwrap();
+    let handle =
+        json!({"addr": trap.local_addr().unwrap().to_string(), "transfer": 1, "epoch": 1, "shm": null});
+    let forged = json!({"prompt": "Hi", "max_tokens": 2, "pd_transfer": handle}).to_string();
+
+    let decode = Worker::start(&["--role", "decode", "--cluster-secret-file", &file, "--api-key", "k1"]);
+    for headers in [vec![("authorization", "Bearer k1")], vec![]] {
+        let r = decode.request("POST", "/v1/completions", &forged, &headers);
+        assert_eq!(r.status(), 401, "{headers:?}");
+        let v: serde_json::Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
+        let msg = v["error"]["message"].as_str().unwrap();
+        // With the worker's API key: the handle is refused; with nothing: the key is.
+        let want = if headers.is_empty() { "API key" } else { "pd_transfer" };
+        assert!(msg.contains(want), "{msg}");
+    }
+
+    let prefill = Worker::start(&["--role", "prefill", "--cluster-secret-file", &file]);
+    let router = RouterThread::start_with(&[(&prefill, Role::Prefill), (&decode, Role::Decode)], |c| {
+        c.cluster_secret = Some(secret.clone())
+    });
+    let (s, v) = router.json("POST", "/v1/completions", &forged);
+    assert_eq!(s, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("pd_transfer"), "{v}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(trap.accept().is_err(), "a forged handle made a worker connect to its address");
+
+    // The stack itself works: the router's legs carry the secret, the decode leg its handle.
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}).to_string();
+    let (s, v) = router.json("POST", "/v1/completions", &body);
+    assert_eq!(s, 200, "{v}");
+    assert!(!v["choices"][0]["text"].as_str().unwrap().is_empty(), "{v}");
+    std::fs::remove_file(file).unwrap();
+}
