@@ -347,6 +347,7 @@ impl Engine {
             guide: None,
             min_tokens: req.min_tokens,
             logit_bias: req.logit_bias,
+            panic_in_sampling: req.test_panic == Some(crate::request::PanicSite::Sampling),
         };
         // In the table before the text thread can answer for it.
         lock(&self.live).insert(id, Stream::new(req.request_id, req.deadline));
@@ -358,6 +359,7 @@ impl Engine {
             stop: req.stop,
             include_stop: req.include_stop_str,
             logprobs: req.logprobs,
+            panic_in_text: req.test_panic == Some(crate::request::PanicSite::Detokenizing),
         };
         let error = match self.jobs.try_send(job) {
             Ok(()) => return Ok(Id(id)),

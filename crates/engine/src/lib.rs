@@ -55,7 +55,7 @@ pub use error::{EngineError, KvTransferProblem};
 pub use handle::{Aborted, Engine, EngineInfo, Health};
 pub use load::{default_transport, TransportSpec};
 pub use pdserve_scheduler::{AdmissionOrder, SchedulerConfig};
-pub use request::{Finish, Id, Input, Output, Request, Timings};
+pub use request::{Finish, Id, Input, Output, PanicSite, Request, Timings};
 
 /// The README's examples, compiled as doc tests.
 #[doc = include_str!("../README.md")]

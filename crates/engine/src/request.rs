@@ -65,6 +65,19 @@ pub struct Request {
     pub logit_bias: Vec<(u32, f32)>,
     /// A matched stop string stays in the text.
     pub include_stop_str: bool,
+    /// Test hook: panic in the named place while serving this request (the engine must fail it alone).
+    #[doc(hidden)]
+    pub test_panic: Option<PanicSite>,
+}
+
+/// Where a request's test panic happens.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PanicSite {
+    /// The engine thread, sampling its token.
+    Sampling,
+    /// The text thread, turning its token into text.
+    Detokenizing,
 }
 
 impl Request {
@@ -86,6 +99,7 @@ impl Request {
             min_tokens: 0,
             logit_bias: Vec::new(),
             include_stop_str: false,
+            test_panic: None,
         }
     }
 }

@@ -13,6 +13,7 @@
 //! thread never waits on a caller that stopped polling either.
 
 use std::collections::{HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -49,6 +50,7 @@ pub(crate) enum Job {
         stop: Vec<String>,
         include_stop: bool,
         logprobs: bool,
+        panic_in_text: bool,
     },
     /// Passed on to the engine thread in order (an abort never overtakes its request's submission).
     Command(Command),
@@ -128,6 +130,8 @@ pub(crate) struct Text {
     /// The stop string seen: the engine was told to abort, and the end is reported as `StopString`.
     stopped: Option<String>,
     logprobs: bool,
+    /// Test hook: turning this request's tokens into text panics.
+    panic: bool,
 }
 
 /// The text thread. See the [module docs](self).
@@ -218,7 +222,16 @@ impl TextThread {
 
     fn job(&mut self, job: Job) {
         match job {
-            Job::Submit { mut sub, input, tools, constraint, stop, include_stop, logprobs } => {
+            Job::Submit {
+                mut sub,
+                input,
+                tools,
+                constraint,
+                stop,
+                include_stop,
+                logprobs,
+                panic_in_text,
+            } => {
                 let id = sub.id;
                 match self.prompt(&input, &tools, sub.remote.is_some()) {
                     Ok(tokens) => sub.tokens = tokens,
@@ -244,6 +257,7 @@ impl TextThread {
                     include_stop,
                     stopped: None,
                     logprobs,
+                    panic: panic_in_text,
                 };
                 self.texts.insert(id, text);
                 match self.commands.try_send(Command::Submit(sub)) {
@@ -319,7 +333,17 @@ impl TextThread {
                     self.push(Output::Rejected { id: Id(id), error });
                 }
             }
-            Reply::Token { id, token, logprob, top, stop } => self.token(id, token, logprob, top, stop),
+            Reply::Token { id, token, logprob, top, stop } => {
+                // A panic while turning one request's token into text (a tokenizer or stop-string
+                // bug) fails that request only.
+                let r = catch_unwind(AssertUnwindSafe(|| self.token(id, token, logprob, top, stop)));
+                if let Err(p) = r {
+                    self.texts.remove(&id);
+                    let reason =
+                        format!("internal error while detokenizing: {}", crate::core::panic_text(&p));
+                    let _ = self.commands.try_send(Command::Fail { id, reason });
+                }
+            }
             Reply::Prefilled { id, key, cached_tokens, times } => {
                 self.texts.remove(&id);
                 let mut live = lock(&self.live);
@@ -403,6 +427,7 @@ impl TextThread {
         if stop || t.stopped.is_some() {
             return; // stop tokens are not text
         }
+        assert!(!t.panic, "test panic while detokenizing");
         let codec = &self.codec;
         let piece = t.detok.push(codec, token).unwrap_or_default();
         let logprob = t.logprobs.then(|| {

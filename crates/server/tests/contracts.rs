@@ -183,6 +183,39 @@ fn a_panic_fails_one_request_and_the_worker_keeps_serving() {
     let (s, _) = w.json("POST", "/v1/chat/completions", &chat("Hi", r#","max_tokens":2"#));
     assert_eq!(s, 200);
     assert_eq!(w.json("GET", "/health/ready", "").0, 200);
+    // Panics inside the engine and while rendering: each fails its own request, with the place named,
+    // while another request in the same batches runs to its end.
+    let (addr, body) = (w.addr, chat("Count from one to fifty.", r#","max_tokens":48,"ignore_eos":true"#));
+    let bystander = thread::spawn(move || {
+        let client = pdserve_http::HttpClient::new(Default::default());
+        let mut r = pdserve_http::Request::new("POST", "/v1/chat/completions");
+        r.body = body.into_bytes();
+        let resp = client.send(addr, &r, Instant::now() + Duration::from_secs(120)).unwrap();
+        (resp.status(), resp.read_to_end().unwrap())
+    });
+    thread::sleep(Duration::from_millis(200));
+    for (site, says) in [("sample", "sampling"), ("detokenize", "detokenizing"), ("output", "rendering")] {
+        let (s, v) =
+            w.json("POST", "/v1/chat/completions", &chat(&format!("PANIC-NOW@{site}"), r#","max_tokens":8"#));
+        assert_eq!(s, 500, "{site}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap_or("").contains(says), "{site}: {v}");
+        // Streamed: an error event ends the stream.
+        let (s, events) = w.stream(
+            "/v1/chat/completions",
+            &chat(&format!("PANIC-NOW@{site}"), r#","max_tokens":8,"stream":true"#),
+        );
+        assert!(s == 200 || s == 500, "{site}: {s}");
+        if s == 200 {
+            assert!(events.iter().any(|e| e.contains("\"error\"")), "{site}: {events:?}");
+        }
+    }
+    let (status, body) = bystander.join().unwrap();
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 48, "{v}");
+    assert_eq!(w.json("GET", "/health/ready", "").0, 200);
+    let (s, v) = w.json("GET", "/debug/requests", "");
+    assert_eq!((s, v["requests"].as_array().map(Vec::len)), (200, Some(0)), "nothing left behind: {v}");
 }
 
 #[test]

@@ -43,12 +43,20 @@ pub(crate) struct Submission {
     /// End-of-sequence and stop tokens are held back before this many tokens.
     pub min_tokens: usize,
     pub logit_bias: Vec<(u32, f32)>,
+    /// Test hook (`EngineConfig::test_panic_trigger`): sampling this request panics.
+    pub panic_in_sampling: bool,
 }
 
 #[derive(Debug)]
 pub(crate) enum Command {
     Submit(Box<Submission>),
     Abort(u64),
+    /// The text thread could not go on with this request (a panic while detokenizing it): it ends
+    /// with an error naming why; the others run on.
+    Fail {
+        id: u64,
+        reason: String,
+    },
     /// Prefill role: end the offer of a finished prompt's KV (its transfer id is the request's id).
     AbortTransfer(u64),
 }
@@ -156,6 +164,7 @@ struct Live {
     remote_first: Option<(f32, Vec<(u32, f32)>)>,
     /// Decode role: prompt tokens the prefill worker found cached (what `usage` reports).
     remote_cached: Option<usize>,
+    panic_in_sampling: bool,
 }
 
 /// Decode role: what the prefill worker said of the first token and of its own timings.
@@ -351,6 +360,14 @@ impl Core {
             }
             // Idempotent: an ended transfer is left alone.
             Command::AbortTransfer(t) => self.abort_transfer(t),
+            Command::Fail { id, reason } => {
+                if self.describing.values().any(|s| s.id == id) {
+                    return self.command(Command::Abort(id));
+                }
+                self.sched.handle_failed(RequestId(id), &reason, now);
+                self.abort_transfer(id);
+                self.drain_events();
+            }
         }
     }
 
@@ -401,6 +418,7 @@ impl Core {
                 first: None,
                 remote_first,
                 remote_cached,
+                panic_in_sampling: s.panic_in_sampling,
             },
         );
         self.send(Reply::Admitted { id: s.id, prompt_tokens: prompt_len });
@@ -511,27 +529,41 @@ impl Core {
                 None => None,
             };
             let early = output.len() < lv.min_tokens;
-            let s = if mask.is_some() || early || !lv.logit_bias.is_empty() {
-                let mut adjusted = l.clone();
-                for &(t, b) in &lv.logit_bias {
-                    if let Some(x) = adjusted.get_mut(t as usize) {
-                        *x += b;
-                    }
-                }
-                match mask {
-                    Some(m) => apply_mask(&mut adjusted, m),
-                    None if early => {
-                        for &t in lv.stop_ids.iter().chain(&self.eos_ids) {
-                            if let Some(x) = adjusted.get_mut(t as usize) {
-                                *x = f32::NEG_INFINITY;
-                            }
+            let eos_ids = &self.eos_ids;
+            // A panic while sampling one request (a bug in a penalty, a mask, a bias) fails that
+            // request only; the batch goes on.
+            let sampled_one = catch_unwind(AssertUnwindSafe(|| {
+                assert!(!lv.panic_in_sampling, "test panic while sampling");
+                let s = if mask.is_some() || early || !lv.logit_bias.is_empty() {
+                    let mut adjusted = l.clone();
+                    for &(t, b) in &lv.logit_bias {
+                        if let Some(x) = adjusted.get_mut(t as usize) {
+                            *x += b;
                         }
                     }
-                    None => {}
+                    match mask {
+                        Some(m) => apply_mask(&mut adjusted, m),
+                        None if early => {
+                            for &t in lv.stop_ids.iter().chain(eos_ids) {
+                                if let Some(x) = adjusted.get_mut(t as usize) {
+                                    *x = f32::NEG_INFINITY;
+                                }
+                            }
+                        }
+                        None => {}
+                    }
+                    lv.sampler.sample(&adjusted, prompt, output)
+                } else {
+                    lv.sampler.sample(l, prompt, output)
+                };
+                s
+            }));
+            let s = match sampled_one {
+                Ok(s) => s,
+                Err(p) => {
+                    failed.push((item.id, format!("internal error while sampling: {}", panic_text(&p))));
+                    continue;
                 }
-                lv.sampler.sample(&adjusted, prompt, output)
-            } else {
-                lv.sampler.sample(l, prompt, output)
             };
             let eos = self.eos_ids.contains(&s.token);
             let mut stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && eos);
@@ -694,4 +726,12 @@ impl Core {
             }
         }
     }
+}
+
+/// What a caught panic said.
+pub(crate) fn panic_text(p: &(dyn std::any::Any + Send)) -> &str {
+    p.downcast_ref::<&str>()
+        .copied()
+        .or_else(|| p.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic")
 }

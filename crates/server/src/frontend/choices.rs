@@ -129,6 +129,7 @@ impl Frontend {
             calls: Vec::new(),
             blocks: Default::default(),
             echo: g.echo.clone(),
+            panic_in_output: false,
             group: Some(gid),
             choice: i,
         };

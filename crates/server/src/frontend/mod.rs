@@ -12,7 +12,7 @@ use pdserve_api::openai::{
 };
 use pdserve_api::tools::{Piece, ToolCall, ToolCallParser, ToolChoice};
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role};
-use pdserve_engine::{Engine, Finish, Id, Input, Output, Request as EngineRequest, Timings};
+use pdserve_engine::{Engine, Finish, Id, Input, Output, PanicSite, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
 use pdserve_model::{ChatMessage, SamplingParams};
 use pdserve_telemetry::Gauge;
@@ -58,6 +58,8 @@ struct Live {
     /// With `n` > 1: the request's group, and which of its choices this is.
     group: Option<u64>,
     choice: usize,
+    /// Test hook: rendering this request's output panics.
+    panic_in_output: bool,
 }
 
 pub(crate) struct Frontend {
@@ -172,7 +174,13 @@ impl Frontend {
             let mut outputs = std::mem::take(&mut self.outputs);
             self.engine.poll(Instant::now(), &mut outputs);
             for o in outputs.drain(..) {
-                self.output(o);
+                let id = o.id();
+                if catch_unwind(AssertUnwindSafe(|| self.output(o))).is_err() {
+                    // One request's bug while rendering its answer (parsing its tool calls, say): it
+                    // ends with an error, everyone else is served on.
+                    let e = ApiError::new(ErrorKind::Internal, "internal error while rendering the answer");
+                    self.fail(id, &e);
+                }
             }
             self.outputs = outputs;
             self.connections.set(self.server.connection_count() as f64);
@@ -347,13 +355,25 @@ impl Frontend {
             }
             _ => None,
         };
+        // Test hook: a prompt holding the trigger panics here, or with `@sample`, `@detokenize` or
+        // `@output` after it, while that request is sampled, detokenized or rendered.
+        let mut test_site = None;
         if let Some(trigger) = &self.config.panic_trigger {
             let text = match &g.prompt {
                 Prompt::Messages(m) => m.iter().map(|m| m.content.as_str()).collect::<Vec<_>>().join("\n"),
                 Prompt::Text(t) => t.clone(),
                 Prompt::Tokens(_) => String::new(),
             };
-            assert!(!text.contains(trigger.as_str()), "test panic trigger in the prompt");
+            if let Some(at) = text.find(trigger.as_str()) {
+                let rest = &text[at + trigger.len()..];
+                let site = rest.strip_prefix('@').map(|r| r.split(|c: char| !c.is_ascii_alphabetic()).next());
+                test_site = match site.flatten() {
+                    Some("sample") => Some(Some(PanicSite::Sampling)),
+                    Some("detokenize") => Some(Some(PanicSite::Detokenizing)),
+                    Some("output") => Some(None),
+                    _ => panic!("test panic trigger in the prompt"),
+                };
+            }
         }
         let timeout = req
             .header_str(header::DEADLINE_MS)
@@ -379,6 +399,7 @@ impl Frontend {
         er.logit_bias = g.logit_bias.clone();
         er.min_tokens = g.min_tokens as usize;
         er.include_stop_str = g.include_stop_str_in_output;
+        er.test_panic = test_site.flatten();
         let format = self.engine.info().tool_format;
         er.constraint = match &g.tool_choice {
             ToolChoice::Required => {
@@ -412,6 +433,7 @@ impl Frontend {
         if let Some(l) = self.by_conn.get(&conn).and_then(|id| self.live.get_mut(id)) {
             l.tool_parser = tool_parser;
             l.echo = echo;
+            l.panic_in_output = test_site == Some(None);
         }
         Ok(None)
     }
@@ -446,6 +468,7 @@ impl Frontend {
             echo: None,
             group: None,
             choice: 0,
+            panic_in_output: false,
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -474,6 +497,28 @@ impl Frontend {
             return false;
         }
         true
+    }
+
+    /// Ends live request `id` with `e`: the engine drops it, its client gets the error (an error
+    /// event if its stream had started).
+    fn fail(&mut self, id: Id, e: &ApiError) {
+        self.engine.abort(id);
+        if let Some(gid) = self.live.get(&id).and_then(|l| l.group) {
+            self.live.remove(&id);
+            return self.group_failed(gid, e);
+        }
+        let Some(l) = self.remove(id) else { return };
+        let Some(conn) = l.conn else { return };
+        if !l.started {
+            let _ = self.server.respond(conn, &Self::error_response(&l, e));
+            return;
+        }
+        let frames = openai::stream_error_frames(&l.meta, e, &l.request_id);
+        if self.server.send_chunk(conn, frames.as_bytes()).is_ok() {
+            let _ = self.server.end_stream(conn);
+        } else {
+            self.server.close(conn);
+        }
     }
 
     fn remove(&mut self, id: Id) -> Option<Live> {
@@ -551,6 +596,7 @@ impl Frontend {
             Output::Text { id, text, logprob } => {
                 let Some(l) = self.live.get_mut(&id) else { return };
                 let Kind::Generate { stream, .. } = l.kind else { return };
+                assert!(!l.panic_in_output, "test panic while rendering the output");
                 let pieces = match l.tool_parser.as_mut() {
                     Some(p) => p.push(&text),
                     None => vec![Piece::Text(text)],
