@@ -25,7 +25,7 @@ fuzz_target!(|data: &[u8]| {
         now += 1;
         sender.handle_message(PeerId(2), msg.clone());
         match msg {
-            Message::Block { key, index, len } => {
+            Message::Block { key, index, len, .. } => {
                 if let Some(d) = receiver.accept_block(PeerId(1), key, index, len as usize) {
                     assert!(dest.contains(&(d.block, d.block_epoch)));
                     receiver.block_written(key, index);

@@ -120,6 +120,8 @@ pub struct EndpointStats {
     pub bytes_received: u64,
     /// Block bytes copied out of a sender's shared region.
     pub bytes_shared: u64,
+    /// Inline blocks whose bytes did not match their checksum (each failed its transfer).
+    pub checksum_failures: u64,
 }
 
 /// One worker's end of every transfer. See the [module docs](self).
@@ -284,7 +286,13 @@ impl Endpoint {
                 }
                 sender.handle_message(peer, msg);
             }
-            Arrival::Block { peer, key, index, data } => {
+            Arrival::Block { peer, key, index, data, crc } => {
+                if crc.is_some_and(|c| c != crate::checksum::crc32c(data)) {
+                    // Corrupted on the way: the transfer fails; nothing is decoded from these bytes.
+                    stats.checksum_failures += 1;
+                    receiver.fail(key.transfer, crate::FailReason::Checksum);
+                    return;
+                }
                 let Some(dst) = receiver.accept_block(peer, key, index, data.len()) else { return };
                 if kv.check_write(TransferId(key.transfer), dst.block, dst.block_epoch).is_err() {
                     return; // a late or foreign block: never written
@@ -349,7 +357,8 @@ impl Endpoint {
                         self.sender.abort(key.transfer);
                         continue;
                     }
-                    let msg = Message::Block { key, index, len: self.block_buf.len() as u32 };
+                    let crc = crate::checksum::crc32c(&self.block_buf);
+                    let msg = Message::Block { key, index, len: self.block_buf.len() as u32, crc };
                     self.transport.send(peer, &msg, &self.block_buf);
                     self.stats.bytes_sent += self.block_buf.len() as u64;
                 }

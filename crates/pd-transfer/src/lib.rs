@@ -41,6 +41,7 @@
 //! then releases (sender) or adopts or releases (receiver) its kvcache lease, so both KV ledgers return
 //! to baseline.
 
+mod checksum;
 mod endpoint;
 mod error;
 mod message;
@@ -49,6 +50,7 @@ mod sender;
 mod sys;
 pub mod transport;
 
+pub use checksum::crc32c;
 pub use endpoint::{BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, Side, Source};
 pub use error::TransferError;
 pub use message::{

@@ -103,6 +103,8 @@ pub enum FailReason {
     Aborted,
     /// A malformed or out-of-range message.
     Protocol,
+    /// A block's bytes did not match its checksum (it was never written into KV memory).
+    Checksum,
 }
 
 impl FailReason {
@@ -117,6 +119,7 @@ impl FailReason {
             FailReason::DataTimeout => 7,
             FailReason::Aborted => 8,
             FailReason::Protocol => 9,
+            FailReason::Checksum => 10,
         }
     }
 
@@ -132,6 +135,7 @@ impl FailReason {
             FailReason::DataTimeout => "data_timeout",
             FailReason::Aborted => "aborted",
             FailReason::Protocol => "protocol_error",
+            FailReason::Checksum => "checksum",
         }
     }
 }
@@ -209,8 +213,8 @@ pub enum Message {
     Ready { key: TransferKey, from: u32 },
     /// Prefill → decode: the pull is refused; the transfer is over.
     Reject { key: TransferKey, reason: FailReason },
-    /// Prefill → decode: block `index` follows (`len` bytes).
-    Block { key: TransferKey, index: u32, len: u32 },
+    /// Prefill → decode: block `index` follows (`len` bytes, whose CRC-32C is `crc`).
+    Block { key: TransferKey, index: u32, len: u32, crc: u32 },
     /// Prefill → decode: block `index` is slot `slot` of the prefill worker's shared KV region.
     BlockAt { key: TransferKey, index: u32, slot: u32 },
     /// Decode → prefill: this many blocks are written (flow control).
@@ -316,9 +320,10 @@ pub fn encode(msg: &Message, data: &[u8], out: &mut Vec<u8>) {
             put_meta(out, meta);
         }
         Message::Reject { reason, .. } | Message::Abort { reason, .. } => put_reason(out, reason),
-        Message::Block { index, len, .. } => {
+        Message::Block { index, len, crc, .. } => {
             out.extend(index.to_le_bytes());
             out.extend(len.to_le_bytes());
+            out.extend(crc.to_le_bytes());
             debug_assert_eq!(data.len(), *len as usize);
             out.extend_from_slice(data);
         }
@@ -402,6 +407,7 @@ impl<'a> Reader<'a> {
             7 => FailReason::DataTimeout,
             8 => FailReason::Aborted,
             9 => FailReason::Protocol,
+            10 => FailReason::Checksum,
             _ => return None,
         })
     }
@@ -449,8 +455,9 @@ pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, TransferError> {
             4 => {
                 let index = r.u32()?;
                 let len = r.u32()?;
+                let crc = r.u32()?;
                 data = r.take(len as usize)?;
-                Message::Block { key, index, len }
+                Message::Block { key, index, len, crc }
             }
             5 => Message::Ack { key, written: r.u32()? },
             6 => Message::Done { key },

@@ -273,10 +273,15 @@ impl Receiver {
 
     /// Ends a transfer from this side and tells the peer. Idempotent.
     pub fn abort(&mut self, transfer: u64) -> bool {
+        self.fail(transfer, FailReason::Aborted)
+    }
+
+    /// Ends `transfer` for `reason`, telling the sender (an abort of any other cause).
+    pub fn fail(&mut self, transfer: u64, reason: FailReason) -> bool {
         let Some(i) = self.transfers.get(&transfer) else { return false };
         let key = TransferKey { transfer, epoch: i.epoch };
-        self.out.push_back((i.peer, Message::Abort { key, reason: FailReason::Aborted }));
-        self.end(transfer, Outcome::Failed(FailReason::Aborted));
+        self.out.push_back((i.peer, Message::Abort { key, reason: reason.clone() }));
+        self.end(transfer, Outcome::Failed(reason));
         true
     }
 

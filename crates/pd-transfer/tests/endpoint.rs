@@ -232,3 +232,63 @@ fn aborts_and_a_vanished_sender_end_both_sides() {
     assert_eq!((s.leases, s.blocks_free), (0, s.blocks_total));
     assert!(d.ep.is_empty());
 }
+
+/// TCP, with one bit of every inline block flipped on arrival (a faulty NIC, a bad cable).
+#[derive(Debug)]
+struct Corrupting(TcpTransport);
+
+impl Transport for Corrupting {
+    fn local_addr(&self) -> Option<std::net::SocketAddr> {
+        self.0.local_addr()
+    }
+    fn connect(&mut self, addr: std::net::SocketAddr, region: Option<&str>) -> std::io::Result<Connected> {
+        self.0.connect(addr, region)
+    }
+    fn send(&mut self, peer: PeerId, msg: &Message, data: &[u8]) {
+        self.0.send(peer, msg, data)
+    }
+    fn close(&mut self, peer: PeerId) {
+        self.0.close(peer)
+    }
+    fn poll(&mut self, wait: Duration, on: &mut dyn FnMut(Arrival<'_>)) -> std::io::Result<()> {
+        self.0.poll(wait, &mut |a| match a {
+            Arrival::Block { peer, key, index, data, crc } => {
+                let mut bad = data.to_vec();
+                let mid = bad.len() / 2;
+                bad[mid] ^= 0x04;
+                on(Arrival::Block { peer, key, index, data: &bad, crc })
+            }
+            other => on(other),
+        })
+    }
+}
+
+#[test]
+fn a_corrupted_block_fails_its_transfer_and_is_never_written() {
+    let mut p = Worker::new(true, false, false);
+    let mut d = Worker::new(false, false, false);
+    d.ep = Endpoint::new(
+        Box::new(Corrupting(TcpTransport::bind(None).unwrap())),
+        layout(),
+        EndpointConfig::default(),
+    );
+    let addr = p.ep.local_addr().unwrap();
+    let (key, _) = p.offer(1, 40, 0);
+    d.ep.pull(&Source { addr, key, region: None }, 10_000, 0).unwrap();
+    run_until(&mut p, &mut d, |p, d| p.ended.contains_key(&1) && d.ended.contains_key(&1));
+    assert_eq!(d.ended[&1], Outcome::Failed(FailReason::Checksum));
+    assert!(matches!(p.ended[&1], Outcome::Failed(_)), "{:?}", p.ended[&1]);
+    assert!(d.ep.stats().checksum_failures >= 1, "{:?}", d.ep.stats());
+    // Not one corrupted byte reached the decode side's KV memory.
+    let bb = layout().block_bytes();
+    let mut got = vec![0; bb];
+    for b in 0..BLOCKS {
+        d.mem.read_block(pdserve_kvcache::BlockId(b), &mut got).unwrap();
+        assert!(got.iter().all(|&x| x == 0), "block {b} was written");
+    }
+    for w in [&p, &d] {
+        let s = w.kv.stats();
+        assert_eq!(s.leases, 0);
+        assert!(w.ep.is_empty());
+    }
+}

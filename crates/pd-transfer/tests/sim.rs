@@ -131,7 +131,8 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
                         kv_p.lease(TransferId(key.transfer)).expect("a sending transfer holds its lease");
                     assert!(lease.blocks.contains(&block));
                     let data = mem_p[&block].clone();
-                    (peer, Message::Block { key, index, len: data.len() as u32 }, data)
+                    let crc = pdserve_pd_transfer::crc32c(&data);
+                    (peer, Message::Block { key, index, len: data.len() as u32, crc }, data)
                 }
             };
             let to = if to == D { D } else { to };
@@ -157,8 +158,8 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
             }
             if f.to == P {
                 sender.handle_message(D, f.msg);
-            } else if let Message::Block { key, index, len } | Message::BlockAt { key, index, slot: len } =
-                f.msg
+            } else if let Message::Block { key, index, len, .. }
+            | Message::BlockAt { key, index, slot: len } = f.msg
             {
                 let (len, data) = match f.msg {
                     // Named block: read the prefill side's memory now, whatever it holds now.

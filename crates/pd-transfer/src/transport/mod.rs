@@ -26,8 +26,10 @@ pub use tcp::TcpTransport;
 pub enum Arrival<'a> {
     /// A control message (anything but a block).
     Message { peer: PeerId, msg: Message },
-    /// Block `index` of `key`: its bytes, sent inline or read from the sender's memory.
-    Block { peer: PeerId, key: TransferKey, index: u32, data: &'a [u8] },
+    /// Block `index` of `key`: its bytes, sent inline (with the CRC-32C the sender computed, which
+    /// the endpoint checks before the bytes reach KV memory) or read from the sender's memory
+    /// (`crc: None`).
+    Block { peer: PeerId, key: TransferKey, index: u32, data: &'a [u8], crc: Option<u32> },
     /// The connection to `peer` is gone (closed, reset, or it sent garbage).
     Lost { peer: PeerId },
 }

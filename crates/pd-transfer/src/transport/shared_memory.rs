@@ -95,7 +95,7 @@ impl Transport for SharedMemoryTransport {
             Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } } => {
                 let view = regions.get(&peer).and_then(|p| views.get(p));
                 match view.and_then(|v| v.block(slot)) {
-                    Some(data) => on(Arrival::Block { peer, key, index, data }),
+                    Some(data) => on(Arrival::Block { peer, key, index, data, crc: None }),
                     // Named, but not readable here: the protocol layer ends the transfer.
                     None => on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } }),
                 }

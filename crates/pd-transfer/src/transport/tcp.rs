@@ -124,8 +124,8 @@ impl TcpTransport {
                 Ok(Some(f)) => {
                     pos += f.consumed;
                     match f.msg {
-                        Message::Block { key, index, .. } => {
-                            on(Arrival::Block { peer, key, index, data: f.data })
+                        Message::Block { key, index, crc, .. } => {
+                            on(Arrival::Block { peer, key, index, data: f.data, crc: Some(crc) })
                         }
                         msg => on(Arrival::Message { peer, msg }),
                     }
