@@ -6,7 +6,8 @@
 //! - `SharedMemoryTransport`: control frames over TCP, each block copied by the receiver straight out
 //!   of the sender's shared region (a prefill worker's `--kv-shm`),
 //!
-//! beside a plain `memcpy` of the same bytes in the same run. The time runs from the pull to the
+//! beside a plain `memcpy` of the same bytes in the same run, and the CRC-32C every inline block
+//! carries (its rate: what the checksum costs the TCP path). The time runs from the pull to the
 //! receiver's `Ended`; the pair of workers lives across transfers (best of 3 after a warm-up one), so
 //! memory is faulted in and the region mapped once, as in running workers.
 //! Run: `cargo bench -p pdserve-pd-transfer`.
@@ -184,7 +185,7 @@ fn best_transfer(n: usize, shared: bool) -> f64 {
 
 fn main() {
     println!("block: {} bytes", layout().block_bytes());
-    println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency");
+    println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency  crc32c GB/s");
     for tokens in [128usize, 2048, 8192] {
         let n = tokens.div_ceil(16);
         let src: Vec<Vec<u8>> = (0..n).map(pattern).collect();
@@ -200,17 +201,26 @@ fn main() {
                 t.elapsed().as_secs_f64()
             })
             .fold(f64::MAX, f64::min);
+        let crc = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                let sum = src.iter().fold(0u32, |a, s| a ^ crc32c(std::hint::black_box(s)));
+                std::hint::black_box(sum);
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min);
         let tcp = best_transfer(n, false);
         let shm = best_transfer(n, true);
         println!(
-            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms",
+            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms  {:>11.2}",
             bytes / 1e6,
             bytes / memcpy / 1e9,
             bytes / shm / 1e9,
             memcpy / shm,
             bytes / tcp / 1e9,
             memcpy / tcp,
-            tcp * 1e3
+            tcp * 1e3,
+            bytes / crc / 1e9
         );
     }
 }
