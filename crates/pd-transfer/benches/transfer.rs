@@ -1,5 +1,5 @@
-//! KV transfer throughput for the default model's layout (30 layers, 3 KV heads, head dim 64, f32,
-//! 16-token blocks: 720 KiB per block) and prompts of 128, 2,048 and 8,192 tokens, through the path a
+//! KV transfer throughput for the default model's layout as served (30 layers, 3 KV heads, head dim
+//! 64, f16 KV, 16-token blocks: 360 KiB per block) and prompts of 128, 2,048 and 8,192 tokens, through the path a
 //! worker runs: two [`Endpoint`]s with the engine's settings, each with its own KV ledger and block
 //! memory, the sender on a thread of its own (as a prefill worker's engine thread), over
 //! - `TcpTransport`: every block's bytes framed over TCP loopback;
@@ -20,7 +20,7 @@ use pdserve_pd_transfer::transport::shm::SharedRegion;
 use pdserve_pd_transfer::*;
 
 fn layout() -> Layout {
-    Layout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, dtype: Dtype::F32 }
+    Layout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, dtype: Dtype::F16 }
 }
 
 fn pattern(block: usize) -> Vec<u8> {
