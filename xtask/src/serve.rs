@@ -160,14 +160,16 @@ pub(crate) struct Stack {
     pub url: String,
 }
 
-/// A new random cluster secret in `dir/cluster-secret`, readable by this user only.
+/// A new random cluster secret in `dir/cluster-secret.PID`, readable by this user only.
 fn write_secret(dir: &Path) -> Result<PathBuf> {
     use std::io::Read as _;
     use std::os::unix::fs::OpenOptionsExt as _;
     let mut bytes = [0u8; 32];
     File::open("/dev/urandom")?.read_exact(&mut bytes)?;
     let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    let path = dir.join("cluster-secret");
+    // One file per stack (its supervisor's pid): a second stack sharing the folder never changes the
+    // secret a restarted process of this one reads.
+    let path = dir.join(format!("cluster-secret.{}", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&path)?;
     f.write_all(hex.as_bytes())?;

@@ -338,10 +338,9 @@ impl TextThread {
                 // bug) fails that request only.
                 let r = catch_unwind(AssertUnwindSafe(|| self.token(id, token, logprob, top, stop)));
                 if let Err(p) = r {
-                    self.texts.remove(&id);
                     let reason =
                         format!("internal error while detokenizing: {}", crate::core::panic_text(&p));
-                    let _ = self.commands.try_send(Command::Fail { id, reason });
+                    self.fail(id, reason);
                 }
             }
             Reply::Prefilled { id, key, cached_tokens, times } => {
@@ -388,12 +387,22 @@ impl TextThread {
                     Some(s) => Finish::StopString(s),
                     None => finish(self.info.role, &outcome),
                 };
+                let mut finish = finish;
                 if let Some(mut t) = text.filter(|_| finish.reason().is_some() && !stopped) {
                     // The rest of the text: what the decoder and the stop-string check still held.
-                    let rest = t.detok.finish(&self.codec).unwrap_or_default();
-                    t.pending.push_str(&rest);
-                    if !t.pending.is_empty() {
-                        self.push(Output::Text { id: Id(id), text: t.pending, logprob: None });
+                    let codec = &self.codec;
+                    match catch_unwind(AssertUnwindSafe(|| t.detok.finish(codec).unwrap_or_default())) {
+                        Ok(rest) => {
+                            t.pending.push_str(&rest);
+                            if !t.pending.is_empty() {
+                                self.push(Output::Text { id: Id(id), text: t.pending, logprob: None });
+                            }
+                        }
+                        Err(p) => {
+                            let reason =
+                                format!("internal error while detokenizing: {}", crate::core::panic_text(&p));
+                            finish = Finish::Failed { stage: Stage::Decoding, reason };
+                        }
                     }
                 }
                 // Tokens are counted as they reach this side; the engine thread's count says the same.
@@ -402,6 +411,20 @@ impl TextThread {
                 self.push(Output::Finished { id: Id(id), finish, usage: s.usage(), timings });
             }
         }
+    }
+
+    /// Ends live request `id` here, with an error naming `reason` (its client learns at once, whatever
+    /// the engine thread's queue holds), and asks the engine thread to drop it (best effort: a full
+    /// queue leaves it to end at its own limits, unseen).
+    fn fail(&mut self, id: u64, reason: String) {
+        self.texts.remove(&id);
+        let gone = lock(&self.live).remove(id);
+        if let Some(s) = gone {
+            let timings = timings(&s, Times::default(), Instant::now());
+            let finish = Finish::Failed { stage: Stage::Decoding, reason: reason.clone() };
+            self.push(Output::Finished { id: Id(id), finish, usage: s.usage(), timings });
+        }
+        let _ = self.commands.try_send(Command::Fail { id, reason });
     }
 
     fn token(&mut self, id: u64, token: u32, logprob: f32, top: Vec<(u32, f32)>, stop: bool) {

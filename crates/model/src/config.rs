@@ -107,17 +107,31 @@ impl RopeScaling {
             }
         };
         let need = |field: &str| num(field)?.ok_or_else(|| bad(field, format!("missing (rope type {kind})")));
+        // Factors and lengths that would make the frequencies infinite or NaN.
+        let positive = |field: &str| match need(field)? {
+            v if v > 0.0 && v.is_finite() => Ok(v),
+            v => Err(bad(field, format!("{v} (must be positive)"))),
+        };
         Ok(match kind {
             "default" | "dynamic" => RopeScaling::None,
-            "linear" => RopeScaling::Linear { factor: need("factor")? },
-            "llama3" => RopeScaling::Llama3 {
-                factor: need("factor")?,
-                low_freq_factor: need("low_freq_factor")?,
-                high_freq_factor: need("high_freq_factor")?,
-                original_max_positions: need("original_max_position_embeddings")?,
-            },
+            "linear" => RopeScaling::Linear { factor: positive("factor")? },
+            "llama3" => {
+                let (low, high) = (positive("low_freq_factor")?, positive("high_freq_factor")?);
+                if high <= low {
+                    return Err(bad(
+                        "high_freq_factor",
+                        format!("{high} (must exceed low_freq_factor {low})"),
+                    ));
+                }
+                RopeScaling::Llama3 {
+                    factor: positive("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_positions: positive("original_max_position_embeddings")?,
+                }
+            }
             "yarn" => {
-                let factor = need("factor")?;
+                let factor = positive("factor")?;
                 let mscale = |m: f32| if factor <= 1.0 { 1.0 } else { 0.1 * m * factor.ln() + 1.0 };
                 let attention_factor =
                     match (num("attention_factor")?, num("mscale")?, num("mscale_all_dim")?) {
@@ -464,6 +478,17 @@ mod tests {
             "num_experts_per_tok"
         );
         assert_eq!(field(parse(r#", "model_type": "llama", "hidden_act": "gelu""#)), "hidden_act");
+        assert_eq!(
+            field(parse(r#", "model_type": "llama", "rope_scaling": {"type": "linear", "factor": 0}"#)),
+            "rope_scaling.factor"
+        );
+        assert_eq!(
+            field(parse(
+                r#", "rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+                "high_freq_factor": 4, "original_max_position_embeddings": 8192}"#
+            )),
+            "rope_scaling.high_freq_factor"
+        );
         assert!(matches!(ModelConfig::from_json("{}"), Err(ModelError::Format { .. })));
         assert!(matches!(
             ModelConfig::from_json(&format!(

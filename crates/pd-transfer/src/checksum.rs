@@ -26,6 +26,17 @@ pub fn crc32c(data: &[u8]) -> u32 {
     crate::sys::crc32c_hw(data).unwrap_or_else(|| crc32c_portable(data))
 }
 
+/// The checksum a `Block` carries: CRC-32C over its transfer, epoch and index and the CRC-32C of its
+/// bytes, so a block that arrives whole but in the wrong place (a flipped index) fails too.
+pub fn block_checksum(key: crate::TransferKey, index: u32, data: &[u8]) -> u32 {
+    let mut head = [0u8; 20];
+    head[..8].copy_from_slice(&key.transfer.to_le_bytes());
+    head[8..12].copy_from_slice(&key.epoch.to_le_bytes());
+    head[12..16].copy_from_slice(&index.to_le_bytes());
+    head[16..].copy_from_slice(&crc32c(data).to_le_bytes());
+    crc32c(&head)
+}
+
 fn crc32c_portable(data: &[u8]) -> u32 {
     !data.iter().fold(u32::MAX, |c, &b| TABLE[((c ^ u32::from(b)) & 0xff) as usize] ^ (c >> 8))
 }

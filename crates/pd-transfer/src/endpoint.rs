@@ -287,13 +287,13 @@ impl Endpoint {
                 sender.handle_message(peer, msg);
             }
             Arrival::Block { peer, key, index, data, crc } => {
-                if crc.is_some_and(|c| c != crate::checksum::crc32c(data)) {
+                let Some(dst) = receiver.accept_block(peer, key, index, data.len()) else { return };
+                if crc.is_some_and(|c| c != crate::checksum::block_checksum(key, index, data)) {
                     // Corrupted on the way: the transfer fails; nothing is decoded from these bytes.
                     stats.checksum_failures += 1;
                     receiver.fail(key.transfer, crate::FailReason::Checksum);
                     return;
                 }
-                let Some(dst) = receiver.accept_block(peer, key, index, data.len()) else { return };
                 if kv.check_write(TransferId(key.transfer), dst.block, dst.block_epoch).is_err() {
                     return; // a late or foreign block: never written
                 }
@@ -357,7 +357,7 @@ impl Endpoint {
                         self.sender.abort(key.transfer);
                         continue;
                     }
-                    let crc = crate::checksum::crc32c(&self.block_buf);
+                    let crc = crate::checksum::block_checksum(key, index, &self.block_buf);
                     let msg = Message::Block { key, index, len: self.block_buf.len() as u32, crc };
                     self.transport.send(peer, &msg, &self.block_buf);
                     self.stats.bytes_sent += self.block_buf.len() as u64;

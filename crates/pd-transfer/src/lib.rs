@@ -50,7 +50,7 @@ mod sender;
 mod sys;
 pub mod transport;
 
-pub use checksum::crc32c;
+pub use checksum::{block_checksum, crc32c};
 pub use endpoint::{BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, Side, Source};
 pub use error::TransferError;
 pub use message::{

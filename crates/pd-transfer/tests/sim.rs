@@ -131,7 +131,7 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
                         kv_p.lease(TransferId(key.transfer)).expect("a sending transfer holds its lease");
                     assert!(lease.blocks.contains(&block));
                     let data = mem_p[&block].clone();
-                    let crc = pdserve_pd_transfer::crc32c(&data);
+                    let crc = pdserve_pd_transfer::block_checksum(key, index, &data);
                     (peer, Message::Block { key, index, len: data.len() as u32, crc }, data)
                 }
             };

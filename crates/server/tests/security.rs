@@ -66,6 +66,11 @@ fn workers_with_a_secret_serve_their_stack_only() {
     let key = [("authorization", "Bearer k1")];
     assert_eq!(w.request("POST", "/tokenize", r#"{"prompt":"Hi"}"#, &key).status(), 401);
     assert_eq!(w.request("GET", "/debug/requests", "", &key).status(), 401);
+    drop(w);
+    // An API key alone (no secret) still guards /v1/*.
+    let w = Worker::start(&["--api-key", "k1"]);
+    assert_eq!(w.request("POST", "/v1/completions", completion, &[]).status(), 401);
+    assert_eq!(w.request("POST", "/v1/completions", completion, &key).status(), 200);
     std::fs::remove_file(file).unwrap();
 }
 

@@ -175,11 +175,20 @@ impl Frontend {
             self.engine.poll(Instant::now(), &mut outputs);
             for o in outputs.drain(..) {
                 let id = o.id();
+                let conn = self.live.get(&id).and_then(|l| l.conn);
                 if catch_unwind(AssertUnwindSafe(|| self.output(o))).is_err() {
                     // One request's bug while rendering its answer (parsing its tool calls, say): it
                     // ends with an error, everyone else is served on.
                     let e = ApiError::new(ErrorKind::Internal, "internal error while rendering the answer");
-                    self.fail(id, &e);
+                    if !self.fail(id, &e) {
+                        // Taken off the table before the panic (its answer was being built): answer
+                        // its connection anyway, or close it if its stream had started.
+                        if let Some(c) = conn {
+                            if self.server.respond(c, &Response::error(&e, None)).is_err() {
+                                self.server.close(c);
+                            }
+                        }
+                    }
                 }
             }
             self.outputs = outputs;
@@ -219,18 +228,15 @@ impl Frontend {
         }
     }
 
-    /// Whether `req` may be served: with a cluster secret, only requests that carry it, the probes
-    /// when they are open, and `/v1/*` with the API key. `Ok(true)`: it came from inside the stack.
+    /// Whether `req` may be served: `/v1/*` with the worker's API key if it has one; with a cluster
+    /// secret, everything else only with the secret (the probes without it when they are open).
+    /// `Ok(true)`: it came from inside the stack (the secret, or a worker with neither secret nor
+    /// key, open as on one trusted host), so it may carry a KV handle.
     fn authorize(&self, req: &Request, path: &str) -> Result<bool, ApiError> {
         let c = &self.config;
-        let Some(secret) = c.cluster_secret.as_deref() else { return Ok(true) };
-        if secret_matches(req.header_str(header::CLUSTER_SECRET), secret) {
+        let secret = c.cluster_secret.as_deref();
+        if secret.is_some_and(|s| secret_matches(req.header_str(header::CLUSTER_SECRET), s)) {
             return Ok(true);
-        }
-        let probe = matches!(path, path::HEALTH_LIVE | path::HEALTH_READY | path::HEALTH | path::METRICS)
-            || path == path::HEALTH_GENERATE;
-        if probe && c.open_probes {
-            return Ok(false);
         }
         if let Some(key) = c.api_key.as_deref().filter(|_| path.starts_with("/v1/")) {
             let bearer = req.header_str(header::AUTHORIZATION).and_then(|h| h.strip_prefix("Bearer "));
@@ -240,8 +246,19 @@ impl Frontend {
             let msg = "missing or wrong API key (Authorization: Bearer ... or x-api-key)";
             return Err(ApiError::new(ErrorKind::Unauthorized, msg));
         }
-        let msg = format!("this worker serves its stack only: missing or wrong `{}`", header::CLUSTER_SECRET);
-        Err(ApiError::new(ErrorKind::Unauthorized, msg))
+        let probe = matches!(path, path::HEALTH_LIVE | path::HEALTH_READY | path::HEALTH | path::METRICS)
+            || path == path::HEALTH_GENERATE;
+        match secret {
+            None => Ok(c.api_key.is_none()),
+            Some(_) if probe && c.open_probes => Ok(false),
+            Some(_) => {
+                let msg = format!(
+                    "this worker serves its stack only: missing or wrong `{}`",
+                    header::CLUSTER_SECRET
+                );
+                Err(ApiError::new(ErrorKind::Unauthorized, msg))
+            }
+        }
     }
 
     fn handle(&mut self, conn: ConnId, rid: &str, req: Request) {
@@ -500,18 +517,19 @@ impl Frontend {
     }
 
     /// Ends live request `id` with `e`: the engine drops it, its client gets the error (an error
-    /// event if its stream had started).
-    fn fail(&mut self, id: Id, e: &ApiError) {
+    /// event if its stream had started). False if it was not live.
+    fn fail(&mut self, id: Id, e: &ApiError) -> bool {
         self.engine.abort(id);
         if let Some(gid) = self.live.get(&id).and_then(|l| l.group) {
             self.live.remove(&id);
-            return self.group_failed(gid, e);
+            self.group_failed(gid, e);
+            return true;
         }
-        let Some(l) = self.remove(id) else { return };
-        let Some(conn) = l.conn else { return };
+        let Some(l) = self.remove(id) else { return false };
+        let Some(conn) = l.conn else { return true };
         if !l.started {
             let _ = self.server.respond(conn, &Self::error_response(&l, e));
-            return;
+            return true;
         }
         let frames = openai::stream_error_frames(&l.meta, e, &l.request_id);
         if self.server.send_chunk(conn, frames.as_bytes()).is_ok() {
@@ -519,6 +537,7 @@ impl Frontend {
         } else {
             self.server.close(conn);
         }
+        true
     }
 
     fn remove(&mut self, id: Id) -> Option<Live> {
