@@ -484,7 +484,7 @@ mod tests {
         );
         assert_eq!(
             field(parse(
-                r#", "rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
+                r#", "model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8, "low_freq_factor": 4,
                 "high_freq_factor": 4, "original_max_position_embeddings": 8192}"#
             )),
             "rope_scaling.high_freq_factor"

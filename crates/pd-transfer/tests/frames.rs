@@ -43,7 +43,10 @@ fn every_message_round_trips_even_byte_by_byte() {
             vec![],
         ),
         (Message::Reject { key, reason: FailReason::BlockCountMismatch { sender: 3, receiver: 4 } }, vec![]),
-        (Message::Block { key, index: 5, len: data.len() as u32, crc: block_checksum(key, 5, &data) }, data.clone()),
+        (
+            Message::Block { key, index: 5, len: data.len() as u32, crc: block_checksum(key, 5, &data) },
+            data.clone(),
+        ),
         (Message::Ack { key, written: 4 }, vec![]),
         (Message::Done { key }, vec![]),
         (Message::Abort { key, reason: FailReason::LeaseExpired }, vec![]),
