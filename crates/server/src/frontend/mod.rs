@@ -6,13 +6,12 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::anthropic::{self, MessageStream};
-use pdserve_api::header::secret_matches;
 use pdserve_api::openai::{
     self, sse, Constraint, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage,
 };
 use pdserve_api::tools::{Piece, ToolCall, ToolCallParser, ToolChoice};
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role};
-use pdserve_engine::{Engine, Finish, Id, Input, Output, PanicSite, Request as EngineRequest, Timings};
+use pdserve_engine::{Engine, Finish, Id, Input, Output, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
 use pdserve_model::{ChatMessage, SamplingParams};
 use pdserve_telemetry::Gauge;
@@ -228,39 +227,6 @@ impl Frontend {
         }
     }
 
-    /// Whether `req` may be served: `/v1/*` with the worker's API key if it has one; with a cluster
-    /// secret, everything else only with the secret (the probes without it when they are open).
-    /// `Ok(true)`: it came from inside the stack (the secret, or a worker with neither secret nor
-    /// key, open as on one trusted host), so it may carry a KV handle.
-    fn authorize(&self, req: &Request, path: &str) -> Result<bool, ApiError> {
-        let c = &self.config;
-        let secret = c.cluster_secret.as_deref();
-        if secret.is_some_and(|s| secret_matches(req.header_str(header::CLUSTER_SECRET), s)) {
-            return Ok(true);
-        }
-        if let Some(key) = c.api_key.as_deref().filter(|_| path.starts_with("/v1/")) {
-            let bearer = req.header_str(header::AUTHORIZATION).and_then(|h| h.strip_prefix("Bearer "));
-            if secret_matches(bearer, key) || secret_matches(req.header_str(header::API_KEY), key) {
-                return Ok(false);
-            }
-            let msg = "missing or wrong API key (Authorization: Bearer ... or x-api-key)";
-            return Err(ApiError::new(ErrorKind::Unauthorized, msg));
-        }
-        let probe = matches!(path, path::HEALTH_LIVE | path::HEALTH_READY | path::HEALTH | path::METRICS)
-            || path == path::HEALTH_GENERATE;
-        match secret {
-            None => Ok(c.api_key.is_none()),
-            Some(_) if probe && c.open_probes => Ok(false),
-            Some(_) => {
-                let msg = format!(
-                    "this worker serves its stack only: missing or wrong `{}`",
-                    header::CLUSTER_SECRET
-                );
-                Err(ApiError::new(ErrorKind::Unauthorized, msg))
-            }
-        }
-    }
-
     fn handle(&mut self, conn: ConnId, rid: &str, req: Request) {
         let path = req.path().to_owned();
         let inside = match self.authorize(&req, &path) {
@@ -381,16 +347,7 @@ impl Frontend {
                 Prompt::Text(t) => t.clone(),
                 Prompt::Tokens(_) => String::new(),
             };
-            if let Some(at) = text.find(trigger.as_str()) {
-                let rest = &text[at + trigger.len()..];
-                let site = rest.strip_prefix('@').map(|r| r.split(|c: char| !c.is_ascii_alphabetic()).next());
-                test_site = match site.flatten() {
-                    Some("sample") => Some(Some(PanicSite::Sampling)),
-                    Some("detokenize") => Some(Some(PanicSite::Detokenizing)),
-                    Some("output") => Some(None),
-                    _ => panic!("test panic trigger in the prompt"),
-                };
-            }
+            test_site = routes::test_panic_site(&text, trigger);
         }
         let timeout = req
             .header_str(header::DEADLINE_MS)

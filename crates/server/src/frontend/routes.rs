@@ -1,11 +1,12 @@
 //! The routes that are not a generation: `/tokenize`, `/detokenize`, `/v1/models`, readiness,
-//! `/debug/requests` and `/abort/{id}`.
+//! `/debug/requests` and `/abort/{id}`; who may call any route (`authorize`); the panic test hook.
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use pdserve_api::header::{self, secret_matches};
 use pdserve_api::openai::{self, Prompt};
-use pdserve_api::{ApiError, ErrorKind, Health, Stage};
-use pdserve_engine::{Aborted, Input};
+use pdserve_api::{path, ApiError, ErrorKind, Health, Stage};
+use pdserve_engine::{Aborted, Input, PanicSite};
 use pdserve_http::{Request, Response};
 use serde_json::json;
 
@@ -116,5 +117,53 @@ impl Frontend {
                 Some(request_id),
             ),
         }
+    }
+
+    /// Whether `req` may be served: `/v1/*` with the worker's API key if it has one; with a cluster
+    /// secret, everything else only with the secret (the probes without it when they are open).
+    /// `Ok(true)`: it came from inside the stack (the secret, or a worker with neither secret nor
+    /// key, open as on one trusted host), so it may carry a KV handle.
+    pub(super) fn authorize(&self, req: &Request, path: &str) -> Result<bool, ApiError> {
+        let c = &self.config;
+        let secret = c.cluster_secret.as_deref();
+        if secret.is_some_and(|s| secret_matches(req.header_str(header::CLUSTER_SECRET), s)) {
+            return Ok(true);
+        }
+        if let Some(key) = c.api_key.as_deref().filter(|_| path.starts_with("/v1/")) {
+            let bearer = req.header_str(header::AUTHORIZATION).and_then(|h| h.strip_prefix("Bearer "));
+            if secret_matches(bearer, key) || secret_matches(req.header_str(header::API_KEY), key) {
+                return Ok(false);
+            }
+            let msg = "missing or wrong API key (Authorization: Bearer ... or x-api-key)";
+            return Err(ApiError::new(ErrorKind::Unauthorized, msg));
+        }
+        let probe = matches!(path, path::HEALTH_LIVE | path::HEALTH_READY | path::HEALTH | path::METRICS)
+            || path == path::HEALTH_GENERATE;
+        match secret {
+            None => Ok(c.api_key.is_none()),
+            Some(_) if probe && c.open_probes => Ok(false),
+            Some(_) => {
+                let msg = format!(
+                    "this worker serves its stack only: missing or wrong `{}`",
+                    header::CLUSTER_SECRET
+                );
+                Err(ApiError::new(ErrorKind::Unauthorized, msg))
+            }
+        }
+    }
+}
+
+/// Test hook: where a prompt holding `trigger` asks to panic. `None`: it does not hold it; `Some(None)`
+/// with `@output` after it (rendering the answer); `Some(Some(site))` with `@sample` or `@detokenize`.
+/// Anything else after the trigger panics right here, in the request handler.
+pub(super) fn test_panic_site(text: &str, trigger: &str) -> Option<Option<PanicSite>> {
+    let at = text.find(trigger)?;
+    let rest = &text[at + trigger.len()..];
+    let site = rest.strip_prefix('@').and_then(|r| r.split(|c: char| !c.is_ascii_alphabetic()).next());
+    match site {
+        Some("sample") => Some(Some(PanicSite::Sampling)),
+        Some("detokenize") => Some(Some(PanicSite::Detokenizing)),
+        Some("output") => Some(None),
+        _ => panic!("test panic trigger in the prompt"),
     }
 }
