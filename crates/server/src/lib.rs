@@ -120,6 +120,7 @@ pub fn run(config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Result<()
         }),
     )
     .map_err(WorkerError::Engine)?;
+    sys::trim_heap();
     let front = frontend::Frontend::new(server, config, engine).map_err(WorkerError::Io)?;
     on_ready(addr);
     // Dropping the frontend drops the engine, which ends its thread.

@@ -1,4 +1,4 @@
-//! Signal handling: the crate's only unsafe code.
+//! Signal handling and returning freed heap memory: the crate's only unsafe code.
 #![allow(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,4 +28,14 @@ pub(crate) fn request_termination() {
 
 pub(crate) fn terminate_requested() -> bool {
     TERMINATE.load(Ordering::SeqCst)
+}
+
+/// Hands the heap's free pages back to the kernel: after the model is loaded, the f32 copies the
+/// backend converted and freed would otherwise stay resident (glibc keeps freed heap memory).
+pub(crate) fn trim_heap() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only walks the allocator's own free lists; it has no preconditions.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
