@@ -35,7 +35,13 @@ fn ms(start: Instant) -> u64 {
 /// listening over TCP. Each transfer id sent on `offers` is a prompt computed (the blocks filled),
 /// leased and offered; its `Source` comes back on `sources`. Kept alive across transfers, as a
 /// worker is: its memory is faulted in once, and a receiver maps its region once.
-fn prefill_worker(n: usize, shared: bool, offers: mpsc::Receiver<u64>, sources: mpsc::Sender<Source>) {
+fn prefill_worker(
+    n: usize,
+    shared: bool,
+    checksums: bool,
+    offers: mpsc::Receiver<u64>,
+    sources: mpsc::Sender<Source>,
+) {
     let bb = layout().block_bytes();
     let start = Instant::now();
     let (mut mem, region): (Box<dyn BlockMemory>, _) = if shared {
@@ -49,6 +55,7 @@ fn prefill_worker(n: usize, shared: bool, offers: mpsc::Receiver<u64>, sources: 
     let transport = TcpTransport::bind(Some("127.0.0.1:0".parse().unwrap())).expect("listen");
     let config = EndpointConfig {
         sender: SenderConfig { shared_region: shared, ..SenderConfig::default() },
+        checksums,
         ..EndpointConfig::default()
     };
     let mut ep = Endpoint::new(Box::new(transport), layout(), config);
@@ -95,10 +102,10 @@ struct Pair {
 }
 
 impl Pair {
-    fn new(n: usize, shared: bool) -> Pair {
+    fn new(n: usize, shared: bool, checksums: bool) -> Pair {
         let (offers, offers_rx) = mpsc::channel();
         let (sources_tx, sources) = mpsc::channel();
-        let prefill = std::thread::spawn(move || prefill_worker(n, shared, offers_rx, sources_tx));
+        let prefill = std::thread::spawn(move || prefill_worker(n, shared, checksums, offers_rx, sources_tx));
         let bb = layout().block_bytes();
         let transport: Box<dyn Transport> = if shared {
             Box::new(SharedMemoryTransport::bind(None, bb).expect("transport"))
@@ -177,15 +184,15 @@ impl Drop for Pair {
 }
 
 /// Best of 3 transfers after a first one that warms the pair up (connections, mappings).
-fn best_transfer(n: usize, shared: bool) -> f64 {
-    let mut pair = Pair::new(n, shared);
+fn best_transfer(n: usize, shared: bool, checksums: bool) -> f64 {
+    let mut pair = Pair::new(n, shared, checksums);
     pair.transfer();
     (0..3).map(|_| pair.transfer()).fold(f64::MAX, f64::min)
 }
 
 fn main() {
     println!("block: {} bytes", layout().block_bytes());
-    println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency  crc32c GB/s");
+    println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency  crc32c GB/s  tcp no-crc GB/s");
     for tokens in [128usize, 2048, 8192] {
         let n = tokens.div_ceil(16);
         let src: Vec<Vec<u8>> = (0..n).map(pattern).collect();
@@ -209,10 +216,11 @@ fn main() {
                 t.elapsed().as_secs_f64()
             })
             .fold(f64::MAX, f64::min);
-        let tcp = best_transfer(n, false);
-        let shm = best_transfer(n, true);
+        let tcp = best_transfer(n, false, true);
+        let bare = best_transfer(n, false, false);
+        let shm = best_transfer(n, true, true);
         println!(
-            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms  {:>11.2}",
+            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms  {:>11.2}  {:>15.2}",
             bytes / 1e6,
             bytes / memcpy / 1e9,
             bytes / shm / 1e9,
@@ -220,7 +228,8 @@ fn main() {
             bytes / tcp / 1e9,
             memcpy / tcp,
             tcp * 1e3,
-            bytes / crc / 1e9
+            bytes / crc / 1e9,
+            bytes / bare / 1e9
         );
     }
 }

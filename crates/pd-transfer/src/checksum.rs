@@ -27,14 +27,15 @@ pub fn crc32c(data: &[u8]) -> u32 {
 }
 
 /// The checksum a `Block` carries: CRC-32C over its transfer, epoch and index and the CRC-32C of its
-/// bytes, so a block that arrives whole but in the wrong place (a flipped index) fails too.
+/// bytes, so a block that arrives whole but in the wrong place (a flipped index) fails too. Never 0
+/// (0 marks a block sent without one).
 pub fn block_checksum(key: crate::TransferKey, index: u32, data: &[u8]) -> u32 {
     let mut head = [0u8; 20];
     head[..8].copy_from_slice(&key.transfer.to_le_bytes());
     head[8..12].copy_from_slice(&key.epoch.to_le_bytes());
     head[12..16].copy_from_slice(&index.to_le_bytes());
     head[16..].copy_from_slice(&crc32c(data).to_le_bytes());
-    crc32c(&head)
+    crc32c(&head).max(1)
 }
 
 fn crc32c_portable(data: &[u8]) -> u32 {

@@ -74,11 +74,20 @@ pub struct EndpointConfig {
     /// The first epoch this endpoint gives its offers (different per process, so a handle from an
     /// earlier incarnation of the worker is refused as stale).
     pub epoch_seed: u32,
+    /// Blocks sent inline carry their checksum (on by default; a receiver checks every block that
+    /// carries one, and a block sent with checksums off carries 0, which is never checked).
+    pub checksums: bool,
 }
 
 impl Default for EndpointConfig {
     fn default() -> Self {
-        EndpointConfig { sender: SenderConfig::default(), ack_every: 4, pulls_max: 1024, epoch_seed: 1 }
+        EndpointConfig {
+            sender: SenderConfig::default(),
+            ack_every: 4,
+            pulls_max: 1024,
+            epoch_seed: 1,
+            checksums: true,
+        }
     }
 }
 
@@ -288,6 +297,7 @@ impl Endpoint {
             }
             Arrival::Block { peer, key, index, data, crc } => {
                 let Some(dst) = receiver.accept_block(peer, key, index, data.len()) else { return };
+                let crc = crc.filter(|&c| c != 0);
                 if crc.is_some_and(|c| c != crate::checksum::block_checksum(key, index, data)) {
                     // Corrupted on the way: the transfer fails; nothing is decoded from these bytes.
                     stats.checksum_failures += 1;
@@ -357,7 +367,11 @@ impl Endpoint {
                         self.sender.abort(key.transfer);
                         continue;
                     }
-                    let crc = crate::checksum::block_checksum(key, index, &self.block_buf);
+                    let crc = if self.config.checksums {
+                        crate::checksum::block_checksum(key, index, &self.block_buf)
+                    } else {
+                        0
+                    };
                     let msg = Message::Block { key, index, len: self.block_buf.len() as u32, crc };
                     self.transport.send(peer, &msg, &self.block_buf);
                     self.stats.bytes_sent += self.block_buf.len() as u64;
