@@ -311,7 +311,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     for p in &procs {
         writeln!(out, "  {:<10} {:<28} log: {}", p.name, p.url, p.log.display())?;
     }
-    writeln!(out, "try:\n  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32,\"temperature\":0.2}}'")?;
+    writeln!(out, "try:\n  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32,\"temperature\":0}}'")?;
     if !unified {
         writeln!(out, "where is every request:  cargo xtask where --url {url}")?;
     }
