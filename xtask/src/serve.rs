@@ -331,7 +331,7 @@ struct Restarts {
 /// Watches `procs` until Ctrl-C or SIGTERM (then stops them all, workers draining first): a process
 /// that exits is reported and started again on its address after its backoff (1 s, doubled after
 /// each death within a minute of its start, at most 30 s).
-fn supervise(procs: &mut Vec<Proc>) -> Result<()> {
+fn supervise(procs: &mut [Proc]) -> Result<()> {
     let now = Instant::now();
     let mut state: Vec<Restarts> = procs
         .iter()
