@@ -24,12 +24,7 @@ fn script(args: &[&str]) -> Vec<u8> {
 
 /// A tiny checkpoint of `config` with the default model's vocabulary and tokenizer files.
 fn tiny(name: &str, config: Value) -> PathBuf {
-    let model = pdserve_import::fetch::ensure_default_model(
-        &pdserve_import::fetch::models_dir(),
-        &mut pdserve_import::Silent,
-        false,
-    )
-    .expect("default model");
+    let model = common::default_model();
     let dir = std::env::temp_dir().join(format!("pdserve-served-arch-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let mut c = json!({"vocab_size": 49152});

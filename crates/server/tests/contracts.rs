@@ -175,6 +175,18 @@ fn bad_input_gets_the_right_status_and_nothing_else_is_disturbed() {
     assert_eq!(s, 200, "{v}");
 }
 
+/// A chat completion of exactly `tokens` tokens on a thread of its own: its status and body.
+fn chat_in_background(w: &Worker, content: &str, tokens: u32) -> thread::JoinHandle<(u16, Vec<u8>)> {
+    let (addr, body) = (w.addr, chat(content, &format!(r#","max_tokens":{tokens},"ignore_eos":true"#)));
+    thread::spawn(move || {
+        let client = pdserve_http::HttpClient::new(Default::default());
+        let mut r = pdserve_http::Request::new("POST", "/v1/chat/completions");
+        r.body = body.into_bytes();
+        let resp = client.send(addr, &r, Instant::now() + Duration::from_secs(120)).unwrap();
+        (resp.status(), resp.read_to_end().unwrap())
+    })
+}
+
 #[test]
 fn a_panic_fails_one_request_and_the_worker_keeps_serving() {
     let w = Worker::start(&["--test-panic-on", "PANIC-NOW"]);
@@ -185,14 +197,7 @@ fn a_panic_fails_one_request_and_the_worker_keeps_serving() {
     assert_eq!(w.json("GET", "/health/ready", "").0, 200);
     // Panics inside the engine and while rendering: each fails its own request, with the place named,
     // while another request in the same batches runs to its end.
-    let (addr, body) = (w.addr, chat("Count from one to fifty.", r#","max_tokens":48,"ignore_eos":true"#));
-    let bystander = thread::spawn(move || {
-        let client = pdserve_http::HttpClient::new(Default::default());
-        let mut r = pdserve_http::Request::new("POST", "/v1/chat/completions");
-        r.body = body.into_bytes();
-        let resp = client.send(addr, &r, Instant::now() + Duration::from_secs(120)).unwrap();
-        (resp.status(), resp.read_to_end().unwrap())
-    });
+    let bystander = chat_in_background(&w, "Count from one to fifty.", 48);
     thread::sleep(Duration::from_millis(200));
     for (site, says) in [("sample", "sampling"), ("detokenize", "detokenizing"), ("output", "rendering")] {
         let (s, v) =
@@ -221,14 +226,7 @@ fn a_panic_fails_one_request_and_the_worker_keeps_serving() {
 #[test]
 fn sigterm_drains_then_exits() {
     let mut w = Worker::start(&[]);
-    let (addr, body) = (w.addr, chat("Count from one to twenty.", r#","max_tokens":40,"ignore_eos":true"#));
-    let running = thread::spawn(move || {
-        let client = pdserve_http::HttpClient::new(Default::default());
-        let mut r = pdserve_http::Request::new("POST", "/v1/chat/completions");
-        r.body = body.into_bytes();
-        let resp = client.send(addr, &r, Instant::now() + Duration::from_secs(60)).unwrap();
-        (resp.status(), resp.read_to_end().unwrap())
-    });
+    let running = chat_in_background(&w, "Count from one to twenty.", 40);
     // SIGTERM only once the request is in the engine (a request that arrives while draining gets 503).
     let start = Instant::now();
     while w.json("GET", "/debug/requests", "").1["requests"].as_array().unwrap().is_empty() {

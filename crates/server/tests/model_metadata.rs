@@ -11,12 +11,7 @@ use serde_json::{json, Value};
 /// A model folder of the default model's files (linked), with `generation_config.json` replaced and
 /// `tokenizer_config.json` patched.
 fn folder(name: &str, generation: &Value, tokenizer_patch: &Value) -> PathBuf {
-    let model = pdserve_import::fetch::ensure_default_model(
-        &pdserve_import::fetch::models_dir(),
-        &mut pdserve_import::Silent,
-        false,
-    )
-    .expect("default model");
+    let model = common::default_model();
     let dir = std::env::temp_dir().join(format!("pdserve-meta-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();

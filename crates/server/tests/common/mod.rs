@@ -19,15 +19,20 @@ pub struct Worker {
     pub client: HttpClient,
 }
 
+/// The default model's folder, fetched and imported on first use.
+pub fn default_model() -> std::path::PathBuf {
+    pdserve_import::fetch::ensure_default_model(
+        &pdserve_import::fetch::models_dir(),
+        &mut pdserve_import::Silent,
+        false,
+    )
+    .expect("default model")
+}
+
 impl Worker {
     /// Starts `pdserve-server` with `args` (the default model, fetched if needed).
     pub fn start(args: &[&str]) -> Worker {
-        let model = pdserve_import::fetch::ensure_default_model(
-            &pdserve_import::fetch::models_dir(),
-            &mut pdserve_import::Silent,
-            false,
-        )
-        .expect("default model");
+        let model = default_model();
         let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
             .args(["--port", "0", "--kv-blocks", "256", "--exit-on-stdin-eof", "--model"])
             .arg(model)
