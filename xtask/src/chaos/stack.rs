@@ -144,6 +144,13 @@ impl Stack {
             for p in self.procs.iter().filter(|p| p.name != "router" && !skip.contains(&p.name.as_str())) {
                 let (_, m) = get(&p.url, "/metrics")?;
                 let m = String::from_utf8_lossy(&m);
+                // A series that is not there is a failure, never read as zero.
+                let gauge = |key: &str| -> Result<f64> {
+                    m.lines()
+                        .find_map(|l| l.strip_prefix(key).map(str::trim))
+                        .and_then(|v| v.parse::<f64>().ok())
+                        .with_context(|| format!("{}: {key} is missing from /metrics", p.name))
+                };
                 for key in [
                     "kv_blocks{owner=\"sequence\"}",
                     "kv_blocks{owner=\"transfer\"}",
@@ -151,24 +158,16 @@ impl Stack {
                     "requests_running",
                     "requests_waiting",
                 ] {
-                    let val = m
-                        .lines()
-                        .find_map(|l| l.strip_prefix(key).map(str::trim))
-                        .and_then(|v| v.parse::<f64>().ok());
-                    if val.is_some_and(|x| x != 0.0) {
-                        left.push(format!("{}: {key} = {}", p.name, val.unwrap_or_default()));
+                    let val = gauge(key)?;
+                    if val != 0.0 {
+                        left.push(format!("{}: {key} = {val}", p.name));
                     }
                 }
                 // What is not held is free or cached (evictable): no block is lost.
-                let gauge = |key: &str| {
-                    m.lines()
-                        .find_map(|l| l.strip_prefix(key).map(str::trim))
-                        .and_then(|v| v.parse::<f64>().ok())
-                };
                 let (free, cached) =
-                    (gauge("kv_blocks{owner=\"free\"}"), gauge("kv_blocks{owner=\"cache\"}"));
-                if free.unwrap_or(0.0) + cached.unwrap_or(0.0) != KV_BLOCKS as f64 {
-                    left.push(format!("{}: {free:?} free + {cached:?} cached blocks of {KV_BLOCKS}", p.name));
+                    (gauge("kv_blocks{owner=\"free\"}")?, gauge("kv_blocks{owner=\"cache\"}")?);
+                if free + cached != KV_BLOCKS as f64 {
+                    left.push(format!("{}: {free} free + {cached} cached blocks of {KV_BLOCKS}", p.name));
                 }
             }
             if left.is_empty() {
