@@ -14,7 +14,7 @@ pdserve-server [options]
   --host ADDR              bind address (default 127.0.0.1)
   --port N                 port (default 8000; 0 picks a free one)
   --model DIR              Hugging Face model folder (default: the default model, fetched if missing)
-  --model-name NAME        name clients use in `model` (default: the folder name)
+  --model-name NAME        name clients use in `model` (default: the folder name; also --served-model-name)
   --name NAME              this process's name in /debug/requests (default worker)
   --role ROLE              unified (default), prefill or decode
   --transfer-addr ADDR     prefill role: where decode workers pull KV from (default 127.0.0.1:0)
@@ -24,16 +24,17 @@ pdserve-server [options]
                            32) for CPU decode steps, q8/q4 running longer steps on bf16 GEMMs where the CPU
                            has AVX-512 BF16; the f32 copies are freed where nothing reads them
   --kv-dtype TYPE          CPU KV cache values: f16 (default), bf16 or f32 (the reference; twice the bytes)
-  --max-queued N           admission queue bound (default 256)
-  --max-running N          running batch bound (default 64)
-  --max-batch-tokens N     tokens per engine step (default 2048)
+  --max-queued N           admission queue bound (default 256; also --max-queued-requests)
+  --max-running N          running batch bound (default 64; also --max-running-requests)
+  --max-batch-tokens N     tokens per engine step (default 2048; also --max-num-batched-tokens)
   --transfer-step-tokens N prefill role: tokens per step while KV transfers are live (default 256)
   --tool-parser FORMAT     the format tool calls are written and read in: hermes, llama3 or mistral
                            (default: the chat template's; hermes for a template without one)
   --admission ORDER        least-work (default: the fewest uncached prompt tokens first, a request
                            overtaken for at most 60 s plus its tokens / 100 per s) or fifo
-  --prefill-chunk N        prefill chunk per request per step (default 512)
-  --max-context N          context cap in tokens (default: the model's maximum, or what the KV pool holds if less)
+  --prefill-chunk N        prefill chunk per request per step (default 512; also --chunked-prefill-size)
+  --max-context N          context cap in tokens (default: the model's maximum, or what the KV pool holds if
+                           less; also --context-length, --max-model-len)
   --kv-blocks N            KV cache blocks (default 1024)
   --block-size N           tokens per KV block (default 16)
   --timeout-s S            default request deadline in seconds (default 600)
@@ -73,6 +74,31 @@ fn main() -> ExitCode {
     }
 }
 
+/// The options that take a value, besides `--host`, `--port`, `--model` and `--role`.
+const VALUED: &[&str] = &[
+    "--model-name",
+    "--name",
+    "--max-queued",
+    "--max-running",
+    "--max-batch-tokens",
+    "--transfer-step-tokens",
+    "--admission",
+    "--tool-parser",
+    "--prefill-chunk",
+    "--max-context",
+    "--kv-blocks",
+    "--block-size",
+    "--timeout-s",
+    "--drain-timeout-s",
+    "--test-panic-on",
+    "--api-key",
+    "--cluster-secret-file",
+    "--device",
+    "--kv-dtype",
+    "--weights",
+    "--transfer-addr",
+];
+
 fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
     let mut host = "127.0.0.1".to_owned();
     let mut port = 8000u16;
@@ -104,8 +130,22 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 sets.push(("--role".into(), r));
             }
             other => {
+                // SGLang's and vLLM's names for the same settings.
+                let name = match other {
+                    "--max-running-requests" => "--max-running",
+                    "--max-queued-requests" => "--max-queued",
+                    "--context-length" | "--max-model-len" => "--max-context",
+                    "--chunked-prefill-size" => "--prefill-chunk",
+                    "--max-num-batched-tokens" => "--max-batch-tokens",
+                    "--served-model-name" => "--model-name",
+                    n => n,
+                };
+                // Refused here, before the default model is fetched.
+                if !VALUED.contains(&name) {
+                    return Err(format!("unknown option {other}"));
+                }
                 let v = val()?;
-                sets.push((other.to_owned(), v));
+                sets.push((name.to_owned(), v));
             }
         }
     }

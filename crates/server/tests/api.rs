@@ -150,3 +150,43 @@ fn models_health_metrics_and_debug() {
     let v: serde_json::Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
     assert_eq!(v["id"], "chatcmpl-my-id-7");
 }
+
+/// The option names SGLang and vLLM users type work beside the project's own; an unknown option is
+/// refused at once, before the default model would be fetched.
+#[test]
+fn sglang_and_vllm_option_names_work_and_an_unknown_one_is_refused_first() {
+    let w = Worker::start(&[
+        "--served-model-name",
+        "smol",
+        "--max-model-len",
+        "512",
+        "--max-running-requests",
+        "8",
+    ]);
+    let (s, v) = w.json("GET", "/v1/models", "");
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (v["data"][0]["id"].as_str(), v["data"][0]["max_model_len"].as_u64()),
+        (Some("smol"), Some(512)),
+        "{v}"
+    );
+    // A home with no model cache: had the option been read after the fetch, this would download.
+    let home = std::env::temp_dir().join(format!("pdserve-empty-home-{}", std::process::id()));
+    std::fs::create_dir_all(&home).unwrap();
+    let started = std::time::Instant::now();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        .args(["--port", "0", "--max-num-seqs-typo", "4"])
+        .env("HOME", &home)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("unknown option --max-num-seqs-typo"), "{err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "refused only after {:?}",
+        started.elapsed()
+    );
+    assert!(std::fs::read_dir(&home).unwrap().next().is_none(), "something was written under HOME");
+    std::fs::remove_dir_all(&home).unwrap();
+}
