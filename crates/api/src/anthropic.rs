@@ -6,7 +6,7 @@
 use serde_json::{json, Map, Value};
 
 use crate::openai::{Meta, Usage};
-use crate::pd::HANDLE_FIELD;
+use crate::pd::{HANDLE_FIELD, RESUME_FIELD};
 use crate::tools::ToolCall;
 use crate::ApiError;
 
@@ -32,6 +32,7 @@ const FIELDS: &[&str] = &[
     // This stack's own: the request's deadline, and a decode worker's KV handle.
     "timeout",
     HANDLE_FIELD,
+    RESUME_FIELD,
 ];
 
 fn invalid(msg: impl Into<String>) -> ApiError {
@@ -156,7 +157,7 @@ pub fn to_chat_body(body: &[u8]) -> Result<Value, ApiError> {
     }
     let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
     let mut chat = Map::new();
-    for k in ["model", "stream", "temperature", "top_p", "top_k", "timeout", HANDLE_FIELD] {
+    for k in ["model", "stream", "temperature", "top_p", "top_k", "timeout", HANDLE_FIELD, RESUME_FIELD] {
         if let Some(v) = get(k) {
             chat.insert(k.to_owned(), v.clone());
         }

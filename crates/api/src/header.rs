@@ -15,6 +15,10 @@ pub const API_KEY: &str = "x-api-key";
 /// (`--cluster-secret-file`, or `PDSERVE_CLUSTER_SECRET`): workers refuse requests without it.
 pub const CLUSTER_SECRET: &str = "x-pdserve-cluster-secret";
 
+/// On a request from the router: write the stream's resume marks ([`crate::pd::mark`]), so the router
+/// can move the request to another worker mid-stream. On the worker's answer: it does.
+pub const RESUMABLE: &str = "x-pdserve-resumable";
+
 /// The environment variable that holds the cluster secret when no file names it.
 pub const CLUSTER_SECRET_ENV: &str = "PDSERVE_CLUSTER_SECRET";
 

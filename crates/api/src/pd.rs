@@ -72,22 +72,111 @@ pub fn handle_bytes(prefill_answer: &[u8]) -> Option<&[u8]> {
 /// The decode leg's body: the client's JSON object with the handle added as its first member (the
 /// client's bytes are copied, never re-serialized). `None` if `body` is not a JSON object.
 pub fn splice_handle(body: &[u8], handle: &[u8]) -> Option<Vec<u8>> {
+    splice_field(body, HANDLE_FIELD, handle)
+}
+
+/// `body` (a JSON object) with member `name` = `value` (raw JSON) added first; the rest of the bytes
+/// copied as they are. `None` if `body` is not a JSON object.
+pub fn splice_field(body: &[u8], name: &str, value: &[u8]) -> Option<Vec<u8>> {
     let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
     if body[open] != b'{' {
         return None;
     }
     let rest = &body[open + 1..];
     let empty = rest.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'}');
-    let mut out = Vec::with_capacity(body.len() + handle.len() + 20);
+    let mut out = Vec::with_capacity(body.len() + value.len() + name.len() + 8);
     out.extend_from_slice(b"{\"");
-    out.extend_from_slice(HANDLE_FIELD.as_bytes());
+    out.extend_from_slice(name.as_bytes());
     out.extend_from_slice(b"\":");
-    out.extend_from_slice(handle);
+    out.extend_from_slice(value);
     if !empty {
         out.push(b',');
     }
     out.extend_from_slice(rest);
     Some(out)
+}
+
+/// The member of a re-dispatched request's body (router to worker only) that says how to go on from
+/// what the client already has: see [`Resume`].
+pub const RESUME_FIELD: &str = "pd_resume";
+
+/// A request the router moves to another worker mid-answer (its first worker died, stalled or lost
+/// the KV): the worker computes the prompt followed by `tokens`, treats those as already generated and
+/// already sent (they count in `usage`, the sampler's seeded stream is past them, stop strings and
+/// tool calls see their text), and streams only what comes after them, under the client's response
+/// `id` and `created`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Resume {
+    /// The client's request id (the worker's own `x-request-id` names the attempt).
+    pub request_id: String,
+    /// The response's `created`, when the client has seen one.
+    pub created: Option<u64>,
+    /// Tokens generated and delivered before the move, in order.
+    pub tokens: Vec<u32>,
+}
+
+impl Resume {
+    pub fn to_json(&self) -> Value {
+        json!({"request_id": self.request_id, "created": self.created, "tokens": self.tokens})
+    }
+
+    pub fn from_json(v: &Value) -> Result<Resume, ApiError> {
+        let bad =
+            |f: &str| ApiError::invalid(format!("`{RESUME_FIELD}.{f}` is missing or has the wrong type"));
+        let tokens = v.get("tokens").and_then(Value::as_array).ok_or_else(|| bad("tokens"))?;
+        Ok(Resume {
+            request_id: v
+                .get("request_id")
+                .and_then(Value::as_str)
+                .ok_or_else(|| bad("request_id"))?
+                .to_owned(),
+            created: match v.get("created") {
+                None | Some(Value::Null) => None,
+                Some(c) => Some(c.as_u64().ok_or_else(|| bad("created"))?),
+            },
+            tokens: tokens
+                .iter()
+                .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                .collect::<Option<Vec<u32>>>()
+                .ok_or_else(|| bad("tokens"))?,
+        })
+    }
+}
+
+/// The stream marks a worker writes for the router when the request asks for them
+/// ([`header::RESUMABLE`](crate::header::RESUMABLE)): server-sent-event comments, which clients
+/// ignore and the router takes out of the stream.
+pub mod mark {
+    /// `: pdserve-tokens CREATED ID ID...`: the events before it are exactly what the worker made of
+    /// the request's tokens so far, these ids the newest of them.
+    pub const TOKENS: &str = ": pdserve-tokens ";
+    /// `: pdserve-retry KIND`: the request failed here in a way another worker may not (the KV did not
+    /// arrive); the error events after it are for the client only if no other worker can take it.
+    pub const RETRY: &str = ": pdserve-retry ";
+
+    /// The tokens mark, as one event.
+    pub fn tokens(created: u64, ids: &[u32]) -> String {
+        let mut s = format!("{TOKENS}{created}");
+        for id in ids {
+            s.push(' ');
+            s.push_str(&id.to_string());
+        }
+        s.push_str("\n\n");
+        s
+    }
+
+    /// What a mark event says: `Some(Ok((created, ids)))` for a tokens mark, `Some(Err(kind))` for a
+    /// retry mark, `None` for any other event (or a malformed mark).
+    pub fn read(event: &[u8]) -> Option<Result<(u64, Vec<u32>), String>> {
+        let text = std::str::from_utf8(event).ok()?.trim_end();
+        if let Some(rest) = text.strip_prefix(TOKENS) {
+            let mut it = rest.split(' ');
+            let created = it.next()?.parse().ok()?;
+            let ids = it.map(|t| t.parse().ok()).collect::<Option<Vec<u32>>>()?;
+            return Some(Ok((created, ids)));
+        }
+        text.strip_prefix(RETRY).map(|k| Err(k.to_owned()))
+    }
 }
 
 #[cfg(test)]
@@ -118,5 +207,26 @@ mod tests {
         let h = handle_bytes(br#"{"pd_transfer":{"transfer":3,"shm":null},"usage":{}}"#).unwrap();
         assert_eq!(h, br#"{"transfer":3,"shm":null}"#);
         assert!(handle_bytes(br#"{"usage":{}}"#).is_none());
+    }
+
+    #[test]
+    fn resume_and_marks_round_trip() {
+        let r = Resume { request_id: "r1".into(), created: Some(17), tokens: vec![5, 0, 70000] };
+        assert_eq!(Resume::from_json(&r.to_json()).unwrap(), r);
+        let r0 = Resume { created: None, tokens: vec![], ..r.clone() };
+        assert_eq!(Resume::from_json(&r0.to_json()).unwrap(), r0);
+        let e = Resume::from_json(&json!({"request_id": "r", "tokens": [1, -2]})).unwrap_err();
+        assert!(e.message.contains("pd_resume.tokens"), "{e}");
+        assert!(Resume::from_json(&json!({"tokens": []})).is_err());
+        let m = mark::tokens(17, &[3, 4]);
+        assert_eq!(m, ": pdserve-tokens 17 3 4\n\n");
+        assert_eq!(mark::read(m.as_bytes()), Some(Ok((17, vec![3, 4]))));
+        assert_eq!(mark::read(b": pdserve-tokens 9\n\n"), Some(Ok((9, vec![]))));
+        assert_eq!(
+            mark::read(b": pdserve-retry kv_transfer_failed\n\n"),
+            Some(Err("kv_transfer_failed".into()))
+        );
+        assert_eq!(mark::read(b"data: {}\n\n"), None);
+        assert_eq!(mark::read(b": pdserve-tokens x 1\n\n"), None);
     }
 }

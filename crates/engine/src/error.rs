@@ -56,6 +56,8 @@ pub enum KvTransferProblem {
     Pull(pdserve_pd_transfer::TransferError),
     /// The prefill worker described a prompt with a token outside this model's vocabulary.
     TokenOutsideVocabulary { token: u32 },
+    /// A resumed request: the prefill worker's prompt does not end with the tokens being resumed.
+    ResumeMismatch,
     /// The transfer failed; the protocol's reason.
     Failed(pdserve_pd_transfer::FailReason),
     /// The transfer ended before the prefill worker described it.
@@ -72,6 +74,9 @@ impl fmt::Display for KvTransferProblem {
             KvTransferProblem::Pull(e) => write!(f, "{e}"),
             KvTransferProblem::TokenOutsideVocabulary { token } => {
                 write!(f, "the prompt holds token {token}, outside the vocabulary")
+            }
+            KvTransferProblem::ResumeMismatch => {
+                write!(f, "the prefill worker's prompt does not end with the resumed tokens")
             }
             KvTransferProblem::Failed(r) => write!(f, "{r}"),
             KvTransferProblem::EndedUndescribed => write!(f, "ended before it was described"),

@@ -347,6 +347,7 @@ impl Engine {
             guide: None,
             min_tokens: req.min_tokens,
             logit_bias: req.logit_bias,
+            resumed: req.resume,
             panic_in_sampling: req.test_panic == Some(crate::request::PanicSite::Sampling),
         };
         // In the table before the text thread can answer for it.

@@ -65,6 +65,11 @@ pub struct Request {
     pub logit_bias: Vec<(u32, f32)>,
     /// A matched stop string stays in the text.
     pub include_stop_str: bool,
+    /// Tokens this request already generated elsewhere (a worker it was moved away from): they
+    /// follow the prompt, count as output (`max_tokens`, `min_tokens`, penalties, `usage`), move the
+    /// seeded sampler past them and are turned into text again, as `Text` outputs marked `replayed`
+    /// ahead of any new token, so stop strings and the caller's own parsers pick up where they were.
+    pub resume: Vec<u32>,
     /// Test hook: panic in the named place while serving this request (the engine must fail it alone).
     #[doc(hidden)]
     pub test_panic: Option<PanicSite>,
@@ -99,6 +104,7 @@ impl Request {
             min_tokens: 0,
             logit_bias: Vec::new(),
             include_stop_str: false,
+            resume: Vec::new(),
             test_panic: None,
         }
     }
@@ -183,11 +189,15 @@ pub enum Output {
         error: EngineError,
     },
     /// New text (empty when a stop string may be starting) and, when asked for, the token's
-    /// log-probability.
+    /// log-probability. `tokens`: the ids consumed since the previous `Text` (this one's and any
+    /// whose text was held back); `replayed`: the text of a [`Request::resume`] token, which the
+    /// caller already delivered.
     Text {
         id: Id,
         text: String,
         logprob: Option<TokenLogprob>,
+        tokens: Vec<u32>,
+        replayed: bool,
     },
     Finished {
         id: Id,

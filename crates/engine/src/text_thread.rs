@@ -64,6 +64,8 @@ pub(crate) struct Stream {
     pub completion_tokens: usize,
     /// Prompt tokens whose KV was reused (known at the end).
     pub cached_tokens: usize,
+    /// Output tokens generated before this engine (counted in `completion_tokens`).
+    pub resumed: usize,
     pub received: Instant,
     pub deadline: Instant,
     first_token_at: Option<Instant>,
@@ -77,6 +79,7 @@ impl Stream {
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_tokens: 0,
+            resumed: 0,
             received: Instant::now(),
             deadline,
             first_token_at: None,
@@ -130,6 +133,8 @@ pub(crate) struct Text {
     /// The stop string seen: the engine was told to abort, and the end is reported as `StopString`.
     stopped: Option<String>,
     logprobs: bool,
+    /// Tokens consumed since the last `Text` output (it names them).
+    unsent: Vec<u32>,
     /// Test hook: turning this request's tokens into text panics.
     panic: bool,
 }
@@ -233,13 +238,22 @@ impl TextThread {
                 panic_in_text,
             } => {
                 let id = sub.id;
-                match self.prompt(&input, &tools, sub.remote.is_some()) {
+                let resumed = sub.resumed.clone();
+                match self.prompt(&input, &tools, sub.remote.is_some(), &resumed) {
                     Ok(tokens) => sub.tokens = tokens,
                     Err(e) => return self.reject(id, e),
                 }
                 if let Some(c) = &constraint {
                     match self.grammars.matcher(c) {
-                        Ok(g) => sub.guide = Some(g),
+                        Ok(mut g) => {
+                            // The constraint is where the output moved away from left it.
+                            if let Some(t) = resumed.iter().find(|&&t| g.accept(t).is_err()) {
+                                let problem =
+                                    format!("resumed token {t} does not match the output constraint");
+                                return self.reject(id, EngineError::InvalidInput { problem });
+                            }
+                            sub.guide = Some(g);
+                        }
                         Err(problem) => {
                             let problem = format!("the output constraint is not usable: {problem}");
                             return self.reject(id, EngineError::InvalidInput { problem });
@@ -247,7 +261,10 @@ impl TextThread {
                     }
                 }
                 match lock(&self.live).streams.get_mut(&id) {
-                    Some(s) => s.prompt_tokens = sub.tokens.len(),
+                    Some(s) => {
+                        s.prompt_tokens = sub.tokens.len().saturating_sub(resumed.len());
+                        s.resumed = resumed.len();
+                    }
                     None => return, // the watchdog ended it while it waited here
                 }
                 let text = Text {
@@ -257,9 +274,24 @@ impl TextThread {
                     include_stop,
                     stopped: None,
                     logprobs,
+                    unsent: Vec::new(),
                     panic: panic_in_text,
                 };
                 self.texts.insert(id, text);
+                // The resumed tokens' text again, so stop strings and the caller's parsers are where
+                // the worker before left them.
+                let replay = if self.info.role == Role::Prefill { &[][..] } else { &resumed[..] };
+                for &t in replay {
+                    if let Some(s) = lock(&self.live).streams.get_mut(&id) {
+                        s.completion_tokens += 1;
+                    }
+                    let r = catch_unwind(AssertUnwindSafe(|| self.text(id, t, 0.0, Vec::new(), false, true)));
+                    if let Err(p) = r {
+                        let reason =
+                            format!("internal error while detokenizing: {}", crate::core::panic_text(&p));
+                        return self.reject(id, EngineError::InvalidInput { problem: reason });
+                    }
+                }
                 match self.commands.try_send(Command::Submit(sub)) {
                     Ok(()) => {}
                     Err(TrySendError::Full(_)) => {
@@ -276,16 +308,24 @@ impl TextThread {
         }
     }
 
-    /// The prompt's token ids, checked against the vocabulary and the context.
+    /// The prompt's token ids (followed by the `resumed` output), checked against the vocabulary and
+    /// the context.
     fn prompt(
         &self,
         input: &Input,
         tools: &[pdserve_api::tools::Tool],
         remote: bool,
+        resumed: &[u32],
     ) -> Result<Vec<u32>, EngineError> {
-        let tokens = crate::chat::tokens(&self.codec, &self.info, input, tools)?;
+        let mut tokens = crate::chat::tokens(&self.codec, &self.info, input, tools)?;
+        if let Some(t) = resumed.iter().find(|&&t| t as usize >= self.info.vocab_size) {
+            let problem = format!("resumed token {t} is outside the vocabulary of {}", self.info.vocab_size);
+            return Err(EngineError::InvalidInput { problem });
+        }
         if !remote {
-            if tokens.is_empty() {
+            let prompt_len = tokens.len();
+            tokens.extend_from_slice(resumed);
+            if prompt_len == 0 {
                 return Err(EngineError::InvalidInput { problem: "the prompt is empty".into() });
             }
             if tokens.len() >= self.info.context_tokens {
@@ -395,7 +435,14 @@ impl TextThread {
                         Ok(rest) => {
                             t.pending.push_str(&rest);
                             if !t.pending.is_empty() {
-                                self.push(Output::Text { id: Id(id), text: t.pending, logprob: None });
+                                let (text, tokens) = (t.pending, t.unsent);
+                                self.push(Output::Text {
+                                    id: Id(id),
+                                    text,
+                                    logprob: None,
+                                    tokens,
+                                    replayed: false,
+                                });
                             }
                         }
                         Err(p) => {
@@ -406,7 +453,7 @@ impl TextThread {
                     }
                 }
                 // Tokens are counted as they reach this side; the engine thread's count says the same.
-                debug_assert!(output_tokens >= s.completion_tokens || stopped);
+                debug_assert!(output_tokens + s.resumed >= s.completion_tokens || stopped);
                 let timings = timings(&s, times, now);
                 self.push(Output::Finished { id: Id(id), finish, usage: s.usage(), timings });
             }
@@ -446,14 +493,20 @@ impl TextThread {
             s.last_token = Some(now);
             s.completion_tokens += 1;
         }
+        self.text(id, token, logprob, top, stop, false);
+    }
+
+    /// Token `token` of request `id` as text: through the incremental decoder and the stop strings.
+    fn text(&mut self, id: u64, token: u32, logprob: f32, top: Vec<(u32, f32)>, stop: bool, replayed: bool) {
         let Some(t) = self.texts.get_mut(&id) else { return };
         if stop || t.stopped.is_some() {
             return; // stop tokens are not text
         }
+        t.unsent.push(token);
         assert!(!t.panic, "test panic while detokenizing");
         let codec = &self.codec;
         let piece = t.detok.push(codec, token).unwrap_or_default();
-        let logprob = t.logprobs.then(|| {
+        let logprob = (t.logprobs && !replayed).then(|| {
             let name = |t: u32| codec.decode(&[t], false).unwrap_or_default();
             TokenLogprob {
                 token: name(token),
@@ -468,7 +521,8 @@ impl TextThread {
             let _ = self.commands.try_send(Command::Abort(id));
         }
         if !text.is_empty() || logprob.is_some() {
-            self.push(Output::Text { id: Id(id), text, logprob });
+            let tokens = std::mem::take(&mut t.unsent);
+            self.push(Output::Text { id: Id(id), text, logprob, tokens, replayed });
         }
     }
 }

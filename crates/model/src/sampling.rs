@@ -107,6 +107,16 @@ impl Sampler {
         &self.params
     }
 
+    /// Moves the RNG stream past `n` samples (drawn elsewhere: by the prefill worker of a pair, or
+    /// by a worker the request moved away from), so a seeded request goes on with the same sequence.
+    pub fn skip(&mut self, n: usize) {
+        if self.params.temperature > 1e-5 {
+            for _ in 0..n {
+                self.rng.next_f32();
+            }
+        }
+    }
+
     /// Picks the next token. `prompt` and `output` are the request's tokens so far (for penalties).
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Sampled {
         let p = self.params.clone();
@@ -211,6 +221,17 @@ mod tests {
             c[s.sample(logits, &[], &[]).token as usize] += 1;
         }
         c
+    }
+
+    #[test]
+    fn skipping_continues_the_seeded_stream() {
+        let logits = [1.0, 1.2, 0.8, 1.1, 0.9];
+        let mut one = Sampler::new(SamplingParams::default(), 42);
+        let whole: Vec<u32> = (0..12).map(|_| one.sample(&logits, &[], &[]).token).collect();
+        let mut other = Sampler::new(SamplingParams::default(), 42);
+        other.skip(5);
+        let rest: Vec<u32> = (0..7).map(|_| other.sample(&logits, &[], &[]).token).collect();
+        assert_eq!(rest, whole[5..]);
     }
 
     #[test]

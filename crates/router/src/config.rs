@@ -86,6 +86,12 @@ pub struct RouterConfig {
     pub server: ServerConfig,
     /// Log one line per request to stderr.
     pub log_requests: bool,
+    /// Moves of one request to another worker after its worker died, stalled or lost its KV, at most
+    /// (0 turns migration off).
+    pub migrations_max: u32,
+    /// A stream whose worker sends no token for this long (after its first) has stalled: it moves to
+    /// another worker. `None`: streams never count as stalled (their deadline still ends them).
+    pub stall_timeout: Option<Duration>,
 }
 
 impl Default for RouterConfig {
@@ -112,6 +118,8 @@ impl Default for RouterConfig {
             cluster_secret: None,
             server: ServerConfig::default(),
             log_requests: false,
+            migrations_max: 2,
+            stall_timeout: Some(Duration::from_secs(30)),
         }
     }
 }

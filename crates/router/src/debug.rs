@@ -132,11 +132,19 @@ impl Router {
         if let Some(reqs) = body["requests"].as_array_mut() {
             for r in reqs.iter_mut() {
                 let rid = r["id"].as_str().unwrap_or("").to_owned();
-                let hops: Vec<_> =
-                    c.hops.iter().filter(|h| h["id"].as_str() == Some(&rid)).cloned().collect();
+                // A moved request's later tries are `{id}.m{n}` at their workers.
+                let tries = format!("{rid}.m");
+                let hops: Vec<_> = c
+                    .hops
+                    .iter()
+                    .filter(|h| h["id"].as_str().is_some_and(|h| h == rid || h.starts_with(&tries)))
+                    .cloned()
+                    .collect();
                 r["hops"] = json!(hops);
                 if let Some(e) = self.by_rid.get(&rid).and_then(|id| self.flights.get(id)) {
                     r["routing"] = self.routing_json(&e.routing);
+                    let moves: Vec<_> = e.flight.migrations().iter().map(|m| m.as_str()).collect();
+                    r["migrations"] = json!(moves);
                 }
             }
         }

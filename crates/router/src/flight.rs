@@ -18,7 +18,13 @@
 //! - a leg is open at most one at a time, and every leg that was sent ends with its response's end, a
 //!   reported failure, or [`Action::CloseLeg`];
 //! - when the request does not complete, every worker that was sent part of it and did not answer it
-//!   with an error of its own gets an [`Action::Abort`].
+//!   with an error of its own gets an [`Action::Abort`];
+//! - a request whose worker dies, stalls or loses its KV is moved to another worker (a *migration*,
+//!   at most [`FlightSpec::migrations_max`] times, within the deadline): the client's stream goes on
+//!   from the last token it has, with nothing lost or repeated. A streamed answer moves only where
+//!   its worker writes resume marks ([`pdserve_api::pd::mark`]): the router forwards the events up to
+//!   the newest mark and keeps the token ids the marks name; what came after the newest mark is
+//!   dropped and made again by the next worker.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -90,6 +96,34 @@ pub struct FlightSpec {
     pub retries_max: u32,
     /// Largest worker answer that is buffered (non-streaming answers, prefill handles).
     pub body_bytes_max: usize,
+    /// Moves to another worker after a failure, at most (0: none).
+    pub migrations_max: u32,
+    /// A streaming leg that sends nothing for this long has stalled (`None`: never).
+    pub stall_timeout: Option<Duration>,
+}
+
+/// Why a request moved to another worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Migration {
+    /// The prefill worker's connection broke before its answer.
+    PrefillLost,
+    /// The decode (or unified) worker's connection broke mid-answer.
+    DecodeLost,
+    /// The streaming worker sent nothing for the stall timeout.
+    Stalled,
+    /// The decode worker could not get the prompt's KV from the prefill worker.
+    KvTransfer,
+}
+
+impl Migration {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Migration::PrefillLost => "prefill_lost",
+            Migration::DecodeLost => "decode_lost",
+            Migration::Stalled => "stalled",
+            Migration::KvTransfer => "kv_transfer",
+        }
+    }
 }
 
 /// Why a leg did not go out or did not come back.
@@ -129,6 +163,8 @@ pub struct Finish {
     /// From the prefill leg's start to its end.
     pub prefill_leg: Option<Duration>,
     pub message: Option<String>,
+    /// The moves to other workers, in order.
+    pub migrations: Vec<Migration>,
 }
 
 /// What the shell must do.
@@ -147,8 +183,8 @@ pub enum Action {
     Respond(Response),
     /// The flight gives up on an open leg: close its connection (never reuse it).
     CloseLeg { leg: LegId },
-    /// Tell `worker` to drop this request (`POST /abort/{id}`).
-    Abort { worker: u32 },
+    /// Tell `worker` to drop the request it knows as `request_id` (`POST /abort/{id}`).
+    Abort { worker: u32, request_id: String },
     /// The request moved to `stage`, at `worker` when it has one.
     Stage { stage: Stage, worker: Option<u32> },
     /// The flight is over; nothing follows.
@@ -190,6 +226,18 @@ struct Reached {
     answered_error: bool,
 }
 
+/// A streamed answer with resume marks, as it passes through: events wait in `held` until the mark
+/// that covers them arrives.
+#[derive(Debug, Default)]
+struct Marked {
+    /// Bytes of an event not complete yet.
+    partial: Vec<u8>,
+    /// Complete events after the newest mark.
+    held: Vec<u8>,
+    /// The worker said the request failed in a way another worker may not (the KV did not arrive).
+    retry: bool,
+}
+
 /// One request. See the [module docs](self).
 #[derive(Debug)]
 pub struct Flight {
@@ -216,6 +264,23 @@ pub struct Flight {
     /// The stage last announced with [`Action::Stage`].
     stage: Stage,
     actions: VecDeque<Action>,
+    /// Which try this is (0: the first); the workers know try `n` > 0 as `{request_id}.m{n}`.
+    attempt: u32,
+    migrations: Vec<Migration>,
+    /// Workers that died or stalled under this request: no leg goes to them again.
+    lost: Vec<u32>,
+    /// Tokens the client has, from the resume marks, and the response's `created`.
+    generated: Vec<u32>,
+    created: Option<u64>,
+    /// The open leg writes resume marks: its events pass through here.
+    marked: Option<Marked>,
+    /// Everything the client's stream holds so far came through resume marks: another worker can go
+    /// on from it.
+    resumable: bool,
+    /// Tries after the first: the client's body with the `pd_resume` member.
+    resume_body: Option<Vec<u8>>,
+    /// When the open leg's newest resume mark came.
+    last_mark: Option<Instant>,
 }
 
 /// Bytes of the stream's end kept to see whether it ended on an event boundary (or with `[DONE]`).
@@ -246,7 +311,29 @@ impl Flight {
             client,
             stage: Stage::RouterQueued,
             actions: VecDeque::new(),
+            attempt: 0,
+            migrations: Vec::new(),
+            lost: Vec::new(),
+            generated: Vec::new(),
+            created: None,
+            marked: None,
+            resumable: false,
+            resume_body: None,
+            last_mark: None,
         }
+    }
+
+    /// The request's id at its workers: the client's on the first try, then `{id}.m{n}`.
+    pub fn worker_request_id(&self) -> String {
+        match self.attempt {
+            0 => self.spec.request_id.clone(),
+            n => format!("{}.m{n}", self.spec.request_id),
+        }
+    }
+
+    /// How many times the request moved to another worker so far.
+    pub fn migrations(&self) -> &[Migration] {
+        &self.migrations
     }
 
     pub fn spec(&self) -> &FlightSpec {
@@ -325,7 +412,12 @@ impl Flight {
             }
         }
         self.state = State::Opening { leg, kind };
-        let exclude = self.refused.clone();
+        let mut exclude = self.refused.clone();
+        for &w in &self.lost {
+            if !exclude.contains(&w) {
+                exclude.push(w);
+            }
+        }
         self.push(Action::OpenLeg { leg, kind, exclude, pinned, retry });
     }
 
@@ -359,29 +451,38 @@ impl Flight {
     /// stack's `secret`, if it has one).
     pub fn leg_request(&self, kind: LegKind, authority: &str, secret: Option<&str>, now: Instant) -> Vec<u8> {
         let remaining = ms(self.spec.deadline.saturating_duration_since(now)).max(1);
-        let body = if kind == LegKind::Decode { &self.decode_body } else { &self.spec.body };
+        let body = match kind {
+            LegKind::Decode => &self.decode_body,
+            _ => self.resume_body.as_ref().unwrap_or(&self.spec.body),
+        };
         let method = if self.spec.method_get { "GET" } else { "POST" };
         let remaining = remaining.to_string();
+        let rid = self.worker_request_id();
         let mut headers = vec![
             ("host", authority),
-            (header::REQUEST_ID, self.spec.request_id.as_str()),
+            (header::REQUEST_ID, rid.as_str()),
             (header::DEADLINE_MS, remaining.as_str()),
             ("content-type", "application/json"),
         ];
         headers.extend(secret.map(|s| (header::CLUSTER_SECRET, s)));
+        if self.may_migrate() && kind != LegKind::Prefill {
+            headers.push((header::RESUMABLE, "1"));
+        }
         let mut out = Vec::with_capacity(body.len() + 256);
         pdserve_http::write_request_head(&mut out, method, &self.spec.path, &headers, body.len());
         out.extend_from_slice(body);
         out
     }
 
-    /// The leg's response head.
+    /// The leg's response head; `resumable`: it carries [`header::RESUMABLE`] (the stream has
+    /// resume marks).
     pub fn handle_leg_head(
         &mut self,
         leg: LegId,
         status: u16,
         content_type: Option<&str>,
         retry_after: Option<&str>,
+        resumable: bool,
     ) {
         let State::Open { leg: l, kind, head, .. } = &mut self.state else { return };
         if *l != leg || head.is_some() {
@@ -394,12 +495,14 @@ impl Flight {
             retry_after: retry_after.map(str::to_owned),
         });
         let sse = content_type.is_some_and(|c| c.starts_with("text/event-stream"));
-        if kind != LegKind::Prefill
-            && status == 200
-            && sse
-            && self.spec.purpose == Purpose::Client
-            && self.client
-        {
+        let stream = kind != LegKind::Prefill && status == 200 && sse;
+        self.marked = (stream && resumable && self.may_migrate()).then(Marked::default);
+        if stream && self.streaming {
+            // A later try: the client's stream is open already and goes on.
+            self.resumable &= self.marked.is_some();
+            self.push(Action::Stage { stage: Stage::Streaming, worker: None });
+        } else if stream && self.spec.purpose == Purpose::Client && self.client {
+            self.resumable = self.marked.is_some();
             self.streaming = true;
             let headers = vec![
                 ("content-type".to_owned(), "text/event-stream".to_owned()),
@@ -412,7 +515,7 @@ impl Flight {
     }
 
     /// A piece of the leg's response body.
-    pub fn handle_leg_data(&mut self, leg: LegId, data: &[u8]) {
+    pub fn handle_leg_data(&mut self, leg: LegId, data: &[u8], now: Instant) {
         let State::Open { leg: l, body, .. } = &mut self.state else { return };
         if *l != leg {
             return;
@@ -421,15 +524,10 @@ impl Flight {
             if !self.client {
                 return;
             }
-            let from = data.len().saturating_sub(TAIL_BYTES);
-            if data.len() >= TAIL_BYTES {
-                self.tail.clear();
-            } else {
-                let keep = (self.tail.len() + data.len()).saturating_sub(TAIL_BYTES);
-                self.tail.drain(..keep.min(self.tail.len()));
+            if self.marked.is_some() {
+                return self.marked_data(data, now);
             }
-            self.tail.extend_from_slice(&data[from..]);
-            self.push(Action::Forward(data.to_vec()));
+            self.forward(data.to_vec());
         } else if body.len() + data.len() > self.spec.body_bytes_max {
             // `fail` closes the open leg.
             let msg = format!("worker's answer is over {} bytes", self.spec.body_bytes_max);
@@ -439,12 +537,74 @@ impl Flight {
         }
     }
 
+    /// Bytes for the client's stream, remembering how it ends.
+    fn forward(&mut self, data: Vec<u8>) {
+        if data.is_empty() {
+            return;
+        }
+        let from = data.len().saturating_sub(TAIL_BYTES);
+        if data.len() >= TAIL_BYTES {
+            self.tail.clear();
+        } else {
+            let keep = (self.tail.len() + data.len()).saturating_sub(TAIL_BYTES);
+            self.tail.drain(..keep.min(self.tail.len()));
+        }
+        self.tail.extend_from_slice(&data[from..]);
+        self.push(Action::Forward(data));
+    }
+
+    /// A marked stream's bytes: whole events wait for the mark that covers them, then go to the
+    /// client; marks themselves never do.
+    fn marked_data(&mut self, data: &[u8], now: Instant) {
+        let Some(m) = self.marked.as_mut() else { return };
+        m.partial.extend_from_slice(data);
+        let mut out = Vec::new();
+        let (mut start, mut marks) = (0, 0);
+        while let Some(end) = m.partial[start..].windows(2).position(|w| w == b"\n\n") {
+            let event = &m.partial[start..start + end + 2];
+            start += end + 2;
+            match pd::mark::read(event) {
+                Some(Ok((created, ids))) if !m.retry => {
+                    self.generated.extend_from_slice(&ids);
+                    self.created = Some(created);
+                    out.append(&mut m.held);
+                    marks += 1;
+                }
+                Some(Err(_)) => m.retry = true,
+                _ => m.held.extend_from_slice(event),
+            }
+        }
+        m.partial.drain(..start);
+        if marks > 0 {
+            self.last_mark = Some(now);
+        }
+        let over = m.partial.len() + m.held.len() > self.spec.body_bytes_max;
+        self.forward(out);
+        if over {
+            let msg =
+                format!("worker's stream held over {} bytes without a resume mark", self.spec.body_bytes_max);
+            self.fail(ApiError::new(ErrorKind::UpstreamFailed, msg));
+        }
+    }
+
     /// The leg's response ended (its connection may go back to the pool).
     pub fn handle_leg_end(&mut self, leg: LegId, now: Instant) {
-        let State::Open { leg: l, kind, worker, ref mut head, ref mut body } = self.state else { return };
+        let State::Open { leg: l, kind, worker, .. } = self.state else { return };
         if l != leg {
             return;
         }
+        if self.marked.as_ref().is_some_and(|m| m.retry) && self.can_migrate() {
+            // The connection ended cleanly: nothing to close.
+            self.state = State::Waiting;
+            return self.migrate(Migration::KvTransfer, None);
+        }
+        if let Some(m) = self.marked.take() {
+            // The stream's end (its final events, or the worker's error events) goes out whole.
+            let mut rest = m.held;
+            rest.extend_from_slice(&m.partial);
+            self.forward(rest);
+        }
+        let State::Open { ref mut head, ref mut body, .. } = self.state else { return };
         let head = head.take().unwrap_or(Head { status: 502, content_type: None, retry_after: None });
         let body = std::mem::take(body);
         self.state = State::Waiting;
@@ -473,7 +633,8 @@ impl Flight {
             let msg = format!("prefill worker answered 200 without a `{}` handle", pd::HANDLE_FIELD);
             return self.fail(ApiError::new(ErrorKind::UpstreamFailed, msg));
         };
-        let Some(decode_body) = pd::splice_handle(&self.spec.body, handle) else {
+        let body = self.resume_body.as_ref().unwrap_or(&self.spec.body);
+        let Some(decode_body) = pd::splice_handle(body, handle) else {
             return self.fail(ApiError::invalid("body is not a JSON object"));
         };
         self.decode_body = decode_body;
@@ -491,6 +652,17 @@ impl Flight {
         } else {
             None
         };
+        if error.as_ref().is_some_and(|e| e.kind == ErrorKind::KvTransferFailed) && self.can_migrate() {
+            // The prompt's KV did not arrive (its prefill worker died, say): another pair computes it.
+            return self.migrate(Migration::KvTransfer, None);
+        }
+        if head.status >= 300 && self.streaming {
+            // A later try failed before its stream began: the client's stream ends with its error.
+            let e = error.unwrap_or_else(|| {
+                ApiError::new(ErrorKind::UpstreamFailed, format!("worker answered {}", head.status))
+            });
+            return self.fail(e);
+        }
         let outcome = match (head.status, &error) {
             (200..=299, _) => Outcome::Completed,
             (_, Some(e)) => e.kind.outcome(),
@@ -569,7 +741,90 @@ impl Flight {
         }
     }
 
+    /// Whether this flight may ever move to another worker.
+    fn may_migrate(&self) -> bool {
+        self.spec.purpose == Purpose::Client
+            && !self.spec.method_get
+            && self.plan != Plan::Forward
+            && self.spec.migrations_max > 0
+    }
+
+    /// Whether it may move now: moves left, a client waiting, and nothing the client saw that the
+    /// next worker could not go on from.
+    fn can_migrate(&self) -> bool {
+        self.may_migrate()
+            && self.client
+            && !self.is_done()
+            && (self.migrations.len() as u32) < self.spec.migrations_max
+            && (!self.streaming || self.resumable)
+    }
+
+    /// Moves the request to another worker: the open leg closed, its workers told to drop it, and
+    /// the first leg of the next try asked for, with the tokens the client has (`lost`: a worker no
+    /// leg goes to again).
+    fn migrate(&mut self, cause: Migration, lost: Option<u32>) {
+        if let State::Open { leg, .. } = self.state {
+            self.push(Action::CloseLeg { leg });
+        }
+        self.state = State::Waiting;
+        let rid = self.worker_request_id();
+        for r in std::mem::take(&mut self.reached) {
+            if !r.answered_error {
+                self.push(Action::Abort { worker: r.worker, request_id: rid.clone() });
+            }
+        }
+        if let Some(w) = lost.filter(|w| !self.lost.contains(w)) {
+            self.lost.push(w);
+        }
+        self.migrations.push(cause);
+        self.attempt += 1;
+        self.marked = None;
+        self.last_mark = None;
+        self.refused.clear();
+        self.stale_retried = false;
+        let resume = pd::Resume {
+            request_id: self.spec.request_id.clone(),
+            created: self.created,
+            tokens: self.generated.clone(),
+        };
+        let value = resume.to_json().to_string();
+        self.resume_body = pd::splice_field(&self.spec.body, pd::RESUME_FIELD, value.as_bytes());
+        self.push(Action::Stage { stage: Stage::Migrating, worker: None });
+        let kind = if self.plan == Plan::Disaggregated { LegKind::Prefill } else { LegKind::Main };
+        self.open(kind, None);
+    }
+
+    /// When the streaming leg will count as stalled, if it is one: the stall timeout after its newest
+    /// resume mark (before its first, a queued request may wait; its deadline bounds it).
+    pub fn stall_deadline(&self) -> Option<Instant> {
+        match self.state {
+            State::Open { .. } if self.marked.is_some() => Some(self.last_mark? + self.spec.stall_timeout?),
+            _ => None,
+        }
+    }
+
+    /// Call when [`stall_deadline`](Self::stall_deadline) has come: the request moves on, or ends with
+    /// an error naming the stall.
+    pub fn handle_stall(&mut self, now: Instant) {
+        let Some(at) = self.stall_deadline() else { return };
+        if now < at {
+            return;
+        }
+        let worker = self.worker();
+        if self.can_migrate() {
+            return self.migrate(Migration::Stalled, worker);
+        }
+        let waited = self.spec.stall_timeout.map_or(0, ms);
+        let at = worker.map_or(String::new(), |w| format!(" {w}"));
+        let msg = format!("worker{at} sent nothing for {waited} ms mid-stream");
+        self.fail(ApiError::new(ErrorKind::UpstreamFailed, msg));
+    }
+
     fn leg_broke(&mut self, kind: LegKind, worker: Option<u32>, reason: String) {
+        if self.can_migrate() {
+            let cause = if kind == LegKind::Prefill { Migration::PrefillLost } else { Migration::DecodeLost };
+            return self.migrate(cause, worker);
+        }
         let which = match kind {
             LegKind::Prefill => "prefill worker",
             LegKind::Decode => "decode worker",
@@ -659,12 +914,14 @@ impl Flight {
         let stage = self.stage;
         self.state = State::Done;
         if outcome != Outcome::Completed {
+            let rid = self.worker_request_id();
             for r in &self.reached {
                 if !r.answered_error {
-                    self.actions.push_back(Action::Abort { worker: r.worker });
+                    self.actions.push_back(Action::Abort { worker: r.worker, request_id: rid.clone() });
                 }
             }
         }
+        let migrations = std::mem::take(&mut self.migrations);
         self.push(Action::Finished(Finish {
             outcome,
             status,
@@ -674,6 +931,7 @@ impl Flight {
             decode_worker: self.decode_worker,
             prefill_leg: self.prefill_leg,
             message,
+            migrations,
         }));
     }
 }

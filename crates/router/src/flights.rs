@@ -101,6 +101,8 @@ impl Router {
             deadline: now + timeout,
             retries_max: self.cfg.retries_max,
             body_bytes_max: self.cfg.upstream_body_bytes_max,
+            migrations_max: self.cfg.migrations_max,
+            stall_timeout: self.cfg.stall_timeout,
         };
         let id = self.new_id();
         self.by_conn.insert(conn, id);
@@ -157,6 +159,8 @@ impl Router {
             deadline: now + self.cfg.probe_timeout,
             retries_max: 0,
             body_bytes_max: self.cfg.upstream_body_bytes_max,
+            migrations_max: 0,
+            stall_timeout: None,
         };
         self.insert(id, Flight::new(spec, false), None, now);
         self.pair_probes_in_flight += 1;
@@ -256,10 +260,7 @@ impl Router {
                         self.leg_closed(slot);
                     }
                 }
-                Action::Abort { worker } => {
-                    let rid = e.flight.spec().request_id.clone();
-                    self.send_abort(worker, &rid, now);
-                }
+                Action::Abort { worker, request_id } => self.send_abort(worker, &request_id, now),
                 Action::Stage { stage, worker } => {
                     let rid = e.flight.spec().request_id.clone();
                     let _ = self.ledger.set_stage(&rid, stage, now);
@@ -423,6 +424,12 @@ impl Router {
                     }
                 }
                 self.metrics.finished(f.outcome, f.stage);
+                for m in &f.migrations {
+                    let labels = [m.as_str(), f.outcome.as_str()];
+                    if let Ok(c) = self.metrics.migrations.with(&labels) {
+                        c.inc();
+                    }
+                }
                 if let Some(k) = f.error {
                     self.metrics.error(k);
                 }

@@ -23,6 +23,10 @@ pdserve-router [options]
   --connect-timeout-s S         bound on connecting to a worker (default 1)
   --connections-per-worker N    pooled connections per worker; beyond it 503 (default 512)
   --retries N                   connect-refused retries on other workers (default 2)
+  --migrations N                moves of a request to another worker when its worker dies, stalls
+                                or loses the KV mid-request (default 2; 0 turns migration off)
+  --stall-timeout-s S           a stream with no token for S seconds (after its first) has stalled
+                                and moves on (default 30; 0: never)
   --probe-interval-s S          active health probe interval (default 1)
   --probe-timeout-s S           deadline of one probe (default 3)
   --pair-probe-interval-s S     prefill + decode pair probe interval (default 5; real traffic counts too)
@@ -125,6 +129,13 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--connect-timeout-s" => c.connect_timeout = secs()?,
             "--connections-per-worker" => c.connections_per_worker_max = n()?.max(1),
             "--retries" => c.retries_max = n()? as u32,
+            "--migrations" => c.migrations_max = n()? as u32,
+            "--stall-timeout-s" => {
+                c.stall_timeout = match v.parse::<f64>() {
+                    Ok(t) if t == 0.0 => None,
+                    _ => Some(secs()?),
+                }
+            }
             "--probe-interval-s" => c.probe_interval = secs()?,
             "--probe-timeout-s" => c.probe_timeout = secs()?,
             "--pair-probe-interval-s" => c.pair_probe_interval = secs()?,

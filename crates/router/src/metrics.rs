@@ -19,6 +19,7 @@ pub(crate) struct Metrics {
     pub stale_retries: Counter,
     pub probes: CounterVec,
     pub aborts_sent: Counter,
+    pub migrations: CounterVec,
     pub latency: LatencyHistogram,
     pub ttfb: LatencyHistogram,
     pub queue_wait: LatencyHistogram,
@@ -59,7 +60,7 @@ impl Metrics {
             )?,
             retries: r.counter(
                 "router_connect_retries_total",
-                "Legs re-sent to another worker after a refused connect (nothing else is retried).",
+                "Legs re-sent to another worker after a refused connect (moves mid-request are router_migrations_total).",
             )?,
             stale_retries: r.counter(
                 "router_stale_connection_retries_total",
@@ -71,6 +72,11 @@ impl Metrics {
                 &["kind", "result"],
             )?,
             aborts_sent: r.counter("router_aborts_sent_total", "POST /abort/{id} calls sent to workers.")?,
+            migrations: r.counter_vec(
+                "router_migrations_total",
+                "Requests moved to another worker mid-request, by cause (prefill_lost, decode_lost, stalled, kv_transfer) and the request's final outcome.",
+                &["cause", "outcome"],
+            )?,
             latency: r.histogram(
                 "router_request_latency_seconds",
                 "From request received to its terminal state.",

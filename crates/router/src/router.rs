@@ -373,9 +373,10 @@ impl Router {
             ResponseEvent::Head(head) => {
                 let ct = head.header_str("content-type");
                 let retry = head.header_str(pdserve_api::header::RETRY_AFTER);
-                e.flight.handle_leg_head(leg, head.status, ct, retry);
+                let resumable = head.header_str(pdserve_api::header::RESUMABLE).is_some();
+                e.flight.handle_leg_head(leg, head.status, ct, retry, resumable);
             }
-            ResponseEvent::Data(data) => e.flight.handle_leg_data(leg, &data),
+            ResponseEvent::Data(data) => e.flight.handle_leg_data(leg, &data, now),
             ResponseEvent::End => {
                 e.slot = None;
                 let worker = self.ups.get(slot).map(|u| u.worker);
@@ -398,6 +399,22 @@ impl Router {
     }
 
     // ----- timers --------------------------------------------------------------------------------
+
+    /// Streams whose worker went quiet past the stall timeout move on (or end with an error).
+    fn sweep_stalls(&mut self, now: Instant) {
+        let due: Vec<u64> = self
+            .flights
+            .iter()
+            .filter(|(_, e)| e.flight.stall_deadline().is_some_and(|d| d <= now))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in due {
+            if let Some(e) = self.flights.get_mut(&id) {
+                e.flight.handle_stall(now);
+            }
+            self.drive(id, now);
+        }
+    }
 
     fn timers(&mut self, now: Instant) {
         while let Some(&Reverse((d, id))) = self.deadlines.peek() {
@@ -433,6 +450,7 @@ impl Router {
         if now >= self.next_sweep {
             self.next_sweep = now + Duration::from_millis(50);
             self.sweep_connections(now);
+            self.sweep_stalls(now);
             self.collects_due(now);
             self.sweep_workers();
         }

@@ -5,7 +5,9 @@
 //! once, with the status, outcome and stage its cause calls for, by its deadline; its client got
 //! exactly one answer (unless it left, or there was none); every leg it sent ended or was closed, at
 //! most one at a time; and when it did not complete, every worker it reached was told to abort (unless
-//! that worker ended the request itself with an error).
+//! that worker ended the request itself with an error). Flights that may migrate move to another
+//! worker when theirs dies or stalls: their workers write resume marks, and a completed stream holds
+//! every token exactly once, in order, and never a mark.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -51,12 +53,27 @@ enum Behaviour {
 /// Something the world will tell a flight at a time.
 #[derive(Debug, Clone)]
 enum Ev {
-    Head { leg: LegId, status: u16, sse: bool },
-    Data { leg: LegId, bytes: Vec<u8> },
-    End { leg: LegId },
-    Failed { leg: LegId, failure: LegFailure },
+    Head {
+        leg: LegId,
+        status: u16,
+        sse: bool,
+        marks: bool,
+    },
+    Data {
+        leg: LegId,
+        bytes: Vec<u8>,
+    },
+    End {
+        leg: LegId,
+    },
+    Failed {
+        leg: LegId,
+        failure: LegFailure,
+    },
     ClientGone,
     Deadline,
+    /// The shell's stall sweep.
+    StallCheck,
 }
 
 /// What the sim records of one flight.
@@ -89,6 +106,8 @@ struct Record {
     client_left: bool,
     /// The flight has a client (not a pair probe).
     client: bool,
+    /// Per sent leg: it was asked for resume marks, and the tokens its body said the client had.
+    resume: HashMap<u32, (bool, usize)>,
 }
 
 const HANDLE_ANSWER: &[u8] =
@@ -170,7 +189,15 @@ impl World {
                     }
                     let t = self.epoch + now;
                     self.flights[f].handle_leg_sent(leg, worker, t);
-                    let _ = self.flights[f].leg_request(kind, "w", None, t);
+                    let req = self.flights[f].leg_request(kind, "w", None, t);
+                    let req = String::from_utf8_lossy(&req).into_owned();
+                    let marks = req.contains("x-pdserve-resumable: 1");
+                    let body = req.split("\r\n\r\n").nth(1).unwrap_or("");
+                    let had = serde_json::from_str::<serde_json::Value>(body)
+                        .ok()
+                        .and_then(|v| v["pd_resume"]["tokens"].as_array().map(Vec::len))
+                        .unwrap_or(0);
+                    self.records[f].resume.insert(leg.0, (marks, had));
                     let rec = &mut self.records[f];
                     rec.legs.insert(leg.0, (worker, false));
                     rec.kinds.insert(leg.0, kind);
@@ -178,12 +205,25 @@ impl World {
                     let open = rec.legs.values().filter(|(_, ended)| !ended).count();
                     rec.open_at_once_max = rec.open_at_once_max.max(open);
                     let sse = self.streaming[f] && kind != LegKind::Prefill;
+                    // A stream with resume marks: tokens numbered on from what the client has.
+                    let marked = |from: usize, n: usize| {
+                        let mut out = String::new();
+                        for t in from + 1..=from + n {
+                            out.push_str(&format!("data: {{\"t\":{t}}}\n\n: pdserve-tokens 5 {t}\n\n"));
+                        }
+                        out.into_bytes()
+                    };
+                    let (marks, had) = (marks && sse, had);
                     match b {
                         Behaviour::Answer { ms } => {
                             let t = now + Duration::from_millis(ms);
-                            self.at(t, f, Ev::Head { leg, status: 200, sse });
+                            self.at(t, f, Ev::Head { leg, status: 200, sse, marks });
                             let body = if kind == LegKind::Prefill {
                                 HANDLE_ANSWER.to_vec()
+                            } else if marks {
+                                let mut b = marked(had, 3);
+                                b.extend_from_slice(b"data: [DONE]\n\n");
+                                b
                             } else if sse {
                                 b"data: {\"x\":1}\n\ndata: [DONE]\n\n".to_vec()
                             } else {
@@ -197,15 +237,24 @@ impl World {
                         }
                         Behaviour::Die { ms } => {
                             let t = now + Duration::from_millis(ms);
-                            self.at(t, f, Ev::Head { leg, status: 200, sse });
+                            self.at(t, f, Ev::Head { leg, status: 200, sse, marks });
+                            if marks {
+                                self.at(t, f, Ev::Data { leg, bytes: marked(had, 1) });
+                            }
                             self.at(t, f, Ev::Data { leg, bytes: b"data: {\"x\"".to_vec() });
                             let failure = LegFailure::Broken { reason: "reset".into() };
                             self.at(t + Duration::from_millis(1), f, Ev::Failed { leg, failure });
                         }
+                        // Streams a token, then goes quiet: with a stall timeout the flight moves on.
+                        Behaviour::Stall if marks => {
+                            let t = now + Duration::from_millis(2);
+                            self.at(t, f, Ev::Head { leg, status: 200, sse, marks });
+                            self.at(t, f, Ev::Data { leg, bytes: marked(had, 1) });
+                        }
                         Behaviour::Stall => {}
                         Behaviour::Error { status, ms } => {
                             let t = now + Duration::from_millis(ms);
-                            self.at(t, f, Ev::Head { leg, status, sse: false });
+                            self.at(t, f, Ev::Head { leg, status, sse: false, marks: false });
                             let body = format!(r#"{{"error":{{"type":"x","message":"m","code":{status}}}}}"#);
                             self.at(t, f, Ev::Data { leg, bytes: body.into_bytes() });
                             self.at(t, f, Ev::End { leg });
@@ -214,7 +263,7 @@ impl World {
                             self.at(
                                 now + Duration::from_millis(2),
                                 f,
-                                Ev::Head { leg, status: 200, sse: false },
+                                Ev::Head { leg, status: 200, sse: false, marks: false },
                             );
                             self.at(
                                 now + Duration::from_millis(2),
@@ -247,7 +296,7 @@ impl World {
                     assert!(!l.1, "flight {f}: leg {} closed after it ended", leg.0);
                     l.1 = true;
                 }
-                Action::Abort { worker } => {
+                Action::Abort { worker, .. } => {
                     rec.aborts.insert(worker);
                 }
                 Action::Stage { stage, .. } => rec.stage = Some(stage),
@@ -271,20 +320,21 @@ impl World {
             Ev::Failed { .. } => "broken",
             Ev::ClientGone => "client",
             Ev::Deadline => "deadline",
+            Ev::StallCheck => "stall",
         };
         self.records[f].last_leg = match &ev {
             Ev::Head { leg, .. } | Ev::Data { leg, .. } | Ev::End { leg } | Ev::Failed { leg, .. } => {
                 Some(*leg)
             }
-            Ev::ClientGone | Ev::Deadline => self.records[f].last_leg,
+            Ev::ClientGone | Ev::Deadline | Ev::StallCheck => self.records[f].last_leg,
         };
         match ev {
-            Ev::Head { leg, status, sse } => {
+            Ev::Head { leg, status, sse, marks } => {
                 self.records[f].last_status = Some(status);
                 let ct = if sse { "text/event-stream" } else { "application/json" };
-                self.flights[f].handle_leg_head(leg, status, Some(ct), None);
+                self.flights[f].handle_leg_head(leg, status, Some(ct), None, marks);
             }
-            Ev::Data { leg, bytes } => self.flights[f].handle_leg_data(leg, &bytes),
+            Ev::Data { leg, bytes } => self.flights[f].handle_leg_data(leg, &bytes, t),
             Ev::End { leg } => {
                 let rec = &mut self.records[f];
                 let l = rec.legs.get_mut(&leg.0).expect("a sent leg");
@@ -312,9 +362,13 @@ impl World {
                 self.flights[f].handle_cancel(true);
             }
             Ev::Deadline => self.flights[f].handle_timeout(t),
+            Ev::StallCheck => self.flights[f].handle_stall(t),
         }
         self.records[f].cause = Some(cause);
         self.drive(f, now);
+        if let Some(d) = self.flights[f].stall_deadline() {
+            self.at(d.duration_since(self.epoch), f, Ev::StallCheck);
+        }
     }
 }
 
@@ -370,6 +424,8 @@ fn run(seed: u64, flights: usize) -> Tally {
             retries_max: 2,
             // Now and then an answer over the bound: the flight must give up on it.
             body_bytes_max: if w.rng.chance(4) { 8 } else { 1 << 20 },
+            migrations_max: if w.rng.chance(50) { 2 } else { 0 },
+            stall_timeout: w.rng.chance(50).then(|| Duration::from_millis(30)),
         };
         w.flights.push(Flight::new(spec, client));
         w.records.push(Record { client, ..Record::default() });
@@ -417,6 +473,31 @@ fn run(seed: u64, flights: usize) -> Tally {
         assert_eq!(rec.after_finish, 0, "flight {f}: actions after Finished");
         let fin = &rec.finishes[0];
         *tally.by_outcome.entry(fin.outcome.as_str()).or_default() += 1;
+        // Marks never reach the client; a completed marked stream has every token once, in order.
+        let text = String::from_utf8_lossy(&rec.stream_bytes);
+        assert!(!text.contains("pdserve-"), "flight {f}: a resume mark reached the client: {text}");
+        let marked = rec.resume.values().any(|&(m, _)| m) && w.streaming[f];
+        if marked && fin.outcome == Outcome::Completed {
+            let tokens: Vec<usize> =
+                text.split("{\"t\":").skip(1).filter_map(|t| t.split('}').next()?.parse().ok()).collect();
+            let expected: Vec<usize> = (1..=tokens.len()).collect();
+            assert_eq!(tokens, expected, "flight {f}: tokens lost or repeated: {text}");
+            assert!(tokens.len() >= 3 && text.ends_with("data: [DONE]\n\n"), "flight {f}: {text}");
+        }
+        assert!(fin.migrations.len() <= spec.migrations_max as usize, "flight {f}: {:?}", fin.migrations);
+        if fin.migrations.contains(&pdserve_router::flight::Migration::Stalled) {
+            *tally.cases.entry("stalled").or_default() += 1;
+        }
+        if !fin.migrations.is_empty() {
+            *tally
+                .cases
+                .entry(if fin.outcome == Outcome::Completed {
+                    "migrated_completed"
+                } else {
+                    "migrated_other"
+                })
+                .or_default() += 1;
+        }
         let case = match (spec.purpose, w.plans[f], rec.cause) {
             (Purpose::PairProbe { .. }, _, _) => "pair_probe",
             (_, Plan::Forward, _) => "forward",
@@ -491,6 +572,9 @@ fn run(seed: u64, flights: usize) -> Tally {
                 }
             }
             (Some("client"), o) => assert_eq!(o, Outcome::Cancelled, "flight {f}"),
+            (Some("stall"), o) => {
+                assert_eq!((o, fin.status), (Outcome::Failed, failed_status), "flight {f}: {rec:?}");
+            }
             (Some("no_worker" | "refused"), o) => {
                 let status = match () {
                     _ if !rec.client => 0,
@@ -506,7 +590,11 @@ fn run(seed: u64, flights: usize) -> Tally {
                 }
             }
             (Some("end"), Outcome::Completed) => {
-                assert!(rec.aborts.is_empty(), "flight {f}: aborts after completing")
+                // Only the workers it moved away from were told to drop it.
+                assert!(
+                    rec.aborts.is_empty() || !fin.migrations.is_empty(),
+                    "flight {f}: aborts after completing"
+                )
             }
             (Some("end"), _) => {}
             (Some("dispatch"), o) => {
@@ -547,7 +635,15 @@ fn thousands_of_flights_end_exactly_once_and_leave_nothing_behind() {
             *total.cases.entry(k).or_default() += v;
         }
     }
-    for c in ["pair_probe", "forward", "answer_too_big", "stale_twice"] {
+    for c in [
+        "pair_probe",
+        "forward",
+        "answer_too_big",
+        "stale_twice",
+        "migrated_completed",
+        "migrated_other",
+        "stalled",
+    ] {
         assert!(total.cases.get(c).copied().unwrap_or(0) > 20, "{c}: {:?}", total.cases);
     }
     // Every kind of end happened, so every path above was checked.

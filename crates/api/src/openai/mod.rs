@@ -147,6 +147,8 @@ pub struct GenerateRequest {
     pub n: u32,
     /// Decode role: the prefill worker's handles, one per choice.
     pub pd_handles: Vec<PdHandle>,
+    /// A request the router moved here mid-answer: what the client already has.
+    pub resume: Option<crate::pd::Resume>,
     /// Chat: the functions offered, and whether and how the model must call them.
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,

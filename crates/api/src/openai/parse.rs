@@ -4,7 +4,7 @@
 use serde_json::{json, Map, Value};
 
 use super::{Constraint, Endpoint, GenerateRequest, Message, Prompt, Sampling};
-use crate::pd::{PdHandle, HANDLE_FIELD};
+use crate::pd::{PdHandle, Resume, HANDLE_FIELD, RESUME_FIELD};
 use crate::tools::{parse_tool_choice, parse_tools, Tool, ToolCall, ToolChoice};
 use crate::ApiError;
 
@@ -43,6 +43,7 @@ const COMMON_FIELDS: &[&str] = &[
     "json_schema",
     "timeout",
     HANDLE_FIELD,
+    RESUME_FIELD,
 ];
 const CHAT_FIELDS: &[&str] = &[
     "messages",
@@ -403,6 +404,10 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
             pd_handles.len()
         )));
     }
+    let resume = f.get(RESUME_FIELD).filter(|v| !v.is_null()).map(Resume::from_json).transpose()?;
+    if resume.is_some() && n > 1 {
+        return Err(ApiError::invalid(format!("`{RESUME_FIELD}` is for `n` = 1 only")));
+    }
     if f.u64("best_of")?.is_some_and(|b| b != 1) {
         return Err(ApiError::invalid("`best_of` must be 1"));
     }
@@ -491,6 +496,7 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         timeout_s,
         n: n as u32,
         pd_handles,
+        resume,
         parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
         tools,
         tool_choice,

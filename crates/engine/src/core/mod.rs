@@ -43,6 +43,9 @@ pub(crate) struct Submission {
     /// End-of-sequence and stop tokens are held back before this many tokens.
     pub min_tokens: usize,
     pub logit_bias: Vec<(u32, f32)>,
+    /// Output generated before this engine (the request moved here mid-answer): the prompt's last
+    /// tokens, counted as output.
+    pub resumed: Vec<u32>,
     /// Test hook (`EngineConfig::test_panic_trigger`): sampling this request panics.
     pub panic_in_sampling: bool,
 }
@@ -322,7 +325,10 @@ impl Core {
         match cmd {
             Command::Submit(s) if s.remote.is_some() => self.start_pull(s, now),
             Command::Submit(mut s) => {
-                let max_tokens = s.max_tokens.unwrap_or(self.context_tokens.saturating_sub(s.tokens.len()));
+                let max_tokens =
+                    s.max_tokens.map_or(self.context_tokens.saturating_sub(s.tokens.len()), |m| {
+                        m.saturating_sub(s.resumed.len()).max(1)
+                    });
                 let req = NewRequest {
                     id: RequestId(s.id),
                     prompt: s.tokens.clone(),
@@ -401,12 +407,16 @@ impl Core {
             Some(r) => (Some((r.logprob, r.top)), Some((r.queue_us, r.prefill_us)), Some(r.cached_tokens)),
             None => (None, None, None),
         };
-        let prompt_len = prompt.len();
+        // Output generated elsewhere counts as output here; the sampler goes on past its draws (and,
+        // on a decode worker, past the prefill worker's draw of the first token).
+        let prompt_len = prompt.len().saturating_sub(s.resumed.len());
+        let mut sampler = Sampler::new(s.params.clone(), s.seed);
+        sampler.skip(s.resumed.len() + usize::from(self.role == Role::Decode));
         self.live.insert(
             s.id,
             Live {
                 request_id: s.request_id.clone(),
-                sampler: Sampler::new(s.params.clone(), s.seed),
+                sampler,
                 prompt_len,
                 stop_ids: s.stop_ids.clone(),
                 ignore_eos: s.ignore_eos,

@@ -77,6 +77,8 @@ impl Core {
             Some(EngineError::InvalidInput { problem: "the prefill worker described an empty prompt".into() })
         } else if let Some(t) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
             Some(EngineError::KvTransfer(KvTransferProblem::TokenOutsideVocabulary { token: *t }))
+        } else if !prompt.ends_with(&s.resumed) {
+            Some(EngineError::KvTransfer(KvTransferProblem::ResumeMismatch))
         } else if prompt.len() >= self.context_tokens {
             Some(EngineError::ContextLengthExceeded {
                 prompt_tokens: prompt.len(),
@@ -90,7 +92,9 @@ impl Core {
             self.shared.ledger().finish(&s.request_id);
             return self.reject(s.id, e);
         }
-        let max_tokens = s.max_tokens.unwrap_or(self.context_tokens - prompt.len());
+        let max_tokens = s
+            .max_tokens
+            .map_or(self.context_tokens - prompt.len(), |m| m.saturating_sub(s.resumed.len()).max(1));
         let req = NewRequest {
             id: RequestId(s.id),
             prompt: prompt.clone(),

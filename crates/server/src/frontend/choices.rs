@@ -130,6 +130,8 @@ impl Frontend {
             blocks: Default::default(),
             echo: g.echo.clone(),
             panic_in_output: false,
+            marks: false,
+            resumed: false,
             group: Some(gid),
             choice: i,
         };

@@ -7,11 +7,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::anthropic::{self, MessageStream};
 use pdserve_api::openai::{
-    self, sse, Constraint, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob, Usage,
+    self, sse, Constraint, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob,
 };
 use pdserve_api::tools::{Piece, ToolCall, ToolCallParser, ToolChoice};
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role};
-use pdserve_engine::{Engine, Finish, Id, Input, Output, Request as EngineRequest, Timings};
+use pdserve_engine::{Engine, Id, Input, Output, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
 use pdserve_model::{ChatMessage, SamplingParams};
 use pdserve_telemetry::Gauge;
@@ -19,6 +19,7 @@ use serde_json::{json, Value};
 
 use crate::WorkerConfig;
 
+mod answer;
 mod choices;
 mod routes;
 use choices::Group;
@@ -59,6 +60,10 @@ struct Live {
     choice: usize,
     /// Test hook: rendering this request's output panics.
     panic_in_output: bool,
+    /// The router asked for resume marks ([`pd::mark`]) in this stream.
+    marks: bool,
+    /// Moved here mid-answer: the client has the stream's opening events already.
+    resumed: bool,
 }
 
 pub(crate) struct Frontend {
@@ -315,6 +320,10 @@ impl Frontend {
                 let msg = format!("`{}` is only taken by a decode worker", pd::HANDLE_FIELD);
                 return Err(ApiError::invalid(msg));
             }
+            (None, _) if g.resume.is_some() && !inside => {
+                let msg = format!("`{}` is taken only from the router (with the cluster secret)", pd::RESUME_FIELD);
+                return Err(ApiError::new(ErrorKind::Unauthorized, msg));
+            }
             (None, _) => match (&g.prompt, &g.suffix) {
                 (Prompt::Messages(msgs), _) => Input::Chat(msgs.iter().map(chat_message).collect()),
                 (Prompt::Text(t), None) => Input::Text(t.clone()),
@@ -374,6 +383,7 @@ impl Frontend {
         er.min_tokens = g.min_tokens as usize;
         er.include_stop_str = g.include_stop_str_in_output;
         er.test_panic = test_site.flatten();
+        er.resume = g.resume.as_ref().map(|r| r.tokens.clone()).unwrap_or_default();
         let format = self.engine.info().tool_format;
         er.constraint = match &g.tool_choice {
             ToolChoice::Required => {
@@ -408,6 +418,14 @@ impl Frontend {
             l.tool_parser = tool_parser;
             l.echo = echo;
             l.panic_in_output = test_site == Some(None);
+            l.marks =
+                inside && g.stream && role != Role::Prefill && req.header_str(header::RESUMABLE).is_some();
+            if let Some(r) = &g.resume {
+                // The client's response, continued: its id and time.
+                l.meta.id = endpoint.response_id(&r.request_id);
+                l.meta.created = r.created.unwrap_or(l.meta.created);
+                l.resumed = !r.tokens.is_empty();
+            }
         }
         Ok(None)
     }
@@ -443,6 +461,8 @@ impl Frontend {
             group: None,
             choice: 0,
             panic_in_output: false,
+            marks: false,
+            resumed: false,
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -521,17 +541,22 @@ impl Frontend {
                 let Some(l) = self.live.get_mut(&id) else { return };
                 let Kind::Generate { stream: true, .. } = l.kind else { return };
                 let Some(conn) = l.conn else { return };
-                let headers = [
+                let mut headers = vec![
                     ("content-type", "text/event-stream"),
                     ("cache-control", "no-cache"),
                     (header::REQUEST_ID, l.request_id.as_str()),
                 ];
+                if l.marks {
+                    headers.push((header::RESUMABLE, "1"));
+                }
                 if self.server.start_stream(conn, 200, &headers).is_err() {
                     self.disconnected(conn);
                     return;
                 }
                 l.started = true;
                 let first = match l.meta.endpoint {
+                    // The client has the opening events from the worker before.
+                    _ if l.resumed => String::new(),
                     Endpoint::Chat => sse(
                         None,
                         &openai::chunk(
@@ -569,7 +594,7 @@ impl Frontend {
                     }
                 }
             }
-            Output::Text { id, text, logprob } => {
+            Output::Text { id, text, logprob, tokens, replayed } => {
                 let Some(l) = self.live.get_mut(&id) else { return };
                 let Kind::Generate { stream, .. } = l.kind else { return };
                 assert!(!l.panic_in_output, "test panic while rendering the output");
@@ -595,11 +620,20 @@ impl Frontend {
                 }
                 let mut lp = logprob.map(|p| openai::logprobs_json(l.meta.endpoint, &[p]));
                 let mut frames = Self::stream_pieces(l, pieces, &mut lp);
+                if replayed {
+                    // The client has these events from the worker before; the parsers' state is
+                    // what counted.
+                    return;
+                }
                 if let Some(lp) = lp.filter(|_| l.meta.endpoint != Endpoint::Messages) {
                     // Log-probabilities of text the tool-call parser holds back go out on their own.
                     let delta = Delta { text: Some(""), index: l.choice, ..Delta::default() };
                     let c = openai::chunk(&l.meta, delta, Some(lp));
                     frames.insert_str(0, &sse(None, &c.to_string()));
+                }
+                if l.marks && !tokens.is_empty() {
+                    // After the events these tokens made: the router moves the request on from here.
+                    frames.push_str(&pd::mark::tokens(l.meta.created, &tokens));
                 }
                 match group {
                     _ if frames.is_empty() => {}
@@ -624,157 +658,6 @@ impl Frontend {
                 let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
             }
             Output::Finished { id, finish, usage, timings } => self.finished(id, finish, usage, timings),
-        }
-    }
-
-    /// The stream events of text and calls, framed: text as content deltas, each call whole as a
-    /// `tool_calls` delta with its index (Messages: text and `tool_use` blocks). `lp` goes with the
-    /// first text chunk (taken if used).
-    fn stream_pieces(l: &mut Live, pieces: Vec<Piece>, lp: &mut Option<Value>) -> String {
-        let mut frames = String::new();
-        if l.meta.endpoint == Endpoint::Messages {
-            let mut events = Vec::new();
-            for p in pieces {
-                match p {
-                    Piece::Text(t) => l.blocks.text(&t, &mut events),
-                    Piece::Call(c) => {
-                        l.blocks.call(&c, &mut events);
-                        l.calls.push(c);
-                    }
-                }
-            }
-            for e in &events {
-                frames.push_str(&sse(Some(e.0), &anthropic::event_data(e)));
-            }
-            return frames;
-        }
-        for p in pieces {
-            let c = match p {
-                Piece::Text(t) if t.is_empty() => continue,
-                Piece::Text(t) => {
-                    let delta = Delta { text: Some(&t), index: l.choice, ..Delta::default() };
-                    openai::chunk(&l.meta, delta, lp.take())
-                }
-                Piece::Call(call) => {
-                    let calls = [(l.calls.len(), call)];
-                    let delta = Delta { tool_calls: Some(&calls), index: l.choice, ..Delta::default() };
-                    let c = openai::chunk(&l.meta, delta, None);
-                    let [(_, call)] = calls;
-                    l.calls.push(call);
-                    c
-                }
-            };
-            frames.push_str(&sse(None, &c.to_string()));
-        }
-        frames
-    }
-
-    fn finished(&mut self, id: Id, finish: Finish, usage: Usage, timings: Timings) {
-        let Some(mut l) = self.remove(id) else { return };
-        // What the tool-call parser still held: calls if they parse, text if not.
-        let rest = l.tool_parser.as_mut().map(ToolCallParser::finish).unwrap_or_default();
-        let mut rest_frames = String::new();
-        if let Kind::Generate { stream: true, .. } = l.kind {
-            rest_frames = Self::stream_pieces(&mut l, rest, &mut None);
-        } else {
-            for p in rest {
-                match p {
-                    Piece::Text(t) => l.text.push_str(&t),
-                    Piece::Call(c) => l.calls.push(c),
-                }
-            }
-        }
-        // One line per request, with its id, so a log search finds it.
-        eprintln!(
-            "request_id={} outcome={} prompt_tokens={} completion_tokens={} latency_ms={}",
-            l.request_id,
-            finish.outcome(),
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            l.received.elapsed().as_millis()
-        );
-        if let Some(gid) = l.group {
-            return self.group_finished(gid, l, finish, usage, timings, rest_frames);
-        }
-        let Some(conn) = l.conn else { return };
-        let timings = timings_json(&timings);
-        let stop_sequence = match &finish {
-            Finish::StopString(s) => Some(s.clone()),
-            _ => None,
-        };
-        let result = finish
-            .reason()
-            // A model that called tools and stopped stopped for them.
-            .map(|r| if r == "stop" && !l.calls.is_empty() { "tool_calls" } else { r })
-            .ok_or_else(|| {
-                finish.to_api_error().unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "unexpected end"))
-            });
-        match (&l.kind, result) {
-            (Kind::Probe, Ok(_)) => {
-                let health = Health::Generated {
-                    latency_ms: l.received.elapsed().as_millis() as u64,
-                    details: json!({"tokens": usage.completion_tokens}),
-                };
-                let _ = self.server.respond(conn, &Response::health(&health, None));
-            }
-            (Kind::Generate { stream: false, logprobs, .. }, Ok(reason)) => {
-                if let Some(e) = &l.echo {
-                    l.text.insert_str(0, e);
-                }
-                let mut body = if l.meta.endpoint == Endpoint::Messages {
-                    let stop = stop_sequence.as_deref();
-                    let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);
-                    anthropic::message_json(&l.meta, &l.text, &l.calls, why, stop, usage)
-                } else {
-                    let lp = logprobs.then(|| openai::logprobs_json(l.meta.endpoint, &l.logprobs));
-                    openai::full_response(&l.meta, &l.text, &l.calls, reason, lp, usage)
-                };
-                body["timings"] = timings;
-                let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
-            }
-            (Kind::Generate { stream: true, .. }, _) if !l.started => {
-                // Ended before the stream began (a deadline in the queue): a plain error answer.
-                let e = finish
-                    .to_api_error()
-                    .unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "stream ended before it started"));
-                let _ = self.server.respond(conn, &Response::error(&e, Some(&l.request_id)));
-            }
-            (Kind::Generate { stream: true, include_usage, .. }, result) => {
-                let mut frames = rest_frames;
-                match result {
-                    Ok(reason) if l.meta.endpoint == Endpoint::Messages => {
-                        let stop = stop_sequence.as_deref();
-                        let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);
-                        let mut events = Vec::new();
-                        l.blocks.finish(why, stop, usage, &mut events);
-                        for e in &events {
-                            frames.push_str(&sse(Some(e.0), &anthropic::event_data(e)));
-                        }
-                    }
-                    Ok(reason) => {
-                        let mut last = openai::chunk(
-                            &l.meta,
-                            Delta { finish_reason: Some(reason), ..Delta::default() },
-                            None,
-                        );
-                        last["timings"] = timings;
-                        frames.push_str(&sse(None, &last.to_string()));
-                        if *include_usage {
-                            frames.push_str(&sse(None, &openai::usage_chunk(&l.meta, usage).to_string()));
-                        }
-                        frames.push_str(&sse(None, openai::DONE));
-                    }
-                    Err(e) => frames.push_str(&openai::stream_error_frames(&l.meta, &e, &l.request_id)),
-                }
-                if self.server.send_chunk(conn, frames.as_bytes()).is_ok() {
-                    let _ = self.server.end_stream(conn);
-                } else {
-                    self.server.close(conn);
-                }
-            }
-            (_, Err(e)) => {
-                let _ = self.server.respond(conn, &Self::error_response(&l, &e));
-            }
         }
     }
 }

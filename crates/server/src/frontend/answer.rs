@@ -1,0 +1,171 @@
+//! How a request's answer is written: stream events for text and tool calls, and the end (the full
+//! body, the stream's last events, or the error).
+
+use pdserve_api::anthropic;
+use pdserve_api::openai::{self, sse, Delta, Endpoint, Usage};
+use pdserve_api::tools::{Piece, ToolCallParser};
+use pdserve_api::{pd, ApiError, ErrorKind, Health};
+use pdserve_engine::{Finish, Id, Timings};
+use pdserve_http::Response;
+use serde_json::{json, Value};
+
+use super::{json_response, timings_json, Frontend, Kind, Live};
+
+impl Frontend {
+    /// The stream events of text and calls, framed: text as content deltas, each call whole as a
+    /// `tool_calls` delta with its index (Messages: text and `tool_use` blocks). `lp` goes with the
+    /// first text chunk (taken if used).
+    pub(super) fn stream_pieces(l: &mut Live, pieces: Vec<Piece>, lp: &mut Option<Value>) -> String {
+        let mut frames = String::new();
+        if l.meta.endpoint == Endpoint::Messages {
+            let mut events = Vec::new();
+            for p in pieces {
+                match p {
+                    Piece::Text(t) => l.blocks.text(&t, &mut events),
+                    Piece::Call(c) => {
+                        l.blocks.call(&c, &mut events);
+                        l.calls.push(c);
+                    }
+                }
+            }
+            for e in &events {
+                frames.push_str(&sse(Some(e.0), &anthropic::event_data(e)));
+            }
+            return frames;
+        }
+        for p in pieces {
+            let c = match p {
+                Piece::Text(t) if t.is_empty() => continue,
+                Piece::Text(t) => {
+                    let delta = Delta { text: Some(&t), index: l.choice, ..Delta::default() };
+                    openai::chunk(&l.meta, delta, lp.take())
+                }
+                Piece::Call(call) => {
+                    let calls = [(l.calls.len(), call)];
+                    let delta = Delta { tool_calls: Some(&calls), index: l.choice, ..Delta::default() };
+                    let c = openai::chunk(&l.meta, delta, None);
+                    let [(_, call)] = calls;
+                    l.calls.push(call);
+                    c
+                }
+            };
+            frames.push_str(&sse(None, &c.to_string()));
+        }
+        frames
+    }
+
+    pub(super) fn finished(&mut self, id: Id, finish: Finish, usage: Usage, timings: Timings) {
+        let Some(mut l) = self.remove(id) else { return };
+        // What the tool-call parser still held: calls if they parse, text if not.
+        let rest = l.tool_parser.as_mut().map(ToolCallParser::finish).unwrap_or_default();
+        let mut rest_frames = String::new();
+        if let Kind::Generate { stream: true, .. } = l.kind {
+            rest_frames = Self::stream_pieces(&mut l, rest, &mut None);
+        } else {
+            for p in rest {
+                match p {
+                    Piece::Text(t) => l.text.push_str(&t),
+                    Piece::Call(c) => l.calls.push(c),
+                }
+            }
+        }
+        // One line per request, with its id, so a log search finds it.
+        eprintln!(
+            "request_id={} outcome={} prompt_tokens={} completion_tokens={} latency_ms={}",
+            l.request_id,
+            finish.outcome(),
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            l.received.elapsed().as_millis()
+        );
+        if let Some(gid) = l.group {
+            return self.group_finished(gid, l, finish, usage, timings, rest_frames);
+        }
+        let Some(conn) = l.conn else { return };
+        let timings = timings_json(&timings);
+        let stop_sequence = match &finish {
+            Finish::StopString(s) => Some(s.clone()),
+            _ => None,
+        };
+        let result = finish
+            .reason()
+            // A model that called tools and stopped stopped for them.
+            .map(|r| if r == "stop" && !l.calls.is_empty() { "tool_calls" } else { r })
+            .ok_or_else(|| {
+                finish.to_api_error().unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "unexpected end"))
+            });
+        match (&l.kind, result) {
+            (Kind::Probe, Ok(_)) => {
+                let health = Health::Generated {
+                    latency_ms: l.received.elapsed().as_millis() as u64,
+                    details: json!({"tokens": usage.completion_tokens}),
+                };
+                let _ = self.server.respond(conn, &Response::health(&health, None));
+            }
+            (Kind::Generate { stream: false, logprobs, .. }, Ok(reason)) => {
+                if let Some(e) = &l.echo {
+                    l.text.insert_str(0, e);
+                }
+                let mut body = if l.meta.endpoint == Endpoint::Messages {
+                    let stop = stop_sequence.as_deref();
+                    let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);
+                    anthropic::message_json(&l.meta, &l.text, &l.calls, why, stop, usage)
+                } else {
+                    let lp = logprobs.then(|| openai::logprobs_json(l.meta.endpoint, &l.logprobs));
+                    openai::full_response(&l.meta, &l.text, &l.calls, reason, lp, usage)
+                };
+                body["timings"] = timings;
+                let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
+            }
+            (Kind::Generate { stream: true, .. }, _) if !l.started => {
+                // Ended before the stream began (a deadline in the queue): a plain error answer.
+                let e = finish
+                    .to_api_error()
+                    .unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "stream ended before it started"));
+                let _ = self.server.respond(conn, &Response::error(&e, Some(&l.request_id)));
+            }
+            (Kind::Generate { stream: true, include_usage, .. }, result) => {
+                let mut frames = rest_frames;
+                match result {
+                    Ok(reason) if l.meta.endpoint == Endpoint::Messages => {
+                        let stop = stop_sequence.as_deref();
+                        let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);
+                        let mut events = Vec::new();
+                        l.blocks.finish(why, stop, usage, &mut events);
+                        for e in &events {
+                            frames.push_str(&sse(Some(e.0), &anthropic::event_data(e)));
+                        }
+                    }
+                    Ok(reason) => {
+                        let mut last = openai::chunk(
+                            &l.meta,
+                            Delta { finish_reason: Some(reason), ..Delta::default() },
+                            None,
+                        );
+                        last["timings"] = timings;
+                        frames.push_str(&sse(None, &last.to_string()));
+                        if *include_usage {
+                            frames.push_str(&sse(None, &openai::usage_chunk(&l.meta, usage).to_string()));
+                        }
+                        frames.push_str(&sse(None, openai::DONE));
+                    }
+                    Err(e) => {
+                        if l.marks && e.kind == ErrorKind::KvTransferFailed {
+                            // Another pair may have the KV: the router may move the request there.
+                            frames.push_str(&format!("{}{}\n\n", pd::mark::RETRY, e.kind));
+                        }
+                        frames.push_str(&openai::stream_error_frames(&l.meta, &e, &l.request_id))
+                    }
+                }
+                if self.server.send_chunk(conn, frames.as_bytes()).is_ok() {
+                    let _ = self.server.end_stream(conn);
+                } else {
+                    self.server.close(conn);
+                }
+            }
+            (_, Err(e)) => {
+                let _ = self.server.respond(conn, &Self::error_response(&l, &e));
+            }
+        }
+    }
+}
