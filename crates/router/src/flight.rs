@@ -516,11 +516,12 @@ impl Flight {
 
     /// A piece of the leg's response body.
     pub fn handle_leg_data(&mut self, leg: LegId, data: &[u8], now: Instant) {
-        let State::Open { leg: l, body, .. } = &mut self.state else { return };
+        let State::Open { leg: l, kind, body, .. } = &mut self.state else { return };
         if *l != leg {
             return;
         }
-        if self.streaming {
+        // (A later try's prefill answer is buffered like any other, the client's stream open or not.)
+        if self.streaming && *kind != LegKind::Prefill {
             if !self.client {
                 return;
             }
@@ -890,7 +891,7 @@ impl Flight {
                     let meta = Meta {
                         endpoint: self.endpoint(),
                         id: self.endpoint().response_id(&self.spec.request_id),
-                        created: 0,
+                        created: self.created.unwrap_or(0),
                         model: String::new(),
                     };
                     frame.extend_from_slice(

@@ -1,0 +1,180 @@
+//! Mid-request migration through the real router and real worker processes: a prefill worker killed
+//! before its answer and a decode worker killed mid-stream each cost the client nothing (the answer
+//! completes, the stream goes on with every token once and the same text as an unbroken run), and
+//! with no worker left to move to the stream ends with an explicit error instead of hanging.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::router::RouterThread;
+use common::{chat, Worker};
+use pdserve_http::{Header, Request, SseDecoder};
+use pdserve_router::Role;
+use serde_json::Value;
+
+/// A streamed chat request read as it comes; `on_delta` sees the number of content deltas so far.
+fn stream(router: &RouterThread, body: &str, rid: &str, mut on_delta: impl FnMut(usize)) -> Vec<Value> {
+    let mut req = Request::new("POST", "/v1/chat/completions");
+    req.body = body.as_bytes().to_vec();
+    req.headers.push(Header { name: "content-type".into(), value: b"application/json".to_vec() });
+    req.headers.push(Header { name: "x-request-id".into(), value: rid.as_bytes().to_vec() });
+    let mut r = router.client.send(router.addr, &req, Instant::now() + Duration::from_secs(120)).unwrap();
+    assert_eq!(r.status(), 200);
+    let mut sse = SseDecoder::new(1 << 20);
+    let mut events = Vec::new();
+    let mut deltas = 0;
+    while let Ok(Some(chunk)) = r.next_chunk() {
+        sse.push(&chunk);
+        while let Ok(Some(e)) = sse.next_event() {
+            assert!(!e.data.contains("pdserve-"), "a resume mark reached the client: {}", e.data);
+            if e.data == "[DONE]" {
+                events.push(Value::String(e.data));
+                continue;
+            }
+            let v: Value = serde_json::from_str(&e.data).unwrap_or_else(|_| panic!("event: {}", e.data));
+            if v["choices"][0]["delta"]["content"].as_str().is_some_and(|c| !c.is_empty()) {
+                deltas += 1;
+                on_delta(deltas);
+            }
+            events.push(v);
+        }
+    }
+    events
+}
+
+/// What a client reads of a completed stream: its text, checked for one id, one `created`, one role
+/// chunk, one finish and `usage` counting every token once.
+fn completed_text(events: &[Value], max_tokens: u64) -> String {
+    assert_eq!(events.last(), Some(&Value::String("[DONE]".into())), "{events:?}");
+    let chunks: Vec<&Value> = events.iter().filter(|e| e.is_object()).collect();
+    assert!(chunks.iter().all(|c| c.get("error").is_none()), "an error event: {events:?}");
+    let id = &chunks[0]["id"];
+    let created = &chunks[0]["created"];
+    assert!(chunks.iter().all(|c| &c["id"] == id && &c["created"] == created), "id or created changed");
+    let roles = chunks.iter().filter(|c| c["choices"][0]["delta"]["role"].is_string()).count();
+    assert_eq!(roles, 1, "the opening chunk once");
+    let finishes = chunks.iter().filter(|c| c["choices"][0]["finish_reason"].is_string()).count();
+    assert_eq!(finishes, 1, "one finish_reason");
+    let usage = chunks.iter().find_map(|c| c.get("usage").filter(|u| u.is_object())).expect("usage chunk");
+    assert_eq!(usage["completion_tokens"].as_u64(), Some(max_tokens), "usage counts each token once");
+    chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect()
+}
+
+/// The worker whose `/debug/requests` lists a request whose id starts with `rid`.
+fn holder<'a>(workers: &[&'a Worker], rid: &str) -> Option<&'a Worker> {
+    workers.iter().copied().find(|w| {
+        let (_, v) = w.json("GET", "/debug/requests", "");
+        v["requests"]
+            .as_array()
+            .is_some_and(|r| r.iter().any(|r| r["id"].as_str().is_some_and(|i| i.starts_with(rid))))
+    })
+}
+
+fn router_metric(router: &RouterThread, series: &str) -> f64 {
+    let m = String::from_utf8(router.send("GET", "/metrics", "").read_to_end().unwrap()).unwrap();
+    m.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.strip_prefix(' ')))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn add_worker(router: &RouterThread, w: &Worker, role: &str) {
+    let series = format!("router_workers{{role=\"{role}\",state=\"up\"}}");
+    let want = router_metric(router, &series) + 1.0;
+    let body = format!(r#"{{"url":"http://{}","role":"{role}"}}"#, w.addr);
+    let (s, v) = router.json("POST", "/workers", &body);
+    assert!(s < 300, "{s} {v}");
+    let until = Instant::now() + Duration::from_secs(30);
+    while router_metric(router, &series) < want {
+        assert!(Instant::now() < until, "the added {role} worker never came up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn killed_workers_cost_the_client_nothing_and_none_left_is_an_explicit_error() {
+    let prefill_a = Worker::start(&["--role", "prefill"]);
+    let decode_a = Worker::start(&["--role", "decode"]);
+    let router = RouterThread::start(&[(&prefill_a, Role::Prefill), (&decode_a, Role::Decode)]);
+    let max_tokens = 160;
+    let body = chat(
+        "Tell me a long story about a lighthouse keeper and a storm.",
+        &format!(
+            r#","temperature":0,"max_tokens":{max_tokens},"ignore_eos":true,"stream":true,"stream_options":{{"include_usage":true}}"#
+        ),
+    );
+    // What the request gives without any failure. (Greedy: a moved request's next tokens come from
+    // logits the new worker computes by prefill, whose batched arithmetic differs from decode's in the
+    // last bits; a seeded sampler goes on with the same random stream, but a near-tie may then fall
+    // the other way.)
+    let reference = completed_text(&stream(&router, &body, "reference", |_| {}), max_tokens);
+
+    // A prefill worker that dies before answering: the request is prefilled again elsewhere.
+    prefill_a.signal("-STOP");
+    let pending = {
+        let (addr, body) = (router.addr, chat("Name three birds.", r#","temperature":0,"max_tokens":8"#));
+        std::thread::spawn(move || {
+            let client = pdserve_http::HttpClient::new(Default::default());
+            let mut req = Request::new("POST", "/v1/chat/completions");
+            req.body = body.into_bytes();
+            req.headers.push(Header { name: "content-type".into(), value: b"application/json".to_vec() });
+            let r = client.send(addr, &req, Instant::now() + Duration::from_secs(60)).unwrap();
+            (r.status(), String::from_utf8(r.read_to_end().unwrap()).unwrap())
+        })
+    };
+    let prefill_b = Worker::start(&["--role", "prefill"]);
+    std::thread::sleep(Duration::from_millis(300)); // the request is at the stopped worker
+    add_worker(&router, &prefill_b, "prefill");
+    let mut prefill_a = prefill_a;
+    prefill_a.child.kill().unwrap();
+    let (status, answer) = pending.join().unwrap();
+    assert_eq!(status, 200, "{answer}");
+    let v: Value = serde_json::from_str(&answer).unwrap();
+    assert!(v["choices"][0]["message"]["content"].as_str().is_some_and(|t| !t.is_empty()), "{v}");
+    // Moved (a fresh connection broke) or re-sent (a pooled one broke before any answer byte: the
+    // router cannot tell it from one the worker had closed while idle).
+    let moved =
+        router_metric(&router, r#"router_migrations_total{cause="prefill_lost",outcome="completed"}"#);
+    let resent = router_metric(&router, "router_stale_connection_retries_total");
+    assert!(moved + resent >= 1.0, "moved {moved}, re-sent {resent}");
+
+    // A decode worker killed mid-stream: the stream goes on from another, the same text.
+    let decode_b = Worker::start(&["--role", "decode"]);
+    add_worker(&router, &decode_b, "decode");
+    let mut killed = None;
+    let events = stream(&router, &body, "moved", |n| {
+        if n == 20 && killed.is_none() {
+            let w = holder(&[&decode_a, &decode_b], "moved").expect("a decode worker holds the stream");
+            let _ = std::process::Command::new("kill").args(["-KILL", &w.child.id().to_string()]).status();
+            killed = Some(w.addr);
+        }
+    });
+    assert!(killed.is_some(), "the stream never reached 20 tokens");
+    assert_eq!(
+        completed_text(&events, max_tokens),
+        reference,
+        "the moved stream differs from the unbroken one"
+    );
+    assert_eq!(
+        router_metric(&router, r#"router_migrations_total{cause="decode_lost",outcome="completed"}"#),
+        1.0
+    );
+
+    // The other decode worker killed too: no worker is left to move to, and the stream says so.
+    let survivor = if killed == Some(decode_a.addr) { &decode_b } else { &decode_a };
+    let start = Instant::now();
+    let mut killed_second = false;
+    let events = stream(&router, &body, "stranded", |n| {
+        if n == 20 && !killed_second {
+            assert!(holder(&[survivor], "stranded").is_some(), "the live decode worker holds it");
+            let _ =
+                std::process::Command::new("kill").args(["-KILL", &survivor.child.id().to_string()]).status();
+            killed_second = true;
+        }
+    });
+    assert!(killed_second);
+    let error = events.iter().find_map(|e| e.get("error")).expect("an error event ends the stream");
+    assert_eq!(error["type"], "no_capacity", "{error}");
+    assert!(start.elapsed() < Duration::from_secs(30), "the stranded stream took {:?}", start.elapsed());
+}
