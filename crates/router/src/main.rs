@@ -132,7 +132,7 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--migrations" => c.migrations_max = n()? as u32,
             "--stall-timeout-s" => {
                 c.stall_timeout = match v.parse::<f64>() {
-                    Ok(t) if t == 0.0 => None,
+                    Ok(0.0) => None,
                     _ => Some(secs()?),
                 }
             }

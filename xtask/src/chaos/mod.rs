@@ -163,10 +163,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut failed = Vec::new();
     for name in &names {
         let started = Instant::now();
-        let router_extra: &[&str] = if name == "overload" {
-            &["--max-in-flight", "8", "--max-queued", "8", "--queue-timeout-s", "3"]
-        } else {
-            &[]
+        let stall = STALL_TIMEOUT_S.to_string();
+        let router_extra: &[&str] = match name.as_str() {
+            "overload" => &["--max-in-flight", "8", "--max-queued", "8", "--queue-timeout-s", "3"],
+            "decode_stall" => &["--stall-timeout-s", &stall],
+            _ => &[],
         };
         if name == "netns_partition" {
             let result = netns_partition(&bins, &model, short);

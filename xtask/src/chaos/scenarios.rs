@@ -15,14 +15,30 @@ use super::*;
 
 pub(super) fn decode_kill(s: &mut Stack, short: bool) -> Result<Row> {
     let n = if short { 8 } else { 32 };
-    kill_and_replace(s, "decode", n, 400, Duration::from_millis(1500), "")
+    migrate_then_strand(s, "decode", n, 400, Duration::from_millis(1500), "")
 }
 
-/// Kills the only worker of `role` (`ROLE-0`) with SIGKILL `after` into `n` streams of `max_tokens`,
-/// and asserts: every stream ends, readiness drops within 5 s, a replacement (`ROLE-1`, added through
-/// `/workers`) brings readiness back, requests succeed again, nothing else died, ledgers return to
-/// zero. `also` goes into the row's note between the two readiness figures.
-pub(super) fn kill_and_replace(
+/// Requests the router moved to another worker so far (migrations of every cause, and legs re-sent
+/// after a pooled connection broke before any answer byte, which the router cannot tell from one the
+/// worker had closed while idle).
+fn migrations(s: &Stack) -> Result<f64> {
+    let (_, body) = get(&s.router, "/metrics")?;
+    let text = String::from_utf8_lossy(&body);
+    Ok(text
+        .lines()
+        .filter(|l| {
+            l.starts_with("router_migrations_total{")
+                || l.starts_with("router_stale_connection_retries_total ")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum())
+}
+
+/// Two acts. With a second worker of `role` beside it, `ROLE-0` is killed (SIGKILL) `after` into `n`
+/// streams of `max_tokens`: every stream must complete (the router moves the ones it held), with no
+/// error. Then `ROLE-1`, now the only one, is killed the same way: the streams it held end with an
+/// explicit error (nothing to move to), and [`kill_and_replace`]'s checks follow.
+pub(super) fn migrate_then_strand(
     s: &mut Stack,
     role: &str,
     n: usize,
@@ -30,8 +46,63 @@ pub(super) fn kill_and_replace(
     after: Duration,
     also: &str,
 ) -> Result<Row> {
-    let (dead, fresh) = (format!("{role}-0"), format!("{role}-1"));
+    let (first, second) = (format!("{role}-0"), format!("{role}-1"));
+    let p = s.worker(&second, role)?;
+    let url = p.url.clone();
+    s.procs.push(p);
+    s.add_worker(&url, role)?;
+    s.wait_ready(true, Duration::from_secs(30))?;
+    let before = migrations(s)?;
+    // A prefill worker's part is over in milliseconds: it is stopped first, so the streams it takes
+    // are surely in its hands when it dies. A decode worker dies mid-stream.
+    if role == "prefill" {
+        s.signal(&first, "-STOP")?;
+    }
+    let outcomes = streams(&s.router.clone(), n, max_tokens, 60.0, || {
+        std::thread::sleep(after);
+        let _ = s.signal(&first, "-KILL");
+    });
+    let moved = migrations(s)? - before;
+    let act1 = tally(&outcomes);
+    ensure!(act1.hung == 0, "{} requests without a terminal outcome", act1.hung);
+    ensure!(act1.errors == 0, "{} of {n} streams failed although {second} could take them", act1.errors);
+    ensure!(moved >= 1.0, "no stream was moved off {first}");
+    s.remove_worker(&s.url_of(&first))?;
+    s.procs.retain(|p| p.name != first);
+    let mut act2 = kill_and_replace(s, role, 1, n, max_tokens, after, also)?;
+    ensure!(act2.errors >= 1, "no stream failed when the only {role} worker died");
+    act2.note = format!(
+        "{first} killed under {n} streams with {second} beside it: {moved} moved, {} of {n} completed, 0 errors; then {second}, the only one, killed: {} of {n} ended with an explicit error; {}",
+        act1.completed, act2.errors, act2.note
+    );
+    Ok(Row {
+        sent: act1.sent + act2.sent,
+        completed: act1.completed + act2.completed,
+        errors: act2.errors,
+        hung: 0,
+        note: act2.note,
+    })
+}
+
+/// Kills the only worker of `role` (`ROLE-{k}`) with SIGKILL `after` into `n` streams of `max_tokens`,
+/// and asserts: every stream ends, readiness drops within 5 s, a replacement (`ROLE-{k+1}`, added
+/// through `/workers`) brings readiness back, requests succeed again, nothing else died, ledgers
+/// return to zero. `also` goes into the row's note between the two readiness figures.
+pub(super) fn kill_and_replace(
+    s: &mut Stack,
+    role: &str,
+    k: usize,
+    n: usize,
+    max_tokens: u64,
+    after: Duration,
+    also: &str,
+) -> Result<Row> {
+    let (dead, fresh) = (format!("{role}-{k}"), format!("{role}-{}", k + 1));
     let mut not_ready_after = Duration::ZERO;
+    if role == "prefill" {
+        // As in the first act: the streams it takes are surely in its hands when it dies.
+        s.signal(&dead, "-STOP")?;
+    }
     let outcomes = streams(&s.router.clone(), n, max_tokens, 60.0, || {
         std::thread::sleep(after);
         let _ = s.signal(&dead, "-KILL");
@@ -69,13 +140,37 @@ pub(super) fn decode_stall(s: &mut Stack, short: bool) -> Result<Row> {
     ensure!(row.hung == 0, "{} requests without a terminal outcome", row.hung);
     ensure!(saw_not_ready, "the router stayed ready while the only decode worker was stopped");
     let back = s.wait_ready(true, Duration::from_secs(30))?;
+    // Act two: a second decode worker beside it; the first stops mid-stream again, and the streams
+    // it held move on once they have been quiet for the router's stall timeout.
+    let p = s.worker("decode-1", "decode")?;
+    let url = p.url.clone();
+    s.procs.push(p);
+    s.add_worker(&url, "decode")?;
+    s.wait_ready(true, Duration::from_secs(30))?;
+    let before = migrations(s)?;
+    let outcomes = streams(&s.router.clone(), n, 200, 60.0, || {
+        std::thread::sleep(Duration::from_millis(800));
+        let _ = s.signal("decode-0", "-STOP");
+    });
+    let _ = s.signal("decode-0", "-CONT");
+    let moved = migrations(s)? - before;
+    let act2 = tally(&outcomes);
+    ensure!(act2.hung == 0, "{} requests without a terminal outcome", act2.hung);
+    ensure!(act2.errors == 0, "{} of {n} streams failed although decode-1 could take them", act2.errors);
+    ensure!(moved >= 1.0, "no stream was moved off the stopped decode worker");
     s.recovered(&[])?;
+    row.sent += act2.sent;
+    row.completed += act2.completed;
     row.note = format!(
-        "stalled {stall} s; not ready during the stall; ready again {} ms after SIGCONT",
-        back.as_millis()
+        "stalled {stall} s; not ready during the stall; ready again {} ms after SIGCONT; then with decode-1 beside it, decode-0 stopped under {n} streams: {moved} moved after {STALL_TIMEOUT_S} s quiet, {} of {n} completed, 0 errors",
+        back.as_millis(),
+        act2.completed
     );
     Ok(row)
 }
+
+/// The router's stall timeout in `decode_stall` (its default is 30 s).
+pub(super) const STALL_TIMEOUT_S: u64 = 2;
 
 /// Clients that leave at random points while other streams run: each left request must be gone from
 /// every process (router, prefill, decode: none lists it in `/debug/requests`) soon after its client
@@ -245,7 +340,14 @@ pub(super) fn overload(s: &mut Stack, short: bool) -> Result<Row> {
 pub(super) fn prefill_kill(s: &mut Stack, short: bool) -> Result<Row> {
     let n = if short { 8 } else { 24 };
     // Long prompts keep the prefill worker busy (prefilling, holding and handing over KV) when it dies.
-    kill_and_replace(s, "prefill", n, 64, Duration::from_millis(700), "the decode worker dropped its pulls; ")
+    migrate_then_strand(
+        s,
+        "prefill",
+        n,
+        64,
+        Duration::from_millis(700),
+        "the decode worker dropped its pulls; ",
+    )
 }
 
 pub(super) fn slowloris(s: &mut Stack, short: bool) -> Result<Row> {
