@@ -178,3 +178,51 @@ fn killed_workers_cost_the_client_nothing_and_none_left_is_an_explicit_error() {
     assert_eq!(error["type"], "no_capacity", "{error}");
     assert!(start.elapsed() < Duration::from_secs(30), "the stranded stream took {:?}", start.elapsed());
 }
+
+#[test]
+fn a_unified_worker_killed_mid_stream_hands_over_and_migration_can_be_turned_off() {
+    let a = Worker::start(&[]);
+    let b = Worker::start(&[]);
+    let router = RouterThread::start(&[(&a, Role::Unified), (&b, Role::Unified)]);
+    let max_tokens = 120;
+    let body = chat(
+        "Explain how a bicycle works, part by part.",
+        &format!(
+            r#","temperature":0,"max_tokens":{max_tokens},"ignore_eos":true,"stream":true,"stream_options":{{"include_usage":true}}"#
+        ),
+    );
+    let reference = completed_text(&stream(&router, &body, "u-reference", |_| {}), max_tokens);
+    let mut killed = None;
+    let events = stream(&router, &body, "u-moved", |n| {
+        if n == 20 && killed.is_none() {
+            let w = holder(&[&a, &b], "u-moved").expect("a worker holds the stream");
+            let _ = std::process::Command::new("kill").args(["-KILL", &w.child.id().to_string()]).status();
+            killed = Some(w.addr);
+        }
+    });
+    assert_eq!(
+        completed_text(&events, max_tokens),
+        reference,
+        "the moved stream differs from the unbroken one"
+    );
+    assert_eq!(
+        router_metric(&router, r#"router_migrations_total{cause="decode_lost",outcome="completed"}"#),
+        1.0
+    );
+
+    // `--migrations 0`: the same fault ends the stream with an explicit error, as before migration.
+    let survivor = if killed == Some(a.addr) { &b } else { &a };
+    let off = RouterThread::start_with(&[(survivor, Role::Unified)], |c| c.migrations_max = 0);
+    let mut done = false;
+    let events = stream(&off, &body, "u-off", |n| {
+        if n == 20 && !done {
+            let _ =
+                std::process::Command::new("kill").args(["-KILL", &survivor.child.id().to_string()]).status();
+            done = true;
+        }
+    });
+    let error = events.iter().find_map(|e| e.get("error")).expect("an error event ends the stream");
+    assert_eq!(error["type"], "upstream_failed", "{error}");
+    let m = String::from_utf8(off.send("GET", "/metrics", "").read_to_end().unwrap()).unwrap();
+    assert!(!m.lines().any(|l| l.starts_with("router_migrations_total{")), "a migration with --migrations 0");
+}
