@@ -34,6 +34,9 @@ struct Raw<'a> {
     /// the client says.
     #[serde(default, rename = "pd_transfer", deserialize_with = "present")]
     handle: bool,
+    /// Set only by the router on a moved request: a client's would claim output it never got.
+    #[serde(default, rename = "pd_resume", deserialize_with = "present")]
+    resume: bool,
 }
 
 /// True for any value (null included): the member is there.
@@ -118,6 +121,9 @@ pub fn peek(body: &[u8]) -> Result<Peek, RouterError> {
         serde_json::from_slice(body).map_err(|e| RouterError::NotJson { reason: e.to_string() })?;
     if raw.handle {
         return Err(RouterError::InternalField { field: pdserve_api::pd::HANDLE_FIELD });
+    }
+    if raw.resume {
+        return Err(RouterError::InternalField { field: pdserve_api::pd::RESUME_FIELD });
     }
     if let Some(t) = raw.timeout {
         if !(t.is_finite() && t > 0.0) {
@@ -212,5 +218,7 @@ mod tests {
         ] {
             assert_eq!(peek(body), Err(RouterError::InternalField { field: "pd_transfer" }));
         }
+        let body = br#"{"prompt":"x","pd_resume":{"request_id":"r","tokens":[1]}}"#;
+        assert_eq!(peek(body), Err(RouterError::InternalField { field: "pd_resume" }));
     }
 }
