@@ -153,6 +153,9 @@ pub mod mark {
     /// `: pdserve-retry KIND`: the request failed here in a way another worker may not (the KV did not
     /// arrive); the error events after it are for the client only if no other worker can take it.
     pub const RETRY: &str = ": pdserve-retry ";
+    /// The whole keep-alive mark: the request waits (queued, preempted) at a worker whose engine loop
+    /// is turning.
+    pub const ALIVE: &str = ": pdserve-alive\n\n";
 
     /// The tokens mark, as one event.
     pub fn tokens(created: u64, ids: &[u32]) -> String {
@@ -165,10 +168,14 @@ pub mod mark {
         s
     }
 
-    /// What a mark event says: `Some(Ok((created, ids)))` for a tokens mark, `Some(Err(kind))` for a
-    /// retry mark, `None` for any other event (or a malformed mark).
+    /// What a mark event says: `Some(Ok((created, ids)))` for a tokens mark (a keep-alive mark reads
+    /// as one with no ids and `created` 0), `Some(Err(kind))` for a retry mark, `None` for any other
+    /// event (or a malformed mark).
     pub fn read(event: &[u8]) -> Option<Result<(u64, Vec<u32>), String>> {
         let text = std::str::from_utf8(event).ok()?.trim_end();
+        if text == ALIVE.trim_end() {
+            return Some(Ok((0, Vec::new())));
+        }
         if let Some(rest) = text.strip_prefix(TOKENS) {
             let mut it = rest.split(' ');
             let created = it.next()?.parse().ok()?;
@@ -227,6 +234,7 @@ mod tests {
             Some(Err("kv_transfer_failed".into()))
         );
         assert_eq!(mark::read(b"data: {}\n\n"), None);
+        assert_eq!(mark::read(mark::ALIVE.as_bytes()), Some(Ok((0, vec![]))));
         assert_eq!(mark::read(b": pdserve-tokens x 1\n\n"), None);
     }
 }

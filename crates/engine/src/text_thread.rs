@@ -292,6 +292,17 @@ impl TextThread {
                         return self.reject(id, EngineError::InvalidInput { problem: reason });
                     }
                 }
+                // Ended by what it had already generated (the move came after its last token, before
+                // its end): it ends here as it would have there.
+                let stopped = self.texts.get(&id).and_then(|t| t.stopped.clone());
+                let full = !resumed.is_empty()
+                    && (sub.max_tokens.is_some_and(|m| resumed.len() >= m)
+                        || (sub.remote.is_none() && sub.tokens.len() >= self.info.context_tokens));
+                match stopped {
+                    Some(s) => return self.end_resumed(id, Finish::StopString(s)),
+                    None if full => return self.end_resumed(id, Finish::Length),
+                    None => {}
+                }
                 match self.commands.try_send(Command::Submit(sub)) {
                     Ok(()) => {}
                     Err(TrySendError::Full(_)) => {
@@ -328,7 +339,10 @@ impl TextThread {
             if prompt_len == 0 {
                 return Err(EngineError::InvalidInput { problem: "the prompt is empty".into() });
             }
-            if tokens.len() >= self.info.context_tokens {
+            // (A resumed request that filled the context ends with `length` instead.)
+            if prompt_len >= self.info.context_tokens
+                || (resumed.is_empty() && tokens.len() >= self.info.context_tokens)
+            {
                 return Err(EngineError::ContextLengthExceeded {
                     prompt_tokens: tokens.len(),
                     context_tokens: self.info.context_tokens,
@@ -336,6 +350,16 @@ impl TextThread {
             }
         }
         Ok(tokens)
+    }
+
+    /// A resumed request that was over before it came here: it ends at once, no engine work.
+    fn end_resumed(&mut self, id: u64, finish: Finish) {
+        self.texts.remove(&id);
+        let gone = lock(&self.live).remove(id);
+        if let Some(s) = gone {
+            let timings = timings(&s, Times::default(), Instant::now());
+            self.push(Output::Finished { id: Id(id), finish, usage: s.usage(), timings });
+        }
     }
 
     fn reject(&mut self, id: u64, error: EngineError) {
@@ -435,7 +459,9 @@ impl TextThread {
                         Ok(rest) => {
                             t.pending.push_str(&rest);
                             if !t.pending.is_empty() {
-                                let (text, tokens) = (t.pending, t.unsent);
+                                // Named by no tokens: it goes out with the end (a request moved
+                                // before its end makes these tokens, and this text, again).
+                                let (text, tokens) = (t.pending, Vec::new());
                                 self.push(Output::Text {
                                     id: Id(id),
                                     text,

@@ -236,6 +236,8 @@ struct Marked {
     held: Vec<u8>,
     /// The worker said the request failed in a way another worker may not (the KV did not arrive).
     retry: bool,
+    /// `partial` holds no event end before this offset (each byte is looked at once).
+    scanned: usize,
 }
 
 /// One request. See the [module docs](self).
@@ -561,10 +563,14 @@ impl Flight {
         m.partial.extend_from_slice(data);
         let mut out = Vec::new();
         let (mut start, mut marks) = (0, 0);
-        while let Some(end) = m.partial[start..].windows(2).position(|w| w == b"\n\n") {
-            let event = &m.partial[start..start + end + 2];
-            start += end + 2;
+        let mut from = m.scanned;
+        while let Some(end) = m.partial[from..].windows(2).position(|w| w == b"\n\n") {
+            let event = &m.partial[start..from + end + 2];
+            start = from + end + 2;
+            from = start;
             match pd::mark::read(event) {
+                // A keep-alive mark: the worker's engine turns; nothing to forward.
+                Some(Ok((0, ids))) if ids.is_empty() => marks += 1,
                 Some(Ok((created, ids))) if !m.retry => {
                     self.generated.extend_from_slice(&ids);
                     self.created = Some(created);
@@ -576,6 +582,7 @@ impl Flight {
             }
         }
         m.partial.drain(..start);
+        m.scanned = m.partial.len().saturating_sub(1);
         if marks > 0 {
             self.last_mark = Some(now);
         }
@@ -796,7 +803,8 @@ impl Flight {
     }
 
     /// When the streaming leg will count as stalled, if it is one: the stall timeout after its newest
-    /// resume mark (before its first, a queued request may wait; its deadline bounds it).
+    /// mark (tokens or keep-alive: a worker whose engine turns marks a waiting stream every few
+    /// seconds). Before its first mark, a queued request may wait; its deadline bounds it.
     pub fn stall_deadline(&self) -> Option<Instant> {
         match self.state {
             State::Open { .. } if self.marked.is_some() => Some(self.last_mark? + self.spec.stall_timeout?),

@@ -15,6 +15,12 @@ use crate::router::{Entry, Router, PROBE_BODY};
 use crate::upstream::{AcquireError, Owner};
 use crate::Candidate;
 
+/// Whether `rid` has the shape of a later try's id at the workers (`{id}.m{n}`): a client's such id
+/// could be taken for another request's try.
+fn is_attempt_id(rid: &str) -> bool {
+    rid.rsplit_once(".m").is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
 impl Router {
     pub(crate) fn candidates(&self, role: Role, exclude: &[u32]) -> Vec<Candidate> {
         self.workers
@@ -58,6 +64,12 @@ impl Router {
                 }
             }
         };
+        if is_attempt_id(rid) {
+            self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
+            let msg = format!("request id {rid} ends like the router's own ids for a moved request's later tries (`.m` and digits)");
+            self.respond(conn, &pdserve_http::Response::error(&ApiError::invalid(msg), Some(rid)));
+            return;
+        }
         if self.by_rid.contains_key(rid) {
             self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
             let msg = format!("request id {rid} is already in flight; x-request-id must be unique");
@@ -455,5 +467,17 @@ impl Router {
             }
         }
         self.pumping = false;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn attempt_ids_are_recognised() {
+        assert!(super::is_attempt_id("abc.m1"));
+        assert!(super::is_attempt_id("x.y.m12"));
+        assert!(!super::is_attempt_id("abc.m"));
+        assert!(!super::is_attempt_id("abc.mx1"));
+        assert!(!super::is_attempt_id("req-1"));
     }
 }

@@ -226,3 +226,68 @@ fn a_unified_worker_killed_mid_stream_hands_over_and_migration_can_be_turned_off
     let m = String::from_utf8(off.send("GET", "/metrics", "").read_to_end().unwrap()).unwrap();
     assert!(!m.lines().any(|l| l.starts_with("router_migrations_total{")), "a migration with --migrations 0");
 }
+
+/// The token ids a worker's resume marks name, in order, and the stream's text.
+fn marked_stream(w: &Worker, body: &str) -> (Vec<u32>, String) {
+    let mut r = w.request("POST", "/v1/chat/completions", body, &[("x-pdserve-resumable", "1")]);
+    assert_eq!(r.status(), 200);
+    let mut raw = Vec::new();
+    while let Some(chunk) = r.next_chunk().unwrap() {
+        raw.extend_from_slice(&chunk);
+    }
+    let raw = String::from_utf8(raw).unwrap();
+    let (mut ids, mut text) = (Vec::new(), String::new());
+    for event in raw.split("\n\n") {
+        if let Some(rest) = event.strip_prefix(": pdserve-tokens ") {
+            ids.extend(rest.split(' ').skip(1).map(|t| t.parse::<u32>().unwrap()));
+        } else if let Some(data) = event.strip_prefix("data: ").filter(|d| *d != "[DONE]") {
+            let v: Value = serde_json::from_str(data).unwrap();
+            text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+        }
+    }
+    (ids, text)
+}
+
+#[test]
+fn a_worker_goes_on_from_resumed_tokens() {
+    let w = Worker::start(&[]);
+    let extra = r#","temperature":0,"max_tokens":24,"ignore_eos":true"#;
+    let prompt = "Write a short poem about rain.";
+    let (ids, text) = marked_stream(&w, &chat(prompt, &format!(r#"{extra},"stream":true"#)));
+    assert_eq!(ids.len(), 24, "a mark names every token: {ids:?}");
+    let resumed = |tokens: &[u32], more: &str| {
+        let body = chat(
+            prompt,
+            &format!(r#"{extra}{more},"pd_resume":{{"request_id":"orig","created":7,"tokens":{tokens:?}}}"#),
+        );
+        let (s, v) = w.json("POST", "/v1/chat/completions", &body);
+        assert_eq!(s, 200, "{v}");
+        v
+    };
+    // From the middle: the answer is the whole text (the replayed part included), usage counts 24.
+    let v = resumed(&ids[..10], "");
+    assert_eq!(v["choices"][0]["message"]["content"], text.as_str());
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    assert_eq!(v["id"], "chatcmpl-orig");
+    assert_eq!(v["created"], 7);
+    // Every token already there: it ends at once with `length`, nothing generated past max_tokens.
+    let v = resumed(&ids, "");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    assert_eq!(v["choices"][0]["message"]["content"], text.as_str());
+    // A stop string the resumed text already holds: it ends there, as it would have at the first worker.
+    let words: Vec<&str> = text.split_whitespace().collect();
+    let stop = words[words.len() / 2];
+    let cut = text.find(stop).unwrap();
+    let v = resumed(&ids, &format!(r#","stop":[{stop:?}]"#));
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], &text[..cut]);
+    // Only from inside the stack: with a cluster secret, a client's pd_resume is refused.
+    let secret = std::env::temp_dir().join(format!("pdserve-resume-secret-{}", std::process::id()));
+    std::fs::write(&secret, "s3cret").unwrap();
+    let guarded = Worker::start(&["--cluster-secret-file", secret.to_str().unwrap(), "--api-key", "k"]);
+    let body = chat(prompt, &format!(r#"{extra},"pd_resume":{{"request_id":"x","tokens":[1]}}"#));
+    let r = guarded.request("POST", "/v1/chat/completions", &body, &[("authorization", "Bearer k")]);
+    assert_eq!(r.status(), 401);
+    let _ = std::fs::remove_file(&secret);
+}

@@ -405,8 +405,9 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
         )));
     }
     let resume = f.get(RESUME_FIELD).filter(|v| !v.is_null()).map(Resume::from_json).transpose()?;
-    if resume.is_some() && n > 1 {
-        return Err(ApiError::invalid(format!("`{RESUME_FIELD}` is for `n` = 1 only")));
+    // A moved request with several choices goes on only from the start (its tokens are per choice).
+    if resume.as_ref().is_some_and(|r| !r.tokens.is_empty()) && n > 1 {
+        return Err(ApiError::invalid(format!("`{RESUME_FIELD}` with tokens is for `n` = 1 only")));
     }
     if f.u64("best_of")?.is_some_and(|b| b != 1) {
         return Err(ApiError::invalid("`best_of` must be 1"));

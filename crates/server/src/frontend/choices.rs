@@ -132,6 +132,7 @@ impl Frontend {
             panic_in_output: false,
             marks: false,
             resumed: false,
+            last_sent: Instant::now(),
             group: Some(gid),
             choice: i,
         };

@@ -64,7 +64,12 @@ struct Live {
     marks: bool,
     /// Moved here mid-answer: the client has the stream's opening events already.
     resumed: bool,
+    /// When the stream last sent anything (for the keep-alive marks).
+    last_sent: Instant,
 }
+
+/// A marked stream quiet for this long gets a keep-alive mark (if the engine loop is turning).
+const KEEP_ALIVE_AFTER: Duration = Duration::from_secs(2);
 
 pub(crate) struct Frontend {
     server: Server,
@@ -80,6 +85,7 @@ pub(crate) struct Frontend {
     /// Requests with `n` > 1, by group id.
     groups: HashMap<u64, Group>,
     next_group: u64,
+    last_keep_alive: Instant,
 }
 
 fn unix_now() -> u64 {
@@ -149,6 +155,7 @@ impl Frontend {
             outputs: Vec::new(),
             groups: HashMap::new(),
             next_group: 0,
+            last_keep_alive: Instant::now(),
         })
     }
 
@@ -197,6 +204,7 @@ impl Frontend {
             }
             self.outputs = outputs;
             self.connections.set(self.server.connection_count() as f64);
+            self.keep_alive();
             if crate::sys::terminate_requested() && self.draining_since.is_none() {
                 self.draining_since = Some(Instant::now());
             }
@@ -398,7 +406,9 @@ impl Frontend {
         if offered {
             er.tools = g.tools.clone();
         }
-        let tool_parser = offered.then(|| ToolCallParser::new(format, &g.tools, rid));
+        // Call ids from the client's request id (a moved request's own id names the try).
+        let client_rid = g.resume.as_ref().map_or(rid, |r| r.request_id.as_str());
+        let tool_parser = offered.then(|| ToolCallParser::new(format, &g.tools, client_rid));
         // A prefill worker answers with the KV handle, never a stream.
         let kind = Kind::Generate {
             stream: g.stream && role != Role::Prefill,
@@ -463,6 +473,7 @@ impl Frontend {
             panic_in_output: false,
             marks: false,
             resumed: false,
+            last_sent: Instant::now(),
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -483,7 +494,9 @@ impl Frontend {
 
     /// Sends framed server-sent events.
     fn send_frames(&mut self, id: Id, frames: &str) -> bool {
-        let Some(conn) = self.live.get(&id).and_then(|l| l.conn) else { return false };
+        let Some(l) = self.live.get_mut(&id) else { return false };
+        l.last_sent = Instant::now();
+        let Some(conn) = l.conn else { return false };
         if self.server.send_chunk(conn, frames.as_bytes()).is_err() {
             // The client is gone or not reading: end the request.
             self.disconnected(conn);
@@ -491,6 +504,31 @@ impl Frontend {
             return false;
         }
         true
+    }
+
+    /// Marked streams that sent nothing for a while (waiting in the queue, preempted) get a keep-alive
+    /// mark, while the engine loop runs: the router tells a request that waits from a worker that
+    /// hangs by it.
+    fn keep_alive(&mut self) {
+        let now = Instant::now();
+        if now.saturating_duration_since(self.last_keep_alive) < Duration::from_millis(500) {
+            return;
+        }
+        self.last_keep_alive = now;
+        if self.engine.health(now).tick_age > KEEP_ALIVE_AFTER {
+            return;
+        }
+        let quiet: Vec<Id> = self
+            .live
+            .iter()
+            .filter(|(_, l)| {
+                l.marks && l.started && now.saturating_duration_since(l.last_sent) > KEEP_ALIVE_AFTER
+            })
+            .map(|(&id, _)| id)
+            .collect();
+        for id in quiet {
+            self.send_frames(id, pd::mark::ALIVE);
+        }
     }
 
     /// Ends live request `id` with `e`: the engine drops it, its client gets the error (an error
