@@ -177,10 +177,13 @@ impl KvCache {
         self.free.len()
     }
 
-    /// Blocks obtainable now: free ones plus unreferenced cached leaves (evicting a leaf can expose its
-    /// parent, so more may be reclaimable).
+    /// Blocks an allocation can get: free ones plus every cached block no sequence or lease references.
+    /// (Only unreferenced leaves are evictable at once, but whoever references a block references its
+    /// whole prefix, so each unreferenced block's descendants are unreferenced too: evicting leaf by
+    /// leaf reaches all of them. Counting only the leaves once left a request waiting for room that
+    /// nothing would ever make, with the pool full of cached interior blocks.)
     pub fn blocks_available(&self) -> usize {
-        self.free.len() + self.tree.lru.len()
+        self.free.len() + self.owned[OwnerKind::Cache.index()]
     }
 
     pub fn stats(&self) -> KvStats {

@@ -113,3 +113,22 @@ fn hit_and_miss_counters() {
     // First prompt: 3 blocks missed. Second: 3 hits, 1 miss (the partial tail).
     assert_eq!((s.prefix_hit_blocks_total, s.prefix_miss_blocks_total), (3, 4));
 }
+
+#[test]
+fn every_unreferenced_cached_block_counts_as_available() {
+    // One long chain fills the pool: only its last block is a leaf, but all of them can be evicted.
+    let mut kv = cache(8);
+    prefill_and_cache(&mut kv, 1, &seq(0..32));
+    assert_eq!(kv.stats().owned(OwnerKind::Cache), 8);
+    assert_eq!(kv.blocks_free(), 0);
+    assert_eq!(kv.blocks_available(), 8, "a waiting request sized by this must be admitted");
+    // And an allocation that size succeeds, evicting the chain leaf by leaf.
+    kv.add_sequence(SeqId(2), &seq(100..132)).unwrap();
+    kv.reserve(SeqId(2), 32).unwrap();
+    kv.check_invariants().unwrap();
+    // Blocks a sequence references (and their prefix) are not available.
+    let mut kv = cache(8);
+    prefill_and_cache(&mut kv, 1, &seq(0..32));
+    kv.add_sequence(SeqId(3), &seq(0..9)).unwrap(); // references the first two blocks
+    assert_eq!(kv.blocks_available(), 6);
+}

@@ -487,3 +487,27 @@ fn least_work_first_lets_cached_rounds_overtake_cold_prompts_with_aging() {
     let batch = s.poll_batch(t5);
     assert_eq!(batch[0].id, RequestId(2), "the aged cold prompt goes first");
 }
+
+#[test]
+fn a_decode_worker_under_kv_pressure_finishes_every_request() {
+    // Eight pulled prompts of 10 tokens that each grow by 40: twice the pool of 64 blocks of 4 tokens.
+    let config = SchedulerConfig { role: Role::Decode, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
+    for id in 1..=8 {
+        let r = NewRequest {
+            kv: KvSource::Remote { transfer: TransferId(id), first_token: 77 },
+            ..req(id, 10, 40, t0)
+        };
+        s.handle_request(r, t0).unwrap();
+        assert!(s.handle_kv_arrived(RequestId(id), false, t0));
+    }
+    let events = drain(&mut s, t0);
+    assert!(s.stats().preemptions_total > 0, "the pool was meant to run short");
+    assert_eq!(events.len(), 8, "{events:?}");
+    for e in events {
+        assert!(
+            matches!(e, Event::Finished { outcome: Outcome::Completed(FinishReason::Length), .. }),
+            "{e:?}"
+        );
+    }
+}

@@ -58,7 +58,8 @@ pub(super) fn migrate_then_strand(
     if role == "prefill" {
         s.signal(&first, "-STOP")?;
     }
-    let outcomes = streams(&s.router.clone(), n, max_tokens, 60.0, || {
+    // One worker then carries all `n` (the moved ones computed again): a deadline it can keep.
+    let outcomes = streams(&s.router.clone(), n, max_tokens, 150.0, || {
         std::thread::sleep(after);
         let _ = s.signal(&first, "-KILL");
     });
