@@ -115,15 +115,30 @@ pub(super) fn after_recovery(router: &str) -> Result<()> {
     Ok(())
 }
 
-pub(super) fn report(name: &str, started: Instant, result: Result<Row>, failed: &mut Vec<String>) {
+/// Prints scenario `name`'s table row, and adds it in markdown to `table` (what RELIABILITY.md shows,
+/// every cell measured by this run).
+pub(super) fn report(
+    name: &str,
+    started: Instant,
+    result: Result<Row>,
+    failed: &mut Vec<String>,
+    table: &mut Vec<String>,
+) {
     let secs = started.elapsed().as_secs_f64();
     match result {
-        Ok(r) => println!(
-            "{name:<18} {secs:>7.1}s {:>5} {:>9} {:>6} {:>4}  pass: {}",
-            r.sent, r.completed, r.errors, r.hung, r.note
-        ),
+        Ok(r) => {
+            println!(
+                "{name:<18} {secs:>7.1}s {:>5} {:>9} {:>6} {:>4}  pass: {}",
+                r.sent, r.completed, r.errors, r.hung, r.note
+            );
+            table.push(format!(
+                "| {name} | {secs:.1} s | {} | {} | {} | {} | pass: {} |",
+                r.sent, r.completed, r.errors, r.hung, r.note
+            ));
+        }
         Err(e) => {
             println!("{name:<18} {secs:>7.1}s {:>5} {:>9} {:>6} {:>4}  FAIL: {e:#}", "-", "-", "-", "-");
+            table.push(format!("| {name} | {secs:.1} s | - | - | - | - | FAIL: {e:#} |"));
             failed.push(name.to_owned());
         }
     }
@@ -161,6 +176,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         "scenario", "time", "sent", "completed", "errors", "hung"
     );
     let mut failed = Vec::new();
+    let mut table = vec![
+        "| scenario | time | sent | completed | errors | hung | result |".to_owned(),
+        "|---|---|---|---|---|---|---|".to_owned(),
+    ];
     for name in &names {
         let started = Instant::now();
         let stall = STALL_TIMEOUT_S.to_string();
@@ -171,7 +190,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         };
         if name == "netns_partition" {
             let result = netns_partition(&bins, &model, short);
-            report(name, started, result, &mut failed);
+            report(name, started, result, &mut failed, &mut table);
             continue;
         }
         let result = Stack::start(name, router_extra, &bins, &model).and_then(|mut s| match name.as_str() {
@@ -188,8 +207,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "restart_readd" => restart_readd(&mut s, short),
             _ => unreachable!("checked above"),
         });
-        report(name, started, result, &mut failed);
+        report(name, started, result, &mut failed, &mut table);
     }
+    let out = crate::workspace_root().join("target/chaos/results.md");
+    table.push(String::new());
+    std::fs::write(&out, table.join("\n"))?;
+    println!("table: {}", out.display());
     if !failed.is_empty() {
         bail!("chaos scenarios failed: {} (logs in target/chaos/<scenario>/)", failed.join(", "));
     }
