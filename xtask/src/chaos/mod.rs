@@ -16,7 +16,7 @@ use pdserve_loadgen::{run_point, Conn, Load, Outcome, Progress, Shape, Slo, Targ
 
 use netns::netns_partition;
 use scenarios::*;
-use stack::{worker_args, Stack};
+use stack::{worker_args, Readiness, Stack};
 
 const SCENARIOS: &[&str] = &[
     "decode_kill",
@@ -32,6 +32,9 @@ const SCENARIOS: &[&str] = &[
     "soak",
     "netns_partition",
 ];
+
+/// Scenarios that never take the last working path away: readiness must hold in every sample.
+const ALWAYS_READY: &[&str] = &["disconnect_storm", "slowloris", "hung_worker", "bad_input", "long_context", "soak"];
 
 /// The scenarios CI runs (`cargo xtask test`), in their short form.
 pub(crate) const CI_SCENARIOS: &[&str] = &["decode_kill", "disconnect_storm", "hung_worker"];
@@ -193,7 +196,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             report(name, started, result, &mut failed, &mut table);
             continue;
         }
-        let result = Stack::start(name, router_extra, &bins, &model).and_then(|mut s| match name.as_str() {
+        let mut sampler = None;
+        let result = Stack::start(name, router_extra, &bins, &model).and_then(|mut s| {
+            sampler = Some(Readiness::start(&s.router));
+            match name.as_str() {
             "decode_kill" => decode_kill(&mut s, short),
             "decode_stall" => decode_stall(&mut s, short),
             "disconnect_storm" => disconnect_storm(&mut s, short),
@@ -206,6 +212,17 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "soak" => soak(&mut s, short),
             "restart_readd" => restart_readd(&mut s, short),
             _ => unreachable!("checked above"),
+            }
+        });
+        // Readiness, sampled all along: where the scenario never takes the last path away, it must
+        // never have dropped.
+        let result = result.and_then(|mut row| {
+            let (ready, total) = sampler.take().map_or((0, 0), Readiness::stop);
+            if ALWAYS_READY.contains(&name.as_str()) {
+                ensure!(ready == total, "the router was not ready in {} of {total} samples, though every path stayed", total - ready);
+            }
+            row.note.push_str(&format!("; ready in {ready} of {total} samples (every 100 ms)"));
+            Ok(row)
         });
         report(name, started, result, &mut failed, &mut table);
     }

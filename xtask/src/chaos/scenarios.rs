@@ -11,6 +11,7 @@ use pdserve_loadgen::{run_point, Conn, Load, Progress, Shape, Slo, Target};
 
 use crate::where_::{call, get};
 
+use super::stack::Readiness;
 use super::*;
 
 pub(super) fn decode_kill(s: &mut Stack, short: bool) -> Result<Row> {
@@ -59,12 +60,15 @@ pub(super) fn migrate_then_strand(
         s.signal(&first, "-STOP")?;
     }
     // One worker then carries all `n` (the moved ones computed again): a deadline it can keep.
+    let sampler = Readiness::start(&s.router);
     let outcomes = streams(&s.router.clone(), n, max_tokens, 150.0, || {
         std::thread::sleep(after);
         let _ = s.signal(&first, "-KILL");
     });
+    let (ready, samples) = sampler.stop();
     let moved = migrations(s)? - before;
     let act1 = tally(&outcomes);
+    ensure!(ready == samples, "not ready in {} of {samples} samples while {second} could serve", samples - ready);
     ensure!(act1.hung == 0, "{} requests without a terminal outcome", act1.hung);
     ensure!(act1.errors == 0, "{} of {n} streams failed although {second} could take them", act1.errors);
     ensure!(moved >= 1.0, "no stream was moved off {first}");
@@ -73,7 +77,7 @@ pub(super) fn migrate_then_strand(
     let mut act2 = kill_and_replace(s, role, 1, n, max_tokens, after, also)?;
     ensure!(act2.errors >= 1, "no stream failed when the only {role} worker died");
     act2.note = format!(
-        "{first} killed under {n} streams with {second} beside it: {moved} moved, {} of {n} completed, 0 errors; then {second}, the only one, killed: {} of {n} ended with an explicit error; {}",
+        "{first} killed under {n} streams with {second} beside it: {moved} moved, {} of {n} completed, 0 errors, ready throughout ({samples} samples); then {second}, the only one, killed: {} of {n} ended with an explicit error; {}",
         act1.completed, act2.errors, act2.note
     );
     Ok(Row {

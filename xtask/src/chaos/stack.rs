@@ -227,3 +227,32 @@ pub(super) fn worker_args(name: &str, role: &str, model: &Path) -> Vec<String> {
     args.push(model.display().to_string());
     args
 }
+
+/// `/health/ready` on the router, sampled every 100 ms on a thread of its own while a scenario runs.
+pub(super) struct Readiness {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(usize, usize)>,
+}
+
+impl Readiness {
+    pub(super) fn start(router: &str) -> Readiness {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (flag, router) = (std::sync::Arc::clone(&stop), router.to_owned());
+        let thread = std::thread::spawn(move || {
+            let (mut ready, mut total) = (0, 0);
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                total += 1;
+                ready += usize::from(crate::serve::http_status(&router, "/health/ready") == Some(200));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            (ready, total)
+        });
+        Readiness { stop, thread }
+    }
+
+    /// Samples that were ready, of all taken.
+    pub(super) fn stop(self) -> (usize, usize) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or((0, 0))
+    }
+}
