@@ -415,9 +415,22 @@ impl Router {
                 self.pair_probes_in_flight = self.pair_probes_in_flight.saturating_sub(1);
                 let ok = f.outcome == Outcome::Completed;
                 self.metrics.probes.with(&["pair", if ok { "ok" } else { "failed" }]).map(|c| c.inc()).ok();
-                // A failed pair probe withdraws the proof at once (the two workers may each answer
-                // their own probes while the link between them is down); the next success restores it.
-                for w in [prefill, decode] {
+                // A pair probe that failed withdraws the proof at once (the two workers may each answer
+                // their own probes while the link between them is down), from the worker where it
+                // failed: the prefill worker before its answer, the decode worker once it had the
+                // request, both while the KV was between them. One that only ran out of time (a busy
+                // stack) withdraws nothing: the proof then lapses by itself unless a probe or a
+                // request through the pair succeeds within the window. The next success restores it.
+                let blamed: &[u32] = match f.stage {
+                    _ if ok => &[prefill, decode],
+                    _ if f.outcome == Outcome::TimedOut => &[],
+                    _ if f.error == Some(ErrorKind::KvTransferFailed) => &[prefill, decode],
+                    Stage::RouterQueued | Stage::PrefillQueued | Stage::Prefilling => &[prefill],
+                    Stage::KvTransfer | Stage::Migrating => &[prefill, decode],
+                    // (KvHeld: the prefill worker answered; the decode leg did not go out.)
+                    Stage::KvHeld | Stage::DecodeQueued | Stage::Decoding | Stage::Streaming => &[decode],
+                };
+                for &w in blamed {
                     if let Some(w) = self.workers.get_mut(w) {
                         w.path_ok = ok.then_some(now);
                     }

@@ -34,7 +34,8 @@ const SCENARIOS: &[&str] = &[
 ];
 
 /// Scenarios that never take the last working path away: readiness must hold in every sample.
-const ALWAYS_READY: &[&str] = &["disconnect_storm", "slowloris", "hung_worker", "bad_input", "long_context", "soak"];
+const ALWAYS_READY: &[&str] =
+    &["disconnect_storm", "slowloris", "hung_worker", "bad_input", "long_context", "soak"];
 
 /// The scenarios CI runs (`cargo xtask test`), in their short form.
 pub(crate) const CI_SCENARIOS: &[&str] = &["decode_kill", "disconnect_storm", "hung_worker"];
@@ -196,30 +197,32 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             report(name, started, result, &mut failed, &mut table);
             continue;
         }
-        let mut sampler = None;
+        // Readiness, sampled all along (stopped before the stack is): where the scenario never takes
+        // the last path away, it must never have dropped.
         let result = Stack::start(name, router_extra, &bins, &model).and_then(|mut s| {
-            sampler = Some(Readiness::start(&s.router));
-            match name.as_str() {
-            "decode_kill" => decode_kill(&mut s, short),
-            "decode_stall" => decode_stall(&mut s, short),
-            "disconnect_storm" => disconnect_storm(&mut s, short),
-            "overload" => overload(&mut s, short),
-            "hung_worker" => hung_worker(&mut s, short),
-            "prefill_kill" => prefill_kill(&mut s, short),
-            "slowloris" => slowloris(&mut s, short),
-            "bad_input" => bad_input(&mut s, short),
-            "long_context" => long_context(&mut s, short),
-            "soak" => soak(&mut s, short),
-            "restart_readd" => restart_readd(&mut s, short),
-            _ => unreachable!("checked above"),
-            }
-        });
-        // Readiness, sampled all along: where the scenario never takes the last path away, it must
-        // never have dropped.
-        let result = result.and_then(|mut row| {
-            let (ready, total) = sampler.take().map_or((0, 0), Readiness::stop);
+            let sampler = Readiness::start(&s.router);
+            let result = match name.as_str() {
+                "decode_kill" => decode_kill(&mut s, short),
+                "decode_stall" => decode_stall(&mut s, short),
+                "disconnect_storm" => disconnect_storm(&mut s, short),
+                "overload" => overload(&mut s, short),
+                "hung_worker" => hung_worker(&mut s, short),
+                "prefill_kill" => prefill_kill(&mut s, short),
+                "slowloris" => slowloris(&mut s, short),
+                "bad_input" => bad_input(&mut s, short),
+                "long_context" => long_context(&mut s, short),
+                "soak" => soak(&mut s, short),
+                "restart_readd" => restart_readd(&mut s, short),
+                _ => unreachable!("checked above"),
+            };
+            let (ready, total, down) = sampler.stop();
+            let mut row = result?;
             if ALWAYS_READY.contains(&name.as_str()) {
-                ensure!(ready == total, "the router was not ready in {} of {total} samples, though every path stayed", total - ready);
+                ensure!(
+                    ready == total,
+                    "the router was not ready in {} of {total} samples, though every path stayed (at ms {down:?})",
+                    total - ready
+                );
             }
             row.note.push_str(&format!("; ready in {ready} of {total} samples (every 100 ms)"));
             Ok(row)

@@ -231,7 +231,7 @@ pub(super) fn worker_args(name: &str, role: &str, model: &Path) -> Vec<String> {
 /// `/health/ready` on the router, sampled every 100 ms on a thread of its own while a scenario runs.
 pub(super) struct Readiness {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: std::thread::JoinHandle<(usize, usize)>,
+    thread: std::thread::JoinHandle<(usize, usize, Vec<u128>)>,
 }
 
 impl Readiness {
@@ -239,20 +239,30 @@ impl Readiness {
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let (flag, router) = (std::sync::Arc::clone(&stop), router.to_owned());
         let thread = std::thread::spawn(move || {
-            let (mut ready, mut total) = (0, 0);
+            let (mut ready, mut total, mut down) = (0, 0, Vec::new());
+            let t0 = Instant::now();
             while !flag.load(std::sync::atomic::Ordering::Relaxed) {
                 total += 1;
-                ready += usize::from(crate::serve::http_status(&router, "/health/ready") == Some(200));
+                match crate::where_::get(&router, "/health/ready") {
+                    Ok((200, _)) => ready += 1,
+                    other => {
+                        if std::env::var_os("CHAOS_READY_DEBUG").is_some() {
+                            let why = other.map(|(s, b)| format!("{s} {}", String::from_utf8_lossy(&b)));
+                            eprintln!("not ready at {} ms: {why:?}", t0.elapsed().as_millis());
+                        }
+                        down.push(t0.elapsed().as_millis());
+                    }
+                }
                 std::thread::sleep(Duration::from_millis(100));
             }
-            (ready, total)
+            (ready, total, down)
         });
         Readiness { stop, thread }
     }
 
-    /// Samples that were ready, of all taken.
-    pub(super) fn stop(self) -> (usize, usize) {
+    /// Samples that were ready, of all taken, and when (ms after the start) the others were taken.
+    pub(super) fn stop(self) -> (usize, usize, Vec<u128>) {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread.join().unwrap_or((0, 0))
+        self.thread.join().unwrap_or((0, 0, Vec::new()))
     }
 }
