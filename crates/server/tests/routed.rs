@@ -103,8 +103,10 @@ fn decode_worker_killed_mid_stream_ends_with_an_error_event() {
     assert_eq!(events[n - 1], "[DONE]", "{events:?}");
     let last: serde_json::Value = serde_json::from_str(&events[n - 2]).unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "error", "{events:?}");
+    // The router tried to move the stream (migration) and found no other decode worker.
     let err: serde_json::Value = serde_json::from_str(&events[n - 3]).unwrap();
-    assert_eq!(err["error"]["type"], "upstream_failed", "{err}");
+    assert_eq!(err["error"]["type"], "no_capacity", "{err}");
+    assert!(err["error"]["message"].as_str().is_some_and(|m| m.contains("no decode worker")), "{err}");
     // The router takes the dead worker out and says so.
     let until = Instant::now() + Duration::from_secs(5);
     while router.json("GET", "/health/ready", "").0 == 200 {
