@@ -146,7 +146,7 @@ fn killed_workers_cost_the_client_nothing_and_none_left_is_an_explicit_error() {
     let events = stream(&router, &body, "moved", |n| {
         if n == 20 && killed.is_none() {
             let w = holder(&[&decode_a, &decode_b], "moved").expect("a decode worker holds the stream");
-            let _ = std::process::Command::new("kill").args(["-KILL", &w.child.id().to_string()]).status();
+            w.signal("-KILL");
             killed = Some(w.addr);
         }
     });
@@ -168,8 +168,7 @@ fn killed_workers_cost_the_client_nothing_and_none_left_is_an_explicit_error() {
     let events = stream(&router, &body, "stranded", |n| {
         if n == 20 && !killed_second {
             assert!(holder(&[survivor], "stranded").is_some(), "the live decode worker holds it");
-            let _ =
-                std::process::Command::new("kill").args(["-KILL", &survivor.child.id().to_string()]).status();
+            survivor.signal("-KILL");
             killed_second = true;
         }
     });
@@ -196,7 +195,7 @@ fn a_unified_worker_killed_mid_stream_hands_over_and_migration_can_be_turned_off
     let events = stream(&router, &body, "u-moved", |n| {
         if n == 20 && killed.is_none() {
             let w = holder(&[&a, &b], "u-moved").expect("a worker holds the stream");
-            let _ = std::process::Command::new("kill").args(["-KILL", &w.child.id().to_string()]).status();
+            w.signal("-KILL");
             killed = Some(w.addr);
         }
     });
@@ -216,8 +215,7 @@ fn a_unified_worker_killed_mid_stream_hands_over_and_migration_can_be_turned_off
     let mut done = false;
     let events = stream(&off, &body, "u-off", |n| {
         if n == 20 && !done {
-            let _ =
-                std::process::Command::new("kill").args(["-KILL", &survivor.child.id().to_string()]).status();
+            survivor.signal("-KILL");
             done = true;
         }
     });
