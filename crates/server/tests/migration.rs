@@ -92,18 +92,42 @@ fn add_worker(router: &RouterThread, w: &Worker, role: &str) {
     }
 }
 
+/// A greedy streamed chat request of `max_tokens` tokens (no early end), with the usage chunk.
+fn long_stream_body(prompt: &str, max_tokens: u64) -> String {
+    chat(
+        prompt,
+        &format!(
+            r#","temperature":0,"max_tokens":{max_tokens},"ignore_eos":true,"stream":true,"stream_options":{{"include_usage":true}}"#
+        ),
+    )
+}
+
+/// Streams `body` as `rid` and SIGKILLs whichever of `workers` holds it at its 20th token; the
+/// stream's events and the killed worker's address.
+fn stream_killing_holder(
+    router: &RouterThread,
+    body: &str,
+    rid: &str,
+    workers: &[&Worker],
+) -> (Vec<Value>, std::net::SocketAddr) {
+    let mut killed = None;
+    let events = stream(router, body, rid, |n| {
+        if n == 20 && killed.is_none() {
+            let w = holder(workers, rid).expect("a worker holds the stream");
+            w.signal("-KILL");
+            killed = Some(w.addr);
+        }
+    });
+    (events, killed.expect("the stream never reached 20 tokens"))
+}
+
 #[test]
 fn killed_workers_cost_the_client_nothing_and_none_left_is_an_explicit_error() {
     let prefill_a = Worker::start(&["--role", "prefill"]);
     let decode_a = Worker::start(&["--role", "decode"]);
     let router = RouterThread::start(&[(&prefill_a, Role::Prefill), (&decode_a, Role::Decode)]);
     let max_tokens = 160;
-    let body = chat(
-        "Tell me a long story about a lighthouse keeper and a storm.",
-        &format!(
-            r#","temperature":0,"max_tokens":{max_tokens},"ignore_eos":true,"stream":true,"stream_options":{{"include_usage":true}}"#
-        ),
-    );
+    let body = long_stream_body("Tell me a long story about a lighthouse keeper and a storm.", max_tokens);
     // What the request gives without any failure. (Greedy: a moved request's next tokens come from
     // logits the new worker computes by prefill, whose batched arithmetic differs from decode's in the
     // last bits; a seeded sampler goes on with the same random stream, but a near-tie may then fall
@@ -142,15 +166,7 @@ fn killed_workers_cost_the_client_nothing_and_none_left_is_an_explicit_error() {
     // A decode worker killed mid-stream: the stream goes on from another, the same text.
     let decode_b = Worker::start(&["--role", "decode"]);
     add_worker(&router, &decode_b, "decode");
-    let mut killed = None;
-    let events = stream(&router, &body, "moved", |n| {
-        if n == 20 && killed.is_none() {
-            let w = holder(&[&decode_a, &decode_b], "moved").expect("a decode worker holds the stream");
-            w.signal("-KILL");
-            killed = Some(w.addr);
-        }
-    });
-    assert!(killed.is_some(), "the stream never reached 20 tokens");
+    let (events, killed) = stream_killing_holder(&router, &body, "moved", &[&decode_a, &decode_b]);
     assert_eq!(
         completed_text(&events, max_tokens),
         reference,
@@ -162,17 +178,9 @@ fn killed_workers_cost_the_client_nothing_and_none_left_is_an_explicit_error() {
     );
 
     // The other decode worker killed too: no worker is left to move to, and the stream says so.
-    let survivor = if killed == Some(decode_a.addr) { &decode_b } else { &decode_a };
+    let survivor = if killed == decode_a.addr { &decode_b } else { &decode_a };
     let start = Instant::now();
-    let mut killed_second = false;
-    let events = stream(&router, &body, "stranded", |n| {
-        if n == 20 && !killed_second {
-            assert!(holder(&[survivor], "stranded").is_some(), "the live decode worker holds it");
-            survivor.signal("-KILL");
-            killed_second = true;
-        }
-    });
-    assert!(killed_second);
+    let (events, _) = stream_killing_holder(&router, &body, "stranded", &[survivor]);
     let error = events.iter().find_map(|e| e.get("error")).expect("an error event ends the stream");
     assert_eq!(error["type"], "no_capacity", "{error}");
     assert!(start.elapsed() < Duration::from_secs(30), "the stranded stream took {:?}", start.elapsed());
@@ -184,21 +192,9 @@ fn a_unified_worker_killed_mid_stream_hands_over_and_migration_can_be_turned_off
     let b = Worker::start(&[]);
     let router = RouterThread::start(&[(&a, Role::Unified), (&b, Role::Unified)]);
     let max_tokens = 120;
-    let body = chat(
-        "Explain how a bicycle works, part by part.",
-        &format!(
-            r#","temperature":0,"max_tokens":{max_tokens},"ignore_eos":true,"stream":true,"stream_options":{{"include_usage":true}}"#
-        ),
-    );
+    let body = long_stream_body("Explain how a bicycle works, part by part.", max_tokens);
     let reference = completed_text(&stream(&router, &body, "u-reference", |_| {}), max_tokens);
-    let mut killed = None;
-    let events = stream(&router, &body, "u-moved", |n| {
-        if n == 20 && killed.is_none() {
-            let w = holder(&[&a, &b], "u-moved").expect("a worker holds the stream");
-            w.signal("-KILL");
-            killed = Some(w.addr);
-        }
-    });
+    let (events, killed) = stream_killing_holder(&router, &body, "u-moved", &[&a, &b]);
     assert_eq!(
         completed_text(&events, max_tokens),
         reference,
@@ -210,15 +206,9 @@ fn a_unified_worker_killed_mid_stream_hands_over_and_migration_can_be_turned_off
     );
 
     // `--migrations 0`: the same fault ends the stream with an explicit error, as before migration.
-    let survivor = if killed == Some(a.addr) { &b } else { &a };
+    let survivor = if killed == a.addr { &b } else { &a };
     let off = RouterThread::start_with(&[(survivor, Role::Unified)], |c| c.migrations_max = 0);
-    let mut done = false;
-    let events = stream(&off, &body, "u-off", |n| {
-        if n == 20 && !done {
-            survivor.signal("-KILL");
-            done = true;
-        }
-    });
+    let (events, _) = stream_killing_holder(&off, &body, "u-off", &[survivor]);
     let error = events.iter().find_map(|e| e.get("error")).expect("an error event ends the stream");
     assert_eq!(error["type"], "upstream_failed", "{error}");
     let m = String::from_utf8(off.send("GET", "/metrics", "").read_to_end().unwrap()).unwrap();
