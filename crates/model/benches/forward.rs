@@ -1,6 +1,6 @@
 //! Speed of the CPU forward pass on the default model: single-sequence decode (f32, Q8 and Q4 weights),
-//! prefill of a 1,000-token prompt (f32, and Q4 whose multi-row steps read bf16 weights), and
-//! aggregate decode with 8 and 32 sequences in one batch (f32; 32 also with Q4), and Q4 decode after a
+//! prefill of a 1,000-token prompt (f32, and Q4 whose multi-row steps widen its blocks to bf16), and
+//! aggregate decode with 8 and 32 sequences in one batch (f32; 4, 8 and 32 with Q4), and Q4 decode after a
 //! 4,000-token prompt and of 32 sequences of 1,000 tokens, with f32 KV and with f16 KV (the server's
 //! default, where attention reads half the bytes). f32 KV unless a name says f16. Uses rayon's pool
 //! (one thread per core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens). Writes
@@ -97,7 +97,8 @@ fn main() {
     };
     let q8 = quantized(pdserve_model::WeightFormat::Q8);
     let q4 = quantized(pdserve_model::WeightFormat::Q4);
-    // What `--weights q4` serves: multi-row steps read bf16 weights where the CPU has AVX-512 BF16.
+    // What `--weights q4` serves: multi-row steps read the Q4 weights through the bf16 GEMM where the
+    // CPU has AVX-512 BF16.
     let q4_kv = |weights: &Arc<_>, dtype, blocks| {
         let mut b = with_kv(weights, dtype, blocks);
         b.cpu = b.cpu.with_weight_format(pdserve_model::WeightFormat::Q4).expect("quantize");
@@ -134,6 +135,8 @@ fn main() {
     for (n, q4, name) in [
         (8usize, false, "batch8_decode_tokens_per_second"),
         (32, false, "batch32_decode_tokens_per_second"),
+        (4, true, "batch4_decode_q4_tokens_per_second"),
+        (8, true, "batch8_decode_q4_tokens_per_second"),
         (32, true, "batch32_decode_q4_tokens_per_second"),
     ] {
         let mut b = if q4 { q4_backend(&weights) } else { fresh(&weights) };

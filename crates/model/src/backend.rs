@@ -147,11 +147,11 @@ pub(crate) fn check_block(layout: &KvLayout, block: BlockId, len: usize) -> Resu
 /// Checks a batch step against a model's vocabulary and context and the KV pool: every problem that
 /// would make a backend read out of bounds is an error naming it.
 pub(crate) fn check_steps(
-    vocab_size: usize,
-    max_positions: usize,
+    cfg: &crate::ModelConfig,
     layout: &KvLayout,
     steps: &[SeqStep<'_>],
 ) -> Result<(), ModelError> {
+    let (vocab_size, max_positions) = (cfg.vocab_size, cfg.max_position_embeddings);
     let bad = |problem: String| Err(ModelError::InvalidInput { problem });
     for (i, s) in steps.iter().enumerate() {
         let end = s.start_pos + s.tokens.len();
@@ -167,7 +167,12 @@ pub(crate) fn check_steps(
         if s.block_table.len() * layout.block_size < end {
             return bad(format!("block table of {} blocks cannot hold {end} positions", s.block_table.len()));
         }
-        if let Some(b) = s.block_table.iter().find(|b| b.0 as usize >= layout.num_blocks) {
+        // With a sliding window, blocks before the first position the step sees may have been given
+        // back (`BlockId::RELEASED`); every other block must be in the pool.
+        let seen = cfg.sliding_window.map_or(0, |w| (s.start_pos + 1).saturating_sub(w) / layout.block_size);
+        let outside =
+            |(i, b): &(usize, &BlockId)| !(b.is_released() && *i < seen) && b.0 as usize >= layout.num_blocks;
+        if let Some((_, b)) = s.block_table.iter().enumerate().find(outside) {
             return bad(format!("{b} is outside the pool of {}", layout.num_blocks));
         }
     }

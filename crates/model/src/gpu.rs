@@ -380,7 +380,7 @@ impl Backend for GpuBackend {
     }
 
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        check_steps(self.cfg.vocab_size, self.cfg.max_position_embeddings, &self.layout, steps)?;
+        check_steps(&self.cfg, &self.layout, steps)?;
         self.run(steps).map_err(dev)
     }
 

@@ -74,6 +74,11 @@ pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
     fn dequantize_row(&self, r: usize) -> Vec<f32>;
     /// `x . row r`, given `xsum[g]` = the sum of `x` over group g.
     fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32;
+    /// Rows `r0..r0 + 32`, columns `k0..k0 + kc` (multiples of 32) as bf16 in the bf16 GEMM's panel
+    /// order (see `sys::gemm_bf16_fill_par`): how multi-row steps read the matrix.
+    fn bf16_panel(&self, r0: usize, k: (usize, usize), dst: &mut [u16]);
+    /// Rows `r0..r0 + rows`, every column, as bf16 row-major: how steps of a few rows read it.
+    fn bf16_rows(&self, r0: usize, rows: usize, dst: &mut [u16]);
 }
 
 /// Symmetric int8: value = q * scale, scale = max |w| / 127 per group, stored as f16.
@@ -128,6 +133,14 @@ impl QuantMatrix for Q8Matrix {
             &self.values[r * self.cols..(r + 1) * self.cols],
             &self.scales[r * g..(r + 1) * g],
         )
+    }
+
+    fn bf16_panel(&self, r0: usize, k: (usize, usize), dst: &mut [u16]) {
+        crate::sys::q8_bf16_panel(&self.values, &self.scales, self.cols, r0, k, dst);
+    }
+
+    fn bf16_rows(&self, r0: usize, rows: usize, dst: &mut [u16]) {
+        crate::sys::q8_bf16_rows(&self.values, &self.scales, self.cols, r0, rows, dst);
     }
 }
 
@@ -201,6 +214,14 @@ impl QuantMatrix for Q4Matrix {
             &self.mins[rows],
             xsum,
         )
+    }
+
+    fn bf16_panel(&self, r0: usize, k: (usize, usize), dst: &mut [u16]) {
+        crate::sys::q4_bf16_panel(&self.packed, &self.scales, &self.mins, self.cols, r0, k, dst);
+    }
+
+    fn bf16_rows(&self, r0: usize, rows: usize, dst: &mut [u16]) {
+        crate::sys::q4_bf16_rows(&self.packed, &self.scales, &self.mins, self.cols, r0, rows, dst);
     }
 }
 
@@ -376,6 +397,60 @@ mod tests {
             assert!((m.dot_row(r, &x, &xsum) - want).abs() < 1e-4);
         }
         assert_eq!(m.bytes(), rows * cols / 2 + 4 * rows * cols / 32);
+    }
+
+    /// A quantized matrix widened block by block for the bf16 GEMM gives the panels of its own
+    /// dequantized values, and the product through those blocks equals the product of the packed copy.
+    #[test]
+    fn quantized_panels_match_the_packed_dequantized_matrix() {
+        fn check<M: QuantMatrix>(m: &M) {
+            let (rows, cols) = (m.rows(), m.cols());
+            let dense: Vec<f32> = (0..rows).flat_map(|r| m.dequantize_row(r)).collect();
+            let packed = crate::sys::pack_bf16_panels(&dense, rows, cols);
+            // Each (panel, block of k) as the GEMM asks for it: 256 columns, then the rest.
+            for p in 0..rows / 32 {
+                for (k0, kc) in [(0, 256), (256, cols - 256)] {
+                    let mut block = vec![0u16; 32 * kc];
+                    m.bf16_panel(p * 32, (k0, kc), &mut block);
+                    let mut row_major = vec![0u16; 32 * cols];
+                    m.bf16_rows(p * 32, 32, &mut row_major);
+                    for (i, &v) in row_major.iter().enumerate() {
+                        assert_eq!(v, crate::bits16::bf16_bits(dense[p * 32 * cols + i]), "row form at {i}");
+                    }
+                    for j in 0..kc / 2 {
+                        for c in 0..32 {
+                            for e in 0..2 {
+                                let want = packed[((p * cols / 2 + k0 / 2 + j) * 32 + c) * 2 + e];
+                                assert_eq!(
+                                    block[(j * 32 + c) * 2 + e],
+                                    want,
+                                    "panel {p} k0 {k0} pair {j} row {c}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            for t in [3, 7, 13] {
+                let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+                let mut xb = vec![0u16; t * cols];
+                crate::sys::to_bf16(&x, &mut xb);
+                let (mut a, mut b) = (vec![f32::NAN; t * rows], vec![f32::NAN; t * rows]);
+                crate::sys::gemm_bf16_par(&xb, t, cols, &packed, rows, &mut a);
+                crate::sys::gemm_bf16_fill_par(&xb, t, cols, rows, |r0, k, d| m.bf16_panel(r0, k, d), &mut b);
+                assert_eq!(a, b, "t {t}");
+                // The few-rows form sums in another order: equal to rounding.
+                let mut c = vec![f32::NAN; t * rows];
+                crate::sys::gemm_bf16_rows_par(&xb, t, cols, rows, |r0, d| m.bf16_rows(r0, 4, d), &mut c);
+                for (i, (x, y)) in a.iter().zip(&c).enumerate() {
+                    assert!((x - y).abs() <= 1e-4 * (1.0 + x.abs()), "t {t} at {i}: {x} vs {y}");
+                }
+            }
+        }
+        let (rows, cols) = (96, 320);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013 + 0.001).collect();
+        check(&<Q8Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap());
+        check(&<Q4Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap());
     }
 
     #[test]

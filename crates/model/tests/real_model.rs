@@ -293,8 +293,9 @@ fn sixteen_bit_kv_keeps_the_greedy_text() {
     }
 }
 
-/// Quantized decode weights (Q8, Q4): the fixture's 32 greedy tokens are unchanged, and a decode
-/// step's logits stay within `QUANT_LOGIT_TOLERANCE` of the f32 path (prefill runs the f32 GEMM either way).
+/// Quantized weights (Q8, Q4): a decode step's logits stay within `QUANT_LOGIT_TOLERANCE` of the
+/// f32 path (twice that for Q8); Q4 (exact for the default model) keeps the fixture's 32 greedy tokens, Q8 keeps them up
+/// to a near-tie of f32's.
 #[test]
 fn quantized_decode_keeps_the_greedy_text_and_logits_close() {
     let m = model();
@@ -319,23 +320,48 @@ fn quantized_decode_keeps_the_greedy_text_and_logits_close() {
             worst = worst.max(q_step.iter().zip(&f32_step).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
             let mut run = Run::new(&mut qb, &tokens);
             let logits = run.step(tokens.len());
-            assert_eq!(
-                run.greedy(logits, want.len()),
-                want,
-                "greedy tokens of {:?} with {format:?}",
-                p["name"]
-            );
+            let got = run.greedy(logits, want.len());
+            if format == pdserve_model::WeightFormat::Q4 {
+                // The default model ships Q4_1: its Q4 weights are its own values, exactly.
+                assert_eq!(got, want, "greedy tokens of {:?} with {format:?}", p["name"]);
+            } else if let Some(d) = got.iter().zip(&want).position(|(a, b)| a != b) {
+                // Q8 re-quantizes those values (every step reads them, prefill too): the text may part
+                // from f32's only where f32's two best tokens were nearly tied.
+                let margin = f32_top2_margin(&[&tokens[..], &want[..d]].concat());
+                eprintln!(
+                    "{format:?}: {:?} parts from f32 at token {d}, f32's top-2 margin {margin}",
+                    p["name"]
+                );
+                assert!(
+                    margin < QUANT_LOGIT_TOLERANCE,
+                    "{:?} parts at token {d} (margin {margin})",
+                    p["name"]
+                );
+            }
         }
         eprintln!("{format:?}: largest |logit - f32 logit| over a decode step of each prompt: {worst}");
-        assert!(worst < QUANT_LOGIT_TOLERANCE, "{format:?} logits differ from f32 by {worst}");
+        // Q8 of this model quantizes its Q4_1 values a second time, in prefill as in decode (measured
+        // 0.71 over the three prompts); Q4 gives them back exactly, so only bf16 rounding is left.
+        let tolerance =
+            if format == pdserve_model::WeightFormat::Q8 { 2.0 } else { 1.0 } * QUANT_LOGIT_TOLERANCE;
+        assert!(worst < tolerance, "{format:?} logits differ from f32 by {worst}");
     }
+}
+
+/// The gap between the f32 path's two largest logits after `tokens`.
+fn f32_top2_margin(tokens: &[u32]) -> f32 {
+    let mut b = backend();
+    let mut logits = Run::new(&mut b, tokens).step(tokens.len());
+    logits.sort_by(|a, b| b.total_cmp(a));
+    logits[0] - logits[1]
 }
 
 /// Logits of a decode step with quantized weights against f32 (they range over about ±30).
 const QUANT_LOGIT_TOLERANCE: f32 = 0.5;
 
 /// With quantized weights, steps of more than two rows (a batch's prefill, three sequences decoding
-/// together) run the multi-row path (bf16 GEMMs where the CPU has AVX-512 BF16): the three fixture
+/// together) run the multi-row path (the Q4 matrices widened to bf16 block by block for a bf16 GEMM,
+/// where the CPU has AVX-512 BF16): the three fixture
 /// prompts prefilled in one step and then decoded greedily together give each prompt's fixture tokens.
 #[test]
 fn quantized_batched_prefill_and_decode_keep_the_greedy_text() {
@@ -354,9 +380,10 @@ fn quantized_batched_prefill_and_decode_keep_the_greedy_text() {
         cpu.weight_bytes() >> 20,
         f32_bytes >> 20
     );
-    if cpu.multi_row_format() == "bf16" {
-        // Q4 and bf16 copies, the f32 embedding (looked up by row): well under the f32 model.
-        assert!(cpu.weight_bytes() < f32_bytes, "{} bytes held", cpu.weight_bytes());
+    if cpu.multi_row_format() == "q4" {
+        // Only the Q4 projections and the Q8 LM head (which the tied embedding's rows come from) are
+        // held: about 0.7 bytes per weight, against 4 for f32.
+        assert!(cpu.weight_bytes() * 5 < f32_bytes, "{} bytes held", cpu.weight_bytes());
     }
     let mut kv = KvCache::new(KvConfig { num_blocks: 64, block_size: 16 }).unwrap();
     let seqs: Vec<SeqId> = (0..prompts.len() as u64).map(SeqId).collect();
@@ -382,7 +409,7 @@ fn quantized_batched_prefill_and_decode_keep_the_greedy_text() {
             .collect();
         let logits = cpu.forward(&steps).unwrap();
         if first {
-            // The prefill's logits (bf16 projections and LM head for these three rows) against the
+            // The prefill's logits (the multi-row products of projections and LM head) against the
             // f32 path's for each prompt alone.
             for (p, l) in prompts.iter().zip(&logits) {
                 let f32_logits = Run::new(&mut backend(), p).step(p.len());

@@ -240,7 +240,10 @@ impl CpuBackend {
             vt.clear();
             vt.resize(hd * ctx_p, 0.0);
             let mut v_row = vec![0.0; hd];
-            for j in 0..ctx {
+            // With a sliding window, no row of the step sees a position before the first row's window
+            // (its blocks may be given back); those keys stay zero and are masked below.
+            let first = self.cfg.sliding_window.map_or(0, |w| (s.start_pos + 1).saturating_sub(w));
+            for j in first..ctx {
                 let b = s.block_table[j / bs];
                 let ki = self.kv_at(b, li, 0, j % bs) + kvh * hd;
                 let vi = self.kv_at(b, li, 1, j % bs) + kvh * hd;

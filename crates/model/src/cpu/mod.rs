@@ -16,7 +16,8 @@ use crate::quant::{
     Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
 };
 use crate::sys::{
-    dot, gemm_bf16_par, has_bf16_gemm, sgemm, sgemm_xwt_avx512, sgemm_xwt_avx512_strided, silu_mul, to_bf16,
+    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, has_bf16_gemm, sgemm, sgemm_xwt_avx512,
+    sgemm_xwt_avx512_strided, silu_mul, to_bf16,
 };
 use crate::weights::Weights;
 
@@ -33,9 +34,11 @@ pub struct CpuBackend {
     w: Arc<Weights>,
     /// The decode path's weights when they are quantized (prefill keeps using `w`).
     decode: Option<DecodeWeights>,
-    /// bf16 copies for multi-row steps (prefill, batched decode) when the decode path is quantized
-    /// and the CPU has AVX-512 BF16.
+    /// Packed bf16 weights for every step, with `--weights bf16`.
     multi: Option<Arc<Bf16Weights>>,
+    /// Whether multi-row steps (prefill, batched decode) read the quantized weights too, widened to
+    /// bf16 a block at a time (the CPU has AVX-512 BF16 and every matrix's rows are a multiple of 32).
+    quant_multi: bool,
     scratch: Scratch,
     kv: KvMemory,
     layout: KvLayout,
@@ -43,15 +46,21 @@ pub struct CpuBackend {
     /// What cos and sin are scaled by (YaRN's attention factor; 1 otherwise).
     rope_attention_factor: f32,
     format: WeightFormat,
-    /// Where the embedding is read from in bf16, in place of the f32 one, with `--weights bf16`.
-    embed16: Option<Embed16>,
+    /// Where the embedding is read from, in place of the f32 one, once that is freed.
+    embed: Option<EmbedRows>,
 }
 
-/// The bf16 embedding: its own rows, or (tied to the LM head) the head's packed panels.
+/// Where embedding rows are read from when the f32 embedding is freed.
 #[derive(Debug)]
-enum Embed16 {
-    Rows(Vec<u16>),
+enum EmbedRows {
+    /// Its own rows in bf16 (`--weights bf16`, untied).
+    Bf16(Vec<u16>),
+    /// The tied LM head's packed bf16 panels.
     HeadPanels,
+    /// Its own rows in Q8 (`--weights q8|q4`, untied).
+    Q8(crate::quant::Q8Matrix),
+    /// The tied LM head's Q8 rows (`--weights q8|q4`).
+    HeadQ8,
 }
 
 impl CpuBackend {
@@ -77,19 +86,23 @@ impl CpuBackend {
             w: weights,
             decode: None,
             multi: None,
+            quant_multi: false,
             scratch: Scratch::default(),
             layout,
             inv_freq,
             rope_attention_factor,
             format: WeightFormat::F32,
-            embed16: None,
+            embed: None,
         }
     }
 
     /// Switches the decode path (steps of one or two tokens per matrix) to `format`: Q8 or Q4 quantize
     /// every projection and the LM head once; widths that are not multiples of 32 are an error. With
-    /// Q8 or Q4, steps of more rows (prefill, batched decode) run bf16 GEMMs (f32 sums) where the CPU
-    /// has AVX-512 BF16 (see [`multi_row_format`](Self::multi_row_format)).
+    /// Q8 or Q4, steps of more rows (prefill, batched decode) read the same quantized matrices through
+    /// a bf16 GEMM (f32 sums) that widens each 32 x 256 block as it goes, where the CPU has AVX-512
+    /// BF16 (see [`multi_row_format`](Self::multi_row_format)); then the f32 projections and
+    /// embedding are freed (when this backend holds the only reference to them) and the embedding's
+    /// rows come from the Q8 LM head (tied) or a Q8 copy. Bf16 packs every projection once.
     pub fn with_weight_format(self, format: WeightFormat) -> Result<Self, ModelError> {
         fn quantize<M: QuantMatrix>(
             w: &Weights,
@@ -112,9 +125,6 @@ impl CpuBackend {
             WeightFormat::Q4 => Some(DecodeWeights::Q4(quantize(&self.w, &self.cfg)?)),
         };
         let multi = match format {
-            WeightFormat::Q8 | WeightFormat::Q4 if has_bf16_gemm() => {
-                Bf16Weights::pack(&self.w, &self.cfg).map(Arc::new)
-            }
             WeightFormat::Bf16 => Some(Arc::new(Bf16Weights::pack(&self.w, &self.cfg).ok_or_else(|| {
                 ModelError::Unsupported {
                     field: "--weights bf16".into(),
@@ -123,21 +133,34 @@ impl CpuBackend {
             })?)),
             _ => None,
         };
-        let mut b = CpuBackend { decode, multi, format, ..self };
-        // Every projection product now reads the quantized copies (decode) or the bf16 ones (longer
-        // steps, or every step in bf16): the f32 ones would only hold memory.
-        if let Some(multi) = b.multi.clone().filter(|_| b.decode.is_some() || format == WeightFormat::Bf16) {
-            let tied = b.w.lm_head.is_none();
+        // Multi-row steps widen blocks of the quantized matrices to bf16 as they go, where the CPU
+        // has the bf16 GEMM and every projection's rows fill whole 32-row panels (else they read f32).
+        let quant_multi = decode.as_ref().is_some_and(|d| has_bf16_gemm() && d.panel_rows());
+        let head_panels = self.cfg.vocab_size.is_multiple_of(32);
+        let mut b = CpuBackend { decode, multi, quant_multi, format, ..self };
+        // Every projection product now reads the quantized copies or the bf16 ones: the f32 ones
+        // would only hold memory. (A backend sharing its f32 weights with others keeps them.)
+        let tied = b.w.lm_head.is_none();
+        let frees_head =
+            if let Some(m) = &b.multi { m.lm_head.is_some() } else { b.quant_multi && head_panels };
+        if b.multi.is_some() || b.quant_multi {
             if let Some(w) = Arc::get_mut(&mut b.w) {
-                w.release_projections(multi.lm_head.is_some());
-                // In bf16, the embedding too: rows are widened as they are looked up (a tied LM head
-                // still reads the f32 one where it has no bf16 copy).
-                if format == WeightFormat::Bf16 && (!tied || multi.lm_head.is_some()) {
-                    b.embed16 = Some(if tied {
-                        Embed16::HeadPanels
-                    } else {
-                        Embed16::Rows(w.embed.iter().map(|&v| bf16_bits(v)).collect())
-                    });
+                w.release_projections(frees_head);
+                // The embedding too: rows are widened as they are looked up (a tied LM head still
+                // reads the f32 one where it has no other copy for every step).
+                let embed = match (&b.decode, tied) {
+                    (None, true) => frees_head.then_some(EmbedRows::HeadPanels),
+                    (None, false) => Some(EmbedRows::Bf16(w.embed.iter().map(|&v| bf16_bits(v)).collect())),
+                    (Some(_), true) => frees_head.then_some(EmbedRows::HeadQ8),
+                    (Some(_), false) => <crate::quant::Q8Matrix as QuantMatrix>::quantize(
+                        &w.embed,
+                        b.cfg.vocab_size,
+                        b.cfg.hidden_size,
+                    )
+                    .map(EmbedRows::Q8),
+                };
+                if embed.is_some() {
+                    b.embed = embed;
                     w.embed = Vec::new();
                 }
             }
@@ -153,18 +176,21 @@ impl CpuBackend {
             Some(DecodeWeights::Q4(q)) => q.bytes(),
         };
         let multi = self.multi.as_ref().map_or(0, |m| m.bytes());
-        let embed16 = match &self.embed16 {
-            Some(Embed16::Rows(e)) => e.len() * 2,
+        let embed = match &self.embed {
+            Some(EmbedRows::Bf16(e)) => e.len() * 2,
+            Some(EmbedRows::Q8(e)) => e.bytes(),
             _ => 0,
         };
-        self.w.bytes() + decode + multi + embed16
+        self.w.bytes() + decode + multi + embed
     }
 
-    /// What the projections of steps of more than two rows (prefill, batched decode) read: "bf16" or
-    /// "f32".
+    /// What the projections of steps of more than two rows (prefill, batched decode) read: "bf16",
+    /// "q8" or "q4" (widened to bf16 block by block as the GEMM goes), or "f32".
     pub fn multi_row_format(&self) -> &'static str {
         if self.multi.is_some() {
             "bf16"
+        } else if self.quant_multi {
+            self.format.name()
         } else {
             "f32"
         }
@@ -241,7 +267,7 @@ impl Backend for CpuBackend {
     }
 
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        check_steps(self.cfg.vocab_size, self.cfg.max_position_embeddings, &self.layout, steps)?;
+        check_steps(&self.cfg, &self.layout, steps)?;
         // The step's buffers live from step to step: multi-megabyte allocations freed and made again
         // every layer would cost a page fault per 4 KiB each time.
         let mut sc = std::mem::take(&mut self.scratch);
@@ -284,7 +310,12 @@ impl CpuBackend {
     fn forward_with(&mut self, steps: &[SeqStep<'_>], sc: &mut Scratch) -> Vec<Vec<f32>> {
         let cfg = self.cfg.clone();
         let w = Arc::clone(&self.w);
-        let mats = Mats { decode: self.decode.clone(), multi: self.multi.clone() };
+        let mats = Mats {
+            decode: self.decode.clone(),
+            multi: self.multi.clone(),
+            quant_multi: self.quant_multi,
+            quant_head: self.quant_multi && cfg.vocab_size.is_multiple_of(32),
+        };
 
         let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, kv_dim, inter) = (nh * hd, nkv * hd, cfg.intermediate_size);
@@ -300,14 +331,20 @@ impl CpuBackend {
         for s in steps {
             for &tok in s.tokens {
                 let row = tok as usize;
-                match (&self.embed16, mats.multi.as_ref().and_then(|m| m.lm_head.as_ref())) {
-                    (Some(Embed16::Rows(e)), _) => {
+                let head16 = || mats.multi.as_ref().and_then(|m| m.lm_head.as_ref()).expect("bf16 head");
+                match &self.embed {
+                    Some(EmbedRows::Bf16(e)) => {
                         sc.x.extend(e[row * hsz..][..hsz].iter().map(|&b| bf16_value(b)))
                     }
-                    (Some(Embed16::HeadPanels), Some(head)) => {
-                        sc.x.extend((0..hsz).map(|col| bf16_value(head.at(row, col))))
+                    Some(EmbedRows::HeadPanels) => {
+                        sc.x.extend((0..hsz).map(|col| bf16_value(head16().at(row, col))))
                     }
-                    _ => sc.x.extend_from_slice(&w.embed[row * hsz..][..hsz]),
+                    Some(EmbedRows::Q8(e)) => sc.x.extend(e.dequantize_row(row)),
+                    Some(EmbedRows::HeadQ8) => match mats.decode.as_ref().map(DecodeWeights::head) {
+                        Some(QRef::Q8(h)) => sc.x.extend(h.dequantize_row(row)),
+                        _ => unreachable!("a tied Q8 embedding without a Q8 head"),
+                    },
+                    None => sc.x.extend_from_slice(&w.embed[row * hsz..][..hsz]),
                 }
             }
         }
@@ -521,12 +558,17 @@ fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
 struct Mats {
     decode: Option<DecodeWeights>,
     multi: Option<Arc<Bf16Weights>>,
+    /// Multi-row products read the quantized projections (widened to bf16 block by block).
+    quant_multi: bool,
+    /// ... and the quantized LM head.
+    quant_head: bool,
 }
 
 impl Mats {
     /// `out = x[t×k] · W^T` for layer `li`'s projection `p` (Q/K/V and gate/up stacked) from
-    /// quantized weights for decode-sized steps (`t <= 2`) or bf16 weights for larger ones (`xb`:
-    /// room for x in bf16). False, touching nothing, where the step reads the f32 weights instead.
+    /// quantized weights (dot products for decode-sized steps, `t <= 2`; widened to bf16 block by
+    /// block for larger ones) or bf16 weights (`xb`: room for x in bf16). False, touching nothing,
+    /// where the step reads the f32 weights instead.
     #[allow(clippy::too_many_arguments)]
     fn layer(
         &self,
@@ -540,6 +582,7 @@ impl Mats {
     ) -> bool {
         match (&self.decode, &self.multi) {
             (Some(d), _) if t <= 2 => matvec_ref(x, t, k, d.layer(li, p), out),
+            (Some(d), None) if self.quant_multi => matmul_quant(x, t, k, d.layer(li, p), xb, out),
             (d, Some(b)) if t > 2 || d.is_none() => matmul_bf16(x, t, k, p.of(&b.layers[li]), xb, out),
             _ => return false,
         }
@@ -550,6 +593,7 @@ impl Mats {
     fn head(&self, x: &[f32], t: usize, k: usize, xb: &mut Vec<u16>, out: &mut [f32]) -> bool {
         match (&self.decode, self.multi.as_ref().and_then(|b| b.lm_head.as_ref())) {
             (Some(d), _) if t <= 2 => matvec_ref(x, t, k, d.head(), out),
+            (Some(d), None) if self.quant_head => matmul_quant(x, t, k, d.head(), xb, out),
             (d, Some(h)) if t > 2 || d.is_none() => matmul_bf16(x, t, k, h, xb, out),
             _ => return false,
         }
@@ -569,6 +613,19 @@ impl Proj {
 }
 
 impl DecodeWeights {
+    /// Whether every matrix's rows fill whole 32-row panels (what the multi-row products need).
+    fn panel_rows(&self) -> bool {
+        fn all<M: QuantMatrix>(w: &crate::quant::QuantWeights<M>) -> bool {
+            w.layers
+                .iter()
+                .all(|l| [&l.qkv, &l.o, &l.gate_up, &l.down].iter().all(|m| m.rows().is_multiple_of(32)))
+        }
+        match self {
+            DecodeWeights::Q8(w) => all(w),
+            DecodeWeights::Q4(w) => all(w),
+        }
+    }
+
     fn layer(&self, li: usize, p: Proj) -> QRef<'_> {
         match self {
             DecodeWeights::Q8(w) => QRef::Q8(p.of(&w.layers[li])),
@@ -610,6 +667,31 @@ fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mut Vec<u16>,
     to_bf16(x, &mut xb[..t * k]);
     gemm_bf16_par(&xb[..t * k], t, k, &w.panels, w.rows, out);
 }
+
+/// `out = x[t×k] · w^T` with quantized weights for a multi-row step: x is rounded to bf16 once (into
+/// `xb`), the weights are widened to bf16 one 32-row panel block at a time, in L1, as the bf16 GEMM
+/// reads them.
+fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, out: &mut [f32]) {
+    xb.resize(t * k, 0);
+    to_bf16(x, &mut xb[..t * k]);
+    let xb = &xb[..t * k];
+    fn run<M: QuantMatrix>(xb: &[u16], t: usize, k: usize, m: &M, out: &mut [f32]) {
+        if t < QUANT_PANEL_MIN_ROWS {
+            gemm_bf16_rows_par(xb, t, k, m.rows(), |r0, dst| m.bf16_rows(r0, 4, dst), out);
+        } else {
+            gemm_bf16_fill_par(xb, t, k, m.rows(), |r0, kk, dst| m.bf16_panel(r0, kk, dst), out);
+        }
+    }
+    match m {
+        QRef::Q8(m) => run(xb, t, k, m, out),
+        QRef::Q4(m) => run(xb, t, k, m, out),
+    }
+}
+
+/// Multi-row steps with fewer rows than this dot each row with the widened weight rows; longer ones
+/// transpose the weights into panels for the register-tiled GEMM (the transposition pays off only
+/// when many rows share it).
+const QUANT_PANEL_MIN_ROWS: usize = 32;
 
 /// Steps with fewer rows than this run the weight GEMMs on matrixmultiply.
 const AVX512_GEMM_MIN_ROWS: usize = 64;

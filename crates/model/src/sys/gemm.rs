@@ -255,6 +255,172 @@ pub(crate) fn gemm_bf16_par(xb: &[u16], t: usize, k: usize, panels: &[u16], n: u
     });
 }
 
+/// [`gemm_bf16_par`] for a matrix held in another form (quantized): `fill(r0, (k0, kc), dst)` writes its
+/// rows `r0..r0 + 32`, columns `k0..k0 + kc`, as bf16 in the panel order of [`pack_bf16_panels`] (pair
+/// j, row c, element e at `(j * 32 + c) * 2 + e`) just before the row tiles read them. Each block is
+/// made once per product, in L1, and read by every row, so no bf16 copy of the matrix is ever held.
+/// `k` must be a multiple of 32 (blocks start at multiples of [`BF16_KC`] and end at `k`).
+pub(crate) fn gemm_bf16_fill_par<F>(xb: &[u16], t: usize, k: usize, n: usize, fill: F, out: &mut [f32])
+where
+    F: Fn(usize, (usize, usize), &mut [u16]) + Sync,
+{
+    assert!(k.is_multiple_of(32) && k > 0 && n.is_multiple_of(32), "k and n must be multiples of 32");
+    assert!(xb.len() >= t * k && out.len() >= t * n);
+    let np = n / 32;
+    if !has_bf16_gemm() {
+        let mut block = vec![0u16; BF16_KC * 32];
+        for p in 0..np {
+            let mut k0 = 0;
+            while k0 < k {
+                let kc = BF16_KC.min(k - k0);
+                fill(p * 32, (k0, kc), &mut block);
+                for r in 0..t {
+                    for c in 0..32 {
+                        let x = &xb[r * k + k0..];
+                        let sum: f32 = (0..kc)
+                            .map(|kk| bf16_value(x[kk]) * bf16_value(block[(kk / 2 * 32 + c) * 2 + kk % 2]))
+                            .sum();
+                        let o = &mut out[r * n + p * 32 + c];
+                        *o = if k0 == 0 { sum } else { *o + sum };
+                    }
+                }
+                k0 += kc;
+            }
+        }
+        return;
+    }
+    let chunks = (rayon::current_num_threads().max(1) * 2).min(np);
+    /// `out`'s address, shared by tasks that write disjoint columns.
+    struct Out(*mut f32);
+    // SAFETY: tasks write only their own columns of `out` (below), so no two write the same element.
+    unsafe impl Sync for Out {}
+    let dst = Out(out.as_mut_ptr());
+    let dst = &dst;
+    use rayon::prelude::*;
+    (0..chunks).into_par_iter().for_each(|c| {
+        let (p0, p1) = (c * np / chunks, (c + 1) * np / chunks);
+        let mut block = vec![0u16; BF16_KC * 32];
+        for p in p0..p1 {
+            let mut k0 = 0;
+            while k0 < k {
+                let kc = BF16_KC.min(k - k0);
+                fill(p * 32, (k0, kc), &mut block);
+                let (first, pb) = (k0 == 0, block.as_ptr());
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked above); `block` holds kc x 32
+                // values; rows of xb hold k values from k0 on; this task writes columns p*32..p*32+32 of
+                // each of the t rows (n apart) and no other task does.
+                unsafe {
+                    let po = dst.0.add(p * 32);
+                    row_tiles!(t, |i| tile_bf16(
+                        xb.as_ptr().add(i * k + k0),
+                        k,
+                        kc / 2,
+                        pb,
+                        po.add(i * n),
+                        n,
+                        first
+                    ));
+                }
+                k0 += kc;
+            }
+        }
+    });
+}
+
+/// Weight rows a task of [`gemm_bf16_rows_par`] widens at a time (one register tile's columns).
+const ROWS_TILE: usize = 4;
+
+/// `out[t x n] = x[t x k] . W^T` for a matrix held in another form (quantized), for steps of a few
+/// rows: `rows(r0, dst)` writes its rows `r0..r0 + 4`, every column, as bf16 row-major into `dst`
+/// (4 x k, in L1), and every row of x is dotted with them there (products of bf16 values summed in
+/// f32), so the weights are read once and never held in bf16 whole. Unlike [`gemm_bf16_fill_par`]
+/// nothing is transposed, which is what dominates when x has only a few rows. `k` and `n` must be
+/// multiples of 32.
+pub(crate) fn gemm_bf16_rows_par<F>(xb: &[u16], t: usize, k: usize, n: usize, rows: F, out: &mut [f32])
+where
+    F: Fn(usize, &mut [u16]) + Sync,
+{
+    assert!(k.is_multiple_of(32) && k > 0 && n.is_multiple_of(32), "k and n must be multiples of 32");
+    assert!(xb.len() >= t * k && out.len() >= t * n);
+    let groups = n / ROWS_TILE;
+    if !has_bf16_gemm() {
+        let mut w = vec![0u16; ROWS_TILE * k];
+        for g in 0..groups {
+            rows(g * ROWS_TILE, &mut w);
+            for r in 0..t {
+                for (c, wr) in w.chunks_exact(k).enumerate() {
+                    let x = &xb[r * k..(r + 1) * k];
+                    out[r * n + g * ROWS_TILE + c] =
+                        x.iter().zip(wr).map(|(&a, &b)| bf16_value(a) * bf16_value(b)).sum();
+                }
+            }
+        }
+        return;
+    }
+    let chunks = (rayon::current_num_threads().max(1) * 2).min(groups);
+    /// `out`'s address, shared by tasks that write disjoint columns.
+    struct Out(*mut f32);
+    // SAFETY: tasks write only their own columns of `out` (below), so no two write the same element.
+    unsafe impl Sync for Out {}
+    let dst = Out(out.as_mut_ptr());
+    let dst = &dst;
+    use rayon::prelude::*;
+    (0..chunks).into_par_iter().for_each(|c| {
+        let mut w = vec![0u16; ROWS_TILE * k];
+        for g in c * groups / chunks..(c + 1) * groups / chunks {
+            rows(g * ROWS_TILE, &mut w);
+            let mut r = 0;
+            while r < t {
+                let tile = (t - r).min(4);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked above); x rows r..r+tile hold k
+                // values each, `w` 4 rows of k; this task alone writes columns g*4..g*4+4 of each row.
+                unsafe {
+                    let (px, po) = (xb.as_ptr().add(r * k), dst.0.add(r * n + g * ROWS_TILE));
+                    match tile {
+                        4 => tile_dot::<4>(px, k, w.as_ptr(), po, n),
+                        3 => tile_dot::<3>(px, k, w.as_ptr(), po, n),
+                        2 => tile_dot::<2>(px, k, w.as_ptr(), po, n),
+                        _ => tile_dot::<1>(px, k, w.as_ptr(), po, n),
+                    }
+                }
+                r += tile;
+            }
+        }
+    });
+}
+
+/// R rows of x (bf16, `k` each, contiguous) dotted with four weight rows (bf16, `k` each, contiguous):
+/// `out[r * ldo + c] = x[r] . w[c]`, 32 values of k per step, one 16-lane f32 sum per (r, c).
+///
+/// # Safety
+/// AVX-512F and AVX-512 BF16; `k` a multiple of 32; `px` R x k values, `pw` 4 x k, `po` R rows (`ldo`
+/// apart) of 4 writable f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn tile_dot<const R: usize>(px: *const u16, k: usize, pw: *const u16, po: *mut f32, ldo: usize) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); ROWS_TILE]; R];
+    let mut kk = 0;
+    while kk < k {
+        let w: [__m512bh; ROWS_TILE] =
+            std::array::from_fn(|c| std::mem::transmute(_mm512_loadu_si512(pw.add(c * k + kk).cast())));
+        for (r, a) in acc.iter_mut().enumerate() {
+            let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(px.add(r * k + kk).cast()));
+            for (ac, wc) in a.iter_mut().zip(&w) {
+                *ac = _mm512_dpbf16_ps(*ac, xv, *wc);
+            }
+        }
+        kk += 32;
+    }
+    for (r, a) in acc.iter().enumerate() {
+        for (c, ac) in a.iter().enumerate() {
+            *po.add(r * ldo + c) = _mm512_reduce_add_ps(*ac);
+        }
+    }
+}
+
 /// Packs row-major `w[rows x cols]` (`rows` a multiple of 32, `cols` even) into bf16 panels of 32
 /// rows: panel p, pair j of columns, row c, element e at `((p * cols/2 + j) * 32 + c) * 2 + e`, so a
 /// 64-byte load gives 16 rows' pair j, which one `vdpbf16ps` multiplies by a broadcast pair of x.

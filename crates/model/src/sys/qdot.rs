@@ -1,7 +1,7 @@
 //! Quantized dot products: an f32 vector against a row of Q8 (int8, f16 scale per 32) or Q4 (4-bit,
 //! f16 scale and minimum per 32) weights, AVX-512 with a portable fallback.
 
-use crate::bits16::f16_value;
+use crate::bits16::{bf16_bits, f16_value};
 
 /// `sum_i x[i] * q[i] * scales[i / 32]`: a dot product against one Q8 row (`scales` as f16 bits),
 /// with an AVX-512 kernel where the CPU has one.
@@ -152,6 +152,254 @@ unsafe fn dot_q4_avx512(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], 
     }
     sum + _mm512_reduce_add_ps(macc)
         + mins[g..].iter().zip(&xsum[g..]).map(|(&m, s)| f16_value(m) * s).sum::<f32>()
+}
+
+/// Where the bf16 GEMM's panel order puts pair `j` of row `c` (in units of two values): see
+/// `sys::pack_bf16_panels`.
+const fn panel_pair(j: usize, c: usize) -> usize {
+    j * 32 + c
+}
+
+/// Rows `r0..r0 + 32` of a Q8 matrix `cols` wide (see `quant::Q8Matrix`), columns `k0..k0 + kc`
+/// (multiples of 32), written as bf16 into `dst` in the bf16 GEMM's panel order: columns `k0 + 2j` and
+/// `k0 + 2j + 1` of row `r0 + c` at `dst[2 * (j * 32 + c)..][..2]`. AVX-512 BF16 where the CPU has it.
+pub(crate) fn q8_bf16_panel(
+    q: &[i8],
+    scales: &[u16],
+    cols: usize,
+    r0: usize,
+    k: (usize, usize),
+    dst: &mut [u16],
+) {
+    let (k0, kc) = k;
+    assert!(k0.is_multiple_of(32) && kc.is_multiple_of(32) && k0 + kc <= cols);
+    assert!(q.len() >= (r0 + 32) * cols && scales.len() * 32 == q.len() && dst.len() >= 32 * kc);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::sys::has_bf16_gemm() {
+            // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked); the lengths were asserted.
+            unsafe { q8_bf16_panel_avx512(q, scales, cols, r0, k, dst) };
+            return;
+        }
+    }
+    for c in 0..32 {
+        for gi in 0..kc / 32 {
+            let g = ((r0 + c) * cols + k0) / 32 + gi;
+            let s = f16_value(scales[g]);
+            for (i, &v) in q[g * 32..][..32].iter().enumerate() {
+                dst[2 * panel_pair(gi * 16 + i / 2, c) + i % 2] = bf16_bits(v as f32 * s);
+            }
+        }
+    }
+}
+
+/// [`q8_bf16_panel`] for a Q4 matrix (see `quant::Q4Matrix`): value = min + q * scale, rounded to bf16.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn q4_bf16_panel(
+    packed: &[u8],
+    scales: &[u16],
+    mins: &[u16],
+    cols: usize,
+    r0: usize,
+    k: (usize, usize),
+    dst: &mut [u16],
+) {
+    let (k0, kc) = k;
+    assert!(k0.is_multiple_of(32) && kc.is_multiple_of(32) && k0 + kc <= cols);
+    assert!(packed.len() * 2 >= (r0 + 32) * cols && dst.len() >= 32 * kc);
+    assert!(scales.len() * 16 == packed.len() && mins.len() == scales.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::sys::has_bf16_gemm() {
+            // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked); the lengths were asserted.
+            unsafe { q4_bf16_panel_avx512(packed, scales, mins, cols, r0, k, dst) };
+            return;
+        }
+    }
+    for c in 0..32 {
+        for gi in 0..kc / 32 {
+            let g = ((r0 + c) * cols + k0) / 32 + gi;
+            let (s, m) = (f16_value(scales[g]), f16_value(mins[g]));
+            for (i, &b) in packed[g * 16..][..16].iter().enumerate() {
+                // Byte i holds value i (low nibble) and value i + 16 (high nibble).
+                for (at, nibble) in [(i, b & 15), (i + 16, b >> 4)] {
+                    dst[2 * panel_pair(gi * 16 + at / 2, c) + at % 2] = bf16_bits(m + nibble as f32 * s);
+                }
+            }
+        }
+    }
+}
+
+/// Stores the 32 bf16 values of `v` (one group of one row, in column order) as 16 pairs at their
+/// panel places: pair `i` at `base + panel_pair(i, 0)` in units of two values.
+///
+/// # Safety
+/// AVX-512F; `base` points at 16 * 32 - 31 writable pairs (u32, alignment 2 suffices).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn store_group_pairs(v: std::arch::x86_64::__m512i, base: *mut u16) {
+    use std::arch::x86_64::*;
+    let mut pairs = [0u32; 16];
+    _mm512_storeu_si512(pairs.as_mut_ptr().cast(), v);
+    let base = base.cast::<u32>();
+    for (i, &p) in pairs.iter().enumerate() {
+        base.add(panel_pair(i, 0)).write_unaligned(p);
+    }
+}
+
+/// # Safety
+/// AVX-512F and AVX-512 BF16; lengths as [`q8_bf16_panel`] asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn q8_bf16_panel_avx512(
+    q: &[i8],
+    scales: &[u16],
+    cols: usize,
+    r0: usize,
+    k: (usize, usize),
+    dst: &mut [u16],
+) {
+    use std::arch::x86_64::*;
+    let (k0, kc) = k;
+    for c in 0..32 {
+        for gi in 0..kc / 32 {
+            let g = ((r0 + c) * cols + k0) / 32 + gi;
+            let s = f16_splat(*scales.get_unchecked(g));
+            let pq = q.as_ptr().add(g * 32);
+            let widen = |p: *const i8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())));
+            let (lo, hi) = (_mm512_mul_ps(widen(pq), s), _mm512_mul_ps(widen(pq.add(16)), s));
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            store_group_pairs(v, dst.as_mut_ptr().add(2 * panel_pair(gi * 16, c)));
+        }
+    }
+}
+
+/// # Safety
+/// AVX-512F and AVX-512 BF16; lengths as [`q4_bf16_panel`] asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn q4_bf16_panel_avx512(
+    packed: &[u8],
+    scales: &[u16],
+    mins: &[u16],
+    cols: usize,
+    r0: usize,
+    k: (usize, usize),
+    dst: &mut [u16],
+) {
+    use std::arch::x86_64::*;
+    let (k0, kc) = k;
+    let low = _mm_set1_epi8(15);
+    for c in 0..32 {
+        for gi in 0..kc / 32 {
+            let g = ((r0 + c) * cols + k0) / 32 + gi;
+            let (s, m) = (f16_splat(*scales.get_unchecked(g)), f16_splat(*mins.get_unchecked(g)));
+            let bytes = _mm_loadu_si128(packed.as_ptr().add(g * 16).cast());
+            // min + q * scale, multiplied and added apart (no fused rounding) like the scalar form.
+            let value =
+                |n: __m128i| _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n)), s), m);
+            let lo = value(_mm_and_si128(bytes, low));
+            let hi = value(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+            let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            store_group_pairs(v, dst.as_mut_ptr().add(2 * panel_pair(gi * 16, c)));
+        }
+    }
+}
+
+/// Rows `r0..r0 + rows` of a Q8 matrix `cols` wide (see `quant::Q8Matrix`), every column, written
+/// as bf16 into `dst` row-major (`rows` x `cols`). AVX-512 BF16 where the CPU has it.
+pub(crate) fn q8_bf16_rows(q: &[i8], scales: &[u16], cols: usize, r0: usize, rows: usize, dst: &mut [u16]) {
+    let (g0, groups) = (r0 * cols / 32, rows * cols / 32);
+    assert!(cols.is_multiple_of(32) && q.len() >= (r0 + rows) * cols && scales.len() * 32 == q.len());
+    assert!(dst.len() >= rows * cols);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::sys::has_bf16_gemm() {
+            // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked); the lengths were asserted.
+            unsafe { q8_bf16_rows_avx512(q, scales, g0, groups, dst) };
+            return;
+        }
+    }
+    for (i, d) in dst[..rows * cols].iter_mut().enumerate() {
+        let g = g0 + i / 32;
+        *d = bf16_bits(q[g * 32 + i % 32] as f32 * f16_value(scales[g]));
+    }
+}
+
+/// [`q8_bf16_rows`] for a Q4 matrix (see `quant::Q4Matrix`).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn q4_bf16_rows(
+    packed: &[u8],
+    scales: &[u16],
+    mins: &[u16],
+    cols: usize,
+    r0: usize,
+    rows: usize,
+    dst: &mut [u16],
+) {
+    let (g0, groups) = (r0 * cols / 32, rows * cols / 32);
+    assert!(cols.is_multiple_of(32) && packed.len() * 2 >= (r0 + rows) * cols);
+    assert!(scales.len() * 16 == packed.len() && mins.len() == scales.len() && dst.len() >= rows * cols);
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::sys::has_bf16_gemm() {
+            // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked); the lengths were asserted.
+            unsafe { q4_bf16_rows_avx512(packed, scales, mins, g0, groups, dst) };
+            return;
+        }
+    }
+    for (gi, d) in dst[..rows * cols].chunks_exact_mut(32).enumerate() {
+        let g = g0 + gi;
+        let (s, m) = (f16_value(scales[g]), f16_value(mins[g]));
+        for (i, &b) in packed[g * 16..][..16].iter().enumerate() {
+            d[i] = bf16_bits(m + (b & 15) as f32 * s);
+            d[i + 16] = bf16_bits(m + (b >> 4) as f32 * s);
+        }
+    }
+}
+
+/// # Safety
+/// AVX-512F and AVX-512 BF16; groups `g0..g0 + groups` exist; `dst` holds `32 * groups` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn q8_bf16_rows_avx512(q: &[i8], scales: &[u16], g0: usize, groups: usize, dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    for gi in 0..groups {
+        let g = g0 + gi;
+        let s = f16_splat(*scales.get_unchecked(g));
+        let pq = q.as_ptr().add(g * 32);
+        let widen = |p: *const i8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())));
+        let (lo, hi) = (_mm512_mul_ps(widen(pq), s), _mm512_mul_ps(widen(pq.add(16)), s));
+        let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(dst.as_mut_ptr().add(gi * 32).cast(), v);
+    }
+}
+
+/// # Safety
+/// AVX-512F and AVX-512 BF16; groups `g0..g0 + groups` exist; `dst` holds `32 * groups` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn q4_bf16_rows_avx512(
+    packed: &[u8],
+    scales: &[u16],
+    mins: &[u16],
+    g0: usize,
+    groups: usize,
+    dst: &mut [u16],
+) {
+    use std::arch::x86_64::*;
+    let low = _mm_set1_epi8(15);
+    for gi in 0..groups {
+        let g = g0 + gi;
+        let (s, m) = (f16_splat(*scales.get_unchecked(g)), f16_splat(*mins.get_unchecked(g)));
+        let bytes = _mm_loadu_si128(packed.as_ptr().add(g * 16).cast());
+        let value =
+            |n: __m128i| _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n)), s), m);
+        let lo = value(_mm_and_si128(bytes, low));
+        let hi = value(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+        let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        _mm512_storeu_si512(dst.as_mut_ptr().add(gi * 32).cast(), v);
+    }
 }
 
 #[cfg(test)]
