@@ -143,10 +143,15 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         let files = ModelFiles::load(&config.model_dir)?;
         // The model's maximum context, unless the configuration asks for less or the KV pool holds
-        // less (a longer request could never be admitted).
-        let pool = config.kv_blocks.saturating_mul(config.block_size);
+        // less (a longer request could never be admitted; with a sliding window a sequence holds only
+        // its window, so the pool does not bound it).
+        let pool = match files.config.sliding_window {
+            Some(_) if config.role != Role::Prefill => usize::MAX,
+            _ => config.kv_blocks.saturating_mul(config.block_size),
+        };
         let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens).min(pool);
         config.scheduler.max_context_tokens = context;
+        config.scheduler.sliding_window = files.config.sliding_window;
         config.scheduler.role = match config.role {
             Role::Unified => pdserve_scheduler::Role::Unified,
             Role::Prefill => pdserve_scheduler::Role::Prefill,

@@ -47,6 +47,9 @@ pub(crate) struct Sequence {
     pub(crate) tokens: Vec<u32>,
     /// Tokens whose K and V are written.
     pub(crate) computed: usize,
+    /// Blocks before this index are released or pinned by the prefix cache (see
+    /// [`KvCache::release_outside_window`]): where the next release looks from.
+    pub(crate) release_from: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -298,7 +301,8 @@ impl KvCache {
         self.stats.prefix_hit_blocks_total += blocks.len() as u64;
         self.stats.prefix_miss_blocks_total += (self.blocks_for(prompt.len()) - blocks.len()) as u64;
         let hit = PrefixHit { cached_tokens: blocks.len() * bs, cached_blocks: blocks.len() };
-        self.seqs.insert(seq, Sequence { blocks, tokens: prompt.to_vec(), computed: hit.cached_tokens });
+        let s = Sequence { blocks, tokens: prompt.to_vec(), computed: hit.cached_tokens, release_from: 0 };
+        self.seqs.insert(seq, s);
         Ok(hit)
     }
 
@@ -396,7 +400,37 @@ impl KvCache {
         if range.end > s.blocks.len() * bs {
             return Err(KvError::OutOfRange { seq, requested: range.end, limit: s.blocks.len() * bs });
         }
+        if let Some(p) = range.clone().find(|p| s.blocks[p / bs].is_released()) {
+            return Err(KvError::Released { seq, block_index: p / bs });
+        }
         Ok(range.map(|p| Slot { block: s.blocks[p / bs], offset: (p % bs) as u32 }).collect())
+    }
+
+    /// Gives back every block of `seq` that no position it will still compute attends to, with a
+    /// sliding window of `window` positions (a query at position p sees p + 1 - window ..= p): the
+    /// blocks wholly before `computed + 1 - window`. Each becomes [`BlockId::RELEASED`] in the block
+    /// table and is freed unless another sequence, a lease or the prefix cache holds it. Blocks in the
+    /// prefix cache are kept (the cache holds a prefix only while every block of it is there), so a
+    /// windowed sequence's memory is its window plus what it shares with the cache. Returns how many
+    /// blocks were released now.
+    pub fn release_outside_window(&mut self, seq: SeqId, window: usize) -> Result<usize, KvError> {
+        let bs = self.block_size();
+        let s = self.seq(seq)?;
+        let end = ((s.computed + 1).saturating_sub(window.max(1)) / bs).min(s.blocks.len());
+        let from = s.release_from;
+        let mut released = 0;
+        for i in from..end {
+            let b = self.seq(seq)?.blocks[i];
+            if b.is_released() || self.blocks[b.0 as usize].node.is_some() {
+                continue;
+            }
+            self.retag(b, |m| m.seq_refs -= 1);
+            self.seq_mut(seq)?.blocks[i] = BlockId::RELEASED;
+            released += 1;
+        }
+        let s = self.seq_mut(seq)?;
+        s.release_from = s.release_from.max(end);
+        Ok(released)
     }
 
     /// Inserts `seq`'s full, computed blocks into the prefix cache (at prefill completion or at the end).
@@ -409,6 +443,11 @@ impl KvCache {
         let mut cur = ROOT;
         let mut inserted = 0;
         for (chunk, &b) in tokens.chunks_exact(bs).zip(&blocks) {
+            // A released block ends the prefix this sequence can vouch for: a cached block must never
+            // hang below one the sequence does not hold.
+            if b.is_released() {
+                break;
+            }
             if let Some(n) = self.tree.child(cur, chunk) {
                 // Cached already (possibly in another block holding the same KV): follow it.
                 cur = n;
@@ -431,7 +470,7 @@ impl KvCache {
             self.cache_prefix(seq)?;
         }
         let s = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence { seq })?;
-        for b in s.blocks {
+        for b in s.blocks.into_iter().filter(|b| !b.is_released()) {
             self.retag(b, |m| m.seq_refs -= 1);
         }
         Ok(())
@@ -444,10 +483,17 @@ impl KvCache {
         if n > s.tokens.len() {
             return Err(KvError::OutOfRange { seq, requested: n, limit: s.tokens.len() });
         }
+        // Computing from n again needs the window before n, which a release may have given back.
+        if n < s.computed {
+            if let Some(i) = s.blocks.iter().rposition(|b| b.is_released()) {
+                return Err(KvError::Released { seq, block_index: i });
+            }
+        }
         s.tokens.truncate(n);
         s.computed = s.computed.min(n);
         let dropped = s.blocks.split_off(keep.min(s.blocks.len()));
-        for b in dropped {
+        s.release_from = s.release_from.min(keep);
+        for b in dropped.into_iter().filter(|b| !b.is_released()) {
             self.retag(b, |m| m.seq_refs -= 1);
         }
         Ok(())
@@ -461,9 +507,13 @@ impl KvCache {
         }
         let p = self.seq(parent)?;
         let keep = self.blocks_for(p.computed);
-        let s =
-            Sequence { blocks: p.blocks[..keep].to_vec(), tokens: p.tokens.clone(), computed: p.computed };
-        for &b in &s.blocks {
+        let s = Sequence {
+            blocks: p.blocks[..keep].to_vec(),
+            tokens: p.tokens.clone(),
+            computed: p.computed,
+            release_from: p.release_from.min(keep),
+        };
+        for &b in s.blocks.iter().filter(|b| !b.is_released()) {
             self.retag(b, |m| m.seq_refs += 1);
         }
         self.seqs.insert(child, s);
@@ -482,6 +532,11 @@ impl KvCache {
     ) -> Result<LeaseView<'_>, KvError> {
         if self.leases.contains_key(&transfer) {
             return Err(KvError::DuplicateTransfer { transfer });
+        }
+        let s = self.seq(seq)?;
+        if let Some(i) = s.blocks.iter().position(|b| b.is_released()) {
+            // A lease hands over the whole prompt's KV.
+            return Err(KvError::Released { seq, block_index: i });
         }
         let s = self.seqs.remove(&seq).ok_or(KvError::UnknownSequence { seq })?;
         let keep = self.blocks_for(s.computed);
@@ -653,7 +708,10 @@ impl KvCache {
                 self.retag(b, |m| m.lease_refs -= 1);
             }
         }
-        self.seqs.insert(seq, Sequence { blocks, tokens: tokens.to_vec(), computed: tokens.len() });
+        self.seqs.insert(
+            seq,
+            Sequence { blocks, tokens: tokens.to_vec(), computed: tokens.len(), release_from: 0 },
+        );
         Ok(())
     }
 }

@@ -22,7 +22,13 @@ impl KvCache {
                 return Err(format!("{id}: {} blocks for {} computed tokens", s.blocks.len(), s.computed));
             }
             let mut seen = HashSet::new();
-            for b in &s.blocks {
+            for (i, b) in s.blocks.iter().enumerate() {
+                if b.is_released() {
+                    if i >= s.release_from {
+                        return Err(format!("{id}: block {i} released past the release cursor"));
+                    }
+                    continue;
+                }
                 if !seen.insert(*b) {
                     return Err(format!("{id} holds {b} twice"));
                 }

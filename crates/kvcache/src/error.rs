@@ -44,6 +44,11 @@ pub enum KvError {
         blocks: usize,
         needed_blocks: usize,
     },
+    /// The operation needs KV that the sequence released (outside its sliding window).
+    Released {
+        seq: SeqId,
+        block_index: usize,
+    },
     /// A write for a block this transfer no longer holds at that epoch.
     StaleWrite {
         transfer: TransferId,
@@ -71,6 +76,9 @@ impl fmt::Display for KvError {
             KvError::NotReserved { seq } => write!(f, "{seq}: commit without a reserve covering it"),
             KvError::LeaseTooSmall { transfer, blocks, needed_blocks } => {
                 write!(f, "{transfer} holds {blocks} blocks, {needed_blocks} needed")
+            }
+            KvError::Released { seq, block_index } => {
+                write!(f, "{seq}: block {block_index} was released (outside the sliding window)")
             }
             KvError::StaleWrite { transfer, block, epoch } => {
                 write!(f, "{transfer}: stale write to {block} at epoch {epoch}")

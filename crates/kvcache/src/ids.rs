@@ -7,6 +7,18 @@ use std::fmt;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BlockId(pub u32);
 
+impl BlockId {
+    /// Stands in a block table for a block the sequence gave back because no position it will
+    /// compute attends to it any more (a sliding window, see `KvCache::release_outside_window`).
+    /// Never a pool index: a pool of `u32::MAX` blocks is refused.
+    pub const RELEASED: BlockId = BlockId(u32::MAX);
+
+    /// Whether this is [`RELEASED`](Self::RELEASED).
+    pub fn is_released(self) -> bool {
+        self == BlockId::RELEASED
+    }
+}
+
 /// A sequence (one request's token stream, or one branch of a parallel-sampling fork), named by the caller.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SeqId(pub u64);

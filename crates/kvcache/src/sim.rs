@@ -3,6 +3,9 @@
 
 use crate::{KvCache, KvConfig, KvError, SeqId, TransferId};
 
+/// The sliding window [`Op::ReleaseWindow`] applies, in positions (not a multiple of a block).
+pub const WINDOW: usize = 13;
+
 /// One operation on the cache, with small ids so random input hits existing sequences and leases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Op {
@@ -65,6 +68,11 @@ pub enum Op {
     Evict {
         n: u8,
     },
+    /// Give back the blocks outside a sliding window of [`WINDOW`] positions (a model's window is the
+    /// same for every sequence).
+    ReleaseWindow {
+        seq: u8,
+    },
     /// A transfer write into lease block `index`, with a correct or a stale epoch.
     Write {
         transfer: u8,
@@ -78,7 +86,7 @@ impl Op {
     pub fn decode(bytes: &mut impl Iterator<Item = u8>) -> Option<Op> {
         let mut next = || bytes.next();
         let small = |b: u8| b % 8;
-        Some(match next()? % 14 {
+        Some(match next()? % 15 {
             0 => Op::Add { seq: small(next()?), family: next()? % 4, len: u16::from(next()?) + 1 },
             1 => Op::Step { seq: small(next()?), n: next()? % 40 },
             2 => Op::Fork { parent: small(next()?), child: small(next()?) },
@@ -98,7 +106,8 @@ impl Op {
                 len: u16::from(next()?) + 1,
                 ttl: next()?,
             },
-            _ => Op::Write { transfer: small(next()?), index: next()?, stale: next()? % 2 == 0 },
+            13 => Op::Write { transfer: small(next()?), index: next()?, stale: next()? % 2 == 0 },
+            _ => Op::ReleaseWindow { seq: small(next()?) },
         })
     }
 }
@@ -205,6 +214,15 @@ impl Driver {
             }
             Op::Evict { n } => {
                 kv.evict(n.into());
+                Ok(())
+            }
+            Op::ReleaseWindow { seq } => {
+                let id = SeqId(seq.into());
+                let computed = kv.computed_tokens(id)?;
+                kv.release_outside_window(id, WINDOW)?;
+                // Every position the next query sees is still held.
+                let first = (computed + 1).saturating_sub(WINDOW);
+                assert!(kv.block_table(id)?[first / kv.block_size()..].iter().all(|b| !b.is_released()));
                 Ok(())
             }
             Op::Write { transfer, index, stale } => {

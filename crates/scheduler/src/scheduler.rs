@@ -197,7 +197,7 @@ impl Scheduler {
             });
         }
         let here = if c.role == Role::Prefill { req.prompt.len() + 1 } else { total };
-        let needed_blocks = self.kv.blocks_for(here);
+        let needed_blocks = self.blocks_needed(here, 0);
         let total_blocks = self.kv.stats().blocks_total;
         if needed_blocks > total_blocks {
             return Err(Rejection::KvCapacityExceeded { needed_blocks, total_blocks });
@@ -432,7 +432,7 @@ impl Scheduler {
                     continue;
                 }
             };
-            let needed = self.kv.blocks_for(tokens.len()) - hit.cached_blocks;
+            let needed = self.blocks_needed(tokens.len(), hit.cached_blocks);
             if self.kv.blocks_available() < needed + self.config.admission_watermark_blocks {
                 // Not now: it waits (it fits the pool, so running requests will make room).
                 let _ = self.kv.free_sequence(seq, false);
@@ -580,6 +580,19 @@ impl Scheduler {
         }
     }
 
+    /// Blocks a sequence of `tokens` tokens needs beyond the `cached` it found in the prefix cache, at
+    /// the most it ever holds at once: all of them, or with a sliding window (not on the prefill role,
+    /// which keeps its prompt for the decode peer) the window, a prefill chunk and two partial blocks.
+    fn blocks_needed(&self, tokens: usize, cached: usize) -> usize {
+        let all = self.kv.blocks_for(tokens).saturating_sub(cached);
+        match self.config.sliding_window {
+            Some(w) if self.config.role != Role::Prefill => {
+                all.min(self.kv.blocks_for(w + self.config.prefill_chunk_tokens) + 2)
+            }
+            _ => all,
+        }
+    }
+
     /// Reports the step planned by the last `poll_batch`: its KV is now written, and `sampled` holds
     /// the token drawn for each item that asked for one.
     pub fn handle_step_result(&mut self, sampled: &[Sampled], now: Instant) {
@@ -592,10 +605,22 @@ impl Scheduler {
                 self.finish(item.id, Outcome::Failed { stage, reason: e.to_string() }, now);
                 continue;
             }
-            if stage == Stage::Prefilling {
-                // Early insertion: a prompt's full blocks are in the prefix cache as soon as their KV
-                // is written, so requests sharing the prefix hit while this one still runs.
-                let _ = self.kv.cache_prefix(item.seq);
+            match self.config.sliding_window {
+                Some(w) if self.config.role != Role::Prefill => {
+                    // Blocks no later position attends to go back to the pool now. (A prefill worker
+                    // hands its whole prompt's KV to the decode peer, so it keeps every block.)
+                    if let Err(e) = self.kv.release_outside_window(item.seq, w) {
+                        self.finish(item.id, Outcome::Failed { stage, reason: e.to_string() }, now);
+                        continue;
+                    }
+                }
+                _ if stage == Stage::Prefilling => {
+                    // Early insertion: a prompt's full blocks are in the prefix cache as soon as their
+                    // KV is written, so requests sharing the prefix hit while this one still runs.
+                    // (Not with a window: cached blocks stay held, and the window could not free them.)
+                    let _ = self.kv.cache_prefix(item.seq);
+                }
+                _ => {}
             }
             if !item.sample {
                 continue;

@@ -48,6 +48,10 @@ pub struct SchedulerConfig {
     pub admission_watermark_blocks: usize,
     /// The order waiting requests are admitted in.
     pub admission_order: AdmissionOrder,
+    /// The model's sliding attention window, if it has one: on the unified and decode roles, blocks a
+    /// running sequence will never attend to again are given back after each step (see
+    /// `KvCache::release_outside_window`), and prompts are cached only when they end, whole.
+    pub sliding_window: Option<usize>,
 }
 
 /// Which waiting request is admitted next.
@@ -83,6 +87,7 @@ impl Default for SchedulerConfig {
                 aging_tokens_per_s: 100,
                 window: 32,
             },
+            sliding_window: None,
         }
     }
 }

@@ -511,3 +511,43 @@ fn a_decode_worker_under_kv_pressure_finishes_every_request() {
         );
     }
 }
+
+/// With a sliding window, a request far longer than the pool runs to the end: each step gives back
+/// the blocks no later position attends to, so it never holds more than its window and a chunk.
+#[test]
+fn a_sliding_window_runs_a_request_longer_than_the_pool() {
+    let config = SchedulerConfig {
+        sliding_window: Some(8),
+        prefill_chunk_tokens: 4,
+        max_context_tokens: 1024,
+        ..SchedulerConfig::default()
+    };
+    // 10 blocks of 4 tokens: 40 positions, for a request of 30 + 200.
+    let (mut s, t0) = sched(config.clone(), 10);
+    s.handle_request(req(1, 30, 200, t0), t0).unwrap();
+    let mut now = t0;
+    let mut most = 0;
+    let mut done = None;
+    while done.is_none() {
+        let batch = s.poll_batch(now);
+        let sampled: Vec<Sampled> =
+            batch.iter().filter(|i| i.sample).map(|i| Sampled { id: i.id, token: 9, stop: false }).collect();
+        s.handle_step_result(&sampled, now);
+        s.check_invariants().unwrap();
+        most = most.max(s.kv().stats().owned(OwnerKind::Sequence));
+        while let Some(e) = s.poll_event() {
+            if let Event::Finished { outcome, .. } = e {
+                done = Some(outcome);
+            }
+        }
+        now += Duration::from_millis(10);
+        assert!(now < t0 + Duration::from_secs(60), "never finished");
+    }
+    assert_eq!(done, Some(Outcome::Completed(FinishReason::Length)));
+    // The window (8) and a chunk (4) span at most 4 blocks, plus the one being filled.
+    assert!(most <= 5, "held up to {most} blocks");
+    assert_eq!(s.kv().stats().blocks_free, 10, "everything given back");
+    // Without the window the same request is refused: it could never fit.
+    let (mut s, t0) = sched(SchedulerConfig { sliding_window: None, ..config }, 10);
+    assert!(matches!(s.handle_request(req(1, 30, 200, t0), t0), Err(Rejection::KvCapacityExceeded { .. })));
+}

@@ -258,6 +258,8 @@ fn randomized_configurations() {
             prefill_chunk_tokens: rng.range(1, 256) as usize,
             max_context_tokens: 2048,
             admission_watermark_blocks: rng.range(0, 4) as usize,
+            // A third of them with a sliding window, giving back blocks as they go.
+            sliding_window: (seed % 3 == 0).then(|| rng.range(1, 64) as usize),
             ..SchedulerConfig::default()
         };
         let shape = [Shape::Burst, Shape::Steady, Shape::DeadlineStorm, Shape::Aborts][seed as usize % 4];
