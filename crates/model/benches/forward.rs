@@ -3,7 +3,8 @@
 //! aggregate decode with 8 and 32 sequences in one batch (f32; 4, 8 and 32 with Q4), and Q4 decode after a
 //! 4,000-token prompt and of 32 sequences of 1,000 tokens, with f32 KV and with f16 KV (the server's
 //! default, where attention reads half the bytes). f32 KV unless a name says f16. Uses rayon's pool
-//! (one thread per core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens). Writes
+//! (one thread per core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens,
+//! `-- --only batch,prefill` for the figures whose names contain either). Writes
 //! `target/bench/model-forward.json`.
 
 use std::sync::Arc;
@@ -80,14 +81,6 @@ fn main() {
     let steps = if quick { 8 } else { 32 };
     let threads = rayon::current_num_threads();
 
-    let mut b = fresh(&weights);
-    b.prefill(1, 16);
-    let single = b.decode(1, steps * 2);
-
-    let mut b = fresh(&weights);
-    let prefill_s = b.prefill(1, 1000);
-    let prefill = 1000.0 / prefill_s;
-
     // The same single-sequence decode reading quantized weights.
     let quantized = |format| {
         let mut b = fresh(&weights);
@@ -95,8 +88,6 @@ fn main() {
         b.prefill(1, 16);
         b.decode(1, steps * 2)
     };
-    let q8 = quantized(pdserve_model::WeightFormat::Q8);
-    let q4 = quantized(pdserve_model::WeightFormat::Q4);
     // What `--weights q4` serves: multi-row steps read the Q4 weights through the bf16 GEMM where the
     // CPU has AVX-512 BF16.
     let q4_kv = |weights: &Arc<_>, dtype, blocks| {
@@ -106,7 +97,6 @@ fn main() {
     };
     let q4_backend = |weights: &Arc<_>| q4_kv(weights, KvDtype::F32, blocks);
     let multi = q4_backend(&weights).cpu.multi_row_format();
-    let q4_prefill = 1000.0 / q4_backend(&weights).prefill(1, 1000);
     // Decode after a 4,000-token prompt: attention over the paged cache dominates there.
     let q4_long = |dtype| {
         let mut b = q4_kv(&weights, dtype, blocks);
@@ -120,29 +110,48 @@ fn main() {
         b.prefill(32, 1000);
         b.decode(32, steps)
     };
-
-    let mut results = vec![
-        ("single_decode_tokens_per_second", single),
-        ("single_decode_q8_tokens_per_second", q8),
-        ("single_decode_q4_tokens_per_second", q4),
-        ("prefill_1000_tokens_per_second", prefill),
-        ("prefill_1000_q4_tokens_per_second", q4_prefill),
-        ("decode_q4_at_4000_tokens_per_second", q4_long(KvDtype::F32)),
-        ("decode_q4_at_4000_f16_kv_tokens_per_second", q4_long(KvDtype::F16)),
-        ("batch32_decode_q4_at_1000_tokens_per_second", q4_fleet(KvDtype::F32)),
-        ("batch32_decode_q4_at_1000_f16_kv_tokens_per_second", q4_fleet(KvDtype::F16)),
-    ];
-    for (n, q4, name) in [
-        (8usize, false, "batch8_decode_tokens_per_second"),
-        (32, false, "batch32_decode_tokens_per_second"),
-        (4, true, "batch4_decode_q4_tokens_per_second"),
-        (8, true, "batch8_decode_q4_tokens_per_second"),
-        (32, true, "batch32_decode_q4_tokens_per_second"),
-    ] {
+    // `n` sequences of 64 tokens decoding together.
+    let batch = |n: usize, q4: bool| {
         let mut b = if q4 { q4_backend(&weights) } else { fresh(&weights) };
         b.prefill(n, 64);
-        results.push((name, b.decode(n, steps)));
-    }
+        b.decode(n, steps)
+    };
+    type Figure<'a> = (&'static str, Box<dyn Fn() -> f64 + 'a>);
+    let figures: Vec<Figure<'_>> = vec![
+        (
+            "single_decode_tokens_per_second",
+            Box::new(|| {
+                let mut b = fresh(&weights);
+                b.prefill(1, 16);
+                b.decode(1, steps * 2)
+            }),
+        ),
+        ("single_decode_q8_tokens_per_second", Box::new(|| quantized(pdserve_model::WeightFormat::Q8))),
+        ("single_decode_q4_tokens_per_second", Box::new(|| quantized(pdserve_model::WeightFormat::Q4))),
+        ("prefill_1000_tokens_per_second", Box::new(|| 1000.0 / fresh(&weights).prefill(1, 1000))),
+        ("prefill_1000_q4_tokens_per_second", Box::new(|| 1000.0 / q4_backend(&weights).prefill(1, 1000))),
+        ("decode_q4_at_4000_tokens_per_second", Box::new(|| q4_long(KvDtype::F32))),
+        ("decode_q4_at_4000_f16_kv_tokens_per_second", Box::new(|| q4_long(KvDtype::F16))),
+        ("batch32_decode_q4_at_1000_tokens_per_second", Box::new(|| q4_fleet(KvDtype::F32))),
+        ("batch32_decode_q4_at_1000_f16_kv_tokens_per_second", Box::new(|| q4_fleet(KvDtype::F16))),
+        ("batch8_decode_tokens_per_second", Box::new(|| batch(8, false))),
+        ("batch32_decode_tokens_per_second", Box::new(|| batch(32, false))),
+        ("batch4_decode_q4_tokens_per_second", Box::new(|| batch(4, true))),
+        ("batch8_decode_q4_tokens_per_second", Box::new(|| batch(8, true))),
+        ("batch16_decode_q4_tokens_per_second", Box::new(|| batch(16, true))),
+        ("batch32_decode_q4_tokens_per_second", Box::new(|| batch(32, true))),
+    ];
+    // `--only a,b` runs the figures whose names contain a or b.
+    let only: Vec<String> = std::env::args()
+        .skip_while(|a| a != "--only")
+        .nth(1)
+        .map(|v| v.split(',').map(str::to_owned).collect())
+        .unwrap_or_default();
+    let results: Vec<(&str, f64)> = figures
+        .iter()
+        .filter(|(name, _)| only.is_empty() || only.iter().any(|o| name.contains(o.as_str())))
+        .map(|(name, run)| (*name, run()))
+        .collect();
     println!("threads: {threads}; q4's multi-row steps read {multi} weights");
     for (k, v) in &results {
         println!("{k:<50} {v:>10.1}");

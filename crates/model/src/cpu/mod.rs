@@ -691,7 +691,7 @@ fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, o
 /// Multi-row steps with fewer rows than this dot each row with the widened weight rows; longer ones
 /// transpose the weights into panels for the register-tiled GEMM (the transposition pays off only
 /// when many rows share it).
-const QUANT_PANEL_MIN_ROWS: usize = 32;
+const QUANT_PANEL_MIN_ROWS: usize = 64;
 
 /// Steps with fewer rows than this run the weight GEMMs on matrixmultiply.
 const AVX512_GEMM_MIN_ROWS: usize = 64;

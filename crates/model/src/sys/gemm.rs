@@ -415,10 +415,33 @@ unsafe fn tile_dot<const R: usize>(px: *const u16, k: usize, pw: *const u16, po:
         kk += 32;
     }
     for (r, a) in acc.iter().enumerate() {
-        for (c, ac) in a.iter().enumerate() {
-            *po.add(r * ldo + c) = _mm512_reduce_add_ps(*ac);
-        }
+        _mm_storeu_ps(po.add(r * ldo), sum4(a));
     }
+}
+
+/// The sums of four 16-lane vectors, as one 4-lane vector: pairs interleaved and added within each
+/// 128-bit lane twice (each lane then holds four partial sums, one per input), then the four lanes
+/// added together. About a third of the instructions of four separate reductions.
+///
+/// # Safety
+/// AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn sum4(a: &[std::arch::x86_64::__m512; ROWS_TILE]) -> std::arch::x86_64::__m128 {
+    use std::arch::x86_64::*;
+    // Per 128-bit lane: [a0.0+a0.2, a1.0+a1.2, a0.1+a0.3, a1.1+a1.3], and likewise for a2, a3.
+    let s01 = _mm512_add_ps(_mm512_unpacklo_ps(a[0], a[1]), _mm512_unpackhi_ps(a[0], a[1]));
+    let s23 = _mm512_add_ps(_mm512_unpacklo_ps(a[2], a[3]), _mm512_unpackhi_ps(a[2], a[3]));
+    // Per 128-bit lane: [a0, a1, a2, a3], each the sum of that lane's four values.
+    let (d01, d23) = (_mm512_castps_pd(s01), _mm512_castps_pd(s23));
+    let t = _mm512_add_ps(
+        _mm512_castpd_ps(_mm512_unpacklo_pd(d01, d23)),
+        _mm512_castpd_ps(_mm512_unpackhi_pd(d01, d23)),
+    );
+    // The four lanes together.
+    let u = _mm512_add_ps(t, _mm512_shuffle_f32x4::<0b01_00_11_10>(t, t));
+    let v = _mm512_add_ps(u, _mm512_shuffle_f32x4::<0b10_11_00_01>(u, u));
+    _mm512_castps512_ps128(v)
 }
 
 /// Packs row-major `w[rows x cols]` (`rows` a multiple of 32, `cols` even) into bf16 panels of 32
