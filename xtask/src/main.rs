@@ -192,7 +192,7 @@ fn test() -> Result<()> {
 }
 
 const FUZZ_TARGETS: &[&str] =
-    &["http_request", "http_response", "kv_ops", "sched_ops", "pd_frames", "api_requests"];
+    &["http_request", "http_response", "kv_ops", "sched_ops", "pd_frames", "api_requests", "chat_template"];
 
 fn fuzz_available() -> bool {
     Command::new("cargo").args(["fuzz", "--version"]).output().is_ok_and(|o| o.status.success())
@@ -216,6 +216,16 @@ fn fuzz(args: &[String]) -> Result<()> {
         bail!("cargo-fuzz is not installed: run `cargo install cargo-fuzz`");
     }
     for t in targets {
+        // Hand-written seeds (`fuzz/seeds/TARGET/`, committed) start the corpus (`fuzz/corpus/`, not),
+        // so structured inputs such as chat bodies are reached within seconds.
+        let seeds = workspace_root().join("fuzz/seeds").join(t);
+        if let Ok(files) = std::fs::read_dir(&seeds) {
+            let corpus = workspace_root().join("fuzz/corpus").join(t);
+            std::fs::create_dir_all(&corpus)?;
+            for f in files.flatten() {
+                std::fs::copy(f.path(), corpus.join(f.file_name()))?;
+            }
+        }
         // libFuzzer needs nightly-only sanitizer flags; the stable toolchain accepts them this way.
         run(Command::new("cargo").current_dir("fuzz").env("RUSTC_BOOTSTRAP", "1").args([
             "fuzz",

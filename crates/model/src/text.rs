@@ -1,41 +1,19 @@
-//! Text in and out: `tokenizer.json` through the `tokenizers` crate, the chat template through minijinja
-//! with Hugging Face's conventions, and incremental detokenization.
+//! Text in and out: `tokenizer.json` through the `tokenizers` crate, the chat template through
+//! `pdserve-chat-template` (minijinja with Hugging Face's conventions), and incremental detokenization.
 
 use std::path::Path;
 
-use serde::Serialize;
-
 use crate::ModelError;
 
-/// One chat message as the template sees it (Hugging Face's conventions).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Default)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-    /// An assistant message's calls, each `{"id", "type": "function", "function": {"name",
-    /// "arguments"}}` with the arguments as a JSON object (templates write them with `tojson`).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub tool_calls: Vec<serde_json::Value>,
-    /// A `tool` message: the call it answers.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_call_id: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-}
-
-impl ChatMessage {
-    pub fn new(role: &str, content: &str) -> Self {
-        ChatMessage { role: role.to_owned(), content: content.to_owned(), ..ChatMessage::default() }
-    }
-}
+pub use pdserve_chat_template::ChatMessage;
+use pdserve_chat_template::ChatTemplate;
 
 /// Tokenizer plus chat template of one model folder.
 #[derive(Debug)]
 pub struct TextCodec {
     tokenizer: tokenizers::Tokenizer,
-    template: Option<String>,
+    template: Option<ChatTemplate>,
     bos_token: String,
-    eos_token: String,
     /// `tokenizer_config.json`'s `add_bos_token`; `None` leaves it to `tokenizer.json`'s post-processor.
     add_bos: Option<bool>,
 }
@@ -61,17 +39,18 @@ impl TextCodec {
             }
             Err(_) => serde_json::Value::Null,
         };
-        let template = cfg.get("chat_template").and_then(|t| t.as_str()).map(str::to_owned);
-        if let Some(t) = &template {
-            let mut env = minijinja::Environment::new();
-            env.add_template("chat", t)
-                .map_err(|e| ModelError::format(&cfg_path, format!("chat_template: {e}")))?;
-        }
+        let token = |name: &str| cfg.get(name).and_then(token_field).unwrap_or_default();
+        let template = match cfg.get("chat_template").and_then(|t| t.as_str()) {
+            Some(source) => Some(
+                ChatTemplate::new(source, &token("bos_token"), &token("eos_token"))
+                    .map_err(|e| ModelError::format(&cfg_path, format!("chat_template: {e}")))?,
+            ),
+            None => None,
+        };
         Ok(TextCodec {
             tokenizer,
             template,
-            bos_token: cfg.get("bos_token").and_then(token_field).unwrap_or_default(),
-            eos_token: cfg.get("eos_token").and_then(token_field).unwrap_or_default(),
+            bos_token: token("bos_token"),
             add_bos: cfg.get("add_bos_token").and_then(|v| v.as_bool()),
         })
     }
@@ -124,7 +103,7 @@ impl TextCodec {
 
     /// The chat template's source, if the model has one.
     pub fn chat_template(&self) -> Option<&str> {
-        self.template.as_deref()
+        self.template.as_ref().map(ChatTemplate::source)
     }
 
     /// The text of the whole vocabulary's `tokenizer.json` (what a grammar engine needs to map token
@@ -151,25 +130,10 @@ impl TextCodec {
         tools: &[serde_json::Value],
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
-        let template = self.template.as_deref().ok_or_else(|| ModelError::Text {
+        let template = self.template.as_ref().ok_or_else(|| ModelError::Text {
             problem: "this model has no chat template (tokenizer_config.json has no chat_template)".into(),
         })?;
-        let mut env = minijinja::Environment::new();
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", |msg: String| -> Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template("chat", template).map_err(|e| ModelError::Text { problem: e.to_string() })?;
-        let tmpl = env.get_template("chat").map_err(|e| ModelError::Text { problem: e.to_string() })?;
-        let tools = (!tools.is_empty()).then_some(tools);
-        tmpl.render(minijinja::context! {
-            messages => messages,
-            tools => tools,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => self.bos_token,
-            eos_token => self.eos_token,
-        })
-        .map_err(|e| ModelError::Text { problem: format!("chat template: {e}") })
+        template.render(messages, tools, add_generation_prompt).map_err(|e| ModelError::Text { problem: e.0 })
     }
 }
 

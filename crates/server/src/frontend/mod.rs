@@ -11,9 +11,10 @@ use pdserve_api::openai::{
 };
 use pdserve_api::tools::{Piece, ToolCall, ToolCallParser, ToolChoice};
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role};
+use pdserve_chat_template::{tool_call, ChatMessage};
 use pdserve_engine::{Engine, Id, Input, Output, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
-use pdserve_model::{ChatMessage, SamplingParams};
+use pdserve_model::SamplingParams;
 use pdserve_telemetry::Gauge;
 use serde_json::{json, Value};
 
@@ -108,14 +109,7 @@ fn timings_json(t: &Timings) -> Value {
 /// them with `tojson`).
 fn chat_message(m: &openai::Message) -> ChatMessage {
     let mut c = ChatMessage::new(&m.role, &m.content);
-    c.tool_calls = m
-        .tool_calls
-        .iter()
-        .map(|t| {
-            let args = serde_json::from_str::<Value>(&t.arguments).unwrap_or_else(|_| json!(t.arguments));
-            json!({"id": t.id, "type": "function", "function": {"name": t.name, "arguments": args}})
-        })
-        .collect();
+    c.tool_calls = m.tool_calls.iter().map(|t| tool_call(&t.id, &t.name, &t.arguments)).collect();
     c.tool_call_id = m.tool_call_id.clone();
     c.name = m.name.clone();
     c
