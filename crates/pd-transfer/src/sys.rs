@@ -1,10 +1,17 @@
-//! The crate's unsafe code: mapping the shared KV files of same-host transfers.
+//! The crate's unsafe code: mapping the shared KV files of same-host transfers, and asking who we are.
 #![allow(unsafe_code)]
 
 use std::fs::File;
 use std::io;
 
+pub(crate) use libc::O_NOFOLLOW;
 pub(crate) use memmap2::{Mmap, MmapMut};
+
+/// This process's effective user id (who owns the files it creates).
+pub(crate) fn effective_uid() -> u32 {
+    // SAFETY: geteuid takes no arguments, touches no memory of ours and cannot fail.
+    unsafe { libc::geteuid() }
+}
 
 /// Maps a file this process just created (and alone writes) read-write and shared.
 pub(crate) fn map_created(file: &File) -> io::Result<MmapMut> {
