@@ -197,7 +197,7 @@ impl Scheduler {
             });
         }
         let here = if c.role == Role::Prefill { req.prompt.len() + 1 } else { total };
-        let needed_blocks = self.blocks_needed(here, 0);
+        let needed_blocks = self.blocks_needed(here, req.prompt.len(), 0);
         let total_blocks = self.kv.stats().blocks_total;
         if needed_blocks > total_blocks {
             return Err(Rejection::KvCapacityExceeded { needed_blocks, total_blocks });
@@ -432,7 +432,8 @@ impl Scheduler {
                     continue;
                 }
             };
-            let needed = self.blocks_needed(tokens.len(), hit.cached_blocks);
+            let needed =
+                self.blocks_needed(tokens.len(), tokens.len() - hit.cached_tokens, hit.cached_blocks);
             if self.kv.blocks_available() < needed + self.config.admission_watermark_blocks {
                 // Not now: it waits (it fits the pool, so running requests will make room).
                 let _ = self.kv.free_sequence(seq, false);
@@ -580,14 +581,16 @@ impl Scheduler {
         }
     }
 
-    /// Blocks a sequence of `tokens` tokens needs beyond the `cached` it found in the prefix cache, at
-    /// the most it ever holds at once: all of them, or with a sliding window (not on the prefill role,
-    /// which keeps its prompt for the decode peer) the window, a prefill chunk and two partial blocks.
-    fn blocks_needed(&self, tokens: usize, cached: usize) -> usize {
+    /// Blocks a sequence of `tokens` tokens, `to_prefill` of them still to compute, needs beyond the
+    /// `cached` it found in the prefix cache, at the most it ever holds at once: all of them, or with a
+    /// sliding window (not on the prefill role, which keeps its prompt for the decode peer) the window,
+    /// one prefill chunk and two partial blocks.
+    fn blocks_needed(&self, tokens: usize, to_prefill: usize, cached: usize) -> usize {
         let all = self.kv.blocks_for(tokens).saturating_sub(cached);
         match self.config.sliding_window {
             Some(w) if self.config.role != Role::Prefill => {
-                all.min(self.kv.blocks_for(w + self.config.prefill_chunk_tokens) + 2)
+                let chunk = self.config.prefill_chunk_tokens.min(to_prefill);
+                all.min(self.kv.blocks_for(w + chunk) + 2)
             }
             _ => all,
         }

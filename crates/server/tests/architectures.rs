@@ -99,6 +99,36 @@ fn each_architecture_answers_the_reference_through_v1_completions() {
     }
 }
 
+/// A sliding window serves a request longer than the whole KV pool: blocks outside the window go
+/// back as it runs, and the text is still the reference's (the window decides what each token sees).
+#[test]
+fn a_sliding_window_answers_past_the_kv_pool() {
+    const LONG: usize = 120;
+    let dir = tiny(
+        "window-pool",
+        json!({"architectures": ["MistralForCausalLM"], "model_type": "mistral",
+        "sliding_window": 12}),
+    );
+    let ids = prompt();
+    let reference: Value = serde_json::from_slice(&script(&[
+        "run",
+        dir.to_str().unwrap(),
+        &serde_json::to_string(&ids).unwrap(),
+        &LONG.to_string(),
+    ]))
+    .unwrap();
+    // 6 blocks of 16 positions: 96, for 40 + 120.
+    let w = Worker::start(&["--model", dir.to_str().unwrap(), "--kv-dtype", "f32", "--kv-blocks", "6"]);
+    let body = json!({"prompt": ids, "max_tokens": LONG, "temperature": 0, "ignore_eos": true});
+    let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], LONG, "{v}");
+    let (_, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
+    assert_eq!(v["choices"][0]["text"], text["prompt"], "greedy text differs from the reference");
+    drop(w);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Starts the server on `dir` and waits for it to stop: its exit success and standard error.
 fn failed_start(dir: &Path) -> (bool, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))

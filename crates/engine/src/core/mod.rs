@@ -683,7 +683,9 @@ impl Core {
             let mut ledger = self.shared.ledger();
             for (&id, l) in &self.live {
                 let Some((stage, out)) = self.sched.stage_of(RequestId(id)) else { continue };
-                let blocks = self.sched.kv().block_table(SeqId(id)).map_or(0, <[_]>::len);
+                // Blocks held (a sliding window's released ones are not).
+                let table = self.sched.kv().block_table(SeqId(id)).unwrap_or_default();
+                let blocks = table.iter().filter(|b| !b.is_released()).count();
                 let stage = match stage {
                     Stage::Queued => ApiStage::queued(self.role),
                     Stage::KvTransfer => ApiStage::KvTransfer,
