@@ -50,7 +50,8 @@ pub struct EngineConfig {
     /// Unified, prefill (computes prompts and offers their KV) or decode (pulls the KV and generates).
     pub role: Role,
     pub device: Device,
-    /// How the CPU backend stores the weights its decode steps read.
+    /// How the CPU backend stores the weights its steps read; `Auto` (the default) takes the
+    /// checkpoint's own precision (bf16 for a bf16 checkpoint, else f32).
     pub weights: WeightFormat,
     /// The CPU backend's KV element type; `None` takes f16 (half the bytes of f32 for decode
     /// attention, the pool and a PD transfer). The GPU backend keeps its own (bf16 on the device, f32
@@ -94,7 +95,7 @@ impl EngineConfig {
             process_name: "engine".into(),
             role: Role::Unified,
             device: Device::Cpu,
-            weights: WeightFormat::F32,
+            weights: WeightFormat::Auto,
             kv_dtype: None,
             // The model's maximum context (capped by what the KV pool holds) unless set lower.
             scheduler: SchedulerConfig { max_context_tokens: usize::MAX, ..SchedulerConfig::default() },

@@ -152,6 +152,13 @@ impl Engine {
         let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens).min(pool);
         config.scheduler.max_context_tokens = context;
         config.scheduler.sliding_window = files.config.sliding_window;
+        // `--weights auto`: the checkpoint's own precision on the CPU (the GPU backend runs bf16 from
+        // the loaded weights whatever the checkpoint).
+        config.weights = match config.device {
+            Device::Cpu => config.weights.resolve(files.checkpoint_dtype, &files.config),
+            _ if config.weights == WeightFormat::Auto => WeightFormat::F32,
+            _ => config.weights,
+        };
         config.scheduler.role = match config.role {
             Role::Unified => pdserve_scheduler::Role::Unified,
             Role::Prefill => pdserve_scheduler::Role::Prefill,

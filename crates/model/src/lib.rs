@@ -51,7 +51,7 @@ pub use gpu::GpuBackend;
 pub use quant::WeightFormat;
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use text::{ChatMessage, IncrementalDecoder, TextCodec};
-pub use weights::{Expert, LayerWeights, MoeWeights, Weights};
+pub use weights::{CheckpointDtype, Expert, LayerWeights, MoeWeights, Weights};
 
 /// Everything read from a model folder.
 #[derive(Debug)]
@@ -61,6 +61,8 @@ pub struct ModelFiles {
     pub weights: Weights,
     pub text: TextCodec,
     pub generation: GenerationConfig,
+    /// What the checkpoint stores its projections in (`--weights auto` serves bf16 ones in bf16).
+    pub checkpoint_dtype: CheckpointDtype,
 }
 
 impl ModelFiles {
@@ -77,8 +79,8 @@ impl ModelFiles {
             }
         }
         let text = TextCodec::load(dir)?;
-        let weights = Weights::load(dir, &config)?;
-        Ok(ModelFiles { config, weights, text, generation })
+        let (weights, checkpoint_dtype) = Weights::load_with_dtype(dir, &config)?;
+        Ok(ModelFiles { config, weights, text, generation, checkpoint_dtype })
     }
 }
 

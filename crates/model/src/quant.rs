@@ -33,6 +33,11 @@ pub enum WeightFormat {
     /// Every projection and the LM head in bf16 (as bf16 checkpoints ship them): 2 bytes per weight,
     /// the f32 copies freed after load; AVX-512 BF16 dot products where the CPU has them.
     Bf16,
+    /// The checkpoint's own precision: bf16 for a bf16 checkpoint whose shapes the bf16 GEMM takes
+    /// (not a mixture of experts, whose experts run in f32), f32 otherwise (f32 and f16 checkpoints:
+    /// f16 does not fit bf16 without rounding). See [`resolve`](Self::resolve); a backend given
+    /// `Auto` itself runs f32.
+    Auto,
 }
 
 impl WeightFormat {
@@ -43,6 +48,24 @@ impl WeightFormat {
             WeightFormat::Q8 => "q8",
             WeightFormat::Q4 => "q4",
             WeightFormat::Bf16 => "bf16",
+            WeightFormat::Auto => "auto",
+        }
+    }
+
+    /// `Auto` made concrete for a checkpoint stored as `dtype` of a model shaped by `c`; any other
+    /// format as it is.
+    pub fn resolve(self, dtype: crate::CheckpointDtype, c: &ModelConfig) -> WeightFormat {
+        let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        // Every stacked projection's rows fill 32-row panels and its columns pair up.
+        let rows = [q + 2 * kv, c.hidden_size, 2 * c.intermediate_size];
+        let cols = [c.hidden_size, q, c.intermediate_size];
+        let packs = rows.iter().all(|r| r % 32 == 0) && cols.iter().all(|k| k % 2 == 0);
+        match self {
+            WeightFormat::Auto if dtype == crate::CheckpointDtype::Bf16 && c.moe.is_none() && packs => {
+                WeightFormat::Bf16
+            }
+            WeightFormat::Auto => WeightFormat::F32,
+            other => other,
         }
     }
 }
@@ -56,6 +79,7 @@ impl std::str::FromStr for WeightFormat {
             "q8" => Ok(WeightFormat::Q8),
             "q4" => Ok(WeightFormat::Q4),
             "bf16" => Ok(WeightFormat::Bf16),
+            "auto" => Ok(WeightFormat::Auto),
             _ => Err(crate::ModelError::UnknownWeightFormat { value: s.to_owned() }),
         }
     }

@@ -133,15 +133,43 @@ impl Shards {
         })
     }
 
+    /// What `name` is stored as (f32 when it is missing or another type: it loads as f32 either way).
+    fn dtype(&self, name: &str) -> CheckpointDtype {
+        let stored = self.index.get(name).and_then(|&i| {
+            let st = SafeTensors::deserialize(&self.maps[i].1).ok()?;
+            st.tensor(name).ok().map(|t| t.dtype())
+        });
+        match stored {
+            Some(Dtype::BF16) => CheckpointDtype::Bf16,
+            Some(Dtype::F16) => CheckpointDtype::F16,
+            _ => CheckpointDtype::F32,
+        }
+    }
+
     fn has(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }
 }
 
+/// The precision a checkpoint's projections are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
 impl Weights {
     /// Loads every weight `config` calls for from the safetensors in `dir`.
     pub fn load(dir: &Path, config: &ModelConfig) -> Result<Weights, ModelError> {
+        Weights::load_with_dtype(dir, config).map(|(w, _)| w)
+    }
+
+    /// [`load`](Self::load), also saying what precision the checkpoint stores its projections in (its
+    /// first layer's Q projection's).
+    pub fn load_with_dtype(dir: &Path, config: &ModelConfig) -> Result<(Weights, CheckpointDtype), ModelError> {
         let s = Shards::open(dir)?;
+        let dtype = s.dtype("model.layers.0.self_attn.q_proj.weight");
         let (h, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
         let (q_out, kv_out) = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim);
         let mut layers = Vec::with_capacity(config.num_layers);
@@ -208,12 +236,13 @@ impl Weights {
         } else {
             Some(s.get("lm_head.weight", &[v, h])?)
         };
-        Ok(Weights {
+        let w = Weights {
             embed: s.get("model.embed_tokens.weight", &[v, h])?,
             layers,
             final_norm: s.get("model.norm.weight", &[h])?,
             lm_head,
-        })
+        };
+        Ok((w, dtype))
     }
 
     /// Frees the f32 projection matrices (and, with `lm_head`, an untied LM head) once every product

@@ -78,7 +78,7 @@ fn each_architecture_answers_the_reference_through_v1_completions() {
         ]))
         .unwrap();
         // f32 KV: the reference path, so near-ties between logits cannot flip a token.
-        let w = Worker::start(&["--model", dir.to_str().unwrap(), "--kv-dtype", "f32"]);
+        let w = Worker::start(&["--model", dir.to_str().unwrap(), "--kv-dtype", "f32", "--weights", "f32"]);
         let body =
             json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true, "logprobs": 1});
         let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
@@ -118,7 +118,7 @@ fn a_sliding_window_answers_past_the_kv_pool() {
     ]))
     .unwrap();
     // 6 blocks of 16 positions: 96, for 40 + 120.
-    let w = Worker::start(&["--model", dir.to_str().unwrap(), "--kv-dtype", "f32", "--kv-blocks", "6"]);
+    let w = Worker::start(&["--model", dir.to_str().unwrap(), "--kv-dtype", "f32", "--kv-blocks", "6", "--weights", "f32"]);
     let body = json!({"prompt": ids, "max_tokens": LONG, "temperature": 0, "ignore_eos": true});
     let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
     assert_eq!(s, 200, "{v}");
@@ -126,6 +126,38 @@ fn a_sliding_window_answers_past_the_kv_pool() {
     let (_, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
     assert_eq!(v["choices"][0]["text"], text["prompt"], "greedy text differs from the reference");
     drop(w);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A bf16 checkpoint is served in bf16 by default (`--weights auto`), in half the bytes of f32, with
+/// the reference's greedy text; `--weights f32` still expands it.
+#[test]
+fn a_bf16_checkpoint_is_served_in_bf16_by_default() {
+    let dir = tiny("auto-bf16", json!({}));
+    let ids = prompt();
+    let reference: Value = serde_json::from_slice(&script(&[
+        "run",
+        dir.to_str().unwrap(),
+        &serde_json::to_string(&ids).unwrap(),
+        &STEPS.to_string(),
+    ]))
+    .unwrap();
+    let mut held = Vec::new();
+    for extra in [&[][..], &["--weights", "f32"][..]] {
+        let mut args = vec!["--model", dir.to_str().unwrap(), "--kv-dtype", "f32"];
+        args.extend_from_slice(extra);
+        let w = Worker::start(&args);
+        let (_, models) = w.json("GET", "/v1/models", "");
+        let m = &models["data"][0];
+        assert_eq!(m["weights"], if extra.is_empty() { "bf16" } else { "f32" }, "{models}");
+        held.push(m["weight_bytes"].as_u64().unwrap());
+        let body = json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true});
+        let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
+        assert_eq!(s, 200, "{v}");
+        let (_, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
+        assert_eq!(v["choices"][0]["text"], text["prompt"], "{extra:?}: greedy text differs from the reference");
+    }
+    assert!(held[0] * 10 < held[1] * 6, "bf16 holds {} bytes, f32 {}", held[0], held[1]);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

@@ -113,6 +113,8 @@ impl CpuBackend {
                 value: "a matrix width that is not a multiple of 32".into(),
             })
         }
+        // `Auto` unresolved (the checkpoint's precision unknown here): the loaded f32 weights.
+        let format = if format == WeightFormat::Auto { WeightFormat::F32 } else { format };
         if self.cfg.moe.is_some() && format != WeightFormat::F32 {
             return Err(ModelError::Unsupported {
                 field: "--weights for a mixture-of-experts model".into(),
@@ -120,7 +122,7 @@ impl CpuBackend {
             });
         }
         let decode = match format {
-            WeightFormat::F32 | WeightFormat::Bf16 => None,
+            WeightFormat::F32 | WeightFormat::Bf16 | WeightFormat::Auto => None,
             WeightFormat::Q8 => Some(DecodeWeights::Q8(quantize(&self.w, &self.cfg)?)),
             WeightFormat::Q4 => Some(DecodeWeights::Q4(quantize(&self.w, &self.cfg)?)),
         };
