@@ -118,7 +118,8 @@ impl ChatTemplate {
         tools: &[serde_json::Value],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
-        let deep = messages.iter().flat_map(|m| &m.tool_calls).chain(tools).any(|v| deeper_than(v, MAX_DEPTH));
+        let deep =
+            messages.iter().flat_map(|m| &m.tool_calls).chain(tools).any(|v| deeper_than(v, MAX_DEPTH));
         if deep {
             return Err(TemplateError(format!("tools or tool calls nested deeper than {MAX_DEPTH} levels")));
         }

@@ -167,7 +167,10 @@ impl Weights {
 
     /// [`load`](Self::load), also saying what precision the checkpoint stores its projections in (its
     /// first layer's Q projection's).
-    pub fn load_with_dtype(dir: &Path, config: &ModelConfig) -> Result<(Weights, CheckpointDtype), ModelError> {
+    pub fn load_with_dtype(
+        dir: &Path,
+        config: &ModelConfig,
+    ) -> Result<(Weights, CheckpointDtype), ModelError> {
         let s = Shards::open(dir)?;
         let dtype = s.dtype("model.layers.0.self_attn.q_proj.weight");
         let (h, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);

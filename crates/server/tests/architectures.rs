@@ -118,7 +118,16 @@ fn a_sliding_window_answers_past_the_kv_pool() {
     ]))
     .unwrap();
     // 6 blocks of 16 positions: 96, for 40 + 120.
-    let w = Worker::start(&["--model", dir.to_str().unwrap(), "--kv-dtype", "f32", "--kv-blocks", "6", "--weights", "f32"]);
+    let w = Worker::start(&[
+        "--model",
+        dir.to_str().unwrap(),
+        "--kv-dtype",
+        "f32",
+        "--kv-blocks",
+        "6",
+        "--weights",
+        "f32",
+    ]);
     let body = json!({"prompt": ids, "max_tokens": LONG, "temperature": 0, "ignore_eos": true});
     let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
     assert_eq!(s, 200, "{v}");
@@ -155,7 +164,10 @@ fn a_bf16_checkpoint_is_served_in_bf16_by_default() {
         let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
         assert_eq!(s, 200, "{v}");
         let (_, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
-        assert_eq!(v["choices"][0]["text"], text["prompt"], "{extra:?}: greedy text differs from the reference");
+        assert_eq!(
+            v["choices"][0]["text"], text["prompt"],
+            "{extra:?}: greedy text differs from the reference"
+        );
     }
     assert!(held[0] * 10 < held[1] * 6, "bf16 holds {} bytes, f32 {}", held[0], held[1]);
     std::fs::remove_dir_all(&dir).unwrap();
