@@ -141,7 +141,12 @@ impl Engine {
         wake: Arc<dyn Fn() + Send + Sync>,
         make: impl FnOnce(&crate::TransportSpec) -> std::io::Result<Box<dyn pdserve_pd_transfer::Transport>>,
     ) -> Result<Engine, EngineError> {
-        let files = ModelFiles::load(&config.model_dir)?;
+        // On the CPU each layer is converted to the served format as it is read, so the load never
+        // holds the whole model in f32 besides (the GPU backend uploads from the f32 weights).
+        let mut files = match config.device {
+            Device::Cpu => ModelFiles::load_for(&config.model_dir, config.weights)?,
+            Device::Cuda(_) => ModelFiles::load(&config.model_dir)?,
+        };
         // The model's maximum context, unless the configuration asks for less or the KV pool holds
         // less (a longer request could never be admitted; with a sliding window a sequence holds only
         // its window, so the pool does not bound it).
@@ -154,10 +159,10 @@ impl Engine {
         config.scheduler.sliding_window = files.config.sliding_window;
         // `--weights auto`: the checkpoint's own precision on the CPU (the GPU backend runs bf16 from
         // the loaded weights whatever the checkpoint).
-        config.weights = match config.device {
-            Device::Cpu => config.weights.resolve(files.checkpoint_dtype, &files.config),
-            _ if config.weights == WeightFormat::Auto => WeightFormat::F32,
-            _ => config.weights,
+        config.weights = match (&files.prepared, config.weights) {
+            (Some(p), _) => p.format(),
+            (None, WeightFormat::Auto) => WeightFormat::F32,
+            (None, w) => w,
         };
         config.scheduler.role = match config.role {
             Role::Unified => pdserve_scheduler::Role::Unified,
@@ -165,7 +170,8 @@ impl Engine {
             Role::Decode => pdserve_scheduler::Role::Decode,
         };
         let model = files.config.clone();
-        let built = crate::load::backend(&config, &model, Arc::new(files.weights))?;
+        let prepared = files.prepared.take();
+        let built = crate::load::backend(&config, &model, Arc::new(files.weights), prepared)?;
         let endpoint = crate::load::endpoint(&config, &model, built.kv_shm_path.is_some(), make)?;
         let transfer_addr = endpoint.as_ref().and_then(|e| e.local_addr());
         if config.role == Role::Prefill && transfer_addr.is_none() {

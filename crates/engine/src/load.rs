@@ -7,7 +7,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use pdserve_api::Role;
-use pdserve_model::{Backend, CpuBackend, KvDtype, KvStore, ModelConfig, WeightFormat, Weights};
+use pdserve_model::{
+    Backend, CpuBackend, KvDtype, KvStore, ModelConfig, PreparedWeights, WeightFormat, Weights,
+};
 use pdserve_pd_transfer::transport::shm::SharedRegion;
 use pdserve_pd_transfer::{
     Dtype, Endpoint, EndpointConfig, Layout, SenderConfig, SharedMemoryTransport, TcpTransport, Transport,
@@ -45,6 +47,7 @@ pub(crate) fn backend(
     config: &EngineConfig,
     model: &ModelConfig,
     weights: Arc<Weights>,
+    prepared: Option<PreparedWeights>,
 ) -> Result<Built, EngineError> {
     let (blocks, block_size) = (config.kv_blocks, config.block_size);
     if let Device::Cuda(n) = config.device {
@@ -86,7 +89,10 @@ pub(crate) fn backend(
     } else {
         (CpuBackend::with_kv_dtype(model.clone(), weights, blocks, block_size, dtype), None)
     };
-    let b = b.with_weight_format(config.weights)?;
+    let b = match prepared {
+        Some(p) => b.with_prepared(p)?,
+        None => b.with_weight_format(config.weights)?,
+    };
     Ok(Built {
         multi_row_weights: b.multi_row_format(),
         weight_bytes: b.weight_bytes(),

@@ -33,6 +33,7 @@ mod error;
 mod generation;
 #[cfg(feature = "cuda")]
 mod gpu;
+mod prepare;
 pub mod quant;
 mod sampling;
 mod sys;
@@ -48,6 +49,7 @@ pub use error::ModelError;
 pub use generation::GenerationConfig;
 #[cfg(feature = "cuda")]
 pub use gpu::GpuBackend;
+pub use prepare::PreparedWeights;
 pub use quant::WeightFormat;
 pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use text::{ChatMessage, IncrementalDecoder, TextCodec};
@@ -63,11 +65,44 @@ pub struct ModelFiles {
     pub generation: GenerationConfig,
     /// What the checkpoint stores its projections in (`--weights auto` serves bf16 ones in bf16).
     pub checkpoint_dtype: CheckpointDtype,
+    /// From [`load_for`](Self::load_for): every layer's projections in the served format (then
+    /// `weights` holds no f32 copy of those no step reads).
+    pub prepared: Option<PreparedWeights>,
 }
 
 impl ModelFiles {
     /// Loads `config.json`, the weights and the tokenizer from `dir`. Errors name the file and the problem.
     pub fn load(dir: &Path) -> Result<ModelFiles, ModelError> {
+        let (config, generation, text) = ModelFiles::metadata(dir)?;
+        let (weights, checkpoint_dtype) = Weights::load_with_dtype(dir, &config)?;
+        Ok(ModelFiles { config, weights, text, generation, checkpoint_dtype, prepared: None })
+    }
+
+    /// [`load`](Self::load) for the CPU backend serving `format` (`Auto`: the checkpoint's own
+    /// precision, see `WeightFormat::resolve`): each layer is converted as it is read and its f32
+    /// projections dropped where no step will read them, so the load's peak is the served form, the
+    /// f32 embedding and one layer in f32, not the whole model in f32. `CpuBackend::with_prepared`
+    /// takes the result.
+    pub fn load_for(dir: &Path, format: WeightFormat) -> Result<ModelFiles, ModelError> {
+        let (config, generation, text) = ModelFiles::metadata(dir)?;
+        let mut prepared: Option<PreparedWeights> = None;
+        let (weights, checkpoint_dtype) = Weights::load_each(dir, &config, &mut |dtype, layer| {
+            let p = match &mut prepared {
+                Some(p) => p,
+                None => prepared.insert(PreparedWeights::new(format.resolve(dtype, &config), &config)?),
+            };
+            p.push_and_free(layer, &config)
+        })?;
+        let prepared = match prepared {
+            Some(p) => p,
+            None => PreparedWeights::new(format.resolve(checkpoint_dtype, &config), &config)?,
+        };
+        Ok(ModelFiles { config, weights, text, generation, checkpoint_dtype, prepared: Some(prepared) })
+    }
+
+    /// `config.json` (its EOS ids joined by `generation_config.json`'s), `generation_config.json`
+    /// and the tokenizer.
+    fn metadata(dir: &Path) -> Result<(ModelConfig, GenerationConfig, TextCodec), ModelError> {
         if !dir.is_dir() {
             return Err(ModelError::format(dir, "not a directory"));
         }
@@ -78,9 +113,7 @@ impl ModelFiles {
                 config.eos_token_ids.push(id);
             }
         }
-        let text = TextCodec::load(dir)?;
-        let (weights, checkpoint_dtype) = Weights::load_with_dtype(dir, &config)?;
-        Ok(ModelFiles { config, weights, text, generation, checkpoint_dtype })
+        Ok((config, generation, TextCodec::load(dir)?))
     }
 }
 

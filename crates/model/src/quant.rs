@@ -5,7 +5,6 @@
 //! decode: GEMMs that reuse every weight across rows) read bf16 copies (see [`Bf16Matrix`]).
 
 use crate::bits16::{f16_bits, f16_value};
-use crate::weights::Weights;
 use crate::ModelConfig;
 
 /// Values per quantization group (one scale, and for Q4 one minimum, each).
@@ -273,36 +272,36 @@ pub type Q8Weights = QuantWeights<Q8Matrix>;
 /// Q4 decode weights.
 pub type Q4Weights = QuantWeights<Q4Matrix>;
 
-/// Builds every layer's matrices with `make(w, rows, cols)`, Q, K and V stacked and gate and up
-/// stacked, and the LM head with `head`; `None` if either refuses one.
-fn stack_layers<M, H>(
-    w: &Weights,
+/// One layer's matrices made with `make(w, rows, cols)`, Q, K and V stacked and gate and up stacked;
+/// `None` if `make` refuses one.
+pub(crate) fn stack_layer<M>(
+    l: &crate::weights::LayerWeights,
     c: &ModelConfig,
     make: impl Fn(&[f32], usize, usize) -> Option<M>,
-    head: impl Fn(&[f32], usize, usize) -> Option<H>,
-) -> Option<(Vec<QuantLayer<M>>, H)> {
+) -> Option<QuantLayer<M>> {
     let (hidden, inter) = (c.hidden_size, c.intermediate_size);
     let (q_dim, kv_dim) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-    let mut layers = Vec::with_capacity(w.layers.len());
-    for l in &w.layers {
-        let qkv: Vec<f32> = [&l.q[..], &l.k[..], &l.v[..]].concat();
-        let gate_up: Vec<f32> = [&l.gate[..], &l.up[..]].concat();
-        layers.push(QuantLayer {
-            qkv: make(&qkv, q_dim + 2 * kv_dim, hidden)?,
-            o: make(&l.o, hidden, q_dim)?,
-            gate_up: make(&gate_up, 2 * inter, hidden)?,
-            down: make(&l.down, hidden, inter)?,
-        });
-    }
-    Some((layers, head(w.lm_head(), c.vocab_size, hidden)?))
+    let qkv: Vec<f32> = [&l.q[..], &l.k[..], &l.v[..]].concat();
+    let gate_up: Vec<f32> = [&l.gate[..], &l.up[..]].concat();
+    Some(QuantLayer {
+        qkv: make(&qkv, q_dim + 2 * kv_dim, hidden)?,
+        o: make(&l.o, hidden, q_dim)?,
+        gate_up: make(&gate_up, 2 * inter, hidden)?,
+        down: make(&l.down, hidden, inter)?,
+    })
 }
 
 impl<M: QuantMatrix> QuantWeights<M> {
     /// Quantizes the projections and the LM head of a model shaped by `c`; `None` if a width is not
     /// a multiple of 32.
-    pub fn quantize(w: &Weights, c: &ModelConfig) -> Option<Self> {
-        let (layers, lm_head) = stack_layers(w, c, M::quantize, Q8Matrix::quantize)?;
-        Some(QuantWeights { layers, lm_head })
+    pub fn quantize(w: &crate::Weights, c: &ModelConfig) -> Option<Self> {
+        let layers = w.layers.iter().map(|l| stack_layer(l, c, M::quantize)).collect::<Option<Vec<_>>>()?;
+        Self::from_layers(layers, w.lm_head(), c)
+    }
+
+    /// Layers quantized already, with the LM head `head` (`[vocab, hidden]`) quantized to Q8.
+    pub fn from_layers(layers: Vec<QuantLayer<M>>, head: &[f32], c: &ModelConfig) -> Option<Self> {
+        Some(QuantWeights { layers, lm_head: Q8Matrix::quantize(head, c.vocab_size, c.hidden_size)? })
     }
 
     /// Bytes of every quantized matrix (what one decode step reads).
@@ -352,12 +351,9 @@ pub struct Bf16Weights {
 }
 
 impl Bf16Weights {
-    /// Packs the projections and the LM head of a model shaped by `c`; `None` if a projection's rows
-    /// are not a multiple of 32.
-    pub fn pack(w: &Weights, c: &ModelConfig) -> Option<Self> {
-        let (layers, lm_head) =
-            stack_layers(w, c, Bf16Matrix::pack, |w, r, c| Some(Bf16Matrix::pack(w, r, c)))?;
-        Some(Bf16Weights { layers, lm_head })
+    /// Layers packed already, with the LM head `head` (`[vocab, hidden]`) packed where its rows allow.
+    pub fn from_layers(layers: Vec<QuantLayer<Bf16Matrix>>, head: &[f32], c: &ModelConfig) -> Self {
+        Bf16Weights { layers, lm_head: Bf16Matrix::pack(head, c.vocab_size, c.hidden_size) }
     }
 
     /// Bytes of every packed matrix.

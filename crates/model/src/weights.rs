@@ -9,6 +9,7 @@ use safetensors::{Dtype, SafeTensors};
 use crate::bits16::{bf16_value, f16_value};
 use crate::config::MoeNames;
 use crate::sys::{map_file, Mmap};
+
 use crate::{ModelConfig, ModelError};
 
 /// One transformer layer's weights, row-major `[out, in]` matrices.
@@ -33,6 +34,17 @@ pub struct LayerWeights {
     pub down: Vec<f32>,
     /// The layer's experts, in a mixture-of-experts layer.
     pub moe: Option<MoeWeights>,
+}
+
+impl LayerWeights {
+    /// Frees the f32 projection matrices (norms, biases and experts stay).
+    pub(crate) fn release_projections(&mut self) {
+        for m in
+            [&mut self.q, &mut self.k, &mut self.v, &mut self.o, &mut self.gate, &mut self.up, &mut self.down]
+        {
+            *m = Vec::new();
+        }
+    }
 }
 
 /// A mixture-of-experts layer's router and experts.
@@ -120,7 +132,8 @@ impl Shards {
             ));
         }
         let b = t.data();
-        Ok(match t.dtype() {
+        let at = b.as_ptr() as usize - map.as_ptr() as usize;
+        let values = match t.dtype() {
             Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
             Dtype::F16 => b.chunks_exact(2).map(|c| f16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
@@ -130,7 +143,10 @@ impl Shards {
                     value: format!("{other:?}"),
                 })
             }
-        })
+        };
+        // Converted: the file's pages of it can go (they come back from the file if read again).
+        crate::sys::release_pages(map, at..at + b.len());
+        Ok(values)
     }
 
     /// What `name` is stored as (f32 when it is missing or another type: it loads as f32 either way).
@@ -170,6 +186,17 @@ impl Weights {
     pub fn load_with_dtype(
         dir: &Path,
         config: &ModelConfig,
+    ) -> Result<(Weights, CheckpointDtype), ModelError> {
+        Weights::load_each(dir, config, &mut |_, _| Ok(()))
+    }
+
+    /// [`load_with_dtype`](Self::load_with_dtype), handing each layer to `each` (with the checkpoint's
+    /// precision) as soon as it is read, before the next is: a caller converting layers as they come
+    /// and dropping their f32 projections never holds the whole model in f32.
+    pub fn load_each(
+        dir: &Path,
+        config: &ModelConfig,
+        each: &mut dyn FnMut(CheckpointDtype, &mut LayerWeights) -> Result<(), ModelError>,
     ) -> Result<(Weights, CheckpointDtype), ModelError> {
         let s = Shards::open(dir)?;
         let dtype = s.dtype("model.layers.0.self_attn.q_proj.weight");
@@ -215,7 +242,7 @@ impl Weights {
                     s.get(&format!("{p}mlp.{name}.weight"), shape)
                 }
             };
-            layers.push(LayerWeights {
+            let mut layer = LayerWeights {
                 input_norm: s.get(&format!("{p}input_layernorm.weight"), &[h])?,
                 q: s.get(&format!("{p}self_attn.q_proj.weight"), &[q_out, h])?,
                 k: s.get(&format!("{p}self_attn.k_proj.weight"), &[kv_out, h])?,
@@ -232,7 +259,9 @@ impl Weights {
                 up: dense("up_proj", &[i, h])?,
                 down: dense("down_proj", &[h, i])?,
                 moe,
-            });
+            };
+            each(dtype, &mut layer)?;
+            layers.push(layer);
         }
         let lm_head = if config.tie_word_embeddings && !s.has("lm_head.weight") {
             None
@@ -253,9 +282,7 @@ impl Weights {
     /// embedding (looked up by row) and the experts stay.
     pub(crate) fn release_projections(&mut self, lm_head: bool) {
         for l in &mut self.layers {
-            for m in [&mut l.q, &mut l.k, &mut l.v, &mut l.o, &mut l.gate, &mut l.up, &mut l.down] {
-                *m = Vec::new();
-            }
+            l.release_projections();
         }
         if lm_head && self.lm_head.is_some() {
             self.lm_head = Some(Vec::new());

@@ -348,6 +348,33 @@ fn quantized_decode_keeps_the_greedy_text_and_logits_close() {
     }
 }
 
+/// Loading for Q4 converts each layer as it is read (where multi-row steps read Q4, no f32 projection
+/// is left), and the backend made from it computes exactly what converting the whole f32 model gives.
+#[test]
+fn loading_for_q4_converts_layer_by_layer_to_the_same_backend() {
+    let m = model();
+    let dir = ensure_default_model(&models_dir(), &mut Silent, false).unwrap();
+    let files = ModelFiles::load_for(&dir, pdserve_model::WeightFormat::Q4).unwrap();
+    let bf16 =
+        std::arch::is_x86_feature_detected!("avx512bf16") && std::arch::is_x86_feature_detected!("avx512f");
+    assert_eq!(files.weights.layers.iter().all(|l| l.q.is_empty() && l.down.is_empty()), bf16);
+    let prepared = files.prepared.unwrap();
+    assert_eq!(prepared.format(), pdserve_model::WeightFormat::Q4);
+    let mut streamed = CpuBackend::new(files.config.clone(), Arc::new(files.weights), 64, 16)
+        .with_prepared(prepared)
+        .unwrap();
+    let mut whole = CpuBackend::new(m.config.clone(), Arc::new((*m.weights).clone()), 64, 16)
+        .with_weight_format(pdserve_model::WeightFormat::Q4)
+        .unwrap();
+    assert_eq!(streamed.weight_bytes(), whole.weight_bytes());
+    let tokens = ids(&fixture()["prompts"][0]["ids"]);
+    let (a, b) = (
+        Run::new(&mut streamed, &tokens).step(tokens.len()),
+        Run::new(&mut whole, &tokens).step(tokens.len()),
+    );
+    assert_eq!(a, b, "the same logits, to the bit");
+}
+
 /// The gap between the f32 path's two largest logits after `tokens`.
 fn f32_top2_margin(tokens: &[u32]) -> f32 {
     let mut b = backend();

@@ -12,11 +12,12 @@ use rayon::prelude::*;
 
 use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::bits16::{bf16_bits, bf16_value};
+use crate::prepare::{PreparedLayers, PreparedWeights};
 use crate::quant::{
     Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
 };
 use crate::sys::{
-    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, has_bf16_gemm, sgemm, sgemm_xwt_avx512,
+    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, sgemm, sgemm_xwt_avx512,
     sgemm_xwt_avx512_strided, silu_mul, to_bf16,
 };
 use crate::weights::Weights;
@@ -103,41 +104,39 @@ impl CpuBackend {
     /// BF16 (see [`multi_row_format`](Self::multi_row_format)); then the f32 projections and
     /// embedding are freed (when this backend holds the only reference to them) and the embedding's
     /// rows come from the Q8 LM head (tied) or a Q8 copy. Bf16 packs every projection once.
+    /// (`Auto`, unresolved here, is f32.)
     pub fn with_weight_format(self, format: WeightFormat) -> Result<Self, ModelError> {
-        fn quantize<M: QuantMatrix>(
-            w: &Weights,
-            c: &ModelConfig,
-        ) -> Result<Arc<QuantWeights<M>>, ModelError> {
-            QuantWeights::quantize(w, c).map(Arc::new).ok_or_else(|| ModelError::Unsupported {
-                field: "quantized weights".into(),
-                value: "a matrix width that is not a multiple of 32".into(),
-            })
+        let mut p = PreparedWeights::new(format, &self.cfg)?;
+        for l in &self.w.layers {
+            p.push(l, &self.cfg)?;
         }
-        // `Auto` unresolved (the checkpoint's precision unknown here): the loaded f32 weights.
-        let format = if format == WeightFormat::Auto { WeightFormat::F32 } else { format };
-        if self.cfg.moe.is_some() && format != WeightFormat::F32 {
-            return Err(ModelError::Unsupported {
-                field: "--weights for a mixture-of-experts model".into(),
-                value: format!("{format:?} (experts run in f32 for now)"),
-            });
+        self.with_prepared(p)
+    }
+
+    /// [`with_weight_format`](Self::with_weight_format) with every layer converted already (by
+    /// `ModelFiles::load_for`, which drops the f32 projections as it goes).
+    pub fn with_prepared(self, p: PreparedWeights) -> Result<Self, ModelError> {
+        let (format, head) = (p.format, self.w.lm_head());
+        let quantized = || ModelError::Unsupported {
+            field: "quantized weights".into(),
+            value: "an LM head whose width is not a multiple of 32".into(),
+        };
+        let (mut decode, mut multi) = (None, None);
+        match p.layers {
+            PreparedLayers::None => {}
+            PreparedLayers::Q8(l) => {
+                let w = QuantWeights::from_layers(l, head, &self.cfg).ok_or_else(quantized)?;
+                decode = Some(DecodeWeights::Q8(Arc::new(w)));
+            }
+            PreparedLayers::Q4(l) => {
+                let w = QuantWeights::from_layers(l, head, &self.cfg).ok_or_else(quantized)?;
+                decode = Some(DecodeWeights::Q4(Arc::new(w)));
+            }
+            PreparedLayers::Bf16(l) => multi = Some(Arc::new(Bf16Weights::from_layers(l, head, &self.cfg))),
         }
-        let decode = match format {
-            WeightFormat::F32 | WeightFormat::Bf16 | WeightFormat::Auto => None,
-            WeightFormat::Q8 => Some(DecodeWeights::Q8(quantize(&self.w, &self.cfg)?)),
-            WeightFormat::Q4 => Some(DecodeWeights::Q4(quantize(&self.w, &self.cfg)?)),
-        };
-        let multi = match format {
-            WeightFormat::Bf16 => Some(Arc::new(Bf16Weights::pack(&self.w, &self.cfg).ok_or_else(|| {
-                ModelError::Unsupported {
-                    field: "--weights bf16".into(),
-                    value: "a projection whose rows are not a multiple of 32".into(),
-                }
-            })?)),
-            _ => None,
-        };
         // Multi-row steps widen blocks of the quantized matrices to bf16 as they go, where the CPU
         // has the bf16 GEMM and every projection's rows fill whole 32-row panels (else they read f32).
-        let quant_multi = decode.as_ref().is_some_and(|d| has_bf16_gemm() && d.panel_rows());
+        let quant_multi = decode.is_some() && PreparedWeights::replaces_f32(format, &self.cfg);
         let head_panels = self.cfg.vocab_size.is_multiple_of(32);
         let mut b = CpuBackend { decode, multi, quant_multi, format, ..self };
         // Every projection product now reads the quantized copies or the bf16 ones: the f32 ones
@@ -615,19 +614,6 @@ impl Proj {
 }
 
 impl DecodeWeights {
-    /// Whether every matrix's rows fill whole 32-row panels (what the multi-row products need).
-    fn panel_rows(&self) -> bool {
-        fn all<M: QuantMatrix>(w: &crate::quant::QuantWeights<M>) -> bool {
-            w.layers
-                .iter()
-                .all(|l| [&l.qkv, &l.o, &l.gate_up, &l.down].iter().all(|m| m.rows().is_multiple_of(32)))
-        }
-        match self {
-            DecodeWeights::Q8(w) => all(w),
-            DecodeWeights::Q4(w) => all(w),
-        }
-    }
-
     fn layer(&self, li: usize, p: Proj) -> QRef<'_> {
         match self {
             DecodeWeights::Q8(w) => QRef::Q8(p.of(&w.layers[li])),

@@ -17,6 +17,20 @@ pub(crate) fn map_file(file: &File) -> io::Result<Mmap> {
     unsafe { Mmap::map(file) }
 }
 
+/// Lets the kernel take back this process's pages of `map` within `range` (the whole pages inside it):
+/// a tensor read once and converted need not stay resident, so loading a model holds its file's pages
+/// one tensor at a time, not the whole file. Best effort: an error leaves the pages where they are.
+pub(crate) fn release_pages(map: &Mmap, range: std::ops::Range<usize>) {
+    const PAGE: usize = 4096;
+    let (start, end) = (range.start.next_multiple_of(PAGE), range.end.min(map.len()) / PAGE * PAGE);
+    if end > start {
+        // SAFETY: the mapping is read-only and private, of a file nobody modifies while it is mapped
+        // (see `map_file`), and nothing borrows these bytes now: a later read of them faults the same
+        // bytes back in from the file, so no value anyone observes changes.
+        let _ = unsafe { map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start) };
+    }
+}
+
 /// For row tiles of up to six rows over `t` rows, with `$i` bound to each tile's first row, runs
 /// `$tile::<R>(args)` for the tile's row count R (a const generic, so each tile size gets its own fully
 /// unrolled register tile).

@@ -1,0 +1,96 @@
+//! Weights in the form a format serves, made a layer at a time: `ModelFiles::load_for` converts each
+//! layer as it is read and drops its f32 projections at once where nothing will read them, so loading
+//! never holds the whole model in f32 and in its served form together (the peak is the served form,
+//! the f32 embedding and one layer in f32).
+
+use crate::quant::{stack_layer, Bf16Matrix, Q4Matrix, Q8Matrix, QuantLayer, QuantMatrix, WeightFormat};
+use crate::sys::has_bf16_gemm;
+use crate::weights::LayerWeights;
+use crate::{ModelConfig, ModelError};
+
+/// Each layer's projections in a served format, ready for `CpuBackend::with_prepared`.
+#[derive(Debug)]
+pub struct PreparedWeights {
+    pub(crate) format: WeightFormat,
+    pub(crate) layers: PreparedLayers,
+}
+
+/// The converted layers, by format.
+#[derive(Debug)]
+pub(crate) enum PreparedLayers {
+    /// f32: nothing to convert.
+    None,
+    Q8(Vec<QuantLayer<Q8Matrix>>),
+    Q4(Vec<QuantLayer<Q4Matrix>>),
+    Bf16(Vec<QuantLayer<Bf16Matrix>>),
+}
+
+impl PreparedWeights {
+    /// Nothing converted yet, for `format` (`Auto` is taken as f32: resolve it first). A mixture of
+    /// experts runs in f32 only.
+    pub fn new(format: WeightFormat, c: &ModelConfig) -> Result<PreparedWeights, ModelError> {
+        let format = if format == WeightFormat::Auto { WeightFormat::F32 } else { format };
+        if c.moe.is_some() && format != WeightFormat::F32 {
+            return Err(ModelError::Unsupported {
+                field: "--weights for a mixture-of-experts model".into(),
+                value: format!("{format:?} (experts run in f32 for now)"),
+            });
+        }
+        let layers = match format {
+            WeightFormat::Q8 => PreparedLayers::Q8(Vec::new()),
+            WeightFormat::Q4 => PreparedLayers::Q4(Vec::new()),
+            WeightFormat::Bf16 => PreparedLayers::Bf16(Vec::new()),
+            WeightFormat::F32 | WeightFormat::Auto => PreparedLayers::None,
+        };
+        Ok(PreparedWeights { format, layers })
+    }
+
+    /// The format the layers are in.
+    pub fn format(&self) -> WeightFormat {
+        self.format
+    }
+
+    /// Whether every step of `format` reads converted weights, so the f32 projections can go: bf16,
+    /// and q8/q4 where the CPU has the bf16 GEMM their multi-row steps widen the quantized matrices
+    /// for (and every stacked matrix fills whole 32-row panels); never f32.
+    pub(crate) fn replaces_f32(format: WeightFormat, c: &ModelConfig) -> bool {
+        let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let panels = [q + 2 * kv, c.hidden_size, 2 * c.intermediate_size].iter().all(|r| r % 32 == 0);
+        match format {
+            WeightFormat::Bf16 => true,
+            WeightFormat::Q8 | WeightFormat::Q4 => has_bf16_gemm() && panels,
+            WeightFormat::F32 | WeightFormat::Auto => false,
+        }
+    }
+
+    /// Converts the next layer.
+    pub fn push(&mut self, l: &LayerWeights, c: &ModelConfig) -> Result<(), ModelError> {
+        fn quantize<M: QuantMatrix>(l: &LayerWeights, c: &ModelConfig) -> Result<QuantLayer<M>, ModelError> {
+            stack_layer(l, c, M::quantize).ok_or_else(|| ModelError::Unsupported {
+                field: "quantized weights".into(),
+                value: "a matrix width that is not a multiple of 32".into(),
+            })
+        }
+        match &mut self.layers {
+            PreparedLayers::None => {}
+            PreparedLayers::Q8(v) => v.push(quantize(l, c)?),
+            PreparedLayers::Q4(v) => v.push(quantize(l, c)?),
+            PreparedLayers::Bf16(v) => {
+                v.push(stack_layer(l, c, Bf16Matrix::pack).ok_or_else(|| ModelError::Unsupported {
+                    field: "--weights bf16".into(),
+                    value: "a projection whose rows are not a multiple of 32".into(),
+                })?)
+            }
+        }
+        Ok(())
+    }
+
+    /// [`push`](Self::push), then the layer's f32 projections dropped where no step will read them.
+    pub fn push_and_free(&mut self, l: &mut LayerWeights, c: &ModelConfig) -> Result<(), ModelError> {
+        self.push(l, c)?;
+        if PreparedWeights::replaces_f32(self.format, c) {
+            l.release_projections();
+        }
+        Ok(())
+    }
+}
