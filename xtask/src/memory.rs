@@ -12,7 +12,7 @@ use crate::serve::{start_stack, stop_all, Spec};
 
 const USAGE: &str = "cargo xtask bench memory [--kv-blocks N] [--out PATH]
 
-Starts one unified worker per weight format (f32, bf16, q8, q4) on port 8103 with the default model, asks it
+Starts one unified worker per weight format (f32, bf16, f16, q8, q4) on port 8103 with the default model, asks it
 one question, and reports its resident memory (VmRSS) against the bytes of the weights it holds plus
 its KV pool. Defaults: --kv-blocks 1024, out target/bench/memory.json.";
 
@@ -40,7 +40,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         "{:<8} {:>14} {:>10} {:>10} {:>16} {:>10}",
         "weights", "weights MiB", "KV MiB", "RSS MiB", "RSS/(weights+KV)", "peak MiB"
     );
-    for weights in ["f32", "bf16", "q8", "q4"] {
+    for weights in ["f32", "bf16", "f16", "q8", "q4"] {
         let extra: Vec<String> = ["--weights", weights, "--kv-blocks", &kv_blocks.to_string()]
             .iter()
             .map(|s| (*s).to_owned())

@@ -3,7 +3,9 @@
 //! never holds the whole model in f32 and in its served form together (the peak is the served form,
 //! the f32 embedding and one layer in f32).
 
-use crate::quant::{stack_layer, Bf16Matrix, Q4Matrix, Q8Matrix, QuantLayer, QuantMatrix, WeightFormat};
+use crate::quant::{
+    stack_layer, Bf16Matrix, F16Matrix, Q4Matrix, Q8Matrix, QuantLayer, QuantMatrix, WeightFormat,
+};
 use crate::sys::has_bf16_gemm;
 use crate::weights::LayerWeights;
 use crate::{ModelConfig, ModelError};
@@ -23,6 +25,7 @@ pub(crate) enum PreparedLayers {
     Q8(Vec<QuantLayer<Q8Matrix>>),
     Q4(Vec<QuantLayer<Q4Matrix>>),
     Bf16(Vec<QuantLayer<Bf16Matrix>>),
+    F16(Vec<QuantLayer<F16Matrix>>),
 }
 
 impl PreparedWeights {
@@ -40,6 +43,7 @@ impl PreparedWeights {
             WeightFormat::Q8 => PreparedLayers::Q8(Vec::new()),
             WeightFormat::Q4 => PreparedLayers::Q4(Vec::new()),
             WeightFormat::Bf16 => PreparedLayers::Bf16(Vec::new()),
+            WeightFormat::F16 => PreparedLayers::F16(Vec::new()),
             WeightFormat::F32 | WeightFormat::Auto => PreparedLayers::None,
         };
         Ok(PreparedWeights { format, layers })
@@ -51,13 +55,13 @@ impl PreparedWeights {
     }
 
     /// Whether every step of `format` reads converted weights, so the f32 projections can go: bf16,
-    /// and q8/q4 where the CPU has the bf16 GEMM their multi-row steps widen the quantized matrices
+    /// f16, and q8/q4 where the CPU has the bf16 GEMM their multi-row steps widen the quantized matrices
     /// for (and every stacked matrix fills whole 32-row panels); never f32.
     pub(crate) fn replaces_f32(format: WeightFormat, c: &ModelConfig) -> bool {
         let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let panels = [q + 2 * kv, c.hidden_size, 2 * c.intermediate_size].iter().all(|r| r % 32 == 0);
         match format {
-            WeightFormat::Bf16 => true,
+            WeightFormat::Bf16 | WeightFormat::F16 => true,
             WeightFormat::Q8 | WeightFormat::Q4 => has_bf16_gemm() && panels,
             WeightFormat::F32 | WeightFormat::Auto => false,
         }
@@ -75,6 +79,12 @@ impl PreparedWeights {
             PreparedLayers::None => {}
             PreparedLayers::Q8(v) => v.push(quantize(l, c)?),
             PreparedLayers::Q4(v) => v.push(quantize(l, c)?),
+            PreparedLayers::F16(v) => {
+                v.push(stack_layer(l, c, F16Matrix::quantize).ok_or_else(|| ModelError::Unsupported {
+                    field: "--weights f16".into(),
+                    value: "a weight past f16's range".into(),
+                })?)
+            }
             PreparedLayers::Bf16(v) => {
                 v.push(stack_layer(l, c, Bf16Matrix::pack).ok_or_else(|| ModelError::Unsupported {
                     field: "--weights bf16".into(),

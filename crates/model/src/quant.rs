@@ -32,10 +32,12 @@ pub enum WeightFormat {
     /// Every projection and the LM head in bf16 (as bf16 checkpoints ship them): 2 bytes per weight,
     /// the f32 copies freed after load; AVX-512 BF16 dot products where the CPU has them.
     Bf16,
-    /// The checkpoint's own precision: bf16 for a bf16 checkpoint whose shapes the bf16 GEMM takes
-    /// (not a mixture of experts, whose experts run in f32), f32 otherwise (f32 and f16 checkpoints:
-    /// f16 does not fit bf16 without rounding). See [`resolve`](Self::resolve); a backend given
-    /// `Auto` itself runs f32.
+    /// Every projection in f16, as f16 checkpoints ship them (exact for those, 2 bytes per weight),
+    /// widened to f32 as steps read them; the embedding and LM head stay f32.
+    F16,
+    /// The checkpoint's own precision: bf16 for a bf16 checkpoint whose shapes the bf16 GEMM takes,
+    /// f16 for an f16 one, f32 otherwise (and for a mixture of experts, whose experts run in f32).
+    /// See [`resolve`](Self::resolve); a backend given `Auto` itself runs f32.
     Auto,
 }
 
@@ -47,6 +49,7 @@ impl WeightFormat {
             WeightFormat::Q8 => "q8",
             WeightFormat::Q4 => "q4",
             WeightFormat::Bf16 => "bf16",
+            WeightFormat::F16 => "f16",
             WeightFormat::Auto => "auto",
         }
     }
@@ -63,6 +66,9 @@ impl WeightFormat {
             WeightFormat::Auto if dtype == crate::CheckpointDtype::Bf16 && c.moe.is_none() && packs => {
                 WeightFormat::Bf16
             }
+            WeightFormat::Auto if dtype == crate::CheckpointDtype::F16 && c.moe.is_none() => {
+                WeightFormat::F16
+            }
             WeightFormat::Auto => WeightFormat::F32,
             other => other,
         }
@@ -78,6 +84,7 @@ impl std::str::FromStr for WeightFormat {
             "q8" => Ok(WeightFormat::Q8),
             "q4" => Ok(WeightFormat::Q4),
             "bf16" => Ok(WeightFormat::Bf16),
+            "f16" => Ok(WeightFormat::F16),
             "auto" => Ok(WeightFormat::Auto),
             _ => Err(crate::ModelError::UnknownWeightFormat { value: s.to_owned() }),
         }
@@ -245,6 +252,64 @@ impl QuantMatrix for Q4Matrix {
 
     fn bf16_rows(&self, r0: usize, rows: usize, dst: &mut [u16]) {
         crate::sys::q4_bf16_rows(&self.packed, &self.scales, &self.mins, self.cols, r0, rows, dst);
+    }
+}
+
+/// An f16 checkpoint's matrix as it ships (f16 bits, row-major): served exactly, at 2 bytes per
+/// weight, every step widening it to f32 as it reads it.
+#[derive(Debug, Clone)]
+pub struct F16Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub values: Vec<u16>,
+}
+
+impl QuantMatrix for F16Matrix {
+    /// `None` if the length does not match or a value does not fit f16.
+    fn quantize(w: &[f32], rows: usize, cols: usize) -> Option<F16Matrix> {
+        if w.len() != rows * cols {
+            return None;
+        }
+        let values = w.iter().map(|&v| through_f16(v).map(|(b, _)| b)).collect::<Option<Vec<u16>>>()?;
+        Some(F16Matrix { rows, cols, values })
+    }
+
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn bytes(&self) -> usize {
+        2 * self.values.len()
+    }
+
+    fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        self.values[r * self.cols..(r + 1) * self.cols].iter().map(|&b| f16_value(b)).collect()
+    }
+
+    fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
+        crate::sys::dot_f16(x, &self.values[r * self.cols..(r + 1) * self.cols])
+    }
+
+    /// (Rounded to bf16: the multi-row steps of `WeightFormat::F16` widen to f32 instead.)
+    fn bf16_panel(&self, r0: usize, (k0, kc): (usize, usize), dst: &mut [u16]) {
+        for c in 0..32 {
+            let row = self.dequantize_row(r0 + c);
+            for (j, pair) in row[k0..k0 + kc].chunks_exact(2).enumerate() {
+                dst[(j * 32 + c) * 2] = crate::bits16::bf16_bits(pair[0]);
+                dst[(j * 32 + c) * 2 + 1] = crate::bits16::bf16_bits(pair[1]);
+            }
+        }
+    }
+
+    /// (Rounded to bf16, likewise.)
+    fn bf16_rows(&self, r0: usize, rows: usize, dst: &mut [u16]) {
+        for (d, &b) in dst.iter_mut().zip(&self.values[r0 * self.cols..(r0 + rows) * self.cols]) {
+            *d = crate::bits16::bf16_bits(f16_value(b));
+        }
     }
 }
 
@@ -471,6 +536,23 @@ mod tests {
         let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013 + 0.001).collect();
         check(&<Q8Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap());
         check(&<Q4Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap());
+    }
+
+    #[test]
+    fn f16_matrices_hold_f16_values_exactly() {
+        let (rows, cols) = (3, 40);
+        let w: Vec<f32> =
+            (0..rows * cols).map(|i| f16_value(f16_bits((i as f32 * 0.731).sin() * 3.0))).collect();
+        let m = <F16Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap();
+        let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.3).cos()).collect();
+        for r in 0..rows {
+            assert_eq!(m.dequantize_row(r), w[r * cols..(r + 1) * cols]);
+            let want: f64 = (0..cols).map(|i| f64::from(x[i]) * f64::from(w[r * cols + i])).sum();
+            assert!((f64::from(m.dot_row(r, &x, &[])) - want).abs() < 1e-4);
+        }
+        assert_eq!(m.bytes(), 2 * rows * cols);
+        assert!(<F16Matrix as QuantMatrix>::quantize(&[1e6], 1, 1).is_none(), "past f16's range");
+        assert_eq!("f16".parse::<WeightFormat>().unwrap(), WeightFormat::F16);
     }
 
     #[test]

@@ -20,10 +20,10 @@ pdserve-server [options]
   --transfer-addr ADDR     prefill role: where decode workers pull KV from (default 127.0.0.1:0)
   --kv-shm                 prefill role: KV memory in /dev/shm, so same-host decode workers copy it directly
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
-  --weights FMT            auto (default: the checkpoint's own precision, bf16 for a bf16 checkpoint, else
-                           f32), f32, bf16, q8 or q4: bf16 for every step, or quantized weights (groups of 32)
-                           for every step, longer ones widening them to bf16 as they go where the CPU has
-                           AVX-512 BF16; copies nothing reads are freed
+  --weights FMT            auto (default: the checkpoint's own precision: bf16 or f16 as it ships, else f32),
+                           f32, bf16, f16, q8 or q4: bf16 or f16 for every step, or quantized weights (groups
+                           of 32) for every step, longer ones widening them to bf16 as they go where the CPU
+                           has AVX-512 BF16; copies nothing reads are freed
   --kv-dtype TYPE          CPU KV cache values: f16 (default), bf16 or f32 (the reference; twice the bytes)
   --max-queued N           admission queue bound (default 256; also --max-queued-requests)
   --max-running N          running batch bound (default 64; also --max-running-requests)

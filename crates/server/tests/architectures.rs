@@ -138,39 +138,54 @@ fn a_sliding_window_answers_past_the_kv_pool() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A bf16 checkpoint is served in bf16 by default (`--weights auto`), in half the bytes of f32, with
-/// the reference's greedy text; `--weights f32` still expands it.
+/// A checkpoint is served in its own precision by default (`--weights auto`): bf16 in bf16 (half the
+/// bytes of f32) and f16 in f16 (the projections; exact, so its log-probabilities are the reference's),
+/// with the reference's greedy text; `--weights f32` still expands them.
 #[test]
-fn a_bf16_checkpoint_is_served_in_bf16_by_default() {
-    let dir = tiny("auto-bf16", json!({}));
-    let ids = prompt();
-    let reference: Value = serde_json::from_slice(&script(&[
-        "run",
-        dir.to_str().unwrap(),
-        &serde_json::to_string(&ids).unwrap(),
-        &STEPS.to_string(),
-    ]))
-    .unwrap();
-    let mut held = Vec::new();
-    for extra in [&[][..], &["--weights", "f32"][..]] {
-        let mut args = vec!["--model", dir.to_str().unwrap(), "--kv-dtype", "f32"];
-        args.extend_from_slice(extra);
-        let w = Worker::start(&args);
-        let (_, models) = w.json("GET", "/v1/models", "");
-        let m = &models["data"][0];
-        assert_eq!(m["weights"], if extra.is_empty() { "bf16" } else { "f32" }, "{models}");
-        held.push(m["weight_bytes"].as_u64().unwrap());
-        let body = json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true});
-        let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
-        assert_eq!(s, 200, "{v}");
-        let (_, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
-        assert_eq!(
-            v["choices"][0]["text"], text["prompt"],
-            "{extra:?}: greedy text differs from the reference"
-        );
+fn a_checkpoint_is_served_in_its_own_precision_by_default() {
+    for (name, config) in [("bf16", json!({})), ("f16", json!({"torch_dtype": "float16"}))] {
+        let dir = tiny(&format!("auto-{name}"), config);
+        let ids = prompt();
+        let reference: Value = serde_json::from_slice(&script(&[
+            "run",
+            dir.to_str().unwrap(),
+            &serde_json::to_string(&ids).unwrap(),
+            &STEPS.to_string(),
+        ]))
+        .unwrap();
+        let mut held = Vec::new();
+        for extra in [&[][..], &["--weights", "f32"][..]] {
+            let mut args = vec!["--model", dir.to_str().unwrap(), "--kv-dtype", "f32"];
+            args.extend_from_slice(extra);
+            let w = Worker::start(&args);
+            let (_, models) = w.json("GET", "/v1/models", "");
+            let m = &models["data"][0];
+            assert_eq!(m["weights"], if extra.is_empty() { name } else { "f32" }, "{models}");
+            held.push(m["weight_bytes"].as_u64().unwrap());
+            let body = json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true,
+                "logprobs": 1});
+            let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
+            assert_eq!(s, 200, "{v}");
+            let (_, text) =
+                w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
+            let what = format!("{name} {extra:?}");
+            assert_eq!(
+                v["choices"][0]["text"], text["prompt"],
+                "{what}: greedy text differs from the reference"
+            );
+            if name == "f16" {
+                let ours = v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
+                for (i, (a, b)) in ours.iter().zip(reference["logprobs"].as_array().unwrap()).enumerate() {
+                    let d = (a.as_f64().unwrap() - b.as_f64().unwrap()).abs();
+                    assert!(d < 2e-3, "{what}: token {i}'s log-probability {a} vs the reference's {b}");
+                }
+            }
+        }
+        // (f16 keeps the embedding and the LM head, most of this tiny model, in f32.)
+        let less = if name == "f16" { held[0] < held[1] } else { held[0] * 10 < held[1] * 6 };
+        assert!(less, "{name} holds {} bytes, f32 {}", held[0], held[1]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
-    assert!(held[0] * 10 < held[1] * 6, "bf16 holds {} bytes, f32 {}", held[0], held[1]);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// Starts the server on `dir` and waits for it to stop: its exit success and standard error.

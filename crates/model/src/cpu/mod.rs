@@ -14,7 +14,8 @@ use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, KvSto
 use crate::bits16::{bf16_bits, bf16_value};
 use crate::prepare::{PreparedLayers, PreparedWeights};
 use crate::quant::{
-    Bf16Matrix, Bf16Weights, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat, GROUP,
+    Bf16Matrix, Bf16Weights, F16Matrix, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights,
+    WeightFormat, GROUP,
 };
 use crate::sys::{
     dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, sgemm, sgemm_xwt_avx512,
@@ -133,6 +134,7 @@ impl CpuBackend {
                 decode = Some(DecodeWeights::Q4(Arc::new(w)));
             }
             PreparedLayers::Bf16(l) => multi = Some(Arc::new(Bf16Weights::from_layers(l, head, &self.cfg))),
+            PreparedLayers::F16(l) => decode = Some(DecodeWeights::F16(Arc::new(l))),
         }
         // Multi-row steps widen blocks of the quantized matrices to bf16 as they go, where the CPU
         // has the bf16 GEMM and every projection's rows fill whole 32-row panels (else they read f32).
@@ -142,8 +144,10 @@ impl CpuBackend {
         // Every projection product now reads the quantized copies or the bf16 ones: the f32 ones
         // would only hold memory. (A backend sharing its f32 weights with others keeps them.)
         let tied = b.w.lm_head.is_none();
+        // (f16 keeps the LM head, and with it the embedding, in f32.)
+        let f16 = format == WeightFormat::F16;
         let frees_head =
-            if let Some(m) = &b.multi { m.lm_head.is_some() } else { b.quant_multi && head_panels };
+            if let Some(m) = &b.multi { m.lm_head.is_some() } else { b.quant_multi && head_panels && !f16 };
         if b.multi.is_some() || b.quant_multi {
             if let Some(w) = Arc::get_mut(&mut b.w) {
                 w.release_projections(frees_head);
@@ -153,6 +157,7 @@ impl CpuBackend {
                     (None, true) => frees_head.then_some(EmbedRows::HeadPanels),
                     (None, false) => Some(EmbedRows::Bf16(w.embed.iter().map(|&v| bf16_bits(v)).collect())),
                     (Some(_), true) => frees_head.then_some(EmbedRows::HeadQ8),
+                    (Some(_), false) if f16 => None,
                     (Some(_), false) => <crate::quant::Q8Matrix as QuantMatrix>::quantize(
                         &w.embed,
                         b.cfg.vocab_size,
@@ -175,6 +180,9 @@ impl CpuBackend {
             None => 0,
             Some(DecodeWeights::Q8(q)) => q.bytes(),
             Some(DecodeWeights::Q4(q)) => q.bytes(),
+            Some(DecodeWeights::F16(l)) => {
+                l.iter().map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes()).sum()
+            }
         };
         let multi = self.multi.as_ref().map_or(0, |m| m.bytes());
         let embed = match &self.embed {
@@ -341,7 +349,7 @@ impl CpuBackend {
                         sc.x.extend((0..hsz).map(|col| bf16_value(head16().at(row, col))))
                     }
                     Some(EmbedRows::Q8(e)) => sc.x.extend(e.dequantize_row(row)),
-                    Some(EmbedRows::HeadQ8) => match mats.decode.as_ref().map(DecodeWeights::head) {
+                    Some(EmbedRows::HeadQ8) => match mats.decode.as_ref().and_then(DecodeWeights::head) {
                         Some(QRef::Q8(h)) => sc.x.extend(h.dequantize_row(row)),
                         _ => unreachable!("a tied Q8 embedding without a Q8 head"),
                     },
@@ -530,6 +538,8 @@ fn add_into(x: &mut [f32], y: &[f32]) {
 enum DecodeWeights {
     Q8(Arc<Q8Weights>),
     Q4(Arc<Q4Weights>),
+    /// The projections only: the LM head stays f32.
+    F16(Arc<Vec<QuantLayer<F16Matrix>>>),
 }
 
 /// One quantized matrix of either format.
@@ -537,6 +547,7 @@ enum DecodeWeights {
 enum QRef<'a> {
     Q8(&'a crate::quant::Q8Matrix),
     Q4(&'a crate::quant::Q4Matrix),
+    F16(&'a F16Matrix),
 }
 
 /// A layer's projection.
@@ -552,6 +563,7 @@ fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
     match m {
         QRef::Q8(m) => matvec_quant(x, t, k, m, out),
         QRef::Q4(m) => matvec_quant(x, t, k, m, out),
+        QRef::F16(m) => matvec_quant(x, t, k, m, out),
     }
 }
 
@@ -593,8 +605,10 @@ impl Mats {
     /// The LM head's product, likewise.
     fn head(&self, x: &[f32], t: usize, k: usize, xb: &mut Vec<u16>, out: &mut [f32]) -> bool {
         match (&self.decode, self.multi.as_ref().and_then(|b| b.lm_head.as_ref())) {
-            (Some(d), _) if t <= 2 => matvec_ref(x, t, k, d.head(), out),
-            (Some(d), None) if self.quant_head => matmul_quant(x, t, k, d.head(), xb, out),
+            (Some(d), _) if t <= 2 && d.head().is_some() => matvec_ref(x, t, k, d.head().expect("head"), out),
+            (Some(d), None) if self.quant_head && d.head().is_some() => {
+                matmul_quant(x, t, k, d.head().expect("head"), xb, out)
+            }
             (d, Some(h)) if t > 2 || d.is_none() => matmul_bf16(x, t, k, h, xb, out),
             _ => return false,
         }
@@ -618,13 +632,16 @@ impl DecodeWeights {
         match self {
             DecodeWeights::Q8(w) => QRef::Q8(p.of(&w.layers[li])),
             DecodeWeights::Q4(w) => QRef::Q4(p.of(&w.layers[li])),
+            DecodeWeights::F16(w) => QRef::F16(p.of(&w[li])),
         }
     }
 
-    fn head(&self) -> QRef<'_> {
+    /// The quantized LM head; `None` where it stays f32.
+    fn head(&self) -> Option<QRef<'_>> {
         match self {
-            DecodeWeights::Q8(w) => QRef::Q8(&w.lm_head),
-            DecodeWeights::Q4(w) => QRef::Q8(&w.lm_head),
+            DecodeWeights::Q8(w) => Some(QRef::Q8(&w.lm_head)),
+            DecodeWeights::Q4(w) => Some(QRef::Q8(&w.lm_head)),
+            DecodeWeights::F16(_) => None,
         }
     }
 }
@@ -660,6 +677,9 @@ fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mut Vec<u16>,
 /// `xb`), the weights are widened to bf16 one 32-row panel block at a time, in L1, as the bf16 GEMM
 /// reads them.
 fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, out: &mut [f32]) {
+    if let QRef::F16(m) = m {
+        return matmul_widened(x, t, k, m, out);
+    }
     xb.resize(t * k, 0);
     to_bf16(x, &mut xb[..t * k]);
     let xb = &xb[..t * k];
@@ -673,6 +693,31 @@ fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, o
     match m {
         QRef::Q8(m) => run(xb, t, k, m, out),
         QRef::Q4(m) => run(xb, t, k, m, out),
+        QRef::F16(_) => unreachable!("f16 widens to f32, above"),
+    }
+}
+
+/// `out = x[t×k] · w^T` for f16 weights, exactly: 32 weight rows at a time widened to f32 and
+/// multiplied by every row of x on the f32 GEMM, the chunks spread over the thread pool.
+fn matmul_widened(x: &[f32], t: usize, k: usize, m: &F16Matrix, out: &mut [f32]) {
+    const ROWS: usize = 32;
+    let n = m.rows;
+    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(ROWS))
+        .into_par_iter()
+        .map(|c| {
+            let (r0, rows) = (c * ROWS, ROWS.min(n - c * ROWS));
+            let mut w = vec![0f32; rows * k];
+            crate::sys::widen_f16(&m.values[r0 * k..(r0 + rows) * k], &mut w);
+            let mut part = vec![0f32; t * rows];
+            gemm_xwt((x, k), t, k, (&w, k), rows, &mut part);
+            (r0, part)
+        })
+        .collect();
+    for (r0, part) in parts {
+        let rows = part.len() / t;
+        for (r, src) in part.chunks_exact(rows).enumerate() {
+            out[r * n + r0..r * n + r0 + rows].copy_from_slice(src);
+        }
     }
 }
 

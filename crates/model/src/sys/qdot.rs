@@ -154,6 +154,41 @@ unsafe fn dot_q4_avx512(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], 
         + mins[g..].iter().zip(&xsum[g..]).map(|(&m, s)| f16_value(m) * s).sum::<f32>()
 }
 
+/// `x . w` for `w` in f16 bits (an f16 checkpoint's row), widened as it is read: AVX-512 where the
+/// CPU has it.
+pub(crate) fn dot_f16(x: &[f32], w: &[u16]) -> f32 {
+    assert_eq!(x.len(), w.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU supports AVX-512F (checked just above) and the lengths match.
+            return unsafe { dot_f16_avx512(x, w) };
+        }
+    }
+    x.iter().zip(w).map(|(a, &b)| a * f16_value(b)).sum()
+}
+
+/// # Safety
+/// AVX-512F; `x.len() == w.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn dot_f16_avx512(x: &[f32], w: &[u16]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+    let mut i = 0;
+    while i + 32 <= n {
+        // SAFETY (of the loads): i + 32 <= n for both slices.
+        let w0 = _mm512_cvtph_ps(_mm256_loadu_si256(w.as_ptr().add(i).cast()));
+        let w1 = _mm512_cvtph_ps(_mm256_loadu_si256(w.as_ptr().add(i + 16).cast()));
+        a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x.as_ptr().add(i)), a0);
+        a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.as_ptr().add(i + 16)), a1);
+        i += 32;
+    }
+    let tail: f32 = x[i..].iter().zip(&w[i..]).map(|(a, &b)| a * f16_value(b)).sum();
+    _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + tail
+}
+
 /// Where the bf16 GEMM's panel order puts pair `j` of row `c` (in units of two values): see
 /// `sys::pack_bf16_panels`.
 const fn panel_pair(j: usize, c: usize) -> usize {
