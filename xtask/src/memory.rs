@@ -1,5 +1,5 @@
 //! `cargo xtask bench memory`: what a worker holds resident, per weight format. One unified worker at
-//! a time (`--weights f32`, `bf16`, `q8`, `q4`), each asked for an answer, then measured: its resident set
+//! a time (`--weights f32`, `bf16`, `f16`, `q8`, `q4`), each asked for an answer, then measured: its resident set
 //! (`VmRSS`) against the bytes of the weights it holds (every form it reads, as `/v1/models` reports
 //! them) plus the KV pool, and its peak resident set (`VmHWM`, loading included). Everything it starts
 //! it stops.
