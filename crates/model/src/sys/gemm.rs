@@ -232,27 +232,34 @@ pub(crate) fn gemm_bf16_par(xb: &[u16], t: usize, k: usize, panels: &[u16], n: u
     assert!(k.is_multiple_of(2) && k > 0 && n.is_multiple_of(32), "k must be even and n a multiple of 32");
     assert!(xb.len() >= t * k && panels.len() >= n * k && out.len() >= t * n);
     let np = n / 32;
-    let chunks = (rayon::current_num_threads().max(1) * 2).min(np);
     if !has_bf16_gemm() {
         gemm_bf16_portable(xb, t, k, panels, n, out);
         return;
     }
-    /// `out`'s address, shared by tasks that write disjoint columns.
-    struct Out(*mut f32);
-    // SAFETY: tasks write only their own columns of `out` (below), so no two write the same element.
-    unsafe impl Sync for Out {}
-    let dst = Out(out.as_mut_ptr());
-    let dst = &dst;
-    use rayon::prelude::*;
-    (0..chunks).into_par_iter().for_each(|c| {
-        let (p0, p1) = (c * np / chunks, (c + 1) * np / chunks);
+    split_columns(np, out, |p0, p1, dst| {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked above); the lengths were asserted;
         // this task writes columns p0*32..p1*32 of each of the t rows (n apart) and no other task does.
         unsafe {
-            gemm_bf16_avx512(xb, t, k, panels, p0, p1 - p0, dst.0.add(p0 * 32), n)
+            gemm_bf16_avx512(xb, t, k, panels, p0, p1 - p0, dst.add(p0 * 32), n)
         };
     });
+}
+
+/// Splits `units` (panels or groups of output columns) into even shares over rayon's pool (two per
+/// thread) and runs `task(u0, u1, out)` for each share `u0..u1`, handing every task `out`'s address:
+/// each task must write only its own share's columns, so no two write the same element.
+fn split_columns(units: usize, out: &mut [f32], task: impl Fn(usize, usize, *mut f32) + Sync) {
+    let chunks = (rayon::current_num_threads().max(1) * 2).min(units);
+    /// `out`'s address, shared by tasks that write disjoint columns.
+    struct Out(*mut f32);
+    // SAFETY: tasks write only their own columns of `out` (the contract above), so no two write the
+    // same element.
+    unsafe impl Sync for Out {}
+    let dst = Out(out.as_mut_ptr());
+    let dst = &dst;
+    use rayon::prelude::*;
+    (0..chunks).into_par_iter().for_each(|c| task(c * units / chunks, (c + 1) * units / chunks, dst.0));
 }
 
 /// [`gemm_bf16_par`] for a matrix held in another form (quantized): `fill(r0, (k0, kc), dst)` writes its
@@ -289,16 +296,7 @@ where
         }
         return;
     }
-    let chunks = (rayon::current_num_threads().max(1) * 2).min(np);
-    /// `out`'s address, shared by tasks that write disjoint columns.
-    struct Out(*mut f32);
-    // SAFETY: tasks write only their own columns of `out` (below), so no two write the same element.
-    unsafe impl Sync for Out {}
-    let dst = Out(out.as_mut_ptr());
-    let dst = &dst;
-    use rayon::prelude::*;
-    (0..chunks).into_par_iter().for_each(|c| {
-        let (p0, p1) = (c * np / chunks, (c + 1) * np / chunks);
+    split_columns(np, out, |p0, p1, dst| {
         let mut block = vec![0u16; BF16_KC * 32];
         for p in p0..p1 {
             let mut k0 = 0;
@@ -311,7 +309,7 @@ where
                 // values; rows of xb hold k values from k0 on; this task writes columns p*32..p*32+32 of
                 // each of the t rows (n apart) and no other task does.
                 unsafe {
-                    let po = dst.0.add(p * 32);
+                    let po = dst.add(p * 32);
                     row_tiles!(t, |i| tile_bf16(
                         xb.as_ptr().add(i * k + k0),
                         k,
@@ -358,17 +356,9 @@ where
         }
         return;
     }
-    let chunks = (rayon::current_num_threads().max(1) * 2).min(groups);
-    /// `out`'s address, shared by tasks that write disjoint columns.
-    struct Out(*mut f32);
-    // SAFETY: tasks write only their own columns of `out` (below), so no two write the same element.
-    unsafe impl Sync for Out {}
-    let dst = Out(out.as_mut_ptr());
-    let dst = &dst;
-    use rayon::prelude::*;
-    (0..chunks).into_par_iter().for_each(|c| {
+    split_columns(groups, out, |g0, g1, dst| {
         let mut w = vec![0u16; ROWS_TILE * k];
-        for g in c * groups / chunks..(c + 1) * groups / chunks {
+        for g in g0..g1 {
             rows(g * ROWS_TILE, &mut w);
             let mut r = 0;
             while r < t {
@@ -377,7 +367,7 @@ where
                 // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked above); x rows r..r+tile hold k
                 // values each, `w` 4 rows of k; this task alone writes columns g*4..g*4+4 of each row.
                 unsafe {
-                    let (px, po) = (xb.as_ptr().add(r * k), dst.0.add(r * n + g * ROWS_TILE));
+                    let (px, po) = (xb.as_ptr().add(r * k), dst.add(r * n + g * ROWS_TILE));
                     match tile {
                         4 => tile_dot::<4>(px, k, w.as_ptr(), po, n),
                         3 => tile_dot::<3>(px, k, w.as_ptr(), po, n),
