@@ -221,3 +221,47 @@ fn aborts_and_deadlines_end_requests_once() {
     assert!(e.is_empty());
     assert!(!e.abort(id), "an ended request is not live");
 }
+
+/// The engine's count of finished steps.
+fn steps_done(e: &Engine) -> f64 {
+    let text = e.registry().render();
+    text.lines()
+        .find_map(|l| l.strip_prefix("engine_step_seconds_count "))
+        .map_or(0.0, |v| v.parse().unwrap())
+}
+
+#[test]
+fn an_abort_takes_effect_while_the_step_it_is_in_still_runs() {
+    // One step prefills a whole 1,500-token prompt (about a second here): the abort that
+    // comes meanwhile ends the request and frees its blocks before that step returns.
+    let mut c = config(Role::Unified);
+    c.scheduler.max_batch_tokens = 4096;
+    c.scheduler.prefill_chunk_tokens = 4096;
+    let mut e = Engine::start(c, Arc::new(|| {})).expect("engine starts");
+    let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(150);
+    let id = e.submit(request("big", Input::Text(prompt), 4)).unwrap();
+    let until = Instant::now() + Duration::from_secs(60);
+    let stage = |e: &Engine| {
+        let v = e.debug_requests(Instant::now(), 0, Duration::ZERO);
+        v["requests"].as_array().and_then(|r| r.first()).map(|r| r["stage"].as_str().unwrap_or("").to_owned())
+    };
+    while stage(&e).as_deref() != Some("prefilling") {
+        assert!(Instant::now() < until, "never prefilling: {:?}", stage(&e));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let before = steps_done(&e);
+    assert!(e.abort(id));
+    let (_, seen) = run_to_end(&mut e, id);
+    assert!(matches!(seen.last(), Some(Output::Finished { finish: Finish::Cancelled, .. })), "{seen:?}");
+    assert_eq!(steps_done(&e), before, "the request ended only after its step");
+    assert_eq!(stage(&e), None, "still listed after its end");
+    // The step's work for it is dropped; the engine goes on serving.
+    let id = e.submit(request("after", chat("What is the capital of France?"), 8)).unwrap();
+    let (text, seen) = run_to_end(&mut e, id);
+    assert!(
+        matches!(seen.last(), Some(Output::Finished { finish: Finish::Length | Finish::Stop, .. })),
+        "{seen:?}"
+    );
+    assert!(text.contains("Paris"), "{text}");
+    assert!(steps_done(&e) > before);
+}

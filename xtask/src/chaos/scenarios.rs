@@ -11,7 +11,7 @@ use pdserve_loadgen::{run_point, Conn, Load, Progress, Shape, Slo, Target};
 
 use crate::where_::{call, get};
 
-use super::stack::Readiness;
+use super::stack::{Metrics, Readiness};
 use super::*;
 
 pub(super) fn decode_kill(s: &mut Stack, short: bool) -> Result<Row> {
@@ -259,12 +259,24 @@ pub(super) fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
         })
         .collect();
     std::thread::sleep(Duration::from_secs(2));
+    // Each worker's engine steps while clients leave: an abort waits for the step in progress.
+    let workers = [s.url_of("prefill-0"), s.url_of("decode-0")];
+    let steps = || -> Result<Vec<(f64, f64)>> {
+        workers
+            .iter()
+            .map(|u| {
+                let m = Metrics::read(u)?;
+                Ok((m.value("engine_step_seconds_sum")?, m.value("engine_step_seconds_count")?))
+            })
+            .collect()
+    };
+    let steps_before = steps()?;
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let lists = Arc::new(lists);
     let droppers: Vec<_> = (0..4)
         .map(|_| {
             let (next, lists) = (Arc::clone(&next), Arc::clone(&lists));
-            std::thread::spawn(move || -> Result<Vec<Vec<f64>>> {
+            std::thread::spawn(move || -> Result<Vec<(usize, usize, Vec<f64>)>> {
                 let mut gone_ms = Vec::new();
                 loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
@@ -296,13 +308,13 @@ pub(super) fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
                     }
                     drop(c);
                     let left = Instant::now();
-                    gone_ms.push(until_unlisted(&lists, &rid, left)?);
+                    gone_ms.push((i, events, until_unlisted(&lists, &rid, left)?));
                 }
             })
         })
         .collect();
     // Per request: when each process let go of it.
-    let mut each: Vec<Vec<f64>> = Vec::new();
+    let mut each: Vec<(usize, usize, Vec<f64>)> = Vec::new();
     let mut failure = None;
     for d in droppers {
         match d.join() {
@@ -311,6 +323,7 @@ pub(super) fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
             Err(_) => failure = Some(anyhow::anyhow!("a client thread panicked")),
         }
     }
+    let steps_after = steps();
     stop.store(true, Ordering::Relaxed);
     for l in load {
         let _ = l.join();
@@ -318,6 +331,18 @@ pub(super) fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
     if let Some(e) = failure {
         return Err(e);
     }
+    // The raw figures, for a closer look: which client, after how many events, each process's time.
+    each.sort_by_key(|e| e.0);
+    let csv: String = std::iter::once("client,events_read,router_ms,prefill_ms,decode_ms\n".to_owned())
+        .chain(each.iter().map(|(i, n, t)| format!("{i},{n},{:.1},{:.1},{:.1}\n", t[0], t[1], t[2])))
+        .collect();
+    std::fs::write(s.logs.join("gone.csv"), csv)?;
+    let each: Vec<Vec<f64>> = each.into_iter().map(|e| e.2).collect();
+    let mean_step_ms: Vec<String> = ["prefill", "decode"]
+        .iter()
+        .zip(steps_before.iter().zip(steps_after?))
+        .map(|(name, (a, b))| format!("{name} {:.0}", (b.0 - a.0) / (b.1 - a.1).max(1.0) * 1e3))
+        .collect();
     let sorted = |mut v: Vec<f64>| {
         v.sort_by(f64::total_cmp);
         v
@@ -342,9 +367,10 @@ pub(super) fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
         errors: 0,
         hung: 0,
         note: format!(
-            "{} clients left at random points with {background} other streams running; gone from every process in p50 {p50:.0} / p99 {p99:.0} / max {max:.0} ms (p99 per process: {}); every ledger back to zero",
+            "{} clients left at random points with {background} other streams running; gone from every process in p50 {p50:.0} / p99 {p99:.0} / max {max:.0} ms (p99 per process: {}; mean engine step ms: {}); every ledger back to zero",
             gone.len(),
-            per_process.join(", ")
+            per_process.join(", "),
+            mean_step_ms.join(", ")
         ),
     })
 }

@@ -142,15 +142,8 @@ impl Stack {
                 }
             }
             for p in self.procs.iter().filter(|p| p.name != "router" && !skip.contains(&p.name.as_str())) {
-                let (_, m) = get(&p.url, "/metrics")?;
-                let m = String::from_utf8_lossy(&m);
-                // A series that is not there is a failure, never read as zero.
-                let gauge = |key: &str| -> Result<f64> {
-                    m.lines()
-                        .find_map(|l| l.strip_prefix(key).map(str::trim))
-                        .and_then(|v| v.parse::<f64>().ok())
-                        .with_context(|| format!("{}: {key} is missing from /metrics", p.name))
-                };
+                let m = Metrics::read(&p.url)?;
+                let gauge = |key: &str| m.value(key).with_context(|| p.name.clone());
                 for key in [
                     "kv_blocks{owner=\"sequence\"}",
                     "kv_blocks{owner=\"transfer\"}",
@@ -212,6 +205,26 @@ impl Drop for Stack {
 }
 
 /// `n` streams at once, each in its own thread; `during` runs while they stream.
+/// One process's `/metrics` answer.
+pub(super) struct Metrics(String);
+
+impl Metrics {
+    pub(super) fn read(url: &str) -> Result<Metrics> {
+        let (_, m) = get(url, "/metrics")?;
+        Ok(Metrics(String::from_utf8_lossy(&m).into_owned()))
+    }
+
+    /// The value of the series `key` (name and labels as printed); a series that is not there is
+    /// an error, never read as zero.
+    pub(super) fn value(&self, key: &str) -> Result<f64> {
+        self.0
+            .lines()
+            .find_map(|l| l.strip_prefix(key).filter(|v| v.starts_with(' ')).map(str::trim))
+            .and_then(|v| v.parse::<f64>().ok())
+            .with_context(|| format!("{key} is missing from /metrics"))
+    }
+}
+
 /// KV blocks of every worker in the scenarios: small, so eviction and pressure happen.
 const KV_BLOCKS: usize = 512;
 

@@ -2,23 +2,23 @@
 //! request's sampler and the KV transfer endpoint. It sees token ids only, talks to the text thread
 //! only through two bounded channels, and never waits on a socket: transfers are pumped between steps.
 
+mod step;
 mod transfers;
 
 use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 use pdserve_api::{Outcome as ApiOutcome, Role, Stage as ApiStage};
-use pdserve_kvcache::{BlockId, OwnerKind, SeqId};
-use pdserve_model::{Backend, Sampler, SamplingParams, SeqStep};
+use pdserve_kvcache::{OwnerKind, SeqId};
+use pdserve_model::{Backend, Sampler, SamplingParams};
 use pdserve_pd_transfer::{Endpoint, EndpointStats, Source, TransferKey};
-use pdserve_scheduler::{Event, KvSource, NewRequest, Outcome, RequestId, Sampled, Scheduler, Stage};
+use pdserve_scheduler::{Event, KvSource, NewRequest, Outcome, RequestId, Scheduler, Stage};
 use pdserve_telemetry::RequestLedger;
 
-use crate::grammar::{apply_mask, Guide};
+use crate::grammar::Guide;
 use crate::metrics::Metrics;
 use crate::EngineError;
 
@@ -62,6 +62,13 @@ pub(crate) enum Command {
     },
     /// Prefill role: end the offer of a finished prompt's KV (its transfer id is the request's id).
     AbortTransfer(u64),
+}
+
+impl Command {
+    /// Whether this submits request `id` (an abort must not overtake it).
+    fn submits(&self, id: u64) -> bool {
+        matches!(self, Command::Submit(s) if s.id == id)
+    }
 }
 
 /// When a request reached the engine's milestones, for the per-stage timings answers carry.
@@ -211,6 +218,8 @@ pub(crate) struct Core {
     /// Decode role: described pulls still receiving blocks: transfer -> request.
     pulling: HashMap<u64, u64>,
     transfer_stats: EndpointStats,
+    /// Commands that came while a step ran, for the next turn (aborts are served at once).
+    deferred: Vec<Command>,
 }
 
 impl Core {
@@ -247,6 +256,7 @@ impl Core {
             describing: HashMap::new(),
             pulling: HashMap::new(),
             transfer_stats: EndpointStats::default(),
+            deferred: Vec::new(),
         }
     }
 
@@ -258,6 +268,9 @@ impl Core {
             // Block briefly when idle; otherwise take what is queued and go on stepping. Transfers are
             // pumped between waits: often while one is live (a new one starts from a command, which
             // ends the wait at once).
+            for cmd in std::mem::take(&mut self.deferred) {
+                self.command(cmd);
+            }
             let transfers = self.endpoint.as_ref().is_some_and(|e| !e.is_empty());
             let wait = match (transfers, self.sched.is_empty()) {
                 (_, false) => Duration::ZERO,
@@ -432,184 +445,6 @@ impl Core {
             },
         );
         self.send(Reply::Admitted { id: s.id, prompt_tokens: prompt_len });
-    }
-
-    fn step(&mut self) {
-        let now = Instant::now();
-        // A prefill worker's transfers advance only between steps (each protocol round trip waits for
-        // the step in progress): while any is live, steps stay short. Offers not yet pulled count too:
-        // the decode worker's pull comes within milliseconds, and one the router abandoned is
-        // aborted by it (only a vanished router leaves offers to their lease expiry).
-        let budget = match &self.endpoint {
-            Some(ep) if self.role == Role::Prefill && !ep.is_empty() => self.transfer_step_tokens,
-            _ => usize::MAX,
-        };
-        let batch = self.sched.poll_batch_within(now, budget);
-        self.drain_events();
-        // Gauges show the step's reservations while it runs, not only after it.
-        self.publish();
-        if batch.is_empty() {
-            self.sched.handle_step_result(&[], now);
-            return;
-        }
-        for item in &batch {
-            if let Some(l) = self.live.get_mut(&item.id.0) {
-                if l.times.scheduled.is_none() {
-                    l.times.scheduled = Some(now);
-                    let waited = now.saturating_duration_since(l.times.submitted.unwrap_or(now));
-                    self.metrics.queue_wait.record(waited);
-                }
-            }
-        }
-        let copies = self.sched.kv_mut().take_copies();
-        if let Err(e) = self.backend.copy_blocks(&copies) {
-            self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
-            self.drain_events();
-            return;
-        }
-        let kv = self.sched.kv();
-        let inputs: Vec<(Vec<u32>, Vec<BlockId>)> = batch
-            .iter()
-            .map(|i| {
-                let tokens = kv
-                    .tokens(i.seq)
-                    .map(|t| t[i.start_pos..i.start_pos + i.num_tokens].to_vec())
-                    .unwrap_or_default();
-                (tokens, kv.block_table(i.seq).map(<[_]>::to_vec).unwrap_or_default())
-            })
-            .collect();
-        let steps: Vec<SeqStep<'_>> = batch
-            .iter()
-            .zip(&inputs)
-            .map(|(i, (t, b))| SeqStep {
-                tokens: t,
-                start_pos: i.start_pos,
-                block_table: b,
-                logits: i.sample,
-            })
-            .collect();
-        // The token masks of constrained requests are computed on a second thread while the forward
-        // pass runs: they depend only on the tokens so far.
-        let mut guided: Vec<(u64, Guide)> = batch
-            .iter()
-            .filter(|i| i.sample)
-            .filter_map(|i| Some((i.id.0, self.live.get_mut(&i.id.0)?.guide.take()?)))
-            .collect();
-        let backend = &mut self.backend;
-        let (result, masks) = std::thread::scope(|scope| {
-            let masker = (!guided.is_empty()).then(|| {
-                scope.spawn(|| guided.iter_mut().map(|(id, g)| (*id, g.mask())).collect::<HashMap<u64, _>>())
-            });
-            let result = catch_unwind(AssertUnwindSafe(|| backend.forward(&steps)));
-            (result, masker.map(|m| m.join().unwrap_or_default()).unwrap_or_default())
-        });
-        for (id, g) in guided {
-            if let Some(l) = self.live.get_mut(&id) {
-                l.guide = Some(g);
-            }
-        }
-        self.metrics.step.record(now.elapsed());
-        let logits = match result {
-            Ok(Ok(l)) => l,
-            Ok(Err(e)) => {
-                self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
-                self.drain_events();
-                return;
-            }
-            Err(_) => {
-                self.sched.handle_step_failed("internal error: the model step panicked", Instant::now());
-                self.drain_events();
-                return;
-            }
-        };
-        let mut sampled = Vec::new();
-        let mut failed: Vec<(RequestId, String)> = Vec::new();
-        let prefill = self.role == Role::Prefill;
-        for (item, l) in batch.iter().filter(|i| i.sample).zip(&logits) {
-            let Some(lv) = self.live.get_mut(&item.id.0) else { continue };
-            let all = self.sched.kv().tokens(item.seq).unwrap_or(&[]);
-            let (prompt, output) = all.split_at(lv.prompt_len.min(all.len()));
-            let mask = match masks.get(&item.id.0) {
-                Some(Ok(m)) => Some(m),
-                Some(Err(e)) => {
-                    let reason = format!("constrained decoding failed: {e}");
-                    failed.push((item.id, reason));
-                    continue;
-                }
-                None => None,
-            };
-            let early = output.len() < lv.min_tokens;
-            let eos_ids = &self.eos_ids;
-            // A panic while sampling one request (a bug in a penalty, a mask, a bias) fails that
-            // request only; the batch goes on.
-            let sampled_one = catch_unwind(AssertUnwindSafe(|| {
-                assert!(!lv.panic_in_sampling, "test panic while sampling");
-                let s = if mask.is_some() || early || !lv.logit_bias.is_empty() {
-                    let mut adjusted = l.clone();
-                    for &(t, b) in &lv.logit_bias {
-                        if let Some(x) = adjusted.get_mut(t as usize) {
-                            *x += b;
-                        }
-                    }
-                    match mask {
-                        Some(m) => apply_mask(&mut adjusted, m),
-                        None if early => {
-                            for &t in lv.stop_ids.iter().chain(eos_ids) {
-                                if let Some(x) = adjusted.get_mut(t as usize) {
-                                    *x = f32::NEG_INFINITY;
-                                }
-                            }
-                        }
-                        None => {}
-                    }
-                    lv.sampler.sample(&adjusted, prompt, output)
-                } else {
-                    lv.sampler.sample(l, prompt, output)
-                };
-                s
-            }));
-            let s = match sampled_one {
-                Ok(s) => s,
-                Err(p) => {
-                    failed.push((item.id, format!("internal error while sampling: {}", panic_text(&p))));
-                    continue;
-                }
-            };
-            let eos = self.eos_ids.contains(&s.token);
-            let mut stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && eos);
-            if let Some(g) = lv.guide.as_mut() {
-                // The constraint decides: its end is the end, and an end-of-sequence token before it
-                // cannot have been sampled (the mask allows it only once the output is complete).
-                if eos && g.is_accepting() {
-                    stop = true;
-                } else if let Err(e) = g.accept(s.token) {
-                    failed.push((item.id, format!("constrained decoding failed: {e}")));
-                    continue;
-                }
-            }
-            sampled.push(Sampled { id: item.id, token: s.token, stop });
-            if prefill {
-                // The first token goes to the decode worker with the KV, not to the caller.
-                lv.first = Some(s);
-            } else {
-                self.send(Reply::Token {
-                    id: item.id.0,
-                    token: s.token,
-                    logprob: s.logprob,
-                    top: s.top,
-                    stop,
-                });
-            }
-        }
-        if !sampled.is_empty() {
-            self.metrics.tokens_generated.add(sampled.len() as u64);
-            self.shared.last_token_ms.store(self.shared.ms_since_epoch(Instant::now()), Ordering::Relaxed);
-        }
-        for (id, reason) in failed {
-            self.sched.handle_failed(id, &reason, Instant::now());
-        }
-        self.sched.handle_step_result(&sampled, Instant::now());
-        self.drain_events();
     }
 
     fn drain_events(&mut self) {

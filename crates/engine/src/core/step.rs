@@ -1,0 +1,279 @@
+//! One engine step: plan the batch, run the forward pass, sample, report. A long step runs on a
+//! thread of its own while the engine thread serves aborts, so a client that leaves is let go
+//! within milliseconds, not after the step in progress.
+
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use crossbeam_channel::Receiver;
+use pdserve_api::Role;
+use pdserve_kvcache::{BlockCopy, BlockId};
+use pdserve_model::{Backend, KvLayout, ModelError, SeqStep};
+use pdserve_scheduler::{RequestId, Sampled};
+
+use super::{panic_text, Command, Core, Reply};
+use crate::grammar::{apply_mask, Guide};
+
+/// Steps of at least this many tokens run on their own thread while the engine thread serves
+/// aborts; shorter ones (a few decoding sequences, a few milliseconds) run on the engine thread.
+const SERVED_STEP_TOKENS: usize = 8;
+
+/// What a forward pass returns, or the panic it raised.
+type StepResult = std::thread::Result<Result<Vec<Vec<f32>>, ModelError>>;
+
+impl Core {
+    pub(super) fn step(&mut self) {
+        let now = Instant::now();
+        // A prefill worker's transfers advance only between steps (each protocol round trip waits for
+        // the step in progress): while any is live, steps stay short. Offers not yet pulled count too:
+        // the decode worker's pull comes within milliseconds, and one the router abandoned is
+        // aborted by it (only a vanished router leaves offers to their lease expiry).
+        let budget = match &self.endpoint {
+            Some(ep) if self.role == Role::Prefill && !ep.is_empty() => self.transfer_step_tokens,
+            _ => usize::MAX,
+        };
+        let batch = self.sched.poll_batch_within(now, budget);
+        self.drain_events();
+        // Gauges show the step's reservations while it runs, not only after it.
+        self.publish();
+        if batch.is_empty() {
+            self.sched.handle_step_result(&[], now);
+            return;
+        }
+        for item in &batch {
+            if let Some(l) = self.live.get_mut(&item.id.0) {
+                if l.times.scheduled.is_none() {
+                    l.times.scheduled = Some(now);
+                    let waited = now.saturating_duration_since(l.times.submitted.unwrap_or(now));
+                    self.metrics.queue_wait.record(waited);
+                }
+            }
+        }
+        let copies = self.sched.kv_mut().take_copies();
+        if let Err(e) = self.backend.copy_blocks(&copies) {
+            self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
+            self.drain_events();
+            return;
+        }
+        let kv = self.sched.kv();
+        let inputs: Vec<(Vec<u32>, Vec<BlockId>)> = batch
+            .iter()
+            .map(|i| {
+                let tokens = kv
+                    .tokens(i.seq)
+                    .map(|t| t[i.start_pos..i.start_pos + i.num_tokens].to_vec())
+                    .unwrap_or_default();
+                (tokens, kv.block_table(i.seq).map(<[_]>::to_vec).unwrap_or_default())
+            })
+            .collect();
+        let steps: Vec<SeqStep<'_>> = batch
+            .iter()
+            .zip(&inputs)
+            .map(|(i, (t, b))| SeqStep {
+                tokens: t,
+                start_pos: i.start_pos,
+                block_table: b,
+                logits: i.sample,
+            })
+            .collect();
+        // The token masks of constrained requests are computed on a second thread while the forward
+        // pass runs: they depend only on the tokens so far.
+        let mut guided: Vec<(u64, Guide)> = batch
+            .iter()
+            .filter(|i| i.sample)
+            .filter_map(|i| Some((i.id.0, self.live.get_mut(&i.id.0)?.guide.take()?)))
+            .collect();
+        let served = steps.iter().map(|s| s.tokens.len()).sum::<usize>() >= SERVED_STEP_TOKENS;
+        let (result, masks) = std::thread::scope(|scope| {
+            let masker = (!guided.is_empty()).then(|| {
+                scope.spawn(|| guided.iter_mut().map(|(id, g)| (*id, g.mask())).collect::<HashMap<u64, _>>())
+            });
+            let result = if served {
+                self.forward_serving_aborts(&steps)
+            } else {
+                catch_unwind(AssertUnwindSafe(|| self.backend.forward(&steps)))
+            };
+            (result, masker.map(|m| m.join().unwrap_or_default()).unwrap_or_default())
+        });
+        for (id, g) in guided {
+            if let Some(l) = self.live.get_mut(&id) {
+                l.guide = Some(g);
+            }
+        }
+        self.metrics.step.record(now.elapsed());
+        let logits = match result {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
+                self.drain_events();
+                return;
+            }
+            Err(_) => {
+                self.sched.handle_step_failed("internal error: the model step panicked", Instant::now());
+                self.drain_events();
+                return;
+            }
+        };
+        let mut sampled = Vec::new();
+        let mut failed: Vec<(RequestId, String)> = Vec::new();
+        let prefill = self.role == Role::Prefill;
+        for (item, l) in batch.iter().filter(|i| i.sample).zip(&logits) {
+            let Some(lv) = self.live.get_mut(&item.id.0) else { continue };
+            let all = self.sched.kv().tokens(item.seq).unwrap_or(&[]);
+            let (prompt, output) = all.split_at(lv.prompt_len.min(all.len()));
+            let mask = match masks.get(&item.id.0) {
+                Some(Ok(m)) => Some(m),
+                Some(Err(e)) => {
+                    let reason = format!("constrained decoding failed: {e}");
+                    failed.push((item.id, reason));
+                    continue;
+                }
+                None => None,
+            };
+            let early = output.len() < lv.min_tokens;
+            let eos_ids = &self.eos_ids;
+            // A panic while sampling one request (a bug in a penalty, a mask, a bias) fails that
+            // request only; the batch goes on.
+            let sampled_one = catch_unwind(AssertUnwindSafe(|| {
+                assert!(!lv.panic_in_sampling, "test panic while sampling");
+                let s = if mask.is_some() || early || !lv.logit_bias.is_empty() {
+                    let mut adjusted = l.clone();
+                    for &(t, b) in &lv.logit_bias {
+                        if let Some(x) = adjusted.get_mut(t as usize) {
+                            *x += b;
+                        }
+                    }
+                    match mask {
+                        Some(m) => apply_mask(&mut adjusted, m),
+                        None if early => {
+                            for &t in lv.stop_ids.iter().chain(eos_ids) {
+                                if let Some(x) = adjusted.get_mut(t as usize) {
+                                    *x = f32::NEG_INFINITY;
+                                }
+                            }
+                        }
+                        None => {}
+                    }
+                    lv.sampler.sample(&adjusted, prompt, output)
+                } else {
+                    lv.sampler.sample(l, prompt, output)
+                };
+                s
+            }));
+            let s = match sampled_one {
+                Ok(s) => s,
+                Err(p) => {
+                    failed.push((item.id, format!("internal error while sampling: {}", panic_text(&p))));
+                    continue;
+                }
+            };
+            let eos = self.eos_ids.contains(&s.token);
+            let mut stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && eos);
+            if let Some(g) = lv.guide.as_mut() {
+                // The constraint decides: its end is the end, and an end-of-sequence token before it
+                // cannot have been sampled (the mask allows it only once the output is complete).
+                if eos && g.is_accepting() {
+                    stop = true;
+                } else if let Err(e) = g.accept(s.token) {
+                    failed.push((item.id, format!("constrained decoding failed: {e}")));
+                    continue;
+                }
+            }
+            sampled.push(Sampled { id: item.id, token: s.token, stop });
+            if prefill {
+                // The first token goes to the decode worker with the KV, not to the caller.
+                lv.first = Some(s);
+            } else {
+                self.send(Reply::Token {
+                    id: item.id.0,
+                    token: s.token,
+                    logprob: s.logprob,
+                    top: s.top,
+                    stop,
+                });
+            }
+        }
+        if !sampled.is_empty() {
+            self.metrics.tokens_generated.add(sampled.len() as u64);
+            self.shared.last_token_ms.store(self.shared.ms_since_epoch(Instant::now()), Ordering::Relaxed);
+        }
+        for (id, reason) in failed {
+            self.sched.handle_failed(id, &reason, Instant::now());
+        }
+        self.sched.handle_step_result(&sampled, Instant::now());
+        self.drain_events();
+    }
+
+    /// Runs `steps` on a thread of their own. Meanwhile an abort takes effect at once: the request
+    /// ends, is no longer listed, and its blocks go back to the pool. The step's arithmetic for it
+    /// goes on and is dropped; nothing can be given those blocks before the step ends, since only
+    /// the engine thread allocates, between steps. Other commands wait for the step's end, in order
+    /// (an abort of a request whose submission waits with them waits too).
+    fn forward_serving_aborts(&mut self, steps: &[SeqStep<'_>]) -> StepResult {
+        let layout = self.backend.kv_layout();
+        let mut backend = std::mem::replace(&mut self.backend, Box::new(Stepping(layout)));
+        let (done, finished) = crossbeam_channel::bounded::<()>(1);
+        let (result, backend) = std::thread::scope(|scope| {
+            let stepper = scope.spawn(move || {
+                let r = catch_unwind(AssertUnwindSafe(|| backend.forward(steps)));
+                drop(done);
+                (r, backend)
+            });
+            self.serve_aborts(&finished);
+            stepper.join().expect("the step's panic is caught on its thread")
+        });
+        self.backend = backend;
+        result
+    }
+
+    /// Takes commands until `finished` closes: aborts now, the rest into `deferred`.
+    fn serve_aborts(&mut self, finished: &Receiver<()>) {
+        loop {
+            crossbeam_channel::select! {
+                recv(finished) -> _ => return,
+                recv(self.commands) -> cmd => match cmd {
+                    Ok(Command::Abort(id)) if !self.deferred.iter().any(|c| c.submits(id)) => {
+                        self.command(Command::Abort(id));
+                        self.flush();
+                    }
+                    Ok(c) => self.deferred.push(c),
+                    Err(_) => {
+                        let _ = finished.recv();
+                        return;
+                    }
+                },
+            }
+        }
+    }
+}
+
+/// Stands in for the backend while a step runs on its own thread; nothing uses it then (aborts
+/// touch only the scheduler, the ledger and the transfer endpoint), and anything that did would
+/// get an error, not a race.
+struct Stepping(KvLayout);
+
+impl Stepping {
+    fn busy<T>(&self) -> Result<T, ModelError> {
+        Err(ModelError::Device { problem: "the backend is running a step".into() })
+    }
+}
+
+impl Backend for Stepping {
+    fn kv_layout(&self) -> KvLayout {
+        self.0
+    }
+    fn forward(&mut self, _: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.busy()
+    }
+    fn copy_blocks(&mut self, _: &[BlockCopy]) -> Result<(), ModelError> {
+        self.busy()
+    }
+    fn read_block(&self, _: BlockId, _: &mut [u8]) -> Result<(), ModelError> {
+        self.busy()
+    }
+    fn write_block(&mut self, _: BlockId, _: &[u8]) -> Result<(), ModelError> {
+        self.busy()
+    }
+}
