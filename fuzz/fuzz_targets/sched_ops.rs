@@ -19,6 +19,7 @@ fuzz_target!(|data: &[u8]| {
         max_batch_tokens: 8 + usize::from(shape % 64),
         prefill_chunk_tokens: 1 + usize::from(shape % 32),
         max_context_tokens: 512,
+        attention_cost_positions: (shape & 0x40 != 0).then_some(16 + usize::from(shape % 50)),
         ..SchedulerConfig::default()
     };
     let kv = KvCache::new(KvConfig { num_blocks: 16 + u32::from(shape % 48), block_size: 4 }).unwrap();

@@ -98,7 +98,14 @@ impl EngineConfig {
             weights: WeightFormat::Auto,
             kv_dtype: None,
             // The model's maximum context (capped by what the KV pool holds) unless set lower.
-            scheduler: SchedulerConfig { max_context_tokens: usize::MAX, ..SchedulerConfig::default() },
+            // Attending to 1,000 earlier positions costs the CPU backend about one token's own work
+            // (`cargo bench -p pdserve-model --bench forward -- --only chunk256`: a 256-token chunk
+            // at 7,500 costs 8.7 chunks at 0), so late chunks of a long prompt shrink to keep steps short.
+            scheduler: SchedulerConfig {
+                max_context_tokens: usize::MAX,
+                attention_cost_positions: Some(1000),
+                ..SchedulerConfig::default()
+            },
             kv_blocks: 1024,
             block_size: 16,
             transfer_addr: SocketAddr::from(([127, 0, 0, 1], 0)),

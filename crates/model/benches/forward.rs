@@ -41,6 +41,33 @@ impl Bench {
         t.elapsed().as_secs_f64()
     }
 
+    /// Prefills sequence 0 to position `at` in 512-token chunks, then times one more chunk of `n`
+    /// tokens from there (what a scheduler's step costs at that context).
+    fn chunk_at(&mut self, at: usize, n: usize) -> f64 {
+        let s = SeqId(0);
+        let prompt: Vec<u32> = (0..at + n).map(|j| ((j * 17) % 40_000 + 100) as u32).collect();
+        self.kv.add_sequence(s, &prompt).expect("add");
+        let mut pos = 0;
+        let mut last = 0.0;
+        while pos < at + n {
+            let len = if pos < at { (at - pos).min(512) } else { n };
+            self.kv.reserve(s, len).expect("reserve");
+            let table = self.kv.block_table(s).expect("table").to_vec();
+            let t = Instant::now();
+            let step = SeqStep {
+                tokens: &prompt[pos..pos + len],
+                start_pos: pos,
+                block_table: &table,
+                logits: true,
+            };
+            self.cpu.forward(&[step]).expect("forward");
+            last = t.elapsed().as_secs_f64();
+            self.kv.commit(s, len).expect("commit");
+            pos += len;
+        }
+        last
+    }
+
     /// Decodes `steps` tokens for sequences `0..n` together; returns tokens per second over all of them.
     fn decode(&mut self, n: usize, steps: usize) -> f64 {
         let t = Instant::now();
@@ -134,6 +161,15 @@ fn main() {
         ("decode_q4_at_4000_f16_kv_tokens_per_second", Box::new(|| q4_long(KvDtype::F16))),
         ("batch32_decode_q4_at_1000_tokens_per_second", Box::new(|| q4_fleet(KvDtype::F32))),
         ("batch32_decode_q4_at_1000_f16_kv_tokens_per_second", Box::new(|| q4_fleet(KvDtype::F16))),
+        // How much more a 256-token prefill chunk costs at position 7,500 than at the start of a
+        // prompt (the scheduler's `attention_cost_positions` comes from this).
+        (
+            "chunk256_at_7500_vs_at_0_cost_ratio",
+            Box::new(|| {
+                let far = q4_kv(&weights, KvDtype::F16, blocks).chunk_at(7500, 256);
+                far / q4_kv(&weights, KvDtype::F16, blocks).chunk_at(0, 256)
+            }),
+        ),
         ("batch8_decode_tokens_per_second", Box::new(|| batch(8, false))),
         ("batch32_decode_tokens_per_second", Box::new(|| batch(32, false))),
         ("batch4_decode_q4_tokens_per_second", Box::new(|| batch(4, true))),

@@ -71,6 +71,7 @@ pub struct RouterConfig {
     pub probe_timeout: Duration,
     /// Interval of the prefill + decode pair probes (a real 2-token request through both). A client
     /// request that completes through a pair proves the path as well, so a busy router sends few.
+    /// Each one may take this long (it queues behind the workers' work like any request).
     pub pair_probe_interval: Duration,
     /// Largest upstream response body the router buffers (non-streaming answers).
     pub upstream_body_bytes_max: usize,

@@ -168,7 +168,9 @@ impl Router {
             body: PROBE_BODY.to_vec(),
             prompt: String::new(),
             received: now,
-            deadline: now + self.cfg.probe_timeout,
+            // A real request through two workers, queued behind their work like any other: it may
+            // take until the next one is due (a worker's own probe answers within `probe_timeout`).
+            deadline: now + self.cfg.pair_probe_interval.max(self.cfg.probe_timeout),
             retries_max: 0,
             body_bytes_max: self.cfg.upstream_body_bytes_max,
             migrations_max: 0,

@@ -1,5 +1,7 @@
 //! The continuous-batching state machine.
 
+mod check;
+
 use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
@@ -87,6 +89,9 @@ pub struct Scheduler {
 }
 
 const DRAIN_WINDOW: usize = 64;
+/// An offer outlives its request's deadline by this much, so the decode worker, which ends the
+/// request at the same deadline, reports it as timed out rather than as a failed transfer.
+const LEASE_PAST_DEADLINE: Duration = Duration::from_secs(1);
 
 impl Scheduler {
     pub fn new(config: SchedulerConfig, kv: KvCache, now: Instant) -> Self {
@@ -365,8 +370,8 @@ impl Scheduler {
     }
 
     /// Ends expired requests and leases, then plans the next step: every running decode first, then
-    /// prefill chunks (continuing ones, then newly admitted ones) under the token budget. The KV for
-    /// every item is reserved before this returns.
+    /// prefill chunks (continuing ones, then newly admitted ones) under the token budget (chunks count
+    /// their cost: [`SchedulerConfig::chunk_cost`]). The KV for every item is reserved on return.
     pub fn poll_batch(&mut self, now: Instant) -> Vec<BatchItem> {
         self.poll_batch_within(now, self.config.max_batch_tokens)
     }
@@ -404,7 +409,9 @@ impl Scheduler {
                 budget -= 1;
             }
         }
-        // Then prefill chunks of running requests, oldest first.
+        // Then prefill chunks of running requests, oldest first, each at most half the step while others wait.
+        let contended = !self.waiting.is_empty() || self.running.len() > 1;
+        let share = if self.waiting.is_empty() && prefilling.len() < 2 { cap } else { cap.div_ceil(2) };
         for id in prefilling {
             if budget == 0 {
                 break;
@@ -412,8 +419,8 @@ impl Scheduler {
             if !self.reqs.get(&id).is_some_and(|r| matches!(r.state, State::Running { .. })) {
                 continue;
             }
-            if let Some(item) = self.plan_prefill(id, budget) {
-                budget -= item.num_tokens;
+            if let Some(item) = self.plan_prefill(id, budget.min(share), contended) {
+                budget = budget.saturating_sub(self.config.chunk_cost(item.start_pos, item.num_tokens));
                 batch.push(item);
             }
         }
@@ -453,15 +460,16 @@ impl Scheduler {
                 self.stats.prefix_miss_tokens_total += (tokens.len() - hit.cached_tokens) as u64;
             }
             self.running.push(id);
-            match self.plan_prefill(id, budget) {
+            let contended = !batch.is_empty() || !self.waiting.is_empty() || self.running.len() > 1;
+            match self.plan_prefill(id, budget, contended) {
                 Some(item) => {
-                    budget -= item.num_tokens;
+                    budget = budget.saturating_sub(self.config.chunk_cost(item.start_pos, item.num_tokens));
                     batch.push(item);
                 }
                 None => break,
             }
         }
-        self.stats.batch_tokens_last_step = cap - budget;
+        self.stats.batch_tokens_last_step = batch.iter().map(|i| i.num_tokens).sum();
         if !batch.is_empty() {
             self.stats.steps_total += 1;
         }
@@ -496,11 +504,10 @@ impl Scheduler {
     }
 
     /// Reserves the next prefill chunk of `id` (KV permitting) and returns its item.
-    fn plan_prefill(&mut self, id: RequestId, budget: usize) -> Option<BatchItem> {
+    fn plan_prefill(&mut self, id: RequestId, budget: usize, contended: bool) -> Option<BatchItem> {
         let r = &self.reqs[&id];
         let computed = self.kv.computed_tokens(r.seq).ok()?;
-        let remaining = r.tokens.len() - computed;
-        let n = remaining.min(self.config.prefill_chunk_tokens).min(budget);
+        let n = self.config.chunk_len(computed, r.tokens.len() - computed, budget, contended);
         if n == 0 {
             return None;
         }
@@ -669,7 +676,7 @@ impl Scheduler {
             // The lease references the blocks, which the prefix cache keeps once the transfer ends.
             let _ = self.kv.cache_prefix(seq);
             let transfer = TransferId(id.0);
-            let until = self.ms((now + self.config.kv_lease).min(r_deadline));
+            let until = self.ms((now + self.config.kv_lease).min(r_deadline + LEASE_PAST_DEADLINE));
             match self.kv.lease_sequence(seq, transfer, until) {
                 Ok(lease) => {
                     let blocks = lease.blocks.to_vec();
@@ -727,74 +734,5 @@ impl Scheduler {
             output_tokens: r.output_len,
             cached_tokens: r.cached_tokens.unwrap_or(0),
         });
-    }
-
-    /// Checks that every live request is in exactly one place matching its state, that the KV cache
-    /// holds exactly the running requests' sequences and the outstanding leases, and the cache's own
-    /// invariants. For tests and fuzzing.
-    pub fn check_invariants(&self) -> Result<(), String> {
-        let mut seen = HashSet::new();
-        for (list, name) in [
-            (self.waiting.iter().collect::<Vec<_>>(), "waiting"),
-            (self.running.iter().collect(), "running"),
-            (self.awaiting.iter().collect(), "awaiting"),
-        ] {
-            for id in list {
-                if !seen.insert(*id) {
-                    return Err(format!("{id} is in two places (again in {name})"));
-                }
-                let r = self.reqs.get(id).ok_or_else(|| format!("{id} in {name} is not live"))?;
-                let ok = matches!(
-                    (name, r.state),
-                    ("waiting", State::Waiting)
-                        | ("running", State::Running { .. })
-                        | ("awaiting", State::AwaitingKv { .. })
-                );
-                if !ok {
-                    return Err(format!("{id} is in {name} but its state is {:?}", r.state));
-                }
-            }
-        }
-        if self.deadlines.len() != self.reqs.len() {
-            return Err(format!(
-                "{} deadline entries for {} requests",
-                self.deadlines.len(),
-                self.reqs.len()
-            ));
-        }
-        let waiting_with_deadline = self.reqs.values().filter(|r| r.wait_until.is_some()).count();
-        if self.waits.len() != waiting_with_deadline {
-            return Err(format!("{} wait entries for {waiting_with_deadline} waits", self.waits.len()));
-        }
-        if seen.len() != self.reqs.len() {
-            return Err(format!("{} live requests, {} placed", self.reqs.len(), seen.len()));
-        }
-        let kv = self.kv.stats();
-        if kv.sequences != self.running.len() {
-            return Err(format!("{} KV sequences for {} running requests", kv.sequences, self.running.len()));
-        }
-        for id in &self.running {
-            let r = &self.reqs[id];
-            let computed = self.kv.computed_tokens(r.seq).map_err(|e| e.to_string())?;
-            if computed > r.tokens.len() {
-                return Err(format!("{id}: {computed} computed of {} tokens", r.tokens.len()));
-            }
-        }
-        if kv.leases != self.awaiting.len() + self.leases_out.len() {
-            return Err(format!(
-                "{} leases, {} awaiting + {} out",
-                kv.leases,
-                self.awaiting.len(),
-                self.leases_out.len()
-            ));
-        }
-        if self.running.len() > self.config.max_running_requests {
-            return Err(format!(
-                "{} running over the cap {}",
-                self.running.len(),
-                self.config.max_running_requests
-            ));
-        }
-        self.kv.check_invariants()
     }
 }

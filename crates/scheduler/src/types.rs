@@ -52,6 +52,42 @@ pub struct SchedulerConfig {
     /// running sequence will never attend to again are given back after each step (see
     /// `KvCache::release_outside_window`), and prompts are cached only when they end, whole.
     pub sliding_window: Option<usize>,
+    /// Prefill chunks shrink with the context they attend to: attending to this many earlier positions
+    /// costs about as much as a token's own work (weights), so a chunk of `n` tokens from position `p`
+    /// costs `n * (1 + p / attention_cost_positions)` tokens of the step's budget. Alone, a chunk may
+    /// cost the whole budget; beside other work (waiting requests, other running ones) at most
+    /// `prefill_chunk_tokens`, so the step stays as short as one at the start of a prompt: a short
+    /// request arriving during a long prompt waits one short step, running decodes keep their pace.
+    /// `None`: chunks by tokens alone.
+    pub attention_cost_positions: Option<usize>,
+}
+
+impl SchedulerConfig {
+    /// What a prefill chunk of `n` tokens from position `p` counts against a step's budget.
+    pub fn chunk_cost(&self, p: usize, n: usize) -> usize {
+        match self.attention_cost_positions {
+            Some(e) if e > 0 => n.saturating_add(n.saturating_mul(p).div_ceil(e)),
+            _ => n,
+        }
+    }
+
+    /// The longest chunk from position `p` within `budget` and the chunk size whose cost fits the budget
+    /// (`contended`: the chunk size), at least one token (a step always makes progress), at most
+    /// `remaining`; none without a budget.
+    pub fn chunk_len(&self, p: usize, remaining: usize, budget: usize, contended: bool) -> usize {
+        if budget == 0 {
+            return 0;
+        }
+        let limit = budget.min(self.prefill_chunk_tokens);
+        let n = match self.attention_cost_positions {
+            Some(e) if e > 0 => {
+                let cost_limit = if contended { limit } else { budget };
+                limit.min(cost_limit.saturating_mul(e) / e.saturating_add(p))
+            }
+            _ => limit,
+        };
+        n.max(1).min(remaining)
+    }
 }
 
 /// Which waiting request is admitted next.
@@ -88,6 +124,7 @@ impl Default for SchedulerConfig {
                 window: 32,
             },
             sliding_window: None,
+            attention_cost_positions: None,
         }
     }
 }

@@ -551,3 +551,62 @@ fn a_sliding_window_runs_a_request_longer_than_the_pool() {
     let (mut s, t0) = sched(SchedulerConfig { sliding_window: None, ..config }, 10);
     assert!(matches!(s.handle_request(req(1, 30, 200, t0), t0), Err(Rejection::KvCapacityExceeded { .. })));
 }
+
+#[test]
+fn late_chunks_of_a_long_prompt_shrink_and_a_short_request_waits_one_short_step() {
+    // The defaults: 2,048 tokens a step, 512 a chunk; attending to 1,000 positions costs a token.
+    let config = SchedulerConfig {
+        max_context_tokens: 9000,
+        attention_cost_positions: Some(1000),
+        ..SchedulerConfig::default()
+    };
+    let (mut s, t0) = sched(config.clone(), 2500);
+    s.handle_request(req(1, 8000, 4, t0), t0).unwrap();
+    let mut now = t0;
+    let mut chunks = Vec::new();
+    let mut short_joined = None;
+    for step in 0..1000 {
+        let batch = s.poll_batch(now);
+        let cost: usize = batch.iter().map(|i| config.chunk_cost(i.start_pos, i.num_tokens)).sum();
+        assert!(cost <= 2048 + 8, "step {step} costs {cost}: {batch:?}");
+        let long = batch.iter().find(|i| i.id == RequestId(1) && !i.sample);
+        if let Some(short) = batch.iter().find(|i| i.id == RequestId(2) && i.start_pos == 0) {
+            // The short request came while the long prompt was past 6,000 and got its whole prompt
+            // into the very next step, beside a chunk of the long one no costlier than a first one.
+            assert_eq!(short_joined, Some(step), "{batch:?}");
+            assert!(short.sample && short.num_tokens == 10, "{batch:?}");
+            let long = long.unwrap();
+            assert!(config.chunk_cost(long.start_pos, long.num_tokens) <= 512 + 8, "{batch:?}");
+        }
+        if let Some(long) = long {
+            chunks.push((long.start_pos, long.num_tokens));
+        }
+        let sampled: Vec<Sampled> =
+            batch.iter().filter(|i| i.sample).map(|i| Sampled { id: i.id, token: 9, stop: false }).collect();
+        s.handle_step_result(&sampled, now);
+        s.check_invariants().unwrap();
+        if short_joined.is_none() && chunks.last().is_some_and(|&(p, _)| p >= 6000) {
+            s.handle_request(req(2, 10, 2, t0), now).unwrap();
+            short_joined = Some(step + 1);
+        }
+        while s.poll_event().is_some() {}
+        if s.is_empty() {
+            break;
+        }
+        now += Duration::from_millis(10);
+    }
+    assert!(s.is_empty() && short_joined.is_some());
+    // Alone: whole chunks while they cost at most the step's budget (to position 3,000), then about
+    // 2,048,000 / (1,000 + p) tokens: 239 at 7,562. Short ones only while the short request ran.
+    assert_eq!(&chunks[..6], &[(0, 512), (512, 512), (1024, 512), (1536, 512), (2048, 512), (2560, 512)]);
+    let &(p, n) = chunks.last().unwrap();
+    assert!(p > 7500 && (220..=250).contains(&n), "{chunks:?}");
+    let small = chunks.iter().filter(|c| c.1 < 100).count();
+    assert!((1..=3).contains(&small), "{chunks:?}");
+    // Without the cost, chunks stay at 512: a step at 7,500 costs about eight of the first ones.
+    let plain = SchedulerConfig { attention_cost_positions: None, ..config.clone() };
+    assert_eq!(plain.chunk_len(7500, 500, 2048, true), 500);
+    assert_eq!(config.chunk_len(7500, 500, 2048, true), 60);
+    assert_eq!(config.chunk_len(7500, 500, 2048, false), 240);
+    assert_eq!(config.chunk_len(7500, 500, 0, false), 0);
+}

@@ -203,6 +203,7 @@ fn config() -> SchedulerConfig {
         max_batch_tokens: 512,
         prefill_chunk_tokens: 128,
         max_context_tokens: 4096,
+        attention_cost_positions: Some(1000),
         ..SchedulerConfig::default()
     }
 }

@@ -34,6 +34,8 @@ pdserve-server [options]
   --admission ORDER        least-work (default: the fewest uncached prompt tokens first, a request
                            overtaken for at most 60 s plus its tokens / 100 per s) or fifo
   --prefill-chunk N        prefill chunk per request per step (default 512; also --chunked-prefill-size)
+  --attention-cost N       chunks shrink with their context: attending to N earlier positions counts as
+                           one more token (default 1000, measured on the CPU backend; 0: tokens alone)
   --max-context N          context cap in tokens (default: the model's maximum, or what the KV pool holds if
                            less; also --context-length, --max-model-len)
   --kv-blocks N            KV cache blocks (default 1024)
@@ -86,6 +88,7 @@ const VALUED: &[&str] = &[
     "--admission",
     "--tool-parser",
     "--prefill-chunk",
+    "--attention-cost",
     "--max-context",
     "--kv-blocks",
     "--block-size",
@@ -186,6 +189,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 })?)
             }
             "--prefill-chunk" => e.scheduler.prefill_chunk_tokens = n()?,
+            "--attention-cost" => e.scheduler.attention_cost_positions = Some(n()?).filter(|&n| n > 0),
             "--max-context" => e.scheduler.max_context_tokens = n()?,
             "--kv-blocks" => e.kv_blocks = n()?,
             "--block-size" => e.block_size = n()?,

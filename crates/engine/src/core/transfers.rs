@@ -4,16 +4,16 @@
 
 use std::time::{Duration, Instant};
 
-use pdserve_api::Stage as ApiStage;
+use pdserve_api::{Outcome as ApiOutcome, Stage as ApiStage};
 use pdserve_kvcache::{BlockId, TransferId};
 use pdserve_model::Backend;
 use pdserve_pd_transfer::{
-    BlockMemory, Endpoint, EndpointEvent, Outcome as TransferOutcome, PromptMeta, Side, TransferError,
-    TransferKey,
+    BlockMemory, Endpoint, EndpointEvent, FailReason, Outcome as TransferOutcome, PromptMeta, Side,
+    TransferError, TransferKey,
 };
-use pdserve_scheduler::{KvSource, NewRequest, RequestId};
+use pdserve_scheduler::{KvSource, NewRequest, Outcome, RequestId, Stage};
 
-use super::{Core, Offered, Pulled, RemoteFirst, Reply, Submission};
+use super::{Core, Offered, Pulled, RemoteFirst, Reply, Submission, Times};
 use crate::{EngineError, KvTransferProblem};
 
 /// The backend's KV memory, as the transfer endpoint reads and writes it.
@@ -213,9 +213,19 @@ impl Core {
             self.sched.handle_transfer_done(TransferId(t));
             return;
         }
+        // The pull waits until the request's deadline: running out is the request timing out (the
+        // scheduler ends an admitted one at that deadline), not a broken transfer.
+        let timed_out = outcome == TransferOutcome::Failed(FailReason::DataTimeout);
         if let Some(s) = self.describing.remove(&t) {
             // Ended before the prefill worker described it: the request was never admitted.
             self.shared.ledger().finish(&s.request_id);
+            if timed_out {
+                self.count_finished(ApiOutcome::TimedOut, ApiStage::KvTransfer);
+                let outcome = Outcome::TimedOut { stage: Stage::KvTransfer };
+                let times = Times::default();
+                let id = s.id;
+                return self.send(Reply::Finished { id, outcome, output_tokens: 0, cached_tokens: 0, times });
+            }
             let problem = match outcome {
                 TransferOutcome::Failed(r) => KvTransferProblem::Failed(r),
                 TransferOutcome::Completed => KvTransferProblem::EndedUndescribed,
@@ -250,6 +260,7 @@ impl Core {
                     self.send(Reply::Token { id: req, token: first, logprob, top, stop });
                 }
             }
+            TransferOutcome::Failed(_) if timed_out => {}
             TransferOutcome::Failed(reason) => {
                 self.sched.handle_kv_failed(RequestId(req), &format!("KV transfer failed: {reason}"), now);
             }
