@@ -130,6 +130,26 @@ fn a_bad_handle_fails_the_request_with_a_reason() {
     assert_eq!(prefill.json("POST", "/v1/chat/completions", &with.to_string()).0, 400);
 }
 
+/// The pull waits until the request's deadline; running out is the request timing out (504), not a
+/// broken transfer (502), so a router does not hold it against the pair.
+#[test]
+fn a_pull_that_runs_out_of_time_is_a_timeout_not_a_failed_transfer() {
+    let prefill = Worker::start(&["--role", "prefill"]);
+    let decode = Worker::start(&["--role", "decode"]);
+    let body = chat("What is the capital of France?", r#","temperature":0,"max_tokens":8,"timeout":1"#);
+    let (_, handle) = prefill.json("POST", "/v1/chat/completions", &body);
+    // A prefill worker that takes the connection and never says a word.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut b: serde_json::Value = serde_json::from_str(&body).unwrap();
+    b["pd_transfer"] = handle["pd_transfer"].clone();
+    b["pd_transfer"]["addr"] = serde_json::json!(silent.local_addr().unwrap().to_string());
+    let start = Instant::now();
+    let (s, v) = decode.json("POST", "/v1/chat/completions", &b.to_string());
+    assert_eq!((s, v["error"]["type"].as_str()), (504, Some("deadline_exceeded")), "{v}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert!(decode.json("GET", "/debug/requests", "").1["requests"].as_array().unwrap().is_empty());
+}
+
 /// The transfer handshake states the KV dtype: an f32 prefill worker and an f16 decode worker (the
 /// default) refuse each other's blocks with an explicit error instead of reading them as the wrong type;
 /// both sides' transfer bookkeeping ends.
