@@ -65,6 +65,9 @@ pub struct EngineConfig {
     /// Prefill role: keep the KV memory in a shared file under `/dev/shm`, so decode workers on the
     /// same host copy blocks straight out of it instead of receiving them over TCP.
     pub kv_shm: bool,
+    /// The stack's scope for shared KV files (`pdserve_pd_transfer::transport::shm::scope_for` of
+    /// its cluster secret): a prefill engine names its region in it, a decode engine maps no other.
+    pub shm_scope: String,
     /// Live requests the ledger tracks at most.
     pub ledger_capacity: usize,
     /// How long past its deadline a request may stay before the caller's side ends it itself (a stuck
@@ -110,6 +113,7 @@ impl EngineConfig {
             block_size: 16,
             transfer_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             kv_shm: false,
+            shm_scope: pdserve_pd_transfer::transport::shm::LOCAL_SCOPE.to_owned(),
             ledger_capacity: 65_536,
             watchdog_grace: Duration::from_secs(2),
             replies_per_request: 64,

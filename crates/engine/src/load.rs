@@ -76,7 +76,7 @@ pub(crate) fn backend(
     let (b, kv_shm_path) = if config.kv_shm && config.role == Role::Prefill {
         let bytes =
             pdserve_model::KvLayout::for_model(model, blocks, block_size, dtype).block_bytes() * blocks;
-        let region = SharedRegion::create(bytes)?;
+        let region = SharedRegion::create(&config.shm_scope, bytes)?;
         let path = region.path().to_path_buf();
         let b = CpuBackend::with_kv_store(
             model.clone(),
@@ -104,13 +104,15 @@ pub(crate) fn backend(
 
 /// What a KV transfer transport is made for: the engine's role, where a prefill engine listens, and the
 /// KV layout its blocks have.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransportSpec {
     pub role: Role,
     /// A prefill engine's transfer address (`EngineConfig::transfer_addr`); `None` for a decode engine,
     /// which only connects.
     pub listen: Option<SocketAddr>,
     pub layout: Layout,
+    /// The stack's scope for shared KV files (`EngineConfig::shm_scope`).
+    pub shm_scope: String,
 }
 
 /// The transports [`Engine::start`](crate::Engine::start) uses: TCP for a prefill engine (it sends
@@ -119,7 +121,9 @@ pub struct TransportSpec {
 /// takes any other sender's inline.
 pub fn default_transport(spec: &TransportSpec) -> io::Result<Box<dyn Transport>> {
     Ok(match spec.role {
-        Role::Decode => Box::new(SharedMemoryTransport::bind(spec.listen, spec.layout.block_bytes())?),
+        Role::Decode => Box::new(
+            SharedMemoryTransport::bind(spec.listen, spec.layout.block_bytes())?.with_scope(&spec.shm_scope),
+        ),
         _ => Box::new(TcpTransport::bind(spec.listen)?),
     })
 }
@@ -147,7 +151,8 @@ pub(crate) fn endpoint(
         },
     };
     let listen = (config.role == Role::Prefill).then_some(config.transfer_addr);
-    let transport = make(&TransportSpec { role: config.role, listen, layout })?;
+    let shm_scope = config.shm_scope.clone();
+    let transport = make(&TransportSpec { role: config.role, listen, layout, shm_scope })?;
     let ep_config = EndpointConfig {
         sender: SenderConfig { shared_region: shared, ..SenderConfig::default() },
         // Epochs differ per process, so a handle from an earlier incarnation is refused as stale.

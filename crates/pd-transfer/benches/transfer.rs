@@ -45,7 +45,8 @@ fn prefill_worker(
     let bb = layout().block_bytes();
     let start = Instant::now();
     let (mut mem, region): (Box<dyn BlockMemory>, _) = if shared {
-        let r = SharedRegion::create((n + 1) * bb).expect("shared region");
+        let r = SharedRegion::create(pdserve_pd_transfer::transport::shm::LOCAL_SCOPE, (n + 1) * bb)
+            .expect("shared region");
         let path = r.path().display().to_string();
         (Box::new(r), Some(path))
     } else {

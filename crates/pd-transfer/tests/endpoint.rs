@@ -36,7 +36,7 @@ impl Worker {
     fn new(listen: bool, shared: bool, maps_regions: bool) -> Worker {
         let bytes = BLOCKS as usize * layout().block_bytes();
         let (mem, region): (Box<dyn BlockMemory>, _) = if shared {
-            let r = SharedRegion::create(bytes).unwrap();
+            let r = SharedRegion::create(pdserve_pd_transfer::transport::shm::LOCAL_SCOPE, bytes).unwrap();
             let path = r.path().display().to_string();
             (Box::new(r), Some(path))
         } else {

@@ -214,5 +214,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
         }
     }
     c.cluster_secret = pdserve_api::header::cluster_secret(secret_file.as_deref())?;
+    // Shared KV files are named in the stack's scope: a decode worker maps only its own stack's.
+    c.engine.shm_scope = pdserve_engine::shm_scope_for(c.cluster_secret.as_deref());
     Ok(Some(c))
 }

@@ -24,6 +24,8 @@ pub struct SharedMemoryTransport {
     views: HashMap<PathBuf, SharedView>,
     /// The region each connection's named blocks are read from.
     regions: HashMap<PeerId, PathBuf>,
+    /// Only regions of this scope are mapped (`shm::scope_for`).
+    scope: String,
 }
 
 impl SharedMemoryTransport {
@@ -35,7 +37,15 @@ impl SharedMemoryTransport {
             block_bytes,
             views: HashMap::new(),
             regions: HashMap::new(),
+            scope: super::shm::LOCAL_SCOPE.to_owned(),
         })
+    }
+
+    /// Maps only the regions of stack `scope` (`shm::scope_for` of its cluster secret); a sender of
+    /// another scope sends its blocks inline. [`LOCAL_SCOPE`](super::shm::LOCAL_SCOPE) by default.
+    pub fn with_scope(mut self, scope: &str) -> SharedMemoryTransport {
+        self.scope = scope.to_owned();
+        self
     }
 
     /// Maps the region at `path` once; false if this process cannot (another host, another user).
@@ -53,7 +63,7 @@ impl SharedMemoryTransport {
                 self.views.remove(&p);
             }
         }
-        match SharedView::open(path, self.block_bytes) {
+        match SharedView::open(path, &self.scope, self.block_bytes) {
             Ok(v) => {
                 self.views.insert(path.to_path_buf(), v);
                 true

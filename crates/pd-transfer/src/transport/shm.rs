@@ -12,6 +12,31 @@ use crate::sys::{effective_uid, map_created, map_read_only, Mmap, MmapMut, O_NOF
 pub const SHM_DIR: &str = "/dev/shm";
 pub const SHM_PREFIX: &str = "pdserve-kv-";
 
+/// The scope of processes with no cluster secret: every such stack of one user on one host.
+pub const LOCAL_SCOPE: &str = "local";
+
+/// The scope a stack's shared KV files are named in (`/dev/shm/pdserve-kv-{scope}-...`): a region
+/// is made in it and a view opens only files of its own scope, so one stack never maps another's
+/// KV. With a cluster secret, a digest of it (64-bit FNV-1a: it tells stacks apart and gives away
+/// nothing a listing of `/dev/shm` could use); without, [`LOCAL_SCOPE`].
+pub fn scope_for(cluster_secret: Option<&str>) -> String {
+    let Some(secret) = cluster_secret else { return LOCAL_SCOPE.to_owned() };
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in b"pdserve shared KV scope\0".iter().chain(secret.as_bytes()) {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+/// Whether `scope` may name files: 1 to 32 lowercase letters and digits.
+fn scope_ok(scope: &str) -> bool {
+    (1..=32).contains(&scope.len()) && scope.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+}
+
+fn invalid(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, what)
+}
+
 /// A writable shared region of `bytes` bytes (zeroed) in a new file under `/dev/shm`, removed when
 /// the region is dropped. It is page-aligned.
 #[derive(Debug)]
@@ -21,12 +46,15 @@ pub struct SharedRegion {
 }
 
 impl SharedRegion {
-    /// A new region with a name of its own (`/dev/shm/pdserve-kv-{pid}-{n}`).
-    pub fn create(bytes: usize) -> io::Result<SharedRegion> {
+    /// A new region in `scope` with a name of its own (`/dev/shm/pdserve-kv-{scope}-{pid}-{n}`).
+    pub fn create(scope: &str, bytes: usize) -> io::Result<SharedRegion> {
+        if !scope_ok(scope) {
+            return Err(invalid(format!("{scope:?} is not a shared KV scope (1-32 of a-z, 0-9)")));
+        }
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
-        let path = PathBuf::from(format!("{SHM_DIR}/{SHM_PREFIX}{}-{nanos}", std::process::id()));
+        let path = PathBuf::from(format!("{SHM_DIR}/{SHM_PREFIX}{scope}-{}-{nanos}", std::process::id()));
         SharedRegion::create_at(&path, bytes)
     }
 
@@ -66,18 +94,21 @@ pub struct SharedView {
 }
 
 impl SharedView {
-    /// Opens the shared KV file at `path`. Only files like the ones [`SharedRegion::create`] makes are
-    /// opened: named `/dev/shm/pdserve-kv-*`, a regular file and not a link to one elsewhere, owned by
-    /// this process's user and readable by nobody else, holding a whole number of blocks. Whatever
-    /// names a path, nothing else on the host is read.
-    pub fn open(path: &Path, block_bytes: usize) -> io::Result<SharedView> {
-        let name_ok = path.parent() == Some(Path::new(SHM_DIR))
-            && path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(SHM_PREFIX));
+    /// Opens the shared KV file at `path`. Only files like the ones [`SharedRegion::create`] makes in
+    /// `scope` are opened: named `/dev/shm/pdserve-kv-{scope}-*`, a regular file and not a link to
+    /// one elsewhere, owned by this process's user and readable by nobody else, holding a whole
+    /// number of blocks. Whatever names a path, nothing else on the host is read.
+    pub fn open(path: &Path, scope: &str, block_bytes: usize) -> io::Result<SharedView> {
+        let prefix = format!("{SHM_PREFIX}{scope}-");
+        let name_ok = scope_ok(scope)
+            && path.parent() == Some(Path::new(SHM_DIR))
+            && path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&prefix));
         if !name_ok {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("{} is not a pdserve shared KV file ({SHM_DIR}/{SHM_PREFIX}*)", path.display()),
-            ));
+            let want = format!("{SHM_DIR}/{prefix}*");
+            return Err(invalid(format!(
+                "{} is not a shared KV file of this stack ({want})",
+                path.display()
+            )));
         }
         let file = std::fs::OpenOptions::new().read(true).custom_flags(O_NOFOLLOW).open(path)?;
         let meta = file.metadata()?;
@@ -110,34 +141,49 @@ mod tests {
 
     #[test]
     fn a_view_reads_what_the_region_holds_and_nothing_else_opens() {
-        let mut r = SharedRegion::create(4 * 64).unwrap();
+        let mut r = SharedRegion::create(LOCAL_SCOPE, 4 * 64).unwrap();
         r.bytes_mut()[64..128].fill(7);
-        let v = SharedView::open(r.path(), 64).unwrap();
+        let v = SharedView::open(r.path(), LOCAL_SCOPE, 64).unwrap();
         assert_eq!(v.block(1).unwrap(), &[7u8; 64][..]);
         assert!(v.block(4).is_none());
-        assert!(SharedView::open(r.path(), 48).is_err(), "not whole blocks");
-        assert!(SharedView::open(Path::new("/etc/passwd"), 1).is_err());
+        assert!(SharedView::open(r.path(), LOCAL_SCOPE, 48).is_err(), "not whole blocks");
+        assert!(SharedView::open(Path::new("/etc/passwd"), LOCAL_SCOPE, 1).is_err());
         let path = r.path().to_path_buf();
         // A file with the right name that the region did not make: a link to another file, a file
         // others may read, a file of another user.
         let pid = std::process::id();
-        let link = PathBuf::from(format!("{SHM_DIR}/{SHM_PREFIX}link-{pid}"));
+        let link = PathBuf::from(format!("{SHM_DIR}/{SHM_PREFIX}{LOCAL_SCOPE}-link-{pid}"));
         let _ = std::fs::remove_file(&link);
         std::os::unix::fs::symlink(&path, &link).unwrap();
-        assert!(SharedView::open(&link, 64).is_err(), "a symbolic link is not followed");
+        assert!(SharedView::open(&link, LOCAL_SCOPE, 64).is_err(), "a symbolic link is not followed");
         std::fs::remove_file(&link).unwrap();
-        let open = PathBuf::from(format!("{SHM_DIR}/{SHM_PREFIX}open-{pid}"));
+        let open = PathBuf::from(format!("{SHM_DIR}/{SHM_PREFIX}{LOCAL_SCOPE}-open-{pid}"));
         std::fs::write(&open, [0u8; 64]).unwrap();
         std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
-        assert!(SharedView::open(&open, 64).is_err(), "readable by others: not a region's file");
+        assert!(SharedView::open(&open, LOCAL_SCOPE, 64).is_err(), "readable by others: not a region's file");
         std::fs::set_permissions(&open, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-        assert!(SharedView::open(&open, 64).is_ok());
+        assert!(SharedView::open(&open, LOCAL_SCOPE, 64).is_ok());
         if effective_uid() == 0 {
             std::os::unix::fs::chown(&open, Some(65534), None).unwrap();
-            assert!(SharedView::open(&open, 64).is_err(), "another user's file");
+            assert!(SharedView::open(&open, LOCAL_SCOPE, 64).is_err(), "another user's file");
         }
         std::fs::remove_file(&open).unwrap();
         drop(r);
         assert!(!path.exists(), "the file goes with the region");
+    }
+
+    #[test]
+    fn a_view_opens_only_its_own_stacks_files() {
+        let (ours, theirs) = (scope_for(Some("secret of stack a")), scope_for(Some("secret of stack b")));
+        assert_ne!(ours, theirs);
+        assert_eq!(ours, scope_for(Some("secret of stack a")), "every process of a stack agrees");
+        assert_eq!(scope_for(None), LOCAL_SCOPE);
+        let r = SharedRegion::create(&theirs, 64).unwrap();
+        assert!(r.path().to_string_lossy().contains(&theirs));
+        assert!(SharedView::open(r.path(), &theirs, 64).is_ok());
+        let e = SharedView::open(r.path(), &ours, 64).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
+        assert!(SharedView::open(r.path(), LOCAL_SCOPE, 64).is_err());
+        assert!(SharedRegion::create("../etc", 64).is_err(), "a scope is a name, not a path");
     }
 }
