@@ -52,6 +52,7 @@ pub use gpu::GpuBackend;
 pub use prepare::PreparedWeights;
 pub use quant::WeightFormat;
 pub use sampling::{Sampled, Sampler, SamplingParams};
+pub use sys::{cpu_kernels, set_cpu_kernels, CpuKernels};
 pub use text::{ChatMessage, IncrementalDecoder, TextCodec};
 pub use weights::{CheckpointDtype, Expert, LayerWeights, MoeWeights, Weights};
 

@@ -24,6 +24,8 @@ pdserve-server [options]
                            f32, bf16, f16, q8 or q4: bf16 or f16 for every step, or quantized weights (groups
                            of 32) for every step, longer ones widening them to bf16 as they go where the CPU
                            has AVX-512 BF16; copies nothing reads are freed
+  --cpu-kernels PATH       the CPU kernels to run: avx512, avx2 or portable (default: the best this CPU has;
+                           a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
   --kv-dtype TYPE          CPU KV cache values: f16 (default), bf16 or f32 (the reference; twice the bytes)
   --max-queued N           admission queue bound (default 256; also --max-queued-requests)
   --max-running N          running batch bound (default 64; also --max-running-requests)
@@ -89,6 +91,7 @@ const VALUED: &[&str] = &[
     "--tool-parser",
     "--prefill-chunk",
     "--attention-cost",
+    "--cpu-kernels",
     "--max-context",
     "--kv-blocks",
     "--block-size",
@@ -206,6 +209,11 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 e.kv_dtype = Some(v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?)
             }
             "--weights" => e.weights = v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?,
+            "--cpu-kernels" => {
+                let k = pdserve_model::CpuKernels::parse(&v)
+                    .ok_or_else(|| format!("--cpu-kernels {v}: {}", pdserve_model::CpuKernels::NAMES))?;
+                pdserve_model::set_cpu_kernels(k).map_err(|err| format!("--cpu-kernels {v}: {err}"))?;
+            }
             "--role" => {
                 e.role = pdserve_api::Role::parse(&v).ok_or_else(|| format!("--role {v}: unknown"))?
             }

@@ -108,3 +108,24 @@ fn unknown_weight_format_and_quantized_weights_on_the_gpu_are_refused() {
     assert_eq!(code, Some(1));
     assert!(err.contains("weights q4 are a CPU format"), "{err}");
 }
+
+/// Every CPU kernel family this machine has (AVX-512, AVX2, the portable loops), forced in turn,
+/// serves the default model's greedy answer; the choice is reported, and a name that is none is refused.
+#[test]
+fn every_cpu_kernel_path_serves_the_same_greedy_answer() {
+    for k in pdserve_model::CpuKernels::available() {
+        let w = common::Worker::start(&["--weights", "q4", "--cpu-kernels", k.name()]);
+        let (_, models) = w.json("GET", "/v1/models", "");
+        assert_eq!(models["data"][0]["cpu_kernels"], k.name());
+        let (status, body) = w.json(
+            "POST",
+            "/v1/chat/completions",
+            &common::chat("What is the capital of France?", r#","max_tokens":12,"temperature":0"#),
+        );
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["choices"][0]["message"]["content"], "The capital of France is Paris.", "{k:?}");
+    }
+    let (code, err) = refused(&["--cpu-kernels", "sse9"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("avx512, avx2 or portable"), "{err}");
+}

@@ -8,7 +8,7 @@ pub(crate) fn softmax_masked(row: &mut [f32], visible: usize, scale: f32) {
     assert!(visible >= 1 && visible <= row.len());
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        if super::avx512() {
             // SAFETY: the CPU supports AVX-512F (checked); `visible <= row.len()` (asserted).
             unsafe { softmax_masked_avx512(row, visible, scale) };
             return;
@@ -92,7 +92,7 @@ unsafe fn softmax_masked_avx512(row: &mut [f32], visible: usize, scale: f32) {
 pub(crate) fn exp_scaled(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        if super::avx512() {
             // SAFETY: the CPU supports AVX-512F (checked).
             return unsafe { exp_scaled_avx512(row, scale, shift) };
         }
@@ -147,7 +147,7 @@ pub(crate) fn group_scores(
     assert!(heads == 0 || n == 0 || out.len() >= (heads - 1) * ldo + n);
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        if super::avx512() {
             // SAFETY: AVX-512F (checked); the same safe code, compiled for it.
             unsafe { group_scores_avx512(q, (hd, group), (k, ldk), n, (out, ldo)) };
             return;
@@ -266,7 +266,7 @@ pub(crate) fn group_weighted_sum(
     assert!(heads == 0 || n == 0 || p.len() >= (heads - 1) * ldp + n);
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        if super::avx512() {
             // SAFETY: AVX-512F (checked); the same safe code, compiled for it.
             unsafe { group_weighted_sum_avx512((p, ldp), (hd, group), (v, ldv), n, acc) };
             return;

@@ -9,12 +9,12 @@ pub(crate) fn widen_f16(src: &[u16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        if super::avx512() {
             // SAFETY: AVX-512F (checked); equal lengths (asserted).
             unsafe { widen_f16_avx512(src, dst) };
             return;
         }
-        if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
+        if super::avx2() {
             // SAFETY: F16C and AVX (checked); equal lengths (asserted).
             unsafe { widen_f16_f16c(src, dst) };
             return;
@@ -28,7 +28,7 @@ pub(crate) fn widen_bf16(src: &[u16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        if super::avx512() {
             // SAFETY: AVX-512F (checked); equal lengths (asserted).
             unsafe { widen_bf16_avx512(src, dst) };
             return;
@@ -42,12 +42,12 @@ pub(crate) fn narrow_f16(src: &[f32], dst: &mut [u16]) {
     assert_eq!(src.len(), dst.len());
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        if super::avx512() {
             // SAFETY: AVX-512F (checked); equal lengths (asserted).
             unsafe { narrow_f16_avx512(src, dst) };
             return;
         }
-        if std::is_x86_feature_detected!("f16c") && std::is_x86_feature_detected!("avx") {
+        if super::avx2() {
             // SAFETY: F16C and AVX (checked); equal lengths (asserted).
             unsafe { narrow_f16_f16c(src, dst) };
             return;

@@ -8,7 +8,7 @@ pub(crate) fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
     assert!(g.len() == u.len() && u.len() == out.len());
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx512f") {
+        if super::avx512() {
             // SAFETY: the CPU supports AVX-512F (checked); the lengths are equal (asserted).
             unsafe { silu_mul_avx512(g, u, out) };
             return;
@@ -46,7 +46,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     #[cfg(target_arch = "x86_64")]
     {
-        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        if super::avx2() {
             // SAFETY: the CPU supports AVX2 and FMA (checked just above), and the lengths are equal.
             return unsafe { dot_avx2(a, b) };
         }

@@ -80,7 +80,7 @@ pub(crate) fn sgemm_xwt_avx512_strided(
     assert!(cols == 0 || w.len() >= (cols - 1) * ldw + k);
     #[cfg(target_arch = "x86_64")]
     {
-        if cols.is_multiple_of(32) && k > 0 && std::is_x86_feature_detected!("avx512f") {
+        if cols.is_multiple_of(32) && k > 0 && super::avx512() {
             // SAFETY: the CPU supports AVX-512F (checked) and the lengths were asserted above.
             unsafe { sgemm_xwt_avx512_impl((x, ldx), t, k, (w, ldw), cols, part) };
             return true;
@@ -175,7 +175,7 @@ unsafe fn tile<const R: usize>(
 pub(crate) fn has_bf16_gemm() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::is_x86_feature_detected!("avx512f") && std::is_x86_feature_detected!("avx512bf16")
+        super::avx512() && std::is_x86_feature_detected!("avx512bf16")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -56,7 +56,11 @@ mod attention;
 mod convert;
 mod elementwise;
 mod gemm;
+mod isa;
 mod qdot;
+
+pub(crate) use isa::{avx2, avx512};
+pub use isa::{cpu_kernels, set_cpu_kernels, CpuKernels};
 
 pub(crate) use attention::*;
 pub(crate) use convert::*;

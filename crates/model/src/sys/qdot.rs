@@ -1,21 +1,67 @@
 //! Quantized dot products: an f32 vector against a row of Q8 (int8, f16 scale per 32) or Q4 (4-bit,
-//! f16 scale and minimum per 32) weights, AVX-512 with a portable fallback.
+//! f16 scale and minimum per 32) weights, or of f16 weights: AVX-512, AVX2 (+FMA, F16C), and the
+//! portable loops, chosen by `cpu_kernels()`.
 
+use super::CpuKernels;
 use crate::bits16::{bf16_bits, f16_value};
 
 /// `sum_i x[i] * q[i] * scales[i / 32]`: a dot product against one Q8 row (`scales` as f16 bits),
 /// with an AVX-512 kernel where the CPU has one.
 pub(crate) fn dot_q8(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
+    dot_q8_with(super::cpu_kernels(), x, q, scales)
+}
+
+/// [`dot_q8`] with the kernels `k` (at most what the CPU has: `cpu_kernels()` or `available()`).
+pub(crate) fn dot_q8_with(k: CpuKernels, x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
     assert_eq!(x.len(), q.len());
     assert_eq!(q.len(), scales.len() * 32);
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked just above) and the lengths match.
-            return unsafe { dot_q8_avx512(x, q, scales) };
-        }
+    assert!(k <= CpuKernels::detected());
+    match k {
+        // SAFETY: the CPU has AVX-512F (`k` is at most what it has, asserted above); lengths match.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => unsafe { dot_q8_avx512(x, q, scales) },
+        // SAFETY: the CPU has AVX2, FMA and F16C (as above); lengths match.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => unsafe { dot_q8_avx2(x, q, scales) },
+        _ => dot_q8_portable(x, q, scales),
     }
-    dot_q8_portable(x, q, scales)
+}
+
+/// The sum of the eight lanes of `v`.
+///
+/// # Safety
+/// AVX (part of AVX2).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn hsum256(v: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+}
+
+/// # Safety
+/// AVX2, FMA and F16C; `x.len() == q.len() == 32 * scales.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q8_avx2(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
+    use std::arch::x86_64::*;
+    let (px, pq) = (x.as_ptr(), q.as_ptr());
+    let mut acc = _mm256_setzero_ps();
+    for (g, &s) in scales.iter().enumerate() {
+        let o = g * 32;
+        // Four rows of eight: two independent FMA chains, then the group's scale.
+        let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for j in [0usize, 16] {
+            // SAFETY (of the loads): o + j + 16 <= x.len() == q.len().
+            let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(pq.add(o + j).cast())));
+            let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(pq.add(o + j + 8).cast())));
+            a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(px.add(o + j)), a);
+            b = _mm256_fmadd_ps(w1, _mm256_loadu_ps(px.add(o + j + 8)), b);
+        }
+        acc = _mm256_fmadd_ps(_mm256_add_ps(a, b), _mm256_set1_ps(f16_value(s)), acc);
+    }
+    hsum256(acc)
 }
 
 fn dot_q8_portable(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
@@ -83,16 +129,70 @@ unsafe fn dot_q8_avx512(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
 /// `sum_g scales[g] * (q_g . x_g) + mins[g] * xsum[g]` for one Q4 row (see `quant::Q4Matrix`; scales
 /// and minimums as f16 bits), with an AVX-512 kernel where the CPU has one.
 pub(crate) fn dot_q4(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
+    dot_q4_with(super::cpu_kernels(), x, packed, scales, mins, xsum)
+}
+
+/// [`dot_q4`] with the kernels `k` (at most what the CPU has).
+pub(crate) fn dot_q4_with(
+    k: CpuKernels,
+    x: &[f32],
+    packed: &[u8],
+    scales: &[u16],
+    mins: &[u16],
+    xsum: &[f32],
+) -> f32 {
     assert_eq!(x.len(), packed.len() * 2);
     assert!(scales.len() == mins.len() && mins.len() == xsum.len() && x.len() == scales.len() * 32);
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked just above) and the lengths match.
-            return unsafe { dot_q4_avx512(x, packed, scales, mins, xsum) };
-        }
+    assert!(k <= CpuKernels::detected());
+    match k {
+        // SAFETY: the CPU has AVX-512F (`k` is at most what it has, asserted above); lengths match.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => unsafe { dot_q4_avx512(x, packed, scales, mins, xsum) },
+        // SAFETY: the CPU has AVX2, FMA and F16C (as above); lengths match.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => unsafe { dot_q4_avx2(x, packed, scales, mins, xsum) },
+        _ => dot_q4_portable(x, packed, scales, mins, xsum),
     }
-    dot_q4_portable(x, packed, scales, mins, xsum)
+}
+
+/// # Safety
+/// AVX2, FMA and F16C; lengths as `dot_q4` asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q4_avx2(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let (px, pq) = (x.as_ptr(), packed.as_ptr());
+    let low = _mm_set1_epi8(15);
+    let mut acc = _mm256_setzero_ps();
+    let mut macc = _mm256_setzero_ps();
+    for (g, &s) in scales.iter().enumerate() {
+        let (o, b) = (g * 32, g * 16);
+        // SAFETY (of the loads): b + 16 <= packed.len() and o + 32 <= x.len().
+        let bytes = _mm_loadu_si128(pq.add(b).cast());
+        // Low nibbles weigh x[o..o + 16], high ones x[o + 16..o + 32], eight at a time.
+        let lo = _mm_and_si128(bytes, low);
+        let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+        let (mut a, mut c) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for (nib, at) in [(lo, 0usize), (hi, 16)] {
+            let w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
+            let w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nib, 8)));
+            a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(px.add(o + at)), a);
+            c = _mm256_fmadd_ps(w1, _mm256_loadu_ps(px.add(o + at + 8)), c);
+        }
+        acc = _mm256_fmadd_ps(_mm256_add_ps(a, c), _mm256_set1_ps(f16_value(s)), acc);
+    }
+    // The minimums' share: eight groups at a time.
+    let groups = mins.len();
+    let mut g = 0;
+    while g + 8 <= groups {
+        // SAFETY (of the loads): g + 8 <= groups == mins.len() == xsum.len().
+        let m = _mm256_cvtph_ps(_mm_loadu_si128(mins.as_ptr().add(g).cast()));
+        macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum.as_ptr().add(g)), macc);
+        g += 8;
+    }
+    hsum256(acc)
+        + hsum256(macc)
+        + mins[g..].iter().zip(&xsum[g..]).map(|(&m, s)| f16_value(m) * s).sum::<f32>()
 }
 
 fn dot_q4_portable(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
@@ -157,15 +257,43 @@ unsafe fn dot_q4_avx512(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], 
 /// `x . w` for `w` in f16 bits (an f16 checkpoint's row), widened as it is read: AVX-512 where the
 /// CPU has it.
 pub(crate) fn dot_f16(x: &[f32], w: &[u16]) -> f32 {
+    dot_f16_with(super::cpu_kernels(), x, w)
+}
+
+/// [`dot_f16`] with the kernels `k` (at most what the CPU has).
+pub(crate) fn dot_f16_with(k: CpuKernels, x: &[f32], w: &[u16]) -> f32 {
     assert_eq!(x.len(), w.len());
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU supports AVX-512F (checked just above) and the lengths match.
-            return unsafe { dot_f16_avx512(x, w) };
-        }
+    assert!(k <= CpuKernels::detected());
+    match k {
+        // SAFETY: the CPU has AVX-512F (`k` is at most what it has, asserted above); lengths match.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => unsafe { dot_f16_avx512(x, w) },
+        // SAFETY: the CPU has AVX2, FMA and F16C (as above); lengths match.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => unsafe { dot_f16_avx2(x, w) },
+        _ => x.iter().zip(w).map(|(a, &b)| a * f16_value(b)).sum(),
     }
-    x.iter().zip(w).map(|(a, &b)| a * f16_value(b)).sum()
+}
+
+/// # Safety
+/// AVX2, FMA and F16C; `x.len() == w.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f16_avx2(x: &[f32], w: &[u16]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY (of the loads): i + 16 <= n for both slices.
+        let w0 = _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(i).cast()));
+        let w1 = _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().add(i + 8).cast()));
+        a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x.as_ptr().add(i)), a0);
+        a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.as_ptr().add(i + 8)), a1);
+        i += 16;
+    }
+    let tail: f32 = x[i..].iter().zip(&w[i..]).map(|(a, &b)| a * f16_value(b)).sum();
+    hsum256(_mm256_add_ps(a0, a1)) + tail
 }
 
 /// # Safety
@@ -439,6 +567,7 @@ unsafe fn q4_bf16_rows_avx512(
 
 #[cfg(test)]
 mod tests {
+    use super::CpuKernels;
     use crate::bits16::{f16_bits, f16_value};
 
     #[test]
@@ -449,8 +578,10 @@ mod tests {
         let s: Vec<u16> = (0..37).map(|g| f16_bits(0.01 + g as f32 * 0.003)).collect();
         let sf = |g: usize| f64::from(f16_value(s[g]));
         let exact: f64 = (0..n).map(|i| f64::from(x[i]) * f64::from(q[i]) * sf(i / 32)).sum();
-        assert!((f64::from(super::dot_q8(&x, &q, &s)) - exact).abs() < 1e-3);
-        assert!((f64::from(super::dot_q8_portable(&x, &q, &s)) - exact).abs() < 1e-3);
+        for k in CpuKernels::available() {
+            let got = f64::from(super::dot_q8_with(k, &x, &q, &s));
+            assert!((got - exact).abs() < 1e-3, "{k:?}: {got} against {exact}");
+        }
     }
 
     #[test]
@@ -471,7 +602,22 @@ mod tests {
                 exact += f64::from(x[g * 32 + j + 16]) * (mf(g) + hi * sf(g));
             }
         }
-        assert!((f64::from(super::dot_q4(&x, &packed, &s, &m, &xsum)) - exact).abs() < 1e-3);
-        assert!((f64::from(super::dot_q4_portable(&x, &packed, &s, &m, &xsum)) - exact).abs() < 1e-3);
+        for k in CpuKernels::available() {
+            let got = f64::from(super::dot_q4_with(k, &x, &packed, &s, &m, &xsum));
+            assert!((got - exact).abs() < 1e-3, "{k:?}: {got} against {exact}");
+        }
+    }
+
+    #[test]
+    fn f16_dot_kernels_agree() {
+        for n in [0, 7, 16, 32 * 37 + 5] {
+            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let w: Vec<u16> = (0..n).map(|i| f16_bits((i as f32 * 0.11).cos())).collect();
+            let exact: f64 = x.iter().zip(&w).map(|(&a, &b)| f64::from(a) * f64::from(f16_value(b))).sum();
+            for k in CpuKernels::available() {
+                let got = f64::from(super::dot_f16_with(k, &x, &w));
+                assert!((got - exact).abs() < 1e-3, "{k:?} at {n}: {got} against {exact}");
+            }
+        }
     }
 }

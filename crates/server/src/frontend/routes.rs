@@ -56,7 +56,7 @@ impl Frontend {
             "owned_by": "pdserve", "max_model_len": info.context_tokens, "device": info.device.to_string(),
             "weights": info.weights.name(), "multi_row_weights": info.multi_row_weights, "kv_dtype": info.kv_dtype.name(),
             "weight_bytes": info.weight_bytes, "kv_bytes": info.kv_bytes,
-            "role": info.role.as_str()});
+            "cpu_kernels": pdserve_model::cpu_kernels().name(), "role": info.role.as_str()});
         json_response(200, &json!({"object": "list", "data": [model]}), Some(rid))
     }
 

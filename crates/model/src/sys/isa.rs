@@ -1,0 +1,95 @@
+//! Which vector kernels the CPU code runs: the best this CPU has, or a lower one chosen by the
+//! process (`PDSERVE_CPU_KERNELS=avx512|avx2|portable`, or `set_cpu_kernels` before the first step),
+//! so every path can be run and tested on a machine that has them all. Never more than the CPU has:
+//! each kernel's safety rests on that.
+
+use std::sync::OnceLock;
+
+/// A family of kernels, ordered: each machine runs the highest it has unless told lower.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum CpuKernels {
+    /// Plain loops (what the compiler makes of them for the baseline target).
+    Portable,
+    /// AVX2 with FMA and F16C: most x86-64 CPUs since 2013 (Haswell, Zen).
+    Avx2,
+    /// AVX-512F (and AVX-512 BF16 where the CPU has it, for the bf16 GEMM).
+    Avx512,
+}
+
+impl CpuKernels {
+    pub const NAMES: &'static str = "avx512, avx2 or portable";
+
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuKernels::Portable => "portable",
+            CpuKernels::Avx2 => "avx2",
+            CpuKernels::Avx512 => "avx512",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<CpuKernels> {
+        [CpuKernels::Portable, CpuKernels::Avx2, CpuKernels::Avx512].into_iter().find(|k| k.name() == name)
+    }
+
+    /// The best this CPU has.
+    pub fn detected() -> CpuKernels {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::is_x86_feature_detected!("avx512f") {
+                return CpuKernels::Avx512;
+            }
+            if std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c")
+            {
+                return CpuKernels::Avx2;
+            }
+        }
+        CpuKernels::Portable
+    }
+
+    /// Every family this CPU can run, lowest first.
+    pub fn available() -> Vec<CpuKernels> {
+        [CpuKernels::Portable, CpuKernels::Avx2, CpuKernels::Avx512]
+            .into_iter()
+            .filter(|&k| k <= CpuKernels::detected())
+            .collect()
+    }
+}
+
+static CHOSEN: OnceLock<CpuKernels> = OnceLock::new();
+
+/// The kernels this process runs (fixed at the first call).
+pub fn cpu_kernels() -> CpuKernels {
+    *CHOSEN.get_or_init(|| {
+        let asked = std::env::var("PDSERVE_CPU_KERNELS").ok().and_then(|v| CpuKernels::parse(&v));
+        asked.map_or(CpuKernels::detected(), |k| k.min(CpuKernels::detected()))
+    })
+}
+
+/// Chooses the kernels this process runs; an error if the CPU lacks them or another choice was
+/// made (or a kernel already ran).
+pub fn set_cpu_kernels(k: CpuKernels) -> Result<(), String> {
+    if k > CpuKernels::detected() {
+        return Err(format!(
+            "this CPU has no {} kernels (it has {})",
+            k.name(),
+            CpuKernels::detected().name()
+        ));
+    }
+    let _ = CHOSEN.set(k);
+    match cpu_kernels() {
+        got if got == k => Ok(()),
+        got => Err(format!("the CPU kernels were already chosen: {}", got.name())),
+    }
+}
+
+/// Whether the AVX-512 kernels run: only where the CPU has AVX-512F (the choice never exceeds it).
+pub(crate) fn avx512() -> bool {
+    cpu_kernels() >= CpuKernels::Avx512
+}
+
+/// Whether the AVX2 kernels (or better) run: only where the CPU has AVX2, FMA and F16C.
+pub(crate) fn avx2() -> bool {
+    cpu_kernels() >= CpuKernels::Avx2
+}
