@@ -175,6 +175,14 @@ fn test() -> Result<()> {
     cargo(&["fmt", "--all", "--check"]).context("formatting differs: run `cargo fmt --all`")?;
     cargo(&["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"])?;
     cargo(&["test", "--workspace"])?;
+    // The model's kernel tests again on the lower CPU kernel families (each capped at what the CPU
+    // has): an AVX-512 machine checks its AVX2 and portable paths too.
+    for family in ["avx2", "portable"] {
+        let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        run(Command::new(cargo_bin)
+            .args(["test", "-p", "pdserve-model", "--lib"])
+            .env("PDSERVE_CPU_KERNELS", family))?;
+    }
     // Every CUDA kernel compiles for every checked architecture without spills (NVRTC, no GPU).
     gpu::check_kernels(&[])?;
     // The short chaos subset: real processes, faults, and the ledgers back to zero afterwards.

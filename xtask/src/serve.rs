@@ -160,13 +160,18 @@ pub(crate) struct Stack {
     pub url: String,
 }
 
+/// `n` random bytes from the kernel, in hex.
+fn random_hex(n: usize) -> Result<String> {
+    use std::io::Read as _;
+    let mut bytes = vec![0u8; n];
+    File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// A new random cluster secret in `dir/cluster-secret.PID`, readable by this user only.
 fn write_secret(dir: &Path) -> Result<PathBuf> {
-    use std::io::Read as _;
     use std::os::unix::fs::OpenOptionsExt as _;
-    let mut bytes = [0u8; 32];
-    File::open("/dev/urandom")?.read_exact(&mut bytes)?;
-    let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    let hex = random_hex(32)?;
     // One file per stack (its supervisor's pid): a second stack sharing the folder never changes the
     // secret a restarted process of this one reads.
     let path = dir.join(format!("cluster-secret.{}", std::process::id()));
@@ -181,6 +186,8 @@ fn write_secret(dir: &Path) -> Result<PathBuf> {
 pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
     std::fs::create_dir_all(spec.logs)?;
     let secret = if spec.secret && !spec.unified { Some(write_secret(spec.logs)?) } else { None };
+    // The stack's own name for its shared KV files: no other stack's decode worker maps them.
+    let scope = format!("s{:08x}{}", std::process::id(), random_hex(4)?);
     let root = crate::workspace_root();
     let server_bin = root.join("target/release/pdserve-server");
     let router_bin = root.join("target/release/pdserve-router");
@@ -192,6 +199,9 @@ pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
         a.push(spec.model.display().to_string());
         if role == "prefill" {
             a.push("--kv-shm".into());
+        }
+        if role != "unified" {
+            a.extend(["--shm-scope".to_owned(), scope.clone()]);
         }
         if spec.native_q4 {
             a.extend(["--weights".to_owned(), "q4".to_owned()]);

@@ -65,8 +65,8 @@ pub struct EngineConfig {
     /// Prefill role: keep the KV memory in a shared file under `/dev/shm`, so decode workers on the
     /// same host copy blocks straight out of it instead of receiving them over TCP.
     pub kv_shm: bool,
-    /// The stack's scope for shared KV files (`pdserve_pd_transfer::transport::shm::scope_for` of
-    /// its cluster secret): a prefill engine names its region in it, a decode engine maps no other.
+    /// The stack's scope for shared KV files (`pdserve_pd_transfer::transport::shm::valid_scope`): a
+    /// prefill engine names its region in it, a decode engine maps no other.
     pub shm_scope: String,
     /// Live requests the ledger tracks at most.
     pub ledger_capacity: usize,

@@ -157,6 +157,10 @@ impl Engine {
         let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens).min(pool);
         config.scheduler.max_context_tokens = context;
         config.scheduler.sliding_window = files.config.sliding_window;
+        if config.device != Device::Cpu {
+            // The context cost was measured for the CPU backend; the GPU backend chunks by tokens.
+            config.scheduler.attention_cost_positions = None;
+        }
         // `--weights auto`: the checkpoint's own precision on the CPU (the GPU backend runs bf16 from
         // the loaded weights whatever the checkpoint).
         config.weights = match (&files.prepared, config.weights) {
@@ -238,7 +242,10 @@ impl Engine {
             Arc::clone(&shared),
             metrics.clone(),
             config.transfer_step_tokens,
-        );
+        )
+        // The CPU backend's step may run on any thread; a GPU step stays on the thread whose CUDA
+        // context its launches use.
+        .with_step_thread(config.device == Device::Cpu);
         let engine_thread = std::thread::Builder::new().name("engine".into()).spawn(move || core.run())?;
         let codec = Arc::new(files.text);
         let live = Arc::new(Mutex::new(Live::default()));

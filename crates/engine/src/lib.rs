@@ -54,7 +54,7 @@ pub use config::{Device, EngineConfig};
 pub use error::{EngineError, KvTransferProblem};
 pub use handle::{Aborted, Engine, EngineInfo, Health};
 pub use load::{default_transport, TransportSpec};
-pub use pdserve_pd_transfer::transport::shm::scope_for as shm_scope_for;
+pub use pdserve_pd_transfer::transport::shm::valid_scope as valid_shm_scope;
 pub use pdserve_scheduler::{AdmissionOrder, SchedulerConfig};
 pub use request::{Finish, Id, Input, Output, PanicSite, Request, Timings};
 

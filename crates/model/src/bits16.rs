@@ -12,9 +12,10 @@ pub(crate) fn f16_bits(v: f32) -> u16 {
     half::f16::from_f32(v).to_bits()
 }
 
-/// bf16 bits to f32, exactly.
+/// bf16 bits to f32, exactly: the top half of its bits (NaN payloads kept, as the vector kernels
+/// keep them).
 pub(crate) fn bf16_value(bits: u16) -> f32 {
-    half::bf16::from_bits(bits).to_f32()
+    f32::from_bits(u32::from(bits) << 16)
 }
 
 /// f32 to bf16 bits (the top 16 bits), rounding to nearest even.

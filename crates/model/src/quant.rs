@@ -523,7 +523,12 @@ mod tests {
                 let (mut a, mut b) = (vec![f32::NAN; t * rows], vec![f32::NAN; t * rows]);
                 crate::sys::gemm_bf16_par(&xb, t, cols, &packed, rows, &mut a);
                 crate::sys::gemm_bf16_fill_par(&xb, t, cols, rows, |r0, k, d| m.bf16_panel(r0, k, d), &mut b);
-                assert_eq!(a, b, "t {t}");
+                if crate::sys::has_bf16_gemm() {
+                    assert_eq!(a, b, "t {t}: one kernel over the same panels");
+                }
+                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                    assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "t {t} at {i}: {x} vs {y}");
+                }
                 // The few-rows form sums in another order: equal to rounding.
                 let mut c = vec![f32::NAN; t * rows];
                 crate::sys::gemm_bf16_rows_par(&xb, t, cols, rows, |r0, d| m.bf16_rows(r0, 4, d), &mut c);

@@ -29,8 +29,8 @@ pdserve-router [options]
                                 and moves on (default 30; 0: never)
   --probe-interval-s S          active health probe interval (default 1)
   --probe-timeout-s S           deadline of one probe (default 3)
-  --pair-probe-interval-s S     prefill + decode pair probe interval, also each one's deadline (default 5;
-                                real traffic counts too)
+  --pair-probe-interval-s S     prefill + decode pair probe interval (default 5; real traffic counts too);
+                                each one's deadline is this or --probe-timeout-s, the longer
   --failures-to-open N          consecutive request failures that take a worker out (default 3)
   --api-key KEY                 bearer key for /v1/* (or PDSERVE_API_KEY)
   --admin-key KEY               bearer key for /workers and /debug/* (or PDSERVE_ADMIN_KEY)

@@ -410,8 +410,9 @@ impl Scheduler {
             }
         }
         // Then prefill chunks of running requests, oldest first, each at most half the step while others wait.
-        let contended = !self.waiting.is_empty() || self.running.len() > 1;
-        let share = if self.waiting.is_empty() && prefilling.len() < 2 { cap } else { cap.div_ceil(2) };
+        let joining = !self.waiting.is_empty() && self.running.len() < self.config.max_running_requests;
+        let contended = joining || self.running.len() > 1;
+        let share = if !joining && prefilling.len() < 2 { cap } else { cap.div_ceil(2) };
         for id in prefilling {
             if budget == 0 {
                 break;

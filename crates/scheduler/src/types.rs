@@ -65,10 +65,16 @@ pub struct SchedulerConfig {
 impl SchedulerConfig {
     /// What a prefill chunk of `n` tokens from position `p` counts against a step's budget.
     pub fn chunk_cost(&self, p: usize, n: usize) -> usize {
+        let p = self.attended(p);
         match self.attention_cost_positions {
             Some(e) if e > 0 => n.saturating_add(n.saturating_mul(p).div_ceil(e)),
             _ => n,
         }
+    }
+
+    /// How many earlier positions a token at position `p` attends to (a sliding window caps it).
+    fn attended(&self, p: usize) -> usize {
+        self.sliding_window.map_or(p, |w| p.min(w))
     }
 
     /// The longest chunk from position `p` within `budget` and the chunk size whose cost fits the budget
@@ -79,6 +85,7 @@ impl SchedulerConfig {
             return 0;
         }
         let limit = budget.min(self.prefill_chunk_tokens);
+        let p = self.attended(p);
         let n = match self.attention_cost_positions {
             Some(e) if e > 0 => {
                 let cost_limit = if contended { limit } else { budget };

@@ -610,3 +610,16 @@ fn late_chunks_of_a_long_prompt_shrink_and_a_short_request_waits_one_short_step(
     assert_eq!(config.chunk_len(7500, 500, 2048, false), 240);
     assert_eq!(config.chunk_len(7500, 500, 0, false), 0);
 }
+
+#[test]
+fn a_sliding_window_caps_what_a_chunk_counts() {
+    let config = SchedulerConfig {
+        attention_cost_positions: Some(1000),
+        sliding_window: Some(4096),
+        ..SchedulerConfig::default()
+    };
+    // Past the window a chunk attends to 4,096 positions wherever it starts.
+    assert_eq!(config.chunk_cost(30_000, 100), config.chunk_cost(4096, 100));
+    assert_eq!(config.chunk_len(30_000, 5000, 2048, false), 2048 * 1000 / 5096);
+    assert_eq!(config.chunk_len(30_000, 5000, 2048, false), config.chunk_len(4096, 5000, 2048, false));
+}

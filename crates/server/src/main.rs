@@ -19,6 +19,8 @@ pdserve-server [options]
   --role ROLE              unified (default), prefill or decode
   --transfer-addr ADDR     prefill role: where decode workers pull KV from (default 127.0.0.1:0)
   --kv-shm                 prefill role: KV memory in /dev/shm, so same-host decode workers copy it directly
+  --shm-scope NAME         the stack's name for its shared KV files (a-z, 0-9; default local): a decode worker
+                           maps only its own stack's; give every stack on a host its own
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
   --weights FMT            auto (default: the checkpoint's own precision: bf16 or f16 as it ships, else f32),
                            f32, bf16, f16, q8 or q4: bf16 or f16 for every step, or quantized weights (groups
@@ -92,6 +94,7 @@ const VALUED: &[&str] = &[
     "--prefill-chunk",
     "--attention-cost",
     "--cpu-kernels",
+    "--shm-scope",
     "--max-context",
     "--kv-blocks",
     "--block-size",
@@ -209,6 +212,8 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 e.kv_dtype = Some(v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?)
             }
             "--weights" => e.weights = v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?,
+            "--shm-scope" if pdserve_engine::valid_shm_scope(&v) => e.shm_scope = v.clone(),
+            "--shm-scope" => return Err(format!("--shm-scope {v}: 1 to 32 of a-z and 0-9")),
             "--cpu-kernels" => {
                 let k = pdserve_model::CpuKernels::parse(&v)
                     .ok_or_else(|| format!("--cpu-kernels {v}: {}", pdserve_model::CpuKernels::NAMES))?;
@@ -222,7 +227,5 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
         }
     }
     c.cluster_secret = pdserve_api::header::cluster_secret(secret_file.as_deref())?;
-    // Shared KV files are named in the stack's scope: a decode worker maps only its own stack's.
-    c.engine.shm_scope = pdserve_engine::shm_scope_for(c.cluster_secret.as_deref());
     Ok(Some(c))
 }

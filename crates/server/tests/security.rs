@@ -114,43 +114,51 @@ fn kv_handles_are_taken_from_the_router_only() {
     std::fs::remove_file(file).unwrap();
 }
 
-/// A stack's shared KV files are named in its scope (a digest of its secret): a decode worker of
-/// another stack on the same host, even handed a real handle, maps none of them; it takes the blocks
-/// inline over the transfer connection instead. Its own stack's decode worker reads them in place.
+/// A stack's shared KV files are named in its scope (`--shm-scope`): a decode worker of another stack
+/// on the same host, even handed a real handle, maps none of them; it takes the blocks inline over the
+/// transfer connection instead. Its own stack's decode worker reads them in place.
 #[test]
 fn shared_kv_files_are_read_by_their_own_stack_only() {
-    let ((file_a, secret_a), (file_b, secret_b)) = (secret_file("shm-a"), secret_file("shm-b"));
-    let (file_a, file_b) = (file_a.to_str().unwrap().to_owned(), file_b.to_str().unwrap().to_owned());
-    let prefill = Worker::start(&["--role", "prefill", "--kv-shm", "--cluster-secret-file", &file_a]);
-    let ours = Worker::start(&["--role", "decode", "--cluster-secret-file", &file_a]);
-    let theirs = Worker::start(&["--role", "decode", "--cluster-secret-file", &file_b]);
+    let (file, secret) = secret_file("shm");
+    let file = file.to_str().unwrap().to_owned();
+    let scope = format!("a{}", std::process::id());
+    let other = format!("b{}", std::process::id());
+    let stack = |role: &str, scope: &str| {
+        Worker::start(&["--role", role, "--kv-shm", "--shm-scope", scope, "--cluster-secret-file", &file])
+    };
+    let (prefill, ours, theirs) =
+        (stack("prefill", &scope), stack("decode", &scope), stack("decode", &other));
     let body = json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0});
-    let post = |w: &Worker, secret: &str, body: &serde_json::Value| -> serde_json::Value {
-        let r = w.request("POST", "/v1/completions", &body.to_string(), &[(CLUSTER_SECRET, secret)]);
+    let post = |w: &Worker, body: &serde_json::Value| -> serde_json::Value {
+        let r = w.request("POST", "/v1/completions", &body.to_string(), &[(CLUSTER_SECRET, &secret)]);
         assert_eq!(r.status(), 200);
         serde_json::from_slice(&r.read_to_end().unwrap()).unwrap()
     };
-    let bytes = |w: &Worker, secret: &str, how: &str| -> f64 {
-        let r = w.request("GET", "/metrics", "", &[(CLUSTER_SECRET, secret)]);
+    let bytes = |w: &Worker, how: &str| -> f64 {
+        let r = w.request("GET", "/metrics", "", &[(CLUSTER_SECRET, &secret)]);
         let text = String::from_utf8(r.read_to_end().unwrap()).unwrap();
         let key = format!("kv_transfer_bytes_total{{direction=\"{how}\"}} ");
         // (A direction never used has no series yet.)
         text.lines().find_map(|l| l.strip_prefix(key.as_str())).map_or(0.0, |v| v.parse().unwrap())
     };
-    let scope = pdserve_engine::shm_scope_for(Some(&secret_a));
     let mut texts = Vec::new();
-    for (decode, secret) in [(&theirs, &secret_b), (&ours, &secret_a)] {
-        let handle = post(&prefill, &secret_a, &body);
+    for decode in [&theirs, &ours] {
+        let handle = post(&prefill, &body);
         let shm = handle["pd_transfer"]["shm"].as_str().unwrap().to_owned();
         assert!(shm.starts_with(&format!("/dev/shm/pdserve-kv-{scope}-")), "{shm}");
+        assert!(!shm.contains(&secret));
         let mut b = body.clone();
         b["pd_transfer"] = handle["pd_transfer"].clone();
-        texts.push(post(decode, secret, &b)["choices"][0]["text"].as_str().unwrap().to_owned());
+        texts.push(post(decode, &b)["choices"][0]["text"].as_str().unwrap().to_owned());
     }
-    assert_eq!(bytes(&theirs, &secret_b, "shared"), 0.0, "another stack's decode worker read the file");
-    assert!(bytes(&theirs, &secret_b, "received") > 0.0, "it took the blocks inline");
-    assert!(bytes(&ours, &secret_a, "shared") > 0.0, "the stack's own decode worker reads in place");
+    assert_eq!(bytes(&theirs, "shared"), 0.0, "another stack's decode worker read the file");
+    assert!(bytes(&theirs, "received") > 0.0, "it took the blocks inline");
+    assert!(bytes(&ours, "shared") > 0.0, "the stack's own decode worker reads in place");
     assert_eq!(texts[0], texts[1]);
-    std::fs::remove_file(file_a).unwrap();
-    std::fs::remove_file(file_b).unwrap();
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        .args(["--shm-scope", "../x"])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2));
+    std::fs::remove_file(file).unwrap();
 }

@@ -70,6 +70,7 @@ pub(super) fn chat_body(max_tokens: u64, timeout_s: f64, i: usize) -> Vec<u8> {
     .unwrap_or_default()
 }
 
+/// `n` streams at once, each in its own thread; `during` runs while they stream.
 pub(super) fn streams(
     router: &str,
     n: usize,

@@ -259,7 +259,8 @@ pub(super) fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
         })
         .collect();
     std::thread::sleep(Duration::from_secs(2));
-    // Each worker's engine steps while clients leave: an abort waits for the step in progress.
+    // Each worker's engine steps while clients leave (an abort no longer waits for the step in
+    // progress: the row shows how long those steps are).
     let workers = [s.url_of("prefill-0"), s.url_of("decode-0")];
     let steps = || -> Result<Vec<(f64, f64)>> {
         workers
@@ -270,7 +271,14 @@ pub(super) fn disconnect_storm(s: &mut Stack, short: bool) -> Result<Row> {
             })
             .collect()
     };
-    let steps_before = steps()?;
+    let steps_before = match steps() {
+        Ok(v) => v,
+        Err(e) => {
+            stop.store(true, Ordering::Relaxed);
+            load.into_iter().for_each(|l| drop(l.join()));
+            return Err(e);
+        }
+    };
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let lists = Arc::new(lists);
     let droppers: Vec<_> = (0..4)

@@ -204,7 +204,6 @@ impl Drop for Stack {
     }
 }
 
-/// `n` streams at once, each in its own thread; `during` runs while they stream.
 /// One process's `/metrics` answer.
 pub(super) struct Metrics(String);
 

@@ -65,9 +65,10 @@ pub(crate) enum Command {
 }
 
 impl Command {
-    /// Whether this submits request `id` (an abort must not overtake it).
-    fn submits(&self, id: u64) -> bool {
+    /// Whether this submits or fails request `id` (an abort must not overtake either).
+    fn concerns(&self, id: u64) -> bool {
         matches!(self, Command::Submit(s) if s.id == id)
+            || matches!(self, Command::Fail { id: f, .. } if *f == id)
     }
 }
 
@@ -220,6 +221,8 @@ pub(crate) struct Core {
     transfer_stats: EndpointStats,
     /// Commands that came while a step ran, for the next turn (aborts are served at once).
     deferred: Vec<Command>,
+    /// Whether long steps run on a thread of their own while aborts are served (CPU backends).
+    step_thread: bool,
 }
 
 impl Core {
@@ -257,7 +260,14 @@ impl Core {
             pulling: HashMap::new(),
             transfer_stats: EndpointStats::default(),
             deferred: Vec::new(),
+            step_thread: false,
         }
+    }
+
+    /// Lets steps of `SERVED_STEP_TOKENS` or more run on a thread of their own (`core/step.rs`).
+    pub(crate) fn with_step_thread(mut self, on: bool) -> Core {
+        self.step_thread = on;
+        self
     }
 
     /// Runs until the handle drops its command sender.

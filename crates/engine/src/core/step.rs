@@ -20,6 +20,10 @@ use crate::grammar::{apply_mask, Guide};
 /// aborts; shorter ones (a few decoding sequences, a few milliseconds) run on the engine thread.
 const SERVED_STEP_TOKENS: usize = 8;
 
+/// Commands kept for after a step at most; past it the engine thread stops taking commands until the
+/// step ends, so the command channel fills and pushes back on its senders as it does between steps.
+const DEFERRED_MAX: usize = 1024;
+
 /// What a forward pass returns, or the panic it raised.
 type StepResult = std::thread::Result<Result<Vec<Vec<f32>>, ModelError>>;
 
@@ -85,7 +89,8 @@ impl Core {
             .filter(|i| i.sample)
             .filter_map(|i| Some((i.id.0, self.live.get_mut(&i.id.0)?.guide.take()?)))
             .collect();
-        let served = steps.iter().map(|s| s.tokens.len()).sum::<usize>() >= SERVED_STEP_TOKENS;
+        let served =
+            self.step_thread && steps.iter().map(|s| s.tokens.len()).sum::<usize>() >= SERVED_STEP_TOKENS;
         let (result, masks) = std::thread::scope(|scope| {
             let masker = (!guided.is_empty()).then(|| {
                 scope.spawn(|| guided.iter_mut().map(|(id, g)| (*id, g.mask())).collect::<HashMap<u64, _>>())
@@ -210,7 +215,7 @@ impl Core {
     /// ends, is no longer listed, and its blocks go back to the pool. The step's arithmetic for it
     /// goes on and is dropped; nothing can be given those blocks before the step ends, since only
     /// the engine thread allocates, between steps. Other commands wait for the step's end, in order
-    /// (an abort of a request whose submission waits with them waits too).
+    /// (an abort of a request whose submission or failure waits with them waits too).
     fn forward_serving_aborts(&mut self, steps: &[SeqStep<'_>]) -> StepResult {
         let layout = self.backend.kv_layout();
         let mut backend = std::mem::replace(&mut self.backend, Box::new(Stepping(layout)));
@@ -228,13 +233,18 @@ impl Core {
         result
     }
 
-    /// Takes commands until `finished` closes: aborts now, the rest into `deferred`.
+    /// Takes commands until `finished` closes: aborts now, the rest into `deferred` (at most
+    /// `DEFERRED_MAX`, then it waits for the step alone).
     fn serve_aborts(&mut self, finished: &Receiver<()>) {
         loop {
+            if self.deferred.len() >= DEFERRED_MAX {
+                let _ = finished.recv();
+                return;
+            }
             crossbeam_channel::select! {
                 recv(finished) -> _ => return,
                 recv(self.commands) -> cmd => match cmd {
-                    Ok(Command::Abort(id)) if !self.deferred.iter().any(|c| c.submits(id)) => {
+                    Ok(Command::Abort(id)) if !self.deferred.iter().any(|c| c.concerns(id)) => {
                         self.command(Command::Abort(id));
                         self.flush();
                     }

@@ -5,16 +5,40 @@ use super::attention::exp_avx512;
 
 /// `out[i] = silu(g[i]) * u[i]` (SwiGLU), vectorized where the CPU has AVX-512F.
 pub(crate) fn silu_mul(g: &[f32], u: &[f32], out: &mut [f32]) {
+    silu_mul_with(super::cpu_kernels(), g, u, out)
+}
+
+/// [`silu_mul`] with the kernels `k` (at most what the CPU has).
+pub(crate) fn silu_mul_with(k: super::CpuKernels, g: &[f32], u: &[f32], out: &mut [f32]) {
     assert!(g.len() == u.len() && u.len() == out.len());
-    #[cfg(target_arch = "x86_64")]
-    {
-        if super::avx512() {
-            // SAFETY: the CPU supports AVX-512F (checked); the lengths are equal (asserted).
-            unsafe { silu_mul_avx512(g, u, out) };
-            return;
-        }
+    assert!(k <= super::CpuKernels::detected());
+    match k {
+        // SAFETY: the CPU has AVX-512F (`k` is at most what it has); the lengths are equal (asserted).
+        #[cfg(target_arch = "x86_64")]
+        super::CpuKernels::Avx512 => unsafe { silu_mul_avx512(g, u, out) },
+        // SAFETY: the CPU has AVX2 and FMA (as above); the lengths are equal (asserted).
+        #[cfg(target_arch = "x86_64")]
+        super::CpuKernels::Avx2 => unsafe { silu_mul_avx2(g, u, out) },
+        _ => silu_mul_tail(g, u, out, 0),
     }
-    silu_mul_tail(g, u, out, 0);
+}
+
+/// # Safety
+/// AVX2 and FMA; `g`, `u` and `out` of equal length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(g: &[f32], u: &[f32], out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let mut done = 0;
+    while done + 8 <= g.len() {
+        // SAFETY (of the loads and the store): done + 8 <= len for all three slices.
+        let gv = _mm256_loadu_ps(g.as_ptr().add(done));
+        let e = super::attention::exp_avx2(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        let s = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0), e));
+        _mm256_storeu_ps(out.as_mut_ptr().add(done), _mm256_mul_ps(s, _mm256_loadu_ps(u.as_ptr().add(done))));
+        done += 8;
+    }
+    silu_mul_tail(g, u, out, done);
 }
 
 fn silu_mul_tail(g: &[f32], u: &[f32], out: &mut [f32], from: usize) {
@@ -108,17 +132,23 @@ mod tests {
 
     #[test]
     fn silu_mul_matches_the_formula() {
-        let g: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.7).collect();
-        let u: Vec<f32> = (0..37).map(|i| (i as f32 * 0.3).cos()).collect();
-        let mut out = vec![f32::NAN; 37];
-        super::silu_mul(&g, &u, &mut out);
-        for i in 0..37 {
-            let want = f64::from(g[i]) / (1.0 + (-f64::from(g[i])).exp()) * f64::from(u[i]);
-            assert!(
-                (f64::from(out[i]) - want).abs() < 1e-5 * (1.0 + want.abs()),
-                "{i}: {} vs {want}",
-                out[i]
-            );
+        // Far past both ends of exp's range too (-200: e^200 overflows f32).
+        let mut g: Vec<f32> = (0..37).map(|i| (i as f32 - 18.0) * 0.7).collect();
+        g.extend([-200.0, -90.0, 90.0, 200.0, -0.0, 0.0, 1e-30, -1e30]);
+        let u: Vec<f32> = (0..g.len()).map(|i| (i as f32 * 0.3).cos()).collect();
+        for k in super::super::CpuKernels::available() {
+            let mut out = vec![f32::NAN; g.len()];
+            super::silu_mul_with(k, &g, &u, &mut out);
+            for i in 0..g.len() {
+                let want = f64::from(g[i]) / (1.0 + (-f64::from(g[i])).exp()) * f64::from(u[i]);
+                let want = if want.is_nan() { 0.0 } else { want };
+                assert!(
+                    (f64::from(out[i]) - want).abs() < 1e-5 * (1.0 + want.abs()),
+                    "{k:?} {i} (g {}): {} vs {want}",
+                    g[i],
+                    out[i]
+                );
+            }
         }
     }
 }

@@ -33,7 +33,7 @@ pub(crate) fn dot_q8_with(k: CpuKernels, x: &[f32], q: &[i8], scales: &[u16]) ->
 /// AVX (part of AVX2).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn hsum256(v: std::arch::x86_64::__m256) -> f32 {
+pub(super) unsafe fn hsum256(v: std::arch::x86_64::__m256) -> f32 {
     use std::arch::x86_64::*;
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));

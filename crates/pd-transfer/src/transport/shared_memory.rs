@@ -24,7 +24,7 @@ pub struct SharedMemoryTransport {
     views: HashMap<PathBuf, SharedView>,
     /// The region each connection's named blocks are read from.
     regions: HashMap<PeerId, PathBuf>,
-    /// Only regions of this scope are mapped (`shm::scope_for`).
+    /// Only regions of this scope are mapped (`shm::valid_scope`).
     scope: String,
 }
 
@@ -41,8 +41,8 @@ impl SharedMemoryTransport {
         })
     }
 
-    /// Maps only the regions of stack `scope` (`shm::scope_for` of its cluster secret); a sender of
-    /// another scope sends its blocks inline. [`LOCAL_SCOPE`](super::shm::LOCAL_SCOPE) by default.
+    /// Maps only the regions of stack `scope` (`shm::valid_scope`); a sender of another scope sends
+    /// its blocks inline. [`LOCAL_SCOPE`](super::shm::LOCAL_SCOPE) by default.
     pub fn with_scope(mut self, scope: &str) -> SharedMemoryTransport {
         self.scope = scope.to_owned();
         self

@@ -12,24 +12,15 @@ use crate::sys::{effective_uid, map_created, map_read_only, Mmap, MmapMut, O_NOF
 pub const SHM_DIR: &str = "/dev/shm";
 pub const SHM_PREFIX: &str = "pdserve-kv-";
 
-/// The scope of processes with no cluster secret: every such stack of one user on one host.
+/// The scope of processes given none: every such stack of one user on one host.
 pub const LOCAL_SCOPE: &str = "local";
 
-/// The scope a stack's shared KV files are named in (`/dev/shm/pdserve-kv-{scope}-...`): a region
-/// is made in it and a view opens only files of its own scope, so one stack never maps another's
-/// KV. With a cluster secret, a digest of it (64-bit FNV-1a: it tells stacks apart and gives away
-/// nothing a listing of `/dev/shm` could use); without, [`LOCAL_SCOPE`].
-pub fn scope_for(cluster_secret: Option<&str>) -> String {
-    let Some(secret) = cluster_secret else { return LOCAL_SCOPE.to_owned() };
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in b"pdserve shared KV scope\0".iter().chain(secret.as_bytes()) {
-        h = (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
-}
-
-/// Whether `scope` may name files: 1 to 32 lowercase letters and digits.
-fn scope_ok(scope: &str) -> bool {
+/// Whether `scope` may name a stack's shared KV files (`/dev/shm/pdserve-kv-{scope}-...`): 1 to 32
+/// lowercase letters and digits. A region is made in its stack's scope and a view opens only files
+/// of its own, so one stack never maps another's KV; each stack on a host needs its own (`cargo xtask
+/// serve` draws a random one per stack). Chosen apart from the cluster secret: file names in
+/// `/dev/shm` are visible to every local user, so nothing derived from the secret may appear there.
+pub fn valid_scope(scope: &str) -> bool {
     (1..=32).contains(&scope.len()) && scope.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
 }
 
@@ -48,7 +39,7 @@ pub struct SharedRegion {
 impl SharedRegion {
     /// A new region in `scope` with a name of its own (`/dev/shm/pdserve-kv-{scope}-{pid}-{n}`).
     pub fn create(scope: &str, bytes: usize) -> io::Result<SharedRegion> {
-        if !scope_ok(scope) {
+        if !valid_scope(scope) {
             return Err(invalid(format!("{scope:?} is not a shared KV scope (1-32 of a-z, 0-9)")));
         }
         let nanos = std::time::SystemTime::now()
@@ -100,7 +91,7 @@ impl SharedView {
     /// number of blocks. Whatever names a path, nothing else on the host is read.
     pub fn open(path: &Path, scope: &str, block_bytes: usize) -> io::Result<SharedView> {
         let prefix = format!("{SHM_PREFIX}{scope}-");
-        let name_ok = scope_ok(scope)
+        let name_ok = valid_scope(scope)
             && path.parent() == Some(Path::new(SHM_DIR))
             && path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&prefix));
         if !name_ok {
@@ -174,16 +165,14 @@ mod tests {
 
     #[test]
     fn a_view_opens_only_its_own_stacks_files() {
-        let (ours, theirs) = (scope_for(Some("secret of stack a")), scope_for(Some("secret of stack b")));
-        assert_ne!(ours, theirs);
-        assert_eq!(ours, scope_for(Some("secret of stack a")), "every process of a stack agrees");
-        assert_eq!(scope_for(None), LOCAL_SCOPE);
-        let r = SharedRegion::create(&theirs, 64).unwrap();
-        assert!(r.path().to_string_lossy().contains(&theirs));
-        assert!(SharedView::open(r.path(), &theirs, 64).is_ok());
-        let e = SharedView::open(r.path(), &ours, 64).unwrap_err();
+        let (ours, theirs) = ("stacka", "stackb");
+        let r = SharedRegion::create(theirs, 64).unwrap();
+        assert!(r.path().to_string_lossy().contains(theirs));
+        assert!(SharedView::open(r.path(), theirs, 64).is_ok());
+        let e = SharedView::open(r.path(), ours, 64).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::InvalidInput, "{e}");
         assert!(SharedView::open(r.path(), LOCAL_SCOPE, 64).is_err());
         assert!(SharedRegion::create("../etc", 64).is_err(), "a scope is a name, not a path");
+        assert!(!valid_scope("") && !valid_scope("Stack") && valid_scope("0a1b"));
     }
 }
