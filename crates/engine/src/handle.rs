@@ -191,6 +191,10 @@ impl Engine {
         let now = Instant::now();
         let sched = Scheduler::new(config.scheduler.clone(), kv, now);
         let metrics = Metrics::new().map_err(EngineError::Metrics)?;
+        let (bs, nb) = (config.block_size.to_string(), config.kv_blocks.to_string());
+        if let Ok(g) = metrics.kv_config.with(&[&bs, &nb]) {
+            g.set(config.block_size as f64);
+        }
         let shared = Arc::new(Shared {
             epoch: now,
             last_tick_ms: Default::default(),

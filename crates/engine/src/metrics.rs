@@ -11,6 +11,8 @@ pub(crate) struct Metrics {
     pub waiting: Gauge,
     pub running: Gauge,
     pub kv_blocks: GaugeVec,
+    pub kv_usage: Gauge,
+    pub kv_config: GaugeVec,
     pub ttft: LatencyHistogram,
     pub itl: LatencyHistogram,
     pub e2e: LatencyHistogram,
@@ -44,6 +46,16 @@ impl Metrics {
                 "kv_blocks",
                 "KV cache blocks by owner (free, sequence, cache, transfer).",
                 &["owner"],
+            )?,
+            kv_usage: r.gauge(
+                "kv_cache_usage_ratio",
+                "Share of the KV pool held by requests and transfers (0-1); free and cached-but-unused blocks are not.",
+            )?,
+            kv_config: r.gauge_vec(
+                "kv_cache_block_size_tokens",
+                "Tokens per KV block; the labels give it and the pool's size in blocks, as fleet \
+                 routers read them (vLLM's cache_config_info).",
+                &["block_size", "num_gpu_blocks"],
             )?,
             ttft: r.histogram(
                 "time_to_first_token_seconds",

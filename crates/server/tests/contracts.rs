@@ -18,12 +18,17 @@ fn long(extra: &str) -> String {
     )
 }
 
-fn kv_sequence_blocks(w: &Worker) -> f64 {
+/// The value of the series `key` (name and labels) in the worker's /metrics, or -1 if it is missing.
+fn metric(w: &Worker, key: &str) -> f64 {
     let m = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
     m.lines()
-        .find_map(|l| l.strip_prefix("kv_blocks{owner=\"sequence\"} "))
+        .find_map(|l| l.strip_prefix(key).and_then(|v| v.strip_prefix(' ')))
         .and_then(|v| v.parse().ok())
         .unwrap_or(-1.0)
+}
+
+fn kv_sequence_blocks(w: &Worker) -> f64 {
+    metric(w, "kv_blocks{owner=\"sequence\"}")
 }
 
 #[test]
@@ -95,12 +100,20 @@ fn a_client_that_disconnects_is_aborted_and_its_kv_freed() {
             }
             assert!(got.starts_with("HTTP/1.1 200"));
             assert!(kv_sequence_blocks(&w) > 0.0);
+            // What fleet routers (the Gateway API Inference Extension's endpoint picker) read.
+            assert_eq!(metric(&w, "requests_running"), 1.0);
+            assert_eq!(metric(&w, "requests_waiting"), 0.0);
+            let usage = metric(&w, "kv_cache_usage_ratio");
+            assert!(usage > 0.0 && usage < 0.2, "{usage}");
+            let config = "kv_cache_block_size_tokens{block_size=\"16\",num_gpu_blocks=\"256\"}";
+            assert_eq!(metric(&w, config), 16.0);
         }
         drop(s);
         let start = Instant::now();
         loop {
             let (_, v) = w.json("GET", "/debug/requests", "");
-            if v["requests"].as_array().unwrap().is_empty() && kv_sequence_blocks(&w) == 0.0 {
+            let idle = kv_sequence_blocks(&w) == 0.0 && metric(&w, "kv_cache_usage_ratio") == 0.0;
+            if v["requests"].as_array().unwrap().is_empty() && idle {
                 break;
             }
             assert!(start.elapsed() < Duration::from_secs(2), "still live after {:?}: {v}", start.elapsed());

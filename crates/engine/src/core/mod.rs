@@ -550,6 +550,8 @@ impl Core {
         if let Ok(g) = self.metrics.kv_blocks.with(&["free"]) {
             g.set(kv.blocks_free as f64);
         }
+        let held = kv.owned(OwnerKind::Sequence) + kv.owned(OwnerKind::Transfer);
+        self.metrics.kv_usage.set(held as f64 / kv.blocks_total.max(1) as f64);
         for k in OwnerKind::ALL {
             if let Ok(g) = self.metrics.kv_blocks.with(&[k.as_str()]) {
                 g.set(kv.owned(k) as f64);
