@@ -42,6 +42,30 @@ fn prompt() -> Vec<u32> {
     (0..40).map(|i| 200 + (i * 997) % 20_000).collect()
 }
 
+/// The numpy forward pass's answer for `ids` on the checkpoint in `dir`: `greedy` token ids and their
+/// `logprobs`, `steps` of each.
+fn reference(dir: &Path, ids: &[u32], steps: usize) -> Value {
+    let (ids, steps) = (serde_json::to_string(ids).unwrap(), steps.to_string());
+    serde_json::from_slice(&script(&["run", dir.to_str().unwrap(), &ids, &steps])).unwrap()
+}
+
+/// `v` (a completion from `w`) has the reference's greedy text, and with `logprobs` each token's
+/// log-probability within 2e-3 of the reference's.
+fn assert_matches(w: &Worker, v: &Value, reference: &Value, what: &str, logprobs: bool) {
+    let (s, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
+    assert_eq!(s, 200, "{what}: {text}");
+    assert_eq!(v["choices"][0]["text"], text["prompt"], "{what}: greedy text differs from the reference");
+    if logprobs {
+        let ours = v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
+        let theirs = reference["logprobs"].as_array().unwrap();
+        assert_eq!(ours.len(), theirs.len(), "{what}: {v}");
+        for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+            let d = (a.as_f64().unwrap() - b.as_f64().unwrap()).abs();
+            assert!(d < 2e-3, "{what}: token {i}'s log-probability {a} vs the reference's {b}");
+        }
+    }
+}
+
 #[test]
 fn each_architecture_answers_the_reference_through_v1_completions() {
     let cases = [
@@ -70,13 +94,7 @@ fn each_architecture_answers_the_reference_through_v1_completions() {
     let ids = prompt();
     for (name, config) in cases {
         let dir = tiny(name, config);
-        let reference: Value = serde_json::from_slice(&script(&[
-            "run",
-            dir.to_str().unwrap(),
-            &serde_json::to_string(&ids).unwrap(),
-            &STEPS.to_string(),
-        ]))
-        .unwrap();
+        let reference = reference(&dir, &ids, STEPS);
         // f32 KV: the reference path, so near-ties between logits cannot flip a token.
         let w = Worker::start(&["--model", dir.to_str().unwrap(), "--kv-dtype", "f32", "--weights", "f32"]);
         let body =
@@ -84,16 +102,7 @@ fn each_architecture_answers_the_reference_through_v1_completions() {
         let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
         assert_eq!(s, 200, "{name}: {v}");
         assert_eq!(v["usage"]["completion_tokens"], STEPS, "{name}: {v}");
-        let (s, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
-        assert_eq!(s, 200, "{name}: {text}");
-        assert_eq!(v["choices"][0]["text"], text["prompt"], "{name}: greedy text differs from the reference");
-        let ours = v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
-        let theirs = reference["logprobs"].as_array().unwrap();
-        assert_eq!(ours.len(), theirs.len(), "{name}: {v}");
-        for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
-            let d = (a.as_f64().unwrap() - b.as_f64().unwrap()).abs();
-            assert!(d < 2e-3, "{name}: token {i}'s log-probability {a} vs the reference's {b}");
-        }
+        assert_matches(&w, &v, &reference, name, true);
         drop(w);
         std::fs::remove_dir_all(&dir).unwrap();
     }
@@ -110,13 +119,7 @@ fn a_sliding_window_answers_past_the_kv_pool() {
         "sliding_window": 12}),
     );
     let ids = prompt();
-    let reference: Value = serde_json::from_slice(&script(&[
-        "run",
-        dir.to_str().unwrap(),
-        &serde_json::to_string(&ids).unwrap(),
-        &LONG.to_string(),
-    ]))
-    .unwrap();
+    let reference = reference(&dir, &ids, LONG);
     // 6 blocks of 16 positions: 96, for 40 + 120.
     let w = Worker::start(&[
         "--model",
@@ -132,8 +135,7 @@ fn a_sliding_window_answers_past_the_kv_pool() {
     let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["usage"]["completion_tokens"], LONG, "{v}");
-    let (_, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
-    assert_eq!(v["choices"][0]["text"], text["prompt"], "greedy text differs from the reference");
+    assert_matches(&w, &v, &reference, "window 12 in 96 positions", false);
     drop(w);
     std::fs::remove_dir_all(&dir).unwrap();
 }
@@ -146,13 +148,7 @@ fn a_checkpoint_is_served_in_its_own_precision_by_default() {
     for (name, config) in [("bf16", json!({})), ("f16", json!({"torch_dtype": "float16"}))] {
         let dir = tiny(&format!("auto-{name}"), config);
         let ids = prompt();
-        let reference: Value = serde_json::from_slice(&script(&[
-            "run",
-            dir.to_str().unwrap(),
-            &serde_json::to_string(&ids).unwrap(),
-            &STEPS.to_string(),
-        ]))
-        .unwrap();
+        let reference = reference(&dir, &ids, STEPS);
         let mut held = Vec::new();
         for extra in [&[][..], &["--weights", "f32"][..]] {
             let mut args = vec!["--model", dir.to_str().unwrap(), "--kv-dtype", "f32"];
@@ -166,20 +162,7 @@ fn a_checkpoint_is_served_in_its_own_precision_by_default() {
                 "logprobs": 1});
             let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
             assert_eq!(s, 200, "{v}");
-            let (_, text) =
-                w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
-            let what = format!("{name} {extra:?}");
-            assert_eq!(
-                v["choices"][0]["text"], text["prompt"],
-                "{what}: greedy text differs from the reference"
-            );
-            if name == "f16" {
-                let ours = v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
-                for (i, (a, b)) in ours.iter().zip(reference["logprobs"].as_array().unwrap()).enumerate() {
-                    let d = (a.as_f64().unwrap() - b.as_f64().unwrap()).abs();
-                    assert!(d < 2e-3, "{what}: token {i}'s log-probability {a} vs the reference's {b}");
-                }
-            }
+            assert_matches(&w, &v, &reference, &format!("{name} {extra:?}"), name == "f16");
         }
         // (f16 keeps the embedding and the LM head, most of this tiny model, in f32.)
         let less = if name == "f16" { held[0] < held[1] } else { held[0] * 10 < held[1] * 6 };
