@@ -33,7 +33,19 @@ pub(crate) struct Proc {
 }
 
 impl Proc {
+    /// Starts `bin` and waits (up to 300 s, or until Ctrl-C) until it says where it listens.
     pub(crate) fn start(name: &str, bin: &Path, args: &[String], logs: &Path) -> Result<Proc> {
+        let mut starting = Proc::spawn(name, bin, args, logs)?;
+        loop {
+            match starting.poll()? {
+                Some(p) => return Ok(p),
+                None => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    /// Starts `bin` without waiting for it: [`Starting::poll`] says when it listens.
+    pub(crate) fn spawn(name: &str, bin: &Path, args: &[String], logs: &Path) -> Result<Starting> {
         let log = logs.join(format!("{name}.log"));
         // Its own process group: Ctrl-C reaches only this supervisor, which stops the children in order.
         let mut child = Command::new(bin)
@@ -57,7 +69,7 @@ impl Proc {
                 }
             }
         });
-        let mut p = Proc {
+        let proc = Proc {
             name: name.to_owned(),
             child,
             stdin,
@@ -66,29 +78,23 @@ impl Proc {
             bin: bin.to_owned(),
             args: args.to_vec(),
         };
-        let started = Instant::now();
-        loop {
-            match rx.recv_timeout(Duration::from_millis(200)) {
-                Ok(url) => {
-                    p.url = url;
-                    return Ok(p);
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
-                Err(mpsc::RecvTimeoutError::Disconnected) => {}
-            }
-            if let Some(status) = p.child.try_wait()? {
-                bail!("{}", p.death_report(status));
-            }
-            if started.elapsed() > Duration::from_secs(300) || crate::sys::stop_requested() {
-                let _ = p.child.kill();
-                bail!("{name} did not start within 300 s; see {}", p.log.display());
-            }
-        }
+        Ok(Starting { proc: Some(proc), listening: rx, since: Instant::now() })
     }
 
     /// Starts this process again with the same options on the address it had; its old log is kept as
     /// `NAME.N.log` (`n`: which restart this is).
     pub(crate) fn restart(&self, n: u32) -> Result<Proc> {
+        let mut starting = self.respawn(n)?;
+        loop {
+            match starting.poll()? {
+                Some(p) => return Ok(p),
+                None => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    /// [`restart`](Self::restart) without waiting for it to listen.
+    pub(crate) fn respawn(&self, n: u32) -> Result<Starting> {
         let logs = self.log.parent().context("log folder")?;
         let _ = std::fs::rename(&self.log, logs.join(format!("{}.{n}.log", self.name)));
         let port = self.url.rsplit(':').next().unwrap_or("0").trim_end_matches('/').to_owned();
@@ -96,7 +102,7 @@ impl Proc {
         if let Some(i) = args.iter().position(|a| a == "--port") {
             args[i + 1] = port;
         }
-        Proc::start(&self.name, &self.bin, &args, logs)
+        Proc::spawn(&self.name, &self.bin, &args, logs)
     }
 
     pub(crate) fn death_report(&self, status: ExitStatus) -> String {
@@ -108,6 +114,39 @@ impl Proc {
             self.log.display(),
             tail.into_iter().rev().collect::<Vec<_>>().join("\n")
         )
+    }
+}
+
+/// A process started but not yet listening.
+pub(crate) struct Starting {
+    proc: Option<Proc>,
+    listening: mpsc::Receiver<String>,
+    since: Instant,
+}
+
+impl Starting {
+    /// The process once it listens (`Some`), `None` while it starts; an error if it exited, took over
+    /// 300 s, or Ctrl-C came (then it is killed).
+    pub(crate) fn poll(&mut self) -> Result<Option<Proc>> {
+        let Some(p) = self.proc.as_mut() else { bail!("already started") };
+        if let Ok(url) = self.listening.try_recv() {
+            p.url = url;
+            return Ok(self.proc.take());
+        }
+        if let Some(status) = p.child.try_wait()? {
+            bail!("{}", p.death_report(status));
+        }
+        if self.since.elapsed() > Duration::from_secs(300) || crate::sys::stop_requested() {
+            let _ = p.child.kill();
+            let _ = p.child.wait();
+            bail!("{} did not start within 300 s; see {}", p.name, p.log.display());
+        }
+        Ok(None)
+    }
+
+    /// The process it is starting (to stop it with the others).
+    pub(crate) fn proc_mut(&mut self) -> Option<&mut Proc> {
+        self.proc.as_mut()
     }
 }
 
@@ -330,31 +369,64 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     supervise(&mut procs)
 }
 
-/// Restarts of one process: how many, when the current one started, and when the next is due.
+/// Restarts of one process: how many, when the current one started, when the next is due, and the one
+/// starting now.
 struct Restarts {
     count: u32,
     started: Instant,
     backoff: Duration,
     due: Option<Instant>,
+    starting: Option<Starting>,
 }
 
 /// Watches `procs` until Ctrl-C or SIGTERM (then stops them all, workers draining first): a process
 /// that exits is reported and started again on its address after its backoff (1 s, doubled after
-/// each death within a minute of its start, at most 30 s).
+/// each death within a minute of its start, at most 30 s). A restart is never waited on: the others
+/// are watched (and may be restarted) while it loads.
 fn supervise(procs: &mut [Proc]) -> Result<()> {
     let now = Instant::now();
     let mut state: Vec<Restarts> = procs
         .iter()
-        .map(|_| Restarts { count: 0, started: now, backoff: Duration::from_secs(1), due: None })
+        .map(|_| Restarts {
+            count: 0,
+            started: now,
+            backoff: Duration::from_secs(1),
+            due: None,
+            starting: None,
+        })
         .collect();
     loop {
         if crate::sys::stop_requested() {
             eprintln!("stopping: workers drain their requests first");
+            for r in &mut state {
+                if let Some(p) = r.starting.as_mut().and_then(Starting::proc_mut) {
+                    let _ = p.child.kill();
+                    let _ = p.child.wait();
+                }
+            }
             stop_all(procs, Duration::from_secs(40));
             return Ok(());
         }
         for (p, r) in procs.iter_mut().zip(state.iter_mut()) {
             let now = Instant::now();
+            if let Some(starting) = r.starting.as_mut() {
+                match starting.poll() {
+                    Ok(None) => {}
+                    Ok(Some(new)) => {
+                        eprintln!("{} is back at {} (restart {})", new.name, new.url, r.count);
+                        *p = new;
+                        r.starting = None;
+                        r.started = now;
+                    }
+                    Err(e) => {
+                        eprintln!("restarting {} failed: {e:#}; trying again in {:?}", p.name, r.backoff);
+                        r.starting = None;
+                        r.due = Some(now + r.backoff);
+                        r.backoff = (r.backoff * 2).min(Duration::from_secs(30));
+                    }
+                }
+                continue;
+            }
             if r.due.is_none() {
                 if let Some(status) = p.child.try_wait()? {
                     if now.duration_since(r.started) > Duration::from_secs(60) {
@@ -368,19 +440,15 @@ fn supervise(procs: &mut [Proc]) -> Result<()> {
             }
             if r.due.is_some_and(|d| now >= d) {
                 r.count += 1;
-                match p.restart(r.count) {
-                    Ok(new) => {
-                        eprintln!("{} is back at {} (restart {})", new.name, new.url, r.count);
-                        *p = new;
-                        r.due = None;
-                    }
+                r.due = None;
+                match p.respawn(r.count) {
+                    Ok(s) => r.starting = Some(s),
                     Err(e) => {
                         eprintln!("restarting {} failed: {e:#}; trying again in {:?}", p.name, r.backoff);
-                        r.due = Some(Instant::now() + r.backoff);
+                        r.due = Some(now + r.backoff);
                         r.backoff = (r.backoff * 2).min(Duration::from_secs(30));
                     }
                 }
-                r.started = Instant::now();
             }
         }
         std::thread::sleep(Duration::from_millis(100));
