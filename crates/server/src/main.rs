@@ -32,7 +32,8 @@ pdserve-server [options]
   --max-queued N           admission queue bound (default 256; also --max-queued-requests)
   --max-running N          running batch bound (default 64; also --max-running-requests)
   --max-batch-tokens N     tokens per engine step (default 2048; also --max-num-batched-tokens)
-  --transfer-step-tokens N prefill role: tokens per step while KV transfers are live (default 256)
+  --transfer-step-tokens N prefill role: tokens per step while KV transfers are live (default 256; late
+                           chunks count their context's cost, see --attention-cost)
   --tool-parser FORMAT     the format tool calls are written and read in: hermes, llama3 or mistral
                            (default: the chat template's; hermes for a template without one)
   --admission ORDER        least-work (default: the fewest uncached prompt tokens first, a request
