@@ -6,6 +6,7 @@ use pdserve_api::{header, path, ApiError, ErrorKind, Health, Outcome, Role, Stag
 use pdserve_http::{ConnId, Request, Response};
 use serde_json::json;
 
+use crate::discovery::Resolved;
 use crate::router::Router;
 use crate::RouterError;
 
@@ -61,7 +62,7 @@ impl Router {
             }
             ("GET", path::DEBUG_REQUESTS) => self.start_collect(conn, req, now),
             ("GET", "/workers") => {
-                let list: Vec<_> = self.workers.iter().map(|w| w.to_json(now)).collect();
+                let list: Vec<_> = self.workers.iter().map(|w| w.to_json(now, &self.cfg.discover)).collect();
                 self.respond_json(conn, 200, &json!({"workers": list}), rid);
             }
             ("POST", "/workers") => self.post_worker(conn, req, rid, now),
@@ -128,7 +129,8 @@ impl Router {
             });
         match result {
             Ok(id) => {
-                let body = self.workers.get(id).map(|w| w.to_json(now)).unwrap_or_default();
+                let body =
+                    self.workers.get(id).map(|w| w.to_json(now, &self.cfg.discover)).unwrap_or_default();
                 eprintln!("router: worker added: {body}");
                 self.respond_json(conn, 201, &body, rid);
             }
@@ -158,13 +160,75 @@ impl Router {
             let e = ApiError::new(ErrorKind::NotFound, "no such worker");
             return self.respond(conn, &Response::error(&e, Some(rid)));
         };
+        let id = w.id;
+        let (url, draining) = self.drain_worker(id, "removed");
+        self.respond_json(conn, 200, &json!({"removed": url, "draining_requests": draining}), rid);
+    }
+
+    /// Takes a worker out of rotation; it leaves once its requests in flight have finished (all of
+    /// them: nothing in flight is dropped). Returns its URL and how many requests it still has.
+    fn drain_worker(&mut self, id: u32, why: &str) -> (String, u32) {
+        let Some(w) = self.workers.get_mut(id) else { return (String::new(), 0) };
         w.draining = true;
-        let (id, url, draining) = (w.id, w.url.clone(), w.outstanding);
-        eprintln!("router: worker {url} removed; draining {draining} requests");
+        let (url, draining) = (w.url.clone(), w.outstanding);
+        eprintln!("router: worker {url} {why}; draining {draining} requests");
         self.policy.forget(id);
         self.decode_policy.forget(id);
         self.sweep_workers();
-        self.respond_json(conn, 200, &json!({"removed": url, "draining_requests": draining}), rid);
+        (url, draining)
+    }
+
+    /// One DNS answer for `--discover` source `r.source`: addresses new to it join (a draining one
+    /// of its own comes back), its workers whose address is gone drain. A failed lookup changes
+    /// nothing: a DNS outage must not empty the pool.
+    pub(crate) fn apply_discovery(&mut self, r: Resolved, now: Instant) {
+        let Some(spec) = self.cfg.discover.get(r.source).cloned() else { return };
+        let label = format!("dns:{}:{}", spec.name, spec.port);
+        let addrs = match r.result {
+            Ok(a) => a,
+            Err(e) => {
+                self.metrics.discovery_lookup(&label, "failed");
+                if self.discovery_failing.insert(r.source) {
+                    eprintln!("router: discovery {label}: lookup failed, workers kept as they are: {e}");
+                }
+                return;
+            }
+        };
+        if self.discovery_failing.remove(&r.source) {
+            eprintln!("router: discovery {label}: lookups answer again");
+        }
+        self.metrics.discovery_lookup(&label, "ok");
+        if let Ok(g) = self.metrics.discovery_addresses.with(&[&label]) {
+            g.set(addrs.len() as f64);
+        }
+        let urls: Vec<String> = addrs.iter().map(|&ip| spec.url(ip)).collect();
+        for url in &urls {
+            match self.workers.by_url(url).and_then(|id| self.workers.get_mut(id)) {
+                Some(w) if w.draining && w.source == Some(r.source) => {
+                    w.draining = false;
+                    eprintln!("router: discovery {label}: {url} is back");
+                }
+                Some(_) => {}
+                None => match self.add_worker(url, spec.role, now) {
+                    Ok(id) => {
+                        if let Some(w) = self.workers.get_mut(id) {
+                            w.source = Some(r.source);
+                        }
+                        eprintln!("router: discovery {label}: {url} added as {}", spec.role.as_str());
+                    }
+                    Err(e) => eprintln!("router: discovery {label}: {url} not added: {e}"),
+                },
+            }
+        }
+        let gone: Vec<u32> = self
+            .workers
+            .iter()
+            .filter(|w| w.source == Some(r.source) && !w.draining && !urls.contains(&w.url))
+            .map(|w| w.id)
+            .collect();
+        for id in gone {
+            self.drain_worker(id, &format!("left {label}"));
+        }
     }
 
     fn refresh_gauges(&self) {

@@ -7,6 +7,7 @@ pub use pdserve_api::Role;
 use pdserve_http::ServerConfig;
 
 use crate::admission::AdmissionConfig;
+use crate::discovery::{DiscoverSpec, ResolverConf};
 use crate::health::BreakerConfig;
 
 /// Which [`crate::Policy`] picks workers (in PD mode: prefill workers; decode workers go by load).
@@ -93,6 +94,12 @@ pub struct RouterConfig {
     /// A stream whose worker sends no token for this long (after its first) has stalled: it moves to
     /// another worker. `None`: streams never count as stalled (their deadline still ends them).
     pub stall_timeout: Option<Duration>,
+    /// Worker pools read from DNS (`--discover`): re-read every `discover_interval`; new addresses
+    /// join, vanished ones drain.
+    pub discover: Vec<DiscoverSpec>,
+    pub discover_interval: Duration,
+    /// Where `discover` names are looked up (default: `/etc/resolv.conf`).
+    pub resolver: Option<ResolverConf>,
 }
 
 impl Default for RouterConfig {
@@ -121,6 +128,9 @@ impl Default for RouterConfig {
             log_requests: false,
             migrations_max: 2,
             stall_timeout: Some(Duration::from_secs(30)),
+            discover: Vec::new(),
+            discover_interval: Duration::from_secs(5),
+            resolver: None,
         }
     }
 }

@@ -26,6 +26,7 @@ mod admin;
 mod admission;
 mod config;
 mod debug;
+pub mod discovery;
 mod error;
 pub mod flight;
 mod flights;
@@ -40,6 +41,7 @@ mod workers;
 
 pub use admission::{Admission, AdmissionConfig, Admit};
 pub use config::{PolicyKind, Role, RouterConfig, WorkerSpec};
+pub use discovery::{DiscoverSpec, ResolverConf};
 pub use error::{RouterError, UrlProblem};
 pub use flight::{Action, Flight, FlightSpec, LegFailure, LegId, LegKind, Plan, Purpose};
 pub use health::{Breaker, BreakerConfig, BreakerState};

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use pdserve_router::{PolicyKind, Role, Router, RouterConfig, WorkerSpec};
+use pdserve_router::{DiscoverSpec, PolicyKind, ResolverConf, Role, Router, RouterConfig, WorkerSpec};
 
 const USAGE: &str = "\
 pdserve-router [options]
@@ -15,6 +15,12 @@ pdserve-router [options]
   --worker URL                  a unified worker (repeatable)
   --prefill URL                 a prefill worker (repeatable)
   --decode URL                  a decode worker (repeatable)
+  --discover [ROLE=]dns:NAME:PORT
+                                workers of ROLE (unified when not named) are NAME's DNS addresses
+                                (A/AAAA) at PORT, e.g. a Kubernetes headless Service; re-read every
+                                --discover-interval-s: new addresses join, vanished ones drain (repeatable)
+  --discover-interval-s S       how often --discover names are looked up again (default 5)
+  --dns-server IP[:PORT]        where --discover names are looked up (default: /etc/resolv.conf's)
   --policy NAME                 round_robin, least_outstanding, power_of_two, cache_aware (default)
   --max-in-flight N             requests dispatched to workers at once (default 1024)
   --max-queued N                requests waiting for a slot; more get 429 (default 1024)
@@ -122,6 +128,15 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--worker" => c.workers.push(WorkerSpec { url: v.clone(), role: Role::Unified }),
             "--prefill" => c.workers.push(WorkerSpec { url: v.clone(), role: Role::Prefill }),
             "--decode" => c.workers.push(WorkerSpec { url: v.clone(), role: Role::Decode }),
+            "--discover" => c.discover.push(DiscoverSpec::parse(&v).map_err(|e| format!("--discover {e}"))?),
+            "--discover-interval-s" => c.discover_interval = secs()?,
+            "--dns-server" => {
+                let addr = v
+                    .parse::<std::net::SocketAddr>()
+                    .or_else(|_| v.parse::<std::net::IpAddr>().map(|ip| (ip, 53).into()))
+                    .map_err(|_| format!("--dns-server {v}: expected IP or IP:PORT"))?;
+                c.resolver = Some(ResolverConf::server(addr));
+            }
             "--policy" => c.policy = PolicyKind::parse(&v).ok_or_else(|| format!("--policy {v}: unknown"))?,
             "--max-in-flight" => c.admission.in_flight_max = n()?,
             "--max-queued" => c.admission.queued_max = n()?,

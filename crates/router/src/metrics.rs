@@ -25,6 +25,8 @@ pub(crate) struct Metrics {
     pub queue_wait: LatencyHistogram,
     pub prefill_leg: LatencyHistogram,
     pub client_connections: Gauge,
+    discovery_lookups: CounterVec,
+    pub discovery_addresses: GaugeVec,
 }
 
 impl Metrics {
@@ -98,12 +100,28 @@ impl Metrics {
                 Buckets::latency_seconds(),
             )?,
             client_connections: r.gauge("router_client_connections", "Open client connections.")?,
+            discovery_lookups: r.counter_vec(
+                "router_discovery_lookups_total",
+                "DNS lookups of --discover sources, by source and result (ok, failed; a failed one keeps the workers as they were).",
+                &["source", "result"],
+            )?,
+            discovery_addresses: r.gauge_vec(
+                "router_discovered_workers",
+                "Workers (addresses) the last successful lookup of each --discover source returned.",
+                &["source"],
+            )?,
             registry: r,
         })
     }
 
     pub fn finished(&self, outcome: Outcome, stage: Stage) {
         if let Ok(c) = self.finished.with(&[outcome.as_str(), stage.as_str()]) {
+            c.inc();
+        }
+    }
+
+    pub fn discovery_lookup(&self, source: &str, result: &str) {
+        if let Ok(c) = self.discovery_lookups.with(&[source, result]) {
             c.inc();
         }
     }

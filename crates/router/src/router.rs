@@ -78,6 +78,10 @@ pub struct Router {
     read_buf: Vec<u8>,
     resp_events: Vec<ResponseEvent>,
     stop: Arc<AtomicBool>,
+    /// Answers of the `--discover` lookup thread.
+    discovery: Option<std::sync::mpsc::Receiver<crate::discovery::Resolved>>,
+    /// `--discover` sources whose last lookup failed (logged once per outage).
+    pub(crate) discovery_failing: std::collections::HashSet<usize>,
 }
 
 pub(crate) fn unix_ms() -> u64 {
@@ -118,10 +122,17 @@ impl Router {
             read_buf: vec![0; 64 * 1024],
             resp_events: Vec::new(),
             stop: Arc::new(AtomicBool::new(false)),
+            discovery: None,
+            discovery_failing: Default::default(),
             cfg,
         };
         for spec in r.cfg.workers.clone() {
             r.add_worker(&spec.url, spec.role, now).map_err(io::Error::other)?;
+        }
+        if !r.cfg.discover.is_empty() {
+            let conf = r.cfg.resolver.clone().unwrap_or_else(crate::discovery::ResolverConf::system);
+            let (specs, every, stop) = (r.cfg.discover.clone(), r.cfg.discover_interval, r.stop_flag());
+            r.discovery = Some(crate::discovery::spawn(specs, conf, every, stop)?);
         }
         Ok(r)
     }
@@ -443,6 +454,9 @@ impl Router {
             );
             let retry = self.admission.retry_after_s(now);
             self.reject(id, ApiError::new(ErrorKind::QueueFull, msg).with_retry_after(retry), now);
+        }
+        while let Some(found) = self.discovery.as_ref().and_then(|rx| rx.try_recv().ok()) {
+            self.apply_discovery(found, now);
         }
         if now >= self.next_probe {
             self.run_probes(now);

@@ -31,6 +31,9 @@ pub(crate) struct Worker {
     pub draining: bool,
     /// A health probe is out.
     pub probing: bool,
+    /// The `--discover` source (an index into the router's list) that found it; `None`: named by a
+    /// flag or `POST /workers`.
+    pub source: Option<usize>,
     pub requests_total: u64,
     pub in_flight_gauge: Gauge,
     pub connections_gauge: Gauge,
@@ -52,7 +55,8 @@ impl Worker {
         }
     }
 
-    pub fn to_json(&self, now: Instant) -> serde_json::Value {
+    pub fn to_json(&self, now: Instant, sources: &[crate::DiscoverSpec]) -> serde_json::Value {
+        let source = self.source.and_then(|s| sources.get(s));
         let ago = |t: Option<Instant>| t.map(|t| now.saturating_duration_since(t).as_millis() as u64);
         json!({
             "id": self.id,
@@ -67,6 +71,7 @@ impl Worker {
             "last_probe_ok_ago_ms": ago(self.breaker.last_probe_ok()),
             "last_path_ok_ago_ms": ago(self.path_ok),
             "last_error": self.breaker.last_error(),
+            "discovered_by": source.map(|s| format!("dns:{}:{}", s.name, s.port)),
         })
     }
 }
@@ -125,6 +130,7 @@ impl Workers {
             idle: Vec::new(),
             draining: false,
             probing: false,
+            source: None,
             requests_total: 0,
             in_flight_gauge: gauges.0,
             connections_gauge: gauges.1,

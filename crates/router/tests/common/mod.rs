@@ -169,7 +169,13 @@ fn own_loopback_ip() -> std::net::Ipv4Addr {
 
 impl MockWorker {
     pub fn start(role: MockRole, mode: Mode) -> MockWorker {
-        let listener = TcpListener::bind((own_loopback_ip(), 0)).unwrap();
+        MockWorker::start_at_port(0, role, mode)
+    }
+
+    /// A mock on a loopback address of its own at `port` (0: any), as workers found through DNS
+    /// share one port.
+    pub fn start_at_port(port: u16, role: MockRole, mode: Mode) -> MockWorker {
+        let listener = TcpListener::bind((own_loopback_ip(), port)).unwrap();
         let addr = listener.local_addr().unwrap();
         let mode = Arc::new(AtomicU8::new(mode as u8));
         let stop = Arc::new(AtomicBool::new(false));
