@@ -48,7 +48,11 @@ impl Router {
         match (method, path.as_str()) {
             ("GET", path::HEALTH_LIVE) => self.respond(conn, &Response::health(&Health::Live, Some(rid))),
             ("GET", path::HEALTH_READY | path::HEALTH) => {
-                let health = match self.workers.path_ready(self.ready_window(), self.pair_window(), now) {
+                let ready = match self.draining_since {
+                    Some(_) => Err(format!("draining: {} requests in flight", self.flights.len())),
+                    None => self.workers.path_ready(self.ready_window(), self.pair_window(), now),
+                };
+                let health = match ready {
                     Ok(()) => Health::Ready { details: json!({"workers": self.workers.iter().count()}) },
                     Err(reason) => Health::NotReady { reason },
                 };

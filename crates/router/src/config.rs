@@ -100,6 +100,9 @@ pub struct RouterConfig {
     pub discover_interval: Duration,
     /// Where `discover` names are looked up (default: `/etc/resolv.conf`).
     pub resolver: Option<ResolverConf>,
+    /// After a drain starts (SIGTERM, or [`crate::Router::drain_flag`]): how long requests in flight
+    /// may take; those left then end with an explicit 503 error.
+    pub drain_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -131,6 +134,7 @@ impl Default for RouterConfig {
             discover: Vec::new(),
             discover_interval: Duration::from_secs(5),
             resolver: None,
+            drain_timeout: Duration::from_secs(30),
         }
     }
 }

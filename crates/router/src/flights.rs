@@ -64,6 +64,14 @@ impl Router {
                 }
             }
         };
+        if self.draining_since.is_some() {
+            self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
+            let e =
+                ApiError::new(ErrorKind::NotReady, "the router is shutting down and takes no new requests")
+                    .with_retry_after(1);
+            self.respond(conn, &pdserve_http::Response::error(&e, Some(rid)));
+            return;
+        }
         if is_attempt_id(rid) {
             self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
             let msg = format!("request id {rid} ends like the router's own ids for a moved request's later tries (`.m` and digits)");

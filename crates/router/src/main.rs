@@ -5,6 +5,8 @@ use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+mod sys;
+
 use pdserve_router::{DiscoverSpec, PolicyKind, ResolverConf, Role, Router, RouterConfig, WorkerSpec};
 
 const USAGE: &str = "\
@@ -44,7 +46,11 @@ pdserve-router [options]
                                 PDSERVE_CLUSTER_SECRET); workers started with it refuse requests without it
   --name NAME                   this process's name in /debug/requests (default router)
   --log-requests                one line per failed or finished request on stderr
-  --exit-on-stdin-eof           stop when standard input closes (for supervisors and tests)
+  --drain-timeout-s S           after SIGTERM/SIGINT: new requests get 503, /health/ready turns 503, and
+                                requests in flight get S seconds to finish (default 30); those left
+                                then end with an explicit 503 error
+  --exit-on-stdin-eof           drain (as on SIGTERM) when standard input closes (for supervisors and
+                                tests)
 ";
 
 fn main() -> ExitCode {
@@ -66,13 +72,21 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    sys::install_termination_handler();
+    let drain = router.drain_flag();
+    std::thread::spawn(move || {
+        while !sys::terminate_requested() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        drain.store(true, Ordering::Relaxed);
+    });
     if exit_on_eof {
-        let stop = router.stop_flag();
+        let drain = router.drain_flag();
         std::thread::spawn(move || {
             let mut sink = [0u8; 256];
             let mut stdin = std::io::stdin();
             while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-            stop.store(true, Ordering::Relaxed);
+            drain.store(true, Ordering::Relaxed);
         });
     }
     match router.local_addr() {
@@ -160,6 +174,7 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--admin-key" => c.admin_key = Some(v.clone()),
             "--cluster-secret-file" => secret_file = Some(std::path::PathBuf::from(&v)),
             "--name" => c.process_name = v.clone(),
+            "--drain-timeout-s" => c.drain_timeout = secs()?,
             other => return Err(format!("unknown option {other}")),
         }
     }

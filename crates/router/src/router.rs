@@ -78,6 +78,9 @@ pub struct Router {
     read_buf: Vec<u8>,
     resp_events: Vec<ResponseEvent>,
     stop: Arc<AtomicBool>,
+    /// Set to drain: no new requests (503), the ones in flight finish, then `run` returns.
+    drain: Arc<AtomicBool>,
+    pub(crate) draining_since: Option<Instant>,
     /// Answers of the `--discover` lookup thread.
     discovery: Option<std::sync::mpsc::Receiver<crate::discovery::Resolved>>,
     /// `--discover` sources whose last lookup failed (logged once per outage).
@@ -122,6 +125,8 @@ impl Router {
             read_buf: vec![0; 64 * 1024],
             resp_events: Vec::new(),
             stop: Arc::new(AtomicBool::new(false)),
+            drain: Arc::new(AtomicBool::new(false)),
+            draining_since: None,
             discovery: None,
             discovery_failing: Default::default(),
             cfg,
@@ -146,10 +151,27 @@ impl Router {
         Arc::clone(&self.stop)
     }
 
-    /// Runs the loop until the stop flag is set.
+    /// A flag that drains the router (what SIGTERM does to `pdserve-router`): `/health/ready` turns
+    /// 503 and new requests get a 503 with `Retry-After`, the requests in flight run to their end,
+    /// and [`run`](Self::run) returns once none is left, or after
+    /// [`drain_timeout`](RouterConfig::drain_timeout), when those left end with an explicit error.
+    pub fn drain_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.drain)
+    }
+
+    /// Runs the loop until the stop flag is set or a drain has finished.
     pub fn run(&mut self) -> io::Result<()> {
         let mut events = Vec::new();
         while !self.stop.load(Ordering::Relaxed) {
+            if self.drain.load(Ordering::Relaxed) && self.drained(Instant::now()) {
+                // Give the last answers a moment to reach their clients.
+                let until = Instant::now() + Duration::from_millis(200);
+                while Instant::now() < until && self.server.connection_count() > 0 {
+                    self.server.poll(&mut events, Some(Duration::from_millis(20)))?;
+                    events.clear();
+                }
+                return Ok(());
+            }
             let now = Instant::now();
             let mut timeout = TICK;
             if let Some(Reverse((d, _))) = self.deadlines.peek() {
@@ -178,6 +200,29 @@ impl Router {
             self.timers(Instant::now());
         }
         Ok(())
+    }
+
+    /// One turn of a drain; true once nothing is left in flight.
+    fn drained(&mut self, now: Instant) -> bool {
+        let since = *self.draining_since.get_or_insert_with(|| {
+            eprintln!("router: draining {} requests in flight", self.flights.len());
+            now
+        });
+        if now.saturating_duration_since(since) >= self.cfg.drain_timeout {
+            let left: Vec<u64> = self.flights.keys().copied().collect();
+            for id in left {
+                if let Some(e) = self.flights.get_mut(&id) {
+                    let msg = format!(
+                        "the router shut down before the request finished (drain timeout {} ms)",
+                        ms(self.cfg.drain_timeout)
+                    );
+                    e.flight.handle_rejected(ApiError::new(ErrorKind::NotReady, msg).with_retry_after(1));
+                }
+                self.drive(id, now);
+            }
+        }
+        // The aborts of requests that ended still reach their workers (each is bounded by its timer).
+        self.flights.is_empty() && self.ups.aborts_pending() == 0
     }
 
     /// Counts for tests: flights in progress, upstream connections open.
@@ -458,7 +503,7 @@ impl Router {
         while let Some(found) = self.discovery.as_ref().and_then(|rx| rx.try_recv().ok()) {
             self.apply_discovery(found, now);
         }
-        if now >= self.next_probe {
+        if now >= self.next_probe && self.draining_since.is_none() {
             self.run_probes(now);
         }
         if now >= self.next_sweep {

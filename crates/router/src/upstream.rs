@@ -83,6 +83,11 @@ impl Upstreams {
         self.slots.iter().flatten().count()
     }
 
+    /// Aborts still being sent (each has its own timer).
+    pub fn aborts_pending(&self) -> usize {
+        self.slots.iter().zip(&self.owners).filter(|(u, o)| u.is_some() && **o == Owner::Abort).count()
+    }
+
     /// Slots whose timer has passed, with their phase.
     pub fn due(&self, now: Instant) -> Vec<(usize, UpstreamPhase)> {
         self.slots

@@ -415,3 +415,74 @@ fn an_exhausted_pool_is_503_not_a_wait() {
     let (_, list) = r.json("GET", "/workers", "");
     assert_eq!(list["workers"][0]["state"], "up", "{list}");
 }
+
+#[test]
+fn a_draining_router_finishes_its_streams_refuses_new_requests_and_exits() {
+    let w = MockWorker::start(MockRole::Unified, Mode::Ok);
+    let r = std::sync::Arc::new(RouterHandle::start(config(&[(&w.url, Role::Unified)])));
+    r.wait_ready(Duration::from_secs(5));
+    // A stream of 40 chunks 20 ms apart is under way when the drain starts.
+    let r2 = std::sync::Arc::clone(&r);
+    let body = r#"{"messages":[{"role":"user","content":"hello"}],"max_tokens":40,"stream":true}"#;
+    let stream = std::thread::spawn(move || r2.stream(body));
+    let until = Instant::now() + Duration::from_secs(5);
+    while w.seen.lock().unwrap().posts.is_empty() {
+        assert!(Instant::now() < until, "the stream never reached the worker");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    r.drain();
+    std::thread::sleep(Duration::from_millis(50));
+    let resp = r.request("POST", "/v1/chat/completions", CHAT, &[]);
+    assert_eq!(resp.status(), 503);
+    assert_eq!(resp.head().header_str("retry-after"), Some("1"));
+    let v: serde_json::Value = serde_json::from_slice(&resp.read_to_end().unwrap()).unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("shutting down"), "{v}");
+    let (status, ready) = r.json("GET", "/health/ready", "");
+    assert_eq!(status, 503, "{ready}");
+    assert!(!r.exited(), "the router left before its stream finished");
+    let (status, events) = stream.join().unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(events.len(), 42, "the stream was cut: {events:?}");
+    assert_eq!(events.last().unwrap(), "[DONE]");
+    let until = Instant::now() + Duration::from_secs(2);
+    while !r.exited() {
+        assert!(Instant::now() < until, "the router did not exit once drained");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(w.seen.lock().unwrap().posts.len(), 1, "the refused request reached the worker");
+}
+
+#[test]
+fn a_drain_that_runs_out_of_time_ends_what_is_left_with_an_explicit_error() {
+    let w = MockWorker::start(MockRole::Unified, Mode::HangPost);
+    let mut cfg = config(&[(&w.url, Role::Unified)]);
+    cfg.drain_timeout = Duration::from_millis(300);
+    let r = std::sync::Arc::new(RouterHandle::start(cfg));
+    r.wait_ready(Duration::from_secs(5));
+    let r2 = std::sync::Arc::clone(&r);
+    let hung = std::thread::spawn(move || r2.json("POST", "/v1/chat/completions", CHAT));
+    let until = Instant::now() + Duration::from_secs(5);
+    while w.seen.lock().unwrap().posts.is_empty() {
+        assert!(Instant::now() < until, "the request never reached the worker");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let t = Instant::now();
+    r.drain();
+    let (status, v) = hung.join().unwrap();
+    let took = t.elapsed();
+    assert_eq!(status, 503, "{v}");
+    assert_eq!(v["error"]["type"], "not_ready", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("shut down before the request finished"), "{v}");
+    assert!(took >= Duration::from_millis(280) && took < Duration::from_secs(2), "{took:?}");
+    // The worker heard that the request is over.
+    let until = Instant::now() + Duration::from_secs(2);
+    while w.seen.lock().unwrap().aborts.is_empty() {
+        assert!(Instant::now() < until, "no abort reached the worker");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let until = Instant::now() + Duration::from_secs(2);
+    while !r.exited() {
+        assert!(Instant::now() < until, "the router did not exit");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -16,6 +16,7 @@ use pdserve_router::{Router, RouterConfig};
 pub struct RouterHandle {
     pub addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    drain: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
     pub client: HttpClient,
 }
@@ -25,9 +26,20 @@ impl RouterHandle {
         cfg.listen = "127.0.0.1:0".parse().unwrap();
         let mut router = Router::bind(cfg).expect("router binds");
         let addr = router.local_addr().unwrap();
-        let stop = router.stop_flag();
+        let (stop, drain) = (router.stop_flag(), router.drain_flag());
         let thread = std::thread::spawn(move || router.run().expect("router loop"));
-        RouterHandle { addr, stop, thread: Some(thread), client: HttpClient::new(ClientConfig::default()) }
+        let client = HttpClient::new(ClientConfig::default());
+        RouterHandle { addr, stop, drain, thread: Some(thread), client }
+    }
+
+    /// Starts a drain (what SIGTERM does to the binary).
+    pub fn drain(&self) {
+        self.drain.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the router's loop has returned.
+    pub fn exited(&self) -> bool {
+        self.thread.as_ref().is_none_or(|t| t.is_finished())
     }
 
     pub fn request(&self, method: &str, path: &str, body: &str, headers: &[(&str, &str)]) -> ClientResponse {
