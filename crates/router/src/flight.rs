@@ -34,6 +34,7 @@ use pdserve_api::{header, pd, ApiError, ErrorKind, Health, Outcome, Role, Stage}
 use pdserve_http::Response;
 
 mod migrate;
+mod retry;
 use migrate::Marked;
 pub use migrate::Migration;
 
@@ -216,6 +217,8 @@ pub struct Flight {
     reached: Vec<Reached>,
     /// Workers that could not take the current leg kind.
     refused: Vec<u32>,
+    /// The last draining worker's refusal: the answer when no other worker is left to try.
+    draining_answer: Option<ApiError>,
     /// The current leg was re-sent after a stale connection (once per leg kind).
     stale_retried: bool,
     prefill_worker: Option<u32>,
@@ -268,6 +271,7 @@ impl Flight {
             next_leg: 0,
             reached: Vec::new(),
             refused: Vec::new(),
+            draining_answer: None,
             stale_retried: false,
             prefill_worker: None,
             decode_worker: None,
@@ -543,6 +547,13 @@ impl Flight {
         let head = head.take().unwrap_or(Head { status: 502, content_type: None, retry_after: None });
         let body = std::mem::take(body);
         self.state = State::Waiting;
+        if let Some(refusal) = self.draining_refusal(&head, &body, worker) {
+            // A draining worker took nothing (it answers `not_ready` before any work): another may.
+            self.draining_answer = Some(refusal);
+            self.reached.retain(|r| r.worker != worker);
+            self.refused.push(worker);
+            return self.open(kind, Some(Retry::Refused));
+        }
         if head.status >= 300 {
             if let Some(r) = self.reached.iter_mut().find(|r| r.worker == worker) {
                 r.answered_error = true;
@@ -634,60 +645,6 @@ impl Flight {
             status = 0;
         }
         self.finish(outcome, status, error, None);
-    }
-
-    /// The leg could not go out, or failed after it did.
-    pub fn handle_leg_failed(&mut self, leg: LegId, failure: LegFailure) {
-        let kind = match self.state {
-            State::Opening { leg: l, kind } | State::Open { leg: l, kind, .. } if l == leg => kind,
-            _ => return,
-        };
-        let worker = self.worker();
-        self.state = State::Waiting;
-        match failure {
-            LegFailure::NoWorker { reason } => {
-                self.fail(ApiError::new(ErrorKind::NoCapacity, reason).with_retry_after(1));
-            }
-            LegFailure::Refused { worker, reason } => {
-                // Nothing was sent: another worker may take it.
-                self.reached.retain(|r| r.worker != worker);
-                self.refused.push(worker);
-                let tries = self.refused.len() as u32;
-                if tries <= self.spec.retries_max {
-                    self.open(kind, Some(Retry::Refused));
-                } else {
-                    let msg = format!("{tries} connect attempts failed; last: {reason}");
-                    self.fail(ApiError::new(ErrorKind::NoCapacity, msg).with_retry_after(1));
-                }
-            }
-            LegFailure::Stale if !self.stale_retried => {
-                // The worker closed that connection while it was idle and never took the request.
-                self.stale_retried = true;
-                if let Some(w) = worker {
-                    self.reached.retain(|r| r.worker != w);
-                }
-                self.open(kind, Some(Retry::Stale));
-            }
-            LegFailure::Stale => {
-                let msg = "a second pooled connection failed before any answer".to_owned();
-                self.leg_broke(kind, worker, msg);
-            }
-            LegFailure::Broken { reason } => self.leg_broke(kind, worker, reason),
-        }
-    }
-
-    fn leg_broke(&mut self, kind: LegKind, worker: Option<u32>, reason: String) {
-        if self.can_migrate() {
-            let cause = if kind == LegKind::Prefill { Migration::PrefillLost } else { Migration::DecodeLost };
-            return self.migrate(cause, worker);
-        }
-        let which = match kind {
-            LegKind::Prefill => "prefill worker",
-            LegKind::Decode => "decode worker",
-            LegKind::Main => "worker",
-        };
-        let at = worker.map_or(String::new(), |w| format!(" {w}"));
-        self.fail(ApiError::new(ErrorKind::UpstreamFailed, format!("{which}{at} failed: {reason}")));
     }
 
     /// The deadline came (call at or after [`deadline`](Self::deadline)).

@@ -62,7 +62,7 @@ impl Metrics {
             )?,
             retries: r.counter(
                 "router_connect_retries_total",
-                "Legs re-sent to another worker after a refused connect (moves mid-request are router_migrations_total).",
+                "Legs re-sent to another worker after a refused connect or a draining worker's not_ready answer (moves mid-request are router_migrations_total).",
             )?,
             stale_retries: r.counter(
                 "router_stale_connection_retries_total",

@@ -486,3 +486,28 @@ fn a_drain_that_runs_out_of_time_ends_what_is_left_with_an_explicit_error() {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+#[test]
+fn a_draining_workers_refusal_is_sent_to_another_worker() {
+    let draining = MockWorker::start(MockRole::Unified, Mode::Draining);
+    let w = MockWorker::start(MockRole::Unified, Mode::Ok);
+    let mut cfg = config(&[(&draining.url, Role::Unified), (&w.url, Role::Unified)]);
+    cfg.policy = pdserve_router::PolicyKind::RoundRobin;
+    let r = RouterHandle::start(cfg);
+    r.wait_ready(Duration::from_secs(5));
+    for _ in 0..4 {
+        let (status, body) = r.json("POST", "/v1/chat/completions", CHAT);
+        assert_eq!(status, 200, "{body}");
+        let (status, events) = r.stream(CHAT_STREAM);
+        assert_eq!((status, events.last().map(String::as_str)), (200, Some("[DONE]")));
+    }
+    assert_eq!(w.seen.lock().unwrap().posts.len(), 8);
+    let refused = draining.seen.lock().unwrap().posts.len();
+    assert!(refused >= 1, "round robin never tried the draining worker");
+    assert_eq!(r.metric("router_connect_retries_total"), refused as f64);
+    // With every worker draining, the client gets the refusal itself, not a hang.
+    w.set_mode(Mode::Draining);
+    let (status, body) = r.json("POST", "/v1/chat/completions", CHAT);
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["error"]["type"], "not_ready", "{body}");
+}

@@ -138,6 +138,8 @@ pub enum Mode {
     /// Answers the first request on each connection; a later one on the same connection is closed
     /// unanswered, as by a worker that closed an idle connection just as the router reused it.
     DropReused = 4,
+    /// Answers completions 503 `not_ready`, as a worker draining after SIGTERM does.
+    Draining = 5,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,6 +251,7 @@ fn mode_of(m: &AtomicU8) -> Mode {
         2 => Mode::Hang,
         3 => Mode::DieMidStream,
         4 => Mode::DropReused,
+        5 => Mode::Draining,
         _ => Mode::Ok,
     }
 }
@@ -343,6 +346,10 @@ fn completion(
     body: &str,
     buf: &mut [u8],
 ) -> std::io::Result<()> {
+    if mode == Mode::Draining {
+        let e = r#"{"error":{"type":"not_ready","message":"the worker is draining and takes no new requests","code":503}}"#;
+        return respond(s, 503, e);
+    }
     if mode == Mode::HangPost {
         loop {
             match s.read(buf) {
