@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 
 mod agents;
 mod chaos;
+mod deploy;
 mod generate;
 mod gpu;
 mod memory;
@@ -70,6 +71,12 @@ const COMMANDS: &[(&str, &str, &str)] = &[
         "fault scenarios against the router + prefill + decode processes, with assertions",
     ),
     (
+        "deploy",
+        "deploy render [--namespace NS] [--image IMAGE] [--routers N] [--prefill N] [--decode N] [--out FILE]",
+        "the Kubernetes manifests of a stack as YAML (the default is deploy/k8s/pdserve.yaml; walkthrough in\n\
+         deploy/README.md; `chaos k8s_topology` runs them on network namespaces)",
+    ),
+    (
         "check-kernels",
         "check-kernels [ARCH ...]",
         "NVRTC-compile every CUDA kernel for sm_90, sm_120 and sm_120a (no GPU needed; fetches NVRTC from\n\
@@ -129,6 +136,7 @@ fn main() -> ExitCode {
         Some("generate") => generate::run(rest),
         Some("where") => where_::run(rest),
         Some("chaos") => chaos::run(rest),
+        Some("deploy") => deploy::run(rest),
         Some("check-kernels") => gpu::check_kernels(rest),
         Some("test-gpu") => gpu::test_gpu(rest),
         Some("bench-gpu") => gpu::bench_gpu(rest),

@@ -4,6 +4,7 @@
 //! succeed; KV, transfer and request ledgers return to their baseline; no process other than the one
 //! killed exited. One table row per scenario.
 
+mod k8s;
 mod netns;
 mod scenarios;
 mod stack;
@@ -14,6 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Result};
 use pdserve_loadgen::{run_point, Conn, Load, Outcome, Progress, Shape, Slo, Target};
 
+use k8s::k8s_topology;
 use netns::netns_partition;
 use scenarios::*;
 use stack::{worker_args, Readiness, Stack};
@@ -31,6 +33,7 @@ const SCENARIOS: &[&str] = &[
     "long_context",
     "soak",
     "netns_partition",
+    "k8s_topology",
 ];
 
 /// Scenarios that never take the last working path away: readiness must hold in every sample, load
@@ -40,7 +43,7 @@ const ALWAYS_READY: &[&str] =
     &["disconnect_storm", "slowloris", "hung_worker", "bad_input", "long_context", "overload", "soak"];
 
 /// The scenarios CI runs (`cargo xtask test`), in their short form.
-pub(crate) const CI_SCENARIOS: &[&str] = &["decode_kill", "disconnect_storm", "hung_worker"];
+pub(crate) const CI_SCENARIOS: &[&str] = &["decode_kill", "disconnect_storm", "hung_worker", "k8s_topology"];
 
 /// What a scenario reports for its table row.
 #[derive(Debug, Default)]
@@ -195,8 +198,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "decode_stall" => &["--stall-timeout-s", &stall],
             _ => &[],
         };
-        if name == "netns_partition" {
-            let result = netns_partition(&bins, &model, short);
+        if name == "netns_partition" || name == "k8s_topology" {
+            let result = if name == "k8s_topology" {
+                k8s_topology(&bins, &model, short)
+            } else {
+                netns_partition(&bins, &model, short)
+            };
             report(name, started, result, &mut failed, &mut table);
             continue;
         }

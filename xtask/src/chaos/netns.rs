@@ -12,11 +12,11 @@ use super::*;
 
 /// Network namespaces for the partition scenario, deleted when dropped.
 pub(super) struct Netns {
-    names: Vec<String>,
+    pub(super) names: Vec<String>,
 }
 
 impl Netns {
-    fn ip(args: &[&str]) -> Result<()> {
+    pub(super) fn ip(args: &[&str]) -> Result<()> {
         let out = Command::new("ip").args(args).output().context("running ip (iproute2)")?;
         ensure!(
             out.status.success(),
