@@ -171,6 +171,12 @@ impl Endpoint {
         }
     }
 
+    /// What receivers need to read this side's blocks themselves, if its transport publishes it
+    /// ([`Transport::region`]).
+    pub fn region(&self) -> Option<String> {
+        self.transport.region()
+    }
+
     /// The address receivers pull from (the transport's listener).
     pub fn local_addr(&self) -> Option<SocketAddr> {
         self.transport.local_addr()

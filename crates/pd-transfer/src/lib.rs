@@ -59,6 +59,8 @@ pub use message::{
 };
 pub use receiver::{Described, Destination, Receiver};
 pub use sender::{SendAction, Sender, SenderConfig};
+#[cfg(feature = "ucx")]
+pub use transport::UcxTransport;
 pub use transport::{Arrival, Connected, SharedMemoryTransport, TcpTransport, Transport};
 
 /// The I/O shell's name for a connection to a peer.

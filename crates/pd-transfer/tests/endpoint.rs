@@ -12,6 +12,28 @@ use pdserve_pd_transfer::*;
 
 const BLOCKS: u32 = 64;
 
+/// How a worker's transport moves block bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    /// `TcpTransport`: every block inline.
+    Tcp,
+    /// `SharedMemoryTransport`: reads named blocks out of a same-host sender's region.
+    Shm,
+    /// `UcxTransport`: a sender exports its region, a receiver reads named blocks with UCX gets.
+    #[cfg(feature = "ucx")]
+    Ucx,
+}
+
+impl Via {
+    /// A sender that exports its region through UCX (its handle names the export, not its file).
+    fn exports(self) -> bool {
+        #[cfg(feature = "ucx")]
+        return self == Via::Ucx;
+        #[cfg(not(feature = "ucx"))]
+        return false;
+    }
+}
+
 fn layout() -> Layout {
     Layout { num_layers: 2, num_kv_heads: 2, head_dim: 8, block_size: 4, dtype: Dtype::F32 }
 }
@@ -30,10 +52,9 @@ struct Worker {
 }
 
 impl Worker {
-    /// `shared`: this worker's KV memory is a shared region (a sender then names its blocks);
-    /// `maps_regions`: its transport reads named blocks out of a sender's region
-    /// (`SharedMemoryTransport`) rather than taking every block inline (`TcpTransport`).
-    fn new(listen: bool, shared: bool, maps_regions: bool) -> Worker {
+    /// `shared`: this worker's KV memory is a shared region (a sender then names its blocks); `via`:
+    /// its transport.
+    fn new(listen: bool, shared: bool, via: Via) -> Worker {
         let bytes = BLOCKS as usize * layout().block_bytes();
         let (mem, region): (Box<dyn BlockMemory>, _) = if shared {
             let r = SharedRegion::create(pdserve_pd_transfer::transport::shm::LOCAL_SCOPE, bytes).unwrap();
@@ -43,17 +64,25 @@ impl Worker {
             (Box::new(vec![0u8; bytes]), None)
         };
         let at = listen.then(|| "127.0.0.1:0".parse().unwrap());
-        let transport: Box<dyn Transport> = if maps_regions {
-            Box::new(SharedMemoryTransport::bind(at, layout().block_bytes()).unwrap())
-        } else {
-            Box::new(TcpTransport::bind(at).unwrap())
+        let bb = layout().block_bytes();
+        let transport: Box<dyn Transport> = match via {
+            Via::Tcp => Box::new(TcpTransport::bind(at).unwrap()),
+            Via::Shm => Box::new(SharedMemoryTransport::bind(at, bb).unwrap()),
+            #[cfg(feature = "ucx")]
+            Via::Ucx => {
+                let export = region.as_deref().map(std::path::Path::new);
+                Box::new(pdserve_pd_transfer::UcxTransport::bind(at, bb, export).unwrap())
+            }
         };
         let config = EndpointConfig {
             sender: SenderConfig { window_blocks: 4, transfers_max: 64, shared_region: shared },
             ..EndpointConfig::default()
         };
+        let ep = Endpoint::new(transport, layout(), config);
+        // A UCX sender's handle names its export; any other's, its region file.
+        let region = ep.region().or(region);
         Worker {
-            ep: Endpoint::new(transport, layout(), config),
+            ep,
             kv: KvCache::new(KvConfig { num_blocks: BLOCKS, block_size: layout().block_size }).unwrap(),
             mem,
             region,
@@ -131,11 +160,11 @@ fn run_until(p: &mut Worker, d: &mut Worker, mut done: impl FnMut(&Worker, &Work
     }
 }
 
-/// Five transfers from a sender whose KV is (or is not) in a shared region to a receiver that can (or
-/// cannot) map such a region; the blocks come through it only when both hold.
-fn transfer_several(shared: bool, maps_regions: bool) {
-    let mut p = Worker::new(true, shared, false);
-    let mut d = Worker::new(false, false, maps_regions);
+/// Five transfers from a sender whose KV is (or is not) in a shared region to a receiver whose
+/// transport can (or cannot) read such a region; the blocks come through it only when both hold.
+fn transfer_several(shared: bool, sender: Via, receiver: Via) {
+    let mut p = Worker::new(true, shared, sender);
+    let mut d = Worker::new(false, false, receiver);
     let addr = p.ep.local_addr().unwrap();
     let region = p.region.clone();
     let mut prompts = HashMap::new();
@@ -159,7 +188,14 @@ fn transfer_several(shared: bool, maps_regions: bool) {
         d.kv.free_sequence(SeqId(t), false).unwrap();
     }
     let stats = d.ep.stats();
-    if shared && maps_regions {
+    // Named blocks need a region and a receiver that reads the kind of region the sender names.
+    let reads_region = match receiver {
+        Via::Tcp => false,
+        Via::Shm => !sender.exports(),
+        #[cfg(feature = "ucx")]
+        Via::Ucx => sender.exports(),
+    };
+    if shared && reads_region {
         assert!(stats.bytes_shared > 0 && stats.bytes_received == 0, "{stats:?}");
     } else {
         assert!(stats.bytes_received > 0 && stats.bytes_shared == 0, "{stats:?}");
@@ -173,32 +209,52 @@ fn transfer_several(shared: bool, maps_regions: bool) {
 
 #[test]
 fn inline_transfers_carry_the_bytes_and_the_prompt() {
-    transfer_several(false, false);
+    transfer_several(false, Via::Tcp, Via::Tcp);
     // A receiver that could map a region, from a sender without one: inline too.
-    transfer_several(false, true);
+    transfer_several(false, Via::Tcp, Via::Shm);
 }
 
 #[test]
 fn shared_region_transfers_copy_from_the_senders_memory() {
-    transfer_several(true, true);
+    transfer_several(true, Via::Tcp, Via::Shm);
 }
 
 #[test]
 fn a_receiver_over_plain_tcp_gets_a_shared_senders_blocks_inline() {
-    transfer_several(true, false);
+    transfer_several(true, Via::Tcp, Via::Tcp);
+}
+
+#[cfg(feature = "ucx")]
+#[test]
+fn ucx_transfers_read_the_senders_exported_memory() {
+    transfer_several(true, Via::Ucx, Via::Ucx);
+    // A UCX receiver from a sender without an export, and a plain receiver from a UCX sender: inline.
+    transfer_several(true, Via::Tcp, Via::Ucx);
+    transfer_several(true, Via::Ucx, Via::Tcp);
 }
 
 #[test]
 fn aborts_and_a_vanished_sender_end_both_sides() {
-    let mut p = Worker::new(true, false, false);
-    let mut d = Worker::new(false, false, true);
+    aborts_and_a_vanished_sender(false, Via::Tcp, Via::Shm);
+}
+
+#[cfg(feature = "ucx")]
+#[test]
+fn aborts_and_a_vanished_sender_end_both_sides_over_ucx() {
+    aborts_and_a_vanished_sender(true, Via::Ucx, Via::Ucx);
+}
+
+fn aborts_and_a_vanished_sender(shared: bool, sender: Via, receiver: Via) {
+    let mut p = Worker::new(true, shared, sender);
+    let mut d = Worker::new(false, false, receiver);
     let addr = p.ep.local_addr().unwrap();
+    let region = p.region.clone();
     let (k1, _) = p.offer(1, 40, 0);
     let (k2, _) = p.offer(2, 40, 0);
-    d.ep.pull(&Source { addr, key: k1, region: None }, 10_000, 0).unwrap();
+    d.ep.pull(&Source { addr, key: k1, region: region.clone() }, 10_000, 0).unwrap();
     // A stale epoch is refused by the sender; the offer stays.
     let stale = TransferKey { epoch: k2.epoch ^ 1, ..k2 };
-    d.ep.pull(&Source { addr, key: stale, region: None }, 10_000, 0).unwrap();
+    d.ep.pull(&Source { addr, key: stale, region: region.clone() }, 10_000, 0).unwrap();
     run_until(&mut p, &mut d, |_, d| d.ended.contains_key(&2));
     assert_eq!(d.ended[&2], Outcome::Failed(FailReason::StaleEpoch));
     // The decode side gives up on transfer 1 once it is described.
@@ -211,7 +267,7 @@ fn aborts_and_a_vanished_sender_end_both_sides() {
     // A pull of transfer 2, then the prefill worker vanishes.
     d.accept = true;
     d.ended.remove(&2);
-    d.ep.pull(&Source { addr, key: k2, region: None }, 10_000, 0).unwrap();
+    d.ep.pull(&Source { addr, key: k2, region: region.clone() }, 10_000, 0).unwrap();
     run_until(&mut p, &mut d, |_, d| d.described.contains_key(&2) || d.ended.contains_key(&2));
     drop(p);
     let start = Instant::now();
@@ -265,8 +321,8 @@ impl Transport for Corrupting {
 
 #[test]
 fn a_corrupted_block_fails_its_transfer_and_is_never_written() {
-    let mut p = Worker::new(true, false, false);
-    let mut d = Worker::new(false, false, false);
+    let mut p = Worker::new(true, false, Via::Tcp);
+    let mut d = Worker::new(false, false, Via::Tcp);
     d.ep = Endpoint::new(
         Box::new(Corrupting(TcpTransport::bind(None).unwrap())),
         layout(),

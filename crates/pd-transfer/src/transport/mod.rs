@@ -1,12 +1,15 @@
 //! How frames and block bytes move between the two workers: the [`Transport`] trait, the seam every
-//! way of moving KV plugs into, and two implementations: [`TcpTransport`] (frames and block bytes over
-//! TCP) and [`SharedMemoryTransport`] (frames over TCP, block bytes read straight out of a same-host
-//! sender's shared region, [`shm`]).
+//! way of moving KV plugs into, and its implementations: [`TcpTransport`] (frames and block bytes over
+//! TCP), [`SharedMemoryTransport`] (frames over TCP, block bytes read straight out of a same-host
+//! sender's shared region, [`shm`]) and, with the `ucx` feature, `UcxTransport` (frames over TCP,
+//! block bytes read with UCX one-sided gets out of the sender's registered region: RDMA, shared
+//! memory or TCP, whichever UCX finds).
 //!
 //! A transport knows nothing of the protocol's rules: it carries [`Message`]s, hands every arrival to
 //! its caller (a block with its bytes, wherever they were read from), and reports peers it lost. A
-//! one-sided-read transport (RDMA through UCX) would implement the same trait: `connect` learns the
-//! sender's memory registration, a `BlockAt` names a slot, and `poll` hands over the bytes it read.
+//! one-sided-read transport publishes what a reader needs ([`Transport::region`], carried in the
+//! transfer handle), `connect` learns the sender's registration from it, a `BlockAt` names a slot,
+//! and `poll` hands over the bytes it read.
 
 use std::io;
 use std::net::SocketAddr;
@@ -17,9 +20,13 @@ use crate::{Message, PeerId, TransferKey};
 mod shared_memory;
 pub mod shm;
 mod tcp;
+#[cfg(feature = "ucx")]
+mod ucx;
 
 pub use shared_memory::SharedMemoryTransport;
 pub use tcp::TcpTransport;
+#[cfg(feature = "ucx")]
+pub use ucx::{UcxTransport, REGION_PREFIX as UCX_REGION_PREFIX};
 
 /// What arrived from a peer.
 #[derive(Debug)]
@@ -47,6 +54,12 @@ pub struct Connected {
 pub trait Transport: Send + std::fmt::Debug {
     /// The address receivers connect to (the sending side's listener), if this side listens.
     fn local_addr(&self) -> Option<SocketAddr>;
+
+    /// What a receiver needs to read this side's blocks itself, if this transport publishes it (a
+    /// UCX worker address and memory key); it travels in the transfer handle.
+    fn region(&self) -> Option<String> {
+        None
+    }
 
     /// Opens a connection to the sending side at `addr`. `region` is the sender's shared KV region, as
     /// its handle names it; the transport reads named blocks from it if it can reach it.

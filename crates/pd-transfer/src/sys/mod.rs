@@ -1,5 +1,9 @@
-//! The crate's unsafe code: mapping the shared KV files of same-host transfers, and asking who we are.
+//! The crate's unsafe code: mapping the shared KV files of same-host transfers, asking who we are,
+//! and (feature `ucx`) UCX's UCP API.
 #![allow(unsafe_code)]
+
+#[cfg(feature = "ucx")]
+pub(crate) mod ucx;
 
 use std::fs::File;
 use std::io;

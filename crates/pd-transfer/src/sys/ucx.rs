@@ -1,0 +1,668 @@
+//! UCX's UCP API (libucp, Debian's `libucx-dev`; the library NIXL drives), as much as one-sided reads
+//! of registered memory need, behind two safe owners:
+//!
+//! - [`Exporter`]: a sending side's memory, registered for remote reads, with the blob a reader needs
+//!   (this worker's address, the packed remote key, the base address and length); it progresses its
+//!   worker on a thread of its own, so reads are served whatever the caller's thread is doing (over
+//!   UCX's TCP transport, reads are served by the target's CPU).
+//! - [`Importer`]: a reading side's worker, endpoints to exporters (from their blobs), and `get`s into
+//!   buffers of its own, progressed by the caller.
+//!
+//! The structs below mirror UCX 1.13's `ucp.h`/`ucp_def.h` (sizes checked at compile time); only the
+//! fields their `field_mask` bits name are read by the library.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::fmt;
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+type Status = c_int;
+type Handle = *mut c_void;
+
+const UCS_OK: Status = 0;
+const UCS_INPROGRESS: Status = 1;
+const UCS_ERR_BUSY: Status = -15;
+const UCS_ERR_LAST: isize = -100;
+
+const UCP_API_MAJOR: c_uint = 1;
+const UCP_API_MINOR: c_uint = 13;
+const UCP_PARAM_FIELD_FEATURES: u64 = 1 << 0;
+const UCP_FEATURE_RMA: u64 = 1 << 1;
+const UCP_FEATURE_WAKEUP: u64 = 1 << 4;
+const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1 << 0;
+const UCS_THREAD_MODE_SINGLE: c_int = 0;
+const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
+const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
+const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
+const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
+const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
+const UCP_OP_ATTR_FIELD_FLAGS: u32 = 1 << 4;
+const UCP_EP_CLOSE_FLAG_FORCE: u32 = 1 << 0;
+
+#[repr(C)]
+struct UcpParams {
+    field_mask: u64,
+    features: u64,
+    request_size: usize,
+    request_init: *const c_void,
+    request_cleanup: *const c_void,
+    tag_sender_mask: u64,
+    mt_workers_shared: c_int,
+    estimated_num_eps: usize,
+    estimated_num_ppn: usize,
+    name: *const c_char,
+}
+
+#[repr(C)]
+struct WorkerParams {
+    field_mask: u64,
+    thread_mode: c_int,
+    cpu_mask: [u64; 16],
+    events: c_uint,
+    user_data: *mut c_void,
+    event_fd: c_int,
+    flags: u64,
+    name: *const c_char,
+    am_alignment: usize,
+    client_id: u64,
+}
+
+#[repr(C)]
+struct MemMapParams {
+    field_mask: u64,
+    address: *mut c_void,
+    length: usize,
+    flags: c_uint,
+    prot: c_uint,
+    memory_type: c_int,
+}
+
+#[repr(C)]
+struct SockAddr {
+    addr: *const c_void,
+    addrlen: u32,
+}
+
+#[repr(C)]
+struct EpParams {
+    field_mask: u64,
+    address: *const c_void,
+    err_mode: c_int,
+    err_handler_cb: *const c_void,
+    err_handler_arg: *mut c_void,
+    user_data: *mut c_void,
+    flags: c_uint,
+    sockaddr: SockAddr,
+    conn_request: *mut c_void,
+    name: *const c_char,
+    local_sockaddr: SockAddr,
+}
+
+#[repr(C)]
+struct RequestParam {
+    op_attr_mask: u32,
+    flags: u32,
+    request: *mut c_void,
+    cb: *const c_void,
+    datatype: u64,
+    user_data: *mut c_void,
+    reply_buffer: *mut c_void,
+    memory_type: c_int,
+    recv_info: *mut c_void,
+    memh: *mut c_void,
+}
+
+const _: () = {
+    assert!(size_of::<UcpParams>() == 80);
+    assert!(size_of::<WorkerParams>() == 200);
+    assert!(size_of::<MemMapParams>() == 40);
+    assert!(size_of::<EpParams>() == 104);
+    assert!(size_of::<RequestParam>() == 72);
+};
+
+impl RequestParam {
+    fn none() -> RequestParam {
+        // SAFETY: every field is an integer or a raw pointer, for which all-zero is valid (0, null).
+        unsafe { std::mem::zeroed() }
+    }
+}
+
+#[link(name = "ucp")]
+extern "C" {
+    fn ucp_config_read(env_prefix: *const c_char, filename: *const c_char, config_p: *mut Handle) -> Status;
+    fn ucp_config_release(config: Handle);
+    fn ucp_init_version(
+        api_major: c_uint,
+        api_minor: c_uint,
+        params: *const UcpParams,
+        config: Handle,
+        context_p: *mut Handle,
+    ) -> Status;
+    fn ucp_cleanup(context: Handle);
+    fn ucp_worker_create(context: Handle, params: *const WorkerParams, worker_p: *mut Handle) -> Status;
+    fn ucp_worker_destroy(worker: Handle);
+    fn ucp_worker_get_address(worker: Handle, address_p: *mut Handle, length_p: *mut usize) -> Status;
+    fn ucp_worker_release_address(worker: Handle, address: Handle);
+    fn ucp_worker_progress(worker: Handle) -> c_uint;
+    fn ucp_worker_get_efd(worker: Handle, fd: *mut c_int) -> Status;
+    fn ucp_worker_arm(worker: Handle) -> Status;
+    fn ucp_mem_map(context: Handle, params: *const MemMapParams, memh_p: *mut Handle) -> Status;
+    fn ucp_mem_unmap(context: Handle, memh: Handle) -> Status;
+    fn ucp_rkey_pack(context: Handle, memh: Handle, rkey_buffer_p: *mut Handle, size_p: *mut usize)
+        -> Status;
+    fn ucp_rkey_buffer_release(rkey_buffer: Handle);
+    fn ucp_ep_create(worker: Handle, params: *const EpParams, ep_p: *mut Handle) -> Status;
+    fn ucp_ep_close_nbx(ep: Handle, param: *const RequestParam) -> Handle;
+    fn ucp_ep_rkey_unpack(ep: Handle, rkey_buffer: *const c_void, rkey_p: *mut Handle) -> Status;
+    fn ucp_rkey_destroy(rkey: Handle);
+    fn ucp_get_nbx(
+        ep: Handle,
+        buffer: *mut c_void,
+        count: usize,
+        remote_addr: u64,
+        rkey: Handle,
+        param: *const RequestParam,
+    ) -> Handle;
+    fn ucp_request_check_status(request: Handle) -> Status;
+    fn ucp_request_free(request: Handle);
+}
+
+#[link(name = "ucs")]
+extern "C" {
+    fn ucs_status_string(status: Status) -> *const c_char;
+}
+
+/// A UCX call that failed, with UCX's own words for why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct UcxError {
+    pub call: &'static str,
+    pub status: i32,
+    pub text: String,
+}
+
+impl fmt::Display for UcxError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "UCX {} failed: {} ({})", self.call, self.text, self.status)
+    }
+}
+
+impl From<UcxError> for io::Error {
+    fn from(e: UcxError) -> io::Error {
+        io::Error::other(e.to_string())
+    }
+}
+
+fn check(call: &'static str, status: Status) -> Result<(), UcxError> {
+    if status == UCS_OK {
+        return Ok(());
+    }
+    // SAFETY: ucs_status_string returns a static, NUL-terminated string for any status value.
+    let text = unsafe { CStr::from_ptr(ucs_status_string(status)) }.to_string_lossy().into_owned();
+    Err(UcxError { call, status, text })
+}
+
+/// A request pointer's status as UCS_PTR_STATUS reads it: null is done, an error code is an error.
+fn ptr_status(p: Handle) -> Option<Status> {
+    let v = p as isize;
+    if p.is_null() {
+        Some(UCS_OK)
+    } else if (UCS_ERR_LAST..0).contains(&v) {
+        Some(v as Status)
+    } else {
+        None
+    }
+}
+
+/// A UCP context and one worker on it, single-threaded; destroyed in order when dropped.
+struct Node {
+    context: Handle,
+    worker: Handle,
+}
+
+impl Node {
+    fn new(wakeup: bool) -> Result<Node, UcxError> {
+        let mut config: Handle = std::ptr::null_mut();
+        // SAFETY: null prefix and file read UCX's defaults and UCX_* environment variables.
+        check("ucp_config_read", unsafe {
+            ucp_config_read(std::ptr::null(), std::ptr::null(), &mut config)
+        })?;
+        let params = UcpParams {
+            field_mask: UCP_PARAM_FIELD_FEATURES,
+            features: UCP_FEATURE_RMA | if wakeup { UCP_FEATURE_WAKEUP } else { 0 },
+            request_size: 0,
+            request_init: std::ptr::null(),
+            request_cleanup: std::ptr::null(),
+            tag_sender_mask: 0,
+            mt_workers_shared: 0,
+            estimated_num_eps: 0,
+            estimated_num_ppn: 0,
+            name: std::ptr::null(),
+        };
+        let mut context: Handle = std::ptr::null_mut();
+        // SAFETY: params is a valid ucp_params_t whose mask names only `features`; config came from
+        // ucp_config_read and is released right after.
+        let status = unsafe { ucp_init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &mut context) };
+        // SAFETY: config is the handle ucp_config_read gave, released once.
+        unsafe { ucp_config_release(config) };
+        check("ucp_init", status)?;
+        // SAFETY: all-zero is a valid ucp_worker_params_t (integers and null pointers).
+        let mut wp: WorkerParams = unsafe { std::mem::zeroed() };
+        wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+        wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+        let mut worker: Handle = std::ptr::null_mut();
+        // SAFETY: context is live; wp names only the thread mode.
+        let status = unsafe { ucp_worker_create(context, &wp, &mut worker) };
+        if let Err(e) = check("ucp_worker_create", status) {
+            // SAFETY: the context was created above and nothing else uses it.
+            unsafe { ucp_cleanup(context) };
+            return Err(e);
+        }
+        Ok(Node { context, worker })
+    }
+
+    fn address(&self) -> Result<Vec<u8>, UcxError> {
+        let (mut addr, mut len): (Handle, usize) = (std::ptr::null_mut(), 0);
+        // SAFETY: the worker is live; UCX fills addr/len with a buffer we release below.
+        check("ucp_worker_get_address", unsafe { ucp_worker_get_address(self.worker, &mut addr, &mut len) })?;
+        // SAFETY: UCX returned `len` readable bytes at `addr`.
+        let bytes = unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec();
+        // SAFETY: addr came from ucp_worker_get_address on this worker, released once.
+        unsafe { ucp_worker_release_address(self.worker, addr) };
+        Ok(bytes)
+    }
+
+    fn progress(&self) -> bool {
+        // SAFETY: the worker is live and used by this thread only (Node is not Sync).
+        unsafe { ucp_worker_progress(self.worker) != 0 }
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        // SAFETY: the worker and context were created by Node::new; endpoints, keys and
+        // registrations on them are gone before a Node drops (their owners hold it).
+        unsafe {
+            ucp_worker_destroy(self.worker);
+            ucp_cleanup(self.context);
+        }
+    }
+}
+
+/// What a reader needs to read an exporter's memory: its worker address, the packed remote key, the
+/// base address and the length. Travels as hex in the transfer handle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Blob {
+    pub address: Vec<u8>,
+    pub rkey: Vec<u8>,
+    pub base: u64,
+    pub len: u64,
+}
+
+impl Blob {
+    pub fn to_hex(&self) -> String {
+        let mut b = Vec::new();
+        for part in [&self.address, &self.rkey] {
+            b.extend_from_slice(&(part.len() as u32).to_le_bytes());
+            b.extend_from_slice(part);
+        }
+        b.extend_from_slice(&self.base.to_le_bytes());
+        b.extend_from_slice(&self.len.to_le_bytes());
+        b.iter().map(|x| format!("{x:02x}")).collect()
+    }
+
+    pub fn from_hex(s: &str) -> Option<Blob> {
+        if !s.len().is_multiple_of(2) || s.len() > 1 << 20 {
+            return None;
+        }
+        let bytes: Vec<u8> = (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+            .collect::<Option<_>>()?;
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Option<&[u8]> {
+            let part = bytes.get(at..at.checked_add(n)?)?;
+            at += n;
+            Some(part)
+        };
+        let mut part = || -> Option<Vec<u8>> {
+            let n = u32::from_le_bytes(take(4)?.try_into().ok()?) as usize;
+            Some(take(n)?.to_vec())
+        };
+        let (address, rkey) = (part()?, part()?);
+        let base = u64::from_le_bytes(take(8)?.try_into().ok()?);
+        let len = u64::from_le_bytes(take(8)?.try_into().ok()?);
+        (take(1).is_none() && !address.is_empty() && !rkey.is_empty()).then_some(Blob {
+            address,
+            rkey,
+            base,
+            len,
+        })
+    }
+}
+
+/// A mapping registered for remote reads, served by a progress thread until dropped.
+pub(crate) struct Exporter {
+    blob: Blob,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    /// The memory UCX reads; unmapped only after the thread has unregistered it.
+    _map: super::Mmap,
+}
+
+impl fmt::Debug for Exporter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Exporter").field("base", &self.blob.base).field("len", &self.blob.len).finish()
+    }
+}
+
+impl Exporter {
+    /// Registers the whole of `map` (kept mapped as long as the exporter lives).
+    pub fn new(map: super::Mmap) -> Result<Exporter, UcxError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::sync_channel(1);
+        let (flag, addr, len) = (Arc::clone(&stop), map.as_ptr() as usize, map.len());
+        let thread = std::thread::Builder::new()
+            .name("kv-ucx-export".into())
+            .spawn(move || serve(addr, len, &flag, &tx))
+            .map_err(|e| UcxError { call: "thread", status: 0, text: e.to_string() })?;
+        match rx.recv() {
+            Ok(Ok(blob)) => Ok(Exporter { blob, stop, thread: Some(thread), _map: map }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => Err(UcxError { call: "thread", status: 0, text: "the UCX thread died".into() }),
+        }
+    }
+
+    pub fn blob(&self) -> &Blob {
+        &self.blob
+    }
+}
+
+impl Drop for Exporter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The exporter's thread: registers the memory, hands back the blob, then progresses the worker
+/// (sleeping on its event fd, waking every 100 ms to look at `stop`) until told to stop.
+fn serve(base: usize, len: usize, stop: &AtomicBool, tx: &mpsc::SyncSender<Result<Blob, UcxError>>) {
+    let node = match Node::new(true) {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = tx.send(Err(e));
+            return;
+        }
+    };
+    let params = MemMapParams {
+        field_mask: UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        address: base as *mut c_void,
+        length: len,
+        flags: 0,
+        prot: 0,
+        memory_type: 0,
+    };
+    let mut memh: Handle = std::ptr::null_mut();
+    // SAFETY: the exporter holds the mapping until this thread has been joined; the registration is
+    // undone below before the node drops.
+    if let Err(e) = check("ucp_mem_map", unsafe { ucp_mem_map(node.context, &params, &mut memh) }) {
+        let _ = tx.send(Err(e));
+        return;
+    }
+    let blob = (|| {
+        let (mut buf, mut size): (Handle, usize) = (std::ptr::null_mut(), 0);
+        // SAFETY: context and memh are live; UCX fills buf/size, released right after the copy.
+        check("ucp_rkey_pack", unsafe { ucp_rkey_pack(node.context, memh, &mut buf, &mut size) })?;
+        // SAFETY: UCX returned `size` readable bytes at `buf`.
+        let rkey = unsafe { std::slice::from_raw_parts(buf as *const u8, size) }.to_vec();
+        // SAFETY: buf came from ucp_rkey_pack, released once.
+        unsafe { ucp_rkey_buffer_release(buf) };
+        let mut efd: c_int = -1;
+        // SAFETY: the worker is live and was created with the wakeup feature.
+        check("ucp_worker_get_efd", unsafe { ucp_worker_get_efd(node.worker, &mut efd) })?;
+        Ok((Blob { address: node.address()?, rkey, base: base as u64, len: len as u64 }, efd))
+    })();
+    match blob {
+        Ok((blob, efd)) => {
+            let _ = tx.send(Ok(blob));
+            while !stop.load(Ordering::Relaxed) {
+                while node.progress() {}
+                // SAFETY: the worker is live and used by this thread only.
+                match unsafe { ucp_worker_arm(node.worker) } {
+                    UCS_ERR_BUSY => continue,
+                    UCS_OK => {
+                        let mut pfd = libc::pollfd { fd: efd, events: libc::POLLIN, revents: 0 };
+                        // SAFETY: pfd is one valid pollfd; a 100 ms timeout bounds the wait.
+                        unsafe { libc::poll(&mut pfd, 1, 100) };
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(1)),
+                }
+            }
+        }
+        Err(e) => {
+            let _ = tx.send(Err(e));
+        }
+    }
+    // SAFETY: memh was registered on this context above and is unregistered once.
+    unsafe { ucp_mem_unmap(node.context, memh) };
+}
+
+/// An endpoint to one exporter and its unpacked remote key.
+struct Remote {
+    ep: Handle,
+    rkey: Handle,
+    base: u64,
+    len: u64,
+}
+
+/// A `get` in flight, into a buffer the importer owns.
+pub(crate) struct Pending {
+    request: Handle,
+    pub buf: Vec<u8>,
+}
+
+// SAFETY: a request handle is only ever used through the Importer that made it (`poll`, `wait`,
+// `disconnect`, all &mut), by whichever one thread owns both at the time.
+unsafe impl Send for Pending {}
+
+impl fmt::Debug for Pending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pending").field("bytes", &self.buf.len()).finish()
+    }
+}
+
+/// The reading side: one worker, endpoints to exporters by id. Used by one thread (not `Sync`).
+pub(crate) struct Importer {
+    node: Node,
+    remotes: std::collections::HashMap<u64, Remote>,
+}
+
+// SAFETY: the importer's handles are used only through &mut self, by whichever one thread owns it
+// at a time; UCX's single-thread mode requires no more than that (no concurrent calls).
+unsafe impl Send for Importer {}
+
+impl fmt::Debug for Importer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Importer").field("remotes", &self.remotes.len()).finish()
+    }
+}
+
+impl Importer {
+    pub fn new() -> Result<Importer, UcxError> {
+        Ok(Importer { node: Node::new(false)?, remotes: Default::default() })
+    }
+
+    /// Opens an endpoint to the exporter of `blob` as remote `id`.
+    pub fn connect(&mut self, id: u64, blob: &Blob) -> Result<(), UcxError> {
+        // SAFETY: all-zero is a valid ucp_ep_params_t (integers and null pointers).
+        let mut p: EpParams = unsafe { std::mem::zeroed() };
+        p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+        p.address = blob.address.as_ptr() as *const c_void;
+        p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        let mut ep: Handle = std::ptr::null_mut();
+        // SAFETY: the worker is live; the address bytes outlive the call (UCX copies what it keeps).
+        check("ucp_ep_create", unsafe { ucp_ep_create(self.node.worker, &p, &mut ep) })?;
+        let mut rkey: Handle = std::ptr::null_mut();
+        // SAFETY: ep is live; the packed key bytes outlive the call.
+        let status = unsafe { ucp_ep_rkey_unpack(ep, blob.rkey.as_ptr() as *const c_void, &mut rkey) };
+        if let Err(e) = check("ucp_ep_rkey_unpack", status) {
+            self.close_ep(ep);
+            return Err(e);
+        }
+        self.remotes.insert(id, Remote { ep, rkey, base: blob.base, len: blob.len });
+        Ok(())
+    }
+
+    /// Starts reading `len` bytes at `offset` of remote `id`'s memory.
+    pub fn get(&mut self, id: u64, offset: u64, len: usize) -> Result<Pending, UcxError> {
+        let bad = |text: String| UcxError { call: "get", status: 0, text };
+        let r = self.remotes.get(&id).ok_or_else(|| bad(format!("no endpoint {id}")))?;
+        if offset.checked_add(len as u64).is_none_or(|end| end > r.len) {
+            return Err(bad(format!("{len} bytes at {offset} are outside the exporter's {} bytes", r.len)));
+        }
+        let mut buf = vec![0u8; len];
+        let param = RequestParam::none();
+        // SAFETY: ep and rkey are live; the range is inside the registered memory (checked above);
+        // `buf` is `len` writable bytes that stay put (the Vec is never resized) until the request
+        // completes or is given up with the endpoint (`finish`/`disconnect`).
+        let req = unsafe {
+            ucp_get_nbx(r.ep, buf.as_mut_ptr() as *mut c_void, len, r.base + offset, r.rkey, &param)
+        };
+        match ptr_status(req) {
+            Some(UCS_OK) => Ok(Pending { request: std::ptr::null_mut(), buf }),
+            Some(s) => check("ucp_get_nbx", s).map(|()| unreachable!()),
+            None => Ok(Pending { request: req, buf }),
+        }
+    }
+
+    /// Progresses the worker once; true if anything happened.
+    pub fn progress(&mut self) -> bool {
+        self.node.progress()
+    }
+
+    /// Whether `p` is done: `Some(Ok)` with its bytes in `p.buf`, `Some(Err)`, or `None` (in flight).
+    pub fn poll(&mut self, p: &mut Pending) -> Option<Result<(), UcxError>> {
+        if p.request.is_null() {
+            return Some(Ok(()));
+        }
+        // SAFETY: the request came from ucp_get_nbx and has not been freed.
+        let status = unsafe { ucp_request_check_status(p.request) };
+        if status == UCS_INPROGRESS {
+            return None;
+        }
+        // SAFETY: the request is complete and freed once; the pointer is cleared.
+        unsafe { ucp_request_free(p.request) };
+        p.request = std::ptr::null_mut();
+        Some(check("get", status))
+    }
+
+    /// Progresses until every one of `pending` is done or `budget` has passed.
+    pub fn wait(&mut self, pending: &mut [&mut Pending], budget: Duration) {
+        let until = Instant::now() + budget;
+        loop {
+            while self.progress() {}
+            if pending.iter_mut().all(|p| p.request.is_null() || self.poll_peek(p)) || Instant::now() >= until
+            {
+                return;
+            }
+        }
+    }
+
+    fn poll_peek(&self, p: &Pending) -> bool {
+        // SAFETY: the request came from ucp_get_nbx and has not been freed.
+        unsafe { ucp_request_check_status(p.request) != UCS_INPROGRESS }
+    }
+
+    /// Gives up `pending` (their buffers are kept alive until UCX is done with them) and closes the
+    /// endpoint to remote `id`.
+    pub fn disconnect(&mut self, id: u64, pending: Vec<Pending>) {
+        for mut p in pending {
+            // Each finishes (or fails) before its buffer goes.
+            self.close_pending(&mut p);
+        }
+        if let Some(r) = self.remotes.remove(&id) {
+            // SAFETY: rkey came from ucp_ep_rkey_unpack on this endpoint, destroyed once, before it.
+            unsafe { ucp_rkey_destroy(r.rkey) };
+            self.close_ep(r.ep);
+        }
+    }
+
+    fn close_pending(&mut self, p: &mut Pending) {
+        let until = Instant::now() + Duration::from_secs(1);
+        while !p.request.is_null() && self.poll(p).is_none() && Instant::now() < until {
+            self.progress();
+        }
+        if !p.request.is_null() {
+            // Still in flight after a second: keep the buffer alive for good rather than let UCX
+            // write into freed memory.
+            std::mem::forget(std::mem::take(&mut p.buf));
+        }
+    }
+
+    fn close_ep(&mut self, ep: Handle) {
+        let mut param = RequestParam::none();
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+        // SAFETY: ep is live and closed once; a returned request is progressed to its end (bounded).
+        let req = unsafe { ucp_ep_close_nbx(ep, &param) };
+        if ptr_status(req).is_none() {
+            let until = Instant::now() + Duration::from_secs(1);
+            // SAFETY: req came from ucp_ep_close_nbx and is checked, then freed once.
+            while unsafe { ucp_request_check_status(req) } == UCS_INPROGRESS && Instant::now() < until {
+                self.progress();
+            }
+            // SAFETY: as above.
+            unsafe { ucp_request_free(req) };
+        }
+    }
+}
+
+impl Drop for Importer {
+    fn drop(&mut self) {
+        let ids: Vec<u64> = self.remotes.keys().copied().collect();
+        for id in ids {
+            self.disconnect(id, Vec::new());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blobs_round_trip_and_refuse_garbage() {
+        let b = Blob { address: vec![1, 2, 3], rkey: vec![9; 40], base: 0x7f00_0000_1000, len: 1 << 20 };
+        assert_eq!(Blob::from_hex(&b.to_hex()), Some(b.clone()));
+        let hex = b.to_hex();
+        for bad in ["", "zz", &hex[..hex.len() - 2], &format!("{hex}00"), "0000000000000000"] {
+            assert_eq!(Blob::from_hex(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_get_reads_exported_memory() {
+        let data: Vec<u8> = (0..1 << 16).map(|i| (i * 7 % 251) as u8).collect();
+        let path = std::env::temp_dir().join(format!("pdserve-ucx-test-{}", std::process::id()));
+        std::fs::write(&path, &data).unwrap();
+        let map = super::super::map_read_only(&std::fs::File::open(&path).unwrap()).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let ex = Exporter::new(map).expect("export");
+        let blob = Blob::from_hex(&ex.blob().to_hex()).unwrap();
+        let mut im = Importer::new().expect("import");
+        im.connect(1, &blob).expect("connect");
+        let mut p = im.get(1, 4096, 8192).expect("get");
+        im.wait(&mut [&mut p], Duration::from_secs(5));
+        assert_eq!(im.poll(&mut p), Some(Ok(())));
+        assert_eq!(p.buf, &data[4096..4096 + 8192]);
+        assert!(im.get(1, (1 << 16) - 10, 11).is_err(), "a read past the end is refused");
+        im.disconnect(1, Vec::new());
+    }
+}
