@@ -28,9 +28,9 @@ const COMMANDS: &[(&str, &str, &str)] = &[
     (
         "test",
         "test",
-        "fmt check, clippy (warnings are errors, all features), every test of the workspace, the kernel\n\
-         compile check (check-kernels), the short chaos subset (chaos --ci), and every fuzz target for 3 s\n\
-         (if cargo-fuzz is installed)",
+        "fmt check, clippy (warnings are errors, all features), every test of the workspace, the UCX\n\
+         transport's tests (feature ucx), the kernel compile check (check-kernels), the short chaos subset\n\
+         (chaos --ci), and every fuzz target for 3 s (if cargo-fuzz is installed)",
     ),
     ("fuzz", "fuzz [TARGET] [--seconds N]", "run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)"),
     (
@@ -191,6 +191,10 @@ fn test() -> Result<()> {
             .args(["test", "-p", "pdserve-model", "--lib"])
             .env("PDSERVE_CPU_KERNELS", family))?;
     }
+    // KV over UCX (the `ucx` feature: libucx-dev, which `.ci/run` installs): the transport's own
+    // tests, then PD between worker processes on one host and between network namespaces.
+    cargo(&["test", "-p", "pdserve-pd-transfer", "--features", "ucx"])?;
+    cargo(&["test", "-p", "pdserve-server", "--features", "ucx", "--test", "ucx"])?;
     // Every CUDA kernel compiles for every checked architecture without spills (NVRTC, no GPU).
     gpu::check_kernels(&[])?;
     // The short chaos subset: real processes, faults, and the ledgers back to zero afterwards.

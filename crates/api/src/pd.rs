@@ -25,11 +25,19 @@ pub struct PdHandle {
     /// The prefill worker's shared KV file, when it keeps one (a decode worker on the same host copies
     /// blocks straight out of it).
     pub shm: Option<String>,
+    /// The prefill worker's KV region as UCX exports it (`ucx:` and the hex of its worker address,
+    /// memory key, base and length), when it transfers over UCX: a decode worker with UCX reads its
+    /// blocks with one-sided gets.
+    pub ucx: Option<String>,
 }
 
 impl PdHandle {
     pub fn to_json(&self) -> Value {
-        json!({"addr": self.addr.to_string(), "transfer": self.transfer, "epoch": self.epoch, "shm": self.shm})
+        let mut v = json!({"addr": self.addr.to_string(), "transfer": self.transfer, "epoch": self.epoch, "shm": self.shm});
+        if let Some(u) = &self.ucx {
+            v["ucx"] = json!(u);
+        }
+        v
     }
 
     /// Reads a handle; errors name the member that is missing or wrong.
@@ -48,12 +56,17 @@ impl PdHandle {
                 .and_then(Value::as_u64)
                 .and_then(|e| u32::try_from(e).ok())
                 .ok_or_else(|| bad("epoch"))?,
-            shm: match v.get("shm") {
-                None | Some(Value::Null) => None,
-                Some(Value::String(s)) => Some(s.clone()),
-                Some(_) => return Err(bad("shm")),
-            },
+            shm: optional_string(v, "shm").map_err(|()| bad("shm"))?,
+            ucx: optional_string(v, "ucx").map_err(|()| bad("ucx"))?,
         })
+    }
+}
+
+fn optional_string(v: &Value, field: &str) -> Result<Option<String>, ()> {
+    match v.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(()),
     }
 }
 
@@ -192,10 +205,14 @@ mod tests {
 
     #[test]
     fn handle_round_trip_and_errors() {
-        let h = PdHandle { addr: "127.0.0.1:9000".parse().unwrap(), transfer: 7, epoch: 3, shm: None };
+        let h =
+            PdHandle { addr: "127.0.0.1:9000".parse().unwrap(), transfer: 7, epoch: 3, shm: None, ucx: None };
         assert_eq!(PdHandle::from_json(&h.to_json()).unwrap(), h);
         let h2 = PdHandle { shm: Some("/dev/shm/kv".into()), ..h.clone() };
         assert_eq!(PdHandle::from_json(&h2.to_json()).unwrap(), h2);
+        let h3 = PdHandle { ucx: Some("ucx:0a0b".into()), ..h2.clone() };
+        assert_eq!(PdHandle::from_json(&h3.to_json()).unwrap(), h3);
+        assert!(h2.to_json().get("ucx").is_none(), "no UCX member unless there is one");
         let e = PdHandle::from_json(&json!({"addr": "nowhere", "transfer": 1, "epoch": 1})).unwrap_err();
         assert!(e.message.contains("pd_transfer.addr"), "{e}");
         assert!(PdHandle::from_json(&json!({"addr": "127.0.0.1:1", "transfer": 1, "epoch": 1, "shm": 5}))

@@ -65,6 +65,9 @@ pub struct EngineConfig {
     /// Prefill role: keep the KV memory in a shared file under `/dev/shm`, so decode workers on the
     /// same host copy blocks straight out of it instead of receiving them over TCP.
     pub kv_shm: bool,
+    /// KV over UCX (the `ucx` feature): a prefill engine keeps its KV in a shared region (as
+    /// `kv_shm`) and exports it for one-sided reads; a decode engine reads named blocks with UCX.
+    pub kv_ucx: bool,
     /// The stack's scope for shared KV files (`pdserve_pd_transfer::transport::shm::valid_scope`): a
     /// prefill engine names its region in it, a decode engine maps no other.
     pub shm_scope: String,
@@ -113,6 +116,7 @@ impl EngineConfig {
             block_size: 16,
             transfer_addr: SocketAddr::from(([127, 0, 0, 1], 0)),
             kv_shm: false,
+            kv_ucx: false,
             shm_scope: pdserve_pd_transfer::transport::shm::LOCAL_SCOPE.to_owned(),
             ledger_capacity: 65_536,
             watchdog_grace: Duration::from_secs(2),

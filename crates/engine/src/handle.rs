@@ -47,6 +47,10 @@ pub struct EngineInfo {
     pub transfer_addr: Option<SocketAddr>,
     /// Prefill role with shared KV memory: its file.
     pub kv_shm_path: Option<PathBuf>,
+    /// KV over UCX (`EngineConfig::kv_ucx`).
+    pub kv_ucx: bool,
+    /// Prefill role over UCX: the KV region's export, as handles carry it.
+    pub kv_ucx_region: Option<String>,
     /// The format the model writes tool calls in (the chat template's, or the configured one).
     pub tool_format: pdserve_api::tools::ToolFormat,
     /// The model's fill-in-the-middle tokens (prefix, suffix, middle), if its vocabulary has them:
@@ -176,7 +180,8 @@ impl Engine {
         let model = files.config.clone();
         let prepared = files.prepared.take();
         let built = crate::load::backend(&config, &model, Arc::new(files.weights), prepared)?;
-        let endpoint = crate::load::endpoint(&config, &model, built.kv_shm_path.is_some(), make)?;
+        let endpoint = crate::load::endpoint(&config, &model, built.kv_shm_path.as_deref(), make)?;
+        let kv_ucx_region = endpoint.as_ref().and_then(pdserve_pd_transfer::Endpoint::region);
         let transfer_addr = endpoint.as_ref().and_then(|e| e.local_addr());
         if config.role == Role::Prefill && transfer_addr.is_none() {
             // Decode workers could not reach this engine's KV: refuse it now, not per request.
@@ -219,6 +224,8 @@ impl Engine {
             vocab_size: model.vocab_size,
             transfer_addr,
             kv_shm_path: built.kv_shm_path,
+            kv_ucx: config.kv_ucx,
+            kv_ucx_region,
             tool_format: config.tool_format.unwrap_or_else(|| {
                 files.text.chat_template().map_or(
                     pdserve_api::tools::ToolFormat::Hermes,
@@ -339,7 +346,8 @@ impl Engine {
             (Input::Remote(h), Role::Decode) => Some(Source {
                 addr: h.addr,
                 key: pdserve_pd_transfer::TransferKey { transfer: h.transfer, epoch: h.epoch },
-                region: h.shm.clone(),
+                // A UCX decode engine reads a UCX sender's export; otherwise a same-host region file.
+                region: h.ucx.clone().filter(|_| self.info.kv_ucx).or_else(|| h.shm.clone()),
             }),
             (Input::Remote(_), role) => {
                 return Err(EngineError::InvalidInput {

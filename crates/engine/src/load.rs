@@ -51,7 +51,7 @@ pub(crate) fn backend(
 ) -> Result<Built, EngineError> {
     let (blocks, block_size) = (config.kv_blocks, config.block_size);
     if let Device::Cuda(n) = config.device {
-        if config.kv_shm {
+        if config.kv_shm || (config.kv_ucx && config.role == Role::Prefill) {
             return Err(EngineError::GpuSharedKv);
         }
         if config.weights != WeightFormat::F32 {
@@ -73,7 +73,7 @@ pub(crate) fn backend(
         });
     }
     let dtype = config.resolved_kv_dtype();
-    let (b, kv_shm_path) = if config.kv_shm && config.role == Role::Prefill {
+    let (b, kv_shm_path) = if (config.kv_shm || config.kv_ucx) && config.role == Role::Prefill {
         let bytes =
             pdserve_model::KvLayout::for_model(model, blocks, block_size, dtype).block_bytes() * blocks;
         let region = SharedRegion::create(&config.shm_scope, bytes)?;
@@ -113,13 +113,21 @@ pub struct TransportSpec {
     pub layout: Layout,
     /// The stack's scope for shared KV files (`EngineConfig::shm_scope`).
     pub shm_scope: String,
+    /// KV over UCX (`EngineConfig::kv_ucx`).
+    pub ucx: bool,
+    /// A prefill engine's shared KV region file, if its KV memory is one.
+    pub region: Option<PathBuf>,
 }
 
 /// The transports [`Engine::start`](crate::Engine::start) uses: TCP for a prefill engine (it sends
 /// block bytes inline, or names them in its shared region when the receiver asks), and for a decode
 /// engine the shared-memory transport, which reads a same-host sender's blocks out of its region and
-/// takes any other sender's inline.
+/// takes any other sender's inline. With `ucx`, UCX on both sides: the prefill engine exports its
+/// region, the decode engine reads named blocks with one-sided gets.
 pub fn default_transport(spec: &TransportSpec) -> io::Result<Box<dyn Transport>> {
+    if spec.ucx {
+        return ucx_transport(spec);
+    }
     Ok(match spec.role {
         Role::Decode => Box::new(
             SharedMemoryTransport::bind(spec.listen, spec.layout.block_bytes())?.with_scope(&spec.shm_scope),
@@ -128,12 +136,26 @@ pub fn default_transport(spec: &TransportSpec) -> io::Result<Box<dyn Transport>>
     })
 }
 
+#[cfg(feature = "ucx")]
+fn ucx_transport(spec: &TransportSpec) -> io::Result<Box<dyn Transport>> {
+    let export = if spec.role == Role::Prefill { spec.region.as_deref() } else { None };
+    Ok(Box::new(pdserve_pd_transfer::UcxTransport::bind(spec.listen, spec.layout.block_bytes(), export)?))
+}
+
+#[cfg(not(feature = "ucx"))]
+fn ucx_transport(_: &TransportSpec) -> io::Result<Box<dyn Transport>> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "this build has no UCX transport: build with `--features ucx` (needs libucx-dev)",
+    ))
+}
+
 /// Prefill and decode roles: the endpoint of every KV transfer (prefill listens at `transfer_addr`),
 /// over the transport `make` gives.
 pub(crate) fn endpoint(
     config: &EngineConfig,
     model: &ModelConfig,
-    shared: bool,
+    region: Option<&std::path::Path>,
     make: impl FnOnce(&TransportSpec) -> io::Result<Box<dyn Transport>>,
 ) -> Result<Option<Endpoint>, EngineError> {
     if config.role == Role::Unified {
@@ -152,9 +174,11 @@ pub(crate) fn endpoint(
     };
     let listen = (config.role == Role::Prefill).then_some(config.transfer_addr);
     let shm_scope = config.shm_scope.clone();
-    let transport = make(&TransportSpec { role: config.role, listen, layout, shm_scope })?;
+    let (ucx, region_path) = (config.kv_ucx, region.map(std::path::Path::to_path_buf));
+    let transport =
+        make(&TransportSpec { role: config.role, listen, layout, shm_scope, ucx, region: region_path })?;
     let ep_config = EndpointConfig {
-        sender: SenderConfig { shared_region: shared, ..SenderConfig::default() },
+        sender: SenderConfig { shared_region: region.is_some(), ..SenderConfig::default() },
         // Epochs differ per process, so a handle from an earlier incarnation is refused as stale.
         epoch_seed: std::process::id().wrapping_mul(2_654_435_761),
         ..EndpointConfig::default()

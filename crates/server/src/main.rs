@@ -19,6 +19,11 @@ pdserve-server [options]
   --role ROLE              unified (default), prefill or decode
   --transfer-addr ADDR     prefill role: where decode workers pull KV from (default 127.0.0.1:0)
   --kv-shm                 prefill role: KV memory in /dev/shm, so same-host decode workers copy it directly
+  --kv-transport T         how KV moves to decode workers: tcp (prefill: blocks inline; the default), shm
+                           (prefill: as --kv-shm) or ucx (builds with --features ucx, on both roles: the
+                           prefill worker exports its KV region, decode workers read it with UCX one-sided
+                           gets over RDMA, shared memory or TCP, whichever UCX finds; UCX_* variables apply).
+                           A decode worker reads a same-host prefill worker's shm region whenever it can
   --shm-scope NAME         the stack's name for its shared KV files (a-z, 0-9; default local): a decode worker
                            maps only its own stack's; give every stack on a host its own
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
@@ -108,6 +113,7 @@ const VALUED: &[&str] = &[
     "--kv-dtype",
     "--weights",
     "--transfer-addr",
+    "--kv-transport",
 ];
 
 fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
@@ -224,6 +230,13 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 e.role = pdserve_api::Role::parse(&v).ok_or_else(|| format!("--role {v}: unknown"))?
             }
             "--transfer-addr" => e.transfer_addr = v.parse().map_err(|err| format!("{k}: {err}"))?,
+            "--kv-transport" => match v.as_str() {
+                "tcp" => (e.kv_shm, e.kv_ucx) = (false, false),
+                "shm" => (e.kv_shm, e.kv_ucx) = (true, false),
+                "ucx" if cfg!(feature = "ucx") => (e.kv_shm, e.kv_ucx) = (false, true),
+                "ucx" => return Err("--kv-transport ucx: this build has no UCX (cargo build --features ucx; needs libucx-dev)".into()),
+                _ => return Err(format!("--kv-transport {v}: tcp, shm or ucx")),
+            },
             other => return Err(format!("unknown option {other}")),
         }
     }

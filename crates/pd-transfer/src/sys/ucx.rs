@@ -664,5 +664,22 @@ mod tests {
         assert_eq!(p.buf, &data[4096..4096 + 8192]);
         assert!(im.get(1, (1 << 16) - 10, 11).is_err(), "a read past the end is refused");
         im.disconnect(1, Vec::new());
+        // Endpoints to the same exporter come and go, one per transfer.
+        for id in 2..6 {
+            im.connect(id, &blob).expect("connect again");
+            let mut p = im.get(id, 0, 4096).expect("get");
+            im.wait(&mut [&mut p], Duration::from_secs(5));
+            assert_eq!(im.poll(&mut p), Some(Ok(())));
+            assert_eq!(p.buf, &data[..4096]);
+            im.disconnect(id, Vec::new());
+        }
+        // One given up with reads in flight, then another.
+        im.connect(7, &blob).expect("connect");
+        let pending = (0..8).map(|i| im.get(7, i * 4096, 4096).expect("get")).collect();
+        im.disconnect(7, pending);
+        im.connect(8, &blob).expect("connect after a disconnect with reads in flight");
+        let mut p = im.get(8, 0, 4096).expect("get");
+        im.wait(&mut [&mut p], Duration::from_secs(5));
+        assert_eq!(im.poll(&mut p), Some(Ok(())));
     }
 }

@@ -32,8 +32,24 @@ pub fn default_model() -> std::path::PathBuf {
 impl Worker {
     /// Starts `pdserve-server` with `args` (the default model, fetched if needed).
     pub fn start(args: &[&str]) -> Worker {
+        Worker::start_in(None, &[], args)
+    }
+
+    /// Like [`start`](Self::start), inside network namespace `netns` (`ip netns exec`) if given,
+    /// with `env` set; the address it reports is rewritten to `host` when it binds 0.0.0.0.
+    pub fn start_in(netns: Option<(&str, &str)>, env: &[(&str, &str)], args: &[&str]) -> Worker {
         let model = default_model();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        let bin = env!("CARGO_BIN_EXE_pdserve-server");
+        let mut cmd = match netns {
+            Some((ns, _)) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin]);
+                c
+            }
+            None => Command::new(bin),
+        };
+        let mut child = cmd
+            .envs(env.iter().copied())
             .args(["--port", "0", "--kv-blocks", "256", "--exit-on-stdin-eof", "--model"])
             .arg(model)
             .args(args)
@@ -52,7 +68,10 @@ impl Worker {
                 }
             }
         });
-        let addr = rx.recv_timeout(Duration::from_secs(120)).expect("the worker did not start");
+        let mut addr = rx.recv_timeout(Duration::from_secs(120)).expect("the worker did not start");
+        if let Some((_, host)) = netns {
+            addr.set_ip(host.parse().expect("host address"));
+        }
         Worker { addr, child, _stdin: stdin, client: HttpClient::new(ClientConfig::default()) }
     }
 
