@@ -5,12 +5,15 @@
 //! - `TcpTransport`: every block's bytes framed over TCP loopback;
 //! - `SharedMemoryTransport`: control frames over TCP, each block copied by the receiver straight out
 //!   of the sender's shared region (a prefill worker's `--kv-shm`),
+//! - with `--features ucx`, `UcxTransport`: control frames over TCP, each block read by the receiver
+//!   with a UCX one-sided get out of the sender's exported region (whatever transport UCX picks;
+//!   `UCX_TLS=tcp` forces TCP),
 //!
 //! beside a plain `memcpy` of the same bytes in the same run, and the CRC-32C every inline block
 //! carries (its rate: what the checksum costs the TCP path). The time runs from the pull to the
 //! receiver's `Ended`; the pair of workers lives across transfers (best of 3 after a warm-up one), so
 //! memory is faulted in and the region mapped once, as in running workers.
-//! Run: `cargo bench -p pdserve-pd-transfer`.
+//! Run: `cargo bench -p pdserve-pd-transfer [--features ucx]`.
 
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -27,6 +30,15 @@ fn pattern(block: usize) -> Vec<u8> {
     (0..layout().block_bytes()).map(|i| (block * 7 + i) as u8).collect()
 }
 
+/// How the blocks move.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Via {
+    Tcp,
+    Shm,
+    #[cfg(feature = "ucx")]
+    Ucx,
+}
+
 fn ms(start: Instant) -> u64 {
     start.elapsed().as_millis() as u64
 }
@@ -37,13 +49,14 @@ fn ms(start: Instant) -> u64 {
 /// worker is: its memory is faulted in once, and a receiver maps its region once.
 fn prefill_worker(
     n: usize,
-    shared: bool,
+    via: Via,
     checksums: bool,
     offers: mpsc::Receiver<u64>,
     sources: mpsc::Sender<Source>,
 ) {
     let bb = layout().block_bytes();
     let start = Instant::now();
+    let shared = via != Via::Tcp;
     let (mut mem, region): (Box<dyn BlockMemory>, _) = if shared {
         let r = SharedRegion::create(pdserve_pd_transfer::transport::shm::LOCAL_SCOPE, (n + 1) * bb)
             .expect("shared region");
@@ -53,13 +66,22 @@ fn prefill_worker(
         (Box::new(vec![0u8; (n + 1) * bb]), None)
     };
     let mut kv = KvCache::new(KvConfig { num_blocks: n as u32 + 1, block_size: 16 }).expect("kv");
-    let transport = TcpTransport::bind(Some("127.0.0.1:0".parse().unwrap())).expect("listen");
+    let listen = Some("127.0.0.1:0".parse().unwrap());
+    let transport: Box<dyn Transport> = match via {
+        #[cfg(feature = "ucx")]
+        Via::Ucx => {
+            let export = region.as_deref().map(std::path::Path::new);
+            Box::new(UcxTransport::bind(listen, bb, export).expect("UCX export"))
+        }
+        _ => Box::new(TcpTransport::bind(listen).expect("listen")),
+    };
     let config = EndpointConfig {
         sender: SenderConfig { shared_region: shared, ..SenderConfig::default() },
         checksums,
         ..EndpointConfig::default()
     };
-    let mut ep = Endpoint::new(Box::new(transport), layout(), config);
+    let mut ep = Endpoint::new(transport, layout(), config);
+    let region = ep.region().or(region);
     loop {
         match offers.try_recv() {
             Ok(t) => {
@@ -98,20 +120,21 @@ struct Pair {
     ep: Endpoint,
     kv: KvCache,
     mem: Vec<u8>,
-    shared: bool,
+    via: Via,
     next: u64,
 }
 
 impl Pair {
-    fn new(n: usize, shared: bool, checksums: bool) -> Pair {
+    fn new(n: usize, via: Via, checksums: bool) -> Pair {
         let (offers, offers_rx) = mpsc::channel();
         let (sources_tx, sources) = mpsc::channel();
-        let prefill = std::thread::spawn(move || prefill_worker(n, shared, checksums, offers_rx, sources_tx));
+        let prefill = std::thread::spawn(move || prefill_worker(n, via, checksums, offers_rx, sources_tx));
         let bb = layout().block_bytes();
-        let transport: Box<dyn Transport> = if shared {
-            Box::new(SharedMemoryTransport::bind(None, bb).expect("transport"))
-        } else {
-            Box::new(TcpTransport::bind(None).expect("transport"))
+        let transport: Box<dyn Transport> = match via {
+            Via::Tcp => Box::new(TcpTransport::bind(None).expect("transport")),
+            Via::Shm => Box::new(SharedMemoryTransport::bind(None, bb).expect("transport")),
+            #[cfg(feature = "ucx")]
+            Via::Ucx => Box::new(UcxTransport::bind(None, bb, None).expect("transport")),
         };
         Pair {
             offers,
@@ -121,7 +144,7 @@ impl Pair {
             kv: KvCache::new(KvConfig { num_blocks: n as u32 + 1, block_size: 16 }).expect("kv"),
             // A decode worker's KV pool is allocated and resident from startup.
             mem: vec![1; (n + 1) * bb],
-            shared,
+            via,
             next: 1,
         }
     }
@@ -158,7 +181,7 @@ impl Pair {
         }
         let secs = start.elapsed().as_secs_f64();
         let s = self.ep.stats();
-        let moved = if self.shared {
+        let moved = if self.via != Via::Tcp {
             s.bytes_shared - before.bytes_shared
         } else {
             s.bytes_received - before.bytes_received
@@ -185,15 +208,15 @@ impl Drop for Pair {
 }
 
 /// Best of 3 transfers after a first one that warms the pair up (connections, mappings).
-fn best_transfer(n: usize, shared: bool, checksums: bool) -> f64 {
-    let mut pair = Pair::new(n, shared, checksums);
+fn best_transfer(n: usize, via: Via, checksums: bool) -> f64 {
+    let mut pair = Pair::new(n, via, checksums);
     pair.transfer();
     (0..3).map(|_| pair.transfer()).fold(f64::MAX, f64::min)
 }
 
 fn main() {
     println!("block: {} bytes", layout().block_bytes());
-    println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency  crc32c GB/s  tcp no-crc GB/s");
+    println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency  crc32c GB/s  tcp no-crc GB/s  ucx GB/s  ucx/memcpy");
     for tokens in [128usize, 2048, 8192] {
         let n = tokens.div_ceil(16);
         let src: Vec<Vec<u8>> = (0..n).map(pattern).collect();
@@ -217,11 +240,18 @@ fn main() {
                 t.elapsed().as_secs_f64()
             })
             .fold(f64::MAX, f64::min);
-        let tcp = best_transfer(n, false, true);
-        let bare = best_transfer(n, false, false);
-        let shm = best_transfer(n, true, true);
+        let tcp = best_transfer(n, Via::Tcp, true);
+        let bare = best_transfer(n, Via::Tcp, false);
+        let shm = best_transfer(n, Via::Shm, true);
+        #[cfg(feature = "ucx")]
+        let ucx = Some(best_transfer(n, Via::Ucx, true));
+        #[cfg(not(feature = "ucx"))]
+        let ucx: Option<f64> = None;
+        let ucx_cols = ucx.map_or("        -           -".to_owned(), |u| {
+            format!("{:>8.2}  {:>10.3}", bytes / u / 1e9, memcpy / u)
+        });
         println!(
-            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms  {:>11.2}  {:>15.2}",
+            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms  {:>11.2}  {:>15.2}  {ucx_cols}",
             bytes / 1e6,
             bytes / memcpy / 1e9,
             bytes / shm / 1e9,
