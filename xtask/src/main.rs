@@ -211,8 +211,16 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-const FUZZ_TARGETS: &[&str] =
-    &["http_request", "http_response", "kv_ops", "sched_ops", "pd_frames", "api_requests", "chat_template"];
+const FUZZ_TARGETS: &[&str] = &[
+    "http_request",
+    "http_response",
+    "kv_ops",
+    "sched_ops",
+    "pd_frames",
+    "api_requests",
+    "chat_template",
+    "dns_answer",
+];
 
 fn fuzz_available() -> bool {
     Command::new("cargo").args(["fuzz", "--version"]).output().is_ok_and(|o| o.status.success())
