@@ -33,8 +33,12 @@ const UCP_FEATURE_RMA: u64 = 1 << 1;
 const UCP_FEATURE_WAKEUP: u64 = 1 << 4;
 const UCP_WORKER_PARAM_FIELD_THREAD_MODE: u64 = 1 << 0;
 const UCS_THREAD_MODE_SINGLE: c_int = 0;
+const UCS_THREAD_MODE_SERIALIZED: c_int = 1;
 const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
+const UCP_MEM_MAP_PARAM_FIELD_PROT: u64 = 1 << 3;
+const UCP_MEM_MAP_PROT_LOCAL_READ: c_uint = 1 << 0;
+const UCP_MEM_MAP_PROT_REMOTE_READ: c_uint = 1 << 8;
 const UCP_EP_PARAM_FIELD_REMOTE_ADDRESS: u64 = 1 << 0;
 const UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE: u64 = 1 << 1;
 const UCP_ERR_HANDLING_MODE_PEER: c_int = 1;
@@ -222,7 +226,7 @@ struct Node {
 }
 
 impl Node {
-    fn new(wakeup: bool) -> Result<Node, UcxError> {
+    fn new(wakeup: bool, thread_mode: c_int) -> Result<Node, UcxError> {
         let mut config: Handle = std::ptr::null_mut();
         // SAFETY: null prefix and file read UCX's defaults and UCX_* environment variables.
         check("ucp_config_read", unsafe {
@@ -250,7 +254,7 @@ impl Node {
         // SAFETY: all-zero is a valid ucp_worker_params_t (integers and null pointers).
         let mut wp: WorkerParams = unsafe { std::mem::zeroed() };
         wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-        wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+        wp.thread_mode = thread_mode;
         let mut worker: Handle = std::ptr::null_mut();
         // SAFETY: context is live; wp names only the thread mode.
         let status = unsafe { ucp_worker_create(context, &wp, &mut worker) };
@@ -367,13 +371,18 @@ impl Exporter {
             .name("kv-ucx-export".into())
             .spawn(move || serve(addr, len, &flag, &tx))
             .map_err(|e| UcxError { call: "thread", status: 0, text: e.to_string() })?;
-        match rx.recv() {
+        match rx.recv_timeout(Duration::from_secs(30)) {
             Ok(Ok(blob)) => Ok(Exporter { blob, stop, thread: Some(thread), _map: map }),
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
             }
-            Err(_) => Err(UcxError { call: "thread", status: 0, text: "the UCX thread died".into() }),
+            Err(_) => {
+                // Dead, or stuck in UCX's initialization: the thread is left to itself (it stops
+                // with the flag if it ever comes back).
+                stop.store(true, Ordering::Relaxed);
+                Err(UcxError { call: "thread", status: 0, text: "UCX did not start within 30 s".into() })
+            }
         }
     }
 
@@ -394,7 +403,7 @@ impl Drop for Exporter {
 /// The exporter's thread: registers the memory, hands back the blob, then progresses the worker
 /// (sleeping on its event fd, waking every 100 ms to look at `stop`) until told to stop.
 fn serve(base: usize, len: usize, stop: &AtomicBool, tx: &mpsc::SyncSender<Result<Blob, UcxError>>) {
-    let node = match Node::new(true) {
+    let node = match Node::new(true, UCS_THREAD_MODE_SINGLE) {
         Ok(n) => n,
         Err(e) => {
             let _ = tx.send(Err(e));
@@ -402,11 +411,14 @@ fn serve(base: usize, len: usize, stop: &AtomicBool, tx: &mpsc::SyncSender<Resul
         }
     };
     let params = MemMapParams {
-        field_mask: UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        field_mask: UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+            | UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | UCP_MEM_MAP_PARAM_FIELD_PROT,
         address: base as *mut c_void,
         length: len,
         flags: 0,
-        prot: 0,
+        // Read-only, as the mapping is: readers may read it, nobody may write it.
+        prot: UCP_MEM_MAP_PROT_LOCAL_READ | UCP_MEM_MAP_PROT_REMOTE_READ,
         memory_type: 0,
     };
     let mut memh: Handle = std::ptr::null_mut();
@@ -462,41 +474,80 @@ struct Remote {
     len: u64,
 }
 
-/// A `get` in flight, into a buffer the importer owns.
+/// A `get` in flight into a buffer of its own; its bytes can be read once it has completed.
 pub(crate) struct Pending {
     request: Handle,
-    pub buf: Vec<u8>,
+    buf: Vec<u8>,
+    failed: bool,
 }
 
 // SAFETY: a request handle is only ever used through the Importer that made it (`poll`, `wait`,
-// `disconnect`, all &mut), by whichever one thread owns both at the time.
+// `disconnect`, all &mut), by whichever one thread owns both at the time (the worker is in
+// serialized mode).
 unsafe impl Send for Pending {}
 
-impl fmt::Debug for Pending {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pending").field("bytes", &self.buf.len()).finish()
+impl Pending {
+    /// The bytes read, once [`Importer::poll`] said the get completed successfully.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        (self.request.is_null() && !self.failed).then_some(&self.buf[..])
     }
 }
 
-/// The reading side: one worker, endpoints to exporters by id. Used by one thread (not `Sync`).
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.request.is_null() {
+            // Still in flight: UCX may yet write into the buffer, so it is never freed. The importer
+            // waits for a read before it lets one go; this is the last resort.
+            std::mem::forget(std::mem::take(&mut self.buf));
+        }
+    }
+}
+
+impl fmt::Debug for Pending {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pending")
+            .field("bytes", &self.buf.len())
+            .field("done", &self.request.is_null())
+            .finish()
+    }
+}
+
+/// Endpoints given up while reads on them were in flight, kept this many at most: past it the
+/// oldest is closed by force without waiting for its reads (their buffers and its key are leaked).
+const CLOSING_MAX: usize = 64;
+
+/// The reading side: one worker, endpoints to exporters by id. Used by one thread at a time.
 pub(crate) struct Importer {
     node: Node,
     remotes: std::collections::HashMap<u64, Remote>,
+    /// Endpoints given up with reads in flight: the reads end (or fail) before the key and the
+    /// endpoint go, progressed by [`reap`](Self::reap), never waited for.
+    closing: Vec<(Remote, Vec<Pending>)>,
+    /// Endpoint closes still in progress.
+    close_requests: Vec<Handle>,
 }
 
-// SAFETY: the importer's handles are used only through &mut self, by whichever one thread owns it
-// at a time; UCX's single-thread mode requires no more than that (no concurrent calls).
+// SAFETY: the worker is created in serialized mode and every handle is used only through &mut self,
+// so calls never overlap, whichever thread owns the importer.
 unsafe impl Send for Importer {}
 
 impl fmt::Debug for Importer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Importer").field("remotes", &self.remotes.len()).finish()
+        f.debug_struct("Importer")
+            .field("remotes", &self.remotes.len())
+            .field("closing", &self.closing.len())
+            .finish()
     }
 }
 
 impl Importer {
     pub fn new() -> Result<Importer, UcxError> {
-        Ok(Importer { node: Node::new(false)?, remotes: Default::default() })
+        Ok(Importer {
+            node: Node::new(false, UCS_THREAD_MODE_SERIALIZED)?,
+            remotes: Default::default(),
+            closing: Vec::new(),
+            close_requests: Vec::new(),
+        })
     }
 
     /// Opens an endpoint to the exporter of `blob` as remote `id`.
@@ -530,15 +581,15 @@ impl Importer {
         let mut buf = vec![0u8; len];
         let param = RequestParam::none();
         // SAFETY: ep and rkey are live; the range is inside the registered memory (checked above);
-        // `buf` is `len` writable bytes that stay put (the Vec is never resized) until the request
-        // completes or is given up with the endpoint (`finish`/`disconnect`).
+        // `buf` is `len` writable bytes that stay put (the Vec is never resized, and a Pending whose
+        // request is live never frees it) until the request has completed.
         let req = unsafe {
             ucp_get_nbx(r.ep, buf.as_mut_ptr() as *mut c_void, len, r.base + offset, r.rkey, &param)
         };
         match ptr_status(req) {
-            Some(UCS_OK) => Ok(Pending { request: std::ptr::null_mut(), buf }),
-            Some(s) => check("ucp_get_nbx", s).map(|()| unreachable!()),
-            None => Ok(Pending { request: req, buf }),
+            Some(UCS_OK) => Ok(Pending { request: std::ptr::null_mut(), buf, failed: false }),
+            Some(s) => Err(check("ucp_get_nbx", s).err().unwrap_or_else(|| bad("unknown status".into()))),
+            None => Ok(Pending { request: req, buf, failed: false }),
         }
     }
 
@@ -547,10 +598,15 @@ impl Importer {
         self.node.progress()
     }
 
-    /// Whether `p` is done: `Some(Ok)` with its bytes in `p.buf`, `Some(Err)`, or `None` (in flight).
+    /// Whether `p` is done: `Some(Ok)` with its bytes in [`Pending::bytes`], `Some(Err)`, or `None`
+    /// (in flight).
     pub fn poll(&mut self, p: &mut Pending) -> Option<Result<(), UcxError>> {
         if p.request.is_null() {
-            return Some(Ok(()));
+            return Some(if p.failed {
+                Err(UcxError { call: "get", status: 0, text: "failed".into() })
+            } else {
+                Ok(())
+            });
         }
         // SAFETY: the request came from ucp_get_nbx and has not been freed.
         let status = unsafe { ucp_request_check_status(p.request) };
@@ -560,6 +616,7 @@ impl Importer {
         // SAFETY: the request is complete and freed once; the pointer is cleared.
         unsafe { ucp_request_free(p.request) };
         p.request = std::ptr::null_mut();
+        p.failed = status != UCS_OK;
         Some(check("get", status))
     }
 
@@ -568,58 +625,76 @@ impl Importer {
         let until = Instant::now() + budget;
         loop {
             while self.progress() {}
-            if pending.iter_mut().all(|p| p.request.is_null() || self.poll_peek(p)) || Instant::now() >= until
-            {
+            let done = pending.iter().all(|p| {
+                // SAFETY: a non-null request came from ucp_get_nbx and has not been freed.
+                p.request.is_null() || unsafe { ucp_request_check_status(p.request) } != UCS_INPROGRESS
+            });
+            if done || Instant::now() >= until {
                 return;
             }
         }
     }
 
-    fn poll_peek(&self, p: &Pending) -> bool {
-        // SAFETY: the request came from ucp_get_nbx and has not been freed.
-        unsafe { ucp_request_check_status(p.request) != UCS_INPROGRESS }
-    }
-
-    /// Gives up `pending` (their buffers are kept alive until UCX is done with them) and closes the
-    /// endpoint to remote `id`.
+    /// Gives up remote `id` and the reads on it. Nothing waits: the endpoint is parked until its
+    /// reads end (a dead peer's fail at once, UCX's error handling sees to it), then its key and
+    /// endpoint go ([`reap`](Self::reap), called by every later poll).
     pub fn disconnect(&mut self, id: u64, pending: Vec<Pending>) {
-        for mut p in pending {
-            // Each finishes (or fails) before its buffer goes.
-            self.close_pending(&mut p);
+        match self.remotes.remove(&id) {
+            Some(r) => self.closing.push((r, pending)),
+            None => drop(pending),
         }
-        if let Some(r) = self.remotes.remove(&id) {
-            // SAFETY: rkey came from ucp_ep_rkey_unpack on this endpoint, destroyed once, before it.
-            unsafe { ucp_rkey_destroy(r.rkey) };
+        self.reap();
+        if self.closing.len() > CLOSING_MAX {
+            // A peer that never answers: close its endpoint by force (UCX cancels its reads) and
+            // leave its key and buffers behind rather than free what UCX may still touch.
+            let (r, pending) = self.closing.remove(0);
+            drop(pending);
             self.close_ep(r.ep);
         }
     }
 
-    fn close_pending(&mut self, p: &mut Pending) {
-        let until = Instant::now() + Duration::from_secs(1);
-        while !p.request.is_null() && self.poll(p).is_none() && Instant::now() < until {
-            self.progress();
+    /// Frees finished reads of given-up endpoints; an endpoint whose reads have all ended loses its
+    /// key and is closed. Never waits.
+    pub fn reap(&mut self) {
+        if self.closing.is_empty() && self.close_requests.is_empty() {
+            return;
         }
-        if !p.request.is_null() {
-            // Still in flight after a second: keep the buffer alive for good rather than let UCX
-            // write into freed memory.
-            std::mem::forget(std::mem::take(&mut p.buf));
+        self.progress();
+        let mut i = 0;
+        while i < self.closing.len() {
+            let mut pending = std::mem::take(&mut self.closing[i].1);
+            pending.retain_mut(|p| self.poll(p).is_none());
+            if pending.is_empty() {
+                let (r, _) = self.closing.swap_remove(i);
+                // SAFETY: every operation with this key has ended; it is destroyed once, before its
+                // endpoint is closed.
+                unsafe { ucp_rkey_destroy(r.rkey) };
+                self.close_ep(r.ep);
+            } else {
+                self.closing[i].1 = pending;
+                i += 1;
+            }
         }
+        self.close_requests.retain(|&req| {
+            // SAFETY: req came from ucp_ep_close_nbx and has not been freed.
+            if unsafe { ucp_request_check_status(req) } == UCS_INPROGRESS {
+                return true;
+            }
+            // SAFETY: complete, freed once.
+            unsafe { ucp_request_free(req) };
+            false
+        });
     }
 
+    /// Closes `ep` by force without waiting (a close still in progress is finished by `reap`).
     fn close_ep(&mut self, ep: Handle) {
         let mut param = RequestParam::none();
         param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
         param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        // SAFETY: ep is live and closed once; a returned request is progressed to its end (bounded).
+        // SAFETY: ep is live and closed once.
         let req = unsafe { ucp_ep_close_nbx(ep, &param) };
         if ptr_status(req).is_none() {
-            let until = Instant::now() + Duration::from_secs(1);
-            // SAFETY: req came from ucp_ep_close_nbx and is checked, then freed once.
-            while unsafe { ucp_request_check_status(req) } == UCS_INPROGRESS && Instant::now() < until {
-                self.progress();
-            }
-            // SAFETY: as above.
-            unsafe { ucp_request_free(req) };
+            self.close_requests.push(req);
         }
     }
 }
@@ -629,6 +704,20 @@ impl Drop for Importer {
         let ids: Vec<u64> = self.remotes.keys().copied().collect();
         for id in ids {
             self.disconnect(id, Vec::new());
+        }
+        let until = Instant::now() + Duration::from_secs(1);
+        while !(self.closing.is_empty() && self.close_requests.is_empty()) && Instant::now() < until {
+            self.reap();
+        }
+        // Whatever still waits: closed by force, keys and buffers left behind (see `disconnect`).
+        for (r, pending) in std::mem::take(&mut self.closing) {
+            drop(pending);
+            self.close_ep(r.ep);
+        }
+        for req in std::mem::take(&mut self.close_requests) {
+            // SAFETY: freeing a request still in progress releases it when it completes (ucp.h);
+            // the worker's destruction right after ends it.
+            unsafe { ucp_request_free(req) };
         }
     }
 }
@@ -661,7 +750,7 @@ mod tests {
         let mut p = im.get(1, 4096, 8192).expect("get");
         im.wait(&mut [&mut p], Duration::from_secs(5));
         assert_eq!(im.poll(&mut p), Some(Ok(())));
-        assert_eq!(p.buf, &data[4096..4096 + 8192]);
+        assert_eq!(p.bytes(), Some(&data[4096..4096 + 8192]));
         assert!(im.get(1, (1 << 16) - 10, 11).is_err(), "a read past the end is refused");
         im.disconnect(1, Vec::new());
         // Endpoints to the same exporter come and go, one per transfer.
@@ -670,7 +759,7 @@ mod tests {
             let mut p = im.get(id, 0, 4096).expect("get");
             im.wait(&mut [&mut p], Duration::from_secs(5));
             assert_eq!(im.poll(&mut p), Some(Ok(())));
-            assert_eq!(p.buf, &data[..4096]);
+            assert_eq!(p.bytes(), Some(&data[..4096]));
             im.disconnect(id, Vec::new());
         }
         // One given up with reads in flight, then another.

@@ -23,14 +23,36 @@ use crate::sys::ucx::{Blob, Exporter, Importer, Pending};
 use crate::{Message, PeerId, TransferKey};
 
 /// Longest `poll` spends progressing reads already in flight.
-const READ_SPIN: Duration = Duration::from_millis(5);
+const READ_SPIN: Duration = Duration::from_millis(2);
+/// Reads in flight per connection at most (each holds a block-sized buffer); later named blocks
+/// wait their turn.
+const READS_MAX: usize = 64;
 /// The prefix of a UCX region in a handle.
 pub const REGION_PREFIX: &str = "ucx:";
 
-/// An arrival held back behind a read still in flight on the same connection.
+/// An arrival on a UCX-read connection, held in order until it can be handed over.
 #[derive(Debug)]
 enum Held {
-    Read { key: TransferKey, index: u32, slot: u32, read: Option<Pending> },
+    /// A named block whose read has not started (over the per-connection bound).
+    Named {
+        key: TransferKey,
+        index: u32,
+        slot: u32,
+    },
+    /// A named block being read.
+    Read {
+        key: TransferKey,
+        index: u32,
+        slot: u32,
+        read: Pending,
+    },
+    /// A named block whose read could not start: handed over as the unread name it is (the
+    /// protocol then ends the transfer).
+    Unread {
+        key: TransferKey,
+        index: u32,
+        slot: u32,
+    },
     Message(Message),
 }
 
@@ -40,7 +62,8 @@ pub struct UcxTransport {
     tcp: TcpTransport,
     block_bytes: usize,
     exporter: Option<Exporter>,
-    importer: Importer,
+    /// The reading side's UCX worker, made at the first connection to a UCX sender.
+    importer: Option<Importer>,
     /// Connections whose named blocks are read through UCX, and what arrived on them in order.
     reading: HashMap<PeerId, VecDeque<Held>>,
 }
@@ -65,18 +88,52 @@ impl UcxTransport {
             tcp: TcpTransport::bind(listen)?,
             block_bytes,
             exporter,
-            importer: Importer::new()?,
+            importer: None,
             reading: HashMap::new(),
         })
     }
 
     fn forget(&mut self, peer: PeerId) {
-        if let Some(q) = self.reading.remove(&peer) {
+        if let (Some(q), Some(im)) = (self.reading.remove(&peer), self.importer.as_mut()) {
             let reads = q.into_iter().filter_map(|h| match h {
-                Held::Read { read, .. } => read,
-                Held::Message(_) => None,
+                Held::Read { read, .. } => Some(read),
+                _ => None,
             });
-            self.importer.disconnect(peer.0, reads.collect());
+            im.disconnect(peer.0, reads.collect());
+        }
+    }
+
+    /// Opens a UCX endpoint to the sender of `region`, if it is a UCX region this side can reach.
+    fn open(&mut self, peer: PeerId, addr: SocketAddr, region: Option<&str>) -> bool {
+        let Some(blob) = region.and_then(|r| r.strip_prefix(REGION_PREFIX)).and_then(Blob::from_hex) else {
+            return false;
+        };
+        if self.importer.is_none() {
+            match Importer::new() {
+                Ok(im) => self.importer = Some(im),
+                Err(e) => {
+                    eprintln!("kv transfer: UCX is unavailable here ({e}); blocks come inline");
+                    return false;
+                }
+            }
+        }
+        let Some(im) = self.importer.as_mut() else { return false };
+        match im.connect(peer.0, &blob) {
+            Ok(()) => true,
+            Err(e) => {
+                eprintln!("kv transfer: UCX cannot reach {addr} ({e}); its blocks come inline");
+                false
+            }
+        }
+    }
+}
+
+impl Drop for UcxTransport {
+    fn drop(&mut self) {
+        // Every read is given back to the importer (which waits for it) before anything goes.
+        let peers: Vec<PeerId> = self.reading.keys().copied().collect();
+        for peer in peers {
+            self.forget(peer);
         }
     }
 }
@@ -91,20 +148,10 @@ impl Transport for UcxTransport {
     }
 
     /// Named blocks when `region` is a UCX region this side can open an endpoint to; inline bytes
-    /// otherwise.
+    /// otherwise (a shared-memory file's path included: this transport reads only UCX regions).
     fn connect(&mut self, addr: SocketAddr, region: Option<&str>) -> io::Result<Connected> {
         let c = self.tcp.connect(addr, None)?;
-        let blob = region.and_then(|r| r.strip_prefix(REGION_PREFIX)).and_then(Blob::from_hex);
-        let named_blocks = match blob {
-            Some(b) => match self.importer.connect(c.peer.0, &b) {
-                Ok(()) => true,
-                Err(e) => {
-                    eprintln!("kv transfer: UCX cannot reach {addr} ({e}); its blocks come inline");
-                    false
-                }
-            },
-            None => false,
-        };
+        let named_blocks = self.open(c.peer, addr, region);
         if named_blocks {
             self.reading.insert(c.peer, VecDeque::new());
         }
@@ -122,20 +169,13 @@ impl Transport for UcxTransport {
 
     fn poll(&mut self, wait: Duration, on: &mut dyn FnMut(Arrival<'_>)) -> io::Result<()> {
         let busy = self.reading.values().any(|q| !q.is_empty());
-        let (importer, reading, block_bytes) =
-            (&mut self.importer, &mut self.reading, self.block_bytes as u64);
+        let reading = &mut self.reading;
         let mut lost = Vec::new();
         let result = self.tcp.poll(if busy { Duration::ZERO } else { wait }, &mut |arrival| match arrival {
             Arrival::Message { peer, msg } if reading.contains_key(&peer) => {
                 let q = reading.get_mut(&peer).expect("checked");
                 match msg {
-                    Message::BlockAt { key, index, slot } => {
-                        // A read that cannot start is handed over as the unread name it is: the
-                        // protocol ends the transfer.
-                        let read =
-                            importer.get(peer.0, u64::from(slot) * block_bytes, block_bytes as usize).ok();
-                        q.push_back(Held::Read { key, index, slot, read });
-                    }
+                    Message::BlockAt { key, index, slot } => q.push_back(Held::Named { key, index, slot }),
                     msg if q.is_empty() => on(Arrival::Message { peer, msg }),
                     msg => q.push_back(Held::Message(msg)),
                 }
@@ -149,47 +189,61 @@ impl Transport for UcxTransport {
         for peer in lost {
             self.forget(peer);
         }
-        // Reads in flight: progress them (bounded), then hand over, per connection in order, what is
-        // done up to the first still in flight.
+        let Some(im) = self.importer.as_mut() else { return result };
+        im.reap();
+        // Start reads, in order, up to the bound per connection.
+        let bb = self.block_bytes;
+        for (&peer, q) in self.reading.iter_mut() {
+            let mut reads = q.iter().filter(|h| matches!(h, Held::Read { .. })).count();
+            for h in q.iter_mut() {
+                if reads >= READS_MAX {
+                    break;
+                }
+                if let Held::Named { key, index, slot } = *h {
+                    *h = match im.get(peer.0, u64::from(slot) * bb as u64, bb) {
+                        Ok(read) => {
+                            reads += 1;
+                            Held::Read { key, index, slot, read }
+                        }
+                        Err(_) => Held::Unread { key, index, slot },
+                    };
+                }
+            }
+        }
+        // Progress the reads (bounded), then hand over, per connection in order, what is done up to
+        // the first still in flight.
         let mut in_flight: Vec<&mut Pending> = self
             .reading
             .values_mut()
             .flat_map(|q| q.iter_mut())
             .filter_map(|h| match h {
-                Held::Read { read: Some(p), .. } => Some(p),
+                Held::Read { read, .. } => Some(read),
                 _ => None,
             })
             .collect();
         if !in_flight.is_empty() {
-            self.importer.wait(&mut in_flight, READ_SPIN);
+            im.wait(&mut in_flight, READ_SPIN);
         }
         for (&peer, q) in self.reading.iter_mut() {
             while let Some(front) = q.front_mut() {
-                match front {
-                    Held::Read { read: Some(p), .. } => match self.importer.poll(p) {
+                let done = match front {
+                    Held::Named { .. } => break,
+                    Held::Read { read, .. } => match im.poll(read) {
                         None => break,
-                        Some(done) => {
-                            let Some(Held::Read { key, index, slot, read: Some(p) }) = q.pop_front() else {
-                                unreachable!("the front was a read")
-                            };
-                            match done {
-                                Ok(()) => on(Arrival::Block { peer, key, index, data: &p.buf, crc: None }),
-                                Err(_) => {
-                                    on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } })
-                                }
-                            }
-                        }
+                        Some(r) => r.is_ok(),
                     },
-                    Held::Read { read: None, .. } => {
-                        if let Some(Held::Read { key, index, slot, .. }) = q.pop_front() {
-                            on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } });
-                        }
+                    Held::Unread { .. } | Held::Message(_) => true,
+                };
+                match q.pop_front() {
+                    Some(Held::Read { key, index, slot, read }) if done => match read.bytes() {
+                        Some(data) => on(Arrival::Block { peer, key, index, data, crc: None }),
+                        None => on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } }),
+                    },
+                    Some(Held::Read { key, index, slot, .. } | Held::Unread { key, index, slot }) => {
+                        on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } })
                     }
-                    Held::Message(_) => {
-                        if let Some(Held::Message(msg)) = q.pop_front() {
-                            on(Arrival::Message { peer, msg });
-                        }
-                    }
+                    Some(Held::Message(msg)) => on(Arrival::Message { peer, msg }),
+                    Some(Held::Named { .. }) | None => {}
                 }
             }
         }
