@@ -1,5 +1,5 @@
 //! The router's DNS answer parser on arbitrary bytes: an error or addresses, never a panic, and
-//! whatever it accepts is an answer to the query it was given (its id and question).
+//! whatever it accepts carries the query's id.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

@@ -81,6 +81,9 @@ pub struct Health {
     /// Requests waiting and running in the engine.
     pub waiting: usize,
     pub running: usize,
+    /// KV transfers offered (a prefill engine's, until their decode side has pulled them) or being
+    /// pulled (a decode engine's).
+    pub transfers: usize,
     /// The longest any live request has been in the engine.
     pub oldest: Duration,
 }
@@ -206,6 +209,7 @@ impl Engine {
             last_token_ms: Default::default(),
             waiting: Default::default(),
             running: Default::default(),
+            transfers: Default::default(),
             ledger: Mutex::new(RequestLedger::new(&config.process_name, config.ledger_capacity)),
         });
         let bound = config.scheduler.max_queued_requests + config.scheduler.max_running_requests + 64;
@@ -443,6 +447,7 @@ impl Engine {
             token_age: (token > 0).then(|| Duration::from_millis(ms.saturating_sub(token))),
             waiting: self.shared.waiting.load(Ordering::Relaxed),
             running: self.shared.running.load(Ordering::Relaxed),
+            transfers: self.shared.transfers.load(Ordering::Relaxed),
             oldest: lock(&self.live)
                 .streams
                 .values()

@@ -299,6 +299,11 @@ impl Server {
         }
     }
 
+    /// Unsent bytes on every connection together (a process that stops waits for them to go out).
+    pub fn unsent_total(&self) -> usize {
+        self.slots.iter().flatten().map(Conn::unsent).sum()
+    }
+
     /// Unsent bytes on a connection, for a caller that paces a stream.
     pub fn unsent_bytes(&self, conn: ConnId) -> Option<usize> {
         self.slots.get(conn.slot as usize)?.as_ref().filter(|c| c.gen == conn.gen).map(Conn::unsent)

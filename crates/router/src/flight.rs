@@ -488,12 +488,14 @@ impl Flight {
 
     /// A piece of the leg's response body.
     pub fn handle_leg_data(&mut self, leg: LegId, data: &[u8], now: Instant) {
-        let State::Open { leg: l, kind, body, .. } = &mut self.state else { return };
+        let State::Open { leg: l, kind, body, head, .. } = &mut self.state else { return };
         if *l != leg {
             return;
         }
-        // (A later try's prefill answer is buffered like any other, the client's stream open or not.)
-        if self.streaming && *kind != LegKind::Prefill {
+        // (A later try's prefill answer is buffered like any other, the client's stream open or not;
+        // so is a later try's error answer, which `answered` reads.)
+        let ok = head.as_ref().is_some_and(|h| h.status == 200);
+        if self.streaming && *kind != LegKind::Prefill && ok {
             if !self.client {
                 return;
             }
@@ -585,6 +587,7 @@ impl Flight {
         };
         self.decode_body = decode_body;
         self.refused.clear();
+        self.draining_answer = None;
         self.stale_retried = false;
         self.push(Action::Stage { stage: Stage::KvHeld, worker: None });
         self.open(LegKind::Decode, None);

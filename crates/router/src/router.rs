@@ -30,6 +30,8 @@ use crate::{Choice, Policy};
 
 /// How often the loop looks at timers when nothing else wakes it.
 const TICK: Duration = Duration::from_millis(10);
+/// How long a finished drain waits for the last answers' bytes to reach their clients.
+const FLUSH_MAX: Duration = Duration::from_secs(5);
 /// Requests the router's ledger tracks at once (client requests are bounded far below by admission).
 const LEDGER_CAPACITY: usize = 1 << 16;
 pub(crate) const PROBE_BODY: &[u8] =
@@ -164,9 +166,10 @@ impl Router {
         let mut events = Vec::new();
         while !self.stop.load(Ordering::Relaxed) {
             if self.drain.load(Ordering::Relaxed) && self.drained(Instant::now()) {
-                // Give the last answers a moment to reach their clients.
-                let until = Instant::now() + Duration::from_millis(200);
-                while Instant::now() < until && self.server.connection_count() > 0 {
+                // The last answers go out to their clients (a client too slow to take them within
+                // FLUSH_MAX is cut: the drain has its bound).
+                let until = Instant::now() + FLUSH_MAX;
+                while Instant::now() < until && self.server.unsent_total() > 0 {
                     self.server.poll(&mut events, Some(Duration::from_millis(20)))?;
                     events.clear();
                 }
@@ -544,8 +547,10 @@ impl Router {
             self.ups.close_idle(id, self.server.registry(), &mut self.workers);
             // Connections still owned by probes or aborts finish on their own timers.
             if let Some(w) = self.workers.remove(id) {
-                w.in_flight_gauge.set(0.0);
-                w.connections_gauge.set(0.0);
+                // Its series leave `/metrics` with it (pods come and go under discovery).
+                let labels = [w.url.as_str(), w.role.as_str()];
+                self.metrics.worker_in_flight.remove(&labels);
+                self.metrics.worker_connections.remove(&labels);
             }
         }
     }

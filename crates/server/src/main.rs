@@ -23,7 +23,8 @@ pdserve-server [options]
                            (prefill: as --kv-shm) or ucx (builds with --features ucx, on both roles: the
                            prefill worker exports its KV region, decode workers read it with UCX one-sided
                            gets over RDMA, shared memory or TCP, whichever UCX finds; UCX_* variables apply).
-                           A decode worker reads a same-host prefill worker's shm region whenever it can
+                           Without ucx, a decode worker reads a same-host prefill worker's shm region whenever
+                           it can
   --shm-scope NAME         the stack's name for its shared KV files (a-z, 0-9; default local): a decode worker
                            maps only its own stack's; give every stack on a host its own
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU

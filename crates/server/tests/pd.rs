@@ -320,3 +320,36 @@ fn the_next_round_of_a_conversation_computes_and_transfers_only_what_is_new() {
         );
     }
 }
+
+/// SIGTERM on a prefill worker whose answered request's KV is still waiting to be pulled: the worker
+/// stays until the decode side has pulled it (the request completes), then exits by itself.
+#[test]
+fn a_draining_prefill_worker_waits_for_its_offered_kv_to_be_pulled() {
+    let unified = Worker::start(&[]);
+    let prefill = Worker::start(&["--role", "prefill"]);
+    let decode = Worker::start(&["--role", "decode"]);
+    let body = chat("What is the capital of France?", r#","temperature":0,"max_tokens":12"#);
+    let (s, want) = unified.json("POST", "/v1/chat/completions", &body);
+    assert_eq!(s, 200);
+    let (s, handle) = prefill.json("POST", "/v1/chat/completions", &body);
+    assert_eq!(s, 200, "{handle}");
+    prefill.signal("-TERM");
+    // Well past the moment its last live request left: it is still there for the pull.
+    std::thread::sleep(Duration::from_millis(700));
+    let mut b: serde_json::Value = serde_json::from_str(&body).unwrap();
+    b["pd_transfer"] = handle["pd_transfer"].clone();
+    let (s, got) = decode.json("POST", "/v1/chat/completions", &b.to_string());
+    assert_eq!(s, 200, "{got}");
+    assert_eq!(got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"]);
+    // Pulled: now it leaves.
+    let mut prefill = prefill;
+    let start = Instant::now();
+    loop {
+        if let Some(status) = prefill.child.try_wait().unwrap() {
+            assert!(status.success(), "{status}");
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "the prefill worker did not exit once drained");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -247,6 +247,13 @@ macro_rules! family_handle {
                     _ => unreachable!("a family holds one kind of series"),
                 }
             }
+
+            /// Drops the series for `values` from the exposition (a worker that left, say); a
+            /// handle kept to it still works but is no longer shown. True if it was there.
+            pub fn remove(&self, values: &[&str]) -> bool {
+                let key: Vec<String> = values.iter().map(|v| (*v).to_owned()).collect();
+                self.0.lock().remove(&key).is_some()
+            }
         }
     };
 }
@@ -458,5 +465,19 @@ mod tests {
             let err = check_metric_name(name, kind).unwrap_err();
             assert!(want(&err), "{name}: {err:?}");
         }
+    }
+
+    #[test]
+    fn a_removed_series_leaves_the_exposition_and_can_come_back() {
+        let r = Registry::new();
+        let v = r.gauge_vec("worker_requests_in_flight", "Requests.", &["worker"]).unwrap();
+        v.with(&["a"]).unwrap().set(3.0);
+        v.with(&["b"]).unwrap().set(1.0);
+        assert!(v.remove(&["a"]));
+        assert!(!v.remove(&["a"]));
+        let text = r.render();
+        assert!(!text.contains("worker=\"a\"") && text.contains("worker=\"b\"} 1"), "{text}");
+        v.with(&["a"]).unwrap().set(2.0);
+        assert!(r.render().contains("worker=\"a\"} 2"));
     }
 }

@@ -113,7 +113,7 @@ pub(super) fn k8s_topology(bins: &(PathBuf, PathBuf), model: &Path, short: bool)
     let pool = manifests::pool_dns(&p, "decode");
     let mut term_error = None;
     let mut running_at_term = 0.0;
-    let mut outcomes = streams(&s.router.clone(), n, 64, 90.0, || {
+    let mut outcomes = streams(&s.router.clone(), n, 96, 120.0, || {
         std::thread::sleep(Duration::from_millis(1500));
         let result = dns.remove(&pool, &decode0.ip).and_then(|()| {
             std::thread::sleep(Duration::from_secs(u64::from(manifests::PRESTOP_SLEEP_S)));
@@ -319,7 +319,8 @@ impl ClusterDns {
     }
 
     fn write(&mut self) -> Result<()> {
-        let text: String = self.records.iter().map(|(name, ip)| format!("{ip} {name}\n")).collect();
+        let text: String =
+            self.records.iter().map(|(name, ip)| format!("{ip} {}\n", name.trim_end_matches('.'))).collect();
         std::fs::write(&self.hosts, text)?;
         let ok = Command::new("kill").args(["-HUP", &self.child.id().to_string()]).status()?.success();
         ensure!(ok, "dnsmasq is not running");

@@ -17,14 +17,19 @@ pub(crate) const SECRET_NAME: &str = "pdserve-cluster-secret";
 /// Seconds a pod's requests in flight get after SIGTERM (`--drain-timeout-s`), below the grace
 /// period Kubernetes waits before SIGKILL.
 pub(crate) const DRAIN_S: u32 = 30;
-pub(crate) const GRACE_S: u32 = 45;
-/// The pause before SIGTERM (preStop) while the pod's address leaves DNS and Service endpoints.
-pub(crate) const PRESTOP_SLEEP_S: u32 = 5;
+pub(crate) const GRACE_S: u32 = 50;
+/// The pause before SIGTERM (preStop) while the pod's address leaves DNS and Service endpoints
+/// (the cluster DNS's TTL, 5 s with CoreDNS, plus a router's lookup interval).
+pub(crate) const PRESTOP_SLEEP_S: u32 = 10;
+/// What a worker's drain may take past `--drain-timeout-s` before it exits regardless (twice the
+/// engine's watchdog grace).
+const WORKER_DRAIN_EXTRA_S: u32 = 4;
 /// How often the router reads the pools' DNS names (well below the preStop pause).
 pub(crate) const DISCOVER_S: u32 = 2;
 // The router sees a terminating pod leave DNS within its preStop pause, and the drain fits in
 // the grace period after it.
-const _: () = assert!(2 * DISCOVER_S < PRESTOP_SLEEP_S && PRESTOP_SLEEP_S + DRAIN_S < GRACE_S);
+const _: () =
+    assert!(5 + DISCOVER_S < PRESTOP_SLEEP_S && PRESTOP_SLEEP_S + DRAIN_S + WORKER_DRAIN_EXTRA_S < GRACE_S);
 
 /// What an operator chooses.
 #[derive(Debug, Clone)]
@@ -53,9 +58,10 @@ pub(crate) fn pool_service(role: &str) -> String {
     format!("pdserve-{role}")
 }
 
-/// The name the router's `--discover` looks up for a pool.
+/// The name the router's `--discover` looks up for a pool: fully qualified (the trailing dot), so
+/// no lookup goes through the pod's search list first.
 pub(crate) fn pool_dns(p: &Params, role: &str) -> String {
-    format!("{}.{}.svc.cluster.local", pool_service(role), p.namespace)
+    format!("{}.{}.svc.cluster.local.", pool_service(role), p.namespace)
 }
 
 fn labels(component: &str) -> Value {

@@ -143,6 +143,8 @@ pub(crate) struct Shared {
     pub last_token_ms: AtomicU64,
     pub waiting: AtomicUsize,
     pub running: AtomicUsize,
+    /// KV transfers offered or being pulled.
+    pub transfers: AtomicUsize,
     pub ledger: Mutex<RequestLedger>,
 }
 
@@ -569,6 +571,7 @@ impl Core {
             .evicted_blocks
             .add(kv.evicted_blocks_total.saturating_sub(self.metrics.evicted_blocks.get()));
         if let Some(ep) = &self.endpoint {
+            self.shared.transfers.store(ep.len(), Ordering::Relaxed);
             self.metrics.transfers_in_flight.set(ep.len() as f64);
             let s = ep.stats();
             let last = std::mem::replace(&mut self.transfer_stats, s);

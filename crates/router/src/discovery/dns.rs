@@ -94,7 +94,17 @@ pub fn parse_answer(query: &[u8], msg: &[u8]) -> Result<Answer, DnsError> {
     let (qd, an) = (r.u16()?, r.u16()?);
     r.u16()?; // authority
     r.u16()?; // additional
-    if query.len() < 12 || id.to_be_bytes() != query[..2] || flags & 0x8000 == 0 {
+    if query.len() < 12 || id.to_be_bytes() != query[..2] || flags & 0x8000 == 0 || qd != 1 {
+        return Err(DnsError::NotOurs);
+    }
+    // The question must be the one asked before anything else in the answer counts (a stray or
+    // spoofed answer to another name, a truncation or NXDOMAIN included, is not ours).
+    let asked = &query[12..];
+    let start = r.at;
+    r.skip_name()?;
+    r.take(4)?;
+    let question = &msg[start..r.at];
+    if asked.len() < question.len() || !question.eq_ignore_ascii_case(&asked[..question.len()]) {
         return Err(DnsError::NotOurs);
     }
     if flags & 0x0200 != 0 {
@@ -104,16 +114,6 @@ pub fn parse_answer(query: &[u8], msg: &[u8]) -> Result<Answer, DnsError> {
         0 => {}
         3 => return Ok(Answer::NoSuchName),
         code => return Err(DnsError::Rcode(code)),
-    }
-    // The question must be the one asked (a spoofed or stray answer to another name is not ours).
-    let asked = &query[12..];
-    for _ in 0..qd {
-        let start = r.at;
-        r.skip_name()?;
-        r.take(4)?;
-        if qd == 1 && !msg[start..r.at].eq_ignore_ascii_case(&asked[..(r.at - start).min(asked.len())]) {
-            return Err(DnsError::NotOurs);
-        }
     }
     let mut addrs = Vec::new();
     for _ in 0..an {

@@ -125,6 +125,7 @@ impl Flight {
         self.marked = None;
         self.last_mark = None;
         self.refused.clear();
+        self.draining_answer = None;
         self.stale_retried = false;
         let resume = pd::Resume {
             request_id: self.spec.request_id.clone(),

@@ -211,10 +211,15 @@ impl Frontend {
                 // A stuck engine must not keep the process alive: past the drain timeout plus the grace,
                 // whatever is left ends here (its clients see the connection close).
                 let grace = self.config.engine.watchdog_grace * 2;
-                if self.live.is_empty() || since.elapsed() > self.config.drain_timeout + grace {
-                    // Give the last responses a moment to flush.
-                    let until = Instant::now() + Duration::from_millis(200);
-                    while Instant::now() < until {
+                // A prefill worker's answered requests leave `live` with their KV still offered:
+                // it stays (within the drain timeout) until the decode side has pulled it.
+                let offered = self.engine.health(Instant::now()).transfers;
+                let done =
+                    self.live.is_empty() && (offered == 0 || since.elapsed() > self.config.drain_timeout);
+                if done || since.elapsed() > self.config.drain_timeout + grace {
+                    // The last responses go out (a client too slow to take them within 5 s is cut).
+                    let until = Instant::now() + Duration::from_secs(5);
+                    while Instant::now() < until && self.server.unsent_total() > 0 {
                         self.server.poll(&mut events, Some(Duration::from_millis(20)))?;
                         events.clear();
                     }
