@@ -15,6 +15,7 @@ mod peer;
 mod serve;
 mod structured;
 mod sys;
+mod transfer;
 mod where_;
 
 /// Every command: its name, its usage line, and what it does.
@@ -39,12 +40,14 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          bench agents [--agents N] [--rounds R] [--repeat K] [--no-llamacpp]\n\
          bench structured [--concurrency LIST] [--max-tokens M] [--repeat K]\n\
          bench memory [--kv-blocks N]\n\
+         bench transfer [--tokens 128,2048,8000] [--repeat 3]\n\
          bench http [--seconds N] [--rounds N] [--connections N]\n\
          bench router [--seconds N] [--reps N]",
         "the load generator (pdserve-bench, its options: `cargo run -p pdserve-loadgen -- --help`) against\n\
          OpenAI-compatible endpoints; `agents`: growing multi-round conversations against the PD stack, a\n\
          unified worker and llama.cpp's server, all started here; `structured`: one unified worker with\n\
-         and without a json_schema response format, alternating; `http`: this project's HTTP server\n\
+         and without a json_schema response format, alternating; `transfer`: the KV transfer between worker\n\
+         processes over shared memory and TCP beside memcpy; `http`: this project's HTTP server\n\
          beside nginx under wrk; `router`:\n\
          the router beside SGLang's router and nginx, in front of nginx mock workers, under wrk",
     ),
@@ -276,6 +279,7 @@ fn bench(args: &[String]) -> Result<()> {
         Some("agents") => agents::run(&args[1..]),
         Some("structured") => structured::run(&args[1..]),
         Some("memory") => memory::run(&args[1..]),
+        Some("transfer") => transfer::run(&args[1..]),
         Some("router") => {
             let mut a = vec!["bench", "-p", "pdserve-router", "--bench", "vs_sglang", "--"];
             a.extend(args[1..].iter().map(String::as_str));

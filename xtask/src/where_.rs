@@ -42,6 +42,17 @@ fn client() -> &'static HttpClient {
 
 /// One request to `url` (`http://host:port`), its answer read to the end, 10 s at most.
 pub(crate) fn call(method: &str, url: &str, path: &str, body: &[u8]) -> Result<(u16, Vec<u8>)> {
+    call_within(method, url, path, body, Duration::from_secs(10))
+}
+
+/// Like [`call`], within `limit`.
+pub(crate) fn call_within(
+    method: &str,
+    url: &str,
+    path: &str,
+    body: &[u8],
+    limit: Duration,
+) -> Result<(u16, Vec<u8>)> {
     let authority =
         url.strip_prefix("http://").context("--url must be http://host:port")?.trim_end_matches('/');
     let addr = std::net::ToSocketAddrs::to_socket_addrs(authority)?.next().context("address")?;
@@ -55,9 +66,7 @@ pub(crate) fn call(method: &str, url: &str, path: &str, body: &[u8]) -> Result<(
         header(pdserve_api::header::AUTHORIZATION, &format!("Bearer {key}"));
     }
     req.body = body.to_vec();
-    client()
-        .call(addr, &req, Instant::now() + Duration::from_secs(10))
-        .with_context(|| format!("{method} {url}{path}"))
+    client().call(addr, &req, Instant::now() + limit).with_context(|| format!("{method} {url}{path}"))
 }
 
 fn secs(ms: &Value) -> String {

@@ -573,7 +573,7 @@ fn finish(role: Role, outcome: &Outcome) -> Finish {
 
 /// Milliseconds in each stage on this engine: unified `queue_ms`, `prefill_ms`, `decode_ms`; prefill
 /// `queue_ms`, `prefill_ms`; decode the prefill worker's two as `prefill_queue_ms` and `prefill_ms`,
-/// then `transfer_ms`, `decode_queue_ms`, `decode_ms`.
+/// then `transfer_ms` (with `kv_pull_ms`, the pull alone), `decode_queue_ms`, `decode_ms`.
 pub(crate) fn timings(s: &Stream, times: Times, end: Instant) -> Timings {
     let ms = |a: Instant, b: Instant| (b.saturating_duration_since(a).as_secs_f64() * 1e4).round() / 10.0;
     let mut t = Vec::new();
@@ -585,6 +585,11 @@ pub(crate) fn timings(s: &Stream, times: Times, end: Instant) -> Timings {
                 t.push(("prefill_ms", (prefill_us as f64 / 100.0).round() / 10.0));
             }
             t.push(("transfer_ms", ms(s.received, kv)));
+            if let Some(p) = times.pull_started {
+                // The pull alone, from this engine's first frame to the last block in place: the
+                // transfer between the two processes.
+                t.push(("kv_pull_ms", ms(p, kv)));
+            }
             t.push(("decode_queue_ms", ms(kv, scheduled.max(kv))));
             t.push(("decode_ms", ms(scheduled.max(kv), end)));
             if let Some(p) = times.pulled {

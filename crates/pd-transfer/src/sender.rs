@@ -66,7 +66,7 @@ struct Out {
 /// Configuration of a [`Sender`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SenderConfig {
-    /// Blocks sent and not yet acknowledged, per transfer.
+    /// Blocks sent inline and not yet acknowledged, per transfer (named blocks are not windowed).
     pub window_blocks: u32,
     /// Offered transfers held at once.
     pub transfers_max: usize,
@@ -261,9 +261,11 @@ impl Sender {
     }
 
     fn fill_window(&mut self, transfer: u64) {
-        let window = self.config.window_blocks.max(1);
         let Some(o) = self.transfers.get_mut(&transfer) else { return };
         let State::Sending { peer, next, written, shared } = &mut o.state else { return };
+        // Named blocks cost a few bytes each and the receiver reads them at its own pace: they all go
+        // at once, so a transfer takes one round trip whatever its size. Inline bytes keep a window.
+        let window = if *shared { u32::MAX } else { self.config.window_blocks.max(1) };
         let key = TransferKey { transfer, epoch: o.epoch };
         while *next < o.blocks.len() as u32 && *next - *written < window {
             self.actions.push_back(SendAction::Block {

@@ -78,6 +78,8 @@ pub(crate) struct Times {
     pub submitted: Option<Instant>,
     /// First scheduled into a batch.
     pub scheduled: Option<Instant>,
+    /// Decode role: the pull began (this engine asked the prefill worker).
+    pub pull_started: Option<Instant>,
     /// Decode role: the prompt's KV arrived from the prefill worker.
     pub kv_arrived: Option<Instant>,
     /// Decode role: the prefill worker's queue and prefill times, in microseconds.
@@ -217,7 +219,7 @@ pub(crate) struct Core {
     /// Prefill role: the step's token budget while transfers are live.
     transfer_step_tokens: usize,
     /// Decode role: pulls whose prompt the prefill worker has not described yet, by transfer.
-    describing: HashMap<u64, Box<Submission>>,
+    describing: HashMap<u64, (Box<Submission>, Instant)>,
     /// Decode role: described pulls still receiving blocks: transfer -> request.
     pulling: HashMap<u64, u64>,
     transfer_stats: EndpointStats,
@@ -284,15 +286,18 @@ impl Core {
                 self.command(cmd);
             }
             let transfers = self.endpoint.as_ref().is_some_and(|e| !e.is_empty());
-            let wait = match (transfers, self.sched.is_empty()) {
-                (_, false) => Duration::ZERO,
-                (true, true) => Duration::from_millis(2),
-                (false, true) => Duration::from_millis(50),
-            };
-            match self.commands.recv_timeout(wait) {
-                Ok(cmd) => self.command(cmd),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => return,
+            if transfers && self.sched.is_empty() {
+                // Nothing to step but a transfer: wait on its sockets rather than on the command
+                // channel, so each of its round trips goes on the moment the other worker's frame
+                // arrives (a command waits a millisecond at most).
+                self.pump_transfers_waiting(Duration::from_millis(1));
+            } else {
+                let wait = if self.sched.is_empty() { Duration::from_millis(50) } else { Duration::ZERO };
+                match self.commands.recv_timeout(wait) {
+                    Ok(cmd) => self.command(cmd),
+                    Err(RecvTimeoutError::Timeout) => {}
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
             }
             for _ in 0..1024 {
                 match self.commands.try_recv() {
@@ -372,9 +377,9 @@ impl Core {
                 }
             }
             Command::Abort(id) => {
-                if let Some((&t, _)) = self.describing.iter().find(|(_, s)| s.id == id) {
+                if let Some((&t, _)) = self.describing.iter().find(|(_, (s, _))| s.id == id) {
                     // Not admitted yet: the pull ends, and so does the request.
-                    if let Some(s) = self.describing.remove(&t) {
+                    if let Some((s, _)) = self.describing.remove(&t) {
                         self.shared.ledger().finish(&s.request_id);
                         let outcome = Outcome::Cancelled;
                         let times = Times::default();
@@ -392,7 +397,7 @@ impl Core {
             // Idempotent: an ended transfer is left alone.
             Command::AbortTransfer(t) => self.abort_transfer(t),
             Command::Fail { id, reason } => {
-                if self.describing.values().any(|s| s.id == id) {
+                if self.describing.values().any(|(s, _)| s.id == id) {
                     return self.command(Command::Abort(id));
                 }
                 self.sched.handle_failed(RequestId(id), &reason, now);

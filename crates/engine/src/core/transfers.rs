@@ -59,7 +59,7 @@ impl Core {
                     s.deadline,
                     "engine",
                 );
-                self.describing.insert(source.key.transfer, s);
+                self.describing.insert(source.key.transfer, (s, now));
             }
             Err(e) => self.reject(s.id, EngineError::KvTransfer(KvTransferProblem::Pull(e))),
         }
@@ -68,7 +68,7 @@ impl Core {
     /// Decode role: the prefill worker described the transfer; admit the request with its prompt and
     /// give the pull its destination blocks.
     pub(super) fn describe(&mut self, transfer: u64, blocks: u32, meta: PromptMeta, now: Instant) {
-        let Some(mut s) = self.describing.remove(&transfer) else {
+        let Some((mut s, pull_started)) = self.describing.remove(&transfer) else {
             self.abort_transfer(transfer);
             return;
         };
@@ -128,6 +128,7 @@ impl Core {
         if let Some(l) = self.live.get_mut(&s.id) {
             let bytes = (dest.len() * block_bytes) as u64;
             l.times.pulled = Some(Pulled { blocks: dest.len(), bytes, reused_blocks: from });
+            l.times.pull_started = Some(pull_started);
         }
         self.pulling.insert(transfer, s.id);
         let set = self.endpoint.as_mut().map(|ep| ep.set_destination(transfer, from as u32, dest));
@@ -171,12 +172,18 @@ impl Core {
 
     /// Moves transfer frames and block bytes, and settles ended transfers with the scheduler.
     pub(super) fn pump_transfers(&mut self) {
+        self.pump_transfers_waiting(Duration::ZERO);
+    }
+
+    /// Like [`pump_transfers`](Self::pump_transfers), first waiting up to `wait` for transfer I/O.
+    pub(super) fn pump_transfers_waiting(&mut self, wait: Duration) {
         let Some(ep) = self.endpoint.as_mut() else { return };
-        let now = Instant::now();
-        let now_ms = self.sched.now_ms(now);
-        if let Err(e) = ep.pump(self.sched.kv(), &mut Memory(self.backend.as_mut()), now_ms, Duration::ZERO) {
+        let now_ms = self.sched.now_ms(Instant::now());
+        if let Err(e) = ep.pump(self.sched.kv(), &mut Memory(self.backend.as_mut()), now_ms, wait) {
             eprintln!("engine: KV transfer poll failed: {e}");
         }
+        // After the wait: what arrived, arrived now.
+        let now = Instant::now();
         while let Some(e) = self.endpoint.as_mut().and_then(Endpoint::poll_event) {
             match e {
                 EndpointEvent::Described { transfer, blocks, meta } => {
@@ -216,7 +223,7 @@ impl Core {
         // The pull waits until the request's deadline: running out is the request timing out (the
         // scheduler ends an admitted one at that deadline), not a broken transfer.
         let timed_out = outcome == TransferOutcome::Failed(FailReason::DataTimeout);
-        if let Some(s) = self.describing.remove(&t) {
+        if let Some((s, _)) = self.describing.remove(&t) {
             // Ended before the prefill worker described it: the request was never admitted.
             self.shared.ledger().finish(&s.request_id);
             if timed_out {

@@ -24,14 +24,15 @@ pub(crate) fn map_created(file: &File) -> io::Result<MmapMut> {
     unsafe { MmapMut::map_mut(file) }
 }
 
-/// Maps another process's shared KV file read-only.
+/// Maps another process's shared KV file read-only, every page mapped at once (`MAP_POPULATE`): the
+/// view lives as long as its sender, and a transfer should not pay a page fault per 4 KiB it reads.
 pub(crate) fn map_read_only(file: &File) -> io::Result<Mmap> {
     // SAFETY: the mapping is read-only. Its owner writes blocks while we may read them: a torn read
     // is possible by design and harmless, because the protocol trusts a copied block only after the
     // owner confirms its lease held (nobody wrote the block) until after the copy. The owner never
     // truncates the file while it lives; a file truncated underneath us would fault, the documented
     // hazard of memory mapping.
-    unsafe { Mmap::map(file) }
+    unsafe { memmap2::MmapOptions::new().populate().map(file) }
 }
 
 /// CRC-32C of `data` from the SSE4.2 instruction where the CPU has it (8 bytes per instruction);
