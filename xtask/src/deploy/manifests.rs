@@ -273,7 +273,7 @@ mod tests {
             assert_eq!(svc["spec"]["clusterIP"], "None");
             assert_eq!(svc["spec"]["ports"][0]["port"], HTTP_PORT);
             let want = format!(
-                "{role}=dns:{}.{}.svc.cluster.local:{HTTP_PORT}",
+                "{role}=dns:{}.{}.svc.cluster.local.:{HTTP_PORT}",
                 svc["metadata"]["name"].as_str().unwrap(),
                 p.namespace
             );
