@@ -351,8 +351,8 @@ pub(crate) struct Exporter {
     blob: Blob,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
-    /// The memory UCX reads; unmapped only after the thread has unregistered it.
-    _map: super::Mmap,
+    /// The memory UCX reads: never unmapped (see `serve`'s end).
+    _map: std::mem::ManuallyDrop<super::Mmap>,
 }
 
 impl fmt::Debug for Exporter {
@@ -372,7 +372,9 @@ impl Exporter {
             .spawn(move || serve(addr, len, &flag, &tx))
             .map_err(|e| UcxError { call: "thread", status: 0, text: e.to_string() })?;
         match rx.recv_timeout(Duration::from_secs(30)) {
-            Ok(Ok(blob)) => Ok(Exporter { blob, stop, thread: Some(thread), _map: map }),
+            Ok(Ok(blob)) => {
+                Ok(Exporter { blob, stop, thread: Some(thread), _map: std::mem::ManuallyDrop::new(map) })
+            }
             Ok(Err(e)) => {
                 let _ = thread.join();
                 Err(e)
@@ -381,6 +383,8 @@ impl Exporter {
                 // Dead, or stuck in UCX's initialization: the thread is left to itself (it stops
                 // with the flag if it ever comes back).
                 stop.store(true, Ordering::Relaxed);
+                // It may yet register the mapping: that stays mapped, unused, for good.
+                std::mem::forget(map);
                 Err(UcxError { call: "thread", status: 0, text: "UCX did not start within 30 s".into() })
             }
         }
@@ -462,8 +466,31 @@ fn serve(base: usize, len: usize, stop: &AtomicBool, tx: &mpsc::SyncSender<Resul
             let _ = tx.send(Err(e));
         }
     }
+    if stop.load(Ordering::Relaxed) {
+        // Stopped after serving: readers may have endpoints to this worker still setting up, and
+        // UCX 1.13 aborts the process when a worker is destroyed with a connection-setup message
+        // queued on one (`ucp_request.c`, "got REP message"), which no amount of progress here
+        // clears while the reader is not progressing. An exporter lives as long as its prefill
+        // worker, so the worker, the registration and the mapping are left to the process's end.
+        settle(&node, Duration::from_millis(100));
+        std::mem::forget(node);
+        return;
+    }
     // SAFETY: memh was registered on this context above and is unregistered once.
     unsafe { ucp_mem_unmap(node.context, memh) };
+}
+
+/// Progresses `node` until nothing has happened for 50 ms, `limit` at most.
+fn settle(node: &Node, limit: Duration) {
+    let until = Instant::now() + limit;
+    let mut quiet_since = Instant::now();
+    while Instant::now() < until && quiet_since.elapsed() < Duration::from_millis(50) {
+        if node.progress() {
+            quiet_since = Instant::now();
+        } else {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
 }
 
 /// An endpoint to one exporter and its unpacked remote key.
@@ -653,13 +680,14 @@ impl Importer {
         }
     }
 
-    /// Frees finished reads of given-up endpoints; an endpoint whose reads have all ended loses its
+    /// Progresses the worker (connection setup with exporters needs this side's answers too) and
+    /// frees finished reads of given-up endpoints; an endpoint whose reads have all ended loses its
     /// key and is closed. Never waits.
     pub fn reap(&mut self) {
-        if self.closing.is_empty() && self.close_requests.is_empty() {
+        if self.remotes.is_empty() && self.closing.is_empty() && self.close_requests.is_empty() {
             return;
         }
-        self.progress();
+        while self.progress() {}
         let mut i = 0;
         while i < self.closing.len() {
             let mut pending = std::mem::take(&mut self.closing[i].1);
@@ -714,11 +742,17 @@ impl Drop for Importer {
             drop(pending);
             self.close_ep(r.ep);
         }
+        // The closes finish before the worker goes: UCX 1.13 aborts the process when a worker is
+        // destroyed under an endpoint still exchanging connection messages.
+        let until = Instant::now() + Duration::from_secs(1);
+        while !self.close_requests.is_empty() && Instant::now() < until {
+            self.reap();
+        }
         for req in std::mem::take(&mut self.close_requests) {
-            // SAFETY: freeing a request still in progress releases it when it completes (ucp.h);
-            // the worker's destruction right after ends it.
+            // SAFETY: freeing a request still in progress releases it when it completes (ucp.h).
             unsafe { ucp_request_free(req) };
         }
+        settle(&self.node, Duration::from_millis(200));
     }
 }
 
