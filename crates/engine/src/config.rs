@@ -84,6 +84,9 @@ pub struct EngineConfig {
     pub transfer_step_tokens: usize,
     /// The format tool calls are written and read in; `None` takes the chat template's.
     pub tool_format: Option<pdserve_api::tools::ToolFormat>,
+    /// Speculative decoding (unified and decode roles): draft tokens from the request's own context,
+    /// verified in one multi-row step.
+    pub speculative: crate::Speculative,
 }
 
 impl EngineConfig {
@@ -123,6 +126,7 @@ impl EngineConfig {
             replies_per_request: 64,
             transfer_step_tokens: 256,
             tool_format: None,
+            speculative: crate::Speculative::OFF,
         }
     }
 }

@@ -260,7 +260,8 @@ impl Engine {
         )
         // The CPU backend's step may run on any thread; a GPU step stays on the thread whose CUDA
         // context its launches use.
-        .with_step_thread(config.device == Device::Cpu);
+        .with_step_thread(config.device == Device::Cpu)
+        .with_speculative(config.speculative);
         let engine_thread = std::thread::Builder::new().name("engine".into()).spawn(move || core.run())?;
         let codec = Arc::new(files.text);
         let live = Arc::new(Mutex::new(Live::default()));

@@ -41,6 +41,7 @@
 mod chat;
 mod config;
 mod core;
+mod draft;
 mod error;
 mod grammar;
 mod handle;
@@ -51,6 +52,7 @@ mod text;
 mod text_thread;
 
 pub use config::{Device, EngineConfig};
+pub use draft::Speculative;
 pub use error::{EngineError, KvTransferProblem};
 pub use handle::{Aborted, Engine, EngineInfo, Health};
 pub use load::{default_transport, TransportSpec};

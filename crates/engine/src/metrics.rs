@@ -29,6 +29,8 @@ pub(crate) struct Metrics {
     pub transfer_blocks: CounterVec,
     pub prefix_tokens: CounterVec,
     pub evicted_blocks: Counter,
+    pub draft_tokens: Counter,
+    pub draft_accepted: Counter,
 }
 
 impl Metrics {
@@ -120,6 +122,14 @@ impl Metrics {
             evicted_blocks: r.counter(
                 "kv_evicted_blocks_total",
                 "Cached KV blocks evicted (least recently used first) to make room.",
+            )?,
+            draft_tokens: r.counter(
+                "spec_draft_tokens_total",
+                "Speculative decoding: draft tokens verified (prompt lookup).",
+            )?,
+            draft_accepted: r.counter(
+                "spec_accepted_tokens_total",
+                "Speculative decoding: draft tokens the verifying samples confirmed; accepted / draft is the acceptance rate.",
             )?,
             registry: r,
         })

@@ -608,5 +608,10 @@ pub(crate) fn timings(s: &Stream, times: Times, end: Instant) -> Timings {
             }
         }
     }
+    if times.drafted > 0 {
+        // Speculative decoding: what was drafted for this request, and what its samples kept.
+        t.push(("draft_tokens", f64::from(times.drafted)));
+        t.push(("draft_accepted_tokens", f64::from(times.accepted)));
+    }
     Timings(t)
 }

@@ -34,7 +34,7 @@ impl Bench {
             self.kv.reserve(s, prompt_len).expect("reserve");
             let table = self.kv.block_table(s).expect("table").to_vec();
             self.cpu
-                .forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: true }])
+                .forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: 1 }])
                 .expect("forward");
             self.kv.commit(s, prompt_len).expect("commit");
         }
@@ -54,12 +54,8 @@ impl Bench {
             self.kv.reserve(s, len).expect("reserve");
             let table = self.kv.block_table(s).expect("table").to_vec();
             let t = Instant::now();
-            let step = SeqStep {
-                tokens: &prompt[pos..pos + len],
-                start_pos: pos,
-                block_table: &table,
-                logits: true,
-            };
+            let step =
+                SeqStep { tokens: &prompt[pos..pos + len], start_pos: pos, block_table: &table, logits: 1 };
             self.cpu.forward(&[step]).expect("forward");
             last = t.elapsed().as_secs_f64();
             self.kv.commit(s, len).expect("commit");
@@ -83,7 +79,7 @@ impl Bench {
             }
             let batch: Vec<SeqStep<'_>> = inputs
                 .iter()
-                .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: true })
+                .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: 1 })
                 .collect();
             self.cpu.forward(&batch).expect("forward");
             for i in 0..n {

@@ -12,8 +12,9 @@ pub struct SeqStep<'a> {
     pub tokens: &'a [u32],
     pub start_pos: usize,
     pub block_table: &'a [BlockId],
-    /// Return logits for the last new token.
-    pub logits: bool,
+    /// How many of the last new tokens return logits: 0 for none, 1 for the next token's, more to
+    /// verify draft tokens (speculative decoding: row `i` scores the token after `tokens[len - n + i]`).
+    pub logits: usize,
 }
 
 /// The element type KV memory holds. The 16-bit types halve the bytes decode attention reads, the pool
@@ -114,8 +115,8 @@ pub trait KvStore: Send + Sync + std::fmt::Debug {
 pub trait Backend: Send {
     fn kv_layout(&self) -> KvLayout;
 
-    /// Runs one step for every sequence in `steps` and returns, in order, the logits of each step that
-    /// asked for them.
+    /// Runs one step for every sequence in `steps` and returns, in order, the logits of each row a step
+    /// asked for (`vocab_size` values each; a step's rows in position order).
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError>;
 
     /// Performs copy-on-write copies from the KV cache's `take_copies` (whole blocks). An error means
@@ -157,6 +158,13 @@ pub(crate) fn check_steps(
         let end = s.start_pos + s.tokens.len();
         if s.tokens.is_empty() {
             return bad(format!("step {i} has no tokens"));
+        }
+        if s.logits > s.tokens.len() {
+            return bad(format!(
+                "step {i} asks for {} rows of logits from {} tokens",
+                s.logits,
+                s.tokens.len()
+            ));
         }
         if end > max_positions {
             return bad(format!("positions up to {end} exceed the context of {max_positions}"));

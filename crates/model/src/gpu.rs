@@ -222,9 +222,7 @@ impl GpuBackend {
                 });
                 p_tables.push(s.block_table);
             }
-            if s.logits {
-                logit_rows.push((row + n - 1) as i32);
-            }
+            logit_rows.extend((row + n - s.logits..row + n).map(|r| r as i32));
             row += n;
         }
         let t = row;

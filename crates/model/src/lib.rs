@@ -20,7 +20,7 @@
 //! kv.add_sequence(SeqId(1), &prompt).unwrap();
 //! kv.reserve(SeqId(1), prompt.len()).unwrap();
 //! let table = kv.block_table(SeqId(1)).unwrap().to_vec();
-//! let logits = cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: true }]).unwrap();
+//! let logits = cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: 1 }]).unwrap();
 //! let next = Sampler::new(SamplingParams::greedy(), 0).sample(&logits[0], &prompt, &[]).token;
 //! println!("{}", m.text.decode(&[next], true).unwrap());
 //! ```
@@ -52,6 +52,8 @@ pub use gpu::GpuBackend;
 pub use prepare::PreparedWeights;
 pub use quant::WeightFormat;
 pub use sampling::{Sampled, Sampler, SamplingParams};
+/// The machine-peak kernels `cargo xtask bench peak` runs (FMA, bf16 dot, memory read).
+pub use sys::peak;
 pub use sys::{cpu_kernels, set_cpu_kernels, CpuKernels};
 pub use text::{ChatMessage, IncrementalDecoder, TextCodec};
 pub use weights::{CheckpointDtype, Expert, LayerWeights, MoeWeights, Weights};

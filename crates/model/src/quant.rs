@@ -104,6 +104,12 @@ pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
     fn dequantize_row(&self, r: usize) -> Vec<f32>;
     /// `x . row r`, given `xsum[g]` = the sum of `x` over group g.
     fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32;
+    /// `out[i] = xs[i] . row r` for several inputs, each value exactly [`dot_row`](Self::dot_row)'s.
+    fn dot_rows(&self, r: usize, xs: &[&[f32]], xsums: &[&[f32]], out: &mut [f32]) {
+        for ((x, xsum), o) in xs.iter().zip(xsums).zip(out) {
+            *o = self.dot_row(r, x, xsum);
+        }
+    }
     /// Rows `r0..r0 + 32`, columns `k0..k0 + kc` (multiples of 32) as bf16 in the bf16 GEMM's panel
     /// order (see `sys::gemm_bf16_fill_par`): how multi-row steps read the matrix.
     fn bf16_panel(&self, r0: usize, k: (usize, usize), dst: &mut [u16]);
@@ -243,6 +249,19 @@ impl QuantMatrix for Q4Matrix {
             &self.scales[rows.clone()],
             &self.mins[rows],
             xsum,
+        )
+    }
+
+    fn dot_rows(&self, r: usize, xs: &[&[f32]], xsums: &[&[f32]], out: &mut [f32]) {
+        let g = self.cols / GROUP;
+        let rows = r * g..(r + 1) * g;
+        crate::sys::dot_q4_rows(
+            xs,
+            &self.packed[r * self.cols / 2..(r + 1) * self.cols / 2],
+            &self.scales[rows.clone()],
+            &self.mins[rows],
+            xsums,
+            out,
         )
     }
 

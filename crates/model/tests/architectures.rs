@@ -62,8 +62,7 @@ fn ours(dir: &Path) -> (Vec<f32>, Vec<u32>) {
         kv.reserve(s, n).unwrap();
         let table = kv.block_table(s).unwrap().to_vec();
         let toks = kv.tokens(s).unwrap()[start..start + n].to_vec();
-        let out =
-            cpu.forward(&[SeqStep { tokens: &toks, start_pos: start, block_table: &table, logits: true }]);
+        let out = cpu.forward(&[SeqStep { tokens: &toks, start_pos: start, block_table: &table, logits: 1 }]);
         kv.commit(s, n).unwrap();
         out.unwrap().remove(0)
     };

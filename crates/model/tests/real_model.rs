@@ -62,7 +62,7 @@ impl<'a> Run<'a> {
         let table = self.kv.block_table(self.seq).unwrap().to_vec();
         let out = self
             .cpu
-            .forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: true }])
+            .forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: 1 }])
             .unwrap();
         self.kv.commit(self.seq, n).unwrap();
         out.into_iter().next().unwrap()
@@ -220,7 +220,7 @@ fn chunked_token_by_token_and_batched_prefill_agree() {
     let steps: Vec<SeqStep<'_>> = prompts
         .iter()
         .zip(&tables)
-        .map(|(p, t)| SeqStep { tokens: p, start_pos: 0, block_table: t, logits: true })
+        .map(|(p, t)| SeqStep { tokens: p, start_pos: 0, block_table: t, logits: 1 })
         .collect();
     let batched = cpu.forward(&steps).unwrap();
     for (a, b) in alone.iter().zip(&batched) {
@@ -432,7 +432,7 @@ fn quantized_batched_prefill_and_decode_keep_the_greedy_text() {
         }
         let steps: Vec<SeqStep<'_>> = inputs
             .iter()
-            .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: true })
+            .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: 1 })
             .collect();
         let logits = cpu.forward(&steps).unwrap();
         if first {

@@ -98,7 +98,7 @@ fn prefill(cpu: &mut CpuBackend, tokens: &[u32], chunks: &[usize]) -> Vec<f32> {
                 tokens: &tokens[start..start + n],
                 start_pos: start,
                 block_table: &table,
-                logits: true,
+                logits: 1,
             }])
             .unwrap()
             .remove(0);
@@ -121,6 +121,43 @@ fn chunking_and_block_size_do_not_change_logits() {
     }
 }
 
+/// Speculative decoding's verification: a step of several tokens asking for the logits of its last
+/// rows gives, row by row, exactly what decoding those tokens one at a time gives; and asking for more rows
+/// than tokens is an error.
+#[test]
+fn rows_of_logits_match_one_token_at_a_time() {
+    let tokens: Vec<u32> = (0..30).map(|i| (i * 11 % 50) as u32).collect();
+    let (prompt, drafted) = tokens.split_at(24);
+    let mut one = backend(16, 4);
+    prefill(&mut one, prompt, &[24]);
+    let table: Vec<BlockId> = (0..8).map(BlockId).collect();
+    let singles: Vec<Vec<f32>> = drafted
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let step = SeqStep {
+                tokens: std::slice::from_ref(t),
+                start_pos: 24 + i,
+                block_table: &table,
+                logits: 1,
+            };
+            one.forward(&[step]).unwrap().remove(0)
+        })
+        .collect();
+    let mut rows = backend(16, 4);
+    prefill(&mut rows, prompt, &[24]);
+    let step = SeqStep { tokens: drafted, start_pos: 24, block_table: &table, logits: drafted.len() };
+    let other = SeqStep { tokens: &prompt[..3], start_pos: 0, block_table: &table[6..], logits: 1 };
+    let got = rows.forward(&[other, step]).unwrap();
+    assert_eq!(got.len(), 1 + drafted.len());
+    for (i, (a, b)) in singles.iter().zip(&got[1..]).enumerate() {
+        // Exactly: a decode-sized step computes each row as a one-row step does.
+        assert_eq!(a, b, "row {i}: {}", max_diff(a, b));
+    }
+    let too_many = SeqStep { tokens: &drafted[..2], start_pos: 24, block_table: &table, logits: 3 };
+    assert!(matches!(rows.forward(&[too_many]), Err(ModelError::InvalidInput { .. })));
+}
+
 #[test]
 fn batch_rows_do_not_leak_into_each_other() {
     let mut cpu = backend(32, 4);
@@ -136,16 +173,16 @@ fn batch_rows_do_not_leak_into_each_other() {
     let (ta, tb) = (kv.block_table(SeqId(0)).unwrap().to_vec(), kv.block_table(SeqId(1)).unwrap().to_vec());
     let out = cpu
         .forward(&[
-            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: true },
-            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: false },
+            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: 1 },
+            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: 0 },
         ])
         .unwrap();
     assert_eq!(out.len(), 1, "logits only where asked");
     assert!(max_diff(&out[0], &alone_a) < 1e-4);
     let out = cpu
         .forward(&[
-            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: true },
-            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: true },
+            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: 1 },
+            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: 1 },
         ])
         .unwrap();
     assert!(max_diff(&out[0], &alone_b) < 1e-4 && max_diff(&out[1], &alone_a) < 1e-4);
@@ -160,7 +197,7 @@ fn copied_blocks_continue_identically() {
     kv.add_sequence(SeqId(1), &prompt).unwrap();
     kv.reserve(SeqId(1), 6).unwrap();
     let table = kv.block_table(SeqId(1)).unwrap().to_vec();
-    cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: false }]).unwrap();
+    cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: 0 }]).unwrap();
     kv.commit(SeqId(1), 6).unwrap();
     kv.fork(SeqId(1), SeqId(2)).unwrap();
     for s in [SeqId(1), SeqId(2)] {
@@ -175,7 +212,7 @@ fn copied_blocks_continue_identically() {
         .iter()
         .map(|&s| {
             let t = kv.block_table(s).unwrap().to_vec();
-            cpu.forward(&[SeqStep { tokens: &[11], start_pos: 6, block_table: &t, logits: true }])
+            cpu.forward(&[SeqStep { tokens: &[11], start_pos: 6, block_table: &t, logits: 1 }])
                 .unwrap()
                 .remove(0)
         })
@@ -196,8 +233,7 @@ fn invalid_steps_are_errors_not_panics() {
         (vec![1], 0, vec![BlockId(9)]),
     ];
     for (tokens, start, table) in cases {
-        let r =
-            cpu.forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: true }]);
+        let r = cpu.forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: 1 }]);
         match (tokens.len(), start, r) {
             (1, 127, Ok(_)) => {}
             (_, _, Err(ModelError::InvalidInput { .. })) => {}

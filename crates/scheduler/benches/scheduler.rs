@@ -22,8 +22,11 @@ fn request(id: u64, t0: Instant, prompt_len: u32, max_tokens: usize) -> NewReque
 
 fn step(s: &mut Scheduler, now: Instant) -> usize {
     let batch = s.poll_batch(now);
-    let sampled: Vec<Sampled> =
-        batch.iter().filter(|i| i.sample).map(|i| Sampled { id: i.id, token: 7, stop: false }).collect();
+    let sampled: Vec<Sampled> = batch
+        .iter()
+        .filter(|i| i.sample)
+        .map(|i| Sampled { id: i.id, token: 7, stop: false, drafts_accepted: 0 })
+        .collect();
     s.handle_step_result(&sampled, now);
     while s.poll_event().is_some() {}
     batch.len()

@@ -20,7 +20,7 @@
 //! for token in [7, 8] {
 //!     let batch = s.poll_batch(now);                  // the engine runs these items ...
 //!     let sampled: Vec<Sampled> = batch.iter().filter(|i| i.sample)
-//!         .map(|i| Sampled { id: i.id, token, stop: false }).collect();
+//!         .map(|i| Sampled { id: i.id, token, stop: false, drafts_accepted: 0 }).collect();
 //!     s.handle_step_result(&sampled, now);            // ... and reports the tokens it drew
 //! }
 //! assert!(matches!(s.poll_event(), Some(Event::Finished { outcome: Outcome::Completed(FinishReason::Length), .. })));

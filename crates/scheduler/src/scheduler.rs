@@ -1,6 +1,9 @@
 //! The continuous-batching state machine.
 
 mod check;
+mod draft;
+
+pub use draft::Drafter;
 
 use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::time::{Duration, Instant};
@@ -380,6 +383,20 @@ impl Scheduler {
     /// `max_batch_tokens`): a shorter step, for a caller with I/O it must not leave waiting long (a
     /// prefill worker whose KV transfers progress only between steps).
     pub fn poll_batch_within(&mut self, now: Instant, max_tokens: usize) -> Vec<BatchItem> {
+        self.poll_batch_drafting(now, max_tokens, &mut |_, _, _| Vec::new())
+    }
+
+    /// [`poll_batch_within`](Self::poll_batch_within) that offers each decode a place for draft
+    /// tokens (speculative decoding): `drafter(id, tokens so far, room)` proposes up to `room` tokens
+    /// to follow the request's tokens, and those the pool and the step have room for are appended to
+    /// its item ([`BatchItem::draft`]). [`handle_step_result`](Self::handle_step_result) keeps the
+    /// KV of the drafts the engine accepted and gives back the rest.
+    pub fn poll_batch_drafting(
+        &mut self,
+        now: Instant,
+        max_tokens: usize,
+        drafter: &mut Drafter<'_>,
+    ) -> Vec<BatchItem> {
         assert!(self.in_flight.is_empty(), "poll_batch called before the previous step was reported");
         self.expire(now);
         let cap = max_tokens.clamp(1, self.config.max_batch_tokens);
@@ -402,11 +419,18 @@ impl Scheduler {
             let Some(r) = self.reqs.get(&id).filter(|r| matches!(r.state, State::Running { .. })) else {
                 continue; // preempted earlier in this loop
             };
-            let item =
-                BatchItem { id, seq: r.seq, start_pos: r.tokens.len() - 1, num_tokens: 1, sample: true };
+            let item = BatchItem {
+                id,
+                seq: r.seq,
+                start_pos: r.tokens.len() - 1,
+                num_tokens: 1,
+                sample: true,
+                draft: 0,
+            };
             if self.reserve_or_preempt(id, 1, now) {
+                let item = self.add_draft(item, budget - 1, drafter);
+                budget -= item.num_tokens;
                 batch.push(item);
-                budget -= 1;
             }
         }
         // Then prefill chunks of running requests, oldest first, each at most half the step while others wait.
@@ -515,7 +539,8 @@ impl Scheduler {
         let (seq, total) = (r.seq, r.tokens.len());
         match self.kv.reserve(seq, n) {
             Ok(()) => {
-                Some(BatchItem { id, seq, start_pos: computed, num_tokens: n, sample: computed + n == total })
+                let sample = computed + n == total;
+                Some(BatchItem { id, seq, start_pos: computed, num_tokens: n, sample, draft: 0 })
             }
             // No room this step: the request keeps its place and its KV, and tries again next step.
             Err(_) => None,
@@ -612,9 +637,16 @@ impl Scheduler {
         for item in items {
             let Some(r) = self.reqs.get(&item.id) else { continue }; // aborted meanwhile
             let stage = r.stage();
-            if let Err(e) = self.kv.commit(item.seq, item.num_tokens) {
+            let accepted = tokens.get(&item.id).map_or(0, |s| s.drafts_accepted.min(item.draft));
+            if let Err(e) = self.kv.commit(item.seq, item.num_tokens - item.draft + accepted) {
                 self.finish(item.id, Outcome::Failed { stage, reason: e.to_string() }, now);
                 continue;
+            }
+            if item.draft > 0 {
+                if let Err(e) = self.settle_draft(item.id, accepted) {
+                    self.finish(item.id, Outcome::Failed { stage, reason: e.to_string() }, now);
+                    continue;
+                }
             }
             match self.config.sliding_window {
                 Some(w) if self.config.role != Role::Prefill => {

@@ -265,6 +265,11 @@ pub struct BatchItem {
     pub num_tokens: usize,
     /// The engine samples a token from this item's last logits and reports it.
     pub sample: bool,
+    /// The last `draft` of the item's tokens are draft tokens to verify (speculative decoding, from
+    /// [`Scheduler::poll_batch_drafting`](crate::Scheduler::poll_batch_drafting)): the engine samples
+    /// from the logits of the item's last `draft + 1` rows in order while each sample equals the draft
+    /// token it scores, and reports how many drafts it accepted.
+    pub draft: usize,
 }
 
 /// What the engine reports for an item that sampled.
@@ -274,6 +279,9 @@ pub struct Sampled {
     pub token: u32,
     /// The engine saw a stop condition (EOS, a stop string).
     pub stop: bool,
+    /// Of the item's draft tokens, how many (in order) the engine's samples confirmed; `token` is the
+    /// one it sampled after them. 0 for an item without drafts.
+    pub drafts_accepted: usize,
 }
 
 /// Counters the shell exports.

@@ -28,8 +28,11 @@ fn drain(s: &mut Scheduler, mut now: Instant) -> Vec<Event> {
     let mut events = Vec::new();
     for _ in 0..10_000 {
         let batch = s.poll_batch(now);
-        let sampled: Vec<Sampled> =
-            batch.iter().filter(|i| i.sample).map(|i| Sampled { id: i.id, token: 9, stop: false }).collect();
+        let sampled: Vec<Sampled> = batch
+            .iter()
+            .filter(|i| i.sample)
+            .map(|i| Sampled { id: i.id, token: 9, stop: false, drafts_accepted: 0 })
+            .collect();
         s.handle_step_result(&sampled, now);
         s.check_invariants().unwrap();
         while let Some(e) = s.poll_event() {
@@ -114,7 +117,7 @@ fn retry_after_follows_the_drain_rate() {
     for _ in 0..3 {
         let batch = s.poll_batch(now);
         let sampled: Vec<Sampled> =
-            batch.iter().map(|i| Sampled { id: i.id, token: 1, stop: false }).collect();
+            batch.iter().map(|i| Sampled { id: i.id, token: 1, stop: false, drafts_accepted: 0 }).collect();
         s.handle_step_result(&sampled, now);
         now += Duration::from_millis(10);
     }
@@ -135,7 +138,7 @@ fn retry_after_follows_the_drain_rate() {
         s.handle_request(req(i, 4, 1, now), now).unwrap();
         let batch = s.poll_batch(now);
         let sampled: Vec<Sampled> =
-            batch.iter().map(|i| Sampled { id: i.id, token: 1, stop: false }).collect();
+            batch.iter().map(|i| Sampled { id: i.id, token: 1, stop: false, drafts_accepted: 0 }).collect();
         s.handle_step_result(&sampled, now);
         now += Duration::from_secs(2);
     }
@@ -187,8 +190,11 @@ fn deadlines_time_out_with_the_stage() {
     let mut ended = Vec::new();
     while ended.len() < 2 {
         let batch = s.poll_batch(now);
-        let sampled: Vec<Sampled> =
-            batch.iter().filter(|i| i.sample).map(|i| Sampled { id: i.id, token: 3, stop: false }).collect();
+        let sampled: Vec<Sampled> = batch
+            .iter()
+            .filter(|i| i.sample)
+            .map(|i| Sampled { id: i.id, token: 3, stop: false, drafts_accepted: 0 })
+            .collect();
         s.handle_step_result(&sampled, now);
         while let Some(Event::Finished { id, outcome, .. }) = s.poll_event() {
             ended.push((id, outcome, now - t0));
@@ -220,8 +226,8 @@ fn prefill_role_leases_the_kv_and_gets_it_back() {
     assert!(batch.iter().all(|i| i.sample && i.num_tokens == 10));
     s.handle_step_result(
         &[
-            Sampled { id: RequestId(1), token: 42, stop: false },
-            Sampled { id: RequestId(2), token: 43, stop: false },
+            Sampled { id: RequestId(1), token: 42, stop: false, drafts_accepted: 0 },
+            Sampled { id: RequestId(2), token: 43, stop: false, drafts_accepted: 0 },
         ],
         t0,
     );
@@ -280,7 +286,7 @@ fn decode_role_waits_for_kv_with_a_deadline() {
         ),
         "{e:?}"
     );
-    s.handle_step_result(&[Sampled { id: RequestId(1), token: 5, stop: true }], t0);
+    s.handle_step_result(&[Sampled { id: RequestId(1), token: 5, stop: true, drafts_accepted: 0 }], t0);
     assert!(matches!(
         s.poll_event(),
         Some(Event::Finished {
@@ -342,7 +348,7 @@ fn a_shared_prefix_is_computed_once_even_while_its_first_request_runs() {
     s.handle_request(a, t0).unwrap();
     let batch = s.poll_batch(t0);
     assert_eq!((batch[0].start_pos, batch[0].num_tokens), (0, 20));
-    s.handle_step_result(&[Sampled { id: RequestId(1), token: 9, stop: false }], t0);
+    s.handle_step_result(&[Sampled { id: RequestId(1), token: 9, stop: false, drafts_accepted: 0 }], t0);
     assert_eq!(s.stage_of(RequestId(1)), Some((Stage::Decoding, 1)), "the first request is still running");
     s.handle_request(b, t0).unwrap();
     let batch = s.poll_batch(t0);
@@ -394,7 +400,7 @@ fn a_prefill_worker_keeps_transferred_prompts_cached() {
     s.handle_request(second, t0).unwrap();
     let batch = s.poll_batch(t0);
     assert_eq!((batch[0].start_pos, batch[0].num_tokens), (16, 14));
-    s.handle_step_result(&[Sampled { id: RequestId(2), token: 9, stop: false }], t0);
+    s.handle_step_result(&[Sampled { id: RequestId(2), token: 9, stop: false, drafts_accepted: 0 }], t0);
     // Its lease expires unclaimed: the blocks go back to the cache, none leak.
     let later = t0 + Duration::from_millis(100);
     s.poll_batch(later);
@@ -530,8 +536,11 @@ fn a_sliding_window_runs_a_request_longer_than_the_pool() {
     let mut done = None;
     while done.is_none() {
         let batch = s.poll_batch(now);
-        let sampled: Vec<Sampled> =
-            batch.iter().filter(|i| i.sample).map(|i| Sampled { id: i.id, token: 9, stop: false }).collect();
+        let sampled: Vec<Sampled> = batch
+            .iter()
+            .filter(|i| i.sample)
+            .map(|i| Sampled { id: i.id, token: 9, stop: false, drafts_accepted: 0 })
+            .collect();
         s.handle_step_result(&sampled, now);
         s.check_invariants().unwrap();
         most = most.max(s.kv().stats().owned(OwnerKind::Sequence));
@@ -581,8 +590,11 @@ fn late_chunks_of_a_long_prompt_shrink_and_a_short_request_waits_one_short_step(
         if let Some(long) = long {
             chunks.push((long.start_pos, long.num_tokens));
         }
-        let sampled: Vec<Sampled> =
-            batch.iter().filter(|i| i.sample).map(|i| Sampled { id: i.id, token: 9, stop: false }).collect();
+        let sampled: Vec<Sampled> = batch
+            .iter()
+            .filter(|i| i.sample)
+            .map(|i| Sampled { id: i.id, token: 9, stop: false, drafts_accepted: 0 })
+            .collect();
         s.handle_step_result(&sampled, now);
         s.check_invariants().unwrap();
         if short_joined.is_none() && chunks.last().is_some_and(|&(p, _)| p >= 6000) {
@@ -622,4 +634,51 @@ fn a_sliding_window_caps_what_a_chunk_counts() {
     assert_eq!(config.chunk_cost(30_000, 100), config.chunk_cost(4096, 100));
     assert_eq!(config.chunk_len(30_000, 5000, 2048, false), 2048 * 1000 / 5096);
     assert_eq!(config.chunk_len(30_000, 5000, 2048, false), config.chunk_len(4096, 5000, 2048, false));
+}
+
+/// Speculative decoding: a decode's drafts ride in its item within the room the request has left; the
+/// step keeps the drafts the engine accepted (as output, with their KV) and gives back the rest.
+#[test]
+fn drafts_keep_what_the_engine_accepted_and_give_back_the_rest() {
+    let (mut s, t0) = sched(SchedulerConfig::default(), 64);
+    s.handle_request(req(1, 6, 10, t0), t0).unwrap();
+    let id = RequestId(1);
+    let sampled = |token, drafts_accepted| [Sampled { id, token, stop: false, drafts_accepted }];
+    assert_eq!(s.poll_batch(t0)[0].num_tokens, 6);
+    s.handle_step_result(&sampled(7, 0), t0);
+
+    let batch = s.poll_batch_drafting(t0, 512, &mut |_, tokens, room| {
+        assert_eq!((tokens.len(), tokens[6], room), (7, 7, 8), "room: 10 tokens, 1 out, 1 sampled");
+        vec![20, 21, 22, 23, 24]
+    });
+    let item = batch[0];
+    assert_eq!((item.start_pos, item.num_tokens, item.draft), (6, 6, 5));
+    assert_eq!(s.kv().block_table(item.seq).unwrap().len(), 3, "KV reserved for every draft");
+    s.handle_step_result(&sampled(30, 2), t0);
+    s.check_invariants().unwrap();
+    let prompt: Vec<u32> = (1000..1006).collect();
+    let want: Vec<u32> = prompt.iter().copied().chain([7, 20, 21, 30]).collect();
+    assert_eq!(s.kv().tokens(item.seq).unwrap(), want.as_slice());
+    assert_eq!(s.kv().computed_tokens(item.seq).unwrap(), 9, "the accepted drafts' KV is kept");
+
+    // Four tokens out of ten: room for five drafts, whatever the drafter offers.
+    let batch = s.poll_batch_drafting(t0, 512, &mut |_, _, room| {
+        assert_eq!(room, 5);
+        vec![1; 9]
+    });
+    assert_eq!(batch[0].draft, 5);
+    s.handle_step_result(&sampled(2, 5), t0);
+    let done = std::iter::from_fn(|| s.poll_event()).find_map(|e| match e {
+        Event::Finished { outcome, .. } => Some(outcome),
+        _ => None,
+    });
+    assert!(matches!(done, Some(Outcome::Completed(FinishReason::Length))), "{done:?}");
+    assert_eq!(s.kv().stats().sequences, 0);
+
+    // A step budget of one token leaves no room for drafts.
+    s.handle_request(req(2, 3, 10, t0), t0).unwrap();
+    s.poll_batch(t0);
+    s.handle_step_result(&[Sampled { id: RequestId(2), token: 5, stop: false, drafts_accepted: 0 }], t0);
+    let batch = s.poll_batch_drafting(t0, 1, &mut |_, _, _| panic!("asked for drafts without room"));
+    assert_eq!((batch[0].num_tokens, batch[0].draft), (1, 0));
 }

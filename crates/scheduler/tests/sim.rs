@@ -131,7 +131,12 @@ fn run(shape: Shape, n: u64, seed: u64, config: SchedulerConfig, blocks: u32) ->
             let (_, id) = aborts.remove(0);
             s.handle_abort(id, now);
         }
-        let batch = s.poll_batch(now);
+        // Some decodes get drafts (speculative decoding), of which the fake model accepts a random prefix.
+        let mut draft_rng = Rng(rng.next() | 1);
+        let batch = s.poll_batch_drafting(now, config.max_batch_tokens, &mut |_, tokens, room| {
+            let n = if draft_rng.chance(50) { draft_rng.range(1, 6) as usize } else { 0 };
+            tokens.iter().rev().take(n.min(room)).copied().collect()
+        });
         record(&mut s, &mut admitted, &deadlines, now, max_step_ms);
         let tokens: usize = batch.iter().map(|i| i.num_tokens).sum();
         assert!(tokens <= config.max_batch_tokens, "budget {} exceeded: {tokens}", config.max_batch_tokens);
@@ -144,7 +149,12 @@ fn run(shape: Shape, n: u64, seed: u64, config: SchedulerConfig, blocks: u32) ->
         let sampled: Vec<Sampled> = batch
             .iter()
             .filter(|i| i.sample)
-            .map(|i| Sampled { id: i.id, token: rng.range(100, 40_000) as u32, stop: rng.chance(2) })
+            .map(|i| Sampled {
+                id: i.id,
+                token: rng.range(100, 40_000) as u32,
+                stop: rng.chance(2),
+                drafts_accepted: rng.range(0, i.draft as u64) as usize,
+            })
             .collect();
         now_ms += cost;
         let now = t0 + Duration::from_millis(now_ms);

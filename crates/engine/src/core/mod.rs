@@ -2,6 +2,7 @@
 //! request's sampler and the KV transfer endpoint. It sees token ids only, talks to the text thread
 //! only through two bounded channels, and never waits on a socket: transfers are pumped between steps.
 
+mod sample;
 mod step;
 mod transfers;
 
@@ -86,6 +87,9 @@ pub(crate) struct Times {
     pub prefill_us: Option<(u64, u64)>,
     /// Decode role: what the pull moved, and what this worker's prefix cache spared it.
     pub pulled: Option<Pulled>,
+    /// Speculative decoding: draft tokens verified, and those accepted.
+    pub drafted: u32,
+    pub accepted: u32,
 }
 
 /// Decode role: the prompt's KV blocks pulled from the prefill worker, and those reused from this
@@ -180,6 +184,7 @@ struct Live {
     /// Decode role: prompt tokens the prefill worker found cached (what `usage` reports).
     remote_cached: Option<usize>,
     panic_in_sampling: bool,
+    drafting: crate::draft::DraftState,
 }
 
 /// Decode role: what the prefill worker said of the first token and of its own timings.
@@ -227,6 +232,7 @@ pub(crate) struct Core {
     deferred: Vec<Command>,
     /// Whether long steps run on a thread of their own while aborts are served (CPU backends).
     step_thread: bool,
+    speculative: crate::Speculative,
 }
 
 impl Core {
@@ -265,7 +271,14 @@ impl Core {
             transfer_stats: EndpointStats::default(),
             deferred: Vec::new(),
             step_thread: false,
+            speculative: crate::Speculative::OFF,
         }
+    }
+
+    /// Drafts tokens for decodes (unified and decode roles).
+    pub(crate) fn with_speculative(mut self, s: crate::Speculative) -> Core {
+        self.speculative = s;
+        self
     }
 
     /// Lets steps of `SERVED_STEP_TOKENS` or more run on a thread of their own (`core/step.rs`).
@@ -459,6 +472,7 @@ impl Core {
                 remote_first,
                 remote_cached,
                 panic_in_sampling: s.panic_in_sampling,
+                drafting: Default::default(),
             },
         );
         self.send(Reply::Admitted { id: s.id, prompt_tokens: prompt_len });

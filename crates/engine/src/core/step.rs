@@ -11,10 +11,10 @@ use crossbeam_channel::Receiver;
 use pdserve_api::Role;
 use pdserve_kvcache::{BlockCopy, BlockId};
 use pdserve_model::{Backend, KvLayout, ModelError, SeqStep};
-use pdserve_scheduler::{RequestId, Sampled};
+use pdserve_scheduler::RequestId;
 
-use super::{panic_text, Command, Core, Reply};
-use crate::grammar::{apply_mask, Guide};
+use super::{Command, Core};
+use crate::grammar::Guide;
 
 /// Steps of at least this many tokens run on their own thread while the engine thread serves
 /// aborts; shorter ones (a few decoding sequences, a few milliseconds) run on the engine thread.
@@ -38,7 +38,20 @@ impl Core {
             Some(ep) if self.role == Role::Prefill && !ep.is_empty() => self.transfer_step_tokens,
             _ => usize::MAX,
         };
-        let batch = self.sched.poll_batch_within(now, budget);
+        let batch = if self.speculative.is_on() && self.role != Role::Prefill {
+            let (spec, live) = (self.speculative, &mut self.live);
+            self.sched.poll_batch_drafting(now, budget, &mut |id, tokens, room| {
+                match live.get_mut(&id.0) {
+                    // A constrained request's mask follows its tokens one at a time: no drafts.
+                    Some(l) if l.guide.is_none() => {
+                        spec.propose(tokens, l.drafting.room(spec.max_draft).min(room))
+                    }
+                    _ => Vec::new(),
+                }
+            })
+        } else {
+            self.sched.poll_batch_within(now, budget)
+        };
         self.drain_events();
         // Gauges show the step's reservations while it runs, not only after it.
         self.publish();
@@ -79,7 +92,7 @@ impl Core {
                 tokens: t,
                 start_pos: i.start_pos,
                 block_table: b,
-                logits: i.sample,
+                logits: if i.sample { i.draft + 1 } else { 0 },
             })
             .collect();
         // The token masks of constrained requests are computed on a second thread while the forward
@@ -123,85 +136,19 @@ impl Core {
         };
         let mut sampled = Vec::new();
         let mut failed: Vec<(RequestId, String)> = Vec::new();
-        let prefill = self.role == Role::Prefill;
-        for (item, l) in batch.iter().filter(|i| i.sample).zip(&logits) {
-            let Some(lv) = self.live.get_mut(&item.id.0) else { continue };
-            let all = self.sched.kv().tokens(item.seq).unwrap_or(&[]);
-            let (prompt, output) = all.split_at(lv.prompt_len.min(all.len()));
-            let mask = match masks.get(&item.id.0) {
-                Some(Ok(m)) => Some(m),
-                Some(Err(e)) => {
-                    let reason = format!("constrained decoding failed: {e}");
-                    failed.push((item.id, reason));
-                    continue;
-                }
-                None => None,
-            };
-            let early = output.len() < lv.min_tokens;
-            let eos_ids = &self.eos_ids;
-            // A panic while sampling one request (a bug in a penalty, a mask, a bias) fails that
-            // request only; the batch goes on.
-            let sampled_one = catch_unwind(AssertUnwindSafe(|| {
-                assert!(!lv.panic_in_sampling, "test panic while sampling");
-                let s = if mask.is_some() || early || !lv.logit_bias.is_empty() {
-                    let mut adjusted = l.clone();
-                    for &(t, b) in &lv.logit_bias {
-                        if let Some(x) = adjusted.get_mut(t as usize) {
-                            *x += b;
-                        }
-                    }
-                    match mask {
-                        Some(m) => apply_mask(&mut adjusted, m),
-                        None if early => {
-                            for &t in lv.stop_ids.iter().chain(eos_ids) {
-                                if let Some(x) = adjusted.get_mut(t as usize) {
-                                    *x = f32::NEG_INFINITY;
-                                }
-                            }
-                        }
-                        None => {}
-                    }
-                    lv.sampler.sample(&adjusted, prompt, output)
-                } else {
-                    lv.sampler.sample(l, prompt, output)
-                };
-                s
-            }));
-            let s = match sampled_one {
-                Ok(s) => s,
-                Err(p) => {
-                    failed.push((item.id, format!("internal error while sampling: {}", panic_text(&p))));
-                    continue;
-                }
-            };
-            let eos = self.eos_ids.contains(&s.token);
-            let mut stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && eos);
-            if let Some(g) = lv.guide.as_mut() {
-                // The constraint decides: its end is the end, and an end-of-sequence token before it
-                // cannot have been sampled (the mask allows it only once the output is complete).
-                if eos && g.is_accepting() {
-                    stop = true;
-                } else if let Err(e) = g.accept(s.token) {
-                    failed.push((item.id, format!("constrained decoding failed: {e}")));
-                    continue;
-                }
-            }
-            sampled.push(Sampled { id: item.id, token: s.token, stop });
-            if prefill {
-                // The first token goes to the decode worker with the KV, not to the caller.
-                lv.first = Some(s);
-            } else {
-                self.send(Reply::Token {
-                    id: item.id.0,
-                    token: s.token,
-                    logprob: s.logprob,
-                    top: s.top,
-                    stop,
-                });
+        let mut rows = logits.into_iter();
+        for item in batch.iter().filter(|i| i.sample) {
+            let rows: Vec<Vec<f32>> = rows.by_ref().take(item.draft + 1).collect();
+            let mask = masks.get(&item.id.0);
+            match self.verify(item, &rows, mask) {
+                Ok(Some(s)) => sampled.push(s),
+                Ok(None) => {}
+                Err(reason) => failed.push((item.id, reason)),
             }
         }
         if !sampled.is_empty() {
-            self.metrics.tokens_generated.add(sampled.len() as u64);
+            let drafts: usize = sampled.iter().map(|s| s.drafts_accepted).sum();
+            self.metrics.tokens_generated.add((sampled.len() + drafts) as u64);
             self.shared.last_token_ms.store(self.shared.ms_since_epoch(Instant::now()), Ordering::Relaxed);
         }
         for (id, reason) in failed {

@@ -49,7 +49,7 @@ fn greedy(backend: &mut dyn Backend, prompts: &[Vec<u32>], chunks: usize) -> (Ve
                     tokens: &p[done..done + n],
                     start_pos: done,
                     block_table: &table,
-                    logits: true,
+                    logits: 1,
                 }])
                 .unwrap();
             kv.commit(s, n).unwrap();
@@ -78,7 +78,7 @@ fn greedy(backend: &mut dyn Backend, prompts: &[Vec<u32>], chunks: usize) -> (Ve
                 tokens: std::slice::from_ref(t),
                 start_pos: *pos,
                 block_table: table,
-                logits: true,
+                logits: 1,
             })
             .collect();
         let logits = backend.forward(&steps).unwrap();

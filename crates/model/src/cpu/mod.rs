@@ -466,14 +466,12 @@ impl CpuBackend {
             }
             add_into(&mut sc.x, down);
         }
-        // Logits only for the last token of the steps that want them.
+        // Logits only for the last rows of the steps that want them.
         let mut picked = Vec::new();
         let mut end = 0;
         for s in steps {
             end += s.tokens.len();
-            if s.logits {
-                picked.extend_from_slice(&sc.x[(end - 1) * hsz..end * hsz]);
-            }
+            picked.extend_from_slice(&sc.x[(end - s.logits) * hsz..end * hsz]);
         }
         let n = picked.len() / hsz;
         let mut normed = vec![0.0; picked.len()];
@@ -579,7 +577,7 @@ struct Mats {
 
 impl Mats {
     /// `out = x[t×k] · W^T` for layer `li`'s projection `p` (Q/K/V and gate/up stacked) from
-    /// quantized weights (dot products for decode-sized steps, `t <= 2`; widened to bf16 block by
+    /// quantized weights (dot products for decode-sized steps, `t <= DOT_MAX_ROWS`; widened to bf16 block by
     /// block for larger ones) or bf16 weights (`xb`: room for x in bf16). False, touching nothing,
     /// where the step reads the f32 weights instead.
     #[allow(clippy::too_many_arguments)]
@@ -594,9 +592,11 @@ impl Mats {
         out: &mut [f32],
     ) -> bool {
         match (&self.decode, &self.multi) {
-            (Some(d), _) if t <= 2 => matvec_ref(x, t, k, d.layer(li, p), out),
+            (Some(d), _) if t <= DOT_MAX_ROWS => matvec_ref(x, t, k, d.layer(li, p), out),
             (Some(d), None) if self.quant_multi => matmul_quant(x, t, k, d.layer(li, p), xb, out),
-            (d, Some(b)) if t > 2 || d.is_none() => matmul_bf16(x, t, k, p.of(&b.layers[li]), xb, out),
+            (d, Some(b)) if t > DOT_MAX_ROWS || d.is_none() => {
+                matmul_bf16(x, t, k, p.of(&b.layers[li]), xb, out)
+            }
             _ => return false,
         }
         true
@@ -605,11 +605,13 @@ impl Mats {
     /// The LM head's product, likewise.
     fn head(&self, x: &[f32], t: usize, k: usize, xb: &mut Vec<u16>, out: &mut [f32]) -> bool {
         match (&self.decode, self.multi.as_ref().and_then(|b| b.lm_head.as_ref())) {
-            (Some(d), _) if t <= 2 && d.head().is_some() => matvec_ref(x, t, k, d.head().expect("head"), out),
+            (Some(d), _) if t <= DOT_MAX_ROWS && d.head().is_some() => {
+                matvec_ref(x, t, k, d.head().expect("head"), out)
+            }
             (Some(d), None) if self.quant_head && d.head().is_some() => {
                 matmul_quant(x, t, k, d.head().expect("head"), xb, out)
             }
-            (d, Some(h)) if t > 2 || d.is_none() => matmul_bf16(x, t, k, h, xb, out),
+            (d, Some(h)) if t > DOT_MAX_ROWS || d.is_none() => matmul_bf16(x, t, k, h, xb, out),
             _ => return false,
         }
         true
@@ -651,16 +653,50 @@ impl DecodeWeights {
 fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, out: &mut [f32]) {
     let n = w.rows();
     debug_assert_eq!((x.len(), out.len(), w.cols()), (t * k, t * n, k));
+    let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
+    let sums: Vec<Vec<f32>> =
+        xs.iter().map(|xr| xr.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()).collect();
+    let xsums: Vec<&[f32]> = sums.iter().map(Vec::as_slice).collect();
+    by_weight_rows(t, n, out, |j, o| w.dot_rows(j, &xs, &xsums, o));
+}
+
+/// `out[t×n]` with `f(j, column)` filling column `j` (the `t` input rows against weight row `j`),
+/// spread over the thread pool by weight rows: each weight row is read from memory once for all `t`
+/// rows, and each value is the very dot product a one-row step computes, so a row's result does not
+/// depend on the rows beside it (draft verification gives what decoding token by token gives).
+fn by_weight_rows(t: usize, n: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
     let threads = rayon::current_num_threads().max(1);
-    for (xr, orow) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
-        let xsum: Vec<f32> = xr.chunks_exact(GROUP).map(|g| g.iter().sum()).collect();
-        // Two tasks per thread: enough to balance, few enough that dispatch stays cheap.
-        let chunk = n.div_ceil(threads * 2).max(16);
-        orow.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
+    // Two tasks per thread: enough to balance, few enough that dispatch stays cheap.
+    let chunk = n.div_ceil(threads * 2).max(16);
+    if t == 0 || n == 0 {
+        return;
+    }
+    if t == 1 {
+        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
             for (j, oj) in o.iter_mut().enumerate() {
-                *oj = w.dot_row(c * chunk + j, xr, &xsum);
+                f(c * chunk + j, std::slice::from_mut(oj));
             }
         });
+        return;
+    }
+    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(chunk))
+        .into_par_iter()
+        .map(|c| {
+            let (j0, cols) = (c * chunk, chunk.min(n - c * chunk));
+            // Column-major within the part: one weight row's `t` values side by side.
+            let mut part = vec![0.0; t * cols];
+            for (j, col) in part.chunks_exact_mut(t).enumerate() {
+                f(j0 + j, col);
+            }
+            (j0, part)
+        })
+        .collect();
+    for (j0, part) in parts {
+        for (j, col) in part.chunks_exact(t).enumerate() {
+            for (r, v) in col.iter().enumerate() {
+                out[r * n + j0 + j] = *v;
+            }
+        }
     }
 }
 
@@ -726,6 +762,10 @@ fn matmul_widened(x: &[f32], t: usize, k: usize, m: &F16Matrix, out: &mut [f32])
 /// when many rows share it).
 const QUANT_PANEL_MIN_ROWS: usize = 64;
 
+/// Steps of at most this many rows (decode batches, a decode with its drafts) take dot products: every
+/// row's values are those of a one-row step.
+const DOT_MAX_ROWS: usize = 16;
+
 /// Steps with fewer rows than this run the weight GEMMs on matrixmultiply.
 const AVX512_GEMM_MIN_ROWS: usize = 64;
 
@@ -752,18 +792,15 @@ pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<
     debug_assert_eq!(x.len(), t * k);
     debug_assert_eq!(w.len(), n * k);
     let threads = rayon::current_num_threads().max(1);
-    if t <= 2 {
-        // Decode: matrix-vector products, one weight row per dot, weights read once.
+    if t <= DOT_MAX_ROWS {
+        // Decode and draft verification: one dot per weight row and input row, weights read once.
         let mut out = vec![0.0; t * n];
-        for (xr, orow) in x.chunks_exact(k).zip(out.chunks_exact_mut(n)) {
-            let chunk = n.div_ceil(threads * 4).max(16);
-            orow.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
-                for (j, oj) in o.iter_mut().enumerate() {
-                    let row = c * chunk + j;
-                    *oj = dot(xr, &w[row * k..(row + 1) * k]);
-                }
-            });
-        }
+        let wrow = |j: usize| &w[j * k..(j + 1) * k];
+        by_weight_rows(t, n, &mut out, |j, o| {
+            for (r, v) in o.iter_mut().enumerate() {
+                *v = dot(&x[r * k..(r + 1) * k], wrow(j));
+            }
+        });
         return out;
     }
     // Column chunks in multiples of 32, so the AVX-512 kernel takes every chunk when n allows.

@@ -57,7 +57,9 @@ mod convert;
 mod elementwise;
 mod gemm;
 mod isa;
+pub mod peak;
 mod qdot;
+mod qrows;
 
 pub(crate) use isa::{avx2, avx512};
 pub use isa::{cpu_kernels, set_cpu_kernels, CpuKernels};
@@ -67,6 +69,7 @@ pub(crate) use convert::*;
 pub(crate) use elementwise::*;
 pub(crate) use gemm::*;
 pub(crate) use qdot::*;
+pub(crate) use qrows::*;
 
 /// The bytes of f32 values (native, little-endian on every supported target).
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {

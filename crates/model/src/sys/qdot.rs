@@ -84,7 +84,7 @@ fn dot_q8_portable(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
 /// AVX-512F (the 512-bit `vcvtph2ps` is part of it).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn f16_splat(h: u16) -> std::arch::x86_64::__m512 {
+pub(super) unsafe fn f16_splat(h: u16) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     _mm512_cvtph_ps(_mm256_set1_epi16(h as i16))
 }
@@ -132,7 +132,8 @@ pub(crate) fn dot_q4(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsu
     dot_q4_with(super::cpu_kernels(), x, packed, scales, mins, xsum)
 }
 
-/// [`dot_q4`] with the kernels `k` (at most what the CPU has).
+/// [`dot_q4`] with the kernels `k` (at most what the CPU has): the one-row tile of
+/// [`dot_q4_rows`](super::dot_q4_rows), so one row and several rows give the same values.
 pub(crate) fn dot_q4_with(
     k: CpuKernels,
     x: &[f32],
@@ -141,61 +142,12 @@ pub(crate) fn dot_q4_with(
     mins: &[u16],
     xsum: &[f32],
 ) -> f32 {
-    assert_eq!(x.len(), packed.len() * 2);
-    assert!(scales.len() == mins.len() && mins.len() == xsum.len() && x.len() == scales.len() * 32);
-    assert!(k <= CpuKernels::detected());
-    match k {
-        // SAFETY: the CPU has AVX-512F (`k` is at most what it has, asserted above); lengths match.
-        #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => unsafe { dot_q4_avx512(x, packed, scales, mins, xsum) },
-        // SAFETY: the CPU has AVX2, FMA and F16C (as above); lengths match.
-        #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => unsafe { dot_q4_avx2(x, packed, scales, mins, xsum) },
-        _ => dot_q4_portable(x, packed, scales, mins, xsum),
-    }
+    let mut out = [0f32];
+    super::dot_q4_rows_with(k, &[x], packed, scales, mins, &[xsum], &mut out);
+    out[0]
 }
 
-/// # Safety
-/// AVX2, FMA and F16C; lengths as `dot_q4` asserts.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q4_avx2(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let (px, pq) = (x.as_ptr(), packed.as_ptr());
-    let low = _mm_set1_epi8(15);
-    let mut acc = _mm256_setzero_ps();
-    let mut macc = _mm256_setzero_ps();
-    for (g, &s) in scales.iter().enumerate() {
-        let (o, b) = (g * 32, g * 16);
-        // SAFETY (of the loads): b + 16 <= packed.len() and o + 32 <= x.len().
-        let bytes = _mm_loadu_si128(pq.add(b).cast());
-        // Low nibbles weigh x[o..o + 16], high ones x[o + 16..o + 32], eight at a time.
-        let lo = _mm_and_si128(bytes, low);
-        let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-        let (mut a, mut c) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for (nib, at) in [(lo, 0usize), (hi, 16)] {
-            let w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib));
-            let w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nib, 8)));
-            a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(px.add(o + at)), a);
-            c = _mm256_fmadd_ps(w1, _mm256_loadu_ps(px.add(o + at + 8)), c);
-        }
-        acc = _mm256_fmadd_ps(_mm256_add_ps(a, c), _mm256_set1_ps(f16_value(s)), acc);
-    }
-    // The minimums' share: eight groups at a time.
-    let groups = mins.len();
-    let mut g = 0;
-    while g + 8 <= groups {
-        // SAFETY (of the loads): g + 8 <= groups == mins.len() == xsum.len().
-        let m = _mm256_cvtph_ps(_mm_loadu_si128(mins.as_ptr().add(g).cast()));
-        macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum.as_ptr().add(g)), macc);
-        g += 8;
-    }
-    hsum256(acc)
-        + hsum256(macc)
-        + mins[g..].iter().zip(&xsum[g..]).map(|(&m, s)| f16_value(m) * s).sum::<f32>()
-}
-
-fn dot_q4_portable(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
+pub(super) fn dot_q4_portable(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
     let mut sum = 0f32;
     for (g, (xg, pg)) in x.chunks_exact(32).zip(packed.chunks_exact(16)).enumerate() {
         let mut acc = 0f32;
@@ -205,53 +157,6 @@ fn dot_q4_portable(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum:
         sum += acc * f16_value(scales[g]) + f16_value(mins[g]) * xsum[g];
     }
     sum
-}
-
-/// # Safety
-/// The CPU must support AVX-512F; lengths as `dot_q4` asserts.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_q4_avx512(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {
-    use std::arch::x86_64::*;
-    let (px, pq) = (x.as_ptr(), packed.as_ptr());
-    let low = _mm_set1_epi8(15);
-    let mut acc0 = _mm512_setzero_ps();
-    let mut acc1 = _mm512_setzero_ps();
-    let groups = scales.len();
-    let mut g = 0;
-    while g + 2 <= groups {
-        for (j, acc) in [(0usize, &mut acc0), (1, &mut acc1)] {
-            let (o, b) = ((g + j) * 32, (g + j) * 16);
-            // SAFETY (of the loads): b + 16 <= packed.len() and o + 32 <= x.len().
-            let bytes = _mm_loadu_si128(pq.add(b) as *const __m128i);
-            let lo = _mm_and_si128(bytes, low);
-            let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-            let w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
-            let w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
-            let p = _mm512_fmadd_ps(
-                w1,
-                _mm512_loadu_ps(px.add(o + 16)),
-                _mm512_mul_ps(w0, _mm512_loadu_ps(px.add(o))),
-            );
-            *acc = _mm512_fmadd_ps(p, f16_splat(*scales.get_unchecked(g + j)), *acc);
-        }
-        g += 2;
-    }
-    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    if g < groups {
-        sum += dot_q4_portable(&x[g * 32..], &packed[g * 16..], &scales[g..], &[0], &[0.0]);
-    }
-    // The minimums' share: sixteen groups at a time.
-    let mut macc = _mm512_setzero_ps();
-    let mut g = 0;
-    while g + 16 <= groups {
-        // SAFETY (of the loads): g + 16 <= groups == mins.len() == xsum.len().
-        let m = _mm512_cvtph_ps(_mm256_loadu_si256(mins.as_ptr().add(g) as *const __m256i));
-        macc = _mm512_fmadd_ps(m, _mm512_loadu_ps(xsum.as_ptr().add(g)), macc);
-        g += 16;
-    }
-    sum + _mm512_reduce_add_ps(macc)
-        + mins[g..].iter().zip(&xsum[g..]).map(|(&m, s)| f16_value(m) * s).sum::<f32>()
 }
 
 /// `x . w` for `w` in f16 bits (an f16 checkpoint's row), widened as it is read: AVX-512 where the

@@ -55,6 +55,15 @@ impl Scheduler {
             if computed > r.tokens.len() {
                 return Err(format!("{id}: {computed} computed of {} tokens", r.tokens.len()));
             }
+            // Between steps the sequence holds the request's tokens exactly: no draft outlives its step.
+            let held = self.kv.tokens(r.seq).map_err(|e| e.to_string())?;
+            if self.in_flight.is_empty() && held != r.tokens.as_slice() {
+                return Err(format!(
+                    "{id}: the KV sequence holds {} tokens, the request {}",
+                    held.len(),
+                    r.tokens.len()
+                ));
+            }
         }
         if kv.leases != self.awaiting.len() + self.leases_out.len() {
             return Err(format!(

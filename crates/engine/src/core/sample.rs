@@ -1,0 +1,115 @@
+//! Sampling a step's logits for one request, and verifying its draft tokens (speculative decoding):
+//! row `i` of an item with drafts scores the token after its `i`-th draft. Each row is sampled exactly
+//! as a plain decode step would be (penalties, bias, masks, the request's own random stream), and a
+//! draft is kept only where the sample equals it; the first sample that differs (or the one after
+//! the last draft) is the step's new token. The output is therefore the one decoding token by token
+//! gives: a draft is a point guess, so "sample, then compare" accepts it with its own probability and
+//! otherwise draws from the rest of the distribution, which is exact speculative sampling.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use llguidance::toktrie::SimpleVob;
+use pdserve_scheduler::{BatchItem, Sampled};
+
+use super::{panic_text, Core, Live, Reply};
+use crate::grammar::apply_mask;
+
+impl Core {
+    /// Samples `rows` (the item's last `draft + 1` rows of logits) for `item`'s request, sends each
+    /// token it keeps, and returns what the scheduler is told; `None` for a request no longer live,
+    /// `Err` with the reason the request fails.
+    pub(super) fn verify(
+        &mut self,
+        item: &BatchItem,
+        rows: &[Vec<f32>],
+        mask: Option<&Result<SimpleVob, String>>,
+    ) -> Result<Option<Sampled>, String> {
+        let Some(lv) = self.live.get_mut(&item.id.0) else { return Ok(None) };
+        let all = self.sched.kv().tokens(item.seq).unwrap_or(&[]);
+        let base = all.len().saturating_sub(item.draft);
+        let mask = match mask {
+            Some(Ok(m)) => Some(m),
+            Some(Err(e)) => return Err(format!("constrained decoding failed: {e}")),
+            None => None,
+        };
+        let mut outbox = Vec::with_capacity(rows.len());
+        let mut result = Err("the engine reported no logits for a sampling step".to_owned());
+        for (i, l) in rows.iter().enumerate() {
+            let (prompt, output) = all[..base + i].split_at(lv.prompt_len.min(base + i));
+            let s = sample_row(lv, l, prompt, output, mask, &self.eos_ids)?;
+            let eos = self.eos_ids.contains(&s.token);
+            let mut stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && eos);
+            if let Some(g) = lv.guide.as_mut() {
+                // The constraint decides: its end is the end, and an end-of-sequence token before it
+                // cannot have been sampled (the mask allows it only once the output is complete).
+                if eos && g.is_accepting() {
+                    stop = true;
+                } else if let Err(e) = g.accept(s.token) {
+                    return Err(format!("constrained decoding failed: {e}"));
+                }
+            }
+            let token = s.token;
+            if self.role == pdserve_api::Role::Prefill {
+                // The first token goes to the decode worker with the KV, not to the caller.
+                lv.first = Some(s);
+            } else {
+                outbox.push(Reply::Token { id: item.id.0, token, logprob: s.logprob, top: s.top, stop });
+            }
+            let confirmed = i < item.draft && all.get(base + i) == Some(&token) && !stop;
+            if !confirmed {
+                result = Ok(Some(Sampled { id: item.id, token, stop, drafts_accepted: i }));
+                break;
+            }
+        }
+        if item.draft > 0 {
+            let accepted = result.as_ref().map_or(0, |s| s.as_ref().map_or(0, |s| s.drafts_accepted));
+            lv.drafting.record(item.draft, accepted, self.speculative.max_draft);
+            lv.times.drafted += item.draft as u32;
+            lv.times.accepted += accepted as u32;
+            self.metrics.draft_tokens.add(item.draft as u64);
+            self.metrics.draft_accepted.add(accepted as u64);
+        }
+        for r in outbox {
+            self.send(r);
+        }
+        result
+    }
+}
+
+/// One row's sample with the request's adjustments: logit bias, the constraint's mask (or, before
+/// `min_tokens`, no stop token), then the sampler. A panic in any of it fails the request only.
+fn sample_row(
+    lv: &mut Live,
+    l: &[f32],
+    prompt: &[u32],
+    output: &[u32],
+    mask: Option<&SimpleVob>,
+    eos_ids: &[u32],
+) -> Result<pdserve_model::Sampled, String> {
+    let early = output.len() < lv.min_tokens;
+    catch_unwind(AssertUnwindSafe(|| {
+        assert!(!lv.panic_in_sampling, "test panic while sampling");
+        if mask.is_none() && !early && lv.logit_bias.is_empty() {
+            return lv.sampler.sample(l, prompt, output);
+        }
+        let mut adjusted = l.to_vec();
+        for &(t, b) in &lv.logit_bias {
+            if let Some(x) = adjusted.get_mut(t as usize) {
+                *x += b;
+            }
+        }
+        match mask {
+            Some(m) => apply_mask(&mut adjusted, m),
+            None if early => {
+                for &t in lv.stop_ids.iter().chain(eos_ids) {
+                    if let Some(x) = adjusted.get_mut(t as usize) {
+                        *x = f32::NEG_INFINITY;
+                    }
+                }
+            }
+            None => {}
+        }
+        lv.sampler.sample(&adjusted, prompt, output)
+    }))
+    .map_err(|p| format!("internal error while sampling: {}", panic_text(&p)))
+}

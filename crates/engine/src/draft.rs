@@ -1,0 +1,126 @@
+//! Prompt-lookup speculative decoding: draft tokens from the request's own context. Agents copy file
+//! names, code and tool output back; where the last few tokens occurred before, the tokens that
+//! followed them then are a cheap guess at what follows now. The engine verifies a guess in one
+//! multi-row step and keeps the drafts its own samples confirm (`core/step.rs`), so the output is the
+//! one decoding token by token gives, for greedy and sampled requests alike.
+
+/// How a worker drafts. `max_draft == 0` turns speculative decoding off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Speculative {
+    /// Draft tokens per step at most.
+    pub max_draft: usize,
+    /// The longest and shortest suffix looked up, in tokens (the longest that occurred before wins).
+    pub max_ngram: usize,
+    pub min_ngram: usize,
+}
+
+impl Speculative {
+    pub const OFF: Speculative = Speculative { max_draft: 0, max_ngram: 0, min_ngram: 0 };
+
+    /// Prompt lookup with up to `max_draft` tokens per step, matching suffixes of 4 down to 2 tokens.
+    pub fn prompt_lookup(max_draft: usize) -> Speculative {
+        Speculative { max_draft, max_ngram: 4, min_ngram: 2 }
+    }
+
+    pub fn is_on(&self) -> bool {
+        self.max_draft > 0
+    }
+
+    /// Up to `room` tokens that followed the latest earlier occurrence of the longest suffix of
+    /// `tokens` (between `max_ngram` and `min_ngram` tokens long); empty when none occurred.
+    pub fn propose(&self, tokens: &[u32], room: usize) -> Vec<u32> {
+        let room = room.min(self.max_draft);
+        if room == 0 {
+            return Vec::new();
+        }
+        let len = tokens.len();
+        for n in (self.min_ngram.max(1)..=self.max_ngram).rev() {
+            if len <= n {
+                continue;
+            }
+            let tail = &tokens[len - n..];
+            // The latest occurrence that has at least one token after it (not the suffix itself).
+            if let Some(at) = (0..len - n).rev().find(|&i| &tokens[i..i + n] == tail) {
+                let from = at + n;
+                return tokens[from..(from + room).min(len)].to_vec();
+            }
+        }
+        Vec::new()
+    }
+}
+
+/// One request's drafting: how many drafts its next step gets, shrinking where its drafts are
+/// refused (each refused draft is a row of the step computed for nothing) and growing back where
+/// they are taken.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct DraftState {
+    /// Draft tokens the next step may carry (0: not set yet, the worker's maximum).
+    pub next: usize,
+    /// Steps left before drafting again after a refusal.
+    pub pause: usize,
+}
+
+impl DraftState {
+    /// The room to offer for the next step, at most `max`.
+    pub fn room(&mut self, max: usize) -> usize {
+        if self.pause > 0 {
+            self.pause -= 1;
+            return 0;
+        }
+        if self.next == 0 {
+            self.next = max;
+        }
+        self.next.min(max)
+    }
+
+    /// After a step that carried `drafted` drafts of which the first `accepted` were taken.
+    pub fn record(&mut self, drafted: usize, accepted: usize, max: usize) {
+        if drafted == 0 {
+            return;
+        }
+        if accepted == drafted {
+            self.next = (self.next * 2).clamp(1, max);
+        } else if accepted == 0 {
+            // A guess from the wrong place: draft again only after a few plain steps.
+            self.next = (self.next / 2).max(2);
+            self.pause = 2;
+        } else {
+            self.next = (accepted + 1).clamp(2, max);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lookup_finds_the_latest_longest_match() {
+        let s = Speculative::prompt_lookup(3);
+        // ... 5 6 7 8 ... 5 6 7 9 ... 6 7 | suffix "6 7": the latest earlier "6 7" is followed by 9.
+        let t = [1, 5, 6, 7, 8, 2, 5, 6, 7, 9, 3, 6, 7];
+        assert_eq!(s.propose(&t, 8), vec![9, 3, 6]);
+        // The longer suffix "5 6 7" wins over the later "6 7".
+        let t = [5, 6, 7, 8, 4, 6, 7, 1, 5, 6, 7];
+        assert_eq!(s.propose(&t, 8), vec![8, 4, 6]);
+        // Room bounds it; no match gives nothing; a suffix alone is no match.
+        assert_eq!(s.propose(&t, 1), vec![8]);
+        assert!(s.propose(&[1, 2, 3, 4], 8).is_empty());
+        assert!(s.propose(&[1, 2], 8).is_empty());
+        // A repeat runs into the suffix itself: the draft stops at the end of the tokens.
+        assert_eq!(s.propose(&[4, 4, 4], 8), vec![4]);
+        assert!(Speculative::OFF.propose(&t, 8).is_empty());
+    }
+
+    #[test]
+    fn refused_drafts_shrink_and_pause_taken_ones_grow() {
+        let mut d = DraftState::default();
+        assert_eq!(d.room(8), 8);
+        d.record(8, 3, 8);
+        assert_eq!(d.room(8), 4);
+        d.record(4, 4, 8);
+        assert_eq!(d.room(8), 8);
+        d.record(8, 0, 8);
+        assert_eq!((d.room(8), d.room(8), d.room(8)), (0, 0, 4));
+    }
+}
