@@ -12,14 +12,18 @@ pub struct Speculative {
     /// The longest and shortest suffix looked up, in tokens (the longest that occurred before wins).
     pub max_ngram: usize,
     pub min_ngram: usize,
+    /// Drafts only while at most this many requests run: each draft is a row of the step, and where
+    /// the batch already fills the CPU, rows refused cost more than rows accepted save.
+    pub max_running: usize,
 }
 
 impl Speculative {
-    pub const OFF: Speculative = Speculative { max_draft: 0, max_ngram: 0, min_ngram: 0 };
+    pub const OFF: Speculative = Speculative { max_draft: 0, max_ngram: 0, min_ngram: 0, max_running: 0 };
 
-    /// Prompt lookup with up to `max_draft` tokens per step, matching suffixes of 4 down to 2 tokens.
+    /// Prompt lookup with up to `max_draft` tokens per step, matching suffixes of 4 down to 2 tokens,
+    /// while at most 4 requests run.
     pub fn prompt_lookup(max_draft: usize) -> Speculative {
-        Speculative { max_draft, max_ngram: 4, min_ngram: 2 }
+        Speculative { max_draft, max_ngram: 4, min_ngram: 2, max_running: 4 }
     }
 
     pub fn is_on(&self) -> bool {

@@ -265,3 +265,49 @@ fn an_abort_takes_effect_while_the_step_it_is_in_still_runs() {
     assert!(text.contains("Paris"), "{text}");
     assert!(steps_done(&e) > before);
 }
+
+/// Prompt-lookup speculative decoding changes how fast, not what: greedy and seeded sampled answers to
+/// a copy-heavy prompt are those of an engine without it (f32 weights and Q4, whose multi-row dot
+/// products must equal one-row ones), drafts were verified and some accepted, and the metrics and the
+/// request's timings count them.
+#[test]
+fn speculative_decoding_gives_the_same_text_and_takes_drafts() {
+    use pdserve_engine::Speculative;
+    use pdserve_model::WeightFormat;
+    let q = "Copy this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape, kiwi, lemon.";
+    for weights in [WeightFormat::Auto, WeightFormat::Q4] {
+        let start = |speculative| {
+            let mut c = config(Role::Unified);
+            (c.weights, c.speculative) = (weights, speculative);
+            Engine::start(c, Arc::new(|| {})).expect("engine starts")
+        };
+        let (mut off, mut on) = (start(Speculative::OFF), start(Speculative::prompt_lookup(8)));
+        let mut drafted = 0.0;
+        for (i, temperature) in [0.0f32, 0.7].into_iter().enumerate() {
+            let ask = |e: &mut Engine| {
+                let mut r = request(&format!("s{i}"), chat(q), 60);
+                (r.sampling.temperature, r.seed) = (temperature, Some(7));
+                let id = e.submit(r).unwrap();
+                let (text, seen) = run_to_end(e, id);
+                let Some(Output::Finished { timings, .. }) = seen.last() else { panic!("{seen:?}") };
+                let get = |k: &str| timings.0.iter().find(|(n, _)| *n == k).map_or(0.0, |(_, v)| *v);
+                (text, get("draft_tokens"), get("draft_accepted_tokens"))
+            };
+            let (want, none, _) = ask(&mut off);
+            let (got, tokens, accepted) = ask(&mut on);
+            assert_eq!(got, want, "{weights:?} at temperature {temperature}");
+            assert_eq!(none, 0.0, "no drafts without speculative decoding");
+            assert!(tokens >= accepted, "{tokens} drafted, {accepted} accepted");
+            if temperature == 0.0 {
+                assert!(accepted > 0.0, "{weights:?}: a list copied twice takes drafts ({tokens} drafted)");
+            }
+            drafted += tokens;
+        }
+        let metric = |name: &str| {
+            let text = on.registry().render();
+            text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok()).unwrap_or(0.0)
+        };
+        assert_eq!(metric("spec_draft_tokens_total"), drafted);
+        assert!(metric("spec_accepted_tokens_total") > 0.0);
+    }
+}

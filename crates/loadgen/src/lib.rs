@@ -149,6 +149,10 @@ pub struct Shape {
     /// One request in this many (0: none) is abandoned by its client: the connection is closed after
     /// 0-7 tokens, as a user who gives up would. Counted as `client_disconnect`, never as hung.
     pub disconnect_one_in: u64,
+    /// Copy-heavy prompts (the `copy` workload): a tool's output of about `prompt_words` words as
+    /// code lines, which the model is asked to write out again, answered greedily, as an agent
+    /// editing a file does; what speculative decoding from the prompt is for.
+    pub copy: bool,
 }
 
 impl Default for Shape {
@@ -162,6 +166,7 @@ impl Default for Shape {
             grace: Duration::from_secs(5),
             api_key: None,
             disconnect_one_in: 0,
+            copy: false,
         }
     }
 }
@@ -224,7 +229,7 @@ fn body(target: &Target, shape: &Shape, messages: &serde_json::Value) -> Vec<u8>
         "max_tokens": shape.max_tokens,
         "stream": true,
         "stream_options": {"include_usage": true},
-        "temperature": 0.7,
+        "temperature": if shape.copy { 0.0 } else { 0.7 },
         "timeout": shape.timeout.as_secs_f64(),
     });
     if shape.ignore_eos {
@@ -255,12 +260,34 @@ fn point_nonce() -> u64 {
 }
 
 fn one_shot_messages(shape: &Shape, nonce: u64, i: u64) -> serde_json::Value {
+    if shape.copy {
+        return copy_messages(shape, nonce, i);
+    }
     let text = format!(
         "Run {:08x} request {i}. Continue this list: {}",
         nonce >> 32,
         words(shape.prompt_words, nonce ^ i)
     );
     serde_json::json!([{"role": "user", "content": text}])
+}
+
+/// An agent's turn that copies: a file a tool read, as code lines made of this point's words, to be
+/// written out again.
+fn copy_messages(shape: &Shape, nonce: u64, i: u64) -> serde_json::Value {
+    let w: Vec<String> = words(shape.prompt_words.max(6), nonce ^ i).split(' ').map(str::to_owned).collect();
+    let lines: Vec<String> = w
+        .chunks(6)
+        .filter(|c| c.len() == 6)
+        .map(|c| format!("    let {}_{} = {}.{}_{}({});", c[0], c[1], c[2], c[3], c[4], c[5]))
+        .collect();
+    let file = format!("fn {}_{i}() {{\n{}\n}}", w[0], lines.join("\n"));
+    serde_json::json!([
+        {"role": "system", "content": format!("Session {:08x}. You are a coding agent.", nonce >> 32)},
+        {"role": "user", "content": format!(
+            "Tool output (read_file src/{}.rs):\n```rust\n{file}\n```\nWrite this file out again exactly as it is, in a rust code block.",
+            w[1]
+        )},
+    ])
 }
 
 fn send(conn: &mut Conn, target: &Target, shape: &Shape, messages: &serde_json::Value, seed: u64) -> Outcome {

@@ -20,6 +20,9 @@ workloads (one per run):
       --requests-per-client N  requests per point = concurrency x N, at least 8 (default 4)
   --workload poisson           open loop at each --rate (requests/s) for --duration-s (default 30)
       --connections N          most requests in flight (default 64)
+  --workload copy              as sweep, with copy-heavy agent prompts: a tool's output of --prompt-words
+                               words as code lines, to be written out again, answered greedily (what
+                               speculative decoding from the prompt is for)
   --workload agents            --agents N (default 32) conversations of --rounds R (default 5), each round
       --tool-words N           appending the answer and a tool result of N words (default 40)
   --target URL --body NAME=JSON  also load URL as a second target, `URL+NAME`, whose requests carry
@@ -127,7 +130,17 @@ fn parse(args: Vec<String>) -> Result<Option<Args>, String> {
             "offered requests/s",
         ),
         "agents" => (vec![Load::Agents { agents, rounds, tool_words }], "agents"),
-        w => return Err(format!("unknown workload {w} (sweep, poisson, agents)")),
+        "copy" => {
+            shape.copy = true;
+            (
+                concurrency
+                    .iter()
+                    .map(|&c| Load::Closed { concurrency: c, requests: (c * per_client).max(8) })
+                    .collect(),
+                "concurrent clients",
+            )
+        }
+        w => return Err(format!("unknown workload {w} (sweep, copy, poisson, agents)")),
     };
     Ok(Some(Args { targets, loads, shape, slo, out, x_label, repeat }))
 }

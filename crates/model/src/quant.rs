@@ -171,6 +171,16 @@ impl QuantMatrix for Q8Matrix {
         )
     }
 
+    fn dot_rows(&self, r: usize, xs: &[&[f32]], _xsums: &[&[f32]], out: &mut [f32]) {
+        let g = self.cols / GROUP;
+        crate::sys::dot_q8_rows(
+            xs,
+            &self.values[r * self.cols..(r + 1) * self.cols],
+            &self.scales[r * g..(r + 1) * g],
+            out,
+        )
+    }
+
     fn bf16_panel(&self, r0: usize, k: (usize, usize), dst: &mut [u16]) {
         crate::sys::q8_bf16_panel(&self.values, &self.scales, self.cols, r0, k, dst);
     }

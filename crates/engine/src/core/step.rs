@@ -38,7 +38,10 @@ impl Core {
             Some(ep) if self.role == Role::Prefill && !ep.is_empty() => self.transfer_step_tokens,
             _ => usize::MAX,
         };
-        let batch = if self.speculative.is_on() && self.role != Role::Prefill {
+        let drafting = self.speculative.is_on()
+            && self.role != Role::Prefill
+            && self.sched.stats().running <= self.speculative.max_running;
+        let batch = if drafting {
             let (spec, live) = (self.speculative, &mut self.live);
             self.sched.poll_batch_drafting(now, budget, &mut |id, tokens, room| {
                 match live.get_mut(&id.0) {

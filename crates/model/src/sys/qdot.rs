@@ -11,20 +11,12 @@ pub(crate) fn dot_q8(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
     dot_q8_with(super::cpu_kernels(), x, q, scales)
 }
 
-/// [`dot_q8`] with the kernels `k` (at most what the CPU has: `cpu_kernels()` or `available()`).
+/// [`dot_q8`] with the kernels `k` (at most what the CPU has: `cpu_kernels()` or `available()`): the
+/// one-row tile of [`dot_q8_rows`](super::dot_q8_rows), so one row and several rows give the same values.
 pub(crate) fn dot_q8_with(k: CpuKernels, x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
-    assert_eq!(x.len(), q.len());
-    assert_eq!(q.len(), scales.len() * 32);
-    assert!(k <= CpuKernels::detected());
-    match k {
-        // SAFETY: the CPU has AVX-512F (`k` is at most what it has, asserted above); lengths match.
-        #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => unsafe { dot_q8_avx512(x, q, scales) },
-        // SAFETY: the CPU has AVX2, FMA and F16C (as above); lengths match.
-        #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => unsafe { dot_q8_avx2(x, q, scales) },
-        _ => dot_q8_portable(x, q, scales),
-    }
+    let mut out = [0f32];
+    super::dot_q8_rows_with(k, &[x], q, scales, &mut out);
+    out[0]
 }
 
 /// The sum of the eight lanes of `v`.
@@ -40,31 +32,7 @@ pub(super) unsafe fn hsum256(v: std::arch::x86_64::__m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }
 
-/// # Safety
-/// AVX2, FMA and F16C; `x.len() == q.len() == 32 * scales.len()`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_q8_avx2(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
-    use std::arch::x86_64::*;
-    let (px, pq) = (x.as_ptr(), q.as_ptr());
-    let mut acc = _mm256_setzero_ps();
-    for (g, &s) in scales.iter().enumerate() {
-        let o = g * 32;
-        // Four rows of eight: two independent FMA chains, then the group's scale.
-        let (mut a, mut b) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for j in [0usize, 16] {
-            // SAFETY (of the loads): o + j + 16 <= x.len() == q.len().
-            let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(pq.add(o + j).cast())));
-            let w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(pq.add(o + j + 8).cast())));
-            a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(px.add(o + j)), a);
-            b = _mm256_fmadd_ps(w1, _mm256_loadu_ps(px.add(o + j + 8)), b);
-        }
-        acc = _mm256_fmadd_ps(_mm256_add_ps(a, b), _mm256_set1_ps(f16_value(s)), acc);
-    }
-    hsum256(acc)
-}
-
-fn dot_q8_portable(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
+pub(super) fn dot_q8_portable(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
     let mut sum = 0f32;
     for ((xg, qg), &s) in x.chunks_exact(32).zip(q.chunks_exact(32)).zip(scales) {
         let mut acc = [0f32; 8];
@@ -87,43 +55,6 @@ fn dot_q8_portable(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
 pub(super) unsafe fn f16_splat(h: u16) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
     _mm512_cvtph_ps(_mm256_set1_epi16(h as i16))
-}
-
-/// # Safety
-/// The CPU must support AVX-512F, `x.len() == q.len() == 32 * scales.len()`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_q8_avx512(x: &[f32], q: &[i8], scales: &[u16]) -> f32 {
-    use std::arch::x86_64::*;
-    let (px, pq) = (x.as_ptr(), q.as_ptr());
-    let mut acc0 = _mm512_setzero_ps();
-    let mut acc1 = _mm512_setzero_ps();
-    let groups = scales.len();
-    let mut g = 0;
-    // Two groups per iteration into two accumulators: independent FMA chains.
-    while g + 2 <= groups {
-        for (j, acc) in [(0usize, &mut acc0), (1, &mut acc1)] {
-            let o = (g + j) * 32;
-            // SAFETY (of the loads): o + 32 <= x.len() == q.len().
-            let w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(o) as *const __m128i)));
-            let w1 =
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(o + 16) as *const __m128i)));
-            let p = _mm512_fmadd_ps(
-                w1,
-                _mm512_loadu_ps(px.add(o + 16)),
-                _mm512_mul_ps(w0, _mm512_loadu_ps(px.add(o))),
-            );
-            *acc = _mm512_fmadd_ps(p, f16_splat(*scales.get_unchecked(g + j)), *acc);
-        }
-        g += 2;
-    }
-    let mut sum = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    while g < groups {
-        let o = g * 32;
-        sum += dot_q8_portable(&x[o..o + 32], &q[o..o + 32], &scales[g..g + 1]);
-        g += 1;
-    }
-    sum
 }
 
 /// `sum_g scales[g] * (q_g . x_g) + mins[g] * xsum[g]` for one Q4 row (see `quant::Q4Matrix`; scales

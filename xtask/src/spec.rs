@@ -1,0 +1,127 @@
+//! `cargo xtask bench spec`: what prompt-lookup speculative decoding gives and costs. Two unified
+//! workers of the same build and model, one plain and one with `--speculative prompt-lookup`, loaded
+//! alternately (A B A B) by the load generator: the copy-heavy agent workload (where drafts pay) and
+//! the plain one (where they mostly do not), each prompt unique to its point. Afterwards it prints the
+//! speculative worker's acceptance rate from its metrics. Everything it starts it stops.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+
+use crate::serve::{start_stack, stop_all, Spec, Stack};
+
+const USAGE: &str = "cargo xtask bench spec [--concurrency LIST] [--max-tokens M] [--repeat K] [--draft-tokens N] [--weights FMT] [--workloads LIST]
+
+Starts two unified workers (plain on port 8111, --speculative prompt-lookup on 8112) and runs
+`pdserve-bench` against both, alternating, per workload: `copy` (an agent writing a file a tool read
+back out, greedy: what drafts from the prompt are for) and `sweep` (continue a list of random words at
+temperature 0.7: drafts rarely match). Prints tok/s medians with their spread and the ratio per
+point, then the acceptance rate. Raw JSON in target/bench/spec-<workload>.json.
+Defaults: --concurrency 1,4, --max-tokens 160, --repeat 3, --draft-tokens 8, --weights q4,
+--workloads copy,sweep.";
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let (mut concurrency, mut max_tokens, mut repeat) = ("1,4".to_owned(), 160usize, 3usize);
+    let (mut draft, mut weights, mut workloads) = (8usize, "q4".to_owned(), "copy,sweep".to_owned());
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut v = || it.next().cloned().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--concurrency" => concurrency = v()?,
+            "--max-tokens" => max_tokens = v()?.parse()?,
+            "--repeat" => repeat = v()?.parse()?,
+            "--draft-tokens" => draft = v()?.parse()?,
+            "--weights" => weights = v()?,
+            "--workloads" => workloads = v()?,
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            other => bail!("unknown option {other}\n{USAGE}"),
+        }
+    }
+    let model = crate::fetch_model(&[])?;
+    crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-loadgen"])?;
+    crate::sys::install_stop_handler();
+    let root = crate::workspace_root();
+    let logs = root.join("target/bench/spec-logs");
+    std::fs::create_dir_all(&logs)?;
+    let start = |port: u16, extra: &[String]| -> Result<Stack> {
+        let spec = Spec {
+            port,
+            model: &model,
+            native_q4: false,
+            unified: true,
+            prefills: 0,
+            decodes: 0,
+            extra,
+            logs: &logs.join(port.to_string()),
+            secret: false,
+        };
+        start_stack(&spec)
+    };
+    let plain_args = vec!["--weights".to_owned(), weights.clone()];
+    let mut spec_args = plain_args.clone();
+    spec_args.extend([
+        "--speculative".into(),
+        "prompt-lookup".into(),
+        "--draft-tokens".into(),
+        draft.to_string(),
+    ]);
+    let mut plain = start(8111, &plain_args)?;
+    let mut spec = match start(8112, &spec_args) {
+        Ok(s) => s,
+        Err(e) => {
+            stop_all(&mut plain.procs, Duration::from_secs(20));
+            return Err(e);
+        }
+    };
+    let result = (|| -> Result<()> {
+        for workload in workloads.split(',') {
+            let out = root.join(format!("target/bench/spec-{workload}"));
+            let mut a: Vec<String> =
+                ["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"]
+                    .iter()
+                    .map(|s| (*s).to_owned())
+                    .collect();
+            a.extend([
+                "--target".into(),
+                plain.url.clone(),
+                "--target".into(),
+                spec.url.clone(),
+                "--workload".into(),
+                workload.to_owned(),
+                "--concurrency".into(),
+                concurrency.clone(),
+                "--max-tokens".into(),
+                max_tokens.to_string(),
+                "--prompt-words".into(),
+                "120".into(),
+                "--repeat".into(),
+                repeat.to_string(),
+                "--out".into(),
+                out.display().to_string(),
+            ]);
+            println!("\n== workload {workload}: {} plain, {} speculative", plain.url, spec.url);
+            crate::cargo(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
+        }
+        let (_, body) = crate::where_::get(&spec.url, "/metrics")?;
+        let metrics = String::from_utf8_lossy(&body);
+        let value = |name: &str| {
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        let (drafted, accepted) = (value("spec_draft_tokens_total"), value("spec_accepted_tokens_total"));
+        println!(
+            "\nspeculative worker, all workloads: {drafted} draft tokens verified, {accepted} accepted ({:.0}%), {} tokens generated",
+            100.0 * accepted / drafted.max(1.0),
+            value("tokens_generated_total")
+        );
+        Ok(())
+    })();
+    stop_all(&mut plain.procs, Duration::from_secs(20));
+    stop_all(&mut spec.procs, Duration::from_secs(20));
+    result
+}
