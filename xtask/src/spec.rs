@@ -12,7 +12,7 @@ use crate::serve::{start_stack, stop_all, Spec, Stack};
 
 const USAGE: &str = "cargo xtask bench spec [--concurrency LIST] [--max-tokens M] [--repeat K] [--draft-tokens N] [--weights FMT] [--workloads LIST]
 
-Starts two unified workers (plain on port 8111, --speculative prompt-lookup on 8112) and runs
+Starts two unified workers (--speculative off on port 8111, prompt-lookup, the default, on 8112) and runs
 `pdserve-bench` against both, alternating, per workload: `copy` (an agent writing a file a tool read
 back out, greedy: what drafts from the prompt are for) and `sweep` (continue a list of random words at
 temperature 0.7: drafts rarely match). Prints tok/s medians with their spread and the ratio per
@@ -60,8 +60,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         };
         start_stack(&spec)
     };
-    let plain_args = vec!["--weights".to_owned(), weights.clone()];
+    let mut plain_args = vec!["--weights".to_owned(), weights.clone()];
     let mut spec_args = plain_args.clone();
+    plain_args.extend(["--speculative".into(), "off".into()]);
     spec_args.extend([
         "--speculative".into(),
         "prompt-lookup".into(),

@@ -85,7 +85,8 @@ pub struct EngineConfig {
     /// The format tool calls are written and read in; `None` takes the chat template's.
     pub tool_format: Option<pdserve_api::tools::ToolFormat>,
     /// Speculative decoding (unified and decode roles): draft tokens from the request's own context,
-    /// verified in one multi-row step.
+    /// verified in one multi-row step; on by default (`Speculative::prompt_lookup(8)`, while one
+    /// request runs), `Speculative::OFF` to turn it off. The output is the same either way.
     pub speculative: crate::Speculative,
 }
 
@@ -126,7 +127,7 @@ impl EngineConfig {
             replies_per_request: 64,
             transfer_step_tokens: 256,
             tool_format: None,
-            speculative: crate::Speculative::OFF,
+            speculative: crate::Speculative::prompt_lookup(8),
         }
     }
 }

@@ -274,7 +274,8 @@ fn an_abort_takes_effect_while_the_step_it_is_in_still_runs() {
 fn speculative_decoding_gives_the_same_text_and_takes_drafts() {
     use pdserve_engine::Speculative;
     use pdserve_model::WeightFormat;
-    let q = "Copy this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape, kiwi, lemon.";
+    let q =
+        "Copy this list exactly, twice: apple, banana, cherry, date, elderberry, fig, grape, kiwi, lemon.";
     for weights in [WeightFormat::Auto, WeightFormat::Q4] {
         let start = |speculative| {
             let mut c = config(Role::Unified);
@@ -305,7 +306,9 @@ fn speculative_decoding_gives_the_same_text_and_takes_drafts() {
         }
         let metric = |name: &str| {
             let text = on.registry().render();
-            text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok()).unwrap_or(0.0)
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+                .unwrap_or(0.0)
         };
         assert_eq!(metric("spec_draft_tokens_total"), drafted);
         assert!(metric("spec_accepted_tokens_total") > 0.0);

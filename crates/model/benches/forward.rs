@@ -2,7 +2,8 @@
 //! prefill of a 1,000-token prompt (f32, and Q4 whose multi-row steps widen its blocks to bf16), and
 //! aggregate decode with 8 and 32 sequences in one batch (f32; 4, 8 and 32 with Q4), and Q4 decode after a
 //! 4,000-token prompt and of 32 sequences of 1,000 tokens, with f32 KV and with f16 KV (the server's
-//! default, where attention reads half the bytes). f32 KV unless a name says f16. Uses rayon's pool
+//! default, where attention reads half the bytes), and what verifying 4 or 8 draft tokens costs against
+//! a one-token step (speculative decoding). f32 KV unless a name says f16. Uses rayon's pool
 //! (one thread per core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens,
 //! `-- --only batch,prefill` for the figures whose names contain either). Writes
 //! `target/bench/model-forward.json`.
@@ -62,6 +63,30 @@ impl Bench {
             pos += len;
         }
         last
+    }
+
+    /// Prefills sequence 0 to position `at`, then times `reps` steps of `n` tokens at that position (the
+    /// same slots each time), asking for logits of every row (a decode with `n - 1` drafts to verify);
+    /// the median seconds per step.
+    fn verify_at(&mut self, at: usize, n: usize, reps: usize) -> f64 {
+        let s = SeqId(0);
+        let prompt: Vec<u32> = (0..at + n).map(|j| ((j * 17) % 40_000 + 100) as u32).collect();
+        self.kv.add_sequence(s, &prompt).expect("add");
+        self.kv.reserve(s, at + n).expect("reserve");
+        let table = self.kv.block_table(s).expect("table").to_vec();
+        let step = SeqStep { tokens: &prompt[..at], start_pos: 0, block_table: &table, logits: 0 };
+        self.cpu.forward(&[step]).expect("forward");
+        let mut times: Vec<f64> = (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                let step =
+                    SeqStep { tokens: &prompt[at..at + n], start_pos: at, block_table: &table, logits: n };
+                self.cpu.forward(&[step]).expect("forward");
+                t.elapsed().as_secs_f64()
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        times[reps / 2]
     }
 
     /// Decodes `steps` tokens for sequences `0..n` together; returns tokens per second over all of them.
@@ -164,6 +189,22 @@ fn main() {
             Box::new(|| {
                 let far = q4_kv(&weights, KvDtype::F16, blocks).chunk_at(7500, 256);
                 far / q4_kv(&weights, KvDtype::F16, blocks).chunk_at(0, 256)
+            }),
+        ),
+        // What speculative decoding's verification costs: a step of 1 + 4 and of 1 + 8 drafted tokens
+        // at position 300 against a one-token step there (Q4; every row's logits).
+        (
+            "verify5_vs_decode_q4_cost_ratio",
+            Box::new(|| {
+                let reps = steps * 2;
+                q4_backend(&weights).verify_at(300, 5, reps) / q4_backend(&weights).verify_at(300, 1, reps)
+            }),
+        ),
+        (
+            "verify9_vs_decode_q4_cost_ratio",
+            Box::new(|| {
+                let reps = steps * 2;
+                q4_backend(&weights).verify_at(300, 9, reps) / q4_backend(&weights).verify_at(300, 1, reps)
             }),
         ),
         ("batch8_decode_tokens_per_second", Box::new(|| batch(8, false))),

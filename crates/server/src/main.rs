@@ -34,9 +34,10 @@ pdserve-server [options]
                            has AVX-512 BF16; copies nothing reads are freed
   --cpu-kernels PATH       the CPU kernels to run: avx512, avx2 or portable (default: the best this CPU has;
                            a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
-  --speculative MODE       off or prompt-lookup: draft tokens from the request's own context (the last 2-4
-                           tokens' latest earlier occurrence and what followed it), verified in one multi-row
-                           step; the output is what plain decoding gives (also --speculative-algorithm ngram)
+  --speculative MODE       prompt-lookup (default) or off: draft tokens from the request's own context (the
+                           last 2-4 tokens' latest earlier occurrence and what followed it) while one request
+                           runs, verified in one multi-row step; the output is what plain decoding gives
+                           (also --speculative-algorithm ngram)
   --draft-tokens N         draft tokens per step at most (default 8; also --speculative-num-draft-tokens)
   --kv-dtype TYPE          CPU KV cache values: f16 (default), bf16 or f32 (the reference; twice the bytes)
   --max-queued N           admission queue bound (default 256; also --max-queued-requests)
@@ -187,7 +188,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
     };
     let mut c = WorkerConfig::new(addr, EngineConfig::new(model_dir));
     let mut secret_file = None;
-    let (mut speculative, mut draft_tokens) = (false, 8);
+    let (mut speculative, mut draft_tokens) = (true, 8);
     for (k, v) in sets {
         let n = || v.parse::<usize>().map_err(|e| format!("{k}: {e}"));
         let secs = || v.parse::<f64>().map(Duration::from_secs_f64).map_err(|e| format!("{k}: {e}"));
@@ -258,9 +259,10 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             other => return Err(format!("unknown option {other}")),
         }
     }
-    if speculative {
-        c.engine.speculative = pdserve_engine::Speculative::prompt_lookup(draft_tokens);
-    }
+    c.engine.speculative = match speculative {
+        true => pdserve_engine::Speculative::prompt_lookup(draft_tokens),
+        false => pdserve_engine::Speculative::OFF,
+    };
     c.cluster_secret = pdserve_api::header::cluster_secret(secret_file.as_deref())?;
     Ok(Some(c))
 }
