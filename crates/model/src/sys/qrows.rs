@@ -231,7 +231,8 @@ unsafe fn q8_tile_avx512<const R: usize>(i: usize, xs: &[&[f32]], q: &[i8], scal
             let o = (g + j) * 32;
             // SAFETY (of the loads): o + 32 <= q.len() == every x's length.
             let w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(o) as *const __m128i)));
-            let w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(o + 16) as *const __m128i)));
+            let w1 =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(pq.add(o + 16) as *const __m128i)));
             let s = super::f16_splat(*scales.get_unchecked(g + j));
             for r in 0..R {
                 let p = _mm512_fmadd_ps(
