@@ -77,8 +77,22 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             return Err(e);
         }
     };
+    // The speculative worker's counters: draft tokens verified, accepted, tokens generated.
+    let counters = |url: &str| -> Result<[f64; 3]> {
+        let (_, body) = crate::where_::get(url, "/metrics")?;
+        let metrics = String::from_utf8_lossy(&body);
+        let value = |name: &str| {
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        };
+        Ok(["spec_draft_tokens_total", "spec_accepted_tokens_total", "tokens_generated_total"].map(value))
+    };
     let result = (|| -> Result<()> {
+        let mut summary = Vec::new();
         for workload in workloads.split(',') {
+            let before = counters(&spec.url)?;
             let out = root.join(format!("target/bench/spec-{workload}"));
             let mut a: Vec<String> =
                 ["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"]
@@ -105,21 +119,17 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             ]);
             println!("\n== workload {workload}: {} plain, {} speculative", plain.url, spec.url);
             crate::cargo(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
+            let after = counters(&spec.url)?;
+            let [drafted, accepted, generated] = [0, 1, 2].map(|i| after[i] - before[i]);
+            summary.push(format!(
+                "{workload}: {drafted} draft tokens verified, {accepted} accepted ({:.0}%), {generated} tokens generated",
+                100.0 * accepted / drafted.max(1.0)
+            ));
         }
-        let (_, body) = crate::where_::get(&spec.url, "/metrics")?;
-        let metrics = String::from_utf8_lossy(&body);
-        let value = |name: &str| {
-            metrics
-                .lines()
-                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
-                .unwrap_or(0.0)
-        };
-        let (drafted, accepted) = (value("spec_draft_tokens_total"), value("spec_accepted_tokens_total"));
-        println!(
-            "\nspeculative worker, all workloads: {drafted} draft tokens verified, {accepted} accepted ({:.0}%), {} tokens generated",
-            100.0 * accepted / drafted.max(1.0),
-            value("tokens_generated_total")
-        );
+        println!("\nspeculative worker:");
+        for line in summary {
+            println!("  {line}");
+        }
         Ok(())
     })();
     stop_all(&mut plain.procs, Duration::from_secs(20));
