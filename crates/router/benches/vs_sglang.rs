@@ -1,16 +1,20 @@
-//! The router beside SGLang's router (PyPI `sglang-router`), both in front of the same nginx mock
-//! workers, measured by `wrk` in the same run, alternating (ours, peer, ours, peer) so that the ratios
+//! The router beside SGLang's router in both its forms, each in front of the same nginx mock workers,
+//! measured by `wrk` in the same run, alternating (ours, each peer, ours, each peer) so that the ratios
 //! hold on a noisy machine: requests/s, p50/p99 latency and the router's CPU time per request, for round
-//! robin and cache-aware, regular and PD mode, at 8 and 64 connections.
+//! robin and cache-aware, regular and PD mode, at 8 and 64 connections. The peers ([`PEERS`]) are
+//! `sglang-router` (PyPI, the router as SGLang shipped it) and its successor the Shepherd Model
+//! Gateway (PyPI `smg`, started as `smg launch` with the same arguments); every row and ratio names the
+//! peer's version.
 //!
 //! As a floor for what any proxy can do on the machine, nginx itself as a reverse proxy (one process,
 //! keep-alive upstreams, round robin) is measured in the regular round-robin cases too.
 //!
-//! Needs `nginx` and `wrk` on PATH (Debian: `apt-get install nginx wrk`). The peer, `sglang-router`
-//! pinned to [`SGLANG_ROUTER`], lives in a venv at `$SGLANG_VENV`, by default
-//! `~/.cache/pdserve/peers/sglang-router-<version>`; the benchmark makes it with `python3 -m venv` and
-//! pip when it is missing, and measures ours alone if that fails.
-//! Run with `cargo xtask bench router [--seconds N] [--reps N]`. Writes `target/bench/router.json`.
+//! Needs `nginx` and `wrk` on PATH (Debian: `apt-get install nginx wrk`). Each peer, pinned, lives in a
+//! venv of its own at `$SGLANG_VENV` / `$SMG_VENV`, by default `~/.cache/pdserve/peers/<package>-<version>`;
+//! the benchmark makes it with `python3 -m venv` and pip when it is missing, and leaves out a peer that
+//! cannot be installed (or does not start), saying so.
+//! Run with `cargo xtask bench router [--seconds N] [--reps N] [--peers sglang,smg]`. Writes
+//! `target/bench/router.json`.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -18,11 +22,58 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const PORTS: [u16; 4] = [18001, 18002, 18003, 18004];
-/// The peer's PyPI version, the one BENCHMARKS.md's figures were measured with.
-const SGLANG_ROUTER: &str = "0.3.2";
 const OURS: u16 = 30001;
 const PEER: u16 = 30000;
 const PROXY: u16 = 30002;
+
+/// A router measured beside ours: a PyPI package, pinned, and how its venv starts it.
+#[derive(Debug)]
+struct Peer {
+    /// The short name `--peers` takes.
+    name: &'static str,
+    package: &'static str,
+    /// The PyPI version the figures were measured with.
+    version: &'static str,
+    /// The variable that names its venv instead of the default under `~/.cache/pdserve/peers/`.
+    venv_var: &'static str,
+    /// The Python module whose import proves the install.
+    module: &'static str,
+    /// The program in the venv's `bin/` and its arguments before the router's own.
+    launch: (&'static str, &'static [&'static str]),
+}
+
+const PEERS: [Peer; 2] = [
+    Peer {
+        name: "sglang",
+        package: "sglang-router",
+        version: "0.3.2",
+        venv_var: "SGLANG_VENV",
+        module: "sglang_router",
+        launch: ("python", &["-m", "sglang_router.launch_router"]),
+    },
+    Peer {
+        name: "smg",
+        package: "smg",
+        version: "1.13.0",
+        venv_var: "SMG_VENV",
+        module: "smg",
+        launch: ("smg", &["launch"]),
+    },
+];
+
+impl Peer {
+    /// The name every printed row and ratio carries: the package and its version.
+    fn label(&self) -> String {
+        format!("{} {}", self.package, self.version)
+    }
+
+    fn venv(&self) -> PathBuf {
+        std::env::var_os(self.venv_var).map(PathBuf::from).unwrap_or_else(|| {
+            let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
+            home.join(format!(".cache/pdserve/peers/{}-{}", self.package, self.version))
+        })
+    }
+}
 
 /// nginx as a plain reverse proxy in front of the two regular mock workers: one process (no master),
 /// upstream keep-alive, round robin.
@@ -125,7 +176,8 @@ fn clk_tck() -> f64 {
         .unwrap_or(100.0)
 }
 
-fn wait_routable(port: u16, what: &str) {
+/// Whether `port` answers a chat request within a minute.
+fn routable(port: u16) -> bool {
     let until = Instant::now() + Duration::from_secs(60);
     loop {
         let ok = Command::new("curl")
@@ -135,9 +187,11 @@ fn wait_routable(port: u16, what: &str) {
             .status()
             .is_ok_and(|s| s.success());
         if ok {
-            return;
+            return true;
         }
-        assert!(Instant::now() < until, "{what} never routed a request");
+        if Instant::now() >= until {
+            return false;
+        }
         std::thread::sleep(Duration::from_millis(200));
     }
 }
@@ -191,15 +245,15 @@ fn start_ours(pd: bool, policy: &str) -> Proc {
     let out = child.stdout.take().expect("stdout");
     let _ = BufReader::new(out).lines().next();
     let p = Proc(child);
-    wait_routable(OURS, "pdserve-router");
+    assert!(routable(OURS), "pdserve-router never routed a request");
     p
 }
 
-fn start_peer(venv: &Path, pd: bool, policy: &str) -> Proc {
-    let mut c = Command::new(venv.join("bin/python"));
-    c.args([
-        "-m",
-        "sglang_router.launch_router",
+/// Starts `peer` on [`PEER`]; `None` (and why, on stderr) if it never routes a request.
+fn start_peer(peer: &Peer, pd: bool, policy: &str) -> Option<Proc> {
+    let (program, pre) = peer.launch;
+    let mut c = Command::new(peer.venv().join("bin").join(program));
+    c.args(pre).args([
         "--host",
         "127.0.0.1",
         "--port",
@@ -221,9 +275,17 @@ fn start_peer(venv: &Path, pd: bool, policy: &str) -> Proc {
     } else {
         c.args(["--worker-urls", "http://127.0.0.1:18001", "http://127.0.0.1:18002"]);
     }
-    let p = Proc(c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().expect("spawn sglang router"));
-    wait_routable(PEER, "sglang-router");
-    p
+    let p = Proc(c.stdout(Stdio::null()).stderr(Stdio::null()).spawn().ok()?);
+    if routable(PEER) {
+        Some(p)
+    } else {
+        eprintln!(
+            "{} never routed a request ({} mode, {policy}): left out of this case",
+            peer.label(),
+            if pd { "pd" } else { "regular" }
+        );
+        None
+    }
 }
 
 /// The median (the mean of the middle two for an even count); 0 for none.
@@ -241,11 +303,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// Makes the peer's venv if it is missing; false (and why, on stderr) when that fails.
-fn ensure_peer(venv: &Path) -> bool {
+fn ensure_peer(peer: &Peer) -> bool {
+    let venv = peer.venv();
     let python = venv.join("bin/python");
     let installed = || {
         Command::new(&python)
-            .args(["-c", "import sglang_router"])
+            .args(["-c", &format!("import {}", peer.module)])
             .stderr(Stdio::null())
             .status()
             .is_ok_and(|s| s.success())
@@ -253,15 +316,15 @@ fn ensure_peer(venv: &Path) -> bool {
     if installed() {
         return true;
     }
-    eprintln!("installing sglang-router=={SGLANG_ROUTER} into {} (once)", venv.display());
-    let made = Command::new("python3").arg("-m").arg("venv").arg(venv).status().is_ok_and(|s| s.success())
+    eprintln!("installing {}=={} into {} (once)", peer.package, peer.version, venv.display());
+    let made = Command::new("python3").arg("-m").arg("venv").arg(&venv).status().is_ok_and(|s| s.success())
         && Command::new(venv.join("bin/pip"))
             .args(["install", "--quiet", "--disable-pip-version-check"])
-            .arg(format!("sglang-router=={SGLANG_ROUTER}"))
+            .arg(format!("{}=={}", peer.package, peer.version))
             .status()
             .is_ok_and(|s| s.success());
     if !(made && installed()) {
-        eprintln!("sglang-router could not be installed in {}: measuring ours only", venv.display());
+        eprintln!("{} could not be installed in {}: left out", peer.label(), venv.display());
         return false;
     }
     true
@@ -270,6 +333,51 @@ fn ensure_peer(venv: &Path) -> bool {
 fn arg(name: &str, default: u32) -> u32 {
     let args: Vec<String> = std::env::args().collect();
     args.windows(2).find(|w| w[0] == name).and_then(|w| w[1].parse().ok()).unwrap_or(default)
+}
+
+/// The peers `--peers a,b` names (default: all of [`PEERS`]).
+fn chosen_peers() -> Vec<&'static Peer> {
+    let args: Vec<String> = std::env::args().collect();
+    let Some(list) = args.windows(2).find(|w| w[0] == "--peers").map(|w| w[1].clone()) else {
+        return PEERS.iter().collect();
+    };
+    let names: Vec<&str> = list.split(',').map(str::trim).filter(|n| !n.is_empty()).collect();
+    for n in &names {
+        assert!(PEERS.iter().any(|p| p.name == *n), "unknown peer {n:?}; peers: sglang, smg");
+    }
+    PEERS.iter().filter(|p| names.contains(&p.name)).collect()
+}
+
+/// The median (over repetitions) of one field of the samples.
+fn med(v: &[Sample], f: fn(&Sample) -> f64) -> f64 {
+    median(v.iter().map(f).collect())
+}
+
+fn print_row(who: &str, conns: u32, v: &[Sample]) {
+    println!(
+        "{:<44} {:>5} {:>10.0} {:>9.3} {:>9.3} {:>12.1} {:>7}",
+        who,
+        conns,
+        med(v, |s| s.rps),
+        med(v, |s| s.p50_ms),
+        med(v, |s| s.p99_ms),
+        med(v, |s| s.cpu_us_per_req),
+        v.iter().map(|s| s.non2xx).sum::<u64>()
+    );
+}
+
+/// Each repetition is a pair (ours, then the peer): the ratio's median and its spread.
+fn pairs(ours: &[Sample], peer: &[Sample], f: fn(&Sample) -> f64) -> String {
+    let r: Vec<f64> = ours.iter().zip(peer).map(|(a, b)| f(a) / f(b)).collect();
+    let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = r.iter().copied().fold(0.0, f64::max);
+    format!("{:.2}x (pairs {lo:.2}-{hi:.2})", median(r))
+}
+
+fn samples_json(v: &[Sample]) -> Vec<serde_json::Value> {
+    v.iter()
+        .map(|s| serde_json::json!({"rps": s.rps, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "cpu_us_per_req": s.cpu_us_per_req, "non2xx": s.non2xx}))
+        .collect()
 }
 
 fn main() {
@@ -297,14 +405,18 @@ fn main() {
     let nginx = nginx_with("nginx.conf");
     let proxy = nginx_with("proxy.conf");
     std::thread::sleep(Duration::from_millis(500));
-    wait_routable(PROXY, "nginx proxy");
-    let venv = std::env::var_os("SGLANG_VENV").map(PathBuf::from).unwrap_or_else(|| {
-        let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-        home.join(format!(".cache/pdserve/peers/sglang-router-{SGLANG_ROUTER}"))
-    });
-    let peer = ensure_peer(&venv);
+    assert!(routable(PROXY), "the nginx proxy never routed a request");
+    let peers: Vec<&Peer> = chosen_peers().into_iter().filter(|p| ensure_peer(p)).collect();
     println!(
-        "{:<28} {:>5} {:>10} {:>9} {:>9} {:>12} {:>7}",
+        "peers: {}",
+        if peers.is_empty() {
+            "none".to_owned()
+        } else {
+            peers.iter().map(|p| p.label()).collect::<Vec<_>>().join(", ")
+        }
+    );
+    println!(
+        "{:<44} {:>5} {:>10} {:>9} {:>9} {:>12} {:>7}",
         "case", "conns", "req/s", "p50 ms", "p99 ms", "cpu us/req", "non2xx"
     );
     let mut results = Vec::new();
@@ -313,81 +425,83 @@ fn main() {
             for conns in [8u32, 64] {
                 let mode = if pd { "pd" } else { "regular" };
                 let mut ours_s = Vec::new();
-                let mut peer_s = Vec::new();
+                // Per peer: the repetitions it ran in (its pairs with ours) and its samples.
+                let mut peer_s: Vec<(Vec<usize>, Vec<Sample>)> = vec![(Vec::new(), Vec::new()); peers.len()];
                 let mut proxy_s = Vec::new();
                 let with_proxy = !pd && policy == "round_robin";
-                for _ in 0..reps {
+                for rep in 0..reps as usize {
                     {
                         let p = start_ours(pd, policy);
                         ours_s.push(wrk(OURS, conns, secs, &lua, p.0.id()));
                     }
-                    if peer {
-                        let p = start_peer(&venv, pd, policy);
-                        peer_s.push(wrk(PEER, conns, secs, &lua, p.0.id()));
+                    for (peer, (at, got)) in peers.iter().zip(&mut peer_s) {
+                        if let Some(p) = start_peer(peer, pd, policy) {
+                            got.push(wrk(PEER, conns, secs, &lua, p.0.id()));
+                            at.push(rep);
+                        }
                     }
                     if with_proxy {
                         proxy_s.push(wrk(PROXY, conns, secs, &lua, proxy.0.id()));
                     }
                 }
-                let mean = |v: &[Sample], f: fn(&Sample) -> f64| median(v.iter().map(f).collect());
-                for (who, v) in [("pdserve", &ours_s), ("sglang", &peer_s), ("nginx-proxy", &proxy_s)] {
-                    if v.is_empty() {
+                print_row(&format!("pdserve {mode} {policy}"), conns, &ours_s);
+                for (peer, (_, got)) in peers.iter().zip(&peer_s) {
+                    if !got.is_empty() {
+                        print_row(&format!("{} {mode} {policy}", peer.label()), conns, got);
+                    }
+                }
+                if with_proxy {
+                    print_row(&format!("nginx-proxy {mode} {policy}"), conns, &proxy_s);
+                }
+                for (peer, (at, got)) in peers.iter().zip(&peer_s) {
+                    if got.is_empty() {
                         continue;
                     }
+                    let ours_paired: Vec<Sample> = at.iter().map(|&r| ours_s[r]).collect();
                     println!(
-                        "{:<28} {:>5} {:>10.0} {:>9.3} {:>9.3} {:>12.1} {:>7}",
-                        format!("{who} {mode} {policy}"),
-                        conns,
-                        mean(v, |s| s.rps),
-                        mean(v, |s| s.p50_ms),
-                        mean(v, |s| s.p99_ms),
-                        mean(v, |s| s.cpu_us_per_req),
-                        v.iter().map(|s| s.non2xx).sum::<u64>()
-                    );
-                }
-                if peer {
-                    // Each repetition is a pair (ours, then the peer): the ratio's median and its spread.
-                    let pairs = |f: fn(&Sample) -> f64| -> String {
-                        let r: Vec<f64> = ours_s.iter().zip(&peer_s).map(|(a, b)| f(a) / f(b)).collect();
-                        let lo = r.iter().copied().fold(f64::INFINITY, f64::min);
-                        let hi = r.iter().copied().fold(0.0, f64::max);
-                        format!("{:.2}x (pairs {lo:.2}-{hi:.2})", median(r))
-                    };
-                    println!(
-                        "{:<28} {:>5} {:>10} ratio req/s {}, cpu/req {}",
-                        format!("  ratio {mode} {policy}"),
+                        "{:<44} {:>5} {:>10} ratio req/s {}, cpu/req {}",
+                        format!("  pdserve / {}", peer.label()),
                         conns,
                         "",
-                        pairs(|s| s.rps),
-                        pairs(|s| s.cpu_us_per_req)
+                        pairs(&ours_paired, got, |s| s.rps),
+                        pairs(&ours_paired, got, |s| s.cpu_us_per_req)
                     );
                     if with_proxy {
-                        let floor = mean(&proxy_s, |s| s.rps) / mean(&peer_s, |s| s.rps);
+                        let floor = med(&proxy_s, |s| s.rps) / med(got, |s| s.rps);
                         println!(
-                            "{:<28} {:>5} {:>10} nginx-proxy / sglang req/s {floor:.2}x",
-                            format!("  floor {mode} {policy}"),
+                            "{:<44} {:>5} {:>10} req/s {floor:.2}x",
+                            format!("  nginx-proxy / {}", peer.label()),
                             conns,
                             ""
                         );
                     }
                 }
-                let samples = |v: &[Sample]| -> Vec<serde_json::Value> {
-                    v.iter()
-                        .map(|s| serde_json::json!({"rps": s.rps, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms, "cpu_us_per_req": s.cpu_us_per_req, "non2xx": s.non2xx}))
-                        .collect()
-                };
+                let peer_json: Vec<serde_json::Value> = peers
+                    .iter()
+                    .zip(&peer_s)
+                    .map(|(p, (at, got))| {
+                        serde_json::json!({
+                            "peer": p.package, "version": p.version, "repetitions": at, "samples": samples_json(got),
+                        })
+                    })
+                    .collect();
                 results.push(serde_json::json!({
                     "mode": mode, "policy": policy, "connections": conns,
-                    "ours": samples(&ours_s), "peer": samples(&peer_s), "nginx_proxy": samples(&proxy_s),
+                    "ours": samples_json(&ours_s), "peers": peer_json, "nginx_proxy": samples_json(&proxy_s),
                 }));
             }
         }
     }
     drop(proxy);
     drop(nginx);
+    let doc = serde_json::json!({
+        "seconds": secs,
+        "repetitions": reps,
+        "peers": peers.iter().map(|p| serde_json::json!({"package": p.package, "version": p.version})).collect::<Vec<_>>(),
+        "cases": results,
+    });
     let out = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/bench");
     let _ = std::fs::create_dir_all(&out);
-    let _ =
-        std::fs::write(out.join("router.json"), serde_json::to_string_pretty(&results).unwrap_or_default());
+    let _ = std::fs::write(out.join("router.json"), serde_json::to_string_pretty(&doc).unwrap_or_default());
     let _ = std::fs::remove_dir_all(&dir);
 }
