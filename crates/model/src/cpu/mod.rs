@@ -8,26 +8,23 @@
 use std::sync::Arc;
 
 use pdserve_kvcache::{BlockCopy, BlockId};
-use rayon::prelude::*;
 
 use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::bits16::{bf16_bits, bf16_value};
 use crate::prepare::{PreparedLayers, PreparedWeights};
 use crate::quant::{
-    Bf16Matrix, Bf16Weights, F16Matrix, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights,
-    WeightFormat, GROUP,
+    Bf16Weights, F16Matrix, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat,
 };
-use crate::sys::{
-    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, sgemm, sgemm_xwt_avx512,
-    sgemm_xwt_avx512_strided, silu_mul, to_bf16,
-};
+use crate::sys::silu_mul;
 use crate::weights::Weights;
 
 mod attention;
 mod moe;
+mod products;
 
 use crate::{ModelConfig, ModelError};
 use attention::KvMemory;
+use products::{gemm_xwt, matmul, matmul_bf16, matmul_quant, matvec_quant, DOT_MAX_ROWS};
 
 /// Runs a model on the CPU with rayon's thread pool.
 #[derive(Debug)]
@@ -648,185 +645,5 @@ impl DecodeWeights {
     }
 }
 
-/// `x[t×k] · w[n×k]^T` with quantized weights, one row of `x` at a time (decode steps), spread over
-/// the thread pool by output columns.
-fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, out: &mut [f32]) {
-    let n = w.rows();
-    debug_assert_eq!((x.len(), out.len(), w.cols()), (t * k, t * n, k));
-    let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
-    let sums: Vec<Vec<f32>> =
-        xs.iter().map(|xr| xr.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()).collect();
-    let xsums: Vec<&[f32]> = sums.iter().map(Vec::as_slice).collect();
-    by_weight_rows(t, n, out, |j, o| w.dot_rows(j, &xs, &xsums, o));
-}
-
-/// `out[t×n]` with `f(j, column)` filling column `j` (the `t` input rows against weight row `j`),
-/// spread over the thread pool by weight rows: each weight row is read from memory once for all `t`
-/// rows, and each value is the very dot product a one-row step computes, so a row's result does not
-/// depend on the rows beside it (draft verification gives what decoding token by token gives).
-fn by_weight_rows(t: usize, n: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
-    let threads = rayon::current_num_threads().max(1);
-    // Two tasks per thread: enough to balance, few enough that dispatch stays cheap.
-    let chunk = n.div_ceil(threads * 2).max(16);
-    if t == 0 || n == 0 {
-        return;
-    }
-    if t == 1 {
-        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
-            for (j, oj) in o.iter_mut().enumerate() {
-                f(c * chunk + j, std::slice::from_mut(oj));
-            }
-        });
-        return;
-    }
-    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(chunk))
-        .into_par_iter()
-        .map(|c| {
-            let (j0, cols) = (c * chunk, chunk.min(n - c * chunk));
-            // Column-major within the part: one weight row's `t` values side by side.
-            let mut part = vec![0.0; t * cols];
-            for (j, col) in part.chunks_exact_mut(t).enumerate() {
-                f(j0 + j, col);
-            }
-            (j0, part)
-        })
-        .collect();
-    for (j0, part) in parts {
-        for (j, col) in part.chunks_exact(t).enumerate() {
-            for (r, v) in col.iter().enumerate() {
-                out[r * n + j0 + j] = *v;
-            }
-        }
-    }
-}
-
-/// `out = x[t×k] · w^T` with bf16 weights: x is rounded to bf16 once (into `xb`), then the weight's
-/// 32-row panels are split evenly over the thread pool.
-fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mut Vec<u16>, out: &mut [f32]) {
-    debug_assert_eq!((x.len(), w.cols), (t * k, k));
-    xb.resize(t * k, 0);
-    to_bf16(x, &mut xb[..t * k]);
-    gemm_bf16_par(&xb[..t * k], t, k, &w.panels, w.rows, out);
-}
-
-/// `out = x[t×k] · w^T` with quantized weights for a multi-row step: x is rounded to bf16 once (into
-/// `xb`), the weights are widened to bf16 one 32-row panel block at a time, in L1, as the bf16 GEMM
-/// reads them.
-fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, out: &mut [f32]) {
-    if let QRef::F16(m) = m {
-        return matmul_widened(x, t, k, m, out);
-    }
-    xb.resize(t * k, 0);
-    to_bf16(x, &mut xb[..t * k]);
-    let xb = &xb[..t * k];
-    fn run<M: QuantMatrix>(xb: &[u16], t: usize, k: usize, m: &M, out: &mut [f32]) {
-        if t < QUANT_PANEL_MIN_ROWS {
-            gemm_bf16_rows_par(xb, t, k, m.rows(), |r0, dst| m.bf16_rows(r0, 4, dst), out);
-        } else {
-            gemm_bf16_fill_par(xb, t, k, m.rows(), |r0, kk, dst| m.bf16_panel(r0, kk, dst), out);
-        }
-    }
-    match m {
-        QRef::Q8(m) => run(xb, t, k, m, out),
-        QRef::Q4(m) => run(xb, t, k, m, out),
-        QRef::F16(_) => unreachable!("f16 widens to f32, above"),
-    }
-}
-
-/// `out = x[t×k] · w^T` for f16 weights, exactly: 32 weight rows at a time widened to f32 and
-/// multiplied by every row of x on the f32 GEMM, the chunks spread over the thread pool.
-fn matmul_widened(x: &[f32], t: usize, k: usize, m: &F16Matrix, out: &mut [f32]) {
-    const ROWS: usize = 32;
-    let n = m.rows;
-    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(ROWS))
-        .into_par_iter()
-        .map(|c| {
-            let (r0, rows) = (c * ROWS, ROWS.min(n - c * ROWS));
-            let mut w = vec![0f32; rows * k];
-            crate::sys::widen_f16(&m.values[r0 * k..(r0 + rows) * k], &mut w);
-            let mut part = vec![0f32; t * rows];
-            gemm_xwt((x, k), t, k, (&w, k), rows, &mut part);
-            (r0, part)
-        })
-        .collect();
-    for (r0, part) in parts {
-        let rows = part.len() / t;
-        for (r, src) in part.chunks_exact(rows).enumerate() {
-            out[r * n + r0..r * n + r0 + rows].copy_from_slice(src);
-        }
-    }
-}
-
-/// Multi-row steps with fewer rows than this dot each row with the widened weight rows; longer ones
-/// transpose the weights into panels for the register-tiled GEMM (the transposition pays off only
-/// when many rows share it).
-const QUANT_PANEL_MIN_ROWS: usize = 64;
-
-/// Steps of at most this many rows (decode batches, a decode with its drafts) take dot products: every
-/// row's values are those of a one-row step.
-const DOT_MAX_ROWS: usize = 16;
-
-/// Steps with fewer rows than this run the weight GEMMs on matrixmultiply.
-const AVX512_GEMM_MIN_ROWS: usize = 64;
-
 /// Sequences with at least this many new tokens in a step take the GEMM attention path.
 const GEMM_ATTENTION_ROWS: usize = 32;
-
-/// `out[t×n] = x[t×k] · w[n×k]^T` on the calling thread over the first `k` values of rows `ldx` (x)
-/// and `ldw` (w) apart: the AVX-512 kernel where it applies, else matrixmultiply.
-fn gemm_xwt(
-    (x, ldx): (&[f32], usize),
-    t: usize,
-    k: usize,
-    (w, ldw): (&[f32], usize),
-    n: usize,
-    out: &mut [f32],
-) {
-    if !sgemm_xwt_avx512_strided((x, ldx), t, k, (w, ldw), n, out) {
-        sgemm(t, k, n, x, (ldx, 1), w, (1, ldw), out, (n, 1));
-    }
-}
-
-/// `x[t×k] · w[n×k]^T`, spread over the thread pool by output columns.
-pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
-    debug_assert_eq!(x.len(), t * k);
-    debug_assert_eq!(w.len(), n * k);
-    let threads = rayon::current_num_threads().max(1);
-    if t <= DOT_MAX_ROWS {
-        // Decode and draft verification: one dot per weight row and input row, weights read once.
-        let mut out = vec![0.0; t * n];
-        let wrow = |j: usize| &w[j * k..(j + 1) * k];
-        by_weight_rows(t, n, &mut out, |j, o| {
-            for (r, v) in o.iter_mut().enumerate() {
-                *v = dot(&x[r * k..(r + 1) * k], wrow(j));
-            }
-        });
-        return out;
-    }
-    // Column chunks in multiples of 32, so the AVX-512 kernel takes every chunk when n allows.
-    let chunk = n.div_ceil(threads * 2).max(64).next_multiple_of(32);
-    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(chunk))
-        .into_par_iter()
-        .map(|c| {
-            let j0 = c * chunk;
-            let cols = chunk.min(n - j0);
-            let mut part = vec![0.0; t * cols];
-            // The AVX-512 kernel packs every weight panel: worth it for prefill-sized steps, not for a
-            // batch of a few dozen decode rows (matrixmultiply measured faster there).
-            if t < AVX512_GEMM_MIN_ROWS
-                || !sgemm_xwt_avx512(x, t, k, &w[j0 * k..(j0 + cols) * k], cols, &mut part)
-            {
-                sgemm(t, k, cols, x, (k, 1), &w[j0 * k..], (1, k), &mut part, (cols, 1));
-            }
-            (j0, part)
-        })
-        .collect();
-    let mut out = vec![0.0; t * n];
-    for (j0, part) in parts {
-        let cols = part.len() / t;
-        for (r, src) in part.chunks_exact(cols).enumerate() {
-            out[r * n + j0..r * n + j0 + cols].copy_from_slice(src);
-        }
-    }
-    out
-}
