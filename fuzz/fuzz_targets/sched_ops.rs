@@ -52,12 +52,22 @@ fuzz_target!(|data: &[u8]| {
             }
             2 => {
                 let Some(stops) = next() else { break };
-                let batch = s.poll_batch(now);
+                // Drafts (speculative decoding): the byte's low bits say how many, the engine accepts
+                // a prefix of them chosen by the same byte.
+                let draft = usize::from(next().unwrap_or(0));
+                let batch = s.poll_batch_drafting(now, usize::MAX, &mut |_, tokens, _| {
+                    tokens.iter().rev().take(draft % 5).copied().collect()
+                });
                 let sampled: Vec<Sampled> = batch
                     .iter()
                     .enumerate()
                     .filter(|(_, i)| i.sample)
-                    .map(|(k, i)| Sampled { id: i.id, token: k as u32, stop: stops >> (k % 8) & 1 == 1 })
+                    .map(|(k, i)| Sampled {
+                        id: i.id,
+                        token: k as u32,
+                        stop: stops >> (k % 8) & 1 == 1,
+                        drafts_accepted: (draft >> 3) % (i.draft + 1),
+                    })
                     .collect();
                 s.handle_step_result(&sampled, now);
             }
