@@ -24,7 +24,9 @@ mod products;
 
 use crate::{ModelConfig, ModelError};
 use attention::KvMemory;
-use products::{gemm_xwt, matmul, matmul_bf16, matmul_quant, matvec_quant, DOT_MAX_ROWS};
+use products::{
+    gemm_xwt, matmul, matmul_bf16, matmul_dots_up_to, matmul_quant, matvec_quant, DOT_MAX_ROWS, DOT_ROWS,
+};
 
 /// Runs a model on the CPU with rayon's thread pool.
 #[derive(Debug)]
@@ -321,7 +323,9 @@ impl CpuBackend {
             multi: self.multi.clone(),
             quant_multi: self.quant_multi,
             quant_head: self.quant_multi && cfg.vocab_size.is_multiple_of(32),
+            dot_rows: if steps.iter().any(|s| s.logits > 1) { DOT_MAX_ROWS } else { DOT_ROWS },
         };
+        let matmul = |x: &[f32], t, k, w: &[f32], n| matmul_dots_up_to(x, t, k, w, n, mats.dot_rows);
 
         let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, kv_dim, inter) = (nh * hd, nkv * hd, cfg.intermediate_size);
@@ -570,11 +574,13 @@ struct Mats {
     quant_multi: bool,
     /// ... and the quantized LM head.
     quant_head: bool,
+    /// Steps of up to this many rows take dot products (`DOT_MAX_ROWS` for a step that verifies drafts).
+    dot_rows: usize,
 }
 
 impl Mats {
     /// `out = x[t×k] · W^T` for layer `li`'s projection `p` (Q/K/V and gate/up stacked) from
-    /// quantized weights (dot products for decode-sized steps, `t <= DOT_MAX_ROWS`; widened to bf16 block by
+    /// quantized weights (dot products for decode-sized steps, `t <= dot_rows`; widened to bf16 block by
     /// block for larger ones) or bf16 weights (`xb`: room for x in bf16). False, touching nothing,
     /// where the step reads the f32 weights instead.
     #[allow(clippy::too_many_arguments)]
@@ -589,9 +595,9 @@ impl Mats {
         out: &mut [f32],
     ) -> bool {
         match (&self.decode, &self.multi) {
-            (Some(d), _) if t <= DOT_MAX_ROWS => matvec_ref(x, t, k, d.layer(li, p), out),
+            (Some(d), _) if t <= self.dot_rows => matvec_ref(x, t, k, d.layer(li, p), out),
             (Some(d), None) if self.quant_multi => matmul_quant(x, t, k, d.layer(li, p), xb, out),
-            (d, Some(b)) if t > DOT_MAX_ROWS || d.is_none() => {
+            (d, Some(b)) if t > self.dot_rows || d.is_none() => {
                 matmul_bf16(x, t, k, p.of(&b.layers[li]), xb, out)
             }
             _ => return false,
@@ -602,13 +608,13 @@ impl Mats {
     /// The LM head's product, likewise.
     fn head(&self, x: &[f32], t: usize, k: usize, xb: &mut Vec<u16>, out: &mut [f32]) -> bool {
         match (&self.decode, self.multi.as_ref().and_then(|b| b.lm_head.as_ref())) {
-            (Some(d), _) if t <= DOT_MAX_ROWS && d.head().is_some() => {
+            (Some(d), _) if t <= self.dot_rows && d.head().is_some() => {
                 matvec_ref(x, t, k, d.head().expect("head"), out)
             }
             (Some(d), None) if self.quant_head && d.head().is_some() => {
                 matmul_quant(x, t, k, d.head().expect("head"), xb, out)
             }
-            (d, Some(h)) if t > DOT_MAX_ROWS || d.is_none() => matmul_bf16(x, t, k, h, xb, out),
+            (d, Some(h)) if t > self.dot_rows || d.is_none() => matmul_bf16(x, t, k, h, xb, out),
             _ => return false,
         }
         true

@@ -125,9 +125,13 @@ pub(super) fn matmul_widened(x: &[f32], t: usize, k: usize, m: &F16Matrix, out: 
 /// when many rows share it).
 const QUANT_PANEL_MIN_ROWS: usize = 64;
 
-/// Steps of at most this many rows (decode batches, a decode with its drafts) take dot products: every
-/// row's values are those of a one-row step.
+/// Steps that verify drafts (a `SeqStep` asking for the logits of more than one row) take dot products
+/// up to this many rows, so every row's values are those of a one-row step; other steps take them up
+/// to `DOT_ROWS` rows (decode of one or two sequences) and GEMMs beyond, which are faster for batches.
 pub(super) const DOT_MAX_ROWS: usize = 16;
+
+/// Rows up to which steps that verify nothing take dot products.
+pub(super) const DOT_ROWS: usize = 2;
 
 /// Steps with fewer rows than this run the weight GEMMs on matrixmultiply.
 const AVX512_GEMM_MIN_ROWS: usize = 64;
@@ -147,12 +151,25 @@ pub(super) fn gemm_xwt(
     }
 }
 
-/// `x[t×k] · w[n×k]^T`, spread over the thread pool by output columns.
+/// `x[t×k] · w[n×k]^T`, spread over the thread pool by output columns (dot products up to `DOT_ROWS`
+/// rows).
 pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
+    matmul_dots_up_to(x, t, k, w, n, DOT_ROWS)
+}
+
+/// [`matmul`] taking dot products up to `dot_rows` rows.
+pub(super) fn matmul_dots_up_to(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: &[f32],
+    n: usize,
+    dot_rows: usize,
+) -> Vec<f32> {
     debug_assert_eq!(x.len(), t * k);
     debug_assert_eq!(w.len(), n * k);
     let threads = rayon::current_num_threads().max(1);
-    if t <= DOT_MAX_ROWS {
+    if t <= dot_rows {
         // Decode and draft verification: one dot per weight row and input row, weights read once.
         let mut out = vec![0.0; t * n];
         let wrow = |j: usize| &w[j * k..(j + 1) * k];
