@@ -131,9 +131,10 @@ pub(super) fn k8s_topology(bins: &(PathBuf, PathBuf), model: &Path, short: bool)
     let row = tally(&outcomes);
     ensure!(
         row.completed == row.sent,
-        "{} of {} streams failed across the decode pod's termination",
+        "{} of {} streams failed across the decode pod's termination: {}",
         row.sent - row.completed,
-        row.sent
+        row.sent,
+        failures(&outcomes)
     );
     wait_for_workers(&s.router, 2)?;
     s.procs.retain(|p| p.name != "decode-0");
@@ -153,9 +154,10 @@ pub(super) fn k8s_topology(bins: &(PathBuf, PathBuf), model: &Path, short: bool)
     let mut row = tally(&outcomes);
     ensure!(
         row.hung == 0 && row.completed == row.sent,
-        "{} of {} streams did not complete",
+        "{} of {} streams did not complete: {}",
         row.sent - row.completed,
-        row.sent
+        row.sent,
+        failures(&outcomes)
     );
     s.procs.retain(|p| p.name != "router-0");
     drop(s);
@@ -167,6 +169,24 @@ pub(super) fn k8s_topology(bins: &(PathBuf, PathBuf), model: &Path, short: bool)
         took_ready.as_millis()
     );
     Ok(row)
+}
+
+/// What the failed streams got: status, error type, tokens before it and when it ended.
+fn failures(outcomes: &[pdserve_loadgen::Outcome]) -> String {
+    let failed: Vec<String> = outcomes
+        .iter()
+        .filter(|o| !o.ok())
+        .map(|o| {
+            format!(
+                "{} {} after {} tokens at {:.1} s",
+                o.status,
+                o.error.as_deref().unwrap_or("no error"),
+                o.output_tokens,
+                o.e2e.as_secs_f64()
+            )
+        })
+        .collect();
+    failed.join("; ")
 }
 
 fn container<'a>(objects: &'a [Value], component: &str) -> Result<&'a Value> {

@@ -26,6 +26,7 @@ use crate::{ModelConfig, ModelError};
 use attention::KvMemory;
 use products::{
     gemm_xwt, matmul, matmul_bf16, matmul_dots_up_to, matmul_quant, matvec_quant, DOT_MAX_ROWS, DOT_ROWS,
+    F32_DOT_ROWS,
 };
 
 /// Runs a model on the CPU with rayon's thread pool.
@@ -325,7 +326,8 @@ impl CpuBackend {
             quant_head: self.quant_multi && cfg.vocab_size.is_multiple_of(32),
             dot_rows: if steps.iter().any(|s| s.logits > 1) { DOT_MAX_ROWS } else { DOT_ROWS },
         };
-        let matmul = |x: &[f32], t, k, w: &[f32], n| matmul_dots_up_to(x, t, k, w, n, mats.dot_rows);
+        let f32_dot_rows = mats.dot_rows.max(F32_DOT_ROWS);
+        let matmul = |x: &[f32], t, k, w: &[f32], n| matmul_dots_up_to(x, t, k, w, n, f32_dot_rows);
 
         let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, kv_dim, inter) = (nh * hd, nkv * hd, cfg.intermediate_size);
