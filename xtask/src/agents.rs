@@ -2,13 +2,12 @@
 //! stack, a unified worker and llama.cpp's server, all three up at once on this machine, the targets
 //! alternating run by run. Everything it starts it stops.
 
-use std::fs::File;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use crate::serve::{http_status, start_stack, stop_all, Spec, Stack};
+use crate::peer::LlamaServer;
+use crate::serve::{start_stack, stop_all, Spec, Stack};
 
 const USAGE: &str = "cargo xtask bench agents [--agents N] [--rounds R] [--prompt-words P] [--tool-words W]
                          [--max-tokens M] [--repeat K] [--kv-blocks B] [--no-llamacpp] [--out PATH]
@@ -20,16 +19,6 @@ alternating. Defaults: 32 agents x 10 rounds; each conversation opens with a tas
 1,000 tokens) and every round adds the answer (64 tokens) and 110 words (about 150 tokens) of tool
 output; K = 2; 6,400 KV blocks of 16 tokens per worker (each holds every conversation); out
 target/bench/agents.";
-
-/// llama-server, started here; killed when dropped.
-struct Peer(Child);
-
-impl Drop for Peer {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut agents, mut rounds, mut tool_words, mut max_tokens, mut repeat) =
@@ -93,7 +82,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         stacks.push(start_stack(&spec(8100, false, &pd_logs))?);
         stacks.push(start_stack(&spec(8101, true, &unified_logs))?);
         let _peer = match &peer_bins {
-            Some((server, gguf)) => Some(start_llamacpp(server, gguf, agents, &logs)?),
+            // One slot per agent, each holding a whole conversation (about 3,100 tokens at round 10
+            // of the defaults), so every slot keeps its conversation's prompt cache.
+            Some((server, gguf)) => {
+                Some(LlamaServer::start(server, gguf, (agents * 4096, agents), &[], &logs)?)
+            }
             None => None,
         };
         let mut bench: Vec<String> =
@@ -131,39 +124,4 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         stop_all(&mut s.procs, Duration::from_secs(20));
     }
     result
-}
-
-/// `llama-server` with the default model's GGUF, one slot per agent (each keeps its conversation's
-/// prompt cache), on two threads like our workers; waits until it answers `/health`.
-fn start_llamacpp(
-    server: &std::path::Path,
-    gguf: &std::path::Path,
-    agents: usize,
-    logs: &std::path::Path,
-) -> Result<Peer> {
-    // Every slot holds a whole conversation (about 3,100 tokens at round 10 of the defaults).
-    let ctx = (agents * 4096).to_string();
-    let np = agents.to_string();
-    let log = logs.join("llama-server.log");
-    let child = Command::new(server)
-        .args(["-m"])
-        .arg(gguf)
-        .args(["-t", "2", "-c", &ctx, "-np", &np, "--port", "8189", "--host", "127.0.0.1"])
-        .stdin(Stdio::null())
-        .stdout(File::create(&log)?)
-        .stderr(File::create(logs.join("llama-server.err.log"))?)
-        .spawn()
-        .with_context(|| format!("starting {}", server.display()))?;
-    let mut peer = Peer(child);
-    let started = Instant::now();
-    while http_status("http://127.0.0.1:8189", "/health") != Some(200) {
-        if let Some(status) = peer.0.try_wait()? {
-            bail!("llama-server exited with {status}; see {}", logs.display());
-        }
-        if started.elapsed() > Duration::from_secs(120) || crate::sys::stop_requested() {
-            bail!("llama-server did not become ready within 120 s; see {}", logs.display());
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    Ok(peer)
 }

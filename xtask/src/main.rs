@@ -17,6 +17,7 @@ mod spec;
 mod structured;
 mod sys;
 mod transfer;
+mod vs_llamacpp;
 mod where_;
 
 /// Every command: its name, its usage line, and what it does.
@@ -41,6 +42,7 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          bench agents [--agents N] [--rounds R] [--repeat K] [--no-llamacpp]\n\
          bench structured [--concurrency LIST] [--max-tokens M] [--repeat K]\n\
          bench spec [--concurrency LIST] [--max-tokens M] [--repeat K] [--draft-tokens N]\n\
+         bench llamacpp [--isa native|avx2|both] [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench memory [--kv-blocks N]\n\
          bench transfer [--tokens 128,2048,8000] [--repeat 3]\n\
          bench http [--seconds N] [--rounds N] [--connections N]\n\
@@ -49,7 +51,9 @@ const COMMANDS: &[(&str, &str, &str)] = &[
         "the load generator (pdserve-bench, its options: `cargo run -p pdserve-loadgen -- --help`) against\n\
          OpenAI-compatible endpoints; `agents`: growing multi-round conversations against the PD stack, a\n\
          unified worker and llama.cpp's server, all started here; `structured`: one unified worker with\n\
-         and without a json_schema response format, alternating; `transfer`: the KV transfer between worker\n\
+         and without a json_schema response format, alternating; `llamacpp`: one unified worker beside\n\
+         llama.cpp's server built for the same instruction set, alternating, per figure of the CPU goals\n\
+         (1 and 32 streams, a 1,000-token prefill, decode after 4,000 tokens) and peak memory; `transfer`: the KV transfer between worker\n\
          processes over shared memory and TCP beside memcpy; `http`: this project's HTTP server\n\
          beside nginx under wrk; `router`: the router beside SGLang's router (sglang-router and its\n\
          successor, the Shepherd Model Gateway `smg`, each pinned and named with its version) and nginx,\n\
@@ -285,6 +289,7 @@ fn bench(args: &[String]) -> Result<()> {
         Some("agents") => agents::run(&args[1..]),
         Some("structured") => structured::run(&args[1..]),
         Some("spec") => spec::run(&args[1..]),
+        Some("llamacpp") => vs_llamacpp::run(&args[1..]),
         Some("memory") => memory::run(&args[1..]),
         Some("transfer") => transfer::run(&args[1..]),
         Some("peak") => {

@@ -205,3 +205,60 @@ fn source(dir: &Path) -> Result<()> {
     let tarball = dir.join(format!("llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"));
     crate::run(Command::new("tar").arg("-xzf").arg(&tarball).arg("-C").arg(&src).arg("--strip-components=1"))
 }
+
+/// `llama-server` with a GGUF on two threads like our workers, started here and killed when dropped.
+pub(crate) struct LlamaServer {
+    child: std::process::Child,
+    pub url: String,
+}
+
+impl LlamaServer {
+    /// Port 8189: `ctx` tokens of KV cache split among `slots` requests decoded at once (each its
+    /// share; `extra` `-kvu`: one pool any slot may fill), waits until it answers `/health`.
+    pub(crate) fn start(
+        server: &Path,
+        gguf: &Path,
+        (ctx, slots): (usize, usize),
+        extra: &[&str],
+        logs: &Path,
+    ) -> Result<Self> {
+        use std::fs::File;
+        use std::process::Stdio;
+        use std::time::{Duration, Instant};
+        std::fs::create_dir_all(logs)?;
+        let child = Command::new(server)
+            .arg("-m")
+            .arg(gguf)
+            .args(["-t", "2", "-c", &ctx.to_string(), "-np", &slots.to_string()])
+            .args(["--port", "8189", "--host", "127.0.0.1"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(File::create(logs.join("llama-server.log"))?)
+            .stderr(File::create(logs.join("llama-server.err.log"))?)
+            .spawn()
+            .with_context(|| format!("starting {}", server.display()))?;
+        let mut peer = LlamaServer { child, url: "http://127.0.0.1:8189".into() };
+        let started = Instant::now();
+        while crate::serve::http_status(&peer.url, "/health") != Some(200) {
+            if let Some(status) = peer.child.try_wait()? {
+                bail!("llama-server exited with {status}; see {}", logs.display());
+            }
+            if started.elapsed() > Duration::from_secs(120) || crate::sys::stop_requested() {
+                bail!("llama-server did not become ready within 120 s; see {}", logs.display());
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        Ok(peer)
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for LlamaServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

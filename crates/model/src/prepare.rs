@@ -55,14 +55,15 @@ impl PreparedWeights {
     }
 
     /// Whether every step of `format` reads converted weights, so the f32 projections can go: bf16,
-    /// f16, and q8/q4 where the CPU has the bf16 GEMM their multi-row steps widen the quantized matrices
-    /// for (and every stacked matrix fills whole 32-row panels); never f32.
+    /// f16, and q8/q4 (their multi-row steps widen the quantized matrices block by block: to bf16
+    /// where the CPU has the bf16 GEMM, which needs every stacked matrix to fill whole 32-row panels,
+    /// else to f32); never f32.
     pub(crate) fn replaces_f32(format: WeightFormat, c: &ModelConfig) -> bool {
         let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let panels = [q + 2 * kv, c.hidden_size, 2 * c.intermediate_size].iter().all(|r| r % 32 == 0);
         match format {
             WeightFormat::Bf16 | WeightFormat::F16 => true,
-            WeightFormat::Q8 | WeightFormat::Q4 => has_bf16_gemm() && panels,
+            WeightFormat::Q8 | WeightFormat::Q4 => panels || !has_bf16_gemm(),
             WeightFormat::F32 | WeightFormat::Auto => false,
         }
     }

@@ -102,6 +102,9 @@ pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
     fn bytes(&self) -> usize;
     /// Row `r` as f32 (for tests and references).
     fn dequantize_row(&self, r: usize) -> Vec<f32>;
+    /// Row `r` as f32 into `dst` (`cols` values): how the f32 GEMM of CPUs without the bf16 one reads
+    /// the matrix.
+    fn f32_row(&self, r: usize, dst: &mut [f32]);
     /// `x . row r`, given `xsum[g]` = the sum of `x` over group g.
     fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32;
     /// `out[i] = xs[i] . row r` for several inputs, each value exactly [`dot_row`](Self::dot_row)'s.
@@ -157,9 +160,20 @@ impl QuantMatrix for Q8Matrix {
     }
 
     fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.cols];
+        self.f32_row(r, &mut out);
+        out
+    }
+
+    fn f32_row(&self, r: usize, dst: &mut [f32]) {
         let v = &self.values[r * self.cols..(r + 1) * self.cols];
         let s = &self.scales[r * self.cols / GROUP..(r + 1) * self.cols / GROUP];
-        v.iter().enumerate().map(|(i, &q)| q as f32 * f16_value(s[i / GROUP])).collect()
+        for ((d, q), &s) in dst.chunks_exact_mut(GROUP).zip(v.chunks_exact(GROUP)).zip(s) {
+            let s = f16_value(s);
+            for (d, &q) in d.iter_mut().zip(q) {
+                *d = q as f32 * s;
+            }
+        }
     }
 
     fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
@@ -239,15 +253,22 @@ impl QuantMatrix for Q4Matrix {
     }
 
     fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.cols];
+        self.f32_row(r, &mut out);
+        out
+    }
+
+    fn f32_row(&self, r: usize, dst: &mut [f32]) {
         let g0 = r * self.cols / GROUP;
-        let mut out = Vec::with_capacity(self.cols);
-        for g in 0..self.cols / GROUP {
+        for (g, d) in dst.chunks_exact_mut(GROUP).enumerate() {
             let bytes = &self.packed[(g0 + g) * GROUP / 2..(g0 + g + 1) * GROUP / 2];
             let (s, m) = (f16_value(self.scales[g0 + g]), f16_value(self.mins[g0 + g]));
-            out.extend(bytes.iter().map(|b| m + (b & 15) as f32 * s));
-            out.extend(bytes.iter().map(|b| m + (b >> 4) as f32 * s));
+            let (lo, hi) = d.split_at_mut(GROUP / 2);
+            for ((l, h), b) in lo.iter_mut().zip(hi).zip(bytes) {
+                *l = m + (b & 15) as f32 * s;
+                *h = m + (b >> 4) as f32 * s;
+            }
         }
-        out
     }
 
     fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32 {
@@ -317,6 +338,10 @@ impl QuantMatrix for F16Matrix {
 
     fn dequantize_row(&self, r: usize) -> Vec<f32> {
         self.values[r * self.cols..(r + 1) * self.cols].iter().map(|&b| f16_value(b)).collect()
+    }
+
+    fn f32_row(&self, r: usize, dst: &mut [f32]) {
+        crate::sys::widen_f16(&self.values[r * self.cols..(r + 1) * self.cols], dst);
     }
 
     fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {

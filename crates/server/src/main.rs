@@ -30,8 +30,8 @@ pdserve-server [options]
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
   --weights FMT            auto (default: the checkpoint's own precision: bf16 or f16 as it ships, else f32),
                            f32, bf16, f16, q8 or q4: bf16 or f16 for every step, or quantized weights (groups
-                           of 32) for every step, longer ones widening them to bf16 as they go where the CPU
-                           has AVX-512 BF16; copies nothing reads are freed
+                           of 32) for every step, longer ones widening them as they go (to bf16 where the
+                           CPU has AVX-512 BF16, else to f32); copies nothing reads are freed
   --cpu-kernels PATH       the CPU kernels to run: avx512, avx2 or portable (default: the best this CPU has;
                            a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
   --speculative MODE       prompt-lookup (default) or off: draft tokens from the request's own context (the

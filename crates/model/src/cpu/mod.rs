@@ -136,8 +136,8 @@ impl CpuBackend {
             PreparedLayers::Bf16(l) => multi = Some(Arc::new(Bf16Weights::from_layers(l, head, &self.cfg))),
             PreparedLayers::F16(l) => decode = Some(DecodeWeights::F16(Arc::new(l))),
         }
-        // Multi-row steps widen blocks of the quantized matrices to bf16 as they go, where the CPU
-        // has the bf16 GEMM and every projection's rows fill whole 32-row panels (else they read f32).
+        // Multi-row steps widen blocks of the quantized matrices as they go: to bf16 where the CPU has
+        // the bf16 GEMM and every projection's rows fill whole 32-row panels, else to f32.
         let quant_multi = decode.is_some() && PreparedWeights::replaces_f32(format, &self.cfg);
         let head_panels = self.cfg.vocab_size.is_multiple_of(32);
         let mut b = CpuBackend { decode, multi, quant_multi, format, ..self };
@@ -194,7 +194,8 @@ impl CpuBackend {
     }
 
     /// What the projections of steps of more than two rows (prefill, batched decode) read: "bf16",
-    /// "q8" or "q4" (widened to bf16 block by block as the GEMM goes), or "f32".
+    /// "q8" or "q4" (widened to bf16, or to f32 without the bf16 GEMM, block by block as the GEMM goes),
+    /// or "f32".
     pub fn multi_row_format(&self) -> &'static str {
         if self.multi.is_some() {
             "bf16"
@@ -572,7 +573,7 @@ fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
 struct Mats {
     decode: Option<DecodeWeights>,
     multi: Option<Arc<Bf16Weights>>,
-    /// Multi-row products read the quantized projections (widened to bf16 block by block).
+    /// Multi-row products read the quantized projections (widened to bf16 or f32 block by block).
     quant_multi: bool,
     /// ... and the quantized LM head.
     quant_head: bool,

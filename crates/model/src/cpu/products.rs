@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use super::QRef;
 use crate::quant::{Bf16Matrix, F16Matrix, QuantMatrix, GROUP};
 use crate::sys::{
-    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, sgemm, sgemm_xwt_avx512,
+    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, has_bf16_gemm, sgemm, sgemm_xwt_avx512,
     sgemm_xwt_avx512_strided, to_bf16,
 };
 
@@ -75,9 +75,22 @@ pub(super) fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mu
 /// `out = x[t×k] · w^T` with quantized weights for a multi-row step: x is rounded to bf16 once (into
 /// `xb`), the weights are widened to bf16 one 32-row panel block at a time, in L1, as the bf16 GEMM
 /// reads them.
+///
+/// Without the bf16 GEMM (AVX2 CPUs), steps of fewer than `QUANT_PANEL_MIN_ROWS` rows take the
+/// multi-row dot tiles (each weight row unpacked once for every row) and longer ones widen 32 weight
+/// rows at a time to f32 for the f32 GEMM: the quantized matrices are all a step reads either way.
 pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, out: &mut [f32]) {
     if let QRef::F16(m) = m {
         return matmul_widened(x, t, k, m, out);
+    }
+    if !has_bf16_gemm() {
+        return match (m, t < QUANT_PANEL_MIN_ROWS) {
+            (QRef::Q8(m), true) => matvec_quant(x, t, k, m, out),
+            (QRef::Q4(m), true) => matvec_quant(x, t, k, m, out),
+            (QRef::Q8(m), false) => matmul_dequantized(x, t, k, m, out),
+            (QRef::Q4(m), false) => matmul_dequantized(x, t, k, m, out),
+            (QRef::F16(_), _) => unreachable!("f16 widens to f32, above"),
+        };
     }
     xb.resize(t * k, 0);
     to_bf16(x, &mut xb[..t * k]);
@@ -99,14 +112,36 @@ pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut 
 /// `out = x[t×k] · w^T` for f16 weights, exactly: 32 weight rows at a time widened to f32 and
 /// multiplied by every row of x on the f32 GEMM, the chunks spread over the thread pool.
 pub(super) fn matmul_widened(x: &[f32], t: usize, k: usize, m: &F16Matrix, out: &mut [f32]) {
+    widened_gemm(x, t, k, m.rows, out, |r0, w| crate::sys::widen_f16(&m.values[r0 * k..][..w.len()], w))
+}
+
+/// `out = x[t×k] · w^T` for quantized weights on the f32 GEMM: 32 weight rows at a time dequantized
+/// exactly to f32 (the values `dot_row` multiplies by), the chunks spread over the thread pool.
+fn matmul_dequantized<M: QuantMatrix>(x: &[f32], t: usize, k: usize, m: &M, out: &mut [f32]) {
+    widened_gemm(x, t, k, m.rows(), out, |r0, w| {
+        for (r, row) in w.chunks_exact_mut(k).enumerate() {
+            m.f32_row(r0 + r, row);
+        }
+    })
+}
+
+/// `out = x[t×k] · w^T` where `widen(r0, w)` writes weight rows `r0..` (as many as `w` holds) in f32:
+/// 32 rows at a time, each chunk's product on the f32 GEMM, the chunks spread over the thread pool.
+fn widened_gemm(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+    widen: impl Fn(usize, &mut [f32]) + Sync,
+) {
     const ROWS: usize = 32;
-    let n = m.rows;
     let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(ROWS))
         .into_par_iter()
         .map(|c| {
             let (r0, rows) = (c * ROWS, ROWS.min(n - c * ROWS));
             let mut w = vec![0f32; rows * k];
-            crate::sys::widen_f16(&m.values[r0 * k..(r0 + rows) * k], &mut w);
+            widen(r0, &mut w);
             let mut part = vec![0f32; t * rows];
             gemm_xwt((x, k), t, k, (&w, k), rows, &mut part);
             (r0, part)
@@ -122,7 +157,7 @@ pub(super) fn matmul_widened(x: &[f32], t: usize, k: usize, m: &F16Matrix, out: 
 
 /// Multi-row steps with fewer rows than this dot each row with the widened weight rows; longer ones
 /// transpose the weights into panels for the register-tiled GEMM (the transposition pays off only
-/// when many rows share it).
+/// when many rows share it). Without the bf16 GEMM: below it the dot tiles, from it the f32 GEMM.
 const QUANT_PANEL_MIN_ROWS: usize = 64;
 
 /// Steps that verify drafts (a `SeqStep` asking for the logits of more than one row) take dot products
@@ -212,4 +247,60 @@ pub(super) fn matmul_dots_up_to(
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::{Q4Matrix, Q8Matrix};
+
+    /// Deterministic values in -1..1.
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// `x · w^T` against the dequantized rows, summed in f64.
+    fn reference<M: QuantMatrix>(x: &[f32], t: usize, k: usize, m: &M) -> Vec<f32> {
+        let rows: Vec<Vec<f32>> = (0..m.rows()).map(|j| m.dequantize_row(j)).collect();
+        let mut out = Vec::with_capacity(t * m.rows());
+        for xr in x.chunks_exact(k) {
+            out.extend(
+                rows.iter().map(|w| xr.iter().zip(w).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32),
+            );
+        }
+        out
+    }
+
+    /// A multi-row step's product over quantized weights (the bf16 GEMM on CPUs that have it; the dot
+    /// tiles below 64 rows and the f32 GEMM from 64 on the others) is the product of the weights'
+    /// own values: within bf16 rounding of x where the bf16 GEMM runs, else within f32 rounding.
+    #[test]
+    fn multi_row_products_of_quantized_weights_are_the_weights_products() {
+        let (n, k) = (96, 256);
+        let w = values(n * k, 1);
+        let q4 = Q4Matrix::quantize(&w, n, k).unwrap();
+        let q8 = Q8Matrix::quantize(&w, n, k).unwrap();
+        let tolerance = if has_bf16_gemm() { 0.1 } else { 1e-3 };
+        for t in [3, 17, 64, 70] {
+            let x = values(t * k, 2 + t as u64);
+            for (name, m, want) in [
+                ("q4", QRef::Q4(&q4), reference(&x, t, k, &q4)),
+                ("q8", QRef::Q8(&q8), reference(&x, t, k, &q8)),
+            ] {
+                let mut out = vec![0.0; t * n];
+                matmul_quant(&x, t, k, m, &mut Vec::new(), &mut out);
+                for (i, (a, b)) in out.iter().zip(&want).enumerate() {
+                    assert!((a - b).abs() <= tolerance, "{name} t={t} value {i}: {a} against {b}");
+                }
+            }
+        }
+    }
 }

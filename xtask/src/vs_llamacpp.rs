@@ -1,0 +1,254 @@
+//! `cargo xtask bench llamacpp`: this project's unified worker against llama.cpp's server, per
+//! instruction set, through HTTP, alternating run by run (A B A B), every point's prompts unique to
+//! it. One row per figure the CPU goals name (a single stream, 32 streams, a 1,000-token prefill,
+//! decode after a 4,000-token prompt), then each server's peak resident memory; the raw JSON of
+//! every row under `target/bench/`, and a markdown table of medians and pair ratios beside it.
+//! Everything it starts it stops.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+use crate::peer::{Isa, LlamaServer};
+use crate::serve::{start_stack, stop_all, Spec};
+
+const USAGE: &str =
+    "cargo xtask bench llamacpp [--isa native|avx2|both] [--repeat K] [--rows LIST] [--weights FMT]
+
+Per instruction set: one unified worker of ours on port 8121 (--weights q4, --speculative off, and
+--cpu-kernels avx2 for avx2) and llama.cpp's llama-server built for the same set by `cargo xtask peer
+llamacpp --isa ISA` (-t 2, -c 16384 -np 32 -kvu: one KV
+pool any of the 32 slots may fill) on 8189. The load generator runs every row
+against both, alternating, K pairs (default 3):
+  single     1 stream, ~100-token prompts, 64 output tokens     output tokens/s
+  streams32  32 streams, the same requests                      output tokens/s
+  prefill    1 stream, ~1,000-token prompts, 1 output token     time to first token (p50)
+  long       1 stream, ~4,000-token prompts, 64 output tokens   inter-token latency (mean)
+Then the peak resident memory (VmHWM) of both processes. Raw JSON: target/bench/vs-llamacpp-ISA-ROW.json;
+the table: target/bench/vs-llamacpp.md (printed too; each set's rows also in vs-llamacpp-ISA.md). Defaults: --isa both, --repeat 3, every row,
+--weights q4.";
+
+/// One row: its name, the load generator's options, what is read from each run and whether more
+/// is better.
+struct Row {
+    name: &'static str,
+    what: &'static str,
+    args: &'static [&'static str],
+    metric: fn(&Value) -> Option<f64>,
+    unit: &'static str,
+    higher_is_better: bool,
+}
+
+const ROWS: &[Row] = &[
+    Row {
+        name: "single",
+        what: "1 stream, 64 output tokens",
+        args: &["--concurrency", "1", "--requests-per-client", "8", "--max-tokens", "64"],
+        metric: |p| p["output_tokens_per_s"].as_f64(),
+        unit: "tok/s",
+        higher_is_better: true,
+    },
+    Row {
+        name: "streams32",
+        what: "32 streams, 64 output tokens each",
+        args: &["--concurrency", "32", "--requests-per-client", "1", "--max-tokens", "64"],
+        metric: |p| p["output_tokens_per_s"].as_f64(),
+        unit: "tok/s",
+        higher_is_better: true,
+    },
+    Row {
+        name: "prefill",
+        what: "a 1,000-token prompt, time to first token",
+        args: &[
+            "--concurrency",
+            "1",
+            "--requests-per-client",
+            "8",
+            "--max-tokens",
+            "1",
+            "--prompt-words",
+            "750",
+        ],
+        metric: |p| p["ttft"]["p50_ms"].as_f64(),
+        unit: "ms",
+        higher_is_better: false,
+    },
+    Row {
+        name: "long",
+        what: "decode after a 4,000-token prompt, inter-token latency",
+        args: &[
+            "--concurrency",
+            "1",
+            "--requests-per-client",
+            "8",
+            "--max-tokens",
+            "64",
+            "--prompt-words",
+            "3000",
+        ],
+        metric: |p| p["itl"]["mean_ms"].as_f64(),
+        unit: "ms",
+        higher_is_better: false,
+    },
+];
+
+pub(crate) fn run(args: &[String]) -> Result<()> {
+    let (mut isas, mut repeat, mut weights) = (vec![Isa::Native, Isa::Avx2], 3usize, "q4".to_owned());
+    let mut rows: Vec<&Row> = ROWS.iter().collect();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut v = || it.next().cloned().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--isa" => {
+                let name = v()?;
+                isas = match name.as_str() {
+                    "both" => vec![Isa::Native, Isa::Avx2],
+                    one => vec![Isa::parse(one).with_context(|| format!("--isa: {}, or both", Isa::NAMES))?],
+                }
+            }
+            "--repeat" => repeat = v()?.parse()?,
+            "--weights" => weights = v()?,
+            "--rows" => {
+                let names = v()?;
+                rows = names
+                    .split(',')
+                    .map(|n| ROWS.iter().find(|r| r.name == n).with_context(|| format!("no row {n:?}")))
+                    .collect::<Result<_>>()?;
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            other => bail!("unknown option {other}\n{USAGE}"),
+        }
+    }
+    let model = crate::fetch_model(&[])?;
+    crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-loadgen"])?;
+    let gguf = crate::peer::default_gguf()?;
+    let peers: Vec<_> =
+        isas.iter().map(|&isa| crate::peer::llamacpp_for(isa).map(|b| b.0)).collect::<Result<_>>()?;
+    crate::sys::install_stop_handler();
+    let root = crate::workspace_root();
+    let mut table = format!(
+        "| ISA | figure | ours ({weights}), median (min-max) | llama.cpp, median (min-max) | ours vs llama.cpp, median of {repeat} pairs (min-max) |\n|---|---|---|---|---|\n"
+    );
+    let mut memory = String::new();
+    for (&isa, server) in isas.iter().zip(&peers) {
+        let logs = root.join(format!("target/bench/vs-llamacpp-logs/{}", isa.name()));
+        let mut extra = vec!["--weights".to_owned(), weights.clone(), "--speculative".into(), "off".into()];
+        if isa == Isa::Avx2 {
+            extra.extend(["--cpu-kernels".into(), "avx2".into()]);
+        }
+        let spec = Spec {
+            port: 8121,
+            model: &model,
+            native_q4: false,
+            unified: true,
+            prefills: 0,
+            decodes: 0,
+            extra: &extra,
+            logs: &logs.join("ours"),
+            secret: false,
+        };
+        let mut ours = start_stack(&spec)?;
+        let result = (|| -> Result<()> {
+            let peer = LlamaServer::start(server, &gguf, (16384, 32), &["-kvu"], &logs)?;
+            for row in &rows {
+                let out = root.join(format!("target/bench/vs-llamacpp-{}-{}", isa.name(), row.name));
+                let mut a: Vec<String> =
+                    ["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"]
+                        .iter()
+                        .map(|s| (*s).to_owned())
+                        .collect();
+                a.extend(["--target".into(), ours.url.clone(), "--target".into(), peer.url.clone()]);
+                a.extend(row.args.iter().map(|s| (*s).to_owned()));
+                a.extend(["--repeat".into(), repeat.to_string(), "--out".into(), out.display().to_string()]);
+                println!("\n== {} {}: {} ours, {} llama.cpp", isa.name(), row.what, ours.url, peer.url);
+                crate::cargo(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
+                let json: Value = serde_json::from_slice(&std::fs::read(out.with_extension("json"))?)?;
+                table.push_str(&table_row(isa, row, &json, &ours.url, &peer.url)?);
+            }
+            let ours_pid = ours.procs.first().context("no worker")?.child.id();
+            let line = format!(
+                "{}: ours {} MB, llama.cpp {} MB (peak resident, VmHWM)\n",
+                isa.name(),
+                peak_rss_mb(ours_pid)?,
+                peak_rss_mb(peer.pid())?
+            );
+            memory.push_str(&line);
+            // Each instruction set's rows on their own too, so a run cut short keeps what it measured.
+            let own: String = table
+                .lines()
+                .filter(|l| l.starts_with(&format!("| {} |", isa.name())))
+                .collect::<Vec<_>>()
+                .join("\n");
+            std::fs::write(
+                root.join(format!("target/bench/vs-llamacpp-{}.md", isa.name())),
+                format!("{own}\n\n{line}"),
+            )?;
+            Ok(())
+        })();
+        stop_all(&mut ours.procs, Duration::from_secs(20));
+        result?;
+    }
+    table.push('\n');
+    table.push_str(&memory);
+    let path = root.join("target/bench/vs-llamacpp.md");
+    std::fs::write(&path, &table)?;
+    println!("\n{table}\nwritten to {}", path.display());
+    Ok(())
+}
+
+/// The row's line of the table: each side's median and range, and the median of the pairs' ratios
+/// (ours over llama.cpp for rates, llama.cpp over ours for times: above 1 is ours ahead).
+fn table_row(isa: Isa, row: &Row, json: &Value, ours: &str, peer: &str) -> Result<String> {
+    let values = |target: &str| -> Vec<f64> {
+        json["points"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|p| p["target"] == target)
+            .filter_map(row.metric)
+            .collect()
+    };
+    let (a, b) = (values(ours), values(peer));
+    if a.is_empty() || a.len() != b.len() {
+        bail!("{}: {} runs of ours against {} of llama.cpp", row.name, a.len(), b.len());
+    }
+    let ratios: Vec<f64> =
+        a.iter().zip(&b).map(|(x, y)| if row.higher_is_better { x / y } else { y / x }).collect();
+    let cell = |v: &[f64], unit: &str| {
+        let (m, lo, hi) = summary(v);
+        format!("{m:.1} {unit} ({lo:.1}-{hi:.1})")
+    };
+    let (m, lo, hi) = summary(&ratios);
+    Ok(format!(
+        "| {} | {} | {} | {} | **{m:.2}x** ({lo:.2}-{hi:.2}) |\n",
+        isa.name(),
+        row.what,
+        cell(&a, row.unit),
+        cell(&b, row.unit)
+    ))
+}
+
+/// Median, min and max.
+fn summary(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    let median = if n % 2 == 1 { s[n / 2] } else { (s[n / 2 - 1] + s[n / 2]) / 2.0 };
+    (median, s[0], s[n - 1])
+}
+
+/// A process's peak resident set (`VmHWM` in `/proc/PID/status`), in MB.
+fn peak_rss_mb(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("status"))?;
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .context("no VmHWM")?;
+    Ok(kb / 1000)
+}
