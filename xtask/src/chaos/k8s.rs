@@ -107,13 +107,16 @@ pub(super) fn k8s_topology(bins: &(PathBuf, PathBuf), model: &Path, short: bool)
     let found = listed["workers"].as_array().map_or(0, Vec::len);
     ensure!(found == 3, "the router found {found} workers through DNS, not 3: {listed}");
 
-    // A decode pod terminated the Kubernetes way while streams run.
+    // A decode pod terminated the Kubernetes way while streams run. The streams must still run when
+    // SIGTERM comes (after the preStop pause) and end within the drain: their length follows this
+    // machine's speed, measured with the same number of streams first.
     let n = if short { 6 } else { 16 };
+    let max_tokens = stream_tokens(&s.router, n)?;
     let decode0 = pods.iter().find(|p| p.name == "decode-0").context("decode-0")?;
     let pool = manifests::pool_dns(&p, "decode");
     let mut term_error = None;
     let mut running_at_term = 0.0;
-    let mut outcomes = streams(&s.router.clone(), n, 96, 120.0, || {
+    let mut outcomes = streams(&s.router.clone(), n, max_tokens, 120.0, || {
         std::thread::sleep(Duration::from_millis(1500));
         let result = dns.remove(&pool, &decode0.ip).and_then(|()| {
             std::thread::sleep(Duration::from_secs(u64::from(manifests::PRESTOP_SLEEP_S)));
@@ -165,10 +168,30 @@ pub(super) fn k8s_topology(bins: &(PathBuf, PathBuf), model: &Path, short: bool)
     drop(net);
     row.note = format!(
         "the manifests' command lines on 4 network-namespace nodes with cluster DNS: {probed} probes answered, \
-         the router ready {} ms after the pods, {n} streams across a decode pod's SIGTERM ({running_at_term} running on it then) and 4 across the router's all complete, both exited by themselves",
+         the router ready {} ms after the pods, {n} streams of {max_tokens} tokens across a decode pod's SIGTERM ({running_at_term} running on it then) and 4 across the router's all complete, both exited by themselves",
         took_ready.as_millis()
     );
     Ok(row)
+}
+
+/// Output tokens for `n` streams to last about as long as the pause before SIGTERM plus half the
+/// drain, at the per-stream decode rate `n` short streams get through the router now (the machine's
+/// speed varies several-fold: fixed-length streams either ended before SIGTERM or outlived the drain).
+fn stream_tokens(router: &str, n: usize) -> Result<u64> {
+    let outcomes = streams(router, n, 24, 60.0, || {});
+    let mut rates: Vec<f64> = outcomes
+        .iter()
+        .filter(|o| o.ok() && o.output_tokens > 1)
+        .filter_map(|o| {
+            let decode = o.e2e.checked_sub(o.ttft?)?.as_secs_f64();
+            (decode > 0.0).then(|| (o.output_tokens - 1) as f64 / decode)
+        })
+        .collect();
+    ensure!(!rates.is_empty(), "no calibration stream completed: {}", failures(&outcomes));
+    rates.sort_by(f64::total_cmp);
+    let rate = rates[rates.len() / 2];
+    let last_s = 1.5 + f64::from(manifests::PRESTOP_SLEEP_S) + f64::from(manifests::DRAIN_S) / 2.0;
+    Ok(((rate * last_s) as u64).clamp(16, 2000))
 }
 
 /// What the failed streams got: status, error type, tokens before it and when it ended.
