@@ -52,7 +52,9 @@ pub(super) fn migrate_then_strand(
     let url = p.url.clone();
     s.procs.push(p);
     s.add_worker(&url, role)?;
-    s.wait_ready(true, Duration::from_secs(30))?;
+    let joined = s.wait_ready(true, Duration::from_secs(30))?;
+    // Readiness may still rest on `first` alone; `second` must be proven before `first` dies.
+    let proven = joined + s.wait_proven(&url, Duration::from_secs(30))?;
     let before = migrations(s)?;
     // A prefill worker's part is over in milliseconds: it is stopped first, so the streams it takes
     // are surely in its hands when it dies. A decode worker dies mid-stream.
@@ -81,8 +83,11 @@ pub(super) fn migrate_then_strand(
     let mut act2 = kill_and_replace(s, role, 1, n, max_tokens, after, also)?;
     ensure!(act2.errors >= 1, "no stream failed when the only {role} worker died");
     act2.note = format!(
-        "{first} killed under {n} streams with {second} beside it: {moved} moved, {} of {n} completed, 0 errors, ready throughout ({samples} samples); then {second}, the only one, killed: {} of {n} ended with an explicit error; {}",
-        act1.completed, act2.errors, act2.note
+        "{first} killed under {n} streams with {second} beside it (proven {} ms after it joined): {moved} moved, {} of {n} completed, 0 errors, ready throughout ({samples} samples); then {second}, the only one, killed: {} of {n} ended with an explicit error; {}",
+        proven.as_millis(),
+        act1.completed,
+        act2.errors,
+        act2.note
     );
     Ok(Row {
         sent: act1.sent + act2.sent,

@@ -182,6 +182,28 @@ impl Stack {
         Ok(())
     }
 
+    /// Waits until the router has proven the worker at `url` (a pair probe or a request through it
+    /// for a prefill or decode worker, its probe for a unified one): until then the router's
+    /// readiness may rest on the other workers alone.
+    pub(super) fn wait_proven(&self, url: &str, within: Duration) -> Result<Duration> {
+        let t = Instant::now();
+        loop {
+            let (_, body) = get(&self.router, "/workers")?;
+            let list: serde_json::Value = serde_json::from_slice(&body)?;
+            let w = list["workers"].as_array().into_iter().flatten().find(|w| w["url"] == url);
+            let proof = match w {
+                Some(w) if w["role"] == "unified" => &w["last_probe_ok_ago_ms"],
+                Some(w) => &w["last_path_ok_ago_ms"],
+                None => &serde_json::Value::Null,
+            };
+            if !proof.is_null() {
+                return Ok(t.elapsed());
+            }
+            ensure!(t.elapsed() < within, "the router did not prove {url} within {within:?}: {w:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Starts `new` in `role`, adds it to the router and removes `old` (dead or alive).
     pub(super) fn replace_worker(&mut self, old: &str, new: &str, role: &str) -> Result<()> {
         let p = self.worker(new, role)?;
