@@ -19,16 +19,15 @@ const USAGE: &str =
 
 Per instruction set: one unified worker of ours on port 8121 (--weights q4, --speculative off, and
 --cpu-kernels avx2 for avx2) and llama.cpp's llama-server built for the same set by `cargo xtask peer
-llamacpp --isa ISA` (-t 2, -c 16384 -np 32 -kvu: one KV
-pool any of the 32 slots may fill) on 8189. The load generator runs every row
-against both, alternating, K pairs (default 3):
+llamacpp --isa ISA` (-t 2, -c 16384 -np 32 -kvu: one KV pool any of the 32 slots may fill) on 8189.
+The load generator runs every row against both, alternating, K pairs (default 3):
   single     1 stream, ~100-token prompts, 64 output tokens     output tokens/s
   streams32  32 streams, the same requests                      output tokens/s
   prefill    1 stream, ~1,000-token prompts, 1 output token     time to first token (p50)
   long       1 stream, ~4,000-token prompts, 64 output tokens   inter-token latency (mean)
 Then the peak resident memory (VmHWM) of both processes. Raw JSON: target/bench/vs-llamacpp-ISA-ROW.json;
-the table: target/bench/vs-llamacpp.md (printed too; each set's rows also in vs-llamacpp-ISA.md). Defaults: --isa both, --repeat 3, every row,
---weights q4.";
+the table: target/bench/vs-llamacpp.md (printed too; each set's rows also in vs-llamacpp-ISA.md).
+Defaults: --isa both, --repeat 3, every row, --weights q4.";
 
 /// One row: its name, the load generator's options, what is read from each run and whether more
 /// is better.

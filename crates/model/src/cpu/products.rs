@@ -76,7 +76,7 @@ pub(super) fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mu
 /// `xb`), the weights are widened to bf16 one 32-row panel block at a time, in L1, as the bf16 GEMM
 /// reads them.
 ///
-/// Without the bf16 GEMM (AVX2 CPUs), steps of fewer than `QUANT_PANEL_MIN_ROWS` rows take the
+/// Without the bf16 GEMM (AVX2 CPUs), steps of fewer than `DEQUANT_GEMM_MIN_ROWS` rows take the
 /// multi-row dot tiles (each weight row unpacked once for every row) and longer ones widen 32 weight
 /// rows at a time to f32 for the f32 GEMM: the quantized matrices are all a step reads either way.
 pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, out: &mut [f32]) {
@@ -84,7 +84,7 @@ pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut 
         return matmul_widened(x, t, k, m, out);
     }
     if !has_bf16_gemm() {
-        return match (m, t < QUANT_PANEL_MIN_ROWS) {
+        return match (m, t < DEQUANT_GEMM_MIN_ROWS) {
             (QRef::Q8(m), true) => matvec_quant(x, t, k, m, out),
             (QRef::Q4(m), true) => matvec_quant(x, t, k, m, out),
             (QRef::Q8(m), false) => matmul_dequantized(x, t, k, m, out),
@@ -135,11 +135,12 @@ fn widened_gemm(
     out: &mut [f32],
     widen: impl Fn(usize, &mut [f32]) + Sync,
 ) {
-    const ROWS: usize = 32;
-    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(ROWS))
+    // Each chunk's GEMM packs all of x again: long steps take bigger chunks.
+    let chunk = if t >= 128 { 96 } else { 32 };
+    let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(chunk))
         .into_par_iter()
         .map(|c| {
-            let (r0, rows) = (c * ROWS, ROWS.min(n - c * ROWS));
+            let (r0, rows) = (c * chunk, chunk.min(n - c * chunk));
             let mut w = vec![0f32; rows * k];
             widen(r0, &mut w);
             let mut part = vec![0f32; t * rows];
@@ -157,8 +158,14 @@ fn widened_gemm(
 
 /// Multi-row steps with fewer rows than this dot each row with the widened weight rows; longer ones
 /// transpose the weights into panels for the register-tiled GEMM (the transposition pays off only
-/// when many rows share it). Without the bf16 GEMM: below it the dot tiles, from it the f32 GEMM.
+/// when many rows share it).
 const QUANT_PANEL_MIN_ROWS: usize = 64;
+
+/// Without the bf16 GEMM, steps with fewer rows than this take the multi-row dot tiles over quantized
+/// weights, longer ones the f32 GEMM over weight rows dequantized 32 at a time. Measured under
+/// `--cpu-kernels avx2` (forward bench, Q4, two rounds, tiles against the GEMM): 8 rows 258-287 against
+/// 186-189 tokens/s, 16 rows 228-283 against 267-271, 32 rows 205-216 against 338-341.
+const DEQUANT_GEMM_MIN_ROWS: usize = 16;
 
 /// Steps that verify drafts (a `SeqStep` asking for the logits of more than one row) take dot products
 /// up to this many rows, so every row's values are those of a one-row step; other steps take them up
@@ -280,7 +287,7 @@ mod tests {
     }
 
     /// A multi-row step's product over quantized weights (the bf16 GEMM on CPUs that have it; the dot
-    /// tiles below 64 rows and the f32 GEMM from 64 on the others) is the product of the weights'
+    /// tiles below 16 rows and the f32 GEMM from 16 on the others) is the product of the weights'
     /// own values: within bf16 rounding of x where the bf16 GEMM runs, else within f32 rounding.
     #[test]
     fn multi_row_products_of_quantized_weights_are_the_weights_products() {
