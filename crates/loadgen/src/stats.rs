@@ -27,7 +27,11 @@ pub struct PointResult {
     pub ok: u64,
     pub output_tokens: u64,
     pub ttft: LatencySummary,
+    /// Gaps between content events: a server that puts several tokens in one event has fewer, longer ones.
     pub itl: LatencySummary,
+    /// Time per output token after the first, per request: (e2e - TTFT) / (output tokens - 1), whatever
+    /// the server's event sizes (vLLM's TPOT).
+    pub tpot: LatencySummary,
     pub e2e: LatencySummary,
     /// Successful requests that met both SLOs.
     pub good: u64,
@@ -149,6 +153,7 @@ impl PointResult {
             output_tokens: ok.iter().map(|o| o.output_tokens).sum(),
             ttft: percentiles(ok.iter().filter_map(|o| o.ttft)),
             itl: percentiles(ok.iter().flat_map(|o| o.itl.iter().copied())),
+            tpot: percentiles(ok.iter().filter(|o| o.output_tokens > 1).map(|&o| tpot(o))),
             e2e: percentiles(ok.iter().map(|o| o.e2e)),
             good,
             errors,
@@ -181,7 +186,7 @@ impl PointResult {
             "target": self.target, "load": self.load, "x": self.x, "wall_s": self.wall.as_secs_f64(),
             "sent": self.sent, "ok": self.ok, "requests_per_s": self.requests_per_s(),
             "output_tokens_per_s": self.tokens_per_s(), "goodput_per_s": self.goodput_per_s(),
-            "ttft": self.ttft.to_json(), "itl": self.itl.to_json(), "e2e": self.e2e.to_json(),
+            "ttft": self.ttft.to_json(), "itl": self.itl.to_json(), "tpot": self.tpot.to_json(), "e2e": self.e2e.to_json(),
             "errors": self.errors, "hung": self.hung, "generator_cpu_cores": self.cpu_cores(),
             "stages_mean_ms": self.stages.iter().map(|(k, (m, n))| (k.clone(), json!({"mean_ms": m, "requests": n}))).collect::<serde_json::Map<_, _>>(),
             "rounds": self.rounds.iter().map(RoundResult::to_json).collect::<Vec<_>>(),
@@ -232,6 +237,10 @@ mod tests {
         assert_eq!(r.ttft.count, 3);
         assert!((r.ttft.p50_ms() - 50.0).abs() < 0.5, "{:?}", r.ttft);
         assert_eq!(r.output_tokens, 30);
+        // Time per output token after the first, per request, however the tokens were grouped into
+        // events: (140 - 50) / 9, (200 - 150) / 9 and (500 - 50) / 9 ms.
+        assert_eq!(r.tpot.count, 3);
+        assert!((r.tpot.max_ms() - 50.0).abs() < 0.1 && (r.tpot.p50_ms() - 10.0).abs() < 0.1, "{:?}", r.tpot);
     }
 
     #[test]
