@@ -77,8 +77,8 @@ pub(super) fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mu
 /// reads them.
 ///
 /// Without the bf16 GEMM (AVX2 CPUs), steps of fewer than `DEQUANT_GEMM_MIN_ROWS` rows take the
-/// multi-row dot tiles (each weight row unpacked once for every row) and longer ones widen 32 weight
-/// rows at a time to f32 for the f32 GEMM: the quantized matrices are all a step reads either way.
+/// multi-row dot tiles (each weight row unpacked once for every row) and longer ones widen weight rows
+/// to f32 a chunk at a time for the f32 GEMM: the quantized matrices are all a step reads either way.
 pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, out: &mut [f32]) {
     if let QRef::F16(m) = m {
         return matmul_widened(x, t, k, m, out);
@@ -162,7 +162,7 @@ fn widened_gemm(
 const QUANT_PANEL_MIN_ROWS: usize = 64;
 
 /// Without the bf16 GEMM, steps with fewer rows than this take the multi-row dot tiles over quantized
-/// weights, longer ones the f32 GEMM over weight rows dequantized 32 at a time. Measured under
+/// weights, longer ones the f32 GEMM over weight rows dequantized a chunk at a time. Measured under
 /// `--cpu-kernels avx2` (forward bench, Q4, two rounds, tiles against the GEMM): 8 rows 258-287 against
 /// 186-189 tokens/s, 16 rows 228-283 against 267-271, 32 rows 205-216 against 338-341.
 const DEQUANT_GEMM_MIN_ROWS: usize = 16;
