@@ -48,6 +48,13 @@ impl Outcome {
     pub fn ok(&self) -> bool {
         self.status == 200 && self.error.is_none() && self.terminal && !self.hung
     }
+
+    /// Time per output token after the first: (e2e - TTFT) / (output tokens - 1), whatever the
+    /// server's event sizes (vLLM's TPOT); `None` with fewer than two tokens or no first token.
+    pub fn tpot(&self) -> Option<Duration> {
+        let decode = self.e2e.checked_sub(self.ttft?)?;
+        (self.output_tokens > 1).then(|| decode / (self.output_tokens - 1) as u32)
+    }
 }
 
 /// A kept-alive connection to one target (`pdserve_http::HttpClient` with a pool of one), reopened

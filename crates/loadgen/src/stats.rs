@@ -133,16 +133,10 @@ impl PointResult {
             let key = format!("{} {}", o.status, o.error.as_deref().unwrap_or("unterminated"));
             *errors.entry(key).or_insert(0) += 1;
         }
-        let tpot = |o: &Outcome| -> Duration {
-            let ttft = o.ttft.unwrap_or(o.e2e);
-            if o.output_tokens > 1 {
-                (o.e2e.saturating_sub(ttft)) / (o.output_tokens as u32 - 1).max(1)
-            } else {
-                Duration::ZERO
-            }
-        };
-        let good =
-            ok.iter().filter(|o| o.ttft.is_some_and(|t| t <= slo.ttft) && tpot(o) <= slo.tpot).count() as u64;
+        let good = ok
+            .iter()
+            .filter(|o| o.ttft.is_some_and(|t| t <= slo.ttft) && o.tpot().unwrap_or_default() <= slo.tpot)
+            .count() as u64;
         PointResult {
             target: target.to_owned(),
             load: load.label(),
@@ -153,7 +147,7 @@ impl PointResult {
             output_tokens: ok.iter().map(|o| o.output_tokens).sum(),
             ttft: percentiles(ok.iter().filter_map(|o| o.ttft)),
             itl: percentiles(ok.iter().flat_map(|o| o.itl.iter().copied())),
-            tpot: percentiles(ok.iter().filter(|o| o.output_tokens > 1).map(|&o| tpot(o))),
+            tpot: percentiles(ok.iter().filter_map(|o| o.tpot())),
             e2e: percentiles(ok.iter().map(|o| o.e2e)),
             good,
             errors,

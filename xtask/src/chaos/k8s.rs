@@ -181,11 +181,10 @@ fn stream_tokens(router: &str, n: usize) -> Result<u64> {
     let outcomes = streams(router, n, 24, 60.0, || {});
     let mut rates: Vec<f64> = outcomes
         .iter()
-        .filter(|o| o.ok() && o.output_tokens > 1)
-        .filter_map(|o| {
-            let decode = o.e2e.checked_sub(o.ttft?)?.as_secs_f64();
-            (decode > 0.0).then(|| (o.output_tokens - 1) as f64 / decode)
-        })
+        .filter(|o| o.ok())
+        .filter_map(|o| o.tpot())
+        .filter(|t| !t.is_zero())
+        .map(|t| 1.0 / t.as_secs_f64())
         .collect();
     ensure!(!rates.is_empty(), "no calibration stream completed: {}", failures(&outcomes));
     rates.sort_by(f64::total_cmp);
