@@ -16,6 +16,7 @@ use crate::serve::{start_stack, stop_all, Spec};
 
 const USAGE: &str =
     "cargo xtask bench llamacpp [--isa native|avx2|both] [--repeat K] [--rows LIST] [--weights FMT]
+    [--activations f32|q8]
 
 Per instruction set: one unified worker of ours on port 8121 (--weights q4, --speculative off, and
 --cpu-kernels avx2 for avx2) and llama.cpp's llama-server built for the same set by `cargo xtask peer
@@ -27,7 +28,8 @@ The load generator runs every row against both, alternating, K pairs (default 3)
   long       1 stream, ~4,000-token prompts, 64 output tokens   time per output token (mean)
 Then the peak resident memory (VmHWM) of both processes. Raw JSON: target/bench/vs-llamacpp-ISA-ROW.json;
 the table: target/bench/vs-llamacpp.md (printed too; each set's rows also in vs-llamacpp-ISA.md).
-Defaults: --isa both, --repeat 3, every row, --weights q4.";
+--activations q8 runs ours with int8 inputs to the quantized weights' products, as llama.cpp
+computes them. Defaults: --isa both, --repeat 3, every row, --weights q4, --activations f32.";
 
 /// One row: its name, the load generator's options, what is read from each run and whether more
 /// is better.
@@ -97,6 +99,7 @@ const ROWS: &[Row] = &[
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut isas, mut repeat, mut weights) = (vec![Isa::Native, Isa::Avx2], 3usize, "q4".to_owned());
+    let mut activations = "f32".to_owned();
     let mut rows: Vec<&Row> = ROWS.iter().collect();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -111,6 +114,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             "--repeat" => repeat = v()?.parse()?,
             "--weights" => weights = v()?,
+            "--activations" => activations = v()?,
             "--rows" => {
                 let names = v()?;
                 rows = names
@@ -133,12 +137,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     crate::sys::install_stop_handler();
     let root = crate::workspace_root();
     let mut table = format!(
-        "| ISA | figure | ours ({weights}), median (min-max) | llama.cpp, median (min-max) | ours vs llama.cpp, median of {repeat} pairs (min-max) |\n|---|---|---|---|---|\n"
+        "| ISA | figure | ours ({weights}, {activations} activations), median (min-max) | llama.cpp, median (min-max) | ours vs llama.cpp, median of {repeat} pairs (min-max) |\n|---|---|---|---|---|\n"
     );
     let mut memory = String::new();
     for (&isa, server) in isas.iter().zip(&peers) {
         let logs = root.join(format!("target/bench/vs-llamacpp-logs/{}", isa.name()));
         let mut extra = vec!["--weights".to_owned(), weights.clone(), "--speculative".into(), "off".into()];
+        extra.extend(["--activations".into(), activations.clone()]);
         if isa == Isa::Avx2 {
             extra.extend(["--cpu-kernels".into(), "avx2".into()]);
         }

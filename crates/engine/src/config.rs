@@ -53,6 +53,10 @@ pub struct EngineConfig {
     /// How the CPU backend stores the weights its steps read; `Auto` (the default) takes the
     /// checkpoint's own precision (bf16 for a bf16 checkpoint, else f32).
     pub weights: WeightFormat,
+    /// Q8 or Q4 weights' products round their input rows to int8 (`--activations q8`; see
+    /// `CpuBackend::with_int8_activations`): faster decode on CPUs without AVX-512, as llama.cpp
+    /// computes; off by default (f32 activations, the reference's numbers).
+    pub int8_activations: bool,
     /// The CPU backend's KV element type; `None` takes f16 (half the bytes of f32 for decode
     /// attention, the pool and a PD transfer). The GPU backend keeps its own (bf16 on the device, f32
     /// at its block interface) and refuses any other.
@@ -106,6 +110,7 @@ impl EngineConfig {
             role: Role::Unified,
             device: Device::Cpu,
             weights: WeightFormat::Auto,
+            int8_activations: false,
             kv_dtype: None,
             // The model's maximum context (capped by what the KV pool holds) unless set lower.
             // Attending to 1,000 earlier positions costs the CPU backend about one token's own work

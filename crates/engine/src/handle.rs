@@ -29,6 +29,8 @@ pub struct EngineInfo {
     pub role: Role,
     pub device: Device,
     pub weights: WeightFormat,
+    /// What the quantized weights' products round their inputs to: "q8" (`--activations q8`) or "f32".
+    pub activations: &'static str,
     /// What steps of more than two rows read: "f32" or "bf16".
     pub multi_row_weights: &'static str,
     /// The KV cache's element type.
@@ -219,6 +221,7 @@ impl Engine {
             role: config.role,
             device: config.device,
             weights: config.weights,
+            activations: if config.int8_activations { "q8" } else { "f32" },
             multi_row_weights: built.multi_row_weights,
             weight_bytes: built.weight_bytes,
             kv_bytes: built.kv_bytes,

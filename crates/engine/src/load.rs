@@ -54,6 +54,12 @@ pub(crate) fn backend(
         if config.kv_shm || (config.kv_ucx && config.role == Role::Prefill) {
             return Err(EngineError::GpuSharedKv);
         }
+        if config.int8_activations {
+            return Err(EngineError::Config {
+                field: "activations",
+                value: "q8 on a GPU (a CPU option)".into(),
+            });
+        }
         if config.weights != WeightFormat::F32 {
             return Err(EngineError::GpuWeights { weights: config.weights.name() });
         }
@@ -93,6 +99,11 @@ pub(crate) fn backend(
         Some(p) => b.with_prepared(p)?,
         None => b.with_weight_format(config.weights)?,
     };
+    if config.int8_activations && !matches!(b.weight_format(), WeightFormat::Q8 | WeightFormat::Q4) {
+        let value = format!("q8: int8 activations need q8 or q4 weights, not {}", b.weight_format().name());
+        return Err(EngineError::Config { field: "activations", value });
+    }
+    let b = b.with_int8_activations(config.int8_activations);
     Ok(Built {
         multi_row_weights: b.multi_row_format(),
         weight_bytes: b.weight_bytes(),

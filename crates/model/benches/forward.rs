@@ -3,7 +3,8 @@
 //! aggregate decode with 8 and 32 sequences in one batch (f32; 4, 8 and 32 with Q4), and Q4 decode after a
 //! 4,000-token prompt and of 32 sequences of 1,000 tokens, with f32 KV and with f16 KV (the server's
 //! default, where attention reads half the bytes), and what verifying 4 or 8 draft tokens costs against
-//! a one-token step (speculative decoding). f32 KV unless a name says f16. Uses rayon's pool
+//! a one-token step (speculative decoding), and Q4 decode and prefill with int8 activations
+//! (`with_int8_activations`, names with `int8`). f32 KV unless a name says f16. Uses rayon's pool
 //! (one thread per core). Run: `cargo bench -p pdserve-model` (`-- --quick` for fewer tokens,
 //! `-- --only batch,prefill` for the figures whose names contain either). Writes
 //! `target/bench/model-forward.json`.
@@ -126,7 +127,8 @@ fn main() {
         kv: KvCache::new(KvConfig { num_blocks: blocks as u32, block_size: BS as u32 }).expect("kv"),
     };
     let fresh = |weights: &Arc<_>| with_kv(weights, KvDtype::F32, blocks);
-    let steps = if quick { 8 } else { 32 };
+    let steps =
+        std::env::var("STEPS").ok().and_then(|v| v.parse().ok()).unwrap_or(if quick { 8 } else { 32 });
     let threads = rayon::current_num_threads();
 
     // The same single-sequence decode reading quantized weights.
@@ -144,6 +146,12 @@ fn main() {
         b
     };
     let q4_backend = |weights: &Arc<_>| q4_kv(weights, KvDtype::F32, blocks);
+    // ... with int8 activations (`--activations q8`).
+    let q4_int8 = || {
+        let mut b = q4_backend(&weights);
+        b.cpu = b.cpu.with_int8_activations(true);
+        b
+    };
     let multi = q4_backend(&weights).cpu.multi_row_format();
     // Decode after a 4,000-token prompt: attention over the paged cache dominates there.
     let q4_long = |dtype| {
@@ -213,6 +221,31 @@ fn main() {
         ("batch8_decode_q4_tokens_per_second", Box::new(|| batch(8, true))),
         ("batch16_decode_q4_tokens_per_second", Box::new(|| batch(16, true))),
         ("batch32_decode_q4_tokens_per_second", Box::new(|| batch(32, true))),
+        (
+            "single_decode_q4_int8_tokens_per_second",
+            Box::new(|| {
+                let mut b = q4_int8();
+                b.prefill(1, 16);
+                b.decode(1, steps * 2)
+            }),
+        ),
+        ("prefill_1000_q4_int8_tokens_per_second", Box::new(|| 1000.0 / q4_int8().prefill(1, 1000))),
+        (
+            "batch8_decode_q4_int8_tokens_per_second",
+            Box::new(|| {
+                let mut b = q4_int8();
+                b.prefill(8, 64);
+                b.decode(8, steps)
+            }),
+        ),
+        (
+            "batch32_decode_q4_int8_tokens_per_second",
+            Box::new(|| {
+                let mut b = q4_int8();
+                b.prefill(32, 64);
+                b.decode(32, steps)
+            }),
+        ),
     ];
     // `--only a,b` runs the figures whose names contain a or b.
     let only: Vec<String> = std::env::args()

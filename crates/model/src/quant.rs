@@ -130,6 +130,15 @@ pub struct Q8Matrix {
     pub scales: Vec<u16>,
 }
 
+impl Q8Matrix {
+    /// `out[i] = xs[i] . row r` for input rows rounded to int8 (`--activations q8`).
+    pub(crate) fn dot_rows_int8(&self, r: usize, xs: &[crate::sys::Int8Row<'_>], out: &mut [f32]) {
+        let g = self.cols / GROUP;
+        let q = &self.values[r * self.cols..(r + 1) * self.cols];
+        crate::sys::dot_q8_int8_rows(xs, q, &self.scales[r * g..(r + 1) * g], out)
+    }
+}
+
 impl QuantMatrix for Q8Matrix {
     fn quantize(w: &[f32], rows: usize, cols: usize) -> Option<Q8Matrix> {
         if !cols.is_multiple_of(GROUP) || w.len() != rows * cols {
@@ -216,6 +225,15 @@ pub struct Q4Matrix {
     pub scales: Vec<u16>,
     /// f16 bits, one per group.
     pub mins: Vec<u16>,
+}
+
+impl Q4Matrix {
+    /// `out[i] = xs[i] . row r` for input rows rounded to int8 (`--activations q8`).
+    pub(crate) fn dot_rows_int8(&self, r: usize, xs: &[crate::sys::Int8Row<'_>], out: &mut [f32]) {
+        let g = self.cols / GROUP;
+        let (packed, rows) = (&self.packed[r * self.cols / 2..(r + 1) * self.cols / 2], r * g..(r + 1) * g);
+        crate::sys::dot_q4_int8_rows(xs, packed, &self.scales[rows.clone()], &self.mins[rows], out)
+    }
 }
 
 impl QuantMatrix for Q4Matrix {

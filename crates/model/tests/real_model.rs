@@ -348,6 +348,53 @@ fn quantized_decode_keeps_the_greedy_text_and_logits_close() {
     }
 }
 
+/// Int8 activations (`--activations q8`) with Q4 and Q8 weights: a decode step's logits stay within
+/// `INT8_LOGIT_TOLERANCE` of the f32 path, and the greedy text parts from the fixture's only where
+/// f32's two best tokens were within `INT8_LOGIT_TOLERANCE / 3` (rounding every input of every
+/// product to 8 bits moves logits far more than quantized weights alone: see the test's output).
+#[test]
+fn int8_activations_keep_decode_logits_close() {
+    let m = model();
+    let fx = fixture();
+    for format in [pdserve_model::WeightFormat::Q4, pdserve_model::WeightFormat::Q8] {
+        let mut qb = CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16)
+            .with_weight_format(format)
+            .unwrap()
+            .with_int8_activations(true);
+        assert!(qb.int8_activations());
+        let mut worst = 0.0f32;
+        for p in fx["prompts"].as_array().unwrap() {
+            let tokens = ids(&p["ids"]);
+            let want = ids(&p["greedy"]);
+            let decode_step = |cpu: &mut CpuBackend| {
+                let mut run = Run::new(cpu, &tokens);
+                run.step(tokens.len());
+                run.kv.append_tokens(run.seq, &want[..1]).unwrap();
+                run.step(1)
+            };
+            let f32_step = decode_step(&mut backend());
+            let q_step = decode_step(&mut qb);
+            worst = worst.max(q_step.iter().zip(&f32_step).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
+            let mut run = Run::new(&mut qb, &tokens);
+            let logits = run.step(tokens.len());
+            let got = run.greedy(logits, want.len());
+            if let Some(d) = got.iter().zip(&want).position(|(a, b)| a != b) {
+                let margin = f32_top2_margin(&[&tokens[..], &want[..d]].concat());
+                eprintln!(
+                    "int8 x {format:?}: {:?} parts at token {d}, f32's top-2 margin {margin}",
+                    p["name"]
+                );
+                let near = INT8_LOGIT_TOLERANCE / 3.0;
+                assert!(margin < near, "{:?} parts at token {d} (margin {margin})", p["name"]);
+            }
+        }
+        eprintln!(
+            "int8 x {format:?}: largest |logit - f32 logit| over a decode step of each prompt: {worst}"
+        );
+        assert!(worst < INT8_LOGIT_TOLERANCE, "int8 x {format:?}: logits differ from f32 by {worst}");
+    }
+}
+
 /// Loading for Q4 converts each layer as it is read (where multi-row steps read Q4, no f32 projection
 /// is left), and the backend made from it computes exactly what converting the whole f32 model gives.
 #[test]
@@ -385,6 +432,9 @@ fn f32_top2_margin(tokens: &[u32]) -> f32 {
 
 /// Logits of a decode step with quantized weights against f32 (they range over about ±30).
 const QUANT_LOGIT_TOLERANCE: f32 = 0.5;
+
+/// ... with int8 activations too (measured over the three kernel families: Q4 1.5-2.0, Q8 0.95-1.02).
+const INT8_LOGIT_TOLERANCE: f32 = 3.0;
 
 /// With quantized weights, steps of more than two rows (a batch's prefill, three sequences decoding
 /// together) run the multi-row path (the Q4 matrices widened to bf16 block by block for a bf16 GEMM,

@@ -32,6 +32,9 @@ pdserve-server [options]
                            f32, bf16, f16, q8 or q4: bf16 or f16 for every step, or quantized weights (groups
                            of 32) for every step, longer ones widening them as they go (to bf16 where the
                            CPU has AVX-512 BF16, else to f32); copies nothing reads are freed
+  --activations A          f32 (default) or q8: with --weights q8 or q4, round each step's inputs to int8 in
+                           groups of 32 and sum integer products, as llama.cpp does (decode up to 1.7x faster
+                           per product on CPUs without AVX-512; logits move, so greedy text may differ)
   --cpu-kernels PATH       the CPU kernels to run: avx512, avx2 or portable (default: the best this CPU has;
                            a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
   --speculative MODE       prompt-lookup (default) or off: draft tokens from the request's own context (the
@@ -118,6 +121,7 @@ const VALUED: &[&str] = &[
     "--device",
     "--kv-dtype",
     "--weights",
+    "--activations",
     "--transfer-addr",
     "--kv-transport",
     "--speculative",
@@ -230,6 +234,13 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 e.kv_dtype = Some(v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?)
             }
             "--weights" => e.weights = v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?,
+            "--activations" => {
+                e.int8_activations = match v.as_str() {
+                    "q8" => true,
+                    "f32" => false,
+                    _ => return Err(format!("--activations {v}: f32 or q8")),
+                }
+            }
             "--shm-scope" if pdserve_engine::valid_shm_scope(&v) => e.shm_scope = v.clone(),
             "--shm-scope" => return Err(format!("--shm-scope {v}: 1 to 32 of a-z and 0-9")),
             "--cpu-kernels" => {

@@ -84,6 +84,7 @@ fn q4_weights_serve_the_same_greedy_answer_and_are_reported() {
     let (status, models) = w.json("GET", "/v1/models", "");
     assert_eq!(status, 200);
     assert_eq!(models["data"][0]["weights"], "q4");
+    assert_eq!(models["data"][0]["activations"], "f32");
     assert_eq!(models["data"][0]["device"], "cpu");
     // The prompt's prefill (more than two rows) reads the Q4 weights through the bf16 GEMM where the
     // CPU has AVX-512 BF16, and holds no other copy of them.
@@ -107,6 +108,29 @@ fn unknown_weight_format_and_quantized_weights_on_the_gpu_are_refused() {
     let (code, err) = refused(&["--weights", "q4", "--device", "cuda"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("weights q4 are a CPU format"), "{err}");
+}
+
+/// `--activations q8` (int8 inputs to the quantized weights' products) is reported and still answers
+/// the question; it needs quantized weights, and a value that is neither f32 nor q8 is refused.
+#[test]
+fn int8_activations_serve_and_are_refused_without_quantized_weights() {
+    let w = common::Worker::start(&["--weights", "q4", "--activations", "q8"]);
+    let (_, models) = w.json("GET", "/v1/models", "");
+    assert_eq!(models["data"][0]["activations"], "q8");
+    let (status, body) = w.json(
+        "POST",
+        "/v1/chat/completions",
+        &common::chat("What is the capital of France?", r#","max_tokens":12,"temperature":0"#),
+    );
+    assert_eq!(status, 200, "{body}");
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    assert!(content.starts_with("The capital of France is Paris"), "{body}");
+    let (code, err) = refused(&["--activations", "q8", "--weights", "f32"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("int8 activations need q8 or q4 weights, not f32"), "{err}");
+    let (code, err) = refused(&["--activations", "q4"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--activations q4: f32 or q8"), "{err}");
 }
 
 /// Every CPU kernel family this machine has (AVX-512, AVX2, the portable loops), forced in turn,

@@ -59,6 +59,7 @@ mod gemm;
 mod isa;
 pub mod peak;
 mod qdot;
+mod qint8;
 mod qrows;
 
 pub(crate) use isa::{avx2, avx512};
@@ -69,6 +70,7 @@ pub(crate) use convert::*;
 pub(crate) use elementwise::*;
 pub(crate) use gemm::*;
 pub(crate) use qdot::*;
+pub(crate) use qint8::*;
 pub(crate) use qrows::*;
 
 /// The bytes of f32 values (native, little-endian on every supported target).
