@@ -7,7 +7,8 @@ use super::{gemm_xwt, sized, CpuBackend};
 use crate::backend::{KvDtype, KvStore, SeqStep};
 use crate::sys::{
     as_f32, as_f32_mut, as_u16, as_u16_mut, exp_scaled, f32_bytes, f32_bytes_mut, group_scores,
-    group_weighted_sum, narrow_bf16, narrow_f16, softmax_masked, widen_bf16, widen_f16,
+    group_weighted_sum, group_weighted_sum_f16, narrow_bf16, narrow_f16, prefetch, softmax_masked,
+    widen_bf16, widen_f16,
 };
 
 /// Where the KV memory lives: this backend's own heap (f32 words, so 4-byte aligned whatever the
@@ -80,6 +81,14 @@ impl KvValues<'_> {
             KvValues::F32(v) => dst.copy_from_slice(&v[at..at + n]),
             KvValues::F16(v) => widen_f16(&v[at..at + n], dst),
             KvValues::Bf16(v) => widen_bf16(&v[at..at + n], dst),
+        }
+    }
+
+    /// Prefetches `len` values from value index `at` (see `sys::prefetch`).
+    fn prefetch(&self, at: usize, len: usize) {
+        match *self {
+            KvValues::F32(v) => prefetch(&v[at..at + len]),
+            KvValues::F16(v) | KvValues::Bf16(v) => prefetch(&v[at..at + len]),
         }
     }
 
@@ -161,6 +170,9 @@ impl CpuBackend {
                                 .map(|j| (j - j0, table[j / bs], j % bs, (bs - j % bs).min(j1 - j)))
                         };
                         for (at, block, off, cnt) in runs() {
+                            // The values of these positions, read after every key: on their way to
+                            // L2 while the keys are scored.
+                            kv_mem.prefetch(self.kv_at(block, li, 1, off), cnt * stride);
                             let k = kv_mem.f32s(self.kv_at(block, li, 0, off), cnt * stride, wide);
                             group_scores(&q, (hd, group), (k, stride), cnt, (&mut scores[at..], n));
                         }
@@ -170,7 +182,15 @@ impl CpuBackend {
                             part.sum[h] = exp_scaled(row, 1.0, max);
                         }
                         for (at, block, off, cnt) in runs() {
-                            let v = kv_mem.f32s(self.kv_at(block, li, 1, off), cnt * stride, wide);
+                            let (v_at, len) = (self.kv_at(block, li, 1, off), cnt * stride);
+                            if let KvValues::F16(v) = kv_mem {
+                                let rows = (&v[v_at..v_at + len], stride);
+                                let p = (&scores[at..], n);
+                                if group_weighted_sum_f16(p, (hd, group), rows, cnt, &mut part.acc) {
+                                    continue;
+                                }
+                            }
+                            let v = kv_mem.f32s(v_at, len, wide);
                             group_weighted_sum(
                                 (&scores[at..], n),
                                 (hd, group),

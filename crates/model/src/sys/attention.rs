@@ -385,6 +385,89 @@ unsafe fn group_weighted_sum_avx512(
     group_weighted_sum_body(p, shape, v, n, acc);
 }
 
+/// [`group_weighted_sum`] over V rows of f16 bits, widened in registers as they are read (no f32
+/// copy of the rows): every element the very value `group_weighted_sum` gives over the rows widened
+/// first (the same products, added in the same order). With AVX-512 and head sizes that are a
+/// multiple of 64; false, touching nothing, elsewhere (the caller widens the rows instead).
+pub(crate) fn group_weighted_sum_f16(
+    (p, ldp): (&[f32], usize),
+    (hd, group): (usize, usize),
+    (v, ldv): (&[u16], usize),
+    n: usize,
+    acc: &mut [f32],
+) -> bool {
+    let heads = acc.len() / hd;
+    assert!(hd > 0 && group > 0 && acc.len() == heads * hd && heads.is_multiple_of(group));
+    assert!(n == 0 || v.len() >= (n - 1) * ldv + heads / group * hd);
+    assert!(heads == 0 || n == 0 || p.len() >= (heads - 1) * ldp + n);
+    if super::cpu_kernels() < CpuKernels::Avx512 || !hd.is_multiple_of(64) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    for kh in 0..heads / group {
+        let mut h0 = 0;
+        while h0 < group {
+            let hn = (group - h0).min(4);
+            let first = kh * group + h0;
+            // SAFETY: AVX-512F (checked above: `cpu_kernels()` is at most what the CPU has); heads
+            // `first..first + hn` read KV head `kh`, every length as asserted above.
+            unsafe {
+                match hn {
+                    4 => weighted_heads_f16_avx512::<4>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                    3 => weighted_heads_f16_avx512::<3>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                    2 => weighted_heads_f16_avx512::<2>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                    _ => weighted_heads_f16_avx512::<1>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                }
+            }
+            h0 += hn;
+        }
+    }
+    cfg!(target_arch = "x86_64")
+}
+
+/// Query heads `first..first + G` (all reading KV head `kh`) of [`group_weighted_sum_f16`], 64
+/// columns at a time: 4 x G accumulators stay in registers over every position.
+///
+/// # Safety
+/// AVX-512F; `hd` a multiple of 64; lengths as `group_weighted_sum_f16` asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_heads_f16_avx512<const G: usize>(
+    p: &[f32],
+    ldp: usize,
+    (hd, kh, first): (usize, usize, usize),
+    (v, ldv): (&[u16], usize),
+    n: usize,
+    acc: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let base = acc.as_mut_ptr();
+    for c0 in (0..hd).step_by(64) {
+        let out = |g: usize, c: usize| base.add((first + g) * hd + c0 + c * 16);
+        // SAFETY (of the loads and stores): head first + g < heads, column c0 + 16c + 15 < hd.
+        let mut a: [[__m512; 4]; G] =
+            std::array::from_fn(|g| std::array::from_fn(|c| _mm512_loadu_ps(out(g, c))));
+        for i in 0..n {
+            // SAFETY: position i < n, whose row holds KV head kh's hd values.
+            let row = v.as_ptr().add(i * ldv + kh * hd + c0);
+            let x: [__m512; 4] =
+                std::array::from_fn(|c| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c * 16).cast())));
+            for (g, a) in a.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*p.get_unchecked((first + g) * ldp + i));
+                for (a, &x) in a.iter_mut().zip(&x) {
+                    // A multiply then an add, as `group_weighted_sum`'s loop computes.
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(w, x));
+                }
+            }
+        }
+        for (g, a) in a.iter().enumerate() {
+            for (c, &a) in a.iter().enumerate() {
+                _mm512_storeu_ps(out(g, c), a);
+            }
+        }
+    }
+}
+
 #[inline(always)]
 fn group_weighted_sum_body(
     (p, ldp): (&[f32], usize),
@@ -467,6 +550,31 @@ mod tests {
                 let want: f32 =
                     0.5 + (0..n).map(|i| scores[h * ldo + i] * kv[i * ld + kvh * hd + d]).sum::<f32>();
                 assert!((acc[h * hd + d] - want).abs() < 1e-3, "hd {hd} n {n}: acc h {h} d {d}");
+            }
+        }
+    }
+
+    /// Decode's value sums straight from f16 rows equal, bit for bit, the sums over the rows widened
+    /// to f32 first (where the f16 kernel runs: AVX-512, head sizes a multiple of 64).
+    #[test]
+    fn weighted_sums_of_f16_rows_equal_those_of_the_widened_rows() {
+        use crate::bits16::{f16_bits, f16_value};
+        for (hd, group, kv_heads, n) in [(64, 3, 3, 37), (128, 5, 2, 20), (64, 1, 2, 1)] {
+            let heads = group * kv_heads;
+            let (ld, ldp) = (kv_heads * hd + 8, n + 3);
+            let v: Vec<u16> = (0..n * ld).map(|i| f16_bits((i as f32 * 0.11).cos())).collect();
+            let p: Vec<f32> = (0..heads * ldp).map(|i| (i as f32 * 0.37).sin().abs()).collect();
+            let start: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.05).sin()).collect();
+            let (mut direct, mut widened) = (start.clone(), start.clone());
+            let ran = super::group_weighted_sum_f16((&p, ldp), (hd, group), (&v, ld), n, &mut direct);
+            let wide: Vec<f32> = v.iter().map(|&b| f16_value(b)).collect();
+            super::group_weighted_sum((&p, ldp), (hd, group), (&wide, ld), n, &mut widened);
+            if ran {
+                let same = direct.iter().zip(&widened).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "hd {hd} group {group} n {n}");
+            } else {
+                assert_eq!(direct, start, "not run: untouched");
+                assert!(super::super::cpu_kernels() < CpuKernels::Avx512);
             }
         }
     }

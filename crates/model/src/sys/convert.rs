@@ -4,6 +4,24 @@
 
 use crate::bits16::{bf16_bits, bf16_value, f16_bits, f16_value};
 
+/// Asks the CPU to bring `v`'s cache lines into its L2 cache (a hint: nothing is read now, and
+/// nothing happens where there is no prefetch instruction). For memory a loop reads soon that the
+/// hardware prefetchers do not guess: decode attention's values, read a pass after their keys.
+pub(crate) fn prefetch<T>(v: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let (p, bytes) = (v.as_ptr().cast::<i8>(), std::mem::size_of_val(v));
+        for at in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch reads nothing and cannot fault; the address is within `v`
+            // (SSE, which every x86-64 CPU has).
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.add(at)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = v;
+}
+
 /// `dst[i]` = the f16 value whose bits are `src[i]`.
 pub(crate) fn widen_f16(src: &[u16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
