@@ -374,6 +374,13 @@ fn int8_activations_keep_decode_logits_close() {
             };
             let f32_step = decode_step(&mut backend());
             let q_step = decode_step(&mut qb);
+            // The int8 path runs: its logits are not the f32-activation Q4/Q8 path's.
+            let mut plain = CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16)
+                .with_weight_format(format)
+                .unwrap();
+            let plain_step = decode_step(&mut plain);
+            let moved = q_step.iter().zip(&plain_step).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(moved > 1e-3, "int8 x {format:?}: logits identical to f32 activations' ({moved})");
             worst = worst.max(q_step.iter().zip(&f32_step).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
             let mut run = Run::new(&mut qb, &tokens);
             let logits = run.step(tokens.len());

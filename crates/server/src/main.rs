@@ -32,9 +32,10 @@ pdserve-server [options]
                            f32, bf16, f16, q8 or q4: bf16 or f16 for every step, or quantized weights (groups
                            of 32) for every step, longer ones widening them as they go (to bf16 where the
                            CPU has AVX-512 BF16, else to f32); copies nothing reads are freed
-  --activations A          f32 (default) or q8: with --weights q8 or q4, round each step's inputs to int8 in
-                           groups of 32 and sum integer products, as llama.cpp does (decode up to 1.7x faster
-                           per product on CPUs without AVX-512; logits move, so greedy text may differ)
+  --activations A          f32 (default) or q8: with --weights q8 or q4, round the inputs of steps of up to 16
+                           rows to int8 in groups of 32 and sum integer products, as llama.cpp does (one row's
+                           product up to 1.7x faster on CPUs without AVX-512; logits move, so greedy text may
+                           differ)
   --cpu-kernels PATH       the CPU kernels to run: avx512, avx2 or portable (default: the best this CPU has;
                            a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
   --speculative MODE       prompt-lookup (default) or off: draft tokens from the request's own context (the

@@ -128,6 +128,9 @@ fn int8_activations_serve_and_are_refused_without_quantized_weights() {
     let (code, err) = refused(&["--activations", "q8", "--weights", "f32"]);
     assert_eq!(code, Some(1));
     assert!(err.contains("int8 activations need q8 or q4 weights, not f32"), "{err}");
+    let (code, err) = refused(&["--weights", "q4", "--activations", "q8", "--device", "cuda"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("activations q8 on a GPU"), "{err}");
     let (code, err) = refused(&["--activations", "q4"]);
     assert_eq!(code, Some(2));
     assert!(err.contains("--activations q4: f32 or q8"), "{err}");

@@ -559,7 +559,7 @@ mod tests {
     #[test]
     fn weighted_sums_of_f16_rows_equal_those_of_the_widened_rows() {
         use crate::bits16::{f16_bits, f16_value};
-        for (hd, group, kv_heads, n) in [(64, 3, 3, 37), (128, 5, 2, 20), (64, 1, 2, 1)] {
+        for (hd, group, kv_heads, n) in [(64, 3, 3, 37), (128, 5, 2, 20), (64, 1, 2, 1), (64, 6, 1, 9)] {
             let heads = group * kv_heads;
             let (ld, ldp) = (kv_heads * hd + 8, n + 3);
             let v: Vec<u16> = (0..n * ld).map(|i| f16_bits((i as f32 * 0.11).cos())).collect();

@@ -12,10 +12,12 @@ pub(crate) fn prefetch<T>(v: &[T]) {
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
         let (p, bytes) = (v.as_ptr().cast::<i8>(), std::mem::size_of_val(v));
-        for at in (0..bytes).step_by(64) {
-            // SAFETY: a prefetch reads nothing and cannot fault; the address is within `v`
-            // (SSE, which every x86-64 CPU has).
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.add(at)) };
+        // From the line holding the first byte to the one holding the last.
+        let first = (p as usize % 64) as isize;
+        for at in (-first..bytes as isize).step_by(64) {
+            // SAFETY: a prefetch reads nothing and cannot fault, whatever the address (here within
+            // a cache line of `v`'s bytes); SSE, which every x86-64 CPU has.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_offset(at)) };
         }
     }
     #[cfg(not(target_arch = "x86_64"))]

@@ -12,7 +12,7 @@ pub enum CpuKernels {
     Portable,
     /// AVX2 with FMA and F16C: most x86-64 CPUs since 2013 (Haswell, Zen).
     Avx2,
-    /// AVX-512F (and AVX-512 BF16 where the CPU has it, for the bf16 GEMM).
+    /// AVX-512F (and AVX-512 BF16 where the CPU has it, for the bf16 GEMM), with AVX2, FMA and F16C.
     Avx512,
 }
 
@@ -35,13 +35,15 @@ impl CpuKernels {
     pub fn detected() -> CpuKernels {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::is_x86_feature_detected!("avx512f") {
+            // The AVX-512 family also runs AVX2 kernels (and every real AVX-512 CPU has AVX2, FMA and
+            // F16C; a virtual CPU may claim less, and then gets a lower family).
+            let avx2 = std::is_x86_feature_detected!("avx2")
+                && std::is_x86_feature_detected!("fma")
+                && std::is_x86_feature_detected!("f16c");
+            if avx2 && std::is_x86_feature_detected!("avx512f") {
                 return CpuKernels::Avx512;
             }
-            if std::is_x86_feature_detected!("avx2")
-                && std::is_x86_feature_detected!("fma")
-                && std::is_x86_feature_detected!("f16c")
-            {
+            if avx2 {
                 return CpuKernels::Avx2;
             }
         }

@@ -16,7 +16,8 @@ pub(crate) struct Int8Rows {
     pub sum: Vec<f32>,
 }
 
-/// One row of [`Int8Rows`].
+/// One row of [`Int8Rows`] (values in -127..=127, as `Int8Rows::quantize` makes them: the Q8
+/// kernels' sign trick needs no -128).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Int8Row<'a> {
     pub q: &'a [i8],
@@ -36,7 +37,9 @@ impl Int8Rows {
         };
         for (g, q) in x.chunks_exact(32).zip(rows.q.chunks_exact_mut(32)) {
             let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
+            // (A group too small for 127 / amax to be finite rounds to zeros.)
             let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            let inv = if inv.is_finite() { inv } else { 0.0 };
             // |v * inv| <= 127 (up to rounding): adding and taking away 1.5 * 2^23 rounds it to an
             // integer, ties to even, in plain f32 arithmetic that vectorizes (`round_ties_even`
             // calls libm's `rintf` on baseline x86-64).
@@ -44,7 +47,8 @@ impl Int8Rows {
             for (q, &v) in q.iter_mut().zip(g) {
                 *q = ((v * inv + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
             }
-            rows.d.push(amax / 127.0);
+            // A NaN input makes its group's scale NaN, so the products carry it as f32 ones would.
+            rows.d.push(if g.iter().any(|v| v.is_nan()) { f32::NAN } else { amax / 127.0 });
             rows.sum.push(g.iter().sum());
         }
         rows
@@ -85,13 +89,13 @@ pub(crate) fn dot_q4_int8_rows_with(
     assert!(xs.iter().all(|x| x.q.len() == scales.len() * 32 && x.d.len() == scales.len()));
     assert!(xs.iter().all(|x| x.sum.len() == scales.len()));
     assert!(k <= CpuKernels::detected());
-    let w = packed.as_ptr();
     match k {
-        // SAFETY: the CPU has AVX2, FMA and F16C (`k` is at most what it has, and AVX-512 machines
-        // have them too); every length matches (asserted above), and each tile reads rows `i..i + R`
-        // of `t`.
+        // SAFETY: the CPU has AVX2, FMA and F16C (`k` is at most what it has, and the AVX-512
+        // family is only detected with them); every length matches (asserted above), and each tile
+        // reads rows `i..i + R` of `t`.
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 | CpuKernels::Avx512 => unsafe {
+            let w = packed.as_ptr();
             row_tiles!(t, |i| q4_int8_tile_avx2(i, xs, w, scales, out))
         },
         _ => {
@@ -188,7 +192,9 @@ unsafe fn int8_tile_avx2<const R: usize, const Q4: bool>(
                 let bytes = _mm_loadu_si128(w.add(g * 16).cast());
                 (_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low), low)
             } else {
-                // |w| times x with w's sign: `vpmaddubsw` takes one unsigned operand (no weight is -128).
+                // |w| times x with w's sign: `vpmaddubsw` takes one unsigned operand (|-128| is 128
+                // unsigned, still exact); x is never -128 (`Int8Rows` clamps to +-127), so no
+                // product pair exceeds 2 * 128 * 127 and none saturates.
                 let v = _mm256_loadu_si256(w.add(g * 32).cast());
                 (_mm256_sign_epi8(v, v), v)
             };
