@@ -309,15 +309,10 @@ fn quantized_decode_keeps_the_greedy_text_and_logits_close() {
         for p in fx["prompts"].as_array().unwrap() {
             let tokens = ids(&p["ids"]);
             let want = ids(&p["greedy"]);
-            let decode_step = |cpu: &mut CpuBackend| {
-                let mut run = Run::new(cpu, &tokens);
-                run.step(tokens.len());
-                run.kv.append_tokens(run.seq, &want[..1]).unwrap();
-                run.step(1)
-            };
+            let decode_step = |cpu: &mut CpuBackend| decode_step_logits(cpu, &tokens, want[0]);
             let f32_step = decode_step(&mut backend());
             let q_step = decode_step(&mut qb);
-            worst = worst.max(q_step.iter().zip(&f32_step).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
+            worst = worst.max(largest_difference(&q_step, &f32_step));
             let mut run = Run::new(&mut qb, &tokens);
             let logits = run.step(tokens.len());
             let got = run.greedy(logits, want.len());
@@ -366,12 +361,7 @@ fn int8_activations_keep_decode_logits_close() {
         for p in fx["prompts"].as_array().unwrap() {
             let tokens = ids(&p["ids"]);
             let want = ids(&p["greedy"]);
-            let decode_step = |cpu: &mut CpuBackend| {
-                let mut run = Run::new(cpu, &tokens);
-                run.step(tokens.len());
-                run.kv.append_tokens(run.seq, &want[..1]).unwrap();
-                run.step(1)
-            };
+            let decode_step = |cpu: &mut CpuBackend| decode_step_logits(cpu, &tokens, want[0]);
             let f32_step = decode_step(&mut backend());
             let q_step = decode_step(&mut qb);
             // The int8 path runs: its logits are not the f32-activation Q4/Q8 path's.
@@ -379,9 +369,9 @@ fn int8_activations_keep_decode_logits_close() {
                 .with_weight_format(format)
                 .unwrap();
             let plain_step = decode_step(&mut plain);
-            let moved = q_step.iter().zip(&plain_step).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            let moved = largest_difference(&q_step, &plain_step);
             assert!(moved > 1e-3, "int8 x {format:?}: logits identical to f32 activations' ({moved})");
-            worst = worst.max(q_step.iter().zip(&f32_step).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max));
+            worst = worst.max(largest_difference(&q_step, &f32_step));
             let mut run = Run::new(&mut qb, &tokens);
             let logits = run.step(tokens.len());
             let got = run.greedy(logits, want.len());
@@ -427,6 +417,19 @@ fn loading_for_q4_converts_layer_by_layer_to_the_same_backend() {
         Run::new(&mut whole, &tokens).step(tokens.len()),
     );
     assert_eq!(a, b, "the same logits, to the bit");
+}
+
+/// The logits of a decode step of `next` after prefilling `tokens`.
+fn decode_step_logits(cpu: &mut CpuBackend, tokens: &[u32], next: u32) -> Vec<f32> {
+    let mut run = Run::new(cpu, tokens);
+    run.step(tokens.len());
+    run.kv.append_tokens(run.seq, &[next]).unwrap();
+    run.step(1)
+}
+
+/// The largest |a[i] - b[i]|.
+fn largest_difference(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
 }
 
 /// The gap between the f32 path's two largest logits after `tokens`.
