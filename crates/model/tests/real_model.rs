@@ -298,12 +298,9 @@ fn sixteen_bit_kv_keeps_the_greedy_text() {
 /// to a near-tie of f32's.
 #[test]
 fn quantized_decode_keeps_the_greedy_text_and_logits_close() {
-    let m = model();
     let fx = fixture();
     for format in [pdserve_model::WeightFormat::Q8, pdserve_model::WeightFormat::Q4] {
-        let mut qb = CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16)
-            .with_weight_format(format)
-            .unwrap();
+        let mut qb = quantized_backend(format);
         assert_eq!(qb.weight_format(), format);
         let mut worst = 0.0f32;
         for p in fx["prompts"].as_array().unwrap() {
@@ -349,13 +346,9 @@ fn quantized_decode_keeps_the_greedy_text_and_logits_close() {
 /// product to 8 bits moves logits far more than quantized weights alone: see the test's output).
 #[test]
 fn int8_activations_keep_decode_logits_close() {
-    let m = model();
     let fx = fixture();
     for format in [pdserve_model::WeightFormat::Q4, pdserve_model::WeightFormat::Q8] {
-        let mut qb = CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16)
-            .with_weight_format(format)
-            .unwrap()
-            .with_int8_activations(true);
+        let mut qb = quantized_backend(format).with_int8_activations(true);
         assert!(qb.int8_activations());
         let mut worst = 0.0f32;
         for p in fx["prompts"].as_array().unwrap() {
@@ -365,9 +358,7 @@ fn int8_activations_keep_decode_logits_close() {
             let f32_step = decode_step(&mut backend());
             let q_step = decode_step(&mut qb);
             // The int8 path runs: its logits are not the f32-activation Q4/Q8 path's.
-            let mut plain = CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16)
-                .with_weight_format(format)
-                .unwrap();
+            let mut plain = quantized_backend(format);
             let plain_step = decode_step(&mut plain);
             let moved = largest_difference(&q_step, &plain_step);
             assert!(moved > 1e-3, "int8 x {format:?}: logits identical to f32 activations' ({moved})");
@@ -417,6 +408,12 @@ fn loading_for_q4_converts_layer_by_layer_to_the_same_backend() {
         Run::new(&mut whole, &tokens).step(tokens.len()),
     );
     assert_eq!(a, b, "the same logits, to the bit");
+}
+
+/// A backend over the shared model's weights reading them as `format` (64 blocks of 16 tokens).
+fn quantized_backend(format: pdserve_model::WeightFormat) -> CpuBackend {
+    let m = model();
+    CpuBackend::new(m.config.clone(), Arc::clone(&m.weights), 64, 16).with_weight_format(format).unwrap()
 }
 
 /// The logits of a decode step of `next` after prefilling `tokens`.
