@@ -17,7 +17,11 @@ use crate::sys::{
 #[derive(Debug)]
 pub(super) enum KvMemory {
     /// The pool is `words[start..start + len]`: `start` puts it on a page boundary.
-    Heap { words: Vec<f32>, start: usize, len: usize },
+    Heap {
+        words: Vec<f32>,
+        start: usize,
+        len: usize,
+    },
     Store(Box<dyn KvStore>),
 }
 
