@@ -238,6 +238,7 @@ impl Endpoint {
         self.pulls.insert(source.key.transfer, (c.peer, c.named_blocks));
         self.began.insert((Side::Receiving, source.key.transfer), now);
         self.flush_receiver();
+        self.transport.flush();
         Ok(())
     }
 
@@ -253,6 +254,7 @@ impl Endpoint {
         let r = self.receiver.set_destination(transfer, from, dest);
         self.flush_receiver();
         self.settle_ended();
+        self.transport.flush();
         r
     }
 
@@ -263,6 +265,7 @@ impl Endpoint {
         self.flush_sender_messages();
         self.flush_receiver();
         self.settle_ended();
+        self.transport.flush();
         ended
     }
 
@@ -334,6 +337,8 @@ impl Endpoint {
         self.flush_sender(kv, memory);
         self.flush_receiver();
         self.settle_ended();
+        // What this turn queued (every `BlockAt` of a pull, say) goes out in one write per peer.
+        self.transport.flush();
         polled
     }
 

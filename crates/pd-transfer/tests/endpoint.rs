@@ -303,6 +303,9 @@ impl Transport for Corrupting {
     fn send(&mut self, peer: PeerId, msg: &Message, data: &[u8]) {
         self.0.send(peer, msg, data)
     }
+    fn flush(&mut self) {
+        self.0.flush()
+    }
     fn close(&mut self, peer: PeerId) {
         self.0.close(peer)
     }

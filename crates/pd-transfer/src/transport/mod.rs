@@ -65,9 +65,16 @@ pub trait Transport: Send + std::fmt::Debug {
     /// its handle names it; the transport reads named blocks from it if it can reach it.
     fn connect(&mut self, addr: SocketAddr, region: Option<&str>) -> io::Result<Connected>;
 
-    /// Queues `msg` (with `data`, the bytes of a `Block`) for `peer` and writes what it can now. A
-    /// peer that is gone is reported by the next [`poll`](Self::poll).
+    /// Queues `msg` (with `data`, the bytes of a `Block`) for `peer`; it is written by the next
+    /// [`flush`](Self::flush) or [`poll`](Self::poll), or now if enough is queued. A peer that is
+    /// gone is reported by the next `poll`.
     fn send(&mut self, peer: PeerId, msg: &Message, data: &[u8]);
+
+    /// Writes what [`send`](Self::send) queued, as far as the connections take it now. The endpoint
+    /// calls it at the end of every call that may have sent, so the frames of one turn (a pull's
+    /// hundreds of `BlockAt`, a receiver's acknowledgements) go out in one write, not one each. A
+    /// transport that wraps another forwards it (else frames wait for the next `poll`).
+    fn flush(&mut self);
 
     /// Closes the connection to `peer` after a best-effort write of what is queued.
     fn close(&mut self, peer: PeerId);

@@ -93,6 +93,10 @@ impl Transport for SharedMemoryTransport {
         self.tcp.send(peer, msg, data);
     }
 
+    fn flush(&mut self) {
+        self.tcp.flush();
+    }
+
     fn close(&mut self, peer: PeerId) {
         self.regions.remove(&peer);
         self.tcp.close(peer);

@@ -49,12 +49,19 @@ impl SharedRegion {
         SharedRegion::create_at(&path, bytes)
     }
 
-    /// A new region at `path` (which must not exist), readable by this user only.
+    /// A new region at `path` (which must not exist), readable by this user only. Every page of it
+    /// exists from the start (one store per 4 KiB): a receiver maps the whole region at its first
+    /// pull, and mapping a page the file does not hold yet makes the kernel allocate and clear it
+    /// then (the first 2,048-token pull from a fresh prefill worker took 214 ms instead of 3 ms).
     pub fn create_at(path: &Path, bytes: usize) -> io::Result<SharedRegion> {
         let file =
             std::fs::OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path)?;
         file.set_len(bytes as u64)?;
-        let map = map_created(&file)?;
+        let mut map = map_created(&file)?;
+        for at in (0..map.len()).step_by(4096) {
+            // The value is opaque to the compiler, so the store stays.
+            map[at] = std::hint::black_box(0);
+        }
         Ok(SharedRegion { map, path: path.to_path_buf() })
     }
 

@@ -17,6 +17,10 @@ use crate::{decode, encode, Message, PeerId};
 const LISTENER: Token = Token(usize::MAX);
 /// Bytes read per `read` call; a frame larger than this arrives over several.
 const READ_BYTES: usize = 256 * 1024;
+/// Queued bytes that are written at once rather than at the next flush: a block's frame, or many
+/// small frames. Smaller frames wait for [`Transport::flush`] and go out together (a 2,048-token
+/// pull names 128 blocks: one write instead of 128).
+const WRITE_NOW_BYTES: usize = 64 * 1024;
 
 #[derive(Debug)]
 struct Conn {
@@ -81,7 +85,7 @@ impl TcpTransport {
         }
     }
 
-    fn flush(&mut self, id: u64) {
+    fn flush_peer(&mut self, id: u64) {
         let Some(c) = self.conns.get_mut(&id) else { return };
         while c.out_pos < c.out.len() {
             match c.stream.write(&c.out[c.out_pos..]) {
@@ -156,7 +160,17 @@ impl Transport for TcpTransport {
     fn send(&mut self, peer: PeerId, msg: &Message, data: &[u8]) {
         let Some(c) = self.conns.get_mut(&peer.0) else { return };
         encode(msg, data, &mut c.out);
-        self.flush(peer.0);
+        if c.out.len() - c.out_pos >= WRITE_NOW_BYTES {
+            self.flush_peer(peer.0);
+        }
+    }
+
+    fn flush(&mut self) {
+        let queued: Vec<u64> =
+            self.conns.iter().filter(|(_, c)| c.out_pos < c.out.len()).map(|(&id, _)| id).collect();
+        for id in queued {
+            self.flush_peer(id);
+        }
     }
 
     fn close(&mut self, peer: PeerId) {
@@ -168,6 +182,8 @@ impl Transport for TcpTransport {
     }
 
     fn poll(&mut self, wait: Duration, on: &mut dyn FnMut(Arrival<'_>)) -> io::Result<()> {
+        // Nothing queued waits out a poll unwritten, whoever forgot to flush.
+        Transport::flush(self);
         self.poll.poll(&mut self.events, Some(wait))?;
         let ready: Vec<(Token, bool, bool)> = self
             .events
@@ -183,7 +199,7 @@ impl Transport for TcpTransport {
             }
             let id = token.0 as u64;
             if writable {
-                self.flush(id);
+                self.flush_peer(id);
             }
             if readable && !self.read(id, on) {
                 self.lose(id);

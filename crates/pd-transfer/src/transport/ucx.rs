@@ -162,6 +162,10 @@ impl Transport for UcxTransport {
         self.tcp.send(peer, msg, data);
     }
 
+    fn flush(&mut self) {
+        self.tcp.flush();
+    }
+
     fn close(&mut self, peer: PeerId) {
         self.forget(peer);
         self.tcp.close(peer);
