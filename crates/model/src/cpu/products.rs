@@ -7,8 +7,8 @@ use rayon::prelude::*;
 use super::QRef;
 use crate::quant::{Bf16Matrix, F16Matrix, QuantMatrix, GROUP};
 use crate::sys::{
-    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, has_bf16_gemm, sgemm, sgemm_xwt_avx512,
-    sgemm_xwt_avx512_strided, to_bf16, Int8Row, Int8Rows,
+    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, gemm_f32_rows_par, has_bf16_gemm, sgemm,
+    sgemm_xwt_avx512, sgemm_xwt_avx512_strided, to_bf16, Int8Row, Int8Rows,
 };
 
 /// `x[t×k] · w[n×k]^T` with quantized weights, one row of `x` at a time (decode steps), spread over
@@ -98,18 +98,32 @@ pub(super) fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mu
 /// reads them.
 ///
 /// Without the bf16 GEMM (AVX2 CPUs), steps of fewer than `DEQUANT_GEMM_MIN_ROWS` rows take the
-/// multi-row dot tiles (each weight row unpacked once for every row) and longer ones widen weight rows
-/// to f32 a chunk at a time for the f32 GEMM: the quantized matrices are all a step reads either way.
+/// multi-row dot tiles (each weight row unpacked once for every row) and longer ones widen blocks of
+/// weight rows to f32 and dot every row with them (matrixmultiply over widened chunks where the CPU
+/// lacks AVX2, or a matrix's rows are not a multiple of 4): the quantized matrices are all a step
+/// reads either way.
 pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, out: &mut [f32]) {
     if let QRef::F16(m) = m {
         return matmul_widened(x, t, k, m, out);
     }
     if !has_bf16_gemm() {
+        fn widened<M: QuantMatrix>(x: &[f32], t: usize, k: usize, m: &M, out: &mut [f32]) {
+            if crate::sys::avx2() && m.rows().is_multiple_of(4) && k.is_multiple_of(8) {
+                let fill = |r0: usize, dst: &mut [f32]| {
+                    for (c, row) in dst.chunks_exact_mut(k).enumerate() {
+                        m.f32_row(r0 + c, row);
+                    }
+                };
+                gemm_f32_rows_par(x, t, k, m.rows(), fill, out);
+            } else {
+                matmul_dequantized(x, t, k, m, out);
+            }
+        }
         return match (m, t < DEQUANT_GEMM_MIN_ROWS) {
             (QRef::Q8(m), true) => matvec_quant(x, t, k, m, out),
             (QRef::Q4(m), true) => matvec_quant(x, t, k, m, out),
-            (QRef::Q8(m), false) => matmul_dequantized(x, t, k, m, out),
-            (QRef::Q4(m), false) => matmul_dequantized(x, t, k, m, out),
+            (QRef::Q8(m), false) => widened(x, t, k, m, out),
+            (QRef::Q4(m), false) => widened(x, t, k, m, out),
             (QRef::F16(_), _) => unreachable!("f16 widens to f32, above"),
         };
     }
@@ -183,9 +197,10 @@ fn widened_gemm(
 const QUANT_PANEL_MIN_ROWS: usize = 64;
 
 /// Without the bf16 GEMM, steps with fewer rows than this take the multi-row dot tiles over quantized
-/// weights, longer ones the f32 GEMM over weight rows dequantized a chunk at a time. Measured under
-/// `--cpu-kernels avx2` (forward bench, Q4, two rounds, tiles against the GEMM): 8 rows 258-287 against
-/// 186-189 tokens/s, 16 rows 228-283 against 267-271, 32 rows 205-216 against 338-341.
+/// weights; longer ones dot every row with weight rows widened to f32 a block at a time
+/// (`gemm_f32_rows_par`, AVX2). Measured under `--cpu-kernels avx2` (forward bench, Q4, two rounds):
+/// 4 rows: tiles 260-330 tokens/s against 157-181, 8 rows 296-325 against 260-296; 16 rows: 426
+/// against matrixmultiply's 246 (the tiles gave 228-283 there), 32 rows 473-497 against 295-323.
 const DEQUANT_GEMM_MIN_ROWS: usize = 16;
 
 /// Steps that verify drafts (a `SeqStep` asking for the logits of more than one row) take dot products
