@@ -177,12 +177,7 @@ impl QuantMatrix for Q8Matrix {
     fn f32_row(&self, r: usize, dst: &mut [f32]) {
         let v = &self.values[r * self.cols..(r + 1) * self.cols];
         let s = &self.scales[r * self.cols / GROUP..(r + 1) * self.cols / GROUP];
-        for ((d, q), &s) in dst.chunks_exact_mut(GROUP).zip(v.chunks_exact(GROUP)).zip(s) {
-            let s = f16_value(s);
-            for (d, &q) in d.iter_mut().zip(q) {
-                *d = q as f32 * s;
-            }
-        }
+        crate::sys::widen_q8_row(v, s, dst);
     }
 
     fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
@@ -277,16 +272,9 @@ impl QuantMatrix for Q4Matrix {
     }
 
     fn f32_row(&self, r: usize, dst: &mut [f32]) {
-        let g0 = r * self.cols / GROUP;
-        for (g, d) in dst.chunks_exact_mut(GROUP).enumerate() {
-            let bytes = &self.packed[(g0 + g) * GROUP / 2..(g0 + g + 1) * GROUP / 2];
-            let (s, m) = (f16_value(self.scales[g0 + g]), f16_value(self.mins[g0 + g]));
-            let (lo, hi) = d.split_at_mut(GROUP / 2);
-            for ((l, h), b) in lo.iter_mut().zip(hi).zip(bytes) {
-                *l = m + (b & 15) as f32 * s;
-                *h = m + (b >> 4) as f32 * s;
-            }
-        }
+        let (g0, g1) = (r * self.cols / GROUP, (r + 1) * self.cols / GROUP);
+        let packed = &self.packed[g0 * GROUP / 2..g1 * GROUP / 2];
+        crate::sys::widen_q4_row(packed, &self.scales[g0..g1], &self.mins[g0..g1], dst);
     }
 
     fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32 {

@@ -61,6 +61,7 @@ pub mod peak;
 mod qdot;
 mod qint8;
 mod qrows;
+mod qwiden;
 
 pub(crate) use isa::{avx2, avx512};
 pub use isa::{cpu_kernels, set_cpu_kernels, CpuKernels};
@@ -72,6 +73,7 @@ pub(crate) use gemm::*;
 pub(crate) use qdot::*;
 pub(crate) use qint8::*;
 pub(crate) use qrows::*;
+pub(crate) use qwiden::*;
 
 /// The bytes of f32 values (native, little-endian on every supported target).
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
