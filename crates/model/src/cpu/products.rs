@@ -144,10 +144,15 @@ pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut 
     }
 }
 
-/// `out = x[t×k] · w^T` for f16 weights, exactly: 32 weight rows at a time widened to f32 and
-/// multiplied by every row of x on the f32 GEMM, the chunks spread over the thread pool.
+/// `out = x[t×k] · w^T` for f16 weights, exactly: weight rows widened to f32 a chunk at a time and
+/// multiplied by every row of x (the AVX2 dot tiles, or the f32 GEMM), spread over the thread pool.
 pub(super) fn matmul_widened(x: &[f32], t: usize, k: usize, m: &F16Matrix, out: &mut [f32]) {
-    widened_gemm(x, t, k, m.rows, out, |r0, w| crate::sys::widen_f16(&m.values[r0 * k..][..w.len()], w))
+    let widen = |r0: usize, w: &mut [f32]| crate::sys::widen_f16(&m.values[r0 * k..][..w.len()], w);
+    // With AVX2 alone, the widened rows' product without GEMM packing (as for Q4/Q8 above).
+    if crate::sys::avx2() && !crate::sys::avx512() && m.rows.is_multiple_of(4) && k.is_multiple_of(8) {
+        return gemm_f32_rows_par(x, t, k, m.rows, widen, out);
+    }
+    widened_gemm(x, t, k, m.rows, out, widen)
 }
 
 /// `out = x[t×k] · w^T` for quantized weights on the f32 GEMM: 32 weight rows at a time dequantized
@@ -337,13 +342,16 @@ mod tests {
         let w = values(n * k, 1);
         let q4 = Q4Matrix::quantize(&w, n, k).unwrap();
         let q8 = Q8Matrix::quantize(&w, n, k).unwrap();
-        let tolerance = if has_bf16_gemm() { 0.1 } else { 1e-3 };
+        let f16 = F16Matrix::quantize(&w, n, k).unwrap();
         for t in [3, 17, 64, 70] {
             let x = values(t * k, 2 + t as u64);
             for (name, m, want) in [
                 ("q4", QRef::Q4(&q4), reference(&x, t, k, &q4)),
                 ("q8", QRef::Q8(&q8), reference(&x, t, k, &q8)),
+                ("f16", QRef::F16(&f16), reference(&x, t, k, &f16)),
             ] {
+                // The bf16 GEMM rounds x to bf16; f16 weights are widened to f32 on every CPU.
+                let tolerance = if has_bf16_gemm() && name != "f16" { 0.1 } else { 1e-3 };
                 let mut out = vec![0.0; t * n];
                 matmul_quant(&x, t, k, m, &mut Vec::new(), &mut out);
                 for (i, (a, b)) in out.iter().zip(&want).enumerate() {
