@@ -97,18 +97,19 @@ pub(super) fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mu
 /// `xb`), the weights are widened to bf16 one 32-row panel block at a time, in L1, as the bf16 GEMM
 /// reads them.
 ///
-/// Without the bf16 GEMM (AVX2 CPUs), steps of fewer than `DEQUANT_GEMM_MIN_ROWS` rows take the
-/// multi-row dot tiles (each weight row unpacked once for every row) and longer ones widen blocks of
-/// weight rows to f32 and dot every row with them (matrixmultiply over widened chunks where the CPU
-/// lacks AVX2, or a matrix's rows are not a multiple of 4): the quantized matrices are all a step
-/// reads either way.
+/// Without the bf16 GEMM, steps of fewer than `DEQUANT_GEMM_MIN_ROWS` rows take the multi-row dot
+/// tiles (each weight row unpacked once for every row) and longer ones widen blocks of weight rows
+/// to f32 and dot every row with them on AVX2-only CPUs, or take the f32 GEMM over widened chunks
+/// (AVX-512 without BF16, the portable kernels, a matrix whose rows are not a multiple of 4): the
+/// quantized matrices are all a step reads either way.
 pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, out: &mut [f32]) {
     if let QRef::F16(m) = m {
         return matmul_widened(x, t, k, m, out);
     }
     if !has_bf16_gemm() {
         fn widened<M: QuantMatrix>(x: &[f32], t: usize, k: usize, m: &M, out: &mut [f32]) {
-            if crate::sys::avx2() && m.rows().is_multiple_of(4) && k.is_multiple_of(8) {
+            let avx2_only = crate::sys::avx2() && !crate::sys::avx512();
+            if avx2_only && m.rows().is_multiple_of(4) && k.is_multiple_of(8) && k > 0 {
                 let fill = |r0: usize, dst: &mut [f32]| {
                     for (c, row) in dst.chunks_exact_mut(k).enumerate() {
                         m.f32_row(r0 + c, row);
@@ -149,7 +150,8 @@ pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut 
 pub(super) fn matmul_widened(x: &[f32], t: usize, k: usize, m: &F16Matrix, out: &mut [f32]) {
     let widen = |r0: usize, w: &mut [f32]| crate::sys::widen_f16(&m.values[r0 * k..][..w.len()], w);
     // With AVX2 alone, the widened rows' product without GEMM packing (as for Q4/Q8 above).
-    if crate::sys::avx2() && !crate::sys::avx512() && m.rows.is_multiple_of(4) && k.is_multiple_of(8) {
+    if crate::sys::avx2() && !crate::sys::avx512() && m.rows.is_multiple_of(4) && k.is_multiple_of(8) && k > 0
+    {
         return gemm_f32_rows_par(x, t, k, m.rows, widen, out);
     }
     widened_gemm(x, t, k, m.rows, out, widen)
@@ -203,9 +205,11 @@ const QUANT_PANEL_MIN_ROWS: usize = 64;
 
 /// Without the bf16 GEMM, steps with fewer rows than this take the multi-row dot tiles over quantized
 /// weights; longer ones dot every row with weight rows widened to f32 a block at a time
-/// (`gemm_f32_rows_par`, AVX2). Measured under `--cpu-kernels avx2` (forward bench, Q4, two rounds):
-/// 4 rows: tiles 260-330 tokens/s against 157-181, 8 rows 296-325 against 260-296; 16 rows: 426
-/// against matrixmultiply's 246 (the tiles gave 228-283 there), 32 rows 473-497 against 295-323.
+/// (`gemm_f32_rows_par`, on CPUs with AVX2 but not AVX-512) or the f32 GEMM over widened chunks.
+/// Measured under `--cpu-kernels avx2` (forward bench, Q4, alternating binaries, 2026-12-03): 4 rows:
+/// tiles 260-330 tokens/s against the widened-row product's 157-181, 8 rows 296-325 against 260-296;
+/// against matrixmultiply before it, 16 rows 355-402 against 262-266 and 32 rows 502-507 against
+/// 324-335 (the tiles gave 228-283 at 16 rows).
 const DEQUANT_GEMM_MIN_ROWS: usize = 16;
 
 /// Steps that verify drafts (a `SeqStep` asking for the logits of more than one row) take dot products
@@ -333,9 +337,10 @@ mod tests {
         out
     }
 
-    /// A multi-row step's product over quantized weights (the bf16 GEMM on CPUs that have it; the dot
-    /// tiles below 16 rows and the f32 GEMM from 16 on the others) is the product of the weights'
-    /// own values: within bf16 rounding of x where the bf16 GEMM runs, else within f32 rounding.
+    /// A multi-row step's product over quantized or f16 weights (the bf16 GEMM on CPUs that have it;
+    /// the dot tiles below 16 rows and the widened-row product or the f32 GEMM from 16 on the others)
+    /// is the product of the weights' own values: within bf16 rounding of x where the bf16 GEMM runs,
+    /// else within f32 rounding.
     #[test]
     fn multi_row_products_of_quantized_weights_are_the_weights_products() {
         let (n, k) = (96, 256);

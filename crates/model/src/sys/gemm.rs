@@ -384,8 +384,9 @@ where
 /// `out[t x n] = x[t x k] . W^T` on the f32 FMA units (AVX2) for a matrix held in another form
 /// (quantized): `rows(r0, dst)` writes its rows `r0..r0 + 4`, every column, in f32 row-major into
 /// `dst` (4 x k), a block of such groups at a time (in L2), and every row of x is dotted with them
-/// there, three rows at a time, so the weights are widened once per product, never held in f32 whole, and nothing is copied into a GEMM's panels (what
-/// matrixmultiply spent a fifth of an AVX2 32-row step on). `n` must be a multiple of 4, `k` of 8.
+/// there, three rows at a time, so the weights are widened once per product, never held in f32
+/// whole, and nothing is copied into a GEMM's panels (what matrixmultiply spent a fifth of an AVX2
+/// 32-row step on). `n` must be a multiple of 4, `k` of 8 (and not 0).
 /// Portable dot products without AVX2 (callers take the f32 GEMM there).
 pub(crate) fn gemm_f32_rows_par<F>(x: &[f32], t: usize, k: usize, n: usize, rows: F, out: &mut [f32])
 where
@@ -394,52 +395,53 @@ where
     assert!(k.is_multiple_of(8) && k > 0 && n.is_multiple_of(ROWS_TILE), "n: multiple of 4, k: of 8");
     assert!(x.len() >= t * k && out.len() >= t * n);
     let groups = n / ROWS_TILE;
-    if !super::avx2() {
-        let mut w = vec![0f32; ROWS_TILE * k];
-        for g in 0..groups {
-            rows(g * ROWS_TILE, &mut w);
-            for r in 0..t {
-                for (c, wr) in w.chunks_exact(k).enumerate() {
-                    out[r * n + g * ROWS_TILE + c] =
-                        x[r * k..(r + 1) * k].iter().zip(wr).map(|(a, b)| a * b).sum();
-                }
-            }
-        }
-        return;
-    }
-    // Groups widened together (about 128 KiB of f32, in L2): each tile of three x rows, in L1, is
-    // dotted with all of them before the next tile is read.
-    let block = (32 * 1024 / (ROWS_TILE * k)).max(1);
-    split_columns(groups, out, |g0, g1, dst| {
-        let mut w = vec![0f32; block * ROWS_TILE * k];
-        let mut b0 = g0;
-        while b0 < g1 {
-            let b1 = (b0 + block).min(g1);
-            for g in b0..b1 {
-                rows(g * ROWS_TILE, &mut w[(g - b0) * ROWS_TILE * k..][..ROWS_TILE * k]);
-            }
-            let mut r = 0;
-            while r < t {
-                let tile = (t - r).min(3);
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2() {
+        // Groups widened together (about 128 KiB of f32, in L2): each tile of three x rows, in L1, is
+        // dotted with all of them before the next tile is read.
+        let block = (32 * 1024 / (ROWS_TILE * k)).max(1);
+        split_columns(groups, out, |g0, g1, dst| {
+            let mut w = vec![0f32; block * ROWS_TILE * k];
+            let mut b0 = g0;
+            while b0 < g1 {
+                let b1 = (b0 + block).min(g1);
                 for g in b0..b1 {
-                    let pw = w[(g - b0) * ROWS_TILE * k..].as_ptr();
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: the CPU has AVX2 and FMA (checked above); x rows r..r+tile hold k values
-                    // each, `pw` 4 rows of k; this task alone writes columns g*4..g*4+4 of each row.
-                    unsafe {
-                        let (px, po) = (x.as_ptr().add(r * k), dst.add(r * n + g * ROWS_TILE));
-                        match tile {
-                            3 => tile_dot_f32::<3>(px, k, pw, po, n),
-                            2 => tile_dot_f32::<2>(px, k, pw, po, n),
-                            _ => tile_dot_f32::<1>(px, k, pw, po, n),
+                    rows(g * ROWS_TILE, &mut w[(g - b0) * ROWS_TILE * k..][..ROWS_TILE * k]);
+                }
+                let mut r = 0;
+                while r < t {
+                    let tile = (t - r).min(3);
+                    for g in b0..b1 {
+                        // SAFETY: the CPU has AVX2 and FMA (checked above); x rows r..r+tile hold k
+                        // values each, `w` holds group g's 4 rows of k at its offset; this task alone
+                        // writes columns g*4..g*4+4 of each row.
+                        unsafe {
+                            let pw = w.as_ptr().add((g - b0) * ROWS_TILE * k);
+                            let (px, po) = (x.as_ptr().add(r * k), dst.add(r * n + g * ROWS_TILE));
+                            match tile {
+                                3 => tile_dot_f32::<3>(px, k, pw, po, n),
+                                2 => tile_dot_f32::<2>(px, k, pw, po, n),
+                                _ => tile_dot_f32::<1>(px, k, pw, po, n),
+                            }
                         }
                     }
+                    r += tile;
                 }
-                r += tile;
+                b0 = b1;
             }
-            b0 = b1;
+        });
+        return;
+    }
+    let mut w = vec![0f32; ROWS_TILE * k];
+    for g in 0..groups {
+        rows(g * ROWS_TILE, &mut w);
+        for r in 0..t {
+            for (c, wr) in w.chunks_exact(k).enumerate() {
+                out[r * n + g * ROWS_TILE + c] =
+                    x[r * k..(r + 1) * k].iter().zip(wr).map(|(a, b)| a * b).sum();
+            }
         }
-    });
+    }
 }
 
 /// R rows of x (f32, `k` each, contiguous) dotted with four weight rows (f32, `k` each, contiguous):
@@ -665,7 +667,9 @@ mod tests {
     #[test]
     fn f32_row_gemm_matches_a_naive_product() {
         // Row counts around the 3-row tile, and fewer weight groups than pool tasks.
-        for (t, k, n) in [(1, 8, 4), (2, 40, 8), (3, 576, 12), (7, 64, 96), (32, 576, 192), (5, 1536, 4)] {
+        // 4,096 and 8,192 values a row: blocks of two groups and of one, several a task.
+        let shapes = [(1, 8, 4), (2, 40, 8), (3, 576, 12), (7, 64, 96), (32, 576, 192), (5, 1536, 4)];
+        for (t, k, n) in shapes.into_iter().chain([(4, 4096, 64), (5, 8192, 40)]) {
             let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
             let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
             let mut out = vec![f32::NAN; t * n];

@@ -17,6 +17,42 @@ pub(crate) fn effective_uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
+/// Gives `file` (just created, `bytes` long) its storage now: on tmpfs every page is allocated, so a
+/// full `/dev/shm` is an error here (ENOSPC) rather than a SIGBUS at the first write or read of a
+/// page it could not back.
+pub(crate) fn allocate(file: &File, bytes: u64) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    if bytes == 0 {
+        return Ok(());
+    }
+    let len = libc::off_t::try_from(bytes).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: the descriptor is open for writing for the whole call (`file` is borrowed); the call
+    // touches no memory of ours.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 => Ok(()),
+        e => Err(io::Error::from_raw_os_error(e)),
+    }
+}
+
+/// Takes a shared advisory lock (`flock`) on `file`, held until the file is closed: by the region's
+/// owner, for as long as it lives (the kernel drops it when the process dies, however it dies).
+pub(crate) fn lock_shared(file: &File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: the descriptor is open for the whole call; the call touches no memory of ours.
+    match unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH) } {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
+}
+
+/// Whether nobody holds a lock on `file`: an exclusive lock taken without waiting (and kept until
+/// `file` is closed). `false` while any owner lives.
+pub(crate) fn unlocked(file: &File) -> bool {
+    use std::os::fd::AsRawFd;
+    // SAFETY: as in `lock_shared`.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
 /// Maps a file this process just created (and alone writes) read-write and shared.
 pub(crate) fn map_created(file: &File) -> io::Result<MmapMut> {
     // SAFETY: the caller created the file (`create_new`) and sized it; other processes map it
