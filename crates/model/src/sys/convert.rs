@@ -39,9 +39,12 @@ pub(crate) fn copy_streaming(dst: &mut [u8], src: &[u8]) {
         let (d_head, rest) = dst.split_at_mut(head);
         let (d_body, d_tail) = rest.split_at_mut(body);
         d_head.copy_from_slice(&src[..head]);
-        // SAFETY: AVX2 (checked); `d_body` starts on a 32-byte boundary, is a whole number of
-        // 128-byte stretches and as long as the source slice.
-        unsafe { copy_streaming_avx2(d_body, &src[head..head + body]) };
+        if body > 0 {
+            // SAFETY: AVX2 (checked); `d_body` starts on a 32-byte boundary (a head cut short by
+            // the length leaves no body), is a whole number of 128-byte stretches and as long as
+            // the source slice.
+            unsafe { copy_streaming_avx2(d_body, &src[head..head + body]) };
+        }
         d_tail.copy_from_slice(&src[head + body..]);
         return;
     }
