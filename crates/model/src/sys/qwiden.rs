@@ -3,10 +3,9 @@
 //! `q * scale` for Q8, each a product rounded and then a sum rounded, never fused).
 
 use crate::bits16::f16_value;
-use crate::quant::GROUP;
 
-// The AVX2 loops below unpack a group as 16 bytes, four runs of 8 values.
-const _: () = assert!(GROUP == 32);
+/// Values per group (one scale, and for Q4 one minimum, each).
+const GROUP: usize = 32;
 
 /// `dst` = a Q4 row: group g's value i is `mins[g] + q * scales[g]`, q the i-th 4-bit value (the
 /// low nibbles of the group's 16 bytes are its first 16 values, the high ones its last 16).
