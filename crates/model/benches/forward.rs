@@ -188,6 +188,15 @@ fn main() {
         ("prefill_1000_q4_tokens_per_second", Box::new(|| 1000.0 / q4_backend(&weights).prefill(1, 1000))),
         ("decode_q4_at_4000_tokens_per_second", Box::new(|| q4_long(KvDtype::F32))),
         ("decode_q4_at_4000_f16_kv_tokens_per_second", Box::new(|| q4_long(KvDtype::F16))),
+        // What a served agent turn decodes at (`cargo xtask bench spec`'s prompts: about 400 tokens).
+        (
+            "decode_q4_at_500_f16_kv_tokens_per_second",
+            Box::new(|| {
+                let mut b = q4_kv(&weights, KvDtype::F16, blocks);
+                b.prefill(1, 500);
+                b.decode(1, steps * 2)
+            }),
+        ),
         ("batch32_decode_q4_at_1000_tokens_per_second", Box::new(|| q4_fleet(KvDtype::F32))),
         ("batch32_decode_q4_at_1000_f16_kv_tokens_per_second", Box::new(|| q4_fleet(KvDtype::F16))),
         // How much more a 256-token prefill chunk costs at position 7,500 than at the start of a
@@ -213,6 +222,21 @@ fn main() {
             Box::new(|| {
                 let reps = steps * 2;
                 q4_backend(&weights).verify_at(300, 9, reps) / q4_backend(&weights).verify_at(300, 1, reps)
+            }),
+        ),
+        // The same with int8 activations (`--activations q8`): each extra row costs integer products.
+        (
+            "verify5_vs_decode_q4_int8_cost_ratio",
+            Box::new(|| {
+                let reps = steps * 2;
+                q4_int8().verify_at(300, 5, reps) / q4_int8().verify_at(300, 1, reps)
+            }),
+        ),
+        (
+            "verify9_vs_decode_q4_int8_cost_ratio",
+            Box::new(|| {
+                let reps = steps * 2;
+                q4_int8().verify_at(300, 9, reps) / q4_int8().verify_at(300, 1, reps)
             }),
         ),
         ("batch8_decode_tokens_per_second", Box::new(|| batch(8, false))),

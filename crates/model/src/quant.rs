@@ -113,6 +113,13 @@ pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
             *o = self.dot_row(r, x, xsum);
         }
     }
+    /// `out[w * t + i] = xs[i] . row r0 + w` for `rows` rows from `r0` (`t = xs.len()`), each value
+    /// exactly [`dot_row`](Self::dot_row)'s.
+    fn dot_block(&self, r0: usize, rows: usize, xs: &[&[f32]], xsums: &[&[f32]], out: &mut [f32]) {
+        for (w, o) in out.chunks_exact_mut(xs.len().max(1)).take(rows).enumerate() {
+            self.dot_rows(r0 + w, xs, xsums, o);
+        }
+    }
     /// Rows `r0..r0 + 32`, columns `k0..k0 + kc` (multiples of 32) as bf16 in the bf16 GEMM's panel
     /// order (see `sys::gemm_bf16_fill_par`): how multi-row steps read the matrix.
     fn bf16_panel(&self, r0: usize, k: (usize, usize), dst: &mut [u16]);
@@ -189,12 +196,16 @@ impl QuantMatrix for Q8Matrix {
         )
     }
 
-    fn dot_rows(&self, r: usize, xs: &[&[f32]], _xsums: &[&[f32]], out: &mut [f32]) {
+    fn dot_rows(&self, r: usize, xs: &[&[f32]], xsums: &[&[f32]], out: &mut [f32]) {
+        self.dot_block(r, 1, xs, xsums, out)
+    }
+
+    fn dot_block(&self, r0: usize, rows: usize, xs: &[&[f32]], _xsums: &[&[f32]], out: &mut [f32]) {
         let g = self.cols / GROUP;
         crate::sys::dot_q8_rows(
             xs,
-            &self.values[r * self.cols..(r + 1) * self.cols],
-            &self.scales[r * g..(r + 1) * g],
+            &self.values[r0 * self.cols..(r0 + rows) * self.cols],
+            &self.scales[r0 * g..(r0 + rows) * g],
             out,
         )
     }
@@ -290,13 +301,17 @@ impl QuantMatrix for Q4Matrix {
     }
 
     fn dot_rows(&self, r: usize, xs: &[&[f32]], xsums: &[&[f32]], out: &mut [f32]) {
+        self.dot_block(r, 1, xs, xsums, out)
+    }
+
+    fn dot_block(&self, r0: usize, rows: usize, xs: &[&[f32]], xsums: &[&[f32]], out: &mut [f32]) {
         let g = self.cols / GROUP;
-        let rows = r * g..(r + 1) * g;
+        let groups = r0 * g..(r0 + rows) * g;
         crate::sys::dot_q4_rows(
             xs,
-            &self.packed[r * self.cols / 2..(r + 1) * self.cols / 2],
-            &self.scales[rows.clone()],
-            &self.mins[rows],
+            &self.packed[r0 * self.cols / 2..(r0 + rows) * self.cols / 2],
+            &self.scales[groups.clone()],
+            &self.mins[groups],
             xsums,
             out,
         )

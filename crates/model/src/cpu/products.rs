@@ -20,7 +20,7 @@ pub(super) fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M,
     let sums: Vec<Vec<f32>> =
         xs.iter().map(|xr| xr.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()).collect();
     let xsums: Vec<&[f32]> = sums.iter().map(Vec::as_slice).collect();
-    by_weight_rows(t, n, out, |j, o| w.dot_rows(j, &xs, &xsums, o));
+    by_weight_rows(t, n, out, |j0, rows, o| w.dot_block(j0, rows, &xs, &xsums, o));
 }
 
 /// `x[t×k] · w[n×k]^T` with `x` rounded to int8 in groups of 32 (`--activations q8`: integer
@@ -37,30 +37,37 @@ pub(super) fn matvec_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
     let rows = Int8Rows::quantize(x, k);
     let xs: Vec<Int8Row<'_>> = (0..t).map(|r| rows.row(r, k)).collect();
     match m {
-        QRef::Q4(m) => by_weight_rows(t, n, out, |j, o| m.dot_rows_int8(j, &xs, o)),
-        QRef::Q8(m) => by_weight_rows(t, n, out, |j, o| m.dot_rows_int8(j, &xs, o)),
+        QRef::Q4(m) => by_weight_rows(t, n, out, |j0, _, o| {
+            o.chunks_exact_mut(t).enumerate().for_each(|(j, col)| m.dot_rows_int8(j0 + j, &xs, col))
+        }),
+        QRef::Q8(m) => by_weight_rows(t, n, out, |j0, _, o| {
+            o.chunks_exact_mut(t).enumerate().for_each(|(j, col)| m.dot_rows_int8(j0 + j, &xs, col))
+        }),
         QRef::F16(_) => unreachable!("returned above"),
     }
     true
 }
 
-/// `out[t×n]` with `f(j, column)` filling column `j` (the `t` input rows against weight row `j`),
-/// spread over the thread pool by weight rows: each weight row is read from memory once for all `t`
-/// rows, and each value is the very dot product a one-row step computes, so a row's result does not
-/// depend on the rows beside it (draft verification gives what decoding token by token gives).
-pub(super) fn by_weight_rows(t: usize, n: usize, out: &mut [f32], f: impl Fn(usize, &mut [f32]) + Sync) {
+/// `out[t×n]` with `f(j0, cols, part)` filling columns `j0..j0 + cols` (the `t` input rows against
+/// weight rows `j0..`, as `part[j * t + r]`), spread over the thread pool by blocks of weight rows:
+/// each weight row is read from memory once for all `t` rows, and each value is the very dot product
+/// a one-row step computes, so a row's result does not depend on the rows beside it (draft
+/// verification gives what decoding token by token gives).
+pub(super) fn by_weight_rows(
+    t: usize,
+    n: usize,
+    out: &mut [f32],
+    f: impl Fn(usize, usize, &mut [f32]) + Sync,
+) {
     let threads = rayon::current_num_threads().max(1);
-    // Two tasks per thread: enough to balance, few enough that dispatch stays cheap.
-    let chunk = n.div_ceil(threads * 2).max(16);
+    // Two tasks per thread: enough to balance, few enough that dispatch stays cheap; a multiple of
+    // four rows (the kernels' widest tile).
+    let chunk = n.div_ceil(threads * 2).max(16).next_multiple_of(4);
     if t == 0 || n == 0 {
         return;
     }
     if t == 1 {
-        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| {
-            for (j, oj) in o.iter_mut().enumerate() {
-                f(c * chunk + j, std::slice::from_mut(oj));
-            }
-        });
+        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| f(c * chunk, o.len(), o));
         return;
     }
     let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(chunk))
@@ -69,9 +76,7 @@ pub(super) fn by_weight_rows(t: usize, n: usize, out: &mut [f32], f: impl Fn(usi
             let (j0, cols) = (c * chunk, chunk.min(n - c * chunk));
             // Column-major within the part: one weight row's `t` values side by side.
             let mut part = vec![0.0; t * cols];
-            for (j, col) in part.chunks_exact_mut(t).enumerate() {
-                f(j0 + j, col);
-            }
+            f(j0, cols, &mut part);
             (j0, part)
         })
         .collect();
@@ -272,9 +277,11 @@ pub(super) fn matmul_dots_up_to(
         // Decode and draft verification: one dot per weight row and input row, weights read once.
         let mut out = vec![0.0; t * n];
         let wrow = |j: usize| &w[j * k..(j + 1) * k];
-        by_weight_rows(t, n, &mut out, |j, o| {
-            for (r, v) in o.iter_mut().enumerate() {
-                *v = dot(&x[r * k..(r + 1) * k], wrow(j));
+        by_weight_rows(t, n, &mut out, |j0, _, o| {
+            for (j, col) in o.chunks_exact_mut(t).enumerate() {
+                for (r, v) in col.iter_mut().enumerate() {
+                    *v = dot(&x[r * k..(r + 1) * k], wrow(j0 + j));
+                }
             }
         });
         return out;

@@ -31,8 +31,13 @@ impl CpuKernels {
         [CpuKernels::Portable, CpuKernels::Avx2, CpuKernels::Avx512].into_iter().find(|k| k.name() == name)
     }
 
-    /// The best this CPU has.
+    /// The best this CPU has (detected once: every kernel call checks its family against it).
     pub fn detected() -> CpuKernels {
+        static DETECTED: OnceLock<CpuKernels> = OnceLock::new();
+        *DETECTED.get_or_init(Self::detect)
+    }
+
+    fn detect() -> CpuKernels {
         #[cfg(target_arch = "x86_64")]
         {
             // The AVX-512 family also runs AVX2 kernels (and every real AVX-512 CPU has AVX2, FMA and
