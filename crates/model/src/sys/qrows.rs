@@ -105,7 +105,7 @@ use block_tiles;
 const W_MAX: usize = 4;
 
 /// How many tiles ahead the AVX-512 tiles prefetch their weight bytes.
-const PREFETCH_TILES: usize = 8;
+const PREFETCH_TILES: usize = 4;
 
 /// The sums of the sixteen lanes of each of `a[0..4]`, as the four lanes of the result. Each sum's
 /// additions are the same whatever the other three vectors hold (halves, then quarters, then pairs).
