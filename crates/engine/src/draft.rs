@@ -55,6 +55,17 @@ impl Speculative {
     }
 }
 
+/// Trims `drafts` so the step verifying them (the drafts and the row before them) ends on a
+/// multiple of `rows` (the backend's `verify_rows_multiple`): a row past a multiple costs a whole
+/// tile's weight unpacking more, about what a one-row step's products cost, for one more guess. A
+/// step within the first tile is kept as it is.
+pub(crate) fn fit_to_rows(drafts: &mut Vec<u32>, rows: usize) {
+    let n = drafts.len() + 1;
+    if rows > 1 && n > rows {
+        drafts.truncate(n / rows * rows - 1);
+    }
+}
+
 /// One request's drafting: how many drafts its next step gets, shrinking where its drafts are
 /// refused (each refused draft is a row of the step computed for nothing) and growing back where
 /// they are taken.
@@ -116,6 +127,21 @@ mod tests {
         // A repeat runs into the suffix itself: the draft stops at the end of the tokens.
         assert_eq!(s.propose(&[4, 4, 4], 8), vec![4]);
         assert!(Speculative::OFF.propose(&t, 8).is_empty());
+    }
+
+    #[test]
+    fn drafts_fill_whole_tiles() {
+        let fit = |n: usize, rows: usize| {
+            let mut d: Vec<u32> = (0..n as u32).collect();
+            fit_to_rows(&mut d, rows);
+            d.len()
+        };
+        // Tiles of 4 rows: 1 + 8 rows would start a third tile for one row; 1 + 4 a second.
+        assert_eq!([1, 2, 3, 4, 5, 6, 7, 8, 12].map(|n| fit(n, 4)), [1, 2, 3, 3, 3, 3, 7, 7, 11]);
+        // Tiles of 6; no tiles.
+        assert_eq!([5, 6, 8, 11].map(|n| fit(n, 6)), [5, 5, 5, 11]);
+        assert_eq!(fit(8, 1), 8);
+        assert_eq!(fit(0, 4), 0);
     }
 
     #[test]

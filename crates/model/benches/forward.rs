@@ -90,6 +90,36 @@ impl Bench {
         times[reps / 2]
     }
 
+    /// Like `verify_at`, but steps of each of `ns` tokens taken in turn, `reps` rounds, on this one
+    /// backend (so the machine's swings hit every size alike); the median seconds per step of each.
+    fn verify_sizes_at(&mut self, at: usize, ns: &[usize], reps: usize) -> Vec<f64> {
+        let s = SeqId(0);
+        let most = ns.iter().copied().max().unwrap_or(1);
+        let prompt: Vec<u32> = (0..at + most).map(|j| ((j * 17) % 40_000 + 100) as u32).collect();
+        self.kv.add_sequence(s, &prompt).expect("add");
+        self.kv.reserve(s, at + most).expect("reserve");
+        let table = self.kv.block_table(s).expect("table").to_vec();
+        let step = SeqStep { tokens: &prompt[..at], start_pos: 0, block_table: &table, logits: 0 };
+        self.cpu.forward(&[step]).expect("forward");
+        let mut times = vec![Vec::with_capacity(reps); ns.len()];
+        for _ in 0..reps {
+            for (i, &n) in ns.iter().enumerate() {
+                let t = Instant::now();
+                let step =
+                    SeqStep { tokens: &prompt[at..at + n], start_pos: at, block_table: &table, logits: n };
+                self.cpu.forward(&[step]).expect("forward");
+                times[i].push(t.elapsed().as_secs_f64());
+            }
+        }
+        times
+            .into_iter()
+            .map(|mut t| {
+                t.sort_by(f64::total_cmp);
+                t[reps / 2]
+            })
+            .collect()
+    }
+
     /// Decodes `steps` tokens for sequences `0..n` together; returns tokens per second over all of them.
     fn decode(&mut self, n: usize, steps: usize) -> f64 {
         let t = Instant::now();
@@ -222,6 +252,22 @@ fn main() {
             Box::new(|| {
                 let reps = steps * 2;
                 q4_backend(&weights).verify_at(300, 9, reps) / q4_backend(&weights).verify_at(300, 1, reps)
+            }),
+        ),
+        // What a row past a tile of the products costs (AVX-512: tiles of 4 rows): steps of 1 + 4
+        // and 1 + 8 tokens against 1 + 3 and 1 + 7, taken in turn on one backend.
+        (
+            "verify5_vs_verify4_q4_cost_ratio",
+            Box::new(|| {
+                let t = q4_backend(&weights).verify_sizes_at(300, &[4, 5], steps * 2);
+                t[1] / t[0]
+            }),
+        ),
+        (
+            "verify9_vs_verify8_q4_cost_ratio",
+            Box::new(|| {
+                let t = q4_backend(&weights).verify_sizes_at(300, &[8, 9], steps * 2);
+                t[1] / t[0]
             }),
         ),
         // The same with int8 activations (`--activations q8`): each extra row costs integer products.

@@ -129,6 +129,13 @@ pub trait Backend: Send {
 
     /// Stores one block's KV received from a peer (same layout as [`read_block`](Self::read_block)).
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError>;
+
+    /// The row count a step verifying drafts is cheapest in multiples of: its weight products work
+    /// on tiles of this many rows, so a step one row past a multiple pays for a whole tile's weight
+    /// unpacking more (a drafter sizes its drafts to fill the tiles). 1: no such steps.
+    fn verify_rows_multiple(&self) -> usize {
+        1
+    }
 }
 
 /// Checks a block id and a buffer length in bytes against a layout.

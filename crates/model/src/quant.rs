@@ -113,7 +113,7 @@ pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
             *o = self.dot_row(r, x, xsum);
         }
     }
-    /// `out[w * t + i] = xs[i] . row r0 + w` for `rows` rows from `r0` (`t = xs.len()`), each value
+    /// `out[w * t + i] = xs[i] . row (r0 + w)` for `rows` rows from `r0` (`t = xs.len()`), each value
     /// exactly [`dot_row`](Self::dot_row)'s.
     fn dot_block(&self, r0: usize, rows: usize, xs: &[&[f32]], xsums: &[&[f32]], out: &mut [f32]) {
         for (w, o) in out.chunks_exact_mut(xs.len().max(1)).take(rows).enumerate() {

@@ -233,6 +233,8 @@ pub(crate) struct Core {
     /// Whether long steps run on a thread of their own while aborts are served (CPU backends).
     step_thread: bool,
     speculative: crate::Speculative,
+    /// The backend's `verify_rows_multiple` (drafts are sized to fill its tiles).
+    verify_rows: usize,
 }
 
 impl Core {
@@ -251,6 +253,7 @@ impl Core {
         metrics: Metrics,
         transfer_step_tokens: usize,
     ) -> Core {
+        let verify_rows = backend.verify_rows_multiple();
         Core {
             sched,
             backend,
@@ -272,6 +275,7 @@ impl Core {
             deferred: Vec::new(),
             step_thread: false,
             speculative: crate::Speculative::OFF,
+            verify_rows,
         }
     }
 

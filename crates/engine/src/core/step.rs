@@ -42,12 +42,14 @@ impl Core {
             && self.role != Role::Prefill
             && self.sched.stats().running <= self.speculative.max_running;
         let batch = if drafting {
-            let (spec, live) = (self.speculative, &mut self.live);
+            let (spec, live, rows) = (self.speculative, &mut self.live, self.verify_rows);
             self.sched.poll_batch_drafting(now, budget, &mut |id, tokens, room| {
                 match live.get_mut(&id.0) {
                     // A constrained request's mask follows its tokens one at a time: no drafts.
                     Some(l) if l.guide.is_none() => {
-                        spec.propose(tokens, l.drafting.room(spec.max_draft).min(room))
+                        let mut drafts = spec.propose(tokens, l.drafting.room(spec.max_draft).min(room));
+                        crate::draft::fit_to_rows(&mut drafts, rows);
+                        drafts
                     }
                     _ => Vec::new(),
                 }

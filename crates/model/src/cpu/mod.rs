@@ -273,6 +273,15 @@ impl Backend for CpuBackend {
         self.layout
     }
 
+    fn verify_rows_multiple(&self) -> usize {
+        match (&self.decode, self.int8_activations) {
+            // f32 weights: every row its own dot products.
+            (None, _) => 1,
+            (Some(_), true) => crate::sys::int8_tile_rows(),
+            (Some(_), false) => crate::sys::dot_tile_rows(),
+        }
+    }
+
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {
         let n = self.layout.block_bytes();
         for c in copies {

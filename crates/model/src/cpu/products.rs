@@ -11,8 +11,8 @@ use crate::sys::{
     sgemm_xwt_avx512, sgemm_xwt_avx512_strided, to_bf16, Int8Row, Int8Rows,
 };
 
-/// `x[t×k] · w[n×k]^T` with quantized weights, one row of `x` at a time (decode steps), spread over
-/// the thread pool by output columns.
+/// `x[t×k] · w[n×k]^T` with quantized weights by dot products (decode steps, with or without drafts):
+/// every row of `x` against blocks of weight rows, spread over the thread pool by output columns.
 pub(super) fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, out: &mut [f32]) {
     let n = w.rows();
     debug_assert_eq!((x.len(), out.len(), w.cols()), (t * k, t * n, k));
@@ -103,7 +103,7 @@ pub(super) fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mu
 /// reads them.
 ///
 /// Without the bf16 GEMM, steps of fewer than `DEQUANT_GEMM_MIN_ROWS` rows take the multi-row dot
-/// tiles (each weight row unpacked once for every row) and longer ones widen blocks of weight rows
+/// tiles (each weight row unpacked once per tile of input rows) and longer ones widen blocks of weight rows
 /// to f32 and dot every row with them on AVX2-only CPUs, or take the f32 GEMM over widened chunks
 /// (AVX-512 without BF16, the portable kernels, a matrix whose rows are not a multiple of 4): the
 /// quantized matrices are all a step reads either way.
@@ -370,6 +370,38 @@ mod tests {
                     assert!((a - b).abs() <= tolerance, "{name} t={t} value {i}: {a} against {b}");
                 }
             }
+        }
+    }
+
+    /// A decode step's products with drafts (`matvec_quant`, blocks of weight rows over the thread
+    /// pool) give every row, bit for bit, what that row alone gives, and near the weights' own
+    /// product: weight rows not a multiple of the tiles' four, over several blocks.
+    #[test]
+    fn every_row_of_a_verify_step_is_that_row_alone_exactly() {
+        let (n, k) = (70, 96);
+        let w = values(n * k, 3);
+        let q4 = Q4Matrix::quantize(&w, n, k).unwrap();
+        let q8 = Q8Matrix::quantize(&w, n, k).unwrap();
+        let f16 = F16Matrix::quantize(&w, n, k).unwrap();
+        fn check<M: QuantMatrix>(name: &str, m: &M, t: usize, x: &[f32], n: usize, k: usize) {
+            let mut out = vec![0.0; t * n];
+            matvec_quant(x, t, k, m, &mut out);
+            let want = reference(x, t, k, m);
+            for r in 0..t {
+                let mut one = vec![0.0; n];
+                matvec_quant(&x[r * k..(r + 1) * k], 1, k, m, &mut one);
+                for j in 0..n {
+                    let (a, b) = (out[r * n + j], one[j]);
+                    assert_eq!(a.to_bits(), b.to_bits(), "{name} t={t} row {r} column {j}: {a} against {b}");
+                    assert!((a - want[r * n + j]).abs() <= 1e-3, "{name} t={t} row {r} column {j}");
+                }
+            }
+        }
+        for t in 1..=16 {
+            let x = values(t * k, 10 + t as u64);
+            check("q4", &q4, t, &x, n, k);
+            check("q8", &q8, t, &x, n, k);
+            check("f16", &f16, t, &x, n, k);
         }
     }
 }

@@ -7,6 +7,15 @@
 use super::CpuKernels;
 use crate::bits16::f16_value;
 
+/// Input rows per tile of the int8 products with the kernels this process runs (see
+/// `dot_tile_rows`).
+pub(crate) fn int8_tile_rows() -> usize {
+    match super::cpu_kernels() {
+        CpuKernels::Avx2 | CpuKernels::Avx512 => 6,
+        CpuKernels::Portable => 1,
+    }
+}
+
 /// Input rows rounded to int8: row `r` is `q[r * k..][..k]`, group `g`'s scale `d[r * k / 32 + g]`;
 /// `sum` holds each group's exact f32 sum (what Q4's minimums weigh).
 #[derive(Debug, Default)]

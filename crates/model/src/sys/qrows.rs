@@ -1,6 +1,7 @@
 //! Q4 and Q8 dot products of several input rows against a block of weight rows at once: each weight
-//! row's values are unpacked once and weigh every input row (a decode batch, or a decode with its
-//! draft tokens), and each input row's values, loaded once, weigh four weight rows (AVX-512).
+//! row is read from memory once, its values unpacked once per tile of input rows (four on AVX-512,
+//! six on AVX2: a decode batch, or a decode with its draft tokens), and on AVX-512 each input row's
+//! values, loaded once per group, weigh four weight rows.
 //! Every (input row, weight row) pair's arithmetic is the same operations in the same order whatever
 //! tile computes it (the one-row product *is* the smallest tile), so a row's value does not depend
 //! on the rows beside it, and a decode with drafts gives what decoding token by token gives.
@@ -33,8 +34,12 @@ pub(crate) fn dot_q4_rows_with(
     out: &mut [f32],
 ) {
     let t = xs.len();
-    let n = out.len().checked_div(t).unwrap_or(0);
-    let groups = xs.first().map_or(0, |x| x.len() / 32);
+    if t == 0 {
+        assert!(out.is_empty() && xsums.is_empty());
+        return;
+    }
+    let n = out.len() / t;
+    let groups = xs[0].len() / 32;
     assert!(xsums.len() == t && out.len() == n * t);
     assert!(scales.len() == n * groups && mins.len() == n * groups && packed.len() == n * groups * 16);
     for (x, xsum) in xs.iter().zip(xsums) {
@@ -101,10 +106,22 @@ macro_rules! block_tiles {
 }
 use block_tiles;
 
+/// Input rows per tile of the Q4/Q8 products with the kernels this process runs: a step of one
+/// row more than a multiple of it unpacks every weight row once more.
+pub(crate) fn dot_tile_rows() -> usize {
+    match super::cpu_kernels() {
+        CpuKernels::Avx512 => 4,
+        CpuKernels::Avx2 => 6,
+        CpuKernels::Portable => 1,
+    }
+}
+
 /// Weight rows per AVX-512 tile: each input row's values, loaded once per group, weigh four.
 const W_MAX: usize = 4;
 
-/// How many tiles ahead the AVX-512 tiles prefetch their weight bytes.
+/// How many weight tiles (of `W_MAX` rows) ahead the AVX-512 tiles prefetch their weight bytes
+/// (within a block they run past its end, into another block's rows or past the matrix: harmless
+/// hints, never dereferenced).
 const PREFETCH_TILES: usize = 4;
 
 /// The sums of the sixteen lanes of each of `a[0..4]`, as the four lanes of the result. Each sum's
@@ -295,8 +312,12 @@ pub(crate) fn dot_q8_rows(xs: &[&[f32]], q: &[i8], scales: &[u16], out: &mut [f3
 /// [`dot_q8_rows`] with the kernels `k` (at most what the CPU has).
 pub(crate) fn dot_q8_rows_with(k: CpuKernels, xs: &[&[f32]], q: &[i8], scales: &[u16], out: &mut [f32]) {
     let t = xs.len();
-    let n = out.len().checked_div(t).unwrap_or(0);
-    let groups = xs.first().map_or(0, |x| x.len() / 32);
+    if t == 0 {
+        assert!(out.is_empty());
+        return;
+    }
+    let n = out.len() / t;
+    let groups = xs[0].len() / 32;
     assert!(out.len() == n * t && q.len() == n * groups * 32 && scales.len() == n * groups);
     assert!(xs.iter().all(|x| x.len() == groups * 32));
     assert!(k <= CpuKernels::detected());
@@ -468,7 +489,13 @@ mod tests {
     /// of four weight rows and the single-row ones for the rest), with one input row and several.
     #[test]
     fn weight_rows_at_once_equal_one_weight_row_at_a_time_exactly() {
-        let groups = 37;
+        // Minimums in one partial chunk, in whole chunks, and in whole chunks and a partial one.
+        for groups in [7, 32, 37] {
+            weight_rows_at_once(groups);
+        }
+    }
+
+    fn weight_rows_at_once(groups: usize) {
         let n = 11;
         let packed: Vec<u8> = (0..n * groups * 16).map(|i| (i * 73 % 256) as u8).collect();
         let q: Vec<i8> = (0..n * groups * 32).map(|i| ((i * 53 % 255) as i32 - 127) as i8).collect();
@@ -479,7 +506,7 @@ mod tests {
         let sums: Vec<Vec<f32>> =
             rows.iter().map(|x| x.chunks(32).map(|c| c.iter().sum()).collect()).collect();
         for k in CpuKernels::available() {
-            for t in [1, 2, 5, 9] {
+            for t in 1..=9 {
                 let xs: Vec<&[f32]> = rows[..t].iter().map(Vec::as_slice).collect();
                 let xsums: Vec<&[f32]> = sums[..t].iter().map(Vec::as_slice).collect();
                 let (mut q4, mut q8) = (vec![0f32; n * t], vec![0f32; n * t]);
