@@ -57,6 +57,29 @@ pub(super) unsafe fn f16_splat(h: u16) -> std::arch::x86_64::__m512 {
     _mm512_cvtph_ps(_mm256_set1_epi16(h as i16))
 }
 
+/// f16 bits `h` as f32, broadcast to 8 lanes, with F16C (`f16_value`'s value; without the
+/// software conversion `half` falls back to inside a kernel compiled for no F16C target).
+///
+/// # Safety
+/// AVX and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn f16_splat256(h: u16) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    _mm256_cvtph_ps(_mm_set1_epi16(h as i16))
+}
+
+/// f16 bits `h` as f32 with F16C (see [`f16_splat256`]).
+///
+/// # Safety
+/// F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn f16_f16c(h: u16) -> f32 {
+    use std::arch::x86_64::*;
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_set1_epi16(h as i16)))
+}
+
 /// `sum_g scales[g] * (q_g . x_g) + mins[g] * xsum[g]` for one Q4 row (see `quant::Q4Matrix`; scales
 /// and minimums as f16 bits), with an AVX-512 kernel where the CPU has one.
 pub(crate) fn dot_q4(x: &[f32], packed: &[u8], scales: &[u16], mins: &[u16], xsum: &[f32]) -> f32 {

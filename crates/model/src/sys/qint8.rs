@@ -151,7 +151,7 @@ unsafe fn mins_share_avx2(mins: &[u16], sum: &[f32]) -> f32 {
         macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(sum.as_ptr().add(h)), macc);
         h += 8;
     }
-    super::hsum256(macc) + mins[h..].iter().zip(&sum[h..]).map(|(&m, s)| f16_value(m) * s).sum::<f32>()
+    super::hsum256(macc) + mins[h..].iter().zip(&sum[h..]).map(|(&m, s)| super::f16_f16c(m) * s).sum::<f32>()
 }
 
 /// The integer part of rows `i..i + R` of [`dot_q4_int8_rows`] (the minimums' share is added after).

@@ -7,7 +7,6 @@
 //! on the rows beside it, and a decode with drafts gives what decoding token by token gives.
 
 use super::CpuKernels;
-use crate::bits16::f16_value;
 
 /// `out[w * t + r] = sum_g scales[w, g] * (q[w]_g . xs[r]_g) + mins[w, g] * xsums[r][g]` for the
 /// `out.len() / t` consecutive Q4 weight rows `w` whose bytes, scales and minimums (f16 bits) are
@@ -275,7 +274,7 @@ unsafe fn q4_tile_avx2<const R: usize>(
         let lo = _mm_and_si128(bytes, low);
         let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
         // The weights times the group's scale, once for every row (exact in f32, as above).
-        let sv = _mm256_set1_ps(f16_value(s));
+        let sv = super::f16_splat256(s);
         for (nib, at) in [(lo, 0usize), (hi, 16)] {
             let w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), sv);
             let w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nib, 8))), sv);
@@ -299,7 +298,7 @@ unsafe fn q4_tile_avx2<const R: usize>(
         }
         out[i + r] = super::hsum256(_mm256_add_ps(acc[r][0], acc[r][1]))
             + super::hsum256(macc)
-            + mins[h..].iter().zip(&xsum[h..]).map(|(&m, s)| f16_value(m) * s).sum::<f32>();
+            + mins[h..].iter().zip(&xsum[h..]).map(|(&m, s)| super::f16_f16c(m) * s).sum::<f32>();
     }
 }
 
@@ -413,7 +412,7 @@ unsafe fn q8_tile_avx2<const R: usize>(i: usize, xs: &[&[f32]], q: &[i8], scales
     for (g, &s) in scales.iter().enumerate() {
         let o = g * 32;
         // The weights times the group's scale, once for every row (exact in f32, as above).
-        let sv = _mm256_set1_ps(f16_value(s));
+        let sv = super::f16_splat256(s);
         for j in [0usize, 16] {
             // SAFETY (of the loads): o + j + 16 <= q.len() == every x's length.
             let w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(pq.add(o + j).cast())));
