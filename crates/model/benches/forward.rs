@@ -70,28 +70,12 @@ impl Bench {
     /// same slots each time), asking for logits of every row (a decode with `n - 1` drafts to verify);
     /// the median seconds per step.
     fn verify_at(&mut self, at: usize, n: usize, reps: usize) -> f64 {
-        let s = SeqId(0);
-        let prompt: Vec<u32> = (0..at + n).map(|j| ((j * 17) % 40_000 + 100) as u32).collect();
-        self.kv.add_sequence(s, &prompt).expect("add");
-        self.kv.reserve(s, at + n).expect("reserve");
-        let table = self.kv.block_table(s).expect("table").to_vec();
-        let step = SeqStep { tokens: &prompt[..at], start_pos: 0, block_table: &table, logits: 0 };
-        self.cpu.forward(&[step]).expect("forward");
-        let mut times: Vec<f64> = (0..reps)
-            .map(|_| {
-                let t = Instant::now();
-                let step =
-                    SeqStep { tokens: &prompt[at..at + n], start_pos: at, block_table: &table, logits: n };
-                self.cpu.forward(&[step]).expect("forward");
-                t.elapsed().as_secs_f64()
-            })
-            .collect();
-        times.sort_by(f64::total_cmp);
-        times[reps / 2]
+        self.verify_sizes_at(at, &[n], reps)[0]
     }
 
-    /// Like `verify_at`, but steps of each of `ns` tokens taken in turn, `reps` rounds, on this one
-    /// backend (so the machine's swings hit every size alike); the median seconds per step of each.
+    /// Prefills sequence 0 to position `at`, then times steps of each of `ns` tokens at that position
+    /// in turn (the same slots each time, logits of every row), `reps` rounds, on this one backend
+    /// (so the machine's swings hit every size alike); the median seconds per step of each.
     fn verify_sizes_at(&mut self, at: usize, ns: &[usize], reps: usize) -> Vec<f64> {
         let s = SeqId(0);
         let most = ns.iter().copied().max().unwrap_or(1);
