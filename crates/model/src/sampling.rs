@@ -82,10 +82,72 @@ pub struct Sampler {
     rng: Rng,
 }
 
-fn log_softmax(logits: &[f32]) -> Vec<f32> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let lse = max + logits.iter().map(|l| (l - max).exp()).sum::<f32>().ln();
-    logits.iter().map(|l| l - lse).collect()
+thread_local! {
+    /// A row's exponentials, reused by each thread that samples (a vocabulary's worth of floats).
+    static EXPS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The largest value (NaN ignored; -inf for none).
+fn max_of(v: &[f32]) -> f32 {
+    // Eight running maxima, so the loop vectorizes.
+    let mut m = [f32::NEG_INFINITY; 8];
+    let chunks = v.chunks_exact(8);
+    let tail = chunks.remainder().iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+    for c in chunks {
+        for (m, &x) in m.iter_mut().zip(c) {
+            *m = if x > *m { x } else { *m };
+        }
+    }
+    m.iter().fold(tail, |a, &x| a.max(x))
+}
+
+/// `e^(v[i] * scale - shift)` of every value into the thread's buffer, handed to `f` with their sum
+/// (the CPU kernels' vectorized exponential).
+fn with_exps<R>(v: &[f32], scale: f32, shift: f32, f: impl FnOnce(&[f32], f32) -> R) -> R {
+    EXPS.with_borrow_mut(|buf| {
+        buf.clear();
+        buf.extend_from_slice(v);
+        let sum = crate::sys::exp_scaled(buf, scale, shift);
+        f(buf, sum)
+    })
+}
+
+/// The log of the softmax's denominator: `ln(sum_i e^(v[i]))`, taken around the maximum.
+fn log_sum_exp(v: &[f32]) -> f32 {
+    let max = max_of(v);
+    max + with_exps(v, 1.0, max, |_, sum| sum).ln()
+}
+
+/// The index at which the running sum of `w` first exceeds `r` (with `r` below the total: some
+/// index; the last one with weight if rounding leaves `r` unreached). Sums blocks first, so only
+/// one block is walked value by value.
+fn pick(w: &[f32], mut r: f32) -> usize {
+    const BLOCK: usize = 512;
+    for (b, block) in w.chunks(BLOCK).enumerate() {
+        let mut lanes = [0f32; 8];
+        let chunks = block.chunks_exact(8);
+        let tail: f32 = chunks.remainder().iter().sum();
+        for c in chunks {
+            for (l, &x) in lanes.iter_mut().zip(c) {
+                *l += x;
+            }
+        }
+        let sum = lanes.iter().sum::<f32>() + tail;
+        if r < sum {
+            for (i, &q) in block.iter().enumerate() {
+                r -= q;
+                if r < 0.0 {
+                    return b * BLOCK + i;
+                }
+            }
+            // Rounding within the block: its last token with weight.
+            if let Some(i) = block.iter().rposition(|&q| q > 0.0) {
+                return b * BLOCK + i;
+            }
+        }
+        r -= sum;
+    }
+    argmax(w)
 }
 
 fn argmax(v: &[f32]) -> usize {
@@ -120,9 +182,11 @@ impl Sampler {
     /// Picks the next token. `prompt` and `output` are the request's tokens so far (for penalties).
     pub fn sample(&mut self, logits: &[f32], prompt: &[u32], output: &[u32]) -> Sampled {
         let p = self.params.clone();
-        let raw = log_softmax(logits);
-        let mut l = logits.to_vec();
+        // Log-probabilities are of the model's own distribution: before penalties and temperature.
+        let lse = log_sum_exp(logits);
+        let mut l = std::borrow::Cow::Borrowed(logits);
         if p.repetition_penalty != 1.0 {
+            let l = l.to_mut();
             let mut seen = vec![false; l.len()];
             for &t in prompt.iter().chain(output) {
                 if let Some(s) = seen.get_mut(t as usize) {
@@ -136,6 +200,7 @@ impl Sampler {
             }
         }
         if p.frequency_penalty != 0.0 || p.presence_penalty != 0.0 {
+            let l = l.to_mut();
             let mut counts = std::collections::HashMap::<u32, u32>::new();
             for &t in output {
                 *counts.entry(t).or_default() += 1;
@@ -149,33 +214,32 @@ impl Sampler {
         let token = if p.temperature <= 1e-5 { argmax(&l) } else { self.draw(&l) };
         let mut top = Vec::new();
         if p.top_logprobs > 0 {
-            let mut idx: Vec<usize> = (0..raw.len()).collect();
+            let mut idx: Vec<usize> = (0..logits.len()).collect();
             let k = p.top_logprobs.min(idx.len());
-            idx.select_nth_unstable_by(k - 1, |&a, &b| raw[b].total_cmp(&raw[a]));
+            idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
             idx.truncate(k);
-            idx.sort_by(|&a, &b| raw[b].total_cmp(&raw[a]));
-            top = idx.into_iter().map(|i| (i as u32, raw[i])).collect();
+            idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
+            top = idx.into_iter().map(|i| (i as u32, logits[i] - lse)).collect();
         }
-        Sampled { token: token as u32, logprob: raw[token], top }
+        Sampled { token: token as u32, logprob: logits[token] - lse, top }
     }
 
     /// Samples from `l / temperature` restricted by top-k, min-p and top-p.
     fn draw(&mut self, l: &[f32]) -> usize {
-        let p = &self.params;
-        let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let probs: Vec<f32> = l.iter().map(|x| ((x - max) / p.temperature).exp()).collect();
-        let filtered = p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0.0;
-        if !filtered {
-            let sum: f32 = probs.iter().sum();
-            let mut r = self.rng.next_f32() * sum;
-            for (i, &q) in probs.iter().enumerate() {
-                r -= q;
-                if r < 0.0 {
-                    return i;
-                }
+        let p = self.params.clone();
+        let max = max_of(l);
+        let scale = 1.0 / p.temperature;
+        with_exps(l, scale, max * scale, |probs, sum| {
+            if p.top_k > 0 || p.top_p < 1.0 || p.min_p > 0.0 {
+                self.draw_filtered(&p, probs)
+            } else {
+                pick(probs, self.rng.next_f32() * sum)
             }
-            return argmax(&probs);
-        }
+        })
+    }
+
+    /// [`draw`](Self::draw) among the tokens top-k, min-p and top-p keep, `probs` the weights of all.
+    fn draw_filtered(&mut self, p: &SamplingParams, probs: &[f32]) -> usize {
         let mut idx: Vec<usize> = (0..probs.len()).collect();
         if p.top_k > 0 && p.top_k < idx.len() {
             idx.select_nth_unstable_by(p.top_k - 1, |&a, &b| probs[b].total_cmp(&probs[a]));
@@ -272,9 +336,64 @@ mod tests {
         let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.05, ..greedy.clone() }, 0);
         assert_eq!(s.sample(&logits, &[], &[0]).token, 0, "one use costs 0.05 only");
         let out = Sampler::new(greedy, 0).sample(&logits, &[], &[]);
-        let total: f32 = log_softmax(&logits).iter().map(|l| l.exp()).sum();
+        let lse = log_sum_exp(&logits);
+        let total: f32 = logits.iter().map(|l| (l - lse).exp()).sum();
         assert!((total - 1.0).abs() < 1e-5);
         assert_eq!(out.top.iter().map(|t| t.0).collect::<Vec<_>>(), [0, 1]);
         assert_eq!(out.logprob, out.top[0].1);
+    }
+
+    /// A vocabulary's worth of logits (the vectorized exponentials, blocks of the walk): the chosen
+    /// token's log-probability is the softmax's, computed here in f64, and draws land on the three
+    /// likely tokens, spread over several blocks, in their proportions.
+    #[test]
+    fn large_vocabularies_sample_in_proportion() {
+        let mut logits = vec![-30.0f32; 49_152];
+        for (i, l) in logits.iter_mut().enumerate() {
+            *l += (i as f32 * 0.37).sin();
+        }
+        let likely = [(10, 1.0f32), (700, 0.0), (49_000, -1.0)];
+        for &(i, l) in &likely {
+            logits[i] = l;
+        }
+        let lse = logits.iter().map(|&l| f64::from(l).exp()).sum::<f64>().ln();
+        let mut s = Sampler::new(SamplingParams::default(), 3);
+        let mut seen = std::collections::HashMap::<u32, usize>::new();
+        for _ in 0..6000 {
+            let out = s.sample(&logits, &[], &[]);
+            let want = f64::from(logits[out.token as usize]) - lse;
+            assert!((f64::from(out.logprob) - want).abs() < 1e-4, "{} against {want}", out.logprob);
+            *seen.entry(out.token).or_default() += 1;
+        }
+        let weight: f64 = likely.iter().map(|&(_, l)| f64::from(l).exp()).sum();
+        for &(i, l) in &likely {
+            let share = seen.get(&(i as u32)).copied().unwrap_or(0) as f64 / 6000.0;
+            let want = f64::from(l).exp() / weight;
+            assert!((share - want).abs() < 0.03, "token {i}: {share:.3} of draws against {want:.3}");
+        }
+    }
+
+    /// The walk over block sums lands where walking value by value does.
+    #[test]
+    fn picking_by_blocks_equals_walking_every_value() {
+        let w: Vec<f32> =
+            (0..2000).map(|i| if i % 7 == 0 { 0.0 } else { ((i * 31) % 17) as f32 / 16.0 }).collect();
+        let walk = |mut r: f32| {
+            for (i, &q) in w.iter().enumerate() {
+                r -= q;
+                if r < 0.0 {
+                    return i;
+                }
+            }
+            argmax(&w)
+        };
+        let total: f32 = w.iter().sum();
+        for k in 0..997 {
+            let r = total * k as f32 / 997.0;
+            let (a, b) = (pick(&w, r), walk(r));
+            // Summing a block first may round differently at a boundary: the same token or a neighbour
+            // with weight, never a zero-weight one.
+            assert!(a.abs_diff(b) <= 1 && w[a] > 0.0, "r = {r}: {a} against {b}");
+        }
     }
 }
