@@ -7,8 +7,8 @@ use super::{gemm_xwt, sized, CpuBackend};
 use crate::backend::{KvDtype, KvStore, SeqStep};
 use crate::sys::{
     as_f32, as_f32_mut, as_u16, as_u16_mut, exp_scaled, f32_bytes, f32_bytes_mut, group_scores,
-    group_weighted_sum, group_weighted_sum_f16, narrow_bf16, narrow_f16, prefetch, softmax_masked,
-    widen_bf16, widen_f16,
+    group_scores_f16, group_weighted_sum, group_weighted_sum_f16, narrow_bf16, narrow_f16, prefetch,
+    softmax_masked, widen_bf16, widen_f16,
 };
 
 /// Where the KV memory lives: this backend's own heap (f32 words from a page boundary on, so every
@@ -187,7 +187,14 @@ impl CpuBackend {
                             // The values of these positions, read after every key: on their way to
                             // L2 while the keys are scored.
                             kv_mem.prefetch(self.kv_at(block, li, 1, off), cnt * stride);
-                            let k = kv_mem.f32s(self.kv_at(block, li, 0, off), cnt * stride, wide);
+                            let (k_at, len) = (self.kv_at(block, li, 0, off), cnt * stride);
+                            if let KvValues::F16(k) = kv_mem {
+                                let rows = (&k[k_at..k_at + len], stride);
+                                if group_scores_f16(&q, (hd, group), rows, cnt, (&mut scores[at..], n)) {
+                                    continue;
+                                }
+                            }
+                            let k = kv_mem.f32s(k_at, len, wide);
                             group_scores(&q, (hd, group), (k, stride), cnt, (&mut scores[at..], n));
                         }
                         for (h, row) in scores.chunks_exact_mut(n).enumerate() {

@@ -217,11 +217,42 @@ pub(crate) fn group_scores(
         // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has).
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => unsafe { group_scores_avx512(q, (hd, group), (k, ldk), n, (out, ldo)) },
+        // SAFETY: AVX2, FMA and F16C (as above: the family's features); a head size of whole chunks.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 if super::decode_avx2::scores_fit(hd) => unsafe {
+            super::decode_avx2::group_scores(q, (hd, group), (k, ldk), n, (out, ldo))
+        },
         // SAFETY: AVX2 and FMA (as above); the same safe code, compiled for them.
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => unsafe { group_scores_avx2(q, (hd, group), (k, ldk), n, (out, ldo)) },
         _ => group_scores_body(q, (hd, group), (k, ldk), n, (out, ldo)),
     }
+}
+
+/// [`group_scores`] over K rows of f16 bits, widened in registers as they are read: every score the
+/// very value `group_scores` gives over the rows widened first. With AVX2 (not AVX-512, whose kernel
+/// reads f32 rows) and head sizes of whole 8-lane chunks; false, touching nothing, elsewhere (the
+/// caller widens the rows instead).
+pub(crate) fn group_scores_f16(
+    q: &[f32],
+    (hd, group): (usize, usize),
+    (k, ldk): (&[u16], usize),
+    n: usize,
+    (out, ldo): (&mut [f32], usize),
+) -> bool {
+    let heads = q.len() / hd;
+    assert!(hd > 0 && group > 0 && q.len() == heads * hd && heads.is_multiple_of(group));
+    assert!(n == 0 || k.len() >= (n - 1) * ldk + heads / group * hd);
+    assert!(heads == 0 || n == 0 || out.len() >= (heads - 1) * ldo + n);
+    if super::cpu_kernels() != CpuKernels::Avx2 || !super::decode_avx2::scores_fit(hd) {
+        return false;
+    }
+    // SAFETY: AVX2, FMA and F16C (the family's features, which the CPU has); lengths as asserted.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        super::decode_avx2::group_scores(q, (hd, group), (k, ldk), n, (out, ldo))
+    };
+    cfg!(target_arch = "x86_64")
 }
 
 /// # Safety
@@ -350,6 +381,11 @@ pub(crate) fn group_weighted_sum(
         // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has); the same safe code.
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => unsafe { group_weighted_sum_avx512((p, ldp), (hd, group), (v, ldv), n, acc) },
+        // SAFETY: AVX2, FMA and F16C (as above: the family's features); whole 32-column blocks.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 if super::decode_avx2::sums_fit(hd) => unsafe {
+            super::decode_avx2::group_weighted_sum((p, ldp), (hd, group), (v, ldv), n, acc)
+        },
         // SAFETY: AVX2 and FMA (as above); the same safe code, compiled for them.
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => unsafe { group_weighted_sum_avx2((p, ldp), (hd, group), (v, ldv), n, acc) },
@@ -388,7 +424,8 @@ unsafe fn group_weighted_sum_avx512(
 /// [`group_weighted_sum`] over V rows of f16 bits, widened in registers as they are read (no f32
 /// copy of the rows): every element the very value `group_weighted_sum` gives over the rows widened
 /// first (the same products, added in the same order). With AVX-512 and head sizes that are a
-/// multiple of 64; false, touching nothing, elsewhere (the caller widens the rows instead).
+/// multiple of 64, or AVX2 and multiples of 32; false, touching nothing, elsewhere (the caller widens
+/// the rows instead).
 pub(crate) fn group_weighted_sum_f16(
     (p, ldp): (&[f32], usize),
     (hd, group): (usize, usize),
@@ -400,6 +437,14 @@ pub(crate) fn group_weighted_sum_f16(
     assert!(hd > 0 && group > 0 && acc.len() == heads * hd && heads.is_multiple_of(group));
     assert!(n == 0 || v.len() >= (n - 1) * ldv + heads / group * hd);
     assert!(heads == 0 || n == 0 || p.len() >= (heads - 1) * ldp + n);
+    if super::cpu_kernels() == CpuKernels::Avx2 && super::decode_avx2::sums_fit(hd) {
+        // SAFETY: AVX2, FMA and F16C (the family's features, which the CPU has); lengths as asserted.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            super::decode_avx2::group_weighted_sum((p, ldp), (hd, group), (v, ldv), n, acc)
+        };
+        return cfg!(target_arch = "x86_64");
+    }
     if super::cpu_kernels() < CpuKernels::Avx512 || !hd.is_multiple_of(64) {
         return false;
     }
@@ -521,18 +566,19 @@ mod tests {
 
     #[test]
     fn grouped_decode_attention_kernels_match_a_naive_loop() {
-        // 4 query heads over 2 KV heads (group 2), positions whose rows (both KV heads) sit `ld`
-        // floats apart: head size 20 (the portable loop), 64 with 5 and 37 positions (AVX-512's
-        // sixteen-at-a-time scores, a partial last group).
-        for (hd, n) in [(20, 5), (64, 5), (64, 37)] {
-            grouped_case(hd, n);
+        // Query heads over KV heads (group 2: 4 over 2), positions whose rows (every KV head) sit
+        // `ld` floats apart: head size 20 (the portable loop), 64 with 5 and 37 positions (AVX-512's
+        // sixteen-at-a-time scores, a partial last group; AVX2's four-at-a-time, a partial last
+        // tile), groups of 3 (AVX2's three heads at once) and 5 (three, then two), head size 32.
+        for (hd, n, group) in [(20, 5, 2), (64, 5, 2), (64, 37, 2), (64, 7, 3), (32, 9, 5), (64, 1, 1)] {
+            grouped_case(hd, n, group);
         }
     }
 
-    fn grouped_case(hd: usize, n: usize) {
+    fn grouped_case(hd: usize, n: usize, group: usize) {
         // (Through `cpu_kernels()`: the family this test process runs; `cargo xtask test` runs the
         // model's tests once per family the CPU has.)
-        let (group, heads, ld) = (2, 4, 2 * hd + 4);
+        let (heads, ld) = (2 * group, 2 * hd + 4);
         let q: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.37).sin()).collect();
         let kv: Vec<f32> = (0..n * ld).map(|i| (i as f32 * 0.11).cos()).collect();
         let ldo = n + 2;
@@ -555,7 +601,7 @@ mod tests {
     }
 
     /// Decode's value sums straight from f16 rows equal, bit for bit, the sums over the rows widened
-    /// to f32 first (where the f16 kernel runs: AVX-512, head sizes a multiple of 64).
+    /// to f32 first (where the f16 kernels run: AVX-512, head sizes a multiple of 64; AVX2, 32).
     #[test]
     fn weighted_sums_of_f16_rows_equal_those_of_the_widened_rows() {
         use crate::bits16::{f16_bits, f16_value};
@@ -574,7 +620,31 @@ mod tests {
                 assert!(same, "hd {hd} group {group} n {n}");
             } else {
                 assert_eq!(direct, start, "not run: untouched");
-                assert!(super::super::cpu_kernels() < CpuKernels::Avx512);
+                assert!(super::super::cpu_kernels() < CpuKernels::Avx2);
+            }
+        }
+    }
+
+    /// Decode's scores straight from f16 keys equal, bit for bit, the scores of the keys widened to
+    /// f32 first (where the f16 kernel runs: AVX2).
+    #[test]
+    fn scores_of_f16_keys_equal_those_of_the_widened_keys() {
+        use crate::bits16::{f16_bits, f16_value};
+        for (hd, group, kv_heads, n) in [(64, 3, 3, 37), (128, 5, 2, 6), (64, 1, 2, 1), (32, 4, 1, 9)] {
+            let heads = group * kv_heads;
+            let (ld, ldo) = (kv_heads * hd + 8, n + 3);
+            let k: Vec<u16> = (0..n * ld).map(|i| f16_bits((i as f32 * 0.13).sin())).collect();
+            let q: Vec<f32> = (0..heads * hd).map(|i| (i as f32 * 0.29).cos()).collect();
+            let (mut direct, mut widened) = (vec![-7.0; heads * ldo], vec![-7.0; heads * ldo]);
+            let ran = super::group_scores_f16(&q, (hd, group), (&k, ld), n, (&mut direct, ldo));
+            let wide: Vec<f32> = k.iter().map(|&b| f16_value(b)).collect();
+            super::group_scores(&q, (hd, group), (&wide, ld), n, (&mut widened, ldo));
+            if ran {
+                let same = direct.iter().zip(&widened).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "hd {hd} group {group} n {n}");
+            } else {
+                assert!(direct.iter().all(|&v| v == -7.0), "not run: untouched");
+                assert_ne!(super::super::cpu_kernels(), CpuKernels::Avx2);
             }
         }
     }

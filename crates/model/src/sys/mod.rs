@@ -54,6 +54,7 @@ macro_rules! row_tiles {
 
 mod attention;
 mod convert;
+mod decode_avx2;
 mod elementwise;
 mod gemm;
 mod isa;
