@@ -1,5 +1,6 @@
 //! Speed of the CPU forward pass on the default model: single-sequence decode (f32, Q8 and Q4 weights),
-//! prefill of a 1,000-token prompt (f32, and Q4 whose multi-row steps widen its blocks to bf16), and
+//! prefill of a 1,000-token prompt (f32, and Q4 whose multi-row steps widen its blocks to bf16) and of
+//! 24 prompts of 83 tokens in one step (Q4), and
 //! aggregate decode with 8 and 32 sequences in one batch (f32; 4, 8 and 32 with Q4), and Q4 decode after a
 //! 4,000-token prompt and of 32 sequences of 1,000 tokens, with f32 KV and with f16 KV (the server's
 //! default, where attention reads half the bytes), and what verifying 4 or 8 draft tokens costs against
@@ -41,6 +42,31 @@ impl Bench {
             self.kv.commit(s, prompt_len).expect("commit");
         }
         t.elapsed().as_secs_f64()
+    }
+
+    /// Prefills `n` sequences of `prompt_len` tokens in one step (as a server's step admits a burst
+    /// of requests); returns the seconds it took.
+    fn prefill_together(&mut self, n: usize, prompt_len: usize) -> f64 {
+        let mut inputs = Vec::with_capacity(n);
+        for i in 0..n {
+            let s = SeqId(i as u64);
+            let prompt: Vec<u32> =
+                (0..prompt_len).map(|j| ((i * 131 + j * 17) % 40_000 + 100) as u32).collect();
+            self.kv.add_sequence(s, &prompt).expect("add");
+            self.kv.reserve(s, prompt_len).expect("reserve");
+            inputs.push((prompt, self.kv.block_table(s).expect("table").to_vec()));
+        }
+        let steps: Vec<SeqStep<'_>> = inputs
+            .iter()
+            .map(|(t, b)| SeqStep { tokens: t, start_pos: 0, block_table: b, logits: 1 })
+            .collect();
+        let t = Instant::now();
+        self.cpu.forward(&steps).expect("forward");
+        let took = t.elapsed().as_secs_f64();
+        for i in 0..n {
+            self.kv.commit(SeqId(i as u64), prompt_len).expect("commit");
+        }
+        took
     }
 
     /// Prefills sequence 0 to position `at` in 512-token chunks, then times one more chunk of `n`
@@ -200,6 +226,11 @@ fn main() {
         ("single_decode_q4_tokens_per_second", Box::new(|| quantized(pdserve_model::WeightFormat::Q4))),
         ("prefill_1000_tokens_per_second", Box::new(|| 1000.0 / fresh(&weights).prefill(1, 1000))),
         ("prefill_1000_q4_tokens_per_second", Box::new(|| 1000.0 / q4_backend(&weights).prefill(1, 1000))),
+        // A burst of short prompts in one step: 24 of 83 tokens (what 32 streams' second step holds).
+        (
+            "prefill_24_prompts_of_83_q4_tokens_per_second",
+            Box::new(|| (24 * 83) as f64 / q4_backend(&weights).prefill_together(24, 83)),
+        ),
         ("decode_q4_at_4000_tokens_per_second", Box::new(|| q4_long(KvDtype::F32))),
         ("decode_q4_at_4000_f16_kv_tokens_per_second", Box::new(|| q4_long(KvDtype::F16))),
         // What a served agent turn decodes at (`cargo xtask bench spec`'s prompts: about 400 tokens).
