@@ -1,6 +1,7 @@
 //! Attention kernels: the masked softmax of prefill rows, the scaled exponentials decode attention
 //! sums, and decode's grouped scores and weighted value sums over a run of paged positions. AVX-512,
-//! AVX2 (+FMA) and portable, chosen by `cpu_kernels()`.
+//! AVX2 (+FMA, and F16C for decode's grouped kernels in `decode_avx2.rs`) and portable, chosen by
+//! `cpu_kernels()`.
 
 use super::CpuKernels;
 
@@ -148,8 +149,8 @@ unsafe fn softmax_masked_avx512(row: &mut [f32], visible: usize, scale: f32) {
     row[visible..].fill(0.0);
 }
 
-/// `row[i] = e^(row[i] * scale - shift)` in place; returns their sum. Vectorized where the CPU has
-/// AVX-512F.
+/// `row[i] = e^(row[i] * scale - shift)` in place; returns their sum. Vectorized with AVX-512F or
+/// AVX2 (there, below -87, -inf and NaN give 0).
 pub(crate) fn exp_scaled(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     exp_scaled_with(super::cpu_kernels(), row, scale, shift)
 }

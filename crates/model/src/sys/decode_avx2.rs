@@ -72,8 +72,8 @@ pub(super) unsafe fn group_scores<T: Lanes>(
             let mut i0 = 0;
             while i0 < n {
                 let cnt = (n - i0).min(4);
-                // SAFETY: heads first..first + g read KV head kh; positions i0..i0 + cnt < n; the
-                // lengths as asserted by the caller.
+                // SAFETY: heads first..first + g read KV head kh; positions i0..i0 + cnt, with
+                // i0 + cnt <= n; the lengths as asserted by the caller.
                 match g {
                     3 => scores_tile::<T, 3>(q, (hd, kh, first), (k, ldk), (i0, cnt), (out, ldo)),
                     2 => scores_tile::<T, 2>(q, (hd, kh, first), (k, ldk), (i0, cnt), (out, ldo)),
@@ -102,7 +102,7 @@ unsafe fn scores_tile<T: Lanes, const G: usize>(
     let mut acc = [[_mm256_setzero_ps(); 4]; G];
     // SAFETY (of the loads and stores below): rows of positions below n, columns below hd, heads
     // below heads; `out` holds every head's row of at least n values `ldo` apart (the caller).
-    // Missing positions of a last partial tile read position i0 again; their sums are not stored.
+    // Missing positions of a last partial tile read its last position again; their sums are not stored.
     let rows: [*const T; 4] = std::array::from_fn(|i| k.as_ptr().add((i0 + i.min(cnt - 1)) * ldk + kh * hd));
     for c in (0..hd).step_by(8) {
         let keys: [__m256; 4] = std::array::from_fn(|i| T::load8(rows[i].add(c)));
