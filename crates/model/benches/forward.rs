@@ -26,16 +26,23 @@ struct Bench {
 }
 
 impl Bench {
+    /// Adds sequence `i` with a prompt of `len` tokens of its own and room for them; the prompt and
+    /// its block table.
+    fn add_prompt(&mut self, i: usize, len: usize) -> (Vec<u32>, Vec<pdserve_kvcache::BlockId>) {
+        let s = SeqId(i as u64);
+        let prompt: Vec<u32> = (0..len).map(|j| ((i * 131 + j * 17) % 40_000 + 100) as u32).collect();
+        self.kv.add_sequence(s, &prompt).expect("add");
+        self.kv.reserve(s, len).expect("reserve");
+        let table = self.kv.block_table(s).expect("table").to_vec();
+        (prompt, table)
+    }
+
     /// Prefills `n` sequences of `prompt_len` tokens (one step each); returns the seconds it took.
     fn prefill(&mut self, n: usize, prompt_len: usize) -> f64 {
         let t = Instant::now();
         for i in 0..n {
             let s = SeqId(i as u64);
-            let prompt: Vec<u32> =
-                (0..prompt_len).map(|j| ((i * 131 + j * 17) % 40_000 + 100) as u32).collect();
-            self.kv.add_sequence(s, &prompt).expect("add");
-            self.kv.reserve(s, prompt_len).expect("reserve");
-            let table = self.kv.block_table(s).expect("table").to_vec();
+            let (prompt, table) = self.add_prompt(i, prompt_len);
             self.cpu
                 .forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: 1 }])
                 .expect("forward");
@@ -49,12 +56,7 @@ impl Bench {
     fn prefill_together(&mut self, n: usize, prompt_len: usize) -> f64 {
         let mut inputs = Vec::with_capacity(n);
         for i in 0..n {
-            let s = SeqId(i as u64);
-            let prompt: Vec<u32> =
-                (0..prompt_len).map(|j| ((i * 131 + j * 17) % 40_000 + 100) as u32).collect();
-            self.kv.add_sequence(s, &prompt).expect("add");
-            self.kv.reserve(s, prompt_len).expect("reserve");
-            inputs.push((prompt, self.kv.block_table(s).expect("table").to_vec()));
+            inputs.push(self.add_prompt(i, prompt_len));
         }
         let steps: Vec<SeqStep<'_>> = inputs
             .iter()
