@@ -63,27 +63,27 @@ pub(super) unsafe fn group_scores<T: Lanes>(
     n: usize,
     (out, ldo): (&mut [f32], usize),
 ) {
-    let heads = q.len() / hd;
-    for kh in 0..heads / group {
-        let mut h0 = 0;
-        while h0 < group {
-            let g = (group - h0).min(3);
-            let first = kh * group + h0;
-            let mut i0 = 0;
-            while i0 < n {
-                let cnt = (n - i0).min(4);
-                // SAFETY: heads first..first + g read KV head kh; positions i0..i0 + cnt, with
-                // i0 + cnt <= n; the lengths as asserted by the caller.
-                match g {
-                    3 => scores_tile::<T, 3>(q, (hd, kh, first), (k, ldk), (i0, cnt), (out, ldo)),
-                    2 => scores_tile::<T, 2>(q, (hd, kh, first), (k, ldk), (i0, cnt), (out, ldo)),
-                    _ => scores_tile::<T, 1>(q, (hd, kh, first), (k, ldk), (i0, cnt), (out, ldo)),
-                }
-                i0 += cnt;
+    for (kh, first, g) in head_runs(q.len() / hd, group) {
+        let mut i0 = 0;
+        while i0 < n {
+            let cnt = (n - i0).min(4);
+            // SAFETY: heads first..first + g read KV head kh; positions i0..i0 + cnt, with
+            // i0 + cnt <= n; the lengths as asserted by the caller.
+            match g {
+                3 => scores_tile::<T, 3>(q, (hd, kh, first), (k, ldk), (i0, cnt), (out, ldo)),
+                2 => scores_tile::<T, 2>(q, (hd, kh, first), (k, ldk), (i0, cnt), (out, ldo)),
+                _ => scores_tile::<T, 1>(q, (hd, kh, first), (k, ldk), (i0, cnt), (out, ldo)),
             }
-            h0 += g;
+            i0 += cnt;
         }
     }
+}
+
+/// (KV head, first query head, heads): the query heads of each KV head in runs of at most three,
+/// the most a kernel here works on at once.
+fn head_runs(heads: usize, group: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..heads / group)
+        .flat_map(move |kh| (0..group).step_by(3).map(move |h0| (kh, kh * group + h0, (group - h0).min(3))))
 }
 
 /// Heads `first..first + G` against positions `i0..i0 + cnt` (`cnt <= 4`).
@@ -142,19 +142,12 @@ pub(super) unsafe fn group_weighted_sum<T: Lanes>(
     n: usize,
     acc: &mut [f32],
 ) {
-    let heads = acc.len() / hd;
-    for kh in 0..heads / group {
-        let mut h0 = 0;
-        while h0 < group {
-            let g = (group - h0).min(3);
-            let first = kh * group + h0;
-            // SAFETY: heads first..first + g read KV head kh; lengths as asserted by the caller.
-            match g {
-                3 => weighted_heads::<T, 3>((p, ldp), (hd, kh, first), (v, ldv), n, acc),
-                2 => weighted_heads::<T, 2>((p, ldp), (hd, kh, first), (v, ldv), n, acc),
-                _ => weighted_heads::<T, 1>((p, ldp), (hd, kh, first), (v, ldv), n, acc),
-            }
-            h0 += g;
+    for (kh, first, g) in head_runs(acc.len() / hd, group) {
+        // SAFETY: heads first..first + g read KV head kh; lengths as asserted by the caller.
+        match g {
+            3 => weighted_heads::<T, 3>((p, ldp), (hd, kh, first), (v, ldv), n, acc),
+            2 => weighted_heads::<T, 2>((p, ldp), (hd, kh, first), (v, ldv), n, acc),
+            _ => weighted_heads::<T, 1>((p, ldp), (hd, kh, first), (v, ldv), n, acc),
         }
     }
 }
