@@ -4,8 +4,9 @@
 //! `/dev/shm`), one over TCP (blocks inline over loopback). For each prompt size, alternating the two
 //! pairs, a prompt unique to the run is prefilled and its KV pulled by the decode worker; the decode
 //! worker's own `kv_pull_ms` (from its first frame to the last block in its KV memory) and
-//! `kv_pulled_bytes` give the rate, set beside a memcpy of the same bytes measured in this process in
-//! the same run. Raw results in `target/bench/transfer.json`.
+//! `kv_pulled_bytes` give the rate, set beside a memcpy of the same bytes in this process right after
+//! each pull, from cold caches as the pull's source and destination are (and, once per size, the
+//! best of three warm copies). Raw results in `target/bench/transfer.json`.
 
 use std::path::Path;
 use std::time::Instant;
@@ -19,7 +20,9 @@ const USAGE: &str = "cargo xtask bench transfer [--tokens 128,2048,8000] [--repe
 
 Starts a prefill + decode pair over shared memory and one over TCP (release builds, the default
 model), and for each prompt size pulls the KV of prompts unique to the run, alternating the pairs,
---repeat times each. Reports the decode worker's pull time as GB/s beside memcpy of the same bytes.";
+--repeat times each. Reports the decode worker's pull time as GB/s and its ratio to a memcpy of the
+same bytes from cold caches run right after each pull (medians, min-max), and the ratio to the best
+of three warm copies.";
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut sizes, mut repeat) = (vec![128usize, 2048, 8000], 3usize);
@@ -88,22 +91,57 @@ fn pull(prefill: &str, decode: &str, prompt: &str) -> Result<(u64, u64, f64, f64
     Ok((tokens, bytes, field("kv_pull_ms")?, field("transfer_ms")?))
 }
 
-/// Best-of-3 memcpy rate of `bytes`, block by block as the KV moves (368,640-byte blocks).
-fn memcpy_gbps(bytes: u64) -> f64 {
+/// Memory a memcpy yardstick copies between: `src` (the bytes of a pull, as the prefill worker's
+/// region holds them) into `dst` (resident, as a decode worker's KV pool is), block by block as the KV
+/// moves (368,640-byte blocks), and `scratch`, read through before a cold copy so that neither end
+/// is in the caches, as a pull's are not: its source was written by another process while it
+/// prefilled, and the destination is a pool of hundreds of MB.
+struct Yardstick {
+    src: Vec<Vec<u8>>,
+    dst: Vec<Vec<u8>>,
+    scratch: Vec<u8>,
+}
+
+impl Yardstick {
     const BLOCK: usize = 368_640;
-    let n = (bytes as usize).div_ceil(BLOCK);
-    let src: Vec<Vec<u8>> = (0..n).map(|i| vec![i as u8; BLOCK]).collect();
-    let mut dst: Vec<Vec<u8>> = vec![vec![0u8; BLOCK]; n];
-    let best = (0..3)
-        .map(|_| {
-            let t = Instant::now();
-            for (d, s) in dst.iter_mut().zip(&src) {
-                d.copy_from_slice(std::hint::black_box(s));
-            }
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::MAX, f64::min);
-    (n * BLOCK) as f64 / best / 1e9
+
+    fn new() -> Yardstick {
+        // Twice the largest last-level cache of the machines this runs on (32 MiB here).
+        Yardstick { src: Vec::new(), dst: Vec::new(), scratch: vec![1; 64 << 20] }
+    }
+
+    /// Seconds to copy `bytes`' blocks, once; `cold`: with the caches first filled with other data.
+    fn copy(&mut self, bytes: u64, cold: bool) -> (u64, f64) {
+        let n = (bytes as usize).div_ceil(Self::BLOCK).max(1);
+        while self.src.len() < n {
+            self.src.push(vec![self.src.len() as u8; Self::BLOCK]);
+            self.dst.push(vec![1; Self::BLOCK]);
+        }
+        if cold {
+            // Read, not written: the lines it evicts are clean, so no write-back lands in the copy.
+            let sum = self.scratch.chunks_exact(64).fold(0u8, |a, line| a.wrapping_add(line[0]));
+            std::hint::black_box(sum);
+        }
+        let t = Instant::now();
+        for (d, s) in self.dst.iter_mut().zip(&self.src).take(n) {
+            d.copy_from_slice(std::hint::black_box(s));
+        }
+        ((n * Self::BLOCK) as u64, t.elapsed().as_secs_f64())
+    }
+
+    /// GB/s of a copy of `bytes` from cold caches.
+    fn cold_gbps(&mut self, bytes: u64) -> f64 {
+        let (b, s) = self.copy(bytes, true);
+        b as f64 / s / 1e9
+    }
+
+    /// GB/s of the best of three copies of `bytes` one after another (what is left of the source and
+    /// destination in the caches helps the later ones: the yardstick of earlier runs).
+    fn warm_gbps(&mut self, bytes: u64) -> f64 {
+        let best =
+            (0..3).map(|_| self.copy(bytes, false)).fold((0, f64::MAX), |a, b| if b.1 < a.1 { b } else { a });
+        best.0 as f64 / best.1 / 1e9
+    }
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -114,19 +152,31 @@ fn median(v: &mut [f64]) -> f64 {
 fn measure(procs: &[Proc], sizes: &[usize], repeat: usize, out: &str) -> Result<()> {
     let url = |name: &str| procs.iter().find(|p| p.name == name).map(|p| p.url.clone()).unwrap_or_default();
     let nonce = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_nanos();
+    let mut yardstick = Yardstick::new();
     let mut raw = Vec::new();
     println!(
-        "{:>7} {:>9} {:>8} {:>22} {:>8} {:>22} {:>8}",
-        "tokens", "MB", "memcpy", "shm GB/s (min-max)", "/memcpy", "tcp GB/s (min-max)", "/memcpy"
+        "{:>6} {:>6} {:>6} {:>6} {:>20} {:>18} {:>20} {:>18}",
+        "tokens",
+        "MB",
+        "cold",
+        "warm",
+        "shm GB/s (min-max)",
+        "/cold (min-max)",
+        "tcp GB/s (min-max)",
+        "/cold (min-max)"
     );
     let mut rows = Vec::new();
     for &tokens in sizes {
-        // About one token per word of this vocabulary; each prompt starts with the run's nonce and
-        // its own number, so no prefix cache holds any of it.
+        // Per pair: each pull's rate, and its ratio to a cold memcpy of the same bytes run right
+        // after it (A B A B: the machine's swings touch both alike).
         let mut rates: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        let mut ratios: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+        let mut colds = Vec::new();
         let mut bytes_seen = 0u64;
         for r in 0..repeat * 2 {
             let (pair, which) = if r % 2 == 0 { ("shm", 0) } else { ("tcp", 1) };
+            // About one token per word of this vocabulary; each prompt starts with the run's nonce
+            // and its own number, so no prefix cache holds any of it.
             let words = pdserve_loadgen::words(
                 tokens.saturating_sub(8).max(1),
                 (nonce as u64) ^ (r as u64 * 7919 + tokens as u64),
@@ -135,29 +185,36 @@ fn measure(procs: &[Proc], sizes: &[usize], repeat: usize, out: &str) -> Result<
             let (prefill, decode) = (url(&format!("{pair}-prefill")), url(&format!("{pair}-decode")));
             let (prompt_tokens, bytes, ms, transfer_ms) = pull(&prefill, &decode, &prompt)?;
             let gbps = bytes as f64 / (ms / 1e3) / 1e9;
+            let cold = yardstick.cold_gbps(bytes);
             bytes_seen = bytes_seen.max(bytes);
             rates[which].push(gbps);
+            ratios[which].push(gbps / cold);
+            colds.push(cold);
             raw.push(json!({
                 "tokens": tokens, "prompt_tokens": prompt_tokens, "pair": pair, "bytes": bytes,
-                "kv_pull_ms": ms, "transfer_ms": transfer_ms, "gbps": gbps,
+                "kv_pull_ms": ms, "transfer_ms": transfer_ms, "gbps": gbps, "memcpy_cold_gbps": cold,
             }));
         }
-        let memcpy = memcpy_gbps(bytes_seen);
-        let cell = |v: &mut Vec<f64>| {
+        let warm = yardstick.warm_gbps(bytes_seen);
+        let cell = |v: &mut Vec<f64>, digits: usize| {
             let (lo, hi) =
                 (v.iter().copied().fold(f64::MAX, f64::min), v.iter().copied().fold(0.0, f64::max));
             let m = median(v);
-            (m, format!("{m:.2} ({lo:.2}-{hi:.2})"))
+            (m, format!("{m:.digits$} ({lo:.digits$}-{hi:.digits$})"))
         };
-        let (shm, shm_cell) = cell(&mut rates[0]);
-        let (tcp, tcp_cell) = cell(&mut rates[1]);
+        let cold = median(&mut colds);
+        let [(shm, shm_cell), (tcp, tcp_cell)] = [cell(&mut rates[0], 2), cell(&mut rates[1], 2)];
+        let [(shm_ratio, shm_ratio_cell), (tcp_ratio, tcp_ratio_cell)] =
+            [cell(&mut ratios[0], 3), cell(&mut ratios[1], 3)];
         println!(
-            "{tokens:>7} {:>9.1} {memcpy:>8.2} {shm_cell:>22} {:>8.3} {tcp_cell:>22} {:>8.3}",
+            "{tokens:>6} {:>6.1} {cold:>6.2} {warm:>6.2} {shm_cell:>20} {shm_ratio_cell:>18} {tcp_cell:>20} {tcp_ratio_cell:>18}",
             bytes_seen as f64 / 1e6,
-            shm / memcpy,
-            tcp / memcpy
         );
-        rows.push(json!({"tokens": tokens, "bytes": bytes_seen, "memcpy_gbps": memcpy, "shm_gbps": shm, "tcp_gbps": tcp}));
+        println!("{:>6} against the warm best-of-3 memcpy: shm {:.3}, tcp {:.3}", "", shm / warm, tcp / warm);
+        rows.push(json!({
+            "tokens": tokens, "bytes": bytes_seen, "memcpy_cold_gbps": cold, "memcpy_warm_gbps": warm,
+            "shm_gbps": shm, "tcp_gbps": tcp, "shm_over_cold": shm_ratio, "tcp_over_cold": tcp_ratio,
+        }));
     }
     let path = crate::workspace_root().join(out);
     if let Some(dir) = Path::new(&path).parent() {
