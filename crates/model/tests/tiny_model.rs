@@ -121,6 +121,33 @@ fn chunking_and_block_size_do_not_change_logits() {
     }
 }
 
+/// A prompt's last layer finishes only the rows whose logits are wanted: a chunk that wants none
+/// still leaves every layer's K and V of its tokens for the chunks after it, and a step's one row of
+/// logits is what asking for all of them gives for that row.
+#[test]
+fn rows_without_logits_still_leave_their_kv() {
+    let tokens: Vec<u32> = (0..40).map(|i| (i * 13 % 50) as u32).collect();
+    let whole = prefill(&mut backend(16, 4), &tokens, &[40]);
+    let mut cpu = backend(16, 4);
+    let table: Vec<BlockId> = (0..10).map(BlockId).collect();
+    let mut start = 0;
+    for (n, logits) in [(17, 0), (20, 0), (3, 1)] {
+        let step =
+            SeqStep { tokens: &tokens[start..start + n], start_pos: start, block_table: &table, logits };
+        let out = cpu.forward(&[step]).unwrap();
+        assert_eq!(out.len(), logits);
+        if logits == 1 {
+            assert!(max_diff(&whole, &out[0]) < 1e-4, "{}", max_diff(&whole, &out[0]));
+        }
+        start += n;
+    }
+    let mut all = backend(16, 4);
+    let step = SeqStep { tokens: &tokens, start_pos: 0, block_table: &table, logits: tokens.len() };
+    let every = all.forward(&[step]).unwrap();
+    assert_eq!(every.len(), 40);
+    assert!(max_diff(&whole, &every[39]) < 1e-4, "{}", max_diff(&whole, &every[39]));
+}
+
 /// Speculative decoding's verification: a step of several tokens asking for the logits of its last
 /// rows gives, row by row, exactly what decoding those tokens one at a time gives; and asking for more rows
 /// than tokens is an error.

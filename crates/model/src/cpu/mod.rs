@@ -374,6 +374,13 @@ impl CpuBackend {
             .flat_map(|(i, s)| (0..s.tokens.len()).map(move |j| (i, s.start_pos + j)))
             .collect();
         let t = rows.len();
+        // The rows whose logits are wanted: the last `logits` of each step, in order.
+        let mut kept = Vec::new();
+        let mut end = 0;
+        for s in steps {
+            end += s.tokens.len();
+            kept.extend(end - s.logits..end);
+        }
         sc.x.clear();
         for s in steps {
             for &tok in s.tokens {
@@ -470,6 +477,20 @@ impl CpuBackend {
             if !decode_rows.is_empty() {
                 this.decode_attention(steps, &rows, &decode_rows, li, (&sc.qkv, qkv_w), attn);
             }
+            // The last layer's K and V are in the cache: the rest of it (the output projection and
+            // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
+            // stop here (a 30-layer model's prefill does 2.8% fewer products; a prefill chunk that
+            // wants no logits skips the rest outright).
+            let t = if li + 1 == w.layers.len() && kept.len() < t {
+                keep_rows(&kept, q_dim, &mut sc.attn);
+                keep_rows(&kept, hsz, &mut sc.x);
+                if kept.is_empty() {
+                    break;
+                }
+                kept.len()
+            } else {
+                t
+            };
             let o = sized(&mut sc.proj, t * hsz);
             if !mats.layer(li, Proj::O, &sc.attn, t, q_dim, &mut sc.xb, o) {
                 o.copy_from_slice(&matmul(&sc.attn, t, q_dim, &lw.o, hsz));
@@ -504,22 +525,30 @@ impl CpuBackend {
             }
             add_into(&mut sc.x, down);
         }
-        // Logits only for the last rows of the steps that want them.
-        let mut picked = Vec::new();
-        let mut end = 0;
-        for s in steps {
-            end += s.tokens.len();
-            picked.extend_from_slice(&sc.x[(end - s.logits) * hsz..end * hsz]);
+        // Logits only for the last rows of the steps that want them: the rows the last layer kept.
+        let n = kept.len();
+        if n == 0 {
+            return Vec::new();
         }
-        let n = picked.len() / hsz;
+        let picked = &sc.x[..n * hsz];
         let mut normed = vec![0.0; picked.len()];
-        rms_norm(&picked, &w.final_norm, cfg.rms_norm_eps, &mut normed);
+        rms_norm(picked, &w.final_norm, cfg.rms_norm_eps, &mut normed);
         let mut logits = vec![0.0; n * cfg.vocab_size];
         if !mats.head(&normed, n, hsz, &mut sc.xb, &mut logits) {
             logits = matmul(&normed, n, hsz, w.lm_head(), cfg.vocab_size);
         }
         logits.chunks(cfg.vocab_size.max(1)).map(<[f32]>::to_vec).collect()
     }
+}
+
+/// Rows `kept` (increasing) of `m` (rows of `width`) moved to its front, in order, and `m` cut to them.
+fn keep_rows(kept: &[usize], width: usize, m: &mut Vec<f32>) {
+    for (to, &from) in kept.iter().enumerate() {
+        if to != from {
+            m.copy_within(from * width..(from + 1) * width, to * width);
+        }
+    }
+    m.truncate(kept.len() * width);
 }
 
 /// Rotate-half RoPE on every head of `row` (heads of `hd` values) with the position's `cos` and
