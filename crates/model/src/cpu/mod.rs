@@ -360,6 +360,7 @@ impl CpuBackend {
             quant_head: self.quant_multi && cfg.vocab_size.is_multiple_of(32),
             dot_rows: if steps.iter().any(|s| s.logits > 1) { DOT_MAX_ROWS } else { DOT_ROWS },
             int8_rows: if self.int8_activations { INT8_MAX_ROWS } else { 0 },
+            int8_layers: steps.iter().map(|s| s.tokens.len()).sum::<usize>() <= INT8_MAX_ROWS,
         };
         let f32_dot_rows = mats.dot_rows.max(F32_DOT_ROWS);
         let matmul = |x: &[f32], t, k, w: &[f32], n| matmul_dots_up_to(x, t, k, w, n, f32_dot_rows);
@@ -480,7 +481,9 @@ impl CpuBackend {
             // The last layer's K and V are in the cache: the rest of it (the output projection and
             // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
             // stop here (a 30-layer model's prefill does 2.8% fewer products; a prefill chunk that
-            // wants no logits skips the rest outright).
+            // wants no logits skips the rest outright). The kept rows take the products of a step of
+            // as many rows (dot products for a few), never int8 ones for a long step
+            // (`Mats::int8_layers`).
             let t = if li + 1 == w.layers.len() && kept.len() < t {
                 keep_rows(&kept, q_dim, &mut sc.attn);
                 keep_rows(&kept, hsz, &mut sc.x);
@@ -525,7 +528,11 @@ impl CpuBackend {
             }
             add_into(&mut sc.x, down);
         }
-        // Logits only for the last rows of the steps that want them: the rows the last layer kept.
+        // Logits only for the last rows of the steps that want them: the rows the last layer kept
+        // (all of a step's rows still, in a model without layers).
+        if sc.x.len() > kept.len() * hsz {
+            keep_rows(&kept, hsz, &mut sc.x);
+        }
         let n = kept.len();
         if n == 0 {
             return Vec::new();
@@ -645,6 +652,10 @@ struct Mats {
     /// Steps of up to this many rows take int8 products with the quantized weights (0 unless
     /// `--activations q8`).
     int8_rows: usize,
+    /// The layers' products may be int8 ones: the step has at most `int8_rows` rows. The rows a long
+    /// step's last layer keeps (see `forward_with`) take the products of a long step, as every
+    /// other layer of theirs did, not int8 ones (which move a logit by up to about 2).
+    int8_layers: bool,
 }
 
 impl Mats {
@@ -663,7 +674,7 @@ impl Mats {
         xb: &mut Vec<u16>,
         out: &mut [f32],
     ) -> bool {
-        if let Some(d) = self.decode.as_ref().filter(|_| t <= self.int8_rows) {
+        if let Some(d) = self.decode.as_ref().filter(|_| self.int8_layers && t <= self.int8_rows) {
             if matvec_int8(x, t, k, d.layer(li, p), out) {
                 return true;
             }
