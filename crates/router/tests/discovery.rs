@@ -27,14 +27,28 @@ impl Dns {
     fn start(records: &[(&str, IpAddr)]) -> Dns {
         let dir =
             std::env::temp_dir().join(format!("pdserve-dns-{}-{:?}", std::process::id(), Instant::now()));
-        std::fs::create_dir_all(&dir).unwrap();
         let hosts = dir.join("hosts");
-        let port = UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let mut d =
-            Dns { child: Dns::spawn(port, &hosts, records), addr: ([127, 0, 0, 1], port).into(), hosts };
-        d.wait_answers(records);
-        d.child.stderr.take();
-        d
+        // dnsmasq listens on TCP as well as UDP: a port free for UDP may be taken for TCP (another
+        // test's connection), and then dnsmasq exits at once; another port is tried (five at most).
+        let mut tries = 0;
+        loop {
+            // (A failed try's drop removed the directory.)
+            std::fs::create_dir_all(&dir).unwrap();
+            let port = UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let child = Dns::spawn(port, &hosts, records);
+            let mut d = Dns { child, addr: ([127, 0, 0, 1], port).into(), hosts: hosts.clone() };
+            match d.answers(records) {
+                Ok(()) => {
+                    d.child.stderr.take();
+                    return d;
+                }
+                Err(e) if tries < 4 => {
+                    eprintln!("dnsmasq on port {port} exited ({e}); another port");
+                    tries += 1;
+                }
+                Err(e) => panic!("dnsmasq exited on five ports: {e}"),
+            }
+        }
     }
 
     fn spawn(port: u16, hosts: &std::path::Path, records: &[(&str, IpAddr)]) -> Child {
@@ -72,6 +86,13 @@ impl Dns {
     /// Waits until the server answers every name with its records (it has started, or re-read its
     /// file).
     fn wait_answers(&mut self, records: &[(&str, IpAddr)]) {
+        if let Err(e) = self.answers(records) {
+            panic!("dnsmasq exited: {e}");
+        }
+    }
+
+    /// [`wait_answers`](Self::wait_answers), or why the server exited instead.
+    fn answers(&mut self, records: &[(&str, IpAddr)]) -> Result<(), String> {
         let mut conf = ResolverConf::server(self.addr);
         conf.timeout = Duration::from_millis(200);
         let until = Instant::now() + Duration::from_secs(10);
@@ -83,7 +104,7 @@ impl Dns {
                 got.as_ref().is_ok_and(|g| *g == want)
             });
             if right {
-                return;
+                return Ok(());
             }
             assert!(Instant::now() < until, "dnsmasq does not answer {records:?}: {answers:?}");
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -91,7 +112,7 @@ impl Dns {
                 if let Some(mut e) = self.child.stderr.take() {
                     let _ = std::io::Read::read_to_string(&mut e, &mut err);
                 }
-                panic!("dnsmasq exited ({status}): {err}");
+                return Err(format!("{status}: {err}"));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
