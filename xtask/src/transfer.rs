@@ -3,7 +3,8 @@
 //! keeps its KV in shared memory (`--kv-shm`, the decode worker copies named blocks out of
 //! `/dev/shm`), one over TCP (blocks inline over loopback). For each prompt size, alternating the two
 //! pairs, a prompt unique to the run is prefilled and its KV pulled by the decode worker; the decode
-//! worker's own `kv_pull_ms` (from its first frame to the last block in its KV memory) and
+//! worker's own `kv_pull_ms` (from its first frame until the KV is usable: the last block in its KV
+//! memory and the prefill worker's confirmation that the blocks' lease held) and
 //! `kv_pulled_bytes` give the rate, set beside a memcpy of the same bytes in this process right after
 //! each pull, from cold caches as the pull's source and destination are (and, once per size, the
 //! best of three warm copies). Raw results in `target/bench/transfer.json`.
@@ -93,9 +94,11 @@ fn pull(prefill: &str, decode: &str, prompt: &str) -> Result<(u64, u64, f64, f64
 
 /// Memory a memcpy yardstick copies between: `src` (the bytes of a pull, as the prefill worker's
 /// region holds them) into `dst` (resident, as a decode worker's KV pool is), block by block as the KV
-/// moves (368,640-byte blocks), and `scratch`, read through before a cold copy so that neither end
-/// is in the caches, as a pull's are not: its source was written by another process while it
-/// prefilled, and the destination is a pool of hundreds of MB.
+/// moves (368,640-byte blocks), and `scratch` (twice the last-level cache), read through before a
+/// cold copy so that neither end is in the caches, as a pull's are not: its source was written by
+/// another process while it prefilled, and the destination is a pool of hundreds of MB. The copy is
+/// a plain one (each destination line read before it is written), where a pull writes with streaming
+/// stores.
 struct Yardstick {
     src: Vec<Vec<u8>>,
     dst: Vec<Vec<u8>>,
@@ -106,15 +109,20 @@ impl Yardstick {
     const BLOCK: usize = 368_640;
 
     fn new() -> Yardstick {
-        // Twice the largest last-level cache of the machines this runs on (32 MiB here).
-        Yardstick { src: Vec::new(), dst: Vec::new(), scratch: vec![1; 64 << 20] }
+        // Twice the last-level cache (32 MiB on the AMD EPYC of BENCHMARKS.md), 64 MiB if unknown.
+        let llc = std::fs::read_to_string("/sys/devices/system/cpu/cpu0/cache/index3/size")
+            .ok()
+            .and_then(|s| s.trim().strip_suffix('K').and_then(|k| k.parse::<usize>().ok()))
+            .map_or(32 << 20, |kib| kib << 10);
+        Yardstick { src: Vec::new(), dst: Vec::new(), scratch: vec![1; 2 * llc] }
     }
 
     /// Seconds to copy `bytes`' blocks, once; `cold`: with the caches first filled with other data.
     fn copy(&mut self, bytes: u64, cold: bool) -> (u64, f64) {
         let n = (bytes as usize).div_ceil(Self::BLOCK).max(1);
         while self.src.len() < n {
-            self.src.push(vec![self.src.len() as u8; Self::BLOCK]);
+            // Never all zeros: a zeroed allocation would map the kernel's one zero page, always cached.
+            self.src.push(vec![(self.src.len() % 255 + 1) as u8; Self::BLOCK]);
             self.dst.push(vec![1; Self::BLOCK]);
         }
         if cold {
@@ -206,9 +214,10 @@ fn measure(procs: &[Proc], sizes: &[usize], repeat: usize, out: &str) -> Result<
         let [(shm, shm_cell), (tcp, tcp_cell)] = [cell(&mut rates[0], 2), cell(&mut rates[1], 2)];
         let [(shm_ratio, shm_ratio_cell), (tcp_ratio, tcp_ratio_cell)] =
             [cell(&mut ratios[0], 3), cell(&mut ratios[1], 3)];
+        let mb = bytes_seen as f64 / 1e6;
         println!(
-            "{tokens:>6} {:>6.1} {cold:>6.2} {warm:>6.2} {shm_cell:>20} {shm_ratio_cell:>18} {tcp_cell:>20} {tcp_ratio_cell:>18}",
-            bytes_seen as f64 / 1e6,
+            "{tokens:>6} {mb:>6.1} {cold:>6.2} {warm:>6.2} {shm_cell:>20} {shm_ratio_cell:>18} \
+             {tcp_cell:>20} {tcp_ratio_cell:>18}"
         );
         println!("{:>6} against the warm best-of-3 memcpy: shm {:.3}, tcp {:.3}", "", shm / warm, tcp / warm);
         rows.push(json!({

@@ -586,7 +586,8 @@ pub(crate) fn timings(s: &Stream, times: Times, end: Instant) -> Timings {
             }
             t.push(("transfer_ms", ms(s.received, kv)));
             if let Some(p) = times.pull_started {
-                // The pull alone, from this engine's first frame to the last block in place: the
+                // The pull alone, from this engine's first frame until the KV is usable (the last
+                // block in place and the prefill worker's confirmation that their lease held): the
                 // transfer between the two processes, to the microsecond (a 2,048-token pull takes
                 // about 2.5 ms: a tenth of a millisecond would be 4% of it).
                 let us = (kv.saturating_duration_since(p).as_secs_f64() * 1e6).round() / 1e3;
