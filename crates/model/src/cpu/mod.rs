@@ -25,8 +25,8 @@ mod products;
 use crate::{ModelConfig, ModelError};
 use attention::KvMemory;
 use products::{
-    gemm_xwt, matmul, matmul_bf16, matmul_dots_up_to, matmul_quant, matvec_int8, matvec_quant, DOT_MAX_ROWS,
-    DOT_ROWS, F32_DOT_ROWS, INT8_MAX_ROWS,
+    gemm_xwt, matmul, matmul_bf16, matmul_dots_up_to, matmul_int8, matmul_quant, matvec_int8, matvec_quant,
+    DOT_MAX_ROWS, DOT_ROWS, F32_DOT_ROWS, INT8_MAX_ROWS,
 };
 
 /// Runs a model on the CPU with rayon's thread pool.
@@ -217,12 +217,15 @@ impl CpuBackend {
     /// With `on`, products with Q8 or Q4 weights round their input rows to int8 in groups of 32 (a
     /// scale each) and sum integer products (`vpmaddubsw` on AVX2 CPUs), as llama.cpp does with its
     /// quantized weights, in steps of up to 16 rows (decode, drafts' verification, a prompt or chunk
-    /// of up to 16 tokens); longer steps take the GEMMs as without, so a row's values depend on
-    /// whether its step has more than 16 rows (a decode batched with a prefill chunk, say), and
-    /// within steps of up to 16 rows they are those of a one-row step. Faster where the CPU lacks
-    /// AVX-512 (one row's product 1.5-1.7x), at the cost of rounding the activations: logits move by
-    /// up to about 2 on a scale of about ±30, and greedy text may part from the f32 path's at
-    /// near-ties. No effect on other formats.
+    /// of up to 16 tokens). Longer steps' products with Q4 weights, where AVX2 is the widest kernel
+    /// family running, round the inputs in blocks of 256 (a scale each) and sum integer products
+    /// with the weights' group scales as 15-bit integers (`sys::gemm_q4_int8_par`: two multiplies
+    /// per 32 products, where f32 takes four FMAs); other long steps take the GEMMs as without. So a
+    /// row's values depend on whether its step has more than 16 rows (a decode batched with a
+    /// prefill chunk, say), and within steps of up to 16 rows they are those of a one-row step.
+    /// Faster where the CPU lacks AVX-512 (one row's product 1.5-1.7x), at the cost of rounding the
+    /// activations: logits move by up to about 2 on a scale of about ±30, and greedy text may part
+    /// from the f32 path's at near-ties. No effect on other formats.
     pub fn with_int8_activations(mut self, on: bool) -> Self {
         self.int8_activations = on;
         self
@@ -482,8 +485,8 @@ impl CpuBackend {
             // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
             // stop here (a 30-layer model's prefill does 2.8% fewer products; a prefill chunk that
             // wants no logits skips the rest outright). The kept rows take the products of a step of
-            // as many rows (dot products for a few), never int8 ones for a long step
-            // (`Mats::int8_layers`).
+            // as many rows (dot products for a few), or with int8 activations those of the long
+            // step they are in (`Mats::int8_layers`).
             let t = if li + 1 == w.layers.len() && kept.len() < t {
                 keep_rows(&kept, q_dim, &mut sc.attn);
                 keep_rows(&kept, hsz, &mut sc.x);
@@ -652,9 +655,10 @@ struct Mats {
     /// Steps of up to this many rows take int8 products with the quantized weights (0 unless
     /// `--activations q8`).
     int8_rows: usize,
-    /// The layers' products may be int8 ones: the step has at most `int8_rows` rows. The rows a long
-    /// step's last layer keeps (see `forward_with`) take the products of a long step, as every
-    /// other layer of theirs did, not int8 ones (which move a logit by up to about 2).
+    /// The step has at most `int8_rows` rows: its layers' products with int8 activations are the
+    /// dot tiles' (each row's values those of a one-row step), else the long steps' int8 GEMM (Q4
+    /// weights, AVX2) or the f32 products. The rows a long step's last layer keeps (see
+    /// `forward_with`) take the products of a long step, as every other layer of theirs did.
     int8_layers: bool,
 }
 
@@ -674,8 +678,9 @@ impl Mats {
         xb: &mut Vec<u16>,
         out: &mut [f32],
     ) -> bool {
-        if let Some(d) = self.decode.as_ref().filter(|_| self.int8_layers && t <= self.int8_rows) {
-            if matvec_int8(x, t, k, d.layer(li, p), out) {
+        if let Some(d) = self.decode.as_ref().filter(|_| self.int8_rows > 0) {
+            let m = d.layer(li, p);
+            if if self.int8_layers { matvec_int8(x, t, k, m, out) } else { matmul_int8(x, t, k, m, out) } {
                 return true;
             }
         }

@@ -7,8 +7,9 @@ use rayon::prelude::*;
 use super::QRef;
 use crate::quant::{Bf16Matrix, F16Matrix, QuantMatrix, GROUP};
 use crate::sys::{
-    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, gemm_f32_rows_par, has_bf16_gemm, sgemm,
-    sgemm_xwt_avx512, sgemm_xwt_avx512_strided, to_bf16, Int8Row, Int8Rows,
+    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, gemm_f32_rows_par, gemm_q4_int8_par,
+    has_bf16_gemm, sgemm, sgemm_xwt_avx512, sgemm_xwt_avx512_strided, to_bf16, CpuKernels, Int8Blocks,
+    Int8Row, Int8Rows, Q4Parts,
 };
 
 /// `x[t×k] · w[n×k]^T` with quantized weights by dot products (decode steps, with or without drafts):
@@ -46,6 +47,22 @@ pub(super) fn matvec_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
         QRef::F16(_) => unreachable!("returned above"),
     }
     true
+}
+
+/// `x[t×k] · w[n×k]^T` for a step of more than `INT8_MAX_ROWS` rows with int8 activations: x
+/// rounded to int8 once per block of 256 values, the products with Q4 weights as integer sums (two
+/// multiplies per 32 products, `sys::gemm_q4_int8_par`). False, touching nothing, for other weights
+/// and where AVX2 is not the widest kernel family running: the bf16 and AVX-512 f32 GEMMs are faster
+/// there.
+pub(super) fn matmul_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) -> bool {
+    let QRef::Q4(m) = m else { return false };
+    if crate::sys::cpu_kernels() != CpuKernels::Avx2 || !m.rows.is_multiple_of(2) {
+        return false;
+    }
+    debug_assert_eq!((x.len(), out.len(), m.cols), (t * k, t * m.rows, k));
+    let xb = Int8Blocks::quantize(x, k);
+    let w = Q4Parts { packed: &m.packed, scales: &m.scales, mins: &m.mins };
+    gemm_q4_int8_par(CpuKernels::Avx2, &xb, w, m.rows, out)
 }
 
 /// `out[t×n]` with `f(j0, cols, part)` filling columns `j0..j0 + cols` (the `t` input rows against
@@ -223,6 +240,7 @@ const DEQUANT_GEMM_MIN_ROWS: usize = 16;
 pub(super) const DOT_MAX_ROWS: usize = 16;
 
 /// With int8 activations, steps of up to this many rows take the int8 dot tiles; longer ones the
+/// int8 GEMM with Q4 weights where AVX2 is the widest family running (`matmul_int8`), else the
 /// GEMMs as without. Measured under `--cpu-kernels avx2` (one thread, a 3072 x 576 Q4 matrix, int8
 /// tiles against the f32 dot tiles): 1 row 1.66x, 4 rows 1.25x, 8 rows 1.2x, 16 rows 1.36x; forward
 /// bench, 32 rows: 218-222 tokens/s against the f32 GEMM's 323-327.

@@ -249,7 +249,7 @@ pub(crate) fn gemm_bf16_par(xb: &[u16], t: usize, k: usize, panels: &[u16], n: u
 /// Splits `units` (panels or groups of output columns) into even shares over rayon's pool (two per
 /// thread) and runs `task(u0, u1, out)` for each share `u0..u1`, handing every task `out`'s address:
 /// each task must write only its own share's columns, so no two write the same element.
-fn split_columns(units: usize, out: &mut [f32], task: impl Fn(usize, usize, *mut f32) + Sync) {
+pub(super) fn split_columns(units: usize, out: &mut [f32], task: impl Fn(usize, usize, *mut f32) + Sync) {
     let chunks = (rayon::current_num_threads().max(1) * 2).min(units);
     /// `out`'s address, shared by tasks that write disjoint columns.
     struct Out(*mut f32);

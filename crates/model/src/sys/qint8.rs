@@ -45,19 +45,7 @@ impl Int8Rows {
             sum: Vec::with_capacity(x.len() / 32),
         };
         for (g, q) in x.chunks_exact(32).zip(rows.q.chunks_exact_mut(32)) {
-            let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
-            // (A group too small for 127 / amax to be finite rounds to zeros.)
-            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-            let inv = if inv.is_finite() { inv } else { 0.0 };
-            // |v * inv| <= 127 (up to rounding): adding and taking away 1.5 * 2^23 rounds it to an
-            // integer, ties to even, in plain f32 arithmetic that vectorizes (`round_ties_even`
-            // calls libm's `rintf` on baseline x86-64).
-            const ROUND: f32 = 12_582_912.0;
-            for (q, &v) in q.iter_mut().zip(g) {
-                *q = ((v * inv + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
-            }
-            // A NaN input makes its group's scale NaN, so the products carry it as f32 ones would.
-            rows.d.push(if g.iter().any(|v| v.is_nan()) { f32::NAN } else { amax / 127.0 });
+            rows.d.push(round_to_int8(g, q));
             rows.sum.push(g.iter().sum());
         }
         rows
@@ -67,6 +55,27 @@ impl Int8Rows {
     pub(crate) fn row(&self, r: usize, k: usize) -> Int8Row<'_> {
         let g = k / 32;
         Int8Row { q: &self.q[r * k..][..k], d: &self.d[r * g..][..g], sum: &self.sum[r * g..][..g] }
+    }
+}
+
+/// `x` rounded to int8 into `q` (as long): scale `max |x| / 127` and values `round(x / scale)` (ties
+/// to even), all 0 where `x` is all zero or too small for `127 / max` to be finite; the scale, NaN
+/// where `x` holds a NaN (so products carry it as f32 ones would).
+fn round_to_int8(x: &[f32], q: &mut [i8]) -> f32 {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+    let inv = if inv.is_finite() { inv } else { 0.0 };
+    // |v * inv| <= 127 (up to rounding): adding and taking away 1.5 * 2^23 rounds it to an integer,
+    // ties to even, in plain f32 arithmetic that vectorizes (`round_ties_even` calls libm's `rintf`
+    // on baseline x86-64).
+    const ROUND: f32 = 12_582_912.0;
+    for (q, &v) in q.iter_mut().zip(x) {
+        *q = ((v * inv + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
+    }
+    if x.iter().any(|v| v.is_nan()) {
+        f32::NAN
+    } else {
+        amax / 127.0
     }
 }
 
