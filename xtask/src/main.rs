@@ -198,12 +198,16 @@ fn test() -> Result<()> {
     cargo(&["test", "--workspace"])?;
     // The model's kernel tests again on the lower CPU kernel families (each capped at what the CPU
     // has): an AVX-512 machine checks its AVX2 and portable paths too.
+    let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     for family in ["avx2", "portable"] {
-        let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        run(Command::new(cargo_bin)
+        run(Command::new(&cargo_bin)
             .args(["test", "-p", "pdserve-model", "--lib"])
             .env("PDSERVE_CPU_KERNELS", family))?;
     }
+    // Int8 activations on the real model under AVX2, whose long steps take their own GEMM.
+    run(Command::new(&cargo_bin)
+        .args(["test", "-p", "pdserve-model", "--test", "real_model", "int8_activations"])
+        .env("PDSERVE_CPU_KERNELS", "avx2"))?;
     // KV over UCX (the `ucx` feature: libucx-dev, which `.ci/run` installs): the transport's own
     // tests, then PD between worker processes on one host and between network namespaces.
     cargo(&["test", "-p", "pdserve-pd-transfer", "--features", "ucx"])?;

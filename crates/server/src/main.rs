@@ -34,8 +34,8 @@ pdserve-server [options]
                            CPU has AVX-512 BF16, else to f32); copies nothing reads are freed
   --activations A          f32 (default) or q8: with --weights q8 or q4, round the inputs of steps of up to 16
                            rows to int8 in groups of 32 and sum integer products, as llama.cpp does (one row's
-                           product up to 1.7x faster on CPUs without AVX-512; logits move, so greedy text may
-                           differ)
+                           product up to 1.7x faster on CPUs without AVX-512), and with AVX2 kernels those of
+                           longer steps with q4 too, for an int8 GEMM; logits move, so greedy text may differ
   --cpu-kernels PATH       the CPU kernels to run: avx512, avx2 or portable (default: the best this CPU has;
                            a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
   --speculative MODE       prompt-lookup (default) or off: draft tokens from the request's own context (the

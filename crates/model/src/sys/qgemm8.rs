@@ -19,6 +19,7 @@
 
 use rayon::prelude::*;
 
+use super::qint8::round_ties_even;
 use super::CpuKernels;
 use crate::bits16::f16_value;
 
@@ -155,7 +156,7 @@ impl WideQ4 {
             self.dw[i] = dw;
             for ((kv, &s), &e) in self.kv[i * g * 16..][..g * 16].chunks_exact_mut(16).zip(scales).zip(shift)
             {
-                let kg = round(f16_value(s) * inv).clamp(-K_MAX, K_MAX) as i16;
+                let kg = round_ties_even(f16_value(s) * inv).clamp(-K_MAX, K_MAX) as i16;
                 kv.fill(kg << (MAX_SHIFT - e));
             }
             for (m, &h) in self.mins[i * gp..][..g].iter_mut().zip(&w.mins[r * g..][..g]) {
@@ -196,13 +197,6 @@ unsafe fn unpack_nibbles_avx2(src: &[u8], dst: &mut [u8]) {
     }
 }
 
-/// Rounded to the nearest integer, ties to even, in plain f32 arithmetic that vectorizes (adding and
-/// taking away 1.5 * 2^23; `round_ties_even` calls libm on baseline x86-64), for |v| < 2^22.
-fn round(v: f32) -> f32 {
-    const ROUND: f32 = 12_582_912.0;
-    (v + ROUND) - ROUND
-}
-
 /// The largest |v| of a group of 32 values; NaN if one is.
 fn group_max(g: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
@@ -223,7 +217,7 @@ fn round_group(x: &[f32], inv: f32, q: &mut [i8]) -> f32 {
         return unsafe { round_group_avx2(x, inv, q) };
     }
     for (q, &v) in q.iter_mut().zip(x) {
-        *q = round(v * inv).clamp(-127.0, 127.0) as i8;
+        *q = round_ties_even(v * inv).clamp(-127.0, 127.0) as i8;
     }
     x.iter().sum()
 }

@@ -58,6 +58,14 @@ impl Int8Rows {
     }
 }
 
+/// `v` rounded to the nearest integer, ties to even, for |v| < 2^22: adding and taking away 1.5 * 2^23
+/// rounds in plain f32 arithmetic that vectorizes (`f32::round_ties_even` calls libm's `rintf` on
+/// baseline x86-64).
+pub(super) fn round_ties_even(v: f32) -> f32 {
+    const ROUND: f32 = 12_582_912.0;
+    (v + ROUND) - ROUND
+}
+
 /// `x` rounded to int8 into `q` (as long): scale `max |x| / 127` and values `round(x / scale)` (ties
 /// to even), all 0 where `x` is all zero or too small for `127 / max` to be finite; the scale, NaN
 /// where `x` holds a NaN (so products carry it as f32 ones would).
@@ -65,12 +73,8 @@ fn round_to_int8(x: &[f32], q: &mut [i8]) -> f32 {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
     let inv = if inv.is_finite() { inv } else { 0.0 };
-    // |v * inv| <= 127 (up to rounding): adding and taking away 1.5 * 2^23 rounds it to an integer,
-    // ties to even, in plain f32 arithmetic that vectorizes (`round_ties_even` calls libm's `rintf`
-    // on baseline x86-64).
-    const ROUND: f32 = 12_582_912.0;
     for (q, &v) in q.iter_mut().zip(x) {
-        *q = ((v * inv + ROUND) - ROUND).clamp(-127.0, 127.0) as i8;
+        *q = round_ties_even(v * inv).clamp(-127.0, 127.0) as i8;
     }
     if x.iter().any(|v| v.is_nan()) {
         f32::NAN
