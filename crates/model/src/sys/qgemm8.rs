@@ -3,14 +3,14 @@
 //! products, where the f32 path takes four FMAs and `qint8`'s tiles a conversion and an FMA on top.
 //!
 //! The arithmetic. Each input row gets one f32 scale per block of 256 values (`max |x| / 127`, as
-//! llama.cpp's K-quant inputs), refined per group of 32 by a power of two shared by the step's rows:
-//! group g is rounded to int8 at `scale / 2^e_g`, `e_g` (0..=4) the most halvings under which every
-//! row's values in the group still fit in -127..=127. Activations carry outliers in the same channels
-//! from token to token, so the other groups keep as many bits as with a scale of their own (a block
-//! scale alone cost a decode step's logits up to 5.8 on the default model against 2.0 with a scale
+//! llama.cpp's K-quant inputs), refined per group of 32 by a power of two shared by the four rows of
+//! a register tile: group g is rounded to int8 at `scale / 2^e_g`, `e_g` (0..=4) the most halvings
+//! under which the tile's values in the group still fit in -127..=127. Activations carry outliers in
+//! the same channels from token to token, so the other groups keep most of the bits a scale of their
+//! own gives (a block scale alone cost the default model's logits up to 5.8 against 2.0 with a scale
 //! per group). Each weight row's group scales are written as integers `k_g` (0..=2047, the f16
-//! scales' 11 bits) times one f32 scale per row, and `k_g * 2^(4 - e_g)` (at most 32752) takes the
-//! groups' powers of two. A block's product is then an exact integer sum: per group, `vpmaddubsw`
+//! scales' 11 bits) times one f32 scale per row, and the tile shifts them to `k_g * 2^(4 - e_g)` (at
+//! most 32752, one shift per weight group for the tile's rows). A block's product is then an exact integer sum: per group, `vpmaddubsw`
 //! multiplies the 32 nibbles (0..=15) by the 32 int8 inputs and adds pairs into 16-bit lanes (at most
 //! 2 * 15 * 127, no saturation), `vpmaddwd` multiplies those by the group's integer and adds pairs
 //! into 32-bit lanes, and a block's eight groups stay below 2^31 (8 * 2 * 3810 * 32752). Each block's
@@ -41,9 +41,10 @@ pub(crate) struct Int8Blocks {
     /// Row `r`'s values at `q[r * k..]`, each in -127..=127.
     q: Vec<i8>,
     /// Row `r`'s block scales at `d[r * blocks(k)..]`, over `2^MAX_SHIFT`: group g's values are
-    /// `q * d * 2^(MAX_SHIFT - shift[g])`.
+    /// `q * d * 2^(MAX_SHIFT - e)`, `e` its halvings.
     d: Vec<f32>,
-    /// Each group's halvings of its block's scale, the same for every row.
+    /// Each group's halvings of its block's scale, shared by the rows of a tile: row `r`'s at
+    /// `shift[r / TILE_X * groups..]`.
     shift: Vec<u8>,
     /// Row `r`'s group sums (exact f32) at `sum[r * padded_groups(k)..]`, zero past its groups.
     sum: Vec<f32>,
@@ -88,9 +89,10 @@ impl Int8Blocks {
                 }
             },
         );
-        let mut shift = vec![MAX_SHIFT; g];
-        for e in fits.chunks_exact(g) {
-            for (s, &e) in shift.iter_mut().zip(e) {
+        // Shared by the rows of each tile (the tiles' rows share the weights' scale vectors).
+        let mut shift = vec![MAX_SHIFT; t.div_ceil(TILE_X) * g];
+        for (r, e) in fits.chunks_exact(g).enumerate() {
+            for (s, &e) in shift[r / TILE_X * g..][..g].iter_mut().zip(e) {
                 *s = (*s).min(e);
             }
         }
@@ -101,7 +103,9 @@ impl Int8Blocks {
             .zip(rows.d.par_chunks_mut(nb))
             .zip(rows.sum.par_chunks_mut(gp))
             .zip(x.par_chunks(k))
-            .for_each(|(((q, d), sum), x)| {
+            .enumerate()
+            .for_each(|(r, (((q, d), sum), x))| {
+                let shift = &shift[r / TILE_X * g..][..g];
                 for (b, d) in d.iter_mut().enumerate() {
                     let bmax = *d;
                     let inv = if bmax > 0.0 && (127.0 / bmax).is_finite() { 127.0 / bmax } else { 0.0 };
@@ -141,8 +145,8 @@ pub(crate) struct Q4Parts<'a> {
 }
 
 impl WideQ4 {
-    /// Rows `r0..r1` of `w` (rows of `k`), for inputs whose groups take `shift`'s halvings.
-    fn fill(&mut self, w: Q4Parts<'_>, k: usize, r0: usize, r1: usize, shift: &[u8]) {
+    /// Rows `r0..r1` of `w` (rows of `k`).
+    fn fill(&mut self, w: Q4Parts<'_>, k: usize, r0: usize, r1: usize) {
         let (g, gp, n) = (k / 32, padded_groups(k), r1 - r0);
         self.vals.resize(n * k, 0);
         self.kv.resize(n * g * 16, 0);
@@ -154,10 +158,8 @@ impl WideQ4 {
             let smax = scales.iter().fold(0f32, |m, &s| m.max(f16_value(s).abs()));
             let (dw, inv) = if smax > 0.0 { (smax / K_MAX, K_MAX / smax) } else { (0.0, 0.0) };
             self.dw[i] = dw;
-            for ((kv, &s), &e) in self.kv[i * g * 16..][..g * 16].chunks_exact_mut(16).zip(scales).zip(shift)
-            {
-                let kg = round_ties_even(f16_value(s) * inv).clamp(-K_MAX, K_MAX) as i16;
-                kv.fill(kg << (MAX_SHIFT - e));
+            for (kv, &s) in self.kv[i * g * 16..][..g * 16].chunks_exact_mut(16).zip(scales) {
+                kv.fill(round_ties_even(f16_value(s) * inv).clamp(-K_MAX, K_MAX) as i16);
             }
             for (m, &h) in self.mins[i * gp..][..g].iter_mut().zip(&w.mins[r * g..][..g]) {
                 *m = f16_value(h);
@@ -295,7 +297,7 @@ pub(crate) fn gemm_q4_int8_par(
             let mut b0 = u0 * TILE_W;
             while b0 < u1 * TILE_W {
                 let b1 = (b0 + block).min(u1 * TILE_W);
-                wide.fill(w, k, b0, b1, &x.shift);
+                wide.fill(w, k, b0, b1);
                 // A few weight rows at a time (about 16 KiB, in L1) against every tile of input
                 // rows: each tile, read once from L2, serves all of them.
                 let sub = (8 * 1024 / k).clamp(TILE_W, b1 - b0) / TILE_W * TILE_W;
@@ -351,6 +353,7 @@ unsafe fn tile_avx2<const R: usize>(
     let (g, nb, gp) = (k / 32, blocks(k), padded_groups(k));
     let xq = x.q.as_ptr().add(r0 * k);
     let (wv, kv) = (w.vals.as_ptr().add(c0 * k), w.kv.as_ptr().add(c0 * g * 16));
+    let shift = &x.shift[r0 / TILE_X * g..][..g];
     let mut facc = [[_mm256_setzero_ps(); TILE_W]; R];
     for b in 0..nb {
         let mut iacc = [[_mm256_setzero_si256(); TILE_W]; R];
@@ -358,8 +361,11 @@ unsafe fn tile_avx2<const R: usize>(
             // SAFETY (of the loads): group gi < g lies within every row of x and of the block.
             let wc: [__m256i; TILE_W] =
                 std::array::from_fn(|c| _mm256_loadu_si256(wv.add(c * k + gi * 32).cast()));
-            let kc: [__m256i; TILE_W] =
-                std::array::from_fn(|c| _mm256_loadu_si256(kv.add((c * g + gi) * 16).cast()));
+            // The weights' group scales times the tile's power of two for the group.
+            let up = _mm_cvtsi32_si128(i32::from(MAX_SHIFT - *shift.get_unchecked(gi)));
+            let kc: [__m256i; TILE_W] = std::array::from_fn(|c| {
+                _mm256_sll_epi16(_mm256_loadu_si256(kv.add((c * g + gi) * 16).cast()), up)
+            });
             for (r, acc) in iacc.iter_mut().enumerate() {
                 let xv = _mm256_loadu_si256(xq.add(r * k + gi * 32).cast());
                 for c in 0..TILE_W {
@@ -443,7 +449,7 @@ mod tests {
                 // The outlier's group takes its block's scale, the rest of its block 16 times finer.
                 assert_eq!(xb.shift[..8], [0, 4, 4, 4, 4, 4, 4, 4]);
                 let mut wide = WideQ4::default();
-                wide.fill(parts(&m), k, 0, n, &xb.shift);
+                wide.fill(parts(&m), k, 0, n);
                 for kern in CpuKernels::available() {
                     let mut out = vec![f32::NAN; t * n];
                     if !gemm_q4_int8_par(kern, &xb, parts(&m), n, &mut out) {
@@ -465,7 +471,7 @@ mod tests {
                                 .map(|j| {
                                     let g = j / 32;
                                     let step = f64::from(xb.d[r * blocks(k) + g / BLOCK_GROUPS])
-                                        * f64::from(1u8 << (MAX_SHIFT - xb.shift[g]));
+                                        * f64::from(1u8 << (MAX_SHIFT - xb.shift[r / TILE_X * groups + g]));
                                     // (What multiplies the rounded input: the weight above its
                                     // group's minimum, which takes the exact sums.)
                                     let above = dequantized[c][j] - f16_value(m.mins[c * k / 32 + g]);
@@ -489,7 +495,8 @@ mod tests {
             let isum: i64 = (0..32)
                 .map(|j| i64::from(w.vals[c * k + gi * 32 + j]) * i64::from(x.q[r * k + gi * 32 + j]))
                 .sum();
-            let kg = f64::from(w.kv[(c * g + gi) * 16]);
+            let up = MAX_SHIFT - x.shift[r / TILE_X * g + gi];
+            let kg = f64::from(w.kv[(c * g + gi) * 16]) * f64::from(1u8 << up);
             sum += isum as f64 * kg * f64::from(x.d[r * blocks(k) + gi / BLOCK_GROUPS]);
         }
         let mins: f64 = (0..g).map(|gi| f64::from(w.mins[c * gp + gi]) * f64::from(x.sum[r * gp + gi])).sum();
