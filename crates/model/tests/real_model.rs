@@ -309,19 +309,6 @@ fn quantized_decode_keeps_the_greedy_text_and_logits_close() {
             let decode_step = |cpu: &mut CpuBackend| decode_step_logits(cpu, &tokens, want[0]);
             let f32_step = decode_step(&mut backend());
             let q_step = decode_step(&mut qb);
-            // The prompt's own step: beyond 16 rows, the long steps' int8 GEMM (Q4 weights) where
-            // AVX2 is the widest kernel family running, else the f32 products.
-            let prefill = |cpu: &mut CpuBackend| Run::new(cpu, &tokens).step(tokens.len());
-            let q_prefill = prefill(&mut qb);
-            worst = worst.max(largest_difference(&q_prefill, &prefill(&mut backend())));
-            let plain_prefill = prefill(&mut quantized_backend(format));
-            let int8_gemm = format == pdserve_model::WeightFormat::Q4
-                && pdserve_model::cpu_kernels() == pdserve_model::CpuKernels::Avx2
-                && tokens.len() > 16;
-            if int8_gemm {
-                let moved = largest_difference(&q_prefill, &plain_prefill);
-                assert!(moved > 1e-3, "the long step's int8 GEMM ran ({moved})");
-            }
             worst = worst.max(largest_difference(&q_step, &f32_step));
             let mut run = Run::new(&mut qb, &tokens);
             let logits = run.step(tokens.len());
@@ -377,12 +364,11 @@ fn int8_activations_keep_decode_logits_close() {
             let prefill = |cpu: &mut CpuBackend| Run::new(cpu, &tokens).step(tokens.len());
             let q_prefill = prefill(&mut qb);
             worst = worst.max(largest_difference(&q_prefill, &prefill(&mut backend())));
-            let plain_prefill = prefill(&mut quantized_backend(format));
             let int8_gemm = format == pdserve_model::WeightFormat::Q4
                 && pdserve_model::cpu_kernels() == pdserve_model::CpuKernels::Avx2
                 && tokens.len() > 16;
             if int8_gemm {
-                let moved = largest_difference(&q_prefill, &plain_prefill);
+                let moved = largest_difference(&q_prefill, &prefill(&mut quantized_backend(format)));
                 assert!(moved > 1e-3, "the long step's int8 GEMM ran ({moved})");
             }
             // The int8 path runs: its logits are not the f32-activation Q4/Q8 path's.
