@@ -391,7 +391,7 @@ fn int8_activations_keep_decode_logits_close() {
             }
         }
         eprintln!(
-            "int8 x {format:?}: largest |logit - f32 logit| over each prompt's step and a decode step: {worst}"
+            "int8 x {format:?}: largest |logit - f32 logit| over a prompt's and a decode step: {worst}"
         );
         assert!(worst < INT8_LOGIT_TOLERANCE, "int8 x {format:?}: logits differ from f32 by {worst}");
     }
