@@ -71,6 +71,35 @@ impl Bench {
         took
     }
 
+    /// Prefills `reps + 1` sequences of `prompt_len` tokens of their own, one after another, in
+    /// 512-token chunks (as the server's scheduler steps them), on this one backend; the median seconds
+    /// per prompt of the last `reps` (the first warms the scratch buffers, as a serving process's
+    /// first request does).
+    fn prefill_warm(&mut self, prompt_len: usize, reps: usize) -> f64 {
+        let mut times: Vec<f64> = (0..=reps)
+            .map(|i| {
+                let s = SeqId(i as u64);
+                let (prompt, table) = self.add_prompt(i, prompt_len);
+                let t = Instant::now();
+                for (c, chunk) in prompt.chunks(512).enumerate() {
+                    let last = (c + 1) * 512 >= prompt_len;
+                    let step = SeqStep {
+                        tokens: chunk,
+                        start_pos: c * 512,
+                        block_table: &table,
+                        logits: usize::from(last),
+                    };
+                    self.cpu.forward(&[step]).expect("forward");
+                }
+                self.kv.commit(s, prompt_len).expect("commit");
+                t.elapsed().as_secs_f64()
+            })
+            .skip(1)
+            .collect();
+        times.sort_by(f64::total_cmp);
+        times[reps / 2]
+    }
+
     /// Prefills sequence 0 to position `at` in 512-token chunks, then times one more chunk of `n`
     /// tokens from there (what a scheduler's step costs at that context).
     fn chunk_at(&mut self, at: usize, n: usize) -> f64 {
@@ -317,6 +346,15 @@ fn main() {
             }),
         ),
         ("prefill_1000_q4_int8_tokens_per_second", Box::new(|| 1000.0 / q4_int8().prefill(1, 1000))),
+        // Warm and in 512-token chunks, as served (f16 KV): the median of 5 prompts after a first.
+        (
+            "prefill_1000_warm_q4_int8_tokens_per_second",
+            Box::new(|| {
+                let mut b = q4_kv(&weights, KvDtype::F16, blocks);
+                b.cpu = b.cpu.with_int8_activations(true);
+                1000.0 / b.prefill_warm(1000, 5)
+            }),
+        ),
         (
             "batch8_decode_q4_int8_tokens_per_second",
             Box::new(|| {

@@ -8,7 +8,7 @@ use crate::backend::{KvDtype, KvStore, SeqStep};
 use crate::sys::{
     as_f32, as_f32_mut, as_u16, as_u16_mut, exp_scaled, f32_bytes, f32_bytes_mut, group_scores,
     group_scores_f16, group_weighted_sum, group_weighted_sum_f16, narrow_bf16, narrow_f16, prefetch,
-    softmax_masked, widen_bf16, widen_f16,
+    sgemm_nn_avx2, softmax_masked, widen_bf16, widen_f16, CpuKernels,
 };
 
 /// Where the KV memory lives: this backend's own heap (f32 words from a page boundary on, so every
@@ -263,7 +263,10 @@ impl CpuBackend {
     /// Attention for one sequence's step of `n` new tokens (`q` and `out`: n rows of all heads) as
     /// GEMMs: K and V^T of each KV head are gathered once out of the paged cache, then each (head,
     /// block of 64 query rows) task computes scores against only the keys its last row sees (the
-    /// causal triangle, not the square), a masked softmax, and probabilities times values.
+    /// causal triangle, not the square), a masked softmax, and probabilities times values. On the
+    /// AVX2 path the products read their operands where they lie ([`sgemm_nn_avx2`]): the queries in
+    /// `q`, K gathered transposed and V as it is; elsewhere K as it is and V transposed, as
+    /// [`gemm_xwt`] takes them.
     pub(super) fn gemm_attention(
         &self,
         s: &SeqStep<'_>,
@@ -281,14 +284,19 @@ impl CpuBackend {
         // scores are masked like the future.
         let ctx_p = ctx.next_multiple_of(32);
         let kv_mem = self.kv.values(self.layout.dtype);
+        let nn = crate::sys::cpu_kernels() == CpuKernels::Avx2 && hd.is_multiple_of(16);
+        // K transposed: rows of `ctx_p` positions and 16 more, so that rows 4 KiB apart (a 1,024-position
+        // context) do not all fall in the same L1 sets as the product walks down a column of them
+        // (a fifth slower there).
+        let ldk = ctx_p + 16;
         gathered.resize_with(nkv, Default::default);
         gathered.par_iter_mut().enumerate().for_each(|(kvh, (kh, vt))| {
             // Zeroed: the padding past `ctx` must hold zeros, not a previous step's values.
             kh.clear();
-            kh.resize(ctx_p * hd, 0.0);
+            kh.resize(if nn { hd * ldk } else { ctx_p * hd }, 0.0);
             vt.clear();
             vt.resize(hd * ctx_p, 0.0);
-            let mut v_row = vec![0.0; hd];
+            let (mut k_row, mut v_row) = (vec![0.0; hd], vec![0.0; hd]);
             // With a sliding window, no row of the step sees a position before the first row's window
             // (its blocks may be given back); those keys stay zero and are masked below.
             let first = self.cfg.sliding_window.map_or(0, |w| (s.start_pos + 1).saturating_sub(w));
@@ -296,6 +304,15 @@ impl CpuBackend {
                 let b = s.block_table[j / bs];
                 let ki = self.kv_at(b, li, 0, j % bs) + kvh * hd;
                 let vi = self.kv_at(b, li, 1, j % bs) + kvh * hd;
+                if nn {
+                    // `kh` holds K transposed and `vt` V as it is.
+                    kv_mem.read_into(ki, &mut k_row);
+                    kv_mem.read_into(vi, &mut vt[j * hd..(j + 1) * hd]);
+                    for (d, &k) in k_row.iter().enumerate() {
+                        kh[d * ldk + j] = k;
+                    }
+                    continue;
+                }
                 kv_mem.read_into(ki, &mut kh[j * hd..(j + 1) * hd]);
                 kv_mem.read_into(vi, &mut v_row);
                 for (d, &v) in v_row.iter().enumerate() {
@@ -315,14 +332,16 @@ impl CpuBackend {
                 let rows = i1 - i0;
                 let seen = (s.start_pos + i1).next_multiple_of(32);
                 let (kh, vt) = &gathered[head / group];
-                let mut qh = vec![0.0; rows * hd];
-                for (i, dst) in qh.chunks_exact_mut(hd).enumerate() {
-                    dst.copy_from_slice(&q[(i0 + i) * ldq + head * hd..][..hd]);
-                }
                 let mut o = vec![0.0; rows * hd];
                 SCORES.with_borrow_mut(|scores| {
                     let scores = sized(scores, rows * seen);
-                    gemm_xwt((&qh, hd), rows, hd, (kh, hd), seen, scores);
+                    let qh = (&q[i0 * ldq + head * hd..], ldq);
+                    if nn {
+                        // (It runs: AVX2 kernels, `seen` a multiple of 32.)
+                        assert!(sgemm_nn_avx2(qh, rows, hd, (kh, ldk), seen, scores));
+                    } else {
+                        gemm_xwt(qh, rows, hd, (kh, hd), seen, scores);
+                    }
                     for (i, row) in scores.chunks_exact_mut(seen).enumerate() {
                         let visible = s.start_pos + i0 + i + 1;
                         if let Some(w) = window {
@@ -331,7 +350,12 @@ impl CpuBackend {
                         }
                         softmax_masked(row, visible, scale);
                     }
-                    gemm_xwt((scores, seen), rows, seen, (vt, ctx_p), hd, &mut o);
+                    if nn {
+                        // (It runs: AVX2 kernels, `hd` a multiple of 16.)
+                        assert!(sgemm_nn_avx2((scores, seen), rows, seen, (vt, hd), hd, &mut o));
+                    } else {
+                        gemm_xwt((scores, seen), rows, seen, (vt, ctx_p), hd, &mut o);
+                    }
                 });
                 (head, i0, o)
             })

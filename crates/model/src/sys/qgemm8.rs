@@ -295,7 +295,9 @@ pub(crate) fn gemm_q4_int8_par(
         // Weight rows widened together: about 128 KiB (each row's bytes and scale vectors, 2k), in L2;
         // every tile of input rows (in L1) is dotted with all of them before the next is read.
         let block = (64 * 1024 / k).max(TILE_W) / TILE_W * TILE_W;
-        super::gemm::split_columns(n / TILE_W, out, |u0, u1, dst| {
+        // Eight shares per thread: a share's weight rows are widened once whatever its size, and
+        // every share reads the inputs once per few weight rows anyway.
+        super::gemm::split_columns_by(n / TILE_W, 8, out, |u0, u1, dst| {
             let mut wide = WideQ4::default();
             let mut b0 = u0 * TILE_W;
             while b0 < u1 * TILE_W {
