@@ -491,8 +491,9 @@ where
         // Groups widened together (about 128 KiB of f32, in L2): each tile of three x rows, in L1, is
         // dotted with all of them before the next tile is read.
         let block = (32 * 1024 / (ROWS_TILE * k)).max(1);
-        split_columns(groups, out, |g0, g1, dst| {
-            let mut w = vec![0f32; block * ROWS_TILE * k];
+        // Eight shares per thread, as the int8 GEMM: a share widens only its own groups.
+        split_columns_by(groups, 8, out, |g0, g1, dst| {
+            let mut w = vec![0f32; block.min(g1 - g0) * ROWS_TILE * k];
             let mut b0 = g0;
             while b0 < g1 {
                 let b1 = (b0 + block).min(g1);
