@@ -114,25 +114,77 @@ fn check_rows(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelErro
             1e-7,
         );
     }
-    // RoPE at positions up to the longest context, 64- and 128-wide heads.
-    for (head_dim, n_heads, extra) in [(64, 12, 3 * 64), (128, 40, 8 * 128)] {
+    // RoPE at positions up to the longest context, 64- and 128-wide heads, with and without an
+    // attention factor (YaRN).
+    for (head_dim, n_heads, extra, factor) in [(64, 12, 3 * 64, 1.0f32), (128, 40, 8 * 128, 1.2f32)] {
         let pos: Vec<i32> = vec![0, 1, 17, 8191, 131_071];
         let stride = n_heads * head_dim + extra;
         let x = rng.vec(pos.len() * stride, 2.0);
         let inv = r::inv_freq(100_000.0, head_dim);
         let mut xd = g.upload(&x)?;
         let (pd, id) = (g.upload(&pos)?, g.upload(&inv)?);
-        g.rope_qk(&mut xd.as_view_mut(), &pd.as_view(), &id.as_view(), stride, n_heads, head_dim)?;
+        g.rope_qk(&mut xd.as_view_mut(), &pd.as_view(), &id.as_view(), stride, n_heads, head_dim, factor)?;
         let mut want = x.clone();
         for (i, row) in want.chunks_exact_mut(stride).enumerate() {
-            r::rope_row(row, pos[i] as usize, &inv, n_heads, head_dim);
+            r::rope_row(row, pos[i] as usize, &inv, n_heads, head_dim, factor);
         }
         rep.check(
-            &format!("rope_qk head_dim={head_dim} positions 0..131071"),
+            &format!("rope_qk head_dim={head_dim} factor={factor} positions 0..131071"),
             rel_err(&g.download(&xd.as_view())?, &want),
             2e-6,
         );
     }
+    // Per-head RMSNorm of Q and K heads (V heads untouched), and the bias add, on fused QKV rows.
+    for (rows, head_dim, qh, kh, vh) in [(5, 128, 16, 8, 8), (3, 64, 9, 3, 3)] {
+        let stride = (qh + kh + vh) * head_dim;
+        let x = rng.vec(rows * stride, 3.0);
+        let (wq, wk) = (rng.vec(head_dim, 2.0), rng.vec(head_dim, 2.0));
+        let bias = rng.vec(stride, 1.0);
+        let mut xd = g.upload(&x)?;
+        let (wqd, wkd, bd) = (g.upload(&wq)?, g.upload(&wk)?, g.upload(&bias)?);
+        g.head_rmsnorm(
+            &mut xd.as_view_mut(),
+            rows,
+            stride,
+            (qh, kh),
+            head_dim,
+            (&wqd.as_view(), &wkd.as_view()),
+            1e-6,
+        )?;
+        let mut want = x.clone();
+        r::head_rmsnorm(&mut want, stride, (qh, kh, head_dim), &wq, &wk, 1e-6);
+        let got = g.download(&xd.as_view())?;
+        rep.check(
+            &format!("head_rmsnorm rows={rows} heads={qh}+{kh} dim={head_dim}"),
+            rel_err(&got, &want),
+            1e-6,
+        );
+        let v_off = (qh + kh) * head_dim;
+        let v_same = (0..rows)
+            .all(|r| got[r * stride + v_off..(r + 1) * stride] == x[r * stride + v_off..(r + 1) * stride]);
+        rep.exact("head_rmsnorm leaves V heads untouched", v_same, "");
+        g.add_bias_rows(&mut xd.as_view_mut(), &bd.as_view(), rows)?;
+        for (i, v) in want.iter_mut().enumerate() {
+            *v += bias[i % stride];
+        }
+        rep.check(
+            &format!("add_bias_rows rows={rows} n={stride}"),
+            rel_err(&g.download(&xd.as_view())?, &want),
+            1e-6,
+        );
+    }
+    // Seeded random fill: the same bits as the host's function, and a spread that fits its scale.
+    let n = 1_000_003;
+    let mut fd = g.upload(&vec![NAN_BF16; n])?;
+    g.fill_random_bf16(&mut fd.as_view_mut(), 42, 0.05)?;
+    let got = g.download(&fd.as_view())?;
+    let same = got.iter().enumerate().all(|(i, &v)| v == r::random_bf16(42, i as u64, 0.05));
+    let mean_abs = b2f(&got).iter().map(|v| v.abs() as f64).sum::<f64>() / n as f64;
+    rep.exact(
+        "fill_random_bf16 n=1000003 (bit-exact, mean |x| near scale/2)",
+        same && (mean_abs - 0.025).abs() < 0.001,
+        &format!("mean |x| {mean_abs:.5}"),
+    );
     // SwiGLU, cast, embedding gather, row gather.
     let (rows, inter) = (3, 1537);
     let gu = rng.vec(rows * 2 * inter, 4.0);

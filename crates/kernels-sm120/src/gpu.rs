@@ -51,6 +51,21 @@ fn decode_kernel(kind: DecodeKernel, head_dim: usize, group: usize) -> String {
     }
 }
 
+/// `src` compiled for `arch`, once per process (a second `Gpu` of the same architecture, or a second
+/// model on one, loads the cubins the first compiled).
+fn cubin(src: &sources::Source, arch: &str) -> Result<Vec<u8>, KernelError> {
+    static CUBINS: std::sync::Mutex<Vec<(&'static str, String, Vec<u8>)>> = std::sync::Mutex::new(Vec::new());
+    let cached = |c: &Vec<(&'static str, String, Vec<u8>)>| {
+        c.iter().find(|(f, a, _)| *f == src.file && a == arch).map(|(_, _, b)| b.clone())
+    };
+    if let Some(b) = cached(&CUBINS.lock().unwrap_or_else(|p| p.into_inner())) {
+        return Ok(b);
+    }
+    let c = compile::compile(src, arch)?;
+    CUBINS.lock().unwrap_or_else(|p| p.into_inner()).push((src.file, arch.to_string(), c.cubin.clone()));
+    Ok(c.cubin)
+}
+
 fn check_len(what: &str, have: usize, need: usize) -> Result<(), KernelError> {
     if have < need {
         return Err(KernelError::shape(format!("{what} holds {have} values, the shape needs {need}")));
@@ -183,8 +198,7 @@ impl Gpu {
         let blas = CudaBlas::new(stream.clone())?;
         let mut funcs = HashMap::new();
         for src in sources::ALL {
-            let c = compile::compile(&src, &arch)?;
-            let module = ctx.load_module(Ptx::from_binary(c.cubin))?;
+            let module = ctx.load_module(Ptx::from_binary(cubin(&src, &arch)?))?;
             for k in src.kernels {
                 funcs.insert(*k, module.load_function(k)?);
             }
@@ -342,7 +356,9 @@ impl Gpu {
         sys::launch(b, rows_cfg(rows, launch::ROW_THREADS)?)
     }
 
-    /// Rotate-half RoPE on the first `n_heads` heads of each row, in place, position `pos[r]`.
+    /// Rotate-half RoPE on the first `n_heads` heads of each row, in place, position `pos[r]`; cos and
+    /// sin times `attn_factor` (YaRN's attention factor; 1.0 otherwise).
+    #[allow(clippy::too_many_arguments)]
     pub fn rope_qk(
         &self,
         qkv: &mut CudaViewMut<'_, f32>,
@@ -351,6 +367,7 @@ impl Gpu {
         row_stride: usize,
         n_heads: usize,
         head_dim: usize,
+        attn_factor: f32,
     ) -> Result<(), KernelError> {
         let rows = pos.len();
         if !head_dim.is_multiple_of(2) || n_heads * head_dim > row_stride {
@@ -360,8 +377,101 @@ impl Gpu {
         check_len("inv_freq", inv_freq.len(), head_dim / 2)?;
         let (rs, nh, hd) = (fits_i32("row_stride", row_stride)?, n_heads as i32, head_dim as i32);
         let mut b = self.stream.launch_builder(self.func("rope_qk"));
-        b.arg(qkv).arg(pos).arg(inv_freq).arg(&rs).arg(&nh).arg(&hd);
+        b.arg(qkv).arg(pos).arg(inv_freq).arg(&rs).arg(&nh).arg(&hd).arg(&attn_factor);
         sys::launch(b, rows_cfg(rows, launch::ROW_THREADS)?)
+    }
+
+    /// Per-head RMSNorm in place on `rows` rows of a fused QKV matrix (Qwen3's q/k norms): the first
+    /// `heads.0` heads of each row with `wq`, the next `heads.1` with `wk` (f32, `head_dim` each).
+    #[allow(clippy::too_many_arguments)]
+    pub fn head_rmsnorm(
+        &self,
+        qkv: &mut CudaViewMut<'_, f32>,
+        rows: usize,
+        row_stride: usize,
+        heads: (usize, usize),
+        head_dim: usize,
+        w: (&CudaView<'_, f32>, &CudaView<'_, f32>),
+        eps: f32,
+    ) -> Result<(), KernelError> {
+        let (q_heads, k_heads) = heads;
+        if (q_heads + k_heads) * head_dim > row_stride {
+            return Err(KernelError::shape(format!(
+                "{} heads of {head_dim} in rows of {row_stride}",
+                q_heads + k_heads
+            )));
+        }
+        check_len("qkv", qkv.len(), rows * row_stride)?;
+        check_len("q norm weight", w.0.len(), head_dim)?;
+        check_len("k norm weight", w.1.len(), head_dim)?;
+        let total = (rows * (q_heads + k_heads)) as i64;
+        if total == 0 {
+            return Ok(());
+        }
+        let (rs, qh, kh, hd) = (
+            fits_i32("row_stride", row_stride)?,
+            fits_i32("q_heads", q_heads)?,
+            fits_i32("k_heads", k_heads)?,
+            fits_i32("head_dim", head_dim)?,
+        );
+        const WARPS: i64 = 8;
+        let blocks =
+            u32::try_from((total + WARPS - 1) / WARPS).map_err(|_| KernelError::shape("too many heads"))?;
+        let mut b = self.stream.launch_builder(self.func("head_rmsnorm"));
+        b.arg(qkv).arg(&rs).arg(&qh).arg(&kh).arg(&hd).arg(w.0).arg(w.1).arg(&eps).arg(&total);
+        sys::launch(
+            b,
+            LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (32 * WARPS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        )
+    }
+
+    /// `x[r][j] += bias[j]` for `rows` rows of `bias.len()` f32 values.
+    pub fn add_bias_rows(
+        &self,
+        x: &mut CudaViewMut<'_, f32>,
+        bias: &CudaView<'_, f32>,
+        rows: usize,
+    ) -> Result<(), KernelError> {
+        let n = bias.len();
+        check_len("x", x.len(), rows * n)?;
+        if rows * n == 0 {
+            return Ok(());
+        }
+        let (n_i, total) = (fits_i32("bias length", n)?, (rows * n) as i64);
+        let mut b = self.stream.launch_builder(self.func("add_bias_rows"));
+        b.arg(x).arg(bias).arg(&n_i).arg(&total);
+        self.launch_elementwise(b, rows * n)
+    }
+
+    /// Fills `out` with seeded random bf16 values, `scale * u` for `u` uniform in [-1, 1)
+    /// ([`crate::reference::random_bf16`] gives the same bits): random-weight models made on the
+    /// device, without a host copy.
+    pub fn fill_random_bf16(
+        &self,
+        out: &mut CudaViewMut<'_, u16>,
+        seed: u64,
+        scale: f32,
+    ) -> Result<(), KernelError> {
+        let n = out.len() as i64;
+        let mut b = self.stream.launch_builder(self.func("fill_random_bf16"));
+        b.arg(out).arg(&n).arg(&seed).arg(&scale);
+        self.launch_elementwise(b, n as usize)
+    }
+
+    fn launch_elementwise(&self, b: cudarc::driver::LaunchArgs<'_>, n: usize) -> Result<(), KernelError> {
+        let blocks = launch::elementwise_blocks(n, launch::ROW_THREADS);
+        sys::launch(
+            b,
+            LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (launch::ROW_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        )
     }
 
     /// `out = bf16(silu(gate) * up)` for rows of `[gate | up]` (`2 * inter` wide).

@@ -36,7 +36,7 @@ pub mod reference;
 pub mod sources;
 mod sys;
 
-pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 pub use error::KernelError;
 pub use gpu::{
     DecodeAttention, DecodeKernel, DecodeOptions, DecodeScratch, Gpu, PrefillAttention, SampleParams,

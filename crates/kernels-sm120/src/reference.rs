@@ -34,14 +34,23 @@ pub fn rmsnorm_residual(x: &mut [f32], add: Option<&[f32]>, w: &[f32], dim: usiz
     out
 }
 
-/// `rope_qk` on one row: the first `n_heads` heads of `row` rotated for position `pos`.
-pub fn rope_row(row: &mut [f32], pos: usize, inv_freq: &[f32], n_heads: usize, head_dim: usize) {
+/// `rope_qk` on one row: the first `n_heads` heads of `row` rotated for position `pos`, cos and sin
+/// times `attn_factor`.
+pub fn rope_row(
+    row: &mut [f32],
+    pos: usize,
+    inv_freq: &[f32],
+    n_heads: usize,
+    head_dim: usize,
+    attn_factor: f32,
+) {
     let half = head_dim / 2;
     for h in 0..n_heads {
         let v = &mut row[h * head_dim..(h + 1) * head_dim];
         for i in 0..half {
             let angle = (pos as f32 * inv_freq[i]) as f64;
             let (s, c) = angle.sin_cos();
+            let (s, c) = (s * attn_factor as f64, c * attn_factor as f64);
             let (a, b) = (v[i] as f64, v[i + half] as f64);
             v[i] = (a * c - b * s) as f32;
             v[i + half] = (b * c + a * s) as f32;
@@ -52,6 +61,40 @@ pub fn rope_row(row: &mut [f32], pos: usize, inv_freq: &[f32], n_heads: usize, h
 /// The inverse frequencies the model uses: `theta^(-2i/head_dim)` in f32.
 pub fn inv_freq(theta: f32, head_dim: usize) -> Vec<f32> {
     (0..head_dim / 2).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect()
+}
+
+/// `head_rmsnorm`: per-head RMSNorm of the first `q_heads + k_heads` heads of each row of `qkv`
+/// (`row_stride` apart), Q heads with `wq`, K heads with `wk`, in place.
+pub fn head_rmsnorm(
+    qkv: &mut [f32],
+    row_stride: usize,
+    (q_heads, k_heads, head_dim): (usize, usize, usize),
+    wq: &[f32],
+    wk: &[f32],
+    eps: f32,
+) {
+    for row in qkv.chunks_exact_mut(row_stride) {
+        for h in 0..q_heads + k_heads {
+            let v = &mut row[h * head_dim..(h + 1) * head_dim];
+            let w = if h < q_heads { wq } else { wk };
+            let ms = v.iter().map(|&x| x as f64 * x as f64).sum::<f64>() / head_dim as f64;
+            let inv = 1.0 / (ms + eps as f64).sqrt();
+            for (x, &w) in v.iter_mut().zip(w) {
+                *x = (*x as f64 * inv * w as f64) as f32;
+            }
+        }
+    }
+}
+
+/// `fill_random_bf16`'s value at index `i`: `bf16(scale * u)`, `u` uniform in [-1, 1) from a
+/// splitmix64 finalizer of `seed + i * golden`.
+pub fn random_bf16(seed: u64, i: u64, scale: f32) -> u16 {
+    let mut x = seed.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    let u = (x >> 40) as f32 * (1.0 / 8_388_608.0) - 1.0;
+    f32_to_bf16(u * scale)
 }
 
 /// `swiglu`: rows of `[gate | up]` to `silu(gate) * up`.

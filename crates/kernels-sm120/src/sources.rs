@@ -18,14 +18,24 @@ impl Source {
     }
 }
 
-pub const NORM: Source =
-    Source { file: "norm.cu", code: include_str!("cuda/norm.cu"), kernels: &["rmsnorm_residual"] };
+pub const NORM: Source = Source {
+    file: "norm.cu",
+    code: include_str!("cuda/norm.cu"),
+    kernels: &["rmsnorm_residual", "head_rmsnorm"],
+};
 pub const ROPE: Source =
     Source { file: "rope.cu", code: include_str!("cuda/rope.cu"), kernels: &["rope_qk"] };
 pub const ELEMENTWISE: Source = Source {
     file: "elementwise.cu",
     code: include_str!("cuda/elementwise.cu"),
-    kernels: &["embed_gather", "swiglu", "cast_bf16", "gather_rows_bf16"],
+    kernels: &[
+        "embed_gather",
+        "swiglu",
+        "cast_bf16",
+        "gather_rows_bf16",
+        "add_bias_rows",
+        "fill_random_bf16",
+    ],
 };
 pub const KV: Source = Source { file: "kv.cu", code: include_str!("cuda/kv.cu"), kernels: &["kv_write"] };
 pub const DECODE_ATTN: Source = Source {

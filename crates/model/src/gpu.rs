@@ -5,11 +5,18 @@
 //! QKV GEMM, RoPE, the KV write into paged blocks, attention (flash-decoding for one-token steps,
 //! causal prefill attention over the paged prefix for longer ones), the output GEMM, RMSNorm, the
 //! fused gate/up GEMM, SwiGLU and the down GEMM; then the final norm on the rows that want logits
-//! and the LM head. KV memory per layer is `[slot][kv head][head dim]` for K and for V, with
+//! and the LM head. Attention biases (Qwen2, `attention_bias`) are added after their GEMMs, Qwen3's
+//! per-head q/k norms run before RoPE, YaRN's attention factor scales RoPE's cos and sin. Mixtures of
+//! experts and sliding windows are refused. Step inputs (token ids, positions, slots, block tables)
+//! go into device buffers kept across steps, so a step allocates nothing once they fit; with
+//! [`GpuBackend::forward_greedy`] only the picked token ids come back to the host. KV memory per layer is `[slot][kv head][head dim]` for K and for V, with
 //! `slot = block * block_size + position in block`, so one block of one layer is one contiguous run.
 
 use pdserve_kernels_sm120::launch::{prefill_tiles, PrefillSeq};
-use pdserve_kernels_sm120::{CudaSlice, DecodeAttention, DecodeScratch, Gpu, KernelError, PrefillAttention};
+use pdserve_kernels_sm120::{
+    CudaSlice, CudaView, CudaViewMut, DecodeAttention, DecodeScratch, DeviceRepr, Gpu, KernelError,
+    PrefillAttention, ValidAsZeroBits,
+};
 use pdserve_kvcache::{BlockCopy, BlockId};
 
 use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, SeqStep};
@@ -30,6 +37,99 @@ struct DevLayer {
     /// `[gate; up]` rows: `2 inter x hidden`.
     gate_up: CudaSlice<u16>,
     down: CudaSlice<u16>,
+    /// `[q; k; v]` biases (zeros for a part without one), f32.
+    qkv_bias: Option<CudaSlice<f32>>,
+    o_bias: Option<CudaSlice<f32>>,
+    /// Qwen3's per-head (q, k) RMSNorm weights, f32.
+    qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
+}
+
+/// A device buffer kept across steps: grows (to a power of two) when a step needs more, so steady
+/// steps allocate nothing; `len` is the current step's length.
+struct DevVec<T> {
+    buf: Option<CudaSlice<T>>,
+    len: usize,
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> DevVec<T> {
+    const fn new() -> DevVec<T> {
+        DevVec { buf: None, len: 0 }
+    }
+
+    /// Makes room for `len` values (contents undefined) and sets the length.
+    fn reserve(&mut self, gpu: &Gpu, len: usize) -> Result<(), KernelError> {
+        if self.buf.as_ref().is_none_or(|b| b.len() < len) {
+            self.buf = Some(gpu.zeros::<T>(len.next_power_of_two().max(16))?);
+        }
+        self.len = len;
+        Ok(())
+    }
+
+    /// Copies `data` in (growing first if needed).
+    fn put(&mut self, gpu: &Gpu, data: &[T]) -> Result<(), KernelError> {
+        self.reserve(gpu, data.len())?;
+        if let (Some(b), false) = (self.buf.as_mut(), data.is_empty()) {
+            gpu.write(data, &mut b.slice_mut(0..data.len()))?;
+        }
+        Ok(())
+    }
+
+    fn view(&self) -> CudaView<'_, T> {
+        self.buf.as_ref().expect("DevVec used before reserve").slice(0..self.len)
+    }
+
+    fn view_mut(&mut self) -> CudaViewMut<'_, T> {
+        let len = self.len;
+        self.buf.as_mut().expect("DevVec used before reserve").slice_mut(0..len)
+    }
+}
+
+/// The per-step inputs and the logits stage, on the device, reused across steps.
+struct StepInputs {
+    ids: DevVec<u32>,
+    pos: DevVec<i32>,
+    slots: DevVec<i64>,
+    d_rows: DevVec<i32>,
+    d_ctx: DevVec<i32>,
+    d_tables: DevVec<i32>,
+    p_tables: DevVec<i32>,
+    tiles: DevVec<i32>,
+    logit_rows: DevVec<i32>,
+    picked: DevVec<u16>,
+    logits: DevVec<f32>,
+    ids_out: DevVec<i32>,
+}
+
+impl StepInputs {
+    const fn new() -> StepInputs {
+        StepInputs {
+            ids: DevVec::new(),
+            pos: DevVec::new(),
+            slots: DevVec::new(),
+            d_rows: DevVec::new(),
+            d_ctx: DevVec::new(),
+            d_tables: DevVec::new(),
+            p_tables: DevVec::new(),
+            tiles: DevVec::new(),
+            logit_rows: DevVec::new(),
+            picked: DevVec::new(),
+            logits: DevVec::new(),
+            ids_out: DevVec::new(),
+        }
+    }
+}
+
+/// What a step returns: every wanted row's logits, or only each row's greedy pick.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Output {
+    Logits,
+    Greedy,
+}
+
+/// A step's result, by [`Output`].
+enum StepOut {
+    Logits(Vec<Vec<f32>>),
+    Greedy(Vec<u32>),
 }
 
 /// Activations for up to `rows` tokens, reused across steps.
@@ -57,8 +157,10 @@ pub struct GpuBackend {
     k: Vec<CudaSlice<u16>>,
     v: Vec<CudaSlice<u16>>,
     inv_freq: CudaSlice<f32>,
+    rope_factor: f32,
     scratch: DecodeScratch,
     bufs: Option<StepBuffers>,
+    inputs: StepInputs,
 }
 
 impl std::fmt::Debug for GpuBackend {
@@ -72,9 +174,33 @@ fn bf16(gpu: &Gpu, parts: &[&[f32]]) -> Result<CudaSlice<u16>, KernelError> {
     gpu.upload(&v)
 }
 
+/// The model features this backend runs; the rest are refused with a clear error.
+fn check_supported(cfg: &ModelConfig) -> Result<(), ModelError> {
+    if cfg.moe.is_some() || cfg.sliding_window.is_some() {
+        return Err(ModelError::Unsupported {
+            field: "mixture-of-experts or sliding-window attention on the GPU backend".into(),
+            value: format!(
+                "experts {:?}, window {:?}",
+                cfg.moe.as_ref().map(|m| m.experts),
+                cfg.sliding_window
+            ),
+        });
+    }
+    if let Some(p) =
+        pdserve_kernels_sm120::launch::attention_shape_problem(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    {
+        return Err(ModelError::Unsupported { field: "attention shape on the GPU backend".into(), value: p });
+    }
+    Ok(())
+}
+
+/// Scale of the random weights of [`GpuBackend::random`]: uniform in +-0.0346, a standard deviation
+/// of 0.02 (Hugging Face's initializer range).
+pub const RANDOM_WEIGHT_SCALE: f32 = 0.0346;
+
 impl GpuBackend {
-    /// Uploads `weights` (as bf16) to GPU `ordinal` and allocates KV memory for `num_blocks` blocks of
-    /// `block_size` tokens. Models with attention biases are not supported here yet.
+    /// Uploads `weights` (as bf16; biases and q/k norm weights as f32) to GPU `ordinal` and allocates
+    /// KV memory for `num_blocks` blocks of `block_size` tokens.
     pub fn new(
         cfg: ModelConfig,
         weights: &Weights,
@@ -82,50 +208,25 @@ impl GpuBackend {
         block_size: usize,
         ordinal: usize,
     ) -> Result<GpuBackend, ModelError> {
-        if cfg.moe.is_some() || cfg.sliding_window.is_some() {
-            return Err(ModelError::Unsupported {
-                field: "mixture-of-experts or sliding-window attention on the GPU backend".into(),
-                value: format!(
-                    "experts {:?}, window {:?}",
-                    cfg.moe.as_ref().map(|m| m.experts),
-                    cfg.sliding_window
-                ),
-            });
-        }
-        if cfg.qk_norm {
-            return Err(ModelError::Unsupported {
-                field: "per-head q/k norms (Qwen3) on the GPU backend".into(),
-                value: "true".into(),
-            });
-        }
-        let (inv, rope_attention_factor) = cfg.rope();
-        if rope_attention_factor != 1.0 {
-            return Err(ModelError::Unsupported {
-                field: "rope_scaling attention factor (YaRN) on the GPU backend".into(),
-                value: rope_attention_factor.to_string(),
-            });
-        }
-        if cfg.qkv_bias || cfg.o_bias {
-            return Err(ModelError::Unsupported {
-                field: "attention biases on the GPU backend".into(),
-                value: "true".into(),
-            });
-        }
-        if let Some(p) = pdserve_kernels_sm120::launch::attention_shape_problem(
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        ) {
-            return Err(ModelError::Unsupported {
-                field: "attention shape on the GPU backend".into(),
-                value: p,
-            });
-        }
+        check_supported(&cfg)?;
         let gpu = Gpu::new(ordinal).map_err(dev)?;
-        let layout = KvLayout::for_model(&cfg, num_blocks, block_size, KvDtype::F32);
         let up = |parts: &[&[f32]]| bf16(&gpu, parts).map_err(dev);
+        let up32 = |v: &[f32]| gpu.upload(v).map_err(dev);
+        let (q_dim, kv_dim) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
         let mut layers = Vec::with_capacity(cfg.num_layers);
         for l in &weights.layers {
+            let qkv_bias = if l.q_bias.is_some() || l.k_bias.is_some() || l.v_bias.is_some() {
+                let part = |b: &Option<Vec<f32>>, n: usize| b.clone().unwrap_or_else(|| vec![0.0; n]);
+                let fused =
+                    [part(&l.q_bias, q_dim), part(&l.k_bias, kv_dim), part(&l.v_bias, kv_dim)].concat();
+                Some(up32(&fused)?)
+            } else {
+                None
+            };
+            let qk_norm = match (&l.q_norm, &l.k_norm) {
+                (Some(q), Some(k)) => Some((up32(q)?, up32(k)?)),
+                _ => None,
+            };
             layers.push(DevLayer {
                 input_norm: up(&[&l.input_norm])?,
                 qkv: up(&[&l.q, &l.k, &l.v])?,
@@ -133,8 +234,80 @@ impl GpuBackend {
                 post_norm: up(&[&l.post_norm])?,
                 gate_up: up(&[&l.gate, &l.up])?,
                 down: up(&[&l.down])?,
+                qkv_bias,
+                o_bias: l.o_bias.as_deref().map(up32).transpose()?,
+                qk_norm,
             });
         }
+        let embed = up(&[&weights.embed])?;
+        let lm_head = weights.lm_head.as_ref().map(|w| up(&[w])).transpose()?;
+        let final_norm = up(&[&weights.final_norm])?;
+        GpuBackend::assemble(gpu, cfg, (embed, lm_head, final_norm, layers), num_blocks, block_size)
+    }
+
+    /// A model of `cfg`'s shape with seeded random bf16 weights made on the device (uniform, see
+    /// [`RANDOM_WEIGHT_SCALE`]; norm weights 1, no biases), for measuring real-size shapes without
+    /// their checkpoints: nothing of the size of the weights passes through the host.
+    pub fn random(
+        cfg: ModelConfig,
+        seed: u64,
+        num_blocks: usize,
+        block_size: usize,
+        ordinal: usize,
+    ) -> Result<GpuBackend, ModelError> {
+        check_supported(&cfg)?;
+        if cfg.qkv_bias || cfg.o_bias || cfg.qk_norm {
+            return Err(ModelError::Unsupported {
+                field: "biases or q/k norms in a random-weight GPU model".into(),
+                value: "true".into(),
+            });
+        }
+        let gpu = Gpu::new(ordinal).map_err(dev)?;
+        let mut next = seed;
+        let mut rand = |n: usize| -> Result<CudaSlice<u16>, ModelError> {
+            let mut m = gpu.zeros::<u16>(n).map_err(dev)?;
+            next = next.wrapping_add(0x632b_e59b_d9b4_e019);
+            gpu.fill_random_bf16(&mut m.as_view_mut(), next, RANDOM_WEIGHT_SCALE).map_err(dev)?;
+            Ok(m)
+        };
+        let c = &cfg;
+        let (h, q_dim, kv_dim, inter) =
+            (c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size);
+        let ones = || gpu.upload(&vec![bf16_bits(1.0); h]).map_err(dev);
+        let mut layers = Vec::with_capacity(c.num_layers);
+        for _ in 0..c.num_layers {
+            layers.push(DevLayer {
+                input_norm: ones()?,
+                qkv: rand((q_dim + 2 * kv_dim) * h)?,
+                o: rand(h * q_dim)?,
+                post_norm: ones()?,
+                gate_up: rand(2 * inter * h)?,
+                down: rand(h * inter)?,
+                qkv_bias: None,
+                o_bias: None,
+                qk_norm: None,
+            });
+        }
+        let embed = rand(c.vocab_size * h)?;
+        let lm_head = if c.tie_word_embeddings { None } else { Some(rand(c.vocab_size * h)?) };
+        let final_norm = ones()?;
+        GpuBackend::assemble(gpu, cfg, (embed, lm_head, final_norm, layers), num_blocks, block_size)
+    }
+
+    /// The KV memory and the rest of the backend around uploaded weights.
+    fn assemble(
+        gpu: Gpu,
+        cfg: ModelConfig,
+        (embed, lm_head, final_norm, layers): (
+            CudaSlice<u16>,
+            Option<CudaSlice<u16>>,
+            CudaSlice<u16>,
+            Vec<DevLayer>,
+        ),
+        num_blocks: usize,
+        block_size: usize,
+    ) -> Result<GpuBackend, ModelError> {
+        let layout = KvLayout::for_model(&cfg, num_blocks, block_size, KvDtype::F32);
         let slots = num_blocks * block_size * cfg.num_kv_heads * cfg.head_dim;
         let mut k = Vec::with_capacity(cfg.num_layers);
         let mut v = Vec::with_capacity(cfg.num_layers);
@@ -142,11 +315,14 @@ impl GpuBackend {
             k.push(gpu.zeros::<u16>(slots).map_err(dev)?);
             v.push(gpu.zeros::<u16>(slots).map_err(dev)?);
         }
+        let (inv, rope_factor) = cfg.rope();
+        gpu.synchronize().map_err(dev)?;
         Ok(GpuBackend {
-            embed: up(&[&weights.embed])?,
-            lm_head: weights.lm_head.as_ref().map(|w| up(&[w])).transpose()?,
-            final_norm: up(&[&weights.final_norm])?,
             inv_freq: gpu.upload(&inv).map_err(dev)?,
+            rope_factor,
+            embed,
+            lm_head,
+            final_norm,
             layers,
             k,
             v,
@@ -155,7 +331,36 @@ impl GpuBackend {
             layout,
             scratch: DecodeScratch::default(),
             bufs: None,
+            inputs: StepInputs::new(),
         })
+    }
+
+    /// Bytes of device memory the weights take (bf16 matrices, norms, biases).
+    pub fn weight_bytes(&self) -> usize {
+        let mut n =
+            (self.embed.len() + self.final_norm.len() + self.lm_head.as_ref().map_or(0, |w| w.len())) * 2;
+        for l in &self.layers {
+            n += (l.input_norm.len()
+                + l.qkv.len()
+                + l.o.len()
+                + l.post_norm.len()
+                + l.gate_up.len()
+                + l.down.len())
+                * 2;
+            n += (l.qkv_bias.as_ref().map_or(0, |b| b.len()) + l.o_bias.as_ref().map_or(0, |b| b.len())) * 4;
+            n += l.qk_norm.as_ref().map_or(0, |(q, k)| q.len() + k.len()) * 4;
+        }
+        n
+    }
+
+    /// Runs one step and returns only each wanted row's greedy pick (argmax on the device, lowest id
+    /// on ties): the logits never leave the device.
+    pub fn forward_greedy(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<u32>, ModelError> {
+        check_steps(&self.cfg, &self.layout, steps)?;
+        match self.run(steps, Output::Greedy).map_err(dev)? {
+            StepOut::Greedy(ids) => Ok(ids),
+            StepOut::Logits(_) => unreachable!("asked for greedy picks"),
+        }
     }
 
     /// The device, e.g. for its name.
@@ -186,7 +391,7 @@ impl GpuBackend {
         Ok(())
     }
 
-    fn run(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, KernelError> {
+    fn run(&mut self, steps: &[SeqStep<'_>], output: Output) -> Result<StepOut, KernelError> {
         let c = self.cfg.clone();
         let (hsz, hd, nq, nkv, inter, vocab) =
             (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size);
@@ -243,16 +448,21 @@ impl GpuBackend {
 
         self.buffers(t)?;
         let g = &self.gpu;
-        let ids_d = g.upload(&ids)?;
-        let pos_d = g.upload(&pos)?;
-        let slots_d = g.upload(&slots)?;
-        let (d_rows_d, d_ctx_d, d_bt_d) = (g.upload(&d_rows)?, g.upload(&d_ctx)?, g.upload(&d_bt)?);
-        let (p_bt_d, tiles_d) = (g.upload(&p_bt)?, g.upload(&tiles)?);
+        let inp = &mut self.inputs;
+        inp.ids.put(g, &ids)?;
+        inp.pos.put(g, &pos)?;
+        inp.slots.put(g, &slots)?;
+        inp.d_rows.put(g, &d_rows)?;
+        inp.d_ctx.put(g, &d_ctx)?;
+        inp.d_tables.put(g, &d_bt)?;
+        inp.p_tables.put(g, &p_bt)?;
+        inp.tiles.put(g, &tiles)?;
+        let inp = &self.inputs;
         let b = self.bufs.as_mut().expect("buffers allocated above");
         let eps = c.rms_norm_eps;
         let scale = 1.0 / (hd as f32).sqrt();
 
-        g.embed_gather(&self.embed.as_view(), vocab, hsz, &ids_d.as_view(), &mut b.x.as_view_mut())?;
+        g.embed_gather(&self.embed.as_view(), vocab, hsz, &inp.ids.view(), &mut b.x.as_view_mut())?;
         for (l, lw) in self.layers.iter().enumerate() {
             let ov = b.o.as_view();
             g.rmsnorm_residual(
@@ -265,26 +475,41 @@ impl GpuBackend {
                 eps,
             )?;
             g.gemm_bf16(&b.h.as_view(), &lw.qkv.as_view(), &mut b.qkv.as_view_mut(), t, hsz, qkv_w)?;
+            if let Some(bias) = &lw.qkv_bias {
+                g.add_bias_rows(&mut b.qkv.as_view_mut(), &bias.as_view(), t)?;
+            }
+            if let Some((wq, wk)) = &lw.qk_norm {
+                g.head_rmsnorm(
+                    &mut b.qkv.as_view_mut(),
+                    t,
+                    qkv_w,
+                    (nq, nkv),
+                    hd,
+                    (&wq.as_view(), &wk.as_view()),
+                    eps,
+                )?;
+            }
             g.rope_qk(
                 &mut b.qkv.as_view_mut(),
-                &pos_d.as_view(),
+                &inp.pos.view(),
                 &self.inv_freq.as_view(),
                 qkv_w,
                 nq + nkv,
                 hd,
+                self.rope_factor,
             )?;
             g.kv_write(
                 &b.qkv.as_view(),
                 qkv_w,
                 (q_dim, q_dim + kv_dim, kv_dim),
-                &slots_d.as_view(),
+                &inp.slots.view(),
                 &mut self.k[l].as_view_mut(),
                 &mut self.v[l].as_view_mut(),
                 num_slots,
             )?;
             let (qv, kc, vc) = (b.qkv.as_view(), self.k[l].as_view(), self.v[l].as_view());
             if !d_rows.is_empty() {
-                let (rv, cv, tv) = (d_rows_d.as_view(), d_ctx_d.as_view(), d_bt_d.as_view());
+                let (rv, cv, tv) = (inp.d_rows.view(), inp.d_ctx.view(), inp.d_tables.view());
                 let a = DecodeAttention {
                     q: &qv,
                     q_row_stride: qkv_w,
@@ -306,7 +531,7 @@ impl GpuBackend {
                 g.decode_attention(&a, &mut self.scratch, &mut b.attn.as_view_mut(), q_dim)?;
             }
             if !p_seqs.is_empty() {
-                let (tv, tl) = (p_bt_d.as_view(), tiles_d.as_view());
+                let (tv, tl) = (inp.p_tables.view(), inp.tiles.view());
                 let a = PrefillAttention {
                     q: &qv,
                     q_row_stride: qkv_w,
@@ -326,6 +551,9 @@ impl GpuBackend {
             }
             g.cast_bf16(&b.attn.as_view(), &mut b.attn_bf.as_view_mut(), t * q_dim)?;
             g.gemm_bf16(&b.attn_bf.as_view(), &lw.o.as_view(), &mut b.o.as_view_mut(), t, q_dim, hsz)?;
+            if let Some(bias) = &lw.o_bias {
+                g.add_bias_rows(&mut b.o.as_view_mut(), &bias.as_view(), t)?;
+            }
             let ov = b.o.as_view();
             g.rmsnorm_residual(
                 &mut b.x.as_view_mut(),
@@ -342,7 +570,10 @@ impl GpuBackend {
         }
         if logit_rows.is_empty() {
             g.synchronize()?;
-            return Ok(Vec::new());
+            return Ok(match output {
+                Output::Logits => StepOut::Logits(Vec::new()),
+                Output::Greedy => StepOut::Greedy(Vec::new()),
+            });
         }
         let ov = b.o.as_view();
         g.rmsnorm_residual(
@@ -355,14 +586,24 @@ impl GpuBackend {
             eps,
         )?;
         let n = logit_rows.len();
-        let rows_d = g.upload(&logit_rows)?;
-        let mut picked = g.zeros::<u16>(n * hsz)?;
-        g.gather_rows_bf16(&b.h.as_view(), t, &rows_d.as_view(), &mut picked.as_view_mut(), hsz)?;
-        let mut logits = g.zeros::<f32>(n * vocab)?;
+        let inp = &mut self.inputs;
+        inp.logit_rows.put(g, &logit_rows)?;
+        inp.picked.reserve(g, n * hsz)?;
+        inp.logits.reserve(g, n * vocab)?;
+        g.gather_rows_bf16(&b.h.as_view(), t, &inp.logit_rows.view(), &mut inp.picked.view_mut(), hsz)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        g.gemm_bf16(&picked.as_view(), &head.as_view(), &mut logits.as_view_mut(), n, hsz, vocab)?;
-        let host = g.download(&logits.as_view())?;
-        Ok(host.chunks(vocab).map(<[f32]>::to_vec).collect())
+        g.gemm_bf16(&inp.picked.view(), &head.as_view(), &mut inp.logits.view_mut(), n, hsz, vocab)?;
+        Ok(match output {
+            Output::Logits => {
+                let host = g.download(&inp.logits.view())?;
+                StepOut::Logits(host.chunks(vocab).map(<[f32]>::to_vec).collect())
+            }
+            Output::Greedy => {
+                inp.ids_out.reserve(g, n)?;
+                g.argmax(&inp.logits.view(), n, vocab, &mut inp.ids_out.view_mut())?;
+                StepOut::Greedy(g.download(&inp.ids_out.view())?.into_iter().map(|i| i as u32).collect())
+            }
+        })
     }
 
     /// Where one block's values sit in each layer's K (and V) cache: (first element, length).
@@ -379,7 +620,10 @@ impl Backend for GpuBackend {
 
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         check_steps(&self.cfg, &self.layout, steps)?;
-        self.run(steps).map_err(dev)
+        match self.run(steps, Output::Logits).map_err(dev)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Greedy(_) => unreachable!("asked for logits"),
+        }
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {

@@ -1,0 +1,443 @@
+//! `pdserve-gpu-models`: the GPU backend on model shapes beyond the default model (feature `cuda`).
+//!
+//! ```text
+//! pdserve-gpu-models arch SCRIPT      tiny random checkpoint of each architecture (written by
+//!                                     crates/model/tests/fixtures/tiny_reference.py, needs python3
+//!                                     with numpy): GPU greedy tokens == CPU greedy tokens
+//! pdserve-gpu-models logits [STEPS]   random-weight Llama-3.2-1B shape: GPU logits vs CPU logits,
+//!                                     prompt and STEPS (16) teacher-forced decode steps
+//! pdserve-gpu-models speed            random-weight Llama-3-8B shape (bf16, weights made on the
+//!                                     device): decode tokens/s at batch 1 and 64 against the
+//!                                     bandwidth bound, a 2,048-token prefill against the measured
+//!                                     tensor-core GEMM rate, KV bytes per sequence
+//! ```
+//! Exit status 1 when a check fails. Every figure is printed with what it is measured against.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::sync::Arc;
+use std::time::Instant;
+
+use pdserve_kvcache::{KvCache, KvConfig, SeqId};
+use pdserve_model::{Backend, CpuBackend, GpuBackend, ModelConfig, ModelError, SeqStep, Weights};
+
+/// Sequences in a paged KV cache, stepped through one backend.
+struct Seqs {
+    kv: KvCache,
+}
+
+impl Seqs {
+    fn new(num_blocks: usize, block_size: usize) -> Seqs {
+        Seqs {
+            kv: KvCache::new(KvConfig { num_blocks: num_blocks as u32, block_size: block_size as u32 })
+                .unwrap(),
+        }
+    }
+
+    /// Reserves `n` more positions of `s` (its tokens already appended) and returns its next
+    /// `n` tokens, their first position and its block table.
+    fn next(&mut self, s: SeqId, n: usize) -> (Vec<u32>, usize, Vec<pdserve_kvcache::BlockId>) {
+        let start = self.kv.computed_tokens(s).unwrap();
+        self.kv.reserve(s, n).unwrap();
+        let toks = self.kv.tokens(s).unwrap()[start..start + n].to_vec();
+        (toks, start, self.kv.block_table(s).unwrap().to_vec())
+    }
+
+    /// One step over `parts` = (sequence, new tokens) with the last row's logits of each; returns
+    /// the backend's logits (or greedy picks through `greedy`).
+    fn step<R>(
+        &mut self,
+        parts: &[(SeqId, usize)],
+        run: impl FnOnce(&[SeqStep<'_>]) -> Result<R, ModelError>,
+    ) -> R {
+        let prepared: Vec<_> = parts.iter().map(|&(s, n)| self.next(s, n)).collect();
+        let steps: Vec<SeqStep<'_>> = prepared
+            .iter()
+            .map(|(t, start, table)| SeqStep { tokens: t, start_pos: *start, block_table: table, logits: 1 })
+            .collect();
+        let out = run(&steps).unwrap();
+        for &(s, n) in parts {
+            self.kv.commit(s, n).unwrap();
+        }
+        out
+    }
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    v.iter().enumerate().fold(0, |b, (i, x)| if *x > v[b] { i } else { b }) as u32
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// Prompt, then greedy decoding of `steps` tokens through `backend`: (first logits, tokens).
+fn greedy(backend: &mut dyn Backend, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
+    let layout = backend.kv_layout();
+    let mut seqs = Seqs::new(layout.num_blocks, layout.block_size);
+    let s = SeqId(1);
+    seqs.kv.add_sequence(s, prompt).unwrap();
+    let split = prompt.len() / 5;
+    seqs.step(&[(s, split)], |st| backend.forward(st));
+    let first = seqs.step(&[(s, prompt.len() - split)], |st| backend.forward(st)).remove(0);
+    let mut out = vec![argmax(&first)];
+    while out.len() < steps {
+        seqs.kv.append_tokens(s, &out[out.len() - 1..]).unwrap();
+        let l = seqs.step(&[(s, 1)], |st| backend.forward(st)).remove(0);
+        out.push(argmax(&l));
+    }
+    (first, out)
+}
+
+/// The architectures of tests/architectures.rs the GPU backend runs, and those it refuses.
+fn arch(script: &Path) -> bool {
+    let run = [
+        ("llama", r#"{}"#),
+        (
+            "llama3-rope",
+            r#"{"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}"#,
+        ),
+        ("linear-rope", r#"{"rope_scaling": {"type": "linear", "factor": 4.0}}"#),
+        (
+            "yarn-rope",
+            r#"{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}}"#,
+        ),
+        ("mistral", r#"{"architectures": ["MistralForCausalLM"], "model_type": "mistral"}"#),
+        ("llama-bias", r#"{"attention_bias": true}"#),
+        ("qwen2", r#"{"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}"#),
+        (
+            "qwen3",
+            r#"{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "head_dim": 16,
+            "hidden_size": 64, "sliding_window": 16, "use_sliding_window": false}"#,
+        ),
+    ];
+    let refused = [
+        (
+            "mistral-window",
+            r#"{"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 12}"#,
+        ),
+        (
+            "mixtral",
+            r#"{"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": 4,
+            "num_experts_per_tok": 2}"#,
+        ),
+    ];
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 93 + 3) as u32).collect();
+    let mut ok = true;
+    for (name, config, expect_run) in
+        run.iter().map(|(n, c)| (n, c, true)).chain(refused.iter().map(|(n, c)| (n, c, false)))
+    {
+        let dir = std::env::temp_dir().join(format!("pdserve-gpu-arch-{}-{name}", std::process::id()));
+        let st = Command::new("python3")
+            .arg(script)
+            .args(["write", dir.to_str().unwrap(), &config.replace('\n', " ")])
+            .status()
+            .expect("python3 runs");
+        assert!(st.success(), "{name}: the checkpoint script failed");
+        let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+        let weights = Weights::load(&dir, &cfg).unwrap();
+        match GpuBackend::new(cfg.clone(), &weights, 16, 8, 0) {
+            Ok(mut gpu) => {
+                let mut cpu = CpuBackend::new(cfg, Arc::new(weights), 16, 8);
+                let (cl, ct) = greedy(&mut cpu, &prompt, 12);
+                let (gl, gt) = greedy(&mut gpu, &prompt, 12);
+                let same = ct == gt;
+                println!(
+                    "{name}: GPU greedy == CPU greedy (12 tokens): {same}; max |logit diff| at the prompt's end {:.4} (logits up to {:.3})",
+                    max_abs_diff(&cl, &gl),
+                    cl.iter().fold(0.0f32, |m, x| m.max(x.abs()))
+                );
+                ok &= same && expect_run;
+            }
+            Err(e) => {
+                println!("{name}: refused: {e}");
+                ok &= !expect_run;
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    ok
+}
+
+/// A Llama config of the given shape (random weights fill it; the vocabulary is Llama 3's).
+fn shape(
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    inter: usize,
+    tied: bool,
+) -> ModelConfig {
+    ModelConfig::from_json(&format!(
+        r#"{{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": {hidden},
+        "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
+        "num_key_value_heads": {kv_heads}, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "max_position_embeddings": 131072, "vocab_size": 128256, "tie_word_embeddings": {tied},
+        "rope_scaling": {{"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}}}"#
+    ))
+    .unwrap()
+}
+
+/// Host weights of `cfg`'s shape, the same seeded bf16 values the device fill would make.
+fn host_random(cfg: &ModelConfig, seed: u64) -> Weights {
+    use rayon::prelude::*;
+    let mut next = seed;
+    let mut rand = |n: usize| -> Vec<f32> {
+        next = next.wrapping_add(0x632b_e59b_d9b4_e019);
+        let s = next;
+        (0..n as u64)
+            .into_par_iter()
+            .map(|i| {
+                let b =
+                    pdserve_kernels_sm120::reference::random_bf16(s, i, pdserve_model::RANDOM_WEIGHT_SCALE);
+                pdserve_kernels_sm120::reference::bf16_to_f32(b)
+            })
+            .collect()
+    };
+    let (h, q, kv, inter) = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    );
+    let layers = (0..cfg.num_layers)
+        .map(|_| pdserve_model::LayerWeights {
+            input_norm: vec![1.0; h],
+            q: rand(q * h),
+            k: rand(kv * h),
+            v: rand(kv * h),
+            o: rand(h * q),
+            q_bias: None,
+            k_bias: None,
+            v_bias: None,
+            o_bias: None,
+            q_norm: None,
+            k_norm: None,
+            post_norm: vec![1.0; h],
+            gate: rand(inter * h),
+            up: rand(inter * h),
+            down: rand(h * inter),
+            moe: None,
+        })
+        .collect();
+    let embed = rand(cfg.vocab_size * h);
+    Weights { embed, layers, final_norm: vec![1.0; h], lm_head: None }
+}
+
+/// Random-weight 1B shape: the GPU's logits against the CPU's (same bf16 weights) over a prompt and
+/// `steps` decode steps fed the CPU's greedy tokens. Passes when every step's largest difference is
+/// within 2% of that step's largest logit.
+fn logits(steps: usize) -> bool {
+    let cfg = shape(2048, 16, 32, 8, 8192, true);
+    let t0 = Instant::now();
+    let w = host_random(&cfg, 7);
+    println!(
+        "1B shape: {} layers, hidden 2048; host weights made in {:.1} s",
+        cfg.num_layers,
+        t0.elapsed().as_secs_f64()
+    );
+    let mut gpu = GpuBackend::new(cfg.clone(), &w, 64, 16, 0).unwrap();
+    let mut cpu = CpuBackend::new(cfg, Arc::new(w), 64, 16);
+    let prompt: Vec<u32> = (0..48u32).map(|i| i * 2_654_435 % 128_000 + 10).collect();
+    let (mut a, mut b) = (Seqs::new(64, 16), Seqs::new(64, 16));
+    let s = SeqId(1);
+    a.kv.add_sequence(s, &prompt).unwrap();
+    b.kv.add_sequence(s, &prompt).unwrap();
+    let mut cl = a.step(&[(s, prompt.len())], |st| cpu.forward(st)).remove(0);
+    let mut gl = b.step(&[(s, prompt.len())], |st| gpu.forward(st)).remove(0);
+    let (mut ok, mut agree, mut worst) = (true, 0, 0.0f32);
+    for i in 0..=steps {
+        let d = max_abs_diff(&cl, &gl);
+        let top = cl.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let rel = d / top;
+        worst = worst.max(rel);
+        ok &= rel <= 0.02;
+        agree += usize::from(argmax(&cl) == argmax(&gl));
+        println!(
+            "  {} : max |logit diff| {d:.4}, largest |logit| {top:.3} ({:.2}%), argmax equal {}",
+            if i == 0 { "prompt".to_string() } else { format!("step {i:2}") },
+            rel * 100.0,
+            argmax(&cl) == argmax(&gl)
+        );
+        if i == steps {
+            break;
+        }
+        let t = argmax(&cl);
+        a.kv.append_tokens(s, &[t]).unwrap();
+        b.kv.append_tokens(s, &[t]).unwrap();
+        cl = a.step(&[(s, 1)], |st| cpu.forward(st)).remove(0);
+        gl = b.step(&[(s, 1)], |st| gpu.forward(st)).remove(0);
+    }
+    println!(
+        "1B shape: worst step {:.2}% of the largest logit (limit 2%); argmax equal {agree}/{}",
+        worst * 100.0,
+        steps + 1
+    );
+    ok
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Random-weight Llama-3-8B shape on the device: the issue's throughput figures.
+fn speed() -> bool {
+    let cfg = shape(4096, 32, 32, 8, 14336, false);
+    let (bs, blocks) = (16usize, 6144usize);
+    let t0 = Instant::now();
+    let mut gpu = match GpuBackend::random(cfg.clone(), 11, blocks, bs, 0) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return false;
+        }
+    };
+    let g = gpu.gpu();
+    println!("device: {} ({}, {} SMs)", g.name(), g.arch(), g.num_sms());
+    let weights = gpu.weight_bytes();
+    println!(
+        "8B shape: {:.2} GB of bf16 weights made on the device in {:.1} s",
+        weights as f64 / 1e9,
+        t0.elapsed().as_secs_f64()
+    );
+    let (copy, gemm) = peaks(gpu.gpu());
+    println!("copy bandwidth (1 GiB device copy, read + write): {:.0} GB/s; bf16 GEMM 8192^3 via cuBLAS: {:.0} TFLOP/s", copy / 1e9, gemm / 1e12);
+    let kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2;
+    let h = cfg.hidden_size;
+    // Bytes one decode step reads: every matrix except the embedding (one row of it), the LM head.
+    let step_bytes =
+        |ctx: usize, batch: usize| (weights - cfg.vocab_size * h * 2 + batch * ctx * kv_per_token) as f64;
+    let mut seqs = Seqs::new(blocks, bs);
+    let mut next_id = 0u64;
+    let mut new_seq = |seqs: &mut Seqs, len: usize| {
+        next_id += 1;
+        let toks: Vec<u32> =
+            (0..len as u64).map(|i| ((next_id * 7919 + i * 104_729) % 128_000) as u32).collect();
+        seqs.kv.add_sequence(SeqId(next_id), &toks).unwrap();
+        SeqId(next_id)
+    };
+    // Decode: prefill `batch` prompts of `ctx` tokens, then time `n` greedy steps (only ids back),
+    // then `n` more steps that bring every row's logits to the host.
+    let mut decode =
+        |gpu: &mut GpuBackend, seqs: &mut Seqs, batch: usize, ctx: usize, n: usize| -> (f64, f64) {
+            let ids: Vec<SeqId> = (0..batch).map(|_| new_seq(seqs, ctx)).collect();
+            for chunk in ids.chunks((4096 / ctx).max(1)) {
+                let parts: Vec<(SeqId, usize)> = chunk.iter().map(|&s| (s, ctx)).collect();
+                seqs.step(&parts, |st| gpu.forward_greedy(st));
+            }
+            let mut last: Vec<u32> = vec![1; batch];
+            let mut timed = |greedy: bool, gpu: &mut GpuBackend, seqs: &mut Seqs| {
+                let t = Instant::now();
+                for _ in 0..n {
+                    for (s, tok) in ids.iter().zip(&last) {
+                        seqs.kv.append_tokens(*s, &[*tok]).unwrap();
+                    }
+                    let parts: Vec<(SeqId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
+                    last = if greedy {
+                        seqs.step(&parts, |st| gpu.forward_greedy(st))
+                    } else {
+                        seqs.step(&parts, |st| gpu.forward(st)).iter().map(|l| argmax(l)).collect()
+                    };
+                }
+                t.elapsed().as_secs_f64()
+            };
+            let greedy_s = timed(true, gpu, seqs);
+            let logits_s = timed(false, gpu, seqs);
+            for s in ids {
+                seqs.kv.free_sequence(s, false).unwrap();
+            }
+            ((batch * n) as f64 / greedy_s, (batch * n) as f64 / logits_s)
+        };
+    for (batch, ctx, n) in [(1usize, 512usize, 128usize), (1, 4096, 64), (64, 512, 32)] {
+        let (ids_tps, logits_tps) = decode(&mut gpu, &mut seqs, batch, ctx, n);
+        let bound = copy / step_bytes(ctx + n, batch) * batch as f64;
+        let hbm = 4.8e12 / step_bytes(ctx + n, batch) * batch as f64;
+        println!(
+            "decode batch {batch:2}, context {ctx}: {ids_tps:8.1} tok/s (ids only) = {:.2} of the copy-bandwidth bound ({bound:.0} tok/s), {:.2} of the 4.8 TB/s datasheet bound; {logits_tps:8.1} tok/s with every row's logits to the host",
+            ids_tps / bound,
+            ids_tps / hbm
+        );
+    }
+    // Prefill of 2,048 tokens: median of 5 fresh prompts.
+    let len = 2048usize;
+    let mut times = Vec::new();
+    for _ in 0..6 {
+        let s = new_seq(&mut seqs, len);
+        let t = Instant::now();
+        seqs.step(&[(s, len)], |st| gpu.forward_greedy(st));
+        times.push(t.elapsed().as_secs_f64());
+        seqs.kv.free_sequence(s, false).unwrap();
+    }
+    times.remove(0); // the first allocates the step buffers
+    let secs = median(times);
+    let matmul = (weights - 2 * cfg.vocab_size * h * 2) as f64 / 2.0; // bf16 parameters in the layers
+    let attn = 2.0 * (len * len) as f64 * (cfg.num_heads * cfg.head_dim) as f64 * cfg.num_layers as f64;
+    let flops = 2.0 * matmul * len as f64 + attn + 2.0 * (cfg.vocab_size * h) as f64;
+    println!(
+        "prefill {len} tokens: {:.1} ms, {:.0} TFLOP/s = {:.2} of the measured GEMM rate, {:.2} of 989 TFLOP/s (datasheet dense bf16)",
+        secs * 1e3,
+        flops / secs / 1e12,
+        flops / secs / gemm,
+        flops / secs / 989e12
+    );
+    let (free, total) = gpu.gpu().context().mem_get_info().unwrap_or((0, 0));
+    println!(
+        "KV per token {} KiB (bf16); an 8,192-token sequence {:.2} GiB; device memory {:.1} GiB, {:.1} GiB free with this run's {} KV blocks",
+        kv_per_token / 1024,
+        (kv_per_token * 8192) as f64 / (1u64 << 30) as f64,
+        total as f64 / (1u64 << 30) as f64,
+        free as f64 / (1u64 << 30) as f64,
+        blocks
+    );
+    true
+}
+
+/// Copy bandwidth (bytes read + written per second) and the bf16 GEMM rate (FLOP/s) of cuBLAS at
+/// 8192^3, each the median of 5 timings of 10 calls.
+fn peaks(g: &pdserve_kernels_sm120::Gpu) -> (f64, f64) {
+    let n = 512usize << 20;
+    let a = g.zeros::<u16>(n).unwrap();
+    let mut b = g.zeros::<u16>(n).unwrap();
+    let copy_ms = median(
+        (0..5)
+            .map(|_| g.time_ms(10, || g.copy(&a.as_view(), &mut b.as_view_mut())).unwrap() as f64)
+            .collect(),
+    );
+    let m = 8192usize;
+    let mut x = g.zeros::<u16>(m * m).unwrap();
+    let mut w = g.zeros::<u16>(m * m).unwrap();
+    g.fill_random_bf16(&mut x.as_view_mut(), 1, 1.0).unwrap();
+    g.fill_random_bf16(&mut w.as_view_mut(), 2, 1.0).unwrap();
+    let mut y = g.zeros::<f32>(m * m).unwrap();
+    let gemm_ms = median(
+        (0..5)
+            .map(|_| {
+                g.time_ms(10, || g.gemm_bf16(&x.as_view(), &w.as_view(), &mut y.as_view_mut(), m, m, m))
+                    .unwrap() as f64
+            })
+            .collect(),
+    );
+    (4.0 * n as f64 / (copy_ms * 1e-3), 2.0 * (m * m * m) as f64 / (gemm_ms * 1e-3))
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let ok = match args.first().map(String::as_str) {
+        Some("arch") if args.len() == 2 => arch(&PathBuf::from(&args[1])),
+        Some("logits") => logits(args.get(1).and_then(|s| s.parse().ok()).unwrap_or(16)),
+        Some("speed") => speed(),
+        _ => {
+            eprintln!("usage: pdserve-gpu-models arch SCRIPT | logits [STEPS] | speed");
+            return ExitCode::from(2);
+        }
+    };
+    println!("{}", if ok { "PASS" } else { "FAIL" });
+    if ok {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}
