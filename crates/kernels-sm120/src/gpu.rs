@@ -17,6 +17,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use crate::launch::{self, DecodePlan};
+use crate::sys::StepGraph;
 use crate::{compile, sources, sys, KernelError};
 
 /// One GPU: context, stream, cuBLAS handle and every kernel compiled for its architecture.
@@ -24,6 +25,8 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace (declared after `blas`, so it is freed after the handle).
+    _blas_workspace: CudaSlice<u8>,
     funcs: HashMap<&'static str, CudaFunction>,
     name: String,
     arch: String,
@@ -65,6 +68,9 @@ fn cubin(src: &sources::Source, arch: &str) -> Result<Vec<u8>, KernelError> {
     CUBINS.lock().unwrap_or_else(|p| p.into_inner()).push((src.file, arch.to_string(), c.cubin.clone()));
     Ok(c.cubin)
 }
+
+/// cuBLAS's workspace: 32 MiB, what NVIDIA advises for Hopper.
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
 fn check_len(what: &str, have: usize, need: usize) -> Result<(), KernelError> {
     if have < need {
@@ -141,6 +147,14 @@ pub struct DecodeScratch {
     ml: Option<CudaSlice<f32>>,
 }
 
+impl DecodeScratch {
+    /// Values held (partial outputs, partial max/sum): a caller that captured launches using this
+    /// scratch knows its graphs are stale when this grows.
+    pub fn capacity(&self) -> (usize, usize) {
+        (self.out.as_ref().map_or(0, |b| b.len()), self.ml.as_ref().map_or(0, |b| b.len()))
+    }
+}
+
 /// Inputs of [`Gpu::prefill_attention`].
 #[derive(Debug)]
 pub struct PrefillAttention<'a> {
@@ -194,8 +208,12 @@ impl Gpu {
         let arch = format!("sm_{major}{minor}");
         let name = ctx.name()?;
         let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
-        let stream = ctx.default_stream();
+        // A stream of its own (the legacy default stream cannot be captured into a CUDA graph).
+        sys::single_stream(&ctx);
+        let stream = ctx.new_stream()?;
         let blas = CudaBlas::new(stream.clone())?;
+        let mut blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
+        sys::set_blas_workspace(&blas, &stream, &mut blas_workspace)?;
         let mut funcs = HashMap::new();
         for src in sources::ALL {
             let module = ctx.load_module(Ptx::from_binary(cubin(&src, &arch)?))?;
@@ -223,7 +241,18 @@ impl Gpu {
                 decode_occupancy.insert(name.to_string(), n.max(1) as usize);
             }
         }
-        Ok(Gpu { ctx, stream, blas, funcs, name, arch, sms, decode_occupancy, dummy })
+        Ok(Gpu {
+            ctx,
+            stream,
+            blas,
+            _blas_workspace: blas_workspace,
+            funcs,
+            name,
+            arch,
+            sms,
+            decode_occupancy,
+            dummy,
+        })
     }
 
     pub fn name(&self) -> &str {
@@ -303,6 +332,23 @@ impl Gpu {
         }
         let end = self.stream.record_event(Some(CU_EVENT_DEFAULT))?;
         Ok(start.elapsed_ms(&end)? / iters.max(1) as f32)
+    }
+
+    /// Starts capturing this GPU's launches into a graph instead of running them (until
+    /// [`end_capture`](Self::end_capture)). Nothing may allocate or copy to the host meanwhile.
+    pub fn begin_capture(&self) -> Result<(), KernelError> {
+        use cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        self.stream.begin_capture(CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        Ok(())
+    }
+
+    /// Ends a capture; the launches since [`begin_capture`](Self::begin_capture), ready to replay.
+    pub fn end_capture(&self) -> Result<StepGraph, KernelError> {
+        let flags = cudarc::driver::sys::CUgraphInstantiate_flags(0);
+        match self.stream.end_capture(flags)? {
+            Some(g) => Ok(StepGraph::new(g)),
+            None => Err(KernelError::shape("the capture recorded no launches")),
+        }
     }
 
     /// Waits for all queued work; reports asynchronous kernel faults.

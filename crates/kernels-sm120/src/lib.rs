@@ -41,7 +41,7 @@ pub use error::KernelError;
 pub use gpu::{
     DecodeAttention, DecodeKernel, DecodeOptions, DecodeScratch, Gpu, PrefillAttention, SampleParams,
 };
-pub use sys::cuda_libraries_present;
+pub use sys::{cuda_libraries_present, StepGraph};
 
 /// The README's examples, compiled as doc tests.
 #[doc = include_str!("../README.md")]

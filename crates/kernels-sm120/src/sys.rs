@@ -5,7 +5,10 @@ use std::ffi::{c_char, c_int, c_void, CString};
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig};
+use cudarc::driver::{
+    CudaContext, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    LaunchArgs, LaunchConfig,
+};
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
 use crate::KernelError;
@@ -110,4 +113,54 @@ pub(crate) fn gemm_bf16(
         )
     }?;
     Ok(())
+}
+
+/// The crate's GPUs use one stream each, so cudarc's cross-stream event tracking (an event recorded
+/// per buffer use) is turned off: it costs a driver call per argument, and an event recorded outside
+/// a stream capture cannot be waited on inside one.
+pub(crate) fn single_stream(ctx: &Arc<CudaContext>) {
+    // SAFETY: every buffer of this context is used from one stream only (the Gpu's), so no ordering
+    // between streams has to be tracked.
+    unsafe { ctx.disable_event_tracking() }
+}
+
+/// Gives cuBLAS a workspace of its own (needed for GEMMs inside a captured CUDA graph: cuBLAS must
+/// not allocate while a stream is captured). `ws` must outlive the handle's use.
+pub(crate) fn set_blas_workspace(
+    blas_handle: &CudaBlas,
+    stream: &Arc<CudaStream>,
+    ws: &mut CudaSlice<u8>,
+) -> Result<(), KernelError> {
+    let bytes = ws.len();
+    let (p, _g) = ws.device_ptr_mut(stream);
+    // SAFETY: a live handle and a device allocation of `bytes` bytes kept by the Gpu as long as the
+    // handle.
+    unsafe { blas_sys::cublasSetWorkspace_v2(*blas_handle.handle(), p as *mut c_void, bytes) }.result()?;
+    Ok(())
+}
+
+/// A captured sequence of launches (a CUDA graph), replayed with [`StepGraph::launch`] on the
+/// stream it was captured from.
+pub struct StepGraph(CudaGraph);
+
+// SAFETY: a graph is not thread-safe to use concurrently, and it is not `Sync`; moving it to another
+// thread with the `Gpu` that owns its stream is fine (the engine builds a backend, then moves it).
+unsafe impl Send for StepGraph {}
+
+impl StepGraph {
+    pub(crate) fn new(g: CudaGraph) -> StepGraph {
+        StepGraph(g)
+    }
+
+    /// Queues the graph's launches on its stream.
+    pub fn launch(&self) -> Result<(), KernelError> {
+        self.0.launch()?;
+        Ok(())
+    }
+}
+
+impl std::fmt::Debug for StepGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepGraph")
+    }
 }

@@ -71,20 +71,54 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
-/// Prompt, then greedy decoding of `steps` tokens through `backend`: (first logits, tokens).
-fn greedy(backend: &mut dyn Backend, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
-    let layout = backend.kv_layout();
+/// How a greedy run picks its tokens: from the logits on the host, or on the device.
+enum Picker<'a> {
+    Host(&'a mut dyn Backend),
+    Device(&'a mut GpuBackend),
+}
+
+impl Picker<'_> {
+    fn layout(&self) -> pdserve_model::KvLayout {
+        match self {
+            Picker::Host(b) => b.kv_layout(),
+            Picker::Device(g) => g.kv_layout(),
+        }
+    }
+
+    /// Each step's pick, and its logits when picked on the host.
+    fn step(&mut self, st: &[SeqStep<'_>]) -> Result<(Vec<u32>, Vec<Vec<f32>>), ModelError> {
+        match self {
+            Picker::Host(b) => b.forward(st).map(|l| (l.iter().map(|r| argmax(r)).collect(), l)),
+            Picker::Device(g) => g.forward_greedy(st).map(|ids| (ids, Vec::new())),
+        }
+    }
+}
+
+/// Each prompt prefilled on its own (in two chunks), then greedy decoding of all of them together
+/// until each has `steps` tokens: (the logits at each prompt's end when picked on the host, tokens).
+fn greedy(mut p: Picker<'_>, prompts: &[Vec<u32>], steps: usize) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
+    let layout = p.layout();
     let mut seqs = Seqs::new(layout.num_blocks, layout.block_size);
-    let s = SeqId(1);
-    seqs.kv.add_sequence(s, prompt).unwrap();
-    let split = prompt.len() / 5;
-    seqs.step(&[(s, split)], |st| backend.forward(st));
-    let first = seqs.step(&[(s, prompt.len() - split)], |st| backend.forward(st)).remove(0);
-    let mut out = vec![argmax(&first)];
-    while out.len() < steps {
-        seqs.kv.append_tokens(s, &out[out.len() - 1..]).unwrap();
-        let l = seqs.step(&[(s, 1)], |st| backend.forward(st)).remove(0);
-        out.push(argmax(&l));
+    let (mut first, mut out) = (Vec::new(), Vec::new());
+    for (i, prompt) in prompts.iter().enumerate() {
+        let s = SeqId(i as u64);
+        seqs.kv.add_sequence(s, prompt).unwrap();
+        let split = prompt.len() / 5;
+        seqs.step(&[(s, split)], |st| p.step(st));
+        let (ids, logits) = seqs.step(&[(s, prompt.len() - split)], |st| p.step(st));
+        first.push(logits.into_iter().next().unwrap_or_default());
+        out.push(ids);
+    }
+    let all: Vec<SeqId> = (0..prompts.len() as u64).map(SeqId).collect();
+    while out[0].len() < steps {
+        for (s, o) in all.iter().zip(&out) {
+            seqs.kv.append_tokens(*s, &o[o.len() - 1..]).unwrap();
+        }
+        let parts: Vec<(SeqId, usize)> = all.iter().map(|&s| (s, 1)).collect();
+        let (ids, _) = seqs.step(&parts, |st| p.step(st));
+        for (o, t) in out.iter_mut().zip(ids) {
+            o.push(t);
+        }
     }
     (first, out)
 }
@@ -124,31 +158,43 @@ fn arch(script: &Path) -> bool {
         ),
     ];
     let prompt: Vec<u32> = (0..40).map(|i| (i * 37 % 93 + 3) as u32).collect();
+    let prompts: Vec<Vec<u32>> =
+        [23usize, 40, 9].iter().map(|&n| (0..n).map(|i| (i * 53 % 91 + 4) as u32).collect()).collect();
     let mut ok = true;
     for (name, config, expect_run) in
         run.iter().map(|(n, c)| (n, c, true)).chain(refused.iter().map(|(n, c)| (n, c, false)))
     {
         let dir = std::env::temp_dir().join(format!("pdserve-gpu-arch-{}-{name}", std::process::id()));
+        // The GPU kernels take heads of 64 or 128 values; the script's tiny shape has 16.
+        let mut config: serde_json::Value = serde_json::from_str(config).unwrap();
+        config["head_dim"] = 64.into();
         let st = Command::new("python3")
             .arg(script)
-            .args(["write", dir.to_str().unwrap(), &config.replace('\n', " ")])
+            .args(["write", dir.to_str().unwrap(), &config.to_string()])
             .status()
             .expect("python3 runs");
         assert!(st.success(), "{name}: the checkpoint script failed");
         let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
         let weights = Weights::load(&dir, &cfg).unwrap();
-        match GpuBackend::new(cfg.clone(), &weights, 16, 8, 0) {
+        match GpuBackend::new(cfg.clone(), &weights, 32, 8, 0) {
             Ok(mut gpu) => {
-                let mut cpu = CpuBackend::new(cfg, Arc::new(weights), 16, 8);
-                let (cl, ct) = greedy(&mut cpu, &prompt, 12);
-                let (gl, gt) = greedy(&mut gpu, &prompt, 12);
-                let same = ct == gt;
+                let mut cpu = CpuBackend::new(cfg, Arc::new(weights), 32, 8);
+                let (cl, ct) = greedy(Picker::Host(&mut cpu), std::slice::from_ref(&prompt), 12);
+                let (gl, gt) = greedy(Picker::Host(&mut gpu), std::slice::from_ref(&prompt), 12);
+                // Three prompts decoded together (a padded batch of 4), picked on the device, against
+                // each alone.
+                let (_, batched) = greedy(Picker::Device(&mut gpu), &prompts, 12);
+                let singles: Vec<Vec<u32>> = prompts
+                    .iter()
+                    .map(|p| greedy(Picker::Host(&mut gpu), std::slice::from_ref(p), 12).1.remove(0))
+                    .collect();
+                let (same, same_batch) = (ct == gt, batched == singles);
                 println!(
-                    "{name}: GPU greedy == CPU greedy (12 tokens): {same}; max |logit diff| at the prompt's end {:.4} (logits up to {:.3})",
-                    max_abs_diff(&cl, &gl),
-                    cl.iter().fold(0.0f32, |m, x| m.max(x.abs()))
+                    "{name}: GPU greedy == CPU greedy (12 tokens): {same}; max |logit diff| at the prompt's end {:.4} (logits up to {:.3}); 3 prompts batched with device picks == one at a time: {same_batch}",
+                    max_abs_diff(&cl[0], &gl[0]),
+                    cl[0].iter().fold(0.0f32, |m, x| m.max(x.abs()))
                 );
-                ok &= same && expect_run;
+                ok &= same && same_batch && expect_run;
             }
             Err(e) => {
                 println!("{name}: refused: {e}");
@@ -160,20 +206,17 @@ fn arch(script: &Path) -> bool {
     ok
 }
 
-/// A Llama config of the given shape (random weights fill it; the vocabulary is Llama 3's).
+/// A Llama config of the given shape (random weights fill it): (hidden, layers, heads, KV heads,
+/// intermediate, vocabulary), tied embeddings or not.
 fn shape(
-    hidden: usize,
-    layers: usize,
-    heads: usize,
-    kv_heads: usize,
-    inter: usize,
+    (hidden, layers, heads, kv_heads, inter, vocab): (usize, usize, usize, usize, usize, usize),
     tied: bool,
 ) -> ModelConfig {
     ModelConfig::from_json(&format!(
         r#"{{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": {hidden},
         "intermediate_size": {inter}, "num_hidden_layers": {layers}, "num_attention_heads": {heads},
         "num_key_value_heads": {kv_heads}, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "max_position_embeddings": 131072, "vocab_size": 128256, "tie_word_embeddings": {tied},
+        "max_position_embeddings": 131072, "vocab_size": {vocab}, "tie_word_embeddings": {tied},
         "rope_scaling": {{"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}}}"#
     ))
@@ -230,7 +273,7 @@ fn host_random(cfg: &ModelConfig, seed: u64) -> Weights {
 /// `steps` decode steps fed the CPU's greedy tokens. Passes when every step's largest difference is
 /// within 2% of that step's largest logit.
 fn logits(steps: usize) -> bool {
-    let cfg = shape(2048, 16, 32, 8, 8192, true);
+    let cfg = shape((2048, 16, 32, 8, 8192, 128_256), true);
     let t0 = Instant::now();
     let w = host_random(&cfg, 7);
     println!(
@@ -285,7 +328,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Random-weight Llama-3-8B shape on the device: the issue's throughput figures.
 fn speed() -> bool {
-    let cfg = shape(4096, 32, 32, 8, 14336, false);
+    let big = shape((4096, 32, 32, 8, 14336, 128_256), false);
+    let small = shape((576, 30, 9, 3, 1536, 49_152), true);
+    speed_of("Llama-3-8B shape", big) && speed_of("SmolLM2-135M shape", small)
+}
+
+/// Decode tokens/s at batch 1 and 64 against the bandwidth bound, a 2,048-token prefill against the
+/// measured GEMM rate, KV bytes per sequence, for a random-weight model of `cfg`'s shape.
+fn speed_of(label: &str, cfg: ModelConfig) -> bool {
     let (bs, blocks) = (16usize, 6144usize);
     let t0 = Instant::now();
     let mut gpu = match GpuBackend::random(cfg.clone(), 11, blocks, bs, 0) {
@@ -299,7 +349,7 @@ fn speed() -> bool {
     println!("device: {} ({}, {} SMs)", g.name(), g.arch(), g.num_sms());
     let weights = gpu.weight_bytes();
     println!(
-        "8B shape: {:.2} GB of bf16 weights made on the device in {:.1} s",
+        "{label}: {:.2} GB of bf16 weights made on the device in {:.1} s",
         weights as f64 / 1e9,
         t0.elapsed().as_secs_f64()
     );
@@ -322,16 +372,18 @@ fn speed() -> bool {
     // Decode: prefill `batch` prompts of `ctx` tokens, then time `n` greedy steps (only ids back),
     // then `n` more steps that bring every row's logits to the host.
     let mut decode =
-        |gpu: &mut GpuBackend, seqs: &mut Seqs, batch: usize, ctx: usize, n: usize| -> (f64, f64) {
+        |gpu: &mut GpuBackend, seqs: &mut Seqs, batch: usize, ctx: usize, n: usize| -> (f64, f64, f64) {
             let ids: Vec<SeqId> = (0..batch).map(|_| new_seq(seqs, ctx)).collect();
             for chunk in ids.chunks((4096 / ctx).max(1)) {
                 let parts: Vec<(SeqId, usize)> = chunk.iter().map(|&s| (s, ctx)).collect();
                 seqs.step(&parts, |st| gpu.forward_greedy(st));
             }
             let mut last: Vec<u32> = vec![1; batch];
-            let mut timed = |greedy: bool, gpu: &mut GpuBackend, seqs: &mut Seqs| {
+            // `n / 2` steps picking on the device or on the host, with or without CUDA graphs.
+            let mut timed = |greedy: bool, graphs: bool, gpu: &mut GpuBackend, seqs: &mut Seqs| {
+                gpu.set_cuda_graphs(graphs);
                 let t = Instant::now();
-                for _ in 0..n {
+                for _ in 0..n / 2 {
                     for (s, tok) in ids.iter().zip(&last) {
                         seqs.kv.append_tokens(*s, &[*tok]).unwrap();
                     }
@@ -344,23 +396,31 @@ fn speed() -> bool {
                 }
                 t.elapsed().as_secs_f64()
             };
-            let greedy_s = timed(true, gpu, seqs);
-            let logits_s = timed(false, gpu, seqs);
+            // Alternating with and without graphs (A B A B), then logits to the host (graphs on).
+            let (mut with, mut without) = (0.0, 0.0);
+            for _ in 0..2 {
+                with += timed(true, true, gpu, seqs);
+                without += timed(true, false, gpu, seqs);
+            }
+            let logits_s = timed(false, true, gpu, seqs);
             for s in ids {
                 seqs.kv.free_sequence(s, false).unwrap();
             }
-            ((batch * n) as f64 / greedy_s, (batch * n) as f64 / logits_s)
+            let tokens = (batch * (n / 2)) as f64;
+            (2.0 * tokens / with, 2.0 * tokens / without, tokens / logits_s)
         };
     for (batch, ctx, n) in [(1usize, 512usize, 128usize), (1, 4096, 64), (64, 512, 32)] {
-        let (ids_tps, logits_tps) = decode(&mut gpu, &mut seqs, batch, ctx, n);
+        let (ids_tps, eager_tps, logits_tps) = decode(&mut gpu, &mut seqs, batch, ctx, n);
         let bound = copy / step_bytes(ctx + n, batch) * batch as f64;
         let hbm = 4.8e12 / step_bytes(ctx + n, batch) * batch as f64;
         println!(
-            "decode batch {batch:2}, context {ctx}: {ids_tps:8.1} tok/s (ids only) = {:.2} of the copy-bandwidth bound ({bound:.0} tok/s), {:.2} of the 4.8 TB/s datasheet bound; {logits_tps:8.1} tok/s with every row's logits to the host",
+            "{label}: decode batch {batch:2}, context {ctx}: {ids_tps:8.1} tok/s (ids only) = {:.2} of the copy-bandwidth bound ({bound:.0} tok/s), {:.2} of the 4.8 TB/s datasheet bound; without CUDA graphs {eager_tps:.1} tok/s; with every row's logits to the host {logits_tps:.1} tok/s",
             ids_tps / bound,
             ids_tps / hbm
         );
     }
+    let (captures, replays) = gpu.cuda_graph_stats();
+    println!("{label}: CUDA graphs captured {captures}, steps replayed from one {replays}");
     // Prefill of 2,048 tokens: median of 5 fresh prompts.
     let len = 2048usize;
     let mut times = Vec::new();
@@ -373,11 +433,12 @@ fn speed() -> bool {
     }
     times.remove(0); // the first allocates the step buffers
     let secs = median(times);
-    let matmul = (weights - 2 * cfg.vocab_size * h * 2) as f64 / 2.0; // bf16 parameters in the layers
+    let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    let matmul = (cfg.num_layers * h * (2 * q + 2 * kv + 3 * cfg.intermediate_size)) as f64; // per token
     let attn = 2.0 * (len * len) as f64 * (cfg.num_heads * cfg.head_dim) as f64 * cfg.num_layers as f64;
     let flops = 2.0 * matmul * len as f64 + attn + 2.0 * (cfg.vocab_size * h) as f64;
     println!(
-        "prefill {len} tokens: {:.1} ms, {:.0} TFLOP/s = {:.2} of the measured GEMM rate, {:.2} of 989 TFLOP/s (datasheet dense bf16)",
+        "{label}: prefill {len} tokens: {:.1} ms, {:.0} TFLOP/s = {:.2} of the measured GEMM rate, {:.2} of 989 TFLOP/s (datasheet dense bf16)",
         secs * 1e3,
         flops / secs / 1e12,
         flops / secs / gemm,

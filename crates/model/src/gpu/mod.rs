@@ -9,20 +9,22 @@
 //! per-head q/k norms run before RoPE, YaRN's attention factor scales RoPE's cos and sin. Mixtures of
 //! experts and sliding windows are refused. Step inputs (token ids, positions, slots, block tables)
 //! go into device buffers kept across steps, so a step allocates nothing once they fit; with
-//! [`GpuBackend::forward_greedy`] only the picked token ids come back to the host. KV memory per layer is `[slot][kv head][head dim]` for K and for V, with
+//! [`GpuBackend::forward_greedy`] only the picked token ids come back to the host. Decode steps are
+//! captured as CUDA graphs per (batch bucket, context bucket) and replayed (`step.rs`). KV memory per
+//! layer is `[slot][kv head][head dim]` for K and for V, with
 //! `slot = block * block_size + position in block`, so one block of one layer is one contiguous run.
 
-use pdserve_kernels_sm120::launch::{prefill_tiles, PrefillSeq};
-use pdserve_kernels_sm120::{
-    CudaSlice, CudaView, CudaViewMut, DecodeAttention, DecodeScratch, DeviceRepr, Gpu, KernelError,
-    PrefillAttention, ValidAsZeroBits,
-};
+use pdserve_kernels_sm120::{CudaSlice, DecodeScratch, Gpu, KernelError};
 use pdserve_kvcache::{BlockCopy, BlockId};
 
 use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, SeqStep};
 use crate::bits16::{bf16_bits, bf16_value};
 use crate::weights::Weights;
 use crate::{ModelConfig, ModelError};
+
+mod step;
+
+use step::{Graphs, Output, StepBuffers, StepInputs, StepOut};
 
 fn dev(e: KernelError) -> ModelError {
     ModelError::Device { problem: e.to_string() }
@@ -44,107 +46,6 @@ struct DevLayer {
     qk_norm: Option<(CudaSlice<f32>, CudaSlice<f32>)>,
 }
 
-/// A device buffer kept across steps: grows (to a power of two) when a step needs more, so steady
-/// steps allocate nothing; `len` is the current step's length.
-struct DevVec<T> {
-    buf: Option<CudaSlice<T>>,
-    len: usize,
-}
-
-impl<T: DeviceRepr + ValidAsZeroBits> DevVec<T> {
-    const fn new() -> DevVec<T> {
-        DevVec { buf: None, len: 0 }
-    }
-
-    /// Makes room for `len` values (contents undefined) and sets the length.
-    fn reserve(&mut self, gpu: &Gpu, len: usize) -> Result<(), KernelError> {
-        if self.buf.as_ref().is_none_or(|b| b.len() < len) {
-            self.buf = Some(gpu.zeros::<T>(len.next_power_of_two().max(16))?);
-        }
-        self.len = len;
-        Ok(())
-    }
-
-    /// Copies `data` in (growing first if needed).
-    fn put(&mut self, gpu: &Gpu, data: &[T]) -> Result<(), KernelError> {
-        self.reserve(gpu, data.len())?;
-        if let (Some(b), false) = (self.buf.as_mut(), data.is_empty()) {
-            gpu.write(data, &mut b.slice_mut(0..data.len()))?;
-        }
-        Ok(())
-    }
-
-    fn view(&self) -> CudaView<'_, T> {
-        self.buf.as_ref().expect("DevVec used before reserve").slice(0..self.len)
-    }
-
-    fn view_mut(&mut self) -> CudaViewMut<'_, T> {
-        let len = self.len;
-        self.buf.as_mut().expect("DevVec used before reserve").slice_mut(0..len)
-    }
-}
-
-/// The per-step inputs and the logits stage, on the device, reused across steps.
-struct StepInputs {
-    ids: DevVec<u32>,
-    pos: DevVec<i32>,
-    slots: DevVec<i64>,
-    d_rows: DevVec<i32>,
-    d_ctx: DevVec<i32>,
-    d_tables: DevVec<i32>,
-    p_tables: DevVec<i32>,
-    tiles: DevVec<i32>,
-    logit_rows: DevVec<i32>,
-    picked: DevVec<u16>,
-    logits: DevVec<f32>,
-    ids_out: DevVec<i32>,
-}
-
-impl StepInputs {
-    const fn new() -> StepInputs {
-        StepInputs {
-            ids: DevVec::new(),
-            pos: DevVec::new(),
-            slots: DevVec::new(),
-            d_rows: DevVec::new(),
-            d_ctx: DevVec::new(),
-            d_tables: DevVec::new(),
-            p_tables: DevVec::new(),
-            tiles: DevVec::new(),
-            logit_rows: DevVec::new(),
-            picked: DevVec::new(),
-            logits: DevVec::new(),
-            ids_out: DevVec::new(),
-        }
-    }
-}
-
-/// What a step returns: every wanted row's logits, or only each row's greedy pick.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Output {
-    Logits,
-    Greedy,
-}
-
-/// A step's result, by [`Output`].
-enum StepOut {
-    Logits(Vec<Vec<f32>>),
-    Greedy(Vec<u32>),
-}
-
-/// Activations for up to `rows` tokens, reused across steps.
-struct StepBuffers {
-    rows: usize,
-    x: CudaSlice<f32>,
-    h: CudaSlice<u16>,
-    qkv: CudaSlice<f32>,
-    attn: CudaSlice<f32>,
-    attn_bf: CudaSlice<u16>,
-    o: CudaSlice<f32>,
-    gu: CudaSlice<f32>,
-    act: CudaSlice<u16>,
-}
-
 /// Runs a Llama-family model on one NVIDIA GPU.
 pub struct GpuBackend {
     gpu: Gpu,
@@ -161,6 +62,7 @@ pub struct GpuBackend {
     scratch: DecodeScratch,
     bufs: Option<StepBuffers>,
     inputs: StepInputs,
+    graphs: Graphs,
 }
 
 impl std::fmt::Debug for GpuBackend {
@@ -332,6 +234,7 @@ impl GpuBackend {
             scratch: DecodeScratch::default(),
             bufs: None,
             inputs: StepInputs::new(),
+            graphs: Graphs::new(),
         })
     }
 
@@ -366,244 +269,6 @@ impl GpuBackend {
     /// The device, e.g. for its name.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
-    }
-
-    fn buffers(&mut self, rows: usize) -> Result<(), KernelError> {
-        if self.bufs.as_ref().is_some_and(|b| b.rows >= rows) {
-            return Ok(());
-        }
-        let n = rows.next_power_of_two().max(16);
-        let c = &self.cfg;
-        let (h, q, inter) = (c.hidden_size, c.num_heads * c.head_dim, c.intermediate_size);
-        let qkv = q + 2 * c.num_kv_heads * c.head_dim;
-        let g = &self.gpu;
-        self.bufs = Some(StepBuffers {
-            rows: n,
-            x: g.zeros(n * h)?,
-            h: g.zeros(n * h)?,
-            qkv: g.zeros(n * qkv)?,
-            attn: g.zeros(n * q)?,
-            attn_bf: g.zeros(n * q)?,
-            o: g.zeros(n * h)?,
-            gu: g.zeros(n * 2 * inter)?,
-            act: g.zeros(n * inter)?,
-        });
-        Ok(())
-    }
-
-    fn run(&mut self, steps: &[SeqStep<'_>], output: Output) -> Result<StepOut, KernelError> {
-        let c = self.cfg.clone();
-        let (hsz, hd, nq, nkv, inter, vocab) =
-            (c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads, c.intermediate_size, c.vocab_size);
-        let (q_dim, kv_dim) = (nq * hd, nkv * hd);
-        let qkv_w = q_dim + 2 * kv_dim;
-        let bs = self.layout.block_size;
-        let num_slots = self.layout.num_blocks * bs;
-
-        // Host-side step description.
-        let (mut ids, mut pos, mut slots) = (Vec::new(), Vec::new(), Vec::new());
-        let (mut d_rows, mut d_ctx, mut d_tables) = (Vec::new(), Vec::new(), Vec::<&[BlockId]>::new());
-        let (mut p_seqs, mut p_tables) = (Vec::new(), Vec::<&[BlockId]>::new());
-        let mut logit_rows = Vec::new();
-        let mut row = 0usize;
-        for s in steps {
-            for (j, &t) in s.tokens.iter().enumerate() {
-                let p = s.start_pos + j;
-                ids.push(t);
-                pos.push(p as i32);
-                slots.push(s.block_table[p / bs].0 as i64 * bs as i64 + (p % bs) as i64);
-            }
-            let n = s.tokens.len();
-            if n == 1 {
-                d_rows.push(row as i32);
-                d_ctx.push((s.start_pos + 1) as i32);
-                d_tables.push(s.block_table);
-            } else {
-                p_seqs.push(PrefillSeq {
-                    seq: p_tables.len(),
-                    first_row: row,
-                    rows: n,
-                    first_pos: s.start_pos,
-                });
-                p_tables.push(s.block_table);
-            }
-            logit_rows.extend((row + n - s.logits..row + n).map(|r| r as i32));
-            row += n;
-        }
-        let t = row;
-        let flat = |tables: &[&[BlockId]]| -> (Vec<i32>, usize) {
-            let stride = tables.iter().map(|b| b.len()).max().unwrap_or(1).max(1);
-            let mut out = vec![0i32; tables.len() * stride];
-            for (i, tb) in tables.iter().enumerate() {
-                for (j, b) in tb.iter().enumerate() {
-                    out[i * stride + j] = b.0 as i32;
-                }
-            }
-            (out, stride)
-        };
-        let (d_bt, d_stride) = flat(&d_tables);
-        let (p_bt, p_stride) = flat(&p_tables);
-        let tiles = prefill_tiles(&p_seqs, nq / nkv);
-        let max_ctx = d_ctx.iter().copied().max().unwrap_or(0) as usize;
-
-        self.buffers(t)?;
-        let g = &self.gpu;
-        let inp = &mut self.inputs;
-        inp.ids.put(g, &ids)?;
-        inp.pos.put(g, &pos)?;
-        inp.slots.put(g, &slots)?;
-        inp.d_rows.put(g, &d_rows)?;
-        inp.d_ctx.put(g, &d_ctx)?;
-        inp.d_tables.put(g, &d_bt)?;
-        inp.p_tables.put(g, &p_bt)?;
-        inp.tiles.put(g, &tiles)?;
-        let inp = &self.inputs;
-        let b = self.bufs.as_mut().expect("buffers allocated above");
-        let eps = c.rms_norm_eps;
-        let scale = 1.0 / (hd as f32).sqrt();
-
-        g.embed_gather(&self.embed.as_view(), vocab, hsz, &inp.ids.view(), &mut b.x.as_view_mut())?;
-        for (l, lw) in self.layers.iter().enumerate() {
-            let ov = b.o.as_view();
-            g.rmsnorm_residual(
-                &mut b.x.as_view_mut(),
-                (l > 0).then_some(&ov),
-                &lw.input_norm.as_view(),
-                &mut b.h.as_view_mut(),
-                t,
-                hsz,
-                eps,
-            )?;
-            g.gemm_bf16(&b.h.as_view(), &lw.qkv.as_view(), &mut b.qkv.as_view_mut(), t, hsz, qkv_w)?;
-            if let Some(bias) = &lw.qkv_bias {
-                g.add_bias_rows(&mut b.qkv.as_view_mut(), &bias.as_view(), t)?;
-            }
-            if let Some((wq, wk)) = &lw.qk_norm {
-                g.head_rmsnorm(
-                    &mut b.qkv.as_view_mut(),
-                    t,
-                    qkv_w,
-                    (nq, nkv),
-                    hd,
-                    (&wq.as_view(), &wk.as_view()),
-                    eps,
-                )?;
-            }
-            g.rope_qk(
-                &mut b.qkv.as_view_mut(),
-                &inp.pos.view(),
-                &self.inv_freq.as_view(),
-                qkv_w,
-                nq + nkv,
-                hd,
-                self.rope_factor,
-            )?;
-            g.kv_write(
-                &b.qkv.as_view(),
-                qkv_w,
-                (q_dim, q_dim + kv_dim, kv_dim),
-                &inp.slots.view(),
-                &mut self.k[l].as_view_mut(),
-                &mut self.v[l].as_view_mut(),
-                num_slots,
-            )?;
-            let (qv, kc, vc) = (b.qkv.as_view(), self.k[l].as_view(), self.v[l].as_view());
-            if !d_rows.is_empty() {
-                let (rv, cv, tv) = (inp.d_rows.view(), inp.d_ctx.view(), inp.d_tables.view());
-                let a = DecodeAttention {
-                    q: &qv,
-                    q_row_stride: qkv_w,
-                    rows: &rv,
-                    k_cache: &kc,
-                    v_cache: &vc,
-                    block_tables: &tv,
-                    bt_stride: d_stride,
-                    ctx_lens: &cv,
-                    max_ctx,
-                    batch: d_rows.len(),
-                    q_heads: nq,
-                    kv_heads: nkv,
-                    head_dim: hd,
-                    block_size: bs,
-                    num_slots,
-                    scale,
-                };
-                g.decode_attention(&a, &mut self.scratch, &mut b.attn.as_view_mut(), q_dim)?;
-            }
-            if !p_seqs.is_empty() {
-                let (tv, tl) = (inp.p_tables.view(), inp.tiles.view());
-                let a = PrefillAttention {
-                    q: &qv,
-                    q_row_stride: qkv_w,
-                    k_cache: &kc,
-                    v_cache: &vc,
-                    block_tables: &tv,
-                    bt_stride: p_stride,
-                    tiles: &tl,
-                    n_tiles: tiles.len() / 4,
-                    q_heads: nq,
-                    kv_heads: nkv,
-                    head_dim: hd,
-                    block_size: bs,
-                    scale,
-                };
-                g.prefill_attention(&a, &mut b.attn.as_view_mut(), q_dim)?;
-            }
-            g.cast_bf16(&b.attn.as_view(), &mut b.attn_bf.as_view_mut(), t * q_dim)?;
-            g.gemm_bf16(&b.attn_bf.as_view(), &lw.o.as_view(), &mut b.o.as_view_mut(), t, q_dim, hsz)?;
-            if let Some(bias) = &lw.o_bias {
-                g.add_bias_rows(&mut b.o.as_view_mut(), &bias.as_view(), t)?;
-            }
-            let ov = b.o.as_view();
-            g.rmsnorm_residual(
-                &mut b.x.as_view_mut(),
-                Some(&ov),
-                &lw.post_norm.as_view(),
-                &mut b.h.as_view_mut(),
-                t,
-                hsz,
-                eps,
-            )?;
-            g.gemm_bf16(&b.h.as_view(), &lw.gate_up.as_view(), &mut b.gu.as_view_mut(), t, hsz, 2 * inter)?;
-            g.swiglu(&b.gu.as_view(), &mut b.act.as_view_mut(), t, inter)?;
-            g.gemm_bf16(&b.act.as_view(), &lw.down.as_view(), &mut b.o.as_view_mut(), t, inter, hsz)?;
-        }
-        if logit_rows.is_empty() {
-            g.synchronize()?;
-            return Ok(match output {
-                Output::Logits => StepOut::Logits(Vec::new()),
-                Output::Greedy => StepOut::Greedy(Vec::new()),
-            });
-        }
-        let ov = b.o.as_view();
-        g.rmsnorm_residual(
-            &mut b.x.as_view_mut(),
-            Some(&ov),
-            &self.final_norm.as_view(),
-            &mut b.h.as_view_mut(),
-            t,
-            hsz,
-            eps,
-        )?;
-        let n = logit_rows.len();
-        let inp = &mut self.inputs;
-        inp.logit_rows.put(g, &logit_rows)?;
-        inp.picked.reserve(g, n * hsz)?;
-        inp.logits.reserve(g, n * vocab)?;
-        g.gather_rows_bf16(&b.h.as_view(), t, &inp.logit_rows.view(), &mut inp.picked.view_mut(), hsz)?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        g.gemm_bf16(&inp.picked.view(), &head.as_view(), &mut inp.logits.view_mut(), n, hsz, vocab)?;
-        Ok(match output {
-            Output::Logits => {
-                let host = g.download(&inp.logits.view())?;
-                StepOut::Logits(host.chunks(vocab).map(<[f32]>::to_vec).collect())
-            }
-            Output::Greedy => {
-                inp.ids_out.reserve(g, n)?;
-                g.argmax(&inp.logits.view(), n, vocab, &mut inp.ids_out.view_mut())?;
-                StepOut::Greedy(g.download(&inp.ids_out.view())?.into_iter().map(|i| i as u32).collect())
-            }
-        })
     }
 
     /// Where one block's values sit in each layer's K (and V) cache: (first element, length).
