@@ -18,6 +18,7 @@ pub(crate) struct Metrics {
     pub e2e: LatencyHistogram,
     pub queue_wait: LatencyHistogram,
     pub step: LatencyHistogram,
+    pub greedy_steps: Counter,
     pub tokens_generated: Counter,
     pub tokens_prompt: Counter,
     pub preemptions: Counter,
@@ -83,6 +84,11 @@ impl Metrics {
                 "engine_step_seconds",
                 "Duration of one engine step (forward pass and sampling).",
                 Buckets::latency_seconds(),
+            )?,
+            greedy_steps: r.counter(
+                "engine_greedy_pick_steps_total",
+                "Engine steps whose sampling requests were all plain greedy, so the backend returned picks \
+                 only (on a GPU the logits stay on the device).",
             )?,
             tokens_generated: r.counter("tokens_generated_total", "Tokens sampled.")?,
             tokens_prompt: r.counter("tokens_prompt_total", "Prompt tokens of admitted requests.")?,

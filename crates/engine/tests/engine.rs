@@ -314,3 +314,43 @@ fn speculative_decoding_gives_the_same_text_and_takes_drafts() {
         assert!(metric("spec_accepted_tokens_total") > 0.0);
     }
 }
+
+/// A step whose sampling requests are all plain greedy asks the backend for its picks only (on a GPU
+/// the logits stay on the device): the same text and log-probabilities as sampling the full logits
+/// (a request asking for top alternatives takes that path), and the steps are counted.
+#[test]
+fn plain_greedy_steps_take_picks_only_with_the_same_tokens_and_logprobs() {
+    let picked = |e: &Engine| {
+        let text = e.registry().render();
+        text.lines()
+            .find_map(|l| l.strip_prefix("engine_greedy_pick_steps_total ")?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let ask = |e: &mut Engine, name: &str, top: usize, temperature: f32| {
+        let mut r = request(name, chat("Name three rivers of Europe."), 24);
+        (r.logprobs, r.sampling.top_logprobs, r.sampling.temperature, r.seed) =
+            (true, top, temperature, Some(3));
+        let id = e.submit(r).unwrap();
+        let (text, seen) = run_to_end(e, id);
+        let lps: Vec<f32> = seen
+            .iter()
+            .filter_map(|o| match o {
+                Output::Text { logprob: Some(l), .. } => Some(l.logprob),
+                _ => None,
+            })
+            .collect();
+        (text, lps)
+    };
+    // Each on an engine of its own, so both compute the same steps (no cached prefix for the second).
+    let mut e = engine(Role::Unified);
+    let (plain, plain_lp) = ask(&mut e, "plain", 0, 0.0);
+    let steps = picked(&e);
+    assert!(steps >= 20.0, "every decode step of a plain greedy request: {steps}");
+    let mut e = engine(Role::Unified);
+    let (full, full_lp) = ask(&mut e, "top", 2, 0.0);
+    assert_eq!(picked(&e), 0.0, "a request asking for alternatives needs the logits");
+    ask(&mut e, "sampled", 0, 0.8);
+    assert_eq!(picked(&e), 0.0, "a sampled request needs the logits");
+    assert_eq!(plain, full);
+    assert_eq!(plain_lp, full_lp, "the same log-probabilities");
+}

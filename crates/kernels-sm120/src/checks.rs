@@ -254,12 +254,29 @@ fn check_rows(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelErro
 }
 
 fn check_gemm(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelError> {
-    for (t, k, n) in [(1, 576, 1536), (7, 576, 960), (64, 1536, 576), (33, 577, 1001)] {
+    // cuBLAS for every shape; the skinny product for steps of up to 8 rows (k a multiple of 8),
+    // with lengths that leave partial unrolled runs and a partial last block of columns.
+    let cases = [
+        (1, 576, 1536, false),
+        (7, 576, 960, false),
+        (64, 1536, 576, false),
+        (33, 577, 1001, false),
+        (1, 576, 1536, true),
+        (1, 14336, 4099, true),
+        (3, 4096, 77, true),
+        (8, 1000, 129, true),
+        (5, 8, 33, true),
+    ];
+    for (t, k, n, skinny) in cases {
         let x = rng.bf16(t * k, 1.0);
         let w = rng.bf16(n * k, 0.1);
         let (xd, wd) = (g.upload(&x)?, g.upload(&w)?);
         let mut y = g.upload(&vec![f32::NAN; t * n])?;
-        g.gemm_bf16(&xd.as_view(), &wd.as_view(), &mut y.as_view_mut(), t, k, n)?;
+        if skinny {
+            g.gemv_bf16(&xd.as_view(), &wd.as_view(), &mut y.as_view_mut(), t, k, n)?;
+        } else {
+            g.gemm_bf16_cublas(&xd.as_view(), &wd.as_view(), &mut y.as_view_mut(), t, k, n)?;
+        }
         let (xf, wf) = (b2f(&x), b2f(&w));
         let want: Vec<f32> = (0..t * n)
             .map(|i| {
@@ -268,7 +285,7 @@ fn check_gemm(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelErro
             })
             .collect();
         rep.check(
-            &format!("gemm_bf16 (cuBLAS) t={t} k={k} n={n}"),
+            &format!("gemm_bf16 ({}) t={t} k={k} n={n}", if skinny { "skinny" } else { "cuBLAS" }),
             rel_err(&g.download(&y.as_view())?, &want),
             1e-5,
         );
@@ -539,6 +556,22 @@ fn check_sampling(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), Kernel
     let got = g.download(&out.as_view())?;
     let want: Vec<i32> = logits.chunks(vocab).map(|l| r::argmax(l) as i32).collect();
     rep.exact("argmax_rows 64 x 49152 (lowest id on ties)", got == want && got[0] == 90, "");
+    let mut lp = g.upload(&vec![f32::NAN; rows])?;
+    g.argmax_with_logprobs(&ld.as_view(), rows, vocab, &mut out.as_view_mut(), Some(&mut lp.as_view_mut()))?;
+    let want_lp: Vec<f32> = logits
+        .chunks(vocab)
+        .map(|l| {
+            let m = l.iter().cloned().fold(f32::MIN, f32::max) as f64;
+            (-(l.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>()).ln()) as f32
+        })
+        .collect();
+    let same_ids = g.download(&out.as_view())? == want;
+    rep.exact("argmax_rows with log-probabilities: same picks", same_ids, "");
+    rep.check(
+        "argmax_rows log-probability of the pick",
+        rel_err(&g.download(&lp.as_view())?, &want_lp),
+        1e-5,
+    );
 
     // Mixed settings, one row each; compare with the exact reference draw.
     let temps: Vec<f32> = (0..rows).map(|i| [0.0, 0.7, 1.0, 1.3][i % 4]).collect();

@@ -35,6 +35,8 @@ pub struct Gpu {
     decode_occupancy: HashMap<String, usize>,
     /// A one-element buffer passed where a kernel's optional input is absent.
     dummy: CudaSlice<f32>,
+    /// Short products take the skinny kernel (see [`Gpu::gemm_bf16`]).
+    skinny: bool,
 }
 
 impl std::fmt::Debug for Gpu {
@@ -252,6 +254,7 @@ impl Gpu {
             sms,
             decode_occupancy,
             dummy,
+            skinny: true,
         })
     }
 
@@ -774,8 +777,77 @@ impl Gpu {
         )
     }
 
-    /// `y[t x n] = x[t x k] . w[n x k]^T` through cuBLAS: bf16 inputs, f32 accumulation and output.
+    /// `y[t x n] = x[t x k] . w[n x k]^T`: bf16 inputs, f32 accumulation and output. Steps of up to
+    /// [`launch::GEMV_MAX_ROWS`] rows take the skinny product ([`gemv_bf16`](Self::gemv_bf16), a
+    /// bandwidth-bound kernel) when `k` is a multiple of 8 and both inputs start 16-byte aligned;
+    /// the rest go through cuBLAS.
     pub fn gemm_bf16(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        y: &mut CudaViewMut<'_, f32>,
+        t: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        if self.skinny
+            && t <= launch::GEMV_MAX_ROWS
+            && k.is_multiple_of(8)
+            && sys::aligned16(&self.stream, x, w)
+        {
+            self.gemv_bf16(x, w, y, t, k, n)
+        } else {
+            self.gemm_bf16_cublas(x, w, y, t, k, n)
+        }
+    }
+
+    /// Whether [`gemm_bf16`](Self::gemm_bf16) takes the skinny product for short steps (on by
+    /// default); off sends every product to cuBLAS, for comparisons.
+    pub fn set_skinny_products(&mut self, on: bool) {
+        self.skinny = on;
+    }
+
+    /// The skinny product: `y[t x n] = x[t x k] . w[n x k]^T` for `t <=`
+    /// [`launch::GEMV_MAX_ROWS`], one warp per output column; `k` a multiple of 8, inputs 16-byte
+    /// aligned.
+    pub fn gemv_bf16(
+        &self,
+        x: &CudaView<'_, u16>,
+        w: &CudaView<'_, u16>,
+        y: &mut CudaViewMut<'_, f32>,
+        t: usize,
+        k: usize,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        check_len("x", x.len(), t * k)?;
+        check_len("w", w.len(), n * k)?;
+        check_len("y", y.len(), t * n)?;
+        if t > launch::GEMV_MAX_ROWS || !k.is_multiple_of(8) || !sys::aligned16(&self.stream, x, w) {
+            return Err(KernelError::shape(format!(
+                "the skinny product takes up to {} rows, k a multiple of 8 and 16-byte aligned inputs (t {t}, k {k})",
+                launch::GEMV_MAX_ROWS
+            )));
+        }
+        if t == 0 || n == 0 {
+            return Ok(());
+        }
+        let (t_i, k_i, n_i) = (t as i32, fits_i32("k", k)?, fits_i32("n", n)?);
+        let blocks = u32::try_from(n.div_ceil(launch::GEMV_WARPS as usize))
+            .map_err(|_| KernelError::shape("n too large"))?;
+        let mut b = self.stream.launch_builder(self.func("gemv_bf16"));
+        b.arg(x).arg(w).arg(y).arg(&t_i).arg(&k_i).arg(&n_i);
+        sys::launch(
+            b,
+            LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (32 * launch::GEMV_WARPS, 1, 1),
+                shared_mem_bytes: 0,
+            },
+        )
+    }
+
+    /// `y[t x n] = x[t x k] . w[n x k]^T` through cuBLAS: bf16 inputs, f32 accumulation and output.
+    pub fn gemm_bf16_cublas(
         &self,
         x: &CudaView<'_, u16>,
         w: &CudaView<'_, u16>,
@@ -804,11 +876,33 @@ impl Gpu {
         vocab: usize,
         out: &mut CudaViewMut<'_, i32>,
     ) -> Result<(), KernelError> {
+        self.argmax_with_logprobs(logits, rows, vocab, out, None)
+    }
+
+    /// [`argmax`](Self::argmax), and with `logprobs` each pick's log-probability (its logit minus the
+    /// row's log-sum-exp).
+    pub fn argmax_with_logprobs(
+        &self,
+        logits: &CudaView<'_, f32>,
+        rows: usize,
+        vocab: usize,
+        out: &mut CudaViewMut<'_, i32>,
+        logprobs: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<(), KernelError> {
         check_len("logits", logits.len(), rows * vocab)?;
         check_len("output", out.len(), rows)?;
+        if let Some(lp) = &logprobs {
+            check_len("logprobs", lp.len(), rows)?;
+        }
         let v = fits_i32("vocab", vocab)?;
+        let dummy = self.dummy.as_view();
         let mut b = self.stream.launch_builder(self.func("argmax_rows"));
         b.arg(logits).arg(&v).arg(out);
+        let (yes, no) = (1i32, 0i32);
+        match logprobs {
+            Some(lp) => b.arg(&yes).arg(lp),
+            None => b.arg(&no).arg(&dummy),
+        };
         sys::launch(b, rows_cfg(rows, launch::SAMPLE_THREADS)?)
     }
 

@@ -22,6 +22,10 @@ pub const PREFILL_KEY_TILE: usize = 32;
 pub const PREFILL_MAX_PAIRS: usize = 16;
 /// Threads per block of the sampling kernels (`SAMPLE_THREADS`).
 pub const SAMPLE_THREADS: u32 = 1024;
+/// Most rows the skinny product (`gemv_bf16`) takes; `GEMV_MAX_ROWS` in gemv.cu.
+pub const GEMV_MAX_ROWS: usize = 8;
+/// Warps per block of `gemv_bf16` (one output column each); `GEMV_WARPS` in gemv.cu.
+pub const GEMV_WARPS: u32 = 8;
 /// Threads per block of the row-wise kernels (norm, rope, gathers, KV write).
 pub const ROW_THREADS: u32 = 256;
 /// Head sizes the attention kernels are instantiated for.

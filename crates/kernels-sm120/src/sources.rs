@@ -77,5 +77,9 @@ pub const SAMPLE: Source = Source {
     kernels: &["argmax_rows", "sample_rows"],
 };
 
+pub const GEMV: Source =
+    Source { file: "gemv.cu", code: include_str!("cuda/gemv.cu"), kernels: &["gemv_bf16"] };
+
 /// Every source of the crate.
-pub const ALL: [Source; 8] = [NORM, ROPE, ELEMENTWISE, KV, DECODE_ATTN, DECODE_ATTN_TC, PREFILL_ATTN, SAMPLE];
+pub const ALL: [Source; 9] =
+    [NORM, ROPE, ELEMENTWISE, KV, DECODE_ATTN, DECODE_ATTN_TC, PREFILL_ATTN, SAMPLE, GEMV];

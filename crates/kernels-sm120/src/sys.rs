@@ -73,6 +73,13 @@ pub(crate) fn launch(mut args: LaunchArgs<'_>, cfg: LaunchConfig) -> Result<(), 
     Ok(())
 }
 
+/// Whether both views start on a 16-byte boundary (the skinny product loads 16 bytes at a time).
+pub(crate) fn aligned16(stream: &Arc<CudaStream>, x: &CudaView<'_, u16>, w: &CudaView<'_, u16>) -> bool {
+    let (xp, _gx) = x.device_ptr(stream);
+    let (wp, _gw) = w.device_ptr(stream);
+    xp % 16 == 0 && wp % 16 == 0
+}
+
 /// `y[t x n] (f32) = x[t x k] (bf16) . w[n x k]^T (bf16)`, f32 accumulation, all row-major.
 pub(crate) fn gemm_bf16(
     blas_handle: &CudaBlas,

@@ -119,6 +119,15 @@ pub trait Backend: Send {
     /// asked for (`vocab_size` values each; a step's rows in position order).
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError>;
 
+    /// Runs one step like [`forward`](Self::forward), but returns each wanted row's greedy pick (the
+    /// lowest id of the largest logit) and its log-probability under the model (the logit minus the
+    /// row's log-sum-exp) instead of its logits. The default picks on the host from `forward`'s
+    /// logits, exactly as [`Sampler`](crate::Sampler) picks for a greedy request; the GPU backend
+    /// picks on the device, so only these pairs leave it.
+    fn forward_greedy(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<(u32, f32)>, ModelError> {
+        Ok(self.forward(steps)?.iter().map(|l| crate::sampling::greedy_pick(l)).collect())
+    }
+
     /// Performs copy-on-write copies from the KV cache's `take_copies` (whole blocks). An error means
     /// the copies may be partly done: the step that needed them must not run.
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError>;

@@ -152,6 +152,13 @@ fn pick(w: &[f32], mut r: f32) -> usize {
     argmax(w)
 }
 
+/// A row's greedy pick (the lowest id of the largest logit, NaN ignored) and its log-probability
+/// under the model: exactly what [`Sampler::sample`] returns for a greedy request without penalties.
+pub(crate) fn greedy_pick(l: &[f32]) -> (u32, f32) {
+    let t = argmax(l);
+    (t as u32, l[t] - log_sum_exp(l))
+}
+
 fn argmax(v: &[f32]) -> usize {
     let mut best = 0;
     for (i, &x) in v.iter().enumerate() {
@@ -279,6 +286,24 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn greedy_pick_is_the_greedy_samplers_token_and_logprob() {
+        let mut rng = Rng::new(5);
+        for n in [1usize, 7, 300, 49_152] {
+            let mut l: Vec<f32> = (0..n).map(|_| rng.next_f32() * 20.0 - 10.0).collect();
+            if n > 7 {
+                // A tie at the top, and a NaN: the lowest id wins, the NaN is ignored.
+                let m = l.iter().cloned().fold(f32::MIN, f32::max) + 1.0;
+                (l[n - 1], l[3], l[5]) = (m, m, f32::NAN);
+            }
+            let s = Sampler::new(SamplingParams::greedy(), 1).sample(&l, &[], &[]);
+            assert_eq!(greedy_pick(&l), (s.token, s.logprob), "n = {n}");
+            if n > 7 {
+                assert_eq!(s.token, 3);
+            }
+        }
+    }
 
     fn counts(params: SamplingParams, logits: &[f32], n: usize) -> Vec<usize> {
         let mut s = Sampler::new(params, 7);

@@ -14,14 +14,51 @@ use pdserve_scheduler::{BatchItem, Sampled};
 use super::{panic_text, Core, Live, Reply};
 use crate::grammar::apply_mask;
 
+/// What a step gave for one sampling item: its rows of logits, or the backend's greedy pick.
+pub(super) enum Rows<'a> {
+    Logits(&'a [Vec<f32>]),
+    Picked(pdserve_model::Sampled),
+}
+
 impl Core {
+    /// Whether every sampling request of `batch` would pick exactly the backend's greedy pick: greedy,
+    /// no penalties, no top log-probabilities, no logit bias, no constraint, no drafts, past
+    /// `min_tokens`. Then the step asks the backend for picks only ([`Backend::forward_greedy`]:
+    /// on a GPU the logits never leave the device), with the same tokens and log-probabilities.
+    ///
+    /// [`Backend::forward_greedy`]: pdserve_model::Backend::forward_greedy
+    pub(super) fn picks_only(&self, batch: &[BatchItem]) -> bool {
+        let kv = self.sched.kv();
+        let mut any = false;
+        for item in batch.iter().filter(|i| i.sample) {
+            let Some(lv) = self.live.get(&item.id.0) else { return false };
+            let p = lv.sampler.params();
+            let output = kv.tokens(item.seq).map_or(0, |t| t.len()).saturating_sub(lv.prompt_len);
+            let plain = p.temperature <= 1e-5
+                && p.repetition_penalty == 1.0
+                && p.frequency_penalty == 0.0
+                && p.presence_penalty == 0.0
+                && p.top_logprobs == 0
+                && lv.logit_bias.is_empty()
+                && lv.guide.is_none()
+                && item.draft == 0
+                && output >= lv.min_tokens
+                && !lv.panic_in_sampling;
+            if !plain {
+                return false;
+            }
+            any = true;
+        }
+        any
+    }
+
     /// Samples `rows` (the item's last `draft + 1` rows of logits) for `item`'s request, sends each
     /// token it keeps, and returns what the scheduler is told; `None` for a request no longer live,
     /// `Err` with the reason the request fails.
     pub(super) fn verify(
         &mut self,
         item: &BatchItem,
-        rows: &[Vec<f32>],
+        rows: Rows<'_>,
         mask: Option<&Result<SimpleVob, String>>,
     ) -> Result<Option<Sampled>, String> {
         let Some(lv) = self.live.get_mut(&item.id.0) else { return Ok(None) };
@@ -32,11 +69,19 @@ impl Core {
             Some(Err(e)) => return Err(format!("constrained decoding failed: {e}")),
             None => None,
         };
-        let mut outbox = Vec::with_capacity(rows.len());
+        let (rows, mut picked) = match rows {
+            Rows::Logits(r) => (r, None),
+            Rows::Picked(s) => (&[][..], Some(s)),
+        };
+        let n = if picked.is_some() { 1 } else { rows.len() };
+        let mut outbox = Vec::with_capacity(n);
         let mut result = Err("the engine reported no logits for a sampling step".to_owned());
-        for (i, l) in rows.iter().enumerate() {
+        for i in 0..n {
             let (prompt, output) = all[..base + i].split_at(lv.prompt_len.min(base + i));
-            let s = sample_row(lv, l, prompt, output, mask, &self.eos_ids)?;
+            let s = match picked.take() {
+                Some(s) => s,
+                None => sample_row(lv, &rows[i], prompt, output, mask, &self.eos_ids)?,
+            };
             let eos = self.eos_ids.contains(&s.token);
             let mut stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && eos);
             if let Some(g) = lv.guide.as_mut() {

@@ -13,6 +13,7 @@ use pdserve_kvcache::{BlockCopy, BlockId};
 use pdserve_model::{Backend, KvLayout, ModelError, SeqStep};
 use pdserve_scheduler::RequestId;
 
+use super::sample::Rows;
 use super::{Command, Core};
 use crate::grammar::Guide;
 
@@ -24,8 +25,30 @@ const SERVED_STEP_TOKENS: usize = 8;
 /// step ends, so the command channel fills and pushes back on its senders as it does between steps.
 const DEFERRED_MAX: usize = 1024;
 
-/// What a forward pass returns, or the panic it raised.
-type StepResult = std::thread::Result<Result<Vec<Vec<f32>>, ModelError>>;
+/// What a forward pass returns: every wanted row's logits, or (when every sampling request of the
+/// step is plain greedy) only each row's pick and its log-probability.
+pub(super) enum StepOutput {
+    Logits(Vec<Vec<f32>>),
+    Picks(Vec<(u32, f32)>),
+}
+
+/// A step's output, taken item by item.
+enum StepRows {
+    Logits(std::vec::IntoIter<Vec<f32>>),
+    Picks(std::vec::IntoIter<(u32, f32)>),
+}
+
+/// A forward pass's output, or the panic it raised.
+type StepResult = std::thread::Result<Result<StepOutput, ModelError>>;
+
+/// Runs the step, asking the backend for picks only when `picks` (see [`Core::picks_only`]).
+fn forward(backend: &mut dyn Backend, steps: &[SeqStep<'_>], picks: bool) -> Result<StepOutput, ModelError> {
+    if picks {
+        backend.forward_greedy(steps).map(StepOutput::Picks)
+    } else {
+        backend.forward(steps).map(StepOutput::Logits)
+    }
+}
 
 impl Core {
     pub(super) fn step(&mut self) {
@@ -109,14 +132,18 @@ impl Core {
             .collect();
         let served =
             self.step_thread && steps.iter().map(|s| s.tokens.len()).sum::<usize>() >= SERVED_STEP_TOKENS;
+        let picks = self.picks_only(&batch);
+        if picks {
+            self.metrics.greedy_steps.add(1);
+        }
         let (result, masks) = std::thread::scope(|scope| {
             let masker = (!guided.is_empty()).then(|| {
                 scope.spawn(|| guided.iter_mut().map(|(id, g)| (*id, g.mask())).collect::<HashMap<u64, _>>())
             });
             let result = if served {
-                self.forward_serving_aborts(&steps)
+                self.forward_serving_aborts(&steps, picks)
             } else {
-                catch_unwind(AssertUnwindSafe(|| self.backend.forward(&steps)))
+                catch_unwind(AssertUnwindSafe(|| forward(self.backend.as_mut(), &steps, picks)))
             };
             (result, masker.map(|m| m.join().unwrap_or_default()).unwrap_or_default())
         });
@@ -126,8 +153,8 @@ impl Core {
             }
         }
         self.metrics.step.record(now.elapsed());
-        let logits = match result {
-            Ok(Ok(l)) => l,
+        let output = match result {
+            Ok(Ok(o)) => o,
             Ok(Err(e)) => {
                 self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
                 self.drain_events();
@@ -141,11 +168,25 @@ impl Core {
         };
         let mut sampled = Vec::new();
         let mut failed: Vec<(RequestId, String)> = Vec::new();
-        let mut rows = logits.into_iter();
+        let mut output = match output {
+            StepOutput::Logits(l) => StepRows::Logits(l.into_iter()),
+            StepOutput::Picks(p) => StepRows::Picks(p.into_iter()),
+        };
         for item in batch.iter().filter(|i| i.sample) {
-            let rows: Vec<Vec<f32>> = rows.by_ref().take(item.draft + 1).collect();
-            let mask = masks.get(&item.id.0);
-            match self.verify(item, &rows, mask) {
+            let verified = match &mut output {
+                StepRows::Picks(p) => match p.next() {
+                    Some((token, logprob)) => {
+                        let s = pdserve_model::Sampled { token, logprob, top: Vec::new() };
+                        self.verify(item, Rows::Picked(s), None)
+                    }
+                    None => Err("internal error: the model step returned too few picks".to_owned()),
+                },
+                StepRows::Logits(l) => {
+                    let rows: Vec<Vec<f32>> = l.by_ref().take(item.draft + 1).collect();
+                    self.verify(item, Rows::Logits(&rows), masks.get(&item.id.0))
+                }
+            };
+            match verified {
                 Ok(Some(s)) => sampled.push(s),
                 Ok(None) => {}
                 Err(reason) => failed.push((item.id, reason)),
@@ -168,13 +209,13 @@ impl Core {
     /// goes on and is dropped; nothing can be given those blocks before the step ends, since only
     /// the engine thread allocates, between steps. Other commands wait for the step's end, in order
     /// (an abort of a request whose submission or failure waits with them waits too).
-    fn forward_serving_aborts(&mut self, steps: &[SeqStep<'_>]) -> StepResult {
+    fn forward_serving_aborts(&mut self, steps: &[SeqStep<'_>], picks: bool) -> StepResult {
         let layout = self.backend.kv_layout();
         let mut backend = std::mem::replace(&mut self.backend, Box::new(Stepping(layout)));
         let (done, finished) = crossbeam_channel::bounded::<()>(1);
         let (result, backend) = std::thread::scope(|scope| {
             let stepper = scope.spawn(move || {
-                let r = catch_unwind(AssertUnwindSafe(|| backend.forward(steps)));
+                let r = catch_unwind(AssertUnwindSafe(|| forward(backend.as_mut(), steps, picks)));
                 drop(done);
                 (r, backend)
             });

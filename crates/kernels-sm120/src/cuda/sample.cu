@@ -27,9 +27,13 @@ __device__ __forceinline__ u64 splitmix64(u64 x) {
 // exact below 2^24, which holds for any vocabulary).
 __device__ int block_count(int c, float* sh) { return (int)block_sum((float)c, sh); }
 
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out) {
+// With has_lp, also the pick's log-probability: its logit minus the row's log-sum-exp, which for the
+// largest logit is -log(sum exp(x - max)).
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int vocab, int* __restrict__ out,
+                                       int has_lp, float* __restrict__ logprob) {
     __shared__ float s_v[SAMPLE_THREADS / 32];
     __shared__ int s_i[SAMPLE_THREADS / 32];
+    __shared__ float sh[33];
     const float* x = logits + (size_t)blockIdx.x * vocab;
     float best = NEG_INF;
     int bi = 0x7fffffff;
@@ -61,7 +65,15 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int voc
                 bi = s_i[k];
             }
         out[blockIdx.x] = bi == 0x7fffffff ? 0 : bi;
+        s_v[0] = best;
     }
+    if (!has_lp) return;
+    __syncthreads();
+    const float m = s_v[0];
+    float sum = 0.f;
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(x[i] - m);
+    sum = block_sum(sum, sh);
+    if (threadIdx.x == 0) logprob[blockIdx.x] = -logf(sum);
 }
 
 extern "C" __global__ void sample_rows(const float* __restrict__ logits, int vocab, const float* __restrict__ temps,

@@ -89,7 +89,9 @@ impl Picker<'_> {
     fn step(&mut self, st: &[SeqStep<'_>]) -> Result<(Vec<u32>, Vec<Vec<f32>>), ModelError> {
         match self {
             Picker::Host(b) => b.forward(st).map(|l| (l.iter().map(|r| argmax(r)).collect(), l)),
-            Picker::Device(g) => g.forward_greedy(st).map(|ids| (ids, Vec::new())),
+            Picker::Device(g) => {
+                g.forward_greedy(st).map(|p| (p.into_iter().map(|(t, _)| t).collect(), Vec::new()))
+            }
         }
     }
 }
@@ -355,33 +357,38 @@ fn speed_of(label: &str, cfg: ModelConfig) -> bool {
     );
     let (copy, gemm) = peaks(gpu.gpu());
     println!("copy bandwidth (1 GiB device copy, read + write): {:.0} GB/s; bf16 GEMM 8192^3 via cuBLAS: {:.0} TFLOP/s", copy / 1e9, gemm / 1e12);
+    products(gpu.gpu(), &cfg, copy, gemm);
     let kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2;
     let h = cfg.hidden_size;
     // Bytes one decode step reads: every matrix except the embedding (one row of it), the LM head.
     let step_bytes =
         |ctx: usize, batch: usize| (weights - cfg.vocab_size * h * 2 + batch * ctx * kv_per_token) as f64;
     let mut seqs = Seqs::new(blocks, bs);
-    let mut next_id = 0u64;
+    let (mut next_id, vocab) = (0u64, cfg.vocab_size as u64);
     let mut new_seq = |seqs: &mut Seqs, len: usize| {
         next_id += 1;
         let toks: Vec<u32> =
-            (0..len as u64).map(|i| ((next_id * 7919 + i * 104_729) % 128_000) as u32).collect();
+            (0..len as u64).map(|i| ((next_id * 7919 + i * 104_729) % vocab) as u32).collect();
         seqs.kv.add_sequence(SeqId(next_id), &toks).unwrap();
         SeqId(next_id)
     };
     // Decode: prefill `batch` prompts of `ctx` tokens, then time `n` greedy steps (only ids back),
     // then `n` more steps that bring every row's logits to the host.
     let mut decode =
-        |gpu: &mut GpuBackend, seqs: &mut Seqs, batch: usize, ctx: usize, n: usize| -> (f64, f64, f64) {
+        |gpu: &mut GpuBackend, seqs: &mut Seqs, batch: usize, ctx: usize, n: usize| -> [f64; 4] {
             let ids: Vec<SeqId> = (0..batch).map(|_| new_seq(seqs, ctx)).collect();
             for chunk in ids.chunks((4096 / ctx).max(1)) {
                 let parts: Vec<(SeqId, usize)> = chunk.iter().map(|&s| (s, ctx)).collect();
                 seqs.step(&parts, |st| gpu.forward_greedy(st));
             }
             let mut last: Vec<u32> = vec![1; batch];
-            // `n / 2` steps picking on the device or on the host, with or without CUDA graphs.
-            let mut timed = |greedy: bool, graphs: bool, gpu: &mut GpuBackend, seqs: &mut Seqs| {
+            // `n / 2` steps picking on the device or on the host, with or without CUDA graphs, with
+            // the skinny product or cuBLAS for the step's products.
+            let mut timed = |(greedy, graphs, skinny): (bool, bool, bool),
+                             gpu: &mut GpuBackend,
+                             seqs: &mut Seqs| {
                 gpu.set_cuda_graphs(graphs);
+                gpu.set_skinny_products(skinny);
                 let t = Instant::now();
                 for _ in 0..n / 2 {
                     for (s, tok) in ids.iter().zip(&last) {
@@ -389,32 +396,35 @@ fn speed_of(label: &str, cfg: ModelConfig) -> bool {
                     }
                     let parts: Vec<(SeqId, usize)> = ids.iter().map(|&s| (s, 1)).collect();
                     last = if greedy {
-                        seqs.step(&parts, |st| gpu.forward_greedy(st))
+                        seqs.step(&parts, |st| gpu.forward_greedy(st)).into_iter().map(|(t, _)| t).collect()
                     } else {
                         seqs.step(&parts, |st| gpu.forward(st)).iter().map(|l| argmax(l)).collect()
                     };
                 }
                 t.elapsed().as_secs_f64()
             };
-            // Alternating with and without graphs (A B A B), then logits to the host (graphs on).
-            let (mut with, mut without) = (0.0, 0.0);
+            // As served (graphs, skinny products), with cuBLAS instead, without graphs: alternating
+            // (A B C A B C); then with the logits to the host.
+            let modes = [(true, true, true), (true, true, false), (true, false, true)];
+            let mut secs = [0.0; 3];
             for _ in 0..2 {
-                with += timed(true, true, gpu, seqs);
-                without += timed(true, false, gpu, seqs);
+                for (m, s) in modes.iter().zip(secs.iter_mut()) {
+                    *s += timed(*m, gpu, seqs);
+                }
             }
-            let logits_s = timed(false, true, gpu, seqs);
+            let logits_s = timed((false, true, true), gpu, seqs);
             for s in ids {
                 seqs.kv.free_sequence(s, false).unwrap();
             }
             let tokens = (batch * (n / 2)) as f64;
-            (2.0 * tokens / with, 2.0 * tokens / without, tokens / logits_s)
+            [2.0 * tokens / secs[0], 2.0 * tokens / secs[1], 2.0 * tokens / secs[2], tokens / logits_s]
         };
     for (batch, ctx, n) in [(1usize, 512usize, 128usize), (1, 4096, 64), (64, 512, 32)] {
-        let (ids_tps, eager_tps, logits_tps) = decode(&mut gpu, &mut seqs, batch, ctx, n);
+        let [ids_tps, cublas_tps, eager_tps, logits_tps] = decode(&mut gpu, &mut seqs, batch, ctx, n);
         let bound = copy / step_bytes(ctx + n, batch) * batch as f64;
         let hbm = 4.8e12 / step_bytes(ctx + n, batch) * batch as f64;
         println!(
-            "{label}: decode batch {batch:2}, context {ctx}: {ids_tps:8.1} tok/s (ids only) = {:.2} of the copy-bandwidth bound ({bound:.0} tok/s), {:.2} of the 4.8 TB/s datasheet bound; without CUDA graphs {eager_tps:.1} tok/s; with every row's logits to the host {logits_tps:.1} tok/s",
+            "{label}: decode batch {batch:2}, context {ctx}: {ids_tps:8.1} tok/s (ids only) = {:.2} of the copy-bandwidth bound ({bound:.0} tok/s), {:.2} of the 4.8 TB/s datasheet bound; cuBLAS for every product {cublas_tps:.1}; without CUDA graphs {eager_tps:.1}; with every row's logits to the host {logits_tps:.1}",
             ids_tps / bound,
             ids_tps / hbm
         );
@@ -454,6 +464,82 @@ fn speed_of(label: &str, cfg: ModelConfig) -> bool {
         blocks
     );
     true
+}
+
+/// The layer's products (QKV, output, gate/up, down) and the LM head, each timed alone on random
+/// data at a decode step's rows (1, 64) and a prefill's (2,048), through cuBLAS and, for short steps,
+/// the skinny product: bandwidth against the copy rate, arithmetic against the GEMM rate, and the
+/// sum over the layers (what a step's products cost without anything between them).
+fn products(g: &pdserve_kernels_sm120::Gpu, cfg: &ModelConfig, copy: f64, gemm: f64) {
+    let (h, q, kv, inter) = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    );
+    let shapes = [
+        ("qkv", h, q + 2 * kv),
+        ("o", q, h),
+        ("gate_up", h, 2 * inter),
+        ("down", inter, h),
+        ("lm_head", h, cfg.vocab_size),
+    ];
+    for t in [1usize, 8, 64, 2048] {
+        let mut line = format!("  products at {t} rows:");
+        let (mut layer_cublas, mut layer_skinny) = (0.0, 0.0);
+        for (name, k, n) in shapes {
+            let mut x = g.zeros::<u16>(t * k).unwrap();
+            let mut w = g.zeros::<u16>(n * k).unwrap();
+            g.fill_random_bf16(&mut x.as_view_mut(), 3, 1.0).unwrap();
+            g.fill_random_bf16(&mut w.as_view_mut(), 4, 0.05).unwrap();
+            let mut y = g.zeros::<f32>(t * n).unwrap();
+            let mut time = |skinny: bool| {
+                median(
+                    (0..5)
+                        .map(|_| {
+                            g.time_ms(10, || {
+                                let (xv, wv, yv) = (&x.as_view(), &w.as_view(), &mut y.as_view_mut());
+                                if skinny {
+                                    g.gemv_bf16(xv, wv, yv, t, k, n)
+                                } else {
+                                    g.gemm_bf16_cublas(xv, wv, yv, t, k, n)
+                                }
+                            })
+                            .unwrap() as f64
+                        })
+                        .collect(),
+                )
+            };
+            let cublas = time(false);
+            let bytes = ((n * k + t * k) * 2 + t * n * 4) as f64;
+            let flops = 2.0 * (t * n * k) as f64;
+            line += &format!(
+                " {name} cuBLAS {:.3} ms ({:.2} of copy, {:.2} of GEMM)",
+                cublas,
+                bytes / (cublas * 1e-3) / copy,
+                flops / (cublas * 1e-3) / gemm
+            );
+            let skinny = if t <= pdserve_kernels_sm120::launch::GEMV_MAX_ROWS {
+                let s = time(true);
+                line += &format!(" skinny {:.3} ms ({:.2} of copy)", s, bytes / (s * 1e-3) / copy);
+                s
+            } else {
+                cublas
+            };
+            if name != "lm_head" {
+                layer_cublas += cublas;
+                layer_skinny += skinny;
+            }
+            line += ";";
+        }
+        println!("{line}");
+        println!(
+            "  products at {t} rows, all {} layers: cuBLAS {:.2} ms, as served {:.2} ms",
+            cfg.num_layers,
+            layer_cublas * cfg.num_layers as f64,
+            layer_skinny * cfg.num_layers as f64
+        );
+    }
 }
 
 /// Copy bandwidth (bytes read + written per second) and the bf16 GEMM rate (FLOP/s) of cuBLAS at

@@ -256,16 +256,6 @@ impl GpuBackend {
         n
     }
 
-    /// Runs one step and returns only each wanted row's greedy pick (argmax on the device, lowest id
-    /// on ties): the logits never leave the device.
-    pub fn forward_greedy(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<u32>, ModelError> {
-        check_steps(&self.cfg, &self.layout, steps)?;
-        match self.run(steps, Output::Greedy).map_err(dev)? {
-            StepOut::Greedy(ids) => Ok(ids),
-            StepOut::Logits(_) => unreachable!("asked for greedy picks"),
-        }
-    }
-
     /// The device, e.g. for its name.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
@@ -288,6 +278,15 @@ impl Backend for GpuBackend {
         match self.run(steps, Output::Logits).map_err(dev)? {
             StepOut::Logits(l) => Ok(l),
             StepOut::Greedy(_) => unreachable!("asked for logits"),
+        }
+    }
+
+    /// Picks on the device (argmax and log-sum-exp per row): the logits never leave it.
+    fn forward_greedy(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<(u32, f32)>, ModelError> {
+        check_steps(&self.cfg, &self.layout, steps)?;
+        match self.run(steps, Output::Greedy).map_err(dev)? {
+            StepOut::Greedy(picks) => Ok(picks),
+            StepOut::Logits(_) => unreachable!("asked for greedy picks"),
         }
     }
 

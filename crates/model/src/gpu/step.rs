@@ -87,6 +87,7 @@ pub(super) struct StepInputs {
     picked: DevVec<u16>,
     logits: DevVec<f32>,
     ids_out: DevVec<i32>,
+    lp_out: DevVec<f32>,
 }
 
 impl StepInputs {
@@ -104,6 +105,7 @@ impl StepInputs {
             picked: DevVec::new(),
             logits: DevVec::new(),
             ids_out: DevVec::new(),
+            lp_out: DevVec::new(),
         }
     }
 }
@@ -131,7 +133,8 @@ pub(super) enum Output {
 /// A step's result, by [`Output`].
 pub(super) enum StepOut {
     Logits(Vec<Vec<f32>>),
-    Greedy(Vec<u32>),
+    /// (token, log-probability) per wanted row.
+    Greedy(Vec<(u32, f32)>),
 }
 
 /// A step's shape as launched (padded rows included).
@@ -199,6 +202,13 @@ impl GpuBackend {
     /// already captured stay for when they are turned on again.
     pub fn set_cuda_graphs(&mut self, on: bool) {
         self.graphs.on = on;
+    }
+
+    /// Whether products of short steps take the skinny kernel (on by default) or cuBLAS; graphs
+    /// captured with the other choice are dropped.
+    pub fn set_skinny_products(&mut self, on: bool) {
+        self.gpu.set_skinny_products(on);
+        self.graphs.captured.clear();
     }
 
     /// (graphs captured, steps replayed from a graph) so far.
@@ -481,9 +491,12 @@ impl GpuBackend {
             }
             Output::Greedy => {
                 inp.ids_out.reserve(g, plan.logits)?;
-                g.argmax(&inp.logits.view(), plan.logits, vocab, &mut inp.ids_out.view_mut())?;
+                inp.lp_out.reserve(g, plan.logits)?;
+                let (ids, lps) = (&mut inp.ids_out.view_mut(), &mut inp.lp_out.view_mut());
+                g.argmax_with_logprobs(&inp.logits.view(), plan.logits, vocab, ids, Some(lps))?;
                 let ids = g.download(&inp.ids_out.first(plan.wanted))?;
-                StepOut::Greedy(ids.into_iter().map(|i| i as u32).collect())
+                let lps = g.download(&inp.lp_out.first(plan.wanted))?;
+                StepOut::Greedy(ids.into_iter().map(|i| i as u32).zip(lps).collect())
             }
         })
     }
