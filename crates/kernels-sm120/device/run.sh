@@ -6,6 +6,9 @@
 #            logits (random 1B shape, GPU vs CPU logits over 16 steps)
 #   speed    pdserve-gpu-models speed (random 8B shape: decode at batch 1 and 64, 2,048-token prefill)
 #   model    pdserve-gpu-vs-cpu --model $MODEL_DIR (the default model, imported elsewhere)
+#   serve    a random-weight checkpoint of the default model's config (tiny_reference.py write) with
+#            its tokenizer files from $BIN/tokenizer, served by pdserve-server --device cuda under 1
+#            and 64 concurrent streams (serve_load.py)
 # Binaries (built here, stripped) in $BIN (default: beside this script); outputs in $OUT.
 set -u
 B=$(cd "$(dirname "$0")" && pwd)
@@ -39,6 +42,11 @@ for stage in "$@"; do
       timeout 300 "$BIN/pdserve-gpu-models" speed 2>&1 | tee "$OUT/speed.txt" ;;
     model)
       timeout 300 "$BIN/pdserve-gpu-vs-cpu" --model "$MODEL_DIR" 2>&1 | tee "$OUT/model.txt" ;;
+    serve)
+      M=/tmp/random-default-shape
+      python3 "$ROOT/crates/model/tests/fixtures/tiny_reference.py" write $M "$(cat "$BIN/tokenizer/config.json")"
+      cp "$BIN"/tokenizer/tokenizer*.json $M/
+      timeout 300 python3 "$B/serve_load.py" "$BIN" $M ${STREAMS:-1,64} ${MAX_TOKENS:-128} 2>&1 | tee "$OUT/serve.txt" ;;
   esac
 done
 echo "=== done $(date +%T)"
