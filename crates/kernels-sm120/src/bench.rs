@@ -35,8 +35,10 @@ fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
     let block_size = 16;
     for (q_heads, kv_heads, head_dim, label) in [(32, 8, 128, "Llama-8B shape"), (9, 3, 64, "SmolLM2 shape")]
     {
-        for ctx in [4096usize, 8192, 16_384, 32_768] {
-            let batch = 32;
+        // One sequence (a single stream's step), then batch 32 at long contexts.
+        for (batch, ctx) in
+            [(1usize, 512usize), (1, 4096), (32, 4096), (32, 8192), (32, 16_384), (32, 32_768)]
+        {
             let blocks_per_seq = ctx / block_size;
             let num_slots = batch * ctx;
             let kv_dim = kv_heads * head_dim;
@@ -103,7 +105,9 @@ fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
             }
         }
     }
-    for (rows, dim, with_add) in [(16_384usize, 4096usize, true), (16_384, 4096, false), (65_536, 576, true)]
+    prefill(g, &mut rng)?;
+    for (rows, dim, with_add) in
+        [(16_384usize, 4096usize, true), (16_384, 4096, false), (65_536, 576, true), (1, 4096, true)]
     {
         let mut x = g.upload(&rng.vec(rows * dim, 1.0))?;
         let add = g.upload(&rng.vec(rows * dim, 1.0))?;
@@ -132,6 +136,57 @@ fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
             bw / peak,
             "-"
         );
+    }
+    Ok(())
+}
+
+/// Prefill attention of one 2,048-token prompt (no cached prefix), both kernels: causal FLOP rate.
+fn prefill(g: &Gpu, rng: &mut Rng) -> Result<(), KernelError> {
+    use crate::launch::{prefill_tiles_for, PrefillKernel, PrefillSeq};
+    use crate::PrefillAttention;
+    let (len, block_size) = (2048usize, 16usize);
+    for (q_heads, kv_heads, head_dim, label) in [(32, 8, 128, "Llama-8B shape"), (9, 3, 64, "SmolLM2 shape")]
+    {
+        let p = crate::checks::paged(rng, &[len], kv_heads, head_dim, block_size, 1.0);
+        let stride = (q_heads + 2 * kv_heads) * head_dim;
+        let (qd, kd, vd, td) =
+            (g.upload(&rng.vec(len * stride, 1.0))?, g.upload(&p.k)?, g.upload(&p.v)?, g.upload(&p.tables)?);
+        let mut out = g.zeros::<f32>(len * q_heads * head_dim)?;
+        let seqs = [PrefillSeq { seq: 0, first_row: 0, rows: len, first_pos: 0 }];
+        for (kernel, name) in [(PrefillKernel::TensorCore, "tc"), (PrefillKernel::CudaCore, "cc")] {
+            let tiles = prefill_tiles_for(kernel, &seqs, q_heads / kv_heads);
+            let tl = g.upload(&tiles)?;
+            let (qv, kv, vv, tv, tlv) =
+                (qd.as_view(), kd.as_view(), vd.as_view(), td.as_view(), tl.as_view());
+            let a = PrefillAttention {
+                q: &qv,
+                q_row_stride: stride,
+                k_cache: &kv,
+                v_cache: &vv,
+                block_tables: &tv,
+                bt_stride: p.bt_stride,
+                tiles: &tlv,
+                n_tiles: tiles.len() / 4,
+                q_heads,
+                kv_heads,
+                head_dim,
+                block_size,
+                scale: 1.0 / (head_dim as f32).sqrt(),
+            };
+            let ms = timed(g, || {
+                g.prefill_attention_with(kernel, &a, &mut out.as_view_mut(), q_heads * head_dim)
+            })?;
+            // QK^T and PV over the causal half: 2 x 2 x len^2 / 2 x head_dim per query head.
+            let flops = 2.0 * (len * len) as f64 * head_dim as f64 * q_heads as f64;
+            println!(
+                "{:<48} {:>9.4} {:>10} {:>8} {:>7}",
+                format!("prefill_attn/{name} {label} {len} tokens"),
+                ms,
+                format!("{:.1} TF/s", flops / (ms as f64 * 1e-3) / 1e12),
+                "-",
+                "-"
+            );
+        }
     }
     Ok(())
 }

@@ -294,14 +294,14 @@ fn check_gemm(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelErro
 }
 
 /// A paged cache with randomly placed blocks for sequences of the given lengths.
-struct Paged {
-    k: Vec<u16>,
-    v: Vec<u16>,
-    tables: Vec<i32>,
-    bt_stride: usize,
+pub(crate) struct Paged {
+    pub(crate) k: Vec<u16>,
+    pub(crate) v: Vec<u16>,
+    pub(crate) tables: Vec<i32>,
+    pub(crate) bt_stride: usize,
 }
 
-fn paged(
+pub(crate) fn paged(
     rng: &mut Rng,
     lens: &[usize],
     kv_heads: usize,
@@ -481,12 +481,20 @@ fn check_decode(g: &Gpu, rep: &mut Report, rng: &mut Rng, quick: bool) -> Result
 }
 
 fn check_prefill(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelError> {
-    // (cached prefix, new rows) per sequence.
-    for (seqs, q_heads, kv_heads, head_dim) in [
+    // (cached prefix, new rows) per sequence; both kernels (the tensor cores take Q and P in bf16).
+    let cases = [
         (vec![(0usize, 37usize), (100, 20), (5, 1), (0, 1)], 9, 3, 64),
         (vec![(0, 70), (33, 9)], 32, 8, 128),
         (vec![(500, 130)], 16, 16, 64),
-    ] {
+        (vec![(0, 300), (1000, 77)], 32, 8, 128),
+    ];
+    let kernels = [
+        (launch::PrefillKernel::TensorCore, "tc", 5e-3),
+        (launch::PrefillKernel::CudaCore, "cuda-core", 2e-4),
+    ];
+    for ((seqs, q_heads, kv_heads, head_dim), (kernel, label, tol)) in
+        cases.iter().flat_map(|c| kernels.iter().map(move |k| (c.clone(), *k)))
+    {
         let block_size = 16;
         let lens: Vec<usize> = seqs.iter().map(|&(c, n)| c + n).collect();
         let p = paged(rng, &lens, kv_heads, head_dim, block_size, 1.0);
@@ -500,7 +508,7 @@ fn check_prefill(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelE
             ps.push(launch::PrefillSeq { seq: i, first_row: row, rows: n, first_pos: cached });
             row += n;
         }
-        let tiles = launch::prefill_tiles(&ps, group);
+        let tiles = launch::prefill_tiles_for(kernel, &ps, group);
         let (qd, kd, vd, td, tl) =
             (g.upload(&q)?, g.upload(&p.k)?, g.upload(&p.v)?, g.upload(&p.tables)?, g.upload(&tiles)?);
         let out_stride = q_heads * head_dim;
@@ -522,7 +530,7 @@ fn check_prefill(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelE
             block_size,
             scale,
         };
-        g.prefill_attention(&a, &mut out.as_view_mut(), out_stride)?;
+        g.prefill_attention_with(kernel, &a, &mut out.as_view_mut(), out_stride)?;
         let got = g.download(&out.as_view())?;
         let cache = PagedKv { k: &p.k, v: &p.v, kv_heads, head_dim, block_size };
         let mut want = Vec::new();
@@ -536,8 +544,8 @@ fn check_prefill(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), KernelE
                 }
             }
         }
-        let name = format!("prefill_attn d{head_dim} q{q_heads}/kv{kv_heads} seqs {seqs:?}");
-        rep.check(&name, rel_err(&got, &want), 2e-4);
+        let name = format!("prefill_attn/{label} d{head_dim} q{q_heads}/kv{kv_heads} seqs {seqs:?}");
+        rep.check(&name, rel_err(&got, &want), tol);
     }
     Ok(())
 }

@@ -737,9 +737,22 @@ impl Gpu {
         Ok(plan)
     }
 
-    /// Causal prefill attention over paged KV for the tiles of [`launch::prefill_tiles`].
+    /// Causal prefill attention over paged KV on the tensor cores, for the tiles of
+    /// [`launch::prefill_tiles`].
     pub fn prefill_attention(
         &self,
+        a: &PrefillAttention<'_>,
+        out: &mut CudaViewMut<'_, f32>,
+        out_row_stride: usize,
+    ) -> Result<(), KernelError> {
+        self.prefill_attention_with(launch::PrefillKernel::TensorCore, a, out, out_row_stride)
+    }
+
+    /// [`prefill_attention`](Self::prefill_attention) with a chosen kernel; `a.tiles` from
+    /// [`launch::prefill_tiles_for`] with the same kernel.
+    pub fn prefill_attention_with(
+        &self,
+        kernel: launch::PrefillKernel,
         a: &PrefillAttention<'_>,
         out: &mut CudaViewMut<'_, f32>,
         out_row_stride: usize,
@@ -762,7 +775,16 @@ impl Gpu {
             fits_i32("block_size", a.block_size)?,
             fits_i32("out_row_stride", out_row_stride)?,
         );
-        let name = if a.head_dim == 64 { "prefill_attn_d64" } else { "prefill_attn_d128" };
+        let name = match (kernel, a.head_dim) {
+            (launch::PrefillKernel::TensorCore, 64) => "prefill_attn_tc_d64",
+            (launch::PrefillKernel::TensorCore, _) => "prefill_attn_tc_d128",
+            (launch::PrefillKernel::CudaCore, 64) => "prefill_attn_d64",
+            (launch::PrefillKernel::CudaCore, _) => "prefill_attn_d128",
+        };
+        let threads = match kernel {
+            launch::PrefillKernel::TensorCore => launch::PREFILL_TC_THREADS,
+            launch::PrefillKernel::CudaCore => launch::PREFILL_THREADS,
+        };
         let mut b = self.stream.launch_builder(self.func(name));
         b.arg(a.q).arg(&qs).arg(a.k_cache).arg(a.v_cache).arg(a.block_tables).arg(&bts).arg(a.tiles);
         b.arg(&nkv).arg(&group).arg(&bs).arg(&a.scale).arg(out).arg(&ors);
@@ -771,16 +793,16 @@ impl Gpu {
             b,
             LaunchConfig {
                 grid_dim: (tiles, a.kv_heads as u32, 1),
-                block_dim: (launch::PREFILL_THREADS, 1, 1),
+                block_dim: (threads, 1, 1),
                 shared_mem_bytes: 0,
             },
         )
     }
 
     /// `y[t x n] = x[t x k] . w[n x k]^T`: bf16 inputs, f32 accumulation and output. Steps of up to
-    /// [`launch::GEMV_MAX_ROWS`] rows take the skinny product ([`gemv_bf16`](Self::gemv_bf16), a
-    /// bandwidth-bound kernel) when `k` is a multiple of 8 and both inputs start 16-byte aligned;
-    /// the rest go through cuBLAS.
+    /// [`launch::GEMV_MAX_ROWS`] rows with a weight matrix of at most [`launch::GEMV_MAX_WEIGHTS`]
+    /// values take the skinny product ([`gemv_bf16`](Self::gemv_bf16)) when `k` is a multiple of 8
+    /// and both inputs start 16-byte aligned; the rest go through cuBLAS.
     pub fn gemm_bf16(
         &self,
         x: &CudaView<'_, u16>,
@@ -792,6 +814,7 @@ impl Gpu {
     ) -> Result<(), KernelError> {
         if self.skinny
             && t <= launch::GEMV_MAX_ROWS
+            && n * k <= launch::GEMV_MAX_WEIGHTS
             && k.is_multiple_of(8)
             && sys::aligned16(&self.stream, x, w)
         {

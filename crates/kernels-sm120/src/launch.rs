@@ -18,12 +18,40 @@ pub const DECODE_TC_TILE: usize = 64;
 pub const PREFILL_THREADS: u32 = 128;
 /// Keys per shared-memory tile of prefill attention (`PA_KT`).
 pub const PREFILL_KEY_TILE: usize = 32;
-/// Query vectors (rows x group) per prefill attention block (`PA_MAXP`).
+/// Query vectors (rows x group) per block of the CUDA-core prefill attention (`PA_MAXP`).
 pub const PREFILL_MAX_PAIRS: usize = 16;
+/// Threads per block of the tensor-core prefill attention (`PT_THREADS`).
+pub const PREFILL_TC_THREADS: u32 = 128;
+/// Query vectors per block of the tensor-core prefill attention (`PT_PAIRS`: 16 per warp).
+pub const PREFILL_TC_PAIRS: usize = 64;
+/// Keys per shared-memory tile of the tensor-core prefill attention (`PT_KT`).
+pub const PREFILL_TC_KEY_TILE: usize = 64;
+
+/// Which prefill attention kernel: tensor cores (the default) or CUDA cores (kept for comparison).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillKernel {
+    TensorCore,
+    CudaCore,
+}
+
+impl PrefillKernel {
+    /// Query vectors one block takes.
+    pub fn pairs(self) -> usize {
+        match self {
+            PrefillKernel::TensorCore => PREFILL_TC_PAIRS,
+            PrefillKernel::CudaCore => PREFILL_MAX_PAIRS,
+        }
+    }
+}
 /// Threads per block of the sampling kernels (`SAMPLE_THREADS`).
 pub const SAMPLE_THREADS: u32 = 1024;
 /// Most rows the skinny product (`gemv_bf16`) takes; `GEMV_MAX_ROWS` in gemv.cu.
 pub const GEMV_MAX_ROWS: usize = 8;
+/// Largest weight matrix (values) the skinny product takes inside `gemm_bf16`: on an H200 it beat
+/// cuBLAS on the default model's layer matrices (0.6-3.5 M values: 4-6 us against 8 us) and lost on
+/// larger ones (cuBLAS reads 17-117 M-value matrices at 0.67-1.0 of the copy rate, the skinny kernel
+/// at 0.38-0.62).
+pub const GEMV_MAX_WEIGHTS: usize = 1 << 22;
 /// Warps per block of `gemv_bf16` (one output column each); `GEMV_WARPS` in gemv.cu.
 pub const GEMV_WARPS: u32 = 8;
 /// Threads per block of the row-wise kernels (norm, rope, gathers, KV write).
@@ -103,9 +131,9 @@ pub fn decode_plan_with_splits(
     }
 }
 
-/// Rows of one sequence per prefill attention tile for a query group size.
-pub fn prefill_rows_per_tile(group: usize) -> usize {
-    (PREFILL_MAX_PAIRS / group.max(1)).max(1)
+/// Rows of one sequence per prefill attention tile of `kernel` for a query group size.
+pub fn prefill_rows_per_tile(kernel: PrefillKernel, group: usize) -> usize {
+    (kernel.pairs() / group.max(1)).max(1)
 }
 
 /// One prefill sequence's new tokens: which sequence (index into the block-table array), its first
@@ -118,9 +146,15 @@ pub struct PrefillSeq {
     pub first_pos: usize,
 }
 
-/// The tile table of prefill attention: 4 ints per tile (sequence, first row, rows, first position).
+/// The tile table of the default (tensor-core) prefill attention: 4 ints per tile (sequence, first
+/// row, rows, first position).
 pub fn prefill_tiles(seqs: &[PrefillSeq], group: usize) -> Vec<i32> {
-    let per = prefill_rows_per_tile(group);
+    prefill_tiles_for(PrefillKernel::TensorCore, seqs, group)
+}
+
+/// The tile table of `kernel`'s prefill attention.
+pub fn prefill_tiles_for(kernel: PrefillKernel, seqs: &[PrefillSeq], group: usize) -> Vec<i32> {
+    let per = prefill_rows_per_tile(kernel, group);
     let mut out = Vec::new();
     for s in seqs {
         let mut r = 0;
@@ -181,6 +215,12 @@ pub fn prefill_smem_bytes(head_dim: usize) -> usize {
     let p = PREFILL_MAX_PAIRS;
     4 * (2 * p * head_dim + PREFILL_KEY_TILE * (head_dim + 1) + p * PREFILL_KEY_TILE + 3 * p)
         + 2 * PREFILL_KEY_TILE * head_dim
+}
+
+/// Static shared memory (bytes) of `prefill_attn_tc_d{head_dim}`: one K and one V tile, rows padded
+/// by 16 bytes.
+pub fn prefill_tc_smem_bytes(head_dim: usize) -> usize {
+    2 * PREFILL_TC_KEY_TILE * (head_dim + 8) * 2
 }
 
 /// Why a model shape cannot use these attention kernels, if it cannot.
@@ -260,7 +300,7 @@ mod tests {
             PrefillSeq { seq: 2, first_row: 11, rows: 1, first_pos: 0 },
             PrefillSeq { seq: 3, first_row: 12, rows: 5, first_pos: 100 },
         ];
-        let t = prefill_tiles(&seqs, 3); // 5 rows per tile
+        let t = prefill_tiles_for(PrefillKernel::CudaCore, &seqs, 3); // 5 rows per tile
         let tiles: Vec<&[i32]> = t.chunks(4).collect();
         assert_eq!(tiles.len(), 3 + 1 + 1);
         assert_eq!(tiles[0], &[0, 0, 5, 5]);
@@ -272,9 +312,15 @@ mod tests {
         for t in &tiles {
             assert!(t[2] as usize * 3 <= PREFILL_MAX_PAIRS);
         }
-        assert_eq!(prefill_rows_per_tile(1), 16);
-        assert_eq!(prefill_rows_per_tile(8), 2);
-        assert_eq!(prefill_rows_per_tile(16), 1);
+        assert_eq!(prefill_rows_per_tile(PrefillKernel::CudaCore, 1), 16);
+        assert_eq!(prefill_rows_per_tile(PrefillKernel::CudaCore, 8), 2);
+        assert_eq!(prefill_rows_per_tile(PrefillKernel::CudaCore, 16), 1);
+        // Tensor cores: 64 query vectors a block (a group of 3 leaves one unused).
+        assert_eq!(prefill_rows_per_tile(PrefillKernel::TensorCore, 1), 64);
+        assert_eq!(prefill_rows_per_tile(PrefillKernel::TensorCore, 3), 21);
+        assert_eq!(prefill_rows_per_tile(PrefillKernel::TensorCore, 16), 4);
+        let t = prefill_tiles(&seqs, 4);
+        assert_eq!(t, vec![0, 0, 11, 5, 2, 11, 1, 0, 3, 12, 5, 100]);
     }
 
     #[test]

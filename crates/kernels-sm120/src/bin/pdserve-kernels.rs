@@ -22,6 +22,9 @@ fn smem_budget(kernel: &str) -> Option<usize> {
         let (d, g) = rest.split_once("_g")?;
         return Some(launch::decode_smem_bytes(d.parse().ok()?, g.parse().ok()?));
     }
+    if let Some(d) = kernel.strip_prefix("prefill_attn_tc_d") {
+        return Some(launch::prefill_tc_smem_bytes(d.parse().ok()?));
+    }
     let d = kernel.strip_prefix("prefill_attn_d")?;
     Some(launch::prefill_smem_bytes(d.parse().ok()?))
 }
