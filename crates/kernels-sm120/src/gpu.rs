@@ -631,8 +631,9 @@ impl Gpu {
         launch::decode_plan(batch, kv_heads, group, head_dim, max_ctx, per_sm * self.sms)
     }
 
-    /// Paged decode attention with the default kernel ([`DecodeKernel::TensorCore`]; the CUDA-core
-    /// kernel for block sizes that are not powers of two).
+    /// Paged decode attention with the kernel that measured faster for the step's size: the CUDA-core
+    /// kernel for steps reading little KV ([`launch::cuda_core_decode_pays`]) and for block sizes
+    /// that are not powers of two, the tensor-core kernel otherwise.
     pub fn decode_attention(
         &self,
         a: &DecodeAttention<'_>,
@@ -640,8 +641,13 @@ impl Gpu {
         out: &mut CudaViewMut<'_, f32>,
         out_row_stride: usize,
     ) -> Result<DecodePlan, KernelError> {
-        let kind =
-            if a.block_size.is_power_of_two() { DecodeKernel::TensorCore } else { DecodeKernel::CudaCore };
+        let group = a.q_heads / a.kv_heads.max(1);
+        let small = launch::cuda_core_decode_pays(a.batch, a.max_ctx, a.kv_heads, a.head_dim, group);
+        let kind = if a.block_size.is_power_of_two() && !small {
+            DecodeKernel::TensorCore
+        } else {
+            DecodeKernel::CudaCore
+        };
         self.decode_attention_with(DecodeOptions::kernel(kind), a, scratch, out, out_row_stride)
     }
 

@@ -131,6 +131,26 @@ pub fn decode_plan_with_splits(
     }
 }
 
+/// KV bytes a decode step reads at most for which [`cuda_core_decode_pays`] picks the CUDA-core
+/// kernel: below it the tensor-core kernel's fixed cost per block dominates (H200, 2026-12-04: one
+/// sequence at 512-4,096 tokens took 27-31 us on CUDA cores against 41-45 us on tensor cores; the
+/// default model's shape at batch 32 x 4,096 (100 MB) 62 against 77 us, at x 8,192 (201 MB) even,
+/// and beyond that the tensor cores win, as for the 8B shape at batch 32 from 4,096 tokens).
+pub const DECODE_CUDA_CORE_MAX_BYTES: usize = 128 << 20;
+
+/// Whether the CUDA-core decode kernel is the faster one for a step reading the K and V of `batch`
+/// sequences of up to `max_ctx` tokens (bf16), and can run it (at most [`DECODE_MAX_GROUP`] query
+/// heads per KV head).
+pub fn cuda_core_decode_pays(
+    batch: usize,
+    max_ctx: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    group: usize,
+) -> bool {
+    group <= DECODE_MAX_GROUP && 2 * batch * max_ctx * kv_heads * head_dim * 2 <= DECODE_CUDA_CORE_MAX_BYTES
+}
+
 /// Rows of one sequence per prefill attention tile of `kernel` for a query group size.
 pub fn prefill_rows_per_tile(kernel: PrefillKernel, group: usize) -> usize {
     (kernel.pairs() / group.max(1)).max(1)
@@ -291,6 +311,19 @@ mod tests {
         assert_eq!(p.grid_x, 6);
         assert_eq!(p.partial_out, 2 * 9 * p.splits * 64);
         assert_eq!(p.partial_ml, 2 * 9 * p.splits * 2);
+    }
+
+    #[test]
+    fn small_decode_steps_take_the_cuda_core_kernel() {
+        // One 8B-shape sequence (8 KV heads of 128) up to 32K tokens: 128 MiB at 32,768.
+        assert!(cuda_core_decode_pays(1, 4096, 8, 128, 4));
+        assert!(cuda_core_decode_pays(1, 32_768, 8, 128, 4));
+        assert!(!cuda_core_decode_pays(32, 4096, 8, 128, 4));
+        // The default model's shape (3 KV heads of 64) at batch 32: 4,096 yes, 16,384 no.
+        assert!(cuda_core_decode_pays(32, 4096, 3, 64, 3));
+        assert!(!cuda_core_decode_pays(32, 16_384, 3, 64, 3));
+        // Groups past 8 have only the tensor-core kernel.
+        assert!(!cuda_core_decode_pays(1, 16, 1, 64, 16));
     }
 
     #[test]

@@ -48,7 +48,7 @@ pub use cpu::CpuBackend;
 pub use error::ModelError;
 pub use generation::GenerationConfig;
 #[cfg(feature = "cuda")]
-pub use gpu::{GpuBackend, RANDOM_WEIGHT_SCALE};
+pub use gpu::{GpuBackend, StepTimes, RANDOM_WEIGHT_SCALE};
 pub use prepare::PreparedWeights;
 pub use quant::WeightFormat;
 pub use sampling::{Sampled, Sampler, SamplingParams};

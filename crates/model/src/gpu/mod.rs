@@ -24,6 +24,7 @@ use crate::{ModelConfig, ModelError};
 
 mod step;
 
+pub use step::StepTimes;
 use step::{Graphs, Output, StepBuffers, StepInputs, StepOut};
 
 fn dev(e: KernelError) -> ModelError {

@@ -155,19 +155,32 @@ struct Plan {
 /// (decode rows, context bucket, block-table width).
 type Key = (usize, usize, usize);
 
-/// The decode-step graphs of one backend.
+/// The decode-step graphs of one backend, and where its steps' time went.
 pub(super) struct Graphs {
     on: bool,
     captured: HashMap<Key, StepGraph>,
     seen: HashSet<Key>,
     captures: u64,
     replays: u64,
+    times: StepTimes,
+}
+
+/// Wall-clock seconds a backend's steps spent, summed since the last
+/// [`GpuBackend::take_step_times`]: describing the step and copying it to the device, queueing its
+/// launches (or its graph), and waiting for the device and copying the result back.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepTimes {
+    pub steps: u64,
+    pub prepare_s: f64,
+    pub launch_s: f64,
+    pub finish_s: f64,
 }
 
 impl Graphs {
     pub(super) fn new() -> Graphs {
         let on = std::env::var("PDSERVE_CUDA_GRAPHS").map_or(true, |v| v != "0");
-        Graphs { on, captured: HashMap::new(), seen: HashSet::new(), captures: 0, replays: 0 }
+        let times = StepTimes::default();
+        Graphs { on, captured: HashMap::new(), seen: HashSet::new(), captures: 0, replays: 0, times }
     }
 }
 
@@ -209,6 +222,11 @@ impl GpuBackend {
     pub fn set_skinny_products(&mut self, on: bool) {
         self.gpu.set_skinny_products(on);
         self.graphs.captured.clear();
+    }
+
+    /// Where the steps' time went since the last call (and starts counting again).
+    pub fn take_step_times(&mut self) -> StepTimes {
+        std::mem::take(&mut self.graphs.times)
     }
 
     /// (graphs captured, steps replayed from a graph) so far.
@@ -436,7 +454,9 @@ impl GpuBackend {
 
     /// Runs one step: eagerly, or by replaying (or first capturing) its graph.
     pub(super) fn run(&mut self, steps: &[SeqStep<'_>], output: Output) -> Result<StepOut, KernelError> {
+        let t0 = std::time::Instant::now();
         let (plan, key, grew) = self.prepare(steps)?;
+        let t1 = std::time::Instant::now();
         if grew {
             self.graphs.captured.clear();
         }
@@ -474,6 +494,18 @@ impl GpuBackend {
         if self.scratch.capacity() != scratch {
             self.graphs.captured.clear();
         }
+        let t2 = std::time::Instant::now();
+        let out = self.finish(&plan, output);
+        let times = &mut self.graphs.times;
+        times.steps += 1;
+        times.prepare_s += (t1 - t0).as_secs_f64();
+        times.launch_s += (t2 - t1).as_secs_f64();
+        times.finish_s += t2.elapsed().as_secs_f64();
+        out
+    }
+
+    /// Waits for the step and brings back what `output` asks for.
+    fn finish(&mut self, plan: &Plan, output: Output) -> Result<StepOut, KernelError> {
         let g = &self.gpu;
         if plan.logits == 0 {
             g.synchronize()?;
