@@ -81,7 +81,9 @@ fn no_gpu_hint() -> &'static str {
 }
 
 /// `cargo xtask test-gpu`: every kernel against its CPU reference on the GPU, then the GPU backend's
-/// greedy output against the CPU backend's on the fixture prompts.
+/// greedy output against the CPU backend's on the fixture prompts, on a tiny random checkpoint of
+/// each architecture (`pdserve-gpu-models arch`, needs python3 with numpy) and its logits on a
+/// random-weight 1B shape (`logits`).
 pub fn test_gpu(args: &[String]) -> Result<()> {
     cargo(&["build", "--release", "-p", "pdserve-kernels-sm120", "--bin", "pdserve-kernels"])?;
     cargo(&[
@@ -93,14 +95,35 @@ pub fn test_gpu(args: &[String]) -> Result<()> {
         "cuda",
         "--bin",
         "pdserve-gpu-vs-cpu",
+        "--bin",
+        "pdserve-gpu-models",
     ])?;
     run(Command::new("target/release/pdserve-kernels").arg("check").args(args)).with_context(no_gpu_hint)?;
     let model = crate::fetch_model(&[])?;
-    run(Command::new("target/release/pdserve-gpu-vs-cpu").arg("--model").arg(model)).with_context(no_gpu_hint)
+    run(Command::new("target/release/pdserve-gpu-vs-cpu").arg("--model").arg(model))
+        .with_context(no_gpu_hint)?;
+    let script = "crates/model/tests/fixtures/tiny_reference.py";
+    run(Command::new("target/release/pdserve-gpu-models").args(["arch", script]))
+        .with_context(no_gpu_hint)?;
+    run(Command::new("target/release/pdserve-gpu-models").arg("logits")).with_context(no_gpu_hint)
 }
 
-/// `cargo xtask bench-gpu`: decode attention and RMSNorm bandwidth as a fraction of the copy peak.
+/// `cargo xtask bench-gpu`: decode attention and RMSNorm bandwidth as a fraction of the copy peak,
+/// prefill attention's FLOP rate, then the model on random-weight Llama-3-8B and default-model
+/// shapes (`pdserve-gpu-models speed`: decode at batch 1 and 64 against the bandwidth bound, a
+/// 2,048-token prefill against the GEMM rate).
 pub fn bench_gpu(args: &[String]) -> Result<()> {
     cargo(&["build", "--release", "-p", "pdserve-kernels-sm120", "--bin", "pdserve-kernels"])?;
-    run(Command::new("target/release/pdserve-kernels").arg("bench").args(args)).with_context(no_gpu_hint)
+    cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "pdserve-model",
+        "--features",
+        "cuda",
+        "--bin",
+        "pdserve-gpu-models",
+    ])?;
+    run(Command::new("target/release/pdserve-kernels").arg("bench").args(args)).with_context(no_gpu_hint)?;
+    run(Command::new("target/release/pdserve-gpu-models").arg("speed")).with_context(no_gpu_hint)
 }
