@@ -123,6 +123,11 @@ impl Core {
                 logits: if i.sample { i.draft + 1 } else { 0 },
             })
             .collect();
+        // Before the constraints leave `live` for the mask thread: a constrained request needs logits.
+        let picks = self.picks_only(&batch);
+        if picks {
+            self.metrics.greedy_steps.add(1);
+        }
         // The token masks of constrained requests are computed on a second thread while the forward
         // pass runs: they depend only on the tokens so far.
         let mut guided: Vec<(u64, Guide)> = batch
@@ -132,10 +137,6 @@ impl Core {
             .collect();
         let served =
             self.step_thread && steps.iter().map(|s| s.tokens.len()).sum::<usize>() >= SERVED_STEP_TOKENS;
-        let picks = self.picks_only(&batch);
-        if picks {
-            self.metrics.greedy_steps.add(1);
-        }
         let (result, masks) = std::thread::scope(|scope| {
             let masker = (!guided.is_empty()).then(|| {
                 scope.spawn(|| guided.iter_mut().map(|(id, g)| (*id, g.mask())).collect::<HashMap<u64, _>>())
