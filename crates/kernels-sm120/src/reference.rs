@@ -221,8 +221,9 @@ pub fn draw(allowed: &[(usize, f64)], u: f32) -> usize {
 
 /// The lowest id holding the largest logit.
 pub fn argmax(logits: &[f32]) -> usize {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
+    // From the first value that is not NaN: a NaN is never the pick.
+    let mut best = logits.iter().position(|x| !x.is_nan()).unwrap_or(0);
+    for (i, &v) in logits.iter().enumerate().skip(best) {
         if v > logits[best] {
             best = i;
         }

@@ -71,7 +71,10 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int voc
     __syncthreads();
     const float m = s_v[0];
     float sum = 0.f;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) sum += expf(x[i] - m);
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+        const float v = x[i];
+        if (v == v) sum += expf(v - m);  // NaN ignored, as in the pick
+    }
     sum = block_sum(sum, sh);
     if (threadIdx.x == 0) logprob[blockIdx.x] = -logf(sum);
 }

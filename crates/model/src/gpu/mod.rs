@@ -49,6 +49,8 @@ struct DevLayer {
 
 /// Runs a Llama-family model on one NVIDIA GPU.
 pub struct GpuBackend {
+    /// First, so the graphs go before the modules and the cuBLAS handle they hold kernels of.
+    graphs: Graphs,
     gpu: Gpu,
     cfg: ModelConfig,
     layout: KvLayout,
@@ -63,7 +65,6 @@ pub struct GpuBackend {
     scratch: DecodeScratch,
     bufs: Option<StepBuffers>,
     inputs: StepInputs,
-    graphs: Graphs,
 }
 
 impl std::fmt::Debug for GpuBackend {

@@ -452,8 +452,18 @@ impl GpuBackend {
         graph
     }
 
-    /// Runs one step: eagerly, or by replaying (or first capturing) its graph.
+    /// Runs one step: eagerly, or by replaying (or first capturing) its graph. A step that fails may
+    /// have replaced a buffer before failing (a later allocation ran out of memory), so every graph
+    /// is dropped then: none may replay with a freed pointer.
     pub(super) fn run(&mut self, steps: &[SeqStep<'_>], output: Output) -> Result<StepOut, KernelError> {
+        let out = self.run_step(steps, output);
+        if out.is_err() {
+            self.graphs.captured.clear();
+        }
+        out
+    }
+
+    fn run_step(&mut self, steps: &[SeqStep<'_>], output: Output) -> Result<StepOut, KernelError> {
         let t0 = std::time::Instant::now();
         let (plan, key, grew) = self.prepare(steps)?;
         let t1 = std::time::Instant::now();
