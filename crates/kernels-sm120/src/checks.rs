@@ -558,17 +558,20 @@ fn check_sampling(g: &Gpu, rep: &mut Report, rng: &mut Rng) -> Result<(), Kernel
     let m = logits[..vocab].iter().cloned().fold(f32::MIN, f32::max) + 1.0;
     logits[700] = m;
     logits[90] = m;
-    // A NaN first in row 1: never picked, left out of the log-sum-exp.
-    logits[vocab] = f32::NAN;
     let ld = g.upload(&logits)?;
+    // For the greedy picks, also a NaN first in row 1: never picked, left out of the log-sum-exp
+    // (the sampling rows below take the logits without it).
+    let mut with_nan = logits.clone();
+    with_nan[vocab] = f32::NAN;
+    let nd = g.upload(&with_nan)?;
     let mut out = g.upload(&vec![-1i32; rows])?;
-    g.argmax(&ld.as_view(), rows, vocab, &mut out.as_view_mut())?;
+    g.argmax(&nd.as_view(), rows, vocab, &mut out.as_view_mut())?;
     let got = g.download(&out.as_view())?;
-    let want: Vec<i32> = logits.chunks(vocab).map(|l| r::argmax(l) as i32).collect();
-    rep.exact("argmax_rows 64 x 49152 (lowest id on ties)", got == want && got[0] == 90, "");
+    let want: Vec<i32> = with_nan.chunks(vocab).map(|l| r::argmax(l) as i32).collect();
+    rep.exact("argmax_rows 64 x 49152 (lowest id on ties, NaN never)", got == want && got[0] == 90, "");
     let mut lp = g.upload(&vec![f32::NAN; rows])?;
-    g.argmax_with_logprobs(&ld.as_view(), rows, vocab, &mut out.as_view_mut(), Some(&mut lp.as_view_mut()))?;
-    let want_lp: Vec<f32> = logits
+    g.argmax_with_logprobs(&nd.as_view(), rows, vocab, &mut out.as_view_mut(), Some(&mut lp.as_view_mut()))?;
+    let want_lp: Vec<f32> = with_nan
         .chunks(vocab)
         .map(|l| {
             let m = l.iter().cloned().fold(f32::MIN, f32::max) as f64;
