@@ -35,10 +35,17 @@ fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
     let block_size = 16;
     for (q_heads, kv_heads, head_dim, label) in [(32, 8, 128, "Llama-8B shape"), (9, 3, 64, "SmolLM2 shape")]
     {
-        // One sequence (a single stream's step), then batch 32 at long contexts.
-        for (batch, ctx) in
-            [(1usize, 512usize), (1, 4096), (32, 4096), (32, 8192), (32, 16_384), (32, 32_768)]
-        {
+        // One sequence (a single stream's step), 64 short ones, then batch 32 at long contexts.
+        for (batch, ctx) in [
+            (1usize, 512usize),
+            (1, 4096),
+            (64, 512),
+            (64, 1024),
+            (32, 4096),
+            (32, 8192),
+            (32, 16_384),
+            (32, 32_768),
+        ] {
             let blocks_per_seq = ctx / block_size;
             let num_slots = batch * ctx;
             let kv_dim = kv_heads * head_dim;
@@ -106,6 +113,7 @@ fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
         }
     }
     prefill(g, &mut rng)?;
+    small_kernels(g, &mut rng)?;
     for (rows, dim, with_add) in
         [(16_384usize, 4096usize, true), (16_384, 4096, false), (65_536, 576, true), (1, 4096, true)]
     {
@@ -136,6 +144,66 @@ fn bench(g: &Gpu, sweep_splits: bool) -> Result<(), KernelError> {
             bw / peak,
             "-"
         );
+    }
+    Ok(())
+}
+
+/// The per-layer row-wise kernels of a decode step (8B shape) at 1 and 64 rows: what each costs
+/// beside the products and the attention.
+fn small_kernels(g: &Gpu, rng: &mut Rng) -> Result<(), KernelError> {
+    let (h, nq, nkv, hd, inter) = (4096usize, 32usize, 8usize, 128usize, 14_336usize);
+    let qkv_w = (nq + 2 * nkv) * hd;
+    for t in [1usize, 64] {
+        let mut x = g.upload(&rng.vec(t * h, 1.0))?;
+        let add = g.upload(&rng.vec(t * h, 1.0))?;
+        let w = g.upload(&rng.bf16(h, 1.0))?;
+        let mut hb = g.zeros::<u16>(t * h)?;
+        let mut qkv = g.upload(&rng.vec(t * qkv_w, 1.0))?;
+        let pos = g.upload(&(0..t as i32).collect::<Vec<_>>())?;
+        let inv = g.upload(&crate::reference::inv_freq(500_000.0, hd))?;
+        let slots = g.upload(&(0..t as i64).collect::<Vec<_>>())?;
+        let (mut kc, mut vc) = (g.zeros::<u16>(t * nkv * hd)?, g.zeros::<u16>(t * nkv * hd)?);
+        let gu = g.upload(&rng.vec(t * 2 * inter, 1.0))?;
+        let mut act = g.zeros::<u16>(t * inter)?;
+        let attn = g.upload(&rng.vec(t * nq * hd, 1.0))?;
+        let mut attn_bf = g.zeros::<u16>(t * nq * hd)?;
+        let av = add.as_view();
+        let line = |name: &str, ms: f32| {
+            println!(
+                "{:<48} {:>9.4} {:>10} {:>8} {:>7}",
+                format!("{name} 8B shape, {t} rows"),
+                ms,
+                "-",
+                "-",
+                "-"
+            )
+        };
+        let ms = timed(g, || {
+            g.rmsnorm_residual(
+                &mut x.as_view_mut(),
+                Some(&av),
+                &w.as_view(),
+                &mut hb.as_view_mut(),
+                t,
+                h,
+                1e-5,
+            )
+        })?;
+        line("rmsnorm_residual", ms);
+        let ms = timed(g, || {
+            g.rope_qk(&mut qkv.as_view_mut(), &pos.as_view(), &inv.as_view(), qkv_w, nq + nkv, hd, 1.0)
+        })?;
+        line("rope_qk", ms);
+        let offsets = (nq * hd, (nq + nkv) * hd, nkv * hd);
+        let ms = timed(g, || {
+            let (k, v) = (&mut kc.as_view_mut(), &mut vc.as_view_mut());
+            g.kv_write(&qkv.as_view(), qkv_w, offsets, &slots.as_view(), k, v, t)
+        })?;
+        line("kv_write", ms);
+        let ms = timed(g, || g.cast_bf16(&attn.as_view(), &mut attn_bf.as_view_mut(), t * nq * hd))?;
+        line("cast_bf16", ms);
+        let ms = timed(g, || g.swiglu(&gu.as_view(), &mut act.as_view_mut(), t, inter))?;
+        line("swiglu", ms);
     }
     Ok(())
 }
