@@ -132,11 +132,12 @@ pub fn decode_plan_with_splits(
 }
 
 /// KV bytes a decode step reads at most for which [`cuda_core_decode_pays`] picks the CUDA-core
-/// kernel: below it the tensor-core kernel's fixed cost per block dominates (H200, 2026-12-04: one
-/// sequence at 512-4,096 tokens took 27-31 us on CUDA cores against 41-45 us on tensor cores; the
-/// default model's shape at batch 32 x 4,096 (100 MB) 62 against 77 us, at x 8,192 (201 MB) even,
-/// and beyond that the tensor cores win, as for the 8B shape at batch 32 from 4,096 tokens).
-pub const DECODE_CUDA_CORE_MAX_BYTES: usize = 128 << 20;
+/// kernel: below it the tensor-core kernel's fixed cost per block dominates. H200, 2026-12-04, per
+/// layer: one 8B-shape sequence at 512-4,096 tokens 27-31 us on CUDA cores against 41-45 us on tensor
+/// cores; 64 sequences of 512 / 1,024 tokens (134 / 268 MB) 82 / 144 against 115 / 154 us; the
+/// default model's shape at batch 32 x 4,096 (100 MB) 61 against 77 us, x 8,192 (201 MB) 98 against
+/// 104, x 16,384 (402 MB) 174 against 157; the 8B shape at batch 32 x 4,096 (537 MB) 268 against 209.
+pub const DECODE_CUDA_CORE_MAX_BYTES: usize = 320 << 20;
 
 /// Whether the CUDA-core decode kernel is the faster one for a step reading the K and V of `batch`
 /// sequences of up to `max_ctx` tokens (bf16), and can run it (at most [`DECODE_MAX_GROUP`] query
@@ -318,6 +319,7 @@ mod tests {
         // One 8B-shape sequence (8 KV heads of 128) up to 32K tokens: 128 MiB at 32,768.
         assert!(cuda_core_decode_pays(1, 4096, 8, 128, 4));
         assert!(cuda_core_decode_pays(1, 32_768, 8, 128, 4));
+        assert!(cuda_core_decode_pays(64, 1024, 8, 128, 4));
         assert!(!cuda_core_decode_pays(32, 4096, 8, 128, 4));
         // The default model's shape (3 KV heads of 64) at batch 32: 4,096 yes, 16,384 no.
         assert!(cuda_core_decode_pays(32, 4096, 3, 64, 3));
