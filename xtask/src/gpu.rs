@@ -80,24 +80,19 @@ fn no_gpu_hint() -> &'static str {
      (for example a CUDA toolkit's lib64 in LD_LIBRARY_PATH)"
 }
 
+/// `pdserve-kernels`, `pdserve-gpu-vs-cpu` and `pdserve-gpu-models`, release builds.
+fn build_gpu_programs() -> Result<()> {
+    cargo(&["build", "--release", "-p", "pdserve-kernels-sm120", "--bin", "pdserve-kernels"])?;
+    let bins = ["--bin", "pdserve-gpu-vs-cpu", "--bin", "pdserve-gpu-models"];
+    cargo(&[&["build", "--release", "-p", "pdserve-model", "--features", "cuda"][..], &bins].concat())
+}
+
 /// `cargo xtask test-gpu`: every kernel against its CPU reference on the GPU, then the GPU backend's
 /// greedy output against the CPU backend's on the fixture prompts, on a tiny random checkpoint of
 /// each architecture (`pdserve-gpu-models arch`, needs python3 with numpy) and its logits on a
 /// random-weight 1B shape (`logits`).
 pub fn test_gpu(args: &[String]) -> Result<()> {
-    cargo(&["build", "--release", "-p", "pdserve-kernels-sm120", "--bin", "pdserve-kernels"])?;
-    cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "pdserve-model",
-        "--features",
-        "cuda",
-        "--bin",
-        "pdserve-gpu-vs-cpu",
-        "--bin",
-        "pdserve-gpu-models",
-    ])?;
+    build_gpu_programs()?;
     run(Command::new("target/release/pdserve-kernels").arg("check").args(args)).with_context(no_gpu_hint)?;
     let model = crate::fetch_model(&[])?;
     run(Command::new("target/release/pdserve-gpu-vs-cpu").arg("--model").arg(model))
@@ -113,17 +108,7 @@ pub fn test_gpu(args: &[String]) -> Result<()> {
 /// shapes (`pdserve-gpu-models speed`: decode at batch 1 and 64 against the bandwidth bound, a
 /// 2,048-token prefill against the GEMM rate).
 pub fn bench_gpu(args: &[String]) -> Result<()> {
-    cargo(&["build", "--release", "-p", "pdserve-kernels-sm120", "--bin", "pdserve-kernels"])?;
-    cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "pdserve-model",
-        "--features",
-        "cuda",
-        "--bin",
-        "pdserve-gpu-models",
-    ])?;
+    build_gpu_programs()?;
     run(Command::new("target/release/pdserve-kernels").arg("bench").args(args)).with_context(no_gpu_hint)?;
     run(Command::new("target/release/pdserve-gpu-models").arg("speed")).with_context(no_gpu_hint)
 }

@@ -429,6 +429,7 @@ impl Gpu {
         self.launch_elementwise(b, n as usize)
     }
 
+    /// Launches an element-wise kernel over `n` values (grid-stride loop, `ROW_THREADS` a block).
     fn launch_elementwise(&self, b: cudarc::driver::LaunchArgs<'_>, n: usize) -> Result<(), KernelError> {
         let blocks = launch::elementwise_blocks(n, launch::ROW_THREADS);
         sys::launch(
@@ -455,15 +456,7 @@ impl Gpu {
         let inter_i = fits_i32("inter", inter)?;
         let mut b = self.stream.launch_builder(self.func("swiglu"));
         b.arg(gu).arg(out).arg(&inter_i).arg(&n);
-        let blocks = launch::elementwise_blocks(rows * inter, launch::ROW_THREADS);
-        sys::launch(
-            b,
-            LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (launch::ROW_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        )
+        self.launch_elementwise(b, rows * inter)
     }
 
     /// `out = bf16(x)` for the first `n` values.
@@ -478,15 +471,7 @@ impl Gpu {
         let n_i = n as i64;
         let mut b = self.stream.launch_builder(self.func("cast_bf16"));
         b.arg(x).arg(out).arg(&n_i);
-        let blocks = launch::elementwise_blocks(n, launch::ROW_THREADS);
-        sys::launch(
-            b,
-            LaunchConfig {
-                grid_dim: (blocks, 1, 1),
-                block_dim: (launch::ROW_THREADS, 1, 1),
-                shared_mem_bytes: 0,
-            },
-        )
+        self.launch_elementwise(b, n)
     }
 
     /// `out[i] = x[rows[i]]` for bf16 rows of `dim`; `src_rows` bounds the indices (checked on the host
