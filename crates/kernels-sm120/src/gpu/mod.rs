@@ -85,6 +85,18 @@ fn check_len(what: &str, have: usize, need: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// The operands of `y[t x n] = x[t x k] . w[n x k]^T` hold their shapes.
+fn check_product(
+    x: &CudaView<'_, u16>,
+    w: &CudaView<'_, u16>,
+    y: &CudaViewMut<'_, f32>,
+    (t, k, n): (usize, usize, usize),
+) -> Result<(), KernelError> {
+    check_len("x", x.len(), t * k)?;
+    check_len("w", w.len(), n * k)?;
+    check_len("y", y.len(), t * n)
+}
+
 fn fits_i32(what: &str, v: usize) -> Result<i32, KernelError> {
     i32::try_from(v).map_err(|_| KernelError::shape(format!("{what} = {v} does not fit the kernel's int")))
 }
@@ -562,9 +574,7 @@ impl Gpu {
         k: usize,
         n: usize,
     ) -> Result<(), KernelError> {
-        check_len("x", x.len(), t * k)?;
-        check_len("w", w.len(), n * k)?;
-        check_len("y", y.len(), t * n)?;
+        check_product(x, w, y, (t, k, n))?;
         if t > launch::GEMV_MAX_ROWS || !k.is_multiple_of(8) || !sys::aligned16(&self.stream, x, w) {
             return Err(KernelError::shape(format!(
                 "the skinny product takes up to {} rows, k a multiple of 8 and 16-byte aligned inputs (t {t}, k {k})",
@@ -599,9 +609,7 @@ impl Gpu {
         k: usize,
         n: usize,
     ) -> Result<(), KernelError> {
-        check_len("x", x.len(), t * k)?;
-        check_len("w", w.len(), n * k)?;
-        check_len("y", y.len(), t * n)?;
+        check_product(x, w, y, (t, k, n))?;
         for (what, v) in [("t", t), ("k", k), ("n", n)] {
             fits_i32(what, v)?;
         }
