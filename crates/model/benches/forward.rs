@@ -346,7 +346,12 @@ fn main() {
             }),
         ),
         ("prefill_1000_q4_int8_tokens_per_second", Box::new(|| 1000.0 / q4_int8().prefill(1, 1000))),
-        // Warm and in 512-token chunks, as served (f16 KV): the median of 5 prompts after a first.
+        // Warm and in 512-token chunks, as served (f16 KV): the median of 5 prompts after a first;
+        // with the default f32 activations, then with int8 ones.
+        (
+            "prefill_1000_warm_q4_f32_tokens_per_second",
+            Box::new(|| 1000.0 / q4_kv(&weights, KvDtype::F16, blocks).prefill_warm(1000, 5)),
+        ),
         (
             "prefill_1000_warm_q4_int8_tokens_per_second",
             Box::new(|| {
