@@ -24,14 +24,38 @@ pub(crate) fn softmax_masked_with(k: CpuKernels, row: &mut [f32], visible: usize
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => {
             let (live, masked) = row.split_at_mut(visible);
-            let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
             // SAFETY: the CPU has AVX2 and FMA (as above).
+            let max = unsafe { scaled_max_avx2(live, scale) };
+            // SAFETY: as above.
             let inv = 1.0 / unsafe { exp_scaled_avx2(live, scale, max) };
             live.iter_mut().for_each(|v| *v *= inv);
             masked.fill(0.0);
         }
         _ => softmax_masked_portable(row, visible, scale),
     }
+}
+
+/// The largest `v * scale` of `row` (NaNs passed over, -inf for none), as the portable fold gives it:
+/// a maximum does not depend on the order it is taken in.
+///
+/// # Safety
+/// AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn scaled_max_avx2(row: &[f32], scale: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let (vscale, mut vmax) = (_mm256_set1_ps(scale), _mm256_set1_ps(f32::NEG_INFINITY));
+    let mut chunks = row.chunks_exact(8);
+    for c in &mut chunks {
+        // SAFETY (of the load): eight values. `max_ps(v, m)` gives `m` where `v` is NaN.
+        vmax = _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), vscale), vmax);
+    }
+    let mut lanes = [0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
+    chunks
+        .remainder()
+        .iter()
+        .fold(lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)), |m, &v| m.max(v * scale))
 }
 
 /// `e^x` for 8 lanes, as [`exp_avx512`]: x below -87 gives 0; above 88 it stays finite (~1.7e38).
@@ -670,6 +694,29 @@ mod tests {
             super::softmax_masked_with(k, &mut row, 9, 1.0);
             assert_eq!((row[1], row[3], row[8]), (0.0, 0.0, 0.0), "{k:?}");
             assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6, "{k:?}");
+        }
+    }
+
+    /// The AVX2 row maximum is the portable fold's, NaNs passed over and -inf rows kept.
+    #[test]
+    fn avx2_row_maximum_is_the_folds() {
+        #[cfg(target_arch = "x86_64")]
+        if super::super::avx2() {
+            for len in [1usize, 7, 8, 9, 33, 200] {
+                let mut row: Vec<f32> = (0..len).map(|i| (i as f32 * 1.37).cos() * 9.0).collect();
+                for special in [None, Some(f32::NAN), Some(f32::NEG_INFINITY), Some(f32::INFINITY)] {
+                    if let Some(v) = special {
+                        row[len / 2] = v;
+                    }
+                    let want = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * 0.3));
+                    // SAFETY: the CPU has AVX2 (the kernels running have it).
+                    let got = unsafe { super::scaled_max_avx2(&row, 0.3) };
+                    assert_eq!(got.to_bits(), want.to_bits(), "{len} {special:?}");
+                }
+            }
+            let all_nan = [f32::NAN; 9];
+            // SAFETY: as above.
+            assert_eq!(unsafe { super::scaled_max_avx2(&all_nan, 1.0) }, f32::NEG_INFINITY);
         }
     }
 
