@@ -60,9 +60,26 @@ pub(super) fn matmul_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
         return false;
     }
     debug_assert_eq!((x.len(), out.len(), m.cols), (t * k, t * m.rows, k));
-    let xb = Int8Blocks::quantize(x, k);
     let w = Q4Parts { packed: &m.packed, scales: &m.scales, mins: &m.mins };
-    gemm_q4_int8_par(CpuKernels::Avx2, &xb, w, m.rows, out)
+    thread_local! {
+        /// The calling thread's rounded inputs, kept from its last long step.
+        static INPUTS: std::cell::RefCell<Option<Int8Blocks>> = const { std::cell::RefCell::new(None) };
+    }
+    INPUTS.with(|kept| {
+        // Busy only if this thread, waiting on the pool inside the product below, was handed
+        // another forward's product: that one takes buffers of its own.
+        let Ok(mut kept) = kept.try_borrow_mut() else {
+            return gemm_q4_int8_par(CpuKernels::Avx2, &Int8Blocks::quantize(x, k), w, m.rows, out);
+        };
+        let xb = match kept.as_mut() {
+            Some(xb) => {
+                xb.requantize(x, k);
+                xb
+            }
+            None => kept.insert(Int8Blocks::quantize(x, k)),
+        };
+        gemm_q4_int8_par(CpuKernels::Avx2, xb, w, m.rows, out)
+    })
 }
 
 /// `out[t×n]` with `f(j0, cols, part)` filling columns `j0..j0 + cols` (the `t` input rows against

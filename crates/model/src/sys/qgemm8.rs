@@ -71,6 +71,14 @@ impl Int8Blocks {
     /// one, so products carry it), per group the shared halvings, values rounded to nearest, ties to
     /// even; the rows over the thread pool.
     pub(crate) fn quantize(x: &[f32], k: usize) -> Int8Blocks {
+        let mut rows = Int8Blocks { k, q: Vec::new(), d: Vec::new(), shift: Vec::new(), sum: Vec::new() };
+        rows.requantize(x, k);
+        rows
+    }
+
+    /// [`quantize`](Self::quantize) into these buffers, kept from an earlier step (a long step's
+    /// inputs are hundreds of KiB, freshly faulted in when allocated anew).
+    pub(crate) fn requantize(&mut self, x: &[f32], k: usize) {
         assert!(k.is_multiple_of(32) && k > 0 && x.len().is_multiple_of(k));
         let (t, g, nb, gp) = (x.len() / k, k / 32, blocks(k), padded_groups(k));
         // Row by row: each block's largest |x| (NaN for a block holding one) and the halvings each
@@ -102,12 +110,17 @@ impl Int8Blocks {
                 *s = (*s).min(e);
             }
         }
-        let mut rows = Int8Blocks { k, q: vec![0; x.len()], d: bmax, shift, sum: vec![0.0; t * gp] };
-        let shift = &rows.shift;
-        rows.q
+        // (Every value of `q` is written below; the sums' padding must be zero.)
+        self.k = k;
+        self.q.resize(x.len(), 0);
+        (self.d, self.shift) = (bmax, shift);
+        self.sum.clear();
+        self.sum.resize(t * gp, 0.0);
+        let shift = &self.shift;
+        self.q
             .par_chunks_mut(k)
-            .zip(rows.d.par_chunks_mut(nb))
-            .zip(rows.sum.par_chunks_mut(gp))
+            .zip(self.d.par_chunks_mut(nb))
+            .zip(self.sum.par_chunks_mut(gp))
             .zip(x.par_chunks(k))
             .enumerate()
             .for_each(|(r, (((q, d), sum), x))| {
@@ -122,7 +135,6 @@ impl Int8Blocks {
                     *d = bmax / (127.0 * f32::from(1u8 << MAX_SHIFT));
                 }
             });
-        rows
     }
 
     fn rows(&self) -> usize {
@@ -366,47 +378,74 @@ pub(crate) fn gemm_q4_int8_par(
         // Eight shares per thread: a share's weight rows are widened once whatever its size, and
         // every share reads the inputs once per few weight rows anyway.
         super::gemm::split_columns_by(n / TILE_W, 8, out, |u0, u1, dst| {
-            let mut wide = WideQ4::default();
-            let mut b0 = u0 * TILE_W;
-            while b0 < u1 * TILE_W {
-                let b1 = (b0 + block).min(u1 * TILE_W);
-                wide.fill(w, k, b0, b1);
-                // Some weight rows at a time (24 KiB of their values, as much again of scale vectors)
-                // against every tile of input rows: each tile, read once from L2, serves all of them.
-                // A third as many rows (8 KiB, within L1) measured slower: a warm 1,000-token prefill
-                // 5-34% in four alternating pairs, the products with k = 1,536 3-8% alone, where
-                // the inputs were read from L2 once per two column pairs.
-                let sub = (24 * 1024 / k).clamp(TILE_W, b1 - b0) / TILE_W * TILE_W;
-                for s0 in (0..b1 - b0).step_by(sub) {
-                    let s1 = (s0 + sub).min(b1 - b0);
-                    let mut r = 0;
-                    while r < t {
-                        let rows = (t - r).min(TILE_X);
-                        for c in (s0..s1).step_by(TILE_W) {
-                            // SAFETY: the CPU has AVX2 and FMA (`kern` is AVX2 or above and at most
-                            // what it has); rows r..r + rows of x exist, `wide` holds rows c..c + 2 of
-                            // its block, and this task alone writes columns b0 + c.. of each row of
-                            // `out`.
-                            unsafe {
-                                let o = dst.add(r * n + b0 + c);
-                                match rows {
-                                    4 => tile_avx2::<4>(x, r, &wide, c, o, n),
-                                    3 => tile_avx2::<3>(x, r, &wide, c, o, n),
-                                    2 => tile_avx2::<2>(x, r, &wide, c, o, n),
-                                    _ => tile_avx2::<1>(x, r, &wide, c, o, n),
-                                }
-                            }
-                        }
-                        r += rows;
-                    }
-                }
-                b0 = b1;
-            }
+            // The pool thread's buffers, kept from its last share (no rayon call runs while they
+            // are borrowed, so no stolen task can ask for them).
+            // SAFETY: the CPU has AVX2 and FMA (`kern` is AVX2 or above and at most what it has);
+            // `out` holds t rows of n (asserted above), of which this task alone writes these
+            // columns.
+            WIDE.with_borrow_mut(|wide| unsafe { share(x, w, n, block, (u0, u1), wide, dst) });
         });
         true
     }
     #[cfg(not(target_arch = "x86_64"))]
     false
+}
+
+thread_local! {
+    static WIDE: std::cell::RefCell<WideQ4> = std::cell::RefCell::new(WideQ4::default());
+}
+
+/// Columns `u0 * TILE_W..u1 * TILE_W` of [`gemm_q4_int8_par`]'s product into `out` (rows of `n`),
+/// `block` weight rows widened at a time into `wide`.
+///
+/// # Safety
+/// AVX2 and FMA; `out` holds `x.rows()` rows of `n` values, of which no other task writes these
+/// columns.
+#[cfg(target_arch = "x86_64")]
+unsafe fn share(
+    x: &Int8Blocks,
+    w: Q4Parts<'_>,
+    n: usize,
+    block: usize,
+    (u0, u1): (usize, usize),
+    wide: &mut WideQ4,
+    out: *mut f32,
+) {
+    let (t, k) = (x.rows(), x.k);
+    let mut b0 = u0 * TILE_W;
+    while b0 < u1 * TILE_W {
+        let b1 = (b0 + block).min(u1 * TILE_W);
+        wide.fill(w, k, b0, b1);
+        // Some weight rows at a time (24 KiB of their values, as much again of scale vectors)
+        // against every tile of input rows: each tile, read once from L2, serves all of them. A
+        // third as many rows (8 KiB, within L1) measured slower: a warm 1,000-token prefill 5-34%
+        // in four alternating pairs, the products with k = 1,536 3-8% alone, where the inputs
+        // were read from L2 once per two column pairs.
+        let sub = (24 * 1024 / k).clamp(TILE_W, b1 - b0) / TILE_W * TILE_W;
+        for s0 in (0..b1 - b0).step_by(sub) {
+            let s1 = (s0 + sub).min(b1 - b0);
+            let mut r = 0;
+            while r < t {
+                let rows = (t - r).min(TILE_X);
+                for c in (s0..s1).step_by(TILE_W) {
+                    // SAFETY: AVX2 and FMA (the contract); rows r..r + rows of x exist, `wide`
+                    // holds rows c..c + 2 of its block, and columns b0 + c.. of `out` are this
+                    // task's.
+                    unsafe {
+                        let o = out.add(r * n + b0 + c);
+                        match rows {
+                            4 => tile_avx2::<4>(x, r, wide, c, o, n),
+                            3 => tile_avx2::<3>(x, r, wide, c, o, n),
+                            2 => tile_avx2::<2>(x, r, wide, c, o, n),
+                            _ => tile_avx2::<1>(x, r, wide, c, o, n),
+                        }
+                    }
+                }
+                r += rows;
+            }
+        }
+        b0 = b1;
+    }
 }
 
 /// Input rows `r0..r0 + R` against rows `c0, c0 + 1` of `w`'s block: `out[r * ldo + c]`.
