@@ -1,6 +1,6 @@
 //! Attention kernels: the masked softmax of prefill rows, the scaled exponentials decode attention
-//! sums, decode's grouped scores and weighted value sums over a run of paged positions, and prefill
-//! attention's unpacked AVX2 product. AVX-512,
+//! sums, decode's grouped scores and weighted value sums over a run of paged positions (prefill
+//! attention's unpacked AVX2 product is in `gemm_nn.rs`). AVX-512,
 //! AVX2 (+FMA, and F16C for decode's grouped kernels in `decode_avx2.rs`) and portable, chosen by
 //! `cpu_kernels()`.
 
@@ -558,116 +558,9 @@ fn group_weighted_sum_body(
     }
 }
 
-/// `c[m×n] = a[m×k] · b[k×n]`, all row-major (`a`'s rows `lda` apart, `b`'s `ldb`, `c`'s `n`), with
-/// an AVX2 kernel that reads both where they lie, no packing: a 6 x 16 register tile (twelve 8-lane
-/// sums) takes, per step of k, two vectors of b's row and six broadcasts of a's column, so its FMAs
-/// bound it. Each sum runs over k in order, one FMA a step, from zero. Returns false, touching
-/// nothing, unless the kernels running have AVX2 and `n` is a multiple of 16. For attention's
-/// products on the AVX2 path (scores from a block of queries and the keys transposed, then
-/// probabilities times the values), where the products are too small for packing to pay.
-pub(crate) fn sgemm_nn_avx2(
-    (a, lda): (&[f32], usize),
-    m: usize,
-    k: usize,
-    (b, ldb): (&[f32], usize),
-    n: usize,
-    c: &mut [f32],
-) -> bool {
-    assert!(lda >= k && ldb >= n && c.len() >= m * n);
-    assert!(m == 0 || k == 0 || a.len() >= (m - 1) * lda + k);
-    assert!(k == 0 || n == 0 || b.len() >= (k - 1) * ldb + n);
-    #[cfg(target_arch = "x86_64")]
-    if super::avx2() && n.is_multiple_of(16) && k > 0 {
-        for j in (0..n).step_by(16) {
-            let mut i = 0;
-            while i < m {
-                let rows = (m - i).min(6);
-                let (ap, bp) = (a[i * lda..].as_ptr(), b[j..].as_ptr());
-                let cp = c[i * n + j..].as_mut_ptr();
-                // SAFETY: the kernels running have AVX2 and FMA (so the CPU has); rows i..i + rows of
-                // a hold k values each, rows 0..k of b hold columns j..j + 16 (n is a multiple of 16),
-                // and rows i..i + rows of c columns j..j + 16 (asserted above).
-                unsafe {
-                    match rows {
-                        6 => nn_tile_avx2::<6>(ap, lda, k, bp, ldb, cp, n),
-                        5 => nn_tile_avx2::<5>(ap, lda, k, bp, ldb, cp, n),
-                        4 => nn_tile_avx2::<4>(ap, lda, k, bp, ldb, cp, n),
-                        3 => nn_tile_avx2::<3>(ap, lda, k, bp, ldb, cp, n),
-                        2 => nn_tile_avx2::<2>(ap, lda, k, bp, ldb, cp, n),
-                        _ => nn_tile_avx2::<1>(ap, lda, k, bp, ldb, cp, n),
-                    }
-                }
-                i += rows;
-            }
-        }
-        return true;
-    }
-    false
-}
-
-/// `R` rows of `a` (`lda` apart, `k` values) times 16 columns of `b` (rows `ldb` apart) into `R` rows
-/// of 16 of `c` (`ldc` apart).
-///
-/// # Safety
-/// AVX2 and FMA; the rows and columns named lie within their slices.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn nn_tile_avx2<const R: usize>(
-    a: *const f32,
-    lda: usize,
-    k: usize,
-    b: *const f32,
-    ldb: usize,
-    c: *mut f32,
-    ldc: usize,
-) {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    for p in 0..k {
-        let (b0, b1) = (_mm256_loadu_ps(b.add(p * ldb)), _mm256_loadu_ps(b.add(p * ldb + 8)));
-        for (r, acc) in acc.iter_mut().enumerate() {
-            let av = _mm256_broadcast_ss(&*a.add(r * lda + p));
-            acc[0] = _mm256_fmadd_ps(av, b0, acc[0]);
-            acc[1] = _mm256_fmadd_ps(av, b1, acc[1]);
-        }
-    }
-    for (r, acc) in acc.iter().enumerate() {
-        _mm256_storeu_ps(c.add(r * ldc), acc[0]);
-        _mm256_storeu_ps(c.add(r * ldc + 8), acc[1]);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::CpuKernels;
-
-    #[test]
-    fn avx2_nn_gemm_matches_a_naive_product_on_strided_operands() {
-        // Every remainder of the 6-row tile, one and many steps of k, rows of a and b wider than used.
-        for (m, k, n) in [(1, 1, 16), (5, 64, 16), (6, 64, 48), (13, 333, 32), (64, 1000, 64), (11, 7, 16)] {
-            let (lda, ldb) = (k + 3, n + 16);
-            let a: Vec<f32> = (0..m * lda).map(|i| (i as f32 * 0.37).sin()).collect();
-            let b: Vec<f32> = (0..k * ldb).map(|i| (i as f32 * 0.11).cos()).collect();
-            let mut c = vec![f32::NAN; m * n];
-            if !super::sgemm_nn_avx2((&a, lda), m, k, (&b, ldb), n, &mut c) {
-                assert!(!super::super::avx2(), "AVX2 kernels take every shape here");
-                assert!(c.iter().all(|v| v.is_nan()), "not taken: nothing written");
-                continue;
-            }
-            for r in 0..m {
-                for j in 0..n {
-                    let want: f64 =
-                        (0..k).map(|p| f64::from(a[r * lda + p]) * f64::from(b[p * ldb + j])).sum();
-                    let got = f64::from(c[r * n + j]);
-                    assert!((got - want).abs() < 1e-4 * (k as f64).max(1.0), "{m}x{k}x{n} at {r},{j}");
-                }
-            }
-        }
-        assert!(
-            !super::sgemm_nn_avx2((&[0.0; 8], 1), 8, 1, (&[0.0; 8], 8), 8, &mut [0.0; 64]),
-            "8 columns: not taken"
-        );
-    }
 
     #[test]
     fn softmax_kernels_agree_with_f64() {
