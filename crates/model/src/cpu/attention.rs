@@ -8,7 +8,7 @@ use crate::backend::{KvDtype, KvStore, SeqStep};
 use crate::sys::{
     as_f32, as_f32_mut, as_u16, as_u16_mut, exp_scaled, f32_bytes, f32_bytes_mut, group_scores,
     group_scores_f16, group_weighted_sum, group_weighted_sum_f16, narrow_bf16, narrow_f16, prefetch,
-    sgemm_nn_avx2, softmax_masked, widen_bf16, widen_f16, CpuKernels,
+    sgemm_nn, softmax_masked, widen_bf16, widen_f16, CpuKernels,
 };
 
 /// Where the KV memory lives: this backend's own heap (f32 words from a page boundary on, so every
@@ -263,10 +263,12 @@ impl CpuBackend {
     /// Attention for one sequence's step of `n` new tokens (`q` and `out`: n rows of all heads) as
     /// GEMMs: K and V^T of each KV head are gathered once out of the paged cache, then each (head,
     /// block of 64 query rows) task computes scores against only the keys its last row sees (the
-    /// causal triangle, not the square), a masked softmax, and probabilities times values. On the
-    /// AVX2 path the products read their operands where they lie ([`sgemm_nn_avx2`]): the queries in
-    /// `q`, K gathered transposed and V as it is; elsewhere K as it is and V transposed, as
-    /// [`gemm_xwt`] takes them.
+    /// causal triangle, not the square), a masked softmax, and probabilities times values. With
+    /// AVX2 or AVX-512 kernels the products read their operands where they lie ([`sgemm_nn`], the
+    /// same values on both): the queries in `q`, K gathered transposed and V as it is; on the
+    /// portable path K as it is and V transposed, as [`gemm_xwt`] takes them. (AVX-512 took
+    /// `gemm_xwt`'s dot products until 2026-12-04: a warm 1,000-token prefill is 3-7% faster
+    /// without them on a Zen 4 host.)
     pub(super) fn gemm_attention(
         &self,
         s: &SeqStep<'_>,
@@ -284,7 +286,7 @@ impl CpuBackend {
         // scores are masked like the future.
         let ctx_p = ctx.next_multiple_of(32);
         let kv_mem = self.kv.values(self.layout.dtype);
-        let nn = crate::sys::cpu_kernels() == CpuKernels::Avx2 && hd.is_multiple_of(16);
+        let nn = crate::sys::cpu_kernels() >= CpuKernels::Avx2 && hd.is_multiple_of(16);
         // K transposed: rows of `ctx_p` positions and 16 more, so that rows 4 KiB apart (a 1,024-position
         // context) do not all fall in the same L1 sets as the product walks down a column of them
         // (a fifth slower there).
@@ -338,7 +340,7 @@ impl CpuBackend {
                     let qh = (&q[i0 * ldq + head * hd..], ldq);
                     if nn {
                         // (It runs: AVX2 kernels, `seen` a multiple of 32.)
-                        assert!(sgemm_nn_avx2(qh, rows, hd, (kh, ldk), seen, scores));
+                        assert!(sgemm_nn(qh, rows, hd, (kh, ldk), seen, scores));
                     } else {
                         gemm_xwt(qh, rows, hd, (kh, hd), seen, scores);
                     }
@@ -352,7 +354,7 @@ impl CpuBackend {
                     }
                     if nn {
                         // (It runs: AVX2 kernels, `hd` a multiple of 16.)
-                        assert!(sgemm_nn_avx2((scores, seen), rows, seen, (vt, hd), hd, &mut o));
+                        assert!(sgemm_nn((scores, seen), rows, seen, (vt, hd), hd, &mut o));
                     } else {
                         gemm_xwt((scores, seen), rows, seen, (vt, ctx_p), hd, &mut o);
                     }

@@ -73,7 +73,7 @@ pub(crate) use attention::*;
 pub(crate) use convert::*;
 pub(crate) use elementwise::*;
 pub(crate) use gemm::*;
-pub(crate) use gemm_nn::sgemm_nn_avx2;
+pub(crate) use gemm_nn::sgemm_nn;
 pub(crate) use qdot::*;
 pub(crate) use qgemm8::{gemm_q4_int8_par, Int8Blocks, Q4Parts};
 pub(crate) use qint8::*;
