@@ -24,59 +24,61 @@ pub(crate) fn sgemm_nn(
     assert!(k == 0 || n == 0 || b.len() >= (k - 1) * ldb + n);
     #[cfg(target_arch = "x86_64")]
     if super::avx512() && n.is_multiple_of(32) && k > 0 {
-        for j in (0..n).step_by(32) {
-            let mut i = 0;
-            while i < m {
-                let rows = (m - i).min(8);
-                let (ap, bp) = (a[i * lda..].as_ptr(), b[j..].as_ptr());
-                let cp = c[i * n + j..].as_mut_ptr();
-                // SAFETY: the kernels running have AVX-512F (so the CPU has); rows i..i + rows of a
-                // hold k values each, rows 0..k of b hold columns j..j + 32 (n is a multiple of 32),
-                // and rows i..i + rows of c columns j..j + 32 (asserted above).
-                unsafe {
-                    match rows {
-                        8 => nn_tile_avx512::<8>(ap, lda, k, bp, ldb, cp, n),
-                        7 => nn_tile_avx512::<7>(ap, lda, k, bp, ldb, cp, n),
-                        6 => nn_tile_avx512::<6>(ap, lda, k, bp, ldb, cp, n),
-                        5 => nn_tile_avx512::<5>(ap, lda, k, bp, ldb, cp, n),
-                        4 => nn_tile_avx512::<4>(ap, lda, k, bp, ldb, cp, n),
-                        3 => nn_tile_avx512::<3>(ap, lda, k, bp, ldb, cp, n),
-                        2 => nn_tile_avx512::<2>(ap, lda, k, bp, ldb, cp, n),
-                        _ => nn_tile_avx512::<1>(ap, lda, k, bp, ldb, cp, n),
-                    }
+        for_tiles(m, n, (8, 32), |i, j, rows| {
+            let (ap, bp, cp) = (a[i * lda..].as_ptr(), b[j..].as_ptr(), c[i * n + j..].as_mut_ptr());
+            // SAFETY: the kernels running have AVX-512F (so the CPU has); rows i..i + rows of a hold
+            // k values each, rows 0..k of b hold columns j..j + 32 (n is a multiple of 32), and rows
+            // i..i + rows of c columns j..j + 32 (asserted above).
+            unsafe {
+                match rows {
+                    8 => nn_tile_avx512::<8>(ap, lda, k, bp, ldb, cp, n),
+                    7 => nn_tile_avx512::<7>(ap, lda, k, bp, ldb, cp, n),
+                    6 => nn_tile_avx512::<6>(ap, lda, k, bp, ldb, cp, n),
+                    5 => nn_tile_avx512::<5>(ap, lda, k, bp, ldb, cp, n),
+                    4 => nn_tile_avx512::<4>(ap, lda, k, bp, ldb, cp, n),
+                    3 => nn_tile_avx512::<3>(ap, lda, k, bp, ldb, cp, n),
+                    2 => nn_tile_avx512::<2>(ap, lda, k, bp, ldb, cp, n),
+                    _ => nn_tile_avx512::<1>(ap, lda, k, bp, ldb, cp, n),
                 }
-                i += rows;
             }
-        }
+        });
         return true;
     }
     #[cfg(target_arch = "x86_64")]
     if super::avx2() && n.is_multiple_of(16) && k > 0 {
-        for j in (0..n).step_by(16) {
-            let mut i = 0;
-            while i < m {
-                let rows = (m - i).min(6);
-                let (ap, bp) = (a[i * lda..].as_ptr(), b[j..].as_ptr());
-                let cp = c[i * n + j..].as_mut_ptr();
-                // SAFETY: the kernels running have AVX2 and FMA (so the CPU has); rows i..i + rows of
-                // a hold k values each, rows 0..k of b hold columns j..j + 16 (n is a multiple of 16),
-                // and rows i..i + rows of c columns j..j + 16 (asserted above).
-                unsafe {
-                    match rows {
-                        6 => nn_tile_avx2::<6>(ap, lda, k, bp, ldb, cp, n),
-                        5 => nn_tile_avx2::<5>(ap, lda, k, bp, ldb, cp, n),
-                        4 => nn_tile_avx2::<4>(ap, lda, k, bp, ldb, cp, n),
-                        3 => nn_tile_avx2::<3>(ap, lda, k, bp, ldb, cp, n),
-                        2 => nn_tile_avx2::<2>(ap, lda, k, bp, ldb, cp, n),
-                        _ => nn_tile_avx2::<1>(ap, lda, k, bp, ldb, cp, n),
-                    }
+        for_tiles(m, n, (6, 16), |i, j, rows| {
+            let (ap, bp, cp) = (a[i * lda..].as_ptr(), b[j..].as_ptr(), c[i * n + j..].as_mut_ptr());
+            // SAFETY: the kernels running have AVX2 and FMA (so the CPU has); rows i..i + rows of a
+            // hold k values each, rows 0..k of b hold columns j..j + 16 (n is a multiple of 16), and
+            // rows i..i + rows of c columns j..j + 16 (asserted above).
+            unsafe {
+                match rows {
+                    6 => nn_tile_avx2::<6>(ap, lda, k, bp, ldb, cp, n),
+                    5 => nn_tile_avx2::<5>(ap, lda, k, bp, ldb, cp, n),
+                    4 => nn_tile_avx2::<4>(ap, lda, k, bp, ldb, cp, n),
+                    3 => nn_tile_avx2::<3>(ap, lda, k, bp, ldb, cp, n),
+                    2 => nn_tile_avx2::<2>(ap, lda, k, bp, ldb, cp, n),
+                    _ => nn_tile_avx2::<1>(ap, lda, k, bp, ldb, cp, n),
                 }
-                i += rows;
             }
-        }
+        });
         return true;
     }
     false
+}
+
+/// `tile(i, j, rows)` for each register tile of an `m x n` product, `width` columns by at most
+/// `most` rows: column blocks in order, each down all the rows.
+#[cfg(target_arch = "x86_64")]
+fn for_tiles(m: usize, n: usize, (most, width): (usize, usize), mut tile: impl FnMut(usize, usize, usize)) {
+    for j in (0..n).step_by(width) {
+        let mut i = 0;
+        while i < m {
+            let rows = (m - i).min(most);
+            tile(i, j, rows);
+            i += rows;
+        }
+    }
 }
 
 /// `R` rows of `a` (`lda` apart, `k` values) times 16 columns of `b` (rows `ldb` apart) into `R` rows
