@@ -256,9 +256,9 @@ pub(crate) fn group_scores(
 }
 
 /// [`group_scores`] over K rows of f16 bits, widened in registers as they are read: every score the
-/// very value `group_scores` gives over the rows widened first. With AVX2 (not AVX-512, whose kernel
-/// reads f32 rows) and head sizes of whole 8-lane chunks; false, touching nothing, elsewhere (the
-/// caller widens the rows instead).
+/// very value `group_scores` gives over the rows widened first. With AVX-512 and head sizes of whole
+/// 16-lane chunks, or AVX2 and whole 8-lane ones; false, touching nothing, elsewhere (the caller
+/// widens the rows instead).
 pub(crate) fn group_scores_f16(
     q: &[f32],
     (hd, group): (usize, usize),
@@ -270,15 +270,20 @@ pub(crate) fn group_scores_f16(
     assert!(hd > 0 && group > 0 && q.len() == heads * hd && heads.is_multiple_of(group));
     assert!(n == 0 || k.len() >= (n - 1) * ldk + heads / group * hd);
     assert!(heads == 0 || n == 0 || out.len() >= (heads - 1) * ldo + n);
-    if super::cpu_kernels() != CpuKernels::Avx2 || !super::decode_avx2::scores_fit(hd) {
-        return false;
+    match super::cpu_kernels() {
+        // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has); lengths as asserted.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 if hd.is_multiple_of(16) => unsafe {
+            super::decode_avx512::group_scores_f16(q, (hd, group), (k, ldk), n, (out, ldo))
+        },
+        // SAFETY: AVX2, FMA and F16C (the family's features, which the CPU has); lengths as asserted.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 if super::decode_avx2::scores_fit(hd) => unsafe {
+            super::decode_avx2::group_scores(q, (hd, group), (k, ldk), n, (out, ldo))
+        },
+        _ => return false,
     }
-    // SAFETY: AVX2, FMA and F16C (the family's features, which the CPU has); lengths as asserted.
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        super::decode_avx2::group_scores(q, (hd, group), (k, ldk), n, (out, ldo))
-    };
-    cfg!(target_arch = "x86_64")
+    true
 }
 
 /// # Safety
@@ -330,38 +335,13 @@ unsafe fn group_scores_avx512(
                     );
                 }
             }
-            let sums = reduce16(&v);
+            let sums = super::decode_avx512::reduce16(&v);
             let m: __mmask16 = if cnt == 16 { 0xffff } else { (1u16 << cnt) - 1 };
             // SAFETY: out holds heads rows of at least n values, `ldo` apart (asserted by the caller).
             _mm512_mask_storeu_ps(out.as_mut_ptr().add(h * ldo + i0), m, sums);
             i0 += cnt;
         }
     }
-}
-
-/// `r[i]` = the sum of `v[i]`'s sixteen lanes, for sixteen vectors at once (a transposing reduction:
-/// 45 operations instead of sixteen separate horizontal sums).
-///
-/// # Safety
-/// AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn reduce16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    // Per 128-bit lane: [sum of a's 4, b's 4, c's 4, d's 4] for four vectors a, b, c, d.
-    let four = |a: __m512, b: __m512, c: __m512, d: __m512| {
-        let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-        let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(ab, cd), _mm512_shuffle_ps::<0xEE>(ab, cd))
-    };
-    let t0 = four(v[0], v[1], v[2], v[3]);
-    let t1 = four(v[4], v[5], v[6], v[7]);
-    let t2 = four(v[8], v[9], v[10], v[11]);
-    let t3 = four(v[12], v[13], v[14], v[15]);
-    // Add 128-bit lanes 0+2 and 1+3 of two such vectors, then the remaining pairs.
-    let w01 = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(t0, t1), _mm512_shuffle_f32x4::<0xEE>(t0, t1));
-    let w23 = _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(t2, t3), _mm512_shuffle_f32x4::<0xEE>(t2, t3));
-    _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(w01, w23), _mm512_shuffle_f32x4::<0xDD>(w01, w23))
 }
 
 #[inline(always)]
@@ -675,11 +655,13 @@ mod tests {
     }
 
     /// Decode's scores straight from f16 keys equal, bit for bit, the scores of the keys widened to
-    /// f32 first (where the f16 kernel runs: AVX2).
+    /// f32 first (where the f16 kernels run: AVX-512 and AVX2), for partial passes of positions too.
     #[test]
     fn scores_of_f16_keys_equal_those_of_the_widened_keys() {
         use crate::bits16::{f16_bits, f16_value};
-        for (hd, group, kv_heads, n) in [(64, 3, 3, 37), (128, 5, 2, 6), (64, 1, 2, 1), (32, 4, 1, 9)] {
+        let shapes =
+            [(64, 3, 3, 37), (128, 5, 2, 6), (64, 1, 2, 1), (32, 4, 1, 9), (64, 3, 3, 16), (64, 2, 1, 24)];
+        for (hd, group, kv_heads, n) in shapes {
             let heads = group * kv_heads;
             let (ld, ldo) = (kv_heads * hd + 8, n + 3);
             let k: Vec<u16> = (0..n * ld).map(|i| f16_bits((i as f32 * 0.13).sin())).collect();
@@ -693,7 +675,7 @@ mod tests {
                 assert!(same, "hd {hd} group {group} n {n}");
             } else {
                 assert!(direct.iter().all(|&v| v == -7.0), "not run: untouched");
-                assert_ne!(super::super::cpu_kernels(), CpuKernels::Avx2);
+                assert!(super::super::cpu_kernels() < CpuKernels::Avx2);
             }
         }
     }

@@ -80,8 +80,8 @@ pub(super) unsafe fn group_scores<T: Lanes>(
 }
 
 /// (KV head, first query head, heads): the query heads of each KV head in runs of at most three,
-/// the most a kernel here works on at once.
-fn head_runs(heads: usize, group: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+/// the most a kernel here (or the AVX-512 f16 scores) works on at once.
+pub(super) fn head_runs(heads: usize, group: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     (0..heads / group)
         .flat_map(move |kh| (0..group).step_by(3).map(move |h0| (kh, kh * group + h0, (group - h0).min(3))))
 }

@@ -55,6 +55,7 @@ macro_rules! row_tiles {
 mod attention;
 mod convert;
 mod decode_avx2;
+mod decode_avx512;
 mod elementwise;
 mod gemm;
 mod gemm_nn;
