@@ -188,7 +188,9 @@ unsafe fn q4_tile_avx512<const W: usize, const R: usize>(
 ) {
     use std::arch::x86_64::*;
     let px: [*const f32; R] = std::array::from_fn(|r| xs[i + r].as_ptr());
-    let low = _mm_set1_epi8(15);
+    // The sixteen values a nibble can hold, as f32: times a group's scale, a table the nibbles index.
+    let nibbles =
+        _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0);
     let mut acc = [[_mm512_setzero_ps(); R]; W];
     // A tile's weight rows are a few cache lines each: too short a run for the hardware prefetcher,
     // so each group's step asks for one line of the bytes PREFETCH_TILES tiles ahead (a tile of
@@ -205,14 +207,16 @@ unsafe fn q4_tile_avx512<const W: usize, const R: usize>(
         let x1: [__m512; R] = std::array::from_fn(|r| _mm512_loadu_ps(px[r].add(o + 16)));
         for (w, a) in acc.iter_mut().enumerate() {
             let at = (w0 + w) * groups + g;
-            let bytes = _mm_loadu_si128(packed.as_ptr().add(at * 16) as *const __m128i);
-            let lo = _mm_and_si128(bytes, low);
-            let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+            // Byte j of the group in lane j: value j in its low nibble, value j + 16 in its high one.
+            let bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(packed.as_ptr().add(at * 16) as *const __m128i));
             // The group's weights times its scale, once for every input row: exact in f32 (a 4-bit
             // integer times an f16 value needs 15 bits), so an input row costs two FMAs per group.
-            let s = super::f16_splat(*scales.get_unchecked(at));
-            let wl = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)), s);
-            let wh = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)), s);
+            // Looked up in the scaled table (`vpermps` reads an index's low four bits: the low
+            // nibble, then the high one shifted down), the very products a conversion and a
+            // multiply per value gave, with one multiply per group.
+            let table = _mm512_mul_ps(nibbles, super::f16_splat(*scales.get_unchecked(at)));
+            let wl = _mm512_permutexvar_ps(bytes, table);
+            let wh = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), table);
             for r in 0..R {
                 a[r] = _mm512_fmadd_ps(wh, x1[r], _mm512_fmadd_ps(wl, x0[r], a[r]));
             }
