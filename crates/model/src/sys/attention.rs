@@ -271,19 +271,20 @@ pub(crate) fn group_scores_f16(
     assert!(n == 0 || k.len() >= (n - 1) * ldk + heads / group * hd);
     assert!(heads == 0 || n == 0 || out.len() >= (heads - 1) * ldo + n);
     match super::cpu_kernels() {
-        // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has); lengths as asserted.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 if hd.is_multiple_of(16) => unsafe {
-            super::decode_avx512::group_scores_f16(q, (hd, group), (k, ldk), n, (out, ldo))
-        },
-        // SAFETY: AVX2, FMA and F16C (the family's features, which the CPU has); lengths as asserted.
+        CpuKernels::Avx512 if hd.is_multiple_of(16) => {
+            // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has); lengths as asserted.
+            unsafe { super::decode_avx512::group_scores_f16(q, (hd, group), (k, ldk), n, (out, ldo)) };
+            true
+        }
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 if super::decode_avx2::scores_fit(hd) => unsafe {
-            super::decode_avx2::group_scores(q, (hd, group), (k, ldk), n, (out, ldo))
-        },
-        _ => return false,
+        CpuKernels::Avx2 if super::decode_avx2::scores_fit(hd) => {
+            // SAFETY: AVX2, FMA and F16C (the family's features, which the CPU has); lengths as asserted.
+            unsafe { super::decode_avx2::group_scores(q, (hd, group), (k, ldk), n, (out, ldo)) };
+            true
+        }
+        _ => false,
     }
-    true
 }
 
 /// # Safety

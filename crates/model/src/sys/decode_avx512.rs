@@ -93,8 +93,9 @@ pub(super) unsafe fn reduce16(v: &[std::arch::x86_64::__m512; 16]) -> std::arch:
     join8(reduce8(lo.try_into().unwrap()), reduce8(hi.try_into().unwrap()))
 }
 
-/// [`reduce16`]'s work on eight of its vectors: each 128-bit lane of the result holds two partial
-/// sums of each of four vectors (lanes 0 and 2: vectors 0-3, lanes 1 and 3: vectors 4-7).
+/// [`reduce16`]'s work on eight of its vectors: each 128-bit lane of the result holds a partial sum
+/// of each of four vectors (lanes 0 and 1: vectors 0-3, over their 128-bit lanes 0 and 2, then 1
+/// and 3; lanes 2 and 3: vectors 4-7 likewise).
 ///
 /// # Safety
 /// AVX-512F.
