@@ -345,21 +345,13 @@ unsafe fn q8_bf16_panel_avx512(
     dst: &mut [u16],
 ) {
     use std::arch::x86_64::*;
-    let (k0, kc) = k;
-    for c0 in [0, 16] {
-        for gi in 0..kc / 32 {
-            let v: [__m512i; 16] = std::array::from_fn(|c| {
-                let g = ((r0 + c0 + c) * cols + k0) / 32 + gi;
-                let s = f16_splat(*scales.get_unchecked(g));
-                let pq = q.as_ptr().add(g * 32);
-                let widen =
-                    |p: *const i8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())));
-                let (lo, hi) = (_mm512_mul_ps(widen(pq), s), _mm512_mul_ps(widen(pq.add(16)), s));
-                std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
-            });
-            store_group_pairs16(&v, dst.as_mut_ptr().add(2 * panel_pair(gi * 16, c0)));
-        }
-    }
+    fill_panel(cols, r0, k, dst, |g| {
+        let s = f16_splat(*scales.get_unchecked(g));
+        let pq = q.as_ptr().add(g * 32);
+        let widen = |p: *const i8| _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p.cast())));
+        let (lo, hi) = (_mm512_mul_ps(widen(pq), s), _mm512_mul_ps(widen(pq.add(16)), s));
+        std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+    });
 }
 
 /// # Safety
@@ -376,22 +368,39 @@ unsafe fn q4_bf16_panel_avx512(
     dst: &mut [u16],
 ) {
     use std::arch::x86_64::*;
-    let (k0, kc) = k;
     let low = _mm_set1_epi8(15);
+    fill_panel(cols, r0, k, dst, |g| {
+        let (s, m) = (f16_splat(*scales.get_unchecked(g)), f16_splat(*mins.get_unchecked(g)));
+        let bytes = _mm_loadu_si128(packed.as_ptr().add(g * 16).cast());
+        // min + q * scale, multiplied and added apart (no fused rounding) like the scalar form.
+        let value =
+            |n: __m128i| _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n)), s), m);
+        let lo = value(_mm_and_si128(bytes, low));
+        let hi = value(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
+        std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
+    });
+}
+
+/// Rows `r0..r0 + 32` of a matrix `cols` wide, columns `k0..k0 + kc`, into `dst` in the panel order:
+/// `group(g)` gives the matrix's group g (32 consecutive values of a row, `g = (row * cols + column)
+/// / 32`) as 32 bf16 values in column order, and each group of sixteen rows is stored by
+/// [`store_group_pairs16`].
+///
+/// # Safety
+/// AVX-512F; `dst` holds `32 * kc` values, and `group` is safe to call for every group of the block.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn fill_panel(
+    cols: usize,
+    r0: usize,
+    (k0, kc): (usize, usize),
+    dst: &mut [u16],
+    group: impl Fn(usize) -> std::arch::x86_64::__m512i,
+) {
     for c0 in [0, 16] {
         for gi in 0..kc / 32 {
-            let v: [__m512i; 16] = std::array::from_fn(|c| {
-                let g = ((r0 + c0 + c) * cols + k0) / 32 + gi;
-                let (s, m) = (f16_splat(*scales.get_unchecked(g)), f16_splat(*mins.get_unchecked(g)));
-                let bytes = _mm_loadu_si128(packed.as_ptr().add(g * 16).cast());
-                // min + q * scale, multiplied and added apart (no fused rounding) like the scalar form.
-                let value = |n: __m128i| {
-                    _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(n)), s), m)
-                };
-                let lo = value(_mm_and_si128(bytes, low));
-                let hi = value(_mm_and_si128(_mm_srli_epi16(bytes, 4), low));
-                std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo))
-            });
+            let v = std::array::from_fn(|c| group(((r0 + c0 + c) * cols + k0) / 32 + gi));
             store_group_pairs16(&v, dst.as_mut_ptr().add(2 * panel_pair(gi * 16, c0)));
         }
     }
