@@ -2,6 +2,17 @@
 //! read where they lie (a block of queries times the keys gathered transposed, then probabilities
 //! times the values).
 
+/// `$tile::<R>(args)` for the tile's row count `$rows`, one of the literals listed (each its own
+/// monomorphized register tile).
+macro_rules! tile_rows {
+    ($rows:expr; $($r:literal)+; $tile:ident $args:tt) => {
+        match $rows {
+            $($r => $tile::<$r> $args,)+
+            rows => unreachable!("no {rows}-row tile"),
+        }
+    };
+}
+
 /// `c[m×n] = a[m×k] · b[k×n]`, all row-major (`a`'s rows `lda` apart, `b`'s `ldb`, `c`'s `n`), with
 /// a kernel that reads both where they lie, no packing: a register tile of up to six rows by 16
 /// columns (AVX2: twelve 8-lane sums) or up to eight rows by 32 (AVX-512: sixteen 16-lane sums)
@@ -29,18 +40,7 @@ pub(crate) fn sgemm_nn(
             // SAFETY: the kernels running have AVX-512F (so the CPU has); rows i..i + rows of a hold
             // k values each, rows 0..k of b hold columns j..j + 32 (n is a multiple of 32), and rows
             // i..i + rows of c columns j..j + 32 (asserted above).
-            unsafe {
-                match rows {
-                    8 => nn_tile_avx512::<8>(ap, lda, k, bp, ldb, cp, n),
-                    7 => nn_tile_avx512::<7>(ap, lda, k, bp, ldb, cp, n),
-                    6 => nn_tile_avx512::<6>(ap, lda, k, bp, ldb, cp, n),
-                    5 => nn_tile_avx512::<5>(ap, lda, k, bp, ldb, cp, n),
-                    4 => nn_tile_avx512::<4>(ap, lda, k, bp, ldb, cp, n),
-                    3 => nn_tile_avx512::<3>(ap, lda, k, bp, ldb, cp, n),
-                    2 => nn_tile_avx512::<2>(ap, lda, k, bp, ldb, cp, n),
-                    _ => nn_tile_avx512::<1>(ap, lda, k, bp, ldb, cp, n),
-                }
-            }
+            unsafe { tile_rows!(rows; 8 7 6 5 4 3 2 1; nn_tile_avx512(ap, lda, k, bp, ldb, cp, n)) }
         });
         return true;
     }
@@ -51,16 +51,7 @@ pub(crate) fn sgemm_nn(
             // SAFETY: the kernels running have AVX2 and FMA (so the CPU has); rows i..i + rows of a
             // hold k values each, rows 0..k of b hold columns j..j + 16 (n is a multiple of 16), and
             // rows i..i + rows of c columns j..j + 16 (asserted above).
-            unsafe {
-                match rows {
-                    6 => nn_tile_avx2::<6>(ap, lda, k, bp, ldb, cp, n),
-                    5 => nn_tile_avx2::<5>(ap, lda, k, bp, ldb, cp, n),
-                    4 => nn_tile_avx2::<4>(ap, lda, k, bp, ldb, cp, n),
-                    3 => nn_tile_avx2::<3>(ap, lda, k, bp, ldb, cp, n),
-                    2 => nn_tile_avx2::<2>(ap, lda, k, bp, ldb, cp, n),
-                    _ => nn_tile_avx2::<1>(ap, lda, k, bp, ldb, cp, n),
-                }
-            }
+            unsafe { tile_rows!(rows; 6 5 4 3 2 1; nn_tile_avx2(ap, lda, k, bp, ldb, cp, n)) }
         });
         return true;
     }

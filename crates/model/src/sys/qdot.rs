@@ -205,18 +205,6 @@ pub(crate) fn q8_bf16_panel(
             return;
         }
     }
-    q8_bf16_panel_portable(q, scales, cols, r0, k, dst);
-}
-
-fn q8_bf16_panel_portable(
-    q: &[i8],
-    scales: &[u16],
-    cols: usize,
-    r0: usize,
-    k: (usize, usize),
-    dst: &mut [u16],
-) {
-    let (k0, kc) = k;
     for c in 0..32 {
         for gi in 0..kc / 32 {
             let g = ((r0 + c) * cols + k0) / 32 + gi;
@@ -251,20 +239,6 @@ pub(crate) fn q4_bf16_panel(
             return;
         }
     }
-    q4_bf16_panel_portable(packed, scales, mins, cols, r0, k, dst);
-}
-
-#[allow(clippy::too_many_arguments)]
-fn q4_bf16_panel_portable(
-    packed: &[u8],
-    scales: &[u16],
-    mins: &[u16],
-    cols: usize,
-    r0: usize,
-    k: (usize, usize),
-    dst: &mut [u16],
-) {
-    let (k0, kc) = k;
     for c in 0..32 {
         for gi in 0..kc / 32 {
             let g = ((r0 + c) * cols + k0) / 32 + gi;
@@ -507,26 +481,47 @@ mod tests {
     use super::CpuKernels;
     use crate::bits16::{f16_bits, f16_value};
 
-    /// The bf16 GEMM's panels of Q4 and Q8 rows, filled by the kernels running, hold the portable
-    /// loop's values at its places, for every block of columns a product asks for.
+    /// The bf16 GEMM's panels of Q4 and Q8 rows, filled by the kernels running, hold each value
+    /// (`min + q * scale` for Q4, `q * scale` for Q8, rounded to bf16) at its panel place, for every
+    /// block of columns a product asks for.
     #[test]
-    fn bf16_panels_are_the_portable_ones() {
+    fn bf16_panels_hold_each_value_at_its_place() {
+        use crate::bits16::bf16_bits;
         let (rows, cols) = (64, 32 * 19);
         let packed: Vec<u8> = (0..rows * cols / 2).map(|i| (i * 73 % 256) as u8).collect();
         let q: Vec<i8> = (0..rows * cols).map(|i| ((i * 53 % 255) as i32 - 127) as i8).collect();
         let s: Vec<u16> = (0..rows * cols / 32).map(|g| f16_bits(0.01 + (g % 29) as f32 * 0.003)).collect();
         let m: Vec<u16> = (0..rows * cols / 32).map(|g| f16_bits(-0.1 + (g % 31) as f32 * 0.02)).collect();
         for r0 in [0, 32] {
-            for k in [(0, 256), (256, 256), (512, 96), (32, 64)] {
-                let fresh = || vec![0xffffu16; 32 * k.1];
-                let (mut got, mut want) = (fresh(), fresh());
-                super::q4_bf16_panel(&packed, &s, &m, cols, r0, k, &mut got);
-                super::q4_bf16_panel_portable(&packed, &s, &m, cols, r0, k, &mut want);
-                assert_eq!(got, want, "q4 rows {r0}.. columns {k:?}");
-                let (mut got, mut want) = (fresh(), fresh());
-                super::q8_bf16_panel(&q, &s, cols, r0, k, &mut got);
-                super::q8_bf16_panel_portable(&q, &s, cols, r0, k, &mut want);
-                assert_eq!(got, want, "q8 rows {r0}.. columns {k:?}");
+            for (k0, kc) in [(0, 256), (256, 256), (512, 96), (32, 64)] {
+                let (mut q4, mut q8) = (vec![0xffffu16; 32 * kc], vec![0xffffu16; 32 * kc]);
+                super::q4_bf16_panel(&packed, &s, &m, cols, r0, (k0, kc), &mut q4);
+                super::q8_bf16_panel(&q, &s, cols, r0, (k0, kc), &mut q8);
+                for c in 0..32 {
+                    for j in 0..kc {
+                        let at = (r0 + c) * cols + k0 + j;
+                        let (g, i) = (at / 32, at % 32);
+                        // Byte i of a Q4 group: value i in its low nibble, value i + 16 in its high one.
+                        let byte = packed[g * 16 + i % 16];
+                        let nibble = if i < 16 { byte & 15 } else { byte >> 4 };
+                        let (sf, mf) = (f16_value(s[g]), f16_value(m[g]));
+                        let place = 2 * super::panel_pair(j / 2, c) + j % 2;
+                        assert_eq!(
+                            q4[place],
+                            bf16_bits(mf + nibble as f32 * sf),
+                            "q4 row {} column {}",
+                            r0 + c,
+                            k0 + j
+                        );
+                        assert_eq!(
+                            q8[place],
+                            bf16_bits(q[at] as f32 * sf),
+                            "q8 row {} column {}",
+                            r0 + c,
+                            k0 + j
+                        );
+                    }
+                }
             }
         }
     }
