@@ -7,7 +7,7 @@ use rayon::prelude::*;
 use super::QRef;
 use crate::quant::{Bf16Matrix, F16Matrix, QuantMatrix, GROUP};
 use crate::sys::{
-    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, gemm_f32_rows_par, gemm_q4_int8_par,
+    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, gemm_f32_widened_par, gemm_q4_int8_par,
     has_bf16_gemm, sgemm, sgemm_xwt_avx512, sgemm_xwt_avx512_strided, to_bf16, CpuKernels, Int8Blocks,
     Int8Row, Int8Rows, Q4Parts,
 };
@@ -147,15 +147,12 @@ pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut 
     }
     if !has_bf16_gemm() {
         fn widened<M: QuantMatrix>(x: &[f32], t: usize, k: usize, m: &M, out: &mut [f32]) {
-            let avx2_only = crate::sys::avx2() && !crate::sys::avx512();
-            if avx2_only && m.rows().is_multiple_of(4) && k.is_multiple_of(8) && k > 0 {
-                let fill = |r0: usize, dst: &mut [f32]| {
-                    for (c, row) in dst.chunks_exact_mut(k).enumerate() {
-                        m.f32_row(r0 + c, row);
-                    }
-                };
-                gemm_f32_rows_par(x, t, k, m.rows(), fill, out);
-            } else {
+            let fill = |r0: usize, dst: &mut [f32]| {
+                for (c, row) in dst.chunks_exact_mut(k).enumerate() {
+                    m.f32_row(r0 + c, row);
+                }
+            };
+            if crate::sys::avx512() || !gemm_f32_widened_par(x, t, k, m.rows(), fill, out) {
                 matmul_dequantized(x, t, k, m, out);
             }
         }
@@ -189,11 +186,9 @@ pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut 
 pub(super) fn matmul_widened(x: &[f32], t: usize, k: usize, m: &F16Matrix, out: &mut [f32]) {
     let widen = |r0: usize, w: &mut [f32]| crate::sys::widen_f16(&m.values[r0 * k..][..w.len()], w);
     // With AVX2 alone, the widened rows' product without GEMM packing (as for Q4/Q8 above).
-    if crate::sys::avx2() && !crate::sys::avx512() && m.rows.is_multiple_of(4) && k.is_multiple_of(8) && k > 0
-    {
-        return gemm_f32_rows_par(x, t, k, m.rows, widen, out);
+    if crate::sys::avx512() || !gemm_f32_widened_par(x, t, k, m.rows, widen, out) {
+        widened_gemm(x, t, k, m.rows, out, widen)
     }
-    widened_gemm(x, t, k, m.rows, out, widen)
 }
 
 /// `out = x[t×k] · w^T` for quantized weights on the f32 GEMM: 32 weight rows at a time dequantized

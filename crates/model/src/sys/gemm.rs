@@ -339,7 +339,7 @@ where
 }
 
 /// Weight rows a task of [`gemm_bf16_rows_par`] widens at a time (one register tile's columns).
-const ROWS_TILE: usize = 4;
+pub(super) const ROWS_TILE: usize = 4;
 
 /// `out[t x n] = x[t x k] . W^T` for a matrix held in another form (quantized), for steps of a few
 /// rows: `rows(r0, dst)` writes its rows `r0..r0 + 4`, every column, as bf16 row-major into `dst`
@@ -391,100 +391,6 @@ where
             }
         }
     });
-}
-
-/// `out[t x n] = x[t x k] . W^T` on the f32 FMA units (AVX2) for a matrix held in another form
-/// (quantized): `rows(r0, dst)` writes its rows `r0..r0 + 4`, every column, in f32 row-major into
-/// `dst` (4 x k), a block of such groups at a time (in L2), and every row of x is dotted with them
-/// there, three rows at a time, so the weights are widened once per product, never held in f32
-/// whole, and nothing is copied into a GEMM's panels (what matrixmultiply spent a fifth of an AVX2
-/// 32-row step on). `n` must be a multiple of 4, `k` of 8 (and not 0).
-/// Portable dot products without AVX2 (callers take the f32 GEMM there).
-pub(crate) fn gemm_f32_rows_par<F>(x: &[f32], t: usize, k: usize, n: usize, rows: F, out: &mut [f32])
-where
-    F: Fn(usize, &mut [f32]) + Sync,
-{
-    assert!(k.is_multiple_of(8) && k > 0 && n.is_multiple_of(ROWS_TILE), "n: multiple of 4, k: of 8");
-    assert!(x.len() >= t * k && out.len() >= t * n);
-    let groups = n / ROWS_TILE;
-    #[cfg(target_arch = "x86_64")]
-    if super::avx2() {
-        // Groups widened together (about 128 KiB of f32, in L2): each tile of three x rows, in L1, is
-        // dotted with all of them before the next tile is read.
-        let block = (32 * 1024 / (ROWS_TILE * k)).max(1);
-        // Eight shares per thread, as the int8 GEMM: a share widens only its own groups.
-        split_columns_by(groups, 8, out, |g0, g1, dst| {
-            let mut w = vec![0f32; block.min(g1 - g0) * ROWS_TILE * k];
-            let mut b0 = g0;
-            while b0 < g1 {
-                let b1 = (b0 + block).min(g1);
-                for g in b0..b1 {
-                    rows(g * ROWS_TILE, &mut w[(g - b0) * ROWS_TILE * k..][..ROWS_TILE * k]);
-                }
-                let mut r = 0;
-                while r < t {
-                    let tile = (t - r).min(3);
-                    for g in b0..b1 {
-                        // SAFETY: the CPU has AVX2 and FMA (checked above); x rows r..r+tile hold k
-                        // values each, `w` holds group g's 4 rows of k at its offset; this task alone
-                        // writes columns g*4..g*4+4 of each row.
-                        unsafe {
-                            let pw = w.as_ptr().add((g - b0) * ROWS_TILE * k);
-                            let (px, po) = (x.as_ptr().add(r * k), dst.add(r * n + g * ROWS_TILE));
-                            match tile {
-                                3 => tile_dot_f32::<3>(px, k, pw, po, n),
-                                2 => tile_dot_f32::<2>(px, k, pw, po, n),
-                                _ => tile_dot_f32::<1>(px, k, pw, po, n),
-                            }
-                        }
-                    }
-                    r += tile;
-                }
-                b0 = b1;
-            }
-        });
-        return;
-    }
-    let mut w = vec![0f32; ROWS_TILE * k];
-    for g in 0..groups {
-        rows(g * ROWS_TILE, &mut w);
-        for r in 0..t {
-            for (c, wr) in w.chunks_exact(k).enumerate() {
-                out[r * n + g * ROWS_TILE + c] =
-                    x[r * k..(r + 1) * k].iter().zip(wr).map(|(a, b)| a * b).sum();
-            }
-        }
-    }
-}
-
-/// R rows of x (f32, `k` each, contiguous) dotted with four weight rows (f32, `k` each, contiguous):
-/// `out[r * ldo + c] = x[r] . w[c]`, 8 values of k per step, one 8-lane sum per (r, c): 3 x 4 of them
-/// and three rows of x fill the sixteen registers, the weights coming straight from L1.
-///
-/// # Safety
-/// AVX2 and FMA; `k` a multiple of 8; `px` R x k values, `pw` 4 x k, `po` R rows (`ldo` apart) of 4
-/// writable f32.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tile_dot_f32<const R: usize>(px: *const f32, k: usize, pw: *const f32, po: *mut f32, ldo: usize) {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); ROWS_TILE]; R];
-    let mut kk = 0;
-    while kk < k {
-        let xv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(px.add(r * k + kk)));
-        for c in 0..ROWS_TILE {
-            let wc = _mm256_loadu_ps(pw.add(c * k + kk));
-            for (a, x) in acc.iter_mut().zip(&xv) {
-                a[c] = _mm256_fmadd_ps(*x, wc, a[c]);
-            }
-        }
-        kk += 8;
-    }
-    for (r, a) in acc.iter().enumerate() {
-        // Pairs added (a0 a1 | a0 a1 ...), twice, then the two 128-bit halves: [a0, a1, a2, a3].
-        let s = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        _mm_storeu_ps(po.add(r * ldo), _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s)));
-    }
 }
 
 /// R rows of x (bf16, `k` each, contiguous) dotted with four weight rows (bf16, `k` each, contiguous):
@@ -675,33 +581,6 @@ mod tests {
             !super::sgemm_xwt_avx512(&[0.0; 4], 1, 4, &[0.0; 64], 16, &mut [0.0; 16]),
             "16 columns: not taken"
         );
-    }
-
-    #[test]
-    fn f32_row_gemm_matches_a_naive_product() {
-        // Row counts around the 3-row tile, and fewer weight groups than pool tasks.
-        // 4,096 and 8,192 values a row: blocks of two groups and of one, several a task.
-        let shapes = [(1, 8, 4), (2, 40, 8), (3, 576, 12), (7, 64, 96), (32, 576, 192), (5, 1536, 4)];
-        for (t, k, n) in shapes.into_iter().chain([(4, 4096, 64), (5, 8192, 40)]) {
-            let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
-            let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.11).cos()).collect();
-            let mut out = vec![f32::NAN; t * n];
-            super::gemm_f32_rows_par(
-                &x,
-                t,
-                k,
-                n,
-                |r0, dst| dst.copy_from_slice(&w[r0 * k..(r0 + 4) * k]),
-                &mut out,
-            );
-            for r in 0..t {
-                for c in 0..n {
-                    let want: f64 =
-                        (0..k).map(|kk| f64::from(x[r * k + kk]) * f64::from(w[c * k + kk])).sum();
-                    assert!((f64::from(out[r * n + c]) - want).abs() < 1e-3, "t {t} k {k} r {r} c {c}");
-                }
-            }
-        }
     }
 
     #[test]

@@ -51,7 +51,7 @@ pub(crate) fn sgemm_nn(
             // SAFETY: the kernels running have AVX2 and FMA (so the CPU has); rows i..i + rows of a
             // hold k values each, rows 0..k of b hold columns j..j + 16 (n is a multiple of 16), and
             // rows i..i + rows of c columns j..j + 16 (asserted above).
-            unsafe { tile_rows!(rows; 6 5 4 3 2 1; nn_tile_avx2(ap, lda, k, bp, ldb, cp, n)) }
+            unsafe { tile_rows!(rows; 6 5 4 3 2 1; nn_tile_avx2(ap, lda, k, bp, ldb, cp, n, false)) }
         });
         return true;
     }
@@ -73,13 +73,15 @@ fn for_tiles(m: usize, n: usize, (most, width): (usize, usize), mut tile: impl F
 }
 
 /// `R` rows of `a` (`lda` apart, `k` values) times 16 columns of `b` (rows `ldb` apart) into `R` rows
-/// of 16 of `c` (`ldc` apart).
+/// of 16 of `c` (`ldc` apart): each sum from zero, or with `add` from `c`'s value (the sum carried on
+/// over more of k, exactly as if it had not stopped).
 ///
 /// # Safety
 /// AVX2 and FMA; the rows and columns named lie within their slices.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn nn_tile_avx2<const R: usize>(
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn nn_tile_avx2<const R: usize>(
     a: *const f32,
     lda: usize,
     k: usize,
@@ -87,9 +89,15 @@ unsafe fn nn_tile_avx2<const R: usize>(
     ldb: usize,
     c: *mut f32,
     ldc: usize,
+    add: bool,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    if add {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            *acc = [_mm256_loadu_ps(c.add(r * ldc)), _mm256_loadu_ps(c.add(r * ldc + 8))];
+        }
+    }
     for p in 0..k {
         let (b0, b1) = (_mm256_loadu_ps(b.add(p * ldb)), _mm256_loadu_ps(b.add(p * ldb + 8)));
         for (r, acc) in acc.iter_mut().enumerate() {
