@@ -562,6 +562,27 @@ fn q4_weights_give_back_the_gguf_values() {
     assert!(worst < 1e-6, "largest |dequantized - loaded| {worst}");
 }
 
+/// A long step (a 300-token prompt at once: the multi-row products, which round their inputs to bf16
+/// with AVX-512 BF16 and to 16-bit integers per group of 32 on AVX2) gives nearly the logits that
+/// steps of 8 rows give (dot products of the f32 inputs with the same Q4 weights).
+#[test]
+fn long_quantized_steps_keep_the_logits_of_short_ones() {
+    let fx = fixture();
+    let long: Vec<u32> = ids(&fx["prompts"][2]["ids"]).iter().cycle().take(300).copied().collect();
+    let mut cpu = quantized_backend(pdserve_model::WeightFormat::Q4);
+    let whole = Run::new(&mut cpu, &long).step(long.len());
+    let mut run = Run::new(&mut cpu, &long);
+    for _ in 0..long.len() / 8 {
+        run.step(8);
+    }
+    // (300 = 37 x 8 + 4.)
+    let short = run.step(long.len() % 8);
+    let diff = largest_difference(&whole, &short);
+    eprintln!("{}: largest |long-step logit - short-step logit| {diff}", pdserve_model::cpu_kernels().name());
+    let bound = if pdserve_model::cpu_kernels() == pdserve_model::CpuKernels::Avx2 { 0.05 } else { 1.0 };
+    assert!(diff < bound, "long steps move logits by {diff} against steps of 8 rows");
+}
+
 /// A decode step over a long context (1,100 keys: three splits merged by their maxima and sums) gives
 /// the logits the whole prompt's prefill (GEMM attention) gives for its last token.
 #[test]

@@ -31,7 +31,8 @@ pdserve-server [options]
   --weights FMT            auto (default: the checkpoint's own precision: bf16 or f16 as it ships, else f32),
                            f32, bf16, f16, q8 or q4: bf16 or f16 for every step, or quantized weights (groups
                            of 32) for every step, longer ones widening them as they go (to bf16 where the
-                           CPU has AVX-512 BF16, else to f32); copies nothing reads are freed
+                           CPU has AVX-512 BF16, else to f32, with steps of 64+ rows of q8 or q4 on 16-bit
+                           integer inputs); copies nothing reads are freed
   --activations A          f32 (default) or q8: with --weights q8 or q4, round the inputs of steps of up to 16
                            rows to int8 in groups of 32 and sum integer products, as llama.cpp does (one row's
                            product up to 1.7x faster on CPUs without AVX-512), and with AVX2 kernels those of

@@ -7,9 +7,10 @@ use rayon::prelude::*;
 use super::QRef;
 use crate::quant::{Bf16Matrix, F16Matrix, QuantMatrix, GROUP};
 use crate::sys::{
-    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, gemm_f32_widened_par, gemm_q4_int8_par,
-    has_bf16_gemm, sgemm, sgemm_xwt_avx512, sgemm_xwt_avx512_strided, to_bf16, CpuKernels, Int8Blocks,
-    Int8Row, Int8Rows, Q4Parts,
+    dot, gemm_bf16_fill_par, gemm_bf16_par, gemm_bf16_rows_par, gemm_f32_widened_par, gemm_int16_par,
+    gemm_q4_int8_par, has_bf16_gemm, q4_int16_rows, q8_int16_rows, sgemm, sgemm_xwt_avx512,
+    sgemm_xwt_avx512_strided, to_bf16, CpuKernels, Int16Rows, Int8Blocks, Int8Row, Int8Rows, Q4Parts,
+    PANEL_MIN_ROWS,
 };
 
 /// `x[t×k] · w[n×k]^T` with quantized weights by dot products (decode steps, with or without drafts):
@@ -82,6 +83,45 @@ pub(super) fn matmul_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
     })
 }
 
+/// `x[t×k] · w[n×k]^T` for a long step with Q4 or Q8 weights where AVX2 is the widest kernel family
+/// running: x rounded to 16-bit integers per group of 32 values, the products on the integer units
+/// (`sys::gemm_int16_par`). False, touching nothing, for other weights, kernels or shapes.
+fn matmul_int16(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) -> bool {
+    let n = match m {
+        QRef::Q4(m) => m.rows,
+        QRef::Q8(m) => m.rows,
+        QRef::F16(_) => return false,
+    };
+    if crate::sys::cpu_kernels() != CpuKernels::Avx2 || !k.is_multiple_of(GROUP) || !n.is_multiple_of(16) {
+        return false;
+    }
+    debug_assert_eq!((x.len(), out.len()), (t * k, t * n));
+    let run = |xq: &Int16Rows, out: &mut [f32]| match m {
+        QRef::Q4(m) => {
+            gemm_int16_par(xq, n, |r0, q, s| q4_int16_rows((&m.packed, &m.scales, &m.mins), k, r0, q, s), out)
+        }
+        QRef::Q8(m) => {
+            gemm_int16_par(xq, n, |r0, q, s| q8_int16_rows((&m.values, &m.scales), k, r0, q, s), out)
+        }
+        QRef::F16(_) => false,
+    };
+    thread_local! {
+        /// The calling thread's rounded inputs, kept from its last long step.
+        static INPUTS: std::cell::RefCell<Int16Rows> = std::cell::RefCell::new(Int16Rows::default());
+    }
+    INPUTS.with(|kept| {
+        // Busy only if this thread, waiting on the pool inside the product below, was handed
+        // another forward's product: that one takes buffers of its own.
+        let (mut own, mut kept) = (Int16Rows::default(), kept.try_borrow_mut());
+        let xq = match kept.as_deref_mut() {
+            Ok(xq) => xq,
+            Err(_) => &mut own,
+        };
+        xq.requantize(x, k);
+        run(xq, out)
+    })
+}
+
 /// `out[t×n]` with `f(j0, cols, part)` filling columns `j0..j0 + cols` (the `t` input rows against
 /// weight rows `j0..`, as `part[j * t + r]`), spread over the thread pool by blocks of weight rows:
 /// each weight row is read from memory once for all `t` rows, and each value is the very dot product
@@ -146,6 +186,9 @@ pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut 
         return matmul_widened(x, t, k, m, out);
     }
     if !has_bf16_gemm() {
+        if t >= PANEL_MIN_ROWS && matmul_int16(x, t, k, m, out) {
+            return;
+        }
         fn widened<M: QuantMatrix>(x: &[f32], t: usize, k: usize, m: &M, out: &mut [f32]) {
             let fill = |r0: usize, dst: &mut [f32]| {
                 for (c, row) in dst.chunks_exact_mut(k).enumerate() {

@@ -38,10 +38,10 @@ where
 /// 32 rows 177/154 (576 x 1,536), 157/151 (1,536 x 576); 64 rows 181-187/185-189, 169-171/181-188;
 /// 128 rows 202/204, 160-173/202-204; 512 rows 194-201/203-215, 163-178/214-218, 167-176/175-210
 /// (192 x 576).
-const PANEL_MIN_ROWS: usize = 64;
+pub(crate) const PANEL_MIN_ROWS: usize = 64;
 
 /// Weight rows (columns of the product) in a panel.
-const PANEL: usize = 16;
+pub(super) const PANEL: usize = 16;
 
 /// Values of k per block: at most a 6 x 2,048 tile of x (48 KiB) is read while a block of panels
 /// (128 KiB each) streams from L2 past it; the models here have k of 576 to 1,536, so one block.
@@ -74,7 +74,13 @@ where
                 for p in g0..g1 {
                     rows(p * PANEL, &mut wide);
                     // SAFETY: the CPU has AVX2 (checked above); both hold 16 x k values, k a multiple of 8.
-                    unsafe { transpose16(&wide, k, &mut panels[(p - g0) * PANEL * k..][..PANEL * k]) };
+                    unsafe {
+                        transpose16(
+                            wide.as_ptr(),
+                            k,
+                            panels[(p - g0) * PANEL * k..][..PANEL * k].as_mut_ptr(),
+                        )
+                    };
                 }
                 let mut k0 = 0;
                 while k0 < k {
@@ -210,20 +216,19 @@ unsafe fn tile_dot_f32<const R: usize>(px: *const f32, k: usize, pw: *const f32,
     }
 }
 
-/// `panel[kk * 16 + c] = rows[c * k + kk]`: sixteen rows of k turned into k rows of sixteen, eight by
-/// eight in registers.
+/// `panel[kk * 16 + c] = rows[c * k + kk]`: sixteen rows of k 32-bit values (f32, or pairs of 16-bit
+/// integers) turned into k rows of sixteen, eight by eight in registers; the bits move unchanged.
 ///
 /// # Safety
-/// AVX2; `rows` and `panel` hold 16 x k values, `k` a multiple of 8.
+/// AVX2; `rows` and `panel` point to 16 x k values, `k` a multiple of 8.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn transpose16(rows: &[f32], k: usize, panel: &mut [f32]) {
+pub(super) unsafe fn transpose16(rows: *const f32, k: usize, panel: *mut f32) {
     use std::arch::x86_64::*;
-    assert!(rows.len() >= PANEL * k && panel.len() >= PANEL * k && k.is_multiple_of(8));
+    debug_assert!(k.is_multiple_of(8));
     for c0 in [0, 8] {
         for k0 in (0..k).step_by(8) {
-            let v: [__m256; 8] =
-                std::array::from_fn(|c| _mm256_loadu_ps(rows.as_ptr().add((c0 + c) * k + k0)));
+            let v: [__m256; 8] = std::array::from_fn(|c| _mm256_loadu_ps(rows.add((c0 + c) * k + k0)));
             // Pairs of rows interleaved, then pairs of pairs: each 128-bit half holds a 4 x 4 block
             // transposed; the halves are then exchanged between the two 4-row groups.
             let t0 = _mm256_unpacklo_ps(v[0], v[1]);
@@ -253,7 +258,7 @@ unsafe fn transpose16(rows: &[f32], k: usize, panel: &mut [f32]) {
                 _mm256_permute2f128_ps::<0x31>(s3, s7),
             ];
             for (j, o) in out.iter().enumerate() {
-                _mm256_storeu_ps(panel.as_mut_ptr().add((k0 + j) * PANEL + c0), *o);
+                _mm256_storeu_ps(panel.add((k0 + j) * PANEL + c0), *o);
             }
         }
     }
