@@ -178,7 +178,9 @@ pub(super) fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mu
 ///
 /// Without the bf16 GEMM, steps of fewer than `DEQUANT_GEMM_MIN_ROWS` rows take the multi-row dot
 /// tiles (each weight row unpacked once per tile of input rows) and longer ones widen blocks of weight rows
-/// to f32 and dot every row with them on AVX2-only CPUs, or take the f32 GEMM over widened chunks
+/// to f32 and dot every row with them on AVX2-only CPUs (from `PANEL_MIN_ROWS` rows on, x rounded
+/// to 16-bit integers multiplies the weights' integers: `matmul_int16`), or take the f32 GEMM over
+/// widened chunks
 /// (AVX-512 without BF16, the portable kernels, a matrix whose rows are not a multiple of 4): the
 /// quantized matrices are all a step reads either way.
 pub(super) fn matmul_quant(x: &[f32], t: usize, k: usize, m: QRef<'_>, xb: &mut Vec<u16>, out: &mut [f32]) {
