@@ -204,9 +204,19 @@ fn test() -> Result<()> {
             .args(["test", "-p", "pdserve-model", "--lib"])
             .env("PDSERVE_CPU_KERNELS", family))?;
     }
-    // Int8 activations on the real model under AVX2, whose long steps take their own GEMM.
+    // The real model under AVX2, whose long steps take their own GEMMs: int8 activations, and the
+    // default's 16-bit integer inputs against steps of a few rows.
     run(Command::new(&cargo_bin)
-        .args(["test", "-p", "pdserve-model", "--test", "real_model", "int8_activations"])
+        .args([
+            "test",
+            "-p",
+            "pdserve-model",
+            "--test",
+            "real_model",
+            "--",
+            "int8_activations",
+            "long_quantized_steps",
+        ])
         .env("PDSERVE_CPU_KERNELS", "avx2"))?;
     // KV over UCX (the `ucx` feature: libucx-dev, which `.ci/run` installs): the transport's own
     // tests, then PD between worker processes on one host and between network namespaces.
