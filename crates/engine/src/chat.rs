@@ -9,7 +9,7 @@ use pdserve_api::tools::{Tool, ToolFormat};
 use pdserve_model::{ChatMessage, ModelError, TextCodec};
 use serde_json::Value;
 
-use crate::handle::EngineInfo;
+use crate::info::EngineInfo;
 use crate::{EngineError, Input};
 
 /// The token ids of `input` (a remote prompt has none here), checked against the vocabulary.

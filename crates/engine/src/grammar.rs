@@ -74,8 +74,8 @@ impl Grammars {
     }
 }
 
-/// One request's matcher.
-pub(crate) struct Guide(Matcher);
+/// One request's output constraint: an llguidance matcher, compiled by the text thread.
+pub struct Guide(Matcher);
 
 impl std::fmt::Debug for Guide {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -3,13 +3,14 @@
 //! thread made of the engine thread's tokens, and ends anything left past its deadline.
 
 use std::collections::{HashSet, VecDeque};
-use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crate::core::{CoreConfig, EngineCore, Submission, Times};
+use crate::info::{fim_tokens, EngineInfo};
+use crate::shell::{Command, EngineThread, Shared, Worker};
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use pdserve_api::{Role, Stage};
 use pdserve_kvcache::{KvCache, KvConfig};
@@ -18,60 +19,9 @@ use pdserve_pd_transfer::Source;
 use pdserve_scheduler::Scheduler;
 use pdserve_telemetry::{Registry, RequestLedger};
 
-use crate::core::{Command, Core, Shared, Submission, Times};
 use crate::metrics::Metrics;
 use crate::text_thread::{lock, timings, Job, Live, Stream, TextThread};
 use crate::{Device, EngineConfig, EngineError, Finish, Id, Input, Output, Request};
-
-/// What the engine runs, for reports (`/v1/models`) and handles.
-#[derive(Debug, Clone)]
-pub struct EngineInfo {
-    pub role: Role,
-    pub device: Device,
-    pub weights: WeightFormat,
-    /// What the quantized weights' products round their inputs to: "q8" (`--activations q8`) or "f32".
-    pub activations: &'static str,
-    /// What steps of more than two rows read: "f32" or "bf16".
-    pub multi_row_weights: &'static str,
-    /// The KV cache's element type.
-    pub kv_dtype: pdserve_model::KvDtype,
-    /// Bytes of the weights as held (every form the backend reads: f32, quantized, bf16).
-    pub weight_bytes: usize,
-    /// Bytes of the KV pool.
-    pub kv_bytes: usize,
-    /// Where a request gives no sampling settings: the model's `generation_config.json` over the
-    /// engine's defaults.
-    pub sampling_defaults: pdserve_model::SamplingParams,
-    /// Prompt plus generated tokens never exceed it.
-    pub context_tokens: usize,
-    pub vocab_size: usize,
-    /// Prefill role: where decode workers pull KV from.
-    pub transfer_addr: Option<SocketAddr>,
-    /// Prefill role with shared KV memory: its file.
-    pub kv_shm_path: Option<PathBuf>,
-    /// KV over UCX (`EngineConfig::kv_ucx`).
-    pub kv_ucx: bool,
-    /// Prefill role over UCX: the KV region's export, as handles carry it.
-    pub kv_ucx_region: Option<String>,
-    /// The format the model writes tool calls in (the chat template's, or the configured one).
-    pub tool_format: pdserve_api::tools::ToolFormat,
-    /// The model's fill-in-the-middle tokens (prefix, suffix, middle), if its vocabulary has them:
-    /// completions with a `suffix` are written `{prefix}{prompt}{suffix token}{suffix}{middle}`.
-    pub fim: Option<[String; 3]>,
-}
-
-/// The fill-in-the-middle token spellings of the model families that have them (StarCoder and the
-/// models trained on its format, Qwen2.5-Coder, CodeLlama).
-const FIM_TOKENS: [[&str; 3]; 3] = [
-    ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"],
-    ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"],
-    ["▁<PRE>", "▁<SUF>", "▁<MID>"],
-];
-
-/// The first FIM token set `has` knows all three of.
-pub(crate) fn fim_tokens(has: impl Fn(&str) -> bool) -> Option<[String; 3]> {
-    FIM_TOKENS.iter().find(|set| set.iter().all(|t| has(t))).map(|set| set.map(str::to_owned))
-}
 
 /// How the engine thread is doing, for readiness checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -201,19 +151,13 @@ impl Engine {
         let now = Instant::now();
         let sched = Scheduler::new(config.scheduler.clone(), kv, now);
         let metrics = Metrics::new().map_err(EngineError::Metrics)?;
+        let block_bytes = endpoint.as_ref().map_or(0, |ep| ep.layout().block_bytes());
         let (bs, nb) = (config.block_size.to_string(), config.kv_blocks.to_string());
         if let Ok(g) = metrics.kv_config.with(&[&bs, &nb]) {
             g.set(config.block_size as f64);
         }
-        let shared = Arc::new(Shared {
-            epoch: now,
-            last_tick_ms: Default::default(),
-            last_token_ms: Default::default(),
-            waiting: Default::default(),
-            running: Default::default(),
-            transfers: Default::default(),
-            ledger: Mutex::new(RequestLedger::new(&config.process_name, config.ledger_capacity)),
-        });
+        let shared =
+            Arc::new(Shared::new(now, RequestLedger::new(&config.process_name, config.ledger_capacity)));
         let bound = config.scheduler.max_queued_requests + config.scheduler.max_running_requests + 64;
         let (cmd_tx, cmd_rx) = crossbeam_channel::bounded(bound);
         let (reply_tx, reply_rx) = crossbeam_channel::bounded(bound * config.replies_per_request.max(1));
@@ -247,25 +191,26 @@ impl Engine {
             crate::grammar::Grammars::new(&tokenizer_json, model.vocab_size, eos).map_err(|value| {
                 EngineError::Config { field: "tokenizer.json (for constrained decoding)", value }
             })?;
-        let core = Core::new(
+        let core = EngineCore::new(
+            CoreConfig {
+                role: config.role,
+                eos_ids: model.eos_token_ids.clone(),
+                context_tokens: context,
+                vocab_size: model.vocab_size,
+                transfer_step_tokens: config.transfer_step_tokens,
+                speculative: config.speculative,
+                verify_rows: built.backend.verify_rows_multiple(),
+                block_bytes,
+            },
             sched,
-            built.backend,
-            endpoint,
-            config.role,
-            model.eos_token_ids.clone(),
-            context,
-            model.vocab_size,
-            cmd_rx,
-            reply_tx,
-            Arc::clone(&shared),
-            metrics.clone(),
-            config.transfer_step_tokens,
-        )
+        );
+        let worker = Worker::new(core, built.backend, endpoint);
         // The CPU backend's step may run on any thread; a GPU step stays on the thread whose CUDA
         // context its launches use.
-        .with_step_thread(config.device == Device::Cpu)
-        .with_speculative(config.speculative);
-        let engine_thread = std::thread::Builder::new().name("engine".into()).spawn(move || core.run())?;
+        let step_thread = config.device == Device::Cpu;
+        let thread =
+            EngineThread::new(worker, cmd_rx, reply_tx, Arc::clone(&shared), metrics.clone(), step_thread);
+        let engine_thread = std::thread::Builder::new().name("engine".into()).spawn(move || thread.run())?;
         let codec = Arc::new(files.text);
         let live = Arc::new(Mutex::new(Live::default()));
         let (job_tx, job_rx) = crossbeam_channel::bounded(bound);
@@ -546,16 +491,5 @@ impl Drop for Engine {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn fim_tokens_are_found_by_their_spelling() {
-        let qwen = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|im_end|>"];
-        let got = super::fim_tokens(|t| qwen.contains(&t)).unwrap();
-        assert_eq!(got[1], "<|fim_suffix|>");
-        assert!(super::fim_tokens(|t| t == "<fim_prefix>" || t == "<fim_suffix>").is_none());
     }
 }

@@ -40,25 +40,29 @@
 
 mod chat;
 mod config;
-mod core;
+pub mod core;
 mod draft;
 mod error;
 mod grammar;
 mod handle;
+mod info;
 mod load;
 mod metrics;
 mod request;
+mod shell;
 mod text;
 mod text_thread;
 
 pub use config::{Device, EngineConfig};
 pub use draft::Speculative;
 pub use error::{EngineError, KvTransferProblem};
-pub use handle::{Aborted, Engine, EngineInfo, Health};
+pub use handle::{Aborted, Engine, Health};
+pub use info::EngineInfo;
 pub use load::{default_transport, TransportSpec};
 pub use pdserve_pd_transfer::transport::shm::valid_scope as valid_shm_scope;
 pub use pdserve_scheduler::{AdmissionOrder, SchedulerConfig};
 pub use request::{Finish, Id, Input, Output, PanicSite, Request, Timings};
+pub use shell::Worker;
 
 /// The README's examples, compiled as doc tests.
 #[doc = include_str!("../README.md")]

@@ -24,10 +24,11 @@ use pdserve_api::{Role, Stage};
 use pdserve_model::{IncrementalDecoder, TextCodec};
 use pdserve_scheduler::{FinishReason, Outcome};
 
-use crate::core::{Command, Reply, Submission, Times};
+use crate::core::{output_budget, resumed_is_complete, Reply, Submission, Times};
 use crate::grammar::Grammars;
-use crate::handle::EngineInfo;
+use crate::info::EngineInfo;
 use crate::metrics::Metrics;
+use crate::shell::Command;
 use crate::text::apply_stop;
 use crate::{EngineError, Finish, Id, Input, Output, Timings};
 
@@ -142,7 +143,7 @@ pub(crate) struct Text {
 /// The text thread. See the [module docs](self).
 pub(crate) struct TextThread {
     pub jobs: Receiver<Job>,
-    pub replies: Receiver<Reply>,
+    pub replies: Receiver<Vec<Reply>>,
     pub commands: Sender<Command>,
     pub outputs: Sender<Output>,
     pub wake: Arc<dyn Fn() + Send + Sync>,
@@ -172,8 +173,8 @@ impl TextThread {
                     Ok(job) => self.job(job),
                     Err(_) => return,
                 },
-                recv(self.replies) -> reply => match reply {
-                    Ok(reply) => self.reply(reply),
+                recv(self.replies) -> replies => match replies {
+                    Ok(replies) => replies.into_iter().for_each(|r| self.reply(r)),
                     // The engine thread is gone; the handle's watchdog ends what is left.
                     Err(_) => self.replies = crossbeam_channel::never(),
                 },
@@ -182,7 +183,7 @@ impl TextThread {
             // Take what else is ready before waking the caller, a bounded amount.
             for _ in 0..256 {
                 match self.replies.try_recv() {
-                    Ok(reply) => self.reply(reply),
+                    Ok(replies) => replies.into_iter().for_each(|r| self.reply(r)),
                     Err(_) => break,
                 }
             }
@@ -295,9 +296,14 @@ impl TextThread {
                 // Ended by what it had already generated (the move came after its last token, before
                 // its end): it ends here as it would have there.
                 let stopped = self.texts.get(&id).and_then(|t| t.stopped.clone());
-                let full = !resumed.is_empty()
-                    && (sub.max_tokens.is_some_and(|m| resumed.len() >= m)
-                        || (sub.remote.is_none() && sub.tokens.len() >= self.info.context_tokens));
+                let context = self.info.context_tokens;
+                let full = resumed_is_complete(
+                    sub.tokens.len(),
+                    resumed.len(),
+                    sub.max_tokens,
+                    context,
+                    sub.remote.is_some(),
+                );
                 match stopped {
                     Some(s) => return self.end_resumed(id, Finish::StopString(s)),
                     None if full => return self.end_resumed(id, Finish::Length),
@@ -340,14 +346,7 @@ impl TextThread {
                 return Err(EngineError::InvalidInput { problem: "the prompt is empty".into() });
             }
             // (A resumed request that filled the context ends with `length` instead.)
-            if prompt_len >= self.info.context_tokens
-                || (resumed.is_empty() && tokens.len() >= self.info.context_tokens)
-            {
-                return Err(EngineError::ContextLengthExceeded {
-                    prompt_tokens: tokens.len(),
-                    context_tokens: self.info.context_tokens,
-                });
-            }
+            output_budget(tokens.len(), resumed.len(), None, self.info.context_tokens)?;
         }
         Ok(tokens)
     }
@@ -374,11 +373,6 @@ impl TextThread {
 
     fn reply(&mut self, r: Reply) {
         match r {
-            Reply::Batch(replies) => {
-                for r in replies {
-                    self.reply(r);
-                }
-            }
             Reply::Admitted { id, prompt_tokens } => {
                 let admitted = match lock(&self.live).streams.get_mut(&id) {
                     Some(s) => {
@@ -440,7 +434,7 @@ impl TextThread {
                 let usage = Usage { prompt_tokens: s.prompt_tokens, completion_tokens: 1, cached_tokens };
                 self.push(Output::Prefilled { id: Id(id), handle, usage, timings });
             }
-            Reply::Finished { id, outcome, output_tokens, cached_tokens, times } => {
+            Reply::Finished { id, outcome, output_tokens, cached_tokens, times, .. } => {
                 let text = self.texts.remove(&id);
                 let Some(mut s) = lock(&self.live).remove(id) else { return };
                 s.cached_tokens = cached_tokens;

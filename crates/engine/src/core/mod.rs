@@ -1,34 +1,69 @@
-//! The engine thread: it owns the scheduler (and with it the KV cache), the model backend, every
-//! request's sampler and the KV transfer endpoint. It sees token ids only, talks to the text thread
-//! only through two bounded channels, and never waits on a socket: transfers are pumped between steps.
+//! The engine's decisions as a sans-IO state machine: [`EngineCore`] owns the scheduler (and with it
+//! the KV cache's ledger), every request's sampler, its constraint and its drafts, and the
+//! bookkeeping of its KV transfers. It sees token ids only. No threads, no channels, no sockets, no
+//! clock: every input is a `handle_*` call with `now`, every output is polled. The engine thread
+//! ([`crate::shell`]) feeds it commands and transfer events, runs the steps it plans on the model
+//! backend and performs the transfer calls it asks for on the endpoint; a simulation
+//! (`tests/engine_sim.rs`) does the same on a virtual clock with a fake model and in-memory transports.
+//!
+//! # Call order
+//!
+//! 1. [`EngineCore::new`].
+//! 2. Whenever something happens, the matching input:
+//!    - [`handle_submit`](EngineCore::handle_submit), [`handle_abort`](EngineCore::handle_abort),
+//!      [`handle_fail`](EngineCore::handle_fail), [`handle_abort_transfer`](EngineCore::handle_abort_transfer):
+//!      the caller's commands, in the order it gave them;
+//!    - [`handle_transfer_event`](EngineCore::handle_transfer_event): each event the endpoint reports;
+//!    - the answer to each [`TransferCall`] that asks for one (`Offer`: [`handle_offered`](EngineCore::handle_offered);
+//!      `Pull`: [`handle_pull_started`](EngineCore::handle_pull_started); `SetDestination`:
+//!      [`handle_destination_set`](EngineCore::handle_destination_set)), before any other input.
+//! 3. After every input, [`poll_transfer`](EngineCore::poll_transfer) until `None`, performing each
+//!    call (and answering it) in order; then [`poll_reply`](EngineCore::poll_reply) until `None`.
+//! 4. When no step is in flight: [`poll_step`](EngineCore::poll_step). A step it returns is run on the
+//!    backend and answered with exactly one [`handle_step_done`](EngineCore::handle_step_done); while
+//!    it runs, the endpoint is not pumped (its block writes need the backend), and the caller's
+//!    commands may still come: aborts take effect at once (the request ends, its blocks go back to the
+//!    pool, which nothing allocates from before the step is done), everything else waits inside the
+//!    core for the step's end, in order.
+//!
+//! # Guarantees (checked by `tests/engine_sim.rs` on a virtual clock)
+//!
+//! - Every submission gets exactly one end: [`Reply::Rejected`], [`Reply::Finished`] or (prefill
+//!   role) [`Reply::Prefilled`]; `Admitted` and `Token`s come only between a submission and its end.
+//! - Every request ends by its deadline: the scheduler times out what passes it at the next step it
+//!   plans; a pull's transfer carries the deadline too.
+//! - When every request has ended and every transfer settled, the KV ledger holds no block for a
+//!   sequence or a transfer (the prefix cache may keep what it cached).
+//! - A request's tokens depend only on the logits its own rows get: the same sampler draws in the
+//!   same order on a unified worker, through prefill and decode, resumed after a move, with drafts.
 
 mod sample;
 mod step;
 mod transfers;
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
 
-use crossbeam_channel::{Receiver, RecvTimeoutError, SendTimeoutError, Sender};
 use pdserve_api::{Outcome as ApiOutcome, Role, Stage as ApiStage};
-use pdserve_kvcache::{OwnerKind, SeqId};
-use pdserve_model::{Backend, Sampler, SamplingParams};
-use pdserve_pd_transfer::{Endpoint, EndpointStats, Source, TransferKey};
-use pdserve_scheduler::{Event, KvSource, NewRequest, Outcome, RequestId, Scheduler, Stage};
-use pdserve_telemetry::RequestLedger;
+use pdserve_kvcache::{KvCache, SeqId};
+use pdserve_model::{Sampler, SamplingParams};
+use pdserve_pd_transfer::{Source, TransferKey};
+use pdserve_scheduler::{Event, KvSource, NewRequest, Outcome, RequestId, Scheduler, SchedulerStats, Stage};
 
 use crate::grammar::Guide;
-use crate::metrics::Metrics;
 use crate::EngineError;
 
-/// A generation handed to the engine thread.
+pub use step::{Guides, PlannedRow, StepDone, StepFailure, StepOutput, StepPlan};
+pub use transfers::TransferCall;
+
+/// A generation handed to the core.
 #[derive(Debug)]
-pub(crate) struct Submission {
+pub struct Submission {
+    /// The engine's id for it (unique among live requests; it also names its KV transfer).
     pub id: u64,
+    /// The caller's name for it (the `x-request-id`).
     pub request_id: String,
-    /// The prompt (empty when it comes from a prefill worker).
+    /// The prompt followed by `resumed` (empty when it comes from a prefill worker).
     pub tokens: Vec<u32>,
     /// Decode role: where the prompt's KV and token ids come from.
     pub remote: Option<Source>,
@@ -41,41 +76,75 @@ pub(crate) struct Submission {
     pub deadline: Instant,
     /// What the output must match (compiled by the text thread).
     pub guide: Option<Guide>,
-    /// End-of-sequence and stop tokens are held back before this many tokens.
+    /// End-of-sequence and stop tokens are held back before this many output tokens.
     pub min_tokens: usize,
     pub logit_bias: Vec<(u32, f32)>,
     /// Output generated before this engine (the request moved here mid-answer): the prompt's last
     /// tokens, counted as output.
     pub resumed: Vec<u32>,
-    /// Test hook (`EngineConfig::test_panic_trigger`): sampling this request panics.
+    /// Test hook (`Request::test_panic`): sampling this request panics.
     pub panic_in_sampling: bool,
 }
 
-#[derive(Debug)]
-pub(crate) enum Command {
-    Submit(Box<Submission>),
-    Abort(u64),
-    /// The text thread could not go on with this request (a panic while detokenizing it): it ends
-    /// with an error naming why; the others run on.
-    Fail {
-        id: u64,
-        reason: String,
-    },
-    /// Prefill role: end the offer of a finished prompt's KV (its transfer id is the request's id).
-    AbortTransfer(u64),
+impl Submission {
+    /// A submission with the engine's defaults: greedy, up to the context, no stop tokens.
+    pub fn new(id: u64, request_id: impl Into<String>, tokens: Vec<u32>, deadline: Instant) -> Submission {
+        Submission {
+            id,
+            request_id: request_id.into(),
+            tokens,
+            remote: None,
+            max_tokens: None,
+            params: SamplingParams::greedy(),
+            seed: id,
+            stop_ids: Vec::new(),
+            ignore_eos: false,
+            deadline,
+            guide: None,
+            min_tokens: 0,
+            logit_bias: Vec::new(),
+            resumed: Vec::new(),
+            panic_in_sampling: false,
+        }
+    }
 }
 
-impl Command {
-    /// Whether this submits or fails request `id` (an abort must not overtake either).
-    fn concerns(&self, id: u64) -> bool {
-        matches!(self, Command::Submit(s) if s.id == id)
-            || matches!(self, Command::Fail { id: f, .. } if *f == id)
+/// How many tokens a request may generate here: the context rule, in one place. `prompt_len` counts
+/// the prompt and the `resumed` output that follows it; without `max_tokens`, up to the context; with
+/// it, what is left of it after the resumed tokens (at least one: a resumed request that had used it
+/// all ends before it is submitted). A prompt that leaves no room is refused, unless resumed output
+/// filled the context (that request ends with `length` before it is submitted).
+pub fn output_budget(
+    prompt_len: usize,
+    resumed: usize,
+    max_tokens: Option<usize>,
+    context_tokens: usize,
+) -> Result<usize, EngineError> {
+    let own = prompt_len.saturating_sub(resumed);
+    if own >= context_tokens || (resumed == 0 && prompt_len >= context_tokens) {
+        return Err(EngineError::ContextLengthExceeded { prompt_tokens: prompt_len, context_tokens });
     }
+    Ok(match max_tokens {
+        None => context_tokens.saturating_sub(prompt_len),
+        Some(m) => m.saturating_sub(resumed).max(1),
+    })
+}
+
+/// Whether a resumed request's output already reached its limits: `max_tokens`, or (computed here)
+/// the context. Such a request ends with `length` without being submitted.
+pub fn resumed_is_complete(
+    prompt_len: usize,
+    resumed: usize,
+    max_tokens: Option<usize>,
+    context_tokens: usize,
+    remote: bool,
+) -> bool {
+    resumed > 0 && (max_tokens.is_some_and(|m| resumed >= m) || (!remote && prompt_len >= context_tokens))
 }
 
 /// When a request reached the engine's milestones, for the per-stage timings answers carry.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Times {
+pub struct Times {
     pub submitted: Option<Instant>,
     /// First scheduled into a batch.
     pub scheduled: Option<Instant>,
@@ -95,16 +164,16 @@ pub(crate) struct Times {
 /// Decode role: the prompt's KV blocks pulled from the prefill worker, and those reused from this
 /// worker's own prefix cache instead.
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Pulled {
+pub struct Pulled {
     pub blocks: usize,
     pub bytes: u64,
     pub reused_blocks: usize,
 }
 
-/// What the engine thread tells the handle, in order per request: `Admitted` or `Rejected`, then
-/// `Token`s, then exactly one `Finished` or `Prefilled`.
+/// What the core tells its caller, in order per request: `Admitted` or `Rejected`, then `Token`s,
+/// then exactly one `Finished` or `Prefilled`.
 #[derive(Debug)]
-pub(crate) enum Reply {
+pub enum Reply {
     Admitted {
         id: u64,
         prompt_tokens: usize,
@@ -124,6 +193,8 @@ pub(crate) enum Reply {
     Finished {
         id: u64,
         outcome: Outcome,
+        /// Where it was counted: the outcome's word and the stage it ended in.
+        counted: (ApiOutcome, ApiStage),
         output_tokens: usize,
         cached_tokens: usize,
         times: Times,
@@ -135,38 +206,85 @@ pub(crate) enum Reply {
         cached_tokens: usize,
         times: Times,
     },
-    /// One turn's replies, in order.
-    Batch(Vec<Reply>),
 }
 
-/// What the handle can read of the engine thread without asking it.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    pub epoch: Instant,
-    /// Milliseconds since `epoch` of the last loop iteration.
-    pub last_tick_ms: AtomicU64,
-    /// Milliseconds since `epoch` of the last token sampled (0: never).
-    pub last_token_ms: AtomicU64,
-    pub waiting: AtomicUsize,
-    pub running: AtomicUsize,
-    /// KV transfers offered or being pulled.
-    pub transfers: AtomicUsize,
-    pub ledger: Mutex<RequestLedger>,
-}
-
-impl Shared {
-    pub(crate) fn ms_since_epoch(&self, now: Instant) -> u64 {
-        now.saturating_duration_since(self.epoch).as_millis() as u64
+impl Reply {
+    /// The request it is about.
+    pub fn id(&self) -> u64 {
+        match self {
+            Reply::Admitted { id, .. }
+            | Reply::Rejected { id, .. }
+            | Reply::Token { id, .. }
+            | Reply::Finished { id, .. }
+            | Reply::Prefilled { id, .. } => *id,
+        }
     }
 
-    pub(crate) fn ledger(&self) -> std::sync::MutexGuard<'_, RequestLedger> {
-        // The ledger holds plain data; one poisoned by a panic elsewhere is still consistent.
-        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
+    /// Whether it ends its request.
+    pub fn is_end(&self) -> bool {
+        matches!(self, Reply::Rejected { .. } | Reply::Finished { .. } | Reply::Prefilled { .. })
     }
 }
 
+/// What the core needs to know of the model and the worker besides its scheduler.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    pub role: Role,
+    pub eos_ids: Vec<u32>,
+    /// Prompt plus generated tokens never exceed it.
+    pub context_tokens: usize,
+    pub vocab_size: usize,
+    /// Prefill role: the step's token budget while transfers are live (each protocol round trip
+    /// waits for the step in progress).
+    pub transfer_step_tokens: usize,
+    pub speculative: crate::Speculative,
+    /// The backend's `verify_rows_multiple` (drafts are sized to fill its tiles).
+    pub verify_rows: usize,
+    /// Bytes of one KV block as a transfer moves it (what a decode's timings report as pulled).
+    pub block_bytes: usize,
+}
+
+/// Counters the shell mirrors into the metrics (totals since the start; the shell adds what grew).
+#[derive(Debug, Clone, Default)]
+pub struct CoreStats {
+    pub tokens_prompt_total: u64,
+    pub tokens_generated_total: u64,
+    /// Steps whose sampling requests were all plain greedy (the backend returned picks only).
+    pub greedy_steps_total: u64,
+    pub draft_tokens_total: u64,
+    pub draft_accepted_total: u64,
+    /// Requests refused, by the word of their error.
+    pub rejected_total: HashMap<&'static str, u64>,
+    /// Requests ended, by outcome and stage.
+    pub finished_total: HashMap<(ApiOutcome, ApiStage), u64>,
+    /// Transfers ended, by side (`prefill`/`decode`) and result.
+    pub transfers_finished_total: HashMap<(&'static str, &'static str), u64>,
+    /// Decode role: prompt blocks pulled, and those a prefix hit spared.
+    pub transfer_blocks_transferred_total: u64,
+    pub transfer_blocks_skipped_total: u64,
+    /// Waits in the queue (admission to first step) and completed transfers' times, in milliseconds,
+    /// since the shell last took them ([`EngineCore::take_samples`]).
+    pub queue_waits: Vec<std::time::Duration>,
+    pub transfer_times_ms: Vec<u64>,
+}
+
+/// Where a live request stands, for the ledger that `/debug/requests` shows.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestView<'a> {
+    pub id: u64,
+    pub request_id: &'a str,
+    pub stage: ApiStage,
+    pub submitted: Instant,
+    pub deadline: Instant,
+    pub tokens_in: usize,
+    pub tokens_out: usize,
+    /// KV blocks it holds (a sliding window's released ones are not).
+    pub kv_blocks: usize,
+}
+
+/// One request the core has admitted.
 #[derive(Debug)]
-struct Live {
+struct Active {
     request_id: String,
     sampler: Sampler,
     prompt_len: usize,
@@ -175,6 +293,7 @@ struct Live {
     guide: Option<Guide>,
     min_tokens: usize,
     logit_bias: Vec<(u32, f32)>,
+    deadline: Instant,
     times: Times,
     /// Prefill role: the prompt, and the first token as sampled, for the decode worker.
     prompt: Vec<u32>,
@@ -197,259 +316,278 @@ struct RemoteFirst {
     cached_tokens: usize,
 }
 
-/// Prefill role: what goes to the decode worker with a finished prompt's KV besides the prompt.
-struct Offered {
-    first_token: u32,
-    first: Option<pdserve_model::Sampled>,
-    times: Times,
-    cached_tokens: usize,
+/// An input that came while a step was in flight, kept for its end.
+#[derive(Debug)]
+enum Deferred {
+    Submit(Box<Submission>),
+    Abort(u64),
+    Fail { id: u64, reason: String },
+    AbortTransfer(u64),
 }
 
-pub(crate) struct Core {
-    pub sched: Scheduler,
-    pub backend: Box<dyn Backend>,
-    /// Prefill and decode roles: every KV transfer of this worker.
-    pub endpoint: Option<Endpoint>,
-    pub role: Role,
-    pub eos_ids: Vec<u32>,
-    pub context_tokens: usize,
-    pub vocab_size: usize,
-    pub commands: Receiver<Command>,
-    pub replies: Sender<Reply>,
-    /// Replies of this turn, sent together at its end.
-    outbox: std::cell::RefCell<Vec<Reply>>,
-    pub shared: Arc<Shared>,
-    pub metrics: Metrics,
-    live: HashMap<u64, Live>,
-    /// Prefill role: the step's token budget while transfers are live.
-    transfer_step_tokens: usize,
-    /// Decode role: pulls whose prompt the prefill worker has not described yet, by transfer.
+impl Deferred {
+    /// Whether it submits or fails request `id` (an abort must not overtake either).
+    fn concerns(&self, id: u64) -> bool {
+        matches!(self, Deferred::Submit(s) if s.id == id)
+            || matches!(self, Deferred::Fail { id: f, .. } if *f == id)
+    }
+}
+
+/// Inputs kept for a step's end at most; past this, aborts are kept too (the caller's channel then
+/// pushes back as it does between steps).
+const DEFERRED_MAX: usize = 1024;
+
+/// The engine's decisions. See the [module docs](self).
+#[derive(Debug)]
+pub struct EngineCore {
+    config: CoreConfig,
+    sched: Scheduler,
+    active: HashMap<u64, Active>,
+    /// Decode role: pulls whose prompt the prefill worker has not described yet, by transfer, with
+    /// when the pull began.
     describing: HashMap<u64, (Box<Submission>, Instant)>,
     /// Decode role: described pulls still receiving blocks: transfer -> request.
     pulling: HashMap<u64, u64>,
-    transfer_stats: EndpointStats,
-    /// Commands that came while a step ran, for the next turn (aborts are served at once).
-    deferred: Vec<Command>,
-    /// Whether long steps run on a thread of their own while aborts are served (CPU backends).
-    step_thread: bool,
-    speculative: crate::Speculative,
-    /// The backend's `verify_rows_multiple` (drafts are sized to fill its tiles).
-    verify_rows: usize,
+    /// Prefill role: offers the endpoint has not answered yet: transfer -> what ends the request.
+    offering: HashMap<u64, transfers::Offering>,
+    replies: VecDeque<Reply>,
+    calls: VecDeque<TransferCall>,
+    deferred: VecDeque<Deferred>,
+    /// The step in flight, if any.
+    stepping: Option<step::InFlight>,
+    stats: CoreStats,
 }
 
-impl Core {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        sched: Scheduler,
-        backend: Box<dyn Backend>,
-        endpoint: Option<Endpoint>,
-        role: Role,
-        eos_ids: Vec<u32>,
-        context_tokens: usize,
-        vocab_size: usize,
-        commands: Receiver<Command>,
-        replies: Sender<Reply>,
-        shared: Arc<Shared>,
-        metrics: Metrics,
-        transfer_step_tokens: usize,
-    ) -> Core {
-        let verify_rows = backend.verify_rows_multiple();
-        Core {
+impl EngineCore {
+    pub fn new(config: CoreConfig, sched: Scheduler) -> EngineCore {
+        EngineCore {
+            config,
             sched,
-            backend,
-            endpoint,
-            role,
-            eos_ids,
-            context_tokens,
-            vocab_size,
-            commands,
-            replies,
-            shared,
-            metrics,
-            outbox: Default::default(),
-            live: HashMap::new(),
-            transfer_step_tokens,
+            active: HashMap::new(),
             describing: HashMap::new(),
             pulling: HashMap::new(),
-            transfer_stats: EndpointStats::default(),
-            deferred: Vec::new(),
-            step_thread: false,
-            speculative: crate::Speculative::OFF,
-            verify_rows,
+            offering: HashMap::new(),
+            replies: VecDeque::new(),
+            calls: VecDeque::new(),
+            deferred: VecDeque::new(),
+            stepping: None,
+            stats: CoreStats::default(),
         }
     }
 
-    /// Drafts tokens for decodes (unified and decode roles).
-    pub(crate) fn with_speculative(mut self, s: crate::Speculative) -> Core {
-        self.speculative = s;
-        self
+    pub fn config(&self) -> &CoreConfig {
+        &self.config
     }
 
-    /// Lets steps of `SERVED_STEP_TOKENS` or more run on a thread of their own (`core/step.rs`).
-    pub(crate) fn with_step_thread(mut self, on: bool) -> Core {
-        self.step_thread = on;
-        self
+    /// The KV cache's ledger (the endpoint checks block reads and writes against its leases).
+    pub fn kv(&self) -> &KvCache {
+        self.sched.kv()
     }
 
-    /// Runs until the handle drops its command sender.
-    pub(crate) fn run(mut self) {
-        loop {
-            let now = Instant::now();
-            self.shared.last_tick_ms.store(self.shared.ms_since_epoch(now), Ordering::Relaxed);
-            // Block briefly when idle; otherwise take what is queued and go on stepping. Transfers are
-            // pumped between waits: often while one is live (a new one starts from a command, which
-            // ends the wait at once).
-            for cmd in std::mem::take(&mut self.deferred) {
-                self.command(cmd);
+    pub fn scheduler_stats(&self) -> SchedulerStats {
+        self.sched.stats()
+    }
+
+    pub fn stats(&self) -> &CoreStats {
+        &self.stats
+    }
+
+    /// The duration samples gathered since the last call (queue waits, transfer times).
+    pub fn take_samples(&mut self) -> (Vec<std::time::Duration>, Vec<u64>) {
+        (std::mem::take(&mut self.stats.queue_waits), std::mem::take(&mut self.stats.transfer_times_ms))
+    }
+
+    /// Milliseconds on the transfer protocol's clock (the scheduler's epoch) at `now`.
+    pub fn now_ms(&self, now: Instant) -> u64 {
+        self.sched.now_ms(now)
+    }
+
+    /// Requests waiting for admission (a pull not described yet counts).
+    pub fn waiting(&self) -> usize {
+        self.sched.stats().waiting + self.describing.len()
+    }
+
+    /// Requests running (a described pull awaiting its KV counts).
+    pub fn running(&self) -> usize {
+        let s = self.sched.stats();
+        s.running + s.awaiting_kv
+    }
+
+    /// Nothing to step: no request waits or runs (transfers may still be live at the endpoint).
+    pub fn is_idle(&self) -> bool {
+        self.sched.is_empty() && self.stepping.is_none()
+    }
+
+    /// Whether a step is in flight (planned, not yet answered).
+    pub fn is_stepping(&self) -> bool {
+        self.stepping.is_some()
+    }
+
+    /// Requests the core holds: admitted, or (decode role) waiting for their prompt's description.
+    pub fn len(&self) -> usize {
+        self.active.len() + self.describing.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where each live request stands.
+    pub fn requests(&self) -> impl Iterator<Item = RequestView<'_>> + '_ {
+        let admitted = self.active.iter().map(|(&id, a)| {
+            let (stage, out) = self.sched.stage_of(RequestId(id)).unwrap_or((Stage::Queued, 0));
+            let table = self.sched.kv().block_table(SeqId(id)).unwrap_or_default();
+            RequestView {
+                id,
+                request_id: &a.request_id,
+                stage: self.stage(stage),
+                submitted: a.times.submitted.unwrap_or(a.deadline),
+                deadline: a.deadline,
+                tokens_in: a.prompt_len,
+                tokens_out: out,
+                kv_blocks: table.iter().filter(|b| !b.is_released()).count(),
             }
-            let transfers = self.endpoint.as_ref().is_some_and(|e| !e.is_empty());
-            if transfers && self.sched.is_empty() {
-                // Nothing to step but a transfer: wait on its sockets rather than on the command
-                // channel, so each of its round trips goes on the moment the other worker's frame
-                // arrives (a command waits a millisecond at most).
-                self.pump_transfers_waiting(Duration::from_millis(1));
-            } else {
-                let wait = if self.sched.is_empty() { Duration::from_millis(50) } else { Duration::ZERO };
-                match self.commands.recv_timeout(wait) {
-                    Ok(cmd) => self.command(cmd),
-                    Err(RecvTimeoutError::Timeout) => {}
-                    Err(RecvTimeoutError::Disconnected) => return,
-                }
-            }
-            for _ in 0..1024 {
-                match self.commands.try_recv() {
-                    Ok(cmd) => self.command(cmd),
-                    Err(_) => break,
-                }
-            }
-            self.pump_transfers();
-            // Admissions and refusals go out before the step (which may take a while), its tokens
-            // after it.
-            self.flush();
-            self.step();
-            self.publish();
-            self.flush();
+        });
+        let described = self.describing.values().map(|(s, since)| RequestView {
+            id: s.id,
+            request_id: &s.request_id,
+            stage: ApiStage::KvTransfer,
+            submitted: *since,
+            deadline: s.deadline,
+            tokens_in: 0,
+            tokens_out: 0,
+            kv_blocks: 0,
+        });
+        admitted.chain(described)
+    }
+
+    /// The next reply, in order.
+    pub fn poll_reply(&mut self) -> Option<Reply> {
+        self.replies.pop_front()
+    }
+
+    /// The next transfer call to perform, in order.
+    pub fn poll_transfer(&mut self) -> Option<TransferCall> {
+        self.calls.pop_front()
+    }
+
+    /// A request: admitted into the scheduler (or, decode role, its pull started), or refused.
+    pub fn handle_submit(&mut self, now: Instant, s: Box<Submission>) {
+        if self.stepping.is_some() {
+            return self.defer(Deferred::Submit(s));
         }
-    }
-
-    /// Queues a reply; the turn's replies go out together at its end ([`flush`](Self::flush)), so a
-    /// step's tokens cost the text thread one wake-up, not one per sequence.
-    fn send(&self, r: Reply) {
-        self.outbox.borrow_mut().push(r);
-    }
-
-    fn flush(&self) {
-        let mut out = std::mem::take(&mut *self.outbox.borrow_mut());
-        let r = match out.len() {
-            0 => return,
-            1 => out.pop().expect("one reply"),
-            _ => Reply::Batch(out),
+        if s.remote.is_some() {
+            return self.start_pull(s, now);
+        }
+        let max_tokens =
+            match output_budget(s.tokens.len(), s.resumed.len(), s.max_tokens, self.config.context_tokens) {
+                Ok(m) => m,
+                Err(e) => return self.reject(s.id, e),
+            };
+        let req = NewRequest {
+            id: RequestId(s.id),
+            prompt: s.tokens.clone(),
+            max_tokens,
+            queue_deadline: s.deadline,
+            deadline: s.deadline,
+            kv: KvSource::Compute,
         };
-        // The text thread drains this channel as replies come and never waits on the caller; a full
-        // channel for seconds means it is stuck, and then dropping the replies is the lesser evil: the
-        // handle's watchdog ends their requests at their deadlines, and the log names them.
-        match self.replies.send_timeout(r, Duration::from_secs(5)) {
-            Ok(()) | Err(SendTimeoutError::Disconnected(_)) => {} // shutting down
-            Err(SendTimeoutError::Timeout(r)) => {
-                eprintln!(
-                    "engine: replies dropped, the text thread did not drain its channel for 5 s: {r:?}"
-                );
+        match self.sched.handle_request(req, now) {
+            Ok(()) => {
+                let mut s = s;
+                let tokens = std::mem::take(&mut s.tokens);
+                self.admitted(&mut s, tokens, now, None);
+            }
+            Err(r) => self.reject(s.id, EngineError::Rejected(r)),
+        }
+    }
+
+    /// The caller gave up on request `id` (an abort, a stop string, a deadline): it ends as
+    /// `Cancelled`, at once even while a step runs. Unknown ids are ignored.
+    pub fn handle_abort(&mut self, now: Instant, id: u64) {
+        if self.stepping.is_some() && self.deferred.iter().any(|d| d.concerns(id)) {
+            return self.defer(Deferred::Abort(id));
+        }
+        if let Some((&t, _)) = self.describing.iter().find(|(_, (s, _))| s.id == id) {
+            // Not admitted yet: the pull ends, and so does the request.
+            self.describing.remove(&t);
+            let counted = (ApiOutcome::Cancelled, ApiStage::KvTransfer);
+            self.finished(id, Outcome::Cancelled, counted, 0, 0, Times::default());
+            self.abort_transfer(t);
+            return;
+        }
+        self.sched.handle_abort(RequestId(id), now);
+        // A prefill request may have finished already, its KV offered under the same id: the abort
+        // ends the offer too, instead of leaving it to the lease expiry.
+        self.abort_transfer(id);
+        self.drain_events(now);
+    }
+
+    /// The caller could not go on with request `id` (a panic while turning its tokens into text): it
+    /// ends as failed, naming `reason`; the others run on.
+    pub fn handle_fail(&mut self, now: Instant, id: u64, reason: String) {
+        if self.stepping.is_some() {
+            return self.defer(Deferred::Fail { id, reason });
+        }
+        if self.describing.values().any(|(s, _)| s.id == id) {
+            return self.handle_abort(now, id);
+        }
+        self.sched.handle_failed(RequestId(id), &reason, now);
+        self.abort_transfer(id);
+        self.drain_events(now);
+    }
+
+    /// Prefill role: end the offer of a finished prompt's KV (its transfer id is the request's id).
+    /// Idempotent: an ended transfer is left alone.
+    pub fn handle_abort_transfer(&mut self, transfer: u64) {
+        if self.stepping.is_some() {
+            return self.defer(Deferred::AbortTransfer(transfer));
+        }
+        self.abort_transfer(transfer);
+    }
+
+    fn defer(&mut self, d: Deferred) {
+        // Past the bound the caller has broken the call order (it is told to stop taking commands
+        // while the step runs once the core holds this many); keep it anyway rather than lose it.
+        debug_assert!(self.deferred.len() <= DEFERRED_MAX * 2, "the caller kept feeding a step in flight");
+        self.deferred.push_back(d);
+    }
+
+    /// Whether the core holds as many inputs for the step's end as it should: the caller stops
+    /// taking commands until the step is done.
+    pub fn deferred_full(&self) -> bool {
+        self.deferred.len() >= DEFERRED_MAX
+    }
+
+    /// Runs the inputs kept while the step was in flight, in order.
+    fn run_deferred(&mut self, now: Instant) {
+        while let Some(d) = self.deferred.pop_front() {
+            match d {
+                Deferred::Submit(s) => self.handle_submit(now, s),
+                Deferred::Abort(id) => self.handle_abort(now, id),
+                Deferred::Fail { id, reason } => self.handle_fail(now, id, reason),
+                Deferred::AbortTransfer(t) => self.abort_transfer(t),
             }
         }
+    }
+
+    fn reject(&mut self, id: u64, error: EngineError) {
+        *self.stats.rejected_total.entry(error.kind().as_str()).or_default() += 1;
+        self.replies.push_back(Reply::Rejected { id, error });
     }
 
     fn stage(&self, s: Stage) -> ApiStage {
         match s {
-            Stage::Queued => ApiStage::queued(self.role),
+            Stage::Queued => ApiStage::queued(self.config.role),
             Stage::KvTransfer => ApiStage::KvTransfer,
             Stage::Prefilling => ApiStage::Prefilling,
             Stage::Decoding => ApiStage::Decoding,
         }
     }
 
-    fn command(&mut self, cmd: Command) {
-        let now = Instant::now();
-        match cmd {
-            Command::Submit(s) if s.remote.is_some() => self.start_pull(s, now),
-            Command::Submit(mut s) => {
-                let max_tokens =
-                    s.max_tokens.map_or(self.context_tokens.saturating_sub(s.tokens.len()), |m| {
-                        m.saturating_sub(s.resumed.len()).max(1)
-                    });
-                let req = NewRequest {
-                    id: RequestId(s.id),
-                    prompt: s.tokens.clone(),
-                    max_tokens,
-                    queue_deadline: s.deadline,
-                    deadline: s.deadline,
-                    kv: KvSource::Compute,
-                };
-                match self.sched.handle_request(req, now) {
-                    Ok(()) => {
-                        let stage = ApiStage::queued(self.role);
-                        let tokens = s.tokens.clone();
-                        self.admitted(&mut s, tokens, stage, now, None);
-                    }
-                    Err(r) => self.reject(s.id, EngineError::Rejected(r)),
-                }
-            }
-            Command::Abort(id) => {
-                if let Some((&t, _)) = self.describing.iter().find(|(_, (s, _))| s.id == id) {
-                    // Not admitted yet: the pull ends, and so does the request.
-                    if let Some((s, _)) = self.describing.remove(&t) {
-                        self.shared.ledger().finish(&s.request_id);
-                        let outcome = Outcome::Cancelled;
-                        let times = Times::default();
-                        self.send(Reply::Finished { id, outcome, output_tokens: 0, cached_tokens: 0, times });
-                    }
-                    self.abort_transfer(t);
-                    return;
-                }
-                self.sched.handle_abort(RequestId(id), now);
-                // A prefill request may have finished already, its KV offered under the same id: the
-                // abort ends the offer too, instead of leaving it to the lease expiry.
-                self.abort_transfer(id);
-                self.drain_events();
-            }
-            // Idempotent: an ended transfer is left alone.
-            Command::AbortTransfer(t) => self.abort_transfer(t),
-            Command::Fail { id, reason } => {
-                if self.describing.values().any(|(s, _)| s.id == id) {
-                    return self.command(Command::Abort(id));
-                }
-                self.sched.handle_failed(RequestId(id), &reason, now);
-                self.abort_transfer(id);
-                self.drain_events();
-            }
-        }
-    }
-
-    fn reject(&mut self, id: u64, error: EngineError) {
-        let reason = error.kind().as_str();
-        if let Ok(c) = self.metrics.rejected.with(&[reason]) {
-            c.inc();
-        }
-        self.send(Reply::Rejected { id, error });
-    }
-
-    /// The scheduler took `s`: the ledger, the sampler, and the `Admitted` reply.
-    fn admitted(
-        &mut self,
-        s: &mut Submission,
-        prompt: Vec<u32>,
-        stage: ApiStage,
-        now: Instant,
-        remote: Option<RemoteFirst>,
-    ) {
-        self.metrics.tokens_prompt.add(prompt.len() as u64);
-        {
-            let mut ledger = self.shared.ledger();
-            if ledger.get(&s.request_id).is_none() {
-                let _ = ledger.admit(&s.request_id, stage, now, s.deadline, "engine");
-            }
-            let _ = ledger.set_stage(&s.request_id, stage, now);
-            let _ = ledger.set_counts(&s.request_id, prompt.len() as u32, 0, 0);
-        }
+    /// The scheduler took `s`: its sampler, and the `Admitted` reply.
+    fn admitted(&mut self, s: &mut Submission, prompt: Vec<u32>, now: Instant, remote: Option<RemoteFirst>) {
+        self.stats.tokens_prompt_total += prompt.len() as u64;
         let (remote_first, prefill_us, remote_cached) = match remote {
             Some(r) => (Some((r.logprob, r.top)), Some((r.queue_us, r.prefill_us)), Some(r.cached_tokens)),
             None => (None, None, None),
@@ -458,20 +596,22 @@ impl Core {
         // on a decode worker, past the prefill worker's draw of the first token).
         let prompt_len = prompt.len().saturating_sub(s.resumed.len());
         let mut sampler = Sampler::new(s.params.clone(), s.seed);
-        sampler.skip(s.resumed.len() + usize::from(self.role == Role::Decode));
-        self.live.insert(
+        sampler.skip(s.resumed.len() + usize::from(self.config.role == Role::Decode));
+        let prefill = self.config.role == Role::Prefill;
+        self.active.insert(
             s.id,
-            Live {
-                request_id: s.request_id.clone(),
+            Active {
+                request_id: std::mem::take(&mut s.request_id),
                 sampler,
                 prompt_len,
-                stop_ids: s.stop_ids.clone(),
+                stop_ids: std::mem::take(&mut s.stop_ids),
                 ignore_eos: s.ignore_eos,
                 guide: s.guide.take(),
                 min_tokens: s.min_tokens,
                 logit_bias: std::mem::take(&mut s.logit_bias),
+                deadline: s.deadline,
                 times: Times { submitted: Some(now), prefill_us, ..Times::default() },
-                prompt: if self.role == Role::Prefill { prompt } else { Vec::new() },
+                prompt: if prefill { prompt } else { Vec::new() },
                 first: None,
                 remote_first,
                 remote_cached,
@@ -479,10 +619,26 @@ impl Core {
                 drafting: Default::default(),
             },
         );
-        self.send(Reply::Admitted { id: s.id, prompt_tokens: prompt_len });
+        self.replies.push_back(Reply::Admitted { id: s.id, prompt_tokens: prompt_len });
     }
 
-    fn drain_events(&mut self) {
+    /// Ends request `id` with `outcome`, counted under `counted`.
+    fn finished(
+        &mut self,
+        id: u64,
+        outcome: Outcome,
+        counted: (ApiOutcome, ApiStage),
+        output_tokens: usize,
+        cached_tokens: usize,
+        times: Times,
+    ) {
+        *self.stats.finished_total.entry(counted).or_default() += 1;
+        self.replies.push_back(Reply::Finished { id, outcome, counted, output_tokens, cached_tokens, times });
+    }
+
+    /// Acts on what the scheduler reports: ended requests (a finished prompt's KV offered, on a
+    /// prefill worker) and expired leases.
+    fn drain_events(&mut self, now: Instant) {
         while let Some(e) = self.sched.poll_event() {
             let (id, outcome, output_tokens, cached_tokens) = match e {
                 Event::LeaseExpired { transfer } => {
@@ -494,39 +650,26 @@ impl Core {
                     (id, outcome, output_tokens, cached_tokens)
                 }
             };
-            let mut live = self.live.remove(&id.0);
-            if let Some(l) = &live {
-                self.shared.ledger().finish(&l.request_id);
-            }
+            let mut active = self.active.remove(&id.0);
             // A decode request that ends while its KV is still coming: end the pull too.
             if let Some(t) = self.pulling.iter().find(|(_, &r)| r == id.0).map(|(&t, _)| t) {
                 self.pulling.remove(&t);
                 self.abort_transfer(t);
             }
-            let times = live.as_ref().map(|l| l.times).unwrap_or_default();
+            let times = active.as_ref().map(|a| a.times).unwrap_or_default();
             // In PD, what the client is told was cached is the prefill worker's hit.
-            let cached_tokens = live.as_ref().and_then(|l| l.remote_cached).unwrap_or(cached_tokens);
-            if let Outcome::PrefillDone { first_token, transfer, blocks } = &outcome {
-                let first = live.as_mut().and_then(|l| l.first.take());
-                let prompt = live.map(|l| l.prompt).unwrap_or_default();
-                let offered = Offered { first_token: *first_token, first, times, cached_tokens };
-                if let Some(key) = self.offer(*transfer, blocks.clone(), prompt, offered) {
-                    self.count_finished(ApiOutcome::Completed, ApiStage::Prefilling);
-                    self.send(Reply::Prefilled { id: id.0, key, cached_tokens, times });
-                    continue;
-                }
-                self.sched.handle_transfer_done(*transfer);
-                let outcome = Outcome::Failed {
-                    stage: Stage::Prefilling,
-                    reason: "could not offer the KV for transfer".into(),
-                };
-                self.count_finished(ApiOutcome::Failed, ApiStage::Prefilling);
-                self.send(Reply::Finished { id: id.0, outcome, output_tokens, cached_tokens, times });
+            let cached_tokens = active.as_ref().and_then(|a| a.remote_cached).unwrap_or(cached_tokens);
+            if let Outcome::PrefillDone { first_token, transfer, blocks } = outcome {
+                let first = active.as_mut().and_then(|a| a.first.take());
+                let prompt = active.map(|a| a.prompt).unwrap_or_default();
+                let o =
+                    transfers::Offering { id: id.0, first_token, first, times, cached_tokens, output_tokens };
+                self.offer(transfer, blocks, prompt, o, now);
                 continue;
             }
             let stage = match &outcome {
                 Outcome::TimedOut { stage } | Outcome::Failed { stage, .. } => self.stage(*stage),
-                _ if self.role == Role::Prefill => ApiStage::Prefilling,
+                _ if self.config.role == Role::Prefill => ApiStage::Prefilling,
                 _ => ApiStage::Decoding,
             };
             let word = match &outcome {
@@ -535,80 +678,7 @@ impl Core {
                 Outcome::TimedOut { .. } => ApiOutcome::TimedOut,
                 Outcome::Failed { .. } => ApiOutcome::Failed,
             };
-            self.count_finished(word, stage);
-            self.send(Reply::Finished { id: id.0, outcome, output_tokens, cached_tokens, times });
-        }
-    }
-
-    fn count_finished(&self, outcome: ApiOutcome, stage: ApiStage) {
-        if let Ok(c) = self.metrics.finished.with(&[outcome.as_str(), stage.as_str()]) {
-            c.inc();
-        }
-    }
-
-    /// Gauges and the ledger's stages, once per loop.
-    fn publish(&mut self) {
-        let now = Instant::now();
-        {
-            let mut ledger = self.shared.ledger();
-            for (&id, l) in &self.live {
-                let Some((stage, out)) = self.sched.stage_of(RequestId(id)) else { continue };
-                // Blocks held (a sliding window's released ones are not).
-                let table = self.sched.kv().block_table(SeqId(id)).unwrap_or_default();
-                let blocks = table.iter().filter(|b| !b.is_released()).count();
-                let stage = match stage {
-                    Stage::Queued => ApiStage::queued(self.role),
-                    Stage::KvTransfer => ApiStage::KvTransfer,
-                    Stage::Prefilling => ApiStage::Prefilling,
-                    Stage::Decoding => ApiStage::Decoding,
-                };
-                let _ = ledger.set_stage(&l.request_id, stage, now);
-                let _ = ledger.set_counts(&l.request_id, l.prompt_len as u32, out as u32, blocks as u32);
-            }
-        }
-        let st = self.sched.stats();
-        self.shared.waiting.store(st.waiting + self.describing.len(), Ordering::Relaxed);
-        self.shared.running.store(st.running + st.awaiting_kv, Ordering::Relaxed);
-        self.metrics.waiting.set(st.waiting as f64);
-        self.metrics.running.set(st.running as f64);
-        let kv = self.sched.kv().stats();
-        if let Ok(g) = self.metrics.kv_blocks.with(&["free"]) {
-            g.set(kv.blocks_free as f64);
-        }
-        let held = kv.owned(OwnerKind::Sequence) + kv.owned(OwnerKind::Transfer);
-        self.metrics.kv_usage.set(held as f64 / kv.blocks_total.max(1) as f64);
-        for k in OwnerKind::ALL {
-            if let Ok(g) = self.metrics.kv_blocks.with(&[k.as_str()]) {
-                g.set(kv.owned(k) as f64);
-            }
-        }
-        let preempted = st.preemptions_total.saturating_sub(self.metrics.preemptions.get());
-        self.metrics.preemptions.add(preempted);
-        // Counters mirror the scheduler's and the cache's own totals.
-        for (result, total) in [("hit", st.prefix_hit_tokens_total), ("miss", st.prefix_miss_tokens_total)] {
-            if let Ok(c) = self.metrics.prefix_tokens.with(&[result]) {
-                c.add(total.saturating_sub(c.get()));
-            }
-        }
-        self.metrics
-            .evicted_blocks
-            .add(kv.evicted_blocks_total.saturating_sub(self.metrics.evicted_blocks.get()));
-        if let Some(ep) = &self.endpoint {
-            self.shared.transfers.store(ep.len(), Ordering::Relaxed);
-            self.metrics.transfers_in_flight.set(ep.len() as f64);
-            let s = ep.stats();
-            let last = std::mem::replace(&mut self.transfer_stats, s);
-            for (dir, now, before) in [
-                ("sent", s.bytes_sent, last.bytes_sent),
-                ("received", s.bytes_received, last.bytes_received),
-                ("shared", s.bytes_shared, last.bytes_shared),
-            ] {
-                if now > before {
-                    if let Ok(c) = self.metrics.transfer_bytes.with(&[dir]) {
-                        c.add(now - before);
-                    }
-                }
-            }
+            self.finished(id.0, outcome, (word, stage), output_tokens, cached_tokens, times);
         }
     }
 }

@@ -11,7 +11,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use llguidance::toktrie::SimpleVob;
 use pdserve_scheduler::{BatchItem, Sampled};
 
-use super::{panic_text, Core, Live, Reply};
+use super::{panic_text, Active, EngineCore, Reply};
 use crate::grammar::apply_mask;
 
 /// What a step gave for one sampling item: its rows of logits, or the backend's greedy pick.
@@ -20,7 +20,7 @@ pub(super) enum Rows<'a> {
     Picked(pdserve_model::Sampled),
 }
 
-impl Core {
+impl EngineCore {
     /// Whether every sampling request of `batch` would pick exactly the backend's greedy pick: greedy,
     /// no penalties, no top log-probabilities, no logit bias, no constraint, no drafts, past
     /// `min_tokens`. Then the step asks the backend for picks only ([`Backend::forward_greedy`]:
@@ -31,7 +31,7 @@ impl Core {
         let kv = self.sched.kv();
         let mut any = false;
         for item in batch.iter().filter(|i| i.sample) {
-            let Some(lv) = self.live.get(&item.id.0) else { return false };
+            let Some(lv) = self.active.get(&item.id.0) else { return false };
             let p = lv.sampler.params();
             let output = kv.tokens(item.seq).map_or(0, |t| t.len()).saturating_sub(lv.prompt_len);
             let plain = p.temperature <= 1e-5
@@ -61,7 +61,7 @@ impl Core {
         rows: Rows<'_>,
         mask: Option<&Result<SimpleVob, String>>,
     ) -> Result<Option<Sampled>, String> {
-        let Some(lv) = self.live.get_mut(&item.id.0) else { return Ok(None) };
+        let Some(lv) = self.active.get_mut(&item.id.0) else { return Ok(None) };
         let all = self.sched.kv().tokens(item.seq).unwrap_or(&[]);
         let base = all.len().saturating_sub(item.draft);
         let mask = match mask {
@@ -80,9 +80,9 @@ impl Core {
             let (prompt, output) = all[..base + i].split_at(lv.prompt_len.min(base + i));
             let s = match picked.take() {
                 Some(s) => s,
-                None => sample_row(lv, &rows[i], prompt, output, mask, &self.eos_ids)?,
+                None => sample_row(lv, &rows[i], prompt, output, mask, &self.config.eos_ids)?,
             };
-            let eos = self.eos_ids.contains(&s.token);
+            let eos = self.config.eos_ids.contains(&s.token);
             let mut stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && eos);
             if let Some(g) = lv.guide.as_mut() {
                 // The constraint decides: its end is the end, and an end-of-sequence token before it
@@ -94,7 +94,7 @@ impl Core {
                 }
             }
             let token = s.token;
-            if self.role == pdserve_api::Role::Prefill {
+            if self.config.role == pdserve_api::Role::Prefill {
                 // The first token goes to the decode worker with the KV, not to the caller.
                 lv.first = Some(s);
             } else {
@@ -108,15 +108,13 @@ impl Core {
         }
         if item.draft > 0 {
             let accepted = result.as_ref().map_or(0, |s| s.as_ref().map_or(0, |s| s.drafts_accepted));
-            lv.drafting.record(item.draft, accepted, self.speculative.max_draft);
+            lv.drafting.record(item.draft, accepted, self.config.speculative.max_draft);
             lv.times.drafted += item.draft as u32;
             lv.times.accepted += accepted as u32;
-            self.metrics.draft_tokens.add(item.draft as u64);
-            self.metrics.draft_accepted.add(accepted as u64);
+            self.stats.draft_tokens_total += item.draft as u64;
+            self.stats.draft_accepted_total += accepted as u64;
         }
-        for r in outbox {
-            self.send(r);
-        }
+        self.replies.extend(outbox);
         result
     }
 }
@@ -124,7 +122,7 @@ impl Core {
 /// One row's sample with the request's adjustments: logit bias, the constraint's mask (or, before
 /// `min_tokens`, no stop token), then the sampler. A panic in any of it fails the request only.
 fn sample_row(
-    lv: &mut Live,
+    lv: &mut Active,
     l: &[f32],
     prompt: &[u32],
     output: &[u32],

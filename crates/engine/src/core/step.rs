@@ -1,76 +1,146 @@
-//! One engine step: plan the batch, run the forward pass, sample, report. A long step runs on a
-//! thread of its own while the engine thread serves aborts, so a client that leaves is let go
-//! within milliseconds, not after the step in progress.
+//! One engine step as the core sees it: plan the batch ([`EngineCore::poll_step`]), then take what
+//! the backend made of it ([`EngineCore::handle_step_done`]): sample, verify drafts, report.
 
-use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::Ordering;
-use std::time::Instant;
-
-use crossbeam_channel::Receiver;
+use llguidance::toktrie::SimpleVob;
 use pdserve_api::Role;
 use pdserve_kvcache::{BlockCopy, BlockId};
-use pdserve_model::{Backend, KvLayout, ModelError, SeqStep};
-use pdserve_scheduler::RequestId;
+use pdserve_model::{ModelError, SeqStep};
+use pdserve_scheduler::{BatchItem, RequestId};
 
 use super::sample::Rows;
-use super::{Command, Core};
+use super::EngineCore;
 use crate::grammar::Guide;
+use std::time::Instant;
 
-/// Steps of at least this many tokens run on their own thread while the engine thread serves
-/// aborts; shorter ones (a few decoding sequences, a few milliseconds) run on the engine thread.
-const SERVED_STEP_TOKENS: usize = 8;
+/// One sequence's rows of a planned step.
+#[derive(Debug, Clone)]
+pub struct PlannedRow {
+    /// The new tokens, at consecutive positions from `start_pos`.
+    pub tokens: Vec<u32>,
+    pub start_pos: usize,
+    /// Covers every position up to the last new one.
+    pub block_table: Vec<BlockId>,
+    /// How many of the last rows return logits (0, 1, or more to verify drafts).
+    pub logits: usize,
+}
 
-/// Commands kept for after a step at most; past it the engine thread stops taking commands until the
-/// step ends, so the command channel fills and pushes back on its senders as it does between steps.
-const DEFERRED_MAX: usize = 1024;
+/// The constraints of a step's sampling requests: their token masks are computed beside the forward
+/// pass (they depend only on the tokens so far), on another thread if the shell likes.
+#[derive(Debug, Default)]
+pub struct Guides(Vec<(u64, Guide, Option<Mask>)>);
 
-/// What a forward pass returns: every wanted row's logits, or (when every sampling request of the
-/// step is plain greedy) only each row's pick and its log-probability.
-pub(super) enum StepOutput {
+/// The tokens a request's constraint allows next, or why they could not be computed.
+type Mask = Result<SimpleVob, String>;
+
+impl Guides {
+    /// Computes every request's mask of allowed tokens.
+    pub fn compute(&mut self) {
+        for (_, g, mask) in &mut self.0 {
+            *mask = Some(g.mask());
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// A step for the backend: the rows to compute, the copy-on-write block copies to make first, and
+/// whether greedy picks are enough (every sampling request is plain greedy).
+#[derive(Debug)]
+pub struct StepPlan {
+    pub rows: Vec<PlannedRow>,
+    pub copies: Vec<BlockCopy>,
+    pub picks_only: bool,
+    /// Handed back in [`StepDone::guides`], masks computed.
+    pub guides: Guides,
+}
+
+impl StepPlan {
+    /// The backend's view of the rows.
+    pub fn seq_steps(&self) -> Vec<SeqStep<'_>> {
+        self.rows
+            .iter()
+            .map(|r| SeqStep {
+                tokens: &r.tokens,
+                start_pos: r.start_pos,
+                block_table: &r.block_table,
+                logits: r.logits,
+            })
+            .collect()
+    }
+
+    /// New tokens in the step.
+    pub fn tokens(&self) -> usize {
+        self.rows.iter().map(|r| r.tokens.len()).sum()
+    }
+}
+
+/// What a forward pass returned: every wanted row's logits, or (when the plan asked for picks only)
+/// each row's greedy pick and its log-probability.
+#[derive(Debug)]
+pub enum StepOutput {
     Logits(Vec<Vec<f32>>),
     Picks(Vec<(u32, f32)>),
 }
 
-/// A step's output, taken item by item.
-enum StepRows {
-    Logits(std::vec::IntoIter<Vec<f32>>),
-    Picks(std::vec::IntoIter<(u32, f32)>),
+/// Why a step gave nothing.
+#[derive(Debug)]
+pub enum StepFailure {
+    /// The backend's error (the block copies' or the forward pass's).
+    Model(ModelError),
+    /// The forward pass panicked (caught by the shell).
+    Panicked,
 }
 
-/// A forward pass's output, or the panic it raised.
-type StepResult = std::thread::Result<Result<StepOutput, ModelError>>;
+/// The answer to a [`StepPlan`].
+#[derive(Debug)]
+pub struct StepDone {
+    pub output: Result<StepOutput, StepFailure>,
+    /// The plan's guides, their masks computed (a request whose mask is missing fails).
+    pub guides: Guides,
+}
 
-/// Runs the step, asking the backend for picks only when `picks` (see [`Core::picks_only`]).
-fn forward(backend: &mut dyn Backend, steps: &[SeqStep<'_>], picks: bool) -> Result<StepOutput, ModelError> {
-    if picks {
-        backend.forward_greedy(steps).map(StepOutput::Picks)
-    } else {
-        backend.forward(steps).map(StepOutput::Logits)
+impl StepDone {
+    /// The answer of a step that ran.
+    pub fn new(output: Result<StepOutput, StepFailure>, guides: Guides) -> StepDone {
+        StepDone { output, guides }
     }
 }
 
-impl Core {
-    pub(super) fn step(&mut self) {
-        let now = Instant::now();
+/// The step in flight: what the core planned.
+#[derive(Debug)]
+pub(super) struct InFlight {
+    batch: Vec<BatchItem>,
+}
+
+impl EngineCore {
+    /// Plans the next step: `None` while one is in flight or when there is nothing to compute (the
+    /// scheduler still ends what passed its deadline). `transfers_live`: the endpoint holds live
+    /// transfers (a prefill worker then keeps its steps short).
+    pub fn poll_step(&mut self, now: Instant, transfers_live: bool) -> Option<StepPlan> {
+        if self.stepping.is_some() {
+            return None;
+        }
         // A prefill worker's transfers advance only between steps (each protocol round trip waits for
         // the step in progress): while any is live, steps stay short. Offers not yet pulled count too:
         // the decode worker's pull comes within milliseconds, and one the router abandoned is
         // aborted by it (only a vanished router leaves offers to their lease expiry).
-        let budget = match &self.endpoint {
-            Some(ep) if self.role == Role::Prefill && !ep.is_empty() => self.transfer_step_tokens,
+        let budget = match self.config.role {
+            Role::Prefill if transfers_live => self.config.transfer_step_tokens,
             _ => usize::MAX,
         };
-        let drafting = self.speculative.is_on()
-            && self.role != Role::Prefill
-            && self.sched.stats().running <= self.speculative.max_running;
+        let spec = self.config.speculative;
+        let drafting = spec.is_on()
+            && self.config.role != Role::Prefill
+            && self.sched.stats().running <= spec.max_running;
         let batch = if drafting {
-            let (spec, live, rows) = (self.speculative, &mut self.live, self.verify_rows);
+            let (active, rows) = (&mut self.active, self.config.verify_rows);
             self.sched.poll_batch_drafting(now, budget, &mut |id, tokens, room| {
-                match live.get_mut(&id.0) {
+                match active.get_mut(&id.0) {
                     // A constrained request's mask follows its tokens one at a time: no drafts.
-                    Some(l) if l.guide.is_none() => {
-                        let mut drafts = spec.propose(tokens, l.drafting.room(spec.max_draft).min(room));
+                    Some(a) if a.guide.is_none() => {
+                        let mut drafts = spec.propose(tokens, a.drafting.room(spec.max_draft).min(room));
                         crate::draft::fit_to_rows(&mut drafts, rows);
                         drafts
                     }
@@ -80,112 +150,101 @@ impl Core {
         } else {
             self.sched.poll_batch_within(now, budget)
         };
-        self.drain_events();
-        // Gauges show the step's reservations while it runs, not only after it.
-        self.publish();
+        self.drain_events(now);
         if batch.is_empty() {
             self.sched.handle_step_result(&[], now);
-            return;
+            self.drain_events(now);
+            return None;
         }
         for item in &batch {
-            if let Some(l) = self.live.get_mut(&item.id.0) {
-                if l.times.scheduled.is_none() {
-                    l.times.scheduled = Some(now);
-                    let waited = now.saturating_duration_since(l.times.submitted.unwrap_or(now));
-                    self.metrics.queue_wait.record(waited);
+            if let Some(a) = self.active.get_mut(&item.id.0) {
+                if a.times.scheduled.is_none() {
+                    a.times.scheduled = Some(now);
+                    let waited = now.saturating_duration_since(a.times.submitted.unwrap_or(now));
+                    self.stats.queue_waits.push(waited);
                 }
             }
         }
         let copies = self.sched.kv_mut().take_copies();
-        if let Err(e) = self.backend.copy_blocks(&copies) {
-            self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
-            self.drain_events();
-            return;
-        }
         let kv = self.sched.kv();
-        let inputs: Vec<(Vec<u32>, Vec<BlockId>)> = batch
+        let rows = batch
             .iter()
-            .map(|i| {
-                let tokens = kv
+            .map(|i| PlannedRow {
+                tokens: kv
                     .tokens(i.seq)
                     .map(|t| t[i.start_pos..i.start_pos + i.num_tokens].to_vec())
-                    .unwrap_or_default();
-                (tokens, kv.block_table(i.seq).map(<[_]>::to_vec).unwrap_or_default())
-            })
-            .collect();
-        let steps: Vec<SeqStep<'_>> = batch
-            .iter()
-            .zip(&inputs)
-            .map(|(i, (t, b))| SeqStep {
-                tokens: t,
+                    .unwrap_or_default(),
                 start_pos: i.start_pos,
-                block_table: b,
+                block_table: kv.block_table(i.seq).map(<[_]>::to_vec).unwrap_or_default(),
                 logits: if i.sample { i.draft + 1 } else { 0 },
             })
             .collect();
-        // Before the constraints leave `live` for the mask thread: a constrained request needs logits.
-        let picks = self.picks_only(&batch);
-        if picks {
-            self.metrics.greedy_steps.add(1);
+        // Before the constraints leave for the mask computation: a constrained request needs logits.
+        let picks_only = self.picks_only(&batch);
+        if picks_only {
+            self.stats.greedy_steps_total += 1;
         }
-        // The token masks of constrained requests are computed on a second thread while the forward
-        // pass runs: they depend only on the tokens so far.
-        let mut guided: Vec<(u64, Guide)> = batch
+        let guides = batch
             .iter()
             .filter(|i| i.sample)
-            .filter_map(|i| Some((i.id.0, self.live.get_mut(&i.id.0)?.guide.take()?)))
+            .filter_map(|i| Some((i.id.0, self.active.get_mut(&i.id.0)?.guide.take()?, None)))
             .collect();
-        let served =
-            self.step_thread && steps.iter().map(|s| s.tokens.len()).sum::<usize>() >= SERVED_STEP_TOKENS;
-        let (result, masks) = std::thread::scope(|scope| {
-            let masker = (!guided.is_empty()).then(|| {
-                scope.spawn(|| guided.iter_mut().map(|(id, g)| (*id, g.mask())).collect::<HashMap<u64, _>>())
-            });
-            let result = if served {
-                self.forward_serving_aborts(&steps, picks)
-            } else {
-                catch_unwind(AssertUnwindSafe(|| forward(self.backend.as_mut(), &steps, picks)))
-            };
-            (result, masker.map(|m| m.join().unwrap_or_default()).unwrap_or_default())
-        });
-        for (id, g) in guided {
-            if let Some(l) = self.live.get_mut(&id) {
-                l.guide = Some(g);
+        self.stepping = Some(InFlight { batch });
+        Some(StepPlan { rows, copies, picks_only, guides: Guides(guides) })
+    }
+
+    /// The backend's answer to the step in flight: samples every sampling row, verifies drafts,
+    /// reports tokens, and runs the inputs that waited for the step's end.
+    pub fn handle_step_done(&mut self, now: Instant, done: StepDone) {
+        let Some(InFlight { batch }) = self.stepping.take() else {
+            debug_assert!(false, "a step's answer without a step in flight");
+            return;
+        };
+        let mut masks = std::collections::HashMap::new();
+        for (id, g, mask) in done.guides.0 {
+            if let Some(a) = self.active.get_mut(&id) {
+                a.guide = Some(g);
+            }
+            masks.insert(id, mask.unwrap_or_else(|| Err("the step's token mask was not computed".into())));
+        }
+        match done.output {
+            Ok(output) => self.sample_step(&batch, output, &masks, now),
+            Err(StepFailure::Model(e)) => self.sched.handle_step_failed(&format!("model error: {e}"), now),
+            Err(StepFailure::Panicked) => {
+                self.sched.handle_step_failed("internal error: the model step panicked", now)
             }
         }
-        self.metrics.step.record(now.elapsed());
-        let output = match result {
-            Ok(Ok(o)) => o,
-            Ok(Err(e)) => {
-                self.sched.handle_step_failed(&format!("model error: {e}"), Instant::now());
-                self.drain_events();
-                return;
-            }
-            Err(_) => {
-                self.sched.handle_step_failed("internal error: the model step panicked", Instant::now());
-                self.drain_events();
-                return;
-            }
-        };
+        self.drain_events(now);
+        self.run_deferred(now);
+    }
+
+    fn sample_step(
+        &mut self,
+        batch: &[BatchItem],
+        output: StepOutput,
+        masks: &std::collections::HashMap<u64, Mask>,
+        now: Instant,
+    ) {
         let mut sampled = Vec::new();
         let mut failed: Vec<(RequestId, String)> = Vec::new();
-        let mut output = match output {
-            StepOutput::Logits(l) => StepRows::Logits(l.into_iter()),
-            StepOutput::Picks(p) => StepRows::Picks(p.into_iter()),
+        let (mut logits, mut picks) = match output {
+            StepOutput::Logits(l) => (Some(l.into_iter()), None),
+            StepOutput::Picks(p) => (None, Some(p.into_iter())),
         };
         for item in batch.iter().filter(|i| i.sample) {
-            let verified = match &mut output {
-                StepRows::Picks(p) => match p.next() {
+            let verified = match (&mut picks, &mut logits) {
+                (Some(p), _) => match p.next() {
                     Some((token, logprob)) => {
                         let s = pdserve_model::Sampled { token, logprob, top: Vec::new() };
                         self.verify(item, Rows::Picked(s), None)
                     }
                     None => Err("internal error: the model step returned too few picks".to_owned()),
                 },
-                StepRows::Logits(l) => {
+                (None, Some(l)) => {
                     let rows: Vec<Vec<f32>> = l.by_ref().take(item.draft + 1).collect();
                     self.verify(item, Rows::Logits(&rows), masks.get(&item.id.0))
                 }
+                (None, None) => unreachable!("the output is logits or picks"),
             };
             match verified {
                 Ok(Some(s)) => sampled.push(s),
@@ -193,91 +252,11 @@ impl Core {
                 Err(reason) => failed.push((item.id, reason)),
             }
         }
-        if !sampled.is_empty() {
-            let drafts: usize = sampled.iter().map(|s| s.drafts_accepted).sum();
-            self.metrics.tokens_generated.add((sampled.len() + drafts) as u64);
-            self.shared.last_token_ms.store(self.shared.ms_since_epoch(Instant::now()), Ordering::Relaxed);
-        }
+        let drafts: usize = sampled.iter().map(|s| s.drafts_accepted).sum();
+        self.stats.tokens_generated_total += (sampled.len() + drafts) as u64;
         for (id, reason) in failed {
-            self.sched.handle_failed(id, &reason, Instant::now());
+            self.sched.handle_failed(id, &reason, now);
         }
-        self.sched.handle_step_result(&sampled, Instant::now());
-        self.drain_events();
-    }
-
-    /// Runs `steps` on a thread of their own. Meanwhile an abort takes effect at once: the request
-    /// ends, is no longer listed, and its blocks go back to the pool. The step's arithmetic for it
-    /// goes on and is dropped; nothing can be given those blocks before the step ends, since only
-    /// the engine thread allocates, between steps. Other commands wait for the step's end, in order
-    /// (an abort of a request whose submission or failure waits with them waits too).
-    fn forward_serving_aborts(&mut self, steps: &[SeqStep<'_>], picks: bool) -> StepResult {
-        let layout = self.backend.kv_layout();
-        let mut backend = std::mem::replace(&mut self.backend, Box::new(Stepping(layout)));
-        let (done, finished) = crossbeam_channel::bounded::<()>(1);
-        let (result, backend) = std::thread::scope(|scope| {
-            let stepper = scope.spawn(move || {
-                let r = catch_unwind(AssertUnwindSafe(|| forward(backend.as_mut(), steps, picks)));
-                drop(done);
-                (r, backend)
-            });
-            self.serve_aborts(&finished);
-            stepper.join().expect("the step's panic is caught on its thread")
-        });
-        self.backend = backend;
-        result
-    }
-
-    /// Takes commands until `finished` closes: aborts now, the rest into `deferred` (at most
-    /// `DEFERRED_MAX`, then it waits for the step alone).
-    fn serve_aborts(&mut self, finished: &Receiver<()>) {
-        loop {
-            if self.deferred.len() >= DEFERRED_MAX {
-                let _ = finished.recv();
-                return;
-            }
-            crossbeam_channel::select! {
-                recv(finished) -> _ => return,
-                recv(self.commands) -> cmd => match cmd {
-                    Ok(Command::Abort(id)) if !self.deferred.iter().any(|c| c.concerns(id)) => {
-                        self.command(Command::Abort(id));
-                        self.flush();
-                    }
-                    Ok(c) => self.deferred.push(c),
-                    Err(_) => {
-                        let _ = finished.recv();
-                        return;
-                    }
-                },
-            }
-        }
-    }
-}
-
-/// Stands in for the backend while a step runs on its own thread; nothing uses it then (aborts
-/// touch only the scheduler, the ledger and the transfer endpoint), and anything that did would
-/// get an error, not a race.
-struct Stepping(KvLayout);
-
-impl Stepping {
-    fn busy<T>(&self) -> Result<T, ModelError> {
-        Err(ModelError::Device { problem: "the backend is running a step".into() })
-    }
-}
-
-impl Backend for Stepping {
-    fn kv_layout(&self) -> KvLayout {
-        self.0
-    }
-    fn forward(&mut self, _: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        self.busy()
-    }
-    fn copy_blocks(&mut self, _: &[BlockCopy]) -> Result<(), ModelError> {
-        self.busy()
-    }
-    fn read_block(&self, _: BlockId, _: &mut [u8]) -> Result<(), ModelError> {
-        self.busy()
-    }
-    fn write_block(&mut self, _: BlockId, _: &[u8]) -> Result<(), ModelError> {
-        self.busy()
+        self.sched.handle_step_result(&sampled, now);
     }
 }

@@ -1,111 +1,129 @@
-//! The engine thread's KV transfers: offering a finished prompt's KV (prefill role), pulling it
+//! The core's side of KV transfers: offering a finished prompt's KV (prefill role), pulling it
 //! (decode role: only the blocks this worker's prefix cache lacks), and settling each transfer's end
-//! with the scheduler. Pumped between steps; never waited on.
+//! with the scheduler. The endpoint itself lives in the shell: the core asks for what it needs done
+//! as [`TransferCall`]s and hears back through `handle_*`.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use pdserve_api::{Outcome as ApiOutcome, Stage as ApiStage};
+use pdserve_api::{Outcome as ApiOutcome, Role, Stage as ApiStage};
 use pdserve_kvcache::{BlockId, TransferId};
-use pdserve_model::Backend;
 use pdserve_pd_transfer::{
-    BlockMemory, Endpoint, EndpointEvent, FailReason, Outcome as TransferOutcome, PromptMeta, Side,
-    TransferError, TransferKey,
+    EndpointEvent, FailReason, Outcome as TransferOutcome, PromptMeta, Side, Source, TransferError,
+    TransferKey,
 };
 use pdserve_scheduler::{KvSource, NewRequest, Outcome, RequestId, Stage};
 
-use super::{Core, Offered, Pulled, RemoteFirst, Reply, Submission, Times};
+use super::{output_budget, EngineCore, Pulled, RemoteFirst, Reply, Times};
 use crate::{EngineError, KvTransferProblem};
 
-/// The backend's KV memory, as the transfer endpoint reads and writes it.
-struct Memory<'a>(&'a mut dyn Backend);
-
-impl BlockMemory for Memory<'_> {
-    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError> {
-        self.0.read_block(block, out).map_err(|_| TransferError::BlockIo { block })
-    }
-    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
-        self.0.write_block(block, data).map_err(|_| TransferError::BlockIo { block })
-    }
+/// What the core asks of the transfer endpoint, in order.
+#[derive(Debug)]
+pub enum TransferCall {
+    /// Prefill role: offer `blocks` (held by the lease of `transfer`) until `expires_at_ms`.
+    /// Answer: [`EngineCore::handle_offered`] with the key the endpoint gave (or its error).
+    Offer { transfer: TransferId, blocks: Vec<BlockId>, expires_at_ms: u64, meta: PromptMeta, now_ms: u64 },
+    /// Decode role: connect to the prefill worker and ask what `source` holds; the transfer ends by
+    /// `deadline_ms` whatever happens. Answer: [`EngineCore::handle_pull_started`].
+    Pull { source: Source, deadline_ms: u64, now_ms: u64 },
+    /// Decode role: where a described transfer's blocks go, from sender block `from` on.
+    /// Answer: [`EngineCore::handle_destination_set`].
+    SetDestination { transfer: u64, from: u32, dest: Vec<(BlockId, u32)> },
+    /// End `transfer` on whichever side holds it (idempotent; no answer).
+    Abort { transfer: u64 },
 }
 
-impl Core {
+/// Prefill role: a finished prompt whose offer the endpoint has not answered yet.
+#[derive(Debug)]
+pub(super) struct Offering {
+    pub id: u64,
+    pub first_token: u32,
+    pub first: Option<pdserve_model::Sampled>,
+    pub times: Times,
+    pub cached_tokens: usize,
+    pub output_tokens: usize,
+}
+
+impl EngineCore {
     pub(super) fn abort_transfer(&mut self, transfer: u64) {
-        if let Some(ep) = self.endpoint.as_mut() {
-            ep.abort(transfer);
+        if self.config.role != Role::Unified {
+            self.calls.push_back(TransferCall::Abort { transfer });
         }
     }
 
-    /// Decode role: connects to the prefill worker and asks what the transfer holds; the request is
-    /// admitted once the answer comes (`describe`).
-    pub(super) fn start_pull(&mut self, s: Box<Submission>, now: Instant) {
+    /// Decode role: asks the prefill worker what the transfer holds; the request is admitted once the
+    /// answer comes (`describe`).
+    pub(super) fn start_pull(&mut self, s: Box<super::Submission>, now: Instant) {
         let Some(source) = s.remote.clone() else { return };
-        let deadline = self.sched.now_ms(s.deadline);
-        let now_ms = self.sched.now_ms(now);
-        let Some(ep) = self.endpoint.as_mut() else {
+        if self.config.role != Role::Decode {
             return self.reject(s.id, EngineError::KvTransfer(KvTransferProblem::NotDecodeWorker));
-        };
-        if self.describing.contains_key(&source.key.transfer)
-            || self.pulling.contains_key(&source.key.transfer)
-        {
+        }
+        let t = source.key.transfer;
+        if self.describing.contains_key(&t) || self.pulling.contains_key(&t) {
             let problem = KvTransferProblem::AlreadyPulling { key: source.key };
             return self.reject(s.id, EngineError::KvTransfer(problem));
         }
-        match ep.pull(&source, deadline, now_ms) {
-            Ok(()) => {
-                let _ = self.shared.ledger().admit(
-                    &s.request_id,
-                    ApiStage::KvTransfer,
-                    now,
-                    s.deadline,
-                    "engine",
-                );
-                self.describing.insert(source.key.transfer, (s, now));
+        let (deadline_ms, now_ms) = (self.sched.now_ms(s.deadline), self.sched.now_ms(now));
+        self.describing.insert(t, (s, now));
+        self.calls.push_back(TransferCall::Pull { source, deadline_ms, now_ms });
+    }
+
+    /// The endpoint's answer to [`TransferCall::Pull`] for `transfer`.
+    pub fn handle_pull_started(&mut self, _now: Instant, transfer: u64, result: Result<(), TransferError>) {
+        if let Err(e) = result {
+            if let Some((s, _)) = self.describing.remove(&transfer) {
+                self.reject(s.id, EngineError::KvTransfer(KvTransferProblem::Pull(e)));
             }
-            Err(e) => self.reject(s.id, EngineError::KvTransfer(KvTransferProblem::Pull(e))),
         }
+    }
+
+    /// What the endpoint reports: a pull described by the prefill worker, or a transfer's end.
+    pub fn handle_transfer_event(&mut self, now: Instant, e: EndpointEvent) {
+        debug_assert!(self.stepping.is_none(), "the endpoint is pumped between steps only");
+        match e {
+            EndpointEvent::Described { transfer, blocks, meta } => self.describe(transfer, blocks, meta, now),
+            EndpointEvent::Ended { side, transfer, outcome, took_ms } => {
+                self.transfer_ended(side, transfer, outcome, took_ms, now)
+            }
+        }
+        self.drain_events(now);
     }
 
     /// Decode role: the prefill worker described the transfer; admit the request with its prompt and
     /// give the pull its destination blocks.
-    pub(super) fn describe(&mut self, transfer: u64, blocks: u32, meta: PromptMeta, now: Instant) {
+    fn describe(&mut self, transfer: u64, _blocks: u32, meta: PromptMeta, now: Instant) {
         let Some((mut s, pull_started)) = self.describing.remove(&transfer) else {
             self.abort_transfer(transfer);
             return;
         };
         let prompt = meta.prompt;
+        let context = self.config.context_tokens;
+        let budget = output_budget(prompt.len(), s.resumed.len(), s.max_tokens, context);
         let bad = if prompt.is_empty() {
             Some(EngineError::InvalidInput { problem: "the prefill worker described an empty prompt".into() })
-        } else if let Some(t) = prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+        } else if let Some(t) = prompt.iter().find(|&&t| t as usize >= self.config.vocab_size) {
             Some(EngineError::KvTransfer(KvTransferProblem::TokenOutsideVocabulary { token: *t }))
         } else if !prompt.ends_with(&s.resumed) {
             Some(EngineError::KvTransfer(KvTransferProblem::ResumeMismatch))
-        } else if prompt.len() >= self.context_tokens {
-            Some(EngineError::ContextLengthExceeded {
-                prompt_tokens: prompt.len(),
-                context_tokens: self.context_tokens,
-            })
         } else {
-            None
+            budget.as_ref().err().map(|_| EngineError::ContextLengthExceeded {
+                prompt_tokens: prompt.len(),
+                context_tokens: context,
+            })
         };
         if let Some(e) = bad {
             self.abort_transfer(transfer);
-            self.shared.ledger().finish(&s.request_id);
             return self.reject(s.id, e);
         }
-        let max_tokens = s
-            .max_tokens
-            .map_or(self.context_tokens - prompt.len(), |m| m.saturating_sub(s.resumed.len()).max(1));
         let req = NewRequest {
             id: RequestId(s.id),
             prompt: prompt.clone(),
-            max_tokens,
+            max_tokens: budget.unwrap_or(1),
             queue_deadline: s.deadline,
             deadline: s.deadline,
             kv: KvSource::Remote { transfer: TransferId(transfer), first_token: meta.first_token },
         };
         if let Err(r) = self.sched.handle_request(req, now) {
             self.abort_transfer(transfer);
-            self.shared.ledger().finish(&s.request_id);
             return self.reject(s.id, EngineError::Rejected(r));
         }
         // The lease's leading blocks came from this worker's prefix cache (an earlier round of the
@@ -123,20 +141,24 @@ impl Core {
             prefill_us: meta.prefill_us,
             cached_tokens: meta.cached_tokens as usize,
         };
-        self.admitted(&mut s, prompt, ApiStage::KvTransfer, now, Some(first));
-        let block_bytes = self.endpoint.as_ref().map_or(0, |ep| ep.layout().block_bytes());
-        if let Some(l) = self.live.get_mut(&s.id) {
-            let bytes = (dest.len() * block_bytes) as u64;
-            l.times.pulled = Some(Pulled { blocks: dest.len(), bytes, reused_blocks: from });
-            l.times.pull_started = Some(pull_started);
+        self.admitted(&mut s, prompt, now, Some(first));
+        if let Some(a) = self.active.get_mut(&s.id) {
+            let bytes = (dest.len() * self.config.block_bytes) as u64;
+            a.times.pulled = Some(Pulled { blocks: dest.len(), bytes, reused_blocks: from });
+            a.times.pull_started = Some(pull_started);
         }
         self.pulling.insert(transfer, s.id);
-        let set = self.endpoint.as_mut().map(|ep| ep.set_destination(transfer, from as u32, dest));
-        if let Some(Err(e)) = set {
-            let reason = format!("{blocks} blocks described, the destination differs: {e:?}");
-            self.pulling.remove(&transfer);
-            self.sched.handle_kv_failed(RequestId(s.id), &reason, now);
-            self.drain_events();
+        self.calls.push_back(TransferCall::SetDestination { transfer, from: from as u32, dest });
+    }
+
+    /// The endpoint's answer to [`TransferCall::SetDestination`] for `transfer`.
+    pub fn handle_destination_set(&mut self, now: Instant, transfer: u64, result: Result<(), TransferError>) {
+        if let Err(e) = result {
+            if let Some(req) = self.pulling.remove(&transfer) {
+                let reason = format!("the destination does not match the description: {e}");
+                self.sched.handle_kv_failed(RequestId(req), &reason, now);
+                self.drain_events(now);
+            }
         }
     }
 
@@ -147,74 +169,73 @@ impl Core {
         transfer: TransferId,
         blocks: Vec<BlockId>,
         prompt: Vec<u32>,
-        o: Offered,
-    ) -> Option<TransferKey> {
-        let Offered { first_token, first, times, cached_tokens } = o;
-        let (_, expires_at) = self.sched.lease_of(transfer)?;
-        let now = Instant::now();
+        o: Offering,
+        now: Instant,
+    ) {
+        let Some((_, expires_at_ms)) = self.sched.lease_of(transfer) else {
+            return self.offer_failed(transfer, o);
+        };
         let us = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
             (Some(a), Some(b)) => b.saturating_duration_since(a).as_micros() as u64,
             _ => 0,
         };
-        let (first_logprob, first_top) = first.map_or((0.0, Vec::new()), |s| (s.logprob, s.top));
+        let (first_logprob, first_top) =
+            o.first.as_ref().map_or((0.0, Vec::new()), |s| (s.logprob, s.top.clone()));
         let meta = PromptMeta {
             prompt,
-            first_token,
+            first_token: o.first_token,
             first_logprob,
             first_top,
-            queue_us: us(times.submitted, times.scheduled),
-            prefill_us: us(times.scheduled, Some(now)),
-            cached_tokens: cached_tokens.min(u32::MAX as usize) as u32,
+            queue_us: us(o.times.submitted, o.times.scheduled),
+            prefill_us: us(o.times.scheduled, Some(now)),
+            cached_tokens: o.cached_tokens.min(u32::MAX as usize) as u32,
         };
         let now_ms = self.sched.now_ms(now);
-        self.endpoint.as_mut()?.offer(transfer, blocks, expires_at, meta, now_ms).ok()
+        self.offering.insert(transfer.0, o);
+        self.calls.push_back(TransferCall::Offer { transfer, blocks, expires_at_ms, meta, now_ms });
     }
 
-    /// Moves transfer frames and block bytes, and settles ended transfers with the scheduler.
-    pub(super) fn pump_transfers(&mut self) {
-        self.pump_transfers_waiting(Duration::ZERO);
-    }
-
-    /// Like [`pump_transfers`](Self::pump_transfers), first waiting up to `wait` for transfer I/O.
-    pub(super) fn pump_transfers_waiting(&mut self, wait: Duration) {
-        let Some(ep) = self.endpoint.as_mut() else { return };
-        let now_ms = self.sched.now_ms(Instant::now());
-        if let Err(e) = ep.pump(self.sched.kv(), &mut Memory(self.backend.as_mut()), now_ms, wait) {
-            eprintln!("engine: KV transfer poll failed: {e}");
-        }
-        // After the wait: what arrived, arrived now.
-        let now = Instant::now();
-        while let Some(e) = self.endpoint.as_mut().and_then(Endpoint::poll_event) {
-            match e {
-                EndpointEvent::Described { transfer, blocks, meta } => {
-                    self.describe(transfer, blocks, meta, now)
-                }
-                EndpointEvent::Ended { side, transfer, outcome, took_ms } => {
-                    self.transfer_ended(side, transfer, outcome, took_ms, now)
-                }
-            }
-        }
-        self.drain_events();
-    }
-
-    pub(super) fn transfer_ended(
+    /// The endpoint's answer to [`TransferCall::Offer`] for `transfer`.
+    pub fn handle_offered(
         &mut self,
-        side: Side,
-        t: u64,
-        outcome: TransferOutcome,
-        took_ms: u64,
-        now: Instant,
+        _now: Instant,
+        transfer: u64,
+        result: Result<TransferKey, TransferError>,
     ) {
+        let Some(o) = self.offering.remove(&transfer) else { return };
+        match result {
+            Ok(key) => {
+                *self
+                    .stats
+                    .finished_total
+                    .entry((ApiOutcome::Completed, ApiStage::Prefilling))
+                    .or_default() += 1;
+                let (id, cached_tokens, times) = (o.id, o.cached_tokens, o.times);
+                self.replies.push_back(Reply::Prefilled { id, key, cached_tokens, times });
+            }
+            Err(_) => self.offer_failed(TransferId(transfer), o),
+        }
+    }
+
+    fn offer_failed(&mut self, transfer: TransferId, o: Offering) {
+        self.sched.handle_transfer_done(transfer);
+        let outcome = Outcome::Failed {
+            stage: Stage::Prefilling,
+            reason: "could not offer the KV for transfer".into(),
+        };
+        let counted = (ApiOutcome::Failed, ApiStage::Prefilling);
+        self.finished(o.id, outcome, counted, o.output_tokens, o.cached_tokens, o.times);
+    }
+
+    fn transfer_ended(&mut self, side: Side, t: u64, outcome: TransferOutcome, took_ms: u64, now: Instant) {
         let label = match &outcome {
             TransferOutcome::Completed => "completed",
             TransferOutcome::Failed(r) => r.as_str(),
         };
         let side_label = if side == Side::Sending { "prefill" } else { "decode" };
-        if let Ok(c) = self.metrics.transfers_finished.with(&[side_label, label]) {
-            c.inc();
-        }
+        *self.stats.transfers_finished_total.entry((side_label, label)).or_default() += 1;
         if outcome == TransferOutcome::Completed {
-            self.metrics.transfer_time.record(Duration::from_millis(took_ms));
+            self.stats.transfer_times_ms.push(took_ms);
         }
         if side == Side::Sending {
             self.sched.handle_transfer_done(TransferId(t));
@@ -225,13 +246,10 @@ impl Core {
         let timed_out = outcome == TransferOutcome::Failed(FailReason::DataTimeout);
         if let Some((s, _)) = self.describing.remove(&t) {
             // Ended before the prefill worker described it: the request was never admitted.
-            self.shared.ledger().finish(&s.request_id);
             if timed_out {
-                self.count_finished(ApiOutcome::TimedOut, ApiStage::KvTransfer);
+                let counted = (ApiOutcome::TimedOut, ApiStage::KvTransfer);
                 let outcome = Outcome::TimedOut { stage: Stage::KvTransfer };
-                let times = Times::default();
-                let id = s.id;
-                return self.send(Reply::Finished { id, outcome, output_tokens: 0, cached_tokens: 0, times });
+                return self.finished(s.id, outcome, counted, 0, 0, Times::default());
             }
             let problem = match outcome {
                 TransferOutcome::Failed(r) => KvTransferProblem::Failed(r),
@@ -243,28 +261,26 @@ impl Core {
         match outcome {
             TransferOutcome::Completed => {
                 let first = self.sched.awaiting_first_token(RequestId(req));
-                if let (Some(first), Some(l)) = (first, self.live.get_mut(&req)) {
-                    l.times.kv_arrived = Some(now);
+                let eos_ids = &self.config.eos_ids;
+                if let (Some(first), Some(a)) = (first, self.active.get_mut(&req)) {
+                    a.times.kv_arrived = Some(now);
                     // Counted once the blocks are here: a pull that failed moved nothing usable.
-                    if let Some(p) = l.times.pulled {
-                        for (result, n) in [("skipped", p.reused_blocks), ("transferred", p.blocks)] {
-                            if let Ok(c) = self.metrics.transfer_blocks.with(&[result]) {
-                                c.add(n as u64);
-                            }
-                        }
+                    if let Some(p) = a.times.pulled {
+                        self.stats.transfer_blocks_skipped_total += p.reused_blocks as u64;
+                        self.stats.transfer_blocks_transferred_total += p.blocks as u64;
                     }
-                    let eos = self.eos_ids.contains(&first);
-                    let mut stop = l.stop_ids.contains(&first) || (!l.ignore_eos && eos);
+                    let eos = eos_ids.contains(&first);
+                    let mut stop = a.stop_ids.contains(&first) || (!a.ignore_eos && eos);
                     // The prefill worker sampled it under the same constraint: the matcher takes it.
-                    if let Some(g) = l.guide.as_mut() {
+                    if let Some(g) = a.guide.as_mut() {
                         stop |= eos && g.is_accepting();
                         if !eos && g.accept(first).is_err() {
                             stop = true;
                         }
                     }
-                    let (logprob, top) = l.remote_first.take().unwrap_or_default();
+                    let (logprob, top) = a.remote_first.take().unwrap_or_default();
                     self.sched.handle_kv_arrived(RequestId(req), stop, now);
-                    self.send(Reply::Token { id: req, token: first, logprob, top, stop });
+                    self.replies.push_back(Reply::Token { id: req, token: first, logprob, top, stop });
                 }
             }
             TransferOutcome::Failed(_) if timed_out => {}

@@ -1,0 +1,70 @@
+//! What an engine runs, as its handle and reports (`/v1/models`) describe it.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use pdserve_api::Role;
+use pdserve_model::WeightFormat;
+
+use crate::Device;
+
+/// What the engine runs, for reports (`/v1/models`) and handles.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    pub role: Role,
+    pub device: Device,
+    pub weights: WeightFormat,
+    /// What the quantized weights' products round their inputs to: "q8" (`--activations q8`) or "f32".
+    pub activations: &'static str,
+    /// What steps of more than two rows read: "f32" or "bf16".
+    pub multi_row_weights: &'static str,
+    /// The KV cache's element type.
+    pub kv_dtype: pdserve_model::KvDtype,
+    /// Bytes of the weights as held (every form the backend reads: f32, quantized, bf16).
+    pub weight_bytes: usize,
+    /// Bytes of the KV pool.
+    pub kv_bytes: usize,
+    /// Where a request gives no sampling settings: the model's `generation_config.json` over the
+    /// engine's defaults.
+    pub sampling_defaults: pdserve_model::SamplingParams,
+    /// Prompt plus generated tokens never exceed it.
+    pub context_tokens: usize,
+    pub vocab_size: usize,
+    /// Prefill role: where decode workers pull KV from.
+    pub transfer_addr: Option<SocketAddr>,
+    /// Prefill role with shared KV memory: its file.
+    pub kv_shm_path: Option<PathBuf>,
+    /// KV over UCX (`EngineConfig::kv_ucx`).
+    pub kv_ucx: bool,
+    /// Prefill role over UCX: the KV region's export, as handles carry it.
+    pub kv_ucx_region: Option<String>,
+    /// The format the model writes tool calls in (the chat template's, or the configured one).
+    pub tool_format: pdserve_api::tools::ToolFormat,
+    /// The model's fill-in-the-middle tokens (prefix, suffix, middle), if its vocabulary has them:
+    /// completions with a `suffix` are written `{prefix}{prompt}{suffix token}{suffix}{middle}`.
+    pub fim: Option<[String; 3]>,
+}
+
+/// The fill-in-the-middle token spellings of the model families that have them (StarCoder and the
+/// models trained on its format, Qwen2.5-Coder, CodeLlama).
+const FIM_TOKENS: [[&str; 3]; 3] = [
+    ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"],
+    ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"],
+    ["▁<PRE>", "▁<SUF>", "▁<MID>"],
+];
+
+/// The first FIM token set `has` knows all three of.
+pub(crate) fn fim_tokens(has: impl Fn(&str) -> bool) -> Option<[String; 3]> {
+    FIM_TOKENS.iter().find(|set| set.iter().all(|t| has(t))).map(|set| set.map(str::to_owned))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fim_tokens_are_found_by_their_spelling() {
+        let qwen = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|im_end|>"];
+        let got = super::fim_tokens(|t| qwen.contains(&t)).unwrap();
+        assert_eq!(got[1], "<|fim_suffix|>");
+        assert!(super::fim_tokens(|t| t == "<fim_prefix>" || t == "<fim_suffix>").is_none());
+    }
+}
