@@ -442,9 +442,9 @@ impl Scheduler {
                 break;
             }
             if !self.reqs.get(&id).is_some_and(|r| matches!(r.state, State::Running { .. })) {
-                continue;
+                continue; // preempted earlier in this loop
             }
-            if let Some(item) = self.plan_prefill(id, budget.min(share), contended) {
+            if let Some(item) = self.plan_prefill_or_preempt(id, budget.min(share), contended, &batch) {
                 budget = budget.saturating_sub(self.config.chunk_cost(item.start_pos, item.num_tokens));
                 batch.push(item);
             }
@@ -544,6 +544,36 @@ impl Scheduler {
             }
             // No room this step: the request keeps its place and its KV, and tries again next step.
             Err(_) => None,
+        }
+    }
+
+    /// [`plan_prefill`](Self::plan_prefill) for a running request; while the pool cannot hold its
+    /// chunk, the newest running request admitted after it and not in `planned` goes back to the
+    /// queue (its full blocks stay cached for its recompute). Without that, running requests that
+    /// each hold part of the pool and wait for one more block would wait for each other forever;
+    /// this way the oldest always moves. With no such request left, `id` keeps its place and its KV.
+    fn plan_prefill_or_preempt(
+        &mut self,
+        id: RequestId,
+        budget: usize,
+        contended: bool,
+        planned: &[BatchItem],
+    ) -> Option<BatchItem> {
+        if budget == 0 {
+            return None;
+        }
+        loop {
+            if let Some(item) = self.plan_prefill(id, budget, contended) {
+                return Some(item);
+            }
+            let order = self.reqs[&id].admitted_order;
+            let victim = self
+                .running
+                .iter()
+                .copied()
+                .filter(|v| self.reqs[v].admitted_order > order && !planned.iter().any(|i| i.id == *v))
+                .max_by_key(|v| self.reqs[v].admitted_order)?;
+            self.preempt(victim);
         }
     }
 
