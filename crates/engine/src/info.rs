@@ -16,7 +16,7 @@ pub struct EngineInfo {
     pub weights: WeightFormat,
     /// What the quantized weights' products round their inputs to: "q8" (`--activations q8`) or "f32".
     pub activations: &'static str,
-    /// What steps of more than two rows read: "f32" or "bf16".
+    /// What every step's products read, whatever its row count: "f32", "bf16", "f16", "q8" or "q4".
     pub multi_row_weights: &'static str,
     /// The KV cache's element type.
     pub kv_dtype: pdserve_model::KvDtype,

@@ -51,6 +51,29 @@ impl Bench {
         t.elapsed().as_secs_f64()
     }
 
+    /// Prefills one sequence of `prompt_len` tokens in chunks of `chunk` (one step each, as the
+    /// server's scheduler steps them); returns the seconds it took.
+    fn prefill_chunked(&mut self, prompt_len: usize, chunk: usize) -> f64 {
+        let s = SeqId(0);
+        let (prompt, table) = self.add_prompt(0, prompt_len);
+        let t = Instant::now();
+        for start in (0..prompt_len).step_by(chunk) {
+            let end = (start + chunk).min(prompt_len);
+            let logits = usize::from(end == prompt_len);
+            self.cpu
+                .forward(&[SeqStep {
+                    tokens: &prompt[start..end],
+                    start_pos: start,
+                    block_table: &table,
+                    logits,
+                }])
+                .expect("forward");
+        }
+        let took = t.elapsed().as_secs_f64();
+        self.kv.commit(s, prompt_len).expect("commit");
+        took
+    }
+
     /// Prefills `n` sequences of `prompt_len` tokens in one step (as a server's step admits a burst
     /// of requests); returns the seconds it took.
     fn prefill_together(&mut self, n: usize, prompt_len: usize) -> f64 {
@@ -257,6 +280,11 @@ fn main() {
         ("single_decode_q4_tokens_per_second", Box::new(|| quantized(pdserve_model::WeightFormat::Q4))),
         ("prefill_1000_tokens_per_second", Box::new(|| 1000.0 / fresh(&weights).prefill(1, 1000))),
         ("prefill_1000_q4_tokens_per_second", Box::new(|| 1000.0 / q4_backend(&weights).prefill(1, 1000))),
+        // What the server computes: f16 KV, the prompt in the scheduler's 512-token chunks.
+        (
+            "prefill_1000_q4_f16_kv_chunked_tokens_per_second",
+            Box::new(|| 1000.0 / q4_kv(&weights, KvDtype::F16, blocks).prefill_chunked(1000, 512)),
+        ),
         // A burst of short prompts in one step: 24 of 83 tokens (what 32 streams' second step holds).
         (
             "prefill_24_prompts_of_83_q4_tokens_per_second",

@@ -6,7 +6,6 @@
 use crate::quant::{
     stack_layer, Bf16Matrix, F16Matrix, Q4Matrix, Q8Matrix, QuantLayer, QuantMatrix, WeightFormat,
 };
-use crate::sys::has_bf16_gemm;
 use crate::weights::LayerWeights;
 use crate::{ModelConfig, ModelError};
 
@@ -54,18 +53,19 @@ impl PreparedWeights {
         self.format
     }
 
-    /// Whether every step of `format` reads converted weights, so the f32 projections can go: bf16,
-    /// f16, and q8/q4 (their multi-row steps widen the quantized matrices block by block: to bf16
-    /// where the CPU has the bf16 GEMM, which needs every stacked matrix to fill whole 32-row panels,
-    /// else to f32); never f32.
-    pub(crate) fn replaces_f32(format: WeightFormat, c: &ModelConfig) -> bool {
+    /// Whether every step of `format` reads converted weights, so the f32 projections can go: every
+    /// format but f32.
+    pub(crate) fn replaces_f32(format: WeightFormat, _c: &ModelConfig) -> bool {
+        !matches!(format, WeightFormat::F32 | WeightFormat::Auto)
+    }
+
+    /// Whether the bf16 rows product takes a model's quantized projections: every stacked matrix's
+    /// widths are multiples of 32.
+    pub(crate) fn rows_bf16_fits(c: &ModelConfig) -> bool {
         let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-        let panels = [q + 2 * kv, c.hidden_size, 2 * c.intermediate_size].iter().all(|r| r % 32 == 0);
-        match format {
-            WeightFormat::Bf16 | WeightFormat::F16 => true,
-            WeightFormat::Q8 | WeightFormat::Q4 => panels || !has_bf16_gemm(),
-            WeightFormat::F32 | WeightFormat::Auto => false,
-        }
+        [q + 2 * kv, c.hidden_size, 2 * c.intermediate_size, c.intermediate_size, q]
+            .iter()
+            .all(|r| r % 32 == 0)
     }
 
     /// Converts the next layer.

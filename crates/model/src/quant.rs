@@ -102,9 +102,6 @@ pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
     fn bytes(&self) -> usize;
     /// Row `r` as f32 (for tests and references).
     fn dequantize_row(&self, r: usize) -> Vec<f32>;
-    /// Row `r` as f32 into `dst` (`cols` values): how the f32 GEMM of CPUs without the bf16 one reads
-    /// the matrix.
-    fn f32_row(&self, r: usize, dst: &mut [f32]);
     /// `x . row r`, given `xsum[g]` = the sum of `x` over group g.
     fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32;
     /// `out[i] = xs[i] . row r` for several inputs, each value exactly [`dot_row`](Self::dot_row)'s.
@@ -120,11 +117,6 @@ pub trait QuantMatrix: Sized + Send + Sync + std::fmt::Debug {
             self.dot_rows(r0 + w, xs, xsums, o);
         }
     }
-    /// Rows `r0..r0 + 32`, columns `k0..k0 + kc` (multiples of 32) as bf16 in the bf16 GEMM's panel
-    /// order (see `sys::gemm_bf16_fill_par`): how multi-row steps read the matrix.
-    fn bf16_panel(&self, r0: usize, k: (usize, usize), dst: &mut [u16]);
-    /// Rows `r0..r0 + rows`, every column, as bf16 row-major: how steps of a few rows read it.
-    fn bf16_rows(&self, r0: usize, rows: usize, dst: &mut [u16]);
 }
 
 /// Symmetric int8: value = q * scale, scale = max |w| / 127 per group, stored as f16.
@@ -177,14 +169,13 @@ impl QuantMatrix for Q8Matrix {
 
     fn dequantize_row(&self, r: usize) -> Vec<f32> {
         let mut out = vec![0.0; self.cols];
-        self.f32_row(r, &mut out);
-        out
-    }
-
-    fn f32_row(&self, r: usize, dst: &mut [f32]) {
         let v = &self.values[r * self.cols..(r + 1) * self.cols];
-        let s = &self.scales[r * self.cols / GROUP..(r + 1) * self.cols / GROUP];
-        crate::sys::widen_q8_row(v, s, dst);
+        crate::sys::widen_q8_row(
+            v,
+            &self.scales[r * self.cols / GROUP..(r + 1) * self.cols / GROUP],
+            &mut out,
+        );
+        out
     }
 
     fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
@@ -208,14 +199,6 @@ impl QuantMatrix for Q8Matrix {
             &self.scales[r0 * g..(r0 + rows) * g],
             out,
         )
-    }
-
-    fn bf16_panel(&self, r0: usize, k: (usize, usize), dst: &mut [u16]) {
-        crate::sys::q8_bf16_panel(&self.values, &self.scales, self.cols, r0, k, dst);
-    }
-
-    fn bf16_rows(&self, r0: usize, rows: usize, dst: &mut [u16]) {
-        crate::sys::q8_bf16_rows(&self.values, &self.scales, self.cols, r0, rows, dst);
     }
 }
 
@@ -278,14 +261,10 @@ impl QuantMatrix for Q4Matrix {
 
     fn dequantize_row(&self, r: usize) -> Vec<f32> {
         let mut out = vec![0.0; self.cols];
-        self.f32_row(r, &mut out);
-        out
-    }
-
-    fn f32_row(&self, r: usize, dst: &mut [f32]) {
         let (g0, g1) = (r * self.cols / GROUP, (r + 1) * self.cols / GROUP);
         let packed = &self.packed[g0 * GROUP / 2..g1 * GROUP / 2];
-        crate::sys::widen_q4_row(packed, &self.scales[g0..g1], &self.mins[g0..g1], dst);
+        crate::sys::widen_q4_row(packed, &self.scales[g0..g1], &self.mins[g0..g1], &mut out);
+        out
     }
 
     fn dot_row(&self, r: usize, x: &[f32], xsum: &[f32]) -> f32 {
@@ -315,14 +294,6 @@ impl QuantMatrix for Q4Matrix {
             xsums,
             out,
         )
-    }
-
-    fn bf16_panel(&self, r0: usize, k: (usize, usize), dst: &mut [u16]) {
-        crate::sys::q4_bf16_panel(&self.packed, &self.scales, &self.mins, self.cols, r0, k, dst);
-    }
-
-    fn bf16_rows(&self, r0: usize, rows: usize, dst: &mut [u16]) {
-        crate::sys::q4_bf16_rows(&self.packed, &self.scales, &self.mins, self.cols, r0, rows, dst);
     }
 }
 
@@ -361,30 +332,8 @@ impl QuantMatrix for F16Matrix {
         self.values[r * self.cols..(r + 1) * self.cols].iter().map(|&b| f16_value(b)).collect()
     }
 
-    fn f32_row(&self, r: usize, dst: &mut [f32]) {
-        crate::sys::widen_f16(&self.values[r * self.cols..(r + 1) * self.cols], dst);
-    }
-
     fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
         crate::sys::dot_f16(x, &self.values[r * self.cols..(r + 1) * self.cols])
-    }
-
-    /// (Rounded to bf16: the multi-row steps of `WeightFormat::F16` widen to f32 instead.)
-    fn bf16_panel(&self, r0: usize, (k0, kc): (usize, usize), dst: &mut [u16]) {
-        for c in 0..32 {
-            let row = self.dequantize_row(r0 + c);
-            for (j, pair) in row[k0..k0 + kc].chunks_exact(2).enumerate() {
-                dst[(j * 32 + c) * 2] = crate::bits16::bf16_bits(pair[0]);
-                dst[(j * 32 + c) * 2 + 1] = crate::bits16::bf16_bits(pair[1]);
-            }
-        }
-    }
-
-    /// (Rounded to bf16, likewise.)
-    fn bf16_rows(&self, r0: usize, rows: usize, dst: &mut [u16]) {
-        for (d, &b) in dst.iter_mut().zip(&self.values[r0 * self.cols..(r0 + rows) * self.cols]) {
-            *d = crate::bits16::bf16_bits(f16_value(b));
-        }
     }
 }
 
@@ -559,63 +508,37 @@ mod tests {
         assert_eq!(m.bytes(), rows * cols / 2 + 4 * rows * cols / 32);
     }
 
-    /// A quantized matrix widened block by block for the bf16 GEMM gives the panels of its own
-    /// dequantized values, and the product through those blocks equals the product of the packed copy.
+    /// A quantized matrix widened to bf16 rows (how the bf16 rows product reads it) holds its own
+    /// dequantized values, rounded.
     #[test]
-    fn quantized_panels_match_the_packed_dequantized_matrix() {
-        fn check<M: QuantMatrix>(m: &M) {
-            let (rows, cols) = (m.rows(), m.cols());
-            let dense: Vec<f32> = (0..rows).flat_map(|r| m.dequantize_row(r)).collect();
-            let packed = crate::sys::pack_bf16_panels(&dense, rows, cols);
-            // Each (panel, block of k) as the GEMM asks for it: 256 columns, then the rest.
-            for p in 0..rows / 32 {
-                for (k0, kc) in [(0, 256), (256, cols - 256)] {
-                    let mut block = vec![0u16; 32 * kc];
-                    m.bf16_panel(p * 32, (k0, kc), &mut block);
-                    let mut row_major = vec![0u16; 32 * cols];
-                    m.bf16_rows(p * 32, 32, &mut row_major);
-                    for (i, &v) in row_major.iter().enumerate() {
-                        assert_eq!(v, crate::bits16::bf16_bits(dense[p * 32 * cols + i]), "row form at {i}");
-                    }
-                    for j in 0..kc / 2 {
-                        for c in 0..32 {
-                            for e in 0..2 {
-                                let want = packed[((p * cols / 2 + k0 / 2 + j) * 32 + c) * 2 + e];
-                                assert_eq!(
-                                    block[(j * 32 + c) * 2 + e],
-                                    want,
-                                    "panel {p} k0 {k0} pair {j} row {c}"
-                                );
-                            }
-                        }
-                    }
-                }
-            }
-            for t in [3, 7, 13] {
-                let x: Vec<f32> = (0..t * cols).map(|i| (i as f32 * 0.37).sin()).collect();
-                let mut xb = vec![0u16; t * cols];
-                crate::sys::to_bf16(&x, &mut xb);
-                let (mut a, mut b) = (vec![f32::NAN; t * rows], vec![f32::NAN; t * rows]);
-                crate::sys::gemm_bf16_par(&xb, t, cols, &packed, rows, &mut a);
-                crate::sys::gemm_bf16_fill_par(&xb, t, cols, rows, |r0, k, d| m.bf16_panel(r0, k, d), &mut b);
-                if crate::sys::has_bf16_gemm() {
-                    assert_eq!(a, b, "t {t}: one kernel over the same panels");
-                }
-                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-                    assert!((x - y).abs() <= 1e-5 * (1.0 + x.abs()), "t {t} at {i}: {x} vs {y}");
-                }
-                // The few-rows form sums in another order: equal to rounding.
-                let mut c = vec![f32::NAN; t * rows];
-                crate::sys::gemm_bf16_rows_par(&xb, t, cols, rows, |r0, d| m.bf16_rows(r0, 4, d), &mut c);
-                for (i, (x, y)) in a.iter().zip(&c).enumerate() {
-                    assert!((x - y).abs() <= 1e-4 * (1.0 + x.abs()), "t {t} at {i}: {x} vs {y}");
+    fn bf16_rows_are_the_dequantized_values_rounded() {
+        let (rows, cols) = (8, 320);
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013 + 0.001).collect();
+        let q8 = <Q8Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap();
+        let q4 = <Q4Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap();
+        for r0 in [0, 4] {
+            let mut a = vec![0u16; 4 * cols];
+            crate::sys::q8_bf16_rows(&q8.values, &q8.scales, cols, r0, 4, &mut a);
+            let mut b = vec![0u16; 4 * cols];
+            crate::sys::q4_bf16_rows(&q4.packed, &q4.scales, &q4.mins, cols, r0, 4, &mut b);
+            for r in 0..4 {
+                let (d8, d4) = (q8.dequantize_row(r0 + r), q4.dequantize_row(r0 + r));
+                for c in 0..cols {
+                    assert_eq!(
+                        a[r * cols + c],
+                        crate::bits16::bf16_bits(d8[c]),
+                        "q8 row {} column {c}",
+                        r0 + r
+                    );
+                    assert_eq!(
+                        b[r * cols + c],
+                        crate::bits16::bf16_bits(d4[c]),
+                        "q4 row {} column {c}",
+                        r0 + r
+                    );
                 }
             }
         }
-        let (rows, cols) = (96, 320);
-        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.013 + 0.001).collect();
-        check(&<Q8Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap());
-        check(&<Q4Matrix as QuantMatrix>::quantize(&w, rows, cols).unwrap());
     }
 
     #[test]

@@ -483,11 +483,10 @@ fn quantized_batched_prefill_and_decode_keep_the_greedy_text() {
         cpu.weight_bytes() >> 20,
         f32_bytes >> 20
     );
-    if cpu.multi_row_format() == "q4" {
-        // Only the Q4 projections and the Q8 LM head (which the tied embedding's rows come from) are
-        // held: about 0.7 bytes per weight, against 4 for f32.
-        assert!(cpu.weight_bytes() * 5 < f32_bytes, "{} bytes held", cpu.weight_bytes());
-    }
+    // Only the Q4 projections and the Q8 LM head (which the tied embedding's rows come from) are
+    // held: about 0.7 bytes per weight, against 4 for f32.
+    assert_eq!(cpu.multi_row_format(), "q4");
+    assert!(cpu.weight_bytes() * 5 < f32_bytes, "{} bytes held", cpu.weight_bytes());
     let mut kv = KvCache::new(KvConfig { num_blocks: 64, block_size: 16 }).unwrap();
     let seqs: Vec<SeqId> = (0..prompts.len() as u64).map(SeqId).collect();
     for (s, p) in seqs.iter().zip(&prompts) {

@@ -86,11 +86,8 @@ fn q4_weights_serve_the_same_greedy_answer_and_are_reported() {
     assert_eq!(models["data"][0]["weights"], "q4");
     assert_eq!(models["data"][0]["activations"], "f32");
     assert_eq!(models["data"][0]["device"], "cpu");
-    // The prompt's prefill (more than two rows) reads the Q4 weights through the bf16 GEMM where the
-    // CPU has AVX-512 BF16, and holds no other copy of them.
-    let bf16 =
-        std::arch::is_x86_feature_detected!("avx512bf16") && std::arch::is_x86_feature_detected!("avx512f");
-    assert_eq!(models["data"][0]["multi_row_weights"], if bf16 { "q4" } else { "f32" });
+    // Every step, the prompt's prefill too, reads the Q4 weights, and no other copy of them is held.
+    assert_eq!(models["data"][0]["multi_row_weights"], "q4");
     let (status, body) = w.json(
         "POST",
         "/v1/chat/completions",

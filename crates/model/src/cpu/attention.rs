@@ -1,14 +1,14 @@
-//! KV memory (its element types and views) and attention over it: decode rows as flash-decoding
-//! splits, prefill chunks as GEMMs over K and V gathered out of the paged cache.
+//! KV memory (its element types and views) and attention over it: every row as flash-decoding
+//! splits fixed in absolute positions, a sequence's consecutive rows sharing each K and V read.
 
 use rayon::prelude::*;
 
-use super::{gemm_xwt, sized, CpuBackend};
+use super::{sized, CpuBackend};
 use crate::backend::{KvDtype, KvStore, SeqStep};
 use crate::sys::{
     as_f32, as_f32_mut, as_u16, as_u16_mut, exp_scaled, f32_bytes, f32_bytes_mut, group_scores,
-    group_scores_f16, group_weighted_sum, group_weighted_sum_f16, narrow_bf16, narrow_f16, prefetch,
-    sgemm_nn, softmax_masked, widen_bf16, widen_f16, CpuKernels,
+    group_scores_f16, group_scores_f16_fits, group_weighted_sum, group_weighted_sum_f16,
+    group_weighted_sum_f16_fits, narrow_bf16, narrow_f16, prefetch, widen_bf16, widen_f16,
 };
 
 /// Where the KV memory lives: this backend's own heap (f32 words from a page boundary on, so every
@@ -120,12 +120,18 @@ impl KvValues<'_> {
     }
 }
 
-/// Keys per split of a decode row's attention: long contexts are cut into splits that run in
-/// parallel and are merged by their maxima and sums (flash-decoding), so one sequence's attention
-/// uses every core.
-const DECODE_SPLIT_KEYS: usize = 512;
+/// Keys per split of a row's attention: long contexts are cut into splits that run in parallel and
+/// are merged by their maxima and sums (flash-decoding), so one sequence's attention uses every
+/// core. The splits are fixed in absolute positions (split `s` holds keys `512 s .. 512 (s + 1)`),
+/// so a position's attention is the same sums in the same order whether its row is a decode, one of
+/// a prefill chunk's, or computed beside any other rows.
+const SPLIT_KEYS: usize = 512;
 
-/// One split's share of a decode row's attention, per query head: the largest score, the sum of
+/// Rows of one sequence's step that share a task: each key row read is scored against all of them
+/// while it is in L1.
+const ROWS_PER_TASK: usize = 16;
+
+/// One split's share of a row's attention, per query head: the largest score, the sum of
 /// exp(score - largest), and the values weighted by those exps.
 struct Partial {
     max: Vec<f32>,
@@ -133,16 +139,23 @@ struct Partial {
     acc: Vec<f32>,
 }
 
+/// One task: rows `rows` (consecutive rows of one step's sequence, in position order) against the
+/// keys of split `split`.
+struct Task {
+    rows: std::ops::Range<usize>,
+    split: usize,
+}
+
 impl CpuBackend {
-    /// Attention of single-token rows (`decode_rows`, each reading its sequence's whole paged
-    /// cache): tasks of (row, split of the keys) read each position's K and V rows once, whole (every
-    /// KV head, contiguous within a block), score every query head against its KV head's key, and
-    /// are merged per (row, head) into `attn`.
-    pub(super) fn decode_attention(
+    /// Every row's attention over its sequence's paged cache (its own K and V already stored there):
+    /// each row attends to positions `first..=pos` (`first` is 0, or where a sliding window starts).
+    /// Each (row, split) is scored, softmaxed and weighted on its own, key block by key block in
+    /// position order, so a row's result depends only on its position and the cache's contents;
+    /// tasks group a sequence's consecutive rows so that each K and V row read serves all of them.
+    pub(super) fn attention(
         &self,
         steps: &[SeqStep<'_>],
         rows: &[(usize, usize)],
-        decode_rows: &[usize],
         li: usize,
         (qkv, ldq): (&[f32], usize),
         attn: &mut [f32],
@@ -152,90 +165,184 @@ impl CpuBackend {
         let (group, q_dim, stride) = (nh / nkv, nh * hd, nkv * hd);
         let scale = 1.0 / (hd as f32).sqrt();
         let kv_mem = self.kv.values(self.layout.dtype);
-        // (row, first key, end key)
-        let mut tasks = Vec::new();
-        for &r in decode_rows {
+        let (f16_scores, f16_sums) = (group_scores_f16_fits(hd), group_weighted_sum_f16_fits(hd));
+        // A row's visible keys: `first..ctx`.
+        let visible = |r: usize| {
             let ctx = rows[r].1 + 1;
-            // A sliding window's row sees only its last `window` positions.
-            let first = self.cfg.sliding_window.map_or(0, |w| ctx.saturating_sub(w));
-            let keys = ctx - first;
-            let splits = keys.div_ceil(DECODE_SPLIT_KEYS);
-            tasks.extend(
-                (0..splits).map(|sp| (r, first + sp * keys / splits, first + (sp + 1) * keys / splits)),
-            );
+            (self.cfg.sliding_window.map_or(0, |w| ctx.saturating_sub(w)), ctx)
+        };
+        let mut tasks = Vec::new();
+        let mut r = 0;
+        while r < rows.len() {
+            // Rows of the same step are consecutive and in position order.
+            let step = rows[r].0;
+            let end = r + rows[r..].iter().take_while(|x| x.0 == step).count();
+            let mut r0 = r;
+            while r0 < end {
+                let r1 = (r0 + ROWS_PER_TASK).min(end);
+                let (first, _) = visible(r0);
+                let (_, ctx) = visible(r1 - 1);
+                tasks.extend(
+                    (first / SPLIT_KEYS..ctx.div_ceil(SPLIT_KEYS)).map(|split| Task { rows: r0..r1, split }),
+                );
+                r0 = r1;
+            }
+            r = end;
         }
-        let partials: Vec<Partial> = tasks
+        // Per task, per row of it: the row's partial for the split (none where it sees no key of it).
+        let partials: Vec<Vec<Option<Partial>>> = tasks
             .par_iter()
-            .map(|&(r, j0, j1)| {
-                let table = steps[rows[r].0].block_table;
-                let q: Vec<f32> = qkv[r * ldq..][..q_dim].iter().map(|v| v * scale).collect();
-                let n = j1 - j0;
-                let mut part = Partial { max: vec![0.0; nh], sum: vec![0.0; nh], acc: vec![0.0; q_dim] };
+            .map(|task| {
+                let table = steps[rows[task.rows.start].0].block_table;
+                let (s0, s1) = (task.split * SPLIT_KEYS, (task.split + 1) * SPLIT_KEYS);
+                // Each row's keys in this split, and the task's span of them.
+                let ranges: Vec<(usize, usize)> = task
+                    .rows
+                    .clone()
+                    .map(|r| {
+                        let (first, ctx) = visible(r);
+                        (first.max(s0), ctx.min(s1))
+                    })
+                    .collect();
+                let lo = ranges.iter().filter(|(a, b)| a < b).map(|r| r.0).min().unwrap_or(s0);
+                let hi = ranges.iter().map(|r| r.1).max().unwrap_or(s0);
+                let n = hi.saturating_sub(lo);
+                let qs: Vec<Vec<f32>> = task
+                    .rows
+                    .clone()
+                    .map(|r| qkv[r * ldq..][..q_dim].iter().map(|v| v * scale).collect())
+                    .collect();
+                let mut parts: Vec<Option<Partial>> = ranges
+                    .iter()
+                    .map(|(a, b)| {
+                        (a < b).then(|| Partial {
+                            max: vec![0.0; nh],
+                            sum: vec![0.0; nh],
+                            acc: vec![0.0; q_dim],
+                        })
+                    })
+                    .collect();
+                if n == 0 {
+                    return parts;
+                }
                 SCORES.with_borrow_mut(|scores| {
                     WIDE.with_borrow_mut(|wide| {
-                        let scores = sized(scores, nh * n);
+                        // Row i's scores: heads by the task's keys `lo..hi` (only its own keys written).
+                        let scores = sized(scores, ranges.len() * nh * n);
                         // Positions block by block: within a block, one position's K (or V) row of every
                         // KV head is `stride` floats long and the next position's follows it.
-                        // (offset in this task's keys, block, position in the block, positions).
+                        // (position, block, position in the block, positions).
                         let runs = || {
-                            let starts = std::iter::successors(Some(j0), |&j| Some((j / bs + 1) * bs));
+                            let starts = std::iter::successors(Some(lo), |&j| Some((j / bs + 1) * bs));
                             starts
-                                .take_while(|&j| j < j1)
-                                .map(|j| (j - j0, table[j / bs], j % bs, (bs - j % bs).min(j1 - j)))
+                                .take_while(|&j| j < hi)
+                                .map(|j| (j, table[j / bs], j % bs, (bs - j % bs).min(hi - j)))
                         };
-                        for (at, block, off, cnt) in runs() {
+                        for (j, block, off, cnt) in runs() {
                             // The values of these positions, read after every key: on their way to
                             // L2 while the keys are scored.
                             kv_mem.prefetch(self.kv_at(block, li, 1, off), cnt * stride);
-                            let (k_at, len) = (self.kv_at(block, li, 0, off), cnt * stride);
-                            if let KvValues::F16(k) = kv_mem {
-                                let rows = (&k[k_at..k_at + len], stride);
-                                if group_scores_f16(&q, (hd, group), rows, cnt, (&mut scores[at..], n)) {
+                            let k_at = self.kv_at(block, li, 0, off);
+                            // f16 keys are widened in registers where the kernels can; else the run's
+                            // rows once, for every row of the task.
+                            let k16 = match kv_mem {
+                                KvValues::F16(k) if f16_scores => Some(k),
+                                _ => None,
+                            };
+                            let k32 =
+                                if k16.is_none() { kv_mem.f32s(k_at, cnt * stride, wide) } else { &[][..] };
+                            for (i, &(a, b)) in ranges.iter().enumerate() {
+                                // This row's keys within the run.
+                                let (from, to) = (a.max(j), b.min(j + cnt));
+                                if from >= to {
                                     continue;
                                 }
-                            }
-                            let k = kv_mem.f32s(k_at, len, wide);
-                            group_scores(&q, (hd, group), (k, stride), cnt, (&mut scores[at..], n));
-                        }
-                        for (h, row) in scores.chunks_exact_mut(n).enumerate() {
-                            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                            part.max[h] = max;
-                            part.sum[h] = exp_scaled(row, 1.0, max);
-                        }
-                        for (at, block, off, cnt) in runs() {
-                            let (v_at, len) = (self.kv_at(block, li, 1, off), cnt * stride);
-                            if let KvValues::F16(v) = kv_mem {
-                                let rows = (&v[v_at..v_at + len], stride);
-                                let p = (&scores[at..], n);
-                                if group_weighted_sum_f16(p, (hd, group), rows, cnt, &mut part.acc) {
-                                    continue;
+                                let (skip, m) = (from - j, to - from);
+                                let out = (&mut scores[i * nh * n + (from - lo)..], n);
+                                match k16 {
+                                    Some(k) => {
+                                        let rows =
+                                            (&k[k_at + skip * stride..k_at + (skip + m) * stride], stride);
+                                        assert!(group_scores_f16(&qs[i], (hd, group), rows, m, out));
+                                    }
+                                    None => group_scores(
+                                        &qs[i],
+                                        (hd, group),
+                                        (&k32[skip * stride..], stride),
+                                        m,
+                                        out,
+                                    ),
                                 }
                             }
-                            let v = kv_mem.f32s(v_at, len, wide);
-                            group_weighted_sum(
-                                (&scores[at..], n),
-                                (hd, group),
-                                (v, stride),
-                                cnt,
-                                &mut part.acc,
-                            );
+                        }
+                        for (i, (&(a, b), part)) in ranges.iter().zip(&mut parts).enumerate() {
+                            let Some(part) = part else { continue };
+                            for h in 0..nh {
+                                let row = &mut scores[i * nh * n + h * n + (a - lo)..][..b - a];
+                                let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                                part.max[h] = max;
+                                part.sum[h] = exp_scaled(row, 1.0, max);
+                            }
+                        }
+                        for (j, block, off, cnt) in runs() {
+                            let v_at = self.kv_at(block, li, 1, off);
+                            let v16 = match kv_mem {
+                                KvValues::F16(v) if f16_sums => Some(v),
+                                _ => None,
+                            };
+                            let v32 =
+                                if v16.is_none() { kv_mem.f32s(v_at, cnt * stride, wide) } else { &[][..] };
+                            for (i, (&(a, b), part)) in ranges.iter().zip(&mut parts).enumerate() {
+                                let Some(part) = part else { continue };
+                                let (from, to) = (a.max(j), b.min(j + cnt));
+                                if from >= to {
+                                    continue;
+                                }
+                                let (skip, m) = (from - j, to - from);
+                                let p = (&scores[i * nh * n + (from - lo)..], n);
+                                match v16 {
+                                    Some(v) => {
+                                        let rows =
+                                            (&v[v_at + skip * stride..v_at + (skip + m) * stride], stride);
+                                        assert!(group_weighted_sum_f16(
+                                            p,
+                                            (hd, group),
+                                            rows,
+                                            m,
+                                            &mut part.acc
+                                        ));
+                                    }
+                                    None => group_weighted_sum(
+                                        p,
+                                        (hd, group),
+                                        (&v32[skip * stride..], stride),
+                                        m,
+                                        &mut part.acc,
+                                    ),
+                                }
+                            }
                         }
                     })
                 });
-                part
+                parts
             })
             .collect();
-        // Merge each row's splits, which are consecutive in `tasks`.
-        let mut i = 0;
-        while i < tasks.len() {
-            let r = tasks[i].0;
-            let end = i + tasks[i..].iter().take_while(|t| t.0 == r).count();
+        // Merge each row's splits in order.
+        let mut merged: Vec<Vec<&Partial>> = vec![Vec::new(); rows.len()];
+        for (task, parts) in tasks.iter().zip(&partials) {
+            for (r, part) in task.rows.clone().zip(parts) {
+                if let Some(p) = part {
+                    merged[r].push(p);
+                }
+            }
+        }
+        for (r, parts) in merged.iter().enumerate() {
             for head in 0..nh {
-                let max = partials[i..end].iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.max[head]));
+                let max = parts.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.max[head]));
                 let out = &mut attn[r * q_dim + head * hd..][..hd];
                 out.fill(0.0);
                 let mut sum = 0.0;
-                for p in &partials[i..end] {
+                for p in parts {
                     let w = (p.max[head] - max).exp();
                     sum += p.sum[head] * w;
                     for (o, a) in out.iter_mut().zip(&p.acc[head * hd..(head + 1) * hd]) {
@@ -246,128 +353,16 @@ impl CpuBackend {
                     *o /= sum;
                 }
             }
-            i = end;
         }
     }
 }
 
 thread_local! {
-    /// An attention task's scores, reused by each pool thread: a GEMM-attention task's 64 rows by
-    /// the keys they see, or a decode task's heads by its (at most 512) keys.
+    /// An attention task's scores, reused by each pool thread: its rows' heads by the (at most
+    /// 512) keys of its split.
     static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
     /// A decode task's K or V rows of one block, widened to f32 when the KV memory is 16-bit.
     static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
-impl CpuBackend {
-    /// Attention for one sequence's step of `n` new tokens (`q` and `out`: n rows of all heads) as
-    /// GEMMs: K and V^T of each KV head are gathered once out of the paged cache, then each (head,
-    /// block of 64 query rows) task computes scores against only the keys its last row sees (the
-    /// causal triangle, not the square), a masked softmax, and probabilities times values. With
-    /// AVX2 or AVX-512 kernels the products read their operands where they lie ([`sgemm_nn`], the
-    /// same values on both): the queries in `q`, K gathered transposed and V as it is; on the
-    /// portable path K as it is and V transposed, as [`gemm_xwt`] takes them. (AVX-512 took
-    /// `gemm_xwt`'s dot products until 2026-12-04: a warm 1,000-token prefill is 3-7% faster
-    /// without them on a Zen 4 host.)
-    pub(super) fn gemm_attention(
-        &self,
-        s: &SeqStep<'_>,
-        li: usize,
-        (q, ldq): (&[f32], usize),
-        out: &mut [f32],
-        gathered: &mut Vec<(Vec<f32>, Vec<f32>)>,
-    ) {
-        const ROW_BLOCK: usize = 64;
-        let (hd, nh, nkv) = (self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads);
-        let (q_dim, group, bs) = (nh * hd, nh / nkv, self.layout.block_size);
-        let n = s.tokens.len();
-        let ctx = s.start_pos + n;
-        // Padded to the AVX-512 kernel's 32 columns; the padding's keys and values are zero and its
-        // scores are masked like the future.
-        let ctx_p = ctx.next_multiple_of(32);
-        let kv_mem = self.kv.values(self.layout.dtype);
-        let nn = crate::sys::cpu_kernels() >= CpuKernels::Avx2 && hd.is_multiple_of(16);
-        // K transposed: rows of `ctx_p` positions and 16 more, so that rows 4 KiB apart (a 1,024-position
-        // context) do not all fall in the same L1 sets as the product walks down a column of them
-        // (a fifth slower there).
-        let ldk = ctx_p + 16;
-        gathered.resize_with(nkv, Default::default);
-        gathered.par_iter_mut().enumerate().for_each(|(kvh, (kh, vt))| {
-            // Zeroed: the padding past `ctx` must hold zeros, not a previous step's values.
-            kh.clear();
-            kh.resize(if nn { hd * ldk } else { ctx_p * hd }, 0.0);
-            vt.clear();
-            vt.resize(hd * ctx_p, 0.0);
-            let (mut k_row, mut v_row) = (vec![0.0; hd], vec![0.0; hd]);
-            // With a sliding window, no row of the step sees a position before the first row's window
-            // (its blocks may be given back); those keys stay zero and are masked below.
-            let first = self.cfg.sliding_window.map_or(0, |w| (s.start_pos + 1).saturating_sub(w));
-            for j in first..ctx {
-                let b = s.block_table[j / bs];
-                let ki = self.kv_at(b, li, 0, j % bs) + kvh * hd;
-                let vi = self.kv_at(b, li, 1, j % bs) + kvh * hd;
-                if nn {
-                    // `kh` holds K transposed and `vt` V as it is.
-                    kv_mem.read_into(ki, &mut k_row);
-                    kv_mem.read_into(vi, &mut vt[j * hd..(j + 1) * hd]);
-                    for (d, &k) in k_row.iter().enumerate() {
-                        kh[d * ldk + j] = k;
-                    }
-                    continue;
-                }
-                kv_mem.read_into(ki, &mut kh[j * hd..(j + 1) * hd]);
-                kv_mem.read_into(vi, &mut v_row);
-                for (d, &v) in v_row.iter().enumerate() {
-                    vt[d * ctx_p + j] = v;
-                }
-            }
-        });
-        let gathered = &*gathered;
-        let scale = 1.0 / (hd as f32).sqrt();
-        let window = self.cfg.sliding_window;
-        let blocks = n.div_ceil(ROW_BLOCK);
-        let results: Vec<(usize, usize, Vec<f32>)> = (0..nh * blocks)
-            .into_par_iter()
-            .map(|task| {
-                let (head, b) = (task / blocks, task % blocks);
-                let (i0, i1) = (b * ROW_BLOCK, ((b + 1) * ROW_BLOCK).min(n));
-                let rows = i1 - i0;
-                let seen = (s.start_pos + i1).next_multiple_of(32);
-                let (kh, vt) = &gathered[head / group];
-                let mut o = vec![0.0; rows * hd];
-                SCORES.with_borrow_mut(|scores| {
-                    let scores = sized(scores, rows * seen);
-                    let qh = (&q[i0 * ldq + head * hd..], ldq);
-                    if nn {
-                        // (It runs: AVX2 kernels, `seen` a multiple of 32.)
-                        assert!(sgemm_nn(qh, rows, hd, (kh, ldk), seen, scores));
-                    } else {
-                        gemm_xwt(qh, rows, hd, (kh, hd), seen, scores);
-                    }
-                    for (i, row) in scores.chunks_exact_mut(seen).enumerate() {
-                        let visible = s.start_pos + i0 + i + 1;
-                        if let Some(w) = window {
-                            // Positions before the sliding window weigh nothing.
-                            row[..visible.saturating_sub(w)].fill(f32::NEG_INFINITY);
-                        }
-                        softmax_masked(row, visible, scale);
-                    }
-                    if nn {
-                        // (It runs: AVX2 kernels, `hd` a multiple of 16.)
-                        assert!(sgemm_nn((scores, seen), rows, seen, (vt, hd), hd, &mut o));
-                    } else {
-                        gemm_xwt((scores, seen), rows, seen, (vt, ctx_p), hd, &mut o);
-                    }
-                });
-                (head, i0, o)
-            })
-            .collect();
-        for (head, i0, o) in results {
-            for (i, src) in o.chunks_exact(hd).enumerate() {
-                out[(i0 + i) * q_dim + head * hd..][..hd].copy_from_slice(src);
-            }
-        }
-    }
 }
 
 #[cfg(test)]

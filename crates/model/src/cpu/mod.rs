@@ -25,10 +25,7 @@ mod rows;
 
 use crate::{ModelConfig, ModelError};
 use attention::KvMemory;
-use products::{
-    gemm_xwt, matmul, matmul_bf16, matmul_dots_up_to, matmul_int8, matmul_quant, matvec_int8, matvec_quant,
-    DOT_MAX_ROWS, DOT_ROWS, F32_DOT_ROWS, INT8_MAX_ROWS,
-};
+use products::{matmul, matmul_bf16, matmul_quant_rows, matvec_int8, matvec_quant};
 use rayon::prelude::*;
 use rows::{add_bias, add_into, add_rows, rms_norm, rms_norm_in_place, rms_norm_rows, rope_rows, PAR_ROWS};
 
@@ -142,19 +139,19 @@ impl CpuBackend {
             PreparedLayers::Bf16(l) => multi = Some(Arc::new(Bf16Weights::from_layers(l, head, &self.cfg))),
             PreparedLayers::F16(l) => decode = Some(DecodeWeights::F16(Arc::new(l))),
         }
-        // Multi-row steps widen blocks of the quantized matrices as they go: to bf16 where the CPU has
-        // the bf16 GEMM and every projection's rows fill whole 32-row panels, else to f32.
-        let quant_multi = decode.is_some() && PreparedWeights::replaces_f32(format, &self.cfg);
-        let head_panels = self.cfg.vocab_size.is_multiple_of(32);
+        // Q4 and Q8 products take the bf16 rows product where the CPU has AVX-512 BF16 and every
+        // stacked projection's widths are multiples of 32, else the dot tiles; either way every step
+        // reads the quantized matrices, the LM head's too.
+        let quantized = matches!(decode, Some(DecodeWeights::Q8(_) | DecodeWeights::Q4(_)));
+        let quant_multi = quantized && PreparedWeights::rows_bf16_fits(&self.cfg);
         let mut b = CpuBackend { decode, multi, quant_multi, format, ..self };
         // Every projection product now reads the quantized copies or the bf16 ones: the f32 ones
         // would only hold memory. (A backend sharing its f32 weights with others keeps them.)
         let tied = b.w.lm_head.is_none();
         // (f16 keeps the LM head, and with it the embedding, in f32.)
         let f16 = format == WeightFormat::F16;
-        let frees_head =
-            if let Some(m) = &b.multi { m.lm_head.is_some() } else { b.quant_multi && head_panels && !f16 };
-        if b.multi.is_some() || b.quant_multi {
+        let frees_head = if let Some(m) = &b.multi { m.lm_head.is_some() } else { quantized };
+        if b.multi.is_some() || b.decode.is_some() {
             if let Some(w) = Arc::get_mut(&mut b.w) {
                 w.release_projections(frees_head);
                 // The embedding too: rows are widened as they are looked up (a tied LM head still
@@ -199,13 +196,12 @@ impl CpuBackend {
         self.w.bytes() + decode + multi + embed
     }
 
-    /// What the projections of steps of more than two rows (prefill, batched decode) read: "bf16",
-    /// "q8" or "q4" (widened to bf16, or to f32 without the bf16 GEMM, block by block as the GEMM goes),
-    /// or "f32".
+    /// What every step's projections read, whatever its row count: "bf16", "q8", "q4", "f16" or
+    /// "f32".
     pub fn multi_row_format(&self) -> &'static str {
         if self.multi.is_some() {
             "bf16"
-        } else if self.quant_multi {
+        } else if self.decode.is_some() {
             self.format.name()
         } else {
             "f32"
@@ -345,8 +341,6 @@ struct Scratch {
     gate_up: Vec<f32>,
     act: Vec<f32>,
     xb: Vec<u16>,
-    /// Per KV head: K rows and V transposed, gathered for GEMM attention.
-    gathered: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
 /// `v` resized to `len` (contents unspecified: callers overwrite every element).
@@ -364,12 +358,8 @@ impl CpuBackend {
             multi: self.multi.clone(),
             quant_multi: self.quant_multi,
             quant_head: self.quant_multi && cfg.vocab_size.is_multiple_of(32),
-            dot_rows: if steps.iter().any(|s| s.logits > 1) { DOT_MAX_ROWS } else { DOT_ROWS },
-            int8_rows: if self.int8_activations { INT8_MAX_ROWS } else { 0 },
-            int8_layers: steps.iter().map(|s| s.tokens.len()).sum::<usize>() <= INT8_MAX_ROWS,
+            int8: self.int8_activations,
         };
-        let f32_dot_rows = mats.dot_rows.max(F32_DOT_ROWS);
-        let matmul = |x: &[f32], t, k, w: &[f32], n| matmul_dots_up_to(x, t, k, w, n, f32_dot_rows);
 
         let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
         let (q_dim, kv_dim, inter) = (nh * hd, nkv * hd, cfg.intermediate_size);
@@ -475,25 +465,9 @@ impl CpuBackend {
                 self.kv.store(dtype, vi, &row[q_dim + kv_dim..]);
             }
             let attn = sized(&mut sc.attn, t * q_dim);
-            let this = &*self;
-            // Long prefill chunks: attention as GEMMs over the sequence's K and V gathered out of the
-            // paged cache (see `gemm_attention`).
-            let mut first_row = 0;
-            let mut gemm_rows = vec![false; t];
-            for s in steps {
-                let n = s.tokens.len();
-                if n >= GEMM_ATTENTION_ROWS {
-                    let q = &sc.qkv[first_row * qkv_w..(first_row + n) * qkv_w];
-                    let out = &mut attn[first_row * q_dim..(first_row + n) * q_dim];
-                    this.gemm_attention(s, li, (q, qkv_w), out, &mut sc.gathered);
-                    gemm_rows[first_row..first_row + n].fill(true);
-                }
-                first_row += n;
-            }
-            let decode_rows: Vec<usize> = (0..t).filter(|&r| !gemm_rows[r]).collect();
-            if !decode_rows.is_empty() {
-                this.decode_attention(steps, &rows, &decode_rows, li, (&sc.qkv, qkv_w), attn);
-            }
+            // Every row attends over the cache the same way, whatever else the step holds (see
+            // `attention`).
+            self.attention(steps, &rows, li, (&sc.qkv, qkv_w), attn);
             // The last layer's K and V are in the cache: the rest of it (the output projection and
             // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
             // stop here (a 30-layer model's prefill does 2.8% fewer products; a prefill chunk that
@@ -616,31 +590,28 @@ fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
     }
 }
 
-/// The weights other than the loaded f32 ones that a step may read.
+/// The weights other than the loaded f32 ones that a step may read, and how each product reads
+/// them. Every product computes each row the same way whatever the step's row count (batch
+/// invariance: a row's values never depend on what else its step holds): Q4 and Q8 through the bf16
+/// rows product where the CPU has AVX-512 BF16 (`matmul_quant_rows`), else through the dot tiles
+/// (`matvec_quant`, every row's value that of a one-row step), as are f16 weights; bf16 weights
+/// through the bf16 GEMM; int8 activations through the int8 tiles; f32 weights through dot products
+/// (`matmul`).
 struct Mats {
     decode: Option<DecodeWeights>,
     multi: Option<Arc<Bf16Weights>>,
-    /// Multi-row products read the quantized projections (widened to bf16 or f32 block by block).
+    /// The projections' shapes suit the bf16 rows product (every width a multiple of 32).
     quant_multi: bool,
-    /// ... and the quantized LM head.
+    /// ... and the LM head's.
     quant_head: bool,
-    /// Steps of up to this many rows take dot products (`DOT_MAX_ROWS` for a step that verifies drafts).
-    dot_rows: usize,
-    /// Steps of up to this many rows take int8 products with the quantized weights (0 unless
-    /// `--activations q8`).
-    int8_rows: usize,
-    /// The step has at most `int8_rows` rows: its layers' products with int8 activations are the
-    /// dot tiles' (each row's values those of a one-row step), else the long steps' int8 GEMM (Q4
-    /// weights, AVX2) or the f32 products. The rows a long step's last layer keeps (see
-    /// `forward_with`) take the products of a long step, as every other layer of theirs did.
-    int8_layers: bool,
+    /// Products with quantized weights round their inputs to int8 (`--activations q8`).
+    int8: bool,
 }
 
 impl Mats {
     /// `out = x[t×k] · W^T` for layer `li`'s projection `p` (Q/K/V and gate/up stacked) from
-    /// quantized weights (dot products for decode-sized steps, `t <= dot_rows`; widened to bf16 block by
-    /// block for larger ones) or bf16 weights (`xb`: room for x in bf16). False, touching nothing,
-    /// where the step reads the f32 weights instead.
+    /// quantized or bf16 weights (`xb`: room for x in bf16). False, touching nothing, where the step
+    /// reads the f32 weights instead.
     #[allow(clippy::too_many_arguments)]
     fn layer(
         &self,
@@ -652,39 +623,54 @@ impl Mats {
         xb: &mut Vec<u16>,
         out: &mut [f32],
     ) -> bool {
-        if let Some(d) = self.decode.as_ref().filter(|_| self.int8_rows > 0) {
-            let m = d.layer(li, p);
-            if if self.int8_layers { matvec_int8(x, t, k, m, out) } else { matmul_int8(x, t, k, m, out) } {
+        if let Some(d) = self.decode.as_ref().filter(|_| self.int8) {
+            if matvec_int8(x, t, k, d.layer(li, p), out) {
                 return true;
             }
         }
         match (&self.decode, &self.multi) {
-            (Some(d), _) if t <= self.dot_rows => matvec_ref(x, t, k, d.layer(li, p), out),
-            (Some(d), None) if self.quant_multi => matmul_quant(x, t, k, d.layer(li, p), xb, out),
-            (d, Some(b)) if t > self.dot_rows || d.is_none() => {
-                matmul_bf16(x, t, k, p.of(&b.layers[li]), xb, out)
-            }
-            _ => return false,
+            (Some(d), _) => self.quantized(x, t, k, d.layer(li, p), self.quant_multi, xb, out),
+            (None, Some(b)) => matmul_bf16(x, t, k, p.of(&b.layers[li]), xb, out),
+            (None, None) => return false,
         }
         true
     }
 
+    /// A product with quantized weights: the bf16 rows product for Q4 and Q8 where the CPU has
+    /// AVX-512 BF16 and `rows_bf16` (the widths suit it), else the dot tiles.
+    #[allow(clippy::too_many_arguments)]
+    fn quantized(
+        &self,
+        x: &[f32],
+        t: usize,
+        k: usize,
+        m: QRef<'_>,
+        rows_bf16: bool,
+        xb: &mut Vec<u16>,
+        out: &mut [f32],
+    ) {
+        match m {
+            QRef::Q4(_) | QRef::Q8(_) if rows_bf16 && crate::sys::has_rows_bf16() => {
+                matmul_quant_rows(x, t, k, m, xb, out)
+            }
+            _ => matvec_ref(x, t, k, m, out),
+        }
+    }
+
     /// The LM head's product, likewise.
     fn head(&self, x: &[f32], t: usize, k: usize, xb: &mut Vec<u16>, out: &mut [f32]) -> bool {
-        if let Some(h) = self.decode.as_ref().and_then(DecodeWeights::head).filter(|_| t <= self.int8_rows) {
+        if let Some(h) = self.decode.as_ref().and_then(DecodeWeights::head).filter(|_| self.int8) {
             if matvec_int8(x, t, k, h, out) {
                 return true;
             }
         }
-        match (&self.decode, self.multi.as_ref().and_then(|b| b.lm_head.as_ref())) {
-            (Some(d), _) if t <= self.dot_rows && d.head().is_some() => {
-                matvec_ref(x, t, k, d.head().expect("head"), out)
-            }
-            (Some(d), None) if self.quant_head && d.head().is_some() => {
-                matmul_quant(x, t, k, d.head().expect("head"), xb, out)
-            }
-            (d, Some(h)) if t > self.dot_rows || d.is_none() => matmul_bf16(x, t, k, h, xb, out),
-            _ => return false,
+        match (
+            self.decode.as_ref().and_then(DecodeWeights::head),
+            self.multi.as_ref().and_then(|b| b.lm_head.as_ref()),
+        ) {
+            (Some(h), _) => self.quantized(x, t, k, h, self.quant_head, xb, out),
+            (None, Some(h)) => matmul_bf16(x, t, k, h, xb, out),
+            (None, None) => return false,
         }
         true
     }
@@ -720,5 +706,5 @@ impl DecodeWeights {
     }
 }
 
-/// Sequences with at least this many new tokens in a step take the GEMM attention path.
-const GEMM_ATTENTION_ROWS: usize = 32;
+#[cfg(test)]
+mod invariance_tests;

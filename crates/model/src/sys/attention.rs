@@ -1,62 +1,8 @@
-//! Attention kernels: the masked softmax of prefill rows, the scaled exponentials decode attention
-//! sums, decode's grouped scores and weighted value sums over a run of paged positions (prefill
-//! attention's unpacked AVX2 product is in `gemm_nn.rs`). AVX-512,
-//! AVX2 (+FMA, and F16C for decode's grouped kernels in `decode_avx2.rs`) and portable, chosen by
-//! `cpu_kernels()`.
+//! Attention kernels: the scaled exponentials a row's attention sums, its grouped scores and
+//! weighted value sums over a run of paged positions. AVX-512, AVX2 (+FMA, and F16C for the grouped
+//! kernels in `decode_avx2.rs`) and portable, chosen by `cpu_kernels()`.
 
 use super::CpuKernels;
-
-/// Softmax of `row[..visible] * scale` in place, with `row[visible..]` set to zero (the causal
-/// mask and padding). Vectorized (AVX-512 exp by range reduction and a degree-6 polynomial, within
-/// 2 ulp) where the CPU has AVX-512F.
-pub(crate) fn softmax_masked(row: &mut [f32], visible: usize, scale: f32) {
-    softmax_masked_with(super::cpu_kernels(), row, visible, scale)
-}
-
-/// [`softmax_masked`] with the kernels `k` (at most what the CPU has).
-pub(crate) fn softmax_masked_with(k: CpuKernels, row: &mut [f32], visible: usize, scale: f32) {
-    assert!(visible >= 1 && visible <= row.len());
-    assert!(k <= CpuKernels::detected());
-    match k {
-        // SAFETY: the CPU has AVX-512F (`k` is at most what it has); `visible <= row.len()`.
-        #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => unsafe { softmax_masked_avx512(row, visible, scale) },
-        #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => {
-            let (live, masked) = row.split_at_mut(visible);
-            // SAFETY: the CPU has AVX2 and FMA (as above).
-            let max = unsafe { scaled_max_avx2(live, scale) };
-            // SAFETY: as above.
-            let inv = 1.0 / unsafe { exp_scaled_avx2(live, scale, max) };
-            live.iter_mut().for_each(|v| *v *= inv);
-            masked.fill(0.0);
-        }
-        _ => softmax_masked_portable(row, visible, scale),
-    }
-}
-
-/// The largest `v * scale` of `row` (NaNs passed over, -inf for none), as the portable fold gives it:
-/// a maximum does not depend on the order it is taken in.
-///
-/// # Safety
-/// AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn scaled_max_avx2(row: &[f32], scale: f32) -> f32 {
-    use std::arch::x86_64::*;
-    let (vscale, mut vmax) = (_mm256_set1_ps(scale), _mm256_set1_ps(f32::NEG_INFINITY));
-    let mut chunks = row.chunks_exact(8);
-    for c in &mut chunks {
-        // SAFETY (of the load): eight values. `max_ps(v, m)` gives `m` where `v` is NaN.
-        vmax = _mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(c.as_ptr()), vscale), vmax);
-    }
-    let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), vmax);
-    chunks
-        .remainder()
-        .iter()
-        .fold(lanes.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)), |m, &v| m.max(v * scale))
-}
 
 /// `e^x` for 8 lanes, as [`exp_avx512`]: x below -87 gives 0; above 88 it stays finite (~1.7e38).
 ///
@@ -104,16 +50,6 @@ unsafe fn exp_scaled_avx2(row: &mut [f32], scale: f32, shift: f32) -> f32 {
     super::qdot::hsum256(sum) + exp_scaled_portable(&mut row[i..], scale, shift)
 }
 
-fn softmax_masked_portable(row: &mut [f32], visible: usize, scale: f32) {
-    let (live, masked) = row.split_at_mut(visible);
-    let max = live.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * scale));
-    let sum = exp_scaled_portable(live, scale, max);
-    for v in live.iter_mut() {
-        *v /= sum;
-    }
-    masked.fill(0.0);
-}
-
 /// `e^x` for 16 lanes; x below -87 gives 0 (as far as f32 softmax is concerned).
 ///
 /// # Safety
@@ -137,41 +73,6 @@ pub(super) unsafe fn exp_avx512(x: std::arch::x86_64::__m512) -> std::arch::x86_
     let e = _mm512_scalef_ps(p, n);
     // Lanes clamped at -87 would give ~1.6e-38: make them exactly zero, like e^-inf.
     _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, _mm512_set1_ps(-87.0)), e)
-}
-
-/// # Safety
-/// AVX-512F; `1 <= visible <= row.len()`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn softmax_masked_avx512(row: &mut [f32], visible: usize, scale: f32) {
-    use std::arch::x86_64::*;
-    let p = row.as_mut_ptr();
-    let lanes = |i: usize| -> __mmask16 {
-        let left = visible - i;
-        if left >= 16 {
-            0xffff
-        } else {
-            (1u16 << left) - 1
-        }
-    };
-    let vs = _mm512_set1_ps(scale);
-    let mut vmax = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut i = 0;
-    while i < visible {
-        // SAFETY (of every masked load and store here): lanes at or past `visible` are masked off.
-        let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes(i), p.add(i)), vs);
-        vmax = _mm512_mask_max_ps(vmax, lanes(i), vmax, v);
-        i += 16;
-    }
-    let sum = exp_scaled_avx512(&mut row[..visible], scale, _mm512_reduce_max_ps(vmax));
-    let inv = _mm512_set1_ps(1.0 / sum);
-    i = 0;
-    while i < visible {
-        let m = lanes(i);
-        _mm512_mask_storeu_ps(p.add(i), m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), inv));
-        i += 16;
-    }
-    row[visible..].fill(0.0);
 }
 
 /// `row[i] = e^(row[i] * scale - shift)` in place; returns their sum. Vectorized with AVX-512F or
@@ -252,6 +153,28 @@ pub(crate) fn group_scores(
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => unsafe { group_scores_avx2(q, (hd, group), (k, ldk), n, (out, ldo)) },
         _ => group_scores_body(q, (hd, group), (k, ldk), n, (out, ldo)),
+    }
+}
+
+/// Whether [`group_scores_f16`] runs for heads of `hd` values on the kernels in use.
+pub(crate) fn group_scores_f16_fits(hd: usize) -> bool {
+    match super::cpu_kernels() {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => hd.is_multiple_of(16),
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => super::decode_avx2::scores_fit(hd),
+        _ => false,
+    }
+}
+
+/// Whether [`group_weighted_sum_f16`] runs for heads of `hd` values on the kernels in use.
+pub(crate) fn group_weighted_sum_f16_fits(hd: usize) -> bool {
+    match super::cpu_kernels() {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => super::decode_avx2::sums_fit(hd),
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => hd.is_multiple_of(64),
+        _ => false,
     }
 }
 
@@ -385,7 +308,12 @@ pub(crate) fn group_weighted_sum(
     assert!(n == 0 || v.len() >= (n - 1) * ldv + heads / group * hd);
     assert!(heads == 0 || n == 0 || p.len() >= (heads - 1) * ldp + n);
     match super::cpu_kernels() {
-        // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has); the same safe code.
+        // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has); whole 64-column blocks.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 if hd.is_multiple_of(64) => unsafe {
+            super::decode_avx512::group_weighted_sum_f32((p, ldp), (hd, group), (v, ldv), n, acc)
+        },
+        // SAFETY: AVX-512F (as above); the same safe code.
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => unsafe { group_weighted_sum_avx512((p, ldp), (hd, group), (v, ldv), n, acc) },
         // SAFETY: AVX2, FMA and F16C (as above: the family's features); whole 32-column blocks.
@@ -502,8 +430,12 @@ unsafe fn weighted_heads_f16_avx512<const G: usize>(
         for i in 0..n {
             // SAFETY: position i < n, whose row holds KV head kh's hd values.
             let row = v.as_ptr().add(i * ldv + kh * hd + c0);
-            let x: [__m512; 4] =
-                std::array::from_fn(|c| _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c * 16).cast())));
+            // (A loop, not `array::from_fn`: its closure would be a call per position, not inlined
+            // into this function's target features.)
+            let mut x = [_mm512_setzero_ps(); 4];
+            for (c, x) in x.iter_mut().enumerate() {
+                *x = _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c * 16).cast()));
+            }
             for (g, a) in a.iter_mut().enumerate() {
                 let w = _mm512_set1_ps(*p.get_unchecked((first + g) * ldp + i));
                 for (a, &x) in a.iter_mut().zip(&x) {
@@ -542,57 +474,6 @@ fn group_weighted_sum_body(
 #[cfg(test)]
 mod tests {
     use super::CpuKernels;
-
-    #[test]
-    fn softmax_kernels_agree_with_f64() {
-        for (len, visible) in [(1, 1), (17, 5), (64, 64), (100, 33), (1024, 1000)] {
-            let base: Vec<f32> = (0..len).map(|i| (i as f32 * 0.731).sin() * 40.0 - 3.0).collect();
-            let max = base[..visible].iter().fold(f64::NEG_INFINITY, |m, &v| m.max(f64::from(v) * 0.125));
-            let sum: f64 = base[..visible].iter().map(|&v| (f64::from(v) * 0.125 - max).exp()).sum();
-            for k in CpuKernels::available() {
-                let mut got = base.clone();
-                super::softmax_masked_with(k, &mut got, visible, 0.125);
-                for i in 0..len {
-                    let want = if i < visible { (f64::from(base[i]) * 0.125 - max).exp() / sum } else { 0.0 };
-                    assert!(
-                        (f64::from(got[i]) - want).abs() <= 1e-6 * want + 1e-12,
-                        "{k:?} len {len} i {i}: {} vs {want}",
-                        got[i]
-                    );
-                }
-            }
-        }
-        // Scores far below the maximum underflow to exactly zero, as exp does.
-        for k in CpuKernels::available() {
-            let mut row = vec![0.0, -2000.0, 5.0, -1e30, 1.0, 2.0, 3.0, 4.0, -300.0];
-            super::softmax_masked_with(k, &mut row, 9, 1.0);
-            assert_eq!((row[1], row[3], row[8]), (0.0, 0.0, 0.0), "{k:?}");
-            assert!((row.iter().sum::<f32>() - 1.0).abs() < 1e-6, "{k:?}");
-        }
-    }
-
-    /// The AVX2 row maximum is the portable fold's, NaNs passed over and -inf rows kept.
-    #[test]
-    fn avx2_row_maximum_is_the_folds() {
-        #[cfg(target_arch = "x86_64")]
-        if super::super::avx2() {
-            for len in [1usize, 7, 8, 9, 33, 200] {
-                let mut row: Vec<f32> = (0..len).map(|i| (i as f32 * 1.37).cos() * 9.0).collect();
-                for special in [None, Some(f32::NAN), Some(f32::NEG_INFINITY), Some(f32::INFINITY)] {
-                    if let Some(v) = special {
-                        row[len / 2] = v;
-                    }
-                    let want = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v * 0.3));
-                    // SAFETY: the CPU has AVX2 (the kernels running have it).
-                    let got = unsafe { super::scaled_max_avx2(&row, 0.3) };
-                    assert_eq!(got.to_bits(), want.to_bits(), "{len} {special:?}");
-                }
-            }
-            let all_nan = [f32::NAN; 9];
-            // SAFETY: as above.
-            assert_eq!(unsafe { super::scaled_max_avx2(&all_nan, 1.0) }, f32::NEG_INFINITY);
-        }
-    }
 
     #[test]
     fn grouped_decode_attention_kernels_match_a_naive_loop() {

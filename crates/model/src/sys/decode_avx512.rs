@@ -124,3 +124,82 @@ unsafe fn reduce8(v: &[std::arch::x86_64::__m512; 8]) -> std::arch::x86_64::__m5
 unsafe fn join8(lo: std::arch::x86_64::__m512, hi: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(lo, hi), _mm512_shuffle_f32x4::<0xDD>(lo, hi))
 }
+
+/// `sys::group_weighted_sum` over f32 V rows with `hd` a multiple of 64: each query head's
+/// accumulators stay in registers over every position (a multiply then an add per value, in
+/// position order: the very sums of the portable loop), four heads of one KV head at a time so each
+/// V row is loaded once for them.
+///
+/// # Safety
+/// AVX-512F; `hd` a multiple of 64; lengths as `sys::group_weighted_sum` asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(super) unsafe fn group_weighted_sum_f32(
+    (p, ldp): (&[f32], usize),
+    (hd, group): (usize, usize),
+    (v, ldv): (&[f32], usize),
+    n: usize,
+    acc: &mut [f32],
+) {
+    let heads = acc.len() / hd;
+    for kh in 0..heads / group {
+        let mut h0 = 0;
+        while h0 < group {
+            let hn = (group - h0).min(4);
+            let first = kh * group + h0;
+            match hn {
+                4 => weighted_heads_f32::<4>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                3 => weighted_heads_f32::<3>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                2 => weighted_heads_f32::<2>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                _ => weighted_heads_f32::<1>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+            }
+            h0 += hn;
+        }
+    }
+}
+
+/// Query heads `first..first + G` of [`group_weighted_sum_f32`], 64 columns at a time.
+///
+/// # Safety
+/// As [`group_weighted_sum_f32`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn weighted_heads_f32<const G: usize>(
+    p: &[f32],
+    ldp: usize,
+    (hd, kh, first): (usize, usize, usize),
+    (v, ldv): (&[f32], usize),
+    n: usize,
+    acc: &mut [f32],
+) {
+    let base = acc.as_mut_ptr();
+    for c0 in (0..hd).step_by(64) {
+        // SAFETY (of the loads and stores): head first + g < heads, column c0 + 16c + 15 < hd.
+        let mut a = [[_mm512_setzero_ps(); 4]; G];
+        for (g, a) in a.iter_mut().enumerate() {
+            for (c, a) in a.iter_mut().enumerate() {
+                *a = _mm512_loadu_ps(base.add((first + g) * hd + c0 + c * 16));
+            }
+        }
+        for i in 0..n {
+            // SAFETY: position i < n, whose row holds KV head kh's hd values.
+            let row = v.as_ptr().add(i * ldv + kh * hd + c0);
+            let mut x = [_mm512_setzero_ps(); 4];
+            for (c, x) in x.iter_mut().enumerate() {
+                *x = _mm512_loadu_ps(row.add(c * 16));
+            }
+            for (g, a) in a.iter_mut().enumerate() {
+                let w = _mm512_set1_ps(*p.get_unchecked((first + g) * ldp + i));
+                for (a, &x) in a.iter_mut().zip(&x) {
+                    // A multiply then an add, as the portable loop computes.
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(w, x));
+                }
+            }
+        }
+        for (g, a) in a.iter().enumerate() {
+            for (c, &a) in a.iter().enumerate() {
+                _mm512_storeu_ps(base.add((first + g) * hd + c0 + c * 16), a);
+            }
+        }
+    }
+}

@@ -58,16 +58,13 @@ mod decode_avx2;
 mod decode_avx512;
 mod elementwise;
 mod gemm;
-mod gemm_f32;
-mod gemm_nn;
 mod isa;
 pub mod peak;
 mod qdot;
-mod qgemm16;
-mod qgemm8;
 mod qint8;
 mod qrows;
 mod qwiden;
+mod rows_bf16;
 
 pub(crate) use isa::{avx2, avx512};
 pub use isa::{cpu_kernels, set_cpu_kernels, CpuKernels};
@@ -76,14 +73,11 @@ pub(crate) use attention::*;
 pub(crate) use convert::*;
 pub(crate) use elementwise::*;
 pub(crate) use gemm::*;
-pub(crate) use gemm_f32::{gemm_f32_widened_par, PANEL_MIN_ROWS};
-pub(crate) use gemm_nn::sgemm_nn;
 pub(crate) use qdot::*;
-pub(crate) use qgemm16::{gemm_int16_par, q4_int16_rows, q8_int16_rows, Int16Rows};
-pub(crate) use qgemm8::{gemm_q4_int8_par, Int8Blocks, Q4Parts};
 pub(crate) use qint8::*;
 pub(crate) use qrows::*;
 pub(crate) use qwiden::*;
+pub(crate) use rows_bf16::{gemm_rows_bf16, has_rows_bf16, Q4Rows, Q8Rows};
 
 /// The bytes of f32 values (native, little-endian on every supported target).
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {

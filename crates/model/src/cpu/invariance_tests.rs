@@ -1,0 +1,174 @@
+//! Batch invariance on a small random model, for every weight format and the kernel family this
+//! process runs (`cargo xtask test` runs the crate's tests under each family): every position's
+//! logits are the same bits whether its prompt is computed in one step, in a prefix-cache hit's
+//! tail beside another sequence's prefill chunk, or token by token as decode steps.
+
+use std::sync::Arc;
+
+use pdserve_kvcache::{KvCache, KvConfig, SeqId};
+
+use crate::{Backend, CpuBackend, KvDtype, LayerWeights, ModelConfig, SeqStep, WeightFormat, Weights};
+
+fn config() -> ModelConfig {
+    ModelConfig {
+        hidden_size: 128,
+        intermediate_size: 256,
+        num_layers: 2,
+        num_heads: 2,
+        num_kv_heads: 1,
+        head_dim: 64,
+        rms_norm_eps: 1e-5,
+        rope_theta: 10_000.0,
+        max_position_embeddings: 2048,
+        vocab_size: 96,
+        tie_word_embeddings: true,
+        qkv_bias: false,
+        o_bias: false,
+        bos_token_id: Some(1),
+        eos_token_ids: vec![2],
+        rope_scaling: crate::RopeScaling::None,
+        qk_norm: false,
+        sliding_window: None,
+        moe: None,
+    }
+}
+
+fn random(n: usize, seed: &mut u64) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4
+        })
+        .collect()
+}
+
+fn weights(c: &ModelConfig) -> Weights {
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    let (h, i, q, kv) =
+        (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let layers = (0..c.num_layers)
+        .map(|_| LayerWeights {
+            input_norm: vec![1.0; h],
+            q: random(q * h, &mut s),
+            k: random(kv * h, &mut s),
+            v: random(kv * h, &mut s),
+            o: random(h * q, &mut s),
+            q_bias: None,
+            k_bias: None,
+            v_bias: None,
+            o_bias: None,
+            q_norm: None,
+            k_norm: None,
+            post_norm: vec![1.0; h],
+            gate: random(i * h, &mut s),
+            up: random(i * h, &mut s),
+            down: random(h * i, &mut s),
+            moe: None,
+        })
+        .collect();
+    Weights { embed: random(c.vocab_size * h, &mut s), layers, final_norm: vec![1.0; h], lm_head: None }
+}
+
+const BLOCK: usize = 16;
+
+/// A fresh backend and its cache; sequences are added as the scenarios need them.
+fn fresh(format: WeightFormat, int8: bool, dtype: KvDtype) -> (CpuBackend, KvCache) {
+    let c = config();
+    let cpu = CpuBackend::with_kv_dtype(c.clone(), Arc::new(weights(&c)), 128, BLOCK, dtype)
+        .with_weight_format(format)
+        .expect("format")
+        .with_int8_activations(int8);
+    (cpu, KvCache::new(KvConfig { num_blocks: 128, block_size: BLOCK as u32 }).unwrap())
+}
+
+/// Runs steps of `(sequence, tokens from, tokens to)` on one backend, every row asking for logits;
+/// returns each sequence's logits by position.
+fn run(
+    cpu: &mut CpuBackend,
+    kv: &mut KvCache,
+    prompts: &[&[u32]],
+    steps: &[Vec<(usize, usize, usize)>],
+) -> Vec<Vec<Vec<f32>>> {
+    for (i, p) in prompts.iter().enumerate() {
+        kv.add_sequence(SeqId(i as u64), p).unwrap();
+    }
+    let mut out: Vec<Vec<Vec<f32>>> = prompts.iter().map(|p| vec![Vec::new(); p.len()]).collect();
+    for step in steps {
+        let tables: Vec<Vec<_>> = step
+            .iter()
+            .map(|&(s, from, to)| {
+                kv.reserve(SeqId(s as u64), to - from).unwrap();
+                kv.block_table(SeqId(s as u64)).unwrap().to_vec()
+            })
+            .collect();
+        let seq_steps: Vec<SeqStep<'_>> = step
+            .iter()
+            .zip(&tables)
+            .map(|(&(s, from, to), t)| SeqStep {
+                tokens: &prompts[s][from..to],
+                start_pos: from,
+                block_table: t,
+                logits: to - from,
+            })
+            .collect();
+        let mut rows = cpu.forward(&seq_steps).unwrap().into_iter();
+        for &(s, from, to) in step {
+            for row in &mut out[s][from..to] {
+                *row = rows.next().unwrap();
+            }
+            kv.commit(SeqId(s as u64), to - from).unwrap();
+        }
+    }
+    out
+}
+
+#[test]
+fn every_position_computes_the_same_bits_whatever_its_step_holds() {
+    let a: Vec<u32> = (0..530u32).map(|i| 3 + (i * 37 + i / 7) % 90).collect();
+    let b: Vec<u32> = (0..45u32).map(|i| 5 + (i * 11) % 80).collect();
+    let cases = [
+        (WeightFormat::F32, false),
+        (WeightFormat::Bf16, false),
+        (WeightFormat::F16, false),
+        (WeightFormat::Q8, false),
+        (WeightFormat::Q4, false),
+        (WeightFormat::Q4, true),
+    ];
+    for (format, int8) in cases {
+        for dtype in [KvDtype::F16, KvDtype::F32] {
+            let name = format!("{format:?} int8 {int8} {dtype:?} kv ({:?})", crate::sys::cpu_kernels());
+            // Cold: the whole prompt in one step.
+            let (mut cpu, mut kv) = fresh(format, int8, dtype);
+            let cold = run(&mut cpu, &mut kv, &[&a], &[vec![(0, 0, a.len())]]);
+            // A prefix hit's tail beside another sequence's prefill chunk: the first 512 positions in
+            // one step, the last 18 with b's 45.
+            let (mut cpu, mut kv) = fresh(format, int8, dtype);
+            let steps = vec![vec![(0, 0, 512)], vec![(1, 0, 45), (0, 512, a.len())]];
+            let tail = run(&mut cpu, &mut kv, &[&a, &b], &steps);
+            // Decode: 100 positions in one step, then one a step, beside b's prompt in chunks of 7.
+            let (mut cpu, mut kv) = fresh(format, int8, dtype);
+            let mut steps = vec![vec![(0, 0, 100)]];
+            for pos in 100..a.len() {
+                let mut step = vec![(0, pos, pos + 1)];
+                let chunk = (pos - 100) * 7;
+                if chunk < b.len() {
+                    step.insert(0, (1, chunk, (chunk + 7).min(b.len())));
+                }
+                steps.push(step);
+            }
+            let decode = run(&mut cpu, &mut kv, &[&a, &b], &steps);
+            for pos in 0..a.len() {
+                for (what, other) in [("tail", &tail[0][pos]), ("decode", &decode[0][pos])] {
+                    let same = cold[0][pos].iter().zip(other).all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{name}: position {pos} cold and {what} differ");
+                }
+            }
+            for pos in 0..b.len() {
+                let same = tail[1][pos].iter().zip(&decode[1][pos]).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "{name}: b's position {pos} differs between its chunkings");
+            }
+        }
+    }
+}
