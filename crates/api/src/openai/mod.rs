@@ -131,6 +131,8 @@ pub struct GenerateRequest {
     pub prompt: Prompt,
     pub max_tokens: Option<u32>,
     pub sampling: Sampling,
+    /// The sampler's seed: the same request with the same seed gives the same tokens, whatever else
+    /// the worker is running (see the server's README); without one a fresh seed is drawn.
     pub seed: Option<u64>,
     pub stop: Vec<String>,
     pub stop_token_ids: Vec<u32>,
