@@ -204,8 +204,8 @@ fn test() -> Result<()> {
             .args(["test", "-p", "pdserve-model", "--lib"])
             .env("PDSERVE_CPU_KERNELS", family))?;
     }
-    // The real model under AVX2, whose long steps take their own GEMMs: int8 activations, and the
-    // default's 16-bit integer inputs against steps of a few rows.
+    // The real model under AVX2: int8 activations, and long steps against steps of a few rows (the
+    // same bits: batch invariance on the AVX2 kernels).
     run(Command::new(&cargo_bin)
         .args([
             "test",

@@ -20,7 +20,7 @@ use pdserve_scheduler::Scheduler;
 use pdserve_telemetry::{Registry, RequestLedger};
 
 use crate::metrics::Metrics;
-use crate::text_thread::{lock, timings, Job, Live, Stream, TextThread};
+use crate::text_thread::{lock, timings, Job, Live, NewRequest, Stream, TextThread};
 use crate::{Device, EngineConfig, EngineError, Finish, Id, Input, Output, Request};
 
 /// How the engine thread is doing, for readiness checks.
@@ -340,18 +340,22 @@ impl Engine {
             resumed: req.resume,
             panic_in_sampling: req.test_panic == Some(crate::request::PanicSite::Sampling),
         };
+        let tool_call_ids = req.tool_call_ids.unwrap_or_else(|| req.request_id.clone());
         // In the table before the text thread can answer for it.
         lock(&self.live).insert(id, Stream::new(req.request_id, req.deadline));
-        let job = Job::Submit {
+        let job = Job::Submit(Box::new(NewRequest {
             sub: Box::new(sub),
             input: req.input,
+            tool_call_ids,
             tools: req.tools,
+            tool_choice: req.tool_choice,
+            parallel_tool_calls: req.parallel_tool_calls,
             constraint: req.constraint,
             stop: req.stop,
             include_stop: req.include_stop_str,
             logprobs: req.logprobs,
             panic_in_text: req.test_panic == Some(crate::request::PanicSite::Detokenizing),
-        };
+        }));
         let error = match self.jobs.try_send(job) {
             Ok(()) => return Ok(Id(id)),
             Err(TrySendError::Full(_)) => EngineError::Busy { limit: self.jobs.capacity().unwrap_or(0) },

@@ -33,7 +33,7 @@ impl KvStore for SharedKv {
 /// The backend, and what the engine reports about it.
 pub(crate) struct Built {
     pub backend: Box<dyn Backend>,
-    /// What steps of more than two rows read ("f32" or "bf16").
+    /// What every step's products read (see `EngineInfo::multi_row_weights`).
     pub multi_row_weights: &'static str,
     /// Bytes of the weights the backend holds (host memory on the CPU, device memory on a GPU).
     pub weight_bytes: usize,

@@ -4,7 +4,7 @@ use std::time::Instant;
 
 use pdserve_api::openai::{Constraint, TokenLogprob, Usage};
 use pdserve_api::pd::PdHandle;
-use pdserve_api::tools::Tool;
+use pdserve_api::tools::{Tool, ToolCall, ToolChoice};
 use pdserve_api::Stage;
 use pdserve_model::{ChatMessage, SamplingParams};
 
@@ -57,6 +57,16 @@ pub struct Request {
     /// Chat: the functions offered to the model (through its template, or described in the system
     /// message when the template has no place for them).
     pub tools: Vec<Tool>,
+    /// Whether the model may or must call them: `Auto` (the default) lets it answer or call;
+    /// `Required` and `Function` force a call with a grammar over the model's call format; `None`
+    /// offers nothing. Calls the model writes are lifted out of its text into `Output::Text`'s
+    /// `calls`, in the format of its chat template (`EngineInfo::tool_format`).
+    pub tool_choice: ToolChoice,
+    /// With `tool_choice: Required`, whether more than one call may be made.
+    pub parallel_tool_calls: bool,
+    /// What the ids of the request's calls begin with (default: `request_id`); each call's id is
+    /// this, then its index.
+    pub tool_call_ids: Option<String>,
     /// What the output must match, token by token.
     pub constraint: Option<Constraint>,
     /// End-of-sequence and stop tokens are not sampled before this many tokens.
@@ -100,6 +110,9 @@ impl Request {
             logprobs: false,
             deadline,
             tools: Vec::new(),
+            tool_choice: ToolChoice::Auto,
+            parallel_tool_calls: true,
+            tool_call_ids: None,
             constraint: None,
             min_tokens: 0,
             logit_bias: Vec::new(),
@@ -115,6 +128,8 @@ impl Request {
 pub enum Finish {
     /// A stop token, or the end-of-sequence token (or the end of the output's constraint).
     Stop,
+    /// As `Stop`, after the model made tool calls (it stopped for them).
+    ToolCalls,
     /// One of the request's stop strings (this one).
     StopString(String),
     /// `max_tokens` or the context.
@@ -128,10 +143,11 @@ pub enum Finish {
 }
 
 impl Finish {
-    /// `Some("stop" | "length")` for a normal end (OpenAI's `finish_reason`).
+    /// `Some("stop" | "tool_calls" | "length")` for a normal end (OpenAI's `finish_reason`).
     pub fn reason(&self) -> Option<&'static str> {
         match self {
             Finish::Stop | Finish::StopString(_) => Some("stop"),
+            Finish::ToolCalls => Some("tool_calls"),
             Finish::Length => Some("length"),
             _ => None,
         }
@@ -141,7 +157,7 @@ impl Finish {
     pub fn to_api_error(&self) -> Option<pdserve_api::ApiError> {
         use pdserve_api::{ApiError, ErrorKind};
         Some(match self {
-            Finish::Stop | Finish::StopString(_) | Finish::Length => return None,
+            Finish::Stop | Finish::ToolCalls | Finish::StopString(_) | Finish::Length => return None,
             Finish::Cancelled => ApiError::new(ErrorKind::Cancelled, "the request was cancelled"),
             Finish::TimedOut { stage } => ApiError::new(
                 ErrorKind::DeadlineExceeded,
@@ -188,13 +204,15 @@ pub enum Output {
         id: Id,
         error: EngineError,
     },
-    /// New text (empty when a stop string may be starting) and, when asked for, the token's
+    /// New text (empty when a stop string or a tool call may be starting), then the tool calls the
+    /// model finished writing after it (lifted out of the text), and, when asked for, the token's
     /// log-probability. `tokens`: the ids consumed since the previous `Text` (this one's and any
     /// whose text was held back); `replayed`: the text of a [`Request::resume`] token, which the
     /// caller already delivered.
     Text {
         id: Id,
         text: String,
+        calls: Vec<ToolCall>,
         logprob: Option<TokenLogprob>,
         tokens: Vec<u32>,
         replayed: bool,

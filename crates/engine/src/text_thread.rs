@@ -31,6 +31,8 @@ use crate::metrics::Metrics;
 use crate::shell::Command;
 use crate::text::apply_stop;
 use crate::{EngineError, Finish, Id, Input, Output, Timings};
+use pdserve_api::openai::Constraint;
+use pdserve_api::tools::{Piece, ToolCallParser, ToolChoice};
 
 /// Recent prefill requests remembered for aborts of their offers.
 const RECENT_PREFILLS_MAX: usize = 4096;
@@ -41,20 +43,28 @@ const BACKLOG_MAX: usize = 65_536;
 /// What the handle asks of the text thread, in order.
 #[derive(Debug)]
 pub(crate) enum Job {
-    /// Tokenize `input` into the submission's prompt, check it, and hand it to the engine thread; its
-    /// text ends before any of `stop`, with each token's log-probability if `logprobs`.
-    Submit {
-        sub: Box<Submission>,
-        input: Input,
-        tools: Vec<pdserve_api::tools::Tool>,
-        constraint: Option<pdserve_api::openai::Constraint>,
-        stop: Vec<String>,
-        include_stop: bool,
-        logprobs: bool,
-        panic_in_text: bool,
-    },
+    /// Tokenize and check a request, then hand it to the engine thread.
+    Submit(Box<NewRequest>),
     /// Passed on to the engine thread in order (an abort never overtakes its request's submission).
     Command(Command),
+}
+
+/// A request for the text thread: `input` becomes the submission's prompt; its text ends before any
+/// of `stop`, with each token's log-probability if `logprobs`, and the tool calls in it lifted out.
+#[derive(Debug)]
+pub(crate) struct NewRequest {
+    pub sub: Box<Submission>,
+    pub input: Input,
+    pub tools: Vec<pdserve_api::tools::Tool>,
+    pub tool_choice: ToolChoice,
+    pub parallel_tool_calls: bool,
+    /// What the request's call ids begin with.
+    pub tool_call_ids: String,
+    pub constraint: Option<pdserve_api::openai::Constraint>,
+    pub stop: Vec<String>,
+    pub include_stop: bool,
+    pub logprobs: bool,
+    pub panic_in_text: bool,
 }
 
 /// The caller's side of one request: what the handle's watchdog needs to end it.
@@ -136,6 +146,10 @@ pub(crate) struct Text {
     logprobs: bool,
     /// Tokens consumed since the last `Text` output (it names them).
     unsent: Vec<u32>,
+    /// Tools offered: lifts the model's calls out of its text.
+    parser: Option<ToolCallParser>,
+    /// The model made a call (a stop then ends as `Finish::ToolCalls`).
+    called: bool,
     /// Test hook: turning this request's tokens into text panics.
     panic: bool,
 }
@@ -228,18 +242,38 @@ impl TextThread {
 
     fn job(&mut self, job: Job) {
         match job {
-            Job::Submit {
-                mut sub,
-                input,
-                tools,
-                constraint,
-                stop,
-                include_stop,
-                logprobs,
-                panic_in_text,
-            } => {
+            Job::Submit(job) => {
+                let NewRequest {
+                    mut sub,
+                    input,
+                    tools,
+                    tool_choice,
+                    parallel_tool_calls,
+                    tool_call_ids,
+                    constraint,
+                    stop,
+                    include_stop,
+                    logprobs,
+                    panic_in_text,
+                } = *job;
                 let id = sub.id;
                 let resumed = sub.resumed.clone();
+                // Tools offered: in the prompt, and the model's calls lifted out of its text; a call
+                // required: a grammar over the model's call format (in place of the request's own
+                // constraint, which the API allows only without one).
+                let format = self.info.tool_format;
+                let offered = tool_choice != ToolChoice::None && !tools.is_empty();
+                let constraint = match &tool_choice {
+                    ToolChoice::Required if offered => {
+                        Some(Constraint::Lark(format.forced_call_grammar(&tools, None, parallel_tool_calls)))
+                    }
+                    ToolChoice::Function(name) if offered => {
+                        Some(Constraint::Lark(format.forced_call_grammar(&tools, Some(name), false)))
+                    }
+                    _ => constraint,
+                };
+                let parser = offered.then(|| ToolCallParser::new(format, &tools, &tool_call_ids));
+                let tools = if offered { tools } else { Vec::new() };
                 match self.prompt(&input, &tools, sub.remote.is_some(), &resumed) {
                     Ok(tokens) => sub.tokens = tokens,
                     Err(e) => return self.reject(id, e),
@@ -276,6 +310,8 @@ impl TextThread {
                     stopped: None,
                     logprobs,
                     unsent: Vec::new(),
+                    parser,
+                    called: false,
                     panic: panic_in_text,
                 };
                 self.texts.insert(id, text);
@@ -447,23 +483,31 @@ impl TextThread {
                     None => finish(self.info.role, &outcome),
                 };
                 let mut finish = finish;
-                if let Some(mut t) = text.filter(|_| finish.reason().is_some() && !stopped) {
-                    // The rest of the text: what the decoder and the stop-string check still held.
+                if let Some(mut t) = text.filter(|_| finish.reason().is_some()) {
+                    // The rest of the text: what the decoder and the stop-string check still held
+                    // (nothing past a stop string), then what the tool-call parser held: calls if they
+                    // parse, text if not. Named by no tokens: it goes out with the end (a request
+                    // moved before its end makes these tokens, and this text, again).
                     let codec = &self.codec;
-                    match catch_unwind(AssertUnwindSafe(|| t.detok.finish(codec).unwrap_or_default())) {
-                        Ok(rest) => {
-                            t.pending.push_str(&rest);
-                            if !t.pending.is_empty() {
-                                // Named by no tokens: it goes out with the end (a request moved
-                                // before its end makes these tokens, and this text, again).
-                                let (text, tokens) = (t.pending, Vec::new());
-                                self.push(Output::Text {
-                                    id: Id(id),
-                                    text,
-                                    logprob: None,
-                                    tokens,
-                                    replayed: false,
-                                });
+                    let rest = catch_unwind(AssertUnwindSafe(|| {
+                        let mut rest = std::mem::take(&mut t.pending);
+                        if !stopped {
+                            rest.push_str(&t.detok.finish(codec).unwrap_or_default());
+                        }
+                        let mut pieces = match t.parser.as_mut() {
+                            Some(p) => p.push(&rest),
+                            None => vec![Piece::Text(rest)],
+                        };
+                        pieces.extend(t.parser.as_mut().map(ToolCallParser::finish).unwrap_or_default());
+                        pieces
+                    }));
+                    match rest {
+                        Ok(pieces) => {
+                            t.called |= pieces.iter().any(|p| matches!(p, Piece::Call(_)));
+                            self.push_pieces(id, pieces, None, Vec::new(), false);
+                            // A model that called tools and stopped stopped for them.
+                            if t.called && matches!(finish, Finish::Stop | Finish::StopString(_)) {
+                                finish = Finish::ToolCalls;
                             }
                         }
                         Err(p) => {
@@ -543,7 +587,43 @@ impl TextThread {
         }
         if !text.is_empty() || logprob.is_some() {
             let tokens = std::mem::take(&mut t.unsent);
-            self.push(Output::Text { id: Id(id), text, logprob, tokens, replayed });
+            let pieces = match t.parser.as_mut() {
+                Some(p) => p.push(&text),
+                None => vec![Piece::Text(text)],
+            };
+            t.called |= pieces.iter().any(|p| matches!(p, Piece::Call(_)));
+            self.push_pieces(id, pieces, logprob, tokens, replayed);
+        }
+    }
+
+    /// Text and calls, in order, as `Text` outputs: each holds a run of text and the calls after
+    /// it; the first carries `logprob` and `tokens`. At least one goes out.
+    fn push_pieces(
+        &mut self,
+        id: u64,
+        pieces: Vec<Piece>,
+        logprob: Option<TokenLogprob>,
+        tokens: Vec<u32>,
+        replayed: bool,
+    ) {
+        let mut out = (String::new(), Vec::new());
+        let (mut logprob, mut tokens) = (logprob, tokens);
+        let mut any = false;
+        for p in pieces {
+            match p {
+                Piece::Text(t) if !out.1.is_empty() => {
+                    let (text, calls) = std::mem::replace(&mut out, (t, Vec::new()));
+                    let (logprob, tokens) = (logprob.take(), std::mem::take(&mut tokens));
+                    self.push(Output::Text { id: Id(id), text, calls, logprob, tokens, replayed });
+                    any = true;
+                }
+                Piece::Text(t) => out.0.push_str(&t),
+                Piece::Call(c) => out.1.push(c),
+            }
+        }
+        let (text, calls) = out;
+        if !any || !text.is_empty() || !calls.is_empty() || logprob.is_some() || !tokens.is_empty() {
+            self.push(Output::Text { id: Id(id), text, calls, logprob, tokens, replayed });
         }
     }
 }

@@ -1,8 +1,8 @@
-//! Weight formats for the CPU backend's decode path: f32 as loaded, Q8 (int8 in groups of 32 with an
-//! f16 scale: 1.0625 bytes per weight, like GGUF's Q8_0) or Q4 (4-bit in groups of 32 with an f16
-//! scale and minimum: 0.625 bytes, like GGUF's Q4_1). Decode steps are bound by reading the weights
-//! once per token, so the bytes a weight costs set the speed; multi-row steps (prefill, batched
-//! decode: GEMMs that reuse every weight across rows) read bf16 copies (see [`Bf16Matrix`]).
+//! Weight formats for the CPU backend: f32 as loaded, Q8 (int8 in groups of 32 with an f16 scale:
+//! 1.0625 bytes per weight, like GGUF's Q8_0), Q4 (4-bit in groups of 32 with an f16 scale and
+//! minimum: 0.625 bytes, like GGUF's Q4_1), f16 and bf16 (see [`Bf16Matrix`]). Decode steps are bound
+//! by reading the weights once per token, so the bytes a weight costs set the speed; every step,
+//! whatever its row count, reads the same matrices.
 
 use crate::bits16::{f16_bits, f16_value};
 use crate::ModelConfig;

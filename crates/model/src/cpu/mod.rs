@@ -101,14 +101,12 @@ impl CpuBackend {
         }
     }
 
-    /// Switches the decode path (steps of one or two tokens per matrix) to `format`: Q8 or Q4 quantize
-    /// every projection and the LM head once; widths that are not multiples of 32 are an error. With
-    /// Q8 or Q4, steps of more rows (prefill, batched decode) read the same quantized matrices through
-    /// a bf16 GEMM (f32 sums) that widens each 32 x 256 block as it goes, where the CPU has AVX-512
-    /// BF16 (see [`multi_row_format`](Self::multi_row_format)); then the f32 projections and
-    /// embedding are freed (when this backend holds the only reference to them) and the embedding's
-    /// rows come from the Q8 LM head (tied) or a Q8 copy. Bf16 packs every projection once.
-    /// (`Auto`, unresolved here, is f32.)
+    /// Switches every step's projections to `format`: Q8 or Q4 quantize every projection and the LM
+    /// head once (widths that are not multiples of 32 are an error), read by the bf16 rows product
+    /// where the CPU has AVX-512 BF16 and by the dot tiles elsewhere, whatever a step's row count;
+    /// then the f32 projections and embedding are freed (when this backend holds the only reference
+    /// to them) and the embedding's rows come from the Q8 LM head (tied) or a Q8 copy. Bf16 packs
+    /// every projection once. (`Auto`, unresolved here, is f32.)
     pub fn with_weight_format(self, format: WeightFormat) -> Result<Self, ModelError> {
         let mut p = PreparedWeights::new(format, &self.cfg)?;
         for l in &self.w.layers {
@@ -215,16 +213,10 @@ impl CpuBackend {
 
     /// With `on`, products with Q8 or Q4 weights round their input rows to int8 in groups of 32 (a
     /// scale each) and sum integer products (`vpmaddubsw` on AVX2 CPUs), as llama.cpp does with its
-    /// quantized weights, in steps of up to 16 rows (decode, drafts' verification, a prompt or chunk
-    /// of up to 16 tokens). Longer steps' products with Q4 weights, where AVX2 is the widest kernel
-    /// family running, round the inputs in blocks of 256 (a scale each) and sum integer products
-    /// with the weights' group scales as 15-bit integers (`sys::gemm_q4_int8_par`: two multiplies
-    /// per 32 products, where f32 takes four FMAs); other long steps take the GEMMs as without. So a
-    /// row's values depend on whether its step has more than 16 rows (a decode batched with a
-    /// prefill chunk, say), and within steps of up to 16 rows they are those of a one-row step.
-    /// Faster where the CPU lacks AVX-512 (one row's product 1.5-1.7x), at the cost of rounding the
-    /// activations: logits move by up to about 2 on a scale of about ±30, and greedy text may part
-    /// from the f32 path's at near-ties. No effect on other formats.
+    /// quantized weights, in every step (each row's values those of a one-row step). Faster where the
+    /// CPU lacks AVX-512 (one row's product 1.5-1.7x), at the cost of rounding the activations: logits
+    /// move by up to about 2 on a scale of about ±30, and greedy text may part from the f32 path's at
+    /// near-ties. No effect on other formats.
     pub fn with_int8_activations(mut self, on: bool) -> Self {
         self.int8_activations = on;
         self
@@ -471,9 +463,8 @@ impl CpuBackend {
             // The last layer's K and V are in the cache: the rest of it (the output projection and
             // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
             // stop here (a 30-layer model's prefill does 2.8% fewer products; a prefill chunk that
-            // wants no logits skips the rest outright). The kept rows take the products of a step of
-            // as many rows (dot products for a few), or with int8 activations those of the long
-            // step they are in (`Mats::int8_layers`).
+            // wants no logits skips the rest outright). Every product computes each row as it would
+            // in any other step, so a kept row's values are those of the same row anywhere else.
             let t = if li + 1 == w.layers.len() && kept.len() < t {
                 keep_rows(&kept, q_dim, &mut sc.attn);
                 keep_rows(&kept, hsz, &mut sc.x);

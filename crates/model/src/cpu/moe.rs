@@ -1,6 +1,6 @@
 //! Mixture-of-experts FFNs (Mixtral, Qwen3-MoE): each row's router softmax picks its top-k experts,
-//! and each expert then runs once for every row routed to it (one GEMM per matrix, not one
-//! matrix-vector product per row).
+//! and each expert then runs once for every row routed to it (each weight row read once for all of
+//! them; every row's value that of the row alone, as every product computes it).
 
 use super::matmul;
 use crate::sys::silu_mul;

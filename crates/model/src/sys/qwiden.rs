@@ -1,6 +1,6 @@
-//! Q4 and Q8 weight rows widened to f32, for the products that multiply widened rows (AVX2's
-//! multi-row steps): the same values, bit for bit, on every path (`value = min + q * scale` for Q4,
-//! `q * scale` for Q8, each a product rounded and then a sum rounded, never fused).
+//! Q4 and Q8 weight rows widened to f32 (embedding rows looked up in a Q8 matrix, references in
+//! tests): the same values, bit for bit, on every path (`value = min + q * scale` for Q4, `q *
+//! scale` for Q8, each a product rounded and then a sum rounded, never fused).
 
 use crate::bits16::f16_value;
 

@@ -3,7 +3,7 @@
 
 use pdserve_api::anthropic;
 use pdserve_api::openai::{self, sse, Delta, Endpoint, Usage};
-use pdserve_api::tools::{Piece, ToolCallParser};
+use pdserve_api::tools::Piece;
 use pdserve_api::{pd, ApiError, ErrorKind, Health};
 use pdserve_engine::{Finish, Id, Timings};
 use pdserve_http::Response;
@@ -56,19 +56,6 @@ impl Frontend {
 
     pub(super) fn finished(&mut self, id: Id, finish: Finish, usage: Usage, timings: Timings) {
         let Some(mut l) = self.remove(id) else { return };
-        // What the tool-call parser still held: calls if they parse, text if not.
-        let rest = l.tool_parser.as_mut().map(ToolCallParser::finish).unwrap_or_default();
-        let mut rest_frames = String::new();
-        if let Kind::Generate { stream: true, .. } = l.kind {
-            rest_frames = Self::stream_pieces(&mut l, rest, &mut None);
-        } else {
-            for p in rest {
-                match p {
-                    Piece::Text(t) => l.text.push_str(&t),
-                    Piece::Call(c) => l.calls.push(c),
-                }
-            }
-        }
         // One line per request, with its id, so a log search finds it.
         eprintln!(
             "request_id={} outcome={} prompt_tokens={} completion_tokens={} latency_ms={}",
@@ -79,7 +66,7 @@ impl Frontend {
             l.received.elapsed().as_millis()
         );
         if let Some(gid) = l.group {
-            return self.group_finished(gid, l, finish, usage, timings, rest_frames);
+            return self.group_finished(gid, l, finish, usage, timings);
         }
         let Some(conn) = l.conn else { return };
         let timings = timings_json(&timings);
@@ -87,13 +74,9 @@ impl Frontend {
             Finish::StopString(s) => Some(s.clone()),
             _ => None,
         };
-        let result = finish
-            .reason()
-            // A model that called tools and stopped stopped for them.
-            .map(|r| if r == "stop" && !l.calls.is_empty() { "tool_calls" } else { r })
-            .ok_or_else(|| {
-                finish.to_api_error().unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "unexpected end"))
-            });
+        let result = finish.reason().ok_or_else(|| {
+            finish.to_api_error().unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "unexpected end"))
+        });
         match (&l.kind, result) {
             (Kind::Probe, Ok(_)) => {
                 let health = Health::Generated {
@@ -125,7 +108,7 @@ impl Frontend {
                 let _ = self.server.respond(conn, &Response::error(&e, Some(&l.request_id)));
             }
             (Kind::Generate { stream: true, include_usage, .. }, result) => {
-                let mut frames = rest_frames;
+                let mut frames = String::new();
                 match result {
                     Ok(reason) if l.meta.endpoint == Endpoint::Messages => {
                         let stop = stop_sequence.as_deref();

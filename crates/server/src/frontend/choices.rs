@@ -8,7 +8,6 @@ use std::time::Instant;
 
 use pdserve_api::openai::{self, sse, Delta, Endpoint, Meta, Usage};
 use pdserve_api::pd::{self, PdHandle};
-use pdserve_api::tools::ToolCallParser;
 use pdserve_api::{header, ApiError, ErrorKind, Role};
 use pdserve_engine::{Finish, Id, Input, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Response};
@@ -25,7 +24,7 @@ pub(super) fn member_id(request_id: &str, i: usize) -> String {
     }
 }
 
-type Deferred = (usize, EngineRequest, Option<ToolCallParser>);
+type Deferred = (usize, EngineRequest);
 
 pub(super) struct Group {
     /// The client's connection (`None` once it is gone).
@@ -48,30 +47,30 @@ pub(super) struct Group {
 }
 
 impl Frontend {
-    /// Starts the `n` choices of one request (`parsers.len()` is `n`).
+    /// Starts the `n` choices of one request.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn start_group(
         &mut self,
         conn: ConnId,
         rid: &str,
         first: EngineRequest,
+        n: usize,
         kind: Kind,
         endpoint: Endpoint,
         handles: &[PdHandle],
-        parsers: Vec<Option<ToolCallParser>>,
         echo: Option<String>,
     ) -> Result<(), ApiError> {
-        let n = parsers.len();
         let decode = self.engine.info().role == Role::Decode;
         let mut members: Vec<Deferred> = Vec::with_capacity(n);
-        for (i, parser) in parsers.into_iter().enumerate() {
+        for i in 0..n {
             let mut r = first.clone();
             r.request_id = member_id(rid, i);
+            r.tool_call_ids = Some(format!("{rid}_{i}"));
             r.seed = first.seed.map(|s| s.wrapping_add(i as u64));
             if let (true, Some(h)) = (decode, handles.get(i)) {
                 r.input = Input::Remote(h.clone());
             }
-            members.push((i, r, parser));
+            members.push((i, r));
         }
         let deferred = if decode { Vec::new() } else { members.split_off(1) };
         let gid = self.next_group;
@@ -97,8 +96,8 @@ impl Frontend {
             started: false,
         };
         self.groups.insert(gid, group);
-        for (i, r, parser) in members {
-            if let Err(e) = self.submit_member(gid, i, r, parser) {
+        for (i, r) in members {
+            if let Err(e) = self.submit_member(gid, i, r) {
                 self.group_abort(gid);
                 return Err(e);
             }
@@ -106,13 +105,7 @@ impl Frontend {
         Ok(())
     }
 
-    fn submit_member(
-        &mut self,
-        gid: u64,
-        i: usize,
-        req: EngineRequest,
-        parser: Option<ToolCallParser>,
-    ) -> Result<(), ApiError> {
+    fn submit_member(&mut self, gid: u64, i: usize, req: EngineRequest) -> Result<(), ApiError> {
         let id = self.engine.submit(req).map_err(|e| e.to_api_error())?;
         let Some(g) = self.groups.get_mut(&gid) else { return Ok(()) };
         g.live.push(id);
@@ -125,7 +118,6 @@ impl Frontend {
             text: String::new(),
             logprobs: Vec::new(),
             received: Instant::now(),
-            tool_parser: parser,
             calls: Vec::new(),
             blocks: Default::default(),
             echo: g.echo.clone(),
@@ -143,8 +135,8 @@ impl Frontend {
     /// The first choice's prompt is computed: the other choices start.
     pub(super) fn release_deferred(&mut self, gid: u64) {
         let Some(g) = self.groups.get_mut(&gid) else { return };
-        for (i, r, parser) in std::mem::take(&mut g.deferred) {
-            if let Err(e) = self.submit_member(gid, i, r, parser) {
+        for (i, r) in std::mem::take(&mut g.deferred) {
+            if let Err(e) = self.submit_member(gid, i, r) {
                 return self.group_failed(gid, &e);
             }
         }
@@ -218,20 +210,11 @@ impl Frontend {
     }
 
     /// A choice ended; the last one ends the response.
-    pub(super) fn group_finished(
-        &mut self,
-        gid: u64,
-        mut l: Live,
-        finish: Finish,
-        usage: Usage,
-        t: Timings,
-        rest_frames: String,
-    ) {
+    pub(super) fn group_finished(&mut self, gid: u64, mut l: Live, finish: Finish, usage: Usage, t: Timings) {
         if l.choice == 0 {
             self.release_deferred(gid);
         }
         let reason = match finish.reason() {
-            Some("stop") if !l.calls.is_empty() => "tool_calls",
             Some(r) => r,
             None => {
                 let e = finish
@@ -252,7 +235,7 @@ impl Frontend {
         if stream {
             g.ended[l.choice] = Some(Value::Null);
             let delta = Delta { finish_reason: Some(reason), index: l.choice, ..Delta::default() };
-            let frames = rest_frames + &sse(None, &openai::chunk(&g.meta, delta, None).to_string());
+            let frames = sse(None, &openai::chunk(&g.meta, delta, None).to_string());
             self.group_send(gid, &frames);
         } else {
             if let Some(e) = &l.echo {

@@ -6,10 +6,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::anthropic::{self, MessageStream};
-use pdserve_api::openai::{
-    self, sse, Constraint, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob,
-};
-use pdserve_api::tools::{Piece, ToolCall, ToolCallParser, ToolChoice};
+use pdserve_api::openai::{self, sse, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob};
+use pdserve_api::tools::{Piece, ToolCall};
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role};
 use pdserve_chat_template::{tool_call, ChatMessage};
 use pdserve_engine::{Engine, Id, Input, Output, Request as EngineRequest, Timings};
@@ -48,8 +46,6 @@ struct Live {
     text: String,
     logprobs: Vec<TokenLogprob>,
     received: Instant,
-    /// Chat with tools offered: lifts the model's calls out of its text.
-    tool_parser: Option<ToolCallParser>,
     /// The calls found so far.
     calls: Vec<ToolCall>,
     /// A streamed Messages answer: which content block is open.
@@ -391,23 +387,12 @@ impl Frontend {
         er.include_stop_str = g.include_stop_str_in_output;
         er.test_panic = test_site.flatten();
         er.resume = g.resume.as_ref().map(|r| r.tokens.clone()).unwrap_or_default();
-        let format = self.engine.info().tool_format;
-        er.constraint = match &g.tool_choice {
-            ToolChoice::Required => {
-                Some(Constraint::Lark(format.forced_call_grammar(&g.tools, None, g.parallel_tool_calls)))
-            }
-            ToolChoice::Function(name) => {
-                Some(Constraint::Lark(format.forced_call_grammar(&g.tools, Some(name), false)))
-            }
-            ToolChoice::Auto | ToolChoice::None => g.constraint.clone(),
-        };
-        let offered = g.tool_choice != ToolChoice::None && !g.tools.is_empty();
-        if offered {
-            er.tools = g.tools.clone();
-        }
+        er.constraint = g.constraint.clone();
+        er.tools = g.tools.clone();
+        er.tool_choice = g.tool_choice.clone();
+        er.parallel_tool_calls = g.parallel_tool_calls;
         // Call ids from the client's request id (a moved request's own id names the try).
-        let client_rid = g.resume.as_ref().map_or(rid, |r| r.request_id.as_str());
-        let tool_parser = offered.then(|| ToolCallParser::new(format, &g.tools, client_rid));
+        er.tool_call_ids = Some(g.resume.as_ref().map_or(rid, |r| r.request_id.as_str()).to_owned());
         // A prefill worker answers with the KV handle, never a stream.
         let kind = Kind::Generate {
             stream: g.stream && role != Role::Prefill,
@@ -415,16 +400,12 @@ impl Frontend {
             logprobs: g.logprobs,
         };
         if g.n > 1 {
-            let parsers = (0..g.n as usize)
-                .map(|i| offered.then(|| ToolCallParser::new(format, &g.tools, &format!("{rid}_{i}"))))
-                .collect();
             return self
-                .start_group(conn, rid, er, kind, endpoint, &g.pd_handles, parsers, echo)
+                .start_group(conn, rid, er, g.n as usize, kind, endpoint, &g.pd_handles, echo)
                 .map(|()| None);
         }
         self.submit(conn, rid, er, kind, endpoint)?;
         if let Some(l) = self.by_conn.get(&conn).and_then(|id| self.live.get_mut(id)) {
-            l.tool_parser = tool_parser;
             l.echo = echo;
             l.panic_in_output = test_site == Some(None);
             l.marks =
@@ -463,7 +444,6 @@ impl Frontend {
             text: String::new(),
             logprobs: Vec::new(),
             received: Instant::now(),
-            tool_parser: None,
             calls: Vec::new(),
             blocks: MessageStream::default(),
             echo: None,
@@ -631,14 +611,12 @@ impl Frontend {
                     }
                 }
             }
-            Output::Text { id, text, logprob, tokens, replayed } => {
+            Output::Text { id, text, calls, logprob, tokens, replayed } => {
                 let Some(l) = self.live.get_mut(&id) else { return };
                 let Kind::Generate { stream, .. } = l.kind else { return };
                 assert!(!l.panic_in_output, "test panic while rendering the output");
-                let pieces = match l.tool_parser.as_mut() {
-                    Some(p) => p.push(&text),
-                    None => vec![Piece::Text(text)],
-                };
+                let pieces: Vec<Piece> =
+                    std::iter::once(Piece::Text(text)).chain(calls.into_iter().map(Piece::Call)).collect();
                 let group = l.group;
                 if let Some(gid) = group.filter(|_| l.choice == 0) {
                     // The first choice's prompt is computed (and cached): the others may start.
