@@ -76,6 +76,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         extra: &extra,
         logs,
         secret: true,
+        server_bin: None,
     };
     let mut stacks: Vec<Stack> = Vec::new();
     let result = (|| -> Result<()> {

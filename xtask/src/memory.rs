@@ -55,6 +55,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             extra: &extra,
             logs: &logs,
             secret: false,
+            server_bin: None,
         };
         let mut stack = start_stack(&spec)?;
         let measured = (|| -> Result<(u64, u64, u64, u64)> {

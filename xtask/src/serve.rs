@@ -191,6 +191,8 @@ pub(crate) struct Spec<'a> {
     /// A PD stack: give the router and the workers a fresh cluster secret (a file in `logs`), so the
     /// workers serve the router only.
     pub secret: bool,
+    /// The worker binary to run (default: this checkout's `target/release/pdserve-server`).
+    pub server_bin: Option<&'a Path>,
 }
 
 /// A started stack: its processes and the URL clients use.
@@ -228,7 +230,8 @@ pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
     // The stack's own name for its shared KV files: no other stack's decode worker maps them.
     let scope = format!("s{:08x}{}", std::process::id(), random_hex(4)?);
     let root = crate::workspace_root();
-    let server_bin = root.join("target/release/pdserve-server");
+    let server_bin =
+        spec.server_bin.map_or_else(|| root.join("target/release/pdserve-server"), Path::to_path_buf);
     let router_bin = root.join("target/release/pdserve-router");
     let worker_args = |name: &str, role: &str, port: u16| -> Vec<String> {
         let mut a: Vec<String> = ["--port", &port.to_string(), "--name", name, "--role", role, "--model"]
@@ -348,6 +351,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         extra: &extra,
         logs: &logs,
         secret: true,
+        server_bin: None,
     };
     let Stack { mut procs, url } = start_stack(&spec)?;
     let mut out = std::io::stdout().lock();

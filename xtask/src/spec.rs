@@ -57,6 +57,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             extra,
             logs: &logs.join(port.to_string()),
             secret: false,
+            server_bin: None,
         };
         start_stack(&spec)
     };

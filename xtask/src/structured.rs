@@ -64,6 +64,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         extra: &extra,
         logs: &logs,
         secret: false,
+        server_bin: None,
     };
     let mut stack = start_stack(&spec)?;
     let format = serde_json::json!({"response_format": {"type": "json_schema",

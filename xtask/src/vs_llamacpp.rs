@@ -33,16 +33,16 @@ computes them. Defaults: --isa both, --repeat 3, every row, --weights q4, --acti
 
 /// One row: its name, the load generator's options, what is read from each run and whether more
 /// is better.
-struct Row {
-    name: &'static str,
-    what: &'static str,
-    args: &'static [&'static str],
+pub(crate) struct Row {
+    pub name: &'static str,
+    pub what: &'static str,
+    pub args: &'static [&'static str],
     metric: fn(&Value) -> Option<f64>,
     unit: &'static str,
     higher_is_better: bool,
 }
 
-const ROWS: &[Row] = &[
+pub(crate) const ROWS: &[Row] = &[
     Row {
         name: "single",
         what: "1 stream, 64 output tokens",
@@ -160,6 +160,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             extra: &extra,
             logs: &logs.join("ours"),
             secret: false,
+            server_bin: None,
         };
         let mut ours = start_stack(&spec)?;
         let result = (|| -> Result<()> {
@@ -212,7 +213,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
 /// The row's line of the table: each side's median and range, and the median of the pairs' ratios
 /// (ours over llama.cpp for rates, llama.cpp over ours for times: above 1 is ours ahead).
-fn table_row(isa: Isa, row: &Row, json: &Value, ours: &str, peer: &str) -> Result<String> {
+pub(crate) fn table_row(isa: Isa, row: &Row, json: &Value, ours: &str, peer: &str) -> Result<String> {
     let values = |target: &str| -> Vec<f64> {
         json["points"]
             .as_array()
