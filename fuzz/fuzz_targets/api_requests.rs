@@ -4,8 +4,9 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pdserve_api::openai::{parse_detokenize, parse_generate, parse_tokenize, Endpoint};
-use pdserve_api::tools::{parse_tools, Piece, ToolCallParser, ToolFormat};
+use pdserve_chat_template::{Piece, ToolCallParser, ToolFormat};
+use pdserve_codec::openai::{parse_detokenize, parse_tokenize, parse_tools};
+use pdserve_codec::{parse_generate, Endpoint};
 use serde_json::json;
 
 fn run(format: ToolFormat, pieces: &[&str]) -> (String, Vec<(String, String)>) {

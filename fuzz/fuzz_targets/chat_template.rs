@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pdserve_api::openai::{parse_generate, Endpoint, Prompt};
+use pdserve_codec::{parse_generate, Endpoint, Prompt};
 use pdserve_chat_template::{tool_call, ChatMessage, ChatTemplate};
 use serde_json::Value;
 

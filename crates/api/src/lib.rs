@@ -9,11 +9,11 @@
 //! - [`Health`]: the bodies and statuses of `/health/live`, `/health/ready` and `/health/generate`.
 //! - [`path`]: the paths every process serves, and the 404/405 answer for the rest.
 //! - [`pd`]: the prefill/decode handle a router forwards without parsing.
-//! - [`openai`]: the OpenAI-compatible request bodies (checked field by field) and response shapes.
-//! - [`tools`]: tool calling: the tools offered, the calls a model writes (parsed as they stream), and
-//!   the grammar that forces one.
-//! - [`anthropic`]: Anthropic's Messages API, read into the chat request and written back as its
-//!   message body and named stream events.
+//! - [`generation`]: what a generation asks and gets, in no dialect: the output's constraint, token
+//!   log-probabilities, usage.
+//! - [`tools`]: tool calling's vocabulary: the tools offered, the choice, the calls made.
+//!
+//! The OpenAI and Anthropic dialects (request bodies, answers, stream events) are `pdserve-codec`'s.
 //!
 //! ```
 //! use pdserve_api::{ApiError, ErrorKind, Outcome};
@@ -25,12 +25,11 @@
 //! ```
 #![forbid(unsafe_code)]
 
-pub mod anthropic;
 mod error;
+pub mod generation;
 pub mod header;
 mod health;
 mod lifecycle;
-pub mod openai;
 pub mod path;
 pub mod pd;
 pub mod tools;

@@ -12,9 +12,16 @@
 //! let text = template.render(&[ChatMessage::new("user", " Hi ")], &[], true).unwrap();
 //! assert_eq!(text, "<|user|>Hi\n<|assistant|>");
 //! ```
+//!
+//! And the other way, for tool calls: the formats model families write calls in ([`ToolFormat`]:
+//! Hermes/Qwen, Llama 3, Mistral), how an earlier call reads in each, the grammar that forces a call,
+//! and [`ToolCallParser`], which lifts calls out of a model's streamed text.
 #![forbid(unsafe_code)]
 
 use std::fmt;
+
+mod tools;
+pub use tools::{Piece, ToolCallParser, ToolFormat};
 
 use serde::Serialize;
 

@@ -5,7 +5,9 @@
 //! assistant's text in the model's call format, and tool results become user turns wrapped in
 //! `<tool_response>`. Nothing the client sent is dropped on the way to the model.
 
-use pdserve_api::tools::{Tool, ToolFormat};
+use pdserve_api::tools::Tool;
+
+use pdserve_chat_template::ToolFormat;
 use pdserve_model::{ChatMessage, ModelError, TextCodec};
 use serde_json::Value;
 

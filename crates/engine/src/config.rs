@@ -87,7 +87,7 @@ pub struct EngineConfig {
     /// keep a finished prompt's time to first token from waiting on the next prompts' prefill.
     pub transfer_step_tokens: usize,
     /// The format tool calls are written and read in; `None` takes the chat template's.
-    pub tool_format: Option<pdserve_api::tools::ToolFormat>,
+    pub tool_format: Option<crate::ToolFormat>,
     /// Speculative decoding (unified and decode roles): draft tokens from the request's own context,
     /// verified in one multi-row step; on by default (`Speculative::prompt_lookup(8)`, while one
     /// request runs), `Speculative::OFF` to turn it off. The output is the same either way.

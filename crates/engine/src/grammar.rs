@@ -9,7 +9,7 @@ use std::sync::Arc;
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
-use pdserve_api::openai::Constraint;
+use pdserve_api::generation::Constraint;
 use serde_json::{json, Value};
 
 /// How JSON is written under a schema: on one line, with Python's separators. A small model left

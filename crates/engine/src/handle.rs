@@ -178,10 +178,7 @@ impl Engine {
             kv_ucx: config.kv_ucx,
             kv_ucx_region,
             tool_format: config.tool_format.unwrap_or_else(|| {
-                files.text.chat_template().map_or(
-                    pdserve_api::tools::ToolFormat::Hermes,
-                    pdserve_api::tools::ToolFormat::from_template,
-                )
+                files.text.chat_template().map_or(crate::ToolFormat::Hermes, crate::ToolFormat::from_template)
             }),
             fim: fim_tokens(|t| files.text.token_id(t).is_some()),
         };

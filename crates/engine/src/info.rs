@@ -39,7 +39,7 @@ pub struct EngineInfo {
     /// Prefill role over UCX: the KV region's export, as handles carry it.
     pub kv_ucx_region: Option<String>,
     /// The format the model writes tool calls in (the chat template's, or the configured one).
-    pub tool_format: pdserve_api::tools::ToolFormat,
+    pub tool_format: crate::ToolFormat,
     /// The model's fill-in-the-middle tokens (prefix, suffix, middle), if its vocabulary has them:
     /// completions with a `suffix` are written `{prefix}{prompt}{suffix token}{suffix}{middle}`.
     pub fim: Option<[String; 3]>,

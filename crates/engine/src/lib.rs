@@ -59,9 +59,19 @@ pub use error::{EngineError, KvTransferProblem};
 pub use handle::{Aborted, Engine, Health};
 pub use info::EngineInfo;
 pub use load::{default_transport, TransportSpec};
+pub use pdserve_chat_template::{Piece, ToolCallParser, ToolFormat};
 pub use pdserve_pd_transfer::transport::shm::valid_scope as valid_shm_scope;
 pub use pdserve_scheduler::{AdmissionOrder, SchedulerConfig};
 pub use request::{Finish, Id, Input, Output, PanicSite, Request, Timings};
+
+// What the engine's API takes and gives, from the crates below it, so a program embedding the engine
+// (the server, say) needs no other.
+pub use pdserve_api::generation::{Constraint, TokenLogprob, Usage};
+pub use pdserve_api::tools::{Tool, ToolCall, ToolChoice};
+pub use pdserve_model::{
+    cpu_kernels, set_cpu_kernels, tool_call as chat_tool_call, ChatMessage, CpuKernels, KvDtype, ModelError,
+    SamplingParams, WeightFormat,
+};
 pub use shell::Worker;
 
 /// The README's examples, compiled as doc tests.

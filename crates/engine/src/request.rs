@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use pdserve_api::openai::{Constraint, TokenLogprob, Usage};
+use pdserve_api::generation::{Constraint, TokenLogprob, Usage};
 use pdserve_api::pd::PdHandle;
 use pdserve_api::tools::{Tool, ToolCall, ToolChoice};
 use pdserve_api::Stage;

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
-use pdserve_api::openai::{TokenLogprob, Usage};
+use pdserve_api::generation::{TokenLogprob, Usage};
 use pdserve_api::pd::PdHandle;
 use pdserve_api::{Role, Stage};
 use pdserve_model::{IncrementalDecoder, TextCodec};
@@ -31,8 +31,9 @@ use crate::metrics::Metrics;
 use crate::shell::Command;
 use crate::text::apply_stop;
 use crate::{EngineError, Finish, Id, Input, Output, Timings};
-use pdserve_api::openai::Constraint;
-use pdserve_api::tools::{Piece, ToolCallParser, ToolChoice};
+use pdserve_api::generation::Constraint;
+use pdserve_api::tools::ToolChoice;
+use pdserve_chat_template::{Piece, ToolCallParser};
 
 /// Recent prefill requests remembered for aborts of their offers.
 const RECENT_PREFILLS_MAX: usize = 4096;
@@ -60,7 +61,7 @@ pub(crate) struct NewRequest {
     pub parallel_tool_calls: bool,
     /// What the request's call ids begin with.
     pub tool_call_ids: String,
-    pub constraint: Option<pdserve_api::openai::Constraint>,
+    pub constraint: Option<Constraint>,
     pub stop: Vec<String>,
     pub include_stop: bool,
     pub logprobs: bool,

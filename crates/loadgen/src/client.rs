@@ -199,7 +199,7 @@ fn word(e: &HttpError, out: &Outcome) -> &'static str {
 /// One stream event. Error `type` words are read as the server wrote them (not through
 /// `pdserve_api::ApiError`, which knows only this project's words), so peers' errors keep their names.
 fn on_sse(data: &str, start: Instant, last: &mut Option<Instant>, out: &mut Outcome) {
-    if data == pdserve_api::openai::DONE {
+    if data == pdserve_codec::openai::DONE {
         out.terminal = true;
         return;
     }

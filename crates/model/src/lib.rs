@@ -55,7 +55,7 @@ pub use sampling::{Sampled, Sampler, SamplingParams};
 /// The machine-peak kernels `cargo xtask bench peak` runs (FMA, bf16 dot, memory read).
 pub use sys::peak;
 pub use sys::{cpu_kernels, set_cpu_kernels, CpuKernels};
-pub use text::{ChatMessage, IncrementalDecoder, TextCodec};
+pub use text::{tool_call, ChatMessage, IncrementalDecoder, TextCodec};
 pub use weights::{CheckpointDtype, Expert, LayerWeights, MoeWeights, Weights};
 
 /// Everything read from a model folder.

@@ -5,8 +5,8 @@ use std::path::Path;
 
 use crate::ModelError;
 
-pub use pdserve_chat_template::ChatMessage;
 use pdserve_chat_template::ChatTemplate;
+pub use pdserve_chat_template::{tool_call, ChatMessage};
 
 /// Tokenizer plus chat template of one model folder.
 #[derive(Debug)]

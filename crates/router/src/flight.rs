@@ -29,8 +29,8 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use pdserve_api::openai::{stream_error_frames, Endpoint, Meta};
 use pdserve_api::{header, pd, ApiError, ErrorKind, Health, Outcome, Role, Stage};
+use pdserve_codec::{stream_error_frames, Endpoint, Meta};
 use pdserve_http::Response;
 
 mod migrate;

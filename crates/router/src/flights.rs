@@ -4,8 +4,8 @@
 use std::cmp::Reverse;
 use std::time::{Duration, Instant};
 
-use pdserve_api::openai::Endpoint;
 use pdserve_api::{path, ApiError, ErrorKind, Outcome, Role, Stage};
+use pdserve_codec::Endpoint;
 use pdserve_http::{ConnId, UpstreamPhase};
 
 use crate::admission::Admit;

@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pdserve_api::openai::Endpoint;
 use pdserve_api::{header, path, ApiError, ErrorKind};
+use pdserve_codec::Endpoint;
 use pdserve_http::{
     write_request_head, ConnId, Event, HttpError, Request, ResponseEvent, Server, UpstreamPhase,
 };

@@ -214,8 +214,8 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 }
             }
             "--tool-parser" => {
-                e.tool_format = Some(pdserve_api::tools::ToolFormat::from_name(&v).ok_or_else(|| {
-                    format!("--tool-parser {v}: one of {}", pdserve_api::tools::ToolFormat::NAMES)
+                e.tool_format = Some(pdserve_engine::ToolFormat::from_name(&v).ok_or_else(|| {
+                    format!("--tool-parser {v}: one of {}", pdserve_engine::ToolFormat::NAMES)
                 })?)
             }
             "--prefill-chunk" => e.scheduler.prefill_chunk_tokens = n()?,
@@ -233,9 +233,9 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--kv-shm" => e.kv_shm = true,
             "--device" => e.device = v.parse().map_err(|err: pdserve_engine::EngineError| err.to_string())?,
             "--kv-dtype" => {
-                e.kv_dtype = Some(v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?)
+                e.kv_dtype = Some(v.parse().map_err(|err: pdserve_engine::ModelError| err.to_string())?)
             }
-            "--weights" => e.weights = v.parse().map_err(|err: pdserve_model::ModelError| err.to_string())?,
+            "--weights" => e.weights = v.parse().map_err(|err: pdserve_engine::ModelError| err.to_string())?,
             "--activations" => {
                 e.int8_activations = match v.as_str() {
                     "q8" => true,
@@ -246,9 +246,9 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--shm-scope" if pdserve_engine::valid_shm_scope(&v) => e.shm_scope = v.clone(),
             "--shm-scope" => return Err(format!("--shm-scope {v}: 1 to 32 of a-z and 0-9")),
             "--cpu-kernels" => {
-                let k = pdserve_model::CpuKernels::parse(&v)
-                    .ok_or_else(|| format!("--cpu-kernels {v}: {}", pdserve_model::CpuKernels::NAMES))?;
-                pdserve_model::set_cpu_kernels(k).map_err(|err| format!("--cpu-kernels {v}: {err}"))?;
+                let k = pdserve_engine::CpuKernels::parse(&v)
+                    .ok_or_else(|| format!("--cpu-kernels {v}: {}", pdserve_engine::CpuKernels::NAMES))?;
+                pdserve_engine::set_cpu_kernels(k).map_err(|err| format!("--cpu-kernels {v}: {err}"))?;
             }
             "--role" => {
                 e.role = pdserve_api::Role::parse(&v).ok_or_else(|| format!("--role {v}: unknown"))?

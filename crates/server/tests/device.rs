@@ -139,7 +139,7 @@ fn int8_activations_serve_and_are_refused_without_quantized_weights() {
 /// serves the default model's greedy answer; the choice is reported, and a name that is none is refused.
 #[test]
 fn every_cpu_kernel_path_serves_the_same_greedy_answer() {
-    for k in pdserve_model::CpuKernels::available() {
+    for k in pdserve_engine::CpuKernels::available() {
         let w = common::Worker::start(&["--weights", "q4", "--cpu-kernels", k.name()]);
         let (_, models) = w.json("GET", "/v1/models", "");
         assert_eq!(models["data"][0]["cpu_kernels"], k.name());

@@ -1,11 +1,12 @@
 //! How a request's answer is written: stream events for text and tool calls, and the end (the full
 //! body, the stream's last events, or the error).
 
-use pdserve_api::anthropic;
-use pdserve_api::openai::{self, sse, Delta, Endpoint, Usage};
-use pdserve_api::tools::Piece;
 use pdserve_api::{pd, ApiError, ErrorKind, Health};
+use pdserve_codec::anthropic;
+use pdserve_codec::openai::{self, Delta};
+use pdserve_codec::{sse, Endpoint};
 use pdserve_engine::{Finish, Id, Timings};
+use pdserve_engine::{Piece, Usage};
 use pdserve_http::Response;
 use serde_json::{json, Value};
 

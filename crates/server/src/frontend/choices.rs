@@ -6,9 +6,11 @@
 
 use std::time::Instant;
 
-use pdserve_api::openai::{self, sse, Delta, Endpoint, Meta, Usage};
 use pdserve_api::pd::{self, PdHandle};
 use pdserve_api::{header, ApiError, ErrorKind, Role};
+use pdserve_codec::openai::{self, Delta};
+use pdserve_codec::{sse, Endpoint, Meta};
+use pdserve_engine::Usage;
 use pdserve_engine::{Finish, Id, Input, Request as EngineRequest, Timings};
 use pdserve_http::{ConnId, Response};
 use serde_json::{json, Value};
@@ -204,7 +206,7 @@ impl Frontend {
             }
             return;
         };
-        let mut body = json!({"usage": g.usage.to_json(), "timings": g.timings});
+        let mut body = json!({"usage": openai::usage_json(g.usage), "timings": g.timings});
         body[pd::HANDLE_FIELD] = Value::Array(handles);
         let _ = self.server.respond(conn, &json_response(200, &body, Some(&g.request_id)));
     }

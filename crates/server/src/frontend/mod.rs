@@ -5,14 +5,15 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use pdserve_api::anthropic::{self, MessageStream};
-use pdserve_api::openai::{self, sse, Delta, Endpoint, GenerateRequest, Meta, Prompt, TokenLogprob};
-use pdserve_api::tools::{Piece, ToolCall};
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role};
-use pdserve_chat_template::{tool_call, ChatMessage};
+use pdserve_codec::anthropic::{self, MessageStream};
+use pdserve_codec::openai::{self, Delta};
+use pdserve_codec::{sse, Endpoint, GenerateRequest, Meta, Prompt};
+use pdserve_engine::SamplingParams;
+use pdserve_engine::{chat_tool_call as tool_call, ChatMessage};
 use pdserve_engine::{Engine, Id, Input, Output, Request as EngineRequest, Timings};
+use pdserve_engine::{Piece, TokenLogprob, ToolCall};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
-use pdserve_model::SamplingParams;
 use pdserve_telemetry::Gauge;
 use serde_json::{json, Value};
 
@@ -103,7 +104,7 @@ fn timings_json(t: &Timings) -> Value {
 
 /// A chat message as the template sees it: calls with their arguments as objects (templates write
 /// them with `tojson`).
-fn chat_message(m: &openai::Message) -> ChatMessage {
+fn chat_message(m: &pdserve_codec::Message) -> ChatMessage {
     let mut c = ChatMessage::new(&m.role, &m.content);
     c.tool_calls = m.tool_calls.iter().map(|t| tool_call(&t.id, &t.name, &t.arguments)).collect();
     c.tool_call_id = m.tool_call_id.clone();
@@ -303,7 +304,7 @@ impl Frontend {
                 "the worker is draining and takes no new requests",
             ));
         }
-        let g = openai::parse_generate(endpoint, &req.body)?;
+        let g = pdserve_codec::parse_generate(endpoint, &req.body)?;
         self.check_model(g.model.as_deref())?;
         let role = self.engine.info().role;
         let input = match (g.pd_handles.first().cloned(), role) {
@@ -668,7 +669,7 @@ impl Frontend {
                     self.engine.abort_request(&l.request_id);
                     return;
                 };
-                let mut body = json!({"usage": usage.to_json(), "timings": timings_json(&timings)});
+                let mut body = json!({"usage": openai::usage_json(usage), "timings": timings_json(&timings)});
                 body[pd::HANDLE_FIELD] = handle.to_json();
                 let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
             }

@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::header::{self, secret_matches};
-use pdserve_api::openai::{self, Prompt};
 use pdserve_api::{path, ApiError, ErrorKind, Health, Stage};
+use pdserve_codec::{openai, Prompt};
 use pdserve_engine::{Aborted, Input, PanicSite};
 use pdserve_http::{Request, Response};
 use serde_json::json;
@@ -56,7 +56,7 @@ impl Frontend {
             "owned_by": "pdserve", "max_model_len": info.context_tokens, "device": info.device.to_string(),
             "weights": info.weights.name(), "activations": info.activations, "multi_row_weights": info.multi_row_weights, "kv_dtype": info.kv_dtype.name(),
             "weight_bytes": info.weight_bytes, "kv_bytes": info.kv_bytes,
-            "cpu_kernels": pdserve_model::cpu_kernels().name(), "role": info.role.as_str()});
+            "cpu_kernels": pdserve_engine::cpu_kernels().name(), "role": info.role.as_str()});
         json_response(200, &json!({"object": "list", "data": [model]}), Some(rid))
     }
 

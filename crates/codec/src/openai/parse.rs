@@ -3,10 +3,13 @@
 
 use serde_json::{json, Map, Value};
 
-use super::{Constraint, Endpoint, GenerateRequest, Message, Prompt, Sampling};
-use crate::pd::{PdHandle, Resume, HANDLE_FIELD, RESUME_FIELD};
-use crate::tools::{parse_tool_choice, parse_tools, Tool, ToolCall, ToolChoice};
-use crate::ApiError;
+use pdserve_api::generation::Constraint;
+use pdserve_api::pd::{PdHandle, Resume, HANDLE_FIELD, RESUME_FIELD};
+use pdserve_api::tools::{Tool, ToolCall, ToolChoice};
+use pdserve_api::ApiError;
+
+use super::tools::{parse_tool_choice, parse_tools};
+use crate::{Endpoint, GenerateRequest, Message, Prompt, Sampling};
 
 /// Fields every generation body may carry, beside the endpoint's own. OpenAI's informational fields
 /// (`user`, `metadata`, `store`, `service_tier`) are accepted and have no effect.
@@ -355,16 +358,11 @@ fn parse_stop(f: &Fields<'_>) -> Result<(Vec<String>, Vec<u32>), ApiError> {
     Ok((stop, ids))
 }
 
-/// Parses a chat-completions or completions body. Every field is checked for type and range, and a
-/// field this server does not know is refused (as OpenAI's API does), never silently ignored; errors
-/// name the field.
-pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest, ApiError> {
-    let v: Value = match endpoint {
-        // A Messages body is read into the chat body it stands for, then checked as one.
-        Endpoint::Messages => crate::anthropic::to_chat_body(body)?,
-        _ => serde_json::from_slice(body)
-            .map_err(|e| ApiError::invalid(format!("body is not valid JSON: {e}")))?,
-    };
+/// Checks a chat-completions or completions body (or the chat body a Messages body stands for) and
+/// reads it into a [`GenerateRequest`]. Every field is checked for type and range, and a field this
+/// server does not know is refused (as OpenAI's API does), never silently ignored; errors name the
+/// field. [`crate::parse_generate`] takes the raw bytes of any endpoint.
+pub fn parse_value(endpoint: Endpoint, v: Value) -> Result<GenerateRequest, ApiError> {
     let obj = v.as_object().ok_or_else(|| ApiError::invalid("body must be a JSON object"))?;
     let own = match endpoint {
         Endpoint::Chat | Endpoint::Messages => CHAT_FIELDS,
@@ -562,6 +560,7 @@ pub fn parse_detokenize(body: &[u8]) -> Result<(Option<String>, Vec<u32>), ApiEr
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::parse_generate;
 
     #[test]
     fn bodies_are_checked_field_by_field() {

@@ -5,10 +5,12 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::openai::{Meta, Usage};
-use crate::pd::{HANDLE_FIELD, RESUME_FIELD};
-use crate::tools::ToolCall;
-use crate::ApiError;
+use pdserve_api::generation::Usage;
+use pdserve_api::pd::{HANDLE_FIELD, RESUME_FIELD};
+use pdserve_api::tools::ToolCall;
+use pdserve_api::ApiError;
+
+use crate::Meta;
 
 /// Fields of a Messages body.
 const FIELDS: &[&str] = &[
@@ -147,7 +149,7 @@ fn chat_messages(i: usize, m: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
 }
 
 /// Reads a Messages body into the equivalent chat-completions body, which
-/// [`crate::openai::parse_generate`] then checks like any other.
+/// [`crate::parse_generate`] then checks like any other.
 pub fn to_chat_body(body: &[u8]) -> Result<Value, ApiError> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| invalid(format!("body is not valid JSON: {e}")))?;
@@ -403,7 +405,7 @@ pub fn event_data(e: &Event) -> String {
 }
 
 /// The bytes a stream ends with, checked by the router to see the stream end cleanly.
-pub const STREAM_END: &str = "event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n";
+pub const STREAM_END: &str = crate::MESSAGES_STREAM_END;
 
 /// A stream that fails after it began: an `error` event (the client raises it), then `message_stop`.
 pub fn stream_error_events(error: &ApiError, request_id: &str) -> [Event; 2] {
@@ -415,7 +417,7 @@ pub fn stream_error_events(error: &ApiError, request_id: &str) -> [Event; 2] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::openai::Endpoint;
+    use crate::Endpoint;
 
     #[test]
     fn a_tool_conversation_reads_as_the_chat_it_stands_for() {
@@ -441,7 +443,7 @@ mod tests {
             (&chat["tool_choice"], &chat["parallel_tool_calls"], &chat["stop"]),
             (&json!("required"), &json!(false), &json!(["END"]))
         );
-        let g = crate::openai::parse_generate(
+        let g = crate::parse_generate(
             Endpoint::Messages,
             &serde_json::to_vec(&json!({
             "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}))
