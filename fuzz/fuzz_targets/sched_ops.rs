@@ -14,11 +14,11 @@ fuzz_target!(|data: &[u8]| {
     let mut next = || bytes.next();
     let Some(shape) = next() else { return };
     let config = SchedulerConfig {
-        max_queued_requests: 1 + usize::from(shape % 8),
-        max_running_requests: 1 + usize::from(shape / 8 % 8),
-        max_batch_tokens: 8 + usize::from(shape % 64),
-        prefill_chunk_tokens: 1 + usize::from(shape % 32),
-        max_context_tokens: 512,
+        queued_requests_max: 1 + usize::from(shape % 8),
+        running_requests_max: 1 + usize::from(shape / 8 % 8),
+        batch_tokens_max: 8 + usize::from(shape % 64),
+        prefill_chunk_tokens_max: 1 + usize::from(shape % 32),
+        context_tokens_max: 512,
         attention_cost_positions: (shape & 0x40 != 0).then_some(16 + usize::from(shape % 50)),
         ..SchedulerConfig::default()
     };

@@ -13,7 +13,7 @@ use serde_json::Value;
 
 use crate::peer::Isa;
 use crate::serve::{start_stack, stop_all, Spec};
-use crate::vs_llamacpp::{table_row, Row, ROWS};
+use crate::vs_llamacpp::{pick_rows, table_row, Row, ROWS};
 
 const USAGE: &str = "cargo xtask bench ab --base REV [--isa native|avx2] [--repeat K] [--rows LIST]
     [--weights FMT]
@@ -37,13 +37,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--isa" => isa = Isa::parse(&v()?).with_context(|| format!("--isa: {}", Isa::NAMES))?,
             "--repeat" => repeat = v()?.parse()?,
             "--weights" => weights = v()?,
-            "--rows" => {
-                let names = v()?;
-                rows = names
-                    .split(',')
-                    .map(|n| ROWS.iter().find(|r| r.name == n).with_context(|| format!("no row {n:?}")))
-                    .collect::<Result<_>>()?;
-            }
+            "--rows" => rows = pick_rows(&v()?)?,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(());

@@ -100,6 +100,11 @@ pub(crate) const ROWS: &[Row] = &[
     },
 ];
 
+/// The rows a `--rows` list names (comma-separated).
+pub(crate) fn pick_rows(names: &str) -> Result<Vec<&'static Row>> {
+    names.split(',').map(|n| ROWS.iter().find(|r| r.name == n).with_context(|| format!("no row {n:?}"))).collect()
+}
+
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut isas, mut repeat, mut weights) = (vec![Isa::Native, Isa::Avx2], 3usize, "q4".to_owned());
     let mut activations = "f32".to_owned();
@@ -118,13 +123,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--repeat" => repeat = v()?.parse()?,
             "--weights" => weights = v()?,
             "--activations" => activations = v()?,
-            "--rows" => {
-                let names = v()?;
-                rows = names
-                    .split(',')
-                    .map(|n| ROWS.iter().find(|r| r.name == n).with_context(|| format!("no row {n:?}")))
-                    .collect::<Result<_>>()?;
-            }
+            "--rows" => rows = pick_rows(&v()?)?,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(());

@@ -117,7 +117,7 @@ impl EngineConfig {
             // (`cargo bench -p pdserve-model --bench forward -- --only chunk256`: a 256-token chunk
             // at 7,500 costs 8.7 chunks at 0), so late chunks of a long prompt shrink to keep steps short.
             scheduler: SchedulerConfig {
-                max_context_tokens: usize::MAX,
+                context_tokens_max: usize::MAX,
                 attention_cost_positions: Some(1000),
                 ..SchedulerConfig::default()
             },

@@ -33,7 +33,7 @@ pub enum EngineError {
     /// The prompt leaves no room to generate.
     ContextLengthExceeded { prompt_tokens: usize, context_tokens: usize },
     /// The waiting queue is full.
-    QueueFull { waiting: usize, limit: usize },
+    QueueFull { queued: usize, limit: usize },
     /// A live request already has this id.
     DuplicateRequestId { request_id: String },
     /// The engine thread's command queue is full (it is not keeping up).
@@ -157,8 +157,8 @@ impl fmt::Display for EngineError {
                 f,
                 "prompt is {prompt_tokens} tokens; the context is {context_tokens} tokens and at least one must be left to generate"
             ),
-            EngineError::QueueFull { waiting, limit } => {
-                write!(f, "request queue is full ({waiting} waiting, limit {limit})")
+            EngineError::QueueFull { queued, limit } => {
+                write!(f, "request queue is full ({queued} waiting, limit {limit})")
             }
             EngineError::DuplicateRequestId { request_id } => write!(f, "request id {request_id} is already live"),
             EngineError::Busy { limit } => write!(f, "the engine's command queue is full ({limit} commands)"),

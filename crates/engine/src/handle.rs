@@ -20,7 +20,7 @@ use pdserve_scheduler::Scheduler;
 use pdserve_telemetry::{Registry, RequestLedger};
 
 use crate::metrics::Metrics;
-use crate::text_thread::{lock, timings, Job, Live, NewRequest, Stream, TextThread};
+use crate::text_thread::{lock, timings, Job, Streams, NewRequest, Stream, TextThread};
 use crate::{Device, EngineConfig, EngineError, Finish, Id, Input, Output, Request};
 
 /// How the engine thread is doing, for readiness checks.
@@ -31,7 +31,7 @@ pub struct Health {
     /// Since the last token was sampled (`None`: never).
     pub token_age: Option<Duration>,
     /// Requests waiting and running in the engine.
-    pub waiting: usize,
+    pub queued: usize,
     pub running: usize,
     /// KV transfers offered (a prefill engine's, until their decode side has pulled them) or being
     /// pulled (a decode engine's).
@@ -43,8 +43,8 @@ pub struct Health {
 /// Where an abort found the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Aborted {
-    /// It was live; it ends as `Cancelled`.
-    Live(Id),
+    /// It was in flight; it ends as `Cancelled`.
+    InFlight(Id),
     /// Prefill role: its KV was offered to a decode worker; the offer ends.
     Offered(Id),
 }
@@ -53,7 +53,7 @@ pub enum Aborted {
 pub struct Engine {
     jobs: Sender<Job>,
     outputs: Receiver<Output>,
-    live: Arc<Mutex<Live>>,
+    live: Arc<Mutex<Streams>>,
     shared: Arc<Shared>,
     codec: Arc<TextCodec>,
     info: EngineInfo,
@@ -113,8 +113,8 @@ impl Engine {
             Some(_) if config.role != Role::Prefill => usize::MAX,
             _ => config.kv_blocks.saturating_mul(config.block_size),
         };
-        let context = files.config.max_position_embeddings.min(config.scheduler.max_context_tokens).min(pool);
-        config.scheduler.max_context_tokens = context;
+        let context = files.config.max_position_embeddings.min(config.scheduler.context_tokens_max).min(pool);
+        config.scheduler.context_tokens_max = context;
         config.scheduler.sliding_window = files.config.sliding_window;
         if config.device != Device::Cpu {
             // The context cost was measured for the CPU backend; the GPU backend chunks by tokens.
@@ -158,7 +158,7 @@ impl Engine {
         }
         let shared =
             Arc::new(Shared::new(now, RequestLedger::new(&config.process_name, config.ledger_capacity)));
-        let bound = config.scheduler.max_queued_requests + config.scheduler.max_running_requests + 64;
+        let bound = config.scheduler.queued_requests_max + config.scheduler.running_requests_max + 64;
         let (cmd_tx, cmd_rx) = crossbeam_channel::bounded(bound);
         let (reply_tx, reply_rx) = crossbeam_channel::bounded(bound * config.replies_per_request.max(1));
         let info = EngineInfo {
@@ -209,7 +209,7 @@ impl Engine {
             EngineThread::new(worker, cmd_rx, reply_tx, Arc::clone(&shared), metrics.clone(), step_thread);
         let engine_thread = std::thread::Builder::new().name("engine".into()).spawn(move || thread.run())?;
         let codec = Arc::new(files.text);
-        let live = Arc::new(Mutex::new(Live::default()));
+        let live = Arc::new(Mutex::new(Streams::default()));
         let (job_tx, job_rx) = crossbeam_channel::bounded(bound);
         let (out_tx, out_rx) = crossbeam_channel::bounded(bound * config.replies_per_request.max(1));
         let text = TextThread {
@@ -313,10 +313,10 @@ impl Engine {
             _ => None,
         };
         // A full queue answers at once, without a round trip to the engine thread.
-        let waiting = self.shared.waiting.load(Ordering::Relaxed);
-        let limit = self.config.scheduler.max_queued_requests;
-        if waiting >= limit {
-            return Err(EngineError::QueueFull { waiting, limit });
+        let queued = self.shared.queued.load(Ordering::Relaxed);
+        let limit = self.config.scheduler.queued_requests_max;
+        if queued >= limit {
+            return Err(EngineError::QueueFull { queued, limit });
         }
         self.next_id += 1;
         let id = mix(self.id_nonce.wrapping_add(self.next_id));
@@ -378,7 +378,7 @@ impl Engine {
         if let Some(&id) = live.by_request_id.get(request_id) {
             drop(live);
             self.abort(Id(id));
-            return Some(Aborted::Live(Id(id)));
+            return Some(Aborted::InFlight(Id(id)));
         }
         // The newest, should a request id have been used again.
         let &(_, id) = live.recent_prefills.iter().rfind(|(r, _)| r == request_id)?;
@@ -395,7 +395,7 @@ impl Engine {
         Health {
             tick_age: Duration::from_millis(ms.saturating_sub(tick)),
             token_age: (token > 0).then(|| Duration::from_millis(ms.saturating_sub(token))),
-            waiting: self.shared.waiting.load(Ordering::Relaxed),
+            queued: self.shared.queued.load(Ordering::Relaxed),
             running: self.shared.running.load(Ordering::Relaxed),
             transfers: self.shared.transfers.load(Ordering::Relaxed),
             oldest: lock(&self.live)

@@ -8,7 +8,7 @@ use pdserve_telemetry::{
 pub(crate) struct Metrics {
     pub registry: Registry,
     pub finished: CounterVec,
-    pub waiting: Gauge,
+    pub queued: Gauge,
     pub running: Gauge,
     pub kv_blocks: GaugeVec,
     pub kv_usage: Gauge,
@@ -43,7 +43,7 @@ impl Metrics {
                 "Requests that reached a terminal state.",
                 &["outcome", "stage"],
             )?,
-            waiting: r.gauge("requests_waiting", "Requests in the admission queue.")?,
+            queued: r.gauge("requests_waiting", "Requests in the admission queue.")?,
             running: r.gauge("requests_running", "Requests in the running batch.")?,
             kv_blocks: r.gauge_vec(
                 "kv_blocks",

@@ -45,7 +45,7 @@ pub(crate) struct Shared {
     pub last_tick_ms: AtomicU64,
     /// Milliseconds since `epoch` of the last token sampled (0: never).
     pub last_token_ms: AtomicU64,
-    pub waiting: AtomicUsize,
+    pub queued: AtomicUsize,
     pub running: AtomicUsize,
     /// KV transfers offered or being pulled.
     pub transfers: AtomicUsize,
@@ -58,7 +58,7 @@ impl Shared {
             epoch,
             last_tick_ms: Default::default(),
             last_token_ms: Default::default(),
-            waiting: Default::default(),
+            queued: Default::default(),
             running: Default::default(),
             transfers: Default::default(),
             ledger: Mutex::new(ledger),
@@ -479,9 +479,9 @@ impl EngineThread {
             });
         }
         let st = core.scheduler_stats();
-        self.shared.waiting.store(core.waiting(), Ordering::Relaxed);
+        self.shared.queued.store(core.queued(), Ordering::Relaxed);
         self.shared.running.store(core.running(), Ordering::Relaxed);
-        self.metrics.waiting.set(st.waiting as f64);
+        self.metrics.queued.set(st.queued as f64);
         self.metrics.running.set(st.running as f64);
         let kv = core.kv().stats();
         if let Ok(g) = self.metrics.kv_blocks.with(&["free"]) {

@@ -3,7 +3,7 @@
 //! decoding, stop strings, log-probabilities by name), so neither the caller's thread (a server's
 //! event loop) nor the engine thread ever waits on text work.
 //!
-//! The requests alive on the caller's side are one table, [`Live`], shared with the handle: whoever
+//! The requests alive on the caller's side are one table, [`Streams`], shared with the handle: whoever
 //! removes a request from it (this thread at its end, or the handle's watchdog at its deadline) is the
 //! one that reports its end, so it is reported exactly once. Each request's text state is this
 //! thread's alone, so the table's lock is never held over text work.
@@ -22,7 +22,7 @@ use pdserve_api::generation::{TokenLogprob, Usage};
 use pdserve_api::pd::PdHandle;
 use pdserve_api::{Role, Stage};
 use pdserve_model::{IncrementalDecoder, TextCodec};
-use pdserve_scheduler::{FinishReason, Outcome};
+use pdserve_scheduler::{FinishReason, Exit};
 
 use crate::core::{output_budget, resumed_is_complete, Reply, Submission, Times};
 use crate::grammar::Grammars;
@@ -110,14 +110,14 @@ impl Stream {
 
 /// Every request alive on the caller's side.
 #[derive(Debug, Default)]
-pub(crate) struct Live {
+pub(crate) struct Streams {
     pub streams: HashMap<u64, Stream>,
     pub by_request_id: HashMap<String, u64>,
     /// Prefill role: recent requests whose KV is (or was) offered, so an abort can end the offer.
     pub recent_prefills: VecDeque<(String, u64)>,
 }
 
-impl Live {
+impl Streams {
     pub(crate) fn insert(&mut self, id: u64, s: Stream) {
         self.by_request_id.insert(s.request_id.clone(), id);
         self.streams.insert(id, s);
@@ -131,7 +131,7 @@ impl Live {
     }
 }
 
-pub(crate) fn lock(live: &Mutex<Live>) -> MutexGuard<'_, Live> {
+pub(crate) fn lock(live: &Mutex<Streams>) -> MutexGuard<'_, Streams> {
     live.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -162,7 +162,7 @@ pub(crate) struct TextThread {
     pub commands: Sender<Command>,
     pub outputs: Sender<Output>,
     pub wake: Arc<dyn Fn() + Send + Sync>,
-    pub live: Arc<Mutex<Live>>,
+    pub live: Arc<Mutex<Streams>>,
     pub codec: Arc<TextCodec>,
     pub info: EngineInfo,
     pub metrics: Metrics,
@@ -638,11 +638,11 @@ fn finish(role: Role, outcome: &Outcome) -> Finish {
         pdserve_scheduler::Stage::Decoding => Stage::Decoding,
     };
     match outcome {
-        Outcome::Completed(FinishReason::Stop) => Finish::Stop,
-        Outcome::Completed(FinishReason::Length) | Outcome::PrefillDone { .. } => Finish::Length,
-        Outcome::Cancelled => Finish::Cancelled,
-        Outcome::TimedOut { stage: s } => Finish::TimedOut { stage: stage(*s) },
-        Outcome::Failed { stage: s, reason } => Finish::Failed { stage: stage(*s), reason: reason.clone() },
+        Exit::Completed(FinishReason::Stop) => Finish::Stop,
+        Exit::Completed(FinishReason::Length) | Exit::PrefillDone { .. } => Finish::Length,
+        Exit::Cancelled => Finish::Cancelled,
+        Exit::TimedOut { stage: s } => Finish::TimedOut { stage: stage(*s) },
+        Exit::Failed { stage: s, reason } => Finish::Failed { stage: stage(*s), reason: reason.clone() },
     }
 }
 

@@ -272,8 +272,8 @@ fn an_abort_takes_effect_while_the_step_it_is_in_still_runs() {
     // abort that comes meanwhile ends the request and frees its blocks before that step returns.
     let mut c = config(Role::Unified);
     c.model_dir = slow_model();
-    c.scheduler.max_batch_tokens = 4096;
-    c.scheduler.prefill_chunk_tokens = 4096;
+    c.scheduler.batch_tokens_max = 4096;
+    c.scheduler.prefill_chunk_tokens_max = 4096;
     let mut e = Engine::start(c, Arc::new(|| {})).expect("engine starts");
     // (The byte-level tokenizer: one token a byte.)
     let prompt = "The quick brown fox jumps over the lazy dog. ".repeat(33);

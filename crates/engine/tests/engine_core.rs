@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use pdserve_api::Role;
 use pdserve_kvcache::{KvCache, KvConfig, OwnerKind, TransferId};
-use pdserve_pd_transfer::{EndpointEvent, Outcome as TransferOutcome, PromptMeta, Side, Source, TransferKey};
-use pdserve_scheduler::{FinishReason, Outcome, Scheduler, SchedulerConfig};
+use pdserve_pd_transfer::{EndpointEvent, TransferOutcome, PromptMeta, Side, Source, TransferKey};
+use pdserve_scheduler::{FinishReason, Exit, Scheduler, SchedulerConfig};
 
 use pdserve_engine::core::*;
 
@@ -23,7 +23,7 @@ fn core(role: Role) -> (EngineCore, Instant) {
         Role::Decode => pdserve_scheduler::Role::Decode,
     };
     let sched = Scheduler::new(
-        SchedulerConfig { role: role_s, max_context_tokens: 64, ..Default::default() },
+        SchedulerConfig { role: role_s, context_tokens_max: 64, ..Default::default() },
         kv,
         now,
     );
@@ -79,7 +79,7 @@ fn a_unified_request_is_admitted_generates_and_ends_once() {
                 Reply::Token { token, .. } => tokens.push(token),
                 Reply::Finished { outcome, .. } => {
                     ends += 1;
-                    assert_eq!(outcome, Outcome::Completed(FinishReason::Length));
+                    assert_eq!(outcome, Exit::Completed(FinishReason::Length));
                 }
                 other => panic!("unexpected {other:?}"),
             }
@@ -101,7 +101,7 @@ fn an_abort_ends_a_request_at_once_even_while_its_step_runs_and_other_inputs_wai
     c.handle_abort(now, 1);
     c.handle_submit(now, Box::new(Submission::new(2, "b", vec![5], deadline)));
     let got = replies(&mut c);
-    assert!(matches!(got[..], [Reply::Finished { id: 1, outcome: Outcome::Cancelled, .. }]), "{got:?}");
+    assert!(matches!(got[..], [Reply::Finished { id: 1, outcome: Exit::Cancelled, .. }]), "{got:?}");
     assert_eq!(sequence_blocks(&c), 0, "the aborted request's blocks are free");
     let output = StepOutput::Logits(vec![pick(9)]);
     c.handle_step_done(now, StepDone::new(Ok(output), plan.guides));
@@ -132,7 +132,7 @@ fn a_failed_step_fails_its_requests_and_frees_their_blocks() {
     let plan = c.poll_step(now, false).expect("a step");
     c.handle_step_done(now, StepDone::new(Err(StepFailure::Panicked), plan.guides));
     let got = replies(&mut c);
-    assert!(matches!(got[..], [Reply::Finished { outcome: Outcome::Failed { .. }, .. }]), "{got:?}");
+    assert!(matches!(got[..], [Reply::Finished { outcome: Exit::Failed { .. }, .. }]), "{got:?}");
     assert_eq!(sequence_blocks(&c), 0);
 }
 
@@ -143,7 +143,7 @@ fn a_request_past_its_deadline_times_out_at_the_next_step() {
     replies(&mut c);
     assert!(!step(&mut c, now + Duration::from_millis(11), 9));
     let got = replies(&mut c);
-    assert!(matches!(got[..], [Reply::Finished { outcome: Outcome::TimedOut { .. }, .. }]), "{got:?}");
+    assert!(matches!(got[..], [Reply::Finished { outcome: Exit::TimedOut { .. }, .. }]), "{got:?}");
 }
 
 #[test]
@@ -176,7 +176,7 @@ fn a_prefill_offers_its_kv_and_ends_prefilled_or_failed_by_the_endpoints_answer(
             };
             c.handle_transfer_event(now, ended);
         } else {
-            assert!(matches!(got[..], [Reply::Finished { outcome: Outcome::Failed { .. }, .. }]), "{got:?}");
+            assert!(matches!(got[..], [Reply::Finished { outcome: Exit::Failed { .. }, .. }]), "{got:?}");
         }
         assert_eq!(sequence_blocks(&c), 0);
     }
@@ -208,7 +208,7 @@ fn a_decode_pulls_is_admitted_when_described_and_starts_with_the_prefill_workers
     c.handle_submit(now, Box::new(s));
     assert!(matches!(c.poll_transfer(), Some(TransferCall::Pull { .. })));
     c.handle_pull_started(now, 77, Ok(()));
-    assert_eq!((c.len(), c.waiting()), (1, 1));
+    assert_eq!((c.len(), c.queued()), (1, 1));
     c.handle_transfer_event(
         now,
         EndpointEvent::Described { transfer: 77, blocks: 2, meta: meta(vec![1, 2, 3, 4, 5], 6) },
@@ -234,7 +234,7 @@ fn a_decode_pulls_is_admitted_when_described_and_starts_with_the_prefill_workers
     assert_eq!(tokens, vec![6, 9], "{got:?}");
     assert!(matches!(
         got.last(),
-        Some(Reply::Finished { outcome: Outcome::Completed(FinishReason::Length), .. })
+        Some(Reply::Finished { outcome: Exit::Completed(FinishReason::Length), .. })
     ));
     assert_eq!(sequence_blocks(&c), 0);
 }

@@ -25,7 +25,7 @@ use pdserve_model::{Backend, KvDtype, KvLayout, ModelError, SamplingParams, SeqS
 use pdserve_pd_transfer::{
     Arrival, Connected, Dtype, Endpoint, EndpointConfig, Layout, Message, PeerId, Source, Transport,
 };
-use pdserve_scheduler::{Outcome, Scheduler, SchedulerConfig};
+use pdserve_scheduler::{Exit, Scheduler, SchedulerConfig};
 
 const VOCAB: usize = 48;
 const EOS: u32 = 0;
@@ -329,11 +329,11 @@ fn node(
     let sched = Scheduler::new(
         SchedulerConfig {
             role: sched_role,
-            max_queued_requests: 48,
-            max_running_requests: 8,
-            max_batch_tokens: 48,
-            prefill_chunk_tokens: 16,
-            max_context_tokens: CONTEXT,
+            queued_requests_max: 48,
+            running_requests_max: 8,
+            batch_tokens_max: 48,
+            prefill_chunk_tokens_max: 16,
+            context_tokens_max: CONTEXT,
             kv_lease: Duration::from_secs(2),
             kv_transfer_timeout: Duration::from_secs(2),
             ..Default::default()
@@ -595,7 +595,7 @@ impl Sim {
                 }
                 Reply::Finished { outcome, .. } => {
                     run_ref.ends += 1;
-                    let completed = matches!(outcome, Outcome::Completed(_));
+                    let completed = matches!(outcome, Exit::Completed(_));
                     run_ref.end = Some((End::Done(outcome), t));
                     if !completed {
                         self.forget_offer(run);
@@ -676,7 +676,7 @@ impl Sim {
         if r.path != Path::Unified || r.tokens.len() < 3 || self.specs[r.logical].abort_ms.is_some() {
             return;
         }
-        if !matches!(r.end, Some((End::Done(Outcome::Completed(_)), _))) {
+        if !matches!(r.end, Some((End::Done(Exit::Completed(_)), _))) {
             return;
         }
         let logical = r.logical;
@@ -782,7 +782,7 @@ impl Sim {
         // Completed paths of one request: the same tokens.
         let mut done: HashMap<(usize, Path), Vec<&Run>> = HashMap::new();
         for r in &self.runs {
-            if matches!(r.end, Some((End::Done(Outcome::Completed(_)), _))) {
+            if matches!(r.end, Some((End::Done(Exit::Completed(_)), _))) {
                 done.entry((r.logical, r.path)).or_default().push(r);
             }
         }
@@ -826,7 +826,7 @@ impl Sim {
         let pd = matches!(path, Path::Pd | Path::ResumedPd);
         let submitted = of(pd.then_some(P)).count();
         let completed = of(pd.then_some(D))
-            .filter(|r| matches!(r.end, Some((End::Done(Outcome::Completed(_)), _))))
+            .filter(|r| matches!(r.end, Some((End::Done(Exit::Completed(_)), _))))
             .count();
         (submitted, completed)
     }
@@ -865,8 +865,8 @@ impl Sim {
         }
         for r in &self.runs {
             match r.end {
-                Some((End::Done(Outcome::TimedOut { .. }), _)) => into.timed_out += 1,
-                Some((End::Done(Outcome::Cancelled), _)) => into.cancelled += 1,
+                Some((End::Done(Exit::TimedOut { .. }), _)) => into.timed_out += 1,
+                Some((End::Done(Exit::Cancelled), _)) => into.cancelled += 1,
                 _ => {}
             }
         }

@@ -10,7 +10,7 @@ use serde_json::Value;
 
 /// What happened to one request, as the client saw it.
 #[derive(Debug, Clone, Default)]
-pub struct Outcome {
+pub struct Observation {
     /// HTTP status (0: none arrived).
     pub status: u16,
     /// The error `type` from a JSON error body or an SSE error event, or a client-side word
@@ -44,7 +44,7 @@ pub struct Outcome {
     pub agent_round: Option<(u32, u32)>,
 }
 
-impl Outcome {
+impl Observation {
     pub fn ok(&self) -> bool {
         self.status == 200 && self.error.is_none() && self.terminal && !self.hung
     }
@@ -89,7 +89,7 @@ impl Conn {
         deadline: Instant,
         grace: Duration,
         api_key: Option<&str>,
-    ) -> Outcome {
+    ) -> Observation {
         self.request_leaving_after(path, body, deadline, grace, api_key, None)
     }
 
@@ -103,7 +103,7 @@ impl Conn {
         grace: Duration,
         api_key: Option<&str>,
         leave_after: Option<u64>,
-    ) -> Outcome {
+    ) -> Observation {
         let start = Instant::now();
         let hard = deadline + grace;
         let mut req = Request::new("POST", path);
@@ -116,8 +116,8 @@ impl Conn {
         if let Some(k) = api_key {
             header(pdserve_api::header::AUTHORIZATION, format!("Bearer {k}"));
         }
-        let mut out = Outcome::default();
-        let leave = |out: &mut Outcome| {
+        let mut out = Observation::default();
+        let leave = |out: &mut Observation| {
             out.client_left = true;
             out.terminal = true;
             out.error = Some("client_disconnect".into());
@@ -182,7 +182,7 @@ impl Conn {
 }
 
 /// The client-side word for a failure: `hung`, `connect`, `protocol`, `closed` or `io`.
-fn word(e: &HttpError, out: &Outcome) -> &'static str {
+fn word(e: &HttpError, out: &Observation) -> &'static str {
     match e {
         HttpError::DeadlineExceeded => "hung",
         HttpError::Connect(c) if c.kind() == io::ErrorKind::ConnectionRefused => "connect",
@@ -198,7 +198,7 @@ fn word(e: &HttpError, out: &Outcome) -> &'static str {
 
 /// One stream event. Error `type` words are read as the server wrote them (not through
 /// `pdserve_api::ApiError`, which knows only this project's words), so peers' errors keep their names.
-fn on_sse(data: &str, start: Instant, last: &mut Option<Instant>, out: &mut Outcome) {
+fn on_sse(data: &str, start: Instant, last: &mut Option<Instant>, out: &mut Observation) {
     if data == pdserve_codec::openai::DONE {
         out.terminal = true;
         return;
@@ -235,7 +235,7 @@ fn on_sse(data: &str, start: Instant, last: &mut Option<Instant>, out: &mut Outc
     }
 }
 
-fn on_plain(body: &[u8], start: Instant, out: &mut Outcome) {
+fn on_plain(body: &[u8], start: Instant, out: &mut Observation) {
     let Ok(v) = serde_json::from_slice::<Value>(body) else {
         if out.status != 200 {
             out.error = Some(format!("http_{}", out.status));
@@ -259,7 +259,7 @@ fn on_plain(body: &[u8], start: Instant, out: &mut Outcome) {
 
 /// `timings` as this project's workers report it (`{"queue_ms":..,"prefill_ms":..}`), or llama.cpp's
 /// (`prompt_ms`, `predicted_ms`).
-fn read_stages(v: &Value, out: &mut Outcome) {
+fn read_stages(v: &Value, out: &mut Observation) {
     if let Some(t) = v.get("timings").and_then(Value::as_object) {
         out.stages = t
             .iter()

@@ -32,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use client::{Conn, Outcome};
+pub use client::{Conn, Observation};
 pub use pdserve_telemetry::LatencySummary;
 pub use stats::{PointResult, RoundResult};
 
@@ -290,7 +290,7 @@ fn copy_messages(shape: &Shape, nonce: u64, i: u64) -> serde_json::Value {
     ])
 }
 
-fn send(conn: &mut Conn, target: &Target, shape: &Shape, messages: &serde_json::Value, seed: u64) -> Outcome {
+fn send(conn: &mut Conn, target: &Target, shape: &Shape, messages: &serde_json::Value, seed: u64) -> Observation {
     let deadline = Instant::now() + shape.timeout;
     let mixed = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 17;
     let leave_after = (shape.disconnect_one_in > 0 && mixed.is_multiple_of(shape.disconnect_one_in))
@@ -305,7 +305,7 @@ fn send(conn: &mut Conn, target: &Target, shape: &Shape, messages: &serde_json::
     )
 }
 
-fn record(progress: &Progress, o: &Outcome) {
+fn record(progress: &Progress, o: &Observation) {
     progress.done.fetch_add(1, Ordering::Relaxed);
     if !o.ok() {
         progress.failed.fetch_add(1, Ordering::Relaxed);
@@ -396,7 +396,7 @@ pub fn run_point(target: &Target, load: &Load, shape: &Shape, slo: &Slo, progres
             let n = overflow.load(Ordering::Relaxed);
             let mut g = outcomes.lock().unwrap_or_else(|e| e.into_inner());
             for _ in 0..n {
-                g.push(Outcome { error: Some("generator_backlog".into()), ..Outcome::default() });
+                g.push(Observation { error: Some("generator_backlog".into()), ..Observation::default() });
             }
         }
         Load::Agents { agents, rounds, tool_words } => {
@@ -478,7 +478,7 @@ pub fn progress_bar(
 }
 
 /// Stage timings summed over successful requests: `(mean ms, count)` per stage name.
-pub fn stage_means(outcomes: &[Outcome]) -> BTreeMap<String, (f64, u64)> {
+pub fn stage_means(outcomes: &[Observation]) -> BTreeMap<String, (f64, u64)> {
     let mut m: BTreeMap<String, (f64, u64)> = BTreeMap::new();
     for o in outcomes.iter().filter(|o| o.ok()) {
         for (k, v) in &o.stages {

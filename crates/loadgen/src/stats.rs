@@ -6,7 +6,7 @@ use std::time::Duration;
 use pdserve_telemetry::{LatencyHistogram, LatencySummary};
 use serde_json::json;
 
-use crate::{Load, Outcome, Slo};
+use crate::{Load, Observation, Slo};
 
 /// The percentiles of `samples` (through the workspace's one latency histogram).
 fn percentiles(samples: impl Iterator<Item = Duration>) -> LatencySummary {
@@ -74,8 +74,8 @@ impl RoundResult {
         self.computed_tokens().map(|c| c as f64 / self.new_tokens.max(1) as f64)
     }
 
-    fn from_outcomes(outcomes: &[Outcome]) -> Vec<RoundResult> {
-        let ok: Vec<(u32, u32, &Outcome)> = outcomes
+    fn from_outcomes(outcomes: &[Observation]) -> Vec<RoundResult> {
+        let ok: Vec<(u32, u32, &Observation)> = outcomes
             .iter()
             .filter(|o| o.ok())
             .filter_map(|o| o.agent_round.map(|(a, r)| (a, r, o)))
@@ -85,8 +85,8 @@ impl RoundResult {
         let rounds = ok.iter().map(|&(_, r, _)| r + 1).max().unwrap_or(0);
         (0..rounds)
             .map(|round| {
-                let these: Vec<&(u32, u32, &Outcome)> = ok.iter().filter(|(_, r, _)| *r == round).collect();
-                let sum_opt = |f: &dyn Fn(&Outcome) -> Option<u64>| -> Option<u64> {
+                let these: Vec<&(u32, u32, &Observation)> = ok.iter().filter(|(_, r, _)| *r == round).collect();
+                let sum_opt = |f: &dyn Fn(&Observation) -> Option<u64>| -> Option<u64> {
                     these.iter().map(|(_, _, o)| f(o)).reduce(|a, b| Some(a? + b?)).flatten()
                 };
                 RoundResult {
@@ -122,12 +122,12 @@ impl PointResult {
     pub fn from_outcomes(
         target: &str,
         load: &Load,
-        outcomes: &[Outcome],
+        outcomes: &[Observation],
         wall: Duration,
         cpu_s: f64,
         slo: &Slo,
     ) -> PointResult {
-        let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok()).collect();
+        let ok: Vec<&Observation> = outcomes.iter().filter(|o| o.ok()).collect();
         let mut errors = BTreeMap::new();
         for o in outcomes.iter().filter(|o| !o.ok()) {
             let key = format!("{} {}", o.status, o.error.as_deref().unwrap_or("unterminated"));
@@ -202,14 +202,14 @@ pub(crate) fn own_cpu_seconds() -> f64 {
 mod tests {
     use super::*;
 
-    fn o(ttft_ms: u64, e2e_ms: u64, tokens: u64) -> Outcome {
-        Outcome {
+    fn o(ttft_ms: u64, e2e_ms: u64, tokens: u64) -> Observation {
+        Observation {
             status: 200,
             ttft: Some(Duration::from_millis(ttft_ms)),
             e2e: Duration::from_millis(e2e_ms),
             output_tokens: tokens,
             terminal: true,
-            ..Outcome::default()
+            ..Observation::default()
         }
     }
 
@@ -220,8 +220,8 @@ mod tests {
             o(50, 140, 10),  // tpot 10 ms: good
             o(150, 200, 10), // ttft too slow
             o(50, 500, 10),  // tpot 50 ms: too slow
-            Outcome { status: 429, error: Some("queue_full".into()), terminal: true, ..Outcome::default() },
-            Outcome { hung: true, error: Some("hung".into()), ..Outcome::default() },
+            Observation { status: 429, error: Some("queue_full".into()), terminal: true, ..Observation::default() },
+            Observation { hung: true, error: Some("hung".into()), ..Observation::default() },
         ];
         let load = Load::Closed { concurrency: 2, requests: 5 };
         let r = PointResult::from_outcomes("t", &load, &outcomes, Duration::from_secs(1), 0.1, &slo);
@@ -239,7 +239,7 @@ mod tests {
 
     #[test]
     fn rounds_count_new_and_computed_tokens_per_agent() {
-        let turn = |agent: u32, round: u32, prompt: u64, cached: u64, ttft_ms: u64| Outcome {
+        let turn = |agent: u32, round: u32, prompt: u64, cached: u64, ttft_ms: u64| Observation {
             prompt_tokens: prompt,
             cached_tokens: Some(cached),
             kv_pulled_bytes: Some(1000),
@@ -252,7 +252,7 @@ mod tests {
             turn(0, 1, 460, 288, 60),
             turn(1, 1, 480, 304, 80),
             // A failed turn counts nowhere.
-            Outcome { agent_round: Some((2, 1)), status: 500, ..Outcome::default() },
+            Observation { agent_round: Some((2, 1)), status: 500, ..Observation::default() },
         ];
         let load = Load::Agents { agents: 3, rounds: 2, tool_words: 40 };
         let r =

@@ -58,6 +58,20 @@ pub use sys::{cpu_kernels, set_cpu_kernels, CpuKernels};
 pub use text::{tool_call, ChatMessage, IncrementalDecoder, TextCodec};
 pub use weights::{CheckpointDtype, Expert, LayerWeights, MoeWeights, Weights};
 
+/// Deterministic values in -1..1 for the unit tests' matrices and activations.
+#[cfg(test)]
+pub(crate) fn test_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 2001) as f32 / 1000.0 - 1.0
+        })
+        .collect()
+}
+
 /// Everything read from a model folder.
 #[derive(Debug)]
 pub struct ModelFiles {

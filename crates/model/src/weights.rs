@@ -176,6 +176,54 @@ pub enum CheckpointDtype {
 }
 
 impl Weights {
+    /// Weights of `config`'s dense shape (no experts, no norms on Q and K, the head tied to the
+    /// embedding, every norm 1), each matrix (and, with `biases`, the Q, K and V biases) the values
+    /// `fill` gives for its length. `fill` is called in one fixed order: per layer Q, K, V, O, then
+    /// the biases, gate, up and down; the embedding last. For tests and benchmarks without a
+    /// checkpoint.
+    pub fn filled(config: &ModelConfig, biases: bool, fill: &mut dyn FnMut(usize) -> Vec<f32>) -> Weights {
+        let c = config;
+        let (h, i, q, kv) =
+            (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+        let layers = (0..c.num_layers)
+            .map(|_| LayerWeights {
+                input_norm: vec![1.0; h],
+                q: fill(q * h),
+                k: fill(kv * h),
+                v: fill(kv * h),
+                o: fill(h * q),
+                q_bias: biases.then(|| fill(q)),
+                k_bias: biases.then(|| fill(kv)),
+                v_bias: biases.then(|| fill(kv)),
+                o_bias: None,
+                q_norm: None,
+                k_norm: None,
+                post_norm: vec![1.0; h],
+                gate: fill(i * h),
+                up: fill(i * h),
+                down: fill(h * i),
+                moe: None,
+            })
+            .collect();
+        Weights { embed: fill(c.vocab_size * h), layers, final_norm: vec![1.0; h], lm_head: None }
+    }
+
+    /// [`filled`](Self::filled) with values uniform in `-scale / 2..scale / 2`, drawn by a xorshift
+    /// generator from `seed` (not zero): the same seed, the same weights.
+    pub fn random(config: &ModelConfig, biases: bool, seed: u64, scale: f32) -> Weights {
+        let mut s = seed.max(1);
+        Weights::filled(config, biases, &mut |n| {
+            (0..n)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+                })
+                .collect()
+        })
+    }
+
     /// Loads every weight `config` calls for from the safetensors in `dir`.
     pub fn load(dir: &Path, config: &ModelConfig) -> Result<Weights, ModelError> {
         Weights::load_with_dtype(dir, config).map(|(w, _)| w)

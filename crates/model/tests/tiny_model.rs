@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pdserve_kvcache::{BlockId, KvCache, KvConfig, SeqId};
 use pdserve_model::{
-    Backend, CpuBackend, KvDtype, LayerWeights, ModelConfig, ModelError, ModelFiles, SeqStep, Weights,
+    Backend, CpuBackend, KvDtype, ModelConfig, ModelError, ModelFiles, SeqStep, Weights,
 };
 
 fn config() -> ModelConfig {
@@ -32,42 +32,8 @@ fn config() -> ModelConfig {
     }
 }
 
-fn random(n: usize, seed: &mut u64) -> Vec<f32> {
-    (0..n)
-        .map(|_| {
-            *seed ^= *seed << 13;
-            *seed ^= *seed >> 7;
-            *seed ^= *seed << 17;
-            ((*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.5
-        })
-        .collect()
-}
-
 fn weights(c: &ModelConfig) -> Weights {
-    let mut s = 0x1234_5678_9abc_def1u64;
-    let (h, i, q, kv) =
-        (c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-    let layers = (0..c.num_layers)
-        .map(|_| LayerWeights {
-            input_norm: vec![1.0; h],
-            q: random(q * h, &mut s),
-            k: random(kv * h, &mut s),
-            v: random(kv * h, &mut s),
-            o: random(h * q, &mut s),
-            q_bias: Some(random(q, &mut s)),
-            k_bias: Some(random(kv, &mut s)),
-            v_bias: Some(random(kv, &mut s)),
-            o_bias: None,
-            q_norm: None,
-            k_norm: None,
-            post_norm: vec![1.0; h],
-            gate: random(i * h, &mut s),
-            up: random(i * h, &mut s),
-            down: random(h * i, &mut s),
-            moe: None,
-        })
-        .collect();
-    Weights { embed: random(c.vocab_size * h, &mut s), layers, final_norm: vec![1.0; h], lm_head: None }
+    Weights::random(c, true, 0x1234_5678_9abc_def1, 0.5)
 }
 
 fn backend(num_blocks: usize, block_size: usize) -> CpuBackend {

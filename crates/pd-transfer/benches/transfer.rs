@@ -105,7 +105,7 @@ fn prefill_worker(
         ep.pump(&kv, mem.as_mut(), ms(start), Duration::from_millis(1)).expect("pump");
         while let Some(e) = ep.poll_event() {
             if let EndpointEvent::Ended { transfer, outcome, .. } = e {
-                assert_eq!(outcome, Outcome::Completed);
+                assert_eq!(outcome, TransferOutcome::Completed);
                 kv.release_lease(TransferId(transfer)).expect("release");
             }
         }
@@ -173,7 +173,7 @@ impl Pair {
                         self.ep.set_destination(transfer, 0, dest).expect("destination");
                     }
                     EndpointEvent::Ended { outcome, .. } => {
-                        assert_eq!(outcome, Outcome::Completed);
+                        assert_eq!(outcome, TransferOutcome::Completed);
                         break 'pulled;
                     }
                 }

@@ -18,7 +18,7 @@ use pdserve_kvcache::{BlockId, KvCache, TransferId};
 use crate::transport::shm::SharedRegion;
 use crate::transport::{Arrival, Transport};
 use crate::{
-    Layout, Message, Outcome, PeerId, PromptMeta, Receiver, SendAction, Sender, SenderConfig, TransferError,
+    Layout, Message, TransferOutcome, PeerId, PromptMeta, Receiver, SendAction, Sender, SenderConfig, TransferError,
     TransferKey,
 };
 
@@ -117,7 +117,7 @@ pub enum EndpointEvent {
     Described { transfer: u64, blocks: u32, meta: PromptMeta },
     /// A transfer ended on this side. Sending: release its lease, whatever the outcome. Receiving:
     /// adopt the destination lease on `Completed`, release it otherwise.
-    Ended { side: Side, transfer: u64, outcome: Outcome, took_ms: u64 },
+    Ended { side: Side, transfer: u64, outcome: TransferOutcome, took_ms: u64 },
 }
 
 /// Bytes moved, for the worker's metrics.

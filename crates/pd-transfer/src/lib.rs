@@ -37,7 +37,7 @@
 //!  epoch differs, is dropped without touching any block.
 //! ```
 //!
-//! Each transfer ends exactly once on each side with an [`Outcome`] in a [`TransferEvent`]; the shell
+//! Each transfer ends exactly once on each side with an [`TransferOutcome`] in a [`TransferEvent`]; the shell
 //! then releases (sender) or adopts or releases (receiver) its kvcache lease, so both KV ledgers return
 //! to baseline.
 
@@ -69,7 +69,7 @@ pub struct PeerId(pub u64);
 
 /// How a transfer ended on one side.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum TransferOutcome {
     Completed,
     Failed(FailReason),
 }
@@ -78,7 +78,7 @@ pub enum Outcome {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TransferEvent {
     pub key: TransferKey,
-    pub outcome: Outcome,
+    pub outcome: TransferOutcome,
 }
 
 /// The README's examples, compiled and run as doc tests.

@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 use pdserve_kvcache::BlockId;
 
 use crate::message::{FailReason, Layout, Message, PromptMeta, TransferKey};
-use crate::{Outcome, PeerId, TransferError, TransferEvent};
+use crate::{TransferOutcome, PeerId, TransferError, TransferEvent};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
@@ -138,7 +138,7 @@ impl Receiver {
             let reason = FailReason::BlockCountMismatch { sender: i.blocks, receiver };
             let (peer, sender) = (i.peer, i.blocks);
             self.out.push_back((peer, Message::Abort { key, reason: reason.clone() }));
-            self.end(transfer, Outcome::Failed(reason));
+            self.end(transfer, TransferOutcome::Failed(reason));
             return Err(TransferError::BlockCount { sender, receiver });
         }
         i.written = vec![false; dest.len()];
@@ -170,7 +170,7 @@ impl Receiver {
         self.transfers.values().map(|i| i.deadline).min()
     }
 
-    fn end(&mut self, transfer: u64, outcome: Outcome) {
+    fn end(&mut self, transfer: u64, outcome: TransferOutcome) {
         if let Some(i) = self.transfers.remove(&transfer) {
             // A description nobody took yet is withdrawn: the shell sees the end instead.
             self.described.retain(|d| d.key.transfer != transfer);
@@ -195,7 +195,7 @@ impl Receiver {
                 }
                 if blocks == 0 {
                     self.out.push_back((peer, Message::Abort { key, reason: FailReason::Protocol }));
-                    return self.end(key.transfer, Outcome::Failed(FailReason::Protocol));
+                    return self.end(key.transfer, TransferOutcome::Failed(FailReason::Protocol));
                 }
                 if let Some(i) = self.transfers.get_mut(&key.transfer) {
                     i.blocks = blocks;
@@ -204,10 +204,10 @@ impl Receiver {
                 self.described.push_back(Described { key, blocks, meta: *meta });
             }
             Message::Reject { reason, .. } | Message::Abort { reason, .. } => {
-                self.end(key.transfer, Outcome::Failed(reason))
+                self.end(key.transfer, TransferOutcome::Failed(reason))
             }
             Message::Confirm { .. } if state == State::Confirming => {
-                self.end(key.transfer, Outcome::Completed)
+                self.end(key.transfer, TransferOutcome::Completed)
             }
             Message::Confirm { .. }
             | Message::Block { .. }
@@ -239,7 +239,7 @@ impl Receiver {
         };
         if wrong {
             self.out.push_back((peer, Message::Abort { key, reason: FailReason::Protocol }));
-            self.end(key.transfer, Outcome::Failed(FailReason::Protocol));
+            self.end(key.transfer, TransferOutcome::Failed(FailReason::Protocol));
             return None;
         }
         let at = (index - i.from) as usize;
@@ -281,7 +281,7 @@ impl Receiver {
         let Some(i) = self.transfers.get(&transfer) else { return false };
         let key = TransferKey { transfer, epoch: i.epoch };
         self.out.push_back((i.peer, Message::Abort { key, reason: reason.clone() }));
-        self.end(transfer, Outcome::Failed(reason));
+        self.end(transfer, TransferOutcome::Failed(reason));
         true
     }
 
@@ -293,7 +293,7 @@ impl Receiver {
             let i = &self.transfers[&t];
             let key = TransferKey { transfer: t, epoch: i.epoch };
             self.out.push_back((i.peer, Message::Abort { key, reason: FailReason::DataTimeout }));
-            self.end(t, Outcome::Failed(FailReason::DataTimeout));
+            self.end(t, TransferOutcome::Failed(FailReason::DataTimeout));
         }
     }
 
@@ -301,7 +301,7 @@ impl Receiver {
     pub fn handle_peer_lost(&mut self, peer: PeerId) {
         let lost: Vec<u64> = self.transfers.iter().filter(|(_, i)| i.peer == peer).map(|(&t, _)| t).collect();
         for t in lost {
-            self.end(t, Outcome::Failed(FailReason::Aborted));
+            self.end(t, TransferOutcome::Failed(FailReason::Aborted));
         }
     }
 }

@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 use pdserve_kvcache::BlockId;
 
 use crate::message::{FailReason, Layout, Message, PromptMeta, TransferKey};
-use crate::{Outcome, PeerId, TransferError, TransferEvent};
+use crate::{TransferOutcome, PeerId, TransferError, TransferEvent};
 
 /// What the I/O shell must send.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -155,7 +155,7 @@ impl Sender {
         self.actions.push_back(SendAction::Message { peer, msg });
     }
 
-    fn end(&mut self, transfer: u64, outcome: Outcome) {
+    fn end(&mut self, transfer: u64, outcome: TransferOutcome) {
         if let Some(o) = self.transfers.remove(&transfer) {
             self.events.push_back(TransferEvent { key: TransferKey { transfer, epoch: o.epoch }, outcome });
         }
@@ -182,7 +182,7 @@ impl Sender {
                     // A mismatch ends the transfer on both sides: never garbage KV.
                     let reason = FailReason::LayoutMismatch { sender: o.layout, receiver: layout };
                     self.reply(peer, Message::Reject { key, reason: reason.clone() });
-                    return self.end(key.transfer, Outcome::Failed(reason));
+                    return self.end(key.transfer, TransferOutcome::Failed(reason));
                 }
                 let shared = shared && self.config.shared_region;
                 let Some(o) = self.transfers.get_mut(&key.transfer) else { return };
@@ -197,13 +197,13 @@ impl Sender {
                         let n = self.transfers.get(&key.transfer).map_or(0, |o| o.blocks.len() as u32);
                         if from > n {
                             self.reply(peer, Message::Abort { key, reason: FailReason::Protocol });
-                            return self.end(key.transfer, Outcome::Failed(FailReason::Protocol));
+                            return self.end(key.transfer, TransferOutcome::Failed(FailReason::Protocol));
                         }
                         if from == n {
                             // The receiver holds every block already: nothing to send, and the lease
                             // held until now, so the transfer is complete (the `Ready` is its `Done`).
                             self.reply(peer, Message::Confirm { key });
-                            return self.end(key.transfer, Outcome::Completed);
+                            return self.end(key.transfer, TransferOutcome::Completed);
                         }
                         // Blocks before `from` the receiver holds already: they are never sent.
                         if let Some(o) = self.transfers.get_mut(&key.transfer) {
@@ -234,7 +234,7 @@ impl Sender {
                         if next == n {
                             // Still holding the lease now means it held while every block was read.
                             self.reply(peer, Message::Confirm { key });
-                            self.end(key.transfer, Outcome::Completed);
+                            self.end(key.transfer, TransferOutcome::Completed);
                         }
                     }
                     // The lease is gone (expired, aborted): the receiver must not trust what it read.
@@ -248,7 +248,7 @@ impl Sender {
                     None => false,
                 };
                 if from_holder {
-                    self.end(key.transfer, Outcome::Failed(reason));
+                    self.end(key.transfer, TransferOutcome::Failed(reason));
                 }
             }
             // Messages only a receiver takes: a confused peer; ignore.
@@ -287,7 +287,7 @@ impl Sender {
             let key = TransferKey { transfer, epoch: o.epoch };
             self.reply(peer, Message::Abort { key, reason: FailReason::Aborted });
         }
-        self.end(transfer, Outcome::Failed(FailReason::Aborted));
+        self.end(transfer, TransferOutcome::Failed(FailReason::Aborted));
         true
     }
 
@@ -300,7 +300,7 @@ impl Sender {
                 let key = TransferKey { transfer: t, epoch: self.transfers[&t].epoch };
                 self.reply(peer, Message::Abort { key, reason: FailReason::LeaseExpired });
             }
-            self.end(t, Outcome::Failed(FailReason::LeaseExpired));
+            self.end(t, TransferOutcome::Failed(FailReason::LeaseExpired));
         }
     }
 
@@ -309,7 +309,7 @@ impl Sender {
         let lost: Vec<u64> =
             self.transfers.iter().filter(|(_, o)| o.state.holder() == Some(peer)).map(|(&t, _)| t).collect();
         for t in lost {
-            self.end(t, Outcome::Failed(FailReason::Aborted));
+            self.end(t, TransferOutcome::Failed(FailReason::Aborted));
         }
     }
 }

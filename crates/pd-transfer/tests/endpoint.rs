@@ -45,7 +45,7 @@ struct Worker {
     mem: Box<dyn BlockMemory>,
     /// The shared region's file, if the memory is one.
     region: Option<String>,
-    ended: HashMap<u64, Outcome>,
+    ended: HashMap<u64, TransferOutcome>,
     described: HashMap<u64, PromptMeta>,
     /// Give described transfers their destinations at once (else they wait, described).
     accept: bool,
@@ -109,7 +109,7 @@ impl Worker {
                 }
                 EndpointEvent::Ended { side, transfer, outcome, .. } => {
                     assert!(self.ended.insert(transfer, outcome.clone()).is_none(), "{transfer} ended twice");
-                    if side == Side::Receiving && outcome == Outcome::Completed {
+                    if side == Side::Receiving && outcome == TransferOutcome::Completed {
                         let seq = SeqId(transfer);
                         let tokens = self.described[&transfer].prompt.clone();
                         self.kv.adopt_lease(TransferId(transfer), seq, &tokens).unwrap();
@@ -176,8 +176,8 @@ fn transfer_several(shared: bool, sender: Via, receiver: Via) {
     run_until(&mut p, &mut d, |p, d| p.ended.len() == 5 && d.ended.len() == 5);
     let bb = layout().block_bytes();
     for t in 1..=5u64 {
-        assert_eq!(d.ended[&t], Outcome::Completed);
-        assert_eq!(p.ended[&t], Outcome::Completed);
+        assert_eq!(d.ended[&t], TransferOutcome::Completed);
+        assert_eq!(p.ended[&t], TransferOutcome::Completed);
         assert_eq!(d.described[&t].prompt, prompts[&t], "the prompt travels with the transfer");
         assert_eq!((d.described[&t].first_token, d.described[&t].first_logprob), (9, -0.125));
         for (i, b) in d.kv.block_table(SeqId(t)).unwrap().iter().enumerate() {
@@ -256,14 +256,14 @@ fn aborts_and_a_vanished_sender(shared: bool, sender: Via, receiver: Via) {
     let stale = TransferKey { epoch: k2.epoch ^ 1, ..k2 };
     d.ep.pull(&Source { addr, key: stale, region: region.clone() }, 10_000, 0).unwrap();
     run_until(&mut p, &mut d, |_, d| d.ended.contains_key(&2));
-    assert_eq!(d.ended[&2], Outcome::Failed(FailReason::StaleEpoch));
+    assert_eq!(d.ended[&2], TransferOutcome::Failed(FailReason::StaleEpoch));
     // The decode side gives up on transfer 1 once it is described.
     d.accept = false;
     run_until(&mut p, &mut d, |_, d| d.described.contains_key(&1));
     assert!(d.ep.abort(1));
     run_until(&mut p, &mut d, |p, d| p.ended.contains_key(&1) && d.ended.contains_key(&1));
-    assert_eq!(d.ended[&1], Outcome::Failed(FailReason::Aborted));
-    assert_eq!(p.ended[&1], Outcome::Failed(FailReason::Aborted));
+    assert_eq!(d.ended[&1], TransferOutcome::Failed(FailReason::Aborted));
+    assert_eq!(p.ended[&1], TransferOutcome::Failed(FailReason::Aborted));
     // A pull of transfer 2, then the prefill worker vanishes.
     d.accept = true;
     d.ended.remove(&2);
@@ -275,7 +275,7 @@ fn aborts_and_a_vanished_sender(shared: bool, sender: Via, receiver: Via) {
         d.turn(start.elapsed().as_millis() as u64);
         assert!(start.elapsed() < Duration::from_secs(5), "a vanished sender ends the pull");
     }
-    assert!(matches!(d.ended[&2], Outcome::Failed(_)), "{:?}", d.ended[&2]);
+    assert!(matches!(d.ended[&2], TransferOutcome::Failed(_)), "{:?}", d.ended[&2]);
     // A sender nobody listens on: the pull ends, failed, instead of waiting for its deadline.
     d.ended.remove(&1);
     d.ep.pull(&Source { addr: "127.0.0.1:1".parse().unwrap(), key: k1, region: None }, 60_000, 0).unwrap();
@@ -335,8 +335,8 @@ fn a_corrupted_block_fails_its_transfer_and_is_never_written() {
     let (key, _) = p.offer(1, 40, 0);
     d.ep.pull(&Source { addr, key, region: None }, 10_000, 0).unwrap();
     run_until(&mut p, &mut d, |p, d| p.ended.contains_key(&1) && d.ended.contains_key(&1));
-    assert_eq!(d.ended[&1], Outcome::Failed(FailReason::Checksum));
-    assert!(matches!(p.ended[&1], Outcome::Failed(_)), "{:?}", p.ended[&1]);
+    assert_eq!(d.ended[&1], TransferOutcome::Failed(FailReason::Checksum));
+    assert!(matches!(p.ended[&1], TransferOutcome::Failed(_)), "{:?}", p.ended[&1]);
     assert!(d.ep.stats().checksum_failures >= 1, "{:?}", d.ep.stats());
     // Not one corrupted byte reached the decode side's KV memory.
     let bb = layout().block_bytes();

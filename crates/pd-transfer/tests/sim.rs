@@ -68,8 +68,8 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
     let mut receiver = Receiver::new(2);
     let mut link: Vec<(u64, Frame)> = Vec::new();
     let mut now = 0u64;
-    let mut ended_p: HashMap<u64, Outcome> = HashMap::new();
-    let mut ended_d: HashMap<u64, Outcome> = HashMap::new();
+    let mut ended_p: HashMap<u64, TransferOutcome> = HashMap::new();
+    let mut ended_d: HashMap<u64, TransferOutcome> = HashMap::new();
     let mut prompts: HashMap<u64, Vec<u32>> = HashMap::new();
     let mut wrong_count: HashMap<u64, bool> = HashMap::new();
     // Set up every transfer: prefill computes and leases; decode pulls, and allocates its destination
@@ -214,7 +214,7 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
         while let Some(e) = receiver.poll_event() {
             let t = e.key.transfer;
             assert!(ended_d.insert(t, e.outcome.clone()).is_none(), "receiver ended {} twice", e.key);
-            if e.outcome == Outcome::Completed {
+            if e.outcome == TransferOutcome::Completed {
                 let len = prompts[&t].len();
                 let seq = SeqId(1_000_000 + t);
                 kv_d.adopt_lease(TransferId(t), seq, &vec![0; len]).unwrap();
@@ -257,16 +257,16 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
     }
     // The receiver completes only on the sender's `Confirm`, which the sender sends as it completes.
     for (t, o) in &ended_d {
-        if *o == Outcome::Completed && alive(P, now) {
-            assert_eq!(ended_p.get(t), Some(&Outcome::Completed), "transfer {t}: receiver completed alone");
+        if *o == TransferOutcome::Completed && alive(P, now) {
+            assert_eq!(ended_p.get(t), Some(&TransferOutcome::Completed), "transfer {t}: receiver completed alone");
         }
     }
-    let tally = |m: &HashMap<u64, Outcome>| {
+    let tally = |m: &HashMap<u64, TransferOutcome>| {
         let mut t = Tally::default();
         for o in m.values() {
             match o {
-                Outcome::Completed => t.completed += 1,
-                Outcome::Failed(r) => *t.failed.entry(r.as_str()).or_default() += 1,
+                TransferOutcome::Completed => t.completed += 1,
+                TransferOutcome::Failed(r) => *t.failed.entry(r.as_str()).or_default() += 1,
             }
         }
         t

@@ -36,11 +36,11 @@ fn main() {
     let t0 = Instant::now();
     // Steady state: 256 decoding, 1,000 waiting (the running cap holds them back).
     let config = SchedulerConfig {
-        max_queued_requests: 2000,
-        max_running_requests: 256,
-        max_batch_tokens: 4096,
-        prefill_chunk_tokens: 512,
-        max_context_tokens: 1 << 20,
+        queued_requests_max: 2000,
+        running_requests_max: 256,
+        batch_tokens_max: 4096,
+        prefill_chunk_tokens_max: 512,
+        context_tokens_max: 1 << 20,
         ..SchedulerConfig::default()
     };
     let kv = KvCache::new(KvConfig { num_blocks: 200_000, block_size: 16 }).expect("kv");
@@ -55,7 +55,7 @@ fn main() {
     for _ in 0..4 {
         step(&mut s, t0);
     }
-    assert_eq!(s.stats().waiting, 1000);
+    assert_eq!(s.stats().queued, 1000);
     let iters = 2000;
     let start = Instant::now();
     let mut items = 0;
@@ -67,9 +67,9 @@ fn main() {
 
     // 10,000 requests end to end.
     let config = SchedulerConfig {
-        max_queued_requests: 10_000,
-        max_running_requests: 128,
-        max_batch_tokens: 2048,
+        queued_requests_max: 10_000,
+        running_requests_max: 128,
+        batch_tokens_max: 2048,
         ..SchedulerConfig::default()
     };
     let kv = KvCache::new(KvConfig { num_blocks: 20_000, block_size: 16 }).expect("kv");
@@ -84,7 +84,7 @@ fn main() {
         steps += 1;
     }
     let trace_s = start.elapsed().as_secs_f64();
-    println!("step with 256 running + 1000 waiting: {per_step_us:>8.2} us/step   (target well under 50)");
+    println!("step with 256 running + 1000 queued: {per_step_us:>8.2} us/step   (target well under 50)");
     println!(
         "10,000-request trace:                 {trace_s:>8.3} s ({steps} steps, {:.1} us/step)",
         trace_s * 1e6 / steps as f64

@@ -2,7 +2,7 @@
 //! feeds it requests, step results and `now`, and polls it for the next batch and for events.
 //!
 //! Its one promise: every request it accepts ends exactly once ([`Event::Finished`] with an
-//! [`Outcome`]: completed, cancelled, timed out or failed, with the stage), and the KV it held is
+//! [`Exit`]: completed, cancelled, timed out or failed, with the stage), and the KV it held is
 //! returned. Requests it does not accept get a [`Rejection`] at once, with a `retry_after` derived from
 //! the recent drain rate when the queue is full.
 //!
@@ -23,7 +23,7 @@
 //!         .map(|i| Sampled { id: i.id, token, stop: false, drafts_accepted: 0 }).collect();
 //!     s.handle_step_result(&sampled, now);            // ... and reports the tokens it drew
 //! }
-//! assert!(matches!(s.poll_event(), Some(Event::Finished { outcome: Outcome::Completed(FinishReason::Length), .. })));
+//! assert!(matches!(s.poll_event(), Some(Event::Finished { outcome: Exit::Completed(FinishReason::Length), .. })));
 //! assert_eq!(s.kv().stats().sequences, 0);
 //! ```
 #![forbid(unsafe_code)]

@@ -15,7 +15,7 @@ use crate::types::*;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
-    Waiting,
+    Queued,
     AwaitingKv {
         transfer: TransferId,
         first_token: u32,
@@ -51,7 +51,7 @@ struct Req {
 impl Req {
     fn stage(&self) -> Stage {
         match self.state {
-            State::Waiting => Stage::Queued,
+            State::Queued => Stage::Queued,
             State::AwaitingKv { .. } => Stage::KvTransfer,
             State::Running { prefilled: false } => Stage::Prefilling,
             State::Running { prefilled: true } => Stage::Decoding,
@@ -80,7 +80,7 @@ pub struct Scheduler {
     /// the expiry scan looks only at what is due.
     deadlines: BTreeSet<(Instant, RequestId)>,
     waits: BTreeSet<(Instant, RequestId)>,
-    waiting: VecDeque<RequestId>,
+    queued: VecDeque<RequestId>,
     running: Vec<RequestId>,
     awaiting: Vec<RequestId>,
     /// Prefill role: leases handed to decode peers and not yet released or expired.
@@ -106,7 +106,7 @@ impl Scheduler {
             reqs: IdMap::default(),
             deadlines: BTreeSet::new(),
             waits: BTreeSet::new(),
-            waiting: VecDeque::new(),
+            queued: VecDeque::new(),
             running: Vec::new(),
             awaiting: Vec::new(),
             leases_out: HashSet::new(),
@@ -134,7 +134,7 @@ impl Scheduler {
 
     pub fn stats(&self) -> SchedulerStats {
         SchedulerStats {
-            waiting: self.waiting.len(),
+            queued: self.queued.len(),
             running: self.running.len(),
             awaiting_kv: self.awaiting.len(),
             ..self.stats
@@ -167,7 +167,7 @@ impl Scheduler {
             return Duration::from_secs(1);
         }
         let rate = self.finishes.len() as f64 / span;
-        let secs = (self.waiting.len().max(1) as f64 / rate).ceil();
+        let secs = (self.queued.len().max(1) as f64 / rate).ceil();
         Duration::from_secs(secs.clamp(1.0, 60.0) as u64)
     }
 
@@ -198,11 +198,11 @@ impl Scheduler {
             _ => {}
         }
         let total = req.prompt.len() + req.max_tokens;
-        if total > c.max_context_tokens {
+        if total > c.context_tokens_max {
             return Err(Rejection::ContextLengthExceeded {
                 prompt_tokens: req.prompt.len(),
                 max_tokens: req.max_tokens,
-                context_tokens: c.max_context_tokens,
+                context_tokens: c.context_tokens_max,
             });
         }
         let here = if c.role == Role::Prefill { req.prompt.len() + 1 } else { total };
@@ -222,29 +222,29 @@ impl Scheduler {
             queue_deadline: req.queue_deadline,
             deadline: req.deadline,
             arrived: now,
-            state: State::Waiting,
+            state: State::Queued,
             admitted_order: 0,
             wait_until: None,
             cached_tokens: None,
         };
         match req.kv {
             KvSource::Compute => {
-                if self.waiting.len() >= c.max_queued_requests {
+                if self.queued.len() >= c.queued_requests_max {
                     return Err(Rejection::QueueFull {
-                        queued: self.waiting.len(),
-                        limit: c.max_queued_requests,
+                        queued: self.queued.len(),
+                        limit: c.queued_requests_max,
                         retry_after: self.retry_after(now),
                     });
                 }
-                self.waiting.push_back(r.id);
+                self.queued.push_back(r.id);
                 r.wait_until = Some(r.queue_deadline);
             }
             KvSource::Remote { transfer, first_token } => {
                 let busy = self.running.len() + self.awaiting.len();
-                if busy >= c.max_running_requests {
+                if busy >= c.running_requests_max {
                     return Err(Rejection::QueueFull {
                         queued: busy,
-                        limit: c.max_running_requests,
+                        limit: c.running_requests_max,
                         retry_after: self.retry_after(now),
                     });
                 }
@@ -262,7 +262,7 @@ impl Scheduler {
                         return Err(match e {
                             KvError::OutOfBlocks { .. } => Rejection::QueueFull {
                                 queued: busy,
-                                limit: c.max_running_requests,
+                                limit: c.running_requests_max,
                                 retry_after: self.retry_after(now),
                             },
                             _ => Rejection::DuplicateId,
@@ -298,7 +298,7 @@ impl Scheduler {
         let State::AwaitingKv { transfer, first_token } = r.state else { return false };
         let (seq, prompt) = (r.seq, r.tokens.clone());
         if let Err(e) = self.kv.adopt_lease(transfer, seq, &prompt) {
-            self.finish(id, Outcome::Failed { stage: Stage::KvTransfer, reason: e.to_string() }, now);
+            self.finish(id, Exit::Failed { stage: Stage::KvTransfer, reason: e.to_string() }, now);
             return true;
         }
         self.awaiting.retain(|&x| x != id);
@@ -327,7 +327,7 @@ impl Scheduler {
         if !matches!(self.reqs.get(&id).map(|r| r.state), Some(State::AwaitingKv { .. })) {
             return false;
         }
-        self.finish(id, Outcome::Failed { stage: Stage::KvTransfer, reason: reason.to_owned() }, now);
+        self.finish(id, Exit::Failed { stage: Stage::KvTransfer, reason: reason.to_owned() }, now);
         true
     }
 
@@ -356,7 +356,7 @@ impl Scheduler {
         if !self.reqs.contains_key(&id) {
             return false;
         }
-        self.finish(id, Outcome::Cancelled, now);
+        self.finish(id, Exit::Cancelled, now);
         true
     }
 
@@ -365,7 +365,7 @@ impl Scheduler {
     pub fn handle_failed(&mut self, id: RequestId, reason: &str, now: Instant) -> bool {
         let Some(r) = self.reqs.get(&id) else { return false };
         let stage = r.stage();
-        self.finish(id, Outcome::Failed { stage, reason: reason.to_owned() }, now);
+        self.finish(id, Exit::Failed { stage, reason: reason.to_owned() }, now);
         true
     }
 
@@ -377,11 +377,11 @@ impl Scheduler {
     /// prefill chunks (continuing ones, then newly admitted ones) under the token budget (chunks count
     /// their cost: [`SchedulerConfig::chunk_cost`]). The KV for every item is reserved on return.
     pub fn poll_batch(&mut self, now: Instant) -> Vec<BatchItem> {
-        self.poll_batch_within(now, self.config.max_batch_tokens)
+        self.poll_batch_within(now, self.config.batch_tokens_max)
     }
 
     /// [`poll_batch`](Self::poll_batch) with a smaller token budget for this one step (at most
-    /// `max_batch_tokens`): a shorter step, for a caller with I/O it must not leave waiting long (a
+    /// `batch_tokens_max`): a shorter step, for a caller with I/O it must not leave waiting long (a
     /// prefill worker whose KV transfers progress only between steps).
     pub fn poll_batch_within(&mut self, now: Instant, max_tokens: usize) -> Vec<BatchItem> {
         self.poll_batch_drafting(now, max_tokens, &mut |_, _, _| Vec::new())
@@ -400,7 +400,7 @@ impl Scheduler {
     ) -> Vec<BatchItem> {
         assert!(self.in_flight.is_empty(), "poll_batch called before the previous step was reported");
         self.expire(now);
-        let cap = max_tokens.clamp(1, self.config.max_batch_tokens);
+        let cap = max_tokens.clamp(1, self.config.batch_tokens_max);
         let mut budget = cap;
         let mut batch: Vec<BatchItem> = Vec::new();
 
@@ -435,7 +435,7 @@ impl Scheduler {
             }
         }
         // Then prefill chunks of running requests, oldest first, each at most half the step while others wait.
-        let joining = !self.waiting.is_empty() && self.running.len() < self.config.max_running_requests;
+        let joining = !self.queued.is_empty() && self.running.len() < self.config.running_requests_max;
         let contended = joining || self.running.len() > 1;
         let share = if !joining && prefilling.len() < 2 { cap } else { cap.div_ceil(2) };
         for id in prefilling {
@@ -452,16 +452,16 @@ impl Scheduler {
         }
 
         // Admit waiting requests, in the configured order, while there is room.
-        while budget > 0 && self.running.len() < self.config.max_running_requests {
+        while budget > 0 && self.running.len() < self.config.running_requests_max {
             let Some(at) = self.next_admission(now) else { break };
-            let id = self.waiting[at];
+            let id = self.queued[at];
             let r = &self.reqs[&id];
             let (seq, tokens) = (r.seq, r.tokens.clone());
             let hit = match self.kv.add_sequence(seq, &tokens) {
                 Ok(hit) => hit,
                 Err(e) => {
-                    self.waiting.remove(at);
-                    self.finish(id, Outcome::Failed { stage: Stage::Queued, reason: e.to_string() }, now);
+                    self.queued.remove(at);
+                    self.finish(id, Exit::Failed { stage: Stage::Queued, reason: e.to_string() }, now);
                     continue;
                 }
             };
@@ -472,11 +472,11 @@ impl Scheduler {
                 let _ = self.kv.free_sequence(seq, false);
                 break;
             }
-            self.waiting.remove(at);
+            self.queued.remove(at);
             self.end_wait(id);
             let order = self.next_order;
             self.next_order += 1;
-            let r = self.reqs.get_mut(&id).unwrap_or_else(|| unreachable!("in waiting"));
+            let r = self.reqs.get_mut(&id).unwrap_or_else(|| unreachable!("in the queue"));
             r.state = State::Running { prefilled: false };
             r.admitted_order = order;
             if r.cached_tokens.is_none() {
@@ -486,7 +486,7 @@ impl Scheduler {
                 self.stats.prefix_miss_tokens_total += (tokens.len() - hit.cached_tokens) as u64;
             }
             self.running.push(id);
-            let contended = !batch.is_empty() || !self.waiting.is_empty() || self.running.len() > 1;
+            let contended = !batch.is_empty() || !self.queued.is_empty() || self.running.len() > 1;
             match self.plan_prefill(id, budget, contended) {
                 Some(item) => {
                     budget = budget.saturating_sub(self.config.chunk_cost(item.start_pos, item.num_tokens));
@@ -505,7 +505,7 @@ impl Scheduler {
 
     /// Which waiting request (its index in `waiting`) is admitted next.
     fn next_admission(&self, now: Instant) -> Option<usize> {
-        if self.waiting.is_empty() {
+        if self.queued.is_empty() {
             return None;
         }
         let AdmissionOrder::LeastWorkFirst { aging_after, aging_tokens_per_s, window } =
@@ -520,7 +520,7 @@ impl Scheduler {
             left as f64 - f64::from(aging_tokens_per_s) * aged
         };
         // The first of the least: ties go to the earliest.
-        self.waiting
+        self.queued
             .iter()
             .take(window.max(1))
             .enumerate()
@@ -538,7 +538,7 @@ impl Scheduler {
         due.dedup();
         for id in due {
             if let Some(stage) = self.reqs.get(&id).map(Req::stage) {
-                self.finish(id, Outcome::TimedOut { stage }, now);
+                self.finish(id, Exit::TimedOut { stage }, now);
             }
         }
         let now_ms = self.ms(now);
@@ -564,7 +564,7 @@ impl Scheduler {
         let all = self.kv.blocks_for(tokens).saturating_sub(cached);
         match self.config.sliding_window {
             Some(w) if self.config.role != Role::Prefill => {
-                let chunk = self.config.prefill_chunk_tokens.min(to_prefill);
+                let chunk = self.config.prefill_chunk_tokens_max.min(to_prefill);
                 all.min(self.kv.blocks_for(w + chunk) + 2)
             }
             _ => all,
@@ -581,12 +581,12 @@ impl Scheduler {
             let stage = r.stage();
             let accepted = tokens.get(&item.id).map_or(0, |s| s.drafts_accepted.min(item.draft));
             if let Err(e) = self.kv.commit(item.seq, item.num_tokens - item.draft + accepted) {
-                self.finish(item.id, Outcome::Failed { stage, reason: e.to_string() }, now);
+                self.finish(item.id, Exit::Failed { stage, reason: e.to_string() }, now);
                 continue;
             }
             if item.draft > 0 {
                 if let Err(e) = self.settle_draft(item.id, accepted) {
-                    self.finish(item.id, Outcome::Failed { stage, reason: e.to_string() }, now);
+                    self.finish(item.id, Exit::Failed { stage, reason: e.to_string() }, now);
                     continue;
                 }
             }
@@ -595,7 +595,7 @@ impl Scheduler {
                     // Blocks no later position attends to go back to the pool now. (A prefill worker
                     // hands its whole prompt's KV to the decode peer, so it keeps every block.)
                     if let Err(e) = self.kv.release_outside_window(item.seq, w) {
-                        self.finish(item.id, Outcome::Failed { stage, reason: e.to_string() }, now);
+                        self.finish(item.id, Exit::Failed { stage, reason: e.to_string() }, now);
                         continue;
                     }
                 }
@@ -614,7 +614,7 @@ impl Scheduler {
                 Some(s) => self.accept_token(item.id, s.token, s.stop, now),
                 None => self.finish(
                     item.id,
-                    Outcome::Failed {
+                    Exit::Failed {
                         stage,
                         reason: "the engine reported no token for a sampling step".into(),
                     },
@@ -630,7 +630,7 @@ impl Scheduler {
         for item in items {
             if let Some(r) = self.reqs.get(&item.id) {
                 let stage = r.stage();
-                self.finish(item.id, Outcome::Failed { stage, reason: reason.to_owned() }, now);
+                self.finish(item.id, Exit::Failed { stage, reason: reason.to_owned() }, now);
             }
         }
     }
@@ -642,9 +642,9 @@ impl Scheduler {
         let (seq, was_prefilled) = (r.seq, matches!(r.state, State::Running { prefilled: true }));
         let r_deadline = r.deadline;
         r.state = State::Running { prefilled: true };
-        let done_length = r.output_len >= r.max_tokens || r.tokens.len() >= self.config.max_context_tokens;
+        let done_length = r.output_len >= r.max_tokens || r.tokens.len() >= self.config.context_tokens_max;
         if let Err(e) = self.kv.append_tokens(seq, &[token]) {
-            self.finish(id, Outcome::Failed { stage: Stage::Decoding, reason: e.to_string() }, now);
+            self.finish(id, Exit::Failed { stage: Stage::Decoding, reason: e.to_string() }, now);
             return;
         }
         if self.config.role == Role::Prefill && !was_prefilled {
@@ -656,28 +656,28 @@ impl Scheduler {
                 Ok(lease) => {
                     let blocks = lease.blocks.to_vec();
                     self.leases_out.insert(transfer);
-                    self.finish(id, Outcome::PrefillDone { first_token: token, transfer, blocks }, now);
+                    self.finish(id, Exit::PrefillDone { first_token: token, transfer, blocks }, now);
                 }
                 Err(e) => {
-                    self.finish(id, Outcome::Failed { stage: Stage::Prefilling, reason: e.to_string() }, now)
+                    self.finish(id, Exit::Failed { stage: Stage::Prefilling, reason: e.to_string() }, now)
                 }
             }
             return;
         }
         if stop {
-            self.finish(id, Outcome::Completed(FinishReason::Stop), now);
+            self.finish(id, Exit::Completed(FinishReason::Stop), now);
         } else if done_length {
-            self.finish(id, Outcome::Completed(FinishReason::Length), now);
+            self.finish(id, Exit::Completed(FinishReason::Length), now);
         }
     }
 
     /// The one exit: removes `id` from wherever it is, frees what it holds, and emits its event.
-    fn finish(&mut self, id: RequestId, outcome: Outcome, now: Instant) {
+    fn finish(&mut self, id: RequestId, outcome: Exit, now: Instant) {
         self.end_wait(id);
         let Some(r) = self.reqs.remove(&id) else { return };
         self.deadlines.remove(&(r.deadline, id));
         match r.state {
-            State::Waiting => self.waiting.retain(|&x| x != id),
+            State::Queued => self.queued.retain(|&x| x != id),
             State::AwaitingKv { transfer, .. } => {
                 self.awaiting.retain(|&x| x != id);
                 let _ = self.kv.release_lease(transfer);
@@ -686,17 +686,17 @@ impl Scheduler {
                 self.running.retain(|&x| x != id);
                 // Whatever the outcome, the full blocks whose KV was written stay in the prefix cache
                 // (the next round of a conversation resends them); unreferenced, they are evictable.
-                if !matches!(outcome, Outcome::PrefillDone { .. }) {
+                if !matches!(outcome, Exit::PrefillDone { .. }) {
                     let _ = self.kv.free_sequence(r.seq, true);
                 }
             }
         }
         self.in_flight.retain(|item| item.id != id);
         match &outcome {
-            Outcome::Completed(_) | Outcome::PrefillDone { .. } => self.stats.completed_total += 1,
-            Outcome::Cancelled => self.stats.cancelled_total += 1,
-            Outcome::TimedOut { .. } => self.stats.timed_out_total += 1,
-            Outcome::Failed { .. } => self.stats.failed_total += 1,
+            Exit::Completed(_) | Exit::PrefillDone { .. } => self.stats.completed_total += 1,
+            Exit::Cancelled => self.stats.cancelled_total += 1,
+            Exit::TimedOut { .. } => self.stats.timed_out_total += 1,
+            Exit::Failed { .. } => self.stats.failed_total += 1,
         }
         if self.finishes.len() == DRAIN_WINDOW {
             self.finishes.pop_front();

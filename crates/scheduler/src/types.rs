@@ -31,15 +31,15 @@ pub enum Role {
 pub struct SchedulerConfig {
     pub role: Role,
     /// Requests waiting for admission (including preempted ones). One more is rejected with 429.
-    pub max_queued_requests: usize,
+    pub queued_requests_max: usize,
     /// Requests in the running batch.
-    pub max_running_requests: usize,
+    pub running_requests_max: usize,
     /// Tokens computed per step (decodes count one each, prefill chunks their length).
-    pub max_batch_tokens: usize,
+    pub batch_tokens_max: usize,
     /// Largest prefill chunk of one request in one step.
-    pub prefill_chunk_tokens: usize,
+    pub prefill_chunk_tokens_max: usize,
     /// The model's context: prompt plus generated tokens never exceed it.
-    pub max_context_tokens: usize,
+    pub context_tokens_max: usize,
     /// Prefill role: how long a finished prompt's KV waits for its decode peer.
     pub kv_lease: Duration,
     /// Decode role: how long a request may wait for its KV to arrive.
@@ -56,7 +56,7 @@ pub struct SchedulerConfig {
     /// costs about as much as a token's own work (weights), so a chunk of `n` tokens from position `p`
     /// costs `n * (1 + p / attention_cost_positions)` tokens of the step's budget. Alone, a chunk may
     /// cost the whole budget; beside other work (waiting requests, other running ones) at most
-    /// `prefill_chunk_tokens`, so the step stays as short as one at the start of a prompt: a short
+    /// `prefill_chunk_tokens_max`, so the step stays as short as one at the start of a prompt: a short
     /// request arriving during a long prompt waits one short step, running decodes keep their pace.
     /// `None`: chunks by tokens alone.
     pub attention_cost_positions: Option<usize>,
@@ -84,7 +84,7 @@ impl SchedulerConfig {
         if budget == 0 {
             return 0;
         }
-        let limit = budget.min(self.prefill_chunk_tokens);
+        let limit = budget.min(self.prefill_chunk_tokens_max);
         let p = self.attended(p);
         let n = match self.attention_cost_positions {
             Some(e) if e > 0 => {
@@ -114,11 +114,11 @@ impl Default for SchedulerConfig {
     fn default() -> Self {
         SchedulerConfig {
             role: Role::Unified,
-            max_queued_requests: 256,
-            max_running_requests: 64,
-            max_batch_tokens: 2048,
-            prefill_chunk_tokens: 512,
-            max_context_tokens: 8192,
+            queued_requests_max: 256,
+            running_requests_max: 64,
+            batch_tokens_max: 2048,
+            prefill_chunk_tokens_max: 512,
+            context_tokens_max: 8192,
             // Both also end at the request's own deadline. Generous, because a busy decode worker may
             // take a while to make room for the KV; the router's aborts end abandoned offers early.
             kv_lease: Duration::from_secs(120),
@@ -218,9 +218,10 @@ pub enum FinishReason {
     Length,
 }
 
-/// How a request ended. Each admitted request gets exactly one.
+/// How a request left the scheduler. Each admitted request gets exactly one (the engine maps it to
+/// the api's `Outcome` and `Stage`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Exit {
     Completed(FinishReason),
     /// Prefill role: the prompt is done and its KV waits under `transfer` for the decode peer.
     PrefillDone {
@@ -246,7 +247,7 @@ pub enum Event {
     /// instead of computed (unified and prefill roles) or pulled (decode role).
     Finished {
         id: RequestId,
-        outcome: Outcome,
+        outcome: Exit,
         prompt_tokens: usize,
         output_tokens: usize,
         cached_tokens: usize,
@@ -287,7 +288,7 @@ pub struct Sampled {
 /// Counters the shell exports.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct SchedulerStats {
-    pub waiting: usize,
+    pub queued: usize,
     pub running: usize,
     pub awaiting_kv: usize,
     pub batch_tokens_last_step: usize,

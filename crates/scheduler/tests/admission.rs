@@ -52,7 +52,7 @@ type Want = Result<(), fn(&Rejection) -> bool>;
 #[test]
 fn admission_table() {
     let config =
-        SchedulerConfig { max_queued_requests: 2, max_context_tokens: 32, ..SchedulerConfig::default() };
+        SchedulerConfig { queued_requests_max: 2, context_tokens_max: 32, ..SchedulerConfig::default() };
     let (mut s, t0) = sched(config, 64);
     let cases: Vec<(NewRequest, Want)> = vec![
         (req(1, 10, 22, t0), Ok(())), // exactly the context
@@ -100,14 +100,14 @@ fn a_request_larger_than_the_pool_is_rejected_not_queued_forever() {
     let events = drain(&mut s, t0);
     assert!(matches!(
         events[..],
-        [Event::Finished { outcome: Outcome::Completed(FinishReason::Length), output_tokens: 6, .. }]
+        [Event::Finished { outcome: Exit::Completed(FinishReason::Length), output_tokens: 6, .. }]
     ));
 }
 
 #[test]
 fn retry_after_follows_the_drain_rate() {
     let config =
-        SchedulerConfig { max_queued_requests: 4, max_running_requests: 1, ..SchedulerConfig::default() };
+        SchedulerConfig { queued_requests_max: 4, running_requests_max: 1, ..SchedulerConfig::default() };
     let (mut s, t0) = sched(config, 64);
     for i in 0..4 {
         s.handle_request(req(i, 4, 1, t0), t0).unwrap();
@@ -131,7 +131,7 @@ fn retry_after_follows_the_drain_rate() {
 
     // A slow drain: one request ends every 2 s, so 4 queued requests need about 8 s.
     let config =
-        SchedulerConfig { max_queued_requests: 4, max_running_requests: 1, ..SchedulerConfig::default() };
+        SchedulerConfig { queued_requests_max: 4, running_requests_max: 1, ..SchedulerConfig::default() };
     let (mut s, t0) = sched(config, 64);
     let mut now = t0;
     for i in 0..3 {
@@ -155,7 +155,7 @@ fn retry_after_follows_the_drain_rate() {
 #[test]
 fn aborts_are_idempotent_at_every_stage() {
     let config =
-        SchedulerConfig { max_running_requests: 1, prefill_chunk_tokens: 4, ..SchedulerConfig::default() };
+        SchedulerConfig { running_requests_max: 1, prefill_chunk_tokens_max: 4, ..SchedulerConfig::default() };
     let (mut s, t0) = sched(config, 64);
     s.handle_request(req(1, 12, 5, t0), t0).unwrap();
     s.handle_request(req(2, 12, 5, t0), t0).unwrap();
@@ -166,19 +166,19 @@ fn aborts_are_idempotent_at_every_stage() {
     assert!(!s.handle_abort(RequestId(1), t0), "second abort is a no-op");
     s.handle_step_result(&[], t0);
     s.check_invariants().unwrap();
-    let outcomes: Vec<Outcome> = std::iter::from_fn(|| s.poll_event())
+    let outcomes: Vec<Exit> = std::iter::from_fn(|| s.poll_event())
         .map(|e| match e {
             Event::Finished { outcome, .. } => outcome,
             other => panic!("{other:?}"),
         })
         .collect();
-    assert_eq!(outcomes, [Outcome::Cancelled, Outcome::Cancelled]);
+    assert_eq!(outcomes, [Exit::Cancelled, Exit::Cancelled]);
     assert_eq!(s.kv().stats().blocks_owned[OwnerKind::Sequence as usize], 0);
 }
 
 #[test]
 fn deadlines_time_out_with_the_stage() {
-    let config = SchedulerConfig { max_running_requests: 1, ..SchedulerConfig::default() };
+    let config = SchedulerConfig { running_requests_max: 1, ..SchedulerConfig::default() };
     let (mut s, t0) = sched(config, 64);
     let mut a = req(1, 4, 100, t0);
     a.deadline = t0 + Duration::from_millis(50);
@@ -203,10 +203,10 @@ fn deadlines_time_out_with_the_stage() {
         assert!(now < t0 + Duration::from_secs(1));
     }
     assert_eq!(ended[0].0, RequestId(2));
-    assert_eq!(ended[0].1, Outcome::TimedOut { stage: Stage::Queued });
+    assert_eq!(ended[0].1, Exit::TimedOut { stage: Stage::Queued });
     assert_eq!(
         ended[1],
-        (RequestId(1), Outcome::TimedOut { stage: Stage::Decoding }, Duration::from_millis(50))
+        (RequestId(1), Exit::TimedOut { stage: Stage::Decoding }, Duration::from_millis(50))
     );
     s.check_invariants().unwrap();
     assert_eq!(s.kv().stats().sequences, 0);
@@ -233,7 +233,7 @@ fn prefill_role_leases_the_kv_and_gets_it_back() {
     );
     let mut transfers = Vec::new();
     while let Some(Event::Finished {
-        outcome: Outcome::PrefillDone { first_token, transfer, blocks },
+        outcome: Exit::PrefillDone { first_token, transfer, blocks },
         output_tokens,
         ..
     }) = s.poll_event()
@@ -282,7 +282,7 @@ fn decode_role_waits_for_kv_with_a_deadline() {
     assert!(
         matches!(
             e,
-            Event::Finished { id: RequestId(2), outcome: Outcome::TimedOut { stage: Stage::KvTransfer }, .. }
+            Event::Finished { id: RequestId(2), outcome: Exit::TimedOut { stage: Stage::KvTransfer }, .. }
         ),
         "{e:?}"
     );
@@ -291,7 +291,7 @@ fn decode_role_waits_for_kv_with_a_deadline() {
         s.poll_event(),
         Some(Event::Finished {
             id: RequestId(1),
-            outcome: Outcome::Completed(FinishReason::Stop),
+            outcome: Exit::Completed(FinishReason::Stop),
             output_tokens: 2,
             ..
         })
@@ -315,7 +315,7 @@ fn kv_pressure_preempts_the_newest_and_everything_still_finishes() {
         assert!(
             matches!(
                 e,
-                Event::Finished { outcome: Outcome::Completed(FinishReason::Length), output_tokens: 12, .. }
+                Event::Finished { outcome: Exit::Completed(FinishReason::Length), output_tokens: 12, .. }
             ),
             "{e:?}"
         );
@@ -331,7 +331,7 @@ fn a_failed_step_fails_its_requests_and_frees_their_kv() {
     s.handle_step_failed("model error: boom", t0);
     assert!(matches!(
         s.poll_event(),
-        Some(Event::Finished { outcome: Outcome::Failed { stage: Stage::Prefilling, .. }, .. })
+        Some(Event::Finished { outcome: Exit::Failed { stage: Stage::Prefilling, .. }, .. })
     ));
     s.check_invariants().unwrap();
     assert_eq!(s.kv().stats().blocks_free + s.kv().stats().owned(OwnerKind::Cache), 64);
@@ -387,7 +387,7 @@ fn a_prefill_worker_keeps_transferred_prompts_cached() {
     second.prompt[..18].copy_from_slice(&first.prompt);
     s.handle_request(first, t0).unwrap();
     let events = drain(&mut s, t0);
-    let Some(Event::Finished { outcome: Outcome::PrefillDone { transfer, blocks, .. }, .. }) = events.first()
+    let Some(Event::Finished { outcome: Exit::PrefillDone { transfer, blocks, .. }, .. }) = events.first()
     else {
         panic!("{events:?}")
     };
@@ -451,7 +451,7 @@ fn a_decode_worker_reuses_the_previous_rounds_blocks() {
 #[test]
 fn least_work_first_lets_cached_rounds_overtake_cold_prompts_with_aging() {
     let config = |order| SchedulerConfig {
-        max_running_requests: 1,
+        running_requests_max: 1,
         admission_order: order,
         ..SchedulerConfig::default()
     };
@@ -512,7 +512,7 @@ fn a_decode_worker_under_kv_pressure_finishes_every_request() {
     assert_eq!(events.len(), 8, "{events:?}");
     for e in events {
         assert!(
-            matches!(e, Event::Finished { outcome: Outcome::Completed(FinishReason::Length), .. }),
+            matches!(e, Event::Finished { outcome: Exit::Completed(FinishReason::Length), .. }),
             "{e:?}"
         );
     }
@@ -524,8 +524,8 @@ fn a_decode_worker_under_kv_pressure_finishes_every_request() {
 fn a_sliding_window_runs_a_request_longer_than_the_pool() {
     let config = SchedulerConfig {
         sliding_window: Some(8),
-        prefill_chunk_tokens: 4,
-        max_context_tokens: 1024,
+        prefill_chunk_tokens_max: 4,
+        context_tokens_max: 1024,
         ..SchedulerConfig::default()
     };
     // 10 blocks of 4 tokens: 40 positions, for a request of 30 + 200.
@@ -552,7 +552,7 @@ fn a_sliding_window_runs_a_request_longer_than_the_pool() {
         now += Duration::from_millis(10);
         assert!(now < t0 + Duration::from_secs(60), "never finished");
     }
-    assert_eq!(done, Some(Outcome::Completed(FinishReason::Length)));
+    assert_eq!(done, Some(Exit::Completed(FinishReason::Length)));
     // The window (8) and a chunk (4) span at most 4 blocks, plus the one being filled.
     assert!(most <= 5, "held up to {most} blocks");
     assert_eq!(s.kv().stats().blocks_free, 10, "everything given back");
@@ -565,7 +565,7 @@ fn a_sliding_window_runs_a_request_longer_than_the_pool() {
 fn late_chunks_of_a_long_prompt_shrink_and_a_short_request_waits_one_short_step() {
     // The defaults: 2,048 tokens a step, 512 a chunk; attending to 1,000 positions costs a token.
     let config = SchedulerConfig {
-        max_context_tokens: 9000,
+        context_tokens_max: 9000,
         attention_cost_positions: Some(1000),
         ..SchedulerConfig::default()
     };
@@ -672,7 +672,7 @@ fn drafts_keep_what_the_engine_accepted_and_give_back_the_rest() {
         Event::Finished { outcome, .. } => Some(outcome),
         _ => None,
     });
-    assert!(matches!(done, Some(Outcome::Completed(FinishReason::Length))), "{done:?}");
+    assert!(matches!(done, Some(Exit::Completed(FinishReason::Length))), "{done:?}");
     assert_eq!(s.kv().stats().sequences, 0);
 
     // A step budget of one token leaves no room for drafts.
@@ -693,10 +693,10 @@ fn requests_recomputing_after_preemption_never_stall_each_other() {
     {
         let config = SchedulerConfig {
             role: Role::Decode,
-            max_running_requests: 8,
-            max_batch_tokens: 48,
-            prefill_chunk_tokens: 16,
-            max_context_tokens: 400,
+            running_requests_max: 8,
+            batch_tokens_max: 48,
+            prefill_chunk_tokens_max: 16,
+            context_tokens_max: 400,
             ..SchedulerConfig::default()
         };
         let (mut s, t0) = sched(config, blocks);
@@ -727,10 +727,10 @@ fn requests_recomputing_after_preemption_never_stall_each_other() {
         };
         let config = SchedulerConfig {
             role: Role::Decode,
-            max_running_requests: 8,
-            max_batch_tokens: 48,
-            prefill_chunk_tokens: 16,
-            max_context_tokens: 160,
+            running_requests_max: 8,
+            batch_tokens_max: 48,
+            prefill_chunk_tokens_max: 16,
+            context_tokens_max: 160,
             ..SchedulerConfig::default()
         };
         let (mut s, t0) = sched(config, 40);

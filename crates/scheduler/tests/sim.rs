@@ -111,9 +111,9 @@ fn run(shape: Shape, n: u64, seed: u64, config: SchedulerConfig, blocks: u32) ->
     let mut rng = Rng(seed.wrapping_mul(31) | 1);
     let mut now_ms = 0u64;
     let mut next_arrival = 0;
-    let mut admitted: HashMap<RequestId, Option<Outcome>> = HashMap::new();
+    let mut admitted: HashMap<RequestId, Option<Exit>> = HashMap::new();
     let mut rejected = 0;
-    let max_step_ms = 5 + config.max_batch_tokens as u64 / 50;
+    let max_step_ms = 5 + config.batch_tokens_max as u64 / 50;
     let mut steps = 0u64;
     for _ in 0..200_000 {
         let now = t0 + Duration::from_millis(now_ms);
@@ -133,13 +133,13 @@ fn run(shape: Shape, n: u64, seed: u64, config: SchedulerConfig, blocks: u32) ->
         }
         // Some decodes get drafts (speculative decoding), of which the fake model accepts a random prefix.
         let mut draft_rng = Rng(rng.next() | 1);
-        let batch = s.poll_batch_drafting(now, config.max_batch_tokens, &mut |_, tokens, room| {
+        let batch = s.poll_batch_drafting(now, config.batch_tokens_max, &mut |_, tokens, room| {
             let n = if draft_rng.chance(50) { draft_rng.range(1, 6) as usize } else { 0 };
             tokens.iter().rev().take(n.min(room)).copied().collect()
         });
         record(&mut s, &mut admitted, &deadlines, now, max_step_ms);
         let tokens: usize = batch.iter().map(|i| i.num_tokens).sum();
-        assert!(tokens <= config.max_batch_tokens, "budget {} exceeded: {tokens}", config.max_batch_tokens);
+        assert!(tokens <= config.batch_tokens_max, "budget {} exceeded: {tokens}", config.batch_tokens_max);
         let mut ids: Vec<RequestId> = batch.iter().map(|i| i.id).collect();
         ids.sort();
         ids.dedup();
@@ -174,10 +174,10 @@ fn run(shape: Shape, n: u64, seed: u64, config: SchedulerConfig, blocks: u32) ->
     for (id, o) in &admitted {
         let o = o.as_ref().unwrap_or_else(|| panic!("{id} never finished"));
         let word = match o {
-            Outcome::Completed(_) | Outcome::PrefillDone { .. } => "completed",
-            Outcome::Cancelled => "cancelled",
-            Outcome::TimedOut { .. } => "timed_out",
-            Outcome::Failed { .. } => "failed",
+            Exit::Completed(_) | Exit::PrefillDone { .. } => "completed",
+            Exit::Cancelled => "cancelled",
+            Exit::TimedOut { .. } => "timed_out",
+            Exit::Failed { .. } => "failed",
         };
         *outcomes.entry(word).or_insert(0) += 1;
     }
@@ -187,7 +187,7 @@ fn run(shape: Shape, n: u64, seed: u64, config: SchedulerConfig, blocks: u32) ->
 /// Takes the scheduler's events at `now`: each admitted request ends once, at most one step late.
 fn record(
     s: &mut Scheduler,
-    admitted: &mut HashMap<RequestId, Option<Outcome>>,
+    admitted: &mut HashMap<RequestId, Option<Exit>>,
     deadlines: &HashMap<RequestId, Instant>,
     now: Instant,
     max_step_ms: u64,
@@ -208,11 +208,11 @@ fn record(
 
 fn config() -> SchedulerConfig {
     SchedulerConfig {
-        max_queued_requests: 64,
-        max_running_requests: 16,
-        max_batch_tokens: 512,
-        prefill_chunk_tokens: 128,
-        max_context_tokens: 4096,
+        queued_requests_max: 64,
+        running_requests_max: 16,
+        batch_tokens_max: 512,
+        prefill_chunk_tokens_max: 128,
+        context_tokens_max: 4096,
         attention_cost_positions: Some(1000),
         ..SchedulerConfig::default()
     }
@@ -263,11 +263,11 @@ fn randomized_configurations() {
     let mut rng = Rng(0xfeed);
     for seed in 0..12 {
         let c = SchedulerConfig {
-            max_queued_requests: rng.range(1, 40) as usize,
-            max_running_requests: rng.range(1, 24) as usize,
-            max_batch_tokens: rng.range(16, 600) as usize,
-            prefill_chunk_tokens: rng.range(1, 256) as usize,
-            max_context_tokens: 2048,
+            queued_requests_max: rng.range(1, 40) as usize,
+            running_requests_max: rng.range(1, 24) as usize,
+            batch_tokens_max: rng.range(16, 600) as usize,
+            prefill_chunk_tokens_max: rng.range(1, 256) as usize,
+            context_tokens_max: 2048,
             admission_watermark_blocks: rng.range(0, 4) as usize,
             // A third of them with a sliding window, giving back blocks as they go.
             sliding_window: (seed % 3 == 0).then(|| rng.range(1, 64) as usize),

@@ -202,9 +202,9 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
         match k.as_str() {
             "--model-name" => c.model_name = v.clone(),
             "--name" => e.process_name = v.clone(),
-            "--max-queued" => e.scheduler.max_queued_requests = n()?,
-            "--max-running" => e.scheduler.max_running_requests = n()?,
-            "--max-batch-tokens" => e.scheduler.max_batch_tokens = n()?,
+            "--max-queued" => e.scheduler.queued_requests_max = n()?,
+            "--max-running" => e.scheduler.running_requests_max = n()?,
+            "--max-batch-tokens" => e.scheduler.batch_tokens_max = n()?,
             "--transfer-step-tokens" => e.transfer_step_tokens = n()?,
             "--admission" => {
                 e.scheduler.admission_order = match v.as_str() {
@@ -218,9 +218,9 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                     format!("--tool-parser {v}: one of {}", pdserve_engine::ToolFormat::NAMES)
                 })?)
             }
-            "--prefill-chunk" => e.scheduler.prefill_chunk_tokens = n()?,
+            "--prefill-chunk" => e.scheduler.prefill_chunk_tokens_max = n()?,
             "--attention-cost" => e.scheduler.attention_cost_positions = Some(n()?).filter(|&n| n > 0),
-            "--max-context" => e.scheduler.max_context_tokens = n()?,
+            "--max-context" => e.scheduler.context_tokens_max = n()?,
             "--kv-blocks" => e.kv_blocks = n()?,
             "--block-size" => e.block_size = n()?,
             "--timeout-s" => c.default_timeout = secs()?,

@@ -194,7 +194,7 @@ fn stream_tokens(router: &str, n: usize) -> Result<u64> {
 }
 
 /// What the failed streams got: status, error type, tokens before it and when it ended.
-fn failures(outcomes: &[pdserve_loadgen::Outcome]) -> String {
+fn failures(outcomes: &[pdserve_loadgen::Observation]) -> String {
     let failed: Vec<String> = outcomes
         .iter()
         .filter(|o| !o.ok())

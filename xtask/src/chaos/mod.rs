@@ -13,7 +13,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Result};
-use pdserve_loadgen::{run_point, Conn, Load, Outcome, Progress, Shape, Slo, Target};
+use pdserve_loadgen::{run_point, Conn, Load, Observation, Progress, Shape, Slo, Target};
 
 use k8s::k8s_topology;
 use netns::netns_partition;
@@ -80,7 +80,7 @@ pub(super) fn streams(
     max_tokens: u64,
     timeout_s: f64,
     during: impl FnOnce(),
-) -> Vec<Outcome> {
+) -> Vec<Observation> {
     let addr: SocketAddr = router.trim_start_matches("http://").parse().expect("router address");
     let handles: Vec<_> = (0..n)
         .map(|i| {
@@ -101,7 +101,7 @@ pub(super) fn streams(
     handles.into_iter().map(|h| h.join().unwrap_or_default()).collect()
 }
 
-pub(super) fn tally(outcomes: &[Outcome]) -> Row {
+pub(super) fn tally(outcomes: &[Observation]) -> Row {
     Row {
         sent: outcomes.len(),
         completed: outcomes.iter().filter(|o| o.ok()).count(),

@@ -44,11 +44,11 @@ mod transfers;
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-use pdserve_api::{Outcome as ApiOutcome, Role, Stage as ApiStage};
+use pdserve_api::{Outcome, Role, Stage as ApiStage};
 use pdserve_kvcache::{KvCache, SeqId};
 use pdserve_model::{Sampler, SamplingParams};
 use pdserve_pd_transfer::{Source, TransferKey};
-use pdserve_scheduler::{Event, KvSource, NewRequest, Outcome, RequestId, Scheduler, SchedulerStats, Stage};
+use pdserve_scheduler::{Event, KvSource, NewRequest, Exit, RequestId, Scheduler, SchedulerStats, Stage};
 
 use crate::grammar::Guide;
 use crate::EngineError;
@@ -192,9 +192,9 @@ pub enum Reply {
     /// `cached_tokens`: prompt tokens whose KV was reused, not computed (in PD, the prefill worker's).
     Finished {
         id: u64,
-        outcome: Outcome,
+        outcome: Exit,
         /// Where it was counted: the outcome's word and the stage it ended in.
-        counted: (ApiOutcome, ApiStage),
+        counted: (Outcome, ApiStage),
         output_tokens: usize,
         cached_tokens: usize,
         times: Times,
@@ -256,7 +256,7 @@ pub struct CoreStats {
     /// Requests refused, by the word of their error.
     pub rejected_total: HashMap<&'static str, u64>,
     /// Requests ended, by outcome and stage.
-    pub finished_total: HashMap<(ApiOutcome, ApiStage), u64>,
+    pub finished_total: HashMap<(Outcome, ApiStage), u64>,
     /// Transfers ended, by side (`prefill`/`decode`) and result.
     pub transfers_finished_total: HashMap<(&'static str, &'static str), u64>,
     /// Decode role: prompt blocks pulled, and those a prefix hit spared.
@@ -403,8 +403,8 @@ impl EngineCore {
     }
 
     /// Requests waiting for admission (a pull not described yet counts).
-    pub fn waiting(&self) -> usize {
-        self.sched.stats().waiting + self.describing.len()
+    pub fn queued(&self) -> usize {
+        self.sched.stats().queued + self.describing.len()
     }
 
     /// Requests running (a described pull awaiting its KV counts).
@@ -511,8 +511,8 @@ impl EngineCore {
         if let Some((&t, _)) = self.describing.iter().find(|(_, (s, _))| s.id == id) {
             // Not admitted yet: the pull ends, and so does the request.
             self.describing.remove(&t);
-            let counted = (ApiOutcome::Cancelled, ApiStage::KvTransfer);
-            self.finished(id, Outcome::Cancelled, counted, 0, 0, Times::default());
+            let counted = (Outcome::Cancelled, ApiStage::KvTransfer);
+            self.finished(id, Exit::Cancelled, counted, 0, 0, Times::default());
             self.abort_transfer(t);
             return;
         }
@@ -626,8 +626,8 @@ impl EngineCore {
     fn finished(
         &mut self,
         id: u64,
-        outcome: Outcome,
-        counted: (ApiOutcome, ApiStage),
+        outcome: Exit,
+        counted: (Outcome, ApiStage),
         output_tokens: usize,
         cached_tokens: usize,
         times: Times,
@@ -659,7 +659,7 @@ impl EngineCore {
             let times = active.as_ref().map(|a| a.times).unwrap_or_default();
             // In PD, what the client is told was cached is the prefill worker's hit.
             let cached_tokens = active.as_ref().and_then(|a| a.remote_cached).unwrap_or(cached_tokens);
-            if let Outcome::PrefillDone { first_token, transfer, blocks } = outcome {
+            if let Exit::PrefillDone { first_token, transfer, blocks } = outcome {
                 let first = active.as_mut().and_then(|a| a.first.take());
                 let prompt = active.map(|a| a.prompt).unwrap_or_default();
                 let o =
@@ -668,15 +668,15 @@ impl EngineCore {
                 continue;
             }
             let stage = match &outcome {
-                Outcome::TimedOut { stage } | Outcome::Failed { stage, .. } => self.stage(*stage),
+                Exit::TimedOut { stage } | Exit::Failed { stage, .. } => self.stage(*stage),
                 _ if self.config.role == Role::Prefill => ApiStage::Prefilling,
                 _ => ApiStage::Decoding,
             };
             let word = match &outcome {
-                Outcome::Completed(_) | Outcome::PrefillDone { .. } => ApiOutcome::Completed,
-                Outcome::Cancelled => ApiOutcome::Cancelled,
-                Outcome::TimedOut { .. } => ApiOutcome::TimedOut,
-                Outcome::Failed { .. } => ApiOutcome::Failed,
+                Exit::Completed(_) | Exit::PrefillDone { .. } => Outcome::Completed,
+                Exit::Cancelled => Outcome::Cancelled,
+                Exit::TimedOut { .. } => Outcome::TimedOut,
+                Exit::Failed { .. } => Outcome::Failed,
             };
             self.finished(id.0, outcome, (word, stage), output_tokens, cached_tokens, times);
         }

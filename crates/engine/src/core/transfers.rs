@@ -5,13 +5,13 @@
 
 use std::time::Instant;
 
-use pdserve_api::{Outcome as ApiOutcome, Role, Stage as ApiStage};
+use pdserve_api::{Outcome, Role, Stage as ApiStage};
 use pdserve_kvcache::{BlockId, TransferId};
 use pdserve_pd_transfer::{
-    EndpointEvent, FailReason, Outcome as TransferOutcome, PromptMeta, Side, Source, TransferError,
+    EndpointEvent, FailReason, TransferOutcome, PromptMeta, Side, Source, TransferError,
     TransferKey,
 };
-use pdserve_scheduler::{KvSource, NewRequest, Outcome, RequestId, Stage};
+use pdserve_scheduler::{KvSource, NewRequest, Exit, RequestId, Stage};
 
 use super::{output_budget, EngineCore, Pulled, RemoteFirst, Reply, Times};
 use crate::{EngineError, KvTransferProblem};
@@ -208,7 +208,7 @@ impl EngineCore {
                 *self
                     .stats
                     .finished_total
-                    .entry((ApiOutcome::Completed, ApiStage::Prefilling))
+                    .entry((Outcome::Completed, ApiStage::Prefilling))
                     .or_default() += 1;
                 let (id, cached_tokens, times) = (o.id, o.cached_tokens, o.times);
                 self.replies.push_back(Reply::Prefilled { id, key, cached_tokens, times });
@@ -219,11 +219,11 @@ impl EngineCore {
 
     fn offer_failed(&mut self, transfer: TransferId, o: Offering) {
         self.sched.handle_transfer_done(transfer);
-        let outcome = Outcome::Failed {
+        let outcome = Exit::Failed {
             stage: Stage::Prefilling,
             reason: "could not offer the KV for transfer".into(),
         };
-        let counted = (ApiOutcome::Failed, ApiStage::Prefilling);
+        let counted = (Outcome::Failed, ApiStage::Prefilling);
         self.finished(o.id, outcome, counted, o.output_tokens, o.cached_tokens, o.times);
     }
 
@@ -247,8 +247,8 @@ impl EngineCore {
         if let Some((s, _)) = self.describing.remove(&t) {
             // Ended before the prefill worker described it: the request was never admitted.
             if timed_out {
-                let counted = (ApiOutcome::TimedOut, ApiStage::KvTransfer);
-                let outcome = Outcome::TimedOut { stage: Stage::KvTransfer };
+                let counted = (Outcome::TimedOut, ApiStage::KvTransfer);
+                let outcome = Exit::TimedOut { stage: Stage::KvTransfer };
                 return self.finished(s.id, outcome, counted, 0, 0, Times::default());
             }
             let problem = match outcome {

@@ -286,34 +286,7 @@ fn host_random(cfg: &ModelConfig, seed: u64) -> Weights {
             })
             .collect()
     };
-    let (h, q, kv, inter) = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    );
-    let layers = (0..cfg.num_layers)
-        .map(|_| pdserve_model::LayerWeights {
-            input_norm: vec![1.0; h],
-            q: rand(q * h),
-            k: rand(kv * h),
-            v: rand(kv * h),
-            o: rand(h * q),
-            q_bias: None,
-            k_bias: None,
-            v_bias: None,
-            o_bias: None,
-            q_norm: None,
-            k_norm: None,
-            post_norm: vec![1.0; h],
-            gate: rand(inter * h),
-            up: rand(inter * h),
-            down: rand(h * inter),
-            moe: None,
-        })
-        .collect();
-    let embed = rand(cfg.vocab_size * h);
-    Weights { embed, layers, final_norm: vec![1.0; h], lm_head: None }
+    Weights::filled(cfg, false, &mut rand)
 }
 
 /// Random-weight 1B shape: the GPU's logits against the CPU's (same bf16 weights) over a prompt and

@@ -143,20 +143,8 @@ pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_values as values;
     use crate::quant::{F16Matrix, Q4Matrix, Q8Matrix};
-
-    /// Deterministic values in -1..1.
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
 
     /// `x · w^T` against the dequantized rows, summed in f64.
     fn reference<M: QuantMatrix>(x: &[f32], t: usize, k: usize, m: &M) -> Vec<f32> {

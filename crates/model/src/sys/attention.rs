@@ -311,7 +311,7 @@ pub(crate) fn group_weighted_sum(
         // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has); whole 64-column blocks.
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 if hd.is_multiple_of(64) => unsafe {
-            super::decode_avx512::group_weighted_sum_f32((p, ldp), (hd, group), (v, ldv), n, acc)
+            super::decode_avx512::group_weighted_sum((p, ldp), (hd, group), (v, ldv), n, acc)
         },
         // SAFETY: AVX-512F (as above); the same safe code.
         #[cfg(target_arch = "x86_64")]
@@ -383,73 +383,13 @@ pub(crate) fn group_weighted_sum_f16(
     if super::cpu_kernels() < CpuKernels::Avx512 || !hd.is_multiple_of(64) {
         return false;
     }
+    // SAFETY: AVX-512F (checked above: `cpu_kernels()` is at most what the CPU has); whole 64-column
+    // blocks; every length as asserted above.
     #[cfg(target_arch = "x86_64")]
-    for kh in 0..heads / group {
-        let mut h0 = 0;
-        while h0 < group {
-            let hn = (group - h0).min(4);
-            let first = kh * group + h0;
-            // SAFETY: AVX-512F (checked above: `cpu_kernels()` is at most what the CPU has); heads
-            // `first..first + hn` read KV head `kh`, every length as asserted above.
-            unsafe {
-                match hn {
-                    4 => weighted_heads_f16_avx512::<4>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
-                    3 => weighted_heads_f16_avx512::<3>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
-                    2 => weighted_heads_f16_avx512::<2>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
-                    _ => weighted_heads_f16_avx512::<1>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
-                }
-            }
-            h0 += hn;
-        }
-    }
+    unsafe {
+        super::decode_avx512::group_weighted_sum((p, ldp), (hd, group), (v, ldv), n, acc)
+    };
     cfg!(target_arch = "x86_64")
-}
-
-/// Query heads `first..first + G` (all reading KV head `kh`) of [`group_weighted_sum_f16`], 64
-/// columns at a time: 4 x G accumulators stay in registers over every position.
-///
-/// # Safety
-/// AVX-512F; `hd` a multiple of 64; lengths as `group_weighted_sum_f16` asserts.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn weighted_heads_f16_avx512<const G: usize>(
-    p: &[f32],
-    ldp: usize,
-    (hd, kh, first): (usize, usize, usize),
-    (v, ldv): (&[u16], usize),
-    n: usize,
-    acc: &mut [f32],
-) {
-    use std::arch::x86_64::*;
-    let base = acc.as_mut_ptr();
-    for c0 in (0..hd).step_by(64) {
-        let out = |g: usize, c: usize| base.add((first + g) * hd + c0 + c * 16);
-        // SAFETY (of the loads and stores): head first + g < heads, column c0 + 16c + 15 < hd.
-        let mut a: [[__m512; 4]; G] =
-            std::array::from_fn(|g| std::array::from_fn(|c| _mm512_loadu_ps(out(g, c))));
-        for i in 0..n {
-            // SAFETY: position i < n, whose row holds KV head kh's hd values.
-            let row = v.as_ptr().add(i * ldv + kh * hd + c0);
-            // (A loop, not `array::from_fn`: its closure would be a call per position, not inlined
-            // into this function's target features.)
-            let mut x = [_mm512_setzero_ps(); 4];
-            for (c, x) in x.iter_mut().enumerate() {
-                *x = _mm512_cvtph_ps(_mm256_loadu_si256(row.add(c * 16).cast()));
-            }
-            for (g, a) in a.iter_mut().enumerate() {
-                let w = _mm512_set1_ps(*p.get_unchecked((first + g) * ldp + i));
-                for (a, &x) in a.iter_mut().zip(&x) {
-                    // A multiply then an add, as `group_weighted_sum`'s loop computes.
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(w, x));
-                }
-            }
-        }
-        for (g, a) in a.iter().enumerate() {
-            for (c, &a) in a.iter().enumerate() {
-                _mm512_storeu_ps(out(g, c), a);
-            }
-        }
-    }
 }
 
 #[inline(always)]

@@ -1,6 +1,6 @@
-//! AVX-512 kernels of decode attention's scores over f16 keys, widened in registers as they are
-//! read (see `decode_avx2` for the AVX2 ones), and the transposing reduction the AVX-512 score
-//! kernels share.
+//! AVX-512 kernels of decode attention: the scores over f16 keys and the value sums over f32 or f16
+//! rows, widened in registers as they are read (see `decode_avx2` for the AVX2 ones), and the
+//! transposing reduction the AVX-512 score kernels share.
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -125,19 +125,46 @@ unsafe fn join8(lo: std::arch::x86_64::__m512, hi: std::arch::x86_64::__m512) ->
     _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(lo, hi), _mm512_shuffle_f32x4::<0xDD>(lo, hi))
 }
 
-/// `sys::group_weighted_sum` over f32 V rows with `hd` a multiple of 64: each query head's
-/// accumulators stay in registers over every position (a multiply then an add per value, in
-/// position order: the very sums of the portable loop), four heads of one KV head at a time so each
-/// V row is loaded once for them.
+/// A V-row element the value sums read sixteen at a time as f32 lanes.
+#[cfg(target_arch = "x86_64")]
+pub(super) trait Lanes16: Copy {
+    /// # Safety
+    /// AVX-512F; `p..p + 16` readable.
+    unsafe fn load16(p: *const Self) -> __m512;
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Lanes16 for f32 {
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> __m512 {
+        // SAFETY: the caller's contract.
+        _mm512_loadu_ps(p)
+    }
+}
+
+/// f16 bits, widened exactly as they are read.
+#[cfg(target_arch = "x86_64")]
+impl Lanes16 for u16 {
+    #[inline(always)]
+    unsafe fn load16(p: *const u16) -> __m512 {
+        // SAFETY: the caller's contract (16 values, 32 bytes).
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.cast()))
+    }
+}
+
+/// `sys::group_weighted_sum` over V rows of f32 or f16 bits with `hd` a multiple of 64: each query
+/// head's accumulators stay in registers over every position (a multiply then an add per value, in
+/// position order: the very sums of the portable loop over the rows widened first), four heads of
+/// one KV head at a time so each V row is loaded (and widened) once for them.
 ///
 /// # Safety
 /// AVX-512F; `hd` a multiple of 64; lengths as `sys::group_weighted_sum` asserts.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn group_weighted_sum_f32(
+pub(super) unsafe fn group_weighted_sum<T: Lanes16>(
     (p, ldp): (&[f32], usize),
     (hd, group): (usize, usize),
-    (v, ldv): (&[f32], usize),
+    (v, ldv): (&[T], usize),
     n: usize,
     acc: &mut [f32],
 ) {
@@ -148,27 +175,28 @@ pub(super) unsafe fn group_weighted_sum_f32(
             let hn = (group - h0).min(4);
             let first = kh * group + h0;
             match hn {
-                4 => weighted_heads_f32::<4>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
-                3 => weighted_heads_f32::<3>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
-                2 => weighted_heads_f32::<2>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
-                _ => weighted_heads_f32::<1>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                4 => weighted_heads::<T, 4>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                3 => weighted_heads::<T, 3>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                2 => weighted_heads::<T, 2>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
+                _ => weighted_heads::<T, 1>(p, ldp, (hd, kh, first), (v, ldv), n, acc),
             }
             h0 += hn;
         }
     }
 }
 
-/// Query heads `first..first + G` of [`group_weighted_sum_f32`], 64 columns at a time.
+/// Query heads `first..first + G` (all reading KV head `kh`) of [`group_weighted_sum`], 64 columns
+/// at a time: 4 x G accumulators stay in registers over every position.
 ///
 /// # Safety
-/// As [`group_weighted_sum_f32`].
+/// As [`group_weighted_sum`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn weighted_heads_f32<const G: usize>(
+unsafe fn weighted_heads<T: Lanes16, const G: usize>(
     p: &[f32],
     ldp: usize,
     (hd, kh, first): (usize, usize, usize),
-    (v, ldv): (&[f32], usize),
+    (v, ldv): (&[T], usize),
     n: usize,
     acc: &mut [f32],
 ) {
@@ -184,9 +212,11 @@ unsafe fn weighted_heads_f32<const G: usize>(
         for i in 0..n {
             // SAFETY: position i < n, whose row holds KV head kh's hd values.
             let row = v.as_ptr().add(i * ldv + kh * hd + c0);
+            // (A loop, not `array::from_fn`: its closure would be a call per position, not inlined
+            // into this function's target features.)
             let mut x = [_mm512_setzero_ps(); 4];
             for (c, x) in x.iter_mut().enumerate() {
-                *x = _mm512_loadu_ps(row.add(c * 16));
+                *x = T::load16(row.add(c * 16));
             }
             for (g, a) in a.iter_mut().enumerate() {
                 let w = _mm512_set1_ps(*p.get_unchecked((first + g) * ldp + i));

@@ -243,18 +243,47 @@ unsafe fn q4_tile<const R: usize>(
                 let hi = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(bytes), table);
                 *wc = std::mem::transmute::<__m512bh, __m512i>(_mm512_cvtne2ps_pbh(hi, lo));
             }
-            let ws: [__m512bh; ROWS_TILE] = std::mem::transmute(ws);
-            for (r, a) in acc.iter_mut().enumerate() {
-                let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(px.add(r * k + gk * 32).cast()));
-                for (ac, wc) in a.iter_mut().zip(&ws) {
-                    *ac = _mm512_dpbf16_ps(*ac, xv, *wc);
-                }
-            }
+            tile_group(&mut acc, &ws, px.add(gk * 32), k);
         }
         g0 += gn;
     }
+    store_tile(&acc, po, ldo);
+}
+
+/// One group step of a decode tile: the `R` activation rows' 32 bf16 values from `x` (rows `k`
+/// apart) times each of the tile's four weight rows' 32 (`ws`, bf16 pairs), added into `acc`.
+///
+/// # Safety
+/// AVX-512F and AVX-512 BF16; `x + r * k .. + 32` readable for every row r < R.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+#[inline]
+unsafe fn tile_group<const R: usize>(
+    acc: &mut [[std::arch::x86_64::__m512; ROWS_TILE]; R],
+    ws: &[std::arch::x86_64::__m512i; ROWS_TILE],
+    x: *const u16,
+    k: usize,
+) {
+    use std::arch::x86_64::*;
+    let ws: &[__m512bh; ROWS_TILE] = std::mem::transmute(ws);
+    for (r, a) in acc.iter_mut().enumerate() {
+        let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x.add(r * k).cast()));
+        for (ac, wc) in a.iter_mut().zip(ws) {
+            *ac = _mm512_dpbf16_ps(*ac, xv, *wc);
+        }
+    }
+}
+
+/// A decode tile's sums out: row r's four outputs at `po + r * ldo`.
+///
+/// # Safety
+/// AVX-512F; `po + r * ldo .. + 4` writable for every row r < R.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_tile<const R: usize>(acc: &[[std::arch::x86_64::__m512; ROWS_TILE]; R], po: *mut f32, ldo: usize) {
     for (r, a) in acc.iter().enumerate() {
-        _mm_storeu_ps(po.add(r * ldo), super::gemm::sum4(a));
+        std::arch::x86_64::_mm_storeu_ps(po.add(r * ldo), super::gemm::sum4(a));
     }
 }
 
@@ -311,35 +340,16 @@ unsafe fn q8_tile<const R: usize>(
             let v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, s), _mm512_mul_ps(lo, s));
             *wc = std::mem::transmute::<__m512bh, __m512i>(v);
         }
-        let ws: [__m512bh; ROWS_TILE] = std::mem::transmute(ws);
-        for (r, a) in acc.iter_mut().enumerate() {
-            let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(px.add(r * k + gk * 32).cast()));
-            for (ac, wc) in a.iter_mut().zip(&ws) {
-                *ac = _mm512_dpbf16_ps(*ac, xv, *wc);
-            }
-        }
+        tile_group(&mut acc, &ws, px.add(gk * 32), k);
     }
-    for (r, a) in acc.iter().enumerate() {
-        _mm_storeu_ps(po.add(r * ldo), super::gemm::sum4(a));
-    }
+    store_tile(&acc, po, ldo);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_values as values;
     use crate::bits16::bf16_bits;
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
 
     /// Every row of every step size gives the bits of that row alone, and of the scalar definition.
     #[test]

@@ -11,7 +11,7 @@ impl Scheduler {
     pub fn check_invariants(&self) -> Result<(), String> {
         let mut seen = HashSet::new();
         for (list, name) in [
-            (self.waiting.iter().collect::<Vec<_>>(), "waiting"),
+            (self.queued.iter().collect::<Vec<_>>(), "queued"),
             (self.running.iter().collect(), "running"),
             (self.awaiting.iter().collect(), "awaiting"),
         ] {
@@ -22,7 +22,7 @@ impl Scheduler {
                 let r = self.reqs.get(id).ok_or_else(|| format!("{id} in {name} is not live"))?;
                 let ok = matches!(
                     (name, r.state),
-                    ("waiting", State::Waiting)
+                    ("queued", State::Queued)
                         | ("running", State::Running { .. })
                         | ("awaiting", State::AwaitingKv { .. })
                 );
@@ -73,11 +73,11 @@ impl Scheduler {
                 self.leases_out.len()
             ));
         }
-        if self.running.len() > self.config.max_running_requests {
+        if self.running.len() > self.config.running_requests_max {
             return Err(format!(
                 "{} running over the cap {}",
                 self.running.len(),
-                self.config.max_running_requests
+                self.config.running_requests_max
             ));
         }
         self.kv.check_invariants()

@@ -25,7 +25,7 @@ impl Scheduler {
         // The step produces the drafts it accepts plus one sampled token.
         let room = budget
             .min(r.max_tokens.saturating_sub(r.output_len + 1))
-            .min(self.config.max_context_tokens.saturating_sub(r.tokens.len() + 1));
+            .min(self.config.context_tokens_max.saturating_sub(r.tokens.len() + 1));
         if room == 0 {
             return item;
         }

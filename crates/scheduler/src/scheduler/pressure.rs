@@ -7,7 +7,7 @@ use std::time::Instant;
 use pdserve_kvcache::{KvError, SeqId};
 
 use super::{Scheduler, State};
-use crate::types::{BatchItem, Outcome, RequestId, Stage};
+use crate::types::{BatchItem, Exit, RequestId, Stage};
 
 impl Scheduler {
     /// Reserves the next prefill chunk of `id` (KV permitting) and returns its item.
@@ -86,7 +86,7 @@ impl Scheduler {
                     }
                 }
                 Err(e) => {
-                    self.finish(id, Outcome::Failed { stage: Stage::Decoding, reason: e.to_string() }, now);
+                    self.finish(id, Exit::Failed { stage: Stage::Decoding, reason: e.to_string() }, now);
                     return false;
                 }
             }
@@ -98,9 +98,9 @@ impl Scheduler {
     pub(super) fn preempt(&mut self, id: RequestId) {
         let Some(r) = self.reqs.get_mut(&id) else { return };
         let _ = self.kv.free_sequence(r.seq, true);
-        r.state = State::Waiting;
+        r.state = State::Queued;
         self.running.retain(|&x| x != id);
-        self.waiting.push_front(id);
+        self.queued.push_front(id);
         self.stats.preemptions_total += 1;
     }
 }

@@ -64,7 +64,7 @@ impl Frontend {
     pub(super) fn ready(&self) -> Response {
         let now = Instant::now();
         let h = self.engine.health(now);
-        let busy = h.waiting + h.running;
+        let busy = h.queued + h.running;
         let ms = |d: Duration| d.as_millis() as u64;
         let reason = if self.draining_since.is_some() {
             Some("draining: not taking new requests".to_owned())
@@ -106,7 +106,7 @@ impl Frontend {
             self.engine.abort_request(&choices::member_id(request_id, i));
         }
         match self.engine.abort_request(request_id) {
-            Some(Aborted::Live(_)) => json_response(200, &json!({"aborted": request_id}), Some(request_id)),
+            Some(Aborted::InFlight(_)) => json_response(200, &json!({"aborted": request_id}), Some(request_id)),
             Some(Aborted::Offered(_)) => json_response(
                 200,
                 &json!({"aborted": request_id, "stage": Stage::KvHeld.as_str()}),
