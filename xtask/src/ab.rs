@@ -9,11 +9,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use serde_json::Value;
 
 use crate::peer::Isa;
 use crate::serve::{start_stack, stop_all, Spec};
-use crate::vs_llamacpp::{pick_rows, table_row, Row, ROWS};
+use crate::vs_llamacpp::{bench_pair, pick_rows, table_row, Row, ROWS};
 
 const USAGE: &str = "cargo xtask bench ab --base REV [--isa native|avx2] [--repeat K] [--rows LIST]
     [--weights FMT]
@@ -83,17 +82,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let result = (|| -> Result<()> {
         for row in &rows {
             let out = root.join(format!("target/bench/ab-{}", row.name));
-            let mut a: Vec<String> =
-                ["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"]
-                    .iter()
-                    .map(|s| (*s).to_owned())
-                    .collect();
-            a.extend(["--target".into(), ours.url.clone(), "--target".into(), theirs.url.clone()]);
-            a.extend(row.args.iter().map(|s| (*s).to_owned()));
-            a.extend(["--repeat".into(), repeat.to_string(), "--out".into(), out.display().to_string()]);
             println!("\n== {}: {} this checkout, {} {base}", row.what, ours.url, theirs.url);
-            crate::cargo(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
-            let json: Value = serde_json::from_slice(&std::fs::read(out.with_extension("json"))?)?;
+            let json = bench_pair(row, (&ours.url, &theirs.url), repeat, &out)?;
             table.push_str(&table_row(isa, row, &json, &ours.url, &theirs.url)?);
         }
         Ok(())

@@ -100,9 +100,27 @@ pub(crate) const ROWS: &[Row] = &[
     },
 ];
 
+/// `row`'s load against two targets alternating (`pdserve-bench --target A --target B`), `repeat`
+/// pairs, written to `out` (`.json`, `.svg`); the JSON read back.
+pub(crate) fn bench_pair(row: &Row, (a, b): (&str, &str), repeat: usize, out: &Path) -> Result<Value> {
+    let mut args: Vec<String> =
+        ["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect();
+    args.extend(["--target".into(), a.to_owned(), "--target".into(), b.to_owned()]);
+    args.extend(row.args.iter().map(|s| (*s).to_owned()));
+    args.extend(["--repeat".into(), repeat.to_string(), "--out".into(), out.display().to_string()]);
+    crate::cargo(&args.iter().map(String::as_str).collect::<Vec<_>>())?;
+    Ok(serde_json::from_slice(&std::fs::read(out.with_extension("json"))?)?)
+}
+
 /// The rows a `--rows` list names (comma-separated).
 pub(crate) fn pick_rows(names: &str) -> Result<Vec<&'static Row>> {
-    names.split(',').map(|n| ROWS.iter().find(|r| r.name == n).with_context(|| format!("no row {n:?}"))).collect()
+    names
+        .split(',')
+        .map(|n| ROWS.iter().find(|r| r.name == n).with_context(|| format!("no row {n:?}")))
+        .collect()
 }
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -166,17 +184,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             let peer = LlamaServer::start(server, &gguf, (16384, 32), &["-kvu"], &logs)?;
             for row in &rows {
                 let out = root.join(format!("target/bench/vs-llamacpp-{}-{}", isa.name(), row.name));
-                let mut a: Vec<String> =
-                    ["run", "--release", "-q", "-p", "pdserve-loadgen", "--bin", "pdserve-bench", "--"]
-                        .iter()
-                        .map(|s| (*s).to_owned())
-                        .collect();
-                a.extend(["--target".into(), ours.url.clone(), "--target".into(), peer.url.clone()]);
-                a.extend(row.args.iter().map(|s| (*s).to_owned()));
-                a.extend(["--repeat".into(), repeat.to_string(), "--out".into(), out.display().to_string()]);
                 println!("\n== {} {}: {} ours, {} llama.cpp", isa.name(), row.what, ours.url, peer.url);
-                crate::cargo(&a.iter().map(String::as_str).collect::<Vec<_>>())?;
-                let json: Value = serde_json::from_slice(&std::fs::read(out.with_extension("json"))?)?;
+                let json = bench_pair(row, (&ours.url, &peer.url), repeat, &out)?;
                 table.push_str(&table_row(isa, row, &json, &ours.url, &peer.url)?);
             }
             let ours_pid = ours.procs.first().context("no worker")?.child.id();

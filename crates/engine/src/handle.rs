@@ -20,7 +20,7 @@ use pdserve_scheduler::Scheduler;
 use pdserve_telemetry::{Registry, RequestLedger};
 
 use crate::metrics::Metrics;
-use crate::text_thread::{lock, timings, Job, Streams, NewRequest, Stream, TextThread};
+use crate::text_thread::{lock, timings, Job, NewRequest, Stream, Streams, TextThread};
 use crate::{Device, EngineConfig, EngineError, Finish, Id, Input, Output, Request};
 
 /// How the engine thread is doing, for readiness checks.

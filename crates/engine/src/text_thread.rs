@@ -22,7 +22,7 @@ use pdserve_api::generation::{TokenLogprob, Usage};
 use pdserve_api::pd::PdHandle;
 use pdserve_api::{Role, Stage};
 use pdserve_model::{IncrementalDecoder, TextCodec};
-use pdserve_scheduler::{FinishReason, Exit};
+use pdserve_scheduler::{Exit, FinishReason};
 
 use crate::core::{output_budget, resumed_is_complete, Reply, Submission, Times};
 use crate::grammar::Grammars;
@@ -630,7 +630,7 @@ impl TextThread {
 }
 
 /// How the engine thread's outcome reads to the caller, with the stage in the api's words.
-fn finish(role: Role, outcome: &Outcome) -> Finish {
+fn finish(role: Role, outcome: &Exit) -> Finish {
     let stage = |s: pdserve_scheduler::Stage| match s {
         pdserve_scheduler::Stage::Queued => Stage::queued(role),
         pdserve_scheduler::Stage::KvTransfer => Stage::KvTransfer,

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use pdserve_api::Role;
 use pdserve_kvcache::{KvCache, KvConfig, OwnerKind, TransferId};
-use pdserve_pd_transfer::{EndpointEvent, TransferOutcome, PromptMeta, Side, Source, TransferKey};
-use pdserve_scheduler::{FinishReason, Exit, Scheduler, SchedulerConfig};
+use pdserve_pd_transfer::{EndpointEvent, PromptMeta, Side, Source, TransferKey, TransferOutcome};
+use pdserve_scheduler::{Exit, FinishReason, Scheduler, SchedulerConfig};
 
 use pdserve_engine::core::*;
 

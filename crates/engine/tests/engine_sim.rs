@@ -400,7 +400,7 @@ struct Run {
 
 #[derive(Debug, Clone, PartialEq)]
 enum End {
-    Done(Outcome),
+    Done(Exit),
     Rejected(String),
     /// Prefill: its KV is offered under this key.
     Prefilled(pdserve_pd_transfer::TransferKey),
@@ -825,9 +825,8 @@ impl Sim {
         };
         let pd = matches!(path, Path::Pd | Path::ResumedPd);
         let submitted = of(pd.then_some(P)).count();
-        let completed = of(pd.then_some(D))
-            .filter(|r| matches!(r.end, Some((End::Done(Exit::Completed(_)), _))))
-            .count();
+        let completed =
+            of(pd.then_some(D)).filter(|r| matches!(r.end, Some((End::Done(Exit::Completed(_)), _)))).count();
         (submitted, completed)
     }
 }

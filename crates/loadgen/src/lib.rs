@@ -290,7 +290,13 @@ fn copy_messages(shape: &Shape, nonce: u64, i: u64) -> serde_json::Value {
     ])
 }
 
-fn send(conn: &mut Conn, target: &Target, shape: &Shape, messages: &serde_json::Value, seed: u64) -> Observation {
+fn send(
+    conn: &mut Conn,
+    target: &Target,
+    shape: &Shape,
+    messages: &serde_json::Value,
+    seed: u64,
+) -> Observation {
     let deadline = Instant::now() + shape.timeout;
     let mixed = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 17;
     let leave_after = (shape.disconnect_one_in > 0 && mixed.is_multiple_of(shape.disconnect_one_in))

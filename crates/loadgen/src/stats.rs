@@ -85,7 +85,8 @@ impl RoundResult {
         let rounds = ok.iter().map(|&(_, r, _)| r + 1).max().unwrap_or(0);
         (0..rounds)
             .map(|round| {
-                let these: Vec<&(u32, u32, &Observation)> = ok.iter().filter(|(_, r, _)| *r == round).collect();
+                let these: Vec<&(u32, u32, &Observation)> =
+                    ok.iter().filter(|(_, r, _)| *r == round).collect();
                 let sum_opt = |f: &dyn Fn(&Observation) -> Option<u64>| -> Option<u64> {
                     these.iter().map(|(_, _, o)| f(o)).reduce(|a, b| Some(a? + b?)).flatten()
                 };
@@ -220,7 +221,12 @@ mod tests {
             o(50, 140, 10),  // tpot 10 ms: good
             o(150, 200, 10), // ttft too slow
             o(50, 500, 10),  // tpot 50 ms: too slow
-            Observation { status: 429, error: Some("queue_full".into()), terminal: true, ..Observation::default() },
+            Observation {
+                status: 429,
+                error: Some("queue_full".into()),
+                terminal: true,
+                ..Observation::default()
+            },
             Observation { hung: true, error: Some("hung".into()), ..Observation::default() },
         ];
         let load = Load::Closed { concurrency: 2, requests: 5 };

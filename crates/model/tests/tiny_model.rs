@@ -4,9 +4,7 @@
 use std::sync::Arc;
 
 use pdserve_kvcache::{BlockId, KvCache, KvConfig, SeqId};
-use pdserve_model::{
-    Backend, CpuBackend, KvDtype, ModelConfig, ModelError, ModelFiles, SeqStep, Weights,
-};
+use pdserve_model::{Backend, CpuBackend, KvDtype, ModelConfig, ModelError, ModelFiles, SeqStep, Weights};
 
 fn config() -> ModelConfig {
     ModelConfig {

@@ -18,8 +18,8 @@ use pdserve_kvcache::{BlockId, KvCache, TransferId};
 use crate::transport::shm::SharedRegion;
 use crate::transport::{Arrival, Transport};
 use crate::{
-    Layout, Message, TransferOutcome, PeerId, PromptMeta, Receiver, SendAction, Sender, SenderConfig, TransferError,
-    TransferKey,
+    Layout, Message, PeerId, PromptMeta, Receiver, SendAction, Sender, SenderConfig, TransferError,
+    TransferKey, TransferOutcome,
 };
 
 /// The worker's KV memory as the endpoint reads and writes it: whole blocks of

@@ -6,7 +6,7 @@ use std::collections::{HashMap, VecDeque};
 use pdserve_kvcache::BlockId;
 
 use crate::message::{FailReason, Layout, Message, PromptMeta, TransferKey};
-use crate::{TransferOutcome, PeerId, TransferError, TransferEvent};
+use crate::{PeerId, TransferError, TransferEvent, TransferOutcome};
 
 /// What the I/O shell must send.
 #[derive(Debug, Clone, PartialEq, Eq)]

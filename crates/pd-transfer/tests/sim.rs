@@ -258,7 +258,11 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
     // The receiver completes only on the sender's `Confirm`, which the sender sends as it completes.
     for (t, o) in &ended_d {
         if *o == TransferOutcome::Completed && alive(P, now) {
-            assert_eq!(ended_p.get(t), Some(&TransferOutcome::Completed), "transfer {t}: receiver completed alone");
+            assert_eq!(
+                ended_p.get(t),
+                Some(&TransferOutcome::Completed),
+                "transfer {t}: receiver completed alone"
+            );
         }
     }
     let tally = |m: &HashMap<u64, TransferOutcome>| {

@@ -614,10 +614,7 @@ impl Scheduler {
                 Some(s) => self.accept_token(item.id, s.token, s.stop, now),
                 None => self.finish(
                     item.id,
-                    Exit::Failed {
-                        stage,
-                        reason: "the engine reported no token for a sampling step".into(),
-                    },
+                    Exit::Failed { stage, reason: "the engine reported no token for a sampling step".into() },
                     now,
                 ),
             }

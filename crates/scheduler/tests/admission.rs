@@ -154,8 +154,11 @@ fn retry_after_follows_the_drain_rate() {
 
 #[test]
 fn aborts_are_idempotent_at_every_stage() {
-    let config =
-        SchedulerConfig { running_requests_max: 1, prefill_chunk_tokens_max: 4, ..SchedulerConfig::default() };
+    let config = SchedulerConfig {
+        running_requests_max: 1,
+        prefill_chunk_tokens_max: 4,
+        ..SchedulerConfig::default()
+    };
     let (mut s, t0) = sched(config, 64);
     s.handle_request(req(1, 12, 5, t0), t0).unwrap();
     s.handle_request(req(2, 12, 5, t0), t0).unwrap();
@@ -511,10 +514,7 @@ fn a_decode_worker_under_kv_pressure_finishes_every_request() {
     assert!(s.stats().preemptions_total > 0, "the pool was meant to run short");
     assert_eq!(events.len(), 8, "{events:?}");
     for e in events {
-        assert!(
-            matches!(e, Event::Finished { outcome: Exit::Completed(FinishReason::Length), .. }),
-            "{e:?}"
-        );
+        assert!(matches!(e, Event::Finished { outcome: Exit::Completed(FinishReason::Length), .. }), "{e:?}");
     }
 }
 

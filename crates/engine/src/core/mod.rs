@@ -48,7 +48,7 @@ use pdserve_api::{Outcome, Role, Stage as ApiStage};
 use pdserve_kvcache::{KvCache, SeqId};
 use pdserve_model::{Sampler, SamplingParams};
 use pdserve_pd_transfer::{Source, TransferKey};
-use pdserve_scheduler::{Event, KvSource, NewRequest, Exit, RequestId, Scheduler, SchedulerStats, Stage};
+use pdserve_scheduler::{Event, Exit, KvSource, NewRequest, RequestId, Scheduler, SchedulerStats, Stage};
 
 use crate::grammar::Guide;
 use crate::EngineError;

@@ -8,10 +8,9 @@ use std::time::Instant;
 use pdserve_api::{Outcome, Role, Stage as ApiStage};
 use pdserve_kvcache::{BlockId, TransferId};
 use pdserve_pd_transfer::{
-    EndpointEvent, FailReason, TransferOutcome, PromptMeta, Side, Source, TransferError,
-    TransferKey,
+    EndpointEvent, FailReason, PromptMeta, Side, Source, TransferError, TransferKey, TransferOutcome,
 };
-use pdserve_scheduler::{KvSource, NewRequest, Exit, RequestId, Stage};
+use pdserve_scheduler::{Exit, KvSource, NewRequest, RequestId, Stage};
 
 use super::{output_budget, EngineCore, Pulled, RemoteFirst, Reply, Times};
 use crate::{EngineError, KvTransferProblem};
@@ -205,11 +204,8 @@ impl EngineCore {
         let Some(o) = self.offering.remove(&transfer) else { return };
         match result {
             Ok(key) => {
-                *self
-                    .stats
-                    .finished_total
-                    .entry((Outcome::Completed, ApiStage::Prefilling))
-                    .or_default() += 1;
+                *self.stats.finished_total.entry((Outcome::Completed, ApiStage::Prefilling)).or_default() +=
+                    1;
                 let (id, cached_tokens, times) = (o.id, o.cached_tokens, o.times);
                 self.replies.push_back(Reply::Prefilled { id, key, cached_tokens, times });
             }
@@ -219,10 +215,8 @@ impl EngineCore {
 
     fn offer_failed(&mut self, transfer: TransferId, o: Offering) {
         self.sched.handle_transfer_done(transfer);
-        let outcome = Exit::Failed {
-            stage: Stage::Prefilling,
-            reason: "could not offer the KV for transfer".into(),
-        };
+        let outcome =
+            Exit::Failed { stage: Stage::Prefilling, reason: "could not offer the KV for transfer".into() };
         let counted = (Outcome::Failed, ApiStage::Prefilling);
         self.finished(o.id, outcome, counted, o.output_tokens, o.cached_tokens, o.times);
     }

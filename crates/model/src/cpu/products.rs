@@ -143,8 +143,8 @@ pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_values as values;
     use crate::quant::{F16Matrix, Q4Matrix, Q8Matrix};
+    use crate::test_values as values;
 
     /// `x · w^T` against the dequantized rows, summed in f64.
     fn reference<M: QuantMatrix>(x: &[f32], t: usize, k: usize, m: &M) -> Vec<f32> {

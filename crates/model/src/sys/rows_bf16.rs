@@ -281,7 +281,11 @@ unsafe fn tile_group<const R: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[inline]
-unsafe fn store_tile<const R: usize>(acc: &[[std::arch::x86_64::__m512; ROWS_TILE]; R], po: *mut f32, ldo: usize) {
+unsafe fn store_tile<const R: usize>(
+    acc: &[[std::arch::x86_64::__m512; ROWS_TILE]; R],
+    po: *mut f32,
+    ldo: usize,
+) {
     for (r, a) in acc.iter().enumerate() {
         std::arch::x86_64::_mm_storeu_ps(po.add(r * ldo), super::gemm::sum4(a));
     }
@@ -348,8 +352,8 @@ unsafe fn q8_tile<const R: usize>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_values as values;
     use crate::bits16::bf16_bits;
+    use crate::test_values as values;
 
     /// Every row of every step size gives the bits of that row alone, and of the scalar definition.
     #[test]

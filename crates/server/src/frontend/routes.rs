@@ -106,7 +106,9 @@ impl Frontend {
             self.engine.abort_request(&choices::member_id(request_id, i));
         }
         match self.engine.abort_request(request_id) {
-            Some(Aborted::InFlight(_)) => json_response(200, &json!({"aborted": request_id}), Some(request_id)),
+            Some(Aborted::InFlight(_)) => {
+                json_response(200, &json!({"aborted": request_id}), Some(request_id))
+            }
             Some(Aborted::Offered(_)) => json_response(
                 200,
                 &json!({"aborted": request_id, "stage": Stage::KvHeld.as_str()}),
