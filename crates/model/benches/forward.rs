@@ -285,6 +285,11 @@ fn main() {
             "prefill_1000_q4_f16_kv_chunked_tokens_per_second",
             Box::new(|| 1000.0 / q4_kv(&weights, KvDtype::F16, blocks).prefill_chunked(1000, 512)),
         ),
+        // A long prompt as a worker prefills it (the quadratic part: attention over up to 4,000 keys).
+        (
+            "prefill_4000_q4_f16_kv_chunked_tokens_per_second",
+            Box::new(|| 4000.0 / q4_kv(&weights, KvDtype::F16, blocks).prefill_chunked(4000, 512)),
+        ),
         // A burst of short prompts in one step: 24 of 83 tokens (what 32 streams' second step holds).
         (
             "prefill_24_prompts_of_83_q4_tokens_per_second",

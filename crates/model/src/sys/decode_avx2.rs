@@ -6,8 +6,8 @@
 //! Scores: four positions by up to three query heads of one KV head at a time, so each key chunk is
 //! loaded (and widened) once for the heads that read it; one FMA per (position, head, 8 columns) and a
 //! transposing reduction per four positions. Value sums: each head's accumulators stay in registers
-//! over every position (32 columns at a time), a multiply then an add per element, in the order
-//! [`group_weighted_sum`](super::group_weighted_sum)'s portable loop uses.
+//! over every position (32 columns at a time), one fused multiply-add per element, in position order
+//! (the portable loop's order; fused, so not its bits: each family is batch-invariant on its own).
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -179,8 +179,7 @@ unsafe fn weighted_heads<T: Lanes, const G: usize>(
             for c in 0..4 {
                 let x = T::load8(row.add(c * 8));
                 for (a, &w) in a.iter_mut().zip(&w) {
-                    // A multiply then an add, as the portable loop computes.
-                    a[c] = _mm256_add_ps(a[c], _mm256_mul_ps(w, x));
+                    a[c] = _mm256_fmadd_ps(w, x, a[c]);
                 }
             }
         }

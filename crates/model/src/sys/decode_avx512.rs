@@ -153,8 +153,8 @@ impl Lanes16 for u16 {
 }
 
 /// `sys::group_weighted_sum` over V rows of f32 or f16 bits with `hd` a multiple of 64: each query
-/// head's accumulators stay in registers over every position (a multiply then an add per value, in
-/// position order: the very sums of the portable loop over the rows widened first), four heads of
+/// head's accumulators stay in registers over every position (one fused multiply-add per value, in
+/// position order: f16 rows give the sums of the rows widened first, bit for bit), four heads of
 /// one KV head at a time so each V row is loaded (and widened) once for them.
 ///
 /// # Safety
@@ -221,8 +221,7 @@ unsafe fn weighted_heads<T: Lanes16, const G: usize>(
             for (g, a) in a.iter_mut().enumerate() {
                 let w = _mm512_set1_ps(*p.get_unchecked((first + g) * ldp + i));
                 for (a, &x) in a.iter_mut().zip(&x) {
-                    // A multiply then an add, as the portable loop computes.
-                    *a = _mm512_add_ps(*a, _mm512_mul_ps(w, x));
+                    *a = _mm512_fmadd_ps(w, x, *a);
                 }
             }
         }
