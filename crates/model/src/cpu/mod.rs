@@ -25,7 +25,7 @@ mod rows;
 
 use crate::{ModelConfig, ModelError};
 use attention::KvMemory;
-use products::{matmul, matmul_bf16, matmul_quant_rows, matvec_int8, matvec_quant};
+use products::{matmul, matmul_bf16, matmul_quant_rows, matvec_int8, matvec_quant, matvec_wide};
 use rayon::prelude::*;
 use rows::{add_bias, add_into, add_rows, rms_norm, rms_norm_in_place, rms_norm_rows, rope_rows, PAR_ROWS};
 
@@ -574,6 +574,9 @@ enum Proj {
 }
 
 fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
+    if matvec_wide(x, t, k, m, out) {
+        return;
+    }
     match m {
         QRef::Q8(m) => matvec_quant(x, t, k, m, out),
         QRef::Q4(m) => matvec_quant(x, t, k, m, out),
@@ -585,9 +588,10 @@ fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
 /// them. Every product computes each row the same way whatever the step's row count (batch
 /// invariance: a row's values never depend on what else its step holds): Q4 and Q8 through the bf16
 /// rows product where the CPU has AVX-512 BF16 (`matmul_quant_rows`), else through the dot tiles
-/// (`matvec_quant`, every row's value that of a one-row step), as are f16 weights; bf16 weights
-/// through the bf16 GEMM; int8 activations through the int8 tiles; f32 weights through dot products
-/// (`matmul`).
+/// (`matvec_quant`, every row's value that of a one-row step), as are f16 weights, where long steps
+/// on the AVX2 arithmetic take `sys::gemm_rows_f32`'s widened tiles instead (`matvec_wide`, the same
+/// bits); bf16 weights through the bf16 GEMM; int8 activations through the int8 tiles; f32 weights
+/// through `gemm_rows_f32`'s tiles (`matmul`: `sys::dot`'s bits).
 struct Mats {
     decode: Option<DecodeWeights>,
     multi: Option<Arc<Bf16Weights>>,

@@ -7,7 +7,10 @@ use rayon::prelude::*;
 
 use super::QRef;
 use crate::quant::{Bf16Matrix, QuantMatrix, GROUP};
-use crate::sys::{dot, gemm_bf16_par, gemm_rows_bf16, to_bf16, Int8Row, Int8Rows, Q4Rows, Q8Rows};
+use crate::sys::{
+    dot, gemm_bf16_par, gemm_rows_bf16, gemm_rows_f32, to_bf16, CpuKernels, F16Weights, F32Weights, Int8Row,
+    Int8Rows, Q4Rows, Q8Rows, WIDE_ROWS,
+};
 
 /// `x[t×k] · w[n×k]^T` with quantized weights by dot products (decode steps, with or without drafts):
 /// every row of `x` against blocks of weight rows, spread over the thread pool by output columns.
@@ -15,10 +18,40 @@ pub(super) fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M,
     let n = w.rows();
     debug_assert_eq!((x.len(), out.len(), w.cols()), (t * k, t * n, k));
     let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
-    let sums: Vec<Vec<f32>> =
-        xs.iter().map(|xr| xr.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()).collect();
+    let sums = group_sums(x, k);
     let xsums: Vec<&[f32]> = sums.iter().map(Vec::as_slice).collect();
-    by_weight_rows(t, n, out, |j0, rows, o| w.dot_block(j0, rows, &xs, &xsums, o));
+    by_weight_rows(t, k, n, out, |j0, cols, rows, o| {
+        w.dot_block(j0, cols, &xs[rows.clone()], &xsums[rows], o)
+    });
+}
+
+/// Each input row's sums per group of 32 (what the Q4 kernels weigh the minimums by).
+fn group_sums(x: &[f32], k: usize) -> Vec<Vec<f32>> {
+    x.chunks_exact(k).map(|xr| xr.chunks_exact(GROUP).map(|g| g.iter().sum()).collect()).collect()
+}
+
+/// A long step's product with quantized or f16 weights on the AVX2 arithmetic (`sys::gemm_rows_f32`:
+/// blocks of weight rows widened into L2 once, every row the bits `matvec_quant` gives it): steps of
+/// `WIDE_ROWS` rows and more where the dot kernels are the AVX2 ones (Q4 and Q8 on the AVX2 family,
+/// f16 on both x86 families). False, touching nothing, elsewhere.
+pub(super) fn matvec_wide(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) -> bool {
+    let family = crate::sys::cpu_kernels();
+    let fits = t >= WIDE_ROWS && k.is_multiple_of(16) && crate::sys::avx2();
+    match m {
+        QRef::Q4(m) if fits && family == CpuKernels::Avx2 => {
+            let w = Q4Rows { packed: &m.packed, scales: &m.scales, mins: &m.mins, cols: k };
+            gemm_rows_f32(x, t, k, m.rows, &w, out);
+        }
+        QRef::Q8(m) if fits && family == CpuKernels::Avx2 => {
+            let w = Q8Rows { values: &m.values, scales: &m.scales, cols: k };
+            gemm_rows_f32(x, t, k, m.rows, &w, out);
+        }
+        QRef::F16(m) if fits => {
+            gemm_rows_f32(x, t, k, m.rows, &F16Weights { values: &m.values, cols: k }, out)
+        }
+        _ => return false,
+    }
+    true
 }
 
 /// `x[t×k] · w[n×k]^T` with `x` rounded to int8 in groups of 32 (`--activations q8`: integer
@@ -35,27 +68,32 @@ pub(super) fn matvec_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
     let rows = Int8Rows::quantize(x, k);
     let xs: Vec<Int8Row<'_>> = (0..t).map(|r| rows.row(r, k)).collect();
     match m {
-        QRef::Q4(m) => by_weight_rows(t, n, out, |j0, _, o| {
-            o.chunks_exact_mut(t).enumerate().for_each(|(j, col)| m.dot_rows_int8(j0 + j, &xs, col))
+        QRef::Q4(m) => by_weight_rows(t, k, n, out, |j0, _, rows, o| {
+            let xs = &xs[rows];
+            o.chunks_exact_mut(xs.len()).enumerate().for_each(|(j, col)| m.dot_rows_int8(j0 + j, xs, col))
         }),
-        QRef::Q8(m) => by_weight_rows(t, n, out, |j0, _, o| {
-            o.chunks_exact_mut(t).enumerate().for_each(|(j, col)| m.dot_rows_int8(j0 + j, &xs, col))
+        QRef::Q8(m) => by_weight_rows(t, k, n, out, |j0, _, rows, o| {
+            let xs = &xs[rows];
+            o.chunks_exact_mut(xs.len()).enumerate().for_each(|(j, col)| m.dot_rows_int8(j0 + j, xs, col))
         }),
         QRef::F16(_) => unreachable!("returned above"),
     }
     true
 }
 
-/// `out[t×n]` with `f(j0, cols, part)` filling columns `j0..j0 + cols` (the `t` input rows against
-/// weight rows `j0..`, as `part[j * t + r]`), spread over the thread pool by blocks of weight rows:
-/// each weight row is read from memory once for all `t` rows, and each value is the very dot product
-/// a one-row step computes, so a row's result does not depend on the rows beside it (draft
-/// verification gives what decoding token by token gives).
+/// `out[t×n]` with `f(j0, cols, rows, part)` filling columns `j0..j0 + cols` for input rows `rows`
+/// (those rows against weight rows `j0..`, as `part[j * rows.len() + r]`), spread over the thread
+/// pool by blocks of weight rows. Each value is the very dot product a one-row step computes, so a
+/// row's result does not depend on the rows beside it (draft verification gives what decoding token
+/// by token gives). A long step's rows go by blocks of about 128 KiB (`k` values each), so a block
+/// stays in L2 while every weight row of the task passes over it, instead of each weight row
+/// streaming the whole step from memory.
 pub(super) fn by_weight_rows(
     t: usize,
+    k: usize,
     n: usize,
     out: &mut [f32],
-    f: impl Fn(usize, usize, &mut [f32]) + Sync,
+    f: impl Fn(usize, usize, std::ops::Range<usize>, &mut [f32]) + Sync,
 ) {
     let threads = rayon::current_num_threads().max(1);
     // Two tasks per thread: enough to balance, few enough that dispatch stays cheap; a multiple of
@@ -65,16 +103,30 @@ pub(super) fn by_weight_rows(
         return;
     }
     if t == 1 {
-        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| f(c * chunk, o.len(), o));
+        out.par_chunks_mut(chunk).enumerate().for_each(|(c, o)| f(c * chunk, o.len(), 0..1, o));
         return;
     }
+    // Input rows per block: a multiple of four (the kernels' tiles of rows), about 128 KiB of f32.
+    let block = (32 * 1024 / k.max(1)).max(4) / 4 * 4;
     let parts: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(chunk))
         .into_par_iter()
         .map(|c| {
             let (j0, cols) = (c * chunk, chunk.min(n - c * chunk));
             // Column-major within the part: one weight row's `t` values side by side.
             let mut part = vec![0.0; t * cols];
-            f(j0, cols, &mut part);
+            if t <= block {
+                f(j0, cols, 0..t, &mut part);
+            } else {
+                let mut piece = Vec::new();
+                for r0 in (0..t).step_by(block) {
+                    let rows = r0..(r0 + block).min(t);
+                    piece.resize(rows.len() * cols, 0.0);
+                    f(j0, cols, rows.clone(), &mut piece);
+                    for (j, col) in piece.chunks_exact(rows.len()).enumerate() {
+                        part[j * t + rows.start..j * t + rows.end].copy_from_slice(col);
+                    }
+                }
+            }
             (j0, part)
         })
         .collect();
@@ -129,10 +181,15 @@ pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<
     debug_assert_eq!(x.len(), t * k);
     debug_assert_eq!(w.len(), n * k);
     let mut out = vec![0.0; t * n];
+    if crate::sys::avx2() && k.is_multiple_of(16) {
+        // The very sums `dot` gives each row, weight rows read once for every pair of input rows.
+        gemm_rows_f32(x, t, k, n, &F32Weights(w), &mut out);
+        return out;
+    }
     let wrow = |j: usize| &w[j * k..(j + 1) * k];
-    by_weight_rows(t, n, &mut out, |j0, _, o| {
-        for (j, col) in o.chunks_exact_mut(t).enumerate() {
-            for (r, v) in col.iter_mut().enumerate() {
+    by_weight_rows(t, k, n, &mut out, |j0, _, rows, o| {
+        for (j, col) in o.chunks_exact_mut(rows.len()).enumerate() {
+            for (r, v) in rows.clone().zip(col.iter_mut()) {
                 *v = dot(&x[r * k..(r + 1) * k], wrow(j0 + j));
             }
         }

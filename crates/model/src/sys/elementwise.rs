@@ -107,15 +107,12 @@ unsafe fn dot_avx2(a: &[f32], b: &[f32]) -> f32 {
         acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i + 8)), _mm256_loadu_ps(pb.add(i + 8)), acc1);
         i += 16;
     }
-    let acc = _mm256_add_ps(acc0, acc1);
-    let mut lanes = [0f32; 8];
-    _mm256_storeu_ps(lanes.as_mut_ptr(), acc);
-    let mut sum: f32 = lanes.iter().sum();
-    while i < n {
-        sum += *pa.add(i) * *pb.add(i);
-        i += 1;
+    // (What `rows_f32`'s tiles compute for every output: the same chains, the same reduction.)
+    let sum = super::hsum256(_mm256_add_ps(acc0, acc1));
+    if i == n {
+        return sum;
     }
-    sum
+    sum + a[i..].iter().zip(&b[i..]).map(|(x, y)| x * y).sum::<f32>()
 }
 
 #[cfg(test)]

@@ -114,8 +114,9 @@ pub(super) fn dot_q4_portable(x: &[f32], packed: &[u8], scales: &[u16], mins: &[
     sum
 }
 
-/// `x . w` for `w` in f16 bits (an f16 checkpoint's row), widened as it is read: AVX-512 where the
-/// CPU has it.
+/// `x . w` for `w` in f16 bits (an f16 checkpoint's row), widened as it is read: the AVX2 kernel on
+/// AVX-512 CPUs too, whose arithmetic `rows_f32`'s tiles give long steps (decode reads the weights
+/// from memory at the same pace either way).
 pub(crate) fn dot_f16(x: &[f32], w: &[u16]) -> f32 {
     dot_f16_with(super::cpu_kernels(), x, w)
 }
@@ -125,12 +126,10 @@ pub(crate) fn dot_f16_with(k: CpuKernels, x: &[f32], w: &[u16]) -> f32 {
     assert_eq!(x.len(), w.len());
     assert!(k <= CpuKernels::detected());
     match k {
-        // SAFETY: the CPU has AVX-512F (`k` is at most what it has, asserted above); lengths match.
+        // SAFETY: the CPU has AVX2, FMA and F16C (`k` is at most what it has, asserted above, and
+        // both families include them); lengths match.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => unsafe { dot_f16_avx512(x, w) },
-        // SAFETY: the CPU has AVX2, FMA and F16C (as above); lengths match.
-        #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => unsafe { dot_f16_avx2(x, w) },
+        CpuKernels::Avx512 | CpuKernels::Avx2 => unsafe { dot_f16_avx2(x, w) },
         _ => x.iter().zip(w).map(|(a, &b)| a * f16_value(b)).sum(),
     }
 }
@@ -152,29 +151,12 @@ unsafe fn dot_f16_avx2(x: &[f32], w: &[u16]) -> f32 {
         a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.as_ptr().add(i + 8)), a1);
         i += 16;
     }
-    let tail: f32 = x[i..].iter().zip(&w[i..]).map(|(a, &b)| a * f16_value(b)).sum();
-    hsum256(_mm256_add_ps(a0, a1)) + tail
-}
-
-/// # Safety
-/// AVX-512F; `x.len() == w.len()`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn dot_f16_avx512(x: &[f32], w: &[u16]) -> f32 {
-    use std::arch::x86_64::*;
-    let n = x.len();
-    let (mut a0, mut a1) = (_mm512_setzero_ps(), _mm512_setzero_ps());
-    let mut i = 0;
-    while i + 32 <= n {
-        // SAFETY (of the loads): i + 32 <= n for both slices.
-        let w0 = _mm512_cvtph_ps(_mm256_loadu_si256(w.as_ptr().add(i).cast()));
-        let w1 = _mm512_cvtph_ps(_mm256_loadu_si256(w.as_ptr().add(i + 16).cast()));
-        a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x.as_ptr().add(i)), a0);
-        a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.as_ptr().add(i + 16)), a1);
-        i += 32;
+    // (What `rows_f32`'s tiles compute for every output: the same chains, the same reduction.)
+    let sum = hsum256(_mm256_add_ps(a0, a1));
+    if i == n {
+        return sum;
     }
-    let tail: f32 = x[i..].iter().zip(&w[i..]).map(|(a, &b)| a * f16_value(b)).sum();
-    _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + tail
+    sum + x[i..].iter().zip(&w[i..]).map(|(a, &b)| a * f16_value(b)).sum::<f32>()
 }
 
 /// Rows `r0..r0 + rows` of a Q8 matrix `cols` wide (see `quant::Q8Matrix`), every column, written

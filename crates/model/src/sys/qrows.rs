@@ -63,7 +63,7 @@ pub(crate) fn dot_q4_rows_with(
             for (w, o) in out.chunks_exact_mut(t).enumerate() {
                 let (pw, sw, mw) = row(w);
                 // SAFETY: the CPU has AVX2, FMA and F16C (as above); lengths as above, per weight row.
-                unsafe { row_tiles!(t, |i| q4_tile_avx2(i, xs, pw, sw, mw, xsums, o)) }
+                unsafe { row_tiles!(t, |i| q4_tile_avx2(i, xs, pw, sw, mw, o)) }
             }
         }
         _ => {
@@ -261,7 +261,6 @@ unsafe fn q4_tile_avx2<const R: usize>(
     packed: &[u8],
     scales: &[u16],
     mins: &[u16],
-    xsums: &[&[f32]],
     out: &mut [f32],
 ) {
     use std::arch::x86_64::*;
@@ -270,39 +269,28 @@ unsafe fn q4_tile_avx2<const R: usize>(
     let low = _mm_set1_epi8(15);
     // Two accumulators per row: independent FMA chains.
     let mut acc = [[_mm256_setzero_ps(); 2]; R];
-    for (g, &s) in scales.iter().enumerate() {
+    for (g, (&s, &m)) in scales.iter().zip(mins).enumerate() {
         let (o, b) = (g * 32, g * 16);
         // SAFETY (of the loads): b + 16 <= packed.len() and o + 32 <= every x's length.
         let bytes = _mm_loadu_si128(pq.add(b).cast());
         // Low nibbles weigh x[o..o + 16], high ones x[o + 16..o + 32], eight at a time.
         let lo = _mm_and_si128(bytes, low);
         let hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
-        // The weights times the group's scale, once for every row (exact in f32, as above).
-        let sv = super::f16_splat256(s);
+        // The weights, `min + q * scale` in one rounding (what `rows_f32` widens them to), once for
+        // every row.
+        let (sv, mv) = (super::f16_splat256(s), super::f16_splat256(m));
         for (nib, at) in [(lo, 0usize), (hi, 16)] {
-            let w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), sv);
-            let w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nib, 8))), sv);
+            let w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(nib)), sv, mv);
+            let w1 =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(nib, 8))), sv, mv);
             for r in 0..R {
                 acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(px[r].add(o + at)), acc[r][0]);
                 acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(px[r].add(o + at + 8)), acc[r][1]);
             }
         }
     }
-    let groups = mins.len();
     for r in 0..R {
-        let xsum = xsums[i + r];
-        // The minimums' share: eight groups at a time.
-        let mut macc = _mm256_setzero_ps();
-        let mut h = 0;
-        while h + 8 <= groups {
-            // SAFETY (of the loads): h + 8 <= groups == mins.len() == xsum.len().
-            let m = _mm256_cvtph_ps(_mm_loadu_si128(mins.as_ptr().add(h).cast()));
-            macc = _mm256_fmadd_ps(m, _mm256_loadu_ps(xsum.as_ptr().add(h)), macc);
-            h += 8;
-        }
-        out[i + r] = super::hsum256(_mm256_add_ps(acc[r][0], acc[r][1]))
-            + super::hsum256(macc)
-            + mins[h..].iter().zip(&xsum[h..]).map(|(&m, s)| super::f16_f16c(m) * s).sum::<f32>();
+        out[i + r] = super::hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
     }
 }
 
