@@ -55,7 +55,8 @@ impl WeightFormat {
     }
 
     /// `Auto` made concrete for a checkpoint stored as `dtype` of a model shaped by `c`; any other
-    /// format as it is.
+    /// format as it is. A bf16 checkpoint is served in bf16 where the CPU has the bf16 GEMM (AVX-512
+    /// BF16), else widened to f32 (exactly), whose products have AVX2 kernels.
     pub fn resolve(self, dtype: crate::CheckpointDtype, c: &ModelConfig) -> WeightFormat {
         let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         // Every stacked projection's rows fill 32-row panels and its columns pair up.
@@ -63,7 +64,12 @@ impl WeightFormat {
         let cols = [c.hidden_size, q, c.intermediate_size];
         let packs = rows.iter().all(|r| r % 32 == 0) && cols.iter().all(|k| k % 2 == 0);
         match self {
-            WeightFormat::Auto if dtype == crate::CheckpointDtype::Bf16 && c.moe.is_none() && packs => {
+            WeightFormat::Auto
+                if dtype == crate::CheckpointDtype::Bf16
+                    && c.moe.is_none()
+                    && packs
+                    && crate::sys::has_bf16_gemm() =>
+            {
                 WeightFormat::Bf16
             }
             WeightFormat::Auto if dtype == crate::CheckpointDtype::F16 && c.moe.is_none() => {
