@@ -28,15 +28,14 @@ pdserve-server [options]
   --shm-scope NAME         the stack's name for its shared KV files (a-z, 0-9; default local): a decode worker
                            maps only its own stack's; give every stack on a host its own
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
-  --weights FMT            auto (default: the checkpoint's own precision: bf16 or f16 as it ships, else f32),
-                           f32, bf16, f16, q8 or q4: bf16 or f16 for every step, or quantized weights (groups
-                           of 32) for every step, longer ones widening them as they go (to bf16 where the
-                           CPU has AVX-512 BF16, else to f32, with steps of 64+ rows of q8 or q4 on 16-bit
-                           integer inputs); copies nothing reads are freed
-  --activations A          f32 (default) or q8: with --weights q8 or q4, round the inputs of steps of up to 16
-                           rows to int8 in groups of 32 and sum integer products, as llama.cpp does (one row's
-                           product up to 1.7x faster on CPUs without AVX-512), and with AVX2 kernels those of
-                           longer steps with q4 too, for an int8 GEMM; logits move, so greedy text may differ
+  --weights FMT            auto (default: the checkpoint's own precision: f16 as it ships, bf16 where the CPU
+                           has AVX-512 BF16, else f32), f32, bf16, f16, q8 or q4: bf16 or f16 for every step,
+                           or quantized weights (groups of 32) for every step, long ones widening blocks of
+                           them as they go (to bf16 where the CPU has AVX-512 BF16, else to f32); every step
+                           size computes a row the same way; copies nothing reads are freed
+  --activations A          f32 (default) or q8: with --weights q8 or q4, round the inputs of every step to
+                           int8 in groups of 32 and sum integer products, as llama.cpp does (a row's product
+                           up to 1.7x faster on CPUs without AVX-512); logits move, so greedy text may differ
   --cpu-kernels PATH       the CPU kernels to run: avx512, avx2 or portable (default: the best this CPU has;
                            a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
   --speculative MODE       prompt-lookup (default) or off: draft tokens from the request's own context (the
