@@ -172,16 +172,18 @@ pub(crate) fn endpoint(
     if config.role == Role::Unified {
         return Ok(None);
     }
+    let kv = pdserve_model::KvLayout::for_model(model, 0, config.block_size, config.resolved_kv_dtype());
     let layout = Layout {
-        num_layers: model.num_layers as u32,
-        num_kv_heads: model.num_kv_heads as u32,
-        head_dim: model.head_dim as u32,
-        block_size: config.block_size as u32,
-        dtype: match config.resolved_kv_dtype() {
+        num_layers: kv.num_layers as u32,
+        num_kv_heads: kv.num_kv_heads as u32,
+        head_dim: kv.head_dim as u32,
+        block_size: kv.block_size as u32,
+        dtype: match kv.dtype {
             KvDtype::F32 => Dtype::F32,
             KvDtype::F16 => Dtype::F16,
             KvDtype::Bf16 => Dtype::Bf16,
         },
+        latent: kv.latent,
     };
     let listen = (config.role == Role::Prefill).then_some(config.transfer_addr);
     let shm_scope = config.shm_scope.clone();

@@ -89,6 +89,7 @@ impl Chain {
             num_kv_heads: 1,
             head_dim: 2,
             dtype: KvDtype::F32,
+            latent: false,
         };
         Chain { kv: vec![0.0; blocks * layout.block_values()], layout, variant }
     }
@@ -314,6 +315,7 @@ fn node(
             head_dim: 2,
             block_size: BLOCK as u32,
             dtype: Dtype::F32,
+            latent: false,
         };
         Endpoint::new(
             Box::new(wire),

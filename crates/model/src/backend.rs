@@ -73,6 +73,9 @@ pub struct KvLayout {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub dtype: KvDtype,
+    /// Each position holds one latent per layer (multi-head latent attention: `num_kv_heads` 1,
+    /// `head_dim` the latent's width, no separate V) instead of K and V.
+    pub latent: bool,
 }
 
 impl KvLayout {
@@ -83,19 +86,38 @@ impl KvLayout {
         block_size: usize,
         dtype: KvDtype,
     ) -> KvLayout {
+        let (head_dim, latent) = match &cfg.mla {
+            Some(m) => (m.latent_width(), true),
+            None => (cfg.head_dim, false),
+        };
         KvLayout {
             num_blocks,
             block_size,
             num_layers: cfg.num_layers,
             num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
+            head_dim,
             dtype,
+            latent,
         }
     }
 
-    /// Values in one block (K and V, every layer).
+    /// Rows per position and layer: K and V, or one latent.
+    pub fn parts(&self) -> usize {
+        if self.latent {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Values in one block (K and V, or the latent, of every layer).
     pub fn block_values(&self) -> usize {
-        self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim
+        self.num_layers * self.parts() * self.block_size * self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes of KV one token holds over every layer.
+    pub fn bytes_per_token(&self) -> usize {
+        self.num_layers * self.parts() * self.num_kv_heads * self.head_dim * self.dtype.bytes()
     }
 
     /// Bytes of one block as [`Backend::read_block`] gives it.
@@ -133,7 +155,8 @@ pub trait Backend: Send {
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError>;
 
     /// Copies one block's KV into `out`: `kv_layout().block_bytes()` bytes, little-endian values of the layout's dtype in
-    /// the layout `[layer][k|v][position][kv head][head dim]`, for sending to a peer.
+    /// the layout `[layer][k|v][position][kv head][head dim]` (a latent layout: `[layer][position][latent]`),
+    /// for sending to a peer.
     fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError>;
 
     /// Stores one block's KV received from a peer (same layout as [`read_block`](Self::read_block)).

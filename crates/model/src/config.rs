@@ -58,6 +58,22 @@ struct RawConfig {
     mlp_only_layers: Vec<usize>,
     #[serde(default)]
     shared_expert_intermediate_size: Option<usize>,
+    // DeepSeek V2/V3: multi-head latent attention and DeepSeekMoE.
+    q_lora_rank: Option<usize>,
+    kv_lora_rank: Option<usize>,
+    qk_nope_head_dim: Option<usize>,
+    qk_rope_head_dim: Option<usize>,
+    v_head_dim: Option<usize>,
+    n_routed_experts: Option<usize>,
+    n_shared_experts: Option<usize>,
+    routed_scaling_factor: Option<f64>,
+    scoring_func: Option<String>,
+    topk_method: Option<String>,
+    n_group: Option<usize>,
+    topk_group: Option<usize>,
+    first_k_dense_replace: Option<usize>,
+    moe_layer_freq: Option<usize>,
+    rope_interleave: Option<bool>,
 }
 
 fn default_eps() -> f64 {
@@ -180,8 +196,41 @@ pub struct ModelConfig {
     /// Each token attends to at most this many positions, its own included (Mistral's
     /// `sliding_window`); `None` for full causal attention.
     pub sliding_window: Option<usize>,
-    /// Mixture-of-experts FFNs (Mixtral, Qwen3-MoE); `None` for a dense model.
+    /// Mixture-of-experts FFNs (Mixtral, Qwen3-MoE, DeepSeek); `None` for a dense model.
     pub moe: Option<Moe>,
+    /// Multi-head latent attention (DeepSeek V2/V3): `None` for per-head K and V. With it,
+    /// `num_kv_heads` is 1 and `head_dim` is the rope part's width (what `rope` computes for).
+    pub mla: Option<Mla>,
+}
+
+/// Multi-head latent attention (DeepSeek V2/V3): every head's keys and values come from one latent
+/// per token, `c_kv` (`kv_lora_rank` values, RMS-normed) and one rope key shared by every head
+/// (`qk_rope_head_dim`); the KV cache holds only `[c_kv | k_rope]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mla {
+    /// The query's low-rank width (`q_a_proj`, normed, then `q_b_proj`); `None`: one `q_proj`.
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    /// Each head's query and key: `qk_nope_head_dim` values from the latent, then `qk_rope_head_dim`
+    /// rotated ones.
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// What scores are multiplied by before the softmax: `(nope + rope)^-0.5`, times YaRN's
+    /// `mscale(factor, mscale_all_dim)^2` where `rope_scaling` sets `mscale_all_dim`.
+    pub softmax_scale: f32,
+}
+
+impl Mla {
+    /// Values the KV cache holds per token and layer: the latent, then the rope key.
+    pub fn latent_width(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// One head's query and key width.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
 }
 
 /// A mixture-of-experts FFN: a router picks `top_k` of `experts` SwiGLU experts per token and sums
@@ -198,6 +247,46 @@ pub struct Moe {
     /// Layers that keep a dense FFN (`intermediate_size` of the model) instead of experts.
     pub dense_layers: Vec<usize>,
     pub names: MoeNames,
+    /// How the router's logits become scores.
+    pub scoring: Scoring,
+    /// DeepSeek's group-limited routing: only experts of the best groups can be chosen.
+    pub groups: Option<ExpertGroups>,
+    /// A per-expert bias (`e_score_correction_bias`, DeepSeek V3's `noaux_tc`) added to the scores
+    /// to choose experts only; the chosen experts are weighted by their unbiased scores.
+    pub correction_bias: bool,
+    /// The chosen experts' weights are multiplied by this (DeepSeek's `routed_scaling_factor`; 1
+    /// elsewhere).
+    pub routed_scaling_factor: f32,
+    /// Shared experts' intermediate width (DeepSeek: `n_shared_experts` x `moe_intermediate_size`),
+    /// one SwiGLU every token runs besides its routed experts.
+    pub shared_intermediate: Option<usize>,
+}
+
+/// A router's scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scoring {
+    /// Softmax over every expert (Mixtral, Qwen3-MoE, DeepSeek V2).
+    Softmax,
+    /// Each expert's sigmoid (DeepSeek V3).
+    Sigmoid,
+}
+
+/// Group-limited expert selection: the experts are cut into `groups` equal groups, each scored by
+/// `score`, and only the experts of the best `topk_groups` groups are candidates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExpertGroups {
+    pub groups: usize,
+    pub topk_groups: usize,
+    pub score: GroupScore,
+}
+
+/// How a group of experts is scored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupScore {
+    /// Its best expert's score (DeepSeek V2's `group_limited_greedy`).
+    Max,
+    /// The sum of its two best (biased) scores (DeepSeek V3's `noaux_tc`).
+    TopTwoSum,
 }
 
 /// How a checkpoint names its expert tensors.
@@ -205,7 +294,9 @@ pub struct Moe {
 pub enum MoeNames {
     /// `block_sparse_moe.gate`, `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down).
     Mixtral,
-    /// `mlp.gate`, `mlp.experts.E.{gate_proj,up_proj,down_proj}`.
+    /// `mlp.gate`, `mlp.experts.E.{gate_proj,up_proj,down_proj}` (Qwen3-MoE; DeepSeek, whose
+    /// shared experts are `mlp.shared_experts.{gate_proj,up_proj,down_proj}` and whose router's bias
+    /// is `mlp.gate.e_score_correction_bias`).
     Qwen,
 }
 
@@ -302,9 +393,20 @@ impl ModelConfig {
             ("Qwen3MoeForCausalLM", _) | (_, "qwen3_moe") => {
                 (raw.attention_bias, raw.attention_bias, true, Some(MoeNames::Qwen))
             }
+            ("DeepseekV2ForCausalLM" | "DeepseekV3ForCausalLM", _) | (_, "deepseek_v2" | "deepseek_v3") => {
+                (false, false, false, None)
+            }
+            ("DeepseekV32ForCausalLM", _) | (_, "deepseek_v32") => {
+                return unsupported(
+                    "architectures",
+                    format!("{arch} (DeepSeek Sparse Attention's lightning indexer is not implemented yet)"),
+                )
+            }
             _ => return unsupported("architectures", format!("{arch} (model_type {:?})", raw.model_type)),
         };
+        let deepseek = raw.model_type.starts_with("deepseek") || arch.starts_with("Deepseek");
         let moe = match moe_names {
+            None if deepseek => deepseek_moe(&raw)?,
             None => None,
             Some(names) => {
                 let experts = raw.num_local_experts.or(raw.num_experts);
@@ -329,13 +431,18 @@ impl ModelConfig {
                     intermediate_size: raw.moe_intermediate_size.unwrap_or(raw.intermediate_size),
                     dense_layers,
                     names,
+                    scoring: Scoring::Softmax,
+                    groups: None,
+                    correction_bias: false,
+                    routed_scaling_factor: 1.0,
+                    shared_intermediate: None,
                 })
             }
         };
         if raw.hidden_act != "silu" {
             return unsupported("hidden_act", raw.hidden_act);
         }
-        let rope_scaling = match raw.rope_scaling.filter(|v| !v.is_null()) {
+        let rope_scaling = match raw.rope_scaling.clone().filter(|v| !v.is_null()) {
             Some(v) => RopeScaling::parse(&v, raw.max_position_embeddings)?,
             None => RopeScaling::None,
         };
@@ -354,7 +461,13 @@ impl ModelConfig {
             Some(w) if qwen => return unsupported("sliding_window (with use_sliding_window)", w.to_string()),
             _ => {}
         }
-        let num_kv_heads = raw.num_key_value_heads.unwrap_or(raw.num_attention_heads);
+        let mla = if deepseek { Some(mla(&raw, &rope_scaling)?) } else { None };
+        if deepseek && raw.attention_bias {
+            return unsupported("attention_bias", "true (DeepSeek's projections have no biases)".into());
+        }
+        // The latent is one KV "head" shared by every query head; `head_dim` is what rope rotates.
+        let num_kv_heads =
+            if mla.is_some() { 1 } else { raw.num_key_value_heads.unwrap_or(raw.num_attention_heads) };
         if raw.num_attention_heads == 0
             || num_kv_heads == 0
             || !raw.num_attention_heads.is_multiple_of(num_kv_heads)
@@ -367,7 +480,10 @@ impl ModelConfig {
                 ),
             ));
         }
-        let head_dim = raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads);
+        let head_dim = match &mla {
+            Some(m) => m.qk_rope_head_dim,
+            None => raw.head_dim.unwrap_or(raw.hidden_size / raw.num_attention_heads),
+        };
         if !head_dim.is_multiple_of(2) || head_dim == 0 {
             return Err(ModelError::format("config.json", format!("head_dim {head_dim} must be even")));
         }
@@ -395,8 +511,110 @@ impl ModelConfig {
             qk_norm,
             sliding_window: sliding,
             moe,
+            mla,
         })
     }
+
+    /// Whether the model runs only with f32 weights for now (experts or latent attention).
+    pub fn f32_only(&self) -> bool {
+        self.moe.is_some() || self.mla.is_some()
+    }
+
+    /// Values the KV cache holds per token and layer: K and V of every KV head, or MLA's latent.
+    pub fn kv_values_per_token_layer(&self) -> usize {
+        match &self.mla {
+            Some(m) => m.latent_width(),
+            None => 2 * self.num_kv_heads * self.head_dim,
+        }
+    }
+}
+
+/// DeepSeek's attention fields (V2 and V3 name them alike).
+fn mla(raw: &RawConfig, rope: &RopeScaling) -> Result<Mla, ModelError> {
+    let need = |field: &str, v: Option<usize>| {
+        v.filter(|&n| n > 0)
+            .ok_or_else(|| ModelError::format("config.json", format!("DeepSeek attention needs {field}")))
+    };
+    let (nope, rope_dim) =
+        (need("qk_nope_head_dim", raw.qk_nope_head_dim)?, need("qk_rope_head_dim", raw.qk_rope_head_dim)?);
+    if !rope_dim.is_multiple_of(2) {
+        return Err(ModelError::format("config.json", format!("qk_rope_head_dim {rope_dim} must be even")));
+    }
+    if raw.rope_interleave == Some(false) {
+        return Err(ModelError::Unsupported { field: "rope_interleave".into(), value: "false".into() });
+    }
+    let mut softmax_scale = 1.0 / ((nope + rope_dim) as f32).sqrt();
+    // YaRN's mscale of the whole head (`mscale_all_dim`) scales the softmax twice over; its
+    // `attention_factor` (mscale / mscale_all_dim) scales cos and sin, as `RopeScaling` does.
+    if let (RopeScaling::Yarn { factor, .. }, Some(all)) =
+        (rope, raw.rope_scaling.as_ref().and_then(|v| v.get("mscale_all_dim")).and_then(|m| m.as_f64()))
+    {
+        if all != 0.0 && *factor > 1.0 {
+            let m = 0.1 * all as f32 * factor.ln() + 1.0;
+            softmax_scale *= m * m;
+        }
+    }
+    Ok(Mla {
+        q_lora_rank: raw.q_lora_rank.filter(|&n| n > 0),
+        kv_lora_rank: need("kv_lora_rank", raw.kv_lora_rank)?,
+        qk_nope_head_dim: nope,
+        qk_rope_head_dim: rope_dim,
+        v_head_dim: need("v_head_dim", raw.v_head_dim)?,
+        softmax_scale,
+    })
+}
+
+/// DeepSeekMoE from a V2/V3 `config.json`: `None` without routed experts.
+fn deepseek_moe(raw: &RawConfig) -> Result<Option<Moe>, ModelError> {
+    let Some(experts) = raw.n_routed_experts.filter(|&n| n > 0) else { return Ok(None) };
+    let unsupported =
+        |field: &str, value: String| Err(ModelError::Unsupported { field: field.into(), value });
+    let top_k = raw.num_experts_per_tok.unwrap_or(0);
+    if top_k == 0 || top_k > experts {
+        return unsupported("num_experts_per_tok", format!("{top_k} of {experts} experts"));
+    }
+    let scoring = match raw.scoring_func.as_deref().unwrap_or("softmax") {
+        "softmax" => Scoring::Softmax,
+        "sigmoid" => Scoring::Sigmoid,
+        other => return unsupported("scoring_func", other.into()),
+    };
+    let group = |score| -> Result<Option<ExpertGroups>, ModelError> {
+        let (groups, topk_groups) = (raw.n_group.unwrap_or(1).max(1), raw.topk_group.unwrap_or(1).max(1));
+        if !experts.is_multiple_of(groups) || topk_groups > groups || topk_groups * (experts / groups) < top_k
+        {
+            return Err(ModelError::Unsupported {
+                field: "n_group".into(),
+                value: format!("{groups} groups, {topk_groups} kept, of {experts} experts choosing {top_k}"),
+            });
+        }
+        Ok(Some(ExpertGroups { groups, topk_groups, score }))
+    };
+    // DeepSeek-V2's own code spells its default "gready".
+    let (groups, correction_bias) = match raw.topk_method.as_deref().unwrap_or("greedy") {
+        "greedy" | "gready" => (None, false),
+        "group_limited_greedy" => (group(GroupScore::Max)?, false),
+        "noaux_tc" => (group(GroupScore::TopTwoSum)?, true),
+        other => return unsupported("topk_method", other.into()),
+    };
+    let intermediate_size = raw
+        .moe_intermediate_size
+        .filter(|&n| n > 0)
+        .ok_or_else(|| ModelError::format("config.json", "DeepSeekMoE needs moe_intermediate_size"))?;
+    let (first_dense, freq) =
+        (raw.first_k_dense_replace.unwrap_or(0), raw.moe_layer_freq.unwrap_or(1).max(1));
+    Ok(Some(Moe {
+        experts,
+        top_k,
+        norm_topk_prob: raw.norm_topk_prob.unwrap_or(false),
+        intermediate_size,
+        dense_layers: (0..raw.num_hidden_layers).filter(|&l| !(l >= first_dense && l % freq == 0)).collect(),
+        names: MoeNames::Qwen,
+        scoring,
+        groups,
+        correction_bias,
+        routed_scaling_factor: raw.routed_scaling_factor.unwrap_or(1.0) as f32,
+        shared_intermediate: raw.n_shared_experts.filter(|&n| n > 0).map(|n| n * intermediate_size),
+    }))
 }
 
 #[cfg(test)]
@@ -488,6 +706,59 @@ mod tests {
                 "high_freq_factor": 4, "original_max_position_embeddings": 8192}"#
             )),
             "rope_scaling.high_freq_factor"
+        );
+        // DeepSeek V3 as shipped (its field names; the sizes small).
+        let v3 = parse(
+            r#", "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+            "q_lora_rank": 32, "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+            "n_routed_experts": 16, "n_shared_experts": 1, "num_experts_per_tok": 4, "n_group": 4, "topk_group": 2,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
+            "routed_scaling_factor": 2.5, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+            "moe_layer_freq": 1, "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings":
+            64, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}"#,
+        )
+        .unwrap();
+        let (mla, moe) = (v3.mla.clone().unwrap(), v3.moe.clone().unwrap());
+        assert_eq!(
+            (v3.num_kv_heads, v3.head_dim, mla.latent_width(), v3.kv_values_per_token_layer()),
+            (1, 8, 72, 72)
+        );
+        // 24^-0.5 x (0.1 ln 40 + 1)^2, the softmax scale DeepSeek's yarn sets.
+        assert!(
+            (mla.softmax_scale - 1.368_888 * 1.368_888 / 24f32.sqrt()).abs() < 1e-5,
+            "{}",
+            mla.softmax_scale
+        );
+        assert_eq!(v3.rope().1, 1.0, "mscale / mscale_all_dim leaves cos and sin as they are");
+        assert_eq!(
+            (moe.dense_layers.clone(), moe.shared_intermediate, moe.scoring),
+            (vec![0], Some(32), Scoring::Sigmoid)
+        );
+        assert_eq!(
+            moe.groups,
+            Some(ExpertGroups { groups: 4, topk_groups: 2, score: GroupScore::TopTwoSum })
+        );
+        assert!(moe.correction_bias && moe.norm_topk_prob && moe.routed_scaling_factor == 2.5);
+        let v2 = parse(
+            r#", "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "q_lora_rank": null,
+            "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "topk_method": "gready""#,
+        )
+        .unwrap();
+        let moe = v2.moe.unwrap();
+        assert!(v2.mla.unwrap().q_lora_rank.is_none() && moe.groups.is_none() && !moe.correction_bias);
+        assert_eq!((moe.scoring, moe.shared_intermediate), (Scoring::Softmax, None));
+        assert_eq!(
+            field(parse(r#", "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32""#)),
+            "architectures"
+        );
+        assert_eq!(
+            field(parse(
+                r#", "model_type": "deepseek_v3", "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+                "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                "topk_method": "noaux_tc", "n_group": 3"#
+            )),
+            "n_group"
         );
         assert!(matches!(ModelConfig::from_json("{}"), Err(ModelError::Format { .. })));
         assert!(matches!(

@@ -34,6 +34,36 @@ pub struct LayerWeights {
     pub down: Vec<f32>,
     /// The layer's experts, in a mixture-of-experts layer.
     pub moe: Option<MoeWeights>,
+    /// Latent attention's projections (DeepSeek), in place of `q`, `k` and `v`.
+    pub mla: Option<MlaWeights>,
+}
+
+/// One layer's multi-head latent attention (DeepSeek), row-major `[out, in]` matrices. Each rope
+/// part's rows are put in rotate-half order as they are loaded (`[0, 2, 4, .., 1, 3, 5, ..]` of the
+/// checkpoint's interleaved pairs): the same rotation, and the one rope convention the engine runs.
+#[derive(Debug, Clone)]
+pub struct MlaWeights {
+    /// `q_a_proj` `[q_lora, hidden]` and `q_a_layernorm` `[q_lora]`; `None` where `q_proj` reads
+    /// the hidden state itself.
+    pub q_a: Option<(Vec<f32>, Vec<f32>)>,
+    /// `q_b_proj` `[heads x (nope + rope), q_lora]`, or `q_proj` `[heads x (nope + rope), hidden]`.
+    pub q_b: Vec<f32>,
+    /// `kv_a_proj_with_mqa` `[kv_lora + rope, hidden]`: the latent, then the shared rope key.
+    pub kv_a: Vec<f32>,
+    /// `kv_a_layernorm` `[kv_lora]`.
+    pub kv_a_norm: Vec<f32>,
+    /// `kv_b_proj`'s key rows, per head and transposed: `[heads][kv_lora][nope]`, so a head's query
+    /// is taken into the latent's space (absorbed) by one product.
+    pub k_up_t: Vec<f32>,
+    /// `kv_b_proj`'s value rows, per head: `[heads][v_head_dim][kv_lora]`.
+    pub v_up: Vec<f32>,
+}
+
+impl MlaWeights {
+    fn values(&self) -> usize {
+        let q_a = self.q_a.as_ref().map_or(0, |(m, n)| m.len() + n.len());
+        q_a + self.q_b.len() + self.kv_a.len() + self.kv_a_norm.len() + self.k_up_t.len() + self.v_up.len()
+    }
 }
 
 impl LayerWeights {
@@ -52,7 +82,17 @@ impl LayerWeights {
 pub struct MoeWeights {
     /// `[experts, hidden]`
     pub router: Vec<f32>,
+    /// `e_score_correction_bias` `[experts]` (DeepSeek V3): added to the scores to choose only.
+    pub bias: Option<Vec<f32>>,
     pub experts: Vec<Expert>,
+    /// The shared experts, stacked into one (DeepSeek): every token runs it.
+    pub shared: Option<Expert>,
+}
+
+impl Expert {
+    fn values(&self) -> usize {
+        self.gate.len() + self.up.len() + self.down.len()
+    }
 }
 
 /// One SwiGLU expert: `down(silu(gate x) * up x)`.
@@ -203,6 +243,7 @@ impl Weights {
                 up: fill(i * h),
                 down: fill(h * i),
                 moe: None,
+                mla: None,
             })
             .collect();
         Weights { embed: fill(c.vocab_size * h), layers, final_norm: vec![1.0; h], lm_head: None }
@@ -247,7 +288,12 @@ impl Weights {
         each: &mut dyn FnMut(CheckpointDtype, &mut LayerWeights) -> Result<(), ModelError>,
     ) -> Result<(Weights, CheckpointDtype), ModelError> {
         let s = Shards::open(dir)?;
-        let dtype = s.dtype("model.layers.0.self_attn.q_proj.weight");
+        let first = match &config.mla {
+            None => "q_proj",
+            Some(m) if m.q_lora_rank.is_some() => "q_a_proj",
+            Some(_) => "q_proj",
+        };
+        let dtype = s.dtype(&format!("model.layers.0.self_attn.{first}.weight"));
         let (h, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
         let (q_out, kv_out) = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim);
         let mut layers = Vec::with_capacity(config.num_layers);
@@ -277,9 +323,23 @@ impl Weights {
                             Ok(Expert { gate: t(g, &[ei, h])?, up: t(u, &[ei, h])?, down: t(d, &[h, ei])? })
                         })
                         .collect::<Result<Vec<_>, ModelError>>()?;
+                    let shared = match m.shared_intermediate {
+                        None => None,
+                        Some(si) => {
+                            let t = |n: &str, shape: &[usize]| {
+                                s.get(&format!("{p}{pre}.shared_experts.{n}.weight"), shape)
+                            };
+                            Some(Expert { gate: t(g, &[si, h])?, up: t(u, &[si, h])?, down: t(d, &[h, si])? })
+                        }
+                    };
+                    let bias = m
+                        .correction_bias
+                        .then(|| s.get(&format!("{p}{pre}.gate.e_score_correction_bias"), &[m.experts]));
                     Some(MoeWeights {
                         router: s.get(&format!("{p}{pre}.gate.weight"), &[m.experts, h])?,
+                        bias: bias.transpose()?,
                         experts,
+                        shared,
                     })
                 }
             };
@@ -290,12 +350,24 @@ impl Weights {
                     s.get(&format!("{p}mlp.{name}.weight"), shape)
                 }
             };
+            let mla = match &config.mla {
+                None => None,
+                Some(m) => Some(load_mla(&s, &p, config, m)?),
+            };
+            let attn = |name: &str, shape: &[usize]| -> Result<Vec<f32>, ModelError> {
+                if mla.is_some() {
+                    Ok(Vec::new())
+                } else {
+                    s.get(&format!("{p}self_attn.{name}.weight"), shape)
+                }
+            };
+            let o_in = config.mla.as_ref().map_or(q_out, |m| config.num_heads * m.v_head_dim);
             let mut layer = LayerWeights {
                 input_norm: s.get(&format!("{p}input_layernorm.weight"), &[h])?,
-                q: s.get(&format!("{p}self_attn.q_proj.weight"), &[q_out, h])?,
-                k: s.get(&format!("{p}self_attn.k_proj.weight"), &[kv_out, h])?,
-                v: s.get(&format!("{p}self_attn.v_proj.weight"), &[kv_out, h])?,
-                o: s.get(&format!("{p}self_attn.o_proj.weight"), &[h, q_out])?,
+                q: attn("q_proj", &[q_out, h])?,
+                k: attn("k_proj", &[kv_out, h])?,
+                v: attn("v_proj", &[kv_out, h])?,
+                o: s.get(&format!("{p}self_attn.o_proj.weight"), &[h, o_in])?,
                 q_bias: bias("self_attn.q_proj.bias", q_out, config.qkv_bias)?,
                 k_bias: bias("self_attn.k_proj.bias", kv_out, config.qkv_bias)?,
                 v_bias: bias("self_attn.v_proj.bias", kv_out, config.qkv_bias)?,
@@ -307,6 +379,7 @@ impl Weights {
                 up: dense("up_proj", &[i, h])?,
                 down: dense("down_proj", &[h, i])?,
                 moe,
+                mla,
             };
             each(dtype, &mut layer)?;
             layers.push(layer);
@@ -343,8 +416,11 @@ impl Weights {
             let opt = [&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.q_norm, &l.k_norm];
             let experts = l.moe.as_ref().map_or(0, |m| {
                 m.router.len()
-                    + m.experts.iter().map(|e| e.gate.len() + e.up.len() + e.down.len()).sum::<usize>()
+                    + m.bias.as_ref().map_or(0, Vec::len)
+                    + m.experts.iter().map(Expert::values).sum::<usize>()
+                    + m.shared.as_ref().map_or(0, Expert::values)
             });
+            let experts = experts + l.mla.as_ref().map_or(0, MlaWeights::values);
             [&l.input_norm, &l.q, &l.k, &l.v, &l.o, &l.post_norm, &l.gate, &l.up, &l.down]
                 .iter()
                 .map(|m| m.len())
@@ -362,5 +438,51 @@ impl Weights {
     /// The output projection `[vocab, hidden]`.
     pub fn lm_head(&self) -> &[f32] {
         self.lm_head.as_deref().unwrap_or(&self.embed)
+    }
+}
+
+/// A DeepSeek layer's latent attention weights, the rope rows put in rotate-half order and
+/// `kv_b_proj` split per head into its key part (transposed) and its value part.
+fn load_mla(s: &Shards, p: &str, c: &ModelConfig, m: &crate::Mla) -> Result<MlaWeights, ModelError> {
+    let (h, nh) = (c.hidden_size, c.num_heads);
+    let (nope, rope, vd, lora) = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank);
+    let get = |name: &str, shape: &[usize]| s.get(&format!("{p}self_attn.{name}"), shape);
+    let q_a = match m.q_lora_rank {
+        None => None,
+        Some(r) => Some((get("q_a_proj.weight", &[r, h])?, get("q_a_layernorm.weight", &[r])?)),
+    };
+    let (q_name, q_in) = match m.q_lora_rank {
+        None => ("q_proj.weight", h),
+        Some(r) => ("q_b_proj.weight", r),
+    };
+    let mut q_b = get(q_name, &[nh * (nope + rope), q_in])?;
+    for head in 0..nh {
+        deinterleave_rows(&mut q_b, head * (nope + rope) + nope, rope, q_in);
+    }
+    let mut kv_a = get("kv_a_proj_with_mqa.weight", &[lora + rope, h])?;
+    deinterleave_rows(&mut kv_a, lora, rope, h);
+    let kv_b = get("kv_b_proj.weight", &[nh * (nope + vd), lora])?;
+    let (mut k_up_t, mut v_up) = (vec![0.0; nh * lora * nope], Vec::with_capacity(nh * vd * lora));
+    for head in 0..nh {
+        let rows = &kv_b[head * (nope + vd) * lora..(head + 1) * (nope + vd) * lora];
+        for i in 0..nope {
+            for (col, &v) in rows[i * lora..(i + 1) * lora].iter().enumerate() {
+                k_up_t[(head * lora + col) * nope + i] = v;
+            }
+        }
+        v_up.extend_from_slice(&rows[nope * lora..]);
+    }
+    Ok(MlaWeights { q_a, q_b, kv_a, kv_a_norm: get("kv_a_layernorm.weight", &[lora])?, k_up_t, v_up })
+}
+
+/// Rows `first..first + n` of a `[rows, cols]` matrix reordered from interleaved rope pairs
+/// (`x0 y0 x1 y1 ..`) to rotate-half order (`x0 x1 .. y0 y1 ..`): new row `j` is old row `2j` for
+/// the first half and `2(j - n/2) + 1` for the second, as transformers' interleaved rope permutes
+/// them before rotating halves.
+fn deinterleave_rows(m: &mut [f32], first: usize, n: usize, cols: usize) {
+    let old = m[first * cols..(first + n) * cols].to_vec();
+    for j in 0..n {
+        let from = if j < n / 2 { 2 * j } else { 2 * (j - n / 2) + 1 };
+        m[(first + j) * cols..(first + j + 1) * cols].copy_from_slice(&old[from * cols..(from + 1) * cols]);
     }
 }

@@ -40,9 +40,15 @@ fn prompt() -> Vec<u32> {
 
 /// The numpy reference: the prompt's last logits and STEPS greedy tokens.
 fn reference(dir: &Path) -> (Vec<f32>, Vec<u32>) {
+    reference_with(dir, &[])
+}
+
+/// [`reference`] with the script's extra `options`.
+fn reference_with(dir: &Path, options: &[&str]) -> (Vec<f32>, Vec<u32>) {
     let ids = serde_json::to_string(&prompt()).unwrap();
-    let v: Value =
-        serde_json::from_slice(&script(&["run", dir.to_str().unwrap(), &ids, &STEPS.to_string()])).unwrap();
+    let steps = STEPS.to_string();
+    let args = [&["run", dir.to_str().unwrap(), &ids, &steps][..], options].concat();
+    let v: Value = serde_json::from_slice(&script(&args)).unwrap();
     let logits = v["logits"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
     let greedy = v["greedy"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
     (logits, greedy)
@@ -124,6 +130,20 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
             "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": false,
             "decoder_sparse_step": 1, "mlp_only_layers": [0]}),
         ),
+        // DeepSeek V3: latent attention with a query LoRA, interleaved rope, YaRN with mscale and
+        // mscale_all_dim, sigmoid routing with a correction bias over groups, shared experts, a
+        // dense first layer and an MTP layer's tensors the main model does not read.
+        ("deepseek-v3", deepseek_v3()),
+        // DeepSeek V2: no query LoRA, softmax routing limited to the best group by its best expert.
+        (
+            "deepseek-v2",
+            json!({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+            "q_lora_rank": null, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+            "v_head_dim": 16, "n_routed_experts": 6, "n_shared_experts": 2, "num_experts_per_tok": 2,
+            "n_group": 2, "topk_group": 1, "topk_method": "group_limited_greedy", "scoring_func": "softmax",
+            "norm_topk_prob": false, "routed_scaling_factor": 1.5, "moe_intermediate_size": 16,
+            "first_k_dense_replace": 0}),
+        ),
     ];
     let mut plain = None;
     for (name, config) in cases {
@@ -138,6 +158,14 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
         // or the test would pass with the scaling ignored.
         match (name, &plain) {
             ("llama", _) => plain = Some(want_logits),
+            ("deepseek-v3", _) => {
+                // The router's biased scores are mostly negative, so masking the excluded groups with
+                // 0.0 (transformers) rather than -inf (DeepSeek's reference, which we follow) picks
+                // other experts: the reference computed that way must differ, or the case would not
+                // tell the two apart.
+                let zero = reference_with(&dir, &["zero-mask"]).0;
+                assert!(max_diff(&zero, &want_logits) > 1e-2, "the masking value changed nothing");
+            }
             (n, Some(p)) if (n.ends_with("-rope") && n != "dynamic-rope") || n == "mistral-window" => {
                 assert!(max_diff(p, &want_logits) > 1e-2, "{name}: the scaling or window changed nothing")
             }
@@ -145,4 +173,16 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
+}
+
+/// The tiny DeepSeek V3 shape (`config.json` overrides of the script's base).
+fn deepseek_v3() -> Value {
+    json!({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "q_lora_rank": 24,
+    "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true, "routed_scaling_factor": 2.5,
+    "moe_intermediate_size": 32, "first_k_dense_replace": 1, "moe_layer_freq": 1,
+    "num_nextn_predict_layers": 1, "rope_interleave": true,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
+    "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}})
 }

@@ -27,6 +27,7 @@ fn config() -> ModelConfig {
         qk_norm: false,
         sliding_window: None,
         moe: None,
+        mla: None,
     }
 }
 

@@ -23,7 +23,7 @@ use pdserve_pd_transfer::transport::shm::SharedRegion;
 use pdserve_pd_transfer::*;
 
 fn layout() -> Layout {
-    Layout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, dtype: Dtype::F16 }
+    Layout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, dtype: Dtype::F16, latent: false }
 }
 
 fn pattern(block: usize) -> Vec<u8> {

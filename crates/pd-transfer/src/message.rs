@@ -44,12 +44,16 @@ pub struct Layout {
     pub head_dim: u32,
     pub block_size: u32,
     pub dtype: Dtype,
+    /// One latent per position and layer (multi-head latent attention: `num_kv_heads` 1, `head_dim`
+    /// the latent's width) instead of K and V.
+    pub latent: bool,
 }
 
 impl Layout {
-    /// Bytes of one block: K and V for every layer.
+    /// Bytes of one block: K and V (or the latent) for every layer.
     pub fn block_bytes(&self) -> usize {
-        2 * self.num_layers as usize
+        (if self.latent { 1 } else { 2 })
+            * self.num_layers as usize
             * self.block_size as usize
             * self.num_kv_heads as usize
             * self.head_dim as usize
@@ -61,8 +65,13 @@ impl fmt::Display for Layout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} layers x {} kv heads x {} head dim, {} tokens per block, {:?}",
-            self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype
+            "{} layers x {} {} x {} head dim, {} tokens per block, {:?}",
+            self.num_layers,
+            self.num_kv_heads,
+            if self.latent { "latent" } else { "kv heads" },
+            self.head_dim,
+            self.block_size,
+            self.dtype
         )
     }
 }
@@ -252,6 +261,7 @@ fn put_layout(out: &mut Vec<u8>, l: &Layout) {
         out.extend(v.to_le_bytes());
     }
     out.push(l.dtype.code());
+    out.push(u8::from(l.latent));
 }
 
 fn put_reason(out: &mut Vec<u8>, r: &FailReason) {
@@ -365,6 +375,11 @@ impl<'a> Reader<'a> {
             head_dim: self.u32()?,
             block_size: self.u32()?,
             dtype: Dtype::from_code(self.u8()?)?,
+            latent: match self.u8()? {
+                0 => false,
+                1 => true,
+                _ => return None,
+            },
         })
     }
     fn meta(&mut self) -> Option<PromptMeta> {

@@ -35,7 +35,7 @@ impl Via {
 }
 
 fn layout() -> Layout {
-    Layout { num_layers: 2, num_kv_heads: 2, head_dim: 8, block_size: 4, dtype: Dtype::F32 }
+    Layout { num_layers: 2, num_kv_heads: 2, head_dim: 8, block_size: 4, dtype: Dtype::F32, latent: false }
 }
 
 struct Worker {

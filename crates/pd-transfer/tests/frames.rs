@@ -3,7 +3,14 @@
 use pdserve_pd_transfer::*;
 
 fn layout() -> Layout {
-    Layout { num_layers: 30, num_kv_heads: 3, head_dim: 64, block_size: 16, dtype: Dtype::Bf16 }
+    Layout {
+        num_layers: 30,
+        num_kv_heads: 3,
+        head_dim: 64,
+        block_size: 16,
+        dtype: Dtype::Bf16,
+        latent: false,
+    }
 }
 
 #[test]

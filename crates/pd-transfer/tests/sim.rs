@@ -13,7 +13,7 @@ const D: PeerId = PeerId(2);
 const BS: u32 = 4;
 
 fn layout() -> Layout {
-    Layout { num_layers: 2, num_kv_heads: 1, head_dim: 2, block_size: BS, dtype: Dtype::F32 }
+    Layout { num_layers: 2, num_kv_heads: 1, head_dim: 2, block_size: BS, dtype: Dtype::F32, latent: false }
 }
 
 struct Rng(u64);

@@ -160,12 +160,17 @@ impl CpuBackend {
         (qkv, ldq): (&[f32], usize),
         attn: &mut [f32],
     ) {
-        let (hd, nh, nkv, bs) =
-            (self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, self.layout.block_size);
-        let (group, q_dim, stride) = (nh / nkv, nh * hd, nkv * hd);
-        let scale = 1.0 / (hd as f32).sqrt();
+        let (nh, nkv, bs) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.layout.block_size);
+        // Per head: the query's and key's width, the value's, and the scores' scale. Latent attention
+        // (MLA) is one KV head whose rows are `[c_kv | k_rope]`: the absorbed queries score against
+        // the whole row, and the values are its first `kv_lora_rank` values.
+        let (hd, vd, scale, v_part) = match &self.cfg.mla {
+            Some(m) => (m.latent_width(), m.kv_lora_rank, m.softmax_scale, 0),
+            None => (self.cfg.head_dim, self.cfg.head_dim, 1.0 / (self.cfg.head_dim as f32).sqrt(), 1),
+        };
+        let (group, q_dim, o_dim, stride) = (nh / nkv, nh * hd, nh * vd, nkv * hd);
         let kv_mem = self.kv.values(self.layout.dtype);
-        let (f16_scores, f16_sums) = (group_scores_f16_fits(hd), group_weighted_sum_f16_fits(hd));
+        let (f16_scores, f16_sums) = (group_scores_f16_fits(hd), group_weighted_sum_f16_fits(vd));
         // A row's visible keys: `first..ctx`.
         let visible = |r: usize| {
             let ctx = rows[r].1 + 1;
@@ -218,7 +223,7 @@ impl CpuBackend {
                         (a < b).then(|| Partial {
                             max: vec![0.0; nh],
                             sum: vec![0.0; nh],
-                            acc: vec![0.0; q_dim],
+                            acc: vec![0.0; o_dim],
                         })
                     })
                     .collect();
@@ -241,7 +246,7 @@ impl CpuBackend {
                         for (j, block, off, cnt) in runs() {
                             // The values of these positions, read after every key: on their way to
                             // L2 while the keys are scored.
-                            kv_mem.prefetch(self.kv_at(block, li, 1, off), cnt * stride);
+                            kv_mem.prefetch(self.kv_at(block, li, v_part, off), cnt * stride);
                             let k_at = self.kv_at(block, li, 0, off);
                             // f16 keys are widened in registers where the kernels can; else the run's
                             // rows once, for every row of the task.
@@ -285,7 +290,7 @@ impl CpuBackend {
                             }
                         }
                         for (j, block, off, cnt) in runs() {
-                            let v_at = self.kv_at(block, li, 1, off);
+                            let v_at = self.kv_at(block, li, v_part, off);
                             let v16 = match kv_mem {
                                 KvValues::F16(v) if f16_sums => Some(v),
                                 _ => None,
@@ -306,7 +311,7 @@ impl CpuBackend {
                                             (&v[v_at + skip * stride..v_at + (skip + m) * stride], stride);
                                         assert!(group_weighted_sum_f16(
                                             p,
-                                            (hd, group),
+                                            (vd, group),
                                             rows,
                                             m,
                                             &mut part.acc
@@ -314,7 +319,7 @@ impl CpuBackend {
                                     }
                                     None => group_weighted_sum(
                                         p,
-                                        (hd, group),
+                                        (vd, group),
                                         (&v32[skip * stride..], stride),
                                         m,
                                         &mut part.acc,
@@ -339,13 +344,13 @@ impl CpuBackend {
         for (r, parts) in merged.iter().enumerate() {
             for head in 0..nh {
                 let max = parts.iter().fold(f32::NEG_INFINITY, |m, p| m.max(p.max[head]));
-                let out = &mut attn[r * q_dim + head * hd..][..hd];
+                let out = &mut attn[r * o_dim + head * vd..][..vd];
                 out.fill(0.0);
                 let mut sum = 0.0;
                 for p in parts {
                     let w = (p.max[head] - max).exp();
                     sum += p.sum[head] * w;
-                    for (o, a) in out.iter_mut().zip(&p.acc[head * hd..(head + 1) * hd]) {
+                    for (o, a) in out.iter_mut().zip(&p.acc[head * vd..(head + 1) * vd]) {
                         *o += a * w;
                     }
                 }

@@ -19,6 +19,7 @@ use crate::sys::silu_mul;
 use crate::weights::Weights;
 
 mod attention;
+mod mla;
 mod moe;
 mod products;
 mod rows;
@@ -256,7 +257,7 @@ impl CpuBackend {
 
     fn kv_at(&self, block: BlockId, layer: usize, kind: usize, pos: usize) -> usize {
         let l = &self.layout;
-        (((block.0 as usize * l.num_layers + layer) * 2 + kind) * l.block_size + pos)
+        (((block.0 as usize * l.num_layers + layer) * l.parts() + kind) * l.block_size + pos)
             * l.num_kv_heads
             * l.head_dim
     }
@@ -401,72 +402,83 @@ impl CpuBackend {
                 rope[r * hd + half + i] = sin * self.rope_attention_factor;
             }
         }
+        // The attention output's width (the output projection's input).
+        let attn_dim = cfg.mla.as_ref().map_or(q_dim, |m| nh * m.v_head_dim);
         for (li, lw) in w.layers.iter().enumerate() {
             rms_norm_rows(&sc.x, &lw.input_norm, cfg.rms_norm_eps, sized(&mut sc.h, t * hsz));
-            // Q, K and V, one row per token.
-            if !mats.layer(li, Proj::Qkv, &sc.h, t, hsz, &mut sc.xb, sized(&mut sc.qkv, t * qkv_w)) {
-                let parts = [(&lw.q, q_dim), (&lw.k, kv_dim), (&lw.v, kv_dim)]
-                    .map(|(m, n)| matmul(&sc.h, t, hsz, m, n));
-                for (r, row) in sc.qkv.chunks_exact_mut(qkv_w).enumerate() {
-                    let mut at = 0;
-                    for (part, n) in parts.iter().zip([q_dim, kv_dim, kv_dim]) {
-                        row[at..at + n].copy_from_slice(&part[r * n..(r + 1) * n]);
-                        at += n;
-                    }
-                }
-            }
-            let rope = &sc.rope;
-            let qkv_row = |(row, rope): (&mut [f32], &[f32])| {
-                let mut at = 0;
-                for (bias, n) in [(&lw.q_bias, q_dim), (&lw.k_bias, kv_dim), (&lw.v_bias, kv_dim)] {
-                    if let Some(b) = bias {
-                        add_into(&mut row[at..at + n], b);
-                    }
-                    at += n;
-                }
-                if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                    // Qwen3: each head's Q and K normalized on their own, before rope.
-                    let (q, rest) = row.split_at_mut(q_dim);
-                    for (heads, weight) in [(q, qn), (&mut rest[..kv_dim], kn)] {
-                        for head in heads.chunks_exact_mut(hd) {
-                            rms_norm_in_place(head, weight, cfg.rms_norm_eps);
+            if let (Some(m), Some(mw)) = (&cfg.mla, &lw.mla) {
+                // Latent attention: queries absorbed into the latent's space, the latents stored,
+                // attention over the cached latents, each head's output taken back out.
+                self.mla_queries(steps, &rows, li, mw, &sc.h, &sc.rope, &mut sc.qkv);
+                let lat = sized(&mut sc.gate_up, t * nh * m.kv_lora_rank);
+                self.attention(steps, &rows, li, (&sc.qkv, nh * m.latent_width()), lat);
+                self.mla_values(mw, lat, t, sized(&mut sc.attn, t * attn_dim));
+            } else {
+                // Q, K and V, one row per token.
+                if !mats.layer(li, Proj::Qkv, &sc.h, t, hsz, &mut sc.xb, sized(&mut sc.qkv, t * qkv_w)) {
+                    let parts = [(&lw.q, q_dim), (&lw.k, kv_dim), (&lw.v, kv_dim)]
+                        .map(|(m, n)| matmul(&sc.h, t, hsz, m, n));
+                    for (r, row) in sc.qkv.chunks_exact_mut(qkv_w).enumerate() {
+                        let mut at = 0;
+                        for (part, n) in parts.iter().zip([q_dim, kv_dim, kv_dim]) {
+                            row[at..at + n].copy_from_slice(&part[r * n..(r + 1) * n]);
+                            at += n;
                         }
                     }
                 }
-                let (cos, sin) = rope.split_at(half);
-                rope_rows(&mut row[..q_dim + kv_dim], hd, cos, sin);
-            };
-            if t >= PAR_ROWS {
-                sc.qkv
-                    .par_chunks_exact_mut(qkv_w)
-                    .zip(rope.par_chunks_exact(hd))
-                    .with_min_len(16)
-                    .for_each(qkv_row);
-            } else {
-                sc.qkv.chunks_exact_mut(qkv_w).zip(rope.chunks_exact(hd)).for_each(qkv_row);
+                let rope = &sc.rope;
+                let qkv_row = |(row, rope): (&mut [f32], &[f32])| {
+                    let mut at = 0;
+                    for (bias, n) in [(&lw.q_bias, q_dim), (&lw.k_bias, kv_dim), (&lw.v_bias, kv_dim)] {
+                        if let Some(b) = bias {
+                            add_into(&mut row[at..at + n], b);
+                        }
+                        at += n;
+                    }
+                    if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                        // Qwen3: each head's Q and K normalized on their own, before rope.
+                        let (q, rest) = row.split_at_mut(q_dim);
+                        for (heads, weight) in [(q, qn), (&mut rest[..kv_dim], kn)] {
+                            for head in heads.chunks_exact_mut(hd) {
+                                rms_norm_in_place(head, weight, cfg.rms_norm_eps);
+                            }
+                        }
+                    }
+                    let (cos, sin) = rope.split_at(half);
+                    rope_rows(&mut row[..q_dim + kv_dim], hd, cos, sin);
+                };
+                if t >= PAR_ROWS {
+                    sc.qkv
+                        .par_chunks_exact_mut(qkv_w)
+                        .zip(rope.par_chunks_exact(hd))
+                        .with_min_len(16)
+                        .for_each(qkv_row);
+                } else {
+                    sc.qkv.chunks_exact_mut(qkv_w).zip(rope.chunks_exact(hd)).for_each(qkv_row);
+                }
+                // Write this step's K and V into the cache, then attend over the cache.
+                for (r, &(si, pos)) in rows.iter().enumerate() {
+                    let block = steps[si].block_table[pos / self.layout.block_size];
+                    let off = pos % self.layout.block_size;
+                    let ki = self.kv_at(block, li, 0, off);
+                    let vi = self.kv_at(block, li, 1, off);
+                    let row = &sc.qkv[r * qkv_w..(r + 1) * qkv_w];
+                    let dtype = self.layout.dtype;
+                    self.kv.store(dtype, ki, &row[q_dim..q_dim + kv_dim]);
+                    self.kv.store(dtype, vi, &row[q_dim + kv_dim..]);
+                }
+                let attn = sized(&mut sc.attn, t * q_dim);
+                // Every row attends over the cache the same way, whatever else the step holds (see
+                // `attention`).
+                self.attention(steps, &rows, li, (&sc.qkv, qkv_w), attn);
             }
-            // Write this step's K and V into the cache, then attend over the cache.
-            for (r, &(si, pos)) in rows.iter().enumerate() {
-                let block = steps[si].block_table[pos / self.layout.block_size];
-                let off = pos % self.layout.block_size;
-                let ki = self.kv_at(block, li, 0, off);
-                let vi = self.kv_at(block, li, 1, off);
-                let row = &sc.qkv[r * qkv_w..(r + 1) * qkv_w];
-                let dtype = self.layout.dtype;
-                self.kv.store(dtype, ki, &row[q_dim..q_dim + kv_dim]);
-                self.kv.store(dtype, vi, &row[q_dim + kv_dim..]);
-            }
-            let attn = sized(&mut sc.attn, t * q_dim);
-            // Every row attends over the cache the same way, whatever else the step holds (see
-            // `attention`).
-            self.attention(steps, &rows, li, (&sc.qkv, qkv_w), attn);
             // The last layer's K and V are in the cache: the rest of it (the output projection and
             // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
             // stop here (a 30-layer model's prefill does 2.8% fewer products; a prefill chunk that
             // wants no logits skips the rest outright). Every product computes each row as it would
             // in any other step, so a kept row's values are those of the same row anywhere else.
             let t = if li + 1 == w.layers.len() && kept.len() < t {
-                keep_rows(&kept, q_dim, &mut sc.attn);
+                keep_rows(&kept, attn_dim, &mut sc.attn);
                 keep_rows(&kept, hsz, &mut sc.x);
                 if kept.is_empty() {
                     break;
@@ -476,8 +488,8 @@ impl CpuBackend {
                 t
             };
             let o = sized(&mut sc.proj, t * hsz);
-            if !mats.layer(li, Proj::O, &sc.attn, t, q_dim, &mut sc.xb, o) {
-                o.copy_from_slice(&matmul(&sc.attn, t, q_dim, &lw.o, hsz));
+            if !mats.layer(li, Proj::O, &sc.attn, t, attn_dim, &mut sc.xb, o) {
+                o.copy_from_slice(&matmul(&sc.attn, t, attn_dim, &lw.o, hsz));
             }
             if let Some(b) = &lw.o_bias {
                 add_bias(o, b);

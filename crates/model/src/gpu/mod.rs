@@ -80,6 +80,12 @@ fn bf16(gpu: &Gpu, parts: &[&[f32]]) -> Result<CudaSlice<u16>, KernelError> {
 
 /// The model features this backend runs; the rest are refused with a clear error.
 fn check_supported(cfg: &ModelConfig) -> Result<(), ModelError> {
+    if cfg.mla.is_some() {
+        return Err(ModelError::Unsupported {
+            field: "latent attention (DeepSeek) on the GPU backend".into(),
+            value: "kv_lora_rank set (serve it with --device cpu)".into(),
+        });
+    }
     if cfg.moe.is_some() || cfg.sliding_window.is_some() {
         return Err(ModelError::Unsupported {
             field: "mixture-of-experts or sliding-window attention on the GPU backend".into(),
