@@ -169,6 +169,7 @@ impl Engine {
             multi_row_weights: built.multi_row_weights,
             weight_bytes: built.weight_bytes,
             kv_bytes: built.kv_bytes,
+            kv_bytes_per_token: built.kv_bytes_per_token,
             kv_dtype: config.resolved_kv_dtype(),
             sampling_defaults: files.generation.sampling_defaults(),
             context_tokens: context,

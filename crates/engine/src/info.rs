@@ -24,6 +24,9 @@ pub struct EngineInfo {
     pub weight_bytes: usize,
     /// Bytes of the KV pool.
     pub kv_bytes: usize,
+    /// Bytes of KV one token holds over every layer: K and V of every KV head, or a latent-attention
+    /// model's latent row (`kv_lora_rank + qk_rope_head_dim` values per layer).
+    pub kv_bytes_per_token: usize,
     /// Where a request gives no sampling settings: the model's `generation_config.json` over the
     /// engine's defaults.
     pub sampling_defaults: pdserve_model::SamplingParams,

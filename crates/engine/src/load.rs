@@ -39,6 +39,8 @@ pub(crate) struct Built {
     pub weight_bytes: usize,
     /// Bytes of the KV pool.
     pub kv_bytes: usize,
+    /// Bytes of KV one token holds over every layer (a latent-attention model's latent rows).
+    pub kv_bytes_per_token: usize,
     /// The shared KV file, when the KV memory is in one.
     pub kv_shm_path: Option<PathBuf>,
 }
@@ -67,7 +69,8 @@ pub(crate) fn backend(
             return Err(EngineError::GpuKvDtype { dtype: d.name() });
         }
         let b = pdserve_model::GpuBackend::new(model.clone(), &weights, blocks, block_size, n)?;
-        let kv_bytes = b.kv_layout().block_bytes() * blocks;
+        let (kv_bytes, kv_bytes_per_token) =
+            (b.kv_layout().block_bytes() * blocks, b.kv_layout().bytes_per_token());
         // Uploaded as bf16.
         let weight_bytes = weights.bytes() / 2;
         return Ok(Built {
@@ -75,6 +78,7 @@ pub(crate) fn backend(
             multi_row_weights: "bf16",
             weight_bytes,
             kv_bytes,
+            kv_bytes_per_token,
             kv_shm_path: None,
         });
     }
@@ -108,6 +112,7 @@ pub(crate) fn backend(
         multi_row_weights: b.multi_row_format(),
         weight_bytes: b.weight_bytes(),
         kv_bytes: b.kv_layout().block_bytes() * blocks,
+        kv_bytes_per_token: b.kv_layout().bytes_per_token(),
         backend: Box::new(b),
         kv_shm_path,
     })

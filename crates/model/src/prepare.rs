@@ -29,13 +29,13 @@ pub(crate) enum PreparedLayers {
 
 impl PreparedWeights {
     /// Nothing converted yet, for `format` (`Auto` is taken as f32: resolve it first). A mixture of
-    /// experts runs in f32 only.
+    /// experts or latent attention (DeepSeek) runs in f32 only.
     pub fn new(format: WeightFormat, c: &ModelConfig) -> Result<PreparedWeights, ModelError> {
         let format = if format == WeightFormat::Auto { WeightFormat::F32 } else { format };
-        if c.moe.is_some() && format != WeightFormat::F32 {
+        if c.f32_only() && format != WeightFormat::F32 {
             return Err(ModelError::Unsupported {
-                field: "--weights for a mixture-of-experts model".into(),
-                value: format!("{format:?} (experts run in f32 for now)"),
+                field: "--weights for a mixture-of-experts or latent-attention model".into(),
+                value: format!("{format:?} (experts and latent attention run in f32 for now)"),
             });
         }
         let layers = match format {

@@ -66,15 +66,13 @@ impl WeightFormat {
         match self {
             WeightFormat::Auto
                 if dtype == crate::CheckpointDtype::Bf16
-                    && c.moe.is_none()
+                    && !c.f32_only()
                     && packs
                     && crate::sys::has_bf16_gemm() =>
             {
                 WeightFormat::Bf16
             }
-            WeightFormat::Auto if dtype == crate::CheckpointDtype::F16 && c.moe.is_none() => {
-                WeightFormat::F16
-            }
+            WeightFormat::Auto if dtype == crate::CheckpointDtype::F16 && !c.f32_only() => WeightFormat::F16,
             WeightFormat::Auto => WeightFormat::F32,
             other => other,
         }

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::sync::Arc;
 
 use pdserve_kvcache::{KvCache, KvConfig, SeqId};
-use pdserve_model::{Backend, CpuBackend, ModelConfig, SeqStep, Weights};
+use pdserve_model::{Backend, CpuBackend, KvDtype, ModelConfig, SeqStep, Weights};
 use serde_json::{json, Value};
 
 /// The tiny checkpoints' vocabulary (`BASE` in the script).
@@ -185,4 +185,51 @@ fn deepseek_v3() -> Value {
     "num_nextn_predict_layers": 1, "rope_interleave": true,
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32,
     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}})
+}
+
+/// Latent attention keeps the batch-invariance promise: a DeepSeek prompt's last logits are the
+/// same bits computed in one step, in chunks, and beside another sequence's rows, with f16 KV.
+#[test]
+fn deepseek_rows_are_the_same_bits_whatever_the_step_holds() {
+    let dir = checkpoint("deepseek-invariance", deepseek_v3());
+    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let weights = Arc::new(Weights::load(&dir, &config).unwrap());
+    let run = |chunks: &[usize], beside: bool| {
+        let mut cpu = CpuBackend::with_kv_dtype(config.clone(), Arc::clone(&weights), 32, 8, KvDtype::F16);
+        let mut kv = KvCache::new(KvConfig { num_blocks: 32, block_size: 8 }).unwrap();
+        let (a, b) = (SeqId(1), SeqId(2));
+        let other: Vec<u32> = (0..PROMPT).map(|i| (i * 11 % (VOCAB - 3) + 3) as u32).collect();
+        kv.add_sequence(a, &prompt()).unwrap();
+        kv.add_sequence(b, &other).unwrap();
+        let mut last = Vec::new();
+        for &n in chunks {
+            let start = kv.computed_tokens(a).unwrap();
+            kv.reserve(a, n).unwrap();
+            let ta = kv.block_table(a).unwrap().to_vec();
+            let toks = prompt()[start..start + n].to_vec();
+            let mut steps = vec![SeqStep { tokens: &toks, start_pos: start, block_table: &ta, logits: 1 }];
+            let tb;
+            if beside {
+                kv.reserve(b, n).unwrap();
+                tb = kv.block_table(b).unwrap().to_vec();
+                steps.push(SeqStep {
+                    tokens: &other[start..start + n],
+                    start_pos: start,
+                    block_table: &tb,
+                    logits: 1,
+                });
+            }
+            last = cpu.forward(&steps).unwrap().remove(0);
+            kv.commit(a, n).unwrap();
+            if beside {
+                kv.commit(b, n).unwrap();
+            }
+        }
+        last
+    };
+    let whole = run(&[PROMPT], false);
+    let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&run(&[7, PROMPT - 7], false)), bits(&whole), "in chunks");
+    assert_eq!(bits(&run(&[PROMPT - 1, 1], true)), bits(&whole), "beside another sequence, then decoded");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

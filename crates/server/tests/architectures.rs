@@ -108,6 +108,85 @@ fn each_architecture_answers_the_reference_through_v1_completions() {
     }
 }
 
+/// DeepSeek V3 and V2 through the server: a short and a ~3,000-token prompt answer the numpy
+/// reference's greedy tokens and log-probabilities on a unified worker (f32 KV); through the router to
+/// a prefill and a decode worker (f16 KV, the latent blocks moved over shared memory) the text is the
+/// unified worker's with f16 KV; `/v1/models` reports the latent cache's bytes per token.
+#[test]
+fn deepseek_answers_the_reference_unified_and_through_pd() {
+    let long: Vec<u32> = (0..3000).map(|i| 200 + (i * 997) % 20_000).collect();
+    let latent = |c: &Value| {
+        let per_layer = c["kv_lora_rank"].as_u64().unwrap() + c["qk_rope_head_dim"].as_u64().unwrap();
+        per_layer * 2 // layers (the script's base)
+    };
+    let cases = [
+        (
+            "deepseek-v3",
+            json!({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "q_lora_rank": 24,
+            "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+            "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 3, "n_group": 4,
+            "topk_group": 2, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
+            "routed_scaling_factor": 2.5, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+            "num_nextn_predict_layers": 1, "max_position_embeddings": 4096,
+            "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+            "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}}),
+        ),
+        (
+            "deepseek-v2",
+            json!({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "q_lora_rank": null,
+            "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+            "n_routed_experts": 6, "n_shared_experts": 2, "num_experts_per_tok": 2, "n_group": 2,
+            "topk_group": 1, "topk_method": "group_limited_greedy", "scoring_func": "softmax",
+            "routed_scaling_factor": 1.5, "moe_intermediate_size": 16, "max_position_embeddings": 4096}),
+        ),
+    ];
+    for (name, config) in cases {
+        let dir = tiny(name, config.clone());
+        let model = dir.to_str().unwrap();
+        let unified = Worker::start(&["--model", model, "--kv-dtype", "f32"]);
+        let (_, models) = unified.json("GET", "/v1/models", "");
+        assert_eq!(models["data"][0]["kv_bytes_per_token"], latent(&config) * 4, "{name}: {models}");
+        let body = |ids: &[u32]| {
+            json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true, "logprobs": 1})
+                .to_string()
+        };
+        for ids in [prompt(), long.clone()] {
+            let reference = reference(&dir, &ids, STEPS);
+            let (s, v) = unified.json("POST", "/v1/completions", &body(&ids));
+            assert_eq!(s, 200, "{name}: {v}");
+            assert_matches(&unified, &v, &reference, &format!("{name}, {} tokens", ids.len()), true);
+        }
+        drop(unified);
+        // f16 KV: unified, then prefill and decode workers behind the router.
+        let unified = Worker::start(&["--model", model]);
+        let prefill = Worker::start(&["--model", model, "--role", "prefill", "--kv-shm"]);
+        let decode = Worker::start(&["--model", model, "--role", "decode"]);
+        let router = common::router::RouterThread::start(&[
+            (&prefill, pdserve_router::Role::Prefill),
+            (&decode, pdserve_router::Role::Decode),
+        ]);
+        for ids in [prompt(), long.clone()] {
+            let (s, want) = unified.json("POST", "/v1/completions", &body(&ids));
+            assert_eq!(s, 200, "{name}: {want}");
+            let (s, got) = router.json("POST", "/v1/completions", &body(&ids));
+            assert_eq!(s, 200, "{name}: {got}");
+            assert_eq!(
+                got["choices"][0]["text"], want["choices"][0]["text"],
+                "{name}: PD differs from unified"
+            );
+            assert_eq!(
+                got["choices"][0]["logprobs"]["token_logprobs"],
+                want["choices"][0]["logprobs"]["token_logprobs"],
+                "{name}: PD's log-probabilities differ from unified's"
+            );
+        }
+        let (_, models) = decode.json("GET", "/v1/models", "");
+        assert_eq!(models["data"][0]["kv_bytes_per_token"], latent(&config) * 2, "{name}: {models}");
+        drop((router, prefill, decode, unified));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
 /// A sliding window serves a request longer than the whole KV pool: blocks outside the window go
 /// back as it runs, and the text is still the reference's (the window decides what each token sees).
 #[test]
