@@ -74,6 +74,8 @@ struct RawConfig {
     first_k_dense_replace: Option<usize>,
     moe_layer_freq: Option<usize>,
     rope_interleave: Option<bool>,
+    #[serde(default)]
+    quantization_config: Option<serde_json::Value>,
 }
 
 fn default_eps() -> f64 {
@@ -198,6 +200,9 @@ pub struct ModelConfig {
     pub sliding_window: Option<usize>,
     /// Mixture-of-experts FFNs (Mixtral, Qwen3-MoE, DeepSeek); `None` for a dense model.
     pub moe: Option<Moe>,
+    /// Block-scaled FP8 weights (`quantization_config` `fp8`, DeepSeek's checkpoints): each
+    /// `X.weight` of e4m3 values has `X.weight_scale_inv`, one scale per block of `[rows, cols]`.
+    pub fp8_block: Option<[usize; 2]>,
     /// Multi-head latent attention (DeepSeek V2/V3): `None` for per-head K and V. With it,
     /// `num_kv_heads` is 1 and `head_dim` is the rope part's width (what `rope` computes for).
     pub mla: Option<Mla>,
@@ -512,6 +517,10 @@ impl ModelConfig {
             sliding_window: sliding,
             moe,
             mla,
+            fp8_block: match raw.quantization_config.filter(|v| !v.is_null()) {
+                Some(q) => Some(fp8_block(&q)?),
+                None => None,
+            },
         })
     }
 
@@ -526,6 +535,29 @@ impl ModelConfig {
             Some(m) => m.latent_width(),
             None => 2 * self.num_kv_heads * self.head_dim,
         }
+    }
+}
+
+/// A `quantization_config` this engine loads: block-scaled FP8 (e4m3 values; `weight_block_size`,
+/// by default 128 x 128). Other methods (GPTQ, AWQ, bitsandbytes, ...) are refused by name.
+fn fp8_block(q: &serde_json::Value) -> Result<[usize; 2], ModelError> {
+    let bad = |field: &str, value: String| ModelError::Unsupported {
+        field: format!("quantization_config.{field}"),
+        value,
+    };
+    let method = q.get("quant_method").and_then(|m| m.as_str()).unwrap_or("");
+    if method != "fp8" {
+        return Err(bad("quant_method", format!("{method:?} (fp8 is supported)")));
+    }
+    if let Some(fmt) = q.get("fmt").and_then(|f| f.as_str()).filter(|&f| f != "e4m3") {
+        return Err(bad("fmt", format!("{fmt} (e4m3 is supported)")));
+    }
+    match q.get("weight_block_size") {
+        None | Some(serde_json::Value::Null) => Ok([128, 128]),
+        Some(v) => match v.as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).collect::<Vec<_>>()) {
+            Some(b) if b.len() == 2 && b[0] > 0 && b[1] > 0 => Ok([b[0] as usize, b[1] as usize]),
+            _ => Err(bad("weight_block_size", v.to_string())),
+        },
     }
 }
 
@@ -759,6 +791,16 @@ mod tests {
                 "topk_method": "noaux_tc", "n_group": 3"#
             )),
             "n_group"
+        );
+        let fp8 = parse(
+            r#", "model_type": "llama", "quantization_config": {"quant_method": "fp8", "fmt": "e4m3"}"#,
+        );
+        assert_eq!(fp8.unwrap().fp8_block, Some([128, 128]));
+        assert_eq!(
+            field(parse(
+                r#", "model_type": "llama", "quantization_config": {"quant_method": "awq", "bits": 4}"#
+            )),
+            "quantization_config.quant_method"
         );
         assert!(matches!(ModelConfig::from_json("{}"), Err(ModelError::Format { .. })));
         assert!(matches!(

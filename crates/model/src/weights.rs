@@ -121,6 +121,21 @@ struct Shards {
     maps: Vec<(PathBuf, Mmap)>,
     /// tensor name -> shard index
     index: HashMap<String, usize>,
+    /// Block-scaled FP8 checkpoints: the scale blocks' shape.
+    fp8_block: Option<[usize; 2]>,
+}
+
+/// Every FP8 e4m3 (`float8_e4m3fn`) value by its bits: sign, 4 exponent bits (bias 7), 3 mantissa
+/// bits, subnormals below exponent 1, no infinities, NaN at `S.1111.111`.
+fn e4m3_value(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 0xF, b & 7);
+    let v = match (e, m) {
+        (15, 7) => f32::NAN,
+        (0, m) => m as f32 / 8.0 * 2f32.powi(-6),
+        (e, m) => (1.0 + m as f32 / 8.0) * 2f32.powi(e as i32 - 7),
+    };
+    sign * v
 }
 
 impl Shards {
@@ -153,7 +168,7 @@ impl Shards {
             }
             maps.push((path, map));
         }
-        Ok(Shards { maps, index })
+        Ok(Shards { maps, index, fp8_block: None })
     }
 
     /// Tensor `name` as f32, checked against `shape`.
@@ -177,6 +192,16 @@ impl Shards {
             Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
             Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
             Dtype::F16 => b.chunks_exact(2).map(|c| f16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Dtype::F8_E4M3 if self.fp8_block.is_some() && shape.len() == 2 => {
+                let scales = self.fp8_scales(name, shape)?;
+                let [br, bc] = self.fp8_block.expect("checked");
+                let (cols, scale_cols) = (shape[1], shape[1].div_ceil(bc));
+                let lut: Vec<f32> = (0..=255u8).map(e4m3_value).collect();
+                b.iter()
+                    .enumerate()
+                    .map(|(i, &q)| lut[q as usize] * scales[(i / cols / br) * scale_cols + (i % cols) / bc])
+                    .collect()
+            }
             other => {
                 return Err(ModelError::Unsupported {
                     field: format!("dtype of {name}"),
@@ -200,6 +225,49 @@ impl Shards {
             Some(Dtype::F16) => CheckpointDtype::F16,
             _ => CheckpointDtype::F32,
         }
+    }
+
+    /// The scales of FP8 tensor `name` of `shape` (`name` + `_scale_inv`: one per block, f32, bf16 or
+    /// ue8m0 powers of two), as f32.
+    fn fp8_scales(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let [br, bc] = self.fp8_block.expect("an FP8 checkpoint");
+        let scale_name = format!("{name}_scale_inv");
+        let want = [shape[0].div_ceil(br), shape[1].div_ceil(bc)];
+        let &i = self.index.get(&scale_name).ok_or_else(|| {
+            ModelError::format(
+                &self.maps[0].0,
+                format!("missing tensor {scale_name} (the scales of FP8 {name})"),
+            )
+        })?;
+        let (path, map) = &self.maps[i];
+        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
+        let t = st.tensor(&scale_name).map_err(|e| ModelError::format(path, e.to_string()))?;
+        if t.shape() != want {
+            return Err(ModelError::format(
+                path,
+                format!("tensor {scale_name} has shape {:?}, expected {want:?}", t.shape()),
+            ));
+        }
+        let b = t.data();
+        Ok(match t.dtype() {
+            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            // ue8m0: an exponent byte, 2^(b - 127).
+            Dtype::F8_E8M0 => b
+                .iter()
+                .map(|&e| match e {
+                    0 => f32::from_bits(1 << 22),
+                    255 => f32::NAN,
+                    e => f32::from_bits((e as u32) << 23),
+                })
+                .collect(),
+            other => {
+                return Err(ModelError::Unsupported {
+                    field: format!("dtype of {scale_name}"),
+                    value: format!("{other:?}"),
+                })
+            }
+        })
     }
 
     fn has(&self, name: &str) -> bool {
@@ -287,7 +355,9 @@ impl Weights {
         config: &ModelConfig,
         each: &mut dyn FnMut(CheckpointDtype, &mut LayerWeights) -> Result<(), ModelError>,
     ) -> Result<(Weights, CheckpointDtype), ModelError> {
-        let s = Shards::open(dir)?;
+        let mut s = Shards::open(dir)?;
+        s.fp8_block = config.fp8_block;
+        let s = s;
         let first = match &config.mla {
             None => "q_proj",
             Some(m) if m.q_lora_rank.is_some() => "q_a_proj",
@@ -484,5 +554,23 @@ fn deinterleave_rows(m: &mut [f32], first: usize, n: usize, cols: usize) {
     for j in 0..n {
         let from = if j < n / 2 { 2 * j } else { 2 * (j - n / 2) + 1 };
         m[(first + j) * cols..(first + j + 1) * cols].copy_from_slice(&old[from * cols..(from + 1) * cols]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn every_e4m3_value_is_the_format_s() {
+        use super::e4m3_value;
+        assert_eq!((e4m3_value(0x00), e4m3_value(0x80)), (0.0, -0.0));
+        // The largest normal (S.1111.110 = 448), the smallest normal (2^-6) and subnormal (2^-9).
+        assert_eq!(
+            (e4m3_value(0x7E), e4m3_value(0x08), e4m3_value(0x01)),
+            (448.0, 2f32.powi(-6), 2f32.powi(-9))
+        );
+        assert_eq!((e4m3_value(0x38), e4m3_value(0xBC)), (1.0, -1.5));
+        assert!(e4m3_value(0x7F).is_nan() && e4m3_value(0xFF).is_nan());
+        // Monotonic over the positive codes.
+        assert!((0..0x7Eu8).all(|b| e4m3_value(b) < e4m3_value(b + 1)));
     }
 }

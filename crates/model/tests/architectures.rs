@@ -134,6 +134,14 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
         // mscale_all_dim, sigmoid routing with a correction bias over groups, shared experts, a
         // dense first layer and an MTP layer's tensors the main model does not read.
         ("deepseek-v3", deepseek_v3()),
+        // The same weights as DeepSeek ships them: e4m3 with a scale per 32 x 16 block (ragged at
+        // the edges of the 24-row query LoRA).
+        ("deepseek-v3-fp8", {
+            let mut c = deepseek_v3();
+            c["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3",
+                "activation_scheme": "dynamic", "weight_block_size": [32, 16]});
+            c
+        }),
         // DeepSeek V2: no query LoRA, softmax routing limited to the best group by its best expert.
         (
             "deepseek-v2",
@@ -145,7 +153,7 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
             "first_k_dense_replace": 0}),
         ),
     ];
-    let mut plain = None;
+    let (mut plain, mut deepseek) = (None, None);
     for (name, config) in cases {
         let dir = checkpoint(name, config);
         let (want_logits, want_greedy) = reference(&dir);
@@ -165,6 +173,11 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
                 // tell the two apart.
                 let zero = reference_with(&dir, &["zero-mask"]).0;
                 assert!(max_diff(&zero, &want_logits) > 1e-2, "the masking value changed nothing");
+                deepseek = Some(want_logits);
+            }
+            ("deepseek-v3-fp8", _) => {
+                let bf16 = deepseek.as_ref().unwrap();
+                assert!(max_diff(bf16, &want_logits) > 1e-3, "FP8 rounding changed nothing: not FP8?");
             }
             (n, Some(p)) if (n.ends_with("-rope") && n != "dynamic-rope") || n == "mistral-window" => {
                 assert!(max_diff(p, &want_logits) > 1e-2, "{name}: the scaling or window changed nothing")

@@ -31,6 +31,7 @@ fn config() -> ModelConfig {
         sliding_window: None,
         moe: None,
         mla: None,
+        fp8_block: None,
     }
 }
 
