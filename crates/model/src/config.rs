@@ -524,11 +524,6 @@ impl ModelConfig {
         })
     }
 
-    /// Whether the model runs only with f32 weights for now (experts or latent attention).
-    pub fn f32_only(&self) -> bool {
-        self.moe.is_some() || self.mla.is_some()
-    }
-
     /// Values the KV cache holds per token and layer: K and V of every KV head, or MLA's latent.
     pub fn kv_values_per_token_layer(&self) -> usize {
         match &self.mla {

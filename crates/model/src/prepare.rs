@@ -28,16 +28,9 @@ pub(crate) enum PreparedLayers {
 }
 
 impl PreparedWeights {
-    /// Nothing converted yet, for `format` (`Auto` is taken as f32: resolve it first). A mixture of
-    /// experts or latent attention (DeepSeek) runs in f32 only.
-    pub fn new(format: WeightFormat, c: &ModelConfig) -> Result<PreparedWeights, ModelError> {
+    /// Nothing converted yet, for `format` (`Auto` is taken as f32: resolve it first).
+    pub fn new(format: WeightFormat, _c: &ModelConfig) -> Result<PreparedWeights, ModelError> {
         let format = if format == WeightFormat::Auto { WeightFormat::F32 } else { format };
-        if c.f32_only() && format != WeightFormat::F32 {
-            return Err(ModelError::Unsupported {
-                field: "--weights for a mixture-of-experts or latent-attention model".into(),
-                value: format!("{format:?} (experts and latent attention run in f32 for now)"),
-            });
-        }
         let layers = match format {
             WeightFormat::Q8 => PreparedLayers::Q8(Vec::new()),
             WeightFormat::Q4 => PreparedLayers::Q4(Vec::new()),
@@ -62,10 +55,7 @@ impl PreparedWeights {
     /// Whether the bf16 rows product takes a model's quantized projections: every stacked matrix's
     /// widths are multiples of 32.
     pub(crate) fn rows_bf16_fits(c: &ModelConfig) -> bool {
-        let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
-        [q + 2 * kv, c.hidden_size, 2 * c.intermediate_size, c.intermediate_size, q]
-            .iter()
-            .all(|r| r % 32 == 0)
+        crate::quant::matrix_shapes(c).iter().all(|&(r, k)| r % 32 == 0 && k % 32 == 0)
     }
 
     /// Converts the next layer.

@@ -58,21 +58,15 @@ impl WeightFormat {
     /// format as it is. A bf16 checkpoint is served in bf16 where the CPU has the bf16 GEMM (AVX-512
     /// BF16), else widened to f32 (exactly), whose products have AVX2 kernels.
     pub fn resolve(self, dtype: crate::CheckpointDtype, c: &ModelConfig) -> WeightFormat {
-        let (q, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         // Every stacked projection's rows fill 32-row panels and its columns pair up.
-        let rows = [q + 2 * kv, c.hidden_size, 2 * c.intermediate_size];
-        let cols = [c.hidden_size, q, c.intermediate_size];
-        let packs = rows.iter().all(|r| r % 32 == 0) && cols.iter().all(|k| k % 2 == 0);
+        let packs = matrix_shapes(c).iter().all(|&(r, k)| r % 32 == 0 && k % 2 == 0);
         match self {
             WeightFormat::Auto
-                if dtype == crate::CheckpointDtype::Bf16
-                    && !c.f32_only()
-                    && packs
-                    && crate::sys::has_bf16_gemm() =>
+                if dtype == crate::CheckpointDtype::Bf16 && packs && crate::sys::has_bf16_gemm() =>
             {
                 WeightFormat::Bf16
             }
-            WeightFormat::Auto if dtype == crate::CheckpointDtype::F16 && !c.f32_only() => WeightFormat::F16,
+            WeightFormat::Auto if dtype == crate::CheckpointDtype::F16 => WeightFormat::F16,
             WeightFormat::Auto => WeightFormat::F32,
             other => other,
         }
@@ -344,12 +338,78 @@ impl QuantMatrix for F16Matrix {
 /// One layer's projection matrices, quantized.
 #[derive(Debug, Clone)]
 pub struct QuantLayer<M> {
-    /// Q, K and V rows stacked: one matrix-vector product per decode step instead of three.
+    /// Q, K and V rows stacked: one matrix-vector product per decode step instead of three (no rows
+    /// in a latent-attention layer, whose projections are `mla`'s).
     pub qkv: M,
     pub o: M,
-    /// Gate and up rows stacked.
+    /// Gate and up rows stacked (no rows in a mixture-of-experts layer).
     pub gate_up: M,
     pub down: M,
+    /// A mixture-of-experts layer's experts, each one's gate and up stacked.
+    pub experts: Vec<ExpertMats<M>>,
+    /// Its shared experts (DeepSeek), stacked into one.
+    pub shared: Option<ExpertMats<M>>,
+    /// Latent attention's projections (DeepSeek).
+    pub mla: Option<MlaMats<M>>,
+}
+
+/// One SwiGLU expert's matrices: gate and up rows stacked, and down.
+#[derive(Debug, Clone)]
+pub struct ExpertMats<M> {
+    pub gate_up: M,
+    pub down: M,
+}
+
+/// A latent-attention layer's matrices (see `weights::MlaWeights`): the per-head absorbed key and
+/// value matrices one each.
+#[derive(Debug, Clone)]
+pub struct MlaMats<M> {
+    pub q_a: Option<M>,
+    pub q_b: M,
+    pub kv_a: M,
+    /// Per head: `[kv_lora, nope]`.
+    pub k_up_t: Vec<M>,
+    /// Per head: `[v_head_dim, kv_lora]`.
+    pub v_up: Vec<M>,
+}
+
+impl<M> QuantLayer<M> {
+    /// Every matrix of the layer, once.
+    pub fn matrices(&self) -> impl Iterator<Item = &M> {
+        let experts = self.experts.iter().chain(&self.shared).flat_map(|e| [&e.gate_up, &e.down]);
+        let mla = self
+            .mla
+            .iter()
+            .flat_map(|m| m.q_a.iter().chain([&m.q_b, &m.kv_a]).chain(&m.k_up_t).chain(&m.v_up));
+        [&self.qkv, &self.o, &self.gate_up, &self.down].into_iter().chain(experts).chain(mla)
+    }
+}
+
+/// The shape `(rows, cols)` of every matrix a layer of a model shaped by `c` stacks (the served
+/// formats' constraints are checked against these).
+pub(crate) fn matrix_shapes(c: &ModelConfig) -> Vec<(usize, usize)> {
+    let (h, inter) = (c.hidden_size, c.intermediate_size);
+    let (q_dim, kv_dim) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let mut shapes = match &c.mla {
+        None => vec![(q_dim + 2 * kv_dim, h), (h, q_dim)],
+        Some(m) => {
+            let q_in = m.q_lora_rank.unwrap_or(h);
+            let mut v = vec![(c.num_heads * m.qk_head_dim(), q_in), (m.latent_width(), h)];
+            v.extend(m.q_lora_rank.map(|r| (r, h)));
+            v.extend([(m.kv_lora_rank, m.qk_nope_head_dim), (m.v_head_dim, m.kv_lora_rank)]);
+            v.push((h, c.num_heads * m.v_head_dim));
+            v
+        }
+    };
+    if c.moe.as_ref().is_none_or(|m| !m.dense_layers.is_empty()) {
+        shapes.extend([(2 * inter, h), (h, inter)]);
+    }
+    if let Some(m) = &c.moe {
+        for ei in std::iter::once(m.intermediate_size).chain(m.shared_intermediate) {
+            shapes.extend([(2 * ei, h), (h, ei)]);
+        }
+    }
+    shapes
 }
 
 /// Every matrix a decode step reads, quantized. The LM head (often the embedding, tied) is Q8 in
@@ -373,14 +433,55 @@ pub(crate) fn stack_layer<M>(
     make: impl Fn(&[f32], usize, usize) -> Option<M>,
 ) -> Option<QuantLayer<M>> {
     let (hidden, inter) = (c.hidden_size, c.intermediate_size);
-    let (q_dim, kv_dim) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
+    let q_dim = c.num_heads * c.head_dim;
     let qkv: Vec<f32> = [&l.q[..], &l.k[..], &l.v[..]].concat();
     let gate_up: Vec<f32> = [&l.gate[..], &l.up[..]].concat();
+    // A latent-attention layer has no Q, K and V, a layer of experts no dense FFN: no rows.
+    let expert = |e: &crate::Expert| -> Option<ExpertMats<M>> {
+        let ei = e.down.len() / hidden;
+        let gate_up: Vec<f32> = [&e.gate[..], &e.up[..]].concat();
+        Some(ExpertMats { gate_up: make(&gate_up, 2 * ei, hidden)?, down: make(&e.down, hidden, ei)? })
+    };
+    let (experts, shared) = match &l.moe {
+        None => (Vec::new(), None),
+        Some(m) => (
+            m.experts.iter().map(expert).collect::<Option<Vec<_>>>()?,
+            match &m.shared {
+                Some(e) => Some(expert(e)?),
+                None => None,
+            },
+        ),
+    };
+    let mla = match (&l.mla, &c.mla) {
+        (Some(w), Some(m)) => {
+            let (nope, lora, vd) = (m.qk_nope_head_dim, m.kv_lora_rank, m.v_head_dim);
+            let q_a = match (&w.q_a, m.q_lora_rank) {
+                (Some((a, _)), Some(r)) => Some(make(a, r, hidden)?),
+                _ => None,
+            };
+            Some(MlaMats {
+                q_a,
+                q_b: make(&w.q_b, c.num_heads * m.qk_head_dim(), m.q_lora_rank.unwrap_or(hidden))?,
+                kv_a: make(&w.kv_a, m.latent_width(), hidden)?,
+                k_up_t: w
+                    .k_up_t
+                    .chunks_exact(lora * nope)
+                    .map(|h| make(h, lora, nope))
+                    .collect::<Option<_>>()?,
+                v_up: w.v_up.chunks_exact(vd * lora).map(|h| make(h, vd, lora)).collect::<Option<_>>()?,
+            })
+        }
+        _ => None,
+    };
+    let o_in = c.mla.as_ref().map_or(q_dim, |m| c.num_heads * m.v_head_dim);
     Some(QuantLayer {
-        qkv: make(&qkv, q_dim + 2 * kv_dim, hidden)?,
-        o: make(&l.o, hidden, q_dim)?,
-        gate_up: make(&gate_up, 2 * inter, hidden)?,
-        down: make(&l.down, hidden, inter)?,
+        qkv: make(&qkv, qkv.len() / hidden, hidden)?,
+        o: make(&l.o, hidden, o_in)?,
+        gate_up: make(&gate_up, gate_up.len() / hidden, hidden)?,
+        down: make(&l.down, l.down.len() / inter, inter)?,
+        experts,
+        shared,
+        mla,
     })
 }
 
@@ -399,11 +500,7 @@ impl<M: QuantMatrix> QuantWeights<M> {
 
     /// Bytes of every quantized matrix (what one decode step reads).
     pub fn bytes(&self) -> usize {
-        let l: usize = self
-            .layers
-            .iter()
-            .map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes())
-            .sum();
+        let l: usize = self.layers.iter().flat_map(QuantLayer::matrices).map(M::bytes).sum();
         l + self.lm_head.bytes()
     }
 }
@@ -452,11 +549,7 @@ impl Bf16Weights {
     /// Bytes of every packed matrix.
     pub fn bytes(&self) -> usize {
         let panels = |m: &Bf16Matrix| m.panels.len() * 2;
-        let l: usize = self
-            .layers
-            .iter()
-            .map(|l| panels(&l.qkv) + panels(&l.o) + panels(&l.gate_up) + panels(&l.down))
-            .sum();
+        let l: usize = self.layers.iter().flat_map(QuantLayer::matrices).map(panels).sum();
         l + self.lm_head.as_ref().map_or(0, panels)
     }
 }

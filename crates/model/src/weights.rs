@@ -67,12 +67,24 @@ impl MlaWeights {
 }
 
 impl LayerWeights {
-    /// Frees the f32 projection matrices (norms, biases and experts stay).
+    /// Frees the f32 projection matrices, the experts' and latent attention's included (norms,
+    /// biases and the experts' router stay).
     pub(crate) fn release_projections(&mut self) {
         for m in
             [&mut self.q, &mut self.k, &mut self.v, &mut self.o, &mut self.gate, &mut self.up, &mut self.down]
         {
             *m = Vec::new();
+        }
+        if let Some(moe) = &mut self.moe {
+            for e in moe.experts.iter_mut().chain(&mut moe.shared) {
+                *e = Expert { gate: Vec::new(), up: Vec::new(), down: Vec::new() };
+            }
+        }
+        if let Some(m) = &mut self.mla {
+            m.q_a = m.q_a.take().map(|(_, norm)| (Vec::new(), norm));
+            for v in [&mut m.q_b, &mut m.kv_a, &mut m.k_up_t, &mut m.v_up] {
+                *v = Vec::new();
+            }
         }
     }
 }

@@ -246,3 +246,146 @@ fn deepseek_rows_are_the_same_bits_whatever_the_step_holds() {
     assert_eq!(bits(&run(&[PROMPT - 1, 1], true)), bits(&whole), "beside another sequence, then decoded");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Mixtures of experts and latent attention are served in every weight format (each expert and
+/// each latent projection held in it, not in f32): the logits stay near the f32 ones, every row is
+/// the same bits in one step or in chunks, and the weights held shrink as the format says.
+#[test]
+fn experts_and_latent_attention_run_in_every_weight_format() {
+    let cases = [
+        (
+            "mixtral-formats",
+            json!({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "num_local_experts": 4, "num_experts_per_tok": 2}),
+        ),
+        (
+            "qwen3-moe-formats",
+            json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0]}),
+        ),
+        ("deepseek-v3-formats", {
+            // Every width a multiple of 32, as the quantized and bf16 formats need (V3's 576-wide
+            // latent is 18 x 32).
+            let mut c = deepseek_v3();
+            for (k, v) in [
+                ("q_lora_rank", 32),
+                ("kv_lora_rank", 64),
+                ("qk_nope_head_dim", 32),
+                ("qk_rope_head_dim", 32),
+                ("v_head_dim", 32),
+            ] {
+                c[k] = v.into();
+            }
+            c
+        }),
+    ];
+    use pdserve_model::quant::{Q4Matrix, Q8Matrix};
+    use pdserve_model::WeightFormat;
+    for (name, config) in cases {
+        let dir = checkpoint(name, config);
+        let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+        let weights = Weights::load(&dir, &config).unwrap();
+        let run = |b: &mut CpuBackend, chunks: &[usize]| {
+            let mut kv = KvCache::new(KvConfig { num_blocks: 16, block_size: 8 }).unwrap();
+            kv.add_sequence(SeqId(1), &prompt()).unwrap();
+            let mut last = Vec::new();
+            for &n in chunks {
+                let start = kv.computed_tokens(SeqId(1)).unwrap();
+                kv.reserve(SeqId(1), n).unwrap();
+                let table = kv.block_table(SeqId(1)).unwrap().to_vec();
+                let toks = &prompt()[start..start + n];
+                last = b
+                    .forward(&[SeqStep { tokens: toks, start_pos: start, block_table: &table, logits: 1 }])
+                    .unwrap()
+                    .remove(0);
+                kv.commit(SeqId(1), n).unwrap();
+            }
+            last
+        };
+        let f32 = CpuBackend::new(config.clone(), Arc::new(weights.clone()), 16, 8);
+        let f32_bytes = f32.weight_bytes();
+        let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        for (format, error, bytes) in [
+            (WeightFormat::Bf16, 0.02, 0.55),
+            (WeightFormat::F16, 1e-4, 0.75),
+            (WeightFormat::Q8, 0.02, 0.45),
+            (WeightFormat::Q4, 0.02, 0.4),
+        ] {
+            // The f32 path on the weights the format holds (each projection quantized and widened
+            // back; the LM head and embedding in Q8 where the format keeps them so): what's left is
+            // the rounding of the activations, so a wrong matrix anywhere shows.
+            let mut held = weights.clone();
+            match format {
+                WeightFormat::Q8 => round_trip::<Q8Matrix>(&mut held, &config, true),
+                WeightFormat::Q4 => round_trip::<Q4Matrix>(&mut held, &config, true),
+                _ => {}
+            }
+            let want = run(&mut CpuBackend::new(config.clone(), Arc::new(held), 16, 8), &[PROMPT]);
+            let mut b =
+                CpuBackend::with_kv_dtype(config.clone(), Arc::new(weights.clone()), 16, 8, KvDtype::F32)
+                    .with_weight_format(format)
+                    .unwrap_or_else(|e| panic!("{name} {format:?}: {e}"));
+            assert_eq!(b.multi_row_format(), format.name(), "{name}");
+            let whole = run(&mut b, &[PROMPT]);
+            let chunked = run(&mut b, &[5, 16, PROMPT - 21]);
+            let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&chunked), bits(&whole), "{name} {format:?}: chunks change the logits");
+            let diff: Vec<f32> = whole.iter().zip(&want).map(|(a, b)| a - b).collect();
+            let rel = norm(&diff) / norm(&want);
+            let held = b.weight_bytes() as f64 / f32_bytes as f64;
+            eprintln!("{name} {format:?}: relative error {rel}, holds {held:.3} of f32's bytes");
+            assert!(rel < error, "{name} {format:?}: logits {rel} away from f32's");
+            assert!(held < bytes, "{name} {format:?}: holds {held} of f32's bytes");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// Every projection of `w` (experts' and latent attention's included) quantized to `M` and widened
+/// back, and with `q8_head` the LM head and embedding through Q8: the values a quantized backend
+/// holds, as f32 weights.
+fn round_trip<M: pdserve_model::quant::QuantMatrix>(w: &mut Weights, c: &ModelConfig, q8_head: bool) {
+    use pdserve_model::quant::{Q8Matrix, QuantMatrix};
+    fn through<Q: QuantMatrix>(m: &mut [f32], cols: usize) {
+        if m.is_empty() {
+            return;
+        }
+        let rows = m.len() / cols;
+        let q = Q::quantize(m, rows, cols).expect("a width of whole groups");
+        for r in 0..rows {
+            m[r * cols..(r + 1) * cols].copy_from_slice(&q.dequantize_row(r));
+        }
+    }
+    let h = c.hidden_size;
+    for l in &mut w.layers {
+        for m in [&mut l.q, &mut l.k, &mut l.v, &mut l.gate, &mut l.up] {
+            through::<M>(m, h);
+        }
+        let o_in = l.o.len() / h;
+        through::<M>(&mut l.o, o_in);
+        through::<M>(&mut l.down, c.intermediate_size);
+        if let Some(moe) = &mut l.moe {
+            for e in moe.experts.iter_mut().chain(&mut moe.shared) {
+                let ei = e.down.len() / h;
+                through::<M>(&mut e.gate, h);
+                through::<M>(&mut e.up, h);
+                through::<M>(&mut e.down, ei);
+            }
+        }
+        if let (Some(m), Some(mc)) = (&mut l.mla, &c.mla) {
+            if let Some((a, _)) = &mut m.q_a {
+                through::<M>(a, h);
+            }
+            through::<M>(&mut m.q_b, mc.q_lora_rank.unwrap_or(h));
+            through::<M>(&mut m.kv_a, h);
+            through::<M>(&mut m.k_up_t, mc.qk_nope_head_dim);
+            through::<M>(&mut m.v_up, mc.kv_lora_rank);
+        }
+    }
+    if q8_head {
+        through::<Q8Matrix>(&mut w.embed, h);
+        if let Some(head) = &mut w.lm_head {
+            through::<Q8Matrix>(head, h);
+        }
+    }
+}

@@ -8,7 +8,7 @@
 use pdserve_kvcache::BlockId;
 
 use super::rows::{rms_norm_in_place, rms_norm_rows, rope_rows};
-use super::{matmul, sized, CpuBackend};
+use super::{sized, CpuBackend, Mats, Proj};
 use crate::backend::SeqStep;
 use crate::weights::MlaWeights;
 use crate::Mla;
@@ -35,7 +35,7 @@ impl CpuBackend {
         &mut self,
         steps: &[SeqStep<'_>],
         rows: &[(usize, usize)],
-        li: usize,
+        (li, mats, xb): (usize, &Mats, &mut Vec<u16>),
         w: &MlaWeights,
         h: &[f32],
         rope: &[f32],
@@ -46,18 +46,21 @@ impl CpuBackend {
         let (nope, rd, lora) = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank);
         let (qk, width) = (nope + rd, m.latent_width());
         // Queries, per head `[nope | rope]`.
-        let full = match &w.q_a {
+        let mut full = vec![0.0; t * nh * qk];
+        match &w.q_a {
             Some((a, norm)) => {
                 let r = norm.len();
-                let qa = matmul(h, t, hsz, a, r);
+                let mut qa = vec![0.0; t * r];
+                mats.product((li, Proj::QA), a, h, (t, hsz, r), xb, &mut qa);
                 let mut normed = vec![0.0; t * r];
                 rms_norm_rows(&qa, norm, eps, &mut normed);
-                matmul(&normed, t, r, &w.q_b, nh * qk)
+                mats.product((li, Proj::QB), &w.q_b, &normed, (t, r, nh * qk), xb, &mut full);
             }
-            None => matmul(h, t, hsz, &w.q_b, nh * qk),
-        };
+            None => mats.product((li, Proj::QB), &w.q_b, h, (t, hsz, nh * qk), xb, &mut full),
+        }
         // Each row's latent: normed, its rope key rotated, stored at its position.
-        let mut kv = matmul(h, t, hsz, &w.kv_a, width);
+        let mut kv = vec![0.0; t * width];
+        mats.product((li, Proj::KvA), &w.kv_a, h, (t, hsz, width), xb, &mut kv);
         let half = rd / 2;
         for (r, (row, &(si, pos))) in kv.chunks_exact_mut(width).zip(rows).enumerate() {
             let (c, k_rope) = row.split_at_mut(lora);
@@ -70,10 +73,11 @@ impl CpuBackend {
         }
         // Absorbed queries: per head, `W_UK^T q_nope` for every row at once, then the rotated rope.
         let q = sized(q, t * nh * width);
-        let mut part = Vec::with_capacity(t * nope);
+        let (mut part, mut lat) = (Vec::with_capacity(t * nope), vec![0.0; t * lora]);
         for head in 0..nh {
             gather(&full, nh * qk, head * qk, nope, &mut part);
-            let lat = matmul(&part, t, nope, &w.k_up_t[head * lora * nope..(head + 1) * lora * nope], lora);
+            let k_up = w.k_up_t.get(head * lora * nope..(head + 1) * lora * nope).unwrap_or(&[]);
+            mats.product((li, Proj::KUp(head)), k_up, &part, (t, nope, lora), xb, &mut lat);
             for r in 0..t {
                 let out = &mut q[(r * nh + head) * width..][..width];
                 out[..lora].copy_from_slice(&lat[r * lora..(r + 1) * lora]);
@@ -86,13 +90,21 @@ impl CpuBackend {
 
     /// Each head's latent attention output (`lat`: `t` rows of `heads x kv_lora_rank`) taken out by
     /// `W_UV` into `out` (`t` rows of `heads x v_head_dim`), the output projection's input.
-    pub(super) fn mla_values(&self, w: &MlaWeights, lat: &[f32], t: usize, out: &mut [f32]) {
+    pub(super) fn mla_values(
+        &self,
+        (li, mats, xb): (usize, &Mats, &mut Vec<u16>),
+        w: &MlaWeights,
+        lat: &[f32],
+        t: usize,
+        out: &mut [f32],
+    ) {
         let m = self.cfg.mla.as_ref().expect("a latent attention model");
         let (nh, lora, vd) = (self.cfg.num_heads, m.kv_lora_rank, m.v_head_dim);
-        let mut part = Vec::with_capacity(t * lora);
+        let (mut part, mut v) = (Vec::with_capacity(t * lora), vec![0.0; t * vd]);
         for head in 0..nh {
             gather(lat, nh * lora, head * lora, lora, &mut part);
-            let v = matmul(&part, t, lora, &w.v_up[head * vd * lora..(head + 1) * vd * lora], vd);
+            let v_up = w.v_up.get(head * vd * lora..(head + 1) * vd * lora).unwrap_or(&[]);
+            mats.product((li, Proj::VUp(head)), v_up, &part, (t, lora, vd), xb, &mut v);
             for r in 0..t {
                 out[r * nh * vd + head * vd..][..vd].copy_from_slice(&v[r * vd..(r + 1) * vd]);
             }

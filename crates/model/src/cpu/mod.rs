@@ -183,7 +183,7 @@ impl CpuBackend {
             Some(DecodeWeights::Q8(q)) => q.bytes(),
             Some(DecodeWeights::Q4(q)) => q.bytes(),
             Some(DecodeWeights::F16(l)) => {
-                l.iter().map(|l| l.qkv.bytes() + l.o.bytes() + l.gate_up.bytes() + l.down.bytes()).sum()
+                l.iter().flat_map(QuantLayer::matrices).map(F16Matrix::bytes).sum()
             }
         };
         let multi = self.multi.as_ref().map_or(0, |m| m.bytes());
@@ -409,10 +409,10 @@ impl CpuBackend {
             if let (Some(m), Some(mw)) = (&cfg.mla, &lw.mla) {
                 // Latent attention: queries absorbed into the latent's space, the latents stored,
                 // attention over the cached latents, each head's output taken back out.
-                self.mla_queries(steps, &rows, li, mw, &sc.h, &sc.rope, &mut sc.qkv);
+                self.mla_queries(steps, &rows, (li, &mats, &mut sc.xb), mw, &sc.h, &sc.rope, &mut sc.qkv);
                 let lat = sized(&mut sc.gate_up, t * nh * m.kv_lora_rank);
                 self.attention(steps, &rows, li, (&sc.qkv, nh * m.latent_width()), lat);
-                self.mla_values(mw, lat, t, sized(&mut sc.attn, t * attn_dim));
+                self.mla_values((li, &mats, &mut sc.xb), mw, lat, t, sized(&mut sc.attn, t * attn_dim));
             } else {
                 // Q, K and V, one row per token.
                 if !mats.layer(li, Proj::Qkv, &sc.h, t, hsz, &mut sc.xb, sized(&mut sc.qkv, t * qkv_w)) {
@@ -498,7 +498,7 @@ impl CpuBackend {
             rms_norm_rows(&sc.x, &lw.post_norm, cfg.rms_norm_eps, sized(&mut sc.h, t * hsz));
             if let (Some(moe), Some(mw)) = (&cfg.moe, &lw.moe) {
                 let out = sized(&mut sc.proj, t * hsz);
-                moe::moe_ffn(&sc.h, t, hsz, moe, mw, out);
+                moe::moe_ffn((li, &mats, &mut sc.xb), (&sc.h, t, hsz), moe, mw, out);
                 add_into(&mut sc.x, out);
                 continue;
             }
@@ -583,6 +583,18 @@ enum Proj {
     O,
     GateUp,
     Down,
+    /// Expert `e`'s gate and up, and its down.
+    ExpertGateUp(usize),
+    ExpertDown(usize),
+    /// The shared experts'.
+    SharedGateUp,
+    SharedDown,
+    /// Latent attention's query LoRA, query, latent, and head `h`'s absorbed key and value.
+    QA,
+    QB,
+    KvA,
+    KUp(usize),
+    VUp(usize),
 }
 
 fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
@@ -604,7 +616,7 @@ fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
 /// on the AVX2 arithmetic take `sys::gemm_rows_f32`'s widened tiles instead (`matvec_wide`, the same
 /// bits); bf16 weights through the bf16 GEMM; int8 activations through the int8 tiles; f32 weights
 /// through `gemm_rows_f32`'s tiles (`matmul`: `sys::dot`'s bits).
-struct Mats {
+pub(super) struct Mats {
     decode: Option<DecodeWeights>,
     multi: Option<Arc<Bf16Weights>>,
     /// The projections' shapes suit the bf16 rows product (every width a multiple of 32).
@@ -641,6 +653,23 @@ impl Mats {
             (None, None) => return false,
         }
         true
+    }
+
+    /// `out = x[t×k] · W^T` for layer `li`'s projection `p` in the served format, or with `f32`
+    /// (its `[n, k]` f32 matrix) where the step reads the f32 weights.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        (li, p): (usize, Proj),
+        f32: &[f32],
+        x: &[f32],
+        (t, k, n): (usize, usize, usize),
+        xb: &mut Vec<u16>,
+        out: &mut [f32],
+    ) {
+        if !self.layer(li, p, x, t, k, xb, &mut out[..t * n]) {
+            out[..t * n].copy_from_slice(&matmul(x, t, k, f32, n));
+        }
     }
 
     /// A product with quantized weights: the bf16 rows product for Q4 and Q8 where the CPU has
@@ -685,11 +714,22 @@ impl Mats {
 
 impl Proj {
     fn of<M>(self, l: &QuantLayer<M>) -> &M {
+        let shared = || l.shared.as_ref().expect("a layer with shared experts");
+        let mla = || l.mla.as_ref().expect("a latent-attention layer");
         match self {
             Proj::Qkv => &l.qkv,
             Proj::O => &l.o,
             Proj::GateUp => &l.gate_up,
             Proj::Down => &l.down,
+            Proj::ExpertGateUp(e) => &l.experts[e].gate_up,
+            Proj::ExpertDown(e) => &l.experts[e].down,
+            Proj::SharedGateUp => &shared().gate_up,
+            Proj::SharedDown => &shared().down,
+            Proj::QA => mla().q_a.as_ref().expect("a query LoRA"),
+            Proj::QB => &mla().q_b,
+            Proj::KvA => &mla().kv_a,
+            Proj::KUp(h) => &mla().k_up_t[h],
+            Proj::VUp(h) => &mla().v_up[h],
         }
     }
 }

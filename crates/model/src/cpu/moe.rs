@@ -2,7 +2,7 @@
 //! and each expert then runs once for every row routed to it (each weight row read once for all of
 //! them; every row's value that of the row alone, as every product computes it).
 
-use super::matmul;
+use super::{matmul, Mats, Proj};
 use crate::config::{GroupScore, Scoring};
 use crate::sys::silu_mul;
 use crate::{Expert, Moe, MoeWeights};
@@ -10,7 +10,13 @@ use crate::{Expert, Moe, MoeWeights};
 /// `out[r]` = the sum, over the experts row `r` of `x` (`t` rows of `hidden`) is routed to, of the
 /// router's weight times the expert's output (plus the shared experts' output, where the layer has
 /// them).
-pub(super) fn moe_ffn(x: &[f32], t: usize, hidden: usize, moe: &Moe, w: &MoeWeights, out: &mut [f32]) {
+pub(super) fn moe_ffn(
+    (li, mats, xb): (usize, &Mats, &mut Vec<u16>),
+    (x, t, hidden): (&[f32], usize, usize),
+    moe: &Moe,
+    w: &MoeWeights,
+    out: &mut [f32],
+) {
     let (experts, ei) = (moe.experts, moe.intermediate_size);
     let logits = matmul(x, t, hidden, &w.router, experts);
     // Per expert: (row, weight) of the rows routed to it.
@@ -22,7 +28,7 @@ pub(super) fn moe_ffn(x: &[f32], t: usize, hidden: usize, moe: &Moe, w: &MoeWeig
     }
     out[..t * hidden].fill(0.0);
     let mut xe = Vec::new();
-    for (rows, ex) in routed.iter().zip(&w.experts) {
+    for (e, (rows, ex)) in routed.iter().zip(&w.experts).enumerate() {
         if rows.is_empty() {
             continue;
         }
@@ -31,7 +37,8 @@ pub(super) fn moe_ffn(x: &[f32], t: usize, hidden: usize, moe: &Moe, w: &MoeWeig
         for &(r, _) in rows {
             xe.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }
-        let y = swiglu(&xe, n, hidden, ex, ei);
+        let y =
+            swiglu((li, mats, xb), [Proj::ExpertGateUp(e), Proj::ExpertDown(e)], (&xe, n, hidden), ex, ei);
         for (&(r, weight), yr) in rows.iter().zip(y.chunks_exact(hidden)) {
             for (o, v) in out[r * hidden..(r + 1) * hidden].iter_mut().zip(yr) {
                 *o += weight * v;
@@ -39,21 +46,38 @@ pub(super) fn moe_ffn(x: &[f32], t: usize, hidden: usize, moe: &Moe, w: &MoeWeig
         }
     }
     if let (Some(ex), Some(si)) = (&w.shared, moe.shared_intermediate) {
-        let y = swiglu(x, t, hidden, ex, si);
+        let y = swiglu((li, mats, xb), [Proj::SharedGateUp, Proj::SharedDown], (x, t, hidden), ex, si);
         for (o, v) in out[..t * hidden].iter_mut().zip(&y) {
             *o += v;
         }
     }
 }
 
-/// One expert's `down(silu(gate x) * up x)` for `n` rows of `x`.
-fn swiglu(x: &[f32], n: usize, hidden: usize, ex: &Expert, inter: usize) -> Vec<f32> {
-    let (g, u) = (matmul(x, n, hidden, &ex.gate, inter), matmul(x, n, hidden, &ex.up, inter));
+/// One expert's `down(silu(gate x) * up x)` for `n` rows of `x`, its products `[gate_up, down]` in
+/// the served format (`ex`'s f32 matrices where the step reads f32).
+fn swiglu(
+    (li, mats, xb): (usize, &Mats, &mut Vec<u16>),
+    [gate_up, down]: [Proj; 2],
+    (x, n, hidden): (&[f32], usize, usize),
+    ex: &Expert,
+    inter: usize,
+) -> Vec<f32> {
+    let mut gu = vec![0.0; n * 2 * inter];
+    if !mats.layer(li, gate_up, x, n, hidden, xb, &mut gu) {
+        let (g, u) = (matmul(x, n, hidden, &ex.gate, inter), matmul(x, n, hidden, &ex.up, inter));
+        for (r, row) in gu.chunks_exact_mut(2 * inter).enumerate() {
+            row[..inter].copy_from_slice(&g[r * inter..(r + 1) * inter]);
+            row[inter..].copy_from_slice(&u[r * inter..(r + 1) * inter]);
+        }
+    }
     let mut act = vec![0.0; n * inter];
-    for ((g, u), a) in g.chunks_exact(inter).zip(u.chunks_exact(inter)).zip(act.chunks_exact_mut(inter)) {
+    for (row, a) in gu.chunks_exact(2 * inter).zip(act.chunks_exact_mut(inter)) {
+        let (g, u) = row.split_at(inter);
         silu_mul(g, u, a);
     }
-    matmul(&act, n, inter, &ex.down, hidden)
+    let mut y = vec![0.0; n * hidden];
+    mats.product((li, down), &ex.down, &act, (n, inter, hidden), xb, &mut y);
+    y
 }
 
 /// The experts one row's router `logits` choose, with their weights: scores (softmax or sigmoid),
