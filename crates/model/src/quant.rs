@@ -56,13 +56,16 @@ impl WeightFormat {
 
     /// `Auto` made concrete for a checkpoint stored as `dtype` of a model shaped by `c`; any other
     /// format as it is. A bf16 checkpoint is served in bf16 where the CPU has the bf16 GEMM (AVX-512
-    /// BF16), else widened to f32 (exactly), whose products have AVX2 kernels.
+    /// BF16), else widened to f32 (exactly), whose products have AVX2 kernels; a block-scaled FP8 one
+    /// likewise (each value times its block's scale, rounded to bf16: half of f32's bytes).
     pub fn resolve(self, dtype: crate::CheckpointDtype, c: &ModelConfig) -> WeightFormat {
         // Every stacked projection's rows fill 32-row panels and its columns pair up.
         let packs = matrix_shapes(c).iter().all(|&(r, k)| r % 32 == 0 && k % 2 == 0);
         match self {
             WeightFormat::Auto
-                if dtype == crate::CheckpointDtype::Bf16 && packs && crate::sys::has_bf16_gemm() =>
+                if matches!(dtype, crate::CheckpointDtype::Bf16 | crate::CheckpointDtype::Fp8)
+                    && packs
+                    && crate::sys::has_bf16_gemm() =>
             {
                 WeightFormat::Bf16
             }

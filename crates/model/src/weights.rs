@@ -235,6 +235,7 @@ impl Shards {
         match stored {
             Some(Dtype::BF16) => CheckpointDtype::Bf16,
             Some(Dtype::F16) => CheckpointDtype::F16,
+            Some(Dtype::F8_E4M3) => CheckpointDtype::Fp8,
             _ => CheckpointDtype::F32,
         }
     }
@@ -293,6 +294,8 @@ pub enum CheckpointDtype {
     F32,
     Bf16,
     F16,
+    /// Block-scaled FP8 (e4m3 values, a scale per block).
+    Fp8,
 }
 
 impl Weights {
