@@ -36,8 +36,15 @@ fuzz_target!(|data: &[u8]| {
     let _ = parse_detokenize(rest);
 
     let Ok(text) = std::str::from_utf8(rest) else { return };
-    let format = [ToolFormat::Hermes, ToolFormat::Llama3, ToolFormat::Mistral][usize::from(head % 3)];
-    let mut cut = usize::from(head / 3).min(text.len());
+    let formats = [
+        ToolFormat::Hermes,
+        ToolFormat::Llama3,
+        ToolFormat::Mistral,
+        ToolFormat::DeepSeekV3,
+        ToolFormat::DeepSeekV31,
+    ];
+    let format = formats[usize::from(head) % formats.len()];
+    let mut cut = (usize::from(head) / formats.len()).min(text.len());
     while !text.is_char_boundary(cut) {
         cut -= 1;
     }

@@ -20,16 +20,31 @@ pub enum ToolFormat {
     Llama3,
     /// `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral).
     Mistral,
+    /// DeepSeek V3 / R1: `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>`
+    /// name, the arguments in a `json` code fence, `<｜tool▁call▁end｜>`; `<｜tool▁calls▁end｜>`.
+    DeepSeekV3,
+    /// DeepSeek V3.1: per call `<｜tool▁call▁begin｜>` name `<｜tool▁sep｜>` arguments
+    /// `<｜tool▁call▁end｜>`, inside the same outer tags.
+    DeepSeekV31,
 }
 
+/// DeepSeek's tool-call markers.
+const CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+const CALLS_END: &str = "<｜tool▁calls▁end｜>";
+const CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
+const CALL_END: &str = "<｜tool▁call▁end｜>";
+const CALL_SEP: &str = "<｜tool▁sep｜>";
+
 impl ToolFormat {
-    pub const NAMES: &'static str = "hermes, llama3, mistral";
+    pub const NAMES: &'static str = "hermes, llama3, mistral, deepseek_v3, deepseek_v31";
 
     pub fn from_name(s: &str) -> Option<ToolFormat> {
         match s {
             "hermes" | "qwen" => Some(ToolFormat::Hermes),
             "llama3" | "llama3_json" => Some(ToolFormat::Llama3),
             "mistral" => Some(ToolFormat::Mistral),
+            "deepseek_v3" | "deepseek_r1" => Some(ToolFormat::DeepSeekV3),
+            "deepseek_v31" => Some(ToolFormat::DeepSeekV31),
             _ => None,
         }
     }
@@ -39,13 +54,26 @@ impl ToolFormat {
             ToolFormat::Hermes => "hermes",
             ToolFormat::Llama3 => "llama3",
             ToolFormat::Mistral => "mistral",
+            ToolFormat::DeepSeekV3 => "deepseek_v3",
+            ToolFormat::DeepSeekV31 => "deepseek_v31",
         }
+    }
+
+    fn deepseek(self) -> bool {
+        matches!(self, ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31)
     }
 
     /// The format a chat template writes calls in; a template without one of its own gets
     /// [`ToolFormat::Hermes`] (the engine then describes the tools itself, in that format).
     pub fn from_template(template: &str) -> ToolFormat {
-        if template.contains("[TOOL_CALLS]") {
+        if template.contains(CALLS_BEGIN) {
+            // V3's template writes each call's arguments in a code fence; V3.1's does not.
+            if template.contains("```json") {
+                ToolFormat::DeepSeekV3
+            } else {
+                ToolFormat::DeepSeekV31
+            }
+        } else if template.contains("[TOOL_CALLS]") {
             ToolFormat::Mistral
         } else if template.contains("<tool_call>") {
             ToolFormat::Hermes
@@ -62,6 +90,7 @@ impl ToolFormat {
             ToolFormat::Hermes => "<tool_call>",
             ToolFormat::Llama3 => "{\"name\"",
             ToolFormat::Mistral => "[TOOL_CALLS]",
+            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => CALLS_BEGIN,
         }
     }
 
@@ -81,6 +110,17 @@ impl ToolFormat {
             ToolFormat::Hermes => format!("<tool_call>\n{obj}\n</tool_call>"),
             ToolFormat::Llama3 => obj.to_string(),
             ToolFormat::Mistral => format!("[TOOL_CALLS][{obj}]"),
+            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
+                format!("{CALLS_BEGIN}{}{CALLS_END}", self.deepseek_call(name, &arguments.to_string()))
+            }
+        }
+    }
+
+    /// One DeepSeek call: name and arguments (JSON text) between its markers.
+    fn deepseek_call(self, name: &str, arguments: &str) -> String {
+        match self {
+            ToolFormat::DeepSeekV31 => format!("{CALL_BEGIN}{name}{CALL_SEP}{arguments}{CALL_END}"),
+            _ => format!("{CALL_BEGIN}function{CALL_SEP}{name}\n```json\n{arguments}\n```{CALL_END}"),
         }
     }
 
@@ -132,8 +172,74 @@ impl ToolFormat {
                 list["x-guidance"] = call["x-guidance"].clone();
                 format!("start: \"[TOOL_CALLS]\" body\nbody: %json {list}\n")
             }
+            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
+                // One rule per function: its name is text between the markers, its arguments JSON.
+                let lit = |s: &str| serde_json::to_string(s).expect("a string");
+                let mut g = format!(
+                    "start: {} call{} {}\ncall: {}\n",
+                    lit(CALLS_BEGIN),
+                    if parallel { "+" } else { "" },
+                    lit(CALLS_END),
+                    (0..schemas.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(" | ")
+                );
+                for (i, t) in tools.iter().filter(|t| only.is_none_or(|n| n == t.name)).enumerate() {
+                    let mut args = t.parameters.clone();
+                    if !args.is_object() {
+                        args = json!({"type": "object"});
+                    }
+                    args["x-guidance"] = call["x-guidance"].clone();
+                    let (head, tail) = match self {
+                        ToolFormat::DeepSeekV31 => {
+                            (format!("{CALL_BEGIN}{}{CALL_SEP}", t.name), CALL_END.to_owned())
+                        }
+                        _ => (
+                            format!("{CALL_BEGIN}function{CALL_SEP}{}\n```json\n", t.name),
+                            format!("\n```{CALL_END}"),
+                        ),
+                    };
+                    g.push_str(&format!("c{i}: {} a{i} {}\na{i}: %json {args}\n", lit(&head), lit(&tail)));
+                }
+                g
+            }
         }
     }
+}
+
+/// DeepSeek's calls in `text` (from an opener on): name and arguments of each, `None` unless the text
+/// is entirely calls. With `at_end`, an unclosed last call (cut by a stop) still counts, and a missing
+/// outer start tag is tolerated (models drop it at long context).
+fn parse_deepseek(text: &str, at_end: bool) -> Option<Vec<Value>> {
+    let mut rest = text.trim_start();
+    rest = rest.strip_prefix(CALLS_BEGIN).unwrap_or(rest).trim_start();
+    let mut out = Vec::new();
+    while !rest.is_empty() {
+        if let Some(after) = rest.strip_prefix(CALLS_END) {
+            if !after.trim().is_empty() {
+                return None;
+            }
+            break;
+        }
+        let body = rest.strip_prefix(CALL_BEGIN)?;
+        let (inner, after) = match body.find(CALL_END) {
+            Some(e) => (&body[..e], &body[e + CALL_END.len()..]),
+            None if at_end => (body, ""),
+            None => return None,
+        };
+        let (left, right) = inner.split_once(CALL_SEP)?;
+        let (name, args) = if left.trim() == "function" {
+            // V3: the name, a newline, the arguments in a `json` code fence.
+            let (name, fenced) = right.split_once('\n')?;
+            let fenced = fenced.trim();
+            let args = fenced.strip_prefix("```json").or_else(|| fenced.strip_prefix("```"))?;
+            (name, args.trim_end().strip_suffix("```").unwrap_or(args))
+        } else {
+            (left, right)
+        };
+        let args: Value = serde_json::from_str(args.trim()).ok()?;
+        out.push(json!({"name": name.trim(), "arguments": args}));
+        rest = after.trim_start();
+    }
+    Some(out)
 }
 
 /// What the parser lifted out of the model's text so far.
@@ -200,8 +306,14 @@ impl ToolCallParser {
                 self.emit_text(&mut out, usize::MAX);
                 break;
             }
-            let openers: &[&str] =
-                if self.format == ToolFormat::Llama3 { &[opener, PYTHON_TAG] } else { &[opener] };
+            // DeepSeek: the outer start tag, or a call's own (models drop the outer one), and once a
+            // call went out, the outer end tag (lifted out, not text).
+            let openers: &[&str] = match self.format {
+                ToolFormat::Llama3 => &[opener, PYTHON_TAG],
+                f if f.deepseek() && self.calls > 0 => &[opener, CALL_BEGIN, CALLS_END],
+                f if f.deepseek() => &[opener, CALL_BEGIN],
+                _ => &[opener],
+            };
             match openers.iter().filter_map(|o| self.held.find(o)).min() {
                 Some(at) if self.format == ToolFormat::Llama3 && !self.held[..at].trim().is_empty() => {
                     // Prose before the JSON: not a call.
@@ -237,6 +349,10 @@ impl ToolCallParser {
     /// The end of the text: whatever is held, as calls if it parses and as text if not.
     pub fn finish(&mut self) -> Vec<Piece> {
         let mut out = Vec::new();
+        if self.in_call && self.format.deepseek() && self.calls > 0 && self.held.trim() == CALLS_END {
+            self.held.clear();
+            self.in_call = false;
+        }
         if self.in_call {
             let held = std::mem::take(&mut self.held);
             match self.parse_calls(&held, true) {
@@ -269,6 +385,21 @@ impl ToolCallParser {
     /// In a call: a complete Hermes block goes out as soon as it closes (the other formats end with the
     /// answer).
     fn take_complete_call(&mut self) -> Option<Vec<Piece>> {
+        if self.format.deepseek() {
+            // A DeepSeek call goes out when it closes; the outer end tag after calls is dropped.
+            if self.calls > 0 && self.held.starts_with(CALLS_END) {
+                self.held.drain(..CALLS_END.len());
+                self.in_call = false;
+                return Some(Vec::new());
+            }
+            let end = self.held.find(CALL_END)? + CALL_END.len();
+            let block: String = self.held.drain(..end).collect();
+            self.in_call = false;
+            return Some(match self.parse_calls(&block, false) {
+                Some(calls) => calls.into_iter().map(Piece::Call).collect(),
+                None => vec![Piece::Text(block)],
+            });
+        }
         if self.format != ToolFormat::Hermes {
             return None;
         }
@@ -309,6 +440,7 @@ impl ToolCallParser {
                 }
                 objs
             }
+            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => parse_deepseek(text, at_end)?,
             ToolFormat::Mistral => {
                 let body = text.trim().strip_prefix("[TOOL_CALLS]")?.trim();
                 match serde_json::from_str(body).ok()? {
@@ -479,8 +611,70 @@ mod tests {
         assert_eq!(calls[0].arguments, r#"{"path": "c"}"#);
     }
 
+    /// Every split of `full` gives the same text and calls.
+    fn every_split(format: ToolFormat, full: &str) -> (String, Vec<ToolCall>) {
+        let whole = run(format, &[full]);
+        let chars: Vec<String> = full.chars().map(String::from).collect();
+        for pieces in [chars.clone(), chars.chunks(5).map(|c| c.concat()).collect()] {
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            assert_eq!(run(format, &refs), whole, "{full}");
+        }
+        whole
+    }
+
+    #[test]
+    fn deepseek_calls_in_both_generations_of_the_format() {
+        let v3 = "I will read it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n```json\n{\"path\": \"a.txt\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>list_dir\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let (text, calls) = every_split(ToolFormat::DeepSeekV3, v3);
+        assert_eq!(text, "I will read it.");
+        let got: Vec<(&str, &str)> = calls.iter().map(|c| (c.name.as_str(), c.arguments.as_str())).collect();
+        assert_eq!(got, [("read_file", r#"{"path":"a.txt"}"#), ("list_dir", "{}")]);
+        let v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{\"path\": \"b\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let (text, calls) = every_split(ToolFormat::DeepSeekV31, v31);
+        assert_eq!((text.as_str(), calls.len(), calls[0].arguments.as_str()), ("", 1, r#"{"path":"b"}"#));
+        // Rendering a call gives text the parser reads back.
+        for f in [ToolFormat::DeepSeekV3, ToolFormat::DeepSeekV31] {
+            let (text, calls) = every_split(f, &f.render_call("read_file", &json!({"path": "c"})));
+            assert_eq!((text.as_str(), calls.len(), calls[0].arguments.as_str()), ("", 1, r#"{"path":"c"}"#));
+        }
+        // The outer start tag missing (as models drop it at long context): still a call.
+        let (text, calls) = every_split(
+            ToolFormat::DeepSeekV31,
+            "<｜tool▁call▁begin｜>list_dir<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+        );
+        assert_eq!((text.as_str(), calls.len()), ("", 1));
+        // A call cut by max_tokens at the end still counts once its arguments parse.
+        let (_, calls) = every_split(
+            ToolFormat::DeepSeekV31,
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>list_dir<｜tool▁sep｜>{\"d\": 1}",
+        );
+        assert_eq!(calls.len(), 1);
+        // Broken calls, unknown functions and prose about the tags come back as text, whole.
+        for bad in [
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>rm_rf<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n{\"path\"<｜tool▁call▁end｜>",
+            "The tag <｜tool▁calls▁begin｜> opens calls",
+            "<｜tool▁calls▁end｜> out of place",
+        ] {
+            for f in [ToolFormat::DeepSeekV3, ToolFormat::DeepSeekV31] {
+                let (text, calls) = every_split(f, bad);
+                assert_eq!((text.as_str(), calls.len()), (bad, 0), "{f:?}: {bad}");
+            }
+        }
+        assert_eq!(
+            ToolFormat::from_template("{{'<｜tool▁calls▁begin｜>'}}...```json"),
+            ToolFormat::DeepSeekV3
+        );
+        assert_eq!(ToolFormat::from_template("{{'<｜tool▁calls▁begin｜>'}}"), ToolFormat::DeepSeekV31);
+    }
+
     #[test]
     fn forced_call_grammars_name_the_functions() {
+        let g = ToolFormat::DeepSeekV3.forced_call_grammar(&tools(), Some("read_file"), false);
+        assert!(g.contains("start: \"<｜tool▁calls▁begin｜>\" call \"<｜tool▁calls▁end｜>\""), "{g}");
+        assert!(g.contains("function<｜tool▁sep｜>read_file\\n```json\\n") && !g.contains("list_dir"), "{g}");
+        let g = ToolFormat::DeepSeekV31.forced_call_grammar(&tools(), None, true);
+        assert!(g.contains("call+") && g.contains("call: c0 | c1"), "{g}");
         let g = ToolFormat::Hermes.forced_call_grammar(&tools(), Some("read_file"), false);
         assert!(
             g.starts_with("start: call\n")

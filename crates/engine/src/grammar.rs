@@ -108,3 +108,70 @@ pub(crate) fn apply_mask(logits: &mut [f32], mask: &SimpleVob) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdserve_api::tools::Tool;
+    use pdserve_chat_template::ToolFormat;
+
+    /// A byte-level vocabulary of the 256 bytes (GPT-2's byte-to-character mapping), token id = byte,
+    /// and an end-of-sequence token 256: every text is a token sequence.
+    fn byte_tokenizer() -> String {
+        let printable =
+            |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let mut extra = 0;
+        let mut vocab = serde_json::Map::new();
+        for b in 0..256u32 {
+            let c = if printable(b) {
+                char::from_u32(b).unwrap()
+            } else {
+                extra += 1;
+                char::from_u32(255 + extra).unwrap()
+            };
+            vocab.insert(c.to_string(), json!(b));
+        }
+        json!({"model": {"type": "BPE", "vocab": vocab, "merges": []},
+               "decoder": {"type": "ByteLevel"},
+               "added_tokens": [{"id": 256, "content": "<eos>", "special": true}]})
+        .to_string()
+    }
+
+    /// Every format's forced-call grammar compiles and accepts a call as the format writes it, token
+    /// by token, to the end.
+    #[test]
+    fn forced_call_grammars_accept_the_calls_their_format_writes() {
+        let g = Grammars::new(&byte_tokenizer(), 257, 256).unwrap();
+        let tools = [
+            Tool {
+                name: "read_file".into(),
+                description: None,
+                parameters: json!({"type": "object",
+                "properties": {"path": {"type": "string"}}, "required": ["path"]}),
+            },
+            Tool { name: "ls".into(), description: None, parameters: json!({"type": "object"}) },
+        ];
+        // (The grammars keep JSON compact with a space after each separator.)
+        let args = r#"{"path": "a.txt"}"#;
+        for (f, call) in [
+            (ToolFormat::Hermes, format!("<tool_call>\n{{\"name\": \"read_file\", \"arguments\": {args}}}\n</tool_call>")),
+            (ToolFormat::Mistral, format!("[TOOL_CALLS][{{\"name\": \"read_file\", \"arguments\": {args}}}]")),
+            (
+                ToolFormat::DeepSeekV3,
+                format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n```json\n{args}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+            ),
+            (
+                ToolFormat::DeepSeekV31,
+                format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+            ),
+        ] {
+            let mut m = g.matcher(&Constraint::Lark(f.forced_call_grammar(&tools, None, false))).unwrap();
+            for b in call.bytes() {
+                let mask = m.mask().unwrap();
+                assert!(mask.is_allowed(u32::from(b)), "{f:?}: {call:?} refused at byte {:?}", b as char);
+                m.accept(u32::from(b)).unwrap();
+            }
+            assert!(m.is_accepting(), "{f:?}: {call} is not a whole call");
+        }
+    }
+}
