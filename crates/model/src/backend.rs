@@ -87,7 +87,7 @@ impl KvLayout {
         dtype: KvDtype,
     ) -> KvLayout {
         let (head_dim, latent) = match &cfg.mla {
-            Some(m) => (m.latent_width(), true),
+            Some(m) => (m.row_width(), true),
             None => (cfg.head_dim, false),
         };
         KvLayout {

@@ -74,6 +74,9 @@ struct RawConfig {
     first_k_dense_replace: Option<usize>,
     moe_layer_freq: Option<usize>,
     rope_interleave: Option<bool>,
+    index_n_heads: Option<usize>,
+    index_head_dim: Option<usize>,
+    index_topk: Option<usize>,
     #[serde(default)]
     quantization_config: Option<serde_json::Value>,
 }
@@ -224,12 +227,32 @@ pub struct Mla {
     /// What scores are multiplied by before the softmax: `(nope + rope)^-0.5`, times YaRN's
     /// `mscale(factor, mscale_all_dim)^2` where `rope_scaling` sets `mscale_all_dim`.
     pub softmax_scale: f32,
+    /// DeepSeek Sparse Attention (V3.2): a lightning indexer picks the positions each query attends
+    /// to; its keys are cached beside the latent.
+    pub indexer: Option<Indexer>,
+}
+
+/// V3.2's lightning indexer: `heads` query heads of `head_dim` (its first `qk_rope_head_dim` rotated,
+/// half-split) scored against one cached key per position (`head_dim`, LayerNorm-ed and rotated
+/// alike), `Σ_h w_h relu(q_h . k)` with per-head weights from the hidden state; each query attends to
+/// its `topk` best positions (all of them while it sees no more).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Indexer {
+    pub heads: usize,
+    pub head_dim: usize,
+    pub topk: usize,
 }
 
 impl Mla {
-    /// Values the KV cache holds per token and layer: the latent, then the rope key.
+    /// Values attention reads per token and layer: the latent, then the rope key.
     pub fn latent_width(&self) -> usize {
         self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// Values the KV cache holds per token and layer: the latent and the rope key, then the
+    /// indexer's key (V3.2).
+    pub fn row_width(&self) -> usize {
+        self.latent_width() + self.indexer.map_or(0, |i| i.head_dim)
     }
 
     /// One head's query and key width.
@@ -398,15 +421,8 @@ impl ModelConfig {
             ("Qwen3MoeForCausalLM", _) | (_, "qwen3_moe") => {
                 (raw.attention_bias, raw.attention_bias, true, Some(MoeNames::Qwen))
             }
-            ("DeepseekV2ForCausalLM" | "DeepseekV3ForCausalLM", _) | (_, "deepseek_v2" | "deepseek_v3") => {
-                (false, false, false, None)
-            }
-            ("DeepseekV32ForCausalLM", _) | (_, "deepseek_v32") => {
-                return unsupported(
-                    "architectures",
-                    format!("{arch} (DeepSeek Sparse Attention's lightning indexer is not implemented yet)"),
-                )
-            }
+            ("DeepseekV2ForCausalLM" | "DeepseekV3ForCausalLM" | "DeepseekV32ForCausalLM", _)
+            | (_, "deepseek_v2" | "deepseek_v3" | "deepseek_v32") => (false, false, false, None),
             _ => return unsupported("architectures", format!("{arch} (model_type {:?})", raw.model_type)),
         };
         let deepseek = raw.model_type.starts_with("deepseek") || arch.starts_with("Deepseek");
@@ -527,7 +543,7 @@ impl ModelConfig {
     /// Values the KV cache holds per token and layer: K and V of every KV head, or MLA's latent.
     pub fn kv_values_per_token_layer(&self) -> usize {
         match &self.mla {
-            Some(m) => m.latent_width(),
+            Some(m) => m.row_width(),
             None => 2 * self.num_kv_heads * self.head_dim,
         }
     }
@@ -581,7 +597,23 @@ fn mla(raw: &RawConfig, rope: &RopeScaling) -> Result<Mla, ModelError> {
             softmax_scale *= m * m;
         }
     }
+    let indexer = match (raw.index_n_heads, raw.index_head_dim, raw.index_topk) {
+        (None, None, None) => None,
+        (Some(heads), Some(head_dim), Some(topk)) if heads > 0 && topk > 0 && head_dim >= rope_dim => {
+            if raw.q_lora_rank.is_none_or(|r| r == 0) {
+                return Err(ModelError::format("config.json", "the sparse attention indexer reads the query LoRA: q_lora_rank is needed"));
+            }
+            Some(Indexer { heads, head_dim, topk })
+        }
+        (h, d, k) => {
+            return Err(ModelError::format(
+                "config.json",
+                format!("the sparse attention indexer needs index_n_heads ({h:?}), index_head_dim ({d:?}, at least qk_rope_head_dim) and index_topk ({k:?})"),
+            ))
+        }
+    };
     Ok(Mla {
+        indexer,
         q_lora_rank: raw.q_lora_rank.filter(|&n| n > 0),
         kv_lora_rank: need("kv_lora_rank", raw.kv_lora_rank)?,
         qk_nope_head_dim: nope,
@@ -600,7 +632,11 @@ fn deepseek_moe(raw: &RawConfig) -> Result<Option<Moe>, ModelError> {
     if top_k == 0 || top_k > experts {
         return unsupported("num_experts_per_tok", format!("{top_k} of {experts} experts"));
     }
-    let scoring = match raw.scoring_func.as_deref().unwrap_or("softmax") {
+    // V2's code defaults to softmax and plain top-k; V3's (transformers hard-codes them) to sigmoid
+    // and noaux_tc.
+    let v2 =
+        raw.model_type == "deepseek_v2" || raw.architectures.iter().any(|a| a == "DeepseekV2ForCausalLM");
+    let scoring = match raw.scoring_func.as_deref().unwrap_or(if v2 { "softmax" } else { "sigmoid" }) {
         "softmax" => Scoring::Softmax,
         "sigmoid" => Scoring::Sigmoid,
         other => return unsupported("scoring_func", other.into()),
@@ -617,12 +653,13 @@ fn deepseek_moe(raw: &RawConfig) -> Result<Option<Moe>, ModelError> {
         Ok(Some(ExpertGroups { groups, topk_groups, score }))
     };
     // DeepSeek-V2's own code spells its default "gready".
-    let (groups, correction_bias) = match raw.topk_method.as_deref().unwrap_or("greedy") {
-        "greedy" | "gready" => (None, false),
-        "group_limited_greedy" => (group(GroupScore::Max)?, false),
-        "noaux_tc" => (group(GroupScore::TopTwoSum)?, true),
-        other => return unsupported("topk_method", other.into()),
-    };
+    let (groups, correction_bias) =
+        match raw.topk_method.as_deref().unwrap_or(if v2 { "greedy" } else { "noaux_tc" }) {
+            "greedy" | "gready" => (None, false),
+            "group_limited_greedy" => (group(GroupScore::Max)?, false),
+            "noaux_tc" => (group(GroupScore::TopTwoSum)?, true),
+            other => return unsupported("topk_method", other.into()),
+        };
     let intermediate_size = raw
         .moe_intermediate_size
         .filter(|&n| n > 0)
@@ -775,10 +812,21 @@ mod tests {
         let moe = v2.moe.unwrap();
         assert!(v2.mla.unwrap().q_lora_rank.is_none() && moe.groups.is_none() && !moe.correction_bias);
         assert_eq!((moe.scoring, moe.shared_intermediate), (Scoring::Softmax, None));
-        assert_eq!(
-            field(parse(r#", "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32""#)),
-            "architectures"
-        );
+        let v32 = parse(
+            r#", "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "q_lora_rank": 32,
+            "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+            "index_n_heads": 4, "index_head_dim": 16, "index_topk": 12"#,
+        )
+        .unwrap();
+        let m = v32.mla.unwrap();
+        assert_eq!((m.indexer, m.row_width()), (Some(Indexer { heads: 4, head_dim: 16, topk: 12 }), 88));
+        assert!(matches!(
+            parse(
+                r#", "model_type": "deepseek_v32", "kv_lora_rank": 64, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 8, "v_head_dim": 16, "q_lora_rank": 32, "index_n_heads": 4"#
+            ),
+            Err(ModelError::Format { .. })
+        ));
         assert_eq!(
             field(parse(
                 r#", "model_type": "deepseek_v3", "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,

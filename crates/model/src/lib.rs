@@ -43,7 +43,7 @@ mod weights;
 use std::path::Path;
 
 pub use backend::{Backend, KvDtype, KvLayout, KvStore, SeqStep};
-pub use config::{ExpertGroups, GroupScore, Mla, ModelConfig, Moe, MoeNames, RopeScaling, Scoring};
+pub use config::{ExpertGroups, GroupScore, Indexer, Mla, ModelConfig, Moe, MoeNames, RopeScaling, Scoring};
 pub use cpu::CpuBackend;
 pub use error::ModelError;
 pub use generation::GenerationConfig;
@@ -56,7 +56,7 @@ pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use sys::peak;
 pub use sys::{cpu_kernels, set_cpu_kernels, CpuKernels};
 pub use text::{tool_call, ChatMessage, IncrementalDecoder, TextCodec};
-pub use weights::{CheckpointDtype, Expert, LayerWeights, MlaWeights, MoeWeights, Weights};
+pub use weights::{CheckpointDtype, Expert, IndexerWeights, LayerWeights, MlaWeights, MoeWeights, Weights};
 
 /// Deterministic values in -1..1 for the unit tests' matrices and activations.
 #[cfg(test)]

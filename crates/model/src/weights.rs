@@ -57,12 +57,35 @@ pub struct MlaWeights {
     pub k_up_t: Vec<f32>,
     /// `kv_b_proj`'s value rows, per head: `[heads][v_head_dim][kv_lora]`.
     pub v_up: Vec<f32>,
+    /// V3.2's lightning indexer (kept in f32 whatever the served format).
+    pub indexer: Option<IndexerWeights>,
+}
+
+/// V3.2's lightning indexer: `self_attn.indexer.*`.
+#[derive(Debug, Clone)]
+pub struct IndexerWeights {
+    /// `wq_b` `[heads x head_dim, q_lora]`, reading the query LoRA's normed output.
+    pub wq_b: Vec<f32>,
+    /// `wk` `[head_dim, hidden]`.
+    pub wk: Vec<f32>,
+    /// `k_norm`: a LayerNorm's weight and bias `[head_dim]`.
+    pub k_norm: (Vec<f32>, Vec<f32>),
+    /// `weights_proj` `[heads, hidden]`: each head's weight per token.
+    pub weights_proj: Vec<f32>,
 }
 
 impl MlaWeights {
     fn values(&self) -> usize {
         let q_a = self.q_a.as_ref().map_or(0, |(m, n)| m.len() + n.len());
-        q_a + self.q_b.len() + self.kv_a.len() + self.kv_a_norm.len() + self.k_up_t.len() + self.v_up.len()
+        let indexer = self.indexer.as_ref().map_or(0, |i| {
+            i.wq_b.len() + i.wk.len() + i.k_norm.0.len() + i.k_norm.1.len() + i.weights_proj.len()
+        });
+        q_a + self.q_b.len()
+            + self.kv_a.len()
+            + self.kv_a_norm.len()
+            + self.k_up_t.len()
+            + self.v_up.len()
+            + indexer
     }
 }
 
@@ -557,7 +580,27 @@ fn load_mla(s: &Shards, p: &str, c: &ModelConfig, m: &crate::Mla) -> Result<MlaW
         }
         v_up.extend_from_slice(&rows[nope * lora..]);
     }
-    Ok(MlaWeights { q_a, q_b, kv_a, kv_a_norm: get("kv_a_layernorm.weight", &[lora])?, k_up_t, v_up })
+    let indexer = match (m.indexer, m.q_lora_rank) {
+        (Some(ix), Some(r)) => Some(IndexerWeights {
+            wq_b: get("indexer.wq_b.weight", &[ix.heads * ix.head_dim, r])?,
+            wk: get("indexer.wk.weight", &[ix.head_dim, h])?,
+            k_norm: (
+                get("indexer.k_norm.weight", &[ix.head_dim])?,
+                get("indexer.k_norm.bias", &[ix.head_dim])?,
+            ),
+            weights_proj: get("indexer.weights_proj.weight", &[ix.heads, h])?,
+        }),
+        _ => None,
+    };
+    Ok(MlaWeights {
+        q_a,
+        q_b,
+        kv_a,
+        kv_a_norm: get("kv_a_layernorm.weight", &[lora])?,
+        k_up_t,
+        v_up,
+        indexer,
+    })
 }
 
 /// Rows `first..first + n` of a `[rows, cols]` matrix reordered from interleaved rope pairs

@@ -142,6 +142,17 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
                 "activation_scheme": "dynamic", "weight_block_size": [32, 16]});
             c
         }),
+        // DeepSeek V3.2: V3 with sparse attention; its indexer keeps 12 of the prompt's 40
+        // positions for the later rows.
+        ("deepseek-v3.2", {
+            let mut c = deepseek_v3();
+            c["architectures"] = json!(["DeepseekV32ForCausalLM"]);
+            c["model_type"] = json!("deepseek_v32");
+            c["index_n_heads"] = json!(4);
+            c["index_head_dim"] = json!(32);
+            c["index_topk"] = json!(12);
+            c
+        }),
         // DeepSeek V2: no query LoRA, softmax routing limited to the best group by its best expert.
         (
             "deepseek-v2",
@@ -175,6 +186,18 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
                 assert!(max_diff(&zero, &want_logits) > 1e-2, "the masking value changed nothing");
                 deepseek = Some(want_logits);
             }
+            ("deepseek-v3.2", _) => {
+                // The same weights attending to every position answer otherwise: the selection
+                // matters, so the case tells sparse attention from dense.
+                let path = dir.join("config.json");
+                let text = std::fs::read_to_string(&path).unwrap();
+                let mut c: Value = serde_json::from_str(&text).unwrap();
+                c["index_topk"] = json!(10_000);
+                std::fs::write(&path, c.to_string()).unwrap();
+                let dense = reference(&dir).0;
+                std::fs::write(&path, text).unwrap();
+                assert!(max_diff(&dense, &want_logits) > 1e-2, "the indexer's selection changed nothing");
+            }
             ("deepseek-v3-fp8", _) => {
                 let bf16 = deepseek.as_ref().unwrap();
                 assert!(max_diff(bf16, &want_logits) > 1e-3, "FP8 rounding changed nothing: not FP8?");
@@ -204,7 +227,22 @@ fn deepseek_v3() -> Value {
 /// same bits computed in one step, in chunks, and beside another sequence's rows, with f16 KV.
 #[test]
 fn deepseek_rows_are_the_same_bits_whatever_the_step_holds() {
-    let dir = checkpoint("deepseek-invariance", deepseek_v3());
+    let mut sparse = deepseek_v3();
+    for (k, v) in [
+        ("model_type", json!("deepseek_v32")),
+        ("index_n_heads", json!(4)),
+        ("index_head_dim", json!(32)),
+        ("index_topk", json!(12)),
+    ] {
+        sparse[k] = v;
+    }
+    for (name, config) in [("deepseek-invariance", deepseek_v3()), ("deepseek-v3.2-invariance", sparse)] {
+        rows_are_the_same_bits(name, config);
+    }
+}
+
+fn rows_are_the_same_bits(name: &str, config: Value) {
+    let dir = checkpoint(name, config);
     let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let weights = Arc::new(Weights::load(&dir, &config).unwrap());
     let run = |chunks: &[usize], beside: bool| {
@@ -242,8 +280,12 @@ fn deepseek_rows_are_the_same_bits_whatever_the_step_holds() {
     };
     let whole = run(&[PROMPT], false);
     let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&run(&[7, PROMPT - 7], false)), bits(&whole), "in chunks");
-    assert_eq!(bits(&run(&[PROMPT - 1, 1], true)), bits(&whole), "beside another sequence, then decoded");
+    assert_eq!(bits(&run(&[7, PROMPT - 7], false)), bits(&whole), "{name}: in chunks");
+    assert_eq!(
+        bits(&run(&[PROMPT - 1, 1], true)),
+        bits(&whole),
+        "{name}: beside another sequence, then decoded"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

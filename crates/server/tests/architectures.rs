@@ -108,16 +108,18 @@ fn each_architecture_answers_the_reference_through_v1_completions() {
     }
 }
 
-/// DeepSeek V3 and V2 through the server: a short and a ~3,000-token prompt answer the numpy
+/// DeepSeek V3, V3.2 (sparse attention: the indexer's keys cached and moved beside the latent) and
+/// V2 through the server: a short and a ~3,000-token prompt answer the numpy
 /// reference's greedy tokens and log-probabilities on a unified worker (f32 KV); through the router to
 /// a prefill and a decode worker (f16 KV, the latent blocks moved over shared memory) the text is the
 /// unified worker's with f16 KV; `/v1/models` reports the latent cache's bytes per token.
 #[test]
 fn deepseek_answers_the_reference_unified_and_through_pd() {
     let long: Vec<u32> = (0..3000).map(|i| 200 + (i * 997) % 20_000).collect();
+    // The latent, the rope key and (V3.2) the indexer's key, per layer, over the base's 2 layers.
     let latent = |c: &Value| {
-        let per_layer = c["kv_lora_rank"].as_u64().unwrap() + c["qk_rope_head_dim"].as_u64().unwrap();
-        per_layer * 2 // layers (the script's base)
+        let key = |k: &str| c[k].as_u64().unwrap_or(0);
+        (key("kv_lora_rank") + key("qk_rope_head_dim") + key("index_head_dim")) * 2
     };
     let cases = [
         (
@@ -130,6 +132,16 @@ fn deepseek_answers_the_reference_unified_and_through_pd() {
             "num_nextn_predict_layers": 1, "max_position_embeddings": 4096,
             "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}}),
+        ),
+        (
+            "deepseek-v3.2",
+            json!({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "q_lora_rank": 32,
+            "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+            "index_n_heads": 4, "index_head_dim": 32, "index_topk": 64, "n_routed_experts": 8,
+            "n_shared_experts": 1, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
+            "routed_scaling_factor": 2.5, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+            "max_position_embeddings": 4096}),
         ),
         (
             "deepseek-v2",

@@ -60,7 +60,7 @@ impl KvMemory {
         }
     }
 
-    fn values(&self, dtype: KvDtype) -> KvValues<'_> {
+    pub(super) fn values(&self, dtype: KvDtype) -> KvValues<'_> {
         match dtype {
             KvDtype::F32 => KvValues::F32(as_f32(self.bytes())),
             KvDtype::F16 => KvValues::F16(as_u16(self.bytes())),
@@ -81,7 +81,7 @@ impl KvMemory {
 
 /// KV memory as its dtype's values.
 #[derive(Clone, Copy)]
-enum KvValues<'a> {
+pub(super) enum KvValues<'a> {
     F32(&'a [f32]),
     F16(&'a [u16]),
     Bf16(&'a [u16]),
@@ -89,7 +89,7 @@ enum KvValues<'a> {
 
 impl KvValues<'_> {
     /// `dst.len()` values from value index `at`, as f32.
-    fn read_into(&self, at: usize, dst: &mut [f32]) {
+    pub(super) fn read_into(&self, at: usize, dst: &mut [f32]) {
         let n = dst.len();
         match *self {
             KvValues::F32(v) => dst.copy_from_slice(&v[at..at + n]),
@@ -158,6 +158,7 @@ impl CpuBackend {
         rows: &[(usize, usize)],
         li: usize,
         (qkv, ldq): (&[f32], usize),
+        select: &[Option<Vec<bool>>],
         attn: &mut [f32],
     ) {
         let (nh, nkv, bs) = (self.cfg.num_heads, self.cfg.num_kv_heads, self.layout.block_size);
@@ -168,7 +169,8 @@ impl CpuBackend {
             Some(m) => (m.latent_width(), m.kv_lora_rank, m.softmax_scale, 0),
             None => (self.cfg.head_dim, self.cfg.head_dim, 1.0 / (self.cfg.head_dim as f32).sqrt(), 1),
         };
-        let (group, q_dim, o_dim, stride) = (nh / nkv, nh * hd, nh * vd, nkv * hd);
+        // A position's row of every KV head (a latent row holds the indexer's key after the latent).
+        let (group, q_dim, o_dim, stride) = (nh / nkv, nh * hd, nh * vd, nkv * self.layout.head_dim);
         let kv_mem = self.kv.values(self.layout.dtype);
         let (f16_scores, f16_sums) = (group_scores_f16_fits(hd), group_weighted_sum_f16_fits(vd));
         // A row's visible keys: `first..ctx`.
@@ -280,10 +282,23 @@ impl CpuBackend {
                                 }
                             }
                         }
-                        for (i, (&(a, b), part)) in ranges.iter().zip(&mut parts).enumerate() {
-                            let Some(part) = part else { continue };
+                        for (i, (&(a, b), slot)) in ranges.iter().zip(&mut parts).enumerate() {
+                            // Sparse attention (V3.2): positions the row's indexer did not select
+                            // weigh nothing; a split with none of them is no part of the row.
+                            let keep = select.get(task.rows.start + i).and_then(Option::as_ref);
+                            if keep.is_some_and(|k| !k[a..b].iter().any(|&x| x)) {
+                                *slot = None;
+                            }
+                            let Some(part) = slot else { continue };
                             for h in 0..nh {
                                 let row = &mut scores[i * nh * n + h * n + (a - lo)..][..b - a];
+                                if let Some(k) = keep {
+                                    for (v, &kept) in row.iter_mut().zip(&k[a..b]) {
+                                        if !kept {
+                                            *v = f32::NEG_INFINITY;
+                                        }
+                                    }
+                                }
                                 let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
                                 part.max[h] = max;
                                 part.sum[h] = exp_scaled(row, 1.0, max);

@@ -409,9 +409,10 @@ impl CpuBackend {
             if let (Some(m), Some(mw)) = (&cfg.mla, &lw.mla) {
                 // Latent attention: queries absorbed into the latent's space, the latents stored,
                 // attention over the cached latents, each head's output taken back out.
-                self.mla_queries(steps, &rows, (li, &mats, &mut sc.xb), mw, &sc.h, &sc.rope, &mut sc.qkv);
+                let select =
+                    self.mla_queries(steps, &rows, (li, &mats, &mut sc.xb), mw, &sc.h, &sc.rope, &mut sc.qkv);
                 let lat = sized(&mut sc.gate_up, t * nh * m.kv_lora_rank);
-                self.attention(steps, &rows, li, (&sc.qkv, nh * m.latent_width()), lat);
+                self.attention(steps, &rows, li, (&sc.qkv, nh * m.latent_width()), &select, lat);
                 self.mla_values((li, &mats, &mut sc.xb), mw, lat, t, sized(&mut sc.attn, t * attn_dim));
             } else {
                 // Q, K and V, one row per token.
@@ -470,7 +471,7 @@ impl CpuBackend {
                 let attn = sized(&mut sc.attn, t * q_dim);
                 // Every row attends over the cache the same way, whatever else the step holds (see
                 // `attention`).
-                self.attention(steps, &rows, li, (&sc.qkv, qkv_w), attn);
+                self.attention(steps, &rows, li, (&sc.qkv, qkv_w), &[], attn);
             }
             // The last layer's K and V are in the cache: the rest of it (the output projection and
             // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
