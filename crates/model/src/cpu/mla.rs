@@ -91,12 +91,21 @@ impl CpuBackend {
             None => Vec::new(),
         };
         // Absorbed queries: per head, `W_UK^T q_nope` for every row at once, then the rotated rope.
+        // The heads' products run side by side: each is small, so one fork per head rather than a
+        // fork inside each (every row's values are the same either way).
+        let lats: Vec<Vec<f32>> = (0..nh)
+            .into_par_iter()
+            .map(|head| {
+                let (mut part, mut lat, mut xb) =
+                    (Vec::with_capacity(t * nope), vec![0.0; t * lora], Vec::new());
+                gather(&full, nh * qk, head * qk, nope, &mut part);
+                let k_up = w.k_up_t.get(head * lora * nope..(head + 1) * lora * nope).unwrap_or(&[]);
+                mats.product((li, Proj::KUp(head)), k_up, &part, (t, nope, lora), &mut xb, &mut lat);
+                lat
+            })
+            .collect();
         let q = sized(q, t * nh * width);
-        let (mut part, mut lat) = (Vec::with_capacity(t * nope), vec![0.0; t * lora]);
-        for head in 0..nh {
-            gather(&full, nh * qk, head * qk, nope, &mut part);
-            let k_up = w.k_up_t.get(head * lora * nope..(head + 1) * lora * nope).unwrap_or(&[]);
-            mats.product((li, Proj::KUp(head)), k_up, &part, (t, nope, lora), xb, &mut lat);
+        for (head, lat) in lats.iter().enumerate() {
             for r in 0..t {
                 let out = &mut q[(r * nh + head) * width..][..width];
                 out[..lora].copy_from_slice(&lat[r * lora..(r + 1) * lora]);
@@ -170,7 +179,7 @@ impl CpuBackend {
     /// `W_UV` into `out` (`t` rows of `heads x v_head_dim`), the output projection's input.
     pub(super) fn mla_values(
         &self,
-        (li, mats, xb): (usize, &Mats, &mut Vec<u16>),
+        (li, mats): (usize, &Mats),
         w: &MlaWeights,
         lat: &[f32],
         t: usize,
@@ -178,11 +187,17 @@ impl CpuBackend {
     ) {
         let m = self.cfg.mla.as_ref().expect("a latent attention model");
         let (nh, lora, vd) = (self.cfg.num_heads, m.kv_lora_rank, m.v_head_dim);
-        let (mut part, mut v) = (Vec::with_capacity(t * lora), vec![0.0; t * vd]);
-        for head in 0..nh {
-            gather(lat, nh * lora, head * lora, lora, &mut part);
-            let v_up = w.v_up.get(head * vd * lora..(head + 1) * vd * lora).unwrap_or(&[]);
-            mats.product((li, Proj::VUp(head)), v_up, &part, (t, lora, vd), xb, &mut v);
+        let outs: Vec<Vec<f32>> = (0..nh)
+            .into_par_iter()
+            .map(|head| {
+                let (mut part, mut v, mut xb) = (Vec::with_capacity(t * lora), vec![0.0; t * vd], Vec::new());
+                gather(lat, nh * lora, head * lora, lora, &mut part);
+                let v_up = w.v_up.get(head * vd * lora..(head + 1) * vd * lora).unwrap_or(&[]);
+                mats.product((li, Proj::VUp(head)), v_up, &part, (t, lora, vd), &mut xb, &mut v);
+                v
+            })
+            .collect();
+        for (head, v) in outs.iter().enumerate() {
             for r in 0..t {
                 out[r * nh * vd + head * vd..][..vd].copy_from_slice(&v[r * vd..(r + 1) * vd]);
             }

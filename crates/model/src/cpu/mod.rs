@@ -413,7 +413,7 @@ impl CpuBackend {
                     self.mla_queries(steps, &rows, (li, &mats, &mut sc.xb), mw, &sc.h, &sc.rope, &mut sc.qkv);
                 let lat = sized(&mut sc.gate_up, t * nh * m.kv_lora_rank);
                 self.attention(steps, &rows, li, (&sc.qkv, nh * m.latent_width()), &select, lat);
-                self.mla_values((li, &mats, &mut sc.xb), mw, lat, t, sized(&mut sc.attn, t * attn_dim));
+                self.mla_values((li, &mats), mw, lat, t, sized(&mut sc.attn, t * attn_dim));
             } else {
                 // Q, K and V, one row per token.
                 if !mats.layer(li, Proj::Qkv, &sc.h, t, hsz, &mut sc.xb, sized(&mut sc.qkv, t * qkv_w)) {
