@@ -144,7 +144,7 @@ impl TensorInfo {
 /// An open GGUF file (memory mapped).
 #[derive(Debug)]
 pub struct GgufFile {
-    path: PathBuf,
+    pub(crate) path: PathBuf,
     map: Mmap,
     pub version: u32,
     pub metadata: BTreeMap<String, Value>,

@@ -112,8 +112,15 @@ fn hf_name(gguf: &str) -> Option<String> {
 pub fn import_gguf(gguf_path: &Path, out_dir: &Path, progress: &mut dyn Progress) -> Result<(), ImportError> {
     let g = GgufFile::open(gguf_path)?;
     let arch = g.get("general.architecture").and_then(Value::as_str).unwrap_or("");
-    if arch != "llama" {
-        return Err(ImportError::Unsupported { field: "general.architecture".into(), value: arch.into() });
+    match arch {
+        "llama" => {}
+        "deepseek2" => return crate::deepseek::import(&g, out_dir, progress),
+        _ => {
+            return Err(ImportError::Unsupported {
+                field: "general.architecture".into(),
+                value: format!("{arch} (llama and deepseek2 are imported)"),
+            })
+        }
     }
     let key = |k: &str| format!("llama.{k}");
     let n_layer = g.u64(&key("block_count"))? as usize;
@@ -166,7 +173,7 @@ pub fn import_gguf(gguf_path: &Path, out_dir: &Path, progress: &mut dyn Progress
     std::fs::rename(&tmp, out_dir).map_err(|e| ImportError::io(out_dir, e))
 }
 
-fn tmp_sibling(out_dir: &Path) -> Result<PathBuf, ImportError> {
+pub(crate) fn tmp_sibling(out_dir: &Path) -> Result<PathBuf, ImportError> {
     let parent = out_dir.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(|e| ImportError::io(parent, e))?;
     let name = out_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
@@ -176,12 +183,12 @@ fn tmp_sibling(out_dir: &Path) -> Result<PathBuf, ImportError> {
     Ok(tmp)
 }
 
-fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ImportError> {
+pub(crate) fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ImportError> {
     let text = serde_json::to_string_pretty(v).map_err(|e| ImportError::format(path, e.to_string()))?;
     std::fs::write(path, text).map_err(|e| ImportError::io(path, e))
 }
 
-fn write_tokenizer(g: &GgufFile, tokens: &[&str], dir: &Path) -> Result<(), ImportError> {
+pub(crate) fn write_tokenizer(g: &GgufFile, tokens: &[&str], dir: &Path) -> Result<(), ImportError> {
     let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
     if model != "gpt2" {
         return Err(ImportError::Unsupported { field: "tokenizer.ggml.model".into(), value: model.into() });
@@ -225,6 +232,9 @@ fn write_tokenizer(g: &GgufFile, tokens: &[&str], dir: &Path) -> Result<(), Impo
         g.get(key).and_then(Value::as_u64).and_then(|id| tokens.get(id as usize)).map(|t| (*t).to_owned())
     };
     let template = g.get("tokenizer.chat_template").and_then(Value::as_str);
+    let context = ["llama", "deepseek2"]
+        .iter()
+        .find_map(|a| g.get(&format!("{a}.context_length")).and_then(Value::as_u64));
     let add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Some(Value::Bool(true)));
     let config = json!({
         "bos_token": name("tokenizer.ggml.bos_token_id"),
@@ -233,7 +243,7 @@ fn write_tokenizer(g: &GgufFile, tokens: &[&str], dir: &Path) -> Result<(), Impo
         "unk_token": name("tokenizer.ggml.unknown_token_id"),
         "add_bos_token": add_bos,
         "chat_template": template,
-        "model_max_length": g.get("llama.context_length").and_then(Value::as_u64),
+        "model_max_length": context,
     });
     write_json(&dir.join("tokenizer_config.json"), &config)
 }
@@ -264,6 +274,14 @@ fn write_weights(
         tensors.push((name, shape, bytes));
     }
     progress.update(total, total, "writing model.safetensors");
+    write_f32_safetensors(&tensors, path)
+}
+
+/// `(name, shape, little-endian f32 bytes)` tensors written as one safetensors file.
+pub(crate) fn write_f32_safetensors(
+    tensors: &[(String, Vec<usize>, Vec<u8>)],
+    path: &Path,
+) -> Result<(), ImportError> {
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
         .map(|(n, s, b)| {

@@ -21,6 +21,7 @@
 //! assert!(pdserve_import::fetch::is_model_dir(&dir));
 //! ```
 
+mod deepseek;
 mod error;
 pub mod fetch;
 pub mod gguf;

@@ -431,3 +431,34 @@ fn round_trip<M: pdserve_model::quant::QuantMatrix>(w: &mut Weights, c: &ModelCo
         }
     }
 }
+
+/// A DeepSeek GGUF as llama.cpp's converter writes it (`deepseek2`: `kv_b_proj` split into
+/// `attn_k_b`/`attn_v_b`, experts stacked, the router's bias as `exp_probs_b.bias`) imports into a
+/// folder that answers what the original checkpoint answers, V3 (query LoRA, sigmoid groups, yarn)
+/// and V2 (no query LoRA, softmax groups) alike.
+#[test]
+fn a_deepseek2_gguf_imports_to_the_same_model() {
+    let mut v3 = deepseek_v3();
+    // The converter keeps only mscale_all_dim; DeepSeek's configs have mscale equal to it.
+    v3["rope_scaling"]["mscale"] = json!(0.8);
+    let v2 = json!({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "q_lora_rank": null, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+        "v_head_dim": 16, "n_routed_experts": 6, "n_shared_experts": 2, "num_experts_per_tok": 2,
+        "n_group": 2, "topk_group": 1, "topk_method": "group_limited_greedy", "scoring_func": "softmax",
+        "routed_scaling_factor": 1.5, "moe_intermediate_size": 16, "first_k_dense_replace": 1});
+    for (name, config) in [("gguf-v3", v3), ("gguf-v2", v2)] {
+        let dir = checkpoint(name, config);
+        let gguf = dir.join("model.gguf");
+        script(&["gguf", dir.to_str().unwrap(), gguf.to_str().unwrap()]);
+        let out = dir.with_extension("imported");
+        let _ = std::fs::remove_dir_all(&out);
+        pdserve_import::import_gguf(&gguf, &out, &mut pdserve_import::Silent).unwrap();
+        let (want_logits, want_greedy) = reference(&dir);
+        let (got_logits, got_greedy) = ours(&out);
+        let d = max_diff(&want_logits, &got_logits);
+        assert!(d < 2e-3, "{name}: logits differ from the original's reference by {d}");
+        assert_eq!(got_greedy, want_greedy, "{name}");
+        std::fs::remove_dir_all(&dir).unwrap();
+        std::fs::remove_dir_all(&out).unwrap();
+    }
+}
