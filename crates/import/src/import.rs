@@ -188,6 +188,28 @@ pub(crate) fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), Impor
     std::fs::write(path, text).map_err(|e| ImportError::io(path, e))
 }
 
+/// The Hugging Face pre-tokenizer of a GGUF's `tokenizer.ggml.pre`: DeepSeek V3's three splits
+/// (numbers of up to 3 digits, CJK runs, then words, punctuation and spaces; llama.cpp's
+/// `deepseek-v3` regexes, which are DeepSeek's `tokenizer.json`'s), or SmolLM's digits and byte-level
+/// words for the rest.
+fn pre_tokenizer(pre: &str) -> serde_json::Value {
+    match pre {
+        "deepseek-v3" => {
+            let split = |re: &str| json!({"type": "Split", "pattern": {"Regex": re}, "behavior": "Isolated", "invert": false});
+            json!({"type": "Sequence", "pretokenizers": [
+                split("\\p{N}{1,3}"),
+                split("[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+"),
+                split("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"),
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+            ]})
+        }
+        _ => json!({"type": "Sequence", "pretokenizers": [
+            {"type": "Digits", "individual_digits": true},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}
+        ]}),
+    }
+}
+
 pub(crate) fn write_tokenizer(g: &GgufFile, tokens: &[&str], dir: &Path) -> Result<(), ImportError> {
     let model = g.get("tokenizer.ggml.model").and_then(Value::as_str).unwrap_or("");
     if model != "gpt2" {
@@ -217,10 +239,7 @@ pub(crate) fn write_tokenizer(g: &GgufFile, tokens: &[&str], dir: &Path) -> Resu
         "padding": null,
         "added_tokens": added,
         "normalizer": null,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Digits", "individual_digits": true},
-            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}
-        ]},
+        "pre_tokenizer": pre_tokenizer(g.get("tokenizer.ggml.pre").and_then(Value::as_str).unwrap_or("")),
         "post_processor": null,
         "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
         "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,

@@ -453,6 +453,10 @@ fn a_deepseek2_gguf_imports_to_the_same_model() {
         let out = dir.with_extension("imported");
         let _ = std::fs::remove_dir_all(&out);
         pdserve_import::import_gguf(&gguf, &out, &mut pdserve_import::Silent).unwrap();
+        // DeepSeek V3's pre-tokenizer (its three split regexes) is written and compiles.
+        let tokenizer = std::fs::read_to_string(out.join("tokenizer.json")).unwrap();
+        assert!(tokenizer.contains("\\p{N}{1,3}"), "{name}: not DeepSeek's pre-tokenizer");
+        pdserve_model::TextCodec::load(&out).unwrap_or_else(|e| panic!("{name}: {e}"));
         let (want_logits, want_greedy) = reference(&dir);
         let (got_logits, got_greedy) = ours(&out);
         let d = max_diff(&want_logits, &got_logits);
