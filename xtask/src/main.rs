@@ -8,6 +8,7 @@ use anyhow::{bail, Context, Result};
 mod ab;
 mod agents;
 mod chaos;
+mod deepseek;
 mod deploy;
 mod generate;
 mod gpu;
@@ -44,6 +45,7 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          bench structured [--concurrency LIST] [--max-tokens M] [--repeat K]\n\
          bench spec [--concurrency LIST] [--max-tokens M] [--repeat K] [--draft-tokens N]\n\
          bench llamacpp [--isa native|avx2|both] [--repeat K] [--rows single,streams32,prefill,long]\n\
+         bench deepseek [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench ab --base REV [--isa native|avx2] [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench memory [--kv-blocks N]\n\
          bench transfer [--tokens 128,2048,8000] [--repeat 3]\n\
@@ -57,7 +59,8 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          llama.cpp's server built for the same instruction set, alternating, per figure of the CPU goals\n\
          (1 and 32 streams, a 1,000-token prefill, decode after 4,000 tokens) and peak memory; `ab`: this\n\
          checkout's worker beside the same worker built from git revision REV, alternating, on `llamacpp`'s\n\
-         rows (what a change costs); `transfer`: the KV transfer between worker\n\
+         rows (what a change costs); `deepseek`: the same rows on a random DeepSeek-V3-shaped model against\n\
+         llama.cpp's deepseek2 path (its GGUF made by llama.cpp's own converter); `transfer`: the KV transfer between worker\n\
          processes over shared memory and TCP beside memcpy; `http`: this project's HTTP server\n\
          beside nginx under wrk; `router`: the router beside SGLang's router (sglang-router and its\n\
          successor, the Shepherd Model Gateway `smg`, each pinned and named with its version) and nginx,\n\
@@ -308,6 +311,7 @@ fn bench(args: &[String]) -> Result<()> {
         Some("structured") => structured::run(&args[1..]),
         Some("spec") => spec::run(&args[1..]),
         Some("llamacpp") => vs_llamacpp::run(&args[1..]),
+        Some("deepseek") => deepseek::run(&args[1..]),
         Some("ab") => ab::run(&args[1..]),
         Some("memory") => memory::run(&args[1..]),
         Some("transfer") => transfer::run(&args[1..]),

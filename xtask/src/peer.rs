@@ -137,11 +137,16 @@ pub(crate) fn llamacpp() -> Result<(PathBuf, PathBuf)> {
     llamacpp_for(Isa::Native)
 }
 
+/// The extracted llama.cpp source (its converter included), as `llamacpp_for` leaves it.
+pub(crate) fn llamacpp_source() -> PathBuf {
+    home().join(format!(".cache/pdserve/peers/llamacpp-{LLAMA_CPP_PYTHON}/src/vendor/llama.cpp"))
+}
+
 /// Builds llama.cpp for `isa` once (about 20 minutes on 2 cores); the paths of its `llama-server`
 /// and `llama-bench`.
 pub(crate) fn llamacpp_for(isa: Isa) -> Result<(PathBuf, PathBuf)> {
     let dir = home().join(format!(".cache/pdserve/peers/llamacpp-{LLAMA_CPP_PYTHON}"));
-    let llama = dir.join("src/vendor/llama.cpp");
+    let llama = llamacpp_source();
     let bin = llama.join(isa.build_dir()).join("bin");
     let (server, bench) = (bin.join("llama-server"), bin.join("llama-bench"));
     if server.exists() && bench.exists() {

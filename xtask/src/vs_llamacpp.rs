@@ -261,7 +261,7 @@ fn summary(v: &[f64]) -> (f64, f64, f64) {
 }
 
 /// A process's peak resident set (`VmHWM` in `/proc/PID/status`), in MB.
-fn peak_rss_mb(pid: u32) -> Result<u64> {
+pub(crate) fn peak_rss_mb(pid: u32) -> Result<u64> {
     let status = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("status"))?;
     let kb: u64 = status
         .lines()

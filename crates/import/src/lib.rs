@@ -31,7 +31,7 @@ mod sys;
 
 pub use error::ImportError;
 pub use import::{import_gguf, permute_qk, unpermute_qk, Progress, Silent, StderrBar};
-pub use random::RandomModel;
+pub use random::{RandomDeepSeek, RandomModel};
 
 /// The README's examples, compiled as doc tests.
 #[doc = include_str!("../README.md")]

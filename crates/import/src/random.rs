@@ -185,3 +185,209 @@ impl RandomModel {
         )
     }
 }
+
+/// A DeepSeek-V3-shaped model of seeded random weights (latent attention, DeepSeekMoE with sigmoid
+/// group routing, a correction bias, shared experts, dense first layers), written as a Hugging Face
+/// folder's `config.json` and bf16 `model.safetensors`; the tokenizer files are the caller's (the
+/// benchmark copies the default model's, which llama.cpp's converter knows). For measuring the
+/// DeepSeek path against a peer at a size no public checkpoint has.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RandomDeepSeek {
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub q_lora: usize,
+    pub kv_lora: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v: usize,
+    pub experts: usize,
+    pub top_k: usize,
+    pub shared: usize,
+    pub moe_intermediate: usize,
+    pub dense_intermediate: usize,
+    pub dense_layers: usize,
+    pub groups: usize,
+    pub topk_groups: usize,
+    pub vocab: usize,
+    pub context: usize,
+    pub seed: u64,
+}
+
+impl RandomDeepSeek {
+    /// About 1.2B parameters, 0.3B active per token: hidden 1,024, 12 layers (the first dense), 16
+    /// heads, V3's latent widths (kv_lora 512, rope 64, nope and v 128), 64 routed experts of 512 in
+    /// 8 groups (4 kept), 6 chosen, one shared; SmolLM2's vocabulary of 49,152.
+    pub fn bench() -> RandomDeepSeek {
+        RandomDeepSeek {
+            hidden: 1024,
+            layers: 12,
+            heads: 16,
+            q_lora: 384,
+            kv_lora: 512,
+            nope: 128,
+            rope: 64,
+            v: 128,
+            experts: 64,
+            top_k: 6,
+            shared: 1,
+            moe_intermediate: 512,
+            dense_intermediate: 2816,
+            dense_layers: 1,
+            groups: 8,
+            topk_groups: 4,
+            vocab: 49152,
+            context: 8192,
+            seed: 11,
+        }
+    }
+
+    /// Parameters in all (`total`) and those one token's forward pass reads (`active`).
+    pub fn parameters(&self) -> (usize, usize) {
+        let (h, nh) = (self.hidden, self.heads);
+        let attn = h * self.q_lora
+            + self.q_lora * nh * (self.nope + self.rope)
+            + h * (self.kv_lora + self.rope)
+            + self.kv_lora * nh * (self.nope + self.v)
+            + nh * self.v * h;
+        let expert = 3 * h * self.moe_intermediate;
+        let dense = 3 * h * self.dense_intermediate;
+        let moe_layers = self.layers - self.dense_layers;
+        let embed = 2 * self.vocab * h;
+        let total = self.layers * attn
+            + self.dense_layers * dense
+            + moe_layers * (expert * (self.experts + self.shared) + self.experts * h)
+            + embed;
+        let active = self.layers * attn
+            + self.dense_layers * dense
+            + moe_layers * (expert * (self.top_k + self.shared) + self.experts * h)
+            + embed;
+        (total, active)
+    }
+
+    /// Writes `config.json` and `model.safetensors` (bf16) into `dir` (made if missing).
+    pub fn write(&self, dir: &Path) -> Result<(), ImportError> {
+        std::fs::create_dir_all(dir).map_err(|e| ImportError::io(dir, e))?;
+        let (h, nh, qk) = (self.hidden, self.heads, self.nope + self.rope);
+        write_json(
+            &dir.join("config.json"),
+            &json!({
+                "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+                "hidden_size": h, "intermediate_size": self.dense_intermediate,
+                "moe_intermediate_size": self.moe_intermediate, "num_hidden_layers": self.layers,
+                "num_attention_heads": nh, "num_key_value_heads": nh, "q_lora_rank": self.q_lora,
+                "kv_lora_rank": self.kv_lora, "qk_nope_head_dim": self.nope, "qk_rope_head_dim": self.rope,
+                "v_head_dim": self.v, "n_routed_experts": self.experts, "n_shared_experts": self.shared,
+                "num_experts_per_tok": self.top_k, "n_group": self.groups, "topk_group": self.topk_groups,
+                "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
+                "routed_scaling_factor": 2.5, "first_k_dense_replace": self.dense_layers, "moe_layer_freq": 1,
+                "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": null,
+                "max_position_embeddings": self.context, "vocab_size": self.vocab,
+                "tie_word_embeddings": false, "bos_token_id": 0, "eos_token_id": 0,
+                "attention_bias": false, "torch_dtype": "bfloat16",
+            }),
+        )?;
+        let mut seed = self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        let ones = |n: usize| -> Vec<u8> {
+            (0..n).flat_map(|_| half::bf16::from_f32(1.0).to_bits().to_le_bytes()).collect()
+        };
+        // Scaled so activations neither vanish nor blow up over the layers.
+        let w = |k: usize| 2.0 / (k as f32).sqrt();
+        add(&mut tensors, "model.embed_tokens.weight".into(), vec![self.vocab, h], 2.0, &mut seed);
+        add(&mut tensors, "lm_head.weight".into(), vec![self.vocab, h], w(h), &mut seed);
+        let mut norms = vec![("model.norm.weight".to_owned(), h)];
+        for l in 0..self.layers {
+            let p = format!("model.layers.{l}.");
+            let a = format!("{p}self_attn.");
+            add(&mut tensors, format!("{a}q_a_proj.weight"), vec![self.q_lora, h], w(h), &mut seed);
+            add(
+                &mut tensors,
+                format!("{a}q_b_proj.weight"),
+                vec![nh * qk, self.q_lora],
+                w(self.q_lora),
+                &mut seed,
+            );
+            add(
+                &mut tensors,
+                format!("{a}kv_a_proj_with_mqa.weight"),
+                vec![self.kv_lora + self.rope, h],
+                w(h),
+                &mut seed,
+            );
+            add(
+                &mut tensors,
+                format!("{a}kv_b_proj.weight"),
+                vec![nh * (self.nope + self.v), self.kv_lora],
+                w(self.kv_lora),
+                &mut seed,
+            );
+            add(&mut tensors, format!("{a}o_proj.weight"), vec![h, nh * self.v], w(nh * self.v), &mut seed);
+            norms.extend([
+                (format!("{a}q_a_layernorm.weight"), self.q_lora),
+                (format!("{a}kv_a_layernorm.weight"), self.kv_lora),
+                (format!("{p}input_layernorm.weight"), h),
+                (format!("{p}post_attention_layernorm.weight"), h),
+            ]);
+            let swiglu = |tensors: &mut Vec<_>, pre: String, inter: usize, seed: &mut u64| {
+                add(tensors, format!("{pre}gate_proj.weight"), vec![inter, h], w(h), seed);
+                add(tensors, format!("{pre}up_proj.weight"), vec![inter, h], w(h), seed);
+                add(tensors, format!("{pre}down_proj.weight"), vec![h, inter], w(inter), seed);
+            };
+            if l < self.dense_layers {
+                swiglu(&mut tensors, format!("{p}mlp."), self.dense_intermediate, &mut seed);
+                continue;
+            }
+            for e in 0..self.experts {
+                swiglu(&mut tensors, format!("{p}mlp.experts.{e}."), self.moe_intermediate, &mut seed);
+            }
+            swiglu(
+                &mut tensors,
+                format!("{p}mlp.shared_experts."),
+                self.shared * self.moe_intermediate,
+                &mut seed,
+            );
+            add(&mut tensors, format!("{p}mlp.gate.weight"), vec![self.experts, h], w(h), &mut seed);
+            // The correction bias, in f32 as DeepSeek ships it.
+            let bias: Vec<u8> =
+                random(self.experts, &mut seed, 0.2).iter().flat_map(|v| v.to_le_bytes()).collect();
+            tensors.push((format!("{p}mlp.gate.e_score_correction_bias"), vec![self.experts], bias));
+        }
+        for (name, n) in norms {
+            tensors.push((name, vec![n], ones(n)));
+        }
+        let path = dir.join("model.safetensors");
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+            .iter()
+            .map(|(n, s, b)| {
+                let dtype = if n.ends_with("e_score_correction_bias") {
+                    safetensors::Dtype::F32
+                } else {
+                    safetensors::Dtype::BF16
+                };
+                safetensors::tensor::TensorView::new(dtype, s.clone(), b)
+                    .map(|v| (n.clone(), v))
+                    .map_err(|e| ImportError::format(&path, e.to_string()))
+            })
+            .collect::<Result<_, _>>()?;
+        let meta: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
+        safetensors::tensor::serialize_to_file(views, Some(meta), &path)
+            .map_err(|e| ImportError::format(&path, e.to_string()))
+    }
+}
+
+/// Appends a tensor of `shape` of random values (see [`random`]) in bf16.
+fn add(
+    tensors: &mut Vec<(String, Vec<usize>, Vec<u8>)>,
+    name: String,
+    shape: Vec<usize>,
+    scale: f32,
+    seed: &mut u64,
+) {
+    let n = shape.iter().product();
+    let bytes = random(n, seed, scale)
+        .iter()
+        .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
+        .collect();
+    tensors.push((name, shape, bytes));
+}

@@ -466,3 +466,40 @@ fn a_deepseek2_gguf_imports_to_the_same_model() {
         std::fs::remove_dir_all(&out).unwrap();
     }
 }
+
+/// The benchmark's random DeepSeek-V3 shape (`RandomDeepSeek`), at a small size, is a checkpoint the
+/// engine loads as V3 and runs to finite logits.
+#[test]
+fn the_random_deepseek_shape_loads_and_runs() {
+    let shape = pdserve_import::RandomDeepSeek {
+        hidden: 64,
+        layers: 2,
+        heads: 2,
+        q_lora: 32,
+        kv_lora: 64,
+        nope: 32,
+        rope: 32,
+        v: 32,
+        experts: 8,
+        top_k: 2,
+        shared: 1,
+        moe_intermediate: 32,
+        dense_intermediate: 64,
+        dense_layers: 1,
+        groups: 4,
+        topk_groups: 2,
+        vocab: VOCAB,
+        context: 256,
+        seed: 3,
+    };
+    let dir = std::env::temp_dir().join(format!("pdserve-random-deepseek-{}", std::process::id()));
+    shape.write(&dir).unwrap();
+    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let (mla, moe) = (config.mla.clone().unwrap(), config.moe.clone().unwrap());
+    assert_eq!((mla.kv_lora_rank, moe.experts, moe.dense_layers), (64, 8, vec![0]));
+    let (logits, _) = ours(&dir);
+    assert!(logits.iter().all(|v| v.is_finite()) && logits.iter().any(|&v| v != logits[0]));
+    let (total, active) = pdserve_import::RandomDeepSeek::bench().parameters();
+    assert!((1.0e9..1.5e9).contains(&(total as f64)) && (0.2e9..0.4e9).contains(&(active as f64)), "{total} {active}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
