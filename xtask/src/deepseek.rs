@@ -17,7 +17,7 @@ use crate::peer::{Isa, LlamaServer};
 use crate::serve::{start_stack, stop_all, Spec};
 use crate::vs_llamacpp::{bench_pair, peak_rss_mb, pick_rows, table_row, Row, ROWS};
 
-const USAGE: &str = "cargo xtask bench deepseek [--repeat K] [--rows LIST]
+const USAGE: &str = "cargo xtask bench deepseek [--repeat K] [--rows LIST] [--prepare]
 
 A random DeepSeek-V3-shaped model (hidden 1024, 12 layers, 16 heads, kv_lora 512 + rope 64, 64
 experts of 512 in 8 groups, top 6 + 1 shared; bf16) written once to ~/.cache/pdserve/bench/, and its
@@ -25,7 +25,7 @@ GGUF (bf16) made once by llama.cpp's convert_hf_to_gguf.py (torch 2.11.0 and tra
 ~/.cache/pdserve/peers/convert-venv, installed on first use: about 3 GB). One unified worker of ours
 (--weights auto: bf16, --speculative off) on 8121 and llama-server (-t 2, -c 16384 -np 32 -kvu) on
 8189; `cargo xtask bench llamacpp`'s rows (single, streams32, prefill, long) alternating, K pairs
-(default 3). Table: target/bench/vs-llamacpp-deepseek.md.";
+(default 3). Table: target/bench/vs-llamacpp-deepseek.md. --prepare: only write the model and its GGUF.";
 
 /// The converter's pinned Python packages.
 const CONVERT_PACKAGES: &[&str] = &["torch==2.11.0", "transformers==4.57.6", "numpy", "pyyaml", "tqdm"];
@@ -103,12 +103,14 @@ fn gguf(model: &Path, llama: &Path) -> Result<PathBuf> {
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut repeat, mut rows): (usize, Vec<&Row>) = (3, ROWS.iter().collect());
+    let mut prepare = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut v = || it.next().cloned().with_context(|| format!("{a} needs a value"));
         match a.as_str() {
             "--repeat" => repeat = v()?.parse()?,
             "--rows" => rows = pick_rows(&v()?)?,
+            "--prepare" => prepare = true,
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(());
@@ -118,6 +120,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let default = crate::fetch_model(&[])?;
     let model = model(&default)?;
+    if prepare {
+        crate::peer::llamacpp_source_only()?;
+        let gguf = gguf(&model, &crate::peer::llamacpp_source())?;
+        println!("{}\n{}", model.display(), gguf.display());
+        return Ok(());
+    }
     let (server, _) = crate::peer::llamacpp_for(Isa::Native)?;
     let gguf = gguf(&model, &crate::peer::llamacpp_source())?;
     crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-loadgen"])?;

@@ -142,6 +142,11 @@ pub(crate) fn llamacpp_source() -> PathBuf {
     home().join(format!(".cache/pdserve/peers/llamacpp-{LLAMA_CPP_PYTHON}/src/vendor/llama.cpp"))
 }
 
+/// The pinned llama.cpp source extracted (no build), for its converter.
+pub(crate) fn llamacpp_source_only() -> Result<()> {
+    source(&home().join(format!(".cache/pdserve/peers/llamacpp-{LLAMA_CPP_PYTHON}")))
+}
+
 /// Builds llama.cpp for `isa` once (about 20 minutes on 2 cores); the paths of its `llama-server`
 /// and `llama-bench`.
 pub(crate) fn llamacpp_for(isa: Isa) -> Result<(PathBuf, PathBuf)> {

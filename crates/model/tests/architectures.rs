@@ -500,6 +500,9 @@ fn the_random_deepseek_shape_loads_and_runs() {
     let (logits, _) = ours(&dir);
     assert!(logits.iter().all(|v| v.is_finite()) && logits.iter().any(|&v| v != logits[0]));
     let (total, active) = pdserve_import::RandomDeepSeek::bench().parameters();
-    assert!((1.0e9..1.5e9).contains(&(total as f64)) && (0.2e9..0.4e9).contains(&(active as f64)), "{total} {active}");
+    assert!(
+        (1.0e9..1.5e9).contains(&(total as f64)) && (0.2e9..0.4e9).contains(&(active as f64)),
+        "{total} {active}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
