@@ -56,18 +56,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         extra.extend(["--cpu-kernels".into(), "avx2".into()]);
     }
     let (head_logs, base_logs) = (bench.join("logs-head"), bench.join("logs-base"));
-    let spec = |port, server_bin, logs| Spec {
-        port,
-        model: &model,
-        native_q4: false,
-        unified: true,
-        prefills: 0,
-        decodes: 0,
-        extra: &extra,
-        logs,
-        secret: false,
-        server_bin,
-    };
+    let spec =
+        |port, server_bin, logs| Spec { server_bin, ..Spec::unified_worker(port, &model, &extra, logs) };
     let mut ours = start_stack(&spec(8131, None, &head_logs))?;
     let mut theirs = match start_stack(&spec(8132, Some(base_bin.as_path()), &base_logs)) {
         Ok(s) => s,

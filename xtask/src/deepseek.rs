@@ -133,18 +133,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let root = crate::workspace_root();
     let logs = root.join("target/bench/vs-llamacpp-deepseek-logs");
     let extra = ["--speculative".to_owned(), "off".into()];
-    let spec = Spec {
-        port: 8121,
-        model: &model,
-        native_q4: false,
-        unified: true,
-        prefills: 0,
-        decodes: 0,
-        extra: &extra,
-        logs: &logs.join("ours"),
-        secret: false,
-        server_bin: None,
-    };
+    let ours_logs = logs.join("ours");
+    let spec = Spec::unified_worker(8121, &model, &extra, &ours_logs);
     let mut table = format!(
         "| ISA | figure | ours (bf16, latent KV), median (min-max) | llama.cpp (bf16, deepseek2 MLA), median (min-max) | ours vs llama.cpp, median of {repeat} pairs (min-max) |\n|---|---|---|---|---|\n"
     );

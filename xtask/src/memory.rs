@@ -45,18 +45,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             .iter()
             .map(|s| (*s).to_owned())
             .collect();
-        let spec = Spec {
-            port: 8103,
-            model: &model,
-            native_q4: false,
-            unified: true,
-            prefills: 0,
-            decodes: 0,
-            extra: &extra,
-            logs: &logs,
-            secret: false,
-            server_bin: None,
-        };
+        let spec = Spec::unified_worker(8103, &model, &extra, &logs);
         let mut stack = start_stack(&spec)?;
         let measured = (|| -> Result<(u64, u64, u64, u64)> {
             let body = br#"{"messages":[{"role":"user","content":"What is the capital of France?"}],"max_tokens":16}"#;

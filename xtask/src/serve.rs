@@ -195,6 +195,29 @@ pub(crate) struct Spec<'a> {
     pub server_bin: Option<&'a Path>,
 }
 
+impl<'a> Spec<'a> {
+    /// One unified worker of `model` on `port` (this checkout's binary), `extra` passed to it.
+    pub(crate) fn unified_worker(
+        port: u16,
+        model: &'a Path,
+        extra: &'a [String],
+        logs: &'a Path,
+    ) -> Spec<'a> {
+        Spec {
+            port,
+            model,
+            native_q4: false,
+            unified: true,
+            prefills: 0,
+            decodes: 0,
+            extra,
+            logs,
+            secret: false,
+            server_bin: None,
+        }
+    }
+}
+
 /// A started stack: its processes and the URL clients use.
 pub(crate) struct Stack {
     pub procs: Vec<Proc>,

@@ -167,18 +167,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         if isa == Isa::Avx2 {
             extra.extend(["--cpu-kernels".into(), "avx2".into()]);
         }
-        let spec = Spec {
-            port: 8121,
-            model: &model,
-            native_q4: false,
-            unified: true,
-            prefills: 0,
-            decodes: 0,
-            extra: &extra,
-            logs: &logs.join("ours"),
-            secret: false,
-            server_bin: None,
-        };
+        let ours_logs = logs.join("ours");
+        let spec = Spec::unified_worker(8121, &model, &extra, &ours_logs);
         let mut ours = start_stack(&spec)?;
         let result = (|| -> Result<()> {
             let peer = LlamaServer::start(server, &gguf, (16384, 32), &["-kvu"], &logs)?;

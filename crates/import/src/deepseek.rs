@@ -146,13 +146,7 @@ enum Target {
 }
 
 fn target(gguf: &str) -> Option<Target> {
-    let fixed = match gguf {
-        "token_embd.weight" => Some("model.embed_tokens.weight"),
-        "output_norm.weight" => Some("model.norm.weight"),
-        "output.weight" => Some("lm_head.weight"),
-        _ => None,
-    };
-    if let Some(n) = fixed {
+    if let Some(n) = crate::import::global_name(gguf) {
         return Some(Target::One(n.to_owned()));
     }
     let (layer, part) = gguf.strip_prefix("blk.")?.split_once('.')?;

@@ -78,14 +78,18 @@ fn move_qk_rows(w: &[f32], n_head: usize, cols: usize, to_hf: bool) -> Vec<f32> 
     out
 }
 
-fn hf_name(gguf: &str) -> Option<String> {
-    let fixed = match gguf {
+/// The Hugging Face name of a GGUF tensor outside the layers (every architecture names them alike).
+pub(crate) fn global_name(gguf: &str) -> Option<&'static str> {
+    match gguf {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
         "output.weight" => Some("lm_head.weight"),
         _ => None,
-    };
-    if let Some(n) = fixed {
+    }
+}
+
+fn hf_name(gguf: &str) -> Option<String> {
+    if let Some(n) = global_name(gguf) {
         return Some(n.to_owned());
     }
     let rest = gguf.strip_prefix("blk.")?;
