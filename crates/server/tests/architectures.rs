@@ -162,12 +162,23 @@ fn deepseek_answers_the_reference_unified_and_through_pd() {
             json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true, "logprobs": 1})
                 .to_string()
         };
+        let mut cold = Value::Null;
         for ids in [prompt(), long.clone()] {
             let reference = reference(&dir, &ids, STEPS);
             let (s, v) = unified.json("POST", "/v1/completions", &body(&ids));
             assert_eq!(s, 200, "{name}: {v}");
             assert_matches(&unified, &v, &reference, &format!("{name}, {} tokens", ids.len()), true);
+            cold = v;
         }
+        // The long prompt again: its latent blocks come from the prefix cache, and the answer is the
+        // cold one's to the bit (the tail's rows computed as a cold prefill computes them).
+        let warm = unified.json("POST", "/v1/completions", &body(&long)).1;
+        let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        assert!(cached >= 2_900, "{name}: {cached} of 3,000 prompt tokens from the cache: {warm}");
+        assert_eq!(
+            cold["choices"][0]["logprobs"], warm["choices"][0]["logprobs"],
+            "{name}: a prefix hit changed the answer"
+        );
         drop(unified);
         // f16 KV: unified, then prefill and decode workers behind the router.
         let unified = Worker::start(&["--model", model]);
