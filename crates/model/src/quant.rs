@@ -35,8 +35,8 @@ pub enum WeightFormat {
     /// Every projection in f16, as f16 checkpoints ship them (exact for those, 2 bytes per weight),
     /// widened to f32 as steps read them; the embedding and LM head stay f32.
     F16,
-    /// The checkpoint's own precision: bf16 for a bf16 checkpoint whose shapes the bf16 GEMM takes,
-    /// f16 for an f16 one, f32 otherwise (and for a mixture of experts, whose experts run in f32).
+    /// The checkpoint's own precision: bf16 for a bf16 (or block-scaled FP8) checkpoint whose shapes
+    /// the bf16 GEMM takes, f16 for an f16 one, f32 otherwise (experts and latent attention alike).
     /// See [`resolve`](Self::resolve); a backend given `Auto` itself runs f32.
     Auto,
 }
@@ -481,7 +481,11 @@ pub(crate) fn stack_layer<M>(
         qkv: make(&qkv, qkv.len() / hidden, hidden)?,
         o: make(&l.o, hidden, o_in)?,
         gate_up: make(&gate_up, gate_up.len() / hidden, hidden)?,
-        down: make(&l.down, l.down.len() / inter, inter)?,
+        down: match l.down.len() {
+            // A layer of experts has no dense FFN: an empty matrix as wide as the hidden state.
+            0 => make(&[], 0, hidden)?,
+            _ => make(&l.down, hidden, inter)?,
+        },
         experts,
         shared,
         mla,

@@ -506,3 +506,46 @@ fn the_random_deepseek_shape_loads_and_runs() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// V3.2's selection over a long prompt in chunks that do not start on a task's boundary (a task of
+/// rows straddling a 512-key split, a row of it seeing none of the split's keys): the same bits as
+/// the prompt in one step.
+#[test]
+fn sparse_attention_rows_across_split_boundaries() {
+    let mut c = deepseek_v3();
+    for (k, v) in [
+        ("model_type", json!("deepseek_v32")),
+        ("index_n_heads", json!(4)),
+        ("index_head_dim", json!(32)),
+        ("index_topk", json!(12)),
+        ("max_position_embeddings", json!(1024)),
+    ] {
+        c[k] = v;
+    }
+    let dir = checkpoint("deepseek-v3.2-splits", c);
+    let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let weights = Arc::new(Weights::load(&dir, &config).unwrap());
+    let tokens: Vec<u32> = (0..600).map(|i| (i * 37 % (VOCAB - 3) + 3) as u32).collect();
+    let run = |chunks: &[usize]| {
+        let mut cpu = CpuBackend::with_kv_dtype(config.clone(), Arc::clone(&weights), 80, 8, KvDtype::F16);
+        let mut kv = KvCache::new(KvConfig { num_blocks: 80, block_size: 8 }).unwrap();
+        kv.add_sequence(SeqId(1), &tokens).unwrap();
+        let mut last = Vec::new();
+        for &n in chunks {
+            let start = kv.computed_tokens(SeqId(1)).unwrap();
+            kv.reserve(SeqId(1), n).unwrap();
+            let table = kv.block_table(SeqId(1)).unwrap().to_vec();
+            let step = SeqStep {
+                tokens: &tokens[start..start + n],
+                start_pos: start,
+                block_table: &table,
+                logits: 1,
+            };
+            last = cpu.forward(&[step]).unwrap().remove(0);
+            kv.commit(SeqId(1), n).unwrap();
+        }
+        last.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    };
+    assert_eq!(run(&[7, 593]), run(&[600]));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

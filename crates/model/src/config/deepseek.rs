@@ -174,7 +174,9 @@ pub(super) fn deepseek_moe(raw: &RawConfig) -> Result<Option<Moe>, ModelError> {
     Ok(Some(Moe {
         experts,
         top_k,
-        norm_topk_prob: raw.norm_topk_prob.unwrap_or(false),
+        // Softmax scores (V2) are never renormalized (DeepSeek's reference and transformers both skip
+        // it whatever the field says); sigmoid ones (V3) are by default, as transformers' V3 is.
+        norm_topk_prob: scoring == Scoring::Sigmoid && raw.norm_topk_prob.unwrap_or(!v2),
         intermediate_size,
         dense_layers: (0..raw.num_hidden_layers).filter(|&l| !(l >= first_dense && l % freq == 0)).collect(),
         names: MoeNames::Qwen,

@@ -286,7 +286,7 @@ impl CpuBackend {
                             // Sparse attention (V3.2): positions the row's indexer did not select
                             // weigh nothing; a split with none of them is no part of the row.
                             let keep = select.get(task.rows.start + i).and_then(Option::as_ref);
-                            if keep.is_some_and(|k| !k[a..b].iter().any(|&x| x)) {
+                            if keep.is_some_and(|k| a >= b || !k[a..b].iter().any(|&x| x)) {
                                 *slot = None;
                             }
                             let Some(part) = slot else { continue };
