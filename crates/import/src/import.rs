@@ -305,10 +305,20 @@ pub(crate) fn write_f32_safetensors(
     tensors: &[(String, Vec<usize>, Vec<u8>)],
     path: &Path,
 ) -> Result<(), ImportError> {
+    write_safetensors(tensors, path, |_| safetensors::Dtype::F32)
+}
+
+/// `(name, shape, little-endian bytes)` tensors written as one safetensors file, each of the dtype
+/// `dtype` gives its name.
+pub(crate) fn write_safetensors(
+    tensors: &[(String, Vec<usize>, Vec<u8>)],
+    path: &Path,
+    dtype: impl Fn(&str) -> safetensors::Dtype,
+) -> Result<(), ImportError> {
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
         .map(|(n, s, b)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+            safetensors::tensor::TensorView::new(dtype(n), s.clone(), b)
                 .map(|v| (n.clone(), v))
                 .map_err(|e| ImportError::format(path, e.to_string()))
         })

@@ -4,7 +4,6 @@
 //! the 256 bytes, no merges: any text round-trips) and `tokenizer_config.json` (a ChatML template,
 //! `<|im_end|>` the end of a turn and of generation).
 
-use std::collections::HashMap;
 use std::path::Path;
 
 use serde_json::json;
@@ -134,18 +133,7 @@ impl RandomModel {
             .into_iter()
             .map(|(n, s, v)| (n, s, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
             .collect();
-        let path = dir.join("model.safetensors");
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = bytes
-            .iter()
-            .map(|(n, s, b)| {
-                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
-                    .map(|v| (n.clone(), v))
-                    .map_err(|e| ImportError::format(&path, e.to_string()))
-            })
-            .collect::<Result<_, _>>()?;
-        let meta: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
-        safetensors::tensor::serialize_to_file(views, Some(meta), &path)
-            .map_err(|e| ImportError::format(&path, e.to_string()))?;
+        crate::import::write_f32_safetensors(&bytes, &dir.join("model.safetensors"))?;
         // Byte-level BPE without merges: one token per byte, the special tokens matched whole.
         let chars = byte_chars();
         let mut vocab: serde_json::Map<String, serde_json::Value> =
@@ -357,22 +345,14 @@ impl RandomDeepSeek {
             tensors.push((name, vec![n], ones(n)));
         }
         let path = dir.join("model.safetensors");
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-            .iter()
-            .map(|(n, s, b)| {
-                let dtype = if n.ends_with("e_score_correction_bias") {
-                    safetensors::Dtype::F32
-                } else {
-                    safetensors::Dtype::BF16
-                };
-                safetensors::tensor::TensorView::new(dtype, s.clone(), b)
-                    .map(|v| (n.clone(), v))
-                    .map_err(|e| ImportError::format(&path, e.to_string()))
-            })
-            .collect::<Result<_, _>>()?;
-        let meta: HashMap<String, String> = [("format".to_owned(), "pt".to_owned())].into();
-        safetensors::tensor::serialize_to_file(views, Some(meta), &path)
-            .map_err(|e| ImportError::format(&path, e.to_string()))
+        // The correction bias in f32, as DeepSeek ships it; the rest bf16.
+        crate::import::write_safetensors(&tensors, &path, |n| {
+            if n.ends_with("e_score_correction_bias") {
+                safetensors::Dtype::F32
+            } else {
+                safetensors::Dtype::BF16
+            }
+        })
     }
 }
 
