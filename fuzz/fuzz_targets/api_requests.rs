@@ -17,7 +17,7 @@ fn run(format: ToolFormat, pieces: &[&str]) -> (String, Vec<(String, String)>) {
     .unwrap();
     let mut p = ToolCallParser::new(format, &tools, "f");
     let mut out: Vec<Piece> = pieces.iter().flat_map(|s| p.push(s)).collect();
-    out.extend(p.finish());
+    out.extend(p.finish(data.len() % 2 == 0));
     let (mut text, mut calls) = (String::new(), Vec::new());
     for piece in out {
         match piece {

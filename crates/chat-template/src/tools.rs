@@ -84,16 +84,6 @@ impl ToolFormat {
         }
     }
 
-    /// Where a call starts in this format's text.
-    fn opener(self) -> &'static str {
-        match self {
-            ToolFormat::Hermes => "<tool_call>",
-            ToolFormat::Llama3 => "{\"name\"",
-            ToolFormat::Mistral => "[TOOL_CALLS]",
-            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => CALLS_BEGIN,
-        }
-    }
-
     /// The key the arguments go under.
     fn arguments_key(self) -> &'static str {
         match self {
@@ -142,8 +132,11 @@ impl ToolFormat {
     }
 
     /// The llguidance Lark grammar that makes the model call one of `tools` (or `only`), in this
-    /// format: one call, or with `parallel` one or more. Each call's arguments fit its schema.
-    pub fn forced_call_grammar(self, tools: &[Tool], only: Option<&str>, parallel: bool) -> String {
+    /// format: one call to at most `calls_max`, then the end (where the format separates calls with a
+    /// newline, one newline may follow the last; the model then chooses between another call and the
+    /// end, never forced into a second). Each call's arguments fit its schema.
+    pub fn forced_call_grammar(self, tools: &[Tool], only: Option<&str>, calls_max: usize) -> String {
+        let calls_max = calls_max.max(1);
         let key = self.arguments_key();
         let schemas: Vec<Value> = tools
             .iter()
@@ -160,15 +153,17 @@ impl ToolFormat {
             json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
         match self {
             ToolFormat::Hermes => {
-                let more = if parallel { " (\"\\n\" call)*" } else { "" };
-                format!("start: call{more}\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}\n")
+                let more = match calls_max {
+                    1 => String::new(),
+                    n => format!(" (\"\\n\" call){{0,{}}}", n - 1),
+                };
+                format!(
+                    "start: call{more} \"\\n\"?\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}\n"
+                )
             }
             ToolFormat::Llama3 => format!("start: %json {call}\n"),
             ToolFormat::Mistral => {
-                let mut list = json!({"type": "array", "items": call, "minItems": 1});
-                if !parallel {
-                    list["maxItems"] = json!(1);
-                }
+                let mut list = json!({"type": "array", "items": call, "minItems": 1, "maxItems": calls_max});
                 list["x-guidance"] = call["x-guidance"].clone();
                 format!("start: \"[TOOL_CALLS]\" body\nbody: %json {list}\n")
             }
@@ -178,7 +173,7 @@ impl ToolFormat {
                 let mut g = format!(
                     "start: {} call{} {}\ncall: {}\n",
                     lit(CALLS_BEGIN),
-                    if parallel { "+" } else { "" },
+                    if calls_max > 1 { format!("{{1,{calls_max}}}") } else { String::new() },
                     lit(CALLS_END),
                     (0..schemas.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(" | ")
                 );
@@ -205,13 +200,95 @@ impl ToolFormat {
     }
 }
 
+/// How far the text being parsed goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum End {
+    /// More text may follow: only closed calls count.
+    Open,
+    /// The answer ended (end of sequence or a stop string): an unclosed last call still counts once
+    /// its arguments parse.
+    Stopped,
+    /// The answer was cut by `max_tokens`: the call the cut fell in counts with its arguments as far
+    /// as they were written (OpenAI's behaviour), and markup cut before a call's name is whole is
+    /// dropped, never returned as text.
+    Cut,
+}
+
+/// The calls in a text from an opener on.
+#[derive(Debug, Default)]
+struct Calls {
+    /// The whole calls' objects (`name`, and `arguments` or `parameters`).
+    whole: Vec<Value>,
+    /// With [`End::Cut`]: the call the cut fell in, its name and its arguments' text so far.
+    cut: Option<(String, String)>,
+}
+
+/// A call object cut by `max_tokens` (`{"name": "f", "arguments": {"a": ...`): `Some(Some(..))` with
+/// its name and arguments' text once the name is whole, `Some(None)` for markup cut before that (or
+/// nothing at all), `None` for text that is no call object.
+fn cut_object(text: &str) -> Option<Option<(String, String)>> {
+    let t = text.trim_start();
+    if t.is_empty() {
+        return Some(None);
+    }
+    let inner = t.strip_prefix('{')?.trim_start();
+    let named = inner
+        .strip_prefix("\"name\"")
+        .and_then(|r| r.trim_start().strip_prefix(':'))
+        .and_then(|r| r.trim_start().strip_prefix('"'))
+        .and_then(|r| r.find('"').map(|e| (&r[..e], &r[e + 1..])));
+    let Some((name, rest)) = named else { return Some(None) };
+    let args = match rest.trim_start().strip_prefix(',') {
+        None => "",
+        Some(r) => ["\"arguments\"", "\"parameters\""]
+            .iter()
+            .find_map(|k| r.trim_start().strip_prefix(k))
+            .and_then(|r| r.trim_start().strip_prefix(':'))
+            .unwrap_or(""),
+    };
+    Some(Some((name.to_owned(), args.trim().to_owned())))
+}
+
+/// The length of the JSON object or array `s` starts with, if it closes in `s`.
+fn json_value_len(s: &str) -> Option<usize> {
+    let (mut depth, mut in_str, mut esc) = (0i32, false, false);
+    for (i, c) in s.char_indices() {
+        if in_str {
+            match (esc, c) {
+                (true, _) => esc = false,
+                (false, '\\') => esc = true,
+                (false, '"') => in_str = false,
+                _ => {}
+            }
+            continue;
+        }
+        match c {
+            '"' => in_str = true,
+            '{' | '[' => depth += 1,
+            '}' | ']' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(i + 1);
+                }
+            }
+            _ if depth == 0 => return None,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// `text` without a tail that is the start of `pat` (a closing tag cut short).
+fn without_partial<'a>(text: &'a str, pat: &str) -> &'a str {
+    &text[..text.len() - partial_suffix(text, pat)]
+}
+
 /// DeepSeek's calls in `text` (from an opener on): name and arguments of each, `None` unless the text
-/// is entirely calls. With `at_end`, an unclosed last call (cut by a stop) still counts, and a missing
-/// outer start tag is tolerated (models drop it at long context).
-fn parse_deepseek(text: &str, at_end: bool) -> Option<Vec<Value>> {
+/// is entirely calls. A missing outer start tag is tolerated (models drop it at long context).
+fn parse_deepseek(text: &str, end: End) -> Option<Calls> {
     let mut rest = text.trim_start();
     rest = rest.strip_prefix(CALLS_BEGIN).unwrap_or(rest).trim_start();
-    let mut out = Vec::new();
+    let mut out = Calls::default();
     while !rest.is_empty() {
         if let Some(after) = rest.strip_prefix(CALLS_END) {
             if !after.trim().is_empty() {
@@ -219,24 +296,47 @@ fn parse_deepseek(text: &str, at_end: bool) -> Option<Vec<Value>> {
             }
             break;
         }
-        let body = rest.strip_prefix(CALL_BEGIN)?;
-        let (inner, after) = match body.find(CALL_END) {
-            Some(e) => (&body[..e], &body[e + CALL_END.len()..]),
-            None if at_end => (body, ""),
+        let Some(body) = rest.strip_prefix(CALL_BEGIN) else {
+            // Cut inside the next marker.
+            if end == End::Cut && (CALL_BEGIN.starts_with(rest) || CALLS_END.starts_with(rest)) {
+                break;
+            }
+            return None;
+        };
+        let (inner, after, closed) = match body.find(CALL_END) {
+            Some(e) => (&body[..e], &body[e + CALL_END.len()..], true),
+            None if end != End::Open => (without_partial(body, CALL_END), "", false),
             None => return None,
         };
-        let (left, right) = inner.split_once(CALL_SEP)?;
-        let (name, args) = if left.trim() == "function" {
-            // V3: the name, a newline, the arguments in a `json` code fence.
-            let (name, fenced) = right.split_once('\n')?;
-            let fenced = fenced.trim();
-            let args = fenced.strip_prefix("```json").or_else(|| fenced.strip_prefix("```"))?;
-            (name, args.trim_end().strip_suffix("```").unwrap_or(args))
-        } else {
-            (left, right)
+        let Some((left, right)) = inner.split_once(CALL_SEP) else {
+            // Cut before the name.
+            return (end == End::Cut && !closed).then_some(out);
         };
-        let args: Value = serde_json::from_str(args.trim()).ok()?;
-        out.push(json!({"name": name.trim(), "arguments": args}));
+        let named = if left.trim() == "function" {
+            // V3: the name, a newline, the arguments in a `json` code fence.
+            right.split_once('\n').map(|(name, fenced)| {
+                let fenced = fenced.trim();
+                let args = match fenced.strip_prefix("```json").or_else(|| fenced.strip_prefix("```")) {
+                    _ if "```json".starts_with(fenced) => "", // cut inside the fence
+                    Some(args) => args.trim_end(),
+                    None => fenced,
+                };
+                (name, args.strip_suffix("```").unwrap_or_else(|| without_partial(args, "```")))
+            })
+        } else {
+            Some((left, right))
+        };
+        let Some((name, args)) = named else {
+            return (end == End::Cut && !closed).then_some(out);
+        };
+        match serde_json::from_str::<Value>(args.trim()) {
+            Ok(args) => out.whole.push(json!({"name": name.trim(), "arguments": args})),
+            Err(_) if end == End::Cut && !closed => {
+                out.cut = Some((name.trim().to_owned(), args.trim().to_owned()));
+                break;
+            }
+            Err(_) => return None,
+        }
         rest = after.trim_start();
     }
     Some(out)
@@ -300,20 +400,12 @@ impl ToolCallParser {
                 }
                 continue;
             }
-            let opener = self.format.opener();
             if self.format == ToolFormat::Llama3 && self.said_text {
                 // A Llama 3 call is the whole answer: once prose began, nothing is a call.
                 self.emit_text(&mut out, usize::MAX);
                 break;
             }
-            // DeepSeek: the outer start tag, or a call's own (models drop the outer one), and once a
-            // call went out, the outer end tag (lifted out, not text).
-            let openers: &[&str] = match self.format {
-                ToolFormat::Llama3 => &[opener, PYTHON_TAG],
-                f if f.deepseek() && self.calls > 0 => &[opener, CALL_BEGIN, CALLS_END],
-                f if f.deepseek() => &[opener, CALL_BEGIN],
-                _ => &[opener],
-            };
+            let openers = self.openers();
             match openers.iter().filter_map(|o| self.held.find(o)).min() {
                 Some(at) if self.format == ToolFormat::Llama3 && !self.held[..at].trim().is_empty() => {
                     // Prose before the JSON: not a call.
@@ -346,28 +438,49 @@ impl ToolCallParser {
         out
     }
 
-    /// The end of the text: whatever is held, as calls if it parses and as text if not.
-    pub fn finish(&mut self) -> Vec<Piece> {
+    /// The end of the text: whatever is held, as calls if it parses and as text if not. `cut`: the
+    /// answer was cut by `max_tokens`, and the call it fell in is returned with its arguments as far
+    /// as they were written; markup cut before a call's name is whole is dropped.
+    pub fn finish(&mut self, cut: bool) -> Vec<Piece> {
         let mut out = Vec::new();
         if self.in_call && self.format.deepseek() && self.calls > 0 && self.held.trim() == CALLS_END {
             self.held.clear();
             self.in_call = false;
         }
+        let end = if cut { End::Cut } else { End::Stopped };
         if self.in_call {
             let held = std::mem::take(&mut self.held);
-            match self.parse_calls(&held, true) {
+            match self.parse_calls(&held, end) {
                 Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
                 None => out.push(Piece::Text(held)),
             }
             self.in_call = false;
         } else if !self.held.is_empty() {
-            let held = std::mem::take(&mut self.held);
+            let mut held = std::mem::take(&mut self.held);
+            if cut {
+                // An opener cut short is markup, not an answer.
+                let keep = self.openers().iter().map(|o| partial_suffix(&held, o)).max().unwrap_or(0);
+                held.truncate(held.len() - keep);
+            }
             // Whitespace after the last call is not an answer.
-            if self.calls == 0 || !held.trim().is_empty() {
+            if !held.is_empty() && (self.calls == 0 || !held.trim().is_empty()) {
                 out.push(Piece::Text(held));
             }
         }
         out
+    }
+
+    /// The texts that open a call where the parser stands: DeepSeek's outer start tag or a call's
+    /// own (models drop the outer one), and once a call went out, the outer end tag (lifted out, not
+    /// text).
+    fn openers(&self) -> &'static [&'static str] {
+        match self.format {
+            ToolFormat::Llama3 => &["{\"name\"", PYTHON_TAG],
+            f if f.deepseek() && self.calls > 0 => &[CALLS_BEGIN, CALL_BEGIN, CALLS_END],
+            f if f.deepseek() => &[CALLS_BEGIN, CALL_BEGIN],
+            ToolFormat::Mistral => &["[TOOL_CALLS]"],
+            _ => &["<tool_call>"],
+        }
     }
 
     fn emit_text(&mut self, out: &mut Vec<Piece>, upto: usize) {
@@ -395,7 +508,7 @@ impl ToolCallParser {
             let end = self.held.find(CALL_END)? + CALL_END.len();
             let block: String = self.held.drain(..end).collect();
             self.in_call = false;
-            return Some(match self.parse_calls(&block, false) {
+            return Some(match self.parse_calls(&block, End::Open) {
                 Some(calls) => calls.into_iter().map(Piece::Call).collect(),
                 None => vec![Piece::Text(block)],
             });
@@ -406,55 +519,95 @@ impl ToolCallParser {
         let end = self.held.find("</tool_call>")? + "</tool_call>".len();
         let block: String = self.held.drain(..end).collect();
         self.in_call = false;
-        Some(match self.parse_calls(&block, false) {
+        Some(match self.parse_calls(&block, End::Open) {
             Some(calls) => calls.into_iter().map(Piece::Call).collect(),
             None => vec![Piece::Text(block)],
         })
     }
 
     /// The calls in `text` (which starts at an opener), or `None` if it is not entirely calls.
-    fn parse_calls(&mut self, text: &str, at_end: bool) -> Option<Vec<ToolCall>> {
-        let objects: Vec<Value> = match self.format {
+    fn parse_calls(&mut self, text: &str, end: End) -> Option<Vec<ToolCall>> {
+        let cut = end == End::Cut;
+        let mut found = Calls::default();
+        match self.format {
             ToolFormat::Hermes => {
-                let mut objs = Vec::new();
                 let mut rest = text.trim();
                 while !rest.is_empty() {
-                    let body = rest.strip_prefix("<tool_call>")?;
-                    let (inner, after) = match body.find("</tool_call>") {
-                        Some(e) => (&body[..e], &body[e + "</tool_call>".len()..]),
-                        // An unclosed last block at the end of the answer (cut by a stop) still counts.
-                        None if at_end => (body, ""),
-                        None => return None,
+                    let Some(body) = rest.strip_prefix("<tool_call>") else {
+                        if cut && "<tool_call>".starts_with(rest) {
+                            break; // cut inside the next opener
+                        }
+                        return None;
                     };
-                    objs.push(serde_json::from_str(inner.trim()).ok()?);
-                    rest = after.trim();
+                    match body.find("</tool_call>") {
+                        Some(e) => {
+                            found.whole.push(serde_json::from_str(body[..e].trim()).ok()?);
+                            rest = body[e + "</tool_call>".len()..].trim();
+                        }
+                        None if end == End::Open => return None,
+                        None => {
+                            // An unclosed last block at the end of the answer still counts.
+                            let body = without_partial(body.trim(), "</tool_call>").trim();
+                            match serde_json::from_str(body) {
+                                Ok(v) => found.whole.push(v),
+                                Err(_) if cut => found.cut = cut_object(body)?,
+                                Err(_) => return None,
+                            }
+                            break;
+                        }
+                    }
                 }
-                objs
             }
             ToolFormat::Llama3 => {
                 let body = text.trim().trim_start_matches(PYTHON_TAG).trim();
                 // One call, or several separated by `;`.
-                let mut objs = Vec::new();
-                for part in split_top_level(body, ';') {
-                    objs.push(serde_json::from_str(part.trim()).ok()?);
+                let parts = split_top_level(body, ';');
+                for (i, part) in parts.iter().enumerate() {
+                    match serde_json::from_str(part.trim()) {
+                        Ok(v) => found.whole.push(v),
+                        Err(_) if cut && i + 1 == parts.len() => found.cut = cut_object(part)?,
+                        Err(_) => return None,
+                    }
                 }
-                objs
             }
-            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => parse_deepseek(text, at_end)?,
+            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => found = parse_deepseek(text, end)?,
             ToolFormat::Mistral => {
                 let body = text.trim().strip_prefix("[TOOL_CALLS]")?.trim();
-                match serde_json::from_str(body).ok()? {
-                    Value::Array(a) => a,
-                    o @ Value::Object(_) => vec![o],
-                    _ => return None,
+                match serde_json::from_str(body) {
+                    Ok(Value::Array(a)) => found.whole = a,
+                    Ok(o @ Value::Object(_)) => found.whole = vec![o],
+                    Ok(_) => return None,
+                    Err(_) if cut => {
+                        // The list's whole elements, then the one the cut fell in.
+                        let mut rest = match body.strip_prefix('[') {
+                            Some(r) => r,
+                            None if body.is_empty() => "",
+                            None => return None,
+                        };
+                        loop {
+                            rest = rest.trim_start();
+                            match json_value_len(rest) {
+                                Some(n) => {
+                                    found.whole.push(serde_json::from_str(&rest[..n]).ok()?);
+                                    rest = rest[n..].trim_start();
+                                    rest = rest.strip_prefix(',').unwrap_or(rest);
+                                }
+                                None => {
+                                    found.cut = cut_object(rest)?;
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    Err(_) => return None,
                 }
             }
-        };
-        if objects.is_empty() {
+        }
+        if found.whole.is_empty() && !cut {
             return None;
         }
-        let mut calls = Vec::with_capacity(objects.len());
-        for o in objects {
+        let mut calls = Vec::with_capacity(found.whole.len() + 1);
+        for o in found.whole {
             let name = o.get("name")?.as_str()?;
             if !self.names.iter().any(|n| n == name) {
                 return None;
@@ -466,14 +619,41 @@ impl ToolCallParser {
                 v @ Value::Object(_) => v.to_string(),
                 _ => return None,
             };
-            calls.push(ToolCall {
-                id: format!("call_{}_{}", self.id_prefix, self.calls + calls.len()),
-                name: name.to_owned(),
-                arguments,
-            });
+            calls.push((name.to_owned(), arguments));
         }
+        if let Some((name, arguments)) = found.cut {
+            if !self.names.contains(&name) {
+                return None;
+            }
+            calls.push((name, arguments));
+        }
+        let calls: Vec<ToolCall> = calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, (name, arguments))| ToolCall { id: self.call_id(self.calls + i), name, arguments })
+            .collect();
         self.calls += calls.len();
         Some(calls)
+    }
+
+    /// Call `n`'s id: `call_<prefix>_<n>`, or for Mistral the 9 letters and digits its template
+    /// requires (derived from the same two, so unique per response as well).
+    fn call_id(&self, n: usize) -> String {
+        if self.format != ToolFormat::Mistral {
+            return format!("call_{}_{n}", self.id_prefix);
+        }
+        use std::hash::{Hash, Hasher};
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (&self.id_prefix, n).hash(&mut h);
+        let mut x = h.finish();
+        const ALNUM: &[u8] = b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+        (0..9)
+            .map(|_| {
+                let c = ALNUM[(x % ALNUM.len() as u64) as usize] as char;
+                x /= ALNUM.len() as u64;
+                c
+            })
+            .collect()
     }
 }
 
@@ -534,7 +714,7 @@ mod tests {
     fn run(format: ToolFormat, pieces: &[&str]) -> (String, Vec<ToolCall>) {
         let mut p = ToolCallParser::new(format, &tools(), "x");
         let mut out: Vec<Piece> = pieces.iter().flat_map(|s| p.push(s)).collect();
-        out.extend(p.finish());
+        out.extend(p.finish(false));
         let mut text = String::new();
         let mut calls = Vec::new();
         for o in out {
@@ -668,22 +848,95 @@ mod tests {
         assert_eq!(ToolFormat::from_template("{{'<｜tool▁calls▁begin｜>'}}"), ToolFormat::DeepSeekV31);
     }
 
+    /// `full` cut by `max_tokens` at every character: the whole calls before the cut, then the cut
+    /// one with its arguments as far as written; never markup in the text.
+    #[test]
+    fn calls_cut_by_max_tokens_are_calls_with_partial_arguments() {
+        let cases = [
+            (ToolFormat::Hermes, "Sure.\n<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"a.txt\"}}\n</tool_call>"),
+            (ToolFormat::Mistral, "Sure.[TOOL_CALLS][{\"name\": \"list_dir\", \"arguments\": {}}, {\"name\": \"read_file\", \"arguments\": {\"path\": \"a.txt\"}}]"),
+            (ToolFormat::Llama3, "{\"name\": \"list_dir\", \"parameters\": {}}; {\"name\": \"read_file\", \"parameters\": {\"path\": \"a.txt\"}}"),
+            (ToolFormat::DeepSeekV3, "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>list_dir\n```json\n{}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n```json\n{\"path\": \"a.txt\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+            (ToolFormat::DeepSeekV31, "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>list_dir<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{\"path\": \"a.txt\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+        ];
+        for (format, full) in cases {
+            let prose = if format == ToolFormat::Llama3 { "" } else { "Sure." };
+            let second = full.rfind("read_file").unwrap();
+            let args_at = full.rfind("{\"path").unwrap();
+            for (at, _) in full.char_indices().skip(prose.chars().count()) {
+                let mut p = ToolCallParser::new(format, &tools(), "x");
+                let mut out = p.push(&full[..at]);
+                out.extend(p.finish(true));
+                let text: String = out
+                    .iter()
+                    .filter_map(|o| match o {
+                        Piece::Text(t) => Some(t.as_str()),
+                        _ => None,
+                    })
+                    .collect();
+                let calls: Vec<&ToolCall> = out
+                    .iter()
+                    .filter_map(|o| match o {
+                        Piece::Call(c) => Some(c),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(text.trim_end(), prose, "{format:?} cut at {at}: {:?}", &full[..at]);
+                // The first call is whole once its arguments close; the second is named once its
+                // name is whole.
+                let after_name = if format == ToolFormat::DeepSeekV31 { CALL_SEP.len() } else { 1 };
+                let named_second = at >= second + "read_file".len() + after_name;
+                if named_second {
+                    assert_eq!(calls.len(), 2, "{format:?} cut at {at}: {:?}", &full[..at]);
+                    assert_eq!(calls[0].name, "list_dir");
+                    assert_eq!((calls[1].name.as_str(), !calls[1].id.is_empty()), ("read_file", true));
+                    let args = &calls[1].arguments;
+                    let written = &full[args_at..at.max(args_at)];
+                    assert!(
+                        args == r#"{"path":"a.txt"}"#
+                            || (written.starts_with(args.as_str())
+                                && args.len() + 4
+                                    >= written
+                                        .trim_end_matches(|c| "}]\n`<｜tool▁call▁end｜>calls/_".contains(c))
+                                        .len()),
+                        "{format:?} cut at {at}: arguments {args:?} of {written:?}"
+                    );
+                }
+                assert!(
+                    calls.len() <= 2
+                        && calls.iter().all(|c| c.name != "list_dir" || "{}".starts_with(&c.arguments)),
+                    "{format:?} cut at {at}: {calls:?}"
+                );
+            }
+        }
+        // Not a call at all: text, also when cut.
+        let mut p = ToolCallParser::new(ToolFormat::Hermes, &tools(), "x");
+        let mut out = p.push("<tool_call> never closed and not JSON");
+        out.extend(p.finish(true));
+        assert_eq!(out, [Piece::Text("<tool_call> never closed and not JSON".into())]);
+        // Mistral's ids are nine letters and digits, unique per call.
+        let (_, calls) = run(ToolFormat::Mistral, &[cases[1].1]);
+        assert!(calls.iter().all(|c| c.id.len() == 9 && c.id.chars().all(|c| c.is_ascii_alphanumeric())));
+        assert_ne!(calls[0].id, calls[1].id);
+    }
+
     #[test]
     fn forced_call_grammars_name_the_functions() {
-        let g = ToolFormat::DeepSeekV3.forced_call_grammar(&tools(), Some("read_file"), false);
+        let g = ToolFormat::DeepSeekV3.forced_call_grammar(&tools(), Some("read_file"), 1);
         assert!(g.contains("start: \"<｜tool▁calls▁begin｜>\" call \"<｜tool▁calls▁end｜>\""), "{g}");
         assert!(g.contains("function<｜tool▁sep｜>read_file\\n```json\\n") && !g.contains("list_dir"), "{g}");
-        let g = ToolFormat::DeepSeekV31.forced_call_grammar(&tools(), None, true);
-        assert!(g.contains("call+") && g.contains("call: c0 | c1"), "{g}");
-        let g = ToolFormat::Hermes.forced_call_grammar(&tools(), Some("read_file"), false);
+        let g = ToolFormat::DeepSeekV31.forced_call_grammar(&tools(), None, 8);
+        assert!(g.contains("call{1,8}") && g.contains("call: c0 | c1"), "{g}");
+        let g = ToolFormat::Hermes.forced_call_grammar(&tools(), Some("read_file"), 1);
         assert!(
-            g.starts_with("start: call\n")
+            g.starts_with("start: call \"\\n\"?\n")
                 && g.contains("\"const\":\"read_file\"")
-                && !g.contains("list_dir")
+                && !g.contains("list_dir"),
+            "{g}"
         );
-        let g = ToolFormat::Hermes.forced_call_grammar(&tools(), None, true);
-        assert!(g.contains("(\"\\n\" call)*") && g.contains("anyOf"));
-        let g = ToolFormat::Mistral.forced_call_grammar(&tools(), None, false);
+        let g = ToolFormat::Hermes.forced_call_grammar(&tools(), None, 8);
+        assert!(g.contains("(\"\\n\" call){0,7} \"\\n\"?") && g.contains("anyOf"), "{g}");
+        let g = ToolFormat::Mistral.forced_call_grammar(&tools(), None, 1);
         assert!(g.contains("\"maxItems\":1"));
     }
 }

@@ -88,6 +88,9 @@ pub struct EngineConfig {
     pub transfer_step_tokens: usize,
     /// The format tool calls are written and read in; `None` takes the chat template's.
     pub tool_format: Option<crate::ToolFormat>,
+    /// The most tool calls one answer makes where parallel calls are allowed (a forced call's grammar
+    /// ends after this many; under `auto` the answer ends with the call that reaches it).
+    pub tool_calls_max: usize,
     /// Speculative decoding (unified and decode roles): draft tokens from the request's own context,
     /// verified in one multi-row step; on by default (`Speculative::prompt_lookup(8)`, while one
     /// request runs), `Speculative::OFF` to turn it off. The output is the same either way.
@@ -132,6 +135,7 @@ impl EngineConfig {
             replies_per_request: 64,
             transfer_step_tokens: 256,
             tool_format: None,
+            tool_calls_max: 8,
             speculative: crate::Speculative::prompt_lookup(8),
         }
     }

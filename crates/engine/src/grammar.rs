@@ -165,13 +165,36 @@ mod tests {
                 format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
             ),
         ] {
-            let mut m = g.matcher(&Constraint::Lark(f.forced_call_grammar(&tools, None, false))).unwrap();
-            for b in call.bytes() {
-                let mask = m.mask().unwrap();
-                assert!(mask.is_allowed(u32::from(b)), "{f:?}: {call:?} refused at byte {:?}", b as char);
-                m.accept(u32::from(b)).unwrap();
-            }
+            let mut m = g.matcher(&Constraint::Lark(f.forced_call_grammar(&tools, None, 1))).unwrap();
+            feed(&mut m, &call, f);
             assert!(m.is_accepting(), "{f:?}: {call} is not a whole call");
+        }
+        // Hermes with parallel calls: after a call and its newline the model may end (it is never
+        // forced into a second call), or call again up to the limit, and no further.
+        let call = "<tool_call>\n{\"name\": \"ls\", \"arguments\": {}}\n</tool_call>";
+        let hermes = Constraint::Lark(ToolFormat::Hermes.forced_call_grammar(&tools, None, 2));
+        let mut m = g.matcher(&hermes).unwrap();
+        feed(&mut m, &format!("{call}\n"), ToolFormat::Hermes);
+        assert!(
+            m.is_accepting()
+                && m.mask().unwrap().is_allowed(256)
+                && m.mask().unwrap().is_allowed(u32::from(b'<'))
+        );
+        feed(&mut m, call, ToolFormat::Hermes);
+        assert!(m.is_accepting());
+        let mask = m.mask().unwrap();
+        assert!(mask.is_allowed(u32::from(b'\n')));
+        m.accept(u32::from(b'\n')).unwrap();
+        let mask = m.mask().unwrap();
+        assert!(mask.is_allowed(256) && !mask.is_allowed(u32::from(b'<')), "a third call is refused");
+    }
+
+    /// Feeds `text` byte by byte, each byte allowed by the mask before it.
+    fn feed(m: &mut Guide, text: &str, f: ToolFormat) {
+        for b in text.bytes() {
+            let mask = m.mask().unwrap();
+            assert!(mask.is_allowed(u32::from(b)), "{f:?}: {text:?} refused at byte {:?}", b as char);
+            m.accept(u32::from(b)).unwrap();
         }
     }
 }

@@ -181,6 +181,7 @@ impl Engine {
             tool_format: config.tool_format.unwrap_or_else(|| {
                 files.text.chat_template().map_or(crate::ToolFormat::Hermes, crate::ToolFormat::from_template)
             }),
+            tool_calls_max: config.tool_calls_max.max(1),
             fim: fim_tokens(|t| files.text.token_id(t).is_some()),
         };
         let eos = model.eos_token_ids.first().copied().unwrap_or(0);

@@ -43,6 +43,8 @@ pub struct EngineInfo {
     pub kv_ucx_region: Option<String>,
     /// The format the model writes tool calls in (the chat template's, or the configured one).
     pub tool_format: crate::ToolFormat,
+    /// The most tool calls one answer makes (`EngineConfig::tool_calls_max`).
+    pub tool_calls_max: usize,
     /// The model's fill-in-the-middle tokens (prefix, suffix, middle), if its vocabulary has them:
     /// completions with a `suffix` are written `{prefix}{prompt}{suffix token}{suffix}{middle}`.
     pub fim: Option<[String; 3]>,

@@ -149,8 +149,13 @@ pub(crate) struct Text {
     unsent: Vec<u32>,
     /// Tools offered: lifts the model's calls out of its text.
     parser: Option<ToolCallParser>,
-    /// The model made a call (a stop then ends as `Finish::ToolCalls`).
+    /// The model made a call (its end is then `Finish::ToolCalls`).
     called: bool,
+    /// The most calls the answer makes: the one that reaches it ends the answer.
+    calls_max: usize,
+    /// The answer made its last allowed call: the engine was told to abort, and nothing after the
+    /// call is given out.
+    calls_done: bool,
     /// Test hook: turning this request's tokens into text panics.
     panic: bool,
 }
@@ -264,15 +269,17 @@ impl TextThread {
                 // constraint, which the API allows only without one).
                 let format = self.info.tool_format;
                 let offered = tool_choice != ToolChoice::None && !tools.is_empty();
+                let calls_max = if parallel_tool_calls { self.info.tool_calls_max } else { 1 };
                 let constraint = match &tool_choice {
                     ToolChoice::Required if offered => {
-                        Some(Constraint::Lark(format.forced_call_grammar(&tools, None, parallel_tool_calls)))
+                        Some(Constraint::Lark(format.forced_call_grammar(&tools, None, calls_max)))
                     }
                     ToolChoice::Function(name) if offered => {
-                        Some(Constraint::Lark(format.forced_call_grammar(&tools, Some(name), false)))
+                        Some(Constraint::Lark(format.forced_call_grammar(&tools, Some(name), 1)))
                     }
                     _ => constraint,
                 };
+                let calls_max = if matches!(tool_choice, ToolChoice::Function(_)) { 1 } else { calls_max };
                 let parser = offered.then(|| ToolCallParser::new(format, &tools, &tool_call_ids));
                 let tools = if offered { tools } else { Vec::new() };
                 match self.prompt(&input, &tools, sub.remote.is_some(), &resumed) {
@@ -313,6 +320,8 @@ impl TextThread {
                     unsent: Vec::new(),
                     parser,
                     called: false,
+                    calls_max,
+                    calls_done: false,
                     panic: panic_in_text,
                 };
                 self.texts.insert(id, text);
@@ -341,6 +350,9 @@ impl TextThread {
                     context,
                     sub.remote.is_some(),
                 );
+                if self.texts.get(&id).is_some_and(|t| t.calls_done) {
+                    return self.end_resumed(id, Finish::ToolCalls);
+                }
                 match stopped {
                     Some(s) => return self.end_resumed(id, Finish::StopString(s)),
                     None if full => return self.end_resumed(id, Finish::Length),
@@ -481,10 +493,12 @@ impl TextThread {
                 let stopped = matched.is_some();
                 let finish = match matched {
                     Some(s) => Finish::StopString(s),
+                    None if text.as_ref().is_some_and(|t| t.calls_done) => Finish::ToolCalls,
                     None => finish(self.info.role, &outcome),
                 };
                 let mut finish = finish;
-                if let Some(mut t) = text.filter(|_| finish.reason().is_some()) {
+                let cut = finish == Finish::Length;
+                if let Some(mut t) = text.filter(|t| finish.reason().is_some() && !t.calls_done) {
                     // The rest of the text: what the decoder and the stop-string check still held
                     // (nothing past a stop string), then what the tool-call parser held: calls if they
                     // parse, text if not. Named by no tokens: it goes out with the end (a request
@@ -499,15 +513,18 @@ impl TextThread {
                             Some(p) => p.push(&rest),
                             None => vec![Piece::Text(rest)],
                         };
-                        pieces.extend(t.parser.as_mut().map(ToolCallParser::finish).unwrap_or_default());
+                        pieces.extend(t.parser.as_mut().map(|p| p.finish(cut)).unwrap_or_default());
                         pieces
                     }));
                     match rest {
                         Ok(pieces) => {
                             t.called |= pieces.iter().any(|p| matches!(p, Piece::Call(_)));
                             self.push_pieces(id, pieces, None, Vec::new(), false);
-                            // A model that called tools and stopped stopped for them.
-                            if t.called && matches!(finish, Finish::Stop | Finish::StopString(_)) {
+                            // An answer that made calls ended for them, also when cut by max_tokens
+                            // (the calls are its result, the last one's arguments as far as written).
+                            if t.called
+                                && matches!(finish, Finish::Stop | Finish::StopString(_) | Finish::Length)
+                            {
                                 finish = Finish::ToolCalls;
                             }
                         }
@@ -565,8 +582,8 @@ impl TextThread {
     /// Token `token` of request `id` as text: through the incremental decoder and the stop strings.
     fn text(&mut self, id: u64, token: u32, logprob: f32, top: Vec<(u32, f32)>, stop: bool, replayed: bool) {
         let Some(t) = self.texts.get_mut(&id) else { return };
-        if stop || t.stopped.is_some() {
-            return; // stop tokens are not text
+        if stop || t.stopped.is_some() || t.calls_done {
+            return; // stop tokens are not text, nor is anything after the answer's end
         }
         t.unsent.push(token);
         assert!(!t.panic, "test panic while detokenizing");
@@ -588,11 +605,22 @@ impl TextThread {
         }
         if !text.is_empty() || logprob.is_some() {
             let tokens = std::mem::take(&mut t.unsent);
-            let pieces = match t.parser.as_mut() {
+            let mut pieces = match t.parser.as_mut() {
                 Some(p) => p.push(&text),
                 None => vec![Piece::Text(text)],
             };
             t.called |= pieces.iter().any(|p| matches!(p, Piece::Call(_)));
+            if let Some(p) = t.parser.as_ref().filter(|p| p.calls() >= t.calls_max) {
+                // The last call allowed (one without parallel calls): the answer ends with it.
+                let here = pieces.iter().filter(|p| matches!(p, Piece::Call(_))).count();
+                let allowed = t.calls_max - (p.calls() - here);
+                let last =
+                    pieces.iter().enumerate().filter(|(_, p)| matches!(p, Piece::Call(_))).nth(allowed - 1);
+                let keep = last.map_or(0, |(i, _)| i + 1);
+                pieces.truncate(keep);
+                t.calls_done = true;
+                let _ = self.commands.try_send(Command::Abort(id));
+            }
             self.push_pieces(id, pieces, logprob, tokens, replayed);
         }
     }

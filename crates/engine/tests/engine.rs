@@ -396,3 +396,64 @@ fn plain_greedy_steps_take_picks_only_with_the_same_tokens_and_logprobs() {
     assert_eq!(plain, full);
     assert_eq!(plain_lp, full_lp, "the same log-probabilities");
 }
+
+/// The calls of a run's outputs, and its end.
+fn calls_and_end(outs: &[Output]) -> (Vec<pdserve_api::tools::ToolCall>, Option<Finish>) {
+    let mut calls = Vec::new();
+    let mut end = None;
+    for o in outs {
+        match o {
+            Output::Text { calls: c, .. } => calls.extend(c.iter().cloned()),
+            Output::Finished { finish, .. } => end = Some(finish.clone()),
+            _ => {}
+        }
+    }
+    (calls, end)
+}
+
+/// Calls the model writes under `auto` (here made to write two by an output grammar): all of them
+/// with parallel calls, only the first without (the answer ends with it), and a call cut by
+/// `max_tokens` comes back as a call with the arguments written so far, the answer's end `tool_calls`.
+#[test]
+fn parallel_tool_calls_false_holds_under_auto_and_cut_calls_are_calls() {
+    use pdserve_api::generation::Constraint;
+    use pdserve_api::tools::Tool;
+    let mut e = engine(Role::Unified);
+    let tool = |name: &str| Tool {
+        name: name.into(),
+        description: None,
+        parameters: serde_json::json!({"type": "object", "properties": {"path": {"type": "string"}}}),
+    };
+    let two = "<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"a.txt\"}}\n</tool_call>\n\
+               <tool_call>\n{\"name\": \"ls\", \"arguments\": {\"path\": \"src\"}}\n</tool_call>";
+    let grammar = format!("start: {}\n", serde_json::to_string(two).unwrap());
+    let run = |e: &mut Engine, id: &str, parallel: bool, max_tokens: usize| {
+        let mut r = request(id, chat("Read a.txt and list src."), max_tokens);
+        r.tools = vec![tool("read_file"), tool("ls")];
+        r.parallel_tool_calls = parallel;
+        r.constraint = Some(Constraint::Lark(grammar.clone()));
+        let id = e.submit(r).expect("submitted");
+        let (text, outs) = run_to_end(e, id);
+        let (calls, end) = calls_and_end(&outs);
+        (text, calls, end)
+    };
+    let (text, calls, end) = run(&mut e, "both", true, 200);
+    assert_eq!((text.trim(), calls.len(), end), ("", 2, Some(Finish::ToolCalls)));
+    assert_eq!((calls[1].name.as_str(), calls[1].arguments.as_str()), ("ls", r#"{"path":"src"}"#));
+    let (text, calls, end) = run(&mut e, "one", false, 200);
+    assert_eq!((text.trim(), calls.len(), end), ("", 1, Some(Finish::ToolCalls)));
+    assert_eq!(calls[0].name, "read_file");
+    // Cut inside the second call's arguments: both calls, the second's arguments as far as written.
+    let mut cut_at = None;
+    for max_tokens in 20..200 {
+        let (text, calls, end) = run(&mut e, &format!("cut{max_tokens}"), true, max_tokens);
+        assert!(!text.contains("<tool_call>") && !text.contains("</tool"), "markup as text: {text:?}");
+        if calls.len() == 2 && calls[1].arguments != r#"{"path":"src"}"# && !calls[1].arguments.is_empty() {
+            assert_eq!(end, Some(Finish::ToolCalls));
+            assert!(r#"{"path": "src"}"#.starts_with(&calls[1].arguments), "{:?}", calls[1]);
+            cut_at = Some(max_tokens);
+            break;
+        }
+    }
+    assert!(cut_at.is_some(), "no max_tokens cut the second call's arguments");
+}

@@ -49,8 +49,11 @@ pdserve-server [options]
   --max-batch-tokens N     tokens per engine step (default 2048; also --max-num-batched-tokens)
   --transfer-step-tokens N prefill role: tokens per step while KV transfers are live (default 256; late
                            chunks count their context's cost, see --attention-cost)
-  --tool-parser FORMAT     the format tool calls are written and read in: hermes, llama3 or mistral
-                           (default: the chat template's; hermes for a template without one)
+  --tool-parser FORMAT     the format tool calls are written and read in: hermes, llama3, mistral,
+                           deepseek_v3 or deepseek_v31 (default: the chat template's; hermes for a template
+                           without one)
+  --max-tool-calls N       the most tool calls one answer makes with parallel calls allowed (default 8): a
+                           forced call's grammar ends there, and under auto the call reaching it ends the answer
   --admission ORDER        least-work (default: the fewest uncached prompt tokens first, a request
                            overtaken for at most 60 s plus its tokens / 100 per s) or fifo
   --prefill-chunk N        prefill chunk per request per step (default 512; also --chunked-prefill-size)
@@ -107,6 +110,7 @@ const VALUED: &[&str] = &[
     "--transfer-step-tokens",
     "--admission",
     "--tool-parser",
+    "--max-tool-calls",
     "--prefill-chunk",
     "--attention-cost",
     "--cpu-kernels",
@@ -217,6 +221,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                     format!("--tool-parser {v}: one of {}", pdserve_engine::ToolFormat::NAMES)
                 })?)
             }
+            "--max-tool-calls" => e.tool_calls_max = n()?.max(1),
             "--prefill-chunk" => e.scheduler.prefill_chunk_tokens_max = n()?,
             "--attention-cost" => e.scheduler.attention_cost_positions = Some(n()?).filter(|&n| n > 0),
             "--max-context" => e.scheduler.context_tokens_max = n()?,

@@ -54,6 +54,39 @@ c = r.choices[0]
 assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, r
 check_call(c.message.tool_calls[0])
 
+# `required` with parallel calls allowed (the default): valid calls, at most the server's limit (8), and
+# `tool_calls` as the end; the grammar lets the model end after any call (it is never forced into a
+# second one), so how many it makes is the model's choice.
+r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Show me the src folder."}],
+                                   tools=tools, tool_choice="required", max_tokens=400, temperature=0)
+c = r.choices[0]
+assert c.finish_reason == "tool_calls" and 1 <= len(c.message.tool_calls) <= 8 and not c.message.content, r
+for call in c.message.tool_calls:
+    check_call(call)
+assert len({call.id for call in c.message.tool_calls}) == len(c.message.tool_calls), r
+
+# A call cut by max_tokens is a call with its arguments as far as they were written (OpenAI's
+# behaviour), ending `tool_calls`; cut before its name is whole, nothing (never markup as text).
+cuts = []
+for max_tokens in range(8, 40):
+    r = client.chat.completions.create(model=model, messages=ask, tools=tools, max_tokens=max_tokens, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "read_file"}})
+    c = r.choices[0]
+    assert not c.message.content or "<tool" not in c.message.content, r
+    if c.message.tool_calls:
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, r
+        assert c.message.tool_calls[0].function.name == "read_file", r
+        cuts.append(c.message.tool_calls[0].function.arguments)
+    else:
+        assert c.finish_reason == "length" and r.usage.completion_tokens == max_tokens, r
+assert any(a.startswith('{"') and not a.endswith("}") for a in cuts), cuts
+
+# Under a grammar, top_logprobs lists only tokens that could have been sampled.
+r = client.chat.completions.create(model=model, messages=ask, tools=tools, max_tokens=30, temperature=0,
+                                   tool_choice="required", logprobs=True, top_logprobs=5)
+for t in r.choices[0].logprobs.content:
+    assert all(isinstance(x.logprob, float) and x.logprob > -1e30 for x in t.top_logprobs), t
+
 # Streamed: the tool_calls deltas assemble into a valid call.
 parts, finish = {}, None
 for chunk in client.chat.completions.create(model=model, messages=ask, tools=tools, max_tokens=80, temperature=0,

@@ -152,7 +152,10 @@ fn sample_row(
             }
             None => {}
         }
-        lv.sampler.sample(&adjusted, prompt, output)
+        let mut s = lv.sampler.sample(&adjusted, prompt, output);
+        // A blocked token is no alternative: `top_logprobs` lists only tokens that could be sampled.
+        s.top.retain(|&(_, p)| p.is_finite());
+        s
     }))
     .map_err(|p| format!("internal error while sampling: {}", panic_text(&p)))
 }
