@@ -186,11 +186,45 @@ impl ApiError {
         json!({ "error": error })
     }
 
-    /// Reads an error body back (`None` if `body` is not one). Unknown `type` words are `Internal`.
+    /// The JSON body in Anthropic's shape, for `/v1/messages` and its sub-paths (Anthropic's clients
+    /// read it): `{"type": "error", "error": {"type", "message", "pdserve_type"}, "request_id"}`, with
+    /// Anthropic's error type for the status and this project's `type` word beside it.
+    pub fn to_anthropic_json(&self, request_id: Option<&str>) -> Value {
+        let kind = match self.status() {
+            400 | 405 | 409 | 414 | 431 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            504 | 408 => "timeout_error",
+            _ => "api_error",
+        };
+        let mut body = json!({"type": "error",
+            "error": {"type": kind, "message": self.message, "pdserve_type": self.kind.as_str()}});
+        if let Some(id) = request_id {
+            body["request_id"] = Value::String(id.to_owned());
+        }
+        body
+    }
+
+    /// The body for an answer on `path`: Anthropic's shape under `/v1/messages`, this project's
+    /// elsewhere.
+    pub fn to_json_at(&self, path: &str, request_id: Option<&str>) -> Value {
+        if crate::path::is_anthropic(path) {
+            self.to_anthropic_json(request_id)
+        } else {
+            self.to_json(request_id)
+        }
+    }
+
+    /// Reads an error body back, in either shape (`None` if `body` is not one). Unknown `type` words
+    /// are `Internal`.
     pub fn parse(body: &[u8]) -> Option<ApiError> {
         let v: Value = serde_json::from_slice(body).ok()?;
         let e = v.get("error")?;
-        let kind = e.get("type")?.as_str()?;
+        let kind = e.get("pdserve_type").or_else(|| e.get("type"))?.as_str()?;
         let message = e.get("message").and_then(Value::as_str).unwrap_or("").to_owned();
         Some(ApiError {
             kind: ErrorKind::from_type(kind).unwrap_or(ErrorKind::Internal),
@@ -235,5 +269,18 @@ mod tests {
         let back = ApiError::parse(v.to_string().as_bytes()).unwrap();
         assert_eq!((back.kind, back.message.as_str()), (e.kind, e.message.as_str()));
         assert_eq!(ApiError::new(ErrorKind::InvalidRequest, "x").with_retry_after(3).retry_after_s, None);
+        // Under /v1/messages, Anthropic's shape, read back to the same kind (a router reads a
+        // worker's answer).
+        let a = e.to_json_at("/v1/messages/count_tokens", Some("req-1"));
+        assert_eq!(
+            (a["type"].as_str(), a["error"]["type"].as_str()),
+            (Some("error"), Some("rate_limit_error"))
+        );
+        assert_eq!(
+            (a["error"]["pdserve_type"].as_str(), a["request_id"].as_str()),
+            (Some("queue_full"), Some("req-1"))
+        );
+        assert_eq!(ApiError::parse(a.to_string().as_bytes()).unwrap().kind, ErrorKind::QueueFull);
+        assert_eq!(e.to_json_at("/v1/chat/completions", None)["error"]["type"], "queue_full");
     }
 }

@@ -14,6 +14,8 @@ pub const CHAT: &str = "/v1/chat/completions";
 pub const COMPLETIONS: &str = "/v1/completions";
 /// Anthropic's Messages API.
 pub const MESSAGES: &str = "/v1/messages";
+/// Anthropic's token count of a Messages request.
+pub const MESSAGES_COUNT_TOKENS: &str = "/v1/messages/count_tokens";
 /// Token ids of a prompt or chat (rendered as a chat request would be).
 pub const TOKENIZE: &str = "/tokenize";
 /// Text of token ids.
@@ -21,8 +23,19 @@ pub const DETOKENIZE: &str = "/detokenize";
 /// The server's version.
 pub const VERSION: &str = "/version";
 
+/// Whether `path` is Anthropic's (`/v1/messages` and under it): its answers, errors included, are in
+/// Anthropic's shapes.
+pub fn is_anthropic(path: &str) -> bool {
+    path == MESSAGES || path.starts_with("/v1/messages/")
+}
+
+/// One model's path, `/v1/models/{id}`: the id (`None` for other paths).
+pub fn model_id(path: &str) -> Option<&str> {
+    path.strip_prefix("/v1/models/").filter(|id| !id.is_empty())
+}
+
 /// The paths the router and every worker serve.
-pub const SERVED_BY_ALL: [&str; 13] = [
+pub const SERVED_BY_ALL: [&str; 14] = [
     HEALTH_LIVE,
     HEALTH_READY,
     HEALTH,
@@ -33,6 +46,7 @@ pub const SERVED_BY_ALL: [&str; 13] = [
     CHAT,
     COMPLETIONS,
     MESSAGES,
+    MESSAGES_COUNT_TOKENS,
     TOKENIZE,
     DETOKENIZE,
     VERSION,

@@ -151,6 +151,16 @@ fn chat_messages(i: usize, m: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
 /// Reads a Messages body into the equivalent chat-completions body, which
 /// [`crate::parse_generate`] then checks like any other.
 pub fn to_chat_body(body: &[u8]) -> Result<Value, ApiError> {
+    to_chat(body, true)
+}
+
+/// Reads a `/v1/messages/count_tokens` body (a Messages body without `max_tokens`) into the chat
+/// body whose prompt it counts (`/tokenize`'s input).
+pub fn count_tokens_chat_body(body: &[u8]) -> Result<Value, ApiError> {
+    to_chat(body, false)
+}
+
+fn to_chat(body: &[u8], generation: bool) -> Result<Value, ApiError> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| invalid(format!("body is not valid JSON: {e}")))?;
     let obj = v.as_object().ok_or_else(|| invalid("body must be a JSON object"))?;
@@ -169,7 +179,8 @@ pub fn to_chat_body(body: &[u8]) -> Result<Value, ApiError> {
     }
     match get("max_tokens") {
         Some(m) => chat.insert("max_tokens".into(), m.clone()),
-        None => return Err(invalid("`max_tokens` is required")),
+        None if generation => return Err(invalid("`max_tokens` is required")),
+        None => None,
     };
     if let Some(s) = get("stop_sequences") {
         if !s.as_array().is_some_and(|a| a.iter().all(Value::is_string)) {
@@ -196,7 +207,10 @@ pub fn to_chat_body(body: &[u8]) -> Result<Value, ApiError> {
         for (i, t) in list.iter().enumerate() {
             let o = t.as_object().ok_or_else(|| invalid(format!("tools[{i}] must be an object")))?;
             if let Some(k) =
-                o.keys().find(|k| !matches!(k.as_str(), "name" | "description" | "input_schema" | "type"))
+                // (`cache_control`: the prefix cache keeps every prompt's tools cached anyway.)
+                o.keys().find(|k| {
+                    !matches!(k.as_str(), "name" | "description" | "input_schema" | "type" | "cache_control")
+                })
             {
                 return Err(invalid(format!("tools[{i}] has an unrecognized field `{k}`")));
             }
@@ -409,9 +423,7 @@ pub const STREAM_END: &str = crate::MESSAGES_STREAM_END;
 
 /// A stream that fails after it began: an `error` event (the client raises it), then `message_stop`.
 pub fn stream_error_events(error: &ApiError, request_id: &str) -> [Event; 2] {
-    let mut e = error.to_json(Some(request_id));
-    e["type"] = json!("error");
-    [("error", e), MESSAGE_STOP]
+    [("error", error.to_anthropic_json(Some(request_id))), MESSAGE_STOP]
 }
 
 #[cfg(test)]

@@ -141,7 +141,13 @@ impl Response {
     /// The answer for `error` in the one shape of every process (`pdserve_api::ApiError`), with
     /// `retry-after` where it applies and `x-request-id` when known.
     pub fn error(error: &ApiError, request_id: Option<&str>) -> Response {
-        let mut r = Response::json(error.status(), error.to_json(request_id).to_string());
+        Response::error_at("", error, request_id)
+    }
+
+    /// An error answer on `path`: in Anthropic's shape under `/v1/messages`
+    /// ([`ApiError::to_json_at`]), with `Retry-After` and the request id as [`Response::error`].
+    pub fn error_at(path: &str, error: &ApiError, request_id: Option<&str>) -> Response {
+        let mut r = Response::json(error.status(), error.to_json_at(path, request_id).to_string());
         if let Some(s) = error.retry_after_s {
             r = r.header(header::RETRY_AFTER, &s.to_string());
         }

@@ -37,7 +37,7 @@ impl Router {
             ErrorKind::Unauthorized,
             "missing or wrong API key (Authorization: Bearer ... or x-api-key)",
         );
-        self.respond(conn, &Response::error(&e, Some(rid)));
+        self.respond(conn, &Response::error_at(req.path(), &e, Some(rid)));
         false
     }
 

@@ -717,7 +717,8 @@ impl Flight {
                 self.push(Action::EndStream);
                 status = 200;
             } else {
-                self.push(Action::Respond(Response::error(&error, Some(&self.spec.request_id))));
+                let r = Response::error_at(&self.spec.path, &error, Some(&self.spec.request_id));
+                self.push(Action::Respond(r));
             }
         } else {
             status = 0;

@@ -37,7 +37,8 @@ impl Router {
 
     /// Starts a flight for a client request on `conn`: its deadline, its admission.
     /// `path` is a completion endpoint (a POST with `body`), or another path forwarded as is to one
-    /// worker: `/v1/models` and `/version` (GETs), `/tokenize` and `/detokenize` (POSTs with `body`).
+    /// worker: `/version` (a GET), `/tokenize`, `/detokenize` and `/v1/messages/count_tokens` (POSTs with
+    /// `body`).
     pub(crate) fn start_flight(
         &mut self,
         conn: ConnId,
@@ -48,7 +49,7 @@ impl Router {
         now: Instant,
     ) {
         let forward = Endpoint::from_path(path).is_none();
-        let method_get = matches!(path, path::MODELS | path::VERSION);
+        let method_get = path == path::VERSION;
         let (timeout_s, prompt) = if forward {
             (None, String::new())
         } else {
@@ -58,7 +59,7 @@ impl Router {
                     self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
                     self.respond(
                         conn,
-                        &pdserve_http::Response::error(&ApiError::invalid(e.to_string()), Some(rid)),
+                        &pdserve_http::Response::error_at(path, &ApiError::invalid(e.to_string()), Some(rid)),
                     );
                     return;
                 }
@@ -69,13 +70,13 @@ impl Router {
             let e =
                 ApiError::new(ErrorKind::NotReady, "the router is shutting down and takes no new requests")
                     .with_retry_after(1);
-            self.respond(conn, &pdserve_http::Response::error(&e, Some(rid)));
+            self.respond(conn, &pdserve_http::Response::error_at(path, &e, Some(rid)));
             return;
         }
         if is_attempt_id(rid) {
             self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
             let msg = format!("request id {rid} ends like the router's own ids for a moved request's later tries (`.m` and digits)");
-            self.respond(conn, &pdserve_http::Response::error(&ApiError::invalid(msg), Some(rid)));
+            self.respond(conn, &pdserve_http::Response::error_at(path, &ApiError::invalid(msg), Some(rid)));
             return;
         }
         if self.by_rid.contains_key(rid) {
@@ -83,7 +84,11 @@ impl Router {
             let msg = format!("request id {rid} is already in flight; x-request-id must be unique");
             self.respond(
                 conn,
-                &pdserve_http::Response::error(&ApiError::new(ErrorKind::DuplicateRequestId, msg), Some(rid)),
+                &pdserve_http::Response::error_at(
+                    path,
+                    &ApiError::new(ErrorKind::DuplicateRequestId, msg),
+                    Some(rid),
+                ),
             );
             return;
         }
@@ -100,7 +105,7 @@ impl Router {
                     Some(rid),
                 )
             } else {
-                pdserve_http::Response::error(&ApiError::new(ErrorKind::NoCapacity, msg), Some(rid))
+                pdserve_http::Response::error_at(path, &ApiError::new(ErrorKind::NoCapacity, msg), Some(rid))
             };
             self.respond(conn, &resp);
             return;

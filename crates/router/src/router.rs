@@ -21,7 +21,7 @@ use pdserve_telemetry::RequestLedger;
 
 use crate::admission::Admission;
 use crate::config::RouterConfig;
-use crate::debug::Collect;
+use crate::debug::{Collect, Collecting};
 use crate::flight::{Flight, LegFailure, LegId, LegKind, Purpose};
 use crate::metrics::Metrics;
 use crate::upstream::{AcquireError, Owner, Upstreams};
@@ -577,10 +577,13 @@ impl Router {
             ("POST", p) if Endpoint::from_path(p).is_some() => {
                 self.start_flight(conn, &rid, p, req.body, Purpose::Client, now)
             }
-            ("GET", p @ (path::MODELS | path::VERSION)) => {
-                self.start_flight(conn, &rid, p, Vec::new(), Purpose::Client, now)
+            ("GET", path::MODELS) => self.collect(conn, Collecting::Models { id: None }, rid, now),
+            ("GET", p) if path::model_id(p).is_some() => {
+                let id = path::model_id(p).map(str::to_owned);
+                self.collect(conn, Collecting::Models { id }, rid, now)
             }
-            ("POST", p @ (path::TOKENIZE | path::DETOKENIZE)) => {
+            ("GET", p @ path::VERSION) => self.start_flight(conn, &rid, p, Vec::new(), Purpose::Client, now),
+            ("POST", p @ (path::TOKENIZE | path::DETOKENIZE | path::MESSAGES_COUNT_TOKENS)) => {
                 self.start_flight(conn, &rid, p, req.body, Purpose::Client, now)
             }
             ("POST", p) if p.starts_with("/abort/") => {

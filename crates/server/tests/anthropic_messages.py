@@ -4,7 +4,7 @@ any failure."""
 import json
 import sys
 
-from anthropic import Anthropic, BadRequestError
+from anthropic import Anthropic, BadRequestError, NotFoundError
 
 base = sys.argv[1]
 client = Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=600)
@@ -90,6 +90,33 @@ def refused(want, **kw):
         return
     raise AssertionError(f"expected a 400 naming {want}")
 
+
+# Errors come in Anthropic's shape (the SDK reads the type), with this project's word beside it.
+try:
+    client.messages.create(model=model, max_tokens=4, messages=[])
+    raise AssertionError("an empty conversation was taken")
+except BadRequestError as e:
+    assert e.body["type"] == "error" and e.body["error"]["type"] == "invalid_request_error", e.body
+    assert e.body["error"]["pdserve_type"] == "invalid_request" and e.body["error"]["message"], e.body
+try:
+    client.messages.create(model="no-such-model", max_tokens=4, messages=ask)
+    raise AssertionError("an unknown model was taken")
+except NotFoundError as e:
+    assert e.body["error"]["type"] == "not_found_error", e.body
+
+# `cache_control` is taken wherever Anthropic allows it, tools included (the prefix cache is
+# automatic: every prompt's tokens are kept for the next request that starts with them).
+cached = [dict(tools[0], cache_control={"type": "ephemeral"})]
+m = client.messages.create(model=model, max_tokens=4, extra_body=T0, tools=cached,
+                           system=[{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                           messages=[{"role": "user", "content": [
+                               {"type": "text", "text": "What is in notes.txt?", "cache_control": {"type": "ephemeral"}}]}])
+assert m.usage.output_tokens > 0, m
+
+# count_tokens: the prompt a request would have, tools and system included, as its usage counts it.
+n = client.messages.count_tokens(model=model, messages=ask, tools=tools).input_tokens
+m = client.messages.create(model=model, max_tokens=1, extra_body=T0, messages=ask, tools=tools)
+assert n == prompt_tokens(m) and n > client.messages.count_tokens(model=model, messages=ask).input_tokens, (n, m.usage)
 
 refused("thinking", thinking={"type": "enabled", "budget_tokens": 1024})
 refused("output_config.effort", output_config={"effort": "high"})

@@ -6,12 +6,19 @@ import sys
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 base = sys.argv[1]
 samples = int(sys.argv[2]) if len(sys.argv) > 2 else 100
 client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=600)
 model = client.models.list().data[0].id
+# One model by id (the SDK's models.retrieve), on a worker or a router; another id is a 404.
+assert client.models.retrieve(model).id == model
+try:
+    client.models.retrieve("no-such-model")
+    raise AssertionError("an unknown model was found")
+except NotFoundError as e:
+    assert e.status_code == 404, e
 
 tools = [
     {"type": "function", "function": {

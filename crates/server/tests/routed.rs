@@ -244,6 +244,28 @@ fn tool_calls_structured_output_and_anthropic_messages_through_pd() {
     let prefill = Worker::start(&["--role", "prefill", "--kv-shm"]);
     let decode = Worker::start(&["--role", "decode"]);
     let router = RouterThread::start(&[(&prefill, Role::Prefill), (&decode, Role::Decode)]);
+    // The router answers /v1/models itself: the model its workers serve, and each worker's role,
+    // weights and KV bytes (not one decode worker's answer forwarded).
+    let (s, v) = router.json("GET", "/v1/models", "");
+    assert_eq!(s, 200, "{v}");
+    let m = &v["data"][0];
+    assert_eq!(
+        (m["owned_by"].as_str(), v["data"].as_array().map(Vec::len)),
+        (Some("pdserve"), Some(1)),
+        "{v}"
+    );
+    let mut roles: Vec<&str> =
+        m["workers"].as_array().unwrap().iter().filter_map(|w| w["role"].as_str()).collect();
+    roles.sort_unstable();
+    assert_eq!(roles, ["decode", "prefill"], "{v}");
+    assert!(
+        m["workers"].as_array().unwrap().iter().all(|w| w["kv_bytes_per_token"].as_u64() > Some(0)),
+        "{v}"
+    );
+    let (s, one) = router.json("GET", &format!("/v1/models/{}", m["id"].as_str().unwrap()), "");
+    assert_eq!((s, &one["id"]), (200, &m["id"]), "{one}");
+    let (s, e) = router.json("GET", "/v1/models/no-such-model", "");
+    assert_eq!((s, e["error"]["type"].as_str()), (404, Some("model_not_found")), "{e}");
     // The prefill worker samples the first token and the decode worker the rest, each under the
     // request's constraint: every call and every JSON answer must still parse.
     common::run_python("openai_tools.py", &format!("http://{}", router.addr), &["16"]);

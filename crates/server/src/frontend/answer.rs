@@ -106,7 +106,7 @@ impl Frontend {
                 let e = finish
                     .to_api_error()
                     .unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "stream ended before it started"));
-                let _ = self.server.respond(conn, &Response::error(&e, Some(&l.request_id)));
+                let _ = self.server.respond(conn, &Self::error_response(&l, &e));
             }
             (Kind::Generate { stream: true, include_usage, .. }, result) => {
                 let mut frames = String::new();

@@ -241,7 +241,7 @@ impl Frontend {
         let inside = match self.authorize(&req, &path) {
             Ok(inside) => inside,
             Err(e) => {
-                let _ = self.server.respond(conn, &Response::error(&e, Some(rid)));
+                let _ = self.server.respond(conn, &Response::error_at(&path, &e, Some(rid)));
                 return;
             }
         };
@@ -255,6 +255,10 @@ impl Frontend {
             )),
             ("GET", path::DEBUG_REQUESTS) => Ok(Some(self.debug_requests(&req))),
             ("GET", path::MODELS) => Ok(Some(self.models(rid))),
+            ("GET", p) if path::model_id(p).is_some() => {
+                self.model(path::model_id(p).unwrap_or(""), rid).map(Some)
+            }
+            ("POST", path::MESSAGES_COUNT_TOKENS) => self.count_tokens(&req, rid).map(Some),
             ("GET", path::VERSION) => {
                 Ok(Some(json_response(200, &json!({"version": env!("CARGO_PKG_VERSION")}), Some(rid))))
             }
@@ -273,7 +277,7 @@ impl Frontend {
             }
             Ok(None) => {} // answered later, from the engine's outputs
             Err(e) => {
-                let _ = self.server.respond(conn, &Response::error(&e, Some(rid)));
+                let _ = self.server.respond(conn, &Response::error_at(&path, &e, Some(rid)));
             }
         }
     }
@@ -546,7 +550,7 @@ impl Frontend {
     fn error_response(l: &Live, e: &ApiError) -> Response {
         match l.kind {
             Kind::Probe => Response::health(&Health::GenerateFailed { reason: e.message.clone() }, None),
-            Kind::Generate { .. } => Response::error(e, Some(&l.request_id)),
+            Kind::Generate { .. } => Response::error_at(l.meta.endpoint.path(), e, Some(&l.request_id)),
         }
     }
 

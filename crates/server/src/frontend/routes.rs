@@ -5,7 +5,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::header::{self, secret_matches};
 use pdserve_api::{path, ApiError, ErrorKind, Health, Stage};
-use pdserve_codec::{openai, Prompt};
+use pdserve_codec::{anthropic, openai, Prompt};
 use pdserve_engine::{Aborted, Input, PanicSite};
 use pdserve_http::{Request, Response};
 use serde_json::json;
@@ -25,16 +25,34 @@ impl Frontend {
 
     /// `POST /tokenize`: the token ids a request with this prompt or these messages would have.
     pub(super) fn tokenize(&self, req: &Request, rid: &str) -> Result<Response, ApiError> {
-        let t = openai::parse_tokenize(&req.body)?;
+        let tokens = self.token_ids(openai::parse_tokenize(&req.body)?)?;
+        let body = json!({"count": tokens.len(), "max_model_len": self.engine.info().context_tokens, "tokens": tokens});
+        Ok(json_response(200, &body, Some(rid)))
+    }
+
+    /// `POST /v1/messages/count_tokens` (Anthropic's): the prompt tokens of a Messages request, tools
+    /// and system included, as its generation would count them.
+    pub(super) fn count_tokens(&self, req: &Request, rid: &str) -> Result<Response, ApiError> {
+        let chat = anthropic::count_tokens_chat_body(&req.body)?;
+        let mut body = serde_json::Map::new();
+        for k in ["model", "messages", "tools"] {
+            if let Some(v) = chat.get(k) {
+                body.insert(k.to_owned(), v.clone());
+            }
+        }
+        let t = openai::parse_tokenize(serde_json::Value::Object(body).to_string().as_bytes())?;
+        let tokens = self.token_ids(t)?;
+        Ok(json_response(200, &json!({"input_tokens": tokens.len()}), Some(rid)))
+    }
+
+    fn token_ids(&self, t: pdserve_codec::openai::TokenizeRequest) -> Result<Vec<u32>, ApiError> {
         self.check_model(t.model.as_deref())?;
         let input = match &t.prompt {
             Prompt::Messages(msgs) => Input::Chat(msgs.iter().map(chat_message).collect()),
             Prompt::Text(s) => Input::Text(s.clone()),
             Prompt::Tokens(ids) => Input::Tokens(ids.clone()),
         };
-        let tokens = self.engine.tokenize(&input, &t.tools).map_err(|e| e.to_api_error())?;
-        let body = json!({"count": tokens.len(), "max_model_len": self.engine.info().context_tokens, "tokens": tokens});
-        Ok(json_response(200, &body, Some(rid)))
+        self.engine.tokenize(&input, &t.tools).map_err(|e| e.to_api_error())
     }
 
     /// `POST /detokenize`: the text of token ids.
@@ -50,14 +68,28 @@ impl Frontend {
         Ok(json_response(200, &json!({"prompt": text}), Some(rid)))
     }
 
+    /// `GET /v1/models`: the one model this worker serves, with what it runs on.
     pub(super) fn models(&self, rid: &str) -> Response {
+        json_response(200, &json!({"object": "list", "data": [self.model_json()]}), Some(rid))
+    }
+
+    /// `GET /v1/models/{id}` (the openai SDK's `models.retrieve`): the model, or 404 for another id.
+    pub(super) fn model(&self, id: &str, rid: &str) -> Result<Response, ApiError> {
+        if id != self.config.model_name {
+            let msg = format!("model {id:?} is not served here (serving {:?})", self.config.model_name);
+            return Err(ApiError::new(ErrorKind::ModelNotFound, msg));
+        }
+        Ok(json_response(200, &self.model_json(), Some(rid)))
+    }
+
+    fn model_json(&self) -> serde_json::Value {
         let info = self.engine.info();
         let model = json!({"id": self.config.model_name, "object": "model", "created": self.created,
             "owned_by": "pdserve", "max_model_len": info.context_tokens, "device": info.device.to_string(),
             "weights": info.weights.name(), "activations": info.activations, "multi_row_weights": info.multi_row_weights, "kv_dtype": info.kv_dtype.name(),
             "weight_bytes": info.weight_bytes, "kv_bytes": info.kv_bytes, "kv_bytes_per_token": info.kv_bytes_per_token,
             "cpu_kernels": pdserve_engine::cpu_kernels().name(), "role": info.role.as_str()});
-        json_response(200, &json!({"object": "list", "data": [model]}), Some(rid))
+        model
     }
 
     /// 200 while the engine loop turns and, with work in it, tokens come out; 503 with the reason.
