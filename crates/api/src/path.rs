@@ -14,6 +14,8 @@ pub const CHAT: &str = "/v1/chat/completions";
 pub const COMPLETIONS: &str = "/v1/completions";
 /// Anthropic's Messages API.
 pub const MESSAGES: &str = "/v1/messages";
+/// OpenAI's Responses API.
+pub const RESPONSES: &str = "/v1/responses";
 /// Anthropic's token count of a Messages request.
 pub const MESSAGES_COUNT_TOKENS: &str = "/v1/messages/count_tokens";
 /// Token ids of a prompt or chat (rendered as a chat request would be).
@@ -29,13 +31,18 @@ pub fn is_anthropic(path: &str) -> bool {
     path == MESSAGES || path.starts_with("/v1/messages/")
 }
 
+/// One stored response's path, `/v1/responses/{id}`: the id (`None` for other paths).
+pub fn response_id(path: &str) -> Option<&str> {
+    path.strip_prefix("/v1/responses/").filter(|id| !id.is_empty() && !id.contains('/'))
+}
+
 /// One model's path, `/v1/models/{id}`: the id (`None` for other paths).
 pub fn model_id(path: &str) -> Option<&str> {
     path.strip_prefix("/v1/models/").filter(|id| !id.is_empty())
 }
 
 /// The paths the router and every worker serve.
-pub const SERVED_BY_ALL: [&str; 14] = [
+pub const SERVED_BY_ALL: [&str; 15] = [
     HEALTH_LIVE,
     HEALTH_READY,
     HEALTH,
@@ -47,6 +54,7 @@ pub const SERVED_BY_ALL: [&str; 14] = [
     COMPLETIONS,
     MESSAGES,
     MESSAGES_COUNT_TOKENS,
+    RESPONSES,
     TOKENIZE,
     DETOKENIZE,
     VERSION,

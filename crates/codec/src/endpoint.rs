@@ -13,6 +13,8 @@ pub enum Endpoint {
     Completion,
     /// `POST /v1/messages` (Anthropic's Messages API; see [`crate::anthropic`])
     Messages,
+    /// `POST /v1/responses` (OpenAI's Responses API; see [`crate::responses`])
+    Responses,
 }
 
 /// How a Messages stream ends when it ends well (its `message_stop` event, framed).
@@ -22,6 +24,7 @@ impl Endpoint {
     pub const CHAT_PATH: &'static str = path::CHAT;
     pub const COMPLETION_PATH: &'static str = path::COMPLETIONS;
     pub const MESSAGES_PATH: &'static str = path::MESSAGES;
+    pub const RESPONSES_PATH: &'static str = path::RESPONSES;
 
     /// The endpoint served at `path`.
     pub fn from_path(path: &str) -> Option<Endpoint> {
@@ -29,6 +32,7 @@ impl Endpoint {
             Endpoint::CHAT_PATH => Some(Endpoint::Chat),
             Endpoint::COMPLETION_PATH => Some(Endpoint::Completion),
             Endpoint::MESSAGES_PATH => Some(Endpoint::Messages),
+            Endpoint::RESPONSES_PATH => Some(Endpoint::Responses),
             _ => None,
         }
     }
@@ -38,6 +42,7 @@ impl Endpoint {
             Endpoint::Chat => Endpoint::CHAT_PATH,
             Endpoint::Completion => Endpoint::COMPLETION_PATH,
             Endpoint::Messages => Endpoint::MESSAGES_PATH,
+            Endpoint::Responses => Endpoint::RESPONSES_PATH,
         }
     }
 
@@ -47,15 +52,26 @@ impl Endpoint {
             Endpoint::Chat => format!("chatcmpl-{request_id}"),
             Endpoint::Completion => format!("cmpl-{request_id}"),
             Endpoint::Messages => format!("msg_{request_id}"),
+            Endpoint::Responses => format!("resp_{request_id}"),
         }
     }
 
-    /// How a stream from this endpoint ends when it ends well: the router reads it to tell a
-    /// finished stream from a cut one.
+    /// How a stream from this endpoint ends when it ends well (a Responses stream ends with its
+    /// last event, whose data varies: see [`Endpoint::stream_ended`]).
     pub fn stream_end(self) -> &'static str {
         match self {
             Endpoint::Chat | Endpoint::Completion => "data: [DONE]\n\n",
             Endpoint::Messages => MESSAGES_STREAM_END,
+            Endpoint::Responses => "\"type\":\"response.completed\"}\n\n",
+        }
+    }
+
+    /// Whether a stream whose last bytes are `tail` ended well: the router reads it to tell a
+    /// finished stream from a cut one.
+    pub fn stream_ended(self, tail: &[u8]) -> bool {
+        match self {
+            Endpoint::Responses => crate::responses::ended(tail),
+            _ => tail.ends_with(self.stream_end().as_bytes()),
         }
     }
 
@@ -66,6 +82,7 @@ impl Endpoint {
             (Endpoint::Chat, true) => "chat.completion.chunk",
             (Endpoint::Completion, _) => "text_completion",
             (Endpoint::Messages, _) => "message",
+            (Endpoint::Responses, _) => "response",
         }
     }
 }

@@ -28,6 +28,7 @@ pub mod anthropic;
 mod endpoint;
 pub mod openai;
 mod request;
+pub mod responses;
 
 use pdserve_api::generation::Usage;
 use pdserve_api::tools::ToolCall;
@@ -37,11 +38,16 @@ use serde_json::Value;
 pub use endpoint::{sse, Endpoint, Meta, MESSAGES_STREAM_END};
 pub use request::{GenerateRequest, Message, Prompt, Sampling};
 
-/// Parses a chat-completions, completions or Messages body into the one generation request: a
-/// Messages body is read into the chat body it stands for, then checked as one.
+/// Parses a chat-completions, completions, Messages or Responses body into the one generation
+/// request: a Messages or Responses body is read into the chat body it stands for, then checked as
+/// one. (A Responses body naming a `previous_response_id` needs the store: see [`responses::read`].)
 pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest, ApiError> {
     let v: Value = match endpoint {
         Endpoint::Messages => anthropic::to_chat_body(body)?,
+        Endpoint::Responses => {
+            let none = |_: &str| None;
+            return openai::parse_value(Endpoint::Chat, responses::read(body, &none, false)?.chat);
+        }
         _ => serde_json::from_slice(body)
             .map_err(|e| ApiError::invalid(format!("body is not valid JSON: {e}")))?,
     };
@@ -63,6 +69,16 @@ pub fn full_response(
             let reason = anthropic::stop_reason(finish_reason, !tool_calls.is_empty(), None);
             anthropic::message_json(meta, text, tool_calls, reason, None, usage)
         }
+        Endpoint::Responses => {
+            let output = responses::output_items(meta, text, tool_calls);
+            responses::response_json(
+                meta,
+                &Value::Object(Default::default()),
+                output,
+                Some(finish_reason),
+                Some(usage),
+            )
+        }
         _ => openai::full_response(meta, text, tool_calls, finish_reason, logprobs, usage),
     }
 }
@@ -72,6 +88,7 @@ pub fn full_response(
 /// event and `message_stop`.
 pub fn stream_error_frames(meta: &Meta, error: &ApiError, request_id: &str) -> String {
     match meta.endpoint {
+        Endpoint::Responses => responses::stream_error_events(meta, error),
         Endpoint::Messages => anthropic::stream_error_events(error, request_id)
             .iter()
             .map(|e| sse(Some(e.0), &anthropic::event_data(e)))

@@ -78,6 +78,11 @@ pub struct RouterConfig {
     pub upstream_body_bytes_max: usize,
     /// Deadline for collecting workers' `/debug/requests`.
     pub debug_fanout_timeout: Duration,
+    /// Answered `/v1/responses` kept for `previous_response_id` through this router: at most this
+    /// many (0: none) ...
+    pub responses_max: usize,
+    /// ... none older than this.
+    pub responses_max_age: Duration,
     /// Bearer key for `/v1/*`, if set.
     pub api_key: Option<String>,
     /// Bearer key for `/workers` and `/debug/*`, if set.
@@ -124,6 +129,8 @@ impl Default for RouterConfig {
             pair_probe_interval: Duration::from_secs(5),
             upstream_body_bytes_max: 16 * 1024 * 1024,
             debug_fanout_timeout: Duration::from_millis(500),
+            responses_max: 4096,
+            responses_max_age: Duration::from_secs(3600),
             api_key: None,
             admin_key: None,
             cluster_secret: None,

@@ -702,7 +702,7 @@ impl Flight {
                 if !self.tail.is_empty() && !self.tail.ends_with(b"\n\n") {
                     frame.extend_from_slice(b"\n\n");
                 }
-                if !self.tail.ends_with(self.endpoint().stream_end().as_bytes()) {
+                if !self.endpoint().stream_ended(&self.tail) {
                     let meta = Meta {
                         endpoint: self.endpoint(),
                         id: self.endpoint().response_id(&self.spec.request_id),

@@ -115,6 +115,18 @@ impl Router {
             (_, Some(t)) => Duration::from_secs_f64(t.min(1e6)).min(self.cfg.request_timeout_max),
             (_, None) => self.cfg.request_timeout_max,
         };
+        // Responses: the stored conversation in the body; what storing the answer needs.
+        let (body, storing) = match path {
+            path::RESPONSES => match self.responses_body(body, now) {
+                Ok(b) => b,
+                Err(e) => {
+                    self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
+                    self.respond(conn, &pdserve_http::Response::error_at(path, &e, Some(rid)));
+                    return;
+                }
+            },
+            _ => (body, None),
+        };
         let spec = FlightSpec {
             request_id: rid.to_owned(),
             purpose,
@@ -132,6 +144,9 @@ impl Router {
         let id = self.new_id();
         self.by_conn.insert(conn, id);
         self.insert(id, Flight::new(spec, true), Some(conn), now);
+        if let Some(e) = self.flights.get_mut(&id) {
+            e.storing = storing.map(Box::new);
+        }
         if purpose == Purpose::HealthGenerate {
             // Probes are never queued behind client traffic.
             return self.dispatch(id, now);
@@ -166,7 +181,15 @@ impl Router {
         let _ = self.ledger.admit(&rid, Stage::RouterQueued, now, deadline, "");
         self.by_rid.insert(rid, id);
         self.push_deadline(deadline, id);
-        let entry = Entry { flight, conn, slot: None, admitted: false, queued_at: None, routing: Vec::new() };
+        let entry = Entry {
+            flight,
+            conn,
+            slot: None,
+            admitted: false,
+            queued_at: None,
+            routing: Vec::new(),
+            storing: None,
+        };
         self.flights.insert(id, entry);
     }
 
@@ -253,6 +276,9 @@ impl Router {
                     }
                 }
                 Action::Forward(bytes) => {
+                    if let Some(s) = e.storing.as_mut() {
+                        s.capture(&bytes, self.cfg.upstream_body_bytes_max);
+                    }
                     if let Some(conn) = e.conn {
                         if let Err(err) = self.server.send_chunk(conn, &bytes) {
                             // The client stopped reading: its request ends here.
@@ -275,6 +301,9 @@ impl Router {
                     }
                 }
                 Action::Respond(resp) => {
+                    if let Some(s) = e.storing.as_mut().filter(|_| resp.status == 200) {
+                        s.capture(&resp.body, self.cfg.upstream_body_bytes_max);
+                    }
                     if let Some(conn) = e.conn.take() {
                         let received = e.flight.spec().received;
                         let _ = self.server.respond(conn, &resp);
@@ -402,7 +431,10 @@ impl Router {
     /// The one place a flight's end is settled: its admission slot, connection, ledger entry, metrics;
     /// the queue then dispatches what it holds.
     fn finished(&mut self, id: u64, f: Finish, now: Instant) {
-        let Some(e) = self.flights.remove(&id) else { return };
+        let Some(mut e) = self.flights.remove(&id) else { return };
+        if let Some(s) = e.storing.take().filter(|_| f.outcome == Outcome::Completed) {
+            self.responses_done(*s, now);
+        }
         let spec = e.flight.spec();
         self.by_rid.remove(&spec.request_id);
         if let Some(conn) = e.conn {

@@ -35,6 +35,7 @@ mod metrics;
 mod peek;
 mod policy;
 mod probes;
+mod responses;
 mod router;
 mod upstream;
 mod workers;

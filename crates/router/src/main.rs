@@ -39,6 +39,9 @@ pdserve-router [options]
   --probe-timeout-s S           deadline of one probe (default 3)
   --pair-probe-interval-s S     prefill + decode pair probe interval (default 5; real traffic counts too);
                                 each one's deadline is this or --probe-timeout-s, the longer
+  --responses-max N             answered /v1/responses kept for previous_response_id and GET
+                                /v1/responses/{id} (default 4096; the oldest go first; 0 keeps none)
+  --responses-max-age-s S       ... and none kept longer than this (default 3600)
   --failures-to-open N          consecutive request failures that take a worker out (default 3)
   --api-key KEY                 bearer key for /v1/* (or PDSERVE_API_KEY)
   --admin-key KEY               bearer key for /workers and /debug/* (or PDSERVE_ADMIN_KEY)
@@ -169,6 +172,8 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--probe-interval-s" => c.probe_interval = secs()?,
             "--probe-timeout-s" => c.probe_timeout = secs()?,
             "--pair-probe-interval-s" => c.pair_probe_interval = secs()?,
+            "--responses-max" => c.responses_max = n()?,
+            "--responses-max-age-s" => c.responses_max_age = secs()?,
             "--failures-to-open" => c.breaker.failures_to_open = n()?.max(1) as u32,
             "--api-key" => c.api_key = Some(v.clone()),
             "--admin-key" => c.admin_key = Some(v.clone()),

@@ -37,6 +37,15 @@ struct Raw<'a> {
     /// Set only by the router on a moved request: a client's would claim output it never got.
     #[serde(default, rename = "pd_resume", deserialize_with = "present")]
     resume: bool,
+    /// Set only by the router on a Responses request it expanded: a client's would pass off its
+    /// own conversation as stored.
+    #[serde(default, rename = "pd_conversation", deserialize_with = "present")]
+    conversation: bool,
+    /// The Responses API: `instructions`, then `input` (a string, or items whose `content` is text).
+    #[serde(default, borrow)]
+    instructions: Option<Shape<'a>>,
+    #[serde(default, borrow)]
+    input: Option<Shape<'a>>,
 }
 
 /// True for any value (null included): the member is there.
@@ -57,7 +66,10 @@ enum Shape<'a> {
     Text(Cow<'a, str>),
     Token(u64),
     List(Vec<Shape<'a>>),
+    /// An object with a `text` member (a content part) or without one.
     Part(Option<Cow<'a, str>>),
+    /// An object with no `text` but a `content` member of text (a Responses input item).
+    Item(Cow<'a, str>),
     Other,
 }
 
@@ -98,13 +110,27 @@ impl<'de: 'a, 'a> Deserialize<'de> for Shape<'a> {
                 Ok(Shape::List(items))
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-                let mut text = None;
+                let (mut text, mut content) = (None, None);
                 while let Some(key) = map.next_key::<Cow<'de, str>>()? {
-                    if let ("text", Shape::Text(t)) = (key.as_ref(), map.next_value::<Shape<'de>>()?) {
-                        text = Some(t);
+                    match (key.as_ref(), map.next_value::<Shape<'de>>()?) {
+                        ("text", Shape::Text(t)) => text = Some(t),
+                        ("content", Shape::Text(t)) => content = Some(t),
+                        ("content", Shape::List(parts)) => {
+                            let mut joined = String::new();
+                            for p in parts {
+                                if let Shape::Part(Some(t)) = p {
+                                    push_line(&mut joined, &t);
+                                }
+                            }
+                            content = Some(Cow::Owned(joined));
+                        }
+                        _ => {}
                     }
                 }
-                Ok(Shape::Part(text))
+                Ok(match (text, content) {
+                    (None, Some(c)) => Shape::Item(c),
+                    (text, _) => Shape::Part(text),
+                })
             }
         }
         d.deserialize_any(V(std::marker::PhantomData))
@@ -125,6 +151,9 @@ pub fn peek(body: &[u8]) -> Result<Peek, RouterError> {
     if raw.resume {
         return Err(RouterError::InternalField { field: pdserve_api::pd::RESUME_FIELD });
     }
+    if raw.conversation {
+        return Err(RouterError::InternalField { field: pdserve_codec::responses::CONVERSATION_FIELD });
+    }
     if let Some(t) = raw.timeout {
         if !(t.is_finite() && t > 0.0) {
             return Err(RouterError::BadTimeout { seconds: t });
@@ -144,6 +173,21 @@ pub fn peek(body: &[u8]) -> Result<Peek, RouterError> {
                 }
                 _ => return Err(RouterError::BadContent),
             }
+        }
+    } else if let Some(input) = &raw.input {
+        if let Some(Shape::Text(t)) = &raw.instructions {
+            push_line(&mut prompt, t);
+        }
+        match input {
+            Shape::Text(t) => push_line(&mut prompt, t),
+            Shape::List(items) => {
+                for i in items {
+                    if let Shape::Part(Some(t)) | Shape::Item(t) = i {
+                        push_line(&mut prompt, t);
+                    }
+                }
+            }
+            _ => {}
         }
     } else if let Some(Shape::Text(t)) = &raw.prompt {
         prompt.push_str(t);
@@ -184,6 +228,16 @@ mod tests {
         // Anthropic's Messages: the system prompt first; tool blocks carry no routing text.
         let p = peek(br#"{"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"x"}]}]}"#).unwrap();
         assert_eq!(p.prompt, "Be brief.\nHi");
+    }
+
+    #[test]
+    fn responses_input() {
+        let p = peek(br#"{"instructions":"Be brief.","input":"Hi"}"#).unwrap();
+        assert_eq!(p.prompt, "Be brief.\nHi");
+        let p = peek(br#"{"input":[{"role":"user","content":"Hi"},{"type":"function_call","call_id":"c","name":"f","arguments":"{}"},{"role":"user","content":[{"type":"input_text","text":"there"}]}]}"#).unwrap();
+        assert_eq!(p.prompt, "Hi\nthere");
+        let body = br#"{"input":"x","pd_conversation":true}"#;
+        assert_eq!(peek(body), Err(RouterError::InternalField { field: "pd_conversation" }));
     }
 
     #[test]

@@ -49,6 +49,8 @@ pub(crate) struct Entry {
     pub queued_at: Option<Instant>,
     /// Why each leg went to its worker (for `/debug/requests`), in the order the legs were sent.
     pub routing: Vec<(LegKind, Choice)>,
+    /// A Responses request whose answer is kept (`crate::responses`).
+    pub storing: Option<Box<crate::responses::Storing>>,
 }
 
 /// The router. Build with [`Router::bind`], run with [`Router::run`].
@@ -71,6 +73,8 @@ pub struct Router {
     pub(crate) metrics: Metrics,
     pub(crate) next_id: u64,
     pub(crate) collects: HashMap<u64, Collect>,
+    /// Answered Responses requests, for `previous_response_id` through this router.
+    pub(crate) responses: pdserve_codec::responses::ResponseStore,
     pub(crate) next_probe: Instant,
     pub(crate) next_pair_probe: Instant,
     pub(crate) probe_round: usize,
@@ -118,6 +122,7 @@ impl Router {
             metrics,
             next_id: 1,
             collects: HashMap::new(),
+            responses: pdserve_codec::responses::ResponseStore::new(cfg.responses_max, cfg.responses_max_age),
             next_probe: now,
             next_pair_probe: now,
             probe_round: 0,
@@ -581,6 +586,14 @@ impl Router {
             ("GET", p) if path::model_id(p).is_some() => {
                 let id = path::model_id(p).map(str::to_owned);
                 self.collect(conn, Collecting::Models { id }, rid, now)
+            }
+            (m @ ("GET" | "DELETE"), p) if path::response_id(p).is_some() => {
+                let resp = match self.stored_response(m, path::response_id(p).unwrap_or("")) {
+                    Ok(v) => pdserve_http::Response::json(200, v.to_string())
+                        .header(pdserve_api::header::REQUEST_ID, &rid),
+                    Err(e) => pdserve_http::Response::error(&e, Some(&rid)),
+                };
+                self.respond(conn, &resp);
             }
             ("GET", p @ path::VERSION) => self.start_flight(conn, &rid, p, Vec::new(), Purpose::Client, now),
             ("POST", p @ (path::TOKENIZE | path::DETOKENIZE | path::MESSAGES_COUNT_TOKENS)) => {

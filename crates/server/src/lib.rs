@@ -47,6 +47,11 @@ pub struct WorkerConfig {
     pub open_probes: bool,
     /// Clients may call `/v1/*` directly with this key (`Authorization: Bearer` or `x-api-key`).
     pub api_key: Option<String>,
+    /// Answered Responses requests kept for `previous_response_id` (`store: true`, the default): at
+    /// most this many ...
+    pub responses_max: usize,
+    /// ... and none older than this.
+    pub responses_max_age: Duration,
 }
 
 impl WorkerConfig {
@@ -74,6 +79,8 @@ impl WorkerConfig {
             cluster_secret: None,
             open_probes: false,
             api_key: None,
+            responses_max: 4096,
+            responses_max_age: Duration::from_secs(3600),
         }
     }
 }

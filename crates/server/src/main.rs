@@ -52,6 +52,9 @@ pdserve-server [options]
   --tool-parser FORMAT     the format tool calls are written and read in: hermes, llama3, mistral,
                            deepseek_v3 or deepseek_v31 (default: the chat template's; hermes for a template
                            without one)
+  --responses-max N        answered /v1/responses kept for previous_response_id and GET /v1/responses/{id}
+                           (default 4096; the oldest go first; 0 keeps none)
+  --responses-max-age-s S  ... and none kept longer than this (default 3600)
   --max-tool-calls N       the most tool calls one answer makes with parallel calls allowed (default 8): a
                            forced call's grammar ends there, and under auto the call reaching it ends the answer
   --admission ORDER        least-work (default: the fewest uncached prompt tokens first, a request
@@ -111,6 +114,8 @@ const VALUED: &[&str] = &[
     "--admission",
     "--tool-parser",
     "--max-tool-calls",
+    "--responses-max",
+    "--responses-max-age-s",
     "--prefill-chunk",
     "--attention-cost",
     "--cpu-kernels",
@@ -222,6 +227,8 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 })?)
             }
             "--max-tool-calls" => e.tool_calls_max = n()?.max(1),
+            "--responses-max" => c.responses_max = n()?,
+            "--responses-max-age-s" => c.responses_max_age = secs()?,
             "--prefill-chunk" => e.scheduler.prefill_chunk_tokens_max = n()?,
             "--attention-cost" => e.scheduler.attention_cost_positions = Some(n()?).filter(|&n| n > 0),
             "--max-context" => e.scheduler.context_tokens_max = n()?,

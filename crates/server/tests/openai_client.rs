@@ -1,6 +1,6 @@
 //! The official `openai` Python client (PyPI `openai`) against a real worker: chat streaming and not,
 //! completions, stop sequences, seeded sampling, typed errors; then tool calling and structured
-//! output. `.ci/run` installs the package.
+//! output; the Responses API; Anthropic's client on the Messages API. `.ci/run` installs the package.
 
 mod common;
 
@@ -14,6 +14,12 @@ fn the_official_openai_client_works() {
 fn tools_and_structured_output_through_the_official_client() {
     let w = common::Worker::start(&[]);
     common::run_python("openai_tools.py", &format!("http://{}", w.addr), &["100"]);
+}
+
+#[test]
+fn the_responses_api_through_the_official_client() {
+    let w = common::Worker::start(&[]);
+    common::run_python("openai_responses.py", &format!("http://{}", w.addr), &[]);
 }
 
 #[test]

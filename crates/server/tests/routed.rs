@@ -269,8 +269,10 @@ fn tool_calls_structured_output_and_anthropic_messages_through_pd() {
     // The prefill worker samples the first token and the decode worker the rest, each under the
     // request's constraint: every call and every JSON answer must still parse.
     common::run_python("openai_tools.py", &format!("http://{}", router.addr), &["16"]);
-    // Anthropic's Messages API takes the same path.
+    // Anthropic's Messages API and OpenAI's Responses API take the same path (the router keeps the
+    // stored conversations: both workers get the whole one).
     common::run_python("anthropic_messages.py", &format!("http://{}", router.addr), &[]);
+    common::run_python("openai_responses.py", &format!("http://{}", router.addr), &[]);
     let until = Instant::now() + Duration::from_secs(10);
     while held_blocks(&prefill) + held_blocks(&decode) > 0.0 {
         assert!(Instant::now() < until, "KV still held after the requests");

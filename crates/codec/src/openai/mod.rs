@@ -35,10 +35,12 @@ fn bytes_of(s: &str) -> Value {
 /// The `logprobs` object of a choice.
 pub fn logprobs_json(endpoint: Endpoint, lps: &[TokenLogprob]) -> Value {
     match endpoint {
-        Endpoint::Chat | Endpoint::Messages => json!({ "content": lps.iter().map(|l| json!({
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
+            json!({ "content": lps.iter().map(|l| json!({
             "token": l.token, "logprob": l.logprob, "bytes": bytes_of(&l.token),
             "top_logprobs": l.top.iter().map(|(t, p)| json!({"token": t, "logprob": p, "bytes": bytes_of(t)})).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>() }),
+        })).collect::<Vec<_>>() })
+        }
         Endpoint::Completion => {
             let mut offset = 0;
             let mut offsets = Vec::with_capacity(lps.len());
@@ -67,7 +69,7 @@ pub fn full_response(
     usage: Usage,
 ) -> Value {
     let choice = match meta.endpoint {
-        Endpoint::Chat | Endpoint::Messages => {
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
             let mut message = json!({"role": "assistant", "content": text});
             if !tool_calls.is_empty() {
                 if text.trim().is_empty() {
@@ -108,7 +110,7 @@ pub struct Delta<'a> {
 /// [`crate::anthropic::MessageStream`]).
 pub fn chunk(meta: &Meta, delta: Delta<'_>, logprobs: Option<Value>) -> Value {
     let choice = match meta.endpoint {
-        Endpoint::Chat | Endpoint::Messages => {
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
             let mut d = Map::new();
             if delta.role {
                 d.insert("role".into(), json!("assistant"));

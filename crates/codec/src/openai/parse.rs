@@ -365,7 +365,7 @@ fn parse_stop(f: &Fields<'_>) -> Result<(Vec<String>, Vec<u32>), ApiError> {
 pub fn parse_value(endpoint: Endpoint, v: Value) -> Result<GenerateRequest, ApiError> {
     let obj = v.as_object().ok_or_else(|| ApiError::invalid("body must be a JSON object"))?;
     let own = match endpoint {
-        Endpoint::Chat | Endpoint::Messages => CHAT_FIELDS,
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => CHAT_FIELDS,
         Endpoint::Completion => COMPLETION_FIELDS,
     };
     if let Some(k) = obj.keys().find(|k| !COMMON_FIELDS.contains(&k.as_str()) && !own.contains(&k.as_str())) {
@@ -383,7 +383,7 @@ pub fn parse_value(endpoint: Endpoint, v: Value) -> Result<GenerateRequest, ApiE
         return Err(ApiError::invalid("`suffix` needs `prompt` as a string (the text before the gap)"));
     }
     let prompt = match endpoint {
-        Endpoint::Chat | Endpoint::Messages => parse_messages(&f)?,
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => parse_messages(&f)?,
         Endpoint::Completion => parse_prompt(&f)?,
     };
     let n = f.u64("n")?.unwrap_or(1);
@@ -446,7 +446,7 @@ pub fn parse_value(endpoint: Endpoint, v: Value) -> Result<GenerateRequest, ApiE
         None => false,
     };
     let (logprobs, top) = match endpoint {
-        Endpoint::Chat | Endpoint::Messages => {
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => {
             (f.bool("logprobs")?.unwrap_or(false), f.u64("top_logprobs")?.unwrap_or(0))
         }
         // Completions: `logprobs` is the number of top alternatives.
@@ -461,7 +461,7 @@ pub fn parse_value(endpoint: Endpoint, v: Value) -> Result<GenerateRequest, ApiE
         )));
     }
     let tools = match endpoint {
-        Endpoint::Chat | Endpoint::Messages => parse_tools(f.get("tools"))?,
+        Endpoint::Chat | Endpoint::Messages | Endpoint::Responses => parse_tools(f.get("tools"))?,
         Endpoint::Completion => Vec::new(),
     };
     let tool_choice = parse_tool_choice(f.get("tool_choice"), &tools)?;

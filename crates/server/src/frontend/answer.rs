@@ -4,6 +4,7 @@
 use pdserve_api::{pd, ApiError, ErrorKind, Health};
 use pdserve_codec::anthropic;
 use pdserve_codec::openai::{self, Delta};
+use pdserve_codec::responses;
 use pdserve_codec::{sse, Endpoint};
 use pdserve_engine::{Finish, Id, Timings};
 use pdserve_engine::{Piece, Usage};
@@ -18,6 +19,22 @@ impl Frontend {
     /// first text chunk (taken if used).
     pub(super) fn stream_pieces(l: &mut Live, pieces: Vec<Piece>, lp: &mut Option<Value>) -> String {
         let mut frames = String::new();
+        if let Some(r) = l.resp.as_mut() {
+            let mut events = Vec::new();
+            for p in pieces {
+                match p {
+                    Piece::Text(t) => r.stream.text(&l.meta, &t, &mut events),
+                    Piece::Call(c) => {
+                        r.stream.call(&l.meta, &c, &mut events);
+                        l.calls.push(c);
+                    }
+                }
+            }
+            for e in &events {
+                frames.push_str(&sse(Some(&e.0), &responses::event_data(e)));
+            }
+            return frames;
+        }
         if l.meta.endpoint == Endpoint::Messages {
             let mut events = Vec::new();
             for p in pieces {
@@ -90,7 +107,14 @@ impl Frontend {
                 if let Some(e) = &l.echo {
                     l.text.insert_str(0, e);
                 }
-                let mut body = if l.meta.endpoint == Endpoint::Messages {
+                let mut body = if let Some(r) = l.resp.take() {
+                    let output = responses::output_items(&l.meta, &l.text, &l.calls);
+                    let body = responses::response_json(&l.meta, &r.echo, output, Some(reason), Some(usage));
+                    if r.store {
+                        self.responses.put(r.items, body.clone(), std::time::Instant::now());
+                    }
+                    body
+                } else if l.meta.endpoint == Endpoint::Messages {
                     let stop = stop_sequence.as_deref();
                     let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);
                     anthropic::message_json(&l.meta, &l.text, &l.calls, why, stop, usage)
@@ -111,6 +135,20 @@ impl Frontend {
             (Kind::Generate { stream: true, include_usage, .. }, result) => {
                 let mut frames = String::new();
                 match result {
+                    Ok(reason) if l.resp.is_some() => {
+                        let Some(mut r) = l.resp.take() else { return };
+                        let mut events = Vec::new();
+                        let output = r.stream.finish(&l.meta, &r.echo, reason, usage, &mut events);
+                        if r.store {
+                            // The response as the client read it, kept for the next turn.
+                            let body =
+                                responses::response_json(&l.meta, &r.echo, output, Some(reason), Some(usage));
+                            self.responses.put(r.items, body, std::time::Instant::now());
+                        }
+                        for e in &events {
+                            frames.push_str(&sse(Some(&e.0), &responses::event_data(e)));
+                        }
+                    }
                     Ok(reason) if l.meta.endpoint == Endpoint::Messages => {
                         let stop = stop_sequence.as_deref();
                         let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);
@@ -138,7 +176,7 @@ impl Frontend {
                             // Another pair may have the KV: the router may move the request there.
                             frames.push_str(&format!("{}{}\n\n", pd::mark::RETRY, e.kind));
                         }
-                        frames.push_str(&openai::stream_error_frames(&l.meta, &e, &l.request_id))
+                        frames.push_str(&pdserve_codec::stream_error_frames(&l.meta, &e, &l.request_id))
                     }
                 }
                 if self.server.send_chunk(conn, frames.as_bytes()).is_ok() {

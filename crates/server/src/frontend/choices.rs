@@ -127,6 +127,7 @@ impl Frontend {
             marks: false,
             resumed: false,
             last_sent: Instant::now(),
+            resp: None,
             group: Some(gid),
             choice: i,
         };

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role};
 use pdserve_codec::anthropic::{self, MessageStream};
 use pdserve_codec::openai::{self, Delta};
+use pdserve_codec::responses::{self, ResponseStore, ResponseStream};
 use pdserve_codec::{sse, Endpoint, GenerateRequest, Meta, Prompt};
 use pdserve_engine::SamplingParams;
 use pdserve_engine::{chat_tool_call as tool_call, ChatMessage};
@@ -64,6 +65,19 @@ struct Live {
     resumed: bool,
     /// When the stream last sent anything (for the keep-alive marks).
     last_sent: Instant,
+    /// A Responses request: what its answer echoes and stores, and its stream's events.
+    resp: Option<Box<Responding>>,
+}
+
+/// A Responses request's own state.
+#[derive(Debug)]
+struct Responding {
+    /// The request's settings as the response object echoes them.
+    echo: Value,
+    /// The conversation so far (stored with the output when `store` is on).
+    items: Vec<Value>,
+    store: bool,
+    stream: ResponseStream,
 }
 
 /// A marked stream quiet for this long gets a keep-alive mark (if the engine loop is turning).
@@ -82,6 +96,8 @@ pub(crate) struct Frontend {
     outputs: Vec<Output>,
     /// Requests with `n` > 1, by group id.
     groups: HashMap<u64, Group>,
+    /// Answered Responses requests, for `previous_response_id` and `GET /v1/responses/{id}`.
+    responses: ResponseStore,
     next_group: u64,
     last_keep_alive: Instant,
 }
@@ -129,6 +145,7 @@ fn sampling(g: &GenerateRequest, d: &SamplingParams) -> SamplingParams {
 
 impl Frontend {
     pub(crate) fn new(server: Server, config: WorkerConfig, engine: Engine) -> std::io::Result<Frontend> {
+        let responses_max = (config.responses_max, config.responses_max_age);
         let connections = engine
             .registry()
             .gauge("http_connections", "Open client connections.")
@@ -145,6 +162,7 @@ impl Frontend {
             created: unix_now(),
             outputs: Vec::new(),
             groups: HashMap::new(),
+            responses: ResponseStore::new(responses_max.0, responses_max.1),
             next_group: 0,
             last_keep_alive: Instant::now(),
         })
@@ -259,6 +277,9 @@ impl Frontend {
                 self.model(path::model_id(p).unwrap_or(""), rid).map(Some)
             }
             ("POST", path::MESSAGES_COUNT_TOKENS) => self.count_tokens(&req, rid).map(Some),
+            (m @ ("GET" | "DELETE"), p) if path::response_id(p).is_some() => {
+                self.stored_response(m, path::response_id(p).unwrap_or(""), rid).map(Some)
+            }
             ("GET", path::VERSION) => {
                 Ok(Some(json_response(200, &json!({"version": env!("CARGO_PKG_VERSION")}), Some(rid))))
             }
@@ -308,7 +329,16 @@ impl Frontend {
                 "the worker is draining and takes no new requests",
             ));
         }
-        let g = pdserve_codec::parse_generate(endpoint, &req.body)?;
+        let (g, responding) = if endpoint == Endpoint::Responses {
+            let now = Instant::now();
+            let previous = |id: &str| self.responses.items(id, now);
+            let r = responses::read(&req.body, &previous, inside)?;
+            let g = openai::parse_value(Endpoint::Chat, r.chat)?;
+            let stream = ResponseStream::default();
+            (g, Some(Box::new(Responding { echo: r.echo, items: r.items, store: r.store, stream })))
+        } else {
+            (pdserve_codec::parse_generate(endpoint, &req.body)?, None)
+        };
         self.check_model(g.model.as_deref())?;
         let role = self.engine.info().role;
         let input = match (g.pd_handles.first().cloned(), role) {
@@ -415,6 +445,7 @@ impl Frontend {
             l.panic_in_output = test_site == Some(None);
             l.marks =
                 inside && g.stream && role != Role::Prefill && req.header_str(header::RESUMABLE).is_some();
+            l.resp = responding;
             if let Some(r) = &g.resume {
                 // The client's response, continued: its id and time.
                 l.meta.id = endpoint.response_id(&r.request_id);
@@ -458,6 +489,7 @@ impl Frontend {
             marks: false,
             resumed: false,
             last_sent: Instant::now(),
+            resp: None,
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -592,6 +624,14 @@ impl Frontend {
                         let e = MessageStream::start(&l.meta);
                         sse(Some(e.0), &anthropic::event_data(&e))
                     }
+                    Endpoint::Responses => match l.resp.as_mut() {
+                        Some(r) => {
+                            let mut events = Vec::new();
+                            r.stream.start(&l.meta, &r.echo, &mut events);
+                            events.iter().map(|e| sse(Some(&e.0), &responses::event_data(e))).collect()
+                        }
+                        None => String::new(),
+                    },
                     Endpoint::Completion => match &l.echo {
                         Some(t) => sse(
                             None,
@@ -645,7 +685,9 @@ impl Frontend {
                     // what counted.
                     return;
                 }
-                if let Some(lp) = lp.filter(|_| l.meta.endpoint != Endpoint::Messages) {
+                if let Some(lp) =
+                    lp.filter(|_| matches!(l.meta.endpoint, Endpoint::Chat | Endpoint::Completion))
+                {
                     // Log-probabilities of text the tool-call parser holds back go out on their own.
                     let delta = Delta { text: Some(""), index: l.choice, ..Delta::default() };
                     let c = openai::chunk(&l.meta, delta, Some(lp));

@@ -68,6 +68,29 @@ impl Frontend {
         Ok(json_response(200, &json!({"prompt": text}), Some(rid)))
     }
 
+    /// `GET /v1/responses/{id}`: a stored response; `DELETE` forgets it. 404 for one not kept (never
+    /// stored, `store: false`, or past the store's count or age limit).
+    pub(super) fn stored_response(
+        &mut self,
+        method: &str,
+        id: &str,
+        rid: &str,
+    ) -> Result<Response, ApiError> {
+        let gone = || ApiError::new(ErrorKind::NotFound, format!("response {id:?} is not stored here"));
+        if method == "DELETE" {
+            if !self.responses.delete(id) {
+                return Err(gone());
+            }
+            return Ok(json_response(
+                200,
+                &json!({"id": id, "object": "response", "deleted": true}),
+                Some(rid),
+            ));
+        }
+        let r = self.responses.response(id, Instant::now()).ok_or_else(gone)?;
+        Ok(json_response(200, &r, Some(rid)))
+    }
+
     /// `GET /v1/models`: the one model this worker serves, with what it runs on.
     pub(super) fn models(&self, rid: &str) -> Response {
         json_response(200, &json!({"object": "list", "data": [self.model_json()]}), Some(rid))
