@@ -457,7 +457,8 @@ impl ToolCallParser {
             self.in_call = false;
         } else if !self.held.is_empty() {
             let mut held = std::mem::take(&mut self.held);
-            if cut {
+            // (Once a Llama 3 answer began as prose, nothing in it opens a call.)
+            if cut && !(self.format == ToolFormat::Llama3 && self.said_text) {
                 // An opener cut short is markup, not an answer.
                 let keep = self.openers().iter().map(|o| partial_suffix(&held, o)).max().unwrap_or(0);
                 held.truncate(held.len() - keep);
