@@ -15,12 +15,15 @@
 //!
 //! And the other way, for tool calls: the formats model families write calls in ([`ToolFormat`]:
 //! Hermes/Qwen, Llama 3, Mistral), how an earlier call reads in each, the grammar that forces a call,
-//! and [`ToolCallParser`], which lifts calls out of a model's streamed text.
+//! and [`ToolCallParser`], which lifts calls out of a model's streamed text; and for thinking models,
+//! [`ReasoningParser`], which splits the `<think>` span from the answer.
 #![forbid(unsafe_code)]
 
 use std::fmt;
 
+mod reasoning;
 mod tools;
+pub use reasoning::{ReasoningFormat, ReasoningParser, Split};
 pub use tools::{Piece, ToolCallParser, ToolFormat};
 
 use serde::Serialize;
@@ -39,6 +42,10 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// An assistant message's thinking, for templates that render it (Qwen3's, for the turns after
+    /// the last user message).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
@@ -125,6 +132,22 @@ impl ChatTemplate {
         tools: &[serde_json::Value],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        self.render_with(messages, tools, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`render`](Self::render) with `kwargs` beside the standard variables (a request's
+    /// `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`); they never replace `messages`,
+    /// `tools` or the others.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, TemplateError> {
+        if kwargs.values().any(|v| deeper_than(v, MAX_DEPTH)) {
+            return Err(TemplateError(format!("chat_template_kwargs nested deeper than {MAX_DEPTH} levels")));
+        }
         let deep =
             messages.iter().flat_map(|m| &m.tool_calls).chain(tools).any(|v| deeper_than(v, MAX_DEPTH));
         if deep {
@@ -133,13 +156,14 @@ impl ChatTemplate {
         let env = self.environment()?;
         let tmpl = env.get_template("chat").map_err(|e| TemplateError(e.to_string()))?;
         let tools = (!tools.is_empty()).then_some(tools);
-        tmpl.render(minijinja::context! {
+        let standard = minijinja::context! {
             messages => messages,
             tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
-        })
-        .map_err(|e| TemplateError(format!("chat template: {e}")))
+        };
+        tmpl.render(minijinja::context! { ..standard, ..minijinja::Value::from_serialize(kwargs) })
+            .map_err(|e| TemplateError(format!("chat template: {e}")))
     }
 }

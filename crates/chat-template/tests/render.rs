@@ -57,3 +57,20 @@ fn errors_are_values_not_panics() {
     let text = t.render(&[ChatMessage::new("user", "{{ 7 * 7 }}{% if %}")], &[], false).unwrap();
     assert!(text.contains("{{ 7 * 7 }}{% if %}"), "{text}");
 }
+
+#[test]
+fn chat_template_kwargs_reach_the_template_and_never_replace_its_variables() {
+    use pdserve_chat_template::{ChatMessage, ChatTemplate};
+    // Qwen3's switch, as its template reads it.
+    let source = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}assistant:\
+                  {% if enable_thinking is defined and enable_thinking is false %} <think>\n\n</think>\n\n{% endif %}{% endif %}";
+    let t = ChatTemplate::new(source, "", "").unwrap();
+    let msgs = [ChatMessage::new("user", "Hi")];
+    let off: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_str(r#"{"enable_thinking": false, "messages": []}"#).unwrap();
+    assert_eq!(
+        t.render_with(&msgs, &[], true, &off).unwrap(),
+        "user: Hi\nassistant: <think>\n\n</think>\n\n"
+    );
+    assert_eq!(t.render(&msgs, &[], true).unwrap(), "user: Hi\nassistant:");
+}

@@ -26,6 +26,7 @@ const FIELDS: &[&str] = &[
     "tools",
     "tool_choice",
     "output_config",
+    "thinking",
     // Informational: `metadata` and `service_tier` have no effect; `cache_control` asks for the
     // prompt to be cached, which this stack's prefix cache does for every request.
     "metadata",
@@ -86,6 +87,7 @@ fn chat_messages(i: usize, m: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
         _ => return Err(invalid(format!("messages[{i}].content must be a string or an array of blocks"))),
     };
     let (mut text, mut calls, mut results) = (String::new(), Vec::new(), Vec::new());
+    let mut thinking: Option<String> = None;
     for (j, b) in blocks.iter().enumerate() {
         let at = format!("messages[{i}].content[{j}]");
         match b.get("type").and_then(Value::as_str) {
@@ -127,6 +129,12 @@ fn chat_messages(i: usize, m: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
                 };
                 results.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
             }
+            // A thinking model's earlier thinking (its signature is this stack's empty one).
+            Some("thinking") if role == "assistant" => thinking.get_or_insert_with(String::new).push_str(
+                b.get("thinking")
+                    .and_then(Value::as_str)
+                    .ok_or_else(|| invalid(format!("{at}.thinking must be a string")))?,
+            ),
             Some(kind @ ("tool_use" | "tool_result")) => {
                 return Err(invalid(format!("{at}: a {kind} block cannot be in a {role} message")))
             }
@@ -140,10 +148,15 @@ fn chat_messages(i: usize, m: &Value, out: &mut Vec<Value>) -> Result<(), ApiErr
     }
     let only_results = !results.is_empty() && text.is_empty();
     out.extend(results);
+    let mut m = json!({"role": role, "content": text});
     if !calls.is_empty() {
-        out.push(json!({"role": role, "content": text, "tool_calls": calls}));
-    } else if !only_results {
-        out.push(json!({"role": role, "content": text}));
+        m["tool_calls"] = json!(calls);
+    }
+    if let Some(t) = thinking {
+        m["reasoning_content"] = json!(t);
+    }
+    if !calls.is_empty() || !only_results {
+        out.push(m);
     }
     Ok(())
 }
@@ -230,6 +243,20 @@ fn to_chat(body: &[u8], generation: bool) -> Result<Value, ApiError> {
             out.push(json!({"type": "function", "function": f}));
         }
         chat.insert("tools".into(), Value::Array(out));
+    }
+    if let Some(t) = get("thinking") {
+        // Extended thinking: the template's own switch (Qwen3's `enable_thinking`); a worker whose
+        // model does not think refuses `enabled`. (`budget_tokens` is not enforced: the model
+        // thinks until it closes its thinking, within `max_tokens`.)
+        let enabled = match t.get("type").and_then(Value::as_str) {
+            Some("enabled") => Some(true),
+            Some("disabled") => Some(false),
+            Some("adaptive") => None,
+            _ => return Err(invalid("`thinking.type` must be \"enabled\", \"disabled\" or \"adaptive\"")),
+        };
+        if let Some(on) = enabled {
+            chat.insert("chat_template_kwargs".into(), json!({"enable_thinking": on}));
+        }
     }
     if let Some(oc) = get("output_config") {
         let o = oc.as_object().ok_or_else(|| invalid("`output_config` must be an object"))?;
@@ -319,6 +346,17 @@ pub fn message_json(
            "usage": usage_json(usage)})
 }
 
+/// A thinking model's thinking in a whole message: a `thinking` block ahead of the others (no
+/// signature: nothing here is signed).
+pub fn with_thinking(message: &mut Value, thinking: &str) {
+    if thinking.is_empty() {
+        return;
+    }
+    if let Some(content) = message["content"].as_array_mut() {
+        content.insert(0, json!({"type": "thinking", "thinking": thinking, "signature": ""}));
+    }
+}
+
 /// One server-sent event: its name and its JSON data.
 pub type Event = (&'static str, Value);
 
@@ -329,6 +367,8 @@ pub type Event = (&'static str, Value);
 pub struct MessageStream {
     /// The index of the open text block, if one is.
     text_open: Option<usize>,
+    /// The index of the open thinking block, if one is.
+    thinking_open: Option<usize>,
     blocks: usize,
 }
 
@@ -343,9 +383,46 @@ impl MessageStream {
     }
 
     fn close_text(&mut self, out: &mut Vec<Event>) {
+        self.close_thinking(out);
         if let Some(i) = self.text_open.take() {
             out.push(("content_block_stop", json!({"type": "content_block_stop", "index": i})));
         }
+    }
+
+    fn close_thinking(&mut self, out: &mut Vec<Event>) {
+        if let Some(i) = self.thinking_open.take() {
+            out.push((
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": i, "delta": {"type": "signature_delta", "signature": ""}}),
+            ));
+            out.push(("content_block_stop", json!({"type": "content_block_stop", "index": i})));
+        }
+    }
+
+    /// A thinking model's thinking: a `thinking` block (before any text or call).
+    pub fn thinking(&mut self, text: &str, out: &mut Vec<Event>) {
+        if text.is_empty() {
+            return;
+        }
+        let index = match self.thinking_open {
+            Some(i) => i,
+            None => {
+                let i = self.blocks;
+                self.blocks += 1;
+                self.thinking_open = Some(i);
+                out.push((
+                    "content_block_start",
+                    json!({"type": "content_block_start", "index": i,
+                    "content_block": {"type": "thinking", "thinking": "", "signature": ""}}),
+                ));
+                i
+            }
+        };
+        out.push((
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": index,
+            "delta": {"type": "thinking_delta", "thinking": text}}),
+        ));
     }
 
     /// Text the model wrote.
@@ -353,6 +430,7 @@ impl MessageStream {
         if text.is_empty() {
             return;
         }
+        self.close_thinking(out);
         let index = match self.text_open {
             Some(i) => i,
             None => {
@@ -471,7 +549,7 @@ mod tests {
             (r#"{"messages": [{"role": "user", "content": "x"}]}"#, "`max_tokens` is required"),
             (
                 r#"{"max_tokens": 1, "messages": [{"role": "user", "content": "x"}], "thinking": {}}"#,
-                "`thinking`",
+                "`thinking.type`",
             ),
             (
                 r#"{"max_tokens": 1, "messages": [{"role": "user", "content": [{"type": "image"}]}]}"#,

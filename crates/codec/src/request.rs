@@ -15,6 +15,8 @@ pub struct Message {
     pub tool_call_id: Option<String>,
     /// `name` (a participant's, or the function's in a `tool` message).
     pub name: Option<String>,
+    /// An assistant message's thinking (`reasoning_content`).
+    pub reasoning: Option<String>,
 }
 
 impl Message {
@@ -76,6 +78,8 @@ pub struct GenerateRequest {
     pub tools: Vec<Tool>,
     pub tool_choice: ToolChoice,
     pub parallel_tool_calls: bool,
+    /// Chat: extra variables for the chat template (`chat_template_kwargs`).
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     /// What the output must match.
     pub constraint: Option<Constraint>,
     /// End-of-sequence and stop tokens are not sampled before this many tokens.

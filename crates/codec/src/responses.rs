@@ -397,9 +397,23 @@ fn message_id(meta: &Meta) -> String {
     format!("msg_{}", meta.id.trim_start_matches("resp_"))
 }
 
-/// The output items of an answer: its text (if any, or if there is nothing else) then its calls.
-pub fn output_items(meta: &Meta, text: &str, calls: &[ToolCall]) -> Vec<Value> {
+fn reasoning_id(meta: &Meta) -> String {
+    format!("rs_{}", meta.id.trim_start_matches("resp_"))
+}
+
+/// The item holding a thinking model's thinking.
+fn reasoning_item(meta: &Meta, text: &str, status: &str) -> Value {
+    let content = if text.is_empty() { json!([]) } else { json!([{"type": "reasoning_text", "text": text}]) };
+    json!({"type": "reasoning", "id": reasoning_id(meta), "summary": [], "content": content, "status": status})
+}
+
+/// The output items of an answer: its thinking (if any), its text (if any, or if there is nothing
+/// else), then its calls.
+pub fn output_items(meta: &Meta, reasoning: &str, text: &str, calls: &[ToolCall]) -> Vec<Value> {
     let mut out = Vec::new();
+    if !reasoning.is_empty() {
+        out.push(reasoning_item(meta, reasoning, "completed"));
+    }
     if !text.trim().is_empty() || calls.is_empty() {
         out.push(message_item(meta, text, "completed"));
     }
@@ -454,6 +468,9 @@ pub type Event = (String, Value);
 #[derive(Debug, Default)]
 pub struct ResponseStream {
     seq: u64,
+    /// The thinking so far, and whether its reasoning item is open (and at which output index).
+    thought: String,
+    thinking: Option<usize>,
     /// The answer's text so far, and whether its message item is open (and at which output index).
     text: String,
     open: Option<usize>,
@@ -478,11 +495,46 @@ impl ResponseStream {
         out.push(self.event("response.in_progress", json!({"response": r})));
     }
 
+    /// A thinking model's thinking: its reasoning item (before the answer's).
+    pub fn reasoning(&mut self, meta: &Meta, text: &str, out: &mut Vec<Event>) {
+        if text.is_empty() {
+            return;
+        }
+        let index = match self.thinking {
+            Some(i) => i,
+            None => {
+                let i = self.items.len();
+                self.thinking = Some(i);
+                let item = reasoning_item(meta, "", "in_progress");
+                out.push(self.event("response.output_item.added", json!({"output_index": i, "item": item})));
+                i
+            }
+        };
+        self.thought.push_str(text);
+        out.push(self.event(
+            "response.reasoning_text.delta",
+            json!({"item_id": reasoning_id(meta), "output_index": index, "content_index": 0, "delta": text}),
+        ));
+    }
+
+    fn close_reasoning(&mut self, meta: &Meta, out: &mut Vec<Event>) {
+        let Some(i) = self.thinking.take() else { return };
+        let text = std::mem::take(&mut self.thought);
+        out.push(self.event(
+            "response.reasoning_text.done",
+            json!({"item_id": reasoning_id(meta), "output_index": i, "content_index": 0, "text": text}),
+        ));
+        let item = reasoning_item(meta, &text, "completed");
+        out.push(self.event("response.output_item.done", json!({"output_index": i, "item": item.clone()})));
+        self.items.push(item);
+    }
+
     /// Text the model wrote.
     pub fn text(&mut self, meta: &Meta, text: &str, out: &mut Vec<Event>) {
         if text.is_empty() {
             return;
         }
+        self.close_reasoning(meta, out);
         let index = match self.open {
             Some(i) => i,
             None => {
@@ -506,6 +558,7 @@ impl ResponseStream {
     }
 
     fn close_text(&mut self, meta: &Meta, out: &mut Vec<Event>) {
+        self.close_reasoning(meta, out);
         let Some(i) = self.open.take() else { return };
         let text = std::mem::take(&mut self.text);
         let id = message_id(meta);

@@ -7,9 +7,9 @@
 
 use pdserve_api::tools::Tool;
 
-use pdserve_chat_template::ToolFormat;
+use pdserve_chat_template::{ReasoningFormat, ToolFormat};
 use pdserve_model::{ChatMessage, ModelError, TextCodec};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::info::EngineInfo;
 use crate::{EngineError, Input};
@@ -20,11 +20,20 @@ pub(crate) fn tokens(
     info: &EngineInfo,
     input: &Input,
     tools: &[Tool],
+    kwargs: &Map<String, Value>,
 ) -> Result<Vec<u32>, EngineError> {
     let invalid = |e: ModelError| EngineError::InvalidInput { problem: e.to_string() };
     Ok(match input {
         Input::Chat(msgs) => {
-            let text = render(codec, msgs, tools, info.tool_format).map_err(invalid)?;
+            if info.reasoning_format == ReasoningFormat::None
+                && msgs.iter().any(|m| m.reasoning_content.is_some())
+            {
+                // A model that does not think never wrote any: nowhere to put it.
+                return Err(EngineError::InvalidInput {
+                    problem: "`reasoning_content` in the conversation, but the served model does not think (its chat template has no thinking)".into(),
+                });
+            }
+            let text = render(codec, msgs, tools, info.tool_format, kwargs).map_err(invalid)?;
             codec.encode(&text).map_err(invalid)?
         }
         Input::Text(t) => codec.encode_prompt(t).map_err(invalid)?,
@@ -71,11 +80,12 @@ pub(crate) fn render(
     messages: &[ChatMessage],
     tools: &[Tool],
     format: ToolFormat,
+    kwargs: &Map<String, Value>,
 ) -> Result<String, ModelError> {
     let uses_tools =
         !tools.is_empty() || messages.iter().any(|m| !m.tool_calls.is_empty() || m.role == "tool");
     if !uses_tools {
-        return codec.apply_chat_template(messages, true);
+        return codec.apply_chat_template_with(messages, &[], true, kwargs);
     }
     let support = Support::of(codec.chat_template().unwrap_or(""));
     let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
@@ -107,5 +117,19 @@ pub(crate) fn render(
             }
         }
     }
-    codec.apply_chat_template_with_tools(&out, &listed, true)
+    codec.apply_chat_template_with(&out, &listed, true, kwargs)
+}
+
+/// Whether an answer under this template and `kwargs` starts inside the model's thinking (the
+/// prompt opens it: DeepSeek R1's templates), read from a one-message render.
+pub(crate) fn opens_thinking(
+    codec: &TextCodec,
+    format: ReasoningFormat,
+    kwargs: &Map<String, Value>,
+) -> bool {
+    let probe = [ChatMessage::new("user", "Hi")];
+    format != ReasoningFormat::None
+        && codec
+            .apply_chat_template_with(&probe, &[], true, kwargs)
+            .is_ok_and(|p| format.prompt_opens_thinking(&p))
 }

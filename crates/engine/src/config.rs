@@ -91,6 +91,9 @@ pub struct EngineConfig {
     /// The most tool calls one answer makes where parallel calls are allowed (a forced call's grammar
     /// ends after this many; under `auto` the answer ends with the call that reaches it).
     pub tool_calls_max: usize,
+    /// How the model marks its thinking; `None` takes the chat template's (`Think` where it writes
+    /// or strips `<think>` spans).
+    pub reasoning_format: Option<crate::ReasoningFormat>,
     /// Speculative decoding (unified and decode roles): draft tokens from the request's own context,
     /// verified in one multi-row step; on by default (`Speculative::prompt_lookup(8)`, while one
     /// request runs), `Speculative::OFF` to turn it off. The output is the same either way.
@@ -136,6 +139,7 @@ impl EngineConfig {
             transfer_step_tokens: 256,
             tool_format: None,
             tool_calls_max: 8,
+            reasoning_format: None,
             speculative: crate::Speculative::prompt_lookup(8),
         }
     }

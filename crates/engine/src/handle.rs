@@ -182,6 +182,12 @@ impl Engine {
                 files.text.chat_template().map_or(crate::ToolFormat::Hermes, crate::ToolFormat::from_template)
             }),
             tool_calls_max: config.tool_calls_max.max(1),
+            reasoning_format: config.reasoning_format.unwrap_or_else(|| {
+                files
+                    .text
+                    .chat_template()
+                    .map_or(crate::ReasoningFormat::None, crate::ReasoningFormat::from_template)
+            }),
             fim: fim_tokens(|t| files.text.token_id(t).is_some()),
         };
         let eos = model.eos_token_ids.first().copied().unwrap_or(0);
@@ -263,8 +269,9 @@ impl Engine {
         &self,
         input: &Input,
         tools: &[pdserve_api::tools::Tool],
+        chat_template_kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<Vec<u32>, EngineError> {
-        crate::chat::tokens(&self.codec, &self.info, input, tools)
+        crate::chat::tokens(&self.codec, &self.info, input, tools, chat_template_kwargs)
     }
 
     /// The engine's metrics; a program may register its own beside them.
@@ -349,6 +356,8 @@ impl Engine {
             tools: req.tools,
             tool_choice: req.tool_choice,
             parallel_tool_calls: req.parallel_tool_calls,
+            chat_template_kwargs: req.chat_template_kwargs,
+            reasoning: req.reasoning,
             constraint: req.constraint,
             stop: req.stop,
             include_stop: req.include_stop_str,

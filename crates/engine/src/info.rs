@@ -45,6 +45,8 @@ pub struct EngineInfo {
     pub tool_format: crate::ToolFormat,
     /// The most tool calls one answer makes (`EngineConfig::tool_calls_max`).
     pub tool_calls_max: usize,
+    /// How the model marks its thinking (the chat template's, or the configured one).
+    pub reasoning_format: crate::ReasoningFormat,
     /// The model's fill-in-the-middle tokens (prefix, suffix, middle), if its vocabulary has them:
     /// completions with a `suffix` are written `{prefix}{prompt}{suffix token}{suffix}{middle}`.
     pub fim: Option<[String; 3]>,

@@ -62,8 +62,15 @@ pub struct Request {
     /// offers nothing. Calls the model writes are lifted out of its text into `Output::Text`'s
     /// `calls`, in the format of its chat template (`EngineInfo::tool_format`).
     pub tool_choice: ToolChoice,
-    /// With `tool_choice: Required`, whether more than one call may be made.
+    /// Whether more than one call may be made (under `Required` and `Auto` alike).
     pub parallel_tool_calls: bool,
+    /// Extra variables for the chat template (a request's `chat_template_kwargs`: Qwen3's
+    /// `enable_thinking`, say).
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Whether a thinking model's `<think>` span is split from the answer (into `Output::Text`'s
+    /// `reasoning`); `None`: for chat input. A decode engine's input is the prefill engine's handle,
+    /// so its caller says whether the request was a chat.
+    pub reasoning: Option<bool>,
     /// What the ids of the request's calls begin with (default: `request_id`); each call's id is
     /// this, then its index.
     pub tool_call_ids: Option<String>,
@@ -112,6 +119,8 @@ impl Request {
             tools: Vec::new(),
             tool_choice: ToolChoice::Auto,
             parallel_tool_calls: true,
+            chat_template_kwargs: serde_json::Map::new(),
+            reasoning: None,
             tool_call_ids: None,
             constraint: None,
             min_tokens: 0,
@@ -211,7 +220,10 @@ pub enum Output {
     /// caller already delivered.
     Text {
         id: Id,
+        /// Answer text.
         text: String,
+        /// A thinking model's thinking, ahead of `text` (split from it: never in `text`).
+        reasoning: String,
         calls: Vec<ToolCall>,
         logprob: Option<TokenLogprob>,
         tokens: Vec<u32>,

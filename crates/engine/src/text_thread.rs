@@ -33,7 +33,7 @@ use crate::text::apply_stop;
 use crate::{EngineError, Finish, Id, Input, Output, Timings};
 use pdserve_api::generation::Constraint;
 use pdserve_api::tools::ToolChoice;
-use pdserve_chat_template::{Piece, ToolCallParser};
+use pdserve_chat_template::{Piece, ReasoningFormat, ReasoningParser, Split, ToolCallParser};
 
 /// Recent prefill requests remembered for aborts of their offers.
 const RECENT_PREFILLS_MAX: usize = 4096;
@@ -59,6 +59,9 @@ pub(crate) struct NewRequest {
     pub tools: Vec<pdserve_api::tools::Tool>,
     pub tool_choice: ToolChoice,
     pub parallel_tool_calls: bool,
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    /// Split a thinking model's thinking from the answer (`None`: for chat input).
+    pub reasoning: Option<bool>,
     /// What the request's call ids begin with.
     pub tool_call_ids: String,
     pub constraint: Option<Constraint>,
@@ -147,6 +150,9 @@ pub(crate) struct Text {
     logprobs: bool,
     /// Tokens consumed since the last `Text` output (it names them).
     unsent: Vec<u32>,
+    /// A thinking model's chat: splits the thinking from the answer (before the tool-call parser,
+    /// which sees the answer only).
+    thinking: Option<ReasoningParser>,
     /// Tools offered: lifts the model's calls out of its text.
     parser: Option<ToolCallParser>,
     /// The model made a call (its end is then `Finish::ToolCalls`).
@@ -255,6 +261,8 @@ impl TextThread {
                     tools,
                     tool_choice,
                     parallel_tool_calls,
+                    chat_template_kwargs,
+                    reasoning,
                     tool_call_ids,
                     constraint,
                     stop,
@@ -282,7 +290,17 @@ impl TextThread {
                 let calls_max = if matches!(tool_choice, ToolChoice::Function(_)) { 1 } else { calls_max };
                 let parser = offered.then(|| ToolCallParser::new(format, &tools, &tool_call_ids));
                 let tools = if offered { tools } else { Vec::new() };
-                match self.prompt(&input, &tools, sub.remote.is_some(), &resumed) {
+                // A thinking model's chat: its thinking split from the answer. An answer under a
+                // constraint (a forced call, a schema) starts with what the constraint allows.
+                let reasoning_format = self.info.reasoning_format;
+                let split = reasoning.unwrap_or(matches!(input, Input::Chat(_)))
+                    && reasoning_format != ReasoningFormat::None;
+                let thinking = split.then(|| {
+                    let opened = constraint.is_none()
+                        && crate::chat::opens_thinking(&self.codec, reasoning_format, &chat_template_kwargs);
+                    ReasoningParser::new(opened)
+                });
+                match self.prompt(&input, &tools, &chat_template_kwargs, sub.remote.is_some(), &resumed) {
                     Ok(tokens) => sub.tokens = tokens,
                     Err(e) => return self.reject(id, e),
                 }
@@ -318,6 +336,7 @@ impl TextThread {
                     stopped: None,
                     logprobs,
                     unsent: Vec::new(),
+                    thinking,
                     parser,
                     called: false,
                     calls_max,
@@ -380,10 +399,11 @@ impl TextThread {
         &self,
         input: &Input,
         tools: &[pdserve_api::tools::Tool],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
         remote: bool,
         resumed: &[u32],
     ) -> Result<Vec<u32>, EngineError> {
-        let mut tokens = crate::chat::tokens(&self.codec, &self.info, input, tools)?;
+        let mut tokens = crate::chat::tokens(&self.codec, &self.info, input, tools, kwargs)?;
         if let Some(t) = resumed.iter().find(|&&t| t as usize >= self.info.vocab_size) {
             let problem = format!("resumed token {t} is outside the vocabulary of {}", self.info.vocab_size);
             return Err(EngineError::InvalidInput { problem });
@@ -509,17 +529,25 @@ impl TextThread {
                         if !stopped {
                             rest.push_str(&t.detok.finish(codec).unwrap_or_default());
                         }
+                        let (thought, answer) = match t.thinking.as_mut() {
+                            Some(r) => {
+                                let mut splits = r.push(&rest);
+                                splits.extend(r.finish());
+                                split_text(splits)
+                            }
+                            None => (String::new(), rest),
+                        };
                         let mut pieces = match t.parser.as_mut() {
-                            Some(p) => p.push(&rest),
-                            None => vec![Piece::Text(rest)],
+                            Some(p) => p.push(&answer),
+                            None => vec![Piece::Text(answer)],
                         };
                         pieces.extend(t.parser.as_mut().map(|p| p.finish(cut)).unwrap_or_default());
-                        pieces
+                        (thought, pieces)
                     }));
                     match rest {
-                        Ok(pieces) => {
+                        Ok((thought, pieces)) => {
                             t.called |= pieces.iter().any(|p| matches!(p, Piece::Call(_)));
-                            self.push_pieces(id, pieces, None, Vec::new(), false);
+                            self.push_pieces(id, thought, pieces, None, Vec::new(), false);
                             // An answer that made calls ended for them, also when cut by max_tokens
                             // (the calls are its result, the last one's arguments as far as written).
                             if t.called
@@ -605,6 +633,10 @@ impl TextThread {
         }
         if !text.is_empty() || logprob.is_some() {
             let tokens = std::mem::take(&mut t.unsent);
+            let (thought, text) = match t.thinking.as_mut() {
+                Some(r) => split_text(r.push(&text)),
+                None => (String::new(), text),
+            };
             let mut pieces = match t.parser.as_mut() {
                 Some(p) => p.push(&text),
                 None => vec![Piece::Text(text)],
@@ -621,29 +653,31 @@ impl TextThread {
                 t.calls_done = true;
                 let _ = self.commands.try_send(Command::Abort(id));
             }
-            self.push_pieces(id, pieces, logprob, tokens, replayed);
+            self.push_pieces(id, thought, pieces, logprob, tokens, replayed);
         }
     }
 
-    /// Text and calls, in order, as `Text` outputs: each holds a run of text and the calls after
-    /// it; the first carries `logprob` and `tokens`. At least one goes out.
+    /// Thinking, then text and calls, in order, as `Text` outputs: each holds a run of text and the
+    /// calls after it; the first carries the thinking, `logprob` and `tokens`. At least one goes out.
     fn push_pieces(
         &mut self,
         id: u64,
+        reasoning: String,
         pieces: Vec<Piece>,
         logprob: Option<TokenLogprob>,
         tokens: Vec<u32>,
         replayed: bool,
     ) {
         let mut out = (String::new(), Vec::new());
-        let (mut logprob, mut tokens) = (logprob, tokens);
+        let (mut logprob, mut tokens, mut reasoning) = (logprob, tokens, reasoning);
         let mut any = false;
         for p in pieces {
             match p {
                 Piece::Text(t) if !out.1.is_empty() => {
                     let (text, calls) = std::mem::replace(&mut out, (t, Vec::new()));
                     let (logprob, tokens) = (logprob.take(), std::mem::take(&mut tokens));
-                    self.push(Output::Text { id: Id(id), text, calls, logprob, tokens, replayed });
+                    let reasoning = std::mem::take(&mut reasoning);
+                    self.push(Output::Text { id: Id(id), text, reasoning, calls, logprob, tokens, replayed });
                     any = true;
                 }
                 Piece::Text(t) => out.0.push_str(&t),
@@ -651,10 +685,23 @@ impl TextThread {
             }
         }
         let (text, calls) = out;
-        if !any || !text.is_empty() || !calls.is_empty() || logprob.is_some() || !tokens.is_empty() {
-            self.push(Output::Text { id: Id(id), text, calls, logprob, tokens, replayed });
+        let more = !text.is_empty() || !reasoning.is_empty() || !calls.is_empty();
+        if !any || more || logprob.is_some() || !tokens.is_empty() {
+            self.push(Output::Text { id: Id(id), text, reasoning, calls, logprob, tokens, replayed });
         }
     }
+}
+
+/// Thinking and answer text of `splits`, each joined.
+fn split_text(splits: Vec<Split>) -> (String, String) {
+    let (mut thought, mut answer) = (String::new(), String::new());
+    for s in splits {
+        match s {
+            Split::Reasoning(t) => thought.push_str(&t),
+            Split::Content(t) => answer.push_str(&t),
+        }
+    }
+    (thought, answer)
 }
 
 /// How the engine thread's outcome reads to the caller, with the stage in the api's words.

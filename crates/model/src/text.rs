@@ -130,10 +130,24 @@ impl TextCodec {
         tools: &[serde_json::Value],
         add_generation_prompt: bool,
     ) -> Result<String, ModelError> {
+        self.apply_chat_template_with(messages, tools, add_generation_prompt, &serde_json::Map::new())
+    }
+
+    /// [`apply_chat_template_with_tools`](Self::apply_chat_template_with_tools) with a request's
+    /// `chat_template_kwargs` in the template's context (Qwen3's `enable_thinking`, say).
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, ModelError> {
         let template = self.template.as_ref().ok_or_else(|| ModelError::Text {
             problem: "this model has no chat template (tokenizer_config.json has no chat_template)".into(),
         })?;
-        template.render(messages, tools, add_generation_prompt).map_err(|e| ModelError::Text { problem: e.0 })
+        template
+            .render_with(messages, tools, add_generation_prompt, kwargs)
+            .map_err(|e| ModelError::Text { problem: e.0 })
     }
 }
 

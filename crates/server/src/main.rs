@@ -55,6 +55,9 @@ pdserve-server [options]
   --responses-max N        answered /v1/responses kept for previous_response_id and GET /v1/responses/{id}
                            (default 4096; the oldest go first; 0 keeps none)
   --responses-max-age-s S  ... and none kept longer than this (default 3600)
+  --reasoning-parser NAME  how the model marks its thinking: deepseek_r1, qwen3 (both: <think> ... </think>)
+                           or none (default: the chat template's: <think> spans where it writes them); the
+                           thinking is answered apart (reasoning_content, thinking blocks, reasoning items)
   --max-tool-calls N       the most tool calls one answer makes with parallel calls allowed (default 8): a
                            forced call's grammar ends there, and under auto the call reaching it ends the answer
   --admission ORDER        least-work (default: the fewest uncached prompt tokens first, a request
@@ -114,6 +117,7 @@ const VALUED: &[&str] = &[
     "--admission",
     "--tool-parser",
     "--max-tool-calls",
+    "--reasoning-parser",
     "--responses-max",
     "--responses-max-age-s",
     "--prefill-chunk",
@@ -227,6 +231,11 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 })?)
             }
             "--max-tool-calls" => e.tool_calls_max = n()?.max(1),
+            "--reasoning-parser" => {
+                e.reasoning_format = Some(pdserve_engine::ReasoningFormat::from_name(&v).ok_or_else(|| {
+                    format!("--reasoning-parser {v}: one of {}", pdserve_engine::ReasoningFormat::NAMES)
+                })?)
+            }
             "--responses-max" => c.responses_max = n()?,
             "--responses-max-age-s" => c.responses_max_age = secs()?,
             "--prefill-chunk" => e.scheduler.prefill_chunk_tokens_max = n()?,

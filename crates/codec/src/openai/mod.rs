@@ -93,12 +93,26 @@ pub fn full_response(
     })
 }
 
+/// A thinking model's thinking in a whole chat response: the message's `reasoning_content`.
+pub fn with_reasoning(response: &mut Value, reasoning: &str) {
+    if reasoning.is_empty() {
+        return;
+    }
+    for c in response["choices"].as_array_mut().into_iter().flatten() {
+        if c.get("message").is_some() {
+            c["message"]["reasoning_content"] = json!(reasoning);
+        }
+    }
+}
+
 /// What one stream chunk carries.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct Delta<'a> {
     /// The assistant role (the first chat chunk).
     pub role: bool,
     pub text: Option<&'a str>,
+    /// A thinking model's thinking (chat: `reasoning_content`).
+    pub reasoning: Option<&'a str>,
     /// Whole calls, each with its index among the response's calls.
     pub tool_calls: Option<&'a [(usize, ToolCall)]>,
     pub finish_reason: Option<&'a str>,
@@ -114,6 +128,9 @@ pub fn chunk(meta: &Meta, delta: Delta<'_>, logprobs: Option<Value>) -> Value {
             let mut d = Map::new();
             if delta.role {
                 d.insert("role".into(), json!("assistant"));
+            }
+            if let Some(t) = delta.reasoning {
+                d.insert("reasoning_content".into(), json!(t));
             }
             if let Some(t) = delta.text {
                 d.insert("content".into(), json!(t));

@@ -57,6 +57,7 @@ const CHAT_FIELDS: &[&str] = &[
     "tool_choice",
     "parallel_tool_calls",
     "response_format",
+    "chat_template_kwargs",
 ];
 const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "best_of", "echo", "suffix", "response_format"];
 
@@ -160,9 +161,25 @@ fn parse_messages(f: &Fields<'_>) -> Result<Prompt, ApiError> {
                     msg.tool_call_id = Some(v.as_str().ok_or_else(|| bad("must be a string"))?.to_owned())
                 }
                 "tool_calls" if role == "assistant" => msg.tool_calls = parse_message_calls(i, v)?,
+                // A thinking model's earlier thinking (`reasoning` is vLLM's newer name): the
+                // template renders it where it has a place for it.
+                "reasoning_content" | "reasoning" if role == "assistant" && !v.is_null() => {
+                    msg.reasoning = Some(v.as_str().ok_or_else(|| bad("must be a string"))?.to_owned())
+                }
+                // A refusal is what the model said: its text, when the message has no other.
+                "refusal" if role == "assistant" && !v.is_null() => {
+                    let r = v.as_str().ok_or_else(|| bad("must be a string"))?;
+                    if !msg.content.is_empty() && msg.content != r {
+                        return Err(bad("and `content` both hold text; send the one the model said"));
+                    }
+                    msg.content = r.to_owned();
+                }
+                "audio" if role == "assistant" && !v.is_null() => {
+                    return Err(bad("refers to an audio answer; this model answers in text only"))
+                }
                 // Informational fields of assistant messages (a client echoing a response back).
-                "refusal" | "annotations" | "audio" | "function_call" | "reasoning_content"
-                    if role == "assistant" && (v.is_null() || k != "function_call") => {}
+                "refusal" | "annotations" | "audio" | "function_call" | "reasoning_content" | "reasoning"
+                    if role == "assistant" && (v.is_null() || k == "annotations") => {}
                 _ => return Err(ApiError::invalid(format!("messages[{i}] has an unrecognized field `{k}`"))),
             }
         }
@@ -172,6 +189,15 @@ fn parse_messages(f: &Fields<'_>) -> Result<Prompt, ApiError> {
         out.push(msg);
     }
     Ok(Prompt::Messages(out))
+}
+
+/// `chat_template_kwargs`: an object of extra template variables (Qwen3's `enable_thinking`).
+fn parse_template_kwargs(f: &Fields<'_>) -> Result<Map<String, Value>, ApiError> {
+    match f.get("chat_template_kwargs") {
+        None => Ok(Map::new()),
+        Some(Value::Object(o)) => Ok(o.clone()),
+        Some(_) => Err(ApiError::invalid("`chat_template_kwargs` must be an object")),
+    }
 }
 
 /// An assistant message's `tool_calls`.
@@ -497,6 +523,7 @@ pub fn parse_value(endpoint: Endpoint, v: Value) -> Result<GenerateRequest, ApiE
         pd_handles,
         resume,
         parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
+        chat_template_kwargs: parse_template_kwargs(&f)?,
         tools,
         tool_choice,
         constraint,
@@ -515,6 +542,7 @@ pub struct TokenizeRequest {
     pub model: Option<String>,
     pub prompt: Prompt,
     pub tools: Vec<Tool>,
+    pub chat_template_kwargs: Map<String, Value>,
 }
 
 fn object_with<'a>(body: &'a [u8], known: &[&str], v: &'a mut Value) -> Result<Fields<'a>, ApiError> {
@@ -530,7 +558,7 @@ fn object_with<'a>(body: &'a [u8], known: &[&str], v: &'a mut Value) -> Result<F
 /// Parses a `/tokenize` body (`prompt`, or `messages` and `tools`).
 pub fn parse_tokenize(body: &[u8]) -> Result<TokenizeRequest, ApiError> {
     let mut v = Value::Null;
-    let f = object_with(body, &["model", "prompt", "messages", "tools"], &mut v)?;
+    let f = object_with(body, &["model", "prompt", "messages", "tools", "chat_template_kwargs"], &mut v)?;
     let prompt = match (f.get("messages"), f.get("prompt")) {
         (Some(_), None) => parse_messages(&f)?,
         (None, Some(_)) => parse_prompt(&f)?,
@@ -540,6 +568,7 @@ pub fn parse_tokenize(body: &[u8]) -> Result<TokenizeRequest, ApiError> {
         model: f.str("model")?.map(str::to_owned),
         prompt,
         tools: parse_tools(f.get("tools"))?,
+        chat_template_kwargs: parse_template_kwargs(&f)?,
     })
 }
 

@@ -17,10 +17,16 @@ impl Frontend {
     /// The stream events of text and calls, framed: text as content deltas, each call whole as a
     /// `tool_calls` delta with its index (Messages: text and `tool_use` blocks). `lp` goes with the
     /// first text chunk (taken if used).
-    pub(super) fn stream_pieces(l: &mut Live, pieces: Vec<Piece>, lp: &mut Option<Value>) -> String {
+    pub(super) fn stream_pieces(
+        l: &mut Live,
+        reasoning: &str,
+        pieces: Vec<Piece>,
+        lp: &mut Option<Value>,
+    ) -> String {
         let mut frames = String::new();
         if let Some(r) = l.resp.as_mut() {
             let mut events = Vec::new();
+            r.stream.reasoning(&l.meta, reasoning, &mut events);
             for p in pieces {
                 match p {
                     Piece::Text(t) => r.stream.text(&l.meta, &t, &mut events),
@@ -37,6 +43,7 @@ impl Frontend {
         }
         if l.meta.endpoint == Endpoint::Messages {
             let mut events = Vec::new();
+            l.blocks.thinking(reasoning, &mut events);
             for p in pieces {
                 match p {
                     Piece::Text(t) => l.blocks.text(&t, &mut events),
@@ -50,6 +57,10 @@ impl Frontend {
                 frames.push_str(&sse(Some(e.0), &anthropic::event_data(e)));
             }
             return frames;
+        }
+        if !reasoning.is_empty() {
+            let delta = Delta { reasoning: Some(reasoning), index: l.choice, ..Delta::default() };
+            frames.push_str(&sse(None, &openai::chunk(&l.meta, delta, None).to_string()));
         }
         for p in pieces {
             let c = match p {
@@ -108,7 +119,7 @@ impl Frontend {
                     l.text.insert_str(0, e);
                 }
                 let mut body = if let Some(r) = l.resp.take() {
-                    let output = responses::output_items(&l.meta, &l.text, &l.calls);
+                    let output = responses::output_items(&l.meta, &l.reasoning, &l.text, &l.calls);
                     let body = responses::response_json(&l.meta, &r.echo, output, Some(reason), Some(usage));
                     if r.store {
                         self.responses.put(r.items, body.clone(), std::time::Instant::now());
@@ -117,10 +128,14 @@ impl Frontend {
                 } else if l.meta.endpoint == Endpoint::Messages {
                     let stop = stop_sequence.as_deref();
                     let why = anthropic::stop_reason(reason, !l.calls.is_empty(), stop);
-                    anthropic::message_json(&l.meta, &l.text, &l.calls, why, stop, usage)
+                    let mut m = anthropic::message_json(&l.meta, &l.text, &l.calls, why, stop, usage);
+                    anthropic::with_thinking(&mut m, &l.reasoning);
+                    m
                 } else {
                     let lp = logprobs.then(|| openai::logprobs_json(l.meta.endpoint, &l.logprobs));
-                    openai::full_response(&l.meta, &l.text, &l.calls, reason, lp, usage)
+                    let mut r = openai::full_response(&l.meta, &l.text, &l.calls, reason, lp, usage);
+                    openai::with_reasoning(&mut r, &l.reasoning);
+                    r
                 };
                 body["timings"] = timings;
                 let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));

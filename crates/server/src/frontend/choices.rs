@@ -127,6 +127,7 @@ impl Frontend {
             marks: false,
             resumed: false,
             last_sent: Instant::now(),
+            reasoning: String::new(),
             resp: None,
             group: Some(gid),
             choice: i,
@@ -245,7 +246,8 @@ impl Frontend {
                 l.text.insert_str(0, e);
             }
             let lp = logprobs.then(|| openai::logprobs_json(g.meta.endpoint, &l.logprobs));
-            let body = openai::full_response(&g.meta, &l.text, &l.calls, reason, lp, usage);
+            let mut body = openai::full_response(&g.meta, &l.text, &l.calls, reason, lp, usage);
+            openai::with_reasoning(&mut body, &l.reasoning);
             let mut choice = body["choices"][0].clone();
             choice["index"] = json!(l.choice);
             g.ended[l.choice] = Some(choice);

@@ -67,6 +67,8 @@ struct Live {
     last_sent: Instant,
     /// A Responses request: what its answer echoes and stores, and its stream's events.
     resp: Option<Box<Responding>>,
+    /// A thinking model's thinking so far (non-streaming answers).
+    reasoning: String,
 }
 
 /// A Responses request's own state.
@@ -125,6 +127,7 @@ fn chat_message(m: &pdserve_codec::Message) -> ChatMessage {
     c.tool_calls = m.tool_calls.iter().map(|t| tool_call(&t.id, &t.name, &t.arguments)).collect();
     c.tool_call_id = m.tool_call_id.clone();
     c.name = m.name.clone();
+    c.reasoning_content = m.reasoning.clone();
     c
 }
 
@@ -426,6 +429,19 @@ impl Frontend {
         er.tools = g.tools.clone();
         er.tool_choice = g.tool_choice.clone();
         er.parallel_tool_calls = g.parallel_tool_calls;
+        er.chat_template_kwargs = g.chat_template_kwargs.clone();
+        // Chat-like answers split a thinking model's thinking out (a decode worker cannot tell
+        // from its input, the prefill worker's handle).
+        er.reasoning = Some(endpoint != Endpoint::Completion);
+        let thinks = self.engine.info().reasoning_format != pdserve_engine::ReasoningFormat::None;
+        if endpoint == Endpoint::Messages
+            && !thinks
+            && g.chat_template_kwargs.get("enable_thinking") == Some(&json!(true))
+        {
+            return Err(ApiError::invalid(
+                "`thinking`: the served model does not think (its chat template has no thinking)",
+            ));
+        }
         // Call ids from the client's request id (a moved request's own id names the try).
         er.tool_call_ids = Some(g.resume.as_ref().map_or(rid, |r| r.request_id.as_str()).to_owned());
         // A prefill worker answers with the KV handle, never a stream.
@@ -490,6 +506,7 @@ impl Frontend {
             resumed: false,
             last_sent: Instant::now(),
             resp: None,
+            reasoning: String::new(),
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -656,7 +673,7 @@ impl Frontend {
                     }
                 }
             }
-            Output::Text { id, text, calls, logprob, tokens, replayed } => {
+            Output::Text { id, text, reasoning, calls, logprob, tokens, replayed } => {
                 let Some(l) = self.live.get_mut(&id) else { return };
                 let Kind::Generate { stream, .. } = l.kind else { return };
                 assert!(!l.panic_in_output, "test panic while rendering the output");
@@ -669,6 +686,7 @@ impl Frontend {
                 }
                 let Some(l) = self.live.get_mut(&id) else { return };
                 if !stream {
+                    l.reasoning.push_str(&reasoning);
                     l.logprobs.extend(logprob);
                     for p in pieces {
                         match p {
@@ -679,7 +697,7 @@ impl Frontend {
                     return;
                 }
                 let mut lp = logprob.map(|p| openai::logprobs_json(l.meta.endpoint, &[p]));
-                let mut frames = Self::stream_pieces(l, pieces, &mut lp);
+                let mut frames = Self::stream_pieces(l, &reasoning, pieces, &mut lp);
                 if replayed {
                     // The client has these events from the worker before; the parsers' state is
                     // what counted.

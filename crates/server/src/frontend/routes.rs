@@ -35,7 +35,7 @@ impl Frontend {
     pub(super) fn count_tokens(&self, req: &Request, rid: &str) -> Result<Response, ApiError> {
         let chat = anthropic::count_tokens_chat_body(&req.body)?;
         let mut body = serde_json::Map::new();
-        for k in ["model", "messages", "tools"] {
+        for k in ["model", "messages", "tools", "chat_template_kwargs"] {
             if let Some(v) = chat.get(k) {
                 body.insert(k.to_owned(), v.clone());
             }
@@ -52,7 +52,7 @@ impl Frontend {
             Prompt::Text(s) => Input::Text(s.clone()),
             Prompt::Tokens(ids) => Input::Tokens(ids.clone()),
         };
-        self.engine.tokenize(&input, &t.tools).map_err(|e| e.to_api_error())
+        self.engine.tokenize(&input, &t.tools, &t.chat_template_kwargs).map_err(|e| e.to_api_error())
     }
 
     /// `POST /detokenize`: the text of token ids.
@@ -111,7 +111,8 @@ impl Frontend {
             "owned_by": "pdserve", "max_model_len": info.context_tokens, "device": info.device.to_string(),
             "weights": info.weights.name(), "activations": info.activations, "multi_row_weights": info.multi_row_weights, "kv_dtype": info.kv_dtype.name(),
             "weight_bytes": info.weight_bytes, "kv_bytes": info.kv_bytes, "kv_bytes_per_token": info.kv_bytes_per_token,
-            "cpu_kernels": pdserve_engine::cpu_kernels().name(), "role": info.role.as_str()});
+            "cpu_kernels": pdserve_engine::cpu_kernels().name(), "role": info.role.as_str(),
+            "tool_parser": info.tool_format.name(), "reasoning_parser": info.reasoning_format.name()});
         model
     }
 
