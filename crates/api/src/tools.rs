@@ -12,6 +12,8 @@ pub struct Tool {
     pub description: Option<String>,
     /// The arguments' JSON schema (`{"type": "object"}` when the request gives none).
     pub parameters: Value,
+    /// `strict: true`: the call's arguments must fit the schema, under `tool_choice: auto` too.
+    pub strict: bool,
 }
 
 impl Tool {

@@ -136,48 +136,64 @@ impl ToolFormat {
     /// newline, one newline may follow the last; the model then chooses between another call and the
     /// end, never forced into a second). Each call's arguments fit its schema.
     pub fn forced_call_grammar(self, tools: &[Tool], only: Option<&str>, calls_max: usize) -> String {
-        let calls_max = calls_max.max(1);
-        let key = self.arguments_key();
-        let schemas: Vec<Value> = tools
-            .iter()
-            .filter(|t| only.is_none_or(|n| n == t.name))
-            .map(|t| {
-                json!({"type": "object",
-                       "properties": {"name": {"const": t.name}, key: t.parameters},
-                       "required": ["name", key], "additionalProperties": false})
-            })
+        match self.call_rules(tools, only, calls_max) {
+            Some((opener, rules)) => format!("start: {} rest\n{rules}", lit(opener)),
+            // A Llama 3 call is the whole answer, with no marker.
+            None => format!("start: %json {}\n", call_schema(self, tools, only)),
+        }
+    }
+
+    /// Under `tool_choice: auto` with `strict` tools: the model answers freely, or writes text and
+    /// then calls; once it writes the format's opener, the calls (at most `calls_max`) must fit
+    /// their schemas. `None` for a format without an opener (Llama 3's call is a bare JSON answer).
+    pub fn auto_call_grammar(self, tools: &[Tool], calls_max: usize) -> Option<String> {
+        let (opener, rules) = self.call_rules(tools, None, calls_max)?;
+        let escaped: String = opener
+            .chars()
+            .map(|c| if "\\.^$|?*+()[]{}/".contains(c) { format!("\\{c}") } else { c.to_string() })
             .collect();
-        let mut call = if schemas.len() == 1 { schemas[0].clone() } else { json!({"anyOf": schemas}) };
-        // Compact, single-line JSON: a small model left free to add whitespace may never stop.
-        call["x-guidance"] =
-            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+        Some(format!(
+            "start: FREE | prefix rest\nFREE: /(.|\\n)*/ & ~/(.|\\n)*{escaped}(.|\\n)*/\nprefix[stop={}]: /(.|\\n)*/\n{rules}",
+            lit(opener)
+        ))
+    }
+
+    /// The format's opener and the rules of what follows it (`rest`: the calls, then the end).
+    fn call_rules(
+        self,
+        tools: &[Tool],
+        only: Option<&str>,
+        calls_max: usize,
+    ) -> Option<(&'static str, String)> {
+        let calls_max = calls_max.max(1);
+        let call = call_schema(self, tools, only);
         match self {
             ToolFormat::Hermes => {
                 let more = match calls_max {
                     1 => String::new(),
                     n => format!(" (\"\\n\" call){{0,{}}}", n - 1),
                 };
-                format!(
-                    "start: call{more} \"\\n\"?\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}\n"
-                )
+                let rules = format!(
+                    "rest: \"\\n\" body \"\\n</tool_call>\"{more} \"\\n\"?\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}\n"
+                );
+                Some(("<tool_call>", rules))
             }
-            ToolFormat::Llama3 => format!("start: %json {call}\n"),
+            ToolFormat::Llama3 => None,
             ToolFormat::Mistral => {
                 let mut list = json!({"type": "array", "items": call, "minItems": 1, "maxItems": calls_max});
                 list["x-guidance"] = call["x-guidance"].clone();
-                format!("start: \"[TOOL_CALLS]\" body\nbody: %json {list}\n")
+                Some(("[TOOL_CALLS]", format!("rest: body\nbody: %json {list}\n")))
             }
             ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
                 // One rule per function: its name is text between the markers, its arguments JSON.
-                let lit = |s: &str| serde_json::to_string(s).expect("a string");
+                let offered: Vec<&Tool> = tools.iter().filter(|t| only.is_none_or(|n| n == t.name)).collect();
                 let mut g = format!(
-                    "start: {} call{} {}\ncall: {}\n",
-                    lit(CALLS_BEGIN),
+                    "rest: call{} {}\ncall: {}\n",
                     if calls_max > 1 { format!("{{1,{calls_max}}}") } else { String::new() },
                     lit(CALLS_END),
-                    (0..schemas.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(" | ")
+                    (0..offered.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(" | ")
                 );
-                for (i, t) in tools.iter().filter(|t| only.is_none_or(|n| n == t.name)).enumerate() {
+                for (i, t) in offered.iter().enumerate() {
                     let mut args = t.parameters.clone();
                     if !args.is_object() {
                         args = json!({"type": "object"});
@@ -194,10 +210,34 @@ impl ToolFormat {
                     };
                     g.push_str(&format!("c{i}: {} a{i} {}\na{i}: %json {args}\n", lit(&head), lit(&tail)));
                 }
-                g
+                Some((CALLS_BEGIN, g))
             }
         }
     }
+}
+
+/// A Lark string literal.
+fn lit(s: &str) -> String {
+    serde_json::to_string(s).expect("a string")
+}
+
+/// The schema of one call object (`name` and the arguments) to one of `tools` (or `only`), written
+/// compact.
+fn call_schema(format: ToolFormat, tools: &[Tool], only: Option<&str>) -> Value {
+    let key = format.arguments_key();
+    let schemas: Vec<Value> = tools
+        .iter()
+        .filter(|t| only.is_none_or(|n| n == t.name))
+        .map(|t| {
+            json!({"type": "object",
+                   "properties": {"name": {"const": t.name}, key: t.parameters},
+                   "required": ["name", key], "additionalProperties": false})
+        })
+        .collect();
+    let mut call = if schemas.len() == 1 { schemas[0].clone() } else { json!({"anyOf": schemas}) };
+    // Compact, single-line JSON: a small model left free to add whitespace may never stop.
+    call["x-guidance"] = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+    call
 }
 
 /// How far the text being parsed goes.
@@ -707,8 +747,14 @@ mod tests {
                 name: "read_file".into(),
                 description: Some("Reads a file".into()),
                 parameters: json!({"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}),
+                strict: false,
             },
-            Tool { name: "list_dir".into(), description: None, parameters: json!({"type": "object"}) },
+            Tool {
+                name: "list_dir".into(),
+                description: None,
+                parameters: json!({"type": "object"}),
+                strict: false,
+            },
         ]
     }
 
@@ -924,13 +970,16 @@ mod tests {
     #[test]
     fn forced_call_grammars_name_the_functions() {
         let g = ToolFormat::DeepSeekV3.forced_call_grammar(&tools(), Some("read_file"), 1);
-        assert!(g.contains("start: \"<｜tool▁calls▁begin｜>\" call \"<｜tool▁calls▁end｜>\""), "{g}");
+        assert!(
+            g.contains("start: \"<｜tool▁calls▁begin｜>\" rest\nrest: call \"<｜tool▁calls▁end｜>\""),
+            "{g}"
+        );
         assert!(g.contains("function<｜tool▁sep｜>read_file\\n```json\\n") && !g.contains("list_dir"), "{g}");
         let g = ToolFormat::DeepSeekV31.forced_call_grammar(&tools(), None, 8);
         assert!(g.contains("call{1,8}") && g.contains("call: c0 | c1"), "{g}");
         let g = ToolFormat::Hermes.forced_call_grammar(&tools(), Some("read_file"), 1);
         assert!(
-            g.starts_with("start: call \"\\n\"?\n")
+            g.starts_with("start: \"<tool_call>\" rest\nrest: \"\\n\" body \"\\n</tool_call>\" \"\\n\"?\n")
                 && g.contains("\"const\":\"read_file\"")
                 && !g.contains("list_dir"),
             "{g}"
@@ -939,5 +988,9 @@ mod tests {
         assert!(g.contains("(\"\\n\" call){0,7} \"\\n\"?") && g.contains("anyOf"), "{g}");
         let g = ToolFormat::Mistral.forced_call_grammar(&tools(), None, 1);
         assert!(g.contains("\"maxItems\":1"));
+        // Under auto: free text, or text and then the calls; Llama 3 has no opener to start at.
+        let g = ToolFormat::Mistral.auto_call_grammar(&tools(), 8).unwrap();
+        assert!(g.starts_with("start: FREE | prefix rest\n") && g.contains("\\[TOOL_CALLS\\]"), "{g}");
+        assert!(ToolFormat::Llama3.auto_call_grammar(&tools(), 8).is_none());
     }
 }

@@ -148,8 +148,14 @@ mod tests {
                 description: None,
                 parameters: json!({"type": "object",
                 "properties": {"path": {"type": "string"}}, "required": ["path"]}),
+                strict: false,
             },
-            Tool { name: "ls".into(), description: None, parameters: json!({"type": "object"}) },
+            Tool {
+                name: "ls".into(),
+                description: None,
+                parameters: json!({"type": "object"}),
+                strict: false,
+            },
         ];
         // (The grammars keep JSON compact with a space after each separator.)
         let args = r#"{"path": "a.txt"}"#;
@@ -187,6 +193,54 @@ mod tests {
         m.accept(u32::from(b'\n')).unwrap();
         let mask = m.mask().unwrap();
         assert!(mask.is_allowed(256) && !mask.is_allowed(u32::from(b'<')), "a third call is refused");
+    }
+
+    /// `strict` tools under `auto`: free text is the model's, and once it writes the format's opener
+    /// the calls must fit their schemas.
+    #[test]
+    fn auto_call_grammars_take_hold_at_the_opener() {
+        let g = Grammars::new(&byte_tokenizer(), 257, 256).unwrap();
+        let tools = [Tool {
+            name: "read_file".into(),
+            description: None,
+            parameters: json!({"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}),
+            strict: true,
+        }];
+        let args = r#"{"path": "a.txt"}"#;
+        for (f, call, bad) in [
+            (
+                ToolFormat::Hermes,
+                format!("<tool_call>\n{{\"name\": \"read_file\", \"arguments\": {args}}}\n</tool_call>"),
+                "<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"file\"",
+            ),
+            (
+                ToolFormat::Mistral,
+                format!("[TOOL_CALLS][{{\"name\": \"read_file\", \"arguments\": {args}}}]"),
+                "[TOOL_CALLS][{\"name\": \"rm\"",
+            ),
+            (
+                ToolFormat::DeepSeekV31,
+                format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+                "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>rm",
+            ),
+        ] {
+            let grammar = Constraint::Lark(f.auto_call_grammar(&tools, 8).unwrap());
+            let mut m = g.matcher(&grammar).unwrap();
+            feed(&mut m, "Sure, a < b and [x] is fine.", f);
+            assert!(m.is_accepting(), "{f:?}: free text is a whole answer");
+            feed(&mut m, &format!(" Reading it.\n{call}"), f);
+            assert!(m.is_accepting(), "{f:?}: text then a call");
+            let mut m = g.matcher(&grammar).unwrap();
+            let mut refused = false;
+            for b in bad.bytes() {
+                if !m.mask().unwrap().is_allowed(u32::from(b)) {
+                    refused = true;
+                    break;
+                }
+                m.accept(u32::from(b)).unwrap();
+            }
+            assert!(refused, "{f:?}: {bad:?} was allowed");
+        }
     }
 
     /// Feeds `text` byte by byte, each byte allowed by the mask before it.

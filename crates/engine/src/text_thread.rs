@@ -285,8 +285,15 @@ impl TextThread {
                     ToolChoice::Function(name) if offered => {
                         Some(Constraint::Lark(format.forced_call_grammar(&tools, Some(name), 1)))
                     }
+                    // `strict` tools under auto: free text, or text and then calls whose arguments
+                    // fit their schemas (the grammar takes hold at the format's opener).
+                    ToolChoice::Auto if offered && constraint.is_none() && tools.iter().any(|t| t.strict) => {
+                        format.auto_call_grammar(&tools, calls_max).map(Constraint::Lark)
+                    }
                     _ => constraint,
                 };
+                let free_start = constraint.is_none()
+                    || (tool_choice == ToolChoice::Auto && offered && tools.iter().any(|t| t.strict));
                 let calls_max = if matches!(tool_choice, ToolChoice::Function(_)) { 1 } else { calls_max };
                 let parser = offered.then(|| ToolCallParser::new(format, &tools, &tool_call_ids));
                 let tools = if offered { tools } else { Vec::new() };
@@ -296,7 +303,7 @@ impl TextThread {
                 let split = reasoning.unwrap_or(matches!(input, Input::Chat(_)))
                     && reasoning_format != ReasoningFormat::None;
                 let thinking = split.then(|| {
-                    let opened = constraint.is_none()
+                    let opened = free_start
                         && crate::chat::opens_thinking(&self.codec, reasoning_format, &chat_template_kwargs);
                     ReasoningParser::new(opened)
                 });

@@ -423,6 +423,7 @@ fn parallel_tool_calls_false_holds_under_auto_and_cut_calls_are_calls() {
         name: name.into(),
         description: None,
         parameters: serde_json::json!({"type": "object", "properties": {"path": {"type": "string"}}}),
+        strict: false,
     };
     let two = "<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"a.txt\"}}\n</tool_call>\n\
                <tool_call>\n{\"name\": \"ls\", \"arguments\": {\"path\": \"src\"}}\n</tool_call>";

@@ -94,6 +94,14 @@ r = client.chat.completions.create(model=model, messages=ask, tools=tools, max_t
 for t in r.choices[0].logprobs.content:
     assert all(isinstance(x.logprob, float) and x.logprob > -1e30 for x in t.top_logprobs), t
 
+# `strict` tools under auto: the grammar takes hold only at a call's opener, so an answer in prose is
+# the same as without it.
+poem = [{"role": "user", "content": "Write a short poem about the sea."}]
+loose = client.chat.completions.create(model=model, messages=poem, tools=tools, max_tokens=30, temperature=0)
+strict = [dict(t, function=dict(t["function"], strict=True)) for t in tools]
+tight = client.chat.completions.create(model=model, messages=poem, tools=strict, max_tokens=30, temperature=0)
+assert tight.choices[0].message.content == loose.choices[0].message.content, (tight, loose)
+
 # Streamed: the tool_calls deltas assemble into a valid call.
 parts, finish = {}, None
 for chunk in client.chat.completions.create(model=model, messages=ask, tools=tools, max_tokens=80, temperature=0,

@@ -468,7 +468,28 @@ pub fn parse_value(endpoint: Endpoint, v: Value) -> Result<GenerateRequest, ApiE
     };
     let (stop, stop_token_ids) = parse_stop(&f)?;
     let include_usage = match f.get("stream_options") {
-        Some(o) => o.get("include_usage").and_then(Value::as_bool).unwrap_or(false),
+        Some(Value::Object(o)) => {
+            let flag = |k: &str| match o.get(k) {
+                None | Some(Value::Null) => Ok(false),
+                Some(Value::Bool(b)) => Ok(*b),
+                Some(_) => Err(ApiError::invalid(format!("`stream_options.{k}` must be true or false"))),
+            };
+            for k in o.keys() {
+                match k.as_str() {
+                    // Padding against length side channels: these chunks carry none.
+                    "include_usage" | "include_obfuscation" => {}
+                    "continuous_usage_stats" if !flag(k)? => {}
+                    "continuous_usage_stats" => {
+                        return Err(ApiError::invalid(
+                            "`stream_options.continuous_usage_stats` is not supported: usage comes once, at the end (`include_usage`)",
+                        ))
+                    }
+                    other => return Err(ApiError::invalid(format!("`stream_options.{other}` is not supported"))),
+                }
+            }
+            flag("include_usage")?
+        }
+        Some(_) => return Err(ApiError::invalid("`stream_options` must be an object")),
         None => false,
     };
     let (logprobs, top) = match endpoint {
@@ -596,6 +617,21 @@ mod tests {
         let bad = [
             (Endpoint::Chat, r#"{"messages": []}"#, "must not be empty"),
             (Endpoint::Chat, r#"{"messages": "hi"}"#, "must be an array"),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": true, "frobnicate": 1}}"#,
+                "stream_options.frobnicate",
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "stream_options": {"continuous_usage_stats": true}}"#,
+                "continuous_usage_stats",
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": 1}"#,
+                "must be an object",
+            ),
             (
                 Endpoint::Chat,
                 r#"{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}"#,

@@ -56,7 +56,8 @@ pub fn parse_tools(v: Option<&Value>) -> Result<Vec<Tool>, ApiError> {
                 return Err(bad(&format!(".function has an unrecognized field `{k}`")));
             }
         }
-        out.push(Tool { name: name.to_owned(), description, parameters });
+        let strict = f.get("strict").and_then(Value::as_bool).unwrap_or(false);
+        out.push(Tool { name: name.to_owned(), description, parameters, strict });
     }
     Ok(out)
 }
