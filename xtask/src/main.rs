@@ -252,7 +252,8 @@ fn test() -> Result<()> {
 /// `target/`), made (again, when the file changed) with `python3 -m venv` and pip.
 fn agents_venv() -> Result<PathBuf> {
     let requirements = workspace_root().join("crates/server/tests/frameworks/requirements.txt");
-    let pinned = std::fs::read_to_string(&requirements).with_context(|| requirements.display().to_string())?;
+    let pinned =
+        std::fs::read_to_string(&requirements).with_context(|| requirements.display().to_string())?;
     let venv = pdserve_import::fetch::models_dir()
         .parent()
         .map(|c| c.join("agents-venv"))

@@ -479,6 +479,13 @@ pub struct ResponseStream {
 }
 
 impl ResponseStream {
+    /// A stream taken over mid-answer (a request the router moved here): the client has its
+    /// opening events, so numbering goes on after them (and after the replayed answer's own events,
+    /// which the replay makes again without sending).
+    pub fn resumed() -> ResponseStream {
+        ResponseStream { seq: 2, ..ResponseStream::default() }
+    }
+
     fn event(&mut self, kind: &str, mut data: Value) -> Event {
         data["sequence_number"] = json!(self.seq);
         // The type last, so a stream's end is known from its last bytes (the router reads them).

@@ -94,6 +94,34 @@ impl Guide {
         self.0.consume_token(token).map_err(|e| e.to_string())
     }
 
+    /// How many of `tokens` (in order, from the output so far) the constraint allows, without
+    /// taking them.
+    pub(crate) fn valid_prefix(&mut self, tokens: &[u32]) -> usize {
+        self.0.validate_tokens(tokens).unwrap_or(0)
+    }
+
+    /// The masks after each of `drafts` (the first: before any), the constraint left where it was.
+    pub(crate) fn masks_along(&mut self, drafts: &[u32]) -> Vec<Result<SimpleVob, String>> {
+        let mut out = vec![self.mask()];
+        let mut taken = 0;
+        for &d in drafts {
+            if let Err(e) = self.accept(d) {
+                out.push(Err(e));
+                break;
+            }
+            taken += 1;
+            out.push(self.mask());
+        }
+        if taken > 0 {
+            if let Err(e) = self.0.rollback(taken) {
+                // The constraint can no longer say where it is: every row after the first fails.
+                out.truncate(1);
+                out.push(Err(format!("the constraint could not step back over the drafts: {e}")));
+            }
+        }
+        out
+    }
+
     /// Whether the output so far is a complete match (end-of-sequence is allowed).
     pub(crate) fn is_accepting(&mut self) -> bool {
         self.0.is_accepting().unwrap_or(false)

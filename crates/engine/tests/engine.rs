@@ -351,6 +351,49 @@ fn speculative_decoding_gives_the_same_text_and_takes_drafts() {
     }
 }
 
+/// A constrained request drafts too, only what its constraint allows, each draft row sampled under
+/// the mask after the drafts before it: the same text as without drafts, greedy and seeded.
+#[test]
+fn constrained_requests_take_drafts_with_the_same_text() {
+    use pdserve_api::generation::Constraint;
+    use pdserve_engine::Speculative;
+    let start = |speculative| {
+        let mut c = config(Role::Unified);
+        c.speculative = speculative;
+        Engine::start(c, Arc::new(|| {})).expect("engine starts")
+    };
+    let (mut off, mut on) = (start(Speculative::OFF), start(Speculative::prompt_lookup(8)));
+    let grammar = "start: ITEM+\nITEM: \"apple, \" | \"banana, \" | \"cherry, \" | \"date, \"\n";
+    for (i, temperature) in [0.0f32, 0.7].into_iter().enumerate() {
+        let ask = |e: &mut Engine| {
+            let mut r = request(
+                &format!("c{i}"),
+                chat("List fruit: apple, banana, cherry, date, apple, banana."),
+                60,
+            );
+            (r.sampling.temperature, r.seed) = (temperature, Some(11));
+            r.constraint = Some(Constraint::Lark(grammar.into()));
+            let id = e.submit(r).unwrap();
+            let (text, seen) = run_to_end(e, id);
+            let Some(Output::Finished { timings, .. }) = seen.last() else { panic!("{seen:?}") };
+            let get = |k: &str| timings.0.iter().find(|(n, _)| *n == k).map_or(0.0, |(_, v)| *v);
+            (text, get("draft_accepted_tokens"))
+        };
+        let (want, _) = ask(&mut off);
+        let (got, accepted) = ask(&mut on);
+        assert_eq!(got, want, "temperature {temperature}");
+        let words: Vec<&str> = want.split(", ").collect();
+        let whole = &words[..words.len() - 1]; // (the last may be cut by max_tokens)
+        assert!(
+            whole.len() > 3 && whole.iter().all(|w| ["apple", "banana", "cherry", "date"].contains(w)),
+            "{want}"
+        );
+        if temperature == 0.0 {
+            assert!(accepted > 0.0, "a constrained list took no drafts: {want}");
+        }
+    }
+}
+
 /// A step whose sampling requests are all plain greedy asks the backend for its picks only (on a GPU
 /// the logits stay on the device): the same text and log-probabilities as sampling the full logits
 /// (a request asking for top alternatives takes that path), and the steps are counted.

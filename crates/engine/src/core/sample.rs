@@ -59,15 +59,17 @@ impl EngineCore {
         &mut self,
         item: &BatchItem,
         rows: Rows<'_>,
-        mask: Option<&Result<SimpleVob, String>>,
+        masks: Option<&[Result<SimpleVob, String>]>,
     ) -> Result<Option<Sampled>, String> {
         let Some(lv) = self.active.get_mut(&item.id.0) else { return Ok(None) };
         let all = self.sched.kv().tokens(item.seq).unwrap_or(&[]);
         let base = all.len().saturating_sub(item.draft);
-        let mask = match mask {
-            Some(Ok(m)) => Some(m),
-            Some(Err(e)) => return Err(format!("constrained decoding failed: {e}")),
-            None => None,
+        // Row i's mask: the constraint after the drafts before it.
+        let mask = |i: usize| match masks.map(|m| m.get(i)) {
+            None => Ok(None),
+            Some(Some(Ok(m))) => Ok(Some(m)),
+            Some(Some(Err(e))) => Err(format!("constrained decoding failed: {e}")),
+            Some(None) => Err("constrained decoding failed: no mask for a draft row".to_owned()),
         };
         let (rows, mut picked) = match rows {
             Rows::Logits(r) => (r, None),
@@ -80,7 +82,7 @@ impl EngineCore {
             let (prompt, output) = all[..base + i].split_at(lv.prompt_len.min(base + i));
             let s = match picked.take() {
                 Some(s) => s,
-                None => sample_row(lv, &rows[i], prompt, output, mask, &self.config.eos_ids)?,
+                None => sample_row(lv, &rows[i], prompt, output, mask(i)?, &self.config.eos_ids)?,
             };
             let eos = self.config.eos_ids.contains(&s.token);
             let mut stop = lv.stop_ids.contains(&s.token) || (!lv.ignore_eos && eos);

@@ -25,18 +25,19 @@ pub struct PlannedRow {
 }
 
 /// The constraints of a step's sampling requests: their token masks are computed beside the forward
-/// pass (they depend only on the tokens so far), on another thread if the shell likes.
+/// pass (they depend only on the tokens so far), on another thread if the shell likes: one mask per
+/// row the request samples (with drafts, the masks after each draft token).
 #[derive(Debug, Default)]
-pub struct Guides(Vec<(u64, Guide, Option<Mask>)>);
+pub struct Guides(Vec<(u64, Guide, Vec<u32>, Vec<Mask>)>);
 
 /// The tokens a request's constraint allows next, or why they could not be computed.
 type Mask = Result<SimpleVob, String>;
 
 impl Guides {
-    /// Computes every request's mask of allowed tokens.
+    /// Computes every request's masks of allowed tokens.
     pub fn compute(&mut self) {
-        for (_, g, mask) in &mut self.0 {
-            *mask = Some(g.mask());
+        for (_, g, drafts, masks) in &mut self.0 {
+            *masks = g.masks_along(drafts);
         }
     }
 
@@ -138,13 +139,18 @@ impl EngineCore {
             let (active, rows) = (&mut self.active, self.config.verify_rows);
             self.sched.poll_batch_drafting(now, budget, &mut |id, tokens, room| {
                 match active.get_mut(&id.0) {
-                    // A constrained request's mask follows its tokens one at a time: no drafts.
-                    Some(a) if a.guide.is_none() => {
+                    Some(a) => {
                         let mut drafts = spec.propose(tokens, a.drafting.room(spec.max_draft).min(room));
+                        // A constrained request drafts only what its constraint allows (each draft
+                        // row then gets the mask after the drafts before it).
+                        if let Some(g) = a.guide.as_mut() {
+                            let valid = g.valid_prefix(&drafts);
+                            drafts.truncate(valid);
+                        }
                         crate::draft::fit_to_rows(&mut drafts, rows);
                         drafts
                     }
-                    _ => Vec::new(),
+                    None => Vec::new(),
                 }
             })
         } else {
@@ -184,10 +190,16 @@ impl EngineCore {
         if picks_only {
             self.stats.greedy_steps_total += 1;
         }
+        let kv = self.sched.kv();
         let guides = batch
             .iter()
             .filter(|i| i.sample)
-            .filter_map(|i| Some((i.id.0, self.active.get_mut(&i.id.0)?.guide.take()?, None)))
+            .filter_map(|i| {
+                let g = self.active.get_mut(&i.id.0)?.guide.take()?;
+                let all = kv.tokens(i.seq).unwrap_or(&[]);
+                let drafts = all[all.len().saturating_sub(i.draft)..].to_vec();
+                Some((i.id.0, g, drafts, Vec::new()))
+            })
             .collect();
         self.stepping = Some(InFlight { batch });
         Some(StepPlan { rows, copies, picks_only, guides: Guides(guides) })
@@ -201,11 +213,14 @@ impl EngineCore {
             return;
         };
         let mut masks = std::collections::HashMap::new();
-        for (id, g, mask) in done.guides.0 {
+        for (id, g, _, mut computed) in done.guides.0 {
             if let Some(a) = self.active.get_mut(&id) {
                 a.guide = Some(g);
             }
-            masks.insert(id, mask.unwrap_or_else(|| Err("the step's token mask was not computed".into())));
+            if computed.is_empty() {
+                computed.push(Err("the step's token mask was not computed".into()));
+            }
+            masks.insert(id, computed);
         }
         match done.output {
             Ok(output) => self.sample_step(&batch, output, &masks, now),
@@ -222,7 +237,7 @@ impl EngineCore {
         &mut self,
         batch: &[BatchItem],
         output: StepOutput,
-        masks: &std::collections::HashMap<u64, Mask>,
+        masks: &std::collections::HashMap<u64, Vec<Mask>>,
         now: Instant,
     ) {
         let mut sampled = Vec::new();
@@ -242,7 +257,7 @@ impl EngineCore {
                 },
                 (None, Some(l)) => {
                     let rows: Vec<Vec<f32>> = l.by_ref().take(item.draft + 1).collect();
-                    self.verify(item, Rows::Logits(&rows), masks.get(&item.id.0))
+                    self.verify(item, Rows::Logits(&rows), masks.get(&item.id.0).map(Vec::as_slice))
                 }
                 (None, None) => unreachable!("the output is logits or picks"),
             };

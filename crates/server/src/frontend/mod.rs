@@ -337,7 +337,10 @@ impl Frontend {
             let previous = |id: &str| self.responses.items(id, now);
             let r = responses::read(&req.body, &previous, inside)?;
             let g = openai::parse_value(Endpoint::Chat, r.chat)?;
-            let stream = ResponseStream::default();
+            // (As `Live::resumed`: the opening events went out from the worker before.)
+            let resumed = r.chat[pd::RESUME_FIELD]["tokens"].as_array().is_some_and(|t| !t.is_empty());
+            let stream =
+                if inside && resumed { ResponseStream::resumed() } else { ResponseStream::default() };
             (g, Some(Box::new(Responding { echo: r.echo, items: r.items, store: r.store, stream })))
         } else {
             (pdserve_codec::parse_generate(endpoint, &req.body)?, None)
