@@ -338,7 +338,7 @@ impl Frontend {
             let r = responses::read(&req.body, &previous, inside)?;
             let g = openai::parse_value(Endpoint::Chat, r.chat)?;
             // (As `Live::resumed`: the opening events went out from the worker before.)
-            let resumed = r.chat[pd::RESUME_FIELD]["tokens"].as_array().is_some_and(|t| !t.is_empty());
+            let resumed = g.resume.as_ref().is_some_and(|r| !r.tokens.is_empty());
             let stream =
                 if inside && resumed { ResponseStream::resumed() } else { ResponseStream::default() };
             (g, Some(Box::new(Responding { echo: r.echo, items: r.items, store: r.store, stream })))
