@@ -100,24 +100,22 @@ impl Guide {
         self.0.validate_tokens(tokens).unwrap_or(0)
     }
 
-    /// The masks after each of `drafts` (the first: before any), the constraint left where it was.
+    /// The masks after each of `drafts` (the first: before any), the constraint left where it was
+    /// (the drafts are taken by a copy: a draft may end the constraint, the end-of-sequence token
+    /// among them, and an ended matcher cannot step back).
     pub(crate) fn masks_along(&mut self, drafts: &[u32]) -> Vec<Result<SimpleVob, String>> {
         let mut out = vec![self.mask()];
-        let mut taken = 0;
+        if drafts.is_empty() {
+            return out;
+        }
+        let mut ahead = Guide(self.0.deep_clone());
         for &d in drafts {
-            if let Err(e) = self.accept(d) {
-                out.push(Err(e));
+            // A draft the matcher does not take ends the constraint (end of sequence): verification
+            // stops at it, so no row after it is sampled.
+            if ahead.accept(d).is_err() {
                 break;
             }
-            taken += 1;
-            out.push(self.mask());
-        }
-        if taken > 0 {
-            if let Err(e) = self.0.rollback(taken) {
-                // The constraint can no longer say where it is: every row after the first fails.
-                out.truncate(1);
-                out.push(Err(format!("the constraint could not step back over the drafts: {e}")));
-            }
+            out.push(ahead.mask());
         }
         out
     }
@@ -269,6 +267,24 @@ mod tests {
             }
             assert!(refused, "{f:?}: {bad:?} was allowed");
         }
+    }
+
+    /// Drafts are checked and masked on the side: the guide stays where it was, also when a draft
+    /// ends the constraint (the end-of-sequence token, which prompt-lookup drafts from the prompt's
+    /// turns).
+    #[test]
+    fn masks_along_drafts_leave_the_guide_where_it_was() {
+        let g = Grammars::new(&byte_tokenizer(), 257, 256).unwrap();
+        let mut m = g.matcher(&Constraint::Lark("start: \"ab\"\n".into())).unwrap();
+        let drafts = [u32::from(b'a'), u32::from(b'b'), 256];
+        let valid = m.valid_prefix(&drafts);
+        let masks = m.masks_along(&drafts[..valid]);
+        assert_eq!((valid, masks.len()), (3, 3), "a mask for each row up to the end-of-sequence draft's");
+        assert!(masks.iter().all(Result::is_ok), "{masks:?}");
+        assert!(masks[1].as_ref().unwrap().is_allowed(u32::from(b'b')));
+        assert!(m.mask().unwrap().is_allowed(u32::from(b'a')), "the guide moved");
+        feed(&mut m, "ab", ToolFormat::Hermes);
+        assert!(m.is_accepting());
     }
 
     /// Feeds `text` byte by byte, each byte allowed by the mask before it.
