@@ -70,7 +70,7 @@ pub fn full_response(
             anthropic::message_json(meta, text, tool_calls, reason, None, usage)
         }
         Endpoint::Responses => {
-            let output = responses::output_items(meta, "", text, tool_calls);
+            let output = responses::output_items(meta, "", text, &[], tool_calls);
             responses::response_json(
                 meta,
                 &Value::Object(Default::default()),

@@ -11,15 +11,17 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Map, Value};
 
-use pdserve_api::generation::Usage;
+use pdserve_api::generation::{TokenLogprob, Usage};
 use pdserve_api::pd::{HANDLE_FIELD, RESUME_FIELD};
 use pdserve_api::tools::ToolCall;
 use pdserve_api::{ApiError, ErrorKind};
 
 use crate::Meta;
 
-/// Set by the router only: `input` already holds the whole conversation (the router expanded the
-/// client's `previous_response_id` from its own store), which stays in the body to be echoed.
+/// Set by the router only, on every Responses request it forwards: the router keeps the answered
+/// conversation (so the worker does not), and `input` already holds the whole conversation (the
+/// router expanded the client's `previous_response_id` from its own store, which stays in the body
+/// to be echoed).
 pub const CONVERSATION_FIELD: &str = "pd_conversation";
 
 /// Fields of a Responses body.
@@ -75,6 +77,8 @@ pub struct ResponsesRequest {
     /// request's `input`. Stored with the answer's output items when `store` is on.
     pub items: Vec<Value>,
     pub store: bool,
+    /// The router keeps this answer ([`CONVERSATION_FIELD`]): the worker stores nothing.
+    pub kept_by_router: bool,
 }
 
 /// The items of `previous_response_id`'s conversation, if still stored.
@@ -185,8 +189,9 @@ pub fn read(body: &[u8], previous: &dyn Previous, inside: bool) -> Result<Respon
         let text = i.as_str().ok_or_else(|| invalid("`instructions` must be a string"))?;
         messages.push(json!({"role": "system", "content": text}));
     }
+    let mut thought = None;
     for (i, item) in items.iter().enumerate() {
-        chat_messages(i, item, &mut messages)?;
+        chat_messages(i, item, &mut thought, &mut messages)?;
     }
     if messages.iter().all(|m| m["role"] == "system") {
         return Err(invalid("`input` must hold at least one message or item"));
@@ -291,7 +296,7 @@ pub fn read(body: &[u8], previous: &dyn Previous, inside: bool) -> Result<Respon
         "metadata": pick("metadata", json!({})),
         "user": pick("user", Value::Null),
     });
-    Ok(ResponsesRequest { chat: Value::Object(chat), echo, items, store })
+    Ok(ResponsesRequest { chat: Value::Object(chat), echo, items, store, kept_by_router: expanded })
 }
 
 /// The text of a content value: a string, or a list of text parts.
@@ -324,8 +329,14 @@ fn text_of(v: &Value, at: &str) -> Result<String, ApiError> {
 }
 
 /// One input item as chat messages (appended to `out`): a message, a call the model made (joined to
-/// the assistant message before it) or a call's output.
-fn chat_messages(i: usize, item: &Value, out: &mut Vec<Value>) -> Result<(), ApiError> {
+/// the assistant message before it), a call's output, or a thinking model's earlier thinking
+/// (`thought`, the `reasoning_content` of the assistant turn that follows it).
+fn chat_messages(
+    i: usize,
+    item: &Value,
+    thought: &mut Option<String>,
+    out: &mut Vec<Value>,
+) -> Result<(), ApiError> {
     let at = format!("input[{i}]");
     let o = item.as_object().ok_or_else(|| invalid(format!("{at} must be an object")))?;
     let kind = o.get("type").and_then(Value::as_str).unwrap_or("message");
@@ -341,7 +352,11 @@ fn chat_messages(i: usize, item: &Value, out: &mut Vec<Value>) -> Result<(), Api
                 }
             };
             let content = text_of(o.get("content").unwrap_or(&Value::Null), &format!("{at}.content"))?;
-            out.push(json!({"role": role, "content": content}));
+            let mut m = json!({"role": role, "content": content});
+            if let Some(t) = thought.take().filter(|_| role == "assistant") {
+                m["reasoning_content"] = json!(t);
+            }
+            out.push(m);
         }
         "function_call" => {
             let field = |k: &str| {
@@ -349,12 +364,18 @@ fn chat_messages(i: usize, item: &Value, out: &mut Vec<Value>) -> Result<(), Api
             };
             let call = json!({"id": field("call_id")?, "type": "function",
                 "function": {"name": field("name")?, "arguments": field("arguments")?}});
-            match out.last_mut().filter(|m| m["role"] == "assistant") {
+            match out.last_mut().filter(|m| m["role"] == "assistant" && thought.is_none()) {
                 Some(m) => match m.get_mut("tool_calls").and_then(Value::as_array_mut) {
                     Some(calls) => calls.push(call),
                     None => m["tool_calls"] = json!([call]),
                 },
-                None => out.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+                None => {
+                    let mut m = json!({"role": "assistant", "content": null, "tool_calls": [call]});
+                    if let Some(t) = thought.take() {
+                        m["reasoning_content"] = json!(t);
+                    }
+                    out.push(m);
+                }
             }
         }
         "function_call_output" => {
@@ -365,9 +386,22 @@ fn chat_messages(i: usize, item: &Value, out: &mut Vec<Value>) -> Result<(), Api
             let output = text_of(o.get("output").unwrap_or(&Value::Null), &format!("{at}.output"))?;
             out.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
         }
-        // A reasoning model's earlier thinking: chat templates drop past turns' thinking, and so
-        // does this one (the answer and the calls stay).
-        "reasoning" => {}
+        // A thinking model's earlier thinking: the next assistant turn's `reasoning_content`
+        // (rendered where the template has a place for it; a model that does not think refuses it).
+        "reasoning" => {
+            let mut text = String::new();
+            for key in ["content", "summary"] {
+                for part in o.get(key).and_then(Value::as_array).into_iter().flatten() {
+                    text.push_str(part.get("text").and_then(Value::as_str).unwrap_or(""));
+                }
+                if !text.is_empty() {
+                    break;
+                }
+            }
+            if !text.is_empty() {
+                thought.get_or_insert_with(String::new).push_str(&text);
+            }
+        }
         other => {
             return Err(invalid(format!(
             "{at}.type {other:?} is not supported (message, function_call, function_call_output, reasoning)"
@@ -383,18 +417,35 @@ fn call_item(c: &ToolCall, status: &str) -> Value {
            "arguments": c.arguments, "status": status})
 }
 
-/// The message item holding the answer's text.
-fn message_item(meta: &Meta, text: &str, status: &str) -> Value {
+/// The message item holding the answer's text (`logprobs`: its tokens', when asked for).
+fn message_item(id: &str, text: &str, logprobs: &[Value], status: &str) -> Value {
     let content = if text.is_empty() && status == "in_progress" {
         json!([])
     } else {
-        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}])
+        json!([{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}])
     };
-    json!({"type": "message", "id": message_id(meta), "status": status, "role": "assistant", "content": content})
+    json!({"type": "message", "id": id, "status": status, "role": "assistant", "content": content})
 }
 
-fn message_id(meta: &Meta) -> String {
-    format!("msg_{}", meta.id.trim_start_matches("resp_"))
+/// The id of the answer's `n`th message item (text after a call opens another).
+fn message_id(meta: &Meta, n: usize) -> String {
+    match n {
+        0 => format!("msg_{}", meta.id.trim_start_matches("resp_")),
+        n => format!("msg_{}_{n}", meta.id.trim_start_matches("resp_")),
+    }
+}
+
+/// Tokens' log-probabilities as the Responses API writes them (`message.output_text.logprobs`).
+pub fn logprobs_json(lps: &[TokenLogprob]) -> Vec<Value> {
+    let one =
+        |token: &str, logprob: f32| json!({"token": token, "logprob": logprob, "bytes": token.as_bytes()});
+    lps.iter()
+        .map(|l| {
+            let mut v = one(&l.token, l.logprob);
+            v["top_logprobs"] = l.top.iter().map(|(t, p)| one(t, *p)).collect();
+            v
+        })
+        .collect()
 }
 
 fn reasoning_id(meta: &Meta) -> String {
@@ -409,13 +460,19 @@ fn reasoning_item(meta: &Meta, text: &str, status: &str) -> Value {
 
 /// The output items of an answer: its thinking (if any), its text (if any, or if there is nothing
 /// else), then its calls.
-pub fn output_items(meta: &Meta, reasoning: &str, text: &str, calls: &[ToolCall]) -> Vec<Value> {
+pub fn output_items(
+    meta: &Meta,
+    reasoning: &str,
+    text: &str,
+    logprobs: &[Value],
+    calls: &[ToolCall],
+) -> Vec<Value> {
     let mut out = Vec::new();
     if !reasoning.is_empty() {
         out.push(reasoning_item(meta, reasoning, "completed"));
     }
     if !text.trim().is_empty() || calls.is_empty() {
-        out.push(message_item(meta, text, "completed"));
+        out.push(message_item(&message_id(meta, 0), text, logprobs, "completed"));
     }
     out.extend(calls.iter().map(|c| call_item(c, "completed")));
     out
@@ -471,9 +528,17 @@ pub struct ResponseStream {
     /// The thinking so far, and whether its reasoning item is open (and at which output index).
     thought: String,
     thinking: Option<usize>,
-    /// The answer's text so far, and whether its message item is open (and at which output index).
+    /// The answer's text so far (and its tokens' log-probabilities), and whether its message item is
+    /// open (and at which output index).
     text: String,
+    logprobs: Vec<Value>,
     open: Option<usize>,
+    /// Message items opened so far (each gets its own id).
+    messages: usize,
+    /// Whitespace not yet given out (and its log-probabilities): before a call it is no answer (as
+    /// the whole answer drops it).
+    blank: String,
+    blank_logprobs: Vec<Value>,
     /// The finished output items.
     items: Vec<Value>,
 }
@@ -507,6 +572,7 @@ impl ResponseStream {
         if text.is_empty() {
             return;
         }
+        self.close_message(meta, out);
         let index = match self.thinking {
             Some(i) => i,
             None => {
@@ -536,49 +602,69 @@ impl ResponseStream {
         self.items.push(item);
     }
 
-    /// Text the model wrote.
-    pub fn text(&mut self, meta: &Meta, text: &str, out: &mut Vec<Event>) {
-        if text.is_empty() {
+    /// Text the model wrote, with its tokens' log-probabilities (when asked for).
+    pub fn text(&mut self, meta: &Meta, text: &str, logprobs: Vec<Value>, out: &mut Vec<Event>) {
+        if text.is_empty() && logprobs.is_empty() {
             return;
         }
         self.close_reasoning(meta, out);
+        if self.open.is_none() && text.trim().is_empty() {
+            // Whitespace ahead of the answer waits: before a call it is no answer.
+            self.blank.push_str(text);
+            self.blank_logprobs.extend(logprobs);
+            return;
+        }
         let index = match self.open {
             Some(i) => i,
-            None => {
-                let i = self.items.len();
-                self.open = Some(i);
-                let item = message_item(meta, "", "in_progress");
-                out.push(self.event("response.output_item.added", json!({"output_index": i, "item": item})));
-                let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
-                out.push(self.event(
-                    "response.content_part.added",
-                    json!({"item_id": message_id(meta), "output_index": i, "content_index": 0, "part": part}),
-                ));
-                i
-            }
+            None => self.open_message(meta, out),
         };
-        self.text.push_str(text);
+        let delta = std::mem::take(&mut self.blank) + text;
+        let mut delta_lps = std::mem::take(&mut self.blank_logprobs);
+        delta_lps.extend(logprobs);
+        self.text.push_str(&delta);
+        self.logprobs.extend(delta_lps.iter().cloned());
         out.push(self.event(
             "response.output_text.delta",
-            json!({"item_id": message_id(meta), "output_index": index, "content_index": 0, "delta": text, "logprobs": []}),
+            json!({"item_id": message_id(meta, self.messages - 1), "output_index": index, "content_index": 0,
+                   "delta": delta, "logprobs": delta_lps}),
         ));
+    }
+
+    fn open_message(&mut self, meta: &Meta, out: &mut Vec<Event>) -> usize {
+        let i = self.items.len();
+        self.open = Some(i);
+        let id = message_id(meta, self.messages);
+        self.messages += 1;
+        let item = message_item(&id, "", &[], "in_progress");
+        out.push(self.event("response.output_item.added", json!({"output_index": i, "item": item})));
+        let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
+        out.push(self.event(
+            "response.content_part.added",
+            json!({"item_id": id, "output_index": i, "content_index": 0, "part": part}),
+        ));
+        i
     }
 
     fn close_text(&mut self, meta: &Meta, out: &mut Vec<Event>) {
         self.close_reasoning(meta, out);
+        self.close_message(meta, out);
+    }
+
+    fn close_message(&mut self, meta: &Meta, out: &mut Vec<Event>) {
         let Some(i) = self.open.take() else { return };
         let text = std::mem::take(&mut self.text);
-        let id = message_id(meta);
+        let logprobs = std::mem::take(&mut self.logprobs);
+        let id = message_id(meta, self.messages - 1);
         out.push(self.event(
             "response.output_text.done",
-            json!({"item_id": id, "output_index": i, "content_index": 0, "text": text, "logprobs": []}),
+            json!({"item_id": id, "output_index": i, "content_index": 0, "text": text, "logprobs": logprobs}),
         ));
-        let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+        let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs});
         out.push(self.event(
             "response.content_part.done",
             json!({"item_id": id, "output_index": i, "content_index": 0, "part": part}),
         ));
-        let item = message_item(meta, &text, "completed");
+        let item = message_item(&id, &text, &logprobs, "completed");
         out.push(self.event("response.output_item.done", json!({"output_index": i, "item": item.clone()})));
         self.items.push(item);
     }
@@ -586,6 +672,8 @@ impl ResponseStream {
     /// A complete call: its item, its arguments (as one delta), its end.
     pub fn call(&mut self, meta: &Meta, c: &ToolCall, out: &mut Vec<Event>) {
         self.close_text(meta, out);
+        self.blank.clear();
+        self.blank_logprobs.clear();
         let i = self.items.len();
         let mut item = call_item(c, "in_progress");
         item["arguments"] = json!("");
@@ -614,6 +702,13 @@ impl ResponseStream {
         usage: Usage,
         out: &mut Vec<Event>,
     ) -> Vec<Value> {
+        // An answer of nothing but whitespace (or nothing at all) is still a message, as whole.
+        let called = self.items.iter().any(|i| i["type"] == "function_call");
+        if self.open.is_none() && !called {
+            self.open_message(meta, out);
+            let (blank, lps) = (std::mem::take(&mut self.blank), std::mem::take(&mut self.blank_logprobs));
+            self.text(meta, &blank, lps, out);
+        }
         self.close_text(meta, out);
         let items = std::mem::take(&mut self.items);
         let r = response_json(meta, echo, items.clone(), Some(finish_reason), Some(usage));
@@ -656,22 +751,41 @@ struct Stored {
     items: Vec<Value>,
     response: Value,
     at: Instant,
+    /// Its size as JSON text (what the byte bound counts).
+    bytes: usize,
 }
 
 /// Answered responses kept for `previous_response_id` and `GET /v1/responses/{id}`: at most
-/// `count_max`, none older than `age_max` (the oldest go first). Requests with `store: false` are
-/// never kept.
+/// `count_max`, together at most `bytes_max` (each holds its whole conversation), none older than
+/// `age_max`; the oldest go first. Requests with `store: false` are never kept.
 #[derive(Debug)]
 pub struct ResponseStore {
     by_id: HashMap<String, Stored>,
     order: VecDeque<String>,
+    bytes: usize,
     pub count_max: usize,
+    pub bytes_max: usize,
     pub age_max: Duration,
 }
 
 impl ResponseStore {
-    pub fn new(count_max: usize, age_max: Duration) -> ResponseStore {
-        ResponseStore { by_id: HashMap::new(), order: VecDeque::new(), count_max, age_max }
+    pub fn new(count_max: usize, bytes_max: usize, age_max: Duration) -> ResponseStore {
+        ResponseStore {
+            by_id: HashMap::new(),
+            order: VecDeque::new(),
+            bytes: 0,
+            count_max,
+            bytes_max,
+            age_max,
+        }
+    }
+
+    fn drop_oldest(&mut self) -> bool {
+        let Some(old) = self.order.pop_front() else { return false };
+        if let Some(s) = self.by_id.remove(&old) {
+            self.bytes -= s.bytes;
+        }
+        true
     }
 
     /// Keeps response `response` (its `id` names it), whose conversation is `items` then its output.
@@ -681,18 +795,20 @@ impl ResponseStore {
             return;
         }
         items.extend(response["output"].as_array().into_iter().flatten().cloned());
+        let bytes = items.iter().map(|i| i.to_string().len()).sum::<usize>() + response.to_string().len();
+        if bytes > self.bytes_max {
+            return; // larger than the whole store: not kept
+        }
         self.expire(now);
-        while self.by_id.len() >= self.count_max {
-            match self.order.pop_front() {
-                Some(old) => {
-                    self.by_id.remove(&old);
-                }
-                None => break,
+        self.delete(&id);
+        while self.by_id.len() >= self.count_max || self.bytes + bytes > self.bytes_max {
+            if !self.drop_oldest() {
+                break;
             }
         }
-        if self.by_id.insert(id.clone(), Stored { items, response, at: now }).is_none() {
-            self.order.push_back(id);
-        }
+        self.bytes += bytes;
+        self.by_id.insert(id.clone(), Stored { items, response, at: now, bytes });
+        self.order.push_back(id);
     }
 
     fn expire(&mut self, now: Instant) {
@@ -700,8 +816,7 @@ impl ResponseStore {
             match self.by_id.get(id) {
                 Some(s) if now.saturating_duration_since(s.at) < self.age_max => break,
                 _ => {
-                    let id = self.order.pop_front().unwrap_or_default();
-                    self.by_id.remove(&id);
+                    self.drop_oldest();
                 }
             }
         }
@@ -723,11 +838,15 @@ impl ResponseStore {
 
     /// Forgets response `id`; whether it was kept.
     pub fn delete(&mut self, id: &str) -> bool {
-        let gone = self.by_id.remove(id).is_some();
-        if gone {
-            self.order.retain(|o| o != id);
-        }
-        gone
+        let Some(s) = self.by_id.remove(id) else { return false };
+        self.bytes -= s.bytes;
+        self.order.retain(|o| o != id);
+        true
+    }
+
+    /// Bytes held (the stored conversations and responses as JSON text).
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 
     pub fn len(&self) -> usize {
@@ -801,8 +920,8 @@ mod tests {
         let mut s = ResponseStream::default();
         let mut out = Vec::new();
         s.start(&meta, &echo, &mut out);
-        s.text(&meta, "Hel", &mut out);
-        s.text(&meta, "lo", &mut out);
+        s.text(&meta, "Hel", Vec::new(), &mut out);
+        s.text(&meta, "lo", Vec::new(), &mut out);
         let call = ToolCall { id: "call_r1_0".into(), name: "ls".into(), arguments: "{}".into() };
         s.call(&meta, &call, &mut out);
         let items = s.finish(&meta, &echo, "tool_calls", Usage::default(), &mut out);
@@ -837,9 +956,47 @@ mod tests {
     }
 
     #[test]
+    fn a_stream_has_the_items_of_the_whole_answer() {
+        let meta =
+            Meta { endpoint: Endpoint::Responses, id: "resp_r2".into(), created: 1, model: "m".into() };
+        let echo = json!({});
+        let call = ToolCall { id: "c0".into(), name: "ls".into(), arguments: "{}".into() };
+        // Whitespace before a call is no answer, streamed or whole.
+        let mut s = ResponseStream::default();
+        let mut out = Vec::new();
+        s.text(&meta, "\n ", Vec::new(), &mut out);
+        s.call(&meta, &call, &mut out);
+        let streamed = s.finish(&meta, &echo, "tool_calls", Usage::default(), &mut out);
+        assert_eq!(streamed, output_items(&meta, "", "\n ", &[], std::slice::from_ref(&call)));
+        // Text after a call is another message item, with its own id; thinking after text another
+        // index.
+        let mut s = ResponseStream::default();
+        let mut out = Vec::new();
+        s.text(&meta, "a", Vec::new(), &mut out);
+        s.call(&meta, &call, &mut out);
+        s.text(&meta, "b", Vec::new(), &mut out);
+        s.reasoning(&meta, "hm", &mut out);
+        let items = s.finish(&meta, &echo, "stop", Usage::default(), &mut out);
+        let ids: Vec<&str> = items.iter().map(|i| i["id"].as_str().unwrap()).collect();
+        assert_eq!(ids, ["msg_r2", "fc_c0", "msg_r2_1", "rs_r2"]);
+        let added: Vec<u64> = out
+            .iter()
+            .filter(|e| e.0 == "response.output_item.added")
+            .map(|e| e.1["output_index"].as_u64().unwrap())
+            .collect();
+        assert_eq!(added, [0, 1, 2, 3]);
+        // Reasoning items go back as the next assistant turn's thinking.
+        let body = br#"{"input": [{"role": "user", "content": "2+2?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "four"}]},
+            {"role": "assistant", "content": "4"}]}"#;
+        let r = read(body, &none, false).unwrap();
+        assert_eq!(r.chat["messages"][1]["reasoning_content"], "four");
+    }
+
+    #[test]
     fn the_store_is_bounded_in_count_and_age() {
         let t0 = Instant::now();
-        let mut store = ResponseStore::new(2, Duration::from_secs(60));
+        let mut store = ResponseStore::new(2, 1 << 20, Duration::from_secs(60));
         let resp = |id: &str| json!({"id": id, "output": [{"type": "message", "role": "assistant", "content": "x"}]});
         store.put(vec![json!({"role": "user", "content": "a"})], resp("r1"), t0);
         store.put(Vec::new(), resp("r2"), t0);
@@ -848,6 +1005,14 @@ mod tests {
         assert!(store.items("r1", t0).is_none() && store.items("r2", t0).is_some());
         assert!(store.items("r3", t0 + Duration::from_secs(61)).is_none());
         assert!(store.delete("r2") && !store.delete("r2"));
+        // The byte bound: a conversation too large for what is left pushes the oldest out.
+        let mut small = ResponseStore::new(100, 300, Duration::from_secs(60));
+        for id in ["a", "b", "c"] {
+            small.put(vec![json!({"role": "user", "content": "x".repeat(60)})], resp(id), t0);
+        }
+        assert!(small.items("a", t0).is_none() && small.items("c", t0).is_some() && small.bytes() <= 300);
+        small.put(vec![json!("y".repeat(400))], resp("huge"), t0);
+        assert!(small.items("huge", t0).is_none() && small.items("c", t0).is_some());
         // A follow-up reads the stored conversation, then its own input.
         let previous = |id: &str| store.items(id, t0);
         let r = read(br#"{"input": "next", "previous_response_id": "r3"}"#, &previous, false).unwrap();

@@ -166,6 +166,28 @@ pub(crate) struct Text {
     panic: bool,
 }
 
+impl Text {
+    /// Holds `pieces` (the newest, after the parser's earlier ones) to the answer's call limit:
+    /// nothing after the call that reaches it. Whether the limit is reached (the answer is over).
+    fn limit_calls(&mut self, pieces: &mut Vec<Piece>) -> bool {
+        let Some(p) = self.parser.as_ref().filter(|p| p.calls() >= self.calls_max) else { return false };
+        let here = pieces.iter().filter(|p| matches!(p, Piece::Call(_))).count();
+        let allowed = self.calls_max.saturating_sub(p.calls() - here);
+        let keep = match allowed {
+            0 => pieces.iter().position(|p| matches!(p, Piece::Call(_))).unwrap_or(pieces.len()),
+            n => pieces
+                .iter()
+                .enumerate()
+                .filter(|(_, p)| matches!(p, Piece::Call(_)))
+                .nth(n - 1)
+                .map_or(pieces.len(), |(i, _)| i + 1),
+        };
+        pieces.truncate(keep);
+        self.calls_done = true;
+        true
+    }
+}
+
 /// The text thread. See the [module docs](self).
 pub(crate) struct TextThread {
     pub jobs: Receiver<Job>,
@@ -549,17 +571,19 @@ impl TextThread {
                             None => vec![Piece::Text(answer)],
                         };
                         pieces.extend(t.parser.as_mut().map(|p| p.finish(cut)).unwrap_or_default());
+                        // (Formats whose calls come out only at the end are held to the limit here.)
+                        t.limit_calls(&mut pieces);
                         (thought, pieces)
                     }));
                     match rest {
                         Ok((thought, pieces)) => {
                             t.called |= pieces.iter().any(|p| matches!(p, Piece::Call(_)));
                             self.push_pieces(id, thought, pieces, None, Vec::new(), false);
-                            // An answer that made calls ended for them, also when cut by max_tokens
-                            // (the calls are its result, the last one's arguments as far as written).
-                            if t.called
-                                && matches!(finish, Finish::Stop | Finish::StopString(_) | Finish::Length)
-                            {
+                            // An answer that made calls and stopped stopped for them. One cut by
+                            // max_tokens stays `Length` (its last call's arguments may be cut): each
+                            // dialect says so its own way (chat: `tool_calls` whenever calls were
+                            // made; Responses: incomplete; Anthropic: max_tokens).
+                            if t.called && matches!(finish, Finish::Stop | Finish::StopString(_)) {
                                 finish = Finish::ToolCalls;
                             }
                         }
@@ -649,15 +673,8 @@ impl TextThread {
                 None => vec![Piece::Text(text)],
             };
             t.called |= pieces.iter().any(|p| matches!(p, Piece::Call(_)));
-            if let Some(p) = t.parser.as_ref().filter(|p| p.calls() >= t.calls_max) {
+            if t.limit_calls(&mut pieces) {
                 // The last call allowed (one without parallel calls): the answer ends with it.
-                let here = pieces.iter().filter(|p| matches!(p, Piece::Call(_))).count();
-                let allowed = t.calls_max - (p.calls() - here);
-                let last =
-                    pieces.iter().enumerate().filter(|(_, p)| matches!(p, Piece::Call(_))).nth(allowed - 1);
-                let keep = last.map_or(0, |(i, _)| i + 1);
-                pieces.truncate(keep);
-                t.calls_done = true;
                 let _ = self.commands.try_send(Command::Abort(id));
             }
             self.push_pieces(id, thought, pieces, logprob, tokens, replayed);

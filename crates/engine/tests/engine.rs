@@ -487,17 +487,37 @@ fn parallel_tool_calls_false_holds_under_auto_and_cut_calls_are_calls() {
     let (text, calls, end) = run(&mut e, "one", false, 200);
     assert_eq!((text.trim(), calls.len(), end), ("", 1, Some(Finish::ToolCalls)));
     assert_eq!(calls[0].name, "read_file");
-    // Cut inside the second call's arguments: both calls, the second's arguments as far as written.
+    // Cut inside the second call's arguments: both calls, the second's arguments as far as written,
+    // and the end `Length` (each dialect reports it: chat as `tool_calls`).
     let mut cut_at = None;
     for max_tokens in 20..200 {
         let (text, calls, end) = run(&mut e, &format!("cut{max_tokens}"), true, max_tokens);
         assert!(!text.contains("<tool_call>") && !text.contains("</tool"), "markup as text: {text:?}");
         if calls.len() == 2 && calls[1].arguments != r#"{"path":"src"}"# && !calls[1].arguments.is_empty() {
-            assert_eq!(end, Some(Finish::ToolCalls));
+            assert_eq!(end, Some(Finish::Length));
             assert!(r#"{"path": "src"}"#.starts_with(&calls[1].arguments), "{:?}", calls[1]);
             cut_at = Some(max_tokens);
             break;
         }
     }
     assert!(cut_at.is_some(), "no max_tokens cut the second call's arguments");
+    // A format whose calls come out only at the end (Mistral's list) is held to the limit too.
+    let mut c = config(Role::Unified);
+    c.tool_format = Some(pdserve_engine::ToolFormat::Mistral);
+    let mut mistral = Engine::start(c, Arc::new(|| {})).expect("engine starts");
+    let list = r#"[TOOL_CALLS][{"name": "read_file", "arguments": {"path": "a.txt"}}, {"name": "ls", "arguments": {"path": "src"}}]"#;
+    for (parallel, want) in [(true, 2), (false, 1)] {
+        let mut r = request(&format!("m{parallel}"), chat("Read a.txt and list src."), 200);
+        r.tools = vec![tool("read_file"), tool("ls")];
+        r.parallel_tool_calls = parallel;
+        r.constraint = Some(Constraint::Lark(format!("start: {}\n", serde_json::to_string(list).unwrap())));
+        let id = mistral.submit(r).expect("submitted");
+        let (text, outs) = run_to_end(&mut mistral, id);
+        let (calls, end) = calls_and_end(&outs);
+        assert_eq!(
+            (text.trim(), calls.len(), end),
+            ("", want, Some(Finish::ToolCalls)),
+            "parallel {parallel}"
+        );
+    }
 }

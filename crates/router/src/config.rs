@@ -81,6 +81,8 @@ pub struct RouterConfig {
     /// Answered `/v1/responses` kept for `previous_response_id` through this router: at most this
     /// many (0: none) ...
     pub responses_max: usize,
+    /// ... together at most this many bytes ...
+    pub responses_max_bytes: usize,
     /// ... none older than this.
     pub responses_max_age: Duration,
     /// Bearer key for `/v1/*`, if set.
@@ -130,6 +132,7 @@ impl Default for RouterConfig {
             upstream_body_bytes_max: 16 * 1024 * 1024,
             debug_fanout_timeout: Duration::from_millis(500),
             responses_max: 4096,
+            responses_max_bytes: 256 << 20,
             responses_max_age: Duration::from_secs(3600),
             api_key: None,
             admin_key: None,

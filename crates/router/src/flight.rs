@@ -255,7 +255,7 @@ pub struct Flight {
 }
 
 /// Bytes of the stream's end kept to see whether it ended on an event boundary (or with `[DONE]`).
-const TAIL_BYTES: usize = 16;
+const TAIL_BYTES: usize = 96;
 
 fn ms(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)

@@ -116,17 +116,18 @@ impl Router {
             (_, None) => self.cfg.request_timeout_max,
         };
         // Responses: the stored conversation in the body; what storing the answer needs.
-        let (body, storing) = match path {
+        let (body, storing, conversation) = match path {
             path::RESPONSES => match self.responses_body(body, now) {
-                Ok(b) => b,
+                Ok(f) => (f.body, f.storing, f.prompt),
                 Err(e) => {
                     self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
                     self.respond(conn, &pdserve_http::Response::error_at(path, &e, Some(rid)));
                     return;
                 }
             },
-            _ => (body, None),
+            _ => (body, None, None),
         };
+        let prompt = conversation.unwrap_or(prompt);
         let spec = FlightSpec {
             request_id: rid.to_owned(),
             purpose,

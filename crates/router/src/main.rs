@@ -41,6 +41,7 @@ pdserve-router [options]
                                 each one's deadline is this or --probe-timeout-s, the longer
   --responses-max N             answered /v1/responses kept for previous_response_id and GET
                                 /v1/responses/{id} (default 4096; the oldest go first; 0 keeps none)
+  --responses-max-mib N         ... together at most N MiB (default 256; each keeps its whole conversation)
   --responses-max-age-s S       ... and none kept longer than this (default 3600)
   --failures-to-open N          consecutive request failures that take a worker out (default 3)
   --api-key KEY                 bearer key for /v1/* (or PDSERVE_API_KEY)
@@ -173,6 +174,7 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--probe-timeout-s" => c.probe_timeout = secs()?,
             "--pair-probe-interval-s" => c.pair_probe_interval = secs()?,
             "--responses-max" => c.responses_max = n()?,
+            "--responses-max-mib" => c.responses_max_bytes = n()? << 20,
             "--responses-max-age-s" => c.responses_max_age = secs()?,
             "--failures-to-open" => c.breaker.failures_to_open = n()?.max(1) as u32,
             "--api-key" => c.api_key = Some(v.clone()),

@@ -122,7 +122,11 @@ impl Router {
             metrics,
             next_id: 1,
             collects: HashMap::new(),
-            responses: pdserve_codec::responses::ResponseStore::new(cfg.responses_max, cfg.responses_max_age),
+            responses: pdserve_codec::responses::ResponseStore::new(
+                cfg.responses_max,
+                cfg.responses_max_bytes,
+                cfg.responses_max_age,
+            ),
             next_probe: now,
             next_pair_probe: now,
             probe_round: 0,

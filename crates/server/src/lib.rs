@@ -50,6 +50,8 @@ pub struct WorkerConfig {
     /// Answered Responses requests kept for `previous_response_id` (`store: true`, the default): at
     /// most this many ...
     pub responses_max: usize,
+    /// ... together at most this many bytes (each keeps its whole conversation) ...
+    pub responses_max_bytes: usize,
     /// ... and none older than this.
     pub responses_max_age: Duration,
 }
@@ -80,6 +82,7 @@ impl WorkerConfig {
             open_probes: false,
             api_key: None,
             responses_max: 4096,
+            responses_max_bytes: 256 << 20,
             responses_max_age: Duration::from_secs(3600),
         }
     }

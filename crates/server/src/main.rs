@@ -54,6 +54,7 @@ pdserve-server [options]
                            without one)
   --responses-max N        answered /v1/responses kept for previous_response_id and GET /v1/responses/{id}
                            (default 4096; the oldest go first; 0 keeps none)
+  --responses-max-mib N    ... together at most N MiB (default 256; each keeps its whole conversation)
   --responses-max-age-s S  ... and none kept longer than this (default 3600)
   --reasoning-parser NAME  how the model marks its thinking: deepseek_r1, qwen3 (both: <think> ... </think>)
                            or none (default: the chat template's: <think> spans where it writes them); the
@@ -119,6 +120,7 @@ const VALUED: &[&str] = &[
     "--max-tool-calls",
     "--reasoning-parser",
     "--responses-max",
+    "--responses-max-mib",
     "--responses-max-age-s",
     "--prefill-chunk",
     "--attention-cost",
@@ -237,6 +239,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 })?)
             }
             "--responses-max" => c.responses_max = n()?,
+            "--responses-max-mib" => c.responses_max_bytes = n()? << 20,
             "--responses-max-age-s" => c.responses_max_age = secs()?,
             "--prefill-chunk" => e.scheduler.prefill_chunk_tokens_max = n()?,
             "--attention-cost" => e.scheduler.attention_cost_positions = Some(n()?).filter(|&n| n > 0),

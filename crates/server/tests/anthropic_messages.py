@@ -55,6 +55,12 @@ uses = [b for b in m.content if b.type == "tool_use"]
 assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name == "read_file", m
 assert set(uses[0].input) == {"path"} and isinstance(uses[0].input["path"], str), m
 
+# Cut by max_tokens inside the call: stop_reason max_tokens, never markup as text.
+m = client.messages.create(model=model, max_tokens=14, extra_body=T0, tools=tools, messages=ask,
+                           tool_choice={"type": "tool", "name": "read_file"})
+assert m.stop_reason == "max_tokens", m
+assert all("<tool" not in b.text for b in m.content if b.type == "text"), m
+
 # The same, streamed: the input_json_delta events assemble into the input.
 with client.messages.stream(model=model, max_tokens=80, extra_body=T0, tools=tools, messages=ask,
                             tool_choice={"type": "any", "disable_parallel_tool_use": True}) as s:

@@ -3,6 +3,7 @@
 their results, structured output, stored conversations (`previous_response_id`, retrieve, delete,
 `store: false`), and what is refused. Prints OK on success, raises on any failure."""
 import json
+import re
 import sys
 
 from openai import BadRequestError, NotFoundError, OpenAI
@@ -24,6 +25,16 @@ assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens, r.u
 r = client.responses.create(model=model, input="Write a long story about the sea.", max_output_tokens=5, temperature=0)
 assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens", r
 assert r.usage.output_tokens == 5, r.usage
+
+# Log-probabilities when asked for, whole and streamed.
+r = client.responses.create(model=model, input="Name a fruit.", max_output_tokens=6, temperature=0,
+                            include=["message.output_text.logprobs"], top_logprobs=2)
+lps = r.output[0].content[0].logprobs
+assert len(lps) == 6 and all(len(l.top_logprobs) == 2 for l in lps), lps
+with client.responses.stream(model=model, input="Name a fruit.", max_output_tokens=6, temperature=0,
+                             include=["message.output_text.logprobs"], top_logprobs=2) as s:
+    streamed = [lp for ev in s if ev.type == "response.output_text.delta" for lp in ev.logprobs]
+assert [l.token for l in streamed] == [l.token for l in lps], (streamed, lps)
 
 # Streamed: the SDK's own event parser assembles the same answer as the whole one.
 whole = client.responses.create(model=model, input="Name a fruit.", max_output_tokens=12, temperature=0)
@@ -50,6 +61,16 @@ r = client.responses.create(model=model, input="What is in notes.txt?", tools=to
 calls = [o for o in r.output if o.type == "function_call"]
 assert r.status == "completed" and len(calls) == 1 and calls[0].name == "read_file", r
 assert set(json.loads(calls[0].arguments)) == {"path"} and calls[0].call_id, calls
+
+# Cut by max_output_tokens inside the call: incomplete (its arguments may be half written), never
+# markup as text.
+cut = client.responses.create(model=model, input="What is in notes.txt?", tools=tools, max_output_tokens=14,
+                              temperature=0, tool_choice={"type": "function", "name": "read_file"})
+assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens", cut
+assert all(o.name == "read_file" for o in cut.output if o.type == "function_call"), cut
+assert "<tool" not in cut.output_text, cut
+# Ids are unguessable (a stored response is read back by its id alone).
+assert re.fullmatch(r"resp_[0-9a-f]{32}", r.id), r.id
 
 # The same streamed: the arguments arrive as function_call_arguments events.
 with client.responses.stream(model=model, input="What is in notes.txt?", tools=tools, max_output_tokens=80,

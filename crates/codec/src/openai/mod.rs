@@ -93,6 +93,15 @@ pub fn full_response(
     })
 }
 
+/// A chat answer's `finish_reason`: `tool_calls` whenever calls were made, also when `max_tokens`
+/// cut the last one (as vLLM reports; the engine's end stays `length` for the other dialects).
+pub fn finish_reason(endpoint: Endpoint, reason: &str, called: bool) -> &str {
+    match (endpoint, reason, called) {
+        (Endpoint::Chat, "length", true) => "tool_calls",
+        _ => reason,
+    }
+}
+
 /// A thinking model's thinking in a whole chat response: the message's `reasoning_content`.
 pub fn with_reasoning(response: &mut Value, reasoning: &str) {
     if reasoning.is_empty() {

@@ -26,16 +26,23 @@ impl Frontend {
         let mut frames = String::new();
         if let Some(r) = l.resp.as_mut() {
             let mut events = Vec::new();
+            // (The chat shape's `content` list is the Responses' `logprobs` list.)
+            let mut lps: Vec<Value> = lp
+                .take()
+                .and_then(|v| v.get("content").and_then(Value::as_array).cloned())
+                .unwrap_or_default();
             r.stream.reasoning(&l.meta, reasoning, &mut events);
             for p in pieces {
                 match p {
-                    Piece::Text(t) => r.stream.text(&l.meta, &t, &mut events),
+                    Piece::Text(t) => r.stream.text(&l.meta, &t, std::mem::take(&mut lps), &mut events),
                     Piece::Call(c) => {
                         r.stream.call(&l.meta, &c, &mut events);
                         l.calls.push(c);
                     }
                 }
             }
+            // Log-probabilities of text the tool-call parser holds back go out on their own.
+            r.stream.text(&l.meta, "", lps, &mut events);
             for e in &events {
                 frames.push_str(&sse(Some(&e.0), &responses::event_data(e)));
             }
@@ -119,9 +126,10 @@ impl Frontend {
                     l.text.insert_str(0, e);
                 }
                 let mut body = if let Some(r) = l.resp.take() {
-                    let output = responses::output_items(&l.meta, &l.reasoning, &l.text, &l.calls);
+                    let lps = if *logprobs { responses::logprobs_json(&l.logprobs) } else { Vec::new() };
+                    let output = responses::output_items(&l.meta, &l.reasoning, &l.text, &lps, &l.calls);
                     let body = responses::response_json(&l.meta, &r.echo, output, Some(reason), Some(usage));
-                    if r.store {
+                    if r.store && !r.kept_by_router {
                         self.responses.put(r.items, body.clone(), std::time::Instant::now());
                     }
                     body
@@ -133,6 +141,7 @@ impl Frontend {
                     m
                 } else {
                     let lp = logprobs.then(|| openai::logprobs_json(l.meta.endpoint, &l.logprobs));
+                    let reason = openai::finish_reason(l.meta.endpoint, reason, !l.calls.is_empty());
                     let mut r = openai::full_response(&l.meta, &l.text, &l.calls, reason, lp, usage);
                     openai::with_reasoning(&mut r, &l.reasoning);
                     r
@@ -154,7 +163,7 @@ impl Frontend {
                         let Some(mut r) = l.resp.take() else { return };
                         let mut events = Vec::new();
                         let output = r.stream.finish(&l.meta, &r.echo, reason, usage, &mut events);
-                        if r.store {
+                        if r.store && !r.kept_by_router {
                             // The response as the client read it, kept for the next turn.
                             let body =
                                 responses::response_json(&l.meta, &r.echo, output, Some(reason), Some(usage));
@@ -174,6 +183,7 @@ impl Frontend {
                         }
                     }
                     Ok(reason) => {
+                        let reason = openai::finish_reason(l.meta.endpoint, reason, !l.calls.is_empty());
                         let mut last = openai::chunk(
                             &l.meta,
                             Delta { finish_reason: Some(reason), ..Delta::default() },

@@ -236,6 +236,7 @@ impl Frontend {
             g.timings = timings_json(&t);
         }
         let Kind::Generate { stream, logprobs, .. } = g.kind else { return };
+        let reason = openai::finish_reason(g.meta.endpoint, reason, !l.calls.is_empty());
         if stream {
             g.ended[l.choice] = Some(Value::Null);
             let delta = Delta { finish_reason: Some(reason), index: l.choice, ..Delta::default() };

@@ -79,6 +79,8 @@ struct Responding {
     /// The conversation so far (stored with the output when `store` is on).
     items: Vec<Value>,
     store: bool,
+    /// The router keeps the answer: this worker does not.
+    kept_by_router: bool,
     stream: ResponseStream,
 }
 
@@ -100,8 +102,34 @@ pub(crate) struct Frontend {
     groups: HashMap<u64, Group>,
     /// Answered Responses requests, for `previous_response_id` and `GET /v1/responses/{id}`.
     responses: ResponseStore,
+    /// Keys the Responses ids (`Frontend::response_id`).
+    id_salt: String,
     next_group: u64,
     last_keep_alive: Instant,
+}
+
+/// 16 random bytes from the kernel, in hex (a clock's nanoseconds where /dev/urandom is missing).
+fn random_hex() -> String {
+    use std::io::Read as _;
+    let mut b = [0u8; 16];
+    let ok = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok();
+    if !ok {
+        let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+        b = t.to_le_bytes();
+    }
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A Responses id: `resp_`, then 128 bits keyed by `salt` from the request id and its creation
+/// second (two SipHash passes with different domains; without the salt, not guessable).
+fn response_id(salt: &str, rid: &str, created: u64) -> String {
+    use std::hash::{Hash, Hasher};
+    let half = |domain: u8| {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (domain, salt, rid, created).hash(&mut h);
+        h.finish()
+    };
+    format!("resp_{:016x}{:016x}", half(1), half(2))
 }
 
 fn unix_now() -> u64 {
@@ -148,7 +176,11 @@ fn sampling(g: &GenerateRequest, d: &SamplingParams) -> SamplingParams {
 
 impl Frontend {
     pub(crate) fn new(server: Server, config: WorkerConfig, engine: Engine) -> std::io::Result<Frontend> {
-        let responses_max = (config.responses_max, config.responses_max_age);
+        let responses_max = (config.responses_max, config.responses_max_bytes, config.responses_max_age);
+        // What response ids are made unguessable with: the stack's secret (every worker of a stack
+        // makes the same id for the same request, so a moved request keeps it), else this
+        // process's own random bytes.
+        let id_salt = config.cluster_secret.clone().unwrap_or_else(random_hex);
         let connections = engine
             .registry()
             .gauge("http_connections", "Open client connections.")
@@ -165,7 +197,8 @@ impl Frontend {
             created: unix_now(),
             outputs: Vec::new(),
             groups: HashMap::new(),
-            responses: ResponseStore::new(responses_max.0, responses_max.1),
+            responses: ResponseStore::new(responses_max.0, responses_max.1, responses_max.2),
+            id_salt,
             next_group: 0,
             last_keep_alive: Instant::now(),
         })
@@ -341,7 +374,17 @@ impl Frontend {
             let resumed = g.resume.as_ref().is_some_and(|r| !r.tokens.is_empty());
             let stream =
                 if inside && resumed { ResponseStream::resumed() } else { ResponseStream::default() };
-            (g, Some(Box::new(Responding { echo: r.echo, items: r.items, store: r.store, stream })))
+            let kept_by_router = r.kept_by_router;
+            (
+                g,
+                Some(Box::new(Responding {
+                    echo: r.echo,
+                    items: r.items,
+                    store: r.store,
+                    kept_by_router,
+                    stream,
+                })),
+            )
         } else {
             (pdserve_codec::parse_generate(endpoint, &req.body)?, None)
         };
@@ -471,6 +514,11 @@ impl Frontend {
                 l.meta.created = r.created.unwrap_or(l.meta.created);
                 l.resumed = !r.tokens.is_empty();
             }
+            if endpoint == Endpoint::Responses {
+                // Stored responses are read back by id: one nobody can guess from a request id.
+                let rid = g.resume.as_ref().map_or(rid, |r| r.request_id.as_str());
+                l.meta.id = response_id(&self.id_salt, rid, l.meta.created);
+            }
         }
         Ok(None)
     }
@@ -582,7 +630,7 @@ impl Frontend {
             let _ = self.server.respond(conn, &Self::error_response(&l, e));
             return true;
         }
-        let frames = openai::stream_error_frames(&l.meta, e, &l.request_id);
+        let frames = pdserve_codec::stream_error_frames(&l.meta, e, &l.request_id);
         if self.server.send_chunk(conn, frames.as_bytes()).is_ok() {
             let _ = self.server.end_stream(conn);
         } else {
