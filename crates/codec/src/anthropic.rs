@@ -174,12 +174,7 @@ pub fn count_tokens_chat_body(body: &[u8]) -> Result<Value, ApiError> {
 }
 
 fn to_chat(body: &[u8], generation: bool) -> Result<Value, ApiError> {
-    let v: Value =
-        serde_json::from_slice(body).map_err(|e| invalid(format!("body is not valid JSON: {e}")))?;
-    let obj = v.as_object().ok_or_else(|| invalid("body must be a JSON object"))?;
-    if let Some(k) = obj.keys().find(|k| !FIELDS.contains(&k.as_str())) {
-        return Err(invalid(format!("unrecognized request argument supplied: `{k}`")));
-    }
+    let obj = crate::object_of(body, FIELDS)?;
     let get = |k: &str| obj.get(k).filter(|v| !v.is_null());
     let mut chat = Map::new();
     for k in ["model", "stream", "temperature", "top_p", "top_k", "timeout", HANDLE_FIELD, RESUME_FIELD] {

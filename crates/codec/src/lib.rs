@@ -54,6 +54,18 @@ pub fn parse_generate(endpoint: Endpoint, body: &[u8]) -> Result<GenerateRequest
     openai::parse_value(endpoint, v)
 }
 
+/// A request body as a JSON object whose members are all among `fields` (the first unknown one is
+/// named in the 400).
+pub(crate) fn object_of(body: &[u8], fields: &[&str]) -> Result<serde_json::Map<String, Value>, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("body is not valid JSON: {e}")))?;
+    let Value::Object(obj) = v else { return Err(ApiError::invalid("body must be a JSON object")) };
+    if let Some(k) = obj.keys().find(|k| !fields.contains(&k.as_str())) {
+        return Err(ApiError::invalid(format!("unrecognized request argument supplied: `{k}`")));
+    }
+    Ok(obj)
+}
+
 /// A whole non-streaming answer in the endpoint's dialect. With `tool_calls`, the message carries
 /// them.
 pub fn full_response(

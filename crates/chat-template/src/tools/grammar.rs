@@ -1,0 +1,116 @@
+//! The grammars that hold a model to its call format: forced calls, and `strict` tools under `auto`.
+
+use pdserve_api::tools::Tool;
+use serde_json::{json, Value};
+
+use super::{ToolFormat, CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, CALL_SEP};
+
+impl ToolFormat {
+    /// The llguidance Lark grammar that makes the model call one of `tools` (or `only`), in this
+    /// format: one call to at most `calls_max`, then the end (where the format separates calls with a
+    /// newline, one newline may follow the last; the model then chooses between another call and the
+    /// end, never forced into a second). Each call's arguments fit its schema.
+    pub fn forced_call_grammar(self, tools: &[Tool], only: Option<&str>, calls_max: usize) -> String {
+        match self.call_rules(tools, only, calls_max) {
+            Some((opener, rules)) => format!("start: {} rest\n{rules}", lit(opener)),
+            // A Llama 3 call is the whole answer, with no marker.
+            None => format!("start: %json {}\n", call_schema(self, tools, only)),
+        }
+    }
+
+    /// Under `tool_choice: auto` with `strict` tools: the model answers freely, or writes text and
+    /// then calls; once it writes the format's opener, the calls (at most `calls_max`) must fit
+    /// their schemas. `None` for a format without an opener (Llama 3's call is a bare JSON answer).
+    pub fn auto_call_grammar(self, tools: &[Tool], calls_max: usize) -> Option<String> {
+        let (opener, rules) = self.call_rules(tools, None, calls_max)?;
+        let escaped: String = opener
+            .chars()
+            .map(|c| if "\\.^$|?*+()[]{}/".contains(c) { format!("\\{c}") } else { c.to_string() })
+            .collect();
+        Some(format!(
+            "start: FREE | prefix rest\nFREE: /(.|\\n)*/ & ~/(.|\\n)*{escaped}(.|\\n)*/\nprefix[stop={}]: /(.|\\n)*/\n{rules}",
+            lit(opener)
+        ))
+    }
+
+    /// The format's opener and the rules of what follows it (`rest`: the calls, then the end).
+    fn call_rules(
+        self,
+        tools: &[Tool],
+        only: Option<&str>,
+        calls_max: usize,
+    ) -> Option<(&'static str, String)> {
+        let calls_max = calls_max.max(1);
+        let call = call_schema(self, tools, only);
+        match self {
+            ToolFormat::Hermes => {
+                let more = match calls_max {
+                    1 => String::new(),
+                    n => format!(" (\"\\n\" call){{0,{}}}", n - 1),
+                };
+                let rules = format!(
+                    "rest: \"\\n\" body \"\\n</tool_call>\"{more} \"\\n\"?\ncall: \"<tool_call>\\n\" body \"\\n</tool_call>\"\nbody: %json {call}\n"
+                );
+                Some(("<tool_call>", rules))
+            }
+            ToolFormat::Llama3 => None,
+            ToolFormat::Mistral => {
+                let mut list = json!({"type": "array", "items": call, "minItems": 1, "maxItems": calls_max});
+                list["x-guidance"] = call["x-guidance"].clone();
+                Some(("[TOOL_CALLS]", format!("rest: body\nbody: %json {list}\n")))
+            }
+            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
+                // One rule per function: its name is text between the markers, its arguments JSON.
+                let offered: Vec<&Tool> = tools.iter().filter(|t| only.is_none_or(|n| n == t.name)).collect();
+                let mut g = format!(
+                    "rest: call{} {}\ncall: {}\n",
+                    if calls_max > 1 { format!("{{1,{calls_max}}}") } else { String::new() },
+                    lit(CALLS_END),
+                    (0..offered.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(" | ")
+                );
+                for (i, t) in offered.iter().enumerate() {
+                    let mut args = t.parameters.clone();
+                    if !args.is_object() {
+                        args = json!({"type": "object"});
+                    }
+                    args["x-guidance"] = call["x-guidance"].clone();
+                    let (head, tail) = match self {
+                        ToolFormat::DeepSeekV31 => {
+                            (format!("{CALL_BEGIN}{}{CALL_SEP}", t.name), CALL_END.to_owned())
+                        }
+                        _ => (
+                            format!("{CALL_BEGIN}function{CALL_SEP}{}\n```json\n", t.name),
+                            format!("\n```{CALL_END}"),
+                        ),
+                    };
+                    g.push_str(&format!("c{i}: {} a{i} {}\na{i}: %json {args}\n", lit(&head), lit(&tail)));
+                }
+                Some((CALLS_BEGIN, g))
+            }
+        }
+    }
+}
+
+/// A Lark string literal.
+fn lit(s: &str) -> String {
+    serde_json::to_string(s).expect("a string")
+}
+
+/// The schema of one call object (`name` and the arguments) to one of `tools` (or `only`), written
+/// compact.
+fn call_schema(format: ToolFormat, tools: &[Tool], only: Option<&str>) -> Value {
+    let key = format.arguments_key();
+    let schemas: Vec<Value> = tools
+        .iter()
+        .filter(|t| only.is_none_or(|n| n == t.name))
+        .map(|t| {
+            json!({"type": "object",
+                   "properties": {"name": {"const": t.name}, key: t.parameters},
+                   "required": ["name", key], "additionalProperties": false})
+        })
+        .collect();
+    let mut call = if schemas.len() == 1 { schemas[0].clone() } else { json!({"anyOf": schemas}) };
+    // Compact, single-line JSON: a small model left free to add whitespace may never stop.
+    call["x-guidance"] = json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "});
+    call
+}

@@ -1,0 +1,396 @@
+//! The formats models write tool calls in (Hermes/Qwen `<tool_call>` blocks, Llama 3 JSON, Mistral
+//! `[TOOL_CALLS]`), how an earlier call reads in each, the grammar that forces a call when a request
+//! requires one, and the streaming parser that lifts calls out of a model's text (broken ones come
+//! back as text).
+
+use pdserve_api::tools::Tool;
+use serde_json::{json, Value};
+
+mod grammar;
+mod parse;
+pub use parse::{Piece, ToolCallParser};
+
+/// What Llama 3.1+ writes before a call.
+const PYTHON_TAG: &str = "<|python_tag|>";
+
+/// The text format a model family writes its calls in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolFormat {
+    /// `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per call (Hermes,
+    /// Qwen2.5/Qwen3, and every model whose template does not define a format of its own).
+    Hermes,
+    /// A bare JSON object `{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`
+    /// (Llama 3.1+).
+    Llama3,
+    /// `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral).
+    Mistral,
+    /// DeepSeek V3 / R1: `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function<｜tool▁sep｜>`
+    /// name, the arguments in a `json` code fence, `<｜tool▁call▁end｜>`; `<｜tool▁calls▁end｜>`.
+    DeepSeekV3,
+    /// DeepSeek V3.1: per call `<｜tool▁call▁begin｜>` name `<｜tool▁sep｜>` arguments
+    /// `<｜tool▁call▁end｜>`, inside the same outer tags.
+    DeepSeekV31,
+}
+
+/// DeepSeek's tool-call markers.
+const CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+const CALLS_END: &str = "<｜tool▁calls▁end｜>";
+const CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
+const CALL_END: &str = "<｜tool▁call▁end｜>";
+const CALL_SEP: &str = "<｜tool▁sep｜>";
+
+impl ToolFormat {
+    pub const NAMES: &'static str = "hermes, llama3, mistral, deepseek_v3, deepseek_v31";
+
+    pub fn from_name(s: &str) -> Option<ToolFormat> {
+        match s {
+            "hermes" | "qwen" => Some(ToolFormat::Hermes),
+            "llama3" | "llama3_json" => Some(ToolFormat::Llama3),
+            "mistral" => Some(ToolFormat::Mistral),
+            "deepseek_v3" | "deepseek_r1" => Some(ToolFormat::DeepSeekV3),
+            "deepseek_v31" => Some(ToolFormat::DeepSeekV31),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes => "hermes",
+            ToolFormat::Llama3 => "llama3",
+            ToolFormat::Mistral => "mistral",
+            ToolFormat::DeepSeekV3 => "deepseek_v3",
+            ToolFormat::DeepSeekV31 => "deepseek_v31",
+        }
+    }
+
+    fn deepseek(self) -> bool {
+        matches!(self, ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31)
+    }
+
+    /// The format a chat template writes calls in; a template without one of its own gets
+    /// [`ToolFormat::Hermes`] (the engine then describes the tools itself, in that format).
+    pub fn from_template(template: &str) -> ToolFormat {
+        if template.contains(CALLS_BEGIN) {
+            // V3's template writes each call's arguments in a code fence; V3.1's does not.
+            if template.contains("```json") {
+                ToolFormat::DeepSeekV3
+            } else {
+                ToolFormat::DeepSeekV31
+            }
+        } else if template.contains("[TOOL_CALLS]") {
+            ToolFormat::Mistral
+        } else if template.contains("<tool_call>") {
+            ToolFormat::Hermes
+        } else if template.contains("<|python_tag|>") || template.contains("ipython") {
+            ToolFormat::Llama3
+        } else {
+            ToolFormat::Hermes
+        }
+    }
+
+    /// The key the arguments go under.
+    fn arguments_key(self) -> &'static str {
+        match self {
+            ToolFormat::Llama3 => "parameters",
+            _ => "arguments",
+        }
+    }
+
+    /// How an earlier call of the conversation reads in this format (for templates that do not render
+    /// `tool_calls` themselves).
+    pub fn render_call(self, name: &str, arguments: &Value) -> String {
+        let obj = json!({"name": name, self.arguments_key(): arguments});
+        match self {
+            ToolFormat::Hermes => format!("<tool_call>\n{obj}\n</tool_call>"),
+            ToolFormat::Llama3 => obj.to_string(),
+            ToolFormat::Mistral => format!("[TOOL_CALLS][{obj}]"),
+            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
+                format!("{CALLS_BEGIN}{}{CALLS_END}", self.deepseek_call(name, &arguments.to_string()))
+            }
+        }
+    }
+
+    /// One DeepSeek call: name and arguments (JSON text) between its markers.
+    fn deepseek_call(self, name: &str, arguments: &str) -> String {
+        match self {
+            ToolFormat::DeepSeekV31 => format!("{CALL_BEGIN}{name}{CALL_SEP}{arguments}{CALL_END}"),
+            _ => format!("{CALL_BEGIN}function{CALL_SEP}{name}\n```json\n{arguments}\n```{CALL_END}"),
+        }
+    }
+
+    /// The system text that offers `tools` to a model whose template does not (Hermes format).
+    pub fn system_prompt(tools: &[Tool]) -> String {
+        let mut s = String::from(
+            "You may call functions to help with the user's request. The functions are listed in \
+             <tools></tools>, one JSON object per line:\n<tools>\n",
+        );
+        for t in tools {
+            s.push_str(&t.to_json().to_string());
+            s.push('\n');
+        }
+        s.push_str(
+            "</tools>\nTo call a function, answer with one block per call:\n<tool_call>\n\
+             {\"name\": <function name>, \"arguments\": <arguments as a JSON object>}\n</tool_call>",
+        );
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pdserve_api::tools::ToolCall;
+
+    fn tools() -> Vec<Tool> {
+        vec![
+            Tool {
+                name: "read_file".into(),
+                description: Some("Reads a file".into()),
+                parameters: json!({"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}),
+                strict: false,
+            },
+            Tool {
+                name: "list_dir".into(),
+                description: None,
+                parameters: json!({"type": "object"}),
+                strict: false,
+            },
+        ]
+    }
+
+    fn run(format: ToolFormat, pieces: &[&str]) -> (String, Vec<ToolCall>) {
+        let mut p = ToolCallParser::new(format, &tools(), "x");
+        let mut out: Vec<Piece> = pieces.iter().flat_map(|s| p.push(s)).collect();
+        out.extend(p.finish(false));
+        let mut text = String::new();
+        let mut calls = Vec::new();
+        for o in out {
+            match o {
+                Piece::Text(t) => text.push_str(&t),
+                Piece::Call(c) => calls.push(c),
+            }
+        }
+        (text, calls)
+    }
+
+    #[test]
+    fn hermes_calls_are_lifted_out_of_streamed_text_in_any_split() {
+        let full = "Let me look.\n<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"a.txt\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>";
+        for split in [1, 2, 3, 7, 64, full.len()] {
+            let pieces: Vec<String> =
+                full.as_bytes().chunks(split).map(|c| String::from_utf8_lossy(c).into_owned()).collect();
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            let (text, calls) = run(ToolFormat::Hermes, &refs);
+            assert_eq!(text, "Let me look.\n", "split {split}");
+            assert_eq!(calls.len(), 2);
+            assert_eq!(
+                (calls[0].name.as_str(), calls[0].arguments.as_str()),
+                ("read_file", r#"{"path":"a.txt"}"#)
+            );
+            assert_eq!((calls[1].id.as_str(), calls[1].arguments.as_str()), ("call_x_1", "{}"));
+        }
+    }
+
+    #[test]
+    fn broken_calls_come_back_as_text() {
+        for bad in [
+            "<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": }\n</tool_call>",
+            "<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tool_call>",
+            "<tool_call>\n[1, 2]\n</tool_call>",
+            "<tool_call> never closed and not JSON",
+            "<tool_c",
+        ] {
+            let (text, calls) = run(ToolFormat::Hermes, &[bad]);
+            assert_eq!((text.as_str(), calls.len()), (bad, 0), "{bad}");
+        }
+        // Text that only looks like the start of an opener is given back whole.
+        let (text, calls) = run(ToolFormat::Hermes, &["a < b and <tool", "box>"]);
+        assert_eq!((text.as_str(), calls.len()), ("a < b and <toolbox>", 0));
+    }
+
+    #[test]
+    fn an_unclosed_last_call_at_the_end_still_counts() {
+        let (text, calls) =
+            run(ToolFormat::Hermes, &["<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {\"d\": 1}}"]);
+        assert_eq!((text.as_str(), calls.len()), ("", 1));
+        assert_eq!(calls[0].arguments, r#"{"d":1}"#);
+    }
+
+    #[test]
+    fn llama3_and_mistral_formats() {
+        let (text, calls) = run(
+            ToolFormat::Llama3,
+            &[
+                "<|python_tag|>{\"name\": \"read_file\", \"parameters\": {\"path\": \"b\"}}; ",
+                "{\"name\": \"list_dir\", \"parameters\": {}}",
+            ],
+        );
+        assert_eq!((text.as_str(), calls.len()), ("", 2));
+        assert_eq!(calls[0].arguments, r#"{"path":"b"}"#);
+        // Prose first: a Llama 3 answer is then prose throughout.
+        let (text, calls) = run(ToolFormat::Llama3, &["Sure: {\"name\": \"list_dir\", \"parameters\": {}}"]);
+        assert_eq!((text.as_str(), calls.len()), ("Sure: {\"name\": \"list_dir\", \"parameters\": {}}", 0));
+        let (text, calls) = run(
+            ToolFormat::Mistral,
+            &["[TOOL_", "CALLS][{\"name\": \"read_file\", \"arguments\": \"{\\\"path\\\": \\\"c\\\"}\"}]"],
+        );
+        assert_eq!((text.as_str(), calls.len()), ("", 1));
+        assert_eq!(calls[0].arguments, r#"{"path": "c"}"#);
+    }
+
+    /// Every split of `full` gives the same text and calls.
+    fn every_split(format: ToolFormat, full: &str) -> (String, Vec<ToolCall>) {
+        let whole = run(format, &[full]);
+        let chars: Vec<String> = full.chars().map(String::from).collect();
+        for pieces in [chars.clone(), chars.chunks(5).map(|c| c.concat()).collect()] {
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            assert_eq!(run(format, &refs), whole, "{full}");
+        }
+        whole
+    }
+
+    #[test]
+    fn deepseek_calls_in_both_generations_of_the_format() {
+        let v3 = "I will read it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n```json\n{\"path\": \"a.txt\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>list_dir\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let (text, calls) = every_split(ToolFormat::DeepSeekV3, v3);
+        assert_eq!(text, "I will read it.");
+        let got: Vec<(&str, &str)> = calls.iter().map(|c| (c.name.as_str(), c.arguments.as_str())).collect();
+        assert_eq!(got, [("read_file", r#"{"path":"a.txt"}"#), ("list_dir", "{}")]);
+        let v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{\"path\": \"b\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let (text, calls) = every_split(ToolFormat::DeepSeekV31, v31);
+        assert_eq!((text.as_str(), calls.len(), calls[0].arguments.as_str()), ("", 1, r#"{"path":"b"}"#));
+        // Rendering a call gives text the parser reads back.
+        for f in [ToolFormat::DeepSeekV3, ToolFormat::DeepSeekV31] {
+            let (text, calls) = every_split(f, &f.render_call("read_file", &json!({"path": "c"})));
+            assert_eq!((text.as_str(), calls.len(), calls[0].arguments.as_str()), ("", 1, r#"{"path":"c"}"#));
+        }
+        // The outer start tag missing (as models drop it at long context): still a call.
+        let (text, calls) = every_split(
+            ToolFormat::DeepSeekV31,
+            "<｜tool▁call▁begin｜>list_dir<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+        );
+        assert_eq!((text.as_str(), calls.len()), ("", 1));
+        // A call cut by max_tokens at the end still counts once its arguments parse.
+        let (_, calls) = every_split(
+            ToolFormat::DeepSeekV31,
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>list_dir<｜tool▁sep｜>{\"d\": 1}",
+        );
+        assert_eq!(calls.len(), 1);
+        // Broken calls, unknown functions and prose about the tags come back as text, whole.
+        for bad in [
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>rm_rf<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n{\"path\"<｜tool▁call▁end｜>",
+            "The tag <｜tool▁calls▁begin｜> opens calls",
+            "<｜tool▁calls▁end｜> out of place",
+        ] {
+            for f in [ToolFormat::DeepSeekV3, ToolFormat::DeepSeekV31] {
+                let (text, calls) = every_split(f, bad);
+                assert_eq!((text.as_str(), calls.len()), (bad, 0), "{f:?}: {bad}");
+            }
+        }
+        assert_eq!(
+            ToolFormat::from_template("{{'<｜tool▁calls▁begin｜>'}}...```json"),
+            ToolFormat::DeepSeekV3
+        );
+        assert_eq!(ToolFormat::from_template("{{'<｜tool▁calls▁begin｜>'}}"), ToolFormat::DeepSeekV31);
+    }
+
+    /// `full` cut by `max_tokens` at every character: the whole calls before the cut, then the cut
+    /// one with its arguments as far as written; never markup in the text.
+    #[test]
+    fn calls_cut_by_max_tokens_are_calls_with_partial_arguments() {
+        let cases = [
+            (ToolFormat::Hermes, "Sure.\n<tool_call>\n{\"name\": \"list_dir\", \"arguments\": {}}\n</tool_call>\n<tool_call>\n{\"name\": \"read_file\", \"arguments\": {\"path\": \"a.txt\"}}\n</tool_call>"),
+            (ToolFormat::Mistral, "Sure.[TOOL_CALLS][{\"name\": \"list_dir\", \"arguments\": {}}, {\"name\": \"read_file\", \"arguments\": {\"path\": \"a.txt\"}}]"),
+            (ToolFormat::Llama3, "{\"name\": \"list_dir\", \"parameters\": {}}; {\"name\": \"read_file\", \"parameters\": {\"path\": \"a.txt\"}}"),
+            (ToolFormat::DeepSeekV3, "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>list_dir\n```json\n{}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>read_file\n```json\n{\"path\": \"a.txt\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+            (ToolFormat::DeepSeekV31, "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>list_dir<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{\"path\": \"a.txt\"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
+        ];
+        for (format, full) in cases {
+            let prose = if format == ToolFormat::Llama3 { "" } else { "Sure." };
+            let second = full.rfind("read_file").unwrap();
+            let args_at = full.rfind("{\"path").unwrap();
+            for (at, _) in full.char_indices().skip(prose.chars().count()) {
+                let mut p = ToolCallParser::new(format, &tools(), "x");
+                let mut out = p.push(&full[..at]);
+                out.extend(p.finish(true));
+                let text: String = out
+                    .iter()
+                    .filter_map(|o| match o {
+                        Piece::Text(t) => Some(t.as_str()),
+                        _ => None,
+                    })
+                    .collect();
+                let calls: Vec<&ToolCall> = out
+                    .iter()
+                    .filter_map(|o| match o {
+                        Piece::Call(c) => Some(c),
+                        _ => None,
+                    })
+                    .collect();
+                assert_eq!(text.trim_end(), prose, "{format:?} cut at {at}: {:?}", &full[..at]);
+                // The first call is whole once its arguments close; the second is named once its
+                // name is whole.
+                let after_name = if format == ToolFormat::DeepSeekV31 { CALL_SEP.len() } else { 1 };
+                let named_second = at >= second + "read_file".len() + after_name;
+                if named_second {
+                    assert_eq!(calls.len(), 2, "{format:?} cut at {at}: {:?}", &full[..at]);
+                    assert_eq!(calls[0].name, "list_dir");
+                    assert_eq!((calls[1].name.as_str(), !calls[1].id.is_empty()), ("read_file", true));
+                    let args = &calls[1].arguments;
+                    let written = &full[args_at..at.max(args_at)];
+                    assert!(
+                        args == r#"{"path":"a.txt"}"#
+                            || (written.starts_with(args.as_str())
+                                && args.len() + 4
+                                    >= written
+                                        .trim_end_matches(|c| "}]\n`<｜tool▁call▁end｜>calls/_".contains(c))
+                                        .len()),
+                        "{format:?} cut at {at}: arguments {args:?} of {written:?}"
+                    );
+                }
+                assert!(
+                    calls.len() <= 2
+                        && calls.iter().all(|c| c.name != "list_dir" || "{}".starts_with(&c.arguments)),
+                    "{format:?} cut at {at}: {calls:?}"
+                );
+            }
+        }
+        // Not a call at all: text, also when cut.
+        let mut p = ToolCallParser::new(ToolFormat::Hermes, &tools(), "x");
+        let mut out = p.push("<tool_call> never closed and not JSON");
+        out.extend(p.finish(true));
+        assert_eq!(out, [Piece::Text("<tool_call> never closed and not JSON".into())]);
+        // Mistral's ids are nine letters and digits, unique per call.
+        let (_, calls) = run(ToolFormat::Mistral, &[cases[1].1]);
+        assert!(calls.iter().all(|c| c.id.len() == 9 && c.id.chars().all(|c| c.is_ascii_alphanumeric())));
+        assert_ne!(calls[0].id, calls[1].id);
+    }
+
+    #[test]
+    fn forced_call_grammars_name_the_functions() {
+        let g = ToolFormat::DeepSeekV3.forced_call_grammar(&tools(), Some("read_file"), 1);
+        assert!(
+            g.contains("start: \"<｜tool▁calls▁begin｜>\" rest\nrest: call \"<｜tool▁calls▁end｜>\""),
+            "{g}"
+        );
+        assert!(g.contains("function<｜tool▁sep｜>read_file\\n```json\\n") && !g.contains("list_dir"), "{g}");
+        let g = ToolFormat::DeepSeekV31.forced_call_grammar(&tools(), None, 8);
+        assert!(g.contains("call{1,8}") && g.contains("call: c0 | c1"), "{g}");
+        let g = ToolFormat::Hermes.forced_call_grammar(&tools(), Some("read_file"), 1);
+        assert!(
+            g.starts_with("start: \"<tool_call>\" rest\nrest: \"\\n\" body \"\\n</tool_call>\" \"\\n\"?\n")
+                && g.contains("\"const\":\"read_file\"")
+                && !g.contains("list_dir"),
+            "{g}"
+        );
+        let g = ToolFormat::Hermes.forced_call_grammar(&tools(), None, 8);
+        assert!(g.contains("(\"\\n\" call){0,7} \"\\n\"?") && g.contains("anyOf"), "{g}");
+        let g = ToolFormat::Mistral.forced_call_grammar(&tools(), None, 1);
+        assert!(g.contains("\"maxItems\":1"));
+        // Under auto: free text, or text and then the calls; Llama 3 has no opener to start at.
+        let g = ToolFormat::Mistral.auto_call_grammar(&tools(), 8).unwrap();
+        assert!(g.starts_with("start: FREE | prefix rest\n") && g.contains("\\[TOOL_CALLS\\]"), "{g}");
+        assert!(ToolFormat::Llama3.auto_call_grammar(&tools(), 8).is_none());
+    }
+}
