@@ -202,10 +202,14 @@ pub(crate) fn run(cmd: &mut Command) -> Result<()> {
 fn test() -> Result<()> {
     cargo(&["fmt", "--all", "--check"]).context("formatting differs: run `cargo fmt --all`")?;
     cargo(&["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"])?;
-    // The agent frameworks crates/server/tests/frameworks.rs drives, in an environment of their own.
-    let agents = agents_venv()?;
+    // The Python packages the tests need (references, clients, agent frameworks), pinned, in an
+    // environment of the project's own.
+    let python = test_venv()?;
     let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(&cargo_bin).args(["test", "--workspace"]).env("PDSERVE_AGENTS_PYTHON", &agents))?;
+    run(Command::new(&cargo_bin)
+        .args(["test", "--workspace"])
+        .env("PYTHON", &python)
+        .env("PDSERVE_AGENTS_PYTHON", &python))?;
     // The model's kernel tests again on the lower CPU kernel families (each capped at what the CPU
     // has): an AVX-512 machine checks its AVX2 and portable paths too.
     for family in ["avx2", "portable"] {
@@ -247,23 +251,23 @@ fn test() -> Result<()> {
     Ok(())
 }
 
-/// The Python of a virtual environment holding the agent frameworks at the versions
-/// `crates/server/tests/frameworks/requirements.txt` pins (`~/.cache/pdserve/agents-venv`, outside
-/// `target/`), made (again, when the file changed) with `python3 -m venv` and pip.
-fn agents_venv() -> Result<PathBuf> {
-    let requirements = workspace_root().join("crates/server/tests/frameworks/requirements.txt");
+/// The Python of a virtual environment holding the packages the tests need at the versions
+/// `xtask/test-requirements.txt` pins (`~/.cache/pdserve/test-venv`, outside `target/`), made (again,
+/// when the file changed) with `python3 -m venv` and pip.
+fn test_venv() -> Result<PathBuf> {
+    let requirements = workspace_root().join("xtask/test-requirements.txt");
     let pinned =
         std::fs::read_to_string(&requirements).with_context(|| requirements.display().to_string())?;
     let venv = pdserve_import::fetch::models_dir()
         .parent()
-        .map(|c| c.join("agents-venv"))
-        .context("no cache folder for the agent frameworks")?;
+        .map(|c| c.join("test-venv"))
+        .context("no cache folder for the tests' Python environment")?;
     let stamp = venv.join("pdserve-requirements.txt");
     let python = venv.join("bin/python");
     if python.exists() && std::fs::read_to_string(&stamp).ok().as_deref() == Some(pinned.as_str()) {
         return Ok(python);
     }
-    eprintln!("xtask test: installing the agent frameworks into {}", venv.display());
+    eprintln!("xtask test: installing the tests' Python packages into {}", venv.display());
     if venv.exists() {
         std::fs::remove_dir_all(&venv)?;
     }

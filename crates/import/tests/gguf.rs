@@ -138,7 +138,7 @@ fn k_quants_match_the_gguf_reference() {
             }
         }
         let path = write(&format!("{name}.bin"), &raw);
-        let out = std::process::Command::new("python3")
+        let out = std::process::Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
             .arg("-c")
             .arg(
                 "import sys, numpy as np\nfrom gguf import quants, GGMLQuantizationType as T\n\

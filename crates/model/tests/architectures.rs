@@ -21,7 +21,11 @@ const STEPS: usize = 12;
 /// Runs the reference script with `args`; its standard output.
 fn script(args: &[&str]) -> Vec<u8> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny_reference.py");
-    let out = Command::new("python3").arg(&script).args(args).output().expect("python3 (with numpy) runs");
+    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
+        .arg(&script)
+        .args(args)
+        .output()
+        .expect("python3 (with numpy) runs");
     assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
     out.stdout
 }

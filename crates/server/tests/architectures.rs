@@ -17,7 +17,11 @@ const STEPS: usize = 8;
 
 fn script(args: &[&str]) -> Vec<u8> {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny_reference.py");
-    let out = Command::new("python3").arg(&path).args(args).output().expect("python3 (with numpy) runs");
+    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
+        .arg(&path)
+        .args(args)
+        .output()
+        .expect("python3 (with numpy) runs");
     assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
     out.stdout
 }

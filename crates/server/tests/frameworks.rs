@@ -2,8 +2,8 @@
 //! prefill and decode workers): the openai SDK, openai-agents, pydantic-ai, langchain-openai,
 //! instructor, the anthropic SDK and litellm, each running `tests/frameworks/frameworks.py`'s
 //! scenario (an agent loop with a function tool and its result, streaming, structured output, the
-//! Responses API where the framework uses it). The pinned versions (`tests/frameworks/
-//! requirements.txt`) live in a virtual environment of their own, which `cargo xtask test` makes.
+//! Responses API where the framework uses it). The pinned versions (`xtask/test-requirements.txt`)
+//! live in a virtual environment of the project's own, which `cargo xtask test` makes.
 
 mod common;
 
@@ -22,12 +22,12 @@ fn python() -> PathBuf {
         return PathBuf::from(p);
     }
     let venv =
-        pdserve_import::fetch::models_dir().parent().map(|c| c.join("agents-venv")).expect("cache folder");
+        pdserve_import::fetch::models_dir().parent().map(|c| c.join("test-venv")).expect("cache folder");
     let python = venv.join("bin/python");
     assert!(
         python.exists(),
         "the agent frameworks are not installed at {}: `cargo xtask test` installs them (or: python3 -m venv {0} && \
-         {0}/bin/pip install -r crates/server/tests/frameworks/requirements.txt)",
+         {0}/bin/pip install -r xtask/test-requirements.txt)",
         venv.display()
     );
     python

@@ -3,7 +3,7 @@ framework). Each runs a small realistic scenario at temperature 0: an agent loop
 and its result, streaming, structured output, and the Responses API where the framework uses it.
 The checks are what the server decides (calls that fit their schemas, the loop's turns, the shapes
 each framework parses), not what the 135M model knows. Prints OK on success, raises on any failure.
-Run by tests/frameworks.rs with the pinned versions of requirements.txt."""
+Run by tests/frameworks.rs with the pinned versions of xtask/test-requirements.txt."""
 import asyncio
 import json
 import os
