@@ -30,6 +30,7 @@ mod bits16;
 mod config;
 mod cpu;
 mod error;
+mod fp8;
 mod generation;
 #[cfg(feature = "cuda")]
 mod gpu;
@@ -46,6 +47,7 @@ pub use backend::{Backend, KvDtype, KvLayout, KvStore, SeqStep};
 pub use config::{ExpertGroups, GroupScore, Indexer, Mla, ModelConfig, Moe, MoeNames, RopeScaling, Scoring};
 pub use cpu::CpuBackend;
 pub use error::ModelError;
+pub use fp8::Fp8Matrix;
 pub use generation::GenerationConfig;
 #[cfg(feature = "cuda")]
 pub use gpu::{GpuBackend, StepTimes, RANDOM_WEIGHT_SCALE};
@@ -103,12 +105,12 @@ impl ModelFiles {
     pub fn load_for(dir: &Path, format: WeightFormat) -> Result<ModelFiles, ModelError> {
         let (config, generation, text) = ModelFiles::metadata(dir)?;
         let mut prepared: Option<PreparedWeights> = None;
-        let (weights, checkpoint_dtype) = Weights::load_each(dir, &config, &mut |dtype, layer| {
+        let (weights, checkpoint_dtype) = Weights::load_each(dir, &config, &mut |dtype, layer, scales| {
             let p = match &mut prepared {
                 Some(p) => p,
                 None => prepared.insert(PreparedWeights::new(format.resolve(dtype, &config), &config)?),
             };
-            p.push_and_free(layer, &config)
+            p.push_and_free(layer, scales, &config)
         })?;
         let prepared = match prepared {
             Some(p) => p,

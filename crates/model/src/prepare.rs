@@ -3,6 +3,7 @@
 //! never holds the whole model in f32 and in its served form together (the peak is the served form,
 //! the f32 embedding and one layer in f32).
 
+use crate::fp8::Fp8Matrix;
 use crate::quant::{
     stack_layer, Bf16Matrix, F16Matrix, Q4Matrix, Q8Matrix, QuantLayer, QuantMatrix, WeightFormat,
 };
@@ -25,6 +26,7 @@ pub(crate) enum PreparedLayers {
     Q4(Vec<QuantLayer<Q4Matrix>>),
     Bf16(Vec<QuantLayer<Bf16Matrix>>),
     F16(Vec<QuantLayer<F16Matrix>>),
+    Fp8(Vec<QuantLayer<Fp8Matrix>>),
 }
 
 impl PreparedWeights {
@@ -36,6 +38,7 @@ impl PreparedWeights {
             WeightFormat::Q4 => PreparedLayers::Q4(Vec::new()),
             WeightFormat::Bf16 => PreparedLayers::Bf16(Vec::new()),
             WeightFormat::F16 => PreparedLayers::F16(Vec::new()),
+            WeightFormat::Fp8 => PreparedLayers::Fp8(Vec::new()),
             WeightFormat::F32 | WeightFormat::Auto => PreparedLayers::None,
         };
         Ok(PreparedWeights { format, layers })
@@ -58,8 +61,19 @@ impl PreparedWeights {
         crate::quant::matrix_shapes(c).iter().all(|&(r, k)| r % 32 == 0 && k % 32 == 0)
     }
 
-    /// Converts the next layer.
+    /// Converts the next layer (FP8: each group quantized with its own scale).
     pub fn push(&mut self, l: &LayerWeights, c: &ModelConfig) -> Result<(), ModelError> {
+        self.push_with_scales(l, None, c)
+    }
+
+    /// [`push`](Self::push), FP8 taking each value's block scale from `scales` where given (the
+    /// layer of scales `Weights::load_each` reads: the checkpoint's own codes and scales kept).
+    pub fn push_with_scales(
+        &mut self,
+        l: &LayerWeights,
+        scales: Option<&LayerWeights>,
+        c: &ModelConfig,
+    ) -> Result<(), ModelError> {
         fn quantize<M: QuantMatrix>(l: &LayerWeights, c: &ModelConfig) -> Result<QuantLayer<M>, ModelError> {
             stack_layer(l, c, M::quantize).ok_or_else(|| ModelError::Unsupported {
                 field: "quantized weights".into(),
@@ -76,6 +90,22 @@ impl PreparedWeights {
                     value: "a weight past f16's range".into(),
                 })?)
             }
+            PreparedLayers::Fp8(v) => {
+                let refused = || ModelError::Unsupported {
+                    field: "--weights fp8".into(),
+                    value: "FP8 blocks narrower than 16 columns".into(),
+                };
+                let layer = match scales {
+                    None => stack_layer(l, c, Fp8Matrix::dynamic),
+                    Some(s) => {
+                        let raw = |w: &[f32], r: usize, k: usize| Some((w.to_vec(), r, k));
+                        let w = stack_layer(l, c, raw).ok_or_else(refused)?;
+                        let s = stack_layer(s, c, raw).ok_or_else(refused)?;
+                        w.zip(s, &|(w, r, k), (s, _, _)| Fp8Matrix::from_blocks(&w, &s, r, k))
+                    }
+                };
+                v.push(layer.ok_or_else(refused)?)
+            }
             PreparedLayers::Bf16(v) => {
                 v.push(stack_layer(l, c, Bf16Matrix::pack).ok_or_else(|| ModelError::Unsupported {
                     field: "--weights bf16".into(),
@@ -86,9 +116,18 @@ impl PreparedWeights {
         Ok(())
     }
 
-    /// [`push`](Self::push), then the layer's f32 projections dropped where no step will read them.
-    pub fn push_and_free(&mut self, l: &mut LayerWeights, c: &ModelConfig) -> Result<(), ModelError> {
-        self.push(l, c)?;
+    /// [`push`](Self::push), then the layer's f32 projections dropped where no step will read them;
+    /// FP8 reads the layer's block scales with `scales` (see `Weights::load_each`).
+    pub fn push_and_free(
+        &mut self,
+        l: &mut LayerWeights,
+        scales: &dyn Fn() -> Result<LayerWeights, ModelError>,
+        c: &ModelConfig,
+    ) -> Result<(), ModelError> {
+        match self.layers {
+            PreparedLayers::Fp8(_) => self.push_with_scales(l, Some(&scales()?), c)?,
+            _ => self.push(l, c)?,
+        }
         if PreparedWeights::replaces_f32(self.format, c) {
             l.release_projections();
         }

@@ -35,8 +35,15 @@ pub enum WeightFormat {
     /// Every projection in f16, as f16 checkpoints ship them (exact for those, 2 bytes per weight),
     /// widened to f32 as steps read them; the embedding and LM head stay f32.
     F16,
-    /// The checkpoint's own precision: bf16 for a bf16 (or block-scaled FP8) checkpoint whose shapes
-    /// the bf16 GEMM takes, f16 for an f16 one, f32 otherwise (experts and latent attention alike).
+    /// Every projection in FP8 e4m3 with an f32 scale per row and group of up to 128 columns (see
+    /// [`Fp8Matrix`](crate::Fp8Matrix)): a block-scaled FP8 checkpoint's bytes and scales as shipped
+    /// (about 1.03 bytes per weight), widened as steps read them to the very values the f32 loader
+    /// computes; any other checkpoint's projections quantized with a scale per group (`max |w| /
+    /// 448`). The LM head and embedding stay f32.
+    Fp8,
+    /// The checkpoint's own precision: FP8 for a block-scaled FP8 checkpoint, bf16 for a bf16 one
+    /// whose shapes the bf16 GEMM takes, f16 for an f16 one, f32 otherwise (experts and latent
+    /// attention alike).
     /// See [`resolve`](Self::resolve); a backend given `Auto` itself runs f32.
     Auto,
 }
@@ -50,6 +57,7 @@ impl WeightFormat {
             WeightFormat::Q4 => "q4",
             WeightFormat::Bf16 => "bf16",
             WeightFormat::F16 => "f16",
+            WeightFormat::Fp8 => "fp8",
             WeightFormat::Auto => "auto",
         }
     }
@@ -57,15 +65,14 @@ impl WeightFormat {
     /// `Auto` made concrete for a checkpoint stored as `dtype` of a model shaped by `c`; any other
     /// format as it is. A bf16 checkpoint is served in bf16 where the CPU has the bf16 GEMM (AVX-512
     /// BF16), else widened to f32 (exactly), whose products have AVX2 kernels; a block-scaled FP8 one
-    /// likewise (each value times its block's scale, rounded to bf16: half of f32's bytes).
+    /// as FP8 (its bytes and scales as shipped, widened by the kernels: a quarter of f32's bytes).
     pub fn resolve(self, dtype: crate::CheckpointDtype, c: &ModelConfig) -> WeightFormat {
         // Every stacked projection's rows fill 32-row panels and its columns pair up.
         let packs = matrix_shapes(c).iter().all(|&(r, k)| r % 32 == 0 && k % 2 == 0);
         match self {
+            WeightFormat::Auto if dtype == crate::CheckpointDtype::Fp8 => WeightFormat::Fp8,
             WeightFormat::Auto
-                if matches!(dtype, crate::CheckpointDtype::Bf16 | crate::CheckpointDtype::Fp8)
-                    && packs
-                    && crate::sys::has_bf16_gemm() =>
+                if dtype == crate::CheckpointDtype::Bf16 && packs && crate::sys::has_bf16_gemm() =>
             {
                 WeightFormat::Bf16
             }
@@ -86,6 +93,7 @@ impl std::str::FromStr for WeightFormat {
             "q4" => Ok(WeightFormat::Q4),
             "bf16" => Ok(WeightFormat::Bf16),
             "f16" => Ok(WeightFormat::F16),
+            "fp8" => Ok(WeightFormat::Fp8),
             "auto" => Ok(WeightFormat::Auto),
             _ => Err(crate::ModelError::UnknownWeightFormat { value: s.to_owned() }),
         }
@@ -385,6 +393,47 @@ impl<M> QuantLayer<M> {
             .iter()
             .flat_map(|m| m.q_a.iter().chain([&m.q_b, &m.kv_a]).chain(&m.k_up_t).chain(&m.v_up));
         [&self.qkv, &self.o, &self.gate_up, &self.down].into_iter().chain(experts).chain(mla)
+    }
+
+    /// Each matrix joined with `other`'s in the same place by `f`; `None` if `f` refuses one or the
+    /// layers hold different matrices.
+    pub(crate) fn zip<N, R>(
+        self,
+        other: QuantLayer<N>,
+        f: &impl Fn(M, N) -> Option<R>,
+    ) -> Option<QuantLayer<R>> {
+        fn all<M, N, R>(a: Vec<M>, b: Vec<N>, f: impl Fn(M, N) -> Option<R>) -> Option<Vec<R>> {
+            (a.len() == b.len()).then_some(())?;
+            a.into_iter().zip(b).map(|(a, b)| f(a, b)).collect()
+        }
+        fn opt<M, N, R>(a: Option<M>, b: Option<N>, f: impl Fn(M, N) -> Option<R>) -> Option<Option<R>> {
+            match (a, b) {
+                (Some(a), Some(b)) => f(a, b).map(Some),
+                (None, None) => Some(None),
+                _ => None,
+            }
+        }
+        let expert = |a: ExpertMats<M>, b: ExpertMats<N>| {
+            Some(ExpertMats { gate_up: f(a.gate_up, b.gate_up)?, down: f(a.down, b.down)? })
+        };
+        let mla = |a: MlaMats<M>, b: MlaMats<N>| {
+            Some(MlaMats {
+                q_a: opt(a.q_a, b.q_a, f)?,
+                q_b: f(a.q_b, b.q_b)?,
+                kv_a: f(a.kv_a, b.kv_a)?,
+                k_up_t: all(a.k_up_t, b.k_up_t, f)?,
+                v_up: all(a.v_up, b.v_up, f)?,
+            })
+        };
+        Some(QuantLayer {
+            qkv: f(self.qkv, other.qkv)?,
+            o: f(self.o, other.o)?,
+            gate_up: f(self.gate_up, other.gate_up)?,
+            down: f(self.down, other.down)?,
+            experts: all(self.experts, other.experts, expert)?,
+            shared: opt(self.shared, other.shared, expert)?,
+            mla: opt(self.mla, other.mla, mla)?,
+        })
     }
 }
 

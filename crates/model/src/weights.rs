@@ -160,19 +160,6 @@ struct Shards {
     fp8_block: Option<[usize; 2]>,
 }
 
-/// Every FP8 e4m3 (`float8_e4m3fn`) value by its bits: sign, 4 exponent bits (bias 7), 3 mantissa
-/// bits, subnormals below exponent 1, no infinities, NaN at `S.1111.111`.
-fn e4m3_value(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = ((b >> 3) & 0xF, b & 7);
-    let v = match (e, m) {
-        (15, 7) => f32::NAN,
-        (0, m) => m as f32 / 8.0 * 2f32.powi(-6),
-        (e, m) => (1.0 + m as f32 / 8.0) * 2f32.powi(e as i32 - 7),
-    };
-    sign * v
-}
-
 impl Shards {
     fn open(dir: &Path) -> Result<Shards, ModelError> {
         let single = dir.join("model.safetensors");
@@ -231,7 +218,7 @@ impl Shards {
                 let scales = self.fp8_scales(name, shape)?;
                 let [br, bc] = self.fp8_block.expect("checked");
                 let (cols, scale_cols) = (shape[1], shape[1].div_ceil(bc));
-                let lut: Vec<f32> = (0..=255u8).map(e4m3_value).collect();
+                let lut: Vec<f32> = (0..=255u8).map(crate::fp8::e4m3_value).collect();
                 b.iter()
                     .enumerate()
                     .map(|(i, &q)| lut[q as usize] * scales[(i / cols / br) * scale_cols + (i % cols) / bc])
@@ -304,6 +291,19 @@ impl Shards {
                 })
             }
         })
+    }
+
+    /// For each value of tensor `name` of `shape`, the scale of the FP8 block it came from, or 0
+    /// where it is not FP8 (what `Fp8Matrix::from_blocks` reads).
+    fn block_scales(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let n = shape.iter().product();
+        if self.dtype(name) != CheckpointDtype::Fp8 || shape.len() != 2 || self.fp8_block.is_none() {
+            return Ok(vec![0.0; n]);
+        }
+        let scales = self.fp8_scales(name, shape)?;
+        let [br, bc] = self.fp8_block.expect("checked");
+        let (cols, scale_cols) = (shape[1], shape[1].div_ceil(bc));
+        Ok((0..n).map(|i| scales[(i / cols / br) * scale_cols + (i % cols) / bc]).collect())
     }
 
     fn has(&self, name: &str) -> bool {
@@ -382,16 +382,19 @@ impl Weights {
         dir: &Path,
         config: &ModelConfig,
     ) -> Result<(Weights, CheckpointDtype), ModelError> {
-        Weights::load_each(dir, config, &mut |_, _| Ok(()))
+        Weights::load_each(dir, config, &mut |_, _, _| Ok(()))
     }
 
     /// [`load_with_dtype`](Self::load_with_dtype), handing each layer to `each` (with the checkpoint's
     /// precision) as soon as it is read, before the next is: a caller converting layers as they come
-    /// and dropping their f32 projections never holds the whole model in f32.
+    /// and dropping their f32 projections never holds the whole model in f32. `each`'s third argument
+    /// reads the layer's FP8 block scales on demand: a layer of the same shape whose every value is
+    /// the scale of the block the loaded value came from (0 where it is not FP8), moved as the values
+    /// were (stacked, split per head, transposed).
     pub fn load_each(
         dir: &Path,
         config: &ModelConfig,
-        each: &mut dyn FnMut(CheckpointDtype, &mut LayerWeights) -> Result<(), ModelError>,
+        each: &mut dyn FnMut(CheckpointDtype, &mut LayerWeights, &ReadScales<'_>) -> Result<(), ModelError>,
     ) -> Result<(Weights, CheckpointDtype), ModelError> {
         let mut s = Shards::open(dir)?;
         s.fp8_block = config.fp8_block;
@@ -402,94 +405,11 @@ impl Weights {
             Some(_) => "q_proj",
         };
         let dtype = s.dtype(&format!("model.layers.0.self_attn.{first}.weight"));
-        let (h, i, v) = (config.hidden_size, config.intermediate_size, config.vocab_size);
-        let (q_out, kv_out) = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim);
+        let (h, v) = (config.hidden_size, config.vocab_size);
         let mut layers = Vec::with_capacity(config.num_layers);
         for l in 0..config.num_layers {
-            let p = format!("model.layers.{l}.");
-            let bias = |name: &str, n: usize, on: bool| -> Result<Option<Vec<f32>>, ModelError> {
-                if on {
-                    s.get(&format!("{p}{name}"), &[n]).map(Some)
-                } else {
-                    Ok(None)
-                }
-            };
-            let sparse = config.moe.as_ref().filter(|m| m.is_sparse(l));
-            let moe = match sparse {
-                None => None,
-                Some(m) => {
-                    let (pre, [g, u, d]) = match m.names {
-                        MoeNames::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
-                        MoeNames::Qwen => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
-                    };
-                    let ei = m.intermediate_size;
-                    let experts = (0..m.experts)
-                        .map(|e| {
-                            let t = |n: &str, shape: &[usize]| {
-                                s.get(&format!("{p}{pre}.experts.{e}.{n}.weight"), shape)
-                            };
-                            Ok(Expert { gate: t(g, &[ei, h])?, up: t(u, &[ei, h])?, down: t(d, &[h, ei])? })
-                        })
-                        .collect::<Result<Vec<_>, ModelError>>()?;
-                    let shared = match m.shared_intermediate {
-                        None => None,
-                        Some(si) => {
-                            let t = |n: &str, shape: &[usize]| {
-                                s.get(&format!("{p}{pre}.shared_experts.{n}.weight"), shape)
-                            };
-                            Some(Expert { gate: t(g, &[si, h])?, up: t(u, &[si, h])?, down: t(d, &[h, si])? })
-                        }
-                    };
-                    let bias = m
-                        .correction_bias
-                        .then(|| s.get(&format!("{p}{pre}.gate.e_score_correction_bias"), &[m.experts]));
-                    Some(MoeWeights {
-                        router: s.get(&format!("{p}{pre}.gate.weight"), &[m.experts, h])?,
-                        bias: bias.transpose()?,
-                        experts,
-                        shared,
-                    })
-                }
-            };
-            let dense = |name: &str, shape: &[usize]| -> Result<Vec<f32>, ModelError> {
-                if moe.is_some() {
-                    Ok(Vec::new())
-                } else {
-                    s.get(&format!("{p}mlp.{name}.weight"), shape)
-                }
-            };
-            let mla = match &config.mla {
-                None => None,
-                Some(m) => Some(load_mla(&s, &p, config, m)?),
-            };
-            let attn = |name: &str, shape: &[usize]| -> Result<Vec<f32>, ModelError> {
-                if mla.is_some() {
-                    Ok(Vec::new())
-                } else {
-                    s.get(&format!("{p}self_attn.{name}.weight"), shape)
-                }
-            };
-            let o_in = config.mla.as_ref().map_or(q_out, |m| config.num_heads * m.v_head_dim);
-            let mut layer = LayerWeights {
-                input_norm: s.get(&format!("{p}input_layernorm.weight"), &[h])?,
-                q: attn("q_proj", &[q_out, h])?,
-                k: attn("k_proj", &[kv_out, h])?,
-                v: attn("v_proj", &[kv_out, h])?,
-                o: s.get(&format!("{p}self_attn.o_proj.weight"), &[h, o_in])?,
-                q_bias: bias("self_attn.q_proj.bias", q_out, config.qkv_bias)?,
-                k_bias: bias("self_attn.k_proj.bias", kv_out, config.qkv_bias)?,
-                v_bias: bias("self_attn.v_proj.bias", kv_out, config.qkv_bias)?,
-                o_bias: bias("self_attn.o_proj.bias", h, config.o_bias)?,
-                q_norm: bias("self_attn.q_norm.weight", config.head_dim, config.qk_norm)?,
-                k_norm: bias("self_attn.k_norm.weight", config.head_dim, config.qk_norm)?,
-                post_norm: s.get(&format!("{p}post_attention_layernorm.weight"), &[h])?,
-                gate: dense("gate_proj", &[i, h])?,
-                up: dense("up_proj", &[i, h])?,
-                down: dense("down_proj", &[h, i])?,
-                moe,
-                mla,
-            };
-            each(dtype, &mut layer)?;
+            let mut layer = read_layer(&|n, shape| s.get(n, shape), config, l)?;
+            each(dtype, &mut layer, &|| read_layer(&|n, shape| s.block_scales(n, shape), config, l))?;
             layers.push(layer);
         }
         let lm_head = if config.tie_word_embeddings && !s.has("lm_head.weight") {
@@ -549,12 +469,106 @@ impl Weights {
     }
 }
 
+/// Reads the FP8 block scales of the layer just loaded (see `Weights::load_each`).
+pub type ReadScales<'a> = dyn Fn() -> Result<LayerWeights, ModelError> + 'a;
+
+/// How a layer's tensors are read: by name and shape, as f32 values (or, for the FP8 block scales,
+/// one scale per value).
+type Get<'a> = dyn Fn(&str, &[usize]) -> Result<Vec<f32>, ModelError> + 'a;
+
+/// Layer `l` of a model shaped by `config`, each tensor read by `get`.
+fn read_layer(get: &Get<'_>, config: &ModelConfig, l: usize) -> Result<LayerWeights, ModelError> {
+    let (h, i) = (config.hidden_size, config.intermediate_size);
+    let (q_out, kv_out) = (config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim);
+    let p = format!("model.layers.{l}.");
+    let bias = |name: &str, n: usize, on: bool| -> Result<Option<Vec<f32>>, ModelError> {
+        if on {
+            get(&format!("{p}{name}"), &[n]).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    let sparse = config.moe.as_ref().filter(|m| m.is_sparse(l));
+    let moe = match sparse {
+        None => None,
+        Some(m) => {
+            let (pre, [g, u, d]) = match m.names {
+                MoeNames::Mixtral => ("block_sparse_moe", ["w1", "w3", "w2"]),
+                MoeNames::Qwen => ("mlp", ["gate_proj", "up_proj", "down_proj"]),
+            };
+            let ei = m.intermediate_size;
+            let experts = (0..m.experts)
+                .map(|e| {
+                    let t =
+                        |n: &str, shape: &[usize]| get(&format!("{p}{pre}.experts.{e}.{n}.weight"), shape);
+                    Ok(Expert { gate: t(g, &[ei, h])?, up: t(u, &[ei, h])?, down: t(d, &[h, ei])? })
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
+            let shared = match m.shared_intermediate {
+                None => None,
+                Some(si) => {
+                    let t =
+                        |n: &str, shape: &[usize]| get(&format!("{p}{pre}.shared_experts.{n}.weight"), shape);
+                    Some(Expert { gate: t(g, &[si, h])?, up: t(u, &[si, h])?, down: t(d, &[h, si])? })
+                }
+            };
+            let bias = m
+                .correction_bias
+                .then(|| get(&format!("{p}{pre}.gate.e_score_correction_bias"), &[m.experts]));
+            Some(MoeWeights {
+                router: get(&format!("{p}{pre}.gate.weight"), &[m.experts, h])?,
+                bias: bias.transpose()?,
+                experts,
+                shared,
+            })
+        }
+    };
+    let dense = |name: &str, shape: &[usize]| -> Result<Vec<f32>, ModelError> {
+        if moe.is_some() {
+            Ok(Vec::new())
+        } else {
+            get(&format!("{p}mlp.{name}.weight"), shape)
+        }
+    };
+    let mla = match &config.mla {
+        None => None,
+        Some(m) => Some(load_mla(get, &p, config, m)?),
+    };
+    let attn = |name: &str, shape: &[usize]| -> Result<Vec<f32>, ModelError> {
+        if mla.is_some() {
+            Ok(Vec::new())
+        } else {
+            get(&format!("{p}self_attn.{name}.weight"), shape)
+        }
+    };
+    let o_in = config.mla.as_ref().map_or(q_out, |m| config.num_heads * m.v_head_dim);
+    Ok(LayerWeights {
+        input_norm: get(&format!("{p}input_layernorm.weight"), &[h])?,
+        q: attn("q_proj", &[q_out, h])?,
+        k: attn("k_proj", &[kv_out, h])?,
+        v: attn("v_proj", &[kv_out, h])?,
+        o: get(&format!("{p}self_attn.o_proj.weight"), &[h, o_in])?,
+        q_bias: bias("self_attn.q_proj.bias", q_out, config.qkv_bias)?,
+        k_bias: bias("self_attn.k_proj.bias", kv_out, config.qkv_bias)?,
+        v_bias: bias("self_attn.v_proj.bias", kv_out, config.qkv_bias)?,
+        o_bias: bias("self_attn.o_proj.bias", h, config.o_bias)?,
+        q_norm: bias("self_attn.q_norm.weight", config.head_dim, config.qk_norm)?,
+        k_norm: bias("self_attn.k_norm.weight", config.head_dim, config.qk_norm)?,
+        post_norm: get(&format!("{p}post_attention_layernorm.weight"), &[h])?,
+        gate: dense("gate_proj", &[i, h])?,
+        up: dense("up_proj", &[i, h])?,
+        down: dense("down_proj", &[h, i])?,
+        moe,
+        mla,
+    })
+}
+
 /// A DeepSeek layer's latent attention weights, the rope rows put in rotate-half order and
 /// `kv_b_proj` split per head into its key part (transposed) and its value part.
-fn load_mla(s: &Shards, p: &str, c: &ModelConfig, m: &crate::Mla) -> Result<MlaWeights, ModelError> {
+fn load_mla(get: &Get<'_>, p: &str, c: &ModelConfig, m: &crate::Mla) -> Result<MlaWeights, ModelError> {
     let (h, nh) = (c.hidden_size, c.num_heads);
     let (nope, rope, vd, lora) = (m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank);
-    let get = |name: &str, shape: &[usize]| s.get(&format!("{p}self_attn.{name}"), shape);
+    let get = |name: &str, shape: &[usize]| get(&format!("{p}self_attn.{name}"), shape);
     let q_a = match m.q_lora_rank {
         None => None,
         Some(r) => Some((get("q_a_proj.weight", &[r, h])?, get("q_a_layernorm.weight", &[r])?)),
@@ -612,23 +626,5 @@ fn deinterleave_rows(m: &mut [f32], first: usize, n: usize, cols: usize) {
     for j in 0..n {
         let from = if j < n / 2 { 2 * j } else { 2 * (j - n / 2) + 1 };
         m[(first + j) * cols..(first + j + 1) * cols].copy_from_slice(&old[from * cols..(from + 1) * cols]);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn every_e4m3_value_is_the_format_s() {
-        use super::e4m3_value;
-        assert_eq!((e4m3_value(0x00), e4m3_value(0x80)), (0.0, -0.0));
-        // The largest normal (S.1111.110 = 448), the smallest normal (2^-6) and subnormal (2^-9).
-        assert_eq!(
-            (e4m3_value(0x7E), e4m3_value(0x08), e4m3_value(0x01)),
-            (448.0, 2f32.powi(-6), 2f32.powi(-9))
-        );
-        assert_eq!((e4m3_value(0x38), e4m3_value(0xBC)), (1.0, -1.5));
-        assert!(e4m3_value(0x7F).is_nan() && e4m3_value(0xFF).is_nan());
-        // Monotonic over the positive codes.
-        assert!((0..0x7Eu8).all(|b| e4m3_value(b) < e4m3_value(b + 1)));
     }
 }

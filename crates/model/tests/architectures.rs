@@ -9,7 +9,9 @@ use std::process::Command;
 use std::sync::Arc;
 
 use pdserve_kvcache::{KvCache, KvConfig, SeqId};
-use pdserve_model::{Backend, CpuBackend, KvDtype, ModelConfig, SeqStep, Weights};
+use pdserve_model::{
+    Backend, CpuBackend, KvDtype, ModelConfig, PreparedWeights, SeqStep, WeightFormat, Weights,
+};
 use serde_json::{json, Value};
 
 /// The tiny checkpoints' vocabulary (`BASE` in the script).
@@ -60,9 +62,33 @@ fn reference_with(dir: &Path, options: &[&str]) -> (Vec<f32>, Vec<u32>) {
 
 /// Ours: the checkpoint loaded as a user's folder, prefilled in two chunks, then decoded greedily.
 fn ours(dir: &Path) -> (Vec<f32>, Vec<u32>) {
+    ours_as(dir, WeightFormat::F32)
+}
+
+/// [`ours`] with the weights in `format`, each layer converted as the server's loader converts it
+/// (`Auto`: the checkpoint's own precision).
+fn ours_as(dir: &Path, format: WeightFormat) -> (Vec<f32>, Vec<u32>) {
+    ours_with(load_as(dir, format))
+}
+
+/// The checkpoint in `format`, as the server loads it: each layer converted as it is read.
+fn load_as(dir: &Path, format: WeightFormat) -> CpuBackend {
     let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let weights = Weights::load(dir, &config).unwrap();
-    let mut cpu = CpuBackend::new(config, Arc::new(weights), 16, 8);
+    let mut prepared = None;
+    let (weights, dtype) = Weights::load_each(dir, &config, &mut |dtype, layer, scales| {
+        let p = match &mut prepared {
+            Some(p) => p,
+            None => prepared.insert(PreparedWeights::new(format.resolve(dtype, &config), &config)?),
+        };
+        p.push_and_free(layer, scales, &config)
+    })
+    .unwrap();
+    let p =
+        prepared.unwrap_or_else(|| PreparedWeights::new(format.resolve(dtype, &config), &config).unwrap());
+    CpuBackend::new(config, Arc::new(weights), 16, 8).with_prepared(p).unwrap()
+}
+
+fn ours_with(mut cpu: CpuBackend) -> (Vec<f32>, Vec<u32>) {
     let mut kv = KvCache::new(KvConfig { num_blocks: 16, block_size: 8 }).unwrap();
     let s = SeqId(1);
     let tokens = prompt();
@@ -205,6 +231,19 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
             ("deepseek-v3-fp8", _) => {
                 let bf16 = deepseek.as_ref().unwrap();
                 assert!(max_diff(bf16, &want_logits) > 1e-3, "FP8 rounding changed nothing: not FP8?");
+                // Served as shipped (`--weights auto`): the e4m3 bytes and their block scales, widened
+                // by the kernels to the values the f32 path computed, so the same answer; every
+                // projection held in about a quarter of f32's bytes.
+                let cpu = load_as(&dir, WeightFormat::Auto);
+                assert_eq!(cpu.multi_row_format(), "fp8");
+                let f32_bytes = load_as(&dir, WeightFormat::F32).weight_bytes();
+                let held = cpu.weight_bytes() as f64 / f32_bytes as f64;
+                let (fp8_logits, fp8_greedy) = ours_with(cpu);
+                let d = max_diff(&got_logits, &fp8_logits);
+                eprintln!("{name} held as FP8: {held:.3} of f32's bytes, logits within {d} of f32's");
+                assert!(d < 1e-4, "FP8 held: logits {d} from the f32 path's");
+                assert_eq!(fp8_greedy, got_greedy, "FP8 held: greedy tokens");
+                assert!(held < 0.45, "FP8 held: {held} of f32's bytes");
             }
             (n, Some(p)) if (n.ends_with("-rope") && n != "dynamic-rope") || n == "mistral-window" => {
                 assert!(max_diff(p, &want_logits) > 1e-2, "{name}: the scaling or window changed nothing")
@@ -326,7 +365,7 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
         }),
     ];
     use pdserve_model::quant::{Q4Matrix, Q8Matrix};
-    use pdserve_model::WeightFormat;
+    use pdserve_model::Fp8Matrix;
     for (name, config) in cases {
         let dir = checkpoint(name, config);
         let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
@@ -354,6 +393,7 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
         for (format, error, bytes) in [
             (WeightFormat::Bf16, 0.02, 0.55),
             (WeightFormat::F16, 1e-4, 0.75),
+            (WeightFormat::Fp8, 0.02, 0.45),
             (WeightFormat::Q8, 0.02, 0.45),
             (WeightFormat::Q4, 0.02, 0.4),
         ] {
@@ -362,6 +402,7 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
             // the rounding of the activations, so a wrong matrix anywhere shows.
             let mut held = weights.clone();
             match format {
+                WeightFormat::Fp8 => round_trip::<Fp8Matrix>(&mut held, &config, false),
                 WeightFormat::Q8 => round_trip::<Q8Matrix>(&mut held, &config, true),
                 WeightFormat::Q4 => round_trip::<Q4Matrix>(&mut held, &config, true),
                 _ => {}

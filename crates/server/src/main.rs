@@ -28,9 +28,10 @@ pdserve-server [options]
   --shm-scope NAME         the stack's name for its shared KV files (a-z, 0-9; default local): a decode worker
                            maps only its own stack's; give every stack on a host its own
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
-  --weights FMT            auto (default: the checkpoint's own precision: f16 as it ships, bf16 where the CPU
-                           has AVX-512 BF16, else f32), f32, bf16, f16, q8 or q4: bf16 or f16 for every step,
-                           or quantized weights (groups of 32) for every step, long ones widening blocks of
+  --weights FMT            auto (default: the checkpoint's own precision: f16 as it ships, FP8 (block-scaled
+                           e4m3) as it ships, bf16 where the CPU has AVX-512 BF16, else f32), f32, bf16, f16,
+                           fp8, q8 or q4: bf16, f16 or fp8 for every step (fp8 of another checkpoint: a scale
+                           per 128 columns), or quantized weights (groups of 32) for every step, long ones widening blocks of
                            them as they go (to bf16 where the CPU has AVX-512 BF16, else to f32); every step
                            size computes a row the same way; copies nothing reads are freed
   --activations A          f32 (default) or q8: with --weights q8 or q4, round the inputs of every step to

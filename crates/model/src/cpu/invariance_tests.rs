@@ -100,6 +100,7 @@ fn every_position_computes_the_same_bits_whatever_its_step_holds() {
         (WeightFormat::F32, false),
         (WeightFormat::Bf16, false),
         (WeightFormat::F16, false),
+        (WeightFormat::Fp8, false),
         (WeightFormat::Q8, false),
         (WeightFormat::Q4, false),
         (WeightFormat::Q4, true),

@@ -11,6 +11,7 @@ use pdserve_kvcache::{BlockCopy, BlockId};
 
 use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::bits16::{bf16_bits, bf16_value};
+use crate::fp8::Fp8Matrix;
 use crate::prepare::{PreparedLayers, PreparedWeights};
 use crate::quant::{
     Bf16Weights, F16Matrix, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat,
@@ -137,6 +138,7 @@ impl CpuBackend {
             }
             PreparedLayers::Bf16(l) => multi = Some(Arc::new(Bf16Weights::from_layers(l, head, &self.cfg))),
             PreparedLayers::F16(l) => decode = Some(DecodeWeights::F16(Arc::new(l))),
+            PreparedLayers::Fp8(l) => decode = Some(DecodeWeights::Fp8(Arc::new(l))),
         }
         // Q4 and Q8 products take the bf16 rows product where the CPU has AVX-512 BF16 and every
         // stacked projection's widths are multiples of 32, else the dot tiles; either way every step
@@ -147,25 +149,34 @@ impl CpuBackend {
         // Every projection product now reads the quantized copies or the bf16 ones: the f32 ones
         // would only hold memory. (A backend sharing its f32 weights with others keeps them.)
         let tied = b.w.lm_head.is_none();
-        // (f16 keeps the LM head, and with it the embedding, in f32.)
-        let f16 = format == WeightFormat::F16;
-        let frees_head = if let Some(m) = &b.multi { m.lm_head.is_some() } else { quantized };
+        let head_panels = b.multi.as_ref().is_some_and(|m| m.lm_head.is_some());
+        let frees_head = if b.multi.is_some() { head_panels } else { quantized };
         if b.multi.is_some() || b.decode.is_some() {
             if let Some(w) = Arc::get_mut(&mut b.w) {
                 w.release_projections(frees_head);
                 // The embedding too: rows are widened as they are looked up (a tied LM head still
                 // reads the f32 one where it has no other copy for every step).
-                let embed = match (&b.decode, tied) {
-                    (None, true) => frees_head.then_some(EmbedRows::HeadPanels),
-                    (None, false) => Some(EmbedRows::Bf16(w.embed.iter().map(|&v| bf16_bits(v)).collect())),
-                    (Some(_), true) => frees_head.then_some(EmbedRows::HeadQ8),
-                    (Some(_), false) if f16 => None,
-                    (Some(_), false) => <crate::quant::Q8Matrix as QuantMatrix>::quantize(
-                        &w.embed,
-                        b.cfg.vocab_size,
-                        b.cfg.hidden_size,
-                    )
-                    .map(EmbedRows::Q8),
+                let bf16_rows =
+                    |w: &Weights| EmbedRows::Bf16(w.embed.iter().map(|&v| bf16_bits(v)).collect());
+                let embed = if head_panels {
+                    Some(if tied { EmbedRows::HeadPanels } else { bf16_rows(w) })
+                } else if quantized {
+                    match tied {
+                        true => Some(EmbedRows::HeadQ8),
+                        false => <crate::quant::Q8Matrix as QuantMatrix>::quantize(
+                            &w.embed,
+                            b.cfg.vocab_size,
+                            b.cfg.hidden_size,
+                        )
+                        .map(EmbedRows::Q8),
+                    }
+                } else if b.decode.is_none() {
+                    // bf16 projections with the LM head in f32 (its rows not a multiple of 32).
+                    (!tied).then(|| bf16_rows(w))
+                } else {
+                    // f16 and FP8 keep the LM head, and the embedding, in f32 (its products exact on
+                    // the checkpoint's bf16 values: no activation rounded).
+                    None
                 };
                 if embed.is_some() {
                     b.embed = embed;
@@ -185,6 +196,9 @@ impl CpuBackend {
             Some(DecodeWeights::F16(l)) => {
                 l.iter().flat_map(QuantLayer::matrices).map(F16Matrix::bytes).sum()
             }
+            Some(DecodeWeights::Fp8(l)) => {
+                l.iter().flat_map(QuantLayer::matrices).map(Fp8Matrix::bytes).sum()
+            }
         };
         let multi = self.multi.as_ref().map_or(0, |m| m.bytes());
         let embed = match &self.embed {
@@ -195,13 +209,13 @@ impl CpuBackend {
         self.w.bytes() + decode + multi + embed
     }
 
-    /// What every step's projections read, whatever its row count: "bf16", "q8", "q4", "f16" or
-    /// "f32".
+    /// What every step's projections read, whatever its row count: "bf16", "q8", "q4", "f16", "fp8"
+    /// or "f32".
     pub fn multi_row_format(&self) -> &'static str {
-        if self.multi.is_some() {
-            "bf16"
-        } else if self.decode.is_some() {
+        if self.decode.is_some() {
             self.format.name()
+        } else if self.multi.is_some() {
+            "bf16"
         } else {
             "f32"
         }
@@ -567,6 +581,8 @@ enum DecodeWeights {
     Q4(Arc<Q4Weights>),
     /// The projections only: the LM head stays f32.
     F16(Arc<Vec<QuantLayer<F16Matrix>>>),
+    /// The projections only: the LM head stays f32.
+    Fp8(Arc<Vec<QuantLayer<Fp8Matrix>>>),
 }
 
 /// One quantized matrix of either format.
@@ -575,6 +591,7 @@ enum QRef<'a> {
     Q8(&'a crate::quant::Q8Matrix),
     Q4(&'a crate::quant::Q4Matrix),
     F16(&'a F16Matrix),
+    Fp8(&'a Fp8Matrix),
 }
 
 /// A layer's projection.
@@ -606,6 +623,7 @@ fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
         QRef::Q8(m) => matvec_quant(x, t, k, m, out),
         QRef::Q4(m) => matvec_quant(x, t, k, m, out),
         QRef::F16(m) => matvec_quant(x, t, k, m, out),
+        QRef::Fp8(m) => matvec_quant(x, t, k, m, out),
     }
 }
 
@@ -741,6 +759,7 @@ impl DecodeWeights {
             DecodeWeights::Q8(w) => QRef::Q8(p.of(&w.layers[li])),
             DecodeWeights::Q4(w) => QRef::Q4(p.of(&w.layers[li])),
             DecodeWeights::F16(w) => QRef::F16(p.of(&w[li])),
+            DecodeWeights::Fp8(w) => QRef::Fp8(p.of(&w[li])),
         }
     }
 
@@ -749,7 +768,7 @@ impl DecodeWeights {
         match self {
             DecodeWeights::Q8(w) => Some(QRef::Q8(&w.lm_head)),
             DecodeWeights::Q4(w) => Some(QRef::Q8(&w.lm_head)),
-            DecodeWeights::F16(_) => None,
+            DecodeWeights::F16(_) | DecodeWeights::Fp8(_) => None,
         }
     }
 }

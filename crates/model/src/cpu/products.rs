@@ -8,8 +8,8 @@ use rayon::prelude::*;
 use super::QRef;
 use crate::quant::{Bf16Matrix, QuantMatrix, GROUP};
 use crate::sys::{
-    dot, gemm_bf16_par, gemm_rows_bf16, gemm_rows_f32, to_bf16, CpuKernels, F16Weights, F32Weights, Int8Row,
-    Int8Rows, Q4Rows, Q8Rows, WIDE_ROWS,
+    dot, gemm_bf16_par, gemm_rows_bf16, gemm_rows_f32, to_bf16, CpuKernels, F16Weights, F32Weights,
+    Fp8Weights, Int8Row, Int8Rows, Q4Rows, Q8Rows, WIDE_ROWS,
 };
 
 /// `x[t×k] · w[n×k]^T` with quantized weights by dot products (decode steps, with or without drafts):
@@ -49,6 +49,7 @@ pub(super) fn matvec_wide(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
         QRef::F16(m) if fits => {
             gemm_rows_f32(x, t, k, m.rows, &F16Weights { values: &m.values, cols: k }, out)
         }
+        QRef::Fp8(m) if fits => gemm_rows_f32(x, t, k, m.rows, &Fp8Weights(m), out),
         _ => return false,
     }
     true
@@ -62,7 +63,7 @@ pub(super) fn matvec_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
     let n = match m {
         QRef::Q4(m) => m.rows,
         QRef::Q8(m) => m.rows,
-        QRef::F16(_) => return false,
+        QRef::F16(_) | QRef::Fp8(_) => return false,
     };
     debug_assert_eq!((x.len(), out.len()), (t * k, t * n));
     let rows = Int8Rows::quantize(x, k);
@@ -76,7 +77,7 @@ pub(super) fn matvec_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
             let xs = &xs[rows];
             o.chunks_exact_mut(xs.len()).enumerate().for_each(|(j, col)| m.dot_rows_int8(j0 + j, xs, col))
         }),
-        QRef::F16(_) => unreachable!("returned above"),
+        QRef::F16(_) | QRef::Fp8(_) => unreachable!("returned above"),
     }
     true
 }
@@ -171,7 +172,7 @@ pub(super) fn matmul_quant_rows(
             let w = Q4Rows { packed: &m.packed, scales: &m.scales, mins: &m.mins, cols: k };
             gemm_rows_bf16(xb, t, k, m.rows, &w, out)
         }
-        QRef::F16(_) => unreachable!("f16 widens to f32"),
+        QRef::F16(_) | QRef::Fp8(_) => unreachable!("f16 and fp8 widen to f32"),
     }
 }
 

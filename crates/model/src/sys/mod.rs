@@ -57,6 +57,7 @@ mod convert;
 mod decode_avx2;
 mod decode_avx512;
 mod elementwise;
+mod fp8;
 mod gemm;
 mod isa;
 pub mod peak;
@@ -73,13 +74,14 @@ pub use isa::{cpu_kernels, set_cpu_kernels, CpuKernels};
 pub(crate) use attention::*;
 pub(crate) use convert::*;
 pub(crate) use elementwise::*;
+pub(crate) use fp8::{dot_fp8, widen_fp8_row};
 pub(crate) use gemm::*;
 pub(crate) use qdot::*;
 pub(crate) use qint8::*;
 pub(crate) use qrows::*;
 pub(crate) use qwiden::*;
 pub(crate) use rows_bf16::{gemm_rows_bf16, has_rows_bf16, Q4Rows, Q8Rows};
-pub(crate) use rows_f32::{gemm_rows_f32, F16Weights, F32Weights, WIDE_ROWS};
+pub(crate) use rows_f32::{gemm_rows_f32, F16Weights, F32Weights, Fp8Weights, WIDE_ROWS};
 
 /// The bytes of f32 values (native, little-endian on every supported target).
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {

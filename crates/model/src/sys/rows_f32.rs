@@ -56,6 +56,19 @@ impl F32Rows for F16Weights<'_> {
     }
 }
 
+/// FP8 weights (see `fp8::Fp8Matrix`), row-major, `cols` wide.
+pub(crate) struct Fp8Weights<'a>(pub &'a crate::fp8::Fp8Matrix);
+
+impl F32Rows for Fp8Weights<'_> {
+    fn widen(&self, r0: usize, cnt: usize, dst: &mut [f32]) {
+        let (m, k) = (self.0, self.0.cols);
+        for (r, d) in dst[..cnt * k].chunks_exact_mut(k).enumerate() {
+            let (codes, scales) = m.row(r0 + r);
+            super::widen_fp8_row(codes, scales, m.group, d);
+        }
+    }
+}
+
 impl F32Rows for super::Q8Rows<'_> {
     fn widen(&self, r0: usize, cnt: usize, dst: &mut [f32]) {
         let (k, groups) = (self.cols, self.cols / 32);
