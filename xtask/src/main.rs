@@ -15,6 +15,7 @@ mod gpu;
 mod memory;
 mod peer;
 mod serve;
+mod setup;
 mod spec;
 mod structured;
 mod sys;
@@ -33,9 +34,15 @@ const COMMANDS: &[(&str, &str, &str)] = &[
     (
         "test",
         "test",
-        "fmt check, clippy (warnings are errors, all features), every test of the workspace, the UCX\n\
-         transport's tests (feature ucx), the kernel compile check (check-kernels), the short chaos subset\n\
-         (chaos --ci), and every fuzz target for 3 s (if cargo-fuzz is installed)",
+        "set up (see setup), then fmt check, clippy (warnings are errors, all features), every test of the\n\
+         workspace, the UCX transport's tests (feature ucx), the kernel compile check (check-kernels), the\n\
+         short chaos subset (chaos --ci), and every fuzz target for 3 s",
+    ),
+    (
+        "setup",
+        "setup",
+        "install what the tests need beyond Rust (as root: promtool, dnsmasq, UCX, python3-venv from Debian;\n\
+         rustfmt, clippy, cargo-fuzz), or name each missing piece and its install command; test runs it first",
     ),
     ("fuzz", "fuzz [TARGET] [--seconds N]", "run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)"),
     (
@@ -148,6 +155,9 @@ fn main() -> ExitCode {
     let rest = args.get(1..).unwrap_or(&[]);
     let result = match command {
         Some("test") => test(),
+        Some("setup") => {
+            setup::prerequisites().map(|()| eprintln!("xtask setup: everything the tests need is here"))
+        }
         Some("serve") => serve::run(rest),
         Some("fuzz") => fuzz(rest),
         Some("bench") => bench(rest),
@@ -200,6 +210,8 @@ pub(crate) fn run(cmd: &mut Command) -> Result<()> {
 }
 
 fn test() -> Result<()> {
+    // What the tests need beyond Rust, installed or named before anything is built.
+    setup::prerequisites()?;
     cargo(&["fmt", "--all", "--check"]).context("formatting differs: run `cargo fmt --all`")?;
     cargo(&["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"])?;
     // The Python packages the tests need (references, clients, agent frameworks), pinned, in an
@@ -239,14 +251,8 @@ fn test() -> Result<()> {
     gpu::check_kernels(&[])?;
     // The short chaos subset: real processes, faults, and the ledgers back to zero afterwards.
     chaos::run(&["--ci".to_owned()])?;
-    // Every fuzz target for a few seconds, where cargo-fuzz is installed (`.ci/run` installs it).
-    if fuzz_available() {
-        fuzz(&["--seconds".to_owned(), "3".to_owned()])?;
-    } else {
-        eprintln!(
-            "xtask test: fuzz targets skipped: cargo-fuzz is not installed (`cargo install cargo-fuzz`)"
-        );
-    }
+    // Every fuzz target for a few seconds (cargo-fuzz: installed by `setup::prerequisites`).
+    fuzz(&["--seconds".to_owned(), "3".to_owned()])?;
     eprintln!("xtask test: all green");
     Ok(())
 }
@@ -291,10 +297,6 @@ const FUZZ_TARGETS: &[&str] = &[
     "dns_answer",
 ];
 
-fn fuzz_available() -> bool {
-    Command::new("cargo").args(["fuzz", "--version"]).output().is_ok_and(|o| o.status.success())
-}
-
 fn fuzz(args: &[String]) -> Result<()> {
     let mut seconds = 30u32;
     let mut targets: Vec<&str> = Vec::new();
@@ -309,8 +311,8 @@ fn fuzz(args: &[String]) -> Result<()> {
     if targets.is_empty() {
         targets = FUZZ_TARGETS.to_vec();
     }
-    if !fuzz_available() {
-        bail!("cargo-fuzz is not installed: run `cargo install cargo-fuzz`");
+    if !Command::new("cargo").args(["fuzz", "--version"]).output().is_ok_and(|o| o.status.success()) {
+        bail!("cargo-fuzz is not installed: run `cargo install --locked cargo-fuzz`");
     }
     for t in targets {
         // Hand-written seeds (`fuzz/seeds/TARGET/`, committed) start the corpus (`fuzz/corpus/`, not),

@@ -24,3 +24,9 @@ pub(crate) fn install_stop_handler() {
 pub(crate) fn stop_requested() -> bool {
     STOP.load(Ordering::SeqCst)
 }
+
+/// Whether this process runs as root (may install system packages).
+pub(crate) fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
