@@ -58,7 +58,9 @@ pub use sampling::{Sampled, Sampler, SamplingParams};
 pub use sys::peak;
 pub use sys::{cpu_kernels, set_cpu_kernels, CpuKernels};
 pub use text::{tool_call, ChatMessage, IncrementalDecoder, TextCodec};
-pub use weights::{CheckpointDtype, Expert, IndexerWeights, LayerWeights, MlaWeights, MoeWeights, ReadScales, Weights};
+pub use weights::{
+    CheckpointDtype, Expert, IndexerWeights, LayerWeights, MlaWeights, MoeWeights, ReadScales, Weights,
+};
 
 /// Deterministic values in -1..1 for the unit tests' matrices and activations.
 #[cfg(test)]

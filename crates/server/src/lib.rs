@@ -47,6 +47,9 @@ pub struct WorkerConfig {
     pub open_probes: bool,
     /// Clients may call `/v1/*` directly with this key (`Authorization: Bearer` or `x-api-key`).
     pub api_key: Option<String>,
+    /// Serve on a non-loopback address with neither `api_key` nor `cluster_secret` (otherwise such a
+    /// worker refuses to start: anyone reaching it could use it and hand it KV handles).
+    pub allow_unauthenticated: bool,
     /// Answered Responses requests kept for `previous_response_id` (`store: true`, the default): at
     /// most this many ...
     pub responses_max: usize,
@@ -57,6 +60,11 @@ pub struct WorkerConfig {
 }
 
 impl WorkerConfig {
+    /// Reachable beyond this host (not a loopback address) with neither an API key nor a secret.
+    pub fn unauthenticated(&self) -> bool {
+        !self.addr.ip().is_loopback() && self.api_key.is_none() && self.cluster_secret.is_none()
+    }
+
     pub fn new(addr: SocketAddr, engine: EngineConfig) -> Self {
         let model_name = engine
             .model_dir
@@ -81,6 +89,7 @@ impl WorkerConfig {
             cluster_secret: None,
             open_probes: false,
             api_key: None,
+            allow_unauthenticated: false,
             responses_max: 4096,
             responses_max_bytes: 256 << 20,
             responses_max_age: Duration::from_secs(3600),
@@ -94,6 +103,8 @@ impl WorkerConfig {
 pub enum WorkerError {
     Engine(EngineError),
     Io(std::io::Error),
+    /// Bound beyond loopback with no API key and no cluster secret, without `allow_unauthenticated`.
+    Unauthenticated(SocketAddr),
 }
 
 impl std::fmt::Display for WorkerError {
@@ -101,6 +112,13 @@ impl std::fmt::Display for WorkerError {
         match self {
             WorkerError::Engine(e) => write!(f, "engine: {e}"),
             WorkerError::Io(e) => write!(f, "i/o: {e}"),
+            WorkerError::Unauthenticated(a) => write!(
+                f,
+                "{a} is reachable from other hosts, and this worker has neither an API key (--api-key) nor a \
+                 cluster secret (--cluster-secret-file or PDSERVE_CLUSTER_SECRET): anyone reaching it could \
+                 use it and hand it KV handles; give it one, bind a loopback address (--host 127.0.0.1), or \
+                 pass --allow-unauthenticated to serve it open"
+            ),
         }
     }
 }
@@ -110,6 +128,16 @@ impl std::error::Error for WorkerError {}
 /// Binds, starts the engine, calls `on_ready` with the bound address, and serves until SIGTERM/SIGINT
 /// (or the end of standard input, with `exit_on_stdin_eof`) and the drain that follows.
 pub fn run(config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Result<(), WorkerError> {
+    if config.unauthenticated() {
+        if !config.allow_unauthenticated {
+            return Err(WorkerError::Unauthenticated(config.addr));
+        }
+        eprintln!(
+            "pdserve-server: WARNING: serving on {} with no API key and no cluster secret \
+             (--allow-unauthenticated): anyone reaching it may use it and hand it KV handles",
+            config.addr
+        );
+    }
     sys::install_termination_handler();
     if config.exit_on_stdin_eof {
         std::thread::Builder::new()

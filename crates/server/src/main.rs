@@ -78,7 +78,9 @@ pdserve-server [options]
                            (x-pdserve-cluster-secret, which the router sends) get a 401, and a KV
                            handle (pd_transfer) is taken only with it
   --open-probes            with a secret: /health/* and /metrics answer without it
-  --api-key KEY            with a secret: clients may call /v1/* directly with this key
+  --api-key KEY            clients call /v1/* with this key (with a secret: directly, beside the router)
+  --allow-unauthenticated  serve on a non-loopback --host with neither an API key nor a cluster secret
+                           (refused otherwise: anyone reaching it could use it and hand it KV handles)
 ";
 
 fn main() -> ExitCode {
@@ -159,7 +161,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             sets.push((a, String::new()));
             continue;
         }
-        if a == "--exit-on-stdin-eof" || a == "--open-probes" {
+        if a == "--exit-on-stdin-eof" || a == "--open-probes" || a == "--allow-unauthenticated" {
             sets.push((a, String::new()));
             continue;
         }
@@ -252,6 +254,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
             "--open-probes" => c.open_probes = true,
+            "--allow-unauthenticated" => c.allow_unauthenticated = true,
             "--api-key" => c.api_key = Some(v.clone()),
             "--cluster-secret-file" => secret_file = Some(PathBuf::from(&v)),
             "--kv-shm" => e.kv_shm = true,

@@ -162,3 +162,31 @@ fn shared_kv_files_are_read_by_their_own_stack_only() {
     assert_eq!(refused.status.code(), Some(2));
     std::fs::remove_file(file).unwrap();
 }
+
+/// A worker reachable from other hosts with neither an API key nor a cluster secret refuses to
+/// start, saying why and what to give it; `--allow-unauthenticated` serves it open and `/v1/models`
+/// says so; a key, a secret or a loopback address need nothing more.
+#[test]
+fn an_open_worker_beyond_loopback_is_refused_unless_allowed() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        .args(["--host", "0.0.0.0", "--port", "0", "--model", "/nonexistent-model-dir"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started open on 0.0.0.0: {err}");
+    for want in ["--api-key", "--cluster-secret-file", "--allow-unauthenticated", "127.0.0.1"] {
+        assert!(err.contains(want), "the refusal names {want}: {err}");
+    }
+    let open = Worker::start(&["--host", "0.0.0.0", "--allow-unauthenticated"]);
+    let (status, v) = open.json("GET", "/v1/models", "");
+    assert_eq!((status, &v["data"][0]["unauthenticated"]), (200, &json!(true)), "{v}");
+    drop(open);
+    let keyed = Worker::start(&["--host", "0.0.0.0", "--api-key", "k1"]);
+    let r = keyed.request("GET", "/v1/models", "", &[("authorization", "Bearer k1")]);
+    let v: serde_json::Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
+    assert_eq!(v["data"][0]["unauthenticated"], json!(false), "{v}");
+    drop(keyed);
+    let local = Worker::start(&[]);
+    assert_eq!(local.json("GET", "/v1/models", "").1["data"][0]["unauthenticated"], json!(false));
+}

@@ -180,6 +180,8 @@ fn pd_over_ucx_between_network_namespaces_over_veth_equals_unified() {
             "ucx",
             "--host",
             "0.0.0.0",
+            // The two namespaces' private links: open, as on a trusted network.
+            "--allow-unauthenticated",
             "--transfer-addr",
             "10.81.3.1:0",
         ],
@@ -187,7 +189,7 @@ fn pd_over_ucx_between_network_namespaces_over_veth_equals_unified() {
     let decode = Worker::start_in(
         Some((&nd, "10.81.2.2")),
         &[("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", &dp_link)],
-        &["--role", "decode", "--kv-transport", "ucx", "--host", "0.0.0.0"],
+        &["--role", "decode", "--kv-transport", "ucx", "--host", "0.0.0.0", "--allow-unauthenticated"],
     );
     let unified = Worker::start(&[]);
     let router = RouterThread::start(&[(&prefill, Role::Prefill), (&decode, Role::Decode)]);
