@@ -29,6 +29,10 @@ pub struct PdHandle {
     /// memory key, base and length), when it transfers over UCX: a decode worker with UCX reads its
     /// blocks with one-sided gets.
     pub ucx: Option<String>,
+    /// In a stack with a cluster secret: HMAC-SHA256 under the secret of every field above (hex),
+    /// computed by the prefill worker that made the handle; a decode worker takes a handle only when
+    /// it verifies, so no one without the secret can point it at an address of their choosing.
+    pub tag: Option<String>,
 }
 
 impl PdHandle {
@@ -37,7 +41,41 @@ impl PdHandle {
         if let Some(u) = &self.ucx {
             v["ucx"] = json!(u);
         }
+        if let Some(t) = &self.tag {
+            v["tag"] = json!(t);
+        }
         v
+    }
+
+    /// The handle with its tag under `secret` (see [`tag`](Self::tag)).
+    pub fn signed(mut self, secret: &str) -> PdHandle {
+        self.tag = Some(self.mac(secret));
+        self
+    }
+
+    /// Whether the handle's tag is the one `secret` gives its fields (compared in constant time).
+    pub fn verifies(&self, secret: &str) -> bool {
+        crate::header::secret_matches(self.tag.as_deref(), &self.mac(secret))
+    }
+
+    /// HMAC-SHA256 under `secret` of the fields, each length-prefixed (no two handles share an
+    /// encoding), in hex.
+    fn mac(&self, secret: &str) -> String {
+        use hmac::Mac;
+        let mut m = hmac::Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()).expect("any key length");
+        let fields = [
+            "pdserve-pd-handle-v1".to_owned(),
+            self.addr.to_string(),
+            self.transfer.to_string(),
+            self.epoch.to_string(),
+            self.shm.clone().map_or_else(|| "-".to_owned(), |s| format!("+{s}")),
+            self.ucx.clone().map_or_else(|| "-".to_owned(), |s| format!("+{s}")),
+        ];
+        for f in &fields {
+            m.update(&(f.len() as u64).to_le_bytes());
+            m.update(f.as_bytes());
+        }
+        m.finalize().into_bytes().iter().map(|b| format!("{b:02x}")).collect()
     }
 
     /// Reads a handle; errors name the member that is missing or wrong.
@@ -58,6 +96,7 @@ impl PdHandle {
                 .ok_or_else(|| bad("epoch"))?,
             shm: optional_string(v, "shm").map_err(|()| bad("shm"))?,
             ucx: optional_string(v, "ucx").map_err(|()| bad("ucx"))?,
+            tag: optional_string(v, "tag").map_err(|()| bad("tag"))?,
         })
     }
 }
@@ -205,8 +244,14 @@ mod tests {
 
     #[test]
     fn handle_round_trip_and_errors() {
-        let h =
-            PdHandle { addr: "127.0.0.1:9000".parse().unwrap(), transfer: 7, epoch: 3, shm: None, ucx: None };
+        let h = PdHandle {
+            addr: "127.0.0.1:9000".parse().unwrap(),
+            transfer: 7,
+            epoch: 3,
+            shm: None,
+            ucx: None,
+            tag: None,
+        };
         assert_eq!(PdHandle::from_json(&h.to_json()).unwrap(), h);
         let h2 = PdHandle { shm: Some("/dev/shm/kv".into()), ..h.clone() };
         assert_eq!(PdHandle::from_json(&h2.to_json()).unwrap(), h2);
@@ -217,6 +262,37 @@ mod tests {
         assert!(e.message.contains("pd_transfer.addr"), "{e}");
         assert!(PdHandle::from_json(&json!({"addr": "127.0.0.1:1", "transfer": 1, "epoch": 1, "shm": 5}))
             .is_err());
+    }
+
+    /// A tag verifies under its secret only, and a handle with any field changed (the address
+    /// above all), the tag missing or moved between fields does not.
+    #[test]
+    fn tags_verify_only_their_own_fields_under_their_secret() {
+        let h = PdHandle {
+            addr: "10.0.0.5:8100".parse().unwrap(),
+            transfer: 41,
+            epoch: 2,
+            shm: Some("/dev/shm/pdserve-kv-a-1".into()),
+            ucx: None,
+            tag: None,
+        };
+        let signed = h.clone().signed("s3cret");
+        let tag = signed.tag.clone().unwrap();
+        assert_eq!(tag.len(), 64);
+        let back = PdHandle::from_json(&signed.to_json()).unwrap();
+        assert!(back.verifies("s3cret"));
+        assert!(!back.verifies("s3cre"), "another secret");
+        assert!(!h.verifies("s3cret"), "no tag");
+        let t = Some(tag);
+        for forged in [
+            PdHandle { addr: "10.0.0.6:8100".parse().unwrap(), tag: t.clone(), ..h.clone() },
+            PdHandle { transfer: 42, tag: t.clone(), ..h.clone() },
+            PdHandle { epoch: 3, tag: t.clone(), ..h.clone() },
+            PdHandle { shm: None, tag: t.clone(), ..h.clone() },
+            PdHandle { shm: None, ucx: Some("/dev/shm/pdserve-kv-a-1".into()), tag: t.clone(), ..h.clone() },
+        ] {
+            assert!(!forged.verifies("s3cret"), "{forged:?}");
+        }
     }
 
     #[test]

@@ -111,6 +111,29 @@ fn kv_handles_are_taken_from_the_router_only() {
     let (s, v) = router.json("POST", "/v1/completions", &body);
     assert_eq!(s, 200, "{v}");
     assert!(!v["choices"][0]["text"].as_str().unwrap().is_empty(), "{v}");
+
+    // Even sent with the secret, a handle is taken only with the tag its prefill worker made: a
+    // real one pointed elsewhere, or a forged one with no tag, is refused before any connection.
+    let inside = [(CLUSTER_SECRET, secret.as_str())];
+    let r = prefill.request("POST", "/v1/completions", &body, &inside);
+    let real: serde_json::Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
+    let real = real["pd_transfer"].clone();
+    assert_eq!(real["tag"].as_str().map(str::len), Some(64), "{real}");
+    let mut moved = real.clone();
+    moved["addr"] = json!(trap.local_addr().unwrap().to_string());
+    for h in [moved, handle.clone()] {
+        let forged = json!({"prompt": "Hi", "max_tokens": 2, "pd_transfer": h}).to_string();
+        let r = decode.request("POST", "/v1/completions", &forged, &inside);
+        assert_eq!(r.status(), 401, "{h}");
+        let v: serde_json::Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains("does not verify"), "{v}");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(trap.accept().is_err(), "a handle that does not verify made a worker connect to its address");
+    let taken =
+        json!({"prompt": "The capital of France is", "max_tokens": 4, "pd_transfer": real}).to_string();
+    let r = decode.request("POST", "/v1/completions", &taken, &inside);
+    assert_eq!(r.status(), 200, "the real handle, as its prefill worker tagged it");
     std::fs::remove_file(file).unwrap();
 }
 

@@ -182,6 +182,7 @@ impl Frontend {
 
     /// A choice of a prefill worker's request: its KV handle; all of them go back as one array.
     pub(super) fn group_prefilled(&mut self, gid: u64, l: &Live, handle: PdHandle, usage: Usage, t: Timings) {
+        let handle = self.signed(handle);
         if l.choice == 0 {
             self.release_deferred(gid);
         }
