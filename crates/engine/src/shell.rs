@@ -85,6 +85,9 @@ impl BlockMemory for Memory<'_> {
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
         self.0.write_block(block, data).map_err(|_| TransferError::BlockIo { block })
     }
+    fn block(&self, block: BlockId, len: usize) -> Option<&[u8]> {
+        self.0.block_bytes(block).filter(|b| b.len() == len)
+    }
 }
 
 /// The core, the model backend and the transfer endpoint joined: what the engine thread does each

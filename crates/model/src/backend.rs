@@ -162,6 +162,13 @@ pub trait Backend: Send {
     /// Stores one block's KV received from a peer (same layout as [`read_block`](Self::read_block)).
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError>;
 
+    /// One block's KV where it lies in host memory (what [`read_block`](Self::read_block) would copy),
+    /// for a backend whose KV is there (the transfer's checksum reads it in place); `None` otherwise.
+    fn block_bytes(&self, block: BlockId) -> Option<&[u8]> {
+        let _ = block;
+        None
+    }
+
     /// The row count a step verifying drafts is cheapest in multiples of: its weight products work
     /// on tiles of this many rows, so a step one row past a multiple pays for a whole tile's weight
     /// unpacking more (a drafter sizes its drafts to fill the tiles). 1: no such steps.

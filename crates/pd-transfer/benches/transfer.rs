@@ -214,9 +214,14 @@ fn best_transfer(n: usize, via: Via, checksums: bool) -> f64 {
     (0..3).map(|_| pair.transfer()).fold(f64::MAX, f64::min)
 }
 
+/// What each block's checksum computes over its bytes.
+fn checksum_of(data: &[u8]) -> u32 {
+    pdserve_pd_transfer::block_checksum(TransferKey { transfer: 1, epoch: 1 }, 0, data)
+}
+
 fn main() {
     println!("block: {} bytes", layout().block_bytes());
-    println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency  crc32c GB/s  tcp no-crc GB/s  ucx GB/s  ucx/memcpy");
+    println!("prompt tokens  bytes        memcpy GB/s   shared GB/s  shared/memcpy  tcp GB/s   tcp/memcpy   tcp latency  checksum GB/s  tcp no-crc GB/s  checksum cost tcp  shm no-crc GB/s  checksum cost shm  ucx GB/s  ucx/memcpy");
     for tokens in [128usize, 2048, 8192] {
         let n = tokens.div_ceil(16);
         let src: Vec<Vec<u8>> = (0..n).map(pattern).collect();
@@ -235,7 +240,7 @@ fn main() {
         let crc = (0..3)
             .map(|_| {
                 let t = Instant::now();
-                let sum = src.iter().fold(0u32, |a, s| a ^ crc32c(std::hint::black_box(s)));
+                let sum = src.iter().fold(0u32, |a, s| a ^ checksum_of(std::hint::black_box(s)));
                 std::hint::black_box(sum);
                 t.elapsed().as_secs_f64()
             })
@@ -243,6 +248,7 @@ fn main() {
         let tcp = best_transfer(n, Via::Tcp, true);
         let bare = best_transfer(n, Via::Tcp, false);
         let shm = best_transfer(n, Via::Shm, true);
+        let shm_bare = best_transfer(n, Via::Shm, false);
         #[cfg(feature = "ucx")]
         let ucx = Some(best_transfer(n, Via::Ucx, true));
         #[cfg(not(feature = "ucx"))]
@@ -251,7 +257,7 @@ fn main() {
             format!("{:>8.2}  {:>10.3}", bytes / u / 1e9, memcpy / u)
         });
         println!(
-            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms  {:>11.2}  {:>15.2}  {ucx_cols}",
+            "{tokens:>13}  {:>9.1} MB  {:>11.2}  {:>11.2}  {:>13.3}  {:>9.2}  {:>11.3}  {:>9.1} ms  {:>11.2}  {:>15.2}  {:>16.1}%  {:>15.2}  {:>16.1}%  {ucx_cols}",
             bytes / 1e6,
             bytes / memcpy / 1e9,
             bytes / shm / 1e9,
@@ -260,7 +266,10 @@ fn main() {
             memcpy / tcp,
             tcp * 1e3,
             bytes / crc / 1e9,
-            bytes / bare / 1e9
+            bytes / bare / 1e9,
+            (tcp / bare - 1.0) * 100.0,
+            bytes / shm_bare / 1e9,
+            (shm / shm_bare - 1.0) * 100.0
         );
     }
 }

@@ -26,16 +26,43 @@ pub fn crc32c(data: &[u8]) -> u32 {
     crate::sys::crc32c_hw(data).unwrap_or_else(|| crc32c_portable(data))
 }
 
-/// The checksum a `Block` carries: CRC-32C over its transfer, epoch and index and the CRC-32C of its
-/// bytes, so a block that arrives whole but in the wrong place (a flipped index) fails too. Never 0
-/// (0 marks a block sent without one).
+/// The checksum a `Block` or `BlockAt` carries: CRC-32C over its transfer, epoch and index and the
+/// [`striped`] CRC-32C of its bytes, so a block that arrives whole but in the wrong place (a flipped
+/// index) fails too. Never 0 (0 marks a block sent without one).
 pub fn block_checksum(key: crate::TransferKey, index: u32, data: &[u8]) -> u32 {
     let mut head = [0u8; 20];
     head[..8].copy_from_slice(&key.transfer.to_le_bytes());
     head[8..12].copy_from_slice(&key.epoch.to_le_bytes());
     head[12..16].copy_from_slice(&index.to_le_bytes());
-    head[16..].copy_from_slice(&crc32c(data).to_le_bytes());
+    head[16..].copy_from_slice(&striped(data).to_le_bytes());
     crc32c(&head).max(1)
+}
+
+/// Bytes in each of the first three stripes of `len` bytes: a quarter, in whole 8-byte words (the
+/// fourth stripe takes the rest).
+pub(crate) fn stripe_len(len: usize) -> usize {
+    len / 32 * 8
+}
+
+/// CRC-32C of the CRC-32Cs of `data`'s four stripes (consecutive quarters, see [`stripe_len`]): as
+/// strong against corruption as one CRC over the whole, and about three times as fast with the
+/// SSE4.2 instruction, whose four chains run side by side (a KV block is checked at close to the
+/// rate it is copied).
+pub fn striped(data: &[u8]) -> u32 {
+    let parts = crate::sys::crc32c_stripes_hw(data).unwrap_or_else(|| {
+        let q = stripe_len(data.len());
+        [
+            crc32c_portable(&data[..q]),
+            crc32c_portable(&data[q..2 * q]),
+            crc32c_portable(&data[2 * q..3 * q]),
+            crc32c_portable(&data[3 * q..]),
+        ]
+    });
+    let mut all = [0u8; 16];
+    for (d, p) in all.chunks_exact_mut(4).zip(parts) {
+        d.copy_from_slice(&p.to_le_bytes());
+    }
+    crc32c(&all)
 }
 
 fn crc32c_portable(data: &[u8]) -> u32 {
@@ -58,5 +85,34 @@ mod tests {
         let mut flipped = data.clone();
         flipped[1000] ^= 0x10;
         assert_ne!(crc32c(&flipped), crc32c(&data));
+    }
+
+    /// The striped checksum is the CRC-32C of its four stripes' CRC-32Cs on either path, for every
+    /// length's split (short ones: all in the last stripe), and any flipped bit changes it.
+    #[test]
+    fn striped_is_its_definition_and_sees_every_flip() {
+        let data: Vec<u8> = (0..4133u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+        for len in [0, 1, 31, 32, 33, 100, 4096, 4133] {
+            let d = &data[..len];
+            let q = stripe_len(len);
+            let parts = [&d[..q], &d[q..2 * q], &d[2 * q..3 * q], &d[3 * q..]];
+            let mut all = Vec::new();
+            for p in parts {
+                all.extend(crc32c_portable(p).to_le_bytes());
+            }
+            assert_eq!(striped(d), crc32c_portable(&all), "{len} bytes");
+        }
+        let whole = striped(&data);
+        for at in [0, 7, 1033, 2066, 3099, 4132] {
+            let mut f = data.clone();
+            f[at] ^= 1;
+            assert_ne!(striped(&f), whole, "a flip at {at}");
+        }
+        // Stripes swapped: a different checksum.
+        let q = stripe_len(data.len());
+        let mut swapped = data.clone();
+        swapped[..q].copy_from_slice(&data[q..2 * q]);
+        swapped[q..2 * q].copy_from_slice(&data[..q]);
+        assert_ne!(striped(&swapped), whole);
     }
 }

@@ -29,6 +29,12 @@ pub trait BlockMemory {
     fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError>;
     /// Stores `data` as block `block`.
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError>;
+    /// Block `block` (`len` bytes) where it lies, for memory that can lend it (the sender checksums a
+    /// block it names without copying it); `None` otherwise (it is read with `read_block`).
+    fn block(&self, block: BlockId, len: usize) -> Option<&[u8]> {
+        let _ = (block, len);
+        None
+    }
 }
 
 /// Block `block` of `n` bytes in memory that holds blocks end to end.
@@ -48,6 +54,9 @@ impl BlockMemory for Vec<u8> {
         self[r].copy_from_slice(data);
         Ok(())
     }
+    fn block(&self, block: BlockId, len: usize) -> Option<&[u8]> {
+        flat(block, len, self.len()).ok().map(|r| &self[r])
+    }
 }
 
 /// Blocks end to end in a shared region (a prefill worker's `--kv-shm` memory).
@@ -60,6 +69,9 @@ impl BlockMemory for SharedRegion {
         let r = flat(block, data.len(), self.bytes().len())?;
         self.bytes_mut()[r].copy_from_slice(data);
         Ok(())
+    }
+    fn block(&self, block: BlockId, len: usize) -> Option<&[u8]> {
+        flat(block, len, self.bytes().len()).ok().map(|r| &self.bytes()[r])
     }
 }
 
@@ -370,19 +382,23 @@ impl Endpoint {
                         self.sender.abort(key.transfer);
                         continue;
                     }
-                    if shared {
-                        self.transport.send(peer, &Message::BlockAt { key, index, slot: block.0 }, &[]);
-                        continue;
-                    }
-                    if memory.read_block(block, &mut self.block_buf).is_err() {
+                    // The block's checksum (a named one's too: the receiver reads those bytes out of
+                    // shared memory or over UCX, and checks them before they reach its KV memory).
+                    let checksums = self.config.checksums;
+                    let lent = memory.block(block, self.block_buf.len()).filter(|_| shared);
+                    if lent.is_none()
+                        && !(shared && !checksums)
+                        && memory.read_block(block, &mut self.block_buf).is_err()
+                    {
                         self.sender.abort(key.transfer);
                         continue;
                     }
-                    let crc = if self.config.checksums {
-                        crate::checksum::block_checksum(key, index, &self.block_buf)
-                    } else {
-                        0
-                    };
+                    let bytes = lent.unwrap_or(&self.block_buf);
+                    let crc = if checksums { crate::checksum::block_checksum(key, index, bytes) } else { 0 };
+                    if shared {
+                        self.transport.send(peer, &Message::BlockAt { key, index, slot: block.0, crc }, &[]);
+                        continue;
+                    }
                     let msg = Message::Block { key, index, len: self.block_buf.len() as u32, crc };
                     self.transport.send(peer, &msg, &self.block_buf);
                     self.stats.bytes_sent += self.block_buf.len() as u64;

@@ -224,8 +224,9 @@ pub enum Message {
     Reject { key: TransferKey, reason: FailReason },
     /// Prefill → decode: block `index` follows (`len` bytes, whose CRC-32C is `crc`).
     Block { key: TransferKey, index: u32, len: u32, crc: u32 },
-    /// Prefill → decode: block `index` is slot `slot` of the prefill worker's shared KV region.
-    BlockAt { key: TransferKey, index: u32, slot: u32 },
+    /// Prefill → decode: block `index` is slot `slot` of the prefill worker's shared KV region,
+    /// whose checksum (`block_checksum`, 0 for none) is `crc`.
+    BlockAt { key: TransferKey, index: u32, slot: u32, crc: u32 },
     /// Decode → prefill: this many blocks are written (flow control).
     Ack { key: TransferKey, written: u32 },
     /// Decode → prefill: every block is written; confirm that the lease held throughout.
@@ -321,9 +322,10 @@ pub fn encode(msg: &Message, data: &[u8], out: &mut Vec<u8>) {
             put_layout(out, layout);
             out.push(u8::from(*shared));
         }
-        Message::BlockAt { index, slot, .. } => {
+        Message::BlockAt { index, slot, crc, .. } => {
             out.extend(index.to_le_bytes());
             out.extend(slot.to_le_bytes());
+            out.extend(crc.to_le_bytes());
         }
         Message::Accept { blocks, meta, .. } => {
             out.extend(blocks.to_le_bytes());
@@ -477,7 +479,7 @@ pub fn decode(buf: &[u8]) -> Result<Option<Frame<'_>>, TransferError> {
             5 => Message::Ack { key, written: r.u32()? },
             6 => Message::Done { key },
             7 => Message::Abort { key, reason: r.reason()? },
-            8 => Message::BlockAt { key, index: r.u32()?, slot: r.u32()? },
+            8 => Message::BlockAt { key, index: r.u32()?, slot: r.u32()?, crc: r.u32()? },
             9 => Message::Confirm { key },
             10 => Message::Ready { key, from: r.u32()? },
             _ => return None,

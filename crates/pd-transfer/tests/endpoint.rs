@@ -64,16 +64,7 @@ impl Worker {
             (Box::new(vec![0u8; bytes]), None)
         };
         let at = listen.then(|| "127.0.0.1:0".parse().unwrap());
-        let bb = layout().block_bytes();
-        let transport: Box<dyn Transport> = match via {
-            Via::Tcp => Box::new(TcpTransport::bind(at).unwrap()),
-            Via::Shm => Box::new(SharedMemoryTransport::bind(at, bb).unwrap()),
-            #[cfg(feature = "ucx")]
-            Via::Ucx => {
-                let export = region.as_deref().map(std::path::Path::new);
-                Box::new(pdserve_pd_transfer::UcxTransport::bind(at, bb, export).unwrap())
-            }
-        };
+        let transport = transport(via, at, region.as_deref());
         let config = EndpointConfig {
             sender: SenderConfig { window_blocks: 4, transfers_max: 64, shared_region: shared },
             ..EndpointConfig::default()
@@ -289,9 +280,25 @@ fn aborts_and_a_vanished_sender(shared: bool, sender: Via, receiver: Via) {
     assert!(d.ep.is_empty());
 }
 
-/// TCP, with one bit of every inline block flipped on arrival (a faulty NIC, a bad cable).
+/// `via`'s transport, listening at `at`; a UCX one exports `region`.
+fn transport(via: Via, at: Option<std::net::SocketAddr>, region: Option<&str>) -> Box<dyn Transport> {
+    let bb = layout().block_bytes();
+    let _ = region;
+    match via {
+        Via::Tcp => Box::new(TcpTransport::bind(at).unwrap()),
+        Via::Shm => Box::new(SharedMemoryTransport::bind(at, bb).unwrap()),
+        #[cfg(feature = "ucx")]
+        Via::Ucx => {
+            let export = region.map(std::path::Path::new);
+            Box::new(pdserve_pd_transfer::UcxTransport::bind(at, bb, export).unwrap())
+        }
+    }
+}
+
+/// A transport with one bit of every block flipped on arrival, inline or read out of the sender's
+/// memory (a faulty NIC, a bad cable, a stray write into shared memory).
 #[derive(Debug)]
-struct Corrupting(TcpTransport);
+struct Corrupting(Box<dyn Transport>);
 
 impl Transport for Corrupting {
     fn local_addr(&self) -> Option<std::net::SocketAddr> {
@@ -322,18 +329,27 @@ impl Transport for Corrupting {
     }
 }
 
+/// Whatever carries the block (inline over TCP, read out of the sender's shared memory, or with UCX
+/// gets), a corrupted one fails its transfer as a checksum failure before a byte reaches KV memory.
 #[test]
 fn a_corrupted_block_fails_its_transfer_and_is_never_written() {
-    let mut p = Worker::new(true, false, Via::Tcp);
-    let mut d = Worker::new(false, false, Via::Tcp);
+    corrupted_block(false, Via::Tcp, Via::Tcp);
+    corrupted_block(true, Via::Tcp, Via::Shm);
+    #[cfg(feature = "ucx")]
+    corrupted_block(true, Via::Ucx, Via::Ucx);
+}
+
+fn corrupted_block(shared: bool, sender: Via, receiver: Via) {
+    let mut p = Worker::new(true, shared, sender);
+    let mut d = Worker::new(false, false, receiver);
     d.ep = Endpoint::new(
-        Box::new(Corrupting(TcpTransport::bind(None).unwrap())),
+        Box::new(Corrupting(transport(receiver, None, None))),
         layout(),
         EndpointConfig::default(),
     );
     let addr = p.ep.local_addr().unwrap();
     let (key, _) = p.offer(1, 40, 0);
-    d.ep.pull(&Source { addr, key, region: None }, 10_000, 0).unwrap();
+    d.ep.pull(&Source { addr, key, region: p.region.clone() }, 10_000, 0).unwrap();
     run_until(&mut p, &mut d, |p, d| p.ended.contains_key(&1) && d.ended.contains_key(&1));
     assert_eq!(d.ended[&1], TransferOutcome::Failed(FailReason::Checksum));
     assert!(matches!(p.ended[&1], TransferOutcome::Failed(_)), "{:?}", p.ended[&1]);

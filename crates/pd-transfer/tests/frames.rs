@@ -20,7 +20,7 @@ fn every_message_round_trips_even_byte_by_byte() {
     let msgs = vec![
         (Message::Pull { key, layout: layout(), shared: true }, vec![]),
         (Message::Ready { key, from: 3 }, vec![]),
-        (Message::BlockAt { key, index: 2, slot: 77 }, vec![]),
+        (Message::BlockAt { key, index: 2, slot: 77, crc: 0xdead_beef }, vec![]),
         (Message::Confirm { key }, vec![]),
         (Message::Accept { key, blocks: 7, meta: Box::default() }, vec![]),
         (

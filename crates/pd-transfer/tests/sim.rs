@@ -123,7 +123,8 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
             let (to, msg, data) = match a {
                 SendAction::Message { peer, msg } => (peer, msg, Vec::new()),
                 SendAction::Block { peer, key, index, block, shared: true } => {
-                    (peer, Message::BlockAt { key, index, slot: block.0 }, Vec::new())
+                    let crc = pdserve_pd_transfer::block_checksum(key, index, &mem_p[&block]);
+                    (peer, Message::BlockAt { key, index, slot: block.0, crc }, Vec::new())
                 }
                 SendAction::Block { peer, key, index, block, shared: false } => {
                     // Read only from a block the transfer's lease still holds.
@@ -159,7 +160,7 @@ fn run(seed: u64, transfers: u64, faults: Faults) -> (Tally, Tally) {
             if f.to == P {
                 sender.handle_message(D, f.msg);
             } else if let Message::Block { key, index, len, .. }
-            | Message::BlockAt { key, index, slot: len } = f.msg
+            | Message::BlockAt { key, index, slot: len, .. } = f.msg
             {
                 let (len, data) = match f.msg {
                     // Named block: read the prefill side's memory now, whatever it holds now.

@@ -309,6 +309,11 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn block_bytes(&self, block: BlockId) -> Option<&[u8]> {
+        let n = self.layout.block_bytes();
+        self.kv.bytes().get(block.0 as usize * n..)?.get(..n)
+    }
+
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
         check_block(&self.layout, block, data.len())?;
         let n = self.layout.block_bytes();

@@ -106,12 +106,13 @@ impl Transport for SharedMemoryTransport {
         let (views, regions) = (&self.views, &self.regions);
         let mut lost = Vec::new();
         let result = self.tcp.poll(wait, &mut |arrival| match arrival {
-            Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } } => {
+            Arrival::Message { peer, msg: Message::BlockAt { key, index, slot, crc } } => {
                 let view = regions.get(&peer).and_then(|p| views.get(p));
                 match view.and_then(|v| v.block(slot)) {
-                    Some(data) => on(Arrival::Block { peer, key, index, data, crc: None }),
+                    // Checked against the sender's checksum before it reaches KV memory.
+                    Some(data) => on(Arrival::Block { peer, key, index, data, crc: Some(crc) }),
                     // Named, but not readable here: the protocol layer ends the transfer.
-                    None => on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } }),
+                    None => on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot, crc } }),
                 }
             }
             Arrival::Lost { peer } => {

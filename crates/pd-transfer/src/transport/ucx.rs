@@ -38,12 +38,14 @@ enum Held {
         key: TransferKey,
         index: u32,
         slot: u32,
+        crc: u32,
     },
     /// A named block being read.
     Read {
         key: TransferKey,
         index: u32,
         slot: u32,
+        crc: u32,
         read: Pending,
     },
     /// A named block whose read could not start: handed over as the unread name it is (the
@@ -52,6 +54,7 @@ enum Held {
         key: TransferKey,
         index: u32,
         slot: u32,
+        crc: u32,
     },
     Message(Message),
 }
@@ -179,7 +182,9 @@ impl Transport for UcxTransport {
             Arrival::Message { peer, msg } if reading.contains_key(&peer) => {
                 let q = reading.get_mut(&peer).expect("checked");
                 match msg {
-                    Message::BlockAt { key, index, slot } => q.push_back(Held::Named { key, index, slot }),
+                    Message::BlockAt { key, index, slot, crc } => {
+                        q.push_back(Held::Named { key, index, slot, crc })
+                    }
                     msg if q.is_empty() => on(Arrival::Message { peer, msg }),
                     msg => q.push_back(Held::Message(msg)),
                 }
@@ -203,13 +208,13 @@ impl Transport for UcxTransport {
                 if reads >= READS_MAX {
                     break;
                 }
-                if let Held::Named { key, index, slot } = *h {
+                if let Held::Named { key, index, slot, crc } = *h {
                     *h = match im.get(peer.0, u64::from(slot) * bb as u64, bb) {
                         Ok(read) => {
                             reads += 1;
-                            Held::Read { key, index, slot, read }
+                            Held::Read { key, index, slot, crc, read }
                         }
-                        Err(_) => Held::Unread { key, index, slot },
+                        Err(_) => Held::Unread { key, index, slot, crc },
                     };
                 }
             }
@@ -239,13 +244,16 @@ impl Transport for UcxTransport {
                     Held::Unread { .. } | Held::Message(_) => true,
                 };
                 match q.pop_front() {
-                    Some(Held::Read { key, index, slot, read }) if done => match read.bytes() {
-                        Some(data) => on(Arrival::Block { peer, key, index, data, crc: None }),
-                        None => on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } }),
+                    Some(Held::Read { key, index, slot, crc, read }) if done => match read.bytes() {
+                        // Checked against the sender's checksum before it reaches KV memory.
+                        Some(data) => on(Arrival::Block { peer, key, index, data, crc: Some(crc) }),
+                        None => {
+                            on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot, crc } })
+                        }
                     },
-                    Some(Held::Read { key, index, slot, .. } | Held::Unread { key, index, slot }) => {
-                        on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot } })
-                    }
+                    Some(
+                        Held::Read { key, index, slot, crc, .. } | Held::Unread { key, index, slot, crc },
+                    ) => on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot, crc } }),
                     Some(Held::Message(msg)) => on(Arrival::Message { peer, msg }),
                     Some(Held::Named { .. }) | None => {}
                 }
