@@ -88,6 +88,16 @@ impl BlockMemory for Memory<'_> {
     fn block(&self, block: BlockId, len: usize) -> Option<&[u8]> {
         self.0.block_bytes(block).filter(|b| b.len() == len)
     }
+    fn write_block_striped(&mut self, block: BlockId, data: &[u8]) -> Result<u32, TransferError> {
+        match self.0.block_bytes_mut(block).filter(|b| b.len() == data.len()) {
+            Some(dst) => Ok(pdserve_pd_transfer::copy_striped(dst, data)),
+            None => {
+                let digest = pdserve_pd_transfer::striped(data);
+                self.write_block(block, data)?;
+                Ok(digest)
+            }
+        }
+    }
 }
 
 /// The core, the model backend and the transfer endpoint joined: what the engine thread does each

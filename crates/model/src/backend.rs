@@ -169,6 +169,13 @@ pub trait Backend: Send {
         None
     }
 
+    /// [`block_bytes`](Self::block_bytes), to store a block received from a peer in place (the
+    /// transfer copies and checksums it in one pass).
+    fn block_bytes_mut(&mut self, block: BlockId) -> Option<&mut [u8]> {
+        let _ = block;
+        None
+    }
+
     /// The row count a step verifying drafts is cheapest in multiples of: its weight products work
     /// on tiles of this many rows, so a step one row past a multiple pays for a whole tile's weight
     /// unpacking more (a drafter sizes its drafts to fill the tiles). 1: no such steps.

@@ -9,8 +9,9 @@
 //!   with a UCX one-sided get out of the sender's exported region (whatever transport UCX picks;
 //!   `UCX_TLS=tcp` forces TCP),
 //!
-//! beside a plain `memcpy` of the same bytes in the same run, and the CRC-32C every inline block
-//! carries (its rate: what the checksum costs the TCP path). The time runs from the pull to the
+//! beside a plain `memcpy` of the same bytes in the same run, the rate of the checksum every block
+//! carries, and each of TCP and shared memory again with checksums off (the checksums' cost: each
+//! side computes them in a pass it makes anyway, so it should be near 0). The time runs from the pull to the
 //! receiver's `Ended`; the pair of workers lives across transfers (best of 3 after a warm-up one), so
 //! memory is faulted in and the region mapped once, as in running workers.
 //! Run: `cargo bench -p pdserve-pd-transfer [--features ucx]`.
@@ -245,6 +246,18 @@ fn main() {
                 t.elapsed().as_secs_f64()
             })
             .fold(f64::MAX, f64::min);
+        let fused = (0..3)
+            .map(|_| {
+                let t = Instant::now();
+                let mut sum = 0;
+                for (d, s) in dst.iter_mut().zip(&src) {
+                    sum ^= copy_striped(d, std::hint::black_box(s));
+                }
+                std::hint::black_box(sum);
+                t.elapsed().as_secs_f64()
+            })
+            .fold(f64::MAX, f64::min);
+        eprintln!("copy+checksum: {:.2} GB/s", bytes / fused / 1e9);
         let tcp = best_transfer(n, Via::Tcp, true);
         let bare = best_transfer(n, Via::Tcp, false);
         let shm = best_transfer(n, Via::Shm, true);

@@ -30,12 +30,46 @@ pub fn crc32c(data: &[u8]) -> u32 {
 /// [`striped`] CRC-32C of its bytes, so a block that arrives whole but in the wrong place (a flipped
 /// index) fails too. Never 0 (0 marks a block sent without one).
 pub fn block_checksum(key: crate::TransferKey, index: u32, data: &[u8]) -> u32 {
+    checksum_of_digest(key, index, striped(data))
+}
+
+/// [`block_checksum`] of a block whose bytes' [`striped`] CRC is `digest`.
+pub fn checksum_of_digest(key: crate::TransferKey, index: u32, digest: u32) -> u32 {
     let mut head = [0u8; 20];
     head[..8].copy_from_slice(&key.transfer.to_le_bytes());
     head[8..12].copy_from_slice(&key.epoch.to_le_bytes());
     head[12..16].copy_from_slice(&index.to_le_bytes());
-    head[16..].copy_from_slice(&striped(data).to_le_bytes());
+    head[16..].copy_from_slice(&digest.to_le_bytes());
     crc32c(&head).max(1)
+}
+
+/// `dst` = `src`, returning [`striped`]`(src)` computed in the same pass (streaming stores where the
+/// CPU has them): what a receiver checks a block by as it stores it.
+pub fn copy_striped(dst: &mut [u8], src: &[u8]) -> u32 {
+    let parts = crate::sys::copy_stripes_hw(dst, src).unwrap_or_else(|| {
+        dst.copy_from_slice(src);
+        stripes_portable(src)
+    });
+    join(parts)
+}
+
+fn stripes_portable(data: &[u8]) -> [u32; 4] {
+    let q = stripe_len(data.len());
+    [
+        crc32c_portable(&data[..q]),
+        crc32c_portable(&data[q..2 * q]),
+        crc32c_portable(&data[2 * q..3 * q]),
+        crc32c_portable(&data[3 * q..]),
+    ]
+}
+
+/// The CRC-32C of the four stripes' CRC-32Cs.
+fn join(parts: [u32; 4]) -> u32 {
+    let mut all = [0u8; 16];
+    for (d, p) in all.chunks_exact_mut(4).zip(parts) {
+        d.copy_from_slice(&p.to_le_bytes());
+    }
+    crc32c(&all)
 }
 
 /// Bytes in each of the first three stripes of `len` bytes: a quarter, in whole 8-byte words (the
@@ -49,20 +83,7 @@ pub(crate) fn stripe_len(len: usize) -> usize {
 /// SSE4.2 instruction, whose four chains run side by side (a KV block is checked at close to the
 /// rate it is copied).
 pub fn striped(data: &[u8]) -> u32 {
-    let parts = crate::sys::crc32c_stripes_hw(data).unwrap_or_else(|| {
-        let q = stripe_len(data.len());
-        [
-            crc32c_portable(&data[..q]),
-            crc32c_portable(&data[q..2 * q]),
-            crc32c_portable(&data[2 * q..3 * q]),
-            crc32c_portable(&data[3 * q..]),
-        ]
-    });
-    let mut all = [0u8; 16];
-    for (d, p) in all.chunks_exact_mut(4).zip(parts) {
-        d.copy_from_slice(&p.to_le_bytes());
-    }
-    crc32c(&all)
+    join(crate::sys::crc32c_stripes_hw(data).unwrap_or_else(|| stripes_portable(data)))
 }
 
 fn crc32c_portable(data: &[u8]) -> u32 {
@@ -114,5 +135,12 @@ mod tests {
         swapped[..q].copy_from_slice(&data[q..2 * q]);
         swapped[q..2 * q].copy_from_slice(&data[..q]);
         assert_ne!(striped(&swapped), whole);
+        // Copying computes the same checksum, and copies every byte, at any alignment.
+        for (off, len) in [(0, 4133), (1, 4000), (3, 37), (0, 0)] {
+            let mut dst = vec![0u8; len + 8];
+            let got = copy_striped(&mut dst[off..off + len], &data[..len]);
+            assert_eq!(got, striped(&data[..len]), "{off} {len}");
+            assert_eq!(&dst[off..off + len], &data[..len]);
+        }
     }
 }

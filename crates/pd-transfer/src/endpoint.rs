@@ -35,6 +35,14 @@ pub trait BlockMemory {
         let _ = (block, len);
         None
     }
+    /// [`write_block`](Self::write_block), returning [`striped`](crate::striped)`(data)`: memory
+    /// that can lend the block mutably computes it in the pass that copies (`copy_striped`), so a
+    /// receiver checks a block for little more than storing it.
+    fn write_block_striped(&mut self, block: BlockId, data: &[u8]) -> Result<u32, TransferError> {
+        let digest = crate::checksum::striped(data);
+        self.write_block(block, data)?;
+        Ok(digest)
+    }
 }
 
 /// Block `block` of `n` bytes in memory that holds blocks end to end.
@@ -57,6 +65,10 @@ impl BlockMemory for Vec<u8> {
     fn block(&self, block: BlockId, len: usize) -> Option<&[u8]> {
         flat(block, len, self.len()).ok().map(|r| &self[r])
     }
+    fn write_block_striped(&mut self, block: BlockId, data: &[u8]) -> Result<u32, TransferError> {
+        let r = flat(block, data.len(), self.len())?;
+        Ok(crate::checksum::copy_striped(&mut self[r], data))
+    }
 }
 
 /// Blocks end to end in a shared region (a prefill worker's `--kv-shm` memory).
@@ -72,6 +84,10 @@ impl BlockMemory for SharedRegion {
     }
     fn block(&self, block: BlockId, len: usize) -> Option<&[u8]> {
         flat(block, len, self.bytes().len()).ok().map(|r| &self.bytes()[r])
+    }
+    fn write_block_striped(&mut self, block: BlockId, data: &[u8]) -> Result<u32, TransferError> {
+        let r = flat(block, data.len(), self.bytes().len())?;
+        Ok(crate::checksum::copy_striped(&mut self.bytes_mut()[r], data))
     }
 }
 
@@ -318,19 +334,30 @@ impl Endpoint {
             }
             Arrival::Block { peer, key, index, data, crc } => {
                 let Some(dst) = receiver.accept_block(peer, key, index, data.len()) else { return };
-                let crc = crc.filter(|&c| c != 0);
-                if crc.is_some_and(|c| c != crate::checksum::block_checksum(key, index, data)) {
-                    // Corrupted on the way: the transfer fails; nothing is decoded from these bytes.
-                    stats.checksum_failures += 1;
-                    receiver.fail(key.transfer, crate::FailReason::Checksum);
-                    return;
-                }
                 if kv.check_write(TransferId(key.transfer), dst.block, dst.block_epoch).is_err() {
                     return; // a late or foreign block: never written
                 }
-                if memory.write_block(dst.block, data).is_err() {
-                    receiver.abort(key.transfer);
-                    return;
+                // Stored and checked in one pass where the memory lends the block: a corrupted one
+                // fails the transfer, whose blocks are then released, never adopted, so nothing is
+                // ever decoded from these bytes.
+                let written = match crc.filter(|&c| c != 0) {
+                    None => memory.write_block(dst.block, data).map(|()| true),
+                    Some(c) => memory
+                        .write_block_striped(dst.block, data)
+                        .map(|d| crate::checksum::checksum_of_digest(key, index, d) == c),
+                };
+                match written {
+                    Err(_) => {
+                        receiver.abort(key.transfer);
+                        return;
+                    }
+                    Ok(false) => {
+                        // Corrupted on the way.
+                        stats.checksum_failures += 1;
+                        receiver.fail(key.transfer, crate::FailReason::Checksum);
+                        return;
+                    }
+                    Ok(true) => {}
                 }
                 let named = pulls.get(&key.transfer).is_some_and(|&(_, n)| n);
                 if named {
@@ -385,16 +412,32 @@ impl Endpoint {
                     // The block's checksum (a named one's too: the receiver reads those bytes out of
                     // shared memory or over UCX, and checks them before they reach its KV memory).
                     let checksums = self.config.checksums;
-                    let lent = memory.block(block, self.block_buf.len()).filter(|_| shared);
-                    if lent.is_none()
-                        && !(shared && !checksums)
-                        && memory.read_block(block, &mut self.block_buf).is_err()
-                    {
-                        self.sender.abort(key.transfer);
-                        continue;
-                    }
-                    let bytes = lent.unwrap_or(&self.block_buf);
-                    let crc = if checksums { crate::checksum::block_checksum(key, index, bytes) } else { 0 };
+                    let lent = memory.block(block, self.block_buf.len());
+                    let crc = match (shared, lent) {
+                        // Named: checksummed where it lies (or from a copy, memory that lends none).
+                        (true, _) if !checksums => 0,
+                        (true, Some(bytes)) => crate::checksum::block_checksum(key, index, bytes),
+                        // Inline from memory that lends it: copied and checksummed in one pass.
+                        (false, Some(bytes)) => {
+                            let digest = crate::checksum::copy_striped(&mut self.block_buf, bytes);
+                            if checksums {
+                                crate::checksum::checksum_of_digest(key, index, digest)
+                            } else {
+                                0
+                            }
+                        }
+                        (_, None) => {
+                            if memory.read_block(block, &mut self.block_buf).is_err() {
+                                self.sender.abort(key.transfer);
+                                continue;
+                            }
+                            if checksums {
+                                crate::checksum::block_checksum(key, index, &self.block_buf)
+                            } else {
+                                0
+                            }
+                        }
+                    };
                     if shared {
                         self.transport.send(peer, &Message::BlockAt { key, index, slot: block.0, crc }, &[]);
                         continue;

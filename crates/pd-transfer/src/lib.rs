@@ -50,7 +50,7 @@ mod sender;
 mod sys;
 pub mod transport;
 
-pub use checksum::{block_checksum, crc32c};
+pub use checksum::{block_checksum, checksum_of_digest, copy_striped, crc32c, striped};
 pub use endpoint::{BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, Side, Source};
 pub use error::TransferError;
 pub use message::{

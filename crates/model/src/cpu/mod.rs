@@ -314,6 +314,11 @@ impl Backend for CpuBackend {
         self.kv.bytes().get(block.0 as usize * n..)?.get(..n)
     }
 
+    fn block_bytes_mut(&mut self, block: BlockId) -> Option<&mut [u8]> {
+        let n = self.layout.block_bytes();
+        self.kv.bytes_mut().get_mut(block.0 as usize * n..)?.get_mut(..n)
+    }
+
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
         check_block(&self.layout, block, data.len())?;
         let n = self.layout.block_bytes();

@@ -124,6 +124,46 @@ unsafe fn crc32c_stripes_sse42(data: &[u8]) -> [u32; 4] {
     [!(c[0] as u32), !(c[1] as u32), !(c[2] as u32), !tail]
 }
 
+/// `dst` = `src` (streaming stores: a transferred block is read by later decode steps, not now), and
+/// the stripes' CRC-32Cs of `src` as [`crc32c_stripes_hw`] computes them, from the one pass that
+/// copies: the words are checksummed from the registers they are stored from, so checking a block
+/// costs little beside copying it. `None` (nothing copied) without SSE4.2.
+pub(crate) fn copy_stripes_hw(dst: &mut [u8], src: &[u8]) -> Option<[u32; 4]> {
+    assert_eq!(dst.len(), src.len());
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("sse4.2") {
+            // SAFETY: the CPU has SSE4.2 (checked just above); lengths are equal (asserted).
+            return Some(unsafe { copy_stripes_sse42(dst, src) });
+        }
+    }
+    None
+}
+
+/// # Safety
+/// The CPU has SSE4.2 (and SSE2, part of x86_64); `dst.len() == src.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "sse4.2")]
+unsafe fn copy_stripes_sse42(dst: &mut [u8], src: &[u8]) -> [u32; 4] {
+    use std::arch::x86_64::_mm_crc32_u64;
+    let q = crate::checksum::stripe_len(src.len());
+    let (p, d) = (src.as_ptr(), dst.as_mut_ptr());
+    let mut c = [u64::from(u32::MAX); 4];
+    let mut at = 0;
+    while at < q {
+        for (s, c) in c.iter_mut().enumerate() {
+            // SAFETY (of the read and the store): at + 8 <= q and 4q <= len for both slices.
+            let w = std::ptr::read_unaligned(p.add(s * q + at).cast::<u64>());
+            *c = _mm_crc32_u64(*c, u64::from_le(w));
+            std::ptr::write_unaligned(d.add(s * q + at).cast::<u64>(), w);
+        }
+        at += 8;
+    }
+    dst[4 * q..].copy_from_slice(&src[4 * q..]);
+    let tail = crc32c_continue(c[3] as u32, &src[4 * q..]);
+    [!(c[0] as u32), !(c[1] as u32), !(c[2] as u32), !tail]
+}
+
 /// A CRC-32C register `c` (not yet inverted) continued over `data`.
 ///
 /// # Safety
