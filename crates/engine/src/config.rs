@@ -98,6 +98,10 @@ pub struct EngineConfig {
     /// verified in one multi-row step; on by default (`Speculative::prompt_lookup(8)`, while one
     /// request runs), `Speculative::OFF` to turn it off. The output is the same either way.
     pub speculative: crate::Speculative,
+    /// Test hook (`--test-corrupt-kv N`): the first KV block received after this worker's Nth pull
+    /// starts (from 1; 0: none) has one bit flipped before it is stored and checked, as a faulty link
+    /// or a stray write would (the checksum catches it; the router computes the prompt again).
+    pub test_corrupt_kv_pull: u32,
 }
 
 impl EngineConfig {
@@ -141,6 +145,7 @@ impl EngineConfig {
             tool_calls_max: 8,
             reasoning_format: None,
             speculative: crate::Speculative::prompt_lookup(8),
+            test_corrupt_kv_pull: 0,
         }
     }
 }

@@ -209,7 +209,8 @@ impl Engine {
             },
             sched,
         );
-        let worker = Worker::new(core, built.backend, endpoint);
+        let worker =
+            Worker::new(core, built.backend, endpoint).with_test_corruption(config.test_corrupt_kv_pull);
         // The CPU backend's step may run on any thread; a GPU step stays on the thread whose CUDA
         // context its launches use.
         let step_thread = config.device == Device::Cpu;

@@ -75,25 +75,49 @@ impl Shared {
     }
 }
 
-/// The backend's KV memory, as the transfer endpoint reads and writes it.
-struct Memory<'a>(&'a mut dyn Backend);
+/// The test hook `EngineConfig::test_corrupt_kv_pull`: pulls started, the one whose first received
+/// block to corrupt, and whether that block is still to come.
+#[derive(Debug, Default)]
+struct TestCorruption {
+    pulls: u32,
+    target: u32,
+    armed: bool,
+}
+
+/// The backend's KV memory, as the transfer endpoint reads and writes it (with the test hook).
+struct Memory<'a>(&'a mut dyn Backend, &'a mut TestCorruption);
+
+impl Memory<'_> {
+    /// `data`, or (the test hook's block) a copy with one bit flipped.
+    fn received<'d>(&mut self, data: &'d [u8]) -> std::borrow::Cow<'d, [u8]> {
+        if !self.1.armed || data.is_empty() {
+            return std::borrow::Cow::Borrowed(data);
+        }
+        self.1.armed = false;
+        let mut bad = data.to_vec();
+        bad[data.len() / 2] ^= 0x10;
+        std::borrow::Cow::Owned(bad)
+    }
+}
 
 impl BlockMemory for Memory<'_> {
     fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), TransferError> {
         self.0.read_block(block, out).map_err(|_| TransferError::BlockIo { block })
     }
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), TransferError> {
-        self.0.write_block(block, data).map_err(|_| TransferError::BlockIo { block })
+        let data = self.received(data);
+        self.0.write_block(block, &data).map_err(|_| TransferError::BlockIo { block })
     }
     fn block(&self, block: BlockId, len: usize) -> Option<&[u8]> {
         self.0.block_bytes(block).filter(|b| b.len() == len)
     }
     fn write_block_striped(&mut self, block: BlockId, data: &[u8]) -> Result<u32, TransferError> {
+        let data = self.received(data);
         match self.0.block_bytes_mut(block).filter(|b| b.len() == data.len()) {
-            Some(dst) => Ok(pdserve_pd_transfer::copy_striped(dst, data)),
+            Some(dst) => Ok(pdserve_pd_transfer::copy_striped(dst, &data)),
             None => {
-                let digest = pdserve_pd_transfer::striped(data);
-                self.write_block(block, data)?;
+                let digest = pdserve_pd_transfer::striped(&data);
+                self.0.write_block(block, &data).map_err(|_| TransferError::BlockIo { block })?;
                 Ok(digest)
             }
         }
@@ -106,6 +130,8 @@ pub struct Worker {
     core: EngineCore,
     backend: Box<dyn Backend>,
     endpoint: Option<Endpoint>,
+    /// The test hook (`EngineConfig::test_corrupt_kv_pull`).
+    corrupt: TestCorruption,
 }
 
 impl std::fmt::Debug for Worker {
@@ -122,7 +148,14 @@ fn no_endpoint() -> TransferError {
 
 impl Worker {
     pub fn new(core: EngineCore, backend: Box<dyn Backend>, endpoint: Option<Endpoint>) -> Worker {
-        Worker { core, backend, endpoint }
+        Worker { core, backend, endpoint, corrupt: TestCorruption::default() }
+    }
+
+    /// With the test hook: the first block received after the `n`th pull starts (from 1; 0: none)
+    /// gets one bit flipped.
+    pub fn with_test_corruption(mut self, n: u32) -> Worker {
+        self.corrupt.target = n;
+        self
     }
 
     pub fn core(&self) -> &EngineCore {
@@ -167,6 +200,8 @@ impl Worker {
                     self.core.handle_offered(now, transfer.0, r);
                 }
                 TransferCall::Pull { source, deadline_ms, now_ms } => {
+                    self.corrupt.pulls += 1;
+                    self.corrupt.armed |= self.corrupt.pulls == self.corrupt.target;
                     let r = ep.pull(&source, deadline_ms, now_ms);
                     self.core.handle_pull_started(now, source.key.transfer, r);
                 }
@@ -196,7 +231,8 @@ impl Worker {
     ) -> io::Result<()> {
         let Some(ep) = self.endpoint.as_mut() else { return Ok(()) };
         let now_ms = self.core.now_ms(now);
-        let pumped = ep.pump(self.core.kv(), &mut Memory(self.backend.as_mut()), now_ms, wait);
+        let memory = &mut Memory(self.backend.as_mut(), &mut self.corrupt);
+        let pumped = ep.pump(self.core.kv(), memory, now_ms, wait);
         let now = after();
         while let Some(e) = self.endpoint.as_mut().and_then(Endpoint::poll_event) {
             self.core.handle_transfer_event(now, e);

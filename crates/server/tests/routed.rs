@@ -279,3 +279,36 @@ fn tool_calls_structured_output_and_anthropic_messages_through_pd() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A KV block corrupted on its way to the decode worker (one bit flipped in the first block of its
+/// second pull, the client's request's after the router's first pair probe's: `--test-corrupt-kv 2`)
+/// is caught by its checksum, over TCP and out of shared memory
+/// alike: the decode worker fails the transfer as `checksum`, the router computes the prompt again
+/// from prefill, and the client gets the unified worker's answer, not one decoded from bad KV.
+#[test]
+fn a_corrupted_kv_block_is_caught_and_the_request_retried_from_prefill() {
+    let unified = Worker::start(&[]);
+    let body = chat("What is the capital of France?", r#","temperature":0,"max_tokens":16"#);
+    let (s, want) = unified.json("POST", "/v1/chat/completions", &body);
+    assert_eq!(s, 200, "{want}");
+    drop(unified);
+    for transport in [&[][..], &["--kv-shm"][..]] {
+        let prefill = Worker::start(&[&["--role", "prefill"][..], transport].concat());
+        let decode = Worker::start(&["--role", "decode", "--test-corrupt-kv", "2"]);
+        // (One pair probe only, the readiness one: the corrupted block is the client's request's.)
+        let router = RouterThread::start_with(&[(&prefill, Role::Prefill), (&decode, Role::Decode)], |c| {
+            c.pair_probe_interval = Duration::from_secs(3600)
+        });
+        let (s, got) = router.json("POST", "/v1/chat/completions", &body);
+        assert_eq!(s, 200, "{transport:?}: {got}");
+        assert_eq!(got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"]);
+        let caught =
+            common::metric(&decode, "kv_transfers_finished_total{side=\"decode\",outcome=\"checksum\"}");
+        assert_eq!(caught, 1.0, "{transport:?}: the corrupted block failed its transfer as a checksum");
+        let m = String::from_utf8(router.send("GET", "/metrics", "").read_to_end().unwrap()).unwrap();
+        assert!(
+            m.lines().any(|l| l.starts_with("router_migrations_total{cause=\"kv_transfer\"")),
+            "{transport:?}: the router computed the prompt again:\n{m}"
+        );
+    }
+}
