@@ -41,7 +41,8 @@ const COMMANDS: &[(&str, &str, &str)] = &[
     (
         "setup",
         "setup",
-        "install what the tests need beyond Rust (as root: promtool, dnsmasq, UCX, python3-venv from Debian;\n\
+        "install what the tests need beyond Rust (as root: promtool, dnsmasq, UCX, qemu-user, python3-venv\n\
+         from Debian;\n\
          rustfmt, clippy, cargo-fuzz), or name each missing piece and its install command; test runs it first",
     ),
     ("fuzz", "fuzz [TARGET] [--seconds N]", "run a fuzz target under fuzz/ with cargo-fuzz (default: every target, 30 s each)"),
@@ -229,6 +230,9 @@ fn test() -> Result<()> {
             .args(["test", "-p", "pdserve-model", "--lib"])
             .env("PDSERVE_CPU_KERNELS", family))?;
     }
+    // The same kernel tests executed on an AVX2 CPU without AVX-512 (emulated: qemu-user's Haswell),
+    // the dispatcher checked to have chosen AVX2, and the real model against its reference there.
+    emulated_avx2()?;
     // The real model under AVX2: int8 activations, and long steps against steps of a few rows (the
     // same bits: batch invariance on the AVX2 kernels).
     run(Command::new(&cargo_bin)
@@ -254,6 +258,42 @@ fn test() -> Result<()> {
     // Every fuzz target for a few seconds (cargo-fuzz: installed by `setup::prerequisites`).
     fuzz(&["--seconds".to_owned(), "3".to_owned()])?;
     eprintln!("xtask test: all green");
+    Ok(())
+}
+
+/// The model's kernel tests, its tiny-model forward passes and the real model's greedy answer, under
+/// `qemu-x86_64 -cpu Haswell`: a CPU with AVX2, FMA and F16C and no AVX-512, as many deployments
+/// have, so the AVX2 kernels run where the dispatcher chose them itself (not forced down from
+/// AVX-512). Correctness only: emulation says nothing about speed.
+fn emulated_avx2() -> Result<()> {
+    let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    for (target, filters) in [
+        (&["--lib"][..], &[][..]),
+        (&["--test", "tiny_model"][..], &[][..]),
+        // (The real model's greedy answer: about 20 s emulated.)
+        (&["--test", "real_model"][..], &["answers_the_capital_of_france"][..]),
+    ] {
+        let out = Command::new(&cargo_bin)
+            .args(["test", "--release", "-p", "pdserve-model", "--no-run", "--message-format=json"])
+            .args(target)
+            .output()
+            .context("building the model's tests")?;
+        if !out.status.success() {
+            bail!("building the model's tests failed:\n{}", String::from_utf8_lossy(&out.stderr));
+        }
+        let exe = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|m| m["reason"] == "compiler-artifact")
+            .find_map(|m| m["executable"].as_str().map(str::to_owned))
+            .context("no test executable built")?;
+        eprintln!("xtask test: {} under qemu-x86_64 -cpu Haswell (AVX2, no AVX-512)", target.join(" "));
+        run(Command::new("qemu-x86_64")
+            .args(["-cpu", "Haswell", &exe])
+            .args(filters)
+            .env("PDSERVE_EXPECT_CPU_KERNELS", "avx2")
+            .env_remove("PDSERVE_CPU_KERNELS"))?;
+    }
     Ok(())
 }
 

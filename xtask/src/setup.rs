@@ -51,6 +51,11 @@ const PIECES: &[Piece] = &[
         how: Install::Debian("libucx-dev"),
     },
     Piece {
+        what: "qemu-x86_64 (the CPU kernels' tests run again on an emulated AVX2 CPU without AVX-512)",
+        present: || on_path("qemu-x86_64"),
+        how: Install::Debian("qemu-user"),
+    },
+    Piece {
         what: "python3 with venv and ensurepip (the tests' Python packages go into a venv of their own)",
         present: || succeeds(&["python3", "-c", "import venv, ensurepip"]),
         how: Install::Debian("python3-venv"),

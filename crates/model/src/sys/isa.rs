@@ -100,3 +100,20 @@ pub(crate) fn avx512() -> bool {
 pub(crate) fn avx2() -> bool {
     cpu_kernels() >= CpuKernels::Avx2
 }
+
+#[cfg(test)]
+mod tests {
+    use super::CpuKernels;
+
+    /// On a CPU whose family is known to the caller (`cargo xtask test` runs the kernel tests under
+    /// `qemu-x86_64 -cpu Haswell`, an AVX2 CPU without AVX-512, with
+    /// `PDSERVE_EXPECT_CPU_KERNELS=avx2`), the dispatcher picks that family, so the other tests there
+    /// ran its kernels.
+    #[test]
+    fn the_dispatcher_picks_the_cpus_family() {
+        if let Ok(want) = std::env::var("PDSERVE_EXPECT_CPU_KERNELS") {
+            assert_eq!(CpuKernels::detected().name(), want);
+            assert_eq!(super::cpu_kernels().name(), want);
+        }
+    }
+}
