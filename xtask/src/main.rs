@@ -9,7 +9,7 @@ mod ab;
 mod agents;
 mod chaos;
 mod deepseek;
-mod deploy;
+pub(crate) mod deploy;
 mod generate;
 mod gpu;
 mod memory;
@@ -218,6 +218,7 @@ fn test() -> Result<()> {
     // The Python packages the tests need (references, clients, agent frameworks), pinned, in an
     // environment of the project's own.
     let python = test_venv()?;
+    validate_manifests(&python)?;
     let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     run(Command::new(&cargo_bin)
         .args(["test", "--workspace"])
@@ -259,6 +260,33 @@ fn test() -> Result<()> {
     fuzz(&["--seconds".to_owned(), "3".to_owned()])?;
     eprintln!("xtask test: all green");
     Ok(())
+}
+
+/// The Kubernetes manifests, the committed `deploy/k8s/*.yaml` and a render of another shape, checked
+/// against the Kubernetes API's schemas (`kubernetes-validate --strict`: unknown fields are errors),
+/// offline.
+fn validate_manifests(python: &Path) -> Result<()> {
+    let dir = workspace_root().join("deploy/k8s");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .with_context(|| dir.display().to_string())?
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    let other = std::env::temp_dir().join(format!("pdserve-manifests-{}.yaml", std::process::id()));
+    let p = deploy::manifests::Params {
+        namespace: "other".into(),
+        routers: 3,
+        prefill: 4,
+        decode: 2,
+        ..Default::default()
+    };
+    std::fs::write(&other, deploy::manifests::render(&p))?;
+    files.push(other.clone());
+    let tool = python.with_file_name("kubernetes-validate");
+    let result = run(Command::new(&tool).arg("--strict").args(&files));
+    let _ = std::fs::remove_file(&other);
+    result.context("the Kubernetes manifests do not validate")
 }
 
 /// The model's kernel tests, its tiny-model forward passes and the real model's greedy answer, under
