@@ -10,18 +10,7 @@ use crate::quant::QuantMatrix;
 /// The largest finite e4m3 magnitude (`S.1111.110`).
 pub const E4M3_MAX: f32 = 448.0;
 
-/// Every FP8 e4m3 (`float8_e4m3fn`) value by its bits: sign, 4 exponent bits (bias 7), 3 mantissa
-/// bits, subnormals below exponent 1, no infinities, NaN at `S.1111.111`.
-pub(crate) fn e4m3_value(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let (e, m) = ((b >> 3) & 0xF, b & 7);
-    let v = match (e, m) {
-        (15, 7) => f32::NAN,
-        (0, m) => m as f32 / 8.0 * 2f32.powi(-6),
-        (e, m) => (1.0 + m as f32 / 8.0) * 2f32.powi(e as i32 - 7),
-    };
-    sign * v
-}
+pub(crate) use crate::sys::e4m3_value;
 
 /// The e4m3 code nearest `v` (ties to the even code; magnitudes past 448 clamp to 448): exact for
 /// every e4m3 value, so `w / scale` of a weight the loader made from a code and its scale gives the

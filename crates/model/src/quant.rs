@@ -36,7 +36,7 @@ pub enum WeightFormat {
     /// widened to f32 as steps read them; the embedding and LM head stay f32.
     F16,
     /// Every projection in FP8 e4m3 with an f32 scale per row and group of up to 128 columns (see
-    /// [`Fp8Matrix`](crate::Fp8Matrix)): a block-scaled FP8 checkpoint's bytes and scales as shipped
+    /// `fp8::Fp8Matrix`): a block-scaled FP8 checkpoint's bytes and scales as shipped
     /// (about 1.03 bytes per weight), widened as steps read them to the very values the f32 loader
     /// computes; any other checkpoint's projections quantized with a scale per group (`max |w| /
     /// 448`). The LM head and embedding stay f32.

@@ -218,7 +218,7 @@ impl Shards {
                 let scales = self.fp8_scales(name, shape)?;
                 let [br, bc] = self.fp8_block.expect("checked");
                 let (cols, scale_cols) = (shape[1], shape[1].div_ceil(bc));
-                let lut: Vec<f32> = (0..=255u8).map(crate::fp8::e4m3_value).collect();
+                let lut: Vec<f32> = (0..=255u8).map(crate::sys::e4m3_value).collect();
                 b.iter()
                     .enumerate()
                     .map(|(i, &q)| lut[q as usize] * scales[(i / cols / br) * scale_cols + (i % cols) / bc])

@@ -73,6 +73,7 @@ pdserve-server [options]
   --block-size N           tokens per KV block (default 16)
   --timeout-s S            default request deadline in seconds (default 600)
   --drain-timeout-s S      how long a SIGTERM drain may take (default 30)
+  --keep-alive-timeout-s S how long an idle client connection stays open (default 60)
   --exit-on-stdin-eof      stop gracefully when standard input closes (for supervisors and tests)
   --cluster-secret-file P  the stack's secret (or PDSERVE_CLUSTER_SECRET): requests without it
                            (x-pdserve-cluster-secret, which the router sends) get a 401, and a KV
@@ -134,6 +135,7 @@ const VALUED: &[&str] = &[
     "--block-size",
     "--timeout-s",
     "--drain-timeout-s",
+    "--keep-alive-timeout-s",
     "--test-panic-on",
     "--test-corrupt-kv",
     "--api-key",
@@ -252,6 +254,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--block-size" => e.block_size = n()?,
             "--timeout-s" => c.default_timeout = secs()?,
             "--drain-timeout-s" => c.drain_timeout = secs()?,
+            "--keep-alive-timeout-s" => c.http.idle_timeout = secs()?,
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--test-corrupt-kv" => e.test_corrupt_kv_pull = n()? as u32,
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,

@@ -76,6 +76,8 @@ pub(super) fn k8s_topology(bins: &(PathBuf, PathBuf), model: &Path, short: bool)
         logs: logs.clone(),
         bins: bins.clone(),
         model: model.to_owned(),
+        worker_extra: Vec::new(),
+        decode_extra: Vec::new(),
     };
     for pod in &pods {
         s.procs.push(start(pod)?);

@@ -6,6 +6,7 @@
 
 mod k8s;
 mod netns;
+mod pd2026;
 mod scenarios;
 mod stack;
 
@@ -17,6 +18,7 @@ use pdserve_loadgen::{run_point, Conn, Load, Observation, Progress, Shape, Slo, 
 
 use k8s::k8s_topology;
 use netns::netns_partition;
+use pd2026::{accuracy_soak, decode_admission_saturated, idle_then_burst};
 use scenarios::*;
 use stack::{worker_args, Readiness, Stack};
 
@@ -34,16 +36,30 @@ const SCENARIOS: &[&str] = &[
     "soak",
     "netns_partition",
     "k8s_topology",
+    "accuracy_soak",
+    "idle_then_burst",
+    "decode_admission_saturated",
 ];
 
 /// Scenarios that never take the last working path away: readiness must hold in every sample, load
 /// included (an 8,000-token prefill, 32 agents, 10x overload: pair probes queue like any request and
 /// the scheduler keeps steps short while others wait).
-const ALWAYS_READY: &[&str] =
-    &["disconnect_storm", "slowloris", "hung_worker", "bad_input", "long_context", "overload", "soak"];
+const ALWAYS_READY: &[&str] = &[
+    "disconnect_storm",
+    "slowloris",
+    "hung_worker",
+    "bad_input",
+    "long_context",
+    "overload",
+    "soak",
+    "accuracy_soak",
+    "idle_then_burst",
+    "decode_admission_saturated",
+];
 
 /// The scenarios CI runs (`cargo xtask test`), in their short form.
-pub(crate) const CI_SCENARIOS: &[&str] = &["decode_kill", "disconnect_storm", "hung_worker", "k8s_topology"];
+pub(crate) const CI_SCENARIOS: &[&str] =
+    &["decode_kill", "disconnect_storm", "hung_worker", "k8s_topology", "accuracy_soak", "idle_then_burst"];
 
 /// What a scenario reports for its table row.
 #[derive(Debug, Default)]
@@ -198,6 +214,17 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "decode_stall" => &["--stall-timeout-s", &stall],
             _ => &[],
         };
+        // Workers that close idle connections long before the router's pool would (20 s), as
+        // vLLM's 5 s keep-alive does behind gateways.
+        let worker_extra: &[&str] = match name.as_str() {
+            "idle_then_burst" => &["--keep-alive-timeout-s", "2"],
+            _ => &[],
+        };
+        // A decode worker that admits 4 requests at a time.
+        let decode_extra: &[&str] = match name.as_str() {
+            "decode_admission_saturated" => &["--max-running", "4"],
+            _ => &[],
+        };
         if name == "netns_partition" || name == "k8s_topology" {
             let result = if name == "k8s_topology" {
                 k8s_topology(&bins, &model, short)
@@ -209,7 +236,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         }
         // Readiness, sampled all along (stopped before the stack is): where the scenario never takes
         // the last path away, it must never have dropped.
-        let result = Stack::start(name, router_extra, &bins, &model).and_then(|mut s| {
+        let result = Stack::start(name, (router_extra, worker_extra, decode_extra), &bins, &model).and_then(|mut s| {
             let sampler = Readiness::start(&s.router);
             let result = match name.as_str() {
                 "decode_kill" => decode_kill(&mut s, short),
@@ -223,6 +250,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 "long_context" => long_context(&mut s, short),
                 "soak" => soak(&mut s, short),
                 "restart_readd" => restart_readd(&mut s, short),
+                "accuracy_soak" => accuracy_soak(&mut s, short),
+                "idle_then_burst" => idle_then_burst(&mut s, short),
+                "decode_admission_saturated" => decode_admission_saturated(&mut s, short),
                 _ => unreachable!("checked above"),
             };
             let (ready, total, down) = sampler.stop();

@@ -120,6 +120,8 @@ pub(super) fn netns_partition(bins: &(PathBuf, PathBuf), model: &Path, short: bo
         logs,
         bins: bins.clone(),
         model: model.to_owned(),
+        worker_extra: Vec::new(),
+        decode_extra: Vec::new(),
     };
     s.wait_ready(true, Duration::from_secs(60))?;
     let n = if short { 4 } else { 12 };

@@ -17,12 +17,16 @@ pub(super) struct Stack {
     pub(super) logs: PathBuf,
     pub(super) bins: (PathBuf, PathBuf),
     pub(super) model: PathBuf,
+    /// Options every worker of the scenario gets besides `worker_args`, and those its decode
+    /// workers get besides.
+    pub(super) worker_extra: Vec<String>,
+    pub(super) decode_extra: Vec<String>,
 }
 
 impl Stack {
     pub(super) fn start(
         name: &str,
-        router_extra: &[&str],
+        (router_extra, worker_extra, decode_extra): (&[&str], &[&str], &[&str]),
         bins: &(PathBuf, PathBuf),
         model: &Path,
     ) -> Result<Stack> {
@@ -35,6 +39,8 @@ impl Stack {
             logs,
             bins: bins.clone(),
             model: model.to_owned(),
+            worker_extra: worker_extra.iter().map(|a| (*a).to_owned()).collect(),
+            decode_extra: decode_extra.iter().map(|a| (*a).to_owned()).collect(),
         };
         let p = s.worker("prefill-0", "prefill")?;
         s.procs.push(p);
@@ -64,6 +70,10 @@ impl Stack {
         let mut args = worker_args(name, role, &self.model);
         if role == "prefill" {
             args.push("--kv-shm".into());
+        }
+        args.extend(self.worker_extra.iter().cloned());
+        if role == "decode" {
+            args.extend(self.decode_extra.iter().cloned());
         }
         Proc::start(name, &self.bins.0, &args, &self.logs)
     }

@@ -49,7 +49,10 @@ pub(super) fn matvec_wide(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
         QRef::F16(m) if fits => {
             gemm_rows_f32(x, t, k, m.rows, &F16Weights { values: &m.values, cols: k }, out)
         }
-        QRef::Fp8(m) if fits => gemm_rows_f32(x, t, k, m.rows, &Fp8Weights(m), out),
+        QRef::Fp8(m) if fits => {
+            let w = Fp8Weights { codes: &m.codes, scales: &m.scales, group: m.group, cols: k };
+            gemm_rows_f32(x, t, k, m.rows, &w, out)
+        }
         _ => return false,
     }
     true

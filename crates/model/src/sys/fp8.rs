@@ -10,6 +10,19 @@
 
 use crate::bits16::f16_value;
 
+/// Every FP8 e4m3 (`float8_e4m3fn`) value by its bits: sign, 4 exponent bits (bias 7), 3 mantissa
+/// bits, subnormals below exponent 1, no infinities, NaN at `S.1111.111`.
+pub(crate) fn e4m3_value(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = ((b >> 3) & 0xF, b & 7);
+    let v = match (e, m) {
+        (15, 7) => f32::NAN,
+        (0, m) => m as f32 / 8.0 * 2f32.powi(-6),
+        (e, m) => (1.0 + m as f32 / 8.0) * 2f32.powi(e as i32 - 7),
+    };
+    sign * v
+}
+
 /// The f16 bits of e4m3 code `b`'s value over 256.
 fn f16_of(b: u8) -> u16 {
     (u16::from(b & 0x7F) << 7) | (u16::from(b & 0x80) << 8)
@@ -114,7 +127,6 @@ unsafe fn dot_fp8_avx2(x: &[f32], codes: &[u8], scales: &[f32], group: usize) ->
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fp8::e4m3_value;
 
     /// Every code, scales of several sizes, a ragged tail: the widened values are `e4m3 * scale` (the
     /// loader's) bit for bit, on the vector path and the portable one alike, and the dot product is

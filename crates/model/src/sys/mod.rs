@@ -74,7 +74,7 @@ pub use isa::{cpu_kernels, set_cpu_kernels, CpuKernels};
 pub(crate) use attention::*;
 pub(crate) use convert::*;
 pub(crate) use elementwise::*;
-pub(crate) use fp8::{dot_fp8, widen_fp8_row};
+pub(crate) use fp8::{dot_fp8, e4m3_value, widen_fp8_row};
 pub(crate) use gemm::*;
 pub(crate) use qdot::*;
 pub(crate) use qint8::*;

@@ -56,15 +56,22 @@ impl F32Rows for F16Weights<'_> {
     }
 }
 
-/// FP8 weights (see `fp8::Fp8Matrix`), row-major, `cols` wide.
-pub(crate) struct Fp8Weights<'a>(pub &'a crate::fp8::Fp8Matrix);
+/// FP8 weights' parts (see `fp8::Fp8Matrix`): e4m3 codes row-major, `cols` wide, and a scale per
+/// row and group of `group` columns.
+pub(crate) struct Fp8Weights<'a> {
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+    pub group: usize,
+    pub cols: usize,
+}
 
 impl F32Rows for Fp8Weights<'_> {
     fn widen(&self, r0: usize, cnt: usize, dst: &mut [f32]) {
-        let (m, k) = (self.0, self.0.cols);
+        let (k, g) = (self.cols, self.cols.div_ceil(self.group));
         for (r, d) in dst[..cnt * k].chunks_exact_mut(k).enumerate() {
-            let (codes, scales) = m.row(r0 + r);
-            super::widen_fp8_row(codes, scales, m.group, d);
+            let row = r0 + r;
+            let (codes, scales) = (&self.codes[row * k..(row + 1) * k], &self.scales[row * g..(row + 1) * g]);
+            super::widen_fp8_row(codes, scales, self.group, d);
         }
     }
 }

@@ -175,14 +175,6 @@ fn sampling(g: &GenerateRequest, d: &SamplingParams) -> SamplingParams {
 }
 
 impl Frontend {
-    /// A KV handle this prefill worker answers: tagged under the stack's secret where there is one.
-    fn signed(&self, h: pdserve_api::pd::PdHandle) -> pdserve_api::pd::PdHandle {
-        match self.config.cluster_secret.as_deref() {
-            Some(s) => h.signed(s),
-            None => h,
-        }
-    }
-
     pub(crate) fn new(server: Server, config: WorkerConfig, engine: Engine) -> std::io::Result<Frontend> {
         let responses_max = (config.responses_max, config.responses_max_bytes, config.responses_max_age);
         // What response ids are made unguessable with: the stack's secret (every worker of a stack
@@ -404,14 +396,8 @@ impl Frontend {
                 let msg = format!("`{}` is taken only from the router (with the cluster secret)", pd::HANDLE_FIELD);
                 return Err(ApiError::new(ErrorKind::Unauthorized, msg));
             }
-            // With a secret, every handle must carry the tag a prefill worker of this stack made.
-            (Some(_), Role::Decode)
-                if self.config.cluster_secret.as_deref().is_some_and(|s| !g.pd_handles.iter().all(|h| h.verifies(s))) =>
-            {
-                let msg = format!(
-                    "`{}` does not verify: its tag is not the one this stack's secret gives its fields",
-                    pd::HANDLE_FIELD
-                );
+            (Some(_), Role::Decode) if !self.handles_verify(&g.pd_handles) => {
+                let msg = format!("`{}` does not verify: its tag is not the one this stack's secret gives its fields", pd::HANDLE_FIELD);
                 return Err(ApiError::new(ErrorKind::Unauthorized, msg));
             }
             (Some(h), Role::Decode) => Input::Remote(h),

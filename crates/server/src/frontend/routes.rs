@@ -178,6 +178,21 @@ impl Frontend {
         }
     }
 
+    /// A KV handle this prefill worker answers: tagged under the stack's secret where there is one.
+    pub(super) fn signed(&self, h: pdserve_api::pd::PdHandle) -> pdserve_api::pd::PdHandle {
+        match self.config.cluster_secret.as_deref() {
+            Some(s) => h.signed(s),
+            None => h,
+        }
+    }
+
+    /// Whether a decode worker may take `handles`: with a secret, only those carrying the tag a
+    /// prefill worker of this stack made over their fields (without one, any: an open stack).
+    pub(super) fn handles_verify(&self, handles: &[pdserve_api::pd::PdHandle]) -> bool {
+        let secret = self.config.cluster_secret.as_deref();
+        secret.is_none_or(|s| handles.iter().all(|h| h.verifies(s)))
+    }
+
     /// Whether `req` may be served: `/v1/*` with the worker's API key if it has one; with a cluster
     /// secret, everything else only with the secret (the probes without it when they are open).
     /// `Ok(true)`: it came from inside the stack (the secret, or a worker with neither secret nor
