@@ -15,7 +15,6 @@ use pdserve_engine::{chat_tool_call as tool_call, ChatMessage};
 use pdserve_engine::{Engine, Id, Input, Output, Request as EngineRequest, Timings};
 use pdserve_engine::{Piece, TokenLogprob, ToolCall};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
-use pdserve_telemetry::Gauge;
 use serde_json::{json, Value};
 
 use crate::WorkerConfig;
@@ -91,7 +90,7 @@ pub(crate) struct Frontend {
     server: Server,
     config: WorkerConfig,
     engine: Engine,
-    connections: Gauge,
+    connections: routes::HttpMetrics,
     live: HashMap<Id, Live>,
     by_conn: HashMap<ConnId, Id>,
     next_id: u64,
@@ -181,10 +180,7 @@ impl Frontend {
         // makes the same id for the same request, so a moved request keeps it), else this
         // process's own random bytes.
         let id_salt = config.cluster_secret.clone().unwrap_or_else(random_hex);
-        let connections = engine
-            .registry()
-            .gauge("http_connections", "Open client connections.")
-            .map_err(|e| std::io::Error::other(e.to_string()))?;
+        let connections = routes::HttpMetrics::register(engine.registry())?;
         Ok(Frontend {
             server,
             config,
@@ -248,7 +244,7 @@ impl Frontend {
                 }
             }
             self.outputs = outputs;
-            self.connections.set(self.server.connection_count() as f64);
+            self.connections.tell(&self.server);
             self.keep_alive();
             if crate::sys::terminate_requested() && self.draining_since.is_none() {
                 self.draining_since = Some(Instant::now());

@@ -12,6 +12,33 @@ use serde_json::json;
 
 use super::{chat_message, choices, json_response, Frontend};
 
+/// The client connections' series: open now, and closed after idling past the keep-alive.
+pub(super) struct HttpMetrics {
+    open: pdserve_telemetry::Gauge,
+    idle_closed: pdserve_telemetry::Counter,
+}
+
+impl HttpMetrics {
+    pub(super) fn register(r: &pdserve_telemetry::Registry) -> std::io::Result<HttpMetrics> {
+        let e = |e: pdserve_telemetry::TelemetryError| std::io::Error::other(e.to_string());
+        Ok(HttpMetrics {
+            open: r.gauge("http_connections", "Open client connections.").map_err(e)?,
+            idle_closed: r
+                .counter(
+                    "http_idle_closed_total",
+                    "Client connections closed after sitting idle past --keep-alive-timeout-s.",
+                )
+                .map_err(e)?,
+        })
+    }
+
+    pub(super) fn tell(&self, server: &pdserve_http::Server) {
+        self.open.set(server.connection_count() as f64);
+        let closed = server.stats().idle_timeouts_total;
+        self.idle_closed.add(closed.saturating_sub(self.idle_closed.get()));
+    }
+}
+
 impl Frontend {
     pub(super) fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
         match model.filter(|m| !m.is_empty() && *m != self.config.model_name) {
