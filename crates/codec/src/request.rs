@@ -92,4 +92,7 @@ pub struct GenerateRequest {
     pub echo: bool,
     /// Completions: the text after the gap the model fills (fill-in-the-middle).
     pub suffix: Option<String>,
+    /// vLLM's `priority`: lower is admitted first among waiting requests, by the router and by the
+    /// workers (0 by default).
+    pub priority: i32,
 }

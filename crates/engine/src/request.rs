@@ -87,6 +87,8 @@ pub struct Request {
     /// seeded sampler past them and are turned into text again, as `Text` outputs marked `replayed`
     /// ahead of any new token, so stop strings and the caller's own parsers pick up where they were.
     pub resume: Vec<u32>,
+    /// vLLM's `priority`: lower is admitted first among waiting requests (0 by default).
+    pub priority: i32,
     /// Test hook: panic in the named place while serving this request (the engine must fail it alone).
     #[doc(hidden)]
     pub test_panic: Option<PanicSite>,
@@ -127,6 +129,7 @@ impl Request {
             logit_bias: Vec::new(),
             include_stop_str: false,
             resume: Vec::new(),
+            priority: 0,
             test_panic: None,
         }
     }

@@ -1,8 +1,10 @@
-//! Admission control: a bounded number of requests in flight to workers, a bounded FIFO queue in front
-//! of it with a per-request queue deadline, and the `Retry-After` estimate from the measured drain rate.
-//! Sans-IO: the loop offers requests, reports finishes, and dispatches what [`Admission::next_dispatch`] yields.
+//! Admission control: a bounded number of requests in flight to workers, a bounded queue in front of
+//! it (lower `priority` first, then arrival: vLLM's field) with a per-request queue deadline, and the
+//! `Retry-After` estimate from the measured drain rate. A request that finds the queue full takes the
+//! place of the queued one with the highest priority value if its own is lower (that one is answered
+//! 429); otherwise it is answered 429 itself. Sans-IO: the loop offers requests, reports finishes, and
+//! dispatches what [`Admission::next_dispatch`] yields.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +32,25 @@ pub enum Admit {
     Queued,
     /// Queue full: answer 429 with this `Retry-After`.
     Full { retry_after_s: u32 },
+    /// Queued in the place of `victim`, which had a higher priority value: answer it 429 with this
+    /// `Retry-After`.
+    Displaced { victim: u64, retry_after_s: u32 },
+}
+
+/// A queued request.
+#[derive(Debug, Clone, Copy)]
+struct Waiting {
+    id: u64,
+    priority: i32,
+    /// Arrival order.
+    seq: u64,
+    deadline: Instant,
+}
+
+impl Waiting {
+    fn key(&self) -> (i32, u64) {
+        (self.priority, self.seq)
+    }
 }
 
 const DRAIN_BUCKETS: usize = 10;
@@ -38,7 +59,9 @@ const DRAIN_BUCKETS: usize = 10;
 pub struct Admission {
     config: AdmissionConfig,
     in_flight: usize,
-    queue: VecDeque<(u64, Instant)>,
+    /// In dispatch order: lower priority value first, then arrival.
+    queue: Vec<Waiting>,
+    next_seq: u64,
     /// Finishes per second over the last `DRAIN_BUCKETS` seconds, as a ring keyed by whole seconds.
     drain: [(u64, u32); DRAIN_BUCKETS],
     origin: Instant,
@@ -49,7 +72,8 @@ impl Admission {
         Admission {
             config,
             in_flight: 0,
-            queue: VecDeque::new(),
+            queue: Vec::new(),
+            next_seq: 0,
             drain: [(0, 0); DRAIN_BUCKETS],
             origin: now,
         }
@@ -63,16 +87,32 @@ impl Admission {
         self.queue.len()
     }
 
-    pub fn offer(&mut self, id: u64, now: Instant) -> Admit {
+    /// Offers request `id` of `priority` (lower first).
+    pub fn offer(&mut self, id: u64, priority: i32, now: Instant) -> Admit {
         if self.in_flight < self.config.in_flight_max && self.queue.is_empty() {
             self.in_flight += 1;
-            Admit::Dispatch
-        } else if self.queue.len() < self.config.queued_max {
-            self.queue.push_back((id, now + self.config.queue_timeout));
-            Admit::Queued
-        } else {
-            Admit::Full { retry_after_s: self.retry_after_s(now) }
+            return Admit::Dispatch;
         }
+        self.next_seq += 1;
+        let w = Waiting { id, priority, seq: self.next_seq, deadline: now + self.config.queue_timeout };
+        if self.queue.len() < self.config.queued_max {
+            self.enqueue(w);
+            return Admit::Queued;
+        }
+        match self.queue.last() {
+            Some(worst) if worst.priority > priority && self.config.queued_max > 0 => {
+                let victim = worst.id;
+                self.queue.pop();
+                self.enqueue(w);
+                Admit::Displaced { victim, retry_after_s: self.retry_after_s(now) }
+            }
+            _ => Admit::Full { retry_after_s: self.retry_after_s(now) },
+        }
+    }
+
+    fn enqueue(&mut self, w: Waiting) {
+        let at = self.queue.partition_point(|q| q.key() <= w.key());
+        self.queue.insert(at, w);
     }
 
     /// A dispatched request ended (any outcome): frees its slot and counts toward the drain rate.
@@ -92,26 +132,29 @@ impl Admission {
         if self.in_flight >= self.config.in_flight_max {
             return None;
         }
-        let (id, _) = self.queue.pop_front()?;
+        if self.queue.is_empty() {
+            return None;
+        }
+        let w = self.queue.remove(0);
         self.in_flight += 1;
-        Some(id)
+        Some(w.id)
     }
 
     /// Takes queued requests whose queue deadline has passed, oldest first.
     pub fn expired(&mut self, now: Instant, out: &mut Vec<u64>) {
-        while let Some(&(id, deadline)) = self.queue.front() {
-            if deadline > now {
-                break;
-            }
-            self.queue.pop_front();
-            out.push(id);
+        let mut due: Vec<Waiting> = self.queue.iter().filter(|w| w.deadline <= now).copied().collect();
+        if due.is_empty() {
+            return;
         }
+        self.queue.retain(|w| w.deadline > now);
+        due.sort_by_key(|w| (w.deadline, w.seq));
+        out.extend(due.iter().map(|w| w.id));
     }
 
     /// Takes a queued request out (its client left). False if it was not queued.
     pub fn remove(&mut self, id: u64) -> bool {
         let before = self.queue.len();
-        self.queue.retain(|&(q, _)| q != id);
+        self.queue.retain(|w| w.id != id);
         self.queue.len() != before
     }
 
@@ -154,11 +197,14 @@ mod tests {
     #[test]
     fn dispatch_then_queue_then_full() {
         let (mut a, t) = adm(2, 2);
-        assert_eq!(a.offer(1, t), Admit::Dispatch);
-        assert_eq!(a.offer(2, t), Admit::Dispatch);
-        assert_eq!(a.offer(3, t), Admit::Queued);
-        assert_eq!(a.offer(4, t), Admit::Queued);
-        assert!(matches!(a.offer(5, t), Admit::Full { retry_after_s: 2 }), "no drain yet: the queue timeout");
+        assert_eq!(a.offer(1, 0, t), Admit::Dispatch);
+        assert_eq!(a.offer(2, 0, t), Admit::Dispatch);
+        assert_eq!(a.offer(3, 0, t), Admit::Queued);
+        assert_eq!(a.offer(4, 0, t), Admit::Queued);
+        assert!(
+            matches!(a.offer(5, 0, t), Admit::Full { retry_after_s: 2 }),
+            "no drain yet: the queue timeout"
+        );
         assert_eq!(a.next_dispatch(), None, "no free slot");
         a.finished(t);
         assert_eq!(a.next_dispatch(), Some(3), "FIFO");
@@ -166,11 +212,36 @@ mod tests {
         assert_eq!((a.in_flight(), a.queued()), (2, 1));
     }
 
+    /// Lower priority values leave the queue first (then arrival order); a request that finds the
+    /// queue full takes the place of the queued one with the highest value if its own is lower, and
+    /// that one is the one answered 429; an equal or higher value is refused itself.
+    #[test]
+    fn priority_orders_the_queue_and_displaces_the_least_urgent() {
+        let (mut a, t) = adm(1, 3);
+        assert_eq!(a.offer(1, 0, t), Admit::Dispatch);
+        assert_eq!(a.offer(2, 5, t), Admit::Queued);
+        assert_eq!(a.offer(3, 0, t), Admit::Queued);
+        assert_eq!(a.offer(4, 5, t), Admit::Queued);
+        // Full: an equal value (5) is refused itself; a lower one (-1) displaces the last 5 (id 4).
+        assert!(matches!(a.offer(5, 5, t), Admit::Full { .. }));
+        assert!(matches!(a.offer(6, -1, t), Admit::Displaced { victim: 4, .. }));
+        assert!(matches!(a.offer(7, 0, t), Admit::Displaced { victim: 2, .. }));
+        // Nothing lower than 0 queued is left to displace for a 0.
+        assert!(matches!(a.offer(8, 0, t), Admit::Full { .. }));
+        let mut order = Vec::new();
+        for _ in 0..3 {
+            a.finished(t);
+            order.extend(a.next_dispatch());
+        }
+        assert_eq!(order, vec![6, 3, 7], "-1 first, then the 0s in arrival order");
+        assert_eq!(a.queued(), 0);
+    }
+
     #[test]
     fn queue_deadline_and_removal() {
         let (mut a, t) = adm(0, 8);
         for id in 0..4 {
-            assert_eq!(a.offer(id, t + Duration::from_millis(id * 100)), Admit::Queued);
+            assert_eq!(a.offer(id, 0, t + Duration::from_millis(id * 100)), Admit::Queued);
         }
         assert!(a.remove(1));
         assert!(!a.remove(1));
@@ -184,10 +255,10 @@ mod tests {
     fn retry_after_follows_the_drain_rate() {
         let (mut a, t) = adm(4, 100);
         for i in 0..4 {
-            assert_eq!(a.offer(i, t), Admit::Dispatch);
+            assert_eq!(a.offer(i, 0, t), Admit::Dispatch);
         }
         for i in 4..24 {
-            assert_eq!(a.offer(i, t), Admit::Queued);
+            assert_eq!(a.offer(i, 0, t), Admit::Queued);
         }
         // Two finishes per second for three seconds.
         for s in 0..3u64 {

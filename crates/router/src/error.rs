@@ -17,6 +17,8 @@ pub enum RouterError {
     },
     /// A message's `content` is neither text nor content parts.
     BadContent,
+    /// `priority` is not an integer.
+    BadPriority,
     /// The body carries a member only the stack itself may set (`pd_transfer`: where a decode
     /// worker pulls KV from).
     InternalField {
@@ -60,6 +62,7 @@ impl fmt::Display for RouterError {
             RouterError::BadContent => {
                 write!(f, "a message's `content` must be a string or an array of content parts")
             }
+            RouterError::BadPriority => write!(f, "`priority` must be an integer (lower is served first)"),
             RouterError::InternalField { field } => {
                 write!(f, "`{field}` is set by the router, never by a client")
             }

@@ -50,11 +50,11 @@ impl Router {
     ) {
         let forward = Endpoint::from_path(path).is_none();
         let method_get = path == path::VERSION;
-        let (timeout_s, prompt) = if forward {
-            (None, String::new())
+        let (timeout_s, prompt, priority) = if forward {
+            (None, String::new(), 0)
         } else {
             match peek(&body) {
-                Ok(p) => (p.timeout_s, p.prompt),
+                Ok(p) => (p.timeout_s, p.prompt, p.priority),
                 Err(e) => {
                     self.metrics.finished(Outcome::Rejected, Stage::RouterQueued);
                     self.respond(
@@ -152,7 +152,7 @@ impl Router {
             // Probes are never queued behind client traffic.
             return self.dispatch(id, now);
         }
-        match self.admission.offer(id, now) {
+        match self.admission.offer(id, priority, now) {
             Admit::Dispatch => {
                 if let Some(e) = self.flights.get_mut(&id) {
                     e.admitted = true;
@@ -163,6 +163,21 @@ impl Router {
                 if let Some(e) = self.flights.get_mut(&id) {
                     e.queued_at = Some(now);
                 }
+            }
+            Admit::Displaced { victim, retry_after_s } => {
+                if let Some(e) = self.flights.get_mut(&id) {
+                    e.queued_at = Some(now);
+                }
+                if let Some(e) = self.flights.get_mut(&victim) {
+                    e.queued_at = None;
+                }
+                let msg = format!(
+                    "router queue is full ({} waiting, limit {}): this request gave its place to one of a lower `priority` value ({priority})",
+                    self.admission.queued(),
+                    self.cfg.admission.queued_max
+                );
+                let err = ApiError::new(ErrorKind::QueueFull, msg).with_retry_after(retry_after_s);
+                self.reject(victim, err, now);
             }
             Admit::Full { retry_after_s } => {
                 let msg = format!(

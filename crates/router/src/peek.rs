@@ -15,6 +15,8 @@ pub struct Peek {
     pub timeout_s: Option<f64>,
     /// The prompt text (chat messages' contents joined with newlines), for cache-aware routing.
     pub prompt: String,
+    /// vLLM's `priority` (lower first in the router's queue; 0 when absent).
+    pub priority: i32,
 }
 
 #[derive(Deserialize)]
@@ -23,6 +25,8 @@ struct Raw<'a> {
     stream: Option<bool>,
     #[serde(default)]
     timeout: Option<f64>,
+    #[serde(default)]
+    priority: Option<serde_json::Value>,
     #[serde(default, borrow)]
     messages: Option<Vec<RawMessage<'a>>>,
     /// Anthropic's Messages API: the system prompt beside the messages.
@@ -207,7 +211,11 @@ pub fn peek(body: &[u8]) -> Result<Peek, RouterError> {
             }
         }
     }
-    Ok(Peek { stream: raw.stream.unwrap_or(false), timeout_s: raw.timeout, prompt })
+    let priority = match &raw.priority {
+        None | Some(serde_json::Value::Null) => 0,
+        Some(v) => v.as_i64().and_then(|p| i32::try_from(p).ok()).ok_or(RouterError::BadPriority)?,
+    };
+    Ok(Peek { stream: raw.stream.unwrap_or(false), timeout_s: raw.timeout, prompt, priority })
 }
 
 fn push_line(out: &mut String, t: &str) {
@@ -224,7 +232,7 @@ mod tests {
     #[test]
     fn chat_fields() {
         let p = peek(br#"{"model":"m","stream":true,"timeout":2.5,"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"}]}],"extra":{"a":[1,2]}}"#).unwrap();
-        assert_eq!(p, Peek { stream: true, timeout_s: Some(2.5), prompt: "Be brief.\nHi".into() });
+        assert_eq!(p, Peek { stream: true, timeout_s: Some(2.5), prompt: "Be brief.\nHi".into(), priority: 0 });
         // Anthropic's Messages: the system prompt first; tool blocks carry no routing text.
         let p = peek(br#"{"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"x"}]}]}"#).unwrap();
         assert_eq!(p.prompt, "Be brief.\nHi");

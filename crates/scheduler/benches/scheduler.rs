@@ -17,6 +17,7 @@ fn request(id: u64, t0: Instant, prompt_len: u32, max_tokens: usize) -> NewReque
         queue_deadline: far,
         deadline: far,
         kv: KvSource::Compute,
+        priority: 0,
     }
 }
 

@@ -16,7 +16,7 @@
 //! let mut s = Scheduler::new(SchedulerConfig::default(), kv, now);
 //! let far = now + Duration::from_secs(30);
 //! s.handle_request(NewRequest { id: RequestId(1), prompt: vec![1, 2, 3], max_tokens: 2,
-//!     queue_deadline: far, deadline: far, kv: KvSource::Compute }, now).unwrap();
+//!     queue_deadline: far, deadline: far, kv: KvSource::Compute, priority: 0 }, now).unwrap();
 //! for token in [7, 8] {
 //!     let batch = s.poll_batch(now);                  // the engine runs these items ...
 //!     let sampled: Vec<Sampled> = batch.iter().filter(|i| i.sample)

@@ -46,6 +46,8 @@ struct Req {
     wait_until: Option<Instant>,
     /// Prompt tokens whose KV was reused at the first admission (`None` until then).
     cached_tokens: Option<usize>,
+    /// Lower first (see `NewRequest::priority`).
+    priority: i32,
 }
 
 impl Req {
@@ -226,6 +228,7 @@ impl Scheduler {
             admitted_order: 0,
             wait_until: None,
             cached_tokens: None,
+            priority: req.priority,
         };
         match req.kv {
             KvSource::Compute => {
@@ -503,15 +506,15 @@ impl Scheduler {
         batch
     }
 
-    /// Which waiting request (its index in `waiting`) is admitted next.
+    /// Which waiting request (its index in `waiting`) is admitted next: one of the lowest priority
+    /// value waiting, chosen among them by the admission order.
     fn next_admission(&self, now: Instant) -> Option<usize> {
-        if self.queued.is_empty() {
-            return None;
-        }
+        let best = self.queued.iter().map(|id| self.reqs[id].priority).min()?;
+        let of_best = |(_, id): &(usize, &RequestId)| self.reqs[*id].priority == best;
         let AdmissionOrder::LeastWorkFirst { aging_after, aging_tokens_per_s, window } =
             self.config.admission_order
         else {
-            return Some(0);
+            return self.queued.iter().enumerate().find(of_best).map(|(i, _)| i);
         };
         let work = |id: &RequestId| {
             let r = &self.reqs[id];
@@ -522,8 +525,9 @@ impl Scheduler {
         // The first of the least: ties go to the earliest.
         self.queued
             .iter()
-            .take(window.max(1))
             .enumerate()
+            .filter(of_best)
+            .take(window.max(1))
             .map(|(i, id)| (i, work(id)))
             .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)))
             .map(|(i, _)| i)

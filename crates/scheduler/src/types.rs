@@ -157,6 +157,9 @@ pub struct NewRequest {
     /// The request must end by then, whatever its stage.
     pub deadline: Instant,
     pub kv: KvSource,
+    /// vLLM's `priority`: lower first. A queued request is admitted before every queued one of a
+    /// higher value (the admission order applies among equals); 0 by default.
+    pub priority: i32,
 }
 
 /// Why a request was not admitted. Nothing is ever dropped without one of these.

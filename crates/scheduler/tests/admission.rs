@@ -20,6 +20,7 @@ fn req(id: u64, prompt_len: usize, max_tokens: usize, t0: Instant) -> NewRequest
         queue_deadline: far,
         deadline: far,
         kv: KvSource::Compute,
+        priority: 0,
     }
 }
 
@@ -775,5 +776,35 @@ fn requests_recomputing_after_preemption_never_stall_each_other() {
             now += Duration::from_millis(1);
         }
         assert_eq!(events.len(), taken, "seed {seed}: {:?}", s.stats());
+    }
+}
+
+/// vLLM's `priority`: a waiting request of a lower value is admitted before every waiting one of a
+/// higher value, whatever their arrival or their work, under either admission order; among equals
+/// the order applies (least work first: the smaller prompt of the two urgent ones first).
+#[test]
+fn a_lower_priority_value_is_admitted_first() {
+    let lwf = SchedulerConfig::default().admission_order;
+    assert!(matches!(lwf, AdmissionOrder::LeastWorkFirst { .. }));
+    for order in [lwf, AdmissionOrder::Fifo] {
+        let config =
+            SchedulerConfig { running_requests_max: 1, admission_order: order, ..SchedulerConfig::default() };
+        let (mut s, t0) = sched(config, 256);
+        // Waiting, in arrival order: a default one, two background jobs, two urgent ones.
+        let with = |id, len, priority| NewRequest { priority, ..req(id, len, 1, t0) };
+        for r in [with(1, 8, 0), with(2, 8, 5), with(3, 8, 5), with(4, 40, -1), with(5, 20, -1)] {
+            s.handle_request(r, t0).unwrap();
+        }
+        let mut seen = Vec::new();
+        for e in drain(&mut s, t0) {
+            if let Event::Finished { id, .. } = e {
+                seen.push(id.0);
+            }
+        }
+        let want = match order {
+            AdmissionOrder::Fifo => vec![4, 5, 1, 2, 3],
+            _ => vec![5, 4, 1, 2, 3],
+        };
+        assert_eq!(seen, want, "{order:?}");
     }
 }

@@ -82,6 +82,7 @@ fn trace(shape: Shape, n: u64, seed: u64, t0: Instant) -> Vec<Arrival> {
                     queue_deadline: start + Duration::from_millis(queue_ms),
                     deadline: start + Duration::from_millis(deadline_ms),
                     kv: KvSource::Compute,
+                    priority: 0,
                 },
                 abort_at_ms,
             }

@@ -45,6 +45,7 @@ const COMMON_FIELDS: &[&str] = &[
     "regex",
     "json_schema",
     "timeout",
+    "priority",
     HANDLE_FIELD,
     RESUME_FIELD,
 ];
@@ -526,6 +527,13 @@ pub fn parse_value(endpoint: Endpoint, v: Value) -> Result<GenerateRequest, ApiE
     if timeout_s.is_some_and(|t| t <= 0.0) {
         return Err(ApiError::invalid("`timeout` must be a positive number of seconds"));
     }
+    let priority = match f.get("priority") {
+        None | Some(Value::Null) => 0,
+        Some(v) => v
+            .as_i64()
+            .and_then(|p| i32::try_from(p).ok())
+            .ok_or_else(|| ApiError::invalid("`priority` must be an integer (lower is served first)"))?,
+    };
     Ok(GenerateRequest {
         model: f.str("model")?.map(str::to_owned),
         prompt,
@@ -553,6 +561,7 @@ pub fn parse_value(endpoint: Endpoint, v: Value) -> Result<GenerateRequest, ApiE
         include_stop_str_in_output: f.bool("include_stop_str_in_output")?.unwrap_or(false),
         echo,
         suffix,
+        priority,
     })
 }
 
@@ -611,6 +620,23 @@ pub fn parse_detokenize(body: &[u8]) -> Result<(Option<String>, Vec<u32>), ApiEr
 mod tests {
     use super::*;
     use crate::parse_generate;
+
+    /// vLLM's `priority`: an integer, 0 when absent; anything else is a 400 naming it.
+    #[test]
+    fn priority_is_an_integer() {
+        let chat = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "x"}}]{extra}}}"#);
+        assert_eq!(parse_generate(Endpoint::Chat, chat("").as_bytes()).unwrap().priority, 0);
+        assert_eq!(
+            parse_generate(Endpoint::Chat, chat(r#","priority": -3"#).as_bytes()).unwrap().priority,
+            -3
+        );
+        let c = parse_generate(Endpoint::Completion, br#"{"prompt": "x", "priority": 7}"#).unwrap();
+        assert_eq!(c.priority, 7);
+        for bad in [r#","priority": "high""#, r#","priority": 1.5"#, r#","priority": 99999999999"#] {
+            let e = parse_generate(Endpoint::Chat, chat(bad).as_bytes()).unwrap_err();
+            assert!(e.message.contains("priority"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn bodies_are_checked_field_by_field() {

@@ -54,9 +54,10 @@ const FIELDS: &[&str] = &[
     "prompt_cache_key",
     "safety_identifier",
     "max_tool_calls",
-    // This stack's own: the request's deadline, a decode worker's KV handle, a moved request's
-    // output, and the router's expanded conversation.
+    // This stack's own (and vLLM's): the request's deadline and priority, a decode worker's KV
+    // handle, a moved request's output, and the router's expanded conversation.
     "timeout",
+    "priority",
     HANDLE_FIELD,
     RESUME_FIELD,
     CONVERSATION_FIELD,
@@ -123,6 +124,7 @@ pub fn read(body: &[u8], previous: &dyn Previous, inside: bool) -> Result<Respon
         ("parallel_tool_calls", "parallel_tool_calls"),
         ("max_output_tokens", "max_tokens"),
         ("timeout", "timeout"),
+        ("priority", "priority"),
         (HANDLE_FIELD, HANDLE_FIELD),
         (RESUME_FIELD, RESUME_FIELD),
     ] {

@@ -84,6 +84,8 @@ pub struct Submission {
     pub resumed: Vec<u32>,
     /// Test hook (`Request::test_panic`): sampling this request panics.
     pub panic_in_sampling: bool,
+    /// Lower first (vLLM's `priority`; see `pdserve_scheduler::NewRequest::priority`).
+    pub priority: i32,
 }
 
 impl Submission {
@@ -105,6 +107,7 @@ impl Submission {
             logit_bias: Vec::new(),
             resumed: Vec::new(),
             panic_in_sampling: false,
+            priority: 0,
         }
     }
 }
@@ -491,6 +494,7 @@ impl EngineCore {
             queue_deadline: s.deadline,
             deadline: s.deadline,
             kv: KvSource::Compute,
+            priority: s.priority,
         };
         match self.sched.handle_request(req, now) {
             Ok(()) => {

@@ -120,6 +120,7 @@ impl EngineCore {
             queue_deadline: s.deadline,
             deadline: s.deadline,
             kv: KvSource::Remote { transfer: TransferId(transfer), first_token: meta.first_token },
+            priority: s.priority,
         };
         if let Err(r) = self.sched.handle_request(req, now) {
             self.abort_transfer(transfer);

@@ -456,6 +456,7 @@ impl Frontend {
         er.max_tokens = g.max_tokens.map(|m| m as usize);
         er.sampling = sampling(&g, &self.engine.info().sampling_defaults);
         er.seed = g.seed;
+        er.priority = g.priority;
         er.stop = g.stop.clone();
         er.stop_token_ids = g.stop_token_ids.clone();
         er.ignore_eos = g.ignore_eos;
