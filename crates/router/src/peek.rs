@@ -232,7 +232,10 @@ mod tests {
     #[test]
     fn chat_fields() {
         let p = peek(br#"{"model":"m","stream":true,"timeout":2.5,"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"}]}],"extra":{"a":[1,2]}}"#).unwrap();
-        assert_eq!(p, Peek { stream: true, timeout_s: Some(2.5), prompt: "Be brief.\nHi".into(), priority: 0 });
+        assert_eq!(
+            p,
+            Peek { stream: true, timeout_s: Some(2.5), prompt: "Be brief.\nHi".into(), priority: 0 }
+        );
         // Anthropic's Messages: the system prompt first; tool blocks carry no routing text.
         let p = peek(br#"{"system":"Be brief.","messages":[{"role":"user","content":"Hi"},{"role":"assistant","content":[{"type":"tool_use","id":"t","name":"f","input":{}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"t","content":"x"}]}]}"#).unwrap();
         assert_eq!(p.prompt, "Be brief.\nHi");

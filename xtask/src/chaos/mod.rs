@@ -18,7 +18,7 @@ use pdserve_loadgen::{run_point, Conn, Load, Observation, Progress, Shape, Slo, 
 
 use k8s::k8s_topology;
 use netns::netns_partition;
-use pd2026::{accuracy_soak, decode_admission_saturated, idle_then_burst};
+use pd2026::{accuracy_soak, decode_admission_saturated, idle_then_burst, priority_overload};
 use scenarios::*;
 use stack::{worker_args, Readiness, Stack};
 
@@ -39,6 +39,7 @@ const SCENARIOS: &[&str] = &[
     "accuracy_soak",
     "idle_then_burst",
     "decode_admission_saturated",
+    "priority_overload",
 ];
 
 /// Scenarios that never take the last working path away: readiness must hold in every sample, load
@@ -55,11 +56,20 @@ const ALWAYS_READY: &[&str] = &[
     "accuracy_soak",
     "idle_then_burst",
     "decode_admission_saturated",
+    "priority_overload",
 ];
 
 /// The scenarios CI runs (`cargo xtask test`), in their short form.
-pub(crate) const CI_SCENARIOS: &[&str] =
-    &["decode_kill", "disconnect_storm", "hung_worker", "k8s_topology", "accuracy_soak", "idle_then_burst"];
+pub(crate) const CI_SCENARIOS: &[&str] = &[
+    "decode_kill",
+    "disconnect_storm",
+    "hung_worker",
+    "k8s_topology",
+    "accuracy_soak",
+    "idle_then_burst",
+    "decode_admission_saturated",
+    "priority_overload",
+];
 
 /// What a scenario reports for its table row.
 #[derive(Debug, Default)]
@@ -212,6 +222,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         let router_extra: &[&str] = match name.as_str() {
             "overload" => &["--max-in-flight", "8", "--max-queued", "8", "--queue-timeout-s", "3"],
             "decode_stall" => &["--stall-timeout-s", &stall],
+            "priority_overload" => &["--max-in-flight", "4", "--max-queued", "8", "--queue-timeout-s", "20"],
             _ => &[],
         };
         // Workers that close idle connections long before the router's pool would (20 s), as
@@ -253,6 +264,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 "accuracy_soak" => accuracy_soak(&mut s, short),
                 "idle_then_burst" => idle_then_burst(&mut s, short),
                 "decode_admission_saturated" => decode_admission_saturated(&mut s, short),
+                "priority_overload" => priority_overload(&mut s, short),
                 _ => unreachable!("checked above"),
             };
             let (ready, total, down) = sampler.stop();

@@ -173,3 +173,93 @@ pub(super) fn decode_admission_saturated(s: &mut Stack, short: bool) -> Result<R
     );
     Ok(row)
 }
+
+/// One streamed chat request of `priority` (vLLM's field: lower first), `i` its prompt's seed.
+fn prioritized(addr: std::net::SocketAddr, i: usize, priority: i32) -> pdserve_loadgen::Observation {
+    let mut body: serde_json::Value = serde_json::from_slice(&chat_body(16, 60.0, i)).unwrap_or_default();
+    body["priority"] = serde_json::json!(priority);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    pdserve_loadgen::Conn::new(addr).request(
+        "/v1/chat/completions",
+        &bytes,
+        deadline,
+        Duration::from_secs(1),
+        None,
+    )
+}
+
+/// SGLang #25060: priority was silently first-come-first-served in PD mode. Here the router admits 4
+/// at a time with 8 queued (`--max-in-flight 4 --max-queued 8`) and 24 clients keep sending
+/// background requests (`priority` 10) as fast as they are answered, while one client sends urgent
+/// ones (`priority` 0) one after another: every urgent request completes, none refused, each waiting
+/// at most for a slot while the background ones queue behind it; the background ones get explicit
+/// 429s with Retry-After (displaced, or refused at a full queue), nothing hangs, nothing else fails.
+pub(super) fn priority_overload(s: &mut Stack, short: bool) -> Result<Row> {
+    let addr: std::net::SocketAddr = s.router.trim_start_matches("http://").parse()?;
+    let secs = if short { 12 } else { 30 };
+    let until = std::time::Instant::now() + Duration::from_secs(secs);
+    let background: Vec<_> = (0..24)
+        .map(|c| {
+            std::thread::spawn(move || {
+                let mut seen = Vec::new();
+                let mut i = 0;
+                while std::time::Instant::now() < until {
+                    let o = prioritized(addr, 10_000 + c * 1000 + i, 10);
+                    if o.status == 429 {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    seen.push(o);
+                    i += 1;
+                }
+                seen
+            })
+        })
+        .collect();
+    // The background fills the queue first.
+    std::thread::sleep(Duration::from_secs(2));
+    let mut urgent = Vec::new();
+    let mut i = 0;
+    while std::time::Instant::now() + Duration::from_secs(2) < until {
+        urgent.push(prioritized(addr, i, 0));
+        i += 1;
+    }
+    let low: Vec<_> = background.into_iter().flat_map(|h| h.join().unwrap_or_default()).collect();
+    let refused = urgent.iter().filter(|o| !o.ok()).count();
+    ensure!(
+        refused == 0,
+        "{refused} of {} urgent requests did not complete: {:?}",
+        urgent.len(),
+        urgent.iter().find(|o| !o.ok()).map(|o| (o.status, o.error.clone()))
+    );
+    let hung = low.iter().filter(|o| o.hung || !o.terminal).count();
+    ensure!(hung == 0, "{hung} background requests hung");
+    let other: Vec<_> =
+        low.iter().filter(|o| !o.ok() && o.status != 429).map(|o| (o.status, o.error.clone())).collect();
+    ensure!(other.is_empty(), "background failures other than 429: {other:?}");
+    let low_done: Vec<f64> = low.iter().filter(|o| o.ok()).map(|o| o.e2e.as_secs_f64()).collect();
+    let refused_low = low.iter().filter(|o| o.status == 429).count();
+    ensure!(
+        refused_low > 0,
+        "no background request was refused: the queue never filled, the scenario tested nothing"
+    );
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(0.0)
+    };
+    let (hi, lo) = (median(urgent.iter().map(|o| o.e2e.as_secs_f64()).collect()), median(low_done.clone()));
+    ensure!(hi < lo, "urgent requests took {hi:.1} s (median) against the background's {lo:.1} s: priority changed nothing");
+    s.recovered(&[])?;
+    Ok(Row {
+        sent: urgent.len() + low.len(),
+        completed: urgent.len() + low_done.len(),
+        errors: refused_low,
+        hung: 0,
+        note: format!(
+            "24 background clients (priority 10) saturating 4 in flight + 8 queued for {secs} s, urgent requests (priority 0) one after another: {} of {} urgent completed, median {hi:.1} s against {lo:.1} s for the background's {} completed; {refused_low} background answered 429",
+            urgent.len(),
+            urgent.len(),
+            low_done.len()
+        ),
+    })
+}
