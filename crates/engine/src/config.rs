@@ -102,6 +102,9 @@ pub struct EngineConfig {
     /// starts (from 1; 0: none) has one bit flipped before it is stored and checked, as a faulty link
     /// or a stray write would (the checksum catches it; the router computes the prompt again).
     pub test_corrupt_kv_pull: u32,
+    /// Test hooks (`--test-stall-transfer N`, `--test-drop-done N`): faults of this worker's KV
+    /// offers, by prompt length (see `pdserve_pd_transfer::SenderFaults`).
+    pub test_transfer_faults: pdserve_pd_transfer::SenderFaults,
 }
 
 impl EngineConfig {
@@ -146,6 +149,7 @@ impl EngineConfig {
             reasoning_format: None,
             speculative: crate::Speculative::prompt_lookup(8),
             test_corrupt_kv_pull: 0,
+            test_transfer_faults: pdserve_pd_transfer::SenderFaults::default(),
         }
     }
 }

@@ -199,6 +199,7 @@ pub(crate) fn endpoint(
         sender: SenderConfig { shared_region: region.is_some(), ..SenderConfig::default() },
         // Epochs differ per process, so a handle from an earlier incarnation is refused as stale.
         epoch_seed: std::process::id().wrapping_mul(2_654_435_761),
+        faults: config.test_transfer_faults,
         ..EndpointConfig::default()
     };
     Ok(Some(Endpoint::new(transport, layout, ep_config)))

@@ -105,6 +105,38 @@ pub struct EndpointConfig {
     /// Blocks sent inline carry their checksum (on by default; a receiver checks every block that
     /// carries one, and a block sent with checksums off carries 0, which is never checked).
     pub checksums: bool,
+    /// Test hooks: faults of the sending side (none by default).
+    pub faults: SenderFaults,
+}
+
+/// Test hooks of the sending side (a worker's `--test-stall-transfer N`, `--test-drop-done N`),
+/// chosen by the offered prompt's length so a test can aim them at its own requests: an offer of a
+/// prompt of at least `stall_from` tokens sends its first block and then nothing more (a sender stuck
+/// mid-transfer after the handshake); one of at least `drop_done_from` tokens (and under
+/// `stall_from`) never hears the receiver's `Done` (the notice lost on the way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SenderFaults {
+    pub stall_from: Option<usize>,
+    pub drop_done_from: Option<usize>,
+}
+
+/// A fault the hooks put on one offer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    Stall,
+    DropDone,
+}
+
+impl SenderFaults {
+    fn of(&self, prompt_tokens: usize) -> Option<Fault> {
+        if self.stall_from.is_some_and(|n| prompt_tokens >= n) {
+            Some(Fault::Stall)
+        } else if self.drop_done_from.is_some_and(|n| prompt_tokens >= n) {
+            Some(Fault::DropDone)
+        } else {
+            None
+        }
+    }
 }
 
 impl Default for EndpointConfig {
@@ -115,6 +147,7 @@ impl Default for EndpointConfig {
             pulls_max: 1024,
             epoch_seed: 1,
             checksums: true,
+            faults: SenderFaults::default(),
         }
     }
 }
@@ -179,6 +212,8 @@ pub struct Endpoint {
     block_buf: Vec<u8>,
     /// The latest `now` the caller gave, for the durations of transfers that end between pumps.
     now: u64,
+    /// Offers the test hooks fault (`EndpointConfig::faults`).
+    faulty: HashMap<u64, Fault>,
 }
 
 impl Endpoint {
@@ -196,6 +231,7 @@ impl Endpoint {
             stats: EndpointStats::default(),
             block_buf: vec![0; layout.block_bytes()],
             now: 0,
+            faulty: HashMap::new(),
         }
     }
 
@@ -240,8 +276,12 @@ impl Endpoint {
         self.now = now;
         self.next_epoch = self.next_epoch.wrapping_add(1);
         let key = TransferKey { transfer: transfer.0, epoch: self.next_epoch };
+        let fault = self.config.faults.of(meta.prompt.len());
         self.sender.offer(key, self.layout, blocks, expires_at, meta)?;
         self.began.insert((Side::Sending, key.transfer), now);
+        if let Some(f) = fault {
+            self.faulty.insert(key.transfer, f);
+        }
         Ok(key)
     }
 
@@ -310,7 +350,7 @@ impl Endpoint {
         self.now = now;
         self.sender.handle_timeout(now);
         self.receiver.handle_timeout(now);
-        let Endpoint { transport, sender, receiver, pulls, stats, .. } = self;
+        let Endpoint { transport, sender, receiver, pulls, stats, faulty, .. } = self;
         let mut on = |a: Arrival<'_>| match a {
             Arrival::Message { peer, msg } => {
                 let t = msg.key().transfer;
@@ -322,6 +362,9 @@ impl Endpoint {
                         receiver.handle_message(peer, msg);
                     }
                     return;
+                }
+                if matches!(msg, Message::Done { .. }) && faulty.get(&t) == Some(&Fault::DropDone) {
+                    return; // the test hook: this notice is lost on the way
                 }
                 // The ledger's lease is the ground truth: no `Confirm` for blocks it has freed (a
                 // `Ready` may complete a transfer whose blocks the receiver holds already).
@@ -402,6 +445,11 @@ impl Endpoint {
         while let Some(a) = self.sender.poll_action() {
             match a {
                 SendAction::Message { peer, msg } => self.transport.send(peer, &msg, &[]),
+                SendAction::Block { key, index, .. }
+                    if index >= 1 && self.faulty.get(&key.transfer) == Some(&Fault::Stall) =>
+                {
+                    // The test hook: stuck after the first block, the connection left open.
+                }
                 SendAction::Block { peer, key, index, block, shared } => {
                     // Read only a block the offer's lease still holds.
                     let held = kv.lease(TransferId(key.transfer)).is_ok_and(|l| l.blocks.contains(&block));
@@ -466,6 +514,7 @@ impl Endpoint {
     /// Turns the state machines' endings into events, closing the connection of each ended pull.
     fn settle_ended(&mut self) {
         while let Some(e) = self.sender.poll_event() {
+            self.faulty.remove(&e.key.transfer);
             let began = self.began.remove(&(Side::Sending, e.key.transfer));
             self.events.push_back(EndpointEvent::Ended {
                 side: Side::Sending,

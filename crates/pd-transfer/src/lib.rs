@@ -51,7 +51,9 @@ mod sys;
 pub mod transport;
 
 pub use checksum::{block_checksum, checksum_of_digest, copy_striped, crc32c, striped};
-pub use endpoint::{BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, Side, Source};
+pub use endpoint::{
+    BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, SenderFaults, Side, Source,
+};
 pub use error::TransferError;
 pub use message::{
     decode, encode, Dtype, FailReason, Frame, Layout, Message, PromptMeta, TransferKey, FIRST_TOP_MAX,

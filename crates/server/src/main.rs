@@ -74,6 +74,8 @@ pdserve-server [options]
   --timeout-s S            default request deadline in seconds (default 600)
   --drain-timeout-s S      how long a SIGTERM drain may take (default 30)
   --keep-alive-timeout-s S how long an idle client connection stays open (default 60)
+  --kv-transfer-timeout-s S decode role: how long a request's KV may take to arrive once pulled (default
+                           120); past it the request ends as timed out in kv_transfer, both sides freed
   --exit-on-stdin-eof      stop gracefully when standard input closes (for supervisors and tests)
   --cluster-secret-file P  the stack's secret (or PDSERVE_CLUSTER_SECRET): requests without it
                            (x-pdserve-cluster-secret, which the router sends) get a 401, and a KV
@@ -138,6 +140,9 @@ const VALUED: &[&str] = &[
     "--keep-alive-timeout-s",
     "--test-panic-on",
     "--test-corrupt-kv",
+    "--test-stall-transfer",
+    "--test-drop-done",
+    "--kv-transfer-timeout-s",
     "--api-key",
     "--cluster-secret-file",
     "--device",
@@ -257,6 +262,9 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--keep-alive-timeout-s" => c.http.idle_timeout = secs()?,
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--test-corrupt-kv" => e.test_corrupt_kv_pull = n()? as u32,
+            "--test-stall-transfer" => e.test_transfer_faults.stall_from = Some(n()?),
+            "--test-drop-done" => e.test_transfer_faults.drop_done_from = Some(n()?),
+            "--kv-transfer-timeout-s" => e.scheduler.kv_transfer_timeout = secs()?,
             "--exit-on-stdin-eof" => c.exit_on_stdin_eof = true,
             "--open-probes" => c.open_probes = true,
             "--allow-unauthenticated" => c.allow_unauthenticated = true,

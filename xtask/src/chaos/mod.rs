@@ -18,7 +18,9 @@ use pdserve_loadgen::{run_point, Conn, Load, Observation, Progress, Shape, Slo, 
 
 use k8s::k8s_topology;
 use netns::netns_partition;
-use pd2026::{accuracy_soak, decode_admission_saturated, idle_then_burst, priority_overload};
+use pd2026::{
+    accuracy_soak, decode_admission_saturated, idle_then_burst, priority_overload, transfer_stalled,
+};
 use scenarios::*;
 use stack::{worker_args, Readiness, Stack};
 
@@ -40,6 +42,7 @@ const SCENARIOS: &[&str] = &[
     "idle_then_burst",
     "decode_admission_saturated",
     "priority_overload",
+    "transfer_stalled",
 ];
 
 /// Scenarios that never take the last working path away: readiness must hold in every sample, load
@@ -69,6 +72,7 @@ pub(crate) const CI_SCENARIOS: &[&str] = &[
     "idle_then_burst",
     "decode_admission_saturated",
     "priority_overload",
+    "transfer_stalled",
 ];
 
 /// What a scenario reports for its table row.
@@ -229,6 +233,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         // vLLM's 5 s keep-alive does behind gateways.
         let worker_extra: &[&str] = match name.as_str() {
             "idle_then_burst" => &["--keep-alive-timeout-s", "2"],
+            // (Only the prefill worker offers; the decode worker's pulls wait 4 s at most.)
+            "transfer_stalled" => {
+                &["--test-stall-transfer", "300", "--test-drop-done", "100", "--kv-transfer-timeout-s", "4"]
+            }
             _ => &[],
         };
         // A decode worker that admits 4 requests at a time.
@@ -265,6 +273,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 "idle_then_burst" => idle_then_burst(&mut s, short),
                 "decode_admission_saturated" => decode_admission_saturated(&mut s, short),
                 "priority_overload" => priority_overload(&mut s, short),
+                "transfer_stalled" => transfer_stalled(&mut s, short),
                 _ => unreachable!("checked above"),
             };
             let (ready, total, down) = sampler.stop();

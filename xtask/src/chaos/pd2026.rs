@@ -263,3 +263,68 @@ pub(super) fn priority_overload(s: &mut Stack, short: bool) -> Result<Row> {
         ),
     })
 }
+
+/// SGLang #31800 / vLLM #50719 ("Timeout waiting for P side ready"): a receiver stuck mid-transfer
+/// never checked its timeout and throughput collapsed with the KV pool empty. Here the prefill
+/// worker's test hooks fault its own offers by prompt length: prompts of 300 tokens and more send
+/// their first block and then nothing (`--test-stall-transfer 300`), prompts of 100-299 never hear the
+/// receiver's done notice (`--test-drop-done 100`); the decode worker gives a pull 4 s
+/// (`--kv-transfer-timeout-s 4`). Each faulted request ends with an explicit error well within its
+/// deadline (after its retries, if the router makes any), short requests served meanwhile all
+/// complete, and both workers' leases and blocks are back to zero after.
+pub(super) fn transfer_stalled(s: &mut Stack, short: bool) -> Result<Row> {
+    let addr: std::net::SocketAddr = s.router.trim_start_matches("http://").parse()?;
+    let n = if short { 2 } else { 4 };
+    let send = move |words: usize, i: usize| {
+        std::thread::spawn(move || {
+            let content = format!("Case {i}: {}", pdserve_loadgen::words(words, 90_000 + i as u64));
+            let body = serde_json::json!({"messages": [{"role": "user", "content": content}], "max_tokens": 8, "stream": true, "timeout": 60});
+            let deadline = std::time::Instant::now() + Duration::from_secs(60);
+            let bytes = serde_json::to_vec(&body).unwrap_or_default();
+            pdserve_loadgen::Conn::new(addr).request(
+                "/v1/chat/completions",
+                &bytes,
+                deadline,
+                Duration::from_secs(1),
+                None,
+            )
+        })
+    };
+    // Stalled mid-transfer (about 350 tokens), the done notice lost (about 130), and short ones.
+    let stalled: Vec<_> = (0..n).map(|i| send(250, i)).collect();
+    let deaf: Vec<_> = (0..n).map(|i| send(80, 100 + i)).collect();
+    let healthy: Vec<_> = (0..2 * n).map(|i| send(8, 200 + i)).collect();
+    let join = |v: Vec<std::thread::JoinHandle<pdserve_loadgen::Observation>>| -> Vec<_> {
+        v.into_iter().map(|h| h.join().unwrap_or_default()).collect()
+    };
+    let (stalled, deaf, healthy) = (join(stalled), join(deaf), join(healthy));
+    for (what, v) in [("stalled", &stalled), ("done lost", &deaf)] {
+        for o in v.iter() {
+            ensure!(o.terminal && !o.hung, "a {what} transfer's request hung");
+            ensure!(!o.ok(), "a {what} transfer's request completed: the hook did not fire");
+            ensure!(o.e2e < Duration::from_secs(40), "a {what} transfer's request took {:?} to end", o.e2e);
+        }
+    }
+    let ok = healthy.iter().filter(|o| o.ok()).count();
+    ensure!(
+        ok == healthy.len(),
+        "{ok} of {} short requests completed beside the faulted ones",
+        healthy.len()
+    );
+    s.recovered(&[])?;
+    let errors: std::collections::BTreeSet<String> = stalled
+        .iter()
+        .chain(&deaf)
+        .map(|o| format!("{} {}", o.status, o.error.clone().unwrap_or_default()))
+        .collect();
+    let slowest = stalled.iter().chain(&deaf).map(|o| o.e2e.as_secs_f64()).fold(0.0, f64::max);
+    Ok(Row {
+        sent: 4 * n,
+        completed: ok,
+        errors: 2 * n,
+        hung: 0,
+        note: format!(
+            "{n} senders stuck after the first block and {n} done notices lost, pull timeout 4 s: each ended explicitly ({errors:?}) within {slowest:.1} s, {ok} short requests beside them completed, leases and blocks freed on both sides"
+        ),
+    })
+}
