@@ -39,7 +39,8 @@ pub enum WeightFormat {
     /// `fp8::Fp8Matrix`): a block-scaled FP8 checkpoint's bytes and scales as shipped
     /// (about 1.03 bytes per weight), widened as steps read them to the very values the f32 loader
     /// computes; any other checkpoint's projections quantized with a scale per group (`max |w| /
-    /// 448`). The LM head and embedding stay f32.
+    /// 448`; so too a projection an FP8 checkpoint ships in another dtype, which then loses
+    /// precision). The LM head and embedding stay f32.
     Fp8,
     /// The checkpoint's own precision: FP8 for a block-scaled FP8 checkpoint, bf16 for a bf16 one
     /// whose shapes the bf16 GEMM takes, f16 for an f16 one, f32 otherwise (experts and latent
@@ -70,9 +71,18 @@ impl WeightFormat {
         // Every stacked projection's rows fill 32-row panels and its columns pair up.
         let packs = matrix_shapes(c).iter().all(|&(r, k)| r % 32 == 0 && k % 2 == 0);
         match self {
-            WeightFormat::Auto if dtype == crate::CheckpointDtype::Fp8 => WeightFormat::Fp8,
+            // (Blocks narrower than the kernels' 16 lanes, whose scales no group of 16 columns
+            // shares, once transposed too: served like a bf16 checkpoint.)
             WeightFormat::Auto
-                if dtype == crate::CheckpointDtype::Bf16 && packs && crate::sys::has_bf16_gemm() =>
+                if dtype == crate::CheckpointDtype::Fp8
+                    && c.fp8_block.is_none_or(|b| b.iter().all(|n| n.is_multiple_of(16))) =>
+            {
+                WeightFormat::Fp8
+            }
+            WeightFormat::Auto
+                if matches!(dtype, crate::CheckpointDtype::Bf16 | crate::CheckpointDtype::Fp8)
+                    && packs
+                    && crate::sys::has_bf16_gemm() =>
             {
                 WeightFormat::Bf16
             }

@@ -1,6 +1,8 @@
-//! CRC-32C (Castagnoli), the checksum every block sent inline carries: the receiver recomputes it
-//! before the block reaches its KV memory, so a corrupted block fails its transfer instead of being
-//! decoded from. The SSE4.2 instruction where the CPU has it (`sys`), a table otherwise.
+//! CRC-32C (Castagnoli), and the checksum every block carries over every transport (inline, or read
+//! out of a shared region or with UCX gets): the receiver recomputes it as it stores the block (in
+//! the copy's own pass where the memory lends the block) and a mismatch fails the transfer, whose
+//! blocks are then released unadopted, so nothing is ever decoded from a corrupted block. The SSE4.2
+//! instruction where the CPU has it (`sys`), a table otherwise.
 
 /// The reflected Castagnoli polynomial.
 const POLY: u32 = 0x82f6_3b78;
@@ -43,8 +45,9 @@ pub fn checksum_of_digest(key: crate::TransferKey, index: u32, digest: u32) -> u
     crc32c(&head).max(1)
 }
 
-/// `dst` = `src`, returning [`striped`]`(src)` computed in the same pass (streaming stores where the
-/// CPU has them): what a receiver checks a block by as it stores it.
+/// `dst` = `src`, returning [`striped`]`(src)` computed in the same pass (the SSE4.2 instruction
+/// where the CPU has it; plain stores: non-temporal 8-byte stores across the four stripes measured
+/// 0.9 GB/s against 11 for these): what a receiver checks a block by as it stores it.
 pub fn copy_striped(dst: &mut [u8], src: &[u8]) -> u32 {
     let parts = crate::sys::copy_stripes_hw(dst, src).unwrap_or_else(|| {
         dst.copy_from_slice(src);
@@ -78,10 +81,11 @@ pub(crate) fn stripe_len(len: usize) -> usize {
     len / 32 * 8
 }
 
-/// CRC-32C of the CRC-32Cs of `data`'s four stripes (consecutive quarters, see [`stripe_len`]): as
-/// strong against corruption as one CRC over the whole, and about three times as fast with the
-/// SSE4.2 instruction, whose four chains run side by side (a KV block is checked at close to the
-/// rate it is copied).
+/// CRC-32C of the CRC-32Cs of `data`'s four stripes (consecutive quarters, see [`stripe_len`]):
+/// each stripe has a CRC's guarantees (every burst of up to 32 bits, every odd number of flipped
+/// bits), errors in two stripes escape only if they cancel in the outer CRC (about one in 2^32), and
+/// it runs about three times one chain's rate with the SSE4.2 instruction, whose four chains run side
+/// by side (a KV block is checked at close to the rate it is copied).
 pub fn striped(data: &[u8]) -> u32 {
     join(crate::sys::crc32c_stripes_hw(data).unwrap_or_else(|| stripes_portable(data)))
 }

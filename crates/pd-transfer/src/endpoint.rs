@@ -123,7 +123,11 @@ pub struct SenderFaults {
 /// A fault the hooks put on one offer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
+    /// To stall after the first block it sends (whatever its index: the receiver may start past
+    /// blocks it holds already) ...
     Stall,
+    /// ... and that block sent.
+    Stalled,
     DropDone,
 }
 
@@ -445,12 +449,13 @@ impl Endpoint {
         while let Some(a) = self.sender.poll_action() {
             match a {
                 SendAction::Message { peer, msg } => self.transport.send(peer, &msg, &[]),
-                SendAction::Block { key, index, .. }
-                    if index >= 1 && self.faulty.get(&key.transfer) == Some(&Fault::Stall) =>
-                {
+                SendAction::Block { key, .. } if self.faulty.get(&key.transfer) == Some(&Fault::Stalled) => {
                     // The test hook: stuck after the first block, the connection left open.
                 }
                 SendAction::Block { peer, key, index, block, shared } => {
+                    if let Some(f @ Fault::Stall) = self.faulty.get_mut(&key.transfer) {
+                        *f = Fault::Stalled;
+                    }
                     // Read only a block the offer's lease still holds.
                     let held = kv.lease(TransferId(key.transfer)).is_ok_and(|l| l.blocks.contains(&block));
                     if !held {

@@ -222,7 +222,8 @@ pub enum Message {
     Ready { key: TransferKey, from: u32 },
     /// Prefill → decode: the pull is refused; the transfer is over.
     Reject { key: TransferKey, reason: FailReason },
-    /// Prefill → decode: block `index` follows (`len` bytes, whose CRC-32C is `crc`).
+    /// Prefill → decode: block `index` follows (`len` bytes, whose checksum, `block_checksum`, is
+    /// `crc`; 0 for none).
     Block { key: TransferKey, index: u32, len: u32, crc: u32 },
     /// Prefill → decode: block `index` is slot `slot` of the prefill worker's shared KV region,
     /// whose checksum (`block_checksum`, 0 for none) is `crc`.

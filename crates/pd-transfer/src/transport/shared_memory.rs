@@ -109,7 +109,8 @@ impl Transport for SharedMemoryTransport {
             Arrival::Message { peer, msg: Message::BlockAt { key, index, slot, crc } } => {
                 let view = regions.get(&peer).and_then(|p| views.get(p));
                 match view.and_then(|v| v.block(slot)) {
-                    // Checked against the sender's checksum before it reaches KV memory.
+                    // Checked against the sender's checksum as it is stored (a mismatch fails the
+                    // transfer, its blocks released unadopted).
                     Some(data) => on(Arrival::Block { peer, key, index, data, crc: Some(crc) }),
                     // Named, but not readable here: the protocol layer ends the transfer.
                     None => on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot, crc } }),

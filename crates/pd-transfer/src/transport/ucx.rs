@@ -245,7 +245,8 @@ impl Transport for UcxTransport {
                 };
                 match q.pop_front() {
                     Some(Held::Read { key, index, slot, crc, read }) if done => match read.bytes() {
-                        // Checked against the sender's checksum before it reaches KV memory.
+                        // Checked against the sender's checksum as it is stored (a mismatch fails
+                        // the transfer, its blocks released unadopted).
                         Some(data) => on(Arrival::Block { peer, key, index, data, crc: Some(crc) }),
                         None => {
                             on(Arrival::Message { peer, msg: Message::BlockAt { key, index, slot, crc } })
