@@ -5,8 +5,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use pdserve_codec::{parse_generate, Endpoint, Prompt};
 use pdserve_chat_template::{tool_call, ChatMessage, ChatTemplate};
+use pdserve_codec::{parse_generate, Endpoint, Prompt};
 use serde_json::Value;
 
 /// A tools block, calls, tool results as their own role, string methods, an error for unknown roles.

@@ -8,7 +8,14 @@ use pdserve_kvcache::BlockId;
 use pdserve_pd_transfer::*;
 
 fuzz_target!(|data: &[u8]| {
-    let layout = Layout { num_layers: 1, num_kv_heads: 1, head_dim: 2, block_size: 2, dtype: Dtype::F32, latent: false };
+    let layout = Layout {
+        num_layers: 1,
+        num_kv_heads: 1,
+        head_dim: 2,
+        block_size: 2,
+        dtype: Dtype::F32,
+        latent: false,
+    };
     let key = TransferKey { transfer: 1, epoch: 1 };
     let mut sender = Sender::new(SenderConfig { window_blocks: 2, transfers_max: 4, shared_region: true });
     let _ = sender.offer(key, layout, vec![BlockId(0), BlockId(1)], 100, PromptMeta::default());

@@ -41,6 +41,8 @@ fuzz_target!(|data: &[u8]| {
                     queue_deadline: deadline,
                     deadline,
                     kv: KvSource::Compute,
+                    // Priorities -1..2: admission by priority class keeps every invariant too.
+                    priority: i32::from(len % 4) - 1,
                 };
                 if s.handle_request(req, now).is_ok() {
                     live.insert(id);
