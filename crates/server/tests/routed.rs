@@ -217,8 +217,16 @@ fn a_conversation_returns_to_its_decode_worker_and_debug_explains_the_choice() {
     let decode_leg = routing.iter().find(|r| r["leg"] == "decode").unwrap_or_else(|| panic!("{entry}"));
     // The worker chosen is the one that held the first round: it pulled only the blocks it lacked.
     let skipped = "kv_transfer_blocks_total{result=\"skipped\"}";
-    let home =
-        decodes.iter().position(|d| common::metric(d, skipped) >= 8.0).unwrap_or_else(|| panic!("{entry}"));
+    // (Counted once the pull completes and the engine next tells its metrics: the first events can
+    // come before that, so wait for it a while.)
+    let until = Instant::now() + Duration::from_secs(10);
+    let home = loop {
+        if let Some(h) = decodes.iter().position(|d| common::metric(d, skipped) >= 8.0) {
+            break h;
+        }
+        assert!(Instant::now() < until, "no decode worker reused the first round's blocks: {entry}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(common::metric(&decodes[1 - home], skipped) < 8.0);
     assert_eq!(decode_leg["worker"], format!("http://{}", decodes[home].addr), "{entry}");
     assert_eq!(decode_leg["rule"], "cache_match", "{entry}");
