@@ -174,12 +174,10 @@ pub(super) fn decode_admission_saturated(s: &mut Stack, short: bool) -> Result<R
     Ok(row)
 }
 
-/// One streamed chat request of `priority` (vLLM's field: lower first), `i` its prompt's seed.
-fn prioritized(addr: std::net::SocketAddr, i: usize, priority: i32) -> pdserve_loadgen::Observation {
-    let mut body: serde_json::Value = serde_json::from_slice(&chat_body(16, 60.0, i)).unwrap_or_default();
-    body["priority"] = serde_json::json!(priority);
+/// `body` sent to the chat endpoint at `addr`, observed until 60 s (plus 1 s of grace).
+fn chat_within_60s(addr: std::net::SocketAddr, body: &serde_json::Value) -> pdserve_loadgen::Observation {
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    let bytes = serde_json::to_vec(body).unwrap_or_default();
     pdserve_loadgen::Conn::new(addr).request(
         "/v1/chat/completions",
         &bytes,
@@ -187,6 +185,13 @@ fn prioritized(addr: std::net::SocketAddr, i: usize, priority: i32) -> pdserve_l
         Duration::from_secs(1),
         None,
     )
+}
+
+/// One streamed chat request of `priority` (vLLM's field: lower first), `i` its prompt's seed.
+fn prioritized(addr: std::net::SocketAddr, i: usize, priority: i32) -> pdserve_loadgen::Observation {
+    let mut body: serde_json::Value = serde_json::from_slice(&chat_body(16, 60.0, i)).unwrap_or_default();
+    body["priority"] = serde_json::json!(priority);
+    chat_within_60s(addr, &body)
 }
 
 /// SGLang #25060: priority was silently first-come-first-served in PD mode. Here the router admits 4
@@ -279,15 +284,7 @@ pub(super) fn transfer_stalled(s: &mut Stack, short: bool) -> Result<Row> {
         std::thread::spawn(move || {
             let content = format!("Case {i}: {}", pdserve_loadgen::words(words, 90_000 + i as u64));
             let body = serde_json::json!({"messages": [{"role": "user", "content": content}], "max_tokens": 8, "stream": true, "timeout": 60});
-            let deadline = std::time::Instant::now() + Duration::from_secs(60);
-            let bytes = serde_json::to_vec(&body).unwrap_or_default();
-            pdserve_loadgen::Conn::new(addr).request(
-                "/v1/chat/completions",
-                &bytes,
-                deadline,
-                Duration::from_secs(1),
-                None,
-            )
+            chat_within_60s(addr, &body)
         })
     };
     // Stalled mid-transfer (about 350 tokens), the done notice lost (about 130), and short ones.
