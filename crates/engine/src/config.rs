@@ -98,6 +98,10 @@ pub struct EngineConfig {
     /// verified in one multi-row step; on by default (`Speculative::prompt_lookup(8)`, while one
     /// request runs), `Speculative::OFF` to turn it off. The output is the same either way.
     pub speculative: crate::Speculative,
+    /// How long a request's output constraint (a JSON schema, regex, grammar or forced tool call)
+    /// may take to compile (`--grammar-compile-timeout-s`); past it the request is a 400. Compiles
+    /// run beside the text thread, so a slow one delays only its own request.
+    pub grammar_compile_timeout: Duration,
     /// Test hook (`--test-corrupt-kv N`): the first KV block received after this worker's Nth pull
     /// starts (from 1; 0: none) has one bit flipped before it is stored and checked, as a faulty link
     /// or a stray write would (the checksum catches it; the router computes the prompt again).
@@ -148,6 +152,7 @@ impl EngineConfig {
             tool_calls_max: 8,
             reasoning_format: None,
             speculative: crate::Speculative::prompt_lookup(8),
+            grammar_compile_timeout: Duration::from_secs(10),
             test_corrupt_kv_pull: 0,
             test_transfer_faults: pdserve_pd_transfer::SenderFaults::default(),
         }

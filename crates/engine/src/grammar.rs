@@ -1,24 +1,47 @@
 //! Constrained decoding: a request whose output must match a JSON schema, a regex, a list of choices
 //! or a grammar (`response_format`, the guided fields, a required tool call) gets an llguidance
-//! matcher. The text thread compiles it (a malformed or unsatisfiable constraint is the request's
-//! `400`, before it reaches the engine thread); the engine thread computes each step's token mask on a
+//! matcher. A compiling thread builds it for the text thread ([`Compiler`]; a malformed or
+//! unsatisfiable constraint, or one not compiled in time, is the request's `400`, before it reaches
+//! the engine thread); the engine thread computes each step's token mask on a
 //! second thread while the forward pass runs, masks the logits, and feeds the sampled token back.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
+use crossbeam_channel::{Receiver, Sender};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 use pdserve_api::generation::Constraint;
 use serde_json::{json, Value};
 
-/// How JSON is written under a schema: on one line, with Python's separators. A small model left
-/// free to add whitespace may pad forever.
+/// The longest run of whitespace a schema's JSON may hold between two tokens where the schema asks
+/// for flexible whitespace: a model that favours whitespace once a constraint masks its choice would
+/// otherwise pad until `max_tokens` (vLLM #38696, #45012).
+const JSON_WHITESPACE_RUN_MAX: usize = 16;
+
+/// How JSON is written under a schema: on one line, with Python's separators; or, where the schema
+/// brings its own `x-guidance` options, as they say (llguidance's defaults for the rest), whitespace
+/// runs bounded all the same unless they give a pattern of their own. `oneOf` is taken as `anyOf`, as
+/// other servers' grammar engines take it.
 fn compact(mut schema: Value) -> Value {
     if let Some(o) = schema.as_object_mut() {
-        o.entry("x-guidance").or_insert_with(
-            || json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "}),
-        );
+        let options = match o.get("x-guidance").and_then(Value::as_object) {
+            None => json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ",
+                           "coerce_one_of": true}),
+            Some(theirs) => {
+                let mut options = serde_json::Map::new();
+                options.insert("coerce_one_of".into(), Value::Bool(true));
+                options.extend(theirs.iter().map(|(k, v)| (k.clone(), v.clone())));
+                let flexible = options.get("whitespace_flexible").and_then(Value::as_bool).unwrap_or(true);
+                if flexible && options.get("whitespace_pattern").is_none_or(Value::is_null) {
+                    let bounded = format!(r"[\x20\x0A\x0D\x09]{{1,{JSON_WHITESPACE_RUN_MAX}}}");
+                    options.insert("whitespace_pattern".into(), Value::String(bounded));
+                }
+                Value::Object(options)
+            }
+        };
+        o.insert("x-guidance".into(), options);
     }
     schema
 }
@@ -45,6 +68,8 @@ impl Grammars {
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
+        // A client's 400 names what is wrong, not the parser's state and grammar.
+        factory.limits_mut().verbose_errors = false;
         Ok(Grammars { factory })
     }
 
@@ -74,7 +99,94 @@ impl Grammars {
     }
 }
 
-/// One request's output constraint: an llguidance matcher, compiled by the text thread.
+/// A constraint to compile for request `id`, whose own deadline is `deadline` (a job still queued
+/// then is not compiled).
+#[derive(Debug)]
+pub(crate) struct CompileJob {
+    pub id: u64,
+    pub constraint: Constraint,
+    pub deadline: Instant,
+}
+
+/// What the compiling threads tell the text thread.
+#[derive(Debug)]
+pub(crate) enum Compile {
+    /// Request `id`'s compile began (the time bound runs from here: waiting for a thread is load,
+    /// not the constraint's cost).
+    Started { id: u64, at: Instant },
+    /// Request `id`'s constraint compiled (or what is wrong with it), in `took`.
+    Done { id: u64, guide: Result<Box<Guide>, String>, took: Duration },
+}
+
+/// A compiling thread's stack. llguidance's compiler recurses over the grammar, about 4 KiB a
+/// level: 8,000 required properties (540 kB of schema, well under a worker's 4 MiB body limit)
+/// overflow a default 2 MiB thread stack, which aborts the whole process. Only the pages touched are
+/// ever committed, and the grammar size limit (about 20,000 such properties) stays far below this.
+const COMPILE_STACK_BYTES: usize = 256 << 20;
+
+/// The compiling threads' niceness: on a machine whose cores the engine's steps keep busy, a heavy
+/// compile takes what the steps leave, so the requests already streaming keep their pace (a compile
+/// past the time bound is a 400 for its own request).
+const COMPILE_NICE: i32 = 10;
+
+/// Compiles constraints on threads of their own, so a schema that takes long to compile delays its
+/// own request only: the text thread, which turns every request's tokens into text, never waits on
+/// one. llguidance bounds a compile's work (lexer fuel, grammar size); the text thread bounds its
+/// time (`EngineConfig::grammar_compile_timeout`, from the compile's start) and answers a compile
+/// past it with a 400, which a late result no longer changes.
+#[derive(Debug)]
+pub(crate) struct Compiler {
+    jobs: Sender<CompileJob>,
+    /// Starts and results, in order; the text thread selects on it.
+    pub done: Receiver<Compile>,
+}
+
+impl Compiler {
+    /// `threads` compiling threads, and `queue` jobs waiting at most.
+    pub(crate) fn start(grammars: Arc<Grammars>, threads: usize, queue: usize) -> std::io::Result<Compiler> {
+        let (jobs, rx) = crossbeam_channel::bounded::<CompileJob>(queue);
+        let (tx, done) = crossbeam_channel::bounded(2 * (queue + threads));
+        for i in 0..threads.max(1) {
+            let (rx, tx, grammars) = (rx.clone(), tx.clone(), Arc::clone(&grammars));
+            let thread = std::thread::Builder::new().name(format!("engine-grammar-{i}"));
+            thread.stack_size(COMPILE_STACK_BYTES).spawn(move || {
+                crate::sys::lower_this_threads_priority(COMPILE_NICE);
+                // Ends when the text thread drops its side.
+                for job in rx {
+                    let at = Instant::now();
+                    if at >= job.deadline {
+                        continue; // the request ended while it waited here
+                    }
+                    if tx.send(Compile::Started { id: job.id, at }).is_err() {
+                        return;
+                    }
+                    let compiled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        grammars.matcher(&job.constraint).map(Box::new)
+                    }));
+                    let guide = compiled.unwrap_or_else(|p| {
+                        Err(format!("the grammar compiler failed: {}", crate::core::panic_text(&p)))
+                    });
+                    if tx.send(Compile::Done { id: job.id, guide, took: at.elapsed() }).is_err() {
+                        return;
+                    }
+                }
+            })?;
+        }
+        Ok(Compiler { jobs, done })
+    }
+
+    /// Queues `job`; `false` when the queue is full.
+    pub(crate) fn submit(&self, job: CompileJob) -> bool {
+        self.jobs.try_send(job).is_ok()
+    }
+
+    /// Jobs the queue holds at most.
+    pub(crate) fn capacity(&self) -> usize {
+        self.jobs.capacity().unwrap_or(0)
+    }
+}
+
+/// One request's output constraint: an llguidance matcher, compiled off the text thread.
 pub struct Guide(Matcher);
 
 impl std::fmt::Debug for Guide {
@@ -285,6 +397,66 @@ mod tests {
         assert!(m.mask().unwrap().is_allowed(u32::from(b'a')), "the guide moved");
         feed(&mut m, "ab", ToolFormat::Hermes);
         assert!(m.is_accepting());
+    }
+
+    /// A schema asking for flexible whitespace gets runs of at most `JSON_WHITESPACE_RUN_MAX`
+    /// between tokens (a model that favours whitespace cannot pad to `max_tokens`), and `oneOf`
+    /// compiles (as `anyOf`).
+    #[test]
+    fn flexible_whitespace_is_bounded_and_one_of_compiles() {
+        let g = Grammars::new(&byte_tokenizer(), 257, 256).unwrap();
+        let schema = json!({"type": "object", "required": ["a"],
+            "properties": {"a": {"oneOf": [{"type": "integer"}, {"type": "string"}]}},
+            "x-guidance": {"whitespace_flexible": true}});
+        let mut m = g.matcher(&Constraint::JsonSchema(schema)).unwrap();
+        feed(&mut m, "{\"a\":", ToolFormat::Hermes);
+        for i in 0..JSON_WHITESPACE_RUN_MAX {
+            assert!(m.mask().unwrap().is_allowed(u32::from(b' ')), "space {i} refused");
+            m.accept(u32::from(b' ')).unwrap();
+        }
+        assert!(!m.mask().unwrap().is_allowed(u32::from(b' ')), "a run past the bound was allowed");
+        feed(&mut m, "\"x\"}", ToolFormat::Hermes);
+        assert!(m.is_accepting());
+        // Without options of its own a schema's JSON is compact: no run at all.
+        let mut m = g
+            .matcher(&Constraint::JsonSchema(json!({"type": "array", "items": {"type": "integer"}})))
+            .unwrap();
+        feed(&mut m, "[1,", ToolFormat::Hermes);
+        assert!(m.mask().unwrap().is_allowed(u32::from(b' ')));
+        m.accept(u32::from(b' ')).unwrap();
+        assert!(!m.mask().unwrap().is_allowed(u32::from(b' ')));
+    }
+
+    /// A schema large enough to overflow a default thread stack while it compiles (which aborts the
+    /// whole process) compiles on the compiling threads, and their news comes in order.
+    #[test]
+    fn a_schema_that_overflows_a_default_stack_compiles_on_the_compiler() {
+        let compiler =
+            Compiler::start(Arc::new(Grammars::new(&byte_tokenizer(), 257, 256).unwrap()), 1, 4).unwrap();
+        let n = 8_000;
+        let props: serde_json::Map<String, Value> = (0..n)
+            .map(|i| (format!("p{i}"), json!({"type": "string", "pattern": "[a-z]{1,40}(x|y){3,9}"})))
+            .collect();
+        let required: Vec<String> = (0..n).map(|i| format!("p{i}")).collect();
+        let schema = json!({"type": "object", "properties": props, "required": required});
+        let deadline = Instant::now() + Duration::from_secs(120);
+        assert!(compiler.submit(CompileJob { id: 7, constraint: Constraint::JsonSchema(schema), deadline }));
+        let news = |c: &Compiler| c.done.recv_timeout(Duration::from_secs(120)).unwrap();
+        assert!(matches!(news(&compiler), Compile::Started { id: 7, .. }));
+        match news(&compiler) {
+            Compile::Done { id: 7, guide: Ok(_), .. } => {}
+            other => panic!("{other:?}"),
+        }
+        // A job whose request ended while it queued is not compiled.
+        let past = Instant::now();
+        assert!(compiler.submit(CompileJob {
+            id: 8,
+            constraint: Constraint::Regex("a".into()),
+            deadline: past
+        }));
+        assert!(compiler.submit(CompileJob { id: 9, constraint: Constraint::Regex("(".into()), deadline }));
+        assert!(matches!(news(&compiler), Compile::Started { id: 9, .. }));
+        assert!(matches!(news(&compiler), Compile::Done { id: 9, guide: Err(_), .. }));
     }
 
     /// Feeds `text` byte by byte, each byte allowed by the mask before it.

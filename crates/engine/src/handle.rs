@@ -2,7 +2,7 @@
 //! the text thread (which tokenizes them off the caller's thread), gives the caller what the text
 //! thread made of the engine thread's tokens, and ends anything left past its deadline.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -70,6 +70,9 @@ pub struct Engine {
 
 /// Watchdog-ended requests remembered.
 const WATCHDOG_ENDED_MAX: usize = 4096;
+
+/// Threads that compile requests' output constraints (each compile is one thread's work).
+const GRAMMAR_THREADS: usize = 2;
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -233,7 +236,9 @@ impl Engine {
             metrics: metrics.clone(),
             texts: Default::default(),
             backlog: Default::default(),
-            grammars: Arc::new(grammars),
+            compiler: crate::grammar::Compiler::start(Arc::new(grammars), GRAMMAR_THREADS, bound)?,
+            compiling: HashMap::new(),
+            compile_timeout: config.grammar_compile_timeout,
         };
         let text_thread = std::thread::Builder::new().name("engine-text".into()).spawn(move || text.run())?;
         let nanos =

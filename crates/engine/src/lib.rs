@@ -36,7 +36,6 @@
 //!     }
 //! }
 //! ```
-#![forbid(unsafe_code)]
 
 mod chat;
 mod config;
@@ -50,6 +49,7 @@ mod load;
 mod metrics;
 mod request;
 mod shell;
+mod sys;
 mod text;
 mod text_thread;
 

@@ -32,6 +32,7 @@ pub(crate) struct Metrics {
     pub evicted_blocks: Counter,
     pub draft_tokens: Counter,
     pub draft_accepted: Counter,
+    pub grammar_compile: LatencyHistogram,
 }
 
 impl Metrics {
@@ -136,6 +137,12 @@ impl Metrics {
             draft_accepted: r.counter(
                 "spec_accepted_tokens_total",
                 "Speculative decoding: draft tokens the verifying samples confirmed; accepted / draft is the acceptance rate.",
+            )?,
+            grammar_compile: r.histogram(
+                "grammar_compile_seconds",
+                "Compiling a request's output constraint (schema, regex, grammar, forced tool call), on \
+                 the compiling threads; those past the compile timeout are not observed.",
+                Buckets::latency_seconds(),
             )?,
             registry: r,
         })

@@ -25,7 +25,7 @@ use pdserve_model::{IncrementalDecoder, TextCodec};
 use pdserve_scheduler::{Exit, FinishReason};
 
 use crate::core::{output_budget, resumed_is_complete, Reply, Submission, Times};
-use crate::grammar::Grammars;
+use crate::grammar::{Compile, CompileJob, Compiler};
 use crate::info::EngineInfo;
 use crate::metrics::Metrics;
 use crate::shell::Command;
@@ -204,7 +204,18 @@ pub(crate) struct TextThread {
     /// Outputs the caller has not taken yet, in order.
     pub backlog: VecDeque<Output>,
     /// Compiles requests' output constraints.
-    pub grammars: Arc<Grammars>,
+    pub compiler: Compiler,
+    /// Requests waiting for their constraint, with the time its compile began.
+    pub compiling: HashMap<u64, (Staged, Option<Instant>)>,
+    /// How long a constraint may take to compile (`EngineConfig::grammar_compile_timeout`).
+    pub compile_timeout: Duration,
+}
+
+/// A request tokenized, its text state ready, waiting for its constraint to compile.
+#[derive(Debug)]
+pub(crate) struct Staged {
+    sub: Box<Submission>,
+    text: Text,
 }
 
 impl TextThread {
@@ -214,9 +225,13 @@ impl TextThread {
         let mut turns = 0u64;
         loop {
             // With a backlog, its delivery is retried every 10 ms.
-            let retry =
+            let mut retry =
                 if self.backlog.is_empty() { Duration::from_secs(1) } else { Duration::from_millis(10) };
+            if let Some(first) = self.compiling.values().filter_map(|(_, at)| *at).min() {
+                retry = retry.min((first + self.compile_timeout).saturating_duration_since(Instant::now()));
+            }
             crossbeam_channel::select! {
+                recv(self.compiler.done) -> c => if let Ok(c) = c { self.compile(c) },
                 recv(self.jobs) -> job => match job {
                     Ok(job) => self.job(job),
                     Err(_) => return,
@@ -227,6 +242,9 @@ impl TextThread {
                     Err(_) => self.replies = crossbeam_channel::never(),
                 },
                 default(retry) => {}
+            }
+            if !self.compiling.is_empty() {
+                self.compile_timeouts(Instant::now());
             }
             // Take what else is ready before waking the caller, a bounded amount.
             for _ in 0..256 {
@@ -333,30 +351,6 @@ impl TextThread {
                     Ok(tokens) => sub.tokens = tokens,
                     Err(e) => return self.reject(id, e),
                 }
-                if let Some(c) = &constraint {
-                    match self.grammars.matcher(c) {
-                        Ok(mut g) => {
-                            // The constraint is where the output moved away from left it.
-                            if let Some(t) = resumed.iter().find(|&&t| g.accept(t).is_err()) {
-                                let problem =
-                                    format!("resumed token {t} does not match the output constraint");
-                                return self.reject(id, EngineError::InvalidInput { problem });
-                            }
-                            sub.guide = Some(g);
-                        }
-                        Err(problem) => {
-                            let problem = format!("the output constraint is not usable: {problem}");
-                            return self.reject(id, EngineError::InvalidInput { problem });
-                        }
-                    }
-                }
-                match lock(&self.live).streams.get_mut(&id) {
-                    Some(s) => {
-                        s.prompt_tokens = sub.tokens.len().saturating_sub(resumed.len());
-                        s.resumed = resumed.len();
-                    }
-                    None => return, // the watchdog ended it while it waited here
-                }
                 let text = Text {
                     detok: IncrementalDecoder::new(),
                     pending: String::new(),
@@ -372,53 +366,135 @@ impl TextThread {
                     calls_done: false,
                     panic: panic_in_text,
                 };
-                self.texts.insert(id, text);
-                // The resumed tokens' text again, so stop strings and the caller's parsers are where
-                // the worker before left them.
-                let replay = if self.info.role == Role::Prefill { &[][..] } else { &resumed[..] };
-                for &t in replay {
-                    if let Some(s) = lock(&self.live).streams.get_mut(&id) {
-                        s.completion_tokens += 1;
-                    }
-                    let r = catch_unwind(AssertUnwindSafe(|| self.text(id, t, 0.0, Vec::new(), false, true)));
-                    if let Err(p) = r {
-                        let reason =
-                            format!("internal error while detokenizing: {}", crate::core::panic_text(&p));
-                        return self.reject(id, EngineError::InvalidInput { problem: reason });
-                    }
+                let staged = Staged { sub, text };
+                let Some(constraint) = constraint else { return self.start(staged) };
+                // Compiled on a thread of its own; the request goes on when it is.
+                let deadline = staged.sub.deadline;
+                if !self.compiler.submit(CompileJob { id, constraint, deadline }) {
+                    let limit = self.compiler.capacity();
+                    return self.reject(id, EngineError::Busy { limit });
                 }
-                // Ended by what it had already generated (the move came after its last token, before
-                // its end): it ends here as it would have there.
-                let stopped = self.texts.get(&id).and_then(|t| t.stopped.clone());
-                let context = self.info.context_tokens;
-                let full = resumed_is_complete(
-                    sub.tokens.len(),
-                    resumed.len(),
-                    sub.max_tokens,
-                    context,
-                    sub.remote.is_some(),
-                );
-                if self.texts.get(&id).is_some_and(|t| t.calls_done) {
-                    return self.end_resumed(id, Finish::ToolCalls);
-                }
-                match stopped {
-                    Some(s) => return self.end_resumed(id, Finish::StopString(s)),
-                    None if full => return self.end_resumed(id, Finish::Length),
-                    None => {}
-                }
-                match self.commands.try_send(Command::Submit(sub)) {
-                    Ok(()) => {}
-                    Err(TrySendError::Full(_)) => {
-                        let limit = self.commands.capacity().unwrap_or(0);
-                        self.reject(id, EngineError::Busy { limit });
-                    }
-                    Err(TrySendError::Disconnected(_)) => self.reject(id, EngineError::Stopped),
-                }
+                self.compiling.insert(id, (staged, None));
+            }
+            // An abort of a request still compiling its constraint ends it here: the engine thread
+            // has not seen it.
+            Job::Command(Command::Abort(id)) if self.compiling.remove(&id).is_some() => {
+                self.end_resumed(id, Finish::Cancelled);
             }
             // A full queue loses the abort; the watchdog then ends the request at its deadline.
             Job::Command(c) => {
                 let _ = self.commands.try_send(c);
             }
+        }
+    }
+
+    /// News from the compiling threads: a staged request's compile began, or ended (it goes on, or
+    /// ends with what is wrong).
+    fn compile(&mut self, c: Compile) {
+        let (id, guide, took) = match c {
+            Compile::Started { id, at } => {
+                if let Some((_, started)) = self.compiling.get_mut(&id) {
+                    *started = Some(at);
+                }
+                return;
+            }
+            Compile::Done { id, guide, took } => (id, guide, took),
+        };
+        let Some((mut staged, _)) = self.compiling.remove(&id) else { return }; // ended meanwhile
+        self.metrics.grammar_compile.record(took);
+        match guide {
+            Ok(mut g) => {
+                // The constraint is where the output moved away from left it.
+                if let Some(t) = staged.sub.resumed.iter().find(|&&t| g.accept(t).is_err()) {
+                    let problem = format!("resumed token {t} does not match the output constraint");
+                    return self.reject(id, EngineError::InvalidInput { problem });
+                }
+                staged.sub.guide = Some(*g);
+                self.start(staged);
+            }
+            Err(problem) => {
+                let problem = format!("the output constraint is not usable: {problem}");
+                self.reject(id, EngineError::InvalidInput { problem });
+            }
+        }
+    }
+
+    /// Ends the staged requests whose constraints did not compile in time, and forgets those the
+    /// handle's watchdog ended while they waited for a compiling thread.
+    fn compile_timeouts(&mut self, now: Instant) {
+        let bound = self.compile_timeout;
+        let late: Vec<u64> = self
+            .compiling
+            .iter()
+            .filter(|(_, (_, at))| at.is_some_and(|at| at + bound <= now))
+            .map(|(&id, _)| id)
+            .collect();
+        for id in late {
+            self.compiling.remove(&id);
+            let problem = format!(
+                "the output constraint did not compile within {:.1} s; simplify the schema or grammar",
+                bound.as_secs_f64()
+            );
+            self.reject(id, EngineError::InvalidInput { problem });
+        }
+        let live = lock(&self.live);
+        self.compiling.retain(|id, _| live.streams.contains_key(id));
+    }
+
+    /// A request tokenized (and its constraint compiled): its text state is kept, the output it
+    /// resumes replayed, and it goes to the engine thread (or ends here, when the output it resumes
+    /// had already ended it).
+    fn start(&mut self, staged: Staged) {
+        let Staged { sub, text } = staged;
+        let id = sub.id;
+        let resumed = sub.resumed.clone();
+        match lock(&self.live).streams.get_mut(&id) {
+            Some(s) => {
+                s.prompt_tokens = sub.tokens.len().saturating_sub(resumed.len());
+                s.resumed = resumed.len();
+            }
+            None => return, // the watchdog ended it while it waited here
+        }
+        self.texts.insert(id, text);
+        // The resumed tokens' text again, so stop strings and the caller's parsers are where
+        // the worker before left them.
+        let replay = if self.info.role == Role::Prefill { &[][..] } else { &resumed[..] };
+        for &t in replay {
+            if let Some(s) = lock(&self.live).streams.get_mut(&id) {
+                s.completion_tokens += 1;
+            }
+            let r = catch_unwind(AssertUnwindSafe(|| self.text(id, t, 0.0, Vec::new(), false, true)));
+            if let Err(p) = r {
+                let reason = format!("internal error while detokenizing: {}", crate::core::panic_text(&p));
+                return self.reject(id, EngineError::InvalidInput { problem: reason });
+            }
+        }
+        // Ended by what it had already generated (the move came after its last token, before
+        // its end): it ends here as it would have there.
+        let stopped = self.texts.get(&id).and_then(|t| t.stopped.clone());
+        let context = self.info.context_tokens;
+        let full = resumed_is_complete(
+            sub.tokens.len(),
+            resumed.len(),
+            sub.max_tokens,
+            context,
+            sub.remote.is_some(),
+        );
+        if self.texts.get(&id).is_some_and(|t| t.calls_done) {
+            return self.end_resumed(id, Finish::ToolCalls);
+        }
+        match stopped {
+            Some(s) => return self.end_resumed(id, Finish::StopString(s)),
+            None if full => return self.end_resumed(id, Finish::Length),
+            None => {}
+        }
+        match self.commands.try_send(Command::Submit(sub)) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                let limit = self.commands.capacity().unwrap_or(0);
+                self.reject(id, EngineError::Busy { limit });
+            }
+            Err(TrySendError::Disconnected(_)) => self.reject(id, EngineError::Stopped),
         }
     }
 
@@ -449,7 +525,8 @@ impl TextThread {
         Ok(tokens)
     }
 
-    /// A resumed request that was over before it came here: it ends at once, no engine work.
+    /// A request that ends before the engine thread sees it (a resumed one that was over before it
+    /// came here, or one aborted while its constraint compiled): it ends at once, no engine work.
     fn end_resumed(&mut self, id: u64, finish: Finish) {
         self.texts.remove(&id);
         let gone = lock(&self.live).remove(id);

@@ -521,3 +521,61 @@ fn parallel_tool_calls_false_holds_under_auto_and_cut_calls_are_calls() {
         );
     }
 }
+
+/// A schema about 5 s in the compiling (16,000 required patterned properties, 1.1 MB).
+fn heavy_schema() -> serde_json::Value {
+    let n = 16_000;
+    let props: serde_json::Map<String, serde_json::Value> = (0..n)
+        .map(|i| (format!("p{i}"), serde_json::json!({"type": "string", "pattern": "[a-z]{1,40}(x|y){3,9}"})))
+        .collect();
+    let required: Vec<String> = (0..n).map(|i| format!("p{i}")).collect();
+    serde_json::json!({"type": "object", "properties": props, "required": required})
+}
+
+/// Constraints compile beside the text thread: a request with a schema that compiles for seconds
+/// holds up no other (a plain request sent after it ends first), one past the compile bound ends as
+/// a 400 naming the bound, and one aborted while it compiles ends as cancelled.
+#[test]
+fn slow_constraints_compile_aside_and_end_at_their_bound() {
+    use pdserve_api::generation::Constraint;
+    let mut c = config(Role::Unified);
+    c.grammar_compile_timeout = Duration::from_millis(1500);
+    let mut e = Engine::start(c, Arc::new(|| {})).expect("engine starts");
+    let mut heavy = request("heavy", chat("Fill the form."), 8);
+    heavy.constraint = Some(Constraint::JsonSchema(heavy_schema()));
+    let heavy = e.submit(heavy).unwrap();
+    let plain = e.submit(request("plain", chat("Hi"), 4)).unwrap();
+    let mut ends = Vec::new();
+    let mut out = Vec::new();
+    let until = Instant::now() + Duration::from_secs(60);
+    while ends.len() < 2 {
+        e.poll_timeout(Duration::from_millis(100), &mut out);
+        for o in out.drain(..) {
+            if matches!(o, Output::Finished { .. } | Output::Rejected { .. }) {
+                ends.push(o);
+            }
+        }
+        assert!(Instant::now() < until, "no ends within 60 s: {ends:?}");
+    }
+    assert!(matches!(&ends[0], Output::Finished { id, .. } if *id == plain), "{ends:?}");
+    let Output::Rejected { id, error } = &ends[1] else { panic!("{ends:?}") };
+    assert_eq!(*id, heavy);
+    assert_eq!(error.kind(), pdserve_api::ErrorKind::InvalidRequest, "{error}");
+    assert!(error.to_string().contains("did not compile within 1.5 s"), "{error}");
+    // Aborted while compiling: cancelled at once, not when the compile ends.
+    let mut r = request("aborted", chat("Fill the form."), 8);
+    r.constraint = Some(Constraint::JsonSchema(heavy_schema()));
+    let id = e.submit(r).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(e.abort(id));
+    let (_, seen) = run_to_end(&mut e, id);
+    assert!(matches!(seen.last(), Some(Output::Finished { finish: Finish::Cancelled, .. })), "{seen:?}");
+    // The compiling threads are free again (or soon): a small schema is answered under it.
+    let mut r = request("small", chat("Give a number."), 8);
+    r.constraint = Some(Constraint::JsonSchema(serde_json::json!({"type": "integer"})));
+    let id = e.submit(r).unwrap();
+    let (text, seen) = run_to_end(&mut e, id);
+    assert!(matches!(seen.last(), Some(Output::Finished { .. })), "{seen:?}");
+    assert!(!text.is_empty() && text.chars().all(|c| c == '-' || c.is_ascii_digit()), "{text:?}");
+    assert!(e.is_empty());
+}

@@ -76,6 +76,8 @@ pdserve-server [options]
   --keep-alive-timeout-s S how long an idle client connection stays open (default 60)
   --kv-transfer-timeout-s S decode role: how long a request's KV may take to arrive once pulled (default
                            120); past it the request ends as timed out in kv_transfer, both sides freed
+  --grammar-compile-timeout-s S how long a request's schema, regex or grammar may take to compile (default
+                           10); past it the request is a 400 (compiles never hold up other requests)
   --exit-on-stdin-eof      stop gracefully when standard input closes (for supervisors and tests)
   --cluster-secret-file P  the stack's secret (or PDSERVE_CLUSTER_SECRET): requests without it
                            (x-pdserve-cluster-secret, which the router sends) get a 401, and a KV
@@ -143,6 +145,7 @@ const VALUED: &[&str] = &[
     "--test-stall-transfer",
     "--test-drop-done",
     "--kv-transfer-timeout-s",
+    "--grammar-compile-timeout-s",
     "--api-key",
     "--cluster-secret-file",
     "--device",
@@ -261,6 +264,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--drain-timeout-s" => c.drain_timeout = secs()?,
             "--keep-alive-timeout-s" => c.http.idle_timeout = secs()?,
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
+            "--grammar-compile-timeout-s" => e.grammar_compile_timeout = secs()?,
             "--test-corrupt-kv" => e.test_corrupt_kv_pull = n()? as u32,
             "--test-stall-transfer" => e.test_transfer_faults.stall_from = Some(n()?),
             "--test-drop-done" => e.test_transfer_faults.drop_done_from = Some(n()?),

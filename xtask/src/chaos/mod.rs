@@ -19,7 +19,8 @@ use pdserve_loadgen::{run_point, Conn, Load, Observation, Progress, Shape, Slo, 
 use k8s::k8s_topology;
 use netns::netns_partition;
 use pd2026::{
-    accuracy_soak, decode_admission_saturated, idle_then_burst, priority_overload, transfer_stalled,
+    accuracy_soak, adversarial_schema, decode_admission_saturated, idle_then_burst, priority_overload,
+    transfer_stalled,
 };
 use scenarios::*;
 use stack::{worker_args, Readiness, Stack};
@@ -43,6 +44,7 @@ const SCENARIOS: &[&str] = &[
     "decode_admission_saturated",
     "priority_overload",
     "transfer_stalled",
+    "adversarial_schema",
 ];
 
 /// Scenarios that never take the last working path away: readiness must hold in every sample, load
@@ -60,6 +62,7 @@ const ALWAYS_READY: &[&str] = &[
     "idle_then_burst",
     "decode_admission_saturated",
     "priority_overload",
+    "adversarial_schema",
 ];
 
 /// The scenarios CI runs (`cargo xtask test`), in their short form.
@@ -73,6 +76,7 @@ pub(crate) const CI_SCENARIOS: &[&str] = &[
     "decode_admission_saturated",
     "priority_overload",
     "transfer_stalled",
+    "adversarial_schema",
 ];
 
 /// What a scenario reports for its table row.
@@ -233,6 +237,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         // vLLM's 5 s keep-alive does behind gateways.
         let worker_extra: &[&str] = match name.as_str() {
             "idle_then_burst" => &["--keep-alive-timeout-s", "2"],
+            "adversarial_schema" => &["--grammar-compile-timeout-s", "2"],
             // (Only the prefill worker offers; the decode worker's pulls wait 4 s at most.)
             "transfer_stalled" => {
                 &["--test-stall-transfer", "300", "--test-drop-done", "100", "--kv-transfer-timeout-s", "4"]
@@ -274,6 +279,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 "decode_admission_saturated" => decode_admission_saturated(&mut s, short),
                 "priority_overload" => priority_overload(&mut s, short),
                 "transfer_stalled" => transfer_stalled(&mut s, short),
+                "adversarial_schema" => adversarial_schema(&mut s, short),
                 _ => unreachable!("checked above"),
             };
             let (ready, total, down) = sampler.stop();

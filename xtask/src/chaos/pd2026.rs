@@ -325,3 +325,151 @@ pub(super) fn transfer_stalled(s: &mut Stack, short: bool) -> Result<Row> {
         ),
     })
 }
+
+/// `n` required string properties, each with a pattern: about 70 bytes of schema and (at 16,000) a
+/// third of a millisecond of compiling each, growing faster than linearly.
+fn patterned_properties(n: usize) -> serde_json::Value {
+    let props: serde_json::Map<String, serde_json::Value> = (0..n)
+        .map(|i| (format!("p{i}"), serde_json::json!({"type": "string", "pattern": "[a-z]{1,40}(x|y){3,9}"})))
+        .collect();
+    let required: Vec<String> = (0..n).map(|i| format!("p{i}")).collect();
+    serde_json::json!({"type": "object", "properties": props, "required": required})
+}
+
+/// 40 definitions, each `anyOf` an array of, an object of two of, or the one before it, under a
+/// `oneOf` 30 deep: a small schema whose expansion would be exponential.
+fn nested_schema() -> serde_json::Value {
+    let mut defs = serde_json::Map::new();
+    defs.insert("d0".into(), serde_json::json!({"type": "integer"}));
+    for i in 1..=40 {
+        let p = format!("#/$defs/d{}", i - 1);
+        defs.insert(
+            format!("d{i}"),
+            serde_json::json!({"anyOf": [{"type": "array", "items": {"$ref": p}},
+                {"type": "object", "properties": {"x": {"$ref": p}, "y": {"$ref": p}}}, {"$ref": p}]}),
+        );
+    }
+    let mut s = serde_json::json!({"$ref": "#/$defs/d40"});
+    for i in 0..30 {
+        s = serde_json::json!({"oneOf": [s, {"type": "object", "properties": {format!("k{i}"): {"type": "boolean"}}}]});
+    }
+    s["$defs"] = serde_json::Value::Object(defs);
+    s
+}
+
+/// What an adversarial request must come to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Bounded {
+    /// A 400 naming the compile bound.
+    CompileTimeout,
+    /// A 200, or a 400 for its constraint: the worker stays up either way.
+    AnswerOr400,
+    /// A 200 whose whitespace runs are at most 16 long.
+    ShortWhitespace,
+}
+
+/// vLLM #54003 / #45012: a grammar compile with no time bound blocked a request forever or crashed
+/// the engine; a schema allowing unbounded whitespace ran to `max_tokens`. Here the workers bound a
+/// compile at 2 s (`--grammar-compile-timeout-s 2`), and while 4 neighbours stream, six adversarial
+/// constrained requests arrive at once: 16,000 patterned properties (1.1 MB, about 6 s of compiling: a
+/// 400 naming the bound), 8,000 of them (540 kB: its compile once overflowed the thread's stack and
+/// aborted the worker), 40 `anyOf` definitions under a 30-deep `oneOf`, a recursive `$ref` tree, an
+/// integer list asking for flexible whitespace, and a grammar with an unbounded whitespace run: each
+/// ends in bounded time (a 400, or an answer), no worker exits, the flexible JSON's whitespace runs
+/// stay at most 16, and the neighbours' worst gap between tokens stays within 1 s of what it is
+/// without them (compiles run beside the text thread, at a lower priority than the steps).
+pub(super) fn adversarial_schema(s: &mut Stack, short: bool) -> Result<Row> {
+    let tokens = if short { 64 } else { 128 };
+    let worst_gap = |obs: &[Observation]| {
+        obs.iter().flat_map(|o| o.itl.iter()).map(Duration::as_secs_f64).fold(0.0, f64::max)
+    };
+    let alone = streams(&s.router.clone(), 4, tokens, 120.0, || {});
+    ensure!(alone.iter().all(Observation::ok), "neighbours alone failed: {:?}", tally(&alone));
+    let chat = |content: &str, max_tokens: u64| {
+        serde_json::json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+                           "temperature": 0, "timeout": 60})
+    };
+    let schema = |name: &str, s: serde_json::Value| {
+        let mut b = chat("Answer in JSON.", 32);
+        b["response_format"] =
+            serde_json::json!({"type": "json_schema", "json_schema": {"name": name, "schema": s}});
+        b
+    };
+    let recursive = serde_json::json!({"$defs": {"n": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 8}, "children": {"type": "array", "items": {"$ref": "#/$defs/n"}}},
+        "required": ["name", "children"]}}, "$ref": "#/$defs/n"});
+    let flexible = serde_json::json!({"type": "array", "items": {"type": "integer"},
+                                      "x-guidance": {"whitespace_flexible": true}});
+    let mut spaces = chat("Write a, then as many spaces as you like, then b.", 48);
+    spaces["guided_grammar"] = serde_json::json!("start: \"a\" WS \"b\"\nWS: /[ \\t\\n]*/\n");
+    let cases: Vec<(&str, serde_json::Value, Bounded)> = vec![
+        ("16,000 properties", schema("big", patterned_properties(16_000)), Bounded::CompileTimeout),
+        ("8,000 properties", schema("deep", patterned_properties(8_000)), Bounded::AnswerOr400),
+        ("nested anyOf/oneOf", schema("nested", nested_schema()), Bounded::AnswerOr400),
+        ("recursive $ref", schema("tree", recursive), Bounded::AnswerOr400),
+        ("flexible whitespace", schema("list", flexible), Bounded::ShortWhitespace),
+        ("unbounded whitespace grammar", spaces, Bounded::AnswerOr400),
+    ];
+    let n = cases.len();
+    let cases = Arc::new(cases);
+    let mut results = Vec::new();
+    let url = s.router.clone();
+    let with = {
+        let cases = Arc::clone(&cases);
+        streams(&s.router.clone(), 4, tokens, 120.0, || {
+            results = in_parallel(n, n, move |i| {
+                let start = std::time::Instant::now();
+                let body = serde_json::to_vec(&cases[i].1).unwrap_or_default();
+                let r = call_within("POST", &url, "/v1/chat/completions", &body, Duration::from_secs(70));
+                (r.map_err(|e| format!("{e:#}")), start.elapsed())
+            });
+        })
+    };
+    let mut notes = Vec::new();
+    let mut answered = 0;
+    for ((name, _, want), (r, took)) in cases.iter().zip(&results) {
+        let (status, body) = r.as_ref().map_err(|e| anyhow::anyhow!("{name}: no answer in {took:?}: {e}"))?;
+        let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+        match want {
+            Bounded::CompileTimeout => ensure!(
+                *status == 400 && message.contains("did not compile within") && took.as_secs_f64() < 20.0,
+                "{name}: status {status} ({message}) in {took:?}, wanted a 400 for the compile bound"
+            ),
+            Bounded::AnswerOr400 => {
+                ensure!(
+                    matches!(status, 200 | 400),
+                    "{name}: status {status} ({message}), wanted an answer or a 400"
+                )
+            }
+            Bounded::ShortWhitespace => {
+                ensure!(*status == 200, "{name}: status {status} ({message})");
+                let run = text.split(|c: char| !c.is_whitespace()).map(str::len).max().unwrap_or(0);
+                ensure!(run <= 16, "{name}: a whitespace run of {run} in {text:?}");
+            }
+        }
+        answered += usize::from(*status == 200);
+        notes.push(format!("{name}: {status} in {:.1} s", took.as_secs_f64()));
+    }
+    ensure!(
+        with.iter().all(Observation::ok),
+        "neighbours failed beside the adversarial requests: {:?}",
+        tally(&with)
+    );
+    let (before, after) = (worst_gap(&alone), worst_gap(&with));
+    ensure!(
+        after <= before + 1.0,
+        "the neighbours' worst gap between tokens went from {before:.2} s to {after:.2} s beside the adversarial requests"
+    );
+    s.recovered(&[])?;
+    let mut row = tally(&with);
+    row.sent += n;
+    row.completed += answered;
+    row.errors += n - answered;
+    row.note = format!(
+        "{}; the neighbours' worst token gap {before:.2} s alone, {after:.2} s beside them; no worker exited",
+        notes.join(", ")
+    );
+    Ok(row)
+}
