@@ -77,6 +77,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         logs,
         secret: true,
         server_bin: None,
+        bin_dir: None,
     };
     let mut stacks: Vec<Stack> = Vec::new();
     let result = (|| -> Result<()> {

@@ -18,7 +18,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
-    "cargo xtask serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [-- WORKER OPTIONS]";
+    "cargo xtask serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [--debug] \
+                     [-- WORKER OPTIONS]\n  --debug: the debug build (quicker to build; what the tests run)";
 
 pub(crate) struct Proc {
     pub name: String,
@@ -191,8 +192,10 @@ pub(crate) struct Spec<'a> {
     /// A PD stack: give the router and the workers a fresh cluster secret (a file in `logs`), so the
     /// workers serve the router only.
     pub secret: bool,
-    /// The worker binary to run (default: this checkout's `target/release/pdserve-server`).
+    /// The worker binary to run (default: `pdserve-server` in `bin_dir`).
     pub server_bin: Option<&'a Path>,
+    /// Where the binaries are (default: this checkout's `target/release`).
+    pub bin_dir: Option<&'a Path>,
 }
 
 impl<'a> Spec<'a> {
@@ -214,6 +217,7 @@ impl<'a> Spec<'a> {
             logs,
             secret: false,
             server_bin: None,
+            bin_dir: None,
         }
     }
 }
@@ -252,10 +256,9 @@ pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
     let secret = if spec.secret && !spec.unified { Some(write_secret(spec.logs)?) } else { None };
     // The stack's own name for its shared KV files: no other stack's decode worker maps them.
     let scope = format!("s{:08x}{}", std::process::id(), random_hex(4)?);
-    let root = crate::workspace_root();
-    let server_bin =
-        spec.server_bin.map_or_else(|| root.join("target/release/pdserve-server"), Path::to_path_buf);
-    let router_bin = root.join("target/release/pdserve-router");
+    let bins = spec.bin_dir.map_or_else(|| crate::workspace_root().join("target/release"), Path::to_path_buf);
+    let server_bin = spec.server_bin.map_or_else(|| bins.join("pdserve-server"), Path::to_path_buf);
+    let router_bin = bins.join("pdserve-router");
     let worker_args = |name: &str, role: &str, port: u16| -> Vec<String> {
         let mut a: Vec<String> = ["--port", &port.to_string(), "--name", name, "--role", role, "--model"]
             .iter()
@@ -332,12 +335,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut port = 8000u16;
     let mut model: Option<PathBuf> = None;
     let mut unified = false;
+    let mut debug = false;
     let (mut prefills, mut decodes) = (1usize, 1usize);
     let mut extra: Vec<String> = Vec::new();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--unified" => unified = true,
+            "--debug" => debug = true,
             "--port" => port = it.next().context("--port needs a value")?.parse()?,
             "--model" => model = Some(PathBuf::from(it.next().context("--model needs a value")?)),
             "--prefill" => prefills = it.next().context("--prefill needs a count")?.parse()?,
@@ -360,8 +365,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         Some(m) => m,
         None => crate::fetch_model(&[])?,
     };
-    eprintln!("serve: building pdserve-server and pdserve-router (release; a fresh clone's first build takes a few minutes)");
-    crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-router"])?;
+    let profile = if debug { "debug" } else { "release" };
+    eprintln!("serve: building pdserve-server and pdserve-router ({profile}; a fresh clone's first build takes a few minutes)");
+    if debug {
+        crate::cargo(&["build", "-p", "pdserve-server", "-p", "pdserve-router"])?;
+    } else {
+        crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-router"])?;
+    }
+    let bin_dir = crate::workspace_root().join("target").join(profile);
     crate::sys::install_stop_handler();
     let logs = crate::workspace_root().join("target/serve");
     let spec = Spec {
@@ -375,6 +386,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         logs: &logs,
         secret: true,
         server_bin: None,
+        bin_dir: Some(&bin_dir),
     };
     let Stack { mut procs, url } = start_stack(&spec)?;
     let mut out = std::io::stdout().lock();

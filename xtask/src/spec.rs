@@ -58,6 +58,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             logs: &logs.join(port.to_string()),
             secret: false,
             server_bin: None,
+            bin_dir: None,
         };
         start_stack(&spec)
     };

@@ -65,6 +65,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         logs: &logs,
         secret: false,
         server_bin: None,
+        bin_dir: None,
     };
     let mut stack = start_stack(&spec)?;
     let format = serde_json::json!({"response_format": {"type": "json_schema",

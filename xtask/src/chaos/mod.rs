@@ -9,6 +9,7 @@ mod netns;
 mod pd2026;
 mod scenarios;
 mod stack;
+mod supervisor;
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -45,6 +46,7 @@ const SCENARIOS: &[&str] = &[
     "priority_overload",
     "transfer_stalled",
     "adversarial_schema",
+    "supervisor",
 ];
 
 /// Scenarios that never take the last working path away: readiness must hold in every sample, load
@@ -77,6 +79,7 @@ pub(crate) const CI_SCENARIOS: &[&str] = &[
     "priority_overload",
     "transfer_stalled",
     "adversarial_schema",
+    "supervisor",
 ];
 
 /// What a scenario reports for its table row.
@@ -249,11 +252,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "decode_admission_saturated" => &["--max-running", "4"],
             _ => &[],
         };
-        if name == "netns_partition" || name == "k8s_topology" {
-            let result = if name == "k8s_topology" {
-                k8s_topology(&bins, &model, short)
-            } else {
-                netns_partition(&bins, &model, short)
+        if name == "netns_partition" || name == "k8s_topology" || name == "supervisor" {
+            let result = match name.as_str() {
+                "k8s_topology" => k8s_topology(&bins, &model, short),
+                "supervisor" => supervisor::supervisor(short),
+                _ => netns_partition(&bins, &model, short),
             };
             report(name, started, result, &mut failed, &mut table);
             continue;
