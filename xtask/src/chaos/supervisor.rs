@@ -25,7 +25,8 @@ fn children(parent: u32) -> Vec<(String, u32)> {
             continue;
         }
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let args: Vec<String> = cmd.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
+        let args: Vec<String> =
+            cmd.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).into_owned()).collect();
         let name = args.iter().position(|a| a == "--name").and_then(|i| args.get(i + 1).cloned());
         let router = args.first().is_some_and(|a| a.ends_with("pdserve-router"));
         match (name, router) {
@@ -44,7 +45,8 @@ fn worker_state(router: &str, url: &str) -> Result<(String, bool)> {
     let list: serde_json::Value = serde_json::from_slice(&body)?;
     let w = list["workers"].as_array().into_iter().flatten().find(|w| w["url"] == url);
     let w = w.with_context(|| format!("the router does not list {url}"))?;
-    let proven = w["last_path_ok_ago_ms"].as_u64().zip(w["state_age_ms"].as_u64()).is_some_and(|(p, s)| p <= s);
+    let proven =
+        w["last_path_ok_ago_ms"].as_u64().zip(w["state_age_ms"].as_u64()).is_some_and(|(p, s)| p <= s);
     Ok((w["state"].as_str().unwrap_or_default().to_owned(), proven))
 }
 
@@ -90,13 +92,16 @@ pub(super) fn supervisor(short: bool) -> Result<Row> {
         });
         let router = format!("http://127.0.0.1:{port}");
         let stderr = || std::fs::read_to_string(logs.join("serve.stderr")).unwrap_or_default();
-        // Serving: the router ready (start_stack waits for it before the banner).
-        wait_for(Duration::from_secs(300), "the stack becoming ready", || {
+        // Serving: the banner printed in whole (the stack is ready before it is).
+        let mut banner: Vec<String> = Vec::new();
+        wait_for(Duration::from_secs(300), "the stack serving", || {
             if let Some(status) = serve.try_wait()? {
                 bail!("cargo xtask serve exited with {status}:\n{}", stderr());
             }
-            Ok(crate::serve::http_status(&router, "/health/ready") == Some(200))
+            banner.extend(rx.try_iter());
+            Ok(banner.iter().any(|l| l.starts_with("A process that dies")))
         })?;
+        ensure!(crate::serve::http_status(&router, "/health/ready") == Some(200), "serving but not ready");
         let procs = children(serve.id());
         let pid_of = |name: &str| procs.iter().find(|(n, _)| n == name).map(|&(_, p)| p);
         let victim = pid_of("decode-0").context("no decode-0 among serve's children")?;
@@ -123,13 +128,20 @@ pub(super) fn supervisor(short: bool) -> Result<Row> {
             Ok(all)
         })?;
         // The banner names each process's address.
-        let banner: Vec<String> = rx.try_iter().collect();
-        ensure!(banner.iter().any(|l| l.starts_with("pdserve is serving")), "no banner on stdout: {banner:?}");
+        ensure!(
+            banner.iter().any(|l| l.starts_with("pdserve is serving")),
+            "no banner on stdout: {banner:?}"
+        );
         let victim_url = banner
             .iter()
-            .find_map(|l| l.trim_start().strip_prefix("decode-0")?.split_whitespace().next().map(str::to_owned))
+            .find_map(|l| {
+                l.trim_start().strip_prefix("decode-0")?.split_whitespace().next().map(str::to_owned)
+            })
             .context("the banner names no decode-0")?;
-        ensure!(decode_urls.contains(&victim_url), "the banner's decode-0 {victim_url} is not among {decode_urls:?}");
+        ensure!(
+            decode_urls.contains(&victim_url),
+            "the banner's decode-0 {victim_url} is not among {decode_urls:?}"
+        );
         // Clients keep sending while decode-0 dies and comes back.
         let stop = Arc::new(AtomicBool::new(false));
         let clients: Vec<_> = (0..4)
@@ -146,15 +158,20 @@ pub(super) fn supervisor(short: bool) -> Result<Row> {
             .collect();
         std::thread::sleep(Duration::from_secs(1));
         ensure!(Command::new("kill").args(["-KILL", &victim.to_string()]).status()?.success(), "kill failed");
-        let reported = wait_for(Duration::from_secs(30), "the supervisor reporting decode-0's death", || {
-            Ok(stderr().contains("decode-0 exited with"))
-        })?;
+        let reported =
+            wait_for(Duration::from_secs(30), "the supervisor reporting decode-0's death", || {
+                Ok(stderr().contains("decode-0 exited with"))
+            })?;
         let back = wait_for(Duration::from_secs(180), "decode-0 restarted", || {
             Ok(stderr().contains("decode-0 is back at"))
         })?;
         let new_pid = children(serve.id()).into_iter().find(|(n, _)| n == "decode-0").map(|(_, p)| p);
-        ensure!(new_pid.is_some_and(|p| p != victim), "no new decode-0 process (was {victim}, now {new_pid:?})");
-        let line = stderr().lines().find(|l| l.contains("decode-0 is back at")).unwrap_or_default().to_owned();
+        ensure!(
+            new_pid.is_some_and(|p| p != victim),
+            "no new decode-0 process (was {victim}, now {new_pid:?})"
+        );
+        let line =
+            stderr().lines().find(|l| l.contains("decode-0 is back at")).unwrap_or_default().to_owned();
         let url = line.split_whitespace().nth(4).unwrap_or_default().to_owned();
         ensure!(url == victim_url, "decode-0 was at {victim_url} and came back at {url}");
         // The router counts it down and then up again, and sends it requests.
@@ -192,7 +209,8 @@ pub(super) fn supervisor(short: bool) -> Result<Row> {
         })?;
         let status = serve.wait()?;
         ensure!(status.success(), "cargo xtask serve exited with {status} after SIGTERM");
-        let left: Vec<_> = before.iter().filter(|(_, p)| std::path::Path::new(&format!("/proc/{p}")).exists()).collect();
+        let left: Vec<_> =
+            before.iter().filter(|(_, p)| std::path::Path::new(&format!("/proc/{p}")).exists()).collect();
         ensure!(left.is_empty(), "processes left after SIGTERM: {left:?}");
         row.sent += n;
         row.completed += drained.completed;
