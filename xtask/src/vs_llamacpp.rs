@@ -20,8 +20,9 @@ const USAGE: &str =
 
 Per instruction set: one unified worker of ours on port 8121 (--weights q4, --speculative off, and
 --cpu-kernels avx2 for avx2) and llama.cpp's llama-server built for the same set by `cargo xtask peer
-llamacpp --isa ISA` (-t 2, -c 16384 -np 32 -kvu: one KV pool any of the 32 slots may fill) on 8189.
-The load generator runs every row against both, alternating, K pairs (default 3):
+llamacpp --isa ISA` (-t 2, -c 16384) on 8189, in its fastest setting for each row: -np 32 -kvu (one
+KV pool any of the 32 slots may fill) for 32 streams, -np 1 (all the context to one slot) for the
+others. The load generator runs every row against both, alternating, K pairs (default 3):
   single     1 stream, ~100-token prompts, 64 output tokens     output tokens/s
   streams32  32 streams, the same requests                      output tokens/s
   prefill    1 stream, ~1,000-token prompts, 1 output token     time to first token (p50)
@@ -40,6 +41,9 @@ pub(crate) struct Row {
     metric: fn(&Value) -> Option<f64>,
     unit: &'static str,
     higher_is_better: bool,
+    /// llama.cpp's slots for the row, its fastest setting for the load: one for one stream (all
+    /// 16,384 tokens of context to it), 32 sharing one pool (`-kvu`) for 32 streams.
+    pub peer_slots: usize,
 }
 
 pub(crate) const ROWS: &[Row] = &[
@@ -50,6 +54,7 @@ pub(crate) const ROWS: &[Row] = &[
         metric: |p| p["output_tokens_per_s"].as_f64(),
         unit: "tok/s",
         higher_is_better: true,
+        peer_slots: 1,
     },
     Row {
         name: "streams32",
@@ -58,6 +63,7 @@ pub(crate) const ROWS: &[Row] = &[
         metric: |p| p["output_tokens_per_s"].as_f64(),
         unit: "tok/s",
         higher_is_better: true,
+        peer_slots: 32,
     },
     Row {
         name: "prefill",
@@ -77,6 +83,7 @@ pub(crate) const ROWS: &[Row] = &[
         metric: |p| p["ttft"]["p50_ms"].as_f64(),
         unit: "ms",
         higher_is_better: false,
+        peer_slots: 1,
     },
     Row {
         name: "long",
@@ -97,6 +104,7 @@ pub(crate) const ROWS: &[Row] = &[
         metric: |p| p["tpot"]["mean_ms"].as_f64(),
         unit: "ms",
         higher_is_better: false,
+        peer_slots: 1,
     },
 ];
 
@@ -171,19 +179,37 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         let spec = Spec::unified_worker(8121, &model, &extra, &ours_logs);
         let mut ours = start_stack(&spec)?;
         let result = (|| -> Result<()> {
-            let peer = LlamaServer::start(server, &gguf, (16384, 32), &["-kvu"], &logs)?;
+            // Started again when a row wants other slots than the one before; the memory line is
+            // the 32-slot server's where a row ran it.
+            let mut peer: Option<(usize, LlamaServer)> = None;
+            let mut peer_rss = None;
             for row in &rows {
+                if peer.as_ref().is_none_or(|(slots, _)| *slots != row.peer_slots) {
+                    if let Some((slots, old)) = peer.take() {
+                        peer_rss = Some((slots, peak_rss_mb(old.pid())?));
+                    }
+                    let extra: &[&str] = if row.peer_slots > 1 { &["-kvu"] } else { &[] };
+                    peer = Some((
+                        row.peer_slots,
+                        LlamaServer::start(server, &gguf, (16384, row.peer_slots), extra, &logs)?,
+                    ));
+                }
+                let peer = &peer.as_ref().context("started above")?.1;
                 let out = root.join(format!("target/bench/vs-llamacpp-{}-{}", isa.name(), row.name));
                 println!("\n== {} {}: {} ours, {} llama.cpp", isa.name(), row.what, ours.url, peer.url);
                 let json = bench_pair(row, (&ours.url, &peer.url), repeat, &out)?;
                 table.push_str(&table_row(isa, row, &json, &ours.url, &peer.url)?);
             }
             let ours_pid = ours.procs.first().context("no worker")?.child.id();
+            if let Some((slots, p)) = &peer {
+                let now = (*slots, peak_rss_mb(p.pid())?);
+                peer_rss = Some(peer_rss.filter(|(s, _)| *s > now.0).unwrap_or(now));
+            }
+            let (slots, rss) = peer_rss.context("no llama.cpp server ran")?;
             let line = format!(
-                "{}: ours {} MB, llama.cpp {} MB (peak resident, VmHWM)\n",
+                "{}: ours {} MB, llama.cpp {rss} MB (-np {slots}; peak resident, VmHWM)\n",
                 isa.name(),
                 peak_rss_mb(ours_pid)?,
-                peak_rss_mb(peer.pid())?
             );
             memory.push_str(&line);
             // Each instruction set's rows on their own too, so a run cut short keeps what it measured.
