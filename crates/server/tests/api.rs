@@ -190,3 +190,54 @@ fn sglang_and_vllm_option_names_work_and_an_unknown_one_is_refused_first() {
     assert!(std::fs::read_dir(&home).unwrap().next().is_none(), "something was written under HOME");
     std::fs::remove_dir_all(&home).unwrap();
 }
+
+/// The names endpoint pickers scrape (vLLM's) on a worker's `/metrics`, equal to the engine's own
+/// series after a prefix-cache hit, with vLLM's labels; Prometheus's own checker finds nothing in the
+/// whole exposition but the colon every vLLM name has.
+#[test]
+fn vllm_metric_names_for_endpoint_pickers() {
+    let w = Worker::start(&["--served-model-name", "smol"]);
+    let prompt = format!("Summarize: {}", "the quick brown fox jumps over the lazy dog ".repeat(12));
+    for _ in 0..2 {
+        let (s, v) = w.json("POST", "/v1/chat/completions", &chat(&prompt, r#","max_tokens":2"#));
+        assert_eq!(s, 200, "{v}");
+    }
+    let text = String::from_utf8(w.request("GET", "/metrics", "", &[]).read_to_end().unwrap()).unwrap();
+    let value = |series: &str| -> f64 {
+        let line =
+            text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("no {series}:\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let labels = r#"{model_name="smol",engine="0"}"#;
+    let (hit, miss) = (
+        value(r#"prefix_cache_tokens_total{result="hit"}"#),
+        value(r#"prefix_cache_tokens_total{result="miss"}"#),
+    );
+    assert!(hit >= 64.0, "the second request reused the first's prompt: {hit} tokens");
+    assert_eq!(value(&format!("vllm:prefix_cache_hits_total{labels}")), hit);
+    assert_eq!(value(&format!("vllm:prefix_cache_queries_total{labels}")), hit + miss);
+    assert_eq!(value(&format!("vllm:num_requests_running{labels}")), value("requests_running "));
+    assert_eq!(value(&format!("vllm:num_requests_waiting{labels}")), value("requests_waiting "));
+    assert_eq!(value(&format!("vllm:kv_cache_usage_perc{labels}")), value("kv_cache_usage_ratio "));
+    assert!(
+        value(r#"vllm:lora_requests_info{max_lora="0",waiting_lora_adapters="",running_lora_adapters=""}"#)
+            > 1.7e9
+    );
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool (cargo xtask setup installs it)");
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let found = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let beyond: Vec<&str> = found
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .filter(|l| !(l.starts_with("vllm:") && l.ends_with("metric names should not contain ':'")))
+        .collect();
+    assert!(beyond.is_empty(), "promtool: {beyond:?}");
+    assert!(found.contains("vllm:num_requests_waiting"), "promtool read the aliases: {found}");
+}

@@ -26,6 +26,8 @@ pub enum TelemetryError {
     LabelCount { name: String, expected: usize, got: usize },
     /// Histogram bounds empty, unsorted, or not finite.
     InvalidBuckets { name: String },
+    /// A peer alias reads a metric that is not registered, is a histogram, or lacks a label it filters on.
+    UnknownAliasSource { name: String, family: String },
     /// The request id is already live in the ledger.
     DuplicateRequest { id: String },
     /// The ledger holds its maximum number of entries.
@@ -48,6 +50,9 @@ impl fmt::Display for TelemetryError {
                 write!(f, "duration metric {name:?} must end in _seconds")
             }
             TelemetryError::CounterWithoutTotal { name } => write!(f, "counter {name:?} must end in _total"),
+            TelemetryError::UnknownAliasSource { name, family } => {
+                write!(f, "alias {name:?} reads {family:?}, which is not a registered counter or gauge with those labels")
+            }
             TelemetryError::DuplicateMetric { name } => write!(f, "metric {name:?} is already registered"),
             TelemetryError::InvalidLabel { name, label } => {
                 write!(f, "metric {name:?} has invalid label {label:?}")

@@ -30,8 +30,8 @@ pub use error::TelemetryError;
 pub use latency::{LatencyHistogram, LatencySummary};
 pub use ledger::{LedgerEntry, Overdue, RequestLedger};
 pub use metrics::{
-    check_metric_name, Buckets, Counter, CounterVec, Gauge, GaugeVec, HistogramVec, MetricKind, Registry,
-    UNIT_WORDS,
+    check_metric_name, AliasSource, Buckets, Counter, CounterVec, Gauge, GaugeVec, HistogramVec, MetricKind,
+    Registry, PEER_PREFIXES, UNIT_WORDS,
 };
 
 /// The README's examples, compiled and run as doc tests.

@@ -262,10 +262,48 @@ family_handle!(CounterVec, Counter, Counter);
 family_handle!(GaugeVec, Gauge, Gauge);
 family_handle!(HistogramVec, LatencyHistogram, Histogram);
 
+/// The name prefixes of other servers whose metric names a registry may expose as aliases.
+pub const PEER_PREFIXES: &[&str] = &["vllm:"];
+
+/// Where a peer's alias reads its value at each scrape.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AliasSource {
+    /// The sum of `family`'s series (counters or gauges) whose labels hold every `(label, value)`
+    /// pair of `only`.
+    Sum { family: String, only: Vec<(String, String)> },
+    /// Seconds since the Unix epoch at the scrape (an info gauge's value, as vLLM sets its
+    /// `vllm:lora_requests_info`).
+    UnixTime,
+}
+
+impl AliasSource {
+    /// Every series of `family`.
+    pub fn all(family: &str) -> AliasSource {
+        AliasSource::Sum { family: family.to_owned(), only: Vec::new() }
+    }
+
+    /// The series of `family` whose `label` is `value`.
+    pub fn only(family: &str, label: &str, value: &str) -> AliasSource {
+        AliasSource::Sum { family: family.to_owned(), only: vec![(label.to_owned(), value.to_owned())] }
+    }
+}
+
+/// A metric under another server's name: one series, fixed labels, computed from this registry's
+/// own metrics at each scrape (so it can never disagree with them).
+#[derive(Debug)]
+struct Alias {
+    name: String,
+    help: String,
+    kind: MetricKind,
+    labels: Vec<(String, String)>,
+    source: AliasSource,
+}
+
 /// The set of metrics a process exposes. Cloning shares it.
 #[derive(Debug, Clone, Default)]
 pub struct Registry {
     families: Arc<Mutex<Vec<Arc<Family>>>>,
+    aliases: Arc<Mutex<Vec<Alias>>>,
 }
 
 impl Registry {
@@ -348,7 +386,89 @@ impl Registry {
         Ok(HistogramVec(self.register(name, help, MetricKind::Histogram, labels, bounds)?))
     }
 
-    /// The Prometheus text exposition format (version 0.0.4) of every metric, in registration order.
+    /// Exposes `name`, another server's metric name (its prefix one of [`PEER_PREFIXES`]; the unit
+    /// rule is the peer's, not this project's), as a counter or gauge with the fixed `labels`, its
+    /// value read from `source` at each scrape. A `Sum` source must already be registered.
+    pub fn peer_alias(
+        &self,
+        name: &str,
+        help: &str,
+        kind: MetricKind,
+        labels: &[(&str, &str)],
+        source: AliasSource,
+    ) -> Result<(), TelemetryError> {
+        let rest = PEER_PREFIXES.iter().find_map(|p| name.strip_prefix(p));
+        let valid = rest.is_some_and(|r| {
+            r.bytes().next().is_some_and(|b| b.is_ascii_lowercase())
+                && r.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        });
+        if !valid || kind == MetricKind::Histogram {
+            return Err(TelemetryError::InvalidName { name: name.to_owned() });
+        }
+        if kind == MetricKind::Counter && !name.ends_with("_total") {
+            return Err(TelemetryError::CounterWithoutTotal { name: name.to_owned() });
+        }
+        for (l, _) in labels {
+            check_label(name, l)?;
+        }
+        if let AliasSource::Sum { family, only } = &source {
+            let families = self.families.lock().unwrap_or_else(|e| e.into_inner());
+            let f = families.iter().find(|f| &f.name == family);
+            let known = f.is_some_and(|f| {
+                f.kind != MetricKind::Histogram && only.iter().all(|(l, _)| f.labels.contains(l))
+            });
+            if !known {
+                return Err(TelemetryError::UnknownAliasSource {
+                    name: name.to_owned(),
+                    family: family.clone(),
+                });
+            }
+        }
+        let mut aliases = self.aliases.lock().unwrap_or_else(|e| e.into_inner());
+        if aliases.iter().any(|a| a.name == name) {
+            return Err(TelemetryError::DuplicateMetric { name: name.to_owned() });
+        }
+        aliases.push(Alias {
+            name: name.to_owned(),
+            help: help.to_owned(),
+            kind,
+            labels: labels.iter().map(|(l, v)| ((*l).to_owned(), (*v).to_owned())).collect(),
+            source,
+        });
+        Ok(())
+    }
+
+    /// An alias's value now.
+    fn alias_value(&self, source: &AliasSource) -> f64 {
+        match source {
+            AliasSource::UnixTime => std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+            AliasSource::Sum { family, only } => {
+                let families = self.families.lock().unwrap_or_else(|e| e.into_inner());
+                let Some(f) = families.iter().find(|f| &f.name == family).cloned() else { return 0.0 };
+                drop(families);
+                let at: Vec<(usize, &str)> = only
+                    .iter()
+                    .filter_map(|(l, v)| Some((f.labels.iter().position(|x| x == l)?, v.as_str())))
+                    .collect();
+                let series = f.lock();
+                let sum = series
+                    .iter()
+                    .filter(|(values, _)| at.iter().all(|&(i, v)| values.get(i).is_some_and(|x| x == v)))
+                    .map(|(_, series)| match series {
+                        Series::Counter(c) => c.get() as f64,
+                        Series::Gauge(g) => g.get(),
+                        Series::Histogram(_) => 0.0,
+                    })
+                    .sum();
+                sum
+            }
+        }
+    }
+
+    /// The Prometheus text exposition format (version 0.0.4) of every metric, in registration order,
+    /// then the peers' aliases.
     pub fn render(&self) -> String {
         let families: Vec<Arc<Family>> = self.families.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let mut out = String::with_capacity(4096);
@@ -373,6 +493,13 @@ impl Registry {
                     }
                 }
             }
+        }
+        let aliases = self.aliases.lock().unwrap_or_else(|e| e.into_inner());
+        for a in aliases.iter() {
+            let _ = writeln!(out, "# HELP {} {}", a.name, escape_help(&a.help));
+            let _ = writeln!(out, "# TYPE {} {}", a.name, a.kind.as_str());
+            let (names, values): (Vec<String>, Vec<String>) = a.labels.iter().cloned().unzip();
+            line(&mut out, &a.name, "", &label_pairs(&names, &values), None, self.alias_value(&a.source));
         }
         out
     }

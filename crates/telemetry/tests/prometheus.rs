@@ -5,7 +5,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::thread;
 
-use pdserve_telemetry::{Buckets, Registry, TelemetryError};
+use pdserve_telemetry::{AliasSource, Buckets, MetricKind, Registry, TelemetryError};
 
 /// A registry shaped like a worker's, with some traffic recorded.
 fn worker_registry() -> Registry {
@@ -111,6 +111,73 @@ fn registration_errors() {
     let v = reg.counter_vec("requests_finished_total", "x", &["outcome", "stage"]).unwrap();
     assert!(matches!(v.with(&["completed"]), Err(TelemetryError::LabelCount { expected: 2, got: 1, .. })));
     assert!(matches!(reg.gauge("request_age_ms", "x"), Err(TelemetryError::NonBaseUnit { .. })));
+}
+
+/// What promtool finds in `text` beyond the one lint a peer's alias always draws (vLLM's names hold a
+/// colon, which Prometheus reserves for recording rules but scrapes and stores like any name).
+fn promtool_beyond_peer_colons(text: &str) -> Vec<String> {
+    let (_, msg) = promtool(text);
+    msg.lines()
+        .filter(|l| !l.trim().is_empty())
+        .filter(|l| !(l.starts_with("vllm:") && l.ends_with("metric names should not contain ':'")))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Another server's names, computed from this registry's series at each scrape: sums (all, or the
+/// series with one label's value), fixed labels, vLLM's Unix-time info gauge; bad aliases refused.
+#[test]
+fn peer_aliases_follow_their_sources() {
+    let reg = worker_registry();
+    let tokens = reg.counter_vec("prefix_cache_tokens_total", "x", &["result"]).unwrap();
+    let waiting = reg.gauge("requests_queued", "x").unwrap();
+    let labels = [("model_name", "m"), ("engine", "0")];
+    reg.peer_alias(
+        "vllm:num_requests_waiting",
+        "w",
+        MetricKind::Gauge,
+        &labels,
+        AliasSource::all("requests_queued"),
+    )
+    .unwrap();
+    let all = AliasSource::all("prefix_cache_tokens_total");
+    reg.peer_alias("vllm:prefix_cache_queries_total", "q", MetricKind::Counter, &labels, all).unwrap();
+    let hits = AliasSource::only("prefix_cache_tokens_total", "result", "hit");
+    reg.peer_alias("vllm:prefix_cache_hits_total", "h", MetricKind::Counter, &labels, hits).unwrap();
+    let lora = [("max_lora", "0"), ("running_lora_adapters", "")];
+    reg.peer_alias("vllm:lora_requests_info", "l", MetricKind::Gauge, &lora, AliasSource::UnixTime).unwrap();
+    let value = |text: &str, series: &str| -> f64 {
+        let line =
+            text.lines().find(|l| l.starts_with(series)).unwrap_or_else(|| panic!("no {series} in\n{text}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    let text = reg.render();
+    assert_eq!(value(&text, "vllm:prefix_cache_queries_total{model_name=\"m\",engine=\"0\"}"), 0.0);
+    tokens.with(&["hit"]).unwrap().add(48);
+    tokens.with(&["miss"]).unwrap().add(100);
+    waiting.set(5.0);
+    let text = reg.render();
+    assert_eq!(value(&text, "vllm:prefix_cache_queries_total{"), 148.0);
+    assert_eq!(value(&text, "vllm:prefix_cache_hits_total{"), 48.0);
+    assert_eq!(value(&text, "vllm:num_requests_waiting{"), 5.0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    let info = value(&text, "vllm:lora_requests_info{max_lora=\"0\",running_lora_adapters=\"\"}");
+    assert!((info - now).abs() < 60.0, "{info} vs {now}");
+    assert!(text.contains("# TYPE vllm:prefix_cache_hits_total counter"));
+    assert_eq!(promtool_beyond_peer_colons(&text), Vec::<String>::new(), "\n{text}");
+    // Refused: a name without a peer's prefix, a counter without _total, a histogram, a source not
+    // registered or filtered on a label it lacks, a duplicate.
+    for (name, kind, source) in [
+        ("num_requests_waiting", MetricKind::Gauge, AliasSource::all("requests_waiting")),
+        ("sglang:num_requests", MetricKind::Gauge, AliasSource::all("requests_waiting")),
+        ("vllm:prefix_cache_hits", MetricKind::Counter, AliasSource::all("prefix_cache_tokens_total")),
+        ("vllm:ttft", MetricKind::Histogram, AliasSource::UnixTime),
+        ("vllm:x", MetricKind::Gauge, AliasSource::all("nope_total")),
+        ("vllm:y", MetricKind::Gauge, AliasSource::only("requests_waiting", "result", "hit")),
+        ("vllm:num_requests_waiting", MetricKind::Gauge, AliasSource::all("requests_waiting")),
+    ] {
+        assert!(reg.peer_alias(name, "x", kind, &[], source).is_err(), "{name} was taken");
+    }
 }
 
 #[test]

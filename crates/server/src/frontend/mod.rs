@@ -181,6 +181,7 @@ impl Frontend {
         // process's own random bytes.
         let id_salt = config.cluster_secret.clone().unwrap_or_else(random_hex);
         let connections = routes::HttpMetrics::register(engine.registry())?;
+        routes::HttpMetrics::register_vllm_aliases(engine.registry(), &config.model_name)?;
         Ok(Frontend {
             server,
             config,

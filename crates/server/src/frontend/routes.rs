@@ -32,6 +32,42 @@ impl HttpMetrics {
         })
     }
 
+    /// vLLM's names for the engine's load and cache metrics, which endpoint pickers (the Gateway API
+    /// Inference Extension's, llm-d's) scrape by default: aliases read from the engine's own series
+    /// at each scrape, with vLLM's `model_name` and `engine` labels and vLLM's semantics (api.md lists
+    /// them). No LoRA adapters are served, so `vllm:lora_requests_info` names none.
+    pub(super) fn register_vllm_aliases(r: &pdserve_telemetry::Registry, model: &str) -> std::io::Result<()> {
+        use pdserve_telemetry::{AliasSource, MetricKind};
+        let e = |e: pdserve_telemetry::TelemetryError| std::io::Error::other(e.to_string());
+        let labels = [("model_name", model), ("engine", "0")];
+        let aliases = [
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed (requests_waiting).",
+             MetricKind::Gauge, AliasSource::all("requests_waiting")),
+            ("vllm:num_requests_running", "Number of requests in model execution batches (requests_running).",
+             MetricKind::Gauge, AliasSource::all("requests_running")),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (kv_cache_usage_ratio).",
+             MetricKind::Gauge, AliasSource::all("kv_cache_usage_ratio")),
+            ("vllm:prefix_cache_queries_total",
+             "Prefix cache queries, in terms of number of queried tokens (prefix_cache_tokens_total).",
+             MetricKind::Counter, AliasSource::all("prefix_cache_tokens_total")),
+            ("vllm:prefix_cache_hits_total",
+             "Prefix cache hits, in terms of number of cached tokens (prefix_cache_tokens_total{result=\"hit\"}).",
+             MetricKind::Counter, AliasSource::only("prefix_cache_tokens_total", "result", "hit")),
+        ];
+        for (name, help, kind, source) in aliases {
+            r.peer_alias(name, help, kind, &labels, source).map_err(e)?;
+        }
+        let lora = [("max_lora", "0"), ("waiting_lora_adapters", ""), ("running_lora_adapters", "")];
+        r.peer_alias(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests: none are served (the value is the scrape's Unix time, as vLLM sets it).",
+            MetricKind::Gauge,
+            &lora,
+            AliasSource::UnixTime,
+        )
+        .map_err(e)
+    }
+
     pub(super) fn tell(&self, server: &pdserve_http::Server) {
         self.open.set(server.connection_count() as f64);
         let closed = server.stats().idle_timeouts_total;
