@@ -122,6 +122,24 @@ impl KvStats {
     }
 }
 
+/// A change to the prefix cache's contents, in order ([`KvCache::record_events`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CacheEvent {
+    /// A full block's KV became reusable: its chain hash (of every token from the prompt's start to
+    /// the block's end), its parent block's (`None` for a prompt's first block) and its tokens.
+    Stored { hash: u64, parent: Option<u64>, tokens: Vec<u32> },
+    /// A cached block was evicted.
+    Removed { hash: u64 },
+}
+
+/// The events recorded and not taken yet, at most `max` (past it they are dropped and counted).
+#[derive(Debug)]
+struct EventLog {
+    events: Vec<CacheEvent>,
+    max: usize,
+    dropped: u64,
+}
+
 /// Paged KV bookkeeping for one worker: a fixed pool of blocks, per-sequence block tables, a prefix
 /// cache, and transfer leases. Sans-IO: no clock (lease times come in as `now`), no threads.
 #[derive(Debug)]
@@ -135,6 +153,7 @@ pub struct KvCache {
     pub(crate) tree: PrefixTree,
     copies: Vec<BlockCopy>,
     stats: KvStats,
+    events: Option<EventLog>,
 }
 
 impl KvCache {
@@ -159,7 +178,34 @@ impl KvCache {
             tree: PrefixTree::new(config.block_size as usize),
             copies: Vec::new(),
             stats: KvStats { blocks_total: n, ..KvStats::default() },
+            events: None,
         })
+    }
+
+    /// From now on, records every block the prefix cache gains or loses ([`CacheEvent`]), keeping at
+    /// most `max` until [`take_events`](Self::take_events) takes them.
+    pub fn record_events(&mut self, max: usize) {
+        self.events = Some(EventLog { events: Vec::new(), max, dropped: 0 });
+    }
+
+    /// The events recorded since the last call, in order.
+    pub fn take_events(&mut self) -> Vec<CacheEvent> {
+        self.events.as_mut().map(|l| std::mem::take(&mut l.events)).unwrap_or_default()
+    }
+
+    /// Events dropped because nobody took them in time.
+    pub fn events_dropped(&self) -> u64 {
+        self.events.as_ref().map_or(0, |l| l.dropped)
+    }
+
+    fn record(&mut self, e: impl FnOnce() -> CacheEvent) {
+        if let Some(l) = self.events.as_mut() {
+            if l.events.len() < l.max {
+                l.events.push(e());
+            } else {
+                l.dropped += 1;
+            }
+        }
     }
 
     pub fn config(&self) -> KvConfig {
@@ -265,7 +311,9 @@ impl KvCache {
 
     fn evict_one(&mut self) -> bool {
         let Some(victim) = self.tree.lru_victim() else { return false };
+        let hash = self.tree.node(victim).chain;
         let b = self.tree.remove(victim);
+        self.record(|| CacheEvent::Removed { hash });
         self.retag(b, |m| m.node = None);
         self.stats.evicted_blocks_total += 1;
         true
@@ -458,6 +506,8 @@ impl KvCache {
             }
             let Some(n) = self.tree.insert(cur, chunk, b) else { break };
             self.retag(b, |m| m.node = Some(n));
+            let (hash, parent) = (self.tree.node(n).chain, (cur != ROOT).then(|| self.tree.node(cur).chain));
+            self.record(|| CacheEvent::Stored { hash, parent, tokens: chunk.to_vec() });
             inserted += 1;
             cur = n;
         }

@@ -30,7 +30,7 @@ mod prefix;
 #[doc(hidden)]
 pub mod sim;
 
-pub use cache::{BlockCopy, KvCache, KvConfig, KvStats, LeaseView, PrefixHit};
+pub use cache::{BlockCopy, CacheEvent, KvCache, KvConfig, KvStats, LeaseView, PrefixHit};
 pub use error::KvError;
 pub(crate) use ids::NodeId;
 pub use ids::{BlockId, OwnerKind, SeqId, Slot, TransferId};

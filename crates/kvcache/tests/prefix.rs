@@ -132,3 +132,40 @@ fn every_unreferenced_cached_block_counts_as_available() {
     kv.add_sequence(SeqId(3), &seq(0..9)).unwrap(); // references the first two blocks
     assert_eq!(kv.blocks_available(), 6);
 }
+
+/// With events recorded, every block the cache gains is a `Stored` (chained on its parent's hash, the
+/// first on none, with its tokens) and every eviction a `Removed` of the same hash; a prompt that
+/// shares a prefix stores only its new blocks, chained on the shared one; a full log drops and counts.
+#[test]
+fn events_follow_every_block_the_cache_gains_and_loses() {
+    use pdserve_kvcache::CacheEvent;
+    let mut kv = KvCache::new(KvConfig { num_blocks: 4, block_size: 4 }).unwrap();
+    kv.record_events(100);
+    let run = prefill_and_cache;
+    run(&mut kv, 1, &[1, 2, 3, 4, 5, 6, 7, 8, 9]);
+    let e = kv.take_events();
+    let [CacheEvent::Stored { hash: a, parent: None, tokens: ta }, CacheEvent::Stored { hash: b, parent: Some(pb), tokens: tb }] =
+        &e[..]
+    else {
+        panic!("{e:?}")
+    };
+    assert_eq!((ta.as_slice(), tb.as_slice(), *pb), (&[1, 2, 3, 4][..], &[5, 6, 7, 8][..], *a));
+    assert!(kv.take_events().is_empty(), "taken");
+    // Shares the first block: only the new one is stored, under the shared one.
+    run(&mut kv, 2, &[1, 2, 3, 4, 9, 9, 9, 9, 0]);
+    let e = kv.take_events();
+    assert!(matches!(&e[..], [CacheEvent::Stored { parent: Some(p), tokens, .. }] if p == a && tokens == &[9, 9, 9, 9]), "{e:?}");
+    // A prompt needing every block evicts the cached ones, leaves first: each eviction is announced.
+    run(&mut kv, 3, &(100..116).collect::<Vec<_>>());
+    let removed: Vec<u64> =
+        kv.take_events().iter().filter_map(|e| if let CacheEvent::Removed { hash } = e { Some(*hash) } else { None }).collect();
+    assert_eq!(removed.len(), 3);
+    assert!(removed.contains(a) && removed.contains(b), "{removed:?}");
+    assert_eq!(kv.events_dropped(), 0);
+    // A log nobody takes stops at its bound, and counts the rest.
+    let mut kv = KvCache::new(KvConfig { num_blocks: 8, block_size: 1 }).unwrap();
+    kv.record_events(2);
+    run(&mut kv, 1, &[1, 2, 3, 4, 5]);
+    assert_eq!((kv.take_events().len(), kv.events_dropped()), (2, 3), "five blocks cached, two kept");
+    kv.check_invariants().unwrap();
+}

@@ -1,0 +1,547 @@
+//! KV cache events in vLLM's wire format, so fleet routers that route on vLLM's events (llm-d,
+//! NVIDIA Dynamo, SGLang's gateway) route on a pdserve worker's too.
+//!
+//! A [`Publisher`] binds a ZMQ PUB socket and, optionally, a ROUTER socket for replay, speaking
+//! ZMTP 3.0 itself over std TCP (no libzmq, no async runtime). Each batch goes out as the multipart
+//! message `[topic, sequence (8 bytes, big-endian), payload]`, the payload msgpack
+//! `[timestamp, [events...], data_parallel_rank]` with each event a tagged array in vLLM's field
+//! order ([`KvEvent`]). The replay socket answers a request carrying a start sequence (8 bytes,
+//! big-endian) with every buffered batch from it on, then `[-1, ""]`.
+//!
+//! Serving never waits on a subscriber: batches go through a bounded queue to the publishing thread
+//! (a full queue drops the batch, counted), each subscriber has a bounded queue of its own (a slow
+//! one loses batches, counted, and is dropped when a write blocks 5 s), and the replay buffer keeps
+//! the last `buffer_steps` batches.
+//!
+//! ```
+//! use pdserve_kv_events::{KvEvent, KvEventsConfig, Publisher};
+//! let cfg = KvEventsConfig::parse(r#"{"enable_kv_cache_events": true, "publisher": "zmq",
+//!     "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv@pod@m"}"#)
+//!     .unwrap()
+//!     .expect("enabled");
+//! let p = Publisher::start(&cfg).unwrap();
+//! p.publish(vec![KvEvent::stored(vec![11, 12], None, (0..32).collect(), 16)]);
+//! assert!(p.pub_addr().port() != 0);
+//! ```
+#![forbid(unsafe_code)]
+
+mod msgpack;
+mod zmtp;
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crossbeam_channel::{Receiver, Sender, TrySendError};
+
+/// The medium vLLM names its primary KV pool with; a pdserve worker's pool, on whatever device, is
+/// that tier (an offload tier would be `CPU`).
+pub const MEDIUM_PRIMARY: &str = "GPU";
+
+/// One change to a worker's prefix cache, in vLLM's terms.
+#[derive(Debug, Clone, PartialEq)]
+pub enum KvEvent {
+    /// Blocks whose KV became reusable: their hashes (each chained on the one before, the first on
+    /// `parent_block_hash`, `None` at the start of a prompt) and their tokens, `block_size` each.
+    BlockStored {
+        block_hashes: Vec<u64>,
+        parent_block_hash: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        medium: &'static str,
+    },
+    /// Blocks that left the cache.
+    BlockRemoved { block_hashes: Vec<u64>, medium: &'static str },
+    /// Everything left the cache (a worker's start).
+    AllBlocksCleared,
+}
+
+impl KvEvent {
+    /// Blocks stored in the primary pool.
+    pub fn stored(
+        block_hashes: Vec<u64>,
+        parent: Option<u64>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+    ) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash: parent,
+            token_ids,
+            block_size,
+            medium: MEDIUM_PRIMARY,
+        }
+    }
+
+    /// Blocks removed from the primary pool.
+    pub fn removed(block_hashes: Vec<u64>) -> KvEvent {
+        KvEvent::BlockRemoved { block_hashes, medium: MEDIUM_PRIMARY }
+    }
+
+    /// vLLM's encoding: a tagged array, fields in order, trailing fields at their defaults left out
+    /// (msgspec's `array_like`, `tag` and `omit_defaults`).
+    fn encode(&self, out: &mut Vec<u8>) {
+        match self {
+            KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium } => {
+                // tag, block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name
+                msgpack::array(out, 8);
+                msgpack::str(out, "BlockStored");
+                hashes(out, block_hashes);
+                match parent_block_hash {
+                    Some(h) => msgpack::uint(out, *h),
+                    None => msgpack::nil(out),
+                }
+                msgpack::array(out, token_ids.len());
+                for &t in token_ids {
+                    msgpack::uint(out, u64::from(t));
+                }
+                msgpack::uint(out, u64::from(*block_size));
+                msgpack::nil(out);
+                msgpack::str(out, medium);
+                msgpack::nil(out);
+            }
+            KvEvent::BlockRemoved { block_hashes, medium } => {
+                msgpack::array(out, 3);
+                msgpack::str(out, "BlockRemoved");
+                hashes(out, block_hashes);
+                msgpack::str(out, medium);
+            }
+            KvEvent::AllBlocksCleared => {
+                msgpack::array(out, 1);
+                msgpack::str(out, "AllBlocksCleared");
+            }
+        }
+    }
+}
+
+fn hashes(out: &mut Vec<u8>, h: &[u64]) {
+    msgpack::array(out, h.len());
+    for &x in h {
+        msgpack::uint(out, x);
+    }
+}
+
+/// Merges runs of stores that continue one another (the next's parent is the last hash before it)
+/// into one event, as vLLM reports a request's new blocks.
+pub fn coalesce(events: Vec<KvEvent>) -> Vec<KvEvent> {
+    let mut out: Vec<KvEvent> = Vec::with_capacity(events.len());
+    for e in events {
+        if let (
+            Some(KvEvent::BlockStored { block_hashes, token_ids, block_size, medium, .. }),
+            KvEvent::BlockStored {
+                block_hashes: next,
+                parent_block_hash: Some(p),
+                token_ids: t,
+                block_size: bs,
+                medium: m,
+                ..
+            },
+        ) = (out.last_mut(), &e)
+        {
+            if block_hashes.last() == Some(p) && block_size == bs && medium == m {
+                block_hashes.extend_from_slice(next);
+                token_ids.extend_from_slice(t);
+                continue;
+            }
+        }
+        if let (
+            Some(KvEvent::BlockRemoved { block_hashes, medium }),
+            KvEvent::BlockRemoved { block_hashes: next, medium: m },
+        ) = (out.last_mut(), &e)
+        {
+            if medium == m {
+                block_hashes.extend_from_slice(next);
+                continue;
+            }
+        }
+        out.push(e);
+    }
+    out
+}
+
+/// A batch's payload: msgpack `[ts, [events...], data_parallel_rank]`.
+pub fn encode_batch(ts: f64, events: &[KvEvent], data_parallel_rank: u32) -> Vec<u8> {
+    let mut out = Vec::with_capacity(64 + events.len() * 64);
+    msgpack::array(&mut out, 3);
+    msgpack::float(&mut out, ts);
+    msgpack::array(&mut out, events.len());
+    for e in events {
+        e.encode(&mut out);
+    }
+    msgpack::uint(&mut out, u64::from(data_parallel_rank));
+    out
+}
+
+/// vLLM's `--kv-events-config`, as far as a ZMQ publisher goes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvEventsConfig {
+    /// Where the PUB socket binds: `tcp://*:5557` (every interface) or `tcp://HOST:PORT`.
+    pub endpoint: SocketAddr,
+    /// Where the replay ROUTER socket binds, if anywhere.
+    pub replay_endpoint: Option<SocketAddr>,
+    /// The first frame of every message (subscribers filter on its prefix).
+    pub topic: String,
+    /// Batches kept for replay.
+    pub buffer_steps: usize,
+    /// Batches queued for one subscriber at most (ZMQ's high-water mark).
+    pub hwm: usize,
+    /// Batches queued for the publishing thread at most.
+    pub max_queue_size: usize,
+}
+
+/// `tcp://*:PORT` or `tcp://HOST:PORT` as an address to bind.
+fn bind_addr(field: &str, s: &str) -> Result<SocketAddr, String> {
+    let rest =
+        s.strip_prefix("tcp://").ok_or_else(|| format!("{field} {s:?}: only tcp:// endpoints are served"))?;
+    let rest = rest.replacen('*', "0.0.0.0", 1);
+    rest.parse::<SocketAddr>().map_err(|e| format!("{field} {s:?}: {e} (a tcp://HOST:PORT to bind)"))
+}
+
+impl KvEventsConfig {
+    /// The config from vLLM's JSON; `None` when events are off (`enable_kv_cache_events` false or
+    /// absent, or `publisher` `"null"`). Unknown keys and wrong types are errors.
+    pub fn parse(json: &str) -> Result<Option<KvEventsConfig>, String> {
+        let v: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| format!("--kv-events-config: {e}"))?;
+        let o = v.as_object().ok_or("--kv-events-config: a JSON object")?;
+        const KNOWN: &[&str] = &[
+            "enable_kv_cache_events",
+            "publisher",
+            "endpoint",
+            "replay_endpoint",
+            "topic",
+            "buffer_steps",
+            "hwm",
+            "max_queue_size",
+        ];
+        if let Some(k) = o.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+            return Err(format!("--kv-events-config: unknown key {k:?} (known: {})", KNOWN.join(", ")));
+        }
+        let string = |k: &str| -> Result<Option<&str>, String> {
+            match o.get(k) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(serde_json::Value::String(s)) => Ok(Some(s)),
+                Some(other) => Err(format!("--kv-events-config: {k} must be a string, not {other}")),
+            }
+        };
+        let count =
+            |k: &str, default: usize| -> Result<usize, String> {
+                match o.get(k) {
+                    None => Ok(default),
+                    Some(v) => v.as_u64().filter(|&n| n > 0).map(|n| n as usize).ok_or_else(|| {
+                        format!("--kv-events-config: {k} must be a positive integer, not {v}")
+                    }),
+                }
+            };
+        let enabled = match o.get("enable_kv_cache_events") {
+            None => false,
+            Some(v) => {
+                v.as_bool().ok_or("--kv-events-config: enable_kv_cache_events must be true or false")?
+            }
+        };
+        let publisher = string("publisher")?.unwrap_or("zmq");
+        if !enabled || publisher == "null" {
+            return Ok(None);
+        }
+        if publisher != "zmq" {
+            return Err(format!("--kv-events-config: publisher {publisher:?}: zmq or null"));
+        }
+        let endpoint = bind_addr("endpoint", string("endpoint")?.unwrap_or("tcp://*:5557"))?;
+        let replay_endpoint =
+            string("replay_endpoint")?.map(|s| bind_addr("replay_endpoint", s)).transpose()?;
+        Ok(Some(KvEventsConfig {
+            endpoint,
+            replay_endpoint,
+            topic: string("topic")?.unwrap_or("").to_owned(),
+            buffer_steps: count("buffer_steps", 10_000)?,
+            hwm: count("hwm", 100_000)?,
+            max_queue_size: count("max_queue_size", 100_000)?,
+        }))
+    }
+}
+
+/// Subscribers served at once; more are refused (their connection closed).
+pub const SUBSCRIBERS_MAX: usize = 64;
+
+/// A read or write on a subscriber's connection that takes longer ends it.
+const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What a publisher has done, for the worker's metrics.
+#[derive(Debug, Default)]
+pub struct PublisherStats {
+    /// Batches sent (numbered 0, 1, ...).
+    pub batches_published: AtomicU64,
+    /// Batches dropped before numbering: the publishing thread's queue was full.
+    pub batches_dropped: AtomicU64,
+    /// Batches a subscriber did not get: its queue was full, or it was cut off for blocking a write.
+    pub subscriber_batches_dropped: AtomicU64,
+    /// Subscribers connected now.
+    pub subscribers: AtomicUsize,
+}
+
+/// One subscriber's queue and subscriptions.
+struct Subscriber {
+    queue: Sender<Arc<(u64, Vec<u8>)>>,
+    prefixes: Arc<Mutex<Vec<Vec<u8>>>>,
+    /// Cleared when its connection ends.
+    alive: Arc<std::sync::atomic::AtomicBool>,
+}
+
+type Ring = Arc<Mutex<VecDeque<Arc<(u64, Vec<u8>)>>>>;
+
+/// A running publisher (see the crate docs). Dropping it stops the publishing thread; the listening
+/// threads stay until the process ends.
+#[derive(Debug)]
+pub struct Publisher {
+    batches: Sender<(f64, Vec<KvEvent>)>,
+    stats: Arc<PublisherStats>,
+    pub_addr: SocketAddr,
+    replay_addr: Option<SocketAddr>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Publisher {
+    /// Binds the sockets and starts the publishing thread.
+    pub fn start(cfg: &KvEventsConfig) -> io::Result<Publisher> {
+        let stats = Arc::new(PublisherStats::default());
+        let listener = TcpListener::bind(cfg.endpoint)?;
+        let pub_addr = listener.local_addr()?;
+        let ring: Ring = Arc::new(Mutex::new(VecDeque::with_capacity(cfg.buffer_steps.min(1 << 16))));
+        let subscribers: Arc<Mutex<Vec<Subscriber>>> = Arc::default();
+        let replay_addr = match cfg.replay_endpoint {
+            Some(a) => {
+                let l = TcpListener::bind(a)?;
+                let addr = l.local_addr()?;
+                let ring = Arc::clone(&ring);
+                std::thread::Builder::new()
+                    .name("kv-events-replay".into())
+                    .spawn(move || serve_replay(l, ring))?;
+                Some(addr)
+            }
+            None => None,
+        };
+        {
+            let (subscribers, stats, hwm) = (Arc::clone(&subscribers), Arc::clone(&stats), cfg.hwm);
+            let topic = cfg.topic.clone().into_bytes();
+            std::thread::Builder::new()
+                .name("kv-events-accept".into())
+                .spawn(move || accept_subscribers(listener, subscribers, stats, hwm, topic))?;
+        }
+        let (batches, rx) = crossbeam_channel::bounded(cfg.max_queue_size);
+        {
+            let (stats, topic, keep) = (Arc::clone(&stats), cfg.topic.clone().into_bytes(), cfg.buffer_steps);
+            std::thread::Builder::new()
+                .name("kv-events".into())
+                .spawn(move || publish_loop(&rx, &topic, &ring, keep, &subscribers, &stats))?;
+        }
+        Ok(Publisher { batches, stats, pub_addr, replay_addr })
+    }
+
+    /// Queues `events` as one batch (stamped now); `false` if the queue was full and it was dropped.
+    /// Never waits.
+    pub fn publish(&self, events: Vec<KvEvent>) -> bool {
+        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        match self.batches.try_send((ts, events)) {
+            Ok(()) => true,
+            Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) => {
+                self.stats.batches_dropped.fetch_add(1, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    pub fn stats(&self) -> &PublisherStats {
+        &self.stats
+    }
+
+    /// Where the PUB socket listens.
+    pub fn pub_addr(&self) -> SocketAddr {
+        self.pub_addr
+    }
+
+    /// Where the replay socket listens.
+    pub fn replay_addr(&self) -> Option<SocketAddr> {
+        self.replay_addr
+    }
+}
+
+fn publish_loop(
+    rx: &Receiver<(f64, Vec<KvEvent>)>,
+    topic: &[u8],
+    ring: &Ring,
+    keep: usize,
+    subscribers: &Mutex<Vec<Subscriber>>,
+    stats: &PublisherStats,
+) {
+    let mut seq = 0u64;
+    // Ends when the publisher is dropped.
+    for (ts, events) in rx {
+        let batch = Arc::new((seq, encode_batch(ts, &events, 0)));
+        seq += 1;
+        {
+            let mut r = lock(ring);
+            if r.len() >= keep {
+                r.pop_front();
+            }
+            r.push_back(Arc::clone(&batch));
+        }
+        let mut subs = lock(subscribers);
+        subs.retain(|s| {
+            if !s.alive.load(Ordering::Relaxed) {
+                return false;
+            }
+            // ZMQ's PUB filters by the topic's prefix; what no subscription wants is not sent.
+            if !lock(&s.prefixes).iter().any(|p| topic.starts_with(p)) {
+                return true;
+            }
+            match s.queue.try_send(Arc::clone(&batch)) {
+                Ok(()) => true,
+                Err(TrySendError::Full(_)) => {
+                    stats.subscriber_batches_dropped.fetch_add(1, Ordering::Relaxed);
+                    true
+                }
+                Err(TrySendError::Disconnected(_)) => false,
+            }
+        });
+        stats.batches_published.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Accepts subscribers (up to [`SUBSCRIBERS_MAX`]), each served by a thread that writes its queue
+/// and one that reads its subscriptions.
+fn accept_subscribers(
+    listener: TcpListener,
+    subscribers: Arc<Mutex<Vec<Subscriber>>>,
+    stats: Arc<PublisherStats>,
+    hwm: usize,
+    topic: Vec<u8>,
+) {
+    for conn in listener.incoming() {
+        let Ok(stream) = conn else { continue };
+        if stats.subscribers.load(Ordering::Relaxed) >= SUBSCRIBERS_MAX {
+            continue; // dropped: closed
+        }
+        let (tx, rx) = crossbeam_channel::bounded(hwm);
+        let prefixes: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+        let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (p, a, st, t) = (Arc::clone(&prefixes), Arc::clone(&alive), Arc::clone(&stats), topic.clone());
+        stats.subscribers.fetch_add(1, Ordering::Relaxed);
+        let spawned = std::thread::Builder::new().name("kv-events-sub".into()).spawn(move || {
+            if let Err(e) = serve_subscriber(stream, &t, &rx, &p) {
+                if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut {
+                    // Cut off for blocking a write: what it had queued is lost.
+                    st.subscriber_batches_dropped.fetch_add(rx.len() as u64 + 1, Ordering::Relaxed);
+                }
+            }
+            a.store(false, Ordering::Relaxed);
+            st.subscribers.fetch_sub(1, Ordering::Relaxed);
+        });
+        if spawned.is_err() {
+            stats.subscribers.fetch_sub(1, Ordering::Relaxed);
+            continue;
+        }
+        lock(&subscribers).push(Subscriber { queue: tx, prefixes, alive });
+    }
+}
+
+/// One subscriber: the handshake, a reader thread keeping `prefixes` up to date, then its queue
+/// written out (`[topic, seq, payload]`) until the connection or the publisher ends.
+fn serve_subscriber(
+    mut stream: TcpStream,
+    topic: &[u8],
+    queue: &Receiver<Arc<(u64, Vec<u8>)>>,
+    prefixes: &Arc<Mutex<Vec<Vec<u8>>>>,
+) -> io::Result<()> {
+    stream.set_read_timeout(Some(IO_TIMEOUT))?;
+    stream.set_write_timeout(Some(IO_TIMEOUT))?;
+    stream.set_nodelay(true)?;
+    zmtp::handshake(&mut stream, "PUB")?;
+    let mut reader = stream.try_clone()?;
+    // Subscriptions may come at any time: the reader waits as long as the connection lives.
+    reader.set_read_timeout(None)?;
+    let (p, closer) = (Arc::clone(prefixes), stream.try_clone()?);
+    let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let g = Arc::clone(&gone);
+    std::thread::Builder::new().name("kv-events-sub-read".into()).spawn(move || {
+        while let Ok(m) = zmtp::read(&mut reader) {
+            if let Some((on, t)) = zmtp::subscription(&m) {
+                let mut list = lock(&p);
+                if on {
+                    list.push(t);
+                } else if let Some(i) = list.iter().position(|x| *x == t) {
+                    list.swap_remove(i);
+                }
+            }
+        }
+        g.store(true, Ordering::Relaxed);
+        let _ = closer.shutdown(std::net::Shutdown::Both);
+    })?;
+    loop {
+        if gone.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        match queue.recv_timeout(Duration::from_millis(500)) {
+            Ok(batch) => {
+                let seq = batch.0.to_be_bytes();
+                zmtp::write_message(&mut stream, &[topic, &seq, &batch.1])?;
+            }
+            Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return Ok(()),
+        }
+    }
+}
+
+/// The end of a replay: sequence -1 and an empty payload.
+const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
+
+/// Answers replay requests: a message whose last frame is a start sequence (8 bytes, big-endian)
+/// gets every buffered batch from it on as `["", seq, payload]`, then `["", -1, ""]` (the empty
+/// first frame is the delimiter a REQ client expects; a DEALER sends and gets it too).
+fn serve_replay(listener: TcpListener, ring: Ring) {
+    let open = Arc::new(AtomicUsize::new(0));
+    for conn in listener.incoming() {
+        let Ok(mut stream) = conn else { continue };
+        if open.load(Ordering::Relaxed) >= SUBSCRIBERS_MAX {
+            continue;
+        }
+        open.fetch_add(1, Ordering::Relaxed);
+        let (ring, open2) = (Arc::clone(&ring), Arc::clone(&open));
+        let spawned = std::thread::Builder::new().name("kv-events-replay-conn".into()).spawn(move || {
+            let _ = (|| -> io::Result<()> {
+                stream.set_read_timeout(Some(IO_TIMEOUT))?;
+                stream.set_write_timeout(Some(IO_TIMEOUT))?;
+                zmtp::handshake(&mut stream, "ROUTER")?;
+                // A client may ask again and again; an idle one waits up to a minute.
+                stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+                loop {
+                    let zmtp::Incoming::Message(frames) = zmtp::read(&mut stream)? else { continue };
+                    let Some(start) = frames.last().and_then(|f| <[u8; 8]>::try_from(f.as_slice()).ok())
+                    else {
+                        continue; // not a replay request
+                    };
+                    let start = u64::from_be_bytes(start);
+                    let batches: Vec<_> = lock(&ring).iter().filter(|b| b.0 >= start).cloned().collect();
+                    for b in batches {
+                        zmtp::write_message(&mut stream, &[b"", &b.0.to_be_bytes(), &b.1])?;
+                    }
+                    zmtp::write_message(&mut stream, &[b"", &END_SEQ, b""])?;
+                }
+            })();
+            open2.fetch_sub(1, Ordering::Relaxed);
+        });
+        if spawned.is_err() {
+            open.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// The README's examples, compiled and run as doc tests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -1,0 +1,175 @@
+//! A real ZMQ subscriber (pyzmq, libzmq inside) reading a publisher's batches and decoding them with
+//! msgspec in vLLM's event schema, field by field; its replay socket asked for what it missed.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use pdserve_kv_events::{KvEvent, KvEventsConfig, Publisher};
+use serde_json::Value;
+
+/// The subscriber script, talking JSON lines.
+pub struct Subscriber {
+    child: Child,
+    stdin: ChildStdin,
+    lines: mpsc::Receiver<Value>,
+}
+
+impl Subscriber {
+    pub fn start(pub_addr: &str, replay_addr: &str, prefix: &str) -> Subscriber {
+        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/vllm_subscriber.py");
+        let mut child = Command::new(python)
+            .args([script, pub_addr, replay_addr, prefix])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 with pyzmq and msgspec (cargo xtask test's venv has them)");
+        let stdin = child.stdin.take().unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(serde_json::from_str(&l).unwrap_or(Value::String(l)));
+            }
+        });
+        let s = Subscriber { child, stdin, lines };
+        assert_eq!(s.next(Duration::from_secs(30))["subscribed"], true, "the subscriber did not start");
+        s
+    }
+
+    pub fn next(&self, within: Duration) -> Value {
+        self.lines.recv_timeout(within).expect("a line from the subscriber")
+    }
+
+    pub fn send(&mut self, cmd: &str) {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+    }
+}
+
+impl Drop for Subscriber {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.child.wait();
+    }
+}
+
+/// Publishes `AllBlocksCleared` every 50 ms until the subscriber has one (its subscription is then in
+/// place: ZMQ's PUB drops what comes before), then says which sequence it got.
+fn until_subscribed(p: &Publisher, s: &Subscriber) -> u64 {
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        p.publish(vec![KvEvent::AllBlocksCleared]);
+        if let Ok(v) = s.lines.recv_timeout(Duration::from_millis(50)) {
+            assert!(v["decode_error"].is_null(), "{v}");
+            return v["seq"].as_u64().unwrap();
+        }
+        assert!(Instant::now() < until, "no batch reached the subscriber in 30 s");
+    }
+}
+
+#[test]
+fn a_libzmq_subscriber_decodes_the_events_in_vllm_schema_and_replays() {
+    let cfg = KvEventsConfig::parse(
+        r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
+            "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv@pod-7@smol", "buffer_steps": 1000}"#,
+    )
+    .unwrap()
+    .unwrap();
+    let p = Publisher::start(&cfg).unwrap();
+    let (pub_addr, replay_addr) = (p.pub_addr().to_string(), p.replay_addr().unwrap().to_string());
+    let mut s = Subscriber::start(&pub_addr, &replay_addr, "kv@");
+    let first = until_subscribed(&p, &s);
+    while s.lines.recv_timeout(Duration::from_millis(200)).is_ok() {} // probes still in flight
+    let tokens: Vec<u32> = (100..132).collect();
+    p.publish(vec![
+        KvEvent::stored(vec![u64::MAX - 1, 7], None, tokens.clone(), 16),
+        KvEvent::stored(vec![9], Some(7), (500..516).collect(), 16),
+    ]);
+    p.publish(vec![KvEvent::removed(vec![9, 7]), KvEvent::AllBlocksCleared]);
+    let a = s.next(Duration::from_secs(10));
+    let b = s.next(Duration::from_secs(10));
+    assert_eq!(b["seq"].as_u64(), a["seq"].as_u64().map(|x| x + 1), "consecutive sequence numbers");
+    assert_eq!((a["topic"].as_str(), a["rank"].as_u64()), (Some("kv@pod-7@smol"), Some(0)));
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs_f64();
+    assert!((a["ts"].as_f64().unwrap() - now).abs() < 60.0);
+    let e = &a["events"][0];
+    assert_eq!(e["type"], "BlockStored");
+    assert_eq!(e["block_hashes"], serde_json::json!([u64::MAX - 1, 7]));
+    assert!(e["parent_block_hash"].is_null());
+    assert_eq!(e["token_ids"], serde_json::json!(tokens));
+    assert_eq!((e["block_size"].as_u64(), e["medium"].as_str()), (Some(16), Some("GPU")));
+    assert!(e["lora_id"].is_null() && e["lora_name"].is_null() && e["group_idx"].is_null());
+    assert_eq!(
+        (a["events"][1]["parent_block_hash"].as_u64(), a["events"][1]["block_hashes"][0].as_u64()),
+        (Some(7), Some(9))
+    );
+    assert_eq!(b["events"][0]["type"], "BlockRemoved");
+    assert_eq!(b["events"][0]["block_hashes"], serde_json::json!([9, 7]));
+    assert_eq!(b["events"][1]["type"], "AllBlocksCleared");
+    // Replay from the first probe the subscriber saw: every batch since, in order, then the end.
+    s.send(&format!("replay {first}"));
+    let mut seqs = Vec::new();
+    loop {
+        let v = s.next(Duration::from_secs(10));
+        if v["replay_end"] == true {
+            break;
+        }
+        assert_eq!(v["replay"], true, "{v}");
+        seqs.push(v["seq"].as_u64().unwrap());
+    }
+    let last = b["seq"].as_u64().unwrap();
+    assert_eq!(seqs, (first..=last).collect::<Vec<_>>());
+    // A subscriber to another topic gets nothing; the publisher never waited on anyone.
+    let other = Subscriber::start(&pub_addr, &replay_addr, "other");
+    for _ in 0..5 {
+        p.publish(vec![KvEvent::AllBlocksCleared]);
+    }
+    assert!(
+        other.lines.recv_timeout(Duration::from_millis(500)).is_err(),
+        "a batch for another topic arrived"
+    );
+    assert_eq!(p.stats().batches_dropped.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+/// A queue that overflows drops batches (counted), and `publish` never blocks.
+#[test]
+fn a_full_queue_drops_and_counts() {
+    let cfg = KvEventsConfig::parse(
+        r#"{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "max_queue_size": 1}"#,
+    )
+    .unwrap()
+    .unwrap();
+    let p = Publisher::start(&cfg).unwrap();
+    let t = Instant::now();
+    let sent = (0..10_000).filter(|_| p.publish(vec![KvEvent::AllBlocksCleared])).count();
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let dropped = p.stats().batches_dropped.load(std::sync::atomic::Ordering::Relaxed) as usize;
+    assert_eq!(sent + dropped, 10_000);
+}
+
+#[test]
+fn the_config_is_vllms_and_mistakes_are_named() {
+    assert_eq!(KvEventsConfig::parse("{}").unwrap(), None);
+    assert_eq!(
+        KvEventsConfig::parse(r#"{"enable_kv_cache_events": true, "publisher": "null"}"#).unwrap(),
+        None
+    );
+    let c = KvEventsConfig::parse(r#"{"enable_kv_cache_events": true}"#).unwrap().unwrap();
+    assert_eq!(
+        (c.endpoint.to_string(), c.replay_endpoint, c.topic.as_str()),
+        ("0.0.0.0:5557".into(), None, "")
+    );
+    for (bad, says) in [
+        (r#"{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/x"}"#, "tcp://"),
+        (r#"{"enable_kv_cache_events": true, "publisher": "kafka"}"#, "zmq or null"),
+        (r#"{"enable_kv_cache_events": "yes"}"#, "true or false"),
+        (r#"{"enable_kv_cache_events": true, "hwm": -1}"#, "positive integer"),
+        (r#"{"enable_kv_cache_events": true, "topics": "x"}"#, "unknown key"),
+    ] {
+        let e = KvEventsConfig::parse(bad).unwrap_err();
+        assert!(e.contains(says), "{bad}: {e}");
+    }
+}
