@@ -102,6 +102,9 @@ pub struct EngineConfig {
     /// may take to compile (`--grammar-compile-timeout-s`); past it the request is a 400. Compiles
     /// run beside the text thread, so a slow one delays only its own request.
     pub grammar_compile_timeout: Duration,
+    /// Publish the prefix cache's changes as vLLM's KV events (`--kv-events-config`, vLLM's flag and
+    /// JSON): ZMQ PUB and replay sockets, see `pdserve_kv_events`.
+    pub kv_events: Option<pdserve_kv_events::KvEventsConfig>,
     /// Test hook (`--test-corrupt-kv N`): the first KV block received after this worker's Nth pull
     /// starts (from 1; 0: none) has one bit flipped before it is stored and checked, as a faulty link
     /// or a stray write would (the checksum catches it; the router computes the prompt again).
@@ -153,6 +156,7 @@ impl EngineConfig {
             reasoning_format: None,
             speculative: crate::Speculative::prompt_lookup(8),
             grammar_compile_timeout: Duration::from_secs(10),
+            kv_events: None,
             test_corrupt_kv_pull: 0,
             test_transfer_faults: pdserve_pd_transfer::SenderFaults::default(),
         }

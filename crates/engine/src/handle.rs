@@ -217,8 +217,15 @@ impl Engine {
         // The CPU backend's step may run on any thread; a GPU step stays on the thread whose CUDA
         // context its launches use.
         let step_thread = config.device == Device::Cpu;
-        let thread =
+        let mut thread =
             EngineThread::new(worker, cmd_rx, reply_tx, Arc::clone(&shared), metrics.clone(), step_thread);
+        if let Some(cfg) = &config.kv_events {
+            let p = pdserve_kv_events::Publisher::start(cfg).map_err(|e| EngineError::Config {
+                field: "kv_events (--kv-events-config)",
+                value: format!("binding {} or its replay endpoint: {e}", cfg.endpoint),
+            })?;
+            thread = thread.with_kv_events(p);
+        }
         let engine_thread = std::thread::Builder::new().name("engine".into()).spawn(move || thread.run())?;
         let codec = Arc::new(files.text);
         let live = Arc::new(Mutex::new(Streams::default()));

@@ -60,6 +60,7 @@ pub use handle::{Aborted, Engine, Health};
 pub use info::EngineInfo;
 pub use load::{default_transport, TransportSpec};
 pub use pdserve_chat_template::{Piece, ReasoningFormat, ReasoningParser, ToolCallParser, ToolFormat};
+pub use pdserve_kv_events::KvEventsConfig;
 pub use pdserve_pd_transfer::transport::shm::valid_scope as valid_shm_scope;
 pub use pdserve_scheduler::{AdmissionOrder, SchedulerConfig};
 pub use request::{Finish, Id, Input, Output, PanicSite, Request, Timings};

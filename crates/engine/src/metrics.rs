@@ -33,6 +33,8 @@ pub(crate) struct Metrics {
     pub draft_tokens: Counter,
     pub draft_accepted: Counter,
     pub grammar_compile: LatencyHistogram,
+    pub kv_event_batches: CounterVec,
+    pub kv_event_subscribers: Gauge,
 }
 
 impl Metrics {
@@ -143,6 +145,16 @@ impl Metrics {
                 "Compiling a request's output constraint (schema, regex, grammar, forced tool call), on \
                  the compiling threads; those past the compile timeout are not observed.",
                 Buckets::latency_seconds(),
+            )?,
+            kv_event_batches: r.counter_vec(
+                "kv_event_batches_total",
+                "KV event batches (--kv-events-config): published, dropped (the publisher's queue was \
+                 full), subscriber_dropped (a subscriber's queue was full or it blocked a write).",
+                &["result"],
+            )?,
+            kv_event_subscribers: r.gauge(
+                "kv_event_subscriber_connections",
+                "Subscribers connected to the KV event publisher.",
             )?,
             registry: r,
         })

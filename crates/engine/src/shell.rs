@@ -295,7 +295,13 @@ pub(crate) struct EngineThread {
     told: CoreStats,
     told_transfers: EndpointStats,
     told_preemptions: u64,
+    /// Where the prefix cache's changes go (`EngineConfig::kv_events`).
+    kv_events: Option<pdserve_kv_events::Publisher>,
 }
+
+/// Prefix-cache changes the KV cache keeps between two turns of the engine thread at most (a turn
+/// stores a step's blocks: thousands at most).
+pub(crate) const KV_EVENTS_PER_TURN_MAX: usize = 1 << 20;
 
 impl EngineThread {
     pub(crate) fn new(
@@ -318,7 +324,50 @@ impl EngineThread {
             told: CoreStats::default(),
             told_transfers: EndpointStats::default(),
             told_preemptions: 0,
+            kv_events: None,
         }
+    }
+
+    /// Publishes the prefix cache's changes through `p`, starting with `AllBlocksCleared` (a
+    /// subscriber that knew this worker's earlier process forgets its blocks).
+    pub(crate) fn with_kv_events(mut self, p: pdserve_kv_events::Publisher) -> EngineThread {
+        self.worker.core.record_kv_events(KV_EVENTS_PER_TURN_MAX);
+        p.publish(vec![pdserve_kv_events::KvEvent::AllBlocksCleared]);
+        self.kv_events = Some(p);
+        self
+    }
+
+    /// The turn's prefix-cache changes as one batch of vLLM's events.
+    fn publish_kv_events(&mut self) {
+        let Some(p) = self.kv_events.as_ref() else { return };
+        let changes = self.worker.core.take_kv_events();
+        if !changes.is_empty() {
+            let block_size = self.worker.core.kv().block_size() as u32;
+            let events = changes
+                .into_iter()
+                .map(|c| match c {
+                    pdserve_kvcache::CacheEvent::Stored { hash, parent, tokens } => {
+                        pdserve_kv_events::KvEvent::stored(vec![hash], parent, tokens, block_size)
+                    }
+                    pdserve_kvcache::CacheEvent::Removed { hash } => {
+                        pdserve_kv_events::KvEvent::removed(vec![hash])
+                    }
+                })
+                .collect();
+            p.publish(pdserve_kv_events::coalesce(events));
+        }
+        let st = p.stats();
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+        for (result, total) in [
+            ("published", load(&st.batches_published)),
+            ("dropped", load(&st.batches_dropped)),
+            ("subscriber_dropped", load(&st.subscriber_batches_dropped)),
+        ] {
+            if let Ok(c) = self.metrics.kv_event_batches.with(&[result]) {
+                c.add(total.saturating_sub(c.get()));
+            }
+        }
+        self.metrics.kv_event_subscribers.set(st.subscribers.load(Ordering::Relaxed) as f64);
     }
 
     /// Runs until the text thread drops its command sender.
@@ -555,6 +604,7 @@ impl EngineThread {
             .evicted_blocks
             .add(kv.evicted_blocks_total.saturating_sub(self.metrics.evicted_blocks.get()));
         self.tell_core_stats();
+        self.publish_kv_events();
         if let Some(ep) = self.worker.endpoint.as_ref() {
             self.shared.transfers.store(ep.len(), Ordering::Relaxed);
             self.metrics.transfers_in_flight.set(ep.len() as f64);

@@ -379,11 +379,9 @@ fn publish_loop(
     subscribers: &Mutex<Vec<Subscriber>>,
     stats: &PublisherStats,
 ) {
-    let mut seq = 0u64;
     // Ends when the publisher is dropped.
-    for (ts, events) in rx {
+    for (seq, (ts, events)) in (0u64..).zip(rx) {
         let batch = Arc::new((seq, encode_batch(ts, &events, 0)));
-        seq += 1;
         {
             let mut r = lock(ring);
             if r.len() >= keep {

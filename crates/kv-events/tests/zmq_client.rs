@@ -1,60 +1,12 @@
 //! A real ZMQ subscriber (pyzmq, libzmq inside) reading a publisher's batches and decoding them with
 //! msgspec in vLLM's event schema, field by field; its replay socket asked for what it missed.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc;
+mod subscriber;
+
 use std::time::{Duration, Instant};
 
 use pdserve_kv_events::{KvEvent, KvEventsConfig, Publisher};
-use serde_json::Value;
-
-/// The subscriber script, talking JSON lines.
-pub struct Subscriber {
-    child: Child,
-    stdin: ChildStdin,
-    lines: mpsc::Receiver<Value>,
-}
-
-impl Subscriber {
-    pub fn start(pub_addr: &str, replay_addr: &str, prefix: &str) -> Subscriber {
-        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/vllm_subscriber.py");
-        let mut child = Command::new(python)
-            .args([script, pub_addr, replay_addr, prefix])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python3 with pyzmq and msgspec (cargo xtask test's venv has them)");
-        let stdin = child.stdin.take().unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(serde_json::from_str(&l).unwrap_or(Value::String(l)));
-            }
-        });
-        let s = Subscriber { child, stdin, lines };
-        assert_eq!(s.next(Duration::from_secs(30))["subscribed"], true, "the subscriber did not start");
-        s
-    }
-
-    pub fn next(&self, within: Duration) -> Value {
-        self.lines.recv_timeout(within).expect("a line from the subscriber")
-    }
-
-    pub fn send(&mut self, cmd: &str) {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        self.stdin.flush().unwrap();
-    }
-}
-
-impl Drop for Subscriber {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "quit");
-        let _ = self.child.wait();
-    }
-}
+use subscriber::Subscriber;
 
 /// Publishes `AllBlocksCleared` every 50 ms until the subscriber has one (its subscription is then in
 /// place: ZMQ's PUB drops what comes before), then says which sequence it got.
@@ -62,7 +14,7 @@ fn until_subscribed(p: &Publisher, s: &Subscriber) -> u64 {
     let until = Instant::now() + Duration::from_secs(30);
     loop {
         p.publish(vec![KvEvent::AllBlocksCleared]);
-        if let Ok(v) = s.lines.recv_timeout(Duration::from_millis(50)) {
+        if let Some(v) = s.try_next(Duration::from_millis(50)) {
             assert!(v["decode_error"].is_null(), "{v}");
             return v["seq"].as_u64().unwrap();
         }
@@ -82,7 +34,7 @@ fn a_libzmq_subscriber_decodes_the_events_in_vllm_schema_and_replays() {
     let (pub_addr, replay_addr) = (p.pub_addr().to_string(), p.replay_addr().unwrap().to_string());
     let mut s = Subscriber::start(&pub_addr, &replay_addr, "kv@");
     let first = until_subscribed(&p, &s);
-    while s.lines.recv_timeout(Duration::from_millis(200)).is_ok() {} // probes still in flight
+    while s.try_next(Duration::from_millis(200)).is_some() {} // probes still in flight
     let tokens: Vec<u32> = (100..132).collect();
     p.publish(vec![
         KvEvent::stored(vec![u64::MAX - 1, 7], None, tokens.clone(), 16),
@@ -127,10 +79,7 @@ fn a_libzmq_subscriber_decodes_the_events_in_vllm_schema_and_replays() {
     for _ in 0..5 {
         p.publish(vec![KvEvent::AllBlocksCleared]);
     }
-    assert!(
-        other.lines.recv_timeout(Duration::from_millis(500)).is_err(),
-        "a batch for another topic arrived"
-    );
+    assert!(other.try_next(Duration::from_millis(500)).is_none(), "a batch for another topic arrived");
     assert_eq!(p.stats().batches_dropped.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
 

@@ -154,11 +154,17 @@ fn events_follow_every_block_the_cache_gains_and_loses() {
     // Shares the first block: only the new one is stored, under the shared one.
     run(&mut kv, 2, &[1, 2, 3, 4, 9, 9, 9, 9, 0]);
     let e = kv.take_events();
-    assert!(matches!(&e[..], [CacheEvent::Stored { parent: Some(p), tokens, .. }] if p == a && tokens == &[9, 9, 9, 9]), "{e:?}");
+    assert!(
+        matches!(&e[..], [CacheEvent::Stored { parent: Some(p), tokens, .. }] if p == a && tokens == &[9, 9, 9, 9]),
+        "{e:?}"
+    );
     // A prompt needing every block evicts the cached ones, leaves first: each eviction is announced.
     run(&mut kv, 3, &(100..116).collect::<Vec<_>>());
-    let removed: Vec<u64> =
-        kv.take_events().iter().filter_map(|e| if let CacheEvent::Removed { hash } = e { Some(*hash) } else { None }).collect();
+    let removed: Vec<u64> = kv
+        .take_events()
+        .iter()
+        .filter_map(|e| if let CacheEvent::Removed { hash } = e { Some(*hash) } else { None })
+        .collect();
     assert_eq!(removed.len(), 3);
     assert!(removed.contains(a) && removed.contains(b), "{removed:?}");
     assert_eq!(kv.events_dropped(), 0);

@@ -76,6 +76,9 @@ pdserve-server [options]
   --keep-alive-timeout-s S how long an idle client connection stays open (default 60)
   --kv-transfer-timeout-s S decode role: how long a request's KV may take to arrive once pulled (default
                            120); past it the request ends as timed out in kv_transfer, both sides freed
+  --kv-events-config JSON  vLLM's KV events, e.g. {\"enable_kv_cache_events\": true, \"publisher\": \"zmq\",
+                           \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\"}
+                           (ZMQ PUB and replay sockets, msgpack in vLLM's schema)
   --grammar-compile-timeout-s S how long a request's schema, regex or grammar may take to compile (default
                            10); past it the request is a 400 (compiles never hold up other requests)
   --exit-on-stdin-eof      stop gracefully when standard input closes (for supervisors and tests)
@@ -146,6 +149,7 @@ const VALUED: &[&str] = &[
     "--test-drop-done",
     "--kv-transfer-timeout-s",
     "--grammar-compile-timeout-s",
+    "--kv-events-config",
     "--api-key",
     "--cluster-secret-file",
     "--device",
@@ -265,6 +269,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--keep-alive-timeout-s" => c.http.idle_timeout = secs()?,
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--grammar-compile-timeout-s" => e.grammar_compile_timeout = secs()?,
+            "--kv-events-config" => e.kv_events = pdserve_engine::KvEventsConfig::parse(&v)?,
             "--test-corrupt-kv" => e.test_corrupt_kv_pull = n()? as u32,
             "--test-stall-transfer" => e.test_transfer_faults.stall_from = Some(n()?),
             "--test-drop-done" => e.test_transfer_faults.drop_done_from = Some(n()?),

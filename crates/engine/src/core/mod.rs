@@ -387,6 +387,17 @@ impl EngineCore {
         self.sched.kv()
     }
 
+    /// Has the KV cache record what its prefix cache gains and loses (`take_kv_events`), `max` at
+    /// most between takes.
+    pub fn record_kv_events(&mut self, max: usize) {
+        self.sched.kv_mut().record_events(max);
+    }
+
+    /// The prefix cache's changes since the last call, in order.
+    pub fn take_kv_events(&mut self) -> Vec<pdserve_kvcache::CacheEvent> {
+        self.sched.kv_mut().take_events()
+    }
+
     pub fn scheduler_stats(&self) -> SchedulerStats {
         self.sched.stats()
     }

@@ -1,0 +1,171 @@
+//! A worker's KV events (`--kv-events-config`, vLLM's flag) read by a real ZMQ subscriber that
+//! decodes them in vLLM's schema: the blocks a prompt stores carry exactly its tokens (fleet routers
+//! recompute their keys from them), a prefix hit stores nothing again, evictions remove what was
+//! stored, and a restarted worker starts over with `AllBlocksCleared`, which a replay recovers.
+
+mod common;
+#[path = "../../kv-events/tests/subscriber/mod.rs"]
+mod subscriber;
+
+use std::time::{Duration, Instant};
+
+use common::{metric, Worker};
+use serde_json::{json, Value};
+use subscriber::Subscriber;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn start(port: u16, pub_port: u16, replay_port: u16) -> Worker {
+    let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
+        "endpoint": format!("tcp://127.0.0.1:{pub_port}"), "replay_endpoint": format!("tcp://127.0.0.1:{replay_port}"),
+        "topic": "kv@worker-0@smol"})
+    .to_string();
+    let port = port.to_string();
+    // A small pool (64 blocks of 16 tokens), so a few prompts evict.
+    Worker::start(&["--port", &port, "--kv-blocks", "64", "--kv-events-config", &cfg, "--speculative", "off"])
+}
+
+fn complete(w: &Worker, prompt: &str) {
+    let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0}).to_string();
+    let (s, v) = w.json("POST", "/v1/completions", &body);
+    assert_eq!(s, 200, "{v}");
+}
+
+fn tokens(w: &Worker, text: &str) -> Vec<u64> {
+    let (s, v) = w.json("POST", "/tokenize", &json!({"prompt": text}).to_string());
+    assert_eq!(s, 200, "{v}");
+    v["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect()
+}
+
+/// Every batch the subscriber prints within `quiet` of the last one.
+fn drain(s: &Subscriber, quiet: Duration) -> Vec<Value> {
+    let mut out = Vec::new();
+    while let Some(v) = s.try_next(quiet) {
+        assert!(v["decode_error"].is_null(), "{v}");
+        out.push(v);
+    }
+    out
+}
+
+fn events(batches: &[Value]) -> Vec<Value> {
+    batches.iter().flat_map(|b| b["events"].as_array().cloned().unwrap_or_default()).collect()
+}
+
+fn prose(i: usize) -> String {
+    format!(
+        "Document {i}: {}",
+        (0..30).map(|k| format!("w{}x{}", i * 7919 + k, k % 13)).collect::<Vec<_>>().join(" ")
+    )
+}
+
+#[test]
+fn a_zmq_subscriber_follows_a_workers_prefix_cache_in_vllm_schema() {
+    let (port, pub_port, replay_port) = (free_port(), free_port(), free_port());
+    let w = start(port, pub_port, replay_port);
+    let s = Subscriber::start(
+        &format!("127.0.0.1:{pub_port}"),
+        &format!("127.0.0.1:{replay_port}"),
+        "kv@worker-0",
+    );
+    // Prompts until a batch arrives: the subscription is in place (ZMQ drops what comes before).
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut warm = 0;
+    loop {
+        complete(&w, &prose(1000 + warm));
+        warm += 1;
+        if s.try_next(Duration::from_millis(300)).is_some() {
+            break;
+        }
+        assert!(Instant::now() < until, "no batch reached the subscriber");
+    }
+    drain(&s, Duration::from_millis(500));
+
+    // A prompt's blocks: stored in order, chained, each exactly 16 of its tokens.
+    let text = prose(1);
+    let ids = tokens(&w, &text);
+    complete(&w, &text);
+    let batches = drain(&s, Duration::from_millis(500));
+    assert!(batches.iter().all(|b| b["topic"] == "kv@worker-0@smol" && b["rank"] == 0), "{batches:?}");
+    let seqs: Vec<u64> = batches.iter().map(|b| b["seq"].as_u64().unwrap()).collect();
+    assert!(seqs.windows(2).all(|p| p[1] == p[0] + 1), "{seqs:?}");
+    let stored: Vec<Value> = events(&batches).into_iter().filter(|e| e["type"] == "BlockStored").collect();
+    assert!(!stored.is_empty(), "{batches:?}");
+    let first = &stored[0];
+    assert!(first["parent_block_hash"].is_null(), "the prompt's first block has no parent: {first}");
+    let mut got: Vec<u64> = Vec::new();
+    let mut hashes: Vec<u64> = Vec::new();
+    for e in &stored {
+        assert_eq!((e["block_size"].as_u64(), e["medium"].as_str()), (Some(16), Some("GPU")));
+        let h: Vec<u64> = e["block_hashes"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        let t: Vec<u64> = e["token_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect();
+        assert_eq!(t.len(), 16 * h.len());
+        if let Some(p) = e["parent_block_hash"].as_u64() {
+            assert_eq!(Some(&p), hashes.last(), "each store continues the one before");
+        }
+        hashes.extend(h);
+        got.extend(t);
+    }
+    let full = ids.len() / 16 * 16;
+    assert_eq!(got[..full], ids[..full], "the stored blocks hold the prompt's tokens, in order");
+
+    // The same prompt again: a prefix hit; none of its blocks is stored again.
+    let hits = metric(&w, "vllm:prefix_cache_hits_total{model_name=\"SmolLM2-135M-Instruct\",engine=\"0\"}");
+    complete(&w, &text);
+    let again = events(&drain(&s, Duration::from_millis(500)));
+    let restored: Vec<u64> = again
+        .iter()
+        .filter(|e| e["type"] == "BlockStored")
+        .flat_map(|e| {
+            e["block_hashes"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(restored.iter().all(|h| !hashes.contains(h)), "a cached block was stored again: {again:?}");
+    assert!(
+        metric(&w, "vllm:prefix_cache_hits_total{model_name=\"SmolLM2-135M-Instruct\",engine=\"0\"}") > hits
+    );
+
+    // More prompts than the pool holds: the first prompt's blocks are evicted, each one announced.
+    let mut removed: Vec<u64> = Vec::new();
+    for i in 2..12 {
+        complete(&w, &prose(i));
+        for e in events(&drain(&s, Duration::from_millis(300))) {
+            if e["type"] == "BlockRemoved" {
+                assert_eq!(e["medium"], "GPU");
+                removed.extend(e["block_hashes"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()));
+            }
+        }
+    }
+    assert!(
+        hashes.iter().all(|h| removed.contains(h)),
+        "evicted blocks not all announced: {hashes:?} vs {removed:?}"
+    );
+    assert!(metric(&w, "kv_event_batches_total{result=\"published\"}") > 0.0);
+    assert_eq!(metric(&w, "kv_event_batches_total{result=\"dropped\"}"), 0.0);
+    assert_eq!(metric(&w, "kv_event_subscriber_connections"), 1.0);
+
+    // A restart on the same ports: the new process numbers from 0, and its first batch clears
+    // everything. The subscriber reconnects by itself; a replay from 0 recovers what it missed.
+    drop(w);
+    let w = start(port, pub_port, replay_port);
+    complete(&w, &prose(50));
+    let after = drain(&s, Duration::from_millis(800));
+    if let Some(b) = after.first() {
+        assert!(b["seq"].as_u64().unwrap() < 5, "the new process numbers from 0: {b}");
+    }
+    let mut s = s;
+    s.send("replay 0");
+    let mut replayed = Vec::new();
+    loop {
+        let v = s.next(Duration::from_secs(10));
+        if v["replay_end"] == true {
+            break;
+        }
+        replayed.push(v);
+    }
+    assert_eq!(replayed[0]["seq"], 0);
+    assert_eq!(replayed[0]["events"], json!([{"type": "AllBlocksCleared"}]), "{:?}", replayed[0]);
+    assert!(events(&replayed).iter().any(|e| e["type"] == "BlockStored"), "{replayed:?}");
+    drop(w);
+}
