@@ -159,6 +159,19 @@ impl Engine {
         if let Ok(g) = metrics.kv_config.with(&[&bs, &nb]) {
             g.set(config.block_size as f64);
         }
+        // vLLM's name for the same, which endpoint pickers read by default.
+        let info = pdserve_telemetry::AliasSource::Constant(1.0);
+        let labels = [("block_size", bs.as_str()), ("num_gpu_blocks", nb.as_str())];
+        let help =
+            "The KV cache's configuration in its labels (kv_cache_block_size_tokens), as vLLM reports it.";
+        (metrics.registry.peer_alias(
+            "vllm:cache_config_info",
+            help,
+            pdserve_telemetry::MetricKind::Gauge,
+            &labels,
+            info,
+        ))
+        .map_err(EngineError::Metrics)?;
         let shared =
             Arc::new(Shared::new(now, RequestLedger::new(&config.process_name, config.ledger_capacity)));
         let bound = config.scheduler.queued_requests_max + config.scheduler.running_requests_max + 64;

@@ -274,6 +274,9 @@ pub enum AliasSource {
     /// Seconds since the Unix epoch at the scrape (an info gauge's value, as vLLM sets its
     /// `vllm:lora_requests_info`).
     UnixTime,
+    /// A fixed value (an info gauge whose labels are the information: vLLM's
+    /// `vllm:cache_config_info` is 1).
+    Constant(f64),
 }
 
 impl AliasSource {
@@ -441,6 +444,7 @@ impl Registry {
     /// An alias's value now.
     fn alias_value(&self, source: &AliasSource) -> f64 {
         match source {
+            AliasSource::Constant(v) => *v,
             AliasSource::UnixTime => std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64()),
