@@ -10,6 +10,8 @@ pub(crate) const HTTP_PORT: u16 = 8000;
 pub(crate) const TRANSFER_PORT: u16 = 8100;
 /// Where the image holds the default model (`deploy/Dockerfile`).
 pub(crate) const MODEL_DIR: &str = "/models/SmolLM2-135M-Instruct";
+/// The name it is served under (its folder's).
+pub(crate) const MODEL_NAME: &str = "SmolLM2-135M-Instruct";
 /// Where the cluster secret is mounted.
 pub(crate) const SECRET_FILE: &str = "/var/run/pdserve/secret/cluster-secret";
 /// The Secret's name (created by the operator: `deploy/README.md`).
@@ -64,11 +66,11 @@ pub(crate) fn pool_dns(p: &Params, role: &str) -> String {
     format!("{}.{}.svc.cluster.local.", pool_service(role), p.namespace)
 }
 
-fn labels(component: &str) -> Value {
+pub(crate) fn labels(component: &str) -> Value {
     json!({"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/component": component})
 }
 
-fn meta(p: &Params, name: &str, component: &str) -> Value {
+pub(crate) fn meta(p: &Params, name: &str, component: &str) -> Value {
     json!({"name": name, "namespace": p.namespace, "labels": labels(component)})
 }
 
@@ -123,7 +125,7 @@ pub(crate) fn command(p: &Params, component: &str) -> Vec<String> {
     c
 }
 
-fn deployment(p: &Params, component: &str, replicas: u32) -> Value {
+pub(crate) fn deployment(p: &Params, component: &str, replicas: u32) -> Value {
     let cmd = command(p, component);
     let worker = component != "router";
     let mut ports = vec![json!({"name": "http", "containerPort": HTTP_PORT})];
@@ -193,7 +195,7 @@ fn service(p: &Params, name: &str, component: &str, headless: bool) -> Value {
     json!({"apiVersion": "v1", "kind": "Service", "metadata": meta(p, name, component), "spec": spec})
 }
 
-fn disruption_budget(p: &Params, component: &str) -> Value {
+pub(crate) fn disruption_budget(p: &Params, component: &str) -> Value {
     json!({
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
