@@ -31,6 +31,23 @@ pub(crate) const PICKER_METRICS: [(&str, &str); 5] = [
     ("cacheInfoSpec", "vllm:cache_config_info"),
 ];
 
+/// `v` as JSON text with every object's keys sorted, whichever order serde_json keeps (the
+/// workspace's feature set decides it), so the committed YAML is the same from any build.
+fn sorted_json(v: &Value) -> String {
+    fn sort(v: &Value) -> Value {
+        match v {
+            Value::Object(m) => {
+                let mut keys: Vec<&String> = m.keys().collect();
+                keys.sort();
+                Value::Object(keys.into_iter().map(|k| (k.clone(), sort(&m[k]))).collect())
+            }
+            Value::Array(a) => Value::Array(a.iter().map(sort).collect()),
+            other => other.clone(),
+        }
+    }
+    sort(v).to_string()
+}
+
 /// The worker pool: unified workers (each request computed where the picker sends it), taking
 /// clients' requests with the API key, publishing KV events for pickers that read them.
 fn workers(p: &Params, replicas: u32) -> Value {
@@ -49,7 +66,7 @@ fn workers(p: &Params, replicas: u32) -> Value {
         "--api-key".into(),
         "$(PDSERVE_API_KEY)".into(),
         "--kv-events-config".into(),
-        events.to_string(),
+        sorted_json(&events),
     ]);
     c["args"] = json!(args);
     if let Some(e) = c["env"].as_array_mut() {
@@ -72,7 +89,7 @@ fn epp_config() -> String {
     for (k, v) in PICKER_METRICS {
         engine.insert(k.into(), json!(v));
     }
-    json!({
+    let config = json!({
         "apiVersion": "llm-d.ai/v1alpha1",
         "kind": "EndpointPickerConfig",
         "plugins": [
@@ -87,8 +104,8 @@ fn epp_config() -> String {
             {"pluginRef": "kv-cache-utilization-scorer", "weight": 2},
             {"pluginRef": "prefix-cache-scorer", "weight": 3},
         ]}],
-    })
-    .to_string()
+    });
+    sorted_json(&config)
 }
 
 fn epp(p: &Params) -> Vec<Value> {
