@@ -78,6 +78,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         secret: true,
         server_bin: None,
         bin_dir: None,
+        router_extra: &[],
     };
     let mut stacks: Vec<Stack> = Vec::new();
     let result = (|| -> Result<()> {

@@ -196,6 +196,8 @@ pub(crate) struct Spec<'a> {
     pub server_bin: Option<&'a Path>,
     /// Where the binaries are (default: this checkout's `target/release`).
     pub bin_dir: Option<&'a Path>,
+    /// Passed to the router.
+    pub router_extra: &'a [String],
 }
 
 impl<'a> Spec<'a> {
@@ -218,6 +220,7 @@ impl<'a> Spec<'a> {
             secret: false,
             server_bin: None,
             bin_dir: None,
+            router_extra: &[],
         }
     }
 }
@@ -289,6 +292,7 @@ pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
             return Ok(procs[0].url.clone());
         }
         let mut router_args = vec!["--port".to_owned(), spec.port.to_string()];
+        router_args.extend(spec.router_extra.iter().cloned());
         if let Some(s) = &secret {
             router_args.extend(["--cluster-secret-file".to_owned(), s.display().to_string()]);
         }
@@ -336,6 +340,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut model: Option<PathBuf> = None;
     let mut unified = false;
     let mut debug = false;
+    let mut otlp: Option<String> = None;
     let (mut prefills, mut decodes) = (1usize, 1usize);
     let mut extra: Vec<String> = Vec::new();
     let mut it = args.iter();
@@ -343,6 +348,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         match a.as_str() {
             "--unified" => unified = true,
             "--debug" => debug = true,
+            "--otlp-traces-endpoint" => {
+                let url = it.next().context("--otlp-traces-endpoint needs a URL")?;
+                otlp = Some(url.clone());
+            }
             "--port" => port = it.next().context("--port needs a value")?.parse()?,
             "--model" => model = Some(PathBuf::from(it.next().context("--model needs a value")?)),
             "--prefill" => prefills = it.next().context("--prefill needs a count")?.parse()?,
@@ -373,6 +382,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-router"])?;
     }
     let bin_dir = crate::workspace_root().join("target").join(profile);
+    // Every process exports its spans to the same collector.
+    let otlp_args: Vec<String> =
+        otlp.iter().flat_map(|u| ["--otlp-traces-endpoint".to_owned(), u.clone()]).collect();
+    extra.extend(otlp_args.iter().cloned());
     crate::sys::install_stop_handler();
     let logs = crate::workspace_root().join("target/serve");
     let spec = Spec {
@@ -387,6 +400,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         secret: true,
         server_bin: None,
         bin_dir: Some(&bin_dir),
+        router_extra: &otlp_args,
     };
     let Stack { mut procs, url } = start_stack(&spec)?;
     let mut out = std::io::stdout().lock();

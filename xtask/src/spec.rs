@@ -59,6 +59,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             secret: false,
             server_bin: None,
             bin_dir: None,
+            router_extra: &[],
         };
         start_stack(&spec)
     };

@@ -66,6 +66,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         secret: false,
         server_bin: None,
         bin_dir: None,
+        router_extra: &[],
     };
     let mut stack = start_stack(&spec)?;
     let format = serde_json::json!({"response_format": {"type": "json_schema",

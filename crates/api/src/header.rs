@@ -3,6 +3,8 @@
 /// The request's id: taken from the client if present, else generated; echoed on every response and
 /// forwarded on every hop.
 pub const REQUEST_ID: &str = "x-request-id";
+/// W3C Trace Context: the caller's span (`00-<trace id>-<span id>-<flags>`), passed on every leg.
+pub const TRACEPARENT: &str = "traceparent";
 /// Milliseconds left until the request's deadline, set by the router and decremented at each hop.
 pub const DEADLINE_MS: &str = "x-request-deadline-ms";
 /// Seconds to wait before retrying; on every 429 and 503.

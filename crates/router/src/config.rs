@@ -101,6 +101,8 @@ pub struct RouterConfig {
     /// A stream whose worker sends no token for this long (after its first) has stalled: it moves to
     /// another worker. `None`: streams never count as stalled (their deadline still ends them).
     pub stall_timeout: Option<Duration>,
+    /// Where spans go (`--otlp-traces-endpoint`, OTLP/HTTP); `None`: no traces.
+    pub otlp_traces_endpoint: Option<pdserve_trace::Endpoint>,
     /// Worker pools read from DNS (`--discover`): re-read every `discover_interval`; new addresses
     /// join, vanished ones drain.
     pub discover: Vec<DiscoverSpec>,
@@ -141,6 +143,7 @@ impl Default for RouterConfig {
             log_requests: false,
             migrations_max: 2,
             stall_timeout: Some(Duration::from_secs(30)),
+            otlp_traces_endpoint: None,
             discover: Vec::new(),
             discover_interval: Duration::from_secs(5),
             resolver: None,

@@ -421,7 +421,15 @@ impl Flight {
 
     /// The request bytes of leg `kind` for a worker at `authority`, carrying the time left (and the
     /// stack's `secret`, if it has one).
-    pub fn leg_request(&self, kind: LegKind, authority: &str, secret: Option<&str>, now: Instant) -> Vec<u8> {
+    /// The leg's HTTP request; `traceparent`: the leg's span, for the worker's spans to join.
+    pub fn leg_request(
+        &self,
+        kind: LegKind,
+        authority: &str,
+        secret: Option<&str>,
+        traceparent: Option<&str>,
+        now: Instant,
+    ) -> Vec<u8> {
         let remaining = ms(self.spec.deadline.saturating_duration_since(now)).max(1);
         let body = match kind {
             LegKind::Decode => &self.decode_body,
@@ -437,6 +445,7 @@ impl Flight {
             ("content-type", "application/json"),
         ];
         headers.extend(secret.map(|s| (header::CLUSTER_SECRET, s)));
+        headers.extend(traceparent.map(|t| (header::TRACEPARENT, t)));
         if self.may_migrate() && kind != LegKind::Prefill {
             headers.push((header::RESUMABLE, "1"));
         }

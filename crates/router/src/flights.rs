@@ -45,7 +45,7 @@ impl Router {
         rid: &str,
         path: &str,
         body: Vec<u8>,
-        purpose: Purpose,
+        (purpose, traceparent): (Purpose, Option<String>),
         now: Instant,
     ) {
         let forward = Endpoint::from_path(path).is_none();
@@ -147,6 +147,11 @@ impl Router {
         self.insert(id, Flight::new(spec, true), Some(conn), now);
         if let Some(e) = self.flights.get_mut(&id) {
             e.storing = storing.map(Box::new);
+            if self.traces.is_some() && purpose == Purpose::Client {
+                let t = crate::trace::FlightTrace::new(traceparent.as_deref());
+                let _ = self.ledger.set_trace(rid, &t.trace_id());
+                e.trace = Some(t);
+            }
         }
         if purpose == Purpose::HealthGenerate {
             // Probes are never queued behind client traffic.
@@ -205,6 +210,7 @@ impl Router {
             queued_at: None,
             routing: Vec::new(),
             storing: None,
+            trace: None,
         };
         self.flights.insert(id, entry);
     }
@@ -249,6 +255,9 @@ impl Router {
         if let Some(q) = e.queued_at.take() {
             self.metrics.queue_wait.record(now.saturating_duration_since(q));
         }
+        if let Some(t) = e.trace.as_mut() {
+            t.dispatched(now);
+        }
         let plan = match e.flight.spec().purpose {
             Purpose::PairProbe { .. } => Plan::Disaggregated,
             _ if Endpoint::from_path(&e.flight.spec().path).is_none() => Plan::Forward,
@@ -280,7 +289,7 @@ impl Router {
                         Some(Retry::Stale) => self.metrics.stale_retries.inc(),
                         None => {}
                     }
-                    self.open_leg(id, leg, kind, &exclude, pinned, now);
+                    self.open_leg(id, leg, (kind, retry), &exclude, pinned, now);
                 }
                 Action::StartStream { headers } => {
                     if let Some(conn) = e.conn {
@@ -358,7 +367,7 @@ impl Router {
         &mut self,
         id: u64,
         leg: LegId,
-        kind: crate::flight::LegKind,
+        (kind, retry): (crate::flight::LegKind, Option<Retry>),
         exclude: &[u32],
         pinned: Option<u32>,
         now: Instant,
@@ -422,8 +431,11 @@ impl Router {
         self.ups.set_owner(slot, Owner::Leg { flight: id, leg });
         e.slot = Some(slot);
         e.flight.handle_leg_sent(leg, worker, now);
-        let authority = self.workers.get(worker).map_or("", |w| w.authority.as_str());
-        let bytes = e.flight.leg_request(kind, authority, self.cfg.cluster_secret.as_deref(), now);
+        let (authority, url) =
+            self.workers.get(worker).map_or(("", ""), |w| (w.authority.as_str(), w.url.as_str()));
+        let tp = e.trace.as_mut().map(|t| t.leg(kind, url, retry, now));
+        let secret = self.cfg.cluster_secret.as_deref();
+        let bytes = e.flight.leg_request(kind, authority, secret, tp.as_deref(), now);
         let deadline = e.flight.deadline();
         if let Some(w) = self.workers.get_mut(worker) {
             w.outstanding += 1;
@@ -471,7 +483,24 @@ impl Router {
         }
         if self.cfg.log_requests || f.error == Some(ErrorKind::UpstreamFailed) {
             let what = f.error.map_or(f.outcome.as_str().to_owned(), |k| format!("{} {k}", k.status()));
-            eprintln!("router: {} ended: {what}: {}", spec.request_id, f.message.as_deref().unwrap_or(""));
+            let trace = e.trace.as_ref().map(|t| format!(" trace_id={}", t.trace_id())).unwrap_or_default();
+            eprintln!(
+                "router: request_id={}{trace} ended: {what}: {}",
+                spec.request_id,
+                f.message.as_deref().unwrap_or("")
+            );
+        }
+        if let (Some(t), Some(x)) = (e.trace.take(), self.traces.as_ref()) {
+            t.export(x, spec, &f, now);
+            let st = x.stats();
+            for (result, total) in [
+                ("exported", st.spans_exported.load(std::sync::atomic::Ordering::Relaxed)),
+                ("dropped", st.spans_dropped.load(std::sync::atomic::Ordering::Relaxed)),
+            ] {
+                if let Ok(c) = self.metrics.otlp_spans.with(&[result]) {
+                    c.add(total.saturating_sub(c.get()));
+                }
+            }
         }
         match spec.purpose {
             Purpose::PairProbe { prefill, decode } => {

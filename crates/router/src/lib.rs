@@ -37,6 +37,7 @@ mod policy;
 mod probes;
 mod responses;
 mod router;
+mod trace;
 mod upstream;
 mod workers;
 

@@ -35,6 +35,9 @@ pdserve-router [options]
                                 or loses the KV mid-request (default 2; 0 turns migration off)
   --stall-timeout-s S           a stream with no token for S seconds (after its first) has stalled
                                 and moves on (default 30; 0: never)
+  --otlp-traces-endpoint URL    export each request's spans (queue, legs, migrations, retries) over
+                                OTLP/HTTP to URL (http://HOST:PORT[/PATH], /v1/traces if no path),
+                                under the client's traceparent; each leg passes its span on
   --probe-interval-s S          active health probe interval (default 1)
   --probe-timeout-s S           deadline of one probe (default 3)
   --pair-probe-interval-s S     prefill + decode pair probe interval (default 5; real traffic counts too);
@@ -164,6 +167,7 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--connections-per-worker" => c.connections_per_worker_max = n()?.max(1),
             "--retries" => c.retries_max = n()? as u32,
             "--migrations" => c.migrations_max = n()? as u32,
+            "--otlp-traces-endpoint" => c.otlp_traces_endpoint = Some(pdserve_trace::Endpoint::parse(&v)?),
             "--stall-timeout-s" => {
                 c.stall_timeout = match v.parse::<f64>() {
                     Ok(0.0) => None,

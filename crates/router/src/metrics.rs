@@ -27,6 +27,7 @@ pub(crate) struct Metrics {
     pub client_connections: Gauge,
     discovery_lookups: CounterVec,
     pub discovery_addresses: GaugeVec,
+    pub otlp_spans: CounterVec,
 }
 
 impl Metrics {
@@ -109,6 +110,12 @@ impl Metrics {
                 "router_discovered_workers",
                 "Workers (addresses) the last successful lookup of each --discover source returned.",
                 &["source"],
+            )?,
+            otlp_spans: r.counter_vec(
+                "router_otlp_spans_total",
+                "Spans for --otlp-traces-endpoint: exported (the collector took them) or dropped (a full \
+                 queue, or a batch the collector refused or never answered).",
+                &["result"],
             )?,
             registry: r,
         })

@@ -51,6 +51,8 @@ pub(crate) struct Entry {
     pub routing: Vec<(LegKind, Choice)>,
     /// A Responses request whose answer is kept (`crate::responses`).
     pub storing: Option<Box<crate::responses::Storing>>,
+    /// Its spans so far (`--otlp-traces-endpoint`).
+    pub trace: Option<crate::trace::FlightTrace>,
 }
 
 /// The router. Build with [`Router::bind`], run with [`Router::run`].
@@ -91,6 +93,8 @@ pub struct Router {
     discovery: Option<std::sync::mpsc::Receiver<crate::discovery::Resolved>>,
     /// `--discover` sources whose last lookup failed (logged once per outage).
     pub(crate) discovery_failing: std::collections::HashSet<usize>,
+    /// Exports spans (`--otlp-traces-endpoint`).
+    pub(crate) traces: Option<pdserve_trace::Exporter>,
 }
 
 pub(crate) fn unix_ms() -> u64 {
@@ -140,6 +144,10 @@ impl Router {
             draining_since: None,
             discovery: None,
             discovery_failing: Default::default(),
+            traces: match &cfg.otlp_traces_endpoint {
+                Some(e) => Some(pdserve_trace::Exporter::start(e.clone(), "pdserve-router")?),
+                None => None,
+            },
             cfg,
         };
         for spec in r.cfg.workers.clone() {
@@ -580,11 +588,12 @@ impl Router {
                 &rid,
                 Endpoint::CHAT_PATH,
                 PROBE_BODY.to_vec(),
-                Purpose::HealthGenerate,
+                (Purpose::HealthGenerate, None),
                 now,
             ),
             ("POST", p) if Endpoint::from_path(p).is_some() => {
-                self.start_flight(conn, &rid, p, req.body, Purpose::Client, now)
+                let tp = req.header_str(pdserve_api::header::TRACEPARENT).map(str::to_owned);
+                self.start_flight(conn, &rid, p, req.body, (Purpose::Client, tp), now)
             }
             ("GET", path::MODELS) => self.collect(conn, Collecting::Models { id: None }, rid, now),
             ("GET", p) if path::model_id(p).is_some() => {
@@ -599,9 +608,11 @@ impl Router {
                 };
                 self.respond(conn, &resp);
             }
-            ("GET", p @ path::VERSION) => self.start_flight(conn, &rid, p, Vec::new(), Purpose::Client, now),
+            ("GET", p @ path::VERSION) => {
+                self.start_flight(conn, &rid, p, Vec::new(), (Purpose::Client, None), now)
+            }
             ("POST", p @ (path::TOKENIZE | path::DETOKENIZE | path::MESSAGES_COUNT_TOKENS)) => {
-                self.start_flight(conn, &rid, p, req.body, Purpose::Client, now)
+                self.start_flight(conn, &rid, p, req.body, (Purpose::Client, None), now)
             }
             ("POST", p) if p.starts_with("/abort/") => {
                 let target = &p["/abort/".len()..];

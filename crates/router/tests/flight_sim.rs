@@ -189,7 +189,7 @@ impl World {
                     }
                     let t = self.epoch + now;
                     self.flights[f].handle_leg_sent(leg, worker, t);
-                    let req = self.flights[f].leg_request(kind, "w", None, t);
+                    let req = self.flights[f].leg_request(kind, "w", None, None, t);
                     let req = String::from_utf8_lossy(&req).into_owned();
                     let marks = req.contains("x-pdserve-resumable: 1");
                     let body = req.split("\r\n\r\n").nth(1).unwrap_or("");

@@ -57,6 +57,8 @@ pub struct WorkerConfig {
     pub responses_max_bytes: usize,
     /// ... and none older than this.
     pub responses_max_age: Duration,
+    /// Where each request's spans go (`--otlp-traces-endpoint`, OTLP/HTTP); `None`: no traces.
+    pub otlp_traces_endpoint: Option<pdserve_trace::Endpoint>,
 }
 
 impl WorkerConfig {
@@ -93,6 +95,7 @@ impl WorkerConfig {
             responses_max: 4096,
             responses_max_bytes: 256 << 20,
             responses_max_age: Duration::from_secs(3600),
+            otlp_traces_endpoint: None,
         }
     }
 }

@@ -79,6 +79,9 @@ pdserve-server [options]
   --kv-events-config JSON  vLLM's KV events, e.g. {\"enable_kv_cache_events\": true, \"publisher\": \"zmq\",
                            \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\"}
                            (ZMQ PUB and replay sockets, msgpack in vLLM's schema)
+  --otlp-traces-endpoint URL export each request's spans (the request, its queue, prefill, KV transfer,
+                           decode) over OTLP/HTTP to URL (http://HOST:PORT[/PATH], /v1/traces if no
+                           path), under the caller's traceparent
   --grammar-compile-timeout-s S how long a request's schema, regex or grammar may take to compile (default
                            10); past it the request is a 400 (compiles never hold up other requests)
   --exit-on-stdin-eof      stop gracefully when standard input closes (for supervisors and tests)
@@ -150,6 +153,7 @@ const VALUED: &[&str] = &[
     "--kv-transfer-timeout-s",
     "--grammar-compile-timeout-s",
     "--kv-events-config",
+    "--otlp-traces-endpoint",
     "--api-key",
     "--cluster-secret-file",
     "--device",
@@ -270,6 +274,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--grammar-compile-timeout-s" => e.grammar_compile_timeout = secs()?,
             "--kv-events-config" => e.kv_events = pdserve_engine::KvEventsConfig::parse(&v)?,
+            "--otlp-traces-endpoint" => c.otlp_traces_endpoint = Some(pdserve_trace::Endpoint::parse(&v)?),
             "--test-corrupt-kv" => e.test_corrupt_kv_pull = n()? as u32,
             "--test-stall-transfer" => e.test_transfer_faults.stall_from = Some(n()?),
             "--test-drop-done" => e.test_transfer_faults.drop_done_from = Some(n()?),

@@ -20,6 +20,8 @@ pub struct LedgerEntry {
     pub tokens_in: u32,
     pub tokens_out: u32,
     pub kv_blocks: u32,
+    /// Its trace's id (hex), where it is traced (`--otlp-traces-endpoint`).
+    pub trace_id: Option<String>,
 }
 
 /// An entry the watchdog found past its deadline.
@@ -81,6 +83,7 @@ impl RequestLedger {
                 admitted_at: now,
                 deadline,
                 owner: owner.to_owned(),
+                trace_id: None,
                 tokens_in: 0,
                 tokens_out: 0,
                 kv_blocks: 0,
@@ -105,6 +108,12 @@ impl RequestLedger {
 
     pub fn set_owner(&mut self, id: &str, owner: &str) -> Result<(), TelemetryError> {
         self.entry(id)?.owner = owner.to_owned();
+        Ok(())
+    }
+
+    /// The id of the trace `id` belongs to, shown beside it.
+    pub fn set_trace(&mut self, id: &str, trace_id: &str) -> Result<(), TelemetryError> {
+        self.entry(id)?.trace_id = Some(trace_id.to_owned());
         Ok(())
     }
 
@@ -167,7 +176,7 @@ impl RequestLedger {
                 } else {
                     -(ms(now - e.deadline) as i64)
                 };
-                serde_json::json!({
+                let mut v = serde_json::json!({
                     "id": e.id,
                     "stage": e.stage.as_str(),
                     "stage_age_ms": ms(now.saturating_duration_since(e.stage_since)),
@@ -177,7 +186,11 @@ impl RequestLedger {
                     "tokens_in": e.tokens_in,
                     "tokens_out": e.tokens_out,
                     "kv_blocks": e.kv_blocks,
-                })
+                });
+                if let Some(t) = &e.trace_id {
+                    v["trace_id"] = serde_json::Value::String(t.clone());
+                }
+                v
             })
             .collect();
         serde_json::json!({ "process": self.process, "now_ms": now_unix_ms, "requests": requests })

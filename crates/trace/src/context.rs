@@ -92,12 +92,15 @@ fn random_u64() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let seed = *SEED.get_or_init(|| {
         let mut b = [0u8; 8];
-        let from_kernel =
-            std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b)).is_ok();
+        let from_kernel = std::fs::File::open("/dev/urandom")
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+            .is_ok();
         if from_kernel {
             u64::from_le_bytes(b)
         } else {
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
             t ^ (u64::from(std::process::id()) << 32)
         }
     });
@@ -120,7 +123,9 @@ mod tests {
         assert_eq!((c.traceparent(), c.flags), (v.to_owned(), 1));
         assert_eq!(c.trace_id_hex(), "4bf92f3577b34da6a3ce929d0e0e4736");
         // A future version: its first four fields are read, whatever follows.
-        assert!(TraceContext::parse("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra").is_some());
+        assert!(
+            TraceContext::parse("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra").is_some()
+        );
         for bad in [
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",

@@ -54,7 +54,10 @@ pub(crate) fn post(e: &Endpoint, body: &[u8], timeout: Duration) -> Result<(), F
                 .lines()
                 .find_map(|l| {
                     let (k, v) = l.split_once(':')?;
-                    k.trim().eq_ignore_ascii_case("retry-after").then(|| v.trim().parse::<u64>().ok()).flatten()
+                    k.trim()
+                        .eq_ignore_ascii_case("retry-after")
+                        .then(|| v.trim().parse::<u64>().ok())
+                        .flatten()
                 })
                 .map_or(Duration::from_secs(1), Duration::from_secs);
             Err(Failure::Retryable(after))

@@ -66,8 +66,8 @@ pub enum Status {
 /// timeline (a wall-clock step later moves none of them).
 pub fn unix_nanos(at: Instant) -> u64 {
     static REFERENCE: std::sync::OnceLock<(Duration, Instant)> = std::sync::OnceLock::new();
-    let &(wall, mono) =
-        REFERENCE.get_or_init(|| (SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default(), Instant::now()));
+    let &(wall, mono) = REFERENCE
+        .get_or_init(|| (SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default(), Instant::now()));
     let t = match at.checked_duration_since(mono) {
         Some(after) => wall + after,
         None => wall.saturating_sub(mono.saturating_duration_since(at)),
@@ -153,7 +153,9 @@ impl Endpoint {
             None => (rest, ""),
         };
         let (host, port) = match authority.rsplit_once(':') {
-            Some((h, p)) => (h, p.parse::<u16>().map_err(|e| format!("--otlp-traces-endpoint {url}: port: {e}"))?),
+            Some((h, p)) => {
+                (h, p.parse::<u16>().map_err(|e| format!("--otlp-traces-endpoint {url}: port: {e}"))?)
+            }
             None => (authority, 4318),
         };
         if host.is_empty() {
@@ -195,7 +197,9 @@ impl Exporter {
         let (spans, rx) = crossbeam_channel::bounded(QUEUE_SPANS_MAX);
         let stats = Arc::new(ExporterStats::default());
         let (st, name) = (Arc::clone(&stats), service_name.to_owned());
-        std::thread::Builder::new().name("otlp-export".into()).spawn(move || run(&rx, &endpoint, &name, &st))?;
+        std::thread::Builder::new()
+            .name("otlp-export".into())
+            .spawn(move || run(&rx, &endpoint, &name, &st))?;
         Ok(Exporter { spans, stats })
     }
 
@@ -237,12 +241,28 @@ fn run(rx: &Receiver<Span>, endpoint: &Endpoint, service: &str, stats: &Exporter
         }
         let n = batch.len() as u64;
         match outcome {
-            Ok(()) => stats.spans_exported.fetch_add(n, Ordering::Relaxed),
-            Err(_) => {
-                stats.batches_failed.fetch_add(1, Ordering::Relaxed);
-                stats.spans_dropped.fetch_add(n, Ordering::Relaxed)
+            Ok(()) => {
+                stats.spans_exported.fetch_add(n, Ordering::Relaxed);
             }
-        };
+            Err(failure) => {
+                // The first failure and every hundredth after it are logged; all are counted.
+                let failed = stats.batches_failed.fetch_add(1, Ordering::Relaxed);
+                stats.spans_dropped.fetch_add(n, Ordering::Relaxed);
+                if failed.is_multiple_of(100) {
+                    let why = match failure {
+                        http::Failure::Retryable(_) => "the collector asked to retry, twice".to_owned(),
+                        http::Failure::Final(why) => why,
+                    };
+                    eprintln!(
+                        "otlp: {n} spans dropped, posting to http://{}:{}{} failed: {why} ({} batches so far)",
+                        endpoint.host,
+                        endpoint.port,
+                        endpoint.path,
+                        failed + 1
+                    );
+                }
+            }
+        }
     }
 }
 

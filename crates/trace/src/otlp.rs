@@ -73,7 +73,7 @@ fn span(out: &mut Vec<u8>, s: &Span) {
             bytes(m, 4, p);
         }
         bytes(m, 5, s.name.as_bytes());
-        uint(m, 6, s.kind as u64);
+        uint(m, 6, s.kind.number());
         fixed64(m, 7, s.start_unix_nanos);
         fixed64(m, 8, s.end_unix_nanos);
         for (k, v) in &s.attributes {

@@ -49,17 +49,21 @@ impl Drop for Collector {
 #[test]
 fn the_official_protobuf_definitions_decode_what_the_exporter_posts() {
     let c = Collector::start();
-    let e = Exporter::start(Endpoint::parse(&format!("http://127.0.0.1:{}", c.port)).unwrap(), "pdserve-decode").unwrap();
+    let e =
+        Exporter::start(Endpoint::parse(&format!("http://127.0.0.1:{}", c.port)).unwrap(), "pdserve-decode")
+            .unwrap();
     let client = TraceContext::parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").unwrap();
     let t0 = Instant::now();
-    let mut root = Span::between(&client, "chat request", SpanKind::Server, t0, t0 + Duration::from_millis(30));
+    let mut root =
+        Span::between(&client, "chat request", SpanKind::Server, t0, t0 + Duration::from_millis(30));
     root.attr("gen_ai.request.id", AttrValue::Str("req-9".into()))
         .attr("gen_ai.usage.prompt_tokens", AttrValue::Int(-3))
         .attr("gen_ai.latency.e2e", AttrValue::Float(0.03))
         .attr("pdserve.migrated", AttrValue::Bool(true));
     root.events.push((root.start_unix_nanos + 1000, "first token".into()));
     root.status = Status::Error("timed out in decoding".into());
-    let child = Span::between(&root.context, "decode", SpanKind::Internal, t0, t0 + Duration::from_millis(20));
+    let child =
+        Span::between(&root.context, "decode", SpanKind::Internal, t0, t0 + Duration::from_millis(20));
     let (root_id, child_id) = (root.context.span_id, child.context.span_id);
     e.export(root.clone());
     e.export(child);
@@ -83,9 +87,15 @@ fn the_official_protobuf_definitions_decode_what_the_exporter_posts() {
     assert_eq!(r["attributes"]["gen_ai.latency.e2e"], 0.03);
     assert_eq!(r["attributes"]["pdserve.migrated"], true);
     assert_eq!(r["events"], serde_json::json!(["first token"]));
-    assert_eq!((r["status_code"].as_u64(), r["status_message"].as_str()), (Some(2), Some("timed out in decoding")));
+    assert_eq!(
+        (r["status_code"].as_u64(), r["status_message"].as_str()),
+        (Some(2), Some("timed out in decoding"))
+    );
     let d = got.iter().find(|s| s["name"] == "decode").unwrap();
-    assert_eq!((d["parent_span_id"].as_str(), d["span_id"].as_str()), (Some(hex(&root_id).as_str()), Some(hex(&child_id).as_str())));
+    assert_eq!(
+        (d["parent_span_id"].as_str(), d["span_id"].as_str()),
+        (Some(hex(&root_id).as_str()), Some(hex(&child_id).as_str()))
+    );
     assert_eq!(d["trace_id"], r["trace_id"]);
     let deadline = Instant::now() + Duration::from_secs(5);
     while e.stats().spans_exported.load(Ordering::Relaxed) < 2 {

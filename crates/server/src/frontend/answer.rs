@@ -92,9 +92,16 @@ impl Frontend {
 
     pub(super) fn finished(&mut self, id: Id, finish: Finish, usage: Usage, timings: Timings) {
         let Some(mut l) = self.remove(id) else { return };
-        // One line per request, with its id, so a log search finds it.
+        let result = finish.reason().ok_or_else(|| {
+            let e =
+                finish.to_api_error().unwrap_or_else(|| ApiError::new(ErrorKind::Internal, "unexpected end"));
+            (e.kind.as_str().to_owned(), e.message)
+        });
+        self.trace_end(&l, result, &usage, Some(&timings));
+        // One line per request, with its id (and its trace's), so a log search finds it.
+        let trace = l.trace.map(|t| format!(" trace_id={}", t.ctx.trace_id_hex())).unwrap_or_default();
         eprintln!(
-            "request_id={} outcome={} prompt_tokens={} completion_tokens={} latency_ms={}",
+            "request_id={}{trace} outcome={} prompt_tokens={} completion_tokens={} latency_ms={}",
             l.request_id,
             finish.outcome(),
             usage.prompt_tokens,

@@ -131,6 +131,7 @@ impl Frontend {
             resp: None,
             group: Some(gid),
             choice: i,
+            trace: None,
         };
         self.live.insert(id, live);
         Ok(())

@@ -6,14 +6,14 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use pdserve_api::{header, path, pd, ApiError, ErrorKind, Health, Role};
-use pdserve_codec::anthropic::{self, MessageStream};
-use pdserve_codec::openai::{self, Delta};
+use pdserve_codec::anthropic::MessageStream;
+use pdserve_codec::openai;
 use pdserve_codec::responses::{self, ResponseStore, ResponseStream};
-use pdserve_codec::{sse, Endpoint, GenerateRequest, Meta, Prompt};
+use pdserve_codec::{Endpoint, GenerateRequest, Meta, Prompt};
 use pdserve_engine::SamplingParams;
 use pdserve_engine::{chat_tool_call as tool_call, ChatMessage};
 use pdserve_engine::{Engine, Id, Input, Output, Request as EngineRequest, Timings};
-use pdserve_engine::{Piece, TokenLogprob, ToolCall};
+use pdserve_engine::{TokenLogprob, ToolCall};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
 use serde_json::{json, Value};
 
@@ -21,7 +21,9 @@ use crate::WorkerConfig;
 
 mod answer;
 mod choices;
+mod output;
 mod routes;
+mod trace;
 use choices::Group;
 
 /// What a live request answers with.
@@ -68,6 +70,8 @@ struct Live {
     resp: Option<Box<Responding>>,
     /// A thinking model's thinking so far (non-streaming answers).
     reasoning: String,
+    /// Its span here (`--otlp-traces-endpoint`).
+    trace: Option<trace::RequestTrace>,
 }
 
 /// A Responses request's own state.
@@ -105,6 +109,8 @@ pub(crate) struct Frontend {
     id_salt: String,
     next_group: u64,
     last_keep_alive: Instant,
+    /// Exports spans (`--otlp-traces-endpoint`).
+    traces: Option<pdserve_trace::Exporter>,
 }
 
 /// 16 random bytes from the kernel, in hex (a clock's nanoseconds where /dev/urandom is missing).
@@ -181,6 +187,11 @@ impl Frontend {
         // process's own random bytes.
         let id_salt = config.cluster_secret.clone().unwrap_or_else(random_hex);
         let connections = routes::HttpMetrics::register(engine.registry())?;
+        let service = format!("pdserve-{}", engine.info().role.as_str());
+        let traces = match &config.otlp_traces_endpoint {
+            Some(e) => Some(pdserve_trace::Exporter::start(e.clone(), &service)?),
+            None => None,
+        };
         routes::HttpMetrics::register_vllm_aliases(engine.registry(), &config.model_name)?;
         Ok(Frontend {
             server,
@@ -198,6 +209,7 @@ impl Frontend {
             id_salt,
             next_group: 0,
             last_keep_alive: Instant::now(),
+            traces,
         })
     }
 
@@ -504,7 +516,11 @@ impl Frontend {
                 .map(|()| None);
         }
         self.submit(conn, rid, er, kind, endpoint)?;
+        let traced = self.traces.is_some();
         if let Some(l) = self.by_conn.get(&conn).and_then(|id| self.live.get_mut(id)) {
+            if traced {
+                l.trace = Some(trace::RequestTrace::new(req.header_str(header::TRACEPARENT)));
+            }
             l.echo = echo;
             l.panic_in_output = test_site == Some(None);
             l.marks =
@@ -560,6 +576,7 @@ impl Frontend {
             last_sent: Instant::now(),
             resp: None,
             reasoning: String::new(),
+            trace: None,
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);
@@ -641,6 +658,33 @@ impl Frontend {
         true
     }
 
+    /// Exports `l`'s spans, if it is traced.
+    fn trace_end(
+        &self,
+        l: &Live,
+        result: Result<&str, (String, String)>,
+        usage: &pdserve_engine::Usage,
+        timings: Option<&Timings>,
+    ) {
+        let (Some(x), Some(t)) = (self.traces.as_ref(), l.trace) else { return };
+        let name = format!(
+            "{} {}",
+            if matches!(l.kind, Kind::Probe) { "probe" } else { "POST" },
+            l.meta.endpoint.path()
+        );
+        let ended = trace::Ended {
+            request_id: &l.request_id,
+            name: &name,
+            received: l.received,
+            role: self.engine.info().role,
+            result,
+            prompt_tokens: usage.prompt_tokens as u64,
+            completion_tokens: usage.completion_tokens as u64,
+            timings,
+        };
+        trace::export(x, t, &ended);
+    }
+
     fn remove(&mut self, id: Id) -> Option<Live> {
         let l = self.live.remove(&id)?;
         if let Some(conn) = l.conn {
@@ -653,144 +697,6 @@ impl Frontend {
         match l.kind {
             Kind::Probe => Response::health(&Health::GenerateFailed { reason: e.message.clone() }, None),
             Kind::Generate { .. } => Response::error_at(l.meta.endpoint.path(), e, Some(&l.request_id)),
-        }
-    }
-
-    fn output(&mut self, o: Output) {
-        match o {
-            Output::Admitted { id } => {
-                if let Some(gid) = self.live.get(&id).and_then(|l| l.group) {
-                    return self.group_admitted(gid, id);
-                }
-                let Some(l) = self.live.get_mut(&id) else { return };
-                let Kind::Generate { stream: true, .. } = l.kind else { return };
-                let Some(conn) = l.conn else { return };
-                let mut headers = vec![
-                    ("content-type", "text/event-stream"),
-                    ("cache-control", "no-cache"),
-                    (header::REQUEST_ID, l.request_id.as_str()),
-                ];
-                if l.marks {
-                    headers.push((header::RESUMABLE, "1"));
-                }
-                if self.server.start_stream(conn, 200, &headers).is_err() {
-                    self.disconnected(conn);
-                    return;
-                }
-                l.started = true;
-                let first = match l.meta.endpoint {
-                    // The client has the opening events from the worker before.
-                    _ if l.resumed => String::new(),
-                    Endpoint::Chat => sse(
-                        None,
-                        &openai::chunk(
-                            &l.meta,
-                            Delta { role: true, text: Some(""), ..Delta::default() },
-                            None,
-                        )
-                        .to_string(),
-                    ),
-                    Endpoint::Messages => {
-                        let e = MessageStream::start(&l.meta);
-                        sse(Some(e.0), &anthropic::event_data(&e))
-                    }
-                    Endpoint::Responses => match l.resp.as_mut() {
-                        Some(r) => {
-                            let mut events = Vec::new();
-                            r.stream.start(&l.meta, &r.echo, &mut events);
-                            events.iter().map(|e| sse(Some(&e.0), &responses::event_data(e))).collect()
-                        }
-                        None => String::new(),
-                    },
-                    Endpoint::Completion => match &l.echo {
-                        Some(t) => sse(
-                            None,
-                            &openai::chunk(&l.meta, Delta { text: Some(t), ..Delta::default() }, None)
-                                .to_string(),
-                        ),
-                        None => String::new(),
-                    },
-                };
-                if !first.is_empty() {
-                    self.send_frames(id, &first);
-                }
-            }
-            Output::Rejected { id, error } => {
-                if let Some(gid) = self.live.get(&id).and_then(|l| l.group) {
-                    self.live.remove(&id);
-                    return self.group_failed(gid, &error.to_api_error());
-                }
-                if let Some(l) = self.remove(id) {
-                    if let Some(conn) = l.conn {
-                        let _ = self.server.respond(conn, &Self::error_response(&l, &error.to_api_error()));
-                    }
-                }
-            }
-            Output::Text { id, text, reasoning, calls, logprob, tokens, replayed } => {
-                let Some(l) = self.live.get_mut(&id) else { return };
-                let Kind::Generate { stream, .. } = l.kind else { return };
-                assert!(!l.panic_in_output, "test panic while rendering the output");
-                let pieces: Vec<Piece> =
-                    std::iter::once(Piece::Text(text)).chain(calls.into_iter().map(Piece::Call)).collect();
-                let group = l.group;
-                if let Some(gid) = group.filter(|_| l.choice == 0) {
-                    // The first choice's prompt is computed (and cached): the others may start.
-                    self.release_deferred(gid);
-                }
-                let Some(l) = self.live.get_mut(&id) else { return };
-                if !stream {
-                    l.reasoning.push_str(&reasoning);
-                    l.logprobs.extend(logprob);
-                    for p in pieces {
-                        match p {
-                            Piece::Text(t) => l.text.push_str(&t),
-                            Piece::Call(c) => l.calls.push(c),
-                        }
-                    }
-                    return;
-                }
-                let mut lp = logprob.map(|p| openai::logprobs_json(l.meta.endpoint, &[p]));
-                let mut frames = Self::stream_pieces(l, &reasoning, pieces, &mut lp);
-                if replayed {
-                    // The client has these events from the worker before; the parsers' state is
-                    // what counted.
-                    return;
-                }
-                if let Some(lp) =
-                    lp.filter(|_| matches!(l.meta.endpoint, Endpoint::Chat | Endpoint::Completion))
-                {
-                    // Log-probabilities of text the tool-call parser holds back go out on their own.
-                    let delta = Delta { text: Some(""), index: l.choice, ..Delta::default() };
-                    let c = openai::chunk(&l.meta, delta, Some(lp));
-                    frames.insert_str(0, &sse(None, &c.to_string()));
-                }
-                if l.marks && !tokens.is_empty() {
-                    // After the events these tokens made: the router moves the request on from here.
-                    frames.push_str(&pd::mark::tokens(l.meta.created, &tokens));
-                }
-                match group {
-                    _ if frames.is_empty() => {}
-                    Some(gid) => self.group_send(gid, &frames),
-                    None => {
-                        self.send_frames(id, &frames);
-                    }
-                }
-            }
-            Output::Prefilled { id, handle, usage, timings } => {
-                let Some(l) = self.remove(id) else { return };
-                if let Some(gid) = l.group {
-                    return self.group_prefilled(gid, &l, handle, usage, timings);
-                }
-                let Some(conn) = l.conn else {
-                    // Nobody will take this KV: end the offer now instead of at the lease expiry.
-                    self.engine.abort_request(&l.request_id);
-                    return;
-                };
-                let mut body = json!({"usage": openai::usage_json(usage), "timings": timings_json(&timings)});
-                body[pd::HANDLE_FIELD] = self.signed(handle).to_json();
-                let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
-            }
-            Output::Finished { id, finish, usage, timings } => self.finished(id, finish, usage, timings),
         }
     }
 }

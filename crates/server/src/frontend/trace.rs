@@ -1,0 +1,101 @@
+//! A worker's part of a request's trace (`--otlp-traces-endpoint`): a server span for the request,
+//! parented on the `traceparent` its caller sent (the router's leg; a new trace when none or an
+//! invalid one came), and a span per stage this worker ran it through, laid end to end from the
+//! engine's per-stage times (`Timings`): queue and prefill; or, on a decode worker, the KV transfer
+//! (with the pull inside it), its queue and decode. The prefill worker's stages a decode worker
+//! reports are the prefill worker's own spans, not repeated here.
+
+use std::time::{Duration, Instant};
+
+use pdserve_api::Role;
+use pdserve_engine::Timings;
+use pdserve_trace::{AttrValue, Exporter, Span, SpanKind, Status, TraceContext};
+
+/// A request's span context here, and its caller's span.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RequestTrace {
+    pub ctx: TraceContext,
+    pub parent: Option<[u8; 8]>,
+}
+
+impl RequestTrace {
+    pub(super) fn new(traceparent: Option<&str>) -> RequestTrace {
+        match traceparent.and_then(TraceContext::parse) {
+            Some(caller) => RequestTrace { ctx: caller.child(), parent: Some(caller.span_id) },
+            None => RequestTrace { ctx: TraceContext::new_root(), parent: None },
+        }
+    }
+}
+
+/// How a request ended, for its span.
+pub(super) struct Ended<'a> {
+    pub request_id: &'a str,
+    pub name: &'a str,
+    pub received: Instant,
+    pub role: Role,
+    /// `Ok(finish reason)` or `Err(the error's type and message)`.
+    pub result: Result<&'a str, (String, String)>,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub timings: Option<&'a Timings>,
+}
+
+/// Exports the request's span and its stages' spans.
+pub(super) fn export(exporter: &Exporter, t: RequestTrace, e: &Ended<'_>) {
+    let now = Instant::now();
+    let mut root = Span::with_context(t.ctx, t.parent, e.name, SpanKind::Server, e.received, now);
+    root.attr("gen_ai.request.id", AttrValue::Str(e.request_id.to_owned()))
+        .attr("pdserve.role", AttrValue::Str(e.role.as_str().to_owned()))
+        .attr("gen_ai.usage.prompt_tokens", AttrValue::Int(e.prompt_tokens as i64))
+        .attr("gen_ai.usage.completion_tokens", AttrValue::Int(e.completion_tokens as i64))
+        .attr(
+            "gen_ai.latency.e2e",
+            AttrValue::Float(now.saturating_duration_since(e.received).as_secs_f64()),
+        );
+    root.status = match &e.result {
+        Ok(reason) => {
+            root.attr("gen_ai.response.finish_reasons", AttrValue::Str(format!("[\"{reason}\"]")));
+            Status::Ok
+        }
+        Err((kind, message)) => {
+            root.attr("error.type", AttrValue::Str(kind.clone()));
+            Status::Error(message.clone())
+        }
+    };
+    let ctx = root.context;
+    exporter.export(root);
+    let Some(timings) = e.timings else { return };
+    // The stages run one after another from the request's arrival here.
+    let mut at = e.received;
+    let mut transfer: Option<(Instant, Instant)> = None;
+    for &(name, ms) in &timings.0 {
+        let (span_name, own) = match (e.role, name) {
+            // The prefill worker's stages, as it reported them: its own spans.
+            (Role::Decode, "prefill_queue_ms" | "prefill_ms") => continue,
+            // Inside the transfer: placed at its end, below.
+            (_, "kv_pull_ms") => ("kv pull", false),
+            (_, "queue_ms" | "decode_queue_ms") => ("queue", true),
+            (_, "prefill_ms") => ("prefill", true),
+            (_, "transfer_ms") => ("kv transfer", true),
+            (_, "decode_ms") => ("decode", true),
+            _ => continue,
+        };
+        let d = Duration::from_secs_f64(ms.max(0.0) / 1e3);
+        if own {
+            let end = at + d;
+            if name == "transfer_ms" {
+                transfer = Some((at, end));
+            }
+            exporter.export(Span::between(&ctx, span_name, SpanKind::Internal, at, end));
+            at = end;
+        } else if let Some((_, end)) = transfer {
+            exporter.export(Span::between(
+                &ctx,
+                span_name,
+                SpanKind::Internal,
+                end.checked_sub(d).unwrap_or(end),
+                end,
+            ));
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! One trace per request across the router, the prefill worker and the decode worker
+//! (`--otlp-traces-endpoint`), read by an OTLP collector built on the official `opentelemetry-proto`
+//! definitions: parented on the client's span, each leg's worker spans under that leg's span, the
+//! stages below them, a migration's second decode leg in the same trace; and the router's
+//! `/debug/requests` and a worker's log line name the trace.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::router::RouterThread;
+use common::{chat, Worker};
+use pdserve_http::{Header, Request, SseDecoder};
+use pdserve_router::Role;
+use serde_json::Value;
+
+struct Collector {
+    child: Child,
+    port: u16,
+    spans: mpsc::Receiver<Value>,
+}
+
+impl Collector {
+    fn start() -> Collector {
+        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../trace/tests/otlp_collector.py");
+        let mut child = Command::new(python)
+            .arg(script)
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 with opentelemetry-proto (cargo xtask test's venv has it)");
+        let (tx, spans) = mpsc::channel();
+        let out = child.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(serde_json::from_str(&l).unwrap_or(Value::String(l)));
+            }
+        });
+        let port = spans.recv_timeout(Duration::from_secs(30)).expect("the collector starts")["port"]
+            .as_u64()
+            .unwrap() as u16;
+        Collector { child, port, spans }
+    }
+
+    /// Every span of `trace_id` that arrives until `done` holds of them (60 s at most).
+    fn trace(&self, trace_id: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let mut got = Vec::new();
+        let until = Instant::now() + Duration::from_secs(60);
+        while !done(&got) {
+            let left = until.saturating_duration_since(Instant::now());
+            let Ok(v) = self.spans.recv_timeout(left) else {
+                panic!("trace {trace_id} incomplete: {got:#?}")
+            };
+            assert!(v["decode_error"].is_null(), "{v}");
+            if v["trace_id"] == trace_id {
+                got.push(v);
+            }
+        }
+        got
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn find<'a>(spans: &'a [Value], service: &str, name: &str) -> Vec<&'a Value> {
+    spans.iter().filter(|s| s["service"] == service && s["name"] == name).collect()
+}
+
+fn one<'a>(spans: &'a [Value], service: &str, name: &str) -> &'a Value {
+    let f = find(spans, service, name);
+    assert_eq!(f.len(), 1, "{service} {name}: {spans:#?}");
+    f[0]
+}
+
+/// `child` is `parent`'s child, and within it in time.
+fn under(child: &Value, parent: &Value) {
+    assert_eq!(child["parent_span_id"], parent["span_id"], "{} under {}", child["name"], parent["name"]);
+    let t = |v: &Value, k: &str| v[k].as_u64().unwrap();
+    assert!(t(child, "start") + 1_000_000 >= t(parent, "start"), "{child} starts before {parent}");
+    assert!(t(child, "end") <= t(parent, "end") + 50_000_000, "{child} ends after {parent}");
+}
+
+fn send(router: &RouterThread, body: &str, rid: &str, traceparent: &str) -> pdserve_http::ClientResponse {
+    let mut req = Request::new("POST", "/v1/chat/completions");
+    req.body = body.as_bytes().to_vec();
+    for (k, v) in [("content-type", "application/json"), ("x-request-id", rid), ("traceparent", traceparent)]
+    {
+        req.headers.push(Header { name: k.into(), value: v.as_bytes().to_vec() });
+    }
+    router.client.send(router.addr, &req, Instant::now() + Duration::from_secs(120)).unwrap()
+}
+
+#[test]
+fn one_trace_across_router_prefill_and_decode_through_a_migration() {
+    let c = Collector::start();
+    let url = format!("http://127.0.0.1:{}", c.port);
+    let args = |role: &'static str| vec!["--role", role, "--otlp-traces-endpoint", url.as_str()];
+    let prefill = Worker::start(&args("prefill"));
+    let decode_a = Worker::start(&args("decode"));
+    let decode_b = Worker::start(&args("decode"));
+    let router = RouterThread::start_with(
+        &[(&prefill, Role::Prefill), (&decode_a, Role::Decode), (&decode_b, Role::Decode)],
+        |cfg| cfg.otlp_traces_endpoint = Some(pdserve_trace::Endpoint::parse(&url).unwrap()),
+    );
+
+    // A request through PD, under the client's span.
+    let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let client_span = "00f067aa0ba902b7";
+    let body = chat("Name three rivers.", r#","temperature":0,"max_tokens":8"#);
+    let r = send(&router, &body, "traced-1", &format!("00-{trace}-{client_span}-01"));
+    assert_eq!(r.status(), 200);
+    let _ = r.read_to_end();
+    let expected = [
+        ("pdserve-router", "POST /v1/chat/completions"),
+        ("pdserve-router", "router queue"),
+        ("pdserve-router", "prefill leg"),
+        ("pdserve-router", "decode leg"),
+        ("pdserve-prefill", "POST /v1/chat/completions"),
+        ("pdserve-prefill", "queue"),
+        ("pdserve-prefill", "prefill"),
+        ("pdserve-decode", "POST /v1/chat/completions"),
+        ("pdserve-decode", "kv transfer"),
+        ("pdserve-decode", "kv pull"),
+        ("pdserve-decode", "queue"),
+        ("pdserve-decode", "decode"),
+    ];
+    let spans = c.trace(trace, |s| expected.iter().all(|(svc, name)| !find(s, svc, name).is_empty()));
+    let root = one(&spans, "pdserve-router", "POST /v1/chat/completions");
+    assert_eq!((root["parent_span_id"].as_str(), root["kind"].as_u64()), (Some(client_span), Some(2)));
+    assert_eq!(
+        (root["attributes"]["gen_ai.request.id"].as_str(), root["status_code"].as_u64()),
+        (Some("traced-1"), Some(1))
+    );
+    under(one(&spans, "pdserve-router", "router queue"), root);
+    let p_leg = one(&spans, "pdserve-router", "prefill leg");
+    let d_leg = one(&spans, "pdserve-router", "decode leg");
+    for leg in [p_leg, d_leg] {
+        under(leg, root);
+        assert_eq!(leg["kind"], 3);
+    }
+    let p = one(&spans, "pdserve-prefill", "POST /v1/chat/completions");
+    let d = one(&spans, "pdserve-decode", "POST /v1/chat/completions");
+    under(p, p_leg);
+    under(d, d_leg);
+    assert_eq!(p["attributes"]["pdserve.role"], "prefill");
+    assert_eq!(d["attributes"]["gen_ai.usage.completion_tokens"], 8);
+    for (svc, parent, stages) in [
+        ("pdserve-prefill", p, &["queue", "prefill"][..]),
+        ("pdserve-decode", d, &["kv transfer", "kv pull", "queue", "decode"][..]),
+    ] {
+        for s in stages {
+            under(one(&spans, svc, s), parent);
+        }
+    }
+
+    // A decode worker killed mid-stream: the request moves; the second decode leg, its worker's
+    // spans and the migration are in the same trace.
+    let trace2 = "0af7651916cd43dd8448eb211c80319c";
+    let body = chat(
+        "Tell me a long story about a lighthouse keeper and a storm.",
+        r#","temperature":0,"max_tokens":120,"ignore_eos":true,"stream":true"#,
+    );
+    let mut r = send(&router, &body, "traced-2", &format!("00-{trace2}-b7ad6b7169203331-01"));
+    assert_eq!(r.status(), 200);
+    let mut sse = SseDecoder::new(1 << 20);
+    let (mut deltas, mut killed) = (0, None);
+    while let Ok(Some(chunk)) = r.next_chunk() {
+        sse.push(&chunk);
+        while let Ok(Some(e)) = sse.next_event() {
+            if e.data.contains("\"content\":\"") {
+                deltas += 1;
+            }
+            if deltas == 10 && killed.is_none() {
+                let holder = [&decode_a, &decode_b].into_iter().find(|w| {
+                    let (_, v) = w.json("GET", "/debug/requests", "");
+                    v["requests"].as_array().is_some_and(|r| {
+                        r.iter().any(|r| r["id"].as_str().is_some_and(|i| i.starts_with("traced-2")))
+                    })
+                });
+                let w = holder.expect("a decode worker holds the stream");
+                w.signal("-KILL");
+                killed = Some(w.addr);
+            }
+        }
+    }
+    assert!(killed.is_some(), "the stream ended before its 10th token");
+    let spans = c.trace(trace2, |s| {
+        find(s, "pdserve-router", "decode leg").len() == 2
+            && find(s, "pdserve-decode", "POST /v1/chat/completions").len() == 1
+            && !find(s, "pdserve-router", "POST /v1/chat/completions").is_empty()
+    });
+    let root = one(&spans, "pdserve-router", "POST /v1/chat/completions");
+    assert!(root["events"].as_array().unwrap().iter().any(|e| e == "migration: decode_lost"), "{root}");
+    assert_eq!(root["attributes"]["pdserve.migrations"], 1);
+    let legs = find(&spans, "pdserve-router", "decode leg");
+    let by_status: HashMap<u64, &Value> =
+        legs.iter().map(|l| (l["status_code"].as_u64().unwrap(), *l)).collect();
+    assert!(
+        by_status.contains_key(&2) && by_status.contains_key(&1),
+        "one leg failed, one completed: {legs:#?}"
+    );
+    let survivor = one(&spans, "pdserve-decode", "POST /v1/chat/completions");
+    under(survivor, by_status[&1]);
+
+    // The router's /debug/requests names a live request's trace.
+    let body = chat("Count to fifty.", r#","max_tokens":200,"ignore_eos":true,"stream":true"#);
+    let r = send(&router, &body, "traced-3", "00-11111111111111111111111111111111-2222222222222222-01");
+    assert_eq!(r.status(), 200);
+    let (_, v) = router.json("GET", "/debug/requests", "");
+    let entry = v["requests"].as_array().unwrap().iter().find(|e| e["id"] == "traced-3").cloned();
+    assert_eq!(
+        entry.map(|e| e["trace_id"].clone()),
+        Some(Value::String("11111111111111111111111111111111".into())),
+        "{v}"
+    );
+    drop(r);
+}
