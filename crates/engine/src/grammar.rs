@@ -106,6 +106,9 @@ pub(crate) struct CompileJob {
     pub id: u64,
     pub constraint: Constraint,
     pub deadline: Instant,
+    /// Set when nobody waits for the result any more (the request was aborted, timed out or
+    /// ended): a job still queued is then skipped.
+    pub cancel: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// What the compiling threads tell the text thread.
@@ -154,7 +157,7 @@ impl Compiler {
                 // Ends when the text thread drops its side.
                 for job in rx {
                     let at = Instant::now();
-                    if at >= job.deadline {
+                    if at >= job.deadline || job.cancel.load(std::sync::atomic::Ordering::Relaxed) {
                         continue; // the request ended while it waited here
                     }
                     if tx.send(Compile::Started { id: job.id, at }).is_err() {
@@ -440,21 +443,23 @@ mod tests {
         let required: Vec<String> = (0..n).map(|i| format!("p{i}")).collect();
         let schema = json!({"type": "object", "properties": props, "required": required});
         let deadline = Instant::now() + Duration::from_secs(120);
-        assert!(compiler.submit(CompileJob { id: 7, constraint: Constraint::JsonSchema(schema), deadline }));
+        let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let job =
+            |id, constraint, deadline| CompileJob { id, constraint, deadline, cancel: Arc::clone(&cancel) };
+        assert!(compiler.submit(job(7, Constraint::JsonSchema(schema), deadline)));
         let news = |c: &Compiler| c.done.recv_timeout(Duration::from_secs(120)).unwrap();
         assert!(matches!(news(&compiler), Compile::Started { id: 7, .. }));
         match news(&compiler) {
             Compile::Done { id: 7, guide: Ok(_), .. } => {}
             other => panic!("{other:?}"),
         }
-        // A job whose request ended while it queued is not compiled.
-        let past = Instant::now();
-        assert!(compiler.submit(CompileJob {
-            id: 8,
-            constraint: Constraint::Regex("a".into()),
-            deadline: past
-        }));
-        assert!(compiler.submit(CompileJob { id: 9, constraint: Constraint::Regex("(".into()), deadline }));
+        // A job whose request ended while it queued, or that nobody waits for any more, is not
+        // compiled.
+        assert!(compiler.submit(job(8, Constraint::Regex("a".into()), Instant::now())));
+        let cancelled = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let c = Constraint::Regex("b".into());
+        assert!(compiler.submit(CompileJob { id: 10, constraint: c, deadline, cancel: cancelled }));
+        assert!(compiler.submit(job(9, Constraint::Regex("(".into()), deadline)));
         assert!(matches!(news(&compiler), Compile::Started { id: 9, .. }));
         assert!(matches!(news(&compiler), Compile::Done { id: 9, guide: Err(_), .. }));
     }

@@ -297,6 +297,8 @@ pub(crate) struct EngineThread {
     told_preemptions: u64,
     /// Where the prefix cache's changes go (`EngineConfig::kv_events`).
     kv_events: Option<pdserve_kv_events::Publisher>,
+    /// The KV cache's dropped changes, as last seen.
+    kv_events_dropped: u64,
 }
 
 /// Prefix-cache changes the KV cache keeps between two turns of the engine thread at most (a turn
@@ -325,6 +327,7 @@ impl EngineThread {
             told_transfers: EndpointStats::default(),
             told_preemptions: 0,
             kv_events: None,
+            kv_events_dropped: 0,
         }
     }
 
@@ -341,7 +344,12 @@ impl EngineThread {
     fn publish_kv_events(&mut self) {
         let Some(p) = self.kv_events.as_ref() else { return };
         let changes = self.worker.core.take_kv_events();
-        if !changes.is_empty() {
+        let dropped = self.worker.core.kv_events_dropped();
+        if dropped > self.kv_events_dropped {
+            // Some changes were lost: subscribers forget this worker's blocks rather than drift.
+            self.kv_events_dropped = dropped;
+            p.publish(vec![pdserve_kv_events::KvEvent::AllBlocksCleared]);
+        } else if !changes.is_empty() {
             let block_size = self.worker.core.kv().block_size() as u32;
             let events = changes
                 .into_iter()

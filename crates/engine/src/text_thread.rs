@@ -37,7 +37,7 @@ use pdserve_chat_template::{Piece, ReasoningFormat, ReasoningParser, Split, Tool
 
 mod staging;
 
-pub(crate) use staging::Staged;
+pub(crate) use staging::{Compiling, Staged};
 
 /// Recent prefill requests remembered for aborts of their offers.
 const RECENT_PREFILLS_MAX: usize = 4096;
@@ -209,8 +209,8 @@ pub(crate) struct TextThread {
     pub backlog: VecDeque<Output>,
     /// Compiles requests' output constraints.
     pub compiler: Compiler,
-    /// Requests waiting for their constraint, with the time its compile began.
-    pub compiling: HashMap<u64, (Staged, Option<Instant>)>,
+    /// Requests waiting for their constraint.
+    pub compiling: HashMap<u64, Compiling>,
     /// How long a constraint may take to compile (`EngineConfig::grammar_compile_timeout`).
     pub compile_timeout: Duration,
 }
@@ -224,8 +224,8 @@ impl TextThread {
             // With a backlog, its delivery is retried every 10 ms.
             let mut retry =
                 if self.backlog.is_empty() { Duration::from_secs(1) } else { Duration::from_millis(10) };
-            if let Some(first) = self.compiling.values().filter_map(|(_, at)| *at).min() {
-                retry = retry.min((first + self.compile_timeout).saturating_duration_since(Instant::now()));
+            if let Some(first) = self.compiling.values().filter_map(|c| c.due(self.compile_timeout)).min() {
+                retry = retry.min(first.saturating_duration_since(Instant::now()));
             }
             crossbeam_channel::select! {
                 recv(self.compiler.done) -> c => if let Ok(c) = c { self.compile(c) },
@@ -367,15 +367,21 @@ impl TextThread {
                 let Some(constraint) = constraint else { return self.start(staged) };
                 // Compiled on a thread of its own; the request goes on when it is.
                 let deadline = staged.sub.deadline;
-                if !self.compiler.submit(CompileJob { id, constraint, deadline }) {
+                let cancel = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                if !self.compiler.submit(CompileJob { id, constraint, deadline, cancel: Arc::clone(&cancel) })
+                {
                     let limit = self.compiler.capacity();
                     return self.reject(id, EngineError::Busy { limit });
                 }
-                self.compiling.insert(id, (staged, None));
+                let queued = Instant::now();
+                self.compiling.insert(id, Compiling { staged, queued, started: None, cancel });
             }
             // An abort of a request still compiling its constraint ends it here: the engine thread
             // has not seen it.
-            Job::Command(Command::Abort(id)) if self.compiling.remove(&id).is_some() => {
+            Job::Command(Command::Abort(id)) if self.compiling.contains_key(&id) => {
+                if let Some(c) = self.compiling.remove(&id) {
+                    c.cancel.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
                 self.end_resumed(id, Finish::Cancelled);
             }
             // A full queue loses the abort; the watchdog then ends the request at its deadline.

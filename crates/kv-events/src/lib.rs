@@ -278,6 +278,8 @@ pub struct PublisherStats {
     pub batches_dropped: AtomicU64,
     /// Batches a subscriber did not get: its queue was full, or it was cut off for blocking a write.
     pub subscriber_batches_dropped: AtomicU64,
+    /// Batches written to subscribers (one per subscriber that wanted it).
+    pub subscriber_batches_sent: AtomicU64,
     /// Subscribers connected now.
     pub subscribers: AtomicUsize,
 }
@@ -288,6 +290,8 @@ struct Subscriber {
     prefixes: Arc<Mutex<Vec<Vec<u8>>>>,
     /// Cleared when its connection ends.
     alive: Arc<std::sync::atomic::AtomicBool>,
+    /// Batches its queue holds at most.
+    hwm: usize,
 }
 
 type Ring = Arc<Mutex<VecDeque<Arc<(u64, Vec<u8>)>>>>;
@@ -398,21 +402,26 @@ fn publish_loop(
             if !lock(&s.prefixes).iter().any(|p| topic.starts_with(p)) {
                 return true;
             }
-            match s.queue.try_send(Arc::clone(&batch)) {
-                Ok(()) => true,
-                Err(TrySendError::Full(_)) => {
-                    stats.subscriber_batches_dropped.fetch_add(1, Ordering::Relaxed);
-                    true
-                }
-                Err(TrySendError::Disconnected(_)) => false,
+            if s.queue.len() >= s.hwm {
+                stats.subscriber_batches_dropped.fetch_add(1, Ordering::Relaxed);
+                return true;
             }
+            s.queue.send(Arc::clone(&batch)).is_ok()
         });
         stats.batches_published.fetch_add(1, Ordering::Relaxed);
     }
 }
 
-/// Accepts subscribers (up to [`SUBSCRIBERS_MAX`]), each served by a thread that writes its queue
-/// and one that reads its subscriptions.
+/// Subscriptions one subscriber may hold, and the longest topic prefix; past either it is cut off.
+const SUBSCRIPTIONS_MAX: usize = 256;
+const PREFIX_BYTES_MAX: usize = 4096;
+
+/// A subscriber that has subscribed to nothing this long after its handshake is closed (its slot is
+/// one of [`SUBSCRIBERS_MAX`]).
+const IDLE_UNSUBSCRIBED: Duration = Duration::from_secs(30);
+
+/// Accepts subscribers (up to [`SUBSCRIBERS_MAX`]), each served by a thread that does the handshake,
+/// then registers it and writes its queue, and one that reads its subscriptions.
 fn accept_subscribers(
     listener: TcpListener,
     subscribers: Arc<Mutex<Vec<Subscriber>>>,
@@ -421,78 +430,115 @@ fn accept_subscribers(
     topic: Vec<u8>,
 ) {
     for conn in listener.incoming() {
-        let Ok(stream) = conn else { continue };
+        let stream = match conn {
+            Ok(s) => s,
+            // Out of file descriptors, say: wait a little rather than spin.
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
         if stats.subscribers.load(Ordering::Relaxed) >= SUBSCRIBERS_MAX {
             continue; // dropped: closed
         }
-        let (tx, rx) = crossbeam_channel::bounded(hwm);
-        let prefixes: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
-        let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
-        let (p, a, st, t) = (Arc::clone(&prefixes), Arc::clone(&alive), Arc::clone(&stats), topic.clone());
         stats.subscribers.fetch_add(1, Ordering::Relaxed);
+        let (subs, st, t) = (Arc::clone(&subscribers), Arc::clone(&stats), topic.clone());
         let spawned = std::thread::Builder::new().name("kv-events-sub".into()).spawn(move || {
-            if let Err(e) = serve_subscriber(stream, &t, &rx, &p) {
-                if e.kind() == io::ErrorKind::WouldBlock || e.kind() == io::ErrorKind::TimedOut {
-                    // Cut off for blocking a write: what it had queued is lost.
-                    st.subscriber_batches_dropped.fetch_add(rx.len() as u64 + 1, Ordering::Relaxed);
+            let cut_off = serve_subscriber(stream, &t, &subs, &st, hwm);
+            if let Err(e) = cut_off {
+                if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+                    st.subscriber_batches_dropped.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            a.store(false, Ordering::Relaxed);
             st.subscribers.fetch_sub(1, Ordering::Relaxed);
         });
         if spawned.is_err() {
             stats.subscribers.fetch_sub(1, Ordering::Relaxed);
-            continue;
         }
-        lock(&subscribers).push(Subscriber { queue: tx, prefixes, alive });
     }
 }
 
-/// One subscriber: the handshake, a reader thread keeping `prefixes` up to date, then its queue
-/// written out (`[topic, seq, payload]`) until the connection or the publisher ends.
+/// One subscriber: the handshake; then, registered, a reader thread keeping its subscriptions up to
+/// date while this one writes its queue (`[topic, seq, payload]`) until the connection, the
+/// subscriber's limits or the publisher end. Every exit shuts the connection down (the reader then
+/// ends too) and leaves the registration to be swept.
 fn serve_subscriber(
     mut stream: TcpStream,
     topic: &[u8],
-    queue: &Receiver<Arc<(u64, Vec<u8>)>>,
-    prefixes: &Arc<Mutex<Vec<Vec<u8>>>>,
+    subscribers: &Mutex<Vec<Subscriber>>,
+    stats: &PublisherStats,
+    hwm: usize,
 ) -> io::Result<()> {
     stream.set_read_timeout(Some(IO_TIMEOUT))?;
     stream.set_write_timeout(Some(IO_TIMEOUT))?;
     stream.set_nodelay(true)?;
     zmtp::handshake(&mut stream, "PUB")?;
+    let prefixes: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+    let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    // Unbounded in type, held to `hwm` by the publisher (no memory taken up front per subscriber).
+    let (tx, queue) = crossbeam_channel::unbounded();
+    {
+        let mut subs = lock(subscribers);
+        subs.retain(|s| s.alive.load(Ordering::Relaxed));
+        subs.push(Subscriber { queue: tx, prefixes: Arc::clone(&prefixes), alive: Arc::clone(&alive), hwm });
+    }
+    let result = write_loop(&mut stream, topic, &queue, &prefixes, &alive, stats);
+    alive.store(false, Ordering::Relaxed);
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    result
+}
+
+fn write_loop(
+    stream: &mut TcpStream,
+    topic: &[u8],
+    queue: &Receiver<Arc<(u64, Vec<u8>)>>,
+    prefixes: &Arc<Mutex<Vec<Vec<u8>>>>,
+    alive: &Arc<std::sync::atomic::AtomicBool>,
+    stats: &PublisherStats,
+) -> io::Result<()> {
     let mut reader = stream.try_clone()?;
-    // Subscriptions may come at any time: the reader waits as long as the connection lives.
+    // Subscriptions may come at any time: the reader waits as long as the connection lives (the
+    // writer shuts it down on its way out).
     reader.set_read_timeout(None)?;
-    let (p, closer) = (Arc::clone(prefixes), stream.try_clone()?);
-    let gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let g = Arc::clone(&gone);
-    std::thread::Builder::new().name("kv-events-sub-read".into()).spawn(move || {
+    let (p, a) = (Arc::clone(prefixes), Arc::clone(alive));
+    let reading = std::thread::Builder::new().name("kv-events-sub-read".into()).spawn(move || {
         while let Ok(m) = zmtp::read(&mut reader) {
-            if let Some((on, t)) = zmtp::subscription(&m) {
-                let mut list = lock(&p);
-                if on {
-                    list.push(t);
-                } else if let Some(i) = list.iter().position(|x| *x == t) {
-                    list.swap_remove(i);
+            let Some((on, t)) = zmtp::subscription(&m) else { continue };
+            let mut list = lock(&p);
+            if on {
+                if list.len() >= SUBSCRIPTIONS_MAX || t.len() > PREFIX_BYTES_MAX {
+                    break; // past its limits: cut off
                 }
+                list.push(t);
+            } else if let Some(i) = list.iter().position(|x| *x == t) {
+                list.swap_remove(i);
             }
         }
-        g.store(true, Ordering::Relaxed);
-        let _ = closer.shutdown(std::net::Shutdown::Both);
+        a.store(false, Ordering::Relaxed);
     })?;
-    loop {
-        if gone.load(Ordering::Relaxed) {
-            return Ok(());
+    let since = std::time::Instant::now();
+    let result = loop {
+        if !alive.load(Ordering::Relaxed) {
+            break Ok(());
+        }
+        if lock(prefixes).is_empty() && since.elapsed() > IDLE_UNSUBSCRIBED {
+            break Ok(());
         }
         match queue.recv_timeout(Duration::from_millis(500)) {
             Ok(batch) => {
                 let seq = batch.0.to_be_bytes();
-                zmtp::write_message(&mut stream, &[topic, &seq, &batch.1])?;
+                if let Err(e) = zmtp::write_message(stream, &[topic, &seq, &batch.1]) {
+                    break Err(e);
+                }
+                stats.subscriber_batches_sent.fetch_add(1, Ordering::Relaxed);
             }
             Err(crossbeam_channel::RecvTimeoutError::Timeout) => {}
-            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => return Ok(()),
+            Err(crossbeam_channel::RecvTimeoutError::Disconnected) => break Ok(()),
         }
-    }
+    };
+    let _ = stream.shutdown(std::net::Shutdown::Both);
+    let _ = reading.join();
+    result
 }
 
 /// The end of a replay: sequence -1 and an empty payload.
@@ -504,7 +550,10 @@ const END_SEQ: [u8; 8] = (-1i64).to_be_bytes();
 fn serve_replay(listener: TcpListener, ring: Ring) {
     let open = Arc::new(AtomicUsize::new(0));
     for conn in listener.incoming() {
-        let Ok(mut stream) = conn else { continue };
+        let Ok(mut stream) = conn else {
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
         if open.load(Ordering::Relaxed) >= SUBSCRIBERS_MAX {
             continue;
         }

@@ -74,12 +74,25 @@ fn a_libzmq_subscriber_decodes_the_events_in_vllm_schema_and_replays() {
     }
     let last = b["seq"].as_u64().unwrap();
     assert_eq!(seqs, (first..=last).collect::<Vec<_>>());
-    // A subscriber to another topic gets nothing; the publisher never waited on anyone.
+    // A subscriber to another topic is sent nothing: the publisher filters by prefix, as ZMQ's PUB
+    // does (so the batches written grow by one per batch: the first subscriber's).
     let other = Subscriber::start(&pub_addr, &replay_addr, "other");
+    let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    let until = Instant::now() + Duration::from_secs(10);
+    while p.stats().subscribers.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+        assert!(Instant::now() < until, "the second subscriber never connected");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300)); // its subscription arrives
+    let sent = load(&p.stats().subscriber_batches_sent);
     for _ in 0..5 {
         p.publish(vec![KvEvent::AllBlocksCleared]);
     }
-    assert!(other.try_next(Duration::from_millis(500)).is_none(), "a batch for another topic arrived");
+    for _ in 0..5 {
+        assert!(s.try_next(Duration::from_secs(5)).is_some(), "the first subscriber gets every batch");
+    }
+    assert!(other.try_next(Duration::from_millis(300)).is_none(), "a batch for another topic arrived");
+    assert_eq!(load(&p.stats().subscriber_batches_sent) - sent, 5, "batches written to the other subscriber");
     assert_eq!(p.stats().batches_dropped.load(std::sync::atomic::Ordering::Relaxed), 0);
 }
 

@@ -433,7 +433,15 @@ impl Router {
         e.flight.handle_leg_sent(leg, worker, now);
         let (authority, url) =
             self.workers.get(worker).map_or(("", ""), |w| (w.authority.as_str(), w.url.as_str()));
-        let tp = e.trace.as_mut().map(|t| t.leg(kind, url, retry, now));
+        let tp = match e.trace.as_mut() {
+            Some(t) => Some(t.leg(kind, url, retry, now)),
+            // A probe: its legs ask the workers not to trace them (the sampled flag off).
+            None if self.traces.is_some() => Some(
+                pdserve_trace::TraceContext { flags: 0, ..pdserve_trace::TraceContext::new_root() }
+                    .traceparent(),
+            ),
+            None => None,
+        };
         let secret = self.cfg.cluster_secret.as_deref();
         let bytes = e.flight.leg_request(kind, authority, secret, tp.as_deref(), now);
         let deadline = e.flight.deadline();

@@ -31,6 +31,11 @@ pub(crate) struct FlightTrace {
     parent: Option<[u8; 8]>,
     dispatched: Option<Instant>,
     legs: Vec<LegTrace>,
+    /// When a leg went out to replace one that was lost (a migration), in order.
+    moves: Vec<Instant>,
+    /// The trace is sampled (the client's flag; a trace of our own always is): else nothing is
+    /// exported, and the legs still pass the context on.
+    sampled: bool,
 }
 
 impl FlightTrace {
@@ -40,7 +45,8 @@ impl FlightTrace {
             Some(client) => (client.child(), Some(client.span_id)),
             None => (TraceContext::new_root(), None),
         };
-        FlightTrace { root, parent, dispatched: None, legs: Vec::new() }
+        let sampled = root.flags & 1 == 1;
+        FlightTrace { root, parent, dispatched: None, legs: Vec::new(), moves: Vec::new(), sampled }
     }
 
     pub(crate) fn trace_id(&self) -> String {
@@ -56,6 +62,11 @@ impl FlightTrace {
     pub(crate) fn leg(&mut self, kind: LegKind, worker: &str, retry: Option<Retry>, now: Instant) -> String {
         if let Some(l) = self.legs.last_mut() {
             l.end.get_or_insert(now);
+            // Not a retry of a leg that never went out, nor the decode leg after its prefill leg:
+            // the request moved.
+            if retry.is_none() && !(l.kind == LegKind::Prefill && kind == LegKind::Decode) {
+                self.moves.push(now);
+            }
         }
         let ctx = self.root.child();
         self.legs.push(LegTrace { ctx, kind, worker: worker.to_owned(), retry, start: now, end: None });
@@ -64,8 +75,11 @@ impl FlightTrace {
 
     /// Exports the flight's spans, ending `now` as `f` says.
     pub(crate) fn export(self, exporter: &Exporter, spec: &FlightSpec, f: &Finish, now: Instant) {
+        if !self.sampled {
+            return;
+        }
         let completed = f.outcome == Outcome::Completed;
-        let name = format!("POST {}", spec.path);
+        let name = format!("{} {}", if spec.method_get { "GET" } else { "POST" }, spec.path);
         let mut root =
             Span::with_context(self.root, self.parent, &name, SpanKind::Server, spec.received, now);
         root.attr("gen_ai.request.id", AttrValue::Str(spec.request_id.clone()))
@@ -75,8 +89,9 @@ impl FlightTrace {
             .attr("pdserve.stage", AttrValue::Str(f.stage.as_str().to_owned()))
             .attr("pdserve.legs", AttrValue::Int(self.legs.len() as i64))
             .attr("pdserve.migrations", AttrValue::Int(f.migrations.len() as i64));
-        for m in &f.migrations {
-            root.events.push((root.end_unix_nanos, format!("migration: {}", m.as_str())));
+        for (i, m) in f.migrations.iter().enumerate() {
+            let at = self.moves.get(i).map_or(root.end_unix_nanos, |&t| pdserve_trace::unix_nanos(t));
+            root.events.push((at, format!("migration: {}", m.as_str())));
         }
         root.status = if completed {
             Status::Ok
@@ -89,6 +104,7 @@ impl FlightTrace {
         if let Some(d) = self.dispatched {
             exporter.export(Span::between(&root_ctx, "router queue", SpanKind::Internal, spec.received, d));
         }
+        let kinds: Vec<LegKind> = self.legs.iter().map(|l| l.kind).collect();
         let last = self.legs.len().saturating_sub(1);
         for (i, l) in self.legs.into_iter().enumerate() {
             let kind = match l.kind {
@@ -108,18 +124,20 @@ impl FlightTrace {
                 };
                 s.attr("pdserve.retry", AttrValue::Str(why.to_owned()));
             }
-            // A leg another followed did not finish the request (a retry, a migration, or the
-            // prefill leg before its decode leg); the last one ended as the request did.
-            let ok = if i == last { completed } else { l.kind == LegKind::Prefill };
-            s.status = if ok { Status::Ok } else { Status::Error("another leg took over".into()) };
-            if i == last && !completed {
-                s.status = root_status_message(f);
-            }
+            // A leg that another of its kind followed (a retry, a migration) did not do its part;
+            // the last one ended as the request did; a prefill leg its decode leg followed did.
+            s.status = if i == last {
+                if completed {
+                    Status::Ok
+                } else {
+                    Status::Error(f.message.clone().unwrap_or_else(|| f.outcome.as_str().to_owned()))
+                }
+            } else if kinds[i + 1..].contains(&l.kind) {
+                Status::Error("another leg took over".into())
+            } else {
+                Status::Ok
+            };
             exporter.export(s);
         }
     }
-}
-
-fn root_status_message(f: &Finish) -> Status {
-    Status::Error(f.message.clone().unwrap_or_else(|| f.outcome.as_str().to_owned()))
 }

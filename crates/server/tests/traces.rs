@@ -55,7 +55,7 @@ impl Collector {
             let Ok(v) = self.spans.recv_timeout(left) else {
                 panic!("trace {trace_id} incomplete: {got:#?}")
             };
-            assert!(v["decode_error"].is_null(), "{v}");
+            assert!(v.is_object() && v["decode_error"].is_null(), "{v}");
             if v["trace_id"] == trace_id {
                 got.push(v);
             }

@@ -153,11 +153,14 @@ impl Endpoint {
             None => (rest, ""),
         };
         let (host, port) = match authority.rsplit_once(':') {
+            // An IPv6 address without a port: `[::1]`.
+            Some(_) if authority.starts_with('[') && authority.ends_with(']') => (authority, 4318),
             Some((h, p)) => {
                 (h, p.parse::<u16>().map_err(|e| format!("--otlp-traces-endpoint {url}: port: {e}"))?)
             }
             None => (authority, 4318),
         };
+        let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
         if host.is_empty() {
             return Err(format!("--otlp-traces-endpoint {url}: no host"));
         }

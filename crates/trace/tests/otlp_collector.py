@@ -8,6 +8,7 @@ Usage: otlp_collector.py [PORT]. Prints {"port": N} first. Each span: {"service"
 
 import json
 import sys
+import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from google.protobuf.message import DecodeError
@@ -15,6 +16,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
+
+# Requests are served on threads of their own: one line at a time, whole.
+out_lock = threading.Lock()
+
+
+def emit(obj):
+    with out_lock:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
 
 
 def value(any_value):
@@ -32,17 +43,17 @@ class Handler(BaseHTTPRequestHandler):
         try:
             req.ParseFromString(body)
         except DecodeError as e:
-            print(json.dumps({"decode_error": str(e)}), flush=True)
+            emit({"decode_error": str(e)})
             self.send_response(400)
             self.end_headers()
             return
         if self.path != "/v1/traces" or self.headers.get("content-type") != "application/x-protobuf":
-            print(json.dumps({"decode_error": f"{self.path} {self.headers.get('content-type')}"}), flush=True)
+            emit({"decode_error": f"{self.path} {self.headers.get('content-type')}"})
         for rs in req.resource_spans:
             service = {kv.key: value(kv.value) for kv in rs.resource.attributes}.get("service.name")
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    print(json.dumps({
+                    emit({
                         "service": service,
                         "scope": ss.scope.name,
                         "trace_id": s.trace_id.hex(),
@@ -57,7 +68,7 @@ class Handler(BaseHTTPRequestHandler):
                         "status_code": s.status.code,
                         "status_message": s.status.message,
                         "flags": s.flags,
-                    }), flush=True)
+                    })
         out = ExportTraceServiceResponse().SerializeToString()
         self.send_response(200)
         self.send_header("content-type", "application/x-protobuf")
@@ -67,5 +78,5 @@ class Handler(BaseHTTPRequestHandler):
 
 
 server = ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1]) if len(sys.argv) > 1 else 0), Handler)
-print(json.dumps({"port": server.server_address[1]}), flush=True)
+emit({"port": server.server_address[1]})
 server.serve_forever()

@@ -125,4 +125,7 @@ fn endpoints_are_otlp_http_urls() {
     assert_eq!(Endpoint::parse("http://c").unwrap().port, 4318);
     assert!(Endpoint::parse("https://c:4318").unwrap_err().contains("http://"));
     assert!(Endpoint::parse("c:4317").is_err());
+    let v6 = Endpoint::parse("http://[::1]:4319").unwrap();
+    assert_eq!((v6.host.as_str(), v6.port), ("::1", 4319));
+    assert_eq!(Endpoint::parse("http://[::1]").unwrap().port, 4318);
 }

@@ -73,7 +73,10 @@ pub(super) fn supervisor(short: bool) -> Result<Row> {
     let _ = std::fs::remove_dir_all(&logs);
     std::fs::create_dir_all(&logs)?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let exe = std::env::current_exe()?;
+    // This very command's binary, by path: the one running may have been replaced since it started
+    // (`cargo xtask test` builds the workspace's tests first), leaving its own path dangling.
+    crate::cargo(&["build", "-p", "xtask"])?;
+    let exe = crate::workspace_root().join("target/debug/xtask");
     let err = std::fs::File::create(logs.join("serve.stderr"))?;
     let mut serve = Command::new(&exe)
         .args(["serve", "--debug", "--prefill", "1", "--decode", "2", "--port", &port.to_string()])
@@ -158,6 +161,9 @@ pub(super) fn supervisor(short: bool) -> Result<Row> {
             .collect();
         std::thread::sleep(Duration::from_secs(1));
         ensure!(Command::new("kill").args(["-KILL", &victim.to_string()]).status()?.success(), "kill failed");
+        let down = wait_for(Duration::from_secs(30), "the router counting decode-0 down", || {
+            Ok(worker_state(&router, &victim_url)?.0 != "up")
+        })?;
         let reported =
             wait_for(Duration::from_secs(30), "the supervisor reporting decode-0's death", || {
                 Ok(stderr().contains("decode-0 exited with"))
@@ -215,9 +221,11 @@ pub(super) fn supervisor(short: bool) -> Result<Row> {
         row.sent += n;
         row.completed += drained.completed;
         row.note = format!(
-            "decode-0 killed under 4 clients: death reported after {:.1} s, back on its address after {:.1} s, \
-             the router up on it {:.1} s later, {} requests meanwhile all completed; SIGTERM with {n} streams \
-             in flight: all completed, serve exited 0 after {:.1} s, no process left",
+            "decode-0 killed under 4 clients: the router counted it down after {:.1} s, death reported after {:.1} s, \
+             back on its address after {:.1} s, the router up on it {:.1} s later, {} requests meanwhile all \
+             completed; SIGTERM with {n} streams in flight: all completed, serve exited 0 after {:.1} s, no \
+             process left",
+            down.as_secs_f64(),
             reported.as_secs_f64(),
             back.as_secs_f64() + reported.as_secs_f64(),
             up.as_secs_f64(),

@@ -398,6 +398,11 @@ impl EngineCore {
         self.sched.kv_mut().take_events()
     }
 
+    /// Changes the KV cache dropped (its log was full).
+    pub fn kv_events_dropped(&self) -> u64 {
+        self.sched.kv().events_dropped()
+    }
+
     pub fn scheduler_stats(&self) -> SchedulerStats {
         self.sched.stats()
     }

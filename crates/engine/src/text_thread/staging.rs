@@ -3,7 +3,9 @@
 //! handed to the engine thread.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::TrySendError;
 use pdserve_api::Role;
@@ -21,20 +23,38 @@ pub(crate) struct Staged {
     pub(super) text: Text,
 }
 
+/// A staged request waiting for its constraint: when it was queued, when its compile began, and the
+/// flag that tells a compiling thread nobody waits for it any more.
+#[derive(Debug)]
+pub(crate) struct Compiling {
+    pub(super) staged: Staged,
+    pub(super) queued: Instant,
+    pub(super) started: Option<Instant>,
+    pub(super) cancel: Arc<AtomicBool>,
+}
+
+impl Compiling {
+    /// When it is past its bound: `bound` after its compile began or, still queued, after it was
+    /// queued (the compiling threads are busy).
+    pub(super) fn due(&self, bound: Duration) -> Option<Instant> {
+        self.started.unwrap_or(self.queued).checked_add(bound)
+    }
+}
+
 impl TextThread {
     /// News from the compiling threads: a staged request's compile began, or ended (it goes on, or
     /// ends with what is wrong).
     pub(super) fn compile(&mut self, c: Compile) {
         let (id, guide, took) = match c {
             Compile::Started { id, at } => {
-                if let Some((_, started)) = self.compiling.get_mut(&id) {
-                    *started = Some(at);
+                if let Some(c) = self.compiling.get_mut(&id) {
+                    c.started = Some(at);
                 }
                 return;
             }
             Compile::Done { id, guide, took } => (id, guide, took),
         };
-        let Some((mut staged, _)) = self.compiling.remove(&id) else { return }; // ended meanwhile
+        let Some(Compiling { mut staged, .. }) = self.compiling.remove(&id) else { return }; // ended meanwhile
         self.metrics.grammar_compile.record(took);
         match guide {
             Ok(mut g) => {
@@ -53,26 +73,39 @@ impl TextThread {
         }
     }
 
-    /// Ends the staged requests whose constraints did not compile in time, and forgets those the
-    /// handle's watchdog ended while they waited for a compiling thread.
+    /// Ends the staged requests whose constraints did not compile in time (a 400: the constraint's
+    /// cost) or did not get a compiling thread in time (a 429: the threads are busy), and forgets
+    /// those the handle's watchdog ended meanwhile; each one's job is cancelled.
     pub(super) fn compile_timeouts(&mut self, now: Instant) {
         let bound = self.compile_timeout;
         let late: Vec<u64> = self
             .compiling
             .iter()
-            .filter(|(_, (_, at))| at.is_some_and(|at| at + bound <= now))
+            .filter(|(_, c)| c.due(bound).is_some_and(|d| d <= now))
             .map(|(&id, _)| id)
             .collect();
         for id in late {
-            self.compiling.remove(&id);
-            let problem = format!(
-                "the output constraint did not compile within {:.1} s; simplify the schema or grammar",
-                bound.as_secs_f64()
-            );
-            self.reject(id, EngineError::InvalidInput { problem });
+            let Some(c) = self.compiling.remove(&id) else { continue };
+            c.cancel.store(true, Ordering::Relaxed);
+            let error = if c.started.is_some() {
+                let problem = format!(
+                    "the output constraint did not compile within {:.1} s; simplify the schema or grammar",
+                    bound.as_secs_f64()
+                );
+                EngineError::InvalidInput { problem }
+            } else {
+                EngineError::Busy { limit: self.compiler.capacity() }
+            };
+            self.reject(id, error);
         }
         let live = lock(&self.live);
-        self.compiling.retain(|id, _| live.streams.contains_key(id));
+        self.compiling.retain(|id, c| {
+            let alive = live.streams.contains_key(id);
+            if !alive {
+                c.cancel.store(true, Ordering::Relaxed);
+            }
+            alive
+        });
     }
 
     /// A request tokenized (and its constraint compiled): its text state is kept, the output it

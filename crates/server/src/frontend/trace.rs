@@ -42,6 +42,10 @@ pub(super) struct Ended<'a> {
 
 /// Exports the request's span and its stages' spans.
 pub(super) fn export(exporter: &Exporter, t: RequestTrace, e: &Ended<'_>) {
+    // The caller did not sample the trace: nothing is exported.
+    if t.ctx.flags & 1 == 0 {
+        return;
+    }
     let now = Instant::now();
     let mut root = Span::with_context(t.ctx, t.parent, e.name, SpanKind::Server, e.received, now);
     root.attr("gen_ai.request.id", AttrValue::Str(e.request_id.to_owned()))
