@@ -4,13 +4,14 @@
 //! stages below them, a migration's second decode leg in the same trace; and the router's
 //! `/debug/requests` and a worker's log line name the trace.
 
+#[path = "../../trace/tests/collector/mod.rs"]
+mod collector;
 mod common;
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
+
+use collector::Collector;
 
 use common::router::RouterThread;
 use common::{chat, Worker};
@@ -18,57 +19,19 @@ use pdserve_http::{Header, Request, SseDecoder};
 use pdserve_router::Role;
 use serde_json::Value;
 
-struct Collector {
-    child: Child,
-    port: u16,
-    spans: mpsc::Receiver<Value>,
-}
-
-impl Collector {
-    fn start() -> Collector {
-        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../trace/tests/otlp_collector.py");
-        let mut child = Command::new(python)
-            .arg(script)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python3 with opentelemetry-proto (cargo xtask test's venv has it)");
-        let (tx, spans) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(serde_json::from_str(&l).unwrap_or(Value::String(l)));
-            }
-        });
-        let port = spans.recv_timeout(Duration::from_secs(30)).expect("the collector starts")["port"]
-            .as_u64()
-            .unwrap() as u16;
-        Collector { child, port, spans }
-    }
-
-    /// Every span of `trace_id` that arrives until `done` holds of them (60 s at most).
-    fn trace(&self, trace_id: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
-        let mut got = Vec::new();
-        let until = Instant::now() + Duration::from_secs(60);
-        while !done(&got) {
-            let left = until.saturating_duration_since(Instant::now());
-            let Ok(v) = self.spans.recv_timeout(left) else {
-                panic!("trace {trace_id} incomplete: {got:#?}")
-            };
-            assert!(v.is_object() && v["decode_error"].is_null(), "{v}");
-            if v["trace_id"] == trace_id {
-                got.push(v);
-            }
+/// Every span of `trace_id` that arrives until `done` holds of them (60 s at most).
+fn spans_of(c: &Collector, trace_id: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+    let mut got = Vec::new();
+    let until = Instant::now() + Duration::from_secs(60);
+    while !done(&got) {
+        let left = until.saturating_duration_since(Instant::now());
+        let Ok(v) = c.spans.recv_timeout(left) else { panic!("trace {trace_id} incomplete: {got:#?}") };
+        assert!(v.is_object() && v["decode_error"].is_null(), "{v}");
+        if v["trace_id"] == trace_id {
+            got.push(v);
         }
-        got
     }
-}
-
-impl Drop for Collector {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    got
 }
 
 fn find<'a>(spans: &'a [Value], service: &str, name: &str) -> Vec<&'a Value> {
@@ -133,7 +96,7 @@ fn one_trace_across_router_prefill_and_decode_through_a_migration() {
         ("pdserve-decode", "queue"),
         ("pdserve-decode", "decode"),
     ];
-    let spans = c.trace(trace, |s| expected.iter().all(|(svc, name)| !find(s, svc, name).is_empty()));
+    let spans = spans_of(&c, trace, |s| expected.iter().all(|(svc, name)| !find(s, svc, name).is_empty()));
     let root = one(&spans, "pdserve-router", "POST /v1/chat/completions");
     assert_eq!((root["parent_span_id"].as_str(), root["kind"].as_u64()), (Some(client_span), Some(2)));
     assert_eq!(
@@ -193,7 +156,7 @@ fn one_trace_across_router_prefill_and_decode_through_a_migration() {
         }
     }
     assert!(killed.is_some(), "the stream ended before its 10th token");
-    let spans = c.trace(trace2, |s| {
+    let spans = spans_of(&c, trace2, |s| {
         find(s, "pdserve-router", "decode leg").len() == 2
             && find(s, "pdserve-decode", "POST /v1/chat/completions").len() == 1
             && !find(s, "pdserve-router", "POST /v1/chat/completions").is_empty()

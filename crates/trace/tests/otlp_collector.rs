@@ -2,49 +2,13 @@
 //! decodes every batch: ids, parents, names, kinds, times, attributes and status as sent; and a
 //! collector that goes away mid-run costs dropped spans, never a wait.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+mod collector;
+
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use collector::Collector;
 use pdserve_trace::{AttrValue, Endpoint, Exporter, Span, SpanKind, Status, TraceContext};
-use serde_json::Value;
-
-struct Collector {
-    child: Child,
-    port: u16,
-    spans: mpsc::Receiver<Value>,
-}
-
-impl Collector {
-    fn start() -> Collector {
-        let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/otlp_collector.py");
-        let mut child = Command::new(python)
-            .arg(script)
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python3 with opentelemetry-proto (cargo xtask test's venv has it)");
-        let (tx, spans) = mpsc::channel();
-        let out = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(serde_json::from_str(&l).unwrap_or(Value::String(l)));
-            }
-        });
-        let first = spans.recv_timeout(Duration::from_secs(30)).expect("the collector starts");
-        let port = first["port"].as_u64().expect("its port") as u16;
-        Collector { child, port, spans }
-    }
-}
-
-impl Drop for Collector {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 #[test]
 fn the_official_protobuf_definitions_decode_what_the_exporter_posts() {
