@@ -363,6 +363,7 @@ const FUZZ_TARGETS: &[&str] = &[
     "api_requests",
     "chat_template",
     "dns_answer",
+    "wire_peers",
 ];
 
 fn fuzz(args: &[String]) -> Result<()> {

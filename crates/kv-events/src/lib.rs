@@ -26,7 +26,9 @@
 #![forbid(unsafe_code)]
 
 mod msgpack;
-mod zmtp;
+/// ZMTP framing, public for the fuzz targets only.
+#[doc(hidden)]
+pub mod zmtp;
 
 use std::collections::VecDeque;
 use std::io;

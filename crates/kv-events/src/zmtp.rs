@@ -12,11 +12,11 @@ const COMMAND: u8 = 0x04;
 
 /// Bytes of a frame body taken at most (a peer announcing more is dropped): subscriptions and replay
 /// requests are short.
-pub(crate) const FRAME_BYTES_MAX: u64 = 64 * 1024;
+pub const FRAME_BYTES_MAX: u64 = 64 * 1024;
 
 /// What a peer sent.
 #[derive(Debug, PartialEq)]
-pub(crate) enum Incoming {
+pub enum Incoming {
     /// A message of one or more frames.
     Message(Vec<Vec<u8>>),
     /// A command: its name and data.
@@ -102,7 +102,7 @@ pub(crate) fn write_message(s: &mut impl Write, frames: &[&[u8]]) -> io::Result<
 }
 
 /// Reads one message or command (commands are single frames).
-pub(crate) fn read(s: &mut impl Read) -> io::Result<Incoming> {
+pub fn read(s: &mut impl Read) -> io::Result<Incoming> {
     let mut frames = Vec::new();
     loop {
         let mut flags = [0u8; 1];
@@ -138,7 +138,7 @@ pub(crate) fn read(s: &mut impl Read) -> io::Result<Incoming> {
 
 /// A subscriber's change of subscription: `Some((true, prefix))` to subscribe, `(false, prefix)` to
 /// cancel; `None` for anything else.
-pub(crate) fn subscription(m: &Incoming) -> Option<(bool, Vec<u8>)> {
+pub fn subscription(m: &Incoming) -> Option<(bool, Vec<u8>)> {
     match m {
         // ZMTP 3.1.
         Incoming::Command(name, topic) if name == "SUBSCRIBE" => Some((true, topic.clone())),
