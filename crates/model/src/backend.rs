@@ -17,6 +17,22 @@ pub struct SeqStep<'a> {
     pub logits: usize,
 }
 
+/// One sequence's share of a draft pass (DeepSeek's multi-token prediction layer), run right after
+/// the forward pass it reads: the draft layer's rows at the first `next.len()` positions of the
+/// forward pass's `step`-th sequence, row `j` reading the main model's final hidden state there and
+/// the token that follows it (`next[j]`). Its KV is stored as the cache's last layer; the last row
+/// returns logits (the guess at the token after `next`'s last) where `logits` says so.
+#[derive(Debug, Clone, Copy)]
+pub struct DraftStep<'a> {
+    /// The sequence's index in the last forward pass's steps.
+    pub step: usize,
+    /// The token after each row's position, from that step's `start_pos` on (at most its row count).
+    pub next: &'a [u32],
+    /// Covers every position up to the last row's (the forward pass's table, or a longer one).
+    pub block_table: &'a [BlockId],
+    pub logits: bool,
+}
+
 /// The element type KV memory holds. The 16-bit types halve the bytes decode attention reads, the pool
 /// holds and a PD transfer moves; values are computed in f32 and rounded (to nearest even) when stored.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -93,7 +109,8 @@ impl KvLayout {
         KvLayout {
             num_blocks,
             block_size,
-            num_layers: cfg.num_layers,
+            // The draft layer's KV is one more layer's.
+            num_layers: cfg.num_layers + cfg.draft_layers,
             num_kv_heads: cfg.num_kv_heads,
             head_dim,
             dtype,
@@ -174,6 +191,21 @@ pub trait Backend: Send {
     fn block_bytes_mut(&mut self, block: BlockId) -> Option<&mut [u8]> {
         let _ = block;
         None
+    }
+
+    /// Draft layers this backend runs in [`draft`](Self::draft) (0: none; DeepSeek's multi-token
+    /// prediction layer: 1).
+    fn draft_layers(&self) -> usize {
+        0
+    }
+
+    /// Runs the draft layer over rows of the last [`forward`](Self::forward) (or
+    /// [`forward_greedy`](Self::forward_greedy)) pass, which it must directly follow, and returns the
+    /// logits of each step that asks for them, in order. Errors where the backend has no draft
+    /// layer or a step does not match the last pass.
+    fn draft(&mut self, steps: &[DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let _ = steps;
+        Err(ModelError::Unsupported { field: "draft layer".into(), value: "this backend".into() })
     }
 
     /// The row count a step verifying drafts is cheapest in multiples of: its weight products work

@@ -43,7 +43,7 @@ mod weights;
 
 use std::path::Path;
 
-pub use backend::{Backend, KvDtype, KvLayout, KvStore, SeqStep};
+pub use backend::{Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
 pub use config::{ExpertGroups, GroupScore, Indexer, Mla, ModelConfig, Moe, MoeNames, RopeScaling, Scoring};
 pub use cpu::CpuBackend;
 pub use error::ModelError;
@@ -59,7 +59,8 @@ pub use sys::peak;
 pub use sys::{cpu_kernels, set_cpu_kernels, CpuKernels};
 pub use text::{tool_call, ChatMessage, IncrementalDecoder, TextCodec};
 pub use weights::{
-    CheckpointDtype, Expert, IndexerWeights, LayerWeights, MlaWeights, MoeWeights, ReadScales, Weights,
+    CheckpointDtype, DraftWeights, Expert, IndexerWeights, LayerWeights, MlaWeights, MoeWeights, ReadScales,
+    Weights,
 };
 
 /// Deterministic values in -1..1 for the unit tests' matrices and activations.

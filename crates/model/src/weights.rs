@@ -150,6 +150,24 @@ pub struct Weights {
     pub final_norm: Vec<f32>,
     /// `[vocab, hidden]`; `None` when tied to `embed`.
     pub lm_head: Option<Vec<f32>>,
+    /// The draft layer's own weights (`ModelConfig::draft_layers`); its decoder layer is the last of
+    /// `layers`.
+    pub draft: Option<DraftWeights>,
+}
+
+/// DeepSeek's multi-token prediction layer, less its decoder layer: row `j`'s input is
+/// `eh_proj([enorm(embed(t_{j+1})) | hnorm(h_j)])`, `h_j` the main model's final (normed) hidden
+/// state at `j`; its decoder layer's output, normed by `head_norm`, goes through the model's LM head.
+/// The layer's own copies of the embedding and the LM head (`embed_tokens`, `shared_head.head`) are
+/// those of the model (DeepSeek-V3 shares them) and are not read.
+#[derive(Debug, Clone)]
+pub struct DraftWeights {
+    pub enorm: Vec<f32>,
+    pub hnorm: Vec<f32>,
+    /// `[hidden, 2 x hidden]`
+    pub eh_proj: Vec<f32>,
+    /// `shared_head.norm`
+    pub head_norm: Vec<f32>,
 }
 
 struct Shards {
@@ -352,7 +370,13 @@ impl Weights {
                 mla: None,
             })
             .collect();
-        Weights { embed: fill(c.vocab_size * h), layers, final_norm: vec![1.0; h], lm_head: None }
+        Weights {
+            embed: fill(c.vocab_size * h),
+            layers,
+            final_norm: vec![1.0; h],
+            lm_head: None,
+            draft: None,
+        }
     }
 
     /// [`filled`](Self::filled) with values uniform in `-scale / 2..scale / 2`, drawn by a xorshift
@@ -406,8 +430,8 @@ impl Weights {
         };
         let dtype = s.dtype(&format!("model.layers.0.self_attn.{first}.weight"));
         let (h, v) = (config.hidden_size, config.vocab_size);
-        let mut layers = Vec::with_capacity(config.num_layers);
-        for l in 0..config.num_layers {
+        let mut layers = Vec::with_capacity(config.num_layers + config.draft_layers);
+        for l in 0..config.num_layers + config.draft_layers {
             let mut layer = read_layer(&|n, shape| s.get(n, shape), config, l)?;
             each(dtype, &mut layer, &|| read_layer(&|n, shape| s.block_scales(n, shape), config, l))?;
             layers.push(layer);
@@ -417,11 +441,24 @@ impl Weights {
         } else {
             Some(s.get("lm_head.weight", &[v, h])?)
         };
+        let draft = match config.draft_layers {
+            0 => None,
+            _ => {
+                let p = format!("model.layers.{}.", config.num_layers);
+                Some(DraftWeights {
+                    enorm: s.get(&format!("{p}enorm.weight"), &[h])?,
+                    hnorm: s.get(&format!("{p}hnorm.weight"), &[h])?,
+                    eh_proj: s.get(&format!("{p}eh_proj.weight"), &[h, 2 * h])?,
+                    head_norm: s.get(&format!("{p}shared_head.norm.weight"), &[h])?,
+                })
+            }
+        };
         let w = Weights {
             embed: s.get("model.embed_tokens.weight", &[v, h])?,
             layers,
             final_norm: s.get("model.norm.weight", &[h])?,
             lm_head,
+            draft,
         };
         Ok((w, dtype))
     }
@@ -456,7 +493,12 @@ impl Weights {
                 + opt.iter().map(|m| m.as_ref().map_or(0, Vec::len)).sum::<usize>()
                 + experts
         };
+        let draft = self
+            .draft
+            .as_ref()
+            .map_or(0, |d| d.enorm.len() + d.hnorm.len() + d.eh_proj.len() + d.head_norm.len());
         let n = self.embed.len()
+            + draft
             + self.final_norm.len()
             + self.lm_head.as_ref().map_or(0, Vec::len)
             + self.layers.iter().map(layer).sum::<usize>();

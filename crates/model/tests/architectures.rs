@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use pdserve_kvcache::{KvCache, KvConfig, SeqId};
 use pdserve_model::{
-    Backend, CpuBackend, KvDtype, ModelConfig, PreparedWeights, SeqStep, WeightFormat, Weights,
+    Backend, CpuBackend, DraftStep, KvDtype, ModelConfig, PreparedWeights, SeqStep, WeightFormat, Weights,
 };
 use serde_json::{json, Value};
 
@@ -266,10 +266,92 @@ fn deepseek_v3() -> Value {
     "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}})
 }
 
-/// Latent attention keeps the batch-invariance promise: a DeepSeek prompt's last logits are the
-/// same bits computed in one step, in chunks, and beside another sequence's rows, with f16 KV.
+/// DeepSeek's multi-token prediction layer drafts as the numpy reference's (vLLM's formulation):
+/// after a prompt prefilled in two chunks and after each greedy decode step, the draft pass over the
+/// rows just computed gives the reference MTP layer's logits at the last one (its guess at the token
+/// after the one just chosen), for V3 and for V3.2 (whose draft layer has its own indexer). (The
+/// draft layer in every weight format: `experts_and_latent_attention_run_in_every_weight_format`.)
 #[test]
-fn deepseek_rows_are_the_same_bits_whatever_the_step_holds() {
+fn the_mtp_layer_drafts_as_the_reference_does() {
+    for (name, config) in [("deepseek-v3-mtp", deepseek_v3()), ("deepseek-v3.2-mtp", deepseek_v32())] {
+        let dir = checkpoint(name, config);
+        let ids = serde_json::to_string(&prompt()).unwrap();
+        let v: Value =
+            serde_json::from_slice(&script(&["mtp", dir.to_str().unwrap(), &ids, &STEPS.to_string()]))
+                .unwrap();
+        let floats =
+            |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect::<Vec<_>>();
+        let want_greedy: Vec<u32> =
+            v["greedy"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let want_drafts: Vec<Vec<f32>> = v["drafts"].as_array().unwrap().iter().map(floats).collect();
+        let mut cpu = load_as(&dir, WeightFormat::F32);
+        assert_eq!(cpu.draft_layers(), 1, "{name}");
+        let mut kv = KvCache::new(KvConfig { num_blocks: 16, block_size: 8 }).unwrap();
+        let s = SeqId(1);
+        let tokens = prompt();
+        kv.add_sequence(s, &tokens).unwrap();
+        let argmax =
+            |l: &[f32]| l.iter().enumerate().fold(0, |b, (i, v)| if *v > l[b] { i } else { b }) as u32;
+        let (mut greedy, mut drafts) = (Vec::new(), Vec::new());
+        // Prompt chunks, then decode steps: the forward pass, then the draft pass over its rows.
+        let mut chunk = 7;
+        while greedy.len() < STEPS {
+            let start = kv.computed_tokens(s).unwrap();
+            kv.reserve(s, chunk).unwrap();
+            let table = kv.block_table(s).unwrap().to_vec();
+            let toks = kv.tokens(s).unwrap()[start..start + chunk].to_vec();
+            let logits = usize::from(start + chunk == kv.tokens(s).unwrap().len());
+            let out = cpu
+                .forward(&[SeqStep { tokens: &toks, start_pos: start, block_table: &table, logits }])
+                .unwrap();
+            kv.commit(s, chunk).unwrap();
+            let mut next = kv.tokens(s).unwrap()[start + 1..].to_vec();
+            if logits == 1 {
+                greedy.push(argmax(&out[0]));
+                next.push(greedy[greedy.len() - 1]);
+                kv.append_tokens(s, &greedy[greedy.len() - 1..]).unwrap();
+            }
+            let table = kv.block_table(s).unwrap().to_vec();
+            let d = cpu
+                .draft(&[DraftStep {
+                    step: 0,
+                    next: &next[..chunk],
+                    block_table: &table,
+                    logits: logits == 1,
+                }])
+                .unwrap();
+            assert_eq!(d.len(), logits, "{name}: logits only where asked");
+            drafts.extend(d);
+            chunk = if start == 0 { PROMPT - 7 } else { 1 };
+        }
+        assert_eq!(greedy, want_greedy, "{name}: the main model's tokens");
+        for (i, (got, want)) in drafts.iter().zip(&want_drafts).enumerate() {
+            let diff = max_diff(got, want);
+            assert!(diff < 2e-3, "{name}: draft {i} differs by {diff}");
+            assert_eq!(argmax(got), argmax(want), "{name}: draft {i}'s guess");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
+
+/// The tiny DeepSeek V3 shape with every width a multiple of 32, as the quantized and bf16 formats
+/// need (V3's 576-wide latent is 18 x 32).
+fn deepseek_v3_wide() -> Value {
+    let mut c = deepseek_v3();
+    for (k, v) in [
+        ("q_lora_rank", 32),
+        ("kv_lora_rank", 64),
+        ("qk_nope_head_dim", 32),
+        ("qk_rope_head_dim", 32),
+        ("v_head_dim", 32),
+    ] {
+        c[k] = v.into();
+    }
+    c
+}
+
+/// The tiny DeepSeek V3.2 shape: V3 with sparse attention keeping 12 positions.
+fn deepseek_v32() -> Value {
     let mut sparse = deepseek_v3();
     for (k, v) in [
         ("model_type", json!("deepseek_v32")),
@@ -279,7 +361,16 @@ fn deepseek_rows_are_the_same_bits_whatever_the_step_holds() {
     ] {
         sparse[k] = v;
     }
-    for (name, config) in [("deepseek-invariance", deepseek_v3()), ("deepseek-v3.2-invariance", sparse)] {
+    sparse
+}
+
+/// Latent attention keeps the batch-invariance promise: a DeepSeek prompt's last logits are the
+/// same bits computed in one step, in chunks, and beside another sequence's rows, with f16 KV.
+#[test]
+fn deepseek_rows_are_the_same_bits_whatever_the_step_holds() {
+    for (name, config) in
+        [("deepseek-invariance", deepseek_v3()), ("deepseek-v3.2-invariance", deepseek_v32())]
+    {
         rows_are_the_same_bits(name, config);
     }
 }
@@ -333,8 +424,9 @@ fn rows_are_the_same_bits(name: &str, config: Value) {
 }
 
 /// Mixtures of experts and latent attention are served in every weight format (each expert and
-/// each latent projection held in it, not in f32): the logits stay near the f32 ones, every row is
-/// the same bits in one step or in chunks, and the weights held shrink as the format says.
+/// each latent projection held in it, not in f32): the logits (and DeepSeek's draft layer's) stay
+/// near the f32 ones, every row is the same bits in one step or in chunks, and the weights held
+/// shrink as the format says.
 #[test]
 fn experts_and_latent_attention_run_in_every_weight_format() {
     let cases = [
@@ -348,21 +440,7 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
             json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
             "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "mlp_only_layers": [0]}),
         ),
-        ("deepseek-v3-formats", {
-            // Every width a multiple of 32, as the quantized and bf16 formats need (V3's 576-wide
-            // latent is 18 x 32).
-            let mut c = deepseek_v3();
-            for (k, v) in [
-                ("q_lora_rank", 32),
-                ("kv_lora_rank", 64),
-                ("qk_nope_head_dim", 32),
-                ("qk_rope_head_dim", 32),
-                ("v_head_dim", 32),
-            ] {
-                c[k] = v.into();
-            }
-            c
-        }),
+        ("deepseek-v3-formats", deepseek_v3_wide()),
     ];
     use pdserve_model::quant::{Q4Matrix, Q8Matrix};
     use pdserve_model::Fp8Matrix;
@@ -384,6 +462,15 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
                     .unwrap()
                     .remove(0);
                 kv.commit(SeqId(1), n).unwrap();
+                // DeepSeek's draft layer over the chunk's rows, each reading the token after it
+                // (token 5 after the prompt); its guess after the prompt joins the logits compared.
+                if b.draft_layers() > 0 {
+                    let mut next = prompt()[start + 1..start + n].to_vec();
+                    next.push(if start + n == PROMPT { 5 } else { prompt()[start + n] });
+                    let end = start + n == PROMPT;
+                    let step = DraftStep { step: 0, next: &next, block_table: &table, logits: end };
+                    last.extend(b.draft(&[step]).unwrap().into_iter().flatten());
+                }
             }
             last
         };

@@ -178,7 +178,10 @@ pub(super) fn deepseek_moe(raw: &RawConfig) -> Result<Option<Moe>, ModelError> {
         // it whatever the field says); sigmoid ones (V3) are by default, as transformers' V3 is.
         norm_topk_prob: scoring == Scoring::Sigmoid && raw.norm_topk_prob.unwrap_or(!v2),
         intermediate_size,
-        dense_layers: (0..raw.num_hidden_layers).filter(|&l| !(l >= first_dense && l % freq == 0)).collect(),
+        // The draft layer after the last one follows the same rule (V3's is a layer of experts).
+        dense_layers: (0..raw.num_hidden_layers + raw.num_nextn_predict_layers.unwrap_or(0).min(1))
+            .filter(|&l| !(l >= first_dense && l % freq == 0))
+            .collect(),
         names: MoeNames::Qwen,
         scoring,
         groups,

@@ -82,6 +82,7 @@ struct RawConfig {
     index_n_heads: Option<usize>,
     index_head_dim: Option<usize>,
     index_topk: Option<usize>,
+    num_nextn_predict_layers: Option<usize>,
     #[serde(default)]
     quantization_config: Option<serde_json::Value>,
 }
@@ -214,6 +215,11 @@ pub struct ModelConfig {
     /// Multi-head latent attention (DeepSeek V2/V3): `None` for per-head K and V. With it,
     /// `num_kv_heads` is 1 and `head_dim` is the rope part's width (what `rope` computes for).
     pub mla: Option<Mla>,
+    /// Draft layers loaded (0 or 1): DeepSeek's multi-token prediction layer (`num_nextn_predict_layers`,
+    /// weights `model.layers.{num_layers}.*`), read after the main model's last layer to guess the
+    /// token after next (speculative decoding). Its KV is held as one more layer. Set to 0 before
+    /// loading to leave it out.
+    pub draft_layers: usize,
 }
 
 /// A mixture-of-experts FFN: a router picks `top_k` of `experts` SwiGLU experts per token and sums
@@ -492,6 +498,8 @@ impl ModelConfig {
                 Some(q) => Some(fp8_block(&q)?),
                 None => None,
             },
+            // DeepSeek's multi-token prediction layers (V3 ships one): the first is the draft layer.
+            draft_layers: if deepseek { raw.num_nextn_predict_layers.unwrap_or(0).min(1) } else { 0 },
         })
     }
 

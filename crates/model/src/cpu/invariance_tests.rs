@@ -31,6 +31,7 @@ fn config() -> ModelConfig {
         sliding_window: None,
         moe: None,
         mla: None,
+        draft_layers: 0,
         fp8_block: None,
     }
 }

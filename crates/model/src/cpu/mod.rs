@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use pdserve_kvcache::{BlockCopy, BlockId};
 
-use crate::backend::{check_block, check_steps, Backend, KvDtype, KvLayout, KvStore, SeqStep};
+use crate::backend::{check_block, check_steps, Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::bits16::{bf16_bits, bf16_value};
 use crate::fp8::Fp8Matrix;
 use crate::prepare::{PreparedLayers, PreparedWeights};
@@ -54,6 +54,17 @@ pub struct CpuBackend {
     format: WeightFormat,
     /// Where the embedding is read from, in place of the f32 one, once that is freed.
     embed: Option<EmbedRows>,
+    /// What the draft pass reads of the last forward pass (with a draft layer).
+    last: LastPass,
+}
+
+/// The last forward pass as the draft pass after it reads it.
+#[derive(Debug, Default)]
+struct LastPass {
+    /// Each step's first position and row count (empty: no pass to draft from).
+    steps: Vec<(usize, usize)>,
+    /// Every row's final hidden state (normed), rows in step order.
+    hidden: Vec<f32>,
 }
 
 /// Where embedding rows are read from when the f32 embedding is freed.
@@ -100,6 +111,7 @@ impl CpuBackend {
             rope_attention_factor,
             format: WeightFormat::F32,
             embed: None,
+            last: LastPass::default(),
         }
     }
 
@@ -328,7 +340,50 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn draft_layers(&self) -> usize {
+        usize::from(self.w.draft.is_some())
+    }
+
+    fn draft(&mut self, steps: &[DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        if self.w.draft.is_none() {
+            return Err(ModelError::Unsupported { field: "draft layer".into(), value: "none loaded".into() });
+        }
+        let mut seq = Vec::with_capacity(steps.len());
+        let mut hidden_at = Vec::with_capacity(steps.len());
+        for (i, d) in steps.iter().enumerate() {
+            let from = self.last.steps.get(..d.step).map(|before| before.iter().map(|s| s.1).sum::<usize>());
+            match (self.last.steps.get(d.step), from) {
+                (Some(&(start_pos, n)), Some(from)) if !d.next.is_empty() && d.next.len() <= n => {
+                    hidden_at.push(from);
+                    seq.push(SeqStep {
+                        tokens: d.next,
+                        start_pos,
+                        block_table: d.block_table,
+                        logits: usize::from(d.logits),
+                    });
+                }
+                _ => {
+                    return Err(ModelError::InvalidInput {
+                        problem: format!(
+                        "draft step {i} reads {} rows of step {} of the last forward pass, which had {:?}",
+                        d.next.len(),
+                        d.step,
+                        self.last.steps.get(d.step).map(|s| s.1)
+                    ),
+                    })
+                }
+            }
+        }
+        check_steps(&self.cfg, &self.layout, &seq)?;
+        let mut sc = std::mem::take(&mut self.scratch);
+        let this = &mut *self;
+        let out = rayon::scope(|_| this.draft_with(&seq, &hidden_at, &mut sc));
+        self.scratch = sc;
+        Ok(out)
+    }
+
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.last.steps.clear();
         check_steps(&self.cfg, &self.layout, steps)?;
         // The step's buffers live from step to step: multi-megabyte allocations freed and made again
         // every layer would cost a page fault per 4 KiB each time.
@@ -367,58 +422,43 @@ fn sized(v: &mut Vec<f32>, len: usize) -> &mut [f32] {
 }
 
 impl CpuBackend {
-    fn forward_with(&mut self, steps: &[SeqStep<'_>], sc: &mut Scratch) -> Vec<Vec<f32>> {
-        let cfg = self.cfg.clone();
-        let w = Arc::clone(&self.w);
-        let mats = Mats {
+    fn mats(&self) -> Mats {
+        Mats {
             decode: self.decode.clone(),
             multi: self.multi.clone(),
             quant_multi: self.quant_multi,
-            quant_head: self.quant_multi && cfg.vocab_size.is_multiple_of(32),
+            quant_head: self.quant_multi && self.cfg.vocab_size.is_multiple_of(32),
             int8: self.int8_activations,
-        };
-
-        let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
-        let (q_dim, kv_dim, inter) = (nh * hd, nkv * hd, cfg.intermediate_size);
-        let qkv_w = q_dim + 2 * kv_dim;
-        // One row per new token: (step index, absolute position).
-        let rows: Vec<(usize, usize)> = steps
-            .iter()
-            .enumerate()
-            .flat_map(|(i, s)| (0..s.tokens.len()).map(move |j| (i, s.start_pos + j)))
-            .collect();
-        let t = rows.len();
-        // The rows whose logits are wanted: the last `logits` of each step, in order.
-        let mut kept = Vec::new();
-        let mut end = 0;
-        for s in steps {
-            end += s.tokens.len();
-            kept.extend(end - s.logits..end);
         }
-        sc.x.clear();
-        for s in steps {
-            for &tok in s.tokens {
-                let row = tok as usize;
-                let head16 = || mats.multi.as_ref().and_then(|m| m.lm_head.as_ref()).expect("bf16 head");
-                match &self.embed {
-                    Some(EmbedRows::Bf16(e)) => {
-                        sc.x.extend(e[row * hsz..][..hsz].iter().map(|&b| bf16_value(b)))
-                    }
-                    Some(EmbedRows::HeadPanels) => {
-                        sc.x.extend((0..hsz).map(|col| bf16_value(head16().at(row, col))))
-                    }
-                    Some(EmbedRows::Q8(e)) => sc.x.extend(e.dequantize_row(row)),
-                    Some(EmbedRows::HeadQ8) => match mats.decode.as_ref().and_then(DecodeWeights::head) {
-                        Some(QRef::Q8(h)) => sc.x.extend(h.dequantize_row(row)),
-                        _ => unreachable!("a tied Q8 embedding without a Q8 head"),
-                    },
-                    None => sc.x.extend_from_slice(&w.embed[row * hsz..][..hsz]),
+    }
+
+    /// Appends the embedding rows of `tokens` to `x`.
+    fn embed_rows(&self, tokens: impl Iterator<Item = u32>, mats: &Mats, x: &mut Vec<f32>) {
+        let hsz = self.cfg.hidden_size;
+        for tok in tokens {
+            let row = tok as usize;
+            let head16 = || mats.multi.as_ref().and_then(|m| m.lm_head.as_ref()).expect("bf16 head");
+            match &self.embed {
+                Some(EmbedRows::Bf16(e)) => x.extend(e[row * hsz..][..hsz].iter().map(|&b| bf16_value(b))),
+                Some(EmbedRows::HeadPanels) => {
+                    x.extend((0..hsz).map(|col| bf16_value(head16().at(row, col))))
                 }
+                Some(EmbedRows::Q8(e)) => x.extend(e.dequantize_row(row)),
+                Some(EmbedRows::HeadQ8) => match mats.decode.as_ref().and_then(DecodeWeights::head) {
+                    Some(QRef::Q8(h)) => x.extend(h.dequantize_row(row)),
+                    _ => unreachable!("a tied Q8 embedding without a Q8 head"),
+                },
+                None => x.extend_from_slice(&self.w.embed[row * hsz..][..hsz]),
             }
         }
-        // The rotary angles of each row's position, once for every layer.
+    }
+
+    /// The rotary angles of each row's position (cos then sin, `head_dim / 2` each), once for every
+    /// layer.
+    fn rope_table(&self, rows: &[(usize, usize)], rope: &mut Vec<f32>) {
+        let hd = self.cfg.head_dim;
         let half = hd / 2;
-        let rope = sized(&mut sc.rope, t * hd);
+        let rope = sized(rope, rows.len() * hd);
         for (r, &(_, pos)) in rows.iter().enumerate() {
             for i in 0..half {
                 let (sin, cos) = (pos as f32 * self.inv_freq[i]).sin_cos();
@@ -426,152 +466,276 @@ impl CpuBackend {
                 rope[r * hd + half + i] = sin * self.rope_attention_factor;
             }
         }
-        // The attention output's width (the output projection's input).
-        let attn_dim = cfg.mla.as_ref().map_or(q_dim, |m| nh * m.v_head_dim);
-        for (li, lw) in w.layers.iter().enumerate() {
-            rms_norm_rows(&sc.x, &lw.input_norm, cfg.rms_norm_eps, sized(&mut sc.h, t * hsz));
-            if let (Some(m), Some(mw)) = (&cfg.mla, &lw.mla) {
-                // Latent attention: queries absorbed into the latent's space, the latents stored,
-                // attention over the cached latents, each head's output taken back out.
-                let select =
-                    self.mla_queries(steps, &rows, (li, &mats, &mut sc.xb), mw, &sc.h, &sc.rope, &mut sc.qkv);
-                let lat = sized(&mut sc.gate_up, t * nh * m.kv_lora_rank);
-                self.attention(steps, &rows, li, (&sc.qkv, nh * m.latent_width()), &select, lat);
-                self.mla_values((li, &mats), mw, lat, t, sized(&mut sc.attn, t * attn_dim));
-            } else {
-                // Q, K and V, one row per token.
-                if !mats.layer(li, Proj::Qkv, &sc.h, t, hsz, &mut sc.xb, sized(&mut sc.qkv, t * qkv_w)) {
-                    let parts = [(&lw.q, q_dim), (&lw.k, kv_dim), (&lw.v, kv_dim)]
-                        .map(|(m, n)| matmul(&sc.h, t, hsz, m, n));
-                    for (r, row) in sc.qkv.chunks_exact_mut(qkv_w).enumerate() {
-                        let mut at = 0;
-                        for (part, n) in parts.iter().zip([q_dim, kv_dim, kv_dim]) {
-                            row[at..at + n].copy_from_slice(&part[r * n..(r + 1) * n]);
-                            at += n;
-                        }
-                    }
-                }
-                let rope = &sc.rope;
-                let qkv_row = |(row, rope): (&mut [f32], &[f32])| {
-                    let mut at = 0;
-                    for (bias, n) in [(&lw.q_bias, q_dim), (&lw.k_bias, kv_dim), (&lw.v_bias, kv_dim)] {
-                        if let Some(b) = bias {
-                            add_into(&mut row[at..at + n], b);
-                        }
-                        at += n;
-                    }
-                    if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                        // Qwen3: each head's Q and K normalized on their own, before rope.
-                        let (q, rest) = row.split_at_mut(q_dim);
-                        for (heads, weight) in [(q, qn), (&mut rest[..kv_dim], kn)] {
-                            for head in heads.chunks_exact_mut(hd) {
-                                rms_norm_in_place(head, weight, cfg.rms_norm_eps);
-                            }
-                        }
-                    }
-                    let (cos, sin) = rope.split_at(half);
-                    rope_rows(&mut row[..q_dim + kv_dim], hd, cos, sin);
-                };
-                if t >= PAR_ROWS {
-                    sc.qkv
-                        .par_chunks_exact_mut(qkv_w)
-                        .zip(rope.par_chunks_exact(hd))
-                        .with_min_len(16)
-                        .for_each(qkv_row);
-                } else {
-                    sc.qkv.chunks_exact_mut(qkv_w).zip(rope.chunks_exact(hd)).for_each(qkv_row);
-                }
-                // Write this step's K and V into the cache, then attend over the cache.
-                for (r, &(si, pos)) in rows.iter().enumerate() {
-                    let block = steps[si].block_table[pos / self.layout.block_size];
-                    let off = pos % self.layout.block_size;
-                    let ki = self.kv_at(block, li, 0, off);
-                    let vi = self.kv_at(block, li, 1, off);
-                    let row = &sc.qkv[r * qkv_w..(r + 1) * qkv_w];
-                    let dtype = self.layout.dtype;
-                    self.kv.store(dtype, ki, &row[q_dim..q_dim + kv_dim]);
-                    self.kv.store(dtype, vi, &row[q_dim + kv_dim..]);
-                }
-                let attn = sized(&mut sc.attn, t * q_dim);
-                // Every row attends over the cache the same way, whatever else the step holds (see
-                // `attention`).
-                self.attention(steps, &rows, li, (&sc.qkv, qkv_w), &[], attn);
+    }
+
+    /// The logits of hidden rows `x` (already normed): the LM head's product.
+    fn head_logits(&self, x: &[f32], mats: &Mats, xb: &mut Vec<u16>) -> Vec<Vec<f32>> {
+        let (hsz, vocab) = (self.cfg.hidden_size, self.cfg.vocab_size);
+        let n = x.len() / hsz.max(1);
+        if n == 0 {
+            return Vec::new();
+        }
+        let mut logits = vec![0.0; n * vocab];
+        if !mats.head(x, n, hsz, xb, &mut logits) {
+            logits = matmul(x, n, hsz, self.w.lm_head(), vocab);
+        }
+        logits.chunks(vocab.max(1)).map(<[f32]>::to_vec).collect()
+    }
+
+    fn forward_with(&mut self, steps: &[SeqStep<'_>], sc: &mut Scratch) -> Vec<Vec<f32>> {
+        let mats = self.mats();
+        let hsz = self.cfg.hidden_size;
+        let rows = step_rows(steps);
+        let kept = kept_rows(steps);
+        sc.x.clear();
+        self.embed_rows(steps.iter().flat_map(|s| s.tokens.iter().copied()), &mats, &mut sc.x);
+        self.rope_table(&rows, &mut sc.rope);
+        // With a draft layer, every row's final hidden state is kept for the draft pass that follows.
+        self.last.steps.clear();
+        let drafting = self.w.draft.is_some();
+        let main = self.cfg.num_layers;
+        for li in 0..main {
+            let cut = (li + 1 == main && !drafting).then_some(kept.as_slice());
+            if !self.layer(li, steps, &rows, cut, &mats, sc) {
+                break;
             }
-            // The last layer's K and V are in the cache: the rest of it (the output projection and
-            // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
-            // stop here (a 30-layer model's prefill does 2.8% fewer products; a prefill chunk that
-            // wants no logits skips the rest outright). Every product computes each row as it would
-            // in any other step, so a kept row's values are those of the same row anywhere else.
-            let t = if li + 1 == w.layers.len() && kept.len() < t {
-                keep_rows(&kept, attn_dim, &mut sc.attn);
-                keep_rows(&kept, hsz, &mut sc.x);
-                if kept.is_empty() {
-                    break;
-                }
-                kept.len()
-            } else {
-                t
-            };
-            let o = sized(&mut sc.proj, t * hsz);
-            if !mats.layer(li, Proj::O, &sc.attn, t, attn_dim, &mut sc.xb, o) {
-                o.copy_from_slice(&matmul(&sc.attn, t, attn_dim, &lw.o, hsz));
+        }
+        let w = Arc::clone(&self.w);
+        if drafting {
+            let normed = sized(&mut self.last.hidden, rows.len() * hsz);
+            rms_norm_rows(&sc.x, &w.final_norm, self.cfg.rms_norm_eps, normed);
+            self.last.steps = steps.iter().map(|s| (s.start_pos, s.tokens.len())).collect();
+            sc.h.clear();
+            for &r in &kept {
+                sc.h.extend_from_slice(&self.last.hidden[r * hsz..][..hsz]);
             }
-            if let Some(b) = &lw.o_bias {
-                add_bias(o, b);
-            }
-            add_rows(&mut sc.x, o, hsz);
-            rms_norm_rows(&sc.x, &lw.post_norm, cfg.rms_norm_eps, sized(&mut sc.h, t * hsz));
-            if let (Some(moe), Some(mw)) = (&cfg.moe, &lw.moe) {
-                let out = sized(&mut sc.proj, t * hsz);
-                moe::moe_ffn((li, &mats, &mut sc.xb), (&sc.h, t, hsz), moe, mw, out);
-                add_into(&mut sc.x, out);
-                continue;
-            }
-            let gu = sized(&mut sc.gate_up, t * 2 * inter);
-            if !mats.layer(li, Proj::GateUp, &sc.h, t, hsz, &mut sc.xb, gu) {
-                let (g, u) = (matmul(&sc.h, t, hsz, &lw.gate, inter), matmul(&sc.h, t, hsz, &lw.up, inter));
-                for (r, row) in gu.chunks_exact_mut(2 * inter).enumerate() {
-                    row[..inter].copy_from_slice(&g[r * inter..(r + 1) * inter]);
-                    row[inter..].copy_from_slice(&u[r * inter..(r + 1) * inter]);
-                }
-            }
-            let act = sized(&mut sc.act, t * inter);
-            let swiglu = |(row, a): (&[f32], &mut [f32])| {
-                let (g, u) = row.split_at(inter);
-                silu_mul(g, u, a);
-            };
-            if t >= PAR_ROWS {
-                gu.par_chunks_exact(2 * inter)
-                    .zip(act.par_chunks_exact_mut(inter))
-                    .with_min_len(16)
-                    .for_each(swiglu);
-            } else {
-                gu.chunks_exact(2 * inter).zip(act.chunks_exact_mut(inter)).for_each(swiglu);
-            }
-            let down = sized(&mut sc.proj, t * hsz);
-            if !mats.layer(li, Proj::Down, &sc.act, t, inter, &mut sc.xb, down) {
-                down.copy_from_slice(&matmul(&sc.act, t, inter, &lw.down, hsz));
-            }
-            add_rows(&mut sc.x, down, hsz);
+            let h = std::mem::take(&mut sc.h);
+            let logits = self.head_logits(&h, &mats, &mut sc.xb);
+            sc.h = h;
+            return logits;
         }
         // Logits only for the last rows of the steps that want them: the rows the last layer kept
         // (all of a step's rows still, in a model without layers).
         if sc.x.len() > kept.len() * hsz {
             keep_rows(&kept, hsz, &mut sc.x);
         }
-        let n = kept.len();
-        if n == 0 {
+        if kept.is_empty() {
             return Vec::new();
         }
-        let picked = &sc.x[..n * hsz];
+        let picked = &sc.x[..kept.len() * hsz];
         let mut normed = vec![0.0; picked.len()];
-        rms_norm(picked, &w.final_norm, cfg.rms_norm_eps, &mut normed);
-        let mut logits = vec![0.0; n * cfg.vocab_size];
-        if !mats.head(&normed, n, hsz, &mut sc.xb, &mut logits) {
-            logits = matmul(&normed, n, hsz, w.lm_head(), cfg.vocab_size);
-        }
-        logits.chunks(cfg.vocab_size.max(1)).map(<[f32]>::to_vec).collect()
+        rms_norm(picked, &w.final_norm, self.cfg.rms_norm_eps, &mut normed);
+        self.head_logits(&normed, &mats, &mut sc.xb)
     }
+
+    /// The draft layer over `steps` (each step's tokens: the tokens after its rows; `hidden_at`: its
+    /// first row's index in the last pass's hidden states): row `j`'s input is
+    /// `eh_proj([enorm(embed(next_j)) | hnorm(h_j)])`, the embedding zero at position 0 (as vLLM's
+    /// multi-token predictor has it); the layer's output, normed by the shared head's norm, goes
+    /// through the LM head where a step asks for logits.
+    fn draft_with(&mut self, steps: &[SeqStep<'_>], hidden_at: &[usize], sc: &mut Scratch) -> Vec<Vec<f32>> {
+        let w = Arc::clone(&self.w);
+        let d = w.draft.as_ref().expect("checked: a draft layer");
+        let mats = self.mats();
+        let (hsz, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
+        let rows = step_rows(steps);
+        let kept = kept_rows(steps);
+        let t = rows.len();
+        sc.h.clear();
+        self.embed_rows(steps.iter().flat_map(|s| s.tokens.iter().copied()), &mats, &mut sc.h);
+        let mut cat = vec![0.0; t * 2 * hsz];
+        let mut r = 0;
+        for (s, &from) in steps.iter().zip(hidden_at) {
+            for j in 0..s.tokens.len() {
+                let (e, h) = cat[r * 2 * hsz..][..2 * hsz].split_at_mut(hsz);
+                if s.start_pos + j > 0 {
+                    rms_norm(&sc.h[r * hsz..][..hsz], &d.enorm, eps, e);
+                }
+                rms_norm(&self.last.hidden[(from + j) * hsz..][..hsz], &d.hnorm, eps, h);
+                r += 1;
+            }
+        }
+        sc.x = matmul(&cat, t, 2 * hsz, &d.eh_proj, hsz);
+        self.rope_table(&rows, &mut sc.rope);
+        if !self.layer(self.cfg.num_layers, steps, &rows, Some(&kept), &mats, sc) {
+            return Vec::new();
+        }
+        let mut normed = vec![0.0; kept.len() * hsz];
+        rms_norm(&sc.x[..kept.len() * hsz], &d.head_norm, eps, &mut normed);
+        self.head_logits(&normed, &mats, &mut sc.xb)
+    }
+
+    /// Decoder layer `li` over the step's rows (`sc.x` in and out, the rope table in `sc.rope`). With
+    /// `cut`, only those rows (increasing) go on past attention (their K and V, and every other
+    /// row's, are in the cache by then): the rest of the layer matters only for rows whose logits are
+    /// wanted, so a prompt's other rows stop there (a 30-layer model's prefill does 2.8% fewer
+    /// products). False when the cut leaves no row.
+    fn layer(
+        &mut self,
+        li: usize,
+        steps: &[SeqStep<'_>],
+        rows: &[(usize, usize)],
+        cut: Option<&[usize]>,
+        mats: &Mats,
+        sc: &mut Scratch,
+    ) -> bool {
+        let w = Arc::clone(&self.w);
+        let lw = &w.layers[li];
+        let cfg = &self.cfg;
+        let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
+        let (q_dim, kv_dim, inter) = (nh * hd, nkv * hd, cfg.intermediate_size);
+        let (eps, half) = (cfg.rms_norm_eps, hd / 2);
+        let qkv_w = q_dim + 2 * kv_dim;
+        let mla = cfg.mla.clone();
+        let t = rows.len();
+        // The attention output's width (the output projection's input).
+        let attn_dim = mla.as_ref().map_or(q_dim, |m| nh * m.v_head_dim);
+        rms_norm_rows(&sc.x, &lw.input_norm, eps, sized(&mut sc.h, t * hsz));
+        if let (Some(m), Some(mw)) = (&mla, &lw.mla) {
+            // Latent attention: queries absorbed into the latent's space, the latents stored,
+            // attention over the cached latents, each head's output taken back out.
+            let select =
+                self.mla_queries(steps, rows, (li, mats, &mut sc.xb), mw, &sc.h, &sc.rope, &mut sc.qkv);
+            let lat = sized(&mut sc.gate_up, t * nh * m.kv_lora_rank);
+            self.attention(steps, rows, li, (&sc.qkv, nh * m.latent_width()), &select, lat);
+            self.mla_values((li, mats), mw, lat, t, sized(&mut sc.attn, t * attn_dim));
+        } else {
+            // Q, K and V, one row per token.
+            if !mats.layer(li, Proj::Qkv, &sc.h, t, hsz, &mut sc.xb, sized(&mut sc.qkv, t * qkv_w)) {
+                let parts = [(&lw.q, q_dim), (&lw.k, kv_dim), (&lw.v, kv_dim)]
+                    .map(|(m, n)| matmul(&sc.h, t, hsz, m, n));
+                for (r, row) in sc.qkv.chunks_exact_mut(qkv_w).enumerate() {
+                    let mut at = 0;
+                    for (part, n) in parts.iter().zip([q_dim, kv_dim, kv_dim]) {
+                        row[at..at + n].copy_from_slice(&part[r * n..(r + 1) * n]);
+                        at += n;
+                    }
+                }
+            }
+            let rope = &sc.rope;
+            let qkv_row = |(row, rope): (&mut [f32], &[f32])| {
+                let mut at = 0;
+                for (bias, n) in [(&lw.q_bias, q_dim), (&lw.k_bias, kv_dim), (&lw.v_bias, kv_dim)] {
+                    if let Some(b) = bias {
+                        add_into(&mut row[at..at + n], b);
+                    }
+                    at += n;
+                }
+                if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
+                    // Qwen3: each head's Q and K normalized on their own, before rope.
+                    let (q, rest) = row.split_at_mut(q_dim);
+                    for (heads, weight) in [(q, qn), (&mut rest[..kv_dim], kn)] {
+                        for head in heads.chunks_exact_mut(hd) {
+                            rms_norm_in_place(head, weight, eps);
+                        }
+                    }
+                }
+                let (cos, sin) = rope.split_at(half);
+                rope_rows(&mut row[..q_dim + kv_dim], hd, cos, sin);
+            };
+            if t >= PAR_ROWS {
+                sc.qkv
+                    .par_chunks_exact_mut(qkv_w)
+                    .zip(rope.par_chunks_exact(hd))
+                    .with_min_len(16)
+                    .for_each(qkv_row);
+            } else {
+                sc.qkv.chunks_exact_mut(qkv_w).zip(rope.chunks_exact(hd)).for_each(qkv_row);
+            }
+            // Write this step's K and V into the cache, then attend over the cache.
+            for (r, &(si, pos)) in rows.iter().enumerate() {
+                let block = steps[si].block_table[pos / self.layout.block_size];
+                let off = pos % self.layout.block_size;
+                let ki = self.kv_at(block, li, 0, off);
+                let vi = self.kv_at(block, li, 1, off);
+                let row = &sc.qkv[r * qkv_w..(r + 1) * qkv_w];
+                let dtype = self.layout.dtype;
+                self.kv.store(dtype, ki, &row[q_dim..q_dim + kv_dim]);
+                self.kv.store(dtype, vi, &row[q_dim + kv_dim..]);
+            }
+            let attn = sized(&mut sc.attn, t * q_dim);
+            // Every row attends over the cache the same way, whatever else the step holds (see
+            // `attention`).
+            self.attention(steps, rows, li, (&sc.qkv, qkv_w), &[], attn);
+        }
+        // The last main layer's K and V are in the cache: the rest of it (the output projection and
+        // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
+        // stop here (a 30-layer model's prefill does 2.8% fewer products; a prefill chunk that
+        // wants no logits skips the rest outright). Every product computes each row as it would
+        // in any other step, so a kept row's values are those of the same row anywhere else.
+        let t = match cut.filter(|kept| kept.len() < t) {
+            Some(kept) => {
+                keep_rows(kept, attn_dim, &mut sc.attn);
+                keep_rows(kept, hsz, &mut sc.x);
+                if kept.is_empty() {
+                    return false;
+                }
+                kept.len()
+            }
+            None => t,
+        };
+        let o = sized(&mut sc.proj, t * hsz);
+        if !mats.layer(li, Proj::O, &sc.attn, t, attn_dim, &mut sc.xb, o) {
+            o.copy_from_slice(&matmul(&sc.attn, t, attn_dim, &lw.o, hsz));
+        }
+        if let Some(b) = &lw.o_bias {
+            add_bias(o, b);
+        }
+        add_rows(&mut sc.x, o, hsz);
+        rms_norm_rows(&sc.x, &lw.post_norm, eps, sized(&mut sc.h, t * hsz));
+        if let (Some(moe), Some(mw)) = (&self.cfg.moe, &lw.moe) {
+            let out = sized(&mut sc.proj, t * hsz);
+            moe::moe_ffn((li, mats, &mut sc.xb), (&sc.h, t, hsz), moe, mw, out);
+            add_into(&mut sc.x, out);
+            return true;
+        }
+        let gu = sized(&mut sc.gate_up, t * 2 * inter);
+        if !mats.layer(li, Proj::GateUp, &sc.h, t, hsz, &mut sc.xb, gu) {
+            let (g, u) = (matmul(&sc.h, t, hsz, &lw.gate, inter), matmul(&sc.h, t, hsz, &lw.up, inter));
+            for (r, row) in gu.chunks_exact_mut(2 * inter).enumerate() {
+                row[..inter].copy_from_slice(&g[r * inter..(r + 1) * inter]);
+                row[inter..].copy_from_slice(&u[r * inter..(r + 1) * inter]);
+            }
+        }
+        let act = sized(&mut sc.act, t * inter);
+        let swiglu = |(row, a): (&[f32], &mut [f32])| {
+            let (g, u) = row.split_at(inter);
+            silu_mul(g, u, a);
+        };
+        if t >= PAR_ROWS {
+            gu.par_chunks_exact(2 * inter)
+                .zip(act.par_chunks_exact_mut(inter))
+                .with_min_len(16)
+                .for_each(swiglu);
+        } else {
+            gu.chunks_exact(2 * inter).zip(act.chunks_exact_mut(inter)).for_each(swiglu);
+        }
+        let down = sized(&mut sc.proj, t * hsz);
+        if !mats.layer(li, Proj::Down, &sc.act, t, inter, &mut sc.xb, down) {
+            down.copy_from_slice(&matmul(&sc.act, t, inter, &lw.down, hsz));
+        }
+        add_rows(&mut sc.x, down, hsz);
+        true
+    }
+}
+
+/// One row per new token of `steps`: (step index, absolute position).
+fn step_rows(steps: &[SeqStep<'_>]) -> Vec<(usize, usize)> {
+    steps
+        .iter()
+        .enumerate()
+        .flat_map(|(i, s)| (0..s.tokens.len()).map(move |j| (i, s.start_pos + j)))
+        .collect()
+}
+
+/// The rows whose logits are wanted: the last `logits` of each step, in order.
+fn kept_rows(steps: &[SeqStep<'_>]) -> Vec<usize> {
+    let (mut kept, mut end) = (Vec::new(), 0);
+    for s in steps {
+        end += s.tokens.len();
+        kept.extend(end - s.logits..end);
+    }
+    kept
 }
 
 /// Rows `kept` (increasing) of `m` (rows of `width`) moved to its front, in order, and `m` cut to them.
