@@ -94,9 +94,13 @@ pub struct EngineConfig {
     /// How the model marks its thinking; `None` takes the chat template's (`Think` where it writes
     /// or strips `<think>` spans).
     pub reasoning_format: Option<crate::ReasoningFormat>,
-    /// Speculative decoding (unified and decode roles): draft tokens from the request's own context,
-    /// verified in one multi-row step; on by default (`Speculative::prompt_lookup(8)`, while one
-    /// request runs), `Speculative::OFF` to turn it off. The output is the same either way.
+    /// Speculative decoding (unified and decode roles): draft tokens from the model's draft layer
+    /// (DeepSeek's multi-token prediction layer, one guess per step while up to 4 requests run) where
+    /// the checkpoint ships one, else from the request's own context (prompt lookup, up to 8 per
+    /// step while one request runs), verified in one multi-row step: `Speculative::auto(8)` by
+    /// default, `Speculative::OFF` to turn it off. The output is the same either way. A prefill
+    /// worker with the draft layer runs its pass over the prompt, so that a decode worker can draft;
+    /// both sides of a PD pair load it or neither (their KV layouts differ by its layer).
     pub speculative: crate::Speculative,
     /// How long a request's output constraint (a JSON schema, regex, grammar or forced tool call)
     /// may take to compile (`--grammar-compile-timeout-s`); past it the request is a 400. Compiles
@@ -154,7 +158,7 @@ impl EngineConfig {
             tool_format: None,
             tool_calls_max: 8,
             reasoning_format: None,
-            speculative: crate::Speculative::prompt_lookup(8),
+            speculative: crate::Speculative::auto(8),
             grammar_compile_timeout: Duration::from_secs(10),
             kv_events: None,
             test_corrupt_kv_pull: 0,

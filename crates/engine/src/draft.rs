@@ -1,12 +1,28 @@
-//! Prompt-lookup speculative decoding: draft tokens from the request's own context. Agents copy file
-//! names, code and tool output back; where the last few tokens occurred before, the tokens that
-//! followed them then are a cheap guess at what follows now. The engine verifies a guess in one
-//! multi-row step and keeps the drafts its own samples confirm (`core/step.rs`), so the output is the
-//! one decoding token by token gives, for greedy and sampled requests alike.
+//! Speculative decoding's drafts, from one of two sources. Prompt lookup: draft tokens from the
+//! request's own context. Agents copy file names, code and tool output back; where the last few
+//! tokens occurred before, the tokens that followed them then are a cheap guess at what follows now.
+//! The model's draft layer (DeepSeek's multi-token prediction layer): after each step, one more
+//! layer over the rows just computed guesses the token after the one just chosen
+//! (`core/draft_pass.rs`). Either way the engine verifies a guess in one multi-row step and keeps the
+//! drafts its own samples confirm (`core/step.rs`), so the output is the one decoding token by token
+//! gives, for greedy and sampled requests alike.
+
+/// Where drafts come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DraftSource {
+    /// The model's draft layer where the checkpoint ships one, prompt lookup otherwise (resolved
+    /// when the engine starts).
+    Auto,
+    /// Tokens that followed the latest earlier occurrence of the context's suffix.
+    PromptLookup,
+    /// The model's draft layer (DeepSeek's multi-token prediction layer): one guess per step.
+    Model,
+}
 
 /// How a worker drafts. `max_draft == 0` turns speculative decoding off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Speculative {
+    pub source: DraftSource,
     /// Draft tokens per step at most.
     pub max_draft: usize,
     /// The longest and shortest suffix looked up, in tokens (the longest that occurred before wins).
@@ -18,14 +34,63 @@ pub struct Speculative {
 }
 
 impl Speculative {
-    pub const OFF: Speculative = Speculative { max_draft: 0, max_ngram: 0, min_ngram: 0, max_running: 0 };
+    pub const OFF: Speculative = Speculative {
+        source: DraftSource::PromptLookup,
+        max_draft: 0,
+        max_ngram: 0,
+        min_ngram: 0,
+        max_running: 0,
+    };
 
     /// Prompt lookup with up to `max_draft` tokens per step, matching suffixes of 4 down to 2 tokens,
     /// while one request runs (measured with `cargo xtask bench spec`: one stream gains where the
     /// output copies its input and loses nothing where it does not; at four streams drafts that miss
     /// cost more than those that hit save).
     pub fn prompt_lookup(max_draft: usize) -> Speculative {
-        Speculative { max_draft, max_ngram: 4, min_ngram: 2, max_running: 1 }
+        Speculative {
+            source: DraftSource::PromptLookup,
+            max_draft,
+            max_ngram: 4,
+            min_ngram: 2,
+            max_running: 1,
+        }
+    }
+
+    /// The model's draft layer: one guess per step, while at most `max_running` requests run (each
+    /// guess is a row of the step; the draft layer's pass runs whatever the count, so that its KV
+    /// covers every position).
+    pub fn model(max_running: usize) -> Speculative {
+        Speculative { source: DraftSource::Model, max_draft: 1, max_ngram: 0, min_ngram: 0, max_running }
+    }
+
+    /// The default: the model's draft layer where the checkpoint ships one, else
+    /// [`prompt_lookup`](Self::prompt_lookup) with `max_draft`.
+    pub fn auto(max_draft: usize) -> Speculative {
+        Speculative { source: DraftSource::Auto, ..Speculative::prompt_lookup(max_draft) }
+    }
+
+    /// `Auto` resolved for a model with `draft_layers` draft layers; an error where the model's
+    /// draft layer is asked for and it has none.
+    pub fn resolve(self, draft_layers: usize) -> Result<Speculative, String> {
+        match (self.source, draft_layers > 0) {
+            (DraftSource::Auto, true) => Ok(Speculative::model(MODEL_DRAFT_RUNNING_MAX)),
+            (DraftSource::Auto, false) => Ok(Speculative { source: DraftSource::PromptLookup, ..self }),
+            (DraftSource::Model, false) => Err(
+                "mtp: the model has no draft layer (DeepSeek's num_nextn_predict_layers with its weights)"
+                    .into(),
+            ),
+            _ => Ok(self),
+        }
+    }
+
+    /// Whether the model's draft layer is to be loaded (and run after every step).
+    pub fn wants_draft_layer(&self) -> bool {
+        self.is_on() && matches!(self.source, DraftSource::Auto | DraftSource::Model)
+    }
+
+    /// Whether drafts come from the model's draft layer.
+    pub fn from_model(&self) -> bool {
+        self.is_on() && self.source == DraftSource::Model
     }
 
     pub fn is_on(&self) -> bool {
@@ -54,6 +119,10 @@ impl Speculative {
         Vec::new()
     }
 }
+
+/// Requests running at most, for the model's draft layer to draft by default: a guess is one more
+/// row per request, cheap beside a step's weight reads while few requests run.
+pub const MODEL_DRAFT_RUNNING_MAX: usize = 4;
 
 /// Trims `drafts` so the step verifying them (the drafts and the row before them) ends on a
 /// multiple of `rows` (the backend's `verify_rows_multiple`): a row past a multiple costs a whole

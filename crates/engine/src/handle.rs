@@ -105,10 +105,21 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         // On the CPU each layer is converted to the served format as it is read, so the load never
         // holds the whole model in f32 besides (the GPU backend uploads from the f32 weights).
+        // The checkpoint's draft layer is loaded where drafts may come from it (the CPU backend runs it).
+        let draft_layer = config.speculative.wants_draft_layer() && config.device == Device::Cpu;
         let mut files = match config.device {
-            Device::Cpu => ModelFiles::load_for(&config.model_dir, config.weights)?,
-            Device::Cuda(_) => ModelFiles::load(&config.model_dir)?,
+            Device::Cpu => ModelFiles::load_with(&config.model_dir, config.weights, draft_layer)?,
+            Device::Cuda(_) => {
+                let mut f = ModelFiles::load(&config.model_dir)?;
+                f.config.draft_layers = 0;
+                f.weights.draft = None;
+                f
+            }
         };
+        config.speculative = config
+            .speculative
+            .resolve(files.config.draft_layers)
+            .map_err(|value| EngineError::Config { field: "speculative", value })?;
         // The model's maximum context, unless the configuration asks for less or the KV pool holds
         // less (a longer request could never be admitted; with a sliding window a sequence holds only
         // its window, so the pool does not bound it).

@@ -134,7 +134,7 @@ impl Metrics {
             )?,
             draft_tokens: r.counter(
                 "spec_draft_tokens_total",
-                "Speculative decoding: draft tokens verified (prompt lookup).",
+                "Speculative decoding: draft tokens verified (prompt lookup, or the model's draft layer).",
             )?,
             draft_accepted: r.counter(
                 "spec_accepted_tokens_total",

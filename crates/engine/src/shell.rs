@@ -247,8 +247,22 @@ impl Worker {
         plan.guides.compute();
         let output = run_plan(self.backend.as_mut(), &plan);
         self.core.handle_step_done(now, StepDone::new(output, plan.guides));
+        draft_pass(&mut self.core, self.backend.as_mut());
         self.transfer_calls(now);
         true
+    }
+}
+
+/// The draft pass the core planned after the step just answered (the model's draft layer), run
+/// before anything else reads or writes the KV memory; a panic in it is caught.
+fn draft_pass(core: &mut EngineCore, backend: &mut dyn Backend) {
+    if let Some(plan) = core.take_draft_plan() {
+        let out = catch_unwind(AssertUnwindSafe(|| backend.draft(&plan.draft_steps())))
+            .unwrap_or_else(|_| Err(ModelError::InvalidInput { problem: "the draft pass panicked".into() }));
+        if let Err(e) = &out {
+            eprintln!("engine: draft pass failed (no drafts for its requests this step): {e}");
+        }
+        core.handle_drafts(plan, out);
     }
 }
 
@@ -502,6 +516,7 @@ impl EngineThread {
         let done = Instant::now();
         self.metrics.step.record(done.saturating_duration_since(now));
         self.worker.core.handle_step_done(done, StepDone::new(output, guides));
+        draft_pass(&mut self.worker.core, self.worker.backend.as_mut());
         self.worker.transfer_calls(done);
         self.collect();
         if self.worker.core.stats().tokens_generated_total > tokens_before {

@@ -53,7 +53,7 @@ pub use generation::GenerationConfig;
 pub use gpu::{GpuBackend, StepTimes, RANDOM_WEIGHT_SCALE};
 pub use prepare::PreparedWeights;
 pub use quant::WeightFormat;
-pub use sampling::{Sampled, Sampler, SamplingParams};
+pub use sampling::{greedy_pick, Sampled, Sampler, SamplingParams};
 /// The machine-peak kernels `cargo xtask bench peak` runs (FMA, bf16 dot, memory read).
 pub use sys::peak;
 pub use sys::{cpu_kernels, set_cpu_kernels, CpuKernels};
@@ -106,7 +106,16 @@ impl ModelFiles {
     /// f32 embedding and one layer in f32, not the whole model in f32. `CpuBackend::with_prepared`
     /// takes the result.
     pub fn load_for(dir: &Path, format: WeightFormat) -> Result<ModelFiles, ModelError> {
-        let (config, generation, text) = ModelFiles::metadata(dir)?;
+        ModelFiles::load_with(dir, format, true)
+    }
+
+    /// [`load_for`](Self::load_for), with the checkpoint's draft layer (DeepSeek's multi-token
+    /// prediction layer, `ModelConfig::draft_layers`) left out unless `draft_layer`.
+    pub fn load_with(dir: &Path, format: WeightFormat, draft_layer: bool) -> Result<ModelFiles, ModelError> {
+        let (mut config, generation, text) = ModelFiles::metadata(dir)?;
+        if !draft_layer {
+            config.draft_layers = 0;
+        }
         let mut prepared: Option<PreparedWeights> = None;
         let (weights, checkpoint_dtype) = Weights::load_each(dir, &config, &mut |dtype, layer, scales| {
             let p = match &mut prepared {

@@ -154,7 +154,7 @@ fn pick(w: &[f32], mut r: f32) -> usize {
 
 /// A row's greedy pick (the lowest id of the largest logit, NaN ignored) and its log-probability
 /// under the model: exactly what [`Sampler::sample`] returns for a greedy request without penalties.
-pub(crate) fn greedy_pick(l: &[f32]) -> (u32, f32) {
+pub fn greedy_pick(l: &[f32]) -> (u32, f32) {
     let t = argmax(l);
     (t as u32, l[t] - log_sum_exp(l))
 }

@@ -39,10 +39,14 @@ pdserve-server [options]
                            up to 1.7x faster on CPUs without AVX-512); logits move, so greedy text may differ
   --cpu-kernels PATH       the CPU kernels to run: avx512, avx2 or portable (default: the best this CPU has;
                            a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
-  --speculative MODE       prompt-lookup (default) or off: draft tokens from the request's own context (the
-                           last 2-4 tokens' latest earlier occurrence and what followed it) while one request
-                           runs, verified in one multi-row step; the output is what plain decoding gives
-                           (also --speculative-algorithm ngram)
+  --speculative MODE       auto (default), mtp, prompt-lookup or off. mtp: the checkpoint's draft layer
+                           (DeepSeek's multi-token prediction layer) guesses one token per step while up to 4
+                           requests run; prompt-lookup: draft tokens from the request's own context (the last
+                           2-4 tokens' latest earlier occurrence and what followed it) while one request runs;
+                           auto: mtp where the checkpoint ships the layer, else prompt-lookup. Drafts are
+                           verified in one multi-row step; the output is what plain decoding gives. A PD pair
+                           must agree on mtp (the layer's KV travels with the prompt's). Also
+                           --speculative-algorithm ngram|nextn|eagle
   --draft-tokens N         draft tokens per step at most (default 8; also --speculative-num-draft-tokens)
   --kv-dtype TYPE          CPU KV cache values: f16 (default), bf16 or f32 (the reference; twice the bytes)
   --max-queued N           admission queue bound (default 256; also --max-queued-requests)
@@ -230,7 +234,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
     };
     let mut c = WorkerConfig::new(addr, EngineConfig::new(model_dir));
     let mut secret_file = None;
-    let (mut speculative, mut draft_tokens) = (true, 8);
+    let (mut speculative, mut draft_tokens) = (Some(pdserve_engine::DraftSource::Auto), 8);
     for (k, v) in sets {
         let n = || v.parse::<usize>().map_err(|e| format!("{k}: {e}"));
         let secs = || v.parse::<f64>().map(Duration::from_secs_f64).map_err(|e| format!("{k}: {e}"));
@@ -316,10 +320,14 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 _ => return Err(format!("--kv-transport {v}: tcp, shm or ucx")),
             },
             "--speculative" => {
+                use pdserve_engine::DraftSource;
                 speculative = match v.to_ascii_lowercase().as_str() {
-                    "off" | "none" => false,
-                    "prompt-lookup" | "ngram" => true,
-                    _ => return Err(format!("--speculative {v}: off or prompt-lookup")),
+                    "off" | "none" => None,
+                    "auto" => Some(DraftSource::Auto),
+                    "prompt-lookup" | "ngram" => Some(DraftSource::PromptLookup),
+                    // SGLang's names for DeepSeek's MTP layer, vLLM's method name.
+                    "mtp" | "nextn" | "eagle" | "deepseek_mtp" => Some(DraftSource::Model),
+                    _ => return Err(format!("--speculative {v}: auto, mtp, prompt-lookup or off")),
                 }
             }
             "--draft-tokens" => draft_tokens = n()?.clamp(1, 64),
@@ -327,8 +335,14 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
         }
     }
     c.engine.speculative = match speculative {
-        true => pdserve_engine::Speculative::prompt_lookup(draft_tokens),
-        false => pdserve_engine::Speculative::OFF,
+        Some(pdserve_engine::DraftSource::Auto) => pdserve_engine::Speculative::auto(draft_tokens),
+        Some(pdserve_engine::DraftSource::PromptLookup) => {
+            pdserve_engine::Speculative::prompt_lookup(draft_tokens)
+        }
+        Some(pdserve_engine::DraftSource::Model) => {
+            pdserve_engine::Speculative::model(pdserve_engine::MODEL_DRAFT_RUNNING_MAX)
+        }
+        None => pdserve_engine::Speculative::OFF,
     };
     c.cluster_secret = pdserve_api::header::cluster_secret(secret_file.as_deref())?;
     Ok(Some(c))

@@ -120,10 +120,12 @@ fn each_architecture_answers_the_reference_through_v1_completions() {
 #[test]
 fn deepseek_answers_the_reference_unified_and_through_pd() {
     let long: Vec<u32> = (0..3000).map(|i| 200 + (i * 997) % 20_000).collect();
-    // The latent, the rope key and (V3.2) the indexer's key, per layer, over the base's 2 layers.
+    // The latent, the rope key and (V3.2) the indexer's key, per layer, over the base's 2 layers
+    // and the MTP layer where V3 ships one.
     let latent = |c: &Value| {
         let key = |k: &str| c[k].as_u64().unwrap_or(0);
-        (key("kv_lora_rank") + key("qk_rope_head_dim") + key("index_head_dim")) * 2
+        (key("kv_lora_rank") + key("qk_rope_head_dim") + key("index_head_dim"))
+            * (2 + key("num_nextn_predict_layers"))
     };
     let cases = [
         (

@@ -37,6 +37,7 @@
 //! - A request's tokens depend only on the logits its own rows get: the same sampler draws in the
 //!   same order on a unified worker, through prefill and decode, resumed after a move, with drafts.
 
+mod draft_pass;
 mod sample;
 mod step;
 mod transfers;
@@ -52,6 +53,7 @@ use pdserve_scheduler::{Event, Exit, KvSource, NewRequest, RequestId, Scheduler,
 
 use crate::grammar::Guide;
 use crate::EngineError;
+pub use draft_pass::DraftPlan;
 
 pub use step::{Guides, PlannedRow, StepDone, StepFailure, StepOutput, StepPlan};
 pub use transfers::TransferCall;
@@ -256,6 +258,8 @@ pub struct CoreStats {
     pub greedy_steps_total: u64,
     pub draft_tokens_total: u64,
     pub draft_accepted_total: u64,
+    /// Draft passes (the model's draft layer) the backend failed: no guesses for their requests.
+    pub draft_passes_failed_total: u64,
     /// Requests refused, by the word of their error.
     pub rejected_total: HashMap<&'static str, u64>,
     /// Requests ended, by outcome and stage.
@@ -307,6 +311,8 @@ struct Active {
     remote_cached: Option<usize>,
     panic_in_sampling: bool,
     drafting: crate::draft::DraftState,
+    /// The model's draft layer's guess: (the sequence length it is for, the token).
+    model_draft: Option<(usize, u32)>,
 }
 
 /// Decode role: what the prefill worker said of the first token and of its own timings.
@@ -358,6 +364,8 @@ pub struct EngineCore {
     deferred: VecDeque<Deferred>,
     /// The step in flight, if any.
     stepping: Option<step::InFlight>,
+    /// The draft pass planned after the last step, until the shell takes it.
+    draft_plan: Option<DraftPlan>,
     stats: CoreStats,
 }
 
@@ -374,6 +382,7 @@ impl EngineCore {
             calls: VecDeque::new(),
             deferred: VecDeque::new(),
             stepping: None,
+            draft_plan: None,
             stats: CoreStats::default(),
         }
     }
@@ -637,6 +646,7 @@ impl EngineCore {
                 remote_cached,
                 panic_in_sampling: s.panic_in_sampling,
                 drafting: Default::default(),
+                model_draft: None,
             },
         );
         self.replies.push_back(Reply::Admitted { id: s.id, prompt_tokens: prompt_len });

@@ -140,7 +140,16 @@ impl EngineCore {
             self.sched.poll_batch_drafting(now, budget, &mut |id, tokens, room| {
                 match active.get_mut(&id.0) {
                     Some(a) => {
-                        let mut drafts = spec.propose(tokens, a.drafting.room(spec.max_draft).min(room));
+                        let room = a.drafting.room(spec.max_draft).min(room);
+                        let mut drafts = if spec.from_model() {
+                            // The draft layer's guess, where it was made for this very length.
+                            match a.model_draft.take() {
+                                Some((at, token)) if at == tokens.len() && room > 0 => vec![token],
+                                _ => Vec::new(),
+                            }
+                        } else {
+                            spec.propose(tokens, room)
+                        };
                         // A constrained request drafts only what its constraint allows (each draft
                         // row then gets the mask after the drafts before it).
                         if let Some(g) = a.guide.as_mut() {
@@ -208,6 +217,7 @@ impl EngineCore {
     /// The backend's answer to the step in flight: samples every sampling row, verifies drafts,
     /// reports tokens, and runs the inputs that waited for the step's end.
     pub fn handle_step_done(&mut self, now: Instant, done: StepDone) {
+        self.draft_plan = None;
         let Some(InFlight { batch }) = self.stepping.take() else {
             debug_assert!(false, "a step's answer without a step in flight");
             return;
@@ -269,6 +279,7 @@ impl EngineCore {
         }
         let drafts: usize = sampled.iter().map(|s| s.drafts_accepted).sum();
         self.stats.tokens_generated_total += (sampled.len() + drafts) as u64;
+        self.plan_drafts(batch, &sampled);
         for (id, reason) in failed {
             self.sched.handle_failed(id, &reason, now);
         }
