@@ -88,6 +88,16 @@ impl Speculative {
         self.is_on() && matches!(self.source, DraftSource::Auto | DraftSource::Model)
     }
 
+    /// What `/v1/models` says of it: "mtp", "prompt-lookup", "auto" (unresolved) or "off".
+    pub fn name(&self) -> &'static str {
+        match (self.is_on(), self.source) {
+            (false, _) => "off",
+            (true, DraftSource::Model) => "mtp",
+            (true, DraftSource::PromptLookup) => "prompt-lookup",
+            (true, DraftSource::Auto) => "auto",
+        }
+    }
+
     /// Whether drafts come from the model's draft layer.
     pub fn from_model(&self) -> bool {
         self.is_on() && self.source == DraftSource::Model

@@ -197,6 +197,7 @@ impl Engine {
             weight_bytes: built.weight_bytes,
             kv_bytes: built.kv_bytes,
             kv_bytes_per_token: built.kv_bytes_per_token,
+            speculative: config.speculative.name(),
             kv_dtype: config.resolved_kv_dtype(),
             sampling_defaults: files.generation.sampling_defaults(),
             context_tokens: context,

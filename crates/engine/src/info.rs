@@ -27,6 +27,8 @@ pub struct EngineInfo {
     /// Bytes of KV one token holds over every layer: K and V of every KV head, or a latent-attention
     /// model's latent row (`kv_lora_rank + qk_rope_head_dim` values per layer).
     pub kv_bytes_per_token: usize,
+    /// Where drafts come from: "mtp" (the model's draft layer), "prompt-lookup" or "off".
+    pub speculative: &'static str,
     /// Where a request gives no sampling settings: the model's `generation_config.json` over the
     /// engine's defaults.
     pub sampling_defaults: pdserve_model::SamplingParams,

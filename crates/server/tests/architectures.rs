@@ -164,6 +164,10 @@ fn deepseek_answers_the_reference_unified_and_through_pd() {
         let unified = Worker::start(&["--model", model, "--kv-dtype", "f32"]);
         let (_, models) = unified.json("GET", "/v1/models", "");
         assert_eq!(models["data"][0]["kv_bytes_per_token"], latent(&config) * 4, "{name}: {models}");
+        // V3 ships its MTP layer: drafts come from it by default.
+        let mtp = config.get("num_nextn_predict_layers").is_some();
+        let mode = if mtp { "mtp" } else { "prompt-lookup" };
+        assert_eq!(models["data"][0]["speculative"], mode, "{name}: {models}");
         let body = |ids: &[u32]| {
             json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true, "logprobs": 1})
                 .to_string()
@@ -176,6 +180,10 @@ fn deepseek_answers_the_reference_unified_and_through_pd() {
             assert_matches(&unified, &v, &reference, &format!("{name}, {} tokens", ids.len()), true);
             cold = v;
         }
+        // Every decode step drafted one guess (a random model's guesses are refused, and a refusal
+        // pauses drafting for two steps).
+        let drafted = common::metric(&unified, "spec_draft_tokens_total");
+        assert_eq!(drafted > 0.0, mtp, "{name}: {drafted} drafts");
         // The long prompt again: its latent blocks come from the prefix cache, and the answer is the
         // cold one's to the bit (the tail's rows computed as a cold prefill computes them).
         let warm = unified.json("POST", "/v1/completions", &body(&long)).1;
