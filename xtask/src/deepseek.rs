@@ -36,11 +36,22 @@ fn cache() -> PathBuf {
 
 /// The random model's folder (written once, the default model's tokenizer beside it).
 fn model(default: &Path) -> Result<PathBuf> {
-    let dir = cache().join("bench/deepseek-v3-random-1b");
+    model_shaped(default, false)
+}
+
+/// The random model with a multi-token prediction layer (`cargo xtask bench spec --model
+/// deepseek-mtp`), in a folder of its own.
+pub(crate) fn model_with_mtp(default: &Path) -> Result<PathBuf> {
+    model_shaped(default, true)
+}
+
+fn model_shaped(default: &Path, mtp: bool) -> Result<PathBuf> {
+    let name = if mtp { "bench/deepseek-v3-random-1b-mtp" } else { "bench/deepseek-v3-random-1b" };
+    let dir = cache().join(name);
     if dir.join("model.safetensors").exists() {
         return Ok(dir);
     }
-    let shape = pdserve_import::RandomDeepSeek::bench();
+    let shape = pdserve_import::RandomDeepSeek { mtp, ..pdserve_import::RandomDeepSeek::bench() };
     let (total, active) = shape.parameters();
     eprintln!(
         "bench: writing a random DeepSeek-V3 shape ({:.2}B parameters, {:.2}B active) to {}",

@@ -1,5 +1,6 @@
-//! `cargo xtask bench spec`: what prompt-lookup speculative decoding gives and costs. Two unified
-//! workers of the same build and model, one plain and one with `--speculative prompt-lookup`, loaded
+//! `cargo xtask bench spec`: what prompt-lookup speculative decoding gives and costs (or, with
+//! `--model deepseek-mtp`, drafts from a DeepSeek MTP layer). Two unified workers of the same build
+//! and model, one plain and one with `--speculative prompt-lookup` (`mtp`), loaded
 //! alternately (A B A B) by the load generator: the copy-heavy agent workload (where drafts pay) and
 //! the plain one (where they mostly do not), each prompt unique to its point. Afterwards it prints the
 //! speculative worker's acceptance rate from its metrics. Everything it starts it stops.
@@ -10,7 +11,7 @@ use anyhow::{bail, Context, Result};
 
 use crate::serve::{start_stack, stop_all, Spec, Stack};
 
-const USAGE: &str = "cargo xtask bench spec [--concurrency LIST] [--max-tokens M] [--repeat K] [--draft-tokens N] [--weights FMT] [--workloads LIST]
+const USAGE: &str = "cargo xtask bench spec [--concurrency LIST] [--max-tokens M] [--repeat K] [--draft-tokens N] [--weights FMT] [--workloads LIST] [--model deepseek-mtp]
 
 Starts two unified workers (--speculative off on port 8111, prompt-lookup, the default, on 8112) and runs
 `pdserve-bench` against both, alternating, per workload: `copy` (an agent writing a file a tool read
@@ -18,11 +19,14 @@ back out, greedy: what drafts from the prompt are for) and `sweep` (continue a l
 temperature 0.7: drafts rarely match). Prints tok/s medians with their spread and the ratio per
 point, then the acceptance rate. Raw JSON in target/bench/spec-<workload>.json.
 Defaults: --concurrency 1,4, --max-tokens 160, --repeat 3, --draft-tokens 8, --weights q4,
---workloads copy,sweep.";
+--workloads copy,sweep. --model deepseek-mtp: the random DeepSeek-V3 shape of `bench deepseek` with an
+MTP layer (written once under the cache folder), the second worker --speculative mtp: with random
+weights its guesses are refused, so this measures what the draft layer costs, not what it gains.";
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut concurrency, mut max_tokens, mut repeat) = ("1,4".to_owned(), 160usize, 3usize);
     let (mut draft, mut weights, mut workloads) = (8usize, "q4".to_owned(), "copy,sweep".to_owned());
+    let mut mtp = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut v = || it.next().cloned().with_context(|| format!("{a} needs a value"));
@@ -33,6 +37,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--draft-tokens" => draft = v()?.parse()?,
             "--weights" => weights = v()?,
             "--workloads" => workloads = v()?,
+            "--model" => match v()?.as_str() {
+                "deepseek-mtp" => mtp = true,
+                other => bail!("--model {other}: deepseek-mtp (or leave it out for the default model)"),
+            },
             "-h" | "--help" => {
                 println!("{USAGE}");
                 return Ok(());
@@ -40,7 +48,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             other => bail!("unknown option {other}\n{USAGE}"),
         }
     }
-    let model = crate::fetch_model(&[])?;
+    let mut model = crate::fetch_model(&[])?;
+    if mtp {
+        model = crate::deepseek::model_with_mtp(&model)?;
+    }
     crate::cargo(&["build", "--release", "-p", "pdserve-server", "-p", "pdserve-loadgen"])?;
     crate::sys::install_stop_handler();
     let root = crate::workspace_root();
@@ -68,7 +79,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     plain_args.extend(["--speculative".into(), "off".into()]);
     spec_args.extend([
         "--speculative".into(),
-        "prompt-lookup".into(),
+        if mtp { "mtp" } else { "prompt-lookup" }.into(),
         "--draft-tokens".into(),
         draft.to_string(),
     ]);

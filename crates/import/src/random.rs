@@ -200,6 +200,10 @@ pub struct RandomDeepSeek {
     pub vocab: usize,
     pub context: usize,
     pub seed: u64,
+    /// Ships a multi-token prediction layer (`num_nextn_predict_layers` 1: a layer of experts after
+    /// the last, with `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`; the embedding and LM head
+    /// copies DeepSeek ships beside it are left out, as pdserve reads the model's own).
+    pub mtp: bool,
 }
 
 impl RandomDeepSeek {
@@ -227,6 +231,7 @@ impl RandomDeepSeek {
             vocab: 49152,
             context: 8192,
             seed: 11,
+            mtp: false,
         }
     }
 
@@ -273,6 +278,7 @@ impl RandomDeepSeek {
                 "max_position_embeddings": self.context, "vocab_size": self.vocab,
                 "tie_word_embeddings": false, "bos_token_id": 0, "eos_token_id": 0,
                 "attention_bias": false, "torch_dtype": "bfloat16",
+                "num_nextn_predict_layers": usize::from(self.mtp),
             }),
         )?;
         let mut seed = self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
@@ -285,8 +291,15 @@ impl RandomDeepSeek {
         add(&mut tensors, "model.embed_tokens.weight".into(), vec![self.vocab, h], 2.0, &mut seed);
         add(&mut tensors, "lm_head.weight".into(), vec![self.vocab, h], w(h), &mut seed);
         let mut norms = vec![("model.norm.weight".to_owned(), h)];
-        for l in 0..self.layers {
+        for l in 0..self.layers + usize::from(self.mtp) {
             let p = format!("model.layers.{l}.");
+            if l == self.layers {
+                // The MTP layer's own tensors; its decoder layer follows as any other's.
+                add(&mut tensors, format!("{p}eh_proj.weight"), vec![h, 2 * h], w(2 * h), &mut seed);
+                for n in ["enorm", "hnorm", "shared_head.norm"] {
+                    norms.push((format!("{p}{n}.weight"), h));
+                }
+            }
             let a = format!("{p}self_attn.");
             add(&mut tensors, format!("{a}q_a_proj.weight"), vec![self.q_lora, h], w(h), &mut seed);
             add(

@@ -599,8 +599,8 @@ fn a_deepseek2_gguf_imports_to_the_same_model() {
     }
 }
 
-/// The benchmark's random DeepSeek-V3 shape (`RandomDeepSeek`), at a small size, is a checkpoint the
-/// engine loads as V3 and runs to finite logits.
+/// The benchmark's random DeepSeek-V3 shape (`RandomDeepSeek`), at a small size, with its MTP layer,
+/// is a checkpoint the engine loads as V3 and runs to finite logits, its draft layer's too.
 #[test]
 fn the_random_deepseek_shape_loads_and_runs() {
     let shape = pdserve_import::RandomDeepSeek {
@@ -623,14 +623,22 @@ fn the_random_deepseek_shape_loads_and_runs() {
         vocab: VOCAB,
         context: 256,
         seed: 3,
+        mtp: true,
     };
     let dir = std::env::temp_dir().join(format!("pdserve-random-deepseek-{}", std::process::id()));
     shape.write(&dir).unwrap();
     let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let (mla, moe) = (config.mla.clone().unwrap(), config.moe.clone().unwrap());
-    assert_eq!((mla.kv_lora_rank, moe.experts, moe.dense_layers), (64, 8, vec![0]));
+    assert_eq!((mla.kv_lora_rank, moe.experts, moe.dense_layers, config.draft_layers), (64, 8, vec![0], 1));
     let (logits, _) = ours(&dir);
     assert!(logits.iter().all(|v| v.is_finite()) && logits.iter().any(|&v| v != logits[0]));
+    let mut cpu = load_as(&dir, WeightFormat::F32);
+    let table: Vec<_> = (0..5).map(pdserve_kvcache::BlockId).collect();
+    let ids = prompt();
+    cpu.forward(&[SeqStep { tokens: &ids, start_pos: 0, block_table: &table, logits: 1 }]).unwrap();
+    let next = [&ids[1..], &[7]].concat();
+    let draft = cpu.draft(&[DraftStep { step: 0, next: &next, block_table: &table, logits: true }]).unwrap();
+    assert!(draft[0].iter().all(|v| v.is_finite()) && draft[0].iter().any(|&v| v != draft[0][0]));
     let (total, active) = pdserve_import::RandomDeepSeek::bench().parameters();
     assert!(
         (1.0e9..1.5e9).contains(&(total as f64)) && (0.2e9..0.4e9).contains(&(active as f64)),
