@@ -31,6 +31,9 @@ pub struct Speculative {
     /// Drafts only while at most this many requests run: each draft is a row of the step, and where
     /// the batch already fills the CPU, rows refused cost more than rows accepted save.
     pub max_running: usize,
+    /// Plain steps after a refused draft, doubling with each refusal in a row up to this many (2:
+    /// always 2).
+    pub pause_max: usize,
 }
 
 impl Speculative {
@@ -40,6 +43,7 @@ impl Speculative {
         max_ngram: 0,
         min_ngram: 0,
         max_running: 0,
+        pause_max: 2,
     };
 
     /// Prompt lookup with up to `max_draft` tokens per step, matching suffixes of 4 down to 2 tokens,
@@ -53,14 +57,24 @@ impl Speculative {
             max_ngram: 4,
             min_ngram: 2,
             max_running: 1,
+            pause_max: 2,
         }
     }
 
     /// The model's draft layer: one guess per step, while at most `max_running` requests run (each
     /// guess is a row of the step; the draft layer's pass runs whatever the count, so that its KV
-    /// covers every position).
+    /// covers every position). Refusals in a row pause a request's guesses for 2, 4, .. up to 32
+    /// steps: a draft layer that guesses wrong (a random model's, or text it was not trained for)
+    /// then costs its pass's KV rows, not a guess row and an LM head product every step.
     pub fn model(max_running: usize) -> Speculative {
-        Speculative { source: DraftSource::Model, max_draft: 1, max_ngram: 0, min_ngram: 0, max_running }
+        Speculative {
+            source: DraftSource::Model,
+            max_draft: 1,
+            max_ngram: 0,
+            min_ngram: 0,
+            max_running,
+            pause_max: 32,
+        }
     }
 
     /// The default: the model's draft layer where the checkpoint ships one, else
@@ -154,6 +168,8 @@ pub(crate) struct DraftState {
     pub next: usize,
     /// Steps left before drafting again after a refusal.
     pub pause: usize,
+    /// Refusals in a row.
+    pub misses: u32,
 }
 
 impl DraftState {
@@ -169,17 +185,29 @@ impl DraftState {
         self.next.min(max)
     }
 
-    /// After a step that carried `drafted` drafts of which the first `accepted` were taken.
-    pub fn record(&mut self, drafted: usize, accepted: usize, max: usize) {
+    /// Whether the next step may draft (no pause left to sit out).
+    pub fn may_draft(&self) -> bool {
+        self.pause == 0
+    }
+
+    /// After a step that carried `drafted` drafts of which the first `accepted` were taken; a
+    /// refusal pauses drafting for 2 steps, doubled for each refusal in a row before it, at most
+    /// `pause_max`.
+    pub fn record(&mut self, drafted: usize, accepted: usize, max: usize, pause_max: usize) {
         if drafted == 0 {
             return;
+        }
+        if accepted == 0 {
+            self.pause = (2usize << self.misses.min(16)).min(pause_max.max(2));
+            self.misses += 1;
+        } else {
+            self.misses = 0;
         }
         if accepted == drafted {
             self.next = (self.next * 2).clamp(1, max);
         } else if accepted == 0 {
             // A guess from the wrong place: draft again only after a few plain steps.
             self.next = (self.next / 2).max(2);
-            self.pause = 2;
         } else {
             self.next = (accepted + 1).clamp(2, max);
         }
@@ -227,11 +255,35 @@ mod tests {
     fn refused_drafts_shrink_and_pause_taken_ones_grow() {
         let mut d = DraftState::default();
         assert_eq!(d.room(8), 8);
-        d.record(8, 3, 8);
+        d.record(8, 3, 8, 2);
         assert_eq!(d.room(8), 4);
-        d.record(4, 4, 8);
+        d.record(4, 4, 8, 2);
         assert_eq!(d.room(8), 8);
-        d.record(8, 0, 8);
+        d.record(8, 0, 8, 2);
         assert_eq!((d.room(8), d.room(8), d.room(8)), (0, 0, 4));
+        // Prompt lookup's pause stays 2 however many refusals come in a row.
+        d.record(4, 0, 8, 2);
+        assert_eq!((d.room(8), d.room(8), d.room(8)), (0, 0, 2));
+    }
+
+    #[test]
+    fn refusals_in_a_row_pause_longer_up_to_the_maximum() {
+        let mut d = DraftState::default();
+        let mut pauses = Vec::new();
+        for _ in 0..6 {
+            assert_eq!(d.room(1), 1);
+            d.record(1, 0, 1, 32);
+            let mut n = 0;
+            while !d.may_draft() {
+                assert_eq!(d.room(1), 0);
+                n += 1;
+            }
+            pauses.push(n);
+        }
+        assert_eq!(pauses, [2, 4, 8, 16, 32, 32]);
+        // A taken guess ends the run of refusals.
+        d.record(1, 1, 1, 32);
+        d.record(1, 0, 1, 32);
+        assert_eq!(d.pause, 2);
     }
 }

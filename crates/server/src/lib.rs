@@ -59,6 +59,9 @@ pub struct WorkerConfig {
     pub responses_max_age: Duration,
     /// Where each request's spans go (`--otlp-traces-endpoint`, OTLP/HTTP); `None`: no traces.
     pub otlp_traces_endpoint: Option<pdserve_trace::Endpoint>,
+    /// The CPU cores every thread of the worker runs on (`--cpu-cores`), its compute pool one thread
+    /// per core: workers sharing a host then never fight over cores. `None`: every core it may use.
+    pub cpu_cores: Option<Vec<usize>>,
 }
 
 impl WorkerConfig {
@@ -96,6 +99,7 @@ impl WorkerConfig {
             responses_max_bytes: 256 << 20,
             responses_max_age: Duration::from_secs(3600),
             otlp_traces_endpoint: None,
+            cpu_cores: None,
         }
     }
 }
@@ -131,6 +135,13 @@ impl std::error::Error for WorkerError {}
 /// Binds, starts the engine, calls `on_ready` with the bound address, and serves until SIGTERM/SIGINT
 /// (or the end of standard input, with `exit_on_stdin_eof`) and the drain that follows.
 pub fn run(config: WorkerConfig, on_ready: impl FnOnce(SocketAddr)) -> Result<(), WorkerError> {
+    if let Some(cores) = &config.cpu_cores {
+        // Before any other thread starts: each inherits the mask, and the compute pool sizes itself
+        // to it.
+        sys::pin_to_cores(cores).map_err(|e| {
+            WorkerError::Io(std::io::Error::new(e.kind(), format!("--cpu-cores {cores:?}: {e}")))
+        })?;
+    }
     if config.unauthenticated() {
         if !config.allow_unauthenticated {
             return Err(WorkerError::Unauthenticated(config.addr));

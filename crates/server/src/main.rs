@@ -37,6 +37,9 @@ pdserve-server [options]
   --activations A          f32 (default) or q8: with --weights q8 or q4, round the inputs of every step to
                            int8 in groups of 32 and sum integer products, as llama.cpp does (a row's product
                            up to 1.7x faster on CPUs without AVX-512); logits move, so greedy text may differ
+  --cpu-cores LIST         run on these CPU cores only (e.g. 0-3,8; taskset's form), the compute pool one
+                           thread per core: workers sharing a host never fight over cores (cargo xtask
+                           serve gives each worker of a PD stack its own; /v1/models reports cpu_cores)
   --cpu-kernels PATH       the CPU kernels to run: avx512, avx2 or portable (default: the best this CPU has;
                            a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
   --speculative MODE       auto (default), mtp, prompt-lookup or off. mtp: the checkpoint's draft layer
@@ -125,6 +128,25 @@ fn main() -> ExitCode {
     }
 }
 
+/// A core list as `taskset` and `/sys/devices/system/cpu/online` write it: `0-3,8,10-11`.
+fn parse_cores(s: &str) -> Result<Vec<usize>, String> {
+    let mut cores = Vec::new();
+    for part in s.split(',') {
+        let n = |t: &str| t.trim().parse::<usize>().map_err(|e| format!("{t:?}: {e}"));
+        match part.split_once('-') {
+            Some((a, b)) if n(a)? <= n(b)? => cores.extend(n(a)?..=n(b)?),
+            Some(_) => return Err(format!("{part}: a range runs upwards")),
+            None => cores.push(n(part)?),
+        }
+    }
+    cores.sort_unstable();
+    cores.dedup();
+    if cores.len() > 4096 {
+        return Err("more than 4,096 cores".into());
+    }
+    Ok(cores)
+}
+
 /// The options that take a value, besides `--host`, `--port`, `--model` and `--role`.
 const VALUED: &[&str] = &[
     "--model-name",
@@ -168,6 +190,7 @@ const VALUED: &[&str] = &[
     "--kv-transport",
     "--speculative",
     "--draft-tokens",
+    "--cpu-cores",
 ];
 
 fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
@@ -331,6 +354,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                 }
             }
             "--draft-tokens" => draft_tokens = n()?.clamp(1, 64),
+            "--cpu-cores" => c.cpu_cores = Some(parse_cores(&v).map_err(|e| format!("--cpu-cores {v}: {e}"))?),
             other => return Err(format!("unknown option {other}")),
         }
     }

@@ -1,4 +1,4 @@
-//! Signal handling and returning freed heap memory: the crate's only unsafe code.
+//! Signal handling, returning freed heap memory and pinning to CPU cores: the crate's only unsafe code.
 #![allow(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -38,4 +38,27 @@ pub(crate) fn trim_heap() {
     unsafe {
         libc::malloc_trim(0);
     }
+}
+
+/// Pins the calling thread, and so every thread it starts later, to `cores` (Linux CPU numbers).
+pub(crate) fn pin_to_cores(cores: &[usize]) -> std::io::Result<()> {
+    let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, what);
+    if cores.is_empty() {
+        return Err(invalid("no cores".into()));
+    }
+    // SAFETY: cpu_set_t is plain data, all zeros a valid empty set; CPU_SET writes within it for a
+    // core below CPU_SETSIZE (checked); sched_setaffinity reads `size_of::<cpu_set_t>()` bytes of it.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        for &c in cores {
+            if c >= libc::CPU_SETSIZE as usize {
+                return Err(invalid(format!("core {c} is past the largest CPU number")));
+            }
+            libc::CPU_SET(c, &mut set);
+        }
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }

@@ -71,8 +71,14 @@ impl EngineCore {
             let (valid, last, guess) = if item.sample {
                 let Some(s) = sampled.iter().find(|s| s.id == item.id) else { continue };
                 // The rows of the item's first token and of its accepted drafts; the sampled token
-                // follows the last of them.
-                (item.num_tokens - item.draft + s.drafts_accepted, Some(s.token), !s.stop && guessing)
+                // follows the last of them. No guess (nor its LM head product) for a request whose
+                // drafting is paused.
+                let paused = self.active.get(&item.id.0).is_none_or(|a| !a.drafting.may_draft());
+                (
+                    item.num_tokens - item.draft + s.drafts_accepted,
+                    Some(s.token),
+                    !s.stop && guessing && !paused,
+                )
             } else {
                 (item.num_tokens, None, false)
             };

@@ -110,7 +110,8 @@ impl EngineCore {
         }
         if item.draft > 0 {
             let accepted = result.as_ref().map_or(0, |s| s.as_ref().map_or(0, |s| s.drafts_accepted));
-            lv.drafting.record(item.draft, accepted, self.config.speculative.max_draft);
+            let spec = self.config.speculative;
+            lv.drafting.record(item.draft, accepted, spec.max_draft, spec.pause_max);
             lv.times.drafted += item.draft as u32;
             lv.times.accepted += accepted as u32;
             self.stats.draft_tokens_total += item.draft as u64;

@@ -174,6 +174,7 @@ impl Frontend {
             "owned_by": "pdserve", "max_model_len": info.context_tokens, "device": info.device.to_string(),
             "weights": info.weights.name(), "activations": info.activations, "multi_row_weights": info.multi_row_weights, "kv_dtype": info.kv_dtype.name(),
             "weight_bytes": info.weight_bytes, "kv_bytes": info.kv_bytes, "kv_bytes_per_token": info.kv_bytes_per_token, "speculative": info.speculative,
+            "cpu_cores": self.config.cpu_cores, "compute_threads": std::thread::available_parallelism().map_or(1, usize::from),
             "cpu_kernels": pdserve_engine::cpu_kernels().name(), "role": info.role.as_str(),
             "tool_parser": info.tool_format.name(), "reasoning_parser": info.reasoning_format.name(),
             "unauthenticated": self.config.unauthenticated()});
