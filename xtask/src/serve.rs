@@ -254,6 +254,55 @@ fn write_secret(dir: &Path) -> Result<PathBuf> {
 
 /// Starts the processes of `spec` from the release binaries and waits until the stack is ready (for a
 /// router: a request went through the whole path). On any failure, what was started is stopped.
+/// The cores each worker of a PD stack on one host runs on (`--cpu-cores`), prefill workers first,
+/// so that no two workers' compute pools fight over a core (each sizes its pool to its share).
+/// With at least one core per worker, each gets `n / workers` contiguous cores and the prefill
+/// workers the remainder (prompts are compute-bound; decode steps read weights). With fewer, the
+/// prefill workers share the first half (rounded up) and the decode workers the rest. `None` on one
+/// core, or where the mask cannot be read: the workers share what there is.
+pub(crate) fn divide_cores(cores: &[usize], prefills: usize, decodes: usize) -> Option<Vec<Vec<usize>>> {
+    let (n, workers) = (cores.len(), prefills + decodes);
+    if n < 2 || workers == 0 {
+        return None;
+    }
+    if n < workers {
+        let split = n.div_ceil(2).min(n - 1);
+        let (p, d) = cores.split_at(split);
+        return Some((0..workers).map(|w| if w < prefills { p.to_vec() } else { d.to_vec() }).collect());
+    }
+    let (base, extra) = (n / workers, n % workers);
+    // The remainder to prefill workers, one each (round-robin while it lasts).
+    let mut shares: Vec<usize> = (0..workers).map(|_| base).collect();
+    for i in 0..extra {
+        shares[i % prefills.max(1)] += 1;
+    }
+    let mut at = 0;
+    Some(
+        shares
+            .into_iter()
+            .map(|k| {
+                at += k;
+                cores[at - k..at].to_vec()
+            })
+            .collect(),
+    )
+}
+
+/// `taskset`'s form of a core list: `0-3,8`.
+pub(crate) fn core_list(cores: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cores.len() {
+        let mut j = i;
+        while j + 1 < cores.len() && cores[j + 1] == cores[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j { cores[i].to_string() } else { format!("{}-{}", cores[i], cores[j]) });
+        i = j + 1;
+    }
+    out.join(",")
+}
+
 pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
     std::fs::create_dir_all(spec.logs)?;
     let secret = if spec.secret && !spec.unified { Some(write_secret(spec.logs)?) } else { None };
@@ -296,10 +345,21 @@ pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
         if let Some(s) = &secret {
             router_args.extend(["--cluster-secret-file".to_owned(), s.display().to_string()]);
         }
+        // Each worker its own cores, unless the caller pins them itself.
+        let plan = match spec.extra.iter().any(|a| a == "--cpu-cores") {
+            true => None,
+            false => divide_cores(&crate::sys::allowed_cores(), spec.prefills, spec.decodes),
+        };
+        let mut worker = 0;
         for (role, n) in [("prefill", spec.prefills), ("decode", spec.decodes)] {
             for i in 0..n {
                 let name = format!("{role}-{i}");
-                let p = Proc::start(&name, &server_bin, &worker_args(&name, role, 0), logs)?;
+                let mut args = worker_args(&name, role, 0);
+                if let Some(cores) = plan.as_ref().map(|p| &p[worker]) {
+                    args.extend(["--cpu-cores".to_owned(), core_list(cores)]);
+                }
+                worker += 1;
+                let p = Proc::start(&name, &server_bin, &args, logs)?;
                 router_args.push(format!("--{role}"));
                 router_args.push(p.url.clone());
                 procs.push(p);
@@ -411,7 +471,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     };
     writeln!(out, "pdserve is serving {} at {url} ({shape})", model.display())?;
     for p in &procs {
-        writeln!(out, "  {:<10} {:<28} log: {}", p.name, p.url, p.log.display())?;
+        let cores = p.args.iter().position(|a| a == "--cpu-cores").and_then(|i| p.args.get(i + 1));
+        let cores = cores.map_or_else(String::new, |c| format!("cores {c:<8}"));
+        writeln!(out, "  {:<10} {:<28} {cores} log: {}", p.name, p.url, p.log.display())?;
+    }
+    if !unified {
+        let n = crate::sys::allowed_cores().len();
+        match divide_cores(&crate::sys::allowed_cores(), prefills, decodes) {
+            Some(_) => writeln!(out, "the {n} cores are divided between the workers (each pinned to its own; -- --cpu-cores LIST overrides)")?,
+            None => writeln!(out, "the workers share this host's {n} core(s)")?,
+        }
     }
     writeln!(out, "try:\n  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32,\"temperature\":0}}'")?;
     if !unified {
@@ -505,5 +574,28 @@ fn supervise(procs: &mut [Proc]) -> Result<()> {
             }
         }
         std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cores_are_divided_without_overlap_prefill_first() {
+        let c = |n: usize| (0..n).collect::<Vec<_>>();
+        assert_eq!(divide_cores(&c(2), 1, 1), Some(vec![vec![0], vec![1]]));
+        assert_eq!(divide_cores(&c(16), 1, 1), Some(vec![c(8), (8..16).collect()]));
+        // The remainder goes to the prefill workers.
+        assert_eq!(divide_cores(&c(7), 1, 2), Some(vec![vec![0, 1, 2], vec![3, 4], vec![5, 6]]));
+        assert_eq!(divide_cores(&c(8), 2, 1), Some(vec![vec![0, 1, 2], vec![3, 4, 5], vec![6, 7]]));
+        // Fewer cores than workers: the prefill workers share the first half, the decode workers the rest.
+        assert_eq!(divide_cores(&c(2), 1, 2), Some(vec![vec![0], vec![1], vec![1]]));
+        assert_eq!(divide_cores(&c(3), 2, 2), Some(vec![vec![0, 1], vec![0, 1], vec![2], vec![2]]));
+        assert_eq!(divide_cores(&c(1), 1, 1), None);
+        // The mask's own numbers, not 0..n.
+        assert_eq!(divide_cores(&[2, 3, 6, 7], 1, 1), Some(vec![vec![2, 3], vec![6, 7]]));
+        assert_eq!(core_list(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
+        assert_eq!(core_list(&[5]), "5");
     }
 }

@@ -1,4 +1,5 @@
-//! Signal handling for `cargo xtask serve`: the crate's only unsafe code.
+//! Signal handling and the CPU cores this process may use, for `cargo xtask serve`: the crate's only
+//! unsafe code.
 #![allow(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,4 +30,18 @@ pub(crate) fn stop_requested() -> bool {
 pub(crate) fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions and cannot fail.
     unsafe { libc::geteuid() == 0 }
+}
+
+/// The CPU cores this process may run on (its affinity mask), in increasing order; empty where the
+/// mask cannot be read.
+pub(crate) fn allowed_cores() -> Vec<usize> {
+    // SAFETY: cpu_set_t is plain data, all zeros valid; sched_getaffinity writes at most
+    // `size_of::<cpu_set_t>()` bytes into it; CPU_ISSET reads within it for i < CPU_SETSIZE.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (0..libc::CPU_SETSIZE as usize).filter(|&i| libc::CPU_ISSET(i, &set)).collect()
+    }
 }

@@ -191,6 +191,39 @@ fn sglang_and_vllm_option_names_work_and_an_unknown_one_is_refused_first() {
     std::fs::remove_dir_all(&home).unwrap();
 }
 
+/// `--cpu-cores` pins the worker: every thread on those cores, its compute pool one thread per
+/// core, both reported by `/v1/models`; a core list it cannot take is refused with its reason.
+#[test]
+fn cpu_cores_pin_the_worker_and_bad_lists_are_refused() {
+    let w = Worker::start(&["--cpu-cores", "0"]);
+    let (s, v) = w.json("GET", "/v1/models", "");
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        (&v["data"][0]["cpu_cores"], &v["data"][0]["compute_threads"]),
+        (&serde_json::json!([0]), &serde_json::json!(1)),
+        "{v}"
+    );
+    let (s, v) = w.json("POST", "/v1/completions", r#"{"prompt":"Hello","max_tokens":4}"#);
+    assert_eq!(s, 200, "{v}");
+    // Every thread of the process, the compute pool's included, may run on core 0 only.
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", w.child.id())).unwrap();
+    for t in tasks {
+        let status = std::fs::read_to_string(t.unwrap().path().join("status")).unwrap();
+        let allowed = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap();
+        assert_eq!(allowed.trim(), "0", "{status}");
+    }
+    for (list, why) in
+        [("3-1", "a range runs upwards"), ("0,x", "invalid digit"), ("100000", "past the largest")]
+    {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+            .args(["--port", "0", "--cpu-cores", list])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(why), "{list}: {err}");
+    }
+}
+
 /// The names endpoint pickers scrape (vLLM's) on a worker's `/metrics`, equal to the engine's own
 /// series after a prefix-cache hit, with vLLM's labels; Prometheus's own checker finds nothing in the
 /// whole exposition but the colon every vLLM name has.
