@@ -10,7 +10,7 @@ use crate::peer::LlamaServer;
 use crate::serve::{start_stack, stop_all, Spec, Stack};
 
 const USAGE: &str = "cargo xtask bench agents [--agents N] [--rounds R] [--prompt-words P] [--tool-words W]
-                         [--max-tokens M] [--repeat K] [--kv-blocks B] [--no-llamacpp] [--shared-cores]
+                         [--max-tokens M] [--repeat K] [--kv-blocks B] [--no-llamacpp] [--divided-cores]
                          [--out PATH]
 
 Starts the PD stack (router, one prefill and one decode worker, KV through shared memory) on port
@@ -19,9 +19,9 @@ one slot per agent) on 8189, then runs `pdserve-bench --workload agents` against
 alternating. Defaults: 32 agents x 10 rounds; each conversation opens with a task of 750 words (about
 1,000 tokens) and every round adds the answer (64 tokens) and 110 words (about 150 tokens) of tool
 output; K = 2; 6,400 KV blocks of 16 tokens per worker (each holds every conversation); out
-target/bench/agents. The PD stack's workers each run on their own cores (`cargo xtask serve`'s
-rule); --shared-cores adds a second PD stack on 8102 whose workers share every core, as before the
-rule (a same-run before/after).";
+target/bench/agents. The PD stack's cores follow `cargo xtask serve`'s rule (shared below 4 cores
+per worker); --divided-cores adds a second PD stack on 8102 whose workers are each pinned to their own
+share of the cores (a same-run comparison).";
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut agents, mut rounds, mut tool_words, mut max_tokens, mut repeat) =
@@ -30,7 +30,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     // The task that opens each conversation (the files it concerns): about 1,000 tokens.
     let mut prompt_words = 750usize;
     let mut llamacpp = true;
-    let mut shared_cores = false;
+    let mut divided_cores = false;
     let mut out = "target/bench/agents".to_owned();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -44,7 +44,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--kv-blocks" => kv_blocks = n()?,
             "--prompt-words" => prompt_words = n()?,
             "--no-llamacpp" => llamacpp = false,
-            "--shared-cores" => shared_cores = true,
+            "--divided-cores" => divided_cores = true,
             "--out" => out = it.next().context("--out needs a path")?.clone(),
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -70,10 +70,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let logs = crate::workspace_root().join("target/bench/agents-logs");
     std::fs::create_dir_all(&logs)?;
     let extra = vec!["--kv-blocks".to_owned(), kv_blocks.to_string()];
-    let every_core = crate::serve::core_list(&crate::sys::allowed_cores());
-    let shared_extra = [extra.clone(), vec!["--cpu-cores".to_owned(), every_core]].concat();
-    let (pd_logs, unified_logs, shared_logs) =
-        (logs.join("pd"), logs.join("unified"), logs.join("pd-shared"));
+    let (pd_logs, unified_logs, divided_logs) =
+        (logs.join("pd"), logs.join("unified"), logs.join("pd-divided"));
     let spec = |port, unified, logs| Spec {
         port,
         model: &model,
@@ -87,13 +85,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         server_bin: None,
         bin_dir: None,
         router_extra: &[],
+        divide_cores: None,
     };
     let mut stacks: Vec<Stack> = Vec::new();
     let result = (|| -> Result<()> {
         stacks.push(start_stack(&spec(8100, false, &pd_logs))?);
         stacks.push(start_stack(&spec(8101, true, &unified_logs))?);
-        if shared_cores {
-            stacks.push(start_stack(&Spec { extra: &shared_extra, ..spec(8102, false, &shared_logs) })?);
+        if divided_cores {
+            stacks.push(start_stack(&Spec { divide_cores: Some(true), ..spec(8102, false, &divided_logs) })?);
         }
         let _peer = match &peer_bins {
             // One slot per agent, each holding a whole conversation (about 3,100 tokens at round 10
@@ -109,7 +108,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 .map(|s| (*s).to_owned())
                 .collect();
         let mut targets = vec!["http://127.0.0.1:8100", "http://127.0.0.1:8101"];
-        if shared_cores {
+        if divided_cores {
             targets.push("http://127.0.0.1:8102");
         }
         if peer_bins.is_some() {

@@ -19,7 +19,9 @@ use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
     "cargo xtask serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [--debug] \
-                     [-- WORKER OPTIONS]\n  --debug: the debug build (quicker to build; what the tests run)";
+                     [--divide-cores | --share-cores] [-- WORKER OPTIONS]\n  --debug: the debug build (quicker to build; what the tests run)\n  \
+                     --divide-cores: pin each worker of a PD stack to its own share of the cores (the default from 4 cores per \
+                     worker); --share-cores: every worker on every core (the default below)";
 
 pub(crate) struct Proc {
     pub name: String,
@@ -198,6 +200,9 @@ pub(crate) struct Spec<'a> {
     pub bin_dir: Option<&'a Path>,
     /// Passed to the router.
     pub router_extra: &'a [String],
+    /// A PD stack's cores (`None`: [`core_plan`]'s rule; `Some(true)`: each worker its own share;
+    /// `Some(false)`: every worker on every core).
+    pub divide_cores: Option<bool>,
 }
 
 impl<'a> Spec<'a> {
@@ -221,6 +226,7 @@ impl<'a> Spec<'a> {
             server_bin: None,
             bin_dir: None,
             router_extra: &[],
+            divide_cores: None,
         }
     }
 }
@@ -254,6 +260,21 @@ fn write_secret(dir: &Path) -> Result<PathBuf> {
 
 /// Starts the processes of `spec` from the release binaries and waits until the stack is ready (for a
 /// router: a request went through the whole path). On any failure, what was started is stopped.
+/// Cores per worker from which a PD stack's workers get cores of their own by default. Below it they
+/// share every core: on 2 cores, one core each (prefill and decode pinned) gave 0.82x the requests/s
+/// of sharing in the agents benchmark (`cargo xtask bench agents --divided-cores`), since a prompt's
+/// prefill then cannot use the core an idle decode worker leaves; with 4 or more each, a worker's
+/// share is a machine of its own and two pools no longer oversubscribe the same cores.
+pub(crate) const DIVIDE_FROM_CORES_PER_WORKER: usize = 4;
+
+/// The default plan of a PD stack's cores: [`divide_cores`] where every worker gets at least
+/// [`DIVIDE_FROM_CORES_PER_WORKER`] cores, else `None` (they share).
+pub(crate) fn core_plan(cores: &[usize], prefills: usize, decodes: usize) -> Option<Vec<Vec<usize>>> {
+    (cores.len() >= DIVIDE_FROM_CORES_PER_WORKER * (prefills + decodes))
+        .then(|| divide_cores(cores, prefills, decodes))
+        .flatten()
+}
+
 /// The cores each worker of a PD stack on one host runs on (`--cpu-cores`), prefill workers first,
 /// so that no two workers' compute pools fight over a core (each sizes its pool to its share).
 /// With at least one core per worker, each gets `n / workers` contiguous cores and the prefill
@@ -346,9 +367,11 @@ pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
             router_args.extend(["--cluster-secret-file".to_owned(), s.display().to_string()]);
         }
         // Each worker its own cores, unless the caller pins them itself.
-        let plan = match spec.extra.iter().any(|a| a == "--cpu-cores") {
-            true => None,
-            false => divide_cores(&crate::sys::allowed_cores(), spec.prefills, spec.decodes),
+        let cores = crate::sys::allowed_cores();
+        let plan = match (spec.extra.iter().any(|a| a == "--cpu-cores"), spec.divide_cores) {
+            (true, _) | (false, Some(false)) => None,
+            (false, Some(true)) => divide_cores(&cores, spec.prefills, spec.decodes),
+            (false, None) => core_plan(&cores, spec.prefills, spec.decodes),
         };
         let mut worker = 0;
         for (role, n) in [("prefill", spec.prefills), ("decode", spec.decodes)] {
@@ -400,6 +423,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut model: Option<PathBuf> = None;
     let mut unified = false;
     let mut debug = false;
+    let mut divide_cores = None;
     let mut otlp: Option<String> = None;
     let (mut prefills, mut decodes) = (1usize, 1usize);
     let mut extra: Vec<String> = Vec::new();
@@ -408,6 +432,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         match a.as_str() {
             "--unified" => unified = true,
             "--debug" => debug = true,
+            "--divide-cores" => divide_cores = Some(true),
+            "--share-cores" => divide_cores = Some(false),
             "--otlp-traces-endpoint" => {
                 let url = it.next().context("--otlp-traces-endpoint needs a URL")?;
                 otlp = Some(url.clone());
@@ -461,6 +487,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         server_bin: None,
         bin_dir: Some(&bin_dir),
         router_extra: &otlp_args,
+        divide_cores,
     };
     let Stack { mut procs, url } = start_stack(&spec)?;
     let mut out = std::io::stdout().lock();
@@ -477,9 +504,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     if !unified {
         let n = crate::sys::allowed_cores().len();
-        match divide_cores(&crate::sys::allowed_cores(), prefills, decodes) {
-            Some(_) => writeln!(out, "the {n} cores are divided between the workers (each pinned to its own; -- --cpu-cores LIST overrides)")?,
-            None => writeln!(out, "the workers share this host's {n} core(s)")?,
+        let workers = prefills + decodes;
+        if procs.iter().any(|p| p.args.iter().any(|a| a == "--cpu-cores")) {
+            writeln!(out, "the {n} cores are divided between the workers, each pinned to its own (--share-cores: all share)")?;
+        } else {
+            writeln!(
+                out,
+                "the workers share this host's {n} core(s): fewer than {DIVIDE_FROM_CORES_PER_WORKER} per worker for {workers} (--divide-cores pins each to its own)"
+            )?;
         }
     }
     writeln!(out, "try:\n  curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"messages\":[{{\"role\":\"user\",\"content\":\"What is the capital of France?\"}}],\"max_tokens\":32,\"temperature\":0}}'")?;
@@ -597,5 +629,9 @@ mod tests {
         assert_eq!(divide_cores(&[2, 3, 6, 7], 1, 1), Some(vec![vec![2, 3], vec![6, 7]]));
         assert_eq!(core_list(&[0, 1, 2, 3, 8, 10, 11]), "0-3,8,10-11");
         assert_eq!(core_list(&[5]), "5");
+        // The default: divided only from 4 cores per worker.
+        assert_eq!(core_plan(&c(2), 1, 1), None);
+        assert_eq!(core_plan(&c(7), 1, 1), None);
+        assert_eq!(core_plan(&c(8), 1, 1), Some(vec![c(4), (4..8).collect()]));
     }
 }

@@ -71,6 +71,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             server_bin: None,
             bin_dir: None,
             router_extra: &[],
+            divide_cores: None,
         };
         start_stack(&spec)
     };

@@ -67,6 +67,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         server_bin: None,
         bin_dir: None,
         router_extra: &[],
+        divide_cores: None,
     };
     let mut stack = start_stack(&spec)?;
     let format = serde_json::json!({"response_format": {"type": "json_schema",

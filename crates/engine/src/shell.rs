@@ -584,6 +584,7 @@ impl EngineThread {
                     e.insert(v.request_id.to_owned());
                 }
                 let _ = ledger.set_stage(v.request_id, v.stage, now);
+                let _ = ledger.set_waiting(v.request_id, v.waiting_for);
                 let _ = ledger.set_counts(
                     v.request_id,
                     v.tokens_in as u32,

@@ -115,7 +115,12 @@ impl Router {
                 let ask = self.collects.get(&id).map_or("", |c| c.what.path());
                 match serde_json::from_slice::<Value>(&raw) {
                     Ok(v) => {
-                        let summary = json!({"url": url, "role": role, "process": v["process"], "ok": true});
+                        // A worker's stages (how long each one's oldest request has waited, and for
+                        // what) beside its name: a stalled queue anywhere shows in one answer.
+                        let mut summary = json!({"url": url, "role": role, "process": v["process"], "ok": true});
+                        if v.get("stages").is_some() {
+                            summary["stages"] = v["stages"].clone();
+                        }
                         self.collect_done(id, summary, Some((url, v)))
                     }
                     Err(_) => {

@@ -455,6 +455,7 @@ impl Scheduler {
         }
 
         // Admit waiting requests, in the configured order, while there is room.
+        let mut short_of_blocks = false;
         while budget > 0 && self.running.len() < self.config.running_requests_max {
             let Some(at) = self.next_admission(now) else { break };
             let id = self.queued[at];
@@ -473,6 +474,7 @@ impl Scheduler {
             if self.kv.blocks_available() < needed + self.config.admission_watermark_blocks {
                 // Not now: it waits (it fits the pool, so running requests will make room).
                 let _ = self.kv.free_sequence(seq, false);
+                short_of_blocks = true;
                 break;
             }
             self.queued.remove(at);
@@ -498,6 +500,12 @@ impl Scheduler {
                 None => break,
             }
         }
+        self.stats.queue_wait = match () {
+            _ if self.queued.is_empty() => None,
+            _ if short_of_blocks => Some(QueueWait::Blocks),
+            _ if self.running.len() >= self.config.running_requests_max => Some(QueueWait::Slot),
+            _ => Some(QueueWait::Budget),
+        };
         self.stats.batch_tokens_last_step = batch.iter().map(|i| i.num_tokens).sum();
         if !batch.is_empty() {
             self.stats.steps_total += 1;

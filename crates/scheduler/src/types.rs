@@ -306,4 +306,27 @@ pub struct SchedulerStats {
     /// transfer), and those computed or pulled. Counted once per request, not again after preemption.
     pub prefix_hit_tokens_total: u64,
     pub prefix_miss_tokens_total: u64,
+    /// Why the last planned step admitted no more of the waiting requests (`None`: none waited).
+    pub queue_wait: Option<QueueWait>,
+}
+
+/// What the waiting requests wait for: why a step's planning stopped admitting them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueWait {
+    /// Free KV blocks: the pool (less its watermark) cannot hold the next request's prompt.
+    Blocks,
+    /// A running slot: `running_requests_max` requests run.
+    Slot,
+    /// The step's token budget went to running requests' decodes and prefill chunks.
+    Budget,
+}
+
+impl QueueWait {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QueueWait::Blocks => "kv_blocks",
+            QueueWait::Slot => "running_slot",
+            QueueWait::Budget => "step_budget",
+        }
+    }
 }

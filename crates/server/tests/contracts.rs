@@ -64,6 +64,23 @@ fn overload_is_answered_at_once_with_429_even_for_streams() {
             thread::sleep(Duration::from_millis(20));
         }
     }
+    // `/debug/requests` says what the queued one waits for, and per stage how long the oldest has.
+    let start = Instant::now();
+    loop {
+        let v = w.json("GET", "/debug/requests", "").1;
+        let queued =
+            v["requests"].as_array().unwrap().iter().find(|r| r["stage"] == "prefill_queued").cloned();
+        let stage = &v["stages"]["prefill_queued"];
+        if queued.is_some_and(|q| q["waiting_for"] == "running_slot")
+            && stage["waiting_for"] == "running_slot"
+        {
+            assert_eq!(stage["requests"], 1, "{v}");
+            assert!(stage["oldest_ms"].as_u64().is_some(), "{v}");
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "no reason given for the queued request: {v}");
+        thread::sleep(Duration::from_millis(20));
+    }
     for stream in [false, true] {
         let start = Instant::now();
         let r = w.request("POST", "/v1/chat/completions", &long(&format!(r#","stream":{stream}"#)), &[]);

@@ -22,6 +22,10 @@ pub struct LedgerEntry {
     pub kv_blocks: u32,
     /// Its trace's id (hex), where it is traced (`--otlp-traces-endpoint`).
     pub trace_id: Option<String>,
+    /// What it waits for at its stage, where it is not being computed: `kv_blocks`, `running_slot`,
+    /// `step_budget` (a queue), `decode_pull` (prefill KV held for the decode worker), `kv_pull`
+    /// (a decode worker receiving it).
+    pub waiting_for: Option<&'static str>,
 }
 
 /// An entry the watchdog found past its deadline.
@@ -84,6 +88,7 @@ impl RequestLedger {
                 deadline,
                 owner: owner.to_owned(),
                 trace_id: None,
+                waiting_for: None,
                 tokens_in: 0,
                 tokens_out: 0,
                 kv_blocks: 0,
@@ -114,6 +119,12 @@ impl RequestLedger {
     /// The id of the trace `id` belongs to, shown beside it.
     pub fn set_trace(&mut self, id: &str, trace_id: &str) -> Result<(), TelemetryError> {
         self.entry(id)?.trace_id = Some(trace_id.to_owned());
+        Ok(())
+    }
+
+    /// What `id` waits for now (`None`: it is being computed).
+    pub fn set_waiting(&mut self, id: &str, waiting_for: Option<&'static str>) -> Result<(), TelemetryError> {
+        self.entry(id)?.waiting_for = waiting_for;
         Ok(())
     }
 
@@ -190,9 +201,32 @@ impl RequestLedger {
                 if let Some(t) = &e.trace_id {
                     v["trace_id"] = serde_json::Value::String(t.clone());
                 }
+                if let Some(w) = e.waiting_for {
+                    v["waiting_for"] = serde_json::Value::String(w.to_owned());
+                }
                 v
             })
             .collect();
-        serde_json::json!({ "process": self.process, "now_ms": now_unix_ms, "requests": requests })
+        // Per stage, every live request (whatever `older_than`): how many, how long the oldest has
+        // been there and what it waits for, so a stalled queue shows at a glance.
+        let mut stages = serde_json::Map::new();
+        for stage in Stage::ALL {
+            let at: Vec<&LedgerEntry> = self.entries.values().filter(|e| e.stage == stage).collect();
+            let Some(oldest) =
+                at.iter().min_by(|a, b| a.stage_since.cmp(&b.stage_since).then(a.id.cmp(&b.id)))
+            else {
+                continue;
+            };
+            let mut s = serde_json::json!({
+                "requests": at.len(),
+                "oldest_ms": ms(now.saturating_duration_since(oldest.stage_since)),
+                "oldest_id": oldest.id,
+            });
+            if let Some(w) = oldest.waiting_for {
+                s["waiting_for"] = serde_json::Value::String(w.to_owned());
+            }
+            stages.insert(stage.as_str().to_owned(), s);
+        }
+        serde_json::json!({ "process": self.process, "now_ms": now_unix_ms, "stages": stages, "requests": requests })
     }
 }

@@ -38,6 +38,22 @@ fn lifecycle_and_debug_json() {
         (Some(412), Some(37), Some(27))
     );
     assert_eq!(reqs[1]["deadline_ms"], -500);
+    assert!(reqs[0].get("waiting_for").is_none());
+
+    // What a queued request waits for, per request and per stage: the stage's oldest request, how
+    // long it has been there.
+    l.admit("req-c", Stage::PrefillQueued, t0 + ms(400), t0 + ms(9000), "").unwrap();
+    l.set_waiting("req-b", Some("kv_blocks")).unwrap();
+    let v = l.debug_json(now, 0, Duration::ZERO);
+    assert_eq!(v["requests"][1]["waiting_for"], "kv_blocks");
+    assert_eq!(
+        v["stages"],
+        serde_json::json!({
+            "prefill_queued": {"requests": 2, "oldest_ms": 900, "oldest_id": "req-b", "waiting_for": "kv_blocks"},
+            "decoding": {"requests": 1, "oldest_ms": 700, "oldest_id": "req-a"},
+        })
+    );
+    l.finish("req-c");
 
     // `older_than` filters by age.
     let v = l.debug_json(now, 0, ms(950));

@@ -287,6 +287,8 @@ pub struct RequestView<'a> {
     pub tokens_out: usize,
     /// KV blocks it holds (a sliding window's released ones are not).
     pub kv_blocks: usize,
+    /// What it waits for where it is not being computed (see `LedgerEntry::waiting_for`).
+    pub waiting_for: Option<&'static str>,
 }
 
 /// One request the core has admitted.
@@ -462,13 +464,22 @@ impl EngineCore {
 
     /// Where each live request stands.
     pub fn requests(&self) -> impl Iterator<Item = RequestView<'_>> + '_ {
-        let admitted = self.active.iter().map(|(&id, a)| {
+        let queue_wait = self.sched.stats().queue_wait.map(|w| w.as_str());
+        let admitted = self.active.iter().map(move |(&id, a)| {
             let (stage, out) = self.sched.stage_of(RequestId(id)).unwrap_or((Stage::Queued, 0));
             let table = self.sched.kv().block_table(SeqId(id)).unwrap_or_default();
+            let stage = self.stage(stage);
+            let waiting_for = match stage {
+                ApiStage::PrefillQueued | ApiStage::DecodeQueued => queue_wait,
+                ApiStage::KvHeld => Some("decode_pull"),
+                ApiStage::KvTransfer => Some("kv_pull"),
+                _ => None,
+            };
             RequestView {
                 id,
                 request_id: &a.request_id,
-                stage: self.stage(stage),
+                stage,
+                waiting_for,
                 submitted: a.times.submitted.unwrap_or(a.deadline),
                 deadline: a.deadline,
                 tokens_in: a.prompt_len,
@@ -485,6 +496,7 @@ impl EngineCore {
             tokens_in: 0,
             tokens_out: 0,
             kv_blocks: 0,
+            waiting_for: Some("kv_pull"),
         });
         admitted.chain(described)
     }
