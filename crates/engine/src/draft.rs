@@ -61,15 +61,16 @@ impl Speculative {
         }
     }
 
-    /// The model's draft layer: one guess per step, while at most `max_running` requests run (each
-    /// guess is a row of the step; the draft layer's pass runs whatever the count, so that its KV
-    /// covers every position). Refusals in a row pause a request's guesses for 2, 4, .. up to 32
-    /// steps: a draft layer that guesses wrong (a random model's, or text it was not trained for)
-    /// then costs its pass's KV rows, not a guess row and an LM head product every step.
-    pub fn model(max_running: usize) -> Speculative {
+    /// The model's draft layer: up to `max_draft` chained guesses per step (the layer run again on
+    /// its own output, as SGLang's `--speculative-num-steps`), while at most `max_running` requests
+    /// run (each guess is a row of the step; the draft layer's pass runs whatever the count, so that
+    /// its KV covers every position). Refusals in a row pause a request's guesses for 2, 4, .. up to
+    /// 32 steps: a draft layer that guesses wrong (a random model's, or text it was not trained for)
+    /// then costs its pass's KV rows, not guess rows and LM head products every step.
+    pub fn model(max_draft: usize, max_running: usize) -> Speculative {
         Speculative {
             source: DraftSource::Model,
-            max_draft: 1,
+            max_draft: max_draft.max(1),
             max_ngram: 0,
             min_ngram: 0,
             max_running,
@@ -87,7 +88,7 @@ impl Speculative {
     /// draft layer is asked for and it has none.
     pub fn resolve(self, draft_layers: usize) -> Result<Speculative, String> {
         match (self.source, draft_layers > 0) {
-            (DraftSource::Auto, true) => Ok(Speculative::model(MODEL_DRAFT_RUNNING_MAX)),
+            (DraftSource::Auto, true) => Ok(Speculative::model(MODEL_DRAFT_TOKENS, MODEL_DRAFT_RUNNING_MAX)),
             (DraftSource::Auto, false) => Ok(Speculative { source: DraftSource::PromptLookup, ..self }),
             (DraftSource::Model, false) => Err(
                 "mtp: the model has no draft layer (DeepSeek's num_nextn_predict_layers with its weights)"
@@ -147,6 +148,10 @@ impl Speculative {
 /// Requests running at most, for the model's draft layer to draft by default: a guess is one more
 /// row per request, cheap beside a step's weight reads while few requests run.
 pub const MODEL_DRAFT_RUNNING_MAX: usize = 4;
+
+/// Chained guesses per step from the model's draft layer by default (SGLang's recommended
+/// `--speculative-num-steps 3` for DeepSeek's MTP layer).
+pub const MODEL_DRAFT_TOKENS: usize = 3;
 
 /// Trims `drafts` so the step verifying them (the drafts and the row before them) ends on a
 /// multiple of `rows` (the backend's `verify_rows_multiple`): a row past a multiple costs a whole

@@ -54,7 +54,7 @@ mod text;
 mod text_thread;
 
 pub use config::{Device, EngineConfig};
-pub use draft::{DraftSource, Speculative, MODEL_DRAFT_RUNNING_MAX};
+pub use draft::{DraftSource, Speculative, MODEL_DRAFT_RUNNING_MAX, MODEL_DRAFT_TOKENS};
 pub use error::{EngineError, KvTransferProblem};
 pub use handle::{Aborted, Engine, Health};
 pub use info::EngineInfo;

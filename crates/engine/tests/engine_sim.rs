@@ -168,7 +168,7 @@ impl Backend for Chain {
     fn draft(&mut self, steps: &[pdserve_model::DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         let stats = Arc::clone(self.draft.as_ref().expect("a draft layer"));
         let mut stats = stats.lock().unwrap();
-        let mut out = Vec::new();
+        let mut out: Vec<Vec<f32>> = Vec::new();
         for d in steps {
             let Some(&(start, n)) = self.last.get(d.step).filter(|s| d.next.len() <= s.1) else {
                 return Err(ModelError::InvalidInput {
@@ -186,7 +186,15 @@ impl Backend for Chain {
                 self.write_layer(d.block_table, pos, 1, guess)?;
                 stats.rows += 1;
             }
-            if d.logits {
+            // Chained guesses: each from the previous one's hash and its greedy pick, one position
+            // on (the main model's chain, where every guess before it was right).
+            // The first guess is position `start + next.len()`'s token; the k-th, k positions on.
+            let first = start + d.next.len();
+            for k in 0..d.guesses {
+                if k > 0 {
+                    let pick = pdserve_model::greedy_pick(out.last().expect("the previous guess")).0;
+                    guess = Chain::chained(guess, pick, first + k);
+                }
                 stats.guesses += 1;
                 out.push(Chain::logits(guess, 1, false));
             }
@@ -533,7 +541,7 @@ impl Sim {
         }));
         let variant = sabotage == Sabotage::BatchVariantModel;
         let drafts = match mtp {
-            true => Speculative::model(4),
+            true => Speculative::model(3, 4),
             false => Speculative { max_running: 4, ..Speculative::prompt_lookup(4) },
         };
         // A prefill core with a draft layer runs its pass over the prompt (its KV moves with the
@@ -987,8 +995,9 @@ fn thousands_of_requests_end_once_free_everything_and_agree_across_paths() {
 }
 
 /// Drafts from a draft layer (an oracle standing in for DeepSeek's MTP layer: right wherever the
-/// engine hands its pass the right rows and the tokens after them) on a unified core and through
-/// prefill and decode: every check of the plain run holds, greedy drafts are taken, and the draft
+/// engine hands its pass the right rows and the tokens after them, three guesses chained) on a
+/// unified core and through prefill and decode: every check of the plain run holds, greedy drafts
+/// are taken, and the draft
 /// pass found its previous row written for the same token nearly everywhere (on a decode core too,
 /// whose first pass reads the row the prefill core's pass wrote). The rows it found stale are those
 /// at a prefix hit's end, made for another continuation.
@@ -1012,6 +1021,11 @@ fn drafts_from_a_draft_layer_agree_across_paths() {
                 // the decode core when the prefill core skips its pass).
                 let d = d.lock().unwrap();
                 assert!(d.stale * 25 < d.rows, "seed {seed}, {}: {d:?}", n.name);
+                let s = n.worker.core().stats();
+                eprintln!(
+                    "seed {seed}, {}: {d:?}, {} of {} drafts taken",
+                    n.name, s.draft_accepted_total, s.draft_tokens_total
+                );
                 guesses += d.guesses;
             }
         }

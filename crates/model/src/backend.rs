@@ -20,8 +20,11 @@ pub struct SeqStep<'a> {
 /// One sequence's share of a draft pass (DeepSeek's multi-token prediction layer), run right after
 /// the forward pass it reads: the draft layer's rows at the first `next.len()` positions of the
 /// forward pass's `step`-th sequence, row `j` reading the main model's final hidden state there and
-/// the token that follows it (`next[j]`). Its KV is stored as the cache's last layer; the last row
-/// returns logits (the guess at the token after `next`'s last) where `logits` says so.
+/// the token that follows it (`next[j]`). Its KV is stored as the cache's last layer. With `guesses`
+/// `n > 0`, the last row's logits (the guess at the token after `next`'s last) come back, then the
+/// layer runs `n - 1` more rows after it, each at the next position, reading the previous row's
+/// output (its shared-head norm's, as SGLang chains its draft steps) and the previous guess (the
+/// greedy pick of its logits): `n` chained guesses, as far as the block table reaches.
 #[derive(Debug, Clone, Copy)]
 pub struct DraftStep<'a> {
     /// The sequence's index in the last forward pass's steps.
@@ -30,7 +33,7 @@ pub struct DraftStep<'a> {
     pub next: &'a [u32],
     /// Covers every position up to the last row's (the forward pass's table, or a longer one).
     pub block_table: &'a [BlockId],
-    pub logits: bool,
+    pub guesses: usize,
 }
 
 /// The element type KV memory holds. The 16-bit types halve the bytes decode attention reads, the pool
@@ -201,7 +204,8 @@ pub trait Backend: Send {
 
     /// Runs the draft layer over rows of the last [`forward`](Self::forward) (or
     /// [`forward_greedy`](Self::forward_greedy)) pass, which it must directly follow, and returns the
-    /// logits of each step that asks for them, in order. Errors where the backend has no draft
+    /// logits of each guess of each step that asks for them, in order (fewer than `guesses` for a step
+    /// whose block table ends first). Errors where the backend has no draft
     /// layer or a step does not match the last pass.
     fn draft(&mut self, steps: &[DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         let _ = steps;

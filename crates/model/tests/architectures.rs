@@ -269,16 +269,16 @@ fn deepseek_v3() -> Value {
 /// DeepSeek's multi-token prediction layer drafts as the numpy reference's (vLLM's formulation):
 /// after a prompt prefilled in two chunks and after each greedy decode step, the draft pass over the
 /// rows just computed gives the reference MTP layer's logits at the last one (its guess at the token
-/// after the one just chosen), for V3 and for V3.2 (whose draft layer has its own indexer). (The
-/// draft layer in every weight format: `experts_and_latent_attention_run_in_every_weight_format`.)
+/// after the one just chosen) and two guesses chained on it, for V3 and for V3.2 (whose draft layer
+/// has its own indexer). (The draft layer in every weight format:
+/// `experts_and_latent_attention_run_in_every_weight_format`.)
 #[test]
 fn the_mtp_layer_drafts_as_the_reference_does() {
     for (name, config) in [("deepseek-v3-mtp", deepseek_v3()), ("deepseek-v3.2-mtp", deepseek_v32())] {
         let dir = checkpoint(name, config);
         let ids = serde_json::to_string(&prompt()).unwrap();
-        let v: Value =
-            serde_json::from_slice(&script(&["mtp", dir.to_str().unwrap(), &ids, &STEPS.to_string()]))
-                .unwrap();
+        let args = ["mtp", dir.to_str().unwrap(), &ids, &STEPS.to_string(), "3"];
+        let v: Value = serde_json::from_slice(&script(&args)).unwrap();
         let floats =
             |v: &Value| v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect::<Vec<_>>();
         let want_greedy: Vec<u32> =
@@ -297,7 +297,8 @@ fn the_mtp_layer_drafts_as_the_reference_does() {
         let mut chunk = 7;
         while greedy.len() < STEPS {
             let start = kv.computed_tokens(s).unwrap();
-            kv.reserve(s, chunk).unwrap();
+            // Room for the two chained guesses' positions too.
+            kv.reserve(s, chunk + 2).unwrap();
             let table = kv.block_table(s).unwrap().to_vec();
             let toks = kv.tokens(s).unwrap()[start..start + chunk].to_vec();
             let logits = usize::from(start + chunk == kv.tokens(s).unwrap().len());
@@ -317,14 +318,15 @@ fn the_mtp_layer_drafts_as_the_reference_does() {
                     step: 0,
                     next: &next[..chunk],
                     block_table: &table,
-                    logits: logits == 1,
+                    guesses: 3 * logits,
                 }])
                 .unwrap();
-            assert_eq!(d.len(), logits, "{name}: logits only where asked");
+            assert_eq!(d.len(), 3 * logits, "{name}: logits only where asked");
             drafts.extend(d);
             chunk = if start == 0 { PROMPT - 7 } else { 1 };
         }
         assert_eq!(greedy, want_greedy, "{name}: the main model's tokens");
+        assert_eq!(drafts.len(), want_drafts.len(), "{name}");
         for (i, (got, want)) in drafts.iter().zip(&want_drafts).enumerate() {
             let diff = max_diff(got, want);
             assert!(diff < 2e-3, "{name}: draft {i} differs by {diff}");
@@ -468,7 +470,12 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
                     let mut next = prompt()[start + 1..start + n].to_vec();
                     next.push(if start + n == PROMPT { 5 } else { prompt()[start + n] });
                     let end = start + n == PROMPT;
-                    let step = DraftStep { step: 0, next: &next, block_table: &table, logits: end };
+                    let step = DraftStep {
+                        step: 0,
+                        next: &next,
+                        block_table: &table,
+                        guesses: 2 * usize::from(end),
+                    };
                     last.extend(b.draft(&[step]).unwrap().into_iter().flatten());
                 }
             }
@@ -637,7 +644,7 @@ fn the_random_deepseek_shape_loads_and_runs() {
     let ids = prompt();
     cpu.forward(&[SeqStep { tokens: &ids, start_pos: 0, block_table: &table, logits: 1 }]).unwrap();
     let next = [&ids[1..], &[7]].concat();
-    let draft = cpu.draft(&[DraftStep { step: 0, next: &next, block_table: &table, logits: true }]).unwrap();
+    let draft = cpu.draft(&[DraftStep { step: 0, next: &next, block_table: &table, guesses: 1 }]).unwrap();
     assert!(draft[0].iter().all(|v| v.is_finite()) && draft[0].iter().any(|&v| v != draft[0][0]));
     let (total, active) = pdserve_import::RandomDeepSeek::bench().parameters();
     assert!(

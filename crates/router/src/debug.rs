@@ -117,7 +117,8 @@ impl Router {
                     Ok(v) => {
                         // A worker's stages (how long each one's oldest request has waited, and for
                         // what) beside its name: a stalled queue anywhere shows in one answer.
-                        let mut summary = json!({"url": url, "role": role, "process": v["process"], "ok": true});
+                        let mut summary =
+                            json!({"url": url, "role": role, "process": v["process"], "ok": true});
                         if v.get("stages").is_some() {
                             summary["stages"] = v["stages"].clone();
                         }

@@ -50,7 +50,8 @@ pdserve-server [options]
                            verified in one multi-row step; the output is what plain decoding gives. A PD pair
                            must agree on mtp (the layer's KV travels with the prompt's). Also
                            --speculative-algorithm ngram|nextn|eagle
-  --draft-tokens N         draft tokens per step at most (default 8; also --speculative-num-draft-tokens)
+  --draft-tokens N         draft tokens per step at most (prompt-lookup: default 8; mtp: chained guesses,
+                           default 3; also --speculative-num-draft-tokens, --speculative-num-steps)
   --kv-dtype TYPE          CPU KV cache values: f16 (default), bf16 or f32 (the reference; twice the bytes)
   --max-queued N           admission queue bound (default 256; also --max-queued-requests)
   --max-running N          running batch bound (default 64; also --max-running-requests)
@@ -233,7 +234,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                     "--max-num-batched-tokens" => "--max-batch-tokens",
                     "--served-model-name" => "--model-name",
                     "--speculative-algorithm" => "--speculative",
-                    "--speculative-num-draft-tokens" => "--draft-tokens",
+                    "--speculative-num-draft-tokens" | "--speculative-num-steps" => "--draft-tokens",
                     n => n,
                 };
                 // Refused here, before the default model is fetched.
@@ -257,7 +258,7 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
     };
     let mut c = WorkerConfig::new(addr, EngineConfig::new(model_dir));
     let mut secret_file = None;
-    let (mut speculative, mut draft_tokens) = (Some(pdserve_engine::DraftSource::Auto), 8);
+    let (mut speculative, mut draft_tokens) = (Some(pdserve_engine::DraftSource::Auto), None);
     for (k, v) in sets {
         let n = || v.parse::<usize>().map_err(|e| format!("{k}: {e}"));
         let secs = || v.parse::<f64>().map(Duration::from_secs_f64).map_err(|e| format!("{k}: {e}"));
@@ -353,19 +354,22 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
                     _ => return Err(format!("--speculative {v}: auto, mtp, prompt-lookup or off")),
                 }
             }
-            "--draft-tokens" => draft_tokens = n()?.clamp(1, 64),
+            "--draft-tokens" => draft_tokens = Some(n()?.clamp(1, 64)),
             "--cpu-cores" => c.cpu_cores = Some(parse_cores(&v).map_err(|e| format!("--cpu-cores {v}: {e}"))?),
             other => return Err(format!("unknown option {other}")),
         }
     }
     c.engine.speculative = match speculative {
-        Some(pdserve_engine::DraftSource::Auto) => pdserve_engine::Speculative::auto(draft_tokens),
+        Some(pdserve_engine::DraftSource::Auto) => {
+            pdserve_engine::Speculative::auto(draft_tokens.unwrap_or(8))
+        }
         Some(pdserve_engine::DraftSource::PromptLookup) => {
-            pdserve_engine::Speculative::prompt_lookup(draft_tokens)
+            pdserve_engine::Speculative::prompt_lookup(draft_tokens.unwrap_or(8))
         }
-        Some(pdserve_engine::DraftSource::Model) => {
-            pdserve_engine::Speculative::model(pdserve_engine::MODEL_DRAFT_RUNNING_MAX)
-        }
+        Some(pdserve_engine::DraftSource::Model) => pdserve_engine::Speculative::model(
+            draft_tokens.unwrap_or(pdserve_engine::MODEL_DRAFT_TOKENS),
+            pdserve_engine::MODEL_DRAFT_RUNNING_MAX,
+        ),
         None => pdserve_engine::Speculative::OFF,
     };
     c.cluster_secret = pdserve_api::header::cluster_secret(secret_file.as_deref())?;

@@ -28,9 +28,11 @@ struct PlannedDraft {
     /// The token after each valid row.
     next: Vec<u32>,
     block_table: Vec<BlockId>,
-    /// The sequence's length once the step's tokens are in: the position the guess is for (`None`:
-    /// no guess wanted).
+    /// The sequence's length once the step's tokens are in: the position the first guess is for
+    /// (`None`: no guess wanted).
     guess_at: Option<usize>,
+    /// Chained guesses wanted (each one position on, within the block table).
+    guesses: usize,
 }
 
 impl DraftPlan {
@@ -42,7 +44,7 @@ impl DraftPlan {
                 step: r.step,
                 next: &r.next,
                 block_table: &r.block_table,
-                logits: r.guess_at.is_some(),
+                guesses: r.guesses,
             })
             .collect()
     }
@@ -90,7 +92,17 @@ impl EngineCore {
                 continue;
             }
             let guess_at = guess.then_some(start + valid + 1);
-            rows.push(PlannedDraft { id: item.id.0, step, next, block_table: table.to_vec(), guess_at });
+            // The chained guesses' rows go one position on each, as far as the blocks reach.
+            let reach = (table.len() * kv.block_size()).saturating_sub(start + valid - 1);
+            let guesses = if guess { spec.max_draft.min(reach) } else { 0 };
+            rows.push(PlannedDraft {
+                id: item.id.0,
+                step,
+                next,
+                block_table: table.to_vec(),
+                guess_at,
+                guesses,
+            });
         }
         if !rows.is_empty() {
             self.draft_plan = Some(DraftPlan { rows });
@@ -103,21 +115,24 @@ impl EngineCore {
         self.draft_plan.take()
     }
 
-    /// The backend's answer to a draft pass: each guessing row's logits, in order. A request's guess
-    /// is its greedy pick there, kept for its next step; a failed pass leaves no guesses (the
-    /// output is the same without them).
+    /// The backend's answer to a draft pass: each guessing row's chained guesses' logits, in order.
+    /// A request's guesses are the greedy picks there, kept for its next step; a failed pass (or one
+    /// that answered another count) leaves no guesses (the output is the same without them).
     pub fn handle_drafts(&mut self, plan: DraftPlan, output: Result<Vec<Vec<f32>>, ModelError>) {
-        let Ok(logits) = output else {
-            self.stats.draft_passes_failed_total += 1;
-            return;
+        let wanted: usize = plan.rows.iter().map(|r| r.guesses).sum();
+        let logits = match output {
+            Ok(l) if l.len() == wanted => l,
+            _ => {
+                self.stats.draft_passes_failed_total += 1;
+                return;
+            }
         };
         let mut logits = logits.into_iter();
         for r in plan.rows {
-            let Some(at) = r.guess_at else { continue };
-            let Some(l) = logits.next() else { return };
-            if let Some(a) = self.active.get_mut(&r.id) {
-                a.model_draft = Some((at, pdserve_model::greedy_pick(&l).0));
-            }
+            let guesses: Vec<u32> =
+                logits.by_ref().take(r.guesses).map(|l| pdserve_model::greedy_pick(&l).0).collect();
+            let (Some(at), Some(a)) = (r.guess_at, self.active.get_mut(&r.id)) else { continue };
+            a.model_draft = Some((at, guesses));
         }
     }
 }

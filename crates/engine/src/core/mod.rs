@@ -313,8 +313,8 @@ struct Active {
     remote_cached: Option<usize>,
     panic_in_sampling: bool,
     drafting: crate::draft::DraftState,
-    /// The model's draft layer's guess: (the sequence length it is for, the token).
-    model_draft: Option<(usize, u32)>,
+    /// The model's draft layer's guesses: (the sequence length the first is for, the tokens).
+    model_draft: Option<(usize, Vec<u32>)>,
 }
 
 /// Decode role: what the prefill worker said of the first token and of its own timings.

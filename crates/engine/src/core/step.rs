@@ -144,7 +144,10 @@ impl EngineCore {
                         let mut drafts = if spec.from_model() {
                             // The draft layer's guess, where it was made for this very length.
                             match a.model_draft.take() {
-                                Some((at, token)) if at == tokens.len() && room > 0 => vec![token],
+                                Some((at, mut guesses)) if at == tokens.len() => {
+                                    guesses.truncate(room);
+                                    guesses
+                                }
                                 _ => Vec::new(),
                             }
                         } else {

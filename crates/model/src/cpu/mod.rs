@@ -359,7 +359,7 @@ impl Backend for CpuBackend {
                         tokens: d.next,
                         start_pos,
                         block_table: d.block_table,
-                        logits: usize::from(d.logits),
+                        logits: usize::from(d.guesses > 0),
                     });
                 }
                 _ => {
@@ -377,7 +377,8 @@ impl Backend for CpuBackend {
         check_steps(&self.cfg, &self.layout, &seq)?;
         let mut sc = std::mem::take(&mut self.scratch);
         let this = &mut *self;
-        let out = rayon::scope(|_| this.draft_with(&seq, &hidden_at, &mut sc));
+        let guesses: Vec<usize> = steps.iter().map(|d| d.guesses).collect();
+        let out = rayon::scope(|_| this.draft_with(&seq, &hidden_at, &guesses, &mut sc));
         self.scratch = sc;
         Ok(out)
     }
@@ -532,8 +533,83 @@ impl CpuBackend {
     /// first row's index in the last pass's hidden states): row `j`'s input is
     /// `eh_proj([enorm(embed(next_j)) | hnorm(h_j)])`, the embedding zero at position 0 (as vLLM's
     /// multi-token predictor has it); the layer's output, normed by the shared head's norm, goes
-    /// through the LM head where a step asks for logits.
-    fn draft_with(&mut self, steps: &[SeqStep<'_>], hidden_at: &[usize], sc: &mut Scratch) -> Vec<Vec<f32>> {
+    /// through the LM head where a step asks for logits, and each of `guesses` more is chained on
+    /// (see `DraftStep`).
+    fn draft_with(
+        &mut self,
+        steps: &[SeqStep<'_>],
+        hidden_at: &[usize],
+        guesses: &[usize],
+        sc: &mut Scratch,
+    ) -> Vec<Vec<f32>> {
+        let hsz = self.cfg.hidden_size;
+        let row_of: Vec<usize> = steps
+            .iter()
+            .zip(hidden_at)
+            .flat_map(|(s, &from)| (0..s.tokens.len()).map(move |j| from + j))
+            .collect();
+        let hidden = std::mem::take(&mut self.last.hidden);
+        let normed = self.draft_rows(steps, &hidden, &row_of, sc);
+        self.last.hidden = hidden;
+        let mats = self.mats();
+        let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); steps.len()];
+        // The guessing steps, in order, and the last output row of each.
+        let guessing: Vec<usize> = (0..steps.len()).filter(|&i| steps[i].logits > 0).collect();
+        for (&i, l) in guessing.iter().zip(self.head_logits(&normed, &mats, &mut sc.xb)) {
+            out[i].push(l);
+        }
+        let (mut prev, mut prev_of) = (normed, guessing.clone());
+        for round in 1..guesses.iter().copied().max().unwrap_or(0) {
+            // One more row per step still guessing, at the next position, within its block table.
+            let bs = self.layout.block_size;
+            let live: Vec<(usize, usize)> = prev_of
+                .iter()
+                .enumerate()
+                .filter(|&(_, &i)| {
+                    let pos = steps[i].start_pos + steps[i].tokens.len() - 1 + round;
+                    guesses[i] > round
+                        && out[i].len() == round
+                        && pos < steps[i].block_table.len() * bs
+                        && pos < self.cfg.max_position_embeddings
+                })
+                .map(|(k, &i)| (k, i))
+                .collect();
+            if live.is_empty() {
+                break;
+            }
+            let tokens: Vec<u32> =
+                live.iter().map(|&(_, i)| crate::greedy_pick(&out[i][round - 1]).0).collect();
+            let chain: Vec<SeqStep<'_>> = live
+                .iter()
+                .zip(&tokens)
+                .map(|(&(_, i), t)| SeqStep {
+                    tokens: std::slice::from_ref(t),
+                    start_pos: steps[i].start_pos + steps[i].tokens.len() - 1 + round,
+                    block_table: steps[i].block_table,
+                    logits: 1,
+                })
+                .collect();
+            let rows_of: Vec<usize> = live.iter().map(|&(k, _)| k).collect();
+            let normed = self.draft_rows(&chain, &prev, &rows_of, sc);
+            for (&(_, i), l) in live.iter().zip(self.head_logits(&normed, &mats, &mut sc.xb)) {
+                out[i].push(l);
+            }
+            prev = normed;
+            prev_of = live.iter().map(|&(_, i)| i).collect();
+            debug_assert_eq!(prev.len(), prev_of.len() * hsz);
+        }
+        out.into_iter().flatten().collect()
+    }
+
+    /// The draft layer's rows for `steps`, row `r` reading hidden state `hidden[row_of[r]]`: the
+    /// shared head's norm of the output of each row a step asks logits for.
+    fn draft_rows(
+        &mut self,
+        steps: &[SeqStep<'_>],
+        hidden: &[f32],
+        row_of: &[usize],
+        sc: &mut Scratch,
+    ) -> Vec<f32> {
         let w = Arc::clone(&self.w);
         let d = w.draft.as_ref().expect("checked: a draft layer");
         let mats = self.mats();
@@ -544,16 +620,12 @@ impl CpuBackend {
         sc.h.clear();
         self.embed_rows(steps.iter().flat_map(|s| s.tokens.iter().copied()), &mats, &mut sc.h);
         let mut cat = vec![0.0; t * 2 * hsz];
-        let mut r = 0;
-        for (s, &from) in steps.iter().zip(hidden_at) {
-            for j in 0..s.tokens.len() {
-                let (e, h) = cat[r * 2 * hsz..][..2 * hsz].split_at_mut(hsz);
-                if s.start_pos + j > 0 {
-                    rms_norm(&sc.h[r * hsz..][..hsz], &d.enorm, eps, e);
-                }
-                rms_norm(&self.last.hidden[(from + j) * hsz..][..hsz], &d.hnorm, eps, h);
-                r += 1;
+        for (r, &(_, pos)) in rows.iter().enumerate() {
+            let (e, h) = cat[r * 2 * hsz..][..2 * hsz].split_at_mut(hsz);
+            if pos > 0 {
+                rms_norm(&sc.h[r * hsz..][..hsz], &d.enorm, eps, e);
             }
+            rms_norm(&hidden[row_of[r] * hsz..][..hsz], &d.hnorm, eps, h);
         }
         sc.x = matmul(&cat, t, 2 * hsz, &d.eh_proj, hsz);
         self.rope_table(&rows, &mut sc.rope);
@@ -562,7 +634,7 @@ impl CpuBackend {
         }
         let mut normed = vec![0.0; kept.len() * hsz];
         rms_norm(&sc.x[..kept.len() * hsz], &d.head_norm, eps, &mut normed);
-        self.head_logits(&normed, &mats, &mut sc.xb)
+        normed
     }
 
     /// Decoder layer `li` over the step's rows (`sc.x` in and out, the rope table in `sc.rope`). With
