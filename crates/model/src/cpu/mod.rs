@@ -16,10 +16,11 @@ use crate::prepare::{PreparedLayers, PreparedWeights};
 use crate::quant::{
     Bf16Weights, F16Matrix, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat,
 };
-use crate::sys::silu_mul;
 use crate::weights::Weights;
 
 mod attention;
+mod draft;
+mod layer;
 mod mla;
 mod moe;
 mod products;
@@ -27,9 +28,9 @@ mod rows;
 
 use crate::{ModelConfig, ModelError};
 use attention::KvMemory;
+use layer::{keep_rows, kept_rows, step_rows};
 use products::{matmul, matmul_bf16, matmul_quant_rows, matvec_int8, matvec_quant, matvec_wide};
-use rayon::prelude::*;
-use rows::{add_bias, add_into, add_rows, rms_norm, rms_norm_in_place, rms_norm_rows, rope_rows, PAR_ROWS};
+use rows::{rms_norm, rms_norm_rows};
 
 /// Runs a model on the CPU with rayon's thread pool.
 #[derive(Debug)]
@@ -55,16 +56,7 @@ pub struct CpuBackend {
     /// Where the embedding is read from, in place of the f32 one, once that is freed.
     embed: Option<EmbedRows>,
     /// What the draft pass reads of the last forward pass (with a draft layer).
-    last: LastPass,
-}
-
-/// The last forward pass as the draft pass after it reads it.
-#[derive(Debug, Default)]
-struct LastPass {
-    /// Each step's first position and row count (empty: no pass to draft from).
-    steps: Vec<(usize, usize)>,
-    /// Every row's final hidden state (normed), rows in step order.
-    hidden: Vec<f32>,
+    last: draft::LastPass,
 }
 
 /// Where embedding rows are read from when the f32 embedding is freed.
@@ -111,7 +103,7 @@ impl CpuBackend {
             rope_attention_factor,
             format: WeightFormat::F32,
             embed: None,
-            last: LastPass::default(),
+            last: draft::LastPass::default(),
         }
     }
 
@@ -345,42 +337,7 @@ impl Backend for CpuBackend {
     }
 
     fn draft(&mut self, steps: &[DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        if self.w.draft.is_none() {
-            return Err(ModelError::Unsupported { field: "draft layer".into(), value: "none loaded".into() });
-        }
-        let mut seq = Vec::with_capacity(steps.len());
-        let mut hidden_at = Vec::with_capacity(steps.len());
-        for (i, d) in steps.iter().enumerate() {
-            let from = self.last.steps.get(..d.step).map(|before| before.iter().map(|s| s.1).sum::<usize>());
-            match (self.last.steps.get(d.step), from) {
-                (Some(&(start_pos, n)), Some(from)) if !d.next.is_empty() && d.next.len() <= n => {
-                    hidden_at.push(from);
-                    seq.push(SeqStep {
-                        tokens: d.next,
-                        start_pos,
-                        block_table: d.block_table,
-                        logits: usize::from(d.guesses > 0),
-                    });
-                }
-                _ => {
-                    return Err(ModelError::InvalidInput {
-                        problem: format!(
-                        "draft step {i} reads {} rows of step {} of the last forward pass, which had {:?}",
-                        d.next.len(),
-                        d.step,
-                        self.last.steps.get(d.step).map(|s| s.1)
-                    ),
-                    })
-                }
-            }
-        }
-        check_steps(&self.cfg, &self.layout, &seq)?;
-        let mut sc = std::mem::take(&mut self.scratch);
-        let this = &mut *self;
-        let guesses: Vec<usize> = steps.iter().map(|d| d.guesses).collect();
-        let out = rayon::scope(|_| this.draft_with(&seq, &hidden_at, &guesses, &mut sc));
-        self.scratch = sc;
-        Ok(out)
+        self.draft_pass(steps)
     }
 
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
@@ -528,296 +485,6 @@ impl CpuBackend {
         rms_norm(picked, &w.final_norm, self.cfg.rms_norm_eps, &mut normed);
         self.head_logits(&normed, &mats, &mut sc.xb)
     }
-
-    /// The draft layer over `steps` (each step's tokens: the tokens after its rows; `hidden_at`: its
-    /// first row's index in the last pass's hidden states): row `j`'s input is
-    /// `eh_proj([enorm(embed(next_j)) | hnorm(h_j)])`, the embedding zero at position 0 (as vLLM's
-    /// multi-token predictor has it); the layer's output, normed by the shared head's norm, goes
-    /// through the LM head where a step asks for logits, and each of `guesses` more is chained on
-    /// (see `DraftStep`).
-    fn draft_with(
-        &mut self,
-        steps: &[SeqStep<'_>],
-        hidden_at: &[usize],
-        guesses: &[usize],
-        sc: &mut Scratch,
-    ) -> Vec<Vec<f32>> {
-        let hsz = self.cfg.hidden_size;
-        let row_of: Vec<usize> = steps
-            .iter()
-            .zip(hidden_at)
-            .flat_map(|(s, &from)| (0..s.tokens.len()).map(move |j| from + j))
-            .collect();
-        let hidden = std::mem::take(&mut self.last.hidden);
-        let normed = self.draft_rows(steps, &hidden, &row_of, sc);
-        self.last.hidden = hidden;
-        let mats = self.mats();
-        let mut out: Vec<Vec<Vec<f32>>> = vec![Vec::new(); steps.len()];
-        // The guessing steps, in order, and the last output row of each.
-        let guessing: Vec<usize> = (0..steps.len()).filter(|&i| steps[i].logits > 0).collect();
-        for (&i, l) in guessing.iter().zip(self.head_logits(&normed, &mats, &mut sc.xb)) {
-            out[i].push(l);
-        }
-        let (mut prev, mut prev_of) = (normed, guessing.clone());
-        for round in 1..guesses.iter().copied().max().unwrap_or(0) {
-            // One more row per step still guessing, at the next position, within its block table.
-            let bs = self.layout.block_size;
-            let live: Vec<(usize, usize)> = prev_of
-                .iter()
-                .enumerate()
-                .filter(|&(_, &i)| {
-                    let pos = steps[i].start_pos + steps[i].tokens.len() - 1 + round;
-                    guesses[i] > round
-                        && out[i].len() == round
-                        && pos < steps[i].block_table.len() * bs
-                        && pos < self.cfg.max_position_embeddings
-                })
-                .map(|(k, &i)| (k, i))
-                .collect();
-            if live.is_empty() {
-                break;
-            }
-            let tokens: Vec<u32> =
-                live.iter().map(|&(_, i)| crate::greedy_pick(&out[i][round - 1]).0).collect();
-            let chain: Vec<SeqStep<'_>> = live
-                .iter()
-                .zip(&tokens)
-                .map(|(&(_, i), t)| SeqStep {
-                    tokens: std::slice::from_ref(t),
-                    start_pos: steps[i].start_pos + steps[i].tokens.len() - 1 + round,
-                    block_table: steps[i].block_table,
-                    logits: 1,
-                })
-                .collect();
-            let rows_of: Vec<usize> = live.iter().map(|&(k, _)| k).collect();
-            let normed = self.draft_rows(&chain, &prev, &rows_of, sc);
-            for (&(_, i), l) in live.iter().zip(self.head_logits(&normed, &mats, &mut sc.xb)) {
-                out[i].push(l);
-            }
-            prev = normed;
-            prev_of = live.iter().map(|&(_, i)| i).collect();
-            debug_assert_eq!(prev.len(), prev_of.len() * hsz);
-        }
-        out.into_iter().flatten().collect()
-    }
-
-    /// The draft layer's rows for `steps`, row `r` reading hidden state `hidden[row_of[r]]`: the
-    /// shared head's norm of the output of each row a step asks logits for.
-    fn draft_rows(
-        &mut self,
-        steps: &[SeqStep<'_>],
-        hidden: &[f32],
-        row_of: &[usize],
-        sc: &mut Scratch,
-    ) -> Vec<f32> {
-        let w = Arc::clone(&self.w);
-        let d = w.draft.as_ref().expect("checked: a draft layer");
-        let mats = self.mats();
-        let (hsz, eps) = (self.cfg.hidden_size, self.cfg.rms_norm_eps);
-        let rows = step_rows(steps);
-        let kept = kept_rows(steps);
-        let t = rows.len();
-        sc.h.clear();
-        self.embed_rows(steps.iter().flat_map(|s| s.tokens.iter().copied()), &mats, &mut sc.h);
-        let mut cat = vec![0.0; t * 2 * hsz];
-        for (r, &(_, pos)) in rows.iter().enumerate() {
-            let (e, h) = cat[r * 2 * hsz..][..2 * hsz].split_at_mut(hsz);
-            if pos > 0 {
-                rms_norm(&sc.h[r * hsz..][..hsz], &d.enorm, eps, e);
-            }
-            rms_norm(&hidden[row_of[r] * hsz..][..hsz], &d.hnorm, eps, h);
-        }
-        sc.x = matmul(&cat, t, 2 * hsz, &d.eh_proj, hsz);
-        self.rope_table(&rows, &mut sc.rope);
-        if !self.layer(self.cfg.num_layers, steps, &rows, Some(&kept), &mats, sc) {
-            return Vec::new();
-        }
-        let mut normed = vec![0.0; kept.len() * hsz];
-        rms_norm(&sc.x[..kept.len() * hsz], &d.head_norm, eps, &mut normed);
-        normed
-    }
-
-    /// Decoder layer `li` over the step's rows (`sc.x` in and out, the rope table in `sc.rope`). With
-    /// `cut`, only those rows (increasing) go on past attention (their K and V, and every other
-    /// row's, are in the cache by then): the rest of the layer matters only for rows whose logits are
-    /// wanted, so a prompt's other rows stop there (a 30-layer model's prefill does 2.8% fewer
-    /// products). False when the cut leaves no row.
-    fn layer(
-        &mut self,
-        li: usize,
-        steps: &[SeqStep<'_>],
-        rows: &[(usize, usize)],
-        cut: Option<&[usize]>,
-        mats: &Mats,
-        sc: &mut Scratch,
-    ) -> bool {
-        let w = Arc::clone(&self.w);
-        let lw = &w.layers[li];
-        let cfg = &self.cfg;
-        let (hsz, hd, nh, nkv) = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads);
-        let (q_dim, kv_dim, inter) = (nh * hd, nkv * hd, cfg.intermediate_size);
-        let (eps, half) = (cfg.rms_norm_eps, hd / 2);
-        let qkv_w = q_dim + 2 * kv_dim;
-        let mla = cfg.mla.clone();
-        let t = rows.len();
-        // The attention output's width (the output projection's input).
-        let attn_dim = mla.as_ref().map_or(q_dim, |m| nh * m.v_head_dim);
-        rms_norm_rows(&sc.x, &lw.input_norm, eps, sized(&mut sc.h, t * hsz));
-        if let (Some(m), Some(mw)) = (&mla, &lw.mla) {
-            // Latent attention: queries absorbed into the latent's space, the latents stored,
-            // attention over the cached latents, each head's output taken back out.
-            let select =
-                self.mla_queries(steps, rows, (li, mats, &mut sc.xb), mw, &sc.h, &sc.rope, &mut sc.qkv);
-            let lat = sized(&mut sc.gate_up, t * nh * m.kv_lora_rank);
-            self.attention(steps, rows, li, (&sc.qkv, nh * m.latent_width()), &select, lat);
-            self.mla_values((li, mats), mw, lat, t, sized(&mut sc.attn, t * attn_dim));
-        } else {
-            // Q, K and V, one row per token.
-            if !mats.layer(li, Proj::Qkv, &sc.h, t, hsz, &mut sc.xb, sized(&mut sc.qkv, t * qkv_w)) {
-                let parts = [(&lw.q, q_dim), (&lw.k, kv_dim), (&lw.v, kv_dim)]
-                    .map(|(m, n)| matmul(&sc.h, t, hsz, m, n));
-                for (r, row) in sc.qkv.chunks_exact_mut(qkv_w).enumerate() {
-                    let mut at = 0;
-                    for (part, n) in parts.iter().zip([q_dim, kv_dim, kv_dim]) {
-                        row[at..at + n].copy_from_slice(&part[r * n..(r + 1) * n]);
-                        at += n;
-                    }
-                }
-            }
-            let rope = &sc.rope;
-            let qkv_row = |(row, rope): (&mut [f32], &[f32])| {
-                let mut at = 0;
-                for (bias, n) in [(&lw.q_bias, q_dim), (&lw.k_bias, kv_dim), (&lw.v_bias, kv_dim)] {
-                    if let Some(b) = bias {
-                        add_into(&mut row[at..at + n], b);
-                    }
-                    at += n;
-                }
-                if let (Some(qn), Some(kn)) = (&lw.q_norm, &lw.k_norm) {
-                    // Qwen3: each head's Q and K normalized on their own, before rope.
-                    let (q, rest) = row.split_at_mut(q_dim);
-                    for (heads, weight) in [(q, qn), (&mut rest[..kv_dim], kn)] {
-                        for head in heads.chunks_exact_mut(hd) {
-                            rms_norm_in_place(head, weight, eps);
-                        }
-                    }
-                }
-                let (cos, sin) = rope.split_at(half);
-                rope_rows(&mut row[..q_dim + kv_dim], hd, cos, sin);
-            };
-            if t >= PAR_ROWS {
-                sc.qkv
-                    .par_chunks_exact_mut(qkv_w)
-                    .zip(rope.par_chunks_exact(hd))
-                    .with_min_len(16)
-                    .for_each(qkv_row);
-            } else {
-                sc.qkv.chunks_exact_mut(qkv_w).zip(rope.chunks_exact(hd)).for_each(qkv_row);
-            }
-            // Write this step's K and V into the cache, then attend over the cache.
-            for (r, &(si, pos)) in rows.iter().enumerate() {
-                let block = steps[si].block_table[pos / self.layout.block_size];
-                let off = pos % self.layout.block_size;
-                let ki = self.kv_at(block, li, 0, off);
-                let vi = self.kv_at(block, li, 1, off);
-                let row = &sc.qkv[r * qkv_w..(r + 1) * qkv_w];
-                let dtype = self.layout.dtype;
-                self.kv.store(dtype, ki, &row[q_dim..q_dim + kv_dim]);
-                self.kv.store(dtype, vi, &row[q_dim + kv_dim..]);
-            }
-            let attn = sized(&mut sc.attn, t * q_dim);
-            // Every row attends over the cache the same way, whatever else the step holds (see
-            // `attention`).
-            self.attention(steps, rows, li, (&sc.qkv, qkv_w), &[], attn);
-        }
-        // The last main layer's K and V are in the cache: the rest of it (the output projection and
-        // the MLP) matters only for the rows whose logits are wanted, so a prompt's other rows
-        // stop here (a 30-layer model's prefill does 2.8% fewer products; a prefill chunk that
-        // wants no logits skips the rest outright). Every product computes each row as it would
-        // in any other step, so a kept row's values are those of the same row anywhere else.
-        let t = match cut.filter(|kept| kept.len() < t) {
-            Some(kept) => {
-                keep_rows(kept, attn_dim, &mut sc.attn);
-                keep_rows(kept, hsz, &mut sc.x);
-                if kept.is_empty() {
-                    return false;
-                }
-                kept.len()
-            }
-            None => t,
-        };
-        let o = sized(&mut sc.proj, t * hsz);
-        if !mats.layer(li, Proj::O, &sc.attn, t, attn_dim, &mut sc.xb, o) {
-            o.copy_from_slice(&matmul(&sc.attn, t, attn_dim, &lw.o, hsz));
-        }
-        if let Some(b) = &lw.o_bias {
-            add_bias(o, b);
-        }
-        add_rows(&mut sc.x, o, hsz);
-        rms_norm_rows(&sc.x, &lw.post_norm, eps, sized(&mut sc.h, t * hsz));
-        if let (Some(moe), Some(mw)) = (&self.cfg.moe, &lw.moe) {
-            let out = sized(&mut sc.proj, t * hsz);
-            moe::moe_ffn((li, mats, &mut sc.xb), (&sc.h, t, hsz), moe, mw, out);
-            add_into(&mut sc.x, out);
-            return true;
-        }
-        let gu = sized(&mut sc.gate_up, t * 2 * inter);
-        if !mats.layer(li, Proj::GateUp, &sc.h, t, hsz, &mut sc.xb, gu) {
-            let (g, u) = (matmul(&sc.h, t, hsz, &lw.gate, inter), matmul(&sc.h, t, hsz, &lw.up, inter));
-            for (r, row) in gu.chunks_exact_mut(2 * inter).enumerate() {
-                row[..inter].copy_from_slice(&g[r * inter..(r + 1) * inter]);
-                row[inter..].copy_from_slice(&u[r * inter..(r + 1) * inter]);
-            }
-        }
-        let act = sized(&mut sc.act, t * inter);
-        let swiglu = |(row, a): (&[f32], &mut [f32])| {
-            let (g, u) = row.split_at(inter);
-            silu_mul(g, u, a);
-        };
-        if t >= PAR_ROWS {
-            gu.par_chunks_exact(2 * inter)
-                .zip(act.par_chunks_exact_mut(inter))
-                .with_min_len(16)
-                .for_each(swiglu);
-        } else {
-            gu.chunks_exact(2 * inter).zip(act.chunks_exact_mut(inter)).for_each(swiglu);
-        }
-        let down = sized(&mut sc.proj, t * hsz);
-        if !mats.layer(li, Proj::Down, &sc.act, t, inter, &mut sc.xb, down) {
-            down.copy_from_slice(&matmul(&sc.act, t, inter, &lw.down, hsz));
-        }
-        add_rows(&mut sc.x, down, hsz);
-        true
-    }
-}
-
-/// One row per new token of `steps`: (step index, absolute position).
-fn step_rows(steps: &[SeqStep<'_>]) -> Vec<(usize, usize)> {
-    steps
-        .iter()
-        .enumerate()
-        .flat_map(|(i, s)| (0..s.tokens.len()).map(move |j| (i, s.start_pos + j)))
-        .collect()
-}
-
-/// The rows whose logits are wanted: the last `logits` of each step, in order.
-fn kept_rows(steps: &[SeqStep<'_>]) -> Vec<usize> {
-    let (mut kept, mut end) = (Vec::new(), 0);
-    for s in steps {
-        end += s.tokens.len();
-        kept.extend(end - s.logits..end);
-    }
-    kept
-}
-
-/// Rows `kept` (increasing) of `m` (rows of `width`) moved to its front, in order, and `m` cut to them.
-fn keep_rows(kept: &[usize], width: usize, m: &mut Vec<f32>) {
-    for (to, &from) in kept.iter().enumerate() {
-        if to != from {
-            m.copy_within(from * width..(from + 1) * width, to * width);
-        }
-    }
-    m.truncate(kept.len() * width);
 }
 
 /// Quantized decode weights, shared by every step.
