@@ -111,11 +111,12 @@ pub(crate) fn render(answer: &Value, only: Option<&str>) -> String {
         }
         for h in hops {
             out.push_str(&format!(
-                "    -> {} {}: {} for {}, tokens in/out {}/{}, kv blocks {}\n",
+                "    -> {} {}: {} for {}{}, tokens in/out {}/{}, kv blocks {}\n",
                 h["process"].as_str().unwrap_or("?"),
                 h["worker"].as_str().unwrap_or("?"),
                 h["stage"].as_str().unwrap_or("?"),
                 secs(&h["stage_age_ms"]),
+                waiting(&h),
                 h["tokens_in"],
                 h["tokens_out"],
                 h["kv_blocks"],
@@ -126,8 +127,24 @@ pub(crate) fn render(answer: &Value, only: Option<&str>) -> String {
         if let Some(e) = w["error"].as_str() {
             out.push_str(&format!("(worker {} did not answer: {e})\n", w["url"].as_str().unwrap_or("?")));
         }
+        // Each worker's stages: how many requests, the oldest's wait and what it waits for.
+        let stages = w["stages"].as_object().into_iter().flatten();
+        let line: Vec<String> = stages
+            .map(|(stage, s)| {
+                format!("{stage} {} (oldest {}{})", s["requests"], secs(&s["oldest_ms"]), waiting(s))
+            })
+            .collect();
+        if !line.is_empty() {
+            let name = w["process"].as_str().or(w["url"].as_str()).unwrap_or("?");
+            out.push_str(&format!("{name}: {}\n", line.join(", ")));
+        }
     }
     out
+}
+
+/// ", waiting for X" where an entry says what it waits for.
+fn waiting(v: &Value) -> String {
+    v["waiting_for"].as_str().map_or_else(String::new, |w| format!(", waiting for {w}"))
 }
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -179,16 +196,27 @@ mod tests {
     fn renders_hops_oldest_first() {
         let v = serde_json::json!({"process": "router", "requests": [
             {"id": "req-a", "stage": "decoding", "stage_age_ms": 1200, "age_ms": 5300, "deadline_ms": 2000,
-             "worker": "http://d", "hops": [{"process": "decode-0", "worker": "http://d", "stage": "decoding",
-             "stage_age_ms": 1100, "tokens_in": 12, "tokens_out": 40, "kv_blocks": 4}]},
+             "worker": "http://d", "hops": [{"process": "decode-0", "worker": "http://d", "stage": "decode_queued",
+             "stage_age_ms": 1100, "tokens_in": 12, "tokens_out": 40, "kv_blocks": 4, "waiting_for": "running_slot"}]},
             {"id": "req-b", "stage": "router_queued", "stage_age_ms": 10, "age_ms": 10, "deadline_ms": 900, "worker": "", "hops": []}],
-            "workers": [{"url": "http://p", "error": "timed out"}]});
+            "workers": [{"url": "http://p", "error": "timed out"},
+                {"url": "http://d", "process": "decode-0", "stages": {"decode_queued": {"requests": 3,
+                 "oldest_ms": 12100, "oldest_id": "req-a", "waiting_for": "running_slot"}}}]});
         let text = render(&v, None);
         let a = text.find("req-a").unwrap();
         let b = text.find("req-b").unwrap();
         assert!(a < b, "{text}");
         assert!(text.contains("age    5.3s  router: decoding for 1.2s"), "{text}");
-        assert!(text.contains("-> decode-0 http://d: decoding for 1.1s, tokens in/out 12/40"), "{text}");
+        assert!(
+            text.contains(
+                "-> decode-0 http://d: decode_queued for 1.1s, waiting for running_slot, tokens in/out 12/40"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("decode-0: decode_queued 3 (oldest 12.1s, waiting for running_slot)"),
+            "{text}"
+        );
         assert!(text.contains("worker http://p did not answer"), "{text}");
         assert!(render(&v, Some("req-z")).contains("req-z: not live on router"));
     }
