@@ -259,10 +259,9 @@ fn draft_pass(core: &mut EngineCore, backend: &mut dyn Backend) {
     if let Some(plan) = core.take_draft_plan() {
         let out = catch_unwind(AssertUnwindSafe(|| backend.draft(&plan.draft_steps())))
             .unwrap_or_else(|_| Err(ModelError::InvalidInput { problem: "the draft pass panicked".into() }));
-        if let Err(e) = &out {
+        if let Err(e) = core.handle_drafts(plan, out) {
             eprintln!("engine: draft pass failed (no drafts for its requests this step): {e}");
         }
-        core.handle_drafts(plan, out);
     }
 }
 

@@ -170,12 +170,11 @@ impl Backend for Chain {
         let mut stats = stats.lock().unwrap();
         let mut out: Vec<Vec<f32>> = Vec::new();
         for d in steps {
-            let Some(&(start, n)) = self.last.get(d.step).filter(|s| d.next.len() <= s.1) else {
+            let Some(&(start, _)) = self.last.get(d.step).filter(|s| d.next.len() <= s.1) else {
                 return Err(ModelError::InvalidInput {
                     problem: format!("draft step {} of {:?}", d.step, self.last),
                 });
             };
-            let _ = n;
             let mut guess = 0;
             for (j, &next) in d.next.iter().enumerate() {
                 let pos = start + j;

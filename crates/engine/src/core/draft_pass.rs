@@ -116,16 +116,19 @@ impl EngineCore {
     }
 
     /// The backend's answer to a draft pass: each guessing row's chained guesses' logits, in order.
-    /// A request's guesses are the greedy picks there, kept for its next step; a failed pass (or one
-    /// that answered another count) leaves no guesses (the output is the same without them).
-    pub fn handle_drafts(&mut self, plan: DraftPlan, output: Result<Vec<Vec<f32>>, ModelError>) {
+    /// A request's guesses are the greedy picks there, kept for its next step. A failed pass, or one
+    /// that answered another count, leaves no guesses (the output is the same without them) and
+    /// says why, for the shell's log.
+    pub fn handle_drafts(
+        &mut self,
+        plan: DraftPlan,
+        output: Result<Vec<Vec<f32>>, ModelError>,
+    ) -> Result<(), String> {
         let wanted: usize = plan.rows.iter().map(|r| r.guesses).sum();
         let logits = match output {
             Ok(l) if l.len() == wanted => l,
-            _ => {
-                self.stats.draft_passes_failed_total += 1;
-                return;
-            }
+            Ok(l) => return Err(format!("{} guesses' logits for {wanted} asked", l.len())),
+            Err(e) => return Err(e.to_string()),
         };
         let mut logits = logits.into_iter();
         for r in plan.rows {
@@ -134,5 +137,6 @@ impl EngineCore {
             let (Some(at), Some(a)) = (r.guess_at, self.active.get_mut(&r.id)) else { continue };
             a.model_draft = Some((at, guesses));
         }
+        Ok(())
     }
 }

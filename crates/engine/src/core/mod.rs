@@ -258,8 +258,6 @@ pub struct CoreStats {
     pub greedy_steps_total: u64,
     pub draft_tokens_total: u64,
     pub draft_accepted_total: u64,
-    /// Draft passes (the model's draft layer) the backend failed: no guesses for their requests.
-    pub draft_passes_failed_total: u64,
     /// Requests refused, by the word of their error.
     pub rejected_total: HashMap<&'static str, u64>,
     /// Requests ended, by outcome and stage.
