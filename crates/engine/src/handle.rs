@@ -351,12 +351,8 @@ impl Engine {
                     problem: format!("a {role} engine computes its prompts; it takes no remote KV"),
                 })
             }
-            (_, Role::Decode) => {
-                return Err(EngineError::InvalidInput {
-                    problem: "a decode engine takes only prompts a prefill worker computed (a KV handle)"
-                        .into(),
-                })
-            }
+            // A decode engine also computes a prompt itself (conditional disaggregation: the router
+            // sends it a conversation's next round, whose history it holds).
             _ => None,
         };
         // A full queue answers at once, without a round trip to the engine thread.

@@ -171,9 +171,13 @@ fn prefill_and_decode_engines_give_the_unified_text() {
         let Some(Output::Finished { finish: want_finish, .. }) = seen.last() else { panic!("{seen:?}") };
         let (text, finish) = disaggregated(&mut prefill, &mut decode, &i.to_string(), q);
         assert_eq!((text.as_str(), &finish), (want.as_str(), want_finish), "prompt {q:?}");
+        // A decode engine also computes a prompt itself (the router's choice when it holds the
+        // history): the same text, its sampler not skipping a draw made elsewhere.
+        let id = decode.submit(request(&format!("local{i}"), chat(q), 20)).unwrap();
+        let (local, seen) = run_to_end(&mut decode, id);
+        let Some(Output::Finished { finish, .. }) = seen.last() else { panic!("{seen:?}") };
+        assert_eq!((local.as_str(), finish), (want.as_str(), want_finish), "prompt {q:?} computed on decode");
     }
-    // A decode engine takes only remote prompts; the others take none.
-    assert!(decode.submit(request("x", chat("Hi"), 2)).is_err());
 }
 
 #[test]

@@ -101,6 +101,11 @@ pub struct RouterConfig {
     /// A stream whose worker sends no token for this long (after its first) has stalled: it moves to
     /// another worker. `None`: streams never count as stalled (their deadline still ends them).
     pub stall_timeout: Option<Duration>,
+    /// Conditional disaggregation (PD pools, cache-aware policy): a request the decode policy would
+    /// send to a decode worker for its cache, that worker lacking at most this many bytes of the
+    /// prompt text, goes to that worker alone, which computes the tail itself (0: every request goes
+    /// through a prefill worker).
+    pub max_local_prefill_bytes: usize,
     /// Where spans go (`--otlp-traces-endpoint`, OTLP/HTTP); `None`: no traces.
     pub otlp_traces_endpoint: Option<pdserve_trace::Endpoint>,
     /// Worker pools read from DNS (`--discover`): re-read every `discover_interval`; new addresses
@@ -143,6 +148,7 @@ impl Default for RouterConfig {
             log_requests: false,
             migrations_max: 2,
             stall_timeout: Some(Duration::from_secs(30)),
+            max_local_prefill_bytes: 4096,
             otlp_traces_endpoint: None,
             discover: Vec::new(),
             discover_interval: Duration::from_secs(5),

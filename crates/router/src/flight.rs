@@ -80,8 +80,23 @@ pub enum Plan {
     Unified,
     /// A prefill leg, then a decode leg with the prefill worker's handle.
     Disaggregated,
+    /// One leg to a decode worker, which computes the prompt itself: it holds the conversation's
+    /// history and what it lacks is short (conditional disaggregation). A refusal for load (429, or
+    /// 503 `no_capacity`) and every migration fall back to [`Plan::Disaggregated`].
+    DecodeLocal,
     /// A GET forwarded to any worker.
     Forward,
+}
+
+impl Plan {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Plan::Unified => "unified",
+            Plan::Disaggregated => "disaggregated",
+            Plan::DecodeLocal => "decode_local",
+            Plan::Forward => "forward",
+        }
+    }
 }
 
 /// What a flight is for and what it carries.
@@ -351,6 +366,12 @@ impl Flight {
         self.actions.push_back(a);
     }
 
+    /// How the request is served (a [`Plan::DecodeLocal`] flight falls back to
+    /// [`Plan::Disaggregated`] on a refusal for load or a migration).
+    pub fn plan(&self) -> Plan {
+        self.plan
+    }
+
     /// Where the request is now (the last stage announced).
     pub fn stage(&self) -> Stage {
         self.stage
@@ -365,6 +386,7 @@ impl Flight {
         let kind = match plan {
             Plan::Unified | Plan::Forward => LegKind::Main,
             Plan::Disaggregated => LegKind::Prefill,
+            Plan::DecodeLocal => LegKind::Decode,
         };
         self.open(kind, None);
     }
@@ -432,7 +454,7 @@ impl Flight {
     ) -> Vec<u8> {
         let remaining = ms(self.spec.deadline.saturating_duration_since(now)).max(1);
         let body = match kind {
-            LegKind::Decode => &self.decode_body,
+            LegKind::Decode if self.plan == Plan::Disaggregated => &self.decode_body,
             _ => self.resume_body.as_ref().unwrap_or(&self.spec.body),
         };
         let method = if self.spec.method_get { "GET" } else { "POST" };
@@ -613,6 +635,15 @@ impl Flight {
         if error.as_ref().is_some_and(|e| e.kind == ErrorKind::KvTransferFailed) && self.can_migrate() {
             // The prompt's KV did not arrive (its prefill worker died, say): another pair computes it.
             return self.migrate(Migration::KvTransfer, None);
+        }
+        let busy = error.as_ref().is_some_and(|e| matches!(e.kind, ErrorKind::QueueFull | ErrorKind::NoCapacity));
+        if self.plan == Plan::DecodeLocal && busy && !self.streaming {
+            // The decode worker has no room to compute the prompt itself: a prefill worker does.
+            self.plan = Plan::Disaggregated;
+            self.refused.clear();
+            self.draining_answer = None;
+            self.stale_retried = false;
+            return self.open(LegKind::Prefill, None);
         }
         if head.status >= 300 && self.streaming {
             // A later try failed before its stream began: the client's stream ends with its error.

@@ -258,16 +258,39 @@ impl Router {
         if let Some(t) = e.trace.as_mut() {
             t.dispatched(now);
         }
-        let plan = match e.flight.spec().purpose {
+        let (purpose, forward) = (e.flight.spec().purpose, Endpoint::from_path(&e.flight.spec().path).is_none());
+        let plan = match purpose {
             Purpose::PairProbe { .. } => Plan::Disaggregated,
-            _ if Endpoint::from_path(&e.flight.spec().path).is_none() => Plan::Forward,
+            _ if forward => Plan::Forward,
             _ if self.workers.iter().any(|w| w.role == Role::Unified && w.routable()) => Plan::Unified,
+            _ if self.decode_holds(id) => Plan::DecodeLocal,
             _ => Plan::Disaggregated,
         };
+        if let (Purpose::Client, Ok(c)) = (purpose, self.metrics.dispatched.with(&[plan.as_str()])) {
+            c.inc();
+        }
         if let Some(e) = self.flights.get_mut(&id) {
             e.flight.handle_dispatch(plan);
         }
         self.drive(id, now);
+    }
+
+    /// Conditional disaggregation: a client request whose prompt the decode policy would route to a
+    /// decode worker for its cache, that worker lacking at most `max_local_prefill_bytes` of it (a
+    /// conversation's next round: the last answer and the new message), is computed there; the
+    /// prefill worker, the transfer and the pull would cost more than the short tail.
+    fn decode_holds(&mut self, id: u64) -> bool {
+        let max = self.cfg.max_local_prefill_bytes;
+        let Some(e) = self.flights.get(&id) else { return false };
+        let spec = e.flight.spec();
+        if max == 0 || spec.purpose != Purpose::Client || spec.prompt.is_empty() {
+            return false;
+        }
+        let cands = self.candidates(Role::Decode, &[]);
+        match self.decode_policy.holder(&cands, &spec.prompt) {
+            Some((_, held)) => held > 0 && spec.prompt.len().saturating_sub(held) <= max,
+            None => false,
+        }
     }
 
     pub(crate) fn reject(&mut self, id: u64, err: ApiError, now: Instant) {

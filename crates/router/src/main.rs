@@ -35,6 +35,10 @@ pdserve-router [options]
                                 or loses the KV mid-request (default 2; 0 turns migration off)
   --stall-timeout-s S           a stream with no token for S seconds (after its first) has stalled
                                 and moves on (default 30; 0: never)
+  --max-local-prefill-bytes N   PD pools: a conversation's next round goes to the decode worker holding
+                                its history alone, which computes the new tail itself, when that tail is
+                                at most N bytes of prompt text (default 4096, about 1,000 tokens; 0: every
+                                request goes through a prefill worker). Needs --policy cache_aware
   --otlp-traces-endpoint URL    export each request's spans (queue, legs, migrations, retries) over
                                 OTLP/HTTP to URL (http://HOST:PORT[/PATH], /v1/traces if no path),
                                 under the client's traceparent; each leg passes its span on
@@ -167,6 +171,7 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--connections-per-worker" => c.connections_per_worker_max = n()?.max(1),
             "--retries" => c.retries_max = n()? as u32,
             "--migrations" => c.migrations_max = n()? as u32,
+            "--max-local-prefill-bytes" => c.max_local_prefill_bytes = n()?,
             "--otlp-traces-endpoint" => c.otlp_traces_endpoint = Some(pdserve_trace::Endpoint::parse(&v)?),
             "--stall-timeout-s" => {
                 c.stall_timeout = match v.parse::<f64>() {

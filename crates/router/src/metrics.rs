@@ -28,6 +28,7 @@ pub(crate) struct Metrics {
     discovery_lookups: CounterVec,
     pub discovery_addresses: GaugeVec,
     pub otlp_spans: CounterVec,
+    pub dispatched: CounterVec,
 }
 
 impl Metrics {
@@ -116,6 +117,13 @@ impl Metrics {
                 "Spans for --otlp-traces-endpoint: exported (the collector took them) or dropped (a full \
                  queue, or a batch the collector refused or never answered).",
                 &["result"],
+            )?,
+            dispatched: r.counter_vec(
+                "router_requests_dispatched_total",
+                "Client requests sent on from the router's queue, by plan: unified, disaggregated (prefill then \
+                 decode), decode_local (a decode worker holding the conversation computes its short new \
+                 tail itself), forward.",
+                &["plan"],
             )?,
             registry: r,
         })

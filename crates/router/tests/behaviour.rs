@@ -265,19 +265,40 @@ fn pd_mode_runs_prefill_then_decode() {
     let d = MockWorker::start(MockRole::Decode, Mode::Ok);
     let r = RouterHandle::start(config(&[(&p.url, Role::Prefill), (&d.url, Role::Decode)]));
     r.wait_ready(Duration::from_secs(5));
-    let (s, v) = r.json("POST", "/v1/chat/completions", CHAT);
+    let task = "Review the compaction code of the storage engine; the diff follows. ".repeat(4);
+    let body = |text: &str, stream: bool| {
+        serde_json::json!({"messages": [{"role": "user", "content": text}], "max_tokens": 5, "stream": stream})
+            .to_string()
+    };
+    let (s, v) = r.json("POST", "/v1/chat/completions", &body(&task, false));
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], "mock answer (transfer 7)");
-    let (s, events) = r.stream(CHAT_STREAM);
+    let posts = |w: &MockWorker| {
+        let g = w.seen.lock().unwrap();
+        g.posts.iter().filter(|x| !x.1.starts_with("probe-")).map(|x| (x.1.clone(), x.3.clone())).collect::<Vec<_>>()
+    };
+    // The decode leg carried the prefill handle and the same request id.
+    let (pp, dp) = (posts(&p), posts(&d));
+    assert_eq!(pp.last().unwrap().0, dp.last().unwrap().0);
+    assert!(dp.last().unwrap().1.starts_with(r#"{"pd_transfer":{"transfer":7"#), "{}", dp.last().unwrap().1);
+    let stream = |text: &str| body(text, true);
+    // The same conversation's next round: the decode worker holds its history and the new tail is
+    // short, so that worker alone computes it (no prefill leg, no handle).
+    let next = format!("{task}\nmock answer\nand now?");
+    let (s, events) = r.stream(&stream(&next));
     assert_eq!(s, 200);
     assert_eq!(events.last().unwrap(), "[DONE]");
-    // The decode leg carried the prefill handle and the same request id.
-    let pg = p.seen.lock().unwrap();
-    let dg = d.seen.lock().unwrap();
-    let last_p = pg.posts.iter().rev().find(|x| !x.1.starts_with("probe-")).unwrap();
-    let last_d = dg.posts.iter().rev().find(|x| !x.1.starts_with("probe-")).unwrap();
-    assert_eq!(last_p.1, last_d.1);
-    assert!(last_d.3.starts_with(r#"{"pd_transfer":{"transfer":7"#), "{}", last_d.3);
+    assert_eq!(posts(&p).len(), pp.len(), "no prefill leg");
+    let local = posts(&d).last().unwrap().1.clone();
+    assert!(!local.contains("pd_transfer") && local.contains("and now?"), "{local}");
+    assert_eq!(r.metric("router_requests_dispatched_total{plan=\"decode_local\"}"), 1.0);
+    // A new tail longer than --max-local-prefill-bytes goes through the prefill worker.
+    let long = format!("{next}\n{}", "the tool printed a long log line here. ".repeat(120));
+    let (s, events) = r.stream(&stream(&long));
+    assert_eq!((s, events.last().map(String::as_str)), (200, Some("[DONE]")));
+    assert_eq!(posts(&p).len(), pp.len() + 1, "a prefill leg");
+    assert!(posts(&d).last().unwrap().1.starts_with(r#"{"pd_transfer""#));
+    assert_eq!(r.metric("router_requests_dispatched_total{plan=\"disaggregated\"}"), 2.0);
 }
 
 #[test]

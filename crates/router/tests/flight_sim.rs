@@ -108,6 +108,8 @@ struct Record {
     client: bool,
     /// Per sent leg: it was asked for resume marks, and the tokens its body said the client had.
     resume: HashMap<u32, (bool, usize)>,
+    /// A decode-local flight went on through a prefill worker (a refusal for load, a migration).
+    fell_back: bool,
 }
 
 const HANDLE_ANSWER: &[u8] =
@@ -193,6 +195,18 @@ impl World {
                     let req = String::from_utf8_lossy(&req).into_owned();
                     let marks = req.contains("x-pdserve-resumable: 1");
                     let body = req.split("\r\n\r\n").nth(1).unwrap_or("");
+                    // A decode leg carries the prefill worker's handle, unless the decode worker
+                    // computes the prompt itself.
+                    let handle = body.contains("pd_transfer");
+                    let plan = self.flights[f].plan();
+                    assert_eq!(
+                        handle,
+                        kind == LegKind::Decode && plan == Plan::Disaggregated,
+                        "flight {f}: a {kind:?} leg under {plan:?}: {body}"
+                    );
+                    if kind == LegKind::Prefill && self.plans[f] == Plan::DecodeLocal {
+                        self.records[f].fell_back = true;
+                    }
                     let had = serde_json::from_str::<serde_json::Value>(body)
                         .ok()
                         .and_then(|v| v["pd_resume"]["tokens"].as_array().map(Vec::len))
@@ -255,7 +269,13 @@ impl World {
                         Behaviour::Error { status, ms } => {
                             let t = now + Duration::from_millis(ms);
                             self.at(t, f, Ev::Head { leg, status, sse: false, marks: false });
-                            let body = format!(r#"{{"error":{{"type":"x","message":"m","code":{status}}}}}"#);
+                            let kind = match status {
+                                429 => "queue_full",
+                                503 => "no_capacity",
+                                _ => "x",
+                            };
+                            let body =
+                                format!(r#"{{"error":{{"type":"{kind}","message":"m","code":{status}}}}}"#);
                             self.at(t, f, Ev::Data { leg, bytes: body.into_bytes() });
                             self.at(t, f, Ev::End { leg });
                         }
@@ -402,7 +422,8 @@ fn run(seed: u64, flights: usize) -> Tally {
                 (Purpose::PairProbe { prefill: 10 + w.rng.below(4) as u32, decode: 20 }, Plan::Disaggregated)
             }
             10..=14 => (Purpose::Client, Plan::Forward),
-            r if r < 57 => (Purpose::Client, Plan::Unified),
+            r if r < 45 => (Purpose::Client, Plan::Unified),
+            r if r < 65 => (Purpose::Client, Plan::DecodeLocal),
             _ => (Purpose::Client, Plan::Disaggregated),
         };
         let client = !matches!(purpose, Purpose::PairProbe { .. });
@@ -487,6 +508,16 @@ fn run(seed: u64, flights: usize) -> Tally {
         assert!(fin.migrations.len() <= spec.migrations_max as usize, "flight {f}: {:?}", fin.migrations);
         if fin.migrations.contains(&pdserve_router::flight::Migration::Stalled) {
             *tally.cases.entry("stalled").or_default() += 1;
+        }
+        if rec.fell_back {
+            let busy = rec.legs.keys().any(|l| {
+                matches!(w.behaviour.get(&(f, *l)), Some(Behaviour::Error { status: 429 | 503, .. }))
+            });
+            *tally
+                .cases
+                .entry(if fin.migrations.is_empty() { "local_fell_back" } else { "local_migrated" })
+                .or_default() += 1;
+            assert!(busy || !fin.migrations.is_empty(), "flight {f}: fell back for no reason: {rec:?}");
         }
         if !fin.migrations.is_empty() {
             *tally
@@ -643,6 +674,8 @@ fn thousands_of_flights_end_exactly_once_and_leave_nothing_behind() {
         "migrated_completed",
         "migrated_other",
         "stalled",
+        "local_fell_back",
+        "local_migrated",
     ] {
         assert!(total.cases.get(c).copied().unwrap_or(0) > 20, "{c}: {:?}", total.cases);
     }

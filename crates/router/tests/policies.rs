@@ -149,3 +149,33 @@ fn cache_aware_explains_load_imbalance_and_cold_choices() {
     assert_eq!(p.pick(&workers(&[0, 0]), "Something else entirely, with no shared prefix."), 1);
     assert_eq!(p.last_choice().unwrap().rule, "least_cached");
 }
+
+/// What the router reads to send a conversation's next round straight to the decode worker holding
+/// it: that worker and how much of the prompt it holds; nothing when no cache matches well enough or
+/// the load overrides the cache; and asking changes no later pick.
+#[test]
+fn cache_aware_names_the_holder_of_a_prompts_prefix() {
+    let mut p = CacheAware::new(CacheAwareConfig {
+        balance_abs_threshold: 4,
+        balance_rel_threshold: 2.0,
+        ..Default::default()
+    });
+    let round1 = "You review pull requests for a storage engine. Here is the diff of the compaction code.";
+    let w = workers(&[0, 0]);
+    let first = p.pick(&w, round1) as u32;
+    p.routed(first, round1);
+    let round2 = format!("{round1}\nThe diff looks fine.\nNow check the tests.");
+    let (holder, held) = p.holder(&w, &round2).expect("a cache match");
+    assert_eq!(holder, first);
+    assert!(held <= round1.len() && held + 16 > round1.len(), "{held} of {} held", round1.len());
+    assert_eq!(p.pick(&w, &round2) as u32, first, "the pick agrees");
+    assert_eq!(p.last_choice().unwrap().rule, "cache_match");
+    // Unrelated text: no holder.
+    assert_eq!(p.holder(&w, "Translate into French: the cat sleeps on the warm windowsill."), None);
+    // The holder overloaded: the pick goes by load, so there is no holder to send the round to.
+    let mut loads = vec![0, 0];
+    loads[first as usize] = 20;
+    assert_eq!(p.holder(&workers(&loads), &round2), None);
+    // Policies that know no cache name none.
+    assert_eq!(RoundRobin::default().holder(&w, &round2), None);
+}

@@ -194,7 +194,9 @@ impl Scheduler {
             return Err(Rejection::DuplicateId);
         }
         match (&req.kv, c.role) {
-            (KvSource::Compute, Role::Decode) | (KvSource::Remote { .. }, Role::Unified | Role::Prefill) => {
+            // (A decode worker also computes a prompt itself: the router sends it a conversation's
+            // next round whose history it holds, the new tail being short.)
+            (KvSource::Remote { .. }, Role::Unified | Role::Prefill) => {
                 return Err(Rejection::WrongRole { role: c.role });
             }
             _ => {}

@@ -270,7 +270,6 @@ fn decode_role_waits_for_kv_with_a_deadline() {
         kv: KvSource::Remote { transfer: TransferId(id), first_token: 77 },
         ..req(id, 10, 4, t0)
     };
-    assert!(matches!(s.handle_request(req(9, 10, 4, t0), t0), Err(Rejection::WrongRole { .. })));
     s.handle_request(remote(1), t0).unwrap();
     s.handle_request(remote(2), t0).unwrap();
     assert_eq!(s.stage_of(RequestId(1)), Some((Stage::KvTransfer, 0)));
@@ -447,6 +446,53 @@ fn a_decode_worker_reuses_the_previous_rounds_blocks() {
     assert!(s.handle_kv_arrived(RequestId(2), false, t0));
     let events = drain(&mut s, t0);
     assert!(matches!(events[..], [Event::Finished { cached_tokens: 12, .. }]), "{events:?}");
+    s.check_invariants().unwrap();
+}
+
+/// Conditional disaggregation: the next round's short tail is computed on the decode worker that holds
+/// the history (pulled and generated there), beside requests whose KV is still arriving.
+#[test]
+fn a_decode_worker_computes_a_short_tail_over_the_history_it_holds() {
+    let config = SchedulerConfig { role: Role::Decode, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
+    let remote = |id: u64, prompt: Vec<u32>| NewRequest {
+        prompt,
+        kv: KvSource::Remote { transfer: TransferId(id), first_token: 9 },
+        ..req(id, 1, 4, t0)
+    };
+    let round1: Vec<u32> = (100..110).collect();
+    s.handle_request(remote(1, round1.clone()), t0).unwrap();
+    assert!(s.handle_kv_arrived(RequestId(1), false, t0));
+    drain(&mut s, t0);
+    let mut round2 = round1.clone();
+    round2.extend([9, 9, 9, 9, 50, 51, 52, 53, 54, 55]);
+    // Computed here: no lease, no transfer; another request's pull waits beside it.
+    s.handle_request(NewRequest { prompt: round2, ..req(2, 1, 4, t0) }, t0).unwrap();
+    s.handle_request(remote(3, (300..310).collect()), t0).unwrap();
+    assert_eq!(s.stage_of(RequestId(2)).map(|s| s.0), Some(Stage::Queued));
+    assert!(s.kv().lease(TransferId(2)).is_err());
+    let first = s.poll_batch(t0);
+    let tail: Vec<_> = first.iter().filter(|i| i.id == RequestId(2)).collect();
+    assert_eq!(tail.len(), 1, "{first:?}");
+    assert_eq!(tail[0].start_pos, 12, "the 12 tokens held here are not computed again");
+    let sampled: Vec<Sampled> = first
+        .iter()
+        .filter(|i| i.sample)
+        .map(|i| Sampled { id: i.id, token: 9, stop: false, drafts_accepted: 0 })
+        .collect();
+    s.handle_step_result(&sampled, t0);
+    assert!(s.handle_kv_arrived(RequestId(3), false, t0));
+    let mut events = drain(&mut s, t0);
+    events.sort_by_key(|e| format!("{e:?}"));
+    let cached: Vec<usize> = events
+        .iter()
+        .filter_map(|e| match e {
+            Event::Finished { cached_tokens, output_tokens: 4, .. } => Some(*cached_tokens),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(cached.len(), 2, "both end with their 4 tokens: {events:?}");
+    assert!(cached.contains(&12), "{events:?}");
     s.check_invariants().unwrap();
 }
 

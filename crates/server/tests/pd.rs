@@ -123,8 +123,7 @@ fn a_bad_handle_fails_the_request_with_a_reason() {
     b["pd_transfer"] = h;
     let (s, v) = decode.json("POST", "/v1/chat/completions", &b.to_string());
     assert_eq!((s, v["error"]["type"].as_str()), (502, Some("kv_transfer_failed")), "{v}");
-    // The decode worker refuses a body without a handle; the prefill worker one with a handle.
-    assert_eq!(decode.json("POST", "/v1/chat/completions", &body).0, 400);
+    // The prefill worker refuses a body with a handle.
     let mut with = serde_json::from_str::<serde_json::Value>(&body).unwrap();
     with["pd_transfer"] = handle["pd_transfer"].clone();
     assert_eq!(prefill.json("POST", "/v1/chat/completions", &with.to_string()).0, 400);
@@ -288,6 +287,15 @@ fn the_next_round_of_a_conversation_computes_and_transfers_only_what_is_new() {
     let pulled = common::metric(&decode, "kv_transfer_blocks_total{result=\"transferred\"}") - pulled;
     assert!(skipped >= (p1 / 16.0).floor(), "the decode worker skipped {skipped} blocks it held");
     assert!(pulled <= (new / 16.0).ceil() + 1.0, "pulled {pulled} blocks for {new} new tokens");
+    // Sent without a handle (the router's choice for a short new tail), the decode worker computes the
+    // round itself over what it holds: the same text, only the last partial block computed.
+    let miss_d = common::metric(&decode, MISS);
+    let (s, local) = decode.json("POST", "/v1/chat/completions", &body(&second));
+    assert_eq!(s, 200, "{local}");
+    assert_eq!(local["choices"][0]["message"]["content"], v2["choices"][0]["message"]["content"]);
+    let local_cached = local["usage"]["prompt_tokens_details"]["cached_tokens"].as_f64().unwrap();
+    assert!(local_cached >= p2 - 16.0, "decode computed round 2 with {local_cached} of {p2} cached");
+    assert!(common::metric(&decode, MISS) - miss_d <= 16.0, "decode computed what it held");
 
     // Streamed, the usage chunk says the same (the whole conversation is cached by now).
     let streamed = serde_json::json!({

@@ -632,10 +632,10 @@ impl EngineCore {
             None => (None, None, None),
         };
         // Output generated elsewhere counts as output here; the sampler goes on past its draws (and,
-        // on a decode worker, past the prefill worker's draw of the first token).
+        // for a prompt whose KV was pulled, past the prefill worker's draw of the first token).
         let prompt_len = prompt.len().saturating_sub(s.resumed.len());
         let mut sampler = Sampler::new(s.params.clone(), s.seed);
-        sampler.skip(s.resumed.len() + usize::from(self.config.role == Role::Decode));
+        sampler.skip(s.resumed.len() + usize::from(remote_first.is_some()));
         let prefill = self.config.role == Role::Prefill;
         self.active.insert(
             s.id,

@@ -135,6 +135,11 @@ impl Flight {
         let value = resume.to_json().to_string();
         self.resume_body = pd::splice_field(&self.spec.body, pd::RESUME_FIELD, value.as_bytes());
         self.push(Action::Stage { stage: Stage::Migrating, worker: None });
+        if self.plan == Plan::DecodeLocal {
+            // The worker that held the history is gone or failed: the next try computes the prompt
+            // on a prefill worker.
+            self.plan = Plan::Disaggregated;
+        }
         let kind = if self.plan == Plan::Disaggregated { LegKind::Prefill } else { LegKind::Main };
         self.open(kind, None);
     }

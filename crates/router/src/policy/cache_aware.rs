@@ -254,4 +254,15 @@ impl Policy for CacheAware {
     fn last_choice(&self) -> Option<&Choice> {
         self.last.as_ref()
     }
+
+    fn holder(&mut self, candidates: &[Candidate], prompt: &str) -> Option<(u32, usize)> {
+        if candidates.is_empty() {
+            return None;
+        }
+        let last = self.last.take();
+        let i = self.pick(candidates, prompt);
+        let choice = std::mem::replace(&mut self.last, last)?;
+        let held = choice.matched.get(i).map_or(0, |m| m.1);
+        (choice.rule == "cache_match").then_some((choice.worker, held))
+    }
 }

@@ -48,4 +48,12 @@ pub trait Policy: std::fmt::Debug + Send {
     fn last_choice(&self) -> Option<&Choice> {
         None
     }
+
+    /// For policies that follow the workers' caches: the worker `pick` would choose because its cache
+    /// holds the prompt's prefix (the `cache_match` rule), and how many bytes of the prompt it holds.
+    /// `None` where the policy knows no cache or would choose by another rule. Changes nothing a
+    /// later `pick` sees.
+    fn holder(&mut self, _candidates: &[Candidate], _prompt: &str) -> Option<(u32, usize)> {
+        None
+    }
 }

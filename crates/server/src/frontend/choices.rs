@@ -62,7 +62,9 @@ impl Frontend {
         handles: &[PdHandle],
         echo: Option<String>,
     ) -> Result<(), ApiError> {
-        let decode = self.engine.info().role == Role::Decode;
+        // KV pulled from a prefill worker, one handle per choice (a decode worker computes a prompt
+        // sent without handles itself, as a unified worker does).
+        let decode = self.engine.info().role == Role::Decode && !handles.is_empty();
         let mut members: Vec<Deferred> = Vec::with_capacity(n);
         for i in 0..n {
             let mut r = first.clone();

@@ -410,12 +410,6 @@ impl Frontend {
                 return Err(ApiError::new(ErrorKind::Unauthorized, msg));
             }
             (Some(h), Role::Decode) => Input::Remote(h),
-            (None, Role::Decode) => {
-                let field = pd::HANDLE_FIELD;
-                let msg =
-                    format!("a decode worker needs `{field}` (the prefill worker's answer) in the body");
-                return Err(ApiError::invalid(msg));
-            }
             (Some(_), _) => {
                 let msg = format!("`{}` is only taken by a decode worker", pd::HANDLE_FIELD);
                 return Err(ApiError::invalid(msg));

@@ -72,10 +72,12 @@ pub(super) fn export(exporter: &Exporter, t: RequestTrace, e: &Ended<'_>) {
     // The stages run one after another from the request's arrival here.
     let mut at = e.received;
     let mut transfer: Option<(Instant, Instant)> = None;
+    // (A decode worker computes some prompts itself: those have no transfer.)
+    let pulled = timings.0.iter().any(|&(name, _)| name == "transfer_ms");
     for &(name, ms) in &timings.0 {
         let (span_name, own) = match (e.role, name) {
             // The prefill worker's stages, as it reported them: its own spans.
-            (Role::Decode, "prefill_queue_ms" | "prefill_ms") => continue,
+            (Role::Decode, "prefill_queue_ms" | "prefill_ms") if pulled => continue,
             // Inside the transfer: placed at its end, below.
             (_, "kv_pull_ms") => ("kv pull", false),
             (_, "queue_ms" | "decode_queue_ms") => ("queue", true),
