@@ -636,7 +636,8 @@ impl Flight {
             // The prompt's KV did not arrive (its prefill worker died, say): another pair computes it.
             return self.migrate(Migration::KvTransfer, None);
         }
-        let busy = error.as_ref().is_some_and(|e| matches!(e.kind, ErrorKind::QueueFull | ErrorKind::NoCapacity));
+        let busy =
+            error.as_ref().is_some_and(|e| matches!(e.kind, ErrorKind::QueueFull | ErrorKind::NoCapacity));
         if self.plan == Plan::DecodeLocal && busy && !self.streaming {
             // The decode worker has no room to compute the prompt itself: a prefill worker does.
             self.plan = Plan::Disaggregated;

@@ -258,7 +258,8 @@ impl Router {
         if let Some(t) = e.trace.as_mut() {
             t.dispatched(now);
         }
-        let (purpose, forward) = (e.flight.spec().purpose, Endpoint::from_path(&e.flight.spec().path).is_none());
+        let (purpose, forward) =
+            (e.flight.spec().purpose, Endpoint::from_path(&e.flight.spec().path).is_none());
         let plan = match purpose {
             Purpose::PairProbe { .. } => Plan::Disaggregated,
             _ if forward => Plan::Forward,

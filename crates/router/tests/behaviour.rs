@@ -275,7 +275,11 @@ fn pd_mode_runs_prefill_then_decode() {
     assert_eq!(v["choices"][0]["message"]["content"], "mock answer (transfer 7)");
     let posts = |w: &MockWorker| {
         let g = w.seen.lock().unwrap();
-        g.posts.iter().filter(|x| !x.1.starts_with("probe-")).map(|x| (x.1.clone(), x.3.clone())).collect::<Vec<_>>()
+        g.posts
+            .iter()
+            .filter(|x| !x.1.starts_with("probe-"))
+            .map(|x| (x.1.clone(), x.3.clone()))
+            .collect::<Vec<_>>()
     };
     // The decode leg carried the prefill handle and the same request id.
     let (pp, dp) = (posts(&p), posts(&d));

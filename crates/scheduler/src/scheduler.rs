@@ -193,13 +193,10 @@ impl Scheduler {
         if self.reqs.contains_key(&req.id) {
             return Err(Rejection::DuplicateId);
         }
-        match (&req.kv, c.role) {
-            // (A decode worker also computes a prompt itself: the router sends it a conversation's
-            // next round whose history it holds, the new tail being short.)
-            (KvSource::Remote { .. }, Role::Unified | Role::Prefill) => {
-                return Err(Rejection::WrongRole { role: c.role });
-            }
-            _ => {}
+        // (A decode worker also computes a prompt itself: the router sends it a conversation's next
+        // round whose history it holds, the new tail being short.)
+        if matches!(req.kv, KvSource::Remote { .. }) && c.role != Role::Decode {
+            return Err(Rejection::WrongRole { role: c.role });
         }
         let total = req.prompt.len() + req.max_tokens;
         if total > c.context_tokens_max {
