@@ -11,7 +11,7 @@ use crate::serve::{start_stack, stop_all, Spec, Stack};
 
 const USAGE: &str = "cargo xtask bench agents [--agents N] [--rounds R] [--prompt-words P] [--tool-words W]
                          [--max-tokens M] [--repeat K] [--kv-blocks B] [--no-llamacpp] [--divided-cores]
-                         [--out PATH]
+                         [--through-prefill] [--out PATH]
 
 Starts the PD stack (router, one prefill and one decode worker, KV through shared memory) on port
 8100, one unified worker on 8101 and llama.cpp's llama-server (built by `cargo xtask peer llamacpp`,
@@ -21,7 +21,9 @@ alternating. Defaults: 32 agents x 10 rounds; each conversation opens with a tas
 output; K = 2; 6,400 KV blocks of 16 tokens per worker (each holds every conversation); out
 target/bench/agents. The PD stack's cores follow `cargo xtask serve`'s rule (shared below 4 cores
 per worker); --divided-cores adds a second PD stack on 8102 whose workers are each pinned to their own
-share of the cores (a same-run comparison).";
+share of the cores (a same-run comparison); --through-prefill adds a PD stack on 8103 whose router
+sends every round through the prefill worker (`--max-local-prefill-bytes 0`: no conditional
+disaggregation, the stack as it was before it).";
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut agents, mut rounds, mut tool_words, mut max_tokens, mut repeat) =
@@ -31,6 +33,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut prompt_words = 750usize;
     let mut llamacpp = true;
     let mut divided_cores = false;
+    let mut through_prefill = false;
     let mut out = "target/bench/agents".to_owned();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -45,6 +48,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--prompt-words" => prompt_words = n()?,
             "--no-llamacpp" => llamacpp = false,
             "--divided-cores" => divided_cores = true,
+            "--through-prefill" => through_prefill = true,
             "--out" => out = it.next().context("--out needs a path")?.clone(),
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -70,8 +74,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let logs = crate::workspace_root().join("target/bench/agents-logs");
     std::fs::create_dir_all(&logs)?;
     let extra = vec!["--kv-blocks".to_owned(), kv_blocks.to_string()];
-    let (pd_logs, unified_logs, divided_logs) =
-        (logs.join("pd"), logs.join("unified"), logs.join("pd-divided"));
+    let (pd_logs, unified_logs, divided_logs, through_logs) =
+        (logs.join("pd"), logs.join("unified"), logs.join("pd-divided"), logs.join("pd-through-prefill"));
+    let no_local = vec!["--max-local-prefill-bytes".to_owned(), "0".to_owned()];
     let spec = |port, unified, logs| Spec {
         port,
         model: &model,
@@ -94,6 +99,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         if divided_cores {
             stacks.push(start_stack(&Spec { divide_cores: Some(true), ..spec(8102, false, &divided_logs) })?);
         }
+        if through_prefill {
+            stacks.push(start_stack(&Spec { router_extra: &no_local, ..spec(8103, false, &through_logs) })?);
+        }
         let _peer = match &peer_bins {
             // One slot per agent, each holding a whole conversation (about 3,100 tokens at round 10
             // of the defaults), so every slot keeps its conversation's prompt cache.
@@ -110,6 +118,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         let mut targets = vec!["http://127.0.0.1:8100", "http://127.0.0.1:8101"];
         if divided_cores {
             targets.push("http://127.0.0.1:8102");
+        }
+        if through_prefill {
+            targets.push("http://127.0.0.1:8103");
         }
         if peer_bins.is_some() {
             targets.push("http://127.0.0.1:8189");

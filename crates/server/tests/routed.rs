@@ -167,16 +167,17 @@ fn a_client_that_leaves_is_gone_from_the_worker_and_debug_shows_where_it_was() {
 
 /// The next round of a conversation goes to the decode worker that kept the last round's KV (the
 /// router follows prefixes for decode as for prefill), which then pulls only what it lacks; the
-/// router's `/debug/requests` says why each leg went where it did.
+/// router's `/debug/requests` says why each leg went where it did. (Every round through the prefill
+/// worker here, `--max-local-prefill-bytes 0`: the pull is what this follows. The next test has the
+/// default, where that worker computes a short round itself.)
 #[test]
 fn a_conversation_returns_to_its_decode_worker_and_debug_explains_the_choice() {
     let prefill = Worker::start(&["--role", "prefill"]);
     let decodes = [Worker::start(&["--role", "decode"]), Worker::start(&["--role", "decode"])];
-    let router = RouterThread::start(&[
-        (&prefill, Role::Prefill),
-        (&decodes[0], Role::Decode),
-        (&decodes[1], Role::Decode),
-    ]);
+    let router = RouterThread::start_with(
+        &[(&prefill, Role::Prefill), (&decodes[0], Role::Decode), (&decodes[1], Role::Decode)],
+        |c| c.max_local_prefill_bytes = 0,
+    );
     let system = "You are a build assistant. You read files and run commands for the user. ".repeat(8);
     let first = serde_json::json!([
         {"role": "system", "content": system},
@@ -245,6 +246,67 @@ fn a_conversation_returns_to_its_decode_worker_and_debug_explains_the_choice() {
         assert!(Instant::now() < until, "KV still held after the client left");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Conditional disaggregation: a conversation's next round, its new tail short, goes to the decode
+/// worker that holds the conversation alone (no prefill leg, no transfer), which computes only the
+/// tail: the unified worker's greedy text, the history counted as cached, the router counting the
+/// choice. The other decode worker and the prefill worker see nothing of it.
+#[test]
+fn a_short_next_round_is_computed_on_the_decode_worker_holding_the_conversation() {
+    let unified = Worker::start(&[]);
+    let prefill = Worker::start(&["--role", "prefill"]);
+    let decodes = [Worker::start(&["--role", "decode"]), Worker::start(&["--role", "decode"])];
+    let router = RouterThread::start(&[
+        (&prefill, Role::Prefill),
+        (&decodes[0], Role::Decode),
+        (&decodes[1], Role::Decode),
+    ]);
+    let system = "You are a build assistant. You read files and run commands for the user. ".repeat(8);
+    let mut messages = serde_json::json!([
+        {"role": "system", "content": system},
+        {"role": "user", "content": "What does the Makefile build?"},
+    ]);
+    let body = |m: &serde_json::Value| {
+        serde_json::json!({"messages": m, "temperature": 0, "max_tokens": 16}).to_string()
+    };
+    let (s, v) = router.json("POST", "/v1/chat/completions", &body(&messages));
+    assert_eq!(s, 200, "{v}");
+    assert!(v["timings"]["transfer_ms"].is_number(), "round 1 went through the prefill worker: {v}");
+    let p1 = v["usage"]["prompt_tokens"].as_f64().unwrap();
+    messages.as_array_mut().unwrap().extend([
+        serde_json::json!({"role": "assistant", "content": v["choices"][0]["message"]["content"]}),
+        serde_json::json!({"role": "user", "content": "Run it and tell me what fails."}),
+    ]);
+    let finished =
+        |w: &Worker| common::metric(w, "requests_finished_total{outcome=\"completed\",stage=\"decoding\"}");
+    let prefills_before =
+        common::metric(&prefill, "requests_finished_total{outcome=\"completed\",stage=\"prefilling\"}");
+    let decoded_before = [finished(&decodes[0]), finished(&decodes[1])];
+    let (s, v) = router.json("POST", "/v1/chat/completions", &body(&messages));
+    assert_eq!(s, 200, "{v}");
+    let (s, want) = unified.json("POST", "/v1/chat/completions", &body(&messages));
+    assert_eq!(s, 200, "{want}");
+    assert_eq!(v["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"]);
+    assert!(v["timings"]["transfer_ms"].is_null() && v["timings"]["prefill_ms"].is_number(), "{v}");
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"].as_f64().unwrap();
+    assert!(cached >= p1 - 16.0, "{cached} cached of round 2, round 1 had {p1} prompt tokens: {v}");
+    let prefills =
+        common::metric(&prefill, "requests_finished_total{outcome=\"completed\",stage=\"prefilling\"}");
+    assert_eq!(prefills, prefills_before, "no prefill leg");
+    // (The engine tells its counters between steps: wait for them a while.)
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let grew: Vec<f64> = (0..2).map(|i| finished(&decodes[i]) - decoded_before[i]).collect();
+        if grew.contains(&1.0) && grew.contains(&0.0) {
+            break;
+        }
+        assert!(Instant::now() < until, "one decode worker computed it: {grew:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let metrics = router.send("GET", "/metrics", "").read_to_end().unwrap();
+    let metrics = String::from_utf8(metrics).unwrap();
+    assert!(metrics.contains("router_requests_dispatched_total{plan=\"decode_local\"} 1"), "{metrics}");
 }
 
 #[test]
