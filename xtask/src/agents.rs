@@ -11,7 +11,7 @@ use crate::serve::{start_stack, stop_all, Spec, Stack};
 
 const USAGE: &str = "cargo xtask bench agents [--agents N] [--rounds R] [--prompt-words P] [--tool-words W]
                          [--max-tokens M] [--repeat K] [--kv-blocks B] [--no-llamacpp] [--divided-cores]
-                         [--through-prefill] [--out PATH]
+                         [--through-prefill] [--offload] [--out PATH]
 
 Starts the PD stack (router, one prefill and one decode worker, KV through shared memory) on port
 8100, one unified worker on 8101 and llama.cpp's llama-server (built by `cargo xtask peer llamacpp`,
@@ -23,7 +23,11 @@ target/bench/agents. The PD stack's cores follow `cargo xtask serve`'s rule (sha
 per worker); --divided-cores adds a second PD stack on 8102 whose workers are each pinned to their own
 share of the cores (a same-run comparison); --through-prefill adds a PD stack on 8103 whose router
 sends every round through the prefill worker (`--max-local-prefill-bytes 0`: no conditional
-disaggregation, the stack as it was before it).";
+disaggregation, the stack as it was before it).
+
+--offload runs another comparison instead: two unified workers whose pools hold a quarter of the
+agents' working set (1,600 blocks unless --kv-blocks says otherwise), on 8101 without and on 8104 with
+a KV offload tier of 4 GiB of host memory (`--kv-offloading-size 4`), alternating.";
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let (mut agents, mut rounds, mut tool_words, mut max_tokens, mut repeat) =
@@ -34,6 +38,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut llamacpp = true;
     let mut divided_cores = false;
     let mut through_prefill = false;
+    let mut offload = false;
+    let mut kv_blocks_set = None;
     let mut out = "target/bench/agents".to_owned();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -44,11 +50,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--tool-words" => tool_words = n()?,
             "--max-tokens" => max_tokens = n()?,
             "--repeat" => repeat = n()?,
-            "--kv-blocks" => kv_blocks = n()?,
+            "--kv-blocks" => kv_blocks_set = Some(n()?),
             "--prompt-words" => prompt_words = n()?,
             "--no-llamacpp" => llamacpp = false,
             "--divided-cores" => divided_cores = true,
             "--through-prefill" => through_prefill = true,
+            "--offload" => offload = true,
             "--out" => out = it.next().context("--out needs a path")?.clone(),
             "-h" | "--help" => {
                 println!("{USAGE}");
@@ -56,6 +63,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             other => bail!("unknown option {other}\n{USAGE}"),
         }
+    }
+    if let Some(b) = kv_blocks_set {
+        kv_blocks = b;
+    } else if offload {
+        kv_blocks /= 4;
     }
     let model = crate::fetch_model(&[])?;
     crate::cargo(&[
@@ -68,6 +80,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         "-p",
         "pdserve-loadgen",
     ])?;
+    let llamacpp = llamacpp && !offload;
     let peer_bins =
         if llamacpp { Some((crate::peer::llamacpp()?.0, crate::peer::default_gguf()?)) } else { None };
     crate::sys::install_stop_handler();
@@ -77,6 +90,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let (pd_logs, unified_logs, divided_logs, through_logs) =
         (logs.join("pd"), logs.join("unified"), logs.join("pd-divided"), logs.join("pd-through-prefill"));
     let no_local = vec!["--max-local-prefill-bytes".to_owned(), "0".to_owned()];
+    let mut tiered = extra.clone();
+    tiered.extend(["--kv-offloading-size".to_owned(), "4".to_owned()]);
+    let tiered_logs = logs.join("unified-offload");
     let spec = |port, unified, logs| Spec {
         port,
         model: &model,
@@ -94,8 +110,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     };
     let mut stacks: Vec<Stack> = Vec::new();
     let result = (|| -> Result<()> {
-        stacks.push(start_stack(&spec(8100, false, &pd_logs))?);
-        stacks.push(start_stack(&spec(8101, true, &unified_logs))?);
+        if offload {
+            stacks.push(start_stack(&spec(8101, true, &unified_logs))?);
+            stacks.push(start_stack(&Spec { extra: &tiered, ..spec(8104, true, &tiered_logs) })?);
+        } else {
+            stacks.push(start_stack(&spec(8100, false, &pd_logs))?);
+            stacks.push(start_stack(&spec(8101, true, &unified_logs))?);
+        }
         if divided_cores {
             stacks.push(start_stack(&Spec { divide_cores: Some(true), ..spec(8102, false, &divided_logs) })?);
         }
@@ -115,7 +136,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 .iter()
                 .map(|s| (*s).to_owned())
                 .collect();
-        let mut targets = vec!["http://127.0.0.1:8100", "http://127.0.0.1:8101"];
+        let mut targets = if offload {
+            vec!["http://127.0.0.1:8101", "http://127.0.0.1:8104"]
+        } else {
+            vec!["http://127.0.0.1:8100", "http://127.0.0.1:8101"]
+        };
         if divided_cores {
             targets.push("http://127.0.0.1:8102");
         }
@@ -141,10 +166,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         ] {
             bench.extend([k.to_owned(), v]);
         }
-        println!(
-            "agents bench: PD stack at :8100, unified worker at :8101{}",
-            if peer_bins.is_some() { ", llama.cpp at :8189" } else { "" }
-        );
+        if offload {
+            println!("agents bench: unified workers of {kv_blocks} KV blocks, at :8101 without and at :8104 with a 4 GiB offload tier");
+        } else {
+            println!(
+                "agents bench: PD stack at :8100, unified worker at :8101{}",
+                if peer_bins.is_some() { ", llama.cpp at :8189" } else { "" }
+            );
+        }
         crate::cargo(&bench.iter().map(String::as_str).collect::<Vec<_>>())
     })();
     for s in &mut stacks {

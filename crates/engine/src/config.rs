@@ -109,6 +109,11 @@ pub struct EngineConfig {
     /// Publish the prefix cache's changes as vLLM's KV events (`--kv-events-config`, vLLM's flag and
     /// JSON): ZMQ PUB and replay sockets, see `pdserve_kv_events`.
     pub kv_events: Option<pdserve_kv_events::KvEventsConfig>,
+    /// The KV offload tier (unified and prefill roles; `--kv-offloading-size`,
+    /// `--kv-offload-disk-gib`): blocks the prefix cache evicts are kept in host memory beyond the
+    /// pool, then in a file, and copied back on a prefix match instead of being computed again. Off
+    /// by default.
+    pub kv_offload: crate::OffloadConfig,
     /// Test hook (`--test-corrupt-kv N`): the first KV block received after this worker's Nth pull
     /// starts (from 1; 0: none) has one bit flipped before it is stored and checked, as a faulty link
     /// or a stray write would (the checksum catches it; the router computes the prompt again).
@@ -161,6 +166,7 @@ impl EngineConfig {
             speculative: crate::Speculative::auto(8),
             grammar_compile_timeout: Duration::from_secs(10),
             kv_events: None,
+            kv_offload: crate::OffloadConfig::default(),
             test_corrupt_kv_pull: 0,
             test_transfer_faults: pdserve_pd_transfer::SenderFaults::default(),
         }

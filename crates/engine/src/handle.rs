@@ -157,11 +157,30 @@ impl Engine {
             let value = "a transport that listens nowhere".to_owned();
             return Err(EngineError::Config { field: "prefill transport", value });
         }
-        let kv = KvCache::new(KvConfig {
+        let mut kv = KvCache::new(KvConfig {
             num_blocks: config.kv_blocks as u32,
             block_size: config.block_size as u32,
         })
         .map_err(|e| EngineError::Config { field: "kv_blocks", value: e.to_string() })?;
+        let offload = match (&config.kv_offload, config.role) {
+            (o, _) if !o.is_on() => None,
+            (_, Role::Decode) => {
+                // A decode worker's pool is filled by pulls while steps run: no copy order to keep.
+                let value = "a decode worker (the tier serves unified and prefill workers)".to_owned();
+                return Err(EngineError::Config { field: "kv_offload (--kv-offloading-size)", value });
+            }
+            (o, _) => {
+                let (store, tier) =
+                    crate::offload::OffloadStore::new(o, built.backend.kv_layout().block_bytes()).map_err(
+                        |e| EngineError::Config {
+                            field: "kv_offload (--kv-offload-dir)",
+                            value: e.to_string(),
+                        },
+                    )?;
+                kv.enable_tier(tier);
+                Some(store)
+            }
+        };
         let now = Instant::now();
         let sched = Scheduler::new(config.scheduler.clone(), kv, now);
         let metrics = Metrics::new().map_err(EngineError::Metrics)?;
@@ -237,8 +256,9 @@ impl Engine {
             },
             sched,
         );
-        let worker =
-            Worker::new(core, built.backend, endpoint).with_test_corruption(config.test_corrupt_kv_pull);
+        let worker = Worker::new(core, built.backend, endpoint)
+            .with_test_corruption(config.test_corrupt_kv_pull)
+            .with_offload(offload);
         // The CPU backend's step may run on any thread; a GPU step stays on the thread whose CUDA
         // context its launches use.
         let step_thread = config.device == Device::Cpu;

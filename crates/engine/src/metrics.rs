@@ -30,6 +30,8 @@ pub(crate) struct Metrics {
     pub transfer_blocks: CounterVec,
     pub prefix_tokens: CounterVec,
     pub evicted_blocks: Counter,
+    pub offload_blocks: GaugeVec,
+    pub offload_moves: CounterVec,
     pub draft_tokens: Counter,
     pub draft_accepted: Counter,
     pub grammar_compile: LatencyHistogram,
@@ -131,6 +133,18 @@ impl Metrics {
             evicted_blocks: r.counter(
                 "kv_evicted_blocks_total",
                 "Cached KV blocks evicted (least recently used first) to make room.",
+            )?,
+            offload_blocks: r.gauge_vec(
+                "kv_offload_blocks",
+                "Blocks of the KV offload tier by medium (host, disk) and state (used, total).",
+                &["medium", "state"],
+            )?,
+            offload_moves: r.counter_vec(
+                "kv_offload_blocks_moved_total",
+                "KV blocks moved by the offload tier: offloaded (an evicted pool block kept), demoted (host \
+                 to disk), restored (back into the pool on a prefix match, instead of computed), dropped \
+                 (forgotten for room).",
+                &["move"],
             )?,
             draft_tokens: r.counter(
                 "spec_draft_tokens_total",

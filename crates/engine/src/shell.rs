@@ -130,6 +130,8 @@ pub struct Worker {
     core: EngineCore,
     backend: Box<dyn Backend>,
     endpoint: Option<Endpoint>,
+    /// The KV offload tier's memory, when the engine has one.
+    offload: Option<crate::offload::OffloadStore>,
     /// The test hook (`EngineConfig::test_corrupt_kv_pull`).
     corrupt: TestCorruption,
 }
@@ -148,7 +150,13 @@ fn no_endpoint() -> TransferError {
 
 impl Worker {
     pub fn new(core: EngineCore, backend: Box<dyn Backend>, endpoint: Option<Endpoint>) -> Worker {
-        Worker { core, backend, endpoint, corrupt: TestCorruption::default() }
+        Worker { core, backend, endpoint, offload: None, corrupt: TestCorruption::default() }
+    }
+
+    /// With the KV offload tier's memory (the core's KV cache has the tier of its size).
+    pub(crate) fn with_offload(mut self, store: Option<crate::offload::OffloadStore>) -> Worker {
+        self.offload = store;
+        self
     }
 
     /// With the test hook: the first block received after the `n`th pull starts (from 1; 0: none)
@@ -245,7 +253,7 @@ impl Worker {
     pub fn step(&mut self, now: Instant) -> bool {
         let Some(mut plan) = self.core.poll_step(now, self.transfers_live()) else { return false };
         plan.guides.compute();
-        let output = run_plan(self.backend.as_mut(), &plan);
+        let output = run_plan(self.backend.as_mut(), self.offload.as_mut(), &plan);
         self.core.handle_step_done(now, StepDone::new(output, plan.guides));
         draft_pass(&mut self.core, self.backend.as_mut());
         self.transfer_calls(now);
@@ -265,8 +273,16 @@ fn draft_pass(core: &mut EngineCore, backend: &mut dyn Backend) {
     }
 }
 
-/// The plan's block copies, then its forward pass, a panic in either caught.
-fn run_plan(backend: &mut dyn Backend, plan: &StepPlan) -> Result<StepOutput, StepFailure> {
+/// The plan's copies to and from the offload tier and its block copies, then its forward pass, a panic
+/// in the pass caught.
+fn run_plan(
+    backend: &mut dyn Backend,
+    offload: Option<&mut crate::offload::OffloadStore>,
+    plan: &StepPlan,
+) -> Result<StepOutput, StepFailure> {
+    if let Some(store) = offload {
+        store.apply(backend, &plan.tier_copies).map_err(StepFailure::Model)?;
+    }
     backend.copy_blocks(&plan.copies).map_err(StepFailure::Model)?;
     forward(backend, &plan.seq_steps(), plan.picks_only)
 }
@@ -367,11 +383,20 @@ impl EngineThread {
             let events = changes
                 .into_iter()
                 .map(|c| match c {
-                    pdserve_kvcache::CacheEvent::Stored { hash, parent, tokens } => {
-                        pdserve_kv_events::KvEvent::stored(vec![hash], parent, tokens, block_size)
+                    pdserve_kvcache::CacheEvent::Stored { hash, parent, tokens, medium } => {
+                        pdserve_kv_events::KvEvent::BlockStored {
+                            block_hashes: vec![hash],
+                            parent_block_hash: parent,
+                            token_ids: tokens,
+                            block_size,
+                            medium: medium.as_str(),
+                        }
                     }
-                    pdserve_kvcache::CacheEvent::Removed { hash } => {
-                        pdserve_kv_events::KvEvent::removed(vec![hash])
+                    pdserve_kvcache::CacheEvent::Removed { hash, medium } => {
+                        pdserve_kv_events::KvEvent::BlockRemoved {
+                            block_hashes: vec![hash],
+                            medium: medium.as_str(),
+                        }
                     }
                 })
                 .collect();
@@ -508,7 +533,7 @@ impl EngineThread {
             let output = if served {
                 self.run_serving_aborts(&plan)
             } else {
-                run_plan(self.worker.backend.as_mut(), &plan)
+                run_plan(self.worker.backend.as_mut(), self.worker.offload.as_mut(), &plan)
             };
             (output, masker.map(|m| m.join().unwrap_or_default()).unwrap_or_default())
         });
@@ -531,17 +556,19 @@ impl EngineThread {
     fn run_serving_aborts(&mut self, plan: &StepPlan) -> Result<StepOutput, StepFailure> {
         let layout = self.worker.backend.kv_layout();
         let mut backend = std::mem::replace(&mut self.worker.backend, Box::new(Stepping(layout)));
+        let mut offload = self.worker.offload.take();
         let (done, finished) = crossbeam_channel::bounded::<()>(1);
-        let (output, backend) = std::thread::scope(|scope| {
+        let (output, backend, offload) = std::thread::scope(|scope| {
             let stepper = scope.spawn(move || {
-                let r = run_plan(backend.as_mut(), plan);
+                let r = run_plan(backend.as_mut(), offload.as_mut(), plan);
                 drop(done);
-                (r, backend)
+                (r, backend, offload)
             });
             self.serve_commands(&finished);
             stepper.join().expect("the step's panic is caught on its thread")
         });
         self.worker.backend = backend;
+        self.worker.offload = offload;
         output
     }
 
@@ -626,6 +653,29 @@ impl EngineThread {
         self.metrics
             .evicted_blocks
             .add(kv.evicted_blocks_total.saturating_sub(self.metrics.evicted_blocks.get()));
+        let t = core.kv().tier_stats();
+        if t.host_blocks_total + t.disk_blocks_total > 0 {
+            for (medium, used, total) in [
+                ("host", t.host_blocks_used, t.host_blocks_total),
+                ("disk", t.disk_blocks_used, t.disk_blocks_total),
+            ] {
+                for (state, v) in [("used", used), ("total", total)] {
+                    if let Ok(g) = self.metrics.offload_blocks.with(&[medium, state]) {
+                        g.set(v as f64);
+                    }
+                }
+            }
+            for (mv, total) in [
+                ("offloaded", t.offloaded_blocks_total),
+                ("demoted", t.demoted_blocks_total),
+                ("restored", t.restored_blocks_total),
+                ("dropped", t.dropped_blocks_total),
+            ] {
+                if let Ok(c) = self.metrics.offload_moves.with(&[mv]) {
+                    c.add(total.saturating_sub(c.get()));
+                }
+            }
+        }
         self.tell_core_stats();
         self.publish_kv_events();
         if let Some(ep) = self.worker.endpoint.as_ref() {

@@ -178,6 +178,19 @@ fn prefill_and_decode_engines_give_the_unified_text() {
         let Some(Output::Finished { finish, .. }) = seen.last() else { panic!("{seen:?}") };
         assert_eq!((local.as_str(), finish), (want.as_str(), want_finish), "prompt {q:?} computed on decode");
     }
+    // Sampled with a seed: the same draws on both (a decode engine's sampler skips the prefill
+    // worker's draw only for a prompt it pulled).
+    let sampled = |id: &str| {
+        let mut r = request(id, chat("Tell me a story about a lighthouse."), 24);
+        r.sampling.temperature = 1.0;
+        r.seed = Some(42);
+        r
+    };
+    let id = unified.submit(sampled("su")).unwrap();
+    let (want, _) = run_to_end(&mut unified, id);
+    let id = decode.submit(sampled("sd")).unwrap();
+    let (local, _) = run_to_end(&mut decode, id);
+    assert_eq!(local, want, "seeded sampling computed on decode");
 }
 
 #[test]

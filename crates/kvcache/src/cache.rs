@@ -2,7 +2,8 @@
 
 use std::ops::Range;
 
-use crate::prefix::{IdMap, PrefixTree, ROOT};
+use crate::prefix::{chain_hash, hash_tokens, IdMap, PrefixTree, ROOT, ROOT_CHAIN};
+use crate::tier::{Medium, Tier, TierConfig, TierCopy, TierEvent, TierStats};
 use crate::{BlockId, KvError, NodeId, OwnerKind, SeqId, Slot, TransferId};
 
 /// Size of the pool. Both numbers are fixed for the cache's life.
@@ -125,11 +126,23 @@ impl KvStats {
 /// A change to the prefix cache's contents, in order ([`KvCache::record_events`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CacheEvent {
-    /// A full block's KV became reusable: its chain hash (of every token from the prompt's start to
-    /// the block's end), its parent block's (`None` for a prompt's first block) and its tokens.
-    Stored { hash: u64, parent: Option<u64>, tokens: Vec<u32> },
-    /// A cached block was evicted.
-    Removed { hash: u64 },
+    /// A full block's KV became reusable in `medium`: its chain hash (of every token from the prompt's
+    /// start to the block's end), its parent block's (`None` for a prompt's first block) and its
+    /// tokens.
+    Stored { hash: u64, parent: Option<u64>, tokens: Vec<u32>, medium: Medium },
+    /// A cached block left `medium` (evicted from the pool, moved or dropped from the offload tier).
+    Removed { hash: u64, medium: Medium },
+}
+
+impl From<TierEvent> for CacheEvent {
+    fn from(e: TierEvent) -> CacheEvent {
+        match e {
+            TierEvent::Stored { hash, parent, tokens, medium } => {
+                CacheEvent::Stored { hash, parent: (parent != ROOT_CHAIN).then_some(parent), tokens, medium }
+            }
+            TierEvent::Removed { hash, medium } => CacheEvent::Removed { hash, medium },
+        }
+    }
 }
 
 /// The events recorded and not taken yet, at most `max` (past it they are dropped and counted).
@@ -154,6 +167,10 @@ pub struct KvCache {
     copies: Vec<BlockCopy>,
     stats: KvStats,
     events: Option<EventLog>,
+    /// The offload tier, when enabled ([`enable_tier`](Self::enable_tier)).
+    pub(crate) tier: Option<Tier>,
+    tier_copies: Vec<TierCopy>,
+    tier_events: Vec<TierEvent>,
 }
 
 impl KvCache {
@@ -179,7 +196,36 @@ impl KvCache {
             copies: Vec::new(),
             stats: KvStats { blocks_total: n, ..KvStats::default() },
             events: None,
+            tier: None,
+            tier_copies: Vec::new(),
+            tier_events: Vec::new(),
         })
+    }
+
+    /// From now on, blocks the prefix cache evicts go to an offload tier of `config`'s size instead of
+    /// being forgotten, and a prompt whose next blocks are there gets them back
+    /// ([`add_sequence`](Self::add_sequence)). The KV moves by the copies
+    /// [`take_tier_copies`](Self::take_tier_copies) returns, which must be performed, in order, before
+    /// the next step (and before anything else writes a pool block). A tier of 0 blocks is none.
+    pub fn enable_tier(&mut self, config: TierConfig) {
+        self.tier = (config.host_blocks + config.disk_blocks > 0).then(|| Tier::new(config));
+    }
+
+    /// The copies between the pool and the offload tier since the last call, in order.
+    pub fn take_tier_copies(&mut self) -> Vec<TierCopy> {
+        std::mem::take(&mut self.tier_copies)
+    }
+
+    /// The offload tier's figures (all zero without one).
+    pub fn tier_stats(&self) -> TierStats {
+        self.tier.as_ref().map(Tier::stats).unwrap_or_default()
+    }
+
+    /// Moves what the tier did into the event log.
+    fn record_tier_events(&mut self) {
+        for e in std::mem::take(&mut self.tier_events) {
+            self.record(|| e.into());
+        }
     }
 
     /// From now on, records every block the prefix cache gains or loses ([`CacheEvent`]), keeping at
@@ -311,9 +357,16 @@ impl KvCache {
 
     fn evict_one(&mut self) -> bool {
         let Some(victim) = self.tree.lru_victim() else { return false };
-        let hash = self.tree.node(victim).chain;
+        let node = self.tree.node(victim);
+        let (hash, parent) = (node.chain, self.tree.node(node.parent).chain);
+        if let Some(t) = self.tier.as_mut() {
+            // Its KV goes to the tier before the block is written again.
+            let key = (hash, parent, self.tree.node_tokens(victim));
+            t.put(key, node.block, &mut self.tier_copies, &mut self.tier_events);
+        }
         let b = self.tree.remove(victim);
-        self.record(|| CacheEvent::Removed { hash });
+        self.record(|| CacheEvent::Removed { hash, medium: Medium::Pool });
+        self.record_tier_events();
         self.retag(b, |m| m.node = None);
         self.stats.evicted_blocks_total += 1;
         true
@@ -329,8 +382,21 @@ impl KvCache {
     /// Cached tokens of `tokens`' longest prefix, without taking anything. At least one token is always
     /// left to compute, since the next step needs its logits.
     pub fn lookup_prefix(&self, tokens: &[u32]) -> usize {
-        self.tree.longest_match(tokens, tokens.len().saturating_sub(1) / self.block_size()).len()
-            * self.block_size()
+        let bs = self.block_size();
+        let full = tokens.len().saturating_sub(1) / bs;
+        let path = self.tree.longest_match(tokens, full);
+        let Some(t) = self.tier.as_ref() else { return path.len() * bs };
+        // Blocks the offload tier holds count too: they are copied back, not computed.
+        let mut chain = path.last().map_or(ROOT_CHAIN, |&n| self.tree.node(n).chain);
+        let mut n = path.len();
+        for block in tokens.chunks_exact(bs).take(full).skip(n) {
+            let next = chain_hash(chain, hash_tokens(block));
+            if !t.holds(next, chain, block) {
+                break;
+            }
+            (chain, n) = (next, n + 1);
+        }
+        n * bs
     }
 
     /// Registers `seq` with its prompt, reusing the longest cached prefix (those blocks are referenced
@@ -342,9 +408,13 @@ impl KvCache {
         let bs = self.block_size();
         let full = prompt.len().saturating_sub(1) / bs;
         let path = self.tree.longest_match(prompt, full);
-        let blocks: Vec<BlockId> = path.iter().map(|&n| self.tree.node(n).block).collect();
+        let mut blocks: Vec<BlockId> = path.iter().map(|&n| self.tree.node(n).block).collect();
         for &b in &blocks {
             self.retag(b, |m| m.seq_refs += 1);
+        }
+        if self.tier.is_some() {
+            let last = path.last().copied().unwrap_or(ROOT);
+            self.restore(prompt, full, last, &mut blocks);
         }
         self.stats.prefix_hit_blocks_total += blocks.len() as u64;
         self.stats.prefix_miss_blocks_total += (self.blocks_for(prompt.len()) - blocks.len()) as u64;
@@ -352,6 +422,56 @@ impl KvCache {
         let s = Sequence { blocks, tokens: prompt.to_vec(), computed: hit.cached_tokens, release_from: 0 };
         self.seqs.insert(seq, s);
         Ok(hit)
+    }
+
+    /// The prompt's blocks after `blocks` (which end at tree node `cur`) that the offload tier holds,
+    /// back into pool blocks the prefix cache holds again, referenced for the sequence (appended to
+    /// `blocks`): as far as the tier's chain goes and the pool has room.
+    fn restore(&mut self, prompt: &[u32], full: usize, mut cur: crate::NodeId, blocks: &mut Vec<BlockId>) {
+        let bs = self.block_size();
+        let mut chain = self.tree.node(cur).chain;
+        for block in prompt.chunks_exact(bs).take(full).skip(blocks.len()) {
+            let next = chain_hash(chain, hash_tokens(block));
+            let Some(t) = self.tier.as_mut() else { return };
+            // Room first: a block that cannot be had ends the restore with the entry still in the tier.
+            if !t.holds(next, chain, block) || (self.free.is_empty() && self.tree.lru_victim().is_none()) {
+                return;
+            }
+            let Some(slot) = t.take(next, &mut self.tier_events) else { return };
+            // (Evicting for room may send other blocks to the tier, never into the slot just taken.)
+            if self.ensure_free(1).is_err() {
+                if let Some(t) = self.tier.as_mut() {
+                    t.release(slot);
+                }
+                self.record_tier_events();
+                return;
+            }
+            let b = self.alloc_for_seq();
+            let Some(n) = self.tree.insert(cur, block, b) else {
+                // A chain hash collision in the tree: the block is computed instead.
+                self.retag(b, |m| m.seq_refs -= 1);
+                if let Some(t) = self.tier.as_mut() {
+                    t.release(slot);
+                }
+                self.record_tier_events();
+                return;
+            };
+            self.retag(b, |m| m.node = Some(n));
+            self.tier_copies.push(TierCopy::In { slot, block: b });
+            if let Some(t) = self.tier.as_mut() {
+                t.release(slot);
+            }
+            let parent = (cur != ROOT).then(|| self.tree.node(cur).chain);
+            self.record_tier_events();
+            self.record(|| CacheEvent::Stored {
+                hash: next,
+                parent,
+                tokens: block.to_vec(),
+                medium: Medium::Pool,
+            });
+            blocks.push(b);
+            (cur, chain) = (n, next);
+        }
     }
 
     fn seq(&self, seq: SeqId) -> Result<&Sequence, KvError> {
@@ -507,7 +627,7 @@ impl KvCache {
             let Some(n) = self.tree.insert(cur, chunk, b) else { break };
             self.retag(b, |m| m.node = Some(n));
             let (hash, parent) = (self.tree.node(n).chain, (cur != ROOT).then(|| self.tree.node(cur).chain));
-            self.record(|| CacheEvent::Stored { hash, parent, tokens: chunk.to_vec() });
+            self.record(|| CacheEvent::Stored { hash, parent, tokens: chunk.to_vec(), medium: Medium::Pool });
             inserted += 1;
             cur = n;
         }

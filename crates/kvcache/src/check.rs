@@ -117,6 +117,9 @@ impl KvCache {
         if self.owned[OwnerKind::Cache.index()] > self.tree.len() {
             return Err("more cache-owned blocks than tree nodes".into());
         }
+        if let Some(t) = self.tier.as_ref() {
+            t.check()?;
+        }
         Ok(())
     }
 }

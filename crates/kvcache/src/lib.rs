@@ -29,12 +29,14 @@ mod ids;
 mod prefix;
 #[doc(hidden)]
 pub mod sim;
+mod tier;
 
 pub use cache::{BlockCopy, CacheEvent, KvCache, KvConfig, KvStats, LeaseView, PrefixHit};
 pub use error::KvError;
 pub(crate) use ids::NodeId;
 pub use ids::{BlockId, OwnerKind, SeqId, Slot, TransferId};
 pub use prefix::{IdHasher, IdMap};
+pub use tier::{Medium, TierConfig, TierCopy, TierSlot, TierStats};
 
 /// The README's examples, compiled and run as doc tests.
 #[doc = include_str!("../README.md")]

@@ -57,7 +57,7 @@ pub(crate) fn hash_tokens(tokens: &[u32]) -> u64 {
 }
 
 /// Token equality without early exit: branch-free and vectorized, faster than `==` on short blocks.
-fn same_tokens(a: &[u32], b: &[u32]) -> bool {
+pub(crate) fn same_tokens(a: &[u32], b: &[u32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u32, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -67,7 +67,7 @@ pub(crate) fn chain_hash(parent_chain: u64, block_hash: u64) -> u64 {
     h ^ (h >> 29)
 }
 
-const ROOT_CHAIN: u64 = 0x2545_f491_4f6c_dd1d;
+pub(crate) const ROOT_CHAIN: u64 = 0x2545_f491_4f6c_dd1d;
 
 #[derive(Debug, Clone)]
 pub(crate) struct Node {

@@ -1,7 +1,9 @@
 //! Block tables, forks, leases and epochs, and a randomized operation-sequence test over the whole API.
 
 use pdserve_kvcache::sim::{Driver, Op};
-use pdserve_kvcache::{BlockCopy, KvCache, KvConfig, KvError, OwnerKind, SeqId, Slot, TransferId};
+use pdserve_kvcache::{
+    BlockCopy, KvCache, KvConfig, KvError, OwnerKind, SeqId, Slot, TierConfig, TransferId,
+};
 
 fn cache(num_blocks: u32, block_size: u32) -> KvCache {
     KvCache::new(KvConfig { num_blocks, block_size }).unwrap()
@@ -242,6 +244,10 @@ fn randomized_operation_sequences_keep_every_invariant() {
         });
         let block_size = [1, 4, 16][seed as usize % 3];
         let mut d = Driver::new(KvConfig { num_blocks: 48, block_size }).unwrap();
+        if seed % 2 == 0 {
+            // Half the runs with an offload tier behind the pool (host, then disk).
+            d = d.with_tier(TierConfig { host_blocks: 6, disk_blocks: 10 });
+        }
         for _ in 0..2_000 {
             let op = Op::decode(&mut bytes).unwrap();
             d.apply(op);

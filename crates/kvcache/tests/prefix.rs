@@ -144,7 +144,7 @@ fn events_follow_every_block_the_cache_gains_and_loses() {
     let run = prefill_and_cache;
     run(&mut kv, 1, &[1, 2, 3, 4, 5, 6, 7, 8, 9]);
     let e = kv.take_events();
-    let [CacheEvent::Stored { hash: a, parent: None, tokens: ta }, CacheEvent::Stored { hash: b, parent: Some(pb), tokens: tb }] =
+    let [CacheEvent::Stored { hash: a, parent: None, tokens: ta, .. }, CacheEvent::Stored { hash: b, parent: Some(pb), tokens: tb, .. }] =
         &e[..]
     else {
         panic!("{e:?}")
@@ -163,7 +163,13 @@ fn events_follow_every_block_the_cache_gains_and_loses() {
     let removed: Vec<u64> = kv
         .take_events()
         .iter()
-        .filter_map(|e| if let CacheEvent::Removed { hash } = e { Some(*hash) } else { None })
+        .filter_map(|e| {
+            if let CacheEvent::Removed { hash, medium: pdserve_kvcache::Medium::Pool } = e {
+                Some(*hash)
+            } else {
+                None
+            }
+        })
         .collect();
     assert_eq!(removed.len(), 3);
     assert!(removed.contains(a) && removed.contains(b), "{removed:?}");

@@ -194,6 +194,10 @@ impl Router {
                 r["hops"] = json!(hops);
                 if let Some(e) = self.by_rid.get(&rid).and_then(|id| self.flights.get(id)) {
                     r["routing"] = self.routing_json(&e.routing);
+                    if e.admitted {
+                        // unified, disaggregated, decode_local (the decode worker computes the tail)
+                        r["plan"] = json!(e.flight.plan().as_str());
+                    }
                     let moves: Vec<_> = e.flight.migrations().iter().map(|m| m.as_str()).collect();
                     r["migrations"] = json!(moves);
                 }

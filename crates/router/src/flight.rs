@@ -423,8 +423,11 @@ impl Flight {
             return;
         }
         self.state = State::Open { leg, kind, worker, head: None, body: Vec::new() };
-        if !self.reached.iter().any(|r| r.worker == worker) {
-            self.reached.push(Reached { worker, answered_error: false });
+        match self.reached.iter_mut().find(|r| r.worker == worker) {
+            // It ended an earlier leg with its own error, but holds this one now (a decode-local
+            // refusal's fallback, say): it is owed an abort again.
+            Some(r) => r.answered_error = false,
+            None => self.reached.push(Reached { worker, answered_error: false }),
         }
         let stage = match kind {
             LegKind::Prefill => {
@@ -582,8 +585,11 @@ impl Flight {
         self.state = State::Waiting;
         if let Some(refusal) = self.draining_refusal(&head, &body, worker) {
             // A draining worker took nothing (it answers `not_ready` before any work): another may.
-            self.draining_answer = Some(refusal);
             self.reached.retain(|r| r.worker != worker);
+            if self.local_fell_through(kind) {
+                return;
+            }
+            self.draining_answer = Some(refusal);
             self.refused.push(worker);
             return self.open(kind, Some(Retry::Refused));
         }
@@ -638,13 +644,9 @@ impl Flight {
         }
         let busy =
             error.as_ref().is_some_and(|e| matches!(e.kind, ErrorKind::QueueFull | ErrorKind::NoCapacity));
-        if self.plan == Plan::DecodeLocal && busy && !self.streaming {
-            // The decode worker has no room to compute the prompt itself: a prefill worker does.
-            self.plan = Plan::Disaggregated;
-            self.refused.clear();
-            self.draining_answer = None;
-            self.stale_retried = false;
-            return self.open(LegKind::Prefill, None);
+        // The decode worker has no room to compute the prompt itself: a prefill worker does.
+        if busy && self.local_fell_through(LegKind::Decode) {
+            return;
         }
         if head.status >= 300 && self.streaming {
             // A later try failed before its stream began: the client's stream ends with its error.
@@ -689,6 +691,21 @@ impl Flight {
             status = 0;
         }
         self.finish(outcome, status, error, None);
+    }
+
+    /// A decode-local leg that did not do its work (refused for load, a refused or stale connection,
+    /// a draining worker, no worker at all) goes on as [`Plan::Disaggregated`]: a prefill leg now.
+    /// Whether it did (false for any other leg).
+    pub(super) fn local_fell_through(&mut self, kind: LegKind) -> bool {
+        if self.plan != Plan::DecodeLocal || kind != LegKind::Decode || self.streaming || self.is_done() {
+            return false;
+        }
+        self.plan = Plan::Disaggregated;
+        self.refused.clear();
+        self.draining_answer = None;
+        self.stale_retried = false;
+        self.open(LegKind::Prefill, None);
+        true
     }
 
     /// The deadline came (call at or after [`deadline`](Self::deadline)).

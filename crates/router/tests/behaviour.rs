@@ -305,6 +305,53 @@ fn pd_mode_runs_prefill_then_decode() {
     assert_eq!(r.metric("router_requests_dispatched_total{plan=\"disaggregated\"}"), 2.0);
 }
 
+/// A decode worker that holds a conversation but has no room to compute its next round (429) gets it
+/// through the prefill worker instead, on the same stream; and when the client then leaves, that worker
+/// is told to abort, although it had answered the first leg with an error.
+#[test]
+fn a_busy_decode_worker_gets_the_round_through_prefill_and_still_its_abort() {
+    let p = MockWorker::start(MockRole::Prefill, Mode::Ok);
+    let d = MockWorker::start(MockRole::Decode, Mode::Ok);
+    let r = RouterHandle::start(config(&[(&p.url, Role::Prefill), (&d.url, Role::Decode)]));
+    r.wait_ready(Duration::from_secs(5));
+    let task = "Review the compaction code of the storage engine; the diff follows. ".repeat(4);
+    let body = |text: &str, extra: &str| {
+        format!(
+            r#"{{"messages":[{{"role":"user","content":{}}}]{extra}}}"#,
+            serde_json::Value::String(text.into())
+        )
+    };
+    assert_eq!(r.json("POST", "/v1/chat/completions", &body(&task, r#","max_tokens":5"#)).0, 200);
+    d.set_mode(Mode::BusyLocal);
+    let posts =
+        |w: &MockWorker| w.seen.lock().unwrap().posts.iter().filter(|x| !x.1.starts_with("probe-")).count();
+    let before = posts(&p);
+    let next = body(&format!("{task}\nmock answer\nand now?"), r#","max_tokens":400,"stream":true"#);
+    let mut s = TcpStream::connect(r.addr).unwrap();
+    write!(s, "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: busy-1\r\ncontent-length: {}\r\n\r\n{next}", next.len()).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"), "{}", String::from_utf8_lossy(&got));
+    assert_eq!(posts(&p), before + 1, "the round went through the prefill worker");
+    {
+        let g = d.seen.lock().unwrap();
+        let mine: Vec<_> = g.posts.iter().filter(|x| x.1 == "busy-1").collect();
+        assert_eq!(mine.len(), 2, "refused alone, then given the handle");
+        assert!(!mine[0].3.contains("pd_transfer") && mine[1].3.contains("pd_transfer"));
+    }
+    drop(s);
+    let until = Instant::now() + Duration::from_secs(3);
+    while !d.seen.lock().unwrap().aborts.iter().any(|a| a == "busy-1") {
+        assert!(Instant::now() < until, "the decode worker was never told to abort");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn pd_prefill_failure_ends_the_request_at_once() {
     let p = MockWorker::start(MockRole::Prefill, Mode::Ok);

@@ -242,7 +242,7 @@ impl Scheduler {
                 r.wait_until = Some(r.queue_deadline);
             }
             KvSource::Remote { transfer, first_token } => {
-                let busy = self.running.len() + self.awaiting.len();
+                let busy = self.slots_taken();
                 if busy >= c.running_requests_max {
                     return Err(Rejection::QueueFull {
                         queued: busy,
@@ -437,7 +437,7 @@ impl Scheduler {
             }
         }
         // Then prefill chunks of running requests, oldest first, each at most half the step while others wait.
-        let joining = !self.queued.is_empty() && self.running.len() < self.config.running_requests_max;
+        let joining = !self.queued.is_empty() && self.slots_taken() < self.config.running_requests_max;
         let contended = joining || self.running.len() > 1;
         let share = if !joining && prefilling.len() < 2 { cap } else { cap.div_ceil(2) };
         for id in prefilling {
@@ -455,7 +455,7 @@ impl Scheduler {
 
         // Admit waiting requests, in the configured order, while there is room.
         let mut short_of_blocks = false;
-        while budget > 0 && self.running.len() < self.config.running_requests_max {
+        while budget > 0 && self.slots_taken() < self.config.running_requests_max {
             let Some(at) = self.next_admission(now) else { break };
             let id = self.queued[at];
             let r = &self.reqs[&id];
@@ -502,7 +502,7 @@ impl Scheduler {
         self.stats.queue_wait = match () {
             _ if self.queued.is_empty() => None,
             _ if short_of_blocks => Some(QueueWait::Blocks),
-            _ if self.running.len() >= self.config.running_requests_max => Some(QueueWait::Slot),
+            _ if self.slots_taken() >= self.config.running_requests_max => Some(QueueWait::Slot),
             _ => Some(QueueWait::Budget),
         };
         self.stats.batch_tokens_last_step = batch.iter().map(|i| i.num_tokens).sum();
@@ -565,6 +565,12 @@ impl Scheduler {
             let _ = self.kv.release_lease(t);
             self.events.push_back(Event::LeaseExpired { transfer: t });
         }
+    }
+
+    /// Running slots taken: running requests, and on a decode worker those whose KV is on its way (a
+    /// prompt it computes itself waits for a slot no pull has taken).
+    fn slots_taken(&self) -> usize {
+        self.running.len() + self.awaiting.len()
     }
 
     /// Blocks a sequence of `tokens` tokens, `to_prefill` of them still to compute, needs beyond the

@@ -496,6 +496,38 @@ fn a_decode_worker_computes_a_short_tail_over_the_history_it_holds() {
     s.check_invariants().unwrap();
 }
 
+/// A decode worker's running slots are shared by pulls on their way and prompts it computes: a local
+/// prompt never takes the slot a pull holds, so the cap holds when the pull's KV lands. (Unified and
+/// prefill workers take no pulls at all.)
+#[test]
+fn local_prompts_on_a_decode_worker_leave_pulls_their_slots() {
+    let config =
+        SchedulerConfig { role: Role::Decode, running_requests_max: 2, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
+    let remote =
+        NewRequest { kv: KvSource::Remote { transfer: TransferId(1), first_token: 9 }, ..req(1, 8, 4, t0) };
+    s.handle_request(remote.clone(), t0).unwrap();
+    s.handle_request(req(2, 8, 4, t0), t0).unwrap();
+    s.handle_request(req(3, 8, 4, t0), t0).unwrap();
+    let batch = s.poll_batch(t0);
+    let ids: Vec<u64> = batch.iter().map(|i| i.id.0).collect();
+    assert_eq!(ids, [2], "one local prompt beside the pull: {ids:?}");
+    assert_eq!(s.stats().queue_wait, Some(QueueWait::Slot));
+    let sampled: Vec<Sampled> = batch
+        .iter()
+        .filter(|i| i.sample)
+        .map(|i| Sampled { id: i.id, token: 9, stop: false, drafts_accepted: 0 })
+        .collect();
+    s.handle_step_result(&sampled, t0);
+    assert!(s.handle_kv_arrived(RequestId(1), false, t0));
+    assert_eq!(s.stats().running, 2, "the cap holds once the KV lands");
+    s.check_invariants().unwrap();
+    drain(&mut s, t0);
+    // Pulls are the decode role's alone.
+    let (mut u, t0) = sched(SchedulerConfig::default(), 64);
+    assert!(matches!(u.handle_request(remote, t0), Err(Rejection::WrongRole { .. })));
+}
+
 /// The next round of a conversation (mostly cached) overtakes cold prompts that came before it, yet
 /// a cold prompt that waited long enough goes first: aged, nothing starves. `Fifo` keeps arrival order.
 #[test]

@@ -87,6 +87,11 @@ pdserve-server [options]
   --kv-events-config JSON  vLLM's KV events, e.g. {\"enable_kv_cache_events\": true, \"publisher\": \"zmq\",
                            \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\"}
                            (ZMQ PUB and replay sockets, msgpack in vLLM's schema)
+  --kv-offloading-size GIB KV offload tier (unified and prefill roles; vLLM's flag): blocks the prefix
+                           cache evicts are kept in GIB of host memory beyond the pool and copied back on
+                           a prefix match instead of computed again (default 0: off; fractions allowed)
+  --kv-offload-disk-gib GIB past host memory, blocks move down to a file of at most GIB (default 0)
+  --kv-offload-dir DIR     where that file is made (default: the system's temporary folder)
   --otlp-traces-endpoint URL export each request's spans (the request, its queue, prefill, KV transfer,
                            decode) over OTLP/HTTP to URL (http://HOST:PORT[/PATH], /v1/traces if no
                            path), under the caller's traceparent
@@ -180,6 +185,10 @@ const VALUED: &[&str] = &[
     "--kv-transfer-timeout-s",
     "--grammar-compile-timeout-s",
     "--kv-events-config",
+    "--kv-offloading-size",
+    "--kv-offloading-backend",
+    "--kv-offload-disk-gib",
+    "--kv-offload-dir",
     "--otlp-traces-endpoint",
     "--api-key",
     "--cluster-secret-file",
@@ -262,6 +271,10 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
     for (k, v) in sets {
         let n = || v.parse::<usize>().map_err(|e| format!("{k}: {e}"));
         let secs = || v.parse::<f64>().map(Duration::from_secs_f64).map_err(|e| format!("{k}: {e}"));
+        let gib = || match v.parse::<f64>() {
+            Ok(g) if g.is_finite() && g >= 0.0 => Ok((g * f64::from(1u32 << 30)) as usize),
+            _ => Err(format!("{k} {v}: a size in GiB (0 or more)")),
+        };
         let e = &mut c.engine;
         match k.as_str() {
             "--model-name" => c.model_name = v.clone(),
@@ -302,6 +315,12 @@ fn parse(args: Vec<String>) -> Result<Option<WorkerConfig>, String> {
             "--test-panic-on" => c.panic_trigger = Some(v.clone()),
             "--grammar-compile-timeout-s" => e.grammar_compile_timeout = secs()?,
             "--kv-events-config" => e.kv_events = pdserve_engine::KvEventsConfig::parse(&v)?,
+            "--kv-offloading-size" => e.kv_offload.host_bytes = gib()?,
+            "--kv-offload-disk-gib" => e.kv_offload.disk_bytes = gib()?,
+            "--kv-offload-dir" => e.kv_offload.disk_dir = Some(PathBuf::from(&v)),
+            // vLLM's second offloading flag: its native CPU tier is this one.
+            "--kv-offloading-backend" if v == "native" => {}
+            "--kv-offloading-backend" => return Err(format!("--kv-offloading-backend {v}: only `native` (the worker's own tier)")),
             "--otlp-traces-endpoint" => c.otlp_traces_endpoint = Some(pdserve_trace::Endpoint::parse(&v)?),
             "--test-corrupt-kv" => e.test_corrupt_kv_pull = n()? as u32,
             "--test-stall-transfer" => e.test_transfer_faults.stall_from = Some(n()?),

@@ -18,13 +18,20 @@ fn free_port() -> u16 {
 }
 
 fn start(port: u16, pub_port: u16, replay_port: u16) -> Worker {
+    start_with(port, pub_port, replay_port, &[])
+}
+
+fn start_with(port: u16, pub_port: u16, replay_port: u16, extra: &[&str]) -> Worker {
     let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
         "endpoint": format!("tcp://127.0.0.1:{pub_port}"), "replay_endpoint": format!("tcp://127.0.0.1:{replay_port}"),
         "topic": "kv@worker-0@smol"})
     .to_string();
     let port = port.to_string();
     // A small pool (64 blocks of 16 tokens), so a few prompts evict.
-    Worker::start(&["--port", &port, "--kv-blocks", "64", "--kv-events-config", &cfg, "--speculative", "off"])
+    let mut args =
+        vec!["--port", &port, "--kv-blocks", "64", "--kv-events-config", &cfg, "--speculative", "off"];
+    args.extend_from_slice(extra);
+    Worker::start(&args)
 }
 
 fn complete(w: &Worker, prompt: &str) {
@@ -168,4 +175,59 @@ fn a_zmq_subscriber_follows_a_workers_prefix_cache_in_vllm_schema() {
     assert_eq!(replayed[0]["events"], json!([{"type": "AllBlocksCleared"}]), "{:?}", replayed[0]);
     assert!(events(&replayed).iter().any(|e| e["type"] == "BlockStored"), "{replayed:?}");
     drop(w);
+}
+
+/// With a KV offload tier, an evicted block is announced as removed from the pool (`GPU`) and stored
+/// in host memory (`CPU`), and a prompt that takes it back the other way round.
+#[test]
+fn offloaded_blocks_are_announced_in_the_medium_they_move_to() {
+    let (port, pub_port, replay_port) = (free_port(), free_port(), free_port());
+    let w = start_with(port, pub_port, replay_port, &["--kv-offloading-size", "0.1"]);
+    let s = Subscriber::start(
+        &format!("127.0.0.1:{pub_port}"),
+        &format!("127.0.0.1:{replay_port}"),
+        "kv@worker-0",
+    );
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut warm = 0;
+    loop {
+        complete(&w, &prose(2000 + warm));
+        warm += 1;
+        if s.try_next(Duration::from_millis(300)).is_some() {
+            break;
+        }
+        assert!(Instant::now() < until, "no batch reached the subscriber");
+    }
+    drain(&s, Duration::from_millis(500));
+    let hashes_of = |evs: &[Value], ty: &str, medium: &str| -> Vec<u64> {
+        evs.iter()
+            .filter(|e| e["type"] == ty && e["medium"] == medium)
+            .flat_map(|e| {
+                e["block_hashes"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let text = prose(1);
+    complete(&w, &text);
+    let first = events(&drain(&s, Duration::from_millis(500)));
+    let pool = hashes_of(&first, "BlockStored", "GPU");
+    assert!(!pool.is_empty(), "{first:?}");
+    // More prompts than the pool holds: the first prompt's blocks leave the pool for host memory.
+    let mut moved = Vec::new();
+    for i in 2..12 {
+        complete(&w, &prose(i));
+        moved.extend(events(&drain(&s, Duration::from_millis(300))));
+    }
+    let (left, offloaded) =
+        (hashes_of(&moved, "BlockRemoved", "GPU"), hashes_of(&moved, "BlockStored", "CPU"));
+    assert!(pool.iter().all(|h| left.contains(h) && offloaded.contains(h)), "{pool:?}: {moved:?}");
+    // The first prompt again: its blocks come back from host memory into the pool.
+    complete(&w, &text);
+    let back = events(&drain(&s, Duration::from_millis(500)));
+    let (from_cpu, to_pool) =
+        (hashes_of(&back, "BlockRemoved", "CPU"), hashes_of(&back, "BlockStored", "GPU"));
+    // (All but possibly the last: a prompt's last token is always computed, never found cached.)
+    let wanted = &pool[..pool.len() - 1];
+    assert!(wanted.iter().all(|h| from_cpu.contains(h) && to_pool.contains(h)), "{pool:?}: {back:?}");
+    assert!(metric(&w, "kv_offload_blocks_moved_total{move=\"restored\"}") >= wanted.len() as f64);
 }

@@ -215,6 +215,7 @@ fn a_conversation_returns_to_its_decode_worker_and_debug_explains_the_choice() {
     let (_, dbg) = router.json("GET", "/debug/requests", "");
     let entry = dbg["requests"].as_array().unwrap().iter().find(|r| r["id"] == "round-2").unwrap().clone();
     let routing = entry["routing"].as_array().unwrap_or_else(|| panic!("{entry}"));
+    assert_eq!(entry["plan"], "disaggregated", "{entry}");
     let decode_leg = routing.iter().find(|r| r["leg"] == "decode").unwrap_or_else(|| panic!("{entry}"));
     // The worker chosen is the one that held the first round: it pulled only the blocks it lacked.
     let skipped = "kv_transfer_blocks_total{result=\"skipped\"}";

@@ -3,7 +3,7 @@
 
 use llguidance::toktrie::SimpleVob;
 use pdserve_api::Role;
-use pdserve_kvcache::{BlockCopy, BlockId};
+use pdserve_kvcache::{BlockCopy, BlockId, TierCopy};
 use pdserve_model::{ModelError, SeqStep};
 use pdserve_scheduler::{BatchItem, RequestId};
 
@@ -51,6 +51,8 @@ impl Guides {
 #[derive(Debug)]
 pub struct StepPlan {
     pub rows: Vec<PlannedRow>,
+    /// Copies between the pool and the KV offload tier, made first, in order.
+    pub tier_copies: Vec<TierCopy>,
     pub copies: Vec<BlockCopy>,
     pub picks_only: bool,
     /// Handed back in [`StepDone::guides`], masks computed.
@@ -183,6 +185,7 @@ impl EngineCore {
                 }
             }
         }
+        let tier_copies = self.sched.kv_mut().take_tier_copies();
         let copies = self.sched.kv_mut().take_copies();
         let kv = self.sched.kv();
         let rows = batch
@@ -214,7 +217,7 @@ impl EngineCore {
             })
             .collect();
         self.stepping = Some(InFlight { batch });
-        Some(StepPlan { rows, copies, picks_only, guides: Guides(guides) })
+        Some(StepPlan { rows, tier_copies, copies, picks_only, guides: Guides(guides) })
     }
 
     /// The backend's answer to the step in flight: samples every sampling row, verifies drafts,

@@ -16,6 +16,16 @@ impl Flight {
         };
         let worker = self.worker();
         self.state = State::Waiting;
+        if matches!(failure, LegFailure::NoWorker { .. } | LegFailure::Refused { .. } | LegFailure::Stale) {
+            // A decode-local leg its worker never took: through a prefill worker instead (never the
+            // whole prompt to a decode worker that does not hold the conversation).
+            if self.local_fell_through(kind) {
+                if let (LegFailure::Stale, Some(w)) = (&failure, worker) {
+                    self.reached.retain(|r| r.worker != w);
+                }
+                return;
+            }
+        }
         match failure {
             LegFailure::NoWorker { reason } => match self.draining_answer.take() {
                 // Every other worker is gone too: the client hears the draining worker's own answer.

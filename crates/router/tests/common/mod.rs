@@ -140,6 +140,8 @@ pub enum Mode {
     DropReused = 4,
     /// Answers completions 503 `not_ready`, as a worker draining after SIGTERM does.
     Draining = 5,
+    /// (Decode) answers a prompt sent without a handle 429 `queue_full`: no room to compute it here.
+    BusyLocal = 6,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -252,6 +254,7 @@ fn mode_of(m: &AtomicU8) -> Mode {
         3 => Mode::DieMidStream,
         4 => Mode::DropReused,
         5 => Mode::Draining,
+        6 => Mode::BusyLocal,
         _ => Mode::Ok,
     }
 }
@@ -360,6 +363,10 @@ fn completion(
         }
     }
     let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+    if mode == Mode::BusyLocal && role == MockRole::Decode && v.get("pd_transfer").is_none() {
+        let e = r#"{"error":{"type":"queue_full","message":"the queue is full","code":429}}"#;
+        return respond(s, 429, e);
+    }
     if role == MockRole::Prefill {
         return respond(
             s,
