@@ -420,27 +420,38 @@ fn a_prefill_worker_keeps_transferred_prompts_cached() {
     assert_eq!(kv.owned(OwnerKind::Cache), 7, "both prompts' full blocks, shared ones once");
 }
 
-/// Decode role: a pulled prompt whose leading blocks this worker cached from an earlier round of the
-/// conversation reuses them; only the rest is a destination for the transfer.
-#[test]
-fn a_decode_worker_reuses_the_previous_rounds_blocks() {
-    let config = SchedulerConfig { role: Role::Decode, ..SchedulerConfig::default() };
-    let (mut s, t0) = sched(config, 64);
-    let remote = |id: u64, prompt: Vec<u32>| NewRequest {
+/// A pulled request `id` for `prompt` (its first token, 9, sampled by the prefill worker).
+fn pulled(id: u64, prompt: Vec<u32>, t0: Instant) -> NewRequest {
+    NewRequest {
         prompt,
         kv: KvSource::Remote { transfer: TransferId(id), first_token: 9 },
         ..req(id, 1, 4, t0)
-    };
+    }
+}
+
+/// A decode worker that pulled round 1 of a conversation (10 prompt tokens) and generated its answer
+/// (four 9s): the worker, its clock, round 1.
+fn decode_after_round1() -> (Scheduler, Instant, Vec<u32>) {
+    let config = SchedulerConfig { role: Role::Decode, ..SchedulerConfig::default() };
+    let (mut s, t0) = sched(config, 64);
     let round1: Vec<u32> = (100..110).collect();
-    s.handle_request(remote(1, round1.clone()), t0).unwrap();
+    s.handle_request(pulled(1, round1.clone(), t0), t0).unwrap();
     assert_eq!(s.kv().lease(TransferId(1)).unwrap().reused, 0);
     assert!(s.handle_kv_arrived(RequestId(1), false, t0));
     let events = drain(&mut s, t0);
     assert!(matches!(events[..], [Event::Finished { output_tokens: 4, cached_tokens: 0, .. }]));
+    (s, t0, round1)
+}
+
+/// Decode role: a pulled prompt whose leading blocks this worker cached from an earlier round of the
+/// conversation reuses them; only the rest is a destination for the transfer.
+#[test]
+fn a_decode_worker_reuses_the_previous_rounds_blocks() {
+    let (mut s, t0, round1) = decode_after_round1();
     // Round 2 resends round 1, its answer (9 9 9 9 as sampled here) and a new message.
     let mut round2 = round1.clone();
     round2.extend([9, 9, 9, 9, 50, 51, 52, 53, 54, 55]);
-    s.handle_request(remote(2, round2), t0).unwrap();
+    s.handle_request(pulled(2, round2, t0), t0).unwrap();
     let lease = s.kv().lease(TransferId(2)).unwrap();
     assert_eq!((lease.reused, lease.blocks.len()), (3, 5), "12 tokens of round 1 are held here");
     assert!(s.handle_kv_arrived(RequestId(2), false, t0));
@@ -453,22 +464,12 @@ fn a_decode_worker_reuses_the_previous_rounds_blocks() {
 /// the history (pulled and generated there), beside requests whose KV is still arriving.
 #[test]
 fn a_decode_worker_computes_a_short_tail_over_the_history_it_holds() {
-    let config = SchedulerConfig { role: Role::Decode, ..SchedulerConfig::default() };
-    let (mut s, t0) = sched(config, 64);
-    let remote = |id: u64, prompt: Vec<u32>| NewRequest {
-        prompt,
-        kv: KvSource::Remote { transfer: TransferId(id), first_token: 9 },
-        ..req(id, 1, 4, t0)
-    };
-    let round1: Vec<u32> = (100..110).collect();
-    s.handle_request(remote(1, round1.clone()), t0).unwrap();
-    assert!(s.handle_kv_arrived(RequestId(1), false, t0));
-    drain(&mut s, t0);
+    let (mut s, t0, round1) = decode_after_round1();
     let mut round2 = round1.clone();
     round2.extend([9, 9, 9, 9, 50, 51, 52, 53, 54, 55]);
     // Computed here: no lease, no transfer; another request's pull waits beside it.
     s.handle_request(NewRequest { prompt: round2, ..req(2, 1, 4, t0) }, t0).unwrap();
-    s.handle_request(remote(3, (300..310).collect()), t0).unwrap();
+    s.handle_request(pulled(3, (300..310).collect(), t0), t0).unwrap();
     assert_eq!(s.stage_of(RequestId(2)).map(|s| s.0), Some(Stage::Queued));
     assert!(s.kv().lease(TransferId(2)).is_err());
     let first = s.poll_batch(t0);

@@ -67,20 +67,18 @@ fn prose(i: usize) -> String {
     )
 }
 
-#[test]
-fn a_zmq_subscriber_follows_a_workers_prefix_cache_in_vllm_schema() {
-    let (port, pub_port, replay_port) = (free_port(), free_port(), free_port());
-    let w = start(port, pub_port, replay_port);
+/// A subscriber to `w`'s events, its subscription in place: prompts (`prose(first..)`) until a batch
+/// arrives (ZMQ drops what comes before), then what they stored drained.
+fn subscribe(w: &Worker, pub_port: u16, replay_port: u16, first: usize) -> Subscriber {
     let s = Subscriber::start(
         &format!("127.0.0.1:{pub_port}"),
         &format!("127.0.0.1:{replay_port}"),
         "kv@worker-0",
     );
-    // Prompts until a batch arrives: the subscription is in place (ZMQ drops what comes before).
     let until = Instant::now() + Duration::from_secs(60);
     let mut warm = 0;
     loop {
-        complete(&w, &prose(1000 + warm));
+        complete(w, &prose(first + warm));
         warm += 1;
         if s.try_next(Duration::from_millis(300)).is_some() {
             break;
@@ -88,6 +86,14 @@ fn a_zmq_subscriber_follows_a_workers_prefix_cache_in_vllm_schema() {
         assert!(Instant::now() < until, "no batch reached the subscriber");
     }
     drain(&s, Duration::from_millis(500));
+    s
+}
+
+#[test]
+fn a_zmq_subscriber_follows_a_workers_prefix_cache_in_vllm_schema() {
+    let (port, pub_port, replay_port) = (free_port(), free_port(), free_port());
+    let w = start(port, pub_port, replay_port);
+    let s = subscribe(&w, pub_port, replay_port, 1000);
 
     // A prompt's blocks: stored in order, chained, each exactly 16 of its tokens.
     let text = prose(1);
@@ -183,22 +189,7 @@ fn a_zmq_subscriber_follows_a_workers_prefix_cache_in_vllm_schema() {
 fn offloaded_blocks_are_announced_in_the_medium_they_move_to() {
     let (port, pub_port, replay_port) = (free_port(), free_port(), free_port());
     let w = start_with(port, pub_port, replay_port, &["--kv-offloading-size", "0.1"]);
-    let s = Subscriber::start(
-        &format!("127.0.0.1:{pub_port}"),
-        &format!("127.0.0.1:{replay_port}"),
-        "kv@worker-0",
-    );
-    let until = Instant::now() + Duration::from_secs(60);
-    let mut warm = 0;
-    loop {
-        complete(&w, &prose(2000 + warm));
-        warm += 1;
-        if s.try_next(Duration::from_millis(300)).is_some() {
-            break;
-        }
-        assert!(Instant::now() < until, "no batch reached the subscriber");
-    }
-    drain(&s, Duration::from_millis(500));
+    let s = subscribe(&w, pub_port, replay_port, 2000);
     let hashes_of = |evs: &[Value], ty: &str, medium: &str| -> Vec<u64> {
         evs.iter()
             .filter(|e| e["type"] == ty && e["medium"] == medium)
