@@ -46,11 +46,15 @@ impl OffloadStore {
         block_bytes: usize,
     ) -> std::io::Result<(OffloadStore, TierConfig)> {
         let bb = block_bytes.max(1);
-        let host_blocks = u32::try_from(config.host_bytes / bb).unwrap_or(u32::MAX / 2);
-        let disk_blocks = u32::try_from(config.disk_bytes / bb).unwrap_or(u32::MAX / 2);
+        // (At most 2^30 blocks each: their sum stays a u32.)
+        let blocks = |bytes: usize| u32::try_from(bytes / bb).unwrap_or(u32::MAX).min(1 << 30);
+        let (host_blocks, disk_blocks) = (blocks(config.host_bytes), blocks(config.disk_bytes));
         let disk = if disk_blocks > 0 {
             let dir = config.disk_dir.clone().unwrap_or_else(std::env::temp_dir);
-            let path = dir.join(format!("pdserve-kv-offload-{}.bin", std::process::id()));
+            let nonce = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            let path = dir.join(format!("pdserve-kv-offload-{}-{nonce:08x}.bin", std::process::id()));
             let file = std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(&path)?;
             std::fs::remove_file(&path)?;
             // Sparse: the disk holds only what was written.

@@ -281,7 +281,11 @@ fn run_plan(
     plan: &StepPlan,
 ) -> Result<StepOutput, StepFailure> {
     if let Some(store) = offload {
-        store.apply(backend, &plan.tier_copies).map_err(StepFailure::Model)?;
+        match catch_unwind(AssertUnwindSafe(|| store.apply(backend, &plan.tier_copies))) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(StepFailure::Offload(e.to_string())),
+            Err(_) => return Err(StepFailure::Offload("a copy panicked".into())),
+        }
     }
     backend.copy_blocks(&plan.copies).map_err(StepFailure::Model)?;
     forward(backend, &plan.seq_steps(), plan.picks_only)

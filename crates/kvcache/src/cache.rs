@@ -211,6 +211,16 @@ impl KvCache {
         self.tier = (config.host_blocks + config.disk_blocks > 0).then(|| Tier::new(config));
     }
 
+    /// Gives up the offload tier after its copies failed: the tier, its pending copies and every cached
+    /// block no sequence or lease holds (restored ones among them, whose KV may never have arrived)
+    /// go; later prompts compute them again.
+    pub fn drop_tier(&mut self) {
+        self.tier = None;
+        self.tier_copies.clear();
+        self.tier_events.clear();
+        self.evict(usize::MAX);
+    }
+
     /// The copies between the pool and the offload tier since the last call, in order.
     pub fn take_tier_copies(&mut self) -> Vec<TierCopy> {
         std::mem::take(&mut self.tier_copies)
@@ -442,6 +452,7 @@ impl KvCache {
             if self.ensure_free(1).is_err() {
                 if let Some(t) = self.tier.as_mut() {
                     t.release(slot);
+                    t.stats.dropped_blocks_total += 1;
                 }
                 self.record_tier_events();
                 return;
@@ -452,6 +463,7 @@ impl KvCache {
                 self.retag(b, |m| m.seq_refs -= 1);
                 if let Some(t) = self.tier.as_mut() {
                     t.release(slot);
+                    t.stats.dropped_blocks_total += 1;
                 }
                 self.record_tier_events();
                 return;
@@ -460,6 +472,7 @@ impl KvCache {
             self.tier_copies.push(TierCopy::In { slot, block: b });
             if let Some(t) = self.tier.as_mut() {
                 t.release(slot);
+                t.stats.restored_blocks_total += 1;
             }
             let parent = (cur != ROOT).then(|| self.tree.node(cur).chain);
             self.record_tier_events();

@@ -233,7 +233,6 @@ impl Tier {
     pub(crate) fn take(&mut self, chain: u64, events: &mut Vec<TierEvent>) -> Option<TierSlot> {
         let e = self.unlink(chain)?;
         events.push(TierEvent::Removed { hash: chain, medium: self.medium(e.slot) });
-        self.stats.restored_blocks_total += 1;
         Some(e.slot)
     }
 

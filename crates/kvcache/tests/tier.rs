@@ -175,3 +175,27 @@ fn every_block_found_again_holds_its_prefixs_kv() {
     assert!(restored_hits > 100, "the tier served {restored_hits} prompts: {st:?}");
     assert!(st.demoted_blocks_total > 0 && st.dropped_blocks_total > 0, "{st:?}");
 }
+
+/// After a failed copy the engine gives the tier up: nothing it or the pool's unreferenced cache held
+/// is found again (it may be KV that never arrived), what sequences hold stays, and eviction stops
+/// copying out.
+#[test]
+fn dropping_the_tier_forgets_everything_it_could_have_corrupted() {
+    let mut kv = kv(4, TierConfig { host_blocks: 8, disk_blocks: 0 });
+    let a: Vec<u32> = (0..9).collect();
+    run(&mut kv, 1, &a);
+    run(&mut kv, 2, &(100..116).collect::<Vec<_>>());
+    kv.add_sequence(SeqId(3), &(200..205).collect::<Vec<_>>()).unwrap();
+    kv.reserve(SeqId(3), 5).unwrap();
+    assert!(kv.lookup_prefix(&a) > 0);
+    kv.drop_tier();
+    assert!(kv.take_tier_copies().is_empty());
+    assert_eq!(kv.tier_stats(), TierStats::default());
+    assert_eq!((kv.lookup_prefix(&a), kv.stats().owned(OwnerKind::Cache)), (0, 0));
+    assert_eq!(kv.block_table(SeqId(3)).unwrap().len(), 2, "a running sequence keeps its blocks");
+    run(&mut kv, 4, &(300..308).collect::<Vec<_>>());
+    run(&mut kv, 5, &(400..408).collect::<Vec<_>>());
+    assert!(kv.stats().evicted_blocks_total > 0);
+    assert!(kv.take_tier_copies().is_empty(), "no tier: evictions copy nothing out");
+    kv.check_invariants().unwrap();
+}

@@ -15,8 +15,10 @@ fn moved(w: &Worker, what: &str) -> f64 {
 
 /// A prompt of about 150 tokens (ten blocks), its own from the first word.
 fn body(topic: &str) -> String {
+    // The topic in every sentence: no two prompts share more than the chat template's opening.
     let text = format!("{topic}: ")
-        + &"describe the files, the build and the tests of this repository in order. ".repeat(10);
+        + &format!("describe the {topic} files, the {topic} build and the {topic} tests in order. ")
+            .repeat(10);
     serde_json::json!({
         "messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 12,
     })

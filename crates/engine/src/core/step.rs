@@ -94,6 +94,9 @@ pub enum StepFailure {
     Model(ModelError),
     /// The forward pass panicked (caught by the shell).
     Panicked,
+    /// A copy to or from the KV offload tier failed (or panicked): blocks the cache counts as
+    /// restored or offloaded may hold KV that never arrived.
+    Offload(String),
 }
 
 /// The answer to a [`StepPlan`].
@@ -243,6 +246,13 @@ impl EngineCore {
             Err(StepFailure::Model(e)) => self.sched.handle_step_failed(&format!("model error: {e}"), now),
             Err(StepFailure::Panicked) => {
                 self.sched.handle_step_failed("internal error: the model step panicked", now)
+            }
+            Err(StepFailure::Offload(e)) => {
+                self.sched.handle_step_failed(&format!("KV offload tier: {e}"), now);
+                // What the tier and the cache hold can no longer be trusted: the tier goes, and every
+                // cached block nobody holds with it (a later prompt computes them again).
+                eprintln!("engine: a KV offload tier copy failed ({e}); the tier is off and the prefix cache emptied");
+                self.sched.kv_mut().drop_tier();
             }
         }
         self.drain_events(now);
