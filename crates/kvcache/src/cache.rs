@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use crate::prefix::{chain_hash, hash_tokens, IdMap, PrefixTree, ROOT, ROOT_CHAIN};
-use crate::tier::{Medium, Tier, TierConfig, TierCopy, TierEvent, TierStats};
+use crate::tier::{Medium, Tier, TierCopy, TierEvent};
 use crate::{BlockId, KvError, NodeId, OwnerKind, SeqId, Slot, TransferId};
 
 /// Size of the pool. Both numbers are fixed for the cache's life.
@@ -134,17 +134,6 @@ pub enum CacheEvent {
     Removed { hash: u64, medium: Medium },
 }
 
-impl From<TierEvent> for CacheEvent {
-    fn from(e: TierEvent) -> CacheEvent {
-        match e {
-            TierEvent::Stored { hash, parent, tokens, medium } => {
-                CacheEvent::Stored { hash, parent: (parent != ROOT_CHAIN).then_some(parent), tokens, medium }
-            }
-            TierEvent::Removed { hash, medium } => CacheEvent::Removed { hash, medium },
-        }
-    }
-}
-
 /// The events recorded and not taken yet, at most `max` (past it they are dropped and counted).
 #[derive(Debug)]
 struct EventLog {
@@ -165,12 +154,12 @@ pub struct KvCache {
     pub(crate) leases: IdMap<TransferId, Lease>,
     pub(crate) tree: PrefixTree,
     copies: Vec<BlockCopy>,
-    stats: KvStats,
+    pub(crate) stats: KvStats,
     events: Option<EventLog>,
     /// The offload tier, when enabled ([`enable_tier`](Self::enable_tier)).
     pub(crate) tier: Option<Tier>,
-    tier_copies: Vec<TierCopy>,
-    tier_events: Vec<TierEvent>,
+    pub(crate) tier_copies: Vec<TierCopy>,
+    pub(crate) tier_events: Vec<TierEvent>,
 }
 
 impl KvCache {
@@ -202,42 +191,6 @@ impl KvCache {
         })
     }
 
-    /// From now on, blocks the prefix cache evicts go to an offload tier of `config`'s size instead of
-    /// being forgotten, and a prompt whose next blocks are there gets them back
-    /// ([`add_sequence`](Self::add_sequence)). The KV moves by the copies
-    /// [`take_tier_copies`](Self::take_tier_copies) returns, which must be performed, in order, before
-    /// the next step (and before anything else writes a pool block). A tier of 0 blocks is none.
-    pub fn enable_tier(&mut self, config: TierConfig) {
-        self.tier = (config.host_blocks + config.disk_blocks > 0).then(|| Tier::new(config));
-    }
-
-    /// Gives up the offload tier after its copies failed: the tier, its pending copies and every cached
-    /// block no sequence or lease holds (restored ones among them, whose KV may never have arrived)
-    /// go; later prompts compute them again.
-    pub fn drop_tier(&mut self) {
-        self.tier = None;
-        self.tier_copies.clear();
-        self.tier_events.clear();
-        self.evict(usize::MAX);
-    }
-
-    /// The copies between the pool and the offload tier since the last call, in order.
-    pub fn take_tier_copies(&mut self) -> Vec<TierCopy> {
-        std::mem::take(&mut self.tier_copies)
-    }
-
-    /// The offload tier's figures (all zero without one).
-    pub fn tier_stats(&self) -> TierStats {
-        self.tier.as_ref().map(Tier::stats).unwrap_or_default()
-    }
-
-    /// Moves what the tier did into the event log.
-    fn record_tier_events(&mut self) {
-        for e in std::mem::take(&mut self.tier_events) {
-            self.record(|| e.into());
-        }
-    }
-
     /// From now on, records every block the prefix cache gains or loses ([`CacheEvent`]), keeping at
     /// most `max` until [`take_events`](Self::take_events) takes them.
     pub fn record_events(&mut self, max: usize) {
@@ -254,7 +207,7 @@ impl KvCache {
         self.events.as_ref().map_or(0, |l| l.dropped)
     }
 
-    fn record(&mut self, e: impl FnOnce() -> CacheEvent) {
+    pub(crate) fn record(&mut self, e: impl FnOnce() -> CacheEvent) {
         if let Some(l) = self.events.as_mut() {
             if l.events.len() < l.max {
                 l.events.push(e());
@@ -306,7 +259,7 @@ impl KvCache {
 
     /// Applies `change` to block `b`'s bookkeeping and keeps the owner counts, the free list and the
     /// prefix tree's LRU in step with it.
-    fn retag(&mut self, b: BlockId, change: impl FnOnce(&mut BlockMeta)) {
+    pub(crate) fn retag(&mut self, b: BlockId, change: impl FnOnce(&mut BlockMeta)) {
         let m = &mut self.blocks[b.0 as usize];
         let before = m.owner();
         change(m);
@@ -337,7 +290,7 @@ impl KvCache {
         b
     }
 
-    fn alloc_for_seq(&mut self) -> BlockId {
+    pub(crate) fn alloc_for_seq(&mut self) -> BlockId {
         let b = self.pop_free();
         self.retag(b, |m| m.seq_refs += 1);
         b
@@ -351,7 +304,7 @@ impl KvCache {
 
     /// Makes `n` blocks free, evicting least recently used cached blocks if needed. All or nothing for
     /// the caller: on error nothing was allocated (some cache entries may have been evicted).
-    fn ensure_free(&mut self, n: usize) -> Result<(), KvError> {
+    pub(crate) fn ensure_free(&mut self, n: usize) -> Result<(), KvError> {
         // Every block eviction could ever reclaim is cache-owned: fewer than needed, and the cache is
         // left as it is instead of being emptied for nothing.
         if self.free.len() + self.owned[OwnerKind::Cache.index()] < n {
@@ -432,59 +385,6 @@ impl KvCache {
         let s = Sequence { blocks, tokens: prompt.to_vec(), computed: hit.cached_tokens, release_from: 0 };
         self.seqs.insert(seq, s);
         Ok(hit)
-    }
-
-    /// The prompt's blocks after `blocks` (which end at tree node `cur`) that the offload tier holds,
-    /// back into pool blocks the prefix cache holds again, referenced for the sequence (appended to
-    /// `blocks`): as far as the tier's chain goes and the pool has room.
-    fn restore(&mut self, prompt: &[u32], full: usize, mut cur: crate::NodeId, blocks: &mut Vec<BlockId>) {
-        let bs = self.block_size();
-        let mut chain = self.tree.node(cur).chain;
-        for block in prompt.chunks_exact(bs).take(full).skip(blocks.len()) {
-            let next = chain_hash(chain, hash_tokens(block));
-            let Some(t) = self.tier.as_mut() else { return };
-            // Room first: a block that cannot be had ends the restore with the entry still in the tier.
-            if !t.holds(next, chain, block) || (self.free.is_empty() && self.tree.lru_victim().is_none()) {
-                return;
-            }
-            let Some(slot) = t.take(next, &mut self.tier_events) else { return };
-            // (Evicting for room may send other blocks to the tier, never into the slot just taken.)
-            if self.ensure_free(1).is_err() {
-                if let Some(t) = self.tier.as_mut() {
-                    t.release(slot);
-                    t.stats.dropped_blocks_total += 1;
-                }
-                self.record_tier_events();
-                return;
-            }
-            let b = self.alloc_for_seq();
-            let Some(n) = self.tree.insert(cur, block, b) else {
-                // A chain hash collision in the tree: the block is computed instead.
-                self.retag(b, |m| m.seq_refs -= 1);
-                if let Some(t) = self.tier.as_mut() {
-                    t.release(slot);
-                    t.stats.dropped_blocks_total += 1;
-                }
-                self.record_tier_events();
-                return;
-            };
-            self.retag(b, |m| m.node = Some(n));
-            self.tier_copies.push(TierCopy::In { slot, block: b });
-            if let Some(t) = self.tier.as_mut() {
-                t.release(slot);
-                t.stats.restored_blocks_total += 1;
-            }
-            let parent = (cur != ROOT).then(|| self.tree.node(cur).chain);
-            self.record_tier_events();
-            self.record(|| CacheEvent::Stored {
-                hash: next,
-                parent,
-                tokens: block.to_vec(),
-                medium: Medium::Pool,
-            });
-            blocks.push(b);
-            (cur, chain) = (n, next);
-        }
     }
 
     fn seq(&self, seq: SeqId) -> Result<&Sequence, KvError> {

@@ -12,7 +12,8 @@
 
 use std::collections::BTreeSet;
 
-use crate::prefix::IdMap;
+use crate::cache::{CacheEvent, KvCache};
+use crate::prefix::{chain_hash, hash_tokens, IdMap, ROOT, ROOT_CHAIN};
 use crate::BlockId;
 
 /// Where a block's KV lies.
@@ -275,5 +276,114 @@ impl Tier {
             return Err("a tier slot is neither free nor held".into());
         }
         Ok(())
+    }
+}
+
+impl From<TierEvent> for CacheEvent {
+    fn from(e: TierEvent) -> CacheEvent {
+        match e {
+            TierEvent::Stored { hash, parent, tokens, medium } => {
+                CacheEvent::Stored { hash, parent: (parent != ROOT_CHAIN).then_some(parent), tokens, medium }
+            }
+            TierEvent::Removed { hash, medium } => CacheEvent::Removed { hash, medium },
+        }
+    }
+}
+
+/// The cache's side of the tier.
+impl KvCache {
+    /// From now on, blocks the prefix cache evicts go to an offload tier of `config`'s size instead of
+    /// being forgotten, and a prompt whose next blocks are there gets them back
+    /// ([`add_sequence`](Self::add_sequence)). The KV moves by the copies
+    /// [`take_tier_copies`](Self::take_tier_copies) returns, which must be performed, in order, before
+    /// the next step (and before anything else writes a pool block). A tier of 0 blocks is none.
+    pub fn enable_tier(&mut self, config: TierConfig) {
+        self.tier = (config.host_blocks + config.disk_blocks > 0).then(|| Tier::new(config));
+    }
+
+    /// Gives up the offload tier after its copies failed: the tier, its pending copies and every cached
+    /// block no sequence or lease holds (restored ones among them, whose KV may never have arrived)
+    /// go; later prompts compute them again.
+    pub fn drop_tier(&mut self) {
+        self.tier = None;
+        self.tier_copies.clear();
+        self.tier_events.clear();
+        self.evict(usize::MAX);
+    }
+
+    /// The copies between the pool and the offload tier since the last call, in order.
+    pub fn take_tier_copies(&mut self) -> Vec<TierCopy> {
+        std::mem::take(&mut self.tier_copies)
+    }
+
+    /// The offload tier's figures (all zero without one).
+    pub fn tier_stats(&self) -> TierStats {
+        self.tier.as_ref().map(Tier::stats).unwrap_or_default()
+    }
+
+    /// Moves what the tier did into the event log.
+    pub(crate) fn record_tier_events(&mut self) {
+        for e in std::mem::take(&mut self.tier_events) {
+            self.record(|| e.into());
+        }
+    }
+
+    /// The prompt's blocks after `blocks` (which end at tree node `cur`) that the offload tier holds,
+    /// back into pool blocks the prefix cache holds again, referenced for the sequence (appended to
+    /// `blocks`): as far as the tier's chain goes and the pool has room.
+    pub(crate) fn restore(
+        &mut self,
+        prompt: &[u32],
+        full: usize,
+        mut cur: crate::NodeId,
+        blocks: &mut Vec<BlockId>,
+    ) {
+        let bs = self.block_size();
+        let mut chain = self.tree.node(cur).chain;
+        for block in prompt.chunks_exact(bs).take(full).skip(blocks.len()) {
+            let next = chain_hash(chain, hash_tokens(block));
+            let Some(t) = self.tier.as_mut() else { return };
+            // Room first: a block that cannot be had ends the restore with the entry still in the tier.
+            if !t.holds(next, chain, block) || (self.free.is_empty() && self.tree.lru_victim().is_none()) {
+                return;
+            }
+            let Some(slot) = t.take(next, &mut self.tier_events) else { return };
+            // (Evicting for room may send other blocks to the tier, never into the slot just taken.)
+            if self.ensure_free(1).is_err() {
+                if let Some(t) = self.tier.as_mut() {
+                    t.release(slot);
+                    t.stats.dropped_blocks_total += 1;
+                }
+                self.record_tier_events();
+                return;
+            }
+            let b = self.alloc_for_seq();
+            let Some(n) = self.tree.insert(cur, block, b) else {
+                // A chain hash collision in the tree: the block is computed instead.
+                self.retag(b, |m| m.seq_refs -= 1);
+                if let Some(t) = self.tier.as_mut() {
+                    t.release(slot);
+                    t.stats.dropped_blocks_total += 1;
+                }
+                self.record_tier_events();
+                return;
+            };
+            self.retag(b, |m| m.node = Some(n));
+            self.tier_copies.push(TierCopy::In { slot, block: b });
+            if let Some(t) = self.tier.as_mut() {
+                t.release(slot);
+                t.stats.restored_blocks_total += 1;
+            }
+            let parent = (cur != ROOT).then(|| self.tree.node(cur).chain);
+            self.record_tier_events();
+            self.record(|| CacheEvent::Stored {
+                hash: next,
+                parent,
+                tokens: block.to_vec(),
+                medium: Medium::Pool,
+            });
+            blocks.push(b);
+            (cur, chain) = (n, next);
+        }
     }
 }

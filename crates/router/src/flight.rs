@@ -693,21 +693,6 @@ impl Flight {
         self.finish(outcome, status, error, None);
     }
 
-    /// A decode-local leg that did not do its work (refused for load, a refused or stale connection,
-    /// a draining worker, no worker at all) goes on as [`Plan::Disaggregated`]: a prefill leg now.
-    /// Whether it did (false for any other leg).
-    pub(super) fn local_fell_through(&mut self, kind: LegKind) -> bool {
-        if self.plan != Plan::DecodeLocal || kind != LegKind::Decode || self.streaming || self.is_done() {
-            return false;
-        }
-        self.plan = Plan::Disaggregated;
-        self.refused.clear();
-        self.draining_answer = None;
-        self.stale_retried = false;
-        self.open(LegKind::Prefill, None);
-        true
-    }
-
     /// The deadline came (call at or after [`deadline`](Self::deadline)).
     pub fn handle_timeout(&mut self, now: Instant) {
         if self.is_done() || now < self.spec.deadline {

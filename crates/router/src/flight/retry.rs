@@ -5,7 +5,7 @@
 use pdserve_api::{ApiError, ErrorKind};
 
 use super::migrate::Migration;
-use super::{Flight, Head, LegFailure, LegId, LegKind, Purpose, Retry, State};
+use super::{Flight, Head, LegFailure, LegId, LegKind, Plan, Purpose, Retry, State};
 
 impl Flight {
     /// The leg could not go out, or failed after it did.
@@ -82,5 +82,20 @@ impl Flight {
             && (self.refused.len() as u32) < self.spec.retries_max
             && !self.refused.contains(&worker);
         ApiError::parse(body).filter(|e| retry && e.kind == ErrorKind::NotReady)
+    }
+
+    /// A decode-local leg that did not do its work (refused for load, a refused or stale connection,
+    /// a draining worker, no worker at all) goes on as [`Plan::Disaggregated`]: a prefill leg now.
+    /// Whether it did (false for any other leg).
+    pub(super) fn local_fell_through(&mut self, kind: LegKind) -> bool {
+        if self.plan != Plan::DecodeLocal || kind != LegKind::Decode || self.streaming || self.is_done() {
+            return false;
+        }
+        self.plan = Plan::Disaggregated;
+        self.refused.clear();
+        self.draining_answer = None;
+        self.stale_retried = false;
+        self.open(LegKind::Prefill, None);
+        true
     }
 }
