@@ -13,6 +13,10 @@
 //! one loses batches, counted, and is dropped when a write blocks 5 s), and the replay buffer keeps
 //! the last `buffer_steps` batches.
 //!
+//! The other side is here too, for routers that route on a worker's events: a [`Subscription`]
+//! (ZMTP SUB) reads batches back into [`KvEvent`]s and [`replay`] asks a replay socket for the ones
+//! missed, every read under a deadline and every length bounded.
+//!
 //! ```
 //! use pdserve_kv_events::{KvEvent, KvEventsConfig, Publisher};
 //! let cfg = KvEventsConfig::parse(r#"{"enable_kv_cache_events": true, "publisher": "zmq",
@@ -26,6 +30,7 @@
 #![forbid(unsafe_code)]
 
 mod msgpack;
+mod subscribe;
 /// ZMTP framing, public for the fuzz targets only.
 #[doc(hidden)]
 pub mod zmtp;
@@ -38,6 +43,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
+
+pub use subscribe::{decode_batch, replay, Batch, Subscription, BATCH_BYTES_MAX, REPLAY_BATCHES_MAX};
 
 /// The medium vLLM names its primary KV pool with; a pdserve worker's pool, on whatever device, is
 /// that tier (an offload tier would be `CPU`).

@@ -1,6 +1,6 @@
 //! ZMTP 3.0 with the NULL mechanism (rfc.zeromq.org/spec/23), as much as a PUB and a ROUTER socket
-//! serving libzmq peers need: the greeting, the READY handshake, frames, and a subscriber's
-//! (un)subscriptions in both their 3.0 (message) and 3.1 (command) forms.
+//! serving libzmq peers need, and a SUB and a DEALER using them: the greeting, the READY handshake,
+//! frames, and a subscriber's (un)subscriptions in both their 3.0 (message) and 3.1 (command) forms.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
@@ -101,8 +101,14 @@ pub(crate) fn write_message(s: &mut impl Write, frames: &[&[u8]]) -> io::Result<
     s.flush()
 }
 
-/// Reads one message or command (commands are single frames).
+/// Reads one message or command (commands are single frames), frames of at most
+/// [`FRAME_BYTES_MAX`].
 pub fn read(s: &mut impl Read) -> io::Result<Incoming> {
+    read_limited(s, FRAME_BYTES_MAX)
+}
+
+/// [`read`] with frames of at most `frame_bytes_max` (a subscriber's batches are larger).
+pub fn read_limited(s: &mut impl Read, frame_bytes_max: u64) -> io::Result<Incoming> {
     let mut frames = Vec::new();
     loop {
         let mut flags = [0u8; 1];
@@ -116,8 +122,8 @@ pub fn read(s: &mut impl Read) -> io::Result<Incoming> {
             s.read_exact(&mut b)?;
             u64::from(b[0])
         };
-        if len > FRAME_BYTES_MAX {
-            return Err(bad("a frame over 64 KiB"));
+        if len > frame_bytes_max {
+            return Err(bad(&format!("a frame of {len} bytes, over {frame_bytes_max}")));
         }
         let mut body = vec![0u8; len as usize];
         s.read_exact(&mut body)?;
