@@ -207,7 +207,7 @@ impl Engine {
         let bound = config.scheduler.queued_requests_max + config.scheduler.running_requests_max + 64;
         let (cmd_tx, cmd_rx) = crossbeam_channel::bounded(bound);
         let (reply_tx, reply_rx) = crossbeam_channel::bounded(bound * config.replies_per_request.max(1));
-        let info = EngineInfo {
+        let mut info = EngineInfo {
             role: config.role,
             device: config.device,
             weights: config.weights,
@@ -225,6 +225,7 @@ impl Engine {
             kv_shm_path: built.kv_shm_path,
             kv_ucx: config.kv_ucx,
             kv_ucx_region,
+            kv_events: None,
             tool_format: config.tool_format.unwrap_or_else(|| {
                 files.text.chat_template().map_or(crate::ToolFormat::Hermes, crate::ToolFormat::from_template)
             }),
@@ -269,6 +270,18 @@ impl Engine {
                 field: "kv_events (--kv-events-config)",
                 value: format!("binding {} or its replay endpoint: {e}", cfg.endpoint),
             })?;
+            let endpoint = |a: std::net::SocketAddr| {
+                if a.ip().is_unspecified() {
+                    format!("tcp://*:{}", a.port())
+                } else {
+                    format!("tcp://{a}")
+                }
+            };
+            info.kv_events = Some(serde_json::json!({
+                "endpoint": endpoint(p.pub_addr()),
+                "replay_endpoint": p.replay_addr().map(endpoint),
+                "topic": cfg.topic,
+            }));
             thread = thread.with_kv_events(p);
         }
         let engine_thread = std::thread::Builder::new().name("engine".into()).spawn(move || thread.run())?;

@@ -5,8 +5,10 @@ use std::path::Path;
 
 use crate::ModelError;
 
-use pdserve_chat_template::ChatTemplate;
+use pdserve_api::tools::Tool;
 pub use pdserve_chat_template::{tool_call, ChatMessage};
+use pdserve_chat_template::{ChatTemplate, ToolFormat};
+use serde_json::{Map, Value};
 
 /// Tokenizer plus chat template of one model folder.
 #[derive(Debug)]
@@ -149,6 +151,94 @@ impl TextCodec {
             .render_with(messages, tools, add_generation_prompt, kwargs)
             .map_err(|e| ModelError::Text { problem: e.0 })
     }
+
+    /// A chat request's prompt text: `messages` with `tools` offered through the template, calls
+    /// and results written in `format` where the template has no place for them.
+    pub fn render_chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[Tool],
+        format: ToolFormat,
+        kwargs: &Map<String, Value>,
+    ) -> Result<String, ModelError> {
+        render_chat(self, messages, tools, format, kwargs)
+    }
+}
+
+/// What a template handles itself.
+struct Support {
+    tools: bool,
+    calls: bool,
+    tool_role: bool,
+}
+
+impl Support {
+    fn of(template: &str) -> Support {
+        Support {
+            tools: template.contains("tools"),
+            calls: template.contains("tool_calls"),
+            tool_role: template.contains("'tool'") || template.contains("\"tool\""),
+        }
+    }
+}
+
+/// A call's name and arguments, from its template shape.
+fn call_parts(call: &Value) -> (&str, Value) {
+    let f = call.get("function").unwrap_or(call);
+    let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+    let args = f.get("arguments").cloned().unwrap_or(Value::Object(Default::default()));
+    (name, args)
+}
+
+/// The prompt text of `messages` with `tools` offered (none: the plain template). A template
+/// written for tool use gets `tools`, the assistant messages' `tool_calls` and the `tool` messages
+/// as Hugging Face's conventions give them. A template that has no place for them (the default
+/// model's) still sees all of it: the tools are described in the system message, earlier calls are
+/// written into the assistant's text in the model's call `format`, and tool results become user
+/// turns wrapped in `<tool_response>`. Nothing the client sent is dropped on the way to the model.
+pub(crate) fn render_chat(
+    codec: &TextCodec,
+    messages: &[ChatMessage],
+    tools: &[Tool],
+    format: ToolFormat,
+    kwargs: &Map<String, Value>,
+) -> Result<String, ModelError> {
+    let uses_tools =
+        !tools.is_empty() || messages.iter().any(|m| !m.tool_calls.is_empty() || m.role == "tool");
+    if !uses_tools {
+        return codec.apply_chat_template_with(messages, &[], true, kwargs);
+    }
+    let support = Support::of(codec.chat_template().unwrap_or(""));
+    let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len() + 1);
+    for m in messages {
+        let mut m = m.clone();
+        if !support.calls && !m.tool_calls.is_empty() {
+            for call in std::mem::take(&mut m.tool_calls) {
+                let (name, args) = call_parts(&call);
+                if !m.content.is_empty() {
+                    m.content.push('\n');
+                }
+                m.content.push_str(&format.render_call(name, &args));
+            }
+        }
+        if m.role == "tool" && !support.tool_role {
+            m = ChatMessage::new("user", &format!("<tool_response>\n{}\n</tool_response>", m.content));
+        }
+        out.push(m);
+    }
+    let mut listed: Vec<Value> = Vec::new();
+    if !tools.is_empty() {
+        if support.tools {
+            listed = tools.iter().map(Tool::to_json).collect();
+        } else {
+            let offer = ToolFormat::system_prompt(tools);
+            match out.first_mut().filter(|m| m.role == "system") {
+                Some(sys) => sys.content = format!("{}\n\n{offer}", sys.content),
+                None => out.insert(0, ChatMessage::new("system", &offer)),
+            }
+        }
+    }
+    codec.apply_chat_template_with(&out, &listed, true, kwargs)
 }
 
 /// Turns a stream of token ids into a stream of text pieces, never splitting a UTF-8 character: a

@@ -66,7 +66,18 @@ impl Router {
             }
             ("GET", path::DEBUG_REQUESTS) => self.start_collect(conn, req, now),
             ("GET", "/workers") => {
-                let list: Vec<_> = self.workers.iter().map(|w| w.to_json(now, &self.cfg.discover)).collect();
+                let list: Vec<_> = self
+                    .workers
+                    .iter()
+                    .map(|w| {
+                        let mut j = w.to_json(now, &self.cfg.discover);
+                        // What its KV events say it holds (`--tokenizer`), where they are followed.
+                        if let (Some(kv), Some(o)) = (self.kv.as_ref(), j.as_object_mut()) {
+                            o.insert("kv_event_blocks".into(), kv.blocks(w.id).into());
+                        }
+                        j
+                    })
+                    .collect();
                 self.respond_json(conn, 200, &json!({"workers": list}), rid);
             }
             ("POST", "/workers") => self.post_worker(conn, req, rid, now),

@@ -106,6 +106,9 @@ pub struct RouterConfig {
     /// prompt text, goes to that worker alone, which computes the tail itself (0: every request goes
     /// through a prefill worker).
     pub max_local_prefill_bytes: usize,
+    /// The served model's folder (`--tokenizer`): precise prefix routing on the workers' KV events
+    /// (`crate::kv_listen`); `None`: the cache-aware policy goes by the prompts it routed.
+    pub tokenizer: Option<std::path::PathBuf>,
     /// Where spans go (`--otlp-traces-endpoint`, OTLP/HTTP); `None`: no traces.
     pub otlp_traces_endpoint: Option<pdserve_trace::Endpoint>,
     /// Worker pools read from DNS (`--discover`): re-read every `discover_interval`; new addresses
@@ -150,6 +153,7 @@ impl Default for RouterConfig {
             stall_timeout: Some(Duration::from_secs(30)),
             max_local_prefill_bytes: 4096,
             otlp_traces_endpoint: None,
+            tokenizer: None,
             discover: Vec::new(),
             discover_interval: Duration::from_secs(5),
             resolver: None,

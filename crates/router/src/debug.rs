@@ -268,7 +268,8 @@ impl Router {
     }
 
     /// Why each leg went where it went: the rule, and per candidate the prompt bytes its prefix tree
-    /// matched (the router's estimate of what that worker holds cached).
+    /// matched (the router's estimate of what that worker holds cached) or, for a worker publishing
+    /// KV events, the share its cache holds (`match_source`: `kv_events`).
     fn routing_json(&self, routing: &[(LegKind, Choice)]) -> Value {
         let url = |w: u32| self.workers.get(w).map_or_else(|| format!("worker {w}"), |w| w.url.clone());
         json!(routing
@@ -278,6 +279,7 @@ impl Router {
                 "worker": url(c.worker),
                 "rule": c.rule,
                 "prompt_bytes": c.prompt_bytes,
+                "match_source": c.source,
                 "candidates": c.matched.iter().map(|&(w, m)| json!({"worker": url(w), "matched_prefix_bytes": m})).collect::<Vec<_>>(),
             }))
             .collect::<Vec<_>>())

@@ -27,8 +27,17 @@ impl Router {
             .iter()
             .filter(|w| w.role == role && w.routable() && !exclude.contains(&w.id))
             .filter(|w| w.connections < self.cfg.connections_per_worker_max || !w.idle.is_empty())
-            .map(|w| Candidate { worker: w.id, outstanding: w.outstanding })
+            .map(|w| Candidate::new(w.id, w.outstanding))
             .collect()
+    }
+
+    /// What each candidate's published cache holds of flight `id`'s prompt (`--tokenizer`).
+    fn with_cached(&self, id: u64, cands: &mut [Candidate]) {
+        let Some(kv) = self.kv.as_ref() else { return };
+        let Some(p) = self.flights.get(&id).and_then(|e| e.kv_prompt.as_ref()) else { return };
+        for c in cands {
+            c.cached_tokens = kv.held_tokens(c.worker, p).map(|held| (held, p.tokens));
+        }
     }
 
     pub(crate) fn has_role(&self, role: Role) -> bool {
@@ -128,6 +137,10 @@ impl Router {
             _ => (body, None, None),
         };
         let prompt = conversation.unwrap_or(prompt);
+        let kv_prompt = match (&self.kv, Endpoint::from_path(path)) {
+            (Some(kv), Some(endpoint)) if purpose == Purpose::Client => kv.prompt(endpoint, &body),
+            _ => None,
+        };
         let spec = FlightSpec {
             request_id: rid.to_owned(),
             purpose,
@@ -147,6 +160,7 @@ impl Router {
         self.insert(id, Flight::new(spec, true), Some(conn), now);
         if let Some(e) = self.flights.get_mut(&id) {
             e.storing = storing.map(Box::new);
+            e.kv_prompt = kv_prompt;
             if self.traces.is_some() && purpose == Purpose::Client {
                 let t = crate::trace::FlightTrace::new(traceparent.as_deref());
                 let _ = self.ledger.set_trace(rid, &t.trace_id());
@@ -211,6 +225,7 @@ impl Router {
             routing: Vec::new(),
             storing: None,
             trace: None,
+            kv_prompt: None,
         };
         self.flights.insert(id, entry);
     }
@@ -287,9 +302,12 @@ impl Router {
         if max == 0 || spec.purpose != Purpose::Client || spec.prompt.is_empty() {
             return false;
         }
-        let cands = self.candidates(Role::Decode, &[]);
-        match self.decode_policy.holder(&cands, &spec.prompt) {
-            Some((_, held)) => held > 0 && spec.prompt.len().saturating_sub(held) <= max,
+        let prompt_bytes = spec.prompt.len();
+        let prompt = spec.prompt.clone();
+        let mut cands = self.candidates(Role::Decode, &[]);
+        self.with_cached(id, &mut cands);
+        match self.decode_policy.holder(&cands, &prompt) {
+            Some((_, held)) => held > 0 && prompt_bytes.saturating_sub(held) <= max,
             None => false,
         }
     }
@@ -405,7 +423,8 @@ impl Router {
         let worker = match pinned {
             Some(w) => w,
             None => {
-                let cands = self.candidates(role, exclude);
+                let mut cands = self.candidates(role, exclude);
+                self.with_cached(id, &mut cands);
                 if cands.is_empty() {
                     let total = self.workers.iter().filter(|w| w.role == role).count();
                     let up = self.workers.iter().filter(|w| w.role == role && w.routable()).count();

@@ -13,7 +13,7 @@
 //! ```
 //! use pdserve_router::{CacheAware, Candidate, Policy};
 //! let mut p = CacheAware::default();
-//! let workers = [Candidate { worker: 0, outstanding: 0 }, Candidate { worker: 1, outstanding: 0 }];
+//! let workers = [Candidate::new(0, 0), Candidate::new(1, 0)];
 //! let prompt = "You are a helpful assistant. Summarise the following article about tides.";
 //! let first = p.pick(&workers, prompt);
 //! p.routed(workers[first].worker, prompt);
@@ -31,6 +31,8 @@ mod error;
 pub mod flight;
 mod flights;
 mod health;
+pub mod kv_index;
+mod kv_listen;
 mod metrics;
 mod peek;
 mod policy;

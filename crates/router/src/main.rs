@@ -39,6 +39,11 @@ pdserve-router [options]
                                 its history alone, which computes the new tail itself, when that tail is
                                 at most N bytes of prompt text (default 4096, about 1,000 tokens; 0: every
                                 request goes through a prefill worker). Needs --policy cache_aware
+  --tokenizer DIR               precise prefix routing (--policy cache_aware): the served model's folder
+                                (tokenizer.json, tokenizer_config.json); the router subscribes to the
+                                KV events of workers that publish them (--kv-events-config there) and
+                                routes on what their caches hold, tokenizing each prompt as they do;
+                                workers that publish none are routed by the prompts sent there
   --otlp-traces-endpoint URL    export each request's spans (queue, legs, migrations, retries) over
                                 OTLP/HTTP to URL (http://HOST:PORT[/PATH], /v1/traces if no path),
                                 under the client's traceparent; each leg passes its span on
@@ -172,6 +177,7 @@ fn parse(args: Vec<String>) -> Result<Option<(RouterConfig, bool)>, String> {
             "--retries" => c.retries_max = n()? as u32,
             "--migrations" => c.migrations_max = n()? as u32,
             "--max-local-prefill-bytes" => c.max_local_prefill_bytes = n()?,
+            "--tokenizer" => c.tokenizer = Some(std::path::PathBuf::from(&v)),
             "--otlp-traces-endpoint" => c.otlp_traces_endpoint = Some(pdserve_trace::Endpoint::parse(&v)?),
             "--stall-timeout-s" => {
                 c.stall_timeout = match v.parse::<f64>() {

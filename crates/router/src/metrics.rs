@@ -29,6 +29,7 @@ pub(crate) struct Metrics {
     pub discovery_addresses: GaugeVec,
     pub otlp_spans: CounterVec,
     pub dispatched: CounterVec,
+    pub kv_event_batches: CounterVec,
 }
 
 impl Metrics {
@@ -124,6 +125,13 @@ impl Metrics {
                  decode), decode_local (a decode worker holding the conversation computes its short new \
                  tail itself), forward.",
                 &["plan"],
+            )?,
+            kv_event_batches: r.counter_vec(
+                "router_kv_event_batches_total",
+                "Workers' KV event batches (--tokenizer): applied to the router's index of their caches, \
+                 gap (missing batches no replay could fill: the worker is routed by the prompts sent there \
+                 until its next AllBlocksCleared), failed (a subscription that failed or ended).",
+                &["result"],
             )?,
             registry: r,
         })

@@ -14,6 +14,7 @@ impl Router {
     pub(crate) fn run_probes(&mut self, now: Instant) {
         self.next_probe = now + self.cfg.probe_interval;
         self.probe_round += 1;
+        self.sync_kv_events();
         for wid in self.workers.ids() {
             let Some(w) = self.workers.get(wid) else { continue };
             if w.probing {
@@ -97,6 +98,28 @@ impl Router {
         if let Some(w) = self.workers.get_mut(worker) {
             w.probing = false;
             w.breaker.probe_failed(now, format!("probe: {err}"));
+        }
+    }
+
+    /// Precise prefix routing (`--tokenizer`): a KV event listener per worker in the pool (draining
+    /// ones leave), and the listeners' counts into `/metrics`.
+    fn sync_kv_events(&mut self) {
+        let Some(kv) = self.kv.as_mut() else { return };
+        let workers: Vec<_> = self
+            .workers
+            .iter()
+            .filter(|w| !w.draining)
+            .map(|w| (w.id, w.addr, w.authority.clone()))
+            .collect();
+        kv.sync(&workers, self.cfg.cluster_secret.as_deref());
+        let st = &kv.stats;
+        let load = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        for (result, total) in
+            [("applied", load(&st.batches)), ("gap", load(&st.gaps)), ("failed", load(&st.failures))]
+        {
+            if let Ok(c) = self.metrics.kv_event_batches.with(&[result]) {
+                c.add(total.saturating_sub(c.get()));
+            }
         }
     }
 }

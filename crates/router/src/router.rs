@@ -53,6 +53,8 @@ pub(crate) struct Entry {
     pub storing: Option<Box<crate::responses::Storing>>,
     /// Its spans so far (`--otlp-traces-endpoint`).
     pub trace: Option<crate::trace::FlightTrace>,
+    /// Its prompt's blocks, for routing on the workers' KV events (`--tokenizer`).
+    pub kv_prompt: Option<crate::kv_listen::KvPrompt>,
 }
 
 /// The router. Build with [`Router::bind`], run with [`Router::run`].
@@ -95,6 +97,8 @@ pub struct Router {
     pub(crate) discovery_failing: std::collections::HashSet<usize>,
     /// Exports spans (`--otlp-traces-endpoint`).
     pub(crate) traces: Option<pdserve_trace::Exporter>,
+    /// Precise prefix routing on the workers' KV events (`--tokenizer`).
+    pub(crate) kv: Option<crate::kv_listen::KvRouting>,
 }
 
 pub(crate) fn unix_ms() -> u64 {
@@ -146,6 +150,10 @@ impl Router {
             discovery_failing: Default::default(),
             traces: match &cfg.otlp_traces_endpoint {
                 Some(e) => Some(pdserve_trace::Exporter::start(e.clone(), "pdserve-router")?),
+                None => None,
+            },
+            kv: match &cfg.tokenizer {
+                Some(dir) => Some(crate::kv_listen::KvRouting::load(dir).map_err(io::Error::other)?),
                 None => None,
             },
             cfg,

@@ -3,7 +3,7 @@
 use pdserve_router::*;
 
 fn workers(loads: &[u32]) -> Vec<Candidate> {
-    loads.iter().enumerate().map(|(i, &l)| Candidate { worker: i as u32, outstanding: l }).collect()
+    loads.iter().enumerate().map(|(i, &l)| Candidate::new(i as u32, l)).collect()
 }
 
 #[test]

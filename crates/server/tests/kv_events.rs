@@ -1,7 +1,8 @@
 //! A worker's KV events (`--kv-events-config`, vLLM's flag) read by a real ZMQ subscriber that
 //! decodes them in vLLM's schema: the blocks a prompt stores carry exactly its tokens (fleet routers
 //! recompute their keys from them), a prefix hit stores nothing again, evictions remove what was
-//! stored, and a restarted worker starts over with `AllBlocksCleared`, which a replay recovers.
+//! stored, and a restarted worker starts over with `AllBlocksCleared`, which a replay recovers; and
+//! the router routing on them.
 
 mod common;
 #[path = "../../kv-events/tests/subscriber/mod.rs"]
@@ -221,4 +222,111 @@ fn offloaded_blocks_are_announced_in_the_medium_they_move_to() {
     let wanted = &pool[..pool.len() - 1];
     assert!(wanted.iter().all(|h| from_cpu.contains(h) && to_pool.contains(h)), "{pool:?}: {back:?}");
     assert!(metric(&w, "kv_offload_blocks_moved_total{move=\"restored\"}") >= wanted.len() as f64);
+}
+
+/// Precise prefix routing: a router given the model's tokenizer (`--tokenizer`) follows both
+/// workers' events and sends a conversation's next round (with tools, so the router must render the
+/// prompt exactly as the workers do) to the worker whose cache holds it, although the router never
+/// sent it there (a client went to that worker directly): the answer's cached tokens cover the
+/// history and `/debug/requests` says the match came from the events. By the prompts it routed
+/// alone, the router would have picked the other worker (the first, both caches being empty to it).
+#[test]
+fn the_router_routes_on_the_events_to_the_worker_holding_the_prompt_whoever_sent_it() {
+    let ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
+    let start_events = |pub_port: u16, replay_port: u16, topic: &str| {
+        let cfg = json!({"enable_kv_cache_events": true, "endpoint": format!("tcp://*:{pub_port}"),
+            "replay_endpoint": format!("tcp://*:{replay_port}"), "topic": topic})
+        .to_string();
+        Worker::start(&["--kv-events-config", &cfg, "--speculative", "off"])
+    };
+    let workers = [start_events(ports[0], ports[1], "kv@a"), start_events(ports[2], ports[3], "kv@b")];
+    let (_, card) = workers[1].json("GET", "/v1/models", "");
+    assert_eq!(card["data"][0]["kv_events"]["endpoint"], format!("tcp://*:{}", ports[2]), "{card}");
+    let model = common::default_model();
+    let router = common::router::RouterThread::start_with(
+        &[(&workers[0], pdserve_router::Role::Unified), (&workers[1], pdserve_router::Role::Unified)],
+        |c| c.tokenizer = Some(model.clone()),
+    );
+    let router_metric = |series: &str| -> f64 {
+        let r = router.send("GET", "/metrics", "");
+        let text = String::from_utf8(r.read_to_end().unwrap()).unwrap();
+        text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
+    };
+    let blocks = |i: usize| -> u64 {
+        let (_, list) = router.json("GET", "/workers", "");
+        let url = format!("http://{}", workers[i].addr);
+        let w = list["workers"].as_array().unwrap().iter().find(|w| w["url"] == url.as_str()).cloned();
+        w.and_then(|w| w["kv_event_blocks"].as_u64()).unwrap_or(0)
+    };
+    let tools = json!([{"type": "function", "function": {"name": "read_file",
+        "description": "Read a file of the repository",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]);
+    let mut messages = json!([
+        {"role": "system", "content": format!("You are a careful build assistant. {}", prose(900))},
+        {"role": "user", "content": "What does the Makefile build? Read it first."},
+    ]);
+    // Round 1 straight to the second worker: the router never sees it.
+    let body = json!({"messages": messages, "tools": tools, "max_tokens": 8, "temperature": 0}).to_string();
+    let (s, v) = workers[1].json("POST", "/v1/chat/completions", &body);
+    assert_eq!(s, 200, "{v}");
+    let until = Instant::now() + Duration::from_secs(30);
+    while blocks(1) < 8 {
+        assert!(Instant::now() < until, "the router never indexed the second worker's blocks: {}", blocks(1));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(blocks(0), 0);
+    assert!(router_metric("router_kv_event_batches_total{result=\"applied\"}") >= 2.0);
+    // Round 2 through the router, streamed and held open while `/debug/requests` is read.
+    let answer = v["choices"][0]["message"].clone();
+    messages.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": answer["content"].as_str().unwrap_or(""), "tool_calls": answer.get("tool_calls").cloned().unwrap_or(json!([]))}),
+        json!({"role": "user", "content": "Now run it."}),
+    ]);
+    let body = json!({"messages": messages, "tools": tools, "max_tokens": 200, "ignore_eos": true,
+        "temperature": 0, "stream": true, "stream_options": {"include_usage": true}})
+    .to_string();
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(router.addr).unwrap();
+    write!(
+        s,
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: round-2\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let (mut buf, mut got) = ([0u8; 4096], Vec::new());
+    while String::from_utf8_lossy(&got).matches("data: ").count() < 2 {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "{}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    let (_, dbg) = router.json("GET", "/debug/requests", "");
+    let entry = dbg["requests"].as_array().unwrap().iter().find(|r| r["id"] == "round-2").unwrap().clone();
+    let leg = &entry["routing"][0];
+    assert_eq!(leg["worker"], format!("http://{}", workers[1].addr), "{entry}");
+    assert_eq!(
+        (leg["rule"].as_str(), leg["match_source"].as_str()),
+        (Some("cache_match"), Some("kv_events")),
+        "{entry}"
+    );
+    // The rest of the stream: its usage counts the history as cached.
+    loop {
+        let n = s.read(&mut buf).unwrap();
+        got.extend_from_slice(&buf[..n]);
+        if n == 0 || String::from_utf8_lossy(&got).contains("data: [DONE]") {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&got).into_owned();
+    let usage: Value = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find(|c| c["usage"].is_object())
+        .map(|c| c["usage"].clone())
+        .unwrap_or_else(|| panic!("no usage in {text}"));
+    let (cached, prompt) = (
+        usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
+        usage["prompt_tokens"].as_u64().unwrap(),
+    );
+    assert!(cached * 10 >= prompt * 8, "most of the prompt was cached there: {usage}");
 }

@@ -209,13 +209,22 @@ impl Policy for CacheAware {
         let (bytes, chunk) = (prompt.as_bytes(), c.chunk_bytes.max(1));
         chunk_hashes(bytes, chunk, &mut self.hashes);
         // Matched bytes per candidate: whole chunks, the last of which may be short.
+        // A worker whose events say what it holds: that share of the prompt; otherwise its tree.
         let matched: Vec<(u32, usize)> = candidates
             .iter()
-            .map(|w| {
-                let m = self.trees.get(&w.worker).map_or(0, |t| t.matched(&self.hashes));
-                (w.worker, if m == self.hashes.len() { bytes.len() } else { m * chunk })
+            .map(|w| match w.cached_tokens {
+                Some((held, total)) if held >= total => (w.worker, bytes.len()),
+                Some((held, total)) => {
+                    (w.worker, (bytes.len() as u64 * u64::from(held) / u64::from(total.max(1))) as usize)
+                }
+                None => {
+                    let m = self.trees.get(&w.worker).map_or(0, |t| t.matched(&self.hashes));
+                    (w.worker, if m == self.hashes.len() { bytes.len() } else { m * chunk })
+                }
             })
             .collect();
+        let source =
+            if candidates.iter().any(|w| w.cached_tokens.is_some()) { "kv_events" } else { "routed_prompts" };
         let least = candidates.iter().enumerate().min_by_key(|(_, w)| w.outstanding).map_or(0, |(i, _)| i);
         let (min, max) =
             (candidates[least].outstanding, candidates.iter().map(|w| w.outstanding).max().unwrap_or(0));
@@ -236,8 +245,13 @@ impl Policy for CacheAware {
                 .map_or(least, |(i, _)| i);
             (fewest, "least_cached")
         };
-        self.last =
-            Some(Choice { worker: candidates[index].worker, rule, prompt_bytes: bytes.len(), matched });
+        self.last = Some(Choice {
+            worker: candidates[index].worker,
+            rule,
+            prompt_bytes: bytes.len(),
+            matched,
+            source,
+        });
         index
     }
 

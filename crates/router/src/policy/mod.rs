@@ -12,12 +12,23 @@ pub use power_of_two::PowerOfTwo;
 pub use round_robin::RoundRobin;
 
 /// What a policy knows about one candidate worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Candidate {
     /// Stable id of the worker (the router's registry index).
     pub worker: u32,
     /// Requests the router has in flight to it.
     pub outstanding: u32,
+    /// From the worker's KV events, where it publishes them: of the prompt's tokens, how many its
+    /// cache holds from the start, and how many there are. `None`: unknown (cache-aware policies
+    /// then go by the prompts they routed there).
+    pub cached_tokens: Option<(u32, u32)>,
+}
+
+impl Candidate {
+    /// A worker with `outstanding` requests and no published cache.
+    pub fn new(worker: u32, outstanding: u32) -> Candidate {
+        Candidate { worker, outstanding, cached_tokens: None }
+    }
 }
 
 /// Why a policy picked a worker, for `/debug/requests`.
@@ -28,8 +39,11 @@ pub struct Choice {
     /// load being too uneven to follow the cache), `least_cached` (no prefix matched well enough).
     pub rule: &'static str,
     pub prompt_bytes: usize,
-    /// Per candidate worker, the bytes of the prompt's prefix its tree matched.
+    /// Per candidate worker, the bytes of the prompt's prefix its tree matched (or, for a worker
+    /// whose events say what it holds, that share of the prompt's bytes).
     pub matched: Vec<(u32, usize)>,
+    /// Some candidate's match came from its KV events (`kv_events`), or none's (`routed_prompts`).
+    pub source: &'static str,
 }
 
 /// Picks a worker for a request. `candidates` holds only healthy workers of the right role and is

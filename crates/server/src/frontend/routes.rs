@@ -177,7 +177,7 @@ impl Frontend {
             "cpu_cores": self.config.cpu_cores, "compute_threads": std::thread::available_parallelism().map_or(1, usize::from),
             "cpu_kernels": pdserve_engine::cpu_kernels().name(), "role": info.role.as_str(),
             "tool_parser": info.tool_format.name(), "reasoning_parser": info.reasoning_format.name(),
-            "unauthenticated": self.config.unauthenticated()});
+            "unauthenticated": self.config.unauthenticated(), "kv_events": info.kv_events});
         model
     }
 
