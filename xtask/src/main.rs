@@ -13,6 +13,7 @@ pub(crate) mod deploy;
 mod generate;
 mod gpu;
 mod memory;
+mod observe;
 mod peer;
 mod serve;
 mod setup;
@@ -56,6 +57,7 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          bench deepseek [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench ab --base REV [--isa native|avx2] [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench memory [--kv-blocks N]\n\
+         bench observability [--repeat K] [--rows streams32,single]\n\
          bench transfer [--tokens 128,2048,8000] [--repeat 3]\n\
          bench http [--seconds N] [--rounds N] [--connections N]\n\
          bench router [--seconds N] [--reps N] [--peers sglang,smg]\n\
@@ -67,7 +69,8 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          llama.cpp's server built for the same instruction set, alternating, per figure of the CPU goals\n\
          (1 and 32 streams, a 1,000-token prefill, decode after 4,000 tokens) and peak memory; `ab`: this\n\
          checkout's worker beside the same worker built from git revision REV, alternating, on `llamacpp`'s\n\
-         rows (what a change costs); `deepseek`: the same rows on a random DeepSeek-V3-shaped model against\n\
+         rows (what a change costs); `observability`: a PD stack beside one exporting spans from every\n\
+         process and publishing KV events its router follows, alternating, on `llamacpp`'s rows; `deepseek`: the same rows on a random DeepSeek-V3-shaped model against\n\
          llama.cpp's deepseek2 path (its GGUF made by llama.cpp's own converter); `transfer`: the KV transfer between worker\n\
          processes over shared memory and TCP beside memcpy; `http`: this project's HTTP server\n\
          beside nginx under wrk; `router`: the router beside SGLang's router (sglang-router and its\n\
@@ -420,6 +423,7 @@ fn bench(args: &[String]) -> Result<()> {
         Some("deepseek") => deepseek::run(&args[1..]),
         Some("ab") => ab::run(&args[1..]),
         Some("memory") => memory::run(&args[1..]),
+        Some("observability") => observe::run(&args[1..]),
         Some("transfer") => transfer::run(&args[1..]),
         Some("peak") => {
             let mut a = vec!["bench", "-p", "pdserve-model", "--bench", "peak", "--"];

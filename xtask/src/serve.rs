@@ -19,7 +19,9 @@ use anyhow::{bail, Context, Result};
 
 const USAGE: &str =
     "cargo xtask serve [--unified | --prefill N --decode M] [--port N] [--model DIR] [--debug] \
-                     [--divide-cores | --share-cores] [-- WORKER OPTIONS]\n  --debug: the debug build (quicker to build; what the tests run)\n  \
+                     [--divide-cores | --share-cores] [--kv-events] [--otlp-traces-endpoint URL] [-- WORKER OPTIONS]\n  --debug: the debug build (quicker to build; what the tests run)\n  \
+                     --kv-events: every worker publishes its KV events (vLLM's format) and the router routes on them \
+                     (precise prefix routing)\n  \
                      --divide-cores: pin each worker of a PD stack to its own share of the cores (the default from 4 cores per \
                      worker); --share-cores: every worker on every core (the default below)";
 
@@ -425,6 +427,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut debug = false;
     let mut divide_cores = None;
     let mut otlp: Option<String> = None;
+    let mut kv_events = false;
     let (mut prefills, mut decodes) = (1usize, 1usize);
     let mut extra: Vec<String> = Vec::new();
     let mut it = args.iter();
@@ -434,6 +437,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--debug" => debug = true,
             "--divide-cores" => divide_cores = Some(true),
             "--share-cores" => divide_cores = Some(false),
+            "--kv-events" => kv_events = true,
             "--otlp-traces-endpoint" => {
                 let url = it.next().context("--otlp-traces-endpoint needs a URL")?;
                 otlp = Some(url.clone());
@@ -472,6 +476,17 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let otlp_args: Vec<String> =
         otlp.iter().flat_map(|u| ["--otlp-traces-endpoint".to_owned(), u.clone()]).collect();
     extra.extend(otlp_args.iter().cloned());
+    let mut router_extra = otlp_args.clone();
+    if kv_events {
+        // Each worker publishes on ports of its own (its card names them); the router follows them
+        // all, tokenizing prompts with the model's tokenizer.
+        extra.extend([
+            "--kv-events-config".to_owned(),
+            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#
+                .to_owned(),
+        ]);
+        router_extra.extend(["--tokenizer".to_owned(), model.display().to_string()]);
+    }
     crate::sys::install_stop_handler();
     let logs = crate::workspace_root().join("target/serve");
     let spec = Spec {
@@ -486,7 +501,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         secret: true,
         server_bin: None,
         bin_dir: Some(&bin_dir),
-        router_extra: &otlp_args,
+        router_extra: &router_extra,
         divide_cores,
     };
     let Stack { mut procs, url } = start_stack(&spec)?;
