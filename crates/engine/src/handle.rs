@@ -277,10 +277,17 @@ impl Engine {
                     format!("tcp://{a}")
                 }
             };
+            // This process's events (a subscriber seeing another instance follows it anew: its
+            // sequence numbers start over).
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64);
+            let instance = format!("{:016x}", nanos ^ u64::from(std::process::id()).rotate_left(32));
             info.kv_events = Some(serde_json::json!({
                 "endpoint": endpoint(p.pub_addr()),
                 "replay_endpoint": p.replay_addr().map(endpoint),
                 "topic": cfg.topic,
+                "instance": instance,
             }));
             thread = thread.with_kv_events(p);
         }

@@ -332,6 +332,8 @@ pub(crate) struct EngineThread {
     kv_events: Option<pdserve_kv_events::Publisher>,
     /// The KV cache's dropped changes, as last seen.
     kv_events_dropped: u64,
+    /// A batch was dropped for a full queue: `AllBlocksCleared` is owed.
+    kv_events_lost: bool,
 }
 
 /// Prefix-cache changes the KV cache keeps between two turns of the engine thread at most (a turn
@@ -361,6 +363,7 @@ impl EngineThread {
             told_preemptions: 0,
             kv_events: None,
             kv_events_dropped: 0,
+            kv_events_lost: false,
         }
     }
 
@@ -378,10 +381,12 @@ impl EngineThread {
         let Some(p) = self.kv_events.as_ref() else { return };
         let changes = self.worker.core.take_kv_events();
         let dropped = self.worker.core.kv_events_dropped();
-        if dropped > self.kv_events_dropped {
-            // Some changes were lost: subscribers forget this worker's blocks rather than drift.
+        if dropped > self.kv_events_dropped || self.kv_events_lost {
+            // Some changes were lost (the cache's record of them overflowed, or a batch found the
+            // publisher's queue full, which costs no sequence number a subscriber could miss):
+            // subscribers forget this worker's blocks rather than drift, until this is taken.
             self.kv_events_dropped = dropped;
-            p.publish(vec![pdserve_kv_events::KvEvent::AllBlocksCleared]);
+            self.kv_events_lost = !p.publish(vec![pdserve_kv_events::KvEvent::AllBlocksCleared]);
         } else if !changes.is_empty() {
             let block_size = self.worker.core.kv().block_size() as u32;
             let events = changes
@@ -404,7 +409,7 @@ impl EngineThread {
                     }
                 })
                 .collect();
-            p.publish(pdserve_kv_events::coalesce(events));
+            self.kv_events_lost = !p.publish(pdserve_kv_events::coalesce(events));
         }
         let st = p.stats();
         let load = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);

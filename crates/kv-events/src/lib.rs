@@ -44,7 +44,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 
-pub use subscribe::{decode_batch, replay, Batch, Subscription, BATCH_BYTES_MAX, REPLAY_BATCHES_MAX};
+pub use subscribe::{
+    decode_batch, replay, Batch, Subscription, BATCH_BYTES_MAX, REPLAY_BATCHES_MAX, REPLAY_BYTES_MAX,
+};
 
 /// The medium vLLM names its primary KV pool with; a pdserve worker's pool, on whatever device, is
 /// that tier (an offload tier would be `CPU`).

@@ -112,7 +112,8 @@ fn items(n: usize, mut rest: &[u8], depth: usize) -> Result<(Value<'_>, &[u8]), 
     if n > rest.len() {
         return Err(format!("an array of {n} in {} bytes", rest.len()));
     }
-    let mut out = Vec::with_capacity(n);
+    // (A hint only: a value is larger than the byte it may take.)
+    let mut out = Vec::with_capacity(n.min(1024));
     for _ in 0..n {
         let (v, r) = read_at(rest, depth + 1)?;
         out.push(v);
@@ -125,7 +126,7 @@ fn pairs(n: usize, mut rest: &[u8], depth: usize) -> Result<(Value<'_>, &[u8]), 
     if n.saturating_mul(2) > rest.len() {
         return Err(format!("a map of {n} in {} bytes", rest.len()));
     }
-    let mut out = Vec::with_capacity(n);
+    let mut out = Vec::with_capacity(n.min(1024));
     for _ in 0..n {
         let (k, r) = read_at(rest, depth + 1)?;
         let (v, r) = read_at(r, depth + 1)?;

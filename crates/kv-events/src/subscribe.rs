@@ -2,18 +2,58 @@
 //! [`KvEvent`]s (vLLM's schema, as any publisher of it writes them), and a DEALER asking the replay
 //! socket for what was missed. Blocking std I/O, every read and write under a deadline.
 
-use std::io;
+use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::msgpack::{self, Value};
 use crate::{zmtp, KvEvent, MEDIUM_PRIMARY};
 
-/// Bytes of one batch taken at most; a publisher sending more is cut off.
+/// Bytes of one batch (its whole message) taken at most; a publisher sending more is cut off.
 pub const BATCH_BYTES_MAX: u64 = 16 << 20;
 
 /// Batches one replay answer may hold at most; a longer answer is cut off.
 pub const REPLAY_BATCHES_MAX: usize = 1 << 17;
+
+/// Bytes one replay answer may hold at most, all batches together.
+pub const REPLAY_BYTES_MAX: u64 = 256 << 20;
+
+/// A stream every read and write of which must end by one deadline: a peer sending a byte at a time
+/// cannot stretch a message past it (a timeout per call would let it).
+struct Until<'a> {
+    s: &'a mut TcpStream,
+    deadline: Instant,
+}
+
+impl Until<'_> {
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "past the deadline"));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Until<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_read_timeout(Some(left))?;
+        self.s.read(buf)
+    }
+}
+
+impl Write for Until<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.s.set_write_timeout(Some(left))?;
+        self.s.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.s.flush()
+    }
+}
 
 /// One batch as published: `[ts, [events...], data_parallel_rank]`.
 #[derive(Debug, Clone, PartialEq)]
@@ -121,12 +161,17 @@ fn seq_of(frame: &[u8]) -> io::Result<i64> {
     <[u8; 8]>::try_from(frame).map(i64::from_be_bytes).map_err(|_| bad("a sequence frame not 8 bytes long"))
 }
 
-fn connect(addr: SocketAddr, socket_type: &str, timeout: Duration) -> io::Result<TcpStream> {
-    let mut s = TcpStream::connect_timeout(&addr, timeout)?;
-    s.set_read_timeout(Some(timeout))?;
-    s.set_write_timeout(Some(timeout))?;
+/// A batch's sequence number: never negative.
+fn batch_seq(frame: &[u8]) -> io::Result<u64> {
+    u64::try_from(seq_of(frame)?).map_err(|_| bad("a negative sequence number on a batch"))
+}
+
+/// Connects and does the handshake, both by `deadline`.
+fn connect(addr: SocketAddr, socket_type: &str, deadline: Instant) -> io::Result<TcpStream> {
+    let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+    let mut s = TcpStream::connect_timeout(&addr, left)?;
     s.set_nodelay(true)?;
-    zmtp::handshake(&mut s, socket_type)?;
+    zmtp::handshake(&mut Until { s: &mut s, deadline }, socket_type)?;
     Ok(s)
 }
 
@@ -138,14 +183,15 @@ pub struct Subscription {
 }
 
 impl Subscription {
-    /// Connects, does the handshake and subscribes to `topic` (a prefix; empty: everything), each
-    /// step within `timeout`, which also bounds every later read of a batch once it has started.
+    /// Connects, does the handshake and subscribes to `topic` (a prefix; empty: everything), all
+    /// within `timeout`, which also bounds every later batch from its first byte to its last.
     pub fn connect(addr: SocketAddr, topic: &[u8], timeout: Duration) -> io::Result<Subscription> {
-        let mut stream = connect(addr, "SUB", timeout)?;
+        let deadline = Instant::now() + timeout;
+        let mut stream = connect(addr, "SUB", deadline)?;
         let mut sub = Vec::with_capacity(1 + topic.len());
         sub.push(1);
         sub.extend_from_slice(topic);
-        zmtp::write_message(&mut stream, &[&sub])?;
+        zmtp::write_message(&mut Until { s: &mut stream, deadline }, &[&sub])?;
         Ok(Subscription { stream, io_timeout: timeout })
     }
 
@@ -162,11 +208,10 @@ impl Subscription {
             }
             Err(e) => return Err(e),
         }
-        self.stream.set_read_timeout(Some(self.io_timeout))?;
-        match zmtp::read_limited(&mut self.stream, BATCH_BYTES_MAX)? {
+        let deadline = Instant::now() + self.io_timeout;
+        match zmtp::read_limited(&mut Until { s: &mut self.stream, deadline }, BATCH_BYTES_MAX)? {
             zmtp::Incoming::Message(frames) if frames.len() == 3 => {
-                let seq = seq_of(&frames[1])?;
-                decode_batch(seq as u64, &frames[2]).map(Some).map_err(bad)
+                decode_batch(batch_seq(&frames[1])?, &frames[2]).map(Some).map_err(bad)
             }
             zmtp::Incoming::Message(frames) => Err(bad(format!("a message of {} frames", frames.len()))),
             // Commands (PING, say) carry no batch.
@@ -176,33 +221,32 @@ impl Subscription {
 }
 
 /// Asks a publisher's replay socket for every batch it still holds from sequence `from` on, all
-/// within `timeout`.
+/// within `timeout` (at most [`REPLAY_BATCHES_MAX`] batches of [`REPLAY_BYTES_MAX`] bytes in all).
 pub fn replay(addr: SocketAddr, from: u64, timeout: Duration) -> io::Result<Vec<Batch>> {
     let deadline = Instant::now() + timeout;
-    let mut s = connect(addr, "DEALER", timeout)?;
+    let mut s = connect(addr, "DEALER", deadline)?;
+    let mut s = Until { s: &mut s, deadline };
     zmtp::write_message(&mut s, &[b"", &from.to_be_bytes()])?;
-    let mut out = Vec::new();
+    let (mut out, mut bytes) = (Vec::new(), 0u64);
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "the replay took too long"));
-        }
-        s.set_read_timeout(Some(left))?;
         let zmtp::Incoming::Message(frames) = zmtp::read_limited(&mut s, BATCH_BYTES_MAX)? else { continue };
+        bytes += frames.iter().map(|f| f.len() as u64).sum::<u64>();
+        if bytes > REPLAY_BYTES_MAX {
+            return Err(bad(format!("a replay of over {REPLAY_BYTES_MAX} bytes")));
+        }
         // `["", seq, payload]` (the delimiter a REQ expects), `[seq, payload]` from some publishers.
         let frames = match frames.first() {
             Some(f) if f.is_empty() && frames.len() == 3 => &frames[1..],
             _ => &frames[..],
         };
         let [seq, payload] = frames else { return Err(bad("a replay message not [seq, payload]")) };
-        let seq = seq_of(seq)?;
-        if seq < 0 {
+        if seq_of(seq)? == -1 {
             return Ok(out);
         }
         if out.len() >= REPLAY_BATCHES_MAX {
             return Err(bad(format!("a replay of over {REPLAY_BATCHES_MAX} batches")));
         }
-        out.push(decode_batch(seq as u64, payload).map_err(bad)?);
+        out.push(decode_batch(batch_seq(seq)?, payload).map_err(bad)?);
     }
 }
 

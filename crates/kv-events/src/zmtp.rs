@@ -3,7 +3,6 @@
 //! frames, and a subscriber's (un)subscriptions in both their 3.0 (message) and 3.1 (command) forms.
 
 use std::io::{self, Read, Write};
-use std::net::TcpStream;
 
 /// Frame flags.
 const MORE: u8 = 0x01;
@@ -25,7 +24,7 @@ pub enum Incoming {
 
 /// Sends this side's greeting and READY (`socket_type`: `PUB`, `ROUTER`), reads the peer's, and
 /// returns the peer's socket type. The stream's timeouts bound every read and write.
-pub(crate) fn handshake(s: &mut TcpStream, socket_type: &str) -> io::Result<String> {
+pub(crate) fn handshake(s: &mut (impl Read + Write), socket_type: &str) -> io::Result<String> {
     let mut greeting = [0u8; 64];
     greeting[0] = 0xff;
     greeting[9] = 0x7f;
@@ -101,15 +100,17 @@ pub(crate) fn write_message(s: &mut impl Write, frames: &[&[u8]]) -> io::Result<
     s.flush()
 }
 
-/// Reads one message or command (commands are single frames), frames of at most
-/// [`FRAME_BYTES_MAX`].
+/// Reads one message or command (commands are single frames), of at most [`FRAME_BYTES_MAX`] bytes
+/// in all.
 pub fn read(s: &mut impl Read) -> io::Result<Incoming> {
     read_limited(s, FRAME_BYTES_MAX)
 }
 
-/// [`read`] with frames of at most `frame_bytes_max` (a subscriber's batches are larger).
-pub fn read_limited(s: &mut impl Read, frame_bytes_max: u64) -> io::Result<Incoming> {
+/// [`read`] with messages of at most `bytes_max` bytes, all frames together (a subscriber's batches
+/// are larger).
+pub fn read_limited(s: &mut impl Read, bytes_max: u64) -> io::Result<Incoming> {
     let mut frames = Vec::new();
+    let mut total = 0u64;
     loop {
         let mut flags = [0u8; 1];
         s.read_exact(&mut flags)?;
@@ -122,8 +123,9 @@ pub fn read_limited(s: &mut impl Read, frame_bytes_max: u64) -> io::Result<Incom
             s.read_exact(&mut b)?;
             u64::from(b[0])
         };
-        if len > frame_bytes_max {
-            return Err(bad(&format!("a frame of {len} bytes, over {frame_bytes_max}")));
+        total = total.saturating_add(len);
+        if total > bytes_max {
+            return Err(bad(&format!("a message of over {bytes_max} bytes")));
         }
         let mut body = vec![0u8; len as usize];
         s.read_exact(&mut body)?;

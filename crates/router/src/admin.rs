@@ -73,7 +73,9 @@ impl Router {
                         let mut j = w.to_json(now, &self.cfg.discover);
                         // What its KV events say it holds (`--tokenizer`), where they are followed.
                         if let (Some(kv), Some(o)) = (self.kv.as_ref(), j.as_object_mut()) {
-                            o.insert("kv_event_blocks".into(), kv.blocks(w.id).into());
+                            let (blocks, history) = kv.known(w.id);
+                            o.insert("kv_event_blocks".into(), blocks.into());
+                            o.insert("kv_event_history".into(), history.into());
                         }
                         j
                     })

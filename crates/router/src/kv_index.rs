@@ -7,18 +7,22 @@
 //! hash only finds the block a later event names. A prompt's chains are computed the same way from
 //! its tokens, and a worker's match is its longest run of held chains from the start.
 //!
-//! The index vouches for a worker only when it has seen the worker's whole history: from its first
-//! batch (sequence 0, replayed) or from an `AllBlocksCleared`. A gap in the sequence or a worker past
-//! [`BLOCKS_PER_WORKER_MAX`] makes it unknown again until then; an unknown worker is routed by the
-//! router's own approximate tree.
+//! The index knows a worker's cache wholly once it has seen the worker's whole history: from its
+//! first batch (sequence 0, replayed) or from an `AllBlocksCleared`. Joined later (the publisher's
+//! replay buffer no longer starts at 0), it knows part: what it saw stored and not removed is held,
+//! so a match is a lower bound and counts, but no match says nothing (the router's own approximate
+//! tree decides). A gap no replay fills or a worker past [`BLOCKS_PER_WORKER_MAX`] starts it over.
+//!
+//! Each worker's entry belongs to one listener (its `epoch`): a listener replaced while it was still
+//! connecting cannot touch its successor's entry.
 
 use std::collections::HashMap;
 
 use pdserve_kv_events::{Batch, KvEvent};
 
-/// Blocks indexed per worker at most; past it the worker's entry is dropped (unknown) until its
-/// next `AllBlocksCleared`. 4M blocks of 16 tokens cover 64M tokens of cache.
-pub const BLOCKS_PER_WORKER_MAX: usize = 1 << 22;
+/// Blocks indexed per worker at most (about 80 bytes each); past it the worker's entry starts over,
+/// knowing part of its cache. 1M blocks of 16 tokens cover 16M tokens of cache, pool and tiers.
+pub const BLOCKS_PER_WORKER_MAX: usize = 1 << 20;
 
 const ROOT_CHAIN: u64 = 0x6a09_e667_f3bc_c908;
 
@@ -60,6 +64,8 @@ struct WorkerCache {
     /// Content chain -> how many indexed blocks have it.
     held: HashMap<u64, u32>,
     block_size: u32,
+    /// The listener that owns the entry.
+    epoch: u64,
     /// The whole history has been seen (see the module docs).
     complete: bool,
     /// The sequence number the next batch should carry.
@@ -145,15 +151,17 @@ pub struct KvIndex {
 }
 
 impl KvIndex {
-    /// Starts `worker` over, unknown until its history is seen (a reconnection, a gap not
-    /// replayed).
-    pub fn reset(&mut self, worker: u32) {
-        self.workers.insert(worker, WorkerCache::default());
+    /// Starts `worker` over for the listener `epoch`, knowing nothing until batches come (a new
+    /// subscription, a gap not replayed).
+    pub fn reset(&mut self, worker: u32, epoch: u64) {
+        self.workers.insert(worker, WorkerCache { epoch, ..WorkerCache::default() });
     }
 
-    /// `worker` publishes nothing (any more), or left.
-    pub fn forget(&mut self, worker: u32) {
-        self.workers.remove(&worker);
+    /// `worker` publishes nothing (any more), or left: unless another listener owns it now.
+    pub fn forget(&mut self, worker: u32, epoch: u64) {
+        if self.workers.get(&worker).is_some_and(|w| w.epoch == epoch) {
+            self.workers.remove(&worker);
+        }
     }
 
     /// The sequence number `worker`'s next batch should carry, once one was applied.
@@ -161,9 +169,10 @@ impl KvIndex {
         self.workers.get(&worker).and_then(|w| w.next_seq)
     }
 
-    /// Applies one of `worker`'s batches, in sequence order.
-    pub fn apply(&mut self, worker: u32, batch: &Batch) -> Applied {
-        let w = self.workers.entry(worker).or_default();
+    /// Applies one of `worker`'s batches, in sequence order, for the listener `epoch` (another's
+    /// batches are ignored).
+    pub fn apply(&mut self, worker: u32, epoch: u64, batch: &Batch) -> Applied {
+        let Some(w) = self.workers.get_mut(&worker).filter(|w| w.epoch == epoch) else { return Applied::Ok };
         match w.next_seq {
             Some(n) if batch.seq < n => return Applied::Ok,
             Some(n) if batch.seq > n => return Applied::Gap,
@@ -171,7 +180,7 @@ impl KvIndex {
             // The first batch seen: its history is whole only if it is the publisher's first.
             None => w.complete = batch.seq == 0,
         }
-        w.next_seq = Some(batch.seq + 1);
+        w.next_seq = batch.seq.checked_add(1);
         for e in &batch.events {
             match e {
                 KvEvent::AllBlocksCleared => {
@@ -185,6 +194,8 @@ impl KvIndex {
             }
             if w.blocks.len() > BLOCKS_PER_WORKER_MAX {
                 w.clear();
+                w.blocks.shrink_to_fit();
+                w.held.shrink_to_fit();
                 w.complete = false;
             }
         }
@@ -193,20 +204,26 @@ impl KvIndex {
 
     /// The block size `worker`'s events use, once it published a block.
     pub fn block_size(&self, worker: u32) -> Option<u32> {
-        self.workers.get(&worker).filter(|w| w.complete && w.block_size > 0).map(|w| w.block_size)
+        self.workers.get(&worker).filter(|w| w.block_size > 0).map(|w| w.block_size)
     }
 
-    /// The block size of the workers the index vouches for (the first found; workers of one model
-    /// share it).
+    /// The block size of the workers followed (the first found; workers of one model share it).
     pub fn any_block_size(&self) -> Option<u32> {
         self.workers.keys().find_map(|&w| self.block_size(w))
     }
 
-    /// How many of `chains` (a prompt's, from its start) `worker` holds, in any medium; `None` when
-    /// the index does not vouch for the worker.
+    /// How many of `chains` (a prompt's, from its start) `worker` holds, in any medium: exact when
+    /// its whole history was seen, a lower bound otherwise; `None` when the index cannot say (not
+    /// followed, or part known and none of the prompt in it).
     pub fn matched(&self, worker: u32, chains: &[u64]) -> Option<usize> {
-        let w = self.workers.get(&worker).filter(|w| w.complete)?;
-        Some(chains.iter().take_while(|c| w.held.contains_key(c)).count())
+        let w = self.workers.get(&worker)?;
+        let n = chains.iter().take_while(|c| w.held.contains_key(c)).count();
+        (w.complete || n > 0).then_some(n)
+    }
+
+    /// What the index knows of `worker`'s cache: `whole`, `part`, or `None` (not followed).
+    pub fn history(&self, worker: u32) -> Option<&'static str> {
+        self.workers.get(&worker).map(|w| if w.complete { "whole" } else { "part" })
     }
 
     /// Blocks indexed for `worker`.
@@ -230,17 +247,19 @@ mod tests {
     #[test]
     fn a_prompt_matches_the_blocks_a_worker_holds_from_its_start() {
         let mut ix = KvIndex::default();
+        ix.reset(1, 0);
         let prompt: Vec<u32> = (0..14).collect();
         let chains = prompt_chains(&prompt, 4);
         assert_eq!(chains.len(), 3, "full blocks only");
-        assert_eq!(ix.matched(1, &chains), None, "unknown worker");
+        assert_eq!(ix.matched(1, &chains), None, "nothing seen yet");
+        assert_eq!(ix.matched(3, &chains), None, "not followed");
         // Stores in two events, the second chained on the first by the publisher's hash.
         assert_eq!(
-            ix.apply(1, &batch(0, vec![KvEvent::AllBlocksCleared, stored(vec![70, 71], None, 0..8)])),
+            ix.apply(1, 0, &batch(0, vec![KvEvent::AllBlocksCleared, stored(vec![70, 71], None, 0..8)])),
             Applied::Ok
         );
         assert_eq!(ix.matched(1, &chains), Some(2));
-        ix.apply(1, &batch(1, vec![stored(vec![72], Some(71), 8..12)]));
+        ix.apply(1, 0, &batch(1, vec![stored(vec![72], Some(71), 8..12)]));
         assert_eq!(ix.matched(1, &chains), Some(3));
         assert_eq!(ix.block_size(1), Some(4));
         // Another prompt sharing the first block only.
@@ -249,6 +268,7 @@ mod tests {
         // The middle block leaves the pool for the host tier, then the tier too: the run stops there.
         ix.apply(
             1,
+            0,
             &batch(
                 2,
                 vec![
@@ -264,35 +284,49 @@ mod tests {
             ),
         );
         assert_eq!(ix.matched(1, &chains), Some(3), "held on the host tier still counts");
-        ix.apply(1, &batch(3, vec![KvEvent::BlockRemoved { block_hashes: vec![71], medium: "CPU" }]));
+        ix.apply(1, 0, &batch(3, vec![KvEvent::BlockRemoved { block_hashes: vec![71], medium: "CPU" }]));
         assert_eq!(ix.matched(1, &chains), Some(1));
         assert_eq!(ix.blocks(1), 2);
         // A store whose parent was never seen cannot be placed.
-        ix.apply(1, &batch(4, vec![stored(vec![99], Some(12345), 20..24)]));
+        ix.apply(1, 0, &batch(4, vec![stored(vec![99], Some(12345), 20..24)]));
         assert_eq!(ix.blocks(1), 2);
         // Cleared: nothing held, and still vouched for.
-        ix.apply(1, &batch(5, vec![KvEvent::AllBlocksCleared]));
+        ix.apply(1, 0, &batch(5, vec![KvEvent::AllBlocksCleared]));
         assert_eq!(ix.matched(1, &chains), Some(0));
     }
 
     #[test]
-    fn a_worker_is_vouched_for_only_with_its_whole_history() {
+    fn part_of_a_history_is_a_lower_bound_and_listeners_keep_to_their_own_entry() {
         let mut ix = KvIndex::default();
         let chains = prompt_chains(&(0..8).collect::<Vec<_>>(), 4);
-        // Joined late (first batch seen is 5): unknown, whatever it says it stores.
-        ix.apply(2, &batch(5, vec![stored(vec![1, 2], None, 0..8)]));
-        assert_eq!(ix.matched(2, &chains), None);
-        // Until it clears everything.
-        ix.apply(2, &batch(6, vec![KvEvent::AllBlocksCleared, stored(vec![1, 2], None, 0..8)]));
-        assert_eq!(ix.matched(2, &chains), Some(2));
+        let other = prompt_chains(&(100..108).collect::<Vec<_>>(), 4);
+        // Joined late (the first batch seen is 5): what it saw stored counts, no match says nothing.
+        ix.reset(2, 0);
+        ix.apply(2, 0, &batch(5, vec![stored(vec![1, 2], None, 0..8)]));
+        assert_eq!((ix.matched(2, &chains), ix.matched(2, &other)), (Some(2), None));
+        assert_eq!(ix.history(2), Some("part"));
+        // Once it clears everything, it is known whole: no match is a zero.
+        ix.apply(2, 0, &batch(6, vec![KvEvent::AllBlocksCleared, stored(vec![1, 2], None, 0..8)]));
+        assert_eq!((ix.matched(2, &chains), ix.matched(2, &other)), (Some(2), Some(0)));
+        assert_eq!(ix.history(2), Some("whole"));
         // A replayed batch already seen changes nothing; one past a gap is refused.
-        assert_eq!(ix.apply(2, &batch(6, vec![KvEvent::AllBlocksCleared])), Applied::Ok);
+        assert_eq!(ix.apply(2, 0, &batch(6, vec![KvEvent::AllBlocksCleared])), Applied::Ok);
         assert_eq!(ix.matched(2, &chains), Some(2));
-        assert_eq!(ix.apply(2, &batch(9, vec![KvEvent::AllBlocksCleared])), Applied::Gap);
+        assert_eq!(ix.apply(2, 0, &batch(9, vec![KvEvent::AllBlocksCleared])), Applied::Gap);
         assert_eq!((ix.matched(2, &chains), ix.next_seq(2)), (Some(2), Some(7)));
-        ix.reset(2);
+        // A listener replaced (epoch 1 now) cannot touch its successor's entry.
+        ix.reset(2, 1);
         assert_eq!(ix.matched(2, &chains), None);
-        ix.forget(2);
+        ix.apply(2, 0, &batch(0, vec![KvEvent::AllBlocksCleared]));
+        ix.forget(2, 0);
+        assert_eq!((ix.next_seq(2), ix.history(2)), (None, Some("part")));
+        ix.apply(2, 1, &batch(0, vec![KvEvent::AllBlocksCleared]));
+        assert_eq!((ix.next_seq(2), ix.history(2)), (Some(1), Some("whole")));
+        ix.forget(2, 1);
+        assert_eq!(ix.history(2), None);
+        // A hostile last sequence number does not wrap.
+        ix.reset(2, 2);
+        ix.apply(2, 2, &batch(u64::MAX, vec![]));
         assert_eq!(ix.next_seq(2), None);
     }
 }

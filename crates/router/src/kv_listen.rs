@@ -32,6 +32,15 @@ const POLL: Duration = Duration::from_millis(200);
 const RETRY_AFTER: Duration = Duration::from_secs(2);
 /// A card larger than this is refused.
 const CARD_BYTES_MAX: usize = 1 << 20;
+/// While following, the card is read again this often: a worker restarted at the same address
+/// (a new `instance`) or changed endpoints is followed anew, a worker gone ends the subscription
+/// (a SUB socket never writes, so a dead peer would otherwise go unnoticed).
+const RECHECK_EVERY: Duration = Duration::from_secs(10);
+/// Batches of a replay applied per hold of the index's lock (lookups go in between).
+const REPLAY_CHUNK: usize = 256;
+/// Request bodies larger than this are not tokenized for routing (the router's event loop would
+/// stall on them): the approximate tree routes them.
+pub const PROMPT_BODY_BYTES_MAX: usize = 256 << 10;
 
 /// What the listener threads have done, for `/metrics`.
 #[derive(Debug, Default)]
@@ -61,9 +70,12 @@ struct Listener {
 /// The tokenizer, the index and the listener threads.
 pub struct KvRouting {
     codec: TextCodec,
-    tool_format: ToolFormat,
+    /// The template's tool format, until a worker's card names the one it uses (`tool_parser`).
+    tool_format: Arc<Mutex<ToolFormat>>,
     index: Arc<Mutex<KvIndex>>,
     listeners: HashMap<u32, Listener>,
+    /// Listeners started so far: each one's epoch in the index.
+    epochs: u64,
     pub stats: Arc<KvStats>,
 }
 
@@ -73,7 +85,7 @@ impl std::fmt::Debug for KvRouting {
     }
 }
 
-fn lock(m: &Mutex<KvIndex>) -> MutexGuard<'_, KvIndex> {
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -85,9 +97,10 @@ impl KvRouting {
         let tool_format = codec.chat_template().map_or(ToolFormat::Hermes, ToolFormat::from_template);
         Ok(KvRouting {
             codec,
-            tool_format,
+            tool_format: Arc::new(Mutex::new(tool_format)),
             index: Arc::default(),
             listeners: HashMap::new(),
+            epochs: 0,
             stats: Arc::default(),
         })
     }
@@ -107,8 +120,11 @@ impl KvRouting {
                 continue;
             }
             let stop = Arc::new(AtomicBool::new(false));
+            self.epochs += 1;
             let job = Job {
                 worker: *id,
+                epoch: self.epochs,
+                tool_format: Arc::clone(&self.tool_format),
                 addr: *addr,
                 authority: authority.clone(),
                 secret: secret.map(str::to_owned),
@@ -124,18 +140,32 @@ impl KvRouting {
         }
     }
 
-    /// The request's prompt blocks, tokenized as a worker does; `None` when no worker is vouched
-    /// for (nothing to compare with) or the body does not render.
+    /// The request's prompt blocks, tokenized as a worker does; `None` when no worker is followed
+    /// (nothing to compare with), the body is over [`PROMPT_BODY_BYTES_MAX`], or it does not render
+    /// as a worker would render it (a completion with a `suffix` is wrapped for fill-in-the-middle).
     pub fn prompt(&self, endpoint: Endpoint, body: &[u8]) -> Option<KvPrompt> {
+        if body.len() > PROMPT_BODY_BYTES_MAX {
+            return None;
+        }
         let block_size = lock(&self.index).any_block_size()?;
-        let g = pdserve_codec::parse_generate(endpoint, body).ok()?;
+        let g = match endpoint {
+            // The router's own expanded body (the stored conversation in it) reads as the worker
+            // reads it, behind the cluster secret.
+            Endpoint::Responses => {
+                let none = |_: &str| None;
+                let chat = pdserve_codec::responses::read(body, &none, true).ok()?.chat;
+                pdserve_codec::openai::parse_value(Endpoint::Chat, chat).ok()?
+            }
+            _ => pdserve_codec::parse_generate(endpoint, body).ok()?,
+        };
+        if g.suffix.is_some() {
+            return None;
+        }
         let tokens = match &g.prompt {
             Prompt::Messages(m) => {
                 let msgs: Vec<ChatMessage> = m.iter().map(chat_message).collect();
-                let text = self
-                    .codec
-                    .render_chat(&msgs, &g.tools, self.tool_format, &g.chat_template_kwargs)
-                    .ok()?;
+                let format = *lock(&self.tool_format);
+                let text = self.codec.render_chat(&msgs, &g.tools, format, &g.chat_template_kwargs).ok()?;
                 self.codec.encode(&text).ok()?
             }
             Prompt::Text(t) => self.codec.encode_prompt(t).ok()?,
@@ -155,9 +185,11 @@ impl KvRouting {
         ix.matched(worker, &prompt.chains).map(|n| n as u32 * prompt.block_size)
     }
 
-    /// Blocks indexed for `worker` (for `/workers`).
-    pub fn blocks(&self, worker: u32) -> usize {
-        lock(&self.index).blocks(worker)
+    /// Blocks indexed for `worker` and what the index knows of its cache (`whole`, `part`, or
+    /// `None`: not followed), for `/workers`.
+    pub fn known(&self, worker: u32) -> (usize, Option<&'static str>) {
+        let ix = lock(&self.index);
+        (ix.blocks(worker), ix.history(worker))
     }
 }
 
@@ -192,11 +224,22 @@ fn endpoint_addr(endpoint: &str, worker: SocketAddr) -> Option<SocketAddr> {
     }
 }
 
-/// The worker's events, from its card: (PUB, replay, topic).
-type Advert = (SocketAddr, Option<SocketAddr>, String);
+/// The worker's events, from its card.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Advert {
+    pub_addr: SocketAddr,
+    replay: Option<SocketAddr>,
+    topic: String,
+    /// The publishing process (a restarted worker has a new one).
+    instance: String,
+    /// The card's `tool_parser`.
+    tool_parser: Option<String>,
+}
 
 struct Job {
     worker: u32,
+    epoch: u64,
+    tool_format: Arc<Mutex<ToolFormat>>,
     addr: SocketAddr,
     authority: String,
     secret: Option<String>,
@@ -211,18 +254,21 @@ impl Job {
             let advert = match self.card() {
                 Ok(Some(a)) => a,
                 Ok(None) | Err(_) => {
-                    lock(&self.index).forget(self.worker);
+                    lock(&self.index).forget(self.worker, self.epoch);
                     self.pause(RETRY_AFTER * 5);
                     continue;
                 }
             };
+            if let Some(f) = advert.tool_parser.as_deref().and_then(ToolFormat::from_name) {
+                *lock(&self.tool_format) = f;
+            }
             if self.follow(&advert).is_err() {
                 self.stats.failures.fetch_add(1, Ordering::Relaxed);
             }
-            lock(&self.index).forget(self.worker);
+            lock(&self.index).forget(self.worker, self.epoch);
             self.pause(RETRY_AFTER);
         }
-        lock(&self.index).forget(self.worker);
+        lock(&self.index).forget(self.worker, self.epoch);
     }
 
     fn pause(&self, d: Duration) {
@@ -247,6 +293,9 @@ impl Job {
         let mut dec = pdserve_http::ResponseDecoder::new(limits, false);
         let (mut status, mut body, mut buf, mut eof) = (0u16, Vec::new(), [0u8; 8192], false);
         loop {
+            if Instant::now() >= deadline {
+                return Err("the card took too long".into());
+            }
             while let Some(ev) = dec.poll().map_err(|e| e.to_string())? {
                 match ev {
                     pdserve_http::ResponseEvent::Head(h) => status = h.status,
@@ -272,50 +321,70 @@ impl Job {
             return Err(format!("/v1/models answered {status}"));
         }
         let v: serde_json::Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
-        let ev = &v["data"][0]["kv_events"];
+        let card = &v["data"][0];
+        let ev = &card["kv_events"];
         let Some(pub_addr) = ev["endpoint"].as_str().and_then(|e| endpoint_addr(e, worker)) else {
             return Ok(None);
         };
-        let replay = ev["replay_endpoint"].as_str().and_then(|e| endpoint_addr(e, worker));
-        Ok(Some((pub_addr, replay, ev["topic"].as_str().unwrap_or("").to_owned())))
+        let text = |v: &serde_json::Value| v.as_str().unwrap_or("").to_owned();
+        Ok(Some(Advert {
+            pub_addr,
+            replay: ev["replay_endpoint"].as_str().and_then(|e| endpoint_addr(e, worker)),
+            topic: text(&ev["topic"]),
+            instance: text(&ev["instance"]),
+            tool_parser: card["tool_parser"].as_str().map(str::to_owned),
+        }))
     }
 
-    /// Replays from `from` into the index; false if the publisher no longer has batch `from`.
-    fn catch_up(&self, replay_addr: Option<SocketAddr>, from: u64) -> std::io::Result<bool> {
-        let Some(r) = replay_addr else { return Ok(false) };
-        let batches = replay(r, from, STEP_TIMEOUT)?;
+    /// Replays from `from` into the index, a chunk per hold of its lock; true if the index then
+    /// has every batch before `until` (a replay that fails, or no longer holds `from`: false).
+    fn catch_up(&self, replay_addr: Option<SocketAddr>, from: u64, until: u64) -> bool {
+        let Some(batches) = replay_addr.and_then(|r| replay(r, from, STEP_TIMEOUT).ok()) else {
+            return false;
+        };
         if batches.first().is_some_and(|b| b.seq > from) {
-            return Ok(false);
+            return false;
         }
-        let mut ix = lock(&self.index);
-        for b in &batches {
-            if ix.apply(self.worker, b) == Applied::Gap {
-                return Ok(false);
+        for chunk in batches.chunks(REPLAY_CHUNK) {
+            let mut ix = lock(&self.index);
+            for b in chunk {
+                if ix.apply(self.worker, self.epoch, b) == Applied::Gap {
+                    return false;
+                }
+                self.stats.batches.fetch_add(1, Ordering::Relaxed);
             }
-            self.stats.batches.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(true)
+        lock(&self.index).next_seq(self.worker).is_some_and(|n| n >= until)
     }
 
-    /// Subscribes and applies batches until the connection fails or the thread is stopped.
-    fn follow(&self, (pub_addr, replay_addr, topic): &Advert) -> std::io::Result<()> {
-        let mut sub = Subscription::connect(*pub_addr, topic.as_bytes(), STEP_TIMEOUT)?;
-        lock(&self.index).reset(self.worker);
+    /// Subscribes and applies batches until the connection fails, the card changes or the thread is
+    /// stopped.
+    fn follow(&self, advert: &Advert) -> std::io::Result<()> {
+        let mut sub = Subscription::connect(advert.pub_addr, advert.topic.as_bytes(), STEP_TIMEOUT)?;
+        lock(&self.index).reset(self.worker, self.epoch);
         // The history the publisher still buffers; whole if it starts at its first batch.
-        self.catch_up(*replay_addr, 0)?;
+        self.catch_up(advert.replay, 0, 0);
+        let mut recheck = Instant::now() + RECHECK_EVERY;
         while !self.stop.load(Ordering::Relaxed) {
+            if Instant::now() >= recheck {
+                if self.card().ok().flatten().as_ref() != Some(advert) {
+                    return Err(std::io::Error::other("the worker's card changed or is gone"));
+                }
+                recheck = Instant::now() + RECHECK_EVERY;
+            }
             let Some(b) = sub.next(POLL)? else { continue };
-            let applied = lock(&self.index).apply(self.worker, &b);
+            let applied = lock(&self.index).apply(self.worker, self.epoch, &b);
             if applied == Applied::Gap {
                 let from = lock(&self.index).next_seq(self.worker).unwrap_or(0);
-                if !self.catch_up(*replay_addr, from)? {
+                if !self.catch_up(advert.replay, from, b.seq) {
+                    // Batches lost for good: start over from this one, knowing part of the cache.
                     self.stats.gaps.fetch_add(1, Ordering::Relaxed);
                     let mut ix = lock(&self.index);
-                    ix.reset(self.worker);
-                    ix.apply(self.worker, &b);
+                    ix.reset(self.worker, self.epoch);
+                    ix.apply(self.worker, self.epoch, &b);
                     continue;
                 }
-                lock(&self.index).apply(self.worker, &b);
+                lock(&self.index).apply(self.worker, self.epoch, &b);
             }
             self.stats.batches.fetch_add(1, Ordering::Relaxed);
         }
@@ -335,11 +404,15 @@ mod tests {
         assert_eq!(endpoint_addr("tcp://127.0.0.1:7", w), Some("127.0.0.1:7".parse().unwrap()));
         assert_eq!(endpoint_addr("tcp://[::1]:7", w), Some("[::1]:7".parse().unwrap()));
         assert_eq!(endpoint_addr("ipc:///tmp/x", w), None);
-        let body = br#"{"data": [{"id": "m", "kv_events": {"endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": "kv@a"}}]}"#;
-        assert_eq!(
-            Job::advert(200, body, w),
-            Ok(Some(("10.1.2.3:5557".parse().unwrap(), None, "kv@a".into())))
-        );
+        let body = br#"{"data": [{"id": "m", "tool_parser": "hermes", "kv_events": {"endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": "kv@a", "instance": "9f"}}]}"#;
+        let want = Advert {
+            pub_addr: "10.1.2.3:5557".parse().unwrap(),
+            replay: None,
+            topic: "kv@a".into(),
+            instance: "9f".into(),
+            tool_parser: Some("hermes".into()),
+        };
+        assert_eq!(Job::advert(200, body, w), Ok(Some(want)));
         assert_eq!(Job::advert(200, br#"{"data": [{"id": "m", "kv_events": null}]}"#, w), Ok(None));
         assert!(Job::advert(401, b"{}", w).is_err());
     }
