@@ -70,16 +70,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         kv_blocks /= 4;
     }
     let model = crate::fetch_model(&[])?;
-    crate::cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "pdserve-server",
-        "-p",
-        "pdserve-router",
-        "-p",
-        "pdserve-loadgen",
-    ])?;
+    crate::serve::build_stack()?;
     let llamacpp = llamacpp && !offload;
     let peer_bins =
         if llamacpp { Some((crate::peer::llamacpp()?.0, crate::peer::default_gguf()?)) } else { None };

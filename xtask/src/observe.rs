@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 
 use crate::peer::Isa;
 use crate::serve::{start_stack, stop_all, Spec, Stack};
-use crate::vs_llamacpp::{bench_pair, pick_rows, table_row, Row};
+use crate::vs_llamacpp::{bench_pair, pick_rows, repeat_and_rows, table_row};
 
 const USAGE: &str = "cargo xtask bench observability [--repeat K] [--rows LIST]
 
@@ -74,32 +74,11 @@ fn collector(stop: Arc<AtomicBool>, batches: Arc<AtomicU64>, bytes: Arc<AtomicU6
 }
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
-    let mut repeat = 5usize;
-    let mut rows: Vec<&Row> = pick_rows("streams32,single")?;
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut v = || it.next().cloned().with_context(|| format!("{a} needs a value"));
-        match a.as_str() {
-            "--repeat" => repeat = v()?.parse()?,
-            "--rows" => rows = pick_rows(&v()?)?,
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return Ok(());
-            }
-            other => bail!("unknown option {other}\n{USAGE}"),
-        }
-    }
+    let Some((repeat, rows)) = repeat_and_rows(args, (5, pick_rows("streams32,single")?), USAGE)? else {
+        return Ok(());
+    };
     let root = crate::workspace_root();
-    crate::cargo(&[
-        "build",
-        "--release",
-        "-p",
-        "pdserve-server",
-        "-p",
-        "pdserve-router",
-        "-p",
-        "pdserve-loadgen",
-    ])?;
+    crate::serve::build_stack()?;
     let model = crate::fetch_model(&[])?;
     crate::sys::install_stop_handler();
     let (stop, batches, bytes) = (Arc::new(AtomicBool::new(false)), Arc::default(), Arc::default());

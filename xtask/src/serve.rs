@@ -326,6 +326,20 @@ pub(crate) fn core_list(cores: &[usize]) -> String {
     out.join(",")
 }
 
+/// Builds what a benchmark of stacks runs (release): the worker, the router and the load generator.
+pub(crate) fn build_stack() -> Result<()> {
+    crate::cargo(&[
+        "build",
+        "--release",
+        "-p",
+        "pdserve-server",
+        "-p",
+        "pdserve-router",
+        "-p",
+        "pdserve-loadgen",
+    ])
+}
+
 pub(crate) fn start_stack(spec: &Spec<'_>) -> Result<Stack> {
     std::fs::create_dir_all(spec.logs)?;
     let secret = if spec.secret && !spec.unified { Some(write_secret(spec.logs)?) } else { None };

@@ -123,6 +123,29 @@ pub(crate) fn bench_pair(row: &Row, (a, b): (&str, &str), repeat: usize, out: &P
     Ok(serde_json::from_slice(&std::fs::read(out.with_extension("json"))?)?)
 }
 
+/// A bench that takes only `--repeat K` and `--rows LIST`: both, from `args` over the defaults;
+/// `None` after printing `usage` for `--help`.
+pub(crate) fn repeat_and_rows(
+    args: &[String],
+    (mut repeat, mut rows): (usize, Vec<&'static Row>),
+    usage: &str,
+) -> Result<Option<(usize, Vec<&'static Row>)>> {
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut v = || it.next().cloned().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--repeat" => repeat = v()?.parse()?,
+            "--rows" => rows = pick_rows(&v()?)?,
+            "-h" | "--help" => {
+                println!("{usage}");
+                return Ok(None);
+            }
+            other => bail!("unknown option {other}\n{usage}"),
+        }
+    }
+    Ok(Some((repeat, rows)))
+}
+
 /// The rows a `--rows` list names (comma-separated).
 pub(crate) fn pick_rows(names: &str) -> Result<Vec<&'static Row>> {
     names

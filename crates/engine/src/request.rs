@@ -245,6 +245,12 @@ pub enum Output {
         usage: Usage,
         timings: Timings,
     },
+    /// Prefill role, after `Prefilled`: the transfer of that KV ended (`outcome`: `completed`, or
+    /// why not), for the request's trace. Nothing else follows.
+    Served {
+        id: Id,
+        outcome: String,
+    },
 }
 
 impl Output {
@@ -254,7 +260,8 @@ impl Output {
             | Output::Rejected { id, .. }
             | Output::Text { id, .. }
             | Output::Finished { id, .. }
-            | Output::Prefilled { id, .. } => *id,
+            | Output::Prefilled { id, .. }
+            | Output::Served { id, .. } => *id,
         }
     }
 }

@@ -504,6 +504,7 @@ impl TextThread {
                 let usage = Usage { prompt_tokens: s.prompt_tokens, completion_tokens: 1, cached_tokens };
                 self.push(Output::Prefilled { id: Id(id), handle, usage, timings });
             }
+            Reply::Served { id, outcome } => self.push(Output::Served { id: Id(id), outcome }),
             Reply::Finished { id, outcome, output_tokens, cached_tokens, times, .. } => {
                 let text = self.texts.remove(&id);
                 let Some(mut s) = lock(&self.live).remove(id) else { return };

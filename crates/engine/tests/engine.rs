@@ -58,10 +58,11 @@ fn engine(role: Role) -> Engine {
     Engine::start(config(role), Arc::new(|| {})).expect("engine starts")
 }
 
-/// Prefills `q` on `prefill`, then decodes it on `decode` from the handle: the decode engine's text.
+/// Prefills `q` on `prefill`, then decodes it on `decode` from the handle: the decode engine's text,
+/// once the prefill engine has also said its offer was served.
 fn disaggregated(prefill: &mut Engine, decode: &mut Engine, name: &str, q: &str) -> (String, Finish) {
-    let id = prefill.submit(request(&format!("p-{name}"), chat(q), 20)).unwrap();
-    let (_, seen) = run_to_end(prefill, id);
+    let prefill_id = prefill.submit(request(&format!("p-{name}"), chat(q), 20)).unwrap();
+    let (_, seen) = run_to_end(prefill, prefill_id);
     let Some(Output::Prefilled { handle, usage, .. }) = seen.last() else { panic!("{seen:?}") };
     assert_eq!(usage.completion_tokens, 1);
     let id = decode.submit(request(&format!("d-{name}"), Input::Remote(handle.clone()), 20)).unwrap();
@@ -69,22 +70,34 @@ fn disaggregated(prefill: &mut Engine, decode: &mut Engine, name: &str, q: &str)
     let until = Instant::now() + Duration::from_secs(60);
     let mut text = String::new();
     let mut out = Vec::new();
+    let mut ended = None;
+    // The prefill engine says when its offer was served: the pull completed.
+    let mut served = None;
     loop {
         prefill.poll(Instant::now(), &mut out);
-        out.clear();
+        for o in out.drain(..) {
+            if let Output::Served { id: s, outcome } = o {
+                assert_eq!(s, prefill_id);
+                served = Some(outcome);
+            }
+        }
         decode.poll_timeout(Duration::from_millis(20), &mut out);
         for o in out.drain(..) {
             match o {
                 Output::Text { text: t, .. } => text.push_str(&t),
                 Output::Finished { id: done, finish, usage, .. } if done == id => {
                     assert!(usage.prompt_tokens > 5, "the prompt's length came with the KV: {usage:?}");
-                    return (text, finish);
+                    ended = Some(finish);
                 }
                 Output::Rejected { error, .. } => panic!("{error}"),
                 _ => {}
             }
         }
-        assert!(Instant::now() < until);
+        if let (Some(finish), Some(outcome)) = (&ended, &served) {
+            assert_eq!(outcome, "completed");
+            return (text, finish.clone());
+        }
+        assert!(Instant::now() < until, "ended {ended:?}, served {served:?}");
     }
 }
 

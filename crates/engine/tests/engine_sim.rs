@@ -471,6 +471,9 @@ struct Run {
     end: Option<(End, u64)>,
     ends: usize,
     after_end: usize,
+    /// Prefill: notices that its offer's transfer ended (`Reply::Served`, at most one, after
+    /// `Prefilled`).
+    served: usize,
     admitted: bool,
     /// Decode halves: the prefill core's offer they pull.
     offer: Option<u64>,
@@ -639,6 +642,7 @@ impl Sim {
             end: None,
             ends: 0,
             after_end: 0,
+            served: 0,
             admitted: false,
             offer: None,
         };
@@ -672,7 +676,10 @@ impl Sim {
             }
             let t = self.t;
             let run_ref = &mut self.runs[run];
-            if run_ref.end.is_some() {
+            // The one reply after an end: a prefill's notice that its offer's transfer ended.
+            let served_after_prefill =
+                matches!((&r, &run_ref.end), (Reply::Served { .. }, Some((End::Prefilled(_), _))));
+            if run_ref.end.is_some() && !served_after_prefill {
                 run_ref.after_end += 1;
             }
             match r {
@@ -695,6 +702,12 @@ impl Sim {
                     run_ref.ends += 1;
                     run_ref.end = Some((End::Prefilled(key), t));
                     self.decode(run, key);
+                }
+                Reply::Served { .. } => {
+                    run_ref.served += 1;
+                    if run_ref.end.is_none() {
+                        run_ref.after_end += 1; // before any end: as wrong as after the wrong one
+                    }
                 }
             }
         }
@@ -840,7 +853,7 @@ impl Sim {
                 }
                 found.push((Violation::NeverEnded, name.clone()));
             }
-            if r.ends > 1 || r.after_end > 0 {
+            if r.ends > 1 || r.after_end > 0 || r.served > 1 {
                 found
                     .push((Violation::EndedTwice, format!("{name}: {} ends, {} after", r.ends, r.after_end)));
             }

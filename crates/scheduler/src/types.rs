@@ -124,13 +124,10 @@ impl Default for SchedulerConfig {
             kv_lease: Duration::from_secs(120),
             kv_transfer_timeout: Duration::from_secs(120),
             admission_watermark_blocks: 1,
-            // A 1,000-token cold prompt is overtaken by cached rounds for at most 5 + 1000/500 = 7 s
-            // (500 tokens a second: about what 2 cores prefill of the default model, so a request
-            // waits at most about as long again as its own work would take). A request waiting
-            // less than 5 s is ordered by its work alone.
+            // A 1,000-token cold prompt is overtaken by cached rounds for at most 60 + 1000/100 = 70 s.
             admission_order: AdmissionOrder::LeastWorkFirst {
-                aging_after: Duration::from_secs(5),
-                aging_tokens_per_s: 500,
+                aging_after: Duration::from_secs(60),
+                aging_tokens_per_s: 100,
                 window: 32,
             },
             sliding_window: None,

@@ -230,18 +230,20 @@ fn offloaded_blocks_are_announced_in_the_medium_they_move_to() {
 /// sent it there (a client went to that worker directly): the answer's cached tokens cover the
 /// history and `/debug/requests` says the match came from the events. By the prompts it routed
 /// alone, the router would have picked the other worker (the first, both caches being empty to it).
+/// That worker restarted, the router forgets what it held.
 #[test]
 fn the_router_routes_on_the_events_to_the_worker_holding_the_prompt_whoever_sent_it() {
-    let ports: Vec<u16> = (0..4).map(|_| free_port()).collect();
-    let start_events = |pub_port: u16, replay_port: u16, topic: &str| {
-        let cfg = json!({"enable_kv_cache_events": true, "endpoint": format!("tcp://*:{pub_port}"),
-            "replay_endpoint": format!("tcp://*:{replay_port}"), "topic": topic})
+    let ports: Vec<u16> = (0..6).map(|_| free_port()).collect();
+    let start_events = |i: usize| {
+        let cfg = json!({"enable_kv_cache_events": true, "endpoint": format!("tcp://*:{}", ports[2 + 2 * i]),
+            "replay_endpoint": format!("tcp://*:{}", ports[3 + 2 * i]), "topic": format!("kv@{i}")})
         .to_string();
-        Worker::start(&["--kv-events-config", &cfg, "--speculative", "off"])
+        let port = ports[i].to_string();
+        Worker::start(&["--port", &port, "--kv-events-config", &cfg, "--speculative", "off"])
     };
-    let workers = [start_events(ports[0], ports[1], "kv@a"), start_events(ports[2], ports[3], "kv@b")];
+    let mut workers = [start_events(0), start_events(1)];
     let (_, card) = workers[1].json("GET", "/v1/models", "");
-    assert_eq!(card["data"][0]["kv_events"]["endpoint"], format!("tcp://*:{}", ports[2]), "{card}");
+    assert_eq!(card["data"][0]["kv_events"]["endpoint"], format!("tcp://*:{}", ports[4]), "{card}");
     let model = common::default_model();
     let router = common::router::RouterThread::start_with(
         &[(&workers[0], pdserve_router::Role::Unified), (&workers[1], pdserve_router::Role::Unified)],
@@ -252,12 +254,14 @@ fn the_router_routes_on_the_events_to_the_worker_holding_the_prompt_whoever_sent
         let text = String::from_utf8(r.read_to_end().unwrap()).unwrap();
         text.lines().find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
     };
-    let blocks = |i: usize| -> u64 {
+    let known = |i: usize| -> (u64, Value) {
         let (_, list) = router.json("GET", "/workers", "");
-        let url = format!("http://{}", workers[i].addr);
+        let url = format!("http://127.0.0.1:{}", ports[i]);
         let w = list["workers"].as_array().unwrap().iter().find(|w| w["url"] == url.as_str()).cloned();
-        w.and_then(|w| w["kv_event_blocks"].as_u64()).unwrap_or(0)
+        let w = w.unwrap_or_else(|| panic!("{url} in {list}"));
+        (w["kv_event_blocks"].as_u64().unwrap_or(0), w["kv_event_history"].clone())
     };
+    let blocks = |i: usize| known(i).0;
     let tools = json!([{"type": "function", "function": {"name": "read_file",
         "description": "Read a file of the repository",
         "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]);
@@ -329,4 +333,25 @@ fn the_router_routes_on_the_events_to_the_worker_holding_the_prompt_whoever_sent
         usage["prompt_tokens"].as_u64().unwrap(),
     );
     assert!(cached * 10 >= prompt * 8, "most of the prompt was cached there: {usage}");
+    // The second worker restarts on the same addresses: a new instance, its history whole from its
+    // first batch, holding nothing of the conversation; the router forgets what the old one held.
+    drop(s);
+    let before = blocks(1);
+    assert!(before >= 16, "{before}");
+    let _ = workers[1].child.kill();
+    let _ = workers[1].child.wait();
+    workers[1] = start_events(1);
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (n, history) = known(1);
+        // (The router's own health probes store a block or two there.)
+        if n < 8 && history == "whole" {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the router still counts {n} blocks ({history}) of the restarted worker"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }

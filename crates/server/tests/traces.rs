@@ -90,6 +90,7 @@ fn one_trace_across_router_prefill_and_decode_through_a_migration() {
         ("pdserve-prefill", "POST /v1/chat/completions"),
         ("pdserve-prefill", "queue"),
         ("pdserve-prefill", "prefill"),
+        ("pdserve-prefill", "kv transfer (served)"),
         ("pdserve-decode", "POST /v1/chat/completions"),
         ("pdserve-decode", "kv transfer"),
         ("pdserve-decode", "kv pull"),
@@ -117,13 +118,16 @@ fn one_trace_across_router_prefill_and_decode_through_a_migration() {
     assert_eq!(p["attributes"]["pdserve.role"], "prefill");
     assert_eq!(d["attributes"]["gen_ai.usage.completion_tokens"], 8);
     for (svc, parent, stages) in [
-        ("pdserve-prefill", p, &["queue", "prefill"][..]),
+        ("pdserve-prefill", p, &["queue", "prefill", "kv transfer (served)"][..]),
         ("pdserve-decode", d, &["kv transfer", "kv pull", "queue", "decode"][..]),
     ] {
         for s in stages {
             under(one(&spans, svc, s), parent);
         }
     }
+    // The prefill side of the transfer: its offer served to the decode worker's pull.
+    let served = one(&spans, "pdserve-prefill", "kv transfer (served)");
+    assert_eq!(served["attributes"]["pdserve.transfer.outcome"], "completed", "{served}");
 
     // A decode worker killed mid-stream: the request moves; the second decode leg, its worker's
     // spans and the migration are in the same trace.

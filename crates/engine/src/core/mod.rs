@@ -29,7 +29,8 @@
 //! # Guarantees (checked by `tests/engine_sim.rs` on a virtual clock)
 //!
 //! - Every submission gets exactly one end: [`Reply::Rejected`], [`Reply::Finished`] or (prefill
-//!   role) [`Reply::Prefilled`]; `Admitted` and `Token`s come only between a submission and its end.
+//!   role) [`Reply::Prefilled`]; `Admitted` and `Token`s come only between a submission and its end;
+//!   after a `Prefilled`, at most one [`Reply::Served`] when its offer's transfer ends.
 //! - Every request ends by its deadline: the scheduler times out what passes it at the next step it
 //!   plans; a pull's transfer carries the deadline too.
 //! - When every request has ended and every transfer settled, the KV ledger holds no block for a
@@ -211,6 +212,12 @@ pub enum Reply {
         cached_tokens: usize,
         times: Times,
     },
+    /// Prefill role, after `Prefilled`: the transfer of the request's KV ended (`outcome`:
+    /// `completed`, or why not). The request itself had ended already.
+    Served {
+        id: u64,
+        outcome: String,
+    },
 }
 
 impl Reply {
@@ -221,7 +228,8 @@ impl Reply {
             | Reply::Rejected { id, .. }
             | Reply::Token { id, .. }
             | Reply::Finished { id, .. }
-            | Reply::Prefilled { id, .. } => *id,
+            | Reply::Prefilled { id, .. }
+            | Reply::Served { id, .. } => *id,
         }
     }
 
@@ -359,6 +367,9 @@ pub struct EngineCore {
     pulling: HashMap<u64, u64>,
     /// Prefill role: offers the endpoint has not answered yet: transfer -> what ends the request.
     offering: HashMap<u64, transfers::Offering>,
+    /// Prefill role: offers made, until their transfer ends: transfer -> the request (for
+    /// [`Reply::Served`]); the oldest go past [`transfers::HELD_OFFERS_MAX`].
+    held_offers: std::collections::BTreeMap<u64, u64>,
     replies: VecDeque<Reply>,
     calls: VecDeque<TransferCall>,
     deferred: VecDeque<Deferred>,
@@ -378,6 +389,7 @@ impl EngineCore {
             describing: HashMap::new(),
             pulling: HashMap::new(),
             offering: HashMap::new(),
+            held_offers: std::collections::BTreeMap::new(),
             replies: VecDeque::new(),
             calls: VecDeque::new(),
             deferred: VecDeque::new(),

@@ -42,6 +42,10 @@ pub(super) struct Offering {
     pub output_tokens: usize,
 }
 
+/// Offers remembered for [`Reply::Served`] at most (each ends with its transfer; a lease that ends
+/// without one is forgotten with the oldest).
+pub(super) const HELD_OFFERS_MAX: usize = 4096;
+
 impl EngineCore {
     pub(super) fn abort_transfer(&mut self, transfer: u64) {
         if self.config.role != Role::Unified {
@@ -208,6 +212,10 @@ impl EngineCore {
                 *self.stats.finished_total.entry((Outcome::Completed, ApiStage::Prefilling)).or_default() +=
                     1;
                 let (id, cached_tokens, times) = (o.id, o.cached_tokens, o.times);
+                self.held_offers.insert(transfer, id);
+                while self.held_offers.len() > HELD_OFFERS_MAX {
+                    self.held_offers.pop_first();
+                }
                 self.replies.push_back(Reply::Prefilled { id, key, cached_tokens, times });
             }
             Err(_) => self.offer_failed(TransferId(transfer), o),
@@ -234,6 +242,9 @@ impl EngineCore {
         }
         if side == Side::Sending {
             self.sched.handle_transfer_done(TransferId(t));
+            if let Some(id) = self.held_offers.remove(&t) {
+                self.replies.push_back(Reply::Served { id, outcome: label.to_owned() });
+            }
             return;
         }
         // The pull waits until the request's deadline: running out is the request timing out (the

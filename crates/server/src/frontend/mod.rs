@@ -111,6 +111,10 @@ pub(crate) struct Frontend {
     last_keep_alive: Instant,
     /// Exports spans (`--otlp-traces-endpoint`).
     traces: Option<pdserve_trace::Exporter>,
+    /// Prefill role, traced: requests whose KV is offered, until the engine says the transfer ended
+    /// (`Output::Served`): their span, when the offer was made, their id. The oldest go past
+    /// [`trace::OFFERS_TRACED_MAX`].
+    offers_traced: std::collections::BTreeMap<Id, (trace::RequestTrace, Instant, String)>,
 }
 
 /// 16 random bytes from the kernel, in hex (a clock's nanoseconds where /dev/urandom is missing).
@@ -210,6 +214,7 @@ impl Frontend {
             next_group: 0,
             last_keep_alive: Instant::now(),
             traces,
+            offers_traced: std::collections::BTreeMap::new(),
         })
     }
 

@@ -141,6 +141,12 @@ impl Frontend {
             Output::Prefilled { id, handle, usage, timings } => {
                 let Some(l) = self.remove(id) else { return };
                 self.trace_end(&l, Ok("length"), &usage, Some(&timings));
+                if let (Some(_), Some(t)) = (self.traces.as_ref(), l.trace) {
+                    self.offers_traced.insert(id, (t, Instant::now(), l.request_id.clone()));
+                    while self.offers_traced.len() > trace::OFFERS_TRACED_MAX {
+                        self.offers_traced.pop_first();
+                    }
+                }
                 if let Some(gid) = l.group {
                     return self.group_prefilled(gid, &l, handle, usage, timings);
                 }
@@ -154,6 +160,13 @@ impl Frontend {
                 let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
             }
             Output::Finished { id, finish, usage, timings } => self.finished(id, finish, usage, timings),
+            Output::Served { id, outcome } => {
+                let (Some(x), Some((t, since, rid))) = (self.traces.as_ref(), self.offers_traced.remove(&id))
+                else {
+                    return;
+                };
+                trace::export_served(x, t, &rid, since, &outcome);
+            }
         }
     }
 }

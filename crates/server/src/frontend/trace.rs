@@ -3,7 +3,9 @@
 //! invalid one came), and a span per stage this worker ran it through, laid end to end from the
 //! engine's per-stage times (`Timings`): queue and prefill; or, on a decode worker, the KV transfer
 //! (with the pull inside it), its queue and decode. The prefill worker's stages a decode worker
-//! reports are the prefill worker's own spans, not repeated here.
+//! reports are the prefill worker's own spans, not repeated here. A prefill worker adds, once the
+//! decode worker's pull has ended, `kv transfer (served)`: from its offer to that end, with the
+//! transfer's outcome.
 
 use std::time::{Duration, Instant};
 
@@ -104,4 +106,26 @@ pub(super) fn export(exporter: &Exporter, t: RequestTrace, e: &Ended<'_>) {
             ));
         }
     }
+}
+
+/// Prefill offers remembered for their `kv transfer (served)` span at most.
+pub(super) const OFFERS_TRACED_MAX: usize = 4096;
+
+/// The prefill side of a request's KV transfer: from the offer (`since`) to now, when the engine
+/// said the transfer ended with `outcome`; under the request's span here.
+pub(super) fn export_served(
+    exporter: &Exporter,
+    t: RequestTrace,
+    request_id: &str,
+    since: Instant,
+    outcome: &str,
+) {
+    if t.ctx.flags & 1 == 0 {
+        return;
+    }
+    let mut s = Span::between(&t.ctx, "kv transfer (served)", SpanKind::Internal, since, Instant::now());
+    s.attr("gen_ai.request.id", AttrValue::Str(request_id.to_owned()))
+        .attr("pdserve.transfer.outcome", AttrValue::Str(outcome.to_owned()));
+    s.status = if outcome == "completed" { Status::Ok } else { Status::Error(format!("transfer {outcome}")) };
+    exporter.export(s);
 }
