@@ -22,9 +22,10 @@ const USAGE: &str = "cargo xtask bench observability [--repeat K] [--rows LIST]
 Starts two PD stacks of the default model (ports 8141: plain; 8142: spans exported by the router and
 both workers to a collector started here, and KV events published by both workers and followed by
 the router), then runs `cargo xtask bench llamacpp`'s rows against both, alternating, K pairs (default
-5): streams32 and single by default (see `cargo xtask bench llamacpp --help`). The table (plain against
-observed: above 1 is the plain stack ahead) is printed and written to target/bench/observability.md;
-raw JSON to target/bench/observability-ROW.json.";
+5): streams32 and single by default (see `cargo xtask bench llamacpp --help`). The tables (throughput,
+plain against observed: above 1 is the plain stack ahead; and the CPU seconds each stack's processes
+used over the row, the same requests to both) are printed and written to
+target/bench/observability.md; raw JSON to target/bench/observability-ROW.json.";
 
 /// A collector that takes every OTLP/HTTP batch (any path) and answers 200, counting batches and
 /// bytes; it stops with the flag.
@@ -73,6 +74,23 @@ fn collector(stop: Arc<AtomicBool>, batches: Arc<AtomicU64>, bytes: Arc<AtomicU6
     Ok(port)
 }
 
+/// User + system CPU seconds the stack's processes (router and workers, every thread) have used,
+/// from `/proc/PID/stat` (clock ticks of 1/100 s, as Linux reports them).
+fn cpu_seconds(stack: &Stack) -> f64 {
+    stack
+        .procs
+        .iter()
+        .map(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{}/stat", p.child.id())).unwrap_or_default();
+            // Fields after the command's closing parenthesis; utime and stime are the 14th and 15th.
+            let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+            (ticks(11) + ticks(12)) / 100.0
+        })
+        .sum()
+}
+
 pub(crate) fn run(args: &[String]) -> Result<()> {
     let Some((repeat, rows)) = repeat_and_rows(args, (5, pick_rows("streams32,single")?), USAGE)? else {
         return Ok(());
@@ -118,6 +136,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let (plain_logs, observed_logs) = (logs.join("plain"), logs.join("observed"));
     let mut stacks: Vec<Stack> = Vec::new();
     let mut table = "| figure | plain PD stack, median (min-max) | events + traces, median (min-max) | plain vs observed, median of the pairs (min-max) |\n|---|---|---|---|\n".to_owned();
+    let mut cpu = "\n| figure | plain stack's CPU seconds | observed stack's CPU seconds | observed vs plain |\n|---|---|---|---|\n".to_owned();
     let result = (|| -> Result<()> {
         stacks.push(start_stack(&spec(8141, &extra, &[], &plain_logs))?);
         stacks.push(start_stack(&spec(8142, &observed_extra, &observed_router, &observed_logs))?);
@@ -125,7 +144,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         for row in &rows {
             let out = root.join(format!("target/bench/observability-{}", row.name));
             println!("\n== {}: {plain} plain, {observed} with events and traces", row.what);
+            let before = (cpu_seconds(&stacks[0]), cpu_seconds(&stacks[1]));
             let json = bench_pair(row, (&plain, &observed), repeat, &out)?;
+            // The same requests went to both (each point's prompts its own), the stacks side by side
+            // throughout: what each used is its cost, the observed one's events and spans included.
+            let (a, b) = (cpu_seconds(&stacks[0]) - before.0, cpu_seconds(&stacks[1]) - before.1);
+            cpu.push_str(&format!("| {} | {a:.1} | {b:.1} | {:.3}x |\n", row.what, b / a.max(1e-9)));
             // The first column is the native ISA's: both stacks run this machine's kernels.
             let line = table_row(Isa::Native, row, &json, &plain, &observed)?;
             table.push_str(&line.splitn(3, '|').nth(2).map_or(line.clone(), |rest| format!("|{rest}")));
@@ -141,6 +165,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if n == 0 {
         bail!("the collector got no spans: the observed stack exported nothing");
     }
+    table.push_str(&cpu);
     table.push_str(&format!(
         "\nThe collector took {n} batches of spans ({b} bytes) from the observed stack.\n"
     ));
