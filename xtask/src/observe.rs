@@ -74,9 +74,10 @@ fn collector(stop: Arc<AtomicBool>, batches: Arc<AtomicU64>, bytes: Arc<AtomicU6
     Ok(port)
 }
 
-/// User + system CPU seconds the stack's processes (router and workers, every thread) have used,
-/// from `/proc/PID/stat` (clock ticks of 1/100 s, as Linux reports them).
-fn cpu_seconds(stack: &Stack) -> f64 {
+/// User + system CPU seconds each of the stack's processes (every thread) has used, in the stack's
+/// order (prefill, decode, router), from `/proc/PID/stat` (clock ticks of 1/100 s, as Linux reports
+/// them).
+fn cpu_seconds(stack: &Stack) -> Vec<f64> {
     stack
         .procs
         .iter()
@@ -88,7 +89,15 @@ fn cpu_seconds(stack: &Stack) -> f64 {
             let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
             (ticks(11) + ticks(12)) / 100.0
         })
-        .sum()
+        .collect()
+}
+
+/// `after - before`, per process, as "name s, name s" and the total.
+fn cpu_used(stack: &Stack, before: &[f64]) -> (String, f64) {
+    let after = cpu_seconds(stack);
+    let used: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+    let each = stack.procs.iter().zip(&used).map(|(p, u)| format!("{} {u:.1}", p.name)).collect::<Vec<_>>();
+    (each.join(", "), used.iter().sum())
 }
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -136,7 +145,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let (plain_logs, observed_logs) = (logs.join("plain"), logs.join("observed"));
     let mut stacks: Vec<Stack> = Vec::new();
     let mut table = "| figure | plain PD stack, median (min-max) | events + traces, median (min-max) | plain vs observed, median of the pairs (min-max) |\n|---|---|---|---|\n".to_owned();
-    let mut cpu = "\n| figure | plain stack's CPU seconds | observed stack's CPU seconds | observed vs plain |\n|---|---|---|---|\n".to_owned();
+    let mut cpu = "\n| figure | plain stack's CPU seconds (per process) | observed stack's CPU seconds (per process) | observed vs plain |\n|---|---|---|---|\n".to_owned();
     let result = (|| -> Result<()> {
         stacks.push(start_stack(&spec(8141, &extra, &[], &plain_logs))?);
         stacks.push(start_stack(&spec(8142, &observed_extra, &observed_router, &observed_logs))?);
@@ -148,8 +157,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             let json = bench_pair(row, (&plain, &observed), repeat, &out)?;
             // The same requests went to both (each point's prompts its own), the stacks side by side
             // throughout: what each used is its cost, the observed one's events and spans included.
-            let (a, b) = (cpu_seconds(&stacks[0]) - before.0, cpu_seconds(&stacks[1]) - before.1);
-            cpu.push_str(&format!("| {} | {a:.1} | {b:.1} | {:.3}x |\n", row.what, b / a.max(1e-9)));
+            let ((ea, a), (eb, b)) = (cpu_used(&stacks[0], &before.0), cpu_used(&stacks[1], &before.1));
+            let ratio = b / a.max(1e-9);
+            cpu.push_str(&format!("| {} | {a:.1} ({ea}) | {b:.1} ({eb}) | {ratio:.3}x |\n", row.what));
             // The first column is the native ISA's: both stacks run this machine's kernels.
             let line = table_row(Isa::Native, row, &json, &plain, &observed)?;
             table.push_str(&line.splitn(3, '|').nth(2).map_or(line.clone(), |rest| format!("|{rest}")));
