@@ -397,16 +397,15 @@ fn int8_activations_keep_decode_logits_close() {
     }
 }
 
-/// Loading for Q4 converts each layer as it is read (where multi-row steps read Q4, no f32 projection
-/// is left), and the backend made from it computes exactly what converting the whole f32 model gives.
+/// Loading for Q4 converts each layer as it is read (every step of every kernel family reads Q4, so no
+/// f32 projection is left, on AVX-512 BF16 as on AVX2 alone), and the backend made from it computes
+/// exactly what converting the whole f32 model gives.
 #[test]
 fn loading_for_q4_converts_layer_by_layer_to_the_same_backend() {
     let m = model();
     let dir = ensure_default_model(&models_dir(), &mut Silent, false).unwrap();
     let files = ModelFiles::load_for(&dir, pdserve_model::WeightFormat::Q4).unwrap();
-    let bf16 =
-        std::arch::is_x86_feature_detected!("avx512bf16") && std::arch::is_x86_feature_detected!("avx512f");
-    assert_eq!(files.weights.layers.iter().all(|l| l.q.is_empty() && l.down.is_empty()), bf16);
+    assert!(files.weights.layers.iter().all(|l| l.q.is_empty() && l.down.is_empty()), "f32 projections left");
     let prepared = files.prepared.unwrap();
     assert_eq!(prepared.format(), pdserve_model::WeightFormat::Q4);
     let mut streamed = CpuBackend::new(files.config.clone(), Arc::new(files.weights), 64, 16)
