@@ -105,7 +105,9 @@ fn the_same_request_gives_the_same_text_cold_warm_under_load_unified_and_pd() {
     }
     for (body, seen) in requests.iter().zip(&answers) {
         let (first, want) = &seen[0];
-        assert!(want.split_whitespace().count() >= 20, "{first}: a short answer: {want:?}");
+        // (Long enough to tell answers apart: at temperature 1 the small model may write words of
+        // many languages, so count characters, not words.)
+        assert!(want.chars().count() >= 100, "{first}: a short answer: {want:?}");
         for (when, got) in &seen[1..] {
             assert_eq!(got, want, "{body}: {when} differs from {first}");
         }
