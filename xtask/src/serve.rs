@@ -157,21 +157,27 @@ impl Starting {
 
 /// Asks every child to stop (stdin closed: workers drain), waits up to `grace`, then kills what is left.
 pub(crate) fn stop_all(procs: &mut [Proc], grace: Duration) {
-    for p in procs.iter_mut() {
-        p.stdin = None;
-    }
-    let until = Instant::now() + grace;
-    for p in procs.iter_mut() {
-        while Instant::now() < until {
-            if let Ok(Some(_)) = p.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(50));
+    // The router first: it drains what it has in flight through workers that still serve (a
+    // draining worker refuses new legs, also those of requests the router already holds); then the
+    // workers, each phase within `grace`.
+    for router in [true, false] {
+        let phase = |p: &&mut Proc| (p.name == "router") == router;
+        for p in procs.iter_mut().filter(phase) {
+            p.stdin = None;
         }
-        if let Ok(None) = p.child.try_wait() {
-            eprintln!("{} did not stop within {grace:?}; killing it", p.name);
-            let _ = p.child.kill();
-            let _ = p.child.wait();
+        let until = Instant::now() + grace;
+        for p in procs.iter_mut().filter(phase) {
+            while Instant::now() < until {
+                if let Ok(Some(_)) = p.child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if let Ok(None) = p.child.try_wait() {
+                eprintln!("{} did not stop within {grace:?}; killing it", p.name);
+                let _ = p.child.kill();
+                let _ = p.child.wait();
+            }
         }
     }
 }
