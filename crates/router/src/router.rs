@@ -34,8 +34,11 @@ const TICK: Duration = Duration::from_millis(10);
 const FLUSH_MAX: Duration = Duration::from_secs(5);
 /// Requests the router's ledger tracks at once (client requests are bounded far below by admission).
 const LEDGER_CAPACITY: usize = 1 << 16;
+/// The router's own 2-token requests (pair probes, `/health/generate`): first in the workers'
+/// queues (vLLM's `priority`, lower first), as in the router's, so they prove the path serves tokens,
+/// not how long its queue is.
 pub(crate) const PROBE_BODY: &[u8] =
-    br#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2,"temperature":0}"#;
+    br#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2,"temperature":0,"priority":-1000000}"#;
 
 /// A flight and what the shell keeps beside it.
 #[derive(Debug)]
