@@ -213,20 +213,58 @@ pub(crate) fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// How long each stage of `cargo xtask test` took, printed as it goes and summed up at the end (CI has
+/// a time limit; its log says where the time went).
+#[derive(Debug)]
+struct StageClock {
+    start: std::time::Instant,
+    last: std::time::Instant,
+    laps: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl Default for StageClock {
+    fn default() -> Self {
+        let now = std::time::Instant::now();
+        StageClock { start: now, last: now, laps: Vec::new() }
+    }
+}
+
+impl StageClock {
+    fn lap(&mut self, stage: &'static str) {
+        let took = self.last.elapsed();
+        self.last = std::time::Instant::now();
+        eprintln!("xtask test: {stage} took {:.0} s", took.as_secs_f64());
+        self.laps.push((stage, took));
+    }
+
+    fn summary(&self) {
+        for (stage, took) in &self.laps {
+            eprintln!("xtask test: {:>7.0} s  {stage}", took.as_secs_f64());
+        }
+        eprintln!("xtask test: {:>7.0} s  in all", self.start.elapsed().as_secs_f64());
+    }
+}
+
 fn test() -> Result<()> {
     // What the tests need beyond Rust, installed or named before anything is built.
+    let mut clock = StageClock::default();
     setup::prerequisites()?;
+    clock.lap("prerequisites");
     cargo(&["fmt", "--all", "--check"]).context("formatting differs: run `cargo fmt --all`")?;
+    clock.lap("fmt");
     cargo(&["clippy", "--workspace", "--all-targets", "--all-features", "--", "-D", "warnings"])?;
+    clock.lap("clippy");
     // The Python packages the tests need (references, clients, agent frameworks), pinned, in an
     // environment of the project's own.
     let python = test_venv()?;
     validate_manifests(&python)?;
+    clock.lap("venv and manifests");
     let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     run(Command::new(&cargo_bin)
         .args(["test", "--workspace"])
         .env("PYTHON", &python)
         .env("PDSERVE_AGENTS_PYTHON", &python))?;
+    clock.lap("cargo test --workspace");
     // The model's kernel tests again on the lower CPU kernel families (each capped at what the CPU
     // has): an AVX-512 machine checks its AVX2 and portable paths too.
     for family in ["avx2", "portable"] {
@@ -234,9 +272,11 @@ fn test() -> Result<()> {
             .args(["test", "-p", "pdserve-model", "--lib"])
             .env("PDSERVE_CPU_KERNELS", family))?;
     }
+    clock.lap("model kernels on avx2 and portable");
     // The same kernel tests executed on an AVX2 CPU without AVX-512 (emulated: qemu-user's Haswell),
     // the dispatcher checked to have chosen AVX2, and the real model against its reference there.
     emulated_avx2()?;
+    clock.lap("emulated AVX2");
     // The real model under AVX2: int8 activations, and long steps against steps of a few rows (the
     // same bits: batch invariance on the AVX2 kernels).
     run(Command::new(&cargo_bin)
@@ -251,16 +291,22 @@ fn test() -> Result<()> {
             "long_quantized_steps",
         ])
         .env("PDSERVE_CPU_KERNELS", "avx2"))?;
+    clock.lap("real model on avx2");
     // KV over UCX (the `ucx` feature: libucx-dev, which `.ci/run` installs): the transport's own
     // tests, then PD between worker processes on one host and between network namespaces.
     cargo(&["test", "-p", "pdserve-pd-transfer", "--features", "ucx"])?;
     cargo(&["test", "-p", "pdserve-server", "--features", "ucx", "--test", "ucx"])?;
+    clock.lap("ucx");
     // Every CUDA kernel compiles for every checked architecture without spills (NVRTC, no GPU).
     gpu::check_kernels(&[])?;
+    clock.lap("check-kernels");
     // The short chaos subset: real processes, faults, and the ledgers back to zero afterwards.
     chaos::run(&["--ci".to_owned()])?;
+    clock.lap("chaos --ci");
     // Every fuzz target for a few seconds (cargo-fuzz: installed by `setup::prerequisites`).
     fuzz(&["--seconds".to_owned(), "3".to_owned()])?;
+    clock.lap("fuzz");
+    clock.summary();
     eprintln!("xtask test: all green");
     Ok(())
 }

@@ -181,14 +181,15 @@ impl Workers {
         let count = |r: Role| self.iter().filter(|w| w.role == r).count();
         let up = |r: Role| self.iter().filter(|w| w.role == r && w.routable()).count();
         Err(format!(
-            "no working path: unified {}/{} up, prefill {}/{} up, decode {}/{} up, none proven by a probe in the last {} ms",
+            "no working path: unified {}/{} up, prefill {}/{} up, decode {}/{} up, none proven (a unified worker by its probe in the last {} ms, a prefill and decode pair by a request or pair probe through it in the last {} ms)",
             up(Role::Unified),
             count(Role::Unified),
             up(Role::Prefill),
             count(Role::Prefill),
             up(Role::Decode),
             count(Role::Decode),
-            window.as_millis()
+            window.as_millis(),
+            pair_window.as_millis()
         ))
     }
 }

@@ -128,7 +128,7 @@ impl CpuBackend {
             }
             prev = normed;
             prev_of = live.iter().map(|&(_, i)| i).collect();
-            debug_assert_eq!(prev.len(), prev_of.len() * hsz);
+            assert_eq!(prev.len(), prev_of.len() * hsz);
         }
         out.into_iter().flatten().collect()
     }

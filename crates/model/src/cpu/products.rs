@@ -16,7 +16,7 @@ use crate::sys::{
 /// every row of `x` against blocks of weight rows, spread over the thread pool by output columns.
 pub(super) fn matvec_quant<M: QuantMatrix>(x: &[f32], t: usize, k: usize, w: &M, out: &mut [f32]) {
     let n = w.rows();
-    debug_assert_eq!((x.len(), out.len(), w.cols()), (t * k, t * n, k));
+    assert_eq!((x.len(), out.len(), w.cols()), (t * k, t * n, k));
     let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
     let sums = group_sums(x, k);
     let xsums: Vec<&[f32]> = sums.iter().map(Vec::as_slice).collect();
@@ -68,7 +68,7 @@ pub(super) fn matvec_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
         QRef::Q8(m) => m.rows,
         QRef::F16(_) | QRef::Fp8(_) => return false,
     };
-    debug_assert_eq!((x.len(), out.len()), (t * k, t * n));
+    assert_eq!((x.len(), out.len()), (t * k, t * n));
     let rows = Int8Rows::quantize(x, k);
     let xs: Vec<Int8Row<'_>> = (0..t).map(|r| rows.row(r, k)).collect();
     match m {
@@ -146,7 +146,7 @@ pub(super) fn by_weight_rows(
 /// `out = x[t×k] · w^T` with bf16 weights: x is rounded to bf16 once (into `xb`), then the weight's
 /// 32-row panels are split evenly over the thread pool.
 pub(super) fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mut Vec<u16>, out: &mut [f32]) {
-    debug_assert_eq!((x.len(), w.cols), (t * k, k));
+    assert_eq!((x.len(), w.cols), (t * k, k));
     xb.resize(t * k, 0);
     to_bf16(x, &mut xb[..t * k]);
     gemm_bf16_par(&xb[..t * k], t, k, &w.panels, w.rows, out);
@@ -182,8 +182,8 @@ pub(super) fn matmul_quant_rows(
 /// `x[t×k] · w[n×k]^T` for f32 weights: every value one dot product (`sys::dot`), spread over the
 /// thread pool by blocks of weight rows, each weight row read once for all `t` rows.
 pub(crate) fn matmul(x: &[f32], t: usize, k: usize, w: &[f32], n: usize) -> Vec<f32> {
-    debug_assert_eq!(x.len(), t * k);
-    debug_assert_eq!(w.len(), n * k);
+    assert_eq!(x.len(), t * k);
+    assert_eq!(w.len(), n * k);
     let mut out = vec![0.0; t * n];
     if crate::sys::avx2() && k.is_multiple_of(16) {
         // The very sums `dot` gives each row, weight rows read once for every pair of input rows.

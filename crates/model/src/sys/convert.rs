@@ -55,7 +55,7 @@ pub(crate) fn copy_streaming(dst: &mut [u8], src: &[u8]) {
 #[target_feature(enable = "avx2")]
 unsafe fn copy_streaming_avx2(dst: &mut [u8], src: &[u8]) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256, _mm_sfence};
-    debug_assert!(
+    assert!(
         dst.len() == src.len() && dst.len().is_multiple_of(128) && (dst.as_ptr() as usize).is_multiple_of(32)
     );
     let (d, s) = (dst.as_mut_ptr(), src.as_ptr());
