@@ -420,6 +420,7 @@ impl Engine {
             resumed: req.resume,
             panic_in_sampling: req.test_panic == Some(crate::request::PanicSite::Sampling),
             priority: req.priority,
+            trace_id: req.trace_id,
         };
         let tool_call_ids = req.tool_call_ids.unwrap_or_else(|| req.request_id.clone());
         // In the table before the text thread can answer for it.

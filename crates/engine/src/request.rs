@@ -89,6 +89,8 @@ pub struct Request {
     pub resume: Vec<u32>,
     /// vLLM's `priority`: lower is admitted first among waiting requests (0 by default).
     pub priority: i32,
+    /// The W3C trace id of the request's trace (32 hex digits), shown in `/debug/requests`.
+    pub trace_id: Option<String>,
     /// Test hook: panic in the named place while serving this request (the engine must fail it alone).
     #[doc(hidden)]
     pub test_panic: Option<PanicSite>,
@@ -130,6 +132,7 @@ impl Request {
             include_stop_str: false,
             resume: Vec::new(),
             priority: 0,
+            trace_id: None,
             test_panic: None,
         }
     }

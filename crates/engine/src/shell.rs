@@ -616,6 +616,9 @@ impl EngineThread {
                 seen.insert(v.id);
                 if let std::collections::hash_map::Entry::Vacant(e) = self.published.entry(v.id) {
                     let _ = ledger.admit(v.request_id, v.stage, v.submitted, v.deadline, "engine");
+                    if let Some(t) = v.trace_id {
+                        let _ = ledger.set_trace(v.request_id, t);
+                    }
                     e.insert(v.request_id.to_owned());
                 }
                 let _ = ledger.set_stage(v.request_id, v.stage, now);

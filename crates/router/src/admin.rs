@@ -264,6 +264,18 @@ impl Router {
             w.in_flight_gauge.set(f64::from(w.outstanding));
             w.connections_gauge.set(w.connections as f64);
         }
+        // The exporter's counts, read at each scrape (a batch may fail after the last request ended).
+        if let Some(x) = self.traces.as_ref() {
+            let st = x.stats();
+            for (result, total) in [
+                ("exported", st.spans_exported.load(std::sync::atomic::Ordering::Relaxed)),
+                ("dropped", st.spans_dropped.load(std::sync::atomic::Ordering::Relaxed)),
+            ] {
+                if let Ok(c) = self.metrics.otlp_spans.with(&[result]) {
+                    c.add(total.saturating_sub(c.get()));
+                }
+            }
+        }
     }
 }
 

@@ -302,12 +302,11 @@ impl Router {
         if max == 0 || spec.purpose != Purpose::Client || spec.prompt.is_empty() {
             return false;
         }
-        let prompt_bytes = spec.prompt.len();
-        let prompt = spec.prompt.clone();
         let mut cands = self.candidates(Role::Decode, &[]);
         self.with_cached(id, &mut cands);
-        match self.decode_policy.holder(&cands, &prompt) {
-            Some((_, held)) => held > 0 && prompt_bytes.saturating_sub(held) <= max,
+        let Some(prompt) = self.flights.get(&id).map(|e| &e.flight.spec().prompt) else { return false };
+        match self.decode_policy.holder(&cands, prompt) {
+            Some((_, held)) => held > 0 && prompt.len().saturating_sub(held) <= max,
             None => false,
         }
     }
@@ -350,9 +349,11 @@ impl Router {
                         if let Err(err) = self.server.send_chunk(conn, &bytes) {
                             // The client stopped reading: its request ends here.
                             if self.cfg.log_requests {
+                                let trace = e.trace.as_ref().map(|t| format!(" trace_id={}", t.trace_id()));
                                 eprintln!(
-                                    "router: {}: client stopped reading: {err}",
-                                    e.flight.spec().request_id
+                                    "router: request_id={}{}: client stopped reading: {err}",
+                                    e.flight.spec().request_id,
+                                    trace.unwrap_or_default()
                                 );
                             }
                             self.server.close(conn);
@@ -543,15 +544,6 @@ impl Router {
         }
         if let (Some(t), Some(x)) = (e.trace.take(), self.traces.as_ref()) {
             t.export(x, spec, &f, now);
-            let st = x.stats();
-            for (result, total) in [
-                ("exported", st.spans_exported.load(std::sync::atomic::Ordering::Relaxed)),
-                ("dropped", st.spans_dropped.load(std::sync::atomic::Ordering::Relaxed)),
-            ] {
-                if let Ok(c) = self.metrics.otlp_spans.with(&[result]) {
-                    c.add(total.saturating_sub(c.get()));
-                }
-            }
         }
         match spec.purpose {
             Purpose::PairProbe { prefill, decode } => {

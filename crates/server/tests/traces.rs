@@ -2,7 +2,8 @@
 //! (`--otlp-traces-endpoint`), read by an OTLP collector built on the official `opentelemetry-proto`
 //! definitions: parented on the client's span, each leg's worker spans under that leg's span, the
 //! stages below them, a migration's second decode leg in the same trace; and the router's
-//! `/debug/requests` and a worker's log line name the trace.
+//! `/debug/requests` and a worker's log line name the trace. The collector stopped mid-run costs the
+//! requests nothing: only spans are lost, and every process counts them.
 
 #[path = "../../trace/tests/collector/mod.rs"]
 mod collector;
@@ -14,7 +15,7 @@ use std::time::{Duration, Instant};
 use collector::Collector;
 
 use common::router::RouterThread;
-use common::{chat, Worker};
+use common::{chat, metric, Worker};
 use pdserve_http::{Header, Request, SseDecoder};
 use pdserve_router::Role;
 use serde_json::Value;
@@ -64,7 +65,7 @@ fn send(router: &RouterThread, body: &str, rid: &str, traceparent: &str) -> pdse
 
 #[test]
 fn one_trace_across_router_prefill_and_decode_through_a_migration() {
-    let c = Collector::start();
+    let mut c = Collector::start();
     let url = format!("http://127.0.0.1:{}", c.port);
     let args = |role: &'static str| vec!["--role", role, "--otlp-traces-endpoint", url.as_str()];
     let prefill = Worker::start(&args("prefill"));
@@ -189,5 +190,54 @@ fn one_trace_across_router_prefill_and_decode_through_a_migration() {
         Some(Value::String("11111111111111111111111111111111".into())),
         "{v}"
     );
+    // So does the decode worker's, which holds it now.
+    let survivor = [&decode_a, &decode_b].into_iter().find(|w| Some(w.addr) != killed).unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    let held = loop {
+        let (_, v) = survivor.json("GET", "/debug/requests", "");
+        let e = v["requests"].as_array().and_then(|r| {
+            r.iter().find(|e| e["id"].as_str().is_some_and(|i| i.starts_with("traced-3"))).cloned()
+        });
+        match e {
+            Some(e) => break e,
+            None if Instant::now() < until => std::thread::sleep(Duration::from_millis(50)),
+            None => panic!("the decode worker never listed traced-3: {v}"),
+        }
+    };
+    assert_eq!(held["trace_id"], "11111111111111111111111111111111", "{held}");
     drop(r);
+
+    // The collector stopped mid-run: requests are served as before; their spans are dropped, and
+    // the router and both workers count them.
+    c.stop();
+    let router_dropped = || {
+        let text = String::from_utf8(router.send("GET", "/metrics", "").read_to_end().unwrap()).unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("router_otlp_spans_total{result=\"dropped\"} "))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let dropped = |w: &Worker| metric(w, "otlp_spans_total{result=\"dropped\"}");
+    let before = (router_dropped(), dropped(&prefill), dropped(survivor));
+    for i in 0..4 {
+        let body = chat(&format!("Say hello to friend number {i}."), r#","temperature":0,"max_tokens":6"#);
+        let trace = format!("{:032x}", 0x5eed_0000 + i);
+        let r = send(&router, &body, &format!("uncollected-{i}"), &format!("00-{trace}-3333333333333333-01"));
+        assert_eq!(r.status(), 200, "request {i} with the collector gone");
+        let v: Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
+    }
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut now = before;
+    while Instant::now() < until {
+        now = (router_dropped(), dropped(&prefill), dropped(survivor));
+        if now.0 > before.0 && now.1 > before.1 && now.2 > before.2 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        now.0 > before.0 && now.1 > before.1 && now.2 > before.2,
+        "spans dropped (router, prefill, decode) before the requests {before:?}, after {now:?}"
+    );
 }

@@ -89,6 +89,8 @@ pub struct Submission {
     pub panic_in_sampling: bool,
     /// Lower first (vLLM's `priority`; see `pdserve_scheduler::NewRequest::priority`).
     pub priority: i32,
+    /// The request's trace id, for the ledger (`Request::trace_id`).
+    pub trace_id: Option<String>,
 }
 
 impl Submission {
@@ -111,6 +113,7 @@ impl Submission {
             resumed: Vec::new(),
             panic_in_sampling: false,
             priority: 0,
+            trace_id: None,
         }
     }
 }
@@ -295,12 +298,14 @@ pub struct RequestView<'a> {
     pub kv_blocks: usize,
     /// What it waits for where it is not being computed (see `LedgerEntry::waiting_for`).
     pub waiting_for: Option<&'static str>,
+    pub trace_id: Option<&'a str>,
 }
 
 /// One request the core has admitted.
 #[derive(Debug)]
 struct Active {
     request_id: String,
+    trace_id: Option<String>,
     sampler: Sampler,
     prompt_len: usize,
     stop_ids: Vec<u32>,
@@ -495,6 +500,7 @@ impl EngineCore {
                 tokens_in: a.prompt_len,
                 tokens_out: out,
                 kv_blocks: table.iter().filter(|b| !b.is_released()).count(),
+                trace_id: a.trace_id.as_deref(),
             }
         });
         let described = self.describing.values().map(|(s, since)| RequestView {
@@ -507,6 +513,7 @@ impl EngineCore {
             tokens_out: 0,
             kv_blocks: 0,
             waiting_for: Some("kv_pull"),
+            trace_id: s.trace_id.as_deref(),
         });
         admitted.chain(described)
     }
@@ -653,6 +660,7 @@ impl EngineCore {
             s.id,
             Active {
                 request_id: std::mem::take(&mut s.request_id),
+                trace_id: s.trace_id.take(),
                 sampler,
                 prompt_len,
                 stop_ids: std::mem::take(&mut s.stop_ids),

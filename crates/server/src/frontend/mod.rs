@@ -317,10 +317,13 @@ impl Frontend {
             ("GET", path::HEALTH_LIVE) => Ok(Some(Response::health(&Health::Live, None))),
             ("GET", path::HEALTH_READY | path::HEALTH) => Ok(Some(self.ready())),
             ("GET", path::HEALTH_GENERATE) => self.probe(conn, rid),
-            ("GET", path::METRICS) => Ok(Some(
-                Response::text(200, self.engine.registry().render())
-                    .header("content-type", "text/plain; version=0.0.4; charset=utf-8"),
-            )),
+            ("GET", path::METRICS) => {
+                self.connections.tell_spans(self.traces.as_ref());
+                Ok(Some(
+                    Response::text(200, self.engine.registry().render())
+                        .header("content-type", "text/plain; version=0.0.4; charset=utf-8"),
+                ))
+            }
             ("GET", path::DEBUG_REQUESTS) => Ok(Some(self.debug_requests(&req))),
             ("GET", path::MODELS) => Ok(Some(self.models(rid))),
             ("GET", p) if path::model_id(p).is_some() => {
@@ -509,17 +512,18 @@ impl Frontend {
             include_usage: g.include_usage,
             logprobs: g.logprobs,
         };
+        // Its span context here (`--otlp-traces-endpoint`); `/debug/requests` names the trace.
+        let trace =
+            self.traces.is_some().then(|| trace::RequestTrace::new(req.header_str(header::TRACEPARENT)));
+        er.trace_id = trace.map(|t| t.ctx.trace_id_hex());
         if g.n > 1 {
             return self
                 .start_group(conn, rid, er, g.n as usize, kind, endpoint, &g.pd_handles, echo)
                 .map(|()| None);
         }
         self.submit(conn, rid, er, kind, endpoint)?;
-        let traced = self.traces.is_some();
         if let Some(l) = self.by_conn.get(&conn).and_then(|id| self.live.get_mut(id)) {
-            if traced {
-                l.trace = Some(trace::RequestTrace::new(req.header_str(header::TRACEPARENT)));
-            }
+            l.trace = trace;
             l.echo = echo;
             l.panic_in_output = test_site == Some(None);
             l.marks =

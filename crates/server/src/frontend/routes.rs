@@ -12,10 +12,12 @@ use serde_json::json;
 
 use super::{chat_message, choices, json_response, Frontend};
 
-/// The client connections' series: open now, and closed after idling past the keep-alive.
+/// The client connections' series: open now, and closed after idling past the keep-alive; and the
+/// trace exporter's spans (`--otlp-traces-endpoint`), exported or dropped.
 pub(super) struct HttpMetrics {
     open: pdserve_telemetry::Gauge,
     idle_closed: pdserve_telemetry::Counter,
+    otlp_spans: pdserve_telemetry::CounterVec,
 }
 
 impl HttpMetrics {
@@ -29,12 +31,20 @@ impl HttpMetrics {
                     "Client connections closed after sitting idle past --keep-alive-timeout-s.",
                 )
                 .map_err(e)?,
+            otlp_spans: r
+                .counter_vec(
+                    "otlp_spans_total",
+                    "Spans for --otlp-traces-endpoint: exported (the collector took them) or dropped (a \
+                     full queue, or a batch the collector refused or never answered).",
+                    &["result"],
+                )
+                .map_err(e)?,
         })
     }
 
     /// vLLM's names for the engine's load and cache metrics, which endpoint pickers (the Gateway API
     /// Inference Extension's, llm-d's) scrape by default: aliases read from the engine's own series
-    /// at each scrape, with vLLM's `model_name` and `engine` labels and vLLM's semantics (api.md lists
+    /// at each scrape, with vLLM's `model_name` and `engine` labels and vLLM's semantics (the crate README lists
     /// them). No LoRA adapters are served, so `vllm:lora_requests_info` names none.
     pub(super) fn register_vllm_aliases(r: &pdserve_telemetry::Registry, model: &str) -> std::io::Result<()> {
         use pdserve_telemetry::{AliasSource, MetricKind};
@@ -66,6 +76,17 @@ impl HttpMetrics {
             AliasSource::UnixTime,
         )
         .map_err(e)
+    }
+
+    /// The exporter's counts, read at each scrape (a batch may fail after the last request ended).
+    pub(super) fn tell_spans(&self, exporter: Option<&pdserve_trace::Exporter>) {
+        let Some(x) = exporter else { return };
+        let st = x.stats();
+        for (result, total) in [("exported", &st.spans_exported), ("dropped", &st.spans_dropped)] {
+            if let Ok(c) = self.otlp_spans.with(&[result]) {
+                c.add(total.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(c.get()));
+            }
+        }
     }
 
     pub(super) fn tell(&self, server: &pdserve_http::Server) {

@@ -38,6 +38,14 @@ impl Collector {
     }
 }
 
+impl Collector {
+    /// Stops the collector (its port then refuses connections).
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for Collector {
     fn drop(&mut self) {
         let _ = self.child.kill();
