@@ -118,7 +118,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         "--otlp-traces-endpoint".to_owned(),
         otlp.clone(),
         "--kv-events-config".to_owned(),
-        r#"{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#
+        r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#
             .to_owned(),
     ]);
     let observed_router = vec![

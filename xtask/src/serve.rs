@@ -502,7 +502,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         // all, tokenizing prompts with the model's tokenizer.
         extra.extend([
             "--kv-events-config".to_owned(),
-            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#
+            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://127.0.0.1:0"}"#
                 .to_owned(),
         ]);
         router_extra.extend(["--tokenizer".to_owned(), model.display().to_string()]);

@@ -268,7 +268,7 @@ impl Engine {
         if let Some(cfg) = &config.kv_events {
             let p = pdserve_kv_events::Publisher::start(cfg).map_err(|e| EngineError::Config {
                 field: "kv_events (--kv-events-config)",
-                value: format!("binding {} or its replay endpoint: {e}", cfg.endpoint),
+                value: format!("{} or its replay endpoint: {e}", cfg.endpoint),
             })?;
             let endpoint = |a: std::net::SocketAddr| {
                 if a.ip().is_unspecified() {
@@ -283,8 +283,14 @@ impl Engine {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64);
             let instance = format!("{:016x}", nanos ^ u64::from(std::process::id()).rotate_left(32));
+            // A publisher that connects out to a subscriber of its own has no endpoint to advertise:
+            // the router cannot follow it and routes on its own estimate.
             info.kv_events = Some(serde_json::json!({
-                "endpoint": endpoint(p.pub_addr()),
+                "endpoint": p.pub_addr().map(endpoint),
+                "connects_to": match &cfg.endpoint {
+                    pdserve_kv_events::PubEndpoint::Connect(to) => Some(format!("tcp://{to}")),
+                    pdserve_kv_events::PubEndpoint::Bind(_) => None,
+                },
                 "replay_endpoint": p.replay_addr().map(endpoint),
                 "topic": cfg.topic,
                 "instance": instance,

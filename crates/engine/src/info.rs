@@ -43,9 +43,10 @@ pub struct EngineInfo {
     pub kv_ucx: bool,
     /// Prefill role over UCX: the KV region's export, as handles carry it.
     pub kv_ucx_region: Option<String>,
-    /// Where its KV events are published (`--kv-events-config`): `{"endpoint", "replay_endpoint",
-    /// "topic"}` with the ports bound (`tcp://*:PORT` when bound on every interface), for routers
-    /// that subscribe; `None` without events.
+    /// Where its KV events are published (`--kv-events-config`): `{"endpoint", "connects_to",
+    /// "replay_endpoint", "topic", "instance"}` with the ports bound (`tcp://*:PORT` when bound on
+    /// every interface), for routers that subscribe; `endpoint` null and `connects_to` the subscriber
+    /// when the publisher connects out; `None` without events.
     pub kv_events: Option<serde_json::Value>,
     /// The format the model writes tool calls in (the chat template's, or the configured one).
     pub tool_format: crate::ToolFormat,

@@ -1,7 +1,9 @@
 //! KV cache events in vLLM's wire format, so fleet routers that route on vLLM's events (llm-d,
 //! NVIDIA Dynamo, SGLang's gateway) route on a pdserve worker's too.
 //!
-//! A [`Publisher`] binds a ZMQ PUB socket and, optionally, a ROUTER socket for replay, speaking
+//! A [`Publisher`] binds a ZMQ PUB socket (or connects it out to a subscriber that binds, as vLLM
+//! does for an endpoint that names a host: [`PubEndpoint`]) and, optionally, a ROUTER socket for
+//! replay, speaking
 //! ZMTP 3.0 itself over std TCP (no libzmq, no async runtime). Each batch goes out as the multipart
 //! message `[topic, sequence (8 bytes, big-endian), payload]`, the payload msgpack
 //! `[timestamp, [events...], data_parallel_rank]` with each event a tagged array in vLLM's field
@@ -20,12 +22,12 @@
 //! ```
 //! use pdserve_kv_events::{KvEvent, KvEventsConfig, Publisher};
 //! let cfg = KvEventsConfig::parse(r#"{"enable_kv_cache_events": true, "publisher": "zmq",
-//!     "endpoint": "tcp://127.0.0.1:0", "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv@pod@m"}"#)
+//!     "endpoint": "tcp://*:0", "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv@pod@m"}"#)
 //!     .unwrap()
 //!     .expect("enabled");
 //! let p = Publisher::start(&cfg).unwrap();
 //! p.publish(vec![KvEvent::stored(vec![11, 12], None, (0..32).collect(), 16)]);
-//! assert!(p.pub_addr().port() != 0);
+//! assert!(p.pub_addr().is_some_and(|a| a.port() != 0));
 //! ```
 #![forbid(unsafe_code)]
 
@@ -40,10 +42,11 @@ use std::io;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 
+use subscribe::Until;
 pub use subscribe::{
     decode_batch, replay, Batch, Subscription, BATCH_BYTES_MAX, REPLAY_BATCHES_MAX, REPLAY_BYTES_MAX,
 };
@@ -92,8 +95,9 @@ impl KvEvent {
         KvEvent::BlockRemoved { block_hashes, medium: MEDIUM_PRIMARY }
     }
 
-    /// vLLM's encoding: a tagged array, fields in order, trailing fields at their defaults left out
-    /// (msgspec's `array_like`, `tag` and `omit_defaults`).
+    /// vLLM's encoding: a tagged array, fields in order (msgspec's `array_like` and `tag`), written
+    /// through `lora_name` for `BlockStored` (through `medium` for `BlockRemoved`); the optional tail
+    /// after it (`extra_keys`, ..., `group_idx`) left out at its defaults (`omit_defaults`).
     fn encode(&self, out: &mut Vec<u8>) {
         match self {
             KvEvent::BlockStored { block_hashes, parent_block_hash, token_ids, block_size, medium } => {
@@ -189,8 +193,8 @@ pub fn encode_batch(ts: f64, events: &[KvEvent], data_parallel_rank: u32) -> Vec
 /// vLLM's `--kv-events-config`, as far as a ZMQ publisher goes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvEventsConfig {
-    /// Where the PUB socket binds: `tcp://*:5557` (every interface) or `tcp://HOST:PORT`.
-    pub endpoint: SocketAddr,
+    /// Where the PUB socket binds, or where it connects (as vLLM decides: see [`PubEndpoint`]).
+    pub endpoint: PubEndpoint,
     /// Where the replay ROUTER socket binds, if anywhere.
     pub replay_endpoint: Option<SocketAddr>,
     /// The first frame of every message (subscribers filter on its prefix).
@@ -201,6 +205,43 @@ pub struct KvEventsConfig {
     pub hwm: usize,
     /// Batches queued for the publishing thread at most.
     pub max_queue_size: usize,
+}
+
+/// Where the PUB socket goes. As vLLM's publisher decides: an endpoint with `*` or `::` in it binds
+/// (`tcp://*:5557`: every interface); any other connects out to a subscriber that binds there
+/// (`tcp://indexer.ns.svc:5557`: llm-d's indexer has vLLM pods do this), and connects again after a
+/// drop, the name looked up anew each time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PubEndpoint {
+    Bind(SocketAddr),
+    /// `HOST:PORT`, HOST a name or an address.
+    Connect(String),
+}
+
+impl std::fmt::Display for PubEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            PubEndpoint::Bind(a) => write!(f, "bind tcp://{a}"),
+            PubEndpoint::Connect(to) => write!(f, "connect tcp://{to}"),
+        }
+    }
+}
+
+fn pub_endpoint(s: &str) -> Result<PubEndpoint, String> {
+    if s.contains('*') || s.contains("::") {
+        return bind_addr("endpoint", s).map(PubEndpoint::Bind);
+    }
+    let rest = s
+        .strip_prefix("tcp://")
+        .ok_or_else(|| format!("endpoint {s:?}: only tcp:// endpoints are served"))?;
+    match rest.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0) => {
+            Ok(PubEndpoint::Connect(rest.to_owned()))
+        }
+        _ => Err(format!(
+            "endpoint {s:?}: tcp://*:PORT to bind, or tcp://HOST:PORT of a subscriber to connect to"
+        )),
+    }
 }
 
 /// `tcp://*:PORT` or `tcp://HOST:PORT` as an address to bind.
@@ -260,7 +301,7 @@ impl KvEventsConfig {
         if publisher != "zmq" {
             return Err(format!("--kv-events-config: publisher {publisher:?}: zmq or null"));
         }
-        let endpoint = bind_addr("endpoint", string("endpoint")?.unwrap_or("tcp://*:5557"))?;
+        let endpoint = pub_endpoint(string("endpoint")?.unwrap_or("tcp://*:5557"))?;
         let replay_endpoint =
             string("replay_endpoint")?.map(|s| bind_addr("replay_endpoint", s)).transpose()?;
         Ok(Some(KvEventsConfig {
@@ -279,6 +320,9 @@ pub const SUBSCRIBERS_MAX: usize = 64;
 
 /// A read or write on a subscriber's connection that takes longer ends it.
 const IO_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A replay client's wait for its next request plus that request's answer, at most.
+const REPLAY_EXCHANGE: Duration = Duration::from_secs(60);
 
 /// What a publisher has done, for the worker's metrics.
 #[derive(Debug, Default)]
@@ -313,8 +357,16 @@ type Ring = Arc<Mutex<VecDeque<Arc<(u64, Vec<u8>)>>>>;
 pub struct Publisher {
     batches: Sender<(f64, Vec<KvEvent>)>,
     stats: Arc<PublisherStats>,
-    pub_addr: SocketAddr,
+    pub_addr: Option<SocketAddr>,
     replay_addr: Option<SocketAddr>,
+    /// Set when it is dropped: a connecting publisher stops connecting again.
+    closed: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        self.closed.store(true, Ordering::Relaxed);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -322,11 +374,15 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Publisher {
-    /// Binds the sockets and starts the publishing thread.
+    /// Binds the sockets (or starts connecting out) and starts the publishing thread.
     pub fn start(cfg: &KvEventsConfig) -> io::Result<Publisher> {
         let stats = Arc::new(PublisherStats::default());
-        let listener = TcpListener::bind(cfg.endpoint)?;
-        let pub_addr = listener.local_addr()?;
+        let closed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let listener = match &cfg.endpoint {
+            PubEndpoint::Bind(a) => Some(TcpListener::bind(a)?),
+            PubEndpoint::Connect(_) => None,
+        };
+        let pub_addr = listener.as_ref().map(TcpListener::local_addr).transpose()?;
         let ring: Ring = Arc::new(Mutex::new(VecDeque::with_capacity(cfg.buffer_steps.min(1 << 16))));
         let subscribers: Arc<Mutex<Vec<Subscriber>>> = Arc::default();
         let replay_addr = match cfg.replay_endpoint {
@@ -344,9 +400,18 @@ impl Publisher {
         {
             let (subscribers, stats, hwm) = (Arc::clone(&subscribers), Arc::clone(&stats), cfg.hwm);
             let topic = cfg.topic.clone().into_bytes();
-            std::thread::Builder::new()
-                .name("kv-events-accept".into())
-                .spawn(move || accept_subscribers(listener, subscribers, stats, hwm, topic))?;
+            match (listener, &cfg.endpoint) {
+                (Some(listener), _) => std::thread::Builder::new()
+                    .name("kv-events-accept".into())
+                    .spawn(move || accept_subscribers(listener, subscribers, stats, hwm, topic))?,
+                (None, PubEndpoint::Connect(to)) => {
+                    let (to, closed) = (to.clone(), Arc::clone(&closed));
+                    std::thread::Builder::new()
+                        .name("kv-events-connect".into())
+                        .spawn(move || connect_out(&to, &closed, &subscribers, &stats, hwm, &topic))?
+                }
+                (None, PubEndpoint::Bind(_)) => unreachable!("bound above"),
+            };
         }
         let (batches, rx) = crossbeam_channel::bounded(cfg.max_queue_size);
         {
@@ -355,7 +420,7 @@ impl Publisher {
                 .name("kv-events".into())
                 .spawn(move || publish_loop(&rx, &topic, &ring, keep, &subscribers, &stats))?;
         }
-        Ok(Publisher { batches, stats, pub_addr, replay_addr })
+        Ok(Publisher { batches, stats, pub_addr, replay_addr, closed })
     }
 
     /// Queues `events` as one batch (stamped now); `false` if the queue was full and it was dropped.
@@ -375,8 +440,8 @@ impl Publisher {
         &self.stats
     }
 
-    /// Where the PUB socket listens.
-    pub fn pub_addr(&self) -> SocketAddr {
+    /// Where the PUB socket listens (`None`: it connects out instead).
+    pub fn pub_addr(&self) -> Option<SocketAddr> {
         self.pub_addr
     }
 
@@ -469,6 +534,56 @@ fn accept_subscribers(
     }
 }
 
+/// A publisher configured to connect: to `to`, a subscriber that binds there (one connection, as a
+/// ZMQ PUB that connects has), served like an accepted one; after it drops or fails, again after a
+/// pause of 100 ms doubling to 5 s (back to 100 ms after a connection that was served), until the
+/// publisher is dropped. Each lookup of the name and each connect is bounded by [`IO_TIMEOUT`].
+fn connect_out(
+    to: &str,
+    closed: &std::sync::atomic::AtomicBool,
+    subscribers: &Mutex<Vec<Subscriber>>,
+    stats: &PublisherStats,
+    hwm: usize,
+    topic: &[u8],
+) {
+    const FIRST: Duration = Duration::from_millis(100);
+    let mut pause = FIRST;
+    while !closed.load(Ordering::Relaxed) {
+        let stream = resolve(to).and_then(|addr| TcpStream::connect_timeout(&addr, IO_TIMEOUT));
+        if let Ok(stream) = stream {
+            stats.subscribers.fetch_add(1, Ordering::Relaxed);
+            let served = serve_subscriber(stream, topic, subscribers, stats, hwm);
+            stats.subscribers.fetch_sub(1, Ordering::Relaxed);
+            if let Err(e) = &served {
+                if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+                    stats.subscriber_batches_dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            if !matches!(&served, Err(e) if e.kind() == io::ErrorKind::InvalidData) {
+                pause = FIRST;
+            }
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(IO_TIMEOUT);
+    }
+}
+
+/// `HOST:PORT`'s first address, looked up on a helper thread within [`IO_TIMEOUT`].
+fn resolve(to: &str) -> io::Result<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    let (tx, rx) = crossbeam_channel::bounded(1);
+    let name = to.to_owned();
+    std::thread::Builder::new().name("kv-events-resolve".into()).spawn(move || {
+        let _ = tx.send(name.to_socket_addrs().map(|mut a| a.next()));
+    })?;
+    match rx.recv_timeout(IO_TIMEOUT) {
+        Ok(Ok(Some(a))) => Ok(a),
+        Ok(Ok(None)) => Err(io::Error::new(io::ErrorKind::NotFound, format!("{to}: no address"))),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, format!("looking {to} up took over 5 s"))),
+    }
+}
+
 /// One subscriber: the handshake; then, registered, a reader thread keeping its subscriptions up to
 /// date while this one writes its queue (`[topic, seq, payload]`) until the connection, the
 /// subscriber's limits or the publisher end. Every exit shuts the connection down (the reader then
@@ -480,10 +595,9 @@ fn serve_subscriber(
     stats: &PublisherStats,
     hwm: usize,
 ) -> io::Result<()> {
-    stream.set_read_timeout(Some(IO_TIMEOUT))?;
-    stream.set_write_timeout(Some(IO_TIMEOUT))?;
     stream.set_nodelay(true)?;
-    zmtp::handshake(&mut stream, "PUB")?;
+    // The whole handshake within one deadline (a peer dripping bytes cannot stretch it).
+    zmtp::handshake(&mut Until { s: &mut stream, deadline: Instant::now() + IO_TIMEOUT }, "PUB")?;
     let prefixes: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
     let alive = Arc::new(std::sync::atomic::AtomicBool::new(true));
     // Unbounded in type, held to `hwm` by the publisher (no memory taken up front per subscriber).
@@ -527,7 +641,7 @@ fn write_loop(
         }
         a.store(false, Ordering::Relaxed);
     })?;
-    let since = std::time::Instant::now();
+    let since = Instant::now();
     let result = loop {
         if !alive.load(Ordering::Relaxed) {
             break Ok(());
@@ -538,7 +652,9 @@ fn write_loop(
         match queue.recv_timeout(Duration::from_millis(500)) {
             Ok(batch) => {
                 let seq = batch.0.to_be_bytes();
-                if let Err(e) = zmtp::write_message(stream, &[topic, &seq, &batch.1]) {
+                // Each batch written whole within one deadline, however slowly the subscriber reads.
+                let mut until = Until { s: &mut *stream, deadline: Instant::now() + IO_TIMEOUT };
+                if let Err(e) = zmtp::write_message(&mut until, &[topic, &seq, &batch.1]) {
                     break Err(e);
                 }
                 stats.subscriber_batches_sent.fetch_add(1, Ordering::Relaxed);
@@ -572,12 +688,13 @@ fn serve_replay(listener: TcpListener, ring: Ring) {
         let (ring, open2) = (Arc::clone(&ring), Arc::clone(&open));
         let spawned = std::thread::Builder::new().name("kv-events-replay-conn".into()).spawn(move || {
             let _ = (|| -> io::Result<()> {
-                stream.set_read_timeout(Some(IO_TIMEOUT))?;
-                stream.set_write_timeout(Some(IO_TIMEOUT))?;
-                zmtp::handshake(&mut stream, "ROUTER")?;
-                // A client may ask again and again; an idle one waits up to a minute.
-                stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+                let deadline = Instant::now() + IO_TIMEOUT;
+                zmtp::handshake(&mut Until { s: &mut stream, deadline }, "ROUTER")?;
+                // A client may ask again and again; an idle one waits up to a minute for its next
+                // request, each request read and answered whole within a minute of the wait's start.
                 loop {
+                    let deadline = Instant::now() + REPLAY_EXCHANGE;
+                    let mut stream = Until { s: &mut stream, deadline };
                     let zmtp::Incoming::Message(frames) = zmtp::read(&mut stream)? else { continue };
                     let Some(start) = frames.last().and_then(|f| <[u8; 8]>::try_from(f.as_slice()).ok())
                     else {

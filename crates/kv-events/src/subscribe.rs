@@ -20,9 +20,9 @@ pub const REPLAY_BYTES_MAX: u64 = 256 << 20;
 
 /// A stream every read and write of which must end by one deadline: a peer sending a byte at a time
 /// cannot stretch a message past it (a timeout per call would let it).
-struct Until<'a> {
-    s: &'a mut TcpStream,
-    deadline: Instant,
+pub(crate) struct Until<'a> {
+    pub(crate) s: &'a mut TcpStream,
+    pub(crate) deadline: Instant,
 }
 
 impl Until<'_> {
@@ -278,13 +278,14 @@ mod tests {
     #[test]
     fn a_subscription_reads_live_batches_and_replays_the_missed_ones() {
         let cfg = KvEventsConfig::parse(
-            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0",
+            r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:0",
                 "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv@w1"}"#,
         )
         .unwrap()
         .unwrap();
         let p = Publisher::start(&cfg).unwrap();
-        let mut sub = Subscription::connect(p.pub_addr(), b"kv@", Duration::from_secs(5)).unwrap();
+        let at = SocketAddr::from(([127, 0, 0, 1], p.pub_addr().unwrap().port()));
+        let mut sub = Subscription::connect(at, b"kv@", Duration::from_secs(5)).unwrap();
         // The subscription takes effect on the publisher's side a little later: publish until one
         // arrives.
         let until = Instant::now() + Duration::from_secs(20);

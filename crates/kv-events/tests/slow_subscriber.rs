@@ -10,14 +10,15 @@ use pdserve_kv_events::{KvEvent, KvEventsConfig, Publisher, Subscription};
 #[test]
 fn a_subscriber_that_stops_reading_loses_its_batches_counted_and_holds_up_no_one() {
     let cfg = KvEventsConfig::parse(
-        r#"{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "topic": "kv", "hwm": 8}"#,
+        r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "topic": "kv", "hwm": 8}"#,
     )
     .unwrap()
     .unwrap();
     let p = Publisher::start(&cfg).unwrap();
     let wait = Duration::from_secs(10);
-    let mut reader = Subscription::connect(p.pub_addr(), b"kv", wait).unwrap();
-    let _stalled = Subscription::connect(p.pub_addr(), b"kv", wait).unwrap();
+    let at = std::net::SocketAddr::from(([127, 0, 0, 1], p.pub_addr().unwrap().port()));
+    let mut reader = Subscription::connect(at, b"kv", wait).unwrap();
+    let _stalled = Subscription::connect(at, b"kv", wait).unwrap();
     // Both subscriptions in place: ZMQ's PUB drops what comes before.
     let until = Instant::now() + wait;
     while p.stats().subscribers.load(Ordering::Relaxed) < 2 {

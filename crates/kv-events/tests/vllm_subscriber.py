@@ -3,6 +3,8 @@ each payload strictly into vLLM's event schema (written out below from vLLM's fi
 missing, out of order or of the wrong type fails the decode).
 
 Usage: vllm_subscriber.py PUB_ADDR REPLAY_ADDR TOPIC_PREFIX
+PUB_ADDR "bind": the SUB socket binds a free loopback port instead (the publisher connects to it, as
+llm-d's indexer has vLLM pods do), named in the first line; REPLAY_ADDR "-": no replay socket.
 Prints one JSON line per batch received: {"seq", "topic", "ts", "rank", "events": [...]}, each event
 a dict of vLLM's field names with its "type". Reads commands on stdin: "replay N" asks the replay
 socket for every batch from N (printed with "replay": true, then {"replay_end": true}); "quit".
@@ -78,7 +80,12 @@ def main():
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, prefix.encode())
-    sub.connect(f"tcp://{pub_addr}")
+    bound = None
+    if pub_addr == "bind":
+        sub.bind("tcp://127.0.0.1:*")
+        bound = sub.getsockopt(zmq.LAST_ENDPOINT).decode().removeprefix("tcp://")
+    else:
+        sub.connect(f"tcp://{pub_addr}")
 
     def listen():
         while True:
@@ -94,10 +101,11 @@ def main():
             emit(as_dict(batch, int.from_bytes(seq, "big"), topic.decode()))
 
     threading.Thread(target=listen, daemon=True).start()
-    emit({"subscribed": True})
+    emit({"subscribed": True, "bound": bound})
     replay = ctx.socket(zmq.DEALER)
     replay.setsockopt(zmq.RCVTIMEO, 10000)
-    replay.connect(f"tcp://{replay_addr}")
+    if replay_addr != "-":
+        replay.connect(f"tcp://{replay_addr}")
     for line in sys.stdin:
         cmd = line.split()
         if cmd[:1] == ["quit"]:

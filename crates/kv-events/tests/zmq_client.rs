@@ -5,7 +5,7 @@ mod subscriber;
 
 use std::time::{Duration, Instant};
 
-use pdserve_kv_events::{KvEvent, KvEventsConfig, Publisher};
+use pdserve_kv_events::{KvEvent, KvEventsConfig, PubEndpoint, Publisher};
 use subscriber::Subscriber;
 
 /// Publishes `AllBlocksCleared` every 50 ms until the subscriber has one (its subscription is then in
@@ -25,13 +25,14 @@ fn until_subscribed(p: &Publisher, s: &Subscriber) -> u64 {
 #[test]
 fn a_libzmq_subscriber_decodes_the_events_in_vllm_schema_and_replays() {
     let cfg = KvEventsConfig::parse(
-        r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0",
+        r#"{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:0",
             "replay_endpoint": "tcp://127.0.0.1:0", "topic": "kv@pod-7@smol", "buffer_steps": 1000}"#,
     )
     .unwrap()
     .unwrap();
     let p = Publisher::start(&cfg).unwrap();
-    let (pub_addr, replay_addr) = (p.pub_addr().to_string(), p.replay_addr().unwrap().to_string());
+    let pub_addr = format!("127.0.0.1:{}", p.pub_addr().unwrap().port());
+    let replay_addr = p.replay_addr().unwrap().to_string();
     let mut s = Subscriber::start(&pub_addr, &replay_addr, "kv@");
     let first = until_subscribed(&p, &s);
     while s.try_next(Duration::from_millis(200)).is_some() {} // probes still in flight
@@ -100,7 +101,7 @@ fn a_libzmq_subscriber_decodes_the_events_in_vllm_schema_and_replays() {
 #[test]
 fn a_full_queue_drops_and_counts() {
     let cfg = KvEventsConfig::parse(
-        r#"{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0", "max_queue_size": 1}"#,
+        r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "max_queue_size": 1}"#,
     )
     .unwrap()
     .unwrap();
@@ -121,10 +122,22 @@ fn the_config_is_vllms_and_mistakes_are_named() {
     );
     let c = KvEventsConfig::parse(r#"{"enable_kv_cache_events": true}"#).unwrap().unwrap();
     assert_eq!(
-        (c.endpoint.to_string(), c.replay_endpoint, c.topic.as_str()),
-        ("0.0.0.0:5557".into(), None, "")
+        (c.endpoint, c.replay_endpoint, c.topic.as_str()),
+        (PubEndpoint::Bind("0.0.0.0:5557".parse().unwrap()), None, "")
     );
+    // vLLM's rule: `*` or `::` binds, any other endpoint connects out.
+    let endpoint = |e: &str| {
+        KvEventsConfig::parse(&format!(r#"{{"enable_kv_cache_events": true, "endpoint": "{e}"}}"#))
+            .map(|c| c.unwrap().endpoint)
+    };
+    assert_eq!(endpoint("tcp://[::]:5557"), Ok(PubEndpoint::Bind("[::]:5557".parse().unwrap())));
+    assert_eq!(
+        endpoint("tcp://indexer.llm-d.svc.cluster.local:5557"),
+        Ok(PubEndpoint::Connect("indexer.llm-d.svc.cluster.local:5557".into()))
+    );
+    assert_eq!(endpoint("tcp://10.0.0.5:5557"), Ok(PubEndpoint::Connect("10.0.0.5:5557".into())));
     for (bad, says) in [
+        (r#"{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:0"}"#, "tcp://*:PORT to bind"),
         (r#"{"enable_kv_cache_events": true, "endpoint": "ipc:///tmp/x"}"#, "tcp://"),
         (r#"{"enable_kv_cache_events": true, "publisher": "kafka"}"#, "zmq or null"),
         (r#"{"enable_kv_cache_events": "yes"}"#, "true or false"),
@@ -134,4 +147,34 @@ fn the_config_is_vllms_and_mistakes_are_named() {
         let e = KvEventsConfig::parse(bad).unwrap_err();
         assert!(e.contains(says), "{bad}: {e}");
     }
+}
+
+/// An endpoint naming a host (vLLM's rule: neither `*` nor `::` in it) makes the publisher connect out
+/// to a subscriber that binds there, as llm-d's indexer has vLLM pods do: a pyzmq SUB socket bound
+/// to a port gets the batches, decoded in vLLM's schema.
+#[test]
+fn a_publisher_given_a_host_connects_out_to_a_subscriber_that_binds() {
+    let (s, addr) = Subscriber::bound("kv@");
+    let cfg = KvEventsConfig::parse(&format!(
+        r#"{{"enable_kv_cache_events": true, "endpoint": "tcp://{addr}", "topic": "kv@pod-9@smol"}}"#
+    ))
+    .unwrap()
+    .unwrap();
+    assert_eq!(cfg.endpoint, PubEndpoint::Connect(addr.clone()));
+    let p = Publisher::start(&cfg).unwrap();
+    assert_eq!(p.pub_addr(), None, "nothing bound");
+    let first = until_subscribed(&p, &s);
+    assert_eq!(p.stats().subscribers.load(std::sync::atomic::Ordering::Relaxed), 1);
+    p.publish(vec![KvEvent::stored(vec![11], None, (0..16).collect(), 16)]);
+    let v = loop {
+        let v = s.next(Duration::from_secs(10));
+        if v["events"][0]["type"] == "BlockStored" {
+            break v;
+        }
+    };
+    assert!(v["seq"].as_u64().unwrap() > first, "{v}");
+    assert_eq!(
+        (v["topic"].as_str(), v["events"][0]["block_hashes"][0].as_u64()),
+        (Some("kv@pod-9@smol"), Some(11))
+    );
 }

@@ -24,7 +24,7 @@ fn start(port: u16, pub_port: u16, replay_port: u16) -> Worker {
 
 fn start_with(port: u16, pub_port: u16, replay_port: u16, extra: &[&str]) -> Worker {
     let cfg = json!({"enable_kv_cache_events": true, "publisher": "zmq",
-        "endpoint": format!("tcp://127.0.0.1:{pub_port}"), "replay_endpoint": format!("tcp://127.0.0.1:{replay_port}"),
+        "endpoint": format!("tcp://*:{pub_port}"), "replay_endpoint": format!("tcp://127.0.0.1:{replay_port}"),
         "topic": "kv@worker-0@smol"})
     .to_string();
     let port = port.to_string();

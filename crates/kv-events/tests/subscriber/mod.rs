@@ -18,6 +18,18 @@ pub struct Subscriber {
 
 impl Subscriber {
     pub fn start(pub_addr: &str, replay_addr: &str, prefix: &str) -> Subscriber {
+        Subscriber::spawn(pub_addr, replay_addr, prefix).0
+    }
+
+    /// A subscriber whose SUB socket binds (a publisher configured to connect comes to it), and the
+    /// address it bound.
+    pub fn bound(prefix: &str) -> (Subscriber, String) {
+        let (s, first) = Subscriber::spawn("bind", "-", prefix);
+        let addr = first["bound"].as_str().expect("the address the subscriber bound").to_owned();
+        (s, addr)
+    }
+
+    fn spawn(pub_addr: &str, replay_addr: &str, prefix: &str) -> (Subscriber, Value) {
         let python = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
         let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../kv-events/tests/vllm_subscriber.py");
         let mut child = Command::new(python)
@@ -35,8 +47,9 @@ impl Subscriber {
             }
         });
         let s = Subscriber { child, stdin, lines };
-        assert_eq!(s.next(Duration::from_secs(30))["subscribed"], true, "the subscriber did not start");
-        s
+        let first = s.next(Duration::from_secs(30));
+        assert_eq!(first["subscribed"], true, "the subscriber did not start");
+        (s, first)
     }
 
     pub fn next(&self, within: Duration) -> Value {
