@@ -33,6 +33,11 @@ pub struct PdHandle {
     /// computed by the prefill worker that made the handle; a decode worker takes a handle only when
     /// it verifies, so no one without the secret can point it at an address of their choosing.
     pub tag: Option<String>,
+    /// The W3C `traceparent` of the prefill request's span (or the one its caller sent, where the
+    /// prefill worker exports no spans): a decode worker called without a `traceparent` of its own
+    /// joins that trace, so the trace crosses the KV transfer even with no router between the two.
+    /// Not under the tag: it names a trace, never an address.
+    pub traceparent: Option<String>,
 }
 
 impl PdHandle {
@@ -43,6 +48,9 @@ impl PdHandle {
         }
         if let Some(t) = &self.tag {
             v["tag"] = json!(t);
+        }
+        if let Some(t) = &self.traceparent {
+            v["traceparent"] = json!(t);
         }
         v
     }
@@ -97,6 +105,7 @@ impl PdHandle {
             shm: optional_string(v, "shm").map_err(|()| bad("shm"))?,
             ucx: optional_string(v, "ucx").map_err(|()| bad("ucx"))?,
             tag: optional_string(v, "tag").map_err(|()| bad("tag"))?,
+            traceparent: optional_string(v, "traceparent").map_err(|()| bad("traceparent"))?,
         })
     }
 }
@@ -251,8 +260,15 @@ mod tests {
             shm: None,
             ucx: None,
             tag: None,
+            traceparent: None,
         };
         assert_eq!(PdHandle::from_json(&h.to_json()).unwrap(), h);
+        let traced = PdHandle {
+            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+            ..h.clone()
+        };
+        assert_eq!(PdHandle::from_json(&traced.to_json()).unwrap(), traced);
+        assert!(h.to_json().get("traceparent").is_none(), "no trace member unless there is one");
         let h2 = PdHandle { shm: Some("/dev/shm/kv".into()), ..h.clone() };
         assert_eq!(PdHandle::from_json(&h2.to_json()).unwrap(), h2);
         let h3 = PdHandle { ucx: Some("ucx:0a0b".into()), ..h2.clone() };
@@ -275,12 +291,18 @@ mod tests {
             shm: Some("/dev/shm/pdserve-kv-a-1".into()),
             ucx: None,
             tag: None,
+            traceparent: None,
         };
         let signed = h.clone().signed("s3cret");
         let tag = signed.tag.clone().unwrap();
         assert_eq!(tag.len(), 64);
         let back = PdHandle::from_json(&signed.to_json()).unwrap();
         assert!(back.verifies("s3cret"));
+        let traced = PdHandle {
+            traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+            ..back.clone()
+        };
+        assert!(traced.verifies("s3cret"), "the trace it names is not under the tag");
         assert!(!back.verifies("s3cre"), "another secret");
         assert!(!h.verifies("s3cret"), "no tag");
         let t = Some(tag);

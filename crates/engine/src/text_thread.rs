@@ -498,8 +498,9 @@ impl TextThread {
                     epoch: key.epoch,
                     shm: self.info.kv_shm_path.as_ref().map(|p| p.display().to_string()),
                     ucx: self.info.kv_ucx_region.clone(),
-                    // (Signed by the frontend, which holds the stack's secret.)
+                    // (Signed by the frontend, which holds the stack's secret and the request's trace.)
                     tag: None,
+                    traceparent: None,
                 };
                 let usage = Usage { prompt_tokens: s.prompt_tokens, completion_tokens: 1, cached_tokens };
                 self.push(Output::Prefilled { id: Id(id), handle, usage, timings });

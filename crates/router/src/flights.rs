@@ -165,6 +165,11 @@ impl Router {
                 let t = crate::trace::FlightTrace::new(traceparent.as_deref());
                 let _ = self.ledger.set_trace(rid, &t.trace_id());
                 e.trace = Some(t);
+            } else if purpose == Purpose::Client {
+                if let Some(ctx) = traceparent.as_deref().and_then(pdserve_trace::TraceContext::parse) {
+                    let _ = self.ledger.set_trace(rid, &ctx.trace_id_hex());
+                    e.passthrough = Some(ctx.traceparent());
+                }
             }
         }
         if purpose == Purpose::HealthGenerate {
@@ -225,6 +230,7 @@ impl Router {
             routing: Vec::new(),
             storing: None,
             trace: None,
+            passthrough: None,
             kv_prompt: None,
         };
         self.flights.insert(id, entry);
@@ -484,7 +490,7 @@ impl Router {
                 pdserve_trace::TraceContext { flags: 0, ..pdserve_trace::TraceContext::new_root() }
                     .traceparent(),
             ),
-            None => None,
+            None => e.passthrough.clone(),
         };
         let secret = self.cfg.cluster_secret.as_deref();
         let bytes = e.flight.leg_request(kind, authority, secret, tp.as_deref(), now);

@@ -56,6 +56,9 @@ pub(crate) struct Entry {
     pub storing: Option<Box<crate::responses::Storing>>,
     /// Its spans so far (`--otlp-traces-endpoint`).
     pub trace: Option<crate::trace::FlightTrace>,
+    /// Without an exporter: the client's `traceparent` (when valid), passed on unchanged on every leg
+    /// so the workers' spans still join the client's trace (the router then takes no part in it).
+    pub passthrough: Option<String>,
     /// Its prompt's blocks, for routing on the workers' KV events (`--tokenizer`).
     pub kv_prompt: Option<crate::kv_listen::KvPrompt>,
 }

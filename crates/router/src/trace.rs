@@ -18,6 +18,8 @@ struct LegTrace {
     kind: LegKind,
     worker: String,
     retry: Option<Retry>,
+    /// A migration opened it (the request moved off the leg before).
+    moved: bool,
     start: Instant,
     end: Option<Instant>,
 }
@@ -60,16 +62,26 @@ impl FlightTrace {
 
     /// A leg goes to `worker`: the one before it is over; the `traceparent` the leg carries.
     pub(crate) fn leg(&mut self, kind: LegKind, worker: &str, retry: Option<Retry>, now: Instant) -> String {
+        let mut moved = false;
         if let Some(l) = self.legs.last_mut() {
             l.end.get_or_insert(now);
             // Not a retry of a leg that never went out, nor the decode leg after its prefill leg:
             // the request moved.
             if retry.is_none() && !(l.kind == LegKind::Prefill && kind == LegKind::Decode) {
                 self.moves.push(now);
+                moved = true;
             }
         }
         let ctx = self.root.child();
-        self.legs.push(LegTrace { ctx, kind, worker: worker.to_owned(), retry, start: now, end: None });
+        self.legs.push(LegTrace {
+            ctx,
+            kind,
+            worker: worker.to_owned(),
+            retry,
+            moved,
+            start: now,
+            end: None,
+        });
         ctx.traceparent()
     }
 
@@ -106,6 +118,7 @@ impl FlightTrace {
         }
         let kinds: Vec<LegKind> = self.legs.iter().map(|l| l.kind).collect();
         let last = self.legs.len().saturating_sub(1);
+        let mut migrations = f.migrations.iter();
         for (i, l) in self.legs.into_iter().enumerate() {
             let kind = match l.kind {
                 LegKind::Main => "unified",
@@ -116,7 +129,12 @@ impl FlightTrace {
             let name = format!("{kind} leg");
             let mut s =
                 Span::with_context(l.ctx, Some(root_ctx.span_id), &name, SpanKind::Client, l.start, end);
-            s.attr("pdserve.worker", AttrValue::Str(l.worker));
+            s.attr("pdserve.worker", AttrValue::Str(l.worker))
+                .attr("gen_ai.request.id", AttrValue::Str(spec.request_id.clone()));
+            // The leg a migration opened says why the request moved.
+            if let Some(m) = if l.moved { migrations.next() } else { None } {
+                s.attr("pdserve.migration", AttrValue::Str(m.as_str().to_owned()));
+            }
             if let Some(r) = l.retry {
                 let why = match r {
                     Retry::Refused => "refused",

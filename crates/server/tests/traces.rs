@@ -1,8 +1,9 @@
 //! One trace per request across the router, the prefill worker and the decode worker
 //! (`--otlp-traces-endpoint`), read by an OTLP collector built on the official `opentelemetry-proto`
 //! definitions: parented on the client's span, each leg's worker spans under that leg's span, the
-//! stages below them, a migration's second decode leg in the same trace; and the router's
-//! `/debug/requests` and a worker's log line name the trace. The collector stopped mid-run costs the
+//! stages below them, a migration's second decode leg in the same trace; the router's and the
+//! decode worker's `/debug/requests` name the trace; without a router, the KV handle carries the trace
+//! from the prefill worker to the decode worker. The collector stopped mid-run costs the
 //! requests nothing: only spans are lost, and every process counts them.
 
 #[path = "../../trace/tests/collector/mod.rs"]
@@ -176,8 +177,25 @@ fn one_trace_across_router_prefill_and_decode_through_a_migration() {
         by_status.contains_key(&2) && by_status.contains_key(&1),
         "one leg failed, one completed: {legs:#?}"
     );
+    // The first leg the migration opened says why (a prefill leg, where the move computes the
+    // prompt again; else the decode leg); every leg names the request.
+    let all_legs: Vec<&Value> = spans
+        .iter()
+        .filter(|s| {
+            s["service"] == "pdserve-router" && s["name"].as_str().is_some_and(|n| n.ends_with(" leg"))
+        })
+        .collect();
+    let moved: Vec<_> =
+        all_legs.iter().filter(|l| l["attributes"]["pdserve.migration"] == "decode_lost").collect();
+    assert_eq!(moved.len(), 1, "{all_legs:#?}");
+    assert!(all_legs.iter().all(|l| l["attributes"]["gen_ai.request.id"] == "traced-2"), "{all_legs:#?}");
     let survivor = one(&spans, "pdserve-decode", "POST /v1/chat/completions");
     under(survivor, by_status[&1]);
+    let stage = one(&spans, "pdserve-decode", "decode");
+    assert!(
+        stage["attributes"]["gen_ai.request.id"].as_str().is_some_and(|i| i.starts_with("traced-2")),
+        "{stage}"
+    );
 
     // The router's /debug/requests names a live request's trace.
     let body = chat("Count to fifty.", r#","max_tokens":200,"ignore_eos":true,"stream":true"#);
@@ -206,6 +224,47 @@ fn one_trace_across_router_prefill_and_decode_through_a_migration() {
     };
     assert_eq!(held["trace_id"], "11111111111111111111111111111111", "{held}");
     drop(r);
+
+    // No router: a client sends the prompt to the prefill worker under its span, then the KV handle
+    // to the decode worker without a `traceparent`: the handle carries the trace across.
+    let trace4 = "5eed0000000000000000000000000004";
+    let body = chat("Name a color.", r#","temperature":0,"max_tokens":4"#);
+    let tp = format!("00-{trace4}-4444444444444444-01");
+    let r = prefill.request("POST", "/v1/chat/completions", &body, &[("traceparent", tp.as_str())]);
+    assert_eq!(r.status(), 200);
+    let answer: Value = serde_json::from_slice(&r.read_to_end().unwrap()).unwrap();
+    let handle = &answer["pd_transfer"];
+    assert_eq!(handle["traceparent"].as_str().map(|t| &t[3..35]), Some(trace4), "{answer}");
+    let mut body: Value = serde_json::from_str(&body).unwrap();
+    body["pd_transfer"] = handle.clone();
+    let r = survivor.request("POST", "/v1/chat/completions", &body.to_string(), &[]);
+    assert_eq!(r.status(), 200);
+    let _ = r.read_to_end();
+    let spans = spans_of(&c, trace4, |s| {
+        !find(s, "pdserve-prefill", "POST /v1/chat/completions").is_empty()
+            && !find(s, "pdserve-decode", "POST /v1/chat/completions").is_empty()
+    });
+    let p = one(&spans, "pdserve-prefill", "POST /v1/chat/completions");
+    assert_eq!(p["parent_span_id"], "4444444444444444");
+    let d = one(&spans, "pdserve-decode", "POST /v1/chat/completions");
+    assert_eq!(d["parent_span_id"], p["span_id"], "the decode worker's span under the prefill worker's");
+
+    // A router that exports nothing passes the client's `traceparent` on unchanged: the workers'
+    // spans still join the client's trace, under the client's span.
+    let plain = RouterThread::start(&[(&prefill, Role::Prefill), (survivor, Role::Decode)]);
+    let trace5 = "5eed0000000000000000000000000005";
+    let body = chat("Name a fruit.", r#","temperature":0,"max_tokens":4"#);
+    let r = send(&plain, &body, "passed-on", &format!("00-{trace5}-5555555555555555-01"));
+    assert_eq!(r.status(), 200);
+    let _ = r.read_to_end();
+    let spans = spans_of(&c, trace5, |s| {
+        !find(s, "pdserve-prefill", "POST /v1/chat/completions").is_empty()
+            && !find(s, "pdserve-decode", "POST /v1/chat/completions").is_empty()
+    });
+    for svc in ["pdserve-prefill", "pdserve-decode"] {
+        assert_eq!(one(&spans, svc, "POST /v1/chat/completions")["parent_span_id"], "5555555555555555");
+    }
+    assert!(find(&spans, "pdserve-router", "POST /v1/chat/completions").is_empty());
 
     // The collector stopped mid-run: requests are served as before; their spans are dropped, and
     // the router and both workers count them.

@@ -98,16 +98,7 @@ impl Frontend {
             (e.kind.as_str().to_owned(), e.message)
         });
         self.trace_end(&l, result, &usage, Some(&timings));
-        // One line per request, with its id (and its trace's), so a log search finds it.
-        let trace = l.trace.map(|t| format!(" trace_id={}", t.ctx.trace_id_hex())).unwrap_or_default();
-        eprintln!(
-            "request_id={}{trace} outcome={} prompt_tokens={} completion_tokens={} latency_ms={}",
-            l.request_id,
-            finish.outcome(),
-            usage.prompt_tokens,
-            usage.completion_tokens,
-            l.received.elapsed().as_millis()
-        );
+        log_end(&l, &finish.outcome().to_string(), &usage);
         if let Some(gid) = l.group {
             return self.group_finished(gid, l, finish, usage, timings);
         }
@@ -222,4 +213,18 @@ impl Frontend {
             }
         }
     }
+}
+
+/// The request's one log line, with its id and its trace's (the caller's, where this worker exports
+/// no spans), so a log search finds it: how it ended, its tokens and its time here.
+pub(super) fn log_end(l: &Live, outcome: &str, usage: &pdserve_engine::Usage) {
+    let trace = l.handoff.as_deref().and_then(|t| t.get(3..35)).map(|t| format!(" trace_id={t}"));
+    eprintln!(
+        "request_id={}{} outcome={outcome} prompt_tokens={} completion_tokens={} latency_ms={}",
+        l.request_id,
+        trace.unwrap_or_default(),
+        usage.prompt_tokens,
+        usage.completion_tokens,
+        l.received.elapsed().as_millis()
+    );
 }

@@ -134,6 +134,7 @@ impl Frontend {
             group: Some(gid),
             choice: i,
             trace: None,
+            handoff: None,
         };
         self.live.insert(id, live);
         Ok(())

@@ -72,6 +72,9 @@ struct Live {
     reasoning: String,
     /// Its span here (`--otlp-traces-endpoint`).
     trace: Option<trace::RequestTrace>,
+    /// The `traceparent` a prefill worker's KV handle carries on: its span's, or without an exporter
+    /// the caller's own.
+    handoff: Option<String>,
 }
 
 /// A Responses request's own state.
@@ -512,10 +515,17 @@ impl Frontend {
             include_usage: g.include_usage,
             logprobs: g.logprobs,
         };
-        // Its span context here (`--otlp-traces-endpoint`); `/debug/requests` names the trace.
-        let trace =
-            self.traces.is_some().then(|| trace::RequestTrace::new(req.header_str(header::TRACEPARENT)));
-        er.trace_id = trace.map(|t| t.ctx.trace_id_hex());
+        // Its span context here (`--otlp-traces-endpoint`), under the caller's `traceparent` or, called
+        // without one, the one the KV handle carries from the prefill worker; `/debug/requests` names
+        // the trace.
+        let caller = req
+            .header_str(header::TRACEPARENT)
+            .map(str::to_owned)
+            .or_else(|| g.pd_handles.first().and_then(|h| h.traceparent.clone()));
+        let caller = caller.as_deref().and_then(pdserve_trace::TraceContext::parse);
+        let trace = self.traces.is_some().then(|| trace::RequestTrace::new(caller));
+        er.trace_id = trace.map(|t| t.ctx).or(caller).map(|c| c.trace_id_hex());
+        let handoff = trace.map(|t| t.ctx).or(caller).map(|c| c.traceparent());
         if g.n > 1 {
             return self
                 .start_group(conn, rid, er, g.n as usize, kind, endpoint, &g.pd_handles, echo)
@@ -524,6 +534,7 @@ impl Frontend {
         self.submit(conn, rid, er, kind, endpoint)?;
         if let Some(l) = self.by_conn.get(&conn).and_then(|id| self.live.get_mut(id)) {
             l.trace = trace;
+            l.handoff = handoff;
             l.echo = echo;
             l.panic_in_output = test_site == Some(None);
             l.marks =
@@ -580,6 +591,7 @@ impl Frontend {
             resp: None,
             reasoning: String::new(),
             trace: None,
+            handoff: None,
         };
         self.live.insert(id, live);
         self.by_conn.insert(conn, id);

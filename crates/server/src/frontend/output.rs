@@ -83,6 +83,7 @@ impl Frontend {
                         &pdserve_engine::Usage::default(),
                         None,
                     );
+                    super::answer::log_end(&l, &format!("rejected:{}", e.kind.as_str()), &Default::default());
                     if let Some(conn) = l.conn {
                         let _ = self.server.respond(conn, &Self::error_response(&l, &e));
                     }
@@ -141,6 +142,7 @@ impl Frontend {
             Output::Prefilled { id, handle, usage, timings } => {
                 let Some(l) = self.remove(id) else { return };
                 self.trace_end(&l, Ok("length"), &usage, Some(&timings));
+                super::answer::log_end(&l, "prefilled", &usage);
                 if let (Some(_), Some(t)) = (self.traces.as_ref(), l.trace) {
                     self.offers_traced.insert(id, (t, Instant::now(), l.request_id.clone()));
                     while self.offers_traced.len() > trace::OFFERS_TRACED_MAX {
@@ -156,6 +158,7 @@ impl Frontend {
                     return;
                 };
                 let mut body = json!({"usage": openai::usage_json(usage), "timings": timings_json(&timings)});
+                let handle = pdserve_api::pd::PdHandle { traceparent: l.handoff.clone(), ..handle };
                 body[pd::HANDLE_FIELD] = self.signed(handle).to_json();
                 let _ = self.server.respond(conn, &json_response(200, &body, Some(&l.request_id)));
             }

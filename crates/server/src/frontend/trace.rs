@@ -21,8 +21,8 @@ pub(super) struct RequestTrace {
 }
 
 impl RequestTrace {
-    pub(super) fn new(traceparent: Option<&str>) -> RequestTrace {
-        match traceparent.and_then(TraceContext::parse) {
+    pub(super) fn new(caller: Option<TraceContext>) -> RequestTrace {
+        match caller {
             Some(caller) => RequestTrace { ctx: caller.child(), parent: Some(caller.span_id) },
             None => RequestTrace { ctx: TraceContext::new_root(), parent: None },
         }
@@ -94,18 +94,19 @@ pub(super) fn export(exporter: &Exporter, t: RequestTrace, e: &Ended<'_>) {
             if name == "transfer_ms" {
                 transfer = Some((at, end));
             }
-            exporter.export(Span::between(&ctx, span_name, SpanKind::Internal, at, end));
+            exporter.export(stage(&ctx, span_name, at, end, e.request_id));
             at = end;
         } else if let Some((_, end)) = transfer {
-            exporter.export(Span::between(
-                &ctx,
-                span_name,
-                SpanKind::Internal,
-                end.checked_sub(d).unwrap_or(end),
-                end,
-            ));
+            exporter.export(stage(&ctx, span_name, end.checked_sub(d).unwrap_or(end), end, e.request_id));
         }
     }
+}
+
+/// A stage's span under the request's, with the request's id.
+fn stage(ctx: &TraceContext, name: &str, start: Instant, end: Instant, request_id: &str) -> Span {
+    let mut s = Span::between(ctx, name, SpanKind::Internal, start, end);
+    s.attr("gen_ai.request.id", AttrValue::Str(request_id.to_owned()));
+    s
 }
 
 /// Prefill offers remembered for their `kv transfer (served)` span at most.
