@@ -547,9 +547,9 @@ fn connect_out(
     topic: &[u8],
 ) {
     const FIRST: Duration = Duration::from_millis(100);
-    let mut pause = FIRST;
+    let (mut pause, mut lookup) = (FIRST, None);
     while !closed.load(Ordering::Relaxed) {
-        let stream = resolve(to).and_then(|addr| TcpStream::connect_timeout(&addr, IO_TIMEOUT));
+        let stream = resolve(to, &mut lookup).and_then(|addr| TcpStream::connect_timeout(&addr, IO_TIMEOUT));
         if let Ok(stream) = stream {
             stats.subscribers.fetch_add(1, Ordering::Relaxed);
             let served = serve_subscriber(stream, topic, subscribers, stats, hwm);
@@ -568,19 +568,36 @@ fn connect_out(
     }
 }
 
-/// `HOST:PORT`'s first address, looked up on a helper thread within [`IO_TIMEOUT`].
-fn resolve(to: &str) -> io::Result<SocketAddr> {
+/// A name lookup under way on its helper thread.
+type Lookup = Receiver<io::Result<Option<SocketAddr>>>;
+
+/// `HOST:PORT`'s first address, looked up on a helper thread within [`IO_TIMEOUT`]. One lookup at a
+/// time: one that is still running when the wait ends stays in `pending`, and the next call waits
+/// for it again instead of starting another (a hung resolver cannot pile threads up).
+fn resolve(to: &str, pending: &mut Option<Lookup>) -> io::Result<SocketAddr> {
     use std::net::ToSocketAddrs;
-    let (tx, rx) = crossbeam_channel::bounded(1);
-    let name = to.to_owned();
-    std::thread::Builder::new().name("kv-events-resolve".into()).spawn(move || {
-        let _ = tx.send(name.to_socket_addrs().map(|mut a| a.next()));
-    })?;
+    let rx = match pending.take() {
+        Some(rx) => rx,
+        None => {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let name = to.to_owned();
+            std::thread::Builder::new().name("kv-events-resolve".into()).spawn(move || {
+                let _ = tx.send(name.to_socket_addrs().map(|mut a| a.next()));
+            })?;
+            rx
+        }
+    };
     match rx.recv_timeout(IO_TIMEOUT) {
         Ok(Ok(Some(a))) => Ok(a),
         Ok(Ok(None)) => Err(io::Error::new(io::ErrorKind::NotFound, format!("{to}: no address"))),
         Ok(Err(e)) => Err(e),
-        Err(_) => Err(io::Error::new(io::ErrorKind::TimedOut, format!("looking {to} up took over 5 s"))),
+        Err(crossbeam_channel::RecvTimeoutError::Timeout) => {
+            *pending = Some(rx);
+            Err(io::Error::new(io::ErrorKind::TimedOut, format!("looking {to} up took over 5 s")))
+        }
+        Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+            Err(io::Error::other(format!("looking {to} up failed")))
+        }
     }
 }
 
