@@ -165,6 +165,7 @@ fn one_trace_across_router_prefill_and_decode_through_a_migration() {
     let spans = spans_of(&c, trace2, |s| {
         find(s, "pdserve-router", "decode leg").len() == 2
             && find(s, "pdserve-decode", "POST /v1/chat/completions").len() == 1
+            && find(s, "pdserve-decode", "decode").len() == 1
             && !find(s, "pdserve-router", "POST /v1/chat/completions").is_empty()
     });
     let root = one(&spans, "pdserve-router", "POST /v1/chat/completions");
