@@ -266,11 +266,7 @@ impl Router {
         }
         // The exporter's counts, read at each scrape (a batch may fail after the last request ended).
         if let Some(x) = self.traces.as_ref() {
-            let st = x.stats();
-            for (result, total) in [
-                ("exported", st.spans_exported.load(std::sync::atomic::Ordering::Relaxed)),
-                ("dropped", st.spans_dropped.load(std::sync::atomic::Ordering::Relaxed)),
-            ] {
+            for (result, total) in x.stats().spans_by_result() {
                 if let Ok(c) = self.metrics.otlp_spans.with(&[result]) {
                     c.add(total.saturating_sub(c.get()));
                 }

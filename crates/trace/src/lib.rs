@@ -180,6 +180,17 @@ pub struct ExporterStats {
     pub batches_failed: AtomicU64,
 }
 
+impl ExporterStats {
+    /// The span counts by result, as a `{result}` label names them (`exported`, `dropped`): what a
+    /// process copies into its `otlp_spans_total` counter.
+    pub fn spans_by_result(&self) -> [(&'static str, u64); 2] {
+        [
+            ("exported", self.spans_exported.load(Ordering::Relaxed)),
+            ("dropped", self.spans_dropped.load(Ordering::Relaxed)),
+        ]
+    }
+}
+
 /// Spans queued for the exporting thread at most.
 pub const QUEUE_SPANS_MAX: usize = 16_384;
 /// Spans per posted batch at most.

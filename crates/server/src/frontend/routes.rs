@@ -81,10 +81,9 @@ impl HttpMetrics {
     /// The exporter's counts, read at each scrape (a batch may fail after the last request ended).
     pub(super) fn tell_spans(&self, exporter: Option<&pdserve_trace::Exporter>) {
         let Some(x) = exporter else { return };
-        let st = x.stats();
-        for (result, total) in [("exported", &st.spans_exported), ("dropped", &st.spans_dropped)] {
+        for (result, total) in x.stats().spans_by_result() {
             if let Ok(c) = self.otlp_spans.with(&[result]) {
-                c.add(total.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(c.get()));
+                c.add(total.saturating_sub(c.get()));
             }
         }
     }
