@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 
-use crate::peer::{Isa, LlamaServer};
+use crate::peer::Isa;
 use crate::serve::{start_stack, stop_all, Spec};
-use crate::vs_llamacpp::{bench_pair, peak_rss_mb, pick_rows, table_row, Row, ROWS};
+use crate::vs_llamacpp::{bench_pair, peak_rss_mb, pick_rows, table_row, PeerPerRow, Row, ROWS};
 
 const USAGE: &str = "cargo xtask bench deepseek [--repeat K] [--rows LIST] [--prepare]
 
@@ -23,9 +23,9 @@ A random DeepSeek-V3-shaped model (hidden 1024, 12 layers, 16 heads, kv_lora 512
 experts of 512 in 8 groups, top 6 + 1 shared; bf16) written once to ~/.cache/pdserve/bench/, and its
 GGUF (bf16) made once by llama.cpp's convert_hf_to_gguf.py (torch 2.11.0 and transformers 4.57.6 in
 ~/.cache/pdserve/peers/convert-venv, installed on first use: about 3 GB). One unified worker of ours
-(--weights auto: bf16, --speculative off) on 8121 and llama-server (-t 2, -c 16384 -np 32 -kvu) on
-8189; `cargo xtask bench llamacpp`'s rows (single, streams32, prefill, long) alternating, K pairs
-(default 3). Table: target/bench/vs-llamacpp-deepseek.md. --prepare: only write the model and its GGUF.";
+(--weights auto: bf16, --speculative off) on 8121 and llama-server (-t 2, -c 16384, in its fastest
+setting per row: -np 1, or -np 32 -kvu for 32 streams) on 8189; `cargo xtask bench llamacpp`'s
+rows (single, streams32, prefill, long) alternating, K pairs (default 3). Table: target/bench/vs-llamacpp-deepseek.md. --prepare: only write the model and its GGUF.";
 
 /// The converter's pinned Python packages.
 const CONVERT_PACKAGES: &[&str] = &["torch==2.11.0", "transformers==4.57.6", "numpy", "pyyaml", "tqdm"];
@@ -151,8 +151,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     );
     let mut ours = start_stack(&spec)?;
     let result = (|| -> Result<String> {
-        let peer = LlamaServer::start(&server, &gguf, (16384, 32), &["-kvu"], &logs)?;
+        let mut peers = PeerPerRow::new(&server, &gguf, &logs);
         for row in &rows {
+            let peer = peers.for_row(row)?;
             let out = root.join(format!("target/bench/vs-llamacpp-deepseek-{}", row.name));
             println!("\n== deepseek {}: {} ours, {} llama.cpp", row.what, ours.url, peer.url);
             let json = bench_pair(row, (&ours.url, &peer.url), repeat, &out)?;
@@ -164,10 +165,11 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         let shape = pdserve_import::RandomDeepSeek::bench();
         let expanded = shape.layers * shape.heads * (shape.nope + shape.rope + shape.v) * 2;
         let ours_pid = ours.procs.first().context("no worker")?.child.id();
+        let peer_rss = peers.peak_rss_mb()?;
         Ok(format!(
             "\nKV per token: {} bytes in the latent cache ({} layers x ({} + {}) f16 values), against {expanded} bytes \
              for the same heads' K and V expanded ({:.1}x)\nMemory: ours {} MB (weights {} MB, KV pool {} MB), llama.cpp {} MB \
-             (peak resident, VmHWM)\n",
+             (-np {}; peak resident, VmHWM)\n",
             m["kv_bytes_per_token"],
             shape.layers,
             shape.kv_lora,
@@ -176,7 +178,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             peak_rss_mb(ours_pid)?,
             m["weight_bytes"].as_u64().unwrap_or(0) / 1_000_000,
             m["kv_bytes"].as_u64().unwrap_or(0) / 1_000_000,
-            peak_rss_mb(peer.pid())?
+            peer_rss.1,
+            peer_rss.0
         ))
     })();
     stop_all(&mut ours.procs, Duration::from_secs(20));

@@ -202,33 +202,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         let spec = Spec::unified_worker(8121, &model, &extra, &ours_logs);
         let mut ours = start_stack(&spec)?;
         let result = (|| -> Result<()> {
-            // Started again when a row wants other slots than the one before; the memory line is
-            // the 32-slot server's where a row ran it.
-            let mut peer: Option<(usize, LlamaServer)> = None;
-            let mut peer_rss = None;
+            let mut peers = PeerPerRow::new(server, &gguf, &logs);
             for row in &rows {
-                if peer.as_ref().is_none_or(|(slots, _)| *slots != row.peer_slots) {
-                    if let Some((slots, old)) = peer.take() {
-                        peer_rss = Some((slots, peak_rss_mb(old.pid())?));
-                    }
-                    let extra: &[&str] = if row.peer_slots > 1 { &["-kvu"] } else { &[] };
-                    peer = Some((
-                        row.peer_slots,
-                        LlamaServer::start(server, &gguf, (16384, row.peer_slots), extra, &logs)?,
-                    ));
-                }
-                let peer = &peer.as_ref().context("started above")?.1;
+                let peer = peers.for_row(row)?;
                 let out = root.join(format!("target/bench/vs-llamacpp-{}-{}", isa.name(), row.name));
                 println!("\n== {} {}: {} ours, {} llama.cpp", isa.name(), row.what, ours.url, peer.url);
                 let json = bench_pair(row, (&ours.url, &peer.url), repeat, &out)?;
                 table.push_str(&table_row(isa, row, &json, &ours.url, &peer.url)?);
             }
             let ours_pid = ours.procs.first().context("no worker")?.child.id();
-            if let Some((slots, p)) = &peer {
-                let now = (*slots, peak_rss_mb(p.pid())?);
-                peer_rss = Some(peer_rss.filter(|(s, _)| *s > now.0).unwrap_or(now));
-            }
-            let (slots, rss) = peer_rss.context("no llama.cpp server ran")?;
+            let (slots, rss) = peers.peak_rss_mb()?;
             let line = format!(
                 "{}: ours {} MB, llama.cpp {rss} MB (-np {slots}; peak resident, VmHWM)\n",
                 isa.name(),
@@ -300,6 +283,47 @@ fn summary(v: &[f64]) -> (f64, f64, f64) {
 }
 
 /// A process's peak resident set (`VmHWM` in `/proc/PID/status`), in MB.
+/// llama-server in each row's fastest setting (`Row::peer_slots`): started for the first row, and
+/// again when a row wants other slots than the one before (`-kvu` where it has more than one).
+pub(crate) struct PeerPerRow<'a> {
+    server: &'a Path,
+    gguf: &'a Path,
+    logs: &'a Path,
+    running: Option<(usize, LlamaServer)>,
+    /// The peak resident memory (slots, MB) of the servers stopped so far: the most slots'.
+    stopped_rss: Option<(usize, u64)>,
+}
+
+impl<'a> PeerPerRow<'a> {
+    pub(crate) fn new(server: &'a Path, gguf: &'a Path, logs: &'a Path) -> Self {
+        PeerPerRow { server, gguf, logs, running: None, stopped_rss: None }
+    }
+
+    /// The server for `row`, started (and the one before stopped) where its slots differ.
+    pub(crate) fn for_row(&mut self, row: &Row) -> Result<&LlamaServer> {
+        if self.running.as_ref().is_none_or(|(slots, _)| *slots != row.peer_slots) {
+            if let Some((slots, old)) = self.running.take() {
+                let now = (slots, peak_rss_mb(old.pid())?);
+                self.stopped_rss = Some(self.stopped_rss.filter(|(s, _)| *s > slots).unwrap_or(now));
+            }
+            let extra: &[&str] = if row.peer_slots > 1 { &["-kvu"] } else { &[] };
+            let peer = LlamaServer::start(self.server, self.gguf, (16384, row.peer_slots), extra, self.logs)?;
+            self.running = Some((row.peer_slots, peer));
+        }
+        Ok(&self.running.as_ref().context("started above")?.1)
+    }
+
+    /// (slots, MB): the peak resident memory (VmHWM) of the server that ran with the most slots.
+    pub(crate) fn peak_rss_mb(&self) -> Result<(usize, u64)> {
+        let mut best = self.stopped_rss;
+        if let Some((slots, p)) = &self.running {
+            let now = (*slots, peak_rss_mb(p.pid())?);
+            best = Some(best.filter(|(s, _)| *s > now.0).unwrap_or(now));
+        }
+        best.context("no llama.cpp server ran")
+    }
+}
+
 pub(crate) fn peak_rss_mb(pid: u32) -> Result<u64> {
     let status = std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("status"))?;
     let kb: u64 = status
