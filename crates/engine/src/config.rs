@@ -51,7 +51,7 @@ pub struct EngineConfig {
     pub role: Role,
     pub device: Device,
     /// How the CPU backend stores the weights its steps read; `Auto` (the default) takes the
-    /// checkpoint's own precision (bf16 for a bf16 checkpoint, else f32).
+    /// checkpoint's own precision (bf16, f16 or FP8 as shipped, else f32; see `WeightFormat::resolve`).
     pub weights: WeightFormat,
     /// Q8 or Q4 weights' products round their input rows to int8 (`--activations q8`; see
     /// `CpuBackend::with_int8_activations`): faster decode on CPUs without AVX-512, as llama.cpp

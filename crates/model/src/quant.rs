@@ -4,7 +4,7 @@
 //! by reading the weights once per token, so the bytes a weight costs set the speed; every step,
 //! whatever its row count, reads the same matrices.
 
-use crate::bits16::{f16_bits, f16_value};
+use crate::bits16::{bf16_bits, f16_bits, f16_value};
 use crate::ModelConfig;
 
 /// Values per quantization group (one scale, and for Q4 one minimum, each).
@@ -64,9 +64,11 @@ impl WeightFormat {
     }
 
     /// `Auto` made concrete for a checkpoint stored as `dtype` of a model shaped by `c`; any other
-    /// format as it is. A bf16 checkpoint is served in bf16 where the CPU has the bf16 GEMM (AVX-512
-    /// BF16), else widened to f32 (exactly), whose products have AVX2 kernels; a block-scaled FP8 one
-    /// as FP8 (its bytes and scales as shipped, widened by the kernels: a quarter of f32's bytes).
+    /// format as it is. A bf16 checkpoint is served in bf16: in the bf16 GEMM's panels where the CPU
+    /// has AVX-512 BF16, row-major where it has the AVX2 kernels (widened exactly as they are read,
+    /// every product the bits of the f32 copy's at half its bytes), else widened to f32; a
+    /// block-scaled FP8 one as FP8 (its bytes and scales as shipped, widened by the kernels: a
+    /// quarter of f32's bytes).
     pub fn resolve(self, dtype: crate::CheckpointDtype, c: &ModelConfig) -> WeightFormat {
         // Every stacked projection's rows fill 32-row panels and its columns pair up.
         let packs = matrix_shapes(c).iter().all(|&(r, k)| r % 32 == 0 && k % 2 == 0);
@@ -79,10 +81,11 @@ impl WeightFormat {
             {
                 WeightFormat::Fp8
             }
+            // bf16 in panels where the CPU has AVX-512 BF16, in rows where it has the AVX2 kernels
+            // (exactly the f32 copy's bits there, at half the bytes).
             WeightFormat::Auto
                 if matches!(dtype, crate::CheckpointDtype::Bf16 | crate::CheckpointDtype::Fp8)
-                    && packs
-                    && crate::sys::has_bf16_gemm() =>
+                    && if crate::sys::has_bf16_gemm() { packs } else { crate::sys::avx2() } =>
             {
                 WeightFormat::Bf16
             }
@@ -571,30 +574,56 @@ impl<M: QuantMatrix> QuantWeights<M> {
     }
 }
 
-/// A row-major `[rows, cols]` matrix in bf16 (8 significant bits, f32's range), packed into panels of
-/// 32 rows for the bf16 GEMM kernel (AVX-512 BF16: 32 multiply-adds per instruction, twice f32 FMA's
-/// rate). Multi-row steps (prefill, batched decode) read these where the CPU has the instructions.
+/// A `[rows, cols]` matrix in bf16 (8 significant bits, f32's range): packed into panels of 32 rows
+/// for the bf16 GEMM kernel where the CPU has AVX-512 BF16 (32 multiply-adds per instruction, twice
+/// f32 FMA's rate), row-major elsewhere (half the bytes of f32 for every step to read).
 #[derive(Debug, Clone)]
 pub struct Bf16Matrix {
     pub rows: usize,
     pub cols: usize,
-    /// See `sys::pack_bf16_panels` for the order.
-    pub panels: Vec<u16>,
+    /// The values in `layout`'s order.
+    pub values: Vec<u16>,
+    pub layout: Bf16Layout,
+}
+
+/// How a [`Bf16Matrix`]'s values lie.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bf16Layout {
+    /// 32-row panels for the AVX-512 BF16 GEMM (see `sys::pack_bf16_panels` for the order).
+    Panels,
+    /// Row-major, as a checkpoint ships them: CPUs without AVX-512 BF16 widen them to f32 as they
+    /// read them (exactly), the AVX2 dot kernels for short steps and widened tiles for long ones.
+    Rows,
 }
 
 impl Bf16Matrix {
-    /// Element (`row`, `col`) as bf16 bits (see `sys::pack_bf16_panels` for the order).
+    /// Element (`row`, `col`) as bf16 bits.
     pub fn at(&self, row: usize, col: usize) -> u16 {
-        let (p, c, j) = (row / 32, row % 32, col / 2);
-        self.panels[((p * self.cols / 2 + j) * 32 + c) * 2 + col % 2]
+        match self.layout {
+            Bf16Layout::Panels => {
+                let (p, c, j) = (row / 32, row % 32, col / 2);
+                self.values[((p * self.cols / 2 + j) * 32 + c) * 2 + col % 2]
+            }
+            Bf16Layout::Rows => self.values[row * self.cols + col],
+        }
     }
 
-    /// `None` unless `rows` is a multiple of 32, `cols` is even and the length matches.
+    /// `w` (`rows` x `cols`, row-major) rounded to bf16 in the layout this CPU's products read:
+    /// panels where it has AVX-512 BF16 (`None` unless `rows` is a multiple of 32 and `cols` even),
+    /// else rows. `None` if the length does not match.
     pub fn pack(w: &[f32], rows: usize, cols: usize) -> Option<Bf16Matrix> {
-        if !rows.is_multiple_of(32) || !cols.is_multiple_of(2) || cols == 0 || w.len() != rows * cols {
+        if cols == 0 || w.len() != rows * cols {
             return None;
         }
-        Some(Bf16Matrix { rows, cols, panels: crate::sys::pack_bf16_panels(w, rows, cols) })
+        if crate::sys::has_bf16_gemm() {
+            if !rows.is_multiple_of(32) || !cols.is_multiple_of(2) {
+                return None;
+            }
+            let values = crate::sys::pack_bf16_panels(w, rows, cols);
+            return Some(Bf16Matrix { rows, cols, values, layout: Bf16Layout::Panels });
+        }
+        let values = w.iter().map(|&v| bf16_bits(v)).collect();
+        Some(Bf16Matrix { rows, cols, values, layout: Bf16Layout::Rows })
     }
 }
 
@@ -614,7 +643,7 @@ impl Bf16Weights {
 
     /// Bytes of every packed matrix.
     pub fn bytes(&self) -> usize {
-        let panels = |m: &Bf16Matrix| m.panels.len() * 2;
+        let panels = |m: &Bf16Matrix| m.values.len() * 2;
         let l: usize = self.layers.iter().flat_map(QuantLayer::matrices).map(panels).sum();
         l + self.lm_head.as_ref().map_or(0, panels)
     }

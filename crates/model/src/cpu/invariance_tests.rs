@@ -142,3 +142,43 @@ fn every_position_computes_the_same_bits_whatever_its_step_holds() {
         }
     }
 }
+
+/// Where the AVX2 kernels run without AVX-512 BF16, bf16 weights lie row-major and every product
+/// widens them exactly as it reads them: a checkpoint whose values are bf16 gives, served in bf16,
+/// the logits of its f32 copy bit for bit, in a whole-prompt step and in decode steps alike, at
+/// half the bytes.
+#[test]
+fn bf16_rows_give_the_bits_of_the_f32_copy() {
+    if crate::sys::has_bf16_gemm() || !crate::sys::avx2() {
+        return;
+    }
+    use crate::bits16::{bf16_bits, bf16_value};
+    let c = config();
+    let mut s = 0x9e37_79b9_7f4a_7c15u64;
+    let w = Arc::new(Weights::filled(&c, false, &mut |n| {
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                bf16_value(bf16_bits(((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.4))
+            })
+            .collect()
+    }));
+    let a: Vec<u32> = (0..200u32).map(|i| 3 + (i * 37 + i / 7) % 90).collect();
+    let logits = |format: WeightFormat| {
+        let cpu = CpuBackend::with_kv_dtype(c.clone(), Arc::clone(&w), 128, BLOCK, KvDtype::F16);
+        let mut cpu = cpu.with_weight_format(format).expect("format");
+        let mut kv = KvCache::new(KvConfig { num_blocks: 128, block_size: BLOCK as u32 }).unwrap();
+        let mut steps = vec![vec![(0, 0, 150)]];
+        steps.extend((150..a.len()).map(|p| vec![(0, p, p + 1)]));
+        (run(&mut cpu, &mut kv, &[&a], &steps), cpu.multi_row_format())
+    };
+    let (want, _) = logits(WeightFormat::F32);
+    let (got, format) = logits(WeightFormat::Bf16);
+    assert_eq!(format, "bf16");
+    for pos in 0..a.len() {
+        let same = want[0][pos].iter().zip(&got[0][pos]).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "position {pos}: bf16 rows and the f32 copy differ");
+    }
+}

@@ -6,10 +6,10 @@
 use rayon::prelude::*;
 
 use super::QRef;
-use crate::quant::{Bf16Matrix, QuantMatrix, GROUP};
+use crate::quant::{Bf16Layout, Bf16Matrix, QuantMatrix, GROUP};
 use crate::sys::{
-    dot, gemm_bf16_par, gemm_rows_bf16, gemm_rows_f32, to_bf16, CpuKernels, F16Weights, F32Weights,
-    Fp8Weights, Int8Row, Int8Rows, Q4Rows, Q8Rows, WIDE_ROWS,
+    dot, dot_bf16, gemm_bf16_par, gemm_rows_bf16, gemm_rows_f32, to_bf16, Bf16RowMajor, CpuKernels,
+    F16Weights, F32Weights, Fp8Weights, Int8Row, Int8Rows, Q4Rows, Q8Rows, WIDE_ROWS,
 };
 
 /// `x[t×k] · w[n×k]^T` with quantized weights by dot products (decode steps, with or without drafts):
@@ -143,13 +143,33 @@ pub(super) fn by_weight_rows(
     }
 }
 
-/// `out = x[t×k] · w^T` with bf16 weights: x is rounded to bf16 once (into `xb`), then the weight's
-/// 32-row panels are split evenly over the thread pool.
+/// `out = x[t×k] · w^T` with bf16 weights. Panels (AVX-512 BF16): x is rounded to bf16 once (into
+/// `xb`), then the weight's 32-row panels are split evenly over the thread pool. Rows: x stays f32
+/// and each weight is widened exactly as it is read, by the dot kernel (`sys::dot_bf16`) for short
+/// steps and by `sys::gemm_rows_f32`'s widened tiles for long ones on the AVX2 arithmetic (the
+/// same bits): every row's value that of a one-row step.
 pub(super) fn matmul_bf16(x: &[f32], t: usize, k: usize, w: &Bf16Matrix, xb: &mut Vec<u16>, out: &mut [f32]) {
     assert_eq!((x.len(), w.cols), (t * k, k));
-    xb.resize(t * k, 0);
-    to_bf16(x, &mut xb[..t * k]);
-    gemm_bf16_par(&xb[..t * k], t, k, &w.panels, w.rows, out);
+    let n = w.rows;
+    match w.layout {
+        Bf16Layout::Panels => {
+            xb.resize(t * k, 0);
+            to_bf16(x, &mut xb[..t * k]);
+            gemm_bf16_par(&xb[..t * k], t, k, &w.values, n, out);
+        }
+        Bf16Layout::Rows if t >= WIDE_ROWS && k.is_multiple_of(16) && crate::sys::avx2() => {
+            gemm_rows_f32(x, t, k, n, &Bf16RowMajor { values: &w.values, cols: k }, out)
+        }
+        Bf16Layout::Rows => by_weight_rows(t, k, n, &mut out[..t * n], |j0, cols, rows, o| {
+            let len = rows.len();
+            for (j, col) in o.chunks_exact_mut(len).take(cols).enumerate() {
+                let wr = &w.values[(j0 + j) * k..(j0 + j + 1) * k];
+                for (o, r) in col.iter_mut().zip(rows.clone()) {
+                    *o = dot_bf16(&x[r * k..(r + 1) * k], wr);
+                }
+            }
+        }),
+    }
 }
 
 /// `out = x[t×k] · w^T` with Q4 or Q8 weights on CPUs with AVX-512 BF16: x rounded to bf16 once

@@ -78,7 +78,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     dot_portable(a, b)
 }
 
-fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
+pub(super) fn dot_portable(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
     let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();

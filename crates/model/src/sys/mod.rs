@@ -81,7 +81,7 @@ pub(crate) use qint8::*;
 pub(crate) use qrows::*;
 pub(crate) use qwiden::*;
 pub(crate) use rows_bf16::{gemm_rows_bf16, has_rows_bf16, Q4Rows, Q8Rows};
-pub(crate) use rows_f32::{gemm_rows_f32, F16Weights, F32Weights, Fp8Weights, WIDE_ROWS};
+pub(crate) use rows_f32::{gemm_rows_f32, Bf16RowMajor, F16Weights, F32Weights, Fp8Weights, WIDE_ROWS};
 
 /// The bytes of f32 values (native, little-endian on every supported target).
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {

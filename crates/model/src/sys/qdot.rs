@@ -3,7 +3,7 @@
 //! portable loops, chosen by `cpu_kernels()`.
 
 use super::CpuKernels;
-use crate::bits16::{bf16_bits, f16_value};
+use crate::bits16::{bf16_bits, bf16_value, f16_value};
 
 /// `sum_i x[i] * q[i] * scales[i / 32]`: a dot product against one Q8 row (`scales` as f16 bits),
 /// with an AVX-512 kernel where the CPU has one.
@@ -159,6 +159,75 @@ unsafe fn dot_f16_avx2(x: &[f32], w: &[u16]) -> f32 {
     sum + x[i..].iter().zip(&w[i..]).map(|(a, &b)| a * f16_value(b)).sum::<f32>()
 }
 
+/// `x . w` for `w` in bf16 bits (a bf16 checkpoint's row on a CPU without AVX-512 BF16), widened as
+/// it is read (exactly: a bf16 value is the top half of its f32): the AVX2 kernel on AVX-512 CPUs
+/// too, the arithmetic of `rows_f32`'s tiles, which long steps take (and of `dot` on f32 weights
+/// with the AVX2 kernels, so a bf16 checkpoint gives there the bits its f32 copy gives).
+pub(crate) fn dot_bf16(x: &[f32], w: &[u16]) -> f32 {
+    dot_bf16_with(super::cpu_kernels(), x, w)
+}
+
+/// [`dot_bf16`] with the kernels `k` (at most what the CPU has).
+pub(crate) fn dot_bf16_with(k: CpuKernels, x: &[f32], w: &[u16]) -> f32 {
+    assert_eq!(x.len(), w.len());
+    assert!(k <= CpuKernels::detected());
+    match k {
+        // SAFETY: the CPU has AVX2 and FMA (`k` is at most what it has, asserted above, and both
+        // families include them); lengths match.
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 | CpuKernels::Avx2 => unsafe { dot_bf16_avx2(x, w) },
+        _ => dot_bf16_portable(x, w),
+    }
+}
+
+/// The portable `dot`'s arithmetic (eight lane sums, then the tail) on the widened values.
+fn dot_bf16_portable(x: &[f32], w: &[u16]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (cx, cw) = (x.chunks_exact(8), w.chunks_exact(8));
+    let tail: f32 = cx.remainder().iter().zip(cw.remainder()).map(|(a, &b)| a * bf16_value(b)).sum();
+    for (a, b) in cx.zip(cw) {
+        for l in 0..8 {
+            acc[l] += a[l] * bf16_value(b[l]);
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Eight bf16 values from `p` as f32 (each shifted into the top half of its lane).
+///
+/// # Safety
+/// AVX2; `p..p + 8` readable.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn load_bf16x8(p: *const u16) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: the caller's contract (8 values, 16 bytes).
+    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+}
+
+/// # Safety
+/// AVX2 and FMA; `x.len() == w.len()`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_bf16_avx2(x: &[f32], w: &[u16]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len();
+    let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY (of the loads): i + 16 <= n for both slices.
+        a0 = _mm256_fmadd_ps(load_bf16x8(w.as_ptr().add(i)), _mm256_loadu_ps(x.as_ptr().add(i)), a0);
+        a1 = _mm256_fmadd_ps(load_bf16x8(w.as_ptr().add(i + 8)), _mm256_loadu_ps(x.as_ptr().add(i + 8)), a1);
+        i += 16;
+    }
+    // (What `rows_f32`'s tiles compute for every output: the same chains, the same reduction.)
+    let sum = hsum256(_mm256_add_ps(a0, a1));
+    if i == n {
+        return sum;
+    }
+    sum + x[i..].iter().zip(&w[i..]).map(|(a, &b)| a * bf16_value(b)).sum::<f32>()
+}
+
 /// Rows `r0..r0 + rows` of a Q8 matrix `cols` wide (see `quant::Q8Matrix`), every column, written
 /// as bf16 into `dst` row-major (`rows` x `cols`). AVX-512 BF16 where the CPU has it.
 pub(crate) fn q8_bf16_rows(q: &[i8], scales: &[u16], cols: usize, r0: usize, rows: usize, dst: &mut [u16]) {
@@ -258,7 +327,7 @@ unsafe fn q4_bf16_rows_avx512(
 #[cfg(test)]
 mod tests {
     use super::CpuKernels;
-    use crate::bits16::{f16_bits, f16_value};
+    use crate::bits16::{bf16_bits, bf16_value, f16_bits, f16_value};
 
     #[test]
     fn q8_dot_kernels_agree() {
@@ -307,6 +376,27 @@ mod tests {
             for k in CpuKernels::available() {
                 let got = f64::from(super::dot_f16_with(k, &x, &w));
                 assert!((got - exact).abs() < 1e-3, "{k:?} at {n}: {got} against {exact}");
+            }
+        }
+    }
+
+    /// Each family's bf16 dot gives the bits its f32 `dot` gives on the widened row (AVX2's on both
+    /// x86 families, the portable loop's elsewhere).
+    #[test]
+    fn bf16_dots_are_the_f32_dots_of_the_widened_rows() {
+        for n in [0, 7, 16, 32 * 37 + 5] {
+            let x: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+            let w: Vec<u16> = (0..n).map(|i| bf16_bits((i as f32 * 0.11).cos())).collect();
+            let wide: Vec<f32> = w.iter().map(|&b| bf16_value(b)).collect();
+            for k in CpuKernels::available() {
+                let want = match k {
+                    CpuKernels::Portable => crate::sys::elementwise::dot_portable(&x, &wide),
+                    // `dot` runs the AVX2 kernel wherever the kernels in use have it.
+                    _ if crate::sys::avx2() => crate::sys::dot(&x, &wide),
+                    _ => continue,
+                };
+                let got = super::dot_bf16_with(k, &x, &w);
+                assert_eq!(got.to_bits(), want.to_bits(), "{k:?} at {n}: {got} against {want}");
             }
         }
     }

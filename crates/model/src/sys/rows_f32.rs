@@ -1,9 +1,9 @@
 //! The products with f32 inputs on the AVX2 kernels, one arithmetic for every step size. Each
 //! output is what the AVX2 dot kernels compute for one row (`dot_avx2` for f32 weights,
-//! `dot_f16_avx2`, the Q8 and Q4 tiles of `qrows`): two 8-lane FMA chains, the first over the
-//! values `16 s .. 16 s + 8`, the second over `16 s + 8 .. 16 s + 16` for s = 0, 1, ..., then
-//! `hsum256` of their sum, each weight the f32 value those kernels multiply (f16 widened, Q8
-//! `q * scale`, Q4 `min + q * scale` in one rounding).
+//! `dot_f16_avx2`, `dot_bf16_avx2`, the Q8 and Q4 tiles of `qrows`): two 8-lane FMA chains, the
+//! first over the values `16 s .. 16 s + 8`, the second over `16 s + 8 .. 16 s + 16` for s = 0, 1,
+//! ..., then `hsum256` of their sum, each weight the f32 value those kernels multiply (f16 and bf16
+//! widened, Q8 `q * scale`, Q4 `min + q * scale` in one rounding).
 //!
 //! Steps of a few rows keep those kernels (they read the packed weights once per few rows); longer
 //! ones widen blocks of weight rows into L2 once and pass 3 x 2 register tiles over them (f32
@@ -53,6 +53,18 @@ pub(crate) struct F16Weights<'a> {
 impl F32Rows for F16Weights<'_> {
     fn widen(&self, r0: usize, cnt: usize, dst: &mut [f32]) {
         super::widen_f16(&self.values[r0 * self.cols..(r0 + cnt) * self.cols], &mut dst[..cnt * self.cols]);
+    }
+}
+
+/// bf16 weights (bits), row-major, `cols` wide: widened exactly (each value the f32 it stands for).
+pub(crate) struct Bf16RowMajor<'a> {
+    pub values: &'a [u16],
+    pub cols: usize,
+}
+
+impl F32Rows for Bf16RowMajor<'_> {
+    fn widen(&self, r0: usize, cnt: usize, dst: &mut [f32]) {
+        super::widen_bf16(&self.values[r0 * self.cols..(r0 + cnt) * self.cols], &mut dst[..cnt * self.cols]);
     }
 }
 
@@ -281,6 +293,7 @@ mod tests {
         let q4 = Q4Matrix::quantize(&w, n, k).unwrap();
         let q8 = Q8Matrix::quantize(&w, n, k).unwrap();
         let f16 = F16Matrix::quantize(&w, n, k).unwrap();
+        let bf16: Vec<u16> = w.iter().map(|&v| crate::bits16::bf16_bits(v)).collect();
         for t in [1, 2, 3, 8, 9, 61, 130] {
             let x = values(t * k, t as u64);
             let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
@@ -302,6 +315,13 @@ mod tests {
             check("f16", &out, &|r, j| {
                 crate::sys::dot_f16_with(CpuKernels::Avx2, xs[r], &f16.values[j * k..(j + 1) * k])
             });
+            gemm_rows_f32(&x, t, k, n, &Bf16RowMajor { values: &bf16, cols: k }, &mut out);
+            check("bf16", &out, &|r, j| {
+                crate::sys::dot_bf16_with(CpuKernels::Avx2, xs[r], &bf16[j * k..(j + 1) * k])
+            });
+            // A bf16 matrix's products are its f32 copy's, bit for bit (the widening is exact).
+            let wide: Vec<f32> = bf16.iter().map(|&b| crate::bits16::bf16_value(b)).collect();
+            check("bf16 as f32", &out, &|r, j| crate::sys::dot(xs[r], &wide[j * k..(j + 1) * k]));
             let q8r = Q8Rows { values: &q8.values, scales: &q8.scales, cols: k };
             gemm_rows_f32(&x, t, k, n, &q8r, &mut out);
             check("q8", &out, &|r, j| {
