@@ -43,8 +43,8 @@ pub enum WeightFormat {
     /// precision). The LM head and embedding stay f32.
     Fp8,
     /// The checkpoint's own precision: FP8 for a block-scaled FP8 checkpoint, bf16 for a bf16 one
-    /// whose shapes the bf16 GEMM takes, f16 for an f16 one, f32 otherwise (experts and latent
-    /// attention alike).
+    /// (panels for the bf16 GEMM where the CPU has it and the shapes fill them, rows on the AVX2
+    /// kernels), f16 for an f16 one, f32 otherwise (experts and latent attention alike).
     /// See [`resolve`](Self::resolve); a backend given `Auto` itself runs f32.
     Auto,
 }
@@ -65,10 +65,11 @@ impl WeightFormat {
 
     /// `Auto` made concrete for a checkpoint stored as `dtype` of a model shaped by `c`; any other
     /// format as it is. A bf16 checkpoint is served in bf16: in the bf16 GEMM's panels where the CPU
-    /// has AVX-512 BF16, row-major where it has the AVX2 kernels (widened exactly as they are read,
-    /// every product the bits of the f32 copy's at half its bytes), else widened to f32; a
-    /// block-scaled FP8 one as FP8 (its bytes and scales as shipped, widened by the kernels: a
-    /// quarter of f32's bytes).
+    /// has AVX-512 BF16 (and the shapes fill them), row-major where it has only the AVX2 kernels
+    /// (widened exactly as they are read, every product the bits of the f32 copy's at half its
+    /// bytes), else widened to f32; a block-scaled FP8 one as FP8 (its bytes and scales as shipped,
+    /// widened by the kernels: a quarter of f32's bytes), or, with blocks the FP8 kernels cannot
+    /// take, as a bf16 one where the bf16 GEMM runs and in f32 elsewhere.
     pub fn resolve(self, dtype: crate::CheckpointDtype, c: &ModelConfig) -> WeightFormat {
         // Every stacked projection's rows fill 32-row panels and its columns pair up.
         let packs = matrix_shapes(c).iter().all(|&(r, k)| r % 32 == 0 && k % 2 == 0);
@@ -81,11 +82,20 @@ impl WeightFormat {
             {
                 WeightFormat::Fp8
             }
-            // bf16 in panels where the CPU has AVX-512 BF16, in rows where it has the AVX2 kernels
-            // (exactly the f32 copy's bits there, at half the bytes).
             WeightFormat::Auto
                 if matches!(dtype, crate::CheckpointDtype::Bf16 | crate::CheckpointDtype::Fp8)
-                    && if crate::sys::has_bf16_gemm() { packs } else { crate::sys::avx2() } =>
+                    && packs
+                    && crate::sys::has_bf16_gemm() =>
+            {
+                WeightFormat::Bf16
+            }
+            // A bf16 checkpoint in rows where the AVX2 kernels run without the bf16 GEMM: exactly the
+            // f32 copy's bits, at half the bytes. (An FP8 one whose blocks the FP8 kernels cannot
+            // take stays f32 there: its values are not all bf16 values.)
+            WeightFormat::Auto
+                if dtype == crate::CheckpointDtype::Bf16
+                    && !crate::sys::has_bf16_gemm()
+                    && crate::sys::avx2() =>
             {
                 WeightFormat::Bf16
             }
@@ -628,7 +638,8 @@ impl Bf16Matrix {
 }
 
 /// Every matrix a multi-row step reads, in bf16: the projections (stacked like the quantized ones)
-/// and the LM head where its rows (the vocabulary) are a multiple of 32 (else the f32 one serves).
+/// and the LM head (in panels only where its rows, the vocabulary, are a multiple of 32; else the f32
+/// one serves).
 #[derive(Debug, Clone)]
 pub struct Bf16Weights {
     pub layers: Vec<QuantLayer<Bf16Matrix>>,

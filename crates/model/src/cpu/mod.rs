@@ -64,7 +64,7 @@ pub struct CpuBackend {
 enum EmbedRows {
     /// Its own rows in bf16 (`--weights bf16`, untied).
     Bf16(Vec<u16>),
-    /// The tied LM head's packed bf16 panels.
+    /// The tied LM head's bf16 copy (panels or rows).
     HeadPanels,
     /// Its own rows in Q8 (`--weights q8|q4`, untied).
     Q8(crate::quant::Q8Matrix),
@@ -546,7 +546,9 @@ fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
 /// rows product where the CPU has AVX-512 BF16 (`matmul_quant_rows`), else through the dot tiles
 /// (`matvec_quant`, every row's value that of a one-row step), as are f16 weights, where long steps
 /// on the AVX2 arithmetic take `sys::gemm_rows_f32`'s widened tiles instead (`matvec_wide`, the same
-/// bits); bf16 weights through the bf16 GEMM; int8 activations through the int8 tiles; f32 weights
+/// bits); bf16 weights through the bf16 GEMM's panels where the CPU has AVX-512 BF16, else row-major
+/// through the dot kernel and `gemm_rows_f32`'s tiles (`matmul_bf16`); int8 activations through the
+/// int8 tiles; f32 weights
 /// through `gemm_rows_f32`'s tiles (`matmul`: `sys::dot`'s bits).
 pub(super) struct Mats {
     decode: Option<DecodeWeights>,

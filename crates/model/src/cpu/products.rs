@@ -1,7 +1,8 @@
 //! The weight products of a step, each computing every row the same way whatever the step's row
 //! count (batch invariance): dot products (each row's value that of a one-row step, the weight rows
 //! read once for all the step's rows), the bf16 rows product for quantized weights on CPUs with
-//! AVX-512 BF16, and the bf16 GEMM for bf16 weights.
+//! AVX-512 BF16, and for bf16 weights the bf16 GEMM (AVX-512 BF16) or their rows widened exactly as
+//! they are read (elsewhere).
 
 use rayon::prelude::*;
 
