@@ -364,6 +364,8 @@ pub struct MessageStream {
     text_open: Option<usize>,
     /// The index of the open thinking block, if one is.
     thinking_open: Option<usize>,
+    /// The index of the `tool_use` block whose input is streaming, if one is.
+    call_open: Option<usize>,
     blocks: usize,
 }
 
@@ -447,8 +449,37 @@ impl MessageStream {
         ));
     }
 
-    /// A complete call: its `tool_use` block, the input as one JSON delta.
+    /// A call whose input streams: its `tool_use` block opens.
+    pub fn call_begin(&mut self, id: &str, name: &str, out: &mut Vec<Event>) {
+        self.close_text(out);
+        let i = self.blocks;
+        self.blocks += 1;
+        self.call_open = Some(i);
+        out.push((
+            "content_block_start",
+            json!({"type": "content_block_start", "index": i,
+            "content_block": {"type": "tool_use", "id": id, "name": name, "input": {}}}),
+        ));
+    }
+
+    /// More of the streaming call's input.
+    pub fn call_arguments(&mut self, arguments: &str, out: &mut Vec<Event>) {
+        if let Some(i) = self.call_open {
+            out.push((
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": i,
+                "delta": {"type": "input_json_delta", "partial_json": arguments}}),
+            ));
+        }
+    }
+
+    /// A complete call: the streaming call's block closes; a call that did not stream is its
+    /// `tool_use` block with the input as one JSON delta.
     pub fn call(&mut self, c: &ToolCall, out: &mut Vec<Event>) {
+        if let Some(i) = self.call_open.take() {
+            out.push(("content_block_stop", json!({"type": "content_block_stop", "index": i})));
+            return;
+        }
         self.close_text(out);
         let i = self.blocks;
         self.blocks += 1;

@@ -311,10 +311,43 @@ mod tests {
                 ToolFormat::DeepSeekV31,
                 format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
             ),
+            (
+                ToolFormat::DeepSeekV4,
+                "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"path\" string=\"true\">a <b> \"c\".txt</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>".into(),
+            ),
+            (
+                ToolFormat::DeepSeekV32,
+                "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"ls\">\n<｜DSML｜parameter name=\"depth\" string=\"false\">{\"max\": 2}</｜DSML｜parameter>\n<｜DSML｜parameter name=\"dir\" string=\"true\">src</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜function_calls>".into(),
+            ),
         ] {
             let mut m = g.matcher(&Constraint::Lark(f.forced_call_grammar(&tools, None, 1))).unwrap();
             feed(&mut m, &call, f);
             assert!(m.is_accepting(), "{f:?}: {call} is not a whole call");
+        }
+        // DSML: declared parameters in order, typed as declared (a string raw, an integer as JSON,
+        // an enum as one of its values); the required ones cannot be left out.
+        let typed = [Tool {
+            name: "grep".into(),
+            description: None,
+            parameters: json!({"type": "object", "required": ["pattern", "max"],
+                "properties": {"max": {"type": "integer"}, "mode": {"type": "string", "enum": ["fast", "exact"]},
+                               "pattern": {"type": "string"}}}),
+            strict: true,
+        }];
+        let grammar = Constraint::Lark(ToolFormat::DeepSeekV4.forced_call_grammar(&typed, Some("grep"), 1));
+        let head = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"grep\">\n";
+        let call = format!("{head}<｜DSML｜parameter name=\"max\" string=\"false\">12</｜DSML｜parameter>\n<｜DSML｜parameter name=\"mode\" string=\"true\">exact</｜DSML｜parameter>\n<｜DSML｜parameter name=\"pattern\" string=\"true\">fn [a-z]+</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>");
+        let mut m = g.matcher(&grammar).unwrap();
+        feed(&mut m, &call, ToolFormat::DeepSeekV4);
+        assert!(m.is_accepting(), "{call}");
+        for (ok, bad) in [
+            (format!("{head}<｜DSML｜parameter name=\"max\" string=\"false\">"), b'x'),
+            (format!("{head}<｜DSML｜parameter name=\"max\" string=\"false\">1</｜DSML｜parameter>\n<｜DSML｜parameter name=\"mode\" string=\"true\">"), b's'),
+            (format!("{head}<｜DSML｜parameter name=\"max\" string=\"false\">1</｜DSML｜parameter>\n<"), b'/'),
+        ] {
+            let mut m = g.matcher(&grammar).unwrap();
+            feed(&mut m, &ok, ToolFormat::DeepSeekV4);
+            assert!(!m.mask().unwrap().is_allowed(u32::from(bad)), "{ok:?} then {:?} was allowed", bad as char);
         }
         // Hermes with parallel calls: after a call and its newline the model may end (it is never
         // forced into a second call), or call again up to the limit, and no further.
@@ -363,6 +396,11 @@ mod tests {
                 ToolFormat::DeepSeekV31,
                 format!("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>read_file<｜tool▁sep｜>{args}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
                 "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>rm",
+            ),
+            (
+                ToolFormat::DeepSeekV4,
+                "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"path\" string=\"true\">a.txt</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>".into(),
+                "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"rm",
             ),
         ] {
             let grammar = Constraint::Lark(f.auto_call_grammar(&tools, 8).unwrap());

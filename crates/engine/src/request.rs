@@ -4,8 +4,9 @@ use std::time::Instant;
 
 use pdserve_api::generation::{Constraint, TokenLogprob, Usage};
 use pdserve_api::pd::PdHandle;
-use pdserve_api::tools::{Tool, ToolCall, ToolChoice};
+use pdserve_api::tools::{Tool, ToolChoice};
 use pdserve_api::Stage;
+use pdserve_chat_template::Piece;
 use pdserve_model::{ChatMessage, SamplingParams};
 
 use crate::EngineError;
@@ -219,8 +220,10 @@ pub enum Output {
         id: Id,
         error: EngineError,
     },
-    /// New text (empty when a stop string or a tool call may be starting), then the tool calls the
-    /// model finished writing after it (lifted out of the text), and, when asked for, the token's
+    /// New text (empty when a stop string or a tool call may be starting), then the tool calls'
+    /// pieces after it (lifted out of the text: calls the model finished writing, and for formats
+    /// that stream a call's arguments, its beginning and arguments as they arrive), and, when asked
+    /// for, the token's
     /// log-probability. `tokens`: the ids consumed since the previous `Text` (this one's and any
     /// whose text was held back); `replayed`: the text of a [`Request::resume`] token, which the
     /// caller already delivered.
@@ -230,7 +233,8 @@ pub enum Output {
         text: String,
         /// A thinking model's thinking, ahead of `text` (split from it: never in `text`).
         reasoning: String,
-        calls: Vec<ToolCall>,
+        /// [`Piece::CallBegin`], [`Piece::CallArguments`] and [`Piece::Call`] only, in order.
+        calls: Vec<Piece>,
         logprob: Option<TokenLogprob>,
         tokens: Vec<u32>,
         replayed: bool,

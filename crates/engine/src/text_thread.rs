@@ -178,7 +178,10 @@ impl Text {
         let here = pieces.iter().filter(|p| matches!(p, Piece::Call(_))).count();
         let allowed = self.calls_max.saturating_sub(p.calls() - here);
         let keep = match allowed {
-            0 => pieces.iter().position(|p| matches!(p, Piece::Call(_))).unwrap_or(pieces.len()),
+            0 => pieces
+                .iter()
+                .position(|p| matches!(p, Piece::Call(_) | Piece::CallBegin { .. }))
+                .unwrap_or(pieces.len()),
             n => pieces
                 .iter()
                 .enumerate()
@@ -679,7 +682,7 @@ impl TextThread {
                     any = true;
                 }
                 Piece::Text(t) => out.0.push_str(&t),
-                Piece::Call(c) => out.1.push(c),
+                call => out.1.push(call),
             }
         }
         let (text, calls) = out;

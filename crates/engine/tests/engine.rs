@@ -476,7 +476,10 @@ fn calls_and_end(outs: &[Output]) -> (Vec<pdserve_api::tools::ToolCall>, Option<
     let mut end = None;
     for o in outs {
         match o {
-            Output::Text { calls: c, .. } => calls.extend(c.iter().cloned()),
+            Output::Text { calls: c, .. } => calls.extend(c.iter().filter_map(|p| match p {
+                pdserve_engine::Piece::Call(c) => Some(c.clone()),
+                _ => None,
+            })),
             Output::Finished { finish, .. } => end = Some(finish.clone()),
             _ => {}
         }

@@ -222,7 +222,7 @@ pub(crate) fn render_chat(
             }
         }
         if m.role == "tool" && !support.tool_role {
-            m = ChatMessage::new("user", &format!("<tool_response>\n{}\n</tool_response>", m.content));
+            m = ChatMessage::new("user", &format.render_result(&m.content));
         }
         out.push(m);
     }
@@ -231,7 +231,7 @@ pub(crate) fn render_chat(
         if support.tools {
             listed = tools.iter().map(Tool::to_json).collect();
         } else {
-            let offer = ToolFormat::system_prompt(tools);
+            let offer = format.system_prompt(tools);
             match out.first_mut().filter(|m| m.role == "system") {
                 Some(sys) => sys.content = format!("{}\n\n{offer}", sys.content),
                 None => out.insert(0, ChatMessage::new("system", &offer)),

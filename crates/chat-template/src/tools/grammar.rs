@@ -3,6 +3,7 @@
 use pdserve_api::tools::Tool;
 use serde_json::{json, Value};
 
+use super::dsml::{INVOKE, INVOKE_END, PARAM, PARAM_END};
 use super::{ToolFormat, CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, CALL_SEP};
 
 impl ToolFormat {
@@ -87,8 +88,85 @@ impl ToolFormat {
                 }
                 Some((CALLS_BEGIN, g))
             }
+            ToolFormat::DeepSeekV32 | ToolFormat::DeepSeekV4 => {
+                let (begin, end) = self.dsml_block().expect("a DSML format");
+                Some((begin, dsml_rules(tools, only, calls_max, end, &call["x-guidance"])))
+            }
         }
     }
+}
+
+/// DSML's calls: one rule per function, its declared parameters in order (the required ones
+/// always), strings raw up to the close tag (an `enum` of strings as its values), other values as
+/// JSON of their schema; a function that declares none takes any parameters.
+fn dsml_rules(tools: &[Tool], only: Option<&str>, calls_max: usize, end: &str, compact: &Value) -> String {
+    let offered: Vec<&Tool> = tools.iter().filter(|t| only.is_none_or(|n| n == t.name)).collect();
+    let more = if calls_max > 1 { format!(" (\"\\n\" call){{0,{}}}", calls_max - 1) } else { String::new() };
+    let mut g = format!(
+        "rest: \"\\n\" call{more} {}\ncall: {}\n",
+        lit(&format!("\n{end}")),
+        (0..offered.len()).map(|i| format!("c{i}")).collect::<Vec<_>>().join(" | ")
+    );
+    g.push_str(&format!("sval[stop={}]: /(.|\\n)*/\n", lit(PARAM_END)));
+    let json_of = |schema: &Value| {
+        let mut s = if schema.is_object() { schema.clone() } else { json!({}) };
+        s["x-guidance"] = compact.clone();
+        s
+    };
+    let mut any = false;
+    for (i, t) in offered.iter().enumerate() {
+        let required: Vec<&str> =
+            t.parameters["required"].as_array().into_iter().flatten().filter_map(Value::as_str).collect();
+        let mut parts = Vec::new();
+        match t.parameters.get("properties").and_then(Value::as_object).filter(|p| !p.is_empty()) {
+            Some(props) => {
+                for (j, (k, schema)) in props.iter().enumerate() {
+                    let rule = format!("p{i}_{j}");
+                    let open = |string: &str| lit(&format!("{PARAM} name=\"{k}\" string=\"{string}\">"));
+                    let strings: Option<Vec<&str>> = schema
+                        .get("enum")
+                        .and_then(Value::as_array)
+                        .and_then(|e| e.iter().map(Value::as_str).collect());
+                    let body = if schema.get("type").and_then(Value::as_str) == Some("string") {
+                        match strings {
+                            Some(values) if !values.is_empty() => format!(
+                                "{} ({})",
+                                open("true"),
+                                values
+                                    .iter()
+                                    .map(|v| lit(&format!("{v}{PARAM_END}\n")))
+                                    .collect::<Vec<_>>()
+                                    .join(" | ")
+                            ),
+                            _ => format!("{} sval \"\\n\"", open("true")),
+                        }
+                    } else {
+                        g.push_str(&format!("v{i}_{j}: %json {}\n", json_of(schema)));
+                        format!("{} v{i}_{j} {}", open("false"), lit(&format!("{PARAM_END}\n")))
+                    };
+                    g.push_str(&format!("{rule}: {body}\n"));
+                    parts.push(if required.contains(&k.as_str()) { rule } else { format!("{rule}?") });
+                }
+            }
+            None => {
+                any = true;
+                parts.push("gp*".to_owned());
+            }
+        }
+        let head = lit(&format!("{INVOKE} name=\"{}\">\n", t.name));
+        g.push_str(&format!("c{i}: {head} {} \"\\n\"? {}\n", parts.join(" "), lit(INVOKE_END)));
+    }
+    if any {
+        // Any parameters: a name, then a string or a JSON value.
+        g.push_str(&format!(
+            "gp: {} GNAME {} (\"true\\\">\" sval | \"false\\\">\" gv {}) \"\\n\"\nGNAME: /[A-Za-z0-9_.\\-]{{1,64}}/\ngv: %json {}\n",
+            lit(&format!("{PARAM} name=\"")),
+            lit("\" string=\""),
+            lit(PARAM_END),
+            json_of(&json!({}))
+        ));
+    }
+    g
 }
 
 /// A Lark string literal.

@@ -1,11 +1,12 @@
 //! The formats models write tool calls in (Hermes/Qwen `<tool_call>` blocks, Llama 3 JSON, Mistral
-//! `[TOOL_CALLS]`), how an earlier call reads in each, the grammar that forces a call when a request
+//! `[TOOL_CALLS]`, DeepSeek's markers and its DSML), how an earlier call reads in each, the grammar that forces a call when a request
 //! requires one, and the streaming parser that lifts calls out of a model's text (broken ones come
 //! back as text).
 
 use pdserve_api::tools::Tool;
 use serde_json::{json, Value};
 
+mod dsml;
 mod grammar;
 mod parse;
 pub use parse::{Piece, ToolCallParser};
@@ -30,6 +31,11 @@ pub enum ToolFormat {
     /// DeepSeek V3.1: per call `<｜tool▁call▁begin｜>` name `<｜tool▁sep｜>` arguments
     /// `<｜tool▁call▁end｜>`, inside the same outer tags.
     DeepSeekV31,
+    /// DeepSeek V3.2's DSML: `<｜DSML｜function_calls>`, per call `<｜DSML｜invoke name="...">` and
+    /// one `<｜DSML｜parameter name="..." string="true|false">value</｜DSML｜parameter>` per argument.
+    DeepSeekV32,
+    /// DeepSeek V4's DSML: the same calls in a `<｜DSML｜tool_calls>` block.
+    DeepSeekV4,
 }
 
 /// DeepSeek's tool-call markers.
@@ -40,7 +46,8 @@ const CALL_END: &str = "<｜tool▁call▁end｜>";
 const CALL_SEP: &str = "<｜tool▁sep｜>";
 
 impl ToolFormat {
-    pub const NAMES: &'static str = "hermes, llama3, mistral, deepseek_v3, deepseek_v31";
+    pub const NAMES: &'static str =
+        "hermes, llama3, mistral, deepseek_v3, deepseek_v31, deepseek_v32, deepseek_v4";
 
     pub fn from_name(s: &str) -> Option<ToolFormat> {
         match s {
@@ -49,6 +56,8 @@ impl ToolFormat {
             "mistral" => Some(ToolFormat::Mistral),
             "deepseek_v3" | "deepseek_r1" => Some(ToolFormat::DeepSeekV3),
             "deepseek_v31" => Some(ToolFormat::DeepSeekV31),
+            "deepseek_v32" | "dsml_v32" => Some(ToolFormat::DeepSeekV32),
+            "deepseek_v4" | "dsml" => Some(ToolFormat::DeepSeekV4),
             _ => None,
         }
     }
@@ -60,6 +69,27 @@ impl ToolFormat {
             ToolFormat::Mistral => "mistral",
             ToolFormat::DeepSeekV3 => "deepseek_v3",
             ToolFormat::DeepSeekV31 => "deepseek_v31",
+            ToolFormat::DeepSeekV32 => "deepseek_v32",
+            ToolFormat::DeepSeekV4 => "deepseek_v4",
+        }
+    }
+
+    /// A DSML format's block tags (start, end).
+    fn dsml_block(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            ToolFormat::DeepSeekV32 => Some((dsml::BLOCK_V32, dsml::BLOCK_END_V32)),
+            ToolFormat::DeepSeekV4 => Some((dsml::BLOCK_V4, dsml::BLOCK_END_V4)),
+            _ => None,
+        }
+    }
+
+    /// The format of a DeepSeek checkpoint that ships no chat template (its prompts come from
+    /// DeepSeek's own encoder), by `config.json`'s `model_type`.
+    pub fn from_model_type(model_type: &str) -> Option<ToolFormat> {
+        match model_type {
+            "deepseek_v32" => Some(ToolFormat::DeepSeekV32),
+            "deepseek_v4" => Some(ToolFormat::DeepSeekV4),
+            _ => None,
         }
     }
 
@@ -70,7 +100,13 @@ impl ToolFormat {
     /// The format a chat template writes calls in; a template without one of its own gets
     /// [`ToolFormat::Hermes`] (the engine then describes the tools itself, in that format).
     pub fn from_template(template: &str) -> ToolFormat {
-        if template.contains(CALLS_BEGIN) {
+        if template.contains("｜DSML｜") {
+            if template.contains("function_calls") {
+                ToolFormat::DeepSeekV32
+            } else {
+                ToolFormat::DeepSeekV4
+            }
+        } else if template.contains(CALLS_BEGIN) {
             // V3's template writes each call's arguments in a code fence; V3.1's does not.
             if template.contains("```json") {
                 ToolFormat::DeepSeekV3
@@ -107,6 +143,10 @@ impl ToolFormat {
             ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
                 format!("{CALLS_BEGIN}{}{CALLS_END}", self.deepseek_call(name, &arguments.to_string()))
             }
+            ToolFormat::DeepSeekV32 | ToolFormat::DeepSeekV4 => {
+                let (begin, end) = self.dsml_block().expect("a DSML format");
+                format!("{begin}\n{}\n{end}", dsml::render_invoke(name, arguments))
+            }
         }
     }
 
@@ -118,8 +158,23 @@ impl ToolFormat {
         }
     }
 
-    /// The system text that offers `tools` to a model whose template does not (Hermes format).
-    pub fn system_prompt(tools: &[Tool]) -> String {
+    /// How a tool's result reads to a model whose template has no place for it.
+    pub fn render_result(self, content: &str) -> String {
+        match self {
+            ToolFormat::DeepSeekV32 => {
+                format!("<function_results>\n<result>{content}</result>\n</function_results>")
+            }
+            ToolFormat::DeepSeekV4 => format!("<tool_result>{content}</tool_result>"),
+            _ => format!("<tool_response>\n{content}\n</tool_response>"),
+        }
+    }
+
+    /// The system text that offers `tools` to a model whose template does not: in DSML for the DSML
+    /// formats, in the Hermes format for every other.
+    pub fn system_prompt(self, tools: &[Tool]) -> String {
+        if self.dsml_block().is_some() {
+            return dsml::system_prompt(self, tools);
+        }
         let mut s = String::from(
             "You may call functions to help with the user's request. The functions are listed in \
              <tools></tools>, one JSON object per line:\n<tools>\n",
@@ -168,6 +223,7 @@ mod tests {
             match o {
                 Piece::Text(t) => text.push_str(&t),
                 Piece::Call(c) => calls.push(c),
+                Piece::CallBegin { .. } | Piece::CallArguments(_) => panic!("{format:?} streams no calls"),
             }
         }
         (text, calls)
@@ -365,6 +421,242 @@ mod tests {
         let (_, calls) = run(ToolFormat::Mistral, &[cases[1].1]);
         assert!(calls.iter().all(|c| c.id.len() == 9 && c.id.chars().all(|c| c.is_ascii_alphanumeric())));
         assert_ne!(calls[0].id, calls[1].id);
+    }
+
+    /// A DSML answer fed in `pieces`: its text, its calls, and per call the arguments as streamed
+    /// (the `CallArguments` after its `CallBegin`, joined).
+    fn run_dsml(format: ToolFormat, pieces: &[&str], cut: bool) -> (String, Vec<ToolCall>, Vec<String>) {
+        let mut p = ToolCallParser::new(format, &tools(), "x");
+        let mut out: Vec<Piece> = pieces.iter().flat_map(|s| p.push(s)).collect();
+        out.extend(p.finish(cut));
+        let (mut text, mut calls, mut streamed) = (String::new(), Vec::new(), Vec::<String>::new());
+        let mut open: Option<String> = None;
+        for o in out {
+            match o {
+                Piece::Text(t) => {
+                    assert!(open.is_none(), "text inside a call");
+                    text.push_str(&t);
+                }
+                Piece::CallBegin { id, .. } => {
+                    assert!(open.is_none(), "a call began inside another");
+                    open = Some(id);
+                    streamed.push(String::new());
+                }
+                Piece::CallArguments(a) => {
+                    assert!(open.is_some(), "arguments outside a call");
+                    streamed.last_mut().unwrap().push_str(&a);
+                }
+                Piece::Call(c) => {
+                    if open.take().is_some_and(|id| id == c.id) {
+                        assert_eq!(
+                            streamed.last().unwrap(),
+                            &c.arguments,
+                            "the streamed arguments are the call's"
+                        );
+                    } else {
+                        streamed.push(c.arguments.clone());
+                    }
+                    calls.push(c);
+                }
+            }
+        }
+        assert_eq!(p.calls(), calls.len());
+        (text, calls, streamed)
+    }
+
+    /// Every split of `full` (characters, runs of 5, whole) gives the same text and calls.
+    fn dsml_every_split(format: ToolFormat, full: &str, cut: bool) -> (String, Vec<ToolCall>) {
+        let (text, calls, _) = run_dsml(format, &[full], cut);
+        let chars: Vec<String> = full.chars().map(String::from).collect();
+        for pieces in [
+            chars.clone(),
+            chars.chunks(5).map(|c| c.concat()).collect(),
+            chars.chunks(17).map(|c| c.concat()).collect(),
+        ] {
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            let (t, c, _) = run_dsml(format, &refs, cut);
+            assert_eq!((&t, &c), (&text, &calls), "{full}");
+        }
+        (text, calls)
+    }
+
+    fn args(c: &ToolCall) -> Value {
+        serde_json::from_str(&c.arguments).unwrap_or_else(|e| panic!("{}: {e}", c.arguments))
+    }
+
+    const DSML_V4: &str = "I will look.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"path\" string=\"true\">dir/\"a\" <｜DSML｜invoke name=\"x\"> </｜DSML｜invoke> </｜DSML｜para.txt</｜DSML｜parameter>\n<｜DSML｜parameter name=\"lines\" string=\"false\">[1, 20]</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"list_dir\">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
+
+    #[test]
+    fn dsml_calls_stream_their_arguments_and_agree_in_every_split() {
+        let (text, calls) = dsml_every_split(ToolFormat::DeepSeekV4, DSML_V4, false);
+        assert_eq!(text, "I will look.", "no markup and no whitespace before the block in the text");
+        assert_eq!(calls.len(), 2);
+        assert_eq!((calls[0].name.as_str(), calls[0].id.as_str()), ("read_file", "call_x_0"));
+        assert_eq!(
+            args(&calls[0]),
+            json!({"path": "dir/\"a\" <｜DSML｜invoke name=\"x\"> </｜DSML｜invoke> </｜DSML｜para.txt", "lines": [1, 20]}),
+            "quoted markup inside a value is the value's"
+        );
+        assert_eq!((calls[1].name.as_str(), calls[1].arguments.as_str()), ("list_dir", "{}"));
+        // Streamed one character at a time, the string arrives in many fragments, before the call
+        // ends, and never with a close tag's start in it.
+        let chars: Vec<String> = DSML_V4.chars().map(String::from).collect();
+        let refs: Vec<&str> = chars.iter().map(String::as_str).collect();
+        let mut p = ToolCallParser::new(ToolFormat::DeepSeekV4, &tools(), "x");
+        let mut fragments = Vec::new();
+        for (i, r) in refs.iter().enumerate() {
+            for piece in p.push(r) {
+                if let Piece::CallArguments(a) = piece {
+                    assert!(!a.contains("</｜DSML｜parameter"), "{a}");
+                    fragments.push((i, a));
+                }
+            }
+        }
+        let path_end = DSML_V4.find("</｜DSML｜parameter>").unwrap();
+        let before_end = fragments.iter().filter(|(i, _)| chars[..*i].concat().len() < path_end).count();
+        assert!(before_end > 20, "the path's characters go out as they arrive ({before_end} fragments)");
+        // V3.2's block name reads in either format.
+        let v32 = DSML_V4.replace("tool_calls>", "function_calls>");
+        for f in [ToolFormat::DeepSeekV32, ToolFormat::DeepSeekV4] {
+            assert_eq!(dsml_every_split(f, &v32, false), (text.clone(), calls.clone()), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn dsml_parameters_are_typed_as_the_model_and_the_schema_say() {
+        let call = |params: &str| {
+            format!("<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n{params}\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+        };
+        for (params, want) in [
+            // `string="true"`: the raw text, also when it reads as a number.
+            ("<｜DSML｜parameter name=\"path\" string=\"true\">42</｜DSML｜parameter>", json!({"path": "42"})),
+            ("<｜DSML｜parameter name=\"n\" string=\"false\">42</｜DSML｜parameter>", json!({"n": 42})),
+            ("<｜DSML｜parameter name=\"o\" string=\"false\">{\"a\": [true, null]}</｜DSML｜parameter>", json!({"o": {"a": [true, null]}})),
+            // Not JSON though said so: kept as a string.
+            ("<｜DSML｜parameter name=\"n\" string=\"false\">about 3</｜DSML｜parameter>", json!({"n": "about 3"})),
+            // No `string` attribute: the schema says (`path` is a string), else JSON.
+            ("<｜DSML｜parameter name=\"path\">7</｜DSML｜parameter>\n<｜DSML｜parameter name=\"n\">7</｜DSML｜parameter>", json!({"path": "7", "n": 7})),
+            // A spurious `arguments` wrapper (the function declares none) is unwrapped.
+            ("<｜DSML｜parameter name=\"arguments\" string=\"false\">{\"path\": \"a.txt\"}</｜DSML｜parameter>", json!({"path": "a.txt"})),
+            ("<｜DSML｜parameter name=\"arguments\" string=\"true\">{}</｜DSML｜parameter>\n<｜DSML｜parameter name=\"path\" string=\"true\">b</｜DSML｜parameter>", json!({"path": "b"})),
+            ("<｜DSML｜parameter name=\"arguments\" string=\"true\">plain</｜DSML｜parameter>", json!({"arguments": "plain"})),
+            // A second value of a name, and a parameter without one, are dropped.
+            ("<｜DSML｜parameter name=\"path\" string=\"true\">a</｜DSML｜parameter><｜DSML｜parameter name=\"path\" string=\"true\">b</｜DSML｜parameter><｜DSML｜parameter string=\"true\">c</｜DSML｜parameter>", json!({"path": "a"})),
+        ] {
+            let (text, calls) = dsml_every_split(ToolFormat::DeepSeekV4, &call(params), false);
+            assert_eq!((text.as_str(), calls.len()), ("", 1), "{params}");
+            assert_eq!(args(&calls[0]), want, "{params}");
+        }
+        // A function that declares `arguments` keeps it.
+        let mut t = tools();
+        t[1].parameters = json!({"type": "object", "properties": {"arguments": {"type": "object"}}});
+        let mut p = ToolCallParser::new(ToolFormat::DeepSeekV4, &t, "x");
+        let mut out = p.push("<｜DSML｜invoke name=\"list_dir\">\n<｜DSML｜parameter name=\"arguments\" string=\"false\">{\"a\": 1}</｜DSML｜parameter>\n</｜DSML｜invoke>");
+        out.extend(p.finish(false));
+        let Some(Piece::Call(c)) = out.last() else { panic!("{out:?}") };
+        assert_eq!(args(c), json!({"arguments": {"a": 1}}));
+    }
+
+    #[test]
+    fn dsml_prose_unknown_functions_and_missing_tags() {
+        // The block's start tag missing (as at long context): still calls; the end tag too.
+        let (text, calls) = dsml_every_split(
+            ToolFormat::DeepSeekV4,
+            "Sure.\n<｜DSML｜invoke name=\"list_dir\">\n<｜DSML｜parameter name=\"d\" string=\"true\">x</｜DSML｜parameter>\n</｜DSML｜invoke>",
+            false,
+        );
+        assert_eq!((text.as_str(), calls.len(), calls[0].arguments.as_str()), ("Sure.", 1, r#"{"d":"x"}"#));
+        // Stopped inside a call (end of sequence): the call as written, closed.
+        let (_, calls) = dsml_every_split(
+            ToolFormat::DeepSeekV4,
+            "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"path\" string=\"true\">a.t",
+            false,
+        );
+        assert_eq!(calls[0].arguments, r#"{"path":"a.t"}"#);
+        // Prose that looks like a call, unknown functions and a block with no call stay text, whole.
+        for prose in [
+            "Write <｜DSML｜invoke name=\"read_file\"> to read a file.",
+            "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"rm_rf\">\n<｜DSML｜parameter name=\"p\" string=\"true\">/</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>",
+            "The tag <｜DSML｜tool_calls> opens calls.",
+            "a < b, and <｜DSML｜invoked",
+            "</｜DSML｜tool_calls> out of place",
+        ] {
+            let (text, calls) = dsml_every_split(ToolFormat::DeepSeekV4, prose, false);
+            assert_eq!((text.as_str(), calls.len()), (prose, 0), "{prose}");
+        }
+        // Text after the calls is text; whitespace between and after them is not.
+        let (text, calls) = dsml_every_split(
+            ToolFormat::DeepSeekV4,
+            "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"list_dir\">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>\n\nDone.",
+            false,
+        );
+        assert_eq!((text.as_str(), calls.len()), ("Done.", 1));
+        let (text, _) = dsml_every_split(
+            ToolFormat::DeepSeekV4,
+            "<｜DSML｜invoke name=\"list_dir\">\n</｜DSML｜invoke>\n Done. And  more\n\n<｜DSML｜invoke name=\"list_dir\">\n</｜DSML｜invoke>",
+            false,
+        );
+        assert_eq!(text, "Done. And  more");
+        // A plain answer keeps its whitespace.
+        assert_eq!(dsml_every_split(ToolFormat::DeepSeekV4, "Hi!\n\n", false).0, "Hi!\n\n");
+    }
+
+    #[test]
+    fn dsml_cut_by_max_tokens() {
+        // Cut inside a value: the call with its arguments as far as written (not closed: a client
+        // cannot take cut arguments for whole ones); cut before a name is whole: no call, no markup.
+        let (text, calls) = dsml_every_split(
+            ToolFormat::DeepSeekV4,
+            "Sure.<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"path\" string=\"true\">a.t</｜DSML｜para",
+            true,
+        );
+        assert_eq!(
+            (text.as_str(), calls.len(), calls[0].arguments.as_str()),
+            ("Sure.", 1, r#"{"path":"a.t"#)
+        );
+        for cut in ["Sure.<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_", "Sure.<｜DSML｜too"] {
+            let (text, calls) = dsml_every_split(ToolFormat::DeepSeekV4, cut, true);
+            assert_eq!((text.as_str(), calls.len()), ("Sure.", 0), "{cut}");
+        }
+        let (_, calls) = dsml_every_split(
+            ToolFormat::DeepSeekV4,
+            "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"list_dir\">",
+            true,
+        );
+        assert_eq!((calls.len(), calls[0].arguments.as_str()), (1, ""));
+    }
+
+    #[test]
+    fn dsml_calls_render_and_read_back() {
+        for f in [ToolFormat::DeepSeekV32, ToolFormat::DeepSeekV4] {
+            let a = json!({"path": "a \"b\"\n<c>", "n": 3, "o": {"k": [1]}});
+            let rendered = f.render_call("read_file", &a);
+            let (text, calls) = dsml_every_split(f, &rendered, false);
+            assert_eq!((text.as_str(), calls.len()), ("", 1), "{rendered}");
+            assert_eq!(args(&calls[0]), a);
+            let empty = f.render_call("list_dir", &json!({}));
+            assert!(empty.contains("\">\n\n</｜DSML｜invoke>"), "{empty}");
+            assert_eq!(dsml_every_split(f, &empty, false).1[0].arguments, "{}");
+        }
+        assert!(ToolFormat::DeepSeekV32
+            .render_call("list_dir", &json!({}))
+            .starts_with("<｜DSML｜function_calls>\n"));
+        assert_eq!(ToolFormat::from_template("x<｜DSML｜function_calls>"), ToolFormat::DeepSeekV32);
+        assert_eq!(ToolFormat::from_template("{{ '<｜DSML｜tool_calls>' }}"), ToolFormat::DeepSeekV4);
+        assert_eq!(ToolFormat::from_model_type("deepseek_v4"), Some(ToolFormat::DeepSeekV4));
+        assert_eq!(ToolFormat::from_name("deepseek_v32"), Some(ToolFormat::DeepSeekV32));
+        let g = ToolFormat::DeepSeekV4.forced_call_grammar(&tools(), Some("read_file"), 1);
+        assert!(
+            g.starts_with(
+                "start: \"<｜DSML｜tool_calls>\" rest\nrest: \"\\n\" call \"\\n</｜DSML｜tool_calls>\"\n"
+            ) && g
+                .contains("p0_0: \"<｜DSML｜parameter name=\\\"path\\\" string=\\\"true\\\">\" sval \"\\n\"")
+                && g.contains("c0: \"<｜DSML｜invoke name=\\\"read_file\\\">\\n\" p0_0")
+                && !g.contains("list_dir"),
+            "{g}"
+        );
+        let g = ToolFormat::DeepSeekV32.forced_call_grammar(&tools(), None, 3);
+        assert!(g.contains("(\"\\n\" call){0,2}") && g.contains("gp*") && g.contains("GNAME"), "{g}");
     }
 
     #[test]

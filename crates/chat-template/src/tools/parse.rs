@@ -161,7 +161,13 @@ fn parse_deepseek(text: &str, end: End) -> Option<Calls> {
 pub enum Piece {
     /// Plain answer text.
     Text(String),
-    /// A complete call.
+    /// A call begins (formats that stream their calls' arguments: DSML): its id and function;
+    /// its arguments follow as [`Piece::CallArguments`], then the call whole as [`Piece::Call`].
+    CallBegin { id: String, name: String },
+    /// More of the open call's arguments (JSON text; the fragments joined are the call's
+    /// `arguments`).
+    CallArguments(String),
+    /// A complete call (after its `CallBegin` and `CallArguments` where the format streams them).
     Call(ToolCall),
 }
 
@@ -181,6 +187,8 @@ pub struct ToolCallParser {
     said_text: bool,
     calls: usize,
     id_prefix: String,
+    /// The DSML formats' own streaming parser.
+    dsml: Option<super::dsml::Dsml>,
 }
 
 impl ToolCallParser {
@@ -194,16 +202,25 @@ impl ToolCallParser {
             said_text: false,
             calls: 0,
             id_prefix: id_prefix.to_owned(),
+            dsml: format.dsml_block().map(|_| super::dsml::Dsml::new(tools)),
         }
     }
 
-    /// Calls given out so far.
+    /// Calls given out (whole) so far.
     pub fn calls(&self) -> usize {
-        self.calls
+        match &self.dsml {
+            Some(d) => d.calls(),
+            None => self.calls,
+        }
     }
 
     /// Feeds a piece of text; returns what can be given out now.
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        if self.dsml.is_some() {
+            let prefix = self.id_prefix.clone();
+            let id = move |n| format!("call_{prefix}_{n}");
+            return self.dsml.as_mut().expect("a DSML parser").push(text, &id);
+        }
         self.held.push_str(text);
         let mut out = Vec::new();
         loop {
@@ -256,6 +273,11 @@ impl ToolCallParser {
     /// answer was cut by `max_tokens`, and the call it fell in is returned with its arguments as far
     /// as they were written; markup cut before a call's name is whole is dropped.
     pub fn finish(&mut self, cut: bool) -> Vec<Piece> {
+        if self.dsml.is_some() {
+            let prefix = self.id_prefix.clone();
+            let id = move |n| format!("call_{prefix}_{n}");
+            return self.dsml.as_mut().expect("a DSML parser").finish(cut, &id);
+        }
         let mut out = Vec::new();
         if self.in_call && self.format.deepseek() && self.calls > 0 && self.held.trim() == CALLS_END {
             self.held.clear();
@@ -386,6 +408,8 @@ impl ToolCallParser {
                 }
             }
             ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => found = parse_deepseek(text, end)?,
+            // (DSML has a parser of its own.)
+            ToolFormat::DeepSeekV32 | ToolFormat::DeepSeekV4 => return None,
             ToolFormat::Mistral => {
                 let body = text.trim().strip_prefix("[TOOL_CALLS]")?.trim();
                 match serde_json::from_str(body) {
@@ -473,7 +497,7 @@ impl ToolCallParser {
 }
 
 /// The longest suffix of `text` that is a proper prefix of `pat`.
-fn partial_suffix(text: &str, pat: &str) -> usize {
+pub(super) fn partial_suffix(text: &str, pat: &str) -> usize {
     (1..pat.len().min(text.len() + 1))
         .rev()
         .find(|&k| {

@@ -124,9 +124,22 @@ pub struct Delta<'a> {
     pub reasoning: Option<&'a str>,
     /// Whole calls, each with its index among the response's calls.
     pub tool_calls: Option<&'a [(usize, ToolCall)]>,
+    /// A streamed call's part ([`call_begin_json`], [`call_arguments_json`]), as `tool_calls`' entry.
+    pub call_part: Option<&'a Value>,
     pub finish_reason: Option<&'a str>,
     /// Which choice it belongs to (`n` > 1).
     pub index: usize,
+}
+
+/// The first delta of a call whose arguments stream: entry `index` of `tool_calls` with its id and
+/// function, and no arguments yet.
+pub fn call_begin_json(index: usize, id: &str, name: &str) -> Value {
+    json!({"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}})
+}
+
+/// More of call `index`'s arguments.
+pub fn call_arguments_json(index: usize, arguments: &str) -> Value {
+    json!({"index": index, "function": {"arguments": arguments}})
 }
 
 /// A chat or completion stream chunk (a Messages stream is written by
@@ -146,6 +159,9 @@ pub fn chunk(meta: &Meta, delta: Delta<'_>, logprobs: Option<Value>) -> Value {
             }
             if let Some(calls) = delta.tool_calls {
                 d.insert("tool_calls".into(), calls.iter().map(|(i, c)| c.delta_json(*i)).collect());
+            }
+            if let Some(part) = delta.call_part {
+                d.insert("tool_calls".into(), json!([part]));
             }
             json!({"index": delta.index, "delta": d, "logprobs": logprobs, "finish_reason": delta.finish_reason})
         }

@@ -139,6 +139,8 @@ pub struct ResponseStream {
     blank_logprobs: Vec<Value>,
     /// The finished output items.
     items: Vec<Value>,
+    /// The output index of the call whose arguments are streaming, if one is.
+    call_open: Option<usize>,
 }
 
 impl ResponseStream {
@@ -267,8 +269,37 @@ impl ResponseStream {
         self.items.push(item);
     }
 
-    /// A complete call: its item, its arguments (as one delta), its end.
+    /// A call whose arguments stream: its item opens.
+    pub fn call_begin(&mut self, meta: &Meta, id: &str, name: &str, out: &mut Vec<Event>) {
+        self.close_text(meta, out);
+        self.blank.clear();
+        self.blank_logprobs.clear();
+        let i = self.items.len();
+        let c = ToolCall { id: id.to_owned(), name: name.to_owned(), arguments: String::new() };
+        out.push(self.event(
+            "response.output_item.added",
+            json!({"output_index": i, "item": call_item(&c, "in_progress")}),
+        ));
+        self.call_open = Some(i);
+    }
+
+    /// More of the streaming call's arguments.
+    pub fn call_arguments(&mut self, id: &str, arguments: &str, out: &mut Vec<Event>) {
+        if let Some(i) = self.call_open {
+            let id = format!("fc_{id}");
+            out.push(self.event(
+                "response.function_call_arguments.delta",
+                json!({"item_id": id, "output_index": i, "delta": arguments}),
+            ));
+        }
+    }
+
+    /// A complete call: its item, its arguments (as one delta unless they streamed), its end.
     pub fn call(&mut self, meta: &Meta, c: &ToolCall, out: &mut Vec<Event>) {
+        let id = format!("fc_{}", c.id);
+        if let Some(i) = self.call_open.take() {
+            return self.call_done(c, i, &id, out);
+        }
         self.close_text(meta, out);
         self.blank.clear();
         self.blank_logprobs.clear();
@@ -276,11 +307,14 @@ impl ResponseStream {
         let mut item = call_item(c, "in_progress");
         item["arguments"] = json!("");
         out.push(self.event("response.output_item.added", json!({"output_index": i, "item": item})));
-        let id = format!("fc_{}", c.id);
         out.push(self.event(
             "response.function_call_arguments.delta",
             json!({"item_id": id, "output_index": i, "delta": c.arguments}),
         ));
+        self.call_done(c, i, &id, out);
+    }
+
+    fn call_done(&mut self, c: &ToolCall, i: usize, id: &str, out: &mut Vec<Event>) {
         out.push(self.event(
             "response.function_call_arguments.done",
             json!({"item_id": id, "output_index": i, "name": c.name, "arguments": c.arguments}),

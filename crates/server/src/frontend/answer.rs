@@ -14,9 +14,10 @@ use serde_json::{json, Value};
 use super::{json_response, timings_json, Frontend, Kind, Live};
 
 impl Frontend {
-    /// The stream events of text and calls, framed: text as content deltas, each call whole as a
-    /// `tool_calls` delta with its index (Messages: text and `tool_use` blocks). `lp` goes with the
-    /// first text chunk (taken if used).
+    /// The stream events of text and calls, framed: text as content deltas, each call as `tool_calls`
+    /// deltas with its index, whole or (formats that stream arguments) its head and then its
+    /// arguments as they arrive (Messages: text and `tool_use` blocks; Responses: items). `lp` goes
+    /// with the first text chunk (taken if used).
     pub(super) fn stream_pieces(
         l: &mut Live,
         reasoning: &str,
@@ -35,8 +36,17 @@ impl Frontend {
             for p in pieces {
                 match p {
                     Piece::Text(t) => r.stream.text(&l.meta, &t, std::mem::take(&mut lps), &mut events),
+                    Piece::CallBegin { id, name } => {
+                        r.stream.call_begin(&l.meta, &id, &name, &mut events);
+                        l.call_open = Some(id);
+                    }
+                    Piece::CallArguments(a) => {
+                        let id = l.call_open.as_deref().unwrap_or_default();
+                        r.stream.call_arguments(id, &a, &mut events);
+                    }
                     Piece::Call(c) => {
                         r.stream.call(&l.meta, &c, &mut events);
+                        l.call_open = None;
                         l.calls.push(c);
                     }
                 }
@@ -54,6 +64,8 @@ impl Frontend {
             for p in pieces {
                 match p {
                     Piece::Text(t) => l.blocks.text(&t, &mut events),
+                    Piece::CallBegin { id, name } => l.blocks.call_begin(&id, &name, &mut events),
+                    Piece::CallArguments(a) => l.blocks.call_arguments(&a, &mut events),
                     Piece::Call(c) => {
                         l.blocks.call(&c, &mut events);
                         l.calls.push(c);
@@ -75,6 +87,22 @@ impl Frontend {
                 Piece::Text(t) => {
                     let delta = Delta { text: Some(&t), index: l.choice, ..Delta::default() };
                     openai::chunk(&l.meta, delta, lp.take())
+                }
+                Piece::CallBegin { id, name } => {
+                    l.call_open = Some(id.clone());
+                    let part = openai::call_begin_json(l.calls.len(), &id, &name);
+                    let delta = Delta { call_part: Some(&part), index: l.choice, ..Delta::default() };
+                    openai::chunk(&l.meta, delta, None)
+                }
+                Piece::CallArguments(a) => {
+                    let part = openai::call_arguments_json(l.calls.len(), &a);
+                    let delta = Delta { call_part: Some(&part), index: l.choice, ..Delta::default() };
+                    openai::chunk(&l.meta, delta, None)
+                }
+                Piece::Call(call) if l.call_open.take().is_some() => {
+                    // Its head and arguments went out as they arrived.
+                    l.calls.push(call);
+                    continue;
                 }
                 Piece::Call(call) => {
                     let calls = [(l.calls.len(), call)];

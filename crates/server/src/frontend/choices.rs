@@ -123,6 +123,7 @@ impl Frontend {
             logprobs: Vec::new(),
             received: Instant::now(),
             calls: Vec::new(),
+            call_open: None,
             blocks: Default::default(),
             echo: g.echo.clone(),
             panic_in_output: false,

@@ -51,6 +51,8 @@ struct Live {
     received: Instant,
     /// The calls found so far.
     calls: Vec<ToolCall>,
+    /// The id of the call whose arguments are streaming, if one is.
+    call_open: Option<String>,
     /// A streamed Messages answer: which content block is open.
     blocks: MessageStream,
     /// Completions with `echo`: the prompt's text, ahead of the answer.
@@ -580,6 +582,7 @@ impl Frontend {
             logprobs: Vec::new(),
             received: Instant::now(),
             calls: Vec::new(),
+            call_open: None,
             blocks: MessageStream::default(),
             echo: None,
             group: None,

@@ -93,8 +93,7 @@ impl Frontend {
                 let Some(l) = self.live.get_mut(&id) else { return };
                 let Kind::Generate { stream, .. } = l.kind else { return };
                 assert!(!l.panic_in_output, "test panic while rendering the output");
-                let pieces: Vec<Piece> =
-                    std::iter::once(Piece::Text(text)).chain(calls.into_iter().map(Piece::Call)).collect();
+                let pieces: Vec<Piece> = std::iter::once(Piece::Text(text)).chain(calls).collect();
                 let group = l.group;
                 if let Some(gid) = group.filter(|_| l.choice == 0) {
                     // The first choice's prompt is computed (and cached): the others may start.
@@ -108,6 +107,8 @@ impl Frontend {
                         match p {
                             Piece::Text(t) => l.text.push_str(&t),
                             Piece::Call(c) => l.calls.push(c),
+                            // (A whole answer has each call whole.)
+                            Piece::CallBegin { .. } | Piece::CallArguments(_) => {}
                         }
                     }
                     return;
