@@ -437,6 +437,7 @@ const FUZZ_TARGETS: &[&str] = &[
     "chat_template",
     "dns_answer",
     "wire_peers",
+    "tool_calls",
 ];
 
 fn fuzz(args: &[String]) -> Result<()> {

@@ -16,6 +16,14 @@ fn tools_and_structured_output_through_the_official_client() {
     common::run_python("openai_tools.py", &format!("http://{}", w.addr), &["100"]);
 }
 
+/// DeepSeek's DSML format (`--tool-parser deepseek_v4`): forced calls written in DSML, their
+/// arguments streamed in pieces through chat, Responses and Messages.
+#[test]
+fn dsml_calls_stream_their_arguments_through_the_official_clients() {
+    let w = common::Worker::start(&["--tool-parser", "deepseek_v4"]);
+    common::run_python("dsml_tools.py", &format!("http://{}", w.addr), &[]);
+}
+
 #[test]
 fn the_responses_api_through_the_official_client() {
     let w = common::Worker::start(&[]);

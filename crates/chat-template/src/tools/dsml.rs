@@ -49,6 +49,8 @@ enum Kind {
     /// Held whole: a first parameter named `arguments` the function does not declare, unwrapped
     /// when it holds an object.
     Wrapper,
+    /// Dropped: a parameter with no name, or a second one of a name.
+    Skip,
 }
 
 #[derive(Debug)]
@@ -178,6 +180,7 @@ impl Dsml {
                             format!("{}{}", p.value, &held[..held.len() - partial_suffix(&held, PARAM_END)]);
                         let frag = match p.kind {
                             Kind::Str => escape(&value),
+                            Kind::Skip => String::new(),
                             _ => format!("{}{value}", entry_head(&call, &p.key)),
                         };
                         add(&mut out, &mut call, frag);
@@ -345,13 +348,10 @@ impl Dsml {
             let (key, string) = (attr(attrs, "name"), attr(attrs, "string"));
             self.held.drain(..gt + 1);
             let Some(key) = key.filter(|k| !k.is_empty() && !call.keys.contains(k)) else {
-                // A parameter with no name, or a second one of a name: its value is dropped.
-                match self.held.find(PARAM_END) {
-                    Some(e) => {
-                        self.held.drain(..e + PARAM_END.len());
-                    }
-                    None => self.held.clear(),
-                }
+                let skip =
+                    Param { key: String::new(), kind: Kind::Skip, value: String::new(), string: false };
+                call.param = Some(skip);
+                self.state = State::Value;
                 return true;
             };
             let declared = self.tools.iter().find(|(n, _)| *n == call.name).and_then(|(_, p)| p.get(&key));
@@ -417,12 +417,10 @@ impl Dsml {
             None => {
                 let n = self.held.len() - partial_suffix(&self.held, PARAM_END);
                 let v: String = self.held.drain(..n).collect();
-                if p.kind == Kind::Str {
-                    if !v.is_empty() {
-                        add(out, call, escape(&v));
-                    }
-                } else {
-                    p.value.push_str(&v);
+                match p.kind {
+                    Kind::Str if !v.is_empty() => add(out, call, escape(&v)),
+                    Kind::Str | Kind::Skip => {}
+                    Kind::Json | Kind::Wrapper => p.value.push_str(&v),
                 }
                 false
             }
@@ -478,6 +476,7 @@ fn entry_head(call: &OpenCall, key: &str) -> String {
 /// the arguments with that object's entries.
 fn close_param(out: &mut Vec<Piece>, call: &mut OpenCall, p: Param) {
     let frag = match p.kind {
+        Kind::Skip => return,
         Kind::Str => "\"".to_owned(),
         Kind::Wrapper => match serde_json::from_str::<Value>(p.value.trim()) {
             Ok(Value::Object(o)) => {

@@ -96,6 +96,9 @@ impl ToolFormat {
     }
 }
 
+/// The longest `maxLength` a DSML string is held to by counting (longer: any length).
+const STRING_BOUND_MAX: u64 = 1024;
+
 /// DSML's calls: one rule per function, its declared parameters in order (the required ones
 /// always), strings raw up to the close tag (an `enum` of strings as its values), other values as
 /// JSON of their schema; a function that declares none takes any parameters.
@@ -127,9 +130,10 @@ fn dsml_rules(tools: &[Tool], only: Option<&str>, calls_max: usize, end: &str, c
                         .get("enum")
                         .and_then(Value::as_array)
                         .and_then(|e| e.iter().map(Value::as_str).collect());
+                    let bound = |k: &str| schema.get(k).and_then(Value::as_u64);
                     let body = if schema.get("type").and_then(Value::as_str) == Some("string") {
-                        match strings {
-                            Some(values) if !values.is_empty() => format!(
+                        match (strings, bound("minLength"), bound("maxLength")) {
+                            (Some(values), ..) if !values.is_empty() => format!(
                                 "{} ({})",
                                 open("true"),
                                 values
@@ -138,6 +142,15 @@ fn dsml_rules(tools: &[Tool], only: Option<&str>, calls_max: usize, end: &str, c
                                     .collect::<Vec<_>>()
                                     .join(" | ")
                             ),
+                            // Bounded lengths: characters other than `<` (the close tag's start),
+                            // counted.
+                            (_, min, Some(max)) if max <= STRING_BOUND_MAX => {
+                                g.push_str(&format!(
+                                    "S{i}_{j}: /[^<]{{{},{max}}}/\n",
+                                    min.unwrap_or(0).min(max)
+                                ));
+                                format!("{} S{i}_{j} {}", open("true"), lit(&format!("{PARAM_END}\n")))
+                            }
                             _ => format!("{} sval \"\\n\"", open("true")),
                         }
                     } else {
