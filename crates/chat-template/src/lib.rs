@@ -21,8 +21,10 @@
 
 use std::fmt;
 
+mod deepseek;
 mod reasoning;
 mod tools;
+pub use deepseek::DeepSeekEncoder;
 pub use reasoning::{ReasoningFormat, ReasoningParser, Split};
 pub use tools::{Piece, ToolCallParser, ToolFormat};
 
@@ -75,12 +77,14 @@ impl fmt::Display for TemplateError {
 
 impl std::error::Error for TemplateError {}
 
-/// A model's chat template with its special tokens, checked to compile.
+/// A model's chat template with its special tokens, checked to compile; or, for a checkpoint that
+/// ships none and builds its prompts in code (DeepSeek V3.2 and V4), that encoder.
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
     source: String,
     bos_token: String,
     eos_token: String,
+    encoder: Option<DeepSeekEncoder>,
 }
 
 /// Nesting deeper than this in a message's tool calls or in the tools is refused before rendering
@@ -104,12 +108,24 @@ impl ChatTemplate {
             source: source.to_owned(),
             bos_token: bos_token.to_owned(),
             eos_token: eos_token.to_owned(),
+            encoder: None,
         };
         t.environment()?;
         Ok(t)
     }
 
-    /// The Jinja source.
+    /// DeepSeek's own prompt encoder (V3.2 or V4), for a checkpoint that ships no template.
+    pub fn deepseek(encoder: DeepSeekEncoder) -> ChatTemplate {
+        ChatTemplate {
+            source: encoder.source().to_owned(),
+            bos_token: deepseek::BOS.to_owned(),
+            eos_token: deepseek::EOS.to_owned(),
+            encoder: Some(encoder),
+        }
+    }
+
+    /// The Jinja source (for a built-in encoder, a line naming what it renders: the call format,
+    /// tools, `'tool'` results and thinking, as a template's source would show them).
     pub fn source(&self) -> &str {
         &self.source
     }
@@ -152,6 +168,9 @@ impl ChatTemplate {
             messages.iter().flat_map(|m| &m.tool_calls).chain(tools).any(|v| deeper_than(v, MAX_DEPTH));
         if deep {
             return Err(TemplateError(format!("tools or tool calls nested deeper than {MAX_DEPTH} levels")));
+        }
+        if let Some(encoder) = self.encoder {
+            return encoder.encode(messages, tools, add_generation_prompt, kwargs);
         }
         let env = self.environment()?;
         let tmpl = env.get_template("chat").map_err(|e| TemplateError(e.to_string()))?;

@@ -7,7 +7,7 @@ use crate::ModelError;
 
 use pdserve_api::tools::Tool;
 pub use pdserve_chat_template::{tool_call, ChatMessage};
-use pdserve_chat_template::{ChatTemplate, ToolFormat};
+use pdserve_chat_template::{ChatTemplate, DeepSeekEncoder, ToolFormat};
 use serde_json::{Map, Value};
 
 /// Tokenizer plus chat template of one model folder.
@@ -47,7 +47,15 @@ impl TextCodec {
                 ChatTemplate::new(source, &token("bos_token"), &token("eos_token"))
                     .map_err(|e| ModelError::format(&cfg_path, format!("chat_template: {e}")))?,
             ),
-            None => None,
+            // No template: DeepSeek V3.2 and V4 build their prompts in code (their encoders are built
+            // in); `config.json`'s `model_type` says which.
+            None => std::fs::read_to_string(dir.join("config.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|c| {
+                    c.get("model_type").and_then(|m| m.as_str()).and_then(DeepSeekEncoder::from_model_type)
+                })
+                .map(ChatTemplate::deepseek),
         };
         Ok(TextCodec {
             tokenizer,

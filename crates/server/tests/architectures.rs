@@ -224,6 +224,61 @@ fn deepseek_answers_the_reference_unified_and_through_pd() {
     }
 }
 
+/// A DeepSeek V3.2 checkpoint that ships no chat template (as DeepSeek's does) gets DeepSeek's own
+/// encoder: chat prompts in its turns with the tools offered in DSML, forced calls written in V3.2's
+/// DSML block and parsed back, and the thinking mode's prompt opening the thinking (the answer is
+/// `reasoning_content` until the model closes it).
+#[test]
+fn deepseek_without_a_template_gets_its_own_encoder_and_dsml() {
+    let dir = tiny(
+        "deepseek-v3.2-encoder",
+        json!({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "q_lora_rank": 32,
+        "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 64, "n_routed_experts": 8,
+        "n_shared_experts": 1, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
+        "routed_scaling_factor": 2.5, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+        "max_position_embeddings": 4096}),
+    );
+    // The tokenizer's settings without the default model's template.
+    let cfg = dir.join("tokenizer_config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    c.as_object_mut().unwrap().remove("chat_template");
+    std::fs::remove_file(&cfg).unwrap();
+    std::fs::write(&cfg, c.to_string()).unwrap();
+    let w = Worker::start(&["--model", dir.to_str().unwrap()]);
+    let tools = json!([{"type": "function", "function": {"name": "read_file", "parameters": {"type": "object",
+        "properties": {"path": {"type": "string", "maxLength": 12}}, "required": ["path"]}}}]);
+    let messages = json!([{"role": "user", "content": "Read a.txt"}]);
+    let (s, t) = w.json("POST", "/tokenize", &json!({"messages": messages, "tools": tools}).to_string());
+    assert_eq!(s, 200, "{t}");
+    let (_, text) = w.json("POST", "/detokenize", &json!({"tokens": t["tokens"]}).to_string());
+    let text = text["prompt"].as_str().unwrap();
+    assert!(
+        text.starts_with("<｜begin▁of▁sentence｜>## Tools")
+            && text.contains("<｜DSML｜function_calls>")
+            && text.ends_with("<｜User｜>Read a.txt<｜Assistant｜></think>"),
+        "{text}"
+    );
+    let body = json!({"messages": messages, "tools": tools, "max_tokens": 120, "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "read_file"}}});
+    let (s, v) = w.json("POST", "/v1/chat/completions", &body.to_string());
+    assert_eq!(s, 200, "{v}");
+    let calls = &v["choices"][0]["message"]["tool_calls"];
+    assert_eq!(calls[0]["function"]["name"], "read_file", "{v}");
+    let args: Value = serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert!(args["path"].as_str().is_some_and(|p| p.chars().count() <= 12), "{v}");
+    // Thinking mode: the prompt opens the thinking, so the (random) model's words are its thinking.
+    let body = json!({"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+        "chat_template_kwargs": {"thinking": true}});
+    let (s, v) = w.json("POST", "/v1/chat/completions", &body.to_string());
+    assert_eq!(s, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert!(m["reasoning_content"].as_str().is_some_and(|r| !r.is_empty()), "{v}");
+    drop(w);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A sliding window serves a request longer than the whole KV pool: blocks outside the window go
 /// back as it runs, and the text is still the reference's (the window decides what each token sees).
 #[test]

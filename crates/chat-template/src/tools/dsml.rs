@@ -537,7 +537,7 @@ fn text(out: &mut Vec<Piece>, t: &str) {
 }
 
 /// How a call's arguments read in DSML: one parameter per entry, strings raw, other values JSON.
-pub(super) fn render_invoke(name: &str, arguments: &Value) -> String {
+pub(crate) fn render_invoke(name: &str, arguments: &Value) -> String {
     let params: Vec<String> = arguments
         .as_object()
         .into_iter()
@@ -555,6 +555,13 @@ pub(super) fn render_invoke(name: &str, arguments: &Value) -> String {
 
 /// The system text that offers `tools` in DSML (for a model whose prompt has no place for them).
 pub(super) fn system_prompt(format: super::ToolFormat, tools: &[Tool]) -> String {
+    let functions: Vec<Value> = tools.iter().map(|t| t.to_json()["function"].clone()).collect();
+    tools_text(format, &functions)
+}
+
+/// The `## Tools` section that offers `functions` (each `{"name", "description", "parameters"}`)
+/// and says how to call them in `format`'s DSML.
+pub(crate) fn tools_text(format: super::ToolFormat, functions: &[Value]) -> String {
     let (begin, end) = format.dsml_block().expect("a DSML format");
     let mut s = format!(
         "## Tools\n\nYou can call the functions below. To call them, write a {begin} block: one \
@@ -563,10 +570,11 @@ pub(super) fn system_prompt(format: super::ToolFormat, tools: &[Tool]) -> String
          as it is, with string=\"true\"; numbers, booleans, arrays and objects as JSON, with \
          string=\"false\". For example:\n\n{begin}\n{INVOKE} name=\"get_weather\">\n\
          {PARAM} name=\"city\" string=\"true\">Paris{PARAM_END}\n{PARAM} name=\"days\" string=\"false\">3{PARAM_END}\n\
-         {INVOKE_END}\n{end}\n\nThe functions, in JSON Schema:\n\n"
+         {INVOKE_END}\n{end}\n\nIf you think before answering, finish thinking before any call. The \
+         functions, in JSON Schema:\n\n"
     );
-    for t in tools {
-        s.push_str(&t.to_json().to_string());
+    for f in functions {
+        s.push_str(&f.to_string());
         s.push('\n');
     }
     s

@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 mod dsml;
 mod grammar;
 mod parse;
+pub(crate) use dsml::{render_invoke as render_dsml_invoke, tools_text as dsml_tools_text};
 pub use parse::{Piece, ToolCallParser};
 
 /// What Llama 3.1+ writes before a call.

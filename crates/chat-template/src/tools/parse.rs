@@ -216,10 +216,9 @@ impl ToolCallParser {
 
     /// Feeds a piece of text; returns what can be given out now.
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
-        if self.dsml.is_some() {
-            let prefix = self.id_prefix.clone();
-            let id = move |n| format!("call_{prefix}_{n}");
-            return self.dsml.as_mut().expect("a DSML parser").push(text, &id);
+        if let Some(d) = self.dsml.as_mut() {
+            let prefix = &self.id_prefix;
+            return d.push(text, &|n| format!("call_{prefix}_{n}"));
         }
         self.held.push_str(text);
         let mut out = Vec::new();
@@ -273,10 +272,9 @@ impl ToolCallParser {
     /// answer was cut by `max_tokens`, and the call it fell in is returned with its arguments as far
     /// as they were written; markup cut before a call's name is whole is dropped.
     pub fn finish(&mut self, cut: bool) -> Vec<Piece> {
-        if self.dsml.is_some() {
-            let prefix = self.id_prefix.clone();
-            let id = move |n| format!("call_{prefix}_{n}");
-            return self.dsml.as_mut().expect("a DSML parser").finish(cut, &id);
+        if let Some(d) = self.dsml.as_mut() {
+            let prefix = &self.id_prefix;
+            return d.finish(cut, &|n| format!("call_{prefix}_{n}"));
         }
         let mut out = Vec::new();
         if self.in_call && self.format.deepseek() && self.calls > 0 && self.held.trim() == CALLS_END {

@@ -59,6 +59,7 @@ const CHAT_FIELDS: &[&str] = &[
     "parallel_tool_calls",
     "response_format",
     "chat_template_kwargs",
+    "reasoning_effort",
 ];
 const COMPLETION_FIELDS: &[&str] = &["prompt", "logprobs", "best_of", "echo", "suffix", "response_format"];
 
@@ -192,13 +193,31 @@ fn parse_messages(f: &Fields<'_>) -> Result<Prompt, ApiError> {
     Ok(Prompt::Messages(out))
 }
 
-/// `chat_template_kwargs`: an object of extra template variables (Qwen3's `enable_thinking`).
+/// The values `reasoning_effort` takes (OpenAI's, and DeepSeek V4's `max`).
+pub const REASONING_EFFORTS: &[&str] = &["none", "minimal", "low", "medium", "high", "xhigh", "max"];
+
+/// `chat_template_kwargs`: an object of extra template variables (Qwen3's `enable_thinking`); a
+/// chat request's `reasoning_effort` goes there too (templates and DeepSeek V4's encoder read it),
+/// unless the kwargs set it.
 fn parse_template_kwargs(f: &Fields<'_>) -> Result<Map<String, Value>, ApiError> {
-    match f.get("chat_template_kwargs") {
-        None => Ok(Map::new()),
-        Some(Value::Object(o)) => Ok(o.clone()),
-        Some(_) => Err(ApiError::invalid("`chat_template_kwargs` must be an object")),
+    let mut kwargs = match f.get("chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(o)) => o.clone(),
+        Some(_) => return Err(ApiError::invalid("`chat_template_kwargs` must be an object")),
+    };
+    match f.get("reasoning_effort") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(e)) if REASONING_EFFORTS.contains(&e.as_str()) => {
+            kwargs.entry("reasoning_effort").or_insert_with(|| Value::String(e.clone()));
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(format!(
+                "`reasoning_effort` must be one of {}",
+                REASONING_EFFORTS.join(", ")
+            )))
+        }
     }
+    Ok(kwargs)
 }
 
 /// An assistant message's `tool_calls`.
@@ -636,6 +655,28 @@ mod tests {
             let e = parse_generate(Endpoint::Chat, chat(bad).as_bytes()).unwrap_err();
             assert!(e.message.contains("priority"), "{bad}: {e}");
         }
+    }
+
+    /// `reasoning_effort` reaches the template's variables (the kwargs' own value wins), and the
+    /// Responses API's `reasoning.effort` is the same; an unknown effort is a 400 naming the values.
+    #[test]
+    fn reasoning_effort_is_a_template_variable() {
+        let chat = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "x"}}]{extra}}}"#);
+        let kwargs = |extra: &str| {
+            parse_generate(Endpoint::Chat, chat(extra).as_bytes()).map(|r| r.chat_template_kwargs)
+        };
+        assert_eq!(kwargs(r#","reasoning_effort": "max""#).unwrap()["reasoning_effort"], "max");
+        let both =
+            kwargs(r#","reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}"#);
+        assert_eq!(both.unwrap()["reasoning_effort"], "high");
+        assert!(kwargs("").unwrap().is_empty());
+        let e = kwargs(r#","reasoning_effort": "extreme""#).unwrap_err();
+        assert!(e.message.contains("minimal, low, medium, high"), "{e}");
+        let none = |_: &str| None;
+        let r = crate::responses::read(br#"{"input": "x", "reasoning": {"effort": "high"}}"#, &none, false)
+            .unwrap();
+        let chat = parse_generate(Endpoint::Chat, r.chat.to_string().as_bytes()).unwrap();
+        assert_eq!(chat.chat_template_kwargs["reasoning_effort"], "high");
     }
 
     #[test]

@@ -132,6 +132,17 @@ pub fn read(body: &[u8], previous: &dyn Previous, inside: bool) -> Result<Respon
             chat.insert(to.to_owned(), v.clone());
         }
     }
+    // `reasoning.effort` is the chat request's `reasoning_effort` (`summary` changes nothing here:
+    // the reasoning item holds the thinking itself).
+    match get("reasoning") {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(r)) => {
+            if let Some(e) = r.get("effort").filter(|e| !e.is_null()) {
+                chat.insert("reasoning_effort".into(), e.clone());
+            }
+        }
+        Some(_) => return Err(invalid("`reasoning` must be an object")),
+    }
     if let Some(s) = get("stream_options") {
         // `include_obfuscation` pads events against length side channels; these events carry none.
         let ok = s.as_object().is_some_and(|o| o.keys().all(|k| k == "include_obfuscation"));
