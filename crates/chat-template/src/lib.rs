@@ -186,3 +186,7 @@ impl ChatTemplate {
             .map_err(|e| TemplateError(format!("chat template: {e}")))
     }
 }
+
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -60,7 +60,8 @@ pdserve-server [options]
   --transfer-step-tokens N prefill role: tokens per step while KV transfers are live (default 256; late
                            chunks count their context's cost, see --attention-cost)
   --tool-parser FORMAT     the format tool calls are written and read in: hermes, llama3, mistral,
-                           deepseek_v3 or deepseek_v31 (default: the chat template's; hermes for a template
+                           deepseek_v3, deepseek_v31, deepseek_v32 or deepseek_v4 (DSML; calls' arguments
+                           stream as they arrive) (default: the chat template's; hermes for a template
                            without one)
   --responses-max N        answered /v1/responses kept for previous_response_id and GET /v1/responses/{id}
                            (default 4096; the oldest go first; 0 keeps none)
