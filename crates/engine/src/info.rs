@@ -16,7 +16,7 @@ pub struct EngineInfo {
     pub weights: WeightFormat,
     /// What the quantized weights' products round their inputs to: "q8" (`--activations q8`) or "f32".
     pub activations: &'static str,
-    /// What every step's products read, whatever its row count: "f32", "bf16", "f16", "fp8", "q8" or "q4".
+    /// What every step's products read, whatever its row count: "f32", "bf16", "f16", "fp8", "fp4", "q8" or "q4".
     pub multi_row_weights: &'static str,
     /// The KV cache's element type.
     pub kv_dtype: pdserve_model::KvDtype,

@@ -30,6 +30,7 @@ mod bits16;
 mod config;
 mod cpu;
 mod error;
+mod fp4;
 mod fp8;
 mod generation;
 #[cfg(feature = "cuda")]
@@ -47,6 +48,7 @@ pub use backend::{Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
 pub use config::{ExpertGroups, GroupScore, Indexer, Mla, ModelConfig, Moe, MoeNames, RopeScaling, Scoring};
 pub use cpu::CpuBackend;
 pub use error::ModelError;
+pub use fp4::Fp4Matrix;
 pub use fp8::Fp8Matrix;
 pub use generation::GenerationConfig;
 #[cfg(feature = "cuda")]

@@ -3,6 +3,7 @@
 //! never holds the whole model in f32 and in its served form together (the peak is the served form,
 //! the f32 embedding and one layer in f32).
 
+use crate::fp4::Fp4Matrix;
 use crate::fp8::Fp8Matrix;
 use crate::quant::{
     stack_layer, Bf16Matrix, F16Matrix, Q4Matrix, Q8Matrix, QuantLayer, QuantMatrix, WeightFormat,
@@ -27,6 +28,7 @@ pub(crate) enum PreparedLayers {
     Bf16(Vec<QuantLayer<Bf16Matrix>>),
     F16(Vec<QuantLayer<F16Matrix>>),
     Fp8(Vec<QuantLayer<Fp8Matrix>>),
+    Fp4(Vec<QuantLayer<Fp4Matrix>>),
 }
 
 impl PreparedWeights {
@@ -39,6 +41,7 @@ impl PreparedWeights {
             WeightFormat::Bf16 => PreparedLayers::Bf16(Vec::new()),
             WeightFormat::F16 => PreparedLayers::F16(Vec::new()),
             WeightFormat::Fp8 => PreparedLayers::Fp8(Vec::new()),
+            WeightFormat::Fp4 => PreparedLayers::Fp4(Vec::new()),
             WeightFormat::F32 | WeightFormat::Auto => PreparedLayers::None,
         };
         Ok(PreparedWeights { format, layers })
@@ -106,6 +109,24 @@ impl PreparedWeights {
                 };
                 v.push(layer.ok_or_else(refused)?)
             }
+            PreparedLayers::Fp4(v) => {
+                let refused = || ModelError::Unsupported {
+                    field: "--weights fp4".into(),
+                    value:
+                        "a projection whose width is not a multiple of 16, or FP4 groups other than 16 or 32"
+                            .into(),
+                };
+                let layer = match scales {
+                    None => stack_layer(l, c, Fp4Matrix::dynamic),
+                    Some(s) => {
+                        let raw = |w: &[f32], r: usize, k: usize| Some((w.to_vec(), r, k));
+                        let w = stack_layer(l, c, raw).ok_or_else(refused)?;
+                        let s = stack_layer(s, c, raw).ok_or_else(refused)?;
+                        w.zip(s, &|(w, r, k), (s, _, _)| Fp4Matrix::from_groups(&w, &s, r, k))
+                    }
+                };
+                v.push(layer.ok_or_else(refused)?)
+            }
             PreparedLayers::Bf16(v) => {
                 v.push(stack_layer(l, c, Bf16Matrix::pack).ok_or_else(|| ModelError::Unsupported {
                     field: "--weights bf16".into(),
@@ -125,7 +146,9 @@ impl PreparedWeights {
         c: &ModelConfig,
     ) -> Result<(), ModelError> {
         match self.layers {
-            PreparedLayers::Fp8(_) => self.push_with_scales(l, Some(&scales()?), c)?,
+            PreparedLayers::Fp8(_) | PreparedLayers::Fp4(_) => {
+                self.push_with_scales(l, Some(&scales()?), c)?
+            }
             _ => self.push(l, c)?,
         }
         if PreparedWeights::replaces_f32(self.format, c) {

@@ -42,6 +42,12 @@ pub enum WeightFormat {
     /// 448`; so too a projection an FP8 checkpoint ships in another dtype, which then loses
     /// precision). The LM head and embedding stay f32.
     Fp8,
+    /// Every projection in FP4 e2m1, 4 bits a weight, with an f32 scale per row and group of 16 or
+    /// 32 columns (see `fp4::Fp4Matrix`): an NVFP4 or MXFP4 checkpoint's codes and scales as
+    /// shipped (about 0.75 bytes per weight), widened by table as steps read them to the values the
+    /// f32 loader computes; any other checkpoint's projections quantized with a scale per 16
+    /// (`max |w| / 6`: coarse). The LM head and embedding stay f32.
+    Fp4,
     /// The checkpoint's own precision: FP8 for a block-scaled FP8 checkpoint, bf16 for a bf16 one
     /// (panels for the bf16 GEMM where the CPU has it and the shapes fill them, rows on the AVX2
     /// kernels), f16 for an f16 one, f32 otherwise (experts and latent attention alike).
@@ -59,6 +65,7 @@ impl WeightFormat {
             WeightFormat::Bf16 => "bf16",
             WeightFormat::F16 => "f16",
             WeightFormat::Fp8 => "fp8",
+            WeightFormat::Fp4 => "fp4",
             WeightFormat::Auto => "auto",
         }
     }
@@ -100,6 +107,7 @@ impl WeightFormat {
                 WeightFormat::Bf16
             }
             WeightFormat::Auto if dtype == crate::CheckpointDtype::F16 => WeightFormat::F16,
+            WeightFormat::Auto if dtype == crate::CheckpointDtype::Fp4 => WeightFormat::Fp4,
             WeightFormat::Auto => WeightFormat::F32,
             other => other,
         }
@@ -117,6 +125,7 @@ impl std::str::FromStr for WeightFormat {
             "bf16" => Ok(WeightFormat::Bf16),
             "f16" => Ok(WeightFormat::F16),
             "fp8" => Ok(WeightFormat::Fp8),
+            "fp4" => Ok(WeightFormat::Fp4),
             "auto" => Ok(WeightFormat::Auto),
             _ => Err(crate::ModelError::UnknownWeightFormat { value: s.to_owned() }),
         }

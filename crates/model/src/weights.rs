@@ -176,6 +176,8 @@ struct Shards {
     index: HashMap<String, usize>,
     /// Block-scaled FP8 checkpoints: the scale blocks' shape.
     fp8_block: Option<[usize; 2]>,
+    /// NVFP4 checkpoints: columns per scale.
+    fp4_group: Option<usize>,
 }
 
 impl Shards {
@@ -208,7 +210,7 @@ impl Shards {
             }
             maps.push((path, map));
         }
-        Ok(Shards { maps, index, fp8_block: None })
+        Ok(Shards { maps, index, fp8_block: None, fp4_group: None })
     }
 
     /// Tensor `name` as f32, checked against `shape`.
@@ -220,6 +222,23 @@ impl Shards {
         let (path, map) = &self.maps[i];
         let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
         let t = st.tensor(name).map_err(|e| ModelError::format(path, e.to_string()))?;
+        if self.fp4(name) && shape.len() == 2 && t.shape() == [shape[0], shape[1] / 2] && shape[1] % 2 == 0 {
+            // NVFP4: two codes a byte, the even column low, each times its group's scale.
+            let scales = self.fp4_scales(name, shape)?;
+            let group = self.fp4_group.expect("an NVFP4 checkpoint");
+            let (cols, groups) = (shape[1], shape[1] / group);
+            let b = t.data();
+            let values = (0..shape[0] * cols)
+                .map(|i| {
+                    let byte = b[i / 2];
+                    let code = if i % 2 == 0 { byte & 15 } else { byte >> 4 };
+                    crate::fp4::fp4_weight(code, scales[(i / cols) * groups + (i % cols) / group])
+                })
+                .collect();
+            let at = b.as_ptr() as usize - map.as_ptr() as usize;
+            crate::sys::release_pages(map, at..at + b.len());
+            return Ok(values);
+        }
         if t.shape() != shape {
             return Err(ModelError::format(
                 path,
@@ -254,8 +273,76 @@ impl Shards {
         Ok(values)
     }
 
+    /// Whether `name` is an NVFP4 tensor's packed codes.
+    fn fp4(&self, name: &str) -> bool {
+        self.fp4_group.is_some()
+            && name.ends_with(".weight")
+            && self.index.contains_key(&format!("{name}_scale"))
+            && self.index.get(name).is_some_and(|&i| {
+                SafeTensors::deserialize(&self.maps[i].1)
+                    .ok()
+                    .and_then(|st| st.tensor(name).ok().map(|t| t.dtype() == Dtype::U8))
+                    .unwrap_or(false)
+            })
+    }
+
+    /// The scale of each group of NVFP4 tensor `name` of `shape` (row-major, `shape[1] / group` a
+    /// row): `name_scale` (e4m3, or f32 / bf16) times `name_scale_2` (one value) in f32.
+    fn fp4_scales(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let group = self.fp4_group.expect("an NVFP4 checkpoint");
+        if !shape[1].is_multiple_of(group) {
+            return Err(ModelError::format(
+                &self.maps[0].0,
+                format!(
+                    "NVFP4 tensor {name} has {} columns, not a multiple of the group of {group}",
+                    shape[1]
+                ),
+            ));
+        }
+        let read = |n: &str, want: &[usize]| -> Result<Vec<f32>, ModelError> {
+            let &i = self.index.get(n).ok_or_else(|| {
+                ModelError::format(
+                    &self.maps[0].0,
+                    format!("missing tensor {n} (the scales of NVFP4 {name})"),
+                )
+            })?;
+            let (path, map) = &self.maps[i];
+            let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
+            let t = st.tensor(n).map_err(|e| ModelError::format(path, e.to_string()))?;
+            let count: usize = t.shape().iter().product();
+            if count != want.iter().product::<usize>() {
+                return Err(ModelError::format(
+                    path,
+                    format!("tensor {n} has shape {:?}, expected {want:?}", t.shape()),
+                ));
+            }
+            let b = t.data();
+            Ok(match t.dtype() {
+                Dtype::F32 => {
+                    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+                }
+                Dtype::BF16 => {
+                    b.chunks_exact(2).map(|c| bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect()
+                }
+                Dtype::F8_E4M3 => b.iter().map(|&q| crate::sys::e4m3_value(q)).collect(),
+                other => {
+                    return Err(ModelError::Unsupported {
+                        field: format!("dtype of {n}"),
+                        value: format!("{other:?}"),
+                    })
+                }
+            })
+        };
+        let scales = read(&format!("{name}_scale"), &[shape[0], shape[1] / group])?;
+        let global = read(&format!("{name}_scale_2"), &[])?[0];
+        Ok(scales.into_iter().map(|s| s * global).collect())
+    }
+
     /// What `name` is stored as (f32 when it is missing or another type: it loads as f32 either way).
     fn dtype(&self, name: &str) -> CheckpointDtype {
+        if self.fp4(name) {
+            return CheckpointDtype::Fp4;
+        }
         let stored = self.index.get(name).and_then(|&i| {
             let st = SafeTensors::deserialize(&self.maps[i].1).ok()?;
             st.tensor(name).ok().map(|t| t.dtype())
@@ -315,6 +402,11 @@ impl Shards {
     /// where it is not FP8 (what `Fp8Matrix::from_blocks` reads).
     fn block_scales(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         let n = shape.iter().product();
+        if shape.len() == 2 && self.fp4(name) {
+            let (scales, group) = (self.fp4_scales(name, shape)?, self.fp4_group.expect("checked"));
+            let (cols, groups) = (shape[1], shape[1] / group);
+            return Ok((0..n).map(|i| scales[(i / cols) * groups + (i % cols) / group]).collect());
+        }
         if self.dtype(name) != CheckpointDtype::Fp8 || shape.len() != 2 || self.fp8_block.is_none() {
             return Ok(vec![0.0; n]);
         }
@@ -337,6 +429,8 @@ pub enum CheckpointDtype {
     F16,
     /// Block-scaled FP8 (e4m3 values, a scale per block).
     Fp8,
+    /// NVFP4 (e2m1 values two a byte, an e4m3 scale per 16 and an f32 one per tensor).
+    Fp4,
 }
 
 impl Weights {
@@ -422,6 +516,7 @@ impl Weights {
     ) -> Result<(Weights, CheckpointDtype), ModelError> {
         let mut s = Shards::open(dir)?;
         s.fp8_block = config.fp8_block;
+        s.fp4_group = config.fp4_group;
         let s = s;
         let first = match &config.mla {
             None => "q_proj",

@@ -172,6 +172,20 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
                 "activation_scheme": "dynamic", "weight_block_size": [32, 16]});
             c
         }),
+        // NVFP4 as ModelOpt ships it: e2m1 codes, an e4m3 scale per 16 columns and one f32 scale
+        // per tensor, for a dense model and for experts (the router and head stay bf16).
+        (
+            "llama-nvfp4",
+            json!({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4",
+            "group_size": 16}}),
+        ),
+        (
+            "qwen3-moe-nvfp4",
+            json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": false,
+            "decoder_sparse_step": 1, "mlp_only_layers": [0],
+            "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}),
+        ),
         // DeepSeek V3.2: V3 with sparse attention; its indexer keeps 12 of the prompt's 40
         // positions for the later rows.
         ("deepseek-v3.2", {
@@ -244,6 +258,23 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
                 assert!(d < 1e-4, "FP8 held: logits {d} from the f32 path's");
                 assert_eq!(fp8_greedy, got_greedy, "FP8 held: greedy tokens");
                 assert!(held < 0.45, "FP8 held: {held} of f32's bytes");
+            }
+            (n, Some(p)) if n.ends_with("-nvfp4") => {
+                if n == "llama-nvfp4" {
+                    assert!(max_diff(p, &want_logits) > 1e-3, "FP4 rounding changed nothing: not FP4?");
+                }
+                // Served as shipped: 4-bit codes and their scales, widened by table to the values the
+                // f32 path computed; every projection in about a fifth of f32's bytes.
+                let cpu = load_as(&dir, WeightFormat::Auto);
+                assert_eq!(cpu.multi_row_format(), "fp4");
+                let f32_bytes = load_as(&dir, WeightFormat::F32).weight_bytes();
+                let held = cpu.weight_bytes() as f64 / f32_bytes as f64;
+                let (fp4_logits, fp4_greedy) = ours_with(cpu);
+                let d = max_diff(&got_logits, &fp4_logits);
+                eprintln!("{name} held as FP4: {held:.3} of f32's bytes, logits within {d} of f32's");
+                assert!(d < 1e-4, "FP4 held: logits {d} from the f32 path's");
+                assert_eq!(fp4_greedy, got_greedy, "FP4 held: greedy tokens");
+                assert!(held < 0.6, "FP4 held: {held} of f32's bytes");
             }
             (n, Some(p)) if (n.ends_with("-rope") && n != "dynamic-rope") || n == "mistral-window" => {
                 assert!(max_diff(p, &want_logits) > 1e-2, "{name}: the scaling or window changed nothing")
@@ -445,7 +476,7 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
         ("deepseek-v3-formats", deepseek_v3_wide()),
     ];
     use pdserve_model::quant::{Q4Matrix, Q8Matrix};
-    use pdserve_model::Fp8Matrix;
+    use pdserve_model::{Fp4Matrix, Fp8Matrix};
     for (name, config) in cases {
         let dir = checkpoint(name, config);
         let config = ModelConfig::from_file(&dir.join("config.json")).unwrap();
@@ -488,6 +519,7 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
             (WeightFormat::Bf16, 0.02, 0.55),
             (WeightFormat::F16, 1e-4, 0.75),
             (WeightFormat::Fp8, 0.02, 0.45),
+            (WeightFormat::Fp4, 0.02, 0.4),
             (WeightFormat::Q8, 0.02, 0.45),
             (WeightFormat::Q4, 0.02, 0.4),
         ] {
@@ -497,6 +529,7 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
             let mut held = weights.clone();
             match format {
                 WeightFormat::Fp8 => round_trip::<Fp8Matrix>(&mut held, &config, false),
+                WeightFormat::Fp4 => round_trip::<Fp4Matrix>(&mut held, &config, false),
                 WeightFormat::Q8 => round_trip::<Q8Matrix>(&mut held, &config, true),
                 WeightFormat::Q4 => round_trip::<Q4Matrix>(&mut held, &config, true),
                 _ => {}

@@ -30,6 +30,7 @@ fn config() -> ModelConfig {
         mla: None,
         draft_layers: 0,
         fp8_block: None,
+        fp4_group: None,
     }
 }
 

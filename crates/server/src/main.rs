@@ -29,10 +29,10 @@ pdserve-server [options]
                            maps only its own stack's; give every stack on a host its own
   --device DEV             cpu (default), cuda or cuda:N: the GPU backend (bf16 weights and KV) on an NVIDIA GPU
   --weights FMT            auto (default: the checkpoint's own precision: f16 as it ships, FP8 (block-scaled
-                           e4m3) as it ships, bf16 as it ships where the CPU has AVX2 (with AVX-512 BF16:
-                           where the shapes fill its 32-row panels), else f32), f32, bf16, f16, fp8, q8 or
-                           q4: bf16, f16 or fp8 for every step (fp8 of another checkpoint: a scale
-                           per 128 columns), or quantized weights (groups of 32) for every step, long ones widening blocks of
+                           e4m3) and NVFP4 (e2m1, 4 bits a weight) as they ship, bf16 as it ships where the CPU
+                           has AVX2 (with AVX-512 BF16: where the shapes fill its 32-row panels), else f32),
+                           f32, bf16, f16, fp8, fp4, q8 or q4: bf16, f16, fp8 or fp4 for every step (fp8 of
+                           another checkpoint: a scale per 128 columns; fp4: per 16), or quantized weights (groups of 32) for every step, long ones widening blocks of
                            them as they go (to bf16 where the CPU has AVX-512 BF16, else to f32); every step
                            size computes a row the same way; copies nothing reads are freed
   --activations A          f32 (default) or q8: with --weights q8 or q4, round the inputs of every step to

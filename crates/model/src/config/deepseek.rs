@@ -77,6 +77,24 @@ pub(super) fn fp8_block(q: &serde_json::Value) -> Result<[usize; 2], ModelError>
     }
 }
 
+/// Whether `quantization_config` is ModelOpt's NVFP4.
+pub(super) fn nvfp4(q: &serde_json::Value) -> bool {
+    let algo = q.get("quant_algo").or_else(|| q.get("quantization").and_then(|x| x.get("quant_algo")));
+    algo.and_then(|a| a.as_str()).is_some_and(|a| a.eq_ignore_ascii_case("nvfp4"))
+}
+
+/// NVFP4's group of columns per scale (`group_size`, 16 when not given; the kernels take 16 or 32).
+pub(super) fn fp4_group(q: &serde_json::Value) -> Result<usize, ModelError> {
+    match q.get("group_size").and_then(|g| g.as_u64()) {
+        None => Ok(16),
+        Some(g @ (16 | 32)) => Ok(g as usize),
+        Some(g) => Err(ModelError::Unsupported {
+            field: "quantization_config.group_size".into(),
+            value: format!("{g} (NVFP4 groups of 16 or 32 are supported)"),
+        }),
+    }
+}
+
 /// DeepSeek's attention fields (V2 and V3 name them alike).
 pub(super) fn mla(raw: &RawConfig, rope: &RopeScaling) -> Result<Mla, ModelError> {
     let need = |field: &str, v: Option<usize>| {

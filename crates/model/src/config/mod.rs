@@ -8,7 +8,7 @@ use crate::ModelError;
 
 mod deepseek;
 
-use deepseek::{deepseek_moe, fp8_block, mla};
+use deepseek::{deepseek_moe, fp4_group, fp8_block, mla, nvfp4};
 pub use deepseek::{Indexer, Mla};
 
 #[derive(Debug, Deserialize)]
@@ -212,6 +212,11 @@ pub struct ModelConfig {
     /// Block-scaled FP8 weights (`quantization_config` `fp8`, DeepSeek's checkpoints): each
     /// `X.weight` of e4m3 values has `X.weight_scale_inv`, one scale per block of `[rows, cols]`.
     pub fp8_block: Option<[usize; 2]>,
+    /// NVFP4 weights as NVIDIA's ModelOpt writes them (`quantization_config` `modelopt` with
+    /// `quant_algo` `NVFP4`): each quantized `X.weight` is u8 `[rows, cols / 2]`, two e2m1 codes a
+    /// byte (the even column low), with `X.weight_scale` (e4m3, one per `group` columns) and
+    /// `X.weight_scale_2` (one f32): weight = code x (scale x scale_2). The group (16).
+    pub fp4_group: Option<usize>,
     /// Multi-head latent attention (DeepSeek V2/V3): `None` for per-head K and V. With it,
     /// `num_kv_heads` is 1 and `head_dim` is the rope part's width (what `rope` computes for).
     pub mla: Option<Mla>,
@@ -494,8 +499,12 @@ impl ModelConfig {
             sliding_window: sliding,
             moe,
             mla,
-            fp8_block: match raw.quantization_config.filter(|v| !v.is_null()) {
-                Some(q) => Some(fp8_block(&q)?),
+            fp8_block: match raw.quantization_config.as_ref().filter(|v| !v.is_null() && !nvfp4(v)) {
+                Some(q) => Some(fp8_block(q)?),
+                None => None,
+            },
+            fp4_group: match raw.quantization_config.as_ref().filter(|v| nvfp4(v)) {
+                Some(q) => Some(fp4_group(q)?),
                 None => None,
             },
             // DeepSeek's multi-token prediction layers (V3 ships one): the first is the draft layer.

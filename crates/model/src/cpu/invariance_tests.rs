@@ -33,6 +33,7 @@ fn config() -> ModelConfig {
         mla: None,
         draft_layers: 0,
         fp8_block: None,
+        fp4_group: None,
     }
 }
 
@@ -102,6 +103,7 @@ fn every_position_computes_the_same_bits_whatever_its_step_holds() {
         (WeightFormat::Bf16, false),
         (WeightFormat::F16, false),
         (WeightFormat::Fp8, false),
+        (WeightFormat::Fp4, false),
         (WeightFormat::Q8, false),
         (WeightFormat::Q4, false),
         (WeightFormat::Q4, true),

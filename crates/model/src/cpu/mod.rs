@@ -11,6 +11,7 @@ use pdserve_kvcache::{BlockCopy, BlockId};
 
 use crate::backend::{check_block, check_steps, Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::bits16::{bf16_bits, bf16_value};
+use crate::fp4::Fp4Matrix;
 use crate::fp8::Fp8Matrix;
 use crate::prepare::{PreparedLayers, PreparedWeights};
 use crate::quant::{
@@ -143,6 +144,7 @@ impl CpuBackend {
             PreparedLayers::Bf16(l) => multi = Some(Arc::new(Bf16Weights::from_layers(l, head, &self.cfg))),
             PreparedLayers::F16(l) => decode = Some(DecodeWeights::F16(Arc::new(l))),
             PreparedLayers::Fp8(l) => decode = Some(DecodeWeights::Fp8(Arc::new(l))),
+            PreparedLayers::Fp4(l) => decode = Some(DecodeWeights::Fp4(Arc::new(l))),
         }
         // Q4 and Q8 products take the bf16 rows product where the CPU has AVX-512 BF16 and every
         // stacked projection's widths are multiples of 32, else the dot tiles; either way every step
@@ -203,6 +205,9 @@ impl CpuBackend {
             Some(DecodeWeights::Fp8(l)) => {
                 l.iter().flat_map(QuantLayer::matrices).map(Fp8Matrix::bytes).sum()
             }
+            Some(DecodeWeights::Fp4(l)) => {
+                l.iter().flat_map(QuantLayer::matrices).map(Fp4Matrix::bytes).sum()
+            }
         };
         let multi = self.multi.as_ref().map_or(0, |m| m.bytes());
         let embed = match &self.embed {
@@ -213,8 +218,8 @@ impl CpuBackend {
         self.w.bytes() + decode + multi + embed
     }
 
-    /// What every step's projections read, whatever its row count: "bf16", "q8", "q4", "f16", "fp8"
-    /// or "f32".
+    /// What every step's projections read, whatever its row count: "bf16", "q8", "q4", "f16", "fp8",
+    /// "fp4" or "f32".
     pub fn multi_row_format(&self) -> &'static str {
         if self.decode.is_some() {
             self.format.name()
@@ -496,6 +501,8 @@ enum DecodeWeights {
     F16(Arc<Vec<QuantLayer<F16Matrix>>>),
     /// The projections only: the LM head stays f32.
     Fp8(Arc<Vec<QuantLayer<Fp8Matrix>>>),
+    /// The projections only: the LM head stays f32.
+    Fp4(Arc<Vec<QuantLayer<Fp4Matrix>>>),
 }
 
 /// One quantized matrix of either format.
@@ -505,6 +512,7 @@ enum QRef<'a> {
     Q4(&'a crate::quant::Q4Matrix),
     F16(&'a F16Matrix),
     Fp8(&'a Fp8Matrix),
+    Fp4(&'a Fp4Matrix),
 }
 
 /// A layer's projection.
@@ -537,6 +545,7 @@ fn matvec_ref(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut [f32]) {
         QRef::Q4(m) => matvec_quant(x, t, k, m, out),
         QRef::F16(m) => matvec_quant(x, t, k, m, out),
         QRef::Fp8(m) => matvec_quant(x, t, k, m, out),
+        QRef::Fp4(m) => matvec_quant(x, t, k, m, out),
     }
 }
 
@@ -675,6 +684,7 @@ impl DecodeWeights {
             DecodeWeights::Q4(w) => QRef::Q4(p.of(&w.layers[li])),
             DecodeWeights::F16(w) => QRef::F16(p.of(&w[li])),
             DecodeWeights::Fp8(w) => QRef::Fp8(p.of(&w[li])),
+            DecodeWeights::Fp4(w) => QRef::Fp4(p.of(&w[li])),
         }
     }
 
@@ -683,7 +693,7 @@ impl DecodeWeights {
         match self {
             DecodeWeights::Q8(w) => Some(QRef::Q8(&w.lm_head)),
             DecodeWeights::Q4(w) => Some(QRef::Q8(&w.lm_head)),
-            DecodeWeights::F16(_) | DecodeWeights::Fp8(_) => None,
+            DecodeWeights::F16(_) | DecodeWeights::Fp8(_) | DecodeWeights::Fp4(_) => None,
         }
     }
 }

@@ -10,7 +10,7 @@ use super::QRef;
 use crate::quant::{Bf16Layout, Bf16Matrix, QuantMatrix, GROUP};
 use crate::sys::{
     dot, dot_bf16, gemm_bf16_par, gemm_rows_bf16, gemm_rows_f32, to_bf16, Bf16RowMajor, CpuKernels,
-    F16Weights, F32Weights, Fp8Weights, Int8Row, Int8Rows, Q4Rows, Q8Rows, WIDE_ROWS,
+    F16Weights, F32Weights, Fp4Weights, Fp8Weights, Int8Row, Int8Rows, Q4Rows, Q8Rows, WIDE_ROWS,
 };
 
 /// `x[t×k] · w[n×k]^T` with quantized weights by dot products (decode steps, with or without drafts):
@@ -54,6 +54,13 @@ pub(super) fn matvec_wide(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
             let w = Fp8Weights { codes: &m.codes, scales: &m.scales, group: m.group, cols: k };
             gemm_rows_f32(x, t, k, m.rows, &w, out)
         }
+        QRef::Fp4(m) if fits => match &m.plain {
+            Some(p) => gemm_rows_f32(x, t, k, m.rows, &F32Weights(p), out),
+            None => {
+                let w = Fp4Weights { packed: &m.packed, scales: &m.scales, group: m.group, cols: k };
+                gemm_rows_f32(x, t, k, m.rows, &w, out)
+            }
+        },
         _ => return false,
     }
     true
@@ -67,7 +74,7 @@ pub(super) fn matvec_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
     let n = match m {
         QRef::Q4(m) => m.rows,
         QRef::Q8(m) => m.rows,
-        QRef::F16(_) | QRef::Fp8(_) => return false,
+        QRef::F16(_) | QRef::Fp8(_) | QRef::Fp4(_) => return false,
     };
     assert_eq!((x.len(), out.len()), (t * k, t * n));
     let rows = Int8Rows::quantize(x, k);
@@ -81,7 +88,7 @@ pub(super) fn matvec_int8(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
             let xs = &xs[rows];
             o.chunks_exact_mut(xs.len()).enumerate().for_each(|(j, col)| m.dot_rows_int8(j0 + j, xs, col))
         }),
-        QRef::F16(_) | QRef::Fp8(_) => unreachable!("returned above"),
+        QRef::F16(_) | QRef::Fp8(_) | QRef::Fp4(_) => unreachable!("returned above"),
     }
     true
 }
@@ -196,7 +203,7 @@ pub(super) fn matmul_quant_rows(
             let w = Q4Rows { packed: &m.packed, scales: &m.scales, mins: &m.mins, cols: k };
             gemm_rows_bf16(xb, t, k, m.rows, &w, out)
         }
-        QRef::F16(_) | QRef::Fp8(_) => unreachable!("f16 and fp8 widen to f32"),
+        QRef::F16(_) | QRef::Fp8(_) | QRef::Fp4(_) => unreachable!("f16, fp8 and fp4 widen to f32"),
     }
 }
 

@@ -57,6 +57,7 @@ mod convert;
 mod decode_avx2;
 mod decode_avx512;
 mod elementwise;
+mod fp4;
 mod fp8;
 mod gemm;
 mod isa;
@@ -74,6 +75,7 @@ pub use isa::{cpu_kernels, set_cpu_kernels, CpuKernels};
 pub(crate) use attention::*;
 pub(crate) use convert::*;
 pub(crate) use elementwise::*;
+pub(crate) use fp4::{dot_fp4, e2m1_value, widen_fp4_row, E2M1};
 pub(crate) use fp8::{dot_fp8, e4m3_value, widen_fp8_row};
 pub(crate) use gemm::*;
 pub(crate) use qdot::*;
@@ -81,7 +83,9 @@ pub(crate) use qint8::*;
 pub(crate) use qrows::*;
 pub(crate) use qwiden::*;
 pub(crate) use rows_bf16::{gemm_rows_bf16, has_rows_bf16, Q4Rows, Q8Rows};
-pub(crate) use rows_f32::{gemm_rows_f32, Bf16RowMajor, F16Weights, F32Weights, Fp8Weights, WIDE_ROWS};
+pub(crate) use rows_f32::{
+    gemm_rows_f32, Bf16RowMajor, F16Weights, F32Weights, Fp4Weights, Fp8Weights, WIDE_ROWS,
+};
 
 /// The bytes of f32 values (native, little-endian on every supported target).
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {

@@ -88,6 +88,27 @@ impl F32Rows for Fp8Weights<'_> {
     }
 }
 
+/// FP4 weights' parts (see `fp4::Fp4Matrix`): e2m1 codes two a byte, row-major, `cols` wide, and a
+/// scale per row and group of `group` columns.
+pub(crate) struct Fp4Weights<'a> {
+    pub packed: &'a [u8],
+    pub scales: &'a [f32],
+    pub group: usize,
+    pub cols: usize,
+}
+
+impl F32Rows for Fp4Weights<'_> {
+    fn widen(&self, r0: usize, cnt: usize, dst: &mut [f32]) {
+        let (k, g) = (self.cols, self.cols / self.group);
+        for (r, d) in dst[..cnt * k].chunks_exact_mut(k).enumerate() {
+            let row = r0 + r;
+            let (packed, scales) =
+                (&self.packed[row * k / 2..(row + 1) * k / 2], &self.scales[row * g..(row + 1) * g]);
+            super::widen_fp4_row(packed, scales, self.group, d);
+        }
+    }
+}
+
 impl F32Rows for super::Q8Rows<'_> {
     fn widen(&self, r0: usize, cnt: usize, dst: &mut [f32]) {
         let (k, groups) = (self.cols, self.cols / 32);

@@ -1,0 +1,187 @@
+//! FP4 e2m1 weights held as 4 bits a weight and a scale per row and group of 16 columns (NVFP4, as
+//! NVIDIA's ModelOpt writes it: an e4m3 scale per 16 values times one f32 scale per tensor) or 32
+//! (MXFP4: a power of two per 32). The loader widens a checkpoint's codes to `e2m1 x scale` in f32;
+//! this format takes those values back to their codes and scales exactly, and the kernels widen
+//! them by table as they read them, to the very values the loader computed: a quarter of bf16's
+//! bytes, the f32 copy's products.
+
+use crate::quant::QuantMatrix;
+use crate::sys::{e2m1_value, E2M1};
+
+/// The largest e2m1 magnitude.
+pub const E2M1_MAX: f32 = 6.0;
+
+/// The e2m1 code nearest `v` (ties to the even code; past 6 clamps): exact for every e2m1 value.
+pub(crate) fn e2m1_code(v: f32) -> u8 {
+    let sign = if v.is_sign_negative() { 8 } else { 0 };
+    let a = v.abs();
+    if a.is_nan() {
+        return 0;
+    }
+    let mut best = 0u8;
+    for c in 1..8u8 {
+        let (d, db) = ((E2M1[usize::from(c)] - a).abs(), (E2M1[usize::from(best)] - a).abs());
+        if d < db || (d == db && c % 2 == 0) {
+            best = c;
+        }
+    }
+    sign | best
+}
+
+/// A row-major `[rows, cols]` matrix of e2m1 codes, two a byte (the even column in the low nibble),
+/// with a scale per row and group of `group` columns: weight `(r, c)` is
+/// `e2m1(code) * scales[r * cols / group + c / group]`. `cols` is a multiple of `group` (16 or 32).
+/// A projection an FP4 checkpoint ships unquantized (its attention, say) is held `plain`, in f32,
+/// exactly, rather than rounded to 4 bits.
+#[derive(Debug, Clone)]
+pub struct Fp4Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub group: usize,
+    pub packed: Vec<u8>,
+    pub scales: Vec<f32>,
+    pub plain: Option<Vec<f32>>,
+}
+
+impl Fp4Matrix {
+    /// The matrix `w` as an FP4 checkpoint ships it: `scale[i]` is the scale of the group weight
+    /// `i` came from (`w[i]` = its code's value times it, as the loader computed), or 0 where `w` did
+    /// not come from FP4 (a matrix with any such value is held plain). The widest group (32 or 16)
+    /// over which every row's scales are constant is taken; `None` when neither is, or the lengths
+    /// do not fit.
+    pub fn from_groups(w: &[f32], scale: &[f32], rows: usize, cols: usize) -> Option<Fp4Matrix> {
+        if w.len() != rows * cols || scale.len() != w.len() {
+            return None;
+        }
+        if scale.contains(&0.0) {
+            let plain = Some(w.to_vec());
+            return Some(Fp4Matrix { rows, cols, group: 16, packed: Vec::new(), scales: Vec::new(), plain });
+        }
+        let constant = |g: usize| {
+            cols.is_multiple_of(g)
+                && scale.chunks(g).all(|s| s.iter().all(|&v| v.to_bits() == s[0].to_bits()))
+        };
+        let group = [32, 16].into_iter().find(|&g| constant(g))?;
+        Some(Fp4Matrix::encode(w, rows, cols, group, |i| scale[i]))
+    }
+
+    /// `w` quantized to e2m1 with a scale per row and group of 16 columns, `max |w| / 6`
+    /// (`--weights fp4` of a checkpoint that is not FP4: coarse, 8 magnitudes a group).
+    pub fn dynamic(w: &[f32], rows: usize, cols: usize) -> Option<Fp4Matrix> {
+        (w.len() == rows * cols && cols.is_multiple_of(16))
+            .then(|| Fp4Matrix::encode(w, rows, cols, 16, |_| 0.0))
+    }
+
+    /// Codes of `w` for each group's scale (`given(index of its first value)`), a zero one replaced
+    /// by the group's own (`max |w| / 6`, or 1 for a group of zeros).
+    fn encode(w: &[f32], rows: usize, cols: usize, group: usize, given: impl Fn(usize) -> f32) -> Fp4Matrix {
+        let mut m =
+            Fp4Matrix { rows, cols, group, packed: vec![0; w.len() / 2], scales: Vec::new(), plain: None };
+        for (g, vals) in w.chunks_exact(group).enumerate() {
+            let mut s = given(g * group);
+            if s == 0.0 || !s.is_finite() {
+                let max = vals.iter().fold(0f32, |m, v| m.max(v.abs()));
+                s = if max > 0.0 { max / E2M1_MAX } else { 1.0 };
+            }
+            m.scales.push(s);
+            for (j, &v) in vals.iter().enumerate() {
+                let i = g * group + j;
+                m.packed[i / 2] |= e2m1_code(v / s) << (4 * (i % 2));
+            }
+        }
+        m
+    }
+
+    /// Row `r`'s codes and scales.
+    pub(crate) fn row(&self, r: usize) -> (&[u8], &[f32]) {
+        let g = self.cols / self.group;
+        (&self.packed[r * self.cols / 2..(r + 1) * self.cols / 2], &self.scales[r * g..(r + 1) * g])
+    }
+}
+
+impl QuantMatrix for Fp4Matrix {
+    /// [`dynamic`](Fp4Matrix::dynamic).
+    fn quantize(w: &[f32], rows: usize, cols: usize) -> Option<Fp4Matrix> {
+        Fp4Matrix::dynamic(w, rows, cols)
+    }
+
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn bytes(&self) -> usize {
+        self.packed.len() + 4 * self.scales.len() + 4 * self.plain.as_ref().map_or(0, Vec::len)
+    }
+
+    fn dequantize_row(&self, r: usize) -> Vec<f32> {
+        if let Some(p) = &self.plain {
+            return p[r * self.cols..(r + 1) * self.cols].to_vec();
+        }
+        let (packed, scales) = self.row(r);
+        let mut out = vec![0.0; self.cols];
+        crate::sys::widen_fp4_row(packed, scales, self.group, &mut out);
+        out
+    }
+
+    fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
+        if let Some(p) = &self.plain {
+            return crate::sys::dot(x, &p[r * self.cols..(r + 1) * self.cols]);
+        }
+        let (packed, scales) = self.row(r);
+        crate::sys::dot_fp4(x, packed, scales, self.group)
+    }
+}
+
+/// `e2m1(code) * scale` as the loader computes it (one rounding, as the kernels widen it).
+pub(crate) fn fp4_weight(code: u8, scale: f32) -> f32 {
+    e2m1_value(code) * scale
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_come_back_from_their_values() {
+        for c in 0..16u8 {
+            let want = if c == 8 { 8 } else { c };
+            assert_eq!(e2m1_code(e2m1_value(c)), want, "{c}");
+        }
+        assert_eq!((e2m1_code(1.25), e2m1_code(1.3), e2m1_code(2.5), e2m1_code(100.0)), (2, 3, 4, 7));
+    }
+
+    /// Weights the loader widened from codes and per-16 scales that round (as NVFP4's e4m3 times
+    /// f32 do) come back as the same codes and widen to the loader's values bit for bit; groups of
+    /// 32 are found where the scales allow.
+    #[test]
+    fn grouped_weights_come_back_exactly() {
+        let (rows, cols) = (3, 64);
+        for group in [16, 32] {
+            let scale = |r: usize, c: usize| 0.0131 * (1.0 + (r * 7 + c / group) as f32 * 0.377);
+            let (mut w, mut s) = (Vec::new(), Vec::new());
+            for r in 0..rows {
+                for c in 0..cols {
+                    w.push(fp4_weight(((r * cols + c) * 5 % 16) as u8, scale(r, c)));
+                    s.push(scale(r, c));
+                }
+            }
+            let m = Fp4Matrix::from_groups(&w, &s, rows, cols).unwrap();
+            assert_eq!((m.group, m.bytes()), (group, rows * cols / 2 + 4 * rows * cols / group));
+            for r in 0..rows {
+                let back = m.dequantize_row(r);
+                for c in 0..cols {
+                    assert_eq!(back[c].to_bits(), w[r * cols + c].to_bits(), "{group}: ({r}, {c})");
+                }
+            }
+        }
+        let ragged: Vec<f32> = (0..rows * cols).map(|i| 1.0 + (i % 8) as f32).collect();
+        assert!(Fp4Matrix::from_groups(&ragged, &ragged, rows, cols).is_none());
+        // Shipped unquantized: held as it is.
+        let m = Fp4Matrix::from_groups(&ragged, &vec![0.0; rows * cols], rows, cols).unwrap();
+        assert_eq!((m.dequantize_row(1), m.bytes()), (ragged[cols..2 * cols].to_vec(), 4 * rows * cols));
+    }
+}
