@@ -14,7 +14,8 @@
 //!
 //! Thinking mode is on with `chat_template_kwargs` `thinking` or `enable_thinking` true (or
 //! `thinking_mode: "thinking"`), or a `reasoning_effort` other than `none`. Earlier turns' thinking
-//! is dropped (`drop_thinking: false` keeps it). The instructions around the tools and the
+//! is dropped (V4: `drop_thinking: false` keeps it; V3.2's encoder writes none before the last user
+//! turn either way). The instructions around the tools and the
 //! maximal-effort instruction are this project's wording; the markup is DeepSeek's.
 
 use serde_json::{Map, Value};
@@ -46,6 +47,8 @@ struct Turn<'a> {
     role: &'a str,
     content: String,
     calls: &'a [Value],
+    /// The calls' arguments as sent (JSON text), where known.
+    texts: &'a [String],
     reasoning: Option<&'a str>,
 }
 
@@ -105,7 +108,10 @@ impl DeepSeekEncoder {
             let text = dsml_tools_text(self.format(), &functions);
             match turns.first_mut().filter(|t| t.role == "system") {
                 Some(sys) => sys.content = format!("{}\n\n{text}", sys.content),
-                None => turns.insert(0, Turn { role: "system", content: text, calls: &[], reasoning: None }),
+                None => turns.insert(
+                    0,
+                    Turn { role: "system", content: text, calls: &[], texts: &[], reasoning: None },
+                ),
             }
         }
         let last_user = turns.iter().rposition(|t| t.role == "user");
@@ -164,8 +170,12 @@ impl DeepSeekEncoder {
                             DeepSeekEncoder::V32 => ("<｜DSML｜function_calls>", "</｜DSML｜function_calls>"),
                             DeepSeekEncoder::V4 => ("<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"),
                         };
-                        let invokes: Vec<String> =
-                            t.calls.iter().map(call_invoke).collect::<Result<_, _>>()?;
+                        let invokes: Vec<String> = t
+                            .calls
+                            .iter()
+                            .enumerate()
+                            .map(|(j, c)| call_invoke(c, t.texts.get(j).map(String::as_str)))
+                            .collect::<Result<_, _>>()?;
                         out.push_str(&format!("\n\n{begin}\n{}\n{end}", invokes.join("\n")));
                     }
                     out.push_str(EOS);
@@ -197,7 +207,13 @@ impl DeepSeekEncoder {
                 .drain(..)
                 .map(|(at, s)| if at.is_some() { results.next().unwrap_or(s) } else { s })
                 .collect();
-            turns.push(Turn { role: "user", content: parts.join("\n\n"), calls: &[], reasoning: None });
+            turns.push(Turn {
+                role: "user",
+                content: parts.join("\n\n"),
+                calls: &[],
+                texts: &[],
+                reasoning: None,
+            });
         };
         for (i, m) in messages.iter().enumerate() {
             let role = match m.role.as_str() {
@@ -234,6 +250,7 @@ impl DeepSeekEncoder {
                 role,
                 content: m.content.clone(),
                 calls: &m.tool_calls,
+                texts: &m.arguments_text,
                 reasoning: m.reasoning_content.as_deref(),
             });
         }
@@ -243,11 +260,17 @@ impl DeepSeekEncoder {
 }
 
 /// An earlier call (`{"function": {"name", "arguments"}}`, the arguments an object or its JSON
-/// text) as DSML.
-fn call_invoke(call: &Value) -> Result<String, TemplateError> {
+/// text) as DSML: its arguments in the order `text` (as the client sent them) writes them, else as
+/// the object holds them.
+fn call_invoke(call: &Value, text: Option<&str>) -> Result<String, TemplateError> {
     let f = call.get("function").unwrap_or(call);
     let name = f.get("name").and_then(Value::as_str).unwrap_or("");
+    if let Some(entries) = text.and_then(ordered_object) {
+        return Ok(render_dsml_invoke(name, &entries));
+    }
     let args = match f.get("arguments") {
+        // (A call cut before its arguments began has none: `{}`.)
+        Some(Value::String(s)) if s.trim().is_empty() => Value::Object(Map::new()),
         Some(Value::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Value::String(s.clone())),
         Some(v) => v.clone(),
         None => Value::Object(Map::new()),
@@ -260,5 +283,33 @@ fn call_invoke(call: &Value) -> Result<String, TemplateError> {
             )));
         }
     };
-    Ok(render_dsml_invoke(name, &args))
+    let entries: Vec<(String, Value)> =
+        args.as_object().into_iter().flatten().map(|(k, v)| (k.clone(), v.clone())).collect();
+    Ok(render_dsml_invoke(name, &entries))
+}
+
+/// The entries of the JSON object `text`, in the order written; `None` if it is not one.
+fn ordered_object(text: &str) -> Option<Vec<(String, Value)>> {
+    struct Entries(Vec<(String, Value)>);
+    impl<'de> serde::Deserialize<'de> for Entries {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl<'de> serde::de::Visitor<'de> for V {
+                type Value = Entries;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<Entries, A::Error> {
+                    let mut out = Vec::new();
+                    while let Some(e) = m.next_entry::<String, Value>()? {
+                        out.push(e);
+                    }
+                    Ok(Entries(out))
+                }
+            }
+            d.deserialize_map(V)
+        }
+    }
+    let text = if text.trim().is_empty() { "{}" } else { text };
+    serde_json::from_str::<Entries>(text).ok().map(|e| e.0)
 }

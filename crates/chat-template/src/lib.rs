@@ -48,11 +48,22 @@ pub struct ChatMessage {
     /// the last user message).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// Each call's arguments as the client sent them (JSON text), where known: their keys in the
+    /// order written (`tool_calls` holds them as objects, whose keys come out sorted), for
+    /// encoders that write each argument apart (DeepSeek's DSML). Not seen by templates.
+    #[serde(skip)]
+    pub arguments_text: Vec<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
         ChatMessage { role: role.to_owned(), content: content.to_owned(), ..ChatMessage::default() }
+    }
+
+    /// Adds a call (`arguments`: the JSON text a client sends) in the shape templates read.
+    pub fn push_call(&mut self, id: &str, name: &str, arguments: &str) {
+        self.tool_calls.push(tool_call(id, name, arguments));
+        self.arguments_text.push(arguments.to_owned());
     }
 }
 

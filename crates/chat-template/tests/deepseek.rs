@@ -80,6 +80,21 @@ fn v32_calls_and_results() {
     );
 }
 
+/// A call as the client sent it (`push_call`: its JSON text) keeps its arguments' order, so the
+/// prompt holds what the model wrote (and the prefix cache finds it); a cut call's empty arguments
+/// read as none.
+#[test]
+fn earlier_calls_keep_the_order_their_arguments_were_written_in() {
+    let t = ChatTemplate::deepseek(DeepSeekEncoder::V4);
+    let mut a = ChatMessage::new("assistant", "");
+    a.push_call("c1", "read_file", r#"{"path": "a", "n": 2}"#);
+    a.push_call("c2", "list_dir", "");
+    let text = t.render(&[ChatMessage::new("user", "go"), a], &[], false).unwrap();
+    let (path, n) = (text.find("name=\"path\"").unwrap(), text.find("name=\"n\"").unwrap());
+    assert!(path < n, "{text}");
+    assert!(text.contains("<｜DSML｜invoke name=\"list_dir\">\n\n</｜DSML｜invoke>"), "{text}");
+}
+
 #[test]
 fn v4_merges_results_in_call_order_and_keeps_thinking_with_tools() {
     let t = ChatTemplate::deepseek(DeepSeekEncoder::V4);

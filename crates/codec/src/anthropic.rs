@@ -631,4 +631,37 @@ mod tests {
         );
         assert_eq!(full["content"], json!([{"type": "tool_use", "id": "c", "name": "f", "input": {"a": 1}}]));
     }
+
+    /// A call whose input streams: its block opens with the head, each piece is an
+    /// `input_json_delta` of that block, and the whole call closes it (no second copy of the input).
+    #[test]
+    fn a_streamed_call_is_one_block_of_pieces() {
+        let mut s = MessageStream::default();
+        let mut ev = Vec::new();
+        s.text("Sure.", &mut ev);
+        s.call_begin("c", "f", &mut ev);
+        s.call_arguments("{\"a\":", &mut ev);
+        s.call_arguments("1}", &mut ev);
+        s.call(&ToolCall { id: "c".into(), name: "f".into(), arguments: r#"{"a":1}"#.into() }, &mut ev);
+        let names: Vec<&str> = ev.iter().map(|e| e.0).collect();
+        assert_eq!(
+            names,
+            [
+                "content_block_start",
+                "content_block_delta",
+                "content_block_stop",
+                "content_block_start",
+                "content_block_delta",
+                "content_block_delta",
+                "content_block_stop"
+            ]
+        );
+        assert_eq!(
+            ev[3].1["content_block"],
+            json!({"type": "tool_use", "id": "c", "name": "f", "input": {}})
+        );
+        let pieces: String =
+            ev[4..6].iter().map(|e| e.1["delta"]["partial_json"].as_str().unwrap()).collect();
+        assert_eq!((pieces.as_str(), &ev[6].1["index"]), (r#"{"a":1}"#, &json!(1)));
+    }
 }

@@ -420,6 +420,15 @@ mod tests {
             }
             assert!(refused, "{f:?}: {bad:?} was allowed");
         }
+        // DSML: a call's head without the block's tag is no free text either (the parser would take
+        // it for a call, unchecked), and a forced call may open with DeepSeek's blank line.
+        let grammar = Constraint::Lark(ToolFormat::DeepSeekV4.auto_call_grammar(&tools, 8).unwrap());
+        let mut m = g.matcher(&grammar).unwrap();
+        feed(&mut m, "Sure. <｜DSML｜invok", ToolFormat::DeepSeekV4);
+        assert!(!m.mask().unwrap().is_allowed(u32::from(b'e')), "a bare head was allowed as free text");
+        let forced = Constraint::Lark(ToolFormat::DeepSeekV4.forced_call_grammar(&tools, None, 1));
+        let mut m = g.matcher(&forced).unwrap();
+        feed(&mut m, "\n\n<｜DSML｜tool_calls>\n", ToolFormat::DeepSeekV4);
     }
 
     /// Drafts are checked and masked on the side: the guide stays where it was, also when a draft

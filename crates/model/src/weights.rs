@@ -222,7 +222,11 @@ impl Shards {
         let (path, map) = &self.maps[i];
         let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
         let t = st.tensor(name).map_err(|e| ModelError::format(path, e.to_string()))?;
-        if self.fp4(name) && shape.len() == 2 && t.shape() == [shape[0], shape[1] / 2] && shape[1] % 2 == 0 {
+        if self.fp4(name)
+            && shape.len() == 2
+            && t.shape() == [shape[0], shape[1] / 2]
+            && shape[1].is_multiple_of(2)
+        {
             // NVFP4: two codes a byte, the even column low, each times its group's scale.
             let scales = self.fp4_scales(name, shape)?;
             let group = self.fp4_group.expect("an NVFP4 checkpoint");

@@ -204,8 +204,9 @@ impl Drop for KvRouting {
 /// A client's chat message as the template sees it (the workers' conversion).
 fn chat_message(m: &pdserve_codec::Message) -> ChatMessage {
     let mut c = ChatMessage::new(&m.role, &m.content);
-    c.tool_calls =
-        m.tool_calls.iter().map(|t| pdserve_model::tool_call(&t.id, &t.name, &t.arguments)).collect();
+    for t in &m.tool_calls {
+        c.push_call(&t.id, &t.name, &t.arguments);
+    }
     c.tool_call_id = m.tool_call_id.clone();
     c.name = m.name.clone();
     c.reasoning_content = m.reasoning.clone();

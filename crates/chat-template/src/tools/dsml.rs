@@ -157,8 +157,11 @@ impl Dsml {
                     text(&mut out, held);
                 }
             }
-            State::Head => match named(&held).filter(|n| self.known(n)) {
-                // A head whose name is whole: a call, with no arguments (cut: none written).
+            // A head whose name is whole, in a block: a call with no arguments (cut: none written).
+            // (Without the block's tag, prose that ends in a head stays prose.)
+            State::Head => match named(&held)
+                .filter(|n| self.known(n) && [BLOCK_V4, BLOCK_V32].iter().any(|b| held.starts_with(b)))
+            {
                 Some(name) => {
                     let args = if cut { "" } else { "{}" };
                     let call = ToolCall { id: id(self.calls), name, arguments: args.to_owned() };
@@ -172,6 +175,9 @@ impl Dsml {
                 }
             },
             State::Body | State::Value => {
+                // Ended inside a value (a stop string cut it, or the model stopped mid-argument): the
+                // arguments as far as written, never closed, so no client takes them for whole ones.
+                let cut = cut || self.state == State::Value;
                 let mut call = self.call.take().expect("a call is open in its body");
                 if let Some(p) = call.param.take() {
                     if cut {
@@ -247,9 +253,14 @@ impl Dsml {
                         .iter()
                         .find(|o| self.held.starts_with(**o))
                         .map_or_else(|| self.held.chars().next().map_or(0, char::len_utf8), |o| o.len());
-                    text(out, &std::mem::take(&mut self.before));
+                    // (Whitespace between calls is not text.)
+                    let before = std::mem::take(&mut self.before);
+                    if !self.after_call {
+                        text(out, &before);
+                    }
                     let t: String = self.held.drain(..n).collect();
                     text(out, &t);
+                    self.after_call = false;
                     self.state = State::Prose;
                     true
                 }
@@ -356,7 +367,7 @@ impl Dsml {
             };
             let declared = self.tools.iter().find(|(n, _)| *n == call.name).and_then(|(_, p)| p.get(&key));
             let kind = match string.as_deref() {
-                _ if key == "arguments" && call.entries == 0 && declared.is_none() => Kind::Wrapper,
+                _ if key == "arguments" && call.args.is_empty() && declared.is_none() => Kind::Wrapper,
                 Some("true") => Kind::Str,
                 Some(_) => Kind::Json,
                 None if declared.and_then(|s| s.get("type")).and_then(Value::as_str) == Some("string") => {
@@ -481,7 +492,7 @@ fn close_param(out: &mut Vec<Piece>, call: &mut OpenCall, p: Param) {
         Kind::Wrapper => match serde_json::from_str::<Value>(p.value.trim()) {
             Ok(Value::Object(o)) => {
                 let whole = Value::Object(o.clone()).to_string();
-                call.keys = o.keys().cloned().collect();
+                call.keys.extend(o.keys().cloned());
                 call.entries = o.len();
                 let frag = whole[..whole.len() - 1].to_owned();
                 add(out, call, frag);
@@ -537,11 +548,9 @@ fn text(out: &mut Vec<Piece>, t: &str) {
 }
 
 /// How a call's arguments read in DSML: one parameter per entry, strings raw, other values JSON.
-pub(crate) fn render_invoke(name: &str, arguments: &Value) -> String {
+pub(crate) fn render_invoke(name: &str, arguments: &[(String, Value)]) -> String {
     let params: Vec<String> = arguments
-        .as_object()
-        .into_iter()
-        .flatten()
+        .iter()
         .map(|(k, v)| {
             let (string, value) = match v {
                 Value::String(t) => ("true", t.clone()),

@@ -13,6 +13,10 @@ impl ToolFormat {
     /// end, never forced into a second). Each call's arguments fit its schema.
     pub fn forced_call_grammar(self, tools: &[Tool], only: Option<&str>, calls_max: usize) -> String {
         match self.call_rules(tools, only, calls_max) {
+            // (DeepSeek writes a blank line before its DSML block.)
+            Some((opener, rules)) if self.dsml_block().is_some() => {
+                format!("start: \"\\n\\n\"? {} rest\n{rules}", lit(opener))
+            }
             Some((opener, rules)) => format!("start: {} rest\n{rules}", lit(opener)),
             // A Llama 3 call is the whole answer, with no marker.
             None => format!("start: %json {}\n", call_schema(self, tools, only)),
@@ -24,12 +28,22 @@ impl ToolFormat {
     /// their schemas. `None` for a format without an opener (Llama 3's call is a bare JSON answer).
     pub fn auto_call_grammar(self, tools: &[Tool], calls_max: usize) -> Option<String> {
         let (opener, rules) = self.call_rules(tools, None, calls_max)?;
-        let escaped: String = opener
-            .chars()
-            .map(|c| if "\\.^$|?*+()[]{}/".contains(c) { format!("\\{c}") } else { c.to_string() })
-            .collect();
+        let escape = |s: &str| -> String {
+            s.chars()
+                .map(|c| if "\\.^$|?*+()[]{}/".contains(c) { format!("\\{c}") } else { c.to_string() })
+                .collect()
+        };
+        // Free text holds no opener: for DSML, no call's head either (the parser takes a head without
+        // the block's tag for a call).
+        let (excluded, prefix) = match self.dsml_block() {
+            Some(_) => (
+                format!("({}|{})", escape(opener), escape(INVOKE)),
+                format!("/(.|\\n)*/ & ~/(.|\\n)*{}(.|\\n)*/", escape(INVOKE)),
+            ),
+            None => (escape(opener), "/(.|\\n)*/".to_owned()),
+        };
         Some(format!(
-            "start: FREE | prefix rest\nFREE: /(.|\\n)*/ & ~/(.|\\n)*{escaped}(.|\\n)*/\nprefix[stop={}]: /(.|\\n)*/\n{rules}",
+            "start: FREE | prefix rest\nFREE: /(.|\\n)*/ & ~/(.|\\n)*{excluded}(.|\\n)*/\nprefix[stop={}]: {prefix}\n{rules}",
             lit(opener)
         ))
     }

@@ -146,7 +146,13 @@ impl ToolFormat {
             }
             ToolFormat::DeepSeekV32 | ToolFormat::DeepSeekV4 => {
                 let (begin, end) = self.dsml_block().expect("a DSML format");
-                format!("{begin}\n{}\n{end}", dsml::render_invoke(name, arguments))
+                let entries: Vec<(String, Value)> = arguments
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                format!("{begin}\n{}\n{end}", dsml::render_invoke(name, &entries))
             }
         }
     }
@@ -541,6 +547,8 @@ mod tests {
             ("<｜DSML｜parameter name=\"arguments\" string=\"false\">{\"path\": \"a.txt\"}</｜DSML｜parameter>", json!({"path": "a.txt"})),
             ("<｜DSML｜parameter name=\"arguments\" string=\"true\">{}</｜DSML｜parameter>\n<｜DSML｜parameter name=\"path\" string=\"true\">b</｜DSML｜parameter>", json!({"path": "b"})),
             ("<｜DSML｜parameter name=\"arguments\" string=\"true\">plain</｜DSML｜parameter>", json!({"arguments": "plain"})),
+            // Only the first thing in a call is taken for a wrapper (a second is a repeated name).
+            ("<｜DSML｜parameter name=\"arguments\" string=\"false\">{}</｜DSML｜parameter><｜DSML｜parameter name=\"arguments\" string=\"false\">{\"path\": \"x\"}</｜DSML｜parameter>", json!({})),
             // A second value of a name, and a parameter without one, are dropped.
             ("<｜DSML｜parameter name=\"path\" string=\"true\">a</｜DSML｜parameter><｜DSML｜parameter name=\"path\" string=\"true\">b</｜DSML｜parameter><｜DSML｜parameter string=\"true\">c</｜DSML｜parameter>", json!({"path": "a"})),
         ] {
@@ -567,13 +575,25 @@ mod tests {
             false,
         );
         assert_eq!((text.as_str(), calls.len(), calls[0].arguments.as_str()), ("Sure.", 1, r#"{"d":"x"}"#));
-        // Stopped inside a call (end of sequence): the call as written, closed.
-        let (_, calls) = dsml_every_split(
+        // Stopped between parameters (end of sequence): the call as written, closed; stopped inside a
+        // value (a stop string, say): its arguments as far as written, not closed (a client must
+        // not take a cut value for a whole one).
+        let head = "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"path\" string=\"true\">a.t";
+        let (_, calls) =
+            dsml_every_split(ToolFormat::DeepSeekV4, &format!("{head}</｜DSML｜parameter>\n"), false);
+        assert_eq!(calls[0].arguments, r#"{"path":"a.t"}"#);
+        let (_, calls) = dsml_every_split(ToolFormat::DeepSeekV4, head, false);
+        assert_eq!(calls[0].arguments, r#"{"path":"a.t"#);
+        // A known function's head at the very end of prose is prose.
+        let prose = "To read it, write <｜DSML｜invoke name=\"read_file\">";
+        assert_eq!(dsml_every_split(ToolFormat::DeepSeekV4, prose, false), (prose.to_owned(), vec![]));
+        // An unknown call after a known one is text, whole, without the whitespace between them.
+        let (text, calls) = dsml_every_split(
             ToolFormat::DeepSeekV4,
-            "<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"path\" string=\"true\">a.t",
+            "<｜DSML｜invoke name=\"list_dir\">\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"zz\"> y",
             false,
         );
-        assert_eq!(calls[0].arguments, r#"{"path":"a.t"}"#);
+        assert_eq!((text.as_str(), calls.len()), ("<｜DSML｜invoke name=\"zz\"> y", 1));
         // Prose that looks like a call, unknown functions and a block with no call stay text, whole.
         for prose in [
             "Write <｜DSML｜invoke name=\"read_file\"> to read a file.",
@@ -649,7 +669,7 @@ mod tests {
         let g = ToolFormat::DeepSeekV4.forced_call_grammar(&tools(), Some("read_file"), 1);
         assert!(
             g.starts_with(
-                "start: \"<｜DSML｜tool_calls>\" rest\nrest: \"\\n\" call \"\\n</｜DSML｜tool_calls>\"\n"
+                "start: \"\\n\\n\"? \"<｜DSML｜tool_calls>\" rest\nrest: \"\\n\" call \"\\n</｜DSML｜tool_calls>\"\n"
             ) && g
                 .contains("p0_0: \"<｜DSML｜parameter name=\\\"path\\\" string=\\\"true\\\">\" sval \"\\n\"")
                 && g.contains("c0: \"<｜DSML｜invoke name=\\\"read_file\\\">\\n\" p0_0")

@@ -386,6 +386,39 @@ mod tests {
         None
     }
 
+    /// A call whose arguments stream: its item opens at the head, each piece is an arguments delta
+    /// of that item, and the whole call gives `done` the joined arguments and closes the item.
+    #[test]
+    fn a_streamed_call_is_one_item_of_deltas() {
+        let meta =
+            Meta { endpoint: Endpoint::Responses, id: "resp_r1".into(), created: 1, model: "m".into() };
+        let mut s = ResponseStream::default();
+        let mut out = Vec::new();
+        s.call_begin(&meta, "call_1", "ls", &mut out);
+        s.call_arguments("call_1", "{\"d\":", &mut out);
+        s.call_arguments("call_1", "\"src\"}", &mut out);
+        let call = ToolCall { id: "call_1".into(), name: "ls".into(), arguments: r#"{"d":"src"}"#.into() };
+        s.call(&meta, &call, &mut out);
+        let kinds: Vec<&str> = out.iter().map(|e| e.0.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "response.output_item.added",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.delta",
+                "response.function_call_arguments.done",
+                "response.output_item.done",
+            ]
+        );
+        assert!(out.iter().all(|e| e.1["output_index"] == 0), "{out:?}");
+        assert!(out[1..4].iter().all(|e| e.1["item_id"] == "fc_call_1"), "{out:?}");
+        assert_eq!(
+            (&out[0].1["item"]["arguments"], &out[3].1["arguments"]),
+            (&json!(""), &json!(r#"{"d":"src"}"#))
+        );
+        assert_eq!(out[4].1["item"]["status"], "completed");
+    }
+
     #[test]
     fn a_stream_opens_and_closes_each_item_and_ends_readably() {
         let meta =

@@ -10,8 +10,8 @@ use pdserve_codec::anthropic::MessageStream;
 use pdserve_codec::openai;
 use pdserve_codec::responses::{self, ResponseStore, ResponseStream};
 use pdserve_codec::{Endpoint, GenerateRequest, Meta, Prompt};
+use pdserve_engine::ChatMessage;
 use pdserve_engine::SamplingParams;
-use pdserve_engine::{chat_tool_call as tool_call, ChatMessage};
 use pdserve_engine::{Engine, Id, Input, Output, Request as EngineRequest, Timings};
 use pdserve_engine::{TokenLogprob, ToolCall};
 use pdserve_http::{ConnId, Event as HttpEvent, Request, Response, Server};
@@ -166,7 +166,9 @@ fn timings_json(t: &Timings) -> Value {
 /// them with `tojson`).
 fn chat_message(m: &pdserve_codec::Message) -> ChatMessage {
     let mut c = ChatMessage::new(&m.role, &m.content);
-    c.tool_calls = m.tool_calls.iter().map(|t| tool_call(&t.id, &t.name, &t.arguments)).collect();
+    for t in &m.tool_calls {
+        c.push_call(&t.id, &t.name, &t.arguments);
+    }
     c.tool_call_id = m.tool_call_id.clone();
     c.name = m.name.clone();
     c.reasoning_content = m.reasoning.clone();
