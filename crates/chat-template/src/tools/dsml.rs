@@ -347,8 +347,12 @@ impl Dsml {
         self.held.drain(..ws);
         let h = self.held.as_str();
         if h.starts_with(PARAM) {
-            let Some(gt) = h.find('>') else {
-                if h.len() > PARAM.len() + 2 * NAME_BYTES_MAX {
+            // (The end is looked for only as far as a head may reach, whatever has arrived.)
+            let reach = PARAM.len() + 2 * NAME_BYTES_MAX;
+            let Some(gt) =
+                h.char_indices().take_while(|&(i, _)| i <= reach).find(|&(_, c)| c == '>').map(|(i, _)| i)
+            else {
+                if h.len() > reach {
                     self.held.drain(..PARAM.len()); // a head with no end: dropped
                     return true;
                 }
