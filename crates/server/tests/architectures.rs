@@ -361,6 +361,35 @@ fn a_checkpoint_is_served_in_its_own_precision_by_default() {
     }
 }
 
+/// An NVFP4 checkpoint (ModelOpt's layout) is served as it ships, 4 bits a weight: the reference's
+/// answer, and log-probabilities equal to its f32 copy's (the codes widen to the loader's values).
+#[test]
+fn an_nvfp4_checkpoint_is_served_in_four_bits() {
+    let dir = tiny(
+        "nvfp4",
+        json!({"quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}),
+    );
+    let ids = prompt();
+    let reference = reference(&dir, &ids, STEPS);
+    let body = json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true, "logprobs": 1});
+    let mut answers = Vec::new();
+    let mut held = Vec::new();
+    for weights in ["auto", "f32"] {
+        let w = Worker::start(&["--model", dir.to_str().unwrap(), "--kv-dtype", "f32", "--weights", weights]);
+        let (_, models) = w.json("GET", "/v1/models", "");
+        let want = if weights == "auto" { "fp4" } else { "f32" };
+        assert_eq!(models["data"][0]["weights"], want, "{models}");
+        held.push(models["data"][0]["weight_bytes"].as_u64().unwrap());
+        let (s, v) = w.json("POST", "/v1/completions", &body.to_string());
+        assert_eq!(s, 200, "{v}");
+        assert_matches(&w, &v, &reference, &format!("nvfp4 --weights {weights}"), true);
+        answers.push(v["choices"][0]["logprobs"]["token_logprobs"].clone());
+    }
+    assert_eq!(answers[0], answers[1], "FP4 held: log-probabilities against the f32 copy's");
+    assert!(held[0] < held[1], "FP4 holds {} bytes, f32 {}", held[0], held[1]);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Starts the server on `dir` and waits for it to stop: its exit success and standard error.
 fn failed_start(dir: &Path) -> (bool, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
