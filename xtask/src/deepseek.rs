@@ -35,7 +35,7 @@ fn cache() -> PathBuf {
 }
 
 /// The random model's folder (written once, the default model's tokenizer beside it).
-fn model(default: &Path) -> Result<PathBuf> {
+pub(crate) fn model(default: &Path) -> Result<PathBuf> {
     model_shaped(default, false)
 }
 

@@ -9,6 +9,7 @@ mod ab;
 mod agents;
 mod chaos;
 mod deepseek;
+mod formats;
 pub(crate) mod deploy;
 mod generate;
 mod gpu;
@@ -56,6 +57,7 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          bench llamacpp [--isa native|avx2|both] [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench deepseek [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench ab --base REV [--isa native|avx2] [--repeat K] [--rows single,streams32,prefill,long]\n\
+         bench formats [--formats fp4,bf16] [--model deepseek|default] [--repeat K] [--rows LIST]\n\
          bench memory [--kv-blocks N]\n\
          bench observability [--repeat K] [--rows streams32,single]\n\
          bench transfer [--tokens 128,2048,8000] [--repeat 3]\n\
@@ -69,7 +71,8 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          llama.cpp's server built for the same instruction set, alternating, per figure of the CPU goals\n\
          (1 and 32 streams, a 1,000-token prefill, decode after 4,000 tokens) and peak memory; `ab`: this\n\
          checkout's worker beside the same worker built from git revision REV, alternating, on `llamacpp`'s\n\
-         rows (what a change costs); `observability`: a PD stack beside one exporting spans from every\n\
+         rows (what a change costs); `formats`: one model in two weight formats (--weights), alternating, on\n\
+         `llamacpp`'s rows, with the bytes each holds; `observability`: a PD stack beside one exporting spans from every\n\
          process and publishing KV events its router follows, alternating, on `llamacpp`'s rows; `deepseek`: the same rows on a random DeepSeek-V3-shaped model against\n\
          llama.cpp's deepseek2 path (its GGUF made by llama.cpp's own converter); `transfer`: the KV transfer between worker\n\
          processes over shared memory and TCP beside memcpy; `http`: this project's HTTP server\n\
@@ -493,6 +496,7 @@ fn bench(args: &[String]) -> Result<()> {
         Some("llamacpp") => vs_llamacpp::run(&args[1..]),
         Some("deepseek") => deepseek::run(&args[1..]),
         Some("ab") => ab::run(&args[1..]),
+        Some("formats") => formats::run(&args[1..]),
         Some("memory") => memory::run(&args[1..]),
         Some("observability") => observe::run(&args[1..]),
         Some("transfer") => transfer::run(&args[1..]),
