@@ -51,7 +51,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     };
     crate::sys::install_stop_handler();
     let bench = root.join("target/bench/formats");
-    let extra = |format: &str| ["--weights".to_owned(), format.to_owned(), "--speculative".into(), "off".into()];
+    let extra =
+        |format: &str| ["--weights".to_owned(), format.to_owned(), "--speculative".into(), "off".into()];
     let (extra_a, extra_b) = (extra(a), extra(b));
     let (logs_a, logs_b) = (bench.join("logs-a"), bench.join("logs-b"));
     let mut first = start_stack(&Spec::unified_worker(8141, &dir, &extra_a, &logs_a))?;

@@ -116,7 +116,9 @@ impl PreparedWeights {
                         "a projection whose width is not a multiple of 16, or FP4 groups other than 16 or 32"
                             .into(),
                 };
-                let layer = match scales {
+                // An FP4 checkpoint's codes and scales as shipped (what it ships unquantized, plain);
+                // any other checkpoint quantized.
+                let layer = match scales.filter(|_| c.fp4_group.is_some()) {
                     None => stack_layer(l, c, Fp4Matrix::dynamic),
                     Some(s) => {
                         let raw = |w: &[f32], r: usize, k: usize| Some((w.to_vec(), r, k));

@@ -371,7 +371,8 @@ fn an_nvfp4_checkpoint_is_served_in_four_bits() {
     );
     let ids = prompt();
     let reference = reference(&dir, &ids, STEPS);
-    let body = json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true, "logprobs": 1});
+    let body =
+        json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true, "logprobs": 1});
     let mut answers = Vec::new();
     let mut held = Vec::new();
     for weights in ["auto", "f32"] {

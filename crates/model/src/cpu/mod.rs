@@ -15,7 +15,8 @@ use crate::fp4::Fp4Matrix;
 use crate::fp8::Fp8Matrix;
 use crate::prepare::{PreparedLayers, PreparedWeights};
 use crate::quant::{
-    Bf16Weights, F16Matrix, Q4Weights, Q8Weights, QuantLayer, QuantMatrix, QuantWeights, WeightFormat,
+    Bf16Layout, Bf16Matrix, Bf16Weights, F16Matrix, Q4Weights, Q8Weights, QuantLayer, QuantMatrix,
+    QuantWeights, WeightFormat,
 };
 use crate::weights::Weights;
 
@@ -56,6 +57,9 @@ pub struct CpuBackend {
     format: WeightFormat,
     /// Where the embedding is read from, in place of the f32 one, once that is freed.
     embed: Option<EmbedRows>,
+    /// The LM head in bf16 rows, where the projections are f16, FP8 or FP4 and the head's values are
+    /// all bf16 values (a bf16 checkpoint's): the f32 head's products (bits) at half its bytes.
+    head_rows: Option<Arc<Bf16Matrix>>,
     /// What the draft pass reads of the last forward pass (with a draft layer).
     last: draft::LastPass,
 }
@@ -104,6 +108,7 @@ impl CpuBackend {
             rope_attention_factor,
             format: WeightFormat::F32,
             embed: None,
+            head_rows: None,
             last: draft::LastPass::default(),
         }
     }
@@ -156,7 +161,20 @@ impl CpuBackend {
         // would only hold memory. (A backend sharing its f32 weights with others keeps them.)
         let tied = b.w.lm_head.is_none();
         let head_panels = b.multi.as_ref().is_some_and(|m| m.lm_head.is_some());
-        let frees_head = if b.multi.is_some() { head_panels } else { quantized };
+        // f16, FP8 and FP4 projections keep the LM head as loaded: in bf16 rows where its values are
+        // all bf16 values and the AVX2 kernels read rows (exact: the f32 head's very products), else
+        // in f32. (A tied head stays the embedding's.)
+        let widened =
+            matches!(b.decode, Some(DecodeWeights::F16(_) | DecodeWeights::Fp8(_) | DecodeWeights::Fp4(_)));
+        if widened && !tied && crate::sys::avx2() {
+            let h = b.w.lm_head();
+            if h.iter().all(|&v| bf16_value(bf16_bits(v)).to_bits() == v.to_bits()) {
+                let values = h.iter().map(|&v| bf16_bits(v)).collect();
+                let (rows, cols) = (b.cfg.vocab_size, b.cfg.hidden_size);
+                b.head_rows = Some(Arc::new(Bf16Matrix { rows, cols, values, layout: Bf16Layout::Rows }));
+            }
+        }
+        let frees_head = if b.multi.is_some() { head_panels } else { quantized || b.head_rows.is_some() };
         if b.multi.is_some() || b.decode.is_some() {
             if let Some(w) = Arc::get_mut(&mut b.w) {
                 w.release_projections(frees_head);
@@ -209,7 +227,8 @@ impl CpuBackend {
                 l.iter().flat_map(QuantLayer::matrices).map(Fp4Matrix::bytes).sum()
             }
         };
-        let multi = self.multi.as_ref().map_or(0, |m| m.bytes());
+        let multi = self.multi.as_ref().map_or(0, |m| m.bytes())
+            + self.head_rows.as_ref().map_or(0, |h| 2 * h.values.len());
         let embed = match &self.embed {
             Some(EmbedRows::Bf16(e)) => e.len() * 2,
             Some(EmbedRows::Q8(e)) => e.bytes(),
@@ -392,6 +411,7 @@ impl CpuBackend {
             quant_multi: self.quant_multi,
             quant_head: self.quant_multi && self.cfg.vocab_size.is_multiple_of(32),
             int8: self.int8_activations,
+            head_rows: self.head_rows.clone(),
         }
     }
 
@@ -568,6 +588,8 @@ pub(super) struct Mats {
     quant_head: bool,
     /// Products with quantized weights round their inputs to int8 (`--activations q8`).
     int8: bool,
+    /// The LM head in bf16 rows (see `CpuBackend::head_rows`).
+    head_rows: Option<Arc<Bf16Matrix>>,
 }
 
 impl Mats {
@@ -649,7 +671,10 @@ impl Mats {
         ) {
             (Some(h), _) => self.quantized(x, t, k, h, self.quant_head, xb, out),
             (None, Some(h)) => matmul_bf16(x, t, k, h, xb, out),
-            (None, None) => return false,
+            (None, None) => match &self.head_rows {
+                Some(h) => matmul_bf16(x, t, k, h, xb, out),
+                None => return false,
+            },
         }
         true
     }

@@ -27,9 +27,32 @@ pub(crate) fn widen_fp4_row(packed: &[u8], scales: &[f32], group: usize, dst: &m
             && packed.len() * 2 == dst.len()
             && scales.len() == dst.len().div_ceil(group)
     );
+    #[cfg(target_arch = "x86_64")]
+    if super::avx2() {
+        // SAFETY: AVX2 (checked); lengths asserted above (16 values for every 8 bytes).
+        unsafe { widen_fp4_avx2(packed, scales, group, dst) };
+        return;
+    }
     for (c, d) in dst.iter_mut().enumerate() {
         let b = packed[c / 2];
         *d = e2m1_value(if c % 2 == 0 { b & 15 } else { b >> 4 }) * scales[c / group];
+    }
+}
+
+/// [`widen_fp4_row`] 16 values at a time (the same table, the same one rounding).
+///
+/// # Safety
+/// AVX2; lengths as [`widen_fp4_row`] asserts.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn widen_fp4_avx2(packed: &[u8], scales: &[f32], group: usize, dst: &mut [f32]) {
+    use std::arch::x86_64::*;
+    for s in 0..dst.len() / 16 {
+        // SAFETY (of the loads and stores): 8 bytes and 16 values at step s, as asserted.
+        let [v0, v1] = e2m1x16(packed.as_ptr().add(s * 8));
+        let scale = _mm256_set1_ps(*scales.get_unchecked(s * 16 / group));
+        _mm256_storeu_ps(dst.as_mut_ptr().add(s * 16), _mm256_mul_ps(v0, scale));
+        _mm256_storeu_ps(dst.as_mut_ptr().add(s * 16 + 8), _mm256_mul_ps(v1, scale));
     }
 }
 
@@ -84,6 +107,28 @@ pub(super) unsafe fn e2m1x16(p: *const u8) -> [std::arch::x86_64::__m256; 2] {
     [value(codes), value(_mm_srli_si128::<8>(codes))]
 }
 
+/// Codes `p[0..8]` (16 columns) as two vectors of 8 values of twice their e2m1 value (the integers
+/// 0, 1, 2, 3, 4, 6, 8, 12 and their negatives, looked up 16 at a time; the sign of a zero is lost,
+/// which no product can see).
+///
+/// # Safety
+/// AVX2; 8 bytes readable at `p`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn twice_e2m1x16(p: *const u8) -> [std::arch::x86_64::__m256; 2] {
+    use std::arch::x86_64::*;
+    let bytes = _mm_loadl_epi64(p.cast());
+    let low = _mm_and_si128(bytes, _mm_set1_epi8(15));
+    let high = _mm_and_si128(_mm_srli_epi16::<4>(bytes), _mm_set1_epi8(15));
+    let codes = _mm_unpacklo_epi8(low, high);
+    let table = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    let q = _mm_shuffle_epi8(table, codes);
+    [
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(q))),
+    ]
+}
+
 /// # Safety
 /// AVX2 and FMA; lengths as [`dot_fp4`] asserts.
 #[cfg(target_arch = "x86_64")]
@@ -93,8 +138,10 @@ unsafe fn dot_fp4_avx2(x: &[f32], packed: &[u8], scales: &[f32], group: usize) -
     let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
     for s in 0..x.len() / 16 {
         // SAFETY (of the loads): 16 values of `x` and 8 bytes of `packed` at step s, as asserted.
-        let [v0, v1] = e2m1x16(packed.as_ptr().add(s * 8));
-        let scale = _mm256_set1_ps(*scales.get_unchecked(s * 16 / group));
+        let [v0, v1] = twice_e2m1x16(packed.as_ptr().add(s * 8));
+        // Twice the value times half the scale: the same real product, so the same rounding (halving
+        // is exact for every normal scale).
+        let scale = _mm256_set1_ps(*scales.get_unchecked(s * 16 / group) * 0.5);
         let (w0, w1) = (_mm256_mul_ps(v0, scale), _mm256_mul_ps(v1, scale));
         a0 = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x.as_ptr().add(s * 16)), a0);
         a1 = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.as_ptr().add(s * 16 + 8)), a1);
