@@ -98,16 +98,10 @@ impl PreparedWeights {
                     field: "--weights fp8".into(),
                     value: "FP8 blocks narrower than 16 columns".into(),
                 };
-                let layer = match scales {
-                    None => stack_layer(l, c, Fp8Matrix::dynamic),
-                    Some(s) => {
-                        let raw = |w: &[f32], r: usize, k: usize| Some((w.to_vec(), r, k));
-                        let w = stack_layer(l, c, raw).ok_or_else(refused)?;
-                        let s = stack_layer(s, c, raw).ok_or_else(refused)?;
-                        w.zip(s, &|(w, r, k), (s, _, _)| Fp8Matrix::from_blocks(&w, &s, r, k))
-                    }
-                };
-                v.push(layer.ok_or_else(refused)?)
+                v.push(
+                    as_shipped(l, scales, c, Fp8Matrix::dynamic, Fp8Matrix::from_blocks)
+                        .ok_or_else(refused)?,
+                )
             }
             PreparedLayers::Fp4(v) => {
                 let refused = || ModelError::Unsupported {
@@ -118,16 +112,11 @@ impl PreparedWeights {
                 };
                 // An FP4 checkpoint's codes and scales as shipped (what it ships unquantized, plain);
                 // any other checkpoint quantized.
-                let layer = match scales.filter(|_| c.fp4_group.is_some()) {
-                    None => stack_layer(l, c, Fp4Matrix::dynamic),
-                    Some(s) => {
-                        let raw = |w: &[f32], r: usize, k: usize| Some((w.to_vec(), r, k));
-                        let w = stack_layer(l, c, raw).ok_or_else(refused)?;
-                        let s = stack_layer(s, c, raw).ok_or_else(refused)?;
-                        w.zip(s, &|(w, r, k), (s, _, _)| Fp4Matrix::from_groups(&w, &s, r, k))
-                    }
-                };
-                v.push(layer.ok_or_else(refused)?)
+                let scales = scales.filter(|_| c.fp4_group.is_some());
+                v.push(
+                    as_shipped(l, scales, c, Fp4Matrix::dynamic, Fp4Matrix::from_groups)
+                        .ok_or_else(refused)?,
+                )
             }
             PreparedLayers::Bf16(v) => {
                 v.push(stack_layer(l, c, Bf16Matrix::pack).ok_or_else(|| ModelError::Unsupported {
@@ -157,5 +146,25 @@ impl PreparedWeights {
             l.release_projections();
         }
         Ok(())
+    }
+}
+
+/// Layer `l` in a scaled format: from the checkpoint's own values and `scales` (one per value,
+/// moved as the values were) with `shipped`, or quantized with `dynamic` where no scales are given.
+fn as_shipped<M>(
+    l: &LayerWeights,
+    scales: Option<&LayerWeights>,
+    c: &ModelConfig,
+    dynamic: fn(&[f32], usize, usize) -> Option<M>,
+    shipped: fn(&[f32], &[f32], usize, usize) -> Option<M>,
+) -> Option<QuantLayer<M>> {
+    match scales {
+        None => stack_layer(l, c, dynamic),
+        Some(s) => {
+            let raw = |w: &[f32], r: usize, k: usize| Some((w.to_vec(), r, k));
+            let w = stack_layer(l, c, raw)?;
+            let s = stack_layer(s, c, raw)?;
+            w.zip(s, &|(w, r, k), (s, _, _)| shipped(&w, &s, r, k))
+        }
     }
 }

@@ -248,16 +248,7 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
                 // Served as shipped (`--weights auto`): the e4m3 bytes and their block scales, widened
                 // by the kernels to the values the f32 path computed, so the same answer; every
                 // projection held in about a quarter of f32's bytes.
-                let cpu = load_as(&dir, WeightFormat::Auto);
-                assert_eq!(cpu.multi_row_format(), "fp8");
-                let f32_bytes = load_as(&dir, WeightFormat::F32).weight_bytes();
-                let held = cpu.weight_bytes() as f64 / f32_bytes as f64;
-                let (fp8_logits, fp8_greedy) = ours_with(cpu);
-                let d = max_diff(&got_logits, &fp8_logits);
-                eprintln!("{name} held as FP8: {held:.3} of f32's bytes, logits within {d} of f32's");
-                assert!(d < 1e-4, "FP8 held: logits {d} from the f32 path's");
-                assert_eq!(fp8_greedy, got_greedy, "FP8 held: greedy tokens");
-                assert!(held < 0.45, "FP8 held: {held} of f32's bytes");
+                assert_served_as_shipped(&dir, name, "fp8", (&got_logits, &got_greedy), 0.45);
             }
             (n, Some(p)) if n.ends_with("-nvfp4") => {
                 if n == "llama-nvfp4" {
@@ -265,16 +256,7 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
                 }
                 // Served as shipped: 4-bit codes and their scales, widened by table to the values the
                 // f32 path computed; every projection in about a fifth of f32's bytes.
-                let cpu = load_as(&dir, WeightFormat::Auto);
-                assert_eq!(cpu.multi_row_format(), "fp4");
-                let f32_bytes = load_as(&dir, WeightFormat::F32).weight_bytes();
-                let held = cpu.weight_bytes() as f64 / f32_bytes as f64;
-                let (fp4_logits, fp4_greedy) = ours_with(cpu);
-                let d = max_diff(&got_logits, &fp4_logits);
-                eprintln!("{name} held as FP4: {held:.3} of f32's bytes, logits within {d} of f32's");
-                assert!(d < 1e-4, "FP4 held: logits {d} from the f32 path's");
-                assert_eq!(fp4_greedy, got_greedy, "FP4 held: greedy tokens");
-                assert!(held < 0.6, "FP4 held: {held} of f32's bytes");
+                assert_served_as_shipped(&dir, name, "fp4", (&got_logits, &got_greedy), 0.6);
             }
             (n, Some(p)) if (n.ends_with("-rope") && n != "dynamic-rope") || n == "mistral-window" => {
                 assert!(max_diff(p, &want_logits) > 1e-2, "{name}: the scaling or window changed nothing")
@@ -283,6 +265,22 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
+}
+
+/// The checkpoint in `dir`, served under `--weights auto`, holds its projections in `format` and
+/// answers what its f32 load answers (`f32`: logits and greedy tokens), in under `held_max` of the
+/// f32 load's bytes.
+fn assert_served_as_shipped(dir: &Path, name: &str, format: &str, f32: (&[f32], &[u32]), held_max: f64) {
+    let cpu = load_as(dir, WeightFormat::Auto);
+    assert_eq!(cpu.multi_row_format(), format, "{name}");
+    let f32_bytes = load_as(dir, WeightFormat::F32).weight_bytes();
+    let held = cpu.weight_bytes() as f64 / f32_bytes as f64;
+    let (logits, greedy) = ours_with(cpu);
+    let d = max_diff(f32.0, &logits);
+    eprintln!("{name} held as {format}: {held:.3} of f32's bytes, logits within {d} of f32's");
+    assert!(d < 1e-4, "{name} held as {format}: logits {d} from the f32 path's");
+    assert_eq!(greedy, f32.1, "{name} held as {format}: greedy tokens");
+    assert!(held < held_max, "{name} held as {format}: {held} of f32's bytes");
 }
 
 /// The tiny DeepSeek V3 shape (`config.json` overrides of the script's base).

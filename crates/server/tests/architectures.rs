@@ -139,16 +139,7 @@ fn deepseek_answers_the_reference_unified_and_through_pd() {
             "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}}),
         ),
-        (
-            "deepseek-v3.2",
-            json!({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "q_lora_rank": 32,
-            "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
-            "index_n_heads": 4, "index_head_dim": 32, "index_topk": 64, "n_routed_experts": 8,
-            "n_shared_experts": 1, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
-            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
-            "routed_scaling_factor": 2.5, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-            "max_position_embeddings": 4096}),
-        ),
+        ("deepseek-v3.2", deepseek_v32()),
         (
             "deepseek-v2",
             json!({"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "q_lora_rank": null,
@@ -224,22 +215,24 @@ fn deepseek_answers_the_reference_unified_and_through_pd() {
     }
 }
 
+/// The tiny DeepSeek V3.2 shape: its indexer keeps 64 positions.
+fn deepseek_v32() -> Value {
+    json!({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "q_lora_rank": 32,
+    "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+    "index_n_heads": 4, "index_head_dim": 32, "index_topk": 64, "n_routed_experts": 8,
+    "n_shared_experts": 1, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+    "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
+    "routed_scaling_factor": 2.5, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+    "max_position_embeddings": 4096})
+}
+
 /// A DeepSeek V3.2 checkpoint that ships no chat template (as DeepSeek's does) gets DeepSeek's own
 /// encoder: chat prompts in its turns with the tools offered in DSML, forced calls written in V3.2's
 /// DSML block and parsed back, and the thinking mode's prompt opening the thinking (the answer is
 /// `reasoning_content` until the model closes it).
 #[test]
 fn deepseek_without_a_template_gets_its_own_encoder_and_dsml() {
-    let dir = tiny(
-        "deepseek-v3.2-encoder",
-        json!({"architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "q_lora_rank": 32,
-        "kv_lora_rank": 64, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
-        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 64, "n_routed_experts": 8,
-        "n_shared_experts": 1, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
-        "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": true,
-        "routed_scaling_factor": 2.5, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-        "max_position_embeddings": 4096}),
-    );
+    let dir = tiny("deepseek-v3.2-encoder", deepseek_v32());
     // The tokenizer's settings without the default model's template.
     let cfg = dir.join("tokenizer_config.json");
     let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
