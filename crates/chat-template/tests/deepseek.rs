@@ -69,7 +69,10 @@ fn v32_calls_and_results() {
         "{head}"
     );
     // (The schema's keys in the order the JSON maps keep.)
-    assert!(head.contains(r#""name":"read_file""#) && head.contains(r#""description":"Read a file""#), "{head}");
+    assert!(
+        head.contains(r#""name":"read_file""#) && head.contains(r#""description":"Read a file""#),
+        "{head}"
+    );
     assert_eq!(
         rest,
         format!(
