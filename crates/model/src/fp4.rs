@@ -136,11 +136,6 @@ impl QuantMatrix for Fp4Matrix {
     }
 }
 
-/// `e2m1(code) * scale` as the loader computes it (one rounding, as the kernels widen it).
-pub(crate) fn fp4_weight(code: u8, scale: f32) -> f32 {
-    e2m1_value(code) * scale
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,7 +160,7 @@ mod tests {
             let (mut w, mut s) = (Vec::new(), Vec::new());
             for r in 0..rows {
                 for c in 0..cols {
-                    w.push(fp4_weight(((r * cols + c) * 5 % 16) as u8, scale(r, c)));
+                    w.push(e2m1_value(((r * cols + c) * 5 % 16) as u8) * scale(r, c));
                     s.push(scale(r, c));
                 }
             }

@@ -236,7 +236,8 @@ impl Shards {
                 .map(|i| {
                     let byte = b[i / 2];
                     let code = if i % 2 == 0 { byte & 15 } else { byte >> 4 };
-                    crate::fp4::fp4_weight(code, scales[(i / cols) * groups + (i % cols) / group])
+                    // (One rounding, as the kernels widen it.)
+                    crate::sys::e2m1_value(code) * scales[(i / cols) * groups + (i % cols) / group]
                 })
                 .collect();
             let at = b.as_ptr() as usize - map.as_ptr() as usize;

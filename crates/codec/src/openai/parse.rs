@@ -657,28 +657,6 @@ mod tests {
         }
     }
 
-    /// `reasoning_effort` reaches the template's variables (the kwargs' own value wins), and the
-    /// Responses API's `reasoning.effort` is the same; an unknown effort is a 400 naming the values.
-    #[test]
-    fn reasoning_effort_is_a_template_variable() {
-        let chat = |extra: &str| format!(r#"{{"messages": [{{"role": "user", "content": "x"}}]{extra}}}"#);
-        let kwargs = |extra: &str| {
-            parse_generate(Endpoint::Chat, chat(extra).as_bytes()).map(|r| r.chat_template_kwargs)
-        };
-        assert_eq!(kwargs(r#","reasoning_effort": "max""#).unwrap()["reasoning_effort"], "max");
-        let both =
-            kwargs(r#","reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}"#);
-        assert_eq!(both.unwrap()["reasoning_effort"], "high");
-        assert!(kwargs("").unwrap().is_empty());
-        let e = kwargs(r#","reasoning_effort": "extreme""#).unwrap_err();
-        assert!(e.message.contains("minimal, low, medium, high"), "{e}");
-        let none = |_: &str| None;
-        let r = crate::responses::read(br#"{"input": "x", "reasoning": {"effort": "high"}}"#, &none, false)
-            .unwrap();
-        let chat = parse_generate(Endpoint::Chat, r.chat.to_string().as_bytes()).unwrap();
-        assert_eq!(chat.chat_template_kwargs["reasoning_effort"], "high");
-    }
-
     #[test]
     fn bodies_are_checked_field_by_field() {
         let bad = [
