@@ -6,7 +6,7 @@
 //! bytes, the f32 copy's products.
 
 use crate::quant::QuantMatrix;
-use crate::sys::{e2m1_value, E2M1};
+use crate::sys::E2M1;
 
 /// The largest e2m1 magnitude.
 pub const E2M1_MAX: f32 = 6.0;
@@ -139,6 +139,7 @@ impl QuantMatrix for Fp4Matrix {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sys::e2m1_value;
 
     #[test]
     fn codes_come_back_from_their_values() {
