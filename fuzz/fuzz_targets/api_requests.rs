@@ -24,6 +24,8 @@ fn run(format: ToolFormat, pieces: &[&str], cut: bool) -> (String, Vec<(String, 
         match piece {
             Piece::Text(t) => text.push_str(&t),
             Piece::Call(c) => calls.push((c.name, c.arguments)),
+            // (A streamed call's head and pieces; the whole call follows.)
+            Piece::CallBegin { .. } | Piece::CallArguments(_) => {}
         }
     }
     (text, calls)
