@@ -45,13 +45,28 @@ pub(crate) fn model_with_mtp(default: &Path) -> Result<PathBuf> {
     model_shaped(default, true)
 }
 
+/// The random model with its routed experts shipped in MXFP4 (`cargo xtask bench formats --formats
+/// mxfp4,bf16`): the same values, each rounded to its e2m1 code and power of two.
+pub(crate) fn model_mxfp4(default: &Path) -> Result<PathBuf> {
+    let shape =
+        pdserve_import::RandomDeepSeek { mxfp4_experts: true, ..pdserve_import::RandomDeepSeek::bench() };
+    model_written(default, "bench/deepseek-v3-random-1b-mxfp4", shape)
+}
+
 fn model_shaped(default: &Path, mtp: bool) -> Result<PathBuf> {
     let name = if mtp { "bench/deepseek-v3-random-1b-mtp" } else { "bench/deepseek-v3-random-1b" };
+    model_written(
+        default,
+        name,
+        pdserve_import::RandomDeepSeek { mtp, ..pdserve_import::RandomDeepSeek::bench() },
+    )
+}
+
+fn model_written(default: &Path, name: &str, shape: pdserve_import::RandomDeepSeek) -> Result<PathBuf> {
     let dir = cache().join(name);
     if dir.join("model.safetensors").exists() {
         return Ok(dir);
     }
-    let shape = pdserve_import::RandomDeepSeek { mtp, ..pdserve_import::RandomDeepSeek::bench() };
     let (total, active) = shape.parameters();
     eprintln!(
         "bench: writing a random DeepSeek-V3 shape ({:.2}B parameters, {:.2}B active) to {}",

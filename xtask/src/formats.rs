@@ -2,8 +2,9 @@
 //! this checkout, through HTTP, on `cargo xtask bench llamacpp`'s rows, alternating run by run (A B
 //! A B), every point's prompts unique to it: what a format costs or gains in speed, beside the bytes
 //! each holds (from `/v1/models`). The model is `cargo xtask bench deepseek`'s random DeepSeek-V3
-//! shape (bf16 on disk; `--weights fp4` holds it in 4 bits as an NVFP4 checkpoint is held) or the
-//! default model. Everything it starts it stops.
+//! shape (bf16 on disk; `--weights fp4` holds it in 4 bits as an NVFP4 checkpoint is held; `mxfp4`
+//! serves its twin with the experts shipped in MXFP4, as DeepSeek V4 ships them) or the default
+//! model. Everything it starts it stops.
 
 use std::time::Duration;
 
@@ -19,7 +20,8 @@ const USAGE: &str = "cargo xtask bench formats [--formats A,B] [--model deepseek
 Serves the model twice, --weights A on port 8141 and --weights B on 8142 (unified workers,
 --speculative off), and runs `cargo xtask bench llamacpp`'s rows against both, alternating, K pairs
 (default 3). Defaults: --formats fp4,bf16, --model deepseek (the random DeepSeek-V3 shape of `cargo
-xtask bench deepseek`, written once), --rows single,streams32. The table (A against B: above 1 is A
+xtask bench deepseek`, written once), --rows single,streams32. Format mxfp4 serves the same random
+values with the experts shipped in MXFP4 (DeepSeek V4's layout, written once), --weights fp4. The table (A against B: above 1 is A
 ahead) and each worker's weight bytes are printed and written to target/bench/formats.md.";
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
@@ -46,17 +48,27 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let default = crate::fetch_model(&[])?;
     let dir = match model.as_str() {
         "deepseek" => crate::deepseek::model(&default)?,
-        "default" => default,
+        "default" => default.clone(),
         other => bail!("--model {other}: deepseek or default"),
     };
+    // `mxfp4`: the same random values with their experts shipped in MXFP4 (DeepSeek V4's layout),
+    // served as shipped (`--weights fp4`).
+    let served = |format: &str| -> Result<(std::path::PathBuf, String)> {
+        match format {
+            "mxfp4" if model == "deepseek" => Ok((crate::deepseek::model_mxfp4(&default)?, "fp4".into())),
+            "mxfp4" => bail!("--formats mxfp4 takes --model deepseek (the default model has no experts)"),
+            f => Ok((dir.clone(), f.to_owned())),
+        }
+    };
+    let ((dir_a, weights_a), (dir_b, weights_b)) = (served(a)?, served(b)?);
     crate::sys::install_stop_handler();
     let bench = root.join("target/bench/formats");
     let extra =
         |format: &str| ["--weights".to_owned(), format.to_owned(), "--speculative".into(), "off".into()];
-    let (extra_a, extra_b) = (extra(a), extra(b));
+    let (extra_a, extra_b) = (extra(&weights_a), extra(&weights_b));
     let (logs_a, logs_b) = (bench.join("logs-a"), bench.join("logs-b"));
-    let mut first = start_stack(&Spec::unified_worker(8141, &dir, &extra_a, &logs_a))?;
-    let mut second = match start_stack(&Spec::unified_worker(8142, &dir, &extra_b, &logs_b)) {
+    let mut first = start_stack(&Spec::unified_worker(8141, &dir_a, &extra_a, &logs_a))?;
+    let mut second = match start_stack(&Spec::unified_worker(8142, &dir_b, &extra_b, &logs_b)) {
         Ok(s) => s,
         Err(e) => {
             stop_all(&mut first.procs, Duration::from_secs(20));

@@ -204,6 +204,10 @@ pub struct RandomDeepSeek {
     /// the last, with `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`; the embedding and LM head
     /// copies DeepSeek ships beside it are left out, as pdserve reads the model's own).
     pub mtp: bool,
+    /// Ships the routed experts in MXFP4, as DeepSeek V4 does (see [`mxfp4`]): the same random
+    /// values rounded to e2m1 codes, two a byte (u8 `[out, in / 2]`), with a ue8m0 power of two per
+    /// 32 columns (`weight_scale_inv`, `F8_E8M0` `[out, in / 32]`).
+    pub mxfp4_experts: bool,
 }
 
 impl RandomDeepSeek {
@@ -232,6 +236,7 @@ impl RandomDeepSeek {
             context: 8192,
             seed: 11,
             mtp: false,
+            mxfp4_experts: false,
         }
     }
 
@@ -340,7 +345,19 @@ impl RandomDeepSeek {
                 continue;
             }
             for e in 0..self.experts {
+                let first = tensors.len();
                 swiglu(&mut tensors, format!("{p}mlp.experts.{e}."), self.moe_intermediate, &mut seed);
+                if self.mxfp4_experts {
+                    for (name, shape, bytes) in tensors.split_off(first) {
+                        let values: Vec<f32> = bytes
+                            .chunks_exact(2)
+                            .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
+                            .collect();
+                        let (codes, scales) = mxfp4(&values, shape[1]);
+                        tensors.push((format!("{name}_scale_inv"), vec![shape[0], shape[1] / 32], scales));
+                        tensors.push((name, vec![shape[0], shape[1] / 2], codes));
+                    }
+                }
             }
             swiglu(
                 &mut tensors,
@@ -362,11 +379,46 @@ impl RandomDeepSeek {
         crate::import::write_safetensors(&tensors, &path, |n| {
             if n.ends_with("e_score_correction_bias") {
                 safetensors::Dtype::F32
+            } else if n.ends_with("_scale_inv") {
+                safetensors::Dtype::F8_E8M0
+            } else if self.mxfp4_experts && n.contains(".experts.") {
+                safetensors::Dtype::U8
             } else {
                 safetensors::Dtype::BF16
             }
         })
     }
+}
+
+/// Row-major `values` of rows `cols` wide in OCP MXFP4: e2m1 codes two a byte (the even column in
+/// the low nibble) and, per row and 32 columns, the smallest power of two that brings the group's
+/// largest magnitude within e2m1's 6, as a ue8m0 byte (2^(byte - 127)); each value rounded to the
+/// nearest code (ties to the even one).
+pub fn mxfp4(values: &[f32], cols: usize) -> (Vec<u8>, Vec<u8>) {
+    const E2M1: [f32; 8] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+    assert!(cols.is_multiple_of(32) && values.len().is_multiple_of(cols), "MXFP4 takes rows of 32s");
+    let mut codes = vec![0u8; values.len() / 2];
+    let mut scales = Vec::with_capacity(values.len() / 32);
+    for (g, group) in values.chunks_exact(32).enumerate() {
+        let max = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let e = if max > 0.0 { (max / 6.0).log2().ceil().clamp(-127.0, 127.0) as i32 } else { -127 };
+        scales.push((e + 127) as u8);
+        let scale = 2f32.powi(e);
+        for (j, &v) in group.iter().enumerate() {
+            let a = (v / scale).abs();
+            let mut best = 0usize;
+            for (c, &q) in E2M1.iter().enumerate() {
+                let (d, db) = ((q - a).abs(), (E2M1[best] - a).abs());
+                if d < db || (d == db && c % 2 == 0) {
+                    best = c;
+                }
+            }
+            let code = best as u8 | if v < 0.0 { 8 } else { 0 };
+            let i = g * 32 + j;
+            codes[i / 2] |= code << (4 * (i % 2));
+        }
+    }
+    (codes, scales)
 }
 
 /// Appends a tensor of `shape` of random values (see [`random`]) in bf16.
@@ -383,4 +435,31 @@ fn add(
         .flat_map(|&v| half::bf16::from_f32(v).to_bits().to_le_bytes())
         .collect();
     tensors.push((name, shape, bytes));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mxfp4;
+
+    /// Values that are e2m1 codes times a power of two come back as those codes and that power;
+    /// others round to the nearest code; a group's largest value sets its power.
+    #[test]
+    fn mxfp4_codes_and_powers() {
+        let mut row: Vec<f32> = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0].iter().map(|v| v * 0.25).collect();
+        row.extend(row.clone().iter().map(|v| -v));
+        row.extend([1.0, 1.3, 1.24, 2.6, 5.1, -0.74, 0.0, 0.1].iter().map(|v| v * 0.25));
+        row.extend([0.0; 8]);
+        row.extend([0.0; 32]);
+        let (codes, scales) = mxfp4(&row, 64);
+        // 6 x 0.25 within 6 x 2^-2: 2^-2 (byte 125); a group of zeros takes the smallest power.
+        assert_eq!(scales, vec![125, 0]);
+        let code = |i: usize| (codes[i / 2] >> (4 * (i % 2))) & 15;
+        // (-0 written as 0.)
+        assert_eq!(
+            (0..16).map(code).collect::<Vec<_>>(),
+            [0, 1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12, 13, 14, 15]
+        );
+        // 1.3 -> 1.5, 1.24 -> 1.0, 2.6 -> 3, 5.1 -> 6, -0.74 -> -0.5, 0.1 -> 0.
+        assert_eq!((16..24).map(code).collect::<Vec<_>>(), [2, 3, 2, 5, 7, 9, 0, 0]);
+    }
 }

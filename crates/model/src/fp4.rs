@@ -47,8 +47,9 @@ impl Fp4Matrix {
     /// The matrix `w` as an FP4 checkpoint ships it: `scale[i]` is the scale of the group weight
     /// `i` came from (`w[i]` = its code's value times it, as the loader computed), or 0 where `w` did
     /// not come from FP4 (a matrix with any such value is held plain). The widest group (32 or 16)
-    /// over which every row's scales are constant is taken; `None` when neither is, or the lengths
-    /// do not fit.
+    /// over which every row's scales are constant is taken; where neither is, or the values are not
+    /// codes times their scales (another format's), the matrix is held plain. `None` when the
+    /// lengths do not fit.
     pub fn from_groups(w: &[f32], scale: &[f32], rows: usize, cols: usize) -> Option<Fp4Matrix> {
         if w.len() != rows * cols || scale.len() != w.len() {
             return None;
@@ -61,7 +62,19 @@ impl Fp4Matrix {
             cols.is_multiple_of(g)
                 && scale.chunks(g).all(|s| s.iter().all(|&v| v.to_bits() == s[0].to_bits()))
         };
-        let group = [32, 16].into_iter().find(|&g| constant(g))?;
+        // Only values that are e2m1 codes times a scale per 16 or 32 columns (not another format's,
+        // an FP8 block's beside FP4 experts, whose scales may change anywhere): else held plain,
+        // exactly.
+        let group = [32, 16].into_iter().find(|&g| constant(g));
+        let exact = || {
+            w.iter()
+                .zip(scale)
+                .all(|(&v, &s)| (crate::sys::e2m1_value(e2m1_code(v / s)) * s).to_bits() == v.to_bits())
+        };
+        let Some(group) = group.filter(|_| exact()) else {
+            let plain = Some(w.to_vec());
+            return Some(Fp4Matrix { rows, cols, group: 16, packed: Vec::new(), scales: Vec::new(), plain });
+        };
         Some(Fp4Matrix::encode(w, rows, cols, group, |i| scale[i]))
     }
 
@@ -175,9 +188,17 @@ mod tests {
             }
         }
         let ragged: Vec<f32> = (0..rows * cols).map(|i| 1.0 + (i % 8) as f32).collect();
-        assert!(Fp4Matrix::from_groups(&ragged, &ragged, rows, cols).is_none());
+        // Scales that change within 16 columns are no FP4 groups: held plain.
+        assert!(Fp4Matrix::from_groups(&ragged, &ragged, rows, cols).unwrap().plain.is_some());
+        assert!(Fp4Matrix::from_groups(&ragged, &ragged, rows, cols - 1).is_none());
         // Shipped unquantized: held as it is.
         let m = Fp4Matrix::from_groups(&ragged, &vec![0.0; rows * cols], rows, cols).unwrap();
         assert_eq!((m.dequantize_row(1), m.bytes()), (ragged[cols..2 * cols].to_vec(), 4 * rows * cols));
+        // Another format's block scales (FP8 beside FP4 experts): its values are not e2m1 codes
+        // times them, so the matrix is held plain, not rounded to 4 bits.
+        let fp8: Vec<f32> = (0..rows * cols).map(|i| 1.125 * (1 + i % 3) as f32).collect();
+        let m = Fp4Matrix::from_groups(&fp8, &vec![0.5; rows * cols], rows, cols).unwrap();
+        assert_eq!(m.dequantize_row(2), fp8[2 * cols..].to_vec());
+        assert!(m.plain.is_some());
     }
 }

@@ -122,13 +122,16 @@ impl ModelFiles {
         let (weights, checkpoint_dtype) = Weights::load_each(dir, &config, &mut |dtype, layer, scales| {
             let p = match &mut prepared {
                 Some(p) => p,
-                None => prepared.insert(PreparedWeights::new(format.resolve(dtype, &config), &config)?),
+                None => prepared.insert(
+                    PreparedWeights::new(format.resolve(dtype, &config), &config)?.from_checkpoint(dtype),
+                ),
             };
             p.push_and_free(layer, scales, &config)
         })?;
         let prepared = match prepared {
             Some(p) => p,
-            None => PreparedWeights::new(format.resolve(checkpoint_dtype, &config), &config)?,
+            None => PreparedWeights::new(format.resolve(checkpoint_dtype, &config), &config)?
+                .from_checkpoint(checkpoint_dtype),
         };
         Ok(ModelFiles { config, weights, text, generation, checkpoint_dtype, prepared: Some(prepared) })
     }

@@ -16,6 +16,8 @@ use crate::{ModelConfig, ModelError};
 pub struct PreparedWeights {
     pub(crate) format: WeightFormat,
     pub(crate) layers: PreparedLayers,
+    /// What the checkpoint stores (see [`from_checkpoint`](Self::from_checkpoint)).
+    checkpoint: crate::CheckpointDtype,
 }
 
 /// The converted layers, by format.
@@ -44,7 +46,15 @@ impl PreparedWeights {
             WeightFormat::Fp4 => PreparedLayers::Fp4(Vec::new()),
             WeightFormat::F32 | WeightFormat::Auto => PreparedLayers::None,
         };
-        Ok(PreparedWeights { format, layers })
+        Ok(PreparedWeights { format, layers, checkpoint: crate::CheckpointDtype::F32 })
+    }
+
+    /// Says what the checkpoint stores: an FP4 one's codes and scales are then kept as shipped
+    /// under `fp4` wherever it ships them, in every layer (MXFP4 experts beside a dense first
+    /// layer: that layer held plain, not quantized); any other is quantized.
+    pub fn from_checkpoint(mut self, dtype: crate::CheckpointDtype) -> PreparedWeights {
+        self.checkpoint = dtype;
+        self
     }
 
     /// The format the layers are in.
@@ -110,9 +120,10 @@ impl PreparedWeights {
                         "a projection whose width is not a multiple of 16, or FP4 groups other than 16 or 32"
                             .into(),
                 };
-                // An FP4 checkpoint's codes and scales as shipped (what it ships unquantized, plain);
-                // any other checkpoint quantized.
-                let scales = scales.filter(|_| c.fp4_group.is_some());
+                // An FP4 checkpoint's codes and scales as shipped (what it ships unquantized, plain):
+                // NVFP4 by its config, MXFP4 experts by their tensors; any other checkpoint quantized.
+                let shipped = c.fp4_group.is_some() || self.checkpoint == crate::CheckpointDtype::Fp4;
+                let scales = scales.filter(|_| shipped);
                 v.push(
                     as_shipped(l, scales, c, Fp4Matrix::dynamic, Fp4Matrix::from_groups)
                         .ok_or_else(refused)?,

@@ -176,8 +176,6 @@ struct Shards {
     index: HashMap<String, usize>,
     /// Block-scaled FP8 checkpoints: the scale blocks' shape.
     fp8_block: Option<[usize; 2]>,
-    /// NVFP4 checkpoints: columns per scale.
-    fp4_group: Option<usize>,
 }
 
 impl Shards {
@@ -210,7 +208,7 @@ impl Shards {
             }
             maps.push((path, map));
         }
-        Ok(Shards { maps, index, fp8_block: None, fp4_group: None })
+        Ok(Shards { maps, index, fp8_block: None })
     }
 
     /// Tensor `name` as f32, checked against `shape`.
@@ -222,16 +220,17 @@ impl Shards {
         let (path, map) = &self.maps[i];
         let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
         let t = st.tensor(name).map_err(|e| ModelError::format(path, e.to_string()))?;
-        if self.fp4(name)
-            && shape.len() == 2
-            && t.shape() == [shape[0], shape[1] / 2]
-            && shape[1].is_multiple_of(2)
-        {
-            // NVFP4: two codes a byte, the even column low, each times its group's scale.
-            let scales = self.fp4_scales(name, shape)?;
-            let group = self.fp4_group.expect("an NVFP4 checkpoint");
+        if shape.len() == 2 && self.fp4(name) {
+            // FP4: two codes a byte, the even column low, each times its group's scale.
+            let (scales, group) = self.fp4_scales(name, shape)?;
             let (cols, groups) = (shape[1], shape[1] / group);
             let b = t.data();
+            if b.len() * 2 != shape[0] * cols {
+                return Err(ModelError::format(
+                    path,
+                    format!("FP4 tensor {name} has shape {:?}, expected {shape:?} in codes", t.shape()),
+                ));
+            }
             let values = (0..shape[0] * cols)
                 .map(|i| {
                     let byte = b[i / 2];
@@ -278,69 +277,98 @@ impl Shards {
         Ok(values)
     }
 
-    /// Whether `name` is an NVFP4 tensor's packed codes.
-    fn fp4(&self, name: &str) -> bool {
-        self.fp4_group.is_some()
-            && name.ends_with(".weight")
-            && self.index.contains_key(&format!("{name}_scale"))
-            && self.index.get(name).is_some_and(|&i| {
-                SafeTensors::deserialize(&self.maps[i].1)
-                    .ok()
-                    .and_then(|st| st.tensor(name).ok().map(|t| t.dtype() == Dtype::U8))
-                    .unwrap_or(false)
-            })
+    /// The stored type and shape of tensor `name`, when the checkpoint has it.
+    fn stored(&self, name: &str) -> Option<(Dtype, Vec<usize>)> {
+        let &i = self.index.get(name)?;
+        let st = SafeTensors::deserialize(&self.maps[i].1).ok()?;
+        st.tensor(name).ok().map(|t| (t.dtype(), t.shape().to_vec()))
     }
 
-    /// The scale of each group of NVFP4 tensor `name` of `shape` (row-major, `shape[1] / group` a
-    /// row): `name_scale` (e4m3, or f32 / bf16) times `name_scale_2` (one value) in f32.
-    fn fp4_scales(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
-        let group = self.fp4_group.expect("an NVFP4 checkpoint");
+    /// Where the group scales of FP4 tensor `name` are, and the group (columns per scale): NVFP4
+    /// as ModelOpt writes it (u8 codes two a byte, `_scale` e4m3 per 16 columns, `_scale_2` one f32)
+    /// or MXFP4 (u8 / i8 codes two a byte, or `F4` codes, with `_scale` or `_scale_inv` ue8m0 per 32
+    /// columns). `None` when `name` is not FP4: an int8 tensor's per-row scale does not fit.
+    fn fp4_layout(&self, name: &str) -> Option<(String, usize)> {
+        if !name.ends_with(".weight") {
+            return None;
+        }
+        let (dtype, shape) = self.stored(name)?;
+        // Columns of codes per stored column.
+        let per = match dtype {
+            Dtype::U8 | Dtype::I8 => 2,
+            Dtype::F4 => 1,
+            _ => return None,
+        };
+        [format!("{name}_scale"), format!("{name}_scale_inv")].into_iter().find_map(|scale| {
+            let (sd, ss) = self.stored(&scale)?;
+            let scale_ok =
+                matches!(sd, Dtype::F8_E4M3 | Dtype::F8_E8M0 | Dtype::U8 | Dtype::F32 | Dtype::BF16);
+            let (&rows, &cols) = (shape.first()?, shape.get(1)?);
+            let groups = *ss.get(1)?;
+            let group = (groups > 0).then(|| cols * per / groups)?;
+            (scale_ok
+                && ss.len() == 2
+                && ss[0] == rows
+                && matches!(group, 16 | 32)
+                && groups * group == cols * per)
+                .then_some((scale, group))
+        })
+    }
+
+    /// Whether `name` is an FP4 tensor's codes (see [`fp4_layout`](Self::fp4_layout)).
+    fn fp4(&self, name: &str) -> bool {
+        self.fp4_layout(name).is_some()
+    }
+
+    /// Scale tensor `n` (f32, bf16, e4m3 or ue8m0 as stored; u8 read as ue8m0) as f32, checked to
+    /// hold as many values as `want`.
+    fn scale_values(&self, n: &str, want: &[usize], of: &str) -> Result<Vec<f32>, ModelError> {
+        let &i = self.index.get(n).ok_or_else(|| {
+            ModelError::format(&self.maps[0].0, format!("missing tensor {n} (the scales of {of})"))
+        })?;
+        let (path, map) = &self.maps[i];
+        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
+        let t = st.tensor(n).map_err(|e| ModelError::format(path, e.to_string()))?;
+        let count: usize = t.shape().iter().product();
+        if count != want.iter().product::<usize>() {
+            return Err(ModelError::format(
+                path,
+                format!("tensor {n} has shape {:?}, expected {want:?}", t.shape()),
+            ));
+        }
+        let b = t.data();
+        Ok(match t.dtype() {
+            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
+            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Dtype::F8_E4M3 => b.iter().map(|&q| crate::sys::e4m3_value(q)).collect(),
+            // ue8m0: an exponent byte, 2^(b - 127).
+            Dtype::F8_E8M0 | Dtype::U8 => b.iter().map(|&e| e8m0_value(e)).collect(),
+            other => {
+                return Err(ModelError::Unsupported {
+                    field: format!("dtype of {n}"),
+                    value: format!("{other:?}"),
+                })
+            }
+        })
+    }
+
+    /// The scale of each group of FP4 tensor `name` of `shape` (row-major, `shape[1] / group` a
+    /// row) in f32, NVFP4's per-tensor `_scale_2` folded in, and the group.
+    fn fp4_scales(&self, name: &str, shape: &[usize]) -> Result<(Vec<f32>, usize), ModelError> {
+        let (scale, group) = self
+            .fp4_layout(name)
+            .ok_or_else(|| ModelError::format(&self.maps[0].0, format!("{name} is not an FP4 tensor")))?;
         if !shape[1].is_multiple_of(group) {
             return Err(ModelError::format(
                 &self.maps[0].0,
-                format!(
-                    "NVFP4 tensor {name} has {} columns, not a multiple of the group of {group}",
-                    shape[1]
-                ),
+                format!("FP4 tensor {name} has {} columns, not a multiple of the group of {group}", shape[1]),
             ));
         }
-        let read = |n: &str, want: &[usize]| -> Result<Vec<f32>, ModelError> {
-            let &i = self.index.get(n).ok_or_else(|| {
-                ModelError::format(
-                    &self.maps[0].0,
-                    format!("missing tensor {n} (the scales of NVFP4 {name})"),
-                )
-            })?;
-            let (path, map) = &self.maps[i];
-            let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
-            let t = st.tensor(n).map_err(|e| ModelError::format(path, e.to_string()))?;
-            let count: usize = t.shape().iter().product();
-            if count != want.iter().product::<usize>() {
-                return Err(ModelError::format(
-                    path,
-                    format!("tensor {n} has shape {:?}, expected {want:?}", t.shape()),
-                ));
-            }
-            let b = t.data();
-            Ok(match t.dtype() {
-                Dtype::F32 => {
-                    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-                }
-                Dtype::BF16 => {
-                    b.chunks_exact(2).map(|c| bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect()
-                }
-                Dtype::F8_E4M3 => b.iter().map(|&q| crate::sys::e4m3_value(q)).collect(),
-                other => {
-                    return Err(ModelError::Unsupported {
-                        field: format!("dtype of {n}"),
-                        value: format!("{other:?}"),
-                    })
-                }
-            })
-        };
-        let scales = read(&format!("{name}_scale"), &[shape[0], shape[1] / group])?;
-        let global = read(&format!("{name}_scale_2"), &[])?[0];
-        Ok(scales.into_iter().map(|s| s * global).collect())
+        let of = format!("FP4 {name}");
+        let scales = self.scale_values(&scale, &[shape[0], shape[1] / group], &of)?;
+        let global = format!("{name}_scale_2");
+        let global = if self.has(&global) { self.scale_values(&global, &[], &of)?[0] } else { 1.0 };
+        Ok((scales.into_iter().map(|s| s * global).collect(), group))
     }
 
     /// What `name` is stored as (f32 when it is missing or another type: it loads as f32 either way).
@@ -366,41 +394,13 @@ impl Shards {
         let [br, bc] = self.fp8_block.expect("an FP8 checkpoint");
         let scale_name = format!("{name}_scale_inv");
         let want = [shape[0].div_ceil(br), shape[1].div_ceil(bc)];
-        let &i = self.index.get(&scale_name).ok_or_else(|| {
-            ModelError::format(
-                &self.maps[0].0,
-                format!("missing tensor {scale_name} (the scales of FP8 {name})"),
-            )
-        })?;
-        let (path, map) = &self.maps[i];
-        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
-        let t = st.tensor(&scale_name).map_err(|e| ModelError::format(path, e.to_string()))?;
-        if t.shape() != want {
+        if let Some((_, stored)) = self.stored(&scale_name).filter(|(_, s)| s != &want) {
             return Err(ModelError::format(
-                path,
-                format!("tensor {scale_name} has shape {:?}, expected {want:?}", t.shape()),
+                &self.maps[0].0,
+                format!("tensor {scale_name} has shape {stored:?}, expected {want:?}"),
             ));
         }
-        let b = t.data();
-        Ok(match t.dtype() {
-            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect(),
-            // ue8m0: an exponent byte, 2^(b - 127).
-            Dtype::F8_E8M0 => b
-                .iter()
-                .map(|&e| match e {
-                    0 => f32::from_bits(1 << 22),
-                    255 => f32::NAN,
-                    e => f32::from_bits((e as u32) << 23),
-                })
-                .collect(),
-            other => {
-                return Err(ModelError::Unsupported {
-                    field: format!("dtype of {scale_name}"),
-                    value: format!("{other:?}"),
-                })
-            }
-        })
+        self.scale_values(&scale_name, &want, &format!("FP8 {name}"))
     }
 
     /// For each value of tensor `name` of `shape`, the scale of the FP8 block it came from, or 0
@@ -408,7 +408,7 @@ impl Shards {
     fn block_scales(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         let n = shape.iter().product();
         if shape.len() == 2 && self.fp4(name) {
-            let (scales, group) = (self.fp4_scales(name, shape)?, self.fp4_group.expect("checked"));
+            let (scales, group) = self.fp4_scales(name, shape)?;
             let (cols, groups) = (shape[1], shape[1] / group);
             return Ok((0..n).map(|i| scales[(i / cols) * groups + (i % cols) / group]).collect());
         }
@@ -423,6 +423,15 @@ impl Shards {
 
     fn has(&self, name: &str) -> bool {
         self.index.contains_key(name)
+    }
+}
+
+/// The value of ue8m0 scale byte `e`: 2^(e - 127) (255 is NaN).
+fn e8m0_value(e: u8) -> f32 {
+    match e {
+        0 => f32::from_bits(1 << 22),
+        255 => f32::NAN,
+        e => f32::from_bits(u32::from(e) << 23),
     }
 }
 
@@ -521,14 +530,25 @@ impl Weights {
     ) -> Result<(Weights, CheckpointDtype), ModelError> {
         let mut s = Shards::open(dir)?;
         s.fp8_block = config.fp8_block;
-        s.fp4_group = config.fp4_group;
         let s = s;
         let first = match &config.mla {
             None => "q_proj",
             Some(m) if m.q_lora_rank.is_some() => "q_a_proj",
             Some(_) => "q_proj",
         };
-        let dtype = s.dtype(&format!("model.layers.0.self_attn.{first}.weight"));
+        let dtype = match s.dtype(&format!("model.layers.0.self_attn.{first}.weight")) {
+            // Experts shipped in FP4 (MXFP4, as DeepSeek V4's are) make it an FP4 checkpoint: they
+            // are most of its bytes, and served in FP4 they stay as shipped.
+            d if d != CheckpointDtype::Fp4
+                && s.index
+                    .keys()
+                    .find(|n| n.contains(".experts.") && n.ends_with(".weight"))
+                    .is_some_and(|n| s.fp4(n)) =>
+            {
+                CheckpointDtype::Fp4
+            }
+            d => d,
+        };
         let (h, v) = (config.hidden_size, config.vocab_size);
         let mut layers = Vec::with_capacity(config.num_layers + config.draft_layers);
         for l in 0..config.num_layers + config.draft_layers {

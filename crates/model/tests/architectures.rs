@@ -78,13 +78,16 @@ fn load_as(dir: &Path, format: WeightFormat) -> CpuBackend {
     let (weights, dtype) = Weights::load_each(dir, &config, &mut |dtype, layer, scales| {
         let p = match &mut prepared {
             Some(p) => p,
-            None => prepared.insert(PreparedWeights::new(format.resolve(dtype, &config), &config)?),
+            None => prepared.insert(
+                PreparedWeights::new(format.resolve(dtype, &config), &config)?.from_checkpoint(dtype),
+            ),
         };
         p.push_and_free(layer, scales, &config)
     })
     .unwrap();
-    let p =
-        prepared.unwrap_or_else(|| PreparedWeights::new(format.resolve(dtype, &config), &config).unwrap());
+    let p = prepared.unwrap_or_else(|| {
+        PreparedWeights::new(format.resolve(dtype, &config), &config).unwrap().from_checkpoint(dtype)
+    });
     CpuBackend::new(config, Arc::new(weights), 16, 8).with_prepared(p).unwrap()
 }
 
@@ -186,6 +189,22 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
             "decoder_sparse_step": 1, "mlp_only_layers": [0],
             "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}}),
         ),
+        // MXFP4 experts as DeepSeek V4 ships them (e2m1 codes, a ue8m0 power of two per 32
+        // columns as `weight_scale_inv`): stored as safetensors' F4 beside bf16 attention, and as
+        // bytes (I8) beside FP8 blocks.
+        (
+            "qwen3-moe-mxfp4",
+            json!({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+            "num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": false,
+            "decoder_sparse_step": 1, "mlp_only_layers": [0], "mxfp4_experts": "F4"}),
+        ),
+        ("deepseek-v3-mxfp4", {
+            let mut c = deepseek_v3();
+            c["quantization_config"] = json!({"quant_method": "fp8", "fmt": "e4m3",
+                "activation_scheme": "dynamic", "weight_block_size": [32, 16]});
+            c["mxfp4_experts"] = json!("I8");
+            c
+        }),
         // DeepSeek V3.2: V3 with sparse attention; its indexer keeps 12 of the prompt's 40
         // positions for the later rows.
         ("deepseek-v3.2", {
@@ -208,7 +227,7 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
             "first_k_dense_replace": 0}),
         ),
     ];
-    let (mut plain, mut deepseek) = (None, None);
+    let (mut plain, mut deepseek, mut moe) = (None, None, None);
     for (name, config) in cases {
         let dir = checkpoint(name, config);
         let (want_logits, want_greedy) = reference(&dir);
@@ -221,6 +240,7 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
         // or the test would pass with the scaling ignored.
         match (name, &plain) {
             ("llama", _) => plain = Some(want_logits),
+            ("qwen3-moe", _) => moe = Some(want_logits),
             ("deepseek-v3", _) => {
                 // The router's biased scores are mostly negative, so masking the excluded groups with
                 // 0.0 (transformers) rather than -inf (DeepSeek's reference, which we follow) picks
@@ -249,6 +269,13 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
                 // by the kernels to the values the f32 path computed, so the same answer; every
                 // projection held in about a quarter of f32's bytes.
                 assert_served_as_shipped(&dir, name, "fp8", (&got_logits, &got_greedy), 0.45);
+            }
+            ("qwen3-moe-mxfp4" | "deepseek-v3-mxfp4", _) => {
+                let unrounded = if name.starts_with("qwen3") { moe.as_ref() } else { deepseek.as_ref() };
+                assert!(max_diff(unrounded.unwrap(), &want_logits) > 1e-3, "{name}: MXFP4 changed nothing");
+                // Served as shipped: the experts' 4-bit codes and powers of two, the rest exactly as
+                // the f32 path reads it.
+                assert_served_as_shipped(&dir, name, "fp4", (&got_logits, &got_greedy), 0.7);
             }
             (n, Some(p)) if n.ends_with("-nvfp4") => {
                 if n == "llama-nvfp4" {
@@ -662,6 +689,7 @@ fn the_random_deepseek_shape_loads_and_runs() {
         context: 256,
         seed: 3,
         mtp: true,
+        mxfp4_experts: false,
     };
     let dir = std::env::temp_dir().join(format!("pdserve-random-deepseek-{}", std::process::id()));
     shape.write(&dir).unwrap();
@@ -682,6 +710,14 @@ fn the_random_deepseek_shape_loads_and_runs() {
         (1.0e9..1.5e9).contains(&(total as f64)) && (0.2e9..0.4e9).contains(&(active as f64)),
         "{total} {active}"
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+    // Its MXFP4 twin (`cargo xtask bench formats --formats mxfp4,...`): the experts as DeepSeek V4
+    // ships them, served as shipped, the f32 path's answer; other values than the bf16 ones.
+    let mx = pdserve_import::RandomDeepSeek { mxfp4_experts: true, mtp: false, ..shape };
+    mx.write(&dir).unwrap();
+    let f32 = ours_with(load_as(&dir, WeightFormat::F32));
+    assert_served_as_shipped(&dir, "random mxfp4", "fp4", (&f32.0, &f32.1), 0.7);
+    assert!(max_diff(&f32.0, &logits) > 1e-3, "MXFP4 rounding changed nothing");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
