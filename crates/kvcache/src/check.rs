@@ -123,3 +123,72 @@ impl KvCache {
         Ok(())
     }
 }
+
+impl crate::KvGroups {
+    /// Every group's own invariants, the groups in step (the same sequences with the same tokens and
+    /// computed length, the same leases with the same expiry), and the state ledger: each slot free
+    /// or held by exactly one live sequence, lease or restore point, as its owner records.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        use crate::groups::StateOwner;
+        for (i, g) in self.groups.iter().enumerate() {
+            g.check_invariants().map_err(|e| format!("group {i}: {e}"))?;
+        }
+        let first = &self.groups[0];
+        for (i, g) in self.groups.iter().enumerate().skip(1) {
+            if g.seqs.len() != first.seqs.len() || g.leases.len() != first.leases.len() {
+                return Err(format!("group {i} holds other sequences or leases than group 0"));
+            }
+            for (id, s) in &g.seqs {
+                let f = first.seqs.get(id).ok_or_else(|| format!("group {i} holds {id}, group 0 not"))?;
+                if (f.computed, &f.tokens) != (s.computed, &s.tokens) {
+                    return Err(format!(
+                        "{id}: group {i} is at {} tokens, group 0 at {}",
+                        s.computed, f.computed
+                    ));
+                }
+            }
+            for (t, l) in &g.leases {
+                let f = first.leases.get(t).ok_or_else(|| format!("group {i} holds {t}, group 0 not"))?;
+                if (f.expires_at, f.tokens) != (l.expires_at, l.tokens) {
+                    return Err(format!("{t}: group {i}'s lease differs from group 0's"));
+                }
+            }
+        }
+        if self.states.len() != first.seqs.len() || self.lease_states.len() != first.leases.len() {
+            return Err("a sequence or lease without its state slot".into());
+        }
+        let mut held = vec![0u32; self.owners.len()];
+        let mut hold = |s: crate::StateId, owner: StateOwner| -> Result<(), String> {
+            held[s.0 as usize] += 1;
+            match self.owners[s.0 as usize] {
+                Some(o) if o == owner => Ok(()),
+                o => Err(format!("{s:?} is held by {owner:?} but records {o:?}")),
+            }
+        };
+        for (&seq, &s) in &self.states {
+            if !first.seqs.contains_key(&seq) {
+                return Err(format!("{seq} has a state slot but no blocks"));
+            }
+            hold(s, StateOwner::Sequence(seq))?;
+        }
+        for (&t, &s) in &self.lease_states {
+            hold(s, StateOwner::Lease(t))?;
+        }
+        for r in self.restore.values() {
+            hold(r.state, StateOwner::Restore)?;
+        }
+        for &s in &self.free_states {
+            if self.owners[s.0 as usize].is_some() {
+                return Err(format!("{s:?} is on the free list but owned"));
+            }
+            held[s.0 as usize] += 1;
+        }
+        if let Some(i) = held.iter().position(|&n| n != 1) {
+            return Err(format!("state slot {i} is held {} times (free counts once)", held[i]));
+        }
+        if !self.stateful_ok() {
+            return Err("restore points kept for a stateless model".into());
+        }
+        Ok(())
+    }
+}

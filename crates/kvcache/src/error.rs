@@ -49,6 +49,17 @@ pub enum KvError {
         seq: SeqId,
         block_index: usize,
     },
+    /// Every state slot is held by a live request (restore points were evicted to make room).
+    OutOfStates {
+        slots: usize,
+    },
+    /// A stateful model's request cannot be cut back below what it computed: its state (a window's
+    /// ring, a compressor's partial group) has moved past that point.
+    StateRewind {
+        seq: SeqId,
+        computed: usize,
+        requested: usize,
+    },
     /// A write for a block this transfer no longer holds at that epoch.
     StaleWrite {
         transfer: TransferId,
@@ -79,6 +90,10 @@ impl fmt::Display for KvError {
             }
             KvError::Released { seq, block_index } => {
                 write!(f, "{seq}: block {block_index} was released (outside the sliding window)")
+            }
+            KvError::OutOfStates { slots } => write!(f, "all {slots} request state slots are in use"),
+            KvError::StateRewind { seq, computed, requested } => {
+                write!(f, "{seq}: cannot cut back to {requested} tokens: its state has computed {computed}")
             }
             KvError::StaleWrite { transfer, block, epoch } => {
                 write!(f, "{transfer}: stale write to {block} at epoch {epoch}")

@@ -25,14 +25,21 @@
 mod cache;
 mod check;
 mod error;
+mod groups;
 mod ids;
+mod lease;
 mod prefix;
 #[doc(hidden)]
 pub mod sim;
+#[doc(hidden)]
+pub mod sim_groups;
 mod tier;
 
 pub use cache::{BlockCopy, CacheEvent, KvCache, KvConfig, KvStats, LeaseView, PrefixHit};
 pub use error::KvError;
+pub use groups::{
+    GroupHit, GroupLease, GroupSpec, GroupsConfig, KvGroups, LayerKind, StateCopy, StateId, StateStats,
+};
 pub(crate) use ids::NodeId;
 pub use ids::{BlockId, OwnerKind, SeqId, Slot, TransferId};
 pub use prefix::{IdHasher, IdMap};

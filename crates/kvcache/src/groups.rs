@@ -1,0 +1,670 @@
+//! KV groups: a model whose layers keep different things per token (full attention, a sliding
+//! window, rows compressed every `ratio` tokens, an indexer's keys) holds one block pool per kind of
+//! layer, each with its own geometry, plus a fixed-size state per request outside any block (a
+//! window's ring, compressors' partial groups, draft layers' state).
+//!
+//! Every group's blocks cover the same `block_tokens` tokens, so the groups' block boundaries agree
+//! and one prefix of the prompt is cached, leased, adopted or freed in all of them together; a
+//! compressed group's block holds `block_tokens / ratio` rows. A prefix hit resumes a stateful model
+//! only where a *restore point* (the request's state saved at that block boundary) is kept: the hit is
+//! the longest prefix every group holds *and* a restore point covers. Single-group models (Llama,
+//! Qwen, Mistral, DeepSeek V3's latent cache) are the case of one group and no state.
+//!
+//! Like [`KvCache`], sans-IO and ids only: the backend owns the bytes, indexed by `(group, block)` and
+//! by [`StateId`], and performs the [`StateCopy`]s it is handed before the next step.
+
+use crate::cache::KvCache;
+use crate::{BlockId, IdMap, KvConfig, KvError, KvStats, LeaseView, NodeId, SeqId, Slot, TransferId};
+
+impl KvCache {
+    /// Blocks eviction could free now or after evicting others: cached blocks nobody references with
+    /// no referenced block below them in the prefix tree (a cached block whose descendant a sequence
+    /// holds stays until that one goes), `pinned` nodes counted as referenced. `blocks_available`
+    /// counts every cache-owned block; this is exact, and walks the tree: call it only when the free
+    /// list falls short.
+    pub(crate) fn evictable_blocks(&self, pinned: &[NodeId]) -> usize {
+        let mut blocked = vec![false; self.tree.nodes.len()];
+        let held = self
+            .tree
+            .live_nodes()
+            .filter(|(_, node)| self.blocks[node.block.0 as usize].owner() != Some(crate::OwnerKind::Cache));
+        for n in held.map(|(n, _)| n).chain(pinned.iter().copied()) {
+            // Referenced: it and every ancestor stay.
+            let mut at = n;
+            while at != crate::prefix::ROOT && !blocked[at.0 as usize] {
+                blocked[at.0 as usize] = true;
+                at = self.tree.node(at).parent;
+            }
+        }
+        self.tree
+            .live_nodes()
+            .filter(|(n, node)| {
+                !blocked[n.0 as usize]
+                    && self.blocks[node.block.0 as usize].owner() == Some(crate::OwnerKind::Cache)
+            })
+            .count()
+    }
+
+    /// Whether `need` blocks can be made free (the free list, then exact eviction), the blocks of
+    /// `pinned` (and so their ancestors) kept.
+    pub(crate) fn can_free(&self, need: usize, pinned: &[NodeId]) -> bool {
+        need <= self.free.len() || need <= self.free.len() + self.evictable_blocks(pinned)
+    }
+}
+
+/// What a group's layers keep per token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    /// A row per token, every one attended to.
+    Full,
+    /// A row per token; a query sees the last `window` positions, so blocks wholly before them go
+    /// back to the pool ([`KvGroups::release_outside_windows`]).
+    Sliding { window: u32 },
+    /// A row per `ratio` tokens, made once all of them are seen (DeepSeek V4's compressed sparse
+    /// layers and their indexer's keys at 4, its heavily compressed layers at 128).
+    Compressed { ratio: u32 },
+}
+
+impl LayerKind {
+    /// Tokens per row.
+    pub fn ratio(self) -> u32 {
+        match self {
+            LayerKind::Compressed { ratio } => ratio,
+            _ => 1,
+        }
+    }
+}
+
+/// One group: the layers of one kind, their row size and their pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// For metrics and `/v1/models` ("window", "c4", "c4-index", "c128", ...).
+    pub name: String,
+    pub kind: LayerKind,
+    /// Layers in the group.
+    pub layers: u32,
+    /// Bytes of one layer's row.
+    pub row_bytes: u32,
+    /// Blocks in the group's pool.
+    pub num_blocks: u32,
+}
+
+impl GroupSpec {
+    /// KV bytes a token adds to the group (all its layers), averaged over a compressed row's tokens.
+    pub fn bytes_per_token(&self) -> f64 {
+        f64::from(self.layers) * f64::from(self.row_bytes) / f64::from(self.kind.ratio())
+    }
+}
+
+/// The groups, their shared block length, and the per-request state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupsConfig {
+    /// Tokens a block covers in every group: a multiple of every ratio, so no compressed row
+    /// straddles a block boundary.
+    pub block_tokens: u32,
+    pub groups: Vec<GroupSpec>,
+    /// Bytes of one request's state outside the blocks; 0 for a stateless model (no restore points
+    /// are needed then, and none are kept).
+    pub state_bytes: u32,
+    /// State slots: one per live request (sequence or lease) plus the restore points kept.
+    pub state_slots: u32,
+}
+
+/// A request's state slot (the backend's memory of `state_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StateId(pub u32);
+
+/// A state copy the backend performs before the next step (a restore, a saved restore point, a fork).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateCopy {
+    pub from: StateId,
+    pub to: StateId,
+}
+
+/// What [`KvGroups::add_sequence`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupHit {
+    /// Leading prompt tokens every group holds and the state resumes from; compute from here.
+    pub cached_tokens: usize,
+    /// The sequence's state slot.
+    pub state: StateId,
+    /// The restore point to copy into `state` first (`None`: a fresh state, zeroed by the backend).
+    pub restore: Option<StateCopy>,
+}
+
+/// A grouped request under a transfer lease: each group's blocks, and its state slot.
+#[derive(Debug, Clone)]
+pub struct GroupLease<'a> {
+    pub groups: Vec<LeaseView<'a>>,
+    pub state: StateId,
+}
+
+/// Who holds a state slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StateOwner {
+    Sequence(SeqId),
+    Lease(TransferId),
+    Restore,
+}
+
+/// A restore point: the state at the end of cached node `node` of group 0's prefix tree, valid while
+/// that node still holds `block` at `epoch` (a node id or block reused for another prefix is told
+/// apart by the block's epoch, bumped whenever it leaves the free list).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RestorePoint {
+    pub(crate) block: BlockId,
+    pub(crate) epoch: u32,
+    pub(crate) state: StateId,
+    pub(crate) last_used: u64,
+}
+
+/// Counts for metrics. Slots add up: `free + sequences + leases + restore_points == slots`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StateStats {
+    pub slots: usize,
+    pub free: usize,
+    pub restore_points: usize,
+    pub restore_hits_total: u64,
+    pub restore_points_evicted_total: u64,
+}
+
+/// Paged KV bookkeeping over several block pools (one per kind of layer) and per-request state
+/// slots, kept in step: the same sequences, tokens and leases in every group.
+#[derive(Debug)]
+pub struct KvGroups {
+    pub(crate) config: GroupsConfig,
+    pub(crate) groups: Vec<KvCache>,
+    pub(crate) owners: Vec<Option<StateOwner>>,
+    pub(crate) free_states: Vec<StateId>,
+    pub(crate) states: IdMap<SeqId, StateId>,
+    pub(crate) lease_states: IdMap<TransferId, StateId>,
+    pub(crate) restore: IdMap<NodeId, RestorePoint>,
+    clock: u64,
+    stats: StateStats,
+}
+
+impl KvGroups {
+    /// Every group's pool and every state slot, allocated now.
+    pub fn new(config: GroupsConfig) -> Result<KvGroups, KvError> {
+        let bt = config.block_tokens;
+        let invalid = |num_blocks| Err(KvError::InvalidConfig { num_blocks, block_size: bt });
+        if config.groups.is_empty() || config.state_slots == 0 || config.state_slots == u32::MAX {
+            return invalid(0);
+        }
+        let mut groups = Vec::with_capacity(config.groups.len());
+        for g in &config.groups {
+            let ratio = g.kind.ratio();
+            if ratio == 0 || !bt.is_multiple_of(ratio) || g.layers == 0 {
+                return invalid(g.num_blocks);
+            }
+            groups.push(KvCache::new(KvConfig { num_blocks: g.num_blocks, block_size: bt })?);
+        }
+        let n = config.state_slots;
+        Ok(KvGroups {
+            groups,
+            owners: vec![None; n as usize],
+            free_states: (0..n).rev().map(StateId).collect(),
+            states: IdMap::default(),
+            lease_states: IdMap::default(),
+            restore: IdMap::default(),
+            clock: 0,
+            stats: StateStats { slots: n as usize, ..StateStats::default() },
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &GroupsConfig {
+        &self.config
+    }
+
+    /// Group `g`'s own cache (its stats, block tables, leases).
+    pub fn group(&self, g: usize) -> &KvCache {
+        &self.groups[g]
+    }
+
+    pub fn group_stats(&self) -> Vec<KvStats> {
+        self.groups.iter().map(KvCache::stats).collect()
+    }
+
+    pub fn state_stats(&self) -> StateStats {
+        StateStats { free: self.free_states.len(), restore_points: self.restore.len(), ..self.stats }
+    }
+
+    /// KV bytes a token adds, over every group (the fixed per-request state is `state_bytes`).
+    pub fn bytes_per_token(&self) -> f64 {
+        self.config.groups.iter().map(GroupSpec::bytes_per_token).sum()
+    }
+
+    fn stateful(&self) -> bool {
+        self.config.state_bytes > 0
+    }
+
+    /// A stateless model keeps no restore points.
+    pub(crate) fn stateful_ok(&self) -> bool {
+        self.stateful() || self.restore.is_empty()
+    }
+
+    /// Takes a free state slot for `owner`, evicting the least recently used restore point if none is
+    /// free.
+    fn take_state(&mut self, owner: StateOwner, keep: Option<NodeId>) -> Result<StateId, KvError> {
+        if self.free_states.is_empty() {
+            self.evict_points(1, keep);
+        }
+        let s = self.free_states.pop().ok_or(KvError::OutOfStates { slots: self.owners.len() })?;
+        self.owners[s.0 as usize] = Some(owner);
+        Ok(s)
+    }
+
+    fn give_state(&mut self, s: StateId) {
+        self.owners[s.0 as usize] = None;
+        self.free_states.push(s);
+    }
+
+    /// Drops up to `n` restore points, least recently used first; returns how many.
+    pub fn evict_restore_points(&mut self, n: usize) -> usize {
+        self.evict_points(n, None)
+    }
+
+    /// [`evict_restore_points`](Self::evict_restore_points) but the one at `keep`.
+    fn evict_points(&mut self, n: usize, keep: Option<NodeId>) -> usize {
+        let mut by_age: Vec<(u64, NodeId)> =
+            self.restore.iter().filter(|(&k, _)| Some(k) != keep).map(|(&k, r)| (r.last_used, k)).collect();
+        by_age.sort_unstable();
+        let mut dropped = 0;
+        for (_, node) in by_age.into_iter().take(n) {
+            if let Some(r) = self.restore.remove(&node) {
+                self.give_state(r.state);
+                self.stats.restore_points_evicted_total += 1;
+                dropped += 1;
+            }
+        }
+        dropped
+    }
+
+    /// Group 0's cached path for `tokens`' first `blocks` blocks, each node with its block and epoch.
+    fn anchor_path(&self, tokens: &[u32], blocks: usize) -> Vec<(NodeId, BlockId, u32)> {
+        let g = &self.groups[0];
+        let path = g.tree.longest_match(tokens, blocks);
+        path.into_iter()
+            .map(|n| {
+                let b = g.tree.node(n).block;
+                (n, b, g.blocks[b.0 as usize].epoch)
+            })
+            .collect()
+    }
+
+    /// The restore point at the end of `node` if it still belongs to that node's prefix.
+    fn restore_at(&self, (node, block, epoch): (NodeId, BlockId, u32)) -> Option<RestorePoint> {
+        self.restore.get(&node).copied().filter(|r| r.block == block && r.epoch == epoch)
+    }
+
+    /// Leading cached tokens of `tokens` a new sequence would reuse: the longest block prefix every
+    /// group holds, cut back (stateful models) to the last block boundary with a restore point. At
+    /// least one token is always left to compute.
+    pub fn lookup_prefix(&self, tokens: &[u32]) -> usize {
+        self.hit_blocks(tokens).0 * self.config.block_tokens as usize
+    }
+
+    fn hit_blocks(&self, tokens: &[u32]) -> (usize, Option<(NodeId, RestorePoint)>) {
+        let bt = self.config.block_tokens as usize;
+        let full = tokens.len().saturating_sub(1) / bt;
+        let common = self.groups.iter().map(|g| g.tree.longest_match(tokens, full).len()).min().unwrap_or(0);
+        if !self.stateful() {
+            return (common, None);
+        }
+        let path = self.anchor_path(tokens, common);
+        match (0..path.len()).rev().find_map(|i| self.restore_at(path[i]).map(|r| (i + 1, path[i].0, r))) {
+            Some((k, node, r)) => (k, Some((node, r))),
+            None => (0, None),
+        }
+    }
+
+    /// Registers `seq` with its prompt in every group, reusing the prefix [`lookup_prefix`]
+    /// (Self::lookup_prefix) finds, and gives it a state slot (restored from the restore point there,
+    /// or fresh). All or nothing.
+    pub fn add_sequence(&mut self, seq: SeqId, prompt: &[u32]) -> Result<GroupHit, KvError> {
+        if self.states.contains_key(&seq) {
+            return Err(KvError::DuplicateSequence { seq });
+        }
+        let (blocks, point) = self.hit_blocks(prompt);
+        // (The restore point the copy below reads is not evicted to make room for the slot.)
+        let state = self.take_state(StateOwner::Sequence(seq), point.map(|(n, _)| n))?;
+        for g in &mut self.groups {
+            let hit = g.add_sequence_within(seq, prompt, blocks).expect("checked: a new sequence");
+            debug_assert_eq!(hit.cached_blocks, blocks);
+        }
+        self.states.insert(seq, state);
+        self.clock += 1;
+        let mut restore = None;
+        if let Some((node, r)) = point {
+            self.stats.restore_hits_total += 1;
+            restore = Some(StateCopy { from: r.state, to: state });
+            if let Some(p) = self.restore.get_mut(&node) {
+                p.last_used = self.clock;
+            }
+        }
+        Ok(GroupHit { cached_tokens: blocks * self.config.block_tokens as usize, state, restore })
+    }
+
+    fn known(&self, seq: SeqId) -> Result<StateId, KvError> {
+        self.states.get(&seq).copied().ok_or(KvError::UnknownSequence { seq })
+    }
+
+    /// The sequence's state slot.
+    pub fn state(&self, seq: SeqId) -> Result<StateId, KvError> {
+        self.known(seq)
+    }
+
+    /// Appends known (sampled) tokens to `seq` in every group.
+    pub fn append_tokens(&mut self, seq: SeqId, tokens: &[u32]) -> Result<(), KvError> {
+        self.known(seq)?;
+        for g in &mut self.groups {
+            g.append_tokens(seq, tokens)?;
+        }
+        Ok(())
+    }
+
+    /// Makes room in every group for the next `n` tokens' KV. All or nothing: on `OutOfBlocks` no
+    /// group changed.
+    pub fn reserve(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
+        self.known(seq)?;
+        for g in &self.groups {
+            let need = g.reserve_need(seq, n)?;
+            if !g.can_free(need, &[]) {
+                return Err(KvError::OutOfBlocks { needed_blocks: need, free_blocks: g.blocks_free() });
+            }
+        }
+        for g in &mut self.groups {
+            g.reserve(seq, n).expect("checked: room in every group");
+        }
+        Ok(())
+    }
+
+    /// Copy-on-write block copies of every group since the last call: `(group, copy)`.
+    pub fn take_copies(&mut self) -> Vec<(usize, crate::BlockCopy)> {
+        let mut out = Vec::new();
+        for (i, g) in self.groups.iter_mut().enumerate() {
+            out.extend(g.take_copies().into_iter().map(|c| (i, c)));
+        }
+        out
+    }
+
+    /// Records that the next `n` tokens' KV (and the state past them) is written in every group.
+    pub fn commit(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
+        self.known(seq)?;
+        for g in &self.groups {
+            g.commit_check(seq, n)?;
+        }
+        for g in &mut self.groups {
+            g.commit(seq, n).expect("checked in every group");
+        }
+        Ok(())
+    }
+
+    pub fn computed_tokens(&self, seq: SeqId) -> Result<usize, KvError> {
+        self.groups[0].computed_tokens(seq)
+    }
+
+    pub fn tokens(&self, seq: SeqId) -> Result<&[u32], KvError> {
+        self.groups[0].tokens(seq)
+    }
+
+    pub fn block_table(&self, seq: SeqId, group: usize) -> Result<&[BlockId], KvError> {
+        self.groups[group].block_table(seq)
+    }
+
+    /// Where rows `rows` of `seq` live in `group` (a compressed group's row `w` covers tokens
+    /// `w * ratio ..`; its block holds `block_tokens / ratio` rows).
+    pub fn row_slots(
+        &self,
+        seq: SeqId,
+        group: usize,
+        rows: std::ops::Range<usize>,
+    ) -> Result<Vec<Slot>, KvError> {
+        let ratio = self.config.groups[group].kind.ratio() as usize;
+        if ratio == 1 {
+            return self.groups[group].slot_mapping(seq, rows);
+        }
+        let per_block = self.config.block_tokens as usize / ratio;
+        let table = self.groups[group].block_table(seq)?;
+        if rows.end > table.len() * per_block {
+            return Err(KvError::OutOfRange {
+                seq,
+                requested: rows.end * ratio,
+                limit: table.len() * per_block * ratio,
+            });
+        }
+        Ok(rows.map(|w| Slot { block: table[w / per_block], offset: (w % per_block) as u32 }).collect())
+    }
+
+    /// Saves `seq`'s state as the restore point at its computed length, which must end a block:
+    /// every group's full blocks are cached first (the point is kept while group 0 caches the block
+    /// it ends). Returns the copy the backend makes (`None`: one is kept there already, or the model
+    /// is stateless).
+    pub fn save_restore_point(&mut self, seq: SeqId) -> Result<Option<StateCopy>, KvError> {
+        let state = self.known(seq)?;
+        let (computed, bt) = (self.computed_tokens(seq)?, self.config.block_tokens as usize);
+        if !self.stateful() || computed == 0 || !computed.is_multiple_of(bt) {
+            return Ok(None);
+        }
+        for g in &mut self.groups {
+            g.cache_prefix(seq)?;
+        }
+        let tokens = self.tokens(seq)?[..computed].to_vec();
+        let path = self.anchor_path(&tokens, computed / bt);
+        let Some(&end) = path.last().filter(|_| path.len() == computed / bt) else { return Ok(None) };
+        if self.restore_at(end).is_some() {
+            return Ok(None);
+        }
+        // A stale point on the node (its block since reused) makes room for this one.
+        if let Some(old) = self.restore.remove(&end.0) {
+            self.give_state(old.state);
+        }
+        let to = self.take_state(StateOwner::Restore, Some(end.0))?;
+        self.clock += 1;
+        self.restore
+            .insert(end.0, RestorePoint { block: end.1, epoch: end.2, state: to, last_used: self.clock });
+        Ok(Some(StateCopy { from: state, to }))
+    }
+
+    /// Inserts `seq`'s full computed blocks into every group's prefix cache.
+    pub fn cache_prefix(&mut self, seq: SeqId) -> Result<(), KvError> {
+        self.known(seq)?;
+        for g in &mut self.groups {
+            g.cache_prefix(seq)?;
+        }
+        Ok(())
+    }
+
+    /// Gives back, in each sliding group, the blocks no later query of `seq` attends to. Returns how
+    /// many were released over all groups.
+    pub fn release_outside_windows(&mut self, seq: SeqId) -> Result<usize, KvError> {
+        self.known(seq)?;
+        let mut released = 0;
+        for (g, spec) in self.groups.iter_mut().zip(&self.config.groups) {
+            if let LayerKind::Sliding { window } = spec.kind {
+                released += g.release_outside_window(seq, window as usize)?;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Ends `seq` in every group (caching its full blocks first with `cache`) and frees its state.
+    pub fn free_sequence(&mut self, seq: SeqId, cache: bool) -> Result<(), KvError> {
+        let state = self.known(seq)?;
+        for g in &mut self.groups {
+            g.free_sequence(seq, cache)?;
+        }
+        self.states.remove(&seq);
+        self.give_state(state);
+        Ok(())
+    }
+
+    /// Starts `child` sharing `parent`'s blocks in every group, with a copy of its state.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<StateCopy, KvError> {
+        let from = self.known(parent)?;
+        if self.states.contains_key(&child) {
+            return Err(KvError::DuplicateSequence { seq: child });
+        }
+        let to = self.take_state(StateOwner::Sequence(child), None)?;
+        for g in &mut self.groups {
+            g.fork(parent, child).expect("checked: a known parent and a new child");
+        }
+        self.states.insert(child, to);
+        Ok(StateCopy { from, to })
+    }
+
+    /// Cuts `seq` back to `n` tokens. A stateful model's state cannot be rewound: below the computed
+    /// length it is refused ([`KvError::StateRewind`]).
+    pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
+        self.known(seq)?;
+        if self.stateful() && n < self.computed_tokens(seq)? {
+            return Err(KvError::StateRewind { seq, computed: self.computed_tokens(seq)?, requested: n });
+        }
+        for g in &self.groups {
+            g.truncate_check(seq, n)?;
+        }
+        for g in &mut self.groups {
+            g.truncate(seq, n).expect("checked in every group");
+        }
+        Ok(())
+    }
+
+    /// Drops up to `n` evictable cached blocks from each group.
+    pub fn evict(&mut self, n: usize) -> usize {
+        self.groups.iter_mut().map(|g| g.evict(n)).sum()
+    }
+}
+
+// ---- leases: a grouped request moves between workers as (group, blocks) plus its state ----
+
+impl KvGroups {
+    fn lease_view(&self, transfer: TransferId) -> Result<GroupLease<'_>, KvError> {
+        let state = *self.lease_states.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
+        let groups = self.groups.iter().map(|g| g.lease(transfer)).collect::<Result<_, _>>()?;
+        Ok(GroupLease { groups, state })
+    }
+
+    /// A lease's blocks in every group and its state slot.
+    pub fn lease(&self, transfer: TransferId) -> Result<GroupLease<'_>, KvError> {
+        self.lease_view(transfer)
+    }
+
+    /// Moves `seq`'s computed blocks in every group, and its state, under a lease for `transfer` until
+    /// `expires_at`, ending the sequence (a prefill worker keeping a request for its decode peer).
+    /// Refused, changing nothing, when a sliding group released part of the prompt.
+    pub fn lease_sequence(
+        &mut self,
+        seq: SeqId,
+        transfer: TransferId,
+        expires_at: u64,
+    ) -> Result<GroupLease<'_>, KvError> {
+        let state = self.known(seq)?;
+        if self.lease_states.contains_key(&transfer) {
+            return Err(KvError::DuplicateTransfer { transfer });
+        }
+        for g in &self.groups {
+            if let Some(i) = g.block_table(seq)?.iter().position(|b| b.is_released()) {
+                return Err(KvError::Released { seq, block_index: i });
+            }
+        }
+        for g in &mut self.groups {
+            g.lease_sequence(seq, transfer, expires_at).expect("checked in every group");
+        }
+        self.states.remove(&seq);
+        self.owners[state.0 as usize] = Some(StateOwner::Lease(transfer));
+        self.lease_states.insert(transfer, state);
+        self.lease_view(transfer)
+    }
+
+    /// A decode worker's destination for a grouped request of `tokens`: in each group the blocks
+    /// `tokens` need, the leading ones its prefix cache holds already reused (each group's own
+    /// `reused`: a transfer fills `blocks[reused..]` of each), and a state slot the transfer fills.
+    /// All or nothing.
+    pub fn allocate_lease_reusing(
+        &mut self,
+        transfer: TransferId,
+        tokens: &[u32],
+        expires_at: u64,
+    ) -> Result<GroupLease<'_>, KvError> {
+        if self.lease_states.contains_key(&transfer) {
+            return Err(KvError::DuplicateTransfer { transfer });
+        }
+        let n = tokens.len().div_ceil(self.config.block_tokens as usize);
+        for g in &self.groups {
+            let reusable = g.tree.longest_match(tokens, (tokens.len() / g.block_size()).min(n));
+            // The reused blocks are pinned by the lease: no longer room eviction can make.
+            let need = n - reusable.len();
+            if !g.can_free(need, &reusable) {
+                return Err(KvError::OutOfBlocks { needed_blocks: need, free_blocks: g.blocks_free() });
+            }
+        }
+        let state = self.take_state(StateOwner::Lease(transfer), None)?;
+        for g in &mut self.groups {
+            g.allocate_lease_reusing(transfer, tokens, n, expires_at).expect("checked: room in every group");
+        }
+        self.lease_states.insert(transfer, state);
+        self.lease_view(transfer)
+    }
+
+    /// Moves a lease's expiry in every group.
+    pub fn renew_lease(&mut self, transfer: TransferId, expires_at: u64) -> Result<(), KvError> {
+        self.lease_view(transfer)?;
+        for g in &mut self.groups {
+            g.renew_lease(transfer, expires_at)?;
+        }
+        Ok(())
+    }
+
+    /// Ends a lease in every group and frees its state slot.
+    pub fn release_lease(&mut self, transfer: TransferId) -> Result<(), KvError> {
+        let state = self.lease_states.remove(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
+        for g in &mut self.groups {
+            g.release_lease(transfer)?;
+        }
+        self.give_state(state);
+        Ok(())
+    }
+
+    /// Ends every lease whose expiry is at or before `now` (the same in every group).
+    pub fn expire_leases(&mut self, now: u64) -> Vec<TransferId> {
+        let mut expired: Vec<TransferId> = self
+            .lease_states
+            .keys()
+            .copied()
+            .filter(|t| self.groups[0].lease(*t).is_ok_and(|l| l.expires_at <= now))
+            .collect();
+        expired.sort();
+        for g in &mut self.groups {
+            g.expire_leases(now);
+        }
+        for t in &expired {
+            let state = self.lease_states.remove(t).expect("listed");
+            self.give_state(state);
+        }
+        expired
+    }
+
+    /// Turns a filled destination lease into sequence `seq` whose KV covers `tokens` in every group,
+    /// its state slot the sequence's.
+    pub fn adopt_lease(&mut self, transfer: TransferId, seq: SeqId, tokens: &[u32]) -> Result<(), KvError> {
+        let state = *self.lease_states.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
+        if self.states.contains_key(&seq) {
+            return Err(KvError::DuplicateSequence { seq });
+        }
+        let needed = tokens.len().div_ceil(self.config.block_tokens as usize);
+        for g in &self.groups {
+            let blocks = g.lease(transfer)?.blocks.len();
+            if blocks < needed {
+                return Err(KvError::LeaseTooSmall { transfer, blocks, needed_blocks: needed });
+            }
+        }
+        for g in &mut self.groups {
+            g.adopt_lease(transfer, seq, tokens).expect("checked in every group");
+        }
+        self.lease_states.remove(&transfer);
+        self.owners[state.0 as usize] = Some(StateOwner::Sequence(seq));
+        self.states.insert(seq, state);
+        Ok(())
+    }
+}

@@ -1,0 +1,351 @@
+//! An operation-sequence driver for [`KvGroups`] (tests and fuzzing): decodes operations from bytes,
+//! applies them, checks every invariant after each, and models what the bytes would hold, so that a
+//! prefix hit, a restore point and a transfer are proven to resume exactly: each full block's content
+//! is the hash of the tokens up to its end, each state slot's the hash of the tokens its request
+//! computed. Not part of the stable API.
+
+use std::collections::HashMap;
+
+use crate::{BlockId, GroupSpec, GroupsConfig, KvError, KvGroups, LayerKind, SeqId, StateId, TransferId};
+
+/// Tokens per block in [`config`]'s groups.
+pub const BLOCK_TOKENS: u32 = 8;
+
+/// Three groups as DeepSeek V4 has them, small: a sliding window of 13 (paged), rows compressed by 4
+/// and by 8; `state_bytes` 0 makes the model stateless (no restore points).
+pub fn config(blocks: [u32; 3], state_bytes: u32, state_slots: u32) -> GroupsConfig {
+    let group = |name: &str, kind, num_blocks| GroupSpec {
+        name: name.into(),
+        kind,
+        layers: 2,
+        row_bytes: 64,
+        num_blocks,
+    };
+    GroupsConfig {
+        block_tokens: BLOCK_TOKENS,
+        groups: vec![
+            group("window", LayerKind::Sliding { window: 13 }, blocks[0]),
+            group("c4", LayerKind::Compressed { ratio: 4 }, blocks[1]),
+            group("c8", LayerKind::Compressed { ratio: 8 }, blocks[2]),
+        ],
+        state_bytes,
+        state_slots,
+    }
+}
+
+/// One operation, with small ids so random input hits existing sequences and leases.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupOp {
+    Add {
+        seq: u8,
+        family: u8,
+        len: u16,
+    },
+    Step {
+        seq: u8,
+        n: u8,
+    },
+    /// Steps to the next block boundary and saves a restore point there.
+    Save {
+        seq: u8,
+    },
+    Fork {
+        parent: u8,
+        child: u8,
+    },
+    Free {
+        seq: u8,
+        cache: bool,
+    },
+    Truncate {
+        seq: u8,
+        keep: u16,
+    },
+    Cache {
+        seq: u8,
+    },
+    ReleaseWindows {
+        seq: u8,
+    },
+    Lease {
+        seq: u8,
+        transfer: u8,
+        ttl: u8,
+    },
+    /// A destination for a `family` prompt, filled at once (the transfer modelled).
+    AllocLease {
+        transfer: u8,
+        family: u8,
+        seq: u8,
+        len: u16,
+        ttl: u8,
+    },
+    Adopt {
+        transfer: u8,
+        seq: u8,
+    },
+    Release {
+        transfer: u8,
+    },
+    Tick {
+        by: u8,
+    },
+    Evict {
+        n: u8,
+    },
+    EvictRestore {
+        n: u8,
+    },
+}
+
+impl GroupOp {
+    /// Reads one operation from `bytes`; `None` when they run out.
+    pub fn decode(bytes: &mut impl Iterator<Item = u8>) -> Option<GroupOp> {
+        let mut next = || bytes.next();
+        let small = |b: u8| b % 8;
+        Some(match next()? % 15 {
+            0 => GroupOp::Add { seq: small(next()?), family: next()? % 4, len: u16::from(next()?) + 1 },
+            1 => GroupOp::Step { seq: small(next()?), n: next()? % 40 },
+            2 => GroupOp::Save { seq: small(next()?) },
+            3 => GroupOp::Fork { parent: small(next()?), child: small(next()?) },
+            4 => GroupOp::Free { seq: small(next()?), cache: next()? % 2 == 0 },
+            5 => GroupOp::Truncate { seq: small(next()?), keep: u16::from(next()?) },
+            6 => GroupOp::Cache { seq: small(next()?) },
+            7 => GroupOp::ReleaseWindows { seq: small(next()?) },
+            8 => GroupOp::Lease { seq: small(next()?), transfer: small(next()?), ttl: next()? },
+            9 => GroupOp::AllocLease {
+                transfer: small(next()?),
+                family: next()? % 4,
+                seq: small(next()?),
+                len: u16::from(next()?) + 1,
+                ttl: next()?,
+            },
+            10 => GroupOp::Adopt { transfer: small(next()?), seq: small(next()?) },
+            11 => GroupOp::Release { transfer: small(next()?) },
+            12 => GroupOp::Tick { by: next()? },
+            13 => GroupOp::Evict { n: next()? % 8 },
+            _ => GroupOp::EvictRestore { n: next()? % 4 },
+        })
+    }
+}
+
+fn prompt(family: u8, seq: u8, len: u16) -> Vec<u32> {
+    // The first 40 tokens are the family's; the rest differ per sequence.
+    (0..u32::from(len))
+        .map(|i| if i < 40 { u32::from(family) * 1000 + i } else { u32::from(seq) * 100_000 + i })
+        .collect()
+}
+
+/// What the bytes of a block or state computed from `tokens` hold, in the model.
+fn content(tokens: &[u32]) -> u64 {
+    tokens.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| (h ^ u64::from(t)).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// [`KvGroups`] plus a clock and the modelled contents of blocks and states.
+#[derive(Debug)]
+pub struct GroupDriver {
+    pub kv: KvGroups,
+    pub now: u64,
+    next_token: u32,
+    blocks: HashMap<(usize, BlockId), u64>,
+    states: HashMap<StateId, u64>,
+    /// Each destination lease's tokens (what its adoption covers).
+    incoming: HashMap<TransferId, Vec<u32>>,
+    pub restores: u64,
+}
+
+impl GroupDriver {
+    pub fn new(config: GroupsConfig) -> Result<GroupDriver, KvError> {
+        Ok(GroupDriver {
+            kv: KvGroups::new(config)?,
+            now: 0,
+            next_token: 5_000_000,
+            blocks: HashMap::new(),
+            states: HashMap::new(),
+            incoming: HashMap::new(),
+            restores: 0,
+        })
+    }
+
+    /// Applies `op`; refusals the API defines are fine, but every invariant must hold afterwards.
+    pub fn apply(&mut self, op: GroupOp) {
+        let before: Vec<_> = self.kv.group_stats();
+        let result = self.apply_inner(op);
+        if let Err(KvError::OutOfBlocks { .. } | KvError::OutOfStates { .. }) = &result {
+            for (b, a) in before.iter().zip(self.kv.group_stats()) {
+                assert!(
+                    a.owned(crate::OwnerKind::Sequence) <= b.owned(crate::OwnerKind::Sequence),
+                    "{op:?}: partial"
+                );
+                assert_eq!(a.sequences, b.sequences, "{op:?}: refused, yet a group changed");
+                assert_eq!(a.leases, b.leases, "{op:?}: refused, yet a group changed");
+            }
+        }
+        if let Err(e) = self.kv.check_invariants() {
+            panic!("after {op:?} ({result:?}): {e}");
+        }
+    }
+
+    /// Full blocks of `seq` between `from` and `to` tokens now hold their prefix's content.
+    fn fill(&mut self, seq: SeqId, from: usize, to: usize) -> Result<(), KvError> {
+        let bt = BLOCK_TOKENS as usize;
+        let tokens = self.kv.tokens(seq)?.to_vec();
+        for g in 0..self.kv.config().groups.len() {
+            let table = self.kv.block_table(seq, g)?;
+            for i in from / bt..to / bt {
+                if !table[i].is_released() {
+                    self.blocks.insert((g, table[i]), content(&tokens[..(i + 1) * bt]));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, id: SeqId, n: usize) -> Result<(), KvError> {
+        let kv = &mut self.kv;
+        let computed = kv.computed_tokens(id)?;
+        let missing = (computed + n).saturating_sub(kv.tokens(id)?.len());
+        let sampled: Vec<u32> = (0..missing as u32).map(|i| self.next_token + i).collect();
+        self.next_token += missing as u32;
+        kv.append_tokens(id, &sampled)?;
+        kv.reserve(id, n)?;
+        for (g, c) in kv.take_copies() {
+            let v = self.blocks.get(&(g, c.src)).copied();
+            if let Some(v) = v {
+                self.blocks.insert((g, c.dst), v);
+            }
+        }
+        kv.commit(id, n)?;
+        let state = kv.state(id)?;
+        self.states.insert(state, content(&kv.tokens(id)?[..computed + n]));
+        self.fill(id, computed, computed + n)
+    }
+
+    fn apply_inner(&mut self, op: GroupOp) -> Result<(), KvError> {
+        let bt = BLOCK_TOKENS as usize;
+        match op {
+            GroupOp::Add { seq, family, len } => {
+                let (id, p) = (SeqId(seq.into()), prompt(family, seq, len));
+                let hit = self.kv.add_sequence(id, &p)?;
+                let k = hit.cached_tokens;
+                assert!(k < p.len() && k.is_multiple_of(bt));
+                for g in 0..self.kv.config().groups.len() {
+                    for (i, b) in self.kv.block_table(id, g)?[..k / bt].iter().enumerate() {
+                        let want = content(&p[..(i + 1) * bt]);
+                        assert_eq!(self.blocks.get(&(g, *b)), Some(&want), "group {g} block {i} of a hit");
+                    }
+                }
+                let restored = match hit.restore {
+                    Some(c) => {
+                        assert_eq!(c.to, hit.state);
+                        self.restores += 1;
+                        let v = self.states[&c.from];
+                        assert_eq!(v, content(&p[..k]), "the restore point is not the prefix's state");
+                        v
+                    }
+                    None => {
+                        assert!(
+                            k == 0 || self.kv.config().state_bytes == 0,
+                            "a stateful hit without a restore"
+                        );
+                        content(&p[..k])
+                    }
+                };
+                self.states.insert(hit.state, restored);
+                Ok(())
+            }
+            GroupOp::Step { seq, n } => self.step(SeqId(seq.into()), n.into()),
+            GroupOp::Save { seq } => {
+                let id = SeqId(seq.into());
+                let computed = self.kv.computed_tokens(id)?;
+                self.step(id, (bt - computed % bt) % bt)?;
+                if let Some(c) = self.kv.save_restore_point(id)? {
+                    let v = self.states[&c.from];
+                    self.states.insert(c.to, v);
+                }
+                Ok(())
+            }
+            GroupOp::Fork { parent, child } => {
+                let c = self.kv.fork(SeqId(parent.into()), SeqId(child.into()))?;
+                let v = self.states[&c.from];
+                self.states.insert(c.to, v);
+                Ok(())
+            }
+            GroupOp::Free { seq, cache } => self.kv.free_sequence(SeqId(seq.into()), cache),
+            GroupOp::Truncate { seq, keep } => self.kv.truncate(SeqId(seq.into()), keep.into()),
+            GroupOp::Cache { seq } => self.kv.cache_prefix(SeqId(seq.into())),
+            GroupOp::ReleaseWindows { seq } => self.kv.release_outside_windows(SeqId(seq.into())).map(drop),
+            GroupOp::Lease { seq, transfer, ttl } => {
+                let t = TransferId(transfer.into());
+                self.kv.lease_sequence(SeqId(seq.into()), t, self.now + u64::from(ttl)).map(drop)
+            }
+            GroupOp::AllocLease { transfer, family, seq, len, ttl } => {
+                let (t, p) = (TransferId(transfer.into()), prompt(family, seq, len));
+                let lease = self.kv.allocate_lease_reusing(t, &p, self.now + u64::from(ttl))?;
+                let mut filled = Vec::new();
+                for (g, l) in lease.groups.iter().enumerate() {
+                    assert_eq!(l.blocks.len(), p.len().div_ceil(bt));
+                    for (i, &b) in l.blocks.iter().enumerate() {
+                        let full = (i + 1) * bt <= p.len();
+                        if i < l.reused {
+                            let want = content(&p[..(i + 1) * bt]);
+                            assert_eq!(self.blocks.get(&(g, b)), Some(&want), "group {g}: reused block {i}");
+                        } else if full {
+                            filled.push(((g, b), content(&p[..(i + 1) * bt])));
+                        }
+                    }
+                }
+                // The transfer writes the fresh blocks and the state.
+                let state = lease.state;
+                self.blocks.extend(filled);
+                self.states.insert(state, content(&p));
+                self.incoming.insert(t, p);
+                Ok(())
+            }
+            GroupOp::Adopt { transfer, seq } => {
+                let t = TransferId(transfer.into());
+                let Some(p) = self.incoming.get(&t).cloned() else { return Ok(()) };
+                self.kv.adopt_lease(t, SeqId(seq.into()), &p)?;
+                self.incoming.remove(&t);
+                Ok(())
+            }
+            GroupOp::Release { transfer } => {
+                self.incoming.remove(&TransferId(transfer.into()));
+                self.kv.release_lease(TransferId(transfer.into()))
+            }
+            GroupOp::Tick { by } => {
+                self.now += u64::from(by);
+                for t in self.kv.expire_leases(self.now) {
+                    assert!(self.kv.lease(t).is_err(), "{t} expired but still held");
+                    self.incoming.remove(&t);
+                }
+                Ok(())
+            }
+            GroupOp::Evict { n } => {
+                self.kv.evict(n.into());
+                Ok(())
+            }
+            GroupOp::EvictRestore { n } => {
+                self.kv.evict_restore_points(n.into());
+                Ok(())
+            }
+        }
+    }
+
+    /// Ends everything and checks that every block and state slot is free again.
+    pub fn drain(&mut self) {
+        let seqs: Vec<SeqId> = self.kv.states.keys().copied().collect();
+        for s in seqs {
+            self.kv.free_sequence(s, false).expect("a live sequence");
+        }
+        self.kv.expire_leases(u64::MAX);
+        self.kv.evict(usize::MAX);
+        self.kv.evict_restore_points(usize::MAX);
+        self.kv.check_invariants().unwrap_or_else(|e| panic!("after drain: {e}"));
+        for s in self.kv.group_stats() {
+            assert_eq!(s.blocks_free, s.blocks_total, "blocks not reachable again: {s:?}");
+        }
+        let st = self.kv.state_stats();
+        assert_eq!(st.free, st.slots, "state slots not reachable again: {st:?}");
+    }
+}
