@@ -12,13 +12,24 @@ use pdserve_api::tools::{Tool, ToolCall};
 use pdserve_chat_template::{Piece, ToolCallParser, ToolFormat};
 use serde_json::{json, Value};
 
-const FORMATS: [&str; 7] = ["hermes", "llama3", "mistral", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4"];
+const FORMATS: [&str; 7] =
+    ["hermes", "llama3", "mistral", "deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4"];
 
 /// Pieces a string value is made of: plain text, JSON's special characters, and DSML markup (all
 /// but the parameter's own close tag, which a raw value cannot hold).
 const VALUE_PARTS: [&str; 12] = [
-    "a", "b c", "\"", "\\", "\n", "ü", "<", ">", "<｜DSML｜invoke name=\"list_dir\">", "</｜DSML｜invoke>",
-    "</｜DSML｜para", "<｜DSML｜parameter name=\"x\" string=\"true\">",
+    "a",
+    "b c",
+    "\"",
+    "\\",
+    "\n",
+    "ü",
+    "<",
+    ">",
+    "<｜DSML｜invoke name=\"list_dir\">",
+    "</｜DSML｜invoke>",
+    "</｜DSML｜para",
+    "<｜DSML｜parameter name=\"x\" string=\"true\">",
 ];
 const PROSE: &[u8] = b"abc xyz.,\n<>\"/{}[]";
 
@@ -30,7 +41,12 @@ fn tools() -> Vec<Tool> {
             parameters: json!({"type": "object", "properties": {"path": {"type": "string"}, "n": {"type": "integer"}}}),
             strict: false,
         },
-        Tool { name: "list_dir".into(), description: None, parameters: json!({"type": "object"}), strict: false },
+        Tool {
+            name: "list_dir".into(),
+            description: None,
+            parameters: json!({"type": "object"}),
+            strict: false,
+        },
     ]
 }
 
@@ -94,15 +110,18 @@ fn dsml_answer(format: ToolFormat, data: &[u8]) -> (String, String, Vec<(String,
             calls.push(("list_dir".to_owned(), json!({})));
             continue;
         }
-        let path: String = (0..next() % 6).map(|_| VALUE_PARTS[usize::from(next()) % VALUE_PARTS.len()]).collect();
+        let path: String =
+            (0..next() % 6).map(|_| VALUE_PARTS[usize::from(next()) % VALUE_PARTS.len()]).collect();
         let n = i64::from(next()) - 100;
-        let mut params = vec![format!("<｜DSML｜parameter name=\"path\" string=\"true\">{path}</｜DSML｜parameter>")];
+        let mut params =
+            vec![format!("<｜DSML｜parameter name=\"path\" string=\"true\">{path}</｜DSML｜parameter>")];
         let mut args = json!({"path": path});
         if next() % 2 == 0 {
             params.push(format!("<｜DSML｜parameter name=\"n\" string=\"false\">{n}</｜DSML｜parameter>"));
             args["n"] = json!(n);
         }
-        invokes.push(format!("<｜DSML｜invoke name=\"read_file\">\n{}\n</｜DSML｜invoke>", params.join("\n")));
+        invokes
+            .push(format!("<｜DSML｜invoke name=\"read_file\">\n{}\n</｜DSML｜invoke>", params.join("\n")));
         calls.push(("read_file".to_owned(), args));
     }
     let start = if flags & 1 == 0 { format!("{block}\n") } else { String::new() };

@@ -15,7 +15,10 @@ fuzz_target!(|data: &[u8]| {
         match read(&mut r) {
             Ok(m) => {
                 if let Incoming::Message(frames) = &m {
-                    assert!(frames.len() <= 17 && frames.iter().map(|f| f.len() as u64).sum::<u64>() <= FRAME_BYTES_MAX);
+                    assert!(
+                        frames.len() <= 17
+                            && frames.iter().map(|f| f.len() as u64).sum::<u64>() <= FRAME_BYTES_MAX
+                    );
                 }
                 let _ = subscription(&m);
             }

@@ -434,6 +434,7 @@ const FUZZ_TARGETS: &[&str] = &[
     "http_request",
     "http_response",
     "kv_ops",
+    "kv_groups",
     "sched_ops",
     "pd_frames",
     "api_requests",
