@@ -121,7 +121,62 @@ pub enum RopeScaling {
 }
 
 impl RopeScaling {
-    fn parse(v: &serde_json::Value, max_positions: usize) -> Result<RopeScaling, ModelError> {
+    /// Rope's inverse frequencies for `hd` rotated dimensions (`hd / 2`, computed in f32 as Hugging
+    /// Face does) from `base`, and the factor cos and sin are scaled by.
+    pub fn frequencies(&self, hd: usize, base: f32) -> (Vec<f32>, f32) {
+        let plain: Vec<f32> = (0..hd / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / hd as f32)).collect();
+        match *self {
+            RopeScaling::None => (plain, 1.0),
+            RopeScaling::Linear { factor } => (plain.iter().map(|f| f / factor).collect(), 1.0),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_positions: old,
+            } => {
+                let (low_wavelen, high_wavelen) = (old / low, old / high);
+                let inv = plain.iter().map(|&f| {
+                    let wavelen = 2.0 * std::f32::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (old / wavelen - low) / (high - low);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                });
+                (inv.collect(), 1.0)
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_positions: orig,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                truncate,
+            } => {
+                let dim = hd as f32;
+                let correction =
+                    |rot: f32| (dim * (orig / (rot * 2.0 * std::f32::consts::PI)).ln()) / (2.0 * base.ln());
+                let (mut lo, mut hi) = (correction(beta_fast), correction(beta_slow));
+                if truncate {
+                    (lo, hi) = (lo.floor(), hi.ceil());
+                }
+                let (lo, mut hi) = (lo.max(0.0), hi.min(dim - 1.0));
+                if lo == hi {
+                    hi += 0.001;
+                }
+                let inv = plain.iter().enumerate().map(|(i, &f)| {
+                    let extrapolation = 1.0 - ((i as f32 - lo) / (hi - lo)).clamp(0.0, 1.0);
+                    (f / factor) * (1.0 - extrapolation) + f * extrapolation
+                });
+                (inv.collect(), attention_factor)
+            }
+        }
+    }
+
+    pub(crate) fn parse(v: &serde_json::Value, max_positions: usize) -> Result<RopeScaling, ModelError> {
         let kind = v.get("rope_type").or_else(|| v.get("type")).and_then(|k| k.as_str()).unwrap_or("default");
         let bad = |field: &str, value: String| ModelError::Unsupported {
             field: format!("rope_scaling.{field}"),
@@ -305,58 +360,7 @@ impl ModelConfig {
     /// Rope's inverse frequencies (`head_dim / 2`, computed in f32 as Hugging Face does) and the factor
     /// cos and sin are scaled by.
     pub fn rope(&self) -> (Vec<f32>, f32) {
-        let hd = self.head_dim;
-        let base = self.rope_theta;
-        let plain: Vec<f32> = (0..hd / 2).map(|i| 1.0 / base.powf((2 * i) as f32 / hd as f32)).collect();
-        match self.rope_scaling {
-            RopeScaling::None => (plain, 1.0),
-            RopeScaling::Linear { factor } => (plain.iter().map(|f| f / factor).collect(), 1.0),
-            RopeScaling::Llama3 {
-                factor,
-                low_freq_factor: low,
-                high_freq_factor: high,
-                original_max_positions: old,
-            } => {
-                let (low_wavelen, high_wavelen) = (old / low, old / high);
-                let inv = plain.iter().map(|&f| {
-                    let wavelen = 2.0 * std::f32::consts::PI / f;
-                    if wavelen < high_wavelen {
-                        f
-                    } else if wavelen > low_wavelen {
-                        f / factor
-                    } else {
-                        let smooth = (old / wavelen - low) / (high - low);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    }
-                });
-                (inv.collect(), 1.0)
-            }
-            RopeScaling::Yarn {
-                factor,
-                original_max_positions: orig,
-                beta_fast,
-                beta_slow,
-                attention_factor,
-                truncate,
-            } => {
-                let dim = hd as f32;
-                let correction =
-                    |rot: f32| (dim * (orig / (rot * 2.0 * std::f32::consts::PI)).ln()) / (2.0 * base.ln());
-                let (mut lo, mut hi) = (correction(beta_fast), correction(beta_slow));
-                if truncate {
-                    (lo, hi) = (lo.floor(), hi.ceil());
-                }
-                let (lo, mut hi) = (lo.max(0.0), hi.min(dim - 1.0));
-                if lo == hi {
-                    hi += 0.001;
-                }
-                let inv = plain.iter().enumerate().map(|(i, &f)| {
-                    let extrapolation = 1.0 - ((i as f32 - lo) / (hi - lo)).clamp(0.0, 1.0);
-                    (f / factor) * (1.0 - extrapolation) + f * extrapolation
-                });
-                (inv.collect(), attention_factor)
-            }
-        }
+        self.rope_scaling.frequencies(self.head_dim, self.rope_theta)
     }
 
     /// Reads and checks `config.json`. Anything the engine cannot run faithfully is an error naming the

@@ -1,0 +1,350 @@
+//! One V4 layer for one token: hyper-connection mixing, attention over the window and compressed rows,
+//! the mixture of experts.
+
+use std::collections::VecDeque;
+
+use super::config::{V4Config, V4Layer};
+use super::weights::{Compressor, Expert, HyperConnection, Routing, V4LayerWeights};
+
+/// What one token's pass through a layer needs besides the weights and state.
+pub(super) struct Ctx<'a> {
+    pub c: &'a V4Config,
+    /// The layer kind's inverse rope frequencies.
+    pub rope: &'a [f32],
+    pub pos: usize,
+    pub token: usize,
+}
+
+/// A compressor's state: the rows made so far, the current group's values and gates, and (overlap)
+/// the previous group's first halves.
+#[derive(Debug, Clone)]
+struct Pooled {
+    ratio: usize,
+    row: usize,
+    rows: Vec<f32>,
+    pending: Vec<(Vec<f32>, Vec<f32>)>,
+    previous: Vec<(Vec<f32>, Vec<f32>)>,
+}
+
+impl Pooled {
+    fn new(ratio: usize, row: usize) -> Pooled {
+        Pooled { ratio, row, rows: Vec::new(), pending: Vec::new(), previous: Vec::new() }
+    }
+
+    fn count(&self) -> usize {
+        self.rows.len() / self.row
+    }
+
+    fn get(&self, w: usize) -> &[f32] {
+        &self.rows[w * self.row..(w + 1) * self.row]
+    }
+}
+
+/// One layer's per-request state.
+#[derive(Debug, Clone)]
+pub(super) struct LayerState {
+    /// The last `window` K=V rows, oldest first.
+    window: VecDeque<Vec<f32>>,
+    compressed: Option<Pooled>,
+    index: Option<Pooled>,
+}
+
+impl LayerState {
+    pub(super) fn new(w: &V4LayerWeights, c: &V4Config) -> LayerState {
+        let ratio = w.kind.ratio();
+        LayerState {
+            window: VecDeque::with_capacity(c.window),
+            compressed: (ratio > 0).then(|| Pooled::new(ratio, c.head_dim)),
+            index: (w.kind == V4Layer::CompressedSparse).then(|| Pooled::new(4, c.index_dim)),
+        }
+    }
+
+    /// f32 bytes of the fixed state (window, partial groups) and of the compressed rows.
+    pub(super) fn bytes(&self) -> (usize, usize) {
+        let window: usize = self.window.iter().map(Vec::len).sum();
+        let pools = [&self.compressed, &self.index];
+        let partial: usize = pools
+            .iter()
+            .flat_map(|p| p.iter())
+            .flat_map(|p| p.pending.iter().chain(&p.previous))
+            .map(|(a, s)| a.len() + s.len())
+            .sum();
+        let rows: usize = pools.iter().flat_map(|p| p.iter()).map(|p| p.rows.len()).sum();
+        (4 * (window + partial), 4 * rows)
+    }
+
+    pub(super) fn rows(&self) -> usize {
+        self.compressed.as_ref().map_or(0, Pooled::count)
+    }
+}
+
+pub(super) fn matvec(w: &[f32], x: &[f32], cols: usize) -> Vec<f32> {
+    w.chunks_exact(cols).map(|r| crate::sys::dot(r, x)).collect()
+}
+
+pub(super) fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32) -> Vec<f32> {
+    let var = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
+    let inv = 1.0 / (var + eps).sqrt();
+    match w {
+        Some(w) => x.iter().zip(w).map(|(v, g)| v * inv * g).collect(),
+        None => x.iter().map(|v| v * inv).collect(),
+    }
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// Rotates the interleaved pairs of the last `2 * freqs.len()` values of `x` by `pos * freq` (back by
+/// it with `inverse`).
+fn rope(x: &mut [f32], freqs: &[f32], pos: usize, inverse: bool) {
+    let start = x.len() - 2 * freqs.len();
+    for (i, &f) in freqs.iter().enumerate() {
+        let angle = pos as f32 * f;
+        let (sin, cos) = angle.sin_cos();
+        let sin = if inverse { -sin } else { sin };
+        let (re, im) = (x[start + 2 * i], x[start + 2 * i + 1]);
+        x[start + 2 * i] = re * cos - im * sin;
+        x[start + 2 * i + 1] = re * sin + im * cos;
+    }
+}
+
+/// A hyper-connection's mixing weights for `streams` (`n` of `d`): each stream's weight into the
+/// block (`pre`), the block output's weight into each stream (`post`, `scales` 3 only) and the
+/// streams' doubly stochastic mixing matrix (`comb[j * n + k]`: stream j into k, Sinkhorn-normalised).
+pub(super) fn mix(
+    hc: &HyperConnection,
+    streams: &[f32],
+    n: usize,
+    d: usize,
+    c: &V4Config,
+    scales: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rms = (streams.iter().map(|v| v * v).sum::<f32>() / (n * d) as f32 + c.eps).sqrt();
+    let mixes: Vec<f32> = matvec(&hc.func, streams, n * d).into_iter().map(|m| m / rms).collect();
+    let pre = (0..n).map(|j| sigmoid(mixes[j] * hc.scale[0] + hc.base[j]) + c.hc_eps).collect();
+    if scales == 1 {
+        return (pre, Vec::new(), Vec::new());
+    }
+    let post = (n..2 * n).map(|j| 2.0 * sigmoid(mixes[j] * hc.scale[1] + hc.base[j])).collect();
+    let mut comb: Vec<f32> = (2 * n..(2 + n) * n).map(|i| mixes[i] * hc.scale[2] + hc.base[i]).collect();
+    for row in comb.chunks_exact_mut(n) {
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        row.iter_mut().for_each(|v| *v = (*v - max).exp());
+        let sum: f32 = row.iter().sum();
+        row.iter_mut().for_each(|v| *v = *v / sum + c.hc_eps);
+    }
+    let columns = |comb: &mut Vec<f32>| {
+        for k in 0..n {
+            let sum: f32 = (0..n).map(|j| comb[j * n + k]).sum::<f32>() + c.hc_eps;
+            (0..n).for_each(|j| comb[j * n + k] /= sum);
+        }
+    };
+    columns(&mut comb);
+    for _ in 1..c.hc_iters {
+        for row in comb.chunks_exact_mut(n) {
+            let sum: f32 = row.iter().sum::<f32>() + c.hc_eps;
+            row.iter_mut().for_each(|v| *v /= sum);
+        }
+        columns(&mut comb);
+    }
+    (pre, post, comb)
+}
+
+/// `sum_j weights[j] * stream j`.
+pub(super) fn combine(weights: &[f32], streams: &[f32], d: usize) -> Vec<f32> {
+    let mut y = vec![0.0; d];
+    for (wj, s) in weights.iter().zip(streams.chunks_exact(d)) {
+        y.iter_mut().zip(s).for_each(|(y, v)| *y += wj * v);
+    }
+    y
+}
+
+/// The streams after a block: stream k is `post[k] * out + sum_j comb[j][k] * stream j`.
+fn spread(out: &[f32], streams: &[f32], post: &[f32], comb: &[f32], n: usize, d: usize) -> Vec<f32> {
+    let mut next = vec![0.0; n * d];
+    for k in 0..n {
+        let dst = &mut next[k * d..(k + 1) * d];
+        dst.iter_mut().zip(out).for_each(|(x, o)| *x = post[k] * o);
+        for j in 0..n {
+            let w = comb[j * n + k];
+            dst.iter_mut().zip(&streams[j * d..(j + 1) * d]).for_each(|(x, s)| *x += w * s);
+        }
+    }
+    next
+}
+
+/// One token through layer `w`: the streams after it.
+pub(super) fn run(ctx: &Ctx<'_>, w: &V4LayerWeights, st: &mut LayerState, streams: &[f32]) -> Vec<f32> {
+    let (c, n, d) = (ctx.c, ctx.c.hc_mult, ctx.c.hidden);
+    let (pre, post, comb) = mix(&w.hc_attn, streams, n, d, c, 3);
+    let x = rms_norm(&combine(&pre, streams, d), Some(&w.attn_norm), c.eps);
+    let streams = spread(&attention(ctx, w, st, &x), streams, &post, &comb, n, d);
+    let (pre, post, comb) = mix(&w.hc_ffn, &streams, n, d, c, 3);
+    let x = rms_norm(&combine(&pre, &streams, d), Some(&w.ffn_norm), c.eps);
+    spread(&moe(ctx, w, &x), &streams, &post, &comb, n, d)
+}
+
+/// Feeds one token's `h` to a compressor; a row when it completes a group (pooled per channel by a
+/// softmax of the gates over the group, and at ratio 4 over the previous group's first halves too;
+/// normed, then rotated at the group's first position).
+fn compress(ctx: &Ctx<'_>, cw: &Compressor, p: &mut Pooled, h: &[f32]) {
+    let d = ctx.c.hidden;
+    let a = matvec(&cw.wkv, h, d);
+    let ape = &cw.ape[(ctx.pos % p.ratio) * cw.width..(ctx.pos % p.ratio + 1) * cw.width];
+    let s: Vec<f32> = matvec(&cw.wgate, h, d).iter().zip(ape).map(|(g, b)| g + b).collect();
+    p.pending.push((a, s));
+    if p.pending.len() < p.ratio {
+        return;
+    }
+    let (row, overlap) = (p.row, cw.width == 2 * p.row);
+    let mut out = vec![0.0; row];
+    for (j, o) in out.iter_mut().enumerate() {
+        // (value, gate) slots: the previous group's first halves, then this group's (second halves).
+        let cur = if overlap { row + j } else { j };
+        let slots: Vec<(f32, f32)> = p
+            .previous
+            .iter()
+            .map(|(a, s)| (a[j], s[j]))
+            .filter(|_| overlap)
+            .chain(p.pending.iter().map(|(a, s)| (a[cur], s[cur])))
+            .collect();
+        let max = slots.iter().fold(f32::NEG_INFINITY, |m, &(_, s)| m.max(s));
+        let total: f32 = slots.iter().map(|&(_, s)| (s - max).exp()).sum();
+        *o = slots.iter().map(|&(a, s)| (s - max).exp() / total * a).sum();
+    }
+    let mut out = rms_norm(&out, Some(&cw.norm), ctx.c.eps);
+    rope(&mut out, ctx.rope, p.count() * p.ratio, false);
+    p.rows.extend_from_slice(&out);
+    p.previous = std::mem::take(&mut p.pending);
+}
+
+/// The compressed rows query `qi` keeps: the indexer's `index_topk` best (ties to the earlier row),
+/// or every row when there are no more.
+fn select(ctx: &Ctx<'_>, index: &Pooled, qi: &[f32], weights: &[f32]) -> Vec<usize> {
+    let (ih, id, k) = (ctx.c.index_heads, ctx.c.index_dim, ctx.c.index_topk);
+    let rows = index.count();
+    if rows <= k {
+        return (0..rows).collect();
+    }
+    let scale = (id as f32).powf(-0.5);
+    let scores: Vec<f32> = (0..rows)
+        .map(|w| {
+            let key = index.get(w);
+            (0..ih)
+                .map(|h| crate::sys::dot(&qi[h * id..(h + 1) * id], key).max(0.0) * scale * weights[h])
+                .sum()
+        })
+        .collect();
+    let mut order: Vec<usize> = (0..rows).collect();
+    order.sort_by(|&x, &y| scores[y].total_cmp(&scores[x]).then(x.cmp(&y)));
+    order.truncate(k);
+    order
+}
+
+/// Attention of one token (input `h`, normed) over its window and compressed rows; the layer's output.
+fn attention(ctx: &Ctx<'_>, w: &V4LayerWeights, st: &mut LayerState, h: &[f32]) -> Vec<f32> {
+    let c = ctx.c;
+    let (d, heads, hd) = (c.hidden, c.heads, c.head_dim);
+    let qr = rms_norm(&matvec(&w.wq_a, h, d), Some(&w.q_norm), c.eps);
+    let mut q = matvec(&w.wq_b, &qr, c.q_lora);
+    for head in q.chunks_exact_mut(hd) {
+        let normed = rms_norm(head, None, c.eps);
+        head.copy_from_slice(&normed);
+        rope(head, ctx.rope, ctx.pos, false);
+    }
+    let mut kv = rms_norm(&matvec(&w.wkv, h, d), Some(&w.kv_norm), c.eps);
+    rope(&mut kv, ctx.rope, ctx.pos, false);
+    if st.window.len() == c.window {
+        st.window.pop_front();
+    }
+    st.window.push_back(kv);
+    if let (Some(cw), Some(p)) = (&w.compressor, &mut st.compressed) {
+        compress(ctx, cw, p, h);
+    }
+    let mut chosen: Vec<usize> = st.compressed.as_ref().map_or(Vec::new(), |p| (0..p.count()).collect());
+    if let (Some(iw), Some(p)) = (&w.indexer, &mut st.index) {
+        compress(ctx, &iw.compressor, p, h);
+        let (ih, id) = (c.index_heads, c.index_dim);
+        let mut qi = matvec(&iw.wq_b, &qr, c.q_lora);
+        qi.chunks_exact_mut(id).for_each(|head| rope(head, ctx.rope, ctx.pos, false));
+        let weights: Vec<f32> =
+            matvec(&iw.weights_proj, h, d).into_iter().map(|v| v * (ih as f32).powf(-0.5)).collect();
+        chosen = select(ctx, p, &qi, &weights);
+    }
+    let pooled = st.compressed.as_ref();
+    let keys: Vec<&[f32]> = st
+        .window
+        .iter()
+        .map(Vec::as_slice)
+        .chain(chosen.iter().map(|&r| pooled.expect("rows").get(r)))
+        .collect();
+    let scale = (hd as f32).powf(-0.5);
+    let mut o = vec![0.0; heads * hd];
+    for (head, out) in o.chunks_exact_mut(hd).enumerate() {
+        let qh = &q[head * hd..(head + 1) * hd];
+        let logits: Vec<f32> = keys.iter().map(|k| crate::sys::dot(qh, k) * scale).collect();
+        // The sink: a logit with a value of zero.
+        let sink = w.sink[head];
+        let max = logits.iter().fold(sink, |m, &v| m.max(v));
+        let total = logits.iter().map(|&l| (l - max).exp()).sum::<f32>() + (sink - max).exp();
+        for (k, &l) in keys.iter().zip(&logits) {
+            let p = (l - max).exp() / total;
+            out.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
+        }
+        rope(out, ctx.rope, ctx.pos, true);
+    }
+    let (groups, rank) = (c.o_groups, c.o_lora);
+    let per = heads * hd / groups;
+    let mut z = Vec::with_capacity(groups * rank);
+    for g in 0..groups {
+        let og = &o[g * per..(g + 1) * per];
+        z.extend(
+            w.wo_a[g * rank * per..(g + 1) * rank * per].chunks_exact(per).map(|r| crate::sys::dot(r, og)),
+        );
+    }
+    matvec(&w.wo_b, &z, groups * rank)
+}
+
+fn swiglu(e: &Expert, x: &[f32], d: usize, limit: f32) -> Vec<f32> {
+    let (g, u) = (matvec(&e.w1, x, d), matvec(&e.w3, x, d));
+    let act: Vec<f32> = g
+        .iter()
+        .zip(&u)
+        .map(|(&g, &u)| {
+            let (g, u) = if limit > 0.0 { (g.min(limit), u.clamp(-limit, limit)) } else { (g, u) };
+            g * sigmoid(g) * u
+        })
+        .collect();
+    matvec(&e.w2, &act, e.inter)
+}
+
+/// The mixture of experts for one token's `x` (normed).
+fn moe(ctx: &Ctx<'_>, w: &V4LayerWeights, x: &[f32]) -> Vec<f32> {
+    let c = ctx.c;
+    let d = c.hidden;
+    // sqrt(softplus(logit)), softplus as log(1 + e^x) without overflow.
+    let scores: Vec<f32> =
+        matvec(&w.gate, x, d).into_iter().map(|l| (l.max(0.0) + (-l.abs()).exp().ln_1p()).sqrt()).collect();
+    let top: Vec<usize> = match &w.routing {
+        Routing::Hash(table) => table[ctx.token * c.top_k..(ctx.token + 1) * c.top_k].to_vec(),
+        Routing::Scored(bias) => {
+            let choice: Vec<f32> = match bias {
+                Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                None => scores.clone(),
+            };
+            let mut order: Vec<usize> = (0..c.experts).collect();
+            order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+            order.truncate(c.top_k);
+            order
+        }
+    };
+    let total: f32 = top.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
+    let mut y = swiglu(&w.shared, x, d, c.swiglu_limit);
+    for &e in &top {
+        let weight = scores[e] / total * c.routed_scaling;
+        let out = swiglu(&w.experts[e], x, d, c.swiglu_limit);
+        y.iter_mut().zip(&out).for_each(|(y, o)| *y += weight * o);
+    }
+    y
+}

@@ -1,0 +1,184 @@
+//! DeepSeek V4's tensors under the names its checkpoints ship (`embed.weight`, `layers.L.attn.wq_a.weight`,
+//! `layers.L.ffn.experts.E.w1.weight`, `layers.L.hc_attn_fn`, ...), in f32.
+
+use std::path::Path;
+
+use super::config::{V4Config, V4Layer};
+use crate::shards::Shards;
+use crate::ModelError;
+
+/// A compressor: per token a value `wkv h` and a gate `wgate h + ape[pos % ratio]` of `width`
+/// (2 x the row for the overlapping ratio-4 compressor, 1 x otherwise), softmax-pooled into rows.
+#[derive(Debug)]
+pub(crate) struct Compressor {
+    pub wkv: Vec<f32>,
+    pub wgate: Vec<f32>,
+    /// `[ratio, width]`
+    pub ape: Vec<f32>,
+    pub norm: Vec<f32>,
+    pub width: usize,
+}
+
+/// The lightning indexer of a compressed sparse layer.
+#[derive(Debug)]
+pub(crate) struct Indexer {
+    pub wq_b: Vec<f32>,
+    pub weights_proj: Vec<f32>,
+    pub compressor: Compressor,
+}
+
+/// The mixing weights of one manifold-constrained hyper-connection (`hc_{attn,ffn,head}_*`).
+#[derive(Debug)]
+pub(crate) struct HyperConnection {
+    /// `[rows, hc_mult * hidden]`
+    pub func: Vec<f32>,
+    pub base: Vec<f32>,
+    pub scale: Vec<f32>,
+}
+
+/// A SwiGLU expert: `w2(silu(w1 x) * w3 x)`.
+#[derive(Debug)]
+pub(crate) struct Expert {
+    pub w1: Vec<f32>,
+    pub w2: Vec<f32>,
+    pub w3: Vec<f32>,
+    pub inter: usize,
+}
+
+#[derive(Debug)]
+pub(crate) enum Routing {
+    /// `tid2eid`: each token id's experts.
+    Hash(Vec<usize>),
+    /// The top-k of the scores plus this bias (which chooses only).
+    Scored(Option<Vec<f32>>),
+}
+
+#[derive(Debug)]
+pub(crate) struct V4LayerWeights {
+    pub kind: V4Layer,
+    pub attn_norm: Vec<f32>,
+    pub ffn_norm: Vec<f32>,
+    pub hc_attn: HyperConnection,
+    pub hc_ffn: HyperConnection,
+    pub wq_a: Vec<f32>,
+    pub q_norm: Vec<f32>,
+    pub wq_b: Vec<f32>,
+    pub wkv: Vec<f32>,
+    pub kv_norm: Vec<f32>,
+    pub wo_a: Vec<f32>,
+    pub wo_b: Vec<f32>,
+    pub sink: Vec<f32>,
+    pub compressor: Option<Compressor>,
+    pub indexer: Option<Indexer>,
+    pub gate: Vec<f32>,
+    pub routing: Routing,
+    pub experts: Vec<Expert>,
+    pub shared: Expert,
+}
+
+#[derive(Debug)]
+pub(crate) struct V4Weights {
+    pub embed: Vec<f32>,
+    pub head: Vec<f32>,
+    pub norm: Vec<f32>,
+    pub hc_head: HyperConnection,
+    pub layers: Vec<V4LayerWeights>,
+}
+
+impl V4Weights {
+    pub(crate) fn load(dir: &Path, c: &V4Config) -> Result<V4Weights, ModelError> {
+        let s = Shards::open(dir)?;
+        let (d, v, n) = (c.hidden, c.vocab, c.hc_mult);
+        let mix = (2 + n) * n;
+        let hc = |p: &str, rows: usize, scales: usize| -> Result<HyperConnection, ModelError> {
+            Ok(HyperConnection {
+                func: s.get(&format!("{p}fn"), &[rows, n * d])?,
+                base: s.get(&format!("{p}base"), &[rows])?,
+                scale: s.get(&format!("{p}scale"), &[scales])?,
+            })
+        };
+        let compressor = |p: &str, ratio: usize, row: usize| -> Result<Compressor, ModelError> {
+            let width = if ratio == 4 { 2 * row } else { row };
+            Ok(Compressor {
+                wkv: s.get(&format!("{p}wkv.weight"), &[width, d])?,
+                wgate: s.get(&format!("{p}wgate.weight"), &[width, d])?,
+                ape: s.get(&format!("{p}ape"), &[ratio, width])?,
+                norm: s.get(&format!("{p}norm.weight"), &[row])?,
+                width,
+            })
+        };
+        let expert = |p: &str, inter: usize| -> Result<Expert, ModelError> {
+            Ok(Expert {
+                w1: s.get(&format!("{p}w1.weight"), &[inter, d])?,
+                w2: s.get(&format!("{p}w2.weight"), &[d, inter])?,
+                w3: s.get(&format!("{p}w3.weight"), &[inter, d])?,
+                inter,
+            })
+        };
+        let (h, hd, ql) = (c.heads, c.head_dim, c.q_lora);
+        let mut layers = Vec::with_capacity(c.layers);
+        for l in 0..c.layers {
+            let p = format!("layers.{l}.");
+            let a = format!("{p}attn.");
+            let kind = c.kinds[l];
+            let routing = if l < c.hash_layers {
+                let (ids, shape) = s.get_ints(&format!("{p}ffn.gate.tid2eid"))?;
+                if shape != [v, c.top_k] || ids.iter().any(|&e| e < 0 || e as usize >= c.experts) {
+                    return Err(ModelError::format(
+                        dir,
+                        format!("{p}ffn.gate.tid2eid: shape {shape:?} or experts out of range"),
+                    ));
+                }
+                Routing::Hash(ids.into_iter().map(|e| e as usize).collect())
+            } else {
+                let bias = format!("{p}ffn.gate.bias");
+                Routing::Scored(if s.has(&bias) { Some(s.get(&bias, &[c.experts])?) } else { None })
+            };
+            layers.push(V4LayerWeights {
+                kind,
+                attn_norm: s.get(&format!("{p}attn_norm.weight"), &[d])?,
+                ffn_norm: s.get(&format!("{p}ffn_norm.weight"), &[d])?,
+                hc_attn: hc(&format!("{p}hc_attn_"), mix, 3)?,
+                hc_ffn: hc(&format!("{p}hc_ffn_"), mix, 3)?,
+                wq_a: s.get(&format!("{a}wq_a.weight"), &[ql, d])?,
+                q_norm: s.get(&format!("{a}q_norm.weight"), &[ql])?,
+                wq_b: s.get(&format!("{a}wq_b.weight"), &[h * hd, ql])?,
+                wkv: s.get(&format!("{a}wkv.weight"), &[hd, d])?,
+                kv_norm: s.get(&format!("{a}kv_norm.weight"), &[hd])?,
+                wo_a: s.get(&format!("{a}wo_a.weight"), &[c.o_groups * c.o_lora, h * hd / c.o_groups])?,
+                wo_b: s.get(&format!("{a}wo_b.weight"), &[d, c.o_groups * c.o_lora])?,
+                sink: s.get(&format!("{a}attn_sink"), &[h])?,
+                compressor: match kind.ratio() {
+                    0 => None,
+                    r => Some(compressor(&format!("{a}compressor."), r, hd)?),
+                },
+                indexer: match kind {
+                    V4Layer::CompressedSparse => Some(Indexer {
+                        wq_b: s
+                            .get(&format!("{a}indexer.wq_b.weight"), &[c.index_heads * c.index_dim, ql])?,
+                        weights_proj: s
+                            .get(&format!("{a}indexer.weights_proj.weight"), &[c.index_heads, d])?,
+                        compressor: compressor(&format!("{a}indexer.compressor."), 4, c.index_dim)?,
+                    }),
+                    _ => None,
+                },
+                gate: s.get(&format!("{p}ffn.gate.weight"), &[c.experts, d])?,
+                routing,
+                experts: (0..c.experts)
+                    .map(|e| expert(&format!("{p}ffn.experts.{e}."), c.moe_intermediate))
+                    .collect::<Result<_, _>>()?,
+                shared: expert(
+                    &format!("{p}ffn.shared_experts."),
+                    c.moe_intermediate * c.shared_experts.max(1),
+                )?,
+            });
+        }
+        Ok(V4Weights {
+            embed: s.get("embed.weight", &[v, d])?,
+            head: s.get("head.weight", &[v, d])?,
+            norm: s.get("norm.weight", &[d])?,
+            hc_head: hc("hc_head_", n, 1)?,
+            layers,
+        })
+    }
+}
