@@ -131,6 +131,52 @@ fn deepseek_v4_matches_the_numpy_reference() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The multi-token prediction layer drafts as the reference's: after the prompt and after each greedy
+/// step, its guess at the token after next given the token just chosen, and one more chained on.
+#[test]
+fn the_v4_mtp_layer_drafts_as_the_reference_does() {
+    let dir = checkpoint("mtp", "{}");
+    let model = DeepseekV4::load(&dir).unwrap();
+    assert!(model.has_draft());
+    let (ids, steps, guesses) = (prompt(40, 4), 4, 2);
+    let ids_json = serde_json::to_string(&ids).unwrap();
+    let out: Value = serde_json::from_slice(&script(&[
+        "mtp",
+        dir.to_str().unwrap(),
+        &ids_json,
+        &steps.to_string(),
+        &guesses.to_string(),
+    ]))
+    .unwrap();
+    let want: Vec<Vec<f32>> = out["drafts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect())
+        .collect();
+    let mut state = model.new_state();
+    let mut logits = model.forward(&mut state, &ids).unwrap();
+    let (mut greedy, mut drafts) = (Vec::new(), Vec::new());
+    for step in 0..steps {
+        let next = argmax(&logits) as u32;
+        greedy.push(next);
+        // The positions since the last draft, each with the token after it.
+        let after: Vec<u32> =
+            if step == 0 { ids[1..].iter().copied().chain([next]).collect() } else { vec![next] };
+        drafts.extend(model.draft(&mut state, &after, guesses).unwrap());
+        logits = model.forward(&mut state, &[next]).unwrap();
+    }
+    let want_greedy: Vec<u32> =
+        out["greedy"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+    assert_eq!(greedy, want_greedy);
+    assert_eq!(drafts.len(), want.len());
+    for (i, (a, b)) in drafts.iter().zip(&want).enumerate() {
+        let d = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-4, "draft {i}: logits differ from the reference by {d}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// What the engine cannot follow is refused by name.
 #[test]
 fn a_v4_config_that_does_not_fit_is_refused() {

@@ -91,6 +91,11 @@ pub(super) fn rms_norm(x: &[f32], w: Option<&[f32]>, eps: f32) -> Vec<f32> {
     }
 }
 
+/// The lowest index of the largest value.
+pub(super) fn argmax(v: &[f32]) -> usize {
+    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b })
+}
+
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }

@@ -42,6 +42,10 @@ pub struct V4State {
     layers: Vec<LayerState>,
     /// Tokens run so far (the next one's position).
     pub tokens: usize,
+    /// The draft layer's own state, and how many positions it has run.
+    draft: Option<(LayerState, usize)>,
+    /// The main model's streams at the positions the draft layer has not run yet.
+    pending: Vec<Vec<f32>>,
 }
 
 impl V4State {
@@ -79,7 +83,87 @@ impl DeepseekV4 {
     /// A new request's empty state.
     pub fn new_state(&self) -> V4State {
         let layers = self.w.layers.iter().map(|l| LayerState::new(l, &self.cfg)).collect();
-        V4State { layers, tokens: 0 }
+        let draft = self.w.draft.as_ref().map(|d| (LayerState::new(&d.layer, &self.cfg), 0));
+        V4State { layers, tokens: 0, draft, pending: Vec::new() }
+    }
+
+    fn ctx(&self, kind: V4Layer, pos: usize, token: usize) -> layer::Ctx<'_> {
+        let rope = if kind == V4Layer::Sliding { &self.rope_main } else { &self.rope_compressed };
+        layer::Ctx { c: &self.cfg, rope, pos, token }
+    }
+
+    /// Logits from the final streams through a hyper-connection head and a norm.
+    fn logits(&self, head: &weights::HyperConnection, norm: &[f32], streams: &[f32]) -> Vec<f32> {
+        let (d, n) = (self.cfg.hidden, self.cfg.hc_mult);
+        let (pre, _, _) = layer::mix(head, streams, n, d, &self.cfg, 1);
+        let y = layer::rms_norm(&layer::combine(&pre, streams, d), Some(norm), self.cfg.eps);
+        layer::matvec(&self.w.head, &y, d)
+    }
+
+    /// Whether the checkpoint has a multi-token prediction layer ([`draft`](Self::draft)).
+    pub fn has_draft(&self) -> bool {
+        self.w.draft.is_some()
+    }
+
+    /// The multi-token prediction layer over the positions [`forward`](Self::forward) ran since the last
+    /// call, each given the token after it (`next`, one per position): the logits of its guess after
+    /// the last (the token after next), then `guesses - 1` more chained on it (the layer again, a
+    /// position on, from its own streams and its last guess; their state is dropped after).
+    pub fn draft(
+        &self,
+        state: &mut V4State,
+        next: &[u32],
+        guesses: usize,
+    ) -> Result<Vec<Vec<f32>>, ModelError> {
+        let dw = self.w.draft.as_ref().ok_or_else(|| ModelError::format("config.json", "no draft layer"))?;
+        if next.len() != state.pending.len() || next.is_empty() {
+            return Err(ModelError::format(
+                "input",
+                format!("{} next tokens for {} positions", next.len(), state.pending.len()),
+            ));
+        }
+        let (d, n) = (self.cfg.hidden, self.cfg.hc_mult);
+        let (mut own, mut pos) = state.draft.take().expect("a draft layer's state");
+        // The layer's input streams: the next token's normed embedding and each normed main stream,
+        // each projected.
+        let input = |streams: &[f32], token: u32| -> Vec<f32> {
+            let t = token as usize;
+            let e = layer::matvec(
+                &dw.e_proj,
+                &layer::rms_norm(&self.w.embed[t * d..(t + 1) * d], Some(&dw.enorm), self.cfg.eps),
+                d,
+            );
+            streams
+                .chunks_exact(d)
+                .flat_map(|s| {
+                    let h = layer::matvec(&dw.h_proj, &layer::rms_norm(s, Some(&dw.hnorm), self.cfg.eps), d);
+                    h.into_iter().zip(&e).map(|(h, e)| h + e).collect::<Vec<_>>()
+                })
+                .collect()
+        };
+        let kind = dw.layer.kind;
+        let mut last = Vec::new();
+        for (streams, &token) in std::mem::take(&mut state.pending).iter().zip(next) {
+            last =
+                layer::run(&self.ctx(kind, pos, token as usize), &dw.layer, &mut own, &input(streams, token));
+            pos += 1;
+        }
+        let mut out = vec![self.logits(&dw.hc_head, &dw.norm, &last)];
+        let (mut chained, mut at) = (own.clone(), pos);
+        while out.len() < guesses {
+            let guess = layer::argmax(out.last().expect("one")) as u32;
+            last = layer::run(
+                &self.ctx(kind, at, guess as usize),
+                &dw.layer,
+                &mut chained,
+                &input(&last, guess),
+            );
+            at += 1;
+            out.push(self.logits(&dw.hc_head, &dw.norm, &last));
+        }
+        debug_assert_eq!(n * d, last.len());
+        state.draft = Some((own, pos));
+        Ok(out)
     }
 
     /// Runs `ids` after the state's tokens; the logits after the last of them.
@@ -96,17 +180,15 @@ impl DeepseekV4 {
             let embed = &self.w.embed[id * d..(id + 1) * d];
             let mut streams: Vec<f32> = (0..n).flat_map(|_| embed.iter().copied()).collect();
             for (l, lw) in self.w.layers.iter().enumerate() {
-                let rope = if lw.kind == V4Layer::Sliding { &self.rope_main } else { &self.rope_compressed };
-                let ctx = layer::Ctx { c: &self.cfg, rope, pos: t, token: id };
-                streams = layer::run(&ctx, lw, &mut state.layers[l], &streams);
+                streams = layer::run(&self.ctx(lw.kind, t, id), lw, &mut state.layers[l], &streams);
             }
             state.tokens += 1;
+            if state.draft.is_some() {
+                state.pending.push(streams.clone());
+            }
             last = Some(streams);
         }
         let streams = last.ok_or_else(|| ModelError::format("input", "no tokens"))?;
-        let (pre, _, _) = layer::mix(&self.w.hc_head, &streams, n, d, &self.cfg, 1);
-        let y = layer::combine(&pre, &streams, d);
-        let y = layer::rms_norm(&y, Some(&self.w.norm), self.cfg.eps);
-        Ok(layer::matvec(&self.w.head, &y, d))
+        Ok(self.logits(&self.w.hc_head, &self.w.norm, &streams))
     }
 }

@@ -76,6 +76,19 @@ pub(crate) struct V4LayerWeights {
     pub shared: Expert,
 }
 
+/// A multi-token prediction layer (`mtp.I.`): the next token's embedding and the main model's
+/// streams projected into its own streams, a decoder layer, its own hyper-connection head and norm.
+#[derive(Debug)]
+pub(crate) struct V4Draft {
+    pub e_proj: Vec<f32>,
+    pub h_proj: Vec<f32>,
+    pub enorm: Vec<f32>,
+    pub hnorm: Vec<f32>,
+    pub norm: Vec<f32>,
+    pub hc_head: HyperConnection,
+    pub layer: V4LayerWeights,
+}
+
 #[derive(Debug)]
 pub(crate) struct V4Weights {
     pub embed: Vec<f32>,
@@ -83,6 +96,7 @@ pub(crate) struct V4Weights {
     pub norm: Vec<f32>,
     pub hc_head: HyperConnection,
     pub layers: Vec<V4LayerWeights>,
+    pub draft: Option<V4Draft>,
 }
 
 impl V4Weights {
@@ -116,12 +130,13 @@ impl V4Weights {
             })
         };
         let (h, hd, ql) = (c.heads, c.head_dim, c.q_lora);
-        let mut layers = Vec::with_capacity(c.layers);
-        for l in 0..c.layers {
-            let p = format!("layers.{l}.");
+        let mut layers = Vec::with_capacity(c.layers + c.mtp_layers.min(1));
+        // The main layers, then the first MTP layer's decoder layer (never hash-routed).
+        for l in 0..c.layers + c.mtp_layers.min(1) {
+            let p = if l < c.layers { format!("layers.{l}.") } else { format!("mtp.{}.", l - c.layers) };
             let a = format!("{p}attn.");
             let kind = c.kinds[l];
-            let routing = if l < c.hash_layers {
+            let routing = if l < c.hash_layers.min(c.layers) {
                 let (ids, shape) = s.get_ints(&format!("{p}ffn.gate.tid2eid"))?;
                 if shape != [v, c.top_k] || ids.iter().any(|&e| e < 0 || e as usize >= c.experts) {
                     return Err(ModelError::format(
@@ -173,12 +188,25 @@ impl V4Weights {
                 )?,
             });
         }
+        let draft = match c.mtp_layers {
+            0 => None,
+            _ => Some(V4Draft {
+                e_proj: s.get("mtp.0.e_proj.weight", &[d, d])?,
+                h_proj: s.get("mtp.0.h_proj.weight", &[d, d])?,
+                enorm: s.get("mtp.0.enorm.weight", &[d])?,
+                hnorm: s.get("mtp.0.hnorm.weight", &[d])?,
+                norm: s.get("mtp.0.norm.weight", &[d])?,
+                hc_head: hc("mtp.0.hc_head_", n, 1)?,
+                layer: layers.pop().expect("the MTP layer, read last"),
+            }),
+        };
         Ok(V4Weights {
             embed: s.get("embed.weight", &[v, d])?,
             head: s.get("head.weight", &[v, d])?,
             norm: s.get("norm.weight", &[d])?,
             hc_head: hc("hc_head_", n, 1)?,
             layers,
+            draft,
         })
     }
 }
