@@ -31,7 +31,8 @@ pub(crate) fn e2m1_code(v: f32) -> u8 {
 /// A row-major `[rows, cols]` matrix of e2m1 codes, two a byte (the even column in the low nibble),
 /// with a scale per row and group of `group` columns: weight `(r, c)` is
 /// `e2m1(code) * scales[r * cols / group + c / group]`. `cols` is a multiple of `group` (16 or 32).
-/// A projection an FP4 checkpoint ships unquantized (its attention, say) is held `plain`, in f32,
+/// A projection an FP4 checkpoint ships unquantized (its attention, say) is held `plain`: in bf16
+/// where every value is one (a bf16 checkpoint's), else in f32,
 /// exactly, rather than rounded to 4 bits.
 #[derive(Debug, Clone)]
 pub struct Fp4Matrix {
@@ -40,7 +41,33 @@ pub struct Fp4Matrix {
     pub group: usize,
     pub packed: Vec<u8>,
     pub scales: Vec<f32>,
-    pub plain: Option<Vec<f32>>,
+    pub plain: Option<Plain>,
+}
+
+/// An unquantized matrix's values, exactly.
+#[derive(Debug, Clone)]
+pub enum Plain {
+    F32(Vec<f32>),
+    /// bf16 bits: every value had no more than bf16's 8 significant bits.
+    Bf16(Vec<u16>),
+}
+
+impl Plain {
+    /// `w` in bf16 where that is exact, else as it is.
+    fn of(w: &[f32]) -> Plain {
+        if w.iter().all(|v| v.to_bits() & 0xFFFF == 0) {
+            Plain::Bf16(w.iter().map(|v| (v.to_bits() >> 16) as u16).collect())
+        } else {
+            Plain::F32(w.to_vec())
+        }
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            Plain::F32(v) => 4 * v.len(),
+            Plain::Bf16(v) => 2 * v.len(),
+        }
+    }
 }
 
 impl Fp4Matrix {
@@ -55,7 +82,7 @@ impl Fp4Matrix {
             return None;
         }
         if scale.contains(&0.0) {
-            let plain = Some(w.to_vec());
+            let plain = Some(Plain::of(w));
             return Some(Fp4Matrix { rows, cols, group: 16, packed: Vec::new(), scales: Vec::new(), plain });
         }
         let constant = |g: usize| {
@@ -72,7 +99,7 @@ impl Fp4Matrix {
                 .all(|(&v, &s)| (crate::sys::e2m1_value(e2m1_code(v / s)) * s).to_bits() == v.to_bits())
         };
         let Some(group) = group.filter(|_| exact()) else {
-            let plain = Some(w.to_vec());
+            let plain = Some(Plain::of(w));
             return Some(Fp4Matrix { rows, cols, group: 16, packed: Vec::new(), scales: Vec::new(), plain });
         };
         Some(Fp4Matrix::encode(w, rows, cols, group, |i| scale[i]))
@@ -127,12 +154,19 @@ impl QuantMatrix for Fp4Matrix {
     }
 
     fn bytes(&self) -> usize {
-        self.packed.len() + 4 * self.scales.len() + 4 * self.plain.as_ref().map_or(0, Vec::len)
+        self.packed.len() + 4 * self.scales.len() + self.plain.as_ref().map_or(0, Plain::bytes)
     }
 
     fn dequantize_row(&self, r: usize) -> Vec<f32> {
-        if let Some(p) = &self.plain {
-            return p[r * self.cols..(r + 1) * self.cols].to_vec();
+        match &self.plain {
+            Some(Plain::F32(p)) => return p[r * self.cols..(r + 1) * self.cols].to_vec(),
+            Some(Plain::Bf16(p)) => {
+                return p[r * self.cols..(r + 1) * self.cols]
+                    .iter()
+                    .map(|&b| f32::from_bits(u32::from(b) << 16))
+                    .collect()
+            }
+            None => {}
         }
         let (packed, scales) = self.row(r);
         let mut out = vec![0.0; self.cols];
@@ -141,8 +175,10 @@ impl QuantMatrix for Fp4Matrix {
     }
 
     fn dot_row(&self, r: usize, x: &[f32], _xsum: &[f32]) -> f32 {
-        if let Some(p) = &self.plain {
-            return crate::sys::dot(x, &p[r * self.cols..(r + 1) * self.cols]);
+        match &self.plain {
+            Some(Plain::F32(p)) => return crate::sys::dot(x, &p[r * self.cols..(r + 1) * self.cols]),
+            Some(Plain::Bf16(p)) => return crate::sys::dot_bf16(x, &p[r * self.cols..(r + 1) * self.cols]),
+            None => {}
         }
         let (packed, scales) = self.row(r);
         crate::sys::dot_fp4(x, packed, scales, self.group)
@@ -191,9 +227,14 @@ mod tests {
         // Scales that change within 16 columns are no FP4 groups: held plain.
         assert!(Fp4Matrix::from_groups(&ragged, &ragged, rows, cols).unwrap().plain.is_some());
         assert!(Fp4Matrix::from_groups(&ragged, &ragged, rows, cols - 1).is_none());
-        // Shipped unquantized: held as it is.
+        // Shipped unquantized: held as it is, in bf16 where that is exact (these small integers).
         let m = Fp4Matrix::from_groups(&ragged, &vec![0.0; rows * cols], rows, cols).unwrap();
-        assert_eq!((m.dequantize_row(1), m.bytes()), (ragged[cols..2 * cols].to_vec(), 4 * rows * cols));
+        assert_eq!((m.dequantize_row(1), m.bytes()), (ragged[cols..2 * cols].to_vec(), 2 * rows * cols));
+        let x: Vec<f32> = (0..cols).map(|i| 0.1 * i as f32 - 1.0).collect();
+        assert_eq!(m.dot_row(2, &x, &[]).to_bits(), crate::sys::dot(&x, &ragged[2 * cols..]).to_bits());
+        let fine: Vec<f32> = ragged.iter().map(|v| v + 1e-3).collect();
+        let m = Fp4Matrix::from_groups(&fine, &vec![0.0; rows * cols], rows, cols).unwrap();
+        assert_eq!((m.dequantize_row(0), m.bytes()), (fine[..cols].to_vec(), 4 * rows * cols));
         // Another format's block scales (FP8 beside FP4 experts): its values are not e2m1 codes
         // times them, so the matrix is held plain, not rounded to 4 bits.
         let fp8: Vec<f32> = (0..rows * cols).map(|i| 1.125 * (1 + i % 3) as f32).collect();

@@ -51,7 +51,7 @@ pub use config::{ExpertGroups, GroupScore, Indexer, Mla, ModelConfig, Moe, MoeNa
 pub use cpu::CpuBackend;
 pub use deepseek_v4::{DeepseekV4, V4Config, V4Layer, V4State};
 pub use error::ModelError;
-pub use fp4::Fp4Matrix;
+pub use fp4::{Fp4Matrix, Plain};
 pub use fp8::Fp8Matrix;
 pub use generation::GenerationConfig;
 #[cfg(feature = "cuda")]

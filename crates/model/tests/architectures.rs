@@ -275,7 +275,7 @@ fn every_architecture_and_rope_scaling_matches_the_numpy_reference() {
                 assert!(max_diff(unrounded.unwrap(), &want_logits) > 1e-3, "{name}: MXFP4 changed nothing");
                 // Served as shipped: the experts' 4-bit codes and powers of two, the rest exactly as
                 // the f32 path reads it.
-                assert_served_as_shipped(&dir, name, "fp4", (&got_logits, &got_greedy), 0.7);
+                assert_served_as_shipped(&dir, name, "fp4", (&got_logits, &got_greedy), 0.65);
             }
             (n, Some(p)) if n.ends_with("-nvfp4") => {
                 if n == "llama-nvfp4" {
@@ -716,7 +716,7 @@ fn the_random_deepseek_shape_loads_and_runs() {
     let mx = pdserve_import::RandomDeepSeek { mxfp4_experts: true, mtp: false, ..shape };
     mx.write(&dir).unwrap();
     let f32 = ours_with(load_as(&dir, WeightFormat::F32));
-    assert_served_as_shipped(&dir, "random mxfp4", "fp4", (&f32.0, &f32.1), 0.7);
+    assert_served_as_shipped(&dir, "random mxfp4", "fp4", (&f32.0, &f32.1), 0.45);
     assert!(max_diff(&f32.0, &logits) > 1e-3, "MXFP4 rounding changed nothing");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -7,6 +7,7 @@
 use rayon::prelude::*;
 
 use super::QRef;
+use crate::fp4::Plain;
 use crate::quant::{Bf16Layout, Bf16Matrix, QuantMatrix, GROUP};
 use crate::sys::{
     dot, dot_bf16, gemm_bf16_par, gemm_rows_bf16, gemm_rows_f32, to_bf16, Bf16RowMajor, CpuKernels,
@@ -55,7 +56,8 @@ pub(super) fn matvec_wide(x: &[f32], t: usize, k: usize, m: QRef<'_>, out: &mut 
             gemm_rows_f32(x, t, k, m.rows, &w, out)
         }
         QRef::Fp4(m) if fits => match &m.plain {
-            Some(p) => gemm_rows_f32(x, t, k, m.rows, &F32Weights(p), out),
+            Some(Plain::F32(p)) => gemm_rows_f32(x, t, k, m.rows, &F32Weights(p), out),
+            Some(Plain::Bf16(p)) => gemm_rows_f32(x, t, k, m.rows, &Bf16RowMajor { values: p, cols: k }, out),
             None => {
                 let w = Fp4Weights { packed: &m.packed, scales: &m.scales, group: m.group, cols: k };
                 gemm_rows_f32(x, t, k, m.rows, &w, out)
