@@ -140,6 +140,13 @@ impl crate::KvGroups {
             }
             for (id, s) in &g.seqs {
                 let f = first.seqs.get(id).ok_or_else(|| format!("group {i} holds {id}, group 0 not"))?;
+                if f.blocks.len() != s.blocks.len() {
+                    return Err(format!(
+                        "{id}: {} blocks in group {i}, {} in group 0",
+                        s.blocks.len(),
+                        f.blocks.len()
+                    ));
+                }
                 if (f.computed, &f.tokens) != (s.computed, &s.tokens) {
                     return Err(format!(
                         "{id}: group {i} is at {} tokens, group 0 at {}",
@@ -149,7 +156,7 @@ impl crate::KvGroups {
             }
             for (t, l) in &g.leases {
                 let f = first.leases.get(t).ok_or_else(|| format!("group {i} holds {t}, group 0 not"))?;
-                if (f.expires_at, f.tokens) != (l.expires_at, l.tokens) {
+                if (f.expires_at, f.tokens, f.blocks.len()) != (l.expires_at, l.tokens, l.blocks.len()) {
                     return Err(format!("{t}: group {i}'s lease differs from group 0's"));
                 }
             }
@@ -172,6 +179,9 @@ impl crate::KvGroups {
             hold(s, StateOwner::Sequence(seq))?;
         }
         for (&t, &s) in &self.lease_states {
+            if !first.leases.contains_key(&t) {
+                return Err(format!("{t} has a state slot but no blocks"));
+            }
             hold(s, StateOwner::Lease(t))?;
         }
         for r in self.restore.values() {

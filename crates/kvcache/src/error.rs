@@ -60,6 +60,12 @@ pub enum KvError {
         computed: usize,
         requested: usize,
     },
+    /// A write of a request's state for a transfer that no longer holds that slot at that epoch.
+    StaleStateWrite {
+        transfer: TransferId,
+        state: u32,
+        epoch: u32,
+    },
     /// A write for a block this transfer no longer holds at that epoch.
     StaleWrite {
         transfer: TransferId,
@@ -94,6 +100,9 @@ impl fmt::Display for KvError {
             KvError::OutOfStates { slots } => write!(f, "all {slots} request state slots are in use"),
             KvError::StateRewind { seq, computed, requested } => {
                 write!(f, "{seq}: cannot cut back to {requested} tokens: its state has computed {computed}")
+            }
+            KvError::StaleStateWrite { transfer, state, epoch } => {
+                write!(f, "{transfer}: stale write to state slot {state} at epoch {epoch}")
             }
             KvError::StaleWrite { transfer, block, epoch } => {
                 write!(f, "{transfer}: stale write to {block} at epoch {epoch}")

@@ -137,6 +137,9 @@ pub struct GroupHit {
 pub struct GroupLease<'a> {
     pub groups: Vec<LeaseView<'a>>,
     pub state: StateId,
+    /// The state slot's epoch when the lease took it: a transfer's write of the state carries it
+    /// ([`KvGroups::check_state_write`]).
+    pub state_epoch: u32,
 }
 
 /// Who holds a state slot.
@@ -175,6 +178,10 @@ pub struct KvGroups {
     pub(crate) config: GroupsConfig,
     pub(crate) groups: Vec<KvCache>,
     pub(crate) owners: Vec<Option<StateOwner>>,
+    /// Each slot's epoch, moved on each time it is taken (a late write for an earlier owner is seen).
+    epochs: Vec<u32>,
+    /// Restore points a handed-out copy reads or writes, kept until [`copies_done`](Self::copies_done).
+    copying: Vec<StateId>,
     pub(crate) free_states: Vec<StateId>,
     pub(crate) states: IdMap<SeqId, StateId>,
     pub(crate) lease_states: IdMap<TransferId, StateId>,
@@ -203,6 +210,8 @@ impl KvGroups {
         Ok(KvGroups {
             groups,
             owners: vec![None; n as usize],
+            epochs: vec![0; n as usize],
+            copying: Vec::new(),
             free_states: (0..n).rev().map(StateId).collect(),
             states: IdMap::default(),
             lease_states: IdMap::default(),
@@ -252,6 +261,7 @@ impl KvGroups {
         }
         let s = self.free_states.pop().ok_or(KvError::OutOfStates { slots: self.owners.len() })?;
         self.owners[s.0 as usize] = Some(owner);
+        self.epochs[s.0 as usize] = self.epochs[s.0 as usize].wrapping_add(1);
         Ok(s)
     }
 
@@ -267,11 +277,17 @@ impl KvGroups {
 
     /// [`evict_restore_points`](Self::evict_restore_points) but the one at `keep`.
     fn evict_points(&mut self, n: usize, keep: Option<NodeId>) -> usize {
-        let mut by_age: Vec<(u64, NodeId)> =
-            self.restore.iter().filter(|(&k, _)| Some(k) != keep).map(|(&k, r)| (r.last_used, k)).collect();
+        // Stale points (their node's block since reused) first, then the least recently used; never
+        // one a handed-out copy still reads or writes.
+        let mut by_age: Vec<(bool, u64, NodeId)> = self
+            .restore
+            .iter()
+            .filter(|(&k, r)| Some(k) != keep && !self.copying.contains(&r.state))
+            .map(|(&k, r)| (self.anchor_valid(k, r), r.last_used, k))
+            .collect();
         by_age.sort_unstable();
         let mut dropped = 0;
-        for (_, node) in by_age.into_iter().take(n) {
+        for (_, _, node) in by_age.into_iter().take(n) {
             if let Some(r) = self.restore.remove(&node) {
                 self.give_state(r.state);
                 self.stats.restore_points_evicted_total += 1;
@@ -279,6 +295,31 @@ impl KvGroups {
             }
         }
         dropped
+    }
+
+    /// Whether restore point `r` at `node` still ends the prefix it was saved for.
+    fn anchor_valid(&self, node: NodeId, r: &RestorePoint) -> bool {
+        let g = &self.groups[0];
+        g.tree.nodes.get(node.0 as usize).is_some_and(|n| n.live && n.block == r.block)
+            && g.blocks[r.block.0 as usize].epoch == r.epoch
+    }
+
+    /// Says the backend has performed every [`StateCopy`] handed out so far: the restore points they
+    /// read or wrote may be evicted again. Until then they are kept, so no slot a pending copy
+    /// touches changes hands.
+    pub fn copies_done(&mut self) {
+        self.copying.clear();
+    }
+
+    /// Checks that a transfer's write of its lease's state at `epoch` still targets the slot the lease
+    /// took: a late write for an ended lease, or into a slot since taken by another, is refused.
+    pub fn check_state_write(&self, transfer: TransferId, state: StateId, epoch: u32) -> Result<(), KvError> {
+        let held = self.lease_states.get(&transfer) == Some(&state);
+        if held && self.epochs.get(state.0 as usize) == Some(&epoch) {
+            Ok(())
+        } else {
+            Err(KvError::StaleStateWrite { transfer, state: state.0, epoch })
+        }
     }
 
     /// Group 0's cached path for `tokens`' first `blocks` blocks, each node with its block and epoch.
@@ -338,6 +379,7 @@ impl KvGroups {
         let mut restore = None;
         if let Some((node, r)) = point {
             self.stats.restore_hits_total += 1;
+            self.copying.push(r.state);
             restore = Some(StateCopy { from: r.state, to: state });
             if let Some(p) = self.restore.get_mut(&node) {
                 p.last_used = self.clock;
@@ -464,6 +506,7 @@ impl KvGroups {
         self.clock += 1;
         self.restore
             .insert(end.0, RestorePoint { block: end.1, epoch: end.2, state: to, last_used: self.clock });
+        self.copying.push(to);
         Ok(Some(StateCopy { from: state, to }))
     }
 
@@ -542,7 +585,7 @@ impl KvGroups {
     fn lease_view(&self, transfer: TransferId) -> Result<GroupLease<'_>, KvError> {
         let state = *self.lease_states.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
         let groups = self.groups.iter().map(|g| g.lease(transfer)).collect::<Result<_, _>>()?;
-        Ok(GroupLease { groups, state })
+        Ok(GroupLease { groups, state, state_epoch: self.epochs[state.0 as usize] })
     }
 
     /// A lease's blocks in every group and its state slot.

@@ -6,7 +6,9 @@
 
 use std::collections::HashMap;
 
-use crate::{BlockId, GroupSpec, GroupsConfig, KvError, KvGroups, LayerKind, SeqId, StateId, TransferId};
+use crate::{
+    BlockId, GroupSpec, GroupsConfig, KvError, KvGroups, LayerKind, SeqId, StateCopy, StateId, TransferId,
+};
 
 /// Tokens per block in [`config`]'s groups.
 pub const BLOCK_TOKENS: u32 = 8;
@@ -149,8 +151,11 @@ pub struct GroupDriver {
     next_token: u32,
     blocks: HashMap<(usize, BlockId), u64>,
     states: HashMap<StateId, u64>,
-    /// Each destination lease's tokens (what its adoption covers).
-    incoming: HashMap<TransferId, Vec<u32>>,
+    /// Each destination lease's tokens (what its adoption covers) and its state slot and epoch.
+    incoming: HashMap<TransferId, (Vec<u32>, StateId, u32)>,
+    /// State copies handed out and not performed yet, each with what its source must hold then (a
+    /// restore's prefix), in order: the backend performs them before the next step.
+    pending: Vec<(StateCopy, Option<u64>)>,
     pub restores: u64,
 }
 
@@ -163,6 +168,7 @@ impl GroupDriver {
             blocks: HashMap::new(),
             states: HashMap::new(),
             incoming: HashMap::new(),
+            pending: Vec::new(),
             restores: 0,
         })
     }
@@ -186,6 +192,19 @@ impl GroupDriver {
         }
     }
 
+    /// Performs the state copies handed out so far, in order, checking each restore's source still
+    /// holds its prefix's state (no pending copy's restore point was evicted and its slot reused).
+    fn flush(&mut self) {
+        for (c, want) in std::mem::take(&mut self.pending) {
+            let v = self.states[&c.from];
+            if let Some(w) = want {
+                assert_eq!(v, w, "a restore point changed before its copy was performed");
+            }
+            self.states.insert(c.to, v);
+        }
+        self.kv.copies_done();
+    }
+
     /// Full blocks of `seq` between `from` and `to` tokens now hold their prefix's content.
     fn fill(&mut self, seq: SeqId, from: usize, to: usize) -> Result<(), KvError> {
         let bt = BLOCK_TOKENS as usize;
@@ -202,6 +221,7 @@ impl GroupDriver {
     }
 
     fn step(&mut self, id: SeqId, n: usize) -> Result<(), KvError> {
+        self.flush();
         let kv = &mut self.kv;
         let computed = kv.computed_tokens(id)?;
         let missing = (computed + n).saturating_sub(kv.tokens(id)?.len());
@@ -223,6 +243,15 @@ impl GroupDriver {
 
     fn apply_inner(&mut self, op: GroupOp) -> Result<(), KvError> {
         let bt = BLOCK_TOKENS as usize;
+        // Copies wait while more requests are admitted, forked or saved (their restore points must
+        // survive that); anything else runs after the backend performed them.
+        let defer = matches!(
+            op,
+            GroupOp::Add { .. } | GroupOp::Fork { .. } | GroupOp::EvictRestore { .. } | GroupOp::Tick { .. }
+        );
+        if !defer {
+            self.flush();
+        }
         match op {
             GroupOp::Add { seq, family, len } => {
                 let (id, p) = (SeqId(seq.into()), prompt(family, seq, len));
@@ -235,23 +264,20 @@ impl GroupDriver {
                         assert_eq!(self.blocks.get(&(g, *b)), Some(&want), "group {g} block {i} of a hit");
                     }
                 }
-                let restored = match hit.restore {
+                match hit.restore {
                     Some(c) => {
                         assert_eq!(c.to, hit.state);
                         self.restores += 1;
-                        let v = self.states[&c.from];
-                        assert_eq!(v, content(&p[..k]), "the restore point is not the prefix's state");
-                        v
+                        self.pending.push((c, Some(content(&p[..k]))));
                     }
                     None => {
                         assert!(
                             k == 0 || self.kv.config().state_bytes == 0,
                             "a stateful hit without a restore"
                         );
-                        content(&p[..k])
+                        self.states.insert(hit.state, content(&p[..k]));
                     }
-                };
-                self.states.insert(hit.state, restored);
+                }
                 Ok(())
             }
             GroupOp::Step { seq, n } => self.step(SeqId(seq.into()), n.into()),
@@ -260,15 +286,13 @@ impl GroupDriver {
                 let computed = self.kv.computed_tokens(id)?;
                 self.step(id, (bt - computed % bt) % bt)?;
                 if let Some(c) = self.kv.save_restore_point(id)? {
-                    let v = self.states[&c.from];
-                    self.states.insert(c.to, v);
+                    self.pending.push((c, None));
                 }
                 Ok(())
             }
             GroupOp::Fork { parent, child } => {
                 let c = self.kv.fork(SeqId(parent.into()), SeqId(child.into()))?;
-                let v = self.states[&c.from];
-                self.states.insert(c.to, v);
+                self.pending.push((c, None));
                 Ok(())
             }
             GroupOp::Free { seq, cache } => self.kv.free_sequence(SeqId(seq.into()), cache),
@@ -295,23 +319,33 @@ impl GroupDriver {
                         }
                     }
                 }
-                // The transfer writes the fresh blocks and the state.
-                let state = lease.state;
+                // The transfer writes the fresh blocks and the state, at the epoch the lease took.
+                let (state, epoch) = (lease.state, lease.state_epoch);
+                self.kv.check_state_write(t, state, epoch).expect("the lease's own slot");
+                assert!(self.kv.check_state_write(t, state, epoch.wrapping_sub(1)).is_err());
                 self.blocks.extend(filled);
                 self.states.insert(state, content(&p));
-                self.incoming.insert(t, p);
+                self.incoming.insert(t, (p, state, epoch));
                 Ok(())
             }
             GroupOp::Adopt { transfer, seq } => {
                 let t = TransferId(transfer.into());
-                let Some(p) = self.incoming.get(&t).cloned() else { return Ok(()) };
+                let Some((p, _, _)) = self.incoming.get(&t).cloned() else { return Ok(()) };
                 self.kv.adopt_lease(t, SeqId(seq.into()), &p)?;
                 self.incoming.remove(&t);
                 Ok(())
             }
             GroupOp::Release { transfer } => {
-                self.incoming.remove(&TransferId(transfer.into()));
-                self.kv.release_lease(TransferId(transfer.into()))
+                let t = TransferId(transfer.into());
+                self.kv.release_lease(t)?;
+                // A late write of the ended lease's state is refused.
+                if let Some((_, state, epoch)) = self.incoming.remove(&t) {
+                    assert!(
+                        self.kv.check_state_write(t, state, epoch).is_err(),
+                        "a late state write accepted"
+                    );
+                }
+                Ok(())
             }
             GroupOp::Tick { by } => {
                 self.now += u64::from(by);
@@ -334,6 +368,7 @@ impl GroupDriver {
 
     /// Ends everything and checks that every block and state slot is free again.
     pub fn drain(&mut self) {
+        self.flush();
         let seqs: Vec<SeqId> = self.kv.states.keys().copied().collect();
         for s in seqs {
             self.kv.free_sequence(s, false).expect("a live sequence");

@@ -122,7 +122,10 @@ fn state_slots_are_bounded_and_restore_points_give_way() {
     run(&mut kv, a, BT);
     assert!(kv.save_restore_point(a).unwrap().is_some());
     assert_eq!(kv.state_stats().free, 0);
-    // The point makes room for a second request...
+    // Until the backend has made the copy into it, the point keeps its slot...
+    assert_eq!(kv.add_sequence(SeqId(2), &[7; 9]), Err(KvError::OutOfStates { slots: 2 }));
+    kv.copies_done();
+    // ... then it makes room for a second request...
     kv.add_sequence(SeqId(2), &[7; 9]).unwrap();
     assert_eq!((kv.state_stats().restore_points, kv.state_stats().restore_points_evicted_total), (0, 1));
     // ... but two live requests hold every slot: a third is refused, nothing changed.
@@ -174,8 +177,10 @@ fn a_grouped_request_moves_as_group_blocks_plus_its_state() {
     let state = prefill.state(s).unwrap();
     let lease = prefill.lease_sequence(s, TransferId(5), 1_000).unwrap();
     assert_eq!(lease.state, state);
+    let epoch = lease.state_epoch;
     assert_eq!(lease.groups.iter().map(|l| l.blocks.len()).collect::<Vec<_>>(), [4, 4, 4]);
     assert_eq!(prefill.group(2).stats().owned(OwnerKind::Transfer), 4);
+    assert!(prefill.check_state_write(TransferId(5), state, epoch).is_ok());
 
     let mut decode = groups([16, 16, 16], 100, 4);
     // The decode side holds the prompt's first block already (an earlier request's), in every group.
@@ -190,6 +195,8 @@ fn a_grouped_request_moves_as_group_blocks_plus_its_state() {
     decode.adopt_lease(TransferId(5), SeqId(1), &prompt).unwrap();
     assert_eq!(decode.computed_tokens(SeqId(1)).unwrap(), 27);
     prefill.release_lease(TransferId(5)).unwrap();
+    // A late write of the ended lease's state is refused, whoever takes the slot next.
+    assert!(prefill.check_state_write(TransferId(5), state, epoch).is_err());
     assert_eq!(prefill.state_stats().free, 4);
     prefill.check_invariants().unwrap();
     decode.check_invariants().unwrap();

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
+use safetensors::tensor::TensorView;
 use safetensors::{Dtype, SafeTensors};
 
 use crate::bits16::{bf16_value, f16_value};
@@ -52,21 +53,30 @@ impl Shards {
         Ok(Shards { maps, index, fp8_block: None })
     }
 
-    /// Tensor `name` as f32, checked against `shape`.
-    pub(crate) fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+    /// Tensor `name` where it lies: its file, that file's map and the view (a missing one is an error
+    /// naming it, with `why` after).
+    fn view(&self, name: &str, why: &str) -> Result<(&Path, &Mmap, TensorView<'_>), ModelError> {
         let &i = self
             .index
             .get(name)
-            .ok_or_else(|| ModelError::format(&self.maps[0].0, format!("missing tensor {name}")))?;
+            .ok_or_else(|| ModelError::format(&self.maps[0].0, format!("missing tensor {name}{why}")))?;
         let (path, map) = &self.maps[i];
         let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
         let t = st.tensor(name).map_err(|e| ModelError::format(path, e.to_string()))?;
+        Ok((path, map, t))
+    }
+
+    /// Tensor `name` as f32, checked against `shape`.
+    pub(crate) fn get(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        let (path, map, t) = self.view(name, "")?;
         if shape.len() == 2 && self.fp4(name) {
             // FP4: two codes a byte, the even column low, each times its group's scale.
             let (scales, group) = self.fp4_scales(name, shape)?;
             let (cols, groups) = (shape[1], shape[1] / group);
             let b = t.data();
-            if b.len() * 2 != shape[0] * cols {
+            // Codes two a byte (`[rows, cols / 2]`), or `F4` counting 4-bit elements (`[rows, cols]`).
+            let stored = if t.dtype() == Dtype::F4 { [shape[0], cols] } else { [shape[0], cols / 2] };
+            if t.shape() != stored || b.len() * 2 != shape[0] * cols {
                 return Err(ModelError::format(
                     path,
                     format!("FP4 tensor {name} has shape {:?}, expected {shape:?} in codes", t.shape()),
@@ -120,13 +130,7 @@ impl Shards {
 
     /// Integer tensor `name` (i32 or i64) and its shape.
     pub(crate) fn get_ints(&self, name: &str) -> Result<(Vec<i64>, Vec<usize>), ModelError> {
-        let &i = self
-            .index
-            .get(name)
-            .ok_or_else(|| ModelError::format(&self.maps[0].0, format!("missing tensor {name}")))?;
-        let (path, map) = &self.maps[i];
-        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
-        let t = st.tensor(name).map_err(|e| ModelError::format(path, e.to_string()))?;
+        let (_, _, t) = self.view(name, "")?;
         let b = t.data();
         let values = match t.dtype() {
             Dtype::I32 => {
@@ -192,12 +196,7 @@ impl Shards {
     /// Scale tensor `n` (f32, bf16, e4m3 or ue8m0 as stored; u8 read as ue8m0) as f32, checked to
     /// hold as many values as `want`.
     fn scale_values(&self, n: &str, want: &[usize], of: &str) -> Result<Vec<f32>, ModelError> {
-        let &i = self.index.get(n).ok_or_else(|| {
-            ModelError::format(&self.maps[0].0, format!("missing tensor {n} (the scales of {of})"))
-        })?;
-        let (path, map) = &self.maps[i];
-        let st = SafeTensors::deserialize(map).map_err(|e| ModelError::format(path, e.to_string()))?;
-        let t = st.tensor(n).map_err(|e| ModelError::format(path, e.to_string()))?;
+        let (path, _, t) = self.view(n, &format!(" (the scales of {of})"))?;
         let count: usize = t.shape().iter().product();
         if count != want.iter().product::<usize>() {
             return Err(ModelError::format(

@@ -259,10 +259,7 @@ impl Weights {
             // Experts shipped in FP4 (MXFP4, as DeepSeek V4's are) make it an FP4 checkpoint: they
             // are most of its bytes, and served in FP4 they stay as shipped.
             d if d != CheckpointDtype::Fp4
-                && s.index
-                    .keys()
-                    .find(|n| n.contains(".experts.") && n.ends_with(".weight"))
-                    .is_some_and(|n| s.fp4(n)) =>
+                && s.index.keys().any(|n| n.contains(".experts.") && n.ends_with(".weight") && s.fp4(n)) =>
             {
                 CheckpointDtype::Fp4
             }

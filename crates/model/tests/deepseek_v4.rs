@@ -154,7 +154,11 @@ fn the_v4_mtp_layer_drafts_as_the_reference_does() {
         .iter()
         .map(|d| d.as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect())
         .collect();
-    let mut state = model.new_state();
+    // (A state made without drafting keeps no streams and refuses to draft.)
+    let mut plain = model.new_state();
+    model.forward(&mut plain, &ids).unwrap();
+    assert!(model.draft(&mut plain, &ids[1..], 1).is_err());
+    let mut state = model.new_drafting_state().unwrap();
     let mut logits = model.forward(&mut state, &ids).unwrap();
     let (mut greedy, mut drafts) = (Vec::new(), Vec::new());
     for step in 0..steps {
@@ -186,6 +190,11 @@ fn a_v4_config_that_does_not_fit_is_refused() {
     v["scoring_func"] = "softmax".into();
     let e = V4Config::from_json(&v.to_string()).unwrap_err().to_string();
     assert!(e.contains("scoring_func"), "{e}");
+    // A token past the vocabulary is refused before anything runs.
+    let model = DeepseekV4::load(&dir).unwrap();
+    let mut state = model.new_state();
+    assert!(model.forward(&mut state, &[1, 2, 500]).is_err());
+    assert_eq!(state.tokens, 0);
     v["scoring_func"] = "sqrtsoftplus".into();
     v["num_key_value_heads"] = 2.into();
     assert!(V4Config::from_json(&v.to_string()).unwrap_err().to_string().contains("num_key_value_heads"));

@@ -83,8 +83,21 @@ impl DeepseekV4 {
     /// A new request's empty state.
     pub fn new_state(&self) -> V4State {
         let layers = self.w.layers.iter().map(|l| LayerState::new(l, &self.cfg)).collect();
-        let draft = self.w.draft.as_ref().map(|d| (LayerState::new(&d.layer, &self.cfg), 0));
-        V4State { layers, tokens: 0, draft, pending: Vec::new() }
+        V4State { layers, tokens: 0, draft: None, pending: Vec::new() }
+    }
+
+    /// A new request's empty state that drafts ([`draft`](Self::draft)): the main model's streams
+    /// are kept for the draft layer until it runs over them. Errors without a draft layer.
+    pub fn new_drafting_state(&self) -> Result<V4State, ModelError> {
+        let d = self.w.draft.as_ref().ok_or_else(|| ModelError::format("config.json", "no draft layer"))?;
+        Ok(V4State { draft: Some((LayerState::new(&d.layer, &self.cfg), 0)), ..self.new_state() })
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<(), ModelError> {
+        match ids.iter().find(|&&id| id as usize >= self.cfg.vocab) {
+            Some(id) => Err(ModelError::format("input", format!("token {id} is past the vocabulary"))),
+            None => Ok(()),
+        }
     }
 
     fn ctx(&self, kind: V4Layer, pos: usize, token: usize) -> layer::Ctx<'_> {
@@ -116,6 +129,10 @@ impl DeepseekV4 {
         guesses: usize,
     ) -> Result<Vec<Vec<f32>>, ModelError> {
         let dw = self.w.draft.as_ref().ok_or_else(|| ModelError::format("config.json", "no draft layer"))?;
+        self.check_ids(next)?;
+        if state.draft.is_none() {
+            return Err(ModelError::format("input", "a state made without drafting (new_drafting_state)"));
+        }
         if next.len() != state.pending.len() || next.is_empty() {
             return Err(ModelError::format(
                 "input",
@@ -168,13 +185,12 @@ impl DeepseekV4 {
 
     /// Runs `ids` after the state's tokens; the logits after the last of them.
     pub fn forward(&self, state: &mut V4State, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
+        // (Every id checked first: a refused call changes nothing.)
+        self.check_ids(ids)?;
         let (d, n) = (self.cfg.hidden, self.cfg.hc_mult);
         let mut last = None;
         for &id in ids {
             let id = id as usize;
-            if id >= self.cfg.vocab {
-                return Err(ModelError::format("input", format!("token {id} is past the vocabulary")));
-            }
             let t = state.tokens;
             // Every stream starts as the token's embedding.
             let embed = &self.w.embed[id * d..(id + 1) * d];
