@@ -216,6 +216,8 @@ impl Engine {
             weight_bytes: built.weight_bytes,
             kv_bytes: built.kv_bytes,
             kv_bytes_per_token: built.kv_bytes_per_token,
+            kv_groups: vec![kv_group(&model, built.kv_bytes_per_token, config.kv_blocks)],
+            kv_state_bytes: 0,
             speculative: config.speculative.name(),
             kv_dtype: config.resolved_kv_dtype(),
             sampling_defaults: files.generation.sampling_defaults(),
@@ -585,5 +587,28 @@ impl Drop for Engine {
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+    }
+}
+
+/// A one-group model's KV as a KV group: every layer keeps a row per token (its K and V, or a
+/// latent-attention model's latent row), over a sliding window where the model has one.
+fn kv_group(
+    model: &pdserve_model::ModelConfig,
+    bytes_per_token: usize,
+    blocks: usize,
+) -> pdserve_kvcache::GroupSpec {
+    use pdserve_kvcache::{GroupSpec, LayerKind};
+    let layers = (model.num_layers + model.draft_layers).max(1);
+    let (name, kind) = match (model.mla.is_some(), model.sliding_window) {
+        (true, _) => ("latent", LayerKind::Full),
+        (false, Some(w)) => ("window", LayerKind::Sliding { window: w as u32 }),
+        (false, None) => ("full", LayerKind::Full),
+    };
+    GroupSpec {
+        name: name.into(),
+        kind,
+        layers: layers as u32,
+        row_bytes: (bytes_per_token / layers) as u32,
+        num_blocks: blocks as u32,
     }
 }

@@ -27,6 +27,12 @@ pub struct EngineInfo {
     /// Bytes of KV one token holds over every layer: K and V of every KV head, or a latent-attention
     /// model's latent row (`kv_lora_rank + qk_rope_head_dim` values per layer).
     pub kv_bytes_per_token: usize,
+    /// The KV groups (`pdserve_kvcache::KvGroups`): what each kind of layer keeps per token. A
+    /// Llama-family or DeepSeek V2/V3 model is one group ("full", "window" or "latent").
+    pub kv_groups: Vec<pdserve_kvcache::GroupSpec>,
+    /// Bytes each request holds outside the blocks (a window's ring, compressors' partial groups): 0
+    /// for a one-group model.
+    pub kv_state_bytes: usize,
     /// Where drafts come from: "mtp" (the model's draft layer), "prompt-lookup" or "off".
     pub speculative: &'static str,
     /// Where a request gives no sampling settings: the model's `generation_config.json` over the

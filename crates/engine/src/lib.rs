@@ -63,6 +63,7 @@ pub use load::{default_transport, TransportSpec};
 pub use offload::OffloadConfig;
 pub use pdserve_chat_template::{Piece, ReasoningFormat, ReasoningParser, ToolCallParser, ToolFormat};
 pub use pdserve_kv_events::KvEventsConfig;
+pub use pdserve_kvcache::{GroupSpec as KvGroupSpec, LayerKind as KvLayerKind};
 pub use pdserve_pd_transfer::transport::shm::valid_scope as valid_shm_scope;
 pub use pdserve_scheduler::{AdmissionOrder, SchedulerConfig};
 pub use request::{Finish, Id, Input, Output, PanicSite, Request, Timings};

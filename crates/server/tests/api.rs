@@ -113,6 +113,14 @@ fn models_health_metrics_and_debug() {
     let w = worker();
     let (s, v) = w.json("GET", "/v1/models", "");
     assert_eq!((s, v["data"][0]["id"].as_str()), (200, Some("SmolLM2-135M-Instruct")));
+    // One KV group: all 30 layers' K and V, a row per token, no per-request state.
+    let m = &v["data"][0];
+    assert_eq!(
+        (m["kv_groups"][0]["name"].as_str(), m["kv_groups"][0]["layers"].as_u64()),
+        (Some("full"), Some(30))
+    );
+    assert_eq!(m["kv_groups"][0]["bytes_per_token"].as_f64(), m["kv_bytes_per_token"].as_f64(), "{m}");
+    assert_eq!(m["kv_state_bytes_per_request"], 0);
     assert_eq!(w.json("GET", "/health/live", "").0, 200);
     let (s, v) = w.json("GET", "/health/ready", "");
     assert_eq!((s, v["status"].as_str()), (200, Some("ready")));

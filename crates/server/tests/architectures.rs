@@ -155,6 +155,9 @@ fn deepseek_answers_the_reference_unified_and_through_pd() {
         let unified = Worker::start(&["--model", model, "--kv-dtype", "f32"]);
         let (_, models) = unified.json("GET", "/v1/models", "");
         assert_eq!(models["data"][0]["kv_bytes_per_token"], latent(&config) * 4, "{name}: {models}");
+        let group = &models["data"][0]["kv_groups"][0];
+        assert_eq!(group["name"], "latent", "{name}: {models}");
+        assert_eq!(group["bytes_per_token"].as_f64(), Some((latent(&config) * 4) as f64), "{name}: {models}");
         // V3 ships its MTP layer: drafts come from it by default.
         let mtp = config.get("num_nextn_predict_layers").is_some();
         let mode = if mtp { "mtp" } else { "prompt-lookup" };

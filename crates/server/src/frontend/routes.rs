@@ -197,7 +197,11 @@ impl Frontend {
             "cpu_cores": self.config.cpu_cores, "compute_threads": std::thread::available_parallelism().map_or(1, usize::from),
             "cpu_kernels": pdserve_engine::cpu_kernels().name(), "role": info.role.as_str(),
             "tool_parser": info.tool_format.name(), "reasoning_parser": info.reasoning_format.name(),
-            "unauthenticated": self.config.unauthenticated(), "kv_events": info.kv_events});
+            "unauthenticated": self.config.unauthenticated(), "kv_events": info.kv_events,
+            "kv_groups": info.kv_groups.iter().map(|g| json!({"name": g.name, "layers": g.layers,
+                "window": match g.kind { pdserve_engine::KvLayerKind::Sliding { window } => Some(window), _ => None },
+                "tokens_per_row": g.kind.ratio(), "bytes_per_token": g.bytes_per_token()})).collect::<Vec<_>>(),
+            "kv_state_bytes_per_request": info.kv_state_bytes});
         model
     }
 
