@@ -493,6 +493,22 @@ mod tests {
 
     const DSML_V4: &str = "I will look.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"read_file\">\n<｜DSML｜parameter name=\"path\" string=\"true\">dir/\"a\" <｜DSML｜invoke name=\"x\"> </｜DSML｜invoke> </｜DSML｜para.txt</｜DSML｜parameter>\n<｜DSML｜parameter name=\"lines\" string=\"false\">[1, 20]</｜DSML｜parameter>\n</｜DSML｜invoke>\n<｜DSML｜invoke name=\"list_dir\">\n\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>";
 
+    /// With no tools offered (none known), a whole, well-formed DSML block is the model's text: no
+    /// call, no call piece (the peers' phantom calls from requests without tools).
+    #[test]
+    fn dsml_without_tools_makes_no_calls() {
+        for f in [ToolFormat::DeepSeekV32, ToolFormat::DeepSeekV4] {
+            let mut p = ToolCallParser::new(f, &[], "x");
+            let mut out: Vec<Piece> = DSML_V4.split_inclusive('>').flat_map(|s| p.push(s)).collect();
+            out.extend(p.finish(false));
+            assert!(out.iter().all(|o| matches!(o, Piece::Text(_))), "{f:?}: {out:?}");
+            let text: String =
+                out.iter().map(|o| if let Piece::Text(t) = o { t.as_str() } else { "" }).collect();
+            assert!(text.contains("invoke name=\"read_file\""), "{f:?}: the block is kept as text: {text}");
+            assert_eq!(p.calls(), 0);
+        }
+    }
+
     #[test]
     fn dsml_calls_stream_their_arguments_and_agree_in_every_split() {
         let (text, calls) = dsml_every_split(ToolFormat::DeepSeekV4, DSML_V4, false);
