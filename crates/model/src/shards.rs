@@ -172,7 +172,7 @@ impl Shards {
             Dtype::F4 => 1,
             _ => return None,
         };
-        [format!("{name}_scale"), format!("{name}_scale_inv")].into_iter().find_map(|scale| {
+        scale_names(name).into_iter().find_map(|scale| {
             let (sd, ss) = self.stored(&scale)?;
             let scale_ok =
                 matches!(sd, Dtype::F8_E4M3 | Dtype::F8_E8M0 | Dtype::U8 | Dtype::F32 | Dtype::BF16);
@@ -256,11 +256,15 @@ impl Shards {
         }
     }
 
-    /// The scales of FP8 tensor `name` of `shape` (`name` + `_scale_inv`: one per block, f32, bf16 or
+    /// The scales of FP8 tensor `name` of `shape` (`name` + `_scale_inv`, or DeepSeek's `stem.scale`: one per block, f32, bf16 or
     /// ue8m0 powers of two), as f32.
     fn fp8_scales(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         let [br, bc] = self.fp8_block.expect("an FP8 checkpoint");
-        let scale_name = format!("{name}_scale_inv");
+        let scale_name = scale_names(name)
+            .into_iter()
+            .skip(1)
+            .find(|n| self.has(n))
+            .unwrap_or_else(|| format!("{name}_scale_inv"));
         let want = [shape[0].div_ceil(br), shape[1].div_ceil(bc)];
         if let Some((_, stored)) = self.stored(&scale_name).filter(|(_, s)| s != &want) {
             return Err(ModelError::format(
@@ -292,6 +296,16 @@ impl Shards {
     pub(crate) fn has(&self, name: &str) -> bool {
         self.index.contains_key(name)
     }
+}
+
+/// Where the scales of `name` may be: `name_scale` (ModelOpt's), `name_scale_inv` (Hugging Face's
+/// FP8 and DeepSeek's), or `stem.scale` for `stem.weight` (DeepSeek's own checkpoints' naming).
+fn scale_names(name: &str) -> Vec<String> {
+    let mut names = vec![format!("{name}_scale"), format!("{name}_scale_inv")];
+    if let Some(stem) = name.strip_suffix(".weight") {
+        names.push(format!("{stem}.scale"));
+    }
+    names
 }
 
 /// The value of ue8m0 scale byte `e`: 2^(e - 127) (255 is NaN).

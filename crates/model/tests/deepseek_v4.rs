@@ -131,6 +131,26 @@ fn deepseek_v4_matches_the_numpy_reference() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The weights as V4 ships them: dense projections in FP8 (e4m3, a ue8m0 power of two per 32 x 32
+/// block here, 128 x 128 in the release), routed experts in MXFP4 (e2m1 codes two a byte, a ue8m0
+/// scale per 32 columns), both under DeepSeek's `stem.scale` names: the same answers as the reference
+/// reading them, which differ from the unrounded checkpoint's.
+#[test]
+fn a_v4_checkpoint_as_shipped_fp8_and_mxfp4_matches_the_reference() {
+    let dir = checkpoint("shipped", r#"{"as_shipped": true}"#);
+    let model = DeepseekV4::load(&dir).unwrap();
+    assert_eq!(model.config().fp8_block, Some([32, 32]));
+    let ids = prompt(300, 5);
+    compare(&dir, &model, &ids, 4, "FP8 + MXFP4, 300 tokens");
+    let plain = checkpoint("unrounded", "{}");
+    let unrounded = ours(&DeepseekV4::load(&plain).unwrap(), &ids, 1).0;
+    let shipped = ours(&model, &ids, 1).0;
+    let d = unrounded.iter().zip(&shipped).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    assert!(d > 1e-3, "the rounding changed nothing ({d}): not read as FP8 / MXFP4?");
+    std::fs::remove_dir_all(&dir).unwrap();
+    std::fs::remove_dir_all(&plain).unwrap();
+}
+
 /// The multi-token prediction layer drafts as the reference's: after the prompt and after each greedy
 /// step, its guess at the token after next given the token just chosen, and one more chained on.
 #[test]

@@ -56,7 +56,7 @@ impl Mla {
 
 /// A `quantization_config` this engine loads: block-scaled FP8 (e4m3 values; `weight_block_size`,
 /// by default 128 x 128). Other methods (GPTQ, AWQ, bitsandbytes, ...) are refused by name.
-pub(super) fn fp8_block(q: &serde_json::Value) -> Result<[usize; 2], ModelError> {
+pub(crate) fn fp8_block(q: &serde_json::Value) -> Result<[usize; 2], ModelError> {
     let bad = |field: &str, value: String| ModelError::Unsupported {
         field: format!("quantization_config.{field}"),
         value,

@@ -8,7 +8,8 @@ use crate::ModelError;
 
 mod deepseek;
 
-use deepseek::{deepseek_moe, fp4_group, fp8_block, mla, nvfp4};
+pub(crate) use deepseek::fp8_block;
+use deepseek::{deepseek_moe, fp4_group, mla, nvfp4};
 pub use deepseek::{Indexer, Mla};
 
 #[derive(Debug, Deserialize)]

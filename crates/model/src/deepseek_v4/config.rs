@@ -64,6 +64,8 @@ pub struct V4Config {
     pub hc_eps: f32,
     pub eps: f32,
     pub mtp_layers: usize,
+    /// Block-scaled FP8 projections (`quantization_config` `fp8`): the scale blocks' shape.
+    pub fp8_block: Option<[usize; 2]>,
 }
 
 impl V4Config {
@@ -152,6 +154,10 @@ impl V4Config {
             hc_eps: num("hc_eps", 1e-6)?,
             eps: num("rms_norm_eps", 1e-6)?,
             mtp_layers,
+            fp8_block: match &v["quantization_config"] {
+                Value::Null => None,
+                q => Some(crate::config::fp8_block(q)?),
+            },
         };
         let shape_ok = c.rope_dim.is_multiple_of(2)
             && c.rope_dim <= c.head_dim

@@ -101,7 +101,10 @@ pub(crate) struct V4Weights {
 
 impl V4Weights {
     pub(crate) fn load(dir: &Path, c: &V4Config) -> Result<V4Weights, ModelError> {
-        let s = Shards::open(dir)?;
+        let mut s = Shards::open(dir)?;
+        // Dense projections in FP8 with a scale per block; experts in FP4 are told by their tensors.
+        s.fp8_block = c.fp8_block;
+        let s = s;
         let (d, v, n) = (c.hidden, c.vocab, c.hc_mult);
         let mix = (2 + n) * n;
         let hc = |p: &str, rows: usize, scales: usize| -> Result<HyperConnection, ModelError> {
