@@ -481,8 +481,8 @@ impl KvGroups {
 
     /// Saves `seq`'s state as the restore point at its computed length, which must end a block:
     /// every group's full blocks are cached first (the point is kept while group 0 caches the block
-    /// it ends). Returns the copy the backend makes (`None`: one is kept there already, or the model
-    /// is stateless).
+    /// it ends, and stays cached when no slot is free for the point: `KvError::OutOfStates`). Returns
+    /// the copy the backend makes (`None`: one is kept there already, or the model is stateless).
     pub fn save_restore_point(&mut self, seq: SeqId) -> Result<Option<StateCopy>, KvError> {
         let state = self.known(seq)?;
         let (computed, bt) = (self.computed_tokens(seq)?, self.config.block_tokens as usize);

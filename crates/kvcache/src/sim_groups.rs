@@ -285,8 +285,11 @@ impl GroupDriver {
                 let id = SeqId(seq.into());
                 let computed = self.kv.computed_tokens(id)?;
                 self.step(id, (bt - computed % bt) % bt)?;
-                if let Some(c) = self.kv.save_restore_point(id)? {
-                    self.pending.push((c, None));
+                // (The step may have run: no free slot for the point is no refusal of it.)
+                match self.kv.save_restore_point(id) {
+                    Ok(Some(c)) => self.pending.push((c, None)),
+                    Ok(None) | Err(KvError::OutOfStates { .. }) => {}
+                    Err(e) => return Err(e),
                 }
                 Ok(())
             }
