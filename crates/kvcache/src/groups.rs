@@ -304,6 +304,13 @@ impl KvGroups {
             && g.blocks[r.block.0 as usize].epoch == r.epoch
     }
 
+    /// Keeps restore point slot `s` while a handed-out copy touches it (once: bounded by the slots).
+    fn note_copying(&mut self, s: StateId) {
+        if !self.copying.contains(&s) {
+            self.copying.push(s);
+        }
+    }
+
     /// Says the backend has performed every [`StateCopy`] handed out so far: the restore points they
     /// read or wrote may be evicted again. Until then they are kept, so no slot a pending copy
     /// touches changes hands.
@@ -379,7 +386,7 @@ impl KvGroups {
         let mut restore = None;
         if let Some((node, r)) = point {
             self.stats.restore_hits_total += 1;
-            self.copying.push(r.state);
+            self.note_copying(r.state);
             restore = Some(StateCopy { from: r.state, to: state });
             if let Some(p) = self.restore.get_mut(&node) {
                 p.last_used = self.clock;
@@ -506,7 +513,7 @@ impl KvGroups {
         self.clock += 1;
         self.restore
             .insert(end.0, RestorePoint { block: end.1, epoch: end.2, state: to, last_used: self.clock });
-        self.copying.push(to);
+        self.note_copying(to);
         Ok(Some(StateCopy { from: state, to }))
     }
 

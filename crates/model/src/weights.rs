@@ -257,9 +257,15 @@ impl Weights {
         };
         let dtype = match s.dtype(&format!("model.layers.0.self_attn.{first}.weight")) {
             // Experts shipped in FP4 (MXFP4, as DeepSeek V4's are) make it an FP4 checkpoint: they
-            // are most of its bytes, and served in FP4 they stay as shipped.
+            // are most of its bytes, and served in FP4 they stay as shipped. (One tensor, the same
+            // every load: the first by name; checking every expert would read a shard's header per
+            // tensor, tens of thousands of times on a large model.)
             d if d != CheckpointDtype::Fp4
-                && s.index.keys().any(|n| n.contains(".experts.") && n.ends_with(".weight") && s.fp4(n)) =>
+                && s.index
+                    .keys()
+                    .filter(|n| n.contains(".experts.") && n.ends_with(".weight"))
+                    .min()
+                    .is_some_and(|n| s.fp4(n)) =>
             {
                 CheckpointDtype::Fp4
             }
