@@ -105,9 +105,11 @@ impl KvLayout {
         block_size: usize,
         dtype: KvDtype,
     ) -> KvLayout {
-        let (head_dim, latent) = match &cfg.mla {
-            Some(m) => (m.row_width(), true),
-            None => (cfg.head_dim, false),
+        let (head_dim, latent) = match (&cfg.v4, &cfg.mla) {
+            // DeepSeek V4: one row per position and layer (`V4Backend`).
+            (Some(v4), _) => (v4.kv_row().width, true),
+            (None, Some(m)) => (m.row_width(), true),
+            (None, None) => (cfg.head_dim, false),
         };
         KvLayout {
             num_blocks,

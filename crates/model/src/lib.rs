@@ -48,8 +48,9 @@ use std::path::Path;
 
 pub use backend::{Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
 pub use config::{ExpertGroups, GroupScore, Indexer, Mla, ModelConfig, Moe, MoeNames, RopeScaling, Scoring};
+pub use config::{V4Config, V4Layer};
 pub use cpu::CpuBackend;
-pub use deepseek_v4::{DeepseekV4, V4Config, V4Layer, V4State};
+pub use deepseek_v4::{DeepseekV4, V4Backend, V4State};
 pub use error::ModelError;
 pub use fp4::{Fp4Matrix, Plain};
 pub use fp8::Fp8Matrix;

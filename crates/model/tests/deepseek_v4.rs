@@ -220,3 +220,83 @@ fn a_v4_config_that_does_not_fit_is_refused() {
     assert!(V4Config::from_json(&v.to_string()).unwrap_err().to_string().contains("num_key_value_heads"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Served: `V4Backend`'s batch steps over paged blocks compute what the one-request model does, to
+/// the bit: two requests in one batch, prefilled in chunks that cut groups and blocks anywhere, then
+/// decoded; a third reading the first's blocks as a prefix hit; a fourth whose blocks arrived as
+/// bytes (a PD transfer's `read_block` / `write_block`) and whose last block was copied on write.
+#[test]
+fn the_served_backend_computes_what_the_model_does() {
+    use std::sync::Arc;
+
+    use pdserve_kvcache::{BlockCopy, BlockId};
+    use pdserve_model::{Backend, KvDtype, ModelConfig, SeqStep, V4Backend};
+
+    let dir = checkpoint("served", "{}");
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let model = Arc::new(DeepseekV4::load(&dir).unwrap());
+    const BLOCK: usize = 16;
+    let mut b = V4Backend::new(model.clone(), cfg.clone(), (96, BLOCK), KvDtype::F32).unwrap();
+    let layout = b.kv_layout();
+    assert!(layout.latent && layout.num_layers == 4, "{layout:?}");
+    let table = |first: u32| -> Vec<BlockId> { (first..first + 24).map(BlockId).collect() };
+    let (ta, tb) = (table(0), table(24));
+    let (a, bp) = (prompt(300, 11), prompt(77, 12));
+    // The reference: each prompt run whole through the one-request model, then greedy steps.
+    let reference = |ids: &[u32], steps: usize| -> Vec<Vec<f32>> {
+        let mut state = model.new_state();
+        let mut out = vec![model.forward(&mut state, ids).unwrap()];
+        while out.len() < steps {
+            let next = argmax(out.last().unwrap()) as u32;
+            out.push(model.forward(&mut state, &[next]).unwrap());
+        }
+        out
+    };
+    let (want_a, want_b) = (reference(&a, 4), reference(&bp, 4));
+    let step = |tokens: &'static [u32], start_pos: usize, block_table: &'static [BlockId]| SeqStep {
+        tokens,
+        start_pos,
+        block_table,
+        logits: 1,
+    };
+    let leak = |v: Vec<u32>| -> &'static [u32] { Vec::leak(v) };
+    let leak_table = |v: Vec<BlockId>| -> &'static [BlockId] { Vec::leak(v) };
+    let (ta, tb) = (leak_table(ta), leak_table(tb));
+    // Chunks: A 0..123 with B 0..50, then A 123..300 with B 50..77.
+    let first =
+        b.forward(&[step(leak(a[..123].to_vec()), 0, ta), step(leak(bp[..50].to_vec()), 0, tb)]).unwrap();
+    assert_eq!(first.len(), 2);
+    let out =
+        b.forward(&[step(leak(a[123..].to_vec()), 123, ta), step(leak(bp[50..].to_vec()), 50, tb)]).unwrap();
+    assert_eq!((&out[0], &out[1]), (&want_a[0], &want_b[0]), "prefill over paged blocks");
+    let (mut la, mut lb) = (out[0].clone(), out[1].clone());
+    for i in 1..4 {
+        let (na, nb) = (argmax(&la) as u32, argmax(&lb) as u32);
+        let out = b.forward(&[step(leak(vec![na]), 299 + i, ta), step(leak(vec![nb]), 76 + i, tb)]).unwrap();
+        assert_eq!((&out[0], &out[1]), (&want_a[i], &want_b[i]), "decode step {i}");
+        (la, lb) = (out[0].clone(), out[1].clone());
+    }
+    // A prefix hit: C shares A's first 8 blocks (128 positions) and computes the rest itself.
+    let tc = leak_table([&ta[..8], &table(48)[8..]].concat());
+    let out = b.forward(&[step(leak(a[128..].to_vec()), 128, tc)]).unwrap();
+    assert_eq!(out[0], want_a[0], "after a prefix hit of 128 positions");
+    // A transfer: A's 19 prompt blocks as bytes into fresh blocks, the partial last one copied on
+    // write first; then D decodes from them as A did.
+    let td = leak_table(table(72));
+    let mut bytes = vec![0u8; layout.block_bytes()];
+    for i in 0..18 {
+        b.read_block(ta[i], &mut bytes).unwrap();
+        b.write_block(td[i], &bytes).unwrap();
+    }
+    b.copy_blocks(&[BlockCopy { src: ta[18], dst: td[18], tokens: 12 }]).unwrap();
+    let mut ld = want_a[0].clone();
+    for (i, want) in want_a.iter().enumerate().skip(1) {
+        // A's decode wrote position 300 on into block 18; D overwrites them with the same tokens.
+        let out = b.forward(&[step(leak(vec![argmax(&ld) as u32]), 299 + i, td)]).unwrap();
+        assert_eq!(&out[0], want, "decode step {i} after a transfer");
+        ld = out[0].clone();
+    }
+    // What the engine reports: a row per position and layer of the widest layer's parts.
+    assert_eq!(cfg.kv_values_per_token_layer(), layout.head_dim);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -7,10 +7,13 @@ use serde::Deserialize;
 use crate::ModelError;
 
 mod deepseek;
+mod v4;
 
 pub(crate) use deepseek::fp8_block;
 use deepseek::{deepseek_moe, fp4_group, mla, nvfp4};
 pub use deepseek::{Indexer, Mla};
+pub(crate) use v4::{RowPart, V4Row};
+pub use v4::{V4Config, V4Layer};
 
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
@@ -281,6 +284,9 @@ pub struct ModelConfig {
     /// token after next (speculative decoding). Its KV is held as one more layer. Set to 0 before
     /// loading to leave it out.
     pub draft_layers: usize,
+    /// DeepSeek V4 (`DeepseekV4ForCausalLM`): its own shape, served by `V4Backend`; the fields above
+    /// then give what the engine reads (vocabulary, context, tokens), none of the layers' shape.
+    pub v4: Option<Box<V4Config>>,
 }
 
 /// A mixture-of-experts FFN: a router picks `top_k` of `experts` SwiGLU experts per token and sums
@@ -378,6 +384,9 @@ impl ModelConfig {
     }
 
     pub fn from_json(text: &str) -> Result<ModelConfig, ModelError> {
+        if V4Config::is_v4(text) {
+            return ModelConfig::from_v4(text);
+        }
         let raw: RawConfig =
             serde_json::from_str(text).map_err(|e| ModelError::format("config.json", e.to_string()))?;
         let unsupported =
@@ -514,11 +523,58 @@ impl ModelConfig {
             },
             // DeepSeek's multi-token prediction layers (V3 ships one): the first is the draft layer.
             draft_layers: if deepseek { raw.num_nextn_predict_layers.unwrap_or(0).min(1) } else { 0 },
+            v4: None,
+        })
+    }
+
+    /// A DeepSeek V4 `config.json`: the engine's view of it beside its own shape.
+    fn from_v4(text: &str) -> Result<ModelConfig, ModelError> {
+        #[derive(Deserialize)]
+        struct Tokens {
+            bos_token_id: Option<u32>,
+            eos_token_id: Option<OneOrMany>,
+        }
+        let v = V4Config::from_json(text)?;
+        let t: Tokens =
+            serde_json::from_str(text).map_err(|e| ModelError::format("config.json", e.to_string()))?;
+        Ok(ModelConfig {
+            hidden_size: v.hidden,
+            intermediate_size: v.moe_intermediate,
+            num_layers: v.layers,
+            num_heads: v.heads,
+            num_kv_heads: 1,
+            head_dim: v.head_dim,
+            rms_norm_eps: v.eps,
+            rope_theta: v.rope_theta,
+            max_position_embeddings: v.max_positions,
+            vocab_size: v.vocab,
+            tie_word_embeddings: false,
+            qkv_bias: false,
+            o_bias: false,
+            bos_token_id: t.bos_token_id,
+            eos_token_ids: match t.eos_token_id {
+                Some(OneOrMany::One(id)) => vec![id],
+                Some(OneOrMany::Many(ids)) => ids,
+                None => Vec::new(),
+            },
+            rope_scaling: RopeScaling::None,
+            qk_norm: false,
+            // The compressed layers read every earlier group's row: no position's row is given back.
+            sliding_window: None,
+            moe: None,
+            mla: None,
+            fp8_block: v.fp8_block,
+            fp4_group: None,
+            draft_layers: 0,
+            v4: Some(Box::new(v)),
         })
     }
 
     /// Values the KV cache holds per token and layer: K and V of every KV head, or MLA's latent.
     pub fn kv_values_per_token_layer(&self) -> usize {
+        if let Some(v4) = &self.v4 {
+            return v4.kv_row().width;
+        }
         match &self.mla {
             Some(m) => m.row_width(),
             None => 2 * self.num_kv_heads * self.head_dim,

@@ -4,18 +4,21 @@
 use rayon::prelude::*;
 
 use super::{sized, CpuBackend};
-use crate::backend::{KvDtype, KvStore, SeqStep};
+use pdserve_kvcache::{BlockCopy, BlockId};
+
+use crate::backend::{check_block, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::sys::{
     as_f32, as_f32_mut, as_u16, as_u16_mut, exp_scaled, f32_bytes, f32_bytes_mut, group_scores,
     group_scores_f16, group_scores_f16_fits, group_weighted_sum, group_weighted_sum_f16,
     group_weighted_sum_f16_fits, narrow_bf16, narrow_f16, prefetch, widen_bf16, widen_f16,
 };
+use crate::ModelError;
 
 /// Where the KV memory lives: this backend's own heap (f32 words from a page boundary on, so every
 /// block starts where a mapping's would), or a store it was given (shared memory a same-host decode
 /// worker reads, say).
 #[derive(Debug)]
-pub(super) enum KvMemory {
+pub(crate) enum KvMemory {
     /// The pool is `words[start..start + len]`: `start` puts it on a page boundary.
     Heap {
         words: Vec<f32>,
@@ -35,7 +38,7 @@ impl KvMemory {
     /// A zeroed pool of `bytes`, resident from the start: every page is touched now, so no request
     /// pays the page faults of the blocks it is the first to use (a 2,048-token transfer into fresh
     /// pages took five times as long as into resident ones).
-    pub(super) fn heap(bytes: usize) -> KvMemory {
+    pub(crate) fn heap(bytes: usize) -> KvMemory {
         let (len, slack) = (bytes.div_ceil(4), HEAP_ALIGN / 4);
         let mut words = vec![0.0f32; len + slack];
         let start = (HEAP_ALIGN - words.as_ptr() as usize % HEAP_ALIGN) % HEAP_ALIGN / 4;
@@ -46,21 +49,21 @@ impl KvMemory {
         KvMemory::Heap { words, start, len }
     }
 
-    pub(super) fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         match self {
             KvMemory::Heap { words, start, len } => f32_bytes(&words[*start..*start + *len]),
             KvMemory::Store(s) => s.bytes(),
         }
     }
 
-    pub(super) fn bytes_mut(&mut self) -> &mut [u8] {
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
         match self {
             KvMemory::Heap { words, start, len } => f32_bytes_mut(&mut words[*start..*start + *len]),
             KvMemory::Store(s) => s.bytes_mut(),
         }
     }
 
-    pub(super) fn values(&self, dtype: KvDtype) -> KvValues<'_> {
+    pub(crate) fn values(&self, dtype: KvDtype) -> KvValues<'_> {
         match dtype {
             KvDtype::F32 => KvValues::F32(as_f32(self.bytes())),
             KvDtype::F16 => KvValues::F16(as_u16(self.bytes())),
@@ -68,8 +71,57 @@ impl KvMemory {
         }
     }
 
+    /// Performs copy-on-write copies of whole blocks of `layout` (see `Backend::copy_blocks`).
+    pub(crate) fn copy_blocks(&mut self, layout: &KvLayout, copies: &[BlockCopy]) -> Result<(), ModelError> {
+        let n = layout.block_bytes();
+        for c in copies {
+            check_block(layout, c.src, n)?;
+            check_block(layout, c.dst, n)?;
+            let (src, dst) = (c.src.0 as usize * n, c.dst.0 as usize * n);
+            self.bytes_mut().copy_within(src..src + n, dst);
+        }
+        Ok(())
+    }
+
+    /// Copies one block's bytes into `out` (see `Backend::read_block`).
+    pub(crate) fn read_block(
+        &self,
+        layout: &KvLayout,
+        block: BlockId,
+        out: &mut [u8],
+    ) -> Result<(), ModelError> {
+        check_block(layout, block, out.len())?;
+        out.copy_from_slice(self.block(layout, block).expect("a checked block"));
+        Ok(())
+    }
+
+    /// One block's bytes (see `Backend::block_bytes`).
+    pub(crate) fn block(&self, layout: &KvLayout, block: BlockId) -> Option<&[u8]> {
+        let n = layout.block_bytes();
+        self.bytes().get(block.0 as usize * n..)?.get(..n)
+    }
+
+    pub(crate) fn block_mut(&mut self, layout: &KvLayout, block: BlockId) -> Option<&mut [u8]> {
+        let n = layout.block_bytes();
+        self.bytes_mut().get_mut(block.0 as usize * n..)?.get_mut(..n)
+    }
+
+    /// Stores one block received from a peer (see `Backend::write_block`).
+    pub(crate) fn write_block(
+        &mut self,
+        layout: &KvLayout,
+        block: BlockId,
+        data: &[u8],
+    ) -> Result<(), ModelError> {
+        check_block(layout, block, data.len())?;
+        // A block arriving by transfer is read by the next decode steps, not now, and a pull's blocks
+        // together outgrow the cache: streaming stores skip reading each line before writing it.
+        crate::sys::copy_streaming(self.block_mut(layout, block).expect("a checked block"), data);
+        Ok(())
+    }
+
     /// Stores f32 values at value index `at`, rounded to `dtype`.
-    pub(super) fn store(&mut self, dtype: KvDtype, at: usize, src: &[f32]) {
+    pub(crate) fn store(&mut self, dtype: KvDtype, at: usize, src: &[f32]) {
         let n = src.len();
         match dtype {
             KvDtype::F32 => as_f32_mut(self.bytes_mut())[at..at + n].copy_from_slice(src),
@@ -81,7 +133,7 @@ impl KvMemory {
 
 /// KV memory as its dtype's values.
 #[derive(Clone, Copy)]
-pub(super) enum KvValues<'a> {
+pub(crate) enum KvValues<'a> {
     F32(&'a [f32]),
     F16(&'a [u16]),
     Bf16(&'a [u16]),
@@ -89,7 +141,7 @@ pub(super) enum KvValues<'a> {
 
 impl KvValues<'_> {
     /// `dst.len()` values from value index `at`, as f32.
-    pub(super) fn read_into(&self, at: usize, dst: &mut [f32]) {
+    pub(crate) fn read_into(&self, at: usize, dst: &mut [f32]) {
         let n = dst.len();
         match *self {
             KvValues::F32(v) => dst.copy_from_slice(&v[at..at + n]),

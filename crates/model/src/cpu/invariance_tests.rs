@@ -32,6 +32,7 @@ fn config() -> ModelConfig {
         moe: None,
         mla: None,
         draft_layers: 0,
+        v4: None,
         fp8_block: None,
         fp4_group: None,
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use pdserve_kvcache::{BlockCopy, BlockId};
 
-use crate::backend::{check_block, check_steps, Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
+use crate::backend::{check_steps, Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::bits16::{bf16_bits, bf16_value};
 use crate::fp4::Fp4Matrix;
 use crate::fp8::Fp8Matrix;
@@ -29,7 +29,7 @@ mod products;
 mod rows;
 
 use crate::{ModelConfig, ModelError};
-use attention::KvMemory;
+pub(crate) use attention::KvMemory;
 use layer::{keep_rows, kept_rows, step_rows};
 use products::{matmul, matmul_bf16, matmul_quant_rows, matvec_int8, matvec_quant, matvec_wide};
 use rows::{rms_norm, rms_norm_rows};
@@ -320,40 +320,23 @@ impl Backend for CpuBackend {
     }
 
     fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {
-        let n = self.layout.block_bytes();
-        for c in copies {
-            check_block(&self.layout, c.src, n)?;
-            check_block(&self.layout, c.dst, n)?;
-            let (src, dst) = (c.src.0 as usize * n, c.dst.0 as usize * n);
-            self.kv.bytes_mut().copy_within(src..src + n, dst);
-        }
-        Ok(())
+        self.kv.copy_blocks(&self.layout, copies)
     }
 
     fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError> {
-        check_block(&self.layout, block, out.len())?;
-        let n = self.layout.block_bytes();
-        out.copy_from_slice(&self.kv.bytes()[block.0 as usize * n..][..n]);
-        Ok(())
+        self.kv.read_block(&self.layout, block, out)
     }
 
     fn block_bytes(&self, block: BlockId) -> Option<&[u8]> {
-        let n = self.layout.block_bytes();
-        self.kv.bytes().get(block.0 as usize * n..)?.get(..n)
+        self.kv.block(&self.layout, block)
     }
 
     fn block_bytes_mut(&mut self, block: BlockId) -> Option<&mut [u8]> {
-        let n = self.layout.block_bytes();
-        self.kv.bytes_mut().get_mut(block.0 as usize * n..)?.get_mut(..n)
+        self.kv.block_mut(&self.layout, block)
     }
 
     fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
-        check_block(&self.layout, block, data.len())?;
-        let n = self.layout.block_bytes();
-        // A block arriving by transfer is read by the next decode steps, not now, and a pull's blocks
-        // together outgrow the cache: streaming stores skip reading each line before writing it.
-        crate::sys::copy_streaming(&mut self.kv.bytes_mut()[block.0 as usize * n..][..n], data);
-        Ok(())
+        self.kv.write_block(&self.layout, block, data)
     }
 
     fn draft_layers(&self) -> usize {

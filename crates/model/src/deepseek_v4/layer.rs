@@ -3,40 +3,79 @@
 
 use std::collections::VecDeque;
 
-use super::config::{V4Config, V4Layer};
 use super::weights::{Compressor, Expert, HyperConnection, Routing, V4LayerWeights};
+use crate::config::V4Config;
+
+/// The indexer's compressor pools every 4 tokens (the compressed sparse layers' ratio).
+pub(super) const INDEX_RATIO: usize = 4;
 
 /// What one token's pass through a layer needs besides the weights and state.
 pub(super) struct Ctx<'a> {
     pub c: &'a V4Config,
     /// The layer kind's inverse rope frequencies.
     pub rope: &'a [f32],
+    /// The layer's index in the request's [`Memory`].
+    pub layer: usize,
     pub pos: usize,
     pub token: usize,
 }
 
-/// A compressor's state: the rows made so far, the current group's values and gates, and (overlap)
-/// the previous group's first halves.
+/// Which of a layer's compressors: its rows' (`Kv`), or its indexer's keys' (`Index`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Pool {
+    Kv,
+    Index,
+}
+
+/// A compressor's (value, gate) pairs of one group, oldest first.
+pub(super) type Group = Vec<(Vec<f32>, Vec<f32>)>;
+
+/// Where a request keeps what its later tokens read, layer by layer: the window's K=V rows, each
+/// compressor's (value, gate) pairs until their group completes, and the compressed rows.
+/// [`LayerState`]s hold them per request; the served backend (`paged.rs`) in paged KV blocks, a row
+/// per position. Both give the same values, so both give the same numbers.
+pub(super) trait Memory {
+    /// Keeps `row`, position `pos`'s K=V row in `layer`; the window's rows (the last `window`
+    /// positions', oldest first, this one's last).
+    fn window(&mut self, layer: usize, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>>;
+
+    /// Keeps position `pos`'s value and gate for compressor `pool`; when `pos` ends a group of
+    /// `ratio`, that group's pairs and (with `overlap`) the previous group's (empty for the first).
+    #[allow(clippy::too_many_arguments)]
+    fn feed(
+        &mut self,
+        layer: usize,
+        pool: Pool,
+        pos: usize,
+        group: (usize, bool),
+        a: Vec<f32>,
+        s: Vec<f32>,
+    ) -> Option<(Group, Group)>;
+
+    /// Keeps the row compressor `pool` made from the group ending at `pos`.
+    fn push_row(&mut self, layer: usize, pool: Pool, pos: usize, row: Vec<f32>);
+
+    /// Every row compressor `pool` (of `ratio`) has made up to and including position `pos`.
+    fn rows(&self, layer: usize, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>>;
+}
+
+/// A compressor's state: the rows made so far, the current group's values and gates, and the
+/// previous group's.
 #[derive(Debug, Clone)]
 struct Pooled {
-    ratio: usize,
     row: usize,
     rows: Vec<f32>,
-    pending: Vec<(Vec<f32>, Vec<f32>)>,
-    previous: Vec<(Vec<f32>, Vec<f32>)>,
+    pending: Group,
+    previous: Group,
 }
 
 impl Pooled {
-    fn new(ratio: usize, row: usize) -> Pooled {
-        Pooled { ratio, row, rows: Vec::new(), pending: Vec::new(), previous: Vec::new() }
+    fn new(row: usize) -> Pooled {
+        Pooled { row, rows: Vec::new(), pending: Vec::new(), previous: Vec::new() }
     }
 
     fn count(&self) -> usize {
         self.rows.len() / self.row
-    }
-
-    fn get(&self, w: usize) -> &[f32] {
-        &self.rows[w * self.row..(w + 1) * self.row]
     }
 }
 
@@ -51,11 +90,10 @@ pub(super) struct LayerState {
 
 impl LayerState {
     pub(super) fn new(w: &V4LayerWeights, c: &V4Config) -> LayerState {
-        let ratio = w.kind.ratio();
         LayerState {
             window: VecDeque::with_capacity(c.window),
-            compressed: (ratio > 0).then(|| Pooled::new(ratio, c.head_dim)),
-            index: (w.kind == V4Layer::CompressedSparse).then(|| Pooled::new(4, c.index_dim)),
+            compressed: w.compressor.is_some().then(|| Pooled::new(c.head_dim)),
+            index: w.indexer.is_some().then(|| Pooled::new(c.index_dim)),
         }
     }
 
@@ -75,6 +113,86 @@ impl LayerState {
 
     pub(super) fn rows(&self) -> usize {
         self.compressed.as_ref().map_or(0, Pooled::count)
+    }
+
+    fn pool(&mut self, pool: Pool) -> &mut Pooled {
+        let p = match pool {
+            Pool::Kv => &mut self.compressed,
+            Pool::Index => &mut self.index,
+        };
+        p.as_mut().expect("a compressor's state where the layer has the compressor")
+    }
+}
+
+/// A request's states, one per layer.
+pub(super) struct PerLayer<'a>(pub &'a mut [LayerState]);
+
+impl Memory for PerLayer<'_> {
+    fn window(&mut self, layer: usize, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
+        self.0[layer].window(0, pos, window, row)
+    }
+
+    fn feed(
+        &mut self,
+        layer: usize,
+        pool: Pool,
+        pos: usize,
+        group: (usize, bool),
+        a: Vec<f32>,
+        s: Vec<f32>,
+    ) -> Option<(Group, Group)> {
+        self.0[layer].feed(0, pool, pos, group, a, s)
+    }
+
+    fn push_row(&mut self, layer: usize, pool: Pool, pos: usize, row: Vec<f32>) {
+        self.0[layer].push_row(0, pool, pos, row)
+    }
+
+    fn rows(&self, layer: usize, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>> {
+        Memory::rows(&self.0[layer], 0, pool, pos, ratio)
+    }
+}
+
+/// One layer's state (the draft layer's): `layer` is not read.
+impl Memory for LayerState {
+    fn window(&mut self, _: usize, _: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
+        let w = &mut self.window;
+        if w.len() == window {
+            w.pop_front();
+        }
+        w.push_back(row);
+        w.iter().cloned().collect()
+    }
+
+    fn feed(
+        &mut self,
+        _: usize,
+        pool: Pool,
+        _: usize,
+        (ratio, overlap): (usize, bool),
+        a: Vec<f32>,
+        s: Vec<f32>,
+    ) -> Option<(Group, Group)> {
+        let p = self.pool(pool);
+        p.pending.push((a, s));
+        if p.pending.len() < ratio {
+            return None;
+        }
+        let group = std::mem::take(&mut p.pending);
+        let previous = std::mem::replace(&mut p.previous, group.clone());
+        Some((if overlap { previous } else { Vec::new() }, group))
+    }
+
+    fn push_row(&mut self, _: usize, pool: Pool, _: usize, row: Vec<f32>) {
+        self.pool(pool).rows.extend_from_slice(&row);
+    }
+
+    fn rows(&self, _: usize, pool: Pool, _: usize, _: usize) -> Vec<Vec<f32>> {
+        let p = match pool {
+            Pool::Kv => &self.compressed,
+            Pool::Index => &self.index,
+        };
+        p.as_ref().map_or(Vec::new(), |p| p.rows.chunks_exact(p.row).map(<[f32]>::to_vec).collect())
     }
 }
 
@@ -180,62 +298,64 @@ fn spread(out: &[f32], streams: &[f32], post: &[f32], comb: &[f32], n: usize, d:
 }
 
 /// One token through layer `w`: the streams after it.
-pub(super) fn run(ctx: &Ctx<'_>, w: &V4LayerWeights, st: &mut LayerState, streams: &[f32]) -> Vec<f32> {
+pub(super) fn run(ctx: &Ctx<'_>, w: &V4LayerWeights, mem: &mut dyn Memory, streams: &[f32]) -> Vec<f32> {
     let (c, n, d) = (ctx.c, ctx.c.hc_mult, ctx.c.hidden);
     let (pre, post, comb) = mix(&w.hc_attn, streams, n, d, c, 3);
     let x = rms_norm(&combine(&pre, streams, d), Some(&w.attn_norm), c.eps);
-    let streams = spread(&attention(ctx, w, st, &x), streams, &post, &comb, n, d);
+    let streams = spread(&attention(ctx, w, mem, &x), streams, &post, &comb, n, d);
     let (pre, post, comb) = mix(&w.hc_ffn, &streams, n, d, c, 3);
     let x = rms_norm(&combine(&pre, &streams, d), Some(&w.ffn_norm), c.eps);
     spread(&moe(ctx, w, &x), &streams, &post, &comb, n, d)
 }
 
-/// Feeds one token's `h` to a compressor; a row when it completes a group (pooled per channel by a
-/// softmax of the gates over the group, and at ratio 4 over the previous group's first halves too;
-/// normed, then rotated at the group's first position).
-fn compress(ctx: &Ctx<'_>, cw: &Compressor, p: &mut Pooled, h: &[f32]) {
+/// Feeds one token's `h` to compressor `pool` (of `ratio`, making rows of `row` values); a row when
+/// it completes a group (pooled per channel by a softmax of the gates over the group, and at ratio 4
+/// over the previous group's first halves too; normed, then rotated at the group's first position).
+fn compress(
+    ctx: &Ctx<'_>,
+    cw: &Compressor,
+    mem: &mut dyn Memory,
+    (pool, ratio, row): (Pool, usize, usize),
+    h: &[f32],
+) {
     let d = ctx.c.hidden;
     let a = matvec(&cw.wkv, h, d);
-    let ape = &cw.ape[(ctx.pos % p.ratio) * cw.width..(ctx.pos % p.ratio + 1) * cw.width];
+    let ape = &cw.ape[(ctx.pos % ratio) * cw.width..(ctx.pos % ratio + 1) * cw.width];
     let s: Vec<f32> = matvec(&cw.wgate, h, d).iter().zip(ape).map(|(g, b)| g + b).collect();
-    p.pending.push((a, s));
-    if p.pending.len() < p.ratio {
+    let overlap = cw.width == 2 * row;
+    let Some((previous, group)) = mem.feed(ctx.layer, pool, ctx.pos, (ratio, overlap), a, s) else {
         return;
-    }
-    let (row, overlap) = (p.row, cw.width == 2 * p.row);
+    };
     let mut out = vec![0.0; row];
     for (j, o) in out.iter_mut().enumerate() {
         // (value, gate) slots: the previous group's first halves, then this group's (second halves).
         let cur = if overlap { row + j } else { j };
-        let slots: Vec<(f32, f32)> = p
-            .previous
+        let slots: Vec<(f32, f32)> = previous
             .iter()
             .map(|(a, s)| (a[j], s[j]))
-            .filter(|_| overlap)
-            .chain(p.pending.iter().map(|(a, s)| (a[cur], s[cur])))
+            .chain(group.iter().map(|(a, s)| (a[cur], s[cur])))
             .collect();
         let max = slots.iter().fold(f32::NEG_INFINITY, |m, &(_, s)| m.max(s));
         let total: f32 = slots.iter().map(|&(_, s)| (s - max).exp()).sum();
         *o = slots.iter().map(|&(a, s)| (s - max).exp() / total * a).sum();
     }
     let mut out = rms_norm(&out, Some(&cw.norm), ctx.c.eps);
-    rope(&mut out, ctx.rope, p.count() * p.ratio, false);
-    p.rows.extend_from_slice(&out);
-    p.previous = std::mem::take(&mut p.pending);
+    rope(&mut out, ctx.rope, ctx.pos + 1 - ratio, false);
+    mem.push_row(ctx.layer, pool, ctx.pos, out);
 }
 
 /// The compressed rows query `qi` keeps: the indexer's `index_topk` best (ties to the earlier row),
 /// or every row when there are no more.
-fn select(ctx: &Ctx<'_>, index: &Pooled, qi: &[f32], weights: &[f32]) -> Vec<usize> {
+fn select(ctx: &Ctx<'_>, index: &[Vec<f32>], qi: &[f32], weights: &[f32]) -> Vec<usize> {
     let (ih, id, k) = (ctx.c.index_heads, ctx.c.index_dim, ctx.c.index_topk);
-    let rows = index.count();
+    let rows = index.len();
     if rows <= k {
         return (0..rows).collect();
     }
     let scale = (id as f32).powf(-0.5);
     let scores: Vec<f32> = (0..rows)
         .map(|w| {
-            let key = index.get(w);
+            let key = &index[w];
             (0..ih)
                 .map(|h| crate::sys::dot(&qi[h * id..(h + 1) * id], key).max(0.0) * scale * weights[h])
                 .sum()
@@ -248,7 +368,7 @@ fn select(ctx: &Ctx<'_>, index: &Pooled, qi: &[f32], weights: &[f32]) -> Vec<usi
 }
 
 /// Attention of one token (input `h`, normed) over its window and compressed rows; the layer's output.
-fn attention(ctx: &Ctx<'_>, w: &V4LayerWeights, st: &mut LayerState, h: &[f32]) -> Vec<f32> {
+fn attention(ctx: &Ctx<'_>, w: &V4LayerWeights, mem: &mut dyn Memory, h: &[f32]) -> Vec<f32> {
     let c = ctx.c;
     let (d, heads, hd) = (c.hidden, c.heads, c.head_dim);
     let qr = rms_norm(&matvec(&w.wq_a, h, d), Some(&w.q_norm), c.eps);
@@ -260,30 +380,27 @@ fn attention(ctx: &Ctx<'_>, w: &V4LayerWeights, st: &mut LayerState, h: &[f32]) 
     }
     let mut kv = rms_norm(&matvec(&w.wkv, h, d), Some(&w.kv_norm), c.eps);
     rope(&mut kv, ctx.rope, ctx.pos, false);
-    if st.window.len() == c.window {
-        st.window.pop_front();
-    }
-    st.window.push_back(kv);
-    if let (Some(cw), Some(p)) = (&w.compressor, &mut st.compressed) {
-        compress(ctx, cw, p, h);
-    }
-    let mut chosen: Vec<usize> = st.compressed.as_ref().map_or(Vec::new(), |p| (0..p.count()).collect());
-    if let (Some(iw), Some(p)) = (&w.indexer, &mut st.index) {
-        compress(ctx, &iw.compressor, p, h);
+    let window = mem.window(ctx.layer, ctx.pos, c.window, kv);
+    let ratio = w.kind.ratio();
+    let pooled = match &w.compressor {
+        Some(cw) => {
+            compress(ctx, cw, mem, (Pool::Kv, ratio, hd), h);
+            mem.rows(ctx.layer, Pool::Kv, ctx.pos, ratio)
+        }
+        None => Vec::new(),
+    };
+    let mut chosen: Vec<usize> = (0..pooled.len()).collect();
+    if let Some(iw) = &w.indexer {
+        compress(ctx, &iw.compressor, mem, (Pool::Index, INDEX_RATIO, c.index_dim), h);
         let (ih, id) = (c.index_heads, c.index_dim);
         let mut qi = matvec(&iw.wq_b, &qr, c.q_lora);
         qi.chunks_exact_mut(id).for_each(|head| rope(head, ctx.rope, ctx.pos, false));
         let weights: Vec<f32> =
             matvec(&iw.weights_proj, h, d).into_iter().map(|v| v * (ih as f32).powf(-0.5)).collect();
-        chosen = select(ctx, p, &qi, &weights);
+        chosen = select(ctx, &mem.rows(ctx.layer, Pool::Index, ctx.pos, INDEX_RATIO), &qi, &weights);
     }
-    let pooled = st.compressed.as_ref();
-    let keys: Vec<&[f32]> = st
-        .window
-        .iter()
-        .map(Vec::as_slice)
-        .chain(chosen.iter().map(|&r| pooled.expect("rows").get(r)))
-        .collect();
+    let keys: Vec<&[f32]> =
+        window.iter().map(Vec::as_slice).chain(chosen.iter().map(|&r| pooled[r].as_slice())).collect();
     let scale = (hd as f32).powf(-0.5);
     let mut o = vec![0.0; heads * hd];
     for (head, out) in o.chunks_exact_mut(hd).enumerate() {

@@ -14,14 +14,15 @@
 //! (`pdserve_kvcache::KvGroups`) and the multi-token prediction drafts are the next steps; this is the
 //! numerics, checked against an independent numpy reference (`tests/deepseek_v4.rs`).
 
-mod config;
 mod layer;
+mod paged;
 mod weights;
 
 use std::path::Path;
 
-pub use config::{V4Config, V4Layer};
-use layer::LayerState;
+use crate::config::{V4Config, V4Layer};
+use layer::{LayerState, Memory};
+pub use paged::V4Backend;
 use weights::V4Weights;
 
 use crate::ModelError;
@@ -100,9 +101,27 @@ impl DeepseekV4 {
         }
     }
 
-    fn ctx(&self, kind: V4Layer, pos: usize, token: usize) -> layer::Ctx<'_> {
+    fn ctx(&self, kind: V4Layer, layer: usize, pos: usize, token: usize) -> layer::Ctx<'_> {
         let rope = if kind == V4Layer::Sliding { &self.rope_main } else { &self.rope_compressed };
-        layer::Ctx { c: &self.cfg, rope, pos, token }
+        layer::Ctx { c: &self.cfg, rope, layer, pos, token }
+    }
+
+    /// Token `id` at position `pos` through every main layer, over the request's `mem`: the final
+    /// streams.
+    fn run_token(&self, mem: &mut dyn Memory, id: usize, pos: usize) -> Vec<f32> {
+        let (d, n) = (self.cfg.hidden, self.cfg.hc_mult);
+        // Every stream starts as the token's embedding.
+        let embed = &self.w.embed[id * d..(id + 1) * d];
+        let mut streams: Vec<f32> = (0..n).flat_map(|_| embed.iter().copied()).collect();
+        for (l, lw) in self.w.layers.iter().enumerate() {
+            streams = layer::run(&self.ctx(lw.kind, l, pos, id), lw, mem, &streams);
+        }
+        streams
+    }
+
+    /// The logits of the final streams a token's pass ended with.
+    fn head_logits(&self, streams: &[f32]) -> Vec<f32> {
+        self.logits(&self.w.hc_head, &self.w.norm, streams)
     }
 
     /// Logits from the final streams through a hyper-connection head and a norm.
@@ -161,20 +180,16 @@ impl DeepseekV4 {
         let kind = dw.layer.kind;
         let mut last = Vec::new();
         for (streams, &token) in std::mem::take(&mut state.pending).iter().zip(next) {
-            last =
-                layer::run(&self.ctx(kind, pos, token as usize), &dw.layer, &mut own, &input(streams, token));
+            let ctx = self.ctx(kind, 0, pos, token as usize);
+            last = layer::run(&ctx, &dw.layer, &mut own, &input(streams, token));
             pos += 1;
         }
         let mut out = vec![self.logits(&dw.hc_head, &dw.norm, &last)];
         let (mut chained, mut at) = (own.clone(), pos);
         while out.len() < guesses {
             let guess = layer::argmax(out.last().expect("one")) as u32;
-            last = layer::run(
-                &self.ctx(kind, at, guess as usize),
-                &dw.layer,
-                &mut chained,
-                &input(&last, guess),
-            );
+            let ctx = self.ctx(kind, 0, at, guess as usize);
+            last = layer::run(&ctx, &dw.layer, &mut chained, &input(&last, guess));
             at += 1;
             out.push(self.logits(&dw.hc_head, &dw.norm, &last));
         }
@@ -187,17 +202,9 @@ impl DeepseekV4 {
     pub fn forward(&self, state: &mut V4State, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
         // (Every id checked first: a refused call changes nothing.)
         self.check_ids(ids)?;
-        let (d, n) = (self.cfg.hidden, self.cfg.hc_mult);
         let mut last = None;
         for &id in ids {
-            let id = id as usize;
-            let t = state.tokens;
-            // Every stream starts as the token's embedding.
-            let embed = &self.w.embed[id * d..(id + 1) * d];
-            let mut streams: Vec<f32> = (0..n).flat_map(|_| embed.iter().copied()).collect();
-            for (l, lw) in self.w.layers.iter().enumerate() {
-                streams = layer::run(&self.ctx(lw.kind, t, id), lw, &mut state.layers[l], &streams);
-            }
+            let streams = self.run_token(&mut layer::PerLayer(&mut state.layers), id as usize, state.tokens);
             state.tokens += 1;
             if state.draft.is_some() {
                 state.pending.push(streams.clone());
@@ -205,6 +212,6 @@ impl DeepseekV4 {
             last = Some(streams);
         }
         let streams = last.ok_or_else(|| ModelError::format("input", "no tokens"))?;
-        Ok(self.logits(&self.w.hc_head, &self.w.norm, &streams))
+        Ok(self.head_logits(&streams))
     }
 }

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use super::config::{V4Config, V4Layer};
+use crate::config::{V4Config, V4Layer};
 use crate::shards::Shards;
 use crate::ModelError;
 
@@ -97,6 +97,8 @@ pub(crate) struct V4Weights {
     pub hc_head: HyperConnection,
     pub layers: Vec<V4LayerWeights>,
     pub draft: Option<V4Draft>,
+    /// Bytes of the values held.
+    pub bytes: usize,
 }
 
 impl V4Weights {
@@ -105,30 +107,37 @@ impl V4Weights {
         // Dense projections in FP8 with a scale per block; experts in FP4 are told by their tensors.
         s.fp8_block = c.fp8_block;
         let s = s;
+        // Every tensor read, counted: the f32 bytes held.
+        let held = std::cell::Cell::new(0usize);
+        let get = |name: &str, shape: &[usize]| -> Result<Vec<f32>, ModelError> {
+            let v = s.get(name, shape)?;
+            held.set(held.get() + 4 * v.len());
+            Ok(v)
+        };
         let (d, v, n) = (c.hidden, c.vocab, c.hc_mult);
         let mix = (2 + n) * n;
         let hc = |p: &str, rows: usize, scales: usize| -> Result<HyperConnection, ModelError> {
             Ok(HyperConnection {
-                func: s.get(&format!("{p}fn"), &[rows, n * d])?,
-                base: s.get(&format!("{p}base"), &[rows])?,
-                scale: s.get(&format!("{p}scale"), &[scales])?,
+                func: get(&format!("{p}fn"), &[rows, n * d])?,
+                base: get(&format!("{p}base"), &[rows])?,
+                scale: get(&format!("{p}scale"), &[scales])?,
             })
         };
         let compressor = |p: &str, ratio: usize, row: usize| -> Result<Compressor, ModelError> {
             let width = if ratio == 4 { 2 * row } else { row };
             Ok(Compressor {
-                wkv: s.get(&format!("{p}wkv.weight"), &[width, d])?,
-                wgate: s.get(&format!("{p}wgate.weight"), &[width, d])?,
-                ape: s.get(&format!("{p}ape"), &[ratio, width])?,
-                norm: s.get(&format!("{p}norm.weight"), &[row])?,
+                wkv: get(&format!("{p}wkv.weight"), &[width, d])?,
+                wgate: get(&format!("{p}wgate.weight"), &[width, d])?,
+                ape: get(&format!("{p}ape"), &[ratio, width])?,
+                norm: get(&format!("{p}norm.weight"), &[row])?,
                 width,
             })
         };
         let expert = |p: &str, inter: usize| -> Result<Expert, ModelError> {
             Ok(Expert {
-                w1: s.get(&format!("{p}w1.weight"), &[inter, d])?,
-                w2: s.get(&format!("{p}w2.weight"), &[d, inter])?,
-                w3: s.get(&format!("{p}w3.weight"), &[inter, d])?,
+                w1: get(&format!("{p}w1.weight"), &[inter, d])?,
+                w2: get(&format!("{p}w2.weight"), &[d, inter])?,
+                w3: get(&format!("{p}w3.weight"), &[inter, d])?,
                 inter,
             })
         };
@@ -150,37 +159,35 @@ impl V4Weights {
                 Routing::Hash(ids.into_iter().map(|e| e as usize).collect())
             } else {
                 let bias = format!("{p}ffn.gate.bias");
-                Routing::Scored(if s.has(&bias) { Some(s.get(&bias, &[c.experts])?) } else { None })
+                Routing::Scored(if s.has(&bias) { Some(get(&bias, &[c.experts])?) } else { None })
             };
             layers.push(V4LayerWeights {
                 kind,
-                attn_norm: s.get(&format!("{p}attn_norm.weight"), &[d])?,
-                ffn_norm: s.get(&format!("{p}ffn_norm.weight"), &[d])?,
+                attn_norm: get(&format!("{p}attn_norm.weight"), &[d])?,
+                ffn_norm: get(&format!("{p}ffn_norm.weight"), &[d])?,
                 hc_attn: hc(&format!("{p}hc_attn_"), mix, 3)?,
                 hc_ffn: hc(&format!("{p}hc_ffn_"), mix, 3)?,
-                wq_a: s.get(&format!("{a}wq_a.weight"), &[ql, d])?,
-                q_norm: s.get(&format!("{a}q_norm.weight"), &[ql])?,
-                wq_b: s.get(&format!("{a}wq_b.weight"), &[h * hd, ql])?,
-                wkv: s.get(&format!("{a}wkv.weight"), &[hd, d])?,
-                kv_norm: s.get(&format!("{a}kv_norm.weight"), &[hd])?,
-                wo_a: s.get(&format!("{a}wo_a.weight"), &[c.o_groups * c.o_lora, h * hd / c.o_groups])?,
-                wo_b: s.get(&format!("{a}wo_b.weight"), &[d, c.o_groups * c.o_lora])?,
-                sink: s.get(&format!("{a}attn_sink"), &[h])?,
+                wq_a: get(&format!("{a}wq_a.weight"), &[ql, d])?,
+                q_norm: get(&format!("{a}q_norm.weight"), &[ql])?,
+                wq_b: get(&format!("{a}wq_b.weight"), &[h * hd, ql])?,
+                wkv: get(&format!("{a}wkv.weight"), &[hd, d])?,
+                kv_norm: get(&format!("{a}kv_norm.weight"), &[hd])?,
+                wo_a: get(&format!("{a}wo_a.weight"), &[c.o_groups * c.o_lora, h * hd / c.o_groups])?,
+                wo_b: get(&format!("{a}wo_b.weight"), &[d, c.o_groups * c.o_lora])?,
+                sink: get(&format!("{a}attn_sink"), &[h])?,
                 compressor: match kind.ratio() {
                     0 => None,
                     r => Some(compressor(&format!("{a}compressor."), r, hd)?),
                 },
                 indexer: match kind {
                     V4Layer::CompressedSparse => Some(Indexer {
-                        wq_b: s
-                            .get(&format!("{a}indexer.wq_b.weight"), &[c.index_heads * c.index_dim, ql])?,
-                        weights_proj: s
-                            .get(&format!("{a}indexer.weights_proj.weight"), &[c.index_heads, d])?,
+                        wq_b: get(&format!("{a}indexer.wq_b.weight"), &[c.index_heads * c.index_dim, ql])?,
+                        weights_proj: get(&format!("{a}indexer.weights_proj.weight"), &[c.index_heads, d])?,
                         compressor: compressor(&format!("{a}indexer.compressor."), 4, c.index_dim)?,
                     }),
                     _ => None,
                 },
-                gate: s.get(&format!("{p}ffn.gate.weight"), &[c.experts, d])?,
+                gate: get(&format!("{p}ffn.gate.weight"), &[c.experts, d])?,
                 routing,
                 experts: (0..c.experts)
                     .map(|e| expert(&format!("{p}ffn.experts.{e}."), c.moe_intermediate))
@@ -194,22 +201,23 @@ impl V4Weights {
         let draft = match c.mtp_layers {
             0 => None,
             _ => Some(V4Draft {
-                e_proj: s.get("mtp.0.e_proj.weight", &[d, d])?,
-                h_proj: s.get("mtp.0.h_proj.weight", &[d, d])?,
-                enorm: s.get("mtp.0.enorm.weight", &[d])?,
-                hnorm: s.get("mtp.0.hnorm.weight", &[d])?,
-                norm: s.get("mtp.0.norm.weight", &[d])?,
+                e_proj: get("mtp.0.e_proj.weight", &[d, d])?,
+                h_proj: get("mtp.0.h_proj.weight", &[d, d])?,
+                enorm: get("mtp.0.enorm.weight", &[d])?,
+                hnorm: get("mtp.0.hnorm.weight", &[d])?,
+                norm: get("mtp.0.norm.weight", &[d])?,
                 hc_head: hc("mtp.0.hc_head_", n, 1)?,
                 layer: layers.pop().expect("the MTP layer, read last"),
             }),
         };
         Ok(V4Weights {
-            embed: s.get("embed.weight", &[v, d])?,
-            head: s.get("head.weight", &[v, d])?,
-            norm: s.get("norm.weight", &[d])?,
+            embed: get("embed.weight", &[v, d])?,
+            head: get("head.weight", &[v, d])?,
+            norm: get("norm.weight", &[d])?,
             hc_head: hc("hc_head_", n, 1)?,
             layers,
             draft,
+            bytes: held.get(),
         })
     }
 }

@@ -27,6 +27,24 @@ impl V4Layer {
     }
 }
 
+/// Where one compressor's values lie in a layer's served KV row, in values from the row's start:
+/// each position's value (`width`) at `at`, its gate at `at + width`, and at a group's last position
+/// the row made from the group (`row` values) at `at + 2 * width`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RowPart {
+    pub at: usize,
+    pub width: usize,
+    pub row: usize,
+}
+
+/// The served KV row: `width` values per position and layer (every layer's the widest's), each
+/// layer's compressors' parts (its rows', its indexer's keys').
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct V4Row {
+    pub width: usize,
+    pub parts: Vec<[Option<RowPart>; 2]>,
+}
+
 /// The shape of a `DeepseekV4ForCausalLM` checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct V4Config {
@@ -64,6 +82,7 @@ pub struct V4Config {
     pub hc_eps: f32,
     pub eps: f32,
     pub mtp_layers: usize,
+    pub max_positions: usize,
     /// Block-scaled FP8 projections (`quantization_config` `fp8`): the scale blocks' shape.
     pub fp8_block: Option<[usize; 2]>,
 }
@@ -154,9 +173,10 @@ impl V4Config {
             hc_eps: num("hc_eps", 1e-6)?,
             eps: num("rms_norm_eps", 1e-6)?,
             mtp_layers,
+            max_positions,
             fp8_block: match &v["quantization_config"] {
                 Value::Null => None,
-                q => Some(crate::config::fp8_block(q)?),
+                q => Some(super::fp8_block(q)?),
             },
         };
         let shape_ok = c.rope_dim.is_multiple_of(2)
@@ -175,6 +195,29 @@ impl V4Config {
             ));
         }
         Ok(c)
+    }
+
+    /// The served KV row of each main layer (`V4Backend`'s paged blocks hold one per position and
+    /// layer): the window's K=V row at 0 (`head_dim` values), then each compressor's part.
+    pub(crate) fn kv_row(&self) -> V4Row {
+        let mut width = 0;
+        let parts = self.kinds[..self.layers]
+            .iter()
+            .map(|&kind| {
+                let mut at = self.head_dim;
+                let mut part = |ratio: usize, row: usize| {
+                    let width = if ratio == 4 { 2 * row } else { row };
+                    let p = RowPart { at, width, row };
+                    at += 2 * width + row;
+                    Some(p)
+                };
+                let kv = (kind.ratio() > 0).then(|| part(kind.ratio(), self.head_dim)).flatten();
+                let index = (kind == V4Layer::CompressedSparse).then(|| part(4, self.index_dim)).flatten();
+                width = width.max(at);
+                [kv, index]
+            })
+            .collect();
+        V4Row { width, parts }
     }
 
     /// Rope's inverse frequencies for a layer of `kind`: plain from `rope_theta` for window-only

@@ -1,0 +1,217 @@
+//! DeepSeek V4 served: the engine's batch steps over paged KV blocks.
+//!
+//! Each block holds, per layer and position, one row of [`V4Row::width`] values: the position's
+//! K=V row (what the window reads), each compressor's value and gate at the position (what its group
+//! pools once complete), and at a group's last position the row the group made (the compressed
+//! rows, and the indexer's keys). Everything a request's later tokens read is then a function of its
+//! prefix, stored at positions like any model's KV: the prefix cache, copy-on-write, preemption, the
+//! PD transfer and migration move V4 requests with no code of their own, and a request resumed from
+//! any of them computes what a cold one does, to the bit. The cost is bytes: every position keeps
+//! its compressor inputs and the window rows of positions long past the window (the compact layout,
+//! `pdserve_kvcache::KvGroups` with per-request state slots, is the next step).
+
+use std::sync::Arc;
+
+use pdserve_kvcache::{BlockCopy, BlockId};
+
+use super::layer::{Group, Memory, Pool};
+use super::DeepseekV4;
+use crate::backend::{check_steps, Backend, KvDtype, KvLayout, KvStore, SeqStep};
+use crate::config::{RowPart, V4Row};
+use crate::cpu::KvMemory;
+use crate::{ModelConfig, ModelError};
+
+/// Runs a DeepSeek V4 checkpoint's batch steps on the CPU over paged KV blocks (see the module
+/// documentation). Its KV layout is a latent one: one row per position and layer.
+#[derive(Debug)]
+pub struct V4Backend {
+    model: Arc<DeepseekV4>,
+    cfg: ModelConfig,
+    row: V4Row,
+    layout: KvLayout,
+    kv: KvMemory,
+}
+
+impl V4Backend {
+    /// `model` over `num_blocks` blocks of `block_size` positions of `dtype` values. `cfg` is the
+    /// checkpoint's `ModelConfig` (its `v4` the model's shape).
+    pub fn new(
+        model: Arc<DeepseekV4>,
+        cfg: ModelConfig,
+        (num_blocks, block_size): (usize, usize),
+        dtype: KvDtype,
+    ) -> Result<V4Backend, ModelError> {
+        let layout = KvLayout::for_model(&cfg, num_blocks, block_size, dtype);
+        let kv = KvMemory::heap(layout.block_bytes() * num_blocks);
+        V4Backend::with_memory(model, cfg, layout, kv)
+    }
+
+    /// [`new`](Self::new), with the KV memory in `store` (at least the pool's bytes, 4-byte aligned).
+    pub fn with_kv_store(
+        model: Arc<DeepseekV4>,
+        cfg: ModelConfig,
+        (num_blocks, block_size): (usize, usize),
+        dtype: KvDtype,
+        store: Box<dyn KvStore>,
+    ) -> Result<V4Backend, ModelError> {
+        let layout = KvLayout::for_model(&cfg, num_blocks, block_size, dtype);
+        let bytes = store.bytes();
+        if bytes.len() < layout.block_bytes() * num_blocks || bytes.as_ptr().align_offset(4) != 0 {
+            return Err(ModelError::InvalidInput {
+                problem: format!(
+                    "a KV store of {} bytes; {num_blocks} blocks need {} 4-byte aligned bytes",
+                    bytes.len(),
+                    layout.block_bytes() * num_blocks
+                ),
+            });
+        }
+        V4Backend::with_memory(model, cfg, layout, KvMemory::Store(store))
+    }
+
+    fn with_memory(
+        model: Arc<DeepseekV4>,
+        cfg: ModelConfig,
+        layout: KvLayout,
+        kv: KvMemory,
+    ) -> Result<V4Backend, ModelError> {
+        match &cfg.v4 {
+            Some(v4) if **v4 == model.cfg => {}
+            _ => {
+                return Err(ModelError::InvalidInput {
+                    problem: "a model configuration that is not the V4 checkpoint's".into(),
+                })
+            }
+        }
+        let row = model.cfg.kv_row();
+        Ok(V4Backend { model, cfg, row, layout, kv })
+    }
+
+    /// Bytes of the weights held (f32).
+    pub fn weight_bytes(&self) -> usize {
+        self.model.w.bytes
+    }
+}
+
+impl Backend for V4Backend {
+    fn kv_layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        check_steps(&self.cfg, &self.layout, steps)?;
+        let mut out = Vec::with_capacity(steps.iter().map(|s| s.logits).sum());
+        for s in steps {
+            let mut mem = Paged {
+                kv: &mut self.kv,
+                dtype: self.layout.dtype,
+                table: s.block_table,
+                row: &self.row,
+                block_size: self.layout.block_size,
+            };
+            let wanted = s.tokens.len() - s.logits;
+            for (i, &t) in s.tokens.iter().enumerate() {
+                let streams = self.model.run_token(&mut mem, t as usize, s.start_pos + i);
+                if i >= wanted {
+                    out.push(self.model.head_logits(&streams));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {
+        self.kv.copy_blocks(&self.layout, copies)
+    }
+
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError> {
+        self.kv.read_block(&self.layout, block, out)
+    }
+
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
+        self.kv.write_block(&self.layout, block, data)
+    }
+
+    fn block_bytes(&self, block: BlockId) -> Option<&[u8]> {
+        self.kv.block(&self.layout, block)
+    }
+
+    fn block_bytes_mut(&mut self, block: BlockId) -> Option<&mut [u8]> {
+        self.kv.block_mut(&self.layout, block)
+    }
+}
+
+/// One sequence's rows in the paged KV memory, through its block table.
+struct Paged<'a> {
+    kv: &'a mut KvMemory,
+    dtype: KvDtype,
+    table: &'a [BlockId],
+    row: &'a V4Row,
+    block_size: usize,
+}
+
+impl Paged<'_> {
+    /// The value index of `offset` in layer `layer`'s row at position `pos`.
+    fn at(&self, layer: usize, pos: usize, offset: usize) -> usize {
+        let block = self.table[pos / self.block_size].0 as usize;
+        ((block * self.row.parts.len() + layer) * self.block_size + pos % self.block_size) * self.row.width
+            + offset
+    }
+
+    fn read(&self, layer: usize, pos: usize, offset: usize, n: usize) -> Vec<f32> {
+        let mut v = vec![0.0; n];
+        self.kv.values(self.dtype).read_into(self.at(layer, pos, offset), &mut v);
+        v
+    }
+
+    fn write(&mut self, layer: usize, pos: usize, offset: usize, values: &[f32]) {
+        let at = self.at(layer, pos, offset);
+        self.kv.store(self.dtype, at, values);
+    }
+
+    fn part(&self, layer: usize, pool: Pool) -> RowPart {
+        self.row.parts[layer][pool as usize].expect("a row part for each compressor the layer has")
+    }
+}
+
+impl Memory for Paged<'_> {
+    fn window(&mut self, layer: usize, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
+        self.write(layer, pos, 0, &row);
+        let first = (pos + 1).saturating_sub(window);
+        (first..=pos).map(|p| self.read(layer, p, 0, row.len())).collect()
+    }
+
+    fn feed(
+        &mut self,
+        layer: usize,
+        pool: Pool,
+        pos: usize,
+        (ratio, overlap): (usize, bool),
+        a: Vec<f32>,
+        s: Vec<f32>,
+    ) -> Option<(Group, Group)> {
+        let p = self.part(layer, pool);
+        self.write(layer, pos, p.at, &a);
+        self.write(layer, pos, p.at + p.width, &s);
+        if !(pos + 1).is_multiple_of(ratio) {
+            return None;
+        }
+        let pair =
+            |q: usize| (self.read(layer, q, p.at, p.width), self.read(layer, q, p.at + p.width, p.width));
+        let start = pos + 1 - ratio;
+        let previous =
+            if overlap && start >= ratio { (start - ratio..start).map(pair).collect() } else { Vec::new() };
+        Some((previous, (start..=pos).map(pair).collect()))
+    }
+
+    fn push_row(&mut self, layer: usize, pool: Pool, pos: usize, row: Vec<f32>) {
+        let p = self.part(layer, pool);
+        self.write(layer, pos, p.at + 2 * p.width, &row);
+    }
+
+    fn rows(&self, layer: usize, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>> {
+        let p = self.part(layer, pool);
+        (0..(pos + 1) / ratio)
+            .map(|g| self.read(layer, g * ratio + ratio - 1, p.at + 2 * p.width, p.row))
+            .collect()
+    }
+}
