@@ -147,8 +147,8 @@ impl Engine {
             Role::Decode => pdserve_scheduler::Role::Decode,
         };
         let model = files.config.clone();
-        let prepared = files.prepared.take();
-        let built = crate::load::backend(&config, &model, Arc::new(files.weights), prepared)?;
+        let (prepared, v4) = (files.prepared.take(), files.v4.take());
+        let built = crate::load::backend(&config, &model, Arc::new(files.weights), prepared, v4)?;
         let endpoint = crate::load::endpoint(&config, &model, built.kv_shm_path.as_deref(), make)?;
         let kv_ucx_region = endpoint.as_ref().and_then(pdserve_pd_transfer::Endpoint::region);
         let transfer_addr = endpoint.as_ref().and_then(|e| e.local_addr());
@@ -600,6 +600,8 @@ fn kv_group(
     use pdserve_kvcache::{GroupSpec, LayerKind};
     let layers = (model.num_layers + model.draft_layers).max(1);
     let (name, kind) = match (model.mla.is_some(), model.sliding_window) {
+        // DeepSeek V4's row per position: window, compressor inputs and compressed rows together.
+        _ if model.v4.is_some() => ("v4-rows", LayerKind::Full),
         (true, _) => ("latent", LayerKind::Full),
         (false, Some(w)) => ("window", LayerKind::Sliding { window: w as u32 }),
         (false, None) => ("full", LayerKind::Full),

@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use pdserve_api::Role;
 use pdserve_model::{
-    Backend, CpuBackend, KvDtype, KvStore, ModelConfig, PreparedWeights, WeightFormat, Weights,
+    Backend, CpuBackend, DeepseekV4, KvDtype, KvStore, ModelConfig, PreparedWeights, V4Backend, WeightFormat,
+    Weights,
 };
 use pdserve_pd_transfer::transport::shm::SharedRegion;
 use pdserve_pd_transfer::{
@@ -50,8 +51,12 @@ pub(crate) fn backend(
     model: &ModelConfig,
     weights: Arc<Weights>,
     prepared: Option<PreparedWeights>,
+    v4: Option<Arc<DeepseekV4>>,
 ) -> Result<Built, EngineError> {
     let (blocks, block_size) = (config.kv_blocks, config.block_size);
+    if let Some(v4) = v4 {
+        return v4_backend(config, model, v4);
+    }
     if let Device::Cuda(n) = config.device {
         if config.kv_shm || (config.kv_ucx && config.role == Role::Prefill) {
             return Err(EngineError::GpuSharedKv);
@@ -113,6 +118,43 @@ pub(crate) fn backend(
         weight_bytes: b.weight_bytes(),
         kv_bytes: b.kv_layout().block_bytes() * blocks,
         kv_bytes_per_token: b.kv_layout().bytes_per_token(),
+        backend: Box::new(b),
+        kv_shm_path,
+    })
+}
+
+/// DeepSeek V4's backend: on the CPU, its weights in f32 as read, its KV rows paged like any model's.
+fn v4_backend(config: &EngineConfig, model: &ModelConfig, v4: Arc<DeepseekV4>) -> Result<Built, EngineError> {
+    let refuse = |field: &'static str, value: &str| {
+        Err(EngineError::Config {
+            field,
+            value: format!("{value} (DeepSeek V4 runs on the CPU, in f32 weights)"),
+        })
+    };
+    if config.device != Device::Cpu {
+        return refuse("device", "a GPU");
+    }
+    if !matches!(config.weights, WeightFormat::F32 | WeightFormat::Auto) {
+        return refuse("weights", config.weights.name());
+    }
+    if config.int8_activations {
+        return refuse("activations", "q8");
+    }
+    let (blocks, block_size, dtype) = (config.kv_blocks, config.block_size, config.resolved_kv_dtype());
+    let layout = pdserve_model::KvLayout::for_model(model, blocks, block_size, dtype);
+    let (b, kv_shm_path) = if (config.kv_shm || config.kv_ucx) && config.role == Role::Prefill {
+        let region = SharedRegion::create(&config.shm_scope, layout.block_bytes() * blocks)?;
+        let path = region.path().to_path_buf();
+        let store = Box::new(SharedKv(region));
+        (V4Backend::with_kv_store(v4, model.clone(), (blocks, block_size), dtype, store)?, Some(path))
+    } else {
+        (V4Backend::new(v4, model.clone(), (blocks, block_size), dtype)?, None)
+    };
+    Ok(Built {
+        multi_row_weights: "f32",
+        weight_bytes: b.weight_bytes(),
+        kv_bytes: layout.block_bytes() * blocks,
+        kv_bytes_per_token: layout.bytes_per_token(),
         backend: Box::new(b),
         kv_shm_path,
     })

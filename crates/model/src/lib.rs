@@ -96,14 +96,20 @@ pub struct ModelFiles {
     /// From [`load_for`](Self::load_for): every layer's projections in the served format (then
     /// `weights` holds no f32 copy of those no step reads).
     pub prepared: Option<PreparedWeights>,
+    /// A DeepSeek V4 checkpoint (`config.v4`), loaded whole for [`V4Backend`]; `weights` is then
+    /// empty.
+    pub v4: Option<std::sync::Arc<DeepseekV4>>,
 }
 
 impl ModelFiles {
     /// Loads `config.json`, the weights and the tokenizer from `dir`. Errors name the file and the problem.
     pub fn load(dir: &Path) -> Result<ModelFiles, ModelError> {
         let (config, generation, text) = ModelFiles::metadata(dir)?;
+        if config.v4.is_some() {
+            return ModelFiles::v4(dir, config, generation, text);
+        }
         let (weights, checkpoint_dtype) = Weights::load_with_dtype(dir, &config)?;
-        Ok(ModelFiles { config, weights, text, generation, checkpoint_dtype, prepared: None })
+        Ok(ModelFiles { config, weights, text, generation, checkpoint_dtype, prepared: None, v4: None })
     }
 
     /// [`load`](Self::load) for the CPU backend serving `format` (`Auto`: the checkpoint's own
@@ -119,6 +125,10 @@ impl ModelFiles {
     /// prediction layer, `ModelConfig::draft_layers`) left out unless `draft_layer`.
     pub fn load_with(dir: &Path, format: WeightFormat, draft_layer: bool) -> Result<ModelFiles, ModelError> {
         let (mut config, generation, text) = ModelFiles::metadata(dir)?;
+        if config.v4.is_some() {
+            // Held in f32 as read (the served formats are the next step for V4).
+            return ModelFiles::v4(dir, config, generation, text);
+        }
         if !draft_layer {
             config.draft_layers = 0;
         }
@@ -137,7 +147,41 @@ impl ModelFiles {
             None => PreparedWeights::new(format.resolve(checkpoint_dtype, &config), &config)?
                 .from_checkpoint(checkpoint_dtype),
         };
-        Ok(ModelFiles { config, weights, text, generation, checkpoint_dtype, prepared: Some(prepared) })
+        Ok(ModelFiles {
+            config,
+            weights,
+            text,
+            generation,
+            checkpoint_dtype,
+            prepared: Some(prepared),
+            v4: None,
+        })
+    }
+
+    fn v4(
+        dir: &Path,
+        config: ModelConfig,
+        generation: GenerationConfig,
+        text: TextCodec,
+    ) -> Result<ModelFiles, ModelError> {
+        let model = DeepseekV4::load(dir)?;
+        let weights = Weights {
+            embed: Vec::new(),
+            layers: Vec::new(),
+            final_norm: Vec::new(),
+            lm_head: None,
+            draft: None,
+        };
+        let v4 = Some(std::sync::Arc::new(model));
+        Ok(ModelFiles {
+            config,
+            weights,
+            text,
+            generation,
+            checkpoint_dtype: CheckpointDtype::F32,
+            prepared: None,
+            v4,
+        })
     }
 
     /// `config.json` (its EOS ids joined by `generation_config.json`'s), `generation_config.json`

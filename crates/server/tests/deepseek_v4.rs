@@ -1,0 +1,141 @@
+//! DeepSeek V4 (`DeepseekV4ForCausalLM`) through the real server processes: a tiny seeded checkpoint
+//! in the real tensor layout (`crates/model/tests/fixtures/deepseek_v4_reference.py`: layers sliding,
+//! sliding, compressed sparse at 4 with its indexer, heavily compressed at 16; a window of 16,
+//! `index_topk` 8), with the default model's tokenizer, answers as the script's independent numpy
+//! forward pass does on a short and a 3,000-token prompt (it slides, compresses and selects); a
+//! prefix hit, prefill and decode workers behind the router, and a stream moved off a killed worker
+//! all give the cold unified answer. Needs `python3` with numpy.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::migrate::{completed_text, long_stream_body, router_metric, stream, stream_killing_holder};
+use common::router::RouterThread;
+use common::Worker;
+use pdserve_router::Role;
+use serde_json::{json, Value};
+
+const STEPS: usize = 8;
+
+fn script(args: &[&str]) -> Vec<u8> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/deepseek_v4_reference.py");
+    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
+        .arg(&path)
+        .args(args)
+        .output()
+        .expect("python3 (with numpy) runs");
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    out.stdout
+}
+
+/// The tiny V4 checkpoint with the default model's vocabulary and tokenizer files.
+fn checkpoint() -> PathBuf {
+    let model = common::default_model();
+    // (Not named `pdserve-...`: the model's id is the folder's name, and a stream's chunks carry it
+    // where the migration helpers check that no resume mark `pdserve-...` reached the client.)
+    let dir = std::env::temp_dir().join(format!("tiny-v4-served-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = json!({"vocab_size": 49152, "max_position_embeddings": 8192});
+    script(&["write", dir.to_str().unwrap(), &config.to_string()]);
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::os::unix::fs::symlink(model.join(f), dir.join(f)).unwrap();
+    }
+    dir
+}
+
+fn prompt(len: usize) -> Vec<u32> {
+    (0..len as u32).map(|i| 200 + (i * 997) % 20_000).collect()
+}
+
+fn body(ids: &[u32]) -> String {
+    json!({"prompt": ids, "max_tokens": STEPS, "temperature": 0, "ignore_eos": true, "logprobs": 1})
+        .to_string()
+}
+
+/// `v` (a completion from `w`) has the reference's greedy tokens, and each token's log-probability
+/// within 2e-3 of the reference's.
+fn assert_matches(w: &Worker, v: &Value, reference: &Value, what: &str) {
+    let (s, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
+    assert_eq!(s, 200, "{what}: {text}");
+    assert_eq!(v["choices"][0]["text"], text["prompt"], "{what}: greedy text differs from the reference");
+    let ours = v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
+    let theirs = reference["logprobs"].as_array().unwrap();
+    assert_eq!(ours.len(), theirs.len(), "{what}: {v}");
+    for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        let d = (a.as_f64().unwrap() - b.as_f64().unwrap()).abs();
+        assert!(d < 2e-3, "{what}: token {i}'s log-probability {a} vs the reference's {b}");
+    }
+}
+
+fn logprobs(v: &Value) -> &Value {
+    &v["choices"][0]["logprobs"]["token_logprobs"]
+}
+
+#[test]
+fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_moved() {
+    let dir = checkpoint();
+    let model = dir.to_str().unwrap();
+    let long = prompt(3000);
+
+    // Unified, f32 KV: the reference's answers.
+    let unified = Worker::start(&["--model", model, "--kv-dtype", "f32"]);
+    let (_, models) = unified.json("GET", "/v1/models", "");
+    let m = &models["data"][0];
+    // A row per position and layer: the window's K=V row (32), the ratio-4 compressor's value and
+    // gate (2 x 64) and row (32), its indexer's value and gate (2 x 32) and key (16): 272 values in
+    // each of 4 layers.
+    assert_eq!(m["kv_bytes_per_token"], 4 * 272 * 4, "{models}");
+    assert_eq!(m["kv_groups"][0]["name"], "v4-rows", "{models}");
+    let mut cold = Value::Null;
+    for ids in [prompt(20), long.clone()] {
+        let (ids_json, steps) = (serde_json::to_string(&ids).unwrap(), STEPS.to_string());
+        let reference: Value = serde_json::from_slice(&script(&["run", model, &ids_json, &steps])).unwrap();
+        let (s, v) = unified.json("POST", "/v1/completions", &body(&ids));
+        assert_eq!(s, 200, "{v}");
+        assert_matches(&unified, &v, &reference, &format!("{} tokens", ids.len()));
+        cold = v;
+    }
+    // The long prompt again: its blocks come from the prefix cache; the answer is the cold one's.
+    let warm = unified.json("POST", "/v1/completions", &body(&long)).1;
+    let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+    assert!(cached >= 2_900, "{cached} of 3,000 prompt tokens from the cache: {warm}");
+    assert_eq!(logprobs(&cold), logprobs(&warm), "a prefix hit changed the answer");
+    drop(unified);
+
+    // f16 KV (the default): unified, then prefill and decode workers behind the router, the KV
+    // moved over shared memory and over TCP.
+    let unified = Worker::start(&["--model", model]);
+    let decode = Worker::start(&["--model", model, "--role", "decode"]);
+    for transport in [&["--kv-shm"][..], &[]] {
+        let prefill = Worker::start(&[&["--model", model, "--role", "prefill"][..], transport].concat());
+        let router = RouterThread::start(&[(&prefill, Role::Prefill), (&decode, Role::Decode)]);
+        for ids in [prompt(20), long.clone()] {
+            let (s, want) = unified.json("POST", "/v1/completions", &body(&ids));
+            assert_eq!(s, 200, "{want}");
+            let (s, got) = router.json("POST", "/v1/completions", &body(&ids));
+            assert_eq!(s, 200, "{got}");
+            let what = format!("{} tokens over {transport:?}", ids.len());
+            assert_eq!(
+                got["choices"][0]["text"], want["choices"][0]["text"],
+                "{what}: PD differs from unified"
+            );
+            assert_eq!(logprobs(&got), logprobs(&want), "{what}: PD's log-probabilities differ");
+        }
+    }
+    drop((decode, unified));
+
+    // A stream moved off a unified worker killed at its 20th token goes on with the same text.
+    let (a, b) = (Worker::start(&["--model", model]), Worker::start(&["--model", model]));
+    let router = RouterThread::start(&[(&a, Role::Unified), (&b, Role::Unified)]);
+    let max_tokens = 600;
+    let chat = long_stream_body("Tell me about compressed attention.", max_tokens);
+    let reference = completed_text(&stream(&router, &chat, "v4-reference", |_| {}), max_tokens);
+    let (events, _) = stream_killing_holder(&router, &chat, "v4-moved", &[&a, &b]);
+    assert_eq!(completed_text(&events, max_tokens), reference, "the moved stream differs");
+    let moved = router_metric(&router, r#"router_migrations_total{cause="decode_lost",outcome="completed"}"#);
+    assert_eq!(moved, 1.0);
+    drop((router, a, b));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
