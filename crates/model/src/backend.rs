@@ -107,7 +107,7 @@ impl KvLayout {
     ) -> KvLayout {
         let (head_dim, latent) = match (&cfg.v4, &cfg.mla) {
             // DeepSeek V4: one row per position and layer (`V4Backend`).
-            (Some(v4), _) => (v4.kv_row().width, true),
+            (Some(v4), _) => (v4.kv_row(cfg.draft_layers > 0).width, true),
             (None, Some(m)) => (m.row_width(), true),
             (None, None) => (cfg.head_dim, false),
         };

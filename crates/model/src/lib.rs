@@ -125,12 +125,12 @@ impl ModelFiles {
     /// prediction layer, `ModelConfig::draft_layers`) left out unless `draft_layer`.
     pub fn load_with(dir: &Path, format: WeightFormat, draft_layer: bool) -> Result<ModelFiles, ModelError> {
         let (mut config, generation, text) = ModelFiles::metadata(dir)?;
+        if !draft_layer {
+            config.draft_layers = 0;
+        }
         if config.v4.is_some() {
             // Held in f32 as read (the served formats are the next step for V4).
             return ModelFiles::v4(dir, config, generation, text);
-        }
-        if !draft_layer {
-            config.draft_layers = 0;
         }
         let mut prepared: Option<PreparedWeights> = None;
         let (weights, checkpoint_dtype) = Weights::load_each(dir, &config, &mut |dtype, layer, scales| {

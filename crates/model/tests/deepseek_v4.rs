@@ -230,7 +230,7 @@ fn the_served_backend_computes_what_the_model_does() {
     use std::sync::Arc;
 
     use pdserve_kvcache::{BlockCopy, BlockId};
-    use pdserve_model::{Backend, KvDtype, ModelConfig, SeqStep, V4Backend};
+    use pdserve_model::{Backend, DraftStep, KvDtype, ModelConfig, SeqStep, V4Backend};
 
     let dir = checkpoint("served", "{}");
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
@@ -238,7 +238,8 @@ fn the_served_backend_computes_what_the_model_does() {
     const BLOCK: usize = 16;
     let mut b = V4Backend::new(model.clone(), cfg.clone(), (96, BLOCK), KvDtype::F32).unwrap();
     let layout = b.kv_layout();
-    assert!(layout.latent && layout.num_layers == 4, "{layout:?}");
+    // The 4 main layers and the MTP layer, which drafts.
+    assert!(layout.latent && layout.num_layers == 5 && b.draft_layers() == 1, "{layout:?}");
     let table = |first: u32| -> Vec<BlockId> { (first..first + 24).map(BlockId).collect() };
     let (ta, tb) = (table(0), table(24));
     let (a, bp) = (prompt(300, 11), prompt(77, 12));
@@ -262,13 +263,27 @@ fn the_served_backend_computes_what_the_model_does() {
     let leak = |v: Vec<u32>| -> &'static [u32] { Vec::leak(v) };
     let leak_table = |v: Vec<BlockId>| -> &'static [BlockId] { Vec::leak(v) };
     let (ta, tb) = (leak_table(ta), leak_table(tb));
-    // Chunks: A 0..123 with B 0..50, then A 123..300 with B 50..77.
+    // A's drafts as the one-request model makes them, after each of its two prefill chunks.
+    let mut drafting = model.new_drafting_state().unwrap();
+    model.forward(&mut drafting, &a[..123]).unwrap();
+    let want_draft_1 = model.draft(&mut drafting, &a[1..124], 1).unwrap();
+    model.forward(&mut drafting, &a[123..]).unwrap();
+    let after: Vec<u32> = a[124..].iter().copied().chain([argmax(&want_a[0]) as u32]).collect();
+    let want_draft_2 = model.draft(&mut drafting, &after, 3).unwrap();
+    let draft = |step: usize, next: &'static [u32], block_table: &'static [BlockId], guesses: usize| {
+        DraftStep { step, next, block_table, guesses }
+    };
+    // Chunks: A 0..123 with B 0..50, then A 123..300 with B 50..77, each followed by A's drafts.
     let first =
         b.forward(&[step(leak(a[..123].to_vec()), 0, ta), step(leak(bp[..50].to_vec()), 0, tb)]).unwrap();
     assert_eq!(first.len(), 2);
+    assert_eq!(b.draft(&[draft(0, leak(a[1..124].to_vec()), ta, 1)]).unwrap(), want_draft_1);
     let out =
         b.forward(&[step(leak(a[123..].to_vec()), 123, ta), step(leak(bp[50..].to_vec()), 50, tb)]).unwrap();
     assert_eq!((&out[0], &out[1]), (&want_a[0], &want_b[0]), "prefill over paged blocks");
+    assert_eq!(b.draft(&[draft(0, leak(after), ta, 3)]).unwrap(), want_draft_2, "three chained guesses");
+    // A draft pass reads rows of the pass before it: none past a step's own.
+    assert!(b.draft(&[draft(1, leak(prompt(30, 5)), tb, 1)]).is_err());
     let (mut la, mut lb) = (out[0].clone(), out[1].clone());
     for i in 1..4 {
         let (na, nb) = (argmax(&la) as u32, argmax(&lb) as u32);

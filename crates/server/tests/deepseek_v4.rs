@@ -85,9 +85,10 @@ fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_m
     let m = &models["data"][0];
     // A row per position and layer: the window's K=V row (32), the ratio-4 compressor's value and
     // gate (2 x 64) and row (32), its indexer's value and gate (2 x 32) and key (16): 272 values in
-    // each of 4 layers.
-    assert_eq!(m["kv_bytes_per_token"], 4 * 272 * 4, "{models}");
+    // each of the 4 main layers and the MTP layer, which drafts by default.
+    assert_eq!(m["kv_bytes_per_token"], 5 * 272 * 4, "{models}");
     assert_eq!(m["kv_groups"][0]["name"], "v4-rows", "{models}");
+    assert_eq!(m["speculative"], "mtp", "{models}");
     let mut cold = Value::Null;
     for ids in [prompt(20), long.clone()] {
         let (ids_json, steps) = (serde_json::to_string(&ids).unwrap(), STEPS.to_string());
@@ -97,6 +98,8 @@ fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_m
         assert_matches(&unified, &v, &reference, &format!("{} tokens", ids.len()));
         cold = v;
     }
+    // Every decode step drafted (a random model's guesses are refused; the answers above are exact).
+    assert!(common::metric(&unified, "spec_draft_tokens_total") > 0.0);
     // The long prompt again: its blocks come from the prefix cache; the answer is the cold one's.
     let warm = unified.json("POST", "/v1/completions", &body(&long)).1;
     let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);

@@ -565,7 +565,8 @@ impl ModelConfig {
             mla: None,
             fp8_block: v.fp8_block,
             fp4_group: None,
-            draft_layers: 0,
+            // The first MTP layer drafts.
+            draft_layers: v.mtp_layers.min(1),
             v4: Some(Box::new(v)),
         })
     }
@@ -573,7 +574,7 @@ impl ModelConfig {
     /// Values the KV cache holds per token and layer: K and V of every KV head, or MLA's latent.
     pub fn kv_values_per_token_layer(&self) -> usize {
         if let Some(v4) = &self.v4 {
-            return v4.kv_row().width;
+            return v4.kv_row(self.draft_layers > 0).width;
         }
         match &self.mla {
             Some(m) => m.row_width(),

@@ -197,11 +197,12 @@ impl V4Config {
         Ok(c)
     }
 
-    /// The served KV row of each main layer (`V4Backend`'s paged blocks hold one per position and
-    /// layer): the window's K=V row at 0 (`head_dim` values), then each compressor's part.
-    pub(crate) fn kv_row(&self) -> V4Row {
+    /// The served KV row of each main layer and, with `draft`, the first MTP layer (`V4Backend`'s
+    /// paged blocks hold one per position and layer): the window's K=V row at 0 (`head_dim`
+    /// values), then each compressor's part.
+    pub(crate) fn kv_row(&self, draft: bool) -> V4Row {
         let mut width = 0;
-        let parts = self.kinds[..self.layers]
+        let parts = self.kinds[..self.layers + usize::from(draft && self.mtp_layers > 0)]
             .iter()
             .map(|&kind| {
                 let mut at = self.head_dim;

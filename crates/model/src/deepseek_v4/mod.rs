@@ -132,6 +132,38 @@ impl DeepseekV4 {
         layer::matvec(&self.w.head, &y, d)
     }
 
+    /// One row of the draft layer `dw` at `pos` (layer `layer` of `mem`): its input streams are the
+    /// token's normed embedding and each of `streams` (the main model's final streams at `pos`, or the
+    /// row before's output) normed, each projected, summed; the layer's output streams.
+    fn draft_row(
+        &self,
+        dw: &weights::V4Draft,
+        mem: &mut dyn Memory,
+        layer: usize,
+        (pos, token): (usize, u32),
+        streams: &[f32],
+    ) -> Vec<f32> {
+        let (d, t, eps) = (self.cfg.hidden, token as usize, self.cfg.eps);
+        let e = layer::matvec(
+            &dw.e_proj,
+            &layer::rms_norm(&self.w.embed[t * d..(t + 1) * d], Some(&dw.enorm), eps),
+            d,
+        );
+        let input: Vec<f32> = streams
+            .chunks_exact(d)
+            .flat_map(|s| {
+                let h = layer::matvec(&dw.h_proj, &layer::rms_norm(s, Some(&dw.hnorm), eps), d);
+                h.into_iter().zip(&e).map(|(h, e)| h + e).collect::<Vec<_>>()
+            })
+            .collect();
+        layer::run(&self.ctx(dw.layer.kind, layer, pos, t), &dw.layer, mem, &input)
+    }
+
+    /// The logits of a draft row's output streams (its own head's mixing and norm, the LM head).
+    fn draft_logits(&self, dw: &weights::V4Draft, streams: &[f32]) -> Vec<f32> {
+        self.logits(&dw.hc_head, &dw.norm, streams)
+    }
+
     /// Whether the checkpoint has a multi-token prediction layer ([`draft`](Self::draft)).
     pub fn has_draft(&self) -> bool {
         self.w.draft.is_some()
@@ -158,42 +190,20 @@ impl DeepseekV4 {
                 format!("{} next tokens for {} positions", next.len(), state.pending.len()),
             ));
         }
-        let (d, n) = (self.cfg.hidden, self.cfg.hc_mult);
         let (mut own, mut pos) = state.draft.take().expect("a draft layer's state");
-        // The layer's input streams: the next token's normed embedding and each normed main stream,
-        // each projected.
-        let input = |streams: &[f32], token: u32| -> Vec<f32> {
-            let t = token as usize;
-            let e = layer::matvec(
-                &dw.e_proj,
-                &layer::rms_norm(&self.w.embed[t * d..(t + 1) * d], Some(&dw.enorm), self.cfg.eps),
-                d,
-            );
-            streams
-                .chunks_exact(d)
-                .flat_map(|s| {
-                    let h = layer::matvec(&dw.h_proj, &layer::rms_norm(s, Some(&dw.hnorm), self.cfg.eps), d);
-                    h.into_iter().zip(&e).map(|(h, e)| h + e).collect::<Vec<_>>()
-                })
-                .collect()
-        };
-        let kind = dw.layer.kind;
         let mut last = Vec::new();
         for (streams, &token) in std::mem::take(&mut state.pending).iter().zip(next) {
-            let ctx = self.ctx(kind, 0, pos, token as usize);
-            last = layer::run(&ctx, &dw.layer, &mut own, &input(streams, token));
+            last = self.draft_row(dw, &mut own, 0, (pos, token), streams);
             pos += 1;
         }
-        let mut out = vec![self.logits(&dw.hc_head, &dw.norm, &last)];
+        let mut out = vec![self.draft_logits(dw, &last)];
         let (mut chained, mut at) = (own.clone(), pos);
         while out.len() < guesses {
             let guess = layer::argmax(out.last().expect("one")) as u32;
-            let ctx = self.ctx(kind, 0, at, guess as usize);
-            last = layer::run(&ctx, &dw.layer, &mut chained, &input(&last, guess));
+            last = self.draft_row(dw, &mut chained, 0, (at, guess), &last);
             at += 1;
-            out.push(self.logits(&dw.hc_head, &dw.norm, &last));
+            out.push(self.draft_logits(dw, &last));
         }
-        debug_assert_eq!(n * d, last.len());
         state.draft = Some((own, pos));
         Ok(out)
     }

@@ -16,7 +16,7 @@ use pdserve_kvcache::{BlockCopy, BlockId};
 
 use super::layer::{Group, Memory, Pool};
 use super::DeepseekV4;
-use crate::backend::{check_steps, Backend, KvDtype, KvLayout, KvStore, SeqStep};
+use crate::backend::{check_steps, Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::config::{RowPart, V4Row};
 use crate::cpu::KvMemory;
 use crate::{ModelConfig, ModelError};
@@ -30,6 +30,11 @@ pub struct V4Backend {
     row: V4Row,
     layout: KvLayout,
     kv: KvMemory,
+    /// Whether the first MTP layer drafts (its rows are the layout's last layer).
+    drafts: bool,
+    /// The last forward pass, for the draft pass after it: each step's first position and its
+    /// positions' final streams.
+    last: Vec<(usize, Vec<Vec<f32>>)>,
 }
 
 impl V4Backend {
@@ -82,8 +87,14 @@ impl V4Backend {
                 })
             }
         }
-        let row = model.cfg.kv_row();
-        Ok(V4Backend { model, cfg, row, layout, kv })
+        let drafts = cfg.draft_layers > 0;
+        if drafts && !model.has_draft() {
+            return Err(ModelError::InvalidInput {
+                problem: "a draft layer the checkpoint does not have".into(),
+            });
+        }
+        let row = model.cfg.kv_row(drafts);
+        Ok(V4Backend { model, cfg, row, layout, kv, drafts, last: Vec::new() })
     }
 
     /// Bytes of the weights held (f32).
@@ -98,9 +109,11 @@ impl Backend for V4Backend {
     }
 
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        self.last.clear();
         check_steps(&self.cfg, &self.layout, steps)?;
         let mut out = Vec::with_capacity(steps.iter().map(|s| s.logits).sum());
         for s in steps {
+            let mut kept = Vec::new();
             let mut mem = Paged {
                 kv: &mut self.kv,
                 dtype: self.layout.dtype,
@@ -114,6 +127,79 @@ impl Backend for V4Backend {
                 if i >= wanted {
                     out.push(self.model.head_logits(&streams));
                 }
+                if self.drafts {
+                    kept.push(streams);
+                }
+            }
+            self.last.push((s.start_pos, kept));
+        }
+        Ok(out)
+    }
+
+    fn draft_layers(&self) -> usize {
+        usize::from(self.drafts)
+    }
+
+    fn draft(&mut self, steps: &[DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let dw = match (&self.model.w.draft, self.drafts) {
+            (Some(dw), true) => dw,
+            _ => {
+                return Err(ModelError::Unsupported {
+                    field: "draft layer".into(),
+                    value: "none loaded".into(),
+                })
+            }
+        };
+        // Every step checked first: a refused pass changes nothing.
+        let mut rows = Vec::with_capacity(steps.len());
+        for (i, d) in steps.iter().enumerate() {
+            match self.last.get(d.step) {
+                Some((start_pos, streams)) if !d.next.is_empty() && d.next.len() <= streams.len() => rows
+                    .push(SeqStep {
+                        tokens: d.next,
+                        start_pos: *start_pos,
+                        block_table: d.block_table,
+                        logits: 0,
+                    }),
+                last => return Err(ModelError::InvalidInput {
+                    problem: format!(
+                        "draft step {i} reads {} rows of step {} of the last forward pass, which had {:?}",
+                        d.next.len(),
+                        d.step,
+                        last.map(|l| l.1.len())
+                    ),
+                }),
+            }
+        }
+        check_steps(&self.cfg, &self.layout, &rows)?;
+        let (layer, bs) = (self.row.parts.len() - 1, self.layout.block_size);
+        let mut out = Vec::new();
+        for (d, s) in steps.iter().zip(&rows) {
+            let mut mem = Paged {
+                kv: &mut self.kv,
+                dtype: self.layout.dtype,
+                table: d.block_table,
+                row: &self.row,
+                block_size: bs,
+            };
+            let main = &self.last[d.step].1;
+            let mut last = Vec::new();
+            for (j, &token) in d.next.iter().enumerate() {
+                last = self.model.draft_row(dw, &mut mem, layer, (s.start_pos + j, token), &main[j]);
+            }
+            if d.guesses == 0 {
+                continue;
+            }
+            out.push(self.model.draft_logits(dw, &last));
+            // Chained guesses, a position on each, as far as the block table and the context reach;
+            // their rows are overwritten when the real tokens' draft rows run there.
+            for pos in s.start_pos + d.next.len()..s.start_pos + d.next.len() + d.guesses - 1 {
+                if pos >= d.block_table.len() * bs || pos >= self.cfg.max_position_embeddings {
+                    break;
+                }
+                let guess = crate::greedy_pick(out.last().expect("a guess")).0;
+                last = self.model.draft_row(dw, &mut mem, layer, (pos, guess), &last);
+                out.push(self.model.draft_logits(dw, &last));
             }
         }
         Ok(out)
