@@ -136,10 +136,17 @@ impl Engine {
         }
         // `--weights auto`: the checkpoint's own precision on the CPU (the GPU backend runs bf16 from
         // the loaded weights whatever the checkpoint).
-        config.weights = match (&files.prepared, config.weights) {
-            (Some(p), _) => p.format(),
-            (None, WeightFormat::Auto) => WeightFormat::F32,
-            (None, w) => w,
+        config.weights = match (&files.prepared, &files.v4, config.weights) {
+            // DeepSeek V4: its projections held as shipped, whatever their formats.
+            (_, Some(v4), WeightFormat::Auto) => v4.weight_format(),
+            (_, Some(v4), w) if w == v4.weight_format() => w,
+            (_, Some(_), w) => {
+                let value = format!("{} (DeepSeek V4 is served in its checkpoint's formats: auto)", w.name());
+                return Err(EngineError::Config { field: "weights", value });
+            }
+            (Some(p), _, _) => p.format(),
+            (None, None, WeightFormat::Auto) => WeightFormat::F32,
+            (None, None, w) => w,
         };
         config.scheduler.role = match config.role {
             Role::Unified => pdserve_scheduler::Role::Unified,

@@ -123,19 +123,15 @@ pub(crate) fn backend(
     })
 }
 
-/// DeepSeek V4's backend: on the CPU, its weights in f32 as read, its KV rows paged like any model's.
+/// DeepSeek V4's backend: on the CPU, its projections as shipped (`EngineConfig::weights` is their
+/// format), its KV rows paged like any model's.
 fn v4_backend(config: &EngineConfig, model: &ModelConfig, v4: Arc<DeepseekV4>) -> Result<Built, EngineError> {
     let refuse = |field: &'static str, value: &str| {
-        Err(EngineError::Config {
-            field,
-            value: format!("{value} (DeepSeek V4 runs on the CPU, in f32 weights)"),
-        })
+        let value = format!("{value} (DeepSeek V4 runs on the CPU, with f32 activations)");
+        Err(EngineError::Config { field, value })
     };
     if config.device != Device::Cpu {
         return refuse("device", "a GPU");
-    }
-    if !matches!(config.weights, WeightFormat::F32 | WeightFormat::Auto) {
-        return refuse("weights", config.weights.name());
     }
     if config.int8_activations {
         return refuse("activations", "q8");
@@ -151,7 +147,7 @@ fn v4_backend(config: &EngineConfig, model: &ModelConfig, v4: Arc<DeepseekV4>) -
         (V4Backend::new(v4, model.clone(), (blocks, block_size), dtype)?, None)
     };
     Ok(Built {
-        multi_row_weights: "f32",
+        multi_row_weights: config.weights.name(),
         weight_bytes: b.weight_bytes(),
         kv_bytes: layout.block_bytes() * blocks,
         kv_bytes_per_token: layout.bytes_per_token(),

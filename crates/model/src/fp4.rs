@@ -54,7 +54,7 @@ pub enum Plain {
 
 impl Plain {
     /// `w` in bf16 where that is exact, else as it is.
-    fn of(w: &[f32]) -> Plain {
+    pub(crate) fn of(w: &[f32]) -> Plain {
         if w.iter().all(|v| v.to_bits() & 0xFFFF == 0) {
             Plain::Bf16(w.iter().map(|v| (v.to_bits() >> 16) as u16).collect())
         } else {
@@ -62,7 +62,7 @@ impl Plain {
         }
     }
 
-    fn bytes(&self) -> usize {
+    pub(crate) fn bytes(&self) -> usize {
         match self {
             Plain::F32(v) => 4 * v.len(),
             Plain::Bf16(v) => 2 * v.len(),

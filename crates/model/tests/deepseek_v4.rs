@@ -143,8 +143,14 @@ fn a_v4_checkpoint_as_shipped_fp8_and_mxfp4_matches_the_reference() {
     let ids = prompt(300, 5);
     compare(&dir, &model, &ids, 4, "FP8 + MXFP4, 300 tokens");
     let plain = checkpoint("unrounded", "{}");
-    let unrounded = ours(&DeepseekV4::load(&plain).unwrap(), &ids, 1).0;
+    let plain_model = DeepseekV4::load(&plain).unwrap();
+    let unrounded = ours(&plain_model, &ids, 1).0;
     let shipped = ours(&model, &ids, 1).0;
+    // Held as shipped: FP8 codes a byte and MXFP4 codes half a byte, against bf16's two.
+    let (held, bf16) = (model.weight_bytes(), plain_model.weight_bytes());
+    // (The hyper-connections, norms and embedding stay f32 in both; read into f32, the FP8 and
+    // MXFP4 values would take twice bf16's bytes.)
+    assert!((held as f64) < 0.6 * bf16 as f64, "held as shipped {held} bytes, bf16 {bf16}");
     let d = unrounded.iter().zip(&shipped).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
     assert!(d > 1e-3, "the rounding changed nothing ({d}): not read as FP8 / MXFP4?");
     std::fs::remove_dir_all(&dir).unwrap();

@@ -7,8 +7,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use common::Worker;
 use serde_json::{json, Value};
@@ -387,32 +386,6 @@ fn an_nvfp4_checkpoint_is_served_in_four_bits() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Starts the server on `dir` and waits for it to stop: its exit success and standard error.
-fn failed_start(dir: &Path) -> (bool, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
-        .args(["--port", "0", "--model"])
-        .arg(dir)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!("the server started on the broken checkpoint {}", dir.display());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-    (status.success(), err)
-}
-
 #[test]
 fn broken_checkpoints_are_one_error_naming_the_file_and_what_is_wrong() {
     let edit_config = |dir: &Path, patch: Value| {
@@ -468,7 +441,7 @@ fn broken_checkpoints_are_one_error_naming_the_file_and_what_is_wrong() {
     for (name, breaks, [file, what]) in cases {
         let dir = tiny(name, json!({}));
         breaks(&dir);
-        let (ok, err) = failed_start(&dir);
+        let (ok, err) = common::failed_start(&["--model", dir.to_str().unwrap()]);
         assert!(!ok, "{name}: the server exited successfully");
         assert!(!err.contains("panicked"), "{name}: {err}");
         let line = err

@@ -318,10 +318,9 @@ fn compress(
     (pool, ratio, row): (Pool, usize, usize),
     h: &[f32],
 ) {
-    let d = ctx.c.hidden;
-    let a = matvec(&cw.wkv, h, d);
+    let a = cw.wkv.times(h);
     let ape = &cw.ape[(ctx.pos % ratio) * cw.width..(ctx.pos % ratio + 1) * cw.width];
-    let s: Vec<f32> = matvec(&cw.wgate, h, d).iter().zip(ape).map(|(g, b)| g + b).collect();
+    let s: Vec<f32> = cw.wgate.times(h).iter().zip(ape).map(|(g, b)| g + b).collect();
     let overlap = cw.width == 2 * row;
     let Some((previous, group)) = mem.feed(ctx.layer, pool, ctx.pos, (ratio, overlap), a, s) else {
         return;
@@ -370,15 +369,15 @@ fn select(ctx: &Ctx<'_>, index: &[Vec<f32>], qi: &[f32], weights: &[f32]) -> Vec
 /// Attention of one token (input `h`, normed) over its window and compressed rows; the layer's output.
 fn attention(ctx: &Ctx<'_>, w: &V4LayerWeights, mem: &mut dyn Memory, h: &[f32]) -> Vec<f32> {
     let c = ctx.c;
-    let (d, heads, hd) = (c.hidden, c.heads, c.head_dim);
-    let qr = rms_norm(&matvec(&w.wq_a, h, d), Some(&w.q_norm), c.eps);
-    let mut q = matvec(&w.wq_b, &qr, c.q_lora);
+    let (heads, hd) = (c.heads, c.head_dim);
+    let qr = rms_norm(&w.wq_a.times(h), Some(&w.q_norm), c.eps);
+    let mut q = w.wq_b.times(&qr);
     for head in q.chunks_exact_mut(hd) {
         let normed = rms_norm(head, None, c.eps);
         head.copy_from_slice(&normed);
         rope(head, ctx.rope, ctx.pos, false);
     }
-    let mut kv = rms_norm(&matvec(&w.wkv, h, d), Some(&w.kv_norm), c.eps);
+    let mut kv = rms_norm(&w.wkv.times(h), Some(&w.kv_norm), c.eps);
     rope(&mut kv, ctx.rope, ctx.pos, false);
     let window = mem.window(ctx.layer, ctx.pos, c.window, kv);
     let ratio = w.kind.ratio();
@@ -393,10 +392,10 @@ fn attention(ctx: &Ctx<'_>, w: &V4LayerWeights, mem: &mut dyn Memory, h: &[f32])
     if let Some(iw) = &w.indexer {
         compress(ctx, &iw.compressor, mem, (Pool::Index, INDEX_RATIO, c.index_dim), h);
         let (ih, id) = (c.index_heads, c.index_dim);
-        let mut qi = matvec(&iw.wq_b, &qr, c.q_lora);
+        let mut qi = iw.wq_b.times(&qr);
         qi.chunks_exact_mut(id).for_each(|head| rope(head, ctx.rope, ctx.pos, false));
         let weights: Vec<f32> =
-            matvec(&iw.weights_proj, h, d).into_iter().map(|v| v * (ih as f32).powf(-0.5)).collect();
+            iw.weights_proj.times(h).into_iter().map(|v| v * (ih as f32).powf(-0.5)).collect();
         chosen = select(ctx, &mem.rows(ctx.layer, Pool::Index, ctx.pos, INDEX_RATIO), &qi, &weights);
     }
     let keys: Vec<&[f32]> =
@@ -421,15 +420,13 @@ fn attention(ctx: &Ctx<'_>, w: &V4LayerWeights, mem: &mut dyn Memory, h: &[f32])
     let mut z = Vec::with_capacity(groups * rank);
     for g in 0..groups {
         let og = &o[g * per..(g + 1) * per];
-        z.extend(
-            w.wo_a[g * rank * per..(g + 1) * rank * per].chunks_exact(per).map(|r| crate::sys::dot(r, og)),
-        );
+        z.extend(w.wo_a.rows_times(g * rank..(g + 1) * rank, og));
     }
-    matvec(&w.wo_b, &z, groups * rank)
+    w.wo_b.times(&z)
 }
 
-fn swiglu(e: &Expert, x: &[f32], d: usize, limit: f32) -> Vec<f32> {
-    let (g, u) = (matvec(&e.w1, x, d), matvec(&e.w3, x, d));
+fn swiglu(e: &Expert, x: &[f32], limit: f32) -> Vec<f32> {
+    let (g, u) = (e.w1.times(x), e.w3.times(x));
     let act: Vec<f32> = g
         .iter()
         .zip(&u)
@@ -438,16 +435,15 @@ fn swiglu(e: &Expert, x: &[f32], d: usize, limit: f32) -> Vec<f32> {
             g * sigmoid(g) * u
         })
         .collect();
-    matvec(&e.w2, &act, e.inter)
+    e.w2.times(&act)
 }
 
 /// The mixture of experts for one token's `x` (normed).
 fn moe(ctx: &Ctx<'_>, w: &V4LayerWeights, x: &[f32]) -> Vec<f32> {
     let c = ctx.c;
-    let d = c.hidden;
     // sqrt(softplus(logit)), softplus as log(1 + e^x) without overflow.
     let scores: Vec<f32> =
-        matvec(&w.gate, x, d).into_iter().map(|l| (l.max(0.0) + (-l.abs()).exp().ln_1p()).sqrt()).collect();
+        w.gate.times(x).into_iter().map(|l| (l.max(0.0) + (-l.abs()).exp().ln_1p()).sqrt()).collect();
     let top: Vec<usize> = match &w.routing {
         Routing::Hash(table) => table[ctx.token * c.top_k..(ctx.token + 1) * c.top_k].to_vec(),
         Routing::Scored(bias) => {
@@ -462,10 +458,10 @@ fn moe(ctx: &Ctx<'_>, w: &V4LayerWeights, x: &[f32]) -> Vec<f32> {
         }
     };
     let total: f32 = top.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
-    let mut y = swiglu(&w.shared, x, d, c.swiglu_limit);
+    let mut y = swiglu(&w.shared, x, c.swiglu_limit);
     for &e in &top {
         let weight = scores[e] / total * c.routed_scaling;
-        let out = swiglu(&w.experts[e], x, d, c.swiglu_limit);
+        let out = swiglu(&w.experts[e], x, c.swiglu_limit);
         y.iter_mut().zip(&out).for_each(|(y, o)| *y += weight * o);
     }
     y

@@ -109,9 +109,9 @@ impl DeepseekV4 {
     /// Token `id` at position `pos` through every main layer, over the request's `mem`: the final
     /// streams.
     fn run_token(&self, mem: &mut dyn Memory, id: usize, pos: usize) -> Vec<f32> {
-        let (d, n) = (self.cfg.hidden, self.cfg.hc_mult);
+        let n = self.cfg.hc_mult;
         // Every stream starts as the token's embedding.
-        let embed = &self.w.embed[id * d..(id + 1) * d];
+        let embed = self.w.embed.row(id);
         let mut streams: Vec<f32> = (0..n).flat_map(|_| embed.iter().copied()).collect();
         for (l, lw) in self.w.layers.iter().enumerate() {
             streams = layer::run(&self.ctx(lw.kind, l, pos, id), lw, mem, &streams);
@@ -129,7 +129,7 @@ impl DeepseekV4 {
         let (d, n) = (self.cfg.hidden, self.cfg.hc_mult);
         let (pre, _, _) = layer::mix(head, streams, n, d, &self.cfg, 1);
         let y = layer::rms_norm(&layer::combine(&pre, streams, d), Some(norm), self.cfg.eps);
-        layer::matvec(&self.w.head, &y, d)
+        self.w.head.times(&y)
     }
 
     /// One row of the draft layer `dw` at `pos` (layer `layer` of `mem`): its input streams are the
@@ -144,15 +144,11 @@ impl DeepseekV4 {
         streams: &[f32],
     ) -> Vec<f32> {
         let (d, t, eps) = (self.cfg.hidden, token as usize, self.cfg.eps);
-        let e = layer::matvec(
-            &dw.e_proj,
-            &layer::rms_norm(&self.w.embed[t * d..(t + 1) * d], Some(&dw.enorm), eps),
-            d,
-        );
+        let e = dw.e_proj.times(&layer::rms_norm(&self.w.embed.row(t), Some(&dw.enorm), eps));
         let input: Vec<f32> = streams
             .chunks_exact(d)
             .flat_map(|s| {
-                let h = layer::matvec(&dw.h_proj, &layer::rms_norm(s, Some(&dw.hnorm), eps), d);
+                let h = dw.h_proj.times(&layer::rms_norm(s, Some(&dw.hnorm), eps));
                 h.into_iter().zip(&e).map(|(h, e)| h + e).collect::<Vec<_>>()
             })
             .collect();
@@ -162,6 +158,26 @@ impl DeepseekV4 {
     /// The logits of a draft row's output streams (its own head's mixing and norm, the LM head).
     fn draft_logits(&self, dw: &weights::V4Draft, streams: &[f32]) -> Vec<f32> {
         self.logits(&dw.hc_head, &dw.norm, streams)
+    }
+
+    /// Bytes of the weights held: projections as shipped (FP8, FP4, bf16 where exact), the rest in
+    /// f32.
+    pub fn weight_bytes(&self) -> usize {
+        self.w.bytes
+    }
+
+    /// The format most of the weights are held in: FP4 where the experts shipped in it (MXFP4, as
+    /// V4's do), else FP8 where the dense projections did, else bf16 or f32 as read.
+    pub fn weight_format(&self) -> crate::WeightFormat {
+        use crate::WeightFormat;
+        use weights::Mat;
+        let layer = &self.w.layers[0];
+        match (&layer.experts[0].w1, &layer.wq_a) {
+            (Mat::Fp4(m), _) if m.plain.is_none() => WeightFormat::Fp4,
+            (_, Mat::Fp8(_)) => WeightFormat::Fp8,
+            (_, Mat::Plain { values: crate::Plain::Bf16(_), .. }) => WeightFormat::Bf16,
+            _ => WeightFormat::F32,
+        }
     }
 
     /// Whether the checkpoint has a multi-token prediction layer ([`draft`](Self::draft)).

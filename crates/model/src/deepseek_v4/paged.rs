@@ -97,9 +97,9 @@ impl V4Backend {
         Ok(V4Backend { model, cfg, row, layout, kv, drafts, last: Vec::new() })
     }
 
-    /// Bytes of the weights held (f32).
+    /// Bytes of the weights held (see [`DeepseekV4::weight_bytes`]).
     pub fn weight_bytes(&self) -> usize {
-        self.model.w.bytes
+        self.model.weight_bytes()
     }
 }
 
@@ -161,14 +161,16 @@ impl Backend for V4Backend {
                         block_table: d.block_table,
                         logits: 0,
                     }),
-                last => return Err(ModelError::InvalidInput {
-                    problem: format!(
+                last => {
+                    return Err(ModelError::InvalidInput {
+                        problem: format!(
                         "draft step {i} reads {} rows of step {} of the last forward pass, which had {:?}",
                         d.next.len(),
                         d.step,
                         last.map(|l| l.1.len())
                     ),
-                }),
+                    })
+                }
             }
         }
         check_steps(&self.cfg, &self.layout, &rows)?;

@@ -154,3 +154,30 @@ pub fn run_python(script: &str, base: &str, args: &[&str]) {
         "{script} failed (the clients install with `pip install openai anthropic`):\n{stdout}\n{stderr}"
     );
 }
+
+/// Starts the server with `args` and waits for it to stop (it must, within a minute): its exit
+/// success and standard error.
+pub fn failed_start(args: &[&str]) -> (bool, String) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pdserve-server"))
+        .args(["--port", "0"])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the server started with {args:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    (status.success(), err)
+}
