@@ -165,7 +165,14 @@ impl crate::KvGroups {
             return Err("a sequence or lease without its state slot".into());
         }
         let mut held = vec![0u32; self.owners.len()];
+        let stateless = self.config.state_bytes == 0;
         let mut hold = |s: crate::StateId, owner: StateOwner| -> Result<(), String> {
+            if stateless {
+                return match s {
+                    crate::StateId::NONE => Ok(()),
+                    _ => Err(format!("{s:?} held by {owner:?} for a stateless model")),
+                };
+            }
             held[s.0 as usize] += 1;
             match self.owners[s.0 as usize] {
                 Some(o) if o == owner => Ok(()),

@@ -106,13 +106,19 @@ pub struct GroupsConfig {
     /// Bytes of one request's state outside the blocks; 0 for a stateless model (no restore points
     /// are needed then, and none are kept).
     pub state_bytes: u32,
-    /// State slots: one per live request (sequence or lease) plus the restore points kept.
+    /// State slots: one per live request (sequence or lease) plus the restore points kept. A
+    /// stateless model takes none (any number, 0 included, is accepted and unused).
     pub state_slots: u32,
 }
 
 /// A request's state slot (the backend's memory of `state_bytes`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct StateId(pub u32);
+
+impl StateId {
+    /// A stateless model's requests' "slot": none is taken ([`GroupsConfig::state_bytes`] 0).
+    pub const NONE: StateId = StateId(u32::MAX);
+}
 
 /// A state copy the backend performs before the next step (a restore, a saved restore point, a fork).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,7 +201,8 @@ impl KvGroups {
     pub fn new(config: GroupsConfig) -> Result<KvGroups, KvError> {
         let bt = config.block_tokens;
         let invalid = |num_blocks| Err(KvError::InvalidConfig { num_blocks, block_size: bt });
-        if config.groups.is_empty() || config.state_slots == 0 || config.state_slots == u32::MAX {
+        let no_slots = config.state_bytes > 0 && config.state_slots == 0;
+        if config.groups.is_empty() || no_slots || config.state_slots == u32::MAX {
             return invalid(0);
         }
         let mut groups = Vec::with_capacity(config.groups.len());
@@ -256,6 +263,9 @@ impl KvGroups {
     /// Takes a free state slot for `owner`, evicting the least recently used restore point if none is
     /// free.
     fn take_state(&mut self, owner: StateOwner, keep: Option<NodeId>) -> Result<StateId, KvError> {
+        if !self.stateful() {
+            return Ok(StateId::NONE);
+        }
         if self.free_states.is_empty() {
             self.evict_points(1, keep);
         }
@@ -266,6 +276,9 @@ impl KvGroups {
     }
 
     fn give_state(&mut self, s: StateId) {
+        if s == StateId::NONE {
+            return;
+        }
         self.owners[s.0 as usize] = None;
         self.free_states.push(s);
     }
@@ -350,6 +363,10 @@ impl KvGroups {
     /// group holds, cut back (stateful models) to the last block boundary with a restore point. At
     /// least one token is always left to compute.
     pub fn lookup_prefix(&self, tokens: &[u32]) -> usize {
+        if let Some(g) = self.plain() {
+            // Its offload tier's blocks count too.
+            return g.lookup_prefix(tokens);
+        }
         self.hit_blocks(tokens).0 * self.config.block_tokens as usize
     }
 
@@ -373,6 +390,12 @@ impl KvGroups {
     pub fn add_sequence(&mut self, seq: SeqId, prompt: &[u32]) -> Result<GroupHit, KvError> {
         if self.states.contains_key(&seq) {
             return Err(KvError::DuplicateSequence { seq });
+        }
+        if let Some(g) = self.plain_mut() {
+            // As the plain cache adds it (its offload tier's blocks copied back).
+            let hit = g.add_sequence(seq, prompt)?;
+            self.states.insert(seq, StateId::NONE);
+            return Ok(GroupHit { cached_tokens: hit.cached_tokens, state: StateId::NONE, restore: None });
         }
         let (blocks, point) = self.hit_blocks(prompt);
         // (The restore point the copy below reads is not evicted to make room for the slot.)
@@ -592,7 +615,7 @@ impl KvGroups {
     fn lease_view(&self, transfer: TransferId) -> Result<GroupLease<'_>, KvError> {
         let state = *self.lease_states.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
         let groups = self.groups.iter().map(|g| g.lease(transfer)).collect::<Result<_, _>>()?;
-        Ok(GroupLease { groups, state, state_epoch: self.epochs[state.0 as usize] })
+        Ok(GroupLease { groups, state, state_epoch: self.epochs.get(state.0 as usize).copied().unwrap_or(0) })
     }
 
     /// A lease's blocks in every group and its state slot.
@@ -622,7 +645,9 @@ impl KvGroups {
             g.lease_sequence(seq, transfer, expires_at).expect("checked in every group");
         }
         self.states.remove(&seq);
-        self.owners[state.0 as usize] = Some(StateOwner::Lease(transfer));
+        if let Some(o) = self.owners.get_mut(state.0 as usize) {
+            *o = Some(StateOwner::Lease(transfer));
+        }
         self.lease_states.insert(transfer, state);
         self.lease_view(transfer)
     }
@@ -713,7 +738,9 @@ impl KvGroups {
             g.adopt_lease(transfer, seq, tokens).expect("checked in every group");
         }
         self.lease_states.remove(&transfer);
-        self.owners[state.0 as usize] = Some(StateOwner::Sequence(seq));
+        if let Some(o) = self.owners.get_mut(state.0 as usize) {
+            *o = Some(StateOwner::Sequence(seq));
+        }
         self.states.insert(seq, state);
         Ok(())
     }
