@@ -13,7 +13,7 @@ use crate::info::{fim_tokens, EngineInfo};
 use crate::shell::{Command, EngineThread, Shared, Worker};
 use crossbeam_channel::{Receiver, Sender, TrySendError};
 use pdserve_api::{Role, Stage};
-use pdserve_kvcache::{KvCache, KvConfig};
+use pdserve_kvcache::{GroupsConfig, KvGroups};
 use pdserve_model::{ModelFiles, TextCodec, WeightFormat};
 use pdserve_pd_transfer::Source;
 use pdserve_scheduler::Scheduler;
@@ -164,9 +164,13 @@ impl Engine {
             let value = "a transport that listens nowhere".to_owned();
             return Err(EngineError::Config { field: "prefill transport", value });
         }
-        let mut kv = KvCache::new(KvConfig {
-            num_blocks: config.kv_blocks as u32,
-            block_size: config.block_size as u32,
+        // The KV ledger: one group (every model's layers keep one row kind per token here).
+        let group = kv_group(&model, built.kv_bytes_per_token, config.kv_blocks);
+        let mut kv = KvGroups::new(GroupsConfig {
+            block_tokens: config.block_size as u32,
+            groups: vec![group.clone()],
+            state_bytes: 0,
+            state_slots: 0,
         })
         .map_err(|e| EngineError::Config { field: "kv_blocks", value: e.to_string() })?;
         let offload = match (&config.kv_offload, config.role) {
@@ -184,7 +188,8 @@ impl Engine {
                             value: e.to_string(),
                         },
                     )?;
-                kv.enable_tier(tier);
+                kv.enable_tier(tier)
+                    .map_err(|e| EngineError::Config { field: "kv_offload", value: e.to_string() })?;
                 Some(store)
             }
         };
@@ -223,7 +228,7 @@ impl Engine {
             weight_bytes: built.weight_bytes,
             kv_bytes: built.kv_bytes,
             kv_bytes_per_token: built.kv_bytes_per_token,
-            kv_groups: vec![kv_group(&model, built.kv_bytes_per_token, config.kv_blocks)],
+            kv_groups: vec![group],
             kv_state_bytes: 0,
             speculative: config.speculative.name(),
             kv_dtype: config.resolved_kv_dtype(),

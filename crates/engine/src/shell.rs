@@ -240,7 +240,7 @@ impl Worker {
         let Some(ep) = self.endpoint.as_mut() else { return Ok(()) };
         let now_ms = self.core.now_ms(now);
         let memory = &mut Memory(self.backend.as_mut(), &mut self.corrupt);
-        let pumped = ep.pump(self.core.kv(), memory, now_ms, wait);
+        let pumped = ep.pump(self.core.kv().group(0), memory, now_ms, wait);
         let now = after();
         while let Some(e) = self.endpoint.as_mut().and_then(Endpoint::poll_event) {
             self.core.handle_transfer_event(now, e);

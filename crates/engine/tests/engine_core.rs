@@ -5,7 +5,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use pdserve_api::Role;
-use pdserve_kvcache::{KvCache, KvConfig, OwnerKind, TransferId};
+use pdserve_kvcache::{KvConfig, KvGroups, LayerKind, OwnerKind, TransferId};
 use pdserve_pd_transfer::{EndpointEvent, PromptMeta, Side, Source, TransferKey, TransferOutcome};
 use pdserve_scheduler::{Exit, FinishReason, Scheduler, SchedulerConfig};
 
@@ -16,7 +16,7 @@ const EOS: u32 = 0;
 
 fn core(role: Role) -> (EngineCore, Instant) {
     let now = Instant::now();
-    let kv = KvCache::new(KvConfig { num_blocks: 32, block_size: 4 }).unwrap();
+    let kv = KvGroups::single(KvConfig { num_blocks: 32, block_size: 4 }, LayerKind::Full).unwrap();
     let role_s = match role {
         Role::Unified => pdserve_scheduler::Role::Unified,
         Role::Prefill => pdserve_scheduler::Role::Prefill,

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use pdserve_api::Role;
 use pdserve_engine::core::{CoreConfig, EngineCore, Reply, Submission};
 use pdserve_engine::{Speculative, Worker};
-use pdserve_kvcache::{BlockCopy, BlockId, KvCache, KvConfig, OwnerKind};
+use pdserve_kvcache::{BlockCopy, BlockId, KvConfig, KvGroups, LayerKind, OwnerKind};
 use pdserve_model::{Backend, KvDtype, KvLayout, ModelError, SamplingParams, SeqStep};
 use pdserve_pd_transfer::{
     Arrival, Connected, Dtype, Endpoint, EndpointConfig, Layout, Message, PeerId, Source, Transport,
@@ -416,7 +416,8 @@ fn node(
             kv_transfer_timeout: Duration::from_secs(2),
             ..Default::default()
         },
-        KvCache::new(KvConfig { num_blocks: blocks as u32, block_size: BLOCK as u32 }).unwrap(),
+        KvGroups::single(KvConfig { num_blocks: blocks as u32, block_size: BLOCK as u32 }, LayerKind::Full)
+            .unwrap(),
         base,
     );
     let config = CoreConfig {

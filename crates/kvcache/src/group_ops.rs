@@ -10,7 +10,13 @@ impl KvGroups {
     pub fn single(config: KvConfig, kind: LayerKind) -> Result<KvGroups, KvError> {
         KvGroups::new(GroupsConfig {
             block_tokens: config.block_size,
-            groups: vec![GroupSpec { name: "kv".into(), kind, layers: 1, row_bytes: 0, num_blocks: config.num_blocks }],
+            groups: vec![GroupSpec {
+                name: "kv".into(),
+                kind,
+                layers: 1,
+                row_bytes: 0,
+                num_blocks: config.num_blocks,
+            }],
             state_bytes: 0,
             state_slots: 0,
         })

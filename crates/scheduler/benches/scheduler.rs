@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use pdserve_kvcache::{KvCache, KvConfig};
+use pdserve_kvcache::{KvConfig, KvGroups, LayerKind};
 use pdserve_scheduler::*;
 
 fn request(id: u64, t0: Instant, prompt_len: u32, max_tokens: usize) -> NewRequest {
@@ -44,7 +44,7 @@ fn main() {
         context_tokens_max: 1 << 20,
         ..SchedulerConfig::default()
     };
-    let kv = KvCache::new(KvConfig { num_blocks: 200_000, block_size: 16 }).expect("kv");
+    let kv = KvGroups::single(KvConfig { num_blocks: 200_000, block_size: 16 }, LayerKind::Full).expect("kv");
     let mut s = Scheduler::new(config, kv, t0);
     for i in 0..1256 {
         s.handle_request(request(i, t0, 64, 1_000_000), t0).expect("admit");
@@ -73,7 +73,7 @@ fn main() {
         batch_tokens_max: 2048,
         ..SchedulerConfig::default()
     };
-    let kv = KvCache::new(KvConfig { num_blocks: 20_000, block_size: 16 }).expect("kv");
+    let kv = KvGroups::single(KvConfig { num_blocks: 20_000, block_size: 16 }, LayerKind::Full).expect("kv");
     let mut s = Scheduler::new(config, kv, t0);
     for i in 0..10_000 {
         s.handle_request(request(i, t0, 32 + (i % 200) as u32, 16 + (i % 64) as usize), t0).expect("admit");

@@ -8,11 +8,11 @@
 //!
 //! ```
 //! use std::time::{Duration, Instant};
-//! use pdserve_kvcache::{KvCache, KvConfig};
+//! use pdserve_kvcache::{KvConfig, KvGroups, LayerKind};
 //! use pdserve_scheduler::*;
 //!
 //! let now = Instant::now();
-//! let kv = KvCache::new(KvConfig { num_blocks: 64, block_size: 16 }).unwrap();
+//! let kv = KvGroups::single(KvConfig { num_blocks: 64, block_size: 16 }, LayerKind::Full).unwrap();
 //! let mut s = Scheduler::new(SchedulerConfig::default(), kv, now);
 //! let far = now + Duration::from_secs(30);
 //! s.handle_request(NewRequest { id: RequestId(1), prompt: vec![1, 2, 3], max_tokens: 2,

@@ -9,7 +9,7 @@ pub use draft::Drafter;
 use std::collections::{BTreeSet, HashSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use pdserve_kvcache::{IdMap, KvCache, KvError, SeqId, TransferId};
+use pdserve_kvcache::{IdMap, KvError, KvGroups, SeqId, TransferId};
 
 use crate::types::*;
 
@@ -61,7 +61,8 @@ impl Req {
     }
 }
 
-/// The scheduler of one worker. It owns the worker's [`KvCache`]; the engine reads block tables and
+/// The scheduler of one worker. It owns the worker's KV ledger ([`KvGroups`]: one group for most
+/// models, the plain cache); the engine reads block tables and
 /// copy-on-write work from [`kv`](Self::kv) / [`kv_mut`](Self::kv_mut).
 ///
 /// Call order per engine iteration (time always comes in as `now`):
@@ -76,7 +77,7 @@ impl Req {
 pub struct Scheduler {
     config: SchedulerConfig,
     epoch: Instant,
-    kv: KvCache,
+    kv: KvGroups,
     reqs: IdMap<RequestId, Req>,
     /// Every live request by total deadline, and waiting / awaiting ones by their wait deadline, so
     /// the expiry scan looks only at what is due.
@@ -100,7 +101,7 @@ const DRAIN_WINDOW: usize = 64;
 const LEASE_PAST_DEADLINE: Duration = Duration::from_secs(1);
 
 impl Scheduler {
-    pub fn new(config: SchedulerConfig, kv: KvCache, now: Instant) -> Self {
+    pub fn new(config: SchedulerConfig, kv: KvGroups, now: Instant) -> Self {
         Scheduler {
             config,
             epoch: now,
@@ -124,13 +125,13 @@ impl Scheduler {
         &self.config
     }
 
-    pub fn kv(&self) -> &KvCache {
+    pub fn kv(&self) -> &KvGroups {
         &self.kv
     }
 
     /// For the engine's copy-on-write work (`take_copies`) only; changing sequences behind the
     /// scheduler's back breaks its invariants.
-    pub fn kv_mut(&mut self) -> &mut KvCache {
+    pub fn kv_mut(&mut self) -> &mut KvGroups {
         &mut self.kv
     }
 
@@ -251,11 +252,13 @@ impl Scheduler {
                     });
                 }
                 let until = self.ms((now + c.kv_transfer_timeout).min(r.deadline));
-                let blocks = self.kv.blocks_for(r.tokens.len());
-                // The prompt's leading blocks this worker holds already are not pulled again.
-                match self.kv.allocate_lease_reusing(transfer, &r.tokens, blocks, until) {
+                // The prompt's leading blocks this worker holds already (in every group) are not
+                // pulled again.
+                let bs = self.kv.block_size();
+                match self.kv.allocate_lease_reusing(transfer, &r.tokens, until) {
                     Ok(lease) => {
-                        let hit = (lease.reused * self.kv.block_size()).min(r.tokens.len());
+                        let reused = lease.groups.iter().map(|g| g.reused).min().unwrap_or(0);
+                        let hit = (reused * bs).min(r.tokens.len());
                         r.cached_tokens = Some(hit);
                         self.stats.prefix_hit_tokens_total += hit as u64;
                         self.stats.prefix_miss_tokens_total += (r.tokens.len() - hit) as u64;
@@ -335,7 +338,7 @@ impl Scheduler {
 
     /// The prefill role's lease for `transfer`, if still held: block ids and expiry (scheduler ms).
     pub fn lease_of(&self, transfer: TransferId) -> Option<(Vec<pdserve_kvcache::BlockId>, u64)> {
-        self.kv.lease(transfer).ok().map(|l| (l.blocks.to_vec(), l.expires_at))
+        self.kv.lease(transfer).ok().map(|l| (l.groups[0].blocks.to_vec(), l.groups[0].expires_at))
     }
 
     /// Milliseconds since the scheduler's epoch: the unit of lease expiries.
@@ -468,8 +471,8 @@ impl Scheduler {
                     continue;
                 }
             };
-            let needed =
-                self.blocks_needed(tokens.len(), tokens.len() - hit.cached_tokens, hit.cached_blocks);
+            let cached_blocks = hit.cached_tokens / self.kv.block_size();
+            let needed = self.blocks_needed(tokens.len(), tokens.len() - hit.cached_tokens, cached_blocks);
             if self.kv.blocks_available() < needed + self.config.admission_watermark_blocks {
                 // Not now: it waits (it fits the pool, so running requests will make room).
                 let _ = self.kv.free_sequence(seq, false);
@@ -557,7 +560,7 @@ impl Scheduler {
             .leases_out
             .iter()
             .copied()
-            .filter(|t| self.kv.lease(*t).map_or(true, |l| l.expires_at <= now_ms))
+            .filter(|t| self.kv.lease(*t).map_or(true, |l| l.groups[0].expires_at <= now_ms))
             .collect();
         expired.sort();
         for t in expired {
@@ -668,7 +671,7 @@ impl Scheduler {
             let until = self.ms((now + self.config.kv_lease).min(r_deadline + LEASE_PAST_DEADLINE));
             match self.kv.lease_sequence(seq, transfer, until) {
                 Ok(lease) => {
-                    let blocks = lease.blocks.to_vec();
+                    let blocks = lease.groups[0].blocks.to_vec();
                     self.leases_out.insert(transfer);
                     self.finish(id, Exit::PrefillDone { first_token: token, transfer, blocks }, now);
                 }

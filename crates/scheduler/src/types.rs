@@ -50,7 +50,7 @@ pub struct SchedulerConfig {
     pub admission_order: AdmissionOrder,
     /// The model's sliding attention window, if it has one: on the unified and decode roles, blocks a
     /// running sequence will never attend to again are given back after each step (see
-    /// `KvCache::release_outside_window`), and prompts are cached only when they end, whole.
+    /// `KvGroups::release_outside_window`), and prompts are cached only when they end, whole.
     pub sliding_window: Option<usize>,
     /// Prefill chunks shrink with the context they attend to: attending to this many earlier positions
     /// costs about as much as a token's own work (weights), so a chunk of `n` tokens from position `p`

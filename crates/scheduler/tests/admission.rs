@@ -2,12 +2,12 @@
 
 use std::time::{Duration, Instant};
 
-use pdserve_kvcache::{KvCache, KvConfig, OwnerKind, TransferId};
+use pdserve_kvcache::{KvConfig, KvGroups, LayerKind, OwnerKind, TransferId};
 use pdserve_scheduler::*;
 
 fn sched(config: SchedulerConfig, blocks: u32) -> (Scheduler, Instant) {
     let t0 = Instant::now();
-    let kv = KvCache::new(KvConfig { num_blocks: blocks, block_size: 4 }).unwrap();
+    let kv = KvGroups::single(KvConfig { num_blocks: blocks, block_size: 4 }, LayerKind::Full).unwrap();
     (Scheduler::new(config, kv, t0), t0)
 }
 
@@ -436,7 +436,7 @@ fn decode_after_round1() -> (Scheduler, Instant, Vec<u32>) {
     let (mut s, t0) = sched(config, 64);
     let round1: Vec<u32> = (100..110).collect();
     s.handle_request(pulled(1, round1.clone(), t0), t0).unwrap();
-    assert_eq!(s.kv().lease(TransferId(1)).unwrap().reused, 0);
+    assert_eq!(s.kv().lease(TransferId(1)).unwrap().groups[0].reused, 0);
     assert!(s.handle_kv_arrived(RequestId(1), false, t0));
     let events = drain(&mut s, t0);
     assert!(matches!(events[..], [Event::Finished { output_tokens: 4, cached_tokens: 0, .. }]));
@@ -453,7 +453,11 @@ fn a_decode_worker_reuses_the_previous_rounds_blocks() {
     round2.extend([9, 9, 9, 9, 50, 51, 52, 53, 54, 55]);
     s.handle_request(pulled(2, round2, t0), t0).unwrap();
     let lease = s.kv().lease(TransferId(2)).unwrap();
-    assert_eq!((lease.reused, lease.blocks.len()), (3, 5), "12 tokens of round 1 are held here");
+    assert_eq!(
+        (lease.groups[0].reused, lease.groups[0].blocks.len()),
+        (3, 5),
+        "12 tokens of round 1 are held here"
+    );
     assert!(s.handle_kv_arrived(RequestId(2), false, t0));
     let events = drain(&mut s, t0);
     assert!(matches!(events[..], [Event::Finished { cached_tokens: 12, .. }]), "{events:?}");
@@ -733,7 +737,7 @@ fn drafts_keep_what_the_engine_accepted_and_give_back_the_rest() {
     });
     let item = batch[0];
     assert_eq!((item.start_pos, item.num_tokens, item.draft), (6, 6, 5));
-    assert_eq!(s.kv().block_table(item.seq).unwrap().len(), 3, "KV reserved for every draft");
+    assert_eq!(s.kv().block_table(item.seq, 0).unwrap().len(), 3, "KV reserved for every draft");
     s.handle_step_result(&sampled(30, 2), t0);
     s.check_invariants().unwrap();
     let prompt: Vec<u32> = (1000..1006).collect();

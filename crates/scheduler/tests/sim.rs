@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use pdserve_kvcache::{KvCache, KvConfig};
+use pdserve_kvcache::{KvConfig, KvGroups, LayerKind};
 use pdserve_scheduler::*;
 
 struct Rng(u64);
@@ -100,7 +100,7 @@ struct Report {
 
 fn run(shape: Shape, n: u64, seed: u64, config: SchedulerConfig, blocks: u32) -> Report {
     let t0 = Instant::now();
-    let kv = KvCache::new(KvConfig { num_blocks: blocks, block_size: 16 }).unwrap();
+    let kv = KvGroups::single(KvConfig { num_blocks: blocks, block_size: 16 }, LayerKind::Full).unwrap();
     let mut s = Scheduler::new(config.clone(), kv, t0);
     let mut arrivals = trace(shape, n, seed, t0);
     arrivals.sort_by_key(|a| a.at_ms);

@@ -68,7 +68,9 @@ impl EngineCore {
         let kv = self.sched.kv();
         let mut rows = Vec::new();
         for (step, item) in batch.iter().enumerate() {
-            let (Ok(tokens), Ok(table)) = (kv.tokens(item.seq), kv.block_table(item.seq)) else { continue };
+            let (Ok(tokens), Ok(table)) = (kv.tokens(item.seq), kv.block_table(item.seq, 0)) else {
+                continue;
+            };
             let start = item.start_pos;
             let (valid, last, guess) = if item.sample {
                 let Some(s) = sampled.iter().find(|s| s.id == item.id) else { continue };

@@ -47,7 +47,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
 use pdserve_api::{Outcome, Role, Stage as ApiStage};
-use pdserve_kvcache::{KvCache, SeqId};
+use pdserve_kvcache::{KvGroups, SeqId};
 use pdserve_model::{Sampler, SamplingParams};
 use pdserve_pd_transfer::{Source, TransferKey};
 use pdserve_scheduler::{Event, Exit, KvSource, NewRequest, RequestId, Scheduler, SchedulerStats, Stage};
@@ -408,8 +408,9 @@ impl EngineCore {
         &self.config
     }
 
-    /// The KV cache's ledger (the endpoint checks block reads and writes against its leases).
-    pub fn kv(&self) -> &KvCache {
+    /// The KV ledger (the endpoint checks block reads and writes against its leases: the one
+    /// group's, `kv().group(0)`).
+    pub fn kv(&self) -> &KvGroups {
         self.sched.kv()
     }
 
@@ -482,7 +483,7 @@ impl EngineCore {
         let queue_wait = self.sched.stats().queue_wait.map(|w| w.as_str());
         let admitted = self.active.iter().map(move |(&id, a)| {
             let (stage, out) = self.sched.stage_of(RequestId(id)).unwrap_or((Stage::Queued, 0));
-            let table = self.sched.kv().block_table(SeqId(id)).unwrap_or_default();
+            let table = self.sched.kv().block_table(SeqId(id), 0).unwrap_or_default();
             let stage = self.stage(stage);
             let waiting_for = match stage {
                 ApiStage::PrefillQueued | ApiStage::DecodeQueued => queue_wait,

@@ -189,7 +189,8 @@ impl EngineCore {
             }
         }
         let tier_copies = self.sched.kv_mut().take_tier_copies();
-        let copies = self.sched.kv_mut().take_copies();
+        // (The engine's ledgers are single-group: every copy is group 0's.)
+        let copies: Vec<_> = self.sched.kv_mut().take_copies().into_iter().map(|(_, c)| c).collect();
         let kv = self.sched.kv();
         let rows = batch
             .iter()
@@ -199,7 +200,7 @@ impl EngineCore {
                     .map(|t| t[i.start_pos..i.start_pos + i.num_tokens].to_vec())
                     .unwrap_or_default(),
                 start_pos: i.start_pos,
-                block_table: kv.block_table(i.seq).map(<[_]>::to_vec).unwrap_or_default(),
+                block_table: kv.block_table(i.seq, 0).map(<[_]>::to_vec).unwrap_or_default(),
                 logits: if i.sample { i.draft + 1 } else { 0 },
             })
             .collect();

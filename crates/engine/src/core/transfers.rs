@@ -134,6 +134,7 @@ impl EngineCore {
         // conversation ended here): only the rest is pulled.
         let (from, dest): (usize, Vec<(BlockId, u32)>) = match self.sched.kv().lease(TransferId(transfer)) {
             Ok(l) => {
+                let l = &l.groups[0];
                 (l.reused, l.blocks.iter().copied().zip(l.epochs.iter().copied()).skip(l.reused).collect())
             }
             Err(_) => (0, Vec::new()),

@@ -34,7 +34,7 @@ impl Scheduler {
         if draft.is_empty() {
             return item;
         }
-        let held = self.kv.block_table(item.seq).map_or(0, <[_]>::len);
+        let held = self.kv.block_table(item.seq, 0).map_or(0, <[_]>::len);
         let needed = self.kv.blocks_for(r.tokens.len() + draft.len()).saturating_sub(held);
         if needed + self.running.len() > self.kv.blocks_available() {
             return item;
