@@ -111,7 +111,45 @@ impl Backend for V4Backend {
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         self.last.clear();
         check_steps(&self.cfg, &self.layout, steps)?;
+        // On one of the pool's threads: the large products' splits are forks from a running worker,
+        // not jobs handed across from this thread.
+        let this = &mut *self;
+        Ok(rayon::scope(|_| this.forward_on_pool(steps)))
+    }
+
+    fn draft_layers(&self) -> usize {
+        usize::from(self.drafts)
+    }
+
+    fn draft(&mut self, steps: &[DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let this = &mut *self;
+        rayon::scope(|_| this.draft_on_pool(steps))
+    }
+    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {
+        self.kv.copy_blocks(&self.layout, copies)
+    }
+
+    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError> {
+        self.kv.read_block(&self.layout, block, out)
+    }
+
+    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
+        self.kv.write_block(&self.layout, block, data)
+    }
+
+    fn block_bytes(&self, block: BlockId) -> Option<&[u8]> {
+        self.kv.block(&self.layout, block)
+    }
+
+    fn block_bytes_mut(&mut self, block: BlockId) -> Option<&mut [u8]> {
+        self.kv.block_mut(&self.layout, block)
+    }
+}
+
+impl V4Backend {
+    fn forward_on_pool(&mut self, steps: &[SeqStep<'_>]) -> Vec<Vec<f32>> {
         let mut out = Vec::with_capacity(steps.iter().map(|s| s.logits).sum());
+
         for s in steps {
             let mut kept = Vec::new();
             let mut mem = Paged {
@@ -133,14 +171,10 @@ impl Backend for V4Backend {
             }
             self.last.push((s.start_pos, kept));
         }
-        Ok(out)
+        out
     }
 
-    fn draft_layers(&self) -> usize {
-        usize::from(self.drafts)
-    }
-
-    fn draft(&mut self, steps: &[DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+    fn draft_on_pool(&mut self, steps: &[DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         let dw = match (&self.model.w.draft, self.drafts) {
             (Some(dw), true) => dw,
             _ => {
@@ -205,26 +239,6 @@ impl Backend for V4Backend {
             }
         }
         Ok(out)
-    }
-
-    fn copy_blocks(&mut self, copies: &[BlockCopy]) -> Result<(), ModelError> {
-        self.kv.copy_blocks(&self.layout, copies)
-    }
-
-    fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<(), ModelError> {
-        self.kv.read_block(&self.layout, block, out)
-    }
-
-    fn write_block(&mut self, block: BlockId, data: &[u8]) -> Result<(), ModelError> {
-        self.kv.write_block(&self.layout, block, data)
-    }
-
-    fn block_bytes(&self, block: BlockId) -> Option<&[u8]> {
-        self.kv.block(&self.layout, block)
-    }
-
-    fn block_bytes_mut(&mut self, block: BlockId) -> Option<&mut [u8]> {
-        self.kv.block_mut(&self.layout, block)
     }
 }
 

@@ -10,6 +10,9 @@ use crate::quant::QuantMatrix;
 use crate::shards::{CheckpointDtype, Shards};
 use crate::{Fp4Matrix, Fp8Matrix, ModelError, Plain};
 
+/// Products of at least this many weights run on the thread pool.
+const PARALLEL_VALUES: usize = 1 << 16;
+
 /// A projection `[rows, cols]` held as the checkpoint ships it: FP8 codes with their block scales,
 /// FP4 codes (MXFP4, NVFP4) with their group scales, or plain values (bf16 where every value is
 /// one), each row's product widened inside the dot kernels.
@@ -37,15 +40,20 @@ impl Mat {
 
     /// Rows `rows` of the matrix times `x`.
     pub(crate) fn rows_times(&self, rows: Range<usize>, x: &[f32]) -> Vec<f32> {
-        rows.map(|r| match self {
+        let dot = |r: usize| match self {
             Mat::Plain { values: Plain::F32(v), cols } => crate::sys::dot(x, &v[r * cols..(r + 1) * cols]),
             Mat::Plain { values: Plain::Bf16(v), cols } => {
                 crate::sys::dot_bf16(x, &v[r * cols..(r + 1) * cols])
             }
             Mat::Fp8(m) => m.dot_row(r, x, &[]),
             Mat::Fp4(m) => m.dot_row(r, x, &[]),
-        })
-        .collect()
+        };
+        // Each row's dot is the same arithmetic on any thread: large products split over the pool.
+        if rows.len() * x.len() < PARALLEL_VALUES {
+            return rows.map(dot).collect();
+        }
+        use rayon::prelude::*;
+        rows.into_par_iter().with_min_len(64).map(dot).collect()
     }
 
     /// Row `r` of a plain matrix (an embedding's), as f32.
