@@ -297,30 +297,53 @@ fn spread(out: &[f32], streams: &[f32], post: &[f32], comb: &[f32], n: usize, d:
     next
 }
 
-/// One token through layer `w`: the streams after it.
-pub(super) fn run(ctx: &Ctx<'_>, w: &V4LayerWeights, mem: &mut dyn Memory, streams: &[f32]) -> Vec<f32> {
-    let (c, n, d) = (ctx.c, ctx.c.hc_mult, ctx.c.hidden);
-    let (pre, post, comb) = mix(&w.hc_attn, streams, n, d, c, 3);
-    let x = rms_norm(&combine(&pre, streams, d), Some(&w.attn_norm), c.eps);
-    let streams = spread(&attention(ctx, w, mem, &x), streams, &post, &comb, n, d);
-    let (pre, post, comb) = mix(&w.hc_ffn, &streams, n, d, c, 3);
-    let x = rms_norm(&combine(&pre, &streams, d), Some(&w.ffn_norm), c.eps);
-    spread(&moe(ctx, w, &x), &streams, &post, &comb, n, d)
+/// What a layer's block does to its tokens' normed inputs: their outputs.
+type Rows<'a> = dyn FnMut(&[Vec<f32>]) -> Vec<Vec<f32>> + 'a;
+
+/// Tokens through layer `w` in order (`ctxs[t]` and `streams[t]` token `t`'s), layer by layer: each
+/// projection reads its weights once for every token (a product's rows are the one-token products'
+/// bits), and what a token reads of the memory its predecessors wrote first, as one token at a time
+/// would. The streams after the layer.
+pub(super) fn run(
+    ctxs: &[Ctx<'_>],
+    w: &V4LayerWeights,
+    mem: &mut dyn Memory,
+    streams: Vec<Vec<f32>>,
+) -> Vec<Vec<f32>> {
+    let Some(first) = ctxs.first() else { return streams };
+    let (c, n, d) = (first.c, first.c.hc_mult, first.c.hidden);
+    let block = |streams: Vec<Vec<f32>>, hc: &HyperConnection, norm: &[f32], body: &mut Rows<'_>| {
+        let mixes: Vec<_> = streams.iter().map(|s| mix(hc, s, n, d, c, 3)).collect();
+        let xs: Vec<Vec<f32>> = streams
+            .iter()
+            .zip(&mixes)
+            .map(|(s, (pre, _, _))| rms_norm(&combine(pre, s, d), Some(norm), c.eps))
+            .collect();
+        let outs = body(&xs);
+        streams
+            .iter()
+            .zip(&mixes)
+            .zip(&outs)
+            .map(|((s, (_, post, comb)), o)| spread(o, s, post, comb, n, d))
+            .collect::<Vec<_>>()
+    };
+    let streams = block(streams, &w.hc_attn, &w.attn_norm, &mut |xs| attention(ctxs, w, mem, xs));
+    block(streams, &w.hc_ffn, &w.ffn_norm, &mut |xs| moe(ctxs, w, xs))
 }
 
-/// Feeds one token's `h` to compressor `pool` (of `ratio`, making rows of `row` values); a row when
-/// it completes a group (pooled per channel by a softmax of the gates over the group, and at ratio 4
-/// over the previous group's first halves too; normed, then rotated at the group's first position).
+/// Feeds one token's value `a` and gate `gate` (before its position's `ape`) to compressor `pool`
+/// (of `ratio`, making rows of `row` values); a row when it completes a group (pooled per channel by
+/// a softmax of the gates over the group, and at ratio 4 over the previous group's first halves
+/// too; normed, then rotated at the group's first position).
 fn compress(
     ctx: &Ctx<'_>,
     cw: &Compressor,
     mem: &mut dyn Memory,
     (pool, ratio, row): (Pool, usize, usize),
-    h: &[f32],
+    (a, gate): (Vec<f32>, &[f32]),
 ) {
-    let a = cw.wkv.times(h);
     let ape = &cw.ape[(ctx.pos % ratio) * cw.width..(ctx.pos % ratio + 1) * cw.width];
-    let s: Vec<f32> = cw.wgate.times(h).iter().zip(ape).map(|(g, b)| g + b).collect();
+    let s: Vec<f32> = gate.iter().zip(ape).map(|(g, b)| g + b).collect();
     let overlap = cw.width == 2 * row;
     let Some((previous, group)) = mem.feed(ctx.layer, pool, ctx.pos, (ratio, overlap), a, s) else {
         return;
@@ -366,103 +389,160 @@ fn select(ctx: &Ctx<'_>, index: &[Vec<f32>], qi: &[f32], weights: &[f32]) -> Vec
     order
 }
 
-/// Attention of one token (input `h`, normed) over its window and compressed rows; the layer's output.
-fn attention(ctx: &Ctx<'_>, w: &V4LayerWeights, mem: &mut dyn Memory, h: &[f32]) -> Vec<f32> {
-    let c = ctx.c;
+/// Attention of tokens (inputs `hs`, normed) in order over their windows and compressed rows; the
+/// layer's outputs.
+fn attention(ctxs: &[Ctx<'_>], w: &V4LayerWeights, mem: &mut dyn Memory, hs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let c = ctxs[0].c;
     let (heads, hd) = (c.heads, c.head_dim);
-    let qr = rms_norm(&w.wq_a.times(h), Some(&w.q_norm), c.eps);
-    let mut q = w.wq_b.times(&qr);
-    for head in q.chunks_exact_mut(hd) {
-        let normed = rms_norm(head, None, c.eps);
-        head.copy_from_slice(&normed);
-        rope(head, ctx.rope, ctx.pos, false);
-    }
-    let mut kv = rms_norm(&w.wkv.times(h), Some(&w.kv_norm), c.eps);
-    rope(&mut kv, ctx.rope, ctx.pos, false);
-    let window = mem.window(ctx.layer, ctx.pos, c.window, kv);
-    let ratio = w.kind.ratio();
-    let pooled = match &w.compressor {
-        Some(cw) => {
-            compress(ctx, cw, mem, (Pool::Kv, ratio, hd), h);
-            mem.rows(ctx.layer, Pool::Kv, ctx.pos, ratio)
+    // Every projection of every token first: none reads the memory.
+    let qr: Vec<Vec<f32>> =
+        w.wq_a.times_many(hs).into_iter().map(|v| rms_norm(&v, Some(&w.q_norm), c.eps)).collect();
+    let mut qs = w.wq_b.times_many(&qr);
+    let mut kvs: Vec<Vec<f32>> =
+        w.wkv.times_many(hs).into_iter().map(|v| rms_norm(&v, Some(&w.kv_norm), c.eps)).collect();
+    for ((q, kv), ctx) in qs.iter_mut().zip(&mut kvs).zip(ctxs) {
+        for head in q.chunks_exact_mut(hd) {
+            let normed = rms_norm(head, None, c.eps);
+            head.copy_from_slice(&normed);
+            rope(head, ctx.rope, ctx.pos, false);
         }
-        None => Vec::new(),
-    };
-    let mut chosen: Vec<usize> = (0..pooled.len()).collect();
-    if let Some(iw) = &w.indexer {
-        compress(ctx, &iw.compressor, mem, (Pool::Index, INDEX_RATIO, c.index_dim), h);
+        rope(kv, ctx.rope, ctx.pos, false);
+    }
+    let pooled_in = w.compressor.as_ref().map(|cw| (cw.wkv.times_many(hs), cw.wgate.times_many(hs)));
+    let index_in = w.indexer.as_ref().map(|iw| {
         let (ih, id) = (c.index_heads, c.index_dim);
-        let mut qi = iw.wq_b.times(&qr);
-        qi.chunks_exact_mut(id).for_each(|head| rope(head, ctx.rope, ctx.pos, false));
-        let weights: Vec<f32> =
-            iw.weights_proj.times(h).into_iter().map(|v| v * (ih as f32).powf(-0.5)).collect();
-        chosen = select(ctx, &mem.rows(ctx.layer, Pool::Index, ctx.pos, INDEX_RATIO), &qi, &weights);
-    }
-    let keys: Vec<&[f32]> =
-        window.iter().map(Vec::as_slice).chain(chosen.iter().map(|&r| pooled[r].as_slice())).collect();
-    let scale = (hd as f32).powf(-0.5);
-    let mut o = vec![0.0; heads * hd];
-    for (head, out) in o.chunks_exact_mut(hd).enumerate() {
-        let qh = &q[head * hd..(head + 1) * hd];
-        let logits: Vec<f32> = keys.iter().map(|k| crate::sys::dot(qh, k) * scale).collect();
-        // The sink: a logit with a value of zero.
-        let sink = w.sink[head];
-        let max = logits.iter().fold(sink, |m, &v| m.max(v));
-        let total = logits.iter().map(|&l| (l - max).exp()).sum::<f32>() + (sink - max).exp();
-        for (k, &l) in keys.iter().zip(&logits) {
-            let p = (l - max).exp() / total;
-            out.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
+        let mut qi = iw.wq_b.times_many(&qr);
+        for (q, ctx) in qi.iter_mut().zip(ctxs) {
+            q.chunks_exact_mut(id).for_each(|head| rope(head, ctx.rope, ctx.pos, false));
         }
-        rope(out, ctx.rope, ctx.pos, true);
+        let weights: Vec<Vec<f32>> = iw
+            .weights_proj
+            .times_many(hs)
+            .into_iter()
+            .map(|v| v.into_iter().map(|v| v * (ih as f32).powf(-0.5)).collect())
+            .collect();
+        (iw.compressor.wkv.times_many(hs), iw.compressor.wgate.times_many(hs), qi, weights)
+    });
+    // Then each token in order: what it writes, then what it reads.
+    let ratio = w.kind.ratio();
+    let scale = (hd as f32).powf(-0.5);
+    let mut os = Vec::with_capacity(hs.len());
+    for (t, (ctx, kv)) in ctxs.iter().zip(kvs).enumerate() {
+        let window = mem.window(ctx.layer, ctx.pos, c.window, kv);
+        let pooled = match (&w.compressor, &pooled_in) {
+            (Some(cw), Some((a, gate))) => {
+                compress(ctx, cw, mem, (Pool::Kv, ratio, hd), (a[t].clone(), &gate[t]));
+                mem.rows(ctx.layer, Pool::Kv, ctx.pos, ratio)
+            }
+            _ => Vec::new(),
+        };
+        let mut chosen: Vec<usize> = (0..pooled.len()).collect();
+        if let (Some(iw), Some((a, gate, qi, weights))) = (&w.indexer, &index_in) {
+            let at = (Pool::Index, INDEX_RATIO, c.index_dim);
+            compress(ctx, &iw.compressor, mem, at, (a[t].clone(), &gate[t]));
+            let keys = mem.rows(ctx.layer, Pool::Index, ctx.pos, INDEX_RATIO);
+            chosen = select(ctx, &keys, &qi[t], &weights[t]);
+        }
+        let keys: Vec<&[f32]> =
+            window.iter().map(Vec::as_slice).chain(chosen.iter().map(|&r| pooled[r].as_slice())).collect();
+        let mut o = vec![0.0; heads * hd];
+        for (head, out) in o.chunks_exact_mut(hd).enumerate() {
+            let qh = &qs[t][head * hd..(head + 1) * hd];
+            let logits: Vec<f32> = keys.iter().map(|k| crate::sys::dot(qh, k) * scale).collect();
+            // The sink: a logit with a value of zero.
+            let sink = w.sink[head];
+            let max = logits.iter().fold(sink, |m, &v| m.max(v));
+            let total = logits.iter().map(|&l| (l - max).exp()).sum::<f32>() + (sink - max).exp();
+            for (k, &l) in keys.iter().zip(&logits) {
+                let p = (l - max).exp() / total;
+                out.iter_mut().zip(k.iter()).for_each(|(o, v)| *o += p * v);
+            }
+            rope(out, ctx.rope, ctx.pos, true);
+        }
+        os.push(o);
     }
+    // The grouped output LoRA, then the output projection, for every token.
     let (groups, rank) = (c.o_groups, c.o_lora);
     let per = heads * hd / groups;
-    let mut z = Vec::with_capacity(groups * rank);
+    let mut zs = vec![Vec::with_capacity(groups * rank); os.len()];
     for g in 0..groups {
-        let og = &o[g * per..(g + 1) * per];
-        z.extend(w.wo_a.rows_times(g * rank..(g + 1) * rank, og));
+        let part: Vec<Vec<f32>> = os.iter().map(|o| o[g * per..(g + 1) * per].to_vec()).collect();
+        for (z, zg) in zs.iter_mut().zip(w.wo_a.rows_times_many(g * rank..(g + 1) * rank, &part)) {
+            z.extend(zg);
+        }
     }
-    w.wo_b.times(&z)
+    w.wo_b.times_many(&zs)
 }
 
-fn swiglu(e: &Expert, x: &[f32], limit: f32) -> Vec<f32> {
-    let (g, u) = (e.w1.times(x), e.w3.times(x));
-    let act: Vec<f32> = g
+/// A SwiGLU expert (`w2(silu(w1 x) * w3 x)`, clamped at `limit`) on each of `xs`.
+fn swiglu(e: &Expert, xs: &[Vec<f32>], limit: f32) -> Vec<Vec<f32>> {
+    let (gs, us) = (e.w1.times_many(xs), e.w3.times_many(xs));
+    let acts: Vec<Vec<f32>> = gs
         .iter()
-        .zip(&u)
-        .map(|(&g, &u)| {
-            let (g, u) = if limit > 0.0 { (g.min(limit), u.clamp(-limit, limit)) } else { (g, u) };
-            g * sigmoid(g) * u
+        .zip(&us)
+        .map(|(g, u)| {
+            g.iter()
+                .zip(u)
+                .map(|(&g, &u)| {
+                    let (g, u) = if limit > 0.0 { (g.min(limit), u.clamp(-limit, limit)) } else { (g, u) };
+                    g * sigmoid(g) * u
+                })
+                .collect()
         })
         .collect();
-    e.w2.times(&act)
+    e.w2.times_many(&acts)
 }
 
-/// The mixture of experts for one token's `x` (normed).
-fn moe(ctx: &Ctx<'_>, w: &V4LayerWeights, x: &[f32]) -> Vec<f32> {
-    let c = ctx.c;
-    // sqrt(softplus(logit)), softplus as log(1 + e^x) without overflow.
-    let scores: Vec<f32> =
-        w.gate.times(x).into_iter().map(|l| (l.max(0.0) + (-l.abs()).exp().ln_1p()).sqrt()).collect();
-    let top: Vec<usize> = match &w.routing {
-        Routing::Hash(table) => table[ctx.token * c.top_k..(ctx.token + 1) * c.top_k].to_vec(),
-        Routing::Scored(bias) => {
-            let choice: Vec<f32> = match bias {
-                Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
-                None => scores.clone(),
-            };
-            let mut order: Vec<usize> = (0..c.experts).collect();
-            order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
-            order.truncate(c.top_k);
-            order
-        }
-    };
-    let total: f32 = top.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
-    let mut y = swiglu(&w.shared, x, c.swiglu_limit);
-    for &e in &top {
-        let weight = scores[e] / total * c.routed_scaling;
-        let out = swiglu(&w.experts[e], x, c.swiglu_limit);
-        y.iter_mut().zip(&out).for_each(|(y, o)| *y += weight * o);
+/// The mixture of experts for tokens' `xs` (normed): each expert runs once over the tokens routed
+/// to it; each token sums its experts' outputs in its own order.
+fn moe(ctxs: &[Ctx<'_>], w: &V4LayerWeights, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    let c = ctxs[0].c;
+    let mut routes = Vec::with_capacity(xs.len());
+    for (ctx, gate) in ctxs.iter().zip(w.gate.times_many(xs)) {
+        // sqrt(softplus(logit)), softplus as log(1 + e^x) without overflow.
+        let scores: Vec<f32> =
+            gate.into_iter().map(|l| (l.max(0.0) + (-l.abs()).exp().ln_1p()).sqrt()).collect();
+        let top: Vec<usize> = match &w.routing {
+            Routing::Hash(table) => table[ctx.token * c.top_k..(ctx.token + 1) * c.top_k].to_vec(),
+            Routing::Scored(bias) => {
+                let choice: Vec<f32> = match bias {
+                    Some(b) => scores.iter().zip(b).map(|(s, b)| s + b).collect(),
+                    None => scores.clone(),
+                };
+                let mut order: Vec<usize> = (0..c.experts).collect();
+                order.sort_by(|&a, &b| choice[b].total_cmp(&choice[a]).then(a.cmp(&b)));
+                order.truncate(c.top_k);
+                order
+            }
+        };
+        let total: f32 = top.iter().map(|&e| scores[e]).sum::<f32>() + 1e-20;
+        let weights: Vec<f32> = top.iter().map(|&e| scores[e] / total * c.routed_scaling).collect();
+        routes.push((top, weights));
     }
-    y
+    // Each expert over its tokens: out[t][k] is token t's k-th expert's output.
+    let mut outs: Vec<Vec<Vec<f32>>> = routes.iter().map(|(top, _)| vec![Vec::new(); top.len()]).collect();
+    for (e, expert) in w.experts.iter().enumerate() {
+        // (A token routed to an expert twice, as a hash table may, gets its output twice.)
+        let picks: Vec<(usize, usize)> = routes
+            .iter()
+            .enumerate()
+            .flat_map(|(t, (top, _))| {
+                top.iter().enumerate().filter(move |&(_, &x)| x == e).map(move |(k, _)| (t, k))
+            })
+            .collect();
+        if picks.is_empty() {
+            continue;
+        }
+        let inputs: Vec<Vec<f32>> = picks.iter().map(|&(t, _)| xs[t].clone()).collect();
+        for (&(t, k), out) in picks.iter().zip(swiglu(expert, &inputs, c.swiglu_limit)) {
+            outs[t][k] = out;
+        }
+    }
+    let mut ys = swiglu(&w.shared, xs, c.swiglu_limit);
+    for ((y, (_, weights)), outs) in ys.iter_mut().zip(&routes).zip(outs) {
+        for (weight, out) in weights.iter().zip(outs) {
+            y.iter_mut().zip(&out).for_each(|(y, o)| *y += weight * o);
+        }
+    }
+    ys
 }

@@ -106,15 +106,22 @@ impl DeepseekV4 {
         layer::Ctx { c: &self.cfg, rope, layer, pos, token }
     }
 
-    /// Token `id` at position `pos` through every main layer, over the request's `mem`: the final
-    /// streams.
-    fn run_token(&self, mem: &mut dyn Memory, id: usize, pos: usize) -> Vec<f32> {
+    /// Tokens `ids` at consecutive positions from `start` through every main layer, over the
+    /// request's `mem` (layer by layer: see `layer::run`): each one's final streams.
+    fn run_tokens(&self, mem: &mut dyn Memory, ids: &[u32], start: usize) -> Vec<Vec<f32>> {
         let n = self.cfg.hc_mult;
         // Every stream starts as the token's embedding.
-        let embed = self.w.embed.row(id);
-        let mut streams: Vec<f32> = (0..n).flat_map(|_| embed.iter().copied()).collect();
+        let mut streams: Vec<Vec<f32>> = ids
+            .iter()
+            .map(|&id| {
+                let embed = self.w.embed.row(id as usize);
+                (0..n).flat_map(|_| embed.iter().copied()).collect()
+            })
+            .collect();
         for (l, lw) in self.w.layers.iter().enumerate() {
-            streams = layer::run(&self.ctx(lw.kind, l, pos, id), lw, mem, &streams);
+            let ctxs: Vec<_> =
+                ids.iter().enumerate().map(|(i, &id)| self.ctx(lw.kind, l, start + i, id as usize)).collect();
+            streams = layer::run(&ctxs, lw, mem, streams);
         }
         streams
     }
@@ -132,27 +139,44 @@ impl DeepseekV4 {
         self.w.head.times(&y)
     }
 
-    /// One row of the draft layer `dw` at `pos` (layer `layer` of `mem`): its input streams are the
-    /// token's normed embedding and each of `streams` (the main model's final streams at `pos`, or the
-    /// row before's output) normed, each projected, summed; the layer's output streams.
-    fn draft_row(
+    /// Rows of the draft layer `dw` at consecutive positions from `start` (layer `layer` of `mem`),
+    /// row `j` given `tokens[j]` and `streams[j]` (the main model's final streams at its position, or
+    /// the row before's output): its input streams are the token's normed embedding and each stream
+    /// normed, each projected, summed; the layer's output streams of each row.
+    fn draft_rows(
         &self,
         dw: &weights::V4Draft,
         mem: &mut dyn Memory,
-        layer: usize,
-        (pos, token): (usize, u32),
-        streams: &[f32],
-    ) -> Vec<f32> {
-        let (d, t, eps) = (self.cfg.hidden, token as usize, self.cfg.eps);
-        let e = dw.e_proj.times(&layer::rms_norm(&self.w.embed.row(t), Some(&dw.enorm), eps));
-        let input: Vec<f32> = streams
-            .chunks_exact(d)
-            .flat_map(|s| {
-                let h = dw.h_proj.times(&layer::rms_norm(s, Some(&dw.hnorm), eps));
-                h.into_iter().zip(&e).map(|(h, e)| h + e).collect::<Vec<_>>()
+        (layer, start): (usize, usize),
+        tokens: &[u32],
+        streams: &[&[f32]],
+    ) -> Vec<Vec<f32>> {
+        let (d, eps) = (self.cfg.hidden, self.cfg.eps);
+        let embeds: Vec<Vec<f32>> = tokens
+            .iter()
+            .map(|&t| layer::rms_norm(&self.w.embed.row(t as usize), Some(&dw.enorm), eps))
+            .collect();
+        let es = dw.e_proj.times_many(&embeds);
+        let normed: Vec<Vec<f32>> = streams
+            .iter()
+            .flat_map(|s| s.chunks_exact(d))
+            .map(|s| layer::rms_norm(s, Some(&dw.hnorm), eps))
+            .collect();
+        let hs = dw.h_proj.times_many(&normed);
+        let n = self.cfg.hc_mult;
+        let inputs: Vec<Vec<f32>> = es
+            .iter()
+            .enumerate()
+            .map(|(j, e)| {
+                hs[j * n..(j + 1) * n].iter().flat_map(|h| h.iter().zip(e).map(|(h, e)| h + e)).collect()
             })
             .collect();
-        layer::run(&self.ctx(dw.layer.kind, layer, pos, t), &dw.layer, mem, &input)
+        let ctxs: Vec<_> = tokens
+            .iter()
+            .enumerate()
+            .map(|(j, &t)| self.ctx(dw.layer.kind, layer, start + j, t as usize))
+            .collect();
+        layer::run(&ctxs, &dw.layer, mem, inputs)
     }
 
     /// The logits of a draft row's output streams (its own head's mixing and norm, the LM head).
@@ -206,17 +230,16 @@ impl DeepseekV4 {
                 format!("{} next tokens for {} positions", next.len(), state.pending.len()),
             ));
         }
-        let (mut own, mut pos) = state.draft.take().expect("a draft layer's state");
-        let mut last = Vec::new();
-        for (streams, &token) in std::mem::take(&mut state.pending).iter().zip(next) {
-            last = self.draft_row(dw, &mut own, 0, (pos, token), streams);
-            pos += 1;
-        }
+        let (mut own, pos) = state.draft.take().expect("a draft layer's state");
+        let pending = std::mem::take(&mut state.pending);
+        let main: Vec<&[f32]> = pending.iter().map(Vec::as_slice).collect();
+        let mut last = self.draft_rows(dw, &mut own, (0, pos), next, &main).pop().expect("rows");
+        let pos = pos + next.len();
         let mut out = vec![self.draft_logits(dw, &last)];
         let (mut chained, mut at) = (own.clone(), pos);
         while out.len() < guesses {
             let guess = layer::argmax(out.last().expect("one")) as u32;
-            last = self.draft_row(dw, &mut chained, 0, (at, guess), &last);
+            last = self.draft_rows(dw, &mut chained, (0, at), &[guess], &[&last]).pop().expect("a row");
             at += 1;
             out.push(self.draft_logits(dw, &last));
         }
@@ -228,14 +251,12 @@ impl DeepseekV4 {
     pub fn forward(&self, state: &mut V4State, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
         // (Every id checked first: a refused call changes nothing.)
         self.check_ids(ids)?;
-        let mut last = None;
-        for &id in ids {
-            let streams = self.run_token(&mut layer::PerLayer(&mut state.layers), id as usize, state.tokens);
-            state.tokens += 1;
-            if state.draft.is_some() {
-                state.pending.push(streams.clone());
-            }
-            last = Some(streams);
+        let mut all = self.run_tokens(&mut layer::PerLayer(&mut state.layers), ids, state.tokens);
+        state.tokens += ids.len();
+        let last = all.pop();
+        if state.draft.is_some() {
+            state.pending.extend(all);
+            state.pending.extend(last.clone());
         }
         let streams = last.ok_or_else(|| ModelError::format("input", "no tokens"))?;
         Ok(self.head_logits(&streams))

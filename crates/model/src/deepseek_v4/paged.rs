@@ -159,15 +159,11 @@ impl V4Backend {
                 row: &self.row,
                 block_size: self.layout.block_size,
             };
+            let streams = self.model.run_tokens(&mut mem, s.tokens, s.start_pos);
             let wanted = s.tokens.len() - s.logits;
-            for (i, &t) in s.tokens.iter().enumerate() {
-                let streams = self.model.run_token(&mut mem, t as usize, s.start_pos + i);
-                if i >= wanted {
-                    out.push(self.model.head_logits(&streams));
-                }
-                if self.drafts {
-                    kept.push(streams);
-                }
+            out.extend(streams[wanted..].iter().map(|s| self.model.head_logits(s)));
+            if self.drafts {
+                kept = streams;
             }
             self.last.push((s.start_pos, kept));
         }
@@ -218,11 +214,10 @@ impl V4Backend {
                 row: &self.row,
                 block_size: bs,
             };
-            let main = &self.last[d.step].1;
-            let mut last = Vec::new();
-            for (j, &token) in d.next.iter().enumerate() {
-                last = self.model.draft_row(dw, &mut mem, layer, (s.start_pos + j, token), &main[j]);
-            }
+            let main: Vec<&[f32]> = self.last[d.step].1.iter().map(Vec::as_slice).collect();
+            let rows =
+                self.model.draft_rows(dw, &mut mem, (layer, s.start_pos), d.next, &main[..d.next.len()]);
+            let mut last = rows.into_iter().next_back().expect("a row per next token");
             if d.guesses == 0 {
                 continue;
             }
@@ -234,7 +229,11 @@ impl V4Backend {
                     break;
                 }
                 let guess = crate::greedy_pick(out.last().expect("a guess")).0;
-                last = self.model.draft_row(dw, &mut mem, layer, (pos, guess), &last);
+                last = self
+                    .model
+                    .draft_rows(dw, &mut mem, (layer, pos), &[guess], &[&last])
+                    .pop()
+                    .expect("a row");
                 out.push(self.model.draft_logits(dw, &last));
             }
         }

@@ -40,20 +40,47 @@ impl Mat {
 
     /// Rows `rows` of the matrix times `x`.
     pub(crate) fn rows_times(&self, rows: Range<usize>, x: &[f32]) -> Vec<f32> {
-        let dot = |r: usize| match self {
+        // Each row's dot is the same arithmetic on any thread: large products split over the pool.
+        if rows.len() * x.len() < PARALLEL_VALUES {
+            return rows.map(|r| self.dot(r, x)).collect();
+        }
+        use rayon::prelude::*;
+        rows.into_par_iter().with_min_len(64).map(|r| self.dot(r, x)).collect()
+    }
+
+    /// The matrix times each of `xs`: each product exactly [`times`](Self::times)'s (the same dot
+    /// per row and input), each row read once for all of them.
+    pub(crate) fn times_many(&self, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        self.rows_times_many(0..self.rows(), xs)
+    }
+
+    /// Rows `rows` of the matrix times each of `xs` (see [`times_many`](Self::times_many)).
+    pub(crate) fn rows_times_many(&self, rows: Range<usize>, xs: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        if xs.len() == 1 {
+            return vec![self.rows_times(rows, &xs[0])];
+        }
+        let n = rows.len();
+        let by_row = |r: usize| -> Vec<f32> { xs.iter().map(|x| self.dot(r, x)).collect() };
+        let work = n * xs.first().map_or(0, Vec::len) * xs.len();
+        let columns: Vec<Vec<f32>> = if work < PARALLEL_VALUES {
+            rows.map(by_row).collect()
+        } else {
+            use rayon::prelude::*;
+            rows.into_par_iter().with_min_len(16).map(by_row).collect()
+        };
+        (0..xs.len()).map(|t| columns.iter().map(|c| c[t]).collect()).collect()
+    }
+
+    /// `x` . row `r`.
+    fn dot(&self, r: usize, x: &[f32]) -> f32 {
+        match self {
             Mat::Plain { values: Plain::F32(v), cols } => crate::sys::dot(x, &v[r * cols..(r + 1) * cols]),
             Mat::Plain { values: Plain::Bf16(v), cols } => {
                 crate::sys::dot_bf16(x, &v[r * cols..(r + 1) * cols])
             }
             Mat::Fp8(m) => m.dot_row(r, x, &[]),
             Mat::Fp4(m) => m.dot_row(r, x, &[]),
-        };
-        // Each row's dot is the same arithmetic on any thread: large products split over the pool.
-        if rows.len() * x.len() < PARALLEL_VALUES {
-            return rows.map(dot).collect();
         }
-        use rayon::prelude::*;
-        rows.into_par_iter().with_min_len(64).map(dot).collect()
     }
 
     /// Row `r` of a plain matrix (an embedding's), as f32.
