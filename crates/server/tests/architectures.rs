@@ -7,37 +7,23 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
+use common::fixtures::{self, assert_matches};
 use common::Worker;
 use serde_json::{json, Value};
 
 const STEPS: usize = 8;
-
-fn script(args: &[&str]) -> Vec<u8> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/tiny_reference.py");
-    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
-        .arg(&path)
-        .args(args)
-        .output()
-        .expect("python3 (with numpy) runs");
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    out.stdout
-}
+/// The families' fixture script.
+const TINY: &str = "tiny_reference.py";
 
 /// A tiny checkpoint of `config` with the default model's vocabulary and tokenizer files.
 fn tiny(name: &str, config: Value) -> PathBuf {
-    let model = common::default_model();
     let dir = std::env::temp_dir().join(format!("pdserve-served-arch-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     let mut c = json!({"vocab_size": 49152});
     for (k, v) in config.as_object().unwrap() {
         c[k] = v.clone();
     }
-    script(&["write", dir.to_str().unwrap(), &c.to_string()]);
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::os::unix::fs::symlink(model.join(f), dir.join(f)).unwrap();
-    }
+    fixtures::checkpoint(TINY, &dir, &c);
     dir
 }
 
@@ -48,25 +34,7 @@ fn prompt() -> Vec<u32> {
 /// The numpy forward pass's answer for `ids` on the checkpoint in `dir`: `greedy` token ids and their
 /// `logprobs`, `steps` of each.
 fn reference(dir: &Path, ids: &[u32], steps: usize) -> Value {
-    let (ids, steps) = (serde_json::to_string(ids).unwrap(), steps.to_string());
-    serde_json::from_slice(&script(&["run", dir.to_str().unwrap(), &ids, &steps])).unwrap()
-}
-
-/// `v` (a completion from `w`) has the reference's greedy text, and with `logprobs` each token's
-/// log-probability within 2e-3 of the reference's.
-fn assert_matches(w: &Worker, v: &Value, reference: &Value, what: &str, logprobs: bool) {
-    let (s, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
-    assert_eq!(s, 200, "{what}: {text}");
-    assert_eq!(v["choices"][0]["text"], text["prompt"], "{what}: greedy text differs from the reference");
-    if logprobs {
-        let ours = v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
-        let theirs = reference["logprobs"].as_array().unwrap();
-        assert_eq!(ours.len(), theirs.len(), "{what}: {v}");
-        for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
-            let d = (a.as_f64().unwrap() - b.as_f64().unwrap()).abs();
-            assert!(d < 2e-3, "{what}: token {i}'s log-probability {a} vs the reference's {b}");
-        }
-    }
+    fixtures::reference(TINY, dir, ids, steps)
 }
 
 #[test]

@@ -9,8 +9,8 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
+use common::fixtures::{self, assert_matches};
 use common::migrate::{completed_text, long_stream_body, router_metric, stream, stream_killing_holder};
 use common::router::RouterThread;
 use common::Worker;
@@ -18,34 +18,20 @@ use pdserve_router::Role;
 use serde_json::{json, Value};
 
 const STEPS: usize = 8;
-
-fn script(args: &[&str]) -> Vec<u8> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../model/tests/fixtures/deepseek_v4_reference.py");
-    let out = Command::new(std::env::var("PYTHON").unwrap_or_else(|_| "python3".into()))
-        .arg(&path)
-        .args(args)
-        .output()
-        .expect("python3 (with numpy) runs");
-    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    out.stdout
-}
+/// V4's fixture script.
+const V4: &str = "deepseek_v4_reference.py";
 
 /// The tiny V4 checkpoint (with the script's `overrides`) with the default model's vocabulary and
 /// tokenizer files.
 fn checkpoint(name: &str, overrides: Value) -> PathBuf {
-    let model = common::default_model();
     // (Not named `pdserve-...`: the model's id is the folder's name, and a stream's chunks carry it
     // where the migration helpers check that no resume mark `pdserve-...` reached the client.)
     let dir = std::env::temp_dir().join(format!("tiny-v4-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     let mut config = json!({"vocab_size": 49152, "max_position_embeddings": 8192});
     for (k, v) in overrides.as_object().unwrap() {
         config[k] = v.clone();
     }
-    script(&["write", dir.to_str().unwrap(), &config.to_string()]);
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::os::unix::fs::symlink(model.join(f), dir.join(f)).unwrap();
-    }
+    fixtures::checkpoint(V4, &dir, &config);
     dir
 }
 
@@ -58,25 +44,9 @@ fn body(ids: &[u32]) -> String {
         .to_string()
 }
 
-/// `v` (a completion from `w`) has the reference's greedy tokens, and each token's log-probability
-/// within 2e-3 of the reference's.
-fn assert_matches(w: &Worker, v: &Value, reference: &Value, what: &str) {
-    let (s, text) = w.json("POST", "/detokenize", &json!({"tokens": reference["greedy"]}).to_string());
-    assert_eq!(s, 200, "{what}: {text}");
-    assert_eq!(v["choices"][0]["text"], text["prompt"], "{what}: greedy text differs from the reference");
-    let ours = v["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap();
-    let theirs = reference["logprobs"].as_array().unwrap();
-    assert_eq!(ours.len(), theirs.len(), "{what}: {v}");
-    for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
-        let d = (a.as_f64().unwrap() - b.as_f64().unwrap()).abs();
-        assert!(d < 2e-3, "{what}: token {i}'s log-probability {a} vs the reference's {b}");
-    }
-}
-
 /// The numpy reference's answer for `ids` on the checkpoint in `dir`.
 fn reference(dir: &str, ids: &[u32]) -> Value {
-    let (ids_json, steps) = (serde_json::to_string(ids).unwrap(), STEPS.to_string());
-    serde_json::from_slice(&script(&["run", dir, &ids_json, &steps])).unwrap()
+    fixtures::reference(V4, Path::new(dir), ids, STEPS)
 }
 
 fn logprobs(v: &Value) -> &Value {
@@ -103,7 +73,7 @@ fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_m
     for ids in [prompt(20), long.clone()] {
         let (s, v) = unified.json("POST", "/v1/completions", &body(&ids));
         assert_eq!(s, 200, "{v}");
-        assert_matches(&unified, &v, &reference(model, &ids), &format!("{} tokens", ids.len()));
+        assert_matches(&unified, &v, &reference(model, &ids), &format!("{} tokens", ids.len()), true);
         cold = v;
     }
     // Every decode step drafted (a random model's guesses are refused; the answers above are exact).
@@ -174,7 +144,7 @@ fn deepseek_v4_as_shipped_is_served_in_fp8_and_mxfp4() {
         let (s, v) = held.json("POST", "/v1/completions", &body(&ids));
         assert_eq!(s, 200, "{v}");
         let what = format!("as shipped, {} tokens", ids.len());
-        assert_matches(&held, &v, &reference(shipped.to_str().unwrap(), &ids), &what);
+        assert_matches(&held, &v, &reference(shipped.to_str().unwrap(), &ids), &what, true);
     }
     drop(held);
     let (ok, err) = common::failed_start(&["--model", shipped.to_str().unwrap(), "--weights", "q8"]);

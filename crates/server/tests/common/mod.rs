@@ -1,6 +1,7 @@
 //! A worker process for tests: started on a free port, killed when dropped.
 #![allow(dead_code)]
 
+pub mod fixtures;
 pub mod migrate;
 pub mod router;
 
