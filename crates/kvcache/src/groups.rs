@@ -440,6 +440,10 @@ impl KvGroups {
     /// group changed.
     pub fn reserve(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
         self.known(seq)?;
+        if let Some(g) = self.plain_mut() {
+            // One group: its own all-or-nothing reserve (no walk of the tree to count room first).
+            return g.reserve(seq, n);
+        }
         for g in &self.groups {
             let need = g.reserve_need(seq, n)?;
             if !g.can_free(need, &[]) {
@@ -666,6 +670,12 @@ impl KvGroups {
             return Err(KvError::DuplicateTransfer { transfer });
         }
         let n = tokens.len().div_ceil(self.config.block_tokens as usize);
+        if let Some(g) = self.plain_mut() {
+            // One group: its own all-or-nothing allocation.
+            g.allocate_lease_reusing(transfer, tokens, n, expires_at)?;
+            self.lease_states.insert(transfer, StateId::NONE);
+            return self.lease_view(transfer);
+        }
         for g in &self.groups {
             let reusable = g.tree.longest_match(tokens, (tokens.len() / g.block_size()).min(n));
             // The reused blocks are pinned by the lease: no longer room eviction can make.

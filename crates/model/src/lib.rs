@@ -129,7 +129,7 @@ impl ModelFiles {
             config.draft_layers = 0;
         }
         if config.v4.is_some() {
-            // Held in f32 as read (the served formats are the next step for V4).
+            // Its projections held as shipped (`DeepseekV4::load`).
             return ModelFiles::v4(dir, config, generation, text);
         }
         let mut prepared: Option<PreparedWeights> = None;

@@ -112,12 +112,19 @@ fn deepseek_v4_matches_the_numpy_reference() {
     let mut state = model.new_state();
     model.forward(&mut state, &long).unwrap();
     assert_eq!((state.compressed_rows(2), state.compressed_rows(3)), (75, 18));
-    // Prefilled in chunks (any split), the same bits.
+    // Prefilled in chunks (any split), or a token at a time (every step one token through every
+    // layer, the hash-routed ones included), the same bits as the whole prompt run layer by layer.
+    let mut whole = model.new_state();
+    let want = model.forward(&mut whole, &long).unwrap();
     let mut chunked = model.new_state();
     model.forward(&mut chunked, &long[..123]).unwrap();
-    let again = model.forward(&mut chunked, &long[123..]).unwrap();
-    let mut whole = model.new_state();
-    assert_eq!(again, model.forward(&mut whole, &long).unwrap());
+    assert_eq!(model.forward(&mut chunked, &long[123..]).unwrap(), want);
+    let mut single = model.new_state();
+    let mut last = Vec::new();
+    for &id in &long {
+        last = model.forward(&mut single, &[id]).unwrap();
+    }
+    assert_eq!(last, want, "a token at a time");
     compare(&dir, &model, &prompt(3000, 3), 4, "3,000-token prompt");
     // The indexer's choice matters: the same weights attending to every compressed row answer
     // otherwise, so the comparison above tells sparse from dense.
@@ -269,25 +276,43 @@ fn the_served_backend_computes_what_the_model_does() {
     let leak = |v: Vec<u32>| -> &'static [u32] { Vec::leak(v) };
     let leak_table = |v: Vec<BlockId>| -> &'static [BlockId] { Vec::leak(v) };
     let (ta, tb) = (leak_table(ta), leak_table(tb));
-    // A's drafts as the one-request model makes them, after each of its two prefill chunks.
-    let mut drafting = model.new_drafting_state().unwrap();
-    model.forward(&mut drafting, &a[..123]).unwrap();
-    let want_draft_1 = model.draft(&mut drafting, &a[1..124], 1).unwrap();
-    model.forward(&mut drafting, &a[123..]).unwrap();
-    let after: Vec<u32> = a[124..].iter().copied().chain([argmax(&want_a[0]) as u32]).collect();
-    let want_draft_2 = model.draft(&mut drafting, &after, 3).unwrap();
+    // The drafts the one-request model makes after each of two prefill chunks (`cut` tokens, then
+    // the rest, then `guesses` chained on the greedy token after the prompt).
+    let drafts = |ids: &[u32], cut: usize, greedy: u32, guesses: usize| {
+        let mut drafting = model.new_drafting_state().unwrap();
+        model.forward(&mut drafting, &ids[..cut]).unwrap();
+        let first = model.draft(&mut drafting, &ids[1..=cut], 1).unwrap();
+        model.forward(&mut drafting, &ids[cut..]).unwrap();
+        let after: Vec<u32> = ids[cut + 1..].iter().copied().chain([greedy]).collect();
+        (first, model.draft(&mut drafting, &after, guesses).unwrap(), after)
+    };
+    let (want_a1, want_a2, after_a) = drafts(&a, 123, argmax(&want_a[0]) as u32, 3);
+    let (want_b1, want_b2, after_b) = drafts(&bp, 50, argmax(&want_b[0]) as u32, 1);
     let draft = |step: usize, next: &'static [u32], block_table: &'static [BlockId], guesses: usize| {
         DraftStep { step, next, block_table, guesses }
     };
-    // Chunks: A 0..123 with B 0..50, then A 123..300 with B 50..77, each followed by A's drafts.
+    // Chunks: A 0..123 with B 0..50, then A 123..300 with B 50..77, each followed by both drafts.
     let first =
         b.forward(&[step(leak(a[..123].to_vec()), 0, ta), step(leak(bp[..50].to_vec()), 0, tb)]).unwrap();
     assert_eq!(first.len(), 2);
-    assert_eq!(b.draft(&[draft(0, leak(a[1..124].to_vec()), ta, 1)]).unwrap(), want_draft_1);
+    let got =
+        b.draft(&[draft(0, leak(a[1..124].to_vec()), ta, 1), draft(1, leak(bp[1..51].to_vec()), tb, 1)]);
+    assert_eq!(got.unwrap(), [want_a1, want_b1].concat(), "one guess each after the first chunks");
+    // D's copy of A's prompt blocks is taken below from this point (before A decodes into them).
     let out =
         b.forward(&[step(leak(a[123..].to_vec()), 123, ta), step(leak(bp[50..].to_vec()), 50, tb)]).unwrap();
     assert_eq!((&out[0], &out[1]), (&want_a[0], &want_b[0]), "prefill over paged blocks");
-    assert_eq!(b.draft(&[draft(0, leak(after), ta, 3)]).unwrap(), want_draft_2, "three chained guesses");
+    let got = b.draft(&[draft(0, leak(after_a), ta, 3), draft(1, leak(after_b), tb, 1)]).unwrap();
+    assert_eq!(got, [want_a2, want_b2].concat(), "three chained guesses and one");
+    // A transfer's source: A's 19 prompt blocks as bytes into fresh blocks, the partial last one
+    // copied on write.
+    let td = leak_table(table(72));
+    let mut bytes = vec![0u8; layout.block_bytes()];
+    for i in 0..18 {
+        b.read_block(ta[i], &mut bytes).unwrap();
+        b.write_block(td[i], &bytes).unwrap();
+    }
+    b.copy_blocks(&[BlockCopy { src: ta[18], dst: td[18], tokens: 12 }]).unwrap();
     // A draft pass reads rows of the pass before it: none past a step's own.
     assert!(b.draft(&[draft(1, leak(prompt(30, 5)), tb, 1)]).is_err());
     let (mut la, mut lb) = (out[0].clone(), out[1].clone());
@@ -301,23 +326,15 @@ fn the_served_backend_computes_what_the_model_does() {
     let tc = leak_table([&ta[..8], &table(48)[8..]].concat());
     let out = b.forward(&[step(leak(a[128..].to_vec()), 128, tc)]).unwrap();
     assert_eq!(out[0], want_a[0], "after a prefix hit of 128 positions");
-    // A transfer: A's 19 prompt blocks as bytes into fresh blocks, the partial last one copied on
-    // write first; then D decodes from them as A did.
-    let td = leak_table(table(72));
-    let mut bytes = vec![0u8; layout.block_bytes()];
-    for i in 0..18 {
-        b.read_block(ta[i], &mut bytes).unwrap();
-        b.write_block(td[i], &bytes).unwrap();
-    }
-    b.copy_blocks(&[BlockCopy { src: ta[18], dst: td[18], tokens: 12 }]).unwrap();
+    // D decodes from the transferred blocks as A did.
     let mut ld = want_a[0].clone();
     for (i, want) in want_a.iter().enumerate().skip(1) {
-        // A's decode wrote position 300 on into block 18; D overwrites them with the same tokens.
         let out = b.forward(&[step(leak(vec![argmax(&ld) as u32]), 299 + i, td)]).unwrap();
         assert_eq!(&out[0], want, "decode step {i} after a transfer");
         ld = out[0].clone();
     }
-    // What the engine reports: a row per position and layer of the widest layer's parts.
-    assert_eq!(cfg.kv_values_per_token_layer(), layout.head_dim);
+    // What the engine reports: a row per position and layer of the widest layer's parts (the
+    // compressed sparse layer's: 32 + 2 x 64 + 32 + 2 x 32 + 16).
+    assert_eq!((cfg.kv_values_per_token_layer(), layout.head_dim), (272, 272));
     std::fs::remove_dir_all(&dir).unwrap();
 }

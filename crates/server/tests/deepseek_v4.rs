@@ -88,8 +88,9 @@ fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_m
     // f16 KV (the default): unified, then prefill and decode workers behind the router, the KV
     // moved over shared memory and over TCP.
     let unified = Worker::start(&["--model", model]);
-    let decode = Worker::start(&["--model", model, "--role", "decode"]);
-    for transport in [&["--kv-shm"][..], &[]] {
+    for (transport, moved) in [(&["--kv-shm"][..], "shared"), (&[], "received")] {
+        // A fresh decode worker each time: nothing of the prompts in its prefix cache.
+        let decode = Worker::start(&["--model", model, "--role", "decode"]);
         let prefill = Worker::start(&[&["--model", model, "--role", "prefill"][..], transport].concat());
         let router = RouterThread::start(&[(&prefill, Role::Prefill), (&decode, Role::Decode)]);
         for ids in [prompt(20), long.clone()] {
@@ -104,8 +105,13 @@ fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_m
             );
             assert_eq!(logprobs(&got), logprobs(&want), "{what}: PD's log-probabilities differ");
         }
+        // Every prompt block moved (20 tokens' 2 blocks and 3,000's 188, at 16 tokens a block), by
+        // the transport asked for.
+        let blocks = common::metric(&decode, "kv_transfer_blocks_total{result=\"transferred\"}");
+        let bytes = common::metric(&decode, &format!("kv_transfer_bytes_total{{direction=\"{moved}\"}}"));
+        assert!(blocks >= 190.0 && bytes > 0.0, "{transport:?}: {blocks} blocks, {bytes} bytes {moved}");
     }
-    drop((decode, unified));
+    drop(unified);
 
     // A stream moved off a unified worker killed at its 20th token goes on with the same text.
     let (a, b) = (Worker::start(&["--model", model]), Worker::start(&["--model", model]));

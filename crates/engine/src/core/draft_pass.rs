@@ -94,8 +94,11 @@ impl EngineCore {
                 continue;
             }
             let guess_at = guess.then_some(start + valid + 1);
-            // The chained guesses' rows go one position on each, as far as the blocks reach.
-            let reach = (table.len() * kv.block_size()).saturating_sub(start + valid - 1);
+            // The chained guesses' rows go one position on each, as far as the blocks and the
+            // context reach (a backend stops there, and a pass answering fewer guesses than asked
+            // would lose every request's).
+            let end = (table.len() * kv.block_size()).min(self.sched.config().context_tokens_max);
+            let reach = end.saturating_sub(start + valid - 1);
             let guesses = if guess { spec.max_draft.min(reach) } else { 0 };
             rows.push(PlannedDraft {
                 id: item.id.0,
