@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use libfuzzer_sys::fuzz_target;
-use pdserve_kvcache::{KvCache, KvConfig};
+use pdserve_kvcache::{KvConfig, KvGroups, LayerKind};
 use pdserve_scheduler::*;
 
 fuzz_target!(|data: &[u8]| {
@@ -22,7 +22,8 @@ fuzz_target!(|data: &[u8]| {
         attention_cost_positions: (shape & 0x40 != 0).then_some(16 + usize::from(shape % 50)),
         ..SchedulerConfig::default()
     };
-    let kv = KvCache::new(KvConfig { num_blocks: 16 + u32::from(shape % 48), block_size: 4 }).unwrap();
+    let blocks = KvConfig { num_blocks: 16 + u32::from(shape % 48), block_size: 4 };
+    let kv = KvGroups::single(blocks, LayerKind::Full).unwrap();
     let mut s = Scheduler::new(config, kv, t0);
     let mut now_ms = 0u64;
     let mut id = 0u64;
