@@ -14,7 +14,8 @@ pub(super) struct Ctx<'a> {
     pub c: &'a V4Config,
     /// The layer kind's inverse rope frequencies.
     pub rope: &'a [f32],
-    /// The layer's index in the request's [`Memory`].
+    /// The token's request (its index in the step) and the layer's index, in the [`Memory`].
+    pub seq: usize,
     pub layer: usize,
     pub pos: usize,
     pub token: usize,
@@ -35,16 +36,16 @@ pub(super) type Group = Vec<(Vec<f32>, Vec<f32>)>;
 /// [`LayerState`]s hold them per request; the served backend (`paged.rs`) in paged KV blocks, a row
 /// per position. Both give the same values, so both give the same numbers.
 pub(super) trait Memory {
-    /// Keeps `row`, position `pos`'s K=V row in `layer`; the window's rows (the last `window`
+    /// Keeps `row`, position `pos`'s K=V row in layer `at`; the window's rows (the last `window`
     /// positions', oldest first, this one's last).
-    fn window(&mut self, layer: usize, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>>;
+    fn window(&mut self, at: Place, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>>;
 
     /// Keeps position `pos`'s value and gate for compressor `pool`; when `pos` ends a group of
     /// `ratio`, that group's pairs and (with `overlap`) the previous group's (empty for the first).
     #[allow(clippy::too_many_arguments)]
     fn feed(
         &mut self,
-        layer: usize,
+        at: Place,
         pool: Pool,
         pos: usize,
         group: (usize, bool),
@@ -53,11 +54,14 @@ pub(super) trait Memory {
     ) -> Option<(Group, Group)>;
 
     /// Keeps the row compressor `pool` made from the group ending at `pos`.
-    fn push_row(&mut self, layer: usize, pool: Pool, pos: usize, row: Vec<f32>);
+    fn push_row(&mut self, at: Place, pool: Pool, pos: usize, row: Vec<f32>);
 
     /// Every row compressor `pool` (of `ratio`) has made up to and including position `pos`.
-    fn rows(&self, layer: usize, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>>;
+    fn rows(&self, at: Place, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>>;
 }
+
+/// Which request (its index in the step) and which layer a memory access is for.
+pub(super) type Place = (usize, usize);
 
 /// A compressor's state: the rows made so far, the current group's values and gates, and the
 /// previous group's.
@@ -128,34 +132,34 @@ impl LayerState {
 pub(super) struct PerLayer<'a>(pub &'a mut [LayerState]);
 
 impl Memory for PerLayer<'_> {
-    fn window(&mut self, layer: usize, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
-        self.0[layer].window(0, pos, window, row)
+    fn window(&mut self, (_, layer): Place, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
+        self.0[layer].window((0, 0), pos, window, row)
     }
 
     fn feed(
         &mut self,
-        layer: usize,
+        (_, layer): Place,
         pool: Pool,
         pos: usize,
         group: (usize, bool),
         a: Vec<f32>,
         s: Vec<f32>,
     ) -> Option<(Group, Group)> {
-        self.0[layer].feed(0, pool, pos, group, a, s)
+        self.0[layer].feed((0, 0), pool, pos, group, a, s)
     }
 
-    fn push_row(&mut self, layer: usize, pool: Pool, pos: usize, row: Vec<f32>) {
-        self.0[layer].push_row(0, pool, pos, row)
+    fn push_row(&mut self, (_, layer): Place, pool: Pool, pos: usize, row: Vec<f32>) {
+        self.0[layer].push_row((0, 0), pool, pos, row)
     }
 
-    fn rows(&self, layer: usize, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>> {
-        Memory::rows(&self.0[layer], 0, pool, pos, ratio)
+    fn rows(&self, (_, layer): Place, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>> {
+        Memory::rows(&self.0[layer], (0, 0), pool, pos, ratio)
     }
 }
 
-/// One layer's state (the draft layer's): `layer` is not read.
+/// One layer's state of one request (the draft layer's): the place is not read.
 impl Memory for LayerState {
-    fn window(&mut self, _: usize, _: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
+    fn window(&mut self, _: Place, _: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
         let w = &mut self.window;
         if w.len() == window {
             w.pop_front();
@@ -166,7 +170,7 @@ impl Memory for LayerState {
 
     fn feed(
         &mut self,
-        _: usize,
+        _: Place,
         pool: Pool,
         _: usize,
         (ratio, overlap): (usize, bool),
@@ -183,11 +187,11 @@ impl Memory for LayerState {
         Some((if overlap { previous } else { Vec::new() }, group))
     }
 
-    fn push_row(&mut self, _: usize, pool: Pool, _: usize, row: Vec<f32>) {
+    fn push_row(&mut self, _: Place, pool: Pool, _: usize, row: Vec<f32>) {
         self.pool(pool).rows.extend_from_slice(&row);
     }
 
-    fn rows(&self, _: usize, pool: Pool, _: usize, _: usize) -> Vec<Vec<f32>> {
+    fn rows(&self, _: Place, pool: Pool, _: usize, _: usize) -> Vec<Vec<f32>> {
         let p = match pool {
             Pool::Kv => &self.compressed,
             Pool::Index => &self.index,
@@ -345,7 +349,8 @@ fn compress(
     let ape = &cw.ape[(ctx.pos % ratio) * cw.width..(ctx.pos % ratio + 1) * cw.width];
     let s: Vec<f32> = gate.iter().zip(ape).map(|(g, b)| g + b).collect();
     let overlap = cw.width == 2 * row;
-    let Some((previous, group)) = mem.feed(ctx.layer, pool, ctx.pos, (ratio, overlap), a, s) else {
+    let Some((previous, group)) = mem.feed((ctx.seq, ctx.layer), pool, ctx.pos, (ratio, overlap), a, s)
+    else {
         return;
     };
     let mut out = vec![0.0; row];
@@ -363,7 +368,7 @@ fn compress(
     }
     let mut out = rms_norm(&out, Some(&cw.norm), ctx.c.eps);
     rope(&mut out, ctx.rope, ctx.pos + 1 - ratio, false);
-    mem.push_row(ctx.layer, pool, ctx.pos, out);
+    mem.push_row((ctx.seq, ctx.layer), pool, ctx.pos, out);
 }
 
 /// The compressed rows query `qi` keeps: the indexer's `index_topk` best (ties to the earlier row),
@@ -428,11 +433,11 @@ fn attention(ctxs: &[Ctx<'_>], w: &V4LayerWeights, mem: &mut dyn Memory, hs: &[V
     let scale = (hd as f32).powf(-0.5);
     let mut os = Vec::with_capacity(hs.len());
     for (t, (ctx, kv)) in ctxs.iter().zip(kvs).enumerate() {
-        let window = mem.window(ctx.layer, ctx.pos, c.window, kv);
+        let window = mem.window((ctx.seq, ctx.layer), ctx.pos, c.window, kv);
         let pooled = match (&w.compressor, &pooled_in) {
             (Some(cw), Some((a, gate))) => {
                 compress(ctx, cw, mem, (Pool::Kv, ratio, hd), (a[t].clone(), &gate[t]));
-                mem.rows(ctx.layer, Pool::Kv, ctx.pos, ratio)
+                mem.rows((ctx.seq, ctx.layer), Pool::Kv, ctx.pos, ratio)
             }
             _ => Vec::new(),
         };
@@ -440,7 +445,7 @@ fn attention(ctxs: &[Ctx<'_>], w: &V4LayerWeights, mem: &mut dyn Memory, hs: &[V
         if let (Some(iw), Some((a, gate, qi, weights))) = (&w.indexer, &index_in) {
             let at = (Pool::Index, INDEX_RATIO, c.index_dim);
             compress(ctx, &iw.compressor, mem, at, (a[t].clone(), &gate[t]));
-            let keys = mem.rows(ctx.layer, Pool::Index, ctx.pos, INDEX_RATIO);
+            let keys = mem.rows((ctx.seq, ctx.layer), Pool::Index, ctx.pos, INDEX_RATIO);
             chosen = select(ctx, &keys, &qi[t], &weights[t]);
         }
         let keys: Vec<&[f32]> =

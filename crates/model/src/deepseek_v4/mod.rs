@@ -101,26 +101,27 @@ impl DeepseekV4 {
         }
     }
 
-    fn ctx(&self, kind: V4Layer, layer: usize, pos: usize, token: usize) -> layer::Ctx<'_> {
+    fn ctx(&self, kind: V4Layer, (seq, layer): layer::Place, pos: usize, token: usize) -> layer::Ctx<'_> {
         let rope = if kind == V4Layer::Sliding { &self.rope_main } else { &self.rope_compressed };
-        layer::Ctx { c: &self.cfg, rope, layer, pos, token }
+        layer::Ctx { c: &self.cfg, rope, seq, layer, pos, token }
     }
 
-    /// Tokens `ids` at consecutive positions from `start` through every main layer, over the
-    /// request's `mem` (layer by layer: see `layer::run`): each one's final streams.
-    fn run_tokens(&self, mem: &mut dyn Memory, ids: &[u32], start: usize) -> Vec<Vec<f32>> {
+    /// Tokens `(request, position, id)` through every main layer over `mem` (layer by layer, every
+    /// request's tokens together: see `layer::run`; a request's tokens in position order): each
+    /// one's final streams.
+    fn run_tokens(&self, mem: &mut dyn Memory, toks: &[(usize, usize, u32)]) -> Vec<Vec<f32>> {
         let n = self.cfg.hc_mult;
         // Every stream starts as the token's embedding.
-        let mut streams: Vec<Vec<f32>> = ids
+        let mut streams: Vec<Vec<f32>> = toks
             .iter()
-            .map(|&id| {
+            .map(|&(_, _, id)| {
                 let embed = self.w.embed.row(id as usize);
                 (0..n).flat_map(|_| embed.iter().copied()).collect()
             })
             .collect();
         for (l, lw) in self.w.layers.iter().enumerate() {
             let ctxs: Vec<_> =
-                ids.iter().enumerate().map(|(i, &id)| self.ctx(lw.kind, l, start + i, id as usize)).collect();
+                toks.iter().map(|&(seq, pos, id)| self.ctx(lw.kind, (seq, l), pos, id as usize)).collect();
             streams = layer::run(&ctxs, lw, mem, streams);
         }
         streams
@@ -139,22 +140,22 @@ impl DeepseekV4 {
         self.w.head.times(&y)
     }
 
-    /// Rows of the draft layer `dw` at consecutive positions from `start` (layer `layer` of `mem`),
-    /// row `j` given `tokens[j]` and `streams[j]` (the main model's final streams at its position, or
-    /// the row before's output): its input streams are the token's normed embedding and each stream
-    /// normed, each projected, summed; the layer's output streams of each row.
+    /// Rows `(request, position, token)` of the draft layer `dw` (layer `layer` of `mem`), row `j`
+    /// given `streams[j]` (the main model's final streams at its position, or the row before's
+    /// output): its input streams are the token's normed embedding and each stream normed, each
+    /// projected, summed; the layer's output streams of each row.
     fn draft_rows(
         &self,
         dw: &weights::V4Draft,
         mem: &mut dyn Memory,
-        (layer, start): (usize, usize),
-        tokens: &[u32],
+        layer: usize,
+        toks: &[(usize, usize, u32)],
         streams: &[&[f32]],
     ) -> Vec<Vec<f32>> {
         let (d, eps) = (self.cfg.hidden, self.cfg.eps);
-        let embeds: Vec<Vec<f32>> = tokens
+        let embeds: Vec<Vec<f32>> = toks
             .iter()
-            .map(|&t| layer::rms_norm(&self.w.embed.row(t as usize), Some(&dw.enorm), eps))
+            .map(|&(_, _, t)| layer::rms_norm(&self.w.embed.row(t as usize), Some(&dw.enorm), eps))
             .collect();
         let es = dw.e_proj.times_many(&embeds);
         let normed: Vec<Vec<f32>> = streams
@@ -171,10 +172,9 @@ impl DeepseekV4 {
                 hs[j * n..(j + 1) * n].iter().flat_map(|h| h.iter().zip(e).map(|(h, e)| h + e)).collect()
             })
             .collect();
-        let ctxs: Vec<_> = tokens
+        let ctxs: Vec<_> = toks
             .iter()
-            .enumerate()
-            .map(|(j, &t)| self.ctx(dw.layer.kind, layer, start + j, t as usize))
+            .map(|&(seq, pos, t)| self.ctx(dw.layer.kind, (seq, layer), pos, t as usize))
             .collect();
         layer::run(&ctxs, &dw.layer, mem, inputs)
     }
@@ -233,13 +233,14 @@ impl DeepseekV4 {
         let (mut own, pos) = state.draft.take().expect("a draft layer's state");
         let pending = std::mem::take(&mut state.pending);
         let main: Vec<&[f32]> = pending.iter().map(Vec::as_slice).collect();
-        let mut last = self.draft_rows(dw, &mut own, (0, pos), next, &main).pop().expect("rows");
+        let rows: Vec<_> = next.iter().enumerate().map(|(j, &t)| (0, pos + j, t)).collect();
+        let mut last = self.draft_rows(dw, &mut own, 0, &rows, &main).pop().expect("rows");
         let pos = pos + next.len();
         let mut out = vec![self.draft_logits(dw, &last)];
         let (mut chained, mut at) = (own.clone(), pos);
         while out.len() < guesses {
             let guess = layer::argmax(out.last().expect("one")) as u32;
-            last = self.draft_rows(dw, &mut chained, (0, at), &[guess], &[&last]).pop().expect("a row");
+            last = self.draft_rows(dw, &mut chained, 0, &[(0, at, guess)], &[&last]).pop().expect("a row");
             at += 1;
             out.push(self.draft_logits(dw, &last));
         }
@@ -251,7 +252,8 @@ impl DeepseekV4 {
     pub fn forward(&self, state: &mut V4State, ids: &[u32]) -> Result<Vec<f32>, ModelError> {
         // (Every id checked first: a refused call changes nothing.)
         self.check_ids(ids)?;
-        let mut all = self.run_tokens(&mut layer::PerLayer(&mut state.layers), ids, state.tokens);
+        let toks: Vec<_> = ids.iter().enumerate().map(|(i, &id)| (0, state.tokens + i, id)).collect();
+        let mut all = self.run_tokens(&mut layer::PerLayer(&mut state.layers), &toks);
         state.tokens += ids.len();
         let last = all.pop();
         if state.draft.is_some() {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use pdserve_kvcache::{BlockCopy, BlockId};
 
-use super::layer::{Group, Memory, Pool};
+use super::layer::{Group, Memory, Place, Pool};
 use super::DeepseekV4;
 use crate::backend::{check_steps, Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
 use crate::config::{RowPart, V4Row};
@@ -148,24 +148,26 @@ impl Backend for V4Backend {
 
 impl V4Backend {
     fn forward_on_pool(&mut self, steps: &[SeqStep<'_>]) -> Vec<Vec<f32>> {
+        // Every step's tokens together, layer by layer: each weight read once for the batch.
+        let toks: Vec<(usize, usize, u32)> = steps
+            .iter()
+            .enumerate()
+            .flat_map(|(i, s)| s.tokens.iter().enumerate().map(move |(j, &t)| (i, s.start_pos + j, t)))
+            .collect();
+        let mut mem = Paged {
+            kv: &mut self.kv,
+            dtype: self.layout.dtype,
+            tables: steps.iter().map(|s| s.block_table).collect(),
+            row: &self.row,
+            block_size: self.layout.block_size,
+        };
+        let mut streams = self.model.run_tokens(&mut mem, &toks).into_iter();
         let mut out = Vec::with_capacity(steps.iter().map(|s| s.logits).sum());
-
         for s in steps {
-            let mut kept = Vec::new();
-            let mut mem = Paged {
-                kv: &mut self.kv,
-                dtype: self.layout.dtype,
-                table: s.block_table,
-                row: &self.row,
-                block_size: self.layout.block_size,
-            };
-            let streams = self.model.run_tokens(&mut mem, s.tokens, s.start_pos);
+            let mine: Vec<Vec<f32>> = streams.by_ref().take(s.tokens.len()).collect();
             let wanted = s.tokens.len() - s.logits;
-            out.extend(streams[wanted..].iter().map(|s| self.model.head_logits(s)));
-            if self.drafts {
-                kept = streams;
-            }
-            self.last.push((s.start_pos, kept));
+            out.extend(mine[wanted..].iter().map(|s| self.model.head_logits(s)));
+            self.last.push((s.start_pos, if self.drafts { mine } else { Vec::new() }));
         }
         out
     }
@@ -205,19 +207,24 @@ impl V4Backend {
         }
         check_steps(&self.cfg, &self.layout, &rows)?;
         let (layer, bs) = (self.row.parts.len() - 1, self.layout.block_size);
+        let mut mem = Paged {
+            kv: &mut self.kv,
+            dtype: self.layout.dtype,
+            tables: steps.iter().map(|d| d.block_table).collect(),
+            row: &self.row,
+            block_size: bs,
+        };
+        // Every step's rows together, then each guessing step's chained guesses.
+        let mut toks = Vec::new();
+        let mut main: Vec<&[f32]> = Vec::new();
+        for (i, (d, s)) in steps.iter().zip(&rows).enumerate() {
+            toks.extend(d.next.iter().enumerate().map(|(j, &t)| (i, s.start_pos + j, t)));
+            main.extend(self.last[d.step].1[..d.next.len()].iter().map(Vec::as_slice));
+        }
+        let mut drafted = self.model.draft_rows(dw, &mut mem, layer, &toks, &main).into_iter();
         let mut out = Vec::new();
-        for (d, s) in steps.iter().zip(&rows) {
-            let mut mem = Paged {
-                kv: &mut self.kv,
-                dtype: self.layout.dtype,
-                table: d.block_table,
-                row: &self.row,
-                block_size: bs,
-            };
-            let main: Vec<&[f32]> = self.last[d.step].1.iter().map(Vec::as_slice).collect();
-            let rows =
-                self.model.draft_rows(dw, &mut mem, (layer, s.start_pos), d.next, &main[..d.next.len()]);
-            let mut last = rows.into_iter().next_back().expect("a row per next token");
+        for (i, (d, s)) in steps.iter().zip(&rows).enumerate() {
+            let Some(mut last) = drafted.by_ref().take(d.next.len()).last() else { continue };
             if d.guesses == 0 {
                 continue;
             }
@@ -229,11 +236,8 @@ impl V4Backend {
                     break;
                 }
                 let guess = crate::greedy_pick(out.last().expect("a guess")).0;
-                last = self
-                    .model
-                    .draft_rows(dw, &mut mem, (layer, pos), &[guess], &[&last])
-                    .pop()
-                    .expect("a row");
+                let row = self.model.draft_rows(dw, &mut mem, layer, &[(i, pos, guess)], &[&last]);
+                last = row.into_iter().next().expect("a row");
                 out.push(self.model.draft_logits(dw, &last));
             }
         }
@@ -241,78 +245,77 @@ impl V4Backend {
     }
 }
 
-/// One sequence's rows in the paged KV memory, through its block table.
+/// A step's sequences' rows in the paged KV memory, each through its block table.
 struct Paged<'a> {
     kv: &'a mut KvMemory,
     dtype: KvDtype,
-    table: &'a [BlockId],
+    tables: Vec<&'a [BlockId]>,
     row: &'a V4Row,
     block_size: usize,
 }
 
 impl Paged<'_> {
-    /// The value index of `offset` in layer `layer`'s row at position `pos`.
-    fn at(&self, layer: usize, pos: usize, offset: usize) -> usize {
-        let block = self.table[pos / self.block_size].0 as usize;
+    /// The value index of `offset` in sequence `seq`'s layer `layer` row at position `pos`.
+    fn at(&self, (seq, layer): Place, pos: usize, offset: usize) -> usize {
+        let block = self.tables[seq][pos / self.block_size].0 as usize;
         ((block * self.row.parts.len() + layer) * self.block_size + pos % self.block_size) * self.row.width
             + offset
     }
 
-    fn read(&self, layer: usize, pos: usize, offset: usize, n: usize) -> Vec<f32> {
+    fn read(&self, at: Place, pos: usize, offset: usize, n: usize) -> Vec<f32> {
         let mut v = vec![0.0; n];
-        self.kv.values(self.dtype).read_into(self.at(layer, pos, offset), &mut v);
+        self.kv.values(self.dtype).read_into(self.at(at, pos, offset), &mut v);
         v
     }
 
-    fn write(&mut self, layer: usize, pos: usize, offset: usize, values: &[f32]) {
-        let at = self.at(layer, pos, offset);
-        self.kv.store(self.dtype, at, values);
+    fn write(&mut self, at: Place, pos: usize, offset: usize, values: &[f32]) {
+        let i = self.at(at, pos, offset);
+        self.kv.store(self.dtype, i, values);
     }
 
-    fn part(&self, layer: usize, pool: Pool) -> RowPart {
+    fn part(&self, (_, layer): Place, pool: Pool) -> RowPart {
         self.row.parts[layer][pool as usize].expect("a row part for each compressor the layer has")
     }
 }
 
 impl Memory for Paged<'_> {
-    fn window(&mut self, layer: usize, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
-        self.write(layer, pos, 0, &row);
+    fn window(&mut self, at: Place, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
+        self.write(at, pos, 0, &row);
         let first = (pos + 1).saturating_sub(window);
-        (first..=pos).map(|p| self.read(layer, p, 0, row.len())).collect()
+        (first..=pos).map(|p| self.read(at, p, 0, row.len())).collect()
     }
 
     fn feed(
         &mut self,
-        layer: usize,
+        at: Place,
         pool: Pool,
         pos: usize,
         (ratio, overlap): (usize, bool),
         a: Vec<f32>,
         s: Vec<f32>,
     ) -> Option<(Group, Group)> {
-        let p = self.part(layer, pool);
-        self.write(layer, pos, p.at, &a);
-        self.write(layer, pos, p.at + p.width, &s);
+        let p = self.part(at, pool);
+        self.write(at, pos, p.at, &a);
+        self.write(at, pos, p.at + p.width, &s);
         if !(pos + 1).is_multiple_of(ratio) {
             return None;
         }
-        let pair =
-            |q: usize| (self.read(layer, q, p.at, p.width), self.read(layer, q, p.at + p.width, p.width));
+        let pair = |q: usize| (self.read(at, q, p.at, p.width), self.read(at, q, p.at + p.width, p.width));
         let start = pos + 1 - ratio;
         let previous =
             if overlap && start >= ratio { (start - ratio..start).map(pair).collect() } else { Vec::new() };
         Some((previous, (start..=pos).map(pair).collect()))
     }
 
-    fn push_row(&mut self, layer: usize, pool: Pool, pos: usize, row: Vec<f32>) {
-        let p = self.part(layer, pool);
-        self.write(layer, pos, p.at + 2 * p.width, &row);
+    fn push_row(&mut self, at: Place, pool: Pool, pos: usize, row: Vec<f32>) {
+        let p = self.part(at, pool);
+        self.write(at, pos, p.at + 2 * p.width, &row);
     }
 
-    fn rows(&self, layer: usize, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>> {
-        let p = self.part(layer, pool);
+    fn rows(&self, at: Place, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>> {
+        let p = self.part(at, pool);
         (0..(pos + 1) / ratio)
-            .map(|g| self.read(layer, g * ratio + ratio - 1, p.at + 2 * p.width, p.row))
+            .map(|g| self.read(at, g * ratio + ratio - 1, p.at + 2 * p.width, p.row))
             .collect()
     }
 }
