@@ -83,6 +83,19 @@ fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_m
     let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
     assert!(cached >= 2_900, "{cached} of 3,000 prompt tokens from the cache: {warm}");
     assert_eq!(logprobs(&cold), logprobs(&warm), "a prefix hit changed the answer");
+    // Requests batched together (their steps run as one, layer by layer) answer as each alone.
+    let prompts: Vec<Vec<u32>> =
+        (0..4).map(|k| (0..60 + 37 * k).map(|i| 300 + (i * 131 + k * 7) % 9_000).collect()).collect();
+    let alone: Vec<Value> =
+        prompts.iter().map(|p| unified.json("POST", "/v1/completions", &body(p)).1).collect();
+    let together: Vec<Value> = std::thread::scope(|s| {
+        let handles: Vec<_> =
+            prompts.iter().map(|p| s.spawn(|| unified.json("POST", "/v1/completions", &body(p)).1)).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (k, (a, t)) in alone.iter().zip(&together).enumerate() {
+        assert_eq!(logprobs(a), logprobs(t), "request {k} batched with others answered otherwise");
+    }
     drop(unified);
 
     // f16 KV (the default): unified, then prefill and decode workers behind the router, the KV
