@@ -171,6 +171,7 @@ impl Engine {
             groups: vec![group.clone()],
             state_bytes: 0,
             state_slots: 0,
+            state_rewind_tokens: 0,
         })
         .map_err(|e| EngineError::Config { field: "kv_blocks", value: e.to_string() })?;
         let offload = match (&config.kv_offload, config.role) {

@@ -19,6 +19,7 @@ impl KvGroups {
             }],
             state_bytes: 0,
             state_slots: 0,
+            state_rewind_tokens: 0,
         })
     }
 

@@ -109,6 +109,11 @@ pub struct GroupsConfig {
     /// State slots: one per live request (sequence or lease) plus the restore points kept. A
     /// stateless model takes none (any number, 0 included, is accepted and unused).
     pub state_slots: u32,
+    /// Positions a stateful model's state can go back: a state that keeps its last positions'
+    /// effects apart (rings indexed by position, as DeepSeek V4's window and compressor buffers can
+    /// be) lets a request be cut back this far below what it computed (rejected draft tokens);
+    /// further is [`KvError::StateRewind`]. 0: never.
+    pub state_rewind_tokens: u32,
 }
 
 /// A request's state slot (the backend's memory of `state_bytes`).
@@ -591,11 +596,13 @@ impl KvGroups {
         Ok(StateCopy { from, to })
     }
 
-    /// Cuts `seq` back to `n` tokens. A stateful model's state cannot be rewound: below the computed
-    /// length it is refused ([`KvError::StateRewind`]).
+    /// Cuts `seq` back to `n` tokens. A stateful model's state goes back at most
+    /// [`GroupsConfig::state_rewind_tokens`] below the computed length; further is refused
+    /// ([`KvError::StateRewind`]).
     pub fn truncate(&mut self, seq: SeqId, n: usize) -> Result<(), KvError> {
         self.known(seq)?;
-        if self.stateful() && n < self.computed_tokens(seq)? {
+        let rewind = self.config.state_rewind_tokens as usize;
+        if self.stateful() && n + rewind < self.computed_tokens(seq)? {
             return Err(KvError::StateRewind { seq, computed: self.computed_tokens(seq)?, requested: n });
         }
         for g in &self.groups {

@@ -32,8 +32,12 @@ pub fn config(blocks: [u32; 3], state_bytes: u32, state_slots: u32) -> GroupsCon
         ],
         state_bytes,
         state_slots,
+        state_rewind_tokens: REWIND,
     }
 }
+
+/// Positions the modelled state goes back (`GroupsConfig::state_rewind_tokens`).
+pub const REWIND: u32 = 3;
 
 /// One operation, with small ids so random input hits existing sequences and leases.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -299,7 +303,17 @@ impl GroupDriver {
                 Ok(())
             }
             GroupOp::Free { seq, cache } => self.kv.free_sequence(SeqId(seq.into()), cache),
-            GroupOp::Truncate { seq, keep } => self.kv.truncate(SeqId(seq.into()), keep.into()),
+            GroupOp::Truncate { seq, keep } => {
+                let id = SeqId(seq.into());
+                self.kv.truncate(id, keep.into())?;
+                // A state cut back holds what its request computed up to where it now stands.
+                if self.kv.config().state_bytes > 0 {
+                    let computed = self.kv.computed_tokens(id)?;
+                    let state = self.kv.state(id)?;
+                    self.states.insert(state, content(&self.kv.tokens(id)?[..computed]));
+                }
+                Ok(())
+            }
             GroupOp::Cache { seq } => self.kv.cache_prefix(SeqId(seq.into())),
             GroupOp::ReleaseWindows { seq } => self.kv.release_outside_windows(SeqId(seq.into())).map(drop),
             GroupOp::Lease { seq, transfer, ttl } => {

@@ -43,6 +43,7 @@ fn each_group_has_its_geometry_and_bytes_per_token() {
         ],
         state_bytes: 43 * 128 * 584,
         state_slots: 8,
+        state_rewind_tokens: 0,
     })
     .unwrap();
     let per: Vec<f64> = kv.config().groups.iter().map(GroupSpec::bytes_per_token).collect();
@@ -54,6 +55,7 @@ fn each_group_has_its_geometry_and_bytes_per_token() {
         groups: vec![spec("c8", LayerKind::Compressed { ratio: 8 }, 1, 1)],
         state_bytes: 0,
         state_slots: 1,
+        state_rewind_tokens: 0,
     };
     assert!(matches!(KvGroups::new(bad), Err(KvError::InvalidConfig { .. })));
 }
@@ -154,12 +156,18 @@ fn only_sliding_groups_release_outside_their_window() {
     let s = SeqId(1);
     kv.add_sequence(s, &(0..40).collect::<Vec<u32>>()).unwrap();
     run(&mut kv, s, 40);
-    // Window 13 at 40 tokens: positions 27.. are seen, so blocks 0..3 (tokens 0..24) go.
+    // A stateful request is cut back only as far as its state goes back (3 positions here: rejected
+    // drafts).
+    assert!(matches!(kv.truncate(s, 20), Err(KvError::StateRewind { .. })));
+    assert!(matches!(kv.truncate(s, 36), Err(KvError::StateRewind { computed: 40, requested: 36, .. })));
+    kv.truncate(s, 37).unwrap();
+    assert_eq!(kv.computed_tokens(s).unwrap(), 37);
+    // Window 13 at 37 tokens: positions 25.. are seen, so blocks 0..3 (tokens 0..24) go.
     assert_eq!(kv.release_outside_windows(s).unwrap(), 3);
     assert!(kv.block_table(s, 0).unwrap()[..3].iter().all(|b| b.is_released()));
     assert!(kv.block_table(s, 1).unwrap().iter().all(|b| !b.is_released()));
-    // A stateful request cannot be cut back; a released window cannot be handed over.
-    assert!(matches!(kv.truncate(s, 20), Err(KvError::StateRewind { .. })));
+    // A released window can be neither recomputed from nor handed over.
+    assert!(matches!(kv.truncate(s, 36), Err(KvError::Released { .. })));
     assert!(matches!(kv.lease_sequence(s, TransferId(1), 10), Err(KvError::Released { .. })));
     assert_eq!(kv.group(1).stats().leases, 0, "the refusal left every group as it was");
     kv.check_invariants().unwrap();
