@@ -71,6 +71,24 @@ impl KvMemory {
         }
     }
 
+    /// KV memory in `store`, which must hold `layout`'s blocks and be 4-byte aligned (a memory
+    /// mapping is).
+    pub(crate) fn from_store(store: Box<dyn KvStore>, layout: &KvLayout) -> Result<KvMemory, ModelError> {
+        let (bytes, need) = (store.bytes(), layout.block_bytes() * layout.num_blocks);
+        let aligned = bytes.as_ptr().align_offset(4) == 0;
+        if bytes.len() < need || !aligned {
+            return Err(ModelError::InvalidInput {
+                problem: format!(
+                    "a KV store of {} bytes at an address {} 4-byte aligned; {} blocks need {need} aligned bytes",
+                    bytes.len(),
+                    if aligned { "" } else { "not" },
+                    layout.num_blocks,
+                ),
+            });
+        }
+        Ok(KvMemory::Store(store))
+    }
+
     /// Performs copy-on-write copies of whole blocks of `layout` (see `Backend::copy_blocks`).
     pub(crate) fn copy_blocks(&mut self, layout: &KvLayout, copies: &[BlockCopy]) -> Result<(), ModelError> {
         let n = layout.block_bytes();

@@ -282,18 +282,7 @@ impl CpuBackend {
     ) -> Result<Self, ModelError> {
         let mut b = CpuBackend::with_kv_dtype(cfg, weights, 0, block_size, dtype);
         b.layout.num_blocks = num_blocks;
-        let bytes = store.bytes();
-        if bytes.len() < b.layout.block_bytes() * num_blocks || bytes.as_ptr().align_offset(4) != 0 {
-            return Err(ModelError::InvalidInput {
-                problem: format!(
-                    "a KV store of {} bytes at an address {} 4-byte aligned; {num_blocks} blocks need {} aligned bytes",
-                    bytes.len(),
-                    if bytes.as_ptr().align_offset(4) == 0 { "" } else { "not" },
-                    b.layout.block_bytes() * num_blocks
-                ),
-            });
-        }
-        b.kv = KvMemory::Store(store);
+        b.kv = KvMemory::from_store(store, &b.layout)?;
         Ok(b)
     }
 

@@ -60,17 +60,8 @@ impl V4Backend {
         store: Box<dyn KvStore>,
     ) -> Result<V4Backend, ModelError> {
         let layout = KvLayout::for_model(&cfg, num_blocks, block_size, dtype);
-        let bytes = store.bytes();
-        if bytes.len() < layout.block_bytes() * num_blocks || bytes.as_ptr().align_offset(4) != 0 {
-            return Err(ModelError::InvalidInput {
-                problem: format!(
-                    "a KV store of {} bytes; {num_blocks} blocks need {} 4-byte aligned bytes",
-                    bytes.len(),
-                    layout.block_bytes() * num_blocks
-                ),
-            });
-        }
-        V4Backend::with_memory(model, cfg, layout, KvMemory::Store(store))
+        let kv = KvMemory::from_store(store, &layout)?;
+        V4Backend::with_memory(model, cfg, layout, kv)
     }
 
     fn with_memory(
