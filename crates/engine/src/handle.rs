@@ -156,7 +156,8 @@ impl Engine {
         let model = files.config.clone();
         let (prepared, v4) = (files.prepared.take(), files.v4.take());
         let built = crate::load::backend(&config, &model, Arc::new(files.weights), prepared, v4)?;
-        let endpoint = crate::load::endpoint(&config, &model, built.kv_shm_path.as_deref(), make)?;
+        let endpoint =
+            crate::load::endpoint(&config, built.backend.kv_layout(), built.kv_shm_path.as_deref(), make)?;
         let kv_ucx_region = endpoint.as_ref().and_then(pdserve_pd_transfer::Endpoint::region);
         let transfer_addr = endpoint.as_ref().and_then(|e| e.local_addr());
         if config.role == Role::Prefill && transfer_addr.is_none() {
@@ -164,14 +165,16 @@ impl Engine {
             let value = "a transport that listens nowhere".to_owned();
             return Err(EngineError::Config { field: "prefill transport", value });
         }
-        // The KV ledger: one group (every model's layers keep one row kind per token here).
-        let group = kv_group(&model, built.kv_bytes_per_token, config.kv_blocks);
+        // The KV ledger: one group (every model's layers keep one row kind per token here), and the
+        // backend's per-request state slots where it keeps one (DeepSeek V4's compact layout).
+        let state = built.backend.kv_state();
+        let group = kv_group(&model, built.kv_bytes_per_token, config.kv_blocks, state.is_some());
         let mut kv = KvGroups::new(GroupsConfig {
             block_tokens: config.block_size as u32,
             groups: vec![group.clone()],
-            state_bytes: 0,
-            state_slots: 0,
-            state_rewind_tokens: 0,
+            state_bytes: state.map_or(0, |s| s.bytes as u32),
+            state_slots: state.map_or(0, |s| s.slots as u32),
+            state_rewind_tokens: state.map_or(0, |s| s.rewind_tokens as u32),
         })
         .map_err(|e| EngineError::Config { field: "kv_blocks", value: e.to_string() })?;
         let offload = match (&config.kv_offload, config.role) {
@@ -230,7 +233,8 @@ impl Engine {
             kv_bytes: built.kv_bytes,
             kv_bytes_per_token: built.kv_bytes_per_token,
             kv_groups: vec![group],
-            kv_state_bytes: 0,
+            kv_state_bytes: state.map_or(0, |s| s.bytes),
+            kv_rows: built.kv_rows,
             speculative: config.speculative.name(),
             kv_dtype: config.resolved_kv_dtype(),
             sampling_defaults: files.generation.sampling_defaults(),
@@ -269,6 +273,8 @@ impl Engine {
                 speculative: config.speculative,
                 verify_rows: built.backend.verify_rows_multiple(),
                 block_bytes,
+                block_size: config.block_size,
+                kv_state: built.backend.kv_state(),
             },
             sched,
         );
@@ -609,10 +615,14 @@ fn kv_group(
     model: &pdserve_model::ModelConfig,
     bytes_per_token: usize,
     blocks: usize,
+    compact: bool,
 ) -> pdserve_kvcache::GroupSpec {
     use pdserve_kvcache::{GroupSpec, LayerKind};
-    let layers = (model.num_layers + model.draft_layers).max(1);
+    let layers = if compact { 1 } else { (model.num_layers + model.draft_layers).max(1) };
     let (name, kind) = match (model.mla.is_some(), model.sliding_window) {
+        // DeepSeek V4's compact layout: every layer's compressed rows of a block together (the
+        // windows and partial groups are in the request's state).
+        _ if compact => ("v4-compressed", LayerKind::Full),
         // DeepSeek V4's row per position: window, compressor inputs and compressed rows together.
         _ if model.v4.is_some() => ("v4-rows", LayerKind::Full),
         (true, _) => ("latent", LayerKind::Full),

@@ -33,6 +33,10 @@ pub struct EngineInfo {
     /// Bytes each request holds outside the blocks (a window's ring, compressors' partial groups): 0
     /// for a one-group model.
     pub kv_state_bytes: usize,
+    /// A group whose blocks hold several kinds of rows (DeepSeek V4's compact layout: its compressed
+    /// sparse layers' rows "c4" and indexer keys "c4-index", its heavily compressed layers' "c128"):
+    /// bytes per token of each, over every layer.
+    pub kv_rows: Vec<(String, f64)>,
     /// Where drafts come from: "mtp" (the model's draft layer), "prompt-lookup" or "off".
     pub speculative: &'static str,
     /// Where a request gives no sampling settings: the model's `generation_config.json` over the

@@ -45,6 +45,7 @@ mod error;
 mod grammar;
 mod handle;
 mod info;
+mod ledger;
 mod load;
 mod metrics;
 mod offload;

@@ -44,6 +44,8 @@ pub(crate) struct Built {
     pub kv_bytes_per_token: usize,
     /// The shared KV file, when the KV memory is in one.
     pub kv_shm_path: Option<PathBuf>,
+    /// Bytes per token of each kind of row a block holds (see `EngineInfo::kv_rows`).
+    pub kv_rows: Vec<(String, f64)>,
 }
 
 pub(crate) fn backend(
@@ -85,6 +87,7 @@ pub(crate) fn backend(
             kv_bytes,
             kv_bytes_per_token,
             kv_shm_path: None,
+            kv_rows: Vec::new(),
         });
     }
     let dtype = config.resolved_kv_dtype();
@@ -120,11 +123,14 @@ pub(crate) fn backend(
         kv_bytes_per_token: b.kv_layout().bytes_per_token(),
         backend: Box::new(b),
         kv_shm_path,
+        kv_rows: Vec::new(),
     })
 }
 
 /// DeepSeek V4's backend: on the CPU, its projections as shipped (`EngineConfig::weights` is their
-/// format), its KV rows paged like any model's.
+/// format), its KV in the compact layout: compressed rows in paged blocks, each request's windows and
+/// partial groups in a state slot (one per running request and per transfer lease, and as many again
+/// for restore points), whose positions go back as far as a step's draft tokens.
 fn v4_backend(config: &EngineConfig, model: &ModelConfig, v4: Arc<DeepseekV4>) -> Result<Built, EngineError> {
     let refuse = |field: &'static str, value: &str| {
         let value = format!("{value} (DeepSeek V4 runs on the CPU, with f32 activations)");
@@ -137,23 +143,31 @@ fn v4_backend(config: &EngineConfig, model: &ModelConfig, v4: Arc<DeepseekV4>) -
         return refuse("activations", "q8");
     }
     let (blocks, block_size, dtype) = (config.kv_blocks, config.block_size, config.resolved_kv_dtype());
-    let layout = pdserve_model::KvLayout::for_model(model, blocks, block_size, dtype);
+    let states = (v4_state_slots(config), config.speculative.max_draft);
+    let (layout, _) = V4Backend::compact_layout(model, (blocks, block_size), dtype, states)?;
     let (b, kv_shm_path) = if (config.kv_shm || config.kv_ucx) && config.role == Role::Prefill {
-        let region = SharedRegion::create(&config.shm_scope, layout.block_bytes() * blocks)?;
+        let region = SharedRegion::create(&config.shm_scope, layout.block_bytes() * layout.num_blocks)?;
         let path = region.path().to_path_buf();
-        let store = Box::new(SharedKv(region));
-        (V4Backend::with_kv_store(v4, model.clone(), (blocks, block_size), dtype, store)?, Some(path))
+        let store = Some(Box::new(SharedKv(region)) as Box<dyn KvStore>);
+        (V4Backend::compact(v4, model.clone(), (blocks, block_size), dtype, states, store)?, Some(path))
     } else {
-        (V4Backend::new(v4, model.clone(), (blocks, block_size), dtype)?, None)
+        (V4Backend::compact(v4, model.clone(), (blocks, block_size), dtype, states, None)?, None)
     };
     Ok(Built {
         multi_row_weights: config.weights.name(),
         weight_bytes: b.weight_bytes(),
-        kv_bytes: layout.block_bytes() * blocks,
+        kv_bytes: layout.block_bytes() * layout.num_blocks,
         kv_bytes_per_token: layout.bytes_per_token(),
+        kv_rows: b.group_bytes_per_token(),
         backend: Box::new(b),
         kv_shm_path,
     })
+}
+
+/// State slots of a model that keeps per-request state: every running request and as many transfer
+/// leases, plus 32 restore points (a full pool evicts the least recently used point first).
+fn v4_state_slots(config: &EngineConfig) -> usize {
+    2 * config.scheduler.running_requests_max + 32
 }
 
 /// What a KV transfer transport is made for: the engine's role, where a prefill engine listens, and the
@@ -208,14 +222,13 @@ fn ucx_transport(_: &TransportSpec) -> io::Result<Box<dyn Transport>> {
 /// over the transport `make` gives.
 pub(crate) fn endpoint(
     config: &EngineConfig,
-    model: &ModelConfig,
+    kv: pdserve_model::KvLayout,
     region: Option<&std::path::Path>,
     make: impl FnOnce(&TransportSpec) -> io::Result<Box<dyn Transport>>,
 ) -> Result<Option<Endpoint>, EngineError> {
     if config.role == Role::Unified {
         return Ok(None);
     }
-    let kv = pdserve_model::KvLayout::for_model(model, 0, config.block_size, config.resolved_kv_dtype());
     let layout = Layout {
         num_layers: kv.num_layers as u32,
         num_kv_heads: kv.num_kv_heads as u32,

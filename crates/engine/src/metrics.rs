@@ -32,6 +32,8 @@ pub(crate) struct Metrics {
     pub evicted_blocks: Counter,
     pub offload_blocks: GaugeVec,
     pub offload_moves: CounterVec,
+    pub state_slots: GaugeVec,
+    pub state_restores: Counter,
     pub draft_tokens: Counter,
     pub draft_accepted: Counter,
     pub grammar_compile: LatencyHistogram,
@@ -138,6 +140,16 @@ impl Metrics {
                 "kv_offload_blocks",
                 "Blocks of the KV offload tier by medium (host, disk) and state (used, total).",
                 &["medium", "state"],
+            )?,
+            state_slots: r.gauge_vec(
+                "kv_state_entries",
+                "Per-request state slots of a model that keeps one (DeepSeek V4's windows and partial groups) \
+                 by use: total, free, restore_points (states saved at block boundaries for prefix hits).",
+                &["state"],
+            )?,
+            state_restores: r.counter(
+                "kv_state_restores_total",
+                "Prefix hits of a model with per-request state resumed from a restore point.",
             )?,
             offload_moves: r.counter_vec(
                 "kv_offload_blocks_moved_total",

@@ -239,8 +239,9 @@ impl Worker {
     ) -> io::Result<()> {
         let Some(ep) = self.endpoint.as_mut() else { return Ok(()) };
         let now_ms = self.core.now_ms(now);
+        let ledger = crate::ledger::StateLedger(self.core.kv(), self.backend.kv_state());
         let memory = &mut Memory(self.backend.as_mut(), &mut self.corrupt);
-        let pumped = ep.pump(self.core.kv().group(0), memory, now_ms, wait);
+        let pumped = ep.pump(&ledger, memory, now_ms, wait);
         let now = after();
         while let Some(e) = self.endpoint.as_mut().and_then(Endpoint::poll_event) {
             self.core.handle_transfer_event(now, e);
@@ -665,6 +666,7 @@ impl EngineThread {
         self.metrics
             .evicted_blocks
             .add(kv.evicted_blocks_total.saturating_sub(self.metrics.evicted_blocks.get()));
+        crate::ledger::publish_states(core.kv(), &self.metrics);
         let t = core.kv().tier_stats();
         if t.host_blocks_total + t.disk_blocks_total > 0 {
             for (medium, used, total) in [

@@ -36,6 +36,8 @@ fn core(role: Role) -> (EngineCore, Instant) {
         speculative: pdserve_engine::Speculative::OFF,
         verify_rows: 1,
         block_bytes: 128,
+        block_size: 16,
+        kv_state: None,
     };
     (EngineCore::new(config, sched), now)
 }

@@ -429,6 +429,8 @@ fn node(
         speculative,
         verify_rows: 1,
         block_bytes: layout.block_bytes(),
+        block_size: layout.block_size,
+        kv_state: None,
     };
     Node { name, worker: Worker::new(EngineCore::new(config, sched), Box::new(chain), endpoint), addr, draft }
 }

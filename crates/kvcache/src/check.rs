@@ -194,7 +194,7 @@ impl crate::KvGroups {
         for r in self.restore.values() {
             hold(r.state, StateOwner::Restore)?;
         }
-        for &s in &self.free_states {
+        for &s in self.free_states.iter().chain(&self.parked) {
             if self.owners[s.0 as usize].is_some() {
                 return Err(format!("{s:?} is on the free list but owned"));
             }

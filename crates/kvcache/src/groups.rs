@@ -191,9 +191,14 @@ pub struct KvGroups {
     pub(crate) owners: Vec<Option<StateOwner>>,
     /// Each slot's epoch, moved on each time it is taken (a late write for an earlier owner is seen).
     epochs: Vec<u32>,
-    /// Restore points a handed-out copy reads or writes, kept until [`copies_done`](Self::copies_done).
+    /// Slots a handed-out copy reads or writes: a restore point among them is not evicted, and a slot
+    /// given back is parked, not reused, until [`copies_done`](Self::copies_done).
     copying: Vec<StateId>,
     pub(crate) free_states: Vec<StateId>,
+    /// Slots given back while a handed-out copy touches them: free at `copies_done`.
+    pub(crate) parked: Vec<StateId>,
+    /// State copies not yet taken by [`take_state_copies`](Self::take_state_copies).
+    pending: Vec<StateCopy>,
     pub(crate) states: IdMap<SeqId, StateId>,
     pub(crate) lease_states: IdMap<TransferId, StateId>,
     pub(crate) restore: IdMap<NodeId, RestorePoint>,
@@ -225,6 +230,8 @@ impl KvGroups {
             epochs: vec![0; n as usize],
             copying: Vec::new(),
             free_states: (0..n).rev().map(StateId).collect(),
+            parked: Vec::new(),
+            pending: Vec::new(),
             states: IdMap::default(),
             lease_states: IdMap::default(),
             restore: IdMap::default(),
@@ -248,7 +255,11 @@ impl KvGroups {
     }
 
     pub fn state_stats(&self) -> StateStats {
-        StateStats { free: self.free_states.len(), restore_points: self.restore.len(), ..self.stats }
+        StateStats {
+            free: self.free_states.len() + self.parked.len(),
+            restore_points: self.restore.len(),
+            ..self.stats
+        }
     }
 
     /// KV bytes a token adds, over every group (the fixed per-request state is `state_bytes`).
@@ -285,7 +296,27 @@ impl KvGroups {
             return;
         }
         self.owners[s.0 as usize] = None;
-        self.free_states.push(s);
+        if self.copying.contains(&s) {
+            self.parked.push(s);
+        } else {
+            self.free_states.push(s);
+        }
+    }
+
+    /// Hands out a copy: queued for [`take_state_copies`](Self::take_state_copies), both slots kept
+    /// until [`copies_done`](Self::copies_done).
+    fn hand_out(&mut self, c: StateCopy) -> StateCopy {
+        self.note_copying(c.from);
+        self.note_copying(c.to);
+        self.pending.push(c);
+        c
+    }
+
+    /// The state copies handed out since the last call (restores, saved restore points, forks), in
+    /// order: the backend performs them before the next step, then calls
+    /// [`copies_done`](Self::copies_done). (Each is also returned where it is made.)
+    pub fn take_state_copies(&mut self) -> Vec<StateCopy> {
+        std::mem::take(&mut self.pending)
     }
 
     /// Drops up to `n` restore points, least recently used first; returns how many.
@@ -334,6 +365,7 @@ impl KvGroups {
     /// touches changes hands.
     pub fn copies_done(&mut self) {
         self.copying.clear();
+        self.free_states.append(&mut self.parked);
     }
 
     /// Checks that a transfer's write of its lease's state at `epoch` still targets the slot the lease
@@ -414,8 +446,7 @@ impl KvGroups {
         let mut restore = None;
         if let Some((node, r)) = point {
             self.stats.restore_hits_total += 1;
-            self.note_copying(r.state);
-            restore = Some(StateCopy { from: r.state, to: state });
+            restore = Some(self.hand_out(StateCopy { from: r.state, to: state }));
             if let Some(p) = self.restore.get_mut(&node) {
                 p.last_used = self.clock;
             }
@@ -518,22 +549,26 @@ impl KvGroups {
         Ok(rows.map(|w| Slot { block: table[w / per_block], offset: (w % per_block) as u32 }).collect())
     }
 
-    /// Saves `seq`'s state as the restore point at its computed length, which must end a block:
-    /// every group's full blocks are cached first (the point is kept while group 0 caches the block
-    /// it ends, and stays cached when no slot is free for the point: `KvError::OutOfStates`). Returns
-    /// the copy the backend makes (`None`: one is kept there already, or the model is stateless).
+    /// Saves `seq`'s state as the restore point at the last block boundary at or below its computed
+    /// length, at most [`GroupsConfig::state_rewind_tokens`] below it (a state goes back that far:
+    /// it holds the boundary's state too): every group's full blocks are cached first (the point is
+    /// kept while group 0 caches the block it ends, and stays cached when no slot is free for the
+    /// point: `KvError::OutOfStates`). Returns the copy the backend makes (`None`: no boundary in
+    /// reach, one is kept there already, or the model is stateless).
     pub fn save_restore_point(&mut self, seq: SeqId) -> Result<Option<StateCopy>, KvError> {
         let state = self.known(seq)?;
         let (computed, bt) = (self.computed_tokens(seq)?, self.config.block_tokens as usize);
-        if !self.stateful() || computed == 0 || !computed.is_multiple_of(bt) {
+        let boundary = computed - computed % bt;
+        let reach = self.config.state_rewind_tokens as usize;
+        if !self.stateful() || boundary == 0 || computed - boundary > reach {
             return Ok(None);
         }
         for g in &mut self.groups {
             g.cache_prefix(seq)?;
         }
-        let tokens = self.tokens(seq)?[..computed].to_vec();
-        let path = self.anchor_path(&tokens, computed / bt);
-        let Some(&end) = path.last().filter(|_| path.len() == computed / bt) else { return Ok(None) };
+        let tokens = self.tokens(seq)?[..boundary].to_vec();
+        let path = self.anchor_path(&tokens, boundary / bt);
+        let Some(&end) = path.last().filter(|_| path.len() == boundary / bt) else { return Ok(None) };
         if self.restore_at(end).is_some() {
             return Ok(None);
         }
@@ -545,8 +580,7 @@ impl KvGroups {
         self.clock += 1;
         self.restore
             .insert(end.0, RestorePoint { block: end.1, epoch: end.2, state: to, last_used: self.clock });
-        self.note_copying(to);
-        Ok(Some(StateCopy { from: state, to }))
+        Ok(Some(self.hand_out(StateCopy { from: state, to })))
     }
 
     /// Inserts `seq`'s full computed blocks into every group's prefix cache.
@@ -593,7 +627,10 @@ impl KvGroups {
             g.fork(parent, child).expect("checked: a known parent and a new child");
         }
         self.states.insert(child, to);
-        Ok(StateCopy { from, to })
+        if to == StateId::NONE {
+            return Ok(StateCopy { from, to });
+        }
+        Ok(self.hand_out(StateCopy { from, to }))
     }
 
     /// Cuts `seq` back to `n` tokens. A stateful model's state goes back at most

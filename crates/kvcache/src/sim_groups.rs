@@ -158,8 +158,10 @@ pub struct GroupDriver {
     /// Each destination lease's tokens (what its adoption covers) and its state slot and epoch.
     incoming: HashMap<TransferId, (Vec<u32>, StateId, u32)>,
     /// State copies handed out and not performed yet, each with what its source must hold then (a
-    /// restore's prefix), in order: the backend performs them before the next step.
-    pending: Vec<(StateCopy, Option<u64>)>,
+    /// restore's prefix) and what its destination holds after (a restore point saved past its block
+    /// boundary holds the boundary's state: the state goes back that far), in order: the backend
+    /// performs them before the next step.
+    pending: Vec<(StateCopy, Option<u64>, Option<u64>)>,
     pub restores: u64,
 }
 
@@ -199,12 +201,17 @@ impl GroupDriver {
     /// Performs the state copies handed out so far, in order, checking each restore's source still
     /// holds its prefix's state (no pending copy's restore point was evicted and its slot reused).
     fn flush(&mut self) {
-        for (c, want) in std::mem::take(&mut self.pending) {
+        // The cache's own queue of them is the same, in the same order.
+        let queued = self.kv.take_state_copies();
+        let handed: Vec<StateCopy> =
+            self.pending.iter().map(|p| p.0).filter(|c| c.to != StateId::NONE).collect();
+        assert_eq!(queued, handed, "the state copies queued are not those handed out");
+        for (c, want, holds) in std::mem::take(&mut self.pending) {
             let v = self.states[&c.from];
             if let Some(w) = want {
                 assert_eq!(v, w, "a restore point changed before its copy was performed");
             }
-            self.states.insert(c.to, v);
+            self.states.insert(c.to, holds.unwrap_or(v));
         }
         self.kv.copies_done();
     }
@@ -272,7 +279,7 @@ impl GroupDriver {
                     Some(c) => {
                         assert_eq!(c.to, hit.state);
                         self.restores += 1;
-                        self.pending.push((c, Some(content(&p[..k]))));
+                        self.pending.push((c, Some(content(&p[..k])), None));
                     }
                     None => {
                         assert!(
@@ -288,10 +295,15 @@ impl GroupDriver {
             GroupOp::Save { seq } => {
                 let id = SeqId(seq.into());
                 let computed = self.kv.computed_tokens(id)?;
-                self.step(id, (bt - computed % bt) % bt)?;
+                // To the next block boundary, and at times a few positions past it (a state saved
+                // there holds the boundary's: it goes back `REWIND` positions).
+                let past = (computed / bt) % (REWIND as usize + 1);
+                self.step(id, (bt - computed % bt) % bt + past)?;
+                let at = self.kv.computed_tokens(id)?;
+                let boundary = content(&self.kv.tokens(id)?[..at - at % bt]);
                 // (The step may have run: no free slot for the point is no refusal of it.)
                 match self.kv.save_restore_point(id) {
-                    Ok(Some(c)) => self.pending.push((c, None)),
+                    Ok(Some(c)) => self.pending.push((c, None, Some(boundary))),
                     Ok(None) | Err(KvError::OutOfStates { .. }) => {}
                     Err(e) => return Err(e),
                 }
@@ -299,7 +311,7 @@ impl GroupDriver {
             }
             GroupOp::Fork { parent, child } => {
                 let c = self.kv.fork(SeqId(parent.into()), SeqId(child.into()))?;
-                self.pending.push((c, None));
+                self.pending.push((c, None, None));
                 Ok(())
             }
             GroupOp::Free { seq, cache } => self.kv.free_sequence(SeqId(seq.into()), cache),

@@ -44,7 +44,13 @@ impl Bench {
             let s = SeqId(i as u64);
             let (prompt, table) = self.add_prompt(i, prompt_len);
             self.cpu
-                .forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: 1 }])
+                .forward(&[SeqStep {
+                    tokens: &prompt,
+                    start_pos: 0,
+                    block_table: &table,
+                    logits: 1,
+                    state: None,
+                }])
                 .expect("forward");
             self.kv.commit(s, prompt_len).expect("commit");
         }
@@ -66,6 +72,7 @@ impl Bench {
                     start_pos: start,
                     block_table: &table,
                     logits,
+                    state: None,
                 }])
                 .expect("forward");
         }
@@ -83,7 +90,7 @@ impl Bench {
         }
         let steps: Vec<SeqStep<'_>> = inputs
             .iter()
-            .map(|(t, b)| SeqStep { tokens: t, start_pos: 0, block_table: b, logits: 1 })
+            .map(|(t, b)| SeqStep { tokens: t, start_pos: 0, block_table: b, logits: 1, state: None })
             .collect();
         let t = Instant::now();
         self.cpu.forward(&steps).expect("forward");
@@ -111,6 +118,7 @@ impl Bench {
                         start_pos: c * 512,
                         block_table: &table,
                         logits: usize::from(last),
+                        state: None,
                     };
                     self.cpu.forward(&[step]).expect("forward");
                 }
@@ -136,8 +144,13 @@ impl Bench {
             self.kv.reserve(s, len).expect("reserve");
             let table = self.kv.block_table(s).expect("table").to_vec();
             let t = Instant::now();
-            let step =
-                SeqStep { tokens: &prompt[pos..pos + len], start_pos: pos, block_table: &table, logits: 1 };
+            let step = SeqStep {
+                tokens: &prompt[pos..pos + len],
+                start_pos: pos,
+                block_table: &table,
+                logits: 1,
+                state: None,
+            };
             self.cpu.forward(&[step]).expect("forward");
             last = t.elapsed().as_secs_f64();
             self.kv.commit(s, len).expect("commit");
@@ -163,14 +176,20 @@ impl Bench {
         self.kv.add_sequence(s, &prompt).expect("add");
         self.kv.reserve(s, at + most).expect("reserve");
         let table = self.kv.block_table(s).expect("table").to_vec();
-        let step = SeqStep { tokens: &prompt[..at], start_pos: 0, block_table: &table, logits: 0 };
+        let step =
+            SeqStep { tokens: &prompt[..at], start_pos: 0, block_table: &table, logits: 0, state: None };
         self.cpu.forward(&[step]).expect("forward");
         let mut times = vec![Vec::with_capacity(reps); ns.len()];
         for _ in 0..reps {
             for (i, &n) in ns.iter().enumerate() {
                 let t = Instant::now();
-                let step =
-                    SeqStep { tokens: &prompt[at..at + n], start_pos: at, block_table: &table, logits: n };
+                let step = SeqStep {
+                    tokens: &prompt[at..at + n],
+                    start_pos: at,
+                    block_table: &table,
+                    logits: n,
+                    state: None,
+                };
                 self.cpu.forward(&[step]).expect("forward");
                 times[i].push(t.elapsed().as_secs_f64());
             }
@@ -199,7 +218,7 @@ impl Bench {
             }
             let batch: Vec<SeqStep<'_>> = inputs
                 .iter()
-                .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: 1 })
+                .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: 1, state: None })
                 .collect();
             self.cpu.forward(&batch).expect("forward");
             for i in 0..n {

@@ -15,6 +15,9 @@ pub struct SeqStep<'a> {
     /// How many of the last new tokens return logits: 0 for none, 1 for the next token's, more to
     /// verify draft tokens (speculative decoding: row `i` scores the token after `tokens[len - n + i]`).
     pub logits: usize,
+    /// The sequence's state slot, for a backend that keeps per-request state ([`Backend::kv_state`]);
+    /// `None` otherwise.
+    pub state: Option<u32>,
 }
 
 /// One sequence's share of a draft pass (DeepSeek's multi-token prediction layer), run right after
@@ -148,6 +151,33 @@ impl KvLayout {
     }
 }
 
+/// Per-request state a backend keeps outside the paged blocks (DeepSeek V4's window rings and its
+/// compressors' partial groups), as whole blocks after the pool's: slot `s` is the `blocks` blocks
+/// from `first + s * blocks`. They are read, written and copied as blocks ([`Backend::read_block`],
+/// [`Backend::write_block`], [`Backend::copy_blocks`]), so a state moves between workers and into
+/// restore points as blocks do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvState {
+    pub slots: usize,
+    /// Blocks each slot takes.
+    pub blocks: usize,
+    /// The first slot's first block: the number of paged blocks.
+    pub first: usize,
+    /// Bytes of one state (its slot's blocks hold them, rounded up).
+    pub bytes: usize,
+    /// Positions a request may be cut back below what it computed (rejected draft tokens) with its
+    /// state still exact.
+    pub rewind_tokens: usize,
+}
+
+impl KvState {
+    /// Slot `slot`'s blocks, in order.
+    pub fn slot_blocks(&self, slot: u32) -> impl Iterator<Item = BlockId> {
+        let first = self.first + slot as usize * self.blocks;
+        (first..first + self.blocks).map(|b| BlockId(b as u32))
+    }
+}
+
 /// KV memory a backend is given instead of allocating its own (shared memory that a same-host peer
 /// reads, say): bytes the backend views as values of its layout's dtype.
 pub trait KvStore: Send + Sync + std::fmt::Debug {
@@ -195,6 +225,13 @@ pub trait Backend: Send {
     /// transfer copies and checksums it in one pass).
     fn block_bytes_mut(&mut self, block: BlockId) -> Option<&mut [u8]> {
         let _ = block;
+        None
+    }
+
+    /// The per-request state this backend keeps, if any: then every step names its sequence's slot
+    /// ([`SeqStep::state`]), and [`kv_layout`](Self::kv_layout)'s `num_blocks` counts the state's
+    /// blocks too.
+    fn kv_state(&self) -> Option<KvState> {
         None
     }
 

@@ -20,7 +20,7 @@
 //! kv.add_sequence(SeqId(1), &prompt).unwrap();
 //! kv.reserve(SeqId(1), prompt.len()).unwrap();
 //! let table = kv.block_table(SeqId(1)).unwrap().to_vec();
-//! let logits = cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: 1 }]).unwrap();
+//! let logits = cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: 1, state: None }]).unwrap();
 //! let next = Sampler::new(SamplingParams::greedy(), 0).sample(&logits[0], &prompt, &[]).token;
 //! println!("{}", m.text.decode(&[next], true).unwrap());
 //! ```
@@ -46,7 +46,7 @@ mod weights;
 
 use std::path::Path;
 
-pub use backend::{Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
+pub use backend::{Backend, DraftStep, KvDtype, KvLayout, KvState, KvStore, SeqStep};
 pub use config::{ExpertGroups, GroupScore, Indexer, Mla, ModelConfig, Moe, MoeNames, RopeScaling, Scoring};
 pub use config::{V4Config, V4Layer};
 pub use cpu::CpuBackend;

@@ -101,7 +101,13 @@ fn ours_with(mut cpu: CpuBackend) -> (Vec<f32>, Vec<u32>) {
         kv.reserve(s, n).unwrap();
         let table = kv.block_table(s).unwrap().to_vec();
         let toks = kv.tokens(s).unwrap()[start..start + n].to_vec();
-        let out = cpu.forward(&[SeqStep { tokens: &toks, start_pos: start, block_table: &table, logits: 1 }]);
+        let out = cpu.forward(&[SeqStep {
+            tokens: &toks,
+            start_pos: start,
+            block_table: &table,
+            logits: 1,
+            state: None,
+        }]);
         kv.commit(s, n).unwrap();
         out.unwrap().remove(0)
     };
@@ -359,7 +365,13 @@ fn the_mtp_layer_drafts_as_the_reference_does() {
             let toks = kv.tokens(s).unwrap()[start..start + chunk].to_vec();
             let logits = usize::from(start + chunk == kv.tokens(s).unwrap().len());
             let out = cpu
-                .forward(&[SeqStep { tokens: &toks, start_pos: start, block_table: &table, logits }])
+                .forward(&[SeqStep {
+                    tokens: &toks,
+                    start_pos: start,
+                    block_table: &table,
+                    logits,
+                    state: None,
+                }])
                 .unwrap();
             kv.commit(s, chunk).unwrap();
             let mut next = kv.tokens(s).unwrap()[start + 1..].to_vec();
@@ -450,7 +462,8 @@ fn rows_are_the_same_bits(name: &str, config: Value) {
             kv.reserve(a, n).unwrap();
             let ta = kv.block_table(a).unwrap().to_vec();
             let toks = prompt()[start..start + n].to_vec();
-            let mut steps = vec![SeqStep { tokens: &toks, start_pos: start, block_table: &ta, logits: 1 }];
+            let mut steps =
+                vec![SeqStep { tokens: &toks, start_pos: start, block_table: &ta, logits: 1, state: None }];
             let tb;
             if beside {
                 kv.reserve(b, n).unwrap();
@@ -460,6 +473,7 @@ fn rows_are_the_same_bits(name: &str, config: Value) {
                     start_pos: start,
                     block_table: &tb,
                     logits: 1,
+                    state: None,
                 });
             }
             last = cpu.forward(&steps).unwrap().remove(0);
@@ -516,7 +530,13 @@ fn experts_and_latent_attention_run_in_every_weight_format() {
                 let table = kv.block_table(SeqId(1)).unwrap().to_vec();
                 let toks = &prompt()[start..start + n];
                 last = b
-                    .forward(&[SeqStep { tokens: toks, start_pos: start, block_table: &table, logits: 1 }])
+                    .forward(&[SeqStep {
+                        tokens: toks,
+                        start_pos: start,
+                        block_table: &table,
+                        logits: 1,
+                        state: None,
+                    }])
                     .unwrap()
                     .remove(0);
                 kv.commit(SeqId(1), n).unwrap();
@@ -701,7 +721,8 @@ fn the_random_deepseek_shape_loads_and_runs() {
     let mut cpu = load_as(&dir, WeightFormat::F32);
     let table: Vec<_> = (0..5).map(pdserve_kvcache::BlockId).collect();
     let ids = prompt();
-    cpu.forward(&[SeqStep { tokens: &ids, start_pos: 0, block_table: &table, logits: 1 }]).unwrap();
+    cpu.forward(&[SeqStep { tokens: &ids, start_pos: 0, block_table: &table, logits: 1, state: None }])
+        .unwrap();
     let next = [&ids[1..], &[7]].concat();
     let draft = cpu.draft(&[DraftStep { step: 0, next: &next, block_table: &table, guesses: 1 }]).unwrap();
     assert!(draft[0].iter().all(|v| v.is_finite()) && draft[0].iter().any(|&v| v != draft[0][0]));
@@ -754,6 +775,7 @@ fn sparse_attention_rows_across_split_boundaries() {
                 start_pos: start,
                 block_table: &table,
                 logits: 1,
+                state: None,
             };
             last = cpu.forward(&[step]).unwrap().remove(0);
             kv.commit(SeqId(1), n).unwrap();

@@ -272,6 +272,7 @@ fn the_served_backend_computes_what_the_model_does() {
         start_pos,
         block_table,
         logits: 1,
+        state: None,
     };
     let leak = |v: Vec<u32>| -> &'static [u32] { Vec::leak(v) };
     let leak_table = |v: Vec<BlockId>| -> &'static [BlockId] { Vec::leak(v) };
@@ -336,5 +337,118 @@ fn the_served_backend_computes_what_the_model_does() {
     // What the engine reports: a row per position and layer of the widest layer's parts (the
     // compressed sparse layer's: 32 + 2 x 64 + 32 + 2 x 32 + 16).
     assert_eq!((cfg.kv_values_per_token_layer(), layout.head_dim), (272, 272));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The compact layout (compressed rows in blocks, windows and partial groups in a state slot per
+/// request) computes what the one-request model does, to the bit: two requests batched, prefilled in
+/// chunks that cut groups anywhere, drafting; a state saved two positions past a block boundary
+/// serving as the restore point of a prefix hit at that boundary; a request moved as its blocks and
+/// its state's blocks; a verify step whose draft tokens are rejected and recomputed (the state cut
+/// back). Its blocks hold a small fraction of the positional layout's bytes.
+#[test]
+fn the_compact_layout_computes_what_the_model_does() {
+    use std::sync::Arc;
+
+    use pdserve_kvcache::{BlockCopy, BlockId};
+    use pdserve_model::{Backend, DraftStep, KvDtype, ModelConfig, SeqStep, V4Backend};
+
+    let dir = checkpoint("compact", "{}");
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let model = Arc::new(DeepseekV4::load(&dir).unwrap());
+    const BLOCK: usize = 16;
+    // Slots: A 0, B 1, C 2, D 3, the restore point 4; cut back at most 4 positions.
+    let mut b =
+        V4Backend::compact(model.clone(), cfg.clone(), (96, BLOCK), KvDtype::F32, (5, 4), None).unwrap();
+    let (layout, state) = (b.kv_layout(), b.kv_state().expect("a state per request"));
+    assert_eq!((state.first, state.slots, layout.num_blocks), (96, 5, 96 + 5 * state.blocks));
+    // Its blocks: the compressed sparse layer's rows (32 values per 4 tokens) and keys (16 per 4),
+    // the heavily compressed layer's (32 per 16): 14 values per token, against the positional
+    // layout's 5 layers of 272.
+    assert_eq!(layout.bytes_per_token(), 14 * 4);
+    let positional = V4Backend::new(model.clone(), cfg.clone(), (1, BLOCK), KvDtype::F32).unwrap();
+    assert_eq!(positional.kv_layout().bytes_per_token(), 5 * 272 * 4);
+    let groups = b.group_bytes_per_token();
+    assert_eq!(groups, [("c4".to_owned(), 32.0), ("c4-index".to_owned(), 16.0), ("c16".to_owned(), 8.0)]);
+    let leak = |v: Vec<u32>| -> &'static [u32] { Vec::leak(v) };
+    let table = |first: u32| -> &'static [BlockId] { Vec::leak((first..first + 24).map(BlockId).collect()) };
+    let (ta, tb) = (table(0), table(24));
+    let step = |tokens: &'static [u32], start_pos: usize, block_table: &'static [BlockId], slot: u32| {
+        SeqStep { tokens, start_pos, block_table, logits: 1, state: Some(slot) }
+    };
+    let (a, bp) = (prompt(300, 11), prompt(77, 12));
+    let reference = |ids: &[u32], steps: usize| -> Vec<Vec<f32>> {
+        let mut state = model.new_state();
+        let mut out = vec![model.forward(&mut state, ids).unwrap()];
+        while out.len() < steps {
+            let next = argmax(out.last().unwrap()) as u32;
+            out.push(model.forward(&mut state, &[next]).unwrap());
+        }
+        out
+    };
+    let (want_a, want_b) = (reference(&a, 4), reference(&bp, 4));
+    let mut drafting = model.new_drafting_state().unwrap();
+    model.forward(&mut drafting, &a[..130]).unwrap();
+    let want_draft = model.draft(&mut drafting, &a[1..=130], 1).unwrap();
+    // A state with no slot, or a table reaching into the state's blocks, is refused.
+    assert!(b.forward(&[SeqStep { state: None, ..step(leak(a[..4].to_vec()), 0, ta, 0) }]).is_err());
+    let into_states: &'static [BlockId] = Vec::leak(vec![BlockId(96)]);
+    assert!(b.forward(&[step(leak(a[..4].to_vec()), 0, into_states, 0)]).is_err());
+    // Chunks: A 0..130 with B 0..50, A's drafts, then the rest of both.
+    b.forward(&[step(leak(a[..130].to_vec()), 0, ta, 0), step(leak(bp[..50].to_vec()), 0, tb, 1)]).unwrap();
+    let draft = DraftStep { step: 0, next: leak(a[1..=130].to_vec()), block_table: ta, guesses: 1 };
+    assert_eq!(b.draft(&[draft]).unwrap(), want_draft, "a draft over the state's ring");
+    // A's state at 130 saved as the restore point of the boundary at 128.
+    let copy = |from: u32, to: u32| -> Vec<BlockCopy> {
+        state
+            .slot_blocks(from)
+            .zip(state.slot_blocks(to))
+            .map(|(src, dst)| BlockCopy { src, dst, tokens: BLOCK })
+            .collect()
+    };
+    b.copy_blocks(&copy(0, 4)).unwrap();
+    let out = b
+        .forward(&[step(leak(a[130..].to_vec()), 130, ta, 0), step(leak(bp[50..].to_vec()), 50, tb, 1)])
+        .unwrap();
+    assert_eq!((&out[0], &out[1]), (&want_a[0], &want_b[0]), "prefill over the compact layout");
+    // D: A's 19 blocks and its state as bytes, as a transfer moves them.
+    let td = table(72);
+    let mut bytes = vec![0u8; layout.block_bytes()];
+    let moved = ta[..19].iter().copied().zip(td.iter().copied());
+    for (src, dst) in moved.chain(state.slot_blocks(0).zip(state.slot_blocks(3))) {
+        b.read_block(src, &mut bytes).unwrap();
+        b.write_block(dst, &bytes).unwrap();
+    }
+    // A decodes; its first step verifies two wrong draft tokens, cut back and computed again.
+    let mut la = out[0].clone();
+    for (i, want) in want_a.iter().enumerate().skip(1) {
+        let next = argmax(&la) as u32;
+        if i == 1 {
+            let wrong = [next, (next + 1) % 128, (next + 2) % 128];
+            let mut s = step(leak(wrong.to_vec()), 300, ta, 0);
+            s.logits = 3;
+            let rows = b.forward(&[s]).unwrap();
+            assert_eq!(&rows[0], want, "the verified row");
+        }
+        let out = b.forward(&[step(leak(vec![next]), 299 + i, ta, 0)]).unwrap();
+        assert_eq!(&out[0], want, "decode step {i}");
+        la = out[0].clone();
+    }
+    // C: a prefix hit of A's first 8 blocks resumed from the restore point.
+    let tc: &'static [BlockId] = Vec::leak([&ta[..8], &table(48)[8..]].concat());
+    b.copy_blocks(&copy(4, 2)).unwrap();
+    let out = b.forward(&[step(leak(a[128..].to_vec()), 128, tc, 2)]).unwrap();
+    assert_eq!(out[0], want_a[0], "after a prefix hit of 128 positions");
+    // D decodes from the moved blocks and state as A did.
+    let mut ld = want_a[0].clone();
+    for (i, want) in want_a.iter().enumerate().skip(1) {
+        let out = b.forward(&[step(leak(vec![argmax(&ld) as u32]), 299 + i, td, 3)]).unwrap();
+        assert_eq!(&out[0], want, "decode step {i} after a transfer");
+        ld = out[0].clone();
+    }
+    // A block size that is not a multiple of every ratio is refused by name.
+    let e =
+        V4Backend::compact(model.clone(), cfg, (8, 8), KvDtype::F32, (1, 0), None).unwrap_err().to_string();
+    assert!(e.contains("block size"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -62,7 +62,13 @@ impl<'a> Run<'a> {
         let table = self.kv.block_table(self.seq).unwrap().to_vec();
         let out = self
             .cpu
-            .forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: 1 }])
+            .forward(&[SeqStep {
+                tokens: &tokens,
+                start_pos: start,
+                block_table: &table,
+                logits: 1,
+                state: None,
+            }])
             .unwrap();
         self.kv.commit(self.seq, n).unwrap();
         out.into_iter().next().unwrap()
@@ -220,7 +226,7 @@ fn chunked_token_by_token_and_batched_prefill_agree() {
     let steps: Vec<SeqStep<'_>> = prompts
         .iter()
         .zip(&tables)
-        .map(|(p, t)| SeqStep { tokens: p, start_pos: 0, block_table: t, logits: 1 })
+        .map(|(p, t)| SeqStep { tokens: p, start_pos: 0, block_table: t, logits: 1, state: None })
         .collect();
     let batched = cpu.forward(&steps).unwrap();
     for (a, b) in alone.iter().zip(&batched) {
@@ -506,7 +512,7 @@ fn quantized_batched_prefill_and_decode_keep_the_greedy_text() {
         }
         let steps: Vec<SeqStep<'_>> = inputs
             .iter()
-            .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: 1 })
+            .map(|(t, p, b)| SeqStep { tokens: t, start_pos: *p, block_table: b, logits: 1, state: None })
             .collect();
         let logits = cpu.forward(&steps).unwrap();
         if first {

@@ -68,6 +68,7 @@ fn prefill(cpu: &mut CpuBackend, tokens: &[u32], chunks: &[usize]) -> Vec<f32> {
                 start_pos: start,
                 block_table: &table,
                 logits: 1,
+                state: None,
             }])
             .unwrap()
             .remove(0);
@@ -101,8 +102,13 @@ fn rows_without_logits_still_leave_their_kv() {
     let table: Vec<BlockId> = (0..10).map(BlockId).collect();
     let mut start = 0;
     for (n, logits) in [(17, 0), (20, 0), (3, 1)] {
-        let step =
-            SeqStep { tokens: &tokens[start..start + n], start_pos: start, block_table: &table, logits };
+        let step = SeqStep {
+            tokens: &tokens[start..start + n],
+            start_pos: start,
+            block_table: &table,
+            logits,
+            state: None,
+        };
         let out = cpu.forward(&[step]).unwrap();
         assert_eq!(out.len(), logits);
         if logits == 1 {
@@ -111,7 +117,8 @@ fn rows_without_logits_still_leave_their_kv() {
         start += n;
     }
     let mut all = backend(16, 4);
-    let step = SeqStep { tokens: &tokens, start_pos: 0, block_table: &table, logits: tokens.len() };
+    let step =
+        SeqStep { tokens: &tokens, start_pos: 0, block_table: &table, logits: tokens.len(), state: None };
     let every = all.forward(&[step]).unwrap();
     assert_eq!(every.len(), 40);
     assert!(max_diff(&whole, &every[39]) < 1e-4, "{}", max_diff(&whole, &every[39]));
@@ -136,21 +143,25 @@ fn rows_of_logits_match_one_token_at_a_time() {
                 start_pos: 24 + i,
                 block_table: &table,
                 logits: 1,
+                state: None,
             };
             one.forward(&[step]).unwrap().remove(0)
         })
         .collect();
     let mut rows = backend(16, 4);
     prefill(&mut rows, prompt, &[24]);
-    let step = SeqStep { tokens: drafted, start_pos: 24, block_table: &table, logits: drafted.len() };
-    let other = SeqStep { tokens: &prompt[..3], start_pos: 0, block_table: &table[6..], logits: 1 };
+    let step =
+        SeqStep { tokens: drafted, start_pos: 24, block_table: &table, logits: drafted.len(), state: None };
+    let other =
+        SeqStep { tokens: &prompt[..3], start_pos: 0, block_table: &table[6..], logits: 1, state: None };
     let got = rows.forward(&[other, step]).unwrap();
     assert_eq!(got.len(), 1 + drafted.len());
     for (i, (a, b)) in singles.iter().zip(&got[1..]).enumerate() {
         // Exactly: a decode-sized step computes each row as a one-row step does.
         assert_eq!(a, b, "row {i}: {}", max_diff(a, b));
     }
-    let too_many = SeqStep { tokens: &drafted[..2], start_pos: 24, block_table: &table, logits: 3 };
+    let too_many =
+        SeqStep { tokens: &drafted[..2], start_pos: 24, block_table: &table, logits: 3, state: None };
     assert!(matches!(rows.forward(&[too_many]), Err(ModelError::InvalidInput { .. })));
 }
 
@@ -169,16 +180,16 @@ fn batch_rows_do_not_leak_into_each_other() {
     let (ta, tb) = (kv.block_table(SeqId(0)).unwrap().to_vec(), kv.block_table(SeqId(1)).unwrap().to_vec());
     let out = cpu
         .forward(&[
-            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: 1 },
-            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: 0 },
+            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: 1, state: None },
+            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: 0, state: None },
         ])
         .unwrap();
     assert_eq!(out.len(), 1, "logits only where asked");
     assert!(max_diff(&out[0], &alone_a) < 1e-4);
     let out = cpu
         .forward(&[
-            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: 1 },
-            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: 1 },
+            SeqStep { tokens: &b, start_pos: 0, block_table: &tb, logits: 1, state: None },
+            SeqStep { tokens: &a, start_pos: 0, block_table: &ta, logits: 1, state: None },
         ])
         .unwrap();
     assert!(max_diff(&out[0], &alone_b) < 1e-4 && max_diff(&out[1], &alone_a) < 1e-4);
@@ -193,7 +204,8 @@ fn copied_blocks_continue_identically() {
     kv.add_sequence(SeqId(1), &prompt).unwrap();
     kv.reserve(SeqId(1), 6).unwrap();
     let table = kv.block_table(SeqId(1)).unwrap().to_vec();
-    cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: 0 }]).unwrap();
+    cpu.forward(&[SeqStep { tokens: &prompt, start_pos: 0, block_table: &table, logits: 0, state: None }])
+        .unwrap();
     kv.commit(SeqId(1), 6).unwrap();
     kv.fork(SeqId(1), SeqId(2)).unwrap();
     for s in [SeqId(1), SeqId(2)] {
@@ -208,7 +220,7 @@ fn copied_blocks_continue_identically() {
         .iter()
         .map(|&s| {
             let t = kv.block_table(s).unwrap().to_vec();
-            cpu.forward(&[SeqStep { tokens: &[11], start_pos: 6, block_table: &t, logits: 1 }])
+            cpu.forward(&[SeqStep { tokens: &[11], start_pos: 6, block_table: &t, logits: 1, state: None }])
                 .unwrap()
                 .remove(0)
         })
@@ -229,7 +241,13 @@ fn invalid_steps_are_errors_not_panics() {
         (vec![1], 0, vec![BlockId(9)]),
     ];
     for (tokens, start, table) in cases {
-        let r = cpu.forward(&[SeqStep { tokens: &tokens, start_pos: start, block_table: &table, logits: 1 }]);
+        let r = cpu.forward(&[SeqStep {
+            tokens: &tokens,
+            start_pos: start,
+            block_table: &table,
+            logits: 1,
+            state: None,
+        }]);
         match (tokens.len(), start, r) {
             (1, 127, Ok(_)) => {}
             (_, _, Err(ModelError::InvalidInput { .. })) => {}

@@ -1,6 +1,6 @@
 //! One worker's end of every KV transfer, whole: the [`Sender`] and [`Receiver`] state machines over a
 //! [`Transport`], copying block bytes between the transport and the worker's KV memory
-//! ([`BlockMemory`]) only where the worker's KV ledger (`pdserve_kvcache::KvCache`) allows it.
+//! ([`BlockMemory`]) only where the worker's KV ledger ([`Ledger`]: a `pdserve_kvcache::KvCache`, or one that answers for more) allows it.
 //!
 //! Call order per turn of the worker's loop: [`pump`](Endpoint::pump) (runs timeouts, the transport,
 //! the state machines, and the copies), then [`poll_event`](Endpoint::poll_event) until `None`,
@@ -88,6 +88,31 @@ impl BlockMemory for SharedRegion {
     fn write_block_striped(&mut self, block: BlockId, data: &[u8]) -> Result<u32, TransferError> {
         let r = flat(block, data.len(), self.bytes().len())?;
         Ok(crate::checksum::copy_striped(&mut self.bytes_mut()[r], data))
+    }
+}
+
+/// What the endpoint asks of the worker's KV ledger before it touches KV memory: whether a
+/// transfer's lease is live, holds a block it reads, or allows a write. A plain `KvCache` is one; a
+/// worker whose leases hold more than blocks (a per-request state moved as blocks of its slot, say)
+/// answers for those too.
+pub trait Ledger {
+    /// Whether `transfer`'s lease is live.
+    fn leased(&self, transfer: TransferId) -> bool;
+    /// Whether `transfer`'s lease holds `block` (a sender reads only such blocks).
+    fn holds(&self, transfer: TransferId, block: BlockId) -> bool;
+    /// Whether a block received for `transfer` may be stored in `block`, allocated at `epoch`.
+    fn may_write(&self, transfer: TransferId, block: BlockId, epoch: u32) -> bool;
+}
+
+impl Ledger for KvCache {
+    fn leased(&self, transfer: TransferId) -> bool {
+        self.lease(transfer).is_ok()
+    }
+    fn holds(&self, transfer: TransferId, block: BlockId) -> bool {
+        self.lease(transfer).is_ok_and(|l| l.blocks.contains(&block))
+    }
+    fn may_write(&self, transfer: TransferId, block: BlockId, epoch: u32) -> bool {
+        self.check_write(transfer, block, epoch).is_ok()
     }
 }
 
@@ -346,7 +371,7 @@ impl Endpoint {
     /// offer's lease holds it and written only where the pull's lease allows.
     pub fn pump(
         &mut self,
-        kv: &KvCache,
+        kv: &dyn Ledger,
         memory: &mut dyn BlockMemory,
         now: u64,
         wait: Duration,
@@ -373,7 +398,7 @@ impl Endpoint {
                 // The ledger's lease is the ground truth: no `Confirm` for blocks it has freed (a
                 // `Ready` may complete a transfer whose blocks the receiver holds already).
                 if let Message::Done { key } | Message::Ready { key, .. } = &msg {
-                    if kv.lease(TransferId(key.transfer)).is_err() {
+                    if !kv.leased(TransferId(key.transfer)) {
                         sender.abort(key.transfer);
                     }
                 }
@@ -381,7 +406,7 @@ impl Endpoint {
             }
             Arrival::Block { peer, key, index, data, crc } => {
                 let Some(dst) = receiver.accept_block(peer, key, index, data.len()) else { return };
-                if kv.check_write(TransferId(key.transfer), dst.block, dst.block_epoch).is_err() {
+                if !kv.may_write(TransferId(key.transfer), dst.block, dst.block_epoch) {
                     return; // a late or foreign block: never written
                 }
                 // Stored and checked in one pass where the memory lends the block: a corrupted one
@@ -445,7 +470,7 @@ impl Endpoint {
         debug_assert!(blocks.is_empty(), "blocks are only sent from pump");
     }
 
-    fn flush_sender(&mut self, kv: &KvCache, memory: &dyn BlockMemory) {
+    fn flush_sender(&mut self, kv: &dyn Ledger, memory: &dyn BlockMemory) {
         while let Some(a) = self.sender.poll_action() {
             match a {
                 SendAction::Message { peer, msg } => self.transport.send(peer, &msg, &[]),
@@ -457,7 +482,7 @@ impl Endpoint {
                         *f = Fault::Stalled;
                     }
                     // Read only a block the offer's lease still holds.
-                    let held = kv.lease(TransferId(key.transfer)).is_ok_and(|l| l.blocks.contains(&block));
+                    let held = kv.holds(TransferId(key.transfer), block);
                     if !held {
                         self.sender.abort(key.transfer);
                         continue;

@@ -52,7 +52,7 @@ pub mod transport;
 
 pub use checksum::{block_checksum, checksum_of_digest, copy_striped, crc32c, striped};
 pub use endpoint::{
-    BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, SenderFaults, Side, Source,
+    BlockMemory, Endpoint, EndpointConfig, EndpointEvent, EndpointStats, Ledger, SenderFaults, Side, Source,
 };
 pub use error::TransferError;
 pub use message::{

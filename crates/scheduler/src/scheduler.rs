@@ -265,11 +265,13 @@ impl Scheduler {
                     }
                     Err(e) => {
                         return Err(match e {
-                            KvError::OutOfBlocks { .. } => Rejection::QueueFull {
-                                queued: busy,
-                                limit: c.running_requests_max,
-                                retry_after: self.retry_after(now),
-                            },
+                            KvError::OutOfBlocks { .. } | KvError::OutOfStates { .. } => {
+                                Rejection::QueueFull {
+                                    queued: busy,
+                                    limit: c.running_requests_max,
+                                    retry_after: self.retry_after(now),
+                                }
+                            }
                             _ => Rejection::DuplicateId,
                         })
                     }
@@ -465,6 +467,11 @@ impl Scheduler {
             let (seq, tokens) = (r.seq, r.tokens.clone());
             let hit = match self.kv.add_sequence(seq, &tokens) {
                 Ok(hit) => hit,
+                Err(KvError::OutOfStates { .. }) => {
+                    // Every state slot is a running request's or a lease's: it waits for one.
+                    short_of_blocks = true;
+                    break;
+                }
                 Err(e) => {
                     self.queued.remove(at);
                     self.finish(id, Exit::Failed { stage: Stage::Queued, reason: e.to_string() }, now);
@@ -618,6 +625,11 @@ impl Scheduler {
                         self.finish(item.id, Exit::Failed { stage, reason: e.to_string() }, now);
                         continue;
                     }
+                }
+                _ if self.kv.config().state_bytes > 0 => {
+                    // A model with per-request state: its full blocks are cached, and its state saved
+                    // as their restore point, each time it passes a block boundary (prompt or output).
+                    let _ = self.kv.save_restore_point(item.seq);
                 }
                 _ if stage == Stage::Prefilling => {
                     // Early insertion: a prompt's full blocks are in the prefix cache as soon as their

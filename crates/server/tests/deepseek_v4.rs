@@ -3,8 +3,10 @@
 //! sliding, compressed sparse at 4 with its indexer, heavily compressed at 16; a window of 16,
 //! `index_topk` 8), with the default model's tokenizer, answers as the script's independent numpy
 //! forward pass does on a short and a 3,000-token prompt (it slides, compresses and selects); a
-//! prefix hit, prefill and decode workers behind the router, and a stream moved off a killed worker
-//! all give the cold unified answer. Needs `python3` with numpy.
+//! prefix hit (resumed from a restore point: V4's KV is in its compact layout, compressed rows in
+//! blocks and each request's windows and partial groups in a state slot), prefill and decode workers
+//! behind the router (the state moved with the blocks), and a stream moved off a killed worker all
+//! give the cold unified answer. Needs `python3` with numpy.
 
 mod common;
 
@@ -63,11 +65,20 @@ fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_m
     let unified = Worker::start(&["--model", model, "--kv-dtype", "f32"]);
     let (_, models) = unified.json("GET", "/v1/models", "");
     let m = &models["data"][0];
-    // A row per position and layer: the window's K=V row (32), the ratio-4 compressor's value and
-    // gate (2 x 64) and row (32), its indexer's value and gate (2 x 32) and key (16): 272 values in
-    // each of the 4 main layers and the MTP layer, which drafts by default.
-    assert_eq!(m["kv_bytes_per_token"], 5 * 272 * 4, "{models}");
-    assert_eq!(m["kv_groups"][0]["name"], "v4-rows", "{models}");
+    // The compact layout: blocks hold the compressed rows only, the compressed sparse layer's (32
+    // values per 4 tokens) and its indexer's keys (16 per 4), the heavily compressed layer's (32 per
+    // 16): 14 values a token (a row per position and layer would be 272 in each of 5 layers); the
+    // windows and partial groups are each request's state.
+    assert_eq!(m["kv_bytes_per_token"], 14 * 4, "{models}");
+    assert_eq!(m["kv_groups"][0]["name"], "v4-compressed", "{models}");
+    let rows: Vec<(&str, f64)> = m["kv_rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["name"].as_str().unwrap(), r["bytes_per_token"].as_f64().unwrap()))
+        .collect();
+    assert_eq!(rows, [("c4", 32.0), ("c4-index", 16.0), ("c16", 8.0)], "{models}");
+    assert!(m["kv_state_bytes_per_request"].as_u64().unwrap() > 0, "{models}");
     assert_eq!(m["speculative"], "mtp", "{models}");
     let mut cold = Value::Null;
     for ids in [prompt(20), long.clone()] {
@@ -83,6 +94,10 @@ fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_m
     let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
     assert!(cached >= 2_900, "{cached} of 3,000 prompt tokens from the cache: {warm}");
     assert_eq!(logprobs(&cold), logprobs(&warm), "a prefix hit changed the answer");
+    // It resumed from the state saved at the prompt's last block boundary (its prefill's last chunk
+    // ended there).
+    assert!(common::metric(&unified, "kv_state_restores_total") >= 1.0);
+    assert!(common::metric(&unified, "kv_state_entries{state=\"restore_points\"}") >= 1.0);
     // Requests batched together (their steps run as one, layer by layer) answer as each alone.
     let prompts: Vec<Vec<u32>> =
         (0..4).map(|k| (0..60 + 37 * k).map(|i| 300 + (i * 131 + k * 7) % 9_000).collect()).collect();

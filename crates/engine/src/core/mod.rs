@@ -258,6 +258,11 @@ pub struct CoreConfig {
     pub verify_rows: usize,
     /// Bytes of one KV block as a transfer moves it (what a decode's timings report as pulled).
     pub block_bytes: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// The backend's per-request state, if it keeps one (`Backend::kv_state`): its slots' blocks
+    /// follow the pool's, and move and copy as blocks.
+    pub kv_state: Option<pdserve_model::KvState>,
 }
 
 /// Counters the shell mirrors into the metrics (totals since the start; the shell adds what grew).

@@ -3,7 +3,7 @@
 
 use llguidance::toktrie::SimpleVob;
 use pdserve_api::Role;
-use pdserve_kvcache::{BlockCopy, BlockId, TierCopy};
+use pdserve_kvcache::{BlockCopy, BlockId, StateId, TierCopy};
 use pdserve_model::{ModelError, SeqStep};
 use pdserve_scheduler::{BatchItem, RequestId};
 
@@ -22,6 +22,8 @@ pub struct PlannedRow {
     pub block_table: Vec<BlockId>,
     /// How many of the last rows return logits (0, 1, or more to verify drafts).
     pub logits: usize,
+    /// The sequence's state slot (a backend with per-request state).
+    pub state: Option<u32>,
 }
 
 /// The constraints of a step's sampling requests: their token masks are computed beside the forward
@@ -69,6 +71,7 @@ impl StepPlan {
                 start_pos: r.start_pos,
                 block_table: &r.block_table,
                 logits: r.logits,
+                state: r.state,
             })
             .collect()
     }
@@ -189,8 +192,15 @@ impl EngineCore {
             }
         }
         let tier_copies = self.sched.kv_mut().take_tier_copies();
-        // (The engine's ledgers are single-group: every copy is group 0's.)
-        let copies: Vec<_> = self.sched.kv_mut().take_copies().into_iter().map(|(_, c)| c).collect();
+        // (The engine's ledgers are single-group: every copy is group 0's.) Then the state copies
+        // (restores, restore points saved, forks), as whole blocks of the state's slots.
+        let mut copies: Vec<_> = self.sched.kv_mut().take_copies().into_iter().map(|(_, c)| c).collect();
+        if let Some(st) = self.config.kv_state {
+            for c in self.sched.kv_mut().take_state_copies() {
+                let pairs = st.slot_blocks(c.from.0).zip(st.slot_blocks(c.to.0));
+                copies.extend(pairs.map(|(src, dst)| BlockCopy { src, dst, tokens: self.config.block_size }));
+            }
+        }
         let kv = self.sched.kv();
         let rows = batch
             .iter()
@@ -202,6 +212,7 @@ impl EngineCore {
                 start_pos: i.start_pos,
                 block_table: kv.block_table(i.seq, 0).map(<[_]>::to_vec).unwrap_or_default(),
                 logits: if i.sample { i.draft + 1 } else { 0 },
+                state: kv.state(i.seq).ok().filter(|s| *s != StateId::NONE).map(|s| s.0),
             })
             .collect();
         // Before the constraints leave for the mask computation: a constrained request needs logits.
@@ -232,6 +243,8 @@ impl EngineCore {
             debug_assert!(false, "a step's answer without a step in flight");
             return;
         };
+        // The step's state copies are made (or, failed, never will be): their slots may change hands.
+        self.sched.kv_mut().copies_done();
         let mut masks = std::collections::HashMap::new();
         for (id, g, _, mut computed) in done.guides.0 {
             if let Some(a) = self.active.get_mut(&id) {

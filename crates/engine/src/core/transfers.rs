@@ -133,9 +133,16 @@ impl EngineCore {
         // The lease's leading blocks came from this worker's prefix cache (an earlier round of the
         // conversation ended here): only the rest is pulled.
         let (from, dest): (usize, Vec<(BlockId, u32)>) = match self.sched.kv().lease(TransferId(transfer)) {
-            Ok(l) => {
-                let l = &l.groups[0];
-                (l.reused, l.blocks.iter().copied().zip(l.epochs.iter().copied()).skip(l.reused).collect())
+            Ok(lease) => {
+                let l = &lease.groups[0];
+                let mut dest: Vec<_> =
+                    l.blocks.iter().copied().zip(l.epochs.iter().copied()).skip(l.reused).collect();
+                // A model's per-request state comes last, as its slot's blocks (written under the
+                // slot's epoch).
+                if let Some(st) = self.config.kv_state {
+                    dest.extend(st.slot_blocks(lease.state.0).map(|b| (b, lease.state_epoch)));
+                }
+                (l.reused, dest)
             }
             Err(_) => (0, Vec::new()),
         };
@@ -172,7 +179,7 @@ impl EngineCore {
     pub(super) fn offer(
         &mut self,
         transfer: TransferId,
-        blocks: Vec<BlockId>,
+        mut blocks: Vec<BlockId>,
         prompt: Vec<u32>,
         o: Offering,
         now: Instant,
@@ -180,6 +187,10 @@ impl EngineCore {
         let Some((_, expires_at_ms)) = self.sched.lease_of(transfer) else {
             return self.offer_failed(transfer, o);
         };
+        // A model's per-request state goes after the blocks, as its slot's blocks.
+        if let (Some(st), Ok(lease)) = (self.config.kv_state, self.sched.kv().lease(transfer)) {
+            blocks.extend(st.slot_blocks(lease.state.0));
+        }
         let us = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
             (Some(a), Some(b)) => b.saturating_duration_since(a).as_micros() as u64,
             _ => 0,

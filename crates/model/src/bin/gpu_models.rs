@@ -53,7 +53,13 @@ impl Seqs {
         let prepared: Vec<_> = parts.iter().map(|&(s, n)| self.next(s, n)).collect();
         let steps: Vec<SeqStep<'_>> = prepared
             .iter()
-            .map(|(t, start, table)| SeqStep { tokens: t, start_pos: *start, block_table: table, logits: 1 })
+            .map(|(t, start, table)| SeqStep {
+                tokens: t,
+                start_pos: *start,
+                block_table: table,
+                logits: 1,
+                state: None,
+            })
             .collect();
         let out = run(&steps).unwrap();
         for &(s, n) in parts {

@@ -50,6 +50,7 @@ fn greedy(backend: &mut dyn Backend, prompts: &[Vec<u32>], chunks: usize) -> (Ve
                     start_pos: done,
                     block_table: &table,
                     logits: 1,
+                    state: None,
                 }])
                 .unwrap();
             kv.commit(s, n).unwrap();
@@ -79,6 +80,7 @@ fn greedy(backend: &mut dyn Backend, prompts: &[Vec<u32>], chunks: usize) -> (Ve
                 start_pos: *pos,
                 block_table: table,
                 logits: 1,
+                state: None,
             })
             .collect();
         let logits = backend.forward(&steps).unwrap();

@@ -38,6 +38,7 @@ impl CpuBackend {
                         start_pos,
                         block_table: d.block_table,
                         logits: usize::from(d.guesses > 0),
+                        state: None,
                     });
                 }
                 _ => {
@@ -119,6 +120,7 @@ impl CpuBackend {
                     start_pos: steps[i].start_pos + steps[i].tokens.len() - 1 + round,
                     block_table: steps[i].block_table,
                     logits: 1,
+                    state: None,
                 })
                 .collect();
             let rows_of: Vec<usize> = live.iter().map(|&(k, _)| k).collect();

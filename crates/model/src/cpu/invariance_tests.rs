@@ -82,6 +82,7 @@ fn run(
                 start_pos: from,
                 block_table: t,
                 logits: to - from,
+                state: None,
             })
             .collect();
         let mut rows = cpu.forward(&seq_steps).unwrap().into_iter();

@@ -14,6 +14,7 @@
 //! (`pdserve_kvcache::KvGroups`) and the multi-token prediction drafts are the next steps; this is the
 //! numerics, checked against an independent numpy reference (`tests/deepseek_v4.rs`).
 
+mod compact;
 mod layer;
 mod paged;
 mod weights;

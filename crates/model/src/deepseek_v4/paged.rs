@@ -8,33 +8,45 @@
 //! PD transfer and migration move V4 requests with no code of their own, and a request resumed from
 //! any of them computes what a cold one does, to the bit. The cost is bytes: every position keeps
 //! its compressor inputs and the window rows of positions long past the window (the compact layout,
-//! `pdserve_kvcache::KvGroups` with per-request state slots, is the next step).
+//! [`compact`](super::compact), holds only the compressed rows in blocks and the rest in a state slot
+//! per request).
 
 use std::sync::Arc;
 
 use pdserve_kvcache::{BlockCopy, BlockId};
 
+use super::compact::{Compact, V4Compact};
 use super::layer::{Group, Memory, Place, Pool};
 use super::DeepseekV4;
-use crate::backend::{check_steps, Backend, DraftStep, KvDtype, KvLayout, KvStore, SeqStep};
+use crate::backend::{check_steps, Backend, DraftStep, KvDtype, KvLayout, KvState, KvStore, SeqStep};
 use crate::config::{RowPart, V4Row};
 use crate::cpu::KvMemory;
 use crate::{ModelConfig, ModelError};
 
+/// How the KV memory is laid out.
+#[derive(Debug)]
+enum Geometry {
+    /// A row per position and layer (see the module documentation).
+    Positional(V4Row),
+    /// Compressed rows in blocks, the rest in per-request state slots.
+    Compact(V4Compact, KvState),
+}
+
 /// Runs a DeepSeek V4 checkpoint's batch steps on the CPU over paged KV blocks (see the module
-/// documentation). Its KV layout is a latent one: one row per position and layer.
+/// documentation). Its KV layout is a latent one: one row per position and layer, or (compact) a
+/// block's compressed rows as one latent row per position, rounded up.
 #[derive(Debug)]
 pub struct V4Backend {
     model: Arc<DeepseekV4>,
     cfg: ModelConfig,
-    row: V4Row,
+    geometry: Geometry,
     layout: KvLayout,
     kv: KvMemory,
     /// Whether the first MTP layer drafts (its rows are the layout's last layer).
     drafts: bool,
-    /// The last forward pass, for the draft pass after it: each step's first position and its
-    /// positions' final streams.
-    last: Vec<(usize, Vec<Vec<f32>>)>,
+    /// The last forward pass, for the draft pass after it: each step's first position, state slot,
+    /// and its positions' final streams.
+    last: Vec<(usize, Option<u32>, Vec<Vec<f32>>)>,
 }
 
 impl V4Backend {
@@ -48,7 +60,8 @@ impl V4Backend {
     ) -> Result<V4Backend, ModelError> {
         let layout = KvLayout::for_model(&cfg, num_blocks, block_size, dtype);
         let kv = KvMemory::heap(layout.block_bytes() * num_blocks);
-        V4Backend::with_memory(model, cfg, layout, kv)
+        let row = Geometry::Positional(model.cfg.kv_row(cfg.draft_layers > 0));
+        V4Backend::with_memory(model, cfg, (layout, row), kv)
     }
 
     /// [`new`](Self::new), with the KV memory in `store` (at least the pool's bytes, 4-byte aligned).
@@ -61,13 +74,68 @@ impl V4Backend {
     ) -> Result<V4Backend, ModelError> {
         let layout = KvLayout::for_model(&cfg, num_blocks, block_size, dtype);
         let kv = KvMemory::from_store(store, &layout)?;
-        V4Backend::with_memory(model, cfg, layout, kv)
+        let row = Geometry::Positional(model.cfg.kv_row(cfg.draft_layers > 0));
+        V4Backend::with_memory(model, cfg, (layout, row), kv)
+    }
+
+    /// The compact layout's KV memory for `num_blocks` blocks of `block_size` positions (a multiple
+    /// of every compression ratio) and `slots` state slots whose requests may be cut back
+    /// `rewind_tokens` positions (see [`compact`](super::compact)): its layout (`num_blocks` the
+    /// blocks and the slots' blocks) and its state's place.
+    pub fn compact_layout(
+        cfg: &ModelConfig,
+        (num_blocks, block_size): (usize, usize),
+        dtype: KvDtype,
+        (slots, rewind_tokens): (usize, usize),
+    ) -> Result<(KvLayout, KvState), ModelError> {
+        let Some(v4) = &cfg.v4 else {
+            return Err(ModelError::InvalidInput {
+                problem: "a model configuration that is not V4's".into(),
+            });
+        };
+        let g = V4Compact::new(v4, cfg.draft_layers > 0, block_size, 2 * rewind_tokens + 2)?;
+        let state = KvState {
+            slots,
+            blocks: g.state_blocks(),
+            first: num_blocks,
+            bytes: g.state_values * dtype.bytes(),
+            rewind_tokens,
+        };
+        let layout = KvLayout {
+            num_blocks: num_blocks + slots * state.blocks,
+            block_size,
+            num_layers: 1,
+            num_kv_heads: 1,
+            head_dim: g.block_values / block_size,
+            dtype,
+            latent: true,
+        };
+        Ok((layout, state))
+    }
+
+    /// `model` in the compact layout ([`compact_layout`](Self::compact_layout)), its KV memory on the
+    /// heap or in `store`.
+    pub fn compact(
+        model: Arc<DeepseekV4>,
+        cfg: ModelConfig,
+        pool: (usize, usize),
+        dtype: KvDtype,
+        states: (usize, usize),
+        store: Option<Box<dyn KvStore>>,
+    ) -> Result<V4Backend, ModelError> {
+        let (layout, state) = V4Backend::compact_layout(&cfg, pool, dtype, states)?;
+        let kv = match store {
+            Some(store) => KvMemory::from_store(store, &layout)?,
+            None => KvMemory::heap(layout.block_bytes() * layout.num_blocks),
+        };
+        let g = V4Compact::new(&model.cfg, cfg.draft_layers > 0, pool.1, 2 * states.1 + 2)?;
+        V4Backend::with_memory(model, cfg, (layout, Geometry::Compact(g, state)), kv)
     }
 
     fn with_memory(
         model: Arc<DeepseekV4>,
         cfg: ModelConfig,
-        layout: KvLayout,
+        (layout, geometry): (KvLayout, Geometry),
         kv: KvMemory,
     ) -> Result<V4Backend, ModelError> {
         match &cfg.v4 {
@@ -84,8 +152,52 @@ impl V4Backend {
                 problem: "a draft layer the checkpoint does not have".into(),
             });
         }
-        let row = model.cfg.kv_row(drafts);
-        Ok(V4Backend { model, cfg, row, layout, kv, drafts, last: Vec::new() })
+        Ok(V4Backend { model, cfg, geometry, layout, kv, drafts, last: Vec::new() })
+    }
+
+    /// Bytes per token of each kind of row the compact layout's blocks hold (see
+    /// [`V4Compact::bytes_per_token`]); empty for the positional layout.
+    pub fn group_bytes_per_token(&self) -> Vec<(String, f64)> {
+        match &self.geometry {
+            Geometry::Compact(g, _) => g.bytes_per_token(self.layout.dtype),
+            Geometry::Positional(_) => Vec::new(),
+        }
+    }
+
+    /// Checks each step's state slot and blocks against the compact layout's.
+    fn check_states<'s>(
+        &self,
+        steps: impl Iterator<Item = (Option<u32>, &'s [BlockId])>,
+    ) -> Result<(), ModelError> {
+        let Geometry::Compact(_, state) = &self.geometry else { return Ok(()) };
+        for (i, (slot, table)) in steps.enumerate() {
+            let bad_slot = slot.is_none_or(|s| s as usize >= state.slots);
+            if bad_slot || table.iter().any(|b| b.0 as usize >= state.first) {
+                return Err(ModelError::InvalidInput {
+                    problem: format!(
+                        "step {i}: state slot {slot:?} or a block outside the pool of {} blocks and {} slots",
+                        state.first, state.slots
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The memory of a step's requests: their block tables and state slots.
+    fn memory<'a>(&'a mut self, tables: Vec<&'a [BlockId]>, states: &[Option<u32>]) -> Box<dyn Memory + 'a> {
+        let dtype = self.layout.dtype;
+        match &self.geometry {
+            Geometry::Positional(row) => {
+                Box::new(Paged { kv: &mut self.kv, dtype, tables, row, block_size: self.layout.block_size })
+            }
+            Geometry::Compact(geometry, state) => {
+                let slot_values = state.blocks * geometry.block_values;
+                let first = state.first * geometry.block_values;
+                let states = states.iter().map(|s| first + s.unwrap_or(0) as usize * slot_values).collect();
+                Box::new(Compact { kv: &mut self.kv, dtype, geometry, tables, states })
+            }
+        }
     }
 
     /// Bytes of the weights held (see [`DeepseekV4::weight_bytes`]).
@@ -99,9 +211,17 @@ impl Backend for V4Backend {
         self.layout
     }
 
+    fn kv_state(&self) -> Option<KvState> {
+        match &self.geometry {
+            Geometry::Compact(_, state) => Some(*state),
+            Geometry::Positional(_) => None,
+        }
+    }
+
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         self.last.clear();
         check_steps(&self.cfg, &self.layout, steps)?;
+        self.check_states(steps.iter().map(|s| (s.state, s.block_table)))?;
         // On one of the pool's threads: the large products' splits are forks from a running worker,
         // not jobs handed across from this thread.
         let this = &mut *self;
@@ -145,26 +265,24 @@ impl V4Backend {
             .enumerate()
             .flat_map(|(i, s)| s.tokens.iter().enumerate().map(move |(j, &t)| (i, s.start_pos + j, t)))
             .collect();
-        let mut mem = Paged {
-            kv: &mut self.kv,
-            dtype: self.layout.dtype,
-            tables: steps.iter().map(|s| s.block_table).collect(),
-            row: &self.row,
-            block_size: self.layout.block_size,
-        };
-        let mut streams = self.model.run_tokens(&mut mem, &toks).into_iter();
+        let states: Vec<Option<u32>> = steps.iter().map(|s| s.state).collect();
+        let model = Arc::clone(&self.model);
+        let mut mem = self.memory(steps.iter().map(|s| s.block_table).collect(), &states);
+        let mut streams = model.run_tokens(mem.as_mut(), &toks).into_iter();
+        drop(mem);
         let mut out = Vec::with_capacity(steps.iter().map(|s| s.logits).sum());
         for s in steps {
             let mine: Vec<Vec<f32>> = streams.by_ref().take(s.tokens.len()).collect();
             let wanted = s.tokens.len() - s.logits;
             out.extend(mine[wanted..].iter().map(|s| self.model.head_logits(s)));
-            self.last.push((s.start_pos, if self.drafts { mine } else { Vec::new() }));
+            self.last.push((s.start_pos, s.state, if self.drafts { mine } else { Vec::new() }));
         }
         out
     }
 
     fn draft_on_pool(&mut self, steps: &[DraftStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        let dw = match (&self.model.w.draft, self.drafts) {
+        let model = Arc::clone(&self.model);
+        let dw = match (&model.w.draft, self.drafts) {
             (Some(dw), true) => dw,
             _ => {
                 return Err(ModelError::Unsupported {
@@ -177,61 +295,63 @@ impl V4Backend {
         let mut rows = Vec::with_capacity(steps.len());
         for (i, d) in steps.iter().enumerate() {
             match self.last.get(d.step) {
-                Some((start_pos, streams)) if !d.next.is_empty() && d.next.len() <= streams.len() => rows
-                    .push(SeqStep {
+                Some((start_pos, state, streams)) if !d.next.is_empty() && d.next.len() <= streams.len() => {
+                    rows.push(SeqStep {
                         tokens: d.next,
                         start_pos: *start_pos,
                         block_table: d.block_table,
                         logits: 0,
-                    }),
+                        state: *state,
+                    })
+                }
                 last => {
                     return Err(ModelError::InvalidInput {
                         problem: format!(
                         "draft step {i} reads {} rows of step {} of the last forward pass, which had {:?}",
                         d.next.len(),
                         d.step,
-                        last.map(|l| l.1.len())
+                        last.map(|l| l.2.len())
                     ),
                     })
                 }
             }
         }
         check_steps(&self.cfg, &self.layout, &rows)?;
-        let (layer, bs) = (self.row.parts.len() - 1, self.layout.block_size);
-        let mut mem = Paged {
-            kv: &mut self.kv,
-            dtype: self.layout.dtype,
-            tables: steps.iter().map(|d| d.block_table).collect(),
-            row: &self.row,
-            block_size: bs,
-        };
+        self.check_states(rows.iter().map(|s| (s.state, s.block_table)))?;
+        let (layer, bs, max_positions) =
+            (model.cfg.layers, self.layout.block_size, self.cfg.max_position_embeddings);
         // Every step's rows together, then each guessing step's chained guesses.
+        let last = std::mem::take(&mut self.last);
         let mut toks = Vec::new();
         let mut main: Vec<&[f32]> = Vec::new();
         for (i, (d, s)) in steps.iter().zip(&rows).enumerate() {
             toks.extend(d.next.iter().enumerate().map(|(j, &t)| (i, s.start_pos + j, t)));
-            main.extend(self.last[d.step].1[..d.next.len()].iter().map(Vec::as_slice));
+            main.extend(last[d.step].2[..d.next.len()].iter().map(Vec::as_slice));
         }
-        let mut drafted = self.model.draft_rows(dw, &mut mem, layer, &toks, &main).into_iter();
+        let states: Vec<Option<u32>> = rows.iter().map(|s| s.state).collect();
+        let mut mem = self.memory(steps.iter().map(|d| d.block_table).collect(), &states);
+        let mut drafted = model.draft_rows(dw, mem.as_mut(), layer, &toks, &main).into_iter();
         let mut out = Vec::new();
         for (i, (d, s)) in steps.iter().zip(&rows).enumerate() {
-            let Some(mut last) = drafted.by_ref().take(d.next.len()).last() else { continue };
+            let Some(mut row) = drafted.by_ref().take(d.next.len()).last() else { continue };
             if d.guesses == 0 {
                 continue;
             }
-            out.push(self.model.draft_logits(dw, &last));
+            out.push(model.draft_logits(dw, &row));
             // Chained guesses, a position on each, as far as the block table and the context reach;
             // their rows are overwritten when the real tokens' draft rows run there.
             for pos in s.start_pos + d.next.len()..s.start_pos + d.next.len() + d.guesses - 1 {
-                if pos >= d.block_table.len() * bs || pos >= self.cfg.max_position_embeddings {
+                if pos >= d.block_table.len() * bs || pos >= max_positions {
                     break;
                 }
                 let guess = crate::greedy_pick(out.last().expect("a guess")).0;
-                let row = self.model.draft_rows(dw, &mut mem, layer, &[(i, pos, guess)], &[&last]);
-                last = row.into_iter().next().expect("a row");
-                out.push(self.model.draft_logits(dw, &last));
+                let next = model.draft_rows(dw, mem.as_mut(), layer, &[(i, pos, guess)], &[&row]);
+                row = next.into_iter().next().expect("a row");
+                out.push(model.draft_logits(dw, &row));
             }
         }
+        drop(mem);
+        self.last = last;
         Ok(out)
     }
 }

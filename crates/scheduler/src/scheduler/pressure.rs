@@ -19,7 +19,15 @@ impl Scheduler {
     ) -> Option<BatchItem> {
         let r = &self.reqs[&id];
         let computed = self.kv.computed_tokens(r.seq).ok()?;
-        let n = self.config.chunk_len(computed, r.tokens.len() - computed, budget, contended);
+        let mut n = self.config.chunk_len(computed, r.tokens.len() - computed, budget, contended);
+        // A model with per-request state caches a prefix only where a state is saved: a chunk ending
+        // further past a block boundary than the state goes back ends at the boundary instead.
+        let kv = self.kv.config();
+        let (bt, reach) = (kv.block_tokens as usize, kv.state_rewind_tokens as usize);
+        let boundary = (computed + n) - (computed + n) % bt;
+        if kv.state_bytes > 0 && boundary > computed && computed + n - boundary > reach {
+            n = boundary - computed;
+        }
         if n == 0 {
             return None;
         }

@@ -201,7 +201,8 @@ impl Frontend {
             "kv_groups": info.kv_groups.iter().map(|g| json!({"name": g.name, "layers": g.layers,
                 "window": match g.kind { pdserve_engine::KvLayerKind::Sliding { window } => Some(window), _ => None },
                 "tokens_per_row": g.kind.ratio(), "bytes_per_token": g.bytes_per_token()})).collect::<Vec<_>>(),
-            "kv_state_bytes_per_request": info.kv_state_bytes});
+            "kv_state_bytes_per_request": info.kv_state_bytes,
+            "kv_rows": info.kv_rows.iter().map(|(name, b)| json!({"name": name, "bytes_per_token": b})).collect::<Vec<_>>()});
         model
     }
 
