@@ -120,6 +120,21 @@ impl Engine {
             .speculative
             .resolve(files.config.draft_layers)
             .map_err(|value| EngineError::Config { field: "speculative", value })?;
+        // DeepSeek V4's compact KV needs blocks a multiple of its compression ratios (128 in the
+        // release): a shorter block length grows to the next such, the pool keeping its tokens.
+        if let Some(m) = files.config.v4.as_ref().map(|v4| v4.block_multiple()) {
+            if !config.block_size.is_multiple_of(m) {
+                let tokens = config.kv_blocks.saturating_mul(config.block_size);
+                let grown = config.block_size.div_ceil(m) * m;
+                let asked = std::mem::replace(&mut config.block_size, grown);
+                config.kv_blocks = tokens.div_ceil(config.block_size).max(1);
+                eprintln!(
+                    "engine: KV blocks of {} tokens, not {asked}: DeepSeek V4's compact KV needs a multiple of {m} \
+                     ({} blocks, {tokens} tokens)",
+                    config.block_size, config.kv_blocks
+                );
+            }
+        }
         // The model's maximum context, unless the configuration asks for less or the KV pool holds
         // less (a longer request could never be admitted; with a sliding window a sequence holds only
         // its window, so the pool does not bound it).

@@ -163,7 +163,12 @@ fn deepseek_v4_as_shipped_is_served_in_fp8_and_mxfp4() {
     let shipped = checkpoint("shipped", json!({"as_shipped": true}));
     let plain = checkpoint("plain", json!({}));
     let (held, bf16) = (Worker::start(&["--model", shipped.to_str().unwrap(), "--kv-dtype", "f32"]), {
-        let w = Worker::start(&["--model", plain.to_str().unwrap()]);
+        // Blocks of 4 tokens asked: the compact layout's rows of 16 tokens need 16 (the pool keeps
+        // its 64 tokens).
+        let w =
+            Worker::start(&["--model", plain.to_str().unwrap(), "--block-size", "4", "--kv-blocks", "16"]);
+        let blocks = common::metric(&w, "kv_cache_block_size_tokens{block_size=\"16\",num_gpu_blocks=\"4\"}");
+        assert_eq!(blocks, 16.0, "the block length grown to the compression ratio's multiple");
         let (_, m) = w.json("GET", "/v1/models", "");
         assert_eq!(m["data"][0]["weights"], "bf16", "{m}");
         m["data"][0]["weight_bytes"].as_u64().unwrap()

@@ -221,6 +221,19 @@ impl V4Config {
         V4Row { width, parts }
     }
 
+    /// The least block length (tokens) the compact KV layout can use: a multiple of every layer's
+    /// compression ratio, the indexer's included, so no compressed row straddles two blocks.
+    pub fn block_multiple(&self) -> usize {
+        let gcd = |mut a: usize, mut b: usize| {
+            while b != 0 {
+                (a, b) = (b, a % b);
+            }
+            a
+        };
+        let ratios = self.kinds.iter().map(|k| k.ratio()).filter(|&r| r > 0);
+        ratios.fold(4, |m, r| m / gcd(m, r) * r)
+    }
+
     /// Rope's inverse frequencies for a layer of `kind`: plain from `rope_theta` for window-only
     /// layers, YaRN from `compress_rope_theta` for compressed ones.
     pub fn rope(&self, kind: V4Layer) -> Vec<f32> {
