@@ -13,6 +13,7 @@ pub(crate) mod deploy;
 mod formats;
 mod generate;
 mod gpu;
+mod kv_bytes;
 mod memory;
 mod observe;
 mod peer;
@@ -56,6 +57,7 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          bench spec [--concurrency LIST] [--max-tokens M] [--repeat K] [--draft-tokens N]\n\
          bench llamacpp [--isa native|avx2|both] [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench deepseek [--repeat K] [--rows single,streams32,prefill,long]\n\
+         bench kv-bytes\n\
          bench ab --base REV [--isa native|avx2] [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench formats [--formats fp4,bf16] [--model deepseek|default] [--repeat K] [--rows LIST]\n\
          bench memory [--kv-blocks N]\n\
@@ -74,7 +76,8 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          rows (what a change costs); `formats`: one model in two weight formats (--weights), alternating, on\n\
          `llamacpp`'s rows, with the bytes each holds; `observability`: a PD stack beside one exporting spans from every\n\
          process and publishing KV events its router follows, alternating, on `llamacpp`'s rows; `deepseek`: the same rows on a random DeepSeek-V3-shaped model against\n\
-         llama.cpp's deepseek2 path (its GGUF made by llama.cpp's own converter); `transfer`: the KV transfer between worker\n\
+         llama.cpp's deepseek2 path (its GGUF made by llama.cpp's own converter); `kv-bytes`: DeepSeek V4's compact KV per\n\
+         token and per request beside V3's latent and expanded caches at 4k and 64k tokens, from running workers; `transfer`: the KV transfer between worker\n\
          processes over shared memory and TCP beside memcpy; `http`: this project's HTTP server\n\
          beside nginx under wrk; `router`: the router beside SGLang's router (sglang-router and its\n\
          successor, the Shepherd Model Gateway `smg`, each pinned and named with its version) and nginx,\n\
@@ -404,7 +407,7 @@ fn emulated_avx2() -> Result<()> {
 /// The Python of a virtual environment holding the packages the tests need at the versions
 /// `xtask/test-requirements.txt` pins (`~/.cache/pdserve/test-venv`, outside `target/`), made (again,
 /// when the file changed) with `python3 -m venv` and pip.
-fn test_venv() -> Result<PathBuf> {
+pub(crate) fn test_venv() -> Result<PathBuf> {
     let requirements = workspace_root().join("xtask/test-requirements.txt");
     let pinned =
         std::fs::read_to_string(&requirements).with_context(|| requirements.display().to_string())?;
@@ -496,6 +499,7 @@ fn bench(args: &[String]) -> Result<()> {
         Some("spec") => spec::run(&args[1..]),
         Some("llamacpp") => vs_llamacpp::run(&args[1..]),
         Some("deepseek") => deepseek::run(&args[1..]),
+        Some("kv-bytes") => kv_bytes::run(&args[1..]),
         Some("ab") => ab::run(&args[1..]),
         Some("formats") => formats::run(&args[1..]),
         Some("memory") => memory::run(&args[1..]),
