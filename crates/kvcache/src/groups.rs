@@ -360,12 +360,21 @@ impl KvGroups {
         }
     }
 
-    /// Says the backend has performed every [`StateCopy`] handed out so far: the restore points they
-    /// read or wrote may be evicted again. Until then they are kept, so no slot a pending copy
-    /// touches changes hands.
+    /// Says the backend has performed every [`StateCopy`] taken so far
+    /// ([`take_state_copies`](Self::take_state_copies), or each as it was returned): the slots they
+    /// read or wrote may be evicted or reused again. Until then they are kept, so no slot a pending
+    /// copy touches changes hands; copies handed out and not taken yet keep theirs.
     pub fn copies_done(&mut self) {
+        // (Copies handed out since the last take are still to come: their slots stay kept.)
         self.copying.clear();
-        self.free_states.append(&mut self.parked);
+        for c in self.pending.clone() {
+            self.note_copying(c.from);
+            self.note_copying(c.to);
+        }
+        let (keep, free): (Vec<StateId>, Vec<StateId>) =
+            self.parked.iter().partition(|s| self.copying.contains(s));
+        self.parked = keep;
+        self.free_states.extend(free);
     }
 
     /// Checks that a transfer's write of its lease's state at `epoch` still targets the slot the lease

@@ -124,8 +124,12 @@ fn state_slots_are_bounded_and_restore_points_give_way() {
     run(&mut kv, a, BT);
     assert!(kv.save_restore_point(a).unwrap().is_some());
     assert_eq!(kv.state_stats().free, 0);
-    // Until the backend has made the copy into it, the point keeps its slot...
+    // Until the backend has made the copy into it, the point keeps its slot (a copy not taken yet
+    // is still to come)...
     assert_eq!(kv.add_sequence(SeqId(2), &[7; 9]), Err(KvError::OutOfStates { slots: 2 }));
+    kv.copies_done();
+    assert_eq!(kv.add_sequence(SeqId(2), &[7; 9]), Err(KvError::OutOfStates { slots: 2 }));
+    assert_eq!(kv.take_state_copies().len(), 1);
     kv.copies_done();
     // ... then it makes room for a second request...
     kv.add_sequence(SeqId(2), &[7; 9]).unwrap();

@@ -480,7 +480,11 @@ impl Scheduler {
             };
             let cached_blocks = hit.cached_tokens / self.kv.block_size();
             let needed = self.blocks_needed(tokens.len(), tokens.len() - hit.cached_tokens, cached_blocks);
-            if self.kv.blocks_available() < needed + self.config.admission_watermark_blocks {
+            // (The watermark keeps room for running requests' next tokens: with none running, a
+            // request as large as the pool still goes in, as a preempted stateful one whose prefix
+            // has no restore point must.)
+            let watermark = if self.running.is_empty() { 0 } else { self.config.admission_watermark_blocks };
+            if self.kv.blocks_available() < needed + watermark {
                 // Not now: it waits (it fits the pool, so running requests will make room).
                 let _ = self.kv.free_sequence(seq, false);
                 short_of_blocks = true;

@@ -178,9 +178,17 @@ impl EngineCore {
         };
         self.drain_events(now);
         if batch.is_empty() {
-            self.sched.handle_step_result(&[], now);
-            self.drain_events(now);
-            return None;
+            // Nothing to compute, but state copies handed out are made now: the slots they touch
+            // stay parked until then (a queued request may be waiting for one).
+            let copies = self.state_copies();
+            if copies.is_empty() {
+                self.sched.handle_step_result(&[], now);
+                self.drain_events(now);
+                return None;
+            }
+            self.stepping = Some(InFlight { batch });
+            let (rows, tier_copies, guides) = (Vec::new(), Vec::new(), Guides::default());
+            return Some(StepPlan { rows, tier_copies, copies, picks_only: false, guides });
         }
         for item in &batch {
             if let Some(a) = self.active.get_mut(&item.id.0) {
@@ -192,15 +200,9 @@ impl EngineCore {
             }
         }
         let tier_copies = self.sched.kv_mut().take_tier_copies();
-        // (The engine's ledgers are single-group: every copy is group 0's.) Then the state copies
-        // (restores, restore points saved, forks), as whole blocks of the state's slots.
+        // (The engine's ledgers are single-group: every copy is group 0's.) Then the state copies.
         let mut copies: Vec<_> = self.sched.kv_mut().take_copies().into_iter().map(|(_, c)| c).collect();
-        if let Some(st) = self.config.kv_state {
-            for c in self.sched.kv_mut().take_state_copies() {
-                let pairs = st.slot_blocks(c.from.0).zip(st.slot_blocks(c.to.0));
-                copies.extend(pairs.map(|(src, dst)| BlockCopy { src, dst, tokens: self.config.block_size }));
-            }
-        }
+        copies.extend(self.state_copies());
         let kv = self.sched.kv();
         let rows = batch
             .iter()
@@ -233,6 +235,18 @@ impl EngineCore {
             .collect();
         self.stepping = Some(InFlight { batch });
         Some(StepPlan { rows, tier_copies, copies, picks_only, guides: Guides(guides) })
+    }
+
+    /// The state copies handed out since the last step (restores, restore points saved, forks), as
+    /// whole blocks of the state's slots.
+    fn state_copies(&mut self) -> Vec<BlockCopy> {
+        let (Some(st), bs) = (self.config.kv_state, self.config.block_size) else { return Vec::new() };
+        let copies = self.sched.kv_mut().take_state_copies();
+        copies
+            .iter()
+            .flat_map(|c| st.slot_blocks(c.from.0).zip(st.slot_blocks(c.to.0)))
+            .map(|(src, dst)| BlockCopy { src, dst, tokens: bs })
+            .collect()
     }
 
     /// The backend's answer to the step in flight: samples every sampling row, verifies drafts,
