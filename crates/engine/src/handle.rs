@@ -199,6 +199,11 @@ impl Engine {
                 let value = "a decode worker (the tier serves unified and prefill workers)".to_owned();
                 return Err(EngineError::Config { field: "kv_offload (--kv-offloading-size)", value });
             }
+            (_, _) if state.is_some() => {
+                // The tier keeps blocks, not the states a prefix hit here resumes from.
+                let value = "a model with per-request state (DeepSeek V4's compact KV)".to_owned();
+                return Err(EngineError::Config { field: "kv_offload (--kv-offloading-size)", value });
+            }
             (o, _) => {
                 let (store, tier) =
                     crate::offload::OffloadStore::new(o, built.backend.kv_layout().block_bytes()).map_err(
@@ -638,8 +643,6 @@ fn kv_group(
         // DeepSeek V4's compact layout: every layer's compressed rows of a block together (the
         // windows and partial groups are in the request's state).
         _ if compact => ("v4-compressed", LayerKind::Full),
-        // DeepSeek V4's row per position: window, compressor inputs and compressed rows together.
-        _ if model.v4.is_some() => ("v4-rows", LayerKind::Full),
         (true, _) => ("latent", LayerKind::Full),
         (false, Some(w)) => ("window", LayerKind::Sliding { window: w as u32 }),
         (false, None) => ("full", LayerKind::Full),

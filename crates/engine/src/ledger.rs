@@ -42,7 +42,9 @@ pub(crate) fn publish_states(kv: &KvGroups, metrics: &crate::metrics::Metrics) {
     if s.slots == 0 {
         return;
     }
-    for (state, v) in [("total", s.slots), ("free", s.free), ("restore_points", s.restore_points)] {
+    for (state, v) in
+        [("total", s.slots), ("free", s.free), ("parked", s.parked), ("restore_points", s.restore_points)]
+    {
         if let Ok(g) = metrics.state_slots.with(&[state]) {
             g.set(v as f64);
         }

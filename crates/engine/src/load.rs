@@ -143,15 +143,22 @@ fn v4_backend(config: &EngineConfig, model: &ModelConfig, v4: Arc<DeepseekV4>) -
         return refuse("activations", "q8");
     }
     let (blocks, block_size, dtype) = (config.kv_blocks, config.block_size, config.resolved_kv_dtype());
-    let states = (v4_state_slots(config), config.speculative.max_draft);
-    let (layout, _) = V4Backend::compact_layout(model, (blocks, block_size), dtype, states)?;
+    if config.speculative.is_on() && config.speculative.max_draft > V4_REWIND_TOKENS {
+        let value = format!(
+            "{} draft tokens a step (DeepSeek V4's state goes back {V4_REWIND_TOKENS} positions)",
+            config.speculative.max_draft
+        );
+        return Err(EngineError::Config { field: "speculative", value });
+    }
+    let states = (v4_state_slots(config), V4_REWIND_TOKENS);
+    let (layout, _) = V4Backend::layout(model, (blocks, block_size), dtype, states)?;
     let (b, kv_shm_path) = if (config.kv_shm || config.kv_ucx) && config.role == Role::Prefill {
         let region = SharedRegion::create(&config.shm_scope, layout.block_bytes() * layout.num_blocks)?;
         let path = region.path().to_path_buf();
         let store = Some(Box::new(SharedKv(region)) as Box<dyn KvStore>);
-        (V4Backend::compact(v4, model.clone(), (blocks, block_size), dtype, states, store)?, Some(path))
+        (V4Backend::new(v4, model.clone(), (blocks, block_size), dtype, states, store)?, Some(path))
     } else {
-        (V4Backend::compact(v4, model.clone(), (blocks, block_size), dtype, states, None)?, None)
+        (V4Backend::new(v4, model.clone(), (blocks, block_size), dtype, states, None)?, None)
     };
     Ok(Built {
         multi_row_weights: config.weights.name(),
@@ -164,10 +171,16 @@ fn v4_backend(config: &EngineConfig, model: &ModelConfig, v4: Arc<DeepseekV4>) -
     })
 }
 
-/// State slots of a model that keeps per-request state: every running request and as many transfer
-/// leases, plus 32 restore points (a full pool evicts the least recently used point first).
+/// Positions a V4 request's state goes back (rejected draft tokens), the same on every worker
+/// whatever its drafting, so prefill and decode workers of one checkpoint agree on the state's
+/// layout (its rings' lengths).
+const V4_REWIND_TOKENS: usize = 8;
+
+/// State slots of a model that keeps per-request state: every running request, plus 16 for
+/// transfer leases and restore points (a full pool evicts the least recently used point first;
+/// a request waits for a slot as for blocks).
 fn v4_state_slots(config: &EngineConfig) -> usize {
-    2 * config.scheduler.running_requests_max + 32
+    config.scheduler.running_requests_max + 16
 }
 
 /// What a KV transfer transport is made for: the engine's role, where a prefill engine listens, and the

@@ -144,7 +144,8 @@ impl Metrics {
             state_slots: r.gauge_vec(
                 "kv_state_entries",
                 "Per-request state slots of a model that keeps one (DeepSeek V4's windows and partial groups) \
-                 by use: total, free, restore_points (states saved at block boundaries for prefix hits).",
+                 by use: total, free, parked (given back, free once a pending copy of it is made), restore_points \
+                 (states saved at block boundaries for prefix hits).",
                 &["state"],
             )?,
             state_restores: r.counter(

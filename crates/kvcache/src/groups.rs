@@ -172,11 +172,13 @@ pub(crate) struct RestorePoint {
     pub(crate) last_used: u64,
 }
 
-/// Counts for metrics. Slots add up: `free + sequences + leases + restore_points == slots`.
+/// Counts for metrics. Slots add up: `free + parked + sequences + leases + restore_points == slots`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StateStats {
     pub slots: usize,
     pub free: usize,
+    /// Given back while a copy not yet made touches them (free once it is).
+    pub parked: usize,
     pub restore_points: usize,
     pub restore_hits_total: u64,
     pub restore_points_evicted_total: u64,
@@ -190,15 +192,17 @@ pub struct KvGroups {
     pub(crate) groups: Vec<KvCache>,
     pub(crate) owners: Vec<Option<StateOwner>>,
     /// Each slot's epoch, moved on each time it is taken (a late write for an earlier owner is seen).
-    epochs: Vec<u32>,
-    /// Slots a handed-out copy reads or writes: a restore point among them is not evicted, and a slot
-    /// given back is parked, not reused, until [`copies_done`](Self::copies_done).
-    copying: Vec<StateId>,
+    pub(crate) epochs: Vec<u32>,
     pub(crate) free_states: Vec<StateId>,
-    /// Slots given back while a handed-out copy touches them: free at `copies_done`.
+    /// Slots given back while a copy not yet made touches them: free once it is
+    /// ([`copies_done`](Self::copies_done)).
     pub(crate) parked: Vec<StateId>,
-    /// State copies not yet taken by [`take_state_copies`](Self::take_state_copies).
-    pending: Vec<StateCopy>,
+    /// State copies handed out and not yet taken by [`take_state_copies`](Self::take_state_copies),
+    /// each marked when it is a restore (counted as a hit when taken).
+    pending: Vec<(StateCopy, bool)>,
+    /// Copies taken and not yet reported made ([`copies_done`](Self::copies_done) or
+    /// [`copies_failed`](Self::copies_failed)).
+    in_flight: Vec<StateCopy>,
     pub(crate) states: IdMap<SeqId, StateId>,
     pub(crate) lease_states: IdMap<TransferId, StateId>,
     pub(crate) restore: IdMap<NodeId, RestorePoint>,
@@ -228,10 +232,10 @@ impl KvGroups {
             groups,
             owners: vec![None; n as usize],
             epochs: vec![0; n as usize],
-            copying: Vec::new(),
             free_states: (0..n).rev().map(StateId).collect(),
             parked: Vec::new(),
             pending: Vec::new(),
+            in_flight: Vec::new(),
             states: IdMap::default(),
             lease_states: IdMap::default(),
             restore: IdMap::default(),
@@ -256,7 +260,8 @@ impl KvGroups {
 
     pub fn state_stats(&self) -> StateStats {
         StateStats {
-            free: self.free_states.len() + self.parked.len(),
+            free: self.free_states.len(),
+            parked: self.parked.len(),
             restore_points: self.restore.len(),
             ..self.stats
         }
@@ -278,7 +283,7 @@ impl KvGroups {
 
     /// Takes a free state slot for `owner`, evicting the least recently used restore point if none is
     /// free.
-    fn take_state(&mut self, owner: StateOwner, keep: Option<NodeId>) -> Result<StateId, KvError> {
+    pub(crate) fn take_state(&mut self, owner: StateOwner, keep: Option<NodeId>) -> Result<StateId, KvError> {
         if !self.stateful() {
             return Ok(StateId::NONE);
         }
@@ -291,32 +296,49 @@ impl KvGroups {
         Ok(s)
     }
 
-    fn give_state(&mut self, s: StateId) {
+    pub(crate) fn give_state(&mut self, s: StateId) {
         if s == StateId::NONE {
             return;
         }
         self.owners[s.0 as usize] = None;
-        if self.copying.contains(&s) {
+        // A copy not taken yet into the slot is moot now (a request refused admission right after
+        // its restore was handed out, say); one out of it, or one taken, still keeps it.
+        self.pending.retain(|(c, _)| c.to != s);
+        if self.touched(s) {
             self.parked.push(s);
         } else {
             self.free_states.push(s);
         }
     }
 
-    /// Hands out a copy: queued for [`take_state_copies`](Self::take_state_copies), both slots kept
-    /// until [`copies_done`](Self::copies_done).
-    fn hand_out(&mut self, c: StateCopy) -> StateCopy {
-        self.note_copying(c.from);
-        self.note_copying(c.to);
-        self.pending.push(c);
+    /// Whether a copy not yet made reads or writes slot `s`.
+    fn touched(&self, s: StateId) -> bool {
+        let hits = |c: &StateCopy| c.from == s || c.to == s;
+        self.pending.iter().any(|(c, _)| hits(c)) || self.in_flight.iter().any(hits)
+    }
+
+    /// Hands out a copy (queued for [`take_state_copies`](Self::take_state_copies)); its slots are
+    /// kept until it is made.
+    fn hand_out(&mut self, c: StateCopy, restore: bool) -> StateCopy {
+        self.pending.push((c, restore));
         c
     }
 
     /// The state copies handed out since the last call (restores, saved restore points, forks), in
     /// order: the backend performs them before the next step, then calls
-    /// [`copies_done`](Self::copies_done). (Each is also returned where it is made.)
+    /// [`copies_done`](Self::copies_done) (or [`copies_failed`](Self::copies_failed)). (Each is also
+    /// returned where it is made.)
     pub fn take_state_copies(&mut self) -> Vec<StateCopy> {
-        std::mem::take(&mut self.pending)
+        let taken: Vec<StateCopy> = self
+            .pending
+            .drain(..)
+            .map(|(c, restore)| {
+                self.stats.restore_hits_total += u64::from(restore);
+                c
+            })
+            .collect();
+        self.in_flight.extend(&taken);
+        taken
     }
 
     /// Drops up to `n` restore points, least recently used first; returns how many.
@@ -331,7 +353,7 @@ impl KvGroups {
         let mut by_age: Vec<(bool, u64, NodeId)> = self
             .restore
             .iter()
-            .filter(|(&k, r)| Some(k) != keep && !self.copying.contains(&r.state))
+            .filter(|(&k, r)| Some(k) != keep && !self.touched(r.state))
             .map(|(&k, r)| (self.anchor_valid(k, r), r.last_used, k))
             .collect();
         by_age.sort_unstable();
@@ -353,28 +375,34 @@ impl KvGroups {
             && g.blocks[r.block.0 as usize].epoch == r.epoch
     }
 
-    /// Keeps restore point slot `s` while a handed-out copy touches it (once: bounded by the slots).
-    fn note_copying(&mut self, s: StateId) {
-        if !self.copying.contains(&s) {
-            self.copying.push(s);
+    /// Says the backend has made every [`StateCopy`] taken so far
+    /// ([`take_state_copies`](Self::take_state_copies)): the slots they read or wrote may be evicted
+    /// or reused again (those of copies handed out and not taken yet stay kept).
+    pub fn copies_done(&mut self) {
+        self.in_flight.clear();
+        let parked = std::mem::take(&mut self.parked);
+        for s in parked {
+            if self.touched(s) {
+                self.parked.push(s);
+            } else {
+                self.free_states.push(s);
+            }
         }
     }
 
-    /// Says the backend has performed every [`StateCopy`] taken so far
-    /// ([`take_state_copies`](Self::take_state_copies), or each as it was returned): the slots they
-    /// read or wrote may be evicted or reused again. Until then they are kept, so no slot a pending
-    /// copy touches changes hands; copies handed out and not taken yet keep theirs.
-    pub fn copies_done(&mut self) {
-        // (Copies handed out since the last take are still to come: their slots stay kept.)
-        self.copying.clear();
-        for c in self.pending.clone() {
-            self.note_copying(c.from);
-            self.note_copying(c.to);
+    /// Says the copies taken so far may not have been made (the step that was to make them failed):
+    /// the restore points they were to fill are dropped, then as [`copies_done`](Self::copies_done).
+    pub fn copies_failed(&mut self) {
+        let targets: Vec<StateId> = self.in_flight.iter().map(|c| c.to).collect();
+        let unfilled: Vec<NodeId> =
+            self.restore.iter().filter(|(_, r)| targets.contains(&r.state)).map(|(&n, _)| n).collect();
+        self.in_flight.clear();
+        for node in unfilled {
+            if let Some(r) = self.restore.remove(&node) {
+                self.give_state(r.state);
+            }
         }
-        let (keep, free): (Vec<StateId>, Vec<StateId>) =
-            self.parked.iter().partition(|s| self.copying.contains(s));
-        self.parked = keep;
-        self.free_states.extend(free);
+        self.copies_done();
     }
 
     /// Checks that a transfer's write of its lease's state at `epoch` still targets the slot the lease
@@ -416,6 +444,16 @@ impl KvGroups {
         self.hit_blocks(tokens).0 * self.config.block_tokens as usize
     }
 
+    /// Leading tokens of `tokens` every group holds in whole cached blocks, restore point or not (at
+    /// least one token is left): where a stateful model's request could save a restore point that
+    /// later prompts sharing the prefix resume from.
+    pub fn cached_block_tokens(&self, tokens: &[u32]) -> usize {
+        let bt = self.config.block_tokens as usize;
+        let full = tokens.len().saturating_sub(1) / bt;
+        let common = self.groups.iter().map(|g| g.tree.longest_match(tokens, full).len()).min().unwrap_or(0);
+        common * bt
+    }
+
     fn hit_blocks(&self, tokens: &[u32]) -> (usize, Option<(NodeId, RestorePoint)>) {
         let bt = self.config.block_tokens as usize;
         let full = tokens.len().saturating_sub(1) / bt;
@@ -454,8 +492,7 @@ impl KvGroups {
         self.clock += 1;
         let mut restore = None;
         if let Some((node, r)) = point {
-            self.stats.restore_hits_total += 1;
-            restore = Some(self.hand_out(StateCopy { from: r.state, to: state }));
+            restore = Some(self.hand_out(StateCopy { from: r.state, to: state }, true));
             if let Some(p) = self.restore.get_mut(&node) {
                 p.last_used = self.clock;
             }
@@ -463,7 +500,7 @@ impl KvGroups {
         Ok(GroupHit { cached_tokens: blocks * self.config.block_tokens as usize, state, restore })
     }
 
-    fn known(&self, seq: SeqId) -> Result<StateId, KvError> {
+    pub(crate) fn known(&self, seq: SeqId) -> Result<StateId, KvError> {
         self.states.get(&seq).copied().ok_or(KvError::UnknownSequence { seq })
     }
 
@@ -589,7 +626,7 @@ impl KvGroups {
         self.clock += 1;
         self.restore
             .insert(end.0, RestorePoint { block: end.1, epoch: end.2, state: to, last_used: self.clock });
-        Ok(Some(self.hand_out(StateCopy { from: state, to })))
+        Ok(Some(self.hand_out(StateCopy { from: state, to }, false)))
     }
 
     /// Inserts `seq`'s full computed blocks into every group's prefix cache.
@@ -639,7 +676,7 @@ impl KvGroups {
         if to == StateId::NONE {
             return Ok(StateCopy { from, to });
         }
-        Ok(self.hand_out(StateCopy { from, to }))
+        Ok(self.hand_out(StateCopy { from, to }, false))
     }
 
     /// Cuts `seq` back to `n` tokens. A stateful model's state goes back at most
@@ -663,148 +700,5 @@ impl KvGroups {
     /// Drops up to `n` evictable cached blocks from each group.
     pub fn evict(&mut self, n: usize) -> usize {
         self.groups.iter_mut().map(|g| g.evict(n)).sum()
-    }
-}
-
-// ---- leases: a grouped request moves between workers as (group, blocks) plus its state ----
-
-impl KvGroups {
-    fn lease_view(&self, transfer: TransferId) -> Result<GroupLease<'_>, KvError> {
-        let state = *self.lease_states.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
-        let groups = self.groups.iter().map(|g| g.lease(transfer)).collect::<Result<_, _>>()?;
-        Ok(GroupLease { groups, state, state_epoch: self.epochs.get(state.0 as usize).copied().unwrap_or(0) })
-    }
-
-    /// A lease's blocks in every group and its state slot.
-    pub fn lease(&self, transfer: TransferId) -> Result<GroupLease<'_>, KvError> {
-        self.lease_view(transfer)
-    }
-
-    /// Moves `seq`'s computed blocks in every group, and its state, under a lease for `transfer` until
-    /// `expires_at`, ending the sequence (a prefill worker keeping a request for its decode peer).
-    /// Refused, changing nothing, when a sliding group released part of the prompt.
-    pub fn lease_sequence(
-        &mut self,
-        seq: SeqId,
-        transfer: TransferId,
-        expires_at: u64,
-    ) -> Result<GroupLease<'_>, KvError> {
-        let state = self.known(seq)?;
-        if self.lease_states.contains_key(&transfer) {
-            return Err(KvError::DuplicateTransfer { transfer });
-        }
-        for g in &self.groups {
-            if let Some(i) = g.block_table(seq)?.iter().position(|b| b.is_released()) {
-                return Err(KvError::Released { seq, block_index: i });
-            }
-        }
-        for g in &mut self.groups {
-            g.lease_sequence(seq, transfer, expires_at).expect("checked in every group");
-        }
-        self.states.remove(&seq);
-        if let Some(o) = self.owners.get_mut(state.0 as usize) {
-            *o = Some(StateOwner::Lease(transfer));
-        }
-        self.lease_states.insert(transfer, state);
-        self.lease_view(transfer)
-    }
-
-    /// A decode worker's destination for a grouped request of `tokens`: in each group the blocks
-    /// `tokens` need, the leading ones its prefix cache holds already reused (each group's own
-    /// `reused`: a transfer fills `blocks[reused..]` of each), and a state slot the transfer fills.
-    /// All or nothing.
-    pub fn allocate_lease_reusing(
-        &mut self,
-        transfer: TransferId,
-        tokens: &[u32],
-        expires_at: u64,
-    ) -> Result<GroupLease<'_>, KvError> {
-        if self.lease_states.contains_key(&transfer) {
-            return Err(KvError::DuplicateTransfer { transfer });
-        }
-        let n = tokens.len().div_ceil(self.config.block_tokens as usize);
-        if let Some(g) = self.plain_mut() {
-            // One group: its own all-or-nothing allocation.
-            g.allocate_lease_reusing(transfer, tokens, n, expires_at)?;
-            self.lease_states.insert(transfer, StateId::NONE);
-            return self.lease_view(transfer);
-        }
-        for g in &self.groups {
-            let reusable = g.tree.longest_match(tokens, (tokens.len() / g.block_size()).min(n));
-            // The reused blocks are pinned by the lease: no longer room eviction can make.
-            let need = n - reusable.len();
-            if !g.can_free(need, &reusable) {
-                return Err(KvError::OutOfBlocks { needed_blocks: need, free_blocks: g.blocks_free() });
-            }
-        }
-        let state = self.take_state(StateOwner::Lease(transfer), None)?;
-        for g in &mut self.groups {
-            g.allocate_lease_reusing(transfer, tokens, n, expires_at).expect("checked: room in every group");
-        }
-        self.lease_states.insert(transfer, state);
-        self.lease_view(transfer)
-    }
-
-    /// Moves a lease's expiry in every group.
-    pub fn renew_lease(&mut self, transfer: TransferId, expires_at: u64) -> Result<(), KvError> {
-        self.lease_view(transfer)?;
-        for g in &mut self.groups {
-            g.renew_lease(transfer, expires_at)?;
-        }
-        Ok(())
-    }
-
-    /// Ends a lease in every group and frees its state slot.
-    pub fn release_lease(&mut self, transfer: TransferId) -> Result<(), KvError> {
-        let state = self.lease_states.remove(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
-        for g in &mut self.groups {
-            g.release_lease(transfer)?;
-        }
-        self.give_state(state);
-        Ok(())
-    }
-
-    /// Ends every lease whose expiry is at or before `now` (the same in every group).
-    pub fn expire_leases(&mut self, now: u64) -> Vec<TransferId> {
-        let mut expired: Vec<TransferId> = self
-            .lease_states
-            .keys()
-            .copied()
-            .filter(|t| self.groups[0].lease(*t).is_ok_and(|l| l.expires_at <= now))
-            .collect();
-        expired.sort();
-        for g in &mut self.groups {
-            g.expire_leases(now);
-        }
-        for t in &expired {
-            let state = self.lease_states.remove(t).expect("listed");
-            self.give_state(state);
-        }
-        expired
-    }
-
-    /// Turns a filled destination lease into sequence `seq` whose KV covers `tokens` in every group,
-    /// its state slot the sequence's.
-    pub fn adopt_lease(&mut self, transfer: TransferId, seq: SeqId, tokens: &[u32]) -> Result<(), KvError> {
-        let state = *self.lease_states.get(&transfer).ok_or(KvError::UnknownTransfer { transfer })?;
-        if self.states.contains_key(&seq) {
-            return Err(KvError::DuplicateSequence { seq });
-        }
-        let needed = tokens.len().div_ceil(self.config.block_tokens as usize);
-        for g in &self.groups {
-            let blocks = g.lease(transfer)?.blocks.len();
-            if blocks < needed {
-                return Err(KvError::LeaseTooSmall { transfer, blocks, needed_blocks: needed });
-            }
-        }
-        for g in &mut self.groups {
-            g.adopt_lease(transfer, seq, tokens).expect("checked in every group");
-        }
-        self.lease_states.remove(&transfer);
-        if let Some(o) = self.owners.get_mut(state.0 as usize) {
-            *o = Some(StateOwner::Sequence(seq));
-        }
-        self.states.insert(seq, state);
-        Ok(())
     }
 }

@@ -25,6 +25,7 @@
 mod cache;
 mod check;
 mod error;
+mod group_leases;
 mod group_ops;
 mod groups;
 mod ids;

@@ -103,6 +103,17 @@ fn a_prefix_hit_resumes_from_a_restore_point() {
     let hit = kv.add_sequence(b, &prompt).unwrap();
     assert_eq!(hit.cached_tokens, 2 * BT, "the 3rd full block has no restore point");
     assert_eq!(hit.restore, Some(StateCopy { from: save.to, to: hit.state }));
+    // The backend takes the copies (the point's save, then the restore) and makes them: the hit
+    // counts once taken.
+    assert_eq!(kv.take_state_copies(), [save, hit.restore.unwrap()]);
+    assert_eq!(kv.state_stats().restore_hits_total, 1);
+    kv.copies_done();
+    // A request refused right after its restore was handed out (freed at once) leaves no copy into
+    // its slot behind, and no hit counted.
+    let c = SeqId(3);
+    kv.add_sequence(c, &prompt).unwrap();
+    kv.free_sequence(c, false).unwrap();
+    assert!(kv.take_state_copies().is_empty());
     assert_eq!(kv.state_stats().restore_hits_total, 1);
     // A stateless model needs none.
     let mut plain = groups([16, 16, 16], 0, 6);
@@ -113,6 +124,27 @@ fn a_prefix_hit_resumes_from_a_restore_point() {
     assert_eq!(plain.save_restore_point(b).unwrap(), None);
     kv.check_invariants().unwrap();
     plain.check_invariants().unwrap();
+}
+
+/// A step that was to make a saved point's copy and failed leaves no point behind: a later prefix
+/// would resume from a state never written.
+#[test]
+fn a_restore_point_whose_copy_failed_is_dropped() {
+    let mut kv = groups([16, 16, 16], 100, 6);
+    let prompt: Vec<u32> = (0..30).collect();
+    let a = SeqId(1);
+    kv.add_sequence(a, &prompt).unwrap();
+    run(&mut kv, a, 2 * BT);
+    assert!(kv.save_restore_point(a).unwrap().is_some());
+    assert_eq!(kv.take_state_copies().len(), 1);
+    kv.copies_failed();
+    assert_eq!((kv.lookup_prefix(&prompt), kv.state_stats().restore_points), (0, 0));
+    // Saved again and made: it serves.
+    assert!(kv.save_restore_point(a).unwrap().is_some());
+    kv.take_state_copies();
+    kv.copies_done();
+    assert_eq!(kv.lookup_prefix(&prompt), 2 * BT);
+    kv.check_invariants().unwrap();
 }
 
 /// Restore points give way to live requests; a slot is never taken from one.

@@ -101,18 +101,17 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// The layout of `num_blocks` blocks of `block_size` tokens of `dtype` values for a model.
+    /// The layout of `num_blocks` blocks of `block_size` tokens of `dtype` values for a model (not
+    /// DeepSeek V4, whose layers keep different rows: `V4Backend::layout`).
     pub fn for_model(
         cfg: &crate::ModelConfig,
         num_blocks: usize,
         block_size: usize,
         dtype: KvDtype,
     ) -> KvLayout {
-        let (head_dim, latent) = match (&cfg.v4, &cfg.mla) {
-            // DeepSeek V4: one row per position and layer (`V4Backend`).
-            (Some(v4), _) => (v4.kv_row(cfg.draft_layers > 0).width, true),
-            (None, Some(m)) => (m.row_width(), true),
-            (None, None) => (cfg.head_dim, false),
+        let (head_dim, latent) = match &cfg.mla {
+            Some(m) => (m.row_width(), true),
+            None => (cfg.head_dim, false),
         };
         KvLayout {
             num_blocks,

@@ -234,120 +234,14 @@ fn a_v4_config_that_does_not_fit_is_refused() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Served: `V4Backend`'s batch steps over paged blocks compute what the one-request model does, to
-/// the bit: two requests in one batch, prefilled in chunks that cut groups and blocks anywhere, then
-/// decoded; a third reading the first's blocks as a prefix hit; a fourth whose blocks arrived as
-/// bytes (a PD transfer's `read_block` / `write_block`) and whose last block was copied on write.
+/// Served: `V4Backend`'s batch steps in the compact layout (compressed rows in blocks, windows and
+/// partial groups in a state slot per request) compute what the one-request model does, to the bit:
+/// two requests batched, prefilled in chunks that cut groups anywhere, drafting; a state saved two
+/// positions past a block boundary serving as the restore point of a prefix hit at that boundary; a
+/// request moved as its blocks and its state's blocks (the partial last block copied on write); a
+/// verify step whose draft tokens are rejected and recomputed (the state cut back).
 #[test]
 fn the_served_backend_computes_what_the_model_does() {
-    use std::sync::Arc;
-
-    use pdserve_kvcache::{BlockCopy, BlockId};
-    use pdserve_model::{Backend, DraftStep, KvDtype, ModelConfig, SeqStep, V4Backend};
-
-    let dir = checkpoint("served", "{}");
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let model = Arc::new(DeepseekV4::load(&dir).unwrap());
-    const BLOCK: usize = 16;
-    let mut b = V4Backend::new(model.clone(), cfg.clone(), (96, BLOCK), KvDtype::F32).unwrap();
-    let layout = b.kv_layout();
-    // The 4 main layers and the MTP layer, which drafts.
-    assert!(layout.latent && layout.num_layers == 5 && b.draft_layers() == 1, "{layout:?}");
-    let table = |first: u32| -> Vec<BlockId> { (first..first + 24).map(BlockId).collect() };
-    let (ta, tb) = (table(0), table(24));
-    let (a, bp) = (prompt(300, 11), prompt(77, 12));
-    // The reference: each prompt run whole through the one-request model, then greedy steps.
-    let reference = |ids: &[u32], steps: usize| -> Vec<Vec<f32>> {
-        let mut state = model.new_state();
-        let mut out = vec![model.forward(&mut state, ids).unwrap()];
-        while out.len() < steps {
-            let next = argmax(out.last().unwrap()) as u32;
-            out.push(model.forward(&mut state, &[next]).unwrap());
-        }
-        out
-    };
-    let (want_a, want_b) = (reference(&a, 4), reference(&bp, 4));
-    let step = |tokens: &'static [u32], start_pos: usize, block_table: &'static [BlockId]| SeqStep {
-        tokens,
-        start_pos,
-        block_table,
-        logits: 1,
-        state: None,
-    };
-    let leak = |v: Vec<u32>| -> &'static [u32] { Vec::leak(v) };
-    let leak_table = |v: Vec<BlockId>| -> &'static [BlockId] { Vec::leak(v) };
-    let (ta, tb) = (leak_table(ta), leak_table(tb));
-    // The drafts the one-request model makes after each of two prefill chunks (`cut` tokens, then
-    // the rest, then `guesses` chained on the greedy token after the prompt).
-    let drafts = |ids: &[u32], cut: usize, greedy: u32, guesses: usize| {
-        let mut drafting = model.new_drafting_state().unwrap();
-        model.forward(&mut drafting, &ids[..cut]).unwrap();
-        let first = model.draft(&mut drafting, &ids[1..=cut], 1).unwrap();
-        model.forward(&mut drafting, &ids[cut..]).unwrap();
-        let after: Vec<u32> = ids[cut + 1..].iter().copied().chain([greedy]).collect();
-        (first, model.draft(&mut drafting, &after, guesses).unwrap(), after)
-    };
-    let (want_a1, want_a2, after_a) = drafts(&a, 123, argmax(&want_a[0]) as u32, 3);
-    let (want_b1, want_b2, after_b) = drafts(&bp, 50, argmax(&want_b[0]) as u32, 1);
-    let draft = |step: usize, next: &'static [u32], block_table: &'static [BlockId], guesses: usize| {
-        DraftStep { step, next, block_table, guesses }
-    };
-    // Chunks: A 0..123 with B 0..50, then A 123..300 with B 50..77, each followed by both drafts.
-    let first =
-        b.forward(&[step(leak(a[..123].to_vec()), 0, ta), step(leak(bp[..50].to_vec()), 0, tb)]).unwrap();
-    assert_eq!(first.len(), 2);
-    let got =
-        b.draft(&[draft(0, leak(a[1..124].to_vec()), ta, 1), draft(1, leak(bp[1..51].to_vec()), tb, 1)]);
-    assert_eq!(got.unwrap(), [want_a1, want_b1].concat(), "one guess each after the first chunks");
-    // D's copy of A's prompt blocks is taken below from this point (before A decodes into them).
-    let out =
-        b.forward(&[step(leak(a[123..].to_vec()), 123, ta), step(leak(bp[50..].to_vec()), 50, tb)]).unwrap();
-    assert_eq!((&out[0], &out[1]), (&want_a[0], &want_b[0]), "prefill over paged blocks");
-    let got = b.draft(&[draft(0, leak(after_a), ta, 3), draft(1, leak(after_b), tb, 1)]).unwrap();
-    assert_eq!(got, [want_a2, want_b2].concat(), "three chained guesses and one");
-    // A transfer's source: A's 19 prompt blocks as bytes into fresh blocks, the partial last one
-    // copied on write.
-    let td = leak_table(table(72));
-    let mut bytes = vec![0u8; layout.block_bytes()];
-    for i in 0..18 {
-        b.read_block(ta[i], &mut bytes).unwrap();
-        b.write_block(td[i], &bytes).unwrap();
-    }
-    b.copy_blocks(&[BlockCopy { src: ta[18], dst: td[18], tokens: 12 }]).unwrap();
-    // A draft pass reads rows of the pass before it: none past a step's own.
-    assert!(b.draft(&[draft(1, leak(prompt(30, 5)), tb, 1)]).is_err());
-    let (mut la, mut lb) = (out[0].clone(), out[1].clone());
-    for i in 1..4 {
-        let (na, nb) = (argmax(&la) as u32, argmax(&lb) as u32);
-        let out = b.forward(&[step(leak(vec![na]), 299 + i, ta), step(leak(vec![nb]), 76 + i, tb)]).unwrap();
-        assert_eq!((&out[0], &out[1]), (&want_a[i], &want_b[i]), "decode step {i}");
-        (la, lb) = (out[0].clone(), out[1].clone());
-    }
-    // A prefix hit: C shares A's first 8 blocks (128 positions) and computes the rest itself.
-    let tc = leak_table([&ta[..8], &table(48)[8..]].concat());
-    let out = b.forward(&[step(leak(a[128..].to_vec()), 128, tc)]).unwrap();
-    assert_eq!(out[0], want_a[0], "after a prefix hit of 128 positions");
-    // D decodes from the transferred blocks as A did.
-    let mut ld = want_a[0].clone();
-    for (i, want) in want_a.iter().enumerate().skip(1) {
-        let out = b.forward(&[step(leak(vec![argmax(&ld) as u32]), 299 + i, td)]).unwrap();
-        assert_eq!(&out[0], want, "decode step {i} after a transfer");
-        ld = out[0].clone();
-    }
-    // What the engine reports: a row per position and layer of the widest layer's parts (the
-    // compressed sparse layer's: 32 + 2 x 64 + 32 + 2 x 32 + 16).
-    assert_eq!((cfg.kv_values_per_token_layer(), layout.head_dim), (272, 272));
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// The compact layout (compressed rows in blocks, windows and partial groups in a state slot per
-/// request) computes what the one-request model does, to the bit: two requests batched, prefilled in
-/// chunks that cut groups anywhere, drafting; a state saved two positions past a block boundary
-/// serving as the restore point of a prefix hit at that boundary; a request moved as its blocks and
-/// its state's blocks; a verify step whose draft tokens are rejected and recomputed (the state cut
-/// back). Its blocks hold a small fraction of the positional layout's bytes.
-#[test]
-fn the_compact_layout_computes_what_the_model_does() {
     use std::sync::Arc;
 
     use pdserve_kvcache::{BlockCopy, BlockId};
@@ -358,16 +252,13 @@ fn the_compact_layout_computes_what_the_model_does() {
     let model = Arc::new(DeepseekV4::load(&dir).unwrap());
     const BLOCK: usize = 16;
     // Slots: A 0, B 1, C 2, D 3, the restore point 4; cut back at most 4 positions.
-    let mut b =
-        V4Backend::compact(model.clone(), cfg.clone(), (96, BLOCK), KvDtype::F32, (5, 4), None).unwrap();
+    let mut b = V4Backend::new(model.clone(), cfg.clone(), (96, BLOCK), KvDtype::F32, (5, 4), None).unwrap();
     let (layout, state) = (b.kv_layout(), b.kv_state().expect("a state per request"));
     assert_eq!((state.first, state.slots, layout.num_blocks), (96, 5, 96 + 5 * state.blocks));
     // Its blocks: the compressed sparse layer's rows (32 values per 4 tokens) and keys (16 per 4),
-    // the heavily compressed layer's (32 per 16): 14 values per token, against the positional
-    // layout's 5 layers of 272.
+    // the heavily compressed layer's (32 per 16): 14 values per token (a row per position and layer
+    // of each layer's window row, compressor inputs and rows would be 5 x 272).
     assert_eq!(layout.bytes_per_token(), 14 * 4);
-    let positional = V4Backend::new(model.clone(), cfg.clone(), (1, BLOCK), KvDtype::F32).unwrap();
-    assert_eq!(positional.kv_layout().bytes_per_token(), 5 * 272 * 4);
     let groups = b.group_bytes_per_token();
     assert_eq!(groups, [("c4".to_owned(), 32.0), ("c4-index".to_owned(), 16.0), ("c16".to_owned(), 8.0)]);
     let leak = |v: Vec<u32>| -> &'static [u32] { Vec::leak(v) };
@@ -414,11 +305,15 @@ fn the_compact_layout_computes_what_the_model_does() {
     // D: A's 19 blocks and its state as bytes, as a transfer moves them.
     let td = table(72);
     let mut bytes = vec![0u8; layout.block_bytes()];
-    let moved = ta[..19].iter().copied().zip(td.iter().copied());
+    let moved = ta[..18].iter().copied().zip(td.iter().copied());
     for (src, dst) in moved.chain(state.slot_blocks(0).zip(state.slot_blocks(3))) {
         b.read_block(src, &mut bytes).unwrap();
         b.write_block(dst, &bytes).unwrap();
     }
+    b.copy_blocks(&[BlockCopy { src: ta[18], dst: td[18], tokens: 12 }]).unwrap();
+    // A draft pass reads rows of the pass before it: none past a step's own.
+    let beyond = DraftStep { step: 1, next: leak(prompt(30, 5)), block_table: tb, guesses: 1 };
+    assert!(b.draft(&[beyond]).is_err());
     // A decodes; its first step verifies two wrong draft tokens, cut back and computed again.
     let mut la = out[0].clone();
     for (i, want) in want_a.iter().enumerate().skip(1) {
@@ -447,8 +342,7 @@ fn the_compact_layout_computes_what_the_model_does() {
         ld = out[0].clone();
     }
     // A block size that is not a multiple of every ratio is refused by name.
-    let e =
-        V4Backend::compact(model.clone(), cfg, (8, 8), KvDtype::F32, (1, 0), None).unwrap_err().to_string();
+    let e = V4Backend::new(model.clone(), cfg, (8, 8), KvDtype::F32, (1, 0), None).unwrap_err().to_string();
     assert!(e.contains("block size"), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

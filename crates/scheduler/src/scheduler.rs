@@ -46,6 +46,10 @@ struct Req {
     wait_until: Option<Instant>,
     /// Prompt tokens whose KV was reused at the first admission (`None` until then).
     cached_tokens: Option<usize>,
+    /// A model with per-request state: where the prompt's blocks cached by others end, past the
+    /// restore point it resumed from (0: nowhere). Its prefill ends a chunk there, so a state is
+    /// saved where the next prompt sharing that prefix resumes.
+    shared_end: usize,
     /// Lower first (see `NewRequest::priority`).
     priority: i32,
 }
@@ -228,6 +232,7 @@ impl Scheduler {
             admitted_order: 0,
             wait_until: None,
             cached_tokens: None,
+            shared_end: 0,
             priority: req.priority,
         };
         match req.kv {
@@ -490,6 +495,9 @@ impl Scheduler {
                 short_of_blocks = true;
                 break;
             }
+            // Blocks others cached past the restore point this request resumes from: a state saved
+            // where they end lets the next prompt sharing them resume there.
+            let shared = self.kv.cached_block_tokens(&tokens);
             self.queued.remove(at);
             self.end_wait(id);
             let order = self.next_order;
@@ -497,6 +505,7 @@ impl Scheduler {
             let r = self.reqs.get_mut(&id).unwrap_or_else(|| unreachable!("in the queue"));
             r.state = State::Running { prefilled: false };
             r.admitted_order = order;
+            r.shared_end = if shared > hit.cached_tokens { shared } else { 0 };
             if r.cached_tokens.is_none() {
                 // First admission (a preempted request's own blocks do not count as a hit).
                 r.cached_tokens = Some(hit.cached_tokens);

@@ -98,6 +98,23 @@ fn deepseek_v4_answers_the_reference_unified_after_a_prefix_hit_through_pd_and_m
     // ended there).
     assert!(common::metric(&unified, "kv_state_restores_total") >= 1.0);
     assert!(common::metric(&unified, "kv_state_entries{state=\"restore_points\"}") >= 1.0);
+    // Prompts sharing a 100-token system prompt, then each its own: the first caches the shared
+    // blocks (its state is saved only where its chunk ends, past them), the second ends its first
+    // chunk where those blocks end (96 tokens) and saves its state there, the third resumes there,
+    // answering as the reference does.
+    let system: Vec<u32> = (0..100).map(|i| 400 + (i * 37) % 9_000).collect();
+    let hits: Vec<u64> = (0..3u32)
+        .map(|k| {
+            let ids: Vec<u32> = system.iter().copied().chain((0..50).map(|i| 700 + k * 50 + i)).collect();
+            let (s, v) = unified.json("POST", "/v1/completions", &body(&ids));
+            assert_eq!(s, 200, "{v}");
+            if k == 2 {
+                assert_matches(&unified, &v, &reference(model, &ids), "after a shared system prompt", true);
+            }
+            v["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+        })
+        .collect();
+    assert_eq!(hits, [0, 0, 96], "prompt tokens resumed from a restore point");
     // Requests batched together (their steps run as one, layer by layer) answer as each alone.
     let prompts: Vec<Vec<u32>> =
         (0..4).map(|k| (0..60 + 37 * k).map(|i| 300 + (i * 131 + k * 7) % 9_000).collect()).collect();

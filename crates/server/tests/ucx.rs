@@ -206,3 +206,34 @@ fn pd_over_ucx_between_network_namespaces_over_veth_equals_unified() {
     }
     drop(ns);
 }
+
+/// DeepSeek V4 (its compact KV: compressed rows in blocks, each request's windows and partial groups
+/// in a state slot moved as that slot's blocks) through prefill and decode over UCX on one host: the
+/// unified worker's log-probabilities, its state read out of the prefill worker's memory too.
+#[test]
+fn deepseek_v4_pd_over_ucx_equals_unified() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = std::env::temp_dir().join(format!("tiny-v4-ucx-{}", std::process::id()));
+    let config = serde_json::json!({"vocab_size": 49152, "max_position_embeddings": 8192});
+    common::fixtures::checkpoint("deepseek_v4_reference.py", &dir, &config);
+    let model = dir.to_str().unwrap();
+    let unified = Worker::start(&["--model", model]);
+    let prefill = Worker::start(&["--model", model, "--role", "prefill", "--kv-transport", "ucx"]);
+    let decode = Worker::start(&["--model", model, "--role", "decode", "--kv-transport", "ucx"]);
+    let router = RouterThread::start(&[(&prefill, Role::Prefill), (&decode, Role::Decode)]);
+    for len in [20u32, 300] {
+        let ids: Vec<u32> = (0..len).map(|i| 200 + (i * 997) % 20_000).collect();
+        let body = serde_json::json!({"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": true, "logprobs": 1})
+            .to_string();
+        let (s, want) = unified.json("POST", "/v1/completions", &body);
+        assert_eq!(s, 200, "{want}");
+        let (s, got) = router.json("POST", "/v1/completions", &body);
+        assert_eq!(s, 200, "{got}");
+        let lp = |v: &serde_json::Value| v["choices"][0]["logprobs"]["token_logprobs"].clone();
+        assert_eq!(lp(&got), lp(&want), "{len} tokens: PD over UCX differs from unified");
+    }
+    let read = metric(&decode, "kv_transfer_bytes_total{direction=\"shared\"}");
+    assert!(read > 0.0, "read {read} bytes through UCX");
+    drop((router, prefill, decode, unified));
+    std::fs::remove_dir_all(&dir).unwrap();
+}

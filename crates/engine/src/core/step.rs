@@ -257,8 +257,12 @@ impl EngineCore {
             debug_assert!(false, "a step's answer without a step in flight");
             return;
         };
-        // The step's state copies are made (or, failed, never will be): their slots may change hands.
-        self.sched.kv_mut().copies_done();
+        // The step's state copies are made: their slots may change hands. A failed step may not have
+        // made them: the restore points they were to fill go.
+        match &done.output {
+            Ok(_) => self.sched.kv_mut().copies_done(),
+            Err(_) => self.sched.kv_mut().copies_failed(),
+        }
         let mut masks = std::collections::HashMap::new();
         for (id, g, _, mut computed) in done.guides.0 {
             if let Some(a) = self.active.get_mut(&id) {

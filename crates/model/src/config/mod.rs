@@ -12,7 +12,6 @@ mod v4;
 pub(crate) use deepseek::fp8_block;
 use deepseek::{deepseek_moe, fp4_group, mla, nvfp4};
 pub use deepseek::{Indexer, Mla};
-pub(crate) use v4::{RowPart, V4Row};
 pub use v4::{V4Config, V4Layer};
 
 #[derive(Debug, Deserialize)]
@@ -571,11 +570,9 @@ impl ModelConfig {
         })
     }
 
-    /// Values the KV cache holds per token and layer: K and V of every KV head, or MLA's latent.
+    /// Values the KV cache holds per token and layer: K and V of every KV head, or MLA's latent
+    /// (DeepSeek V4's differ by layer: `V4Backend::layout`).
     pub fn kv_values_per_token_layer(&self) -> usize {
-        if let Some(v4) = &self.v4 {
-            return v4.kv_row(self.draft_layers > 0).width;
-        }
         match &self.mla {
             Some(m) => m.row_width(),
             None => 2 * self.num_kv_heads * self.head_dim,

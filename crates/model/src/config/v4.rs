@@ -27,24 +27,6 @@ impl V4Layer {
     }
 }
 
-/// Where one compressor's values lie in a layer's served KV row, in values from the row's start:
-/// each position's value (`width`) at `at`, its gate at `at + width`, and at a group's last position
-/// the row made from the group (`row` values) at `at + 2 * width`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct RowPart {
-    pub at: usize,
-    pub width: usize,
-    pub row: usize,
-}
-
-/// The served KV row: `width` values per position and layer (every layer's the widest's), each
-/// layer's compressors' parts (its rows', its indexer's keys').
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct V4Row {
-    pub width: usize,
-    pub parts: Vec<[Option<RowPart>; 2]>,
-}
-
 /// The shape of a `DeepseekV4ForCausalLM` checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct V4Config {
@@ -195,30 +177,6 @@ impl V4Config {
             ));
         }
         Ok(c)
-    }
-
-    /// The served KV row of each main layer and, with `draft`, the first MTP layer (`V4Backend`'s
-    /// paged blocks hold one per position and layer): the window's K=V row at 0 (`head_dim`
-    /// values), then each compressor's part.
-    pub(crate) fn kv_row(&self, draft: bool) -> V4Row {
-        let mut width = 0;
-        let parts = self.kinds[..self.layers + usize::from(draft && self.mtp_layers > 0)]
-            .iter()
-            .map(|&kind| {
-                let mut at = self.head_dim;
-                let mut part = |ratio: usize, row: usize| {
-                    let width = if ratio == 4 { 2 * row } else { row };
-                    let p = RowPart { at, width, row };
-                    at += 2 * width + row;
-                    Some(p)
-                };
-                let kv = (kind.ratio() > 0).then(|| part(kind.ratio(), self.head_dim)).flatten();
-                let index = (kind == V4Layer::CompressedSparse).then(|| part(4, self.index_dim)).flatten();
-                width = width.max(at);
-                [kv, index]
-            })
-            .collect();
-        V4Row { width, parts }
     }
 
     /// The least block length (tokens) the compact KV layout can use: a multiple of every layer's

@@ -1,45 +1,31 @@
-//! DeepSeek V4 served: the engine's batch steps over paged KV blocks.
-//!
-//! Each block holds, per layer and position, one row of [`V4Row::width`] values: the position's
-//! K=V row (what the window reads), each compressor's value and gate at the position (what its group
-//! pools once complete), and at a group's last position the row the group made (the compressed
-//! rows, and the indexer's keys). Everything a request's later tokens read is then a function of its
-//! prefix, stored at positions like any model's KV: the prefix cache, copy-on-write, preemption, the
-//! PD transfer and migration move V4 requests with no code of their own, and a request resumed from
-//! any of them computes what a cold one does, to the bit. The cost is bytes: every position keeps
-//! its compressor inputs and the window rows of positions long past the window (the compact layout,
-//! [`compact`](super::compact), holds only the compressed rows in blocks and the rest in a state slot
-//! per request).
+//! DeepSeek V4 served: the engine's batch steps over paged KV blocks in the compact layout
+//! ([`compact`](super::compact)): the blocks hold the compressed rows (and the indexer's keys), and
+//! each request's state slot (whole blocks after the pool's, [`KvState`]) holds its windows and its
+//! compressors' partial groups. The engine moves, copies and restores a state as it does blocks, so
+//! the prefix cache (from restore points), copy-on-write, preemption, the PD transfer and migration
+//! carry V4 requests, and a request resumed from any of them computes what a cold one does, to the
+//! bit.
 
 use std::sync::Arc;
 
 use pdserve_kvcache::{BlockCopy, BlockId};
 
 use super::compact::{Compact, V4Compact};
-use super::layer::{Group, Memory, Place, Pool};
+use super::layer::Memory;
 use super::DeepseekV4;
 use crate::backend::{check_steps, Backend, DraftStep, KvDtype, KvLayout, KvState, KvStore, SeqStep};
-use crate::config::{RowPart, V4Row};
 use crate::cpu::KvMemory;
 use crate::{ModelConfig, ModelError};
 
-/// How the KV memory is laid out.
-#[derive(Debug)]
-enum Geometry {
-    /// A row per position and layer (see the module documentation).
-    Positional(V4Row),
-    /// Compressed rows in blocks, the rest in per-request state slots.
-    Compact(V4Compact, KvState),
-}
-
 /// Runs a DeepSeek V4 checkpoint's batch steps on the CPU over paged KV blocks (see the module
-/// documentation). Its KV layout is a latent one: one row per position and layer, or (compact) a
-/// block's compressed rows as one latent row per position, rounded up.
+/// documentation). Its KV layout is a latent one: a block's compressed rows as one latent row per
+/// position (rounded up), then the state slots' blocks.
 #[derive(Debug)]
 pub struct V4Backend {
     model: Arc<DeepseekV4>,
     cfg: ModelConfig,
-    geometry: Geometry,
+    geometry: V4Compact,
+    state: KvState,
     layout: KvLayout,
     kv: KvMemory,
     /// Whether the first MTP layer drafts (its rows are the layout's last layer).
@@ -50,39 +36,12 @@ pub struct V4Backend {
 }
 
 impl V4Backend {
-    /// `model` over `num_blocks` blocks of `block_size` positions of `dtype` values. `cfg` is the
-    /// checkpoint's `ModelConfig` (its `v4` the model's shape).
-    pub fn new(
-        model: Arc<DeepseekV4>,
-        cfg: ModelConfig,
-        (num_blocks, block_size): (usize, usize),
-        dtype: KvDtype,
-    ) -> Result<V4Backend, ModelError> {
-        let layout = KvLayout::for_model(&cfg, num_blocks, block_size, dtype);
-        let kv = KvMemory::heap(layout.block_bytes() * num_blocks);
-        let row = Geometry::Positional(model.cfg.kv_row(cfg.draft_layers > 0));
-        V4Backend::with_memory(model, cfg, (layout, row), kv)
-    }
-
-    /// [`new`](Self::new), with the KV memory in `store` (at least the pool's bytes, 4-byte aligned).
-    pub fn with_kv_store(
-        model: Arc<DeepseekV4>,
-        cfg: ModelConfig,
-        (num_blocks, block_size): (usize, usize),
-        dtype: KvDtype,
-        store: Box<dyn KvStore>,
-    ) -> Result<V4Backend, ModelError> {
-        let layout = KvLayout::for_model(&cfg, num_blocks, block_size, dtype);
-        let kv = KvMemory::from_store(store, &layout)?;
-        let row = Geometry::Positional(model.cfg.kv_row(cfg.draft_layers > 0));
-        V4Backend::with_memory(model, cfg, (layout, row), kv)
-    }
-
-    /// The compact layout's KV memory for `num_blocks` blocks of `block_size` positions (a multiple
-    /// of every compression ratio) and `slots` state slots whose requests may be cut back
-    /// `rewind_tokens` positions (see [`compact`](super::compact)): its layout (`num_blocks` the
-    /// blocks and the slots' blocks) and its state's place.
-    pub fn compact_layout(
+    /// The KV memory for `num_blocks` blocks of `block_size` positions (a multiple of every
+    /// compression ratio: [`V4Config::block_multiple`](crate::V4Config::block_multiple)) and `slots`
+    /// state slots whose requests may be cut back `rewind_tokens` positions (see
+    /// [`compact`](super::compact)): its layout (`num_blocks` the blocks and the slots' blocks) and
+    /// its state's place.
+    pub fn layout(
         cfg: &ModelConfig,
         (num_blocks, block_size): (usize, usize),
         dtype: KvDtype,
@@ -93,7 +52,9 @@ impl V4Backend {
                 problem: "a model configuration that is not V4's".into(),
             });
         };
-        let g = V4Compact::new(v4, cfg.draft_layers > 0, block_size, 2 * rewind_tokens + 2)?;
+        // The MTP layer's window is in every state of a checkpoint that ships it, whether this worker
+        // drafts or not: two workers of one checkpoint agree on the state's layout.
+        let g = V4Compact::new(v4, v4.mtp_layers > 0, block_size, 2 * rewind_tokens + 2)?;
         let state = KvState {
             slots,
             blocks: g.state_blocks(),
@@ -113,9 +74,10 @@ impl V4Backend {
         Ok((layout, state))
     }
 
-    /// `model` in the compact layout ([`compact_layout`](Self::compact_layout)), its KV memory on the
-    /// heap or in `store`.
-    pub fn compact(
+    /// `model` (`cfg` is the checkpoint's `ModelConfig`, its `v4` the model's shape) over the KV
+    /// memory [`layout`](Self::layout) describes, on the heap or in `store` (at least the layout's
+    /// bytes, 4-byte aligned).
+    pub fn new(
         model: Arc<DeepseekV4>,
         cfg: ModelConfig,
         pool: (usize, usize),
@@ -123,21 +85,12 @@ impl V4Backend {
         states: (usize, usize),
         store: Option<Box<dyn KvStore>>,
     ) -> Result<V4Backend, ModelError> {
-        let (layout, state) = V4Backend::compact_layout(&cfg, pool, dtype, states)?;
+        let (layout, state) = V4Backend::layout(&cfg, pool, dtype, states)?;
         let kv = match store {
             Some(store) => KvMemory::from_store(store, &layout)?,
             None => KvMemory::heap(layout.block_bytes() * layout.num_blocks),
         };
-        let g = V4Compact::new(&model.cfg, cfg.draft_layers > 0, pool.1, 2 * states.1 + 2)?;
-        V4Backend::with_memory(model, cfg, (layout, Geometry::Compact(g, state)), kv)
-    }
-
-    fn with_memory(
-        model: Arc<DeepseekV4>,
-        cfg: ModelConfig,
-        (layout, geometry): (KvLayout, Geometry),
-        kv: KvMemory,
-    ) -> Result<V4Backend, ModelError> {
+        let geometry = V4Compact::new(&model.cfg, model.cfg.mtp_layers > 0, pool.1, 2 * states.1 + 2)?;
         match &cfg.v4 {
             Some(v4) if **v4 == model.cfg => {}
             _ => {
@@ -152,24 +105,25 @@ impl V4Backend {
                 problem: "a draft layer the checkpoint does not have".into(),
             });
         }
-        Ok(V4Backend { model, cfg, geometry, layout, kv, drafts, last: Vec::new() })
+        Ok(V4Backend { model, cfg, geometry, state, layout, kv, drafts, last: Vec::new() })
     }
 
-    /// Bytes per token of each kind of row the compact layout's blocks hold (see
-    /// [`V4Compact::bytes_per_token`]); empty for the positional layout.
+    /// Bytes of the weights held (see [`DeepseekV4::weight_bytes`]).
+    pub fn weight_bytes(&self) -> usize {
+        self.model.weight_bytes()
+    }
+
+    /// Bytes per token of each kind of row the blocks hold (see [`V4Compact::bytes_per_token`]).
     pub fn group_bytes_per_token(&self) -> Vec<(String, f64)> {
-        match &self.geometry {
-            Geometry::Compact(g, _) => g.bytes_per_token(self.layout.dtype),
-            Geometry::Positional(_) => Vec::new(),
-        }
+        self.geometry.bytes_per_token(self.layout.dtype)
     }
 
-    /// Checks each step's state slot and blocks against the compact layout's.
+    /// Checks each step's state slot and blocks against the layout's.
     fn check_states<'s>(
         &self,
         steps: impl Iterator<Item = (Option<u32>, &'s [BlockId])>,
     ) -> Result<(), ModelError> {
-        let Geometry::Compact(_, state) = &self.geometry else { return Ok(()) };
+        let state = &self.state;
         for (i, (slot, table)) in steps.enumerate() {
             let bad_slot = slot.is_none_or(|s| s as usize >= state.slots);
             if bad_slot || table.iter().any(|b| b.0 as usize >= state.first) {
@@ -186,23 +140,11 @@ impl V4Backend {
 
     /// The memory of a step's requests: their block tables and state slots.
     fn memory<'a>(&'a mut self, tables: Vec<&'a [BlockId]>, states: &[Option<u32>]) -> Box<dyn Memory + 'a> {
-        let dtype = self.layout.dtype;
-        match &self.geometry {
-            Geometry::Positional(row) => {
-                Box::new(Paged { kv: &mut self.kv, dtype, tables, row, block_size: self.layout.block_size })
-            }
-            Geometry::Compact(geometry, state) => {
-                let slot_values = state.blocks * geometry.block_values;
-                let first = state.first * geometry.block_values;
-                let states = states.iter().map(|s| first + s.unwrap_or(0) as usize * slot_values).collect();
-                Box::new(Compact { kv: &mut self.kv, dtype, geometry, tables, states })
-            }
-        }
-    }
-
-    /// Bytes of the weights held (see [`DeepseekV4::weight_bytes`]).
-    pub fn weight_bytes(&self) -> usize {
-        self.model.weight_bytes()
+        let (geometry, state) = (&self.geometry, &self.state);
+        let first = state.first * geometry.block_values;
+        let slot_values = state.blocks * geometry.block_values;
+        let states = states.iter().map(|s| first + s.unwrap_or(0) as usize * slot_values).collect();
+        Box::new(Compact { kv: &mut self.kv, dtype: self.layout.dtype, geometry, tables, states })
     }
 }
 
@@ -212,10 +154,7 @@ impl Backend for V4Backend {
     }
 
     fn kv_state(&self) -> Option<KvState> {
-        match &self.geometry {
-            Geometry::Compact(_, state) => Some(*state),
-            Geometry::Positional(_) => None,
-        }
+        Some(self.state)
     }
 
     fn forward(&mut self, steps: &[SeqStep<'_>]) -> Result<Vec<Vec<f32>>, ModelError> {
@@ -353,80 +292,5 @@ impl V4Backend {
         drop(mem);
         self.last = last;
         Ok(out)
-    }
-}
-
-/// A step's sequences' rows in the paged KV memory, each through its block table.
-struct Paged<'a> {
-    kv: &'a mut KvMemory,
-    dtype: KvDtype,
-    tables: Vec<&'a [BlockId]>,
-    row: &'a V4Row,
-    block_size: usize,
-}
-
-impl Paged<'_> {
-    /// The value index of `offset` in sequence `seq`'s layer `layer` row at position `pos`.
-    fn at(&self, (seq, layer): Place, pos: usize, offset: usize) -> usize {
-        let block = self.tables[seq][pos / self.block_size].0 as usize;
-        ((block * self.row.parts.len() + layer) * self.block_size + pos % self.block_size) * self.row.width
-            + offset
-    }
-
-    fn read(&self, at: Place, pos: usize, offset: usize, n: usize) -> Vec<f32> {
-        let mut v = vec![0.0; n];
-        self.kv.values(self.dtype).read_into(self.at(at, pos, offset), &mut v);
-        v
-    }
-
-    fn write(&mut self, at: Place, pos: usize, offset: usize, values: &[f32]) {
-        let i = self.at(at, pos, offset);
-        self.kv.store(self.dtype, i, values);
-    }
-
-    fn part(&self, (_, layer): Place, pool: Pool) -> RowPart {
-        self.row.parts[layer][pool as usize].expect("a row part for each compressor the layer has")
-    }
-}
-
-impl Memory for Paged<'_> {
-    fn window(&mut self, at: Place, pos: usize, window: usize, row: Vec<f32>) -> Vec<Vec<f32>> {
-        self.write(at, pos, 0, &row);
-        let first = (pos + 1).saturating_sub(window);
-        (first..=pos).map(|p| self.read(at, p, 0, row.len())).collect()
-    }
-
-    fn feed(
-        &mut self,
-        at: Place,
-        pool: Pool,
-        pos: usize,
-        (ratio, overlap): (usize, bool),
-        a: Vec<f32>,
-        s: Vec<f32>,
-    ) -> Option<(Group, Group)> {
-        let p = self.part(at, pool);
-        self.write(at, pos, p.at, &a);
-        self.write(at, pos, p.at + p.width, &s);
-        if !(pos + 1).is_multiple_of(ratio) {
-            return None;
-        }
-        let pair = |q: usize| (self.read(at, q, p.at, p.width), self.read(at, q, p.at + p.width, p.width));
-        let start = pos + 1 - ratio;
-        let previous =
-            if overlap && start >= ratio { (start - ratio..start).map(pair).collect() } else { Vec::new() };
-        Some((previous, (start..=pos).map(pair).collect()))
-    }
-
-    fn push_row(&mut self, at: Place, pool: Pool, pos: usize, row: Vec<f32>) {
-        let p = self.part(at, pool);
-        self.write(at, pos, p.at + 2 * p.width, &row);
-    }
-
-    fn rows(&self, at: Place, pool: Pool, pos: usize, ratio: usize) -> Vec<Vec<f32>> {
-        let p = self.part(at, pool);
-        (0..(pos + 1) / ratio)
-            .map(|g| self.read(at, g * ratio + ratio - 1, p.at + 2 * p.width, p.row))
-            .collect()
     }
 }

@@ -28,6 +28,10 @@ impl Scheduler {
         if kv.state_bytes > 0 && boundary > computed && computed + n - boundary > reach {
             n = boundary - computed;
         }
+        // And where the prompt's blocks cached by others end (see `Req::shared_end`).
+        if kv.state_bytes > 0 && computed < r.shared_end && r.shared_end < computed + n {
+            n = r.shared_end - computed;
+        }
         if n == 0 {
             return None;
         }
