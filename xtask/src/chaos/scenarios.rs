@@ -81,12 +81,18 @@ pub(super) fn migrate_then_strand(
     s.remove_worker(&s.url_of(&first))?;
     s.procs.retain(|p| p.name != first);
     let mut act2 = kill_and_replace(s, role, 1, n, max_tokens, after, also)?;
-    ensure!(act2.errors >= 1, "no stream failed when the only {role} worker died");
+    // With the only decode worker dead nothing can carry its streams: they end in an explicit error.
+    // With the only prefill worker dead the decode worker may compute the prompts itself (the
+    // router's local prefill): each stream completes or ends in an explicit error.
+    if role == "decode" {
+        ensure!(act2.errors >= 1, "no stream failed when the only {role} worker died");
+    }
     act2.note = format!(
-        "{first} killed under {n} streams with {second} beside it (proven {} ms after it joined): {moved} moved, {} of {n} completed, 0 errors, ready throughout ({samples} samples); then {second}, the only one, killed: {} of {n} ended with an explicit error; {}",
+        "{first} killed under {n} streams with {second} beside it (proven {} ms after it joined): {moved} moved, {} of {n} completed, 0 errors, ready throughout ({samples} samples); then {second}, the only one, killed: {} of {n} ended with an explicit error, {} completed; {}",
         proven.as_millis(),
         act1.completed,
         act2.errors,
+        act2.completed,
         act2.note
     );
     Ok(Row {
