@@ -168,8 +168,16 @@ pub(super) fn decode_stall(s: &mut Stack, short: bool) -> Result<Row> {
     s.add_worker(&url, "decode")?;
     s.wait_ready(true, Duration::from_secs(30))?;
     let before = migrations(s)?;
+    // A stream counts as stalled only after its first token (before it, a queued request is not
+    // told from a stopped worker's; its deadline bounds it): decode-0 stops once every request it
+    // holds has one (at most 20 s in; on a slow machine 0.8 s came before most first tokens).
+    let decode0 = s.url_of("decode-0");
     let outcomes = streams(&s.router.clone(), n, 200, 60.0, || {
+        let t = Instant::now();
         std::thread::sleep(Duration::from_millis(800));
+        while t.elapsed() < Duration::from_secs(20) && !all_started(&decode0) {
+            std::thread::sleep(Duration::from_millis(100));
+        }
         let _ = s.signal("decode-0", "-STOP");
     });
     let _ = s.signal("decode-0", "-CONT");
@@ -187,6 +195,14 @@ pub(super) fn decode_stall(s: &mut Stack, short: bool) -> Result<Row> {
         act2.completed
     );
     Ok(row)
+}
+
+/// Whether the worker at `url` holds requests, each with a token out (its `/debug/requests`).
+fn all_started(url: &str) -> bool {
+    let Ok((200, body)) = get(url, "/debug/requests") else { return false };
+    let Ok(v) = serde_json::from_slice::<serde_json::Value>(&body) else { return false };
+    let requests = v["requests"].as_array().map_or(&[][..], Vec::as_slice);
+    !requests.is_empty() && requests.iter().all(|r| r["tokens_out"].as_u64().unwrap_or(0) >= 1)
 }
 
 /// The router's stall timeout in `decode_stall` (its default is 30 s).
