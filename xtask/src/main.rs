@@ -264,12 +264,13 @@ fn test() -> Result<()> {
     // environment of the project's own.
     let python = test_venv()?;
     validate_manifests(&python)?;
+    // Every stage below (the UCX tests write their checkpoints with the reference scripts too)
+    // inherits the environment's interpreter: set for this process, before any thread is started.
+    std::env::set_var("PYTHON", &python);
+    std::env::set_var("PDSERVE_AGENTS_PYTHON", &python);
     clock.lap("venv and manifests");
     let cargo_bin = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    run(Command::new(&cargo_bin)
-        .args(["test", "--workspace"])
-        .env("PYTHON", &python)
-        .env("PDSERVE_AGENTS_PYTHON", &python))?;
+    run(Command::new(&cargo_bin).args(["test", "--workspace"]))?;
     clock.lap("cargo test --workspace");
     // The model's kernel tests again on the lower CPU kernel families (each capped at what the CPU
     // has): an AVX-512 machine checks its AVX2 and portable paths too.
