@@ -273,13 +273,13 @@ fn test() -> Result<()> {
     run(Command::new(&cargo_bin).args(["test", "--workspace"]))?;
     clock.lap("cargo test --workspace");
     // The model's kernel tests again on the lower CPU kernel families (each capped at what the CPU
-    // has): an AVX-512 machine checks its AVX2 and portable paths too.
-    for family in ["avx2", "portable"] {
+    // has): an AMX machine checks its AVX-512 BF16 GEMM, an AVX-512 one its AVX2 and portable paths.
+    for family in ["avx512", "avx2", "portable"] {
         run(Command::new(&cargo_bin)
             .args(["test", "-p", "pdserve-model", "--lib"])
             .env("PDSERVE_CPU_KERNELS", family))?;
     }
-    clock.lap("model kernels on avx2 and portable");
+    clock.lap("model kernels on avx512, avx2 and portable");
     // The same kernel tests executed on an AVX2 CPU without AVX-512 (emulated: qemu-user's Haswell;
     // natively where this CPU is one), the dispatcher checked to have chosen AVX2, and the real model
     // against its reference there.

@@ -1,5 +1,5 @@
 //! The machine's peaks, on 1 thread and on every thread: f32 FMA throughput (AVX-512 and AVX2, where
-//! the CPU has them, chosen at run time), bf16 dot throughput (AVX-512 BF16 `vdpbf16ps`), the rate at
+//! the CPU has them, chosen at run time), bf16 dot throughput (AVX-512 BF16 `vdpbf16ps`) and AMX tile throughput (`tdpbf16ps`), the rate at
 //! which a buffer far larger than the caches is read with the widest loads, and memcpy (bytes copied
 //! per second; the memory traffic is twice that, three times with write-allocate). Each figure is the
 //! best of a few trials of about `--ms` each. The kernels are `pdserve_model::peak` (its `sys` module).
@@ -81,6 +81,7 @@ struct Row {
     fma_avx512_gflops: Option<f64>,
     fma_avx2_gflops: Option<f64>,
     dot_bf16_gflops: Option<f64>,
+    tile_bf16_gflops: Option<f64>,
     read_gbps: f64,
     read_kernels: &'static str,
     memcpy_gbps: f64,
@@ -123,6 +124,8 @@ fn main() {
         };
         let dot_bf16_gflops = peak::dot_bf16(1)
             .map(|_| best_rate(&o, threads, &|_, n| peak::dot_bf16(n).expect("checked above")) / 1e9);
+        let tile_bf16_gflops = peak::tile_bf16(1)
+            .map(|_| best_rate(&o, threads, &|_, n| peak::tile_bf16(n).expect("checked above")) / 1e9);
         // Each thread reads its own share of the buffer, `n` times over.
         let share = read_buf.len() / threads;
         let read_gbps = best_rate(&o, threads, &|i, n| {
@@ -153,6 +156,7 @@ fn main() {
             fma_avx512_gflops: fma(CpuKernels::Avx512),
             fma_avx2_gflops: fma(CpuKernels::Avx2),
             dot_bf16_gflops,
+            tile_bf16_gflops,
             read_gbps,
             read_kernels: read_kernels.name(),
             memcpy_gbps,
@@ -161,21 +165,23 @@ fn main() {
 
     let cell = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
     println!(
-        "{:>7} {:>22} {:>20} {:>23} {:>20} {:>13}",
+        "{:>7} {:>22} {:>20} {:>23} {:>20} {:>20} {:>13}",
         "threads",
         "FMA f32 avx512 GFLOP/s",
         "FMA f32 avx2 GFLOP/s",
         "dot bf16 avx512 GFLOP/s",
+        "tile bf16 amx GFLOP/s",
         format!("read {} GB/s", read_kernels.name()),
         "memcpy GB/s"
     );
     for r in &rows {
         println!(
-            "{:>7} {:>22} {:>20} {:>23} {:>20.1} {:>13.1}",
+            "{:>7} {:>22} {:>20} {:>23} {:>20} {:>20.1} {:>13.1}",
             r.threads,
             cell(r.fma_avx512_gflops),
             cell(r.fma_avx2_gflops),
             cell(r.dot_bf16_gflops),
+            cell(r.tile_bf16_gflops),
             r.read_gbps,
             r.memcpy_gbps
         );
@@ -189,6 +195,7 @@ fn main() {
                 "fma_f32_avx512_gflops": r.fma_avx512_gflops,
                 "fma_f32_avx2_gflops": r.fma_avx2_gflops,
                 "dot_bf16_avx512_gflops": r.dot_bf16_gflops,
+                "tile_bf16_amx_gflops": r.tile_bf16_gflops,
                 "read_gb_per_s": r.read_gbps,
                 "read_kernels": r.read_kernels,
                 "memcpy_gb_per_s": r.memcpy_gbps,

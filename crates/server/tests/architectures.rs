@@ -294,8 +294,8 @@ fn a_checkpoint_is_served_in_its_own_precision_by_default() {
             let w = Worker::start(&args);
             let (_, models) = w.json("GET", "/v1/models", "");
             let m = &models["data"][0];
-            let bf16_product =
-                m["cpu_kernels"] == "avx512" && std::arch::is_x86_feature_detected!("avx512bf16");
+            let bf16_product = m["cpu_kernels"] == "amx"
+                || m["cpu_kernels"] == "avx512" && std::arch::is_x86_feature_detected!("avx512bf16");
             let auto = if name == "bf16" && m["cpu_kernels"] == "portable" { "f32" } else { name };
             auto_f32 |= extra.is_empty() && auto == "f32";
             assert_eq!(m["weights"], if extra.is_empty() { auto } else { "f32" }, "{models}");

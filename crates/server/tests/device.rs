@@ -135,23 +135,29 @@ fn int8_activations_serve_and_are_refused_without_quantized_weights() {
     assert!(err.contains("--activations q4: f32 or q8"), "{err}");
 }
 
-/// Every CPU kernel family this machine has (AVX-512, AVX2, the portable loops), forced in turn,
-/// serves the default model's greedy answer; the choice is reported, and a name that is none is refused.
+/// Every CPU kernel family this machine has (AMX tiles, AVX-512, AVX2, the portable loops), forced
+/// in turn, serves the default model's greedy answer (in q4, and in bf16 where the family has a bf16
+/// GEMM: AMX's tiles, AVX-512 BF16); the choice is reported, and a name that is none is refused.
 #[test]
 fn every_cpu_kernel_path_serves_the_same_greedy_answer() {
     for k in pdserve_engine::CpuKernels::available() {
-        let w = common::Worker::start(&["--weights", "q4", "--cpu-kernels", k.name()]);
-        let (_, models) = w.json("GET", "/v1/models", "");
-        assert_eq!(models["data"][0]["cpu_kernels"], k.name());
-        let (status, body) = w.json(
-            "POST",
-            "/v1/chat/completions",
-            &common::chat("What is the capital of France?", r#","max_tokens":12,"temperature":0"#),
-        );
-        assert_eq!(status, 200, "{body}");
-        assert_eq!(body["choices"][0]["message"]["content"], "The capital of France is Paris.", "{k:?}");
+        let bf16_gemm =
+            k.name() == "amx" || k.name() == "avx512" && std::arch::is_x86_feature_detected!("avx512bf16");
+        for weights in if bf16_gemm { &["q4", "bf16"][..] } else { &["q4"][..] } {
+            let w = common::Worker::start(&["--weights", weights, "--cpu-kernels", k.name()]);
+            let (_, models) = w.json("GET", "/v1/models", "");
+            assert_eq!(models["data"][0]["cpu_kernels"], k.name());
+            let (status, body) = w.json(
+                "POST",
+                "/v1/chat/completions",
+                &common::chat("What is the capital of France?", r#","max_tokens":12,"temperature":0"#),
+            );
+            assert_eq!(status, 200, "{body}");
+            let answer = &body["choices"][0]["message"]["content"];
+            assert_eq!(answer, "The capital of France is Paris.", "{k:?} {weights}");
+        }
     }
     let (code, err) = refused(&["--cpu-kernels", "sse9"]);
     assert_eq!(code, Some(2));
-    assert!(err.contains("avx512, avx2 or portable"), "{err}");
+    assert!(err.contains("amx, avx512, avx2 or portable"), "{err}");
 }

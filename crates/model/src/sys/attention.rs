@@ -87,7 +87,7 @@ pub(crate) fn exp_scaled_with(k: CpuKernels, row: &mut [f32], scale: f32, shift:
     match k {
         // SAFETY: the CPU has AVX-512F (`k` is at most what it has, asserted).
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => unsafe { exp_scaled_avx512(row, scale, shift) },
+        CpuKernels::Amx | CpuKernels::Avx512 => unsafe { exp_scaled_avx512(row, scale, shift) },
         // SAFETY: the CPU has AVX2 and FMA (as above).
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => unsafe { exp_scaled_avx2(row, scale, shift) },
@@ -143,7 +143,9 @@ pub(crate) fn group_scores(
     match super::cpu_kernels() {
         // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has).
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => unsafe { group_scores_avx512(q, (hd, group), (k, ldk), n, (out, ldo)) },
+        CpuKernels::Amx | CpuKernels::Avx512 => unsafe {
+            group_scores_avx512(q, (hd, group), (k, ldk), n, (out, ldo))
+        },
         // SAFETY: AVX2, FMA and F16C (as above: the family's features); a head size of whole chunks.
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 if super::decode_avx2::scores_fit(hd) => unsafe {
@@ -160,7 +162,7 @@ pub(crate) fn group_scores(
 pub(crate) fn group_scores_f16_fits(hd: usize) -> bool {
     match super::cpu_kernels() {
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => hd.is_multiple_of(16),
+        CpuKernels::Amx | CpuKernels::Avx512 => hd.is_multiple_of(16),
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => super::decode_avx2::scores_fit(hd),
         _ => false,
@@ -173,7 +175,7 @@ pub(crate) fn group_weighted_sum_f16_fits(hd: usize) -> bool {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => super::decode_avx2::sums_fit(hd),
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => hd.is_multiple_of(64),
+        CpuKernels::Amx | CpuKernels::Avx512 => hd.is_multiple_of(64),
         _ => false,
     }
 }
@@ -195,7 +197,7 @@ pub(crate) fn group_scores_f16(
     assert!(heads == 0 || n == 0 || out.len() >= (heads - 1) * ldo + n);
     match super::cpu_kernels() {
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 if hd.is_multiple_of(16) => {
+        CpuKernels::Amx | CpuKernels::Avx512 if hd.is_multiple_of(16) => {
             // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has); lengths as asserted.
             unsafe { super::decode_avx512::group_scores_f16(q, (hd, group), (k, ldk), n, (out, ldo)) };
             true
@@ -310,12 +312,14 @@ pub(crate) fn group_weighted_sum(
     match super::cpu_kernels() {
         // SAFETY: AVX-512F (`cpu_kernels()` is at most what the CPU has); whole 64-column blocks.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 if hd.is_multiple_of(64) => unsafe {
+        CpuKernels::Amx | CpuKernels::Avx512 if hd.is_multiple_of(64) => unsafe {
             super::decode_avx512::group_weighted_sum((p, ldp), (hd, group), (v, ldv), n, acc)
         },
         // SAFETY: AVX-512F (as above); the same safe code.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => unsafe { group_weighted_sum_avx512((p, ldp), (hd, group), (v, ldv), n, acc) },
+        CpuKernels::Amx | CpuKernels::Avx512 => unsafe {
+            group_weighted_sum_avx512((p, ldp), (hd, group), (v, ldv), n, acc)
+        },
         // SAFETY: AVX2, FMA and F16C (as above: the family's features); whole 32-column blocks.
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 if super::decode_avx2::sums_fit(hd) => unsafe {

@@ -15,7 +15,7 @@ pub(crate) fn silu_mul_with(k: super::CpuKernels, g: &[f32], u: &[f32], out: &mu
     match k {
         // SAFETY: the CPU has AVX-512F (`k` is at most what it has); the lengths are equal (asserted).
         #[cfg(target_arch = "x86_64")]
-        super::CpuKernels::Avx512 => unsafe { silu_mul_avx512(g, u, out) },
+        super::CpuKernels::Amx | super::CpuKernels::Avx512 => unsafe { silu_mul_avx512(g, u, out) },
         // SAFETY: the CPU has AVX2 and FMA (as above); the lengths are equal (asserted).
         #[cfg(target_arch = "x86_64")]
         super::CpuKernels::Avx2 => unsafe { silu_mul_avx2(g, u, out) },

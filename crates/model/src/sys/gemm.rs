@@ -69,14 +69,48 @@ pub(crate) fn gemm_bf16_par(xb: &[u16], t: usize, k: usize, panels: &[u16], n: u
         gemm_bf16_portable(xb, t, k, panels, n, out);
         return;
     }
+    let amx = super::amx();
     split_columns(np, out, |p0, p1, dst| {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked above); the lengths were asserted;
-        // this task writes columns p0*32..p1*32 of each of the t rows (n apart) and no other task does.
+        // SAFETY: the CPU has AVX-512F and AVX-512 BF16 (checked above), and AMX with the tile state
+        // where `amx` (the family is chosen only then); the lengths were asserted; this task writes
+        // columns p0*32..p1*32 of each of the t rows (n apart) and no other task does.
         unsafe {
-            gemm_bf16_avx512(xb, t, k, panels, p0, p1 - p0, dst.add(p0 * 32), n)
+            if amx {
+                super::amx::gemm_bf16_amx(xb, t, k, panels, p0, p1 - p0, dst.add(p0 * 32), n)
+            } else {
+                gemm_bf16_avx512(xb, t, k, panels, p0, p1 - p0, dst.add(p0 * 32), n)
+            }
         };
     });
+}
+
+/// Adds pairs `k0 / 2..k / 2` of each of the t rows of x to one panel's sums (`out`: t rows `ldo`
+/// apart of 32 f32; set rather than added when `k0` is 0): the AMX kernel's tail of k.
+///
+/// # Safety
+/// AVX-512F and AVX-512 BF16; `xb` t rows of `k` values, `pan` the panel (`32 k` values), `out` as
+/// above.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+pub(super) unsafe fn tail_bf16(
+    xb: &[u16],
+    t: usize,
+    k: usize,
+    k0: usize,
+    pan: *const u16,
+    out: *mut f32,
+    ldo: usize,
+) {
+    row_tiles!(t, |i| tile_bf16(
+        xb.as_ptr().add(i * k + k0),
+        k,
+        (k - k0) / 2,
+        pan.add(k0 * 32),
+        out.add(i * ldo),
+        ldo,
+        k0 == 0
+    ));
 }
 
 /// Splits `units` (panels or groups of output columns) into even shares over rayon's pool (two per
@@ -288,10 +322,44 @@ unsafe fn tile_bf16<const R: usize>(
 mod tests {
     use crate::bits16::{bf16_bits, bf16_value};
 
+    /// Batch invariance of the bf16 GEMM on this process's kernels (AMX tiles, AVX-512 BF16): every
+    /// row of a product of many rows is, bit for bit, that row's product alone, whatever its place
+    /// among 16-row groups and with a tail of k after the tile steps.
+    #[test]
+    fn every_row_of_a_bf16_product_is_that_row_alone_exactly() {
+        for (t, k, rows) in [(50, 600, 64), (33, 1088, 32), (16, 64, 96), (5, 1538, 32)] {
+            let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.731).sin() * (1.0 + (i % 7) as f32)).collect();
+            let w: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.173).cos()).collect();
+            let panels = super::pack_bf16_panels(&w, rows, k);
+            let mut xb = vec![0u16; t * k];
+            super::to_bf16(&x, &mut xb);
+            let mut all = vec![f32::NAN; t * rows];
+            super::gemm_bf16_par(&xb, t, k, &panels, rows, &mut all);
+            for r in 0..t {
+                let mut one = vec![f32::NAN; rows];
+                super::gemm_bf16_par(&xb[r * k..(r + 1) * k], 1, k, &panels, rows, &mut one);
+                let many: Vec<u32> = all[r * rows..(r + 1) * rows].iter().map(|v| v.to_bits()).collect();
+                let alone: Vec<u32> = one.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(many, alone, "t {t} k {k}: row {r} differs from the row alone");
+            }
+        }
+    }
+
     #[test]
     fn bf16_gemm_matches_a_product_of_the_rounded_values() {
         // Panel counts of 1 to 5: more than one per pool task, and fewer panels than tasks.
-        for (t, k, rows) in [(1, 2, 32), (7, 40, 64), (13, 576, 96), (6, 1538, 64), (3, 64, 160)] {
+        // On AMX tiles also: one and two 16-row groups with a remainder (17, 40, 48), blocks of k
+        // past the first (1,088 values) and a tail of k after whole tile steps (600, 1,538).
+        for (t, k, rows) in [
+            (1, 2, 32),
+            (7, 40, 64),
+            (13, 576, 96),
+            (6, 1538, 64),
+            (3, 64, 160),
+            (17, 600, 32),
+            (40, 1088, 64),
+            (48, 64, 32),
+        ] {
             let x: Vec<f32> = (0..t * k).map(|i| (i as f32 * 0.37).sin()).collect();
             let w: Vec<f32> = (0..rows * k).map(|i| (i as f32 * 0.11).cos()).collect();
             let panels = super::pack_bf16_panels(&w, rows, k);

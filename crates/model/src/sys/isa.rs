@@ -1,5 +1,5 @@
 //! Which vector kernels the CPU code runs: the best this CPU has, or a lower one chosen by the
-//! process (`PDSERVE_CPU_KERNELS=avx512|avx2|portable`, or `set_cpu_kernels` before the first step),
+//! process (`PDSERVE_CPU_KERNELS=amx|avx512|avx2|portable`, or `set_cpu_kernels` before the first step),
 //! so every path can be run and tested on a machine that has them all. Never more than the CPU has:
 //! each kernel's safety rests on that.
 
@@ -14,21 +14,29 @@ pub enum CpuKernels {
     Avx2,
     /// AVX-512F (and AVX-512 BF16 where the CPU has it, for the bf16 GEMM), with AVX2, FMA and F16C.
     Avx512,
+    /// The AVX-512 family with AVX-512 BF16 and AMX tiles (AMX-TILE, AMX-BF16: Sapphire Rapids and
+    /// later, where Linux grants the tile state): the bf16 GEMM on tiles (`amx.rs`).
+    Amx,
 }
 
 impl CpuKernels {
-    pub const NAMES: &'static str = "avx512, avx2 or portable";
+    pub const NAMES: &'static str = "amx, avx512, avx2 or portable";
+
+    /// Every family, lowest first.
+    const ALL: [CpuKernels; 4] =
+        [CpuKernels::Portable, CpuKernels::Avx2, CpuKernels::Avx512, CpuKernels::Amx];
 
     pub fn name(self) -> &'static str {
         match self {
             CpuKernels::Portable => "portable",
             CpuKernels::Avx2 => "avx2",
             CpuKernels::Avx512 => "avx512",
+            CpuKernels::Amx => "amx",
         }
     }
 
     pub fn parse(name: &str) -> Option<CpuKernels> {
-        [CpuKernels::Portable, CpuKernels::Avx2, CpuKernels::Avx512].into_iter().find(|k| k.name() == name)
+        Self::ALL.into_iter().find(|k| k.name() == name)
     }
 
     /// The best this CPU has (detected once: every kernel call checks its family against it).
@@ -46,6 +54,11 @@ impl CpuKernels {
                 && std::is_x86_feature_detected!("fma")
                 && std::is_x86_feature_detected!("f16c");
             if avx2 && std::is_x86_feature_detected!("avx512f") {
+                // AMX only with AVX-512 BF16 (the GEMM's tail of k runs on it) and the tile state
+                // granted (asked here, once, before any tile instruction can run).
+                if std::is_x86_feature_detected!("avx512bf16") && super::amx::request_tiles() {
+                    return CpuKernels::Amx;
+                }
                 return CpuKernels::Avx512;
             }
             if avx2 {
@@ -57,10 +70,7 @@ impl CpuKernels {
 
     /// Every family this CPU can run, lowest first.
     pub fn available() -> Vec<CpuKernels> {
-        [CpuKernels::Portable, CpuKernels::Avx2, CpuKernels::Avx512]
-            .into_iter()
-            .filter(|&k| k <= CpuKernels::detected())
-            .collect()
+        Self::ALL.into_iter().filter(|&k| k <= CpuKernels::detected()).collect()
     }
 }
 
@@ -94,6 +104,11 @@ pub fn set_cpu_kernels(k: CpuKernels) -> Result<(), String> {
 /// Whether the AVX-512 kernels run: only where the CPU has AVX-512F (the choice never exceeds it).
 pub(crate) fn avx512() -> bool {
     cpu_kernels() >= CpuKernels::Avx512
+}
+
+/// Whether the bf16 GEMM runs on AMX tiles: only where the CPU has them and Linux granted the state.
+pub(crate) fn amx() -> bool {
+    cpu_kernels() >= CpuKernels::Amx
 }
 
 /// Whether the AVX2 kernels (or better) run: only where the CPU has AVX2, FMA and F16C.

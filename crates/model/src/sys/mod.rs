@@ -52,6 +52,7 @@ macro_rules! row_tiles {
     }};
 }
 
+mod amx;
 mod attention;
 mod convert;
 mod decode_avx2;
@@ -69,7 +70,7 @@ mod qwiden;
 mod rows_bf16;
 mod rows_f32;
 
-pub(crate) use isa::{avx2, avx512};
+pub(crate) use isa::{amx, avx2, avx512};
 pub use isa::{cpu_kernels, set_cpu_kernels, CpuKernels};
 
 pub(crate) use attention::*;

@@ -1,5 +1,6 @@
 //! The machine's peaks, as `cargo xtask bench peak` measures them (`benches/peak.rs` drives these on 1
-//! and on all threads): f32 FMA throughput, bf16 dot throughput (AVX-512 BF16 `vdpbf16ps`) and the
+//! and on all threads): f32 FMA throughput, bf16 dot throughput (AVX-512 BF16 `vdpbf16ps`; AMX's
+//! `tdpbf16ps` tiles) and the
 //! rate at which one thread streams a buffer through wide loads. The CPU kernels' speed is judged
 //! against these figures, so each kernel here is the plainest loop that reaches its unit's limit:
 //! [`CHAINS`] independent accumulators in registers, no memory traffic but the buffer read.
@@ -20,7 +21,7 @@ pub const CHAINS: usize = 12;
 pub fn fma_f32(kernels: CpuKernels, iters: u64) -> Option<u64> {
     #[cfg(target_arch = "x86_64")]
     match kernels {
-        CpuKernels::Avx512 if std::is_x86_feature_detected!("avx512f") => {
+        CpuKernels::Amx | CpuKernels::Avx512 if std::is_x86_feature_detected!("avx512f") => {
             // SAFETY: the CPU has AVX-512F (checked just above).
             std::hint::black_box(unsafe { fma_avx512(iters) });
             return Some(iters * (CHAINS * 16 * 2) as u64);
@@ -50,13 +51,20 @@ pub fn dot_bf16(iters: u64) -> Option<u64> {
     None
 }
 
+/// Runs `iters` rounds of four AMX `tdpbf16ps` (each 16 x 32 bf16 by 32 x 16 into 16 x 16 f32: 16,384
+/// operations) on tiles in registers; the operations done, or `None` where the CPU has no AMX or the
+/// system grants no tile state.
+pub fn tile_bf16(iters: u64) -> Option<u64> {
+    super::amx::tile_peak(iters)
+}
+
 /// Reads every byte of `buf` once, with the `kernels` family's widest loads (64 bytes for AVX-512,
 /// 32 for AVX2, 8 for `Portable`), folding them into a value the caller keeps (so the reads cannot
 /// be left out); `None` if this CPU lacks the family.
 pub fn read(kernels: CpuKernels, buf: &[u8]) -> Option<u64> {
     #[cfg(target_arch = "x86_64")]
     match kernels {
-        CpuKernels::Avx512 if std::is_x86_feature_detected!("avx512f") => {
+        CpuKernels::Amx | CpuKernels::Avx512 if std::is_x86_feature_detected!("avx512f") => {
             // SAFETY: the CPU has AVX-512F (checked just above).
             return Some(unsafe { read_avx512(buf) });
         }
@@ -64,7 +72,7 @@ pub fn read(kernels: CpuKernels, buf: &[u8]) -> Option<u64> {
             // SAFETY: the CPU has AVX2 (checked just above).
             return Some(unsafe { read_avx2(buf) });
         }
-        CpuKernels::Avx512 | CpuKernels::Avx2 => return None,
+        CpuKernels::Amx | CpuKernels::Avx512 | CpuKernels::Avx2 => return None,
         CpuKernels::Portable => {}
     }
     Some(read_portable(buf))
@@ -224,6 +232,9 @@ mod tests {
         }
         if let Some(flops) = dot_bf16(10) {
             assert_eq!(flops, 10 * CHAINS as u64 * 64);
+        }
+        if let Some(flops) = tile_bf16(10) {
+            assert_eq!(flops, 10 * 4 * 16_384);
         }
     }
 }

@@ -129,7 +129,7 @@ pub(crate) fn dot_f16_with(k: CpuKernels, x: &[f32], w: &[u16]) -> f32 {
         // SAFETY: the CPU has AVX2, FMA and F16C (`k` is at most what it has, asserted above, and
         // both families include them); lengths match.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 | CpuKernels::Avx2 => unsafe { dot_f16_avx2(x, w) },
+        CpuKernels::Amx | CpuKernels::Avx512 | CpuKernels::Avx2 => unsafe { dot_f16_avx2(x, w) },
         _ => x.iter().zip(w).map(|(a, &b)| a * f16_value(b)).sum(),
     }
 }
@@ -175,7 +175,7 @@ pub(crate) fn dot_bf16_with(k: CpuKernels, x: &[f32], w: &[u16]) -> f32 {
         // SAFETY: the CPU has AVX2 and FMA (`k` is at most what it has, asserted above, and both
         // families include them); lengths match.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 | CpuKernels::Avx2 => unsafe { dot_bf16_avx2(x, w) },
+        CpuKernels::Amx | CpuKernels::Avx512 | CpuKernels::Avx2 => unsafe { dot_bf16_avx2(x, w) },
         _ => dot_bf16_portable(x, w),
     }
 }

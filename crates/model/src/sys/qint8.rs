@@ -11,7 +11,7 @@ use crate::bits16::f16_value;
 /// `dot_tile_rows`).
 pub(crate) fn int8_tile_rows() -> usize {
     match super::cpu_kernels() {
-        CpuKernels::Avx2 | CpuKernels::Avx512 => 6,
+        CpuKernels::Amx | CpuKernels::Avx2 | CpuKernels::Avx512 => 6,
         CpuKernels::Portable => 1,
     }
 }
@@ -116,7 +116,7 @@ pub(crate) fn dot_q4_int8_rows_with(
         // family is only detected with them); every length matches (asserted above), and each tile
         // reads rows `i..i + R` of `t`.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 | CpuKernels::Avx512 => unsafe {
+        CpuKernels::Amx | CpuKernels::Avx2 | CpuKernels::Avx512 => unsafe {
             let w = packed.as_ptr();
             row_tiles!(t, |i| q4_int8_tile_avx2(i, xs, w, scales, out))
         },
@@ -289,7 +289,7 @@ pub(crate) fn dot_q8_int8_rows_with(
     match k {
         // SAFETY: as in `dot_q4_int8_rows_with`.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 | CpuKernels::Avx512 => unsafe {
+        CpuKernels::Amx | CpuKernels::Avx2 | CpuKernels::Avx512 => unsafe {
             row_tiles!(t, |i| q8_int8_tile(i, xs, q.as_ptr().cast(), scales, out))
         },
         _ => {

@@ -55,7 +55,7 @@ pub(crate) fn dot_q4_rows_with(
         // matches (asserted above), and each tile reads weight rows `w..w + W` of `n` and input rows
         // `i..i + R` of `t`.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => unsafe {
+        CpuKernels::Amx | CpuKernels::Avx512 => unsafe {
             block_tiles!(n, t, |w, i| q4_tile_avx512(w, i, groups, xs, packed, scales, mins, xsums, out))
         },
         #[cfg(target_arch = "x86_64")]
@@ -109,7 +109,7 @@ use block_tiles;
 /// row more than a multiple of it unpacks every weight row once more.
 pub(crate) fn dot_tile_rows() -> usize {
     match super::cpu_kernels() {
-        CpuKernels::Avx512 => 4,
+        CpuKernels::Amx | CpuKernels::Avx512 => 4,
         CpuKernels::Avx2 => 6,
         CpuKernels::Portable => 1,
     }
@@ -319,7 +319,7 @@ pub(crate) fn dot_q8_rows_with(k: CpuKernels, xs: &[&[f32]], q: &[i8], scales: &
         // matches (asserted above), and each tile reads weight rows `w..w + W` of `n` and input rows
         // `i..i + R` of `t`.
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => unsafe {
+        CpuKernels::Amx | CpuKernels::Avx512 => unsafe {
             block_tiles!(n, t, |w, i| q8_tile_avx512(w, i, groups, xs, q, scales, out))
         },
         #[cfg(target_arch = "x86_64")]
