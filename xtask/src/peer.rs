@@ -205,7 +205,7 @@ fn source(dir: &Path) -> Result<()> {
     let sdist = format!("llama-cpp-python=={LLAMA_CPP_PYTHON}");
     crate::run(
         Command::new("python3")
-            .args(["-m", "pip", "download", "--no-deps", "--no-binary", ":all:", &sdist, "-d"])
+            .args(["-m", "pip", "download", "--no-deps", "--no-binary", "llama-cpp-python", &sdist, "-d"])
             .arg(dir),
     )?;
     if src.exists() {
