@@ -460,7 +460,10 @@ mod tests {
     #[test]
     fn weighted_sums_of_f16_rows_equal_those_of_the_widened_rows() {
         use crate::bits16::{f16_bits, f16_value};
-        for (hd, group, kv_heads, n) in [(64, 3, 3, 37), (128, 5, 2, 20), (64, 1, 2, 1), (64, 6, 1, 9)] {
+        // Latent attention's sixteen heads of 512 values, eleven heads of a KV head.
+        let shapes =
+            [(64, 3, 3, 37), (128, 5, 2, 20), (64, 1, 2, 1), (64, 6, 1, 9), (512, 16, 1, 21), (64, 11, 2, 3)];
+        for (hd, group, kv_heads, n) in shapes {
             let heads = group * kv_heads;
             let (ld, ldp) = (kv_heads * hd + 8, n + 3);
             let v: Vec<u16> = (0..n * ld).map(|i| f16_bits((i as f32 * 0.11).cos())).collect();
@@ -485,8 +488,19 @@ mod tests {
     #[test]
     fn scores_of_f16_keys_equal_those_of_the_widened_keys() {
         use crate::bits16::{f16_bits, f16_value};
-        let shapes =
-            [(64, 3, 3, 37), (128, 5, 2, 6), (64, 1, 2, 1), (32, 4, 1, 9), (64, 3, 3, 16), (64, 2, 1, 24)];
+        // Latent attention's sixteen heads of one 576-value row, eleven heads of a KV head, odd
+        // position counts.
+        let shapes = [
+            (64, 3, 3, 37),
+            (128, 5, 2, 6),
+            (64, 1, 2, 1),
+            (32, 4, 1, 9),
+            (64, 3, 3, 16),
+            (64, 2, 1, 24),
+            (576, 16, 1, 37),
+            (64, 11, 2, 5),
+            (64, 8, 1, 1),
+        ];
         for (hd, group, kv_heads, n) in shapes {
             let heads = group * kv_heads;
             let (ld, ldo) = (kv_heads * hd + 8, n + 3);
