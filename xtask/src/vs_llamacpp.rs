@@ -15,11 +15,11 @@ use crate::peer::{Isa, LlamaServer};
 use crate::serve::{start_stack, stop_all, Spec};
 
 const USAGE: &str =
-    "cargo xtask bench llamacpp [--isa native|avx2|both] [--repeat K] [--rows LIST] [--weights FMT]
+    "cargo xtask bench llamacpp [--isa native|avx512|avx2|both] [--repeat K] [--rows LIST] [--weights FMT]
     [--activations f32|q8]
 
 Per instruction set: one unified worker of ours on port 8121 (--weights q4, --speculative off, and
---cpu-kernels avx2 for avx2) and llama.cpp's llama-server built for the same set by `cargo xtask peer
+--cpu-kernels avx2 or avx512 for those sets) and llama.cpp's llama-server built for the same set by `cargo xtask peer
 llamacpp --isa ISA` (-t 2, -c 16384) on 8189, in its fastest setting for each row: -np 32 -kvu (one
 KV pool any of the 32 slots may fill) for 32 streams, -np 1 (all the context to one slot) for the
 others. The load generator runs every row against both, alternating, K pairs (default 3):
@@ -195,8 +195,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         let logs = root.join(format!("target/bench/vs-llamacpp-logs/{}", isa.name()));
         let mut extra = vec!["--weights".to_owned(), weights.clone(), "--speculative".into(), "off".into()];
         extra.extend(["--activations".into(), activations.clone()]);
-        if isa == Isa::Avx2 {
-            extra.extend(["--cpu-kernels".into(), "avx2".into()]);
+        // The same instruction set on both sides: AVX2 alone, or AVX-512 without AMX tiles.
+        if isa != Isa::Native {
+            extra.extend(["--cpu-kernels".into(), isa.name().into()]);
         }
         let ours_logs = logs.join("ours");
         let spec = Spec::unified_worker(8121, &model, &extra, &ours_logs);

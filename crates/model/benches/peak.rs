@@ -165,7 +165,7 @@ fn main() {
 
     let cell = |v: Option<f64>| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.1}"));
     println!(
-        "{:>7} {:>22} {:>20} {:>23} {:>20} {:>20} {:>13}",
+        "{:>7} {:>22} {:>20} {:>23} {:>21} {:>20} {:>13}",
         "threads",
         "FMA f32 avx512 GFLOP/s",
         "FMA f32 avx2 GFLOP/s",
@@ -176,7 +176,7 @@ fn main() {
     );
     for r in &rows {
         println!(
-            "{:>7} {:>22} {:>20} {:>23} {:>20} {:>20.1} {:>13.1}",
+            "{:>7} {:>22} {:>20} {:>23} {:>21} {:>20.1} {:>13.1}",
             r.threads,
             cell(r.fma_avx512_gflops),
             cell(r.fma_avx2_gflops),

@@ -41,7 +41,7 @@ pdserve-server [options]
   --cpu-cores LIST         run on these CPU cores only (e.g. 0-3,8; taskset's form), the compute pool one
                            thread per core: workers sharing a host never fight over cores (cargo xtask
                            serve gives each worker of a PD stack its own; /v1/models reports cpu_cores)
-  --cpu-kernels PATH       the CPU kernels to run: amx, avx512, avx2 or portable (default: the best this CPU has;
+  --cpu-kernels NAME       the CPU kernels to run: amx, avx512, avx2 or portable (default: the best this CPU has;
                            a lower one to compare or test it; also PDSERVE_CPU_KERNELS)
   --speculative MODE       auto (default), mtp, prompt-lookup or off. mtp: the checkpoint's draft layer
                            (DeepSeek's multi-token prediction layer) guesses one token per step while up to 4

@@ -45,6 +45,11 @@ const STEP_PAIRS: usize = 16;
 /// stays in L1 while every 32-row block of x streams past it.
 const BLOCK_PAIRS: usize = 256;
 
+// The tile registers and configuration live from one `asm!` block to the next (between
+// `configure` and `tilerelease`): nothing in between is compiled to touch them (no AMX intrinsics
+// or target features anywhere in this crate, no calls out), and no rayon call runs inside a tile
+// kernel, so no other job can take the thread meanwhile. Each task configures and releases its own.
+
 /// The tile configuration `ldtilecfg` loads (palette 1): tiles 0-3 hold sums (`rows` rows of 16
 /// f32), 4-5 x (`rows` rows of 32 bf16), 6-7 weights (16 pairs of 16 rows).
 #[cfg(target_arch = "x86_64")]
@@ -94,7 +99,8 @@ unsafe fn block(
 ) {
     use std::arch::asm;
     let (sx, so, sw) = (ldx * 2, ldo * 4, 128usize);
-    let o1 = out.add(16 * ldo);
+    // The second group's rows (past the output where there is no second group: never read then).
+    let o1 = out.wrapping_add(16 * ldo);
     if first {
         asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
     } else {

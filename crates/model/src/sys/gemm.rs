@@ -1,6 +1,7 @@
 //! The bf16 products: the f32 -> bf16 rounding of activations, the bf16 GEMM over pre-packed 32-row
-//! panels (`--weights bf16`), and the register tile the bf16 rows product of quantized weights runs
-//! (`rows_bf16.rs`), each with the portable loop it is tested against.
+//! panels (`--weights bf16`; on AMX tiles in the `amx` family, `amx.rs`), and the register tile the
+//! bf16 rows product of quantized weights runs (`rows_bf16.rs`), each with the portable loop it is
+//! tested against.
 
 use crate::bits16::{bf16_bits, bf16_value};
 
@@ -59,8 +60,9 @@ const BF16_KC: usize = 256;
 /// `out[t x n] = x[t x k] . W^T` for a whole matrix packed by [`pack_bf16_panels`] (`n` rows, a
 /// multiple of 32; `k` even): `xb` holds x in bf16, products of bf16 values are summed in f32. The
 /// panels are split evenly over rayon's pool, each part written straight into its columns of `out`.
-/// Runs the AVX-512 BF16 kernel where [`has_bf16_gemm`], else a scalar loop (which callers avoid:
-/// without the instructions they keep f32 weights).
+/// Runs the AMX kernel in the `amx` family, the AVX-512 BF16 kernel elsewhere where
+/// [`has_bf16_gemm`], else a scalar loop (which callers avoid: without the instructions they keep
+/// f32 weights).
 pub(crate) fn gemm_bf16_par(xb: &[u16], t: usize, k: usize, panels: &[u16], n: usize, out: &mut [f32]) {
     assert!(k.is_multiple_of(2) && k > 0 && n.is_multiple_of(32), "k must be even and n a multiple of 32");
     assert!(xb.len() >= t * k && panels.len() >= n * k && out.len() >= t * n);

@@ -1,5 +1,5 @@
 //! The crate's unsafe code, each use with its reasoning: mapping files into memory, viewing KV memory
-//! as f32 or 16-bit values, and the CPU kernels (AVX-512 / AVX-512 BF16 / AVX2, chosen at run time), one module
+//! as f32 or 16-bit values, and the CPU kernels (AMX tiles / AVX-512 / AVX-512 BF16 / AVX2, chosen at run time), one module
 //! per kind, each with the portable loop it falls back to and is tested against.
 #![allow(unsafe_code)]
 
